@@ -1,0 +1,104 @@
+"""Matvec (decode, n_tokens=1) throughput of llamapy's quantized MUL_MAT per weight type.
+
+Counterpart of llama.cpp's `test-backend-ops perf -o MUL_MAT`: for each type and each of the
+default model's (SmolLM2-135M) matrix shapes, time `QMatrix.matmul` on one token and print
+GB/s of quantized weights read and G weights/s, for 1 and 2 threads, numba kernels vs the
+numpy fallback (dequantized tiles + BLAS).
+
+    python bench/bench_kernels.py [--types Q4_1,Q8_0] [--no-fallback] [--min-time 0.3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from llamapy.backend import qmatmul  # noqa: E402
+from llamapy.types import GGMLType, block_size  # noqa: E402
+
+# (n_out, n_in) of SmolLM2-135M: attn q/o, attn k/v, ffn gate/up, ffn down, output.
+SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
+# One decoded token reads each layer matrix once (30 layers) plus the output matrix.
+PER_TOKEN = {(576, 576): 60, (192, 576): 60, (1536, 576): 60, (576, 1536): 30, (49152, 576): 1}
+# Byte offsets of the f16 scale fields inside one block (ggml's block structs).
+F16_FIELDS = {
+    "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+    "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+}
+# K-quants need n_in % 256 == 0: they run at the tiny32 test model's shapes instead.
+K_SHAPES = [(256, 256), (768, 256), (256, 768), (768, 768), (32000, 256)]
+K_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+TYPES = "F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K".split()
+
+
+def random_matrix(qt: GGMLType, n_out: int, n_in: int, rng: np.random.Generator) -> np.ndarray:
+    blck, bsize = block_size(qt)
+    raw = rng.integers(0, 256, (n_out, n_in // blck * bsize), dtype=np.uint8)
+    if qt == GGMLType.F32:
+        return rng.standard_normal((n_out, n_in), dtype=np.float32).view(np.uint8)
+    if qt in (GGMLType.F16, GGMLType.BF16):
+        raw.view(np.uint16)[...] &= 0x3BFF  # finite, smallish values
+        return raw
+    # Small finite f16 scales (random bytes there give inf/nan/subnormals, which skew timing).
+    blocks = raw.reshape(-1, bsize)
+    for off in F16_FIELDS[qt.name]:
+        scale = (rng.random(blocks.shape[0]) * 0.01 + 1e-3).astype(np.float16)
+        blocks[:, off : off + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+def bench(m: qmatmul.QMatrix, x: np.ndarray, threads: int, min_time: float) -> float:
+    m.matmul(x, threads)  # compile / warm
+    n, t0 = 0, time.perf_counter()
+    while True:
+        m.matmul(x, threads)
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= min_time:
+            return dt / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--no-fallback", action="store_true")
+    ap.add_argument("--min-time", type=float, default=0.25)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    print(f"numba={qmatmul.numba_enabled()}  shapes={SHAPES}")
+    print(f"{'type':6} {'path':6} {'thr':>3} " + " ".join(f"{f'{o}x{i}':>16}" for o, i in SHAPES)
+          + f" {'model/token':>12}")
+    for name in args.types.split(","):
+        qt = GGMLType[name]
+        shapes = K_SHAPES if name in K_TYPES else SHAPES
+        mats = {s: qmatmul.QMatrix.prepare(random_matrix(qt, *s, rng), qt, *s) for s in shapes}
+        xs = {s: rng.standard_normal((1, s[1]), dtype=np.float32) for s in shapes}
+        paths = [("numba", True)] if qmatmul.HAVE_NUMBA else []
+        if not args.no_fallback:
+            paths.append(("numpy", False))
+        for path, use_numba in paths:
+            for threads in (1, 2):
+                saved = qmatmul.HAVE_NUMBA
+                qmatmul.HAVE_NUMBA = use_numba
+                try:
+                    cells, tok = [], 0.0
+                    for s in shapes:
+                        dt = bench(mats[s], xs[s], threads, args.min_time)
+                        gbs = mats[s].nbytes / dt / 1e9
+                        gws = s[0] * s[1] / dt / 1e9
+                        cells.append(f"{gbs:6.2f}GB/s {gws:5.2f}Gw")
+                        tok += dt * PER_TOKEN.get(s, 0)
+                finally:
+                    qmatmul.HAVE_NUMBA = saved
+                total = f" {tok * 1e3:9.1f} ms" if name not in K_TYPES else "  (tiny32 shapes)"
+                print(f"{name:6} {path:6} {threads:3} " + " ".join(f"{c:>16}" for c in cells) + total)
+
+
+if __name__ == "__main__":
+    main()

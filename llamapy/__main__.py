@@ -1,0 +1,5 @@
+"""`python -m llamapy` runs the CLI."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,140 @@
+"""The CPU backend: host buffers and numpy kernels (ggml-cpu, `ggml_backend_cpu_*`).
+
+Host buffers hold weights as the file stores them: a quantized matrix becomes a QMatrix over the
+memory-mapped bytes (no copy, no f32 expansion), small f32 tensors stay views of the mapping.
+The BLAS backend shares these buffers; the TEST device reuses the kernels but owns its memory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..tensor import Tensor, TensorFlag
+from ..types import NUMPY_DTYPES, DeviceType
+from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps, Registry
+from .kernels import run_nodes
+
+
+def host_value(t: Tensor, data: np.ndarray, copy: bool) -> Any:
+    """The native host value for tensor `t` given its bytes or elements.
+
+    Matrices of any GGUF type become a QMatrix (the quantized MUL_MAT / GET_ROWS path); vectors
+    (norm weights, rope_freqs) and activations become float arrays.
+    """
+    if copy:
+        data = np.array(data, copy=True)
+    if len(t.shape) == 2 and t.flags & TensorFlag.WEIGHT:
+        from .qmatmul import QMatrix
+
+        raw = data.reshape(t.shape[0], -1).view(np.uint8)  # (n_out, row_bytes)
+        return QMatrix.prepare(raw, t.type, t.shape[0], t.shape[1])
+    if t.type in NUMPY_DTYPES:
+        return data.view(NUMPY_DTYPES[t.type]).reshape(t.shape)
+    # a quantized or bf16 vector (rare: norms are f32 in every llama GGUF): expand it, it is small
+    from ..quants import dequantize
+
+    return dequantize(data.reshape(1, -1).view(np.uint8), t.type, t.n_elements).reshape(t.shape)
+
+
+class CPUBuffer(Buffer):
+    def set(self, t: Tensor, data: np.ndarray) -> None:
+        if t.flags & TensorFlag.WEIGHT:
+            self._raw[t] = data
+        self._store[t] = host_value(t, data, copy=False)
+
+    def get(self, t: Tensor) -> np.ndarray:
+        v = self._store[t]
+        return v.dequantize() if hasattr(v, "dequantize") else np.asarray(v)
+
+    def zeros(self, t: Tensor) -> None:
+        """Allocate a zero-filled mutable tensor (the KV cache)."""
+        self._store[t] = np.zeros(t.shape, NUMPY_DTYPES[t.type])
+
+
+class CPUBufferType(BufferType):
+    name = "CPU"
+    is_host = True
+
+    def alloc_buffer(self, nbytes: int, usage: BufferUsage = BufferUsage.ANY) -> Buffer:
+        return CPUBuffer(self, nbytes, usage)
+
+
+CPU_BUFT = CPUBufferType()
+
+
+class CPUBackend(Backend):
+    def __init__(self, device: Device, n_threads: int = 0) -> None:
+        super().__init__(device)
+        self.n_threads = n_threads
+
+    def set_n_threads(self, n_threads: int) -> None:
+        self.n_threads = n_threads
+        from .qmatmul import set_num_threads
+
+        set_num_threads(n_threads or (os.cpu_count() or 1))
+
+    def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
+        run_nodes(nodes, env, np, _leaf_storage)
+
+    def from_host(self, data: np.ndarray, t: Tensor | None = None) -> Any:
+        if t is not None and t.flags & TensorFlag.WEIGHT:
+            return host_value(t, data, copy=False)
+        return data
+
+    def to_host(self, value: Any) -> np.ndarray:
+        return value
+
+
+def _leaf_storage(t: Tensor) -> Any:
+    if t.buffer is None:
+        raise RuntimeError(f"tensor {t.name!r} has no value: not set as input and not in a buffer")
+    return t.buffer.storage(t)
+
+
+class CPUDevice(Device):
+    name = "CPU"
+    type = DeviceType.CPU
+
+    def props(self) -> DeviceProps:
+        total = free = 0
+        try:
+            pages = os.sysconf("SC_PHYS_PAGES")
+            avail = os.sysconf("SC_AVPHYS_PAGES")
+            size = os.sysconf("SC_PAGE_SIZE")
+            total, free = pages * size, avail * size
+        except (ValueError, OSError):
+            pass
+        import platform
+
+        return DeviceProps(self.name, platform.processor() or platform.machine(), self.type, free, total)
+
+    def buffer_type(self) -> BufferType:
+        return CPU_BUFT
+
+    def supports_op(self, node: Tensor) -> bool:
+        return True
+
+    def supports_buft(self, buft: BufferType) -> bool:
+        return buft.is_host
+
+    def init_backend(self) -> Backend:
+        return CPUBackend(self)
+
+
+class CPURegistry(Registry):
+    name = "CPU"
+
+    def __init__(self) -> None:
+        self._devices: list[Device] = [CPUDevice()]
+
+    def devices(self) -> list[Device]:
+        return self._devices
+
+
+def registry() -> Registry:
+    """Entry point `llamapy.backends: cpu`."""
+    return CPURegistry()

@@ -1,0 +1,148 @@
+"""What every device with its own memory shares — the TEST device and CUDA alike (the common
+part of ggml-cuda's buffer, buffer-type and device code).
+
+A device memory has a budget; buffers are reserved from it and given back when freed, so an
+allocation that does not fit fails with OutOfMemoryError before anything is copied. Every byte
+crossing between the host and the device goes through `from_host` / `to_host` and is counted,
+so the scheduler's copies can be checked. Subclasses provide the array module and the weight
+representation.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..tensor import Op, Tensor, TensorFlag
+from ..types import DeviceType, OutOfMemoryError
+from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps
+from .kernels import KERNELS, run_nodes
+
+# llama.cpp's CUDA backend offloads an op on host weights once the batch reaches 32 tokens
+OFFLOAD_MIN_BATCH = 32
+
+
+@dataclass
+class CopyStats:
+    bytes_in: int = 0  # host -> device
+    bytes_out: int = 0  # device -> host
+    n_in: int = 0
+    n_out: int = 0
+
+
+class DeviceMemoryBufferType(BufferType):
+    """Device memory with a budget (the TEST device's LLAMAPY_TEST_GPU_MEM, a GPU's free memory)."""
+
+    is_host = False
+
+    def __init__(self, device: MemoryDevice, budget: int) -> None:
+        self.device = device
+        self.name = device.name
+        self.budget = budget
+        self.allocated = 0
+
+    def alloc_buffer(self, nbytes: int, usage: BufferUsage = BufferUsage.ANY) -> Buffer:
+        if self.allocated + nbytes > self.budget:
+            raise OutOfMemoryError(
+                f"{self.name}: cannot allocate {nbytes / 2**20:.2f} MiB "
+                f"({(self.budget - self.allocated) / 2**20:.2f} MiB free of {self.budget / 2**20:.2f} MiB)"
+            )
+        self.allocated += nbytes
+        return DeviceMemoryBuffer(self, nbytes, usage)
+
+    def release(self, buf: Buffer) -> None:
+        self.allocated -= buf.nbytes
+        buf.nbytes = 0
+
+
+class DeviceMemoryBuffer(Buffer):
+    buft: DeviceMemoryBufferType
+
+    def set(self, t: Tensor, data: np.ndarray) -> None:
+        dev = self.buft.device
+        if t.flags & TensorFlag.WEIGHT:
+            self._raw[t] = data  # host bytes kept only as a reference into the mapping
+        self._store[t] = dev.upload(data, t)
+
+    def get(self, t: Tensor) -> np.ndarray:
+        return self.buft.device.download(self._store[t])
+
+    def zeros(self, t: Tensor) -> None:
+        self._store[t] = self.buft.device.zeros(t)
+
+
+class MemoryDevice(Device):
+    """A device that owns its memory. Subclasses say how arrays live there."""
+
+    type = DeviceType.GPU
+
+    def __init__(self, name: str, budget: int, description: str) -> None:
+        self.name = name
+        self.description = description
+        self.stats = CopyStats()
+        self._buft = DeviceMemoryBufferType(self, budget)
+
+    # -- what a concrete device provides ---------------------------------------------------
+
+    xp: Any = np
+
+    @abstractmethod
+    def upload(self, data: np.ndarray, t: Tensor | None = None) -> Any:
+        """Host array (or, for a WEIGHT, its raw bytes) -> a native device value."""
+
+    @abstractmethod
+    def download(self, value: Any) -> np.ndarray: ...
+
+    @abstractmethod
+    def zeros(self, t: Tensor) -> Any: ...
+
+    # -- shared -----------------------------------------------------------------------------
+
+    def props(self) -> DeviceProps:
+        b = self._buft
+        return DeviceProps(self.name, self.description, self.type, b.budget - b.allocated, b.budget)
+
+    def buffer_type(self) -> BufferType:
+        return self._buft
+
+    @property
+    def allocated(self) -> int:
+        return self._buft.allocated
+
+    def supports_op(self, node: Tensor) -> bool:
+        return node.op in KERNELS
+
+    def offload_op(self, node: Tensor) -> bool:
+        # big batches are worth the weight's trip to the device; GET_ROWS never is
+        if node.op is not Op.MUL_MAT:
+            return False
+        n_tokens = 1
+        for d in node.src[1].shape[:-1]:
+            n_tokens *= d
+        return n_tokens >= OFFLOAD_MIN_BATCH
+
+    def init_backend(self) -> Backend:
+        return MemoryDeviceBackend(self)
+
+
+class MemoryDeviceBackend(Backend):
+    device: MemoryDevice
+
+    def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
+        run_nodes(nodes, env, self.device.xp, _storage)
+
+    def from_host(self, data: np.ndarray, t: Tensor | None = None) -> Any:
+        return self.device.upload(data, t)
+
+    def to_host(self, value: Any) -> np.ndarray:
+        return self.device.download(value)
+
+
+def _storage(t: Tensor) -> Any:
+    if t.buffer is None:
+        raise RuntimeError(f"tensor {t.name!r} has no value on this device")
+    return t.buffer.storage(t)

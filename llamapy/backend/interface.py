@@ -1,0 +1,207 @@
+"""The backend contract: registry -> device -> backend -> buffer type -> buffer
+(ggml's `ggml-backend-impl.h`: ggml_backend_reg_i, _device_i, _i, _buffer_type_i, _buffer_i).
+
+Required methods are abstract; optional ones have defaults, so a backend author overrides only
+what a device can do better. Values that live on a device are *native* objects of that backend
+(numpy arrays and QMatrix on the host, CuPy arrays on CUDA); the scheduler moves them between
+backends only through `Backend.from_host` / `to_host` / `copy_from` (the copy ladder of
+`ggml_backend_tensor_copy`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from ..tensor import Tensor
+from ..types import DeviceType, OutOfMemoryError
+
+
+class BufferUsage(Enum):
+    ANY = 0
+    WEIGHTS = 1
+    COMPUTE = 2
+
+
+@dataclass(frozen=True)
+class DeviceProps:
+    name: str
+    description: str
+    type: DeviceType
+    memory_free: int = 0
+    memory_total: int = 0
+
+
+class Buffer(ABC):
+    """One allocation holding many tensors (ggml_backend_buffer).
+
+    `nbytes` is what was reserved from the device; tensors are placed with `alloc_tensor`
+    and their values written with `set` (host -> buffer) and read with `get`.
+    """
+
+    def __init__(self, buft: BufferType, nbytes: int, usage: BufferUsage) -> None:
+        self.buft = buft
+        self.nbytes = nbytes
+        self.usage = usage
+        self.used = 0
+        self._store: dict[Tensor, Any] = {}
+        self._raw: dict[Tensor, np.ndarray] = {}  # weights' bytes as the file stores them
+
+    @property
+    def name(self) -> str:
+        return self.buft.name
+
+    def alloc_tensor(self, t: Tensor) -> None:
+        """Reserve room for `t` in this buffer (ggml_backend_buffer_init_tensor)."""
+        need = self.buft.alloc_size(t)
+        if self.used + need > self.nbytes:
+            raise OutOfMemoryError(
+                f"{self.name} buffer: {t.name} needs {need} bytes, {self.nbytes - self.used} left"
+            )
+        self.used += need
+        t.buffer = self
+
+    @abstractmethod
+    def set(self, t: Tensor, data: np.ndarray) -> None:
+        """Host -> buffer. Quantized tensors take their raw bytes (uint8, rows x row_bytes)."""
+
+    @abstractmethod
+    def get(self, t: Tensor) -> np.ndarray:
+        """Buffer -> host."""
+
+    def storage(self, t: Tensor) -> Any:
+        """The native value kernels compute with (an array, a QMatrix, a CuPy array)."""
+        return self._store[t]
+
+    def raw(self, t: Tensor) -> np.ndarray:
+        """A weight's bytes as set (uint8 rows), for copying it to another device."""
+        return self._raw[t]
+
+    def tensors(self) -> list[Tensor]:
+        return list(self._store)
+
+    def free(self) -> None:
+        """Release everything (ggml_backend_buffer_free); the device's budget gets it back."""
+        self._store.clear()
+        self._raw.clear()
+        self.used = 0
+        self.buft.release(self)
+
+
+class BufferType(ABC):
+    """An allocator kind (ggml_backend_buffer_type): "CPU" host memory, "TEST0", "CUDA0"."""
+
+    name: str
+    is_host: bool = False
+    alignment: int = 32
+
+    @abstractmethod
+    def alloc_buffer(self, nbytes: int, usage: BufferUsage = BufferUsage.ANY) -> Buffer: ...
+
+    def alloc_size(self, t: Tensor) -> int:
+        a = self.alignment
+        return (t.nbytes + a - 1) // a * a
+
+    def release(self, buf: Buffer) -> None:
+        """Called by Buffer.free; devices with a memory budget give the bytes back here."""
+
+
+class Backend(ABC):
+    """An execution stream on one device (ggml_backend). `compute` is the only hot path."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+
+    @property
+    def name(self) -> str:
+        return self.device.name
+
+    @abstractmethod
+    def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
+        """Evaluate `nodes` in order; sources are found in `env` (or in their buffers) and every
+        result is stored into `env`."""
+
+    @abstractmethod
+    def from_host(self, data: np.ndarray, t: Tensor | None = None) -> Any:
+        """A native value holding a copy of (or, for host backends, a view on) `data`.
+
+        With a WEIGHT tensor `t`, `data` is its raw bytes and the result is the backend's
+        weight representation (a QMatrix on the host)."""
+
+    @abstractmethod
+    def to_host(self, value: Any) -> np.ndarray: ...
+
+    def copy_from(self, src: Backend, value: Any) -> Any | None:
+        """Optional device-to-device fast path; None means "go through the host"."""
+        return None
+
+    def synchronize(self) -> None:
+        """Wait for queued work (only asynchronous backends need it)."""
+
+    def set_n_threads(self, n_threads: int) -> None:
+        """Threads for host compute; device backends ignore it."""
+
+
+class Device(ABC):
+    """One physical or logical device (ggml_backend_device). Cheap to list; allocates nothing."""
+
+    name: str
+    type: DeviceType
+
+    @abstractmethod
+    def props(self) -> DeviceProps: ...
+
+    @abstractmethod
+    def buffer_type(self) -> BufferType: ...
+
+    @abstractmethod
+    def supports_op(self, node: Tensor) -> bool: ...
+
+    @abstractmethod
+    def init_backend(self) -> Backend: ...
+
+    def supports_buft(self, buft: BufferType) -> bool:
+        return buft is self.buffer_type()
+
+    def offload_op(self, node: Tensor) -> bool:
+        """Run this op here even though its weight lives in host memory (large batches)."""
+        return False
+
+    def memory(self) -> tuple[int, int]:
+        """(free, total) bytes."""
+        p = self.props()
+        return p.memory_free, p.memory_total
+
+    def self_test(self) -> None:
+        """Run one tiny op (llamapy devices' PASS/FAIL); raise on failure."""
+        from ..ops import add
+        from ..types import GGMLType
+
+        a = Tensor("a", (3,), GGMLType.F32)
+        b = Tensor("b", (3,), GGMLType.F32)
+        out = add(a, b)
+        be = self.init_backend()
+        env = {a: be.from_host(np.array([1, 2, 3], np.float32)), b: be.from_host(np.ones(3, np.float32))}
+        be.compute([out], env)
+        got = be.to_host(env[out])
+        if not np.array_equal(got, np.array([2, 3, 4], np.float32)):
+            raise RuntimeError(f"ADD returned {got}")
+
+
+class Registry(ABC):
+    """A backend family ("CPU", "BLAS", "CUDA"): what an entry point in `llamapy.backends`
+    resolves to (ggml_backend_reg)."""
+
+    name: str
+
+    @abstractmethod
+    def devices(self) -> list[Device]: ...
+
+    def score(self) -> int:
+        """0 means unusable on this machine (ggml_backend_score)."""
+        return 1

@@ -1,0 +1,194 @@
+"""Reference op implementations, one function per Op, written against an array module `xp`
+(numpy here, CuPy on CUDA) — the role of ggml-cpu's `ggml_compute_forward_*`.
+
+Every kernel takes the node and its sources' native values and returns the node's value. A
+quantized weight arrives as an object with `.matmul(x)` / `.get_rows(ids)` (QMatrix on the host);
+everything else is an array. Activations are float32 throughout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..tensor import Op, Tensor
+
+Kernel = Callable[[Tensor, list[Any], Any], Any]
+
+
+def _as_f32(xp: Any, a: Any) -> Any:
+    return a if a.dtype == xp.float32 else a.astype(xp.float32)
+
+
+def get_rows(node: Tensor, s: list[Any], xp: Any) -> Any:
+    table, ids = s
+    if hasattr(table, "get_rows"):
+        return table.get_rows(ids)
+    return _as_f32(xp, table[ids.astype(xp.int64)])
+
+
+def set_rows(node: Tensor, s: list[Any], xp: Any) -> Any:
+    dst, ids, src = s
+    dst[ids.astype(xp.int64)] = src.reshape(src.shape[0], -1).astype(dst.dtype)
+    return dst
+
+
+def rms_norm(node: Tensor, s: list[Any], xp: Any) -> Any:
+    x = s[0]
+    # accumulate the mean square in float64, as ggml does (ggml_float)
+    ms = xp.mean(xp.square(x, dtype=xp.float64), axis=-1, keepdims=True)
+    return (x * (1.0 / xp.sqrt(ms + node.params["eps"])).astype(xp.float32)).astype(xp.float32)
+
+
+def mul(node: Tensor, s: list[Any], xp: Any) -> Any:
+    return s[0] * _as_f32(xp, s[1])
+
+
+def add(node: Tensor, s: list[Any], xp: Any) -> Any:
+    return s[0] + _as_f32(xp, s[1])
+
+
+def scale(node: Tensor, s: list[Any], xp: Any) -> Any:
+    return s[0] * xp.float32(node.params["s"])
+
+
+def glu(node: Tensor, s: list[Any], xp: Any) -> Any:
+    gate, up = s
+    # silu(g) = g * sigmoid(g); computed so that large |g| neither overflows nor loses precision
+    return (gate / (1.0 + xp.exp(-gate))) * up
+
+
+def mul_mat(node: Tensor, s: list[Any], xp: Any) -> Any:
+    w, x = s
+    if hasattr(w, "matmul"):
+        lead = x.shape[:-1]
+        out = w.matmul(x.reshape(-1, x.shape[-1]))  # (n, K) -> (n, M)
+        return out.reshape(*lead, out.shape[-1])
+    w = _as_f32(xp, w)
+    x = _as_f32(xp, x)
+    if w.ndim > 2 and x.ndim == w.ndim and x.shape[0] != w.shape[0]:
+        # ggml broadcast: x's batch i uses w's batch i // (nx / nw)
+        w = xp.repeat(w, x.shape[0] // w.shape[0], axis=0)
+    return xp.matmul(x, xp.swapaxes(w, -1, -2))
+
+
+def soft_max(node: Tensor, s: list[Any], xp: Any) -> Any:
+    a = s[0] * xp.float32(node.params["scale"])
+    if len(s) > 1:
+        a = a + _as_f32(xp, s[1])
+    a = a - a.max(axis=-1, keepdims=True)
+    e = xp.exp(a)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def rope_cos_sin(
+    xp: Any, pos: Any, n_dims: int, base: float, freq_scale: float, factors: Any | None
+) -> tuple[Any, Any]:
+    """cos/sin tables (n_tokens, n_dims/2) for llama.cpp's rope (ggml rope_cache_init)."""
+    i = xp.arange(n_dims // 2, dtype=xp.float64)
+    inv = base ** (-2.0 * i / n_dims)
+    if factors is not None:
+        inv = inv / factors.astype(xp.float64)
+    theta = pos.astype(xp.float64)[:, None] * inv[None, :] * freq_scale
+    return xp.cos(theta).astype(xp.float32), xp.sin(theta).astype(xp.float32)
+
+
+def rope(node: Tensor, s: list[Any], xp: Any) -> Any:
+    x, pos = s[0], s[1]
+    factors = s[2] if len(s) > 2 else None
+    p = node.params
+    n_dims = p["n_dims"]
+    cos, sin = rope_cos_sin(xp, pos, n_dims, p["freq_base"], p["freq_scale"], factors)
+    cos = cos[:, None, :]  # (n_tokens, 1, n_dims/2): same angle for every head
+    sin = sin[:, None, :]
+    out = x.copy()
+    if p["mode"] == 0:  # normal: pairs (x[2i], x[2i+1])
+        x0 = x[..., 0:n_dims:2]
+        x1 = x[..., 1:n_dims:2]
+        out[..., 0:n_dims:2] = x0 * cos - x1 * sin
+        out[..., 1:n_dims:2] = x0 * sin + x1 * cos
+    else:  # neox: pairs (x[i], x[i + n_dims/2])
+        h = n_dims // 2
+        x0 = x[..., :h]
+        x1 = x[..., h:n_dims]
+        out[..., :h] = x0 * cos - x1 * sin
+        out[..., h:n_dims] = x0 * sin + x1 * cos
+    return out
+
+
+def flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
+    q, k, v, mask = s
+    n_tokens, n_head, hd = q.shape
+    n_kv, n_head_kv, _ = k.shape
+    g = n_head // n_head_kv
+    # query head h reads kv head h // g (llama.cpp's GQA grouping)
+    if k.dtype == xp.float16:
+        # llama.cpp converts Q to the K cache's type before the dot products (q_to_vec_dot)
+        q = q.astype(xp.float16).astype(xp.float32)
+    qh = q.transpose(1, 0, 2).reshape(n_head_kv, g * n_tokens, hd)  # (Hkv, G*T, D)
+    kh = _as_f32(xp, k).transpose(1, 2, 0)  # (Hkv, D, Nkv)
+    vh = _as_f32(xp, v).transpose(1, 0, 2)  # (Hkv, Nkv, Dv)
+    kq = xp.matmul(qh, kh).reshape(n_head_kv, g, n_tokens, n_kv)  # (Hkv, G, T, Nkv)
+    kq *= xp.float32(node.params["scale"])
+    kq += _as_f32(xp, mask)[None, None]
+    kq -= kq.max(axis=-1, keepdims=True)
+    xp.exp(kq, out=kq)
+    kq /= kq.sum(axis=-1, keepdims=True)
+    out = xp.matmul(kq.reshape(n_head_kv, g * n_tokens, n_kv), vh)  # (Hkv, G*T, Dv)
+    return out.reshape(n_head, n_tokens, -1).transpose(1, 0, 2)  # (T, H, Dv)
+
+
+def reshape(node: Tensor, s: list[Any], xp: Any) -> Any:
+    return s[0].reshape(node.shape)
+
+
+def view(node: Tensor, s: list[Any], xp: Any) -> Any:
+    off = node.params["offset"]
+    n = node.n_elements
+    return s[0].reshape(-1)[off : off + n].reshape(node.shape)
+
+
+def permute(node: Tensor, s: list[Any], xp: Any) -> Any:
+    return s[0].transpose(node.params["axes"])
+
+
+def cont(node: Tensor, s: list[Any], xp: Any) -> Any:
+    return xp.ascontiguousarray(s[0])
+
+
+KERNELS: dict[Op, Kernel] = {
+    Op.GET_ROWS: get_rows,
+    Op.SET_ROWS: set_rows,
+    Op.RMS_NORM: rms_norm,
+    Op.MUL: mul,
+    Op.ADD: add,
+    Op.SCALE: scale,
+    Op.GLU: glu,
+    Op.MUL_MAT: mul_mat,
+    Op.SOFT_MAX: soft_max,
+    Op.ROPE: rope,
+    Op.FLASH_ATTN_EXT: flash_attn_ext,
+    Op.RESHAPE: reshape,
+    Op.VIEW: view,
+    Op.PERMUTE: permute,
+    Op.CONT: cont,
+}
+
+
+def run_nodes(nodes: Any, env: dict[Tensor, Any], xp: Any, storage: Callable[[Tensor], Any]) -> None:
+    """Evaluate nodes in order with the kernel table; shared by the CPU, TEST and CUDA backends."""
+    for node in nodes:
+        srcs = []
+        for src in node.src:
+            val = env.get(src)
+            if val is None:
+                val = storage(src)
+            srcs.append(val)
+        env[node] = KERNELS[node.op](node, srcs, xp)
+
+
+def reference(node: Tensor, srcs: list[np.ndarray]) -> np.ndarray:
+    """The one numpy reference every backend's op tests compare against."""
+    return KERNELS[node.op](node, srcs, np)

@@ -1,0 +1,73 @@
+"""A GPU-like test device: `LLAMAPY_TEST_GPU=1` (or `=2`) registers TEST0 (TEST1), of type GPU.
+
+It runs the CPU kernels but owns its memory: every value is a private copy made by `upload`,
+every copy is counted in bytes, and `LLAMAPY_TEST_GPU_MEM` (MiB) is its budget. Placement, splits,
+copies and memory fitting are exercised through the same device-memory code CUDA uses
+(backend/device.py) on machines without a GPU. It plays the role of tinygrad's NULL device and
+of ggml's test backends.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from ..tensor import Tensor, TensorFlag
+from ..types import NUMPY_DTYPES
+from .cpu import host_value
+from .device import MemoryDevice
+from .interface import Device, Registry
+
+
+class TestDevice(MemoryDevice):
+    __test__ = False  # not a pytest class
+
+    def upload(self, data: np.ndarray, t: Tensor | None = None) -> Any:
+        data = np.asarray(data)
+        self.stats.bytes_in += data.nbytes
+        self.stats.n_in += 1
+        if t is not None and t.flags & TensorFlag.WEIGHT:
+            return host_value(t, data, copy=True)
+        return np.array(data, copy=True)
+
+    def download(self, value: Any) -> np.ndarray:
+        arr = value.dequantize() if hasattr(value, "dequantize") else np.array(value, copy=True)
+        self.stats.bytes_out += arr.nbytes
+        self.stats.n_out += 1
+        return arr
+
+    def zeros(self, t: Tensor) -> Any:
+        return np.zeros(t.shape, NUMPY_DTYPES[t.type])
+
+
+class TestRegistry(Registry):
+    __test__ = False
+    name = "TEST"
+
+    def __init__(self, count: int, budget_mib: float) -> None:
+        budget = int(budget_mib * 2**20)
+        self._devices: list[Device] = [
+            TestDevice(f"TEST{i}", budget, "GPU-like test device (CPU kernels, own memory)") for i in range(count)
+        ]
+
+    def devices(self) -> list[Device]:
+        return self._devices
+
+    def score(self) -> int:
+        return 1 if self._devices else 0
+
+
+def registry() -> Registry:
+    """Entry point: the TEST registry, with as many devices as LLAMAPY_TEST_GPU asks for."""
+    try:
+        count = int(os.environ.get("LLAMAPY_TEST_GPU", "0") or 0)
+    except ValueError:
+        count = 0
+    mem = os.environ.get("LLAMAPY_TEST_GPU_MEM", "")
+    try:
+        budget = float(mem) if mem else 1 << 20  # MiB; effectively unlimited by default
+    except ValueError:
+        budget = 1 << 20
+    return TestRegistry(max(count, 0), budget)

@@ -1,0 +1,1 @@
+"""`llamapy batch` (being written; see the issue tracker)."""

@@ -1,0 +1,1 @@
+"""`llamapy bench` (being written; see the issue tracker)."""

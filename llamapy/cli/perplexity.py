@@ -1,0 +1,1 @@
+"""`llamapy perplexity` (being written; see the issue tracker)."""

@@ -1,0 +1,294 @@
+"""Model and Context: a loaded GGUF, and the state to evaluate it (llama.cpp's `llama_model`,
+`llama_context`: `llama_model_load`, `llama_decode`).
+
+The Context picks backends in priority order — GPU, then ACCEL, then CPU (the CPU last, the
+fallback for every op) — creates the scheduler and runs every micro-batch through it. Graphs are
+cached by shape `(n_tokens, n_kv, n_outputs)`, so decoding one token at a time builds and plans a
+graph once per 256 cells of history.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .backend.interface import Backend, Device
+from .backend.registry import Discovery, discover
+from .model.gguf import GGUFFile
+from .model.kv_cache import KVCache
+from .model.llama import LlamaGraph, build_graph
+from .model.loader import LlamaParams, ModelWeights, Placement, collect_weights, load_weights, place_layers
+from .model.tokenizer import Tokenizer
+from .sched.scheduler import Plan, Scheduler
+from .types import DeviceType, GGMLType, LlamapyError, OutOfMemoryError
+
+
+@dataclass
+class ModelOptions:
+    """Where the weights go (llama_model_params)."""
+
+    n_gpu_layers: int | str = 0  # an int, "all" or "auto"
+    override_tensor: Sequence[tuple[str, str]] = ()  # (regex, device name)
+    tensor_split: Sequence[float] = ()
+    main_gpu: int = 0
+    devices: Sequence[str] | None = None  # restrict to these device names
+
+
+@dataclass
+class ContextOptions:
+    """How the model is evaluated (llama_context_params)."""
+
+    n_ctx: int = 4096  # 0: the model's training context
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    n_threads: int = 0  # 0: every core
+    type_k: GGMLType = GGMLType.F16
+    type_v: GGMLType = GGMLType.F16
+    no_kv_offload: bool = False
+    op_offload: bool = True
+
+
+@dataclass
+class LoadInfo:
+    """What the CLI reports about a load (llama.cpp's load log)."""
+
+    file_size: int
+    n_params: int
+    type_counts: dict[str, int]
+    file_type: str
+    load_ms: float
+    buffer_sizes: dict[str, int] = field(default_factory=dict)
+    n_gpu_layers: int = 0
+    i_gpu_start: int = 0
+    ngl_reason: str = ""
+
+
+class Model:
+    """A GGUF model with its weights placed on devices (llama_model)."""
+
+    def __init__(self, path: str | os.PathLike[str], options: ModelOptions | None = None) -> None:
+        t0 = time.perf_counter()
+        self.options = options or ModelOptions()
+        self.path = Path(path)
+        self.gguf = GGUFFile(self.path)
+        md = self.gguf.metadata
+        self.tokenizer = Tokenizer.from_metadata(md)
+        self.params = LlamaParams.from_metadata(md, self.tokenizer.n_vocab)
+        self.arch = md.get("general.architecture")
+        self.name = md.get("general.name", self.path.stem)
+        self.discovery: Discovery = discover()
+        self.devices = self._select_devices()
+        self.cpu = next(d for d in self.devices if d.type is DeviceType.CPU)
+        self.gpus = [d for d in self.devices if d.type is DeviceType.GPU]
+        self.weights: ModelWeights = collect_weights(self.gguf, self.params)
+        ngl, reason = self._resolve_ngl(self.options.n_gpu_layers)
+        self.placement = self._place(ngl)
+        overrides = [(pat, self.discovery.device(dev)) for pat, dev in self.options.override_tensor]
+        try:
+            load_weights(self.gguf, self.weights, self.placement, overrides)
+        except OutOfMemoryError as e:
+            fit = self.max_layers_that_fit()
+            raise OutOfMemoryError(
+                f"{e}; -ngl {self.placement.n_gpu_layers} does not fit, at most {fit} layers would"
+            ) from None
+        self.info = LoadInfo(
+            file_size=self.gguf.size,
+            n_params=sum(t.n_elements for t in self.gguf.tensors.values()),
+            type_counts=self.gguf.describe_types(),
+            file_type=_file_type_name(md.get("general.file_type")),
+            load_ms=(time.perf_counter() - t0) * 1e3,
+            buffer_sizes={b.name: b.nbytes for b in self.weights.buffers},
+            n_gpu_layers=self.placement.n_gpu_layers,
+            i_gpu_start=self.placement.i_gpu_start,
+            ngl_reason=reason,
+        )
+
+    # -- devices and -ngl -------------------------------------------------------------------
+
+    def _select_devices(self) -> list[Device]:
+        devs = self.discovery.devices()
+        if self.options.devices:
+            want = {n.upper() for n in self.options.devices} | {"CPU"}
+            devs = [d for d in devs if d.name.upper() in want]
+        return devs
+
+    def _place(self, ngl: int) -> Placement:
+        return place_layers(
+            self.params.n_layer, ngl, self.cpu, self.gpus, self.options.tensor_split, self.options.main_gpu
+        )
+
+    def _resolve_ngl(self, ngl: int | str) -> tuple[int, str]:
+        n_total = self.params.n_layer + 1
+        if ngl == "all":
+            return n_total, ""
+        if ngl == "auto":
+            if not self.gpus:
+                return 0, "no GPU"
+            n = self.max_layers_that_fit()
+            return n, f"-ngl auto: {n}/{n_total} layers fit the free GPU memory"
+        return int(ngl), ""
+
+    def layer_bytes(self, ngl: int, n_ctx: int = 0) -> dict[str, int]:
+        """Bytes each GPU needs for `ngl` layers: weights plus KV cache."""
+        pl = self._place(ngl)
+        need: dict[str, int] = {}
+        w = self.weights
+        n_layer = self.params.n_layer
+        per_layer = [sum(t.nbytes for t in layer.values()) for layer in w.layers]
+        out_bytes = w.output.nbytes + w.output_norm.nbytes
+        kv_row = self.params.n_embd_gqa * 2 * 2  # f16 K and V
+        for il, dev in enumerate(pl.layer_device):
+            if dev.type is not DeviceType.GPU:
+                continue
+            b = out_bytes if il == n_layer else per_layer[il] + kv_row * n_ctx
+            need[dev.name] = need.get(dev.name, 0) + b
+        return need
+
+    def max_layers_that_fit(self, n_ctx: int = 0, margin: int | None = None) -> int:
+        """The largest -ngl whose weights (and KV cache for n_ctx) fit every GPU's free memory."""
+        free = {d.name: d.memory()[0] for d in self.gpus}
+        for dev in self.gpus:
+            m = margin if margin is not None else (0 if dev.name.startswith("TEST") else 512 * 2**20)
+            free[dev.name] = max(0, free[dev.name] - m)
+        best = 0
+        for ngl in range(self.params.n_layer + 2):
+            need = self.layer_bytes(ngl, n_ctx)
+            if all(need[k] <= free.get(k, 0) for k in need):
+                best = ngl
+            else:
+                break
+        return best
+
+    def free(self) -> None:
+        self.weights.free()
+
+
+class Context:
+    """Evaluation state: the KV cache, the scheduler and the graph cache (llama_context)."""
+
+    def __init__(self, model: Model, options: ContextOptions | None = None) -> None:
+        self.model = model
+        self.options = o = options or ContextOptions()
+        p = model.params
+        self.n_ctx = o.n_ctx if o.n_ctx > 0 else p.n_ctx_train
+        self.n_batch = min(o.n_batch, self.n_ctx)
+        self.n_ubatch = min(o.n_ubatch, self.n_batch)
+        pl = model.placement
+        kv_devices = [pl.cpu if o.no_kv_offload else pl.layer_device[il] for il in range(p.n_layer)]
+        try:
+            self.kv = KVCache.create(self.n_ctx, p.n_embd_gqa, kv_devices, o.type_k, o.type_v)
+        except OutOfMemoryError as e:
+            raise OutOfMemoryError(f"KV cache for -c {self.n_ctx}: {e}") from None
+        self.backends: list[Backend] = [d.init_backend() for d in model.devices]
+        for be in self.backends:
+            be.set_n_threads(o.n_threads)
+        self.sched = Scheduler(self.backends, op_offload=o.op_offload)
+        self._graphs: dict[tuple[int, int, int], LlamaGraph] = {}
+        self.n_eval_tokens = 0
+        self.eval_ms = 0.0
+
+    def free(self) -> None:
+        self.kv.free()
+        self._graphs.clear()
+
+    # -- graphs ---------------------------------------------------------------------------
+
+    def graph(self, n_tokens: int, n_kv: int, n_outputs: int) -> LlamaGraph:
+        key = (n_tokens, n_kv, n_outputs)
+        g = self._graphs.get(key)
+        if g is None:
+            if len(self._graphs) > 16:  # prompt tails of many sizes: keep the cache small
+                for old in list(self._graphs.values())[:8]:
+                    self.sched.forget(old.graph)
+                self._graphs = dict(list(self._graphs.items())[8:])
+            g = build_graph(self.model.params, self.model.weights, self.kv, n_tokens, n_kv, n_outputs)
+            self._graphs[key] = g
+        return g
+
+    def plan(self, n_tokens: int, n_outputs: int | None = None) -> Plan:
+        """Plan (without running) the graph of a batch of n_tokens at an empty cache."""
+        n_kv = min(self.n_ctx, max(256, (n_tokens + 255) // 256 * 256))
+        return self.sched.reserve(self.graph(n_tokens, n_kv, n_outputs or n_tokens).graph)
+
+    # -- decoding -------------------------------------------------------------------------
+
+    def decode(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        pos: Sequence[int] | np.ndarray,
+        seq: Sequence[int] | np.ndarray | int = 0,
+        logits: Sequence[bool] | np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Evaluate a batch (llama_decode): returns the logits (n_outputs, n_vocab) of the
+        tokens whose `logits` flag is set (default: only the last token)."""
+        toks = np.asarray(tokens, np.int32)
+        n = len(toks)
+        if n == 0:
+            raise LlamapyError("decode: empty batch")
+        positions = np.asarray(pos, np.int64)
+        seqs = np.full(n, seq, np.int64) if np.isscalar(seq) else np.asarray(seq, np.int64)
+        want = np.zeros(n, bool)
+        if logits is None:
+            want[-1] = True
+        else:
+            want[:] = np.asarray(logits, bool)
+        if toks.min() < 0 or toks.max() >= self.model.params.n_vocab:
+            raise LlamapyError(f"token id out of range [0, {self.model.params.n_vocab})")
+        out: list[np.ndarray] = []
+        for u0 in range(0, n, self.n_ubatch):
+            u1 = min(n, u0 + self.n_ubatch)
+            rows = self._decode_ubatch(toks[u0:u1], positions[u0:u1], seqs[u0:u1], want[u0:u1])
+            if rows is not None:
+                out.append(rows)
+        n_vocab = self.model.params.n_vocab
+        return np.concatenate(out) if out else np.zeros((0, n_vocab), np.float32)
+
+    def _decode_ubatch(
+        self, toks: np.ndarray, pos: np.ndarray, seq: np.ndarray, want: np.ndarray
+    ) -> np.ndarray | None:
+        t0 = time.perf_counter()
+        n = len(toks)
+        out_ids = np.flatnonzero(want).astype(np.int32)
+        n_outputs = len(out_ids)
+        # the graph always produces at least one row; unwanted ones are dropped below
+        ids = out_ids if n_outputs else np.array([n - 1], np.int32)
+        idx = self.kv.find_slot(n)
+        self.kv.commit(idx, pos, seq)
+        try:
+            n_kv = self.kv.n_kv(idx)
+            g = self.graph(n, n_kv, len(ids))
+            inputs = {
+                g.tokens: toks,
+                g.pos: pos.astype(np.int32),
+                g.kv_idx: idx.astype(np.int64),
+                g.kq_mask: self.kv.mask(n_kv, pos, seq),
+                g.out_ids: ids,
+            }
+            leafs = set(g.graph.leafs)
+            result = self.sched.compute(g.graph, {t: v for t, v in inputs.items() if t in leafs})
+        except BaseException:
+            self.kv.pos[idx] = -1
+            self.kv.seq[idx] = -1
+            raise
+        self.n_eval_tokens += n
+        self.eval_ms += (time.perf_counter() - t0) * 1e3
+        return result[g.logits] if n_outputs else None
+
+
+_FILE_TYPES = {
+    0: "all F32", 1: "mostly F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",
+    10: "Q2_K - Medium", 11: "Q3_K - Small", 12: "Q3_K - Medium", 13: "Q3_K - Large",
+    14: "Q4_K - Small", 15: "Q4_K - Medium", 16: "Q5_K - Small", 17: "Q5_K - Medium", 18: "Q6_K",
+    32: "BF16",
+}  # fmt: skip
+
+
+def _file_type_name(ft: int | None) -> str:
+    if ft is None:
+        return "unknown"
+    return _FILE_TYPES.get(int(ft), f"type {ft}")

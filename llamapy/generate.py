@@ -1,0 +1,225 @@
+"""Streaming generation and llama-perplexity's evaluation protocol (llama.cpp's
+tools/completion's loop, `common_sampler`, tools/perplexity's `perplexity()`).
+
+`stream()` is a generator of small dataclasses, one per generated token, whose `text` never holds
+half a UTF-8 character; `generate()` joins it. `perplexity_chunks()` evaluates a token stream the
+way llama-perplexity does and yields each chunk's scored positions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .context import Context
+from .model.sampler import Sampler, SamplingParams
+from .types import ContextFullError, LlamapyError
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One generated token."""
+
+    token: int
+    text: str  # complete UTF-8 text this token finished (may be "")
+    index: int  # 0-based position among the generated tokens
+
+
+@dataclass
+class Timings:
+    """llama.cpp's `llama_perf_context_print` figures."""
+
+    load_ms: float = 0.0
+    prompt_ms: float = 0.0
+    n_prompt: int = 0
+    eval_ms: float = 0.0
+    n_eval: int = 0
+    sample_ms: float = 0.0
+    n_sample: int = 0
+
+
+@dataclass
+class GenerationResult:
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = ""  # "stop" (end of generation), "length" (-n), "context" (full)
+    timings: Timings = field(default_factory=Timings)
+
+
+def check_n_predict(n_predict: int) -> None:
+    if n_predict < -2:
+        raise LlamapyError(f"-n {n_predict}: use -1 (until end of generation), -2 (until the context is full) or N >= 0")
+
+
+def stream(
+    ctx: Context,
+    prompt_tokens: Sequence[int],
+    n_predict: int = -1,
+    sampling: SamplingParams | None = None,
+    result: GenerationResult | None = None,
+    seq: int = 0,
+    cached: Sequence[int] = (),
+) -> Iterator[Chunk]:
+    """Evaluate the prompt, then sample until an end-of-generation token, `n_predict` tokens
+    (-1: no limit, -2: until the context is full) or a full context.
+
+    `result`, when given, receives the finish reason, tokens and timings as they happen.
+    `cached` lists the tokens sequence `seq` already holds in the KV cache (a conversation's
+    earlier turns): only what follows their common prefix with the prompt is evaluated.
+    """
+    check_n_predict(n_predict)
+    tok = ctx.model.tokenizer
+    res = result if result is not None else GenerationResult()
+    res.timings.load_ms = ctx.model.info.load_ms
+    if len(prompt_tokens) == 0:
+        raise LlamapyError("the prompt is empty (no tokens to evaluate)")
+    if len(prompt_tokens) > ctx.n_ctx:
+        raise LlamapyError(f"the prompt is {len(prompt_tokens)} tokens, longer than the context (-c {ctx.n_ctx})")
+    sampler = Sampler(sampling or SamplingParams())
+    for t in prompt_tokens:
+        sampler.accept(int(t))
+    keep = 0
+    for a, b in zip(cached, prompt_tokens):
+        if a != b:
+            break
+        keep += 1
+    keep = min(keep, len(prompt_tokens) - 1)  # the last prompt token is evaluated for its logits
+    ctx.kv.seq_rm(seq, keep)
+    t0 = time.perf_counter()
+    todo = np.asarray(prompt_tokens[keep:], np.int32)
+    logits = ctx.decode(todo, np.arange(keep, len(prompt_tokens)), seq)[-1]
+    res.timings.prompt_ms = (time.perf_counter() - t0) * 1e3
+    res.timings.n_prompt = len(todo)
+    if n_predict == 0:
+        res.finish_reason = "length"
+        return
+    decoder = tok.stream_decoder()
+    n_past = len(prompt_tokens)
+    i = 0
+    while True:
+        ts = time.perf_counter()
+        token = sampler.sample(logits)
+        sampler.accept(token)
+        res.timings.sample_ms += (time.perf_counter() - ts) * 1e3
+        res.timings.n_sample += 1
+        if token in tok.eog_ids:
+            res.finish_reason = "stop"
+            tail = decoder.flush()
+            if tail:
+                yield Chunk(token, tail, i)
+            return
+        res.tokens.append(token)
+        text = decoder.push(token)
+        res.text += text
+        yield Chunk(token, text, i)
+        i += 1
+        if n_predict > 0 and i >= n_predict:
+            res.finish_reason = "length"
+            break
+        if n_past >= ctx.n_ctx:
+            res.finish_reason = "context"
+            break
+        te = time.perf_counter()
+        try:
+            logits = ctx.decode([token], [n_past], seq)[-1]
+        except ContextFullError:
+            res.finish_reason = "context"
+            break
+        res.timings.eval_ms += (time.perf_counter() - te) * 1e3
+        res.timings.n_eval += 1
+        n_past += 1
+    tail = decoder.flush()
+    if tail:
+        res.text += tail
+        yield Chunk(res.tokens[-1] if res.tokens else -1, tail, i)
+
+
+def generate(
+    ctx: Context, prompt_tokens: Sequence[int], n_predict: int = -1, sampling: SamplingParams | None = None
+) -> GenerationResult:
+    res = GenerationResult()
+    for _ in stream(ctx, prompt_tokens, n_predict, sampling, res):
+        pass
+    return res
+
+
+# -- llama-perplexity's protocol -------------------------------------------------------------
+
+
+@dataclass
+class PerplexityChunk:
+    index: int  # chunk number, 0-based
+    tokens: np.ndarray  # the chunk's n_ctx tokens as in the text (before any BOS overwrite)
+    logits: np.ndarray  # (n_ctx - 1 - n_ctx/2, n_vocab): predictions for positions first+1 ...
+    nll: np.ndarray  # negative log-likelihood of each scored token
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def perplexity_chunks(
+    ctx: Context,
+    tokens: Sequence[int] | np.ndarray,
+    n_chunks: int = -1,
+    n_batch: int | None = None,
+    first_chunk: int = 0,
+) -> Iterator[PerplexityChunk]:
+    """Evaluate `tokens` as llama-perplexity does with the context's n_ctx:
+
+    non-overlapping chunks of n_ctx tokens; when the model adds BOS, the first token of every
+    chunk is *overwritten* with BOS while evaluating; the KV cache is cleared per group; only the
+    positions after n_ctx/2 are scored; `max(1, n_batch // n_ctx)` chunks run at once as separate
+    sequences of one batch.
+    """
+    toks = np.asarray(tokens, np.int32)
+    n_ctx = ctx.n_ctx
+    if len(toks) < 2 * n_ctx:
+        raise LlamapyError(
+            f"need at least {2 * n_ctx} tokens to evaluate perplexity with a context of {n_ctx}, "
+            f"the text has {len(toks)}"
+        )
+    n_chunk_max = len(toks) // n_ctx
+    n_chunk = n_chunk_max if n_chunks < 0 else min(n_chunks, n_chunk_max)
+    n_batch = n_batch or ctx.n_batch
+    n_seq = max(1, n_batch // n_ctx)
+    tokenizer = ctx.model.tokenizer
+    first = n_ctx // 2
+    for i in range(first_chunk, n_chunk, n_seq):
+        n_seq_batch = min(n_seq, n_chunk - i)
+        ctx.kv.clear()
+        batch_toks, batch_pos, batch_seq, want = [], [], [], []
+        for s in range(n_seq_batch):
+            chunk = toks[(i + s) * n_ctx : (i + s + 1) * n_ctx].copy()
+            if tokenizer.add_bos:
+                chunk[0] = tokenizer.bos
+            batch_toks.append(chunk)
+            batch_pos.append(np.arange(n_ctx))
+            batch_seq.append(np.full(n_ctx, s))
+            want.append(np.arange(n_ctx) >= first)
+        # llama.cpp feeds the group in batches of n_batch tokens (split into ubatches inside)
+        all_t = np.concatenate(batch_toks)
+        all_p = np.concatenate(batch_pos)
+        all_s = np.concatenate(batch_seq)
+        all_w = np.concatenate(want)
+        out = []
+        step = max(n_batch, 1)
+        for b0 in range(0, len(all_t), step):
+            b1 = min(len(all_t), b0 + step)
+            if all_w[b0:b1].any():
+                out.append(ctx.decode(all_t[b0:b1], all_p[b0:b1], all_s[b0:b1], all_w[b0:b1]))
+            else:
+                ctx.decode(all_t[b0:b1], all_p[b0:b1], all_s[b0:b1], all_w[b0:b1])
+        logits = np.concatenate(out)  # (n_seq_batch * (n_ctx - first), n_vocab)
+        per = n_ctx - first
+        for s in range(n_seq_batch):
+            lg = logits[s * per : s * per + per - 1]  # positions first .. n_ctx-2 predict the next
+            orig = toks[(i + s) * n_ctx : (i + s + 1) * n_ctx]
+            target = orig[first + 1 :]
+            nll = -log_softmax(lg)[np.arange(len(target)), target]
+            yield PerplexityChunk(i + s, orig, lg, nll)

@@ -1,0 +1,114 @@
+"""The unified KV cache (llama.cpp's src/llama-kv-cache.cpp).
+
+One K and one V tensor per layer, `(kv_size, n_head_kv * head_dim)`, in the buffer of the device
+that holds the layer (unless `-nkvo`). Cells remember the position and sequence of what they
+hold; a micro-batch gets free cells (`find_slot`), writes its K/V rows there with SET_ROWS, and
+attends to the first `n_kv` cells through a mask that hides other sequences and the future —
+so several sequences share one cache and one batch, as llama.cpp's parallel decoding does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..backend.interface import Buffer, BufferUsage, Device
+from ..tensor import Tensor
+from ..types import ContextFullError, GGMLType, OutOfMemoryError
+
+N_KV_PAD = 256  # attend to a multiple of this many cells, so the decode graph keeps its shape
+
+
+@dataclass
+class KVCache:
+    size: int
+    k: list[Tensor]
+    v: list[Tensor]
+    buffers: list[Buffer] = field(default_factory=list)
+    pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # -1: empty cell
+    seq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    @classmethod
+    def create(
+        cls,
+        size: int,
+        n_embd_gqa: int,
+        layer_devices: Sequence[Device],
+        type_k: GGMLType = GGMLType.F16,
+        type_v: GGMLType = GGMLType.F16,
+    ) -> KVCache:
+        k = [Tensor(f"cache_k_l{il}", (size, n_embd_gqa), type_k) for il in range(len(layer_devices))]
+        v = [Tensor(f"cache_v_l{il}", (size, n_embd_gqa), type_v) for il in range(len(layer_devices))]
+        cache = cls(size, k, v)
+        cache.pos = np.full(size, -1, np.int64)
+        cache.seq = np.full(size, -1, np.int64)
+        by_dev: dict[str, tuple[Device, list[Tensor]]] = {}
+        for il, dev in enumerate(layer_devices):
+            by_dev.setdefault(dev.name, (dev, []))[1].extend((k[il], v[il]))
+        try:
+            for dev, tensors in by_dev.values():
+                buft = dev.buffer_type()
+                buf = buft.alloc_buffer(sum(buft.alloc_size(t) for t in tensors), BufferUsage.ANY)
+                cache.buffers.append(buf)
+                for t in tensors:
+                    buf.alloc_tensor(t)
+                    buf.zeros(t)  # type: ignore[attr-defined]
+        except OutOfMemoryError:
+            cache.free()
+            raise
+        return cache
+
+    def nbytes_by_device(self) -> dict[str, int]:
+        return {b.name: b.nbytes for b in self.buffers}
+
+    def free(self) -> None:
+        for b in self.buffers:
+            b.free()
+        self.buffers.clear()
+
+    # -- cells ----------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        self.pos[:] = -1
+        self.seq[:] = -1
+
+    def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
+        """Forget cells of `seq_id` at positions [p0, p1) (p1 < 0: to the end)."""
+        sel = (self.seq == seq_id) & (self.pos >= p0)
+        if p1 >= 0:
+            sel &= self.pos < p1
+        self.pos[sel] = -1
+        self.seq[sel] = -1
+
+    def n_used(self) -> int:
+        return int((self.pos >= 0).sum())
+
+    def find_slot(self, n_tokens: int) -> np.ndarray:
+        """Indices of `n_tokens` free cells (lowest first), or ContextFullError."""
+        free = np.flatnonzero(self.pos < 0)
+        if len(free) < n_tokens:
+            raise ContextFullError(
+                f"the context is full: {n_tokens} more tokens do not fit in {self.size} cells "
+                f"({self.n_used()} used)"
+            )
+        return free[:n_tokens]
+
+    def commit(self, idx: np.ndarray, pos: np.ndarray, seq: np.ndarray) -> None:
+        self.pos[idx] = pos
+        self.seq[idx] = seq
+
+    def n_kv(self, idx: np.ndarray) -> int:
+        """Cells to attend to: up to the last used one, padded so the graph shape is reused."""
+        used = np.flatnonzero(self.pos >= 0)
+        top = max(int(used[-1]) + 1 if len(used) else 0, int(idx.max()) + 1 if len(idx) else 0)
+        return min(self.size, (top + N_KV_PAD - 1) // N_KV_PAD * N_KV_PAD)
+
+    def mask(self, n_kv: int, pos: np.ndarray, seq: np.ndarray) -> np.ndarray:
+        """(n_tokens, n_kv): 0 where a token may see a cell (same sequence, not in its future),
+        -inf elsewhere (llama.cpp's kq_mask)."""
+        cp = self.pos[:n_kv][None, :]
+        cs = self.seq[:n_kv][None, :]
+        ok = (cs == seq[:, None]) & (cp >= 0) & (cp <= pos[:, None])
+        return np.where(ok, np.float32(0), np.float32(-np.inf)).astype(np.float32)

@@ -1,0 +1,201 @@
+"""The token sampler chain (llama.cpp's `common/sampling.cpp` default chain over the samplers of
+`src/llama-sampling.cpp`).
+
+The chain, in llama.cpp's default order:
+
+    penalties -> top-k -> top-p -> min-p -> temperature -> dist
+
+Each stage narrows a candidate set (token ids + float32 logits) the way its llama.cpp
+counterpart does, with `min_keep = 1` everywhere:
+- penalties: over the last `repeat_last_n` accepted tokens, a positive logit is divided by
+  `repeat_penalty` and a non-positive one multiplied by it; then
+  `count * frequency_penalty + presence_penalty` is subtracted;
+- top-k keeps the k largest logits (`top_k <= 0`: off);
+- top-p keeps the smallest prefix of the sorted candidates whose softmax mass reaches p
+  (`top_p >= 1`: off);
+- min-p keeps the logits >= max_logit + log(min_p), i.e. p_i >= min_p * p_max (`min_p <= 0`: off);
+- temperature divides the logits by `temp`; `temp <= 0` keeps only the largest (greedy);
+- dist draws from the softmax of what is left with the sampler's own RNG.
+
+The draw uses numpy's PCG64 seeded with `seed`, so a seed reproduces a run of llamapy; it is not
+bit-compatible with llama.cpp's mt19937 stream.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["LLAMA_DEFAULT_SEED", "Sampler", "SamplingParams"]
+
+# llama.h: a seed of 0xFFFFFFFF means "pick a random one"; -1 is how the CLI spells it.
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+
+_MIN_KEEP = 1
+# top-p without top-k first tries to find its prefix among this many best tokens.
+_TOP_P_PREFIX = 1024
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """common_params_sampling's fields for the default chain, with llama.cpp's defaults."""
+
+    temp: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64  # 0: penalties off; < 0: the whole accepted history
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int = -1  # -1 (or LLAMA_DEFAULT_SEED): random
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    # In float32 like llama_sampler_softmax_impl: subtract the max, exp, normalise.
+    e = np.exp(logits - logits.max(), dtype=np.float32)
+    return e / e.sum(dtype=np.float32)
+
+
+class Sampler:
+    """One generation's sampler: the chain plus the state it carries (penalty history, RNG)."""
+
+    def __init__(self, params: SamplingParams | None = None) -> None:
+        self.params = params if params is not None else SamplingParams()
+        p = self.params
+        if p.seed < 0 or p.seed == LLAMA_DEFAULT_SEED:
+            # The seed actually used is kept so that a "random" run can be reported and replayed,
+            # as llama.cpp reports llama_sampler_get_seed.
+            self.seed = int(np.random.SeedSequence().generate_state(1)[0])
+        else:
+            self.seed = int(p.seed)
+        maxlen = p.repeat_last_n if p.repeat_last_n > 0 else None
+        self._history: deque[int] = deque(maxlen=maxlen)
+        self._rng = np.random.Generator(np.random.PCG64(self.seed))
+
+    # -- state --------------------------------------------------------------------------------
+
+    def accept(self, token: int) -> None:
+        """Record a token (prompt or generated) for the repetition penalties."""
+        if self.params.repeat_last_n != 0:
+            self._history.append(int(token))
+
+    def reset(self) -> None:
+        """Forget the history and restart the RNG from the seed (llama_sampler_reset)."""
+        self._history.clear()
+        self._rng = np.random.Generator(np.random.PCG64(self.seed))
+
+    # -- the chain ----------------------------------------------------------------------------
+
+    def sample(self, logits: np.ndarray) -> int:
+        """The next token id from one row of logits, shape (n_vocab,)."""
+        logits = np.asarray(logits)
+        if logits.ndim != 1 or logits.size == 0:
+            raise ValueError(f"expected logits of shape (n_vocab,), got {logits.shape}")
+        # A float32 copy: the stages below write into it, never into the caller's array.
+        z = logits.astype(np.float32, copy=True)
+        self._apply_penalties(z)
+
+        p = self.params
+        if p.temp <= 0.0:
+            # Every filter keeps the largest logit, so temp <= 0 reduces to argmax after the
+            # penalties (llama_sampler_temp_impl keeps the first maximum).
+            return int(np.argmax(z))
+
+        ids, z = self._top_k(z, p.top_k)
+        ids, z = self._top_p(ids, z, p.top_p)
+        ids, z = self._min_p(ids, z, p.min_p)
+        z = z / np.float32(p.temp)
+        return int(ids[self._draw(z)])
+
+    def _apply_penalties(self, z: np.ndarray) -> None:
+        p = self.params
+        if p.repeat_last_n == 0 or not self._history:
+            return
+        if p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0:
+            return
+        counts = Counter(self._history)
+        tok = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+        cnt = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
+        keep = (tok >= 0) & (tok < z.size)  # a token the vocabulary lacks has no logit to touch
+        tok, cnt = tok[keep], cnt[keep]
+        rep = np.float32(p.repeat_penalty)
+        v = z[tok]
+        # Dividing a negative logit would make the token *more* likely; llama.cpp multiplies.
+        v = np.where(v <= 0, v * rep, v / rep).astype(np.float32)
+        v -= cnt * np.float32(p.frequency_penalty) + np.float32(p.presence_penalty)
+        z[tok] = v
+
+    @staticmethod
+    def _top_k(z: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Candidates sorted by descending logit (ties: lower id first), at most k of them."""
+        n = z.size
+        if k <= 0 or k >= n:
+            # Off: every token stays; sorting is left to top-p, which needs it anyway.
+            return np.arange(n), z
+        # argpartition finds the k largest in O(n); only those k are then sorted.
+        part = np.argpartition(-z, k - 1)[:k]
+        kth = z[part].min()
+        # Ties at the boundary are resolved by token id so that the result is deterministic.
+        above = np.flatnonzero(z > kth)
+        tied = np.flatnonzero(z == kth)[: k - above.size]
+        ids = np.concatenate([above, tied])
+        order = np.lexsort((ids, -z[ids]))
+        ids = ids[order]
+        return ids, z[ids]
+
+    @staticmethod
+    def _sorted(ids: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        order = np.lexsort((ids, -z))
+        return ids[order], z[order]
+
+    def _top_p(
+        self, ids: np.ndarray, z: np.ndarray, top_p: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        if top_p >= 1.0:
+            return ids, z
+        probs = _softmax(z)
+        m = _TOP_P_PREFIX
+        while z.size > 4 * m:
+            # With top-k off this is the whole vocabulary. The head of the sorted order is the
+            # sorted top-m, so sort only those m (partition first), widening m until their mass
+            # reaches p; a full sort is the last resort.
+            head, _ = self._top_k(z, m)
+            cum = np.cumsum(probs[head], dtype=np.float32)
+            reached = np.flatnonzero(cum >= np.float32(top_p))
+            if reached.size:
+                keep = head[: max(int(reached[0]) + 1, _MIN_KEEP)]
+                return ids[keep], z[keep]
+            m *= 8
+        order = np.lexsort((ids, -z))
+        ids, z, probs = ids[order], z[order], probs[order]
+        cum = np.cumsum(probs, dtype=np.float32)
+        # The first prefix whose mass reaches p, and at least min_keep tokens.
+        reached = np.flatnonzero(cum >= np.float32(top_p))
+        last = int(reached[0]) + 1 if reached.size else z.size
+        last = max(last, _MIN_KEEP)
+        return ids[:last], z[:last]
+
+    @staticmethod
+    def _min_p(
+        ids: np.ndarray, z: np.ndarray, min_p: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        if min_p <= 0.0 or z.size == 0:
+            return ids, z
+        # p_i >= min_p * p_max  <=>  logit_i >= max_logit + log(min_p): no softmax needed.
+        floor = np.float32(z.max() + np.log(np.float32(min_p)))
+        keep = z >= floor
+        if int(keep.sum()) < _MIN_KEEP:
+            ids, z = Sampler._sorted(ids, z)
+            return ids[:_MIN_KEEP], z[:_MIN_KEEP]
+        return ids[keep], z[keep]
+
+    def _draw(self, z: np.ndarray) -> int:
+        """Index into `z` drawn from softmax(z) (llama_sampler_dist)."""
+        probs = _softmax(z).astype(np.float64)
+        cum = np.cumsum(probs)
+        r = self._rng.random() * cum[-1]
+        i = int(np.searchsorted(cum, r, side="right"))
+        return min(i, z.size - 1)

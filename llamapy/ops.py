@@ -1,0 +1,144 @@
+"""Op builders with shape inference (ggml.c's `ggml_mul_mat`, `ggml_rope_ext`, ... constructors).
+
+Each function only creates a graph node; nothing is computed here. Shapes are numpy-ordered (see
+tensor.py). Results are F32 unless the op writes into an existing tensor (SET_ROWS).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .tensor import Op, Tensor
+from .types import GGMLType
+
+F32 = GGMLType.F32
+
+
+def _node(name: str, kind: Op, shape: tuple[int, ...], *src: Tensor, **params: object) -> Tensor:
+    return Tensor(name=name, shape=tuple(shape), op=kind, src=src, params=dict(params))
+
+
+def get_rows(a: Tensor, ids: Tensor, name: str = "get_rows") -> Tensor:
+    """Rows `ids` of `a`: (R, C), (n,) -> (n, C), dequantized to f32."""
+    return _node(name, Op.GET_ROWS, (ids.shape[0], a.shape[-1]), a, ids)
+
+
+def set_rows(dst: Tensor, ids: Tensor, src: Tensor, name: str = "set_rows") -> Tensor:
+    """Write `src` (n, C) into rows `ids` of `dst` (R, C), in place; the result *is* `dst`."""
+    if src.shape[-1] != dst.shape[-1] or src.shape[0] != ids.shape[0]:
+        raise ValueError(f"set_rows: {src.shape} into {dst.shape} at {ids.shape}")
+    t = _node(name, Op.SET_ROWS, dst.shape, dst, ids, src)
+    t.type = dst.type
+    t.view_src = dst
+    return t
+
+
+def rms_norm(x: Tensor, eps: float, name: str = "norm") -> Tensor:
+    return _node(name, Op.RMS_NORM, x.shape, x, eps=eps)
+
+
+def mul(a: Tensor, b: Tensor, name: str = "mul") -> Tensor:
+    """Elementwise a * b, `b` broadcast over `a`'s leading dimensions (a norm weight, say)."""
+    return _node(name, Op.MUL, a.shape, a, b)
+
+
+def add(a: Tensor, b: Tensor, name: str = "add") -> Tensor:
+    return _node(name, Op.ADD, a.shape, a, b)
+
+
+def scale(a: Tensor, s: float, name: str = "scale") -> Tensor:
+    return _node(name, Op.SCALE, a.shape, a, s=s)
+
+
+def swiglu(gate: Tensor, up: Tensor, name: str = "ffn_swiglu") -> Tensor:
+    """silu(gate) * up: ggml_swiglu_split, the GLU op."""
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: {gate.shape} vs {up.shape}")
+    return _node(name, Op.GLU, gate.shape, gate, up, op="swiglu")
+
+
+def mul_mat(w: Tensor, x: Tensor, name: str = "mul_mat") -> Tensor:
+    """x @ w.T as ggml_mul_mat(w, x): w (..., M, K), x (..., N, K) -> (..., N, M).
+
+    `w`'s leading (batch) dimensions broadcast over `x`'s when they divide them, as in ggml.
+    """
+    if w.shape[-1] != x.shape[-1]:
+        raise ValueError(f"mul_mat {name}: inner dims differ, {w.shape} vs {x.shape}")
+    return _node(name, Op.MUL_MAT, (*x.shape[:-1], w.shape[-2]), w, x)
+
+
+def soft_max(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, name: str = "soft_max") -> Tensor:
+    src = (a,) if mask is None else (a, mask)
+    return _node(name, Op.SOFT_MAX, a.shape, *src, scale=scale)
+
+
+def rope(
+    x: Tensor,
+    pos: Tensor,
+    n_dims: int,
+    freq_base: float,
+    freq_scale: float = 1.0,
+    freq_factors: Tensor | None = None,
+    mode: int = 0,
+    name: str = "rope",
+) -> Tensor:
+    """Rotary embedding of x (n_tokens, n_head, head_dim) at positions `pos` (n_tokens,).
+
+    mode 0 is llama.cpp's "normal" mode (rotates adjacent pairs), 2 is NEOX (rotates halves).
+    """
+    src = (x, pos) if freq_factors is None else (x, pos, freq_factors)
+    return _node(
+        name, Op.ROPE, x.shape, *src, n_dims=n_dims, mode=mode, freq_base=freq_base, freq_scale=freq_scale
+    )
+
+
+def flash_attn_ext(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None, name: str = "fattn"
+) -> Tensor:
+    """softmax(q k^T * scale + mask) v over grouped heads (ggml_flash_attn_ext).
+
+    q (n_tokens, n_head, hd), k/v (n_kv, n_head_kv, hd), mask (n_tokens, n_kv) -> (n_tokens, n_head, hd).
+    """
+    n_tokens, n_head, hd = q.shape
+    if n_head % k.shape[1]:
+        raise ValueError(f"{name}: {n_head} query heads do not group over {k.shape[1]} kv heads")
+    if mask.shape != (n_tokens, k.shape[0]):
+        raise ValueError(f"{name}: mask {mask.shape} != {(n_tokens, k.shape[0])}")
+    s = 1.0 / math.sqrt(hd) if scale is None else scale
+    return _node(name, Op.FLASH_ATTN_EXT, (n_tokens, n_head, v.shape[-1]), q, k, v, mask, scale=s)
+
+
+def reshape(a: Tensor, shape: tuple[int, ...], name: str | None = None) -> Tensor:
+    n = 1
+    for d in shape:
+        n *= d
+    if n != a.n_elements:
+        raise ValueError(f"reshape {a.name}: {a.shape} -> {shape}")
+    t = _node(name or f"{a.name} (reshaped)", Op.RESHAPE, shape, a)
+    t.type = a.type
+    t.view_src = a
+    return t
+
+
+def view(a: Tensor, shape: tuple[int, ...], offset: int = 0, name: str | None = None) -> Tensor:
+    """A contiguous window of `a`: `shape` elements starting at element `offset`."""
+    n = 1
+    for d in shape:
+        n *= d
+    if offset + n > a.n_elements:
+        raise ValueError(f"view {a.name}: {shape} at {offset} exceeds {a.shape}")
+    t = _node(name or f"{a.name} (view)", Op.VIEW, shape, a, offset=offset)
+    t.type = a.type
+    t.view_src = a
+    return t
+
+
+def permute(a: Tensor, axes: tuple[int, ...], name: str | None = None) -> Tensor:
+    t = _node(name or f"{a.name} (permuted)", Op.PERMUTE, tuple(a.shape[i] for i in axes), a, axes=axes)
+    t.type = a.type
+    t.view_src = a
+    return t
+
+
+def cont(a: Tensor, name: str | None = None) -> Tensor:
+    return _node(name or f"{a.name} (cont)", Op.CONT, a.shape, a)

@@ -1,0 +1,221 @@
+"""Block dequantization in numpy (ggml-quants.c's `dequantize_row_*` / gguf-py's `gguf.quants`).
+
+Every type a llama GGUF uses is expanded to float32 with the same float operations, in the same
+order, as gguf-py's reference `gguf.quants.dequantize`, so the results agree bit for bit. The
+products involved are mostly exact in float32 (an f16 scale times a few-bit integer), so only the
+order of the few rounding steps (`d*q + m`, `(d*sc)*q - dmin*m`) matters; it is kept.
+
+The work is done on whole (n_blocks, block_bytes) views at once, in chunks of rows so that the
+temporaries stay cache-sized; no Python loop per block.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llamapy.types import GGMLType, UnsupportedError, block_size
+
+QK_K = 256
+
+# Elements per chunk when expanding many rows; keeps the int/float temporaries in L2-ish sizes.
+_CHUNK_ELEMS = 1 << 18
+
+_SHIFT_4 = np.array([0, 4], dtype=np.uint8)
+_SHIFT_2 = np.array([0, 2, 4, 6], dtype=np.uint8)
+_SHIFT_1 = np.arange(8, dtype=np.uint8)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """(n, 2) uint8 columns holding a little-endian f16 -> (n, 1) float32."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, half: int) -> np.ndarray:
+    """(n, k*half) bytes -> (n, k, 2, half) uint8: low nibbles of each `half`-byte run, then
+    the high nibbles (ggml's order within a block or sub-block)."""
+    n = qs.shape[0]
+    q = qs.reshape(n, -1, 1, half) >> _SHIFT_4.reshape(1, 1, 2, 1)
+    return q & np.uint8(0x0F)
+
+
+def _bits(qh: np.ndarray, n_elems: int) -> np.ndarray:
+    """(n, 4) bytes holding a little-endian uint32 bit mask -> (n, 32) uint8 of 0/1."""
+    h = np.ascontiguousarray(qh).view(np.uint32)
+    return ((h >> np.arange(n_elems, dtype=np.uint32).reshape(1, -1)) & np.uint32(1)).astype(
+        np.uint8
+    )
+
+
+def _deq_q4_0(b: np.ndarray) -> np.ndarray:
+    d = _f16(b[:, 0:2])
+    q = _nibbles(b[:, 2:18], 16).reshape(-1, 32).astype(np.int8) - np.int8(8)
+    return d * q.astype(np.float32)
+
+
+def _deq_q4_1(b: np.ndarray) -> np.ndarray:
+    d = _f16(b[:, 0:2])
+    m = _f16(b[:, 2:4])
+    q = _nibbles(b[:, 4:20], 16).reshape(-1, 32).astype(np.float32)
+    return d * q + m
+
+
+def _deq_q5_0(b: np.ndarray) -> np.ndarray:
+    d = _f16(b[:, 0:2])
+    qh = _bits(b[:, 2:6], 32)
+    ql = _nibbles(b[:, 6:22], 16).reshape(-1, 32)
+    q = (ql | (qh << np.uint8(4))).astype(np.int8) - np.int8(16)
+    return d * q.astype(np.float32)
+
+
+def _deq_q5_1(b: np.ndarray) -> np.ndarray:
+    d = _f16(b[:, 0:2])
+    m = _f16(b[:, 2:4])
+    qh = _bits(b[:, 4:8], 32)
+    ql = _nibbles(b[:, 8:24], 16).reshape(-1, 32)
+    q = (ql | (qh << np.uint8(4))).astype(np.float32)
+    return d * q + m
+
+
+def _deq_q8_0(b: np.ndarray) -> np.ndarray:
+    d = _f16(b[:, 0:2])
+    return np.ascontiguousarray(b[:, 2:34]).view(np.int8).astype(np.float32) * d
+
+
+def _deq_q2_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    scales = b[:, 0:16]
+    qs = b[:, 16:80]
+    d = _f16(b[:, 80:82])
+    dmin = _f16(b[:, 82:84])
+    dl = (d * (scales & np.uint8(0x0F)).astype(np.float32)).reshape(n, 16, 1)
+    ml = (dmin * (scales >> np.uint8(4)).astype(np.float32)).reshape(n, 16, 1)
+    # Each 32-byte run of qs holds four 32-element groups, 2 bits apiece (low bits first).
+    q = (qs.reshape(n, 2, 1, 32) >> _SHIFT_2.reshape(1, 1, 4, 1)) & np.uint8(3)
+    q = q.reshape(n, 16, 16).astype(np.float32)
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _k_scales_6bit_q3(sc: np.ndarray) -> np.ndarray:
+    """Q3_K's 12 scale bytes -> (n, 16) signed 6-bit scales as float32."""
+    n = sc.shape[0]
+    lo = (sc[:, 0:8].reshape(n, 1, 8) >> _SHIFT_4.reshape(1, 2, 1)).reshape(n, 16)
+    hi = (sc[:, 8:12].reshape(n, 1, 4) >> _SHIFT_2.reshape(1, 4, 1)).reshape(n, 16)
+    s = (lo & np.uint8(0x0F)) | ((hi & np.uint8(0x03)) << np.uint8(4))
+    return (s.astype(np.int8) - np.int8(32)).astype(np.float32)
+
+
+def _deq_q3_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    hmask = b[:, 0:32]
+    qs = b[:, 32:96]
+    d = _f16(b[:, 108:110])
+    dl = (d * _k_scales_6bit_q3(b[:, 96:108])).reshape(n, 16, 1)
+    ql = (qs.reshape(n, 2, 1, 32) >> _SHIFT_2.reshape(1, 1, 4, 1)) & np.uint8(3)
+    qh = (hmask.reshape(n, 1, 1, 32) >> _SHIFT_1.reshape(1, 1, 8, 1)) & np.uint8(1)
+    ql = ql.reshape(n, 16, 16)
+    # A set high bit means "no offset"; a clear one subtracts 4.
+    qh = (qh.reshape(n, 16, 16) ^ np.uint8(1)) << np.uint8(2)
+    q = (ql.astype(np.int8) - qh.astype(np.int8)).astype(np.float32)
+    return (dl * q).reshape(n, QK_K)
+
+
+def k_scale_min(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 packed bytes -> (scales, mins), each (n, 8) uint8 of 6 bits."""
+    n = sc.shape[0]
+    s = sc.reshape(n, 3, 4)
+    a, m, md = s[:, 0], s[:, 1], s[:, 2]
+    scale = np.concatenate([a & np.uint8(0x3F), (md & np.uint8(0x0F)) | ((a >> 2) & np.uint8(0x30))], axis=1)
+    mins = np.concatenate([m & np.uint8(0x3F), (md >> 4) | ((m >> 2) & np.uint8(0x30))], axis=1)
+    return scale, mins
+
+
+def _deq_q4_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    d = _f16(b[:, 0:2])
+    dmin = _f16(b[:, 2:4])
+    sc, mn = k_scale_min(b[:, 4:16])
+    dl = (d * sc.astype(np.float32)).reshape(n, 8, 1)
+    ml = (dmin * mn.astype(np.float32)).reshape(n, 8, 1)
+    q = _nibbles(b[:, 16:144], 32).reshape(n, 8, 32).astype(np.float32)
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _deq_q5_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    d = _f16(b[:, 0:2])
+    dmin = _f16(b[:, 2:4])
+    sc, mn = k_scale_min(b[:, 4:16])
+    dl = (d * sc.astype(np.float32)).reshape(n, 8, 1)
+    ml = (dmin * mn.astype(np.float32)).reshape(n, 8, 1)
+    qh = b[:, 16:48]
+    ql = _nibbles(b[:, 48:176], 32).reshape(n, 8, 32)
+    h = ((qh.reshape(n, 1, 32) >> _SHIFT_1.reshape(1, 8, 1)) & np.uint8(1)).reshape(n, 8, 32)
+    q = (ql | (h << np.uint8(4))).astype(np.float32)
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _deq_q6_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    ql = b[:, 0:128]
+    qh = b[:, 128:192]
+    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
+    d = _f16(b[:, 208:210])
+    dl = (d * sc).reshape(n, 16, 1)
+    lo = _nibbles(ql, 64).reshape(n, 8, 32)
+    hi = ((qh.reshape(n, 2, 1, 32) >> _SHIFT_2.reshape(1, 1, 4, 1)) & np.uint8(3)).reshape(n, 8, 32)
+    q = (lo | (hi << np.uint8(4))).astype(np.int8) - np.int8(32)
+    q = q.reshape(n, 16, 16).astype(np.float32)
+    return (dl * q).reshape(n, QK_K)
+
+
+_BLOCK_FNS = {
+    GGMLType.Q4_0: _deq_q4_0,
+    GGMLType.Q4_1: _deq_q4_1,
+    GGMLType.Q5_0: _deq_q5_0,
+    GGMLType.Q5_1: _deq_q5_1,
+    GGMLType.Q8_0: _deq_q8_0,
+    GGMLType.Q2_K: _deq_q2_k,
+    GGMLType.Q3_K: _deq_q3_k,
+    GGMLType.Q4_K: _deq_q4_k,
+    GGMLType.Q5_K: _deq_q5_k,
+    GGMLType.Q6_K: _deq_q6_k,
+}
+
+DEQUANT_TYPES: frozenset[GGMLType] = frozenset(
+    [GGMLType.F32, GGMLType.F16, GGMLType.BF16, *_BLOCK_FNS]
+)
+
+
+def dequantize(raw: np.ndarray, qtype: GGMLType, n_cols: int) -> np.ndarray:
+    """Expand whole rows of `qtype` data to float32.
+
+    `raw` is uint8, (n_rows, row_bytes) or 1-D holding whole rows; the result is a new
+    (n_rows, n_cols) float32 array (never a view of `raw`, which is usually a read-only mmap).
+    """
+    qtype = GGMLType(qtype)
+    if qtype not in DEQUANT_TYPES:
+        raise UnsupportedError(f"dequantization of type {qtype.name}")
+    blck, bsize = block_size(qtype)
+    if n_cols % blck:
+        raise ValueError(f"{n_cols} columns is not a multiple of {qtype.name}'s block of {blck}")
+    row_bytes = n_cols // blck * bsize
+    flat = np.asarray(raw).view(np.uint8).reshape(-1)
+    if flat.size % row_bytes:
+        raise ValueError(f"{flat.size} bytes is not a whole number of {qtype.name} rows of {n_cols}")
+    n_rows = flat.size // row_bytes
+
+    if qtype == GGMLType.F32:
+        return flat.view(np.float32).reshape(n_rows, n_cols).copy()
+    if qtype == GGMLType.F16:
+        return flat.view(np.float16).astype(np.float32).reshape(n_rows, n_cols)
+    if qtype == GGMLType.BF16:
+        w = flat.view(np.uint16).astype(np.uint32) << np.uint32(16)
+        return w.view(np.float32).reshape(n_rows, n_cols)
+
+    fn = _BLOCK_FNS[qtype]
+    blocks = flat.reshape(-1, bsize)
+    out = np.empty((blocks.shape[0], blck), dtype=np.float32)
+    step = max(1, _CHUNK_ELEMS // blck)
+    for i in range(0, blocks.shape[0], step):
+        out[i : i + step] = fn(blocks[i : i + step])
+    return out.reshape(n_rows, n_cols)

@@ -1,0 +1,155 @@
+"""The scheduler: assign, split, size and run a graph over several backends
+(ggml-backend.cpp's `ggml_backend_sched`: `_split_graph`, `_alloc_splits`, `_compute_splits`).
+
+`reserve(graph)` runs passes 1–5 once per graph and plans each backend's compute buffer;
+`compute(graph, inputs)` then runs the splits in order, copying each split's inputs into its
+backend first (the copy ladder: device-to-device if the backend offers it, else through the
+host). A graph of the same shape is reused, so a decode step pays for planning once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import ChainMap
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..backend.interface import Backend
+from ..graph import Graph
+from ..tensor import Tensor, TensorFlag
+from ..types import LlamapyError
+from .alloc import plan_sizes
+from .passes import Assignment, assign
+from .split import Split, split
+
+
+@dataclass
+class Plan:
+    graph: Graph
+    assignment: Assignment
+    splits: list[Split]
+    compute_sizes: dict[str, int] = field(default_factory=dict)  # backend name -> bytes
+
+
+def _owner(t: Tensor) -> Tensor:
+    """The tensor whose compute-buffer memory `t` uses (views share their source's)."""
+    while t.is_view or (t.view_src is not None and t.root().buffer is None):
+        t = t.view_src  # type: ignore[assignment]
+    return t
+
+
+def _owns_memory(t: Tensor) -> bool:
+    return not t.is_view and t.root().buffer is None and not t.is_leaf
+
+
+class Scheduler:
+    def __init__(self, backends: Sequence[Backend], op_offload: bool = True) -> None:
+        if not backends or backends[-1].device.name != "CPU":
+            raise LlamapyError("the scheduler needs the CPU backend last, as the fallback for every op")
+        self.backends = list(backends)
+        self.op_offload = op_offload
+        self._plans: dict[int, Plan] = {}
+        self.n_splits_run = 0
+
+    # -- planning ------------------------------------------------------------------------
+
+    def reserve(self, graph: Graph) -> Plan:
+        """Assign and split `graph`, and size every backend's compute buffer for it."""
+        plan = self._plans.get(id(graph))
+        if plan is not None and plan.graph is graph:
+            return plan
+        a = assign(graph, self.backends, self.op_offload)
+        splits = split(graph, self.backends, a)
+        order: list[tuple[int, Tensor, list[Tensor]]] = []
+        for s in splits:
+            for inp in s.inputs:
+                order.append((s.backend, inp, []))
+            for n in s.nodes:
+                reads = [_owner(x) for x in n.src]
+                if _owns_memory(n):
+                    order.append((s.backend, n, reads))
+                elif reads:
+                    order.append((s.backend, _owner(n), reads))
+        sizes = plan_sizes(order, [_owner(o) for o in graph.outputs])
+        plan = Plan(graph, a, splits, {self.backends[b].name: n for b, n in sizes.items()})
+        for be in self.backends:
+            plan.compute_sizes.setdefault(be.name, 0)
+        self._plans[id(graph)] = plan
+        return plan
+
+    def forget(self, graph: Graph) -> None:
+        self._plans.pop(id(graph), None)
+
+    # -- running -------------------------------------------------------------------------
+
+    def _copy(self, t: Tensor, value: Any, src: Backend, dst: Backend) -> Any:
+        """ggml_backend_tensor_copy's ladder: device-to-device, else through the host."""
+        v = dst.copy_from(src, value)
+        if v is not None:
+            return v
+        if t.flags & TensorFlag.WEIGHT:
+            # a weight kept in host memory, used by an op offloaded to a device (big batches)
+            return dst.from_host(t.root().buffer.raw(t), t)  # type: ignore[union-attr]
+        return dst.from_host(np.ascontiguousarray(src.to_host(value)))
+
+    def compute(self, graph: Graph, inputs: dict[Tensor, np.ndarray]) -> dict[Tensor, np.ndarray]:
+        """Run `graph` with `inputs` (host arrays for its INPUT leafs); return its outputs on
+        the host."""
+        plan = self.reserve(graph)
+        vals: dict[Tensor, Any] = dict(inputs)
+        home: dict[Tensor, int] = {t: plan.assignment[t] for t in inputs}
+        copies: dict[tuple[Tensor, int], Any] = {}
+        for s in plan.splits:
+            be = self.backends[s.backend]
+            local: dict[Tensor, Any] = {}
+            for inp in s.inputs:
+                key = (inp, s.backend)
+                if key not in copies:
+                    src_b = home.get(inp, plan.assignment[inp])
+                    value = vals[inp] if inp in vals else inp.root().buffer.storage(inp)  # type: ignore[union-attr]
+                    copies[key] = self._copy(inp, value, self.backends[src_b], be)
+                local[inp] = copies[key]
+            env = ChainMap(local, vals)
+            be.compute(s.nodes, env)  # type: ignore[arg-type]
+            for n in s.nodes:
+                vals[n] = local.pop(n)
+                home[n] = s.backend
+            self.n_splits_run += 1
+        out: dict[Tensor, np.ndarray] = {}
+        for o in graph.outputs:
+            be = self.backends[home[o]]
+            out[o] = np.asarray(be.to_host(vals[o]))
+        return out
+
+    # -- debugging -----------------------------------------------------------------------
+
+    def dump(self, graph: Graph, level: int = 1) -> str:
+        """ggml's split dump: `## SPLIT #i: BACKEND # n inputs: [name (size)] …`; level 2 adds
+        one line per node with its backend."""
+        plan = self.reserve(graph)
+        lines = []
+        for i, s in enumerate(plan.splits):
+            be = self.backends[s.backend].name
+            ins = " ".join(f"[{t.name} ({_fmt_size(t.nbytes)})]" for t in s.inputs)
+            lines.append(f"## SPLIT #{i}: {be} # {len(s.inputs)} inputs: {ins}".rstrip())
+            if level >= 2:
+                for n in s.nodes:
+                    srcs = " ".join(
+                        f"{x.name} [{self.backends[plan.assignment[x]].name}]" for x in n.src
+                    )
+                    lines.append(f"node #{graph.nodes.index(n):4d} ({n.op.name:>14}): {n.name:<24} [{be:>6}] <- {srcs}")
+        return "\n".join(lines)
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n / 1024:.0f}K" if n >= 1024 else f"{n}B"
+
+
+def debug_level() -> int:
+    try:
+        return int(os.environ.get("LLAMAPY_SCHED_DEBUG", "0"))
+    except ValueError:
+        return 0

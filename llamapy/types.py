@@ -1,0 +1,82 @@
+"""Element types and errors shared by every layer (ggml.h's `enum ggml_type`, gguf-py's constants).
+
+GGMLType's values are the GGUF numbers themselves (`GGMLType.Q4_0 == 2`), taken from the `gguf`
+package so that llamapy and gguf-py can never disagree about a block size.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+# One enum for every layer: gguf-py's, under ggml's name.
+GGMLType = GGMLQuantizationType
+
+# The types a llama GGUF uses and llamapy computes with.
+SUPPORTED_TYPES: frozenset[GGMLType] = frozenset(
+    GGMLType[n]
+    for n in (
+        "F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K".split()
+    )
+)
+
+
+def block_size(t: GGMLType) -> tuple[int, int]:
+    """(elements per block, bytes per block), as in ggml's type traits."""
+    return GGML_QUANT_SIZES[t]
+
+
+def row_nbytes(t: GGMLType, n: int) -> int:
+    """Bytes of one row of `n` elements; `n` must be a multiple of the block size."""
+    blck, nbytes = GGML_QUANT_SIZES[t]
+    if n % blck:
+        raise ValueError(f"row of {n} elements is not a multiple of {t.name}'s block of {blck}")
+    return n // blck * nbytes
+
+
+def type_name(value: int) -> str:
+    try:
+        return GGMLType(value).name
+    except ValueError:
+        return f"unknown type {value}"
+
+
+NUMPY_DTYPES: dict[GGMLType, np.dtype] = {
+    GGMLType.F32: np.dtype(np.float32),
+    GGMLType.F16: np.dtype(np.float16),
+    GGMLType.I32: np.dtype(np.int32),
+}
+
+
+class LlamapyError(Exception):
+    """Base of every error llamapy raises on purpose; the CLI prints it as one line."""
+
+
+class GGUFError(LlamapyError):
+    """A file that is not a valid GGUF, or not one llamapy can use."""
+
+
+class UnsupportedError(LlamapyError):
+    """An architecture, quant type, pre-tokenizer or op llamapy does not implement."""
+
+
+class BackendUnavailable(LlamapyError):
+    """A backend that cannot run on this machine (no library, no driver, no device)."""
+
+
+class OutOfMemoryError(LlamapyError):
+    """A device buffer that does not fit the device's memory budget."""
+
+
+class ContextFullError(LlamapyError):
+    """The KV cache has no room left for the tokens asked for."""
+
+
+class DeviceType(IntEnum):
+    """ggml_backend_dev_type; also the scheduler's priority: lower value is tried first."""
+
+    GPU = 0
+    ACCEL = 1
+    CPU = 2

@@ -1,0 +1,153 @@
+"""llamapy.backend.qmatmul: quantized MUL_MAT, GET_ROWS and dequantize against float64 math."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf.quants
+import numpy as np
+import pytest
+
+from llamapy.backend import qmatmul
+from llamapy.backend.qmatmul import QMatrix
+from llamapy.types import GGMLType, UnsupportedError
+
+try:  # tests/unit may or may not be a package
+    from .test_quants import ALL_TYPES, random_raw
+except ImportError:
+    from test_quants import ALL_TYPES, random_raw  # type: ignore[no-redef]
+
+K_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+
+
+def shape_for(name: str) -> tuple[int, int]:
+    # n_out not a multiple of the thread count or a tile; n_in several blocks.
+    return (37, 512) if name in K_TYPES else (37, 96)
+
+
+def check_matmul(m: QMatrix, w: np.ndarray, x: np.ndarray, **kw: int) -> None:
+    """|err| <= 1e-5 * (|x| @ |w|.T) per output, against float64 x @ w.T."""
+    got = m.matmul(x, **kw)
+    assert got.dtype == np.float32 and got.shape == (x.shape[0], m.n_out)
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    ref = x64 @ w64.T
+    bound = 1e-5 * (np.abs(x64) @ np.abs(w64).T)
+    err = np.abs(got - ref)
+    assert np.all(err <= bound), f"max err/bound {np.max(err / np.maximum(bound, 1e-300)):.3g}"
+
+
+@pytest.fixture(params=ALL_TYPES)
+def qmat(request: pytest.FixtureRequest) -> tuple[QMatrix, np.ndarray, np.ndarray]:
+    name = request.param
+    n_out, n_in = shape_for(name)
+    raw = random_raw(name, n_out, n_in, np.random.default_rng(4))
+    raw.flags.writeable = False  # like the GGUF memmap
+    w = gguf.quants.dequantize(raw, GGMLType[name]).reshape(n_out, n_in).astype(np.float32)
+    return QMatrix.prepare(raw, GGMLType[name], n_out, n_in), w, raw
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3, 33])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_matmul(qmat, n_tokens: int, n_threads: int) -> None:
+    m, w, _ = qmat
+    x = np.random.default_rng(n_tokens).standard_normal((n_tokens, m.n_in)).astype(np.float32)
+    check_matmul(m, w, x, n_threads=n_threads)
+
+
+def test_matmul_parallel_path(monkeypatch) -> None:
+    # Big enough to take the prange path on 2 threads; mid-size batch on the kernels.
+    monkeypatch.setattr(qmatmul, "PARALLEL_MIN_WEIGHTS", 1)
+    for name in ("Q4_1", "Q8_0", "Q4_K", "Q6_K"):
+        n_in = 512
+        raw = random_raw(name, 130, n_in, np.random.default_rng(5))
+        w = gguf.quants.dequantize(raw, GGMLType[name]).reshape(130, n_in)
+        m = QMatrix.prepare(raw, GGMLType[name], 130, n_in)
+        for n_tok in (1, 5):
+            x = np.random.default_rng(6).standard_normal((n_tok, n_in)).astype(np.float32)
+            check_matmul(m, w, x, n_threads=2)
+
+
+def test_matmul_numpy_fallback(qmat, monkeypatch) -> None:
+    monkeypatch.setattr(qmatmul, "HAVE_NUMBA", False)
+    m, w, _ = qmat
+    for n_tok in (1, 3):
+        x = np.random.default_rng(7).standard_normal((n_tok, m.n_in)).astype(np.float32)
+        check_matmul(m, w, x)
+
+
+def test_dequantize_and_get_rows(qmat) -> None:
+    m, w, raw = qmat
+    np.testing.assert_array_equal(m.dequantize(), w)
+    np.testing.assert_array_equal(m.dequantize(slice(3, 9)), w[3:9])
+    np.testing.assert_array_equal(m.dequantize(np.array([5, 0, 5])), w[[5, 0, 5]])
+    ids = np.array([0, m.n_out - 1, 7, 7], dtype=np.int32)
+    np.testing.assert_array_equal(m.get_rows(ids), w[ids])
+    assert m.get_rows(np.array([], dtype=np.int64)).shape == (0, m.n_in)
+    with pytest.raises(IndexError):
+        m.get_rows(np.array([m.n_out]))
+    assert m.nbytes <= 1.25 * raw.nbytes
+
+
+def test_prepare_keeps_memmap_without_copy(tmp_path) -> None:
+    raw = random_raw("Q4_1", 64, 64, np.random.default_rng(8))
+    path = tmp_path / "w.bin"
+    raw.tofile(path)
+    mm = np.memmap(path, dtype=np.uint8, mode="r", shape=raw.shape)
+    m = QMatrix.prepare(mm, GGMLType.Q4_1, 64, 64)
+    x = np.random.default_rng(9).standard_normal((1, 64)).astype(np.float32)
+    w = gguf.quants.dequantize(raw, GGMLType.Q4_1).reshape(64, 64)
+    check_matmul(m, w, x)
+
+
+def test_prepare_errors() -> None:
+    with pytest.raises(UnsupportedError, match="IQ4_NL"):
+        QMatrix.prepare(np.zeros((2, 18), np.uint8), GGMLType.IQ4_NL, 2, 32)
+    with pytest.raises(ValueError):
+        QMatrix.prepare(np.zeros((2, 18), np.uint8), GGMLType.Q4_0, 2, 64)
+    m = QMatrix.prepare(np.zeros((2, 18), np.uint8), GGMLType.Q4_0, 2, 32)
+    with pytest.raises(ValueError):
+        m.matmul(np.zeros((1, 31), np.float32))
+
+
+def test_set_num_threads() -> None:
+    qmatmul.set_num_threads(1)
+    qmatmul.set_num_threads(0)
+
+
+def test_no_numba_env_import() -> None:
+    code = (
+        "import numpy as np; from llamapy.backend import qmatmul as q; "
+        "from llamapy.types import GGMLType as T; assert not q.HAVE_NUMBA; "
+        "m = q.QMatrix.prepare(np.zeros((4, 18), np.uint8), T.Q4_0, 4, 32); "
+        "assert m.matmul(np.ones((1, 32), np.float32)).shape == (1, 4)"
+    )
+    env = dict(os.environ, LLAMAPY_NO_NUMBA="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=root)
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
+def test_repacked_layout(name: str, monkeypatch) -> None:
+    # 2 full tiles of REPACK_ROWS plus a 5-row tail in the file's layout.
+    n_out, n_in = 2 * qmatmul.REPACK_ROWS + 5, 96
+    raw = random_raw(name, n_out, n_in, np.random.default_rng(10))
+    raw.flags.writeable = False
+    w = gguf.quants.dequantize(raw, GGMLType[name]).reshape(n_out, n_in)
+    m = QMatrix.prepare(raw, GGMLType[name], n_out, n_in)
+    if qmatmul.HAVE_NUMBA:
+        assert m._qs is not None and not np.shares_memory(m.data, raw)
+    assert m.nbytes <= 1.25 * raw.nbytes
+    np.testing.assert_array_equal(m.dequantize(), w)
+    np.testing.assert_array_equal(m.dequantize(slice(60, 133, 3)), w[60:133:3])
+    ids = np.array([0, 63, 64, 127, 128, n_out - 1, 5])
+    np.testing.assert_array_equal(m.get_rows(ids), w[ids])
+    for n_tok in (1, 3, 33):
+        x = np.random.default_rng(n_tok).standard_normal((n_tok, n_in)).astype(np.float32)
+        for th in (1, 2):
+            check_matmul(m, w, x, n_threads=th)
+    monkeypatch.setattr(qmatmul, "PARALLEL_MIN_WEIGHTS", 1)
+    check_matmul(m, w, np.ones((1, n_in), np.float32), n_threads=2)
+    monkeypatch.setattr(qmatmul, "HAVE_NUMBA", False)
+    check_matmul(m, w, np.ones((2, n_in), np.float32))

@@ -47,7 +47,7 @@ class Llama:
         if n_threads is not None:
             co.n_threads = n_threads
         self.path = Path(model_path)
-        self.model = Model(self.path, mo)
+        self.model = Model(self.path, mo, co)
         try:
             self.ctx = Context(self.model, co)
         except BaseException:

@@ -17,12 +17,20 @@ from pathlib import Path
 
 import numpy as np
 
-from .backend.interface import Backend, Device
+from .backend.interface import Backend, Buffer, BufferUsage, Device
 from .backend.registry import Discovery, discover
 from .model.gguf import GGUFFile
 from .model.kv_cache import KVCache
 from .model.llama import LlamaGraph, build_graph
-from .model.loader import LlamaParams, ModelWeights, Placement, collect_weights, load_weights, place_layers
+from .model.loader import (
+    LlamaParams,
+    ModelWeights,
+    Placement,
+    collect_weights,
+    load_weights,
+    place_layers,
+    weight_devices,
+)
 from .model.tokenizer import Tokenizer
 from .sched.scheduler import Plan, Scheduler
 from .types import DeviceType, GGMLType, LlamapyError, OutOfMemoryError
@@ -71,9 +79,17 @@ class LoadInfo:
 class Model:
     """A GGUF model with its weights placed on devices (llama_model)."""
 
-    def __init__(self, path: str | os.PathLike[str], options: ModelOptions | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        options: ModelOptions | None = None,
+        context_options: ContextOptions | None = None,
+    ) -> None:
+        """`context_options` say what the context will need, so that -ngl auto and the
+        out-of-memory message can count the KV cache and compute buffers too."""
         t0 = time.perf_counter()
         self.options = options or ModelOptions()
+        self.fit_options = context_options or ContextOptions()
         self.path = Path(path)
         self.gguf = GGUFFile(self.path)
         md = self.gguf.metadata
@@ -86,15 +102,16 @@ class Model:
         self.cpu = next(d for d in self.devices if d.type is DeviceType.CPU)
         self.gpus = [d for d in self.devices if d.type is DeviceType.GPU]
         self.weights: ModelWeights = collect_weights(self.gguf, self.params)
+        self.overrides = [(pat, self.discovery.device(dev)) for pat, dev in self.options.override_tensor]
         ngl, reason = self._resolve_ngl(self.options.n_gpu_layers)
         self.placement = self._place(ngl)
-        overrides = [(pat, self.discovery.device(dev)) for pat, dev in self.options.override_tensor]
+        where = weight_devices(self.weights, self.placement, self.overrides)
         try:
-            load_weights(self.gguf, self.weights, self.placement, overrides)
+            load_weights(self.gguf, self.weights, self.placement, where)
         except OutOfMemoryError as e:
             fit = self.max_layers_that_fit()
             raise OutOfMemoryError(
-                f"{e}; -ngl {self.placement.n_gpu_layers} does not fit, at most {fit} layers would"
+                f"-ngl {self.placement.n_gpu_layers} does not fit ({e}); at most {fit} layers would fit"
             ) from None
         self.info = LoadInfo(
             file_size=self.gguf.size,
@@ -128,37 +145,42 @@ class Model:
             return n_total, ""
         if ngl == "auto":
             if not self.gpus:
-                return 0, "no GPU"
+                return 0, "-ngl auto: no GPU, every layer stays on the CPU"
             n = self.max_layers_that_fit()
-            return n, f"-ngl auto: {n}/{n_total} layers fit the free GPU memory"
+            margins = ", ".join(f"{d.name} {self.margin(d) / 2**20:.0f} MiB" for d in self.gpus)
+            return n, f"-ngl auto: {n}/{n_total} layers fit the free GPU memory (margin: {margins})"
         return int(ngl), ""
 
-    def layer_bytes(self, ngl: int, n_ctx: int = 0) -> dict[str, int]:
-        """Bytes each GPU needs for `ngl` layers: weights plus KV cache."""
-        pl = self._place(ngl)
-        need: dict[str, int] = {}
-        w = self.weights
-        n_layer = self.params.n_layer
-        per_layer = [sum(t.nbytes for t in layer.values()) for layer in w.layers]
-        out_bytes = w.output.nbytes + w.output_norm.nbytes
-        kv_row = self.params.n_embd_gqa * 2 * 2  # f16 K and V
-        for il, dev in enumerate(pl.layer_device):
-            if dev.type is not DeviceType.GPU:
-                continue
-            b = out_bytes if il == n_layer else per_layer[il] + kv_row * n_ctx
-            need[dev.name] = need.get(dev.name, 0) + b
-        return need
+    @staticmethod
+    def margin(dev: Device) -> int:
+        """Memory left free on a device for what llamapy does not plan (driver, CuPy's pool)."""
+        return 0 if dev.name.startswith("TEST") else 512 * 2**20
 
-    def max_layers_that_fit(self, n_ctx: int = 0, margin: int | None = None) -> int:
-        """The largest -ngl whose weights (and KV cache for n_ctx) fit every GPU's free memory."""
-        free = {d.name: d.memory()[0] for d in self.gpus}
-        for dev in self.gpus:
-            m = margin if margin is not None else (0 if dev.name.startswith("TEST") else 512 * 2**20)
-            free[dev.name] = max(0, free[dev.name] - m)
+    def device_bytes(self, ngl: int) -> dict[str, int]:
+        """Bytes each device needs at -ngl `ngl`: weights, KV cache and compute buffers."""
+        from .model.fit import device_bytes
+
+        o = self.fit_options
+        pl = self._place(ngl)
+        n_ctx = o.n_ctx if o.n_ctx > 0 else self.params.n_ctx_train
+        kv_devices = [pl.cpu if o.no_kv_offload else pl.layer_device[il] for il in range(self.params.n_layer)]
+        where = weight_devices(self.weights, pl, self.overrides)
+        return device_bytes(
+            self.params, self.weights, where, kv_devices, self.devices, n_ctx,
+            min(o.n_ubatch, o.n_batch), o.type_k, o.type_v, o.op_offload,
+        )  # fmt: skip
+
+    def max_layers_that_fit(self) -> int:
+        """The largest -ngl whose weights, KV cache and compute buffers fit every GPU's free
+        memory minus its margin."""
+        free = {d.name: d.memory()[0] - self.margin(d) for d in self.gpus}
+        for b in self.weights.buffers:  # what this model already holds would be given back
+            if b.name in free:
+                free[b.name] += b.nbytes
         best = 0
-        for ngl in range(self.params.n_layer + 2):
-            need = self.layer_bytes(ngl, n_ctx)
-            if all(need[k] <= free.get(k, 0) for k in need):
+        for ngl in range(1, self.params.n_layer + 2):
+            need = self.device_bytes(ngl)
+            if all(need[k] <= free[k] for k in need if k in free):
                 best = ngl
             else:
                 break
@@ -180,20 +202,61 @@ class Context:
         self.n_ubatch = min(o.n_ubatch, self.n_batch)
         pl = model.placement
         kv_devices = [pl.cpu if o.no_kv_offload else pl.layer_device[il] for il in range(p.n_layer)]
+        self._check_host_memory(kv_devices)
         try:
             self.kv = KVCache.create(self.n_ctx, p.n_embd_gqa, kv_devices, o.type_k, o.type_v)
         except OutOfMemoryError as e:
-            raise OutOfMemoryError(f"KV cache for -c {self.n_ctx}: {e}") from None
+            raise self._oom(f"KV cache for -c {self.n_ctx}: {e}") from None
         self.backends: list[Backend] = [d.init_backend() for d in model.devices]
         for be in self.backends:
             be.set_n_threads(o.n_threads)
         self.sched = Scheduler(self.backends, op_offload=o.op_offload)
         self._graphs: dict[tuple[int, int, int], LlamaGraph] = {}
+        self.compute_buffers: list[Buffer] = []
+        self.compute_sizes = self._reserve_compute()
         self.n_eval_tokens = 0
         self.eval_ms = 0.0
 
+    def _check_host_memory(self, kv_devices: Sequence[Device]) -> None:
+        """A -c too large for the host fails here, with the figures, not in the allocator."""
+        o = self.options
+        row = self.model.params.n_embd_gqa * (2 if o.type_k is GGMLType.F16 else 4)
+        row += self.model.params.n_embd_gqa * (2 if o.type_v is GGMLType.F16 else 4)
+        n_host = sum(1 for d in kv_devices if d.type is not DeviceType.GPU)
+        need = row * self.n_ctx * n_host
+        free = self.model.cpu.memory()[0]
+        if free and need > free:
+            raise OutOfMemoryError(
+                f"-c {self.n_ctx} needs {need / 2**20:.0f} MiB of host memory for the KV cache, "
+                f"only {free / 2**20:.0f} MiB are free"
+            )
+
+    def _reserve_compute(self) -> dict[str, int]:
+        """Plan the worst-case graph (a full micro-batch over the whole context) and reserve
+        each device's compute buffer from its memory (ggml_backend_sched_reserve)."""
+        n = self.n_ubatch
+        plan = self.sched.reserve(self.graph(n, self.n_ctx, n).graph)
+        try:
+            for be in self.backends:
+                size = plan.compute_sizes.get(be.name, 0)
+                buft = be.device.buffer_type()
+                if size and not buft.is_host:
+                    self.compute_buffers.append(buft.alloc_buffer(size, BufferUsage.COMPUTE))
+        except OutOfMemoryError as e:
+            self.free()
+            raise self._oom(f"compute buffers for -ub {n}, -c {self.n_ctx}: {e}") from None
+        return dict(plan.compute_sizes)
+
+    def _oom(self, what: str) -> OutOfMemoryError:
+        ngl = self.model.placement.n_gpu_layers
+        fit = self.model.max_layers_that_fit()
+        return OutOfMemoryError(f"-ngl {ngl} does not fit ({what}); at most {fit} layers would fit")
+
     def free(self) -> None:
         self.kv.free()
+        for b in self.compute_buffers:
+            b.free()
+        self.compute_buffers.clear()
         self._graphs.clear()
 
     # -- graphs ---------------------------------------------------------------------------

@@ -169,8 +169,10 @@ def perplexity_chunks(
     n_chunks: int = -1,
     n_batch: int | None = None,
     first_chunk: int = 0,
+    n_ctx: int | None = None,
 ) -> Iterator[PerplexityChunk]:
-    """Evaluate `tokens` as llama-perplexity does with the context's n_ctx:
+    """Evaluate `tokens` as llama-perplexity does with chunks of `n_ctx` tokens (default: the
+    context's n_ctx; the context must hold `n_seq * n_ctx` cells):
 
     non-overlapping chunks of n_ctx tokens; when the model adds BOS, the first token of every
     chunk is *overwritten* with BOS while evaluating; the KV cache is cleared per group; only the
@@ -178,7 +180,9 @@ def perplexity_chunks(
     sequences of one batch.
     """
     toks = np.asarray(tokens, np.int32)
-    n_ctx = ctx.n_ctx
+    n_ctx = ctx.n_ctx if n_ctx is None else n_ctx
+    if n_ctx <= 0 or n_ctx > ctx.n_ctx:
+        raise LlamapyError(f"perplexity chunks of {n_ctx} tokens need 0 < n_ctx <= the context's {ctx.n_ctx}")
     if len(toks) < 2 * n_ctx:
         raise LlamapyError(
             f"need at least {2 * n_ctx} tokens to evaluate perplexity with a context of {n_ctx}, "
@@ -187,7 +191,7 @@ def perplexity_chunks(
     n_chunk_max = len(toks) // n_ctx
     n_chunk = n_chunk_max if n_chunks < 0 else min(n_chunks, n_chunk_max)
     n_batch = n_batch or ctx.n_batch
-    n_seq = max(1, n_batch // n_ctx)
+    n_seq = max(1, min(n_batch // n_ctx, ctx.n_ctx // n_ctx))  # as many chunks as the cache holds
     tokenizer = ctx.model.tokenizer
     first = n_ctx // 2
     for i in range(first_chunk, n_chunk, n_seq):

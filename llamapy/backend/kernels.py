@@ -56,8 +56,8 @@ def scale(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 def glu(node: Tensor, s: list[Any], xp: Any) -> Any:
     gate, up = s
-    # silu(g) = g * sigmoid(g); computed so that large |g| neither overflows nor loses precision
-    return (gate / (1.0 + xp.exp(-gate))) * up
+    # silu(g) = g / (1 + exp(-g)); clipping keeps exp finite in f32 (the result is ~0 there anyway)
+    return (gate / (1.0 + xp.exp(-xp.maximum(gate, -88.0)))) * up
 
 
 def mul_mat(node: Tensor, s: list[Any], xp: Any) -> Any:

@@ -22,7 +22,11 @@ Paths, picked per call:
 
 from __future__ import annotations
 
+import itertools
+import mmap
 import os
+import queue
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -35,7 +39,7 @@ try:  # numba is optional: without it everything runs on numpy + BLAS.
     if os.environ.get("LLAMAPY_NO_NUMBA", "") not in ("", "0"):
         raise ImportError("disabled by LLAMAPY_NO_NUMBA")
     import numba
-    from numba import njit, prange
+    from numba import njit
 
     HAVE_NUMBA = True
 except ImportError:  # pragma: no cover - depends on the environment
@@ -46,8 +50,6 @@ except ImportError:  # pragma: no cover - depends on the environment
 BLAS_MIN_TOKENS = 16
 # Float32 elements per dequantized tile on the BLAS path (4 MiB).
 TILE_ELEMS = 1 << 20
-# Below this many weights a matrix is not worth waking a second thread for.
-PARALLEL_MIN_WEIGHTS = 1 << 16
 
 # f16 bit pattern -> float32, for the kernels (a 256 KiB table stays mostly in L2).
 F16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -56,19 +58,16 @@ _num_threads = 0
 
 
 def set_num_threads(n: int) -> None:
-    """Threads the kernels use (llama.cpp's `-t`); 0 means every core numba may use."""
+    """Threads the kernels use (llama.cpp's `-t`); 0 means one per core."""
     global _num_threads
     _num_threads = max(0, int(n))
-    if HAVE_NUMBA and _num_threads:
-        numba.set_num_threads(min(_num_threads, numba.config.NUMBA_NUM_THREADS))
 
 
 def _threads(n_threads: int) -> int:
-    n = n_threads or _num_threads
     if not HAVE_NUMBA:
         return 1
-    limit = numba.config.NUMBA_NUM_THREADS
-    return min(n, limit) if n > 0 else numba.get_num_threads()
+    n = n_threads or _num_threads
+    return n if n > 0 else (os.cpu_count() or 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -85,17 +84,18 @@ def _threads(n_threads: int) -> int:
 # inf/nan in activations must still propagate as they would in ggml.
 _FM = {"reassoc", "contract", "nsz"}
 
-KERNELS: dict[GGMLType, tuple[Callable[..., Any], Callable[..., Any]]] = {}
-REPACKED: dict[GGMLType, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+# Per-row kernels on the file's layout, rows-innermost kernels on repacked tiles, and the
+# dequantization kernels of each layout (see below for their signatures).
+KERNELS: dict[GGMLType, Callable[..., Any]] = {}
+REPACKED: dict[GGMLType, Callable[..., Any]] = {}
+DEQUANT: dict[GGMLType, Callable[..., Any]] = {}
+DEQUANT_REPACKED: dict[GGMLType, Callable[..., Any]] = {}
 # Rows per repacked tile: wide enough for 8-lane AVX2 loops with little loop overhead
 # (measured on Q4_1 1536x576: R=16 3.2, R=32 6.5, R=64 7.2 G weights/s on one thread).
 REPACK_ROWS = 64
-# Bytes per block of the header (f16 scales) and the quants, for the repacked types.
-_REPACK_SPLIT = {GGMLType.Q4_1: (4, 16), GGMLType.Q8_0: (2, 32)}
 
 if HAVE_NUMBA:
     _jit = njit(cache=True, fastmath=_FM, nogil=True, boundscheck=False)
-    _pjit = njit(cache=True, parallel=True, nogil=True)
 
     @_jit
     def _f16(w: np.ndarray, o: int, tab: np.ndarray) -> np.float32:
@@ -438,112 +438,63 @@ if HAVE_NUMBA:
                             acc += d * z
                 out[t, r] = acc
 
-    # One parallel driver per kernel, written out: numba caches each by its own name, and
-    # compiles it lazily, on the first use of its type. Rows split into `n_chunks` runs.
-    @_pjit
-    def _par_f32(w, x, xs, out, tab, n_chunks, L):
-        n = w.shape[0]
-        for c in prange(n_chunks):
-            _mv_f32(w, x, xs, out, c * n // n_chunks, (c + 1) * n // n_chunks, tab, L)
-
-    @_pjit
-    def _par_f16(w, x, xs, out, tab, n_chunks, L):
-        n = w.shape[0]
-        for c in prange(n_chunks):
-            _mv_f16(w, x, xs, out, c * n // n_chunks, (c + 1) * n // n_chunks, tab, L)
-
-    @_pjit
-    def _par_bf16(w, x, xs, out, tab, n_chunks, L):
-        n = w.shape[0]
-        for c in prange(n_chunks):
-            _mv_bf16(w, x, xs, out, c * n // n_chunks, (c + 1) * n // n_chunks, tab, L)
-
-    @_pjit
-    def _par_q4_0(w, x, xs, out, tab, n_chunks, L):
-        n = w.shape[0]
-        for c in prange(n_chunks):
-            _mv_q4_0(w, x, xs, out, c * n // n_chunks, (c + 1) * n // n_chunks, tab, L)
-
-    @_pjit
-    def _par_q4_1(w, x, xs, out, tab, n_chunks, L):
-        n = w.shape[0]
-        for c in prange(n_chunks):
-            _mv_q4_1(w, x, xs, out, c * n // n_chunks, (c + 1) * n // n_chunks, tab, L)
-
-    @_pjit
-    def _par_q5_0(w, x, xs, out, tab, n_chunks, L):
-        n = w.shape[0]
-        for c in prange(n_chunks):
-            _mv_q5_0(w, x, xs, out, c * n // n_chunks, (c + 1) * n // n_chunks, tab, L)
-
-    @_pjit
-    def _par_q5_1(w, x, xs, out, tab, n_chunks, L):
-        n = w.shape[0]
-        for c in prange(n_chunks):
-            _mv_q5_1(w, x, xs, out, c * n // n_chunks, (c + 1) * n // n_chunks, tab, L)
-
-    @_pjit
-    def _par_q8_0(w, x, xs, out, tab, n_chunks, L):
-        n = w.shape[0]
-        for c in prange(n_chunks):
-            _mv_q8_0(w, x, xs, out, c * n // n_chunks, (c + 1) * n // n_chunks, tab, L)
-
-    @_pjit
-    def _par_q2_k(w, x, xs, out, tab, n_chunks, L):
-        n = w.shape[0]
-        for c in prange(n_chunks):
-            _mv_q2_k(w, x, xs, out, c * n // n_chunks, (c + 1) * n // n_chunks, tab, L)
-
-    @_pjit
-    def _par_q3_k(w, x, xs, out, tab, n_chunks, L):
-        n = w.shape[0]
-        for c in prange(n_chunks):
-            _mv_q3_k(w, x, xs, out, c * n // n_chunks, (c + 1) * n // n_chunks, tab, L)
-
-    @_pjit
-    def _par_q4_k(w, x, xs, out, tab, n_chunks, L):
-        n = w.shape[0]
-        for c in prange(n_chunks):
-            _mv_q4_k(w, x, xs, out, c * n // n_chunks, (c + 1) * n // n_chunks, tab, L)
-
-    @_pjit
-    def _par_q5_k(w, x, xs, out, tab, n_chunks, L):
-        n = w.shape[0]
-        for c in prange(n_chunks):
-            _mv_q5_k(w, x, xs, out, c * n // n_chunks, (c + 1) * n // n_chunks, tab, L)
-
-    @_pjit
-    def _par_q6_k(w, x, xs, out, tab, n_chunks, L):
-        n = w.shape[0]
-        for c in prange(n_chunks):
-            _mv_q6_k(w, x, xs, out, c * n // n_chunks, (c + 1) * n // n_chunks, tab, L)
-
     KERNELS.update({
-        GGMLType.F32: (_mv_f32, _par_f32),
-        GGMLType.F16: (_mv_f16, _par_f16),
-        GGMLType.BF16: (_mv_bf16, _par_bf16),
-        GGMLType.Q4_0: (_mv_q4_0, _par_q4_0),
-        GGMLType.Q4_1: (_mv_q4_1, _par_q4_1),
-        GGMLType.Q5_0: (_mv_q5_0, _par_q5_0),
-        GGMLType.Q5_1: (_mv_q5_1, _par_q5_1),
-        GGMLType.Q8_0: (_mv_q8_0, _par_q8_0),
-        GGMLType.Q2_K: (_mv_q2_k, _par_q2_k),
-        GGMLType.Q3_K: (_mv_q3_k, _par_q3_k),
-        GGMLType.Q4_K: (_mv_q4_k, _par_q4_k),
-        GGMLType.Q5_K: (_mv_q5_k, _par_q5_k),
-        GGMLType.Q6_K: (_mv_q6_k, _par_q6_k),
+        GGMLType.F32: _mv_f32,
+        GGMLType.F16: _mv_f16,
+        GGMLType.BF16: _mv_bf16,
+        GGMLType.Q4_0: _mv_q4_0,
+        GGMLType.Q4_1: _mv_q4_1,
+        GGMLType.Q5_0: _mv_q5_0,
+        GGMLType.Q5_1: _mv_q5_1,
+        GGMLType.Q8_0: _mv_q8_0,
+        GGMLType.Q2_K: _mv_q2_k,
+        GGMLType.Q3_K: _mv_q3_k,
+        GGMLType.Q4_K: _mv_q4_k,
+        GGMLType.Q5_K: _mv_q5_k,
+        GGMLType.Q6_K: _mv_q6_k,
     })
 
-    # Repacked kernels for the priority types (Q4_1, Q8_0): rows innermost. A tile of R rows
-    # stores, for each block b and byte j, the R rows' bytes side by side, and the block
-    # scales as float32 rows of R; the innermost loop then runs over R independent rows
-    # (no reduction), which LLVM vectorizes cleanly: ~2x the per-row kernels above.
+    # ----------------------------------------------------------------------------------------
+    # Repacked kernels: rows innermost. A tile of R rows stores, for each block b and byte j,
+    # the R rows' bytes side by side, and the block scales as float32 rows of R; the innermost
+    # loop then runs over R independent rows (no reduction), which LLVM vectorizes cleanly.
+    # Each `_rp_<type>(p, x, xs, out, t0, t1)` computes out[:, t0*R:t1*R] from the tuple of
+    # arrays `p` (see `_REPACK` for their layout).
+    # ----------------------------------------------------------------------------------------
 
     @_jit
-    def _rp_q4_1(qs, dm, x, xs, out, t0, t1, R):
-        # qs (n_tiles, nb, 16, R) uint8; dm (n_tiles, nb, 2, R) float32 (d, m).
+    def _rp_q4_0(p, x, xs, out, t0, t1):
+        qs, dm = p  # qs (T, nb, 16, R) uint8; dm (T, nb, 1, R) float32 (d)
         n_tok = x.shape[0]
-        nb = qs.shape[1]
+        nb, R = qs.shape[1], qs.shape[3]
+        s = np.empty(R, dtype=np.float32)
+        acc = np.empty(R, dtype=np.float32)
+        for tile in range(t0, t1):
+            for t in range(n_tok):
+                xt = x[t]
+                for r in range(R):
+                    acc[r] = 0.0
+                for b in range(nb):
+                    for r in range(R):
+                        s[r] = 0.0
+                    for j in range(16):
+                        xl = xt[b * 32 + j]
+                        xh = xt[b * 32 + 16 + j]
+                        q = qs[tile, b, j]
+                        for r in range(R):
+                            v = np.int32(q[r])
+                            s[r] += np.float32((v & 15) - 8) * xl + np.float32((v >> 4) - 8) * xh
+                    d = dm[tile, b, 0]
+                    for r in range(R):
+                        acc[r] += d[r] * s[r]
+                for r in range(R):
+                    out[t, tile * R + r] = acc[r]
+
+    @_jit
+    def _rp_q4_1(p, x, xs, out, t0, t1):
+        qs, dm = p  # qs (T, nb, 16, R) uint8; dm (T, nb, 2, R) float32 (d, m)
+        n_tok = x.shape[0]
+        nb, R = qs.shape[1], qs.shape[3]
         s = np.empty(R, dtype=np.float32)
         acc = np.empty(R, dtype=np.float32)
         for tile in range(t0, t1):
@@ -571,10 +522,10 @@ if HAVE_NUMBA:
                     out[t, tile * R + r] = acc[r]
 
     @_jit
-    def _rp_q8_0(qs, dm, x, xs, out, t0, t1, R):
-        # qs (n_tiles, nb, 32, R) int8; dm (n_tiles, nb, 1, R) float32 (d).
+    def _rp_q8_0(p, x, xs, out, t0, t1):
+        qs, dm = p  # qs (T, nb, 32, R) int8; dm (T, nb, 1, R) float32 (d)
         n_tok = x.shape[0]
-        nb = qs.shape[1]
+        nb, R = qs.shape[1], qs.shape[3]
         s = np.empty(R, dtype=np.float32)
         acc = np.empty(R, dtype=np.float32)
         for tile in range(t0, t1):
@@ -596,21 +547,429 @@ if HAVE_NUMBA:
                 for r in range(R):
                     out[t, tile * R + r] = acc[r]
 
-    @_pjit
-    def _rpp_q4_1(qs, dm, x, xs, out, n_chunks, R):
-        n = qs.shape[0]
-        for c in prange(n_chunks):
-            _rp_q4_1(qs, dm, x, xs, out, c * n // n_chunks, (c + 1) * n // n_chunks, R)
+    @_jit
+    def _rp_q4_k(p, x, xs, out, t0, t1):
+        # qs (T, nb, 128, R) uint8; sm (T, nb, 16, R) uint8 (8 scales, 8 mins, 6 bits each);
+        # dm (T, nb, 2, R) float32 (d, dmin).
+        qs, sm, dm = p
+        n_tok = x.shape[0]
+        nb, R = qs.shape[1], qs.shape[3]
+        s0 = np.empty(R, dtype=np.float32)
+        s1 = np.empty(R, dtype=np.float32)
+        acc = np.empty(R, dtype=np.float32)
+        for tile in range(t0, t1):
+            for t in range(n_tok):
+                xt = x[t]
+                for r in range(R):
+                    acc[r] = 0.0
+                for b in range(nb):
+                    d = dm[tile, b, 0]
+                    dmin = dm[tile, b, 1]
+                    for pp in range(4):
+                        e0 = b * 256 + pp * 64
+                        for r in range(R):
+                            s0[r] = 0.0
+                            s1[r] = 0.0
+                        for l in range(32):
+                            xl = xt[e0 + l]
+                            xh = xt[e0 + 32 + l]
+                            q = qs[tile, b, pp * 32 + l]
+                            for r in range(R):
+                                v = np.int32(q[r])
+                                s0[r] += np.float32(v & 15) * xl
+                                s1[r] += np.float32(v >> 4) * xh
+                        x0 = xs[t, e0 // 16] + xs[t, e0 // 16 + 1]
+                        x1 = xs[t, e0 // 16 + 2] + xs[t, e0 // 16 + 3]
+                        c0 = sm[tile, b, 2 * pp]
+                        c1 = sm[tile, b, 2 * pp + 1]
+                        m0 = sm[tile, b, 8 + 2 * pp]
+                        m1 = sm[tile, b, 9 + 2 * pp]
+                        for r in range(R):
+                            acc[r] += d[r] * (np.float32(c0[r]) * s0[r] + np.float32(c1[r]) * s1[r])
+                            acc[r] -= dmin[r] * (np.float32(m0[r]) * x0 + np.float32(m1[r]) * x1)
+                for r in range(R):
+                    out[t, tile * R + r] = acc[r]
 
-    @_pjit
-    def _rpp_q8_0(qs, dm, x, xs, out, n_chunks, R):
-        n = qs.shape[0]
-        for c in prange(n_chunks):
-            _rp_q8_0(qs, dm, x, xs, out, c * n // n_chunks, (c + 1) * n // n_chunks, R)
+    @_jit
+    def _rp_q6_k(p, x, xs, out, t0, t1):
+        # ql (T, nb, 128, R) uint8; qh (T, nb, 64, R) uint8; sc (T, nb, 16, R) int8;
+        # dm (T, nb, 1, R) float32 (d).
+        ql, qh, sc, dm = p
+        n_tok = x.shape[0]
+        nb, R = ql.shape[1], ql.shape[3]
+        s1 = np.empty(R, dtype=np.float32)
+        s2 = np.empty(R, dtype=np.float32)
+        s3 = np.empty(R, dtype=np.float32)
+        s4 = np.empty(R, dtype=np.float32)
+        acc = np.empty(R, dtype=np.float32)
+        for tile in range(t0, t1):
+            for t in range(n_tok):
+                xt = x[t]
+                for r in range(R):
+                    acc[r] = 0.0
+                for b in range(nb):
+                    d = dm[tile, b, 0]
+                    for hf in range(2):
+                        e0 = b * 256 + hf * 128
+                        for i in range(2):
+                            for r in range(R):
+                                s1[r] = 0.0
+                                s2[r] = 0.0
+                                s3[r] = 0.0
+                                s4[r] = 0.0
+                            for l in range(i * 16, i * 16 + 16):
+                                x1 = xt[e0 + l]
+                                x2 = xt[e0 + 32 + l]
+                                x3 = xt[e0 + 64 + l]
+                                x4 = xt[e0 + 96 + l]
+                                qa = ql[tile, b, hf * 64 + l]
+                                qc = ql[tile, b, hf * 64 + 32 + l]
+                                qq = qh[tile, b, hf * 32 + l]
+                                for r in range(R):
+                                    a = np.int32(qa[r])
+                                    c = np.int32(qc[r])
+                                    h = np.int32(qq[r])
+                                    s1[r] += np.float32(((a & 15) | ((h & 3) << 4)) - 32) * x1
+                                    s2[r] += np.float32(((c & 15) | ((h & 12) << 2)) - 32) * x2
+                                    s3[r] += np.float32(((a >> 4) | (h & 48)) - 32) * x3
+                                    s4[r] += np.float32(((c >> 4) | ((h & 192) >> 2)) - 32) * x4
+                            k = hf * 8 + i
+                            c1 = sc[tile, b, k]
+                            c2 = sc[tile, b, k + 2]
+                            c3 = sc[tile, b, k + 4]
+                            c4 = sc[tile, b, k + 6]
+                            for r in range(R):
+                                acc[r] += d[r] * (np.float32(c1[r]) * s1[r] + np.float32(c2[r]) * s2[r]
+                                                  + np.float32(c3[r]) * s3[r] + np.float32(c4[r]) * s4[r])
+                for r in range(R):
+                    out[t, tile * R + r] = acc[r]
 
     REPACKED.update({
-        GGMLType.Q4_1: (_rp_q4_1, _rpp_q4_1),
-        GGMLType.Q8_0: (_rp_q8_0, _rpp_q8_0),
+        GGMLType.Q4_0: _rp_q4_0,
+        GGMLType.Q4_1: _rp_q4_1,
+        GGMLType.Q8_0: _rp_q8_0,
+        GGMLType.Q4_K: _rp_q4_k,
+        GGMLType.Q6_K: _rp_q6_k,
+    })
+
+    # ----------------------------------------------------------------------------------------
+    # Dequantization kernels (prompt processing tiles, GET_ROWS, dequantize): the same float
+    # operations, in the same order, as `llamapy.quants` (and so gguf-py), hence bit-exact; no
+    # fastmath. `_dq_<type>(w, ids, out, i0, i1, tab)` expands file-layout rows ids[i0:i1] into
+    # out[i0:i1]; `_dqr_<type>(p, ids, out, i0, i1)` does the same from the repacked tiles.
+    # ----------------------------------------------------------------------------------------
+    _djit = njit(cache=True, nogil=True, boundscheck=False)
+
+    @_djit
+    def _dq_q4_0(w, ids, out, i0, i1, tab):
+        nb = out.shape[1] // 32
+        for i in range(i0, i1):
+            wr = w[ids[i]]
+            o_ = out[i]
+            for b in range(nb):
+                o = b * 18
+                d = _f16(wr, o, tab)
+                for j in range(16):
+                    v = np.int32(wr[o + 2 + j])
+                    o_[b * 32 + j] = d * np.float32((v & 15) - 8)
+                    o_[b * 32 + 16 + j] = d * np.float32((v >> 4) - 8)
+
+    @_djit
+    def _dq_q4_1(w, ids, out, i0, i1, tab):
+        nb = out.shape[1] // 32
+        for i in range(i0, i1):
+            wr = w[ids[i]]
+            o_ = out[i]
+            for b in range(nb):
+                o = b * 20
+                d = _f16(wr, o, tab)
+                m = _f16(wr, o + 2, tab)
+                for j in range(16):
+                    v = np.int32(wr[o + 4 + j])
+                    o_[b * 32 + j] = d * np.float32(v & 15) + m
+                    o_[b * 32 + 16 + j] = d * np.float32(v >> 4) + m
+
+    @_djit
+    def _dq_q5_0(w, ids, out, i0, i1, tab):
+        nb = out.shape[1] // 32
+        for i in range(i0, i1):
+            wr = w[ids[i]]
+            o_ = out[i]
+            for b in range(nb):
+                o = b * 22
+                d = _f16(wr, o, tab)
+                qh = (np.int64(wr[o + 2]) | (np.int64(wr[o + 3]) << 8)
+                      | (np.int64(wr[o + 4]) << 16) | (np.int64(wr[o + 5]) << 24))
+                for j in range(16):
+                    v = np.int32(wr[o + 6 + j])
+                    h0 = np.int32((qh >> j) & 1) << 4
+                    h1 = np.int32((qh >> (j + 16)) & 1) << 4
+                    o_[b * 32 + j] = d * np.float32(((v & 15) | h0) - 16)
+                    o_[b * 32 + 16 + j] = d * np.float32(((v >> 4) | h1) - 16)
+
+    @_djit
+    def _dq_q5_1(w, ids, out, i0, i1, tab):
+        nb = out.shape[1] // 32
+        for i in range(i0, i1):
+            wr = w[ids[i]]
+            o_ = out[i]
+            for b in range(nb):
+                o = b * 24
+                d = _f16(wr, o, tab)
+                m = _f16(wr, o + 2, tab)
+                qh = (np.int64(wr[o + 4]) | (np.int64(wr[o + 5]) << 8)
+                      | (np.int64(wr[o + 6]) << 16) | (np.int64(wr[o + 7]) << 24))
+                for j in range(16):
+                    v = np.int32(wr[o + 8 + j])
+                    h0 = np.int32((qh >> j) & 1) << 4
+                    h1 = np.int32((qh >> (j + 16)) & 1) << 4
+                    o_[b * 32 + j] = d * np.float32((v & 15) | h0) + m
+                    o_[b * 32 + 16 + j] = d * np.float32((v >> 4) | h1) + m
+
+    @_djit
+    def _dq_q8_0(w, ids, out, i0, i1, tab):
+        nb = out.shape[1] // 32
+        for i in range(i0, i1):
+            wr = w[ids[i]]
+            o_ = out[i]
+            for b in range(nb):
+                o = b * 34
+                d = _f16(wr, o, tab)
+                for j in range(32):
+                    o_[b * 32 + j] = np.float32(np.int8(wr[o + 2 + j])) * d
+
+    @_djit
+    def _dq_q2_k(w, ids, out, i0, i1, tab):
+        nb = out.shape[1] // 256
+        for i in range(i0, i1):
+            wr = w[ids[i]]
+            o_ = out[i]
+            for b in range(nb):
+                o = b * 84
+                d = _f16(wr, o + 80, tab)
+                dmin = _f16(wr, o + 82, tab)
+                for n in range(2):
+                    for k in range(4):
+                        for half in range(2):
+                            sc = np.int32(wr[o + n * 8 + k * 2 + half])
+                            dl = d * np.float32(sc & 15)
+                            ml = dmin * np.float32(sc >> 4)
+                            e0 = b * 256 + n * 128 + k * 32 + half * 16
+                            q0 = o + 16 + n * 32 + half * 16
+                            for l in range(16):
+                                q = (np.int32(wr[q0 + l]) >> (2 * k)) & 3
+                                o_[e0 + l] = dl * np.float32(q) - ml
+
+    @_djit
+    def _dq_q3_k(w, ids, out, i0, i1, tab):
+        nb = out.shape[1] // 256
+        for i in range(i0, i1):
+            wr = w[ids[i]]
+            o_ = out[i]
+            for b in range(nb):
+                o = b * 110
+                d = _f16(wr, o + 108, tab)
+                for n in range(2):
+                    for k in range(4):
+                        hb = 4 * n + k
+                        for half in range(2):
+                            si = n * 8 + k * 2 + half
+                            lo = (np.int32(wr[o + 96 + (si & 7)]) >> (4 * (si >> 3))) & 15
+                            hi = (np.int32(wr[o + 104 + (si & 3)]) >> (2 * (si >> 2))) & 3
+                            dl = d * np.float32((lo | (hi << 4)) - 32)
+                            e0 = b * 256 + n * 128 + k * 32 + half * 16
+                            q0 = o + 32 + n * 32 + half * 16
+                            for l in range(16):
+                                q = (np.int32(wr[q0 + l]) >> (2 * k)) & 3
+                                h = (np.int32(wr[o + half * 16 + l]) >> hb) & 1
+                                o_[e0 + l] = dl * np.float32(q - 4 + 4 * h)
+
+    @_djit
+    def _dq_q4_k(w, ids, out, i0, i1, tab):
+        nb = out.shape[1] // 256
+        for i in range(i0, i1):
+            wr = w[ids[i]]
+            o_ = out[i]
+            for b in range(nb):
+                o = b * 144
+                d = _f16(wr, o, tab)
+                dmin = _f16(wr, o + 2, tab)
+                for p in range(4):
+                    sc0, m0 = _k_scale(wr, o + 4, 2 * p)
+                    sc1, m1 = _k_scale(wr, o + 4, 2 * p + 1)
+                    d0 = d * np.float32(sc0)
+                    d1 = d * np.float32(sc1)
+                    n0 = dmin * np.float32(m0)
+                    n1 = dmin * np.float32(m1)
+                    e0 = b * 256 + p * 64
+                    q0 = o + 16 + p * 32
+                    for l in range(32):
+                        v = np.int32(wr[q0 + l])
+                        o_[e0 + l] = d0 * np.float32(v & 15) - n0
+                        o_[e0 + 32 + l] = d1 * np.float32(v >> 4) - n1
+
+    @_djit
+    def _dq_q5_k(w, ids, out, i0, i1, tab):
+        nb = out.shape[1] // 256
+        for i in range(i0, i1):
+            wr = w[ids[i]]
+            o_ = out[i]
+            for b in range(nb):
+                o = b * 176
+                d = _f16(wr, o, tab)
+                dmin = _f16(wr, o + 2, tab)
+                for p in range(4):
+                    sc0, m0 = _k_scale(wr, o + 4, 2 * p)
+                    sc1, m1 = _k_scale(wr, o + 4, 2 * p + 1)
+                    d0 = d * np.float32(sc0)
+                    d1 = d * np.float32(sc1)
+                    n0 = dmin * np.float32(m0)
+                    n1 = dmin * np.float32(m1)
+                    e0 = b * 256 + p * 64
+                    q0 = o + 48 + p * 32
+                    for l in range(32):
+                        v = np.int32(wr[q0 + l])
+                        h = np.int32(wr[o + 16 + l]) >> (2 * p)
+                        o_[e0 + l] = d0 * np.float32((v & 15) | ((h & 1) << 4)) - n0
+                        o_[e0 + 32 + l] = d1 * np.float32((v >> 4) | ((h & 2) << 3)) - n1
+
+    @_djit
+    def _dq_q6_k(w, ids, out, i0, i1, tab):
+        nb = out.shape[1] // 256
+        for i in range(i0, i1):
+            wr = w[ids[i]]
+            o_ = out[i]
+            for b in range(nb):
+                o = b * 210
+                d = _f16(wr, o + 208, tab)
+                for hf in range(2):
+                    ql = o + hf * 64
+                    qh = o + 128 + hf * 32
+                    sc = o + 192 + hf * 8
+                    e0 = b * 256 + hf * 128
+                    for i2 in range(2):
+                        d1 = d * np.float32(np.int8(wr[sc + i2]))
+                        d2 = d * np.float32(np.int8(wr[sc + i2 + 2]))
+                        d3 = d * np.float32(np.int8(wr[sc + i2 + 4]))
+                        d4 = d * np.float32(np.int8(wr[sc + i2 + 6]))
+                        for l in range(i2 * 16, i2 * 16 + 16):
+                            a = np.int32(wr[ql + l])
+                            c = np.int32(wr[ql + 32 + l])
+                            h = np.int32(wr[qh + l])
+                            o_[e0 + l] = d1 * np.float32(((a & 15) | ((h & 3) << 4)) - 32)
+                            o_[e0 + 32 + l] = d2 * np.float32(((c & 15) | ((h & 12) << 2)) - 32)
+                            o_[e0 + 64 + l] = d3 * np.float32(((a >> 4) | (h & 48)) - 32)
+                            o_[e0 + 96 + l] = d4 * np.float32(((c >> 4) | ((h & 192) >> 2)) - 32)
+
+    DEQUANT.update({
+        GGMLType.Q4_0: _dq_q4_0,
+        GGMLType.Q4_1: _dq_q4_1,
+        GGMLType.Q5_0: _dq_q5_0,
+        GGMLType.Q5_1: _dq_q5_1,
+        GGMLType.Q8_0: _dq_q8_0,
+        GGMLType.Q2_K: _dq_q2_k,
+        GGMLType.Q3_K: _dq_q3_k,
+        GGMLType.Q4_K: _dq_q4_k,
+        GGMLType.Q5_K: _dq_q5_k,
+        GGMLType.Q6_K: _dq_q6_k,
+    })
+
+    # From the repacked tiles: row r of tile T is column r of every (.., R) slice.
+
+    @_djit
+    def _dqr_q4_0(p, ids, out, i0, i1):
+        qs, dm = p
+        R, nb = qs.shape[3], qs.shape[1]
+        for i in range(i0, i1):
+            tile, r = ids[i] // R, ids[i] % R
+            o_ = out[i]
+            for b in range(nb):
+                d = dm[tile, b, 0, r]
+                for j in range(16):
+                    v = np.int32(qs[tile, b, j, r])
+                    o_[b * 32 + j] = d * np.float32((v & 15) - 8)
+                    o_[b * 32 + 16 + j] = d * np.float32((v >> 4) - 8)
+
+    @_djit
+    def _dqr_q4_1(p, ids, out, i0, i1):
+        qs, dm = p
+        R, nb = qs.shape[3], qs.shape[1]
+        for i in range(i0, i1):
+            tile, r = ids[i] // R, ids[i] % R
+            o_ = out[i]
+            for b in range(nb):
+                d = dm[tile, b, 0, r]
+                m = dm[tile, b, 1, r]
+                for j in range(16):
+                    v = np.int32(qs[tile, b, j, r])
+                    o_[b * 32 + j] = d * np.float32(v & 15) + m
+                    o_[b * 32 + 16 + j] = d * np.float32(v >> 4) + m
+
+    @_djit
+    def _dqr_q8_0(p, ids, out, i0, i1):
+        qs, dm = p
+        R, nb = qs.shape[3], qs.shape[1]
+        for i in range(i0, i1):
+            tile, r = ids[i] // R, ids[i] % R
+            o_ = out[i]
+            for b in range(nb):
+                d = dm[tile, b, 0, r]
+                for j in range(32):
+                    o_[b * 32 + j] = np.float32(qs[tile, b, j, r]) * d
+
+    @_djit
+    def _dqr_q4_k(p, ids, out, i0, i1):
+        qs, sm, dm = p
+        R, nb = qs.shape[3], qs.shape[1]
+        for i in range(i0, i1):
+            tile, r = ids[i] // R, ids[i] % R
+            o_ = out[i]
+            for b in range(nb):
+                d = dm[tile, b, 0, r]
+                dmin = dm[tile, b, 1, r]
+                for p_ in range(4):
+                    d0 = d * np.float32(sm[tile, b, 2 * p_, r])
+                    d1 = d * np.float32(sm[tile, b, 2 * p_ + 1, r])
+                    n0 = dmin * np.float32(sm[tile, b, 8 + 2 * p_, r])
+                    n1 = dmin * np.float32(sm[tile, b, 9 + 2 * p_, r])
+                    e0 = b * 256 + p_ * 64
+                    for l in range(32):
+                        v = np.int32(qs[tile, b, p_ * 32 + l, r])
+                        o_[e0 + l] = d0 * np.float32(v & 15) - n0
+                        o_[e0 + 32 + l] = d1 * np.float32(v >> 4) - n1
+
+    @_djit
+    def _dqr_q6_k(p, ids, out, i0, i1):
+        ql, qh, sc, dm = p
+        R, nb = ql.shape[3], ql.shape[1]
+        for i in range(i0, i1):
+            tile, r = ids[i] // R, ids[i] % R
+            o_ = out[i]
+            for b in range(nb):
+                d = dm[tile, b, 0, r]
+                for hf in range(2):
+                    e0 = b * 256 + hf * 128
+                    for i2 in range(2):
+                        k = hf * 8 + i2
+                        d1 = d * np.float32(sc[tile, b, k, r])
+                        d2 = d * np.float32(sc[tile, b, k + 2, r])
+                        d3 = d * np.float32(sc[tile, b, k + 4, r])
+                        d4 = d * np.float32(sc[tile, b, k + 6, r])
+                        for l in range(i2 * 16, i2 * 16 + 16):
+                            a = np.int32(ql[tile, b, hf * 64 + l, r])
+                            c = np.int32(ql[tile, b, hf * 64 + 32 + l, r])
+                            h = np.int32(qh[tile, b, hf * 32 + l, r])
+                            o_[e0 + l] = d1 * np.float32(((a & 15) | ((h & 3) << 4)) - 32)
+                            o_[e0 + 32 + l] = d2 * np.float32(((c & 15) | ((h & 12) << 2)) - 32)
+                            o_[e0 + 64 + l] = d3 * np.float32(((a >> 4) | (h & 48)) - 32)
+                            o_[e0 + 96 + l] = d4 * np.float32(((c >> 4) | ((h & 192) >> 2)) - 32)
+
+    DEQUANT_REPACKED.update({
+        GGMLType.Q4_0: _dqr_q4_0,
+        GGMLType.Q4_1: _dqr_q4_1,
+        GGMLType.Q8_0: _dqr_q8_0,
+        GGMLType.Q4_K: _dqr_q4_k,
+        GGMLType.Q6_K: _dqr_q6_k,
     })
 
 
@@ -619,15 +978,182 @@ def numba_enabled() -> bool:
     return HAVE_NUMBA
 
 
+# --------------------------------------------------------------------------------------------
+# Threads. numba's parallel layers (omp/workqueue) split a `prange` statically and then wait
+# at a barrier for every thread: on a shared, loaded machine a thread that is not scheduled
+# stalls the whole call (measured: 2-thread decode slower than 1 thread). Instead, a call is
+# cut into chunks that the calling thread and persistent helper threads claim one at a time
+# (the kernels release the GIL). The caller never waits for a helper that has not started: it
+# runs every chunk still unclaimed itself and then waits only for chunks in flight.
+# --------------------------------------------------------------------------------------------
+
+
+class _Job:
+    __slots__ = ("fn", "n", "claim", "done", "event", "error")
+
+    def __init__(self, fn: Callable[[int], None], n: int) -> None:
+        self.fn, self.n = fn, n
+        self.claim = itertools.count()  # next() is atomic under the GIL
+        self.done = itertools.count(1)
+        self.event = threading.Event()
+        self.error: BaseException | None = None
+
+    def work(self) -> None:
+        n = self.n
+        while True:
+            c = next(self.claim)
+            if c >= n:
+                return
+            try:
+                self.fn(c)
+            except BaseException as e:  # pragma: no cover - re-raised by the caller
+                self.error = e
+            if next(self.done) == n:
+                self.event.set()
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.n_helpers = 0
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+
+    def _helper(self) -> None:
+        while True:
+            job = self.queue.get()
+            if job is None:
+                return
+            job.work()
+
+    def run(self, fn: Callable[[int], None], n_chunks: int, n_threads: int) -> None:
+        """fn(0..n_chunks-1), on up to n_threads threads (the caller is one of them)."""
+        if n_threads <= 1 or n_chunks <= 1:
+            for c in range(n_chunks):
+                fn(c)
+            return
+        want = min(n_threads, n_chunks) - 1
+        with self.lock:
+            if self.pid != os.getpid():  # forked: the helpers did not come along
+                self.__init__()  # type: ignore[misc]
+            while self.n_helpers < want:
+                threading.Thread(target=self._helper, daemon=True, name="llamapy-qmatmul").start()
+                self.n_helpers += 1
+        job = _Job(fn, n_chunks)
+        for _ in range(want):
+            self.queue.put(job)
+        job.work()
+        job.event.wait()
+        if job.error is not None:
+            raise job.error
+
+
+_POOL = _Pool()
+
+# Weights per chunk handed to a thread (~40 us of matvec): smaller matrices run on the calling
+# thread alone, bigger ones in about this much work per chunk.
+CHUNK_WEIGHTS = 1 << 18
+# At most this many chunks per thread (bounds the per-chunk dispatch cost, ~3 us each).
+MAX_CHUNKS_PER_THREAD = 8
+
+
+def _n_chunks(work: int, units: int, nt: int) -> int:
+    if nt <= 1:
+        return 1
+    return int(max(1, min(units, work // CHUNK_WEIGHTS, MAX_CHUNKS_PER_THREAD * nt)))
+
+
+# --------------------------------------------------------------------------------------------
+# Repacking (rows innermost).
+# --------------------------------------------------------------------------------------------
+
+
+def _tr(a: np.ndarray) -> np.ndarray:
+    """(T, R, nb, k) -> contiguous (T, nb, k, R)."""
+    return np.ascontiguousarray(np.moveaxis(a, 1, 3))
+
+
+def _f16_fields(b: np.ndarray) -> np.ndarray:
+    """(T, R, nb, 2k) bytes holding k f16 -> (T, nb, k, R) float32 (exact)."""
+    return _tr(np.ascontiguousarray(b).view(np.float16).astype(np.float32))
+
+
+def _repack_q4_0(b: np.ndarray) -> tuple[np.ndarray, ...]:
+    return _tr(b[..., 2:18]), _f16_fields(b[..., 0:2])
+
+
+def _repack_q4_1(b: np.ndarray) -> tuple[np.ndarray, ...]:
+    return _tr(b[..., 4:20]), _f16_fields(b[..., 0:4])
+
+
+def _repack_q8_0(b: np.ndarray) -> tuple[np.ndarray, ...]:
+    return _tr(b[..., 2:34]).view(np.int8), _f16_fields(b[..., 0:2])
+
+
+def _repack_q4_k(b: np.ndarray) -> tuple[np.ndarray, ...]:
+    sc, mn = quants.k_scale_min(b[..., 4:16].reshape(-1, 12))
+    sm = np.concatenate([sc, mn], axis=1).reshape(*b.shape[:3], 16)
+    return _tr(b[..., 16:144]), _tr(sm), _f16_fields(b[..., 0:4])
+
+
+def _repack_q6_k(b: np.ndarray) -> tuple[np.ndarray, ...]:
+    return (_tr(b[..., 0:128]), _tr(b[..., 128:192]), _tr(b[..., 192:208]).view(np.int8),
+            _f16_fields(b[..., 208:210]))
+
+
+# Types with rows-innermost kernels; overhead over the file's bytes: Q4_0 +11%, Q4_1 +20%,
+# Q8_0 +6%, Q4_K +6%, Q6_K +1%.
+_REPACK: dict[GGMLType, Callable[[np.ndarray], tuple[np.ndarray, ...]]] = {
+    GGMLType.Q4_0: _repack_q4_0,
+    GGMLType.Q4_1: _repack_q4_1,
+    GGMLType.Q8_0: _repack_q8_0,
+    GGMLType.Q4_K: _repack_q4_k,
+    GGMLType.Q6_K: _repack_q6_k,
+}
+
+
+def _drop_mapped_pages(a: np.ndarray) -> None:
+    """Tell the OS the pages of `a` are not needed any more, when `a` is a view of a read-only
+    file mapping (re-read from the file if ever touched again); anything else is left alone."""
+    base: Any = a
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    if isinstance(base, np.ndarray):
+        return
+    obj = base.obj if isinstance(base, memoryview) else base
+    if not isinstance(obj, mmap.mmap) or not hasattr(obj, "madvise"):
+        return
+    try:
+        start = np.frombuffer(obj, np.uint8).ctypes.data
+    except (TypeError, ValueError):  # pragma: no cover - a closed or writable mapping
+        return
+    try:
+        np.frombuffer(obj, np.uint8)[:0].setflags(write=True)
+        return  # writable mapping: MADV_DONTNEED could drop changes
+    except ValueError:
+        pass
+    page = mmap.PAGESIZE
+    lo = a.ctypes.data - start
+    hi = lo + a.nbytes
+    lo = -(-lo // page) * page
+    hi = hi // page * page
+    if 0 <= lo < hi <= len(obj):
+        try:
+            obj.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        except (OSError, ValueError, AttributeError):  # pragma: no cover
+            pass
+
+
 @dataclass
 class QMatrix:
     """A weight matrix (n_out rows of n_in elements) kept quantized, ready for matmul.
 
     Most types keep `data`, the file's own bytes ((n_out, row_bytes) uint8, usually a read-only
     view of the GGUF memmap): nothing is copied and the pages stay droppable by the OS.
-    Q4_1 and Q8_0 (with numba) are repacked once into row-interleaved tiles (`_qs`, `_dm`;
-    +20% / +6% over the file's bytes) and the mapped rows are released; `data` then only keeps
-    a copy of the last n_out % REPACK_ROWS rows, in the file's layout.
+    Types in `_REPACK` (with numba) are repacked once into row-interleaved tiles (`_rp`, a tuple
+    of arrays) and the mapped rows are released (and their pages dropped when they are a
+    read-only file mapping); `data` then only keeps a copy of the last n_out % REPACK_ROWS rows,
+    in the file's layout.
     """
 
     qtype: GGMLType
@@ -636,8 +1162,7 @@ class QMatrix:
     data: np.ndarray = field(repr=False)
     # The view the per-row kernels read (int8 for Q8_0, uint16 for F16/BF16, float32 for F32).
     _kdata: np.ndarray | None = field(repr=False, default=None)
-    _qs: np.ndarray | None = field(repr=False, default=None)
-    _dm: np.ndarray | None = field(repr=False, default=None)
+    _rp: tuple[np.ndarray, ...] | None = field(repr=False, default=None)
     _n_full: int = 0  # rows held by the repacked tiles
 
     @classmethod
@@ -657,52 +1182,33 @@ class QMatrix:
         # A reshape of a contiguous view, never a copy: the memmap is what we hold.
         data = np.ascontiguousarray(data.reshape(n_out, row_bytes))
         m = cls(qtype, n_out, n_in, data)
-        if HAVE_NUMBA and qtype in REPACKED and n_out >= REPACK_ROWS:
+        if HAVE_NUMBA and qtype in _REPACK and n_out >= REPACK_ROWS:
             m._repack()
         m._kdata = _kernel_view(qtype, m.data)
         return m
 
     def _repack(self) -> None:
-        hdr, nq = _REPACK_SPLIT[self.qtype]
+        blck, bsize = block_size(self.qtype)
         R = REPACK_ROWS
-        nb = self.n_in // 32
+        nb = self.n_in // blck
         n_full = self.n_out // R * R
-        blocks = self.data[:n_full].reshape(n_full // R, R, nb, hdr + nq)
-        qs = blocks[..., hdr:].transpose(0, 2, 3, 1)
-        if self.qtype == GGMLType.Q8_0:
-            qs = qs.view(np.int8)
-        self._qs = np.ascontiguousarray(qs)
-        scales = np.ascontiguousarray(blocks[..., :hdr]).view(np.float16).astype(np.float32)
-        self._dm = np.ascontiguousarray(scales.transpose(0, 2, 3, 1))
+        src = self.data
+        self._rp = _REPACK[self.qtype](src[:n_full].reshape(n_full // R, R, nb, bsize))
         self._n_full = n_full
         # Drop the mapped rows: only the (copied) tail stays in the file's layout.
-        self.data = np.array(self.data[n_full:])
+        self.data = np.array(src[n_full:])
+        _drop_mapped_pages(src[:n_full])
 
-    def _raw_rows(self, ids: np.ndarray) -> np.ndarray:
-        """The file's bytes of rows `ids` (int64 array), (len(ids), row_bytes) uint8."""
-        if self._qs is None:
-            return self.data[ids]
-        hdr, nq = _REPACK_SPLIT[self.qtype]
-        R = REPACK_ROWS
-        nb = self.n_in // 32
-        out = np.empty((ids.size, nb, hdr + nq), np.uint8)
-        full = ids < self._n_full
-        f = ids[full]
-        if f.size:
-            tiles, rr = f // R, f % R
-            out[full, :, hdr:] = self._qs[tiles, :, :, rr].view(np.uint8)
-            d = self._dm[tiles, :, :, rr].astype(np.float16)  # exact: they came from f16
-            out[full, :, :hdr] = d.view(np.uint8)
-        if (~full).any():
-            out[~full] = self.data[ids[~full] - self._n_full].reshape(-1, nb, hdr + nq)
-        return out.reshape(ids.size, -1)
+    @property
+    def repacked(self) -> bool:
+        return self._rp is not None
 
     @property
     def nbytes(self) -> int:
         """Bytes this object holds: the quantized rows (file layout) plus any repacked tiles."""
         n = int(self.data.nbytes)
-        if self._qs is not None and self._dm is not None:
-            n += int(self._qs.nbytes + self._dm.nbytes)
+        if self._rp is not None:
+            n += sum(int(a.nbytes) for a in self._rp)
         return n
 
     def _ids(self, rows: np.ndarray | slice | None) -> np.ndarray:
@@ -715,14 +1221,48 @@ class QMatrix:
             raise IndexError(f"row id out of range 0..{self.n_out - 1}")
         return np.where(ids < 0, ids + self.n_out, ids)
 
-    def dequantize(self, rows: np.ndarray | slice | None = None) -> np.ndarray:
-        """float32 (n, n_in) of the selected rows (all when `rows` is None)."""
-        if self._qs is None and (rows is None or isinstance(rows, slice)):
-            sel = self.data if rows is None else self.data[rows]
+    def dequantize(self, rows: np.ndarray | slice | None = None, n_threads: int = 0) -> np.ndarray:
+        """float32 (n, n_in) of the selected rows (all when `rows` is None), C-contiguous."""
+        ids = self._ids(rows)
+        fast = self._rp is not None or (HAVE_NUMBA and self.qtype in DEQUANT)
+        if not fast:
+            sel = self.data if rows is None else self.data[rows] if isinstance(rows, slice) else self.data[ids]
             return quants.dequantize(sel, self.qtype, self.n_in).reshape(-1, self.n_in)
-        return quants.dequantize(self._raw_rows(self._ids(rows)), self.qtype, self.n_in).reshape(
-            -1, self.n_in
-        )
+        out = np.empty((ids.size, self.n_in), dtype=np.float32)
+        self._dequant_into(ids, out, n_threads)
+        return out
+
+    def _dequant_into(self, ids: np.ndarray, out: np.ndarray, n_threads: int) -> None:
+        n = ids.size
+        if n == 0:
+            return
+        nt = _threads(n_threads)
+        n_chunks = _n_chunks(n * self.n_in // 4, n, nt)  # dequant: ~4x a matvec's weights/s
+        if self._rp is None:
+            k, w = DEQUANT[self.qtype], self.data
+
+            def chunk(c: int) -> None:
+                k(w, ids, out, c * n // n_chunks, (c + 1) * n // n_chunks, F16_TABLE)
+
+            _POOL.run(chunk, n_chunks, nt)
+            return
+        full = bool(ids.max() < self._n_full)
+        rp_ids = ids if full else ids[ids < self._n_full]
+        target = out if full else np.empty((rp_ids.size, self.n_in), np.float32)
+        kr, p, nr = DEQUANT_REPACKED[self.qtype], self._rp, rp_ids.size
+
+        def chunk_r(c: int) -> None:
+            kr(p, rp_ids, target, c * nr // n_chunks, (c + 1) * nr // n_chunks)
+
+        if nr:
+            _POOL.run(chunk_r, min(n_chunks, nr), nt)
+        if not full:
+            tail = ids >= self._n_full
+            out[~tail] = target
+            t_ids = ids[tail] - self._n_full
+            t_out = np.empty((t_ids.size, self.n_in), np.float32)
+            DEQUANT[self.qtype](self.data, t_ids, t_out, 0, t_ids.size, F16_TABLE)
+            out[tail] = t_out
 
     def get_rows(self, ids: np.ndarray) -> np.ndarray:
         """GET_ROWS: float32 (len(ids), n_in), e.g. token embeddings."""
@@ -743,10 +1283,10 @@ class QMatrix:
         if self.qtype == GGMLType.F32 and n_tok >= 2:
             # Already float32: the file's rows are the BLAS operand, no copy.
             out = x @ self.data.view(np.float32).T
-        elif HAVE_NUMBA and n_tok < BLAS_MIN_TOKENS:
+        elif (HAVE_NUMBA or self._rp is not None) and n_tok < BLAS_MIN_TOKENS:
             out = self._matmul_numba(x, n_threads)
         else:
-            out = self._matmul_tiles(x)
+            out = self._matmul_tiles(x, n_threads)
         return out.reshape(-1) if squeeze else out
 
     def _matmul_numba(self, x: np.ndarray, n_threads: int) -> np.ndarray:
@@ -754,37 +1294,39 @@ class QMatrix:
         out = np.empty((n_tok, self.n_out), dtype=np.float32)
         xs = _block_sums16(x)
         nt = _threads(n_threads)
-        big = self.n_out * self.n_in * n_tok >= PARALLEL_MIN_WEIGHTS
-        if nt > 1 and big and numba.get_num_threads() != nt:
-            numba.set_num_threads(nt)
-        if self._qs is not None:
-            serial, parallel = REPACKED[self.qtype]
-            n_tiles = self._qs.shape[0]
-            if nt > 1 and big and n_tiles >= nt:
-                parallel(self._qs, self._dm, x, xs, out, nt, REPACK_ROWS)
-            else:
-                serial(self._qs, self._dm, x, xs, out, 0, n_tiles, REPACK_ROWS)
+        work = self.n_out * self.n_in * n_tok
+        if self._rp is not None:
+            kr, p = REPACKED[self.qtype], self._rp
+            n_tiles = self._n_full // REPACK_ROWS
+            nc = _n_chunks(work, n_tiles, nt)
+
+            def chunk(c: int) -> None:
+                kr(p, x, xs, out, c * n_tiles // nc, (c + 1) * n_tiles // nc)
+
+            _POOL.run(chunk, nc, nt)
             if self._n_full < self.n_out:
                 tail = np.empty((n_tok, self.n_out - self._n_full), dtype=np.float32)
-                KERNELS[self.qtype][0](
-                    self._kdata, x, xs, tail, 0, tail.shape[1], F16_TABLE, 16
-                )
+                KERNELS[self.qtype](self._kdata, x, xs, tail, 0, tail.shape[1], F16_TABLE, 16)
                 out[:, self._n_full :] = tail
             return out
-        serial, parallel = KERNELS[self.qtype]
-        if nt > 1 and big and self.n_out >= 2 * nt:
-            parallel(self._kdata, x, xs, out, F16_TABLE, nt, 16)
-        else:
-            serial(self._kdata, x, xs, out, 0, self.n_out, F16_TABLE, 16)
+        k, w, n = KERNELS[self.qtype], self._kdata, self.n_out
+        nc = _n_chunks(work, n, nt)
+
+        def chunk_f(c: int) -> None:
+            k(w, x, xs, out, c * n // nc, (c + 1) * n // nc, F16_TABLE, 16)
+
+        _POOL.run(chunk_f, nc, nt)
         return out
 
-    def _matmul_tiles(self, x: np.ndarray) -> np.ndarray:
+    def _matmul_tiles(self, x: np.ndarray, n_threads: int = 0) -> np.ndarray:
         # Prompt processing / no numba: expand row tiles to f32 and let BLAS do the flops.
         out = np.empty((x.shape[0], self.n_out), dtype=np.float32)
         step = max(1, TILE_ELEMS // self.n_in)
+        if step < self.n_out and self._rp is not None:
+            step = max(REPACK_ROWS, step // REPACK_ROWS * REPACK_ROWS)
         for r0 in range(0, self.n_out, step):
             r1 = min(self.n_out, r0 + step)
-            tile = self.dequantize(slice(r0, r1))
+            tile = self.dequantize(slice(r0, r1), n_threads)
             np.matmul(x, tile.T, out=out[:, r0:r1])
         return out
 

@@ -1,1 +1,311 @@
-"""`llamapy batch` (being written; see the issue tracker)."""
+"""`llamapy batch` (llama.cpp's tools/parallel and tools/batched as a file-to-file tool): many
+prompts decoded as parallel sequences of one context, one JSONL record per prompt.
+
+Input: a `.jsonl` file (objects with `prompt` and optional `n_predict`, `temp`, `seed`, `id`) or
+any other file as text, one prompt per line with `\\n`, `\\t`, `\\\\` escapes. Blank lines are
+skipped; `index` counts the remaining lines from 0. A line that is not a valid request becomes an
+error record `{"index": i, "error": "…"}` and the others still run.
+
+Output: one line per prompt in INPUT order (a completion that finishes early waits in memory until
+every earlier record is out), each written with a single write, flushed and fsync'ed. With `-o`,
+rerunning with the same file resumes: indices already there are skipped, and a last line cut short
+by a crash (not newline-terminated, or not valid JSON) is removed first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from ..types import LlamapyError
+from . import app, common, log
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'", "0": "\0"}
+_ESCAPE_RX = re.compile(r"\\(.)")
+
+
+def unescape(line: str) -> str:
+    """`\\n`, `\\t`, `\\r`, `\\\\`, `\\"`, `\\'`, `\\0`; any other backslash stays as it is."""
+    return _ESCAPE_RX.sub(lambda m: _ESCAPES.get(m.group(1), m.group(0)), line)
+
+
+@dataclass
+class InputItem:
+    index: int
+    request: Any = None  # a BatchRequest, or None when `error` is set
+    error: str | None = None
+    id: Any = None
+
+
+_FIELDS = {"prompt", "n_predict", "temp", "seed", "id"}
+
+
+def _parse_json_line(index: int, line: str) -> InputItem:
+    from ..batch import BatchRequest
+
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        return InputItem(index, error=f"line {index + 1}: invalid JSON ({e.msg} at column {e.colno})")
+    if not isinstance(obj, dict):
+        return InputItem(index, error=f"line {index + 1}: expected a JSON object, got {type(obj).__name__}")
+    rid = obj.get("id", index)
+    prompt = obj.get("prompt")
+    if not isinstance(prompt, str):
+        what = "missing" if prompt is None else f"a {type(prompt).__name__}, not a string"
+        return InputItem(index, error=f"line {index + 1}: `prompt` is {what}", id=rid)
+    for key, kind in (("n_predict", int), ("seed", int), ("temp", (int, float))):
+        v = obj.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, kind)):
+            return InputItem(index, error=f"line {index + 1}: `{key}` must be a number", id=rid)
+    if not isinstance(rid, (str, int, float, type(None))):
+        return InputItem(index, error=f"line {index + 1}: `id` must be a string or a number", id=None)
+    req = BatchRequest(prompt, n_predict=obj.get("n_predict"), temp=obj.get("temp"), seed=obj.get("seed"), id=rid, index=index)
+    return InputItem(index, request=req, id=rid)
+
+
+def read_inputs(path: str) -> list[InputItem]:
+    """The prompts of a .jsonl or text file, with error items for the lines that are not requests."""
+    from ..batch import BatchRequest
+    from .run import read_text_file
+
+    text = read_text_file(path, "PROMPTS")
+    lines = [ln.rstrip("\r") for ln in text.split("\n")]
+    lines = [ln for ln in lines if ln.strip()]
+    if not lines:
+        raise LlamapyError(f"{path}: no prompts (the file is empty)")
+    if Path(path).suffix.lower() == ".jsonl":
+        return [_parse_json_line(i, ln) for i, ln in enumerate(lines)]
+    return [InputItem(i, request=BatchRequest(unescape(ln), id=i, index=i), id=i) for i, ln in enumerate(lines)]
+
+
+# -- output ------------------------------------------------------------------------------------
+
+
+class RecordWriter:
+    """Appends one JSON object per line, each with a single write + fsync. On an OSError (a full
+    disk) whatever part of the record reached the file is cut off again, so every line in the
+    file is a complete record, and a LlamapyError says how to resume."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.n_written = 0
+        self.fd = -1
+        self.regular = False
+        if path is not None:
+            try:
+                self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise LlamapyError(f"-o {path}: cannot open for writing ({e.strerror or e})") from None
+            self.regular = Path(path).is_file()
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        if self.path is None:
+            try:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            except OSError as e:
+                raise LlamapyError(f"writing to stdout: {e.strerror or e}") from None
+            self.n_written += 1
+            return
+        data = line.encode("utf-8")
+        start = os.lseek(self.fd, 0, os.SEEK_END) if self.regular else 0
+        try:
+            view = memoryview(data)
+            while view:  # os.write may write less than asked (a pipe, a signal, a nearly full disk)
+                n = os.write(self.fd, view)
+                view = view[n:]
+            if self.regular:
+                os.fsync(self.fd)
+        except OSError as e:
+            if self.regular:
+                try:
+                    os.ftruncate(self.fd, start)
+                except OSError:
+                    pass
+            raise LlamapyError(
+                f"writing record {record.get('index')} to {self.path}: {e.strerror or e} "
+                f"({self.n_written} records written in this run; rerun with -o {self.path} to resume)"
+            ) from None
+        self.n_written += 1
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def load_done(path: str) -> set[int]:
+    """Indices already in an output file; a last line cut short by a crash is removed."""
+    p = Path(path)
+    if not p.is_file():
+        return set()
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise LlamapyError(f"-o {path}: cannot read ({e.strerror or e})") from None
+    done: set[int] = set()
+    keep = 0  # bytes of the complete records
+    *complete, tail = data.split(b"\n")  # `tail`: what follows the last newline (a partial write)
+    for i, raw in enumerate(complete):
+        if not raw.strip():
+            keep += len(raw) + 1
+            continue
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            rec = None
+        if not isinstance(rec, dict) or not isinstance(rec.get("index"), int):
+            if i == len(complete) - 1 and rec is None:
+                tail = b"x"  # a garbled last line: cut it off below and redo its record
+                break
+            raise LlamapyError(f"-o {path}: line {i + 1} is not a record of llamapy batch; not appending to this file")
+        done.add(rec["index"])
+        keep += len(raw) + 1
+    if tail:
+        try:
+            with open(path, "r+b") as f:
+                f.truncate(keep)
+        except OSError as e:
+            raise LlamapyError(f"-o {path}: cannot remove the incomplete last line ({e.strerror or e})") from None
+    return done
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def _ordered(items: list[InputItem], done: set[int]) -> Iterator[int]:
+    for it in items:
+        if it.index not in done:
+            yield it.index
+
+
+@app.command()
+def batch(
+    model: str = typer.Argument(None, help="GGUF model file (default: SmolLM2-135M-Instruct)", show_default=False),
+    prompts: str = typer.Argument(None, help="prompts: .jsonl, or text with one prompt per line", show_default=False),
+    model_opt: str = common.MODEL_OPT,
+    out: str = typer.Option(None, "-o", "--output", help="JSONL output file (resumed when it exists); default stdout"),
+    n_parallel: int = typer.Option(8, "-np", "--parallel", help="sequences decoded in parallel"),
+    n_predict: int = typer.Option(-1, "-n", "--n-predict", help="tokens to generate per prompt (-1: until end of generation or a full slot)"),
+    ctx_size: int = common.CTX,
+    batch_size: int = common.BATCH,
+    ubatch: int = common.UBATCH,
+    threads: int = common.THREADS,
+    seed: int = typer.Option(-1, "-s", "--seed", help="RNG seed of every prompt (-1: random)"),
+    temp: float = typer.Option(0.8, "--temp", help="temperature (0: greedy)"),
+    top_k: int = typer.Option(40, "--top-k"),
+    top_p: float = typer.Option(0.95, "--top-p"),
+    min_p: float = typer.Option(0.05, "--min-p"),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty"),
+    repeat_last_n: int = typer.Option(64, "--repeat-last-n"),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty"),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty"),
+    no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar on stderr"),
+    ngl: str = common.NGL,
+    ot: list[str] = common.OT,
+    ts: str = common.TS,
+    mg: int = common.MG,
+    ctk: str = common.CTK,
+    ctv: str = common.CTV,
+    nkvo: bool = common.NKVO,
+    no_op_offload: bool = common.NO_OP_OFFLOAD,
+    device: str = common.DEVICE,
+) -> None:
+    """Decode every prompt of a file as parallel sequences; write one JSONL record per prompt."""
+    from ..generate import check_n_predict
+    from ..model.sampler import SamplingParams
+
+    args = [a for a in (model, prompts) if a is not None]
+    if model_opt is not None:
+        if len(args) != 1:
+            raise LlamapyError("with -m MODEL give exactly one PROMPTS file")
+        model_path, prompts_path = model_opt, args[0]
+    elif len(args) == 2:
+        model_path, prompts_path = args
+    elif len(args) == 1:
+        model_path, prompts_path = None, args[0]  # the default model
+    else:
+        raise LlamapyError("no prompts: llamapy batch [MODEL] PROMPTS")
+    if n_parallel < 1:
+        raise LlamapyError(f"-np {n_parallel}: must be >= 1")
+    check_n_predict(n_predict)
+    items = read_inputs(prompts_path)
+    done = load_done(out) if out else set()
+    todo = [it for it in items if it.index not in done]
+    if done:
+        log(f"batch: resuming {out}: {len(items) - len(todo)} of {len(items)} records already there")
+    writer = RecordWriter(out)
+    try:
+        if not todo:
+            log("batch: nothing to do")
+            return
+        sampling = SamplingParams(
+            temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+            repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, seed=seed,
+        )  # fmt: skip
+        llm = common.load(
+            model_path, None, ngl, ot, ts, mg, ctx_size, batch_size, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device
+        )
+        n_slot = llm.ctx.n_ctx // n_parallel
+        log(f"batch: {len(todo)} prompts, -np {n_parallel}, {n_slot} cells per sequence (-c {llm.ctx.n_ctx})")
+        _run(llm, items, todo, done, writer, n_parallel, n_predict, sampling, no_progress)
+    finally:
+        writer.close()
+
+
+def _run(llm, items, todo, done, writer, n_parallel, n_predict, sampling, no_progress) -> None:  # noqa: ANN001
+    from tqdm import tqdm
+
+    from ..batch import BatchStats, run_batch
+
+    order = _ordered(items, done)  # indices to write, in input order
+    next_index = next(order, None)
+    ready: dict[int, dict[str, Any]] = {}
+    stats = BatchStats()
+    bar = tqdm(total=len(todo), file=sys.stderr, unit="prompt", disable=no_progress, dynamic_ncols=True, leave=True)
+
+    def emit(index: int, record: dict[str, Any]) -> None:
+        nonlocal next_index
+        ready[index] = record
+        while next_index is not None and next_index in ready:
+            writer.write(ready.pop(next_index))
+            next_index = next(order, None)
+
+    t0 = time.perf_counter()
+    n_err = 0
+    try:
+        for it in todo:  # lines that are no requests: their records are known up front
+            if it.error is not None:
+                n_err += 1
+                emit(it.index, {"index": it.index, "id": it.id, "error": it.error})
+                bar.update(1)
+        requests = (it.request for it in todo if it.error is None)
+        for rec in run_batch(llm.ctx, requests, n_parallel, n_predict, sampling, stats):
+            if rec.error is not None:
+                n_err += 1
+            emit(rec.index, rec.to_dict())
+            bar.update(1)
+            bar.set_postfix_str(f"{_rate(stats.n_gen_tokens, stats.wall_ms):.1f} tok/s", refresh=False)
+    finally:
+        bar.close()
+    wall = (time.perf_counter() - t0) * 1e3
+    log(
+        f"batch: {len(todo)} records ({n_err} errors), {stats.n_prompt_tokens} prompt + {stats.n_gen_tokens} generated "
+        f"tokens in {stats.n_steps} steps, {wall / 1e3:.2f} s, {_rate(stats.n_gen_tokens, wall):.2f} generated tok/s"
+    )
+
+
+def _rate(n: int, ms: float) -> float:
+    return 1e3 * n / ms if ms > 0 else 0.0

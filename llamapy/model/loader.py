@@ -208,52 +208,54 @@ def collect_weights(gf: GGUFFile, p: LlamaParams) -> ModelWeights:
     return ModelWeights(tok, _weight(gf, "output_norm.weight", (e,)), output, layers, rope_freqs, tied_output=tied)
 
 
-def load_weights(
-    gf: GGUFFile,
-    w: ModelWeights,
-    placement: Placement,
-    overrides: Sequence[tuple[str, Device]] = (),
-) -> None:
+def weight_devices(
+    w: ModelWeights, placement: Placement, overrides: Sequence[tuple[str, Device]] = ()
+) -> dict[Tensor, Device]:
+    """Which device holds each weight: the layer rule, then `-ot REGEX=DEVICE` overrides."""
+    n_layer = len(w.layers)
+    where: dict[Tensor, Device] = {}
+    # the input embedding stays on the CPU whatever -ngl says
+    where[w.tok_embd] = placement.cpu
+    for il, layer in enumerate(w.layers):
+        for t in layer.values():
+            where[t] = placement.layer_device[il]
+    for t in (w.output_norm, w.output):
+        where[t] = placement.layer_device[n_layer]
+    if w.rope_freqs is not None:
+        where[w.rope_freqs] = placement.layer_device[n_layer]
+    for t in where:
+        for pattern, dev in overrides:
+            if re.search(pattern, t.name):
+                where[t] = dev
+                break
+    return where
+
+
+def load_weights(gf: GGUFFile, w: ModelWeights, placement: Placement, where: dict[Tensor, Device]) -> None:
     """Allocate one weights buffer per device and set every tensor from the mapped file.
 
     On OutOfMemoryError everything allocated so far is freed before the error propagates.
     """
-    n_layer = len(w.layers)
-    assign: dict[Tensor, Device] = {}
-    # the input embedding stays on the CPU whatever -ngl says
-    assign[w.tok_embd] = placement.cpu
-    for il, layer in enumerate(w.layers):
-        for t in layer.values():
-            assign[t] = placement.layer_device[il]
-    for t in (w.output_norm, w.output):
-        assign[t] = placement.layer_device[n_layer]
-    if w.rope_freqs is not None:
-        assign[w.rope_freqs] = placement.layer_device[n_layer]
-    for t in list(assign):
-        for pattern, dev in overrides:
-            if re.search(pattern, t.name):
-                assign[t] = dev
-                break
     by_dev: dict[str, tuple[Device, list[Tensor]]] = {}
-    for t, dev in assign.items():
+    for t, dev in where.items():
         by_dev.setdefault(dev.name, (dev, []))[1].append(t)
     try:
         for dev, tensors in by_dev.values():
             buft = dev.buffer_type()
-            size = sum(buft.alloc_size(t) for t in tensors)
-            buf = buft.alloc_buffer(size, BufferUsage.WEIGHTS)
+            buf = buft.alloc_buffer(sum(buft.alloc_size(t) for t in tensors), BufferUsage.WEIGHTS)
             w.buffers.append(buf)
             for t in tensors:
                 buf.alloc_tensor(t)
-                src = "token_embd.weight" if (t is w.output and w.tied_output) else t.name
                 if t is w.output and w.tied_output and w.tok_embd.buffer is buf:
                     # same host buffer: the tied output shares the embedding's value
                     buf._store[t] = buf.storage(w.tok_embd)
                     buf._raw[t] = buf.raw(w.tok_embd)
                     continue
+                src = "token_embd.weight" if (t is w.output and w.tied_output) else t.name
                 buf.set(t, gf.tensor_bytes(src))
     except OutOfMemoryError:
         w.free()
+        for t in where:
+            t.buffer = None
         raise
     w.placement = placement
-

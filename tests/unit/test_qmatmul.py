@@ -57,9 +57,9 @@ def test_matmul(qmat, n_tokens: int, n_threads: int) -> None:
 
 
 def test_matmul_parallel_path(monkeypatch) -> None:
-    # Big enough to take the prange path on 2 threads; mid-size batch on the kernels.
-    monkeypatch.setattr(qmatmul, "PARALLEL_MIN_WEIGHTS", 1)
-    for name in ("Q4_1", "Q8_0", "Q4_K", "Q6_K"):
+    # Chunked over 2 threads at any size; mid-size batch on the kernels.
+    monkeypatch.setattr(qmatmul, "CHUNK_WEIGHTS", 1)
+    for name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_K", "Q2_K"):
         n_in = 512
         raw = random_raw(name, 130, n_in, np.random.default_rng(5))
         w = gguf.quants.dequantize(raw, GGMLType[name]).reshape(130, n_in)
@@ -128,16 +128,19 @@ def test_no_numba_env_import() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=root)
 
 
-@pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
+REPACKED_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+
+
+@pytest.mark.parametrize("name", REPACKED_TYPES)
 def test_repacked_layout(name: str, monkeypatch) -> None:
     # 2 full tiles of REPACK_ROWS plus a 5-row tail in the file's layout.
-    n_out, n_in = 2 * qmatmul.REPACK_ROWS + 5, 96
+    n_out, n_in = 2 * qmatmul.REPACK_ROWS + 5, (512 if name in K_TYPES else 96)
     raw = random_raw(name, n_out, n_in, np.random.default_rng(10))
     raw.flags.writeable = False
     w = gguf.quants.dequantize(raw, GGMLType[name]).reshape(n_out, n_in)
     m = QMatrix.prepare(raw, GGMLType[name], n_out, n_in)
     if qmatmul.HAVE_NUMBA:
-        assert m._qs is not None and not np.shares_memory(m.data, raw)
+        assert m.repacked and not np.shares_memory(m.data, raw)
     assert m.nbytes <= 1.25 * raw.nbytes
     np.testing.assert_array_equal(m.dequantize(), w)
     np.testing.assert_array_equal(m.dequantize(slice(60, 133, 3)), w[60:133:3])
@@ -147,7 +150,69 @@ def test_repacked_layout(name: str, monkeypatch) -> None:
         x = np.random.default_rng(n_tok).standard_normal((n_tok, n_in)).astype(np.float32)
         for th in (1, 2):
             check_matmul(m, w, x, n_threads=th)
-    monkeypatch.setattr(qmatmul, "PARALLEL_MIN_WEIGHTS", 1)
+    monkeypatch.setattr(qmatmul, "CHUNK_WEIGHTS", 1)
     check_matmul(m, w, np.ones((1, n_in), np.float32), n_threads=2)
+    np.testing.assert_array_equal(m.dequantize(n_threads=2), w)
+    # The prompt path (tiles + BLAS) with tiles smaller than the matrix.
+    monkeypatch.setattr(qmatmul, "TILE_ELEMS", n_in)
+    x = np.random.default_rng(11).standard_normal((20, n_in)).astype(np.float32)
+    check_matmul(m, w, x, n_threads=2)
     monkeypatch.setattr(qmatmul, "HAVE_NUMBA", False)
     check_matmul(m, w, np.ones((2, n_in), np.float32))
+
+
+@pytest.mark.parametrize("name", ALL_TYPES)
+def test_dequantize_random_bytes_all_layouts(name: str) -> None:
+    # Random bytes in every quant field (incl. values gguf-py never produces), file layout and
+    # repacked tiles, bit for bit against gguf-py.
+    n_out, n_in = qmatmul.REPACK_ROWS + 3, 512
+    raw = random_raw(name, n_out, n_in, np.random.default_rng(12))
+    if name not in ("F32", "F16", "BF16") and name not in K_TYPES:
+        blck, bsize = qmatmul.block_size(GGMLType[name])
+        rnd = np.random.default_rng(13).integers(0, 256, raw.shape, dtype=np.uint8)
+        blocks, rb = raw.reshape(-1, bsize), rnd.reshape(-1, bsize)
+        keep = np.zeros(bsize, bool)
+        for off in {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0]}[name]:
+            keep[off : off + 2] = True
+        blocks[:, ~keep] = rb[:, ~keep]
+    w = gguf.quants.dequantize(raw, GGMLType[name]).reshape(n_out, n_in).astype(np.float32)
+    m = QMatrix.prepare(raw, GGMLType[name], n_out, n_in)
+    np.testing.assert_array_equal(m.dequantize().view(np.uint32), w.view(np.uint32))
+    ids = np.array([n_out - 1, 0, 64, 3, n_out - 2])
+    np.testing.assert_array_equal(m.get_rows(ids), w[ids])
+
+
+def test_drop_mapped_pages_only_for_read_only_maps(tmp_path) -> None:
+    import mmap
+
+    raw = random_raw("Q4_1", 2 * qmatmul.REPACK_ROWS, 512, np.random.default_rng(14))
+    path = tmp_path / "w.bin"
+    raw.tofile(path)
+    w = gguf.quants.dequantize(raw, GGMLType.Q4_1).reshape(raw.shape[0], 512)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    view = np.frombuffer(memoryview(mm), np.uint8).reshape(raw.shape)
+    m = QMatrix.prepare(view, GGMLType.Q4_1, raw.shape[0], 512)
+    np.testing.assert_array_equal(m.dequantize(), w)
+    np.testing.assert_array_equal(view, raw)  # still readable: re-read from the file
+    heap = raw.copy()  # plain memory must never be dropped
+    qmatmul._drop_mapped_pages(heap)
+    np.testing.assert_array_equal(heap, raw)
+
+
+def test_pool_runs_every_chunk_once() -> None:
+    hits = np.zeros(50, np.int64)
+
+    def fn(c: int) -> None:
+        hits[c] += 1
+
+    for nt in (1, 2, 3):
+        hits[:] = 0
+        qmatmul._POOL.run(fn, 50, nt)
+        assert (hits == 1).all()
+
+    def boom(c: int) -> None:
+        raise RuntimeError("chunk failed")
+
+    with pytest.raises(RuntimeError, match="chunk failed"):
+        qmatmul._POOL.run(boom, 4, 2)

@@ -1,0 +1,517 @@
+"""The CUDA backend on CuPy (ggml-cuda: `ggml-cuda.cu`'s registry, device, buffer type and
+backend; `convert.cu`'s dequantization; `mmv.cu` / `mmvq.cu`'s matrix-vector kernels; cuBLAS for
+large batches).
+
+Importing this module never needs CuPy: `registry()` imports it and raises BackendUnavailable
+with the reason (no CuPy, no driver, no device), which discovery records.
+
+  * Devices CUDA0, CUDA1, ... are `MemoryDevice`s (backend/device.py): the budget is the free
+    memory `cudaMemGetInfo` reports when the backend loads; buffers, counted copies, offload_op
+    and supports_op are the code the TEST device exercises on machines without a GPU.
+  * Every op of the llama graph runs through `kernels.run_nodes` with `xp = cupy` on one stream
+    per device; activations are float32 everywhere (the KV cache keeps its F16 type).
+  * Weights are `CUDAQMatrix`: the file's raw blocks on the device, never expanded as a whole.
+    `matmul(x)` uses the fused dequantize + matrix-vector kernels of `kernels_cuda/*.cu` for up to
+    `MMV_MAX_TOKENS` tokens and otherwise dequantizes row tiles to float32 and calls cuBLAS
+    (`cupy.matmul`; TF32 stays off unless CUPY_TF32 is set). Activations are not quantized to q8
+    as ggml does: only the weights' own rounding remains, as on the CPU backend.
+  * `upload` goes through pinned staging buffers and asynchronous H2D copies on the device's
+    stream; `download` is a D2H copy that waits for the stream.
+  * `CUDADevice.limit_memory_pool(compute_bytes)` caps CuPy's memory pool at what the context
+    planned (weights + KV cache + compute buffers, with headroom for CuPy's temporaries).
+  * cupy's OutOfMemoryError becomes llamapy's OutOfMemoryError with the device and the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..tensor import Op, Tensor, TensorFlag
+from ..types import (
+    NUMPY_DTYPES,
+    BackendUnavailable,
+    GGMLType,
+    OutOfMemoryError,
+    UnsupportedError,
+    block_size,
+)
+from .device import DeviceMemoryBufferType, MemoryDevice, MemoryDeviceBackend
+from .interface import Backend, Buffer, Device, Registry
+from .kernels import run_nodes
+
+KERNEL_DIR = Path(__file__).with_name("kernels_cuda")
+
+# The fused matrix-vector kernels handle up to this many tokens (MMV_MAX_TOK in common.cuh);
+# larger batches dequantize row tiles and use cuBLAS.
+MMV_MAX_TOKENS = 8
+MMV_ROWS_PER_BLOCK = 4  # warps per thread block, one output row each
+DEQUANT_THREADS = 256
+# float32 elements per dequantized tile on the cuBLAS path (64 MiB)
+TILE_ELEMS = 1 << 24
+# pinned staging: two buffers of this size per device, used alternately
+STAGING_BYTES = 8 << 20
+# headroom of the memory pool over the planned compute buffers: CuPy's kernels make temporaries
+# (float64 sums in RMS_NORM, the KQ matrix in FLASH_ATTN_EXT) that ggml's in-place graph does not
+POOL_COMPUTE_FACTOR = 3.0
+POOL_SLACK_BYTES = 256 << 20
+
+# type -> (source file, kernel name suffix)
+_TYPE_KERNELS: dict[GGMLType, tuple[str, str]] = {
+    GGMLType.F32: ("floats.cu", "f32"),
+    GGMLType.F16: ("floats.cu", "f16"),
+    GGMLType.BF16: ("floats.cu", "bf16"),
+    GGMLType.Q4_0: ("legacy.cu", "q4_0"),
+    GGMLType.Q4_1: ("legacy.cu", "q4_1"),
+    GGMLType.Q5_0: ("legacy.cu", "q5_0"),
+    GGMLType.Q5_1: ("legacy.cu", "q5_1"),
+    GGMLType.Q8_0: ("legacy.cu", "q8_0"),
+    GGMLType.Q2_K: ("kquants.cu", "q2_k"),
+    GGMLType.Q3_K: ("kquants.cu", "q3_k"),
+    GGMLType.Q4_K: ("kquants.cu", "q4_k"),
+    GGMLType.Q5_K: ("kquants.cu", "q5_k"),
+    GGMLType.Q6_K: ("kquants.cu", "q6_k"),
+}
+WEIGHT_TYPES: frozenset[GGMLType] = frozenset(_TYPE_KERNELS)
+# Types with a fused dequantize + matrix-vector kernel. All of them share one template
+# (common.cuh), so every weight type has one; Q4_0, Q4_1, Q8_0, Q4_K, Q6_K and F16/F32 are the
+# ones llama GGUFs mostly use.
+MMV_TYPES: frozenset[GGMLType] = WEIGHT_TYPES
+
+
+def kernel_sources() -> dict[str, Path]:
+    """The .cu files of the kernels, by name (the header common.cuh is inlined into each)."""
+    return {p.name: p for p in sorted(KERNEL_DIR.glob("*.cu"))}
+
+
+def _module_source(filename: str) -> str:
+    """A .cu file with `#include "common.cuh"` replaced by the header's text, so that CuPy's
+    compile cache (keyed by the source) sees every change and NVRTC needs no include path."""
+    src = (KERNEL_DIR / filename).read_text()
+    common = (KERNEL_DIR / "common.cuh").read_text()
+    common = common.replace("#pragma once", "")
+    return src.replace('#include "common.cuh"', common)
+
+
+def _first_line(e: BaseException) -> str:
+    s = f"{type(e).__name__}: {e}"
+    return s.splitlines()[0] if s else type(e).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# weights
+# ---------------------------------------------------------------------------------------------
+
+
+class CUDAQMatrix:
+    """A weight matrix (n_out rows of n_in elements) on a CUDA device, kept as the file's blocks.
+
+    The device mirror of qmatmul.QMatrix: `matmul`, `get_rows`, `dequantize` and `nbytes`, with
+    CuPy arrays in and out.
+    """
+
+    def __init__(self, device: CUDADevice, raw: Any, qtype: GGMLType, n_out: int, n_in: int) -> None:
+        self.device = device
+        self.raw = raw  # cupy uint8 (n_out, row_bytes)
+        self.qtype = GGMLType(qtype)
+        self.n_out = n_out
+        self.n_in = n_in
+        self.row_bytes = int(raw.shape[1]) if n_out else 0
+
+    @classmethod
+    def check(cls, qtype: GGMLType, n_out: int, n_in: int, nbytes: int) -> int:
+        """Validate a weight's shape and size; returns its row size in bytes."""
+        qtype = GGMLType(qtype)
+        if qtype not in WEIGHT_TYPES:
+            raise UnsupportedError(f"CUDA: weights of type {qtype.name}")
+        blck, bsize = block_size(qtype)
+        if n_in % blck or n_in % 32:
+            raise ValueError(f"n_in={n_in} is not a multiple of {qtype.name}'s block of {blck}")
+        row_bytes = n_in // blck * bsize
+        if nbytes != n_out * row_bytes:
+            raise ValueError(f"{qtype.name} matrix {n_out}x{n_in} needs {n_out * row_bytes} bytes, got {nbytes}")
+        return row_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n_out, self.n_in)
+
+    # -- dequantization -----------------------------------------------------------------------
+
+    def _dequant_raw(self, raw: Any) -> Any:
+        """float32 (n, n_in) from raw rows (n, row_bytes) already on the device."""
+        cp = self.device.cp
+        n = int(raw.shape[0])
+        out = cp.empty((n, self.n_in), cp.float32)
+        units_per_row = self.n_in // 32
+        n_units = n * units_per_row
+        if n_units:
+            raw = cp.ascontiguousarray(raw)
+            fn = self.device.kernel("dequant", self.qtype)
+            grid = (n_units + DEQUANT_THREADS - 1) // DEQUANT_THREADS
+            fn(
+                (grid,),
+                (DEQUANT_THREADS,),
+                (raw, out, np.int64(n_units), np.int32(units_per_row), np.int64(self.row_bytes)),
+            )
+        return out
+
+    def dequantize(self, rows: Any = None) -> Any:
+        """float32 (n, n_in) CuPy array of the selected rows (all when `rows` is None)."""
+        dev = self.device
+        with dev.context("dequantizing a weight"):
+            if rows is None:
+                sel = self.raw
+            elif isinstance(rows, slice):
+                sel = self.raw[rows]
+            else:
+                sel = self.raw[self._ids(rows)]
+            return self._dequant_raw(sel)
+
+    def _ids(self, ids: Any) -> Any:
+        # No range check here: it would cost a device->host sync per call. Token ids are checked
+        # by Context.decode; CuPy's indexing wraps out-of-range ids instead of faulting.
+        cp = self.device.cp
+        return cp.asarray(ids).reshape(-1).astype(cp.int64)
+
+    def get_rows(self, ids: Any) -> Any:
+        """GET_ROWS: float32 (len(ids), n_in), e.g. token embeddings."""
+        return self.dequantize(ids)
+
+    # -- matmul --------------------------------------------------------------------------------
+
+    def matmul(self, x: Any) -> Any:
+        """x float32 (n_tokens, n_in) -> float32 (n_tokens, n_out) = x @ W.T, on the device."""
+        dev = self.device
+        cp = dev.cp
+        with dev.context("MUL_MAT"):
+            x = cp.asarray(x)
+            squeeze = x.ndim == 1
+            if squeeze:
+                x = x.reshape(1, -1)
+            if x.ndim != 2 or x.shape[1] != self.n_in:
+                raise ValueError(f"x has shape {x.shape}, expected (n_tokens, {self.n_in})")
+            if x.dtype != cp.float32:
+                x = x.astype(cp.float32)
+            n_tok = int(x.shape[0])
+            if n_tok == 0 or self.n_out == 0:
+                out = cp.zeros((n_tok, self.n_out), cp.float32)
+            elif n_tok <= MMV_MAX_TOKENS and self.qtype in MMV_TYPES:
+                out = self._matmul_mmv(x)
+            else:
+                out = self._matmul_blas(x)
+            return out.reshape(-1) if squeeze else out
+
+    def _matmul_mmv(self, x: Any) -> Any:
+        cp = self.device.cp
+        x = cp.ascontiguousarray(x)
+        if x.data.ptr % 16:  # the kernel reads x as float4
+            x = x.copy()
+        n_tok = int(x.shape[0])
+        out = cp.empty((n_tok, self.n_out), cp.float32)
+        fn = self.device.kernel("mmv", self.qtype)
+        grid = (self.n_out + MMV_ROWS_PER_BLOCK - 1) // MMV_ROWS_PER_BLOCK
+        fn(
+            (grid,),
+            (32 * MMV_ROWS_PER_BLOCK,),
+            (
+                self.raw,
+                x,
+                out,
+                np.int32(self.n_out),
+                np.int32(self.n_in),
+                np.int64(self.row_bytes),
+                np.int32(n_tok),
+            ),
+        )
+        return out
+
+    def _matmul_blas(self, x: Any) -> Any:
+        cp = self.device.cp
+        if self.qtype == GGMLType.F32:
+            return cp.matmul(x, self.raw.view(cp.float32).T)
+        step = max(1, TILE_ELEMS // self.n_in)
+        if step >= self.n_out:
+            return cp.matmul(x, self._dequant_raw(self.raw).T)
+        out = cp.empty((x.shape[0], self.n_out), cp.float32)
+        for r0 in range(0, self.n_out, step):
+            r1 = min(self.n_out, r0 + step)
+            out[:, r0:r1] = cp.matmul(x, self._dequant_raw(self.raw[r0:r1]).T)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# device
+# ---------------------------------------------------------------------------------------------
+
+
+class _Staging:
+    """One pinned host buffer and the event of the last copy out of it."""
+
+    def __init__(self, cp: Any, nbytes: int) -> None:
+        self.mem = cp.cuda.alloc_pinned_memory(nbytes)
+        self.view = np.frombuffer(self.mem, np.uint8, nbytes)
+        self.event: Any = None
+
+
+class CUDADevice(MemoryDevice):
+    """One CUDA device: memory budget, stream, pinned staging buffers, compiled kernels."""
+
+    def __init__(self, index: int, cp: Any) -> None:
+        self.cp = cp
+        self.index = index
+        self.xp = cp
+        self._device = cp.cuda.Device(index)
+        with self._device:
+            free, total = cp.cuda.runtime.memGetInfo()
+            self.stream = cp.cuda.Stream(non_blocking=True)
+        props = cp.cuda.runtime.getDeviceProperties(index)
+        name = props.get("name", b"CUDA device")
+        if isinstance(name, bytes):
+            name = name.decode(errors="replace")
+        cc = f"{props.get('major', '?')}.{props.get('minor', '?')}"
+        self.memory_total = int(total)
+        super().__init__(f"CUDA{index}", int(free), f"{name} (compute {cc}, {total / 2**30:.1f} GiB)")
+        self._buft = _CUDABufferType(self, int(free))
+        self._modules: dict[str, Any] = {}
+        self._functions: dict[tuple[str, GGMLType], Any] = {}
+        self._staging: list[_Staging] = []
+        self._next_staging = 0
+
+    # -- context --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def context(self, what: str) -> Iterator[None]:
+        """This device and its stream current; CuPy's OutOfMemoryError becomes llamapy's."""
+        cp = self.cp
+        try:
+            with self._device, self.stream:
+                yield
+        except cp.cuda.memory.OutOfMemoryError as e:
+            raise OutOfMemoryError(
+                f"{self.name}: out of device memory while {what} ({e}); "
+                f"{self.allocated / 2**20:.0f} MiB in buffers, budget {self._buft.budget / 2**20:.0f} MiB"
+            ) from None
+
+    def kernel(self, kind: str, qtype: GGMLType) -> Any:
+        """The compiled `dequant_<type>` or `mmv_<type>` function (NVRTC, cached by CuPy)."""
+        key = (kind, qtype)
+        fn = self._functions.get(key)
+        if fn is None:
+            filename, suffix = _TYPE_KERNELS[qtype]
+            mod = self._modules.get(filename)
+            if mod is None:
+                opts = (f"-DMMV_MAX_TOK={MMV_MAX_TOKENS}",)
+                mod = self.cp.RawModule(code=_module_source(filename), options=opts)
+                self._modules[filename] = mod
+            fn = mod.get_function(f"{kind}_{suffix}")
+            self._functions[key] = fn
+        return fn
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes as the driver reports them now."""
+        with self._device:
+            free, total = self.cp.cuda.runtime.memGetInfo()
+        return int(free), int(total)
+
+    def set_pool_limit(self, nbytes: int | None) -> None:
+        """Cap CuPy's memory pool on this device at `nbytes` (None or 0: no cap)."""
+        with self._device:
+            self.cp.get_default_memory_pool().set_limit(size=int(nbytes or 0))
+
+    def limit_memory_pool(self, compute_bytes: int, factor: float = POOL_COMPUTE_FACTOR,
+                          slack: int = POOL_SLACK_BYTES) -> int:
+        """Cap the pool at the planned size: the buffers allocated so far (weights, KV cache)
+        plus `factor` times the planned compute buffers plus `slack`. Returns the limit."""
+        limit = int(self.allocated + factor * max(0, int(compute_bytes)) + slack)
+        self.set_pool_limit(limit)
+        return limit
+
+    def release_cached(self) -> None:
+        """Give the pool's unused blocks back to the driver (after buffers were freed)."""
+        with self._device:
+            self.cp.get_default_memory_pool().free_all_blocks()
+
+    # -- MemoryDevice ---------------------------------------------------------------------
+
+    def _h2d(self, host: np.ndarray) -> Any:
+        """A device copy of `host` through the pinned staging buffers (asynchronous on the
+        device's stream; a staging buffer is refilled only after its last copy finished)."""
+        cp = self.cp
+        host = np.ascontiguousarray(host)
+        out = cp.empty(host.shape, host.dtype)
+        src = host.reshape(-1).view(np.uint8)
+        n = src.size
+        if not n:
+            return out
+        if not self._staging:
+            self._staging = [_Staging(cp, STAGING_BYTES), _Staging(cp, STAGING_BYTES)]
+        dst = out.data.ptr
+        off = 0
+        while off < n:
+            k = min(n - off, STAGING_BYTES)
+            slot = self._staging[self._next_staging]
+            self._next_staging ^= 1
+            if slot.event is not None:
+                slot.event.synchronize()
+            slot.view[:k] = src[off : off + k]
+            cp.cuda.runtime.memcpyAsync(dst + off, slot.mem.ptr, k, 1, self.stream.ptr)  # 1: H2D
+            slot.event = self.stream.record()
+            off += k
+        return out
+
+    def upload(self, data: np.ndarray, t: Tensor | None = None) -> Any:
+        data = np.asarray(data)
+        self.stats.bytes_in += data.nbytes
+        self.stats.n_in += 1
+        with self.context(f"uploading {t.name if t is not None else 'a tensor'}"):
+            if t is not None and t.flags & TensorFlag.WEIGHT:
+                if len(t.shape) == 2:
+                    n_out, n_in = t.shape
+                    raw = data.reshape(-1).view(np.uint8)
+                    row_bytes = CUDAQMatrix.check(t.type, n_out, n_in, raw.size)
+                    dev_raw = self._h2d(raw.reshape(n_out, row_bytes))
+                    return CUDAQMatrix(self, dev_raw, t.type, n_out, n_in)
+                if t.type not in NUMPY_DTYPES:
+                    # a quantized or bf16 vector (rare): expand it on the host, it is small
+                    from ..quants import dequantize
+
+                    data = dequantize(data.reshape(1, -1).view(np.uint8), t.type, t.n_elements)
+                    return self._h2d(data.reshape(t.shape))
+                return self._h2d(data.view(NUMPY_DTYPES[t.type]).reshape(t.shape))
+            return self._h2d(data)
+
+    def download(self, value: Any) -> np.ndarray:
+        with self.context("downloading a tensor"):
+            if isinstance(value, CUDAQMatrix):
+                value = value.dequantize()
+            arr = self.cp.asarray(value).get(stream=self.stream)  # waits for the stream
+        self.stats.bytes_out += arr.nbytes
+        self.stats.n_out += 1
+        return arr
+
+    def zeros(self, t: Tensor) -> Any:
+        with self.context(f"allocating {t.name}"):
+            return self.cp.zeros(t.shape, NUMPY_DTYPES[t.type])
+
+    def supports_op(self, node: Tensor) -> bool:
+        if not super().supports_op(node):
+            return False
+        if node.op in (Op.MUL_MAT, Op.GET_ROWS) and node.src:
+            w = node.src[0]
+            if w.flags & TensorFlag.WEIGHT and w.type not in WEIGHT_TYPES:
+                return False
+        return True
+
+    def init_backend(self) -> Backend:
+        return CUDABackend(self)
+
+
+
+class _CUDABufferType(DeviceMemoryBufferType):
+    """Device memory with the free memory as budget; a freed buffer's arrays are dropped and the
+    pool's unused blocks go back to the driver, so the memory is free for others too."""
+
+    device: CUDADevice
+
+    def release(self, buf: Buffer) -> None:
+        super().release(buf)
+        try:
+            self.device.release_cached()
+        except Exception:  # noqa: BLE001 - freeing must never fail
+            pass
+
+
+class CUDABackend(MemoryDeviceBackend):
+    """An execution stream on one CUDA device (ggml_backend_cuda)."""
+
+    device: CUDADevice
+
+    def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
+        dev = self.device
+        with dev.context("computing " + (nodes[0].name if nodes else "nothing")):
+            run_nodes(nodes, env, dev.cp, _storage)
+
+    def synchronize(self) -> None:
+        self.device.stream.synchronize()
+
+    def copy_from(self, src: Backend, value: Any) -> Any | None:
+        """CUDA -> CUDA arrays: a peer copy; anything else goes through the host."""
+        if not isinstance(src, CUDABackend) or isinstance(value, CUDAQMatrix):
+            return None
+        cp = self.device.cp
+        if not isinstance(value, cp.ndarray):
+            return None
+        if src.device is self.device:
+            return value
+        with src.device.context("copying between devices"):
+            v = cp.ascontiguousarray(value)
+            src.device.stream.synchronize()
+        with self.device.context("copying between devices"):
+            out = cp.empty(v.shape, v.dtype)
+            if v.nbytes:
+                cp.cuda.runtime.memcpyPeerAsync(
+                    out.data.ptr, self.device.index, v.data.ptr, src.device.index, v.nbytes, self.device.stream.ptr
+                )
+        return out
+
+
+def _storage(t: Tensor) -> Any:
+    if t.buffer is None:
+        raise RuntimeError(f"tensor {t.name!r} has no value on this device")
+    return t.buffer.storage(t)
+
+
+# ---------------------------------------------------------------------------------------------
+# registry
+# ---------------------------------------------------------------------------------------------
+
+
+class CUDARegistry(Registry):
+    name = "CUDA"
+
+    def __init__(self, devices: list[CUDADevice]) -> None:
+        self._devices: list[Device] = list(devices)
+
+    def devices(self) -> list[Device]:
+        return self._devices
+
+    def score(self) -> int:
+        return 1 if self._devices else 0
+
+
+def registry() -> Registry:
+    """Entry point `llamapy.backends: cuda`. Raises BackendUnavailable, with the reason, when
+    CuPy is missing, no driver is usable or no device is visible."""
+    try:
+        import cupy as cp
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken CUDA library under CuPy
+        raise BackendUnavailable(
+            f"CUDA: no CuPy ({_first_line(e)}); install cupy-cuda12x or cupy-cuda13x"
+        ) from None
+    try:
+        n = int(cp.cuda.runtime.getDeviceCount())
+    except Exception as e:  # noqa: BLE001 - CUDARuntimeError: no driver, driver too old, no device
+        raise BackendUnavailable(f"CUDA: no GPU or no usable driver ({_first_line(e)})") from None
+    if n <= 0:
+        raise BackendUnavailable("CUDA: no GPU (cudaGetDeviceCount returned 0)")
+    devices: list[CUDADevice] = []
+    errors: list[str] = []
+    for i in range(n):
+        try:
+            devices.append(CUDADevice(i, cp))
+        except Exception as e:  # noqa: BLE001 - one broken device must not hide the others
+            errors.append(f"CUDA{i}: {_first_line(e)}")
+    if not devices:
+        raise BackendUnavailable("CUDA: no usable GPU (" + "; ".join(errors) + ")")
+    return CUDARegistry(devices)

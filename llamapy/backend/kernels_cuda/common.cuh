@@ -1,0 +1,176 @@
+// llamapy CUDA kernels: what every quant family shares (ggml-cuda's common.cuh, the
+// dequantize/convert templates of convert.cu and the matrix-vector kernels of mmv.cu / mmvq.cu).
+//
+// Every weight type is read as "units" of 32 consecutive elements of one row: a legacy block
+// (Q4_0 ... Q8_0), one eighth of a K-quant super-block, or 32 plain F32/F16/BF16 values. A
+// decoder `DQ::unit(row, u, w)` expands unit `u` of `row` into w[0..31] with the same float
+// operations, in the same order and with the same rounding (no FMA contraction), as gguf-py's
+// `gguf.quants.dequantize`, so a dequantized weight is bit-identical to the reference.
+//
+// Two kernels are built on a decoder:
+//   dequant_<type>: one thread per unit -> float32 rows (GET_ROWS, the cuBLAS path, dequantize()).
+//   mmv_<type>:     y[t, r] = sum_k W[r, k] * x[t, k] for n_tok <= MMV_MAX_TOK (decode). One warp
+//                   per output row; lane l takes units l, l+32, ...; each unit is decoded once and
+//                   dotted with every token's 32 activations (float32, no q8 quantization of x);
+//                   the lanes' partial sums are added with a butterfly of warp shuffles.
+//
+// The decoders are __host__ __device__: tests build them for the CPU (-DLLAMAPY_HOST_TEST) and
+// compare them with gguf-py on a machine without a GPU. No standard headers are included, so the
+// sources compile unchanged with NVRTC (cupy.RawModule) and nvcc.
+#pragma once
+
+typedef unsigned char u8;
+
+#define LP_HD __host__ __device__ __forceinline__
+
+#ifndef MMV_MAX_TOK
+#define MMV_MAX_TOK 8
+#endif
+
+// Products and sums that must round exactly as numpy's float32 operations do: never contracted
+// into an FMA on the device (the host test build is compiled with -ffp-contract=off).
+#ifdef __CUDA_ARCH__
+#define LP_MUL(a, b) __fmul_rn((a), (b))
+#define LP_ADD(a, b) __fadd_rn((a), (b))
+#define LP_SUB(a, b) __fsub_rn((a), (b))
+#else
+#define LP_MUL(a, b) ((a) * (b))
+#define LP_ADD(a, b) ((a) + (b))
+#define LP_SUB(a, b) ((a) - (b))
+#endif
+
+// little-endian loads from byte addresses (blocks are only 2-byte aligned)
+LP_HD unsigned short ld_u16(const u8* p) {
+    return (unsigned short)(p[0] | (p[1] << 8));
+}
+
+LP_HD unsigned int ld_u32(const u8* p) {
+    return (unsigned int)p[0] | ((unsigned int)p[1] << 8) | ((unsigned int)p[2] << 16) |
+           ((unsigned int)p[3] << 24);
+}
+
+LP_HD float bits_to_f32(unsigned int b) {
+#ifdef __CUDA_ARCH__
+    return __uint_as_float(b);
+#else
+    union { unsigned int u; float f; } v;
+    v.u = b;
+    return v.f;
+#endif
+}
+
+// IEEE half -> float (exact)
+LP_HD float f16_to_f32(unsigned short h) {
+#ifdef __CUDA_ARCH__
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    const unsigned int sign = (unsigned int)(h & 0x8000u) << 16;
+    const unsigned int e = (h >> 10) & 31u;
+    const unsigned int m = h & 0x3ffu;
+    if (e == 0) {  // zero or subnormal: m * 2^-24, exact in float
+        const float f = (float)m * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    if (e == 31) return bits_to_f32(sign | 0x7f800000u | (m << 13));  // inf / nan
+    return bits_to_f32(sign | ((e + 112u) << 23) | (m << 13));
+#endif
+}
+
+LP_HD float ld_f16(const u8* p) { return f16_to_f32(ld_u16(p)); }
+
+// ---------------------------------------------------------------------------------------------
+// dequantize: n_units units of 32 elements; unit g is unit (g % units_per_row) of row
+// (g / units_per_row); rows are row_bytes apart in `w`; y is float32, 32 * n_units elements.
+// ---------------------------------------------------------------------------------------------
+template <typename DQ>
+__device__ __forceinline__ void dequant_impl(const u8* __restrict__ w, float* __restrict__ y,
+                                             long long n_units, int units_per_row,
+                                             long long row_bytes) {
+    const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= n_units) return;
+    const long long row = g / units_per_row;
+    const int u = (int)(g - row * units_per_row);
+    float v[32];
+    DQ::unit(w + row * row_bytes, u, v);
+    float4* out = reinterpret_cast<float4*>(y + g * 32);  // 128-byte aligned: y is a fresh array
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// matrix-vector: W (n_out rows of row_bytes) times x (n_tok, n_in) float32, row-major and
+// 16-byte aligned, n_in a multiple of 32 -> y (n_tok, n_out). blockDim.x = 32 * rows per block.
+// ---------------------------------------------------------------------------------------------
+template <typename DQ>
+__device__ __forceinline__ void mmv_impl(const u8* __restrict__ w, const float* __restrict__ x,
+                                         float* __restrict__ y, int n_out, int n_in,
+                                         long long row_bytes, int n_tok) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= n_out) return;  // uniform per warp: the shuffles below see a full warp
+    const u8* wr = w + (long long)row * row_bytes;
+    const int n_units = n_in >> 5;
+
+    float acc[MMV_MAX_TOK];
+#pragma unroll
+    for (int t = 0; t < MMV_MAX_TOK; ++t) acc[t] = 0.0f;
+
+    float v[32];
+    for (int u = lane; u < n_units; u += 32) {
+        DQ::unit(wr, u, v);
+#pragma unroll
+        for (int t = 0; t < MMV_MAX_TOK; ++t) {
+            if (t < n_tok) {
+                const float4* xp = reinterpret_cast<const float4*>(x + (long long)t * n_in + u * 32);
+                float s = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const float4 a = __ldg(xp + i);
+                    s += v[4 * i] * a.x;
+                    s += v[4 * i + 1] * a.y;
+                    s += v[4 * i + 2] * a.z;
+                    s += v[4 * i + 3] * a.w;
+                }
+                acc[t] += s;
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < MMV_MAX_TOK; ++t) {
+        if (t < n_tok) {
+            float s = acc[t];
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+            if (lane == 0) y[(long long)t * n_out + row] = s;
+        }
+    }
+}
+
+// The entry points of one type: extern "C" so that cupy.RawModule finds them by name.
+#define LP_DEVICE_KERNELS(name, DQ)                                                                 \
+    extern "C" __global__ void dequant_##name(const u8* __restrict__ w, float* __restrict__ y,      \
+                                              long long n_units, int units_per_row,                 \
+                                              long long row_bytes) {                                \
+        dequant_impl<DQ>(w, y, n_units, units_per_row, row_bytes);                                  \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(256)                                               \
+        mmv_##name(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,    \
+                   int n_out, int n_in, long long row_bytes, int n_tok) {                           \
+        mmv_impl<DQ>(w, x, y, n_out, n_in, row_bytes, n_tok);                                       \
+    }
+
+#ifdef LLAMAPY_HOST_TEST
+// A CPU build of the decoders, for tests on machines without a GPU (see tests/gpu).
+#define LP_KERNELS(name, DQ)                                                                        \
+    LP_DEVICE_KERNELS(name, DQ)                                                                     \
+    extern "C" void host_dequant_##name(const u8* w, float* y, long long n_rows, int units_per_row, \
+                                        long long row_bytes) {                                      \
+        for (long long r = 0; r < n_rows; ++r)                                                      \
+            for (int u = 0; u < units_per_row; ++u)                                                 \
+                DQ::unit(w + r * row_bytes, u, y + (r * units_per_row + u) * 32);                   \
+    }
+#else
+#define LP_KERNELS(name, DQ) LP_DEVICE_KERNELS(name, DQ)
+#endif

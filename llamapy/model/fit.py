@@ -1,0 +1,93 @@
+"""How much memory a placement needs on each device, before anything is allocated (the role of
+llama.cpp's `llama_params_fit` / `-fit`: dry runs of the model, KV cache and compute buffers).
+
+Weights and the KV cache are summed tensor by tensor; the compute buffers come from planning the
+worst-case graph (a full micro-batch attending to the whole context) with the real scheduler
+over *dry* buffers — buffers that carry a buffer type but hold nothing — so the figure is the
+one `Context` will reserve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..backend.interface import Buffer, BufferType, BufferUsage, Device
+from ..sched.scheduler import Scheduler
+from ..tensor import Tensor
+from ..types import GGMLType
+from .kv_cache import KVCache
+from .llama import build_graph
+from .loader import LlamaParams, ModelWeights
+
+
+class DryBuffer(Buffer):
+    """A buffer that only says where tensors would live."""
+
+    def set(self, t: Tensor, data: np.ndarray) -> None:  # pragma: no cover - never called
+        raise RuntimeError("a dry buffer holds no data")
+
+    def get(self, t: Tensor) -> np.ndarray:  # pragma: no cover - never called
+        raise RuntimeError("a dry buffer holds no data")
+
+
+def compute_sizes(
+    params: LlamaParams,
+    weights: ModelWeights,
+    kv: KVCache,
+    devices: Sequence[Device],
+    n_ctx: int,
+    n_ubatch: int,
+    op_offload: bool = True,
+) -> dict[str, int]:
+    """Compute-buffer bytes per device name for the worst-case micro-batch graph."""
+    n_tokens = min(n_ubatch, n_ctx)
+    g = build_graph(params, weights, kv, n_tokens, n_ctx, n_tokens)
+    sched = Scheduler([d.init_backend() for d in devices], op_offload=op_offload)
+    return sched.reserve(g.graph).compute_sizes
+
+
+def device_bytes(
+    params: LlamaParams,
+    weights: ModelWeights,
+    where: dict[Tensor, Device],
+    kv_devices: Sequence[Device],
+    devices: Sequence[Device],
+    n_ctx: int,
+    n_ubatch: int,
+    type_k: GGMLType = GGMLType.F16,
+    type_v: GGMLType = GGMLType.F16,
+    op_offload: bool = True,
+) -> dict[str, int]:
+    """Weights + KV cache + compute buffers, in bytes, per device name."""
+    need: dict[str, int] = {}
+    dry: dict[str, Buffer] = {}
+
+    def buf_for(dev: Device) -> Buffer:
+        if dev.name not in dry:
+            dry[dev.name] = DryBuffer(dev.buffer_type(), 0, BufferUsage.WEIGHTS)
+        return dry[dev.name]
+
+    saved = {t: t.buffer for t in where}
+    try:
+        for t, dev in where.items():
+            buft: BufferType = dev.buffer_type()
+            if not (t is weights.output and weights.tied_output and where[weights.tok_embd] is dev):
+                need[dev.name] = need.get(dev.name, 0) + buft.alloc_size(t)
+            t.buffer = buf_for(dev)
+        kv = KVCache(
+            n_ctx,
+            [Tensor(f"cache_k_l{il}", (n_ctx, params.n_embd_gqa), type_k) for il in range(params.n_layer)],
+            [Tensor(f"cache_v_l{il}", (n_ctx, params.n_embd_gqa), type_v) for il in range(params.n_layer)],
+        )
+        for il, dev in enumerate(kv_devices):
+            for t in (kv.k[il], kv.v[il]):
+                t.buffer = DryBuffer(dev.buffer_type(), 0, BufferUsage.ANY)
+                need[dev.name] = need.get(dev.name, 0) + dev.buffer_type().alloc_size(t)
+        for name, size in compute_sizes(params, weights, kv, devices, n_ctx, n_ubatch, op_offload).items():
+            need[name] = need.get(name, 0) + size
+    finally:
+        for t, b in saved.items():
+            t.buffer = b
+    return need

@@ -1,0 +1,402 @@
+#!/usr/bin/env python3
+"""The CUDA backend's checks on a machine with an NVIDIA GPU and CuPy (no network, nothing
+outside the repository):
+
+  1. environment: CuPy, driver, devices, the CUDA registry's status;
+  2. the op and weight tests on CUDA0 (pytest tests/gpu/test_cuda_ops.py);
+  3. two generated models -- SmolLM2-shaped (30 layers, 576/1536, 9/3 heads, vocab 49152, Q4_1
+     weights, Q8_0 token_embd, tied output) and tiny32-shaped (32 layers, 256/768, 4/2 heads,
+     Q4_K / Q6_K) -- with random weights: the last-position distributions of `-ngl all` and
+     `-ngl 20` against the CPU run (KL divergence over a few prompts of random tokens, <= 1e-4);
+  4. decode speed (tokens/s) at -ngl 0, 20 and all.
+
+Every step is guarded: a failure is reported and the next step runs. The markdown summary is
+printed and written to $OUT/gpu_results.md when OUT is set, else bench/gpu_results.md.
+
+usage: python tests/gpu/run_all.py [--test-device] [--skip-pytest] [--quick]
+  --test-device  dry run without a GPU: the TEST device (LLAMAPY_TEST_GPU=1) stands in for CUDA0
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+KL_MAX = 1e-4
+N_PROMPTS = 3
+PROMPT_LEN = 24
+N_CTX = 256
+
+
+class Report:
+    def __init__(self) -> None:
+        self.sections: list[tuple[str, list[str]]] = []
+        self.failures = 0
+
+    def section(self, title: str) -> list[str]:
+        lines: list[str] = []
+        self.sections.append((title, lines))
+        print(f"\n## {title}", flush=True)
+        return lines
+
+    def add(self, lines: list[str], text: str) -> None:
+        lines.append(text)
+        print(text, flush=True)
+
+    def step(self, lines: list[str], what: str, fn: Callable[[], Any]) -> Any:
+        """Run fn; on an exception record it (first lines of the traceback) and go on."""
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        except BaseException as e:  # noqa: BLE001 - report everything, stop nothing
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            self.failures += 1
+            tb = traceback.format_exc().strip().splitlines()
+            self.add(lines, f"- **FAIL** {what} ({time.perf_counter() - t0:.1f} s): `{type(e).__name__}: {str(e)[:300]}`")
+            self.add(lines, "  <details><summary>traceback</summary>\n\n  ```\n  " + "\n  ".join(tb[-12:]) + "\n  ```\n  </details>")
+            return None
+
+    def markdown(self) -> str:
+        out = ["# llamapy CUDA results", ""]
+        out.append(f"{time.strftime('%Y-%m-%d %H:%M:%S')}, {platform.node()}, failures: {self.failures}")
+        for title, lines in self.sections:
+            out += ["", f"## {title}", "", *lines]
+        return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# model writing
+# --------------------------------------------------------------------------------------------
+
+# byte offsets of the f16 scale fields, and the std of a weight per unit of d (see _kquant_rows)
+_KQ_LAYOUT = {"Q4_K": ([0, 2], 258.0), "Q6_K": ([208], 1369.0)}
+
+
+def _kquant_rows(name: str, n_rows: int, n_in: int, gain: float, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant rows (gguf-py cannot quantize K-quants): random quants and scales, with d
+    chosen so that the weights' std is about gain / sqrt(n_in). Q4_K: w = d*sc*q - dmin*m with
+    sc, m 6-bit and q 4-bit, dmin = 7.5 d centres it (std ~258 d); Q6_K: w = d*sc*(q-32) with an
+    int8 sc (std ~1369 d)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    blck, bs = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    offs, unit_std = _KQ_LAYOUT[name]
+    raw = rng.integers(0, 256, (n_rows * n_in // blck, bs), dtype=np.uint8)
+    d = gain / np.sqrt(n_in) / unit_std
+    ds = [d, 7.5 * d] if name == "Q4_K" else [d]
+    for o, v in zip(offs, ds):
+        vals = (v * rng.uniform(0.8, 1.2, len(raw))).astype(np.float16)
+        raw[:, o : o + 2] = vals.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(n_rows, -1)
+
+
+def write_model(path: Path, *, name: str, n_layer: int, n_embd: int, n_ff: int, n_head: int,
+                n_head_kv: int, n_vocab: int, wtype: str, embd_type: str, down_type: str | None = None,
+                v_type: str | None = None, out_type: str | None = None, rope_base: float = 10000.0,
+                seed: int = 0) -> Path:
+    """A llama GGUF with random weights (as shared/reference/tiny32/make_tiny32.py writes one)
+    and a vocab-only SPM tokenizer of placeholder pieces. `out_type` None: tied output."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+
+    def mat(rows: int, cols: int, qname: str, gain: float = 1.0) -> tuple[np.ndarray, Any]:
+        if qname in _KQ_LAYOUT:
+            return _kquant_rows(qname, rows, cols, gain, rng), Q[qname]
+        w = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(gain / np.sqrt(cols))
+        if qname == "F32":
+            return w, Q.F32
+        return quantize(w, Q[qname]), Q[qname]
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(name)
+    w.add_block_count(n_layer)
+    w.add_context_length(2048)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(rope_base)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(n_vocab)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tokens += [f"\u2581t{i}" for i in range(n_vocab - len(tokens))]
+    w.add_token_list(tokens)
+    w.add_token_scores([-float(i) for i in range(n_vocab)])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (n_vocab - 259))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+
+    def add(tname: str, arr_q: tuple[np.ndarray, Any]) -> None:
+        arr, qt = arr_q
+        w.add_tensor(tname, arr, raw_dtype=None if qt == Q.F32 else qt)
+
+    def vec(n: int) -> tuple[np.ndarray, Any]:
+        return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32), Q.F32
+
+    add("token_embd.weight", mat(n_vocab, n_embd, embd_type, gain=float(np.sqrt(n_embd))))
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        add(p + "attn_norm.weight", vec(n_embd))
+        add(p + "attn_q.weight", mat(n_embd, n_embd, wtype))
+        add(p + "attn_k.weight", mat(n_head_kv * head_dim, n_embd, wtype))
+        add(p + "attn_v.weight", mat(n_head_kv * head_dim, n_embd, v_type or wtype))
+        add(p + "attn_output.weight", mat(n_embd, n_embd, wtype, 0.5))
+        add(p + "ffn_norm.weight", vec(n_embd))
+        add(p + "ffn_gate.weight", mat(n_ff, n_embd, wtype))
+        add(p + "ffn_up.weight", mat(n_ff, n_embd, wtype))
+        add(p + "ffn_down.weight", mat(n_embd, n_ff, down_type or wtype, 0.5))
+    add("output_norm.weight", (np.ones(n_embd, np.float32), Q.F32))
+    if out_type is not None:
+        add("output.weight", mat(n_vocab, n_embd, out_type, 4.0))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+MODELS: dict[str, dict[str, Any]] = {
+    "smollm2-shaped (Q4_1, Q8_0 embd)": dict(
+        name="smollm2-shaped", n_layer=30, n_embd=576, n_ff=1536, n_head=9, n_head_kv=3, n_vocab=49152,
+        wtype="Q4_1", embd_type="Q8_0", rope_base=100000.0, seed=1,
+    ),
+    "tiny32-shaped (Q4_K, Q6_K)": dict(
+        name="tiny32-shaped", n_layer=32, n_embd=256, n_ff=768, n_head=4, n_head_kv=2, n_vocab=32000,
+        wtype="Q4_K", embd_type="Q4_K", v_type="Q6_K", down_type="Q6_K", out_type="Q6_K", seed=2,
+    ),
+}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# checks
+# --------------------------------------------------------------------------------------------
+
+
+def softmax64(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z = z - z.max()
+    e = np.exp(z)
+    return e / e.sum()
+
+
+def kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
+    p = softmax64(p_logits)
+    q = softmax64(q_logits)
+    m = p > 0
+    return float(np.sum(p[m] * (np.log(p[m]) - np.log(np.maximum(q[m], 1e-300)))))
+
+
+def last_logits(llm: Any, prompts: list[list[int]]) -> list[np.ndarray]:
+    return [np.asarray(llm.logits(p)[-1], np.float64) for p in prompts]
+
+
+def decode_speed(llm: Any, n_prompt: int = 8, n_gen: int = 32, seed: int = 0) -> float:
+    """Greedy decode of n_gen tokens one at a time after an n_prompt prefill; tokens/s."""
+    ctx = llm.ctx
+    n_vocab = llm.model.params.n_vocab
+    rng = np.random.default_rng(seed)
+    ctx.kv.seq_rm(0)
+    toks = rng.integers(3, n_vocab, n_prompt)
+    logits = ctx.decode(toks, np.arange(n_prompt))
+    pos = n_prompt
+    tok = int(np.argmax(logits[-1]))
+    for _ in range(2):  # warm-up: graph build, kernel JIT
+        tok = int(np.argmax(ctx.decode([tok], [pos])[-1]))
+        pos += 1
+    t0 = time.perf_counter()
+    for _ in range(n_gen):
+        tok = int(np.argmax(ctx.decode([tok], [pos])[-1]))
+        pos += 1
+    return n_gen / (time.perf_counter() - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--test-device", action="store_true", help="use the TEST device instead of CUDA (dry run)")
+    ap.add_argument("--skip-pytest", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="one prompt, fewer decode steps")
+    args = ap.parse_args()
+    if args.test_device:
+        os.environ["LLAMAPY_TEST_GPU"] = "1"
+    gpu_prefix = "TEST" if args.test_device else "CUDA"
+
+    rep = Report()
+    t_start = time.perf_counter()
+
+    # 1. environment ---------------------------------------------------------------------
+    env = rep.section("Environment")
+    rep.add(env, f"- python {platform.python_version()}, numpy {np.__version__}")
+
+    def cupy_info() -> None:
+        import cupy as cp
+
+        rt = cp.cuda.runtime
+        rep.add(env, f"- cupy {cp.__version__}, CUDA runtime {rt.runtimeGetVersion()}, driver {rt.driverGetVersion()}")
+        for i in range(rt.getDeviceCount()):
+            p = rt.getDeviceProperties(i)
+            name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
+            with cp.cuda.Device(i):
+                free, total = rt.memGetInfo()
+            rep.add(env, f"- GPU {i}: {name}, sm_{p['major']}{p['minor']}, {free / 2**30:.1f} / {total / 2**30:.1f} GiB free")
+        rep.add(env, f"- CUPY_TF32={os.environ.get('CUPY_TF32', '(unset)')}")
+
+    if not args.test_device:
+        rep.step(env, "CuPy / driver information", cupy_info)
+
+    def registry_info() -> None:
+        from llamapy.backend.registry import discover
+
+        for s in discover(refresh=True).statuses:
+            state = "loaded: " + ", ".join(d.name for d in s.registry.devices()) if s.registry else s.error
+            rep.add(env, f"- backend {s.name}: {state}")
+
+    rep.step(env, "backend discovery", registry_info)
+
+    def gpu_device() -> Any:
+        from llamapy.backend.registry import discover
+
+        devs = [d for d in discover().devices() if d.name.startswith(gpu_prefix)]
+        if not devs:
+            raise RuntimeError(f"no {gpu_prefix} device")
+        return devs[0]
+
+    dev = rep.step(env, "find the GPU device", gpu_device)
+    if dev is not None:
+        rep.add(env, f"- using {dev.name}: {dev.props().description}")
+        rep.step(env, "device self-test", dev.self_test)
+
+    # 2. op tests -------------------------------------------------------------------------
+    ops = rep.section("Op and weight tests on CUDA0 (pytest tests/gpu/test_cuda_ops.py)")
+    if args.skip_pytest or args.test_device:
+        rep.add(ops, "- skipped")
+    else:
+
+        def run_pytest() -> None:
+            cmd = [sys.executable, "-m", "pytest", str(ROOT / "tests/gpu/test_cuda_ops.py"), "-q", "-rfEs",
+                   "-p", "no:cacheprovider"]  # fmt: skip
+            t0 = time.perf_counter()
+            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+            tail = (r.stdout + r.stderr).strip().splitlines()
+            summary = tail[-1] if tail else "(no output)"
+            rep.add(ops, f"- exit {r.returncode} in {time.perf_counter() - t0:.1f} s: `{summary}`")
+            bad = [ln for ln in tail if ln.startswith(("FAILED", "ERROR", "SKIPPED"))]
+            for ln in bad[:40]:
+                rep.add(ops, f"  - `{ln[:300]}`")
+            if r.returncode != 0:
+                rep.failures += 1
+                if not bad:
+                    rep.add(ops, "  ```\n  " + "\n  ".join(tail[-30:]) + "\n  ```")
+
+        rep.step(ops, "pytest", run_pytest)
+
+    # 3 + 4. models -----------------------------------------------------------------------
+    tmp = Path(tempfile.mkdtemp(prefix="llamapy-gpu-"))
+    kl_lines = rep.section(f"-ngl all / -ngl 20 vs CPU: KL divergence of the last position (max {KL_MAX:g})")
+    rep.add(kl_lines, "| model | -ngl | prompts | max KL | mean KL | max abs logit diff | argmax agree | result |")
+    rep.add(kl_lines, "|---|---|---|---|---|---|---|---|")
+    speed = rep.section("Decode speed (tokens/s, 32 tokens after an 8-token prompt)")
+    rep.add(speed, "| model | -ngl 0 | -ngl 20 | -ngl all |")
+    rep.add(speed, "|---|---|---|---|")
+    setup = rep.section("Model setup")
+
+    import llamapy
+
+    n_prompts = 1 if args.quick else N_PROMPTS
+    for label, spec in MODELS.items():
+        path = tmp / f"{spec['name']}.gguf"
+        t0 = time.perf_counter()
+        ok = rep.step(setup, f"write {label}", lambda: write_model(path, **spec))
+        if ok is None:
+            continue
+        rep.add(setup, f"- {label}: {path.stat().st_size / 2**20:.1f} MiB written in {time.perf_counter() - t0:.1f} s")
+        rng = np.random.default_rng(123)
+        prompts = [[1] + rng.integers(3, spec["n_vocab"], PROMPT_LEN - 1).tolist() for _ in range(n_prompts)]
+
+        def load(ngl: Any) -> Any:
+            t1 = time.perf_counter()
+            llm = llamapy.Llama(path, n_gpu_layers=ngl, n_ctx=N_CTX)
+            info = llm.model.info
+            rep.add(setup, f"- {label} -ngl {ngl}: loaded in {time.perf_counter() - t1:.1f} s, "
+                           f"{info.n_gpu_layers} layers on the GPU, buffers "
+                           + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in info.buffer_sizes.items()))  # fmt: skip
+            if ngl != 0 and not any(k.startswith(gpu_prefix) for k in info.buffer_sizes):
+                raise RuntimeError(f"-ngl {ngl}: no {gpu_prefix} buffer (is the backend loaded?)")
+            return llm
+
+        ref: list[np.ndarray] | None = None
+        speeds: dict[str, str] = {}
+        for ngl in (0, 20, "all"):
+            llm = rep.step(setup, f"{label}: load -ngl {ngl}", lambda: load(ngl))
+            if llm is None:
+                speeds[str(ngl)] = "load failed"
+                continue
+            try:
+                got = rep.step(setup, f"{label} -ngl {ngl}: logits", lambda: last_logits(llm, prompts))
+                if ngl == 0:
+                    ref = got
+                elif got is not None and ref is not None:
+                    kls = [kl(a, b) for a, b in zip(ref, got)]
+                    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(ref, got))
+                    agree = sum(int(np.argmax(a) == np.argmax(b)) for a, b in zip(ref, got))
+                    passed = max(kls) <= KL_MAX and all(np.isfinite(kls))
+                    if not passed:
+                        rep.failures += 1
+                    rep.add(kl_lines, f"| {label} | {ngl} | {len(kls)} | {max(kls):.3e} | {np.mean(kls):.3e} | "
+                                      f"{diff:.3e} | {agree}/{len(kls)} | {'PASS' if passed else '**FAIL**'} |")  # fmt: skip
+                else:
+                    rep.add(kl_lines, f"| {label} | {ngl} | - | - | - | - | - | **FAIL** (no logits) |")
+                n_gen = 8 if args.quick else 32
+                tps = rep.step(setup, f"{label} -ngl {ngl}: decode speed", lambda: decode_speed(llm, n_gen=n_gen))
+                speeds[str(ngl)] = f"{tps:.1f}" if tps is not None else "failed"
+            finally:
+                try:
+                    llm.close()
+                except Exception:  # noqa: BLE001
+                    pass
+        rep.add(speed, f"| {label} | {speeds.get('0', '-')} | {speeds.get('20', '-')} | {speeds.get('all', '-')} |")
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+    total = rep.section("Total")
+    rep.add(total, f"- {time.perf_counter() - t_start:.1f} s, {rep.failures} failure(s)")
+
+    md = rep.markdown()
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "gpu_results.md").write_text(md)
+        print(f"\nwritten: {out_dir / 'gpu_results.md'}")
+    except OSError as e:
+        print(f"\ncould not write the summary: {e}")
+    return 1 if rep.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""llama-perplexity against llama.cpp's own results (../shared/reference): KL divergence against
+its logits files, the files llamapy writes, the CLI, and (slow) the perplexity table."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llamapy import Llama
+from llamapy.context import ContextOptions
+from llamapy.perplexity import (
+    KLDivergence,
+    PerplexityEstimate,
+    evaluate_kl_divergence,
+    evaluate_perplexity,
+    plan_context,
+    read_logits_file,
+)
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared"
+REF = SHARED / "reference"
+TEXT = SHARED / "data" / "text"
+TINY32 = REF / "tiny32" / "tiny32-Q4_K_M.gguf"
+TINY32_BASE = REF / "tiny32" / "tiny32-Q4_K_M-f32.c128x2.kld"
+SMOL_BASE = REF / "smollm2" / "tempest-c128x3-f32.kld"
+
+pytestmark = pytest.mark.skipif(not REF.is_dir(), reason="../shared/reference is not there")
+
+
+def _smollm2() -> Path:
+    from llamapy.model.fetch import default_model_path
+
+    return default_model_path()
+
+
+def kld_against(model: Path, base_path: Path, n_batch: int = 2048, n_ubatch: int = 512) -> KLDivergence:
+    """`llamapy perplexity MODEL --kl-divergence-base BASE --kl-divergence -b B -ub UB`, via the API."""
+    base = read_logits_file(base_path)
+    co = ContextOptions(n_ctx=base.n_ctx, n_batch=min(n_batch, base.n_ctx), n_ubatch=n_ubatch)
+    with Llama(model, context_options=co) as llm:
+        stats = None
+        for _, stats in evaluate_kl_divergence(llm.ctx, base, llm.ctx.n_batch):
+            pass
+    assert stats is not None and stats.count == base.n_chunk * (base.n_ctx - 1 - base.n_ctx // 2)
+    return stats
+
+
+# -- KL divergence against llama.cpp's f32 runs -------------------------------------------------
+
+
+@pytest.mark.parametrize("n_batch,n_ubatch", [(2048, 512), (2048, 1), (128, 32)])
+def test_kld_tiny32(n_batch: int, n_ubatch: int) -> None:
+    s = kld_against(TINY32, TINY32_BASE, n_batch, n_ubatch)
+    assert s.mean_kld()[0] <= 0.002
+    assert s.same_top()[0] >= 0.88
+
+
+@pytest.mark.parametrize(
+    "n_batch,n_ubatch", [(2048, 512), (128, 32), pytest.param(2048, 1, marks=pytest.mark.slow)]
+)
+def test_kld_smollm2(n_batch: int, n_ubatch: int) -> None:
+    s = kld_against(_smollm2(), SMOL_BASE, n_batch, n_ubatch)
+    assert s.mean_kld()[0] <= 0.006
+    assert s.same_top()[0] >= 0.95
+
+
+# -- the files llamapy writes ------------------------------------------------------------------
+
+
+def _run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from llamapy.cli import main
+
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_written_base_matches_llama_cpp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "tiny32.kld"
+    code, stdout, stderr = _run_cli(
+        [
+            "perplexity", str(TINY32), "-f", str(TEXT / "tempest.txt"), "-c", "128", "--chunks", "2",
+            "--kl-divergence-base", str(out),
+        ],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, stderr
+    assert "calculating perplexity over 2 chunks, n_ctx=128, batch_size=2048, n_seq=16" in stderr
+    assert re.search(r"^\[1\][0-9.]+,\[2\][0-9.]+,$", stdout, re.M), stdout
+    assert re.search(r"^Final estimate: PPL = [0-9.]+ \+/- [0-9.]+$", stdout, re.M), stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny32.kld"]  # no .partial left
+    ref_bytes = TINY32_BASE.read_bytes()
+    ours = out.read_bytes()
+    assert len(ours) == len(ref_bytes)
+    assert ours[:1044] == ref_bytes[:1044]  # header and the 2 x 128 tokens
+
+    # our file, read back, against llama.cpp's: the same statistics as the direct comparison
+    ref = read_logits_file(TINY32_BASE)
+    mine = read_logits_file(out)
+    back = KLDivergence()
+    first = ref.n_ctx // 2
+    for i in range(ref.n_chunk):
+        targets = ref.tokens[i * ref.n_ctx + first + 1 : (i + 1) * ref.n_ctx]
+        back.add(mine.chunk_log_probs(i), ref.chunk_log_probs(i), targets, normalized=True)
+    direct = kld_against(TINY32, TINY32_BASE)
+    assert back.count == direct.count
+    assert back.mean_kld()[0] == pytest.approx(direct.mean_kld()[0], abs=2e-5)
+    assert abs(back.n_same_top - direct.n_same_top) <= 1
+    assert back.log_ppl_base() == direct.log_ppl_base()  # the same base, the same figures
+    assert back.p_diff_rms()[0] == pytest.approx(direct.p_diff_rms()[0], abs=1e-3)
+
+
+def test_cli_kl_divergence_block(capsys: pytest.CaptureFixture[str]) -> None:
+    code, stdout, stderr = _run_cli(
+        ["perplexity", str(TINY32), "--kl-divergence-base", str(TINY32_BASE), "--kl-divergence", "-b", "128", "-ub", "32"],
+        capsys,
+    )
+    assert code == 0, stderr
+    for label in ("Mean PPL(Q)", "Mean PPL(base)", "Cor(ln(PPL(Q)), ln(PPL(base)))", "Maximum KLD", "Median  KLD", "Same top p:"):
+        assert label in stdout, label
+    kld = float(re.search(r"^Mean    KLD: +(-?[0-9.]+) ±", stdout, re.M).group(1))  # type: ignore[union-attr]
+    same = float(re.search(r"^Same top p: +([0-9.]+) ±", stdout, re.M).group(1))  # type: ignore[union-attr]
+    assert kld <= 0.002 and same >= 88.0
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (b"To be, or not to be.", "need at least 256 tokens"),
+        (b"", "empty"),
+        (b"caf\xe9 au lait " * 100, "not valid UTF-8"),
+    ],
+)
+def test_cli_bad_text(tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes, message: str) -> None:
+    f = tmp_path / "text.txt"
+    f.write_bytes(content)
+    out = tmp_path / "out.kld"
+    code, _, stderr = _run_cli(
+        ["perplexity", str(TINY32), "-f", str(f), "-c", "128", "--kl-divergence-base", str(out)], capsys
+    )
+    assert code == 1
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, stderr
+    assert list(tmp_path.iterdir()) == [f]  # no logits file, complete or partial
+
+
+def test_cli_vocab_mismatch(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, stderr = _run_cli(["perplexity", str(TINY32), "--kl-divergence-base", str(SMOL_BASE), "--kl-divergence"], capsys)
+    assert code == 1 and "vocabulary" in stderr.strip().splitlines()[-1]
+    code, _, stderr = _run_cli(["perplexity", str(TINY32), "--kl-divergence"], capsys)
+    assert code == 1 and "--kl-divergence-base" in stderr
+
+
+# -- perplexity against llama.cpp's table (slow) ------------------------------------------------
+
+
+def _rows() -> list[dict]:
+    path = REF / "smollm2" / "perplexity.json"
+    return json.loads(path.read_text())["runs"] if path.exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", _rows(), ids=lambda r: f"{Path(r['text']).stem}-c{r['ctx']}x{r['chunks']}")
+def test_perplexity_table(row: dict) -> None:
+    n_ctx = row["ctx"]
+    n_seq, n_kv, n_batch = plan_context(n_ctx, 2048)
+    co = ContextOptions(n_ctx=n_kv, n_batch=n_batch, n_ubatch=512)
+    with Llama(_smollm2(), context_options=co) as llm:
+        tokens = llm.tokenize((SHARED / row["text"]).read_text(encoding="utf-8"))
+        est: PerplexityEstimate | None = None
+        for _, est in evaluate_perplexity(llm.ctx, tokens, n_ctx, row["chunks"], n_batch):
+            pass
+    assert est is not None and len(est.history) == row["chunks"]
+    print(f"{row['text']} c{n_ctx}x{row['chunks']}: PPL {est.ppl:.4f} +/- {est.error:.5f} (llama.cpp f32 {row['f32']})")
+    assert est.ppl == pytest.approx(row["f32"], rel=0.003)
+    if "f32_err" in row:
+        assert est.error == pytest.approx(row["f32_err"], rel=0.02)
+    assert np.isfinite(est.error)

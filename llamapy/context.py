@@ -242,6 +242,9 @@ class Context:
                 buft = be.device.buffer_type()
                 if size and not buft.is_host:
                     self.compute_buffers.append(buft.alloc_buffer(size, BufferUsage.COMPUTE))
+                limit = getattr(be.device, "limit_memory_pool", None)
+                if limit is not None:  # CUDA: the pool may not grow past what was planned
+                    limit(size)
         except OutOfMemoryError as e:
             self.free()
             raise self._oom(f"compute buffers for -ub {n}, -c {self.n_ctx}: {e}") from None

@@ -12,20 +12,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-TINY32 = SHARED / "reference" / "tiny32" / "tiny32-Q4_K_M.gguf"
+from tests_support import shared
 
 # byte offsets of the f16 super-block scales (d, dmin) inside one block, per K-quant type:
 # random bytes elsewhere are valid quants, but random scales could be inf/nan
 K_SCALE_OFFSETS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
-
-
-def shared_path(*parts: str) -> Path:
-    p = SHARED.joinpath(*parts)
-    if not p.exists():
-        pytest.skip(f"{p} is not available")
-    return p
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +33,7 @@ def default_model() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny32() -> Path:
-    return shared_path("reference", "tiny32", "tiny32-Q4_K_M.gguf")
+    return shared("reference", "tiny32", "tiny32-Q4_K_M.gguf")
 
 
 def quantize_rows(w: np.ndarray, qtype: T, rng: np.random.Generator) -> np.ndarray:

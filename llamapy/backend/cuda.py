@@ -77,6 +77,7 @@ _TYPE_KERNELS: dict[GGMLType, tuple[str, str]] = {
     GGMLType.Q6_K: ("kquants.cu", "q6_k"),
 }
 WEIGHT_TYPES: frozenset[GGMLType] = frozenset(_TYPE_KERNELS)
+_FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
 # Types with a fused dequantize + matrix-vector kernel. All of them share one template
 # (common.cuh), so every weight type has one; Q4_0, Q4_1, Q8_0, Q4_K, Q6_K and F16/F32 are the
 # ones llama GGUFs mostly use.
@@ -376,6 +377,11 @@ class CUDADevice(MemoryDevice):
         self.stats.n_in += 1
         with self.context(f"uploading {t.name if t is not None else 'a tensor'}"):
             if t is not None and t.flags & TensorFlag.WEIGHT:
+                if len(t.shape) == 2 and t.type in _FLOAT_TYPES and t.shape[1] % 32:
+                    # rows the 32-element kernels cannot walk: a plain float32 matrix (cuBLAS)
+                    from ..quants import dequantize
+
+                    return self._h2d(dequantize(data.reshape(-1).view(np.uint8), t.type, t.shape[1]))
                 if len(t.shape) == 2:
                     n_out, n_in = t.shape
                     raw = data.reshape(-1).view(np.uint8)

@@ -90,6 +90,7 @@ KERNELS: dict[GGMLType, Callable[..., Any]] = {}
 REPACKED: dict[GGMLType, Callable[..., Any]] = {}
 DEQUANT: dict[GGMLType, Callable[..., Any]] = {}
 DEQUANT_REPACKED: dict[GGMLType, Callable[..., Any]] = {}
+DEQUANT_TILES: dict[GGMLType, Callable[..., Any]] = {}
 # Rows per repacked tile: wide enough for 8-lane AVX2 loops with little loop overhead
 # (measured on Q4_1 1536x576: R=16 3.2, R=32 6.5, R=64 7.2 G weights/s on one thread).
 REPACK_ROWS = 64
@@ -972,6 +973,112 @@ if HAVE_NUMBA:
         GGMLType.Q6_K: _dqr_q6_k,
     })
 
+    # Whole tiles t0..t1 of the repacked layout, transposed: row r of tile `tile` becomes
+    # column (tile - t0) * R + r of out_t (n_in, n_rows); reads and writes both run along r.
+
+    @_djit
+    def _dqt_q4_0(p, out_t, t0, t1):
+        qs, dm = p
+        R, nb = qs.shape[3], qs.shape[1]
+        for tile in range(t0, t1):
+            c0_ = (tile - t0) * R
+            for b in range(nb):
+                d = dm[tile, b, 0]
+                for j in range(16):
+                    q = qs[tile, b, j]
+                    for r in range(R):
+                        v = np.int32(q[r])
+                        out_t[b * 32 + j, c0_ + r] = d[r] * np.float32((v & 15) - 8)
+                        out_t[b * 32 + 16 + j, c0_ + r] = d[r] * np.float32((v >> 4) - 8)
+
+    @_djit
+    def _dqt_q4_1(p, out_t, t0, t1):
+        qs, dm = p
+        R, nb = qs.shape[3], qs.shape[1]
+        for tile in range(t0, t1):
+            c0_ = (tile - t0) * R
+            for b in range(nb):
+                d = dm[tile, b, 0]
+                m = dm[tile, b, 1]
+                for j in range(16):
+                    q = qs[tile, b, j]
+                    for r in range(R):
+                        v = np.int32(q[r])
+                        out_t[b * 32 + j, c0_ + r] = d[r] * np.float32(v & 15) + m[r]
+                        out_t[b * 32 + 16 + j, c0_ + r] = d[r] * np.float32(v >> 4) + m[r]
+
+    @_djit
+    def _dqt_q8_0(p, out_t, t0, t1):
+        qs, dm = p
+        R, nb = qs.shape[3], qs.shape[1]
+        for tile in range(t0, t1):
+            c0_ = (tile - t0) * R
+            for b in range(nb):
+                d = dm[tile, b, 0]
+                for j in range(32):
+                    q = qs[tile, b, j]
+                    for r in range(R):
+                        out_t[b * 32 + j, c0_ + r] = np.float32(q[r]) * d[r]
+
+    @_djit
+    def _dqt_q4_k(p, out_t, t0, t1):
+        qs, sm, dm = p
+        R, nb = qs.shape[3], qs.shape[1]
+        for tile in range(t0, t1):
+            c0_ = (tile - t0) * R
+            for b in range(nb):
+                d = dm[tile, b, 0]
+                dmin = dm[tile, b, 1]
+                for p_ in range(4):
+                    c0 = sm[tile, b, 2 * p_]
+                    c1 = sm[tile, b, 2 * p_ + 1]
+                    m0 = sm[tile, b, 8 + 2 * p_]
+                    m1 = sm[tile, b, 9 + 2 * p_]
+                    e0 = b * 256 + p_ * 64
+                    for l in range(32):
+                        q = qs[tile, b, p_ * 32 + l]
+                        for r in range(R):
+                            v = np.int32(q[r])
+                            out_t[e0 + l, c0_ + r] = (d[r] * np.float32(c0[r])) * np.float32(v & 15) - dmin[r] * np.float32(m0[r])
+                            out_t[e0 + 32 + l, c0_ + r] = (d[r] * np.float32(c1[r])) * np.float32(v >> 4) - dmin[r] * np.float32(m1[r])
+
+    @_djit
+    def _dqt_q6_k(p, out_t, t0, t1):
+        ql, qh, sc, dm = p
+        R, nb = ql.shape[3], ql.shape[1]
+        for tile in range(t0, t1):
+            c0_ = (tile - t0) * R
+            for b in range(nb):
+                d = dm[tile, b, 0]
+                for hf in range(2):
+                    e0 = b * 256 + hf * 128
+                    for i2 in range(2):
+                        k = hf * 8 + i2
+                        c1 = sc[tile, b, k]
+                        c2 = sc[tile, b, k + 2]
+                        c3 = sc[tile, b, k + 4]
+                        c4 = sc[tile, b, k + 6]
+                        for l in range(i2 * 16, i2 * 16 + 16):
+                            qa = ql[tile, b, hf * 64 + l]
+                            qc = ql[tile, b, hf * 64 + 32 + l]
+                            qq = qh[tile, b, hf * 32 + l]
+                            for r in range(R):
+                                a = np.int32(qa[r])
+                                c = np.int32(qc[r])
+                                h = np.int32(qq[r])
+                                out_t[e0 + l, c0_ + r] = (d[r] * np.float32(c1[r])) * np.float32(((a & 15) | ((h & 3) << 4)) - 32)
+                                out_t[e0 + 32 + l, c0_ + r] = (d[r] * np.float32(c2[r])) * np.float32(((c & 15) | ((h & 12) << 2)) - 32)
+                                out_t[e0 + 64 + l, c0_ + r] = (d[r] * np.float32(c3[r])) * np.float32(((a >> 4) | (h & 48)) - 32)
+                                out_t[e0 + 96 + l, c0_ + r] = (d[r] * np.float32(c4[r])) * np.float32(((c >> 4) | ((h & 192) >> 2)) - 32)
+
+    DEQUANT_TILES.update({
+        GGMLType.Q4_0: _dqt_q4_0,
+        GGMLType.Q4_1: _dqt_q4_1,
+        GGMLType.Q8_0: _dqt_q8_0,
+        GGMLType.Q4_K: _dqt_q4_k,
+        GGMLType.Q6_K: _dqt_q6_k,
+    })
+
 
 def numba_enabled() -> bool:
     """Whether the numba kernels are in use (False without numba or with LLAMAPY_NO_NUMBA=1)."""
@@ -1222,15 +1329,40 @@ class QMatrix:
         return np.where(ids < 0, ids + self.n_out, ids)
 
     def dequantize(self, rows: np.ndarray | slice | None = None, n_threads: int = 0) -> np.ndarray:
-        """float32 (n, n_in) of the selected rows (all when `rows` is None), C-contiguous."""
+        """float32 (n, n_in) of the selected rows (all when `rows` is None).
+
+        C-contiguous, except for a run of whole repacked tiles, which comes back in Fortran order
+        (the transpose of the (n_in, n) array the fast kernel writes; `.T` of it is what BLAS
+        wants as the right-hand operand)."""
         ids = self._ids(rows)
         fast = self._rp is not None or (HAVE_NUMBA and self.qtype in DEQUANT)
         if not fast:
             sel = self.data if rows is None else self.data[rows] if isinstance(rows, slice) else self.data[ids]
             return quants.dequantize(sel, self.qtype, self.n_in).reshape(-1, self.n_in)
-        out = np.empty((ids.size, self.n_in), dtype=np.float32)
+        R, n = REPACK_ROWS, ids.size
+        if self._rp is not None and n and ids[0] % R == 0 and n % R == 0 and ids[-1] < self._n_full:
+            if n == 1 or bool((np.diff(ids) == 1).all()):
+                # Whole tiles in order (the BLAS path's tiles): expanded transposed, at full
+                # speed, and returned as the transpose of that (a Fortran-ordered array).
+                return self._dequant_tiles_t(int(ids[0]) // R, n // R, n_threads).T
+        out = np.empty((n, self.n_in), dtype=np.float32)
         self._dequant_into(ids, out, n_threads)
         return out
+
+    def _dequant_tiles_t(self, ta: int, n_t: int, n_threads: int) -> np.ndarray:
+        """Repacked tiles ta..ta+n_t expanded to float32, transposed: (n_in, n_t * R)."""
+        R = REPACK_ROWS
+        out_t = np.empty((self.n_in, n_t * R), dtype=np.float32)
+        nt = _threads(n_threads)
+        nc = _n_chunks(n_t * R * self.n_in // 4, n_t, nt)
+        kt, p = DEQUANT_TILES[self.qtype], self._rp
+
+        def chunk(c: int) -> None:
+            a, b = c * n_t // nc, (c + 1) * n_t // nc
+            kt(p, out_t[:, a * R : b * R], ta + a, ta + b)
+
+        _POOL.run(chunk, nc, nt)
+        return out_t
 
     def _dequant_into(self, ids: np.ndarray, out: np.ndarray, n_threads: int) -> None:
         n = ids.size
@@ -1322,9 +1454,16 @@ class QMatrix:
         # Prompt processing / no numba: expand row tiles to f32 and let BLAS do the flops.
         out = np.empty((x.shape[0], self.n_out), dtype=np.float32)
         step = max(1, TILE_ELEMS // self.n_in)
-        if step < self.n_out and self._rp is not None:
-            step = max(REPACK_ROWS, step // REPACK_ROWS * REPACK_ROWS)
-        for r0 in range(0, self.n_out, step):
+        r_start = 0
+        if self._rp is not None:
+            R = REPACK_ROWS
+            n_t, step_t = self._n_full // R, max(1, step // R)
+            for t0 in range(0, n_t, step_t):
+                t1 = min(n_t, t0 + step_t)
+                tile_t = self._dequant_tiles_t(t0, t1 - t0, n_threads)  # (n_in, rows)
+                np.matmul(x, tile_t, out=out[:, t0 * R : t1 * R])
+            r_start = self._n_full
+        for r0 in range(r_start, self.n_out, step):
             r1 = min(self.n_out, r0 + step)
             tile = self.dequantize(slice(r0, r1), n_threads)
             np.matmul(x, tile.T, out=out[:, r0:r1])

@@ -1,0 +1,199 @@
+"""Every op on every available backend against one numpy reference (ggml's test-backend-ops).
+
+The reference is `llamapy.backend.kernels.reference` on host arrays (quantized weights expanded
+with gguf-py); each device computes the same node through its own buffers and copy path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from llamapy import ops
+from llamapy.backend.interface import BufferUsage, Device
+from llamapy.backend.kernels import reference
+from llamapy.backend.registry import discover
+from llamapy.graph import Graph
+from llamapy.tensor import Tensor, TensorFlag
+
+
+def _devices() -> list[Device]:
+    import os
+
+    os.environ.setdefault("LLAMAPY_TEST_GPU", "1")
+    try:
+        return discover(refresh=True).devices()
+    finally:
+        del os.environ["LLAMAPY_TEST_GPU"]
+
+
+DEVICES = _devices()
+
+
+def run_on(dev: Device, node: Tensor, inputs: dict[Tensor, np.ndarray]) -> np.ndarray:
+    be = dev.init_backend()
+    buft = dev.buffer_type()
+    env = {}
+    bufs = []
+    for t, v in inputs.items():
+        if t.flags & TensorFlag.WEIGHT:
+            buf = buft.alloc_buffer(buft.alloc_size(t), BufferUsage.WEIGHTS)
+            buf.alloc_tensor(t)
+            buf.set(t, v)
+            bufs.append(buf)
+        else:
+            env[t] = be.from_host(v)
+    be.compute(Graph.build(node).nodes, env)
+    out = np.array(be.to_host(env[node]))
+    for b in bufs:
+        b.free()
+    for t in inputs:
+        t.buffer = None
+    return out
+
+
+def f32(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _weight(name: str, rows: int, cols: int, qtype: T, rng: np.random.Generator) -> tuple[Tensor, np.ndarray, np.ndarray]:
+    """(tensor, raw bytes for the buffer, f32 values for the reference)."""
+    w = f32(rng, rows, cols)
+    t = Tensor(name, (rows, cols), qtype, flags=TensorFlag.WEIGHT)
+    if qtype is T.F32:
+        return t, w.view(np.uint8), w
+    raw = gguf.quants.quantize(w, qtype)
+    return t, np.asarray(raw).view(np.uint8).reshape(rows, -1), gguf.quants.dequantize(raw, qtype).astype(np.float32)
+
+
+def _cases() -> list[tuple[str, Callable[[np.random.Generator], tuple[Tensor, dict, dict]]]]:
+    def act(name: str, arr: np.ndarray, t: T = T.F32) -> Tensor:
+        return Tensor(name, arr.shape, t, flags=TensorFlag.INPUT)
+
+    def unary(builder):  # noqa: ANN001, ANN202
+        def make(rng):  # noqa: ANN001, ANN202
+            x = f32(rng, 7, 64)
+            a = act("a", x)
+            return builder(a), {a: x}, {a: x}
+
+        return make
+
+    def binary(builder):  # noqa: ANN001, ANN202
+        def make(rng):  # noqa: ANN001, ANN202
+            x, y = f32(rng, 7, 64), f32(rng, 64)
+            a, b = act("a", x), act("b", y)
+            return builder(a, b), {a: x, b: y}, {a: x, b: y}
+
+        return make
+
+    def mul_mat(qtype: T, n_tokens: int):  # noqa: ANN202
+        def make(rng):  # noqa: ANN001, ANN202
+            t, raw, ref = _weight("w", 64, 64, qtype, rng)
+            x = f32(rng, n_tokens, 64)
+            a = act("x", x)
+            return ops.mul_mat(t, a), {t: raw, a: x}, {t: ref, a: x}
+
+        return make
+
+    def get_rows(qtype: T):  # noqa: ANN202
+        def make(rng):  # noqa: ANN001, ANN202
+            t, raw, ref = _weight("emb", 50, 64, qtype, rng)
+            ids = np.array([3, 0, 49, 3], np.int32)
+            i = act("ids", ids, T.I32)
+            return ops.get_rows(t, i), {t: raw, i: ids}, {t: ref, i: ids}
+
+        return make
+
+    def rope(mode: int, factors: bool):  # noqa: ANN202
+        def make(rng):  # noqa: ANN001, ANN202
+            x = f32(rng, 5, 4, 64)
+            pos = np.array([0, 1, 7, 100, 4095], np.int32)
+            a, p = act("x", x), act("pos", pos, T.I32)
+            srcs = {a: x, p: pos}
+            ff = None
+            if factors:
+                fv = (1 + rng.random(16)).astype(np.float32)
+                ff = act("ff", fv)
+                srcs[ff] = fv
+            return ops.rope(a, p, 32, 10000.0, 1.0, ff, mode), srcs, srcs
+
+        return make
+
+    def attention(rng):  # noqa: ANN001, ANN202
+        q, k, v = f32(rng, 6, 4, 32), f32(rng, 16, 2, 32).astype(np.float16), f32(rng, 16, 2, 32).astype(np.float16)
+        mask = np.where(rng.random((6, 16)) < 0.7, 0, -np.inf).astype(np.float32)
+        mask[:, 0] = 0
+        tq, tk, tv, tm = act("q", q), act("k", k, T.F16), act("v", v, T.F16), act("m", mask)
+        s = {tq: q, tk: k, tv: v, tm: mask}
+        return ops.flash_attn_ext(tq, tk, tv, tm), s, s
+
+    def softmax(rng):  # noqa: ANN001, ANN202
+        x, m = f32(rng, 5, 9), np.where(np.tri(5, 9, 4) > 0, 0, -np.inf).astype(np.float32)
+        a, b = act("a", x), act("m", m)
+        return ops.soft_max(a, b, 0.5), {a: x, b: m}, {a: x, b: m}
+
+    def set_rows(rng):  # noqa: ANN001, ANN202
+        dst = np.zeros((10, 64), np.float16)
+        src = f32(rng, 3, 64)
+        ids = np.array([7, 2, 9], np.int64)
+        d, s_, i = act("cache", dst, T.F16), act("src", src), act("idx", ids, T.I64)
+        node = ops.set_rows(d, i, s_)
+        return node, {d: dst, i: ids, s_: src}, {d: dst.copy(), i: ids, s_: src}
+
+    def glu(rng):  # noqa: ANN001, ANN202
+        g, u = f32(rng, 7, 64) * 30, f32(rng, 7, 64)
+        a, b = act("g", g), act("u", u)
+        return ops.swiglu(a, b), {a: g, b: u}, {a: g, b: u}
+
+    cases = [
+        ("RMS_NORM", unary(lambda a: ops.rms_norm(a, 1e-5))),
+        ("SCALE", unary(lambda a: ops.scale(a, 0.125))),
+        ("CONT", unary(lambda a: ops.cont(ops.permute(a, (1, 0))))),
+        ("MUL", binary(ops.mul)),
+        ("ADD", binary(ops.add)),
+        ("GLU", glu),
+        ("SOFT_MAX", softmax),
+        ("FLASH_ATTN_EXT", attention),
+        ("SET_ROWS", set_rows),
+        ("ROPE-normal", rope(0, False)),
+        ("ROPE-neox", rope(2, False)),
+        ("ROPE-freq_factors", rope(0, True)),
+    ]
+    for q in (T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
+        cases.append((f"GET_ROWS-{q.name}", get_rows(q)))
+        for n in (1, 40):
+            cases.append((f"MUL_MAT-{q.name}-n{n}", mul_mat(q, n)))
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("dev", DEVICES, ids=lambda d: d.name)
+@pytest.mark.parametrize("name,make", CASES, ids=[c[0] for c in CASES])
+def test_op(dev: Device, name: str, make) -> None:  # noqa: ANN001
+    rng = np.random.default_rng(0)
+    node, inputs, ref_inputs = make(rng)
+    if not dev.supports_op(node):
+        pytest.skip(f"{dev.name} does not support {name}")
+    vals = dict(ref_inputs)
+    for n in Graph.build(node).nodes:
+        vals[n] = reference(n, [vals[s] for s in n.src])
+    want = vals[node]
+    got = run_on(dev, node, inputs)
+    want = np.asarray(want, np.float32)
+    assert got.shape == want.shape
+    scale = max(1.0, float(np.abs(want).max()))
+    assert np.abs(got.astype(np.float32) - want).max() <= 2e-5 * scale, name
+
+
+def test_every_device_lists_and_passes_self_test() -> None:
+    names = [d.name for d in DEVICES]
+    assert "CPU" in names and names[-1] == "CPU"  # the fallback comes last
+    assert "TEST0" in names
+    for d in DEVICES:
+        d.self_test()

@@ -1,0 +1,61 @@
+"""`llamapy bench` (llama-bench): the markdown table and the JSON fields, on tiny32 at tiny sizes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from llamapy.cli import main
+
+TINY32 = Path("/work/shared/reference/tiny32/tiny32-Q4_K_M.gguf")
+
+pytestmark = pytest.mark.skipif(not TINY32.exists(), reason="tiny32 reference model missing")
+
+JSON_FIELDS = {
+    "model_filename", "model_type", "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads",
+    "n_gpu_layers", "n_prompt", "n_gen", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "samples_ns",
+    "samples_ts", "backends", "test_time", "type_k", "type_v",
+}  # fmt: skip
+
+
+def test_bench_markdown(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["bench", str(TINY32), "-p", "16", "-n", "4", "-r", "1", "-t", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head == ["model", "size", "params", "backend", "ngl", "threads", "test", "t/s"]
+    assert set(lines[1]) <= set("|-: ") and lines[1].count("|") == 9
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+    assert [r[6] for r in rows] == ["pp16", "tg4"]
+    for r in rows:
+        assert r[0] == "llama 42M Q4_K - Medium"
+        assert r[1].endswith(" MiB") and r[2] == "41.57 M"
+        assert r[4] == "0" and r[5] == "1"
+        avg, pm, std = r[7].split()
+        assert pm == "±" and float(avg) > 0 and float(std) == 0.0  # one repetition
+    assert all(len(ln) == len(lines[0]) for ln in lines)  # llama-bench's fixed column widths
+
+
+def test_bench_json_sweep(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["bench", str(TINY32), "-p", "8", "-n", "2", "-r", "2", "-t", "1,2", "-ub", "4", "-o", "json", "--no-warmup"])
+    res = json.loads(capsys.readouterr().out)
+    assert isinstance(res, list) and len(res) == 4  # 2 thread counts x (pp, tg)
+    for r in res:
+        assert JSON_FIELDS <= set(r)
+        assert r["model_type"] == "llama 42M Q4_K - Medium" and r["model_n_params"] == 41566464
+        assert r["n_ubatch"] == 4 and r["n_batch"] == 2048 and r["n_gpu_layers"] == 0
+        assert len(r["samples_ns"]) == len(r["samples_ts"]) == 2
+        assert r["avg_ts"] > 0 and r["avg_ns"] > 0
+        n = r["n_prompt"] + r["n_gen"]
+        assert r["samples_ts"][0] == pytest.approx(1e9 * n / r["samples_ns"][0])
+    assert [(r["n_threads"], r["n_prompt"], r["n_gen"]) for r in res] == [(1, 8, 0), (1, 0, 2), (2, 8, 0), (2, 0, 2)]
+
+
+def test_bench_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    for args in (["-o", "csv"], ["-p", "x"], ["-r", "0"], ["-p", "0", "-n", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", str(TINY32), *args])
+        assert exc.value.code == 1
+    assert capsys.readouterr().err.count("error: ") == 4

@@ -55,8 +55,10 @@ class ContextOptions:
     n_batch: int = 2048
     n_ubatch: int = 512
     n_threads: int = 0  # 0: every core
-    type_k: GGMLType = GGMLType.F16
-    type_v: GGMLType = GGMLType.F16
+    # f32 by default: measured faster here (no f16<->f32 conversion in attention; bench/RESULTS.md)
+    # at the same KL-divergence against llama.cpp; -ctk/-ctv f16 halves the cache
+    type_k: GGMLType = GGMLType.F32
+    type_v: GGMLType = GGMLType.F32
     no_kv_offload: bool = False
     op_offload: bool = True
 

@@ -72,9 +72,6 @@ class Tensor:
     buffer: Buffer | None = None
     view_src: Tensor | None = None
 
-    def __hash__(self) -> int:
-        return id(self)
-
     @property
     def is_leaf(self) -> bool:
         return self.op is Op.NONE

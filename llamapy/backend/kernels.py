@@ -37,9 +37,9 @@ def set_rows(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 def rms_norm(node: Tensor, s: list[Any], xp: Any) -> Any:
     x = s[0]
-    # accumulate the mean square in float64, as ggml does (ggml_float)
-    ms = xp.mean(xp.square(x, dtype=xp.float64), axis=-1, keepdims=True)
-    return (x * (1.0 / xp.sqrt(ms + node.params["eps"])).astype(xp.float32)).astype(xp.float32)
+    # the mean square in f32 with pairwise summation: within 1e-7 of ggml's double sum
+    ms = xp.einsum("...i,...i->...", x, x)[..., None] / xp.float32(x.shape[-1])
+    return x * (1.0 / xp.sqrt(ms + xp.float32(node.params["eps"])))
 
 
 def mul(node: Tensor, s: list[Any], xp: Any) -> Any:
@@ -83,10 +83,30 @@ def soft_max(node: Tensor, s: list[Any], xp: Any) -> Any:
     return e / e.sum(axis=-1, keepdims=True)
 
 
+_rope_tables: dict[tuple, tuple] = {}
+
+
 def rope_cos_sin(
     xp: Any, pos: Any, n_dims: int, base: float, freq_scale: float, factors: Any | None
 ) -> tuple[Any, Any]:
-    """cos/sin tables (n_tokens, n_dims/2) for llama.cpp's rope (ggml rope_cache_init)."""
+    """cos/sin tables (n_tokens, n_dims/2) for llama.cpp's rope (ggml rope_cache_init).
+
+    Every layer's Q and K rope the same positions: the tables are kept while the same position
+    array is alive (the key holds a reference, so an id cannot be reused meanwhile)."""
+    key = (id(pos), id(factors), n_dims, base, freq_scale)
+    hit = _rope_tables.get(key)
+    if hit is not None and hit[0] is pos and hit[1] is factors:
+        return hit[2], hit[3]
+    if len(_rope_tables) > 8:
+        _rope_tables.clear()
+    cos, sin = _rope_tables_compute(xp, pos, n_dims, base, freq_scale, factors)
+    _rope_tables[key] = (pos, factors, cos, sin)
+    return cos, sin
+
+
+def _rope_tables_compute(
+    xp: Any, pos: Any, n_dims: int, base: float, freq_scale: float, factors: Any | None
+) -> tuple[Any, Any]:
     i = xp.arange(n_dims // 2, dtype=xp.float64)
     inv = base ** (-2.0 * i / n_dims)
     if factors is not None:

@@ -672,8 +672,8 @@ if HAVE_NUMBA:
                 d = _f16(wr, o, tab)
                 for j in range(16):
                     v = np.int32(wr[o + 2 + j])
-                    o_[b * 32 + j] = d * np.float32((v & 15) - 8)
-                    o_[b * 32 + 16 + j] = d * np.float32((v >> 4) - 8)
+                    o_[b * 32 + j] = d * np.float32(np.int32((v & 15) - 8))
+                    o_[b * 32 + 16 + j] = d * np.float32(np.int32((v >> 4) - 8))
 
     @_djit
     def _dq_q4_1(w, ids, out, i0, i1, tab):
@@ -687,8 +687,8 @@ if HAVE_NUMBA:
                 m = _f16(wr, o + 2, tab)
                 for j in range(16):
                     v = np.int32(wr[o + 4 + j])
-                    o_[b * 32 + j] = d * np.float32(v & 15) + m
-                    o_[b * 32 + 16 + j] = d * np.float32(v >> 4) + m
+                    o_[b * 32 + j] = d * np.float32(np.int32(v & 15)) + m
+                    o_[b * 32 + 16 + j] = d * np.float32(np.int32(v >> 4)) + m
 
     @_djit
     def _dq_q5_0(w, ids, out, i0, i1, tab):
@@ -705,8 +705,8 @@ if HAVE_NUMBA:
                     v = np.int32(wr[o + 6 + j])
                     h0 = np.int32((qh >> j) & 1) << 4
                     h1 = np.int32((qh >> (j + 16)) & 1) << 4
-                    o_[b * 32 + j] = d * np.float32(((v & 15) | h0) - 16)
-                    o_[b * 32 + 16 + j] = d * np.float32(((v >> 4) | h1) - 16)
+                    o_[b * 32 + j] = d * np.float32(np.int32(((v & 15) | h0) - 16))
+                    o_[b * 32 + 16 + j] = d * np.float32(np.int32(((v >> 4) | h1) - 16))
 
     @_djit
     def _dq_q5_1(w, ids, out, i0, i1, tab):
@@ -724,8 +724,8 @@ if HAVE_NUMBA:
                     v = np.int32(wr[o + 8 + j])
                     h0 = np.int32((qh >> j) & 1) << 4
                     h1 = np.int32((qh >> (j + 16)) & 1) << 4
-                    o_[b * 32 + j] = d * np.float32((v & 15) | h0) + m
-                    o_[b * 32 + 16 + j] = d * np.float32((v >> 4) | h1) + m
+                    o_[b * 32 + j] = d * np.float32(np.int32((v & 15) | h0)) + m
+                    o_[b * 32 + 16 + j] = d * np.float32(np.int32((v >> 4) | h1)) + m
 
     @_djit
     def _dq_q8_0(w, ids, out, i0, i1, tab):
@@ -753,13 +753,13 @@ if HAVE_NUMBA:
                     for k in range(4):
                         for half in range(2):
                             sc = np.int32(wr[o + n * 8 + k * 2 + half])
-                            dl = d * np.float32(sc & 15)
-                            ml = dmin * np.float32(sc >> 4)
+                            dl = d * np.float32(np.int32(sc & 15))
+                            ml = dmin * np.float32(np.int32(sc >> 4))
                             e0 = b * 256 + n * 128 + k * 32 + half * 16
                             q0 = o + 16 + n * 32 + half * 16
                             for l in range(16):
                                 q = (np.int32(wr[q0 + l]) >> (2 * k)) & 3
-                                o_[e0 + l] = dl * np.float32(q) - ml
+                                o_[e0 + l] = dl * np.float32(np.int32(q)) - ml
 
     @_djit
     def _dq_q3_k(w, ids, out, i0, i1, tab):
@@ -777,13 +777,13 @@ if HAVE_NUMBA:
                             si = n * 8 + k * 2 + half
                             lo = (np.int32(wr[o + 96 + (si & 7)]) >> (4 * (si >> 3))) & 15
                             hi = (np.int32(wr[o + 104 + (si & 3)]) >> (2 * (si >> 2))) & 3
-                            dl = d * np.float32((lo | (hi << 4)) - 32)
+                            dl = d * np.float32(np.int32((lo | (hi << 4)) - 32))
                             e0 = b * 256 + n * 128 + k * 32 + half * 16
                             q0 = o + 32 + n * 32 + half * 16
                             for l in range(16):
                                 q = (np.int32(wr[q0 + l]) >> (2 * k)) & 3
                                 h = (np.int32(wr[o + half * 16 + l]) >> hb) & 1
-                                o_[e0 + l] = dl * np.float32(q - 4 + 4 * h)
+                                o_[e0 + l] = dl * np.float32(np.int32(q - 4 + 4 * h))
 
     @_djit
     def _dq_q4_k(w, ids, out, i0, i1, tab):
@@ -798,16 +798,16 @@ if HAVE_NUMBA:
                 for p in range(4):
                     sc0, m0 = _k_scale(wr, o + 4, 2 * p)
                     sc1, m1 = _k_scale(wr, o + 4, 2 * p + 1)
-                    d0 = d * np.float32(sc0)
-                    d1 = d * np.float32(sc1)
-                    n0 = dmin * np.float32(m0)
-                    n1 = dmin * np.float32(m1)
+                    d0 = d * np.float32(np.int32(sc0))
+                    d1 = d * np.float32(np.int32(sc1))
+                    n0 = dmin * np.float32(np.int32(m0))
+                    n1 = dmin * np.float32(np.int32(m1))
                     e0 = b * 256 + p * 64
                     q0 = o + 16 + p * 32
                     for l in range(32):
                         v = np.int32(wr[q0 + l])
-                        o_[e0 + l] = d0 * np.float32(v & 15) - n0
-                        o_[e0 + 32 + l] = d1 * np.float32(v >> 4) - n1
+                        o_[e0 + l] = d0 * np.float32(np.int32(v & 15)) - n0
+                        o_[e0 + 32 + l] = d1 * np.float32(np.int32(v >> 4)) - n1
 
     @_djit
     def _dq_q5_k(w, ids, out, i0, i1, tab):
@@ -822,17 +822,17 @@ if HAVE_NUMBA:
                 for p in range(4):
                     sc0, m0 = _k_scale(wr, o + 4, 2 * p)
                     sc1, m1 = _k_scale(wr, o + 4, 2 * p + 1)
-                    d0 = d * np.float32(sc0)
-                    d1 = d * np.float32(sc1)
-                    n0 = dmin * np.float32(m0)
-                    n1 = dmin * np.float32(m1)
+                    d0 = d * np.float32(np.int32(sc0))
+                    d1 = d * np.float32(np.int32(sc1))
+                    n0 = dmin * np.float32(np.int32(m0))
+                    n1 = dmin * np.float32(np.int32(m1))
                     e0 = b * 256 + p * 64
                     q0 = o + 48 + p * 32
                     for l in range(32):
                         v = np.int32(wr[q0 + l])
                         h = np.int32(wr[o + 16 + l]) >> (2 * p)
-                        o_[e0 + l] = d0 * np.float32((v & 15) | ((h & 1) << 4)) - n0
-                        o_[e0 + 32 + l] = d1 * np.float32((v >> 4) | ((h & 2) << 3)) - n1
+                        o_[e0 + l] = d0 * np.float32(np.int32((v & 15) | ((h & 1) << 4))) - n0
+                        o_[e0 + 32 + l] = d1 * np.float32(np.int32((v >> 4) | ((h & 2) << 3))) - n1
 
     @_djit
     def _dq_q6_k(w, ids, out, i0, i1, tab):
@@ -857,10 +857,10 @@ if HAVE_NUMBA:
                             a = np.int32(wr[ql + l])
                             c = np.int32(wr[ql + 32 + l])
                             h = np.int32(wr[qh + l])
-                            o_[e0 + l] = d1 * np.float32(((a & 15) | ((h & 3) << 4)) - 32)
-                            o_[e0 + 32 + l] = d2 * np.float32(((c & 15) | ((h & 12) << 2)) - 32)
-                            o_[e0 + 64 + l] = d3 * np.float32(((a >> 4) | (h & 48)) - 32)
-                            o_[e0 + 96 + l] = d4 * np.float32(((c >> 4) | ((h & 192) >> 2)) - 32)
+                            o_[e0 + l] = d1 * np.float32(np.int32(((a & 15) | ((h & 3) << 4)) - 32))
+                            o_[e0 + 32 + l] = d2 * np.float32(np.int32(((c & 15) | ((h & 12) << 2)) - 32))
+                            o_[e0 + 64 + l] = d3 * np.float32(np.int32(((a >> 4) | (h & 48)) - 32))
+                            o_[e0 + 96 + l] = d4 * np.float32(np.int32(((c >> 4) | ((h & 192) >> 2)) - 32))
 
     DEQUANT.update({
         GGMLType.Q4_0: _dq_q4_0,
@@ -888,8 +888,8 @@ if HAVE_NUMBA:
                 d = dm[tile, b, 0, r]
                 for j in range(16):
                     v = np.int32(qs[tile, b, j, r])
-                    o_[b * 32 + j] = d * np.float32((v & 15) - 8)
-                    o_[b * 32 + 16 + j] = d * np.float32((v >> 4) - 8)
+                    o_[b * 32 + j] = d * np.float32(np.int32((v & 15) - 8))
+                    o_[b * 32 + 16 + j] = d * np.float32(np.int32((v >> 4) - 8))
 
     @_djit
     def _dqr_q4_1(p, ids, out, i0, i1):
@@ -903,8 +903,8 @@ if HAVE_NUMBA:
                 m = dm[tile, b, 1, r]
                 for j in range(16):
                     v = np.int32(qs[tile, b, j, r])
-                    o_[b * 32 + j] = d * np.float32(v & 15) + m
-                    o_[b * 32 + 16 + j] = d * np.float32(v >> 4) + m
+                    o_[b * 32 + j] = d * np.float32(np.int32(v & 15)) + m
+                    o_[b * 32 + 16 + j] = d * np.float32(np.int32(v >> 4)) + m
 
     @_djit
     def _dqr_q8_0(p, ids, out, i0, i1):
@@ -916,7 +916,7 @@ if HAVE_NUMBA:
             for b in range(nb):
                 d = dm[tile, b, 0, r]
                 for j in range(32):
-                    o_[b * 32 + j] = np.float32(qs[tile, b, j, r]) * d
+                    o_[b * 32 + j] = np.float32(np.int32(qs[tile, b, j, r])) * d
 
     @_djit
     def _dqr_q4_k(p, ids, out, i0, i1):
@@ -929,15 +929,15 @@ if HAVE_NUMBA:
                 d = dm[tile, b, 0, r]
                 dmin = dm[tile, b, 1, r]
                 for p_ in range(4):
-                    d0 = d * np.float32(sm[tile, b, 2 * p_, r])
-                    d1 = d * np.float32(sm[tile, b, 2 * p_ + 1, r])
-                    n0 = dmin * np.float32(sm[tile, b, 8 + 2 * p_, r])
-                    n1 = dmin * np.float32(sm[tile, b, 9 + 2 * p_, r])
+                    d0 = d * np.float32(np.int32(sm[tile, b, 2 * p_, r]))
+                    d1 = d * np.float32(np.int32(sm[tile, b, 2 * p_ + 1, r]))
+                    n0 = dmin * np.float32(np.int32(sm[tile, b, 8 + 2 * p_, r]))
+                    n1 = dmin * np.float32(np.int32(sm[tile, b, 9 + 2 * p_, r]))
                     e0 = b * 256 + p_ * 64
                     for l in range(32):
                         v = np.int32(qs[tile, b, p_ * 32 + l, r])
-                        o_[e0 + l] = d0 * np.float32(v & 15) - n0
-                        o_[e0 + 32 + l] = d1 * np.float32(v >> 4) - n1
+                        o_[e0 + l] = d0 * np.float32(np.int32(v & 15)) - n0
+                        o_[e0 + 32 + l] = d1 * np.float32(np.int32(v >> 4)) - n1
 
     @_djit
     def _dqr_q6_k(p, ids, out, i0, i1):
@@ -952,18 +952,18 @@ if HAVE_NUMBA:
                     e0 = b * 256 + hf * 128
                     for i2 in range(2):
                         k = hf * 8 + i2
-                        d1 = d * np.float32(sc[tile, b, k, r])
-                        d2 = d * np.float32(sc[tile, b, k + 2, r])
-                        d3 = d * np.float32(sc[tile, b, k + 4, r])
-                        d4 = d * np.float32(sc[tile, b, k + 6, r])
+                        d1 = d * np.float32(np.int32(sc[tile, b, k, r]))
+                        d2 = d * np.float32(np.int32(sc[tile, b, k + 2, r]))
+                        d3 = d * np.float32(np.int32(sc[tile, b, k + 4, r]))
+                        d4 = d * np.float32(np.int32(sc[tile, b, k + 6, r]))
                         for l in range(i2 * 16, i2 * 16 + 16):
                             a = np.int32(ql[tile, b, hf * 64 + l, r])
                             c = np.int32(ql[tile, b, hf * 64 + 32 + l, r])
                             h = np.int32(qh[tile, b, hf * 32 + l, r])
-                            o_[e0 + l] = d1 * np.float32(((a & 15) | ((h & 3) << 4)) - 32)
-                            o_[e0 + 32 + l] = d2 * np.float32(((c & 15) | ((h & 12) << 2)) - 32)
-                            o_[e0 + 64 + l] = d3 * np.float32(((a >> 4) | (h & 48)) - 32)
-                            o_[e0 + 96 + l] = d4 * np.float32(((c >> 4) | ((h & 192) >> 2)) - 32)
+                            o_[e0 + l] = d1 * np.float32(np.int32(((a & 15) | ((h & 3) << 4)) - 32))
+                            o_[e0 + 32 + l] = d2 * np.float32(np.int32(((c & 15) | ((h & 12) << 2)) - 32))
+                            o_[e0 + 64 + l] = d3 * np.float32(np.int32(((a >> 4) | (h & 48)) - 32))
+                            o_[e0 + 96 + l] = d4 * np.float32(np.int32(((c >> 4) | ((h & 192) >> 2)) - 32))
 
     DEQUANT_REPACKED.update({
         GGMLType.Q4_0: _dqr_q4_0,
@@ -988,13 +988,17 @@ if HAVE_NUMBA:
                     q = qs[tile, b, j]
                     for r in range(R):
                         v = np.int32(q[r])
-                        out_t[b * 32 + j, c0_ + r] = d[r] * np.float32((v & 15) - 8)
-                        out_t[b * 32 + 16 + j, c0_ + r] = d[r] * np.float32((v >> 4) - 8)
+                        out_t[b * 32 + j, c0_ + r] = d[r] * np.float32(np.int32((v & 15) - 8))
+                        out_t[b * 32 + 16 + j, c0_ + r] = d[r] * np.float32(np.int32((v >> 4) - 8))
 
     @_djit
     def _dqt_q4_1(p, out_t, t0, t1):
+        # Computed into local runs of R first: LLVM then vectorizes the expansion (it cannot
+        # prove out_t does not alias the inputs), and the copies are plain streams.
         qs, dm = p
         R, nb = qs.shape[3], qs.shape[1]
+        lo = np.empty(R, dtype=np.float32)
+        hi = np.empty(R, dtype=np.float32)
         for tile in range(t0, t1):
             c0_ = (tile - t0) * R
             for b in range(nb):
@@ -1004,13 +1008,16 @@ if HAVE_NUMBA:
                     q = qs[tile, b, j]
                     for r in range(R):
                         v = np.int32(q[r])
-                        out_t[b * 32 + j, c0_ + r] = d[r] * np.float32(v & 15) + m[r]
-                        out_t[b * 32 + 16 + j, c0_ + r] = d[r] * np.float32(v >> 4) + m[r]
+                        lo[r] = d[r] * np.float32(np.int32(v & 15)) + m[r]
+                        hi[r] = d[r] * np.float32(np.int32(v >> 4)) + m[r]
+                    out_t[b * 32 + j, c0_ : c0_ + R] = lo
+                    out_t[b * 32 + 16 + j, c0_ : c0_ + R] = hi
 
     @_djit
     def _dqt_q8_0(p, out_t, t0, t1):
         qs, dm = p
         R, nb = qs.shape[3], qs.shape[1]
+        v = np.empty(R, dtype=np.float32)
         for tile in range(t0, t1):
             c0_ = (tile - t0) * R
             for b in range(nb):
@@ -1018,34 +1025,45 @@ if HAVE_NUMBA:
                 for j in range(32):
                     q = qs[tile, b, j]
                     for r in range(R):
-                        out_t[b * 32 + j, c0_ + r] = np.float32(q[r]) * d[r]
+                        v[r] = np.float32(np.int32(q[r])) * d[r]
+                    out_t[b * 32 + j, c0_ : c0_ + R] = v
 
     @_djit
     def _dqt_q4_k(p, out_t, t0, t1):
         qs, sm, dm = p
         R, nb = qs.shape[3], qs.shape[1]
+        lo = np.empty(R, dtype=np.float32)
+        hi = np.empty(R, dtype=np.float32)
+        dl = np.empty((2, R), dtype=np.float32)
+        ml = np.empty((2, R), dtype=np.float32)
         for tile in range(t0, t1):
             c0_ = (tile - t0) * R
             for b in range(nb):
                 d = dm[tile, b, 0]
                 dmin = dm[tile, b, 1]
                 for p_ in range(4):
-                    c0 = sm[tile, b, 2 * p_]
-                    c1 = sm[tile, b, 2 * p_ + 1]
-                    m0 = sm[tile, b, 8 + 2 * p_]
-                    m1 = sm[tile, b, 9 + 2 * p_]
+                    for h in range(2):
+                        c = sm[tile, b, 2 * p_ + h]
+                        mn = sm[tile, b, 8 + 2 * p_ + h]
+                        for r in range(R):
+                            dl[h, r] = d[r] * np.float32(np.int32(c[r]))
+                            ml[h, r] = dmin[r] * np.float32(np.int32(mn[r]))
                     e0 = b * 256 + p_ * 64
                     for l in range(32):
                         q = qs[tile, b, p_ * 32 + l]
                         for r in range(R):
                             v = np.int32(q[r])
-                            out_t[e0 + l, c0_ + r] = (d[r] * np.float32(c0[r])) * np.float32(v & 15) - dmin[r] * np.float32(m0[r])
-                            out_t[e0 + 32 + l, c0_ + r] = (d[r] * np.float32(c1[r])) * np.float32(v >> 4) - dmin[r] * np.float32(m1[r])
+                            lo[r] = dl[0, r] * np.float32(np.int32(v & 15)) - ml[0, r]
+                            hi[r] = dl[1, r] * np.float32(np.int32(v >> 4)) - ml[1, r]
+                        out_t[e0 + l, c0_ : c0_ + R] = lo
+                        out_t[e0 + 32 + l, c0_ : c0_ + R] = hi
 
     @_djit
     def _dqt_q6_k(p, out_t, t0, t1):
         ql, qh, sc, dm = p
         R, nb = ql.shape[3], ql.shape[1]
+        dl = np.empty((4, R), dtype=np.float32)
+        v = np.empty((4, R), dtype=np.float32)
         for tile in range(t0, t1):
             c0_ = (tile - t0) * R
             for b in range(nb):
@@ -1053,23 +1071,24 @@ if HAVE_NUMBA:
                 for hf in range(2):
                     e0 = b * 256 + hf * 128
                     for i2 in range(2):
-                        k = hf * 8 + i2
-                        c1 = sc[tile, b, k]
-                        c2 = sc[tile, b, k + 2]
-                        c3 = sc[tile, b, k + 4]
-                        c4 = sc[tile, b, k + 6]
+                        for k in range(4):
+                            c = sc[tile, b, hf * 8 + i2 + 2 * k]
+                            for r in range(R):
+                                dl[k, r] = d[r] * np.float32(np.int32(c[r]))
                         for l in range(i2 * 16, i2 * 16 + 16):
                             qa = ql[tile, b, hf * 64 + l]
                             qc = ql[tile, b, hf * 64 + 32 + l]
                             qq = qh[tile, b, hf * 32 + l]
                             for r in range(R):
                                 a = np.int32(qa[r])
-                                c = np.int32(qc[r])
+                                c_ = np.int32(qc[r])
                                 h = np.int32(qq[r])
-                                out_t[e0 + l, c0_ + r] = (d[r] * np.float32(c1[r])) * np.float32(((a & 15) | ((h & 3) << 4)) - 32)
-                                out_t[e0 + 32 + l, c0_ + r] = (d[r] * np.float32(c2[r])) * np.float32(((c & 15) | ((h & 12) << 2)) - 32)
-                                out_t[e0 + 64 + l, c0_ + r] = (d[r] * np.float32(c3[r])) * np.float32(((a >> 4) | (h & 48)) - 32)
-                                out_t[e0 + 96 + l, c0_ + r] = (d[r] * np.float32(c4[r])) * np.float32(((c >> 4) | ((h & 192) >> 2)) - 32)
+                                v[0, r] = dl[0, r] * np.float32(np.int32(((a & 15) | ((h & 3) << 4)) - 32))
+                                v[1, r] = dl[1, r] * np.float32(np.int32(((c_ & 15) | ((h & 12) << 2)) - 32))
+                                v[2, r] = dl[2, r] * np.float32(np.int32(((a >> 4) | (h & 48)) - 32))
+                                v[3, r] = dl[3, r] * np.float32(np.int32(((c_ >> 4) | ((h & 192) >> 2)) - 32))
+                            for k in range(4):
+                                out_t[e0 + 32 * k + l, c0_ : c0_ + R] = v[k]
 
     DEQUANT_TILES.update({
         GGMLType.Q4_0: _dqt_q4_0,
@@ -1352,7 +1371,8 @@ class QMatrix:
     def _dequant_tiles_t(self, ta: int, n_t: int, n_threads: int) -> np.ndarray:
         """Repacked tiles ta..ta+n_t expanded to float32, transposed: (n_in, n_t * R)."""
         R = REPACK_ROWS
-        out_t = np.empty((self.n_in, n_t * R), dtype=np.float32)
+        # Rows padded by 16 floats: a stride of a multiple of 4 KiB aliases in L1.
+        out_t = np.empty((self.n_in, n_t * R + 16), dtype=np.float32)[:, : n_t * R]
         nt = _threads(n_threads)
         nc = _n_chunks(n_t * R * self.n_in // 4, n_t, nt)
         kt, p = DEQUANT_TILES[self.qtype], self._rp

@@ -78,7 +78,7 @@ def discover(refresh: bool = False) -> Discovery:
     try:
         for ep in entry_points(group=ENTRY_POINT_GROUP):
             if ep.name.lower() not in BUILTINS and ep.value not in BUILTINS.values():
-                candidates.append((ep.name.lower(), ep.value, ep.load))
+                candidates.append((ep.name.lower(), ep.value, _entry_point_loader(ep)))
     except Exception as e:  # noqa: BLE001 - a broken plugin index must not stop a CPU run
         candidates.append(("entry-points", ENTRY_POINT_GROUP, _raiser(e)))
     disc = Discovery()
@@ -101,6 +101,13 @@ def discover(refresh: bool = False) -> Discovery:
         disc.statuses.append(st)
     _cache = disc
     return disc
+
+
+def _entry_point_loader(ep: object) -> Callable[[], Registry]:
+    def f() -> Registry:
+        return ep.load()()  # type: ignore[attr-defined]
+
+    return f
 
 
 def _raiser(e: Exception) -> Callable[[], Registry]:

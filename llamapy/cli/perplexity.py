@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import closing
 
 import typer
 
@@ -96,14 +97,13 @@ def _perplexity(model, model_opt, file, n_ctx, n_batch, n_ubatch, chunks, out_fi
         bar = _progress(n_chunk, "perplexity")
         t_start = time.perf_counter()
         est = None
-        try:
-            for ch, est in evaluate_perplexity(ctx, tokens, n_ctx, n_chunk, n_batch, out_file):
+        # closing(): on Ctrl-C or an error the generator's cleanup (dropping OUT.partial) runs now
+        with bar, closing(evaluate_perplexity(ctx, tokens, n_ctx, n_chunk, n_batch, out_file)) as chunks_done:
+            for ch, est in chunks_done:
                 if ch.index == 0:
                     bar.write(_eta_line(time.perf_counter() - t_start, (n_chunk + n_seq - 1) // n_seq), file=sys.stderr)
                 bar.update(1)
                 _out(f"[{ch.index + 1}]{est.ppl:.4f},", end="")
-        finally:
-            bar.close()
         _out("")
         assert est is not None
         _out(format_final(est))
@@ -138,16 +138,14 @@ def _kl_divergence(model, model_opt, base_file, n_batch, n_ubatch, chunks, place
         bar = _progress(n_chunk, "kl-divergence")
         t_start = time.perf_counter()
         stats = None
-        try:
-            for ch, stats in evaluate_kl_divergence(ctx, base, ctx.n_batch, n_chunk):
+        with bar, closing(evaluate_kl_divergence(ctx, base, ctx.n_batch, n_chunk)) as chunks_done:
+            for ch, stats in chunks_done:
                 if ch.index == 0:
                     bar.write(_eta_line(time.perf_counter() - t_start, n_chunk), file=sys.stderr)
                     _out("")
                     _out(KLD_TABLE_HEADER)
                 bar.update(1)
                 _out(stats.chunk_row(ch.index + 1))
-        finally:
-            bar.close()
         _out("")
         assert stats is not None
         if stats.count < 100:

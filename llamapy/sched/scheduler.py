@@ -10,7 +10,6 @@ host). A graph of the same shape is reused, so a decode step pays for planning o
 from __future__ import annotations
 
 import os
-from collections import ChainMap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,18 +103,25 @@ class Scheduler:
         copies: dict[tuple[Tensor, int], Any] = {}
         for s in plan.splits:
             be = self.backends[s.backend]
-            local: dict[Tensor, Any] = {}
+            # the split reads its inputs' copies under their own names; the originals (values
+            # native to another backend) are put back afterwards
+            saved: dict[Tensor, Any] = {}
             for inp in s.inputs:
                 key = (inp, s.backend)
                 if key not in copies:
                     src_b = home.get(inp, plan.assignment[inp])
                     value = vals[inp] if inp in vals else inp.root().buffer.storage(inp)  # type: ignore[union-attr]
                     copies[key] = self._copy(inp, value, self.backends[src_b], be)
-                local[inp] = copies[key]
-            env = ChainMap(local, vals)
-            be.compute(s.nodes, env)  # type: ignore[arg-type]
+                if inp in vals:
+                    saved[inp] = vals[inp]
+                vals[inp] = copies[key]
+            be.compute(s.nodes, vals)
+            for inp in s.inputs:
+                if inp in saved:
+                    vals[inp] = saved[inp]
+                else:
+                    del vals[inp]
             for n in s.nodes:
-                vals[n] = local.pop(n)
                 home[n] = s.backend
             self.n_splits_run += 1
         out: dict[Tensor, np.ndarray] = {}

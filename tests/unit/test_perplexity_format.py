@@ -270,3 +270,47 @@ def test_perplexity_estimate() -> None:
     one.add(np.array([1.0, 1.0]))
     with pytest.raises(LlamapyError):
         format_final(one)
+
+
+class _FakeCtx:
+    """Just enough of a Context for perplexity_chunks: random logits for the wanted rows."""
+
+    def __init__(self, n_ctx: int, n_batch: int, n_vocab: int) -> None:
+        from types import SimpleNamespace
+
+        self.n_ctx, self.n_batch = n_ctx, n_batch
+        self.kv = SimpleNamespace(clear=lambda: None)
+        tok = SimpleNamespace(add_bos=True, bos=1)
+        self.model = SimpleNamespace(tokenizer=tok, params=SimpleNamespace(n_vocab=n_vocab))
+        self.rng = np.random.default_rng(7)
+        self.calls: list[tuple[int, int]] = []
+
+    def decode(self, tokens, pos, seq, want):  # noqa: ANN001, ANN201
+        self.calls.append((len(tokens), int(np.asarray(want).sum())))
+        return _logits(self.rng, int(np.asarray(want).sum()), self.model.params.n_vocab)
+
+
+def test_evaluate_writes_a_complete_file_or_none(tmp_path) -> None:
+    from llamapy.perplexity import evaluate_perplexity
+
+    n_ctx, n_vocab = 16, 50
+    tokens = np.arange(5 * n_ctx + 3) % n_vocab
+    out = tmp_path / "b.kld"
+    ctx = _FakeCtx(4 * n_ctx, 4 * n_ctx, n_vocab)  # n_seq = 4: chunks 0-3 in one batch, then 4
+    got = list(evaluate_perplexity(ctx, tokens, n_ctx, -1, ctx.n_batch, out))
+    assert [c.index for c, _ in got] == [0, 1, 2, 3, 4]
+    assert ctx.calls == [(4 * n_ctx, 4 * (n_ctx - n_ctx // 2)), (n_ctx, n_ctx - n_ctx // 2)]
+    f = read_logits_file(out)
+    assert (f.n_ctx, f.n_vocab, f.n_chunk) == (n_ctx, n_vocab, 5) and np.array_equal(f.tokens, tokens[: 5 * n_ctx])
+    est = got[-1][1]
+    assert est.count == 5 * n_scored(n_ctx) and len(est.history) == 5
+    out.unlink()
+    # stopped half-way (Ctrl-C, an error): no file, no partial
+    gen = evaluate_perplexity(_FakeCtx(n_ctx, n_ctx, n_vocab), tokens, n_ctx, 3, n_ctx, out)
+    next(gen)
+    assert (tmp_path / "b.kld.partial").exists()
+    gen.close()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(LlamapyError, match="need at least 32 tokens"):
+        next(evaluate_perplexity(_FakeCtx(n_ctx, n_ctx, n_vocab), tokens[:20], n_ctx, -1, n_ctx, out))
+    assert list(tmp_path.iterdir()) == []

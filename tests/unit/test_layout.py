@@ -1,0 +1,80 @@
+"""The layers' dependency direction and a code-size budget (the design's rules 1, 2 and 5)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[2] / "llamapy"
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out: set[str] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            out |= {a.name for a in n.names}
+        elif isinstance(n, ast.ImportFrom):
+            mod = n.module or ""
+            if n.level:  # resolve relative imports against the file's package
+                base = path.relative_to(PKG.parent).with_suffix("").parts[: -n.level]
+                mod = ".".join((*base, mod)) if mod else ".".join(base)
+            out.add(mod)
+    return out
+
+
+def _files(sub: str) -> list[Path]:
+    return sorted((PKG / sub).rglob("*.py"))
+
+
+def test_sched_imports_no_concrete_backend_and_no_model() -> None:
+    for f in _files("sched"):
+        bad = {m for m in _imports(f) if m.startswith(("llamapy.model", "llamapy.backend.cpu", "llamapy.backend.cuda", "llamapy.backend.blas"))}
+        assert not bad, (f, bad)
+
+
+def test_backends_import_no_model_and_no_scheduler() -> None:
+    for f in _files("backend"):
+        bad = {m for m in _imports(f) if m.startswith(("llamapy.model", "llamapy.sched", "llamapy.context"))}
+        assert not bad, (f, bad)
+
+
+def test_only_the_cli_imports_typer_and_tqdm_and_only_cuda_imports_cupy() -> None:
+    for f in PKG.rglob("*.py"):
+        mods = _imports(f)
+        if "cli" not in f.parts:
+            assert not {m for m in mods if m.split(".")[0] in ("typer", "tqdm", "click")}, f
+        if f.name != "cuda.py":
+            assert "cupy" not in {m.split(".")[0] for m in mods}, f
+
+
+def test_library_code_never_prints() -> None:
+    for f in PKG.rglob("*.py"):
+        if "cli" in f.parts or f.name == "__main__.py":
+            continue
+        tree = ast.parse(f.read_text())
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "print"]
+        assert not calls, f
+
+
+def test_every_module_names_its_counterpart() -> None:
+    for f in PKG.rglob("*.py"):
+        if f.name == "__init__.py" and f.stat().st_size == 0:
+            continue
+        doc = ast.get_docstring(ast.parse(f.read_text()))
+        assert doc, f"{f} has no module docstring"
+
+
+def test_code_size_budget() -> None:
+    """Lines of code (no blanks, comments or docstrings) under llamapy/, CLI included."""
+    total = 0
+    for f in PKG.rglob("*.py"):
+        src = f.read_text().splitlines()
+        docs = set()
+        for n in ast.walk(ast.parse("\n".join(src))):
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+                d = n.body[0] if n.body else None
+                if isinstance(d, ast.Expr) and isinstance(getattr(d, "value", None), ast.Constant):
+                    docs.update(range(d.lineno, d.end_lineno + 1))  # type: ignore[operator]
+        total += sum(1 for i, line in enumerate(src, 1) if line.strip() and not line.strip().startswith("#") and i not in docs)
+    assert total <= 12000, f"llamapy/ has {total} lines of code"

@@ -133,6 +133,17 @@ def view(a: Tensor, shape: tuple[int, ...], offset: int = 0, name: str | None = 
     return t
 
 
+def cols(a: Tensor, start: int, stop: int, name: str | None = None) -> Tensor:
+    """Columns [start, stop) of every row of `a`: a strided view (the parts of a fused matmul's
+    output, as ggml_view_2d does with an offset and the parent's row stride)."""
+    if not 0 <= start < stop <= a.shape[-1]:
+        raise ValueError(f"cols {a.name}: [{start}, {stop}) of {a.shape}")
+    t = _node(name or f"{a.name} (cols)", Op.VIEW, (*a.shape[:-1], stop - start), a, cols=(start, stop))
+    t.type = a.type
+    t.view_src = a
+    return t
+
+
 def permute(a: Tensor, axes: tuple[int, ...], name: str | None = None) -> Tensor:
     t = _node(name or f"{a.name} (permuted)", Op.PERMUTE, tuple(a.shape[i] for i in axes), a, axes=axes)
     t.type = a.type

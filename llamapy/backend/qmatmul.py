@@ -27,6 +27,7 @@ import mmap
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -1174,6 +1175,96 @@ class _Pool:
             raise job.error
 
 
+    def run_private(
+        self,
+        fn: Callable[[int, np.ndarray], None],
+        n_chunks: int,
+        n_threads: int,
+        out: np.ndarray,
+        cols: Callable[[int], tuple[int, int]],
+    ) -> None:
+        """Like `run` for kernels that write out[:, cols(c)] of chunk c, but the caller never
+        waits long on a helper: helpers compute into a private buffer and copy their columns
+        into `out` only while the call is open; when the caller has run out of chunks it gives
+        the helpers about one chunk's time, then closes the call and computes whatever they
+        have not delivered itself (same kernel, same inputs: the same bits)."""
+        if n_threads <= 1 or n_chunks <= 1:
+            for c in range(n_chunks):
+                fn(c, out)
+            return
+        want = min(n_threads, n_chunks) - 1
+        with self.lock:
+            if self.pid != os.getpid():
+                self.__init__()  # type: ignore[misc]
+            while self.n_helpers < want:
+                threading.Thread(target=self._helper, daemon=True, name="llamapy-qmatmul").start()
+                self.n_helpers += 1
+        job = _PrivateJob(fn, n_chunks, out, cols)
+        for _ in range(want):
+            self.queue.put(job)  # type: ignore[arg-type]
+        t0 = time.perf_counter()
+        mine = job.work_caller()
+        if job.n_published < n_chunks:
+            per_chunk = (time.perf_counter() - t0) / max(1, mine)
+            job.event.wait(min(0.002, 1.5 * per_chunk + 30e-6))
+        with job.lock:
+            job.closed = True
+            missing = [c for c in range(n_chunks) if not job.published[c]]
+        for c in missing:
+            fn(c, out)
+
+
+class _PrivateJob:
+    __slots__ = ("fn", "n", "out", "cols", "claim", "lock", "closed", "published",
+                 "n_published", "event")
+
+    def __init__(self, fn, n, out, cols) -> None:  # type: ignore[no-untyped-def]
+        self.fn, self.n, self.out, self.cols = fn, n, out, cols
+        self.claim = itertools.count()
+        self.lock = threading.Lock()
+        self.closed = False
+        self.published = [False] * n
+        self.n_published = 0
+        self.event = threading.Event()
+
+    def _publish(self, c: int) -> None:
+        # Under self.lock.
+        self.published[c] = True
+        self.n_published += 1
+        if self.n_published == self.n:
+            self.event.set()
+
+    def work_caller(self) -> int:
+        done = 0
+        while True:
+            c = next(self.claim)
+            if c >= self.n:
+                return done
+            self.fn(c, self.out)
+            done += 1
+            with self.lock:
+                self._publish(c)
+
+    def work(self) -> None:  # a helper
+        buf: np.ndarray | None = None
+        while not self.closed:
+            c = next(self.claim)
+            if c >= self.n:
+                return
+            if buf is None:
+                buf = np.empty_like(self.out)
+            try:
+                self.fn(c, buf)
+            except Exception:  # pragma: no cover - the caller recomputes the chunk
+                continue
+            a, b = self.cols(c)
+            with self.lock:
+                if self.closed:
+                    return
+                self.out[:, a:b] = buf[:, a:b]
+                self._publish(c)
+
+
 _POOL = _Pool()
 
 # Weights per chunk handed to a thread (~40 us of matvec): smaller matrices run on the calling
@@ -1183,8 +1274,13 @@ CHUNK_WEIGHTS = 1 << 18
 MAX_CHUNKS_PER_THREAD = 8
 
 
+# Below this many weights (x tokens) a call stays on the calling thread: on a shared machine a
+# helper's wake-up and its last chunk cost more than they save (measured on 1536x576 Q4_1).
+PARALLEL_MIN_WEIGHTS = 1 << 20
+
+
 def _n_chunks(work: int, units: int, nt: int) -> int:
-    if nt <= 1:
+    if nt <= 1 or work < PARALLEL_MIN_WEIGHTS:
         return 1
     return int(max(1, min(units, work // CHUNK_WEIGHTS, MAX_CHUNKS_PER_THREAD * nt)))
 
@@ -1374,7 +1470,7 @@ class QMatrix:
         # Rows padded by 16 floats: a stride of a multiple of 4 KiB aliases in L1.
         out_t = np.empty((self.n_in, n_t * R + 16), dtype=np.float32)[:, : n_t * R]
         nt = _threads(n_threads)
-        nc = _n_chunks(n_t * R * self.n_in // 4, n_t, nt)
+        nc = _n_chunks(n_t * R * self.n_in * 4, n_t, nt)
         kt, p = DEQUANT_TILES[self.qtype], self._rp
 
         def chunk(c: int) -> None:
@@ -1389,7 +1485,7 @@ class QMatrix:
         if n == 0:
             return
         nt = _threads(n_threads)
-        n_chunks = _n_chunks(n * self.n_in // 4, n, nt)  # dequant: ~4x a matvec's weights/s
+        n_chunks = _n_chunks(n * self.n_in * 4, n, nt)  # an element costs ~4 matvec weights
         if self._rp is None:
             k, w = DEQUANT[self.qtype], self.data
 
@@ -1452,10 +1548,13 @@ class QMatrix:
             n_tiles = self._n_full // REPACK_ROWS
             nc = _n_chunks(work, n_tiles, nt)
 
-            def chunk(c: int) -> None:
-                kr(p, x, xs, out, c * n_tiles // nc, (c + 1) * n_tiles // nc)
+            def chunk(c: int, dst: np.ndarray) -> None:
+                kr(p, x, xs, dst, c * n_tiles // nc, (c + 1) * n_tiles // nc)
 
-            _POOL.run(chunk, nc, nt)
+            def cols(c: int) -> tuple[int, int]:
+                return c * n_tiles // nc * REPACK_ROWS, (c + 1) * n_tiles // nc * REPACK_ROWS
+
+            _POOL.run_private(chunk, nc, nt, out, cols)
             if self._n_full < self.n_out:
                 tail = np.empty((n_tok, self.n_out - self._n_full), dtype=np.float32)
                 KERNELS[self.qtype](self._kdata, x, xs, tail, 0, tail.shape[1], F16_TABLE, 16)
@@ -1464,10 +1563,13 @@ class QMatrix:
         k, w, n = KERNELS[self.qtype], self._kdata, self.n_out
         nc = _n_chunks(work, n, nt)
 
-        def chunk_f(c: int) -> None:
-            k(w, x, xs, out, c * n // nc, (c + 1) * n // nc, F16_TABLE, 16)
+        def chunk_f(c: int, dst: np.ndarray) -> None:
+            k(w, x, xs, dst, c * n // nc, (c + 1) * n // nc, F16_TABLE, 16)
 
-        _POOL.run(chunk_f, nc, nt)
+        def cols_f(c: int) -> tuple[int, int]:
+            return c * n // nc, (c + 1) * n // nc
+
+        _POOL.run_private(chunk_f, nc, nt, out, cols_f)
         return out
 
     def _matmul_tiles(self, x: np.ndarray, n_threads: int = 0) -> np.ndarray:

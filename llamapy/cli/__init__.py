@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> Any:
     from . import batch, bench, info, perplexity, run  # noqa: F401
 
     try:
-        return app(args=argv, standalone_mode=False)
+        rc = app(args=argv, standalone_mode=False)
     except LlamapyError as e:
         if debug_enabled():
             raise
@@ -64,6 +64,12 @@ def main(argv: list[str] | None = None) -> Any:
             raise
         log(f"error: internal error: {type(e).__name__}: {e} (run with LLAMAPY_DEBUG=1 for a traceback)")
         sys.exit(1)
+    if isinstance(rc, int) and rc:
+        # click turns a Ctrl-C outside our own handlers into a returned 130
+        if rc == 130:
+            log("interrupted")
+        sys.exit(rc)
+    return rc
 
 
 def _click_exceptions() -> type[Exception]:

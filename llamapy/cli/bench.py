@@ -24,7 +24,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,12 +45,6 @@ class Instance:
     n_ubatch: int
     n_prompt: int
     n_gen: int
-
-
-@dataclass
-class Result:
-    inst: Instance
-    fields: dict[str, Any] = field(default_factory=dict)  # llama-bench's JSON object
 
 
 def _int_list(value: str, flag: str, minimum: int) -> list[int]:
@@ -188,6 +182,9 @@ def _instances(
 
 def _fields(model: Any, inst: Instance, samples: list[int], n_threads: int) -> dict[str, Any]:
     from .. import __version__ as version
+    from ..context import ContextOptions
+
+    co = ContextOptions()  # the cache types run_instance's contexts get
 
     n_tokens = inst.n_prompt + inst.n_gen
     ts = [1e9 * n_tokens / ns for ns in samples]
@@ -205,8 +202,8 @@ def _fields(model: Any, inst: Instance, samples: list[int], n_threads: int) -> d
         "n_batch": inst.n_batch,
         "n_ubatch": inst.n_ubatch,
         "n_threads": n_threads,
-        "type_k": "f16",
-        "type_v": "f16",
+        "type_k": co.type_k.name.lower(),
+        "type_v": co.type_v.name.lower(),
         # as asked (llama-bench's column), "all"/"auto" resolved to a number of layers
         "n_gpu_layers": inst.ngl if isinstance(inst.ngl, int) else model.info.n_gpu_layers
         if inst.ngl == "auto" else model.params.n_layer + 1,

@@ -42,9 +42,15 @@ def attention(
     p: LlamaParams, w: dict[str, Tensor], x: Tensor, il: int, kv: KVCache, g: LlamaGraph, freqs: Tensor | None
 ) -> Tensor:
     T, H, Hkv, D, N = g.n_tokens, p.n_head, p.n_head_kv, p.head_dim, g.n_kv
-    q = ops.mul_mat(w["attn_q"], x, f"Qcur-{il}")  # (T, H*D)
-    k = ops.mul_mat(w["attn_k"], x, f"Kcur-{il}")  # (T, Hkv*D)
-    v = ops.mul_mat(w["attn_v"], x, f"Vcur-{il}")  # (T, Hkv*D)
+    if "attn_qkv" in w:
+        qkv = ops.mul_mat(w["attn_qkv"], x, f"wqkv-{il}")  # (T, H*D + 2*Hkv*D)
+        q = ops.cols(qkv, 0, H * D, f"Qcur-{il}")  # (T, H*D)
+        k = ops.cols(qkv, H * D, (H + Hkv) * D, f"Kcur-{il}")  # (T, Hkv*D)
+        v = ops.cols(qkv, (H + Hkv) * D, (H + 2 * Hkv) * D, f"Vcur-{il}")  # (T, Hkv*D)
+    else:
+        q = ops.mul_mat(w["attn_q"], x, f"Qcur-{il}")  # (T, H*D)
+        k = ops.mul_mat(w["attn_k"], x, f"Kcur-{il}")  # (T, Hkv*D)
+        v = ops.mul_mat(w["attn_v"], x, f"Vcur-{il}")  # (T, Hkv*D)
     q = ops.reshape(q, (T, H, D), f"Qcur-{il} (reshaped)")  # (T, H, D)
     k = ops.reshape(k, (T, Hkv, D), f"Kcur-{il} (reshaped)")  # (T, Hkv, D)
     rope = dict(n_dims=p.n_rot, freq_base=p.rope_freq_base, freq_scale=p.rope_freq_scale,
@@ -63,8 +69,14 @@ def attention(
 
 
 def feed_forward(w: dict[str, Tensor], x: Tensor, il: int) -> Tensor:
-    gate = ops.mul_mat(w["ffn_gate"], x, f"ffn_gate-{il}")  # (T, F)
-    up = ops.mul_mat(w["ffn_up"], x, f"ffn_up-{il}")  # (T, F)
+    if "ffn_gate_up" in w:
+        gate_up = ops.mul_mat(w["ffn_gate_up"], x, f"ffn_gate_up-{il}")  # (T, 2F)
+        F = gate_up.shape[-1] // 2
+        gate = ops.cols(gate_up, 0, F, f"ffn_gate-{il}")  # (T, F)
+        up = ops.cols(gate_up, F, 2 * F, f"ffn_up-{il}")  # (T, F)
+    else:
+        gate = ops.mul_mat(w["ffn_gate"], x, f"ffn_gate-{il}")  # (T, F)
+        up = ops.mul_mat(w["ffn_up"], x, f"ffn_up-{il}")  # (T, F)
     return ops.mul_mat(w["ffn_down"], ops.swiglu(gate, up, f"ffn_swiglu-{il}"), f"ffn_out-{il}")  # (T, E)
 
 

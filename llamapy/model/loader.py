@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..backend.interface import Buffer, BufferUsage, Device
 from ..tensor import Tensor, TensorFlag
 from ..types import SUPPORTED_TYPES, GGMLType, GGUFError, OutOfMemoryError, UnsupportedError
@@ -182,7 +184,25 @@ def _weight(gf: GGUFFile, name: str, expect: tuple[int, ...] | None) -> Tensor:
     return Tensor(name, tuple(info.shape), info.type, flags=TensorFlag.WEIGHT)
 
 
-def collect_weights(gf: GGUFFile, p: LlamaParams) -> ModelWeights:
+FUSED_FROM = "fused_from"  # Tensor.params key: the GGUF tensors a fused weight concatenates
+
+
+def _fuse(layer: dict[str, Tensor], il: int, parts: tuple[str, ...], name: str) -> None:
+    """Replace matrices that multiply the same input by one whose rows are theirs, stacked:
+    one MUL_MAT instead of several (llama.cpp's wqkv / ffn_gate_up when a model ships them).
+    Only matrices of one type can share a buffer of quantized blocks."""
+    ts = [layer[k] for k in parts]
+    if len({t.type for t in ts}) != 1:
+        return
+    rows = sum(t.shape[0] for t in ts)
+    fused = Tensor(f"blk.{il}.{name}.weight", (rows, ts[0].shape[1]), ts[0].type, flags=TensorFlag.WEIGHT)
+    fused.params[FUSED_FROM] = tuple(t.name for t in ts)
+    for k in parts:
+        del layer[k]
+    layer[name] = fused
+
+
+def collect_weights(gf: GGUFFile, p: LlamaParams, fuse: bool = True) -> ModelWeights:
     """Tensor descriptors for every llama weight, shapes checked against the hyper-parameters."""
     e, q, kv, ff = p.n_embd, p.n_head * p.head_dim, p.n_embd_gqa, p.n_ff
     tok = _weight(gf, "token_embd.weight", (p.n_vocab, e))
@@ -193,7 +213,11 @@ def collect_weights(gf: GGUFFile, p: LlamaParams) -> ModelWeights:
             "attn_output": (e, q), "ffn_norm": (e,), "ffn_gate": (ff, e), "ffn_up": (ff, e),
             "ffn_down": (e, ff),
         }  # fmt: skip
-        layers.append({k: _weight(gf, f"blk.{il}.{k}.weight", s) for k, s in shapes.items()})
+        layer = {k: _weight(gf, f"blk.{il}.{k}.weight", s) for k, s in shapes.items()}
+        if fuse:
+            _fuse(layer, il, ("attn_q", "attn_k", "attn_v"), "attn_qkv")
+            _fuse(layer, il, ("ffn_gate", "ffn_up"), "ffn_gate_up")
+        layers.append(layer)
     extra = [n for n in gf.tensors if n.startswith(f"blk.{p.n_layer}.")]
     if extra:
         raise GGUFError(f"tensor {extra[0]!r} beyond block_count {p.n_layer}")
@@ -224,8 +248,9 @@ def weight_devices(
     if w.rope_freqs is not None:
         where[w.rope_freqs] = placement.layer_device[n_layer]
     for t in where:
+        names = (t.name, *t.params.get(FUSED_FROM, ()))
         for pattern, dev in overrides:
-            if re.search(pattern, t.name):
+            if any(re.search(pattern, n) for n in names):
                 where[t] = dev
                 break
     return where
@@ -250,6 +275,9 @@ def load_weights(gf: GGUFFile, w: ModelWeights, placement: Placement, where: dic
                     # same host buffer: the tied output shares the embedding's value
                     buf._store[t] = buf.storage(w.tok_embd)
                     buf._raw[t] = buf.raw(w.tok_embd)
+                    continue
+                if FUSED_FROM in t.params:
+                    buf.set(t, np.concatenate([gf.tensor_bytes(n) for n in t.params[FUSED_FROM]]))
                     continue
                 src = "token_embd.weight" if (t is w.output and w.tied_output) else t.name
                 buf.set(t, gf.tensor_bytes(src))

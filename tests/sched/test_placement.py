@@ -43,8 +43,8 @@ def test_ngl20_places_the_last_layers_and_output(tiny32, test_gpu) -> None:
         assert [d.name for d in pl.layer_device[13:]] == ["TEST0"] * 20  # layers 13-31 + output
         w = llm.model.weights
         assert w.tok_embd.buffer.name == "CPU"
-        assert w.layers[12]["attn_q"].buffer.name == "CPU"
-        assert w.layers[13]["attn_q"].buffer.name == "TEST0"
+        assert w.layers[12]["attn_output"].buffer.name == "CPU"
+        assert w.layers[13]["attn_output"].buffer.name == "TEST0"
         assert w.output.buffer.name == "TEST0" and w.output_norm.buffer.name == "TEST0"
         # the tied output is a second copy of token_embd on the device
         assert llm.model.weights.tied_output is False or w.output is not w.tok_embd
@@ -178,4 +178,14 @@ def test_big_batches_go_to_blas_without_a_test_device(tiny32, monkeypatch) -> No
     with _llm(tiny32, 0) as llm:
         assert [b.name for b in llm.ctx.backends] == ["CPU"]
         ref = llm.logits(toks)
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_no_kv_offload_keeps_the_cache_on_the_host(tiny32, test_gpu) -> None:  # noqa: ANN001
+    toks = list(range(1, 30))
+    with _llm(tiny32, 0) as llm:
+        ref = llm.logits(toks)
+    with _llm(tiny32, "all", no_kv_offload=True) as llm:
+        assert {t.buffer.name for t in llm.ctx.kv.k} == {"CPU"}
+        got = llm.logits(toks)
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()

@@ -59,6 +59,7 @@ def test_matmul(qmat, n_tokens: int, n_threads: int) -> None:
 def test_matmul_parallel_path(monkeypatch) -> None:
     # Chunked over 2 threads at any size; mid-size batch on the kernels.
     monkeypatch.setattr(qmatmul, "CHUNK_WEIGHTS", 1)
+    monkeypatch.setattr(qmatmul, "PARALLEL_MIN_WEIGHTS", 1)
     for name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_K", "Q2_K"):
         n_in = 512
         raw = random_raw(name, 130, n_in, np.random.default_rng(5))
@@ -144,6 +145,9 @@ def test_repacked_layout(name: str, monkeypatch) -> None:
     assert m.nbytes <= 1.25 * raw.nbytes
     np.testing.assert_array_equal(m.dequantize(), w)
     np.testing.assert_array_equal(m.dequantize(slice(60, 133, 3)), w[60:133:3])
+    # Whole tiles take the transposed fast kernel; same bits.
+    for sl in (slice(0, 128), slice(64, 128)):
+        np.testing.assert_array_equal(m.dequantize(sl, n_threads=2), w[sl])
     ids = np.array([0, 63, 64, 127, 128, n_out - 1, 5])
     np.testing.assert_array_equal(m.get_rows(ids), w[ids])
     for n_tok in (1, 3, 33):
@@ -151,6 +155,7 @@ def test_repacked_layout(name: str, monkeypatch) -> None:
         for th in (1, 2):
             check_matmul(m, w, x, n_threads=th)
     monkeypatch.setattr(qmatmul, "CHUNK_WEIGHTS", 1)
+    monkeypatch.setattr(qmatmul, "PARALLEL_MIN_WEIGHTS", 1)
     check_matmul(m, w, np.ones((1, n_in), np.float32), n_threads=2)
     np.testing.assert_array_equal(m.dequantize(n_threads=2), w)
     # The prompt path (tiles + BLAS) with tiles smaller than the matrix.
@@ -216,3 +221,23 @@ def test_pool_runs_every_chunk_once() -> None:
 
     with pytest.raises(RuntimeError, match="chunk failed"):
         qmatmul._POOL.run(boom, 4, 2)
+
+
+def test_pool_private_never_waits_for_a_stuck_helper() -> None:
+    import threading
+    import time
+
+    out = np.zeros((2, 40), np.float32)
+    caller = threading.get_ident()
+
+    def fn(c: int, dst: np.ndarray) -> None:
+        if threading.get_ident() != caller:
+            time.sleep(0.2)  # a helper that is descheduled mid-chunk
+        dst[:, 4 * c : 4 * c + 4] = c + 1
+
+    t0 = time.perf_counter()
+    qmatmul._POOL.run_private(fn, 10, 2, out, lambda c: (4 * c, 4 * c + 4))
+    assert time.perf_counter() - t0 < 0.15
+    np.testing.assert_array_equal(out, np.repeat(np.arange(1, 11), 4)[None].repeat(2, 0))
+    time.sleep(0.25)  # the late helper must not write into out after the call closed
+    np.testing.assert_array_equal(out, np.repeat(np.arange(1, 11), 4)[None].repeat(2, 0))

@@ -104,7 +104,12 @@ class Llama:
         return self.ctx.decode(tokens, np.arange(n), seq, np.ones(n, bool))
 
     def perplexity(
-        self, tokens: Sequence[int] | np.ndarray, n_chunks: int = -1, n_batch: int | None = None
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        n_chunks: int = -1,
+        n_batch: int | None = None,
+        n_ctx: int | None = None,
     ) -> Iterator[PerplexityChunk]:
-        """llama-perplexity's protocol over the context's n_ctx (see generate.perplexity_chunks)."""
-        return perplexity_chunks(self.ctx, tokens, n_chunks, n_batch)
+        """llama-perplexity's protocol with chunks of `n_ctx` tokens (default: the context's);
+        see generate.perplexity_chunks."""
+        return perplexity_chunks(self.ctx, tokens, n_chunks, n_batch, n_ctx=n_ctx)

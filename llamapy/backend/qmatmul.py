@@ -7,17 +7,21 @@ activations are NOT quantized to q8: each kernel multiplies the weight blocks wi
 activations directly, so the only rounding is the weights' own.
 
 Paths, picked per call:
-  * n_tokens < `BLAS_MIN_TOKENS` (decode, short batches), Q4_1 and Q8_0: numba kernels on a
-    row-interleaved repack (tiles of `REPACK_ROWS` rows; the innermost loop runs across rows, so
-    it vectorizes without a horizontal sum per block). Costs +20% / +6% of the file's bytes;
-    the mapped rows are then no longer referenced.
+  * n_tokens < `BLAS_MIN_TOKENS` (decode, short batches), Q4_0/Q4_1/Q8_0/Q4_K/Q6_K: numba
+    kernels on a row-interleaved repack (tiles of `REPACK_ROWS` rows; the innermost loop runs
+    across rows, so it vectorizes without a horizontal sum per block). Costs +11/+20/+6/+6/+1%
+    of the file's bytes; the mapped rows are then released (MADV_DONTNEED on a read-only map).
   * n_tokens < `BLAS_MIN_TOKENS`, every other type: numba kernels, one per type, that walk
     the file's blocks row by row. A block's dot is summed in float32 lanes (fastmath reassoc lets
     LLVM vectorize it) and then scaled; `x`'s block sums turn the `+ m` / `- dmin*m` terms into
-    one multiply per block. Rows are split over `prange` chunks, one per thread.
-  * n_tokens >= `BLAS_MIN_TOKENS` (prompt processing): row tiles are expanded to float32 and handed
-    to numpy's BLAS (`x @ tile.T`); the tile bounds the memory.
-  * no numba, or LLAMAPY_NO_NUMBA=1: the tile + BLAS path for every n_tokens.
+    one multiply per block.
+  * n_tokens >= `BLAS_MIN_TOKENS` (prompt processing): row tiles are expanded to float32 by numba
+    kernels (bit-exact with `llamapy.quants`; repacked tiles come out transposed, which is the
+    layout sgemm wants) and handed to numpy's BLAS; the tile bounds the memory.
+  * no numba, or LLAMAPY_NO_NUMBA=1: numpy dequantization + BLAS for every n_tokens.
+Threads: calls of >= `PARALLEL_MIN_WEIGHTS` are cut into chunks run by the caller and helper
+threads of our own (`_POOL`, not numba's prange), so that a helper that is not scheduled never
+stalls the caller.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ reported and never stops a CPU run (ggml's load_backend / score)."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,10 @@ FIXTURE = Path(__file__).resolve().parents[1] / "plugin_fixture"
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     target = tmp_path_factory.mktemp("site")
+    src = tmp_path_factory.mktemp("src") / "toy"
+    shutil.copytree(FIXTURE, src)  # pip builds in place: keep the repository clean
     r = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(FIXTURE)],
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(src)],
         capture_output=True, text=True,
     )  # fmt: skip
     if r.returncode != 0:

@@ -11,7 +11,7 @@ over d tokens already in the KV cache, with 2 threads.
 - llamapy: one Model and one context of n_ctx = max(d) + n_gen (a fixed context, as in
   `llamapy run -c N`); the history grows through the depths: random tokens fill the cache
   up to d (untimed, in n_batch pieces), then n_gen decodes are timed; the next depth
-  keeps that history and fills on. One warm-up decode first. --reps repeats the whole pass
+  keeps that history and fills on. A few warm-up decodes first. --reps repeats the whole pass
   on a cleared cache and averages.
 - llama.cpp: `llama-bench -p 0 -n N_GEN -d 128,256,… -t 2 -o json` (its own protocol:
   a fresh context of d + n_gen cells per test, the depth filled untimed), if bench/llama_cpp.py
@@ -57,7 +57,8 @@ def llamapy_scaling(path: Path, depths: list[int], n_gen: int, threads: int, rep
     n_vocab = m.params.n_vocab
     tps: dict[int, list[float]] = {d: [] for d in depths}
     try:
-        ctx.decode([0], [0], 0)  # warm-up: loads the JIT cache
+        for i in range(4):  # warm-up: loads the JIT cache, settles the thread pool
+            ctx.decode([0], [i], 0)
         for _ in range(reps):
             ctx.kv.clear()
             filled = 0
@@ -155,6 +156,13 @@ def plot(rows: list[dict[str, Any]], depths: list[int], n_gen: int, out: Path) -
     ax2.set_title("decode speed against model size")
     ax2.legend(fontsize=8)
     ax2.grid(alpha=0.3, which="both")
+    from matplotlib.ticker import FormatStrFormatter, LogFormatter, ScalarFormatter
+
+    for ax in (ax1, ax2):
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+    ax2.xaxis.set_major_formatter(ScalarFormatter())
+    ax2.xaxis.set_minor_formatter(FormatStrFormatter("%g"))
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     log(f"wrote {out}")

@@ -25,15 +25,17 @@ TILE_ROWS = 4096  # rows of the weight expanded at once: bounds the f32 scratch 
 
 def blas_mul_mat(node: Tensor, s: list[Any], xp: Any) -> Any:
     w, x = s
-    if not hasattr(w, "dequantize"):
-        return KERNELS[Op.MUL_MAT](node, s, xp)
     x2 = x.reshape(-1, x.shape[-1])  # (n_tokens, K)
-    out = np.empty((x2.shape[0], w.n_out), np.float32)
-    for r0 in range(0, w.n_out, TILE_ROWS):
-        r1 = min(r0 + TILE_ROWS, w.n_out)
-        tile = w.dequantize(slice(r0, r1))  # (rows, K) f32
-        np.matmul(x2, tile.T, out=out[:, r0:r1])
-    return out.reshape(*x.shape[:-1], w.n_out)
+    if hasattr(w, "matmul_tiles"):
+        out = w.matmul_tiles(x2)  # (n_tokens, M): dequantized tiles through sgemm
+    elif hasattr(w, "dequantize"):
+        out = np.empty((x2.shape[0], w.n_out), np.float32)
+        for r0 in range(0, w.n_out, TILE_ROWS):
+            r1 = min(r0 + TILE_ROWS, w.n_out)
+            np.matmul(x2, w.dequantize(slice(r0, r1)).T, out=out[:, r0:r1])  # tile: (rows, K)
+    else:
+        return KERNELS[Op.MUL_MAT](node, s, xp)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 class BLASBackend(CPUBackend):

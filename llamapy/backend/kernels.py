@@ -140,10 +140,30 @@ def rope(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 def flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
     q, k, v, mask = s
+    n_tokens = q.shape[0]
+    if n_tokens <= FA_BLOCK:
+        return _attend(q, k, v, mask, node.params["scale"], xp)
+    # a prompt: query blocks only read the key range their mask leaves visible (the causal
+    # lower triangle, one sequence's cells), which roughly halves the work of a long prompt
+    out = xp.empty((n_tokens, q.shape[1], v.shape[-1]), xp.float32)
+    finite = mask > -xp.inf  # (T, N)
+    for t0 in range(0, n_tokens, FA_BLOCK):
+        t1 = min(n_tokens, t0 + FA_BLOCK)
+        cols = xp.flatnonzero(finite[t0:t1].any(axis=0))
+        lo, hi = (int(cols[0]), int(cols[-1]) + 1) if len(cols) else (0, 1)
+        out[t0:t1] = _attend(q[t0:t1], k[lo:hi], v[lo:hi], mask[t0:t1, lo:hi], node.params["scale"], xp)
+    return out
+
+
+FA_BLOCK = 128  # query rows per block of a prompt's attention
+
+
+def _attend(q: Any, k: Any, v: Any, mask: Any, scale: float, xp: Any) -> Any:
+    """softmax(q k^T * scale + mask) v for one block of queries; query head h reads kv head
+    h // (n_head / n_head_kv), llama.cpp's GQA grouping."""
     n_tokens, n_head, hd = q.shape
     n_kv, n_head_kv, _ = k.shape
     g = n_head // n_head_kv
-    # query head h reads kv head h // g (llama.cpp's GQA grouping)
     if k.dtype == xp.float16:
         # llama.cpp converts Q to the K cache's type before the dot products (q_to_vec_dot)
         q = q.astype(xp.float16).astype(xp.float32)
@@ -151,7 +171,7 @@ def flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
     kh = _as_f32(xp, k).transpose(1, 2, 0)  # (Hkv, D, Nkv)
     vh = _as_f32(xp, v).transpose(1, 0, 2)  # (Hkv, Nkv, Dv)
     kq = xp.matmul(qh, kh).reshape(n_head_kv, g, n_tokens, n_kv)  # (Hkv, G, T, Nkv)
-    kq *= xp.float32(node.params["scale"])
+    kq *= xp.float32(scale)
     kq += _as_f32(xp, mask)[None, None]
     kq -= kq.max(axis=-1, keepdims=True)
     xp.exp(kq, out=kq)

@@ -1576,6 +1576,13 @@ class QMatrix:
         _POOL.run_private(chunk_f, nc, nt, out, cols_f)
         return out
 
+    def matmul_tiles(self, x: np.ndarray, n_threads: int = 0) -> np.ndarray:
+        """x @ W.T through f32 tiles and sgemm whatever the batch (the BLAS backend's path)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if self.qtype == GGMLType.F32:
+            return x @ self.data.view(np.float32).T
+        return self._matmul_tiles(x, n_threads)
+
     def _matmul_tiles(self, x: np.ndarray, n_threads: int = 0) -> np.ndarray:
         # Prompt processing / no numba: expand row tiles to f32 and let BLAS do the flops.
         out = np.empty((x.shape[0], self.n_out), dtype=np.float32)

@@ -74,7 +74,7 @@ def reference_logits(path, tokens: list[int]) -> np.ndarray:  # noqa: ANN001
 
 def _check(path, tokens, **ctx_kw) -> None:  # noqa: ANN001
     ref = reference_logits(path, tokens)
-    co = ContextOptions(n_ctx=256, type_k=T.F32, type_v=T.F32, **ctx_kw)
+    co = ContextOptions(n_ctx=ctx_kw.pop("n_ctx", 256), type_k=T.F32, type_v=T.F32, **ctx_kw)
     with llamapy.Llama(path, context_options=co) as llm:
         got = llm.logits(tokens)
     err = np.abs(got - ref).max()
@@ -110,3 +110,26 @@ def test_unsupported_architecture_is_a_clear_error(make_llama) -> None:
     path = make_llama(n_layer=1, arch="falcon")
     with pytest.raises(llamapy.LlamapyError, match="unsupported architecture 'falcon'"):
         llamapy.Llama(path)
+
+
+def test_long_prompt_takes_the_blocked_attention_path(make_llama) -> None:
+    """More tokens than one attention block: query blocks read only their visible keys."""
+    from llamapy.backend.kernels import FA_BLOCK
+
+    toks = [1] + [int(t) for t in np.random.default_rng(1).integers(3, 270, 2 * FA_BLOCK + 37)]
+    _check(make_llama(n_layer=2, n_embd=128, n_ff=256, qtype=T.Q8_0), toks, n_ctx=512, n_ubatch=512, n_batch=512)
+
+
+def test_two_sequences_in_one_batch_equal_two_runs(make_llama) -> None:
+    """Cells of another sequence are masked out: a batch holding two sequences gives each the
+    logits it gets alone (llama.cpp's unified KV cache)."""
+    path = make_llama(n_layer=2, qtype=T.Q4_0)
+    a, b = TOKENS, TOKENS[::-1]
+    co = ContextOptions(n_ctx=256, type_k=T.F32, type_v=T.F32)
+    with llamapy.Llama(path, context_options=co) as llm:
+        la, lb = llm.logits(a), llm.logits(b)
+        llm.ctx.kv.clear()
+        both = llm.ctx.decode(a + b, list(range(len(a))) + list(range(len(b))), [0] * len(a) + [1] * len(b),
+                              np.ones(len(a) + len(b), bool))  # fmt: skip
+    assert np.abs(both[: len(a)] - la).max() <= 1e-4 * np.abs(la).max()
+    assert np.abs(both[len(a) :] - lb).max() <= 1e-4 * np.abs(lb).max()

@@ -74,8 +74,11 @@ class CPUBackend(Backend):
     def set_n_threads(self, n_threads: int) -> None:
         self.n_threads = n_threads
         from .qmatmul import set_num_threads
+        from .threads import set_blas_threads
 
-        set_num_threads(n_threads or (os.cpu_count() or 1))
+        n = n_threads or (os.cpu_count() or 1)
+        set_num_threads(n)
+        set_blas_threads(n)
 
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
         run_nodes(nodes, env, np, _leaf_storage)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..tensor import Op, Tensor
+from .threads import blas_threads
 
 Kernel = Callable[[Tensor, list[Any], Any], Any]
 
@@ -168,16 +169,31 @@ def _attend(q: Any, k: Any, v: Any, mask: Any, scale: float, xp: Any) -> Any:
         # llama.cpp converts Q to the K cache's type before the dot products (q_to_vec_dot)
         q = q.astype(xp.float16).astype(xp.float32)
     qh = q.transpose(1, 0, 2).reshape(n_head_kv, g * n_tokens, hd)  # (Hkv, G*T, D)
-    kh = _as_f32(xp, k).transpose(1, 2, 0)  # (Hkv, D, Nkv)
-    vh = _as_f32(xp, v).transpose(1, 0, 2)  # (Hkv, Nkv, Dv)
-    kq = xp.matmul(qh, kh).reshape(n_head_kv, g, n_tokens, n_kv)  # (Hkv, G, T, Nkv)
-    kq *= xp.float32(scale)
-    kq += _as_f32(xp, mask)[None, None]
-    kq -= kq.max(axis=-1, keepdims=True)
-    xp.exp(kq, out=kq)
-    kq /= kq.sum(axis=-1, keepdims=True)
-    out = xp.matmul(kq.reshape(n_head_kv, g * n_tokens, n_kv), vh)  # (Hkv, G*T, Dv)
+    k = _as_f32(xp, k)
+    v = _as_f32(xp, v)
+    m = _as_f32(xp, mask)
+    out = xp.empty((n_head_kv, g * n_tokens, v.shape[-1]), xp.float32)
+    if xp is np:
+        with blas_threads(1):  # small products: a second BLAS thread only waits (threads.py)
+            _attend_heads(qh, k, v, m, scale, out, g, xp)
+    else:
+        _attend_heads(qh, k, v, m, scale, out, g, xp)
     return out.reshape(n_head, n_tokens, -1).transpose(1, 0, 2)  # (T, H, Dv)
+
+
+def _attend_heads(qh: Any, k: Any, v: Any, m: Any, scale: float, out: Any, g: int, xp: Any) -> None:
+    n_head_kv = k.shape[1]
+    n_tokens, n_kv = m.shape
+    # one 2-D product per KV head: the query heads of a group share it without a broadcast copy
+    for h in range(n_head_kv):
+        kq = qh[h] @ k[:, h, :].T  # (G*T, Nkv)
+        kq = kq.reshape(g, n_tokens, n_kv)  # (G, T, Nkv)
+        kq *= xp.float32(scale)
+        kq += m
+        kq -= kq.max(axis=-1, keepdims=True)
+        xp.exp(kq, out=kq)
+        kq /= kq.sum(axis=-1, keepdims=True)
+        out[h] = kq.reshape(g * n_tokens, n_kv) @ v[:, h, :]  # (G*T, Dv)
 
 
 def reshape(node: Tensor, s: list[Any], xp: Any) -> Any:

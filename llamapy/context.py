@@ -89,6 +89,9 @@ class Model:
     ) -> None:
         """`context_options` say what the context will need, so that -ngl auto and the
         out-of-memory message can count the KV cache and compute buffers too."""
+        # backends are imported first: imports (numba's included) are reported apart from the
+        # load time, as llama.cpp's load time starts with the model file
+        self.discovery: Discovery = discover()
         t0 = time.perf_counter()
         self.options = options or ModelOptions()
         self.fit_options = context_options or ContextOptions()
@@ -99,7 +102,6 @@ class Model:
         self.params = LlamaParams.from_metadata(md, self.tokenizer.n_vocab)
         self.arch = md.get("general.architecture")
         self.name = md.get("general.name", self.path.stem)
-        self.discovery: Discovery = discover()
         self.devices = self._select_devices()
         self.cpu = next(d for d in self.devices if d.type is DeviceType.CPU)
         self.gpus = [d for d in self.devices if d.type is DeviceType.GPU]

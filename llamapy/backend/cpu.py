@@ -15,7 +15,9 @@ import numpy as np
 
 from ..tensor import Tensor, TensorFlag
 from ..types import NUMPY_DTYPES, DeviceType
+from .repack_cache import RepackStore
 from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps, Registry
+from .cpu_kernels import CPU_KERNELS
 from .kernels import run_nodes
 
 
@@ -25,8 +27,7 @@ def host_value(t: Tensor, data: np.ndarray, copy: bool) -> Any:
     Matrices of any GGUF type become a QMatrix (the quantized MUL_MAT / GET_ROWS path); vectors
     (norm weights, rope_freqs) and activations become float arrays.
     """
-    if copy:
-        data = np.array(data, copy=True)
+    data = np.array(data, copy=True) if copy else np.asarray(data)
     if len(t.shape) == 2 and t.flags & TensorFlag.WEIGHT:
         from .qmatmul import QMatrix
 
@@ -41,9 +42,35 @@ def host_value(t: Tensor, data: np.ndarray, copy: bool) -> Any:
 
 
 class CPUBuffer(Buffer):
+    _repack: RepackStore | None = None
+
+    def use_cache(self, key: str) -> None:
+        from .qmatmul import HAVE_NUMBA
+
+        # the repacked layouts are read by the numba kernels only
+        self._repack = RepackStore.open(key) if HAVE_NUMBA else None
+
+    def finish_loading(self) -> None:
+        if self._repack is not None:
+            self._repack.write()
+
     def set(self, t: Tensor, data: np.ndarray) -> None:
         if t.flags & TensorFlag.WEIGHT:
             self._raw[t] = data
+        cache, key = self._repack, f"{t.name}|{t.type.name}|{t.shape}"
+        if cache is not None and len(t.shape) == 2 and t.flags & TensorFlag.WEIGHT:
+            arrays = cache.get(key)
+            if arrays is not None:  # mapped from the cache file: no repacking, no copy
+                from .qmatmul import QMatrix
+
+                self._store[t] = QMatrix.from_state(t.type, t.shape[0], t.shape[1], arrays)
+                return
+            value = host_value(t, data, copy=False)
+            state = value.state()
+            if state is not None:
+                cache.put(key, state)
+            self._store[t] = value
+            return
         self._store[t] = host_value(t, data, copy=False)
 
     def get(self, t: Tensor) -> np.ndarray:
@@ -81,7 +108,7 @@ class CPUBackend(Backend):
         set_blas_threads(n)
 
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
-        run_nodes(nodes, env, np, _leaf_storage)
+        run_nodes(nodes, env, np, _leaf_storage, CPU_KERNELS)
 
     def from_host(self, data: np.ndarray, t: Tensor | None = None) -> Any:
         if t is not None and t.flags & TensorFlag.WEIGHT:

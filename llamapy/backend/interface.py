@@ -74,6 +74,13 @@ class Buffer(ABC):
     def get(self, t: Tensor) -> np.ndarray:
         """Buffer -> host."""
 
+    def use_cache(self, key: str) -> None:
+        """Optional: a backend may keep prepared (repacked) weights in a cache file under `key`
+        (identifying the model file); called before the weights are set."""
+
+    def finish_loading(self) -> None:
+        """Optional: called once every weight is set (e.g. to write that cache)."""
+
     def storage(self, t: Tensor) -> Any:
         """The native value kernels compute with (an array, a QMatrix, a CuPy array)."""
         return self._store[t]

@@ -236,8 +236,14 @@ KERNELS: dict[Op, Kernel] = {
 }
 
 
-def run_nodes(nodes: Any, env: dict[Tensor, Any], xp: Any, storage: Callable[[Tensor], Any]) -> None:
-    """Evaluate nodes in order with the kernel table; shared by the CPU, TEST and CUDA backends."""
+def run_nodes(
+    nodes: Any,
+    env: dict[Tensor, Any],
+    xp: Any,
+    storage: Callable[[Tensor], Any],
+    table: dict[Op, Kernel] = KERNELS,
+) -> None:
+    """Evaluate nodes in order with a kernel table; shared by the CPU, TEST and CUDA backends."""
     for node in nodes:
         srcs = []
         for src in node.src:
@@ -245,7 +251,7 @@ def run_nodes(nodes: Any, env: dict[Tensor, Any], xp: Any, storage: Callable[[Te
             if val is None:
                 val = storage(src)
             srcs.append(val)
-        env[node] = KERNELS[node.op](node, srcs, xp)
+        env[node] = table[node.op](node, srcs, xp)
 
 
 def reference(node: Tensor, srcs: list[np.ndarray]) -> np.ndarray:

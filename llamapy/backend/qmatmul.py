@@ -1429,6 +1429,24 @@ class QMatrix:
     def repacked(self) -> bool:
         return self._rp is not None
 
+    def state(self) -> list[np.ndarray] | None:
+        """The arrays a repacked matrix is made of (tiles..., tail rows), for a cache file;
+        None when the matrix is not repacked (it is then just the file's bytes)."""
+        if self._rp is None:
+            return None
+        return [*self._rp, self.data]
+
+    @classmethod
+    def from_state(cls, qtype: GGMLType, n_out: int, n_in: int, arrays: list[np.ndarray]) -> QMatrix:
+        """Rebuild a repacked matrix from `state()`'s arrays (e.g. views of a mapped cache file)."""
+        qtype = GGMLType(qtype)
+        *rp, tail = arrays
+        m = cls(qtype, n_out, n_in, tail)
+        m._rp = tuple(rp)
+        m._n_full = n_out - tail.shape[0]
+        m._kdata = _kernel_view(qtype, m.data)
+        return m
+
     @property
     def nbytes(self) -> int:
         """Bytes this object holds: the quantized rows (file layout) plus any repacked tiles."""

@@ -10,9 +10,11 @@ stays on the CPU (a GET_ROWS of a few rows gains nothing from a GPU). A tied out
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -232,6 +234,24 @@ def collect_weights(gf: GGUFFile, p: LlamaParams, fuse: bool = True) -> ModelWei
     return ModelWeights(tok, _weight(gf, "output_norm.weight", (e,)), output, layers, rope_freqs, tied_output=tied)
 
 
+class ConcatRows:
+    """The bytes of a fused weight: its parts' rows stacked, materialized only when a backend
+    asks for the array (a backend whose cache already holds the prepared weight never does)."""
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        self.parts = parts
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = np.concatenate(self.parts)
+        return out if dtype is None else out.astype(dtype)
+
+
+def cache_key(path: Path) -> str:
+    """Identifies a model file for caches of prepared weights: path, size, modification time."""
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
+
+
 def weight_devices(
     w: ModelWeights, placement: Placement, overrides: Sequence[tuple[str, Device]] = ()
 ) -> dict[Tensor, Device]:
@@ -269,6 +289,7 @@ def load_weights(gf: GGUFFile, w: ModelWeights, placement: Placement, where: dic
             buft = dev.buffer_type()
             buf = buft.alloc_buffer(sum(buft.alloc_size(t) for t in tensors), BufferUsage.WEIGHTS)
             w.buffers.append(buf)
+            buf.use_cache(cache_key(gf.path))
             for t in tensors:
                 buf.alloc_tensor(t)
                 if t is w.output and w.tied_output and w.tok_embd.buffer is buf:
@@ -277,10 +298,11 @@ def load_weights(gf: GGUFFile, w: ModelWeights, placement: Placement, where: dic
                     buf._raw[t] = buf.raw(w.tok_embd)
                     continue
                 if FUSED_FROM in t.params:
-                    buf.set(t, np.concatenate([gf.tensor_bytes(n) for n in t.params[FUSED_FROM]]))
+                    buf.set(t, ConcatRows([gf.tensor_bytes(n) for n in t.params[FUSED_FROM]]))  # type: ignore[arg-type]
                     continue
                 src = "token_embd.weight" if (t is w.output and w.tied_output) else t.name
                 buf.set(t, gf.tensor_bytes(src))
+            buf.finish_loading()
     except OutOfMemoryError:
         w.free()
         for t in where:

@@ -468,6 +468,23 @@ _CACHE_LIMIT = 1 << 17  # pieces cached per tokenizer before the cache is droppe
 
 
 @dataclass
+class _LazyMerges:
+    """The merges of a BPE vocabulary, decoded from the GGUF when the first text is encoded:
+    ~49k-280k strings that loading a model for generation from token ids never needs."""
+
+    def __init__(self, md: Mapping[str, Any]) -> None:
+        self._md = md
+
+    def load(self) -> list[str]:
+        merges = self._md[_KEY + "merges"]
+        if not isinstance(merges, list):
+            raise TokenizerError("invalid type for tokenizer.ggml.merges")
+        return merges
+
+    def __bool__(self) -> bool:
+        return True
+
+
 class SpecialTokens:
     """Special token ids as llama.cpp resolves them (None = LLAMA_TOKEN_NULL)."""
 
@@ -579,11 +596,18 @@ class Tokenizer:
             add_space_prefix, add_bos = True, True
         elif model == "gpt2":
             kind = "bpe"
-            merges = md.get(_KEY + "merges")
-            if merges is None:
+            if _KEY + "merges" not in md:
                 raise TokenizerError("cannot find tokenizer merges in model file")
-            if not isinstance(merges, list):
-                raise TokenizerError("invalid type for tokenizer.ggml.merges")
+            type_name = getattr(md, "type_name", None)
+            if type_name is not None:
+                # llamapy's lazy reader: check the type now, decode the strings on first encode
+                if not type_name(_KEY + "merges").startswith("array[string"):
+                    raise TokenizerError("invalid type for tokenizer.ggml.merges")
+                merges = _LazyMerges(md)  # type: ignore[assignment]
+            else:
+                merges = md.get(_KEY + "merges")
+                if not isinstance(merges, list):
+                    raise TokenizerError("invalid type for tokenizer.ggml.merges")
             sp.bos, sp.eos = 11, 11
             if not pre_name:
                 pre_name = "default"  # llama.cpp warns and uses 'default'
@@ -964,6 +988,8 @@ class Tokenizer:
         merges the first rank wins (unordered_map::emplace)."""
         if self._ranks_cache is None:
             merges = self._merges or []
+            if isinstance(merges, _LazyMerges):
+                merges = merges.load()
             n = len(merges)
             self._ranks_cache = dict(zip(reversed(merges), range(n - 1, -1, -1)))
         return self._ranks_cache

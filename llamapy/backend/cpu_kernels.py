@@ -69,7 +69,9 @@ if HAVE_NUMBA:
                     out[t, h, i0] = a * s + b * c
         return out
 
-    @njit(cache=True)
+    # reassoc/contract let LLVM vectorize the dot products and sums; no nnan/ninf: the masked
+    # (-inf) cells are tested explicitly
+    @njit(cache=True, fastmath={"reassoc", "contract", "nsz"})
     def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
         # q (T, H, D) f32, k/v (N, Hkv, D) f32 or f16, mask (T, N) f32 -> (T, H, Dv)
         T, H, D = q.shape
@@ -110,6 +112,37 @@ if HAVE_NUMBA:
         return out
 
 
+if HAVE_NUMBA:
+
+    @njit(cache=True, fastmath={"contract"})
+    def _swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:  # (rows, n) f32, any strides
+        rows, n = gate.shape
+        out = np.empty((rows, n), np.float32)
+        for r in range(rows):
+            for i in range(n):
+                g = gate[r, i]
+                out[r, i] = g / (np.float32(1.0) + np.float32(math.exp(-max(g, np.float32(-88.0))))) * up[r, i]
+        return out
+
+
+def glu(node: Tensor, s: list[Any], xp: Any) -> Any:
+    gate, up = s
+    if gate.ndim != 2:
+        return KERNELS[Op.GLU](node, s, xp)
+    return _swiglu(gate, up)
+
+
+_inv_freq: dict[tuple, np.ndarray] = {}
+
+
+def _rope_inv_freq(n_dims: int, base: float, scale: float) -> np.ndarray:
+    key = (n_dims, base, scale)
+    inv = _inv_freq.get(key)
+    if inv is None:
+        inv = _inv_freq[key] = base ** (-2.0 * np.arange(n_dims // 2) / n_dims) * scale
+    return inv
+
+
 def rms_norm(node: Tensor, s: list[Any], xp: Any) -> Any:
     x = s[0]
     flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)  # (rows, n)
@@ -120,7 +153,7 @@ def rope(node: Tensor, s: list[Any], xp: Any) -> Any:
     x, pos = s[0], s[1]
     p = node.params
     n_dims = p["n_dims"]
-    inv = p["freq_base"] ** (-2.0 * np.arange(n_dims // 2) / n_dims) * p["freq_scale"]
+    inv = _rope_inv_freq(n_dims, p["freq_base"], p["freq_scale"])
     if len(s) > 2:
         inv = inv / s[2].astype(np.float64)
     return _rope(np.ascontiguousarray(x, dtype=np.float32), pos, inv, n_dims, p["mode"] == 2)
@@ -139,5 +172,7 @@ def flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 
 CPU_KERNELS: dict[Op, Kernel] = (
-    {**KERNELS, Op.RMS_NORM: rms_norm, Op.ROPE: rope, Op.FLASH_ATTN_EXT: flash_attn_ext} if HAVE_NUMBA else KERNELS
+    {**KERNELS, Op.RMS_NORM: rms_norm, Op.ROPE: rope, Op.FLASH_ATTN_EXT: flash_attn_ext, Op.GLU: glu}
+    if HAVE_NUMBA
+    else KERNELS
 )

@@ -4,6 +4,7 @@ gguf.GGUFWriter (any layer count, any quant type) for differential tests."""
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +14,9 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from tests_support import shared
+
+# repacked-weight cache files of the models tests write go to a scratch folder, not ~/.cache
+os.environ.setdefault("LLAMAPY_REPACK_CACHE", tempfile.mkdtemp(prefix="llamapy-repack-"))
 
 # byte offsets of the f16 super-block scales (d, dmin) inside one block, per K-quant type:
 # random bytes elsewhere are valid quants, but random scales could be inf/nan

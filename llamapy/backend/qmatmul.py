@@ -68,6 +68,16 @@ def set_num_threads(n: int) -> None:
     _num_threads = max(0, int(n))
 
 
+_numba_threads = 0
+
+
+def _set_numba_threads(n: int) -> None:
+    global _numba_threads
+    if n != _numba_threads:
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        _numba_threads = n
+
+
 def _threads(n_threads: int) -> int:
     if not HAVE_NUMBA:
         return 1
@@ -93,8 +103,14 @@ _FM = {"reassoc", "contract", "nsz"}
 # dequantization kernels of each layout (see below for their signatures).
 KERNELS: dict[GGMLType, Callable[..., Any]] = {}
 REPACKED: dict[GGMLType, Callable[..., Any]] = {}
+PAR_REPACKED: dict[GGMLType, Callable[..., Any]] = {}
+# Decode calls with at least this many weights use the prange drivers when threads > 1.
+PRANGE_MIN_WEIGHTS = 1 << 18
 DEQUANT: dict[GGMLType, Callable[..., Any]] = {}
 DEQUANT_REPACKED: dict[GGMLType, Callable[..., Any]] = {}
+PAR_REPACKED: dict[GGMLType, Callable[..., Any]] = {}
+# Decode calls with at least this many weights use the prange drivers when threads > 1.
+PRANGE_MIN_WEIGHTS = 1 << 18
 DEQUANT_TILES: dict[GGMLType, Callable[..., Any]] = {}
 # Rows per repacked tile: wide enough for 8-lane AVX2 loops with little loop overhead
 # (measured on Q4_1 1536x576: R=16 3.2, R=32 6.5, R=64 7.2 G weights/s on one thread).
@@ -656,6 +672,44 @@ if HAVE_NUMBA:
         GGMLType.Q8_0: _rp_q8_0,
         GGMLType.Q4_K: _rp_q4_k,
         GGMLType.Q6_K: _rp_q6_k,
+    })
+
+    # Multi-threaded drivers for decode: numba's prange over chunks of tiles (each chunk writes
+    # its own output columns). Measured streaming 40 distinct 3072x576 Q4_1 matrices: 1 thread
+    # 4.6 GB/s, 2 threads 8.7 GB/s; the Python-thread pool below reached 5.9 GB/s.
+    _pjit = njit(cache=True, parallel=True, nogil=True)
+
+    @_pjit
+    def _prp_q4_0(p, x, xs, out, n_tiles, n_chunks):
+        for c in numba.prange(n_chunks):
+            _rp_q4_0(p, x, xs, out, c * n_tiles // n_chunks, (c + 1) * n_tiles // n_chunks)
+
+    @_pjit
+    def _prp_q4_1(p, x, xs, out, n_tiles, n_chunks):
+        for c in numba.prange(n_chunks):
+            _rp_q4_1(p, x, xs, out, c * n_tiles // n_chunks, (c + 1) * n_tiles // n_chunks)
+
+    @_pjit
+    def _prp_q8_0(p, x, xs, out, n_tiles, n_chunks):
+        for c in numba.prange(n_chunks):
+            _rp_q8_0(p, x, xs, out, c * n_tiles // n_chunks, (c + 1) * n_tiles // n_chunks)
+
+    @_pjit
+    def _prp_q4_k(p, x, xs, out, n_tiles, n_chunks):
+        for c in numba.prange(n_chunks):
+            _rp_q4_k(p, x, xs, out, c * n_tiles // n_chunks, (c + 1) * n_tiles // n_chunks)
+
+    @_pjit
+    def _prp_q6_k(p, x, xs, out, n_tiles, n_chunks):
+        for c in numba.prange(n_chunks):
+            _rp_q6_k(p, x, xs, out, c * n_tiles // n_chunks, (c + 1) * n_tiles // n_chunks)
+
+    PAR_REPACKED.update({
+        GGMLType.Q4_0: _prp_q4_0,
+        GGMLType.Q4_1: _prp_q4_1,
+        GGMLType.Q8_0: _prp_q8_0,
+        GGMLType.Q4_K: _prp_q4_k,
+        GGMLType.Q6_K: _prp_q6_k,
     })
 
     # ----------------------------------------------------------------------------------------
@@ -1568,6 +1622,11 @@ class QMatrix:
         if self._rp is not None:
             kr, p = REPACKED[self.qtype], self._rp
             n_tiles = self._n_full // REPACK_ROWS
+            if nt > 1 and work >= PRANGE_MIN_WEIGHTS and n_tiles >= 2 * nt:
+                _set_numba_threads(nt)
+                PAR_REPACKED[self.qtype](p, x, xs, out, n_tiles, min(n_tiles, 4 * nt))
+                self._matmul_tail(x, xs, out)
+                return out
             nc = _n_chunks(work, n_tiles, nt)
 
             def chunk(c: int, dst: np.ndarray) -> None:
@@ -1577,10 +1636,7 @@ class QMatrix:
                 return c * n_tiles // nc * REPACK_ROWS, (c + 1) * n_tiles // nc * REPACK_ROWS
 
             _POOL.run_private(chunk, nc, nt, out, cols)
-            if self._n_full < self.n_out:
-                tail = np.empty((n_tok, self.n_out - self._n_full), dtype=np.float32)
-                KERNELS[self.qtype](self._kdata, x, xs, tail, 0, tail.shape[1], F16_TABLE, 16)
-                out[:, self._n_full :] = tail
+            self._matmul_tail(x, xs, out)
             return out
         k, w, n = KERNELS[self.qtype], self._kdata, self.n_out
         nc = _n_chunks(work, n, nt)
@@ -1593,6 +1649,13 @@ class QMatrix:
 
         _POOL.run_private(chunk_f, nc, nt, out, cols_f)
         return out
+
+    def _matmul_tail(self, x: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
+        """The last n_out % REPACK_ROWS rows, kept in the file's layout."""
+        if self._n_full < self.n_out:
+            tail = np.empty((x.shape[0], self.n_out - self._n_full), dtype=np.float32)
+            KERNELS[self.qtype](self._kdata, x, xs, tail, 0, tail.shape[1], F16_TABLE, 16)
+            out[:, self._n_full :] = tail
 
     def matmul_tiles(self, x: np.ndarray, n_threads: int = 0) -> np.ndarray:
         """x @ W.T through f32 tiles and sgemm whatever the batch (the BLAS backend's path)."""

@@ -241,3 +241,26 @@ def test_pool_private_never_waits_for_a_stuck_helper() -> None:
     np.testing.assert_array_equal(out, np.repeat(np.arange(1, 11), 4)[None].repeat(2, 0))
     time.sleep(0.25)  # the late helper must not write into out after the call closed
     np.testing.assert_array_equal(out, np.repeat(np.arange(1, 11), 4)[None].repeat(2, 0))
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_0])
+def test_prange_decode_driver_equals_one_thread(qtype: GGMLType) -> None:
+    """Above PRANGE_MIN_WEIGHTS, two threads split the tiles with numba's prange: each tile is
+    computed by the same kernel, so the result is bit-identical to one thread."""
+    from llamapy.backend import qmatmul
+
+    if not qmatmul.HAVE_NUMBA:
+        pytest.skip("numba disabled")
+    rng = np.random.default_rng(3)
+    n_out, n_in = 1024 + 5, 576  # a tail of 5 rows stays in the file layout
+    assert n_out * n_in >= qmatmul.PRANGE_MIN_WEIGHTS
+    raw = gguf.quants.quantize(rng.standard_normal((n_out, n_in)).astype(np.float32), qtype)
+    m = qmatmul.QMatrix.prepare(raw, qtype, n_out, n_in)
+    assert m.repacked
+    x = rng.standard_normal((1, n_in)).astype(np.float32)
+    one = m.matmul(x, 1)
+    two = m.matmul(x, 2)
+    assert np.array_equal(one, two)
+    ref = x.astype(np.float64) @ gguf.quants.dequantize(raw, qtype).astype(np.float64).T
+    bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(gguf.quants.dequantize(raw, qtype)).astype(np.float64).T)
+    assert np.all(np.abs(two - ref) <= bound)

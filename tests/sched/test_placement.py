@@ -189,3 +189,19 @@ def test_no_kv_offload_keeps_the_cache_on_the_host(tiny32, test_gpu) -> None:  #
         assert {t.buffer.name for t in llm.ctx.kv.k} == {"CPU"}
         got = llm.logits(toks)
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_perplexity_equal_across_ngl(tiny32, test_gpu) -> None:  # noqa: ANN001
+    """|ΔPPL| <= 1e-4 PPL between -ngl 0, 20 and all (tempest, -c 128 --chunks 4)."""
+    from tests_support import shared
+
+    text = shared("data", "text", "tempest.txt").read_text()
+    ppl = {}
+    for ngl in (0, 20, "all"):
+        with _llm(tiny32, ngl, n_ctx=128, n_batch=128) as llm:
+            toks = llm.tokenize(text)
+            nll = np.concatenate([c.nll for c in llm.perplexity(toks, n_chunks=4)])
+            assert len(nll) == 4 * (128 - 1 - 64)
+            ppl[ngl] = float(np.exp(nll.mean()))
+    for ngl in (20, "all"):
+        assert abs(ppl[ngl] - ppl[0]) <= 1e-4 * ppl[0], ppl

@@ -186,7 +186,11 @@ def run_child(cmd: list[str], env: dict[str, str] | None = None, timeout: float 
     this child alone (RUSAGE_CHILDREN would be the maximum over every child waited for)."""
     import tempfile
 
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    # random-weight models print arbitrary bytes: decode them leniently
+    with (
+        tempfile.TemporaryFile("w+", errors="replace") as out,
+        tempfile.TemporaryFile("w+", errors="replace") as err,
+    ):
         t0 = time.perf_counter()
         p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env)
         deadline = None if timeout is None else t0 + timeout

@@ -30,6 +30,16 @@ NKVO = typer.Option(False, "-nkvo", "--no-kv-offload", help="keep the KV cache i
 NO_OP_OFFLOAD = typer.Option(False, "--no-op-offload", help="never run ops on a GPU for weights in host memory")
 DEVICE = typer.Option(None, "-dev", "--device", help="comma-separated devices to use (CPU is always used)")
 
+# sampling (common/arg.cpp's names and llama.cpp's defaults)
+TEMP = typer.Option(0.8, "--temp", help="temperature (0: greedy)")
+TOP_K = typer.Option(40, "--top-k")
+TOP_P = typer.Option(0.95, "--top-p")
+MIN_P = typer.Option(0.05, "--min-p")
+REPEAT_PENALTY = typer.Option(1.0, "--repeat-penalty")
+REPEAT_LAST_N = typer.Option(64, "--repeat-last-n")
+PRESENCE_PENALTY = typer.Option(0.0, "--presence-penalty")
+FREQUENCY_PENALTY = typer.Option(0.0, "--frequency-penalty")
+
 
 def resolve_model(model: str | None, model_opt: str | None) -> Path:
     path = model_opt or model

@@ -1,4 +1,5 @@
-"""The CPU backend: host buffers and numpy kernels (ggml-cpu, `ggml_backend_cpu_*`).
+"""The CPU backend: host buffers, numpy kernels and numba-compiled ones (ggml-cpu,
+`ggml_backend_cpu_*`).
 
 Host buffers hold weights as the file stores them: a quantized matrix becomes a QMatrix over the
 memory-mapped bytes (no copy, no f32 expansion), small f32 tensors stay views of the mapping.
@@ -15,10 +16,12 @@ import numpy as np
 
 from ..tensor import Tensor, TensorFlag
 from ..types import NUMPY_DTYPES, DeviceType
-from .repack_cache import RepackStore
-from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps, Registry
 from .cpu_kernels import CPU_KERNELS
+from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps, Registry
 from .kernels import run_nodes
+from .qmatmul import HAVE_NUMBA, QMatrix, set_num_threads
+from .repack_cache import RepackStore
+from .threads import set_blas_threads
 
 
 def host_value(t: Tensor, data: np.ndarray, copy: bool) -> Any:
@@ -29,8 +32,6 @@ def host_value(t: Tensor, data: np.ndarray, copy: bool) -> Any:
     """
     data = np.array(data, copy=True) if copy else np.asarray(data)
     if len(t.shape) == 2 and t.flags & TensorFlag.WEIGHT:
-        from .qmatmul import QMatrix
-
         raw = data.reshape(t.shape[0], -1).view(np.uint8)  # (n_out, row_bytes)
         return QMatrix.prepare(raw, t.type, t.shape[0], t.shape[1])
     if t.type in NUMPY_DTYPES:
@@ -45,8 +46,6 @@ class CPUBuffer(Buffer):
     _repack: RepackStore | None = None
 
     def use_cache(self, key: str) -> None:
-        from .qmatmul import HAVE_NUMBA
-
         # the repacked layouts are read by the numba kernels only
         self._repack = RepackStore.open(key) if HAVE_NUMBA else None
 
@@ -55,23 +54,20 @@ class CPUBuffer(Buffer):
             self._repack.write()
 
     def set(self, t: Tensor, data: np.ndarray) -> None:
+        weight_matrix = len(t.shape) == 2 and bool(t.flags & TensorFlag.WEIGHT)
         if t.flags & TensorFlag.WEIGHT:
             self._raw[t] = data
-        cache, key = self._repack, f"{t.name}|{t.type.name}|{t.shape}"
-        if cache is not None and len(t.shape) == 2 and t.flags & TensorFlag.WEIGHT:
-            arrays = cache.get(key)
-            if arrays is not None:  # mapped from the cache file: no repacking, no copy
-                from .qmatmul import QMatrix
-
-                self._store[t] = QMatrix.from_state(t.type, t.shape[0], t.shape[1], arrays)
-                return
-            value = host_value(t, data, copy=False)
-            state = value.state()
-            if state is not None:
-                cache.put(key, state)
-            self._store[t] = value
+        cache = self._repack if weight_matrix else None
+        key = f"{t.name}|{t.type.name}|{t.shape}"
+        arrays = cache.get(key) if cache is not None else None
+        if arrays is not None:  # mapped from the cache file: no repacking, no copy
+            self._store[t] = QMatrix.from_state(t.type, t.shape[0], t.shape[1], arrays)
             return
-        self._store[t] = host_value(t, data, copy=False)
+        value = host_value(t, data, copy=False)
+        state = value.state() if cache is not None else None
+        if state is not None:
+            cache.put(key, state)  # type: ignore[union-attr]
+        self._store[t] = value
 
     def get(self, t: Tensor) -> np.ndarray:
         v = self._store[t]
@@ -100,9 +96,6 @@ class CPUBackend(Backend):
 
     def set_n_threads(self, n_threads: int) -> None:
         self.n_threads = n_threads
-        from .qmatmul import set_num_threads
-        from .threads import set_blas_threads
-
         n = n_threads or (os.cpu_count() or 1)
         set_num_threads(n)
         set_blas_threads(n)

@@ -73,42 +73,48 @@ if HAVE_NUMBA:
     # (-inf) cells are tested explicitly
     @njit(cache=True, fastmath={"reassoc", "contract", "nsz"})
     def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
-        # q (T, H, D) f32, k/v (N, Hkv, D) f32 or f16, mask (T, N) f32 -> (T, H, Dv)
+        # q (T, H, D), k/v (N, Hkv, D) f32, mask (T, N) f32 -> (T, H, Dv). Each K row is read
+        # once for the g query heads that share it (GQA), then each head's softmax weights V.
         T, H, D = q.shape
         N, Hkv, _ = k.shape
         Dv = v.shape[2]
         g = H // Hkv
         out = np.zeros((T, H, Dv), np.float32)
-        sc = np.empty(N, np.float32)
+        sc = np.empty((g, N), np.float32)
+        m = np.empty(g, np.float32)
         acc = np.empty(Dv, np.float32)
         for t in range(T):
-            for h in range(H):
-                kh = h // g
-                m = -np.inf
+            for kh in range(Hkv):
+                m[:] = -np.inf
                 for n in range(N):
-                    if mask[t, n] == -np.inf:
-                        sc[n] = -np.inf
+                    mv = mask[t, n]
+                    if mv == -np.inf:
+                        sc[:, n] = -np.inf
                         continue
-                    d = np.float32(0.0)
-                    for i in range(D):
-                        d += q[t, h, i] * np.float32(k[n, kh, i])
-                    d = d * scale + mask[t, n]
-                    sc[n] = d
-                    if d > m:
-                        m = d
-                if m == -np.inf:
-                    continue
-                total = np.float32(0.0)
-                acc[:] = 0.0
-                for n in range(N):
-                    if sc[n] == -np.inf:
+                    for j in range(g):
+                        h = kh * g + j
+                        d = np.float32(0.0)
+                        for i in range(D):
+                            d += q[t, h, i] * k[n, kh, i]
+                        d = d * scale + mv
+                        sc[j, n] = d
+                        if d > m[j]:
+                            m[j] = d
+                for j in range(g):
+                    if m[j] == -np.inf:
                         continue
-                    w = np.float32(math.exp(sc[n] - m))
-                    total += w
+                    total = np.float32(0.0)
+                    acc[:] = 0.0
+                    for n in range(N):
+                        s = sc[j, n]
+                        if s == -np.inf:
+                            continue
+                        w = np.float32(math.exp(s - m[j]))
+                        total += w
+                        for i in range(Dv):
+                            acc[i] += w * v[n, kh, i]
                     for i in range(Dv):
-                        acc[i] += w * np.float32(v[n, kh, i])
-                for i in range(Dv):
-                    out[t, h, i] = acc[i] / total
+                        out[t, kh * g + j, i] = acc[i] / total
         return out
 
 

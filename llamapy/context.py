@@ -218,8 +218,6 @@ class Context:
         self._graphs: dict[tuple[int, int, int], LlamaGraph] = {}
         self.compute_buffers: list[Buffer] = []
         self.compute_sizes = self._reserve_compute()
-        self.n_eval_tokens = 0
-        self.eval_ms = 0.0
 
     def _check_host_memory(self, kv_devices: Sequence[Device]) -> None:
         """A -c too large for the host fails here, with the figures, not in the allocator."""
@@ -321,7 +319,6 @@ class Context:
     def _decode_ubatch(
         self, toks: np.ndarray, pos: np.ndarray, seq: np.ndarray, want: np.ndarray
     ) -> np.ndarray | None:
-        t0 = time.perf_counter()
         n = len(toks)
         out_ids = np.flatnonzero(want).astype(np.int32)
         n_outputs = len(out_ids)
@@ -345,8 +342,6 @@ class Context:
             self.kv.pos[idx] = -1
             self.kv.seq[idx] = -1
             raise
-        self.n_eval_tokens += n
-        self.eval_ms += (time.perf_counter() - t0) * 1e3
         return result[g.logits] if n_outputs else None
 
 

@@ -51,7 +51,6 @@ class Scheduler:
         self.backends = list(backends)
         self.op_offload = op_offload
         self._plans: dict[int, Plan] = {}
-        self.n_splits_run = 0
 
     # -- planning ------------------------------------------------------------------------
 
@@ -123,7 +122,6 @@ class Scheduler:
                     del vals[inp]
             for n in s.nodes:
                 home[n] = s.backend
-            self.n_splits_run += 1
         out: dict[Tensor, np.ndarray] = {}
         for o in graph.outputs:
             be = self.backends[home[o]]

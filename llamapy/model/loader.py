@@ -284,19 +284,22 @@ def load_weights(gf: GGUFFile, w: ModelWeights, placement: Placement, where: dic
     by_dev: dict[str, tuple[Device, list[Tensor]]] = {}
     for t, dev in where.items():
         by_dev.setdefault(dev.name, (dev, []))[1].append(t)
+    # a tied output in the embedding's own buffer is the same bytes: counted and stored once
+    shared_output = w.tied_output and where[w.output] is where[w.tok_embd]
     try:
         for dev, tensors in by_dev.values():
             buft = dev.buffer_type()
-            buf = buft.alloc_buffer(sum(buft.alloc_size(t) for t in tensors), BufferUsage.WEIGHTS)
+            size = sum(buft.alloc_size(t) for t in tensors if not (shared_output and t is w.output))
+            buf = buft.alloc_buffer(size, BufferUsage.WEIGHTS)
             w.buffers.append(buf)
             buf.use_cache(cache_key(gf.path))
             for t in tensors:
-                buf.alloc_tensor(t)
-                if t is w.output and w.tied_output and w.tok_embd.buffer is buf:
-                    # same host buffer: the tied output shares the embedding's value
+                if shared_output and t is w.output:
+                    t.buffer = buf
                     buf._store[t] = buf.storage(w.tok_embd)
                     buf._raw[t] = buf.raw(w.tok_embd)
                     continue
+                buf.alloc_tensor(t)
                 if FUSED_FROM in t.params:
                     buf.set(t, ConcatRows([gf.tensor_bytes(n) for n in t.params[FUSED_FROM]]))  # type: ignore[arg-type]
                     continue

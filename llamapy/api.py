@@ -95,6 +95,18 @@ class Llama:
     def generate(self, prompt: str | Sequence[int], n_predict: int = -1, **sampling: float | int) -> GenerationResult:
         return generate(self.ctx, self._tokens(prompt), n_predict, SamplingParams(**sampling))  # type: ignore[arg-type]
 
+    def warmup(self) -> float:
+        """One throw-away decode, then an empty cache (llama.cpp's common_init warm-up run): the
+        first call loads the compiled kernels, so later timings measure only the model.
+        Returns its milliseconds."""
+        import time
+
+        t0 = time.perf_counter()
+        tok = self.tokenizer.bos if self.tokenizer.bos is not None else 0
+        self.ctx.decode([tok], [0], 0)
+        self.ctx.kv.clear()
+        return (time.perf_counter() - t0) * 1e3
+
     # -- scoring ----------------------------------------------------------------------------
 
     def logits(self, tokens: Sequence[int], seq: int = 0) -> np.ndarray:

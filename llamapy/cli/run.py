@@ -69,6 +69,7 @@ def run(
     nkvo: bool = common.NKVO,
     no_op_offload: bool = common.NO_OP_OFFLOAD,
     device: str = common.DEVICE,
+    no_warmup: bool = typer.Option(False, "--no-warmup", help="skip the warm-up run before the prompt"),
 ) -> None:
     """Generate text from a prompt, streaming it to stdout (llama-completion)."""
     from ..generate import GenerationResult, check_n_predict, stream
@@ -86,6 +87,9 @@ def run(
         frequency_penalty=frequency_penalty, seed=seed,
     )  # fmt: skip
     llm = common.load(model, model_opt, ngl, ot, ts, mg, ctx_size, batch, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device)
+    if not no_warmup:
+        # reported apart from the load time: it is mostly numba loading its compiled kernels
+        log(f"common_init: warm-up run (kernel JIT-cache load) = {llm.warmup():.2f} ms")
     if conversation:
         _conversation(llm, text, system_prompt, n_predict, sampling)
         return

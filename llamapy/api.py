@@ -6,6 +6,7 @@ layer over it.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -99,8 +100,6 @@ class Llama:
         """One throw-away decode, then an empty cache (llama.cpp's common_init warm-up run): the
         first call loads the compiled kernels, so later timings measure only the model.
         Returns its milliseconds."""
-        import time
-
         t0 = time.perf_counter()
         tok = self.tokenizer.bos if self.tokenizer.bos is not None else 0
         self.ctx.decode([tok], [0], 0)

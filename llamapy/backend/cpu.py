@@ -101,7 +101,7 @@ class CPUBackend(Backend):
         set_blas_threads(n)
 
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
-        run_nodes(nodes, env, np, _leaf_storage, CPU_KERNELS)
+        run_nodes(nodes, env, np, table=CPU_KERNELS)
 
     def from_host(self, data: np.ndarray, t: Tensor | None = None) -> Any:
         if t is not None and t.flags & TensorFlag.WEIGHT:
@@ -110,12 +110,6 @@ class CPUBackend(Backend):
 
     def to_host(self, value: Any) -> np.ndarray:
         return value
-
-
-def _leaf_storage(t: Tensor) -> Any:
-    if t.buffer is None:
-        raise RuntimeError(f"tensor {t.name!r} has no value: not set as input and not in a buffer")
-    return t.buffer.storage(t)
 
 
 class CPUDevice(Device):

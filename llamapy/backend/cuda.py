@@ -446,7 +446,7 @@ class CUDABackend(MemoryDeviceBackend):
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
         dev = self.device
         with dev.context("computing " + (nodes[0].name if nodes else "nothing")):
-            run_nodes(nodes, env, dev.cp, _storage)
+            run_nodes(nodes, env, dev.cp)
 
     def synchronize(self) -> None:
         self.device.stream.synchronize()
@@ -470,12 +470,6 @@ class CUDABackend(MemoryDeviceBackend):
                     out.data.ptr, self.device.index, v.data.ptr, src.device.index, v.nbytes, self.device.stream.ptr
                 )
         return out
-
-
-def _storage(t: Tensor) -> Any:
-    if t.buffer is None:
-        raise RuntimeError(f"tensor {t.name!r} has no value on this device")
-    return t.buffer.storage(t)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -133,16 +133,10 @@ class MemoryDeviceBackend(Backend):
     device: MemoryDevice
 
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
-        run_nodes(nodes, env, self.device.xp, _storage)
+        run_nodes(nodes, env, self.device.xp)
 
     def from_host(self, data: np.ndarray, t: Tensor | None = None) -> Any:
         return self.device.upload(data, t)
 
     def to_host(self, value: Any) -> np.ndarray:
         return self.device.download(value)
-
-
-def _storage(t: Tensor) -> Any:
-    if t.buffer is None:
-        raise RuntimeError(f"tensor {t.name!r} has no value on this device")
-    return t.buffer.storage(t)

@@ -236,11 +236,19 @@ KERNELS: dict[Op, Kernel] = {
 }
 
 
+def leaf_storage(t: Tensor) -> Any:
+    """The value of a tensor that no node computed: it must live in a buffer (a weight, the KV
+    cache) — inputs are in the environment."""
+    if t.buffer is None:
+        raise RuntimeError(f"tensor {t.name!r} has no value: not set as input and not in a buffer")
+    return t.buffer.storage(t)
+
+
 def run_nodes(
     nodes: Any,
     env: dict[Tensor, Any],
     xp: Any,
-    storage: Callable[[Tensor], Any],
+    storage: Callable[[Tensor], Any] = leaf_storage,
     table: dict[Op, Kernel] = KERNELS,
 ) -> None:
     """Evaluate nodes in order with a kernel table; shared by the CPU, TEST and CUDA backends."""

@@ -107,10 +107,7 @@ def stream(
         res.timings.n_sample += 1
         if token in tok.eog_ids:
             res.finish_reason = "stop"
-            tail = decoder.flush()
-            if tail:
-                yield Chunk(token, tail, i)
-            return
+            break
         res.tokens.append(token)
         text = decoder.push(token)
         res.text += text

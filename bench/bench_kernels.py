@@ -2,13 +2,15 @@
 
 Counterpart of llama.cpp's `test-backend-ops perf -o MUL_MAT`: for each type and each of the
 default model's (SmolLM2-135M) matrix shapes, time `QMatrix.matmul` on one token and print
-GB/s of quantized weights read and G weights/s, for 1 and 2 threads, numba kernels vs the
-numpy fallback (dequantized tiles + BLAS). Then, per type, the prompt path's pieces: the
-dequantization of weights to float32 (G elements/s, numba vs the numpy reference) and a
+GB/s of quantized weights read and G weights/s, for 1 and 2 threads, for each kernel set
+(`qmatmul.kernels()`: the C kernels, numba's, and the numpy fallback of dequantized tiles +
+BLAS). Then, per type, the prompt path's pieces: the dequantization of weights to float32
+(G elements/s, each kernel set vs the numpy reference) and a
 512-token `matmul` (GFLOP/s, dequantization + sgemm), plus the repacked layout's size over
 the file's bytes. Timings are the best of several runs (the machine is shared).
 
-    python bench/bench_kernels.py [--types Q4_1,Q8_0] [--no-fallback] [--min-time 0.3] [--no-prompt]
+    python bench/bench_kernels.py [--types Q4_1,Q8_0] [--impls c,numba] [--no-fallback] [--min-time 0.3]
+                                  [--no-prompt]
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from llamapy.backend import qmatmul  # noqa: E402
+from llamapy.backend import native, qmatmul  # noqa: E402
 from llamapy.types import GGMLType, block_size  # noqa: E402
 
 # (n_out, n_in) of SmolLM2-135M: attn q/o, attn k/v, ffn gate/up, ffn down, output.
@@ -76,7 +78,7 @@ def bench(m: qmatmul.QMatrix, x: np.ndarray, threads: int, min_time: float) -> f
     return best_time(lambda: m.matmul(x, threads), min_time)
 
 
-def bench_prompt(name: str, mats: dict, min_time: float) -> None:
+def bench_prompt(name: str, impl: str, mats: dict, min_time: float) -> None:
     """Dequantization and 512-token matmul (the prompt path) on the largest layer shape."""
     from llamapy import quants
 
@@ -88,7 +90,7 @@ def bench_prompt(name: str, mats: dict, min_time: float) -> None:
     cells = []
     for th in (1, 2):
         dt = best_time(lambda: m.dequantize(None, th), min_time)
-        cells.append(f"numba {th}t {n / dt / 1e9:5.2f}")
+        cells.append(f"{impl} {th}t {n / dt / 1e9:5.2f}")
     dt = best_time(lambda: quants.dequantize(raw, qt, s[1]), min_time, repeats=2)
     cells.append(f"numpy {n / dt / 1e9:5.2f}")
     x = np.random.default_rng(2).standard_normal((512, s[1]), dtype=np.float32)
@@ -97,53 +99,59 @@ def bench_prompt(name: str, mats: dict, min_time: float) -> None:
         dt = best_time(lambda: m.matmul(x, th), min_time, repeats=3)
         gf.append(f"{th}t {2 * 512 * n / dt / 1e9:6.1f}")
     over = m.nbytes / raw.nbytes - 1
-    print(f"{name:6} {s[0]}x{s[1]:<5} dequant G elem/s: {'  '.join(cells)} | pp512 matmul "
+    print(f"{name:6} {impl:5} {s[0]}x{s[1]:<5} dequant G elem/s: {'  '.join(cells)} | pp512 matmul "
           f"GFLOP/s: {'  '.join(gf)} | repacked={m.repacked} +{over * 100:.0f}% bytes")
+
+
+def available(impl: str) -> bool:
+    if impl == "c":
+        return native.lib() is not None
+    return impl == "numpy" or qmatmul.numba_kernels() is not None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--impls", default="c,numba")
     ap.add_argument("--no-fallback", action="store_true")
     ap.add_argument("--min-time", type=float, default=0.25)
     ap.add_argument("--no-prompt", action="store_true")
     args = ap.parse_args()
-    rng = np.random.default_rng(0)
-    print(f"numba={qmatmul.numba_enabled()}  shapes={SHAPES}")
+    impls = [i for i in args.impls.split(",") if available(i)] + ([] if args.no_fallback else ["numpy"])
+    print(f"kernels={impls} (C: {native.error() or 'ok'})  shapes={SHAPES}")
     print(f"{'type':6} {'path':6} {'thr':>3} " + " ".join(f"{f'{o}x{i}':>16}" for o, i in SHAPES)
           + f" {'model/token':>12}")
-    all_mats: dict = {}
+    prompt: list = []
     for name in args.types.split(","):
         qt = GGMLType[name]
         shapes = K_SHAPES if name in K_TYPES else SHAPES
-        mats = {s: qmatmul.QMatrix.prepare(random_matrix(qt, *s, rng), qt, *s) for s in shapes}
-        xs = {s: rng.standard_normal((1, s[1]), dtype=np.float32) for s in shapes}
-        paths = [("numba", True)] if qmatmul.HAVE_NUMBA else []
-        if not args.no_fallback:
-            paths.append(("numpy", False))
-        for path, use_numba in paths:
+        raws = {s: random_matrix(qt, *s, np.random.default_rng(hash(s) % 1000)) for s in shapes}
+        xs = {s: rng_x(s) for s in shapes}
+        for impl in impls:
+            qmatmul._kernels = impl  # the matrices are prepared (repacked or not) for this set
+            mats = {s: qmatmul.QMatrix.prepare(raws[s], qt, *s) for s in shapes}
             for threads in (1, 2):
-                saved = qmatmul.HAVE_NUMBA
-                qmatmul.HAVE_NUMBA = use_numba
-                try:
-                    cells, tok = [], 0.0
-                    for s in shapes:
-                        dt = bench(mats[s], xs[s], threads, args.min_time)
-                        gbs = mats[s].nbytes / dt / 1e9
-                        gws = s[0] * s[1] / dt / 1e9
-                        cells.append(f"{gbs:6.2f}GB/s {gws:5.2f}Gw")
-                        tok += dt * PER_TOKEN.get(s, 0)
-                finally:
-                    qmatmul.HAVE_NUMBA = saved
+                cells, tok = [], 0.0
+                for s in shapes:
+                    dt = bench(mats[s], xs[s], threads, args.min_time)
+                    gbs = mats[s].nbytes / dt / 1e9
+                    gws = s[0] * s[1] / dt / 1e9
+                    cells.append(f"{gbs:6.2f}GB/s {gws:5.2f}Gw")
+                    tok += dt * PER_TOKEN.get(s, 0)
                 total = f" {tok * 1e3:9.1f} ms" if name not in K_TYPES else "  (tiny32 shapes)"
-                print(f"{name:6} {path:6} {threads:3} " + " ".join(f"{c:>16}" for c in cells) + total)
-        all_mats[name] = mats
-    if args.no_prompt or not qmatmul.HAVE_NUMBA:
+                print(f"{name:6} {impl:6} {threads:3} " + " ".join(f"{c:>16}" for c in cells) + total)
+            if impl != "numpy" and name not in ("F32", "F16", "BF16"):
+                prompt.append((name, impl, mats))
+    if args.no_prompt:
         return
     print("prompt path (dequantize to f32 + sgemm), largest layer shape:")
-    for name, mats in all_mats.items():
-        if name not in ("F32", "F16", "BF16"):
-            bench_prompt(name, mats, args.min_time)
+    for name, impl, mats in prompt:
+        qmatmul._kernels = impl
+        bench_prompt(name, impl, mats, args.min_time)
+
+
+def rng_x(s: tuple[int, int]) -> np.ndarray:
+    return np.random.default_rng(s[0]).standard_normal((1, s[1]), dtype=np.float32)
 
 
 if __name__ == "__main__":

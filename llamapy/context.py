@@ -89,7 +89,7 @@ class Model:
     ) -> None:
         """`context_options` say what the context will need, so that -ngl auto and the
         out-of-memory message can count the KV cache and compute buffers too."""
-        # backends are imported first: imports (numba's included) are reported apart from the
+        # backends are imported first: imports are reported apart from the
         # load time, as llama.cpp's load time starts with the model file
         self.discovery: Discovery = discover()
         t0 = time.perf_counter()

@@ -101,6 +101,10 @@ def stream(
     i = 0
     while True:
         ts = time.perf_counter()
+        if sampler.params.ignore_eos and tok.eog_ids:
+            # llama.cpp's --ignore-eos: a -inf logit bias on every end-of-generation token
+            logits = logits.copy()
+            logits[list(tok.eog_ids)] = -np.inf
         token = sampler.sample(logits)
         sampler.accept(token)
         res.timings.sample_ms += (time.perf_counter() - ts) * 1e3

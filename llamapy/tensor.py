@@ -24,6 +24,11 @@ if TYPE_CHECKING:
 class Op(Enum):
     """The ops the llama graph uses, named as in ggml. Grouped as ggml.h orders them."""
 
+    # Members are singletons compared by identity: hash them by identity too (C-level), not by
+    # Enum's Python-level hash of the name (measured ~0.7 us per kernel-table lookup, 5 % of a
+    # decode step).
+    __hash__ = object.__hash__
+
     # ** leaf: no computation (weights, inputs, the KV cache)
     NONE = auto()
     # ** view ops: no data movement, share their source's memory

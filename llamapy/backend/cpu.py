@@ -1,4 +1,4 @@
-"""The CPU backend: host buffers, numpy kernels and numba-compiled ones (ggml-cpu,
+"""The CPU backend: host buffers, numpy kernels and compiled ones (C or numba) (ggml-cpu,
 `ggml_backend_cpu_*`).
 
 Host buffers hold weights as the file stores them: a quantized matrix becomes a QMatrix over the
@@ -16,10 +16,10 @@ import numpy as np
 
 from ..tensor import Tensor, TensorFlag
 from ..types import NUMPY_DTYPES, DeviceType
-from .cpu_kernels import CPU_KERNELS
+from .cpu_kernels import cpu_kernels
 from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps, Registry
 from .kernels import run_nodes
-from .qmatmul import HAVE_NUMBA, QMatrix, set_num_threads
+from .qmatmul import QMatrix, kernels, set_num_threads
 from .repack_cache import RepackStore
 from .threads import set_blas_threads
 
@@ -46,8 +46,8 @@ class CPUBuffer(Buffer):
     _repack: RepackStore | None = None
 
     def use_cache(self, key: str) -> None:
-        # the repacked layouts are read by the numba kernels only
-        self._repack = RepackStore.open(key) if HAVE_NUMBA else None
+        # the repacked layouts are read by the compiled kernels only
+        self._repack = RepackStore.open(key) if kernels() != "numpy" else None
 
     def finish_loading(self) -> None:
         if self._repack is not None:
@@ -101,7 +101,7 @@ class CPUBackend(Backend):
         set_blas_threads(n)
 
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
-        run_nodes(nodes, env, np, table=CPU_KERNELS)
+        run_nodes(nodes, env, np, table=cpu_kernels())
 
     def from_host(self, data: np.ndarray, t: Tensor | None = None) -> Any:
         if t is not None and t.flags & TensorFlag.WEIGHT:

@@ -1,184 +1,153 @@
 """Compiled CPU kernels for the small per-token ops (ggml-cpu's ops.cpp: rms_norm, rope,
-flash_attn_ext), JIT-compiled with numba and cached on disk.
+flash_attn_ext, swiglu): the C ones (kernels_c/ops.c) or, without a C compiler, numba's.
 
 During decode every op works on a few hundred floats, so numpy's per-call overhead (a dozen
 array temporaries for one attention head) costs more than the arithmetic; one compiled loop per
 op removes it. The numpy kernels in kernels.py stay the reference these are tested against, and
-the fallback when numba is missing (LLAMAPY_NO_NUMBA=1). Prompts keep the BLAS attention path:
-for a block of 128 queries sgemm beats a scalar loop.
+the fallback without compiled kernels (LLAMAPY_KERNELS=numpy). Prompts keep the BLAS attention
+path: for a block of 128 queries sgemm beats a scalar loop.
 """
 
 from __future__ import annotations
 
-import math
-import os
 from typing import Any
 
 import numpy as np
 
 from ..tensor import Op, Tensor
+from . import native
 from .kernels import KERNELS, Kernel
+from .qmatmul import kernels, numba_kernels
 
+_ptr = native.ptr
 ATTN_MAX_TOKENS = 8  # up to this many queries, attention runs in the compiled loop
-
-try:
-    if os.environ.get("LLAMAPY_NO_NUMBA", "0") not in ("", "0"):
-        raise ImportError("disabled by LLAMAPY_NO_NUMBA")
-    from numba import njit
-
-    HAVE_NUMBA = True
-except ImportError:  # pragma: no cover - exercised with LLAMAPY_NO_NUMBA=1
-    HAVE_NUMBA = False
-
-
-if HAVE_NUMBA:
-
-    @njit(cache=True)
-    def _rms_norm(x: np.ndarray, eps: float) -> np.ndarray:  # x (rows, n) f32
-        rows, n = x.shape
-        out = np.empty_like(x)
-        for r in range(rows):
-            s = 0.0  # float64, as ggml's ggml_float
-            for i in range(n):
-                v = np.float64(x[r, i])
-                s += v * v
-            scale = np.float32(1.0 / math.sqrt(s / n + eps))
-            for i in range(n):
-                out[r, i] = x[r, i] * scale
-        return out
-
-    @njit(cache=True)
-    def _rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, n_dims: int, neox: bool) -> np.ndarray:
-        # x (T, H, D) f32; inv_freq (n_dims/2,) float64 already divided by freq factors and
-        # multiplied by freq_scale
-        T, H, D = x.shape
-        half = n_dims // 2
-        out = x.copy()
-        for t in range(T):
-            p = np.float64(pos[t])
-            for i in range(half):
-                theta = p * inv_freq[i]
-                c = np.float32(math.cos(theta))
-                s = np.float32(math.sin(theta))
-                i0 = i + half if neox else 2 * i + 1
-                j0 = i if neox else 2 * i
-                for h in range(H):
-                    a = x[t, h, j0]
-                    b = x[t, h, i0]
-                    out[t, h, j0] = a * c - b * s
-                    out[t, h, i0] = a * s + b * c
-        return out
-
-    # reassoc/contract let LLVM vectorize the dot products and sums; no nnan/ninf: the masked
-    # (-inf) cells are tested explicitly
-    @njit(cache=True, fastmath={"reassoc", "contract", "nsz"})
-    def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
-        # q (T, H, D), k/v (N, Hkv, D) f32, mask (T, N) f32 -> (T, H, Dv). Each K row is read
-        # once for the g query heads that share it (GQA), then each head's softmax weights V.
-        T, H, D = q.shape
-        N, Hkv, _ = k.shape
-        Dv = v.shape[2]
-        g = H // Hkv
-        out = np.zeros((T, H, Dv), np.float32)
-        sc = np.empty((g, N), np.float32)
-        m = np.empty(g, np.float32)
-        acc = np.empty(Dv, np.float32)
-        for t in range(T):
-            for kh in range(Hkv):
-                m[:] = -np.inf
-                for n in range(N):
-                    mv = mask[t, n]
-                    if mv == -np.inf:
-                        sc[:, n] = -np.inf
-                        continue
-                    for j in range(g):
-                        h = kh * g + j
-                        d = np.float32(0.0)
-                        for i in range(D):
-                            d += q[t, h, i] * k[n, kh, i]
-                        d = d * scale + mv
-                        sc[j, n] = d
-                        if d > m[j]:
-                            m[j] = d
-                for j in range(g):
-                    if m[j] == -np.inf:
-                        continue
-                    total = np.float32(0.0)
-                    acc[:] = 0.0
-                    for n in range(N):
-                        s = sc[j, n]
-                        if s == -np.inf:
-                            continue
-                        w = np.float32(math.exp(s - m[j]))
-                        total += w
-                        for i in range(Dv):
-                            acc[i] += w * v[n, kh, i]
-                    for i in range(Dv):
-                        out[t, kh * g + j, i] = acc[i] / total
-        return out
-
-
-if HAVE_NUMBA:
-
-    @njit(cache=True, fastmath={"contract"})
-    def _swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:  # (rows, n) f32, any strides
-        rows, n = gate.shape
-        out = np.empty((rows, n), np.float32)
-        for r in range(rows):
-            for i in range(n):
-                g = gate[r, i]
-                out[r, i] = g / (np.float32(1.0) + np.float32(math.exp(-max(g, np.float32(-88.0))))) * up[r, i]
-        return out
-
-
-def glu(node: Tensor, s: list[Any], xp: Any) -> Any:
-    gate, up = s
-    if gate.ndim != 2:
-        return KERNELS[Op.GLU](node, s, xp)
-    return _swiglu(gate, up)
-
 
 _inv_freq: dict[tuple, np.ndarray] = {}
 
 
-def _rope_inv_freq(n_dims: int, base: float, scale: float) -> np.ndarray:
+def _rope_inv_freq(node: Tensor, s: list[Any]) -> np.ndarray:
+    """(n_dims/2,) float64 inverse frequencies, freq_scale and rope_freqs (s[2]) applied."""
+    p = node.params
+    n_dims, base, scale = p["n_dims"], p["freq_base"], p["freq_scale"]
     key = (n_dims, base, scale)
     inv = _inv_freq.get(key)
     if inv is None:
         inv = _inv_freq[key] = base ** (-2.0 * np.arange(n_dims // 2) / n_dims) * scale
+    if len(s) > 2:
+        inv = inv / s[2].astype(np.float64)
     return inv
 
 
-def rms_norm(node: Tensor, s: list[Any], xp: Any) -> Any:
-    x = s[0]
-    flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)  # (rows, n)
-    return _rms_norm(flat, float(node.params["eps"])).reshape(x.shape)
-
-
-def rope(node: Tensor, s: list[Any], xp: Any) -> Any:
-    x, pos = s[0], s[1]
-    p = node.params
-    n_dims = p["n_dims"]
-    inv = _rope_inv_freq(n_dims, p["freq_base"], p["freq_scale"])
-    if len(s) > 2:
-        inv = inv / s[2].astype(np.float64)
-    return _rope(np.ascontiguousarray(x, dtype=np.float32), pos, inv, n_dims, p["mode"] == 2)
-
-
-def flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
+def _attn_inputs(s: list[Any]) -> tuple[np.ndarray, ...]:
     q, k, v, mask = s
-    if q.shape[0] > ATTN_MAX_TOKENS:
-        return KERNELS[Op.FLASH_ATTN_EXT](node, s, xp)
     if k.dtype == np.float16:
-        # numba computes in f32: widen the cache view, and round Q as llama.cpp's f16 path does
+        # the kernels compute in f32: widen the cache view, and round Q as llama.cpp's f16 path does
         q = q.astype(np.float16)
         k, v = k.astype(np.float32), v.astype(np.float32)
-    q = np.ascontiguousarray(q, dtype=np.float32)
-    return _attend(q, k, v, mask.astype(np.float32, copy=False), float(node.params["scale"]))
+    return np.ascontiguousarray(q, dtype=np.float32), k, v, mask.astype(np.float32, copy=False)
 
 
-CPU_KERNELS: dict[Op, Kernel] = (
-    {**KERNELS, Op.RMS_NORM: rms_norm, Op.ROPE: rope, Op.FLASH_ATTN_EXT: flash_attn_ext, Op.GLU: glu}
-    if HAVE_NUMBA
-    else KERNELS
-)
+# --- C (kernels_c/ops.c) ---------------------------------------------------------------------
+
+
+def _c_rms_norm(node: Tensor, s: list[Any], xp: Any) -> Any:
+    x = s[0]
+    flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)  # (rows, n)
+    out = np.empty_like(flat)
+    rows, n = flat.shape
+    native.lib().lp_rms_norm(_ptr(flat), rows, n, n, float(node.params["eps"]), _ptr(out))
+    return out.reshape(x.shape)
+
+
+def _c_rope(node: Tensor, s: list[Any], xp: Any) -> Any:
+    x = np.ascontiguousarray(s[0], dtype=np.float32)  # (T, H, D)
+    pos = np.ascontiguousarray(s[1], dtype=np.int32)
+    inv = np.ascontiguousarray(_rope_inv_freq(node, s))
+    out = np.empty_like(x)
+    T, H, D = x.shape
+    native.lib().lp_rope(_ptr(x), T, H, D, _ptr(pos), _ptr(inv), node.params["n_dims"],
+                         int(node.params["mode"] == 2), _ptr(out))
+    return out
+
+
+def _elem_strides(a: np.ndarray) -> tuple[int, ...]:
+    return tuple(st // a.itemsize for st in a.strides)
+
+
+def _c_flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
+    if s[0].shape[0] > ATTN_MAX_TOKENS:
+        return KERNELS[Op.FLASH_ATTN_EXT](node, s, xp)
+    q, k, v, mask = s
+    q = np.ascontiguousarray(q, dtype=np.float32)  # an f16 cache: the kernel rounds Q to f16 itself
+    mask = mask.astype(np.float32, copy=False)
+    # k, v: (N, Hkv, D) views of the cache (f32 or f16), read in place when their rows are contiguous
+    if k.strides[2] != k.itemsize or k.dtype != v.dtype:
+        k = np.ascontiguousarray(k, dtype=np.float32)
+    if v.strides[2] != v.itemsize or v.dtype != k.dtype:
+        v = np.ascontiguousarray(v, dtype=k.dtype)
+    if mask.strides[1] != 4:
+        mask = np.ascontiguousarray(mask)
+    T, H, D = q.shape
+    N, Hkv, Dv = v.shape
+    out = np.empty((T, H, Dv), np.float32)
+    (k_sn, k_sh, _), (v_sn, v_sh, _) = _elem_strides(k), _elem_strides(v)
+    lib = native.lib()
+    fn = lib.lp_attend_f16 if k.dtype == np.float16 else lib.lp_attend
+    fn(_ptr(q), T, H, D, _ptr(k), _ptr(v), N, Hkv, Dv, k_sn, k_sh, v_sn, v_sh,
+       _ptr(mask), mask.strides[0] // 4, float(node.params["scale"]), _ptr(out))
+    return out
+
+
+def _c_glu(node: Tensor, s: list[Any], xp: Any) -> Any:
+    gate, up = s
+    if gate.ndim != 2 or gate.dtype != np.float32 or up.dtype != np.float32 or gate.strides[1] != 4 \
+            or up.strides[1] != 4:
+        return KERNELS[Op.GLU](node, s, xp)
+    rows, n = gate.shape
+    out = np.empty((rows, n), np.float32)
+    native.lib().lp_swiglu(_ptr(gate), _ptr(up), rows, n, gate.strides[0] // 4, up.strides[0] // 4,
+                           _ptr(out))
+    return out
+
+
+# --- numba (numba_kernels.py) -----------------------------------------------------------------
+
+
+def _nb_rms_norm(node: Tensor, s: list[Any], xp: Any) -> Any:
+    x = s[0]
+    flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)  # (rows, n)
+    return numba_kernels()._rms_norm(flat, float(node.params["eps"])).reshape(x.shape)
+
+
+def _nb_rope(node: Tensor, s: list[Any], xp: Any) -> Any:
+    x = np.ascontiguousarray(s[0], dtype=np.float32)
+    inv = _rope_inv_freq(node, s)
+    return numba_kernels()._rope(x, s[1], inv, node.params["n_dims"], node.params["mode"] == 2)
+
+
+def _nb_flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
+    if s[0].shape[0] > ATTN_MAX_TOKENS:
+        return KERNELS[Op.FLASH_ATTN_EXT](node, s, xp)
+    q, k, v, mask = _attn_inputs(s)
+    return numba_kernels()._attend(q, k, v, mask, float(node.params["scale"]))
+
+
+def _nb_glu(node: Tensor, s: list[Any], xp: Any) -> Any:
+    gate, up = s
+    if gate.ndim != 2:
+        return KERNELS[Op.GLU](node, s, xp)
+    return numba_kernels()._swiglu(gate, up)
+
+
+_TABLES: dict[str, dict[Op, Kernel]] = {
+    "c": {**KERNELS, Op.RMS_NORM: _c_rms_norm, Op.ROPE: _c_rope, Op.FLASH_ATTN_EXT: _c_flash_attn_ext,
+          Op.GLU: _c_glu},
+    "numba": {**KERNELS, Op.RMS_NORM: _nb_rms_norm, Op.ROPE: _nb_rope, Op.FLASH_ATTN_EXT: _nb_flash_attn_ext,
+              Op.GLU: _nb_glu},
+    "numpy": KERNELS,
+}
+
+
+def cpu_kernels() -> dict[Op, Kernel]:
+    """The CPU backend's kernel table for the compiled kernels in use (qmatmul.kernels())."""
+    return _TABLES[kernels()]

@@ -6,21 +6,22 @@ view of the (memory-mapped) tensor and never expands the whole matrix to float32
 activations are NOT quantized to q8: each kernel multiplies the weight blocks with the float32
 activations directly, so the only rounding is the weights' own.
 
-Paths, picked per call:
-  * n_tokens < `BLAS_MIN_TOKENS` (decode, short batches), Q4_0/Q4_1/Q8_0/Q4_K/Q6_K: numba
-    kernels on a row-interleaved repack (tiles of `REPACK_ROWS` rows; the innermost loop runs
-    across rows, so it vectorizes without a horizontal sum per block). Costs +11/+20/+6/+6/+1%
-    of the file's bytes; the mapped rows are then released (MADV_DONTNEED on a read-only map).
+Paths, picked per call (`kernels()` says which compiled kernels: C, numba or none):
+  * n_tokens < `BLAS_MIN_TOKENS` (decode, short batches), Q4_0/Q4_1/Q8_0/Q4_K/Q6_K: compiled
+    kernels (kernels_c/qmatmul.c, else numba_kernels.py) on a row-interleaved repack (tiles of
+    `REPACK_ROWS` rows; the innermost loop runs across rows, so it vectorizes without a
+    horizontal sum per block). Costs no bytes over the file's (Q4_K: +2.8%, its 6-bit scales
+    unpacked to bytes); the mapped rows are then released (MADV_DONTNEED on a read-only map).
+    The C kernels thread with OpenMP.
   * n_tokens < `BLAS_MIN_TOKENS`, every other type: numba kernels, one per type, that walk
-    the file's blocks row by row. A block's dot is summed in float32 lanes (fastmath reassoc lets
-    LLVM vectorize it) and then scaled; `x`'s block sums turn the `+ m` / `- dmin*m` terms into
-    one multiply per block.
-  * n_tokens >= `BLAS_MIN_TOKENS` (prompt processing): row tiles are expanded to float32 by numba
-    kernels (bit-exact with `llamapy.quants`; repacked tiles come out transposed, which is the
-    layout sgemm wants) and handed to numpy's BLAS; the tile bounds the memory.
-  * no numba, or LLAMAPY_NO_NUMBA=1: numpy dequantization + BLAS for every n_tokens.
-Threads: calls of >= `PARALLEL_MIN_WEIGHTS` are cut into chunks run by the caller and helper
-threads of our own (`_POOL`, not numba's prange), so that a helper that is not scheduled never
+    the file's blocks row by row (numba is imported for them only).
+  * n_tokens >= `BLAS_MIN_TOKENS` (prompt processing): row tiles are expanded to float32 by the
+    compiled kernels (bit-exact with `llamapy.quants`; repacked tiles come out transposed, which
+    is the layout sgemm wants) and handed to numpy's BLAS; the tile bounds the memory.
+  * no compiled kernels (LLAMAPY_KERNELS=numpy, or neither a C compiler nor numba): numpy
+    dequantization + BLAS for every n_tokens.
+Threads (numba kernels): calls of >= `PARALLEL_MIN_WEIGHTS` are cut into chunks run by the
+caller and helper threads of our own (`_POOL`), so that a helper that is not scheduled never
 stalls the caller.
 """
 
@@ -40,24 +41,71 @@ import numpy as np
 from llamapy import quants
 from llamapy.types import GGMLType, UnsupportedError, block_size
 
-try:  # numba is optional: without it everything runs on numpy + BLAS.
-    if os.environ.get("LLAMAPY_NO_NUMBA", "") not in ("", "0"):
-        raise ImportError("disabled by LLAMAPY_NO_NUMBA")
-    import numba
-    from numba import njit
-
-    HAVE_NUMBA = True
-except ImportError:  # pragma: no cover - depends on the environment
-    numba = None
-    HAVE_NUMBA = False
+from . import native
 
 # At or above this many tokens, dequantized tiles + BLAS beat the per-block kernels.
 BLAS_MIN_TOKENS = 16
 # Float32 elements per dequantized tile on the BLAS path (4 MiB).
 TILE_ELEMS = 1 << 20
+# Rows per repacked tile: wide enough for 8-lane AVX2 loops with little loop overhead
+# (measured on Q4_1 1536x576: R=16 3.2, R=32 6.5, R=64 7.2 G weights/s on one thread).
+# The C kernels hard-code it (LP_R in kernels_c/qmatmul.c).
+REPACK_ROWS = 64
+# numba: decode calls with at least this many weights use the prange drivers when threads > 1.
+PRANGE_MIN_WEIGHTS = 1 << 18
 
-# f16 bit pattern -> float32, for the kernels (a 256 KiB table stays mostly in L2).
+# f16 bit pattern -> float32, for the numba kernels (a 256 KiB table stays mostly in L2).
 F16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+# --------------------------------------------------------------------------------------------
+# Which compiled kernels: "c" (kernels_c/, built by native.py), else "numba" (numba_kernels.py,
+# imported only then: it loads LLVM), else "numpy" (dequantization + BLAS, no compiled code).
+# LLAMAPY_KERNELS=c|numba|numpy asks for one (falling back down the list when it is not there);
+# LLAMAPY_NO_NUMBA=1 rules numba out. Types without C kernels use numba's when numba is there.
+# --------------------------------------------------------------------------------------------
+IMPLS = ("c", "numba", "numpy")
+_kernels: str | None = None  # decided on first use
+_nk: Any = None  # the numba_kernels module once imported
+_nk_error: str | None = None
+
+
+def numba_kernels(load: bool = True) -> Any:
+    """The numba kernel module (imported on first call with load=True), or None without numba,
+    with LLAMAPY_NO_NUMBA=1 or when the kernels in use are "numpy"."""
+    global _nk, _nk_error
+    if _nk is not None or not load or _nk_error is not None:
+        return _nk
+    if os.environ.get("LLAMAPY_NO_NUMBA", "") not in ("", "0"):
+        _nk_error = "disabled by LLAMAPY_NO_NUMBA"
+        return None
+    try:
+        from . import numba_kernels as nk
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        _nk_error = str(e)
+        return None
+    _nk = nk
+    return nk
+
+
+def kernels() -> str:
+    """The compiled kernels in use: "c", "numba" or "numpy" (see above)."""
+    global _kernels
+    if _kernels is None:
+        want = os.environ.get("LLAMAPY_KERNELS", "").lower()
+        order = IMPLS[IMPLS.index(want):] if want in IMPLS else IMPLS
+        for impl in order:
+            if impl == "numpy" or (impl == "c" and native.lib() is not None) or (
+                impl == "numba" and numba_kernels() is not None
+            ):
+                _kernels = impl
+                break
+    return _kernels  # type: ignore[return-value]
+
+
+def _numba_for_file_layout() -> Any:
+    """numba kernels for the file's layout (types without C kernels): not with "numpy"."""
+    return None if kernels() == "numpy" else numba_kernels()
+
 
 _num_threads = 0
 
@@ -74,1093 +122,15 @@ _numba_threads = 0
 def _set_numba_threads(n: int) -> None:
     global _numba_threads
     if n != _numba_threads:
+        import numba
+
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
         _numba_threads = n
 
 
 def _threads(n_threads: int) -> int:
-    if not HAVE_NUMBA:
-        return 1
     n = n_threads or _num_threads
     return n if n > 0 else (os.cpu_count() or 1)
-
-
-# --------------------------------------------------------------------------------------------
-# numba kernels.
-# `L` is always 16, passed at run time on purpose: with constant trip counts LLVM fully unrolls
-# the short per-block loops before its loop vectorizer runs and the SLP vectorizer then emits
-# scalar gathers (measured 2.5x slower); a run-time count keeps them vectorized reductions.
-# Each `_mv_<type>(w, x, xs, out, r0, r1, tab, L)` computes out[:, r0:r1] for the
-# rows r0..r1 of `w` (uint8 (n_out, row_bytes), the file's layout); `x` is (n_tok, n_in) float32,
-# `xs` its sums over runs of 16 elements (n_tok, n_in // 16), `tab` is F16_TABLE.
-# --------------------------------------------------------------------------------------------
-
-# reassoc lets LLVM vectorize the per-block float32 sums; contract allows FMAs. No nnan/ninf:
-# inf/nan in activations must still propagate as they would in ggml.
-_FM = {"reassoc", "contract", "nsz"}
-
-# Per-row kernels on the file's layout, rows-innermost kernels on repacked tiles, and the
-# dequantization kernels of each layout (see below for their signatures).
-KERNELS: dict[GGMLType, Callable[..., Any]] = {}
-REPACKED: dict[GGMLType, Callable[..., Any]] = {}
-PAR_REPACKED: dict[GGMLType, Callable[..., Any]] = {}
-# Decode calls with at least this many weights use the prange drivers when threads > 1.
-PRANGE_MIN_WEIGHTS = 1 << 18
-DEQUANT: dict[GGMLType, Callable[..., Any]] = {}
-DEQUANT_REPACKED: dict[GGMLType, Callable[..., Any]] = {}
-PAR_REPACKED: dict[GGMLType, Callable[..., Any]] = {}
-# Decode calls with at least this many weights use the prange drivers when threads > 1.
-PRANGE_MIN_WEIGHTS = 1 << 18
-DEQUANT_TILES: dict[GGMLType, Callable[..., Any]] = {}
-# Rows per repacked tile: wide enough for 8-lane AVX2 loops with little loop overhead
-# (measured on Q4_1 1536x576: R=16 3.2, R=32 6.5, R=64 7.2 G weights/s on one thread).
-REPACK_ROWS = 64
-
-if HAVE_NUMBA:
-    _jit = njit(cache=True, fastmath=_FM, nogil=True, boundscheck=False)
-
-    @_jit
-    def _f16(w: np.ndarray, o: int, tab: np.ndarray) -> np.float32:
-        return tab[np.int64(w[o]) | (np.int64(w[o + 1]) << 8)]
-
-    @_jit
-    def _block_sums16(x: np.ndarray) -> np.ndarray:
-        n_tok, n_in = x.shape
-        xs = np.empty((n_tok, n_in // 16), dtype=np.float32)
-        for t in range(n_tok):
-            for b in range(n_in // 16):
-                s = np.float32(0.0)
-                for j in range(16):
-                    s += x[t, b * 16 + j]
-                xs[t, b] = s
-        return xs
-
-    @_jit
-    def _mv_f32(w, x, xs, out, r0, r1, tab, L):
-        n_tok, n_in = x.shape
-        for r in range(r0, r1):
-            wr = w[r]
-            for t in range(n_tok):
-                xt = x[t]
-                acc = np.float32(0.0)
-                for i in range(n_in):
-                    acc += wr[i] * xt[i]
-                out[t, r] = acc
-
-    @_jit
-    def _mv_f16(w, x, xs, out, r0, r1, tab, L):
-        n_tok, n_in = x.shape
-        for r in range(r0, r1):
-            wr = w[r]
-            for t in range(n_tok):
-                xt = x[t]
-                acc = np.float32(0.0)
-                for i in range(n_in):
-                    acc += tab[np.int64(wr[i])] * xt[i]
-                out[t, r] = acc
-
-    @_jit
-    def _mv_bf16(w, x, xs, out, r0, r1, tab, L):
-        # `w` is the uint16 view here; bf16 is the top half of a float32, so a (u16 << 16)
-        # int32 array viewed as float32 gives the value without rounding.
-        n_tok, n_in = x.shape
-        buf = np.empty(n_in, dtype=np.int32)
-        fbuf = buf.view(np.float32)
-        for r in range(r0, r1):
-            wr = w[r]
-            for i in range(n_in):
-                buf[i] = np.int32(wr[i]) << 16
-            for t in range(n_tok):
-                xt = x[t]
-                acc = np.float32(0.0)
-                for i in range(n_in):
-                    acc += fbuf[i] * xt[i]
-                out[t, r] = acc
-
-    @_jit
-    def _mv_q8_0(w, x, xs, out, r0, r1, tab, L):
-        # `w` is the int8 view: 34-byte blocks of f16 d + 32 int8.
-        n_tok, n_in = x.shape
-        nb = n_in // 32
-        for r in range(r0, r1):
-            wr = w[r]
-            for t in range(n_tok):
-                xt = x[t]
-                acc = np.float32(0.0)
-                for b in range(nb):
-                    o = b * 34
-                    d = tab[(np.int64(wr[o]) & 0xFF) | ((np.int64(wr[o + 1]) & 0xFF) << 8)]
-                    s = np.float32(0.0)
-                    for j in range(2 * L):
-                        s += np.float32(wr[o + 2 + j]) * xt[b * 32 + j]
-                    acc += d * s
-                out[t, r] = acc
-
-    @_jit
-    def _mv_q4_0(w, x, xs, out, r0, r1, tab, L):
-        n_tok, n_in = x.shape
-        nb = n_in // 32
-        for r in range(r0, r1):
-            wr = w[r]
-            for t in range(n_tok):
-                xt = x[t]
-                acc = np.float32(0.0)
-                for b in range(nb):
-                    o = b * 18
-                    d = _f16(wr, o, tab)
-                    s = np.float32(0.0)
-                    for j in range(L):
-                        q = np.int32(wr[o + 2 + j])
-                        s += np.float32((q & 15) - 8) * xt[b * 32 + j]
-                        s += np.float32((q >> 4) - 8) * xt[b * 32 + 16 + j]
-                    acc += d * s
-                out[t, r] = acc
-
-    @_jit
-    def _mv_q4_1(w, x, xs, out, r0, r1, tab, L):
-        n_tok, n_in = x.shape
-        nb = n_in // 32
-        for r in range(r0, r1):
-            wr = w[r]
-            for t in range(n_tok):
-                xt = x[t]
-                acc = np.float32(0.0)
-                for b in range(nb):
-                    o = b * 20
-                    d = _f16(wr, o, tab)
-                    m = _f16(wr, o + 2, tab)
-                    s = np.float32(0.0)
-                    for j in range(L):
-                        q = np.int32(wr[o + 4 + j])
-                        s += np.float32(q & 15) * xt[b * 32 + j]
-                        s += np.float32(q >> 4) * xt[b * 32 + 16 + j]
-                    acc += d * s + m * (xs[t, 2 * b] + xs[t, 2 * b + 1])
-                out[t, r] = acc
-
-    @_jit
-    def _mv_q5_0(w, x, xs, out, r0, r1, tab, L):
-        n_tok, n_in = x.shape
-        nb = n_in // 32
-        for r in range(r0, r1):
-            wr = w[r]
-            for t in range(n_tok):
-                xt = x[t]
-                acc = np.float32(0.0)
-                for b in range(nb):
-                    o = b * 22
-                    d = _f16(wr, o, tab)
-                    qh = (np.int64(wr[o + 2]) | (np.int64(wr[o + 3]) << 8)
-                          | (np.int64(wr[o + 4]) << 16) | (np.int64(wr[o + 5]) << 24))
-                    s = np.float32(0.0)
-                    for j in range(L):
-                        q = np.int32(wr[o + 6 + j])
-                        h0 = np.int32((qh >> j) & 1) << 4
-                        h1 = np.int32((qh >> (j + 16)) & 1) << 4
-                        s += np.float32(((q & 15) | h0) - 16) * xt[b * 32 + j]
-                        s += np.float32(((q >> 4) | h1) - 16) * xt[b * 32 + 16 + j]
-                    acc += d * s
-                out[t, r] = acc
-
-    @_jit
-    def _mv_q5_1(w, x, xs, out, r0, r1, tab, L):
-        n_tok, n_in = x.shape
-        nb = n_in // 32
-        for r in range(r0, r1):
-            wr = w[r]
-            for t in range(n_tok):
-                xt = x[t]
-                acc = np.float32(0.0)
-                for b in range(nb):
-                    o = b * 24
-                    d = _f16(wr, o, tab)
-                    m = _f16(wr, o + 2, tab)
-                    qh = (np.int64(wr[o + 4]) | (np.int64(wr[o + 5]) << 8)
-                          | (np.int64(wr[o + 6]) << 16) | (np.int64(wr[o + 7]) << 24))
-                    s = np.float32(0.0)
-                    for j in range(L):
-                        q = np.int32(wr[o + 8 + j])
-                        h0 = np.int32((qh >> j) & 1) << 4
-                        h1 = np.int32((qh >> (j + 16)) & 1) << 4
-                        s += np.float32((q & 15) | h0) * xt[b * 32 + j]
-                        s += np.float32((q >> 4) | h1) * xt[b * 32 + 16 + j]
-                    acc += d * s + m * (xs[t, 2 * b] + xs[t, 2 * b + 1])
-                out[t, r] = acc
-
-    @_jit
-    def _mv_q2_k(w, x, xs, out, r0, r1, tab, L):
-        # 84-byte super-blocks: scales[16] (lo 4 bits scale, hi 4 bits min), qs[64], d, dmin.
-        n_tok, n_in = x.shape
-        nb = n_in // 256
-        for r in range(r0, r1):
-            wr = w[r]
-            for t in range(n_tok):
-                xt = x[t]
-                acc = np.float32(0.0)
-                for b in range(nb):
-                    o = b * 84
-                    d = _f16(wr, o + 80, tab)
-                    dmin = _f16(wr, o + 82, tab)
-                    for n in range(2):
-                        for k in range(4):
-                            sh = 2 * k
-                            for half in range(2):
-                                s = np.float32(0.0)
-                                e0 = b * 256 + n * 128 + k * 32 + half * 16
-                                q0 = o + 16 + n * 32 + half * 16
-                                for l in range(L):
-                                    q = (np.int32(wr[q0 + l]) >> sh) & 3
-                                    s += np.float32(q) * xt[e0 + l]
-                                sc = np.int32(wr[o + n * 8 + k * 2 + half])
-                                acc += d * np.float32(sc & 15) * s
-                                acc -= dmin * np.float32(sc >> 4) * xs[t, e0 // 16]
-                out[t, r] = acc
-
-    @_jit
-    def _mv_q3_k(w, x, xs, out, r0, r1, tab, L):
-        # 110-byte super-blocks: hmask[32], qs[64], scales[12] (16 signed 6-bit), d.
-        n_tok, n_in = x.shape
-        nb = n_in // 256
-        scl = np.empty(16, dtype=np.float32)
-        for r in range(r0, r1):
-            wr = w[r]
-            for t in range(n_tok):
-                xt = x[t]
-                acc = np.float32(0.0)
-                for b in range(nb):
-                    o = b * 110
-                    d = _f16(wr, o + 108, tab)
-                    for i in range(L):
-                        lo = (np.int32(wr[o + 96 + (i & 7)]) >> (4 * (i >> 3))) & 15
-                        hi = (np.int32(wr[o + 104 + (i & 3)]) >> (2 * (i >> 2))) & 3
-                        scl[i] = d * np.float32((lo | (hi << 4)) - 32)
-                    for n in range(2):
-                        for k in range(4):
-                            sh = 2 * k
-                            hb = 4 * n + k
-                            for half in range(2):
-                                s = np.float32(0.0)
-                                e0 = b * 256 + n * 128 + k * 32 + half * 16
-                                q0 = o + 32 + n * 32 + half * 16
-                                for l in range(L):
-                                    q = (np.int32(wr[q0 + l]) >> sh) & 3
-                                    h = (np.int32(wr[o + half * 16 + l]) >> hb) & 1
-                                    s += np.float32(q - 4 + 4 * h) * xt[e0 + l]
-                                acc += scl[n * 8 + k * 2 + half] * s
-                out[t, r] = acc
-
-    @_jit
-    def _k_scale(wr, o, j):
-        """Q4_K/Q5_K packed 6-bit (scale, min) of sub-block j from the 12 bytes at o."""
-        if j < 4:
-            sc = np.int32(wr[o + j]) & 63
-            mn = np.int32(wr[o + j + 4]) & 63
-        else:
-            sc = (np.int32(wr[o + j + 4]) & 15) | ((np.int32(wr[o + j - 4]) >> 6) << 4)
-            mn = (np.int32(wr[o + j + 4]) >> 4) | ((np.int32(wr[o + j]) >> 6) << 4)
-        return sc, mn
-
-    @_jit
-    def _mv_q4_k(w, x, xs, out, r0, r1, tab, L):
-        # 144-byte super-blocks: d, dmin, scales[12], qs[128] (4 runs of 32 bytes, lo then hi).
-        n_tok, n_in = x.shape
-        nb = n_in // 256
-        for r in range(r0, r1):
-            wr = w[r]
-            for t in range(n_tok):
-                xt = x[t]
-                acc = np.float32(0.0)
-                for b in range(nb):
-                    o = b * 144
-                    d = _f16(wr, o, tab)
-                    dmin = _f16(wr, o + 2, tab)
-                    for p in range(4):
-                        e0 = b * 256 + p * 64
-                        q0 = o + 16 + p * 32
-                        s0 = np.float32(0.0)
-                        s1 = np.float32(0.0)
-                        for l in range(2 * L):
-                            q = np.int32(wr[q0 + l])
-                            s0 += np.float32(q & 15) * xt[e0 + l]
-                            s1 += np.float32(q >> 4) * xt[e0 + 32 + l]
-                        sc0, m0 = _k_scale(wr, o + 4, 2 * p)
-                        sc1, m1 = _k_scale(wr, o + 4, 2 * p + 1)
-                        x0 = xs[t, e0 // 16] + xs[t, e0 // 16 + 1]
-                        x1 = xs[t, e0 // 16 + 2] + xs[t, e0 // 16 + 3]
-                        acc += d * (np.float32(sc0) * s0 + np.float32(sc1) * s1)
-                        acc -= dmin * (np.float32(m0) * x0 + np.float32(m1) * x1)
-                out[t, r] = acc
-
-    @_jit
-    def _mv_q5_k(w, x, xs, out, r0, r1, tab, L):
-        # 176-byte super-blocks: d, dmin, scales[12], qh[32] (bit i = sub-block i), qs[128].
-        n_tok, n_in = x.shape
-        nb = n_in // 256
-        for r in range(r0, r1):
-            wr = w[r]
-            for t in range(n_tok):
-                xt = x[t]
-                acc = np.float32(0.0)
-                for b in range(nb):
-                    o = b * 176
-                    d = _f16(wr, o, tab)
-                    dmin = _f16(wr, o + 2, tab)
-                    for p in range(4):
-                        e0 = b * 256 + p * 64
-                        q0 = o + 48 + p * 32
-                        s0 = np.float32(0.0)
-                        s1 = np.float32(0.0)
-                        for l in range(2 * L):
-                            q = np.int32(wr[q0 + l])
-                            h = np.int32(wr[o + 16 + l]) >> (2 * p)
-                            s0 += np.float32((q & 15) | ((h & 1) << 4)) * xt[e0 + l]
-                            s1 += np.float32((q >> 4) | ((h & 2) << 3)) * xt[e0 + 32 + l]
-                        sc0, m0 = _k_scale(wr, o + 4, 2 * p)
-                        sc1, m1 = _k_scale(wr, o + 4, 2 * p + 1)
-                        x0 = xs[t, e0 // 16] + xs[t, e0 // 16 + 1]
-                        x1 = xs[t, e0 // 16 + 2] + xs[t, e0 // 16 + 3]
-                        acc += d * (np.float32(sc0) * s0 + np.float32(sc1) * s1)
-                        acc -= dmin * (np.float32(m0) * x0 + np.float32(m1) * x1)
-                out[t, r] = acc
-
-    @_jit
-    def _mv_q6_k(w, x, xs, out, r0, r1, tab, L):
-        # 210-byte super-blocks: ql[128], qh[64], scales[16] (int8), d. Two halves of 128.
-        n_tok, n_in = x.shape
-        nb = n_in // 256
-        for r in range(r0, r1):
-            wr = w[r]
-            for t in range(n_tok):
-                xt = x[t]
-                acc = np.float32(0.0)
-                for b in range(nb):
-                    o = b * 210
-                    d = _f16(wr, o + 208, tab)
-                    for hf in range(2):
-                        ql = o + hf * 64
-                        qh = o + 128 + hf * 32
-                        sc = o + 192 + hf * 8
-                        e0 = b * 256 + hf * 128
-                        for i in range(2):
-                            s1 = np.float32(0.0)
-                            s2 = np.float32(0.0)
-                            s3 = np.float32(0.0)
-                            s4 = np.float32(0.0)
-                            for l in range(i * L, i * L + L):
-                                a = np.int32(wr[ql + l])
-                                c = np.int32(wr[ql + 32 + l])
-                                h = np.int32(wr[qh + l])
-                                s1 += np.float32(((a & 15) | ((h & 3) << 4)) - 32) * xt[e0 + l]
-                                s2 += np.float32(((c & 15) | ((h & 12) << 2)) - 32) * xt[e0 + 32 + l]
-                                s3 += np.float32(((a >> 4) | (h & 48)) - 32) * xt[e0 + 64 + l]
-                                s4 += np.float32(((c >> 4) | ((h & 192) >> 2)) - 32) * xt[e0 + 96 + l]
-                            z = (np.float32(np.int8(wr[sc + i])) * s1
-                                 + np.float32(np.int8(wr[sc + i + 2])) * s2
-                                 + np.float32(np.int8(wr[sc + i + 4])) * s3
-                                 + np.float32(np.int8(wr[sc + i + 6])) * s4)
-                            acc += d * z
-                out[t, r] = acc
-
-    KERNELS.update({
-        GGMLType.F32: _mv_f32,
-        GGMLType.F16: _mv_f16,
-        GGMLType.BF16: _mv_bf16,
-        GGMLType.Q4_0: _mv_q4_0,
-        GGMLType.Q4_1: _mv_q4_1,
-        GGMLType.Q5_0: _mv_q5_0,
-        GGMLType.Q5_1: _mv_q5_1,
-        GGMLType.Q8_0: _mv_q8_0,
-        GGMLType.Q2_K: _mv_q2_k,
-        GGMLType.Q3_K: _mv_q3_k,
-        GGMLType.Q4_K: _mv_q4_k,
-        GGMLType.Q5_K: _mv_q5_k,
-        GGMLType.Q6_K: _mv_q6_k,
-    })
-
-    # ----------------------------------------------------------------------------------------
-    # Repacked kernels: rows innermost. A tile of R rows stores, for each block b and byte j,
-    # the R rows' bytes side by side, and the block scales as float32 rows of R; the innermost
-    # loop then runs over R independent rows (no reduction), which LLVM vectorizes cleanly.
-    # Each `_rp_<type>(p, x, xs, out, t0, t1)` computes out[:, t0*R:t1*R] from the tuple of
-    # arrays `p` (see `_REPACK` for their layout).
-    # ----------------------------------------------------------------------------------------
-
-    @_jit
-    def _rp_q4_0(p, x, xs, out, t0, t1):
-        qs, dm = p  # qs (T, nb, 16, R) uint8; dm (T, nb, 1, R) float32 (d)
-        n_tok = x.shape[0]
-        nb, R = qs.shape[1], qs.shape[3]
-        s = np.empty(R, dtype=np.float32)
-        acc = np.empty(R, dtype=np.float32)
-        for tile in range(t0, t1):
-            for t in range(n_tok):
-                xt = x[t]
-                for r in range(R):
-                    acc[r] = 0.0
-                for b in range(nb):
-                    for r in range(R):
-                        s[r] = 0.0
-                    for j in range(16):
-                        xl = xt[b * 32 + j]
-                        xh = xt[b * 32 + 16 + j]
-                        q = qs[tile, b, j]
-                        for r in range(R):
-                            v = np.int32(q[r])
-                            s[r] += np.float32((v & 15) - 8) * xl + np.float32((v >> 4) - 8) * xh
-                    d = dm[tile, b, 0]
-                    for r in range(R):
-                        acc[r] += d[r] * s[r]
-                for r in range(R):
-                    out[t, tile * R + r] = acc[r]
-
-    @_jit
-    def _rp_q4_1(p, x, xs, out, t0, t1):
-        qs, dm = p  # qs (T, nb, 16, R) uint8; dm (T, nb, 2, R) float32 (d, m)
-        n_tok = x.shape[0]
-        nb, R = qs.shape[1], qs.shape[3]
-        s = np.empty(R, dtype=np.float32)
-        acc = np.empty(R, dtype=np.float32)
-        for tile in range(t0, t1):
-            for t in range(n_tok):
-                xt = x[t]
-                for r in range(R):
-                    acc[r] = 0.0
-                for b in range(nb):
-                    for r in range(R):
-                        s[r] = 0.0
-                    for j in range(16):
-                        xl = xt[b * 32 + j]
-                        xh = xt[b * 32 + 16 + j]
-                        q = qs[tile, b, j]
-                        for r in range(R):
-                            v = np.int32(q[r])
-                            lo = np.float32(np.int32(v & 15))
-                            s[r] += lo * xl + np.float32(np.int32(v >> 4)) * xh
-                    xsb = xs[t, 2 * b] + xs[t, 2 * b + 1]
-                    d = dm[tile, b, 0]
-                    m = dm[tile, b, 1]
-                    for r in range(R):
-                        acc[r] += d[r] * s[r] + m[r] * xsb
-                for r in range(R):
-                    out[t, tile * R + r] = acc[r]
-
-    @_jit
-    def _rp_q8_0(p, x, xs, out, t0, t1):
-        qs, dm = p  # qs (T, nb, 32, R) int8; dm (T, nb, 1, R) float32 (d)
-        n_tok = x.shape[0]
-        nb, R = qs.shape[1], qs.shape[3]
-        s = np.empty(R, dtype=np.float32)
-        acc = np.empty(R, dtype=np.float32)
-        for tile in range(t0, t1):
-            for t in range(n_tok):
-                xt = x[t]
-                for r in range(R):
-                    acc[r] = 0.0
-                for b in range(nb):
-                    for r in range(R):
-                        s[r] = 0.0
-                    for j in range(32):
-                        xj = xt[b * 32 + j]
-                        q = qs[tile, b, j]
-                        for r in range(R):
-                            s[r] += np.float32(np.int32(q[r])) * xj
-                    d = dm[tile, b, 0]
-                    for r in range(R):
-                        acc[r] += d[r] * s[r]
-                for r in range(R):
-                    out[t, tile * R + r] = acc[r]
-
-    @_jit
-    def _rp_q4_k(p, x, xs, out, t0, t1):
-        # qs (T, nb, 128, R) uint8; sm (T, nb, 16, R) uint8 (8 scales, 8 mins, 6 bits each);
-        # dm (T, nb, 2, R) float32 (d, dmin).
-        qs, sm, dm = p
-        n_tok = x.shape[0]
-        nb, R = qs.shape[1], qs.shape[3]
-        s0 = np.empty(R, dtype=np.float32)
-        s1 = np.empty(R, dtype=np.float32)
-        acc = np.empty(R, dtype=np.float32)
-        for tile in range(t0, t1):
-            for t in range(n_tok):
-                xt = x[t]
-                for r in range(R):
-                    acc[r] = 0.0
-                for b in range(nb):
-                    d = dm[tile, b, 0]
-                    dmin = dm[tile, b, 1]
-                    for pp in range(4):
-                        e0 = b * 256 + pp * 64
-                        for r in range(R):
-                            s0[r] = 0.0
-                            s1[r] = 0.0
-                        for l in range(32):
-                            xl = xt[e0 + l]
-                            xh = xt[e0 + 32 + l]
-                            q = qs[tile, b, pp * 32 + l]
-                            for r in range(R):
-                                v = np.int32(q[r])
-                                s0[r] += np.float32(v & 15) * xl
-                                s1[r] += np.float32(v >> 4) * xh
-                        x0 = xs[t, e0 // 16] + xs[t, e0 // 16 + 1]
-                        x1 = xs[t, e0 // 16 + 2] + xs[t, e0 // 16 + 3]
-                        c0 = sm[tile, b, 2 * pp]
-                        c1 = sm[tile, b, 2 * pp + 1]
-                        m0 = sm[tile, b, 8 + 2 * pp]
-                        m1 = sm[tile, b, 9 + 2 * pp]
-                        for r in range(R):
-                            acc[r] += d[r] * (np.float32(c0[r]) * s0[r] + np.float32(c1[r]) * s1[r])
-                            acc[r] -= dmin[r] * (np.float32(m0[r]) * x0 + np.float32(m1[r]) * x1)
-                for r in range(R):
-                    out[t, tile * R + r] = acc[r]
-
-    @_jit
-    def _rp_q6_k(p, x, xs, out, t0, t1):
-        # ql (T, nb, 128, R) uint8; qh (T, nb, 64, R) uint8; sc (T, nb, 16, R) int8;
-        # dm (T, nb, 1, R) float32 (d).
-        ql, qh, sc, dm = p
-        n_tok = x.shape[0]
-        nb, R = ql.shape[1], ql.shape[3]
-        s1 = np.empty(R, dtype=np.float32)
-        s2 = np.empty(R, dtype=np.float32)
-        s3 = np.empty(R, dtype=np.float32)
-        s4 = np.empty(R, dtype=np.float32)
-        acc = np.empty(R, dtype=np.float32)
-        for tile in range(t0, t1):
-            for t in range(n_tok):
-                xt = x[t]
-                for r in range(R):
-                    acc[r] = 0.0
-                for b in range(nb):
-                    d = dm[tile, b, 0]
-                    for hf in range(2):
-                        e0 = b * 256 + hf * 128
-                        for i in range(2):
-                            for r in range(R):
-                                s1[r] = 0.0
-                                s2[r] = 0.0
-                                s3[r] = 0.0
-                                s4[r] = 0.0
-                            for l in range(i * 16, i * 16 + 16):
-                                x1 = xt[e0 + l]
-                                x2 = xt[e0 + 32 + l]
-                                x3 = xt[e0 + 64 + l]
-                                x4 = xt[e0 + 96 + l]
-                                qa = ql[tile, b, hf * 64 + l]
-                                qc = ql[tile, b, hf * 64 + 32 + l]
-                                qq = qh[tile, b, hf * 32 + l]
-                                for r in range(R):
-                                    a = np.int32(qa[r])
-                                    c = np.int32(qc[r])
-                                    h = np.int32(qq[r])
-                                    s1[r] += np.float32(((a & 15) | ((h & 3) << 4)) - 32) * x1
-                                    s2[r] += np.float32(((c & 15) | ((h & 12) << 2)) - 32) * x2
-                                    s3[r] += np.float32(((a >> 4) | (h & 48)) - 32) * x3
-                                    s4[r] += np.float32(((c >> 4) | ((h & 192) >> 2)) - 32) * x4
-                            k = hf * 8 + i
-                            c1 = sc[tile, b, k]
-                            c2 = sc[tile, b, k + 2]
-                            c3 = sc[tile, b, k + 4]
-                            c4 = sc[tile, b, k + 6]
-                            for r in range(R):
-                                acc[r] += d[r] * (np.float32(c1[r]) * s1[r] + np.float32(c2[r]) * s2[r]
-                                                  + np.float32(c3[r]) * s3[r] + np.float32(c4[r]) * s4[r])
-                for r in range(R):
-                    out[t, tile * R + r] = acc[r]
-
-    REPACKED.update({
-        GGMLType.Q4_0: _rp_q4_0,
-        GGMLType.Q4_1: _rp_q4_1,
-        GGMLType.Q8_0: _rp_q8_0,
-        GGMLType.Q4_K: _rp_q4_k,
-        GGMLType.Q6_K: _rp_q6_k,
-    })
-
-    # Multi-threaded drivers for decode: numba's prange over chunks of tiles (each chunk writes
-    # its own output columns). Measured streaming 40 distinct 3072x576 Q4_1 matrices: 1 thread
-    # 4.6 GB/s, 2 threads 8.7 GB/s; the Python-thread pool below reached 5.9 GB/s.
-    _pjit = njit(cache=True, parallel=True, nogil=True)
-
-    @_pjit
-    def _prp_q4_0(p, x, xs, out, n_tiles, n_chunks):
-        for c in numba.prange(n_chunks):
-            _rp_q4_0(p, x, xs, out, c * n_tiles // n_chunks, (c + 1) * n_tiles // n_chunks)
-
-    @_pjit
-    def _prp_q4_1(p, x, xs, out, n_tiles, n_chunks):
-        for c in numba.prange(n_chunks):
-            _rp_q4_1(p, x, xs, out, c * n_tiles // n_chunks, (c + 1) * n_tiles // n_chunks)
-
-    @_pjit
-    def _prp_q8_0(p, x, xs, out, n_tiles, n_chunks):
-        for c in numba.prange(n_chunks):
-            _rp_q8_0(p, x, xs, out, c * n_tiles // n_chunks, (c + 1) * n_tiles // n_chunks)
-
-    @_pjit
-    def _prp_q4_k(p, x, xs, out, n_tiles, n_chunks):
-        for c in numba.prange(n_chunks):
-            _rp_q4_k(p, x, xs, out, c * n_tiles // n_chunks, (c + 1) * n_tiles // n_chunks)
-
-    @_pjit
-    def _prp_q6_k(p, x, xs, out, n_tiles, n_chunks):
-        for c in numba.prange(n_chunks):
-            _rp_q6_k(p, x, xs, out, c * n_tiles // n_chunks, (c + 1) * n_tiles // n_chunks)
-
-    PAR_REPACKED.update({
-        GGMLType.Q4_0: _prp_q4_0,
-        GGMLType.Q4_1: _prp_q4_1,
-        GGMLType.Q8_0: _prp_q8_0,
-        GGMLType.Q4_K: _prp_q4_k,
-        GGMLType.Q6_K: _prp_q6_k,
-    })
-
-    # ----------------------------------------------------------------------------------------
-    # Dequantization kernels (prompt processing tiles, GET_ROWS, dequantize): the same float
-    # operations, in the same order, as `llamapy.quants` (and so gguf-py), hence bit-exact; no
-    # fastmath. `_dq_<type>(w, ids, out, i0, i1, tab)` expands file-layout rows ids[i0:i1] into
-    # out[i0:i1]; `_dqr_<type>(p, ids, out, i0, i1)` does the same from the repacked tiles.
-    # ----------------------------------------------------------------------------------------
-    _djit = njit(cache=True, nogil=True, boundscheck=False)
-
-    @_djit
-    def _dq_q4_0(w, ids, out, i0, i1, tab):
-        nb = out.shape[1] // 32
-        for i in range(i0, i1):
-            wr = w[ids[i]]
-            o_ = out[i]
-            for b in range(nb):
-                o = b * 18
-                d = _f16(wr, o, tab)
-                for j in range(16):
-                    v = np.int32(wr[o + 2 + j])
-                    o_[b * 32 + j] = d * np.float32(np.int32((v & 15) - 8))
-                    o_[b * 32 + 16 + j] = d * np.float32(np.int32((v >> 4) - 8))
-
-    @_djit
-    def _dq_q4_1(w, ids, out, i0, i1, tab):
-        nb = out.shape[1] // 32
-        for i in range(i0, i1):
-            wr = w[ids[i]]
-            o_ = out[i]
-            for b in range(nb):
-                o = b * 20
-                d = _f16(wr, o, tab)
-                m = _f16(wr, o + 2, tab)
-                for j in range(16):
-                    v = np.int32(wr[o + 4 + j])
-                    o_[b * 32 + j] = d * np.float32(np.int32(v & 15)) + m
-                    o_[b * 32 + 16 + j] = d * np.float32(np.int32(v >> 4)) + m
-
-    @_djit
-    def _dq_q5_0(w, ids, out, i0, i1, tab):
-        nb = out.shape[1] // 32
-        for i in range(i0, i1):
-            wr = w[ids[i]]
-            o_ = out[i]
-            for b in range(nb):
-                o = b * 22
-                d = _f16(wr, o, tab)
-                qh = (np.int64(wr[o + 2]) | (np.int64(wr[o + 3]) << 8)
-                      | (np.int64(wr[o + 4]) << 16) | (np.int64(wr[o + 5]) << 24))
-                for j in range(16):
-                    v = np.int32(wr[o + 6 + j])
-                    h0 = np.int32((qh >> j) & 1) << 4
-                    h1 = np.int32((qh >> (j + 16)) & 1) << 4
-                    o_[b * 32 + j] = d * np.float32(np.int32(((v & 15) | h0) - 16))
-                    o_[b * 32 + 16 + j] = d * np.float32(np.int32(((v >> 4) | h1) - 16))
-
-    @_djit
-    def _dq_q5_1(w, ids, out, i0, i1, tab):
-        nb = out.shape[1] // 32
-        for i in range(i0, i1):
-            wr = w[ids[i]]
-            o_ = out[i]
-            for b in range(nb):
-                o = b * 24
-                d = _f16(wr, o, tab)
-                m = _f16(wr, o + 2, tab)
-                qh = (np.int64(wr[o + 4]) | (np.int64(wr[o + 5]) << 8)
-                      | (np.int64(wr[o + 6]) << 16) | (np.int64(wr[o + 7]) << 24))
-                for j in range(16):
-                    v = np.int32(wr[o + 8 + j])
-                    h0 = np.int32((qh >> j) & 1) << 4
-                    h1 = np.int32((qh >> (j + 16)) & 1) << 4
-                    o_[b * 32 + j] = d * np.float32(np.int32((v & 15) | h0)) + m
-                    o_[b * 32 + 16 + j] = d * np.float32(np.int32((v >> 4) | h1)) + m
-
-    @_djit
-    def _dq_q8_0(w, ids, out, i0, i1, tab):
-        nb = out.shape[1] // 32
-        for i in range(i0, i1):
-            wr = w[ids[i]]
-            o_ = out[i]
-            for b in range(nb):
-                o = b * 34
-                d = _f16(wr, o, tab)
-                for j in range(32):
-                    o_[b * 32 + j] = np.float32(np.int8(wr[o + 2 + j])) * d
-
-    @_djit
-    def _dq_q2_k(w, ids, out, i0, i1, tab):
-        nb = out.shape[1] // 256
-        for i in range(i0, i1):
-            wr = w[ids[i]]
-            o_ = out[i]
-            for b in range(nb):
-                o = b * 84
-                d = _f16(wr, o + 80, tab)
-                dmin = _f16(wr, o + 82, tab)
-                for n in range(2):
-                    for k in range(4):
-                        for half in range(2):
-                            sc = np.int32(wr[o + n * 8 + k * 2 + half])
-                            dl = d * np.float32(np.int32(sc & 15))
-                            ml = dmin * np.float32(np.int32(sc >> 4))
-                            e0 = b * 256 + n * 128 + k * 32 + half * 16
-                            q0 = o + 16 + n * 32 + half * 16
-                            for l in range(16):
-                                q = (np.int32(wr[q0 + l]) >> (2 * k)) & 3
-                                o_[e0 + l] = dl * np.float32(np.int32(q)) - ml
-
-    @_djit
-    def _dq_q3_k(w, ids, out, i0, i1, tab):
-        nb = out.shape[1] // 256
-        for i in range(i0, i1):
-            wr = w[ids[i]]
-            o_ = out[i]
-            for b in range(nb):
-                o = b * 110
-                d = _f16(wr, o + 108, tab)
-                for n in range(2):
-                    for k in range(4):
-                        hb = 4 * n + k
-                        for half in range(2):
-                            si = n * 8 + k * 2 + half
-                            lo = (np.int32(wr[o + 96 + (si & 7)]) >> (4 * (si >> 3))) & 15
-                            hi = (np.int32(wr[o + 104 + (si & 3)]) >> (2 * (si >> 2))) & 3
-                            dl = d * np.float32(np.int32((lo | (hi << 4)) - 32))
-                            e0 = b * 256 + n * 128 + k * 32 + half * 16
-                            q0 = o + 32 + n * 32 + half * 16
-                            for l in range(16):
-                                q = (np.int32(wr[q0 + l]) >> (2 * k)) & 3
-                                h = (np.int32(wr[o + half * 16 + l]) >> hb) & 1
-                                o_[e0 + l] = dl * np.float32(np.int32(q - 4 + 4 * h))
-
-    @_djit
-    def _dq_q4_k(w, ids, out, i0, i1, tab):
-        nb = out.shape[1] // 256
-        for i in range(i0, i1):
-            wr = w[ids[i]]
-            o_ = out[i]
-            for b in range(nb):
-                o = b * 144
-                d = _f16(wr, o, tab)
-                dmin = _f16(wr, o + 2, tab)
-                for p in range(4):
-                    sc0, m0 = _k_scale(wr, o + 4, 2 * p)
-                    sc1, m1 = _k_scale(wr, o + 4, 2 * p + 1)
-                    d0 = d * np.float32(np.int32(sc0))
-                    d1 = d * np.float32(np.int32(sc1))
-                    n0 = dmin * np.float32(np.int32(m0))
-                    n1 = dmin * np.float32(np.int32(m1))
-                    e0 = b * 256 + p * 64
-                    q0 = o + 16 + p * 32
-                    for l in range(32):
-                        v = np.int32(wr[q0 + l])
-                        o_[e0 + l] = d0 * np.float32(np.int32(v & 15)) - n0
-                        o_[e0 + 32 + l] = d1 * np.float32(np.int32(v >> 4)) - n1
-
-    @_djit
-    def _dq_q5_k(w, ids, out, i0, i1, tab):
-        nb = out.shape[1] // 256
-        for i in range(i0, i1):
-            wr = w[ids[i]]
-            o_ = out[i]
-            for b in range(nb):
-                o = b * 176
-                d = _f16(wr, o, tab)
-                dmin = _f16(wr, o + 2, tab)
-                for p in range(4):
-                    sc0, m0 = _k_scale(wr, o + 4, 2 * p)
-                    sc1, m1 = _k_scale(wr, o + 4, 2 * p + 1)
-                    d0 = d * np.float32(np.int32(sc0))
-                    d1 = d * np.float32(np.int32(sc1))
-                    n0 = dmin * np.float32(np.int32(m0))
-                    n1 = dmin * np.float32(np.int32(m1))
-                    e0 = b * 256 + p * 64
-                    q0 = o + 48 + p * 32
-                    for l in range(32):
-                        v = np.int32(wr[q0 + l])
-                        h = np.int32(wr[o + 16 + l]) >> (2 * p)
-                        o_[e0 + l] = d0 * np.float32(np.int32((v & 15) | ((h & 1) << 4))) - n0
-                        o_[e0 + 32 + l] = d1 * np.float32(np.int32((v >> 4) | ((h & 2) << 3))) - n1
-
-    @_djit
-    def _dq_q6_k(w, ids, out, i0, i1, tab):
-        nb = out.shape[1] // 256
-        for i in range(i0, i1):
-            wr = w[ids[i]]
-            o_ = out[i]
-            for b in range(nb):
-                o = b * 210
-                d = _f16(wr, o + 208, tab)
-                for hf in range(2):
-                    ql = o + hf * 64
-                    qh = o + 128 + hf * 32
-                    sc = o + 192 + hf * 8
-                    e0 = b * 256 + hf * 128
-                    for i2 in range(2):
-                        d1 = d * np.float32(np.int8(wr[sc + i2]))
-                        d2 = d * np.float32(np.int8(wr[sc + i2 + 2]))
-                        d3 = d * np.float32(np.int8(wr[sc + i2 + 4]))
-                        d4 = d * np.float32(np.int8(wr[sc + i2 + 6]))
-                        for l in range(i2 * 16, i2 * 16 + 16):
-                            a = np.int32(wr[ql + l])
-                            c = np.int32(wr[ql + 32 + l])
-                            h = np.int32(wr[qh + l])
-                            o_[e0 + l] = d1 * np.float32(np.int32(((a & 15) | ((h & 3) << 4)) - 32))
-                            o_[e0 + 32 + l] = d2 * np.float32(np.int32(((c & 15) | ((h & 12) << 2)) - 32))
-                            o_[e0 + 64 + l] = d3 * np.float32(np.int32(((a >> 4) | (h & 48)) - 32))
-                            o_[e0 + 96 + l] = d4 * np.float32(np.int32(((c >> 4) | ((h & 192) >> 2)) - 32))
-
-    DEQUANT.update({
-        GGMLType.Q4_0: _dq_q4_0,
-        GGMLType.Q4_1: _dq_q4_1,
-        GGMLType.Q5_0: _dq_q5_0,
-        GGMLType.Q5_1: _dq_q5_1,
-        GGMLType.Q8_0: _dq_q8_0,
-        GGMLType.Q2_K: _dq_q2_k,
-        GGMLType.Q3_K: _dq_q3_k,
-        GGMLType.Q4_K: _dq_q4_k,
-        GGMLType.Q5_K: _dq_q5_k,
-        GGMLType.Q6_K: _dq_q6_k,
-    })
-
-    # From the repacked tiles: row r of tile T is column r of every (.., R) slice.
-
-    @_djit
-    def _dqr_q4_0(p, ids, out, i0, i1):
-        qs, dm = p
-        R, nb = qs.shape[3], qs.shape[1]
-        for i in range(i0, i1):
-            tile, r = ids[i] // R, ids[i] % R
-            o_ = out[i]
-            for b in range(nb):
-                d = dm[tile, b, 0, r]
-                for j in range(16):
-                    v = np.int32(qs[tile, b, j, r])
-                    o_[b * 32 + j] = d * np.float32(np.int32((v & 15) - 8))
-                    o_[b * 32 + 16 + j] = d * np.float32(np.int32((v >> 4) - 8))
-
-    @_djit
-    def _dqr_q4_1(p, ids, out, i0, i1):
-        qs, dm = p
-        R, nb = qs.shape[3], qs.shape[1]
-        for i in range(i0, i1):
-            tile, r = ids[i] // R, ids[i] % R
-            o_ = out[i]
-            for b in range(nb):
-                d = dm[tile, b, 0, r]
-                m = dm[tile, b, 1, r]
-                for j in range(16):
-                    v = np.int32(qs[tile, b, j, r])
-                    o_[b * 32 + j] = d * np.float32(np.int32(v & 15)) + m
-                    o_[b * 32 + 16 + j] = d * np.float32(np.int32(v >> 4)) + m
-
-    @_djit
-    def _dqr_q8_0(p, ids, out, i0, i1):
-        qs, dm = p
-        R, nb = qs.shape[3], qs.shape[1]
-        for i in range(i0, i1):
-            tile, r = ids[i] // R, ids[i] % R
-            o_ = out[i]
-            for b in range(nb):
-                d = dm[tile, b, 0, r]
-                for j in range(32):
-                    o_[b * 32 + j] = np.float32(np.int32(qs[tile, b, j, r])) * d
-
-    @_djit
-    def _dqr_q4_k(p, ids, out, i0, i1):
-        qs, sm, dm = p
-        R, nb = qs.shape[3], qs.shape[1]
-        for i in range(i0, i1):
-            tile, r = ids[i] // R, ids[i] % R
-            o_ = out[i]
-            for b in range(nb):
-                d = dm[tile, b, 0, r]
-                dmin = dm[tile, b, 1, r]
-                for p_ in range(4):
-                    d0 = d * np.float32(np.int32(sm[tile, b, 2 * p_, r]))
-                    d1 = d * np.float32(np.int32(sm[tile, b, 2 * p_ + 1, r]))
-                    n0 = dmin * np.float32(np.int32(sm[tile, b, 8 + 2 * p_, r]))
-                    n1 = dmin * np.float32(np.int32(sm[tile, b, 9 + 2 * p_, r]))
-                    e0 = b * 256 + p_ * 64
-                    for l in range(32):
-                        v = np.int32(qs[tile, b, p_ * 32 + l, r])
-                        o_[e0 + l] = d0 * np.float32(np.int32(v & 15)) - n0
-                        o_[e0 + 32 + l] = d1 * np.float32(np.int32(v >> 4)) - n1
-
-    @_djit
-    def _dqr_q6_k(p, ids, out, i0, i1):
-        ql, qh, sc, dm = p
-        R, nb = ql.shape[3], ql.shape[1]
-        for i in range(i0, i1):
-            tile, r = ids[i] // R, ids[i] % R
-            o_ = out[i]
-            for b in range(nb):
-                d = dm[tile, b, 0, r]
-                for hf in range(2):
-                    e0 = b * 256 + hf * 128
-                    for i2 in range(2):
-                        k = hf * 8 + i2
-                        d1 = d * np.float32(np.int32(sc[tile, b, k, r]))
-                        d2 = d * np.float32(np.int32(sc[tile, b, k + 2, r]))
-                        d3 = d * np.float32(np.int32(sc[tile, b, k + 4, r]))
-                        d4 = d * np.float32(np.int32(sc[tile, b, k + 6, r]))
-                        for l in range(i2 * 16, i2 * 16 + 16):
-                            a = np.int32(ql[tile, b, hf * 64 + l, r])
-                            c = np.int32(ql[tile, b, hf * 64 + 32 + l, r])
-                            h = np.int32(qh[tile, b, hf * 32 + l, r])
-                            o_[e0 + l] = d1 * np.float32(np.int32(((a & 15) | ((h & 3) << 4)) - 32))
-                            o_[e0 + 32 + l] = d2 * np.float32(np.int32(((c & 15) | ((h & 12) << 2)) - 32))
-                            o_[e0 + 64 + l] = d3 * np.float32(np.int32(((a >> 4) | (h & 48)) - 32))
-                            o_[e0 + 96 + l] = d4 * np.float32(np.int32(((c >> 4) | ((h & 192) >> 2)) - 32))
-
-    DEQUANT_REPACKED.update({
-        GGMLType.Q4_0: _dqr_q4_0,
-        GGMLType.Q4_1: _dqr_q4_1,
-        GGMLType.Q8_0: _dqr_q8_0,
-        GGMLType.Q4_K: _dqr_q4_k,
-        GGMLType.Q6_K: _dqr_q6_k,
-    })
-
-    # Whole tiles t0..t1 of the repacked layout, transposed: row r of tile `tile` becomes
-    # column (tile - t0) * R + r of out_t (n_in, n_rows); reads and writes both run along r.
-
-    @_djit
-    def _dqt_q4_0(p, out_t, t0, t1):
-        qs, dm = p
-        R, nb = qs.shape[3], qs.shape[1]
-        for tile in range(t0, t1):
-            c0_ = (tile - t0) * R
-            for b in range(nb):
-                d = dm[tile, b, 0]
-                for j in range(16):
-                    q = qs[tile, b, j]
-                    for r in range(R):
-                        v = np.int32(q[r])
-                        out_t[b * 32 + j, c0_ + r] = d[r] * np.float32(np.int32((v & 15) - 8))
-                        out_t[b * 32 + 16 + j, c0_ + r] = d[r] * np.float32(np.int32((v >> 4) - 8))
-
-    @_djit
-    def _dqt_q4_1(p, out_t, t0, t1):
-        # Computed into local runs of R first: LLVM then vectorizes the expansion (it cannot
-        # prove out_t does not alias the inputs), and the copies are plain streams.
-        qs, dm = p
-        R, nb = qs.shape[3], qs.shape[1]
-        lo = np.empty(R, dtype=np.float32)
-        hi = np.empty(R, dtype=np.float32)
-        for tile in range(t0, t1):
-            c0_ = (tile - t0) * R
-            for b in range(nb):
-                d = dm[tile, b, 0]
-                m = dm[tile, b, 1]
-                for j in range(16):
-                    q = qs[tile, b, j]
-                    for r in range(R):
-                        v = np.int32(q[r])
-                        lo[r] = d[r] * np.float32(np.int32(v & 15)) + m[r]
-                        hi[r] = d[r] * np.float32(np.int32(v >> 4)) + m[r]
-                    out_t[b * 32 + j, c0_ : c0_ + R] = lo
-                    out_t[b * 32 + 16 + j, c0_ : c0_ + R] = hi
-
-    @_djit
-    def _dqt_q8_0(p, out_t, t0, t1):
-        qs, dm = p
-        R, nb = qs.shape[3], qs.shape[1]
-        v = np.empty(R, dtype=np.float32)
-        for tile in range(t0, t1):
-            c0_ = (tile - t0) * R
-            for b in range(nb):
-                d = dm[tile, b, 0]
-                for j in range(32):
-                    q = qs[tile, b, j]
-                    for r in range(R):
-                        v[r] = np.float32(np.int32(q[r])) * d[r]
-                    out_t[b * 32 + j, c0_ : c0_ + R] = v
-
-    @_djit
-    def _dqt_q4_k(p, out_t, t0, t1):
-        qs, sm, dm = p
-        R, nb = qs.shape[3], qs.shape[1]
-        lo = np.empty(R, dtype=np.float32)
-        hi = np.empty(R, dtype=np.float32)
-        dl = np.empty((2, R), dtype=np.float32)
-        ml = np.empty((2, R), dtype=np.float32)
-        for tile in range(t0, t1):
-            c0_ = (tile - t0) * R
-            for b in range(nb):
-                d = dm[tile, b, 0]
-                dmin = dm[tile, b, 1]
-                for p_ in range(4):
-                    for h in range(2):
-                        c = sm[tile, b, 2 * p_ + h]
-                        mn = sm[tile, b, 8 + 2 * p_ + h]
-                        for r in range(R):
-                            dl[h, r] = d[r] * np.float32(np.int32(c[r]))
-                            ml[h, r] = dmin[r] * np.float32(np.int32(mn[r]))
-                    e0 = b * 256 + p_ * 64
-                    for l in range(32):
-                        q = qs[tile, b, p_ * 32 + l]
-                        for r in range(R):
-                            v = np.int32(q[r])
-                            lo[r] = dl[0, r] * np.float32(np.int32(v & 15)) - ml[0, r]
-                            hi[r] = dl[1, r] * np.float32(np.int32(v >> 4)) - ml[1, r]
-                        out_t[e0 + l, c0_ : c0_ + R] = lo
-                        out_t[e0 + 32 + l, c0_ : c0_ + R] = hi
-
-    @_djit
-    def _dqt_q6_k(p, out_t, t0, t1):
-        ql, qh, sc, dm = p
-        R, nb = ql.shape[3], ql.shape[1]
-        dl = np.empty((4, R), dtype=np.float32)
-        v = np.empty((4, R), dtype=np.float32)
-        for tile in range(t0, t1):
-            c0_ = (tile - t0) * R
-            for b in range(nb):
-                d = dm[tile, b, 0]
-                for hf in range(2):
-                    e0 = b * 256 + hf * 128
-                    for i2 in range(2):
-                        for k in range(4):
-                            c = sc[tile, b, hf * 8 + i2 + 2 * k]
-                            for r in range(R):
-                                dl[k, r] = d[r] * np.float32(np.int32(c[r]))
-                        for l in range(i2 * 16, i2 * 16 + 16):
-                            qa = ql[tile, b, hf * 64 + l]
-                            qc = ql[tile, b, hf * 64 + 32 + l]
-                            qq = qh[tile, b, hf * 32 + l]
-                            for r in range(R):
-                                a = np.int32(qa[r])
-                                c_ = np.int32(qc[r])
-                                h = np.int32(qq[r])
-                                v[0, r] = dl[0, r] * np.float32(np.int32(((a & 15) | ((h & 3) << 4)) - 32))
-                                v[1, r] = dl[1, r] * np.float32(np.int32(((c_ & 15) | ((h & 12) << 2)) - 32))
-                                v[2, r] = dl[2, r] * np.float32(np.int32(((a >> 4) | (h & 48)) - 32))
-                                v[3, r] = dl[3, r] * np.float32(np.int32(((c_ >> 4) | ((h & 192) >> 2)) - 32))
-                            for k in range(4):
-                                out_t[e0 + 32 * k + l, c0_ : c0_ + R] = v[k]
-
-    DEQUANT_TILES.update({
-        GGMLType.Q4_0: _dqt_q4_0,
-        GGMLType.Q4_1: _dqt_q4_1,
-        GGMLType.Q8_0: _dqt_q8_0,
-        GGMLType.Q4_K: _dqt_q4_k,
-        GGMLType.Q6_K: _dqt_q6_k,
-    })
-
-
-def numba_enabled() -> bool:
-    """Whether the numba kernels are in use (False without numba or with LLAMAPY_NO_NUMBA=1)."""
-    return HAVE_NUMBA
 
 
 # --------------------------------------------------------------------------------------------
@@ -1354,8 +324,9 @@ def _tr(a: np.ndarray) -> np.ndarray:
 
 
 def _f16_fields(b: np.ndarray) -> np.ndarray:
-    """(T, R, nb, 2k) bytes holding k f16 -> (T, nb, k, R) float32 (exact)."""
-    return _tr(np.ascontiguousarray(b).view(np.float16).astype(np.float32))
+    """(T, R, nb, 2k) bytes holding k f16 -> (T, nb, k, R) float16: the file's bits, so the
+    scales cost what they do in the file (the kernels widen them to float32, exactly)."""
+    return _tr(np.ascontiguousarray(b).view(np.float16))
 
 
 def _repack_q4_0(b: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -1381,8 +352,9 @@ def _repack_q6_k(b: np.ndarray) -> tuple[np.ndarray, ...]:
             _f16_fields(b[..., 208:210]))
 
 
-# Types with rows-innermost kernels; overhead over the file's bytes: Q4_0 +11%, Q4_1 +20%,
-# Q8_0 +6%, Q4_K +6%, Q6_K +1%.
+# Types with rows-innermost kernels; overhead over the file's bytes: none for Q4_0, Q4_1, Q8_0
+# and Q6_K (the same fields, f16 scales included, only reordered), Q4_K +2.8% (its 12 bytes of
+# packed 6-bit scales and mins unpacked to 16).
 _REPACK: dict[GGMLType, Callable[[np.ndarray], tuple[np.ndarray, ...]]] = {
     GGMLType.Q4_0: _repack_q4_0,
     GGMLType.Q4_1: _repack_q4_1,
@@ -1430,7 +402,7 @@ class QMatrix:
 
     Most types keep `data`, the file's own bytes ((n_out, row_bytes) uint8, usually a read-only
     view of the GGUF memmap): nothing is copied and the pages stay droppable by the OS.
-    Types in `_REPACK` (with numba) are repacked once into row-interleaved tiles (`_rp`, a tuple
+    Types in `_REPACK` (with compiled kernels) are repacked once into row-interleaved tiles (`_rp`, a tuple
     of arrays) and the mapped rows are released (and their pages dropped when they are a
     read-only file mapping); `data` then only keeps a copy of the last n_out % REPACK_ROWS rows,
     in the file's layout.
@@ -1444,6 +416,10 @@ class QMatrix:
     _kdata: np.ndarray | None = field(repr=False, default=None)
     _rp: tuple[np.ndarray, ...] | None = field(repr=False, default=None)
     _n_full: int = 0  # rows held by the repacked tiles
+    # For the C kernels: pointers to _rp's arrays and the (matvec, tiles, rows) functions.
+    _cparts: Any = field(repr=False, default=None)
+    _cfns: Any = field(repr=False, default=None)
+    _nbparts: Any = field(repr=False, default=None)  # _rp as the numba kernels take it
 
     @classmethod
     def prepare(cls, raw: np.ndarray, qtype: GGMLType, n_out: int, n_in: int) -> QMatrix:
@@ -1462,7 +438,7 @@ class QMatrix:
         # A reshape of a contiguous view, never a copy: the memmap is what we hold.
         data = np.ascontiguousarray(data.reshape(n_out, row_bytes))
         m = cls(qtype, n_out, n_in, data)
-        if HAVE_NUMBA and qtype in _REPACK and n_out >= REPACK_ROWS:
+        if qtype in _REPACK and n_out >= REPACK_ROWS and kernels() != "numpy":
             m._repack()
         m._kdata = _kernel_view(qtype, m.data)
         return m
@@ -1526,8 +502,8 @@ class QMatrix:
         (the transpose of the (n_in, n) array the fast kernel writes; `.T` of it is what BLAS
         wants as the right-hand operand)."""
         ids = self._ids(rows)
-        fast = self._rp is not None or (HAVE_NUMBA and self.qtype in DEQUANT)
-        if not fast:
+        nk = None if self._rp is not None else _numba_for_file_layout()
+        if self._rp is None and (nk is None or self.qtype not in nk.DEQUANT):
             sel = self.data if rows is None else self.data[rows] if isinstance(rows, slice) else self.data[ids]
             return quants.dequantize(sel, self.qtype, self.n_in).reshape(-1, self.n_in)
         R, n = REPACK_ROWS, ids.size
@@ -1546,8 +522,15 @@ class QMatrix:
         # Rows padded by 16 floats: a stride of a multiple of 4 KiB aliases in L1.
         out_t = np.empty((self.n_in, n_t * R + 16), dtype=np.float32)[:, : n_t * R]
         nt = _threads(n_threads)
+        cfns = self._c()
+        if cfns is not None:
+            # One thread: these tiles feed BLAS, whose own threads want the cores; an OpenMP
+            # worker spinning after the expansion halved pp512 (expansion is ~3% of its time).
+            nb = self.n_in // block_size(self.qtype)[0]
+            cfns[1](self._cparts, ta, ta + n_t, nb, out_t.ctypes.data, out_t.strides[0] // 4, 1)
+            return out_t
         nc = _n_chunks(n_t * R * self.n_in * 4, n_t, nt)
-        kt, p = DEQUANT_TILES[self.qtype], self._rp
+        kt, p = numba_kernels().DEQUANT_TILES[self.qtype], self._nb()
 
         def chunk(c: int) -> None:
             a, b = c * n_t // nc, (c + 1) * n_t // nc
@@ -1556,6 +539,22 @@ class QMatrix:
         _POOL.run(chunk, nc, nt)
         return out_t
 
+    def _nb(self) -> tuple[np.ndarray, ...]:
+        """`_rp` as the numba kernels take it (f16 scales as their uint16 bits), made once."""
+        if self._nbparts is None:
+            self._nbparts = numba_kernels().repacked_args(self._rp)
+        return self._nbparts
+
+    def _c(self) -> Any:
+        """This repacked matrix's C kernels (matvec, tiles, rows) when kernels() == "c", else None."""
+        if self._rp is None or kernels() != "c":
+            return None
+        if self._cparts is None:
+            lib, t = native.lib(), self.qtype.name.lower()
+            self._cfns = (getattr(lib, f"lp_mv_{t}"), getattr(lib, f"lp_dqt_{t}"), getattr(lib, f"lp_dqr_{t}"))
+            self._cparts = native.parts(self._rp)  # the arrays live as long as self
+        return self._cfns
+
     def _dequant_into(self, ids: np.ndarray, out: np.ndarray, n_threads: int) -> None:
         n = ids.size
         if n == 0:
@@ -1563,7 +562,7 @@ class QMatrix:
         nt = _threads(n_threads)
         n_chunks = _n_chunks(n * self.n_in * 4, n, nt)  # an element costs ~4 matvec weights
         if self._rp is None:
-            k, w = DEQUANT[self.qtype], self.data
+            k, w = numba_kernels().DEQUANT[self.qtype], self.data
 
             def chunk(c: int) -> None:
                 k(w, ids, out, c * n // n_chunks, (c + 1) * n // n_chunks, F16_TABLE)
@@ -1573,20 +572,27 @@ class QMatrix:
         full = bool(ids.max() < self._n_full)
         rp_ids = ids if full else ids[ids < self._n_full]
         target = out if full else np.empty((rp_ids.size, self.n_in), np.float32)
-        kr, p, nr = DEQUANT_REPACKED[self.qtype], self._rp, rp_ids.size
+        nr = rp_ids.size
+        cfns = self._c()
+        if cfns is not None and nr:
+            rp_ids = np.ascontiguousarray(rp_ids, dtype=np.int64)
+            nb = self.n_in // block_size(self.qtype)[0]
+            cfns[2](self._cparts, nb, rp_ids.ctypes.data, nr, target.ctypes.data)
+        elif nr:
+            kr, p = numba_kernels().DEQUANT_REPACKED[self.qtype], self._nb()
 
-        def chunk_r(c: int) -> None:
-            kr(p, rp_ids, target, c * nr // n_chunks, (c + 1) * nr // n_chunks)
+            def chunk_r(c: int) -> None:
+                kr(p, rp_ids, target, c * nr // n_chunks, (c + 1) * nr // n_chunks)
 
-        if nr:
             _POOL.run(chunk_r, min(n_chunks, nr), nt)
         if not full:
             tail = ids >= self._n_full
             out[~tail] = target
-            t_ids = ids[tail] - self._n_full
-            t_out = np.empty((t_ids.size, self.n_in), np.float32)
-            DEQUANT[self.qtype](self.data, t_ids, t_out, 0, t_ids.size, F16_TABLE)
-            out[tail] = t_out
+            out[tail] = self._tail_rows()[ids[tail] - self._n_full]
+
+    def _tail_rows(self) -> np.ndarray:
+        """The last n_out % REPACK_ROWS rows (kept in the file's layout) as float32."""
+        return quants.dequantize(self.data, self.qtype, self.n_in).reshape(-1, self.n_in)
 
     def get_rows(self, ids: np.ndarray) -> np.ndarray:
         """GET_ROWS: float32 (len(ids), n_in), e.g. token embeddings."""
@@ -1607,39 +613,54 @@ class QMatrix:
         if self.qtype == GGMLType.F32 and n_tok >= 2:
             # Already float32: the file's rows are the BLAS operand, no copy.
             out = x @ self.data.view(np.float32).T
-        elif (HAVE_NUMBA or self._rp is not None) and n_tok < BLAS_MIN_TOKENS:
-            out = self._matmul_numba(x, n_threads)
+        elif n_tok < BLAS_MIN_TOKENS and self._rp is not None:
+            out = self._matmul_repacked(x, n_threads)
+        elif n_tok < BLAS_MIN_TOKENS and _numba_for_file_layout() is not None:
+            out = self._matmul_rows(x, n_threads)
         else:
             out = self._matmul_tiles(x, n_threads)
         return out.reshape(-1) if squeeze else out
 
-    def _matmul_numba(self, x: np.ndarray, n_threads: int) -> np.ndarray:
+    def _matmul_repacked(self, x: np.ndarray, n_threads: int) -> np.ndarray:
         n_tok = x.shape[0]
         out = np.empty((n_tok, self.n_out), dtype=np.float32)
-        xs = _block_sums16(x)
         nt = _threads(n_threads)
-        work = self.n_out * self.n_in * n_tok
-        if self._rp is not None:
-            kr, p = REPACKED[self.qtype], self._rp
-            n_tiles = self._n_full // REPACK_ROWS
-            if nt > 1 and work >= PRANGE_MIN_WEIGHTS and n_tiles >= 2 * nt:
-                _set_numba_threads(nt)
-                PAR_REPACKED[self.qtype](p, x, xs, out, n_tiles, min(n_tiles, 4 * nt))
-                self._matmul_tail(x, xs, out)
-                return out
-            nc = _n_chunks(work, n_tiles, nt)
-
-            def chunk(c: int, dst: np.ndarray) -> None:
-                kr(p, x, xs, dst, c * n_tiles // nc, (c + 1) * n_tiles // nc)
-
-            def cols(c: int) -> tuple[int, int]:
-                return c * n_tiles // nc * REPACK_ROWS, (c + 1) * n_tiles // nc * REPACK_ROWS
-
-            _POOL.run_private(chunk, nc, nt, out, cols)
-            self._matmul_tail(x, xs, out)
+        n_tiles = self._n_full // REPACK_ROWS
+        cfns = self._c()
+        if cfns is not None:
+            nb = self.n_in // block_size(self.qtype)[0]
+            cfns[0](self._cparts, n_tiles, nb, native.ptr(x), n_tok, native.ptr(out), self.n_out, nt)
+            self._matmul_tail(x, out)
             return out
-        k, w, n = KERNELS[self.qtype], self._kdata, self.n_out
-        nc = _n_chunks(work, n, nt)
+        nk = numba_kernels()
+        xs = nk._block_sums16(x)
+        kr, p = nk.REPACKED[self.qtype], self._nb()
+        work = self.n_out * self.n_in * n_tok
+        if nt > 1 and work >= PRANGE_MIN_WEIGHTS and n_tiles >= 2 * nt:
+            _set_numba_threads(nt)
+            nk.PAR_REPACKED[self.qtype](p, x, xs, out, n_tiles, min(n_tiles, 4 * nt))
+            self._matmul_tail(x, out)
+            return out
+        nc = _n_chunks(work, n_tiles, nt)
+
+        def chunk(c: int, dst: np.ndarray) -> None:
+            kr(p, x, xs, dst, c * n_tiles // nc, (c + 1) * n_tiles // nc)
+
+        def cols(c: int) -> tuple[int, int]:
+            return c * n_tiles // nc * REPACK_ROWS, (c + 1) * n_tiles // nc * REPACK_ROWS
+
+        _POOL.run_private(chunk, nc, nt, out, cols)
+        self._matmul_tail(x, out)
+        return out
+
+    def _matmul_rows(self, x: np.ndarray, n_threads: int) -> np.ndarray:
+        """numba's per-row kernels on the file's layout (types without a repacked layout)."""
+        nk = numba_kernels()
+        out = np.empty((x.shape[0], self.n_out), dtype=np.float32)
+        xs = nk._block_sums16(x)
+        nt = _threads(n_threads)
+        k, w, n = nk.KERNELS[self.qtype], self._kdata, self.n_out
+        nc = _n_chunks(self.n_out * self.n_in * x.shape[0], n, nt)
 
         def chunk_f(c: int, dst: np.ndarray) -> None:
             k(w, x, xs, dst, c * n // nc, (c + 1) * n // nc, F16_TABLE, 16)
@@ -1650,12 +671,11 @@ class QMatrix:
         _POOL.run_private(chunk_f, nc, nt, out, cols_f)
         return out
 
-    def _matmul_tail(self, x: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
-        """The last n_out % REPACK_ROWS rows, kept in the file's layout."""
+    def _matmul_tail(self, x: np.ndarray, out: np.ndarray) -> None:
+        """The last n_out % REPACK_ROWS rows, kept in the file's layout (at most 63 rows: they
+        are expanded to float32 for the product)."""
         if self._n_full < self.n_out:
-            tail = np.empty((x.shape[0], self.n_out - self._n_full), dtype=np.float32)
-            KERNELS[self.qtype](self._kdata, x, xs, tail, 0, tail.shape[1], F16_TABLE, 16)
-            out[:, self._n_full :] = tail
+            np.matmul(x, self._tail_rows().T, out=out[:, self._n_full :])
 
     def matmul_tiles(self, x: np.ndarray, n_threads: int = 0) -> np.ndarray:
         """x @ W.T through f32 tiles and sgemm whatever the batch (the BLAS backend's path)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: f16 block scales in the repacked tiles (were float32)
 ALIGN = 64
 TRAILER = b"LLAMAPY-REPACK-1"
 

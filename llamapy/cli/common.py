@@ -39,6 +39,7 @@ REPEAT_PENALTY = typer.Option(1.0, "--repeat-penalty")
 REPEAT_LAST_N = typer.Option(64, "--repeat-last-n")
 PRESENCE_PENALTY = typer.Option(0.0, "--presence-penalty")
 FREQUENCY_PENALTY = typer.Option(0.0, "--frequency-penalty")
+IGNORE_EOS = typer.Option(False, "--ignore-eos", help="never stop at end of generation (-n decides)")
 
 
 def resolve_model(model: str | None, model_opt: str | None) -> Path:

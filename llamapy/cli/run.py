@@ -58,6 +58,7 @@ def run(
     repeat_last_n: int = common.REPEAT_LAST_N,
     presence_penalty: float = common.PRESENCE_PENALTY,
     frequency_penalty: float = common.FREQUENCY_PENALTY,
+    ignore_eos: bool = common.IGNORE_EOS,
     conversation: bool = typer.Option(False, "-cnv/-no-cnv", "--conversation/--no-conversation", help="chat: read turns from stdin"),
     system_prompt: str = typer.Option(None, "-sys", "--system-prompt", help="system message in conversation mode"),
     ngl: str = common.NGL,
@@ -84,12 +85,13 @@ def run(
     sampling = SamplingParams(
         temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
         repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty, seed=seed,
+        frequency_penalty=frequency_penalty, seed=seed, ignore_eos=ignore_eos,
     )  # fmt: skip
     llm = common.load(model, model_opt, ngl, ot, ts, mg, ctx_size, batch, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device)
     if not no_warmup:
-        # reported apart from the load time: it is mostly numba loading its compiled kernels
-        log(f"common_init: warm-up run (kernel JIT-cache load) = {llm.warmup():.2f} ms")
+        # reported apart from the load time: it is mostly loading the compiled kernels (built on the
+        # very first run)
+        log(f"common_init: warm-up run (compiled-kernel load) = {llm.warmup():.2f} ms")
     if conversation:
         _conversation(llm, text, system_prompt, n_predict, sampling)
         return

@@ -51,6 +51,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int = -1  # -1 (or LLAMA_DEFAULT_SEED): random
+    ignore_eos: bool = False  # --ignore-eos: end-of-generation tokens are never sampled
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:

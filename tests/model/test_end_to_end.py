@@ -115,3 +115,27 @@ def test_llama_graph_module_imports_no_kernels() -> None:
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not any("numpy" in i or "kernels" in i or "qmatmul" in i or "cupy" in i for i in imported), imported
+
+
+def test_ignore_eos_never_samples_an_end_of_generation_token(make_llama) -> None:  # noqa: ANN001
+    from llamapy.generate import GenerationResult, stream
+    from llamapy.model.sampler import SamplingParams
+
+    with llamapy.Llama(make_llama(n_layer=1), context_options=ContextOptions(n_ctx=64)) as llm:
+        eog = sorted(llm.tokenizer.eog_ids)
+        assert eog
+        decode = llm.ctx.decode
+
+        def eos_wins(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            out = decode(*a, **kw)
+            out[:, eog[0]] = 1e9  # the model "wants" to stop at every step
+            return out
+
+        llm.ctx.decode = eos_wins  # type: ignore[method-assign]
+        res = GenerationResult()
+        assert list(stream(llm.ctx, [1, 2, 3], 5, SamplingParams(temp=0), res)) == []
+        assert res.finish_reason == "stop"
+        res = GenerationResult()
+        chunks = list(stream(llm.ctx, [1, 2, 3], 5, SamplingParams(temp=0, ignore_eos=True), res))
+        assert len(chunks) == 5 and res.finish_reason == "length"
+        assert not set(res.tokens) & set(eog)

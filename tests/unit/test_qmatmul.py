@@ -10,7 +10,7 @@ import gguf.quants
 import numpy as np
 import pytest
 
-from llamapy.backend import qmatmul
+from llamapy.backend import native, qmatmul
 from llamapy.backend.qmatmul import QMatrix
 from llamapy.types import GGMLType, UnsupportedError
 
@@ -38,8 +38,33 @@ def check_matmul(m: QMatrix, w: np.ndarray, x: np.ndarray, **kw: int) -> None:
     assert np.all(err <= bound), f"max err/bound {np.max(err / np.maximum(bound, 1e-300)):.3g}"
 
 
+def max_nbytes(m: QMatrix, raw: np.ndarray) -> int:
+    """What a matrix may hold: the file's bytes. A repacked one only reorders them (tail rows
+    copied in the file's layout, f16 scales kept as f16), except Q4_K's 12 bytes of packed 6-bit
+    scales and mins per block, unpacked to 16."""
+    extra = 0
+    if m.repacked and m.qtype == GGMLType.Q4_K:
+        extra = (m.n_out - m.data.shape[0]) * (m.n_in // 256) * 4
+    return raw.nbytes + extra
+
+
+def _available(impl: str) -> bool:
+    if impl == "c":
+        return native.lib() is not None
+    return qmatmul.numba_kernels() is not None
+
+
+@pytest.fixture(params=["c", "numba"])
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test that uses it runs once on the C kernels and once on numba's."""
+    if not _available(request.param):
+        pytest.skip(f"{request.param} kernels not available: {native.error() or qmatmul._nk_error}")
+    monkeypatch.setattr(qmatmul, "_kernels", request.param)
+    return request.param
+
+
 @pytest.fixture(params=ALL_TYPES)
-def qmat(request: pytest.FixtureRequest) -> tuple[QMatrix, np.ndarray, np.ndarray]:
+def qmat(request: pytest.FixtureRequest, impl: str) -> tuple[QMatrix, np.ndarray, np.ndarray]:
     name = request.param
     n_out, n_in = shape_for(name)
     raw = random_raw(name, n_out, n_in, np.random.default_rng(4))
@@ -56,7 +81,7 @@ def test_matmul(qmat, n_tokens: int, n_threads: int) -> None:
     check_matmul(m, w, x, n_threads=n_threads)
 
 
-def test_matmul_parallel_path(monkeypatch) -> None:
+def test_matmul_parallel_path(impl: str, monkeypatch) -> None:
     # Chunked over 2 threads at any size; mid-size batch on the kernels.
     monkeypatch.setattr(qmatmul, "CHUNK_WEIGHTS", 1)
     monkeypatch.setattr(qmatmul, "PARALLEL_MIN_WEIGHTS", 1)
@@ -71,7 +96,7 @@ def test_matmul_parallel_path(monkeypatch) -> None:
 
 
 def test_matmul_numpy_fallback(qmat, monkeypatch) -> None:
-    monkeypatch.setattr(qmatmul, "HAVE_NUMBA", False)
+    monkeypatch.setattr(qmatmul, "_kernels", "numpy")
     m, w, _ = qmat
     for n_tok in (1, 3):
         x = np.random.default_rng(7).standard_normal((n_tok, m.n_in)).astype(np.float32)
@@ -88,10 +113,10 @@ def test_dequantize_and_get_rows(qmat) -> None:
     assert m.get_rows(np.array([], dtype=np.int64)).shape == (0, m.n_in)
     with pytest.raises(IndexError):
         m.get_rows(np.array([m.n_out]))
-    assert m.nbytes <= 1.25 * raw.nbytes
+    assert m.nbytes <= max_nbytes(m, raw)
 
 
-def test_prepare_keeps_memmap_without_copy(tmp_path) -> None:
+def test_prepare_keeps_memmap_without_copy(impl: str, tmp_path) -> None:
     raw = random_raw("Q4_1", 64, 64, np.random.default_rng(8))
     path = tmp_path / "w.bin"
     raw.tofile(path)
@@ -117,14 +142,16 @@ def test_set_num_threads() -> None:
     qmatmul.set_num_threads(0)
 
 
-def test_no_numba_env_import() -> None:
+@pytest.mark.parametrize("env", [{"LLAMAPY_NO_NUMBA": "1", "LLAMAPY_NATIVE": "0"}, {"LLAMAPY_KERNELS": "numpy"}])
+def test_no_compiled_kernels_env(env: dict[str, str]) -> None:
     code = (
-        "import numpy as np; from llamapy.backend import qmatmul as q; "
-        "from llamapy.types import GGMLType as T; assert not q.HAVE_NUMBA; "
+        "import sys, numpy as np; from llamapy.backend import qmatmul as q; "
+        "from llamapy.types import GGMLType as T; "
         "m = q.QMatrix.prepare(np.zeros((4, 18), np.uint8), T.Q4_0, 4, 32); "
-        "assert m.matmul(np.ones((1, 32), np.float32)).shape == (1, 4)"
+        "assert m.matmul(np.ones((1, 32), np.float32)).shape == (1, 4); "
+        "assert q.kernels() == 'numpy' and 'numba' not in sys.modules"
     )
-    env = dict(os.environ, LLAMAPY_NO_NUMBA="1")
+    env = dict(os.environ, **env)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=root)
 
@@ -133,16 +160,18 @@ REPACKED_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
 
 
 @pytest.mark.parametrize("name", REPACKED_TYPES)
-def test_repacked_layout(name: str, monkeypatch) -> None:
+def test_repacked_layout(name: str, impl: str, monkeypatch) -> None:
     # 2 full tiles of REPACK_ROWS plus a 5-row tail in the file's layout.
     n_out, n_in = 2 * qmatmul.REPACK_ROWS + 5, (512 if name in K_TYPES else 96)
     raw = random_raw(name, n_out, n_in, np.random.default_rng(10))
     raw.flags.writeable = False
     w = gguf.quants.dequantize(raw, GGMLType[name]).reshape(n_out, n_in)
     m = QMatrix.prepare(raw, GGMLType[name], n_out, n_in)
-    if qmatmul.HAVE_NUMBA:
-        assert m.repacked and not np.shares_memory(m.data, raw)
-    assert m.nbytes <= 1.25 * raw.nbytes
+    assert m.repacked and not np.shares_memory(m.data, raw)
+    assert m.state()[-2].dtype == np.float16  # the scales (last of the tiles' arrays): the file's f16
+    assert m.nbytes <= max_nbytes(m, raw)
+    if name != "Q4_K":
+        assert m.nbytes == raw.nbytes
     np.testing.assert_array_equal(m.dequantize(), w)
     np.testing.assert_array_equal(m.dequantize(slice(60, 133, 3)), w[60:133:3])
     # Whole tiles take the transposed fast kernel; same bits.
@@ -162,12 +191,12 @@ def test_repacked_layout(name: str, monkeypatch) -> None:
     monkeypatch.setattr(qmatmul, "TILE_ELEMS", n_in)
     x = np.random.default_rng(11).standard_normal((20, n_in)).astype(np.float32)
     check_matmul(m, w, x, n_threads=2)
-    monkeypatch.setattr(qmatmul, "HAVE_NUMBA", False)
+    monkeypatch.setattr(qmatmul, "_kernels", "numpy")  # a repacked matrix still works
     check_matmul(m, w, np.ones((2, n_in), np.float32))
 
 
 @pytest.mark.parametrize("name", ALL_TYPES)
-def test_dequantize_random_bytes_all_layouts(name: str) -> None:
+def test_dequantize_random_bytes_all_layouts(name: str, impl: str) -> None:
     # Random bytes in every quant field (incl. values gguf-py never produces), file layout and
     # repacked tiles, bit for bit against gguf-py.
     n_out, n_in = qmatmul.REPACK_ROWS + 3, 512
@@ -187,7 +216,7 @@ def test_dequantize_random_bytes_all_layouts(name: str) -> None:
     np.testing.assert_array_equal(m.get_rows(ids), w[ids])
 
 
-def test_drop_mapped_pages_only_for_read_only_maps(tmp_path) -> None:
+def test_drop_mapped_pages_only_for_read_only_maps(impl: str, tmp_path) -> None:
     import mmap
 
     raw = random_raw("Q4_1", 2 * qmatmul.REPACK_ROWS, 512, np.random.default_rng(14))
@@ -244,13 +273,9 @@ def test_pool_private_never_waits_for_a_stuck_helper() -> None:
 
 
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_0])
-def test_prange_decode_driver_equals_one_thread(qtype: GGMLType) -> None:
-    """Above PRANGE_MIN_WEIGHTS, two threads split the tiles with numba's prange: each tile is
-    computed by the same kernel, so the result is bit-identical to one thread."""
-    from llamapy.backend import qmatmul
-
-    if not qmatmul.HAVE_NUMBA:
-        pytest.skip("numba disabled")
+def test_threaded_decode_equals_one_thread(qtype: GGMLType, impl: str) -> None:
+    """Above PRANGE_MIN_WEIGHTS, two threads split the tiles (numba's prange, OpenMP in C): each
+    tile is computed by the same code, so the result is bit-identical to one thread."""
     rng = np.random.default_rng(3)
     n_out, n_in = 1024 + 5, 576  # a tail of 5 rows stays in the file layout
     assert n_out * n_in >= qmatmul.PRANGE_MIN_WEIGHTS
@@ -264,3 +289,31 @@ def test_prange_decode_driver_equals_one_thread(qtype: GGMLType) -> None:
     ref = x.astype(np.float64) @ gguf.quants.dequantize(raw, qtype).astype(np.float64).T
     bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(gguf.quants.dequantize(raw, qtype)).astype(np.float64).T)
     assert np.all(np.abs(two - ref) <= bound)
+
+
+def test_numba_f16_scale_conversions() -> None:
+    """numba reads the repacked f16 scales as their bits: both conversions (LLVM's, i.e. F16C,
+    where the CPU has it, and the integer / float32 one) give numpy's float32 for every f16;
+    the hardware quiets signalling nans (no dequantized value can tell: each is an arithmetic
+    result of its scales)."""
+    nk = qmatmul.numba_kernels()
+    if nk is None:
+        pytest.skip(f"no numba: {qmatmul._nk_error}")
+    import numba
+
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    ref = h.view(np.float16).astype(np.float32).view(np.uint32)
+    snan = ((h & 0x7C00) == 0x7C00) & ((h & 0x3FF) != 0) & ((h & 0x200) == 0)
+    convs = [(nk._h2f_bits, False)] + ([(nk._h2f_hw, True)] if nk._hw_f16() else [])
+    for conv, quiets in convs:
+
+        @numba.njit
+        def run(h, out):
+            for i in range(h.size):
+                out[i] = conv(h[i])
+
+        out = np.empty(h.size, np.float32)
+        run(h, out)
+        got = out.view(np.uint32)
+        np.testing.assert_array_equal(got[~snan], ref[~snan])
+        np.testing.assert_array_equal(got[snan], ref[snan] | (0x400000 if quiets else 0))

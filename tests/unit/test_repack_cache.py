@@ -10,9 +10,9 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 import llamapy
-from llamapy.backend.qmatmul import HAVE_NUMBA
+from llamapy.backend.qmatmul import kernels
 
-pytestmark = pytest.mark.skipif(not HAVE_NUMBA, reason="repacked layouts need numba")
+pytestmark = pytest.mark.skipif(kernels() == "numpy", reason="repacked layouts need compiled kernels")
 
 
 def _mapped(arr: np.ndarray) -> bool:

@@ -1,0 +1,589 @@
+/* The small per-token ops of the CPU backend: rms_norm, rope, decode attention, swiglu.
+ *
+ * ggml counterparts (ggml-cpu): ops.cpp ggml_compute_forward_rms_norm (sum of squares in
+ * ggml_float = double), ggml_compute_forward_rope (rope_yarn with ext_factor 0: plain
+ * cos/sin of pos * theta_scale^i, neox and normal pairings), ggml_compute_forward_flash_attn_ext
+ * (one pass over the KV cells with an online softmax, V accumulated in f32; an f16 cache gets Q
+ * rounded to f16 first, as q_to_vec_dot does), and vec.h ggml_vec_swiglu_f32 / ggml_v_expf.
+ *
+ * These replace the numba loops of cpu_kernels.py and are tested against the numpy reference
+ * kernels in kernels.py. Built by native.py with
+ *   cc -O3 -march=native -fPIC -shared -fopenmp -ffp-contract=off -fno-math-errno -std=gnu11
+ * i.e. without -ffast-math: -inf cells of the attention mask and inf/nan propagate as in the
+ * numba code. Reductions are written with explicit accumulator lanes (and fmaf) so that gcc
+ * vectorizes them without reassociation flags. libc/libm only.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi" /* 32-byte vectors in static functions on a non-AVX target */
+#endif
+
+#define LP_API __attribute__((visibility("default")))
+#define LP_INLINE static inline __attribute__((always_inline))
+
+/* fmaf where it is one instruction (math.h's FP_FAST_FMAF), else a multiply and an add */
+#ifdef FP_FAST_FMAF
+#define lp_fmaf fmaf
+#else
+#define lp_fmaf(a, b, c) ((a) * (b) + (c))
+#endif
+
+/* ---------------------------------------------------------------------------------------- */
+/* helpers                                                                                   */
+
+LP_INLINE uint32_t f32_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return u;
+}
+
+LP_INLINE float bits_f32(uint32_t u) {
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+/* exp(x) for x <= 88, branch-free so that loops over it vectorize (ggml_v_expf's reduction and
+ * polynomial: within ~2 ulp of expf). Results below 2^-126 are flushed to 0 (x < -87.3 or so),
+ * -inf gives 0 and nan gives nan. */
+LP_INLINE float lp_expf(float x) {
+    x = x < -88.0f ? -88.0f : x; /* keeps nan; n >= -127 below, whose scale is 0.0 */
+    const float r = 0x1.8p23f;
+    const float z = lp_fmaf(x, 0x1.715476p+0f, r); /* x/ln2 rounded to an integer, in z's low bits */
+    const float n = z - r;
+    const float b = lp_fmaf(-n, 0x1.7f7d1cp-20f, lp_fmaf(-n, 0x1.62e4p-1f, x)); /* x - n*ln2 */
+    const uint32_t e = f32_bits(z) << 23;
+    const float k = bits_f32(e + 0x3f800000u); /* 2^n (n = -127: 0.0) */
+    const float u = b * b;
+    const float p = lp_fmaf(lp_fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u, lp_fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f));
+    const float j = lp_fmaf(p, u, 0x1.ffffecp-1f * b); /* exp(b) - 1 */
+    return lp_fmaf(j, k, k);
+}
+
+/* 8-float vectors (gcc/clang vector extensions: one AVX register, or two SSE/NEON ones) */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* f16 -> f32 from the bits, branch-free (loops over it vectorize): normals and subnormals are
+ * exact after scaling by 2^112 as an f32; inf and nan keep their payload. */
+LP_INLINE float f16_bits_to_f32(uint16_t h) {
+    const uint32_t em = h & 0x7fffu;
+    const uint32_t mag = em >= 0x7c00u ? 0x7f800000u | (em << 13) : f32_bits(bits_f32(em << 13) * 0x1p112f);
+    return bits_f32(mag | ((uint32_t)(h & 0x8000u) << 16));
+}
+
+/* round to f16 and back (round to nearest even; overflow to inf) */
+#if defined(__FLT16_MAX__) && !defined(LP_NO_FLOAT16)
+LP_INLINE float round_f16(float x) { return (float)(_Float16)x; }
+#else
+static uint16_t f32_to_f16(float x) {
+    const uint32_t u = f32_bits(x);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    const uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00u;  /* nan */
+    if (a >= 0x477ff000u) return sign | 0x7c00u; /* rounds to >= 65520: inf */
+    if (a < 0x38800000u) {                       /* below 2^-14: an f16 subnormal */
+        /* adding 0.5 makes the f32 unit round to multiples of 2^-24 (in the low mantissa bits) */
+        const float f = bits_f32(a) + 0.5f;
+        return sign | (uint16_t)(f32_bits(f) - 0x3f000000u);
+    }
+    const uint32_t odd = (a >> 13) & 1u;
+    return sign | (uint16_t)((a + 0xc8000fffu + odd) >> 13); /* rebias the exponent by -112, round */
+}
+
+LP_INLINE float round_f16(float x) { return f16_bits_to_f32(f32_to_f16(x)); }
+#endif
+
+/* dst[0..n) = the f16 values src[0..n), widened: vcvtph2ps with F16C (gcc does not vectorize
+ * _Float16 conversions by itself), else the branch-free bit version */
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+LP_INLINE void f16_row(float *restrict dst, const uint16_t *restrict src, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < n; i++) dst[i] = f16_bits_to_f32(src[i]);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* rms_norm                                                                                  */
+
+LP_API void lp_rms_norm(const float *x, int64_t rows, int64_t n, int64_t x_stride, double eps, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        float *o = out + r * n;
+        double acc[8] = {0};
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            for (int l = 0; l < 8; l++) acc[l] += (double)xr[i + l] * (double)xr[i + l];
+        double s = 0.0;
+        for (; i < n; i++) s += (double)xr[i] * (double)xr[i];
+        s += ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        const float scale = (float)(1.0 / sqrt(s / (double)n + eps));
+        for (i = 0; i < n; i++) o[i] = xr[i] * scale;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* rope                                                                                      */
+
+LP_API void lp_rope(const float *x, int64_t T, int64_t H, int64_t D, const int32_t *pos, const double *inv_freq,
+                    int64_t n_dims, int neox, float *out) {
+    const int64_t half = n_dims / 2;
+    float cs_stack[2 * 256];
+    float *cs = half <= 256 ? cs_stack : malloc(2 * (size_t)half * sizeof(float));
+    if (!cs) return;
+    float *sn = cs + half;
+    for (int64_t t = 0; t < T; t++) {
+        const double p = (double)pos[t];
+        for (int64_t i = 0; i < half; i++) {
+            const double theta = p * inv_freq[i];
+            cs[i] = (float)cos(theta);
+            sn[i] = (float)sin(theta);
+        }
+        for (int64_t h = 0; h < H; h++) {
+            const float *xr = x + (t * H + h) * D;
+            float *o = out + (t * H + h) * D;
+            if (neox) {
+                for (int64_t i = 0; i < half; i++) {
+                    const float a = xr[i], b = xr[i + half];
+                    o[i] = a * cs[i] - b * sn[i];
+                    o[i + half] = a * sn[i] + b * cs[i];
+                }
+            } else {
+                for (int64_t i = 0; i < half; i++) {
+                    const float a = xr[2 * i], b = xr[2 * i + 1];
+                    o[2 * i] = a * cs[i] - b * sn[i];
+                    o[2 * i + 1] = a * sn[i] + b * cs[i];
+                }
+            }
+            if (o != xr)
+                for (int64_t i = 2 * half; i < D; i++) o[i] = xr[i];
+        }
+    }
+    if (cs != cs_stack) free(cs);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* attention                                                                                 */
+
+/* v8f: see the helpers above; loads and stores through memcpy, so any alignment */
+
+#if defined(__clang__)
+#define SHUF8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF8(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+
+LP_INLINE v8f v8_load(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+LP_INLINE void v8_store(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+LP_INLINE v8f v8_splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+/* lanes of a where the mask (all ones or zero, from a vector comparison) is set, else of b */
+LP_INLINE v8f v8_select(v8i mask, v8f a, v8f b) { return (v8f)((mask & (v8i)a) | (~mask & (v8i)b)); }
+
+/* a*b + c lane by lane: one vfmadd where the target has FMA (-ffp-contract=off forbids fusing
+ * a plain a*b + c) */
+LP_INLINE v8f v8_fma(v8f a, v8f b, v8f c) {
+#ifdef FP_FAST_FMAF
+    v8f r;
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) r[i] = fmaf(a[i], b[i], c[i]);
+    return r;
+#else
+    return a * b + c;
+#endif
+}
+
+/* [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7], x86's hadd_ps */
+LP_INLINE v8f v8_hadd(v8f a, v8f b) {
+    return SHUF8(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + SHUF8(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+/* lane c: the sum of a[c]'s lanes (8 horizontal sums in 6 hadds and one cross-half add) */
+LP_INLINE v8f v8_hsum8(const v8f a[8]) {
+    const v8f g0 = v8_hadd(v8_hadd(a[0], a[1]), v8_hadd(a[2], a[3]));
+    const v8f g1 = v8_hadd(v8_hadd(a[4], a[5]), v8_hadd(a[6], a[7]));
+    return SHUF8(g0, g1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF8(g0, g1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+LP_INLINE float v8_sum(v8f a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+
+LP_INLINE float dot_f32(const float *restrict a, const float *restrict b, int64_t n) {
+    v8f a0 = {0}, a1 = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        a0 = v8_fma(v8_load(a + i), v8_load(b + i), a0);
+        a1 = v8_fma(v8_load(a + i + 8), v8_load(b + i + 8), a1);
+    }
+    if (i + 8 <= n) {
+        a0 = v8_fma(v8_load(a + i), v8_load(b + i), a0);
+        i += 8;
+    }
+    float s = 0.0f;
+    for (; i < n; i++) s = lp_fmaf(a[i], b[i], s);
+    return v8_sum(a0 + a1) + s;
+}
+
+/* dot products of one query row with the 8 K rows k0 + c*ks (c < 8): one accumulator per row,
+ * the query vector loaded once for all 8, the horizontal sums done together */
+LP_INLINE v8f dot8(const float *restrict q, const float *restrict k0, int64_t ks, int64_t D) {
+    v8f a[8];
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) a[c] = v8_splat(0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) {
+        const v8f qv = v8_load(q + i);
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) a[c] = v8_fma(qv, v8_load(k0 + c * ks + i), a[c]);
+    }
+    v8f r = v8_hsum8(a);
+    for (; i < D; i++)
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) r[c] = lp_fmaf(q[i], k0[c * ks + i], r[c]);
+    return r;
+}
+
+/* a[0..Dv) += sum over c < nb of w[c] * V row c (at v0 + c*vs); cells with weight 0 (masked,
+ * or underflowed) are not read. Chunks of 64 columns stay in 8 registers across the cells. */
+LP_INLINE void v_accumulate(float *restrict a, const float *restrict w, int64_t nb, const float *restrict v0,
+                            int64_t vs, int64_t Dv) {
+    int64_t i0 = 0;
+    for (; i0 + 64 <= Dv; i0 += 64) {
+        v8f x[8];
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; u++) x[u] = v8_load(a + i0 + 8 * u);
+        for (int64_t c = 0; c < nb; c++) {
+            if (w[c] == 0.0f) continue;
+            const v8f wv = v8_splat(w[c]);
+            const float *vr = v0 + c * vs + i0;
+#pragma GCC unroll 8
+            for (int u = 0; u < 8; u++) x[u] = v8_fma(wv, v8_load(vr + 8 * u), x[u]);
+        }
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; u++) v8_store(a + i0 + 8 * u, x[u]);
+    }
+    for (; i0 + 8 <= Dv; i0 += 8) {
+        v8f x = v8_load(a + i0);
+        for (int64_t c = 0; c < nb; c++)
+            if (w[c] != 0.0f) x = v8_fma(v8_splat(w[c]), v8_load(v0 + c * vs + i0), x);
+        v8_store(a + i0, x);
+    }
+    for (; i0 < Dv; i0++)
+        for (int64_t c = 0; c < nb; c++)
+            if (w[c] != 0.0f) a[i0] = lp_fmaf(w[c], v0[c * vs + i0], a[i0]);
+}
+
+#define ATT_BLOCK 64 /* KV cells per step of the online softmax (a multiple of ATT_VGROUP) */
+#define ATT_VGROUP 16 /* KV cells per step of the V sums */
+
+/* Scratch of one worker, in floats: scores, one f16 K group, one f16 V group. */
+LP_INLINE size_t attend_scratch(int64_t RR, int64_t D, int64_t Dv) {
+    return (size_t)(RR * ATT_BLOCK + 8 * D + ATT_VGROUP * Dv);
+}
+
+/* All RR = Hkv*T*g query rows (row kh*R + t*g + j, R = T*g) over the cells [n0, n1): the online
+ * softmax's running max m, sum l and unnormalized V sums acc (RR x Dv) of that range. q: RR x D
+ * (f16-rounded already for an f16 cache); mask row t at mask + t*mask_st (cells absolute). The
+ * cells are walked in order with every KV head inside, so the cache streams from memory row by
+ * row; a cell whose mask is -inf for every token is not read. */
+LP_INLINE void attend_range(const float *restrict q, int64_t Hkv, int64_t R, int64_t g, int64_t D, const void *k,
+                            const void *v, int64_t n0, int64_t n1, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn,
+                            int64_t v_sh, const float *mask, int64_t mask_st, float scale, float *restrict m,
+                            float *restrict l, float *restrict acc, float *restrict sc, float *restrict kf,
+                            float *restrict vf, int f16) {
+    const int64_t T = R / g, RR = Hkv * R;
+    unsigned char live[ATT_BLOCK];
+    int nan_seen[RR];
+    for (int64_t r = 0; r < RR; r++) m[r] = -INFINITY, l[r] = 0.0f, nan_seen[r] = 0;
+    memset(acc, 0, (size_t)(RR * Dv) * sizeof(float));
+    const float minf = -INFINITY;
+    for (int64_t b0 = n0; b0 < n1; b0 += ATT_BLOCK) {
+        const int64_t nb = n1 - b0 < ATT_BLOCK ? n1 - b0 : ATT_BLOCK;
+        int any = 0;
+        if (T == 1) {
+            for (int64_t c = 0; c < nb; c++) live[c] = mask[b0 + c] != minf;
+        } else {
+            for (int64_t c = 0; c < nb; c++) {
+                int lv = 0;
+                for (int64_t t = 0; t < T; t++) lv |= mask[t * mask_st + b0 + c] != minf;
+                live[c] = (unsigned char)lv;
+            }
+        }
+        for (int64_t c = 0; c < nb; c++) any |= live[c];
+        if (!any) continue;
+        /* scores: groups of 8 cells, each K row read once for the g*T rows of its head */
+        int64_t c = 0;
+        for (; c + 8 <= nb; c += 8) {
+            int lv8 = 0;
+            for (int u = 0; u < 8; u++) lv8 |= live[c + u];
+            if (!lv8) {
+                for (int64_t r = 0; r < RR; r++)
+                    for (int u = 0; u < 8; u++) sc[r * ATT_BLOCK + c + u] = minf;
+                continue;
+            }
+            for (int64_t kh = 0; kh < Hkv; kh++) {
+                const float *k0;
+                int64_t ks;
+                if (f16) {
+                    const uint16_t *k16 = (const uint16_t *)k + (b0 + c) * k_sn + kh * k_sh;
+                    for (int u = 0; u < 8; u++) f16_row(kf + u * D, k16 + u * k_sn, D);
+                    k0 = kf, ks = D;
+                } else {
+                    k0 = (const float *)k + (b0 + c) * k_sn + kh * k_sh, ks = k_sn;
+                }
+                for (int64_t r = 0; r < R; r++) {
+                    const v8f d = dot8(q + (kh * R + r) * D, k0, ks, D);
+                    const v8f mv = v8_load(mask + (r / g) * mask_st + b0 + c);
+                    v8_store(sc + (kh * R + r) * ATT_BLOCK + c,
+                             v8_select(mv == v8_splat(minf), mv, d * v8_splat(scale) + mv));
+                }
+            }
+        }
+        for (; c < nb; c++) {
+            if (!live[c]) {
+                for (int64_t r = 0; r < RR; r++) sc[r * ATT_BLOCK + c] = minf;
+                continue;
+            }
+            for (int64_t kh = 0; kh < Hkv; kh++) {
+                const float *kr;
+                if (f16) {
+                    f16_row(kf, (const uint16_t *)k + (b0 + c) * k_sn + kh * k_sh, D);
+                    kr = kf;
+                } else {
+                    kr = (const float *)k + (b0 + c) * k_sn + kh * k_sh;
+                }
+                for (int64_t r = 0; r < R; r++) {
+                    const float mv = mask[(r / g) * mask_st + b0 + c];
+                    const float d = mv == minf ? 0.0f : dot_f32(q + (kh * R + r) * D, kr, D);
+                    sc[(kh * R + r) * ATT_BLOCK + c] = mv == minf ? minf : d * scale + mv;
+                }
+            }
+        }
+        /* softmax weights, rescaling what was accumulated when the running max grows */
+        int any_w = 0;
+        for (int64_t r = 0; r < RR; r++) {
+            float *s = sc + r * ATT_BLOCK;
+            /* the block's max; nan is skipped here and reaches l and acc through its weight */
+            v8f bm8 = v8_splat(minf);
+            v8i nan8 = {0};
+            int64_t i = 0;
+            for (; i + 8 <= nb; i += 8) {
+                const v8f x = v8_load(s + i);
+                bm8 = v8_select(x > bm8, x, bm8);
+                nan8 |= x != x;
+            }
+            float bm = minf;
+            int nan = 0;
+            for (int u = 0; u < 8; u++) bm = bm8[u] > bm ? bm8[u] : bm, nan |= nan8[u] != 0;
+            for (; i < nb; i++) {
+                bm = s[i] > bm ? s[i] : bm;
+                nan |= s[i] != s[i];
+            }
+            nan_seen[r] |= nan;
+            if (bm > m[r]) {
+                const float corr = lp_expf(m[r] - bm); /* m = -inf: 0, nothing accumulated yet */
+                float *a = acc + r * Dv;
+                for (int64_t j = 0; j < Dv; j++) a[j] *= corr;
+                l[r] *= corr;
+                m[r] = bm;
+            }
+            if (m[r] == minf) { /* nothing visible yet (or nan scores only): weights 0 */
+                for (i = 0; i < nb; i++) s[i] = 0.0f;
+                continue;
+            }
+            any_w = 1;
+            const float mr = m[r];
+            float ls[8] = {0};
+            for (i = 0; i + 8 <= nb; i += 8)
+                for (int u = 0; u < 8; u++) {
+                    const float w = lp_expf(s[i + u] - mr); /* -inf cells: 0 */
+                    s[i + u] = w;
+                    ls[u] += w;
+                }
+            float lt = 0.0f;
+            for (; i < nb; i++) {
+                const float w = lp_expf(s[i] - mr);
+                s[i] = w;
+                lt += w;
+            }
+            l[r] += (((ls[0] + ls[4]) + (ls[1] + ls[5])) + ((ls[2] + ls[6]) + (ls[3] + ls[7]))) + lt;
+        }
+        if (!any_w) continue;
+        /* V sums, in groups of cells with every head inside (an f16 group widened once per head) */
+        for (int64_t c0 = 0; c0 < nb; c0 += ATT_VGROUP) {
+            const int64_t ng = nb - c0 < ATT_VGROUP ? nb - c0 : ATT_VGROUP;
+            int lv = 0;
+            for (int64_t i = 0; i < ng; i++) lv |= live[c0 + i];
+            if (!lv) continue;
+            for (int64_t kh = 0; kh < Hkv; kh++) {
+                const float *v0;
+                int64_t vs;
+                if (f16) {
+                    const uint16_t *v16 = (const uint16_t *)v + (b0 + c0) * v_sn + kh * v_sh;
+                    for (int64_t i = 0; i < ng; i++)
+                        if (live[c0 + i]) f16_row(vf + i * Dv, v16 + i * v_sn, Dv);
+                    v0 = vf, vs = Dv;
+                } else {
+                    v0 = (const float *)v + (b0 + c0) * v_sn + kh * v_sh, vs = v_sn;
+                }
+                for (int64_t r = kh * R; r < (kh + 1) * R; r++)
+                    v_accumulate(acc + r * Dv, sc + r * ATT_BLOCK + c0, ng, v0, vs, Dv);
+            }
+        }
+    }
+    for (int64_t r = 0; r < RR; r++)
+        if (nan_seen[r]) l[r] = NAN; /* a nan score: nan out, as numpy (and numba unless all are nan) */
+}
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#ifndef ATT_PAR_WORK
+#define ATT_PAR_WORK (1 << 20) /* multiply-adds (N*H*T*(D+Dv)) from which threads are used */
+#endif
+#define ATT_MIN_CHUNK 256 /* fewest cells per thread */
+
+/* Threads lp_attend may use for a large N*H (ranges of cells, merged at the end); 1 by default.
+ * On a machine whose cores are busy elsewhere an OpenMP team can stall for a scheduler time
+ * slice (milliseconds, measured on a shared 2-core box), so threads are the caller's choice,
+ * like the n_threads of the matvec kernels. n <= 0: OpenMP's default (omp_get_max_threads). */
+static int attend_threads = 1;
+
+LP_API void lp_attend_set_threads(int n) { attend_threads = n; }
+
+LP_INLINE void attend(const float *q, int64_t T, int64_t H, int64_t D, const void *k, const void *v, int64_t N,
+                      int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
+                      const float *mask, int64_t mask_st, float scale, float *out, int f16) {
+    if (T <= 0 || H <= 0 || Hkv <= 0 || Dv <= 0) return;
+    const int64_t g = H / Hkv, R = T * g, RR = Hkv * R;
+    /* threads take ranges of cells (all heads each), merged at the end */
+    int64_t n_chunks = 1;
+#ifdef _OPENMP
+    const int64_t work = N * RR * (D + Dv);
+    const int max_threads = omp_in_parallel() ? 1 : attend_threads > 0 ? attend_threads : omp_get_max_threads();
+    if (max_threads > 1 && work >= ATT_PAR_WORK) {
+        const int64_t most = N / ATT_MIN_CHUNK;
+        n_chunks = max_threads < most ? max_threads : most;
+        n_chunks = n_chunks < 1 ? 1 : n_chunks;
+    }
+#endif
+    int64_t chunk = (N + n_chunks - 1) / n_chunks;
+    chunk = (chunk + ATT_BLOCK - 1) / ATT_BLOCK * ATT_BLOCK; /* whole blocks */
+    if (chunk < ATT_BLOCK) chunk = ATT_BLOCK;
+    n_chunks = (N + chunk - 1) / chunk;
+    if (n_chunks < 1) n_chunks = 1;
+    const int n_threads = (int)n_chunks;
+    (void)n_threads;
+    /* q rows in head order (f16-rounded for an f16 cache, as llama.cpp's q_to_vec_dot), then per
+     * chunk: m (RR), l (RR), acc (RR x Dv) */
+    const int64_t part = RR * (2 + Dv);
+    float *qs = malloc((size_t)(RR * D + n_chunks * part) * sizeof(float));
+    if (!qs) return;
+    float *parts = qs + RR * D;
+    for (int64_t kh = 0; kh < Hkv; kh++)
+        for (int64_t r = 0; r < R; r++) {
+            const float *qr = q + ((r / g) * H + kh * g + r % g) * D;
+            float *dst = qs + (kh * R + r) * D;
+            if (f16)
+                for (int64_t i = 0; i < D; i++) dst[i] = round_f16(qr[i]);
+            else
+                memcpy(dst, qr, (size_t)D * sizeof(float));
+        }
+    int failed = 0;
+#pragma omp parallel for schedule(static, 1) num_threads(n_threads) if (n_threads > 1)
+    for (int64_t ch = 0; ch < n_chunks; ch++) {
+        float *buf = malloc(attend_scratch(RR, D, Dv) * sizeof(float));
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        const int64_t c0 = ch * chunk, c1 = c0 + chunk < N ? c0 + chunk : N;
+        float *pm = parts + ch * part, *pl = pm + RR, *pa = pl + RR;
+        float *sc = buf, *kf = sc + RR * ATT_BLOCK, *vf = kf + 8 * D;
+        attend_range(qs, Hkv, R, g, D, k, v, c0, c1, Dv, k_sn, k_sh, v_sn, v_sh, mask, mask_st, scale, pm, pl, pa, sc,
+                     kf, vf, f16);
+        free(buf);
+    }
+    if (failed) {
+        free(qs);
+        return;
+    }
+    /* merge the chunks and normalize */
+    for (int64_t rr = 0; rr < RR; rr++) {
+        const int64_t kh = rr / R, r = rr % R;
+        float *o = out + ((r / g) * H + kh * g + r % g) * Dv;
+        float mx = -INFINITY;
+        int nan = 0;
+        for (int64_t ch = 0; ch < n_chunks; ch++) {
+            const float *pm = parts + ch * part;
+            mx = pm[rr] > mx ? pm[rr] : mx;
+            nan |= pm[RR + rr] != pm[RR + rr];
+        }
+        if (mx == -INFINITY) { /* every cell masked: zeros, as the numba kernel (nan if nan scores) */
+            for (int64_t i = 0; i < Dv; i++) o[i] = nan ? NAN : 0.0f;
+            continue;
+        }
+        float lsum = 0.0f;
+        for (int64_t i = 0; i < Dv; i++) o[i] = 0.0f;
+        for (int64_t ch = 0; ch < n_chunks; ch++) {
+            const float *pm = parts + ch * part, *pl = pm + RR, *pa = pl + RR + rr * Dv;
+            if (pm[rr] == -INFINITY) {
+                lsum += pl[rr]; /* 0, or nan */
+                continue;
+            }
+            const float f = lp_expf(pm[rr] - mx);
+            lsum = lp_fmaf(pl[rr], f, lsum);
+            for (int64_t i = 0; i < Dv; i++) o[i] = lp_fmaf(pa[i], f, o[i]);
+        }
+        const float inv = 1.0f / lsum;
+        for (int64_t i = 0; i < Dv; i++) o[i] *= inv;
+    }
+    free(qs);
+}
+
+LP_API void lp_attend(const float *q, int64_t T, int64_t H, int64_t D, const float *k, const float *v, int64_t N,
+                      int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
+                      const float *mask, int64_t mask_st, float scale, float *out) {
+    attend(q, T, H, D, k, v, N, Hkv, Dv, k_sn, k_sh, v_sn, v_sh, mask, mask_st, scale, out, 0);
+}
+
+/* The same over an f16 cache (k, v: IEEE half bits; strides in elements). Q is rounded to f16
+ * first, as llama.cpp and the reference kernel do; scores and V sums in f32. */
+LP_API void lp_attend_f16(const float *q, int64_t T, int64_t H, int64_t D, const uint16_t *k, const uint16_t *v,
+                          int64_t N, int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
+                          const float *mask, int64_t mask_st, float scale, float *out) {
+    attend(q, T, H, D, k, v, N, Hkv, Dv, k_sn, k_sh, v_sn, v_sh, mask, mask_st, scale, out, 1);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* swiglu                                                                                    */
+
+LP_API void lp_swiglu(const float *gate, const float *up, int64_t rows, int64_t n, int64_t gate_st, int64_t up_st,
+                      float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gr = gate + r * gate_st, *ur = up + r * up_st;
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) {
+            const float g = gr[i];
+            const float e = lp_expf(-(g > -88.0f ? g : -88.0f)); /* nan g: nan out through g */
+            o[i] = g / (1.0f + e) * ur[i];
+        }
+    }
+}

@@ -1,0 +1,915 @@
+/* Quantized matvec and dequantization on the repacked (rows-interleaved) weight layouts.
+ *
+ * ggml counterparts (ggml-cpu): quants.c ggml_vec_dot_q4_0_q8_0 / q4_1_q8_1 / q8_0_q8_0 /
+ * q4_K_q8_K / q6_K_q8_K for the dot products, and repack.cpp (ggml's block_q4_0x8 etc. and
+ * ggml_gemv_*) for the idea of interleaving the blocks of several rows so that one SIMD lane
+ * works on one row. Unlike ggml the activations are NOT quantized to q8: the weights are expanded
+ * to float32 and multiplied with the float32 activations, so the only rounding is the weights'
+ * own (plus float32 sums).
+ *
+ * Layout (built by qmatmul.py `_repack_*`; all arrays C-contiguous). A tile holds LP_R = 64
+ * consecutive rows; T full tiles; nb blocks per row (n_in/32 for Q4_0/Q4_1/Q8_0, n_in/256 for
+ * Q4_K/Q6_K). For every block and every byte/field j of the block the tile stores the 64 rows'
+ * values side by side, i.e. an array of shape (T, nb, k, 64). The f16 scales stay f16, the
+ * file's bits (dm: IEEE half, read as uint16 and widened to float32 by h2f / ldh, exactly), so
+ * a tile holds the file's bytes, only reordered (Q4_K: plus 4 bytes a block, its 6-bit scales
+ * unpacked). `parts` points to these arrays in this order:
+ *   Q4_0: qs uint8 (T,nb,16,R), dm f16 (T,nb,1,R) = d
+ *         element j (< 16) of a block = d*((q&15)-8), element 16+j = d*((q>>4)-8)
+ *   Q4_1: qs uint8 (T,nb,16,R), dm f16 (T,nb,2,R) = d, m
+ *         d*(q&15) + m, d*(q>>4) + m
+ *   Q8_0: qs int8 (T,nb,32,R), dm f16 (T,nb,1,R) = d;  element j = (float)q * d
+ *   Q4_K: qs uint8 (T,nb,128,R), sm uint8 (T,nb,16,R) (8 scales then 8 mins, 6-bit values
+ *         already unpacked), dm f16 (T,nb,2,R) = d, dmin. Sub-block pair p (0..3): byte l (< 32)
+ *         of qs[p*32 + l] gives element p*64+l = d*sc[2p]*(q&15) - dmin*mn[2p] and element
+ *         p*64+32+l = d*sc[2p+1]*(q>>4) - dmin*mn[2p+1].
+ *   Q6_K: ql uint8 (T,nb,128,R), qh uint8 (T,nb,64,R), sc int8 (T,nb,16,R), dm f16 (T,nb,1,R)
+ *         half hf (0..1), l (< 32), a = ql[hf*64+l], c = ql[hf*64+32+l], h = qh[hf*32+l]:
+ *         element hf*128 + l      = d*sc[k]  *(((a&15) | ((h&3)<<4))  - 32)
+ *                 hf*128 + 32 + l = d*sc[k+2]*(((c&15) | ((h&12)<<2)) - 32)
+ *                 hf*128 + 64 + l = d*sc[k+4]*(((a>>4) | (h&48))      - 32)
+ *                 hf*128 + 96 + l = d*sc[k+6]*(((c>>4) | ((h&192)>>2)) - 32),  k = hf*8 + l/16
+ *
+ * Exported (all row-major, float32; see the comments at each group of functions below):
+ *   lp_mv_<t>(parts, n_tiles, nb, x, n_tok, out, ld_out, n_threads)     matvec / small matmul
+ *   lp_dqt_<t>(parts, t0, t1, nb, out_t, ld, n_threads)                  whole tiles, transposed
+ *   lp_dqr_<t>(parts, nb, ids, n, out)                                   selected rows
+ * for <t> in q4_0, q4_1, q8_0, q4_k, q6_k.
+ *
+ * The matvec kernels keep the 64 rows of a tile in SIMD lanes (8-float vectors; a group of 8*NV
+ * rows is held in registers), so there is no horizontal sum anywhere; two tokens are done at
+ * once when there are several, sharing the expansion of the weights. They use fused
+ * multiply-adds; results are within float32 summation error of the exact dot products
+ * (tested: |err| <= 1e-5 * sum_i |w_i x_i| per output).
+ * The dequantization kernels are BIT-EXACT with numpy's llamapy.quants / gguf-py: the same
+ * float32 operations in the same order (d * q + m, (d * sc) * q - dmin * mn, ...). With f16
+ * scales and small integer quants every product but Q6_K's last is exact in float32, so each
+ * output is one rounding of the exact value, and an FMA would give the same bits; the code still
+ * writes the unfused `a * b + c` that the build's -ffp-contract=off keeps as it is. (The F16C
+ * conversion quiets a signalling-nan scale where numpy keeps it; no output can tell, as each is
+ * an arithmetic result of its scales, which quiets it the same way.)
+ *
+ * Threads: OpenMP over chunks of tiles (see run_tiles), never for small calls, and never in a
+ * child made by fork() (libgomp hangs there once the parent has used it).
+ *
+ * Built by native.py with
+ *   cc -O3 -march=native -fPIC -shared -fopenmp -ffp-contract=off -fno-math-errno -std=gnu11
+ * The code is GCC/clang vector extensions (8 x 32-bit lanes; one AVX2 register, two SSE / NEON
+ * ones) plus two intrinsics of x86: the FMA (without it, or with -DLP_QMM_GENERIC, a multiply and
+ * an add) and F16C's f16 -> f32 conversion (without it, or with -DLP_QMM_GENERIC, integer and
+ * float32 operations on the bits, as exact). OpenMP is optional.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <pthread.h>
+#endif
+#if defined(__FMA__) && defined(__AVX__) && !defined(LP_QMM_GENERIC)
+#include <immintrin.h>
+#define LP_QMM_FMA 1
+#endif
+#if defined(__F16C__) && defined(__AVX__) && !defined(LP_QMM_GENERIC)
+#include <immintrin.h>
+#define LP_QMM_F16C 1
+#endif
+
+#define LP_R 64
+/* Calls with fewer weights (n_tiles*64*n_in*n_tok) than this never start threads. */
+#define LP_PAR_MIN_WEIGHTS (1LL << 18)
+/* A dequantized element costs about this many matvec weights (it is written out). */
+#define LP_DQ_WEIGHT 4
+
+#if defined(__GNUC__) && !defined(__clang__)
+/* 32-byte vectors between static inline helpers on a target without AVX: no ABI is involved */
+#pragma GCC diagnostic ignored "-Wpsabi"
+/* the x block sums passed by pointer are filled by block_sums32; gcc cannot always see it */
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+#define QMM_API __attribute__((visibility("default")))
+#define QMM_INLINE static inline __attribute__((always_inline))
+
+/* ---------------------------------------------------------------------------------------- */
+/* 8-lane vectors                                                                            */
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+QMM_INLINE v8f ldf(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* (macros, not functions, where a vector is an argument: no vector ABI on non-AVX targets) */
+#define stf(p, v)                                                                                   \
+    do {                                                                                            \
+        const v8f stf_v_ = (v);                                                                     \
+        memcpy((p), &stf_v_, sizeof stf_v_);                                                        \
+    } while (0)
+
+/* f16 (the IEEE half bits the scales are stored as) -> float32, exact: vcvtph2ps with F16C,
+ * else the bits (normals and subnormals: the exponent and mantissa moved into a float32 and
+ * scaled by 2^112, exact; inf and nan keep their payload) */
+#ifdef LP_QMM_F16C
+QMM_INLINE float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+/* 8 consecutive f16 */
+QMM_INLINE v8f ldh(const uint16_t *p) { return (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#else
+QMM_INLINE float h2f(uint16_t h) {
+    const uint32_t em = h & 0x7fffu;
+    uint32_t mag;
+    if (em >= 0x7c00u) {
+        mag = 0x7f800000u | (em << 13);
+    } else {
+        float f;
+        memcpy(&f, &(uint32_t){em << 13}, sizeof f);
+        f *= 0x1p112f;
+        memcpy(&mag, &f, sizeof mag);
+    }
+    const uint32_t u = mag | ((uint32_t)(h & 0x8000u) << 16);
+    float r;
+    memcpy(&r, &u, sizeof r);
+    return r;
+}
+
+/* 8 consecutive f16: the same, on 8 lanes */
+QMM_INLINE v8f ldh(const uint16_t *p) {
+    typedef uint32_t v8u __attribute__((vector_size(32)));
+    const v8u h = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+    const v8u em = h & 0x7fffu, e13 = em << 13;
+    const v8u big = (v8u)(em >= 0x7c00u); /* inf / nan: all ones */
+    const v8u mag = (v8u)((v8f)e13 * 0x1p112f);
+    return (v8f)((big & (e13 | 0x7f800000u)) | (~big & mag) | ((h & 0x8000u) << 16));
+}
+#endif
+
+QMM_INLINE v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+QMM_INLINE v8i spli(int32_t x) { return (v8i){x, x, x, x, x, x, x, x}; }
+
+#define cvt(v) __builtin_convertvector((v), v8f)
+
+/* 8 bytes, zero- / sign-extended to int32 lanes (gcc makes this one vpmovzxbd / vpmovsxbd with
+ * AVX2; __builtin_convertvector from an 8-byte vector is much worse) */
+QMM_INLINE v8i ldu8(const uint8_t *p) { return (v8i){p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]}; }
+
+QMM_INLINE v8i ldi8(const int8_t *p) { return (v8i){p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]}; }
+
+/* a*b + c, fused where the CPU has it (the matvecs; the dequantization keeps numpy's operations) */
+#ifdef LP_QMM_FMA
+#define fmadd(a, b, c) ((v8f)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(c)))
+#else
+#define fmadd(a, b, c) ((a) * (b) + (c))
+#endif
+
+/* ---------------------------------------------------------------------------------------- */
+/* threading                                                                                 */
+
+/* libgomp cannot be used in a child made by fork() once the parent has run a parallel region
+ * (the child hangs in its first one: the team's threads did not come along). So in a fork child
+ * these kernels run on the calling thread only. */
+#ifdef _OPENMP
+static volatile int qmm_fork_child = 0;
+
+static void qmm_on_fork_child(void) { qmm_fork_child = 1; }
+
+__attribute__((constructor)) static void qmm_register_atfork(void) { pthread_atfork(NULL, NULL, qmm_on_fork_child); }
+
+static int use_threads(int n_threads, int64_t units, int64_t work) {
+    return n_threads > 1 && units > 1 && work >= LP_PAR_MIN_WEIGHTS && !qmm_fork_child;
+}
+#endif
+
+typedef void (*tiles_fn)(const void *const *parts, int64_t ta, int64_t tb, int64_t nb, const float *x,
+                         const float *xs, int64_t n_tok, float *out, int64_t ld_out);
+
+/* fn over tiles [0, n_tiles): in one call, or in min(n_tiles, 4*n_threads) chunks of tiles
+ * shared out dynamically among n_threads OpenMP threads when the work is big enough. Each chunk
+ * writes its own output columns. */
+static void run_tiles(tiles_fn fn, const void *const *parts, int64_t n_tiles, int64_t nb, const float *x,
+                      const float *xs, int64_t n_tok, float *out, int64_t ld_out, int n_threads, int64_t work) {
+    if (n_tiles <= 0)
+        return;
+#ifdef _OPENMP
+    if (use_threads(n_threads, n_tiles, work)) {
+        const int64_t nc = n_tiles < 4LL * n_threads ? n_tiles : 4LL * n_threads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
+        for (int64_t c = 0; c < nc; c++)
+            fn(parts, c * n_tiles / nc, (c + 1) * n_tiles / nc, nb, x, xs, n_tok, out, ld_out);
+        return;
+    }
+#else
+    (void)n_threads;
+    (void)work;
+#endif
+    fn(parts, 0, n_tiles, nb, x, xs, n_tok, out, ld_out);
+}
+
+/* Sums of x over runs of 32 elements, xs[t*(n_in/32) + i], for the "+ m" / "- dmin*m" terms:
+ * in `stack` (XS_STACK floats) when they fit, else in a malloc'd buffer; NULL when out of memory. */
+#define XS_STACK 4096
+
+static float *block_sums32(const float *restrict x, int64_t n_tok, int64_t n_in, float *stack) {
+    const int64_t n32 = n_in / 32;
+    float *restrict xs = n_tok * n32 <= XS_STACK ? stack : (float *)malloc((size_t)(n_tok * n32) * sizeof(float));
+    if (xs == NULL)
+        return NULL;
+    for (int64_t t = 0; t < n_tok; t++) {
+        for (int64_t i = 0; i < n32; i++) {
+            const float *p = x + t * n_in + i * 32;
+            float l[8];
+            for (int k = 0; k < 8; k++)
+                l[k] = (p[k] + p[8 + k]) + (p[16 + k] + p[24 + k]);
+            xs[t * n32 + i] = ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
+        }
+    }
+    return xs;
+}
+
+static void fill_nan(float *out, int64_t n_tok, int64_t n_cols, int64_t ld_out) {
+    for (int64_t t = 0; t < n_tok; t++)
+        for (int64_t i = 0; i < n_cols; i++)
+            out[t * ld_out + i] = NAN;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* matvec: out[t*ld_out + tile*64 + r] = sum_i x[t*n_in + i] * W[tile*64 + r, i]             */
+/*                                                                                            */
+/* Each *_group computes NT tokens (1 or 2) x 8*NV rows of one tile over all blocks: per block */
+/* the rows' partial dots s are summed in registers, then scaled and added to the outputs      */
+/* themselves (o: the first token's, the second's at o + ld_out), through memory: kept in      */
+/* registers across the block loop gcc would run out of them and spill the hot sums instead.  */
+/* x points to the first token's row (the second's at x + n_in).                               */
+
+#define ACC ldf(o + u * ld_out + 8 * k)
+#define ACC_UPDATE(e)                                                                               \
+    do {                                                                                            \
+        stf(o + u * ld_out + 8 * k, (e));                                                           \
+        __asm__ __volatile__("" ::: "memory"); /* keep it a store */                               \
+    } while (0)
+
+/* SPLIT: two accumulators per row vector (low / high nibbles, even / odd j) so that 2*NT*NV
+ * independent FMA chains hide the FMA latency. */
+QMM_INLINE void q4_0_group(const uint8_t *restrict qs, const uint16_t *restrict dm, int64_t nb, const float *restrict x,
+                           int64_t n_in, float *restrict o, int64_t ld_out, const int NT, const int NV,
+                           const int SPLIT) {
+    const v8i m15 = spli(15), k8 = spli(8);
+    for (int u = 0; u < NT; u++)
+        for (int k = 0; k < NV; k++)
+            stf(o + u * ld_out + 8 * k, splat(0.0f));
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *q = qs + b * 16 * LP_R;
+        const float *xb = x + b * 32;
+        v8f s[2][2][8];
+        for (int h = 0; h < 2; h++)
+            for (int u = 0; u < NT; u++)
+                for (int k = 0; k < NV; k++)
+                    s[h][u][k] = splat(0.0f);
+        for (int j = 0; j < 16; j++) {
+            v8f xl[2], xh[2];
+            for (int u = 0; u < NT; u++) {
+                xl[u] = splat(xb[u * n_in + j]);
+                xh[u] = splat(xb[u * n_in + 16 + j]);
+            }
+            for (int k = 0; k < NV; k++) {
+                const v8i v = ldu8(q + j * LP_R + 8 * k);
+                const v8f lo = cvt((v & m15) - k8), hi = cvt((v >> 4) - k8);
+                for (int u = 0; u < NT; u++) {
+                    s[0][u][k] = fmadd(lo, xl[u], s[0][u][k]);
+                    s[SPLIT][u][k] = fmadd(hi, xh[u], s[SPLIT][u][k]);
+                }
+            }
+        }
+        const uint16_t *d = dm + b * LP_R;
+        for (int k = 0; k < NV; k++) {
+            const v8f dk = ldh(d + 8 * k);
+            for (int u = 0; u < NT; u++)
+                ACC_UPDATE(fmadd(dk, SPLIT ? s[0][u][k] + s[1][u][k] : s[0][u][k], ACC));
+        }
+    }
+}
+
+QMM_INLINE void q4_1_group(const uint8_t *restrict qs, const uint16_t *restrict dm, int64_t nb, const float *restrict x,
+                           const float *restrict xs, int64_t n_in, float *restrict o, int64_t ld_out, const int NT,
+                           const int NV, const int SPLIT) {
+    const v8i m15 = spli(15);
+    for (int u = 0; u < NT; u++)
+        for (int k = 0; k < NV; k++)
+            stf(o + u * ld_out + 8 * k, splat(0.0f));
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *q = qs + b * 16 * LP_R;
+        const float *xb = x + b * 32;
+        v8f s[2][2][8];
+        for (int h = 0; h < 2; h++)
+            for (int u = 0; u < NT; u++)
+                for (int k = 0; k < NV; k++)
+                    s[h][u][k] = splat(0.0f);
+        for (int j = 0; j < 16; j++) {
+            v8f xl[2], xh[2];
+            for (int u = 0; u < NT; u++) {
+                xl[u] = splat(xb[u * n_in + j]);
+                xh[u] = splat(xb[u * n_in + 16 + j]);
+            }
+            for (int k = 0; k < NV; k++) {
+                const v8i v = ldu8(q + j * LP_R + 8 * k);
+                const v8f lo = cvt(v & m15), hi = cvt(v >> 4);
+                for (int u = 0; u < NT; u++) {
+                    s[0][u][k] = fmadd(lo, xl[u], s[0][u][k]);
+                    s[SPLIT][u][k] = fmadd(hi, xh[u], s[SPLIT][u][k]);
+                }
+            }
+        }
+        const uint16_t *d = dm + b * 2 * LP_R, *m = d + LP_R;
+        v8f xsb[2];
+        for (int u = 0; u < NT; u++)
+            xsb[u] = splat(xs[u * (n_in / 32) + b]);
+        for (int k = 0; k < NV; k++) {
+            const v8f dk = ldh(d + 8 * k), mk = ldh(m + 8 * k);
+            for (int u = 0; u < NT; u++)
+                ACC_UPDATE(fmadd(dk, SPLIT ? s[0][u][k] + s[1][u][k] : s[0][u][k], fmadd(mk, xsb[u], ACC)));
+        }
+    }
+}
+
+QMM_INLINE void q8_0_group(const int8_t *restrict qs, const uint16_t *restrict dm, int64_t nb, const float *restrict x,
+                           int64_t n_in, float *restrict o, int64_t ld_out, const int NT, const int NV,
+                           const int SPLIT) {
+    for (int u = 0; u < NT; u++)
+        for (int k = 0; k < NV; k++)
+            stf(o + u * ld_out + 8 * k, splat(0.0f));
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *q = qs + b * 32 * LP_R;
+        const float *xb = x + b * 32;
+        v8f s[2][2][8];
+        for (int h = 0; h < 2; h++)
+            for (int u = 0; u < NT; u++)
+                for (int k = 0; k < NV; k++)
+                    s[h][u][k] = splat(0.0f);
+        for (int j = 0; j < 32; j += 2) {
+            v8f x0[2], x1[2];
+            for (int u = 0; u < NT; u++) {
+                x0[u] = splat(xb[u * n_in + j]);
+                x1[u] = splat(xb[u * n_in + j + 1]);
+            }
+            for (int k = 0; k < NV; k++) {
+                const v8f w0 = cvt(ldi8(q + j * LP_R + 8 * k)), w1 = cvt(ldi8(q + (j + 1) * LP_R + 8 * k));
+                for (int u = 0; u < NT; u++) {
+                    s[0][u][k] = fmadd(w0, x0[u], s[0][u][k]);
+                    s[SPLIT][u][k] = fmadd(w1, x1[u], s[SPLIT][u][k]);
+                }
+            }
+        }
+        const uint16_t *d = dm + b * LP_R;
+        for (int k = 0; k < NV; k++) {
+            const v8f dk = ldh(d + 8 * k);
+            for (int u = 0; u < NT; u++)
+                ACC_UPDATE(fmadd(dk, SPLIT ? s[0][u][k] + s[1][u][k] : s[0][u][k], ACC));
+        }
+    }
+}
+
+QMM_INLINE void q4_k_group(const uint8_t *restrict qs, const uint8_t *restrict sm, const uint16_t *restrict dm,
+                           int64_t nb, const float *restrict x, const float *restrict xs, int64_t n_in,
+                           float *restrict o, int64_t ld_out, const int NT, const int NV,
+                           const int SPLIT) {
+    (void)SPLIT;
+    const v8i m15 = spli(15);
+    for (int u = 0; u < NT; u++)
+        for (int k = 0; k < NV; k++)
+            stf(o + u * ld_out + 8 * k, splat(0.0f));
+    for (int64_t b = 0; b < nb; b++) {
+        const uint16_t *d = dm + b * 2 * LP_R, *dmin = d + LP_R;
+        const uint8_t *smb = sm + b * 16 * LP_R;
+        for (int p = 0; p < 4; p++) {
+            const uint8_t *q = qs + (b * 128 + p * 32) * LP_R;
+            const float *xp = x + b * 256 + p * 64;
+            v8f s0[2][8], s1[2][8];
+            for (int u = 0; u < NT; u++)
+                for (int k = 0; k < NV; k++)
+                    s0[u][k] = s1[u][k] = splat(0.0f);
+            for (int l = 0; l < 32; l++) {
+                v8f xl[2], xh[2];
+                for (int u = 0; u < NT; u++) {
+                    xl[u] = splat(xp[u * n_in + l]);
+                    xh[u] = splat(xp[u * n_in + 32 + l]);
+                }
+                for (int k = 0; k < NV; k++) {
+                    const v8i v = ldu8(q + l * LP_R + 8 * k);
+                    const v8f lo = cvt(v & m15), hi = cvt(v >> 4);
+                    for (int u = 0; u < NT; u++) {
+                        s0[u][k] = fmadd(lo, xl[u], s0[u][k]);
+                        s1[u][k] = fmadd(hi, xh[u], s1[u][k]);
+                    }
+                }
+            }
+            /* sums of x over the two sub-blocks of 32 */
+            v8f x0[2], x1[2];
+            for (int u = 0; u < NT; u++) {
+                const float *xsu = xs + u * (n_in / 32) + b * 8 + 2 * p;
+                x0[u] = splat(xsu[0]);
+                x1[u] = splat(xsu[1]);
+            }
+            for (int k = 0; k < NV; k++) {
+                const v8f dk = ldh(d + 8 * k), nk = -ldh(dmin + 8 * k);
+                const v8f c0 = dk * cvt(ldu8(smb + (2 * p) * LP_R + 8 * k));
+                const v8f c1 = dk * cvt(ldu8(smb + (2 * p + 1) * LP_R + 8 * k));
+                const v8f m0 = nk * cvt(ldu8(smb + (8 + 2 * p) * LP_R + 8 * k));
+                const v8f m1 = nk * cvt(ldu8(smb + (9 + 2 * p) * LP_R + 8 * k));
+                for (int u = 0; u < NT; u++)
+                    ACC_UPDATE(fmadd(c0, s0[u][k], fmadd(c1, s1[u][k], fmadd(m0, x0[u], fmadd(m1, x1[u], ACC)))));
+            }
+        }
+    }
+}
+
+QMM_INLINE void q6_k_group(const uint8_t *restrict ql, const uint8_t *restrict qh, const int8_t *restrict sc,
+                           const uint16_t *restrict dm, int64_t nb, const float *restrict x, int64_t n_in,
+                           float *restrict o, int64_t ld_out, const int NT, const int NV,
+                           const int SPLIT) {
+    (void)SPLIT;
+    const v8i m15 = spli(15), m48 = spli(48), k32 = spli(32);
+    for (int u = 0; u < NT; u++)
+        for (int k = 0; k < NV; k++)
+            stf(o + u * ld_out + 8 * k, splat(0.0f));
+    for (int64_t b = 0; b < nb; b++) {
+        const uint16_t *d = dm + b * LP_R;
+        for (int hf = 0; hf < 2; hf++) {
+            for (int i = 0; i < 2; i++) {
+                const float *xe = x + b * 256 + hf * 128;
+                v8f s1[2][8], s2[2][8], s3[2][8], s4[2][8];
+                for (int u = 0; u < NT; u++)
+                    for (int k = 0; k < NV; k++)
+                        s1[u][k] = s2[u][k] = s3[u][k] = s4[u][k] = splat(0.0f);
+                for (int l = i * 16; l < i * 16 + 16; l++) {
+                    const uint8_t *qa = ql + (b * 128 + hf * 64 + l) * LP_R;
+                    const uint8_t *qc = qa + 32 * LP_R;
+                    const uint8_t *qq = qh + (b * 64 + hf * 32 + l) * LP_R;
+                    for (int k = 0; k < NV; k++) {
+                        const v8i a = ldu8(qa + 8 * k), c = ldu8(qc + 8 * k), h = ldu8(qq + 8 * k);
+                        const v8f w1 = cvt(((a & m15) | ((h << 4) & m48)) - k32);
+                        const v8f w2 = cvt(((c & m15) | ((h << 2) & m48)) - k32);
+                        const v8f w3 = cvt(((a >> 4) | (h & m48)) - k32);
+                        const v8f w4 = cvt(((c >> 4) | ((h >> 2) & m48)) - k32);
+                        for (int u = 0; u < NT; u++) {
+                            const float *xu = xe + u * n_in + l;
+                            s1[u][k] = fmadd(w1, splat(xu[0]), s1[u][k]);
+                            s2[u][k] = fmadd(w2, splat(xu[32]), s2[u][k]);
+                            s3[u][k] = fmadd(w3, splat(xu[64]), s3[u][k]);
+                            s4[u][k] = fmadd(w4, splat(xu[96]), s4[u][k]);
+                        }
+                    }
+                }
+                const int8_t *scb = sc + (b * 16 + hf * 8 + i) * LP_R;
+                for (int k = 0; k < NV; k++) {
+                    const v8f dk = ldh(d + 8 * k);
+                    const v8f c1 = dk * cvt(ldi8(scb + 8 * k));
+                    const v8f c2 = dk * cvt(ldi8(scb + 2 * LP_R + 8 * k));
+                    const v8f c3 = dk * cvt(ldi8(scb + 4 * LP_R + 8 * k));
+                    const v8f c4 = dk * cvt(ldi8(scb + 6 * LP_R + 8 * k));
+                    for (int u = 0; u < NT; u++)
+                        ACC_UPDATE(fmadd(c1, s1[u][k], fmadd(c2, s2[u][k], fmadd(c3, s3[u][k], fmadd(c4, s4[u][k], ACC)))));
+                }
+            }
+        }
+    }
+}
+
+/* Tiles [ta, tb): token pairs, then a last single token; groups of 8*NV rows of the tile.
+ * NV1 / NV2: row vectors per group for one / two tokens (what the 16 vector registers hold).
+ * The group's arguments may use `tile`, `t` and `r0`. */
+#define TILE_LOOP(GROUP, CFG, ...) TILE_LOOP_(GROUP, CFG, __VA_ARGS__)
+#define TILE_LOOP_(GROUP, NV1, S1, NV2, S2, ...)                                                    \
+    _Static_assert(NV1 <= 8 && NV2 <= 8 && LP_R % (8 * NV1) == 0 && LP_R % (8 * NV2) == 0, "NV");    \
+    for (int64_t tile = ta; tile < tb; tile++) {                                                    \
+        int64_t t = 0;                                                                              \
+        for (; t + 2 <= n_tok; t += 2)                                                              \
+            for (int64_t r0 = 0; r0 < LP_R; r0 += 8 * (NV2))                                        \
+                GROUP(__VA_ARGS__, 2, NV2, S2);                                                     \
+        for (; t < n_tok; t++)                                                                      \
+            for (int64_t r0 = 0; r0 < LP_R; r0 += 8 * (NV1))                                        \
+                GROUP(__VA_ARGS__, 1, NV1, S1);                                                     \
+    }
+
+/* (NV1, S1, NV2, S2) of each type: row vectors per group and SPLIT, for one / two tokens at
+ * once. 8 to 16 accumulators, what the 16 AVX2 registers hold. Measured on Zen 3 (noisy): all
+ * choices within a few % when the matrix is in cache; from DRAM a whole tile per pass (NV1 = 8)
+ * is ~10% faster for one token. -D them to experiment. */
+#ifndef Q4_0_CFG
+#define Q4_0_CFG 8, 0, 4, 0
+#endif
+#ifndef Q4_1_CFG
+#define Q4_1_CFG 8, 0, 4, 0
+#endif
+#ifndef Q8_0_CFG
+#define Q8_0_CFG 8, 0, 4, 0
+#endif
+#ifndef Q4_K_CFG
+#define Q4_K_CFG 4, 0, 2, 0
+#endif
+#ifndef Q6_K_CFG
+#define Q6_K_CFG 2, 0, 1, 0
+#endif
+
+/* field 0 of block 0 of `tile`, row r0, in part i (K fields per block); x / out of token t */
+#define TP(type, i, K) ((const type *)parts[i] + tile * nb * (K) * LP_R + r0)
+#define XT (x + t * n_in)
+#define XST (xs + t * (n_in / 32))
+#define OT (out + t * ld_out + tile * LP_R + r0)
+
+static void mv_q4_0_tiles(const void *const *parts, int64_t ta, int64_t tb, int64_t nb, const float *x,
+                          const float *xs, int64_t n_tok, float *out, int64_t ld_out) {
+    const int64_t n_in = nb * 32;
+    (void)xs;
+    TILE_LOOP(q4_0_group, Q4_0_CFG, TP(uint8_t, 0, 16), TP(uint16_t, 1, 1), nb, XT, n_in, OT, ld_out)
+}
+
+static void mv_q4_1_tiles(const void *const *parts, int64_t ta, int64_t tb, int64_t nb, const float *x,
+                          const float *xs, int64_t n_tok, float *out, int64_t ld_out) {
+    const int64_t n_in = nb * 32;
+    TILE_LOOP(q4_1_group, Q4_1_CFG, TP(uint8_t, 0, 16), TP(uint16_t, 1, 2), nb, XT, XST, n_in, OT, ld_out)
+}
+
+static void mv_q8_0_tiles(const void *const *parts, int64_t ta, int64_t tb, int64_t nb, const float *x,
+                          const float *xs, int64_t n_tok, float *out, int64_t ld_out) {
+    const int64_t n_in = nb * 32;
+    (void)xs;
+    TILE_LOOP(q8_0_group, Q8_0_CFG, TP(int8_t, 0, 32), TP(uint16_t, 1, 1), nb, XT, n_in, OT, ld_out)
+}
+
+static void mv_q4_k_tiles(const void *const *parts, int64_t ta, int64_t tb, int64_t nb, const float *x,
+                          const float *xs, int64_t n_tok, float *out, int64_t ld_out) {
+    const int64_t n_in = nb * 256;
+    TILE_LOOP(q4_k_group, Q4_K_CFG, TP(uint8_t, 0, 128), TP(uint8_t, 1, 16), TP(uint16_t, 2, 2), nb, XT, XST, n_in, OT,
+              ld_out)
+}
+
+static void mv_q6_k_tiles(const void *const *parts, int64_t ta, int64_t tb, int64_t nb, const float *x,
+                          const float *xs, int64_t n_tok, float *out, int64_t ld_out) {
+    const int64_t n_in = nb * 256;
+    (void)xs;
+    TILE_LOOP(q6_k_group, Q6_K_CFG, TP(uint8_t, 0, 128), TP(uint8_t, 1, 64), TP(int8_t, 2, 16), TP(uint16_t, 3, 1), nb,
+              XT, n_in, OT, ld_out)
+}
+
+/* The exported matvecs. out[t*ld_out + tile*64 + r] = sum_i x[t*n_in + i] * W[tile*64 + r, i]
+ * for the tiles [0, n_tiles) and tokens t < n_tok (x is (n_tok, n_in) row-major; out must not
+ * overlap x or the weights: it holds the running sums during the call). Threads: see run_tiles.
+ * `need_xs`: the type's "m" / "dmin" terms use x's sums over runs of 32. */
+static void mv_run(tiles_fn fn, int need_xs, int64_t qk, const void *const *parts, int64_t n_tiles, int64_t nb,
+                   const float *x, int64_t n_tok, float *out, int64_t ld_out, int n_threads) {
+    if (n_tiles <= 0 || n_tok <= 0)
+        return;
+    const int64_t n_in = nb * qk;
+    const int64_t work = n_tiles * LP_R * n_in * n_tok;
+    float stack[XS_STACK];
+    float *xs = NULL;
+    if (need_xs && (xs = block_sums32(x, n_tok, n_in, stack)) == NULL) {
+        fill_nan(out, n_tok, n_tiles * LP_R, ld_out);
+        return;
+    }
+    run_tiles(fn, parts, n_tiles, nb, x, xs, n_tok, out, ld_out, n_threads, work);
+    if (xs != NULL && xs != stack)
+        free(xs);
+}
+
+QMM_API void lp_mv_q4_0(const void *const *parts, int64_t n_tiles, int64_t nb, const float *x, int64_t n_tok,
+                        float *out, int64_t ld_out, int n_threads) {
+    mv_run(mv_q4_0_tiles, 0, 32, parts, n_tiles, nb, x, n_tok, out, ld_out, n_threads);
+}
+
+QMM_API void lp_mv_q4_1(const void *const *parts, int64_t n_tiles, int64_t nb, const float *x, int64_t n_tok,
+                        float *out, int64_t ld_out, int n_threads) {
+    mv_run(mv_q4_1_tiles, 1, 32, parts, n_tiles, nb, x, n_tok, out, ld_out, n_threads);
+}
+
+QMM_API void lp_mv_q8_0(const void *const *parts, int64_t n_tiles, int64_t nb, const float *x, int64_t n_tok,
+                        float *out, int64_t ld_out, int n_threads) {
+    mv_run(mv_q8_0_tiles, 0, 32, parts, n_tiles, nb, x, n_tok, out, ld_out, n_threads);
+}
+
+QMM_API void lp_mv_q4_k(const void *const *parts, int64_t n_tiles, int64_t nb, const float *x, int64_t n_tok,
+                        float *out, int64_t ld_out, int n_threads) {
+    mv_run(mv_q4_k_tiles, 1, 256, parts, n_tiles, nb, x, n_tok, out, ld_out, n_threads);
+}
+
+QMM_API void lp_mv_q6_k(const void *const *parts, int64_t n_tiles, int64_t nb, const float *x, int64_t n_tok,
+                        float *out, int64_t ld_out, int n_threads) {
+    mv_run(mv_q6_k_tiles, 0, 256, parts, n_tiles, nb, x, n_tok, out, ld_out, n_threads);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* dequantization of whole tiles, transposed (the sgemm operand of prompt processing):       */
+/* tiles t0..t1 -> out_t (n_in, ld) row-major, row r of tile `tile` in column (tile-t0)*64+r. */
+/* Bit-exact with gguf-py (unfused float32 operations in numpy's order).                     */
+
+typedef void (*dqt_fn)(const void *const *parts, int64_t ta, int64_t tb, int64_t t0, int64_t nb, float *out_t,
+                       int64_t ld);
+
+static void dqt_run(dqt_fn fn, int64_t qk, const void *const *parts, int64_t t0, int64_t t1, int64_t nb,
+                    float *out_t, int64_t ld, int n_threads) {
+    const int64_t n_t = t1 - t0;
+    if (n_t <= 0 || nb <= 0)
+        return;
+#ifdef _OPENMP
+    if (use_threads(n_threads, n_t, n_t * LP_R * nb * qk * LP_DQ_WEIGHT)) {
+        const int64_t nc = n_t < 4LL * n_threads ? n_t : 4LL * n_threads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
+        for (int64_t c = 0; c < nc; c++)
+            fn(parts, t0 + c * n_t / nc, t0 + (c + 1) * n_t / nc, t0, nb, out_t, ld);
+        return;
+    }
+#else
+    (void)n_threads;
+    (void)qk;
+#endif
+    fn(parts, t0, t1, t0, nb, out_t, ld);
+}
+
+static void dqt_q4_0_tiles(const void *const *parts, int64_t ta, int64_t tb, int64_t t0, int64_t nb, float *out_t,
+                           int64_t ld) {
+    const uint8_t *restrict qs = (const uint8_t *)parts[0];
+    const uint16_t *restrict dm = (const uint16_t *)parts[1];
+    const v8i m15 = spli(15), k8 = spli(8);
+    for (int64_t tile = ta; tile < tb; tile++) {
+        float *restrict oc = out_t + (tile - t0) * LP_R;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t blk = tile * nb + b;
+            const uint8_t *q = qs + blk * 16 * LP_R;
+            const uint16_t *d = dm + blk * LP_R;
+            for (int j = 0; j < 16; j++) {
+                float *o0 = oc + (b * 32 + j) * ld, *o1 = o0 + 16 * ld;
+                for (int k = 0; k < 8; k++) {
+                    const v8i v = ldu8(q + j * LP_R + 8 * k);
+                    const v8f dk = ldh(d + 8 * k);
+                    stf(o0 + 8 * k, dk * cvt((v & m15) - k8));
+                    stf(o1 + 8 * k, dk * cvt((v >> 4) - k8));
+                }
+            }
+        }
+    }
+}
+
+static void dqt_q4_1_tiles(const void *const *parts, int64_t ta, int64_t tb, int64_t t0, int64_t nb, float *out_t,
+                           int64_t ld) {
+    const uint8_t *restrict qs = (const uint8_t *)parts[0];
+    const uint16_t *restrict dm = (const uint16_t *)parts[1];
+    const v8i m15 = spli(15);
+    for (int64_t tile = ta; tile < tb; tile++) {
+        float *restrict oc = out_t + (tile - t0) * LP_R;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t blk = tile * nb + b;
+            const uint8_t *q = qs + blk * 16 * LP_R;
+            const uint16_t *d = dm + blk * 2 * LP_R, *m = d + LP_R;
+            for (int j = 0; j < 16; j++) {
+                float *o0 = oc + (b * 32 + j) * ld, *o1 = o0 + 16 * ld;
+                for (int k = 0; k < 8; k++) {
+                    const v8i v = ldu8(q + j * LP_R + 8 * k);
+                    const v8f dk = ldh(d + 8 * k), mk = ldh(m + 8 * k);
+                    stf(o0 + 8 * k, dk * cvt(v & m15) + mk);
+                    stf(o1 + 8 * k, dk * cvt(v >> 4) + mk);
+                }
+            }
+        }
+    }
+}
+
+static void dqt_q8_0_tiles(const void *const *parts, int64_t ta, int64_t tb, int64_t t0, int64_t nb, float *out_t,
+                           int64_t ld) {
+    const int8_t *restrict qs = (const int8_t *)parts[0];
+    const uint16_t *restrict dm = (const uint16_t *)parts[1];
+    for (int64_t tile = ta; tile < tb; tile++) {
+        float *restrict oc = out_t + (tile - t0) * LP_R;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t blk = tile * nb + b;
+            const int8_t *q = qs + blk * 32 * LP_R;
+            const uint16_t *d = dm + blk * LP_R;
+            for (int j = 0; j < 32; j++) {
+                float *o = oc + (b * 32 + j) * ld;
+                for (int k = 0; k < 8; k++)
+                    stf(o + 8 * k, cvt(ldi8(q + j * LP_R + 8 * k)) * ldh(d + 8 * k));
+            }
+        }
+    }
+}
+
+static void dqt_q4_k_tiles(const void *const *parts, int64_t ta, int64_t tb, int64_t t0, int64_t nb, float *out_t,
+                           int64_t ld) {
+    const uint8_t *restrict qs = (const uint8_t *)parts[0];
+    const uint8_t *restrict sm = (const uint8_t *)parts[1];
+    const uint16_t *restrict dm = (const uint16_t *)parts[2];
+    const v8i m15 = spli(15);
+    for (int64_t tile = ta; tile < tb; tile++) {
+        float *restrict oc = out_t + (tile - t0) * LP_R;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t blk = tile * nb + b;
+            const uint16_t *d = dm + blk * 2 * LP_R, *dmin = d + LP_R;
+            const uint8_t *smb = sm + blk * 16 * LP_R;
+            for (int p = 0; p < 4; p++) {
+                /* d*sc and dmin*mn of the two sub-blocks, as numpy rounds them */
+                v8f dl0[8], dl1[8], ml0[8], ml1[8];
+                for (int k = 0; k < 8; k++) {
+                    const v8f dk = ldh(d + 8 * k), nk = ldh(dmin + 8 * k);
+                    dl0[k] = dk * cvt(ldu8(smb + (2 * p) * LP_R + 8 * k));
+                    dl1[k] = dk * cvt(ldu8(smb + (2 * p + 1) * LP_R + 8 * k));
+                    ml0[k] = nk * cvt(ldu8(smb + (8 + 2 * p) * LP_R + 8 * k));
+                    ml1[k] = nk * cvt(ldu8(smb + (9 + 2 * p) * LP_R + 8 * k));
+                }
+                const uint8_t *q = qs + (blk * 128 + p * 32) * LP_R;
+                for (int l = 0; l < 32; l++) {
+                    float *o0 = oc + (b * 256 + p * 64 + l) * ld, *o1 = o0 + 32 * ld;
+                    for (int k = 0; k < 8; k++) {
+                        const v8i v = ldu8(q + l * LP_R + 8 * k);
+                        stf(o0 + 8 * k, dl0[k] * cvt(v & m15) - ml0[k]);
+                        stf(o1 + 8 * k, dl1[k] * cvt(v >> 4) - ml1[k]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+static void dqt_q6_k_tiles(const void *const *parts, int64_t ta, int64_t tb, int64_t t0, int64_t nb, float *out_t,
+                           int64_t ld) {
+    const uint8_t *restrict ql = (const uint8_t *)parts[0];
+    const uint8_t *restrict qh = (const uint8_t *)parts[1];
+    const int8_t *restrict sc = (const int8_t *)parts[2];
+    const uint16_t *restrict dm = (const uint16_t *)parts[3];
+    const v8i m15 = spli(15), m48 = spli(48), k32 = spli(32);
+    for (int64_t tile = ta; tile < tb; tile++) {
+        float *restrict oc = out_t + (tile - t0) * LP_R;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t blk = tile * nb + b;
+            const uint16_t *d = dm + blk * LP_R;
+            for (int hf = 0; hf < 2; hf++) {
+                for (int i = 0; i < 2; i++) {
+                    /* d*sc of the 4 sub-blocks of 16 this run of l touches */
+                    v8f dl[4][8];
+                    const int8_t *scb = sc + (blk * 16 + hf * 8 + i) * LP_R;
+                    for (int s = 0; s < 4; s++)
+                        for (int k = 0; k < 8; k++)
+                            dl[s][k] = ldh(d + 8 * k) * cvt(ldi8(scb + 2 * s * LP_R + 8 * k));
+                    for (int l = i * 16; l < i * 16 + 16; l++) {
+                        const uint8_t *qa = ql + (blk * 128 + hf * 64 + l) * LP_R;
+                        const uint8_t *qc = qa + 32 * LP_R;
+                        const uint8_t *qq = qh + (blk * 64 + hf * 32 + l) * LP_R;
+                        float *o = oc + (b * 256 + hf * 128 + l) * ld;
+                        for (int k = 0; k < 8; k++) {
+                            const v8i a = ldu8(qa + 8 * k), c = ldu8(qc + 8 * k), h = ldu8(qq + 8 * k);
+                            stf(o + 8 * k, dl[0][k] * cvt(((a & m15) | ((h << 4) & m48)) - k32));
+                            stf(o + 32 * ld + 8 * k, dl[1][k] * cvt(((c & m15) | ((h << 2) & m48)) - k32));
+                            stf(o + 64 * ld + 8 * k, dl[2][k] * cvt(((a >> 4) | (h & m48)) - k32));
+                            stf(o + 96 * ld + 8 * k, dl[3][k] * cvt(((c >> 4) | ((h >> 2) & m48)) - k32));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+QMM_API void lp_dqt_q4_0(const void *const *parts, int64_t t0, int64_t t1, int64_t nb, float *out_t, int64_t ld,
+                         int n_threads) {
+    dqt_run(dqt_q4_0_tiles, 32, parts, t0, t1, nb, out_t, ld, n_threads);
+}
+
+QMM_API void lp_dqt_q4_1(const void *const *parts, int64_t t0, int64_t t1, int64_t nb, float *out_t, int64_t ld,
+                         int n_threads) {
+    dqt_run(dqt_q4_1_tiles, 32, parts, t0, t1, nb, out_t, ld, n_threads);
+}
+
+QMM_API void lp_dqt_q8_0(const void *const *parts, int64_t t0, int64_t t1, int64_t nb, float *out_t, int64_t ld,
+                         int n_threads) {
+    dqt_run(dqt_q8_0_tiles, 32, parts, t0, t1, nb, out_t, ld, n_threads);
+}
+
+QMM_API void lp_dqt_q4_k(const void *const *parts, int64_t t0, int64_t t1, int64_t nb, float *out_t, int64_t ld,
+                         int n_threads) {
+    dqt_run(dqt_q4_k_tiles, 256, parts, t0, t1, nb, out_t, ld, n_threads);
+}
+
+QMM_API void lp_dqt_q6_k(const void *const *parts, int64_t t0, int64_t t1, int64_t nb, float *out_t, int64_t ld,
+                         int n_threads) {
+    dqt_run(dqt_q6_k_tiles, 256, parts, t0, t1, nb, out_t, ld, n_threads);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* dequantization of selected rows: rows ids[0..n) (row id = tile*64 + r, each < T*64) into   */
+/* out (n, n_in) row-major. Row r of a tile is lane r of every (.., 64) run. Bit-exact.        */
+
+QMM_API void lp_dqr_q4_0(const void *const *parts, int64_t nb, const int64_t *ids, int64_t n, float *out) {
+    const uint8_t *qs = (const uint8_t *)parts[0];
+    const uint16_t *dm = (const uint16_t *)parts[1];
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t tile = ids[i] / LP_R, r = ids[i] % LP_R;
+        float *restrict o = out + i * nb * 32;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t blk = tile * nb + b;
+            const uint8_t *q = qs + blk * 16 * LP_R + r;
+            const float d = h2f(dm[blk * LP_R + r]);
+            for (int j = 0; j < 16; j++) {
+                const int32_t v = q[j * LP_R];
+                o[b * 32 + j] = d * (float)((v & 15) - 8);
+                o[b * 32 + 16 + j] = d * (float)((v >> 4) - 8);
+            }
+        }
+    }
+}
+
+QMM_API void lp_dqr_q4_1(const void *const *parts, int64_t nb, const int64_t *ids, int64_t n, float *out) {
+    const uint8_t *qs = (const uint8_t *)parts[0];
+    const uint16_t *dm = (const uint16_t *)parts[1];
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t tile = ids[i] / LP_R, r = ids[i] % LP_R;
+        float *restrict o = out + i * nb * 32;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t blk = tile * nb + b;
+            const uint8_t *q = qs + blk * 16 * LP_R + r;
+            const float d = h2f(dm[blk * 2 * LP_R + r]), m = h2f(dm[blk * 2 * LP_R + LP_R + r]);
+            for (int j = 0; j < 16; j++) {
+                const int32_t v = q[j * LP_R];
+                o[b * 32 + j] = d * (float)(v & 15) + m;
+                o[b * 32 + 16 + j] = d * (float)(v >> 4) + m;
+            }
+        }
+    }
+}
+
+QMM_API void lp_dqr_q8_0(const void *const *parts, int64_t nb, const int64_t *ids, int64_t n, float *out) {
+    const int8_t *qs = (const int8_t *)parts[0];
+    const uint16_t *dm = (const uint16_t *)parts[1];
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t tile = ids[i] / LP_R, r = ids[i] % LP_R;
+        float *restrict o = out + i * nb * 32;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t blk = tile * nb + b;
+            const int8_t *q = qs + blk * 32 * LP_R + r;
+            const float d = h2f(dm[blk * LP_R + r]);
+            for (int j = 0; j < 32; j++)
+                o[b * 32 + j] = (float)q[j * LP_R] * d;
+        }
+    }
+}
+
+QMM_API void lp_dqr_q4_k(const void *const *parts, int64_t nb, const int64_t *ids, int64_t n, float *out) {
+    const uint8_t *qs = (const uint8_t *)parts[0];
+    const uint8_t *sm = (const uint8_t *)parts[1];
+    const uint16_t *dm = (const uint16_t *)parts[2];
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t tile = ids[i] / LP_R, r = ids[i] % LP_R;
+        float *restrict o = out + i * nb * 256;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t blk = tile * nb + b;
+            const float d = h2f(dm[blk * 2 * LP_R + r]), dmin = h2f(dm[blk * 2 * LP_R + LP_R + r]);
+            const uint8_t *s = sm + blk * 16 * LP_R + r;
+            for (int p = 0; p < 4; p++) {
+                const float d0 = d * (float)s[(2 * p) * LP_R], d1 = d * (float)s[(2 * p + 1) * LP_R];
+                const float n0 = dmin * (float)s[(8 + 2 * p) * LP_R], n1 = dmin * (float)s[(9 + 2 * p) * LP_R];
+                const uint8_t *q = qs + (blk * 128 + p * 32) * LP_R + r;
+                float *op = o + b * 256 + p * 64;
+                for (int l = 0; l < 32; l++) {
+                    const int32_t v = q[l * LP_R];
+                    op[l] = d0 * (float)(v & 15) - n0;
+                    op[32 + l] = d1 * (float)(v >> 4) - n1;
+                }
+            }
+        }
+    }
+}
+
+QMM_API void lp_dqr_q6_k(const void *const *parts, int64_t nb, const int64_t *ids, int64_t n, float *out) {
+    const uint8_t *ql = (const uint8_t *)parts[0];
+    const uint8_t *qh = (const uint8_t *)parts[1];
+    const int8_t *sc = (const int8_t *)parts[2];
+    const uint16_t *dm = (const uint16_t *)parts[3];
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t tile = ids[i] / LP_R, r = ids[i] % LP_R;
+        float *restrict o = out + i * nb * 256;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t blk = tile * nb + b;
+            const float d = h2f(dm[blk * LP_R + r]);
+            for (int hf = 0; hf < 2; hf++) {
+                for (int i2 = 0; i2 < 2; i2++) {
+                    const int8_t *s = sc + (blk * 16 + hf * 8 + i2) * LP_R + r;
+                    const float d1 = d * (float)s[0], d2 = d * (float)s[2 * LP_R];
+                    const float d3 = d * (float)s[4 * LP_R], d4 = d * (float)s[6 * LP_R];
+                    float *oe = o + b * 256 + hf * 128;
+                    for (int l = i2 * 16; l < i2 * 16 + 16; l++) {
+                        const int32_t a = ql[(blk * 128 + hf * 64 + l) * LP_R + r];
+                        const int32_t c = ql[(blk * 128 + hf * 64 + 32 + l) * LP_R + r];
+                        const int32_t h = qh[(blk * 64 + hf * 32 + l) * LP_R + r];
+                        oe[l] = d1 * (float)(((a & 15) | ((h & 3) << 4)) - 32);
+                        oe[32 + l] = d2 * (float)(((c & 15) | ((h & 12) << 2)) - 32);
+                        oe[64 + l] = d3 * (float)(((a >> 4) | (h & 48)) - 32);
+                        oe[96 + l] = d4 * (float)(((c >> 4) | ((h & 192) >> 2)) - 32);
+                    }
+                }
+            }
+        }
+    }
+}

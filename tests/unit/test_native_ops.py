@@ -1,0 +1,296 @@
+"""The C per-token ops (kernels_c/ops.c: lp_rms_norm, lp_rope, lp_attend[_f16], lp_swiglu) against
+the numpy reference kernels of kernels.py."""
+
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from llamapy.backend import kernels as K
+
+try:
+    from llamapy.backend import native
+except ImportError as e:  # pragma: no cover - the loader is part of the package
+    native, _import_error = None, str(e)
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+# lp_attend_f16 has lp_attend's arguments (k and v are f16 bits)
+_ATTEND = [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, ctypes.c_float, _P]
+
+
+@pytest.fixture(scope="module")
+def lib():
+    if native is None:
+        pytest.skip(f"llamapy.backend.native cannot be imported: {_import_error}")
+    lb = native.lib()
+    if lb is None:
+        pytest.skip(f"native kernels unavailable: {native.error()}")
+    return lb
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def _node(**params):
+    return SimpleNamespace(params=params)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def c_rms_norm(lib, x: np.ndarray, eps: float) -> np.ndarray:
+    rows, n = x.shape
+    assert x.dtype == np.float32 and x.strides[1] == 4
+    out = np.empty((rows, n), np.float32)
+    lib.lp_rms_norm(_ptr(x), rows, n, x.strides[0] // 4, eps, _ptr(out))
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 576, 2053])
+def test_rms_norm(lib, n):
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((5, n)) * rng.uniform(0.01, 30, (5, 1))).astype(np.float32)
+    ref = K.rms_norm(_node(eps=1e-5), [x], np)
+    np.testing.assert_allclose(c_rms_norm(lib, x, 1e-5), ref, rtol=1e-6, atol=0)
+    # a row view with a larger stride (the first n columns of a wider array)
+    wide = np.concatenate([x, rng.standard_normal((5, 3)).astype(np.float32)], axis=1)
+    np.testing.assert_allclose(c_rms_norm(lib, wide[:, :n], 1e-5), ref, rtol=1e-6, atol=0)
+
+
+def test_rms_norm_zero_and_nonfinite(lib):
+    x = np.zeros((3, 16), np.float32)
+    x[1, 3] = np.inf
+    x[2, 5] = np.nan
+    out = c_rms_norm(lib, x, 1e-6)
+    assert (out[0] == 0).all()
+    assert np.isnan(out[1, 3]) and (out[1, np.arange(16) != 3] == 0).all()  # inf * 0 scale
+    assert np.isnan(out[2]).all()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _inv_freq(n_dims, base, scale, factors=None):
+    inv = base ** (-2.0 * np.arange(n_dims // 2) / n_dims) * scale  # as cpu_kernels._rope_inv_freq
+    if factors is not None:
+        inv = inv / factors.astype(np.float64)
+    return np.ascontiguousarray(inv, np.float64)
+
+
+def c_rope(lib, x, pos, inv, n_dims, neox):
+    T, H, D = x.shape
+    assert x.flags.c_contiguous and pos.dtype == np.int32 and inv.dtype == np.float64
+    out = np.empty_like(x)
+    lib.lp_rope(_ptr(x), T, H, D, _ptr(pos), _ptr(inv), n_dims, int(neox), _ptr(out))
+    return out
+
+
+@pytest.mark.parametrize("mode", [0, 2])
+@pytest.mark.parametrize("D,n_dims", [(64, 64), (128, 128), (80, 32), (64, 48)])
+def test_rope(lib, mode, D, n_dims):
+    rng = np.random.default_rng(D + n_dims + mode)
+    T, H = 5, 3
+    x = rng.standard_normal((T, H, D)).astype(np.float32)
+    pos = np.array([0, 1, 17, 4095, 131000], np.int32)
+    factors = rng.uniform(1, 8, n_dims // 2).astype(np.float32) if D == 128 else None
+    node = _node(n_dims=n_dims, freq_base=500000.0, freq_scale=0.25, mode=mode)
+    srcs = [x, pos] + ([factors] if factors is not None else [])
+    ref = K.rope(node, srcs, np)
+    out = c_rope(lib, x, pos, _inv_freq(n_dims, 500000.0, 0.25, factors), n_dims, mode == 2)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(out[..., n_dims:], x[..., n_dims:])
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def c_attend(lib, q, k, v, mask, scale):
+    """q (T, H, D) f32; k/v (N, Hkv, D/Dv) f32 or f16 views with unit inner stride; mask (T, N) f32."""
+    T, H, D = q.shape
+    N, Hkv, _ = k.shape
+    Dv = v.shape[2]
+    assert q.flags.c_contiguous and q.dtype == np.float32 and mask.dtype == np.float32
+    assert k.dtype == v.dtype and k.strides[2] == v.strides[2] == k.itemsize and mask.strides[1] == 4
+    es = k.itemsize
+    out = np.empty((T, H, Dv), np.float32)
+    if k.dtype == np.float16:
+        fn = getattr(lib, "lp_attend_f16", None)
+        if fn is None:
+            pytest.skip("this build has no lp_attend_f16")
+        if fn.argtypes is None:  # not (yet) declared by native.SIGNATURES
+            fn.argtypes, fn.restype = _ATTEND, None
+    else:
+        fn = lib.lp_attend
+    fn(_ptr(q), T, H, D, _ptr(k), _ptr(v), N, Hkv, Dv, k.strides[0] // es, k.strides[1] // es,
+       v.strides[0] // es, v.strides[1] // es, _ptr(mask), mask.strides[0] // 4, scale, _ptr(out))  # fmt: skip
+    return out
+
+
+def _mask(rng, T, N, full_row):
+    m = np.zeros((T, N), np.float32)
+    m[rng.random((T, N)) < 0.3] = -np.inf
+    m[:, -1] = 0.0  # every row sees at least one cell...
+    m[rng.random((T, N)) < 0.2] = -0.5  # ...and some cells carry a finite bias
+    if full_row:
+        m[full_row] = -np.inf  # ...except this one
+    return m
+
+
+def _check_attend(lib, T, N, Hkv, g, D, dtype, layout, seed):
+    rng = np.random.default_rng(seed)
+    H = Hkv * g
+    n_ctx = N + 5
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    if layout == "cache":  # (n_ctx, Hkv*D) cache rows sliced to N: what the graph's view gives
+        kc = rng.standard_normal((n_ctx, Hkv * D)).astype(dtype)
+        vc = (rng.standard_normal((n_ctx, Hkv * D)) * 3).astype(dtype)
+        k, v = kc[:N].reshape(N, Hkv, D), vc[:N].reshape(N, Hkv, D)
+    else:  # padded rows and heads: row stride > Hkv*D, head stride > D
+        kc = rng.standard_normal((n_ctx, Hkv, D + 8)).astype(dtype)
+        vc = (rng.standard_normal((n_ctx, Hkv + 1, D + 3)) * 3).astype(dtype)
+        k, v = kc[2 : N + 2, :, :D], vc[1 : N + 1, 1:, 3:]
+    full_row = 1 if T > 1 else None
+    mask = _mask(rng, T, N, full_row)
+    scale = 1.0 / np.sqrt(D)
+    out = c_attend(lib, q, k, v, mask, scale)
+    with np.errstate(invalid="ignore"):  # the fully masked row
+        ref = K._attend(q, k, v, mask, scale, np)
+    if full_row is not None:  # numpy gives nan for a row with no visible cell; the C kernel zeros
+        assert (out[full_row] == 0).all()
+        ref[full_row] = 0.0
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5 * float(np.abs(v.astype(np.float32)).max()))
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("N", [1, 7, 300])
+@pytest.mark.parametrize("g", [1, 3])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_attend(lib, T, N, g, dtype):
+    layout = "cache" if (N + g) % 2 else "padded"
+    _check_attend(lib, T, N, 3, g, 64, dtype, layout, seed=T * 1000 + N * 10 + g)
+
+
+@pytest.mark.parametrize(
+    "D,Hkv,g,N", [(128, 2, 4, 300), (128, 8, 1, 129), (80, 1, 3, 65), (40, 2, 2, 2100), (20, 2, 2, 100)]
+)
+def test_attend_shapes(lib, D, Hkv, g, N):
+    for dtype in (np.float32, np.float16):
+        _check_attend(lib, 2, N, Hkv, g, D, dtype, "padded", seed=D + N)
+        _check_attend(lib, 1, N, Hkv, g, D, dtype, "cache", seed=D + N + 1)
+
+
+def test_attend_eight_tokens(lib):
+    """The most queries the decode path sends (cpu_kernels.ATTN_MAX_TOKENS): causal mask rows."""
+    rng = np.random.default_rng(8)
+    T, Hkv, g, D, N = 8, 3, 3, 64, 200
+    q = rng.standard_normal((T, Hkv * g, D)).astype(np.float32)
+    k = rng.standard_normal((N, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((N, Hkv, D)).astype(np.float32)
+    mask = np.where(np.arange(N)[None, :] <= np.arange(N - T, N)[:, None], 0.0, -np.inf).astype(np.float32)
+    np.testing.assert_allclose(c_attend(lib, q, k, v, mask, 0.125), K._attend(q, k, v, mask, 0.125, np), atol=1e-5)
+
+
+def test_attend_large_scores(lib):
+    """Scores far apart (a running max that keeps growing, cells that underflow to 0)."""
+    rng = np.random.default_rng(5)
+    T, H, Hkv, D, N = 2, 4, 2, 64, 500
+    q = (rng.standard_normal((T, H, D)) * 4).astype(np.float32)
+    k = (rng.standard_normal((N, Hkv, D)) * np.linspace(0.1, 4, N)[:, None, None]).astype(np.float32)
+    v = rng.standard_normal((N, Hkv, D)).astype(np.float32)
+    mask = np.zeros((T, N), np.float32)
+    mask[1, 250:] = -np.inf
+    out = c_attend(lib, q, k, v, mask, 0.125)
+    ref = K._attend(q, k, v, mask, 0.125, np)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5)
+
+
+def test_attend_nan_propagates(lib):
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((1, 4, 64)).astype(np.float32)
+    q[0, 1, 3] = np.nan  # every score of head 1 is nan
+    k = rng.standard_normal((90, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((90, 2, 64)).astype(np.float32)
+    k[70, 1, 5] = np.nan  # one cell of KV head 1 (heads 2 and 3)...
+    mask = np.zeros((1, 90), np.float32)
+    out = c_attend(lib, q, k, v, mask, 0.125)
+    assert np.isfinite(out[0, 0]).all() and np.isnan(out[0, 1:]).all()
+    mask[0, 70] = -np.inf  # ...not read once masked
+    out = c_attend(lib, q, k, v, mask, 0.125)
+    assert np.isfinite(out[0, [0, 2, 3]]).all() and np.isnan(out[0, 1]).all()
+    k[70, 1, 5] = 0.0  # (numpy's scores have nan + -inf = nan there)
+    np.testing.assert_allclose(out[0, 2:], K._attend(q, k, v, mask, 0.125, np)[0, 2:], rtol=0, atol=1e-5)
+
+
+def test_attend_f16_rounding(lib):
+    """Q rounded to f16 as the reference does (ties, subnormals); f16 cache subnormals and zeros."""
+    rng = np.random.default_rng(7)
+    T, H, Hkv, D, N = 2, 6, 2, 64, 70
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    q[0, 0, :8] = [1 + 2**-11, 1 + 3 * 2**-11, 3e-6, -3e-7, 6.1e-5, 2**-24 * 1.5, 65504.0 / 1e3, 0.0]
+    k = rng.standard_normal((N, Hkv, D)).astype(np.float16)
+    v = rng.standard_normal((N, Hkv, D)).astype(np.float16)
+    k[::3, :, ::5] = np.float16(3e-6)  # subnormal
+    v[1::4, :, 1::7] = np.float16(-5e-7)
+    out = c_attend(lib, q, k, v, np.zeros((T, N), np.float32), 0.125)
+    np.testing.assert_allclose(out, K._attend(q, k, v, np.zeros((T, N), np.float32), 0.125, np), rtol=0, atol=1e-5)
+
+
+def test_attend_threads_split_cells(lib):
+    """Several threads split the cells and merge their partial softmaxes (lp_attend_set_threads)."""
+    set_threads = getattr(lib, "lp_attend_set_threads", None)
+    if set_threads is None:
+        pytest.skip("this build has no lp_attend_set_threads")
+    set_threads.argtypes, set_threads.restype = [ctypes.c_int], None
+    try:
+        for n in (4, 3):  # more threads than this machine may have: the split is what is tested
+            set_threads(n)
+            for dt in (np.float32, np.float16):
+                _check_attend(lib, 2, 3000, 1, 4, 64, dt, "padded", seed=11)
+                _check_attend(lib, 1, 5000, 2, 3, 64, dt, "cache", seed=12)
+                _check_attend(lib, 3, 777, 3, 3, 64, dt, "cache", seed=13)  # a short last range
+            # rows that see only the first or the last cells: ranges with nothing visible
+            rng = np.random.default_rng(14)
+            q = rng.standard_normal((2, 4, 64)).astype(np.float32)
+            k = rng.standard_normal((3000, 2, 64)).astype(np.float32)
+            v = rng.standard_normal((3000, 2, 64)).astype(np.float32)
+            mask = np.full((2, 3000), -np.inf, np.float32)
+            mask[0, :100] = 0.0
+            mask[1, -100:] = 0.0
+            ref = K._attend(q, k, v, mask, 0.125, np)
+            np.testing.assert_allclose(c_attend(lib, q, k, v, mask, 0.125), ref, rtol=0, atol=1e-5)
+    finally:
+        set_threads(1)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def c_swiglu(lib, gate, up):
+    rows, n = gate.shape
+    assert gate.strides[1] == up.strides[1] == 4
+    out = np.empty((rows, n), np.float32)
+    lib.lp_swiglu(_ptr(gate), _ptr(up), rows, n, gate.strides[0] // 4, up.strides[0] // 4, _ptr(out))
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 13, 1536, 8195])
+def test_swiglu(lib, n):
+    rng = np.random.default_rng(n)
+    rows = 3
+    gu = (rng.standard_normal((rows, 2 * n)) * 6).astype(np.float32)  # fused gate|up columns
+    gu[0, : min(n, 8)] = [-1000.0, -100.0, -88.5, -87.9, 87.9, 100.0, 1e30, -1e30][: min(n, 8)]
+    gate, up = gu[:, :n], gu[:, n:]
+    ref = K.glu(None, [gate, up], np)
+    np.testing.assert_allclose(c_swiglu(lib, gate, up), ref, rtol=1e-6, atol=0)
+
+
+def test_swiglu_nonfinite(lib):
+    gate = np.array([[np.inf, -np.inf, np.nan, 0.0]], np.float32)
+    up = np.array([[2.0, 2.0, 2.0, np.inf]], np.float32)
+    with np.errstate(all="ignore"):
+        ref = K.glu(None, [gate, up], np)
+    np.testing.assert_array_equal(c_swiglu(lib, gate, up), ref)

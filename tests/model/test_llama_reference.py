@@ -133,3 +133,22 @@ def test_two_sequences_in_one_batch_equal_two_runs(make_llama) -> None:
                               np.ones(len(a) + len(b), bool))  # fmt: skip
     assert np.abs(both[: len(a)] - la).max() <= 1e-4 * np.abs(la).max()
     assert np.abs(both[len(a) :] - lb).max() <= 1e-4 * np.abs(lb).max()
+
+
+@pytest.mark.parametrize("impl", ["c", "numba", "numpy"])
+@pytest.mark.parametrize("ubatch", [1, 64])
+def test_every_kernel_set_matches_reference(make_llama, monkeypatch, impl: str, ubatch: int) -> None:
+    """The C kernels, numba's and the numpy fallback (qmatmul.kernels()) each run the whole model:
+    decode (-ub 1: matvec, decode attention) and a 42-token batch (BLAS on expanded tiles),
+    K-quants included."""
+    from llamapy.backend import native, qmatmul
+
+    if impl == "c" and native.lib() is None:
+        pytest.skip(f"no C kernels: {native.error()}")
+    if impl == "numba" and qmatmul.numba_kernels() is None:
+        pytest.skip(f"no numba: {qmatmul._nk_error}")
+    monkeypatch.setattr(qmatmul, "_kernels", impl)
+    toks = TOKENS * 3
+    _check(make_llama(n_layer=2, n_embd=256, n_ff=512, qtype=T.Q4_K, embd_type=T.Q6_K), toks,
+           n_ubatch=ubatch, n_batch=64)  # fmt: skip
+    _check(make_llama(n_layer=2, qtype=T.Q4_1, embd_type=T.Q8_0), toks, n_ubatch=ubatch, n_batch=64)

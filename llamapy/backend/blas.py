@@ -18,7 +18,7 @@ from ..tensor import Op, Tensor
 from ..types import DeviceType
 from .cpu import CPU_BUFT, CPUBackend
 from .interface import Backend, BufferType, Device, DeviceProps, Registry
-from .kernels import KERNELS, leaf_storage, run_nodes
+from .kernels import KERNELS, run_nodes
 
 TILE_ROWS = 4096  # rows of the weight expanded at once: bounds the f32 scratch to a few MiB
 
@@ -38,14 +38,12 @@ def blas_mul_mat(node: Tensor, s: list[Any], xp: Any) -> Any:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+BLAS_KERNELS = {**KERNELS, Op.MUL_MAT: blas_mul_mat}
+
+
 class BLASBackend(CPUBackend):
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
-        for n in nodes:
-            if n.op is Op.MUL_MAT:
-                srcs = [env[s] if s in env else leaf_storage(s) for s in n.src]
-                env[n] = blas_mul_mat(n, srcs, np)
-            else:
-                run_nodes([n], env, np)
+        run_nodes(nodes, env, np, table=BLAS_KERNELS)
 
 
 class BLASDevice(Device):

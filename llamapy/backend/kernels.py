@@ -251,8 +251,11 @@ def run_nodes(
     storage: Callable[[Tensor], Any] = leaf_storage,
     table: dict[Op, Kernel] = KERNELS,
 ) -> None:
-    """Evaluate nodes in order with a kernel table; shared by the CPU, TEST and CUDA backends."""
-    for node in nodes:
+    """Evaluate nodes in order with a kernel table; shared by the CPU, TEST and CUDA backends.
+    A split's node list says which values die after each node (sched/split.py `NodeList`):
+    they are dropped from `env` as soon as they are dead."""
+    release = getattr(nodes, "release", None)
+    for i, node in enumerate(nodes):
         srcs = []
         for src in node.src:
             val = env.get(src)
@@ -260,6 +263,9 @@ def run_nodes(
                 val = storage(src)
             srcs.append(val)
         env[node] = table[node.op](node, srcs, xp)
+        if release is not None:
+            for t in release[i]:
+                env.pop(t, None)
 
 
 def reference(node: Tensor, srcs: list[np.ndarray]) -> np.ndarray:

@@ -22,7 +22,7 @@ from ..tensor import Tensor, TensorFlag
 from ..types import LlamapyError
 from .alloc import plan_sizes
 from .passes import Assignment, assign
-from .split import Split, split
+from .split import Split, releases, split
 
 
 @dataclass
@@ -61,6 +61,7 @@ class Scheduler:
             return plan
         a = assign(graph, self.backends, self.op_offload)
         splits = split(graph, self.backends, a)
+        releases(graph, splits)
         order: list[tuple[int, Tensor, list[Tensor]]] = []
         for s in splits:
             for inp in s.inputs:
@@ -120,6 +121,8 @@ class Scheduler:
                     vals[inp] = saved[inp]
                 else:
                     del vals[inp]
+            for t in s.release_after:
+                vals.pop(t, None)
             for n in s.nodes:
                 home[n] = s.backend
         out: dict[Tensor, np.ndarray] = {}

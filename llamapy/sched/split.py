@@ -16,11 +16,23 @@ from ..tensor import Tensor
 from .passes import Assignment
 
 
+class NodeList(list):
+    """A split's nodes, carrying for each node the values that die once it has run (`release`,
+    aligned with the nodes; set by `releases`): `kernels.run_nodes` drops them from the
+    environment, so that a 512-token batch does not hold every intermediate of the graph at
+    once (the role of ggml-alloc's reuse of dead tensors' memory). A backend that ignores it is
+    still correct: the values then live until the graph has run."""
+
+    release: list[tuple[Tensor, ...]]
+
+
 @dataclass
 class Split:
     backend: int
-    nodes: list[Tensor] = field(default_factory=list)
+    nodes: list[Tensor] = field(default_factory=NodeList)
     inputs: list[Tensor] = field(default_factory=list)  # copied in from another backend
+    # values copied into this split that die with it (dropped by the scheduler after it ran)
+    release_after: list[Tensor] = field(default_factory=list)
 
 
 def _usable_without_copy(backends: Sequence[Backend], a: Assignment, src: Tensor, b: int) -> bool:
@@ -47,3 +59,28 @@ def split(graph: Graph, backends: Sequence[Backend], a: Assignment) -> list[Spli
             if a[src] != b and not _usable_without_copy(backends, a, src, b):
                 cur.inputs.append(src)
     return splits
+
+
+def releases(graph: Graph, splits: list[Split]) -> None:
+    """Set each split's `nodes.release` and `release_after`: a value computed by a node (not a
+    graph output) dies after its last reader — inside that reader's split, unless the reader got
+    it as a copied input, in which case the original dies after that split."""
+    keep = set(graph.outputs)
+    last: dict[Tensor, tuple[int, int]] = {}  # value -> (split, node) of its last reader
+    for si, s in enumerate(splits):
+        for ni, n in enumerate(s.nodes):
+            for src in n.src:
+                if src in last:
+                    last[src] = (si, ni)
+            last[n] = (si, ni)  # a value no node reads dies right after it is made
+    rel: list[list[list[Tensor]]] = [[[] for _ in s.nodes] for s in splits]
+    for t, (si, ni) in last.items():
+        if t in keep:
+            continue
+        if t in splits[si].inputs:
+            splits[si].release_after.append(t)
+        else:
+            rel[si][ni].append(t)
+    for s, r in zip(splits, rel):
+        s.nodes = NodeList(s.nodes)
+        s.nodes.release = [tuple(x) for x in r]

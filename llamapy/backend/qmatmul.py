@@ -69,11 +69,11 @@ _nk: Any = None  # the numba_kernels module once imported
 _nk_error: str | None = None
 
 
-def numba_kernels(load: bool = True) -> Any:
-    """The numba kernel module (imported on first call with load=True), or None without numba,
-    with LLAMAPY_NO_NUMBA=1 or when the kernels in use are "numpy"."""
+def numba_kernels() -> Any:
+    """The numba kernel module (imported on the first call), or None without numba or with
+    LLAMAPY_NO_NUMBA=1."""
     global _nk, _nk_error
-    if _nk is not None or not load or _nk_error is not None:
+    if _nk is not None or _nk_error is not None:
         return _nk
     if os.environ.get("LLAMAPY_NO_NUMBA", "") not in ("", "0"):
         _nk_error = "disabled by LLAMAPY_NO_NUMBA"
@@ -419,6 +419,7 @@ class QMatrix:
     # For the C kernels: pointers to _rp's arrays and the (matvec, tiles, rows) functions.
     _cparts: Any = field(repr=False, default=None)
     _cfns: Any = field(repr=False, default=None)
+    _tail_f32: np.ndarray | None = field(repr=False, default=None)
     _nbparts: Any = field(repr=False, default=None)  # _rp as the numba kernels take it
 
     @classmethod
@@ -591,8 +592,11 @@ class QMatrix:
             out[tail] = self._tail_rows()[ids[tail] - self._n_full]
 
     def _tail_rows(self) -> np.ndarray:
-        """The last n_out % REPACK_ROWS rows (kept in the file's layout) as float32."""
-        return quants.dequantize(self.data, self.qtype, self.n_in).reshape(-1, self.n_in)
+        """The last n_out % REPACK_ROWS rows (kept in the file's layout) as float32, expanded
+        once: at most 63 rows (matrices have them rarely, e.g. an odd vocabulary's output)."""
+        if self._tail_f32 is None:
+            self._tail_f32 = quants.dequantize(self.data, self.qtype, self.n_in).reshape(-1, self.n_in)
+        return self._tail_f32
 
     def get_rows(self, ids: np.ndarray) -> np.ndarray:
         """GET_ROWS: float32 (len(ids), n_in), e.g. token embeddings."""

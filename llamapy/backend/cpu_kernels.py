@@ -50,28 +50,39 @@ def _attn_inputs(s: list[Any]) -> tuple[np.ndarray, ...]:
 # --- C (kernels_c/ops.c) ---------------------------------------------------------------------
 
 
+# A decode step runs ~270 of these small kernels, so their Python side is kept short: a node's
+# constant arguments (eps, rope frequencies, scale) are worked out on its first run and kept.
+_consts: dict[Tensor, tuple] = {}
+
+
+def _node_consts(node: Tensor, make: Any) -> tuple:
+    c = _consts.get(node)
+    if c is None:
+        if len(_consts) > 1 << 14:  # graphs of many shapes over a long run: start again
+            _consts.clear()
+        c = _consts[node] = make()
+    return c
+
+
 def _c_rms_norm(node: Tensor, s: list[Any], xp: Any) -> Any:
     x = s[0]
     flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)  # (rows, n)
     out = np.empty_like(flat)
     rows, n = flat.shape
-    native.lib().lp_rms_norm(_ptr(flat), rows, n, n, float(node.params["eps"]), _ptr(out))
+    (eps,) = _node_consts(node, lambda: (float(node.params["eps"]),))
+    _lib.lp_rms_norm(_ptr(flat), rows, n, n, eps, _ptr(out))
     return out.reshape(x.shape)
 
 
 def _c_rope(node: Tensor, s: list[Any], xp: Any) -> Any:
     x = np.ascontiguousarray(s[0], dtype=np.float32)  # (T, H, D)
     pos = np.ascontiguousarray(s[1], dtype=np.int32)
-    inv = np.ascontiguousarray(_rope_inv_freq(node, s))
+    inv, n_dims, neox = _node_consts(node, lambda: (
+        np.ascontiguousarray(_rope_inv_freq(node, s)), node.params["n_dims"], int(node.params["mode"] == 2)))
     out = np.empty_like(x)
     T, H, D = x.shape
-    native.lib().lp_rope(_ptr(x), T, H, D, _ptr(pos), _ptr(inv), node.params["n_dims"],
-                         int(node.params["mode"] == 2), _ptr(out))
+    _lib.lp_rope(_ptr(x), T, H, D, _ptr(pos), _ptr(inv), n_dims, neox, _ptr(out))
     return out
-
-
-def _elem_strides(a: np.ndarray) -> tuple[int, ...]:
-    return tuple(st // a.itemsize for st in a.strides)
 
 
 def _c_flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
@@ -90,11 +101,11 @@ def _c_flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
     T, H, D = q.shape
     N, Hkv, Dv = v.shape
     out = np.empty((T, H, Dv), np.float32)
-    (k_sn, k_sh, _), (v_sn, v_sh, _) = _elem_strides(k), _elem_strides(v)
-    lib = native.lib()
-    fn = lib.lp_attend_f16 if k.dtype == np.float16 else lib.lp_attend
-    fn(_ptr(q), T, H, D, _ptr(k), _ptr(v), N, Hkv, Dv, k_sn, k_sh, v_sn, v_sh,
-       _ptr(mask), mask.strides[0] // 4, float(node.params["scale"]), _ptr(out))
+    ks, vs, isz = k.strides, v.strides, k.itemsize  # in elements for the kernel
+    fn = _lib.lp_attend_f16 if isz == 2 else _lib.lp_attend
+    (scale,) = _node_consts(node, lambda: (float(node.params["scale"]),))
+    fn(_ptr(q), T, H, D, _ptr(k), _ptr(v), N, Hkv, Dv, ks[0] // isz, ks[1] // isz, vs[0] // isz, vs[1] // isz,
+       _ptr(mask), mask.strides[0] // 4, scale, _ptr(out))
     return out
 
 
@@ -105,8 +116,7 @@ def _c_glu(node: Tensor, s: list[Any], xp: Any) -> Any:
         return KERNELS[Op.GLU](node, s, xp)
     rows, n = gate.shape
     out = np.empty((rows, n), np.float32)
-    native.lib().lp_swiglu(_ptr(gate), _ptr(up), rows, n, gate.strides[0] // 4, up.strides[0] // 4,
-                           _ptr(out))
+    _lib.lp_swiglu(_ptr(gate), _ptr(up), rows, n, gate.strides[0] // 4, up.strides[0] // 4, _ptr(out))
     return out
 
 
@@ -148,6 +158,13 @@ _TABLES: dict[str, dict[Op, Kernel]] = {
 }
 
 
+_lib: Any = None  # native.lib(), once the C table is in use
+
+
 def cpu_kernels() -> dict[Op, Kernel]:
     """The CPU backend's kernel table for the compiled kernels in use (qmatmul.kernels())."""
-    return _TABLES[kernels()]
+    global _lib
+    impl = kernels()
+    if impl == "c" and _lib is None:
+        _lib = native.lib()
+    return _TABLES[impl]

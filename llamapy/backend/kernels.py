@@ -32,7 +32,7 @@ def get_rows(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 def set_rows(node: Tensor, s: list[Any], xp: Any) -> Any:
     dst, ids, src = s
-    dst[ids.astype(xp.int64)] = src.reshape(src.shape[0], -1).astype(dst.dtype)
+    dst[ids.astype(xp.int64, copy=False)] = src.reshape(src.shape[0], -1).astype(dst.dtype, copy=False)
     return dst
 
 

@@ -127,6 +127,18 @@ def _build(cc: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+def _target(cc: str) -> Path:
+    return cache_dir() / f"llamapy-cpu-{_key(cc)}.so"
+
+
+def needs_build() -> bool:
+    """Whether the next `lib()` will compile the kernels first (a few seconds, once)."""
+    if "lib" in _state or not enabled() or not _sources():
+        return False
+    cc = compiler()
+    return cc is not None and not _target(cc).exists()
+
+
 def _load() -> ctypes.CDLL:
     if not enabled():
         raise OSError("disabled by LLAMAPY_NATIVE=0")
@@ -135,7 +147,7 @@ def _load() -> ctypes.CDLL:
         raise OSError("no C compiler found (set CC)")
     if not _sources():
         raise OSError(f"no C sources in {SRC_DIR}")
-    target = cache_dir() / f"llamapy-cpu-{_key(cc)}.so"
+    target = _target(cc)
     if not target.exists():
         _build(cc, target)
     # libgomp reads its settings when it loads, i.e. right here: spin ~1000 rounds (tens of us,

@@ -150,6 +150,10 @@ def load(
         no_kv_offload=nkvo,
         op_offload=not no_op_offload,
     )
+    from ..backend import native
+
+    if not quiet and native.needs_build():
+        log(f"llamapy: compiling the CPU kernels into {native.cache_dir()} (once per machine, a few seconds)")
     llm = Llama(path, model_options=mo, context_options=co)
     if not quiet:
         log_load(llm)

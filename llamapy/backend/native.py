@@ -9,8 +9,10 @@ are compiled once by NVRTC and cached.
 
 Why not numba for these: numba's runtime is LLVM, which alone adds ~130 MiB to the resident set
 of every run (libllvmlite's pages, the JIT and numba's type system) - more than the model's
-weights; a gcc-built library costs ~1 MiB. numba stays the fallback when no compiler is found,
-and numpy the one after that (`qmatmul.kernel_impl`). LLAMAPY_NATIVE=0 switches this path off.
+weights; the gcc-built library is 75 KB. numba stays the fallback when no compiler is found,
+and numpy the one after that (`qmatmul.kernels()`). LLAMAPY_NATIVE=0 switches this path off.
+The cache directory is trusted like numba's cache or site-packages: whoever can write there
+can run code in llamapy.
 
 `lib()` never raises: a missing compiler or a failed build returns None and `error()` says why.
 """

@@ -73,4 +73,14 @@ def devices() -> None:
             except Exception as e:  # noqa: BLE001 - the listing reports, never crashes
                 status = f"FAIL  {type(e).__name__}: {e}".splitlines()[0]
             out.write(f"  {d.name:<8} {d.type.name:<6} {mem:<28} {p.description:<40} {status}\n")
+    from ..backend import native, qmatmul
+
+    impl = qmatmul.kernels()
+    if impl == "c":
+        why = ""
+    elif native.lib() is None:
+        why = f"  (C kernels: {native.error()})"
+    else:
+        why = "  (chosen by LLAMAPY_KERNELS)"
+    out.write(f"CPU kernels: {impl}{why}\n")
     out.flush()

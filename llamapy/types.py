@@ -1,4 +1,4 @@
-"""Element types and errors shared by every layer (ggml.h's `enum ggml_type`, gguf-py's constants).
+"""Element types, errors and the cache directory shared by every layer (ggml.h's `enum ggml_type`, gguf-py's constants).
 
 GGMLType's values are the GGUF numbers themselves (`GGMLType.Q4_0 == 2`), taken from the `gguf`
 package so that llamapy and gguf-py can never disagree about a block size.
@@ -6,7 +6,9 @@ package so that llamapy and gguf-py can never disagree about a block size.
 
 from __future__ import annotations
 
+import os
 from enum import IntEnum
+from pathlib import Path
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -21,6 +23,13 @@ SUPPORTED_TYPES: frozenset[GGMLType] = frozenset(
         "F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K".split()
     )
 )
+
+
+def cache_dir() -> Path:
+    """Where llamapy keeps what it makes once (the default model, repacked weights, compiled
+    kernels): `$LLAMAPY_CACHE`, else `~/.cache/llamapy`."""
+    env = os.environ.get("LLAMAPY_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "llamapy"
 
 
 def block_size(t: GGMLType) -> tuple[int, int]:

@@ -16,26 +16,11 @@ import numpy as np
 
 from ..tensor import Op, Tensor
 from . import native
-from .kernels import KERNELS, Kernel
+from .kernels import KERNELS, Kernel, rope_inv_freq
 from .qmatmul import kernels, numba_kernels
 
 _ptr = native.ptr
 ATTN_MAX_TOKENS = 8  # up to this many queries, attention runs in the compiled loop
-
-_inv_freq: dict[tuple, np.ndarray] = {}
-
-
-def _rope_inv_freq(node: Tensor, s: list[Any]) -> np.ndarray:
-    """(n_dims/2,) float64 inverse frequencies, freq_scale and rope_freqs (s[2]) applied."""
-    p = node.params
-    n_dims, base, scale = p["n_dims"], p["freq_base"], p["freq_scale"]
-    key = (n_dims, base, scale)
-    inv = _inv_freq.get(key)
-    if inv is None:
-        inv = _inv_freq[key] = base ** (-2.0 * np.arange(n_dims // 2) / n_dims) * scale
-    if len(s) > 2:
-        inv = inv / s[2].astype(np.float64)
-    return inv
 
 
 def _attn_inputs(s: list[Any]) -> tuple[np.ndarray, ...]:
@@ -45,9 +30,6 @@ def _attn_inputs(s: list[Any]) -> tuple[np.ndarray, ...]:
         q = q.astype(np.float16)
         k, v = k.astype(np.float32), v.astype(np.float32)
     return np.ascontiguousarray(q, dtype=np.float32), k, v, mask.astype(np.float32, copy=False)
-
-
-# --- C (kernels_c/ops.c) ---------------------------------------------------------------------
 
 
 # A decode step runs ~270 of these small kernels, so their Python side is kept short: a node's
@@ -64,6 +46,9 @@ def _node_consts(node: Tensor, make: Any) -> tuple:
     return c
 
 
+# --- C (kernels_c/ops.c) ---------------------------------------------------------------------
+
+
 def _c_rms_norm(node: Tensor, s: list[Any], xp: Any) -> Any:
     x = s[0]
     flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)  # (rows, n)
@@ -74,11 +59,22 @@ def _c_rms_norm(node: Tensor, s: list[Any], xp: Any) -> Any:
     return out.reshape(x.shape)
 
 
+def _rope_consts(node: Tensor, s: list[Any]) -> tuple[np.ndarray, int, int]:
+    """A ROPE node's (inverse frequencies, n_dims, neox), worked out on its first run."""
+
+    def make() -> tuple[np.ndarray, int, int]:
+        p = node.params
+        factors = s[2] if len(s) > 2 else None  # rope_freqs: a weight, fixed for the node
+        inv = rope_inv_freq(np, p["n_dims"], p["freq_base"], p["freq_scale"], factors)
+        return np.ascontiguousarray(inv), p["n_dims"], int(p["mode"] == 2)
+
+    return _node_consts(node, make)
+
+
 def _c_rope(node: Tensor, s: list[Any], xp: Any) -> Any:
     x = np.ascontiguousarray(s[0], dtype=np.float32)  # (T, H, D)
     pos = np.ascontiguousarray(s[1], dtype=np.int32)
-    inv, n_dims, neox = _node_consts(node, lambda: (
-        np.ascontiguousarray(_rope_inv_freq(node, s)), node.params["n_dims"], int(node.params["mode"] == 2)))
+    inv, n_dims, neox = _rope_consts(node, s)
     out = np.empty_like(x)
     T, H, D = x.shape
     _lib.lp_rope(_ptr(x), T, H, D, _ptr(pos), _ptr(inv), n_dims, neox, _ptr(out))
@@ -131,8 +127,8 @@ def _nb_rms_norm(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 def _nb_rope(node: Tensor, s: list[Any], xp: Any) -> Any:
     x = np.ascontiguousarray(s[0], dtype=np.float32)
-    inv = _rope_inv_freq(node, s)
-    return numba_kernels()._rope(x, s[1], inv, node.params["n_dims"], node.params["mode"] == 2)
+    inv, n_dims, neox = _rope_consts(node, s)
+    return numba_kernels()._rope(x, s[1], inv, n_dims, bool(neox))
 
 
 def _nb_flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:

@@ -105,14 +105,21 @@ def rope_cos_sin(
     return cos, sin
 
 
-def _rope_tables_compute(
-    xp: Any, pos: Any, n_dims: int, base: float, freq_scale: float, factors: Any | None
-) -> tuple[Any, Any]:
+def rope_inv_freq(xp: Any, n_dims: int, base: float, freq_scale: float, factors: Any | None) -> Any:
+    """(n_dims/2,) float64: the angle of pair i at position p is p * inv[i] (ggml
+    rope_cache_init: base^(-2i/n_dims) * freq_scale, divided by rope_freqs when present)."""
     i = xp.arange(n_dims // 2, dtype=xp.float64)
     inv = base ** (-2.0 * i / n_dims)
     if factors is not None:
         inv = inv / factors.astype(xp.float64)
-    theta = pos.astype(xp.float64)[:, None] * inv[None, :] * freq_scale
+    return inv * freq_scale
+
+
+def _rope_tables_compute(
+    xp: Any, pos: Any, n_dims: int, base: float, freq_scale: float, factors: Any | None
+) -> tuple[Any, Any]:
+    inv = rope_inv_freq(xp, n_dims, base, freq_scale, factors)
+    theta = pos.astype(xp.float64)[:, None] * inv[None, :]
     return xp.cos(theta).astype(xp.float32), xp.sin(theta).astype(xp.float32)
 
 

@@ -30,6 +30,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ..types import cache_dir as _cache_root
+
 SRC_DIR = Path(__file__).parent / "kernels_c"
 # -ffp-contract=off: the dequantization kernels must round like numpy (bit-exact tiles);
 # kernels that want FMAs call fmaf explicitly.
@@ -67,8 +69,7 @@ def enabled() -> bool:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("LLAMAPY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llamapy")
-    return Path(base) / "native"
+    return _cache_root() / "native"
 
 
 def compiler() -> str | None:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..types import cache_dir
+
 LAYOUT_VERSION = 2  # 2: f16 block scales in the repacked tiles (were float32)
 ALIGN = 64
 TRAILER = b"LLAMAPY-REPACK-1"
@@ -32,8 +34,7 @@ def cache_root() -> Path | None:
         return None
     if env:
         return Path(env)
-    base = os.environ.get("LLAMAPY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llamapy")
-    return Path(base) / "repack"
+    return cache_dir() / "repack"
 
 
 @dataclass

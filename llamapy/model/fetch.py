@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-from llamapy.types import LlamapyError
+from llamapy.types import LlamapyError, cache_dir
 
 __all__ = [
     "GGUF_MEMBER",
@@ -45,9 +45,8 @@ class ModelFetchError(LlamapyError):
 
 
 def default_cache_dir() -> Path:
-    """`$LLAMAPY_CACHE`, else `~/.cache/llamapy`."""
-    env = os.environ.get("LLAMAPY_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "llamapy"
+    """`$LLAMAPY_CACHE`, else `~/.cache/llamapy` (types.cache_dir)."""
+    return cache_dir()
 
 
 def _sha256_file(path: Path) -> str:

@@ -1,0 +1,149 @@
+/* ggml's quantized block layouts and the vec_dot ABI shared by the C kernels.
+ *
+ * ggml counterparts: ggml-common.h (block_q4_0 ... block_q8_K, QK_K = 256, K_SCALE_SIZE = 12),
+ * ggml-cpu/quants.h (quantize_row_q8_0/q8_1/q8_K, ggml_vec_dot_<type>_<vec_dot_type>) and
+ * ggml-cpu.c's type_traits_cpu (which vec_dot_type each weight type multiplies with).
+ *
+ * The structs are byte-for-byte the GGUF file's blocks, so a weight row is used where it is
+ * mapped, without repacking. Every kernel source is compiled once per SIMD variant (portable,
+ * AVX2, AVX-512 VNNI; see native.py / setup.py) into its own library, so the function names
+ * below are the same in every variant and the loader picks the library at run time.
+ *
+ *   weight type         vec_dot_type   dot product
+ *   F32                 F32            lp_vec_dot_f32        (x: float)
+ *   F16                 F16            lp_vec_dot_f16        (ggml rounds x to f16)
+ *   BF16                BF16           lp_vec_dot_bf16       (ggml rounds x to bf16)
+ *   Q4_0, Q5_0, Q8_0    Q8_0           lp_vec_dot_q4_0_q8_0 ...
+ *   Q4_1, Q5_1          Q8_1           lp_vec_dot_q4_1_q8_1 ...
+ *   Q2_K ... Q6_K       Q8_K           lp_vec_dot_q2_K_q8_K ...
+ *
+ * vec_dot(n, s, x, y): *s = the dot product of the n elements (n a multiple of the block size)
+ * of weight row x and activation row y, both in their block layouts, computed as ggml defines
+ * it: exact integer sums of products of quants inside a block, times the block scales, summed
+ * in float32.
+ * quantize_row_q8_*(x, y, k): k floats (a multiple of the block size) into blocks, with ggml's
+ * rounding (nearest, ties away from zero; q8_0/q8_1 bit-identical to gguf.quants.quantize for
+ * Q8_0; q8_1's s = d * sum(qs) as ggml stores it; q8_K's bsums = sums of 16 quants).
+ */
+#ifndef LP_QUANTS_H
+#define LP_QUANTS_H
+
+#include <stdint.h>
+#include <string.h>
+
+#define QK4_0 32
+#define QK4_1 32
+#define QK5_0 32
+#define QK5_1 32
+#define QK8_0 32
+#define QK8_1 32
+#define QK_K 256
+#define K_SCALE_SIZE 12
+
+typedef uint16_t lp_half; /* IEEE binary16 bits */
+typedef uint16_t lp_bf16; /* bfloat16 bits */
+
+typedef struct { lp_half d; uint8_t qs[QK4_0 / 2]; } block_q4_0;
+typedef struct { lp_half d, m; uint8_t qs[QK4_1 / 2]; } block_q4_1;
+typedef struct { lp_half d; uint8_t qh[4]; uint8_t qs[QK5_0 / 2]; } block_q5_0;
+typedef struct { lp_half d, m; uint8_t qh[4]; uint8_t qs[QK5_1 / 2]; } block_q5_1;
+typedef struct { lp_half d; int8_t qs[QK8_0]; } block_q8_0;
+typedef struct { lp_half d, s; int8_t qs[QK8_1]; } block_q8_1; /* s = d * sum(qs) */
+
+typedef struct { uint8_t scales[QK_K / 16]; uint8_t qs[QK_K / 4]; lp_half d, dmin; } block_q2_K;
+typedef struct { uint8_t hmask[QK_K / 8]; uint8_t qs[QK_K / 4]; uint8_t scales[12]; lp_half d; } block_q3_K;
+typedef struct { lp_half d, dmin; uint8_t scales[K_SCALE_SIZE]; uint8_t qs[QK_K / 2]; } block_q4_K;
+typedef struct { lp_half d, dmin; uint8_t scales[K_SCALE_SIZE]; uint8_t qh[QK_K / 8]; uint8_t qs[QK_K / 2]; } block_q5_K;
+typedef struct { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; lp_half d; } block_q6_K;
+typedef struct { float d; int8_t qs[QK_K]; int16_t bsums[QK_K / 16]; } block_q8_K;
+
+_Static_assert(sizeof(block_q4_0) == 18, "q4_0");
+_Static_assert(sizeof(block_q4_1) == 20, "q4_1");
+_Static_assert(sizeof(block_q5_0) == 22, "q5_0");
+_Static_assert(sizeof(block_q5_1) == 24, "q5_1");
+_Static_assert(sizeof(block_q8_0) == 34, "q8_0");
+_Static_assert(sizeof(block_q8_1) == 36, "q8_1");
+_Static_assert(sizeof(block_q2_K) == 84, "q2_K");
+_Static_assert(sizeof(block_q3_K) == 110, "q3_K");
+_Static_assert(sizeof(block_q4_K) == 144, "q4_K");
+_Static_assert(sizeof(block_q5_K) == 176, "q5_K");
+_Static_assert(sizeof(block_q6_K) == 210, "q6_K");
+_Static_assert(sizeof(block_q8_K) == 292, "q8_K");
+
+/* f16 <-> f32, exact (f32 -> f16 rounds to nearest even), without F16C so every variant shares it;
+ * variants with F16C may use _cvtsh_ss / _mm256_cvtph_ps, which give the same bits. */
+static inline float lp_h2f(lp_half h) {
+    const uint32_t em = h & 0x7fffu;
+    uint32_t mag;
+    if (em >= 0x7c00u) {
+        mag = 0x7f800000u | (em << 13);
+    } else {
+        float f;
+        uint32_t b = em << 13;
+        memcpy(&f, &b, sizeof f);
+        f *= 0x1p112f;
+        memcpy(&mag, &f, sizeof mag);
+    }
+    const uint32_t u = mag | ((uint32_t)(h & 0x8000u) << 16);
+    float r;
+    memcpy(&r, &u, sizeof r);
+    return r;
+}
+
+static inline lp_half lp_f2h(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (lp_half)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u | ((ax >> 13) & 0x3ffu) : 0));
+    if (ax >= 0x477ff000u) return (lp_half)(sign | 0x7c00u); /* rounds to inf */
+    if (ax < 0x38800000u) { /* subnormal or zero in f16: add then subtract a magic number */
+        float a;
+        memcpy(&a, &ax, sizeof a);
+        a += 0.5f;
+        uint32_t b;
+        memcpy(&b, &a, sizeof b);
+        return (lp_half)(sign | (b - 0x3f000000u));
+    }
+    const uint32_t mant_odd = (ax >> 13) & 1u;
+    const uint32_t r = ax + 0xc8000fffu + mant_odd; /* rebias exponent (-112 << 23) and round to even */
+    return (lp_half)(sign | (r >> 13));
+}
+
+static inline float lp_bf2f(lp_bf16 h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float r;
+    memcpy(&r, &u, sizeof r);
+    return r;
+}
+
+/* f32 -> bf16 as ggml's ggml_compute_fp32_to_bf16: round to nearest even, nan kept quiet */
+static inline lp_bf16 lp_f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (lp_bf16)((u >> 16) | 64);
+    return (lp_bf16)((u + (0x7fffu + ((u >> 16) & 1u))) >> 16);
+}
+
+/* activation quantization (ggml-cpu quants.c quantize_row_q8_*) */
+void lp_quantize_row_q8_0(const float *x, void *y, int64_t k);
+void lp_quantize_row_q8_1(const float *x, void *y, int64_t k);
+void lp_quantize_row_q8_K(const float *x, void *y, int64_t k);
+
+/* dot products: weight row vx (its type) with activation row vy (its vec_dot_type) */
+typedef void (*lp_vec_dot_fn)(int n, float *s, const void *vx, const void *vy);
+void lp_vec_dot_f32(int n, float *s, const void *vx, const void *vy);
+void lp_vec_dot_f16(int n, float *s, const void *vx, const void *vy);
+void lp_vec_dot_bf16(int n, float *s, const void *vx, const void *vy);
+void lp_vec_dot_q4_0_q8_0(int n, float *s, const void *vx, const void *vy);
+void lp_vec_dot_q4_1_q8_1(int n, float *s, const void *vx, const void *vy);
+void lp_vec_dot_q5_0_q8_0(int n, float *s, const void *vx, const void *vy);
+void lp_vec_dot_q5_1_q8_1(int n, float *s, const void *vx, const void *vy);
+void lp_vec_dot_q8_0_q8_0(int n, float *s, const void *vx, const void *vy);
+void lp_vec_dot_q2_K_q8_K(int n, float *s, const void *vx, const void *vy);
+void lp_vec_dot_q3_K_q8_K(int n, float *s, const void *vx, const void *vy);
+void lp_vec_dot_q4_K_q8_K(int n, float *s, const void *vx, const void *vy);
+void lp_vec_dot_q5_K_q8_K(int n, float *s, const void *vx, const void *vy);
+void lp_vec_dot_q6_K_q8_K(int n, float *s, const void *vx, const void *vy);
+
+#endif

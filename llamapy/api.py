@@ -5,6 +5,7 @@ layer over it.
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -13,8 +14,17 @@ from pathlib import Path
 import numpy as np
 
 from .context import Context, ContextOptions, Model, ModelOptions
-from .generate import Chunk, GenerationResult, PerplexityChunk, generate, perplexity_chunks, stream
+from .generate import (
+    Chunk,
+    GenerationResult,
+    PerplexityChunk,
+    check_n_predict,
+    generate,
+    perplexity_chunks,
+    stream,
+)
 from .model.sampler import SamplingParams
+from .types import ContextFullError, LlamapyError
 
 
 class Llama:
@@ -47,22 +57,49 @@ class Llama:
             co.n_ctx = n_ctx
         if n_threads is not None:
             co.n_threads = n_threads
+        _check_options(co)
         self.path = Path(model_path)
-        self.model = Model(self.path, mo, co)
+        self._model: Model | None = None
+        self._ctx: Context | None = None
+        self._model = Model(self.path, mo, co)
         try:
-            self.ctx = Context(self.model, co)
+            self._ctx = Context(self._model, co)
         except BaseException:
-            self.model.free()
+            self._model.free()
+            self._model = None
             raise
+
+    # every entry point goes through these two: after close() they raise one clear error
+    @property
+    def model(self) -> Model:
+        if self._model is None:
+            raise LlamapyError("this Llama is closed (close() was called); load the model again")
+        return self._model
+
+    @property
+    def ctx(self) -> Context:
+        if self._ctx is None:
+            raise LlamapyError("this Llama is closed (close() was called); load the model again")
+        return self._ctx
+
+    @property
+    def closed(self) -> bool:
+        return self._model is None
 
     @property
     def tokenizer(self):  # noqa: ANN201 - Tokenizer, imported lazily by Model
         return self.model.tokenizer
 
     def close(self) -> None:
-        """Free every buffer (device memory included)."""
-        self.ctx.free()
-        self.model.free()
+        """Free every buffer (device memory included) and unmap the model and cache files.
+        Idempotent; any later call raises LlamapyError. Garbage collection of an unclosed
+        Llama releases the same memory (the mappings go with their last view)."""
+        ctx, model = self._ctx, self._model
+        self._ctx = self._model = None
+        if ctx is not None:
+            ctx.free()
+        if model is not None:
+            model.free()
 
     def __enter__(self) -> Llama:
         return self
@@ -73,13 +110,29 @@ class Llama:
     # -- text -------------------------------------------------------------------------------
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise LlamapyError(f"tokenize: the text must be a str, not {type(text).__name__}")
         return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode(tokens)
+        return self.tokenizer.decode(self._ids(tokens, "detokenize"))
+
+    def _ids(self, tokens: Sequence[int], what: str) -> list[int]:
+        """Token ids given by the caller, as ints in the vocabulary's range."""
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
+            raise LlamapyError(f"{what}: expected a sequence of token ids, not {type(tokens).__name__}")
+        try:
+            ids = [operator.index(t) for t in tokens]
+        except TypeError:
+            raise LlamapyError(f"{what}: token ids must be integers") from None
+        n_vocab = self.model.params.n_vocab
+        bad = next((t for t in ids if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise LlamapyError(f"{what}: token id {bad} out of range [0, {n_vocab})")
+        return ids
 
     def _tokens(self, prompt: str | Sequence[int]) -> list[int]:
-        return self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        return self.tokenize(prompt) if isinstance(prompt, str) else self._ids(prompt, "prompt")
 
     # -- generation -------------------------------------------------------------------------
 
@@ -90,8 +143,11 @@ class Llama:
         result: GenerationResult | None = None,
         **sampling: float | int,
     ) -> Iterator[Chunk]:
-        """Yield one Chunk per generated token. `sampling` takes SamplingParams' fields."""
-        yield from stream(self.ctx, self._tokens(prompt), n_predict, SamplingParams(**sampling), result)  # type: ignore[arg-type]
+        """Yield one Chunk per generated token. `sampling` takes SamplingParams' fields.
+        Bad arguments (and a closed Llama) raise here, not at the first chunk."""
+        ctx = self.ctx
+        check_n_predict(n_predict)
+        return stream(ctx, self._tokens(prompt), n_predict, SamplingParams(**sampling), result)  # type: ignore[arg-type]
 
     def generate(self, prompt: str | Sequence[int], n_predict: int = -1, **sampling: float | int) -> GenerationResult:
         return generate(self.ctx, self._tokens(prompt), n_predict, SamplingParams(**sampling))  # type: ignore[arg-type]
@@ -109,10 +165,23 @@ class Llama:
     # -- scoring ----------------------------------------------------------------------------
 
     def logits(self, tokens: Sequence[int], seq: int = 0) -> np.ndarray:
-        """Logits (n_tokens, n_vocab) of every position of `tokens`, evaluated from position 0."""
-        self.ctx.kv.seq_rm(seq)
-        n = len(tokens)
-        return self.ctx.decode(tokens, np.arange(n), seq, np.ones(n, bool))
+        """Logits (n_tokens, n_vocab) of every position of `tokens`, evaluated from position 0
+        as sequence `seq` (replacing what that sequence held). When the context has no room
+        for them, ContextFullError is raised and the KV cache is left as it was."""
+        ids = self._ids(tokens, "logits")
+        ctx = self.ctx
+        seq = _check_seq(seq)
+        n = len(ids)
+        if n == 0:
+            raise LlamapyError("logits: no tokens to evaluate")
+        room = int(((ctx.kv.pos < 0) | (ctx.kv.seq == seq)).sum())  # free cells + this sequence's
+        if n > room:
+            raise ContextFullError(
+                f"the context is full: {n} tokens do not fit in the {room} cells free for sequence {seq} "
+                f"(-c {ctx.n_ctx}, {ctx.kv.n_used()} used)"
+            )
+        ctx.kv.seq_rm(seq)
+        return ctx.decode(ids, np.arange(n), seq, np.ones(n, bool))
 
     def perplexity(
         self,
@@ -124,3 +193,19 @@ class Llama:
         """llama-perplexity's protocol with chunks of `n_ctx` tokens (default: the context's);
         see generate.perplexity_chunks."""
         return perplexity_chunks(self.ctx, tokens, n_chunks, n_batch, n_ctx=n_ctx)
+
+
+def _check_seq(seq: object) -> int:
+    if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) or seq < 0:
+        raise LlamapyError(f"seq {seq!r}: a sequence id must be an integer >= 0")
+    return int(seq)
+
+
+def _check_options(co: ContextOptions) -> None:
+    """The checks the CLI makes on -c, -b, -ub, -t, for callers of the library."""
+    if co.n_ctx < 0:
+        raise LlamapyError(f"n_ctx {co.n_ctx}: the context size must be >= 0 (0 = the model's)")
+    if co.n_batch <= 0 or co.n_ubatch <= 0:
+        raise LlamapyError(f"n_batch {co.n_batch}, n_ubatch {co.n_ubatch}: batch sizes must be positive")
+    if co.n_threads < 0:
+        raise LlamapyError(f"n_threads {co.n_threads}: must be >= 0 (0 = every core)")

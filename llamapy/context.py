@@ -191,7 +191,9 @@ class Model:
         return best
 
     def free(self) -> None:
+        """Release the weights' buffers and the file's mapping (idempotent)."""
         self.weights.free()
+        self.gguf.close()
 
 
 class Context:
@@ -217,6 +219,7 @@ class Context:
         self.sched = Scheduler(self.backends, op_offload=o.op_offload)
         self._graphs: dict[tuple[int, int, int], LlamaGraph] = {}
         self.compute_buffers: list[Buffer] = []
+        self.freed = False
         self.compute_sizes = self._reserve_compute()
 
     def _check_host_memory(self, kv_devices: Sequence[Device]) -> None:
@@ -258,10 +261,15 @@ class Context:
         return OutOfMemoryError(f"-ngl {ngl} does not fit ({what}); at most {fit} layers would fit")
 
     def free(self) -> None:
+        """Release the KV cache, the compute buffers and every cached graph and plan (whose
+        nodes reference the weights) — idempotent."""
+        self.freed = True
         self.kv.free()
         for b in self.compute_buffers:
             b.free()
         self.compute_buffers.clear()
+        for g in self._graphs.values():
+            self.sched.forget(g.graph)
         self._graphs.clear()
 
     # -- graphs ---------------------------------------------------------------------------
@@ -294,12 +302,16 @@ class Context:
     ) -> np.ndarray:
         """Evaluate a batch (llama_decode): returns the logits (n_outputs, n_vocab) of the
         tokens whose `logits` flag is set (default: only the last token)."""
+        if self.freed:
+            raise LlamapyError("decode: this context was freed (its Llama is closed)")
         toks = np.asarray(tokens, np.int32)
         n = len(toks)
         if n == 0:
             raise LlamapyError("decode: empty batch")
         positions = np.asarray(pos, np.int64)
         seqs = np.full(n, seq, np.int64) if np.isscalar(seq) else np.asarray(seq, np.int64)
+        if positions.shape != (n,) or seqs.shape != (n,):
+            raise LlamapyError(f"decode: {n} tokens need {n} positions and sequence ids")
         want = np.zeros(n, bool)
         if logits is None:
             want[-1] = True
@@ -307,12 +319,25 @@ class Context:
             want[:] = np.asarray(logits, bool)
         if toks.min() < 0 or toks.max() >= self.model.params.n_vocab:
             raise LlamapyError(f"token id out of range [0, {self.model.params.n_vocab})")
+        if seqs.min() < 0 or positions.min() < 0:
+            raise LlamapyError("decode: sequence ids and positions must be >= 0")
+        # all or nothing: a batch the cache cannot hold is refused before any cell changes, and
+        # a failure half-way (an error, Ctrl-C) frees the cells this call took
+        # (one micro-batch undoes its own cells; several need the map of what was free)
+        self.kv.find_slot(n)
+        was_free = self.kv.pos < 0 if n > self.n_ubatch else None
         out: list[np.ndarray] = []
-        for u0 in range(0, n, self.n_ubatch):
-            u1 = min(n, u0 + self.n_ubatch)
-            rows = self._decode_ubatch(toks[u0:u1], positions[u0:u1], seqs[u0:u1], want[u0:u1])
-            if rows is not None:
-                out.append(rows)
+        try:
+            for u0 in range(0, n, self.n_ubatch):
+                u1 = min(n, u0 + self.n_ubatch)
+                rows = self._decode_ubatch(toks[u0:u1], positions[u0:u1], seqs[u0:u1], want[u0:u1])
+                if rows is not None:
+                    out.append(rows)
+        except BaseException:
+            if was_free is not None:
+                self.kv.pos[was_free] = -1
+                self.kv.seq[was_free] = -1
+            raise
         n_vocab = self.model.params.n_vocab
         return np.concatenate(out) if out else np.zeros((0, n_vocab), np.float32)
 

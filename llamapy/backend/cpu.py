@@ -53,6 +53,12 @@ class CPUBuffer(Buffer):
         if self._repack is not None:
             self._repack.write()
 
+    def free(self) -> None:
+        super().free()  # drops the QMatrix views of the cache file first, so its mapping can go
+        if self._repack is not None:
+            self._repack.close()
+            self._repack = None
+
     def set(self, t: Tensor, data: np.ndarray) -> None:
         weight_matrix = len(t.shape) == 2 and bool(t.flags & TensorFlag.WEIGHT)
         if t.flags & TensorFlag.WEIGHT:

@@ -33,16 +33,17 @@ def _attn_inputs(s: list[Any]) -> tuple[np.ndarray, ...]:
 
 
 # A decode step runs ~270 of these small kernels, so their Python side is kept short: a node's
-# constant arguments (eps, rope frequencies, scale) are worked out on its first run and kept.
-_consts: dict[Tensor, tuple] = {}
+# constant arguments (eps, rope frequencies, scale) are worked out on its first run and kept on
+# the node itself, so they live as long as its graph (a process-global table keyed by nodes
+# would keep every graph, and through its weights the model's mappings, alive after close()).
+_CONSTS_ATTR = "_lp_consts"
 
 
 def _node_consts(node: Tensor, make: Any) -> tuple:
-    c = _consts.get(node)
+    c = node.__dict__.get(_CONSTS_ATTR)
     if c is None:
-        if len(_consts) > 1 << 14:  # graphs of many shapes over a long run: start again
-            _consts.clear()
-        c = _consts[node] = make()
+        c = make()
+        setattr(node, _CONSTS_ATTR, c)
     return c
 
 

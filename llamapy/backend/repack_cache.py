@@ -79,6 +79,16 @@ class RepackStore:
             store.index = {}
         return store
 
+    def close(self) -> None:
+        """Unmap the file. Views still held elsewhere keep it mapped until they go."""
+        m, self._map = self._map, None
+        self.index, self.pending = {}, {}
+        if m is not None:
+            try:
+                m.close()
+            except BufferError:
+                pass
+
     def get(self, name: str) -> list[np.ndarray] | None:
         entry = self.index.get(name)
         if entry is None or self._map is None:

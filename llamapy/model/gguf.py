@@ -447,7 +447,8 @@ class GGUFFile:
             return self._string_array(v)
         dt = np.dtype(_SCALAR[v.item_type][1])
         arr = np.frombuffer(self._buf, dtype=dt, count=v.count, offset=v.offset)
-        return arr.astype(bool) if v.item_type == 7 else arr
+        # a copy: a view would keep the mapping alive after close() (metadata arrays are small)
+        return arr.astype(bool) if v.item_type == 7 else arr.copy()
 
     def _string_array(self, v: LazyValue) -> list[str]:
         # bounds were checked while parsing; copy the array's bytes once and slice them

@@ -8,6 +8,7 @@ everything else is an array. Activations are float32 throughout.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -96,12 +97,18 @@ def rope_cos_sin(
     array is alive (the key holds a reference, so an id cannot be reused meanwhile)."""
     key = (id(pos), id(factors), n_dims, base, freq_scale)
     hit = _rope_tables.get(key)
-    if hit is not None and hit[0] is pos and hit[1] is factors:
+    if hit is not None and hit[0] is pos and hit[1]() is factors:
         return hit[2], hit[3]
     if len(_rope_tables) > 8:
         _rope_tables.clear()
     cos, sin = _rope_tables_compute(xp, pos, n_dims, base, freq_scale, factors)
-    _rope_tables[key] = (pos, factors, cos, sin)
+    # rope_freqs is a weight (a view of the model's mapping): held weakly, so that a closed
+    # model's file is not kept mapped by this table
+    try:
+        fref: Any = (lambda: None) if factors is None else weakref.ref(factors)
+    except TypeError:  # an array type without weak references: no caching
+        return cos, sin
+    _rope_tables[key] = (pos, fref, cos, sin)
     return cos, sin
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -205,3 +207,18 @@ def test_bad_options_are_refused_before_loading(make_llama, kw: dict, needle: st
         llamapy.Llama(path, **kw)
     with pytest.raises(LlamapyError, match="batch sizes"):
         llamapy.Llama(path, context_options=llamapy.ContextOptions(n_ubatch=0))
+
+
+def test_numpy_kernels_keep_no_mapping_after_close(make_llama, tmp_path: Path) -> None:  # noqa: ANN001
+    """The numpy ROPE's table cache held rope_freqs (a view of the file) after close()."""
+    path = make_llama(n_layer=1, rope_freqs=True)
+    script = (
+        "import gc, sys, llamapy\n"
+        f"llm = llamapy.Llama({str(path)!r}, n_ctx=64)\n"
+        "llm.logits([1, 260, 261]); llm.close(); gc.collect()\n"
+        f"print(sum({str(path)!r} in line for line in open('/proc/self/maps')))\n"
+    )
+    env = {**os.environ, "LLAMAPY_KERNELS": "numpy"}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "0"

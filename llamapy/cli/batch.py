@@ -1,15 +1,18 @@
 """`llamapy batch` (llama.cpp's tools/parallel and tools/batched as a file-to-file tool): many
 prompts decoded as parallel sequences of one context, one JSONL record per prompt.
 
-Input: a `.jsonl` file (objects with `prompt` and optional `n_predict`, `temp`, `seed`, `id`) or
-any other file as text, one prompt per line with `\\n`, `\\t`, `\\\\` escapes. Blank lines are
-skipped; `index` counts the remaining lines from 0. A line that is not a valid request becomes an
-error record `{"index": i, "error": "…"}` and the others still run.
+Input: a `.jsonl` file (objects with `prompt` and optional `n_predict` (or its OpenAI name
+`max_tokens`), `temp`, `seed`, `id`) or any other file as text, one prompt per line with `\\n`,
+`\\t`, `\\\\` escapes. Blank lines are skipped; `index` counts the remaining lines from 0. A line
+that is not a valid request (bad JSON, a missing prompt, invalid UTF-8) becomes an error record
+`{"index": i, "error": "…"}` and the others still run.
 
 Output: one line per prompt in INPUT order (a completion that finishes early waits in memory until
 every earlier record is out), each written with a single write, flushed and fsync'ed. With `-o`,
 rerunning with the same file resumes: indices already there are skipped, and a last line cut short
-by a crash (not newline-terminated, or not valid JSON) is removed first.
+by a crash (not newline-terminated, or not valid JSON) is removed first. A file whose records were
+written for other prompts (another input, or this one edited) is refused, naming the first record
+that differs.
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ class InputItem:
     id: Any = None
 
 
-_FIELDS = {"prompt", "n_predict", "temp", "seed", "id"}
 
 
 def _parse_json_line(index: int, line: str) -> InputItem:
@@ -63,29 +65,50 @@ def _parse_json_line(index: int, line: str) -> InputItem:
     if not isinstance(prompt, str):
         what = "missing" if prompt is None else f"a {type(prompt).__name__}, not a string"
         return InputItem(index, error=f"line {index + 1}: `prompt` is {what}", id=rid)
-    for key, kind in (("n_predict", int), ("seed", int), ("temp", (int, float))):
+    for key, kind in (("n_predict", int), ("max_tokens", int), ("seed", int), ("temp", (int, float))):
         v = obj.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, kind)):
             return InputItem(index, error=f"line {index + 1}: `{key}` must be a number", id=rid)
     if not isinstance(rid, (str, int, float, type(None))):
         return InputItem(index, error=f"line {index + 1}: `id` must be a string or a number", id=None)
-    req = BatchRequest(prompt, n_predict=obj.get("n_predict"), temp=obj.get("temp"), seed=obj.get("seed"), id=rid, index=index)
+    # `max_tokens` (the OpenAI API's name) is n_predict; both, disagreeing, is an error
+    n_predict, max_tokens = obj.get("n_predict"), obj.get("max_tokens")
+    if n_predict is not None and max_tokens is not None and n_predict != max_tokens:
+        return InputItem(index, error=f"line {index + 1}: `n_predict` {n_predict} and `max_tokens` {max_tokens} disagree", id=rid)
+    n_predict = n_predict if n_predict is not None else max_tokens
+    req = BatchRequest(prompt, n_predict=n_predict, temp=obj.get("temp"), seed=obj.get("seed"), id=rid, index=index)
     return InputItem(index, request=req, id=rid)
 
 
 def read_inputs(path: str) -> list[InputItem]:
-    """The prompts of a .jsonl or text file, with error items for the lines that are not requests."""
+    """The prompts of a .jsonl or text file, with error items for the lines that are not
+    requests. Lines are decoded one by one: a line of invalid UTF-8 is an error item, not the
+    end of the run."""
     from ..batch import BatchRequest
-    from .run import read_text_file
 
-    text = read_text_file(path, "PROMPTS")
-    lines = [ln.rstrip("\r") for ln in text.split("\n")]
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise LlamapyError(f"PROMPTS {path}: no such file") from None
+    except IsADirectoryError:
+        raise LlamapyError(f"PROMPTS {path}: is a directory") from None
+    lines = [ln.rstrip(b"\r") for ln in data.split(b"\n")]
     lines = [ln for ln in lines if ln.strip()]
     if not lines:
         raise LlamapyError(f"{path}: no prompts (the file is empty)")
-    if Path(path).suffix.lower() == ".jsonl":
-        return [_parse_json_line(i, ln) for i, ln in enumerate(lines)]
-    return [InputItem(i, request=BatchRequest(unescape(ln), id=i, index=i), id=i) for i, ln in enumerate(lines)]
+    jsonl = Path(path).suffix.lower() == ".jsonl"
+    items = []
+    for i, raw in enumerate(lines):
+        try:
+            ln = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            items.append(InputItem(i, error=f"line {i + 1}: not valid UTF-8 (byte {e.start})", id=None if jsonl else i))
+            continue
+        if jsonl:
+            items.append(_parse_json_line(i, ln))
+        else:
+            items.append(InputItem(i, request=BatchRequest(unescape(ln), id=i, index=i), id=i))
+    return items
 
 
 # -- output ------------------------------------------------------------------------------------
@@ -147,14 +170,20 @@ class RecordWriter:
 
 def load_done(path: str) -> set[int]:
     """Indices already in an output file; a last line cut short by a crash is removed."""
+    return set(load_records(path))
+
+
+def load_records(path: str) -> dict[int, dict[str, Any]]:
+    """The records already in an output file by index; a last line cut short by a crash is
+    removed."""
     p = Path(path)
     if not p.is_file():
-        return set()
+        return {}
     try:
         data = p.read_bytes()
     except OSError as e:
         raise LlamapyError(f"-o {path}: cannot read ({e.strerror or e})") from None
-    done: set[int] = set()
+    done: dict[int, dict[str, Any]] = {}
     keep = 0  # bytes of the complete records
     *complete, tail = data.split(b"\n")  # `tail`: what follows the last newline (a partial write)
     for i, raw in enumerate(complete):
@@ -170,7 +199,7 @@ def load_done(path: str) -> set[int]:
                 tail = b"x"  # a garbled last line: cut it off below and redo its record
                 break
             raise LlamapyError(f"-o {path}: line {i + 1} is not a record of llamapy batch; not appending to this file")
-        done.add(rec["index"])
+        done[rec["index"]] = rec
         keep += len(raw) + 1
     if tail:
         try:
@@ -179,6 +208,35 @@ def load_done(path: str) -> set[int]:
         except OSError as e:
             raise LlamapyError(f"-o {path}: cannot remove the incomplete last line ({e.strerror or e})") from None
     return done
+
+
+def check_resume(items: list[InputItem], records: dict[int, dict[str, Any]], out: str, prompts: str) -> None:
+    """Refuse to resume onto records written for other prompts: each stored record's `prompt`
+    and `id` must be those of the input line with its index (an error record without a prompt
+    must still stand for a line that is no request)."""
+    by_index = {it.index: it for it in items}
+    for i in sorted(records):
+        rec, it = records[i], by_index.get(i)
+        if it is None:
+            why = f"{prompts} has only {len(items)} prompts"
+        elif "prompt" in rec and (it.request is None or rec["prompt"] != it.request.prompt):
+            now = "no valid request" if it.request is None else f"{_short(it.request.prompt)}"
+            why = f"its prompt {_short(rec['prompt'])} differs from {prompts}'s: {now}"
+        elif "prompt" not in rec and it.request is not None:
+            why = f"it is an error record, but {prompts}'s line is now a request ({_short(it.request.prompt)})"
+        elif "id" in rec and rec["id"] != it.id:
+            why = f"its id {rec['id']!r} differs from {prompts}'s {it.id!r}"
+        else:
+            continue
+        raise LlamapyError(
+            f"-o {out}: record {i} was not written for these prompts ({why}); "
+            "not resuming onto it: give another -o, or remove the file"
+        )
+
+
+def _short(text: Any, n: int = 40) -> str:
+    s = repr(text)
+    return s if len(s) <= n else s[: n - 3] + "..."
 
 
 # -- the command ---------------------------------------------------------------------------------
@@ -241,7 +299,9 @@ def batch(
         raise LlamapyError(f"-np {n_parallel}: must be >= 1")
     check_n_predict(n_predict)
     items = read_inputs(prompts_path)
-    done = load_done(out) if out else set()
+    records = load_records(out) if out else {}
+    check_resume(items, records, out, prompts_path)
+    done = set(records)
     todo = [it for it in items if it.index not in done]
     if done:
         log(f"batch: resuming {out}: {len(items) - len(todo)} of {len(items)} records already there")

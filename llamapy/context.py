@@ -76,6 +76,7 @@ class LoadInfo:
     n_gpu_layers: int = 0
     i_gpu_start: int = 0
     ngl_reason: str = ""
+    warnings: list[str] = field(default_factory=list)  # e.g. a repack cache that cannot be written
 
 
 class Model:
@@ -127,6 +128,7 @@ class Model:
             n_gpu_layers=self.placement.n_gpu_layers,
             i_gpu_start=self.placement.i_gpu_start,
             ngl_reason=reason,
+            warnings=[n for b in self.weights.buffers if (n := getattr(b, "cache_note", None))],
         )
 
     # -- devices and -ngl -------------------------------------------------------------------

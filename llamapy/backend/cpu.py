@@ -44,14 +44,16 @@ def host_value(t: Tensor, data: np.ndarray, copy: bool) -> Any:
 
 class CPUBuffer(Buffer):
     _repack: RepackStore | None = None
+    cache_note: str | None = None  # why the repack cache could not be written (for the CLI)
 
-    def use_cache(self, key: str) -> None:
+    def use_cache(self, key: str, label: str = "") -> None:
         # the repacked layouts are read by the compiled kernels only
-        self._repack = RepackStore.open(key) if kernels() != "numpy" else None
+        self._repack = RepackStore.open(key, label) if kernels() != "numpy" else None
 
     def finish_loading(self) -> None:
         if self._repack is not None:
             self._repack.write()
+            self.cache_note = self._repack.note
 
     def free(self) -> None:
         super().free()  # drops the QMatrix views of the cache file first, so its mapping can go

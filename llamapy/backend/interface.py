@@ -74,9 +74,10 @@ class Buffer(ABC):
     def get(self, t: Tensor) -> np.ndarray:
         """Buffer -> host."""
 
-    def use_cache(self, key: str) -> None:
+    def use_cache(self, key: str, label: str = "") -> None:
         """Optional: a backend may keep prepared (repacked) weights in a cache file under `key`
-        (identifying the model file); called before the weights are set."""
+        (identifying the model file's content; `label`: the model's name); called before the
+        weights are set."""
 
     def finish_loading(self) -> None:
         """Optional: called once every weight is set (e.g. to write that cache)."""

@@ -155,6 +155,8 @@ def load(
     if not quiet and native.needs_build():
         log(f"llamapy: compiling the CPU kernels into {native.cache_dir()} (once per machine, a few seconds)")
     llm = Llama(path, model_options=mo, context_options=co)
+    for w in llm.model.info.warnings:  # said even when quiet: they cost every later run time
+        log(f"warning: {w}")
     if not quiet:
         log_load(llm)
     return llm

@@ -483,6 +483,12 @@ class GGUFFile:
         flat = np.frombuffer(self._buf, dtype=np.uint8, count=t.nbytes, offset=t.offset)
         return flat.reshape(-1, row_bytes)
 
+    def read(self, offset: int, n: int) -> bytes:
+        """A copy of `n` bytes at `offset` (clipped to the file), e.g. to fingerprint it."""
+        self._check_open()
+        offset = max(0, min(offset, self.size))
+        return bytes(self._buf[offset : min(self.size, offset + max(0, n))])
+
     def close(self) -> None:
         """Release the mapping. Views handed out keep it alive: then it goes when they do."""
         if self._closed:

@@ -10,16 +10,15 @@ stays on the CPU (a GET_ROWS of a few rows gains nothing from a GPU). A tied out
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..backend.interface import Buffer, BufferUsage, Device
+from ..backend.repack_cache import content_key
 from ..tensor import Tensor, TensorFlag
 from ..types import SUPPORTED_TYPES, GGMLType, GGUFError, OutOfMemoryError, UnsupportedError
 from .gguf import GGUFFile
@@ -246,12 +245,6 @@ class ConcatRows:
         return out if dtype is None else out.astype(dtype)
 
 
-def cache_key(path: Path) -> str:
-    """Identifies a model file for caches of prepared weights: path, size, modification time."""
-    st = path.stat()
-    return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
-
-
 def weight_devices(
     w: ModelWeights, placement: Placement, overrides: Sequence[tuple[str, Device]] = ()
 ) -> dict[Tensor, Device]:
@@ -286,13 +279,14 @@ def load_weights(gf: GGUFFile, w: ModelWeights, placement: Placement, where: dic
         by_dev.setdefault(dev.name, (dev, []))[1].append(t)
     # a tied output in the embedding's own buffer is the same bytes: counted and stored once
     shared_output = w.tied_output and where[w.output] is where[w.tok_embd]
+    key, label = content_key(gf), str(gf.metadata.get("general.name", gf.path.stem))
     try:
         for dev, tensors in by_dev.values():
             buft = dev.buffer_type()
             size = sum(buft.alloc_size(t) for t in tensors if not (shared_output and t is w.output))
             buf = buft.alloc_buffer(size, BufferUsage.WEIGHTS)
             w.buffers.append(buf)
-            buf.use_cache(cache_key(gf.path))
+            buf.use_cache(key, label)
             for t in tensors:
                 if shared_output and t is w.output:
                     t.buffer = buf

@@ -5,8 +5,8 @@ The first load of a model repacks its matrices in memory (backend/qmatmul.py) an
 here; later loads map the file and build every QMatrix from views of it: loading does no work
 proportional to the weights, and the pages are file-backed, shared and droppable.
 
-An entry is keyed by the model's content (`content_key`), not its path: a copy, a moved or a
-touched file reuses the same entry. It is written to a temporary name and renamed, and checked
+An entry is keyed by the model's content (the loader passes GGUFFile.content_key), not its
+path: a copy, a moved or a touched file reuses the same entry. It is written to a temporary name and renamed, and checked
 against its index before use; anything wrong with it means "repack again", never an error. The
 folder is bounded by size (`max_bytes`, $LLAMAPY_REPACK_CACHE_MAX, default 16G): after an entry
 is written, the least recently used ones are removed until the rest fit (the newest always
@@ -16,7 +16,6 @@ stays). A folder that cannot be written is not an error either, but the store re
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import os
@@ -24,20 +23,15 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..types import LlamapyError, cache_dir
 
-if TYPE_CHECKING:
-    from ..model.gguf import GGUFFile
-
 LAYOUT_VERSION = 2  # 2: f16 block scales in the repacked tiles (were float32)
 ALIGN = 64
 TRAILER = b"LLAMAPY-REPACK-1"
 DEFAULT_MAX = "16G"
-SAMPLE = 4096  # bytes hashed at the start, middle and end of every tensor
 # what the cache folder may hold that `cache clear` and eviction remove (nothing else is touched)
 _ENTRY_RX = re.compile(r"^[0-9a-f]{32}-v\d+\.bin$")
 _TMP_RX = re.compile(r"^[0-9a-f]{32}-v\d+\.tmp\d+$")
@@ -63,25 +57,6 @@ def max_bytes() -> int:
         raise LlamapyError(f"LLAMAPY_REPACK_CACHE_MAX={env}: expected a size such as 500M or 16G")
     unit = m.group(2).upper()
     return int(m.group(1)) * (1024 ** ("KMGT".index(unit) + 1) if unit else 1)
-
-
-def content_key(gf: GGUFFile) -> str:
-    """A model file's identity by content: BLAKE2b of its size, its whole header (metadata and
-    tensor index: names, types, shapes, offsets) and 4 KiB at the start, middle and end of every
-    tensor. Cost: the header (~1.5 MB for SmolLM2's vocabulary) plus 12 KiB per tensor (3.3 MB
-    for its 272 tensors), a few milliseconds; the weights themselves are not read. An edit inside
-    a tensor that leaves those samples and the header unchanged would reuse a stale entry:
-    `llamapy cache clear` removes it."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"{gf.size}|{gf.data_offset}|".encode())
-    h.update(gf.read(0, gf.data_offset))
-    for t in sorted(gf.tensors.values(), key=lambda t: t.offset):
-        if t.nbytes <= 3 * SAMPLE:
-            h.update(gf.read(t.offset, t.nbytes))
-        else:
-            for at in (0, (t.nbytes - SAMPLE) // 2, t.nbytes - SAMPLE):
-                h.update(gf.read(t.offset + at, SAMPLE))
-    return h.hexdigest()
 
 
 @dataclass

@@ -24,6 +24,7 @@ Shapes: `TensorInfo.ne` is ggml's order (fastest dimension first, as stored in t
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import stat
@@ -483,11 +484,25 @@ class GGUFFile:
         flat = np.frombuffer(self._buf, dtype=np.uint8, count=t.nbytes, offset=t.offset)
         return flat.reshape(-1, row_bytes)
 
-    def read(self, offset: int, n: int) -> bytes:
-        """A copy of `n` bytes at `offset` (clipped to the file), e.g. to fingerprint it."""
+    def content_key(self, sample: int = 4096) -> str:
+        """The file's identity by content, for caches of prepared weights (a copy or a touched
+        file has the same): BLAKE2b of its size, its whole header (metadata and tensor index:
+        names, types, shapes, offsets) and `sample` bytes at the start, middle and end of every
+        tensor. Cost: the header (1.7 MB for SmolLM2's vocabulary) plus 12 KiB per tensor (3.3 MB
+        for its 272 tensors), ~10 ms; the rest of the weights is not read. An edit inside a
+        tensor that leaves the header and those samples as they were goes unnoticed."""
         self._check_open()
-        offset = max(0, min(offset, self.size))
-        return bytes(self._buf[offset : min(self.size, offset + max(0, n))])
+        buf = self._buf
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"{self.size}|{self.data_offset}|".encode())
+        h.update(buf[: self.data_offset])
+        for t in sorted(self.tensors.values(), key=lambda t: t.offset):
+            if t.nbytes <= 3 * sample:
+                h.update(buf[t.offset : t.offset + t.nbytes])
+            else:
+                for at in (0, (t.nbytes - sample) // 2, t.nbytes - sample):
+                    h.update(buf[t.offset + at : t.offset + at + sample])
+        return h.hexdigest()
 
     def close(self) -> None:
         """Release the mapping. Views handed out keep it alive: then it goes when they do."""

@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from ..backend.interface import Buffer, BufferUsage, Device
-from ..backend.repack_cache import content_key
 from ..tensor import Tensor, TensorFlag
 from ..types import SUPPORTED_TYPES, GGMLType, GGUFError, OutOfMemoryError, UnsupportedError
 from .gguf import GGUFFile
@@ -279,7 +278,7 @@ def load_weights(gf: GGUFFile, w: ModelWeights, placement: Placement, where: dic
         by_dev.setdefault(dev.name, (dev, []))[1].append(t)
     # a tied output in the embedding's own buffer is the same bytes: counted and stored once
     shared_output = w.tied_output and where[w.output] is where[w.tok_embd]
-    key, label = content_key(gf), str(gf.metadata.get("general.name", gf.path.stem))
+    key, label = gf.content_key(), str(gf.metadata.get("general.name", gf.path.stem))
     try:
         for dev, tensors in by_dev.values():
             buft = dev.buffer_type()

@@ -222,3 +222,18 @@ def test_numpy_kernels_keep_no_mapping_after_close(make_llama, tmp_path: Path) -
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "0"
+
+
+def test_closing_one_llama_leaves_another_of_the_same_model_working(make_llama) -> None:  # noqa: ANN001
+    path = make_llama(n_layer=2)
+    toks = [1, 260, 261, 262]
+    a = llamapy.Llama(path, n_ctx=64)
+    b = llamapy.Llama(path, n_ctx=64)
+    before = b.logits(toks)
+    a.logits(toks)
+    a.close()
+    gc.collect()
+    np.testing.assert_array_equal(b.logits(toks), before)
+    assert len(_mappings(path)) > 0  # b's mappings are still there
+    b.close()
+    assert _mappings(path) == []

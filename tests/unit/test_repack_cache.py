@@ -79,20 +79,19 @@ def test_copies_and_touched_files_reuse_one_entry(make_llama, tmp_path, monkeypa
 
 
 def test_other_content_gets_another_entry(make_llama) -> None:  # noqa: ANN001
-    from llamapy.backend.repack_cache import content_key
     from llamapy.model.gguf import GGUFFile
 
     a, b = make_llama(n_layer=1, seed=1), make_llama(n_layer=1, seed=2)
     with GGUFFile(a) as ga, GGUFFile(b) as gb:
-        assert content_key(ga) != content_key(gb)
+        assert ga.content_key() != gb.content_key()
     data = bytearray(a.read_bytes())  # one byte in the middle sample of the largest tensor
     with GGUFFile(a) as ga:
         t = max(ga.tensors.values(), key=lambda t: t.nbytes)
-        ka = content_key(ga)
+        ka = ga.content_key()
     data[t.offset + (t.nbytes - 4096) // 2 + 7] ^= 1
     b.write_bytes(bytes(data))
     with GGUFFile(b) as gb:
-        assert content_key(gb) != ka
+        assert gb.content_key() != ka
 
 
 def test_the_cache_is_bounded_least_recently_used_first(make_llama, tmp_path, monkeypatch) -> None:  # noqa: ANN001

@@ -178,8 +178,10 @@ class RepackStore:
             self.pending.clear()
         try:
             evict(self.path.parent, keep=self.path)
-        except (OSError, LlamapyError):
+        except OSError:
             pass
+        except LlamapyError as e:  # a malformed LLAMAPY_REPACK_CACHE_MAX: nothing is evicted
+            self.note = f"repack cache: {e}; nothing was evicted"
 
 
 # -- the folder (llamapy cache list|clear) -----------------------------------------------------

@@ -187,3 +187,15 @@ def test_an_unwritable_cache_folder_is_said_on_stderr(make_llama, tmp_path) -> N
         assert len(warn) == 1 and "cannot write" in warn[0] and str(folder) in warn[0], r.stderr
     r = _cli("run", str(path), "-p", "the", "-n", "1", cache=tmp_path / "ok")  # a writable one: silent
     assert r.returncode == 0 and "warning: repack cache" not in r.stderr
+
+
+def test_a_malformed_cache_bound_is_said(make_llama, tmp_path) -> None:  # noqa: ANN001
+    path = make_llama(n_layer=1)
+    env = {k: v for k, v in os.environ.items() if k != "LLAMAPY_DEBUG"}
+    env.update(LLAMAPY_REPACK_CACHE=str(tmp_path / "c"), LLAMAPY_REPACK_CACHE_MAX="lots")
+    r = subprocess.run([sys.executable, "-m", "llamapy", "run", str(path), "-p", "the", "-n", "1"],
+                       capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "warning: repack cache: LLAMAPY_REPACK_CACHE_MAX=lots" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "llamapy", "cache", "list"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1 and r.stderr.startswith("error: LLAMAPY_REPACK_CACHE_MAX=lots")

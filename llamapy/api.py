@@ -57,7 +57,7 @@ class Llama:
             co.n_ctx = n_ctx
         if n_threads is not None:
             co.n_threads = n_threads
-        _check_options(co)
+        _check_options(mo, co)
         self.path = Path(model_path)
         self._model: Model | None = None
         self._ctx: Context | None = None
@@ -201,8 +201,11 @@ def _check_seq(seq: object) -> int:
     return int(seq)
 
 
-def _check_options(co: ContextOptions) -> None:
-    """The checks the CLI makes on -c, -b, -ub, -t, for callers of the library."""
+def _check_options(mo: ModelOptions, co: ContextOptions) -> None:
+    """The checks the CLI makes on -ngl, -c, -b, -ub, -t, for callers of the library."""
+    ngl = mo.n_gpu_layers
+    if isinstance(ngl, bool) or not (isinstance(ngl, (int, np.integer)) or ngl in ("all", "auto")):
+        raise LlamapyError(f"n_gpu_layers {ngl!r}: expected a number, 'all' or 'auto'")
     if co.n_ctx < 0:
         raise LlamapyError(f"n_ctx {co.n_ctx}: the context size must be >= 0 (0 = the model's)")
     if co.n_batch <= 0 or co.n_ubatch <= 0:

@@ -199,7 +199,7 @@ def test_bad_arguments_are_one_line_errors(make_llama, call, needle: str) -> Non
 
 @pytest.mark.parametrize(
     ("kw", "needle"),
-    [({"n_ctx": -1}, "n_ctx -1"), ({"n_threads": -2}, "n_threads -2")],
+    [({"n_ctx": -1}, "n_ctx -1"), ({"n_threads": -2}, "n_threads -2"), ({"n_gpu_layers": "most"}, "n_gpu_layers 'most'")],
 )
 def test_bad_options_are_refused_before_loading(make_llama, kw: dict, needle: str) -> None:  # noqa: ANN001
     path = make_llama(n_layer=1)

@@ -223,7 +223,7 @@ def check_resume(items: list[InputItem], records: dict[int, dict[str, Any]], out
             now = "no valid request" if it.request is None else f"{_short(it.request.prompt)}"
             why = f"its prompt {_short(rec['prompt'])} differs from {prompts}'s: {now}"
         elif "prompt" not in rec and it.request is not None:
-            why = f"it is an error record, but {prompts}'s line is now a request ({_short(it.request.prompt)})"
+            why = f"it has no prompt (an error record), but {prompts}'s line is a request ({_short(it.request.prompt)})"
         elif "id" in rec and rec["id"] != it.id:
             why = f"its id {rec['id']!r} differs from {prompts}'s {it.id!r}"
         else:

@@ -92,3 +92,24 @@ def test_max_tokens_is_honoured(model: Path, tmp_path: Path) -> None:
     assert both["n_tokens"] == 1
     assert "disagree" in clash["error"]
     assert "max_tokens" in bad["error"]
+
+
+def test_check_resume_names_the_first_differing_record(tmp_path: Path) -> None:
+    from llamapy.cli.batch import check_resume, read_inputs
+    from llamapy.types import LlamapyError
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "a", "id": "x"}\n{"prompt": "b"}\n{"prompt": "c"}\n')
+    items = read_inputs(str(src))
+    ok = {0: {"index": 0, "id": "x", "prompt": "a"}, 1: {"index": 1, "id": 1, "prompt": "b"}}
+    check_resume(items, ok, "out.jsonl", "in.jsonl")  # a prefix of this input's records: fine
+    bad_cases = [
+        ({**ok, 2: {"index": 2, "id": 2, "prompt": "C"}}, "record 2", "'C'"),
+        ({0: {"index": 0, "id": "y", "prompt": "a"}}, "record 0", "id 'y'"),
+        ({1: {"index": 1, "id": 1, "error": "line 2: invalid JSON"}}, "record 1", "no prompt"),
+        ({5: {"index": 5, "id": 5, "prompt": "f"}}, "record 5", "only 3 prompts"),
+    ]
+    for records, *needles in bad_cases:
+        with pytest.raises(LlamapyError) as e:
+            check_resume(items, records, "out.jsonl", "in.jsonl")
+        assert all(n in str(e.value) for n in needles), str(e.value)

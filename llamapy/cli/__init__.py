@@ -101,9 +101,25 @@ def _root(
     """llama.cpp's inference stack in Python: run GGUF models on CPU and GPU."""
 
 
+class _LogSettings:
+    """--log-disable (one CLI invocation per process: the library never logs)."""
+
+    enabled = True
+
+
 def log(msg: str = "") -> None:
-    """A line on stderr (logs, load summary, timings)."""
-    print(msg, file=sys.stderr, flush=True)
+    """A line on stderr (logs, load summary, timings); nothing with --log-disable."""
+    if _LogSettings.enabled:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def set_logging(enabled: bool) -> None:
+    _LogSettings.enabled = enabled
+
+
+def error(msg: str) -> None:
+    """An error line: said even with --log-disable."""
+    print(f"error: {msg}", file=sys.stderr, flush=True)
 
 
 def debug_enabled() -> bool:
@@ -151,12 +167,12 @@ def main(argv: list[str] | None = None) -> Any:
     except LlamapyError as e:
         if debug_enabled():
             raise
-        log(f"error: {e}")
+        error(str(e))
         sys.exit(1)
     except OSError as e:
         if debug_enabled():
             raise
-        log(f"error: {e.strerror or e}: {getattr(e, 'filename', '') or ''}".rstrip(": "))
+        error(f"{e.strerror or e}: {getattr(e, 'filename', '') or ''}".rstrip(": "))
         sys.exit(1)
     except SystemExit:
         raise
@@ -168,11 +184,11 @@ def main(argv: list[str] | None = None) -> Any:
             if type(e).__name__ == "NoArgsIsHelpError":  # bare `llamapy`: the help, as a usage error
                 sys.stderr.write(str(e.format_message()).rstrip("\n") + "\n")
             else:
-                log(f"error: {_usage_line(e)}")
+                error(_usage_line(e))
             sys.exit(e.exit_code)  # type: ignore[attr-defined]
         if debug_enabled():
             raise
-        log(f"error: internal error: {type(e).__name__}: {e} (run with LLAMAPY_DEBUG=1 for a traceback)")
+        error(f"internal error: {type(e).__name__}: {e} (run with LLAMAPY_DEBUG=1 for a traceback)")
         sys.exit(1)
     if isinstance(rc, int) and rc:
         # click turns a Ctrl-C outside our own handlers into a returned 130

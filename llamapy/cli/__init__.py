@@ -3,8 +3,9 @@ llama-perplexity, llama-bench, gguf-dump). The only part of llamapy that writes 
 generated text goes to stdout, flushed as it comes; logs, progress bars and timings to stderr.
 
 Every LlamapyError and every usage error becomes one line `error: …` on stderr and a non-zero
-exit status; a traceback is shown only with LLAMAPY_DEBUG=1. Ctrl-C exits with 130; a closed
-stdout (`llamapy info M | head -1`) ends quietly.
+exit status; a traceback is shown only with LLAMAPY_DEBUG=1. Ctrl-C exits with 130, SIGTERM with
+143, both after the same cleanups (no `.partial` file left); a closed stdout
+(`llamapy info M | head -1`) ends quietly.
 
 llama.cpp spells many options with one dash and several letters (`-ngl`, `-fa`, `-cnv`): such a
 word is always one option here, never a cluster of one-letter options (`-fa` is not `-f a`).
@@ -13,6 +14,7 @@ word is always one option here, never a cluster of one-letter options (`-fa` is 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Any
 
@@ -151,13 +153,36 @@ def _stdout_gone() -> None:
         pass
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the program is, so that cleanups run as for Ctrl-C (a BaseException:
+    no `except Exception` swallows it)."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
+def _terminate_as_exception() -> Any:
+    """Turn SIGTERM into `Terminated` for this command; returns the handler to restore (None
+    when signals cannot be set here: not the main thread)."""
+    try:
+        return signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> Any:
     """Console entry point: maps errors to one line and an exit status."""
     # import the command modules: each registers its commands on `app`
     from . import batch, bench, info, perplexity, run  # noqa: F401
 
+    set_logging(True)
+    previous_term = _terminate_as_exception()
     try:
         rc = app(args=argv, prog_name="llamapy", standalone_mode=False)
+    except Terminated:
+        log("terminated")
+        sys.exit(143)  # 128 + SIGTERM, after every `finally` (partial files removed) has run
     except KeyboardInterrupt:
         log("interrupted")
         sys.exit(130)
@@ -190,6 +215,9 @@ def main(argv: list[str] | None = None) -> Any:
             raise
         error(f"internal error: {type(e).__name__}: {e} (run with LLAMAPY_DEBUG=1 for a traceback)")
         sys.exit(1)
+    finally:
+        if previous_term is not None:
+            signal.signal(signal.SIGTERM, previous_term)
     if isinstance(rc, int) and rc:
         # click turns a Ctrl-C outside our own handlers into a returned 130
         if rc == 130:

@@ -31,7 +31,7 @@ def _out(text: str, end: str = "\n") -> None:
     sys.stdout.flush()
 
 
-@app.command()
+@app.command(short_help="perplexity of a text, or KL divergence (llama-perplexity)")
 def perplexity(
     model: str = common.MODEL_ARG,
     model_opt: str = common.MODEL_OPT,

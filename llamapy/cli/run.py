@@ -65,7 +65,7 @@ class _ReversePrompts:
         return any(t in window for t in self.texts)
 
 
-@app.command()
+@app.command(short_help="generate text, or chat (llama-completion)")
 def run(
     model: str = common.MODEL_ARG,
     model_opt: str = common.MODEL_OPT,
@@ -316,7 +316,7 @@ def _conversation(
             break
 
 
-@app.command()
+@app.command(short_help="the tokens of a text (llama-tokenize)")
 def tokenize(
     model: str = common.MODEL_ARG,
     model_opt: str = common.MODEL_OPT,

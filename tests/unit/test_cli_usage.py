@@ -185,7 +185,7 @@ def test_escapes_are_on_by_default(default_model: Path) -> None:
 )
 def test_malformed_escapes_are_taken_literally(text: bytes, tiny32: Path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "llamapy", "tokenize", str(tiny32), "-p", text], capture_output=True, timeout=300
+        [sys.executable, "-m", "llamapy", "tokenize", str(tiny32), "-e", "-p", text], capture_output=True, timeout=300
     )
     assert r.returncode == 0, r.stderr.decode()
     assert b"Traceback" not in r.stderr and b"error" not in r.stderr
@@ -193,7 +193,7 @@ def test_malformed_escapes_are_taken_literally(text: bytes, tiny32: Path) -> Non
 
 def test_run_takes_malformed_escapes_literally(tiny32: Path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "llamapy", "run", str(tiny32), "-p", b"a\\x4 \xed\xa0\x80 abc\\", "-n", "1"],
+        [sys.executable, "-m", "llamapy", "run", str(tiny32), "-e", "-p", b"a\\x4 \xed\xa0\x80 abc\\", "-n", "1"],
         capture_output=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr.decode()

@@ -4,7 +4,6 @@ CLI in a subprocess, as a user would, in an environment without click (typer >= 
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys

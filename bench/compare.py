@@ -51,9 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_cpp  # noqa: E402  (bench/llama_cpp.py, not the llama-cpp-python package)
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-if not SHARED.exists():
-    SHARED = Path("/work/shared")
+SHARED = REPO.parent / "shared"  # next to the checkout, and nowhere else
 TINY32 = SHARED / "reference" / "tiny32" / "tiny32-Q4_K_M.gguf"
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 PROMPT = "Once upon a time, in a small village by the sea,"

@@ -46,10 +46,33 @@ CMAKE_FLAGS = [
     "-DLLAMA_BUILD_SERVER=OFF",  # also skips the web UI (which could try to download)
     "-DBUILD_SHARED_LIBS=OFF",  # self-contained binaries
 ]
+# ggml's tinygemm AMX kernels die with SIGILL on VMs that report AMX without enabling its tile
+# state (../shared/reference/models/README.md): on such hosts the compiler must not use AMX.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 REPO = Path(__file__).resolve().parents[1]
+# ../shared next to the checkout, and nowhere else: reference() says when it is missing
 REFERENCE = REPO.parent / "shared" / "reference" / "smollm2" / "bench.json"
-if not REFERENCE.exists():  # the checkout may live elsewhere than next to shared/
-    REFERENCE = Path("/work/shared/reference/smollm2/bench.json")
+
+
+def cpu_has_amx(cpuinfo: str | None = None) -> bool:
+    """Whether /proc/cpuinfo's flags name an AMX extension (amx_tile, amx_int8, amx_bf16, …)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags" and any(f.startswith("amx") for f in value.split()):
+            return True
+    return False
+
+
+def cmake_flags(cpuinfo: str | None = None) -> list[str]:
+    """CMAKE_FLAGS, plus C and C++ flags that keep AMX out where the CPU reports it."""
+    if not cpu_has_amx(cpuinfo):
+        return list(CMAKE_FLAGS)
+    return [*CMAKE_FLAGS, f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
 
 
 def cache_dir() -> Path:
@@ -114,6 +137,7 @@ def build(jobs: int = 2, timeout: float | None = None) -> dict[str, Path]:
         if tools:
             return tools
         t0 = time.time()
+        flags = cmake_flags()
         with open(cache / "build.log", "a") as logf:
             sdist = cache / SDIST
             if not sdist.exists():
@@ -130,11 +154,11 @@ def build(jobs: int = 2, timeout: float | None = None) -> dict[str, Path]:
             bdir = build_dir()
             if not (bdir / "CMakeCache.txt").exists():
                 _log("cmake configure")
-                _run_logged(["cmake", "-S", str(source_dir()), "-B", str(bdir), *CMAKE_FLAGS], logf, timeout)
+                _run_logged(["cmake", "-S", str(source_dir()), "-B", str(bdir), *flags], logf, timeout)
             _log(f"cmake --build -j{jobs} (this takes a while on 2 cores; log: {cache / 'build.log'})")
             _run_logged(["cmake", "--build", str(bdir), f"-j{jobs}", "--target", *TOOLS], logf, timeout)
         seconds = time.time() - t0
-        info = {"version": VERSION, "flags": CMAKE_FLAGS, "jobs": jobs, "seconds": round(seconds, 1),
+        info = {"version": VERSION, "flags": flags, "jobs": jobs, "seconds": round(seconds, 1),
                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
         (cache / "build.json").write_text(json.dumps(info, indent=2) + "\n")
         _log(f"built in {seconds:.0f} s")
@@ -162,8 +186,13 @@ def ensure(allow_build: bool = True, timeout: float | None = None) -> tuple[dict
 
 
 def reference() -> dict[str, Any]:
-    """llama.cpp's figures on this machine kind (measured elsewhere, at another time)."""
-    return json.loads(REFERENCE.read_text())
+    """llama.cpp's figures on this machine kind (measured elsewhere, at another time); {} when
+    ../shared is not next to the checkout."""
+    try:
+        return json.loads(REFERENCE.read_text())
+    except FileNotFoundError:
+        _log(f"{REFERENCE} is missing: no reference figures (../shared must sit next to the checkout)")
+        return {}
 
 
 # -- running a child with its peak RSS ------------------------------------------------------

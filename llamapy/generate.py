@@ -62,6 +62,7 @@ def stream(
     result: GenerationResult | None = None,
     seq: int = 0,
     cached: Sequence[int] = (),
+    special: bool = False,
 ) -> Iterator[Chunk]:
     """Evaluate the prompt, then sample until an end-of-generation token, `n_predict` tokens
     (-1: no limit, -2: until the context is full) or a full context.
@@ -69,6 +70,7 @@ def stream(
     `result`, when given, receives the finish reason, tokens and timings as they happen.
     `cached` lists the tokens sequence `seq` already holds in the KV cache (a conversation's
     earlier turns): only what follows their common prefix with the prompt is evaluated.
+    `special`: special tokens are rendered as their text (llama.cpp's --special).
     """
     check_n_predict(n_predict)
     tok = ctx.model.tokenizer
@@ -96,7 +98,7 @@ def stream(
     if n_predict == 0:
         res.finish_reason = "length"
         return
-    decoder = tok.stream_decoder()
+    decoder = tok.stream_decoder(special)
     n_past = len(prompt_tokens)
     i = 0
     while True:

@@ -54,8 +54,9 @@ def plan_context(n_ctx: int, n_batch: int) -> tuple[int, int, int]:
     `n_batch // n_ctx` chunks are evaluated at once as separate sequences, so the context holds
     n_seq * n_ctx cells, and the batch is capped by that.
     """
-    if n_ctx <= 0:
-        raise LlamapyError(f"-c {n_ctx}: perplexity needs a context size > 0")
+    if n_scored(n_ctx) < 1:
+        # positions after n_ctx/2, less the last, are scored: -c 1 and -c 2 score none
+        raise LlamapyError(f"-c {n_ctx}: perplexity needs a context of at least 3 tokens (it scores those after n_ctx/2)")
     if n_batch <= 0:
         raise LlamapyError(f"-b {n_batch}: the batch size must be positive")
     n_seq = max(1, n_batch // n_ctx)
@@ -524,6 +525,7 @@ class KLDivergence:
         ppl = math.exp(lp)
         r, dr = self.log_ppl_ratio()
         k, dk = self.mean_kld()
+        k = shown_kld(k)
         rms, drms = self.p_diff_rms()
         st, dst = self.same_top()
         return (
@@ -561,6 +563,13 @@ class KLDSummary:
     same_top: tuple[float, float]
 
 
+def shown_kld(value: float) -> float:
+    """A KLD as printed: never below 0. A KL divergence is >= 0; a slightly negative sum comes
+    from the base's 16-bit log-probabilities (not renormalised), and llama.cpp prints it as
+    it is (`-0.000001`). The statistics keep the raw sums; only the printed figure is clamped."""
+    return value if value > 0 else 0.0
+
+
 def _pct_label(f: float) -> str:
     return f"{100 * f:4.1f}%"
 
@@ -576,15 +585,15 @@ def format_kld_summary(s: KLDSummary) -> list[str]:
     out.append(f"Mean PPL(Q)-PPL(base)         : {s.ppl_diff[0]:10.6f} ± {s.ppl_diff[1]:10.6f}")
     out.append("")
     out.append("====== KL divergence statistics ======")
-    out.append(f"Mean    KLD: {s.kld[0]:10.6f} ± {s.kld[1]:10.6f}")
-    kp = s.kld_percentiles
-    out.append(f"Maximum KLD: {s.kld_max:10.6f}")
+    out.append(f"Mean    KLD: {shown_kld(s.kld[0]):10.6f} ± {s.kld[1]:10.6f}")
+    kp = {f: shown_kld(v) for f, v in s.kld_percentiles.items()}
+    out.append(f"Maximum KLD: {shown_kld(s.kld_max):10.6f}")
     for f in (0.999, 0.99, 0.95, 0.9):
         out.append(f"{_pct_label(f)}   KLD: {kp[f]:10.6f}")
-    out.append(f"Median  KLD: {s.kld_median:10.6f}")
+    out.append(f"Median  KLD: {shown_kld(s.kld_median):10.6f}")
     for f in (0.1, 0.05, 0.01, 0.001):
         out.append(f"{_pct_label(f)}   KLD: {kp[f]:10.6f}")
-    out.append(f"Minimum KLD: {s.kld_min:10.6f}")
+    out.append(f"Minimum KLD: {shown_kld(s.kld_min):10.6f}")
     out.append("")
     out.append("====== Token probability statistics ======")
     out.append(f"Mean    Δp: {100 * s.p_diff[0]:6.3f} ± {100 * s.p_diff[1]:5.3f} %")

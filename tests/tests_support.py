@@ -16,3 +16,18 @@ def shared(*parts: str) -> Path:
     if not p.exists():
         pytest.skip(f"{p} is not available")
     return p
+
+
+def cli(*args: str | bytes, env: dict[str, str] | None = None, stdin: str | None = None, timeout: float = 300):  # noqa: ANN201
+    """`python -m llamapy ARGS` in a subprocess (the installed CLI), LLAMAPY_DEBUG unset."""
+    import os
+    import subprocess
+    import sys
+
+    e = dict(os.environ)
+    e.pop("LLAMAPY_DEBUG", None)
+    e.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "llamapy", *args], capture_output=True, text=True, env=e, input=stdin,
+        timeout=timeout, errors="replace",
+    )  # fmt: skip

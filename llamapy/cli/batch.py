@@ -248,7 +248,7 @@ def _ordered(items: list[InputItem], done: set[int]) -> Iterator[int]:
             yield it.index
 
 
-@app.command()
+@app.command(short_help="prompts of a file decoded in parallel, to JSONL (llama-parallel)")
 def batch(
     model: str = typer.Argument(None, help="GGUF model file (default: SmolLM2-135M-Instruct)", show_default=False),
     prompts: str = typer.Argument(None, help="prompts: .jsonl, or text with one prompt per line", show_default=False),

@@ -287,7 +287,7 @@ def md_row(r: dict[str, Any], fields: list[str]) -> str:
     return _md_line([values[f] for f in fields], fields)
 
 
-@app.command()
+@app.command(short_help="prompt and generation speed (llama-bench)")
 def bench(
     model: str = common.MODEL_ARG,
     model_opt: str = common.MODEL_OPT,

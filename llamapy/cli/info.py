@@ -22,7 +22,7 @@ def _short(value: object, limit: int = 80) -> str:
     return s if len(s) <= limit else s[: limit - 1] + "…"
 
 
-@app.command()
+@app.command(short_help="a GGUF's metadata and tensors (gguf-dump)")
 def info(
     model: str = common.MODEL_ARG,
     model_opt: str = common.MODEL_OPT,
@@ -51,7 +51,7 @@ def info(
     out.flush()
 
 
-@app.command()
+@app.command(short_help="every backend and device, PASS or FAIL")
 def devices() -> None:
     """List every backend registry and device: type, memory, PASS or FAIL with the reason."""
     from ..backend.registry import discover

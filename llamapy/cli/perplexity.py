@@ -11,7 +11,7 @@ from contextlib import closing
 import typer
 
 from ..types import LlamapyError
-from . import app, common, log
+from . import app, common, log, set_logging
 
 
 def _progress(total: int, desc: str):  # noqa: ANN202 - tqdm
@@ -31,18 +31,18 @@ def _out(text: str, end: str = "\n") -> None:
     sys.stdout.flush()
 
 
-@app.command()
+@app.command(short_help="perplexity of a text, or KL divergence (llama-perplexity)")
 def perplexity(
     model: str = common.MODEL_ARG,
     model_opt: str = common.MODEL_OPT,
-    file: str = typer.Option(None, "-f", "--file", help="the text to evaluate"),
+    file: str = typer.Option(None, "-f", "--file", metavar="FILE", help="the text to evaluate"),
     ctx_size: int = typer.Option(512, "-c", "--ctx-size", help="tokens per chunk"),
     batch: int = common.BATCH,
     ubatch: int = common.UBATCH,
     chunks: int = typer.Option(-1, "--chunks", help="evaluate at most N chunks (-1: all)"),
     threads: int = common.THREADS,
     kl_divergence_base: str = typer.Option(
-        None, "--kl-divergence-base", help="logits file: written, or read with --kl-divergence"
+        None, "--kl-divergence-base", metavar="FILE", help="logits file: written, or read with --kl-divergence"
     ),
     kl_divergence: bool = typer.Option(
         False, "--kl-divergence", help="compare with the logits in --kl-divergence-base (its tokens, n_ctx and chunks)"
@@ -56,8 +56,16 @@ def perplexity(
     nkvo: bool = common.NKVO,
     no_op_offload: bool = common.NO_OP_OFFLOAD,
     device: str = common.DEVICE,
+    flash_attn: str = common.FLASH_ATTN,
+    threads_batch: int = common.THREADS_BATCH,
+    no_mmap: bool = common.NO_MMAP,
+    log_disable: bool = common.LOG_DISABLE,
 ) -> None:
     """Perplexity of a text, or KL divergence against a base model's logits (llama-perplexity)."""
+    from ..perplexity import plan_context
+
+    set_logging(not log_disable)
+    common.no_effect(flash_attn, threads_batch, no_mmap)
     placement = dict(ngl=ngl, ot=ot, ts=ts, mg=mg, threads=threads, ctk=ctk, ctv=ctv, nkvo=nkvo,
                      no_op_offload=no_op_offload, device=device)
     if chunks == 0:
@@ -69,6 +77,7 @@ def perplexity(
             raise LlamapyError("--kl-divergence needs --kl-divergence-base FILE (the base model's logits)")
         _kl_divergence(model, model_opt, kl_divergence_base, batch, ubatch, chunks, placement)
     else:
+        plan_context(ctx_size, batch)  # -c 1, -c 2: refused before anything is read or loaded
         if not file:
             raise LlamapyError("no text: give -f FILE")
         _perplexity(model, model_opt, file, ctx_size, batch, ubatch, chunks, kl_divergence_base, placement)

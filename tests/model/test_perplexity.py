@@ -31,12 +31,6 @@ SMOL_BASE = REF / "smollm2" / "tempest-c128x3-f32.kld"
 pytestmark = pytest.mark.skipif(not REF.is_dir(), reason="../shared/reference is not there")
 
 
-def _smollm2() -> Path:
-    from llamapy.model.fetch import default_model_path
-
-    return default_model_path()
-
-
 def kld_against(
     model: Path, base_path: Path, n_batch: int = 2048, n_ubatch: int = 512, n_chunks: int = -1
 ) -> KLDivergence:
@@ -65,8 +59,8 @@ def test_kld_tiny32(n_batch: int, n_ubatch: int) -> None:
 @pytest.mark.parametrize(
     "n_batch,n_ubatch", [(2048, 512), (128, 32), pytest.param(2048, 1, marks=pytest.mark.slow)]
 )
-def test_kld_smollm2(n_batch: int, n_ubatch: int) -> None:
-    s = kld_against(_smollm2(), SMOL_BASE, n_batch, n_ubatch)
+def test_kld_smollm2(n_batch: int, n_ubatch: int, default_model: Path) -> None:
+    s = kld_against(default_model, SMOL_BASE, n_batch, n_ubatch)
     assert s.mean_kld()[0] <= 0.006
     assert s.same_top()[0] >= 0.95
 
@@ -176,11 +170,11 @@ def _rows() -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("row", _rows(), ids=lambda r: f"{Path(r['text']).stem}-c{r['ctx']}x{r['chunks']}")
-def test_perplexity_table(row: dict) -> None:
+def test_perplexity_table(row: dict, default_model: Path) -> None:
     n_ctx = row["ctx"]
     n_seq, n_kv, n_batch = plan_context(n_ctx, 2048)
     co = ContextOptions(n_ctx=n_kv, n_batch=n_batch, n_ubatch=512)
-    with Llama(_smollm2(), context_options=co) as llm:
+    with Llama(default_model, context_options=co) as llm:
         tokens = llm.tokenize((SHARED / row["text"]).read_text(encoding="utf-8"))
         est: PerplexityEstimate | None = None
         for _, est in evaluate_perplexity(llm.ctx, tokens, n_ctx, row["chunks"], n_batch):

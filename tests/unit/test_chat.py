@@ -11,10 +11,9 @@ import pytest
 from llamapy.model import chat
 from llamapy.model.chat import CHATML_TEMPLATE, ChatTemplateError, render_chat, template_or_default
 from llamapy.types import LlamapyError
+from tests_support import SHARED
 
-REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "smollm2"
-if not REFERENCE.is_dir():
-    REFERENCE = Path("/work/shared/reference/smollm2")
+REFERENCE = SHARED / "reference" / "smollm2"
 
 # tokenizer.chat_template of SmolLM2-135M-Instruct.Q4_1.gguf, byte for byte.
 SMOLLM2_TEMPLATE = (

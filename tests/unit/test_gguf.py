@@ -19,9 +19,10 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from llamapy.model.gguf import GGUFFile, TensorInfo
 from llamapy.types import GGMLType, GGUFError
+from tests_support import SHARED
 
-VOCAB = Path("/work/shared/data/vocab")
-TINY32 = Path("/work/shared/reference/tiny32/tiny32-Q4_K_M.gguf")
+VOCAB = SHARED / "data" / "vocab"
+TINY32 = SHARED / "reference" / "tiny32" / "tiny32-Q4_K_M.gguf"
 SMALL_REAL = [VOCAB / "ggml-vocab-llama-spm.gguf", TINY32]
 LARGE_REAL = [VOCAB / f"ggml-vocab-{n}.gguf" for n in ("gpt-2", "llama-bpe", "phi-3", "qwen2")]
 VOCAB_FILES = sorted(VOCAB.glob("*.gguf"))

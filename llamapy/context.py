@@ -26,9 +26,12 @@ from .model.loader import (
     LlamaParams,
     ModelWeights,
     Placement,
+    check_split_options,
     collect_weights,
     load_weights,
     place_layers,
+    select_devices,
+    split_proportions,
     weight_devices,
 )
 from .model.tokenizer import Tokenizer
@@ -43,7 +46,7 @@ class ModelOptions:
     n_gpu_layers: int | str = 0  # an int, "all" or "auto"
     override_tensor: Sequence[tuple[str, str]] = ()  # (regex, device name)
     tensor_split: Sequence[float] = ()
-    main_gpu: int = 0
+    main_gpu: int = 0  # checked against the GPUs; the layer split uses every GPU (-ts, else free memory)
     devices: Sequence[str] | None = None  # restrict to these device names
 
 
@@ -102,9 +105,13 @@ class Model:
         self.params = LlamaParams.from_metadata(md, self.tokenizer.n_vocab)
         self.arch = md.get("general.architecture")
         self.name = md.get("general.name", self.path.stem)
-        self.devices = self._select_devices()
+        self.devices = select_devices(self.discovery.devices(), self.options.devices)
         self.cpu = next(d for d in self.devices if d.type is DeviceType.CPU)
         self.gpus = [d for d in self.devices if d.type is DeviceType.GPU]
+        check_split_options(self.options.tensor_split, self.options.main_gpu, self.gpus)
+        # fixed before any weight is loaded: later fits (-ngl auto, error messages) see the same
+        # split, not one skewed by what this model already holds
+        self.split = split_proportions(self.gpus, self.options.tensor_split, self.cpu)
         self.weights: ModelWeights = collect_weights(self.gguf, self.params)
         self.overrides = [(pat, self.discovery.device(dev)) for pat, dev in self.options.override_tensor]
         ngl, reason = self._resolve_ngl(self.options.n_gpu_layers)
@@ -131,17 +138,8 @@ class Model:
 
     # -- devices and -ngl -------------------------------------------------------------------
 
-    def _select_devices(self) -> list[Device]:
-        devs = self.discovery.devices()
-        if self.options.devices:
-            want = {n.upper() for n in self.options.devices} | {"CPU"}
-            devs = [d for d in devs if d.name.upper() in want]
-        return devs
-
     def _place(self, ngl: int) -> Placement:
-        return place_layers(
-            self.params.n_layer, ngl, self.cpu, self.gpus, self.options.tensor_split, self.options.main_gpu
-        )
+        return place_layers(self.params.n_layer, ngl, self.cpu, self.gpus, self.split)
 
     def _resolve_ngl(self, ngl: int | str) -> tuple[int, str]:
         n_total = self.params.n_layer + 1
@@ -230,7 +228,7 @@ class Context:
         if free and need > free:
             raise OutOfMemoryError(
                 f"-c {self.n_ctx} needs {need / 2**20:.0f} MiB of host memory for the KV cache, "
-                f"only {free / 2**20:.0f} MiB are free"
+                f"only {free / 2**20:.0f} MiB are available"
             )
 
     def _reserve_compute(self) -> dict[str, int]:

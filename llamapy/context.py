@@ -29,6 +29,7 @@ from .model.loader import (
     check_split_options,
     collect_weights,
     load_weights,
+    override_devices,
     place_layers,
     select_devices,
     split_proportions,
@@ -113,7 +114,7 @@ class Model:
         # split, not one skewed by what this model already holds
         self.split = split_proportions(self.gpus, self.options.tensor_split, self.cpu)
         self.weights: ModelWeights = collect_weights(self.gguf, self.params)
-        self.overrides = [(pat, self.discovery.device(dev)) for pat, dev in self.options.override_tensor]
+        self.overrides = override_devices(self.options.override_tensor, self.discovery, self.devices)
         # why the context should run without op offload ("" = it may): set by -ngl auto
         self.op_offload_off = ""
         ngl, reason = self._resolve_ngl(self.options.n_gpu_layers)

@@ -159,6 +159,21 @@ def select_devices(available: Sequence[Device], names: Sequence[str] | None) -> 
     return gpus + [d for d in available if d.type is not DeviceType.GPU]
 
 
+def override_devices(
+    overrides: Sequence[tuple[str, str]], discovery: Any, in_use: Sequence[Device]
+) -> list[tuple[str, Device]]:
+    """`-ot REGEX=DEVICE` with each device resolved: unknown names fail as in discovery, and a
+    device that `-dev` left out fails too (no backend of this context could read its buffer)."""
+    out = []
+    for pattern, name in overrides:
+        dev = discovery.device(name)
+        if dev not in in_use:
+            used = ", ".join(d.name for d in in_use)
+            raise LlamapyError(f"-ot {pattern}={name}: {dev.name} is not among the devices in use ({used}; see -dev)")
+        out.append((pattern, dev))
+    return out
+
+
 def check_split_options(tensor_split: Sequence[float], main_gpu: int, gpus: Sequence[Device]) -> None:
     """`-ts` proportions are finite and >= 0, and name no more GPUs than there are; `-mg` is the
     index of one of the GPUs (llama.cpp: "invalid value for main_gpu")."""

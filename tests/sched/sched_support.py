@@ -13,10 +13,17 @@ from llamapy.context import ContextOptions, ModelOptions
 
 
 def open_llm(
-    path: Any, ngl: int | str = 0, *, ts: tuple[float, ...] = (), mg: int = 0, devices: list[str] | None = None, **ctx: Any
+    path: Any,
+    ngl: int | str = 0,
+    *,
+    ts: tuple[float, ...] = (),
+    mg: int = 0,
+    devices: list[str] | None = None,
+    ot: list[tuple[str, str]] | None = None,
+    **ctx: Any,
 ) -> llamapy.Llama:
     co = ContextOptions(n_ctx=ctx.pop("n_ctx", 256), **ctx)
-    mo = ModelOptions(n_gpu_layers=ngl, tensor_split=ts, main_gpu=mg, devices=devices)
+    mo = ModelOptions(n_gpu_layers=ngl, tensor_split=ts, main_gpu=mg, devices=devices, override_tensor=ot or ())
     return llamapy.Llama(path, model_options=mo, context_options=co)
 
 

@@ -29,6 +29,7 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"ts": (-1.0, 2.0)}, "-ts -1,2: each proportion must be a number >= 0"),
         ({"ts": (1.0, float("nan"))}, "each proportion must be a number >= 0"),
         ({"ts": (1.0, 1.0, 1.0)}, "-ts 1,1,1: 3 proportions for 2 GPU(s)"),
+        ({"devices": ["TEST1"], "ot": [("blk", "TEST0")]}, "-ot blk=TEST0: TEST0 is not among the devices in use"),
     ],
 )
 def test_bad_placement_options_raise(tiny32, two_gpus, kw, needle) -> None:  # noqa: ANN001

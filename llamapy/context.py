@@ -26,9 +26,13 @@ from .model.loader import (
     LlamaParams,
     ModelWeights,
     Placement,
+    check_split_options,
     collect_weights,
     load_weights,
+    override_devices,
     place_layers,
+    select_devices,
+    split_proportions,
     weight_devices,
 )
 from .model.tokenizer import Tokenizer
@@ -43,7 +47,7 @@ class ModelOptions:
     n_gpu_layers: int | str = 0  # an int, "all" or "auto"
     override_tensor: Sequence[tuple[str, str]] = ()  # (regex, device name)
     tensor_split: Sequence[float] = ()
-    main_gpu: int = 0
+    main_gpu: int = 0  # checked against the GPUs; the layer split uses every GPU (-ts, else free memory)
     devices: Sequence[str] | None = None  # restrict to these device names
 
 
@@ -103,18 +107,24 @@ class Model:
         self.params = LlamaParams.from_metadata(md, self.tokenizer.n_vocab)
         self.arch = md.get("general.architecture")
         self.name = md.get("general.name", self.path.stem)
-        self.devices = self._select_devices()
+        self.devices = select_devices(self.discovery.devices(), self.options.devices)
         self.cpu = next(d for d in self.devices if d.type is DeviceType.CPU)
         self.gpus = [d for d in self.devices if d.type is DeviceType.GPU]
+        check_split_options(self.options.tensor_split, self.options.main_gpu, self.gpus)
+        # fixed before any weight is loaded: later fits (-ngl auto, error messages) see the same
+        # split, not one skewed by what this model already holds
+        self.split = split_proportions(self.gpus, self.options.tensor_split, self.cpu)
         self.weights: ModelWeights = collect_weights(self.gguf, self.params)
-        self.overrides = [(pat, self.discovery.device(dev)) for pat, dev in self.options.override_tensor]
+        self.overrides = override_devices(self.options.override_tensor, self.discovery, self.devices)
+        # why the context should run without op offload ("" = it may): set by -ngl auto
+        self.op_offload_off = ""
         ngl, reason = self._resolve_ngl(self.options.n_gpu_layers)
         self.placement = self._place(ngl)
         where = weight_devices(self.weights, self.placement, self.overrides)
         try:
             load_weights(self.gguf, self.weights, self.placement, where)
         except OutOfMemoryError as e:
-            fit = self.max_layers_that_fit()
+            fit = self.max_layers_that_fit(op_offload=False)  # a context falls back to it
             raise OutOfMemoryError(
                 f"-ngl {self.placement.n_gpu_layers} does not fit ({e}); at most {fit} layers would fit"
             ) from None
@@ -133,17 +143,8 @@ class Model:
 
     # -- devices and -ngl -------------------------------------------------------------------
 
-    def _select_devices(self) -> list[Device]:
-        devs = self.discovery.devices()
-        if self.options.devices:
-            want = {n.upper() for n in self.options.devices} | {"CPU"}
-            devs = [d for d in devs if d.name.upper() in want]
-        return devs
-
     def _place(self, ngl: int) -> Placement:
-        return place_layers(
-            self.params.n_layer, ngl, self.cpu, self.gpus, self.options.tensor_split, self.options.main_gpu
-        )
+        return place_layers(self.params.n_layer, ngl, self.cpu, self.gpus, self.split)
 
     def _resolve_ngl(self, ngl: int | str) -> tuple[int, str]:
         n_total = self.params.n_layer + 1
@@ -154,16 +155,31 @@ class Model:
                 return 0, "-ngl auto: no GPU, every layer stays on the CPU"
             n = self.max_layers_that_fit()
             margins = ", ".join(f"{d.name} {self.margin(d) / 2**20:.0f} MiB" for d in self.gpus)
-            return n, f"-ngl auto: {n}/{n_total} layers fit the free GPU memory (margin: {margins})"
+            reason = f"-ngl auto: {n}/{n_total} layers fit the free GPU memory (margin: {margins})"
+            n, note = self._fit_without_op_offload(n)
+            return n, f"{reason}; {note}" if note else reason
         return int(ngl), ""
+
+    def _fit_without_op_offload(self, n: int) -> tuple[int, str]:
+        """-ngl auto: when op offload's compute buffers cost layers, more layers win (they speed
+        up every token; op offload only the prompt) and op offload is turned off."""
+        n_total = self.params.n_layer + 1
+        if not self.fit_options.op_offload or n >= n_total:
+            return n, ""
+        n_without = self.max_layers_that_fit(op_offload=False)
+        if n_without <= n:
+            return n, ""
+        self.op_offload_off = f"op offload off: its compute buffers leave room for {n} layers, {n_without} without"
+        return n_without, f"{n_without}/{n_total} without op offload, which is turned off (as --no-op-offload)"
 
     @staticmethod
     def margin(dev: Device) -> int:
         """Memory left free on a device for what llamapy does not plan (driver, CuPy's pool)."""
         return 0 if dev.name.startswith("TEST") else 512 * 2**20
 
-    def device_bytes(self, ngl: int) -> dict[str, int]:
-        """Bytes each device needs at -ngl `ngl`: weights, KV cache and compute buffers."""
+    def device_bytes(self, ngl: int, op_offload: bool | None = None) -> dict[str, int]:
+        """Bytes each device needs at -ngl `ngl`: weights, KV cache and compute buffers (with op
+        offload as the context options say, unless `op_offload` is given)."""
         from .model.fit import device_bytes
 
         o = self.fit_options
@@ -173,19 +189,20 @@ class Model:
         where = weight_devices(self.weights, pl, self.overrides)
         return device_bytes(
             self.params, self.weights, where, kv_devices, self.devices, n_ctx,
-            min(o.n_ubatch, o.n_batch), o.type_k, o.type_v, o.op_offload,
+            min(o.n_ubatch, o.n_batch), o.type_k, o.type_v,
+            o.op_offload if op_offload is None else op_offload,
         )  # fmt: skip
 
-    def max_layers_that_fit(self) -> int:
+    def max_layers_that_fit(self, op_offload: bool | None = None) -> int:
         """The largest -ngl whose weights, KV cache and compute buffers fit every GPU's free
-        memory minus its margin."""
+        memory minus its margin (op offload as in `device_bytes`)."""
         free = {d.name: d.memory()[0] - self.margin(d) for d in self.gpus}
         for b in self.weights.buffers:  # what this model already holds would be given back
             if b.name in free:
                 free[b.name] += b.nbytes
         best = 0
         for ngl in range(1, self.params.n_layer + 2):
-            need = self.device_bytes(ngl)
+            need = self.device_bytes(ngl, op_offload)
             if all(need[k] <= free[k] for k in need if k in free):
                 best = ngl
             else:
@@ -218,7 +235,9 @@ class Context:
         self.backends: list[Backend] = [d.init_backend() for d in model.devices]
         for be in self.backends:
             be.set_n_threads(o.n_threads)
-        self.sched = Scheduler(self.backends, op_offload=o.op_offload)
+        self.sched = Scheduler(self.backends, op_offload=o.op_offload and not model.op_offload_off)
+        # what the context changed to fit the memory (the CLI logs it); "" = nothing
+        self.fit_note = ""
         self._graphs: dict[tuple[int, int, int], LlamaGraph] = {}
         self.compute_buffers: list[Buffer] = []
         self.freed = False
@@ -235,12 +254,38 @@ class Context:
         if free and need > free:
             raise OutOfMemoryError(
                 f"-c {self.n_ctx} needs {need / 2**20:.0f} MiB of host memory for the KV cache, "
-                f"only {free / 2**20:.0f} MiB are free"
+                f"only {free / 2**20:.0f} MiB are available"
             )
 
     def _reserve_compute(self) -> dict[str, int]:
         """Plan the worst-case graph (a full micro-batch over the whole context) and reserve
-        each device's compute buffer from its memory (ggml_backend_sched_reserve)."""
+        each device's compute buffer from its memory (ggml_backend_sched_reserve).
+
+        When the buffers do not fit with op offload (which puts the prompt's host-weight ops and
+        their intermediates on a GPU), the context falls back to running without it — a smaller
+        GPU reservation — and says so in `fit_note`; when they still do not fit, the error
+        names the -ngl and -ub that would."""
+        n = self.n_ubatch
+        try:
+            return self._alloc_compute()
+        except OutOfMemoryError as e:
+            first = e
+        if self.sched.op_offload:
+            self.sched.set_op_offload(False)
+            try:
+                sizes = self._alloc_compute()
+            except OutOfMemoryError:
+                pass
+            else:
+                self.fit_note = f"op offload turned off: with it the compute buffers do not fit ({first})"
+                return sizes
+        ub = self._ubatch_that_fits()
+        self.free()
+        hint = f", or -ub {ub} at this -ngl" if ub else ""
+        raise self._oom(f"compute buffers for -ub {n}, -c {self.n_ctx}: {first}", hint) from None
+
+    def _alloc_compute(self) -> dict[str, int]:
+        """Reserve the planned compute buffers; on OutOfMemoryError none stays allocated."""
         n = self.n_ubatch
         plan = self.sched.reserve(self.graph(n, self.n_ctx, n).graph)
         try:
@@ -252,15 +297,29 @@ class Context:
                 limit = getattr(be.device, "limit_memory_pool", None)
                 if limit is not None:  # CUDA: the pool may not grow past what was planned
                     limit(size)
-        except OutOfMemoryError as e:
-            self.free()
-            raise self._oom(f"compute buffers for -ub {n}, -c {self.n_ctx}: {e}") from None
+        except OutOfMemoryError:
+            for b in self.compute_buffers:
+                b.free()
+            self.compute_buffers.clear()
+            raise
         return dict(plan.compute_sizes)
 
-    def _oom(self, what: str) -> OutOfMemoryError:
+    def _ubatch_that_fits(self) -> int | None:
+        """The largest smaller -ub whose compute buffers fit what the weights and KV cache left."""
+        from .model.fit import largest_ubatch_that_fits
+
+        free = {be.name: be.device.memory()[0] for be in self.backends if not be.device.buffer_type().is_host}
+        if not free:
+            return None
+        m = self.model
+        return largest_ubatch_that_fits(
+            m.params, m.weights, self.kv, m.devices, self.n_ctx, self.n_ubatch, free, self.sched.op_offload
+        )
+
+    def _oom(self, what: str, hint: str = "") -> OutOfMemoryError:
         ngl = self.model.placement.n_gpu_layers
-        fit = self.model.max_layers_that_fit()
-        return OutOfMemoryError(f"-ngl {ngl} does not fit ({what}); at most {fit} layers would fit")
+        fit = self.model.max_layers_that_fit(op_offload=False)  # the context falls back to it
+        return OutOfMemoryError(f"-ngl {ngl} does not fit ({what}); at most {fit} layers would fit{hint}")
 
     def free(self) -> None:
         """Release the KV cache, the compute buffers and every cached graph and plan (whose

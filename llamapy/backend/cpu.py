@@ -125,15 +125,11 @@ class CPUDevice(Device):
     type = DeviceType.CPU
 
     def props(self) -> DeviceProps:
-        total = free = 0
-        try:
-            pages = os.sysconf("SC_PHYS_PAGES")
-            avail = os.sysconf("SC_AVPHYS_PAGES")
-            size = os.sysconf("SC_PAGE_SIZE")
-            total, free = pages * size, avail * size
-        except (ValueError, OSError):
-            pass
         import platform
+
+        from . import hostmem
+
+        free, total = hostmem.host_memory()  # MemAvailable, not MemFree
 
         return DeviceProps(self.name, platform.processor() or platform.machine(), self.type, free, total)
 

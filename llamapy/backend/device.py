@@ -22,8 +22,26 @@ from ..types import DeviceType, OutOfMemoryError
 from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps
 from .kernels import KERNELS, run_nodes
 
-# llama.cpp's CUDA backend offloads an op on host weights once the batch reaches 32 tokens
+# ggml-cuda offloads an op that reads a host weight once its batch size reaches 32
+# (`op_offload_min_batch_size`, GGML_OP_OFFLOAD_MIN_BATCH)
 OFFLOAD_MIN_BATCH = 32
+
+
+def op_batch_size(node: Tensor) -> int:
+    """ggml-cuda's `get_op_batch_size`, which decides op offload: GET_ROWS never (0); MUL_MAT its
+    `ne[1]` (the tokens); ROPE its `ne[2]` (tokens of a (tokens, heads, dim) tensor); any other
+    op its number of rows (`ggml_nrows`: every dimension but the contiguous one)."""
+    if node.op is Op.GET_ROWS:
+        return 0
+    ne = node.shape[::-1]  # ggml order: ne[0] is the contiguous dimension
+    if node.op is Op.MUL_MAT:
+        return ne[1] if len(ne) > 1 else 1
+    if node.op is Op.ROPE:
+        return ne[2] if len(ne) > 2 else 1
+    rows = 1
+    for d in ne[1:]:
+        rows *= d
+    return rows
 
 
 @dataclass
@@ -118,12 +136,7 @@ class MemoryDevice(Device):
 
     def offload_op(self, node: Tensor) -> bool:
         # big batches are worth the weight's trip to the device; GET_ROWS never is
-        if node.op is not Op.MUL_MAT:
-            return False
-        n_tokens = 1
-        for d in node.src[1].shape[:-1]:
-            n_tokens *= d
-        return n_tokens >= OFFLOAD_MIN_BATCH
+        return op_batch_size(node) >= OFFLOAD_MIN_BATCH
 
     def init_backend(self) -> Backend:
         return MemoryDeviceBackend(self)

@@ -1,8 +1,9 @@
 """A GPU-like test device: `LLAMAPY_TEST_GPU=1` (or `=2`) registers TEST0 (TEST1), of type GPU.
 
 It runs the CPU kernels but owns its memory: every value is a private copy made by `upload`,
-every copy is counted in bytes, and `LLAMAPY_TEST_GPU_MEM` (MiB) is its budget. Placement, splits,
-copies and memory fitting are exercised through the same device-memory code CUDA uses
+every copy is counted in bytes, and `LLAMAPY_TEST_GPU_MEM` (MiB; `96,32` gives each device its
+own) is its budget — and so its free memory, which the default layer split follows. Placement,
+splits, copies and memory fitting are exercised through the same device-memory code CUDA uses
 (backend/device.py) on machines without a GPU. It plays the role of tinygrad's NULL device and
 of ggml's test backends.
 """
@@ -10,6 +11,7 @@ of ggml's test backends.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -46,10 +48,15 @@ class TestRegistry(Registry):
     __test__ = False
     name = "TEST"
 
-    def __init__(self, count: int, budget_mib: float) -> None:
-        budget = int(budget_mib * 2**20)
+    def __init__(self, count: int, budget_mib: float | Sequence[float]) -> None:
+        budgets = [budget_mib] if isinstance(budget_mib, (int, float)) else list(budget_mib) or [1 << 20]
         self._devices: list[Device] = [
-            TestDevice(f"TEST{i}", budget, "GPU-like test device (CPU kernels, own memory)") for i in range(count)
+            TestDevice(
+                f"TEST{i}",
+                int(budgets[min(i, len(budgets) - 1)] * 2**20),
+                "GPU-like test device (CPU kernels, own memory)",
+            )
+            for i in range(count)
         ]
 
     def devices(self) -> list[Device]:
@@ -59,15 +66,19 @@ class TestRegistry(Registry):
         return 1 if self._devices else 0
 
 
+def _budgets(text: str) -> list[float]:
+    """`LLAMAPY_TEST_GPU_MEM`: MiB for every device (`64`) or per device (`96,32`: TEST0, TEST1;
+    the last value repeats); unset or unreadable: effectively unlimited."""
+    try:
+        return [float(x) for x in text.split(",") if x.strip()] or [1 << 20]
+    except ValueError:
+        return [1 << 20]
+
+
 def registry() -> Registry:
     """Entry point: the TEST registry, with as many devices as LLAMAPY_TEST_GPU asks for."""
     try:
         count = int(os.environ.get("LLAMAPY_TEST_GPU", "0") or 0)
     except ValueError:
         count = 0
-    mem = os.environ.get("LLAMAPY_TEST_GPU_MEM", "")
-    try:
-        budget = float(mem) if mem else 1 << 20  # MiB; effectively unlimited by default
-    except ValueError:
-        budget = 1 << 20
-    return TestRegistry(max(count, 0), budget)
+    return TestRegistry(max(count, 0), _budgets(os.environ.get("LLAMAPY_TEST_GPU_MEM", "")))

@@ -3,7 +3,6 @@ flags (llama.cpp's common/arg.cpp names), and the load log on stderr."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -221,9 +220,18 @@ def load(
     llm = Llama(path, model_options=mo, context_options=co)
     for w in llm.model.info.warnings:  # said even when quiet: they cost every later run time
         log(f"warning: {w}")
+    _sched_debug(llm)
     if not quiet:
         log_load(llm)
     return llm
+
+
+def _sched_debug(llm: Any) -> None:
+    """LLAMAPY_SCHED_DEBUG=1|2: the splits (and nodes) of every distinct graph, on stderr."""
+    from ..sched.scheduler import debug_level, split_printer
+
+    if debug_level() > 0:
+        llm.ctx.sched.debug_hook = split_printer(llm.ctx.sched, debug_level(), log)
 
 
 def _mib(n: int) -> str:
@@ -265,12 +273,11 @@ def log_load(llm: Any) -> None:
     plan = ctx.plan(min(ctx.n_ubatch, ctx.n_ctx))
     for name, size in plan.compute_sizes.items():
         log(f"llama_context: {name:>10} compute buffer size = {_mib(size)}")
+    if ctx.fit_note:
+        log(f"llama_context: {ctx.fit_note}")
     log(f"llama_context: n_ctx = {ctx.n_ctx}, n_batch = {ctx.n_batch}, n_ubatch = {ctx.n_ubatch}, graph splits = {len(plan.splits)}")
-    if os.environ.get("LLAMAPY_SCHED_DEBUG"):
-        from ..sched.scheduler import debug_level
-
-        if debug_level() > 0:
-            log(ctx.sched.dump(plan.graph, debug_level()))
+    if ctx.sched.debug_hook is not None:
+        ctx.sched.debug_hook(plan)  # the micro-batch graph's splits, as llama.cpp's reserve shows
 
 
 def log_timings(llm: Any, t: Any, total_ms: float) -> None:

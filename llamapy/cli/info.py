@@ -4,9 +4,11 @@ registry and device, PASS/FAIL after a tiny op, as tinygrad's device listing).""
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import typer
 
+from ..types import DeviceType
 from . import app, common
 
 
@@ -51,6 +53,14 @@ def info(
     out.flush()
 
 
+def _memory(p: Any) -> str:
+    """Free/total device memory; for the host, MemAvailable (what the host-memory checks use)."""
+    if not p.memory_total:
+        return "host memory"
+    word = "available" if p.type is DeviceType.CPU else "free"
+    return f"{p.memory_free / 2**20:.0f}/{p.memory_total / 2**20:.0f} MiB {word}"
+
+
 @app.command(short_help="every backend and device, PASS or FAIL")
 def devices() -> None:
     """List every backend registry and device: type, memory, PASS or FAIL with the reason."""
@@ -66,7 +76,7 @@ def devices() -> None:
         out.write(f"{st.registry.name:<6} registry  {len(devs)} device(s)  ({st.source})\n")
         for d in devs:
             p = d.props()
-            mem = f"{p.memory_free / 2**20:.0f}/{p.memory_total / 2**20:.0f} MiB free" if p.memory_total else "host memory"
+            mem = _memory(p)
             try:
                 d.self_test()
                 status = "PASS"

@@ -4,16 +4,18 @@ llama.cpp's `llama_params_fit` / `-fit`: dry runs of the model, KV cache and com
 Weights and the KV cache are summed tensor by tensor; the compute buffers come from planning the
 worst-case graph (a full micro-batch attending to the whole context) with the real scheduler
 over *dry* buffers — buffers that carry a buffer type but hold nothing — so the figure is the
-one `Context` will reserve.
+one `Context` will reserve. Planning works on copies of the weight descriptors: the model's own
+tensors keep their buffers throughout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
-from ..backend.interface import Buffer, BufferType, BufferUsage, Device
+from ..backend.interface import Buffer, BufferUsage, Device
 from ..sched.scheduler import Scheduler
 from ..tensor import Tensor
 from ..types import GGMLType
@@ -48,6 +50,29 @@ def compute_sizes(
     return sched.reserve(g.graph).compute_sizes
 
 
+def _dry_weights(weights: ModelWeights, where: dict[Tensor, Device]) -> tuple[ModelWeights, dict[str, Buffer]]:
+    """Copies of the weight descriptors, each in a dry buffer of its planned device: planning
+    never touches the model's own tensors (which a running context may be using)."""
+    dry: dict[str, Buffer] = {}
+
+    def shadow(t: Tensor) -> Tensor:
+        dev = where[t]
+        if dev.name not in dry:
+            dry[dev.name] = DryBuffer(dev.buffer_type(), 0, BufferUsage.WEIGHTS)
+        return dataclasses.replace(t, buffer=dry[dev.name])
+
+    w = weights
+    shadowed = ModelWeights(
+        shadow(w.tok_embd),
+        shadow(w.output_norm),
+        shadow(w.output),
+        [{k: shadow(t) for k, t in layer.items()} for layer in w.layers],
+        shadow(w.rope_freqs) if w.rope_freqs is not None else None,
+        tied_output=w.tied_output,
+    )
+    return shadowed, dry
+
+
 def device_bytes(
     params: LlamaParams,
     weights: ModelWeights,
@@ -62,32 +87,43 @@ def device_bytes(
 ) -> dict[str, int]:
     """Weights + KV cache + compute buffers, in bytes, per device name."""
     need: dict[str, int] = {}
-    dry: dict[str, Buffer] = {}
-
-    def buf_for(dev: Device) -> Buffer:
-        if dev.name not in dry:
-            dry[dev.name] = DryBuffer(dev.buffer_type(), 0, BufferUsage.WEIGHTS)
-        return dry[dev.name]
-
-    saved = {t: t.buffer for t in where}
-    try:
-        for t, dev in where.items():
-            buft: BufferType = dev.buffer_type()
-            if not (t is weights.output and weights.tied_output and where[weights.tok_embd] is dev):
-                need[dev.name] = need.get(dev.name, 0) + buft.alloc_size(t)
-            t.buffer = buf_for(dev)
-        kv = KVCache(
-            n_ctx,
-            [Tensor(f"cache_k_l{il}", (n_ctx, params.n_embd_gqa), type_k) for il in range(params.n_layer)],
-            [Tensor(f"cache_v_l{il}", (n_ctx, params.n_embd_gqa), type_v) for il in range(params.n_layer)],
-        )
-        for il, dev in enumerate(kv_devices):
-            for t in (kv.k[il], kv.v[il]):
-                t.buffer = DryBuffer(dev.buffer_type(), 0, BufferUsage.ANY)
-                need[dev.name] = need.get(dev.name, 0) + dev.buffer_type().alloc_size(t)
-        for name, size in compute_sizes(params, weights, kv, devices, n_ctx, n_ubatch, op_offload).items():
-            need[name] = need.get(name, 0) + size
-    finally:
-        for t, b in saved.items():
-            t.buffer = b
+    for t, dev in where.items():
+        if not (t is weights.output and weights.tied_output and where[weights.tok_embd] is dev):
+            need[dev.name] = need.get(dev.name, 0) + dev.buffer_type().alloc_size(t)
+    dry_weights, _ = _dry_weights(weights, where)
+    kv = KVCache(
+        n_ctx,
+        [Tensor(f"cache_k_l{il}", (n_ctx, params.n_embd_gqa), type_k) for il in range(params.n_layer)],
+        [Tensor(f"cache_v_l{il}", (n_ctx, params.n_embd_gqa), type_v) for il in range(params.n_layer)],
+    )
+    for il, dev in enumerate(kv_devices):
+        for t in (kv.k[il], kv.v[il]):
+            t.buffer = DryBuffer(dev.buffer_type(), 0, BufferUsage.ANY)
+            need[dev.name] = need.get(dev.name, 0) + dev.buffer_type().alloc_size(t)
+    for name, size in compute_sizes(params, dry_weights, kv, devices, n_ctx, n_ubatch, op_offload).items():
+        need[name] = need.get(name, 0) + size
     return need
+
+
+def largest_ubatch_that_fits(
+    params: LlamaParams,
+    weights: ModelWeights,
+    kv: KVCache,
+    devices: Sequence[Device],
+    n_ctx: int,
+    n_ubatch: int,
+    free: dict[str, int],
+    op_offload: bool = False,
+) -> int | None:
+    """The largest power-of-two `-ub` below `n_ubatch` whose compute buffers fit `free` (bytes
+    per device name) on every device that has its own memory, or None: what the out-of-memory
+    message suggests when the weights and KV cache fit but the compute buffers do not."""
+    u = 1
+    while u * 2 < n_ubatch:
+        u *= 2
+    while u >= 1:
+        sizes = compute_sizes(params, weights, kv, devices, n_ctx, u, op_offload)
+        if all(sizes.get(name, 0) <= room for name, room in free.items()):
+            return u
+        u //= 2
+    return None

@@ -10,6 +10,7 @@ stays on the CPU (a GET_ROWS of a few rows gains nothing from a GPU). A tied out
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,15 @@ import numpy as np
 
 from ..backend.interface import Buffer, BufferUsage, Device
 from ..tensor import Tensor, TensorFlag
-from ..types import SUPPORTED_TYPES, GGMLType, GGUFError, OutOfMemoryError, UnsupportedError
+from ..types import (
+    SUPPORTED_TYPES,
+    DeviceType,
+    GGMLType,
+    GGUFError,
+    LlamapyError,
+    OutOfMemoryError,
+    UnsupportedError,
+)
 from .gguf import GGUFFile
 
 SUPPORTED_ARCHS = ("llama",)
@@ -125,11 +134,79 @@ class Placement:
     cpu: Device
 
 
-def place_layers(
-    n_layer: int, ngl: int, cpu: Device, gpus: Sequence[Device], tensor_split: Sequence[float] = (), main_gpu: int = 0
-) -> Placement:
+def select_devices(available: Sequence[Device], names: Sequence[str] | None) -> list[Device]:
+    """`-dev A,B` (llama.cpp's `--device`): the GPUs to offload to, in that order; `none` offloads
+    nothing. Host and accelerator devices (CPU, BLAS) are always used. A name that matches no
+    device is an error, not silently dropped."""
+    if not names:
+        return list(available)
+    by_name = {d.name.upper(): d for d in available}
+    wanted = [n.strip() for n in names if n.strip()]
+    gpus: list[Device] = []
+    for n in wanted:
+        if n.lower() == "none":
+            continue
+        dev = by_name.get(n.upper())
+        if dev is None:
+            known = ", ".join(d.name for d in available)
+            raise LlamapyError(f"-dev {','.join(wanted)}: no device named {n!r} (available: {known}, none)")
+        if dev.type is DeviceType.GPU and dev not in gpus:
+            gpus.append(dev)
+    if any(n.lower() == "none" for n in wanted) and gpus:
+        raise LlamapyError(f"-dev {','.join(wanted)}: 'none' cannot be combined with device names")
+    return gpus + [d for d in available if d.type is not DeviceType.GPU]
+
+
+def override_devices(
+    overrides: Sequence[tuple[str, str]], discovery: Any, in_use: Sequence[Device]
+) -> list[tuple[str, Device]]:
+    """`-ot REGEX=DEVICE` with each device resolved: unknown names fail as in discovery, and a
+    device that `-dev` left out fails too (no backend of this context could read its buffer)."""
+    out = []
+    for pattern, name in overrides:
+        dev = discovery.device(name)
+        if dev not in in_use:
+            used = ", ".join(d.name for d in in_use)
+            raise LlamapyError(f"-ot {pattern}={name}: {dev.name} is not among the devices in use ({used}; see -dev)")
+        out.append((pattern, dev))
+    return out
+
+
+def check_split_options(tensor_split: Sequence[float], main_gpu: int, gpus: Sequence[Device]) -> None:
+    """`-ts` proportions are finite and >= 0, and name no more GPUs than there are; `-mg` is the
+    index of one of the GPUs (llama.cpp: "invalid value for main_gpu")."""
+    text = ",".join(f"{x:g}" for x in tensor_split)
+    for x in tensor_split:
+        if not math.isfinite(x) or x < 0:
+            raise LlamapyError(f"-ts {text}: each proportion must be a number >= 0")
+    names = ", ".join(f"{i} = {d.name}" for i, d in enumerate(gpus))
+    if gpus and len(tensor_split) > len(gpus) and any(tensor_split[len(gpus) :]):
+        raise LlamapyError(f"-ts {text}: {len(tensor_split)} proportions for {len(gpus)} GPU(s) ({names})")
+    if main_gpu != 0 and not 0 <= main_gpu < len(gpus):
+        where = f"GPUs: {names}" if gpus else "no GPU is in use"
+        raise LlamapyError(f"-mg {main_gpu}: no such GPU ({where})")
+
+
+def split_proportions(gpus: Sequence[Device], tensor_split: Sequence[float], cpu: Device) -> list[float]:
+    """How the offloaded layers divide between the GPUs: `-ts` when it has a non-zero entry, else
+    each GPU's free memory (llama.cpp's default, split mode "layer"); a device that reports no
+    memory at all counts with the host's, as llama.cpp does."""
+    ts = [float(x) for x in tensor_split[: len(gpus)]] + [0.0] * max(len(gpus) - len(tensor_split), 0)
+    if any(x > 0 for x in ts):
+        return ts
+    out = []
+    for d in gpus:
+        free, total = d.memory()
+        if free == 0 and total == 0:
+            free = cpu.memory()[0]
+        out.append(float(max(free, 0)))
+    return out
+
+
+def place_layers(n_layer: int, ngl: int, cpu: Device, gpus: Sequence[Device], split: Sequence[float] = ()) -> Placement:
     """llama.cpp's rule: the last `ngl` of the n_layer+1 layers (the output counts as one) go to
-    the GPUs, spread over them in contiguous runs in the ratio `tensor_split`."""
+    the GPUs, in contiguous runs in the ratio `split` (one proportion per GPU, see
+    `split_proportions`; empty or all zero: equal shares)."""
     n_total = n_layer + 1
     if ngl < 0 or ngl > n_total:
         ngl = n_total  # clamp, as llama.cpp does
@@ -138,11 +215,9 @@ def place_layers(
     i_gpu_start = max(n_total - ngl, 0)
     devices: list[Device] = [cpu] * n_total
     if ngl:
-        if tensor_split and any(x > 0 for x in tensor_split[: len(gpus)]):
-            weights = [float(x) for x in tensor_split[: len(gpus)]] + [0.0] * (len(gpus) - len(tensor_split))
-        else:
-            weights = [0.0] * len(gpus)
-            weights[min(max(main_gpu, 0), len(gpus) - 1)] = 1.0
+        weights = [float(x) for x in split[: len(gpus)]] + [0.0] * max(len(gpus) - len(split), 0)
+        if not any(x > 0 for x in weights):
+            weights = [1.0] * len(gpus)
         total = sum(weights)
         bounds = []  # cumulative fractions, as llama.cpp's `splits`
         acc = 0.0
@@ -150,6 +225,7 @@ def place_layers(
             acc += w / total
             bounds.append(acc)
         for il in range(i_gpu_start, n_total):
+            # the first GPU whose split point lies above the layer's fraction (std::upper_bound)
             frac = (il - i_gpu_start) / ngl
             g = next((i for i, b in enumerate(bounds) if frac < b), len(gpus) - 1)
             devices[il] = gpus[g]

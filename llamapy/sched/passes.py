@@ -6,10 +6,12 @@ the CPU, which supports every op and is the fallback.
 
 - pass 1 `assign_from_weights`: a tensor in a pre-allocated buffer (weight, KV cache) and every op
   that reads a weight go where that buffer lives; inputs go to the CPU. This is how `-ngl`
-  (which decides where weights live) decides where ops run.
+  (which decides where weights live) decides where ops run. An op on a host weight may instead
+  go to a device whose `offload_op` wants it (ggml-cuda: batch size >= 32, GET_ROWS never).
 - pass 2 `expand`: spread GPU assignments to unassigned neighbours, down then up, then the rest.
 - pass 3 `upgrade`: move a node to a higher-priority backend that shares its buffer type and
-  supports it (the BLAS backend takes big MUL_MATs from the CPU this way).
+  supports it (the BLAS backend takes big MUL_MATs from the CPU this way); a node still
+  unplaced goes to the backend that can read most of its placed inputs.
 - pass 4 `fill_views`: views follow their source; leafs follow their buffer.
 """
 
@@ -19,9 +21,12 @@ from collections.abc import Sequence
 
 from ..backend.interface import Backend, BufferType, BufferUsage
 from ..graph import Graph
-from ..tensor import Tensor, TensorFlag
+from ..tensor import Op, Tensor, TensorFlag
 
 Assignment = dict[Tensor, int]
+
+# ops whose weight (rope_freqs, attention sinks) is too small to choose a backend by (ggml skips them)
+_NOT_BY_WEIGHT = frozenset({Op.ROPE, Op.FLASH_ATTN_EXT})
 
 
 def _bufts(backends: Sequence[Backend]) -> list[BufferType]:
@@ -47,6 +52,8 @@ def backend_id_from_cur(
         return backend_from_buffer(backends, root.buffer.buft, None if node.is_leaf else node)
     if node.flags & TensorFlag.INPUT:
         return len(backends) - 1
+    if node.op in _NOT_BY_WEIGHT:
+        return None
     for src in node.src:
         buf = src.root().buffer
         if src.is_leaf and buf is not None and buf.usage is BufferUsage.WEIGHTS:
@@ -112,21 +119,43 @@ def _srcs_usable(backends: Sequence[Backend], a: Assignment, node: Tensor, b: in
     return True
 
 
+def _buffer_supported(backends: Sequence[Backend], a: Assignment, src: Tensor, b: int) -> bool:
+    """ggml_backend_sched_buffer_supported: `src` lives (or will be computed) in memory backend
+    `b` can read — its buffer's type, else that of the backend it (or its view source) runs on."""
+    buf = src.root().buffer
+    if buf is not None:
+        return backends[b].device.supports_buft(buf.buft)
+    owner = a.get(src, a.get(src.view_src) if src.view_src is not None else None)
+    return owner is not None and backends[b].device.supports_buft(backends[owner].device.buffer_type())
+
+
+def _most_supported_inputs(backends: Sequence[Backend], a: Assignment, node: Tensor) -> int:
+    """An op no expansion could place: the backend that runs it and can read the most of its
+    already-placed inputs (ggml's "3.best"; ties go to the higher priority)."""
+    best, n_best = len(backends) - 1, -1
+    for b in range(len(backends)):
+        if not backends[b].device.supports_op(node):
+            continue
+        n = sum(
+            1
+            for src in node.src
+            if (src in a or (src.view_src is not None and src.view_src in a)) and _buffer_supported(backends, a, src, b)
+        )
+        if n > n_best:
+            best, n_best = b, n
+    return best
+
+
 def upgrade(graph: Graph, backends: Sequence[Backend], a: Assignment) -> None:
-    """Pass 3: unassigned nodes take the first backend that can run them on their inputs'
-    buffers; assigned ones move up to a higher-priority backend with the same buffer type."""
+    """Pass 3: unassigned nodes take the backend that can read most of their placed inputs;
+    assigned ones move up to a higher-priority backend with the same buffer type."""
     bufts = _bufts(backends)
     for n in graph.nodes:
         if n.is_view:
             continue
         cur = a.get(n)
         if cur is None:
-            for b in range(len(backends)):
-                if backends[b].device.supports_op(n) and _srcs_usable(backends, a, n, b):
-                    a[n] = b
-                    break
-            else:
-                a[n] = len(backends) - 1
+            a[n] = _most_supported_inputs(backends, a, n)
             continue
         for b in range(cur):
             if bufts[b] is bufts[cur] and backends[b].device.supports_op(n) and _srcs_usable(backends, a, n, b):

@@ -5,12 +5,14 @@
 `compute(graph, inputs)` then runs the splits in order, copying each split's inputs into its
 backend first (the copy ladder: device-to-device if the backend offers it, else through the
 host). A graph of the same shape is reused, so a decode step pays for planning once.
+`LLAMAPY_SCHED_DEBUG=1|2` dumps the splits (2: and nodes) of every distinct graph that runs,
+through `debug_hook` — the library hands the text to the CLI, which writes it to stderr.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +33,7 @@ class Plan:
     assignment: Assignment
     splits: list[Split]
     compute_sizes: dict[str, int] = field(default_factory=dict)  # backend name -> bytes
+    shown: bool = False  # given to the scheduler's debug hook already
 
 
 def _owner(t: Tensor) -> Tensor:
@@ -51,6 +54,9 @@ class Scheduler:
         self.backends = list(backends)
         self.op_offload = op_offload
         self._plans: dict[int, Plan] = {}
+        # called with the plan of each graph the first time it runs (LLAMAPY_SCHED_DEBUG: the CLI
+        # sets it to `split_printer`, as ggml prints the splits of each graph it splits)
+        self.debug_hook: Callable[[Plan], None] | None = None
 
     # -- planning ------------------------------------------------------------------------
 
@@ -82,6 +88,12 @@ class Scheduler:
     def forget(self, graph: Graph) -> None:
         self._plans.pop(id(graph), None)
 
+    def set_op_offload(self, on: bool) -> None:
+        """Turn op offload on or off; graphs are planned again under the new rule."""
+        if on != self.op_offload:
+            self.op_offload = on
+            self._plans.clear()
+
     # -- running -------------------------------------------------------------------------
 
     def _copy(self, t: Tensor, value: Any, src: Backend, dst: Backend) -> Any:
@@ -98,6 +110,9 @@ class Scheduler:
         """Run `graph` with `inputs` (host arrays for its INPUT leafs); return its outputs on
         the host."""
         plan = self.reserve(graph)
+        if self.debug_hook is not None and not plan.shown:
+            plan.shown = True
+            self.debug_hook(plan)
         vals: dict[Tensor, Any] = dict(inputs)
         home: dict[Tensor, int] = {t: plan.assignment[t] for t in inputs}
         copies: dict[tuple[Tensor, int], Any] = {}
@@ -153,6 +168,22 @@ class Scheduler:
 
 def _fmt_size(n: int) -> str:
     return f"{n / 1024:.0f}K" if n >= 1024 else f"{n}B"
+
+
+def split_printer(sched: Scheduler, level: int, emit: Callable[[str], None]) -> Callable[[Plan], None]:
+    """A `debug_hook` that hands `emit` (the CLI's stderr logger) the split dump of every distinct
+    graph once: a graph rebuilt with the same shape dumps the same text and is not repeated."""
+    seen: set[str] = set()
+
+    def show(plan: Plan) -> None:
+        text = sched.dump(plan.graph, level)
+        if text in seen:
+            return
+        seen.add(text)
+        emit(f"sched: graph #{len(seen) - 1}: {len(plan.graph.nodes)} nodes, {len(plan.splits)} splits")
+        emit(text)
+
+    return show
 
 
 def debug_level() -> int:

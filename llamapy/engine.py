@@ -18,7 +18,7 @@ slot sharing the longest prefix with its prompt and only the rest is evaluated. 
 is bounded in bytes (`cache_bytes`): past it, the least recently used slot's cells are dropped.
 
 Threads: `start()` runs the step loop in one worker thread; `submit` and `cancel` may be called from
-any thread (an asyncio loop: see `agenerate`). Without a worker, `generate()` drives `step()` in the
+any thread (an asyncio loop: see `open_async`). Without a worker, `generate()` drives `step()` in the
 caller's thread. Library code: nothing here prints.
 """
 
@@ -49,7 +49,11 @@ __all__ = [
     "QueueFullError",
     "Request",
     "SlotInfo",
+    "AsyncEvents",
 ]
+
+
+SLOT_SIMILARITY = 0.1
 
 
 class QueueFullError(LlamapyError):
@@ -373,9 +377,18 @@ class Engine:
                 if not free or not self._waiting:
                     return
                 job = self._waiting.popleft()
-            # the free slot sharing the longest prefix; ties: the least recently used
-            best = max(free, key=lambda s: (_common_prefix(s.cached, job.prompt) if job.req.cache_prompt else 0, -s.last_used))
-            self._start(best, job)
+            self._start(self._pick(free, job), job)
+
+    @staticmethod
+    def _pick(free: list[_Slot], job: _Job) -> _Slot:
+        """The free slot whose cache shares the longest prefix with the prompt, if that covers at
+        least SLOT_SIMILARITY of it (llama-server's --slot-prompt-similarity); otherwise the
+        least recently used one, so that another conversation's cache is kept."""
+        if job.req.cache_prompt:
+            best = max(free, key=lambda s: (_common_prefix(s.cached, job.prompt), -s.last_used))
+            if _common_prefix(best.cached, job.prompt) > SLOT_SIMILARITY * len(job.prompt):
+                return best
+        return min(free, key=lambda s: s.last_used)
 
     def _start(self, slot: _Slot, job: _Job) -> None:
         keep = _common_prefix(slot.cached, job.prompt) if job.req.cache_prompt else 0
@@ -654,24 +667,44 @@ class Engine:
                 self.cancel(rid)
                 self.step()  # frees the slot now: nobody else may step this engine
 
-    async def agenerate(self, req: Request) -> AsyncIterator[Event]:
-        """generate() for an asyncio loop: the worker thread (start()) decodes, events arrive
-        through the loop. Cancelling the task or closing the iterator cancels the request."""
+    def open_async(self, req: Request) -> AsyncEvents:
+        """Submit `req` now (errors raise here, before any response is started) and return its
+        events for the running asyncio loop; the worker thread (start()) decodes."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Event] = asyncio.Queue()
 
         def sink(ev: Event) -> None:
             loop.call_soon_threadsafe(q.put_nowait, ev)
 
-        rid = self.submit(req, sink)
-        done = False
-        try:
-            while True:
-                ev = await q.get()
-                done = ev.kind == "done"
-                yield ev
-                if done:
-                    return
-        finally:
-            if not done:
-                self.cancel(rid)
+        return AsyncEvents(self, self.submit(req, sink), q)
+
+
+class AsyncEvents:
+    """One request's events on an asyncio loop. close() (or leaving `async with`) before the
+    "done" event cancels the request; the engine frees its slot at its next step."""
+
+    def __init__(self, engine: Engine, rid: int, q: asyncio.Queue[Event]) -> None:
+        self.engine = engine
+        self.id = rid
+        self._q = q
+        self.done = False
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[Event]:
+        while not self.done:
+            ev = await self._q.get()
+            self.done = ev.kind == "done"
+            yield ev
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self.engine.cancel(self.id)
+
+    async def __aenter__(self) -> AsyncEvents:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> Any:
     from ..types import LlamapyError
 
     # import the command modules: each registers its commands on `app`
-    from . import batch, bench, info, perplexity, run  # noqa: F401
+    from . import batch, bench, info, perplexity, run, serve  # noqa: F401
 
     try:
         rc = app(args=argv, standalone_mode=False)

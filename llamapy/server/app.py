@@ -15,7 +15,7 @@ import hmac
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,19 +111,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def _internal(_: Request, e: Exception) -> JSONResponse:
         return _error(ApiError(f"internal error: {type(e).__name__}: {e}", 500, "server_error"))
 
-    @app.middleware("http")
-    async def _gate(request: Request, call_next: Callable[[Request], Any]) -> Response:
-        path = request.url.path
-        if path in ("/health", "/v1/health"):
-            return await call_next(request)
-        if state.api_key is not None:
-            auth = request.headers.get("authorization", "")
-            key = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-            if not hmac.compare_digest(key.encode(), state.api_key.encode()):
-                return _error(ApiError("invalid or missing API key", 401, "authentication_error"))
-        if not state.ready.is_set():
-            return _error(ApiError("loading model", 503, "unavailable_error"), {"Retry-After": str(RETRY_AFTER_S)})
-        return await call_next(request)
+    app.add_middleware(_Gate, state=state)
 
     def engine() -> Engine:
         assert state.engine is not None
@@ -178,9 +166,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise ApiError("'add_special' and 'with_pieces' must be booleans")
         ids = tok.encode(body["content"], add_special=add_special, parse_special=True)
         if with_pieces:
-            return JSONResponse({"tokens": [
-                {"id": t, "piece": tok.token_to_piece(t, special=True).decode("utf-8", errors="replace")} for t in ids
-            ]})  # fmt: skip
+            return JSONResponse({"tokens": [{"id": t, "piece": _piece_json(tok.token_to_piece(t, special=True))} for t in ids]})
         return JSONResponse({"tokens": ids})
 
     @app.post("/detokenize")
@@ -268,6 +254,45 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(r.response(evs))
 
     return app
+
+
+def _piece_json(b: bytes) -> str | list[int]:
+    """A token's piece as text, or as its bytes when they are not valid UTF-8 on their own
+    (llama-server's /tokenize with_pieces)."""
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(b)
+
+
+class _Gate:
+    """The API key and the loading check, before any route (a plain ASGI middleware: Starlette's
+    BaseHTTPMiddleware would hide a client's disconnect from the routes)."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in ("/health", "/v1/health"):
+            await self.app(scope, receive, send)
+            return
+        state = self.state
+        err: ApiError | None = None
+        headers: dict[str, str] | None = None
+        if state.api_key is not None:
+            h = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            auth = h.get("authorization", "")
+            key = auth[7:].strip() if auth[:7].lower() == "bearer " else h.get("x-api-key", "")
+            if not hmac.compare_digest(key.encode(), state.api_key.encode()):
+                err = ApiError("invalid or missing API key", 401, "authentication_error")
+        if err is None and not state.ready.is_set():
+            err = ApiError("loading model", 503, "unavailable_error")
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
+        if err is not None:
+            await _error(err, headers)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def _server_error(ev: Event) -> ApiError:

@@ -357,3 +357,43 @@ def test_cli_errors(model: Path, args: list[str], needle: str) -> None:
                        capture_output=True, timeout=120)  # fmt: skip
     err = r.stderr.decode()
     assert r.returncode == 1 and needle in err and "Traceback" not in err, err
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc for the RSS")
+def test_soak_300_requests(server: Server) -> None:
+    """300 requests of every kind (streamed, whole, abandoned, refused): RSS stays within 64 MiB
+    of where it was after the first 50, and no slot is left busy."""
+    u = server.url
+    pid = server.proc.pid
+    rss_after_warmup = 0
+    with httpx.Client(timeout=TIMEOUT) as c:
+        for i in range(300):
+            kind = i % 4
+            if kind == 0:
+                r = c.post(u + "/v1/completions", json={"prompt": f"{PROMPT} {i}", "max_tokens": 4})
+                assert r.status_code == 200
+            elif kind == 1:
+                body = {"messages": [{"role": "user", "content": f"n{i}"}], "max_tokens": 4, "stream": True}
+                with c.stream("POST", u + "/v1/chat/completions", json=body) as resp:
+                    assert sse_events(resp)[-1] == "[DONE]"
+            elif kind == 2:
+                body = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True, "stream": True}
+                with c.stream("POST", u + "/v1/completions", json=body) as resp:
+                    lines = resp.iter_lines()
+                    next(lines)  # and leave
+            else:
+                assert c.post(u + "/v1/completions", json={"prompt": PROMPT, "n": 3}).status_code == 400
+            if i == 49:
+                rss_after_warmup = rss_kib(pid)
+    wait_idle(u, 2.0)
+    grew = rss_kib(pid) - rss_after_warmup
+    assert grew < 64 * 1024, f"RSS grew by {grew} KiB over 250 requests"
+    assert all(s["id_task"] == -1 for s in httpx.get(u + "/slots", timeout=TIMEOUT).json())

@@ -132,6 +132,7 @@ class Event:
     top_logprobs: list[tuple[int, float]] | None = None  # (token, logprob), best first
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error" (done only)
     error: str | None = None
+    stop_word: str | None = None  # the stop string that ended generation (done only)
     usage: Usage | None = None
     timings: Timings | None = None
     slot: int = -1
@@ -185,7 +186,7 @@ class _Job:
     t_submit: float = 0.0
     t_start: float = 0.0
     t_prompt_end: float = 0.0
-    cancelled: bool = False
+    stop_word: str | None = None
 
 
 @dataclass
@@ -223,6 +224,11 @@ def _stop_cut(text: str, start: int, stops: Sequence[str]) -> tuple[int | None, 
                 safe = min(safe, len(text) - k)
                 break
     return None, safe
+
+
+def _stop_at(text: str, i: int, stops: Sequence[str]) -> str:
+    """The (longest) stop string found at text[i:]."""
+    return max((s for s in stops if s and text.startswith(s, i)), key=len)
 
 
 class Engine:
@@ -514,6 +520,7 @@ class Engine:
         job.text += job.decoder.push(token)
         cut, safe = _stop_cut(job.text, job.n_sent, job.req.stop)
         if cut is not None:
+            job.stop_word = _stop_at(job.text, cut, job.req.stop)
             job.text = job.text[:cut]
         ev.text = job.text[job.n_sent : max(job.n_sent, safe)]
         job.n_sent = max(job.n_sent, safe)
@@ -539,6 +546,7 @@ class Engine:
         if reason not in ("cancelled", "error") and job.n_sent < len(job.text):
             cut, _ = _stop_cut(job.text, job.n_sent, job.req.stop)
             if cut is not None:
+                job.stop_word = _stop_at(job.text, cut, job.req.stop)
                 job.text = job.text[:cut]
                 reason = "stop"
             tail = job.text[job.n_sent :]
@@ -560,7 +568,7 @@ class Engine:
             s.cached = []
         self._bound_cache()
         self._emit(job, Event(job.id, "done", text=tail, finish_reason=reason, error=error,
-                              usage=usage, timings=timings, slot=s.id))  # fmt: skip
+                              stop_word=job.stop_word, usage=usage, timings=timings, slot=s.id))  # fmt: skip
 
     def _bound_cache(self) -> None:
         """Drop the least recently used idle slots' cells until the rest fit `cache_bytes`."""

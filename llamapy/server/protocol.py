@@ -427,7 +427,8 @@ def llama_chunk(ev: Event, tokenizer: Any, model: str, prompt: str) -> dict[str,
             tokens_evaluated=ev.usage.prompt_tokens,
             tokens_cached=ev.usage.cached_tokens,
             truncated=False,
-            stop_type={"stop": "eos", "length": "limit"}.get(ev.finish_reason or "", ev.finish_reason),
+            stop_type="word" if ev.stop_word else {"stop": "eos", "length": "limit"}.get(ev.finish_reason or "", ev.finish_reason),
+            stopping_word=ev.stop_word or "",
             timings=ev.timings.to_dict(),
         )
     return d

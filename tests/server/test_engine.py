@@ -168,6 +168,7 @@ def test_stop_strings(llm: Llama) -> None:
     (evs,) = run_all(eng, [Request(p, 20, GREEDY, stop=[stop, "never-there"])]).values()
     assert "".join(e.text for e in evs) == full[:cut]
     assert evs[-1].finish_reason == "stop"
+    assert evs[-1].stop_word == stop
 
 
 def test_asyncio_client_with_worker_thread(llm: Llama) -> None:

@@ -153,13 +153,17 @@ def test_logprobs(client) -> None:
     assert lp.text_offset[0] == 0
 
 
-def test_stop_strings_through_the_server(client) -> None:
+def test_stop_strings_through_the_server(client, server: Server) -> None:
     full = client.completions.create(model="x", prompt=PROMPT, max_tokens=24, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text  # fmt: skip
     stop = full[4:7]
     r = client.completions.create(model="x", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
                                   extra_body={"ignore_eos": True})  # fmt: skip
     assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+    llama = httpx.post(server.url + "/completion", timeout=TIMEOUT,
+                       json={"prompt": PROMPT, "n_predict": 24, "temperature": 0, "ignore_eos": True, "stop": [stop]}).json()  # fmt: skip
+    assert llama["content"] == r.choices[0].text
+    assert llama["stop_type"] == "word" and llama["stopping_word"] == stop
 
 
 def test_llama_server_endpoints(server: Server) -> None:
@@ -397,3 +401,33 @@ def test_soak_300_requests(server: Server) -> None:
     grew = rss_kib(pid) - rss_after_warmup
     assert grew < 64 * 1024, f"RSS grew by {grew} KiB over 250 requests"
     assert all(s["id_task"] == -1 for s in httpx.get(u + "/slots", timeout=TIMEOUT).json())
+
+
+@pytest.mark.slow
+def test_default_model_greedy_matches_run_and_chats(default_model: Path, tmp_path: Path) -> None:
+    """SmolLM2: /v1/completions greedy equals `llamapy run`, concurrent requests equal their
+    single runs, and a chat through its own template answers in words."""
+    prompt = "The capital of France is"
+    run = subprocess.run(
+        [sys.executable, "-m", "llamapy", "run", str(default_model), "-p", prompt, "-n", "24", "--temp", "0",
+         "-c", "512", "--no-warmup"],
+        cwd=REPO, capture_output=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr.decode()
+    s = Server(default_model, ["-np", "2", "-c", "512"], tmp_path / "server.log", ready_s=600)
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=600)
+        text = c.completions.create(model="x", prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+        assert run.stdout.decode() == text + ("" if text.endswith("\n") else "\n")
+        msgs = [{"role": "user", "content": "What is the capital of France?"}]
+        alone = c.chat.completions.create(model="x", messages=msgs, max_tokens=16, temperature=0)
+        assert alone.choices[0].message.content.strip()
+        assert alone.usage.prompt_tokens > 10  # the template's system prompt and markers
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as pool:
+            a, b = pool.map(lambda _: c.chat.completions.create(model="x", messages=msgs, max_tokens=16,
+                                                                 temperature=0), range(2))  # fmt: skip
+        assert a.choices[0].message.content == b.choices[0].message.content == alone.choices[0].message.content
+    finally:
+        s.stop()

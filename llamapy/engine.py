@@ -10,8 +10,8 @@ and hands each request its events through the request's `sink`:
 
 - `Event(kind="token")` per sampled token: the text it releases (text that might be the start of a
   stop string is held back), the token id, and its logprob / top logprobs when asked;
-- one final `Event(kind="done")` with the finish reason ("stop", "length", "cancelled" or
-  "error"), the last released text, usage and timings.
+- one final `Event(kind="done")` with the finish reason ("stop", "length", "context" (the
+  slot is full), "cancelled" or "error"), the last released text, usage and timings.
 
 Prompt cache: an idle slot keeps the K/V of the tokens it last held; a new request goes to the free
 slot sharing the longest prefix with its prompt and only the rest is evaluated. What idle slots keep
@@ -39,7 +39,7 @@ import numpy as np
 from .context import Context
 from .generate import log_softmax
 from .model.sampler import Sampler, SamplingParams
-from .types import LlamapyError
+from .types import ContextFullError, LlamapyError
 
 __all__ = [
     "Engine",
@@ -103,6 +103,8 @@ class Timings:
     prompt_ms: float = 0.0
     predicted_n: int = 0
     predicted_ms: float = 0.0
+    sample_ms: float = 0.0  # of predicted_ms, spent sampling
+    n_eval: int = 0  # decodes after the prompt (llama_perf_context_print's "eval" runs)
 
     def to_dict(self) -> dict[str, float]:
         def rate(n: int, ms: float) -> float:
@@ -130,7 +132,7 @@ class Event:
     index: int = -1  # 0-based among the generated tokens
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None  # (token, logprob), best first
-    finish_reason: str | None = None  # "stop", "length", "cancelled", "error" (done only)
+    finish_reason: str | None = None  # "stop", "length", "context", "cancelled", "error" (done only)
     error: str | None = None
     stop_word: str | None = None  # the stop string that ended generation (done only)
     usage: Usage | None = None
@@ -187,12 +189,14 @@ class _Job:
     t_start: float = 0.0
     t_prompt_end: float = 0.0
     stop_word: str | None = None
+    sample_ms: float = 0.0
 
 
 @dataclass
 class _Slot:
     id: int
-    cached: list[int] = field(default_factory=list)  # tokens whose K/V sequence `id` holds
+    seq: int  # its KV cache sequence
+    cached: list[int] = field(default_factory=list)  # tokens whose K/V sequence `seq` holds
     job: _Job | None = None
     last_used: float = 0.0
 
@@ -241,7 +245,10 @@ class Engine:
         n_ctx_slot: int | None = None,
         max_queue: int = 64,
         cache_bytes: int | None = None,
+        first_seq: int = 0,
     ) -> None:
+        """`n_ctx_slot` defaults to the context divided among the slots; slot i decodes as KV
+        sequence `first_seq + i`. `cache_bytes` bounds what idle slots keep (default: all)."""
         if n_parallel < 1:
             raise LlamapyError(f"-np {n_parallel}: the number of slots must be >= 1")
         n_slot = n_ctx_slot if n_ctx_slot is not None else ctx.n_ctx // n_parallel
@@ -260,7 +267,7 @@ class Engine:
         # default: what every idle slot could hold, i.e. unbounded within the slots' cells
         self.cache_bytes = cache_bytes if cache_bytes is not None else n_slot * n_parallel * self.bytes_per_token
         self.metrics = EngineMetrics()
-        self.slots = [_Slot(i) for i in range(n_parallel)]
+        self.slots = [_Slot(i, first_seq + i) for i in range(n_parallel)]
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
@@ -315,6 +322,24 @@ class Engine:
             self._cv.notify_all()
         return job.id
 
+    def assume_cached(self, slot: int, tokens: Sequence[int]) -> None:
+        """Declare that slot `slot`'s sequence already holds the K/V of `tokens` (written by an
+        earlier run over this context, e.g. a conversation's previous turns), so that a prompt
+        sharing their prefix evaluates only the rest. The slot must be idle."""
+        with self._step_lock:
+            s = self.slots[slot]
+            if s.job is not None:
+                raise LlamapyError(f"slot {slot} is busy")
+            toks = [int(t) for t in tokens]
+            # trust the cells, not the caller: keep only the prefix whose positions the sequence
+            # really holds (a generation cut by -n never decoded its last token)
+            kv = self.ctx.kv
+            held = kv.pos[(kv.seq == s.seq) & (kv.pos >= 0) & (kv.pos < len(toks))]
+            have = np.zeros(len(toks) + 1, bool)
+            have[held] = True
+            s.cached = toks[: int(np.argmin(have))]
+            self._kv_version = kv.version
+
     def cancel(self, rid: int) -> None:
         """Stop a request: its slot is freed at the start of the next step (its events end with
         finish_reason "cancelled"). Unknown or finished ids are ignored."""
@@ -360,7 +385,7 @@ class Engine:
             for s in self.slots:
                 if s.job is None:
                     s.cached = []
-                    self.ctx.kv.seq_rm(s.id)
+                    self.ctx.kv.seq_rm(s.seq)
 
     def _take_cancels(self) -> None:
         with self._lock:
@@ -399,7 +424,7 @@ class Engine:
     def _start(self, slot: _Slot, job: _Job) -> None:
         keep = _common_prefix(slot.cached, job.prompt) if job.req.cache_prompt else 0
         keep = min(keep, len(job.prompt) - 1)  # the last prompt token is evaluated for its logits
-        self.ctx.kv.seq_rm(slot.id, keep)
+        self.ctx.kv.seq_rm(slot.seq, keep)
         slot.cached = job.prompt[:keep]
         slot.job = job
         job.n_done = job.n_cached = keep
@@ -435,7 +460,7 @@ class Engine:
             if job.pending >= 0:
                 toks.append(job.pending)
                 pos.append(len(s.cached))
-                seqs.append(s.id)
+                seqs.append(s.seq)
                 want.append(True)
                 rows.append(s)
         budget = max(1, self.ctx.n_batch - len(toks))
@@ -449,16 +474,21 @@ class Engine:
             last = job.n_done + len(chunk) == len(job.prompt)
             toks.extend(chunk)
             pos.extend(range(job.n_done, job.n_done + len(chunk)))
-            seqs.extend([s.id] * len(chunk))
+            seqs.extend([s.seq] * len(chunk))
             want.extend([False] * (len(chunk) - 1) + [last and job.req.max_tokens != 0])
             if last and job.req.max_tokens != 0:
                 rows.append(s)
             prompting.append((s, len(chunk)))
         if not toks:
             return False
-        t0 = time.perf_counter()
         try:
             logits = self._decode(toks, pos, seqs, want)
+        except ContextFullError:
+            # only when something else holds cells of this context (the slots' own always fit)
+            for s in busy:
+                if s.job is not None:
+                    self._finish(s, "context", drop=True)
+            return True
         except Exception as e:  # noqa: BLE001 - one failed batch ends its requests, not the engine
             for s in busy:
                 if s.job is not None:
@@ -501,8 +531,10 @@ class Engine:
         if p.ignore_eos and eog:
             row = row.copy()
             row[list(eog)] = -np.inf
+        ts = time.perf_counter()
         token = job.sampler.sample(row)
         job.sampler.accept(token)
+        job.sample_ms += (time.perf_counter() - ts) * 1e3
         if token in eog:
             self._finish(s, "stop")
             return
@@ -532,7 +564,7 @@ class Engine:
         elif job.req.max_tokens > 0 and len(job.tokens) >= job.req.max_tokens:
             self._finish(s, "length")
         elif len(s.cached) >= self.n_ctx_slot:
-            self._finish(s, "length")  # the slot is full (llama-server says "length" too)
+            self._finish(s, "context")  # the slot is full
         else:
             job.pending = token
 
@@ -541,8 +573,8 @@ class Engine:
         assert job is not None
         now = time.perf_counter()
         tail = ""
-        if job.decoder is not None and reason != "stop":
-            job.text += job.decoder.flush()
+        if job.decoder is not None and job.stop_word is None:
+            job.text += job.decoder.flush()  # an unfinished character becomes U+FFFD
         if reason not in ("cancelled", "error") and job.n_sent < len(job.text):
             cut, _ = _stop_cut(job.text, job.n_sent, job.req.stop)
             if cut is not None:
@@ -558,13 +590,15 @@ class Engine:
             prompt_ms=(t_first - job.t_start) * 1e3,
             predicted_n=len(job.tokens),
             predicted_ms=(now - t_first) * 1e3 if job.t_prompt_end else 0.0,
+            sample_ms=job.sample_ms,
+            n_eval=max(0, len(s.cached) - len(job.prompt)) if job.t_prompt_end else 0,
         )
         self.metrics.tokens_predicted_seconds_total += timings.predicted_ms / 1e3
         usage = Usage(len(job.prompt), len(job.tokens), job.n_cached)
         s.job = None
         s.last_used = now
         if drop or not job.req.cache_prompt:
-            self.ctx.kv.seq_rm(s.id)
+            self.ctx.kv.seq_rm(s.seq)
             s.cached = []
         self._bound_cache()
         self._emit(job, Event(job.id, "done", text=tail, finish_reason=reason, error=error,
@@ -576,7 +610,7 @@ class Engine:
         for s in idle:
             if self.cached_bytes() <= self.cache_bytes:
                 break
-            self.ctx.kv.seq_rm(s.id)
+            self.ctx.kv.seq_rm(s.seq)
             s.cached = []
 
     def _emit(self, job: _Job, ev: Event) -> None:

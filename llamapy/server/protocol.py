@@ -297,7 +297,8 @@ def _piece(tokenizer: Any, t: int) -> bytes:
 
 
 def _finish_reason(reason: str | None) -> str:
-    return "length" if reason == "length" else "stop"
+    # a full slot is a length limit to OpenAI clients, as llama-server reports it
+    return "length" if reason in ("length", "context") else "stop"
 
 
 class Responder:
@@ -427,7 +428,7 @@ def llama_chunk(ev: Event, tokenizer: Any, model: str, prompt: str) -> dict[str,
             tokens_evaluated=ev.usage.prompt_tokens,
             tokens_cached=ev.usage.cached_tokens,
             truncated=False,
-            stop_type="word" if ev.stop_word else {"stop": "eos", "length": "limit"}.get(ev.finish_reason or "", ev.finish_reason),
+            stop_type="word" if ev.stop_word else {"stop": "eos", "length": "limit", "context": "limit"}.get(ev.finish_reason or "", ev.finish_reason),
             stopping_word=ev.stop_word or "",
             timings=ev.timings.to_dict(),
         )

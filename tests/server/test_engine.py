@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import pytest
 
@@ -140,7 +139,7 @@ def test_slot_full_ends_with_length(llm: Llama) -> None:
     p = llm.tokenize(PROMPTS[1])
     assert len(p) < 32
     (evs,) = run_all(eng, [Request(p, -1, GREEDY)]).values()
-    assert evs[-1].finish_reason == "length"
+    assert evs[-1].finish_reason == "context"
     assert len(p) + evs[-1].usage.completion_tokens == 32 + 1  # the last token is never decoded
 
 
@@ -203,3 +202,18 @@ def test_asyncio_client_with_worker_thread(llm: Llama) -> None:
     finally:
         eng.close()
     assert not eng.running
+
+
+def test_generate_stream_runs_on_the_engine_and_reuses_what_the_sequence_holds(llm: Llama) -> None:
+    from llamapy.generate import GenerationResult, stream
+
+    first = llm.tokenize(PROMPTS[0])
+    res = GenerationResult()
+    list(stream(llm.ctx, first, 5, GREEDY, res))
+    assert res.finish_reason == "length" and len(res.tokens) == 5 and res.timings.n_eval == 4
+    follow = first + res.tokens + llm.tokenize(" and", add_special=False)
+    res2 = GenerationResult()
+    list(stream(llm.ctx, follow, 3, GREEDY, res2, cached=first + res.tokens))
+    # the last generated token was never decoded (-n stopped first): it is evaluated again
+    assert res2.timings.n_prompt == len(follow) - (len(first) + 4)
+    assert res2.tokens == reference(llm, follow, 3)

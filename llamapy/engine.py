@@ -44,6 +44,7 @@ from .types import ContextFullError, LlamapyError
 __all__ = [
     "Engine",
     "EngineMetrics",
+    "EngineStoppedError",
     "Event",
     "PromptTooLongError",
     "QueueFullError",
@@ -58,6 +59,10 @@ SLOT_SIMILARITY = 0.1
 
 class QueueFullError(LlamapyError):
     """Every slot is busy and the waiting queue is full (the server answers 503)."""
+
+
+class EngineStoppedError(LlamapyError):
+    """The engine no longer accepts requests (closing, or its worker died)."""
 
 
 class PromptTooLongError(LlamapyError):
@@ -310,7 +315,9 @@ class Engine:
         toks = self.check(req)
         with self._cv:
             if self._closing:
-                raise LlamapyError("the engine is shutting down")
+                raise EngineStoppedError("the engine is shutting down")
+            if self.loop_error is not None:
+                raise EngineStoppedError(f"the engine stopped: {self.loop_error!r}")
             busy = sum(1 for s in self.slots if s.job is not None)
             if len(self._waiting) + busy >= self.n_parallel + self.max_queue:
                 raise QueueFullError(
@@ -408,7 +415,14 @@ class Engine:
                 if not free or not self._waiting:
                     return
                 job = self._waiting.popleft()
-            self._start(self._pick(free, job), job)
+            slot = self._pick(free, job)
+            try:
+                self._start(slot, job)
+            except Exception as e:  # noqa: BLE001 - a request that cannot start fails alone
+                if slot.job is job:
+                    self._finish(slot, "error", error=f"{type(e).__name__}: {e}", drop=True)
+                else:
+                    self._emit(job, Event(job.id, "done", finish_reason="error", error=f"{type(e).__name__}: {e}"))
 
     @staticmethod
     def _pick(free: list[_Slot], job: _Job) -> _Slot:
@@ -514,7 +528,11 @@ class Engine:
                 if job.req.max_tokens == 0:
                     self._finish(s, "length")
         for s, row in zip(rows, logits):
-            self._sample(s, row)
+            try:
+                self._sample(s, row)
+            except Exception as e:  # noqa: BLE001 - a request whose sampling fails ends alone
+                if s.job is not None:
+                    self._finish(s, "error", error=f"sampling failed: {type(e).__name__}: {e}", drop=True)
         for s in self.slots:
             m.n_tokens_max = max(m.n_tokens_max, len(s.cached))
         return True
@@ -646,16 +664,22 @@ class Engine:
                         self._cv.wait()
                     if self._closing and self._idle():
                         return
-                self.step()
+                try:
+                    self.step()
+                except Exception as e:  # noqa: BLE001 - fail what ran, keep serving
+                    self._fail_running(f"internal error: {type(e).__name__}: {e}")
         except BaseException as e:  # noqa: BLE001 - kept for the owner (server's /health)
             self.loop_error = e
             with self._lock:
                 waiting, self._waiting = list(self._waiting), deque()
             for j in waiting:
                 self._emit(j, Event(j.id, "done", finish_reason="error", error=f"engine stopped: {e}"))
-            for s in self.slots:
-                if s.job is not None:
-                    self._finish(s, "error", error=f"engine stopped: {e}", drop=True)
+            self._fail_running(f"engine stopped: {e}")
+
+    def _fail_running(self, error: str) -> None:
+        for s in self.slots:
+            if s.job is not None:
+                self._finish(s, "error", error=error, drop=True)
 
     def close(self, cancel: bool = True, timeout: float | None = 30.0) -> None:
         """Stop accepting requests; cancel (or, with cancel=False, finish) what is running; stop the

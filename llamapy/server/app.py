@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import AsyncEvents, Engine, Event, PromptTooLongError, QueueFullError
+from ..engine import AsyncEvents, Engine, EngineStoppedError, Event, PromptTooLongError, QueueFullError
 from ..types import LlamapyError
 from .protocol import (
     ApiError,
@@ -39,6 +39,7 @@ from .protocol import (
 
 RETRY_AFTER_S = 1  # what a 503 (queue full) suggests to wait
 DISCONNECT_POLL_S = 0.05  # how often a non-streaming request checks its connection
+MAX_BODY = 16 * 2**20  # bytes of request body (a slot's context is far smaller)
 
 
 @dataclass
@@ -67,7 +68,17 @@ def _error(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
 
 
 async def _json_body(request: Request) -> Any:
-    raw = await request.body()
+    """The parsed body; one larger than MAX_BODY is refused before it is all read."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY:
+        raise ApiError(f"the request body is larger than {MAX_BODY // 2**20} MiB", 413)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY:
+            raise ApiError(f"the request body is larger than {MAX_BODY // 2**20} MiB", 413)
+        parts.append(part)
+    raw = b"".join(parts)
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -86,6 +97,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(QueueFullError)
     async def _queue_full(_: Request, e: QueueFullError) -> JSONResponse:
         return _error(ApiError(f"server busy: {e}", 503, "unavailable_error"), {"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(EngineStoppedError)
+    async def _stopped(_: Request, e: EngineStoppedError) -> JSONResponse:
+        return _error(ApiError(str(e), 503, "unavailable_error"))
 
     @app.exception_handler(PromptTooLongError)
     async def _too_long(_: Request, e: PromptTooLongError) -> JSONResponse:
@@ -126,6 +141,8 @@ def create_app(state: ServerState) -> FastAPI:
             return _error(ApiError(f"model failed to load: {state.load_error}", 500, "server_error"))
         if not state.ready.is_set():
             return _error(ApiError("loading model", 503, "unavailable_error"))
+        if state.engine is not None and state.engine.loop_error is not None:
+            return _error(ApiError(f"the engine stopped: {state.engine.loop_error!r}", 500, "server_error"))
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")

@@ -11,6 +11,7 @@ not OpenAI's.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -23,7 +24,9 @@ from ..model.sampler import SamplingParams
 from ..types import LlamapyError
 
 MAX_STOP = 16  # stop strings per request
+MAX_STOP_LEN = 1000
 MAX_TOP_LOGPROBS = 20
+I64 = 2**63 - 1  # integers past this are refused (seeds, counts), never passed on
 
 
 class ApiError(LlamapyError):
@@ -52,6 +55,13 @@ def _num(body: dict, name: str, kind: type, lo: float | None = None, hi: float |
         isinstance(v, int) and not isinstance(v, bool))  # fmt: skip
     if not ok:
         raise ApiError(f"'{name}' must be {'a number' if kind is float else 'an integer'}, got {type(v).__name__}", param=name)
+    if kind is float:
+        try:
+            v = float(v)
+        except OverflowError:
+            v = math.inf
+        if not math.isfinite(v):
+            raise ApiError(f"'{name}' must be a finite number", param=name)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f"between {lo} and {hi}" if lo is not None and hi is not None else (f">= {lo}" if lo is not None else f"<= {hi}")
         raise ApiError(f"'{name}' must be {rng}, got {v}", param=name)
@@ -76,6 +86,8 @@ def _stops(body: dict, name: str = "stop") -> tuple[str, ...]:
         raise ApiError(f"'{name}' must be a string or a list of strings", param=name)
     if len(items) > MAX_STOP:
         raise ApiError(f"'{name}': at most {MAX_STOP} stop strings, got {len(items)}", param=name)
+    if any(len(s) > MAX_STOP_LEN for s in items):
+        raise ApiError(f"'{name}': a stop string may have at most {MAX_STOP_LEN} characters", param=name)
     return tuple(s for s in items if s)
 
 
@@ -124,13 +136,13 @@ def sampling_params(body: dict) -> SamplingParams:
     for name, field, kind, lo, hi in (
         ("temperature", "temp", float, 0.0, None),
         ("top_p", "top_p", float, 0.0, 1.0),
-        ("top_k", "top_k", int, 0, None),
+        ("top_k", "top_k", int, 0, I64),
         ("min_p", "min_p", float, 0.0, 1.0),
-        ("seed", "seed", int, None, None),
+        ("seed", "seed", int, -1, 2**32 - 1),
         ("presence_penalty", "presence_penalty", float, -2.0, 2.0),
         ("frequency_penalty", "frequency_penalty", float, -2.0, 2.0),
         ("repeat_penalty", "repeat_penalty", float, 0.0, None),
-        ("repeat_last_n", "repeat_last_n", int, -1, None),
+        ("repeat_last_n", "repeat_last_n", int, -1, 1 << 20),
     ):
         v = _num(body, name, kind, lo, hi)
         if v is not None:
@@ -152,7 +164,7 @@ class Parsed:
 
 
 def _common(body: dict, prompt: list[int], max_tokens: int | None, logprobs: int | None) -> Parsed:
-    n = _num(body, "n", int, 1, None)
+    n = _num(body, "n", int, 1, I64)
     if n is not None and n != 1:
         raise ApiError(f"'n' = {n}: only one choice per request is supported (n = 1)", param="n")
     stream = _bool(body, "stream")
@@ -199,7 +211,7 @@ def completion_request(body: Any, tokenizer: Any) -> Parsed:
     body = _check_fields(body, COMPLETION_FIELDS)
     toks, text = _prompt_tokens(body, tokenizer)
     lp = _num(body, "logprobs", int, 0, MAX_TOP_LOGPROBS)
-    parsed = _common(body, toks, _num(body, "max_tokens", int, 0, None), lp)
+    parsed = _common(body, toks, _num(body, "max_tokens", int, 0, I64), lp)
     parsed.prompt_text = text
     return parsed
 
@@ -209,7 +221,7 @@ def llama_completion_request(body: Any, tokenizer: Any) -> Parsed:
     body = _check_fields(body, LLAMA_COMPLETION_FIELDS)
     toks, text = _prompt_tokens(body, tokenizer)
     n_probs = _num(body, "n_probs", int, 0, MAX_TOP_LOGPROBS)
-    parsed = _common(body, toks, _num(body, "n_predict", int, -1, None), n_probs or None)
+    parsed = _common(body, toks, _num(body, "n_predict", int, -1, I64), n_probs or None)
     parsed.prompt_text = text
     return parsed
 
@@ -281,9 +293,9 @@ def chat_request(body: Any, tokenizer: Any, template: ChatTemplate) -> Parsed:
     top = _num(body, "top_logprobs", int, 0, MAX_TOP_LOGPROBS)
     if top is not None and not want_lp:
         raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    mt = _num(body, "max_completion_tokens", int, 0, None)
+    mt = _num(body, "max_completion_tokens", int, 0, I64)
     if mt is None:
-        mt = _num(body, "max_tokens", int, 0, None)
+        mt = _num(body, "max_tokens", int, 0, I64)
     parsed = _common(body, toks, mt, (top or 0) if want_lp else None)
     parsed.prompt_text = text
     return parsed

@@ -217,3 +217,16 @@ def test_generate_stream_runs_on_the_engine_and_reuses_what_the_sequence_holds(l
     # the last generated token was never decoded (-n stopped first): it is evaluated again
     assert res2.timings.n_prompt == len(follow) - (len(first) + 4)
     assert res2.tokens == reference(llm, follow, 3)
+
+
+def test_a_failing_request_does_not_stop_the_engine(llm: Llama) -> None:
+    """A request whose sampler cannot be built fails alone; the worker keeps serving."""
+    eng = Engine(llm.ctx, n_parallel=2)
+    eng.start()
+    try:
+        bad = list(eng.generate(Request(llm.tokenize(PROMPTS[0]), 3, SamplingParams(repeat_last_n=10**30))))
+        assert bad[-1].finish_reason == "error" and "OverflowError" in bad[-1].error
+        good = list(eng.generate(Request(llm.tokenize(PROMPTS[0]), 3, GREEDY)))
+        assert good[-1].finish_reason == "length" and eng.loop_error is None
+    finally:
+        eng.close()

@@ -54,11 +54,15 @@ class Result:
     wall: float = 0.0
 
 
-async def chat(client: httpx.AsyncClient, url: str, question: str, n: int) -> Result:
+async def chat(client: httpx.AsyncClient, url: str, question: str, n: int, per_token: bool = False) -> Result:
+    """One streaming greedy chat. per_token: ask for logprobs, so that every token is a chunk
+    (text alone may be held back while a character or a possible stop string is incomplete)."""
     body = {
         "messages": [{"role": "user", "content": question}],
         "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True,
     }  # fmt: skip
+    if per_token:
+        body["logprobs"] = True
     res = Result()
     t0 = time.perf_counter()
     last = None
@@ -70,8 +74,9 @@ async def chat(client: httpx.AsyncClient, url: str, question: str, n: int) -> Re
             chunk = json.loads(line[6:])
             if not chunk.get("choices"):
                 continue
-            piece = chunk["choices"][0]["delta"].get("content")
-            if not piece:
+            choice = chunk["choices"][0]
+            piece = choice["delta"].get("content")
+            if not piece and not (per_token and choice.get("logprobs")):
                 continue
             now = time.perf_counter()
             if last is None:
@@ -79,7 +84,7 @@ async def chat(client: httpx.AsyncClient, url: str, question: str, n: int) -> Re
             else:
                 res.itl.append(now - last)
             last = now
-            res.text += piece
+            res.text += piece or ""
             res.n_chunks += 1
     res.wall = time.perf_counter() - t0
     return res
@@ -119,7 +124,8 @@ def engine_alone(model: Path, args: argparse.Namespace) -> float:
         llm.warmup()
         eng = Engine(llm.ctx, args.np, args.c)
         toks, _ = chat_prompt([{"role": "user", "content": QUESTIONS[0]}], ChatTemplate.of(llm.model), llm.tokenizer)
-        req = Request(toks, args.n, SamplingParams(temp=0, ignore_eos=True), cache_prompt=False)
+        # logprobs as the server's measurement asks for them (one chunk per token)
+        req = Request(toks, args.n, SamplingParams(temp=0, ignore_eos=True), logprobs=0, cache_prompt=False)
         list(eng.generate(req))  # graphs built once
         t_first = t_end = 0.0
         for ev in eng.generate(req):
@@ -162,7 +168,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 seq = [await chat(client, url, q, args.n) for q in questions]
                 t_seq = time.perf_counter() - t0
-                single = await chat(client, url, questions[0], args.n)
+                single = await chat(client, url, questions[0], args.n, per_token=True)
                 t0 = time.perf_counter()
                 conc = await asyncio.gather(*(chat(client, url, q, args.n) for q in questions))
                 t_conc = time.perf_counter() - t0

@@ -271,7 +271,12 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
             content = "".join(parts)
         if not isinstance(content, str):
             raise ApiError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        if "name" in m:
+            if not isinstance(m["name"], str):
+                raise ApiError(f"messages[{i}].name must be a string", param="messages")
+            msg["name"] = m["name"]  # templates that know it use it
+        out.append(msg)
     return out
 
 

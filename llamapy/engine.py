@@ -436,6 +436,7 @@ class Engine:
         return min(free, key=lambda s: s.last_used)
 
     def _start(self, slot: _Slot, job: _Job) -> None:
+        job.t_start = time.perf_counter()
         keep = _common_prefix(slot.cached, job.prompt) if job.req.cache_prompt else 0
         keep = min(keep, len(job.prompt) - 1)  # the last prompt token is evaluated for its logits
         self.ctx.kv.seq_rm(slot.seq, keep)
@@ -446,7 +447,6 @@ class Engine:
         for t in job.prompt:
             job.sampler.accept(t)
         job.decoder = self.tokenizer.stream_decoder()
-        job.t_start = time.perf_counter()
         self.metrics.prompt_tokens_cached_total += keep
 
     def step(self) -> bool:

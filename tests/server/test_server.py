@@ -310,14 +310,15 @@ def test_api_key(model: Path, tmp_path: Path) -> None:
         s.stop()
 
 
-def test_sigterm_ends_streams_and_exits(model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_ends_streams_and_exits(model: Path, tmp_path: Path, sig: int) -> None:
     s = Server(model, ["-np", "1", "-c", str(SLOT), "-ub", "64", "-t", "1"], tmp_path / "server.log")
     try:
         body = {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=TIMEOUT) as resp:
             lines = resp.iter_lines()
             next(lines)
-            s.proc.send_signal(signal.SIGTERM)
+            s.proc.send_signal(sig)
             t0 = time.monotonic()
             n = 0
             try:

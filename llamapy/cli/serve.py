@@ -36,6 +36,15 @@ def _api_key(key: str | None, key_file: str | None) -> str | None:
     return key
 
 
+def _is_loopback(addr: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
 def _bind(host: str, port: int) -> socket.socket:
     if not 0 <= port <= 65535:
         raise LlamapyError(f"--port {port}: must be between 0 and 65535")
@@ -156,6 +165,8 @@ def serve(
             server.should_exit = True
 
     actual = sock.getsockname()
+    if key is None and not _is_loopback(actual[0]):
+        log(f"warning: listening on {actual[0]} without --api-key: anyone who can reach it may use the model")
     shown = f"[{actual[0]}]" if ":" in actual[0] else actual[0]
     log(f"main: server is listening on http://{shown}:{actual[1]} - loading model {path}")
     loader = threading.Thread(target=load, name="llamapy-load", daemon=True)

@@ -61,6 +61,7 @@ class Llama:
         self.path = Path(model_path)
         self._model: Model | None = None
         self._ctx: Context | None = None
+        self._serving_engine = None  # the create_* methods' one-slot engine, made on first use
         self._model = Model(self.path, mo, co)
         try:
             self._ctx = Context(self._model, co)
@@ -95,7 +96,7 @@ class Llama:
         Idempotent; any later call raises LlamapyError. Garbage collection of an unclosed
         Llama releases the same memory (the mappings go with their last view)."""
         ctx, model = self._ctx, self._model
-        self._ctx = self._model = None
+        self._ctx = self._model = self._serving_engine = None
         if ctx is not None:
             ctx.free()
         if model is not None:
@@ -193,6 +194,122 @@ class Llama:
         """llama-perplexity's protocol with chunks of `n_ctx` tokens (default: the context's);
         see generate.perplexity_chunks."""
         return perplexity_chunks(self.ctx, tokens, n_chunks, n_batch, n_ctx=n_ctx)
+
+    # -- llama-cpp-python's OpenAI-shaped API -------------------------------------------------
+
+    def _engine(self):  # noqa: ANN202 - engine.Engine, imported lazily
+        """One slot over this context: the create_* methods decode through the serving engine,
+        in the caller's thread, with its prompt cache (dropped when stream/generate/logits touch
+        the cache in between)."""
+        eng = self._serving_engine
+        if eng is None:
+            from .engine import Engine
+
+            eng = self._serving_engine = Engine(self.ctx, n_parallel=1)
+        return eng
+
+    def _openai_run(self, parsed, kind: str):  # noqa: ANN001, ANN202
+        from .server.protocol import Responder
+
+        r = Responder(kind, parsed.model or str(self.path), self.tokenizer)
+        events = self._engine().generate(parsed.request)
+        if not parsed.stream:
+            evs = list(events)
+            if evs[-1].finish_reason == "error":
+                from .types import LlamapyError
+
+                raise LlamapyError(evs[-1].error or "generation failed")
+            return r.response(evs)
+        return self._openai_chunks(r, events, parsed.include_usage)
+
+    @staticmethod
+    def _openai_chunks(r, events, include_usage: bool) -> Iterator[dict]:  # noqa: ANN001
+        from .types import LlamapyError
+
+        yield from r.start_chunks()
+        for ev in events:
+            if ev.kind == "token":
+                c = r.token_chunk(ev)
+                if c is not None:
+                    yield c
+            elif ev.finish_reason == "error":
+                raise LlamapyError(ev.error or "generation failed")
+            else:
+                yield from r.end_chunks(ev, include_usage)
+
+    def create_completion(
+        self,
+        prompt: str | list[int],
+        max_tokens: int | None = 16,
+        temperature: float = 0.8,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        top_k: int = 40,
+        stop: str | list[str] | None = None,
+        seed: int | None = None,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        repeat_penalty: float = 1.0,
+        logprobs: int | None = None,
+        stream: bool = False,
+        **unsupported: object,
+    ) -> dict | Iterator[dict]:
+        """llama-cpp-python's Llama.create_completion: an OpenAI `text_completion` dict, or with
+        stream=True an iterator of its chunks. `max_tokens` None or <= 0: until end of generation
+        or a full context. Parameters llamapy does not support (suffix, echo, logit_bias, …)
+        raise LlamapyError when given a non-default value."""
+        body = _body(locals(), unsupported)
+        from .server.protocol import completion_request
+
+        if max_tokens is None or max_tokens <= 0:
+            body.pop("max_tokens", None)
+        return self._openai_run(completion_request(body, self.tokenizer), "completion")
+
+    def create_chat_completion(
+        self,
+        messages: list[dict],
+        max_tokens: int | None = None,
+        temperature: float = 0.2,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        top_k: int = 40,
+        stop: str | list[str] | None = None,
+        seed: int | None = None,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        repeat_penalty: float = 1.0,
+        logprobs: bool | None = None,
+        top_logprobs: int | None = None,
+        stream: bool = False,
+        **unsupported: object,
+    ) -> dict | Iterator[dict]:
+        """llama-cpp-python's Llama.create_chat_completion: the GGUF's chat template (sandboxed),
+        an OpenAI `chat.completion` dict or with stream=True an iterator of its chunks."""
+        body = _body(locals(), unsupported)
+        from .server.protocol import ChatTemplate, chat_request
+
+        if max_tokens is None or max_tokens <= 0:
+            body.pop("max_tokens", None)
+        return self._openai_run(chat_request(body, self.tokenizer, ChatTemplate.of(self.model)), "chat")
+
+
+# llama-cpp-python parameters that mean "off" at these values are accepted and dropped
+_OFF = {"suffix": None, "echo": False, "logit_bias": None, "functions": None, "function_call": None,
+        "tools": None, "tool_choice": None, "response_format": None, "grammar": None, "n": 1,
+        "typical_p": 1.0, "tfs_z": 1.0, "mirostat_mode": 0, "logits_processor": None,
+        "stopping_criteria": None, "model": None, "best_of": None}  # fmt: skip
+
+
+def _body(args: dict, unsupported: dict) -> dict:
+    body = {k: v for k, v in args.items() if k not in ("self", "unsupported") and v is not None}
+    for k, v in unsupported.items():
+        if k not in _OFF or v != _OFF[k]:
+            body[k] = v  # rejected by the protocol's field check, with the reason
+    if body.get("stream") is False:
+        body.pop("stream")
+    if body.get("logprobs") is False:
+        body.pop("logprobs")
+    return body
 
 
 def _check_seq(seq: object) -> int:

@@ -2,21 +2,22 @@
 tools/completion's loop, `common_sampler`, tools/perplexity's `perplexity()`).
 
 `stream()` is a generator of small dataclasses, one per generated token, whose `text` never holds
-half a UTF-8 character; `generate()` joins it. `perplexity_chunks()` evaluates a token stream the
+half a UTF-8 character; `generate()` joins it. It is a client of the serving engine
+(`engine.py`) with one slot over the whole context, so `run`, the Python API and `serve` share
+one decoding loop. `perplexity_chunks()` evaluates a token stream the
 way llama-perplexity does and yields each chunk's scored positions.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .context import Context
-from .model.sampler import Sampler, SamplingParams
-from .types import ContextFullError, LlamapyError
+from .model.sampler import SamplingParams
+from .types import LlamapyError
 
 
 @dataclass(frozen=True)
@@ -73,71 +74,39 @@ def stream(
     `special`: special tokens are rendered as their text (llama.cpp's --special).
     """
     check_n_predict(n_predict)
-    tok = ctx.model.tokenizer
+    from .engine import Engine, Request  # the engine imports this module's log_softmax
+
     res = result if result is not None else GenerationResult()
     res.timings.load_ms = ctx.model.info.load_ms
     if len(prompt_tokens) == 0:
         raise LlamapyError("the prompt is empty (no tokens to evaluate)")
     if len(prompt_tokens) > ctx.n_ctx:
         raise LlamapyError(f"the prompt is {len(prompt_tokens)} tokens, longer than the context (-c {ctx.n_ctx})")
-    sampler = Sampler(sampling or SamplingParams())
-    for t in prompt_tokens:
-        sampler.accept(int(t))
-    keep = 0
-    for a, b in zip(cached, prompt_tokens):
-        if a != b:
-            break
-        keep += 1
-    keep = min(keep, len(prompt_tokens) - 1)  # the last prompt token is evaluated for its logits
-    ctx.kv.seq_rm(seq, keep)
-    t0 = time.perf_counter()
-    todo = np.asarray(prompt_tokens[keep:], np.int32)
-    logits = ctx.decode(todo, np.arange(keep, len(prompt_tokens)), seq)[-1]
-    res.timings.prompt_ms = (time.perf_counter() - t0) * 1e3
-    res.timings.n_prompt = len(todo)
-    if n_predict == 0:
-        res.finish_reason = "length"
-        return
-    decoder = tok.stream_decoder(special)
-    n_past = len(prompt_tokens)
-    i = 0
-    while True:
-        ts = time.perf_counter()
-        if sampler.params.ignore_eos and tok.eog_ids:
-            # llama.cpp's --ignore-eos: a -inf logit bias on every end-of-generation token
-            logits = logits.copy()
-            logits[list(tok.eog_ids)] = -np.inf
-        token = sampler.sample(logits)
-        sampler.accept(token)
-        res.timings.sample_ms += (time.perf_counter() - ts) * 1e3
-        res.timings.n_sample += 1
-        if token in tok.eog_ids:
-            res.finish_reason = "stop"
-            break
-        res.tokens.append(token)
-        text = decoder.push(token)
-        res.text += text
-        yield Chunk(token, text, i)
-        i += 1
-        if n_predict > 0 and i >= n_predict:
-            res.finish_reason = "length"
-            break
-        if n_past >= ctx.n_ctx:
-            res.finish_reason = "context"
-            break
-        te = time.perf_counter()
-        try:
-            logits = ctx.decode([token], [n_past], seq)[-1]
-        except ContextFullError:
-            res.finish_reason = "context"
-            break
-        res.timings.eval_ms += (time.perf_counter() - te) * 1e3
-        res.timings.n_eval += 1
-        n_past += 1
-    tail = decoder.flush()
-    if tail:
-        res.text += tail
-        yield Chunk(res.tokens[-1] if res.tokens else -1, tail, i)
+    # one slot over the whole context, decoding as sequence `seq`: the serving engine's loop,
+    # driven from this thread
+    engine = Engine(ctx, n_parallel=1, n_ctx_slot=ctx.n_ctx, first_seq=seq)
+    engine.assume_cached(0, cached)
+    max_tokens = n_predict if n_predict >= 0 else -1  # -1 and -2: until the end or a full context
+    req = Request([int(t) for t in prompt_tokens], max_tokens, sampling or SamplingParams(), special=special)
+    for ev in engine.generate(req):
+        if ev.kind == "token":
+            res.tokens.append(ev.token)
+            res.text += ev.text
+            yield Chunk(ev.token, ev.text, ev.index)
+            continue
+        t = ev.timings
+        if ev.finish_reason == "error" or t is None:
+            raise LlamapyError(ev.error or "generation failed")
+        res.finish_reason = ev.finish_reason or ""
+        res.timings.prompt_ms = t.prompt_ms
+        res.timings.n_prompt = t.prompt_n
+        res.timings.sample_ms = t.sample_ms
+        res.timings.n_sample = len(res.tokens) + (ev.finish_reason == "stop")
+        res.timings.eval_ms = max(0.0, t.predicted_ms - t.sample_ms)
+        res.timings.n_eval = t.n_eval
+        if ev.text:
+            res.text += ev.text
+            yield Chunk(res.tokens[-1] if res.tokens else -1, ev.text, len(res.tokens))
 
 
 def generate(

@@ -70,6 +70,7 @@ def write_llama_gguf(
     rope_freqs: bool = False,
     seed: int = 0,
     arch: str = "llama",
+    chat_template: str | None = None,
 ) -> Path:
     """A small llama GGUF with random weights and a byte-level SPM vocabulary."""
     rng = np.random.default_rng(seed)
@@ -102,6 +103,8 @@ def write_llama_gguf(
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
     def mat(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols)).astype(np.float32)

@@ -29,6 +29,9 @@ class KVCache:
     buffers: list[Buffer] = field(default_factory=list)
     pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # -1: empty cell
     seq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # bumped by every change of the cells: a user of the cache (the serving engine's prompt cache)
+    # can tell whether anyone else changed them since it last looked
+    version: int = 0
 
     @classmethod
     def create(
@@ -71,11 +74,13 @@ class KVCache:
     # -- cells ----------------------------------------------------------------------------
 
     def clear(self) -> None:
+        self.version += 1
         self.pos[:] = -1
         self.seq[:] = -1
 
     def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
         """Forget cells of `seq_id` at positions [p0, p1) (p1 < 0: to the end)."""
+        self.version += 1
         sel = (self.seq == seq_id) & (self.pos >= p0)
         if p1 >= 0:
             sel &= self.pos < p1
@@ -96,6 +101,7 @@ class KVCache:
         return free[:n_tokens]
 
     def commit(self, idx: np.ndarray, pos: np.ndarray, seq: np.ndarray) -> None:
+        self.version += 1
         self.pos[idx] = pos
         self.seq[idx] = seq
 

@@ -1,0 +1,207 @@
+"""Load test of `llamapy serve` (llama.cpp's tools/server/bench): concurrent streaming chat requests
+against one server with -np slots, compared with the same requests one after another.
+
+    python bench/serve_load.py [--model PATH] [--requests 16] [--np 4] [-n 64] [-c 1024] [-t 0]
+
+1. The engine alone, in this process: one greedy request of -n tokens, per-token time (the
+   baseline of the server's overhead per streamed token).
+2. A `llamapy serve` subprocess on a free loopback port. Every request alone, one after another
+   (streaming, greedy, ignore_eos so each yields exactly -n tokens): the reference texts and the
+   sequential wall time. One request alone again: per-token time through HTTP/SSE, whose excess
+   over (1) is the server's overhead per token.
+3. All requests at once (asyncio + httpx): every text must equal its own sequential one (a
+   difference is reported with its index; batched and single decoding may legitimately differ
+   where two top logits tie); tokens/s against the sequential run; p50/p99 of time to first token
+   and inter-token latency.
+
+Prints a markdown block for bench/RESULTS.md. The default model is SmolLM2-135M-Instruct.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about rain.", "Count from 1 to 10.",
+    "Name three colours.", "What is 2 + 2?", "Describe a cat.", "Say hello in Spanish.",
+    "What is Python?", "Give me a recipe for tea.", "Why is the sky blue?", "List four planets.",
+    "What is a prime number?", "Tell me a joke.", "How do birds fly?", "What is water made of?",
+    "Name a famous painter.",
+]  # fmt: skip
+
+
+@dataclass
+class Result:
+    text: str = ""
+    n_chunks: int = 0
+    t_first: float = 0.0  # seconds from sending to the first content chunk
+    itl: list[float] = field(default_factory=list)  # seconds between content chunks
+    wall: float = 0.0
+
+
+async def chat(client: httpx.AsyncClient, url: str, question: str, n: int, per_token: bool = False) -> Result:
+    """One streaming greedy chat. per_token: ask for logprobs, so that every token is a chunk
+    (text alone may be held back while a character or a possible stop string is incomplete)."""
+    body = {
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True,
+    }  # fmt: skip
+    if per_token:
+        body["logprobs"] = True
+    res = Result()
+    t0 = time.perf_counter()
+    last = None
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if not chunk.get("choices"):
+                continue
+            choice = chunk["choices"][0]
+            piece = choice["delta"].get("content")
+            if not piece and not (per_token and choice.get("logprobs")):
+                continue
+            now = time.perf_counter()
+            if last is None:
+                res.t_first = now - t0
+            else:
+                res.itl.append(now - last)
+            last = now
+            res.text += piece or ""
+            res.n_chunks += 1
+    res.wall = time.perf_counter() - t0
+    return res
+
+
+def start_server(model: Path, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
+    fh = open(log, "wb")  # noqa: SIM115 - lives as long as the server
+    cmd = [sys.executable, "-m", "llamapy", "serve", str(model), "--port", "0", "-np", str(args.np),
+           "-c", str(args.c), "-t", str(args.t), "--queue", str(args.requests)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=fh)
+    deadline = time.monotonic() + 300
+    url = ""
+    while time.monotonic() < deadline and proc.poll() is None:
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", log.read_text(errors="replace"))
+        if m:
+            url = m.group(1)
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    return proc, url
+            except httpx.TransportError:
+                pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"the server did not start:\n{log.read_text(errors='replace')}")
+
+
+def engine_alone(model: Path, args: argparse.Namespace) -> float:
+    """Seconds per generated token of one greedy request through the engine, no HTTP: from its
+    first token to its end, over n - 1."""
+    from llamapy.api import Llama
+    from llamapy.engine import Engine, Request
+    from llamapy.model.sampler import SamplingParams
+    from llamapy.server.protocol import ChatTemplate, chat_prompt
+
+    llm = Llama(model, n_ctx=args.c * args.np, n_threads=args.t)
+    try:
+        llm.warmup()
+        eng = Engine(llm.ctx, args.np, args.c)
+        toks, _ = chat_prompt([{"role": "user", "content": QUESTIONS[0]}], ChatTemplate.of(llm.model), llm.tokenizer)
+        # logprobs as the server's measurement asks for them (one chunk per token)
+        req = Request(toks, args.n, SamplingParams(temp=0, ignore_eos=True), logprobs=0, cache_prompt=False)
+        list(eng.generate(req))  # graphs built once
+        t_first = t_end = 0.0
+        for ev in eng.generate(req):
+            if ev.kind == "token" and ev.index == 0:
+                t_first = time.perf_counter()
+            t_end = time.perf_counter()
+        return (t_end - t_first) / max(1, args.n - 1)
+    finally:
+        llm.close()
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs) * 1e3, q)) if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--np", type=int, default=4)
+    ap.add_argument("-n", type=int, default=64, help="tokens per request")
+    ap.add_argument("-c", type=int, default=1024, help="context per slot")
+    ap.add_argument("-t", type=int, default=0, help="threads (0: all cores)")
+    args = ap.parse_args()
+    if args.model is None:
+        from llamapy.model.fetch import default_model_path
+
+        args.model = default_model_path()
+    questions = [QUESTIONS[i % len(QUESTIONS)] + ("" if i < len(QUESTIONS) else f" ({i})") for i in range(args.requests)]
+
+    per_token_engine = engine_alone(args.model, args)
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"serve_load.{os.getpid()}.log"
+    proc, url = start_server(args.model, args, log)
+    try:
+
+        async def run() -> tuple[list[Result], float, Result, list[Result], float]:
+            limits = httpx.Limits(max_connections=args.requests + 4)
+            async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+                await chat(client, url, "warm up", 4)
+                t0 = time.perf_counter()
+                seq = [await chat(client, url, q, args.n) for q in questions]
+                t_seq = time.perf_counter() - t0
+                single = await chat(client, url, questions[0], args.n, per_token=True)
+                t0 = time.perf_counter()
+                conc = await asyncio.gather(*(chat(client, url, q, args.n) for q in questions))
+                t_conc = time.perf_counter() - t0
+                return seq, t_seq, single, list(conc), t_conc
+
+        seq, t_seq, single, conc, t_conc = asyncio.run(run())
+        slots = httpx.get(url + "/slots", timeout=10).json()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    n_tok = args.n * args.requests
+    mismatches = [i for i, (a, b) in enumerate(zip(seq, conc)) if a.text != b.text]
+    lost = [i for i, r in enumerate(conc) if not r.text]
+    # from the first content chunk to the end of the stream, as for the engine alone
+    per_token_server = (single.wall - single.t_first) / max(1, args.n - 1)
+    ttft = [r.t_first for r in conc]
+    itl = [x for r in conc for x in r.itl]
+    print(f"## serve_load: {args.requests} streaming chats, -np {args.np}, -n {args.n}, -c {args.c} per slot, model {args.model.name}")
+    print()
+    print("| | wall s | tokens/s |")
+    print("|---|---:|---:|")
+    print(f"| one after another | {t_seq:.2f} | {n_tok / t_seq:.1f} |")
+    print(f"| concurrent | {t_conc:.2f} | {n_tok / t_conc:.1f} |")
+    print()
+    print(f"- speed-up: {t_seq / t_conc:.2f}x")
+    print(f"- completed: {sum(1 for r in conc if r.text)}/{len(conc)}; lost: {lost or 'none'}; "
+          f"differ from their single-request output: {mismatches or 'none'}")  # fmt: skip
+    print(f"- concurrent TTFT ms: p50 {pct(ttft, 50):.1f}, p99 {pct(ttft, 99):.1f}; "
+          f"ITL ms: p50 {pct(itl, 50):.1f}, p99 {pct(itl, 99):.1f}")  # fmt: skip
+    print(f"- per token, one request: engine alone {per_token_engine * 1e3:.2f} ms, through HTTP/SSE "
+          f"{per_token_server * 1e3:.2f} ms; server overhead {(per_token_server - per_token_engine) * 1e3:+.2f} ms/token")  # fmt: skip
+    print(f"- slots busy afterwards: {sum(1 for s in slots if s['is_processing'])}")
+
+
+if __name__ == "__main__":
+    main()

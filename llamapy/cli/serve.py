@@ -1,0 +1,193 @@
+"""`llamapy serve` (llama-server): an OpenAI-compatible HTTP server with `-np` parallel slots.
+
+`-c` is the context of ONE slot: the KV cache holds `-np × -c` cells, as the startup log and
+/slots say (llama-server divides its -c among the slots; llamapy does not, so that a request
+gets the context it was promised). Binds 127.0.0.1 unless --host says otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import typer
+
+from ..types import LlamapyError
+from . import app, common, log
+
+
+def _api_key(key: str | None, key_file: str | None) -> str | None:
+    if key is not None and key_file is not None:
+        raise LlamapyError("give --api-key or --api-key-file, not both")
+    if key_file is not None:
+        try:
+            lines = Path(key_file).read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise LlamapyError(f"--api-key-file {key_file}: {e.strerror or e}") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise LlamapyError(f"--api-key-file {key_file}: the first line is empty")
+    if key is not None and not key.strip():
+        raise LlamapyError("--api-key: the key is empty")
+    return key
+
+
+def _is_loopback(addr: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    if not 0 <= port <= 65535:
+        raise LlamapyError(f"--port {port}: must be between 0 and 65535")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise LlamapyError(f"--host {host}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise LlamapyError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _server_class(uvicorn: object) -> type:
+    class Server(uvicorn.Server):  # type: ignore[name-defined,misc]
+        """uvicorn's server, except that SIGTERM / SIGINT end `run()` normally (uvicorn re-raises
+        the signal afterwards, which would kill the process before the engine is closed)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+@app.command()
+def serve(
+    model: str = common.MODEL_ARG,
+    model_opt: str = common.MODEL_OPT,
+    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (default: loopback only)"),
+    port: int = typer.Option(8080, "--port", help="port to listen on (0: any free port, logged)"),
+    n_parallel: int = typer.Option(4, "-np", "--parallel", help="slots: requests decoded together"),
+    ctx_size: int = typer.Option(2048, "-c", "--ctx-size", help="context of EACH slot, in tokens"),
+    max_queue: int = typer.Option(64, "--queue", help="requests that may wait for a slot; beyond: 503"),
+    api_key: str = typer.Option(None, "--api-key", help="require this key (Authorization: Bearer KEY)"),
+    api_key_file: str = typer.Option(None, "--api-key-file", help="read the key from the first line of a file"),
+    metrics: bool = typer.Option(False, "--metrics", help="enable GET /metrics (Prometheus)"),
+    cache_ram: int = typer.Option(-1, "--cache-ram", help="MiB of prompt cache idle slots may keep (-1: all of their cells, 0: none)"),
+    alias: str = typer.Option(None, "-a", "--alias", help="model name in responses (default: the file name)"),
+    batch: int = common.BATCH,
+    ubatch: int = common.UBATCH,
+    threads: int = common.THREADS,
+    ngl: str = common.NGL,
+    ot: list[str] = common.OT,
+    ts: str = common.TS,
+    mg: int = common.MG,
+    ctk: str = common.CTK,
+    ctv: str = common.CTV,
+    nkvo: bool = common.NKVO,
+    no_op_offload: bool = common.NO_OP_OFFLOAD,
+    device: str = common.DEVICE,
+    no_warmup: bool = typer.Option(False, "--no-warmup", help="skip the warm-up run"),
+) -> None:
+    """Serve a model over HTTP: OpenAI's /v1/chat/completions and /v1/completions, llama-server's
+    /completion, /tokenize, /detokenize, /slots, /metrics and /health."""
+    try:
+        import uvicorn
+
+        from ..server.app import ServerState, create_app
+    except ImportError as e:
+        raise LlamapyError(f"llamapy serve needs the server extra: pip install 'llamapy[server]' ({e})") from None
+    from ..engine import Engine
+
+    if n_parallel < 1:
+        raise LlamapyError(f"-np {n_parallel}: the number of slots must be >= 1")
+    if ctx_size < 1:
+        raise LlamapyError(f"-c {ctx_size}: the context of a slot must be >= 1 token")
+    if max_queue < 0:
+        raise LlamapyError(f"--queue {max_queue}: must be >= 0")
+    key = _api_key(api_key, api_key_file)
+    path = common.resolve_model(model, model_opt)
+    sock = _bind(host, port)
+    state = ServerState(model_name=alias or path.name, api_key=key, metrics=metrics)
+    config = uvicorn.Config(
+        create_app(state), log_level="warning", timeout_graceful_shutdown=5, lifespan="off", access_log=False
+    )
+    server = _server_class(uvicorn)(config)
+    holder: dict[str, object] = {}
+
+    def load() -> None:
+        try:
+            llm = common.load(
+                str(path), None, ngl, ot, ts, mg, ctx_size * n_parallel, batch, ubatch, threads, ctk, ctv, nkvo,
+                no_op_offload, device,
+            )  # fmt: skip
+            holder["llm"] = llm
+            if not no_warmup:
+                log(f"common_init: warm-up run (compiled-kernel load) = {llm.warmup():.2f} ms")
+            cache_bytes = None if cache_ram < 0 else cache_ram * 2**20
+            engine = Engine(llm.ctx, n_parallel, ctx_size, max_queue, cache_bytes)
+            engine.start()
+            holder["engine"] = engine
+            state.attach(llm, engine)
+            log(
+                f"srv load_model: {n_parallel} slots, n_ctx_slot = {ctx_size} tokens each "
+                f"(KV cache: {llm.ctx.n_ctx} cells), queue = {max_queue}"
+            )
+            log("srv update_slots: all slots are idle")
+        except BaseException as e:  # noqa: BLE001 - reported, then the server exits
+            state.load_error = str(e) or type(e).__name__
+            holder["error"] = e
+            server.should_exit = True
+
+    actual = sock.getsockname()
+    if key is None and not _is_loopback(actual[0]):
+        log(f"warning: listening on {actual[0]} without --api-key: anyone who can reach it may use the model")
+    shown = f"[{actual[0]}]" if ":" in actual[0] else actual[0]
+    log(f"main: server is listening on http://{shown}:{actual[1]} - loading model {path}")
+    loader = threading.Thread(target=load, name="llamapy-load", daemon=True)
+    loader.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        log("srv shutdown: stopping")
+        loader.join()
+        engine = holder.get("engine")
+        if engine is not None:
+            engine.close(cancel=True)  # type: ignore[attr-defined]
+        llm = holder.get("llm")
+        if llm is not None:
+            llm.close()  # type: ignore[attr-defined]
+        sock.close()
+    err = holder.get("error")
+    if err is not None:
+        if isinstance(err, LlamapyError):
+            raise err
+        if isinstance(err, KeyboardInterrupt):
+            raise SystemExit(130)
+        raise LlamapyError(f"the model failed to load: {type(err).__name__}: {err}")
+    log("srv shutdown: done")

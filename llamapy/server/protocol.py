@@ -1,0 +1,452 @@
+"""OpenAI's and llama-server's request and response shapes, without any web framework
+(llama.cpp's tools/server/server-common.cpp `oaicompat_*_params_parse`, server-task.cpp's
+`to_json_oaicompat*`). The server and `Llama.create_completion` / `create_chat_completion` share it,
+so both accept the same parameters and answer the same dicts.
+
+Parameters llamapy cannot honour (`n > 1`, tools, logit_bias, response formats, …) are rejected with
+an ApiError (HTTP 400), never ignored; so is any parameter it does not know. Sampling parameters a
+request leaves out take llama-server's defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05),
+not OpenAI's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..engine import Event, Request
+from ..model.chat import render_chat, template_or_default
+from ..model.sampler import SamplingParams
+from ..types import LlamapyError
+
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_LEN = 1000
+MAX_TOP_LOGPROBS = 20
+I64 = 2**63 - 1  # integers past this are refused (seeds, counts), never passed on
+
+
+class ApiError(LlamapyError):
+    """A request the server answers with an OpenAI-style error body."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",  # noqa: A002
+                 param: str | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+# -- parameter checks --------------------------------------------------------------------------
+
+
+def _num(body: dict, name: str, kind: type, lo: float | None = None, hi: float | None = None) -> Any:
+    v = body.get(name)
+    if v is None:
+        return None
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float else (
+        isinstance(v, int) and not isinstance(v, bool))  # fmt: skip
+    if not ok:
+        raise ApiError(f"'{name}' must be {'a number' if kind is float else 'an integer'}, got {type(v).__name__}", param=name)
+    if kind is float:
+        try:
+            v = float(v)
+        except OverflowError:
+            v = math.inf
+        if not math.isfinite(v):
+            raise ApiError(f"'{name}' must be a finite number", param=name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f"between {lo} and {hi}" if lo is not None and hi is not None else (f">= {lo}" if lo is not None else f"<= {hi}")
+        raise ApiError(f"'{name}' must be {rng}, got {v}", param=name)
+    return kind(v)
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ApiError(f"'{name}' must be a boolean, got {type(v).__name__}", param=name)
+    return v
+
+
+def _stops(body: dict, name: str = "stop") -> tuple[str, ...]:
+    v = body.get(name)
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise ApiError(f"'{name}' must be a string or a list of strings", param=name)
+    if len(items) > MAX_STOP:
+        raise ApiError(f"'{name}': at most {MAX_STOP} stop strings, got {len(items)}", param=name)
+    if any(len(s) > MAX_STOP_LEN for s in items):
+        raise ApiError(f"'{name}': a stop string may have at most {MAX_STOP_LEN} characters", param=name)
+    return tuple(s for s in items if s)
+
+
+# What each endpoint accepts. Everything else is a 400: _UNSUPPORTED explains the well-known ones.
+_SAMPLING = {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
+             "frequency_penalty", "repeat_penalty", "repeat_last_n", "ignore_eos", "cache_prompt"}  # fmt: skip
+_OAI = _SAMPLING | {"model", "stream", "stream_options", "n", "user", "max_tokens"}
+COMPLETION_FIELDS = _OAI | {"prompt", "logprobs"}
+CHAT_FIELDS = _OAI | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+LLAMA_COMPLETION_FIELDS = _SAMPLING | {"prompt", "n_predict", "stream", "n_probs"}
+_UNSUPPORTED = {
+    "tools": "tool calls are not supported",
+    "tool_choice": "tool calls are not supported",
+    "functions": "function calls are not supported",
+    "function_call": "function calls are not supported",
+    "parallel_tool_calls": "tool calls are not supported",
+    "logit_bias": "logit_bias is not supported",
+    "response_format": "response formats (JSON mode, schemas) are not supported",
+    "grammar": "grammars are not supported",
+    "json_schema": "JSON schemas are not supported",
+    "suffix": "suffix (insertion) is not supported",
+    "echo": "echo is not supported",
+    "best_of": "best_of is not supported",
+    "audio": "audio is not supported",
+    "modalities": "only text is supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning_effort is not supported",
+    "id_slot": "choosing a slot is not supported",
+}
+
+
+def _check_fields(body: Any, allowed: set[str]) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    for k in body:
+        if k in allowed:
+            continue
+        why = _UNSUPPORTED.get(k)
+        raise ApiError(f"unsupported parameter '{k}'" + (f": {why}" if why else ""), param=k)
+    return body
+
+
+def sampling_params(body: dict) -> SamplingParams:
+    p = SamplingParams()
+    changes: dict[str, Any] = {}
+    for name, field, kind, lo, hi in (
+        ("temperature", "temp", float, 0.0, None),
+        ("top_p", "top_p", float, 0.0, 1.0),
+        ("top_k", "top_k", int, 0, I64),
+        ("min_p", "min_p", float, 0.0, 1.0),
+        ("seed", "seed", int, -1, 2**32 - 1),
+        ("presence_penalty", "presence_penalty", float, -2.0, 2.0),
+        ("frequency_penalty", "frequency_penalty", float, -2.0, 2.0),
+        ("repeat_penalty", "repeat_penalty", float, 0.0, None),
+        ("repeat_last_n", "repeat_last_n", int, -1, 1 << 20),
+    ):
+        v = _num(body, name, kind, lo, hi)
+        if v is not None:
+            changes[field] = v
+    if _bool(body, "ignore_eos"):
+        changes["ignore_eos"] = True
+    return replace(p, **changes)
+
+
+@dataclass
+class Parsed:
+    """A request ready for the engine, and how to answer it."""
+
+    request: Request
+    stream: bool = False
+    include_usage: bool = False
+    model: str = ""
+    prompt_text: str = ""
+
+
+def _common(body: dict, prompt: list[int], max_tokens: int | None, logprobs: int | None) -> Parsed:
+    n = _num(body, "n", int, 1, I64)
+    if n is not None and n != 1:
+        raise ApiError(f"'n' = {n}: only one choice per request is supported (n = 1)", param="n")
+    stream = _bool(body, "stream")
+    include_usage = False
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict) or set(so) - {"include_usage"}:
+            raise ApiError("'stream_options' supports only {\"include_usage\": bool}", param="stream_options")
+        if not stream:
+            raise ApiError("'stream_options' needs 'stream': true", param="stream_options")
+        include_usage = _bool(so, "include_usage")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError("'model' must be a string", param="model")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ApiError("'user' must be a string", param="user")
+    req = Request(
+        prompt=prompt,
+        max_tokens=-1 if max_tokens is None else max_tokens,
+        sampling=sampling_params(body),
+        stop=_stops(body),
+        logprobs=logprobs,
+        cache_prompt=_bool(body, "cache_prompt", True),
+    )
+    return Parsed(req, stream, include_usage, model or "")
+
+
+def _prompt_tokens(body: dict, tokenizer: Any, name: str = "prompt") -> tuple[list[int], str]:
+    v = body.get(name)
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]  # OpenAI's batch of one prompt
+    if isinstance(v, str):
+        return tokenizer.encode(v, add_special=True, parse_special=True), v
+    if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        return [int(t) for t in v], ""
+    if v is None:
+        raise ApiError(f"'{name}' is required", param=name)
+    raise ApiError(f"'{name}' must be a string or a list of token ids (one prompt per request)", param=name)
+
+
+def completion_request(body: Any, tokenizer: Any) -> Parsed:
+    """POST /v1/completions."""
+    body = _check_fields(body, COMPLETION_FIELDS)
+    toks, text = _prompt_tokens(body, tokenizer)
+    lp = _num(body, "logprobs", int, 0, MAX_TOP_LOGPROBS)
+    parsed = _common(body, toks, _num(body, "max_tokens", int, 0, I64), lp)
+    parsed.prompt_text = text
+    return parsed
+
+
+def llama_completion_request(body: Any, tokenizer: Any) -> Parsed:
+    """llama-server's POST /completion."""
+    body = _check_fields(body, LLAMA_COMPLETION_FIELDS)
+    toks, text = _prompt_tokens(body, tokenizer)
+    n_probs = _num(body, "n_probs", int, 0, MAX_TOP_LOGPROBS)
+    parsed = _common(body, toks, _num(body, "n_predict", int, -1, I64), n_probs or None)
+    parsed.prompt_text = text
+    return parsed
+
+
+@dataclass
+class ChatTemplate:
+    """The model's chat template and the special-token texts it is rendered with."""
+
+    source: str
+    bos: str
+    eos: str
+
+    @classmethod
+    def of(cls, model: Any) -> ChatTemplate:
+        tok = model.tokenizer
+        md = model.gguf.metadata
+        return cls(
+            template_or_default(md.get("tokenizer.chat_template")),
+            tok.token_text(tok.bos) if tok.bos is not None else "",
+            tok.token_text(tok.eos) if tok.eos is not None else "",
+        )
+
+
+_ROLES = {"system", "user", "assistant", "developer"}
+
+
+def chat_messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ApiError(f"messages[{i}] must be an object", param="messages")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise ApiError(f"messages[{i}].role {role!r}: supported roles are {sorted(_ROLES)}", param="messages")
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            raise ApiError(f"messages[{i}]: unsupported field(s) {sorted(extra)}", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(f"messages[{i}].content: only text parts are supported", param="messages")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise ApiError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        if "name" in m:
+            if not isinstance(m["name"], str):
+                raise ApiError(f"messages[{i}].name must be a string", param="messages")
+            msg["name"] = m["name"]  # templates that know it use it
+        out.append(msg)
+    return out
+
+
+def chat_prompt(messages: list[dict[str, str]], template: ChatTemplate, tokenizer: Any) -> tuple[list[int], str]:
+    """The rendered conversation and its tokens: special tokens parsed, BOS added once when the
+    model wants one and the template did not write it (llama-server's chat prompts)."""
+    text = render_chat(template.source, messages, add_generation_prompt=True, bos_token=template.bos, eos_token=template.eos)
+    toks = tokenizer.encode(text, add_special=False, parse_special=True)
+    if tokenizer.add_bos and tokenizer.bos is not None and (not toks or toks[0] != tokenizer.bos):
+        toks = [tokenizer.bos] + toks
+    return toks, text
+
+
+def chat_request(body: Any, tokenizer: Any, template: ChatTemplate) -> Parsed:
+    """POST /v1/chat/completions."""
+    body = _check_fields(body, CHAT_FIELDS)
+    toks, text = chat_prompt(chat_messages(body.get("messages")), template, tokenizer)
+    want_lp = _bool(body, "logprobs")
+    top = _num(body, "top_logprobs", int, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not want_lp:
+        raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    mt = _num(body, "max_completion_tokens", int, 0, I64)
+    if mt is None:
+        mt = _num(body, "max_tokens", int, 0, I64)
+    parsed = _common(body, toks, mt, (top or 0) if want_lp else None)
+    parsed.prompt_text = text
+    return parsed
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+def _piece(tokenizer: Any, t: int) -> bytes:
+    return tokenizer.token_to_piece(t, special=True)
+
+
+def _finish_reason(reason: str | None) -> str:
+    # a full slot is a length limit to OpenAI clients, as llama-server reports it
+    return "length" if reason in ("length", "context") else "stop"
+
+
+class Responder:
+    """Builds one request's OpenAI-shaped chunks and final response from engine events.
+    kind: "chat" or "completion"."""
+
+    def __init__(self, kind: str, model: str, tokenizer: Any) -> None:
+        self.kind = kind
+        self.model = model
+        self.tok = tokenizer
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.text_offset = 0
+
+    # logprobs
+
+    def _lp_chat(self, ev: Event) -> dict[str, Any]:
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            b = _piece(self.tok, t)
+            return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
+
+        e = entry(ev.token, ev.logprob or 0.0)
+        e["top_logprobs"] = [entry(t, lp) for t, lp in (ev.top_logprobs or [])]
+        return e
+
+    def logprobs(self, events: Sequence[Event]) -> dict[str, Any] | None:
+        evs = [e for e in events if e.kind == "token" and e.logprob is not None]
+        if not evs:
+            return None
+        if self.kind == "chat":
+            return {"content": [self._lp_chat(e) for e in evs]}
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in evs:
+            piece = _piece(self.tok, e.token).decode("utf-8", errors="replace")
+            out["tokens"].append(piece)
+            out["token_logprobs"].append(e.logprob)
+            out["top_logprobs"].append(
+                {_piece(self.tok, t).decode("utf-8", errors="replace"): lp for t, lp in (e.top_logprobs or [])}
+            )
+            out["text_offset"].append(self.text_offset)
+            self.text_offset += len(piece)
+        return out
+
+    @staticmethod
+    def usage(ev: Event) -> dict[str, Any]:
+        u = ev.usage
+        assert u is not None
+        return {
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        }
+
+    # streaming
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        d = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        d.update(extra)
+        return d
+
+    def _choice(self, text: str | None, finish: str | None, lp: dict | None, role: bool = False) -> dict[str, Any]:
+        if self.kind == "chat":
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams open with the assistant's role."""
+        return [self._chunk([self._choice("", None, None, role=True)])] if self.kind == "chat" else []
+
+    def token_chunk(self, ev: Event) -> dict[str, Any] | None:
+        lp = self.logprobs([ev])
+        if not ev.text and lp is None:
+            return None  # text held back (a possible stop string, half a character)
+        return self._chunk([self._choice(ev.text, None, lp)])
+
+    def end_chunks(self, ev: Event, include_usage: bool) -> list[dict[str, Any]]:
+        out = []
+        if ev.text:
+            out.append(self._chunk([self._choice(ev.text, None, None)]))
+        out.append(self._chunk([self._choice(None if self.kind == "chat" else "", _finish_reason(ev.finish_reason), None)]))
+        if include_usage:
+            out.append(self._chunk([], usage=self.usage(ev)))
+        return out
+
+    # whole response
+
+    def response(self, events: Iterable[Event]) -> dict[str, Any]:
+        evs = list(events)
+        done = evs[-1]
+        text = "".join(e.text for e in evs)
+        lp = self.logprobs(evs)
+        finish = _finish_reason(done.finish_reason)
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": finish}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": self.usage(done)}  # fmt: skip
+
+
+def llama_chunk(ev: Event, tokenizer: Any, model: str, prompt: str) -> dict[str, Any]:
+    """llama-server's /completion answer: one per token while streaming, then the final one."""
+    d: dict[str, Any] = {"index": 0, "content": ev.text, "tokens": [ev.token] if ev.kind == "token" else [],
+                         "stop": ev.kind == "done", "id_slot": ev.slot}  # fmt: skip
+    if ev.kind == "token" and ev.logprob is not None:
+        d["completion_probabilities"] = [{
+            "id": ev.token, "token": _piece(tokenizer, ev.token).decode("utf-8", errors="replace"),
+            "logprob": ev.logprob,
+            "top_logprobs": [{"id": t, "token": _piece(tokenizer, t).decode("utf-8", errors="replace"), "logprob": lp}
+                             for t, lp in (ev.top_logprobs or [])],
+        }]  # fmt: skip
+    if ev.kind == "done":
+        assert ev.usage is not None and ev.timings is not None
+        d.update(
+            model=model,
+            prompt=prompt,
+            tokens_predicted=ev.usage.completion_tokens,
+            tokens_evaluated=ev.usage.prompt_tokens,
+            tokens_cached=ev.usage.cached_tokens,
+            truncated=False,
+            stop_type="word" if ev.stop_word else {"stop": "eos", "length": "limit", "context": "limit"}.get(ev.finish_reason or "", ev.finish_reason),
+            stopping_word=ev.stop_word or "",
+            timings=ev.timings.to_dict(),
+        )
+    return d

@@ -99,12 +99,13 @@ def test_no_op_offload_keeps_ngl0_off_the_gpu(tiny32, test_gpu) -> None:  # noqa
         assert all(not s.inputs for s in plan.splits)  # CPU <-> BLAS share host memory: no copies
 
 
-def test_offloaded_prompt_gives_the_same_logits(tiny32, test_gpu) -> None:  # noqa: ANN001
+def test_offloaded_prompt_gives_the_same_logits(make_llama, test_gpu) -> None:  # noqa: ANN001
+    path = make_llama(n_layer=3, tied=False)
     toks = list(range(1, 41))
-    with open_llm(tiny32, 0, op_offload=False) as llm:
+    with open_llm(path, 0, op_offload=False) as llm:
         ref = llm.logits(toks)
-    with open_llm(tiny32, 0) as llm:
+    with open_llm(path, 0) as llm:
         _, where = _plan(llm, len(toks))
-        assert where[next(n for n in llm.ctx.plan(len(toks)).graph.nodes if n.name == "attn_norm-3")] == "TEST0"
+        assert {where[n] for n in llm.ctx.plan(len(toks)).graph.nodes if n.name.startswith("attn_norm-")} == {"TEST0"}
         got = llm.logits(toks)
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()

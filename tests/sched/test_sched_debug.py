@@ -47,8 +47,8 @@ def test_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LLAMAPY_TEST_GPU", "1")
 
 
-def test_hook_sees_each_graph_that_runs_once(tiny32, test_gpu) -> None:  # noqa: ANN001
-    with open_llm(tiny32, 20) as llm:
+def test_hook_sees_each_graph_that_runs_once(make_llama, test_gpu) -> None:  # noqa: ANN001
+    with open_llm(make_llama(n_layer=3), 2) as llm:
         seen = []
         llm.ctx.sched.debug_hook = seen.append
         toks = list(range(1, 41))

@@ -123,6 +123,9 @@ def run(
     from ..model.sampler import SamplingParams
 
     set_logging(not log_disable)
+    # as llama-completion's sigaction: Ctrl-C works even where SIGINT was inherited ignored (a
+    # background job of a script)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     common.no_effect(flash_attn, threads_batch, no_mmap)
     check_n_predict(n_predict)
     text = _prompt_text(prompt, file, escape)
@@ -263,7 +266,6 @@ def _conversation(
         messages.append({"role": "system", "content": system_prompt})
     cached: list[int] = []
     term = _Terminal()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     turns = 0
     while True:
         if first is not None:  # -p in conversation mode is the first user turn

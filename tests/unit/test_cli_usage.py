@@ -250,3 +250,26 @@ def test_help_fits_80_columns_with_whole_flags_descriptions_and_defaults(command
             assert "[default:" in block
     n_values = sum(1 for p in cmd.params if p.param_type_name == "option" and p.default not in (None, False) and not p.is_flag)
     assert " ".join(text.split()).count("[default:") >= n_values
+
+
+def test_ctrl_c_works_where_sigint_was_inherited_ignored(tiny32: Path) -> None:
+    """A background job of a script starts with SIGINT ignored; llama-completion installs its own
+    handler all the same, and so does `run`: Ctrl-C still stops it with 130."""
+    import signal
+    import time
+
+    p = subprocess.Popen(
+        [sys.executable, "-m", "llamapy", "run", str(tiny32), "-p", "Once upon a time", "-n", "-2", "-c", "2048"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # noqa: PLW1509
+    )  # fmt: skip
+    assert p.stdout is not None
+    first = b""
+    deadline = time.time() + 120
+    while not first and time.time() < deadline:
+        first = p.stdout.read1(64)  # type: ignore[attr-defined]
+    assert first, "no token was streamed"
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err.decode()
+    assert b"Traceback" not in err

@@ -20,7 +20,7 @@ Beyond llama-bench (extra columns after its own, extra JSON fields after its own
   counted (a few KiB, resp. a function of the history);
 - `eff_bw_gbs` (tg tests): weight_bytes_per_token × t/s, in GB/s (1e9 bytes/s);
 - `probe_bw_gbs`: a read-bandwidth probe on the same number of threads: each thread sums its
-  share of a float32 array (512 MiB, `--probe-mib`, ≥ 4× a last-level cache) as rows of 1024
+  share of a float32 array (512 MiB, `--probe-mib`, ≥ 4× a last-level cache) as rows of 4096
   floats into one row (numpy's add.reduce, which releases the GIL, so the threads run in
   parallel); the best of 5 passes after one warm pass; GB/s = array bytes / wall time of a pass.
   Run once per thread count, before its first tg test;
@@ -50,7 +50,7 @@ from . import app, common, log
 _DEFAULT_BATCH = 2048
 _DEFAULT_UBATCH = 512
 _DEFAULT_PROBE_MIB = 512
-_PROBE_ROW = 1024  # floats per row of the probe's array (4 KiB)
+_PROBE_ROW = 4096  # floats per row of the probe's array: 16 KiB, an accumulator that stays in L1
 _PROBE_PASSES = 5
 PROBE_METHOD = (
     "numpy add.reduce over rows of a float32 array split across the threads, best of "

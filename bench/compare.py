@@ -529,19 +529,19 @@ def main(argv: list[str] | None = None) -> int:
     log(f"machine: {machine_line(mach)}")
     if mach["loadavg"][0] > (mach["cores"] or 1):
         log(f"warning: load average {mach['loadavg'][0]:.1f} on {mach['cores']} cores: the figures will be unreliable")
-    mpaths = models1b.paths(a.models_dir, a.llama1b, a.llama1b_f16)
-    names = [] if a.only_types else a.models
-    quantize = None
-    if types or "llama1b" in names:
-        quantize, why = models1b.ensure_quantize(allow_build=not a.no_build, timeout=a.build_timeout)
-        if quantize is None:
-            log(f"{why}: only 1B-shape files that exist are used")
-    models = resolve_models(names, mpaths, None if a.no_build else quantize)
     tools, why = llama_cpp.ensure(allow_build=not a.no_build, timeout=a.build_timeout)
     note = ""
     if tools is None:
         note = f"llama.cpp figures from the reference file, NOT measured in this run: {why}"
         log(note)
+    mpaths = models1b.paths(a.models_dir, a.llama1b, a.llama1b_f16)
+    names = [] if a.only_types else a.models
+    quantize = None
+    if (types or "llama1b" in names) and not a.no_build:  # after llama.cpp's build, which configures it
+        quantize, why = models1b.ensure_quantize(allow_build=True, timeout=a.build_timeout)
+        if quantize is None:
+            log(f"{why}: only 1B-shape files that exist are used")
+    models = resolve_models(names, mpaths, quantize)
     results = []
     for kind, model in models:
         log(f"== {model.name}")
@@ -569,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     for qtype in types:
         log(f"== 1B shape --pure {qtype}")
         try:
-            path = models1b.ensure_file(mpaths, qtype, None if a.no_build else quantize, a.build_timeout)
+            path = models1b.ensure_file(mpaths, qtype, quantize, a.build_timeout)
         except (RuntimeError, subprocess.SubprocessError, OSError) as e:
             log(f"{qtype} left out: {e}")
             continue

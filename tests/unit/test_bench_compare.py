@@ -90,13 +90,19 @@ def test_the_1b_rows_use_tg64_and_issue_11_bars() -> None:
     cmp = _load("compare")
     res = {"model": "llama1b-Q4_K_M", "kind": "llama1b", "n_gen": 64,
            "llamapy": {"tg64_tps": 9.0, "pp512_tps": 120.0, "run": {"max_rss_kib": 1024 * 800}},
-           "llama.cpp": {"tg64_tps": 10.0, "pp512_tps": 100.0, "completion": {"max_rss_kib": 1024 * 1000}}}  # fmt: skip
+           "llama.cpp": {"tg64_tps": 10.0, "pp512_tps": 100.0, "completion": {"max_rss_kib": 1024 * 1000},
+                         "source": "measured in this run"}}  # fmt: skip
     rows = {r[1]: r for r in cmp.rows_for(res)}
     tg = rows["generation tg64 (tok/s)"]
     assert tg[4] == "0.90×" and tg[5].startswith("≥ 1×") and tg[6] == "BELOW FLOOR"
     assert rows["prompt pp512 (tok/s)"][6] == "ok (floor met)"  # 1.2× ≥ 1.2×
     assert rows["peak RSS, run -n 64 -c 512 (MiB)"][6] == "ok (floor met)"  # 0.8× ≤ 1×
     assert rows[next(k for k in rows if k.startswith("load"))][5] == "none (reported)"
+    # the "apart" table: llamapy's effective bandwidth and llama.cpp's over the same bytes
+    res["llamapy"].update(weight_bytes_per_token=500_000_000, eff_bw_gbs=4.5, bw_fraction=0.5)
+    apart = cmp.markdown([res]).split("Apart (llamapy):")[1].strip().splitlines()
+    assert apart[0].rstrip(" |").endswith("weights a token (MB) | tg eff GB/s: llamapy (of its probe) | llama.cpp")
+    assert apart[2].rstrip(" |").endswith("| 500.0 | 4.50 (50 %) | 5.00")
 
 
 def test_per_type_table_columns() -> None:

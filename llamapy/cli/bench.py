@@ -201,9 +201,10 @@ class ReadProbe:
 def read_bandwidth(n_threads: int, nbytes: int = _DEFAULT_PROBE_MIB << 20, passes: int = _PROBE_PASSES) -> ReadProbe:
     """Read bandwidth of `n_threads` threads summing disjoint shares of one float32 array.
 
-    Each share is reduced as rows of _PROBE_ROW floats into one row, so the work per byte is
-    one vector add of data streamed from memory, and the accumulator stays in L1: the figure is
-    the memory's read rate, not an arithmetic limit. numpy releases the GIL in the reduction."""
+    Each share is reduced as rows of _PROBE_ROW floats into one row: the arithmetic per byte
+    is one vector add of data streamed from memory, the accumulator stays in L1, and the per-row
+    call overhead is amortized over 16 KiB. numpy releases the GIL in the reduction, so the
+    threads run in parallel."""
     n_threads = max(1, n_threads)
     n_rows = max(n_threads, nbytes // (4 * _PROBE_ROW))
     a = np.ones((n_rows, _PROBE_ROW), dtype=np.float32)  # written once: every page is mapped

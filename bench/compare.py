@@ -4,10 +4,24 @@
     python bench/compare.py --write         # …and append a dated section to bench/RESULTS.md
     python bench/compare.py --no-build      # never build llama.cpp: use it if built, else the reference
     python bench/compare.py --models tiny32 --reps 1 --json out.json
+    python bench/compare.py --models llama1b --types all --write     # + the per-type table
+    python bench/compare.py --only-types --types q4_0,q4_k -n 64     # the per-type table alone
 
-Models: the default model (python models/fetch_default.py) and tiny32
-(../shared/reference/tiny32/tiny32-Q4_K_M.gguf); `--models` takes paths or the names
-`default` and `tiny32`. Everything runs with 2 threads (-t 2).
+Models: the default model (python models/fetch_default.py), tiny32
+(../shared/reference/tiny32/tiny32-Q4_K_M.gguf) and the Llama-3.2-1B-shape Q4_K_M file
+(`llama1b`: `--llama1b PATH` or $LLAMAPY_LLAMA1B; made when absent if llama.cpp's llama-quantize
+is built — see bench/models1b.py); `--models` takes paths or these names. Everything runs with
+2 threads (-t 2). The 1B shape is measured with tg64 and `run -n 64` (issue 11's figures), the
+others with tg128 and `run -n 128`.
+
+Per-type table (`--types all` or `--types q4_0,q8_0,…`): the 1B shape quantized `--pure` to each
+type (files cached in `--models-dir`, bench/models1b.py), tg N (`-n`, default 64) with
+`llama-bench -p 0 -n N` and `llamapy bench -p 0 -n N` side by side, their ratio (bar ≥ 0.9×),
+and the effective bandwidth of both: the weight bytes a decode step reads (`llamapy bench`'s
+weight_bytes_per_token) × tok/s, with llamapy's fraction of its read probe on the same threads.
+
+Every output (the printed tables, the RESULTS.md section, the JSON) names the CPU and its SIMD
+flags (avx2, avx512f, avx512_vnni, amx…), since the ratios differ between hosts of this kind.
 
 Measured, for each model:
 - pp512 and tg128 tok/s: `llama-bench -p 512 -n 128 -t 2 -o json` against `llamapy bench` with
@@ -49,6 +63,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_cpp  # noqa: E402  (bench/llama_cpp.py, not the llama-cpp-python package)
+import models1b  # noqa: E402  (bench/models1b.py)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"  # next to the checkout, and nowhere else
@@ -57,13 +72,23 @@ RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 PROMPT = "Once upon a time, in a small village by the sea,"
 LLAMAPY = [sys.executable, "-m", "llamapy"]
 
-# metric: (higher is better, floor, goal)
+# metric: (higher is better, floor, goal); "tg" is tg128, or tg64 for the 1B shape
 BARS = {
-    "tg128": (True, 0.5, 1.0),
+    "tg": (True, 0.5, 1.0),
     "pp512": (True, 1.0, 2.0),
     "peak_rss": (False, 2.0, 1.2),
     "load": (False, 2.0, None),
 }
+# the 1B shape's bars are issue 11's (tg64 at the bandwidth limit); its load time is reported only
+BARS_1B = {
+    "tg": (True, 1.0, None),
+    "pp512": (True, 1.2, None),
+    "peak_rss": (False, 1.0, None),
+}
+PER_TYPE_BAR = 0.9  # tg of each `--pure` type, llamapy / llama.cpp
+# the flags that decide which kernels run (ggml's and llamapy's runtime dispatch)
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
+              "amx_tile", "amx_int8", "amx_bf16", "neon", "asimd", "asimddp", "sve")  # fmt: skip
 
 
 def log(msg: str) -> None:
@@ -84,16 +109,25 @@ def default_model() -> Path:
     return Path(r.stdout.strip().splitlines()[-1])
 
 
-def resolve_models(names: list[str]) -> list[Path]:
+def resolve_models(names: list[str], mpaths: models1b.Paths | None = None,
+                   quantize: Path | None = None) -> list[tuple[str, Path]]:  # fmt: skip
+    """(kind, path) of each model: kind is default, tiny32, llama1b or path. The 1B-shape file
+    is made when absent and llama-quantize is given; if it cannot be, it is left out (logged)."""
     out = []
     for n in names:
         if n == "default":
-            out.append(default_model())
+            out.append(("default", default_model()))
         elif n == "tiny32":
-            out.append(TINY32)
+            out.append(("tiny32", TINY32))
+        elif n == "llama1b":
+            mp = mpaths or models1b.paths()
+            try:
+                out.append(("llama1b", models1b.ensure_file(mp, None, quantize)))
+            except (RuntimeError, subprocess.SubprocessError, OSError) as e:
+                log(f"llama1b left out: {e}")
         else:
-            out.append(Path(n))
-    for p in out:
+            out.append(("path", Path(n)))
+    for _, p in out:
         if not p.is_file():
             raise SystemExit(f"no such model: {p}")
     return out
@@ -102,19 +136,32 @@ def resolve_models(names: list[str]) -> list[Path]:
 # -- llamapy --------------------------------------------------------------------------------------
 
 
-def llamapy_bench(model: Path, threads: int, reps: int, timeout: float | None) -> dict[str, Any]:
-    """pp512/tg128 with `llamapy bench … -o json`, else with the Python API."""
-    cmd = [*LLAMAPY, "bench", str(model), "-p", "512", "-n", "128", "-t", str(threads), "-r", str(reps), "-o", "json"]
+BW_FIELDS = ("weight_bytes_per_token", "eff_bw_gbs", "probe_bw_gbs", "bw_fraction", "probe_method")
+
+
+def bandwidth(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """`llamapy bench`'s bandwidth fields of its (last) tg record, if it wrote them."""
+    tg = [r for r in records if r.get("n_gen") and not r.get("n_prompt")]
+    return {k: tg[-1][k] for k in BW_FIELDS if tg and tg[-1].get(k) is not None}
+
+
+def llamapy_bench(model: Path, threads: int, reps: int, timeout: float | None, n_prompt: int = 512,
+                  n_gen: int = 128) -> dict[str, Any]:  # fmt: skip
+    """ppN/tgN (and the bandwidth fields) with `llamapy bench … -o json`, else with the Python API."""
+    cmd = [*LLAMAPY, "bench", str(model), "-p", str(n_prompt), "-n", str(n_gen), "-t", str(threads), "-r", str(reps),
+           "-o", "json"]  # fmt: skip
+    want = [f"tg{n_gen}_tps"] + ([f"pp{n_prompt}_tps"] if n_prompt else [])
     try:
         r = llama_cpp.run_child(cmd, env=child_env(), timeout=timeout)
         if r.rc == 0:
-            tps = llama_cpp.bench_tps(json.loads(r.stdout))
-            if "pp512_tps" in tps and "tg128_tps" in tps:
-                return {**tps, "via": "llamapy bench"}
+            records = json.loads(r.stdout)
+            tps = llama_cpp.bench_tps(records)
+            if all(k in tps for k in want):
+                return {**tps, **bandwidth(records), "via": "llamapy bench"}
         log(f"llamapy bench failed (exit {r.rc}): {r.stderr.strip()[-500:]}; using the Python API")
     except (ValueError, OSError) as e:
         log(f"llamapy bench unusable ({e}); using the Python API")
-    return {**api_bench(model, threads, reps), "via": "Python API"}
+    return {**api_bench(model, threads, reps, n_prompt or 512, n_gen), "via": "Python API"}
 
 
 def api_bench(model: Path, threads: int, reps: int, n_prompt: int = 512, n_gen: int = 128) -> dict[str, float]:
@@ -165,9 +212,9 @@ def api_bench(model: Path, threads: int, reps: int, n_prompt: int = 512, n_gen: 
         llm.close()
 
 
-def llamapy_run(model: Path, threads: int, timeout: float | None) -> dict[str, Any]:
-    """Peak RSS and llama_perf lines of `llamapy run -n 128 -c 512`."""
-    cmd = [*LLAMAPY, "run", str(model), "-p", PROMPT, "-n", "128", "-c", "512", "-t", str(threads), "--temp", "0"]
+def llamapy_run(model: Path, threads: int, timeout: float | None, n_gen: int = 128) -> dict[str, Any]:
+    """Peak RSS and llama_perf lines of `llamapy run -n N -c 512`."""
+    cmd = [*LLAMAPY, "run", str(model), "-p", PROMPT, "-n", str(n_gen), "-c", "512", "-t", str(threads), "--temp", "0"]
     r = llama_cpp.run_child(cmd, env=child_env(), timeout=timeout)
     if r.rc != 0:
         raise RuntimeError(f"llamapy run failed (exit {r.rc}): {r.stderr.strip()[-1000:]}")
@@ -228,15 +275,17 @@ def llamapy_load(model: Path, threads: int, timeout: float | None) -> dict[str, 
 
 
 def llamacpp_figures(tools: dict[str, Path] | None, model: Path, threads: int, reps: int,
-                     timeout: float | None) -> dict[str, Any]:  # fmt: skip
+                     timeout: float | None, n_gen: int = 128) -> dict[str, Any]:  # fmt: skip
     if tools:
         out: dict[str, Any] = {"source": "measured in this run"}
         try:
-            out.update(llama_cpp.bench_tps(llama_cpp.run_bench(tools, model, t=threads, reps=reps, timeout=timeout)))
+            out.update(llama_cpp.bench_tps(llama_cpp.run_bench(tools, model, n=n_gen, t=threads, reps=reps,
+                                                               timeout=timeout)))  # fmt: skip
         except (RuntimeError, ValueError) as e:
             log(f"llama-bench on {model.name}: {e}")
         try:
-            out.update({"completion": llama_cpp.run_completion(tools, model, PROMPT, t=threads, timeout=timeout)})
+            out.update({"completion": llama_cpp.run_completion(tools, model, PROMPT, n=n_gen, t=threads,
+                                                               timeout=timeout)})  # fmt: skip
         except RuntimeError as e:
             log(f"llama-completion on {model.name}: {e}")
         return out
@@ -259,18 +308,18 @@ def _ref_tps(d: dict[str, Any]) -> dict[str, float]:
 # -- report -------------------------------------------------------------------------------------
 
 
-def _status(metric: str, ratio: float | None) -> str:
+def _status(metric: str, ratio: float | None, bars: dict[str, tuple] | None = None) -> str:
     if ratio is None:
         return "n/a"
-    higher, floor, goal = BARS[metric]
+    higher, floor, goal = (bars or BARS)[metric]
     ok = (lambda x, b: x >= b) if higher else (lambda x, b: x <= b)
     if goal is not None and ok(ratio, goal):
         return "goal met"
     return "ok (floor met)" if ok(ratio, floor) else "BELOW FLOOR"
 
 
-def _bar(metric: str) -> str:
-    higher, floor, goal = BARS[metric]
+def _bar(metric: str, bars: dict[str, tuple] | None = None) -> str:
+    higher, floor, goal = (bars or BARS)[metric]
     s = f"{'≥' if higher else '≤'} {floor:g}×"
     return s + (f" (goal {goal:g}×)" if goal is not None else "")
 
@@ -290,22 +339,25 @@ def rows_for(res: dict[str, Any]) -> list[list[str]]:
 
     lp_rss = run.get("max_rss_kib")
     lc_rss = comp.get("max_rss_kib")
+    n = res.get("n_gen", 128)
     metrics = [
-        ("tg128", "generation tg128 (tok/s)", lp.get("tg128_tps"), lc.get("tg128_tps"), ".2f"),
+        ("tg", f"generation tg{n} (tok/s)", lp.get(f"tg{n}_tps"), lc.get(f"tg{n}_tps"), ".2f"),
         ("pp512", "prompt pp512 (tok/s)", lp.get("pp512_tps"), lc.get("pp512_tps"), ".2f"),
-        ("peak_rss", "peak RSS, run -n 128 -c 512 (MiB)", lp_rss / 1024 if lp_rss else None,
+        ("peak_rss", f"peak RSS, run -n {n} -c 512 (MiB)", lp_rss / 1024 if lp_rss else None,
          lc_rss / 1024 if lc_rss else None, ".1f"),
         ("load", "load time, open → ready, kernel cache load apart (ms)", load.get("ready_ms"),
          comp.get("load_ms"), ".1f"),
     ]  # fmt: skip
     out = []
+    kind = res.get("kind", "tiny32" if "tiny32" in res["model"] else "path")
+    # the speed issues set bars for the default model and the 1B shape; tiny32's are reported only
+    bars = {"tiny32": {}, "llama1b": BARS_1B}.get(kind, BARS)
     for key, label, a, b, spec in metrics:
         r = ratio(a, b)
-        # the speed issue sets bars for the default model; tiny32's ratios are reported only
-        barred = "tiny32" not in res["model"]
+        barred = key in bars
         out.append([res["model"], label, _fmt(a, spec), _fmt(b, spec), _fmt(r, ".2f") + ("×" if r else ""),
-                    _bar(key) if barred else "none (reported)",
-                    _status(key, r) if barred else "-"])  # fmt: skip
+                    _bar(key, bars) if barred else "none (reported)",
+                    _status(key, r, bars) if barred else "-"])  # fmt: skip
     return out
 
 
@@ -319,8 +371,9 @@ def markdown(results: list[dict[str, Any]]) -> str:
     lines.append("")
     lines.append("| model | RSS after imports (MiB) | imports (ms) | `load time` line = Model.info.load_ms (ms) "
                  "| context (ms) | first decode (ms) | of which kernel cache load ≈ (ms) | run: eval tok/s | "
-                 "llama.cpp run: eval tok/s |")  # fmt: skip
-    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+                 "llama.cpp run: eval tok/s | weights a token (MB) | tg eff GB/s: llamapy (of its probe) | "
+                 "llama.cpp |")  # fmt: skip
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for res in results:
         lp = res["llamapy"]
         ld, run, imp = lp.get("load", {}), lp.get("run", {}), lp.get("imports", {})
@@ -336,12 +389,40 @@ def markdown(results: list[dict[str, Any]]) -> str:
             _fmt(run.get("eval_tps"), ".2f") + (f" ({run['n_eval']} tok)" if "n_eval" in run else ""),
             _fmt(comp.get("eval_tps") or (1e3 / comp["eval_ms_per_token"] if comp.get("eval_ms_per_token") else None),
                  ".2f"),
+            *_bw_cells(lp, res["llama.cpp"].get(f"tg{res.get('n_gen', 128)}_tps")),
         ]) + " |")  # fmt: skip
     lines.append("")
     for res in results:
         lines.append(f"- {res['model']}: llama.cpp figures {res['llama.cpp']['source']}; "
                      f"llamapy pp/tg via {res['llamapy'].get('via', 'n/a')}.")  # fmt: skip
     return "\n".join(lines)
+
+
+def _bw_cells(lp: dict[str, Any], lc_tps: float | None) -> list[str]:
+    """weights a token (MB), llamapy's effective GB/s (its fraction of the read probe), and
+    llama.cpp's effective GB/s over the same bytes."""
+    wb = lp.get("weight_bytes_per_token")
+    eff, frac = lp.get("eff_bw_gbs"), lp.get("bw_fraction")
+    return [
+        _fmt(wb / 1e6 if wb else None, ".1f"),
+        _fmt(eff, ".2f") + (f" ({100 * frac:.0f} %)" if frac is not None else ""),
+        _fmt(wb * lc_tps / 1e9 if wb and lc_tps else None, ".2f"),
+    ]
+
+
+def cpu_flags(cpuinfo: str | None = None) -> list[str]:
+    """The SIMD_FLAGS /proc/cpuinfo lists (its first `flags` or `Features` line), in SIMD_FLAGS' order."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return []
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            have = set(value.split())
+            return [f for f in SIMD_FLAGS if f in have]
+    return []
 
 
 def machine() -> dict[str, Any]:
@@ -353,7 +434,12 @@ def machine() -> dict[str, Any]:
                 name = line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return {"cpu": name, "cores": os.cpu_count(), "loadavg": os.getloadavg()}
+    return {"cpu": name, "flags": cpu_flags(), "cores": os.cpu_count(), "loadavg": os.getloadavg()}
+
+
+def machine_line(mach: dict[str, Any]) -> str:
+    return (f"{mach['cpu']}, {mach['cores']} cores, flags: {' '.join(mach.get('flags') or []) or 'none found'}; "
+            f"load average at start {mach['loadavg'][0]:.2f}")  # fmt: skip
 
 
 def write_results(md: str, cmd: str, mach: dict[str, Any], note: str) -> None:
@@ -361,8 +447,7 @@ def write_results(md: str, cmd: str, mach: dict[str, Any], note: str) -> None:
     text = "" if RESULTS.exists() else "# Benchmark results\n\nSections appended by the scripts in bench/.\n"
     text += (f"\n## compare.py — {date}\n\n"
              f"- command: `{cmd}`\n"
-             f"- machine: {mach['cpu']}, {mach['cores']} cores; load average at start "
-             f"{mach['loadavg'][0]:.2f}\n")  # fmt: skip
+             f"- machine: {machine_line(mach)}\n")  # fmt: skip
     if note:
         text += f"- note: {note}\n"
     text += "\n" + md + "\n"
@@ -371,39 +456,105 @@ def write_results(md: str, cmd: str, mach: dict[str, Any], note: str) -> None:
     log(f"appended to {RESULTS}")
 
 
+# -- the per-type table ---------------------------------------------------------------------
+
+
+def per_type(qtype: str, path: Path, tools: dict[str, Path] | None, threads: int, reps: int, n_gen: int,
+             timeout: float | None) -> dict[str, Any]:  # fmt: skip
+    """tgN of one `--pure` file: llama-bench and llamapy bench side by side, with llamapy's
+    bandwidth fields."""
+    res: dict[str, Any] = {"type": qtype, "path": str(path), "file_bytes": path.stat().st_size, "n_gen": n_gen}
+    key = f"tg{n_gen}_tps"
+    if tools:
+        try:
+            lc = llama_cpp.bench_tps(llama_cpp.run_bench(tools, path, p=0, n=n_gen, t=threads, reps=reps,
+                                                         timeout=timeout))  # fmt: skip
+            res["llama.cpp"] = lc.get(key)
+        except (RuntimeError, ValueError) as e:
+            log(f"llama-bench on {path.name}: {e}")
+    lp = llamapy_bench(path, threads, reps, timeout, n_prompt=0, n_gen=n_gen)
+    res["llamapy"] = lp.get(key)
+    res["llamapy_via"] = lp.get("via")
+    res.update({k: lp[k] for k in BW_FIELDS if k in lp})
+    return res
+
+
+def per_type_markdown(rows: list[dict[str, Any]]) -> str:
+    n = rows[0]["n_gen"] if rows else 64
+    lines = [f"| type | file (MiB) | weights a token (MB) | llamapy tg{n} (tok/s) | llama.cpp tg{n} (tok/s) | ratio | "
+             f"bar ≥ {PER_TYPE_BAR:g}× | llamapy eff GB/s (of its probe) | llama.cpp eff GB/s |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|"]  # fmt: skip
+    for r in rows:
+        a, b = r.get("llamapy"), r.get("llama.cpp")
+        ratio = a / b if a and b else None
+        status = "n/a" if ratio is None else "met" if ratio >= PER_TYPE_BAR else "NOT MET"
+        weights, lp_eff, lc_eff = _bw_cells(r, b)
+        cells = [r["type"], f"{r['file_bytes'] / 2**20:.0f}", weights, _fmt(a, ".2f"), _fmt(b, ".2f"),
+                 _fmt(ratio, ".2f") + ("×" if ratio else ""), status, lp_eff, lc_eff]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["default", "tiny32"], help="paths, or 'default' / 'tiny32'")
+    ap.add_argument("--models", nargs="+", default=["default", "tiny32", "llama1b"],
+                    help="paths, or 'default' / 'tiny32' / 'llama1b'")  # fmt: skip
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-r", "--reps", type=int, default=3, help="repetitions for llama-bench and llamapy bench")
-    ap.add_argument("--no-build", action="store_true", help="do not build llama.cpp (use it only if already built)")
-    ap.add_argument("--build-timeout", type=float, default=3600, help="seconds per build step")
+    ap.add_argument("--no-build", action="store_true",
+                    help="do not build llama.cpp nor make model files (use what exists)")  # fmt: skip
+    ap.add_argument("--build-timeout", type=float, default=3600, help="seconds per build or quantization step")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per measured child")
     ap.add_argument("--write", action="store_true", help=f"append a dated section to {RESULTS.name}")
     ap.add_argument("--json", help="also write every figure to this JSON file")
+    g = ap.add_argument_group("the 1B shape and the per-type table (bench/models1b.py)")
+    g.add_argument("--types", help="per-type table: 'all' or comma-separated types (q4_0,q4_k,…; f32 only by name)")
+    g.add_argument("-n", "--n-gen", type=int, default=64, help="tokens generated per type (tgN)")
+    g.add_argument("--only-types", action="store_true", help="the per-type table alone (no --models)")
+    g.add_argument("--models-dir", help="where the 1B-shape files are cached "
+                   "(default $LLAMAPY_BENCH_MODELS, else $LLAMAPY_BENCH_CACHE/models)")  # fmt: skip
+    g.add_argument("--llama1b", help="the 1B-shape Q4_K_M file (default $LLAMAPY_LLAMA1B, else in --models-dir)")
+    g.add_argument("--llama1b-f16", help="its F16 source (default $LLAMAPY_LLAMA1B_F16, else in --models-dir)")
     a = ap.parse_args(argv)
+    try:
+        types = models1b.parse_types(a.types) if a.types else []
+    except ValueError as e:
+        ap.error(f"--types: {e}")
+    if a.only_types and not types:
+        ap.error("--only-types needs --types")
+    if a.n_gen < 1:
+        ap.error("-n must be >= 1")
 
     mach = machine()
+    log(f"machine: {machine_line(mach)}")
     if mach["loadavg"][0] > (mach["cores"] or 1):
         log(f"warning: load average {mach['loadavg'][0]:.1f} on {mach['cores']} cores: the figures will be unreliable")
-    models = resolve_models(a.models)
     tools, why = llama_cpp.ensure(allow_build=not a.no_build, timeout=a.build_timeout)
     note = ""
     if tools is None:
         note = f"llama.cpp figures from the reference file, NOT measured in this run: {why}"
         log(note)
+    mpaths = models1b.paths(a.models_dir, a.llama1b, a.llama1b_f16)
+    names = [] if a.only_types else a.models
+    quantize = None
+    if (types or "llama1b" in names) and not a.no_build:  # after llama.cpp's build, which configures it
+        quantize, why = models1b.ensure_quantize(allow_build=True, timeout=a.build_timeout)
+        if quantize is None:
+            log(f"{why}: only 1B-shape files that exist are used")
+    models = resolve_models(names, mpaths, quantize)
     results = []
-    for model in models:
+    for kind, model in models:
         log(f"== {model.name}")
-        res: dict[str, Any] = {"model": model.stem, "path": str(model)}
+        n_gen = 64 if kind == "llama1b" else 128
+        res: dict[str, Any] = {"model": model.stem, "path": str(model), "kind": kind, "n_gen": n_gen}
         log("llama.cpp: llama-bench, llama-completion")
-        res["llama.cpp"] = llamacpp_figures(tools, model, a.threads, a.reps, a.timeout)
+        res["llama.cpp"] = llamacpp_figures(tools, model, a.threads, a.reps, a.timeout, n_gen)
         lp: dict[str, Any] = {}
         log("llamapy: bench")
-        lp.update(llamapy_bench(model, a.threads, a.reps, a.timeout))
-        log("llamapy: run -n 128 -c 512 (peak RSS)")
+        lp.update(llamapy_bench(model, a.threads, a.reps, a.timeout, n_gen=n_gen))
+        log(f"llamapy: run -n {n_gen} -c 512 (peak RSS)")
         try:
-            lp["run"] = llamapy_run(model, a.threads, a.timeout)
+            lp["run"] = llamapy_run(model, a.threads, a.timeout, n_gen)
         except RuntimeError as e:
             log(str(e))
         log("llamapy: imports alone, load probe")
@@ -414,13 +565,29 @@ def main(argv: list[str] | None = None) -> int:
             log(str(e))
         res["llamapy"] = lp
         results.append(res)
-    md = markdown(results)
+    typed: list[dict[str, Any]] = []
+    for qtype in types:
+        log(f"== 1B shape --pure {qtype}")
+        try:
+            path = models1b.ensure_file(mpaths, qtype, quantize, a.build_timeout)
+        except (RuntimeError, subprocess.SubprocessError, OSError) as e:
+            log(f"{qtype} left out: {e}")
+            continue
+        typed.append(per_type(qtype, path, tools, a.threads, a.reps, a.n_gen, a.timeout))
+    parts = [f"machine: {machine_line(mach)}"]
+    if results:
+        parts.append(markdown(results))
+    if typed:
+        parts.append(f"Per type: the 1B shape quantized `llama-quantize --pure` to each type, -t {a.threads}, "
+                     f"-r {a.reps}:\n\n" + per_type_markdown(typed))  # fmt: skip
+    md = "\n\n".join(parts)
     print(md)
     if a.json:
-        Path(a.json).write_text(json.dumps({"machine": mach, "note": note, "results": results}, indent=2) + "\n")
+        Path(a.json).write_text(json.dumps({"machine": mach, "note": note, "results": results, "per_type": typed},
+                                           indent=2) + "\n")  # fmt: skip
     if a.write:
         cmd = "python bench/compare.py " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
-        write_results(md, cmd.strip(), mach, note)
+        write_results("\n\n".join(parts[1:]), cmd.strip(), mach, note)
     return 0
 
 

@@ -12,6 +12,19 @@ Comma-separated `-p`, `-n`, `-ngl`, `-t`, `-b`, `-ub` values are swept as their 
 the model is loaded once per distinct -ngl, and every test gets a fresh context of
 n_prompt + n_gen cells (llama-bench's n_ctx). `-o md` prints llama-bench's markdown table, a row as
 each test finishes; `-o json` a JSON list with llama-bench's field names.
+
+Beyond llama-bench (extra columns after its own, extra JSON fields after its own):
+- `weight_bytes_per_token`: the weight bytes one decode step reads, from the one-token decode
+  graph: every MUL_MAT weight (src0) once, at its size in the file, plus the GET_ROWS rows of
+  weights it reads (one token_embd row). Norm vectors, rope_freqs and the KV cache are not
+  counted (a few KiB, resp. a function of the history);
+- `eff_bw_gbs` (tg tests): weight_bytes_per_token × t/s, in GB/s (1e9 bytes/s);
+- `probe_bw_gbs`: a read-bandwidth probe on the same number of threads: each thread sums its
+  share of a float32 array (512 MiB, `--probe-mib`, ≥ 4× a last-level cache) as rows of 4096
+  floats into one row (numpy's add.reduce, which releases the GIL, so the threads run in
+  parallel); the best of 5 passes after one warm pass; GB/s = array bytes / wall time of a pass.
+  Run once per thread count, before its first tg test;
+- `bw_fraction`: eff_bw_gbs / probe_bw_gbs.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +49,13 @@ from . import app, common, log
 
 _DEFAULT_BATCH = 2048
 _DEFAULT_UBATCH = 512
+_DEFAULT_PROBE_MIB = 512
+_PROBE_ROW = 4096  # floats per row of the probe's array: 16 KiB, an accumulator that stays in L1
+_PROBE_PASSES = 5
+PROBE_METHOD = (
+    "numpy add.reduce over rows of a float32 array split across the threads, best of "
+    f"{_PROBE_PASSES} passes"
+)
 
 
 @dataclass
@@ -164,6 +185,81 @@ def run_instance(model: Any, inst: Instance, reps: int, warmup: bool) -> list[in
         ctx.free()
 
 
+# -- bandwidth ----------------------------------------------------------------------------
+
+
+@dataclass
+class ReadProbe:
+    """What the read-bandwidth probe measured."""
+
+    n_threads: int
+    nbytes: int  # the array's size
+    seconds: float  # the best pass
+    gbs: float  # nbytes / seconds / 1e9
+
+
+def read_bandwidth(n_threads: int, nbytes: int = _DEFAULT_PROBE_MIB << 20, passes: int = _PROBE_PASSES) -> ReadProbe:
+    """Read bandwidth of `n_threads` threads summing disjoint shares of one float32 array.
+
+    Each share is reduced as rows of _PROBE_ROW floats into one row: the arithmetic per byte
+    is one vector add of data streamed from memory, the accumulator stays in L1, and the per-row
+    call overhead is amortized over 16 KiB. numpy releases the GIL in the reduction, so the
+    threads run in parallel."""
+    n_threads = max(1, n_threads)
+    n_rows = max(n_threads, nbytes // (4 * _PROBE_ROW))
+    a = np.ones((n_rows, _PROBE_ROW), dtype=np.float32)  # written once: every page is mapped
+    shares = np.array_split(a, n_threads)  # row ranges: views, no copy
+    sink = [None] * n_threads
+
+    def work(i: int) -> None:
+        sink[i] = np.add.reduce(shares[i], axis=0)
+
+    best = float("inf")
+    try:
+        for p in range(passes + 1):  # the first pass warms up (page tables, thread start)
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            dt = time.perf_counter() - t0
+            if p > 0:
+                best = min(best, dt)
+    finally:
+        del shares, a
+    return ReadProbe(n_threads, n_rows * _PROBE_ROW * 4, best, n_rows * _PROBE_ROW * 4 / best / 1e9)
+
+
+def decode_weight_bytes(model: Any) -> int:
+    """The weight bytes one decode step (one token, one output) reads: each MUL_MAT weight once,
+    at its size in the file, plus the rows GET_ROWS reads from weights (the token's embedding).
+    Taken from the context's own one-token graph, so fused or tied weights count as they are read."""
+    from ..context import Context, ContextOptions
+    from ..tensor import Op, TensorFlag
+
+    ctx = Context(model, ContextOptions(n_ctx=16, n_batch=16, n_ubatch=16, n_threads=1))
+    try:
+        graph = ctx.graph(1, ctx.n_ctx, 1).graph
+        seen: set[int] = set()
+        total = 0
+        for node in graph.nodes:
+            if not node.src:
+                continue
+            w = node.src[0].root()
+            if not (w.flags & TensorFlag.WEIGHT):
+                continue
+            if node.op is Op.MUL_MAT and id(w) not in seen:
+                seen.add(id(w))
+                total += w.nbytes
+            elif node.op is Op.GET_ROWS:
+                rows = node.shape[0]  # (n_rows read, row length)
+                total += rows * (w.nbytes // max(1, w.n_elements // w.shape[-1]))
+        return total
+    finally:
+        ctx.free()
+
+
 def _instances(
     ngls: list[int | str], threads: list[int], batches: list[int], ubatches: list[int], ps: list[int], ns: list[int]
 ) -> list[Instance]:
@@ -180,7 +276,10 @@ def _instances(
     return out
 
 
-def _fields(model: Any, inst: Instance, samples: list[int], n_threads: int) -> dict[str, Any]:
+def _fields(
+    model: Any, inst: Instance, samples: list[int], n_threads: int, weight_bytes: int | None = None,
+    probe: ReadProbe | None = None,
+) -> dict[str, Any]:  # fmt: skip
     from .. import __version__ as version
     from ..context import ContextOptions
 
@@ -188,6 +287,10 @@ def _fields(model: Any, inst: Instance, samples: list[int], n_threads: int) -> d
 
     n_tokens = inst.n_prompt + inst.n_gen
     ts = [1e9 * n_tokens / ns for ns in samples]
+    avg_ts = statistics.fmean(ts)
+    # effective bandwidth only for pure generation: a prompt batch reads the weights once for
+    # many tokens
+    eff = weight_bytes * avg_ts / 1e9 if weight_bytes and inst.n_gen and not inst.n_prompt else None
     return {
         "build_commit": "llamapy",
         "build_number": 0,
@@ -220,27 +323,37 @@ def _fields(model: Any, inst: Instance, samples: list[int], n_threads: int) -> d
         "test_time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "avg_ns": int(statistics.fmean(samples)),
         "stddev_ns": int(_stdev([float(s) for s in samples])),
-        "avg_ts": statistics.fmean(ts),
+        "avg_ts": avg_ts,
         "stddev_ts": _stdev(ts),
         "samples_ns": samples,
         "samples_ts": ts,
+        # llamapy's own fields (after llama-bench's): see the module docstring
+        "weight_bytes_per_token": weight_bytes,
+        "eff_bw_gbs": eff,
+        "probe_bw_gbs": probe.gbs if probe else None,
+        "probe_bytes": probe.nbytes if probe else None,
+        "probe_method": PROBE_METHOD if probe else None,
+        "bw_fraction": eff / probe.gbs if eff is not None and probe else None,
     }
 
 
 # -- markdown (llama-bench's printer: negative width = left-aligned) ----------------------------
 
-_HEADERS = {"n_gpu_layers": "ngl", "n_threads": "threads", "n_batch": "n_batch", "n_ubatch": "n_ubatch"}
+_HEADERS = {"n_gpu_layers": "ngl", "n_threads": "threads", "n_batch": "n_batch", "n_ubatch": "n_ubatch",
+            "eff_bw": "eff GB/s", "bw_fraction": "of probe"}  # fmt: skip
 _WIDTHS = {"model": -30, "size": 10, "params": 10, "backend": -10, "n_gpu_layers": 3, "n_threads": 7,
-           "n_batch": 7, "n_ubatch": 8, "test": 15, "t/s": 20}  # fmt: skip
+           "n_batch": 7, "n_ubatch": 8, "test": 15, "t/s": 20, "eff_bw": 8, "bw_fraction": 8}  # fmt: skip
 
 
-def _md_fields(batches: list[int], ubatches: list[int]) -> list[str]:
+def _md_fields(batches: list[int], ubatches: list[int], bandwidth: bool = False) -> list[str]:
     f = ["model", "size", "params", "backend", "n_gpu_layers", "n_threads"]
     if batches != [_DEFAULT_BATCH]:
         f.append("n_batch")
     if ubatches != [_DEFAULT_UBATCH]:
         f.append("n_ubatch")
-    return f + ["test", "t/s"]
+    f += ["test", "t/s"]
+    # llamapy's columns come after llama-bench's, so that its readers still find theirs
+    return f + ["eff_bw", "bw_fraction"] if bandwidth else f
 
 
 def _md_line(cells: list[str], fields: list[str]) -> str:
@@ -268,6 +381,20 @@ def _params(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
 
+def md_notes(results: list[dict[str, Any]]) -> list[str]:
+    """The lines under the table that say what the bandwidth columns mean and what the probe read."""
+    out = []
+    wb = next((r["weight_bytes_per_token"] for r in results if r.get("weight_bytes_per_token")), None)
+    if wb:
+        out.append(f"eff GB/s: {wb / 1e6:.1f} MB of weights a token (MUL_MAT weights + the embedding row "
+                   "of the one-token decode graph) x t/s")  # fmt: skip
+    probes = {r["n_threads"]: r for r in results if r.get("probe_bw_gbs")}
+    for n, r in probes.items():
+        out.append(f"read probe, {n} thread{'s' if n != 1 else ''}: {r['probe_bw_gbs']:.2f} GB/s "
+                   f"({r['probe_method']}, {r['probe_bytes'] >> 20} MiB)")  # fmt: skip
+    return out
+
+
 def md_row(r: dict[str, Any], fields: list[str]) -> str:
     test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
     if r["n_prompt"] and r["n_gen"]:
@@ -283,6 +410,8 @@ def md_row(r: dict[str, Any], fields: list[str]) -> str:
         "n_ubatch": str(r["n_ubatch"]),
         "test": test,
         "t/s": f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}",
+        "eff_bw": "-" if r.get("eff_bw_gbs") is None else f"{r['eff_bw_gbs']:.2f}",
+        "bw_fraction": "-" if r.get("bw_fraction") is None else f"{100 * r['bw_fraction']:.0f} %",
     }
     return _md_line([values[f] for f in fields], fields)
 
@@ -301,6 +430,9 @@ def bench(
     output: str = typer.Option("md", "-o", "--output", help="md or json"),
     no_warmup: bool = typer.Option(False, "--no-warmup", help="skip the unmeasured warmup run"),
     progress: bool = typer.Option(False, "--progress", help="log each test as it starts"),
+    probe_mib: int = typer.Option(
+        _DEFAULT_PROBE_MIB, "--probe-mib", help="MiB the read-bandwidth probe sums (0: no probe, no eff GB/s column)"
+    ),
 ) -> None:
     """Measure prompt processing (pp) and generation (tg) speed, as llama-bench does."""
     from ..context import Model, ModelOptions
@@ -309,6 +441,8 @@ def bench(
         raise LlamapyError(f"-o {output}: use md or json")
     if reps < 1:
         raise LlamapyError(f"-r {reps}: must be >= 1")
+    if probe_mib < 0:
+        raise LlamapyError(f"--probe-mib {probe_mib}: must be >= 0")
     ps = _int_list(n_prompt, "-p", 0)
     ns = _int_list(n_gen, "-n", 0)
     ngls = _ngl_list(ngl) if ngl is not None else [common.parse_ngl(None)]
@@ -320,7 +454,9 @@ def bench(
     if not insts:
         raise LlamapyError("nothing to measure: every -p and -n is 0")
     path = common.resolve_model(model, model_opt)
-    fields = _md_fields(bs, ubs)
+    bandwidth = probe_mib > 0 and any(i.n_gen and not i.n_prompt for i in insts)
+    fields = _md_fields(bs, ubs, bandwidth)
+    probes: dict[int, ReadProbe] = {}  # by thread count, measured before its first tg test
     out = sys.stdout
     results: list[dict[str, Any]] = []
     if output == "md":
@@ -329,12 +465,19 @@ def bench(
     for ngl_value, group in itertools.groupby(insts, key=lambda i: i.ngl):
         m = Model(path, ModelOptions(n_gpu_layers=ngl_value))
         try:
+            weight_bytes = decode_weight_bytes(m) if bandwidth else None
             for inst in group:
                 if progress:
                     log(f"bench: -ngl {ngl_value} -t {inst.n_threads} -b {inst.n_batch} -ub {inst.n_ubatch} "
                         f"{'pp' if inst.n_prompt else 'tg'}{inst.n_prompt or inst.n_gen}")  # fmt: skip
+                nt = inst.n_threads or n_cores
+                if bandwidth and inst.n_gen and not inst.n_prompt and nt not in probes:
+                    if progress:
+                        log(f"bench: read probe, {nt} threads, {probe_mib} MiB")
+                    probes[nt] = read_bandwidth(nt, probe_mib << 20)
                 samples = run_instance(m, inst, reps, not no_warmup)
-                r = _fields(m, inst, samples, inst.n_threads or n_cores)
+                probe = probes.get(nt) if inst.n_gen and not inst.n_prompt else None
+                r = _fields(m, inst, samples, nt, weight_bytes, probe)
                 results.append(r)
                 if output == "md":
                     out.write(md_row(r, fields) + "\n")
@@ -343,4 +486,6 @@ def bench(
             m.free()
     if output == "json":
         out.write(json.dumps(results, indent=2) + "\n")
-        out.flush()
+    elif bandwidth:
+        out.write("\n" + "\n".join(md_notes(results)) + "\n")
+    out.flush()

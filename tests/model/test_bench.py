@@ -21,7 +21,8 @@ JSON_FIELDS = {
 
 
 def test_bench_markdown(capsys: pytest.CaptureFixture[str]) -> None:
-    main(["bench", str(TINY32), "-p", "16", "-n", "4", "-r", "1", "-t", "1"])
+    # --probe-mib 0: llama-bench's own table (the bandwidth columns: tests/unit/test_bench_bandwidth.py)
+    main(["bench", str(TINY32), "-p", "16", "-n", "4", "-r", "1", "-t", "1", "--probe-mib", "0"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4
     head = [c.strip() for c in lines[0].strip("|").split("|")]
@@ -39,7 +40,8 @@ def test_bench_markdown(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_bench_json_sweep(capsys: pytest.CaptureFixture[str]) -> None:
-    main(["bench", str(TINY32), "-p", "8", "-n", "2", "-r", "2", "-t", "1,2", "-ub", "4", "-o", "json", "--no-warmup"])
+    main(["bench", str(TINY32), "-p", "8", "-n", "2", "-r", "2", "-t", "1,2", "-ub", "4", "-o", "json", "--no-warmup",
+          "--probe-mib", "8"])  # fmt: skip
     res = json.loads(capsys.readouterr().out)
     assert isinstance(res, list) and len(res) == 4  # 2 thread counts x (pp, tg)
     for r in res:
@@ -51,6 +53,10 @@ def test_bench_json_sweep(capsys: pytest.CaptureFixture[str]) -> None:
         n = r["n_prompt"] + r["n_gen"]
         assert r["samples_ts"][0] == pytest.approx(1e9 * n / r["samples_ns"][0])
     assert [(r["n_threads"], r["n_prompt"], r["n_gen"]) for r in res] == [(1, 8, 0), (1, 0, 2), (2, 8, 0), (2, 0, 2)]
+    # one read probe per thread count, on its tg test
+    tg = [r for r in res if r["n_gen"]]
+    assert all(r["probe_bw_gbs"] > 0 and r["eff_bw_gbs"] > 0 for r in tg)
+    assert tg[0]["probe_bw_gbs"] != tg[1]["probe_bw_gbs"]
 
 
 def test_bench_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:

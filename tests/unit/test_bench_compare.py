@@ -1,0 +1,128 @@
+"""bench/compare.py and bench/models1b.py (issue 11 item 7) without measuring anything: the CPU
+flags every output names, the per-type selection and file cache, the 1B shape's rows and bars,
+and the per-type table's computed columns."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests_support import REPO
+
+
+def _load(name: str) -> ModuleType:
+    sys.path.insert(0, str(REPO / "bench"))  # compare.py imports llama_cpp and models1b from there
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules.setdefault(spec.name, mod)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+
+
+def test_cpu_flags_name_the_simd_extensions() -> None:
+    cmp = _load("compare")
+    intel = "processor\t: 0\nflags\t\t: fpu sse avx2 fma avx512f avx512_vnni amx_tile amx_int8 ht\n"
+    assert cmp.cpu_flags(intel) == ["avx2", "fma", "avx512f", "avx512_vnni", "amx_tile", "amx_int8"]
+    assert cmp.cpu_flags("Features\t: fp asimd asimddp\n") == ["asimd", "asimddp"]
+    mach = {"cpu": "Some CPU", "flags": ["avx2", "fma"], "cores": 2, "loadavg": (0.5, 0, 0)}
+    assert "flags: avx2 fma" in cmp.machine_line(mach) and "Some CPU" in cmp.machine_line(mach)
+
+
+def test_parse_types() -> None:
+    m = _load("models1b")
+    assert m.parse_types("all") == list(m.PURE_TYPES) and "F32" not in m.parse_types("all")
+    assert len(m.PURE_TYPES) == 12
+    assert m.parse_types("q4_0, Q4_K,q4_0,f32") == ["Q4_0", "Q4_K", "F32"]
+    for bad in ("q4_k_m", "", "q9"):
+        with pytest.raises(ValueError):
+            m.parse_types(bad)
+
+
+def test_model_paths_options_then_environment_then_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    m = _load("models1b")
+    for k in ("LLAMAPY_BENCH_MODELS", "LLAMAPY_LLAMA1B", "LLAMAPY_LLAMA1B_F16"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("LLAMAPY_BENCH_CACHE", str(tmp_path / "cache"))
+    p = m.paths()
+    assert p.folder == tmp_path / "cache" / "models" and p.q4_k_m == p.folder / "llama1b-Q4_K_M.gguf"
+    assert p.pure("Q8_0") == p.folder / "llama1b-pure-Q8_0.gguf" and p.pure("F16") == p.f16
+    monkeypatch.setenv("LLAMAPY_LLAMA1B", str(tmp_path / "env.gguf"))
+    assert m.paths().q4_k_m == tmp_path / "env.gguf"
+    assert m.paths(llama1b=str(tmp_path / "opt.gguf")).q4_k_m == tmp_path / "opt.gguf"
+
+
+def test_files_are_made_once_and_never_half(tmp_path: Path) -> None:
+    """ensure_file runs the quantizer only for a missing file, through a temporary name."""
+    m = _load("models1b")
+    p = m.Paths(tmp_path, tmp_path / "q4km.gguf", tmp_path / "f16.gguf")
+    p.f16.write_bytes(b"f16")
+    calls = tmp_path / "calls"
+    tool = tmp_path / "fake-quantize"  # writes its OUT argument, logs its arguments
+    tool.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n'
+                    'if [ "$1" = --pure ]; then echo q > "$3"; else echo q > "$2"; fi\n')  # fmt: skip
+    tool.chmod(0o755)
+    out = m.ensure_file(p, "Q4_0", tool)
+    assert out == p.pure("Q4_0") and out.read_text() == "q\n"
+    assert m.ensure_file(p, "Q4_0", tool) == out  # cached: no second call
+    assert m.ensure_file(p, None, tool) == p.q4_k_m
+    log = calls.read_text().splitlines()
+    assert log == [f"--pure {p.f16} {out}.part Q4_0", f"{p.f16} {p.q4_k_m}.part Q4_K_M"]
+    assert m.ensure_file(p, "F16", None) == p.f16  # the F16 source is the pure F16 file
+    with pytest.raises(RuntimeError, match="llama-quantize"):
+        m.ensure_file(p, "Q8_0", None)
+    bad = tmp_path / "failing-quantize"
+    bad.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
+    bad.chmod(0o755)
+    with pytest.raises(RuntimeError, match="broken"):
+        m.ensure_file(p, "Q5_0", bad)
+    assert not list(tmp_path.glob("*.part")) and not p.pure("Q5_0").exists()
+
+
+def test_the_1b_rows_use_tg64_and_issue_11_bars() -> None:
+    cmp = _load("compare")
+    res = {"model": "llama1b-Q4_K_M", "kind": "llama1b", "n_gen": 64,
+           "llamapy": {"tg64_tps": 9.0, "pp512_tps": 120.0, "run": {"max_rss_kib": 1024 * 800}},
+           "llama.cpp": {"tg64_tps": 10.0, "pp512_tps": 100.0, "completion": {"max_rss_kib": 1024 * 1000},
+                         "source": "measured in this run"}}  # fmt: skip
+    rows = {r[1]: r for r in cmp.rows_for(res)}
+    tg = rows["generation tg64 (tok/s)"]
+    assert tg[4] == "0.90×" and tg[5].startswith("≥ 1×") and tg[6] == "BELOW FLOOR"
+    assert rows["prompt pp512 (tok/s)"][6] == "ok (floor met)"  # 1.2× ≥ 1.2×
+    assert rows["peak RSS, run -n 64 -c 512 (MiB)"][6] == "ok (floor met)"  # 0.8× ≤ 1×
+    assert rows[next(k for k in rows if k.startswith("load"))][5] == "none (reported)"
+    # the "apart" table: llamapy's effective bandwidth and llama.cpp's over the same bytes
+    res["llamapy"].update(weight_bytes_per_token=500_000_000, eff_bw_gbs=4.5, bw_fraction=0.5)
+    apart = cmp.markdown([res]).split("Apart (llamapy):")[1].strip().splitlines()
+    assert apart[0].rstrip(" |").endswith("weights a token (MB) | tg eff GB/s: llamapy (of its probe) | llama.cpp")
+    assert apart[2].rstrip(" |").endswith("| 500.0 | 4.50 (50 %) | 5.00")
+
+
+def test_per_type_table_columns() -> None:
+    cmp = _load("compare")
+    rows = [
+        {"type": "Q8_0", "file_bytes": 1300 << 20, "n_gen": 16, "llamapy": 4.5, "llama.cpp": 5.0,
+         "weight_bytes_per_token": 1_000_000_000, "eff_bw_gbs": 4.5, "bw_fraction": 0.25},
+        {"type": "Q4_0", "file_bytes": 700 << 20, "n_gen": 16, "llamapy": 8.0, "llama.cpp": None},
+    ]  # fmt: skip
+    lines = cmp.per_type_markdown(rows).splitlines()
+    assert "llamapy tg16" in lines[0] and "bar ≥ 0.9×" in lines[0]
+    q8 = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert q8 == ["Q8_0", "1300", "1000.0", "4.50", "5.00", "0.90×", "met", "4.50 (25 %)", "5.00"]
+    q4 = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert q4[5:7] == ["n/a", "n/a"] and q4[8] == "n/a"
+
+
+def test_bandwidth_fields_come_from_the_tg_record() -> None:
+    cmp = _load("compare")
+    recs = [{"n_prompt": 512, "n_gen": 0, "eff_bw_gbs": None},
+            {"n_prompt": 0, "n_gen": 64, "eff_bw_gbs": 7.5, "bw_fraction": 0.5, "weight_bytes_per_token": 10}]  # fmt: skip
+    assert cmp.bandwidth(recs) == {"eff_bw_gbs": 7.5, "bw_fraction": 0.5, "weight_bytes_per_token": 10}
+    assert cmp.bandwidth(recs[:1]) == {}

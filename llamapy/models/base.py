@@ -152,12 +152,12 @@ class HParams:
             raise GGUFError(f"embedding_length {self.n_embd} or vocabulary {self.n_vocab} out of range")
         for il in range(self.n_layer):
             h, hkv = self.n_head_arr[il], self.n_head_kv_arr[il]
-            if h <= 0 or hkv <= 0 or h % hkv:
-                raise GGUFError(f"layer {il}: head_count {h} is not a multiple of head_count_kv {hkv}")
+            if h <= 0 or hkv <= 0 or h % hkv or h > 1 << 16:
+                raise GGUFError(f"layer {il}: attention.head_count {h} is not a multiple of head_count_kv {hkv}")
             if not 0 < self.n_ff_arr[il] <= 1 << 22:
                 raise GGUFError(f"layer {il}: feed_forward_length {self.n_ff_arr[il]} out of range")
         if not 0 < self.head_dim <= 4096 or not 0 < self.head_dim_v <= 4096:
-            raise GGUFError(f"head size {self.head_dim}/{self.head_dim_v} out of range")
+            raise GGUFError(f"attention.key_length / value_length {self.head_dim}/{self.head_dim_v} out of range")
         if self.n_rot <= 0 or self.n_rot > self.head_dim or self.n_rot % 2:
             raise GGUFError(f"rope.dimension_count {self.n_rot} invalid for head size {self.head_dim}")
         if not (0 < self.rms_eps < 1):
@@ -165,7 +165,7 @@ class HParams:
         if self.rope_freq_base <= 0 or self.rope_freq_base_swa <= 0:
             raise GGUFError("rope.freq_base must be positive")
         if self.n_swa < 0 or (self.swa_layers and len(self.swa_layers) != self.n_layer):
-            raise GGUFError(f"sliding_window {self.n_swa} or its pattern is invalid")
+            raise GGUFError(f"attention.sliding_window {self.n_swa} or its pattern is invalid")
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ class Gemma3(Architecture):
     def read_extra(self, r: KeyReader, fields: dict[str, Any]) -> None:
         n_layer = fields["n_layer"]
         n_swa = r.get(Keys.Attention.SLIDING_WINDOW, 0)
+        if n_swa < 0:
+            raise GGUFError(f"key {r.name(Keys.Attention.SLIDING_WINDOW)!r} has value {n_swa}, expected >= 0")
         if n_swa > 0:
             fields["n_swa"] = n_swa
             k = r.name(Keys.Attention.SLIDING_WINDOW_PATTERN)
@@ -52,7 +54,7 @@ class Gemma3(Architecture):
             raise UnsupportedError(f"{r.name(Keys.LLM.FINAL_LOGIT_SOFTCAPPING)} {softcap} is not supported")
         # llama.cpp: 1/sqrt(head size), but 1/sqrt(n_embd/n_head) for the 27B model (62 layers)
         d = fields["n_embd"] // fields["n_head_arr"][0] if n_layer == 62 else fields["head_dim"]
-        fields["attn_scale"] = 1.0 / math.sqrt(d)
+        fields["attn_scale"] = 1.0 / math.sqrt(d) if d > 0 else 0.0  # d <= 0: validate() says so
 
     def check(self, p: HParams) -> None:
         if p.head_dim != p.head_dim_v:

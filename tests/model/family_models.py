@@ -218,3 +218,39 @@ def reference_logits(path: Path, tokens: list[int]) -> np.ndarray:
             f = norm(f, w(p + "post_ffw_norm.weight"))
         x = x + f
     return norm(x, w("output_norm.weight")) @ out_w.T
+
+
+def rewrite_gguf(
+    src: Path,
+    out: Path,
+    set_keys: dict[str, tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]] | None = None,
+    drop_keys: tuple[str, ...] = (),
+    drop_tensors: tuple[str, ...] = (),
+) -> Path:
+    """A copy of `src` with keys set ((value, type, array element type)), keys or tensors
+    dropped: hostile-file tests start from a valid family file."""
+    r = gguf.GGUFReader(str(src))
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(out), arch)
+    set_keys = dict(set_keys or {})
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture" or f.name in drop_keys:
+            continue
+        if f.name in set_keys:
+            continue
+        vt = f.types[0]
+        if vt == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(f.name, f.contents(), vt, sub_type=f.types[-1])
+        else:
+            w.add_key_value(f.name, f.contents(), vt)
+    for name, (value, vt, sub) in set_keys.items():
+        w.add_key_value(name, value, vt, sub_type=sub)
+    for t in r.tensors:
+        if t.name not in drop_tensors:
+            w.add_tensor(t.name, np.asarray(t.data), raw_shape=list(reversed([int(x) for x in t.shape])),
+                         raw_dtype=t.tensor_type)  # fmt: skip
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

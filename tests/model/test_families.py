@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as T
 
 import llamapy
 from llamapy.context import ContextOptions
-from family_models import reference_logits, write_family_gguf
+from family_models import reference_logits, rewrite_gguf, write_family_gguf
 
 TOKENS = [1, 260, 40, 75, 262, 100, 101, 263, 7, 8, 9, 270, 33, 34, 120, 121, 122, 50, 51, 52, 53]
 
@@ -102,29 +102,8 @@ def test_per_layer_arrays_are_kept(tmp_path: Path) -> None:
     ],
 )
 def test_missing_family_tensor_is_named(tmp_path: Path, drop: str, message: str) -> None:
-    import gguf
-
     arch = "qwen2" if "bias" in drop else "qwen3"
     src = write_family_gguf(tmp_path / "src.gguf", arch)
-    r = gguf.GGUFReader(str(src))
-    out = tmp_path / "dropped.gguf"
-    w = gguf.GGUFWriter(str(out), arch)
-    for f in r.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue
-        val = f.contents()
-        vt = f.types[0]
-        if vt == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(f.name, val, vt, sub_type=f.types[-1])
-        else:
-            w.add_key_value(f.name, val, vt)
-    for t in r.tensors:
-        if t.name != drop:
-            w.add_tensor(t.name, np.asarray(t.data), raw_shape=list(reversed([int(x) for x in t.shape])),
-                         raw_dtype=t.tensor_type)  # fmt: skip
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    out = rewrite_gguf(src, tmp_path / "dropped.gguf", drop_tensors=(drop,))
     with pytest.raises(llamapy.LlamapyError, match=message):
         llamapy.Llama(out)

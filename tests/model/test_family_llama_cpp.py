@@ -71,10 +71,10 @@ def test_gemma3_perplexity_matches_llama_cpp(ctx: int) -> None:
     with Llama(_gemma3(), context_options=ContextOptions(n_ctx=n_kv, n_batch=n_batch, n_ubatch=512)) as llm:
         tokens = llm.tokenize(refs.TEMPEST.read_text(encoding="utf-8"))
         est: PerplexityEstimate | None = None
-        for _, est in evaluate_perplexity(llm.ctx, tokens, ctx, -1, n_batch):
+        for _, est in evaluate_perplexity(llm.ctx, tokens, ctx, row["chunks"], n_batch):
             pass
-    assert est is not None
-    print(f"gemma3 -c {ctx}: PPL {est.ppl:.4f} (llama.cpp {row['ppl']})")
+    assert est is not None and len(est.history) == row["chunks"]
+    print(f"gemma3 -c {ctx} x{row['chunks']}: PPL {est.ppl:.4f} (llama.cpp {row['ppl']})")
     assert est.ppl == pytest.approx(row["ppl"], rel=0.003)
 
 

@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
 """llama.cpp's references for the non-llama families, made by llama.cpp itself.
 
-    python tests/model/references/make_family_refs.py [--bin DIR] [--out DIR] [--gemma3]
+    python tests/model/references/make_family_refs.py {qwen,gemma3} [--bin DIR] [--out DIR]
 
 qwen2 (tied and untied) and qwen3: small random-weight files with the Qwen2 vocabulary
 (tests/model/family_models.py), quantized to Q4_K_M with llama-quantize, dequantized exactly to
 F32 (`llama-quantize --allow-requantize Q F32`), and `llama-perplexity -c 128 --chunks 2
 --kl-divergence-base` on tempest.txt run on the F32 file. The models and .kld files (tens of MB)
 go to --out (default $LLAMAPY_CACHE/family-refs), never into the repository; families.json next to
-this script keeps the small results (llama.cpp's perplexities). With --gemma3, llama-perplexity
-on Gemma 3 270M Q4_K_M at -c 512 and -c 2048 and greedy continuations with llama-completion are
-added to families.json.
+this script keeps the small results (llama.cpp's perplexities). `gemma3`: llama-perplexity on
+Gemma 3 270M Q4_K_M at -c 512 (first 16 chunks) and -c 2048 (first 4 chunks) — every running
+estimate [k] kept, so a test may stop after fewer chunks — and greedy continuations with
+llama-completion, added to families.json.
 
 The slow tests (test_family_llama_cpp.py) call `ensure_variant` to rebuild what is missing when
 llama.cpp is present, and skip otherwise.
@@ -38,7 +39,7 @@ TEMPEST = SHARED / "data" / "text" / "tempest.txt"
 DEFAULT_BIN = Path.home() / ".cache" / "llamapy-bench" / "build-0.3.36" / "bin"
 RESULTS = HERE / "families.json"
 
-SHAPE = dict(n_layer=4, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, embd_scale=0.5)
+SHAPE = dict(n_layer=4, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, embd_scale=0.3)
 VARIANTS: dict[str, dict[str, object]] = {
     "qwen2-tied": dict(arch="qwen2", head_dim=64, seed=11, **SHAPE),
     "qwen2-untied": dict(arch="qwen2", head_dim=64, tied=False, seed=12, **SHAPE),
@@ -95,11 +96,16 @@ def ensure_variant(name: str, bin_dir: Path, out: Path) -> tuple[Path, Path, flo
     return q, kld, ppl
 
 
+GEMMA3_PPL_RUNS = ((512, 16), (2048, 4))  # (-c, --chunks)
+
+
 def gemma3_refs(bin_dir: Path, model: Path) -> dict[str, object]:
     runs = []
-    for ctx in (512, 2048):
-        log = _run([bin_dir / "llama-perplexity", "-m", model, "-f", TEMPEST, "-c", str(ctx), "-t", "2"])
-        runs.append({"ctx": ctx, "ppl": final_ppl(log)})
+    for ctx, chunks in GEMMA3_PPL_RUNS:
+        log = _run([bin_dir / "llama-perplexity", "-m", model, "-f", TEMPEST, "-c", str(ctx), "--chunks", str(chunks),
+                    "-t", "2"])  # fmt: skip
+        running = [float(x) for x in re.findall(r"\[\d+\]([0-9.]+),", log)]
+        runs.append({"ctx": ctx, "chunks": chunks, "ppl": final_ppl(log), "running": running})
     greedy = []
     for prompt in GEMMA3_PROMPTS:
         text = subprocess.run(
@@ -116,7 +122,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bin", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--gemma3", action="store_true")
+    ap.add_argument("what", choices=["qwen", "gemma3"])
     a = ap.parse_args()
     bin_dir = a.bin or llama_cpp_bin()
     if bin_dir is None:
@@ -124,13 +130,13 @@ def main() -> int:
         return 1
     out = a.out or out_dir()
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    for name in VARIANTS:
+    for name in VARIANTS if a.what == "qwen" else ():
         kld = out / f"{name}.c128x2.kld"
         kld.unlink(missing_ok=True)  # recompute: its PPL is recorded below
         _, _, ppl = ensure_variant(name, bin_dir, out)
         results.setdefault("variants", {})[name] = {"make": VARIANTS[name], "kld_args": KLD_ARGS, "f32_ppl": ppl}
         print(f"{name}: F32 PPL {ppl}", file=sys.stderr)
-    if a.gemma3:
+    if a.what == "gemma3":
         from llamapy.model.fetch import gemma3_model_path
 
         results["gemma3"] = gemma3_refs(bin_dir, gemma3_model_path())

@@ -24,7 +24,7 @@ from gguf import MODEL_TENSOR
 
 from ..backend.interface import Buffer, BufferUsage, Device
 from ..tensor import Tensor, TensorFlag
-from ..types import SUPPORTED_TYPES, GGMLType, GGUFError, OutOfMemoryError, UnsupportedError
+from ..types import SUPPORTED_TYPES, GGUFError, OutOfMemoryError, UnsupportedError
 from ..models import architecture
 from ..models.base import HParams
 from .gguf import GGUFFile

@@ -11,8 +11,8 @@ tests rather than a load. Per-layer metadata arrays (`feed_forward_length`, `hea
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gguf import MODEL_ARCH, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES, Keys
@@ -110,7 +110,6 @@ class HParams:
     rope_freq_base_swa: float = 10000.0
     rope_freq_scale_swa: float = 1.0
     attn_scale: float = 0.0  # 0: 1/sqrt(head_dim)
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     # the first layer's values: what llamapy reports and what uniform models use throughout
     @property
@@ -328,9 +327,3 @@ def swa_pattern(n_layer: int, n_pattern: int, dense_first: bool = False) -> tupl
         return tuple(n_pattern == 0 or il % n_pattern != 0 for il in range(n_layer))
     return tuple(n_pattern == 0 or il % n_pattern < n_pattern - 1 for il in range(n_layer))
 
-
-def uniform(values: Sequence[int], what: str) -> int:
-    """The one value of a per-layer array that a graph needs uniform."""
-    if len(set(values)) != 1:
-        raise UnsupportedError(f"{what} differs between layers, which this architecture does not support")
-    return values[0]

@@ -23,10 +23,10 @@ import numpy as np
 from gguf import MODEL_TENSOR
 
 from ..backend.interface import Buffer, BufferUsage, Device
-from ..tensor import Tensor, TensorFlag
-from ..types import SUPPORTED_TYPES, GGUFError, OutOfMemoryError, UnsupportedError
 from ..models import architecture
 from ..models.base import HParams
+from ..tensor import Tensor, TensorFlag
+from ..types import SUPPORTED_TYPES, GGUFError, OutOfMemoryError, UnsupportedError
 from .gguf import GGUFFile
 
 

@@ -111,3 +111,17 @@ def test_gemma3_same_text_at_every_ngl(monkeypatch: pytest.MonkeyPatch) -> None:
                 assert any(b.name.startswith("TEST") for b in llm.model.weights.buffers)
             texts.append(_greedy(llm, "The capital of France is", 12))
     assert texts[0] == texts[1] == texts[2]
+
+
+def test_gemma3_cli_run_streams_text() -> None:
+    """`llamapy run` on Gemma 3: English on stdout, starting as llama.cpp's greedy run does."""
+    import subprocess
+
+    g = _gemma3_refs()["greedy"][0]
+    p = subprocess.run(
+        [sys.executable, "-m", "llamapy", "run", str(_gemma3()), "-p", g["prompt"], "-n", "6", "--temp", "0", "-c", "256"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = p.stdout.strip()
+    assert len(out.split()) >= 3 and g["text"].strip().startswith(out), (out, g["text"])

@@ -107,3 +107,23 @@ def test_missing_family_tensor_is_named(tmp_path: Path, drop: str, message: str)
     out = rewrite_gguf(src, tmp_path / "dropped.gguf", drop_tensors=(drop,))
     with pytest.raises(llamapy.LlamapyError, match=message):
         llamapy.Llama(out)
+
+
+@pytest.mark.parametrize("case", ["qwen2-untied", "qwen3", "gemma3"])
+def test_family_on_the_test_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Every layer on the GPU-like TEST0 device (biases, Q/K norms, post norms, GELU, windows
+    included) gives the CPU's logits."""
+    from llamapy.context import ModelOptions
+
+    monkeypatch.setenv("LLAMAPY_TEST_GPU", "1")
+    monkeypatch.delenv("LLAMAPY_TEST_GPU_MEM", raising=False)
+    path = write_family_gguf(tmp_path / f"{case}.gguf", **CASES[case])  # type: ignore[arg-type]
+    co = ContextOptions(n_ctx=64, type_k=T.F32, type_v=T.F32)
+    n = len(TOKENS)
+    out = []
+    for ngl in (0, 1, "all"):
+        with llamapy.Llama(path, model_options=ModelOptions(n_gpu_layers=ngl), context_options=co) as llm:
+            assert (ngl == 0) != any(b.name.startswith("TEST") for b in llm.model.weights.buffers)
+            out.append(llm.ctx.decode(TOKENS, list(range(n)), 0, np.ones(n, bool)))
+    assert np.abs(out[1] - out[0]).max() <= 1e-4 * np.abs(out[0]).max()
+    assert np.abs(out[2] - out[0]).max() <= 1e-4 * np.abs(out[0]).max()

@@ -81,6 +81,20 @@ def test_gemma3_perplexity_matches_llama_cpp(ctx: int, chunks: int) -> None:
     assert est.ppl == pytest.approx(want, rel=0.003)
 
 
+def test_gemma3_kld_against_llama_cpp_f32() -> None:
+    bin_dir = refs.llama_cpp_bin()
+    if bin_dir is None:
+        pytest.skip("llama.cpp's tools are not built (bench/llama_cpp.py builds them)")
+    base = read_logits_file(refs.ensure_gemma3_kld(bin_dir, _gemma3(), refs.out_dir()))
+    with Llama(_gemma3(), context_options=ContextOptions(n_ctx=base.n_ctx, n_batch=base.n_ctx)) as llm:
+        stats = None
+        for _, stats in evaluate_kl_divergence(llm.ctx, base, llm.ctx.n_batch, base.n_chunk):
+            pass
+    assert stats is not None
+    print(f"gemma3: mean KLD {stats.mean_kld()[0]:.6f}, same top {stats.same_top()[0]:.4f}")
+    assert stats.mean_kld()[0] <= 0.015
+
+
 def _greedy(llm: Llama, prompt: str, n: int) -> list[int]:
     toks = llm.tokenize(prompt)
     llm.ctx.kv.clear()

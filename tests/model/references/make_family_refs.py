@@ -99,6 +99,20 @@ def ensure_variant(name: str, bin_dir: Path, out: Path) -> tuple[Path, Path, flo
 GEMMA3_PPL_RUNS = ((512, 16), (2048, 4))  # (-c, --chunks)
 
 
+def ensure_gemma3_kld(bin_dir: Path, model: Path, out: Path) -> Path:
+    """llama.cpp's logits of Gemma 3 dequantized to F32 (tempest, -c 128, 2 chunks): ~66 MB, in
+    `out`, made when missing."""
+    out.mkdir(parents=True, exist_ok=True)
+    kld = out / "gemma3-270m.c128x2.kld"
+    if not kld.is_file():
+        f32 = out / "gemma3-270m-Q4_K_M-f32.gguf"
+        if not f32.is_file():
+            _run([bin_dir / "llama-quantize", "--allow-requantize", model, f32, "F32"])
+        _run([bin_dir / "llama-perplexity", "-m", f32, "-f", TEMPEST, *KLD_ARGS, "-t", "2", "--kl-divergence-base", kld])
+        f32.unlink()  # 1 GB: only the logits are needed again
+    return kld
+
+
 def gemma3_refs(bin_dir: Path, model: Path) -> dict[str, object]:
     runs = []
     for ctx, chunks in GEMMA3_PPL_RUNS:

@@ -57,7 +57,7 @@ def scale(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 def glu(node: Tensor, s: list[Any], xp: Any) -> Any:
     gate, up = s
-    if node.params.get("op", "swiglu") == "geglu":
+    if node is not None and node.params.get("op", "swiglu") == "geglu":  # no node: swiglu (direct calls)
         return gelu(xp, gate) * up
     # silu(g) = g / (1 + exp(-g)); clipping keeps exp finite in f32 (the result is ~0 there anyway)
     return (gate / (1.0 + xp.exp(-xp.maximum(gate, -88.0)))) * up

@@ -66,10 +66,14 @@ def _gemma3_refs() -> dict:
 # tokens) — the running estimate after them is in families.json; more chunks only cost time
 @pytest.mark.parametrize(("ctx", "chunks"), [(512, 4), (2048, 1)])
 def test_gemma3_perplexity_matches_llama_cpp(ctx: int, chunks: int) -> None:
-    row = next((r for r in _gemma3_refs()["perplexity"] if r["ctx"] == ctx), None)
+    """Against llama.cpp's run of the weights dequantized to F32 (float32 activations, as llamapy
+    computes); its run of the Q4_K_M file (8-bit activations) is printed beside."""
+    refs_ = _gemma3_refs()
+    row = next((r for r in refs_.get("perplexity_f32", ()) if r["ctx"] == ctx), None)
     if row is None or len(row["running"]) < chunks:
-        pytest.skip(f"no llama.cpp perplexity at -c {ctx} over {chunks} chunks")
+        pytest.skip(f"no llama.cpp F32 perplexity at -c {ctx} over {chunks} chunks")
     want = row["running"][chunks - 1]
+    q = next((r["running"][chunks - 1] for r in refs_["perplexity"] if r["ctx"] == ctx), None)
     n_seq, n_kv, n_batch = plan_context(ctx, 2048)
     with Llama(_gemma3(), context_options=ContextOptions(n_ctx=n_kv, n_batch=n_batch, n_ubatch=512)) as llm:
         tokens = llm.tokenize(refs.TEMPEST.read_text(encoding="utf-8"))
@@ -77,7 +81,7 @@ def test_gemma3_perplexity_matches_llama_cpp(ctx: int, chunks: int) -> None:
         for _, est in evaluate_perplexity(llm.ctx, tokens, ctx, chunks, n_batch):
             pass
     assert est is not None and len(est.history) == chunks
-    print(f"gemma3 -c {ctx} x{chunks}: PPL {est.ppl:.4f} (llama.cpp {want})")
+    print(f"gemma3 -c {ctx} x{chunks}: PPL {est.ppl:.4f} (llama.cpp F32 {want}, Q4_K_M {q})")
     assert est.ppl == pytest.approx(want, rel=0.003)
 
 

@@ -96,7 +96,7 @@ def ensure_variant(name: str, bin_dir: Path, out: Path) -> tuple[Path, Path, flo
     return q, kld, ppl
 
 
-GEMMA3_PPL_RUNS = ((512, 16), (2048, 4))  # (-c, --chunks)
+GEMMA3_PPL_RUNS = ((512, 4), (2048, 1))  # (-c, --chunks): one pass of 4 x 512 / 1 x 2048 tokens
 
 
 def ensure_gemma3_kld(bin_dir: Path, model: Path, out: Path) -> Path:
@@ -113,13 +113,26 @@ def ensure_gemma3_kld(bin_dir: Path, model: Path, out: Path) -> Path:
     return kld
 
 
-def gemma3_refs(bin_dir: Path, model: Path) -> dict[str, object]:
-    runs = []
+def _ppl_runs(bin_dir: Path, model: Path) -> list[dict[str, object]]:
+    runs: list[dict[str, object]] = []
     for ctx, chunks in GEMMA3_PPL_RUNS:
         log = _run([bin_dir / "llama-perplexity", "-m", model, "-f", TEMPEST, "-c", str(ctx), "--chunks", str(chunks),
                     "-t", "2"])  # fmt: skip
         running = [float(x) for x in re.findall(r"\[\d+\]([0-9.]+),", log)]
         runs.append({"ctx": ctx, "chunks": chunks, "ppl": final_ppl(log), "running": running})
+    return runs
+
+
+def gemma3_refs(bin_dir: Path, model: Path) -> dict[str, object]:
+    """Perplexity of the Q4_K_M file and of its F32-dequantized copy (what llamapy's float32
+    activations should match), and greedy continuations of the Q4_K_M file."""
+    runs = _ppl_runs(bin_dir, model)
+    f32 = out_dir() / "gemma3-270m-Q4_K_M-f32.gguf"
+    _run([bin_dir / "llama-quantize", "--allow-requantize", model, f32, "F32"])
+    try:
+        f32_runs = _ppl_runs(bin_dir, f32)
+    finally:
+        f32.unlink()
     greedy = []
     for prompt in GEMMA3_PROMPTS:
         text = subprocess.run(
@@ -129,7 +142,7 @@ def gemma3_refs(bin_dir: Path, model: Path) -> dict[str, object]:
         ).stdout  # fmt: skip
         greedy.append({"prompt": prompt, "n_predict": 24, "text": text.split(prompt, 1)[-1].rstrip("\n")})
     return {"about": "llama.cpp defaults (f16 K/V cache, flash attention auto), -t 2, tempest.txt",
-            "perplexity": runs, "greedy": greedy}  # fmt: skip
+            "perplexity": runs, "perplexity_f32": f32_runs, "greedy": greedy}  # fmt: skip
 
 
 def main() -> int:

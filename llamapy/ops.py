@@ -50,11 +50,21 @@ def scale(a: Tensor, s: float, name: str = "scale") -> Tensor:
     return _node(name, Op.SCALE, a.shape, a, s=s)
 
 
-def swiglu(gate: Tensor, up: Tensor, name: str = "ffn_swiglu") -> Tensor:
-    """silu(gate) * up: ggml_swiglu_split, the GLU op."""
+GLU_OPS = ("swiglu", "geglu")  # ggml_glu_op: SiLU and GELU (tanh approximation) gates
+
+
+def glu(gate: Tensor, up: Tensor, op: str = "swiglu", name: str = "ffn_glu") -> Tensor:
+    """act(gate) * up: ggml_swiglu_split / ggml_geglu_split, the GLU op."""
     if gate.shape != up.shape:
-        raise ValueError(f"swiglu: {gate.shape} vs {up.shape}")
-    return _node(name, Op.GLU, gate.shape, gate, up, op="swiglu")
+        raise ValueError(f"{op}: {gate.shape} vs {up.shape}")
+    if op not in GLU_OPS:
+        raise ValueError(f"glu: unknown op {op!r} (one of {', '.join(GLU_OPS)})")
+    return _node(name, Op.GLU, gate.shape, gate, up, op=op)
+
+
+def swiglu(gate: Tensor, up: Tensor, name: str = "ffn_swiglu") -> Tensor:
+    """silu(gate) * up: ggml_swiglu_split."""
+    return glu(gate, up, "swiglu", name)
 
 
 def mul_mat(w: Tensor, x: Tensor, name: str = "mul_mat") -> Tensor:

@@ -43,7 +43,7 @@ class Op(Enum):
     ADD = auto()
     MUL = auto()
     SCALE = auto()
-    GLU = auto()  # gated linear unit; params["op"] = "swiglu"
+    GLU = auto()  # gated linear unit; params["op"]: "swiglu" or "geglu"
     # ** normalization / reductions
     RMS_NORM = auto()
     SOFT_MAX = auto()

@@ -108,7 +108,7 @@ def _c_flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 def _c_glu(node: Tensor, s: list[Any], xp: Any) -> Any:
     gate, up = s
-    if gate.ndim != 2 or gate.dtype != np.float32 or up.dtype != np.float32 or gate.strides[1] != 4 \
+    if node.params.get("op") != "swiglu" or gate.ndim != 2 or gate.dtype != np.float32 or up.dtype != np.float32 or gate.strides[1] != 4 \
             or up.strides[1] != 4:
         return KERNELS[Op.GLU](node, s, xp)
     rows, n = gate.shape
@@ -141,7 +141,7 @@ def _nb_flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 def _nb_glu(node: Tensor, s: list[Any], xp: Any) -> Any:
     gate, up = s
-    if gate.ndim != 2:
+    if node.params.get("op") != "swiglu" or gate.ndim != 2:
         return KERNELS[Op.GLU](node, s, xp)
     return numba_kernels()._swiglu(gate, up)
 

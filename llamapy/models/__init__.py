@@ -1,0 +1,78 @@
+"""The architecture registry (llama.cpp's `llm_arch` switch over src/models/<arch>.cpp; MLX-LM's
+`models/<type>.py` found by name): `general.architecture` -> the module that reads its
+hyper-parameters, names its tensors and builds its graph. Adding one: docs/adding-a-model.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..graph import Graph
+from ..tensor import Tensor
+from ..types import GGUFError, UnsupportedError
+from .base import Architecture, HParams
+from .inputs import GraphInputs, UBatch
+
+if TYPE_CHECKING:
+    from ..model.kv_cache import KVCache
+    from ..model.loader import ModelWeights
+
+# general.architecture -> module under llamapy.models
+ARCHITECTURES: dict[str, str] = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3",
+}
+
+__all__ = ["ARCHITECTURES", "Architecture", "GraphInputs", "HParams", "ModelGraph", "UBatch",
+           "architecture", "build_graph", "read_hparams"]  # fmt: skip
+
+
+def architecture(name: Any) -> Architecture:
+    """The module object for an architecture name, or one UnsupportedError naming it."""
+    if name is None:
+        raise GGUFError("missing key 'general.architecture'")
+    if not isinstance(name, str) or name not in ARCHITECTURES:
+        raise UnsupportedError(
+            f"unsupported architecture {name!r} (llamapy runs: {', '.join(ARCHITECTURES)})"
+        )
+    return importlib.import_module(f"{__name__}.{ARCHITECTURES[name]}").ARCH  # type: ignore[no-any-return]
+
+
+def read_hparams(md: Mapping[str, Any], n_vocab: int) -> HParams:
+    """The hyper-parameters of the file's architecture (llama_model::load_hparams)."""
+    return architecture(md.get("general.architecture")).hparams(md, n_vocab)
+
+
+@dataclass
+class ModelGraph:
+    """A built graph, its inputs (which fill themselves from a micro-batch) and its logits."""
+
+    graph: Graph
+    inputs: GraphInputs
+    logits: Tensor  # (n_outputs, V)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.inputs.n_tokens
+
+    @property
+    def n_kv(self) -> int:
+        return self.inputs.n_kv
+
+    @property
+    def n_outputs(self) -> int:
+        return self.inputs.n_outputs
+
+
+def build_graph(
+    p: HParams, w: ModelWeights, kv: KVCache, n_tokens: int, n_kv: int, n_outputs: int
+) -> ModelGraph:
+    """The graph of one micro-batch shape, for whichever architecture `p` is."""
+    g = GraphInputs(kv, n_tokens, n_kv, n_outputs)
+    logits = architecture(p.arch).build(p, w, g)
+    return ModelGraph(Graph.build(logits), g, logits)

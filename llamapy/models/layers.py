@@ -1,0 +1,108 @@
+"""Shared graph builders (llama.cpp's llm_graph_context: `build_norm`, `build_qkv` + `build_attn`,
+`build_ffn`). Architectures compose these; only what differs lives in their modules.
+
+Only graph nodes are built here — no numeric kernels. Node names are llama.cpp's callback names
+(`attn_norm-0`, `Qcur-0`, `ffn_out-0`), so a dump lines up with llama-eval-callback's. Shapes in
+comments are numpy's: T tokens, H query heads, Hkv KV heads, D head size, E embedding, F
+feed-forward, N cells attended to.
+"""
+
+from __future__ import annotations
+
+from .. import ops
+from ..tensor import Tensor
+from .base import HParams
+from .inputs import GraphInputs
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, name: str, norm_name: str | None = None) -> Tensor:
+    """RMS_NORM over the last axis, then MUL by the weight (build_norm with LLM_NORM_RMS)."""
+    cur = ops.rms_norm(x, eps, norm_name or f"{name} (norm)")
+    return ops.mul(cur, weight, name)
+
+
+def _bias(x: Tensor, w: dict[str, Tensor], key: str, name: str) -> Tensor:
+    b = w.get(f"{key}.bias")
+    return x if b is None else ops.add(x, b, name)
+
+
+def qkv(p: HParams, w: dict[str, Tensor], x: Tensor, il: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Q, K, V projections (build_qkv): one fused MUL_MAT when the loader fused them, plus the
+    optional biases. Returns (T, H*D), (T, Hkv*D), (T, Hkv*Dv)."""
+    H, Hkv, D, Dv = p.n_head_arr[il], p.n_head_kv_arr[il], p.head_dim, p.head_dim_v
+    if "attn_qkv" in w:
+        fused = ops.mul_mat(w["attn_qkv"], x, f"wqkv-{il}")  # (T, H*D + Hkv*D + Hkv*Dv)
+        q = ops.cols(fused, 0, H * D, f"Qcur-{il}")  # (T, H*D)
+        k = ops.cols(fused, H * D, (H + Hkv) * D, f"Kcur-{il}")  # (T, Hkv*D)
+        v = ops.cols(fused, (H + Hkv) * D, (H + Hkv) * D + Hkv * Dv, f"Vcur-{il}")  # (T, Hkv*Dv)
+        return q, k, v
+    q = _bias(ops.mul_mat(w["attn_q"], x, f"Qcur-{il}"), w, "attn_q", f"Qcur_b-{il}")  # (T, H*D)
+    k = _bias(ops.mul_mat(w["attn_k"], x, f"Kcur-{il}"), w, "attn_k", f"Kcur_b-{il}")  # (T, Hkv*D)
+    v = _bias(ops.mul_mat(w["attn_v"], x, f"Vcur-{il}"), w, "attn_v", f"Vcur_b-{il}")  # (T, Hkv*Dv)
+    return q, k, v
+
+
+def attention(
+    p: HParams,
+    w: dict[str, Tensor],
+    x: Tensor,
+    il: int,
+    g: GraphInputs,
+    freqs: Tensor | None = None,
+    q_scale: float | None = None,
+) -> Tensor:
+    """Self-attention of one layer over the KV cache (build_qkv + build_attn): Q/K/V with optional
+    biases, optional per-head RMS norms of Q and K (`attn_q_norm` / `attn_k_norm`, before rope),
+    rope with the layer's base, the sliding-window mask on a sliding-window layer, and the
+    output projection. `q_scale` multiplies Q (a SCALE node, as gemma3 does) and then the
+    attention runs at scale 1; by default the attention scales by 1/sqrt(D)."""
+    T, H, Hkv, D, Dv, N = g.n_tokens, p.n_head_arr[il], p.n_head_kv_arr[il], p.head_dim, p.head_dim_v, g.n_kv
+    q, k, v = qkv(p, w, x, il)
+    q = ops.reshape(q, (T, H, D), f"Qcur-{il} (reshaped)")  # (T, H, D)
+    k = ops.reshape(k, (T, Hkv, D), f"Kcur-{il} (reshaped)")  # (T, Hkv, D)
+    if "attn_q_norm" in w:
+        q = rms_norm(q, w["attn_q_norm"], p.rms_eps, f"Qcur_normed-{il}")  # per head: over D
+    if "attn_k_norm" in w:
+        k = rms_norm(k, w["attn_k_norm"], p.rms_eps, f"Kcur_normed-{il}")
+    rope = dict(n_dims=p.n_rot, freq_base=p.rope_base(il), freq_scale=p.rope_scale(il),
+                freq_factors=freqs, mode=p.rope_type)  # fmt: skip
+    q = ops.rope(q, g.pos, name=f"Qcur-{il} (rope)", **rope)  # type: ignore[arg-type]
+    k = ops.rope(k, g.pos, name=f"Kcur-{il} (rope)", **rope)  # type: ignore[arg-type]
+    scale = None
+    if q_scale is not None:
+        q = ops.scale(q, q_scale, f"Qcur_scaled-{il}")
+        scale = 1.0
+    # store this batch's K/V rows in the cache, then attend to the first N cells of it
+    kv = g.kv
+    k2 = ops.reshape(k, (T, Hkv * D), f"Kcur-{il} (rows)")  # (T, Hkv*D)
+    k_all = ops.set_rows(kv.k[il], g.kv_idx, k2, f"k_cache_store-{il}")
+    v_all = ops.set_rows(kv.v[il], g.kv_idx, v, f"v_cache_store-{il}")
+    k_view = ops.view(k_all, (N, Hkv, D), 0, f"k-{il}")  # (N, Hkv, D)
+    v_view = ops.view(v_all, (N, Hkv, Dv), 0, f"v-{il}")  # (N, Hkv, Dv)
+    mask = g.kq_mask(p.n_swa if p.is_swa(il) else 0)
+    att = ops.flash_attn_ext(q, k_view, v_view, mask, scale, f"fattn-{il}")  # (T, H, Dv)
+    att = ops.reshape(att, (T, H * Dv), f"kqv_out-{il}")  # (T, H*Dv)
+    return ops.mul_mat(w["attn_output"], att, f"attn_out-{il}")  # (T, E)
+
+
+def feed_forward(w: dict[str, Tensor], x: Tensor, il: int, act: str = "swiglu") -> Tensor:
+    """A gated FFN (build_ffn with LLM_FFN_PAR): down(act(gate(x)) * up(x)), `act` one of
+    ggml's GLU ops — swiglu (SiLU) or geglu (GELU, tanh approximation)."""
+    if "ffn_gate_up" in w:
+        gate_up = ops.mul_mat(w["ffn_gate_up"], x, f"ffn_gate_up-{il}")  # (T, 2F)
+        F = gate_up.shape[-1] // 2
+        gate = ops.cols(gate_up, 0, F, f"ffn_gate-{il}")  # (T, F)
+        up = ops.cols(gate_up, F, 2 * F, f"ffn_up-{il}")  # (T, F)
+    else:
+        gate = ops.mul_mat(w["ffn_gate"], x, f"ffn_gate-{il}")  # (T, F)
+        up = ops.mul_mat(w["ffn_up"], x, f"ffn_up-{il}")  # (T, F)
+    h = ops.glu(gate, up, act, f"ffn_{act}-{il}")  # (T, F)
+    return ops.mul_mat(w["ffn_down"], h, f"ffn_out-{il}")  # (T, E)
+
+
+def select_outputs(g: GraphInputs, il: int, n_layer: int, *xs: Tensor) -> tuple[Tensor, ...]:
+    """In the last layer, keep only the rows whose logits are wanted (llama.cpp's inp_out_ids)."""
+    if il != n_layer - 1 or not g.select_outputs:
+        return xs
+    names = ("attn_out_sel", "inpSA_sel")
+    return tuple(ops.get_rows(x, g.out_ids, f"{names[min(i, 1)]}-{il}") for i, x in enumerate(xs))  # (n_out, E)

@@ -320,16 +320,18 @@ void lp_vec_dot_q3_K_q8_K(int n, float *restrict s, const void *restrict vx, con
     for (int i = 0; i < nb; ++i) {
         int8_t sc[16];
         kq_scales_q3(x[i].scales, sc);
+        /* quants used as q + 4 = low bits | high bit << 2 (no branch per element); the
+         * offset's share, 4 x scale x bsums, is subtracted */
         int8_t q[QK_K];
         for (int k = 0; k < 2; ++k)
             for (int sh = 0; sh < 4; ++sh) {
                 const int b = 4 * k + sh;
                 for (int l = 0; l < 32; ++l)
-                    q[32 * b + l] = (int8_t)(((x[i].qs[32 * k + l] >> (2 * sh)) & 3) -
-                                             (((x[i].hmask[l] >> b) & 1) ? 0 : 4));
+                    q[32 * b + l] = (int8_t)(((x[i].qs[32 * k + l] >> (2 * sh)) & 3) |
+                                             (((x[i].hmask[l] >> b) & 1) << 2));
             }
         int isum = 0;
-        for (int j = 0; j < 16; ++j) isum += sc[j] * kq_dot16(q + 16 * j, y[i].qs + 16 * j);
+        for (int j = 0; j < 16; ++j) isum += sc[j] * (kq_dot16(q + 16 * j, y[i].qs + 16 * j) - 4 * y[i].bsums[j]);
         sumf += y[i].d * lp_h2f(x[i].d) * (float)isum;
     }
     *s = sumf;

@@ -27,6 +27,13 @@
 #include <immintrin.h>
 #endif
 
+/* the library is built with -fvisibility=hidden: export the entry points */
+#if defined(__GNUC__)
+#define KQ_API __attribute__((visibility("default")))
+#else
+#define KQ_API
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX2__)
 #define LP_KQ_AVX512 1
 #endif
@@ -76,7 +83,7 @@ static inline int32_t kq_dot16(const int8_t *a, const int8_t *b) {
  * quantize_row_q8_K
  */
 
-void lp_quantize_row_q8_K(const float *restrict x, void *restrict vy, int64_t k) {
+KQ_API void lp_quantize_row_q8_K(const float *restrict x, void *restrict vy, int64_t k) {
     block_q8_K *restrict y = (block_q8_K *)vy;
     const int64_t nb = k / QK_K;
     for (int64_t i = 0; i < nb; ++i, x += QK_K) {
@@ -222,7 +229,7 @@ static inline __m128i kq_mins_dot(__m256i mins_scales16, const int16_t *bsums) {
 /* ---------------------------------------------------------------------------------------------
  * Q2_K: 16 sub-blocks of 16, 2-bit quants, 4-bit scale and 4-bit min each
  */
-void lp_vec_dot_q2_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
+KQ_API void lp_vec_dot_q2_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
     const block_q2_K *restrict x = (const block_q2_K *)vx;
     const block_q8_K *restrict y = (const block_q8_K *)vy;
     const int nb = n / QK_K;
@@ -281,7 +288,7 @@ void lp_vec_dot_q2_K_q8_K(int n, float *restrict s, const void *restrict vx, con
  * Q3_K: 16 sub-blocks of 16, 3-bit quants (2 low bits + a high bit that, when clear, means -4),
  * signed 6-bit scales
  */
-void lp_vec_dot_q3_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
+KQ_API void lp_vec_dot_q3_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
     const block_q3_K *restrict x = (const block_q3_K *)vx;
     const block_q8_K *restrict y = (const block_q8_K *)vy;
     const int nb = n / QK_K;
@@ -341,7 +348,7 @@ void lp_vec_dot_q3_K_q8_K(int n, float *restrict s, const void *restrict vx, con
 /* ---------------------------------------------------------------------------------------------
  * Q4_K: 8 sub-blocks of 32, 4-bit quants, 6-bit scale and 6-bit min each
  */
-void lp_vec_dot_q4_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
+KQ_API void lp_vec_dot_q4_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
     const block_q4_K *restrict x = (const block_q4_K *)vx;
     const block_q8_K *restrict y = (const block_q8_K *)vy;
     const int nb = n / QK_K;
@@ -438,7 +445,7 @@ void lp_vec_dot_q4_K_q8_K(int n, float *restrict s, const void *restrict vx, con
 /* ---------------------------------------------------------------------------------------------
  * Q5_K: Q4_K with a fifth bit per quant in qh (bit j of qh[l] for element l of sub-block j)
  */
-void lp_vec_dot_q5_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
+KQ_API void lp_vec_dot_q5_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
     const block_q5_K *restrict x = (const block_q5_K *)vx;
     const block_q8_K *restrict y = (const block_q8_K *)vy;
     const int nb = n / QK_K;
@@ -558,7 +565,7 @@ void lp_vec_dot_q5_K_q8_K(int n, float *restrict s, const void *restrict vx, con
  * 32..63, ql[0..32) high = 64..95, ql[32..64) high = 96..127; qh bits 2s..2s+1 of qh[l] are the
  * high bits of element 32s + l.
  */
-void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
+KQ_API void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
     const block_q6_K *restrict x = (const block_q6_K *)vx;
     const block_q8_K *restrict y = (const block_q8_K *)vy;
     const int nb = n / QK_K;

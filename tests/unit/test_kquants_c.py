@@ -8,8 +8,10 @@ SIMD variant this compiler builds, against numpy.
   exactly dequantized weights (gguf.quants.dequantize) and the q8_K-dequantized activations
   (d * qs); random quant bytes in every quant field (random_raw), plus extreme rows.
 
-Each variant is compiled here, as the install build does it, into a temporary library; a variant
-this CPU cannot run is compiled (to prove it builds) and its checks are skipped, saying so.
+Each variant is checked in the library the install built (native.load(variant), what
+LLAMAPY_KERNELS_VARIANT selects), else, where the install has none with these kernels, in one
+compiled here; every variant is also compiled here warning-free, those this CPU cannot run
+included (their checks are skipped, saying so).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 import pytest
 
 from llamapy import quants
+from llamapy.backend import native
 from llamapy.types import GGMLType, block_size
 
 try:  # tests/unit may or may not be a package
@@ -38,37 +41,25 @@ QK_K = 256
 K_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
-_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", *_AVX2]
-# variant -> (compiler flags, /proc/cpuinfo flags needed to run it); None: portable
-VARIANTS: dict[str, tuple[list[str], set[str]] | None] = {
-    "portable": None,
-    "avx2": (_AVX2, {"avx2", "fma", "f16c"}),
-    "avx512": (_AVX512, {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"}),
+# the compiler flags of each variant (as setup.py builds them)
+FLAGS: dict[str, list[str]] = {
+    "portable": [],
+    "avx2": _AVX2,
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", *_AVX2],
 }
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
-def _cpu_flags() -> set[str] | None:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return None
-
-
 class KQ:
-    """ctypes view of one compiled variant."""
+    """ctypes view of one variant's kernels (argument types as native.py declares them)."""
 
-    def __init__(self, path: Path) -> None:
-        self.lib = ctypes.CDLL(str(path))
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
         self.lib.lp_quantize_row_q8_K.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         self.lib.lp_quantize_row_q8_K.restype = None
         for t in K_TYPES:
             fn = getattr(self.lib, f"lp_vec_dot_{t[:2].lower()}_K_q8_K")
-            fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
+            fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             fn.restype = None
 
     def quantize(self, x: np.ndarray) -> np.ndarray:
@@ -85,26 +76,23 @@ class KQ:
         raw = np.ascontiguousarray(raw)
         act = np.ascontiguousarray(act)
         out = np.zeros(raw.shape[0], np.float32)
-        s = ctypes.c_float()
         for r in range(raw.shape[0]):
-            fn(n, ctypes.byref(s), raw[r].ctypes.data, act.ctypes.data)
-            out[r] = s.value
+            fn(n, out[r:].ctypes.data, raw[r].ctypes.data, act.ctypes.data)
         return out
 
 
 @pytest.fixture(scope="session")
 def kq_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
-    """variant -> compiled library, or why there is none."""
+    """variant -> kquants.c compiled here (-Wall -Werror), or why there is none."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         pytest.skip("no C compiler (CC, cc, gcc, clang)")
     out_dir = tmp_path_factory.mktemp("kquants")
     built: dict[str, Path | str] = {}
-    for name, spec in VARIANTS.items():
-        if spec is not None and not X86:
+    for name, flags in FLAGS.items():
+        if flags and not X86:
             built[name] = f"{name} is an x86 variant; this is {platform.machine()}"
             continue
-        flags = [] if spec is None else spec[0]
         lib = out_dir / f"libkq_{name}.so"
         cmd = [cc, "-O2", "-shared", "-fPIC", "-Wall", "-Werror", *flags, str(SRC), "-o", str(lib)]
         r = subprocess.run(cmd, capture_output=True, text=True)
@@ -112,29 +100,28 @@ def kq_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]
     return built
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(FLAGS))
 def test_variant_compiles(kq_builds: dict[str, Path | str], variant: str) -> None:
     """Every variant builds warning-free (also those this CPU cannot run)."""
-    if VARIANTS[variant] is not None and not X86:
+    if FLAGS[variant] and not X86:
         pytest.skip(str(kq_builds[variant]))
     assert isinstance(kq_builds[variant], Path), kq_builds[variant]
 
 
-@pytest.fixture(scope="session", params=list(VARIANTS))
+@pytest.fixture(scope="session", params=list(native.VARIANTS))
 def kq(request: pytest.FixtureRequest, kq_builds: dict[str, Path | str]) -> KQ:
     name = request.param
+    if not native.runnable(name):
+        pytest.skip(f"this CPU cannot run the {name} kernels (needs {' '.join(sorted(native.REQUIRES[name]))})")
+    if name in native.built():
+        lib = native.load(name)
+        if hasattr(lib, "lp_vec_dot_q4_K_q8_K"):
+            return KQ(lib)
+    # the install built no library with kquants.c in it: the one compiled here
     built = kq_builds[name]
     if not isinstance(built, Path):
         pytest.skip(f"{name} not built: {built}")
-    spec = VARIANTS[name]
-    if spec is not None:
-        flags = _cpu_flags()
-        if flags is None:
-            pytest.skip(f"{name}: cannot read this CPU's flags (no /proc/cpuinfo)")
-        missing = spec[1] - flags
-        if missing:
-            pytest.skip(f"{name}: this CPU lacks {' '.join(sorted(missing))} (built, not run)")
-    return KQ(built)
+    return KQ(ctypes.CDLL(str(built)))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -42,6 +42,13 @@
  * shared scalar helpers
  */
 
+/* f16 -> f32 (exact either way); F16C's one instruction where the variant has it */
+#if defined(__F16C__)
+static inline float kq_h2f(lp_half h) { return _cvtsh_ss(h); }
+#else
+static inline float kq_h2f(lp_half h) { return lp_h2f(h); }
+#endif
+
 /* nearest integer, ties to even: ggml's nearest_int (the float + 1.5*2^23 trick rounds with the
  * FPU's default mode). Done in double so that no compiler can fuse the preceding float multiply
  * into an FMA with the magic add (-ffp-contract=fast is GCC's default), which would round the
@@ -172,12 +179,21 @@ static inline float kq_hsum_ps128(__m128 s) {
     return _mm_cvtss_f32(s);
 }
 
-/* 16 int8 scales (one per 16 elements) -> int16 vector [s[2g] x 8 | s[2g+1] x 8], the scale of
- * each s16 lane maddubs gives for elements 32g .. 32g+31 */
-static inline __m256i kq_scales16_pair(__m128i sc8, int g) {
-    const __m128i m = _mm_set_epi64x((long long)(0x0101010101010101ULL * (uint64_t)(2 * g + 1)),
-                                     (long long)(0x0101010101010101ULL * (uint64_t)(2 * g)));
-    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, m));
+/* Scales of 16-element sub-blocks: 16 int8 -> int16, the first 8 in both 128-bit lanes (.lo)
+ * and the last 8 in both (.hi), so that one in-lane byte shuffle gives the scale of each s16
+ * lane maddubs produces for elements 32g .. 32g+31: [s[2g] x 8 | s[2g+1] x 8]. */
+typedef struct { __m256i lo, hi; } kq_sc16;
+
+static inline kq_sc16 kq_sc16_load(__m128i sc8) {
+    const __m256i s = _mm256_cvtepi8_epi16(sc8);
+    return (kq_sc16){_mm256_permute2x128_si256(s, s, 0x00), _mm256_permute2x128_si256(s, s, 0x11)};
+}
+
+static inline __m256i kq_scales16_pair(kq_sc16 sc, int g) {
+    const int a = 2 * (g & 3); /* int16 index of s[2g] within its half */
+    const __m256i m = _mm256_setr_m128i(_mm_set1_epi16((short)(((2 * a + 1) << 8) | (2 * a))),
+                                        _mm_set1_epi16((short)(((2 * a + 3) << 8) | (2 * a + 2))));
+    return _mm256_shuffle_epi8(g < 4 ? sc.lo : sc.hi, m);
 }
 
 /* 8 int16 scales duplicated in both 128-bit lanes -> scale number k in every s16 lane */
@@ -237,32 +253,32 @@ KQ_API void lp_vec_dot_q2_K_q8_K(int n, float *restrict s, const void *restrict 
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m128i m4 = _mm_set1_epi8(0xF);
     __m256 acc = _mm256_setzero_ps();
-    __m256 acc_m = _mm256_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        const float dall = y[i].d * lp_h2f(x[i].d);
-        const float dmin = y[i].d * lp_h2f(x[i].dmin);
+        const float dall = y[i].d * kq_h2f(x[i].d);
+        const float mdmin = -(y[i].d * kq_h2f(x[i].dmin));
         const __m128i sc_mn = _mm_loadu_si128((const __m128i *)x[i].scales);
-        const __m128i sc8 = _mm_and_si128(sc_mn, m4);
+        const kq_sc16 sc = kq_sc16_load(_mm_and_si128(sc_mn, m4));
         const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc_mn, 4), m4));
         const __m256i summs = _mm256_madd_epi16(mins16, _mm256_loadu_si256((const __m256i *)y[i].bsums));
-        acc_m = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(summs), acc_m);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(mdmin), _mm256_cvtepi32_ps(summs), acc);
 
         const int8_t *q8 = y[i].qs;
         __m256i sumi = _mm256_setzero_si256();
+#if defined(__GNUC__)
+#pragma GCC unroll 2
+#endif
         for (int k = 0; k < 2; ++k) {
             const __m256i bits = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * k));
-#if defined(__GNUC__)
-#pragma GCC unroll 4
-#endif
-            for (int sh = 0; sh < 4; ++sh) {
-                const __m256i w = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * sh), m3);
-                const __m256i p = kq_dot32(w, q8 + 128 * k + 32 * sh, kq_scales16_pair(sc8, 4 * k + sh));
-                sumi = _mm256_add_epi32(sumi, p);
-            }
+            const int8_t *q = q8 + 128 * k;
+            const __m256i p0 = kq_dot32(_mm256_and_si256(bits, m3), q, kq_scales16_pair(sc, 4 * k + 0));
+            const __m256i p1 = kq_dot32(_mm256_and_si256(_mm256_srli_epi16(bits, 2), m3), q + 32, kq_scales16_pair(sc, 4 * k + 1));
+            const __m256i p2 = kq_dot32(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m3), q + 64, kq_scales16_pair(sc, 4 * k + 2));
+            const __m256i p3 = kq_dot32(_mm256_and_si256(_mm256_srli_epi16(bits, 6), m3), q + 96, kq_scales16_pair(sc, 4 * k + 3));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(dall), _mm256_cvtepi32_ps(sumi), acc);
     }
-    *s = kq_hsum_ps256(acc) - kq_hsum_ps256(acc_m);
+    *s = kq_hsum_ps256(acc);
 #else
     float sumf = 0.0f;
     for (int i = 0; i < nb; ++i) {
@@ -276,8 +292,8 @@ KQ_API void lp_vec_dot_q2_K_q8_K(int n, float *restrict s, const void *restrict 
                     q[128 * k + 32 * sh + l] = (int8_t)((x[i].qs[32 * k + l] >> (2 * sh)) & 3);
         int isum = 0;
         for (int j = 0; j < 16; ++j) isum += (sc[j] & 0xF) * kq_dot16(q + 16 * j, y[i].qs + 16 * j);
-        const float dall = y[i].d * lp_h2f(x[i].d);
-        const float dmin = y[i].d * lp_h2f(x[i].dmin);
+        const float dall = y[i].d * kq_h2f(x[i].d);
+        const float dmin = y[i].d * kq_h2f(x[i].dmin);
         sumf += dall * (float)isum - dmin * (float)summs;
     }
     *s = sumf;
@@ -297,14 +313,18 @@ KQ_API void lp_vec_dot_q3_K_q8_K(int n, float *restrict s, const void *restrict 
     const __m256i m4 = _mm256_set1_epi8(4);
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        const float d = y[i].d * lp_h2f(x[i].d);
+        const float d = y[i].d * kq_h2f(x[i].d);
         const __m128i sc8 = kq_scales_q3_vec(x[i].scales);
+        const kq_sc16 sc = kq_sc16_load(sc8);
         /* weights are used as q + 4 = low bits | high bit << 2 (0..7): subtract 4 x scale x bsums */
         const __m256i off = _mm256_slli_epi32(
             _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc8), _mm256_loadu_si256((const __m256i *)y[i].bsums)), 2);
         const __m256i hbits = _mm256_loadu_si256((const __m256i *)x[i].hmask);
         const int8_t *q8 = y[i].qs;
         __m256i sumi = _mm256_setzero_si256();
+#if defined(__GNUC__)
+#pragma GCC unroll 2
+#endif
         for (int k = 0; k < 2; ++k) {
             const __m256i bits = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * k));
 #if defined(__GNUC__)
@@ -315,7 +335,7 @@ KQ_API void lp_vec_dot_q3_K_q8_K(int n, float *restrict s, const void *restrict 
                 __m256i h = b < 2 ? _mm256_slli_epi16(hbits, 2 - b) : _mm256_srli_epi16(hbits, b - 2);
                 h = _mm256_and_si256(h, m4);
                 const __m256i w = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 2 * sh), m3), h);
-                sumi = _mm256_add_epi32(sumi, kq_dot32(w, q8 + 128 * k + 32 * sh, kq_scales16_pair(sc8, b)));
+                sumi = _mm256_add_epi32(sumi, kq_dot32(w, q8 + 128 * k + 32 * sh, kq_scales16_pair(sc, b)));
             }
         }
         sumi = _mm256_sub_epi32(sumi, off);
@@ -339,7 +359,7 @@ KQ_API void lp_vec_dot_q3_K_q8_K(int n, float *restrict s, const void *restrict 
             }
         int isum = 0;
         for (int j = 0; j < 16; ++j) isum += sc[j] * (kq_dot16(q + 16 * j, y[i].qs + 16 * j) - 4 * y[i].bsums[j]);
-        sumf += y[i].d * lp_h2f(x[i].d) * (float)isum;
+        sumf += y[i].d * kq_h2f(x[i].d) * (float)isum;
     }
     *s = sumf;
 #endif
@@ -362,8 +382,8 @@ KQ_API void lp_vec_dot_q4_K_q8_K(int n, float *restrict s, const void *restrict 
     __m512 acc = _mm512_setzero_ps();
     __m128 acc_m = _mm_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        const float d = y[i].d * lp_h2f(x[i].d);
-        const float dmin = y[i].d * lp_h2f(x[i].dmin);
+        const float d = y[i].d * kq_h2f(x[i].d);
+        const float dmin = y[i].d * kq_h2f(x[i].dmin);
         const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
         acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(kq_mins_dot(ms16, y[i].bsums)), acc_m);
         const __m512i sc = _mm512_castsi256_si512(ms16); /* scales in int16 lanes 0..7 */
@@ -395,8 +415,8 @@ KQ_API void lp_vec_dot_q4_K_q8_K(int n, float *restrict s, const void *restrict 
     __m256 acc = _mm256_setzero_ps();
     __m128 acc_m = _mm_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        const float d = y[i].d * lp_h2f(x[i].d);
-        const float dmin = y[i].d * lp_h2f(x[i].dmin);
+        const float d = y[i].d * kq_h2f(x[i].d);
+        const float dmin = y[i].d * kq_h2f(x[i].dmin);
         const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
         acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(kq_mins_dot(ms16, y[i].bsums)), acc_m);
         const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms16));
@@ -434,8 +454,8 @@ KQ_API void lp_vec_dot_q4_K_q8_K(int n, float *restrict s, const void *restrict 
         int isum = 0;
         for (int j = 0; j < 8; ++j)
             isum += sc[j] * (kq_dot16(q + 32 * j, y[i].qs + 32 * j) + kq_dot16(q + 32 * j + 16, y[i].qs + 32 * j + 16));
-        const float d = y[i].d * lp_h2f(x[i].d);
-        const float dmin = y[i].d * lp_h2f(x[i].dmin);
+        const float d = y[i].d * kq_h2f(x[i].d);
+        const float dmin = y[i].d * kq_h2f(x[i].dmin);
         sumf += d * (float)isum - dmin * (float)summs;
     }
     *s = sumf;
@@ -465,8 +485,8 @@ KQ_API void lp_vec_dot_q5_K_q8_K(int n, float *restrict s, const void *restrict 
     __m512 acc = _mm512_setzero_ps();
     __m128 acc_m = _mm_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        const float d = y[i].d * lp_h2f(x[i].d);
-        const float dmin = y[i].d * lp_h2f(x[i].dmin);
+        const float d = y[i].d * kq_h2f(x[i].d);
+        const float dmin = y[i].d * kq_h2f(x[i].dmin);
         const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
         acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(kq_mins_dot(ms16, y[i].bsums)), acc_m);
         const __m512i sc = _mm512_castsi256_si512(ms16);
@@ -504,8 +524,8 @@ KQ_API void lp_vec_dot_q5_K_q8_K(int n, float *restrict s, const void *restrict 
     __m256 acc = _mm256_setzero_ps();
     __m128 acc_m = _mm_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        const float d = y[i].d * lp_h2f(x[i].d);
-        const float dmin = y[i].d * lp_h2f(x[i].dmin);
+        const float d = y[i].d * kq_h2f(x[i].d);
+        const float dmin = y[i].d * kq_h2f(x[i].dmin);
         const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
         acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(kq_mins_dot(ms16, y[i].bsums)), acc_m);
         const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms16));
@@ -551,8 +571,8 @@ KQ_API void lp_vec_dot_q5_K_q8_K(int n, float *restrict s, const void *restrict 
         int isum = 0;
         for (int j = 0; j < 8; ++j)
             isum += sc[j] * (kq_dot16(q + 32 * j, y[i].qs + 32 * j) + kq_dot16(q + 32 * j + 16, y[i].qs + 32 * j + 16));
-        const float d = y[i].d * lp_h2f(x[i].d);
-        const float dmin = y[i].d * lp_h2f(x[i].dmin);
+        const float d = y[i].d * kq_h2f(x[i].d);
+        const float dmin = y[i].d * kq_h2f(x[i].dmin);
         sumf += d * (float)isum - dmin * (float)summs;
     }
     *s = sumf;
@@ -582,7 +602,7 @@ KQ_API void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict 
     const __m512i four = _mm512_set1_epi16(4);
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        const float d = y[i].d * lp_h2f(x[i].d);
+        const float d = y[i].d * kq_h2f(x[i].d);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
         const __m512i sc = _mm512_castsi256_si512(sc16);
         const int8_t *q8 = y[i].qs;
@@ -612,12 +632,16 @@ KQ_API void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict 
     const __m256i m48 = _mm256_set1_epi8(48);
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        const float d = y[i].d * lp_h2f(x[i].d);
+        const float d = y[i].d * kq_h2f(x[i].d);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
+        const kq_sc16 sc = kq_sc16_load(sc8);
         const __m256i off = _mm256_slli_epi32(
             _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc8), _mm256_loadu_si256((const __m256i *)y[i].bsums)), 5);
         const int8_t *q8 = y[i].qs;
         __m256i sumi = _mm256_setzero_si256();
+#if defined(__GNUC__)
+#pragma GCC unroll 2
+#endif
         for (int k = 0; k < 2; ++k) {
             const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * k));
             const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * k + 32));
@@ -628,10 +652,10 @@ KQ_API void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict 
             const __m256i w2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m48));
             const __m256i w3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
                                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), m48));
-            const __m256i p0 = kq_dot32(w0, q8 + 128 * k + 0, kq_scales16_pair(sc8, 4 * k + 0));
-            const __m256i p1 = kq_dot32(w1, q8 + 128 * k + 32, kq_scales16_pair(sc8, 4 * k + 1));
-            const __m256i p2 = kq_dot32(w2, q8 + 128 * k + 64, kq_scales16_pair(sc8, 4 * k + 2));
-            const __m256i p3 = kq_dot32(w3, q8 + 128 * k + 96, kq_scales16_pair(sc8, 4 * k + 3));
+            const __m256i p0 = kq_dot32(w0, q8 + 128 * k + 0, kq_scales16_pair(sc, 4 * k + 0));
+            const __m256i p1 = kq_dot32(w1, q8 + 128 * k + 32, kq_scales16_pair(sc, 4 * k + 1));
+            const __m256i p2 = kq_dot32(w2, q8 + 128 * k + 64, kq_scales16_pair(sc, 4 * k + 2));
+            const __m256i p3 = kq_dot32(w3, q8 + 128 * k + 96, kq_scales16_pair(sc, 4 * k + 3));
             sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
         }
         sumi = _mm256_sub_epi32(sumi, off);
@@ -655,7 +679,7 @@ KQ_API void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict 
         }
         int isum = 0;
         for (int j = 0; j < 16; ++j) isum += x[i].scales[j] * kq_dot16(q + 16 * j, y[i].qs + 16 * j);
-        sumf += y[i].d * lp_h2f(x[i].d) * (float)isum;
+        sumf += y[i].d * kq_h2f(x[i].d) * (float)isum;
     }
     *s = sumf;
 #endif

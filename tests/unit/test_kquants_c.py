@@ -1,9 +1,9 @@
 """kernels_c/kquants.c: ggml-cpu's quantize_row_q8_K and ggml_vec_dot_q{2..6}_K_q8_K, in every
-SIMD variant this compiler builds, against numpy.
+SIMD variant the install built, against numpy.
 
 - q8_K blocks from C equal `llamapy.quants.quantize_q8_k` (ggml's quantize_row_q8_K_ref) bit for
-  bit, bsums included; a few of ggml's rules are also checked by hand (ties to even, the sign
-  of d, first of equal magnitudes).
+  bit, bsums included; a few of ggml's rules are also checked by hand, on both (ties to even,
+  the sign of d, first of equal magnitudes).
 - vec_dot: |C - ref| <= 1e-5 * sum |w * x| per row (for types with mins, summed over the scale
   and the min parts of w separately, as ggml sums them), ref = the float64 sum of the products
   of the exactly dequantized weights (gguf.quants.dequantize) and the q8_K-dequantized
@@ -37,7 +37,7 @@ try:  # tests/unit may or may not be a package
 except ImportError:
     from test_quants import F16_FIELDS, random_raw  # type: ignore[no-redef]
 
-SRC = Path(quants.__file__).parent / "backend" / "kernels_c" / "kquants.c"
+SRC = native.SRC_DIR / "kquants.c"
 QK_K = 256
 K_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
@@ -165,23 +165,25 @@ def test_q8_K_matches_reference_bitwise(kq: KQ) -> None:
 
 
 def test_q8_K_follows_ggml_rules(kq: KQ) -> None:
-    """Checked by hand, not through the numpy reference: ggml's nearest_int rounds ties to even,
-    d = -max/127 keeps the sign of the first element of largest magnitude, zeros give zeros."""
-    x = np.zeros((1, QK_K), np.float32)
-    x[0, :6] = [127.0, 0.5, 1.5, 2.5, -0.5, -3.5]  # iscale = -1 exactly: products are exact halves
-    b = kq.quantize(x)[0, 0]
-    assert b["d"] == np.float32(-1.0)
-    assert list(b["qs"][:6]) == [-127, 0, -2, -2, 0, 4]
-    assert b["bsums"][0] == -127 - 2 - 2 + 4
+    """Checked by hand, not through the numpy reference (which is checked the same way): ggml's
+    nearest_int rounds ties to even, d = -max/127 keeps the sign of the first element of largest
+    magnitude, zeros give zeros."""
+    for quantize in (kq.quantize, quants.quantize_q8_k):
+        x = np.zeros((1, QK_K), np.float32)
+        x[0, :6] = [127.0, 0.5, 1.5, 2.5, -0.5, -3.5]  # iscale = -1 exactly: products are exact halves
+        b = quantize(x)[0, 0]
+        assert b["d"] == np.float32(-1.0)
+        assert list(b["qs"][:6]) == [-127, 0, -2, -2, 0, 4]
+        assert b["bsums"][0] == -127 - 2 - 2 + 4
 
-    x = np.zeros((1, QK_K), np.float32)
-    x[0, 3], x[0, 7], x[0, 9] = -2.0, 2.0, 1.0  # first of equal magnitudes wins: max = -2
-    b = kq.quantize(x)[0, 0]
-    assert b["d"] == np.float32(1.0) / (np.float32(-127.0) / np.float32(-2.0)) and b["d"] > 0
-    assert (b["qs"][3], b["qs"][7], b["qs"][9]) == (-127, 127, 64)
+        x = np.zeros((1, QK_K), np.float32)
+        x[0, 3], x[0, 7], x[0, 9] = -2.0, 2.0, 1.0  # first of equal magnitudes wins: max = -2
+        b = quantize(x)[0, 0]
+        assert b["d"] == np.float32(1.0) / (np.float32(-127.0) / np.float32(-2.0)) and b["d"] > 0
+        assert (b["qs"][3], b["qs"][7], b["qs"][9]) == (-127, 127, 64)
 
-    b = kq.quantize(np.zeros((1, QK_K), np.float32))[0, 0]
-    assert b["d"] == 0 and not b["qs"].any() and not b["bsums"].any()
+        b = quantize(np.zeros((1, QK_K), np.float32))[0, 0]
+        assert b["d"] == 0 and not b["qs"].any() and not b["bsums"].any()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,14 +1,13 @@
 """The BLAS backend (ACCEL): big matrix multiplications on host memory (ggml-blas.cpp).
 
-It shares the CPU's host buffers (no copies) and claims MUL_MAT only when all three dimensions
-reach `min_batch` (ggml-blas: ne0, ne1, ne10 >= 32), because a GEMM call only pays off on large
-products. Quantized weights are expanded to f32 one tile of rows at a time (ggml-blas converts
-with `to_float` first) and multiplied with numpy's sgemm.
+It shares the CPU's host buffers (no copies) and claims the MUL_MATs that `qmatmul.use_sgemm`
+sends to sgemm (the one decision; the CPU backend runs the same products the same way, so the
+BLAS backend only changes where the split falls). Quantized weights are expanded to f32 one tile
+of rows at a time (ggml-blas converts with `to_float` first) and multiplied with numpy's sgemm.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ from ..types import DeviceType
 from .cpu import CPU_BUFT, CPUBackend
 from .interface import Backend, BufferType, Device, DeviceProps, Registry
 from .kernels import KERNELS, run_nodes
+from .qmatmul import use_sgemm
 
 TILE_ROWS = 4096  # rows of the weight expanded at once: bounds the f32 scratch to a few MiB
 
@@ -50,9 +50,6 @@ class BLASDevice(Device):
     name = "BLAS"
     type = DeviceType.ACCEL
 
-    def __init__(self, min_batch: int = 32) -> None:
-        self.min_batch = min_batch
-
     def props(self) -> DeviceProps:
         return DeviceProps(self.name, f"numpy matmul ({_blas_name()})", self.type)
 
@@ -67,8 +64,7 @@ class BLASDevice(Device):
             return False
         w, x = node.src
         n_tokens = x.n_elements // x.shape[-1]
-        m = self.min_batch
-        return len(w.shape) == 2 and w.shape[0] >= m and n_tokens >= m and w.shape[1] >= m
+        return len(w.shape) == 2 and use_sgemm(w.type, w.shape[0], w.shape[1], n_tokens)
 
     def init_backend(self) -> Backend:
         return BLASBackend(self)
@@ -86,11 +82,7 @@ class BLASRegistry(Registry):
     name = "BLAS"
 
     def __init__(self) -> None:
-        try:
-            m = int(os.environ.get("LLAMAPY_BLAS_MIN_BATCH", "32"))
-        except ValueError:
-            m = 32
-        self._devices: list[Device] = [BLASDevice(m)]
+        self._devices: list[Device] = [BLASDevice()]
 
     def devices(self) -> list[Device]:
         return self._devices

@@ -101,7 +101,7 @@ class CPUBackend(Backend):
         self._table = {**cpu_kernels(), Op.MUL_MAT: self._mul_mat}
         # the last activations quantized per vec_dot_type: (x, its quantized rows); a MUL_MAT
         # whose input is the same array reuses them (Q, K and V; gate and up)
-        self._act: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._act: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
 
     def set_cpu_matmul(self, mode: str) -> None:
         """"q8" (activations quantized as llama.cpp does) or "f32" (float32 activations)."""
@@ -115,17 +115,20 @@ class CPUBackend(Backend):
             return self._kernels_mul_mat(node, s, xp)
         x2 = x.reshape(-1, x.shape[-1])  # (n_tokens, n_in)
         q8 = self.cpu_matmul == "q8"
-        if w.path(x2.shape[0], q8) != "q8":
+        path = w.path(x2.shape[0], q8)
+        vdt = w.vec_dot_type() if q8 and path != "mv" else None
+        if vdt is None:
             out = w.matmul(x2, self.n_threads, q8)
         else:
-            vdt = w.vec_dot_type()
-            hit = self._act.get(vdt)  # type: ignore[arg-type]
+            # the activations in the vec_dot_type: quantized (q8 kernels) or rounded (sgemm),
+            # once for every product of the same input
+            hit = self._act.get((vdt, path))
             if hit is not None and hit[0] is x:
-                xq = hit[1]
+                a = hit[1]
             else:
-                xq = w.quantize_act(x2, self.n_threads)
-                self._act[vdt] = (x, xq)  # type: ignore[index]
-            out = w.matmul_q8(xq, self.n_threads)
+                a = w.quantize_act(x2, self.n_threads) if path == "q8" else w.round_act(x2, self.n_threads)
+                self._act[(vdt, path)] = (x, a)
+            out = w.matmul_q8(a, self.n_threads) if path == "q8" else w.matmul_tiles(a, self.n_threads)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     _kernels_mul_mat = staticmethod(KERNELS[Op.MUL_MAT])  # float arrays (no QMatrix)

@@ -65,6 +65,7 @@ SIGNATURES: dict[str, tuple[list, Any]] = {
     "lp_quantize_act": ([_INT, _P, _I64, _I64, _I64, _P, _INT], _INT),
     "lp_mul_mat_q": ([_INT, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _INT], _INT),
     "lp_mul_mat": ([_INT, _P, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _P, _INT], _INT),
+    "lp_round_act": ([_INT, _P, _I64, _I64, _I64, _P, _I64, _INT], _INT),
 }
 # Kernels another source file provides once it is there (kquants.c): declared when present.
 OPTIONAL: dict[str, tuple[list, Any]] = {

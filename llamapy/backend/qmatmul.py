@@ -17,6 +17,8 @@ with few tokens, chosen per context (`ContextOptions.cpu_matmul`, `--f32-activat
 
 Prompts: `use_sgemm` is the one place that decides when a product is big enough for float32
 tiles + sgemm instead (both modes, and the BLAS backend, which claims exactly those products).
+In the q8 mode sgemm gets the activations quantized and expanded back (`round_act`), so a
+prompt computes the same sums as the q8 kernels, as llama.cpp's CPU backend does at any batch.
 Without the compiled kernels (LLAMAPY_KERNELS=numpy, or an install without a C compiler) every
 product is numpy dequantization + BLAS.
 """
@@ -281,6 +283,18 @@ class QMatrix:
             raise UnsupportedError(f"no quantized-activation kernel for {self.qtype.name}")
         return xq
 
+    def round_act(self, x: np.ndarray, n_threads: int = 0) -> np.ndarray:
+        """x float32 (n_tokens, n_in) quantized to this matrix's vec_dot_type and expanded back
+        (`lp_round_act`): float32 tiles + sgemm on it compute what `matmul_q8` computes (up to
+        the order of the float32 sums), i.e. llama.cpp's numbers at sgemm's speed."""
+        lib = native.lib()
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty_like(x)
+        if lib.lp_round_act(int(self.qtype), native.ptr(x), self.n_in, self.n_in, x.shape[0], native.ptr(out),
+                            self.n_in, _threads(n_threads)) != 0:
+            raise UnsupportedError(f"no quantized-activation kernel for {self.qtype.name}")
+        return out
+
     def matmul_q8(self, xq: np.ndarray, n_threads: int = 0) -> np.ndarray:
         """(n_tokens, n_out) float32 from activations quantized by `quantize_act`."""
         n_tok = xq.shape[0]
@@ -295,7 +309,8 @@ class QMatrix:
     def path(self, n_tok: int, q8: bool = True) -> str:
         """Which kernel a product with n_tok tokens runs: "q8" (lp_mul_mat on the file's
         blocks), "mv" (float32 activations on the repacked tiles), "sgemm" (float32 tiles +
-        BLAS). `q8`: the context's mode ("q8" unless --f32-activations)."""
+        BLAS; in the q8 mode on activations rounded by `round_act`). `q8`: the context's mode
+        ("q8" unless --f32-activations)."""
         if use_sgemm(self.qtype, self.n_out, self.n_in, n_tok):
             return "sgemm"
         if self._rp is not None:
@@ -401,6 +416,8 @@ class QMatrix:
         elif path == "mv":
             out = self._matmul_repacked(x, n_threads)
         else:
+            if q8 and self.vec_dot_type() is not None:
+                x = self.round_act(x, n_threads)  # llama.cpp's activations, on sgemm
             out = self._matmul_tiles(x, n_threads)
         return out.reshape(-1) if squeeze else out
 

@@ -65,6 +65,7 @@ SIGNATURES: dict[str, tuple[list, Any]] = {
     "lp_quantize_act": ([_INT, _P, _I64, _I64, _I64, _P, _INT], _INT),
     "lp_mul_mat_q": ([_INT, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _INT], _INT),
     "lp_mul_mat": ([_INT, _P, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _P, _INT], _INT),
+    "lp_round_act": ([_INT, _P, _I64, _I64, _I64, _P, _I64, _INT], _INT),
 }
 # Kernels another source file provides once it is there (kquants.c): declared when present.
 OPTIONAL: dict[str, tuple[list, Any]] = {
@@ -74,7 +75,9 @@ OPTIONAL: dict[str, tuple[list, Any]] = {
 
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL] = {}  # variant -> loaded library (loaded once, never changed)
-_errors: dict[str, str] = {}
+# (LLAMAPY_KERNELS, LLAMAPY_KERNELS_VARIANT) -> (library, variant, error): lib()'s answer, a pure
+# function of those and of the install, worked out once
+_resolved: dict[tuple[str | None, str | None], tuple[ctypes.CDLL | None, str | None, str | None]] = {}
 
 
 def enabled() -> bool:
@@ -161,30 +164,38 @@ def load(variant: str) -> ctypes.CDLL:
 
 
 def lib() -> ctypes.CDLL | None:
-    """The kernel library in use (`choose()`'s variant), or None when there is none."""
+    """The kernel library in use (`choose()`'s variant), or None when there is none. Resolved
+    once per value of the two environment variables (called for every product)."""
+    key = (os.environ.get("LLAMAPY_KERNELS"), os.environ.get("LLAMAPY_KERNELS_VARIANT"))
+    hit = _resolved.get(key)
+    if hit is None:
+        hit = _resolved[key] = _resolve()
+    return hit[0]
+
+
+def _resolve() -> tuple[ctypes.CDLL | None, str | None, str | None]:
+    """(library, its variant, why there is none)."""
     if not enabled():
-        return None
-    variant = choose()
-    if variant is None:
-        _errors.setdefault("lib", "no kernel library was built at install time (no C compiler?)")
-        return None
+        return None, None, "LLAMAPY_KERNELS=numpy"
+    v = choose()
+    if v is None:
+        return None, None, "no kernel library was built at install time (no C compiler?)"
     try:
-        return load(variant)
+        return load(v), v, None
     except OSError as e:
-        _errors.setdefault("lib", str(e))
-        return None
+        return None, None, str(e)
 
 
 def variant() -> str | None:
     """The variant `lib()` uses, None when it is None."""
-    return choose() if lib() is not None else None
+    lib()
+    return _resolved[(os.environ.get("LLAMAPY_KERNELS"), os.environ.get("LLAMAPY_KERNELS_VARIANT"))][1]
 
 
 def error() -> str | None:
-    """Why `lib()` is None (None when it loaded or was not tried yet)."""
-    if not enabled():
-        return "LLAMAPY_KERNELS=numpy"
-    return _errors.get("lib")
+    """Why `lib()` is None (None when it loaded)."""
+    lib()
+    return _resolved[(os.environ.get("LLAMAPY_KERNELS"), os.environ.get("LLAMAPY_KERNELS_VARIANT"))][2]
 
 
 _addressof = ctypes.addressof

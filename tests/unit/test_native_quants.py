@@ -38,14 +38,18 @@ GGML_ID = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0
            "BF16": 30, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
 
-@pytest.fixture(params=list(native.VARIANTS))
-def lib(request: pytest.FixtureRequest) -> ctypes.CDLL:
-    v = request.param
+def load_variant(v: str) -> ctypes.CDLL:
+    """The library of variant `v` (as LLAMAPY_KERNELS_VARIANT=v loads it), or a skip saying why not."""
     if v not in native.built():
         pytest.skip(f"the {v} kernels were not built by this install (built: {native.built()})")
     if not native.runnable(v):
         pytest.skip(f"this CPU cannot run the {v} kernels (needs {' '.join(sorted(native.REQUIRES[v]))})")
     return native.load(v)
+
+
+@pytest.fixture(params=list(native.VARIANTS))
+def lib(request: pytest.FixtureRequest) -> ctypes.CDLL:
+    return load_variant(request.param)
 
 
 def ptr(a: np.ndarray) -> int:

@@ -172,6 +172,10 @@ enum {
  *                              the product from already quantized activations; 0, or -1
  * lp_mul_mat(type, w, n_rows, row_bytes, n_in, x, ld_x, n_tok, y, ld_y, wsp, n_threads)
  *                              both steps; wsp: n_tok * lp_act_row_bytes(type, n_in) bytes
+ * lp_round_act(type, x, ld_x, n_in, n_tok, out, ld_out, n_threads)
+ *                              x quantized to the vec_dot_type and expanded back to float32
+ *                              (d * q exactly; f16 / bf16 values): float32 tiles + sgemm on these
+ *                              compute lp_mul_mat's sums (large batches); 0, or -1
  * Threads: n_threads OpenMP threads for this call only (no global state), chunks of rows. */
 int lp_vec_dot_type(int ggml_type);
 int64_t lp_act_row_bytes(int ggml_type, int64_t n_in);
@@ -181,5 +185,7 @@ int lp_mul_mat_q(int ggml_type, const void *w, int64_t n_rows, int64_t row_bytes
                  int64_t n_tok, float *y, int64_t ld_y, int n_threads);
 int lp_mul_mat(int ggml_type, const void *w, int64_t n_rows, int64_t row_bytes, int64_t n_in, const float *x,
                int64_t ld_x, int64_t n_tok, float *y, int64_t ld_y, void *wsp, int n_threads);
+int lp_round_act(int ggml_type, const float *x, int64_t ld_x, int64_t n_in, int64_t n_tok, float *out, int64_t ld_out,
+                 int n_threads);
 
 #endif

@@ -1049,6 +1049,59 @@ QMM_API int lp_mul_mat_q(int ggml_type, const void *w, int64_t n_rows, int64_t r
     return 0;
 }
 
+/* x rounded to what the vec_dot kernels see: quantized to the vec_dot_type and expanded back to
+ * float32 (exactly: d * q, f16 or bf16 values), for products big enough for sgemm on expanded
+ * weights, which then computes the same sums as lp_mul_mat up to the float32 summation order. */
+static void mm_round_row(const mm_traits *t, const float *x, int64_t n_in, float *out) {
+    uint8_t buf[sizeof(block_q8_K)];
+    for (int64_t b = 0; b < n_in; b += t->blck) {
+        const float *xb = x + b;
+        float *ob = out + b;
+        switch (t->vec_dot_type) {
+        case LP_TYPE_F32: memcpy(ob, xb, (size_t)t->blck * sizeof(float)); break;
+        case LP_TYPE_F16: ob[0] = lp_h2f(lp_f2h(xb[0])); break;
+        case LP_TYPE_BF16: ob[0] = lp_bf2f(lp_f2bf(xb[0])); break;
+        case LP_TYPE_Q8_0: {
+            t->quantize(xb, buf, QK8_0);
+            const block_q8_0 *q = (const block_q8_0 *)buf;
+            const float d = lp_h2f(q->d);
+            for (int j = 0; j < QK8_0; j++) ob[j] = d * (float)q->qs[j];
+            break;
+        }
+        case LP_TYPE_Q8_1: {
+            t->quantize(xb, buf, QK8_1);
+            const block_q8_1 *q = (const block_q8_1 *)buf;
+            const float d = lp_h2f(q->d);
+            for (int j = 0; j < QK8_1; j++) ob[j] = d * (float)q->qs[j];
+            break;
+        }
+        case LP_TYPE_Q8_K: {
+            t->quantize(xb, buf, QK_K);
+            const block_q8_K *q = (const block_q8_K *)buf;
+            for (int j = 0; j < QK_K; j++) ob[j] = q->d * (float)q->qs[j];
+            break;
+        }
+        }
+    }
+}
+
+QMM_API int lp_round_act(int ggml_type, const float *x, int64_t ld_x, int64_t n_in, int64_t n_tok, float *out,
+                         int64_t ld_out, int n_threads) {
+    mm_traits t;
+    if (mm_traits_of(ggml_type, &t) != 0 || n_in % t.blck) return -1;
+#ifdef _OPENMP
+    if (use_threads(n_threads, n_tok, n_tok * n_in * 4)) {
+#pragma omp parallel for schedule(static) num_threads(n_threads)
+        for (int64_t i = 0; i < n_tok; i++) mm_round_row(&t, x + i * ld_x, n_in, out + i * ld_out);
+        return 0;
+    }
+#else
+    (void)n_threads;
+#endif
+    for (int64_t i = 0; i < n_tok; i++) mm_round_row(&t, x + i * ld_x, n_in, out + i * ld_out);
+    return 0;
+}
+
 QMM_API int lp_mul_mat(int ggml_type, const void *w, int64_t n_rows, int64_t row_bytes, int64_t n_in,
                        const float *x, int64_t ld_x, int64_t n_tok, float *y, int64_t ld_y, void *wsp, int n_threads) {
     if (lp_quantize_act(ggml_type, x, ld_x, n_in, n_tok, wsp, n_threads) != 0) return -1;

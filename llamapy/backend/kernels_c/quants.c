@@ -113,7 +113,14 @@ static inline __m256i hbits32(const uint8_t *qh) {
     return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-static inline __m256 h2f_pair(lp_half a, lp_half b) { return _mm256_set1_ps(lp_h2f(a) * lp_h2f(b)); }
+/* f16 -> f32 in one instruction where F16C is there (the same bits as lp_h2f) */
+#if defined(__F16C__)
+#define H2F(h) _cvtsh_ss(h)
+#else
+#define H2F(h) lp_h2f(h)
+#endif
+
+static inline __m256 h2f_pair(lp_half a, lp_half b) { return _mm256_set1_ps(H2F(a) * H2F(b)); }
 
 #endif
 
@@ -126,13 +133,20 @@ LP_API void lp_vec_dot_q4_0_q8_0(int n, float *s, const void *vx, const void *vy
     int i = 0;
     float sumf = 0.0f;
 #if defined(__AVX2__)
-    __m256 acc = _mm256_setzero_ps();
-    for (; i < nb; i++) {
-        const __m256i qx = _mm256_sub_epi8(nibbles32(x[i].qs), _mm256_set1_epi8(8));
-        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+#define LP_STEP(acc, i)                                                                                   \
+    do {                                                                                                  \
+        const __m256i qx = _mm256_sub_epi8(nibbles32(x[i].qs), _mm256_set1_epi8(8));                      \
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);                                  \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);       \
+    } while (0)
+    for (; i + 1 < nb; i += 2) {
+        LP_STEP(acc0, i);
+        LP_STEP(acc1, i + 1);
     }
-    sumf = hsum8(acc);
+    if (i < nb) { LP_STEP(acc0, i); i++; }
+#undef LP_STEP
+    sumf = hsum8(_mm256_add_ps(acc0, acc1));
 #endif
     for (; i < nb; i++) {
         int sumi = 0;
@@ -151,14 +165,21 @@ LP_API void lp_vec_dot_q4_1_q8_1(int n, float *s, const void *vx, const void *vy
     int i = 0;
     float sumf = 0.0f;
 #if defined(__AVX2__)
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     float summ = 0.0f;
-    for (; i < nb; i++) {
-        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(nibbles32(x[i].qs), qy)), h2f_pair(x[i].d, y[i].d), acc);
-        summ += lp_h2f(x[i].m) * lp_h2f(y[i].s);
+#define LP_STEP(acc, i)                                                                                   \
+    do {                                                                                                  \
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);                                  \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(nibbles32(x[i].qs), qy)), h2f_pair(x[i].d, y[i].d), acc); \
+        summ += H2F(x[i].m) * H2F(y[i].s);                                                                \
+    } while (0)
+    for (; i + 1 < nb; i += 2) {
+        LP_STEP(acc0, i);
+        LP_STEP(acc1, i + 1);
     }
-    sumf = hsum8(acc) + summ;
+    if (i < nb) { LP_STEP(acc0, i); i++; }
+#undef LP_STEP
+    sumf = hsum8(_mm256_add_ps(acc0, acc1)) + summ;
 #endif
     for (; i < nb; i++) {
         int sumi = 0;
@@ -215,7 +236,7 @@ LP_API void lp_vec_dot_q5_1_q8_1(int n, float *s, const void *vx, const void *vy
         const __m256i qx = _mm256_or_si256(nibbles32(x[i].qs), hbits32(x[i].qh));
         const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);
-        summ += lp_h2f(x[i].m) * lp_h2f(y[i].s);
+        summ += H2F(x[i].m) * H2F(y[i].s);
     }
     sumf = hsum8(acc) + summ;
 #endif
@@ -234,13 +255,20 @@ LP_API void lp_vec_dot_q8_0_q8_0(int n, float *s, const void *vx, const void *vy
     int i = 0;
     float sumf = 0.0f;
 #if defined(__AVX2__)
-    __m256 acc = _mm256_setzero_ps();
-    for (; i < nb; i++) {
-        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[i].qs);
-        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+#define LP_STEP(acc, i)                                                                                   \
+    do {                                                                                                  \
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[i].qs);                                  \
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);                                  \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);       \
+    } while (0)
+    for (; i + 1 < nb; i += 2) {
+        LP_STEP(acc0, i);
+        LP_STEP(acc1, i + 1);
     }
-    sumf = hsum8(acc);
+    if (i < nb) { LP_STEP(acc0, i); i++; }
+#undef LP_STEP
+    sumf = hsum8(_mm256_add_ps(acc0, acc1));
 #endif
     for (; i < nb; i++) {
         int sumi = 0;

@@ -74,10 +74,11 @@ class Buffer(ABC):
     def get(self, t: Tensor) -> np.ndarray:
         """Buffer -> host."""
 
-    def use_cache(self, key: str, label: str = "") -> None:
+    def use_cache(self, key: str, label: str = "", cpu_matmul: str = "q8") -> None:
         """Optional: a backend may keep prepared (repacked) weights in a cache file under `key`
         (identifying the model file's content; `label`: the model's name); called before the
-        weights are set."""
+        weights are set. `cpu_matmul`: the context's CPU MUL_MAT mode ("q8" or "f32"), which the
+        host weights are laid out for."""
 
     def finish_loading(self) -> None:
         """Optional: called once every weight is set (e.g. to write that cache)."""

@@ -55,6 +55,7 @@ def perplexity(
     ctv: str = common.CTV,
     nkvo: bool = common.NKVO,
     no_op_offload: bool = common.NO_OP_OFFLOAD,
+    f32_activations: bool = common.F32_ACT,
     device: str = common.DEVICE,
     flash_attn: str = common.FLASH_ATTN,
     threads_batch: int = common.THREADS_BATCH,
@@ -67,7 +68,7 @@ def perplexity(
     set_logging(not log_disable)
     common.no_effect(flash_attn, threads_batch, no_mmap)
     placement = dict(ngl=ngl, ot=ot, ts=ts, mg=mg, threads=threads, ctk=ctk, ctv=ctv, nkvo=nkvo,
-                     no_op_offload=no_op_offload, device=device)
+                     no_op_offload=no_op_offload, device=device, f32_activations=f32_activations)
     if chunks == 0:
         raise LlamapyError("--chunks 0: nothing to evaluate")
     if ubatch <= 0:

@@ -112,6 +112,7 @@ def run(
     ctv: str = common.CTV,
     nkvo: bool = common.NKVO,
     no_op_offload: bool = common.NO_OP_OFFLOAD,
+    f32_activations: bool = common.F32_ACT,
     device: str = common.DEVICE,
     flash_attn: str = common.FLASH_ATTN,
     no_mmap: bool = common.NO_MMAP,
@@ -140,7 +141,8 @@ def run(
         repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, seed=seed, ignore_eos=ignore_eos,
     )  # fmt: skip
-    llm = common.load(model, model_opt, ngl, ot, ts, mg, ctx_size, batch, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device)
+    llm = common.load(model, model_opt, ngl, ot, ts, mg, ctx_size, batch, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device,
+                      f32_activations=f32_activations)
     has_template = bool(llm.model.gguf.metadata.get("tokenizer.chat_template"))
     if conversation is None:
         # llama-completion: a chat template and no prompt turn conversation mode on
@@ -152,8 +154,7 @@ def run(
     if conversation and not has_template:
         log("run: the model has no chat template: using chatml, which may not suit it")
     if not no_warmup:
-        # reported apart from the load time: it is mostly loading the compiled kernels (built on the
-        # very first run)
+        # reported apart from the load time: it is mostly loading the compiled kernels
         log(f"common_init: warm-up run (compiled-kernel load) = {llm.warmup():.2f} ms")
     log(f"sampler seed: {seed}")
     stops = _ReversePrompts(reverse_prompt)

@@ -20,7 +20,8 @@ TOKENS = [1, 260, 40, 75, 262, 100, 101, 263, 7, 8, 9, 270, 33, 34, 120, 121, 12
 
 def _check(path: Path, tokens: list[int], rtol: float = 1e-4, **ctx_kw: object) -> None:
     ref = reference_logits(path, tokens)
-    co = ContextOptions(n_ctx=int(ctx_kw.pop("n_ctx", 256)), type_k=T.F32, type_v=T.F32, **ctx_kw)  # type: ignore[arg-type]
+    # float32 activations (--f32-activations): the float64 reference has no 8-bit rounding
+    co = ContextOptions(n_ctx=int(ctx_kw.pop("n_ctx", 256)), type_k=T.F32, type_v=T.F32, cpu_matmul="f32", **ctx_kw)  # type: ignore[arg-type]
     with llamapy.Llama(path, context_options=co) as llm:
         got = llm.ctx.decode(tokens, list(range(len(tokens))), 0, np.ones(len(tokens), bool))
     err = np.abs(got - ref).max()
@@ -58,7 +59,7 @@ def test_sliding_window_changes_the_result(tmp_path: Path) -> None:
     logits past the window, and the same ones inside it."""
     a = write_family_gguf(tmp_path / "a.gguf", "gemma3", n_swa=4, swa_pattern=2, head_dim=64)
     b = write_family_gguf(tmp_path / "b.gguf", "gemma3", n_swa=4096, swa_pattern=2, head_dim=64)
-    co = ContextOptions(n_ctx=64, type_k=T.F32, type_v=T.F32)
+    co = ContextOptions(n_ctx=64, type_k=T.F32, type_v=T.F32, cpu_matmul="f32")
     n = len(TOKENS)
     with llamapy.Llama(a, context_options=co) as la, llamapy.Llama(b, context_options=co) as lb:
         ga = la.ctx.decode(TOKENS, list(range(n)), 0, np.ones(n, bool))
@@ -118,7 +119,7 @@ def test_family_on_the_test_device(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("LLAMAPY_TEST_GPU", "1")
     monkeypatch.delenv("LLAMAPY_TEST_GPU_MEM", raising=False)
     path = write_family_gguf(tmp_path / f"{case}.gguf", **CASES[case])  # type: ignore[arg-type]
-    co = ContextOptions(n_ctx=64, type_k=T.F32, type_v=T.F32)
+    co = ContextOptions(n_ctx=64, type_k=T.F32, type_v=T.F32, cpu_matmul="f32")
     n = len(TOKENS)
     out = []
     for ngl in (0, 1, "all"):

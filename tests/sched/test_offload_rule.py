@@ -86,7 +86,8 @@ def test_prompt_graph_offloads_every_big_op_on_host_weights(tiny32, test_gpu, mo
 def test_small_batches_stay_with_their_weights(tiny32, test_gpu) -> None:  # noqa: ANN001
     with open_llm(tiny32, 0) as llm:
         plan, where = _plan(llm, 31)
-        assert set(where.values()) == {"CPU"} and len(plan.splits) == 1
+        # host devices only (BLAS takes the products qmatmul.use_sgemm gives it; same memory)
+        assert set(where.values()) <= {"CPU", "BLAS"} and not any(s.inputs for s in plan.splits)
 
 
 def test_no_op_offload_keeps_ngl0_off_the_gpu(tiny32, test_gpu) -> None:  # noqa: ANN001
@@ -102,9 +103,11 @@ def test_no_op_offload_keeps_ngl0_off_the_gpu(tiny32, test_gpu) -> None:  # noqa
 def test_offloaded_prompt_gives_the_same_logits(make_llama, test_gpu) -> None:  # noqa: ANN001
     path = make_llama(n_layer=3, tied=False)
     toks = list(range(1, 41))
-    with open_llm(path, 0, op_offload=False) as llm:
+    # float32 activations: the TEST device computes the reference's f32 products, so the two
+    # runs can agree to float32 noise (8-bit rounding on one side only would not)
+    with open_llm(path, 0, op_offload=False, cpu_matmul="f32") as llm:
         ref = llm.logits(toks)
-    with open_llm(path, 0) as llm:
+    with open_llm(path, 0, cpu_matmul="f32") as llm:
         _, where = _plan(llm, len(toks))
         assert {where[n] for n in llm.ctx.plan(len(toks)).graph.nodes if n.name.startswith("attn_norm-")} == {"TEST0"}
         got = llm.logits(toks)

@@ -42,21 +42,22 @@ def _mappings(*paths: Path) -> list[str]:
     return out
 
 
-def _cycles(path: Path, n: int, how: str) -> tuple[list[float], list[int], list[int]]:
-    """Load, evaluate a few tokens, release `n` times; (RSS, open fds, mappings) after each."""
+def _cycles(path: Path, n: int, how: str, cpu_matmul: str = "q8") -> tuple[list[float], list[int], list[int]]:
+    """Load, evaluate a few tokens, release `n` times; (RSS, open fds, mappings) after each.
+    cpu_matmul="f32" also maps the repacked-weights cache file."""
     rss, fds, maps = [], [], []
     toks = [1, 260, 261, 262]
     for _ in range(n):
         if how == "close":
-            llm = llamapy.Llama(path, n_ctx=64)
+            llm = llamapy.Llama(path, n_ctx=64, cpu_matmul=cpu_matmul)
             llm.logits(toks)
             llm.generate(toks, n_predict=2, temp=0)
             llm.close()  # `llm` stays referenced until the next round: close() alone must release
         elif how == "with":
-            with llamapy.Llama(path, n_ctx=64) as llm:
+            with llamapy.Llama(path, n_ctx=64, cpu_matmul=cpu_matmul) as llm:
                 llm.logits(toks)
         else:  # garbage collection of an unclosed Llama
-            llm = llamapy.Llama(path, n_ctx=64)
+            llm = llamapy.Llama(path, n_ctx=64, cpu_matmul=cpu_matmul)
             llm.logits(toks)
             del llm
             gc.collect()
@@ -66,13 +67,14 @@ def _cycles(path: Path, n: int, how: str) -> tuple[list[float], list[int], list[
     return rss, fds, maps
 
 
+@pytest.mark.parametrize("cpu_matmul", ["q8", "f32"])
 @pytest.mark.parametrize("how", ["close", "with", "gc"])
-def test_load_close_cycles_release_mappings_and_fds(make_llama, how: str) -> None:  # noqa: ANN001
+def test_load_close_cycles_release_mappings_and_fds(make_llama, how: str, cpu_matmul: str) -> None:  # noqa: ANN001
     # big enough (~22 MB of Q8_0 weights) that a leaked mapping per cycle shows in the RSS
     path = make_llama(n_layer=4, n_embd=512, n_ff=2048, n_head=8, n_head_kv=4, qtype=T.Q8_0)
-    _cycles(path, 2, how)  # first loads: compile, write the repack cache, warm allocators
+    _cycles(path, 2, how, cpu_matmul)  # first loads: write the repack cache (f32), warm allocators
     fd0 = _n_fds()
-    rss, fds, maps = _cycles(path, 10, how)
+    rss, fds, maps = _cycles(path, 10, how, cpu_matmul)
     assert maps == [0] * 10, _mappings(path)
     assert max(fds) <= fd0, fds
     assert rss[-1] - rss[0] < 40, rss  # a leak keeps ~25 MiB per cycle
@@ -81,9 +83,9 @@ def test_load_close_cycles_release_mappings_and_fds(make_llama, how: str) -> Non
 def test_default_model_twenty_cycles_stay_flat(default_model: Path) -> None:
     """The issue's measurement: 20 load/close cycles of the default model (a leak took the RSS
     from 40 to 1953 MiB and left 27 files open). ~20 s, most of it the first load."""
-    _cycles(default_model, 1, "close")
+    _cycles(default_model, 1, "close", "f32")
     fd0 = _n_fds()
-    rss, fds, maps = _cycles(default_model, 20, "close")
+    rss, fds, maps = _cycles(default_model, 20, "close", "f32")
     assert maps == [0] * 20
     assert max(fds) <= fd0, fds
     assert rss[-1] - rss[0] < 100, rss  # a leak keeps ~95 MiB per cycle

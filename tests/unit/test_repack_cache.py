@@ -1,7 +1,8 @@
-"""The repacked-weight cache: the first load writes it, later loads map it and compute the same
-logits; a damaged cache file is ignored (repacked again), never an error. Entries are keyed by
-content (a copy or a touched file reuses one), the folder is bounded (least recently used out
-first), `llamapy cache list|clear` manage it, and a folder that cannot be written is said."""
+"""The repacked-weight cache (layouts of the f32 matmul mode): the first load writes it, later
+loads map it and compute the same logits; a damaged cache file is ignored (repacked again), never
+an error. Entries are keyed by content (a copy or a touched file reuses one), the folder is
+bounded (least recently used out first), `llamapy cache list|clear` manage it, and a folder that
+cannot be written is said."""
 
 from __future__ import annotations
 
@@ -34,13 +35,13 @@ def test_second_load_maps_the_cache(make_llama, tmp_path, monkeypatch) -> None: 
     monkeypatch.setenv("LLAMAPY_REPACK_CACHE", str(tmp_path / "repack"))
     path = make_llama(n_layer=2, qtype=T.Q4_1, embd_type=T.Q8_0)
     toks = [1, 260, 261, 40, 41, 42]
-    with llamapy.Llama(path, n_ctx=64) as llm:
+    with llamapy.Llama(path, n_ctx=64, cpu_matmul="f32") as llm:
         first = llm.logits(toks)
         qm = llm.model.weights.layers[0]["attn_qkv"].buffer.storage(llm.model.weights.layers[0]["attn_qkv"])
         assert qm.repacked and not _mapped(qm.state()[0])
     files = list((tmp_path / "repack").glob("*.bin"))
     assert len(files) == 1
-    with llamapy.Llama(path, n_ctx=64) as llm:
+    with llamapy.Llama(path, n_ctx=64, cpu_matmul="f32") as llm:
         t = llm.model.weights.layers[0]["attn_qkv"]
         assert _mapped(t.buffer.storage(t).state()[0])
         assert np.array_equal(llm.logits(toks), first)
@@ -48,7 +49,7 @@ def test_second_load_maps_the_cache(make_llama, tmp_path, monkeypatch) -> None: 
     data = bytearray(files[0].read_bytes())
     data[-5] ^= 0xFF
     files[0].write_bytes(bytes(data))
-    with llamapy.Llama(path, n_ctx=64) as llm:
+    with llamapy.Llama(path, n_ctx=64, cpu_matmul="f32") as llm:
         assert np.array_equal(llm.logits(toks), first)
 
 
@@ -60,7 +61,7 @@ def test_copies_and_touched_files_reuse_one_entry(make_llama, tmp_path, monkeypa
     root = tmp_path / "repack"
     monkeypatch.setenv("LLAMAPY_REPACK_CACHE", str(root))
     path = make_llama(n_layer=1, qtype=T.Q4_1)
-    with llamapy.Llama(path, n_ctx=64) as llm:
+    with llamapy.Llama(path, n_ctx=64, cpu_matmul="f32") as llm:
         first = llm.logits([1, 260, 261])
     names = _entries(root)
     assert len(names) == 1
@@ -71,7 +72,7 @@ def test_copies_and_touched_files_reuse_one_entry(make_llama, tmp_path, monkeypa
     os.utime(copy, (1e9, 1e9))  # another path, another modification time: the same content
     os.utime(path)
     for p in (copy, path):
-        with llamapy.Llama(p, n_ctx=64) as llm:
+        with llamapy.Llama(p, n_ctx=64, cpu_matmul="f32") as llm:
             t = llm.model.weights.layers[0]["attn_qkv"]
             assert _mapped(t.buffer.storage(t).state()[0])  # mapped from the one entry
             assert np.array_equal(llm.logits([1, 260, 261]), first)
@@ -101,7 +102,7 @@ def test_the_cache_is_bounded_least_recently_used_first(make_llama, tmp_path, mo
 
     def load(p) -> str:  # noqa: ANN001
         before = set(_entries(root))
-        with llamapy.Llama(p, n_ctx=64):
+        with llamapy.Llama(p, n_ctx=64, cpu_matmul="f32"):
             pass
         new = set(_entries(root)) - before
         return new.pop() if new else ""
@@ -152,7 +153,7 @@ def test_cache_command_lists_and_clears(make_llama, tmp_path) -> None:  # noqa: 
     root = tmp_path / "repack"
     a, b = make_llama(n_layer=1, seed=1), make_llama(n_layer=2, seed=2)
     for p in (a, b):
-        r = _cli("run", str(p), "-p", "the", "-n", "1", cache=root)
+        r = _cli("run", str(p), "-p", "the", "-n", "1", "--f32-activations", cache=root)
         assert r.returncode == 0, r.stderr
     (root / "notes.txt").write_text("mine")
     (root / "other.bin").write_bytes(b"not an entry")
@@ -181,7 +182,7 @@ def test_an_unwritable_cache_folder_is_said_on_stderr(make_llama, tmp_path) -> N
         ro.chmod(0o555)
         folders.append(ro)
     for folder in folders:
-        r = _cli("run", str(path), "-p", "the", "-n", "1", cache=folder)
+        r = _cli("run", str(path), "-p", "the", "-n", "1", "--f32-activations", cache=folder)
         assert r.returncode == 0, r.stderr
         warn = [line for line in r.stderr.splitlines() if line.startswith("warning: repack cache")]
         assert len(warn) == 1 and "cannot write" in warn[0] and str(folder) in warn[0], r.stderr
@@ -193,7 +194,8 @@ def test_a_malformed_cache_bound_is_said(make_llama, tmp_path) -> None:  # noqa:
     path = make_llama(n_layer=1)
     env = {k: v for k, v in os.environ.items() if k != "LLAMAPY_DEBUG"}
     env.update(LLAMAPY_REPACK_CACHE=str(tmp_path / "c"), LLAMAPY_REPACK_CACHE_MAX="lots")
-    r = subprocess.run([sys.executable, "-m", "llamapy", "run", str(path), "-p", "the", "-n", "1"],
+    r = subprocess.run([sys.executable, "-m", "llamapy", "run", str(path), "-p", "the", "-n", "1",
+                        "--f32-activations"],
                        capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "warning: repack cache: LLAMAPY_REPACK_CACHE_MAX=lots" in r.stderr

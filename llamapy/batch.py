@@ -1,29 +1,30 @@
 """Parallel decoding of many prompts over one context (llama.cpp's tools/batched and
 tools/parallel, with continuous batching as in tools/parallel's `-cb`).
 
-`n_parallel` slots share the context's unified KV cache: slot `s` decodes as sequence id `s`, and
-each slot may use `n_ctx // n_parallel` cells, as llama-parallel sizes them. Every step builds ONE
-batch holding the whole prompt of each sequence admitted at this step plus the last sampled token
-of each sequence still generating; logits are asked for only at the last prompt token of a new
-sequence and at every generating token. When a sequence ends — an end-of-generation token
-(`stop`), its `n_predict` (`length`) or a full slot (`context`) — its cells are dropped
-(`seq_rm`) and the next prompt takes the slot at the next step.
+A thin client of the serving engine (`engine.py`): `n_parallel` slots share the context's unified
+KV cache, slot `s` decoding as sequence id `s`, and each slot may use `n_ctx // n_parallel` cells,
+as llama-parallel sizes them. Prompts are submitted lazily, one whenever a slot is free; every
+engine step decodes ONE micro-batch holding the next token of every generating sequence plus the
+prompts (or prompt chunks, up to `n_batch` tokens) of the sequences just admitted. When a sequence
+ends — an end-of-generation token (`stop`), its `n_predict` (`length`) or a full slot (`context`) —
+its cells are dropped (no prompt cache: `cache_prompt` off) and the next prompt takes the slot.
 
 `run_batch()` yields one `BatchRecord` per prompt as it finishes (completion order, not input
-order). A prompt that cannot run (no tokens, longer than a slot) yields an error record and the
-rest carry on. Library code: nothing here prints.
+order). A prompt that cannot run (no tokens, longer than a slot, bad settings) yields an error
+record and the rest carry on; a failure of the engine itself (a decode that fails) ends the run
+with a LlamapyError. Library code: nothing here prints.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
-
 from .context import Context
+from .engine import Engine, EngineMetrics, Event, PromptTooLongError, Request
 from .generate import check_n_predict
 from .model.sampler import Sampler, SamplingParams
 from .types import LlamapyError
@@ -57,7 +58,7 @@ class BatchRecord:
     n_tokens: int = 0
     finish_reason: str = ""  # "stop", "length", "context"; "" with an error
     error: str | None = None
-    prompt_ms: float = 0.0  # wall time of the step(s) that evaluated this prompt
+    prompt_ms: float = 0.0  # from taking a slot to the end of the prompt's evaluation
     predicted_ms: float = 0.0  # from the first sampled token to the end
     seed: int | None = None  # the sampler's seed (the one drawn, when random)
 
@@ -103,21 +104,6 @@ def _rate(n: int, ms: float) -> float:
     return 1e3 * n / ms if ms > 0 else 0.0
 
 
-@dataclass
-class _Slot:
-    """A sequence being decoded."""
-
-    seq: int
-    rec: BatchRecord
-    sampler: Sampler
-    decoder: Any
-    n_predict: int
-    n_past: int = 0
-    pending: int = -1  # the token to evaluate at the next step (-1: the prompt is pending)
-    prompt_tokens: list[int] = field(default_factory=list)
-    t_first: float = 0.0
-
-
 def _as_request(item: BatchRequest | str | Sequence[int], i: int) -> BatchRequest:
     if isinstance(item, BatchRequest):
         return item if item.index is not None else replace(item, index=i)
@@ -146,16 +132,19 @@ def run_batch(
         raise LlamapyError(f"-c {ctx.n_ctx} is too small for -np {n_parallel}: each sequence needs cells")
     base = sampling or SamplingParams()
     tok = ctx.model.tokenizer
-    eog = tok.eog_ids
     st = stats if stats is not None else BatchStats()
+    st0 = replace(st)  # a stats object given twice accumulates
+    # the engine is driven from this thread (no worker); max_queue 0: requests are submitted only
+    # into free slots, so that `requests` is read no further ahead than the slots go
+    engine = Engine(ctx, n_parallel=n_parallel, n_ctx_slot=n_slot, max_queue=0, cache_bytes=0)
+    events: deque[Event] = deque()  # the sink: filled during engine.step(), drained after it
+    live: dict[int, BatchRecord] = {}  # request id -> its record, until its "done" event
     t_start = time.perf_counter()
     it = iter(requests)
     exhausted = False
-    free_seqs = list(range(n_parallel - 1, -1, -1))  # pop() hands out 0 first
-    active: list[_Slot] = []
     counter = 0
 
-    def admit(req: BatchRequest) -> _Slot | BatchRecord:
+    def prepare(req: BatchRequest) -> BatchRecord | tuple[BatchRecord, Request]:
         prompt = req.prompt if isinstance(req.prompt, str) else [int(t) for t in req.prompt]
         rec = BatchRecord(index=int(req.index or 0), id=req.id if req.id is not None else req.index, prompt=prompt)
         try:
@@ -166,139 +155,87 @@ def run_batch(
                 params = replace(params, temp=float(req.temp))
             if req.seed is not None:
                 params = replace(params, seed=int(req.seed))
+            # the seed is drawn here when random, so that the record can report it
+            rec.seed = Sampler(params).seed
+            params = replace(params, seed=rec.seed)
             toks = tok.encode(prompt, add_special=True, parse_special=True) if isinstance(prompt, str) else prompt
-            if not toks:
-                raise LlamapyError("the prompt is empty (no tokens to evaluate)")
-            if len(toks) > n_slot:
-                raise LlamapyError(
-                    f"the prompt is {len(toks)} tokens, longer than a sequence's share of the context "
-                    f"({n_slot} cells = -c {ctx.n_ctx} // -np {n_parallel})"
-                )
-            if min(toks) < 0 or max(toks) >= ctx.model.params.n_vocab:
-                raise LlamapyError(f"token id out of range [0, {ctx.model.params.n_vocab})")
+            request = Request(toks, max_tokens=npred if npred >= 0 else -1, sampling=params, cache_prompt=False)
+            rec.n_prompt_tokens = len(engine.check(request))
+        except PromptTooLongError as e:
+            rec.error = (
+                f"the prompt is {e.n_prompt} tokens, longer than a sequence's share of the context "
+                f"({n_slot} cells = -c {ctx.n_ctx} // -np {n_parallel})"
+            )
         except LlamapyError as e:
             rec.error = str(e)
-            return rec
         except (TypeError, ValueError) as e:
             rec.error = f"invalid request: {e}"
+        if rec.error is not None:
+            rec.seed = None
             return rec
-        sampler = Sampler(params)
-        for t in toks:
-            sampler.accept(t)
-        rec.seed = sampler.seed
-        rec.n_prompt_tokens = len(toks)
-        seq = free_seqs.pop()
-        ctx.kv.seq_rm(seq)
-        return _Slot(seq, rec, sampler, tok.stream_decoder(), npred, prompt_tokens=list(toks))
+        return rec, request
 
-    def finish(slot: _Slot, reason: str, now: float) -> BatchRecord:
-        rec = slot.rec
-        rec.finish_reason = reason
-        tail = slot.decoder.flush()
-        if tail:
-            rec.text += tail
+    def update_stats() -> None:
+        m: EngineMetrics = engine.metrics
+        st.n_steps = st0.n_steps + m.n_decode_total
+        st.n_prompt_tokens = st0.n_prompt_tokens + m.prompt_tokens_total
+        st.n_gen_tokens = st0.n_gen_tokens + m.tokens_predicted_total
+        st.decode_ms = st0.decode_ms + m.decode_seconds_total * 1e3
+        st.max_batch = max(st0.max_batch, m.n_batch_tokens_max)
+        st.wall_ms = st0.wall_ms + (time.perf_counter() - t_start) * 1e3
+
+    def take(ev: Event) -> BatchRecord | None:
+        """Fold one event into its record; the record when it is complete."""
+        rec = live[ev.id]
+        rec.text += ev.text
+        if ev.kind == "token":
+            rec.tokens.append(ev.token)
+            return None
+        del live[ev.id]
+        if ev.finish_reason not in ("stop", "length", "context") or ev.timings is None:
+            # the engine failed (a decode error), not this request: stop the run, so that a
+            # resumed run tries these prompts again rather than keeping error records for them
+            raise LlamapyError(f"batch: prompt {rec.index}: {ev.error or ev.finish_reason}")
+        rec.finish_reason = ev.finish_reason
         rec.n_tokens = len(rec.tokens)
-        rec.predicted_ms = (now - slot.t_first) * 1e3 if slot.t_first else 0.0
-        ctx.kv.seq_rm(slot.seq)
-        free_seqs.append(slot.seq)
+        rec.prompt_ms = ev.timings.prompt_ms
+        rec.predicted_ms = ev.timings.predicted_ms
         return rec
 
     try:
         while True:
-            # -- admit prompts into the free slots -----------------------------------------
-            new: list[_Slot] = []
-            while free_seqs and not exhausted:
+            # -- submit prompts into the free slots ----------------------------------------
+            while len(live) < n_parallel and not exhausted:
                 try:
                     item = next(it)
                 except StopIteration:
                     exhausted = True
                     break
-                got = admit(_as_request(item, counter))
+                got = prepare(_as_request(item, counter))
                 counter += 1
                 if isinstance(got, BatchRecord):
-                    st.wall_ms = (time.perf_counter() - t_start) * 1e3
+                    update_stats()
                     yield got
                     continue
-                new.append(got)
-            if not active and not new:
+                rec, request = got
+                live[engine.submit(request, events.append)] = rec
+            if not live:
                 break
-            # -- one batch: new prompts (logits at their last token) + one token per generating seq
-            toks: list[int] = []
-            pos: list[int] = []
-            seqs: list[int] = []
-            want: list[bool] = []
-            rows: list[_Slot] = []  # the slot of each logits row, in batch order
-            for s in active:
-                toks.append(s.pending)
-                pos.append(s.n_past)
-                seqs.append(s.seq)
-                want.append(True)
-                rows.append(s)
-            for s in new:
-                n = len(s.prompt_tokens)
-                toks.extend(s.prompt_tokens)
-                pos.extend(range(n))
-                seqs.extend([s.seq] * n)
-                want.extend([False] * (n - 1) + [s.n_predict != 0])
-                if s.n_predict != 0:
-                    rows.append(s)
-            t0 = time.perf_counter()
-            logits = _decode(ctx, toks, pos, seqs, want)
-            t1 = time.perf_counter()
-            st.n_steps += 1
-            st.decode_ms += (t1 - t0) * 1e3
-            st.max_batch = max(st.max_batch, len(toks))
-            st.n_prompt_tokens += sum(len(s.prompt_tokens) for s in new)
-            for s in active:
-                s.n_past += 1
-            for s in new:
-                s.rec.prompt_ms = (t1 - t0) * 1e3
-                s.n_past = len(s.prompt_tokens)
-                s.t_first = t1
-            done: list[BatchRecord] = []
-            for s in new:
-                if s.n_predict == 0:
-                    done.append(finish(s, "length", t1))
-            still: list[_Slot] = []
-            for s, row in zip(rows, logits):
-                token = s.sampler.sample(row)
-                s.sampler.accept(token)
-                if token in eog:
-                    done.append(finish(s, "stop", time.perf_counter()))
-                    continue
-                s.rec.tokens.append(token)
-                s.rec.text += s.decoder.push(token)
-                st.n_gen_tokens += 1
-                if s.n_predict > 0 and len(s.rec.tokens) >= s.n_predict:
-                    done.append(finish(s, "length", time.perf_counter()))
-                elif s.n_past >= n_slot:
-                    done.append(finish(s, "context", time.perf_counter()))
-                else:
-                    s.pending = token
-                    still.append(s)
-            active = still
-            st.wall_ms = (time.perf_counter() - t_start) * 1e3
+            # -- one engine step: one micro-batch over every live sequence ---------------------
+            engine.step()
+            done = [rec for rec in map(take, _drain(events)) if rec is not None]
+            update_stats()
             yield from done
     finally:
-        # abandoned (error, Ctrl-C, or the caller stopped iterating): leave no cells behind
-        for seq in range(n_parallel):
-            if seq not in free_seqs:
-                ctx.kv.seq_rm(seq)
+        # finished, abandoned (error, Ctrl-C, or the caller stopped iterating): cancel what runs
+        # and leave no cells behind
+        try:
+            engine.close(cancel=True)
+        finally:
+            for slot in engine.slots:
+                ctx.kv.seq_rm(slot.seq)
 
 
-def _decode(ctx: Context, toks: list[int], pos: list[int], seqs: list[int], want: list[bool]) -> np.ndarray:
-    """ctx.decode over one step's batch, fed in pieces of n_batch tokens as llama.cpp does."""
-    t = np.asarray(toks, np.int32)
-    p = np.asarray(pos, np.int64)
-    s = np.asarray(seqs, np.int64)
-    w = np.asarray(want, bool)
-    out = []
-    step = max(1, ctx.n_batch)
-    for b0 in range(0, len(t), step):
-        b1 = min(len(t), b0 + step)
-        rows = ctx.decode(t[b0:b1], p[b0:b1], s[b0:b1], w[b0:b1])
-        if len(rows):
-            out.append(rows)
-    if not out:
-        return np.zeros((0, ctx.model.params.n_vocab), np.float32)
-    return np.concatenate(out)
+def _drain(q: deque[Event]) -> Iterator[Event]:
+    while q:
+        yield q.popleft()

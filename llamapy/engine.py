@@ -172,6 +172,9 @@ class EngineMetrics:
     n_busy_slots_total: int = 0
     n_tokens_max: int = 0
     requests_total: int = 0
+    # not llama-server's: what `llamapy batch` reports (its micro-batches and their decode time)
+    n_batch_tokens_max: int = 0
+    decode_seconds_total: float = 0.0
 
 
 Sink = Callable[[Event], None]
@@ -496,6 +499,7 @@ class Engine:
             prompting.append((s, len(chunk)))
         if not toks:
             return False
+        t0 = time.perf_counter()
         try:
             logits = self._decode(toks, pos, seqs, want)
         except ContextFullError:
@@ -513,6 +517,8 @@ class Engine:
         m = self.metrics
         m.n_decode_total += 1
         m.n_busy_slots_total += len(busy)
+        m.n_batch_tokens_max = max(m.n_batch_tokens_max, len(toks))
+        m.decode_seconds_total += t1 - t0
         for s in rows:
             if s.job is not None and s.job.pending >= 0:
                 s.cached.append(s.job.pending)

@@ -122,6 +122,54 @@ def test_library_errors_and_overrides(tiny: Llama) -> None:
         list(run_batch(tiny.ctx, ["x"], n_parallel=0))
 
 
+
+def test_reads_lazily_and_leaves_no_cells_when_abandoned(tiny: Llama) -> None:
+    pulled = []
+
+    def prompts():  # noqa: ANN202
+        for p in PROMPTS:
+            pulled.append(p)
+            yield p
+
+    gen = run_batch(tiny.ctx, prompts(), n_parallel=2, n_predict=3, sampling=SamplingParams(temp=0))
+    first = next(gen)
+    assert first.error is None and len(pulled) == 2  # no further ahead than the free slots
+    gen.close()  # the caller stops iterating with a sequence still decoding
+    assert tiny.ctx.kv.n_used() == 0
+    assert len(pulled) == 2
+
+
+def test_random_seed_is_reported_and_replays(tiny: Llama) -> None:
+    (rec,) = run_batch(tiny.ctx, [BatchRequest("Once upon a time", temp=1.0)], n_predict=6)
+    assert rec.seed is not None
+    (again,) = run_batch(tiny.ctx, [BatchRequest("Once upon a time", temp=1.0, seed=rec.seed)], n_predict=6)
+    assert again.seed == rec.seed and again.tokens == rec.tokens
+
+
+@pytest.mark.parametrize("fault", [RuntimeError("boom"), KeyboardInterrupt()])
+def test_failed_decode_ends_the_run_and_frees_the_cells(tiny: Llama, monkeypatch: pytest.MonkeyPatch, fault: BaseException) -> None:
+    real = tiny.ctx.decode
+    calls = {"n": 0}
+
+    def decode(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise fault
+        return real(*a, **k)
+
+    monkeypatch.setattr(tiny.ctx, "decode", decode)
+    got = []
+    # a decode that fails is the engine's failure, not the prompts': no error records (a resumed
+    # `llamapy batch` retries them); Ctrl-C stays Ctrl-C; the records finished before are kept
+    expect = LlamapyError if isinstance(fault, Exception) else KeyboardInterrupt
+    with pytest.raises(expect, match="boom" if expect is LlamapyError else None):
+        for rec in run_batch(tiny.ctx, PROMPTS, n_parallel=4, n_predict=3, sampling=SamplingParams(temp=0)):
+            got.append(rec)
+    assert len(got) == 4 and all(r.error is None for r in got)
+    assert tiny.ctx.kv.n_used() == 0
+    monkeypatch.setattr(tiny.ctx, "decode", real)
+    assert len(list(run_batch(tiny.ctx, PROMPTS[:3], n_parallel=2, n_predict=2))) == 3
+
 # -- the CLI -----------------------------------------------------------------------------------
 
 

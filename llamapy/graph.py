@@ -1,9 +1,11 @@
 """The compute graph: nodes in execution order plus the leafs they read (ggml.c's `ggml_cgraph`,
 `ggml_build_forward_expand`).
 
-`Graph.build(outputs)` visits sources depth-first, so a node always comes after everything it
-reads; expanding several outputs in order (the KV-cache stores first, then the logits) fixes the
-order of side effects, as llama.cpp does by expanding the cache copies before attention.
+`Graph.expand(roots)` visits sources depth-first, so a node always comes after everything it
+reads, and appends only what is not in the graph yet; a builder that expands some tensors early
+fixes their place in the order, as llama.cpp's build_attn expands Q, V and K and then the KV-cache
+stores together, so that a layer's host-side ops stay adjacent (fewer scheduler splits).
+`Graph.build(outputs)` expands the outputs into a new graph and marks them OUTPUT.
 """
 
 from __future__ import annotations
@@ -18,17 +20,27 @@ class Graph:
     nodes: list[Tensor] = field(default_factory=list)  # computed, in execution order
     leafs: list[Tensor] = field(default_factory=list)  # weights, inputs, KV cache
     outputs: list[Tensor] = field(default_factory=list)
+    # ids of every tensor in nodes or leafs (which keep them alive, so no id is reused)
+    _seen: set[int] = field(default_factory=set, repr=False, compare=False)
 
     @classmethod
     def build(cls, *outputs: Tensor) -> Graph:
-        g = cls()
-        seen: set[int] = set()
+        return cls().output(*outputs)
+
+    def expand(self, *roots: Tensor) -> Graph:
+        """Append each root after its not yet added sources, in order (ggml_build_forward_expand)."""
+        for root in roots:
+            self._expand(root, self._seen)
+        return self
+
+    def output(self, *outputs: Tensor) -> Graph:
+        """Expand the outputs and mark them OUTPUT (kept to the end of the compute)."""
         for out in outputs:
-            g._expand(out, seen)
-            if out not in g.outputs:
-                g.outputs.append(out)
+            self._expand(out, self._seen)
+            if out not in self.outputs:
+                self.outputs.append(out)
             out.flags |= TensorFlag.OUTPUT
-        return g
+        return self
 
     def _expand(self, root: Tensor, seen: set[int]) -> None:
         # iterative post-order DFS: graphs of 32+ layers would exceed Python's recursion limit

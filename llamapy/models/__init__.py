@@ -75,4 +75,4 @@ def build_graph(
     """The graph of one micro-batch shape, for whichever architecture `p` is."""
     g = GraphInputs(kv, n_tokens, n_kv, n_outputs)
     logits = architecture(p.arch).build(p, w, g)
-    return ModelGraph(Graph.build(logits), g, logits)
+    return ModelGraph(g.gf.output(logits), g, logits)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..graph import Graph
 from ..tensor import Tensor, TensorFlag
 from ..types import GGMLType
 
@@ -41,7 +42,8 @@ def _input(name: str, shape: tuple[int, ...], t: GGMLType = GGMLType.I32) -> Ten
 @dataclass
 class GraphInputs:
     """The inputs of one graph shape `(n_tokens, n_kv, n_outputs)`; `kv` is the cache whose
-    tensors the graph stores to and reads from."""
+    tensors the graph stores to and reads from; `gf` is the graph being built, for builders that
+    fix the order of some nodes early (llm_graph_context's `gf`)."""
 
     kv: KVCache
     n_tokens: int
@@ -52,6 +54,7 @@ class GraphInputs:
     kv_idx: Tensor = field(init=False)  # (T,) cache cells the new K/V rows go to
     out_ids: Tensor = field(init=False)  # (n_outputs,) rows of the batch whose logits are wanted
     masks: dict[int, Tensor] = field(init=False, default_factory=dict)  # window (0: none) -> (T, N)
+    gf: Graph = field(init=False, default_factory=Graph)
 
     def __post_init__(self) -> None:
         T = self.n_tokens

@@ -72,11 +72,15 @@ def attention(
     if q_scale is not None:
         q = ops.scale(q, q_scale, f"Qcur_scaled-{il}")
         scale = 1.0
+    # Q, V, K and then both cache stores go into the graph together (build_attn's order): a
+    # layer whose KV cache is on the host then needs one switch there and back, not two
+    g.gf.expand(q, v, k)
     # store this batch's K/V rows in the cache, then attend to the first N cells of it
     kv = g.kv
     k2 = ops.reshape(k, (T, Hkv * D), f"Kcur-{il} (rows)")  # (T, Hkv*D)
     k_all = ops.set_rows(kv.k[il], g.kv_idx, k2, f"k_cache_store-{il}")
     v_all = ops.set_rows(kv.v[il], g.kv_idx, v, f"v_cache_store-{il}")
+    g.gf.expand(k_all, v_all)
     k_view = ops.view(k_all, (N, Hkv, D), 0, f"k-{il}")  # (N, Hkv, D)
     v_view = ops.view(v_all, (N, Hkv, Dv), 0, f"v-{il}")  # (N, Hkv, Dv)
     mask = g.kq_mask(p.n_swa if p.is_swa(il) else 0)

@@ -17,6 +17,7 @@ import numpy as np
 from ..tensor import Tensor, TensorFlag
 from ..types import NUMPY_DTYPES, DeviceType
 from .cpu_kernels import cpu_kernels
+from .executor import Refusal, compile_split
 from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps, Registry
 from .kernels import run_nodes
 from .qmatmul import QMatrix, kernels, set_num_threads
@@ -71,11 +72,10 @@ class CPUBuffer(Buffer):
 
     def get(self, t: Tensor) -> np.ndarray:
         v = self._store[t]
-        return v.dequantize() if hasattr(v, "dequantize") else np.asarray(v)
+        return np.asarray(v) if isinstance(v, np.ndarray) else v.dequantize()  # a WeightMatrix
 
-    def zeros(self, t: Tensor) -> None:
-        """Allocate a zero-filled mutable tensor (the KV cache)."""
-        self._store[t] = np.zeros(t.shape, NUMPY_DTYPES[t.type])
+    def _zeros_value(self, t: Tensor) -> Any:
+        return np.zeros(t.shape, NUMPY_DTYPES[t.type])
 
 
 class CPUBufferType(BufferType):
@@ -102,6 +102,23 @@ class CPUBackend(Backend):
 
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
         run_nodes(nodes, env, np, table=cpu_kernels())
+
+    # -- compiled plans (backend/executor.py) ------------------------------------------------
+
+    def threads(self) -> int:
+        """This backend's -t, never more than the cores (0: every core)."""
+        cores = os.cpu_count() or 1
+        return min(self.n_threads, cores) if self.n_threads > 0 else cores
+
+    def graph_plan_create(self, nodes: Sequence[Tensor], exports: Sequence[Tensor]) -> Any | None:
+        # an ExecPlan, or a Refusal (falsy: the scheduler runs the split node by node) saying why
+        return compile_split(nodes, exports)
+
+    def graph_plan_compute(self, plan: Any, env: dict[Tensor, Any]) -> None:
+        plan.compute(env, self.threads())
+
+    def graph_plan_summary(self, plan: Any) -> str:
+        return f"executor refused: {plan.reason} (run_nodes)" if isinstance(plan, Refusal) else plan.summary()
 
     def from_host(self, data: np.ndarray, t: Tensor | None = None) -> Any:
         if t is not None and t.flags & TensorFlag.WEIGHT:

@@ -45,6 +45,9 @@ class BLASBackend(CPUBackend):
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
         run_nodes(nodes, env, np, table=BLAS_KERNELS)
 
+    def graph_plan_create(self, nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Any) -> Any | None:
+        return None  # large GEMMs through its own table: nothing for the CPU executor
+
 
 class BLASDevice(Device):
     name = "BLAS"

@@ -9,7 +9,7 @@ The BLAS backend shares these buffers; the TEST device reuses the kernels but ow
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,11 +18,15 @@ from ..tensor import Tensor, TensorFlag
 from ..types import NUMPY_DTYPES, DeviceType
 from .cpu_kernels import cpu_kernels
 from .executor import Refusal, compile_split
+from .executor import enabled as executor_enabled
 from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps, Registry
 from .kernels import run_nodes
 from .qmatmul import QMatrix, kernels, set_num_threads
 from .repack_cache import RepackStore
 from .threads import set_blas_threads
+
+
+_CORES = os.cpu_count() or 1  # constant for the process (read once: ~5 us a call)
 
 
 def host_value(t: Tensor, data: np.ndarray, copy: bool) -> Any:
@@ -93,6 +97,8 @@ class CPUBackend(Backend):
     def __init__(self, device: Device, n_threads: int = 0) -> None:
         super().__init__(device)
         self.n_threads = n_threads
+        # splits compiled by the executor unless LLAMAPY_EXECUTOR=0 (when the backend is made)
+        self.use_executor = executor_enabled()
 
     def set_n_threads(self, n_threads: int) -> None:
         self.n_threads = n_threads
@@ -107,12 +113,16 @@ class CPUBackend(Backend):
 
     def threads(self) -> int:
         """This backend's -t, never more than the cores (0: every core)."""
-        cores = os.cpu_count() or 1
+        cores = _CORES
         return min(self.n_threads, cores) if self.n_threads > 0 else cores
 
-    def graph_plan_create(self, nodes: Sequence[Tensor], exports: Sequence[Tensor]) -> Any | None:
+    def graph_plan_create(
+        self, nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Callable[..., Any]
+    ) -> Any | None:
         # an ExecPlan, or a Refusal (falsy: the scheduler runs the split node by node) saying why
-        return compile_split(nodes, exports)
+        if not self.use_executor:
+            return Refusal("LLAMAPY_EXECUTOR=0")
+        return compile_split(nodes, exports, allocate)
 
     def graph_plan_compute(self, plan: Any, env: dict[Tensor, Any]) -> None:
         plan.compute(env, self.threads())

@@ -2,13 +2,17 @@
 native call (ggml-cpu's `ggml_backend_cpu_graph_plan_create` / `_plan_compute`, and
 ggml-alloc's tensor addresses; the records are run by kernels_c/executor.c).
 
-`compile_split(nodes, exports, n_threads)` walks the split's nodes once:
+`compile_split(nodes, exports, allocate)` walks the split's nodes once:
   * views (RESHAPE, VIEW, PERMUTE) and SET_ROWS results become addresses and strides, no op;
   * every other node becomes a record, with the fusions llama.cpp's CPU backend makes: an
     RMS_NORM and the MUL by its weight are one record, and an ADD feeding that norm joins it;
-  * memory: sched/alloc.py's `plan_offsets` places every result and the *input slots* (graph
-    inputs and values from other splits) in one arena; weights and the KV cache are used where
-    their buffers hold them.
+  * memory: sched/alloc.py's `plan_offsets` (handed over by the scheduler) places every result
+    and the *input slots* (graph inputs, values from other splits) in one arena, from the
+    records' own lifetimes (a fused record reads its sources at its own step); weights and the
+    KV cache are used where their buffers hold them.
+Threads: each run gets its backend's -t (never more than the cores) and hands it to the
+matvecs' OpenMP regions; a plan holds no thread state, so contexts with different -t share
+nothing.
 What changes every token (token ids, positions, KV cells, the mask) is copied into the input
 slots before the call; the number of cells attended is part of the graph's shape (the context
 keys its graphs by it), so a new shape means a new plan, never a rebuild per token.
@@ -16,7 +20,7 @@ keys its graphs by it), so a new shape means a new plan, never a rebuild per tok
 A split the executor cannot compile (an op or a layout it does not know, a weight without a
 repacked layout, a prompt-sized batch that the tile + sgemm path does better) is refused:
 `compile_split` returns a `Refusal`, and the scheduler runs that split with `run_nodes`, the
-reference path. `LLAMAPY_EXECUTOR=0` refuses every split.
+reference path. `LLAMAPY_EXECUTOR=0` (read when a CPU backend is made) refuses every split.
 
 Numerics: the records call the C kernels of the reference path's table (cpu_kernels.py) or
 repeat its float32 operations in order, so decode is bit-identical to `run_nodes`, except the
@@ -29,17 +33,18 @@ from __future__ import annotations
 import ctypes
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ..sched.alloc import ALIGN, plan_offsets
 from ..tensor import Op, Tensor
 from ..types import GGMLType, LlamapyError, block_size
 from . import native
 from .kernels import rope_inv_freq
+
+ALIGN = 64  # the arena's alignment (AVX-512 loads); sched/alloc.py aligns offsets to 32
 
 # Op codes and record size: kernels_c/executor.c's enum and EX_REC.
 GET_ROWS_Q, GET_ROWS_F32, RMS_NORM, MUL, ADD, SCALE, SWIGLU, MUL_MAT, ROPE, SET_ROWS, ATTN, CPY = range(1, 13)
@@ -242,22 +247,24 @@ def _leaf_value(t: Tensor) -> Any | None:
     return r.buffer.storage(r)
 
 
-def compile_split(nodes: Sequence[Tensor], exports: Sequence[Tensor]) -> ExecPlan | Refusal:
-    """Compile a split's nodes; a Refusal when any of them is beyond the executor."""
-    if not enabled():
-        return Refusal("LLAMAPY_EXECUTOR=0")
+def compile_split(
+    nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Callable[..., Any]
+) -> ExecPlan | Refusal:
+    """Compile a split's nodes; a Refusal when any of them is beyond the executor. `allocate`:
+    the scheduler's allocator (sched/alloc.py `plan_offsets`; backends do not import sched)."""
     from .qmatmul import kernels
 
     try:
         if kernels() != "c":
             raise Refused(f"kernels are {kernels()!r}, not C")
-        return _Compiler(nodes, exports, _lib()).build()
+        return _Compiler(nodes, exports, _lib(), allocate).build()
     except Refused as e:
         return Refusal(str(e))
 
 
 class _Compiler:
-    def __init__(self, nodes: Sequence[Tensor], exports: Sequence[Tensor], lib: Any) -> None:
+    def __init__(self, nodes: Sequence[Tensor], exports: Sequence[Tensor], lib: Any, allocate: Any) -> None:
+        self.allocate = allocate
         self.nodes = list(nodes)
         self.own = set(self.nodes)
         self.exports = list(exports)
@@ -363,7 +370,7 @@ class _Compiler:
             out = None if st.code == SET_ROWS else st.node
             order.append((0, out, reads))
         outs = [self._base(e) for e in self.exports]
-        a = plan_offsets(order, outs)
+        a = self.allocate(order, outs)
         self.arena_size = a.sizes.get(0, 0)
         return {t: off for t, (_b, off) in a.offsets.items()}
 
@@ -372,9 +379,8 @@ class _Compiler:
     def build(self) -> ExecPlan:
         self.steps_pass()
         offsets = self.alloc()
-        # 64-byte aligned arena (AVX-512 loads), offsets are multiples of ALIGN
-        raw = np.zeros(self.arena_size + 64 + ALIGN, np.uint8)
-        start = (-raw.ctypes.data) % 64
+        raw = np.zeros(self.arena_size + 2 * ALIGN, np.uint8)
+        start = (-raw.ctypes.data) % ALIGN
         arena = raw[start : start + self.arena_size + ALIGN]
         self.keep: list[Any] = [raw]
         locs: dict[Tensor, Loc] = {}

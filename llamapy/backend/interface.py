@@ -11,7 +11,7 @@ backends only through `Backend.from_host` / `to_host` / `copy_from` (the copy la
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
@@ -197,12 +197,15 @@ class Backend(ABC):
         """Optional device-to-device fast path; None means "go through the host"."""
         return None
 
-    def graph_plan_create(self, nodes: Sequence[Tensor], exports: Sequence[Tensor]) -> Any | None:
+    def graph_plan_create(
+        self, nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Callable[..., Any]
+    ) -> Any | None:
         """Optional (ggml_backend_graph_plan_create): compile a split's nodes once into a plan
         that `graph_plan_compute` runs with the values of the moment. `exports` are the nodes
         whose values must be in the environment afterwards (read by other splits, or graph
-        outputs). None: no plan (the backend's default, or a split it cannot compile), and the
-        scheduler calls `compute` instead."""
+        outputs); `allocate` is the scheduler's allocator (sched/alloc.py `plan_offsets`: byte
+        offsets from lifetimes), which a plan uses to lay out its memory. None, or a falsy
+        object saying why: no plan (the default), and the scheduler calls `compute` instead."""
         return None
 
     def graph_plan_compute(self, plan: Any, env: dict[Tensor, Any]) -> None:

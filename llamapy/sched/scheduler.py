@@ -103,7 +103,8 @@ class Scheduler:
         the host."""
         plan = self.reserve(graph)
         vals: dict[Tensor, Any] = dict(inputs)
-        home: dict[Tensor, int] = {t: plan.assignment[t] for t in inputs}
+        # where each value lives: its backend in the assignment (a split runs its nodes there)
+        home = plan.assignment
         copies: dict[tuple[Tensor, int], Any] = {}
         for si, s in enumerate(plan.splits):
             be = self.backends[s.backend]
@@ -113,7 +114,7 @@ class Scheduler:
             for inp in s.inputs:
                 key = (inp, s.backend)
                 if key not in copies:
-                    src_b = home.get(inp, plan.assignment[inp])
+                    src_b = home[inp]
                     value = vals[inp] if inp in vals else inp.root().buffer.storage(inp)  # type: ignore[union-attr]
                     copies[key] = self._copy(inp, value, self.backends[src_b], be)
                 if inp in vals:
@@ -127,8 +128,6 @@ class Scheduler:
                     del vals[inp]
             for t in s.release_after:
                 vals.pop(t, None)
-            for n in s.nodes:
-                home[n] = s.backend
         out: dict[Tensor, np.ndarray] = {}
         for o in graph.outputs:
             be = self.backends[home[o]]
@@ -146,7 +145,7 @@ class Scheduler:
             for other in plan.splits:
                 if other is not s:
                     exports += [x for n in other.nodes for x in n.src if x in own and x not in exports]
-            plan.backend_plans[si] = self.backends[s.backend].graph_plan_create(s.nodes, exports)
+            plan.backend_plans[si] = self.backends[s.backend].graph_plan_create(s.nodes, exports, plan_offsets)
         return plan.backend_plans[si]
 
     def _run_split(self, plan: Plan, si: int, vals: dict[Tensor, Any]) -> None:
@@ -168,15 +167,17 @@ class Scheduler:
             be = self.backends[s.backend].name
             ins = " ".join(f"[{t.name} ({_fmt_size(t.nbytes)})]" for t in s.inputs)
             lines.append(f"## SPLIT #{i}: {be} # {len(s.inputs)} inputs: {ins}".rstrip())
-            summary = self.backends[s.backend].graph_plan_summary(self.backend_plan(plan, i))
-            if summary:
-                lines.append(f"   {summary}")
             if level >= 2:
                 for n in s.nodes:
                     srcs = " ".join(
                         f"{x.name} [{self.backends[plan.assignment[x]].name}]" for x in n.src
                     )
                     lines.append(f"node #{graph.nodes.index(n):4d} ({n.op.name:>14}): {n.name:<24} [{be:>6}] <- {srcs}")
+        # what runs each split: a backend's compiled plan (or why it has none)
+        for i, s in enumerate(plan.splits):
+            summary = self.backends[s.backend].graph_plan_summary(self.backend_plan(plan, i))
+            if summary:
+                lines.append(f"## PLAN #{i}: {self.backends[s.backend].name} {summary}")
         return "\n".join(lines)
 
 

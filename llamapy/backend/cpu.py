@@ -128,6 +128,8 @@ class CPUBackend(Backend):
         plan.compute(env, self.threads())
 
     def graph_plan_summary(self, plan: Any) -> str:
+        if plan is None:
+            return ""
         return f"executor refused: {plan.reason} (run_nodes)" if isinstance(plan, Refusal) else plan.summary()
 
     def from_host(self, data: np.ndarray, t: Tensor | None = None) -> Any:

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ..tensor import Op, Tensor
+from ..tensor import Op, Tensor, TensorFlag
 from ..types import GGMLType, LlamapyError, block_size
 from . import native
 from .kernels import rope_inv_freq
@@ -194,7 +194,11 @@ class ExecPlan:
     run: Any  # the C entry point
     n_threads: int = 0  # of the last run
     native_s: float = 0.0  # seconds inside the native call, summed over runs (for the timer)
+    recs_ptr: int = 0
     n_runs: int = 0
+
+    def __post_init__(self) -> None:
+        self.recs_ptr = self.recs.ctypes.data
 
     def summary(self) -> str:
         ops: dict[str, int] = {}
@@ -214,7 +218,7 @@ class ExecPlan:
             slot[...] = env[t]
         recs = self.recs
         t0 = time.perf_counter()
-        rc = self.run(recs.ctypes.data, len(recs), n_threads)
+        rc = self.run(self.recs_ptr, len(recs), n_threads)
         self.native_s += time.perf_counter() - t0
         self.n_runs += 1
         self.n_threads = n_threads
@@ -240,9 +244,14 @@ def _lib() -> Any:
 
 
 def _leaf_value(t: Tensor) -> Any | None:
-    """The buffer value of a weight / KV-cache leaf, None for an input."""
+    """The buffer value of a weight / KV-cache leaf in host memory, None for an input."""
     r = t.root()
     if r.buffer is None:
+        return None
+    if not r.buffer.buft.is_host:
+        # device memory: the scheduler copies it in as a split input
+        if r.flags & TensorFlag.WEIGHT:
+            raise Refused(f"weight {r.name} in {r.buffer.name} memory")
         return None
     return r.buffer.storage(r)
 

@@ -34,6 +34,7 @@ class Llama:
         n_gpu_layers: int | str | None = None,
         n_ctx: int | None = None,
         n_threads: int | None = None,
+        cpu_matmul: str | None = None,
     ) -> None:
         if model_path is None:
             from .model.fetch import default_model_path
@@ -47,6 +48,8 @@ class Llama:
             co.n_ctx = n_ctx
         if n_threads is not None:
             co.n_threads = n_threads
+        if cpu_matmul is not None:
+            co.cpu_matmul = cpu_matmul
         self.path = Path(model_path)
         self.model = Model(self.path, mo, co)
         try:

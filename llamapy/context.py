@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .backend.cpu import CPUBackend
 from .backend.interface import Backend, Buffer, BufferUsage, Device
 from .backend.registry import Discovery, discover
 from .model.gguf import GGUFFile
@@ -61,6 +62,9 @@ class ContextOptions:
     type_v: GGMLType = GGMLType.F32
     no_kv_offload: bool = False
     op_offload: bool = True
+    # CPU MUL_MAT: "q8" quantizes the activations as llama.cpp does (its numbers for the same
+    # file); "f32" multiplies the weights with float32 activations (exactness studies)
+    cpu_matmul: str = "q8"
 
 
 @dataclass
@@ -111,7 +115,7 @@ class Model:
         self.placement = self._place(ngl)
         where = weight_devices(self.weights, self.placement, self.overrides)
         try:
-            load_weights(self.gguf, self.weights, self.placement, where)
+            load_weights(self.gguf, self.weights, self.placement, where, self.fit_options.cpu_matmul)
         except OutOfMemoryError as e:
             fit = self.max_layers_that_fit()
             raise OutOfMemoryError(
@@ -214,6 +218,8 @@ class Context:
         self.backends: list[Backend] = [d.init_backend() for d in model.devices]
         for be in self.backends:
             be.set_n_threads(o.n_threads)
+            if isinstance(be, CPUBackend):
+                be.set_cpu_matmul(o.cpu_matmul)
         self.sched = Scheduler(self.backends, op_offload=o.op_offload)
         self._graphs: dict[tuple[int, int, int], LlamaGraph] = {}
         self.compute_buffers: list[Buffer] = []

@@ -1,14 +1,14 @@
 """The BLAS backend (ACCEL): big matrix multiplications on host memory (ggml-blas.cpp).
 
-It shares the CPU's host buffers (no copies) and claims MUL_MAT only when all three dimensions
-reach `min_batch` (ggml-blas: ne0, ne1, ne10 >= 32), because a GEMM call only pays off on large
-products. Quantized weights are expanded to f32 one tile of rows at a time (ggml-blas converts
-with `to_float` first) and multiplied with numpy's sgemm.
+It shares the CPU's host buffers (no copies) and claims the MUL_MATs that `qmatmul.use_sgemm`
+sends to sgemm (the one decision; the CPU backend runs the same products the same way, so the
+BLAS backend only changes where the split falls). Quantized weights are expanded to f32 one tile
+of rows at a time (ggml-blas converts with `to_float` first) and multiplied with numpy's sgemm
+(QMatrix.matmul_tiles).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,31 +19,17 @@ from ..types import DeviceType
 from .cpu import CPU_BUFT, CPUBackend
 from .interface import Backend, BufferType, Device, DeviceProps, Registry
 from .kernels import KERNELS, run_nodes
-
-TILE_ROWS = 4096  # rows of the weight expanded at once: bounds the f32 scratch to a few MiB
-
-
-def blas_mul_mat(node: Tensor, s: list[Any], xp: Any) -> Any:
-    w, x = s
-    x2 = x.reshape(-1, x.shape[-1])  # (n_tokens, K)
-    if hasattr(w, "matmul_tiles"):
-        out = w.matmul_tiles(x2)  # (n_tokens, M): dequantized tiles through sgemm
-    elif hasattr(w, "dequantize"):
-        out = np.empty((x2.shape[0], w.n_out), np.float32)
-        for r0 in range(0, w.n_out, TILE_ROWS):
-            r1 = min(r0 + TILE_ROWS, w.n_out)
-            np.matmul(x2, w.dequantize(slice(r0, r1)).T, out=out[:, r0:r1])  # tile: (rows, K)
-    else:
-        return KERNELS[Op.MUL_MAT](node, s, xp)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-BLAS_KERNELS = {**KERNELS, Op.MUL_MAT: blas_mul_mat}
-
+from .qmatmul import use_sgemm
 
 class BLASBackend(CPUBackend):
+    """The CPU backend's MUL_MAT (its sgemm path: the BLAS device is only given the products
+    `use_sgemm` sends there; activations rounded as in the CPU's q8 mode), numpy for the rest."""
+
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
-        run_nodes(nodes, env, np, table=BLAS_KERNELS)
+        try:
+            run_nodes(nodes, env, np, table={**KERNELS, Op.MUL_MAT: self._mul_mat})
+        finally:
+            self._act.clear()
 
     def graph_plan_create(self, nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Any) -> Any | None:
         return None  # large GEMMs through its own table: nothing for the CPU executor
@@ -52,9 +38,6 @@ class BLASBackend(CPUBackend):
 class BLASDevice(Device):
     name = "BLAS"
     type = DeviceType.ACCEL
-
-    def __init__(self, min_batch: int = 32) -> None:
-        self.min_batch = min_batch
 
     def props(self) -> DeviceProps:
         return DeviceProps(self.name, f"numpy matmul ({_blas_name()})", self.type)
@@ -70,8 +53,7 @@ class BLASDevice(Device):
             return False
         w, x = node.src
         n_tokens = x.n_elements // x.shape[-1]
-        m = self.min_batch
-        return len(w.shape) == 2 and w.shape[0] >= m and n_tokens >= m and w.shape[1] >= m
+        return len(w.shape) == 2 and use_sgemm(w.type, w.shape[0], w.shape[1], n_tokens)
 
     def init_backend(self) -> Backend:
         return BLASBackend(self)
@@ -89,11 +71,7 @@ class BLASRegistry(Registry):
     name = "BLAS"
 
     def __init__(self) -> None:
-        try:
-            m = int(os.environ.get("LLAMAPY_BLAS_MIN_BATCH", "32"))
-        except ValueError:
-            m = 32
-        self._devices: list[Device] = [BLASDevice(m)]
+        self._devices: list[Device] = [BLASDevice()]
 
     def devices(self) -> list[Device]:
         return self._devices

@@ -1,4 +1,4 @@
-"""The CPU backend: host buffers, numpy kernels and compiled ones (C or numba) (ggml-cpu,
+"""The CPU backend: host buffers, numpy kernels and the compiled C ones (ggml-cpu,
 `ggml_backend_cpu_*`).
 
 Host buffers hold weights as the file stores them: a quantized matrix becomes a QMatrix over the
@@ -14,14 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from ..tensor import Tensor, TensorFlag
-from ..types import NUMPY_DTYPES, DeviceType
+from ..tensor import Op, Tensor, TensorFlag
+from ..types import NUMPY_DTYPES, DeviceType, LlamapyError
 from .cpu_kernels import cpu_kernels
 from .executor import Refusal, compile_split
 from .executor import enabled as executor_enabled
 from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps, Registry
-from .kernels import run_nodes
-from .qmatmul import QMatrix, kernels, set_num_threads
+from .kernels import KERNELS, run_nodes
+from .qmatmul import MATMUL_MODES, QMatrix, kernels, set_num_threads
 from .repack_cache import RepackStore
 from .threads import set_blas_threads
 
@@ -29,16 +29,17 @@ from .threads import set_blas_threads
 _CORES = os.cpu_count() or 1  # constant for the process (read once: ~5 us a call)
 
 
-def host_value(t: Tensor, data: np.ndarray, copy: bool) -> Any:
+def host_value(t: Tensor, data: np.ndarray, copy: bool, repack: bool = False) -> Any:
     """The native host value for tensor `t` given its bytes or elements.
 
-    Matrices of any GGUF type become a QMatrix (the quantized MUL_MAT / GET_ROWS path); vectors
-    (norm weights, rope_freqs) and activations become float arrays.
+    Matrices of any GGUF type become a QMatrix (the quantized MUL_MAT / GET_ROWS path; `repack`:
+    laid out for the "f32" matmul mode); vectors (norm weights, rope_freqs) and activations
+    become float arrays.
     """
     data = np.array(data, copy=True) if copy else np.asarray(data)
     if len(t.shape) == 2 and t.flags & TensorFlag.WEIGHT:
         raw = data.reshape(t.shape[0], -1).view(np.uint8)  # (n_out, row_bytes)
-        return QMatrix.prepare(raw, t.type, t.shape[0], t.shape[1])
+        return QMatrix.prepare(raw, t.type, t.shape[0], t.shape[1], repack=repack)
     if t.type in NUMPY_DTYPES:
         return data.view(NUMPY_DTYPES[t.type]).reshape(t.shape)
     # a quantized or bf16 vector (rare: norms are f32 in every llama GGUF): expand it, it is small
@@ -49,10 +50,13 @@ def host_value(t: Tensor, data: np.ndarray, copy: bool) -> Any:
 
 class CPUBuffer(Buffer):
     _repack: RepackStore | None = None
+    _f32_layout = False  # weights repacked for the "f32" matmul mode
 
-    def use_cache(self, key: str) -> None:
-        # the repacked layouts are read by the compiled kernels only
-        self._repack = RepackStore.open(key) if kernels() != "numpy" else None
+    def use_cache(self, key: str, cpu_matmul: str = "q8") -> None:
+        # "q8" multiplies the file's blocks where they are mapped; "f32" repacks (C kernels
+        # only) and keeps the repacked layouts in a cache file
+        self._f32_layout = cpu_matmul == "f32" and kernels() != "numpy"
+        self._repack = RepackStore.open(key) if self._f32_layout else None
 
     def finish_loading(self) -> None:
         if self._repack is not None:
@@ -68,7 +72,7 @@ class CPUBuffer(Buffer):
         if arrays is not None:  # mapped from the cache file: no repacking, no copy
             self._store[t] = QMatrix.from_state(t.type, t.shape[0], t.shape[1], arrays)
             return
-        value = host_value(t, data, copy=False)
+        value = host_value(t, data, copy=False, repack=self._f32_layout)
         state = value.state() if cache is not None else None
         if state is not None:
             cache.put(key, state)  # type: ignore[union-attr]
@@ -99,6 +103,41 @@ class CPUBackend(Backend):
         self.n_threads = n_threads
         # splits compiled by the executor unless LLAMAPY_EXECUTOR=0 (when the backend is made)
         self.use_executor = executor_enabled()
+        self.cpu_matmul = "q8"
+        self._table = {**cpu_kernels(), Op.MUL_MAT: self._mul_mat}
+        # the last activations quantized per vec_dot_type: (x, its quantized rows); a MUL_MAT
+        # whose input is the same array reuses them (Q, K and V; gate and up)
+        self._act: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
+
+    def set_cpu_matmul(self, mode: str) -> None:
+        """"q8" (activations quantized as llama.cpp does) or "f32" (float32 activations)."""
+        if mode not in MATMUL_MODES:
+            raise LlamapyError(f"cpu_matmul must be one of {', '.join(MATMUL_MODES)}, not {mode!r}")
+        self.cpu_matmul = mode
+
+    def _mul_mat(self, node: Tensor, s: list[Any], xp: Any) -> Any:
+        w, x = s
+        if not isinstance(w, QMatrix):
+            return self._kernels_mul_mat(node, s, xp)
+        x2 = x.reshape(-1, x.shape[-1])  # (n_tokens, n_in)
+        q8 = self.cpu_matmul == "q8"
+        path = w.path(x2.shape[0], q8)
+        vdt = w.vec_dot_type() if q8 and path != "mv" else None
+        if vdt is None:
+            out = w.matmul(x2, self.n_threads, q8)
+        else:
+            # the activations in the vec_dot_type: quantized (q8 kernels) or rounded (sgemm),
+            # once for every product of the same input
+            hit = self._act.get((vdt, path))
+            if hit is not None and hit[0] is x:
+                a = hit[1]
+            else:
+                a = w.quantize_act(x2, self.n_threads) if path == "q8" else w.round_act(x2, self.n_threads)
+                self._act[(vdt, path)] = (x, a)
+            out = w.matmul_q8(a, self.n_threads) if path == "q8" else w.matmul_tiles(a, self.n_threads)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    _kernels_mul_mat = staticmethod(KERNELS[Op.MUL_MAT])  # float arrays (no QMatrix)
 
     def set_n_threads(self, n_threads: int) -> None:
         self.n_threads = n_threads
@@ -107,7 +146,10 @@ class CPUBackend(Backend):
         set_blas_threads(n)
 
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
-        run_nodes(nodes, env, np, table=cpu_kernels())
+        try:
+            run_nodes(nodes, env, np, table=self._table)
+        finally:
+            self._act.clear()  # the graph's activations are not kept past its run
 
     # -- compiled plans (backend/executor.py) ------------------------------------------------
 
@@ -122,7 +164,7 @@ class CPUBackend(Backend):
         # an ExecPlan, or a Refusal (falsy: the scheduler runs the split node by node) saying why
         if not self.use_executor:
             return Refusal("LLAMAPY_EXECUTOR=0")
-        return compile_split(nodes, exports, allocate)
+        return compile_split(nodes, exports, allocate, self.cpu_matmul)
 
     def graph_plan_compute(self, plan: Any, env: dict[Tensor, Any]) -> None:
         plan.compute(env, self.threads())

@@ -1,5 +1,5 @@
 """Compiled CPU kernels for the small per-token ops (ggml-cpu's ops.cpp: rms_norm, rope,
-flash_attn_ext, swiglu): the C ones (kernels_c/ops.c) or, without a C compiler, numba's.
+flash_attn_ext, swiglu): the C ones (kernels_c/ops.c), when the install built them.
 
 During decode every op works on a few hundred floats, so numpy's per-call overhead (a dozen
 array temporaries for one attention head) costs more than the arithmetic; one compiled loop per
@@ -17,19 +17,10 @@ import numpy as np
 from ..tensor import Op, Tensor
 from . import native
 from .kernels import KERNELS, Kernel, rope_inv_freq
-from .qmatmul import kernels, numba_kernels
+from .qmatmul import kernels
 
 _ptr = native.ptr
 ATTN_MAX_TOKENS = 8  # up to this many queries, attention runs in the compiled loop
-
-
-def _attn_inputs(s: list[Any]) -> tuple[np.ndarray, ...]:
-    q, k, v, mask = s
-    if k.dtype == np.float16:
-        # the kernels compute in f32: widen the cache view, and round Q as llama.cpp's f16 path does
-        q = q.astype(np.float16)
-        k, v = k.astype(np.float32), v.astype(np.float32)
-    return np.ascontiguousarray(q, dtype=np.float32), k, v, mask.astype(np.float32, copy=False)
 
 
 # A decode step runs ~270 of these small kernels, so their Python side is kept short: a node's
@@ -116,40 +107,9 @@ def _c_glu(node: Tensor, s: list[Any], xp: Any) -> Any:
     return out
 
 
-# --- numba (numba_kernels.py) -----------------------------------------------------------------
-
-
-def _nb_rms_norm(node: Tensor, s: list[Any], xp: Any) -> Any:
-    x = s[0]
-    flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)  # (rows, n)
-    return numba_kernels()._rms_norm(flat, float(node.params["eps"])).reshape(x.shape)
-
-
-def _nb_rope(node: Tensor, s: list[Any], xp: Any) -> Any:
-    x = np.ascontiguousarray(s[0], dtype=np.float32)
-    inv, n_dims, neox = _rope_consts(node, s)
-    return numba_kernels()._rope(x, s[1], inv, n_dims, bool(neox))
-
-
-def _nb_flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
-    if s[0].shape[0] > ATTN_MAX_TOKENS:
-        return KERNELS[Op.FLASH_ATTN_EXT](node, s, xp)
-    q, k, v, mask = _attn_inputs(s)
-    return numba_kernels()._attend(q, k, v, mask, float(node.params["scale"]))
-
-
-def _nb_glu(node: Tensor, s: list[Any], xp: Any) -> Any:
-    gate, up = s
-    if gate.ndim != 2:
-        return KERNELS[Op.GLU](node, s, xp)
-    return numba_kernels()._swiglu(gate, up)
-
-
 _TABLES: dict[str, dict[Op, Kernel]] = {
     "c": {**KERNELS, Op.RMS_NORM: _c_rms_norm, Op.ROPE: _c_rope, Op.FLASH_ATTN_EXT: _c_flash_attn_ext,
           Op.GLU: _c_glu},
-    "numba": {**KERNELS, Op.RMS_NORM: _nb_rms_norm, Op.ROPE: _nb_rope, Op.FLASH_ATTN_EXT: _nb_flash_attn_ext,
-              Op.GLU: _nb_glu},
     "numpy": KERNELS,
 }
 

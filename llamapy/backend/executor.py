@@ -47,10 +47,11 @@ from .kernels import rope_inv_freq
 ALIGN = 64  # the arena's alignment (AVX-512 loads); sched/alloc.py aligns offsets to 32
 
 # Op codes and record size: kernels_c/executor.c's enum and EX_REC.
-GET_ROWS_Q, GET_ROWS_F32, RMS_NORM, MUL, ADD, SCALE, SWIGLU, MUL_MAT, ROPE, SET_ROWS, ATTN, CPY = range(1, 13)
+(GET_ROWS_Q, GET_ROWS_F32, RMS_NORM, MUL, ADD, SCALE, SWIGLU, MUL_MAT, ROPE, SET_ROWS, ATTN, CPY, QUANT_ACT,
+ MUL_MAT_Q) = range(1, 15)
 REC = 24
-# Batches from this many tokens are left to run_nodes: its tile + sgemm path is faster there
-# (qmatmul.BLAS_MIN_TOKENS).
+# Batches from this many tokens are left to run_nodes: its tile + sgemm path and BLAS attention
+# are faster there (qmatmul.SGEMM_MIN_TOKENS).
 MAX_TOKENS = 16
 
 _DTYPES = {GGMLType.F32: np.dtype(np.float32), GGMLType.F16: np.dtype(np.float16),
@@ -150,17 +151,17 @@ class _NativeMatrix:
 def native_matrix(w: Any) -> _NativeMatrix:
     """The native layout of a host weight matrix (a QMatrix of qmatmul.py), or Refused.
 
-    This is the one place that knows QMatrix's repacked layout: when the quantized-activation
-    kernels (lp_mul_mat) land, the matvec pointer here is what changes."""
+    This is the one place that knows QMatrix's repacked layout (the float32-activation mode's
+    tiles); the quantized-activation mode reads the file's rows (`QMatrix.data`)."""
     from .qmatmul import REPACK_ROWS, QMatrix
 
     if not isinstance(w, QMatrix):
         raise Refused(f"a MUL_MAT weight of type {type(w).__name__}")
-    if w.qtype == GGMLType.F32 and not w.repacked:
-        return _NativeMatrix(0, 0, 0, 0, 0, 0, np.ascontiguousarray(w.data.view(np.float32)), w)
-    fns = w._c()
-    if fns is None:
+    if not w.repacked:
+        if w.qtype == GGMLType.F32:
+            return _NativeMatrix(0, 0, 0, 0, 0, 0, np.ascontiguousarray(w.data.view(np.float32)), w)
         raise Refused(f"{w.qtype.name} weights without a repacked C layout")
+    fns = w._c()
     nb = w.n_in // block_size(w.qtype)[0]
     tail = w._tail_rows() if w._n_full < w.n_out else None
     addr = ctypes.cast
@@ -192,6 +193,7 @@ class ExecPlan:
     n_nodes: int
     n_fused: int
     run: Any  # the C entry point
+    pre: list[tuple[np.ndarray, Any, Tensor]] = field(default_factory=list)  # (slot, matrix, ids)
     n_threads: int = 0  # of the last run
     native_s: float = 0.0  # seconds inside the native call, summed over runs (for the timer)
     recs_ptr: int = 0
@@ -205,6 +207,9 @@ class ExecPlan:
         names = {GET_ROWS_Q: "GET_ROWS", GET_ROWS_F32: "GET_ROWS", RMS_NORM: "RMS_NORM", MUL: "MUL", ADD: "ADD",
                  SCALE: "SCALE", SWIGLU: "GLU", MUL_MAT: "MUL_MAT", ROPE: "ROPE", SET_ROWS: "SET_ROWS",
                  ATTN: "FLASH_ATTN_EXT", CPY: "CONT"}  # fmt: skip
+        names.update({QUANT_ACT: "QUANTIZE", MUL_MAT_Q: "MUL_MAT"})
+        if self.pre:
+            ops["GET_ROWS (Python)"] = len(self.pre)
         for code in self.recs[:, 0]:
             ops[names[int(code)]] = ops.get(names[int(code)], 0) + 1
         counts = " ".join(f"{k}:{v}" for k, v in ops.items())
@@ -216,6 +221,8 @@ class ExecPlan:
         """One run: inputs copied in, one native call on `n_threads` threads, exports out."""
         for t, slot in self.inputs:
             slot[...] = env[t]
+        for slot, w, ids in self.pre:
+            slot[...] = w.get_rows(env[ids])
         recs = self.recs
         t0 = time.perf_counter()
         rc = self.run(self.recs_ptr, len(recs), n_threads)
@@ -257,23 +264,28 @@ def _leaf_value(t: Tensor) -> Any | None:
 
 
 def compile_split(
-    nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Callable[..., Any]
+    nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Callable[..., Any], cpu_matmul: str = "q8"
 ) -> ExecPlan | Refusal:
     """Compile a split's nodes; a Refusal when any of them is beyond the executor. `allocate`:
-    the scheduler's allocator (sched/alloc.py `plan_offsets`; backends do not import sched)."""
+    the scheduler's allocator (sched/alloc.py `plan_offsets`; backends do not import sched);
+    `cpu_matmul`: the backend's MUL_MAT mode ("q8": quantized activations, "f32")."""
     from .qmatmul import kernels
 
     try:
         if kernels() != "c":
             raise Refused(f"kernels are {kernels()!r}, not C")
-        return _Compiler(nodes, exports, _lib(), allocate).build()
+        return _Compiler(nodes, exports, _lib(), allocate, cpu_matmul == "q8").build()
     except Refused as e:
         return Refusal(str(e))
 
 
 class _Compiler:
-    def __init__(self, nodes: Sequence[Tensor], exports: Sequence[Tensor], lib: Any, allocate: Any) -> None:
+    def __init__(self, nodes: Sequence[Tensor], exports: Sequence[Tensor], lib: Any, allocate: Any, q8: bool) -> None:
         self.allocate = allocate
+        self.q8 = q8
+        self.pre: list[Tensor] = []  # GET_ROWS of file-layout rows, run in Python before the call
+        self.quantized: dict[int, Any] = {}  # vec_dot_type -> the input its scratch holds now
+        self.scratch: dict[int, np.ndarray] = {}  # vec_dot_type -> room for quantized activations
         self.nodes = list(nodes)
         self.own = set(self.nodes)
         self.exports = list(exports)
@@ -323,6 +335,10 @@ class _Compiler:
                 continue
             if n.type is not GGMLType.F32:
                 raise Refused(f"{op.name} {n.name} of type {n.type.name}")
+            if len(n.shape) >= 2 and n.shape[0] >= MAX_TOKENS:
+                # a prompt: sgemm and BLAS attention are faster there, and a plan's arena would
+                # hold copies of the batch's activations for as long as the graph is cached
+                raise Refused(f"a batch of {n.shape[0]} tokens")
             if op is Op.MUL and self._fuse_norm_mul(n):
                 continue
             code = {Op.GET_ROWS: GET_ROWS_F32, Op.RMS_NORM: RMS_NORM, Op.MUL: MUL, Op.ADD: ADD, Op.SCALE: SCALE,
@@ -335,7 +351,24 @@ class _Compiler:
             if op is Op.RMS_NORM:
                 self._fuse_add_norm(n)
                 continue
+            if op is Op.GET_ROWS and self._pre_get_rows(n):
+                continue
             self.steps.append(_Step(code, n, list(n.src)))
+
+    def _pre_get_rows(self, n: Tensor) -> bool:
+        """GET_ROWS of a matrix kept in the file's layout (the token embeddings in the q8 mode),
+        whose ids are an input: the rows are expanded in Python (QMatrix.get_rows, the reference
+        path's function) into the node's arena slot before the native call."""
+        from .qmatmul import QMatrix
+
+        table, ids = n.src
+        tv = _leaf_value(table) if table.is_leaf else None
+        if not isinstance(tv, QMatrix) or tv.repacked or tv.qtype == GGMLType.F32:
+            return False
+        if ids not in self.inputs:
+            raise Refused(f"GET_ROWS {n.name} of {tv.qtype.name} rows with computed ids")
+        self.pre.append(n)
+        return True
 
     def _fuse_add_norm(self, norm: Tensor) -> None:
         """RMS_NORM, joined by the ADD that made its input when that ADD is the step just before
@@ -370,7 +403,8 @@ class _Compiler:
     # -- pass 2: memory ----------------------------------------------------------------------
 
     def alloc(self) -> dict[Tensor, int]:
-        order: list[tuple[int, Tensor | None, list[Tensor]]] = [(0, t, []) for t in self.inputs]
+        # inputs and the rows expanded before the call are written first: they are placed first
+        order: list[tuple[int, Tensor | None, list[Tensor]]] = [(0, t, []) for t in self.inputs + self.pre]
         for st in self.steps:
             reads = [self._base(r) for r in st.reads]
             if "add" in st.extra:
@@ -415,16 +449,19 @@ class _Compiler:
             locs[t] = l
             return l
 
+        self._size_scratch()
         recs = []
         for st in self.steps:
-            recs.append(self._record(st, loc))
+            recs += self._records(st, loc)
         inputs = [(t, loc(t).array()) for t in self.inputs]
+        pre = [(loc(n).array(), _leaf_value(n.src[0]), n.src[1]) for n in self.pre]
+        self.keep += list(self.scratch.values())
         exports = []
         for e in self.exports:
             l = loc(e)
             exports.append((e, l.array(), l.owner is arena))
         return ExecPlan(np.array(recs, np.int64).reshape(-1, REC), raw, inputs, exports, self.keep,
-                        len(self.nodes), self.n_fused, self.lib.lp_exec_run)
+                        len(self.nodes), self.n_fused, self.lib.lp_exec_run, pre)
 
     def _view(self, t: Tensor, src: Loc) -> Loc:
         op = t.op
@@ -449,6 +486,62 @@ class _Compiler:
             inner = _cstrides(t.shape[1:])
             return Loc(src.addr, t.shape, (st, *inner), src.dtype, src.owner)
         raise Refused(f"RESHAPE {t.name} of a strided value")
+
+    def _size_scratch(self) -> None:
+        """Room for each vec_dot_type's quantized activations: the largest product's."""
+        need: dict[int, int] = {}
+        for st in self.steps:
+            if st.code != MUL_MAT:
+                continue
+            w, x = st.node.src
+            wv = _leaf_value(w) if w.is_leaf else None
+            q = self._q8_type(wv, x.n_elements // x.shape[-1])
+            if q is not None:
+                rb = int(self.lib.lp_act_row_bytes(int(wv.qtype), wv.n_in))
+                need[q] = max(need.get(q, 0), rb * (x.n_elements // x.shape[-1]))
+        self.scratch = {q: np.zeros(n + ALIGN, np.uint8) for q, n in need.items()}
+
+    def _q8_type(self, wv: Any, n_tok: int) -> int | None:
+        """The vec_dot_type a product runs in (the q8 mode's path), None for the other paths."""
+        from .qmatmul import QMatrix
+
+        if not isinstance(wv, QMatrix) or not self.q8 or wv.path(n_tok, True) != "q8":
+            return None
+        return wv.vec_dot_type()
+
+    def _records(self, st: _Step, loc: Any) -> list[list[int]]:
+        if st.code == MUL_MAT:
+            w, x = st.node.src
+            wv = _leaf_value(w) if w.is_leaf else None
+            xl = loc(x)
+            n_tok = xl.rows()[0] if xl.dtype == np.dtype(np.float32) else 0
+            vdt = self._q8_type(wv, n_tok)
+            if vdt is not None:
+                return self._mul_mat_q8(st.node, loc(st.node).addr, wv, xl, vdt)
+        return [self._record(st, loc)]
+
+    def _mul_mat_q8(self, n: Tensor, dst: int, wv: Any, xl: Loc, vdt: int) -> list[list[int]]:
+        """QUANTIZE (unless this input is what the vec_dot_type's scratch holds already: the
+        Q/K/V or gate/up products of one input) and MUL_MAT_Q records."""
+        n_tok, n_in, xs = xl.rows()
+        if n_tok >= MAX_TOKENS:
+            raise Refused(f"a batch of {n_tok} tokens (the tile + sgemm path is faster)")
+        x = n.src[1]
+        key = (self._base(x), xl.addr, xl.strides)
+        scratch = self.scratch[vdt]
+        xq = scratch.ctypes.data + (-scratch.ctypes.data) % ALIGN
+        out: list[list[int]] = []
+        if self.quantized.get(vdt) != key:
+            r = [0] * REC
+            r[0], r[1], r[2], r[6], r[7], r[8], r[9] = QUANT_ACT, xq, xl.addr, int(wv.qtype), xs, n_in, n_tok
+            out.append(r)
+            self.quantized[vdt] = key
+        r = [0] * REC
+        r[0], r[1], r[2], r[3], r[6], r[7], r[8], r[9], r[10], r[11] = MUL_MAT_Q, dst, wv.data.ctypes.data, xq, \
+            int(wv.qtype), wv.n_out, wv.data.shape[1], n_in, n_tok, wv.n_out  # fmt: skip
+        self.keep.append(wv)
+        out.append(r)
+        return out
 
     def _record(self, st: _Step, loc: Any) -> list[int]:
         r = [0] * REC
@@ -529,10 +622,15 @@ class _Compiler:
             r[2], r[3], r[6], r[7], r[8], r[9] = t.addr, il.addr, ids.n_elements, cols, ts, rows
             return r
         if st.code == MUL_MAT:
+            from .qmatmul import QMatrix
+
             w, x = n.src
             wv = _leaf_value(w) if w.is_leaf else None
             if wv is None or isinstance(wv, np.ndarray):
                 raise Refused(f"MUL_MAT {n.name} with an activation or array weight")
+            if isinstance(wv, QMatrix) and not wv.repacked and wv.qtype != GGMLType.F32:
+                n_tok = x.n_elements // x.shape[-1]
+                raise Refused(f"{wv.qtype.name} MUL_MAT of {n_tok} tokens on the {wv.path(n_tok, self.q8)} path")
             m = native_matrix(wv)
             self.keep.append(m)
             xl = need_f32(loc(x), "MUL_MAT input")

@@ -123,9 +123,10 @@ class Buffer(ABC):
         if of in self._raw:
             self._raw[t] = self._raw[of]
 
-    def use_cache(self, key: str) -> None:
+    def use_cache(self, key: str, cpu_matmul: str = "q8") -> None:
         """Optional: a backend may keep prepared (repacked) weights in a cache file under `key`
-        (identifying the model file); called before the weights are set."""
+        (identifying the model file); called before the weights are set. `cpu_matmul`: the
+        context's CPU MUL_MAT mode ("q8" or "f32"), which the host weights are laid out for."""
 
     def finish_loading(self) -> None:
         """Optional: called once every weight is set (e.g. to write that cache)."""

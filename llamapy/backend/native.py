@@ -1,42 +1,37 @@
-"""Compiled C kernels for the CPU backend (the role of ggml-cpu's C sources), built on first use.
+"""The compiled C kernels of the CPU backend (ggml-cpu's C sources), built when llamapy is
+installed, loaded with ctypes (ggml's per-ISA CPU backend variants and ggml_backend_load_best).
 
-The hot CPU kernels (quantized matvec and tile expansion on the repacked layouts, rms_norm,
-rope, decode attention, swiglu) live in `kernels_c/*.c`. The first process that needs them
-compiles them with the system C compiler (`$CC`, else cc/gcc/clang; -O3 -march=native, OpenMP
-when the compiler has it) into one shared library under $LLAMAPY_CACHE/native, keyed by the
-sources, the flags and the CPU; later processes just load that file with ctypes, as CUDA kernels
-are compiled once by NVRTC and cached.
+`setup.py` compiles every `kernels_c/*.c` into one shared library per SIMD variant,
+`_kernels/lp_<variant>.so`: `portable` (plain C, any target), `avx2` (AVX2 + FMA + F16C) and
+`avx512` (AVX-512 F/BW/VL/DQ + VNNI). `lib()` loads the best variant this CPU has (its
+/proc/cpuinfo flags); LLAMAPY_KERNELS_VARIANT=portable|avx2|avx512 asks for one (tests force each
+through `load(variant)`). Nothing is compiled at run time: without a built library (an install
+without a C compiler) `lib()` is None, `error()` says why, and the CPU backend runs its numpy
+kernels.
 
-Why not numba for these: numba's runtime is LLVM, which alone adds ~130 MiB to the resident set
-of every run (libllvmlite's pages, the JIT and numba's type system) - more than the model's
-weights; the gcc-built library is 75 KB. numba stays the fallback when no compiler is found,
-and numpy the one after that (`qmatmul.kernels()`). LLAMAPY_NATIVE=0 switches this path off.
-The cache directory is trusted like numba's cache or site-packages: whoever can write there
-can run code in llamapy.
-
-`lib()` never raises: a missing compiler or a failed build returns None and `error()` says why.
+The only state is the loaded, immutable library handles (one per variant, loaded once);
+threads are an argument of every call.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ..types import cache_dir as _cache_root
-
+KERNELS_DIR = Path(__file__).parent / "_kernels"
 SRC_DIR = Path(__file__).parent / "kernels_c"
-# -ffp-contract=off: the dequantization kernels must round like numpy (bit-exact tiles);
-# kernels that want FMAs call fmaf explicitly.
-CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11"]
-OPENMP = ["-fopenmp"]
+VARIANTS = ("avx512", "avx2", "portable")  # best first
+# The CPU flags (as /proc/cpuinfo names them) each variant's build flags assume.
+_AVX2 = frozenset({"avx2", "fma", "f16c"})
+REQUIRES: dict[str, frozenset[str]] = {
+    "portable": frozenset(),
+    "avx2": _AVX2,
+    "avx512": _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"},
+}
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -47,112 +42,95 @@ _DQT = [_P, _I64, _I64, _I64, _P, _I64, _INT]  # parts, t0, t1, nb, out_t, ld, n
 _DQR = [_P, _I64, _P, _I64, _P]  # parts, nb, ids, n, out
 # q, T, H, D, k, v, N, Hkv, Dv, k_sn, k_sh, v_sn, v_sh, mask, mask_st, scale, out
 _ATTEND = [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, ctypes.c_float, _P]
+_VEC_DOT = [_INT, _P, _P, _P]  # n, s, vx, vy
 REPACKED_TYPES = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
-SIGNATURES: dict[str, list] = {
-    **{f"lp_mv_{t}": _MV for t in REPACKED_TYPES},
-    **{f"lp_dqt_{t}": _DQT for t in REPACKED_TYPES},
-    **{f"lp_dqr_{t}": _DQR for t in REPACKED_TYPES},
-    "lp_rms_norm": [_P, _I64, _I64, _I64, ctypes.c_double, _P],
-    "lp_rope": [_P, _I64, _I64, _I64, _P, _P, _I64, _INT, _P],
-    "lp_attend": _ATTEND,
-    "lp_attend_f16": _ATTEND,  # k, v: the f16 cache's bits
-    "lp_attend_set_threads": [_INT],
-    "lp_swiglu": [_P, _P, _I64, _I64, _I64, _I64, _P],
+VEC_DOTS = ("f32", "f16", "bf16", "q4_0_q8_0", "q4_1_q8_1", "q5_0_q8_0", "q5_1_q8_1", "q8_0_q8_0")
+# (name, argtypes, restype)
+SIGNATURES: dict[str, tuple[list, Any]] = {
+    **{f"lp_mv_{t}": (_MV, None) for t in REPACKED_TYPES},
+    **{f"lp_dqt_{t}": (_DQT, None) for t in REPACKED_TYPES},
+    **{f"lp_dqr_{t}": (_DQR, None) for t in REPACKED_TYPES},
+    "lp_rms_norm": ([_P, _I64, _I64, _I64, ctypes.c_double, _P], None),
+    "lp_rope": ([_P, _I64, _I64, _I64, _P, _P, _I64, _INT, _P], None),
+    "lp_attend": (_ATTEND, None),
+    "lp_attend_f16": (_ATTEND, None),  # k, v: the f16 cache's bits
+    "lp_attend_set_threads": ([_INT], None),
+    "lp_swiglu": ([_P, _P, _I64, _I64, _I64, _I64, _P], None),
+    # quantized-activation MUL_MAT (lp_quants.h)
+    "lp_quantize_row_q8_0": ([_P, _P, _I64], None),
+    "lp_quantize_row_q8_1": ([_P, _P, _I64], None),
+    **{f"lp_vec_dot_{t}": (_VEC_DOT, None) for t in VEC_DOTS},
+    "lp_vec_dot_type": ([_INT], _INT),
+    "lp_act_row_bytes": ([_INT, _I64], _I64),
+    "lp_quantize_act": ([_INT, _P, _I64, _I64, _I64, _P, _INT], _INT),
+    "lp_mul_mat_q": ([_INT, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _INT], _INT),
+    "lp_mul_mat": ([_INT, _P, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _P, _INT], _INT),
+    "lp_round_act": ([_INT, _P, _I64, _I64, _I64, _P, _I64, _INT], _INT),
+}
+# Kernels another source file provides once it is there (kquants.c): declared when present.
+OPTIONAL: dict[str, tuple[list, Any]] = {
+    "lp_quantize_row_q8_K": ([_P, _P, _I64], None),
+    **{f"lp_vec_dot_q{k}_K_q8_K": (_VEC_DOT, None) for k in range(2, 7)},
 }
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+_libs: dict[str, ctypes.CDLL] = {}  # variant -> loaded library (loaded once, never changed)
+# (LLAMAPY_KERNELS, LLAMAPY_KERNELS_VARIANT) -> (library, variant, error): lib()'s answer, a pure
+# function of those and of the install, worked out once
+_resolved: dict[tuple[str | None, str | None], tuple[ctypes.CDLL | None, str | None, str | None]] = {}
 
 
 def enabled() -> bool:
-    return os.environ.get("LLAMAPY_NATIVE", "1").lower() not in ("0", "off", "no")
+    """False when LLAMAPY_KERNELS=numpy asks for the numpy kernels only."""
+    return os.environ.get("LLAMAPY_KERNELS", "").lower() != "numpy"
 
 
-def cache_dir() -> Path:
-    return _cache_root() / "native"
-
-
-def compiler() -> str | None:
-    """The C compiler: $CC, else the first of cc, gcc, clang on PATH."""
-    cc = os.environ.get("CC")
-    if cc:
-        return shutil.which(cc) or None
-    for name in ("cc", "gcc", "clang"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
-def _cpu_id() -> str:
-    # -march=native: a library built on one CPU may not run on another sharing the cache.
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo's `flags`; empty where there is none)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return platform.processor() + platform.machine()
+    return frozenset()
 
 
-def _sources() -> list[Path]:
-    return sorted(SRC_DIR.glob("*.c"))
+def path(variant: str) -> Path:
+    return KERNELS_DIR / f"lp_{variant}.so"
 
 
-def _key(cc: str) -> str:
-    h = hashlib.sha256()
-    for p in sorted(SRC_DIR.glob("*.[ch]")):
-        h.update(p.name.encode() + b"\0" + p.read_bytes())
-    h.update(" ".join([cc, *CFLAGS, *OPENMP, _cpu_id(), platform.python_implementation()]).encode())
-    return h.hexdigest()[:24]
+def built() -> list[str]:
+    """The variants the install built, best first."""
+    return [v for v in VARIANTS if path(v).exists()]
 
 
-def _build(cc: str, target: Path) -> None:
-    """Compile the sources into `target` (atomically: a temporary name, then a rename)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
-    os.close(fd)
-    srcs = [str(p) for p in _sources()]
-    errors = []
-    try:
-        # OpenMP first; a compiler without it still builds the single-threaded kernels.
-        for extra in (OPENMP, []):
-            cmd = [cc, *CFLAGS, *extra, "-o", tmp, *srcs, "-lm"]
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if r.returncode == 0:
-                os.replace(tmp, target)
-                return
-            errors.append(r.stderr.strip().splitlines()[-1:] or [f"exit {r.returncode}"])
-        raise OSError(f"{os.path.basename(cc)} failed: {errors[-1][0]}")
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+def runnable(variant: str, flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU has what `variant` was compiled for."""
+    return REQUIRES[variant] <= (cpu_flags() if flags is None else flags)
 
 
-def _target(cc: str) -> Path:
-    return cache_dir() / f"llamapy-cpu-{_key(cc)}.so"
+def choose() -> str | None:
+    """The variant `lib()` loads: LLAMAPY_KERNELS_VARIANT's, else the best built one this CPU runs."""
+    want = os.environ.get("LLAMAPY_KERNELS_VARIANT", "").lower()
+    if want:
+        return want
+    flags = cpu_flags()
+    return next((v for v in built() if runnable(v, flags)), None)
 
 
-def needs_build() -> bool:
-    """Whether the next `lib()` will compile the kernels first (a few seconds, once)."""
-    if "lib" in _state or not enabled() or not _sources():
-        return False
-    cc = compiler()
-    return cc is not None and not _target(cc).exists()
-
-
-def _load() -> ctypes.CDLL:
-    if not enabled():
-        raise OSError("disabled by LLAMAPY_NATIVE=0")
-    cc = compiler()
-    if cc is None:
-        raise OSError("no C compiler found (set CC)")
-    if not _sources():
-        raise OSError(f"no C sources in {SRC_DIR}")
-    target = _target(cc)
+def _open(variant: str) -> ctypes.CDLL:
+    if variant not in VARIANTS:
+        raise OSError(f"unknown kernel variant {variant!r} (LLAMAPY_KERNELS_VARIANT: {', '.join(VARIANTS)})")
+    target = path(variant)
     if not target.exists():
-        _build(cc, target)
+        have = ", ".join(built()) or "none"
+        raise OSError(f"the {variant} kernels were not built at install time (built: {have}; "
+                      "reinstall llamapy with a C compiler)")
+    if not runnable(variant):
+        raise OSError(f"this CPU lacks what the {variant} kernels need ({' '.join(sorted(REQUIRES[variant]))})")
     # libgomp reads its settings when it loads, i.e. right here: spin ~1000 rounds (tens of us,
     # the gap between two matmuls of a decode step), then sleep. Measured, default model, 2 cores,
     # -t 2, quiet / with one core busy in another process: libgomp's default spin 52-56 / 3 tok/s
@@ -161,28 +139,63 @@ def _load() -> ctypes.CDLL:
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault("GOMP_SPINCOUNT", "1000")
     lib = ctypes.CDLL(str(target))
-    for name, argtypes in SIGNATURES.items():
-        fn = getattr(lib, name)  # AttributeError: a source without this kernel
-        fn.argtypes = argtypes
-        fn.restype = None
+    for name, (argtypes, restype) in SIGNATURES.items():
+        fn = getattr(lib, name)  # AttributeError: a library without this kernel
+        fn.argtypes, fn.restype = argtypes, restype
+    for name, (argtypes, restype) in OPTIONAL.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
+def load(variant: str) -> ctypes.CDLL:
+    """The library of one variant (loaded once); OSError when it is not built or cannot run here."""
+    lib = _libs.get(variant)
+    if lib is None:
+        with _lock:
+            lib = _libs.get(variant)
+            if lib is None:
+                try:
+                    lib = _libs[variant] = _open(variant)
+                except AttributeError as e:
+                    raise OSError(f"the {variant} kernels are out of date ({e}); reinstall llamapy") from e
     return lib
 
 
 def lib() -> ctypes.CDLL | None:
-    """The loaded kernel library (built on first use), or None when it cannot be had."""
-    if "lib" not in _state:
-        with _lock:
-            if "lib" not in _state:
-                try:
-                    _state["lib"] = _load()
-                except (OSError, AttributeError, subprocess.SubprocessError) as e:
-                    _state["lib"], _state["error"] = None, str(e)
-    return _state["lib"]  # type: ignore[return-value]
+    """The kernel library in use (`choose()`'s variant), or None when there is none. Resolved
+    once per value of the two environment variables (called for every product)."""
+    key = (os.environ.get("LLAMAPY_KERNELS"), os.environ.get("LLAMAPY_KERNELS_VARIANT"))
+    hit = _resolved.get(key)
+    if hit is None:
+        hit = _resolved[key] = _resolve()
+    return hit[0]
+
+
+def _resolve() -> tuple[ctypes.CDLL | None, str | None, str | None]:
+    """(library, its variant, why there is none)."""
+    if not enabled():
+        return None, None, "LLAMAPY_KERNELS=numpy"
+    v = choose()
+    if v is None:
+        return None, None, "no kernel library was built at install time (no C compiler?)"
+    try:
+        return load(v), v, None
+    except OSError as e:
+        return None, None, str(e)
+
+
+def variant() -> str | None:
+    """The variant `lib()` uses, None when it is None."""
+    lib()
+    return _resolved[(os.environ.get("LLAMAPY_KERNELS"), os.environ.get("LLAMAPY_KERNELS_VARIANT"))][1]
 
 
 def error() -> str | None:
-    """Why `lib()` is None (None when it loaded or was not tried yet)."""
-    return _state.get("error")  # type: ignore[return-value]
+    """Why `lib()` is None (None when it loaded)."""
+    lib()
+    return _resolved[(os.environ.get("LLAMAPY_KERNELS"), os.environ.get("LLAMAPY_KERNELS_VARIANT"))][2]
 
 
 _addressof = ctypes.addressof

@@ -28,6 +28,7 @@ CTK = typer.Option("f32", "-ctk", "--cache-type-k", help="K cache type: f16 or f
 CTV = typer.Option("f32", "-ctv", "--cache-type-v", help="V cache type: f16 or f32")
 NKVO = typer.Option(False, "-nkvo", "--no-kv-offload", help="keep the KV cache in host memory")
 NO_OP_OFFLOAD = typer.Option(False, "--no-op-offload", help="never run ops on a GPU for weights in host memory")
+F32_ACT = typer.Option(False, "--f32-activations", help="CPU matmuls on float32 activations (exactness studies; default: 8-bit as llama.cpp)")
 DEVICE = typer.Option(None, "-dev", "--device", help="comma-separated devices to use (CPU is always used)")
 
 # sampling (common/arg.cpp's names and llama.cpp's defaults)
@@ -121,6 +122,7 @@ def load(
     no_op_offload: bool = False,
     device: str | None = None,
     quiet: bool = False,
+    f32_activations: bool = False,
 ) -> Any:
     """Load a model and a context, logging what llama.cpp logs on stderr."""
     from ..api import Llama
@@ -149,11 +151,12 @@ def load(
         type_v=cache_type(ctv, "-ctv"),
         no_kv_offload=nkvo,
         op_offload=not no_op_offload,
+        cpu_matmul="f32" if f32_activations else "q8",
     )
     from ..backend import native
 
-    if not quiet and native.needs_build():
-        log(f"llamapy: compiling the CPU kernels into {native.cache_dir()} (once per machine, a few seconds)")
+    if not quiet and native.lib() is None:
+        log(f"llamapy: no compiled CPU kernels ({native.error()}): running the numpy kernels (slow)")
     llm = Llama(path, model_options=mo, context_options=co)
     if not quiet:
         log_load(llm)

@@ -77,10 +77,8 @@ def devices() -> None:
 
     impl = qmatmul.kernels()
     if impl == "c":
-        why = ""
-    elif native.lib() is None:
-        why = f"  (C kernels: {native.error()})"
+        why = f"  ({native.variant()}; built: {', '.join(native.built())})"
     else:
-        why = "  (chosen by LLAMAPY_KERNELS)"
+        why = f"  (C kernels: {native.error()})"
     out.write(f"CPU kernels: {impl}{why}\n")
     out.flush()

@@ -55,11 +55,12 @@ def perplexity(
     ctv: str = common.CTV,
     nkvo: bool = common.NKVO,
     no_op_offload: bool = common.NO_OP_OFFLOAD,
+    f32_activations: bool = common.F32_ACT,
     device: str = common.DEVICE,
 ) -> None:
     """Perplexity of a text, or KL divergence against a base model's logits (llama-perplexity)."""
     placement = dict(ngl=ngl, ot=ot, ts=ts, mg=mg, threads=threads, ctk=ctk, ctv=ctv, nkvo=nkvo,
-                     no_op_offload=no_op_offload, device=device)
+                     no_op_offload=no_op_offload, device=device, f32_activations=f32_activations)
     if chunks == 0:
         raise LlamapyError("--chunks 0: nothing to evaluate")
     if ubatch <= 0:

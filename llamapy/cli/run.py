@@ -69,6 +69,7 @@ def run(
     ctv: str = common.CTV,
     nkvo: bool = common.NKVO,
     no_op_offload: bool = common.NO_OP_OFFLOAD,
+    f32_activations: bool = common.F32_ACT,
     device: str = common.DEVICE,
     no_warmup: bool = typer.Option(False, "--no-warmup", help="skip the warm-up run before the prompt"),
 ) -> None:
@@ -87,10 +88,10 @@ def run(
         repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, seed=seed, ignore_eos=ignore_eos,
     )  # fmt: skip
-    llm = common.load(model, model_opt, ngl, ot, ts, mg, ctx_size, batch, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device)
+    llm = common.load(model, model_opt, ngl, ot, ts, mg, ctx_size, batch, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device,
+                      f32_activations=f32_activations)
     if not no_warmup:
-        # reported apart from the load time: it is mostly loading the compiled kernels (built on the
-        # very first run)
+        # reported apart from the load time: it is mostly loading the compiled kernels
         log(f"common_init: warm-up run (compiled-kernel load) = {llm.warmup():.2f} ms")
     if conversation:
         _conversation(llm, text, system_prompt, n_predict, sampling)

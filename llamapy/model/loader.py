@@ -276,8 +276,10 @@ def weight_devices(
     return where
 
 
-def load_weights(gf: GGUFFile, w: ModelWeights, placement: Placement, where: dict[Tensor, Device]) -> None:
-    """Allocate one weights buffer per device and set every tensor from the mapped file.
+def load_weights(gf: GGUFFile, w: ModelWeights, placement: Placement, where: dict[Tensor, Device],
+                 cpu_matmul: str = "q8") -> None:
+    """Allocate one weights buffer per device and set every tensor from the mapped file
+    (host matrices laid out for the `cpu_matmul` mode, ContextOptions.cpu_matmul).
 
     On OutOfMemoryError everything allocated so far is freed before the error propagates.
     """
@@ -292,7 +294,7 @@ def load_weights(gf: GGUFFile, w: ModelWeights, placement: Placement, where: dic
             size = sum(buft.alloc_size(t) for t in tensors if not (shared_output and t is w.output))
             buf = buft.alloc_buffer(size, BufferUsage.WEIGHTS)
             w.buffers.append(buf)
-            buf.use_cache(cache_key(gf.path))
+            buf.use_cache(cache_key(gf.path), cpu_matmul)
             for t in tensors:
                 if shared_output and t is w.output:
                     t.buffer = buf

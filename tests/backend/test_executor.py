@@ -1,9 +1,10 @@
 """The CPU split executor (backend/executor.py, kernels_c/executor.c) against run_nodes, the
 reference path, on the same model and the same batches.
 
-Bit-identical where both paths run the same C kernels: every logit of the decode graph except
-the f32 tail rows of a matrix whose row count is not a multiple of 64 (the tiny models' 271-row
-vocabulary: BLAS in run_nodes, a plain sum in the executor), which agree within float32 noise.
+Bit-identical where both paths run the same C kernels: every logit in the quantized-activation
+mode (the default); in the float32-activation mode every logit except those of the f32 tail rows
+of a matrix whose row count is not a multiple of 64 (the tiny models' 271-row vocabulary: BLAS
+in run_nodes, a plain sum in the executor), which agree within float32 noise.
 """
 
 from __future__ import annotations
@@ -28,8 +29,13 @@ pytestmark = pytest.mark.skipif(native.lib() is None, reason=f"no C kernels: {na
 N_FULL = 256  # the tiny models' output rows held in repacked tiles (271 = 4*64 + 15)
 
 
+def _model(path: Path, cpu_matmul: str = "q8") -> Model:
+    return Model(path, context_options=ContextOptions(cpu_matmul=cpu_matmul))
+
+
 def _contexts(monkeypatch: pytest.MonkeyPatch, model: Model, **kw: object) -> tuple[Context, Context]:
-    """(executor, run_nodes) contexts on one model."""
+    """(executor, run_nodes) contexts on one model, in the model's MUL_MAT mode."""
+    kw.setdefault("cpu_matmul", model.fit_options.cpu_matmul)
     monkeypatch.setenv("LLAMAPY_EXECUTOR", "1")
     exe = Context(model, ContextOptions(n_ctx=512, **kw))  # type: ignore[arg-type]
     monkeypatch.setenv("LLAMAPY_EXECUTOR", "0")
@@ -37,9 +43,12 @@ def _contexts(monkeypatch: pytest.MonkeyPatch, model: Model, **kw: object) -> tu
     return exe, ref
 
 
-def _same(a: np.ndarray, b: np.ndarray) -> None:
+def _same(a: np.ndarray, b: np.ndarray, q8: bool = True) -> None:
     assert a.shape == b.shape
-    np.testing.assert_array_equal(a[:, :N_FULL], b[:, :N_FULL])  # bit-identical
+    if q8:
+        np.testing.assert_array_equal(a, b)  # bit-identical
+        return
+    np.testing.assert_array_equal(a[:, :N_FULL], b[:, :N_FULL])
     np.testing.assert_allclose(a[:, N_FULL:], b[:, N_FULL:], rtol=1e-4, atol=1e-4)  # f32 tail rows
 
 
@@ -60,12 +69,16 @@ def _batches() -> list[tuple[list[int], list[int], int | list[int], list[bool] |
     return out
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K])
-def test_executor_matches_run_nodes(make_llama, monkeypatch: pytest.MonkeyPatch, qtype: T) -> None:  # noqa: ANN001
-    model = Model(make_llama(qtype=qtype, rope_freqs=qtype is T.Q4_K))
+@pytest.mark.parametrize(
+    "qtype, mode",
+    [(T.Q8_0, "q8"), (T.Q4_0, "q8"), (T.Q4_1, "q8"), (T.Q5_0, "q8"), (T.Q5_1, "q8"), (T.F16, "q8"),
+     (T.Q8_0, "f32"), (T.Q4_1, "f32"), (T.Q4_K, "f32"), (T.Q6_K, "f32")],
+)
+def test_executor_matches_run_nodes(make_llama, monkeypatch: pytest.MonkeyPatch, qtype: T, mode: str) -> None:  # noqa: ANN001
+    model = _model(make_llama(qtype=qtype, rope_freqs=qtype in (T.Q4_1, T.Q6_K)), mode)
     exe, ref = _contexts(monkeypatch, model, n_threads=2)
     for toks, pos, seq, want in _batches():
-        _same(exe.decode(toks, pos, seq, want), ref.decode(toks, pos, seq, want))
+        _same(exe.decode(toks, pos, seq, want), ref.decode(toks, pos, seq, want), mode == "q8")
     plans = _plans(exe)
     assert plans and all(isinstance(p, ExecPlan) for p in plans)
     assert sum(p.n_runs for p in plans) == len(_batches())  # type: ignore[attr-defined]
@@ -74,7 +87,7 @@ def test_executor_matches_run_nodes(make_llama, monkeypatch: pytest.MonkeyPatch,
 
 
 def test_f16_cache_and_untied_output(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    model = Model(make_llama(qtype=T.Q4_0, tied=False))
+    model = _model(make_llama(qtype=T.Q4_0, tied=False))
     exe, ref = _contexts(monkeypatch, model, type_k=GGMLType.F16, type_v=GGMLType.F16, n_threads=1)
     for toks, pos, seq, want in _batches():
         _same(exe.decode(toks, pos, seq, want), ref.decode(toks, pos, seq, want))
@@ -85,18 +98,40 @@ def test_f16_cache_and_untied_output(make_llama, monkeypatch: pytest.MonkeyPatch
 
 
 def test_prompt_batches_fall_back_to_run_nodes(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    model = Model(make_llama(qtype=T.Q8_0))
+    model = _model(make_llama(qtype=T.Q8_0))
     exe, ref = _contexts(monkeypatch, model)
     toks = list(range(3, 23))  # 20 tokens: the tile + sgemm path
     np.testing.assert_array_equal(exe.decode(toks, range(20)), ref.decode(toks, range(20)))
     g = exe.graph(20, 256, 1)
     plan = exe.sched.reserve(g.graph)
-    bp = exe.sched.backend_plan(plan, 0)
-    assert isinstance(bp, Refusal) and "20 tokens" in bp.reason
+    # CPU splits that hold the batch's rows (the BLAS backend, when there is one, has the big
+    # products; the last rows after the output selection may still be compiled)
+    cpu = [i for i, s in enumerate(plan.splits) if exe.backends[s.backend].name == "CPU"
+           and any(len(n.shape) > 1 and n.shape[0] == 20 for n in s.nodes if not n.is_view)]
+    assert cpu
+    for i in cpu:
+        bp = exe.sched.backend_plan(plan, i)
+        assert isinstance(bp, Refusal) and "a batch of 20 tokens" in bp.reason, bp
     dump = exe.sched.dump(g.graph)
-    assert "## PLAN #0: CPU executor refused: a batch of 20 tokens" in dump
+    assert f"## PLAN #{cpu[0]}: CPU executor refused: a batch of 20 tokens" in dump
     _same(exe.decode([5], [20]), ref.decode([5], [20]))
     assert "## PLAN #0: CPU executor: " in exe.sched.dump(exe.graph(1, 256, 1).graph)
+
+
+def test_products_without_a_compiled_path_fall_back(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """K-quant weights in the q8 mode run on the sgemm path while the library has no q8_K
+    kernels: such a split is refused, runs node by node, and gives run_nodes' logits."""
+    model = _model(make_llama(qtype=T.Q4_K))
+    exe, ref = _contexts(monkeypatch, model)
+    np.testing.assert_array_equal(exe.decode([1, 2, 3], [0, 1, 2]), ref.decode([1, 2, 3], [0, 1, 2]))
+    np.testing.assert_array_equal(exe.decode([4], [3]), ref.decode([4], [3]))
+    plan = exe.sched.reserve(exe.graph(1, 256, 1).graph)
+    bp = exe.sched.backend_plan(plan, 0)
+    path = _plans(exe) and plan.splits[0].nodes
+    if isinstance(bp, ExecPlan):  # the library has q8_K kernels: then the executor ran it
+        assert bp.n_runs == 1
+    else:
+        assert "sgemm path" in bp.reason and path
 
 
 def test_unknown_op_is_refused() -> None:
@@ -139,7 +174,7 @@ def test_small_graph_elementwise_and_views() -> None:
 def test_two_contexts_with_different_threads(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """-t 1 and -t 2 in one process, decoding at the same time from two Python threads: each
     call runs on its own context's thread count, and both get run_nodes' logits."""
-    model = Model(make_llama(qtype=T.Q4_0, n_embd=512, n_ff=1536, n_head=8))  # threaded matvecs
+    model = _model(make_llama(qtype=T.Q4_0, n_embd=512, n_ff=1536, n_head=8))  # threaded products
     monkeypatch.setenv("LLAMAPY_EXECUTOR", "1")
     ctxs = [Context(model, ContextOptions(n_ctx=256, n_threads=n)) for n in (1, 2)]
     monkeypatch.setenv("LLAMAPY_EXECUTOR", "0")
@@ -166,7 +201,7 @@ def test_two_contexts_with_different_threads(make_llama, monkeypatch: pytest.Mon
 
 
 def test_default_model_greedy_unchanged(default_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """SmolLM2 (no tail rows): 12 greedy steps, logits bit-identical to run_nodes."""
+    """SmolLM2: 12 greedy steps, logits bit-identical to run_nodes."""
     model = Model(default_model)
     exe, ref = _contexts(monkeypatch, model, n_threads=2)
     toks = model.tokenizer.encode("The capital of France is")

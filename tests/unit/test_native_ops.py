@@ -21,14 +21,17 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _ATTEND = [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, ctypes.c_float, _P]
 
 
-@pytest.fixture(scope="module")
-def lib():
+@pytest.fixture(scope="module", params=["avx512", "avx2", "portable"])
+def lib(request: pytest.FixtureRequest):
+    """Each SIMD variant the install built."""
     if native is None:
         pytest.skip(f"llamapy.backend.native cannot be imported: {_import_error}")
-    lb = native.lib()
-    if lb is None:
-        pytest.skip(f"native kernels unavailable: {native.error()}")
-    return lb
+    try:  # tests/unit may or may not be a package
+        from .test_native_quants import load_variant
+    except ImportError:
+        from test_native_quants import load_variant  # type: ignore[no-redef]
+
+    return load_variant(request.param)
 
 
 def _ptr(a: np.ndarray) -> int:

@@ -15,8 +15,10 @@ import pytest
 from llamapy.types import GGMLType, block_size
 
 try:  # tests/unit may or may not be a package
+    from .test_native_quants import load_variant
     from .test_quants import random_raw
 except ImportError:
+    from test_native_quants import load_variant  # type: ignore[no-redef]
     from test_quants import random_raw  # type: ignore[no-redef]
 
 try:
@@ -30,12 +32,11 @@ TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
 SCALES = {"Q4_0": [(0, 2)], "Q4_1": [(0, 4)], "Q8_0": [(0, 2)], "Q4_K": [(0, 4)], "Q6_K": [(208, 210)]}
 
 
-@pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
-    lib = native.lib()
-    if lib is None:
-        pytest.skip(f"no native kernels: {native.error()}")
-    return lib
+@pytest.fixture(scope="module", params=list(native.VARIANTS))
+def lib(request: pytest.FixtureRequest) -> ctypes.CDLL:
+    """Each SIMD variant the install built (the portable one: no FMA / F16C on x86-64, plain 8-lane
+    vectors of the baseline target; the f16 scales widened from their bits)."""
+    return load_variant(request.param)
 
 
 def make(name: str, n_tiles: int, n_in: int, seed: int, special: bool = False):
@@ -140,40 +141,6 @@ def test_dqr_bit_exact(lib: ctypes.CDLL, name: str) -> None:
     assert np.all(out[-1] == 7.0)
     f(native.parts(rp), nb_of(name, n_in), ids.ctypes.data, 0, out.ctypes.data)  # n = 0: nothing
     np.testing.assert_array_equal(out[:-1].view(np.uint32), w[ids].view(np.uint32))
-
-
-def test_generic_vector_path(tmp_path) -> None:
-    """The same source built for the compiler's baseline target (no -march=native: e.g. SSE2
-    halves of each 8-lane vector on x86) and without FMA or F16C (the f16 scales widened from
-    their bits), as on other CPUs."""
-    import subprocess
-
-    cc = native.compiler()
-    if cc is None or not native.enabled():
-        pytest.skip("no C compiler")
-    so = tmp_path / "qmm_generic.so"
-    flags = [f for f in native.CFLAGS if not f.startswith("-march")]
-    src = native.SRC_DIR / "qmatmul.c"
-    r = subprocess.run([cc, *flags, "-DLP_QMM_GENERIC", "-o", str(so), str(src), "-lm"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    glib = ctypes.CDLL(str(so))
-    for name, argtypes in native.SIGNATURES.items():
-        if name.startswith(("lp_mv_", "lp_dqt_", "lp_dqr_")):
-            getattr(glib, name).argtypes = argtypes
-            getattr(glib, name).restype = None
-    for name in TYPES:
-        _, rp, w = make(name, 2, 512, 6, special=False)
-        for n_tok in (1, 3):
-            check_mv(glib, name, rp, w, n_tok, 1, seed=n_tok)
-        _, rp, w = make(name, 2, 512, 8, special=True)
-        out_t = np.empty((512, 2 * R), np.float32)
-        fn(glib, "dqt", name)(native.parts(rp), 0, 2, nb_of(name, 512), out_t.ctypes.data, 2 * R, 1)
-        np.testing.assert_array_equal(out_t.T.view(np.uint32), w.view(np.uint32))
-        ids = np.array([2 * R - 1, 0, 7, 64, 56], np.int64)
-        out = np.empty((ids.size, 512), np.float32)
-        fn(glib, "dqr", name)(native.parts(rp), nb_of(name, 512), ids.ctypes.data, ids.size, out.ctypes.data)
-        np.testing.assert_array_equal(out.view(np.uint32), w[ids].view(np.uint32))
 
 
 def test_threads_after_fork(lib: ctypes.CDLL) -> None:

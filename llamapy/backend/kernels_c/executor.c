@@ -11,9 +11,10 @@
  * one loop over the records, without Python. What changes per token (token ids, positions, KV
  * cells, the mask) is written into the inputs block by the caller before the call.
  *
- * The records call the same kernels as the reference path's C table (cpu_kernels.py): the
- * matvec through a function pointer in the record (today lp_mv_<t> of qmatmul.c), lp_attend /
- * lp_attend_f16 and lp_swiglu of ops.c; rms_norm, rope and the elementwise ops repeat ops.c's
+ * The records call the same kernels as the reference path (cpu.py's table, cpu_kernels.py): the
+ * quantized-activation MUL_MAT (lp_quantize_act once per input and vec_dot_type, then
+ * lp_mul_mat_q), or in the float32-activation mode the repacked matvec through a function
+ * pointer in the record (lp_mv_<t>); lp_attend / lp_attend_f16 and lp_swiglu of ops.c; rms_norm, rope and the elementwise ops repeat ops.c's
  * and numpy's float32 operations in the same order, so a decode step is bit-identical to
  * run_nodes (see tests/backend/test_executor.py; the f32 tail rows of a matrix whose row count
  * is not a multiple of 64 are summed here, not by BLAS: within float32 noise).
@@ -40,6 +41,12 @@ void lp_attend_f16(const float *q, int64_t T, int64_t H, int64_t D, const uint16
 void lp_swiglu(const float *gate, const float *up, int64_t rows, int64_t n, int64_t gate_st, int64_t up_st,
                float *out);
 
+/* qmatmul.c: MUL_MAT with quantized activations (lp_quants.h) */
+int lp_quantize_act(int ggml_type, const float *x, int64_t ld_x, int64_t n_in, int64_t n_tok, void *xq,
+                    int n_threads);
+int lp_mul_mat_q(int ggml_type, const void *w, int64_t n_rows, int64_t row_bytes, int64_t n_in, const void *xq,
+                 int64_t n_tok, float *y, int64_t ld_y, int n_threads);
+
 /* the matvec ABI of qmatmul.c's lp_mv_<t> */
 typedef void (*mv_fn)(const void *const *parts, int64_t n_tiles, int64_t nb, const float *x, int64_t n_tok,
                       float *out, int64_t ld_out, int n_threads);
@@ -61,6 +68,8 @@ enum {
     EX_SET_ROWS = 10,
     EX_ATTN = 11,
     EX_CPY = 12,
+    EX_QUANT_ACT = 13, /* activations quantized to a weight type's vec_dot_type, once for its products */
+    EX_MUL_MAT_Q = 14, /* MUL_MAT on the file's blocks with those quantized activations */
 };
 
 #define EX_REC 24
@@ -299,6 +308,16 @@ EX_API int64_t lp_exec_run(const int64_t *recs, int64_t n_rec, int n_threads) {
                 memcpy((float *)P(1) + t * I(7), (const float *)P(2) + t * I(8), (size_t)I(7) * 4);
             break;
         }
+        case EX_QUANT_ACT:
+            /* dst xq <- src0 x: [6] weight type, [7] x row stride, [8] n_in, [9] n_tok */
+            if (lp_quantize_act((int)I(6), P(2), I(7), I(8), I(9), P(1), n_threads) != 0) return k + 1;
+            break;
+        case EX_MUL_MAT_Q:
+            /* dst y <- W (src0, the file's rows) . xq (src1): [6] type, [7] n_rows, [8] row bytes,
+             * [9] n_in, [10] n_tok, [11] y row stride */
+            if (lp_mul_mat_q((int)I(6), P(2), I(7), I(8), I(9), P(3), I(10), P(1), I(11), n_threads) != 0)
+                return k + 1;
+            break;
         default:
             return k + 1;
         }

@@ -146,4 +146,46 @@ void lp_vec_dot_q4_K_q8_K(int n, float *s, const void *vx, const void *vy);
 void lp_vec_dot_q5_K_q8_K(int n, float *s, const void *vx, const void *vy);
 void lp_vec_dot_q6_K_q8_K(int n, float *s, const void *vx, const void *vy);
 
+/* ggml_type ids (ggml.h), the `ggml_type` argument of the matmul entry points below */
+enum {
+    LP_TYPE_F32 = 0, LP_TYPE_F16 = 1, LP_TYPE_Q4_0 = 2, LP_TYPE_Q4_1 = 3, LP_TYPE_Q5_0 = 6,
+    LP_TYPE_Q5_1 = 7, LP_TYPE_Q8_0 = 8, LP_TYPE_Q8_1 = 9, LP_TYPE_Q2_K = 10, LP_TYPE_Q3_K = 11,
+    LP_TYPE_Q4_K = 12, LP_TYPE_Q5_K = 13, LP_TYPE_Q6_K = 14, LP_TYPE_Q8_K = 15, LP_TYPE_BF16 = 30,
+};
+
+/* MUL_MAT with quantized activations (ggml_compute_forward_mul_mat), in kernels_c/qmatmul.c.
+ *
+ * Weights w: n_rows rows of row_bytes bytes, each row n_in elements in the GGUF block layout of
+ * ggml_type (the file's bytes, no repacking). Activations x: n_tok rows of n_in floats, row t at
+ * x + t*ld_x. Output y: y[t*ld_y + r] = vec_dot(weight row r, activation row t quantized to the
+ * weight type's vec_dot_type), r < n_rows, t < n_tok.
+ *
+ * lp_vec_dot_type(type)        the vec_dot_type's ggml id (F32 for F32, F16 for F16, BF16, Q8_0,
+ *                              Q8_1 or Q8_K), or -1 when this library has no kernel for the type
+ *                              (e.g. a K type before kquants.c is built in): the caller falls back
+ * lp_act_row_bytes(type, n_in) bytes of one activation row in that vec_dot_type (-1: no kernel)
+ * lp_quantize_act(type, x, ld_x, n_in, n_tok, xq, n_threads)
+ *                              x -> xq, n_tok rows of lp_act_row_bytes each, packed; returns 0,
+ *                              -1 without a kernel. One quantization serves every weight of the
+ *                              same vec_dot_type (fused Q/K/V, gate/up).
+ * lp_mul_mat_q(type, w, n_rows, row_bytes, n_in, xq, n_tok, y, ld_y, n_threads)
+ *                              the product from already quantized activations; 0, or -1
+ * lp_mul_mat(type, w, n_rows, row_bytes, n_in, x, ld_x, n_tok, y, ld_y, wsp, n_threads)
+ *                              both steps; wsp: n_tok * lp_act_row_bytes(type, n_in) bytes
+ * lp_round_act(type, x, ld_x, n_in, n_tok, out, ld_out, n_threads)
+ *                              x quantized to the vec_dot_type and expanded back to float32
+ *                              (d * q exactly; f16 / bf16 values): float32 tiles + sgemm on these
+ *                              compute lp_mul_mat's sums (large batches); 0, or -1
+ * Threads: n_threads OpenMP threads for this call only (no global state), chunks of rows. */
+int lp_vec_dot_type(int ggml_type);
+int64_t lp_act_row_bytes(int ggml_type, int64_t n_in);
+int lp_quantize_act(int ggml_type, const float *x, int64_t ld_x, int64_t n_in, int64_t n_tok, void *xq,
+                    int n_threads);
+int lp_mul_mat_q(int ggml_type, const void *w, int64_t n_rows, int64_t row_bytes, int64_t n_in, const void *xq,
+                 int64_t n_tok, float *y, int64_t ld_y, int n_threads);
+int lp_mul_mat(int ggml_type, const void *w, int64_t n_rows, int64_t row_bytes, int64_t n_in, const float *x,
+               int64_t ld_x, int64_t n_tok, float *y, int64_t ld_y, void *wsp, int n_threads);
+int lp_round_act(int ggml_type, const float *x, int64_t ld_x, int64_t n_in, int64_t n_tok, float *out, int64_t ld_out,
+                 int n_threads);
+
 #endif

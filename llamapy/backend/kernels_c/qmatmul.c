@@ -913,3 +913,197 @@ QMM_API void lp_dqr_q6_k(const void *const *parts, int64_t nb, const int64_t *id
         }
     }
 }
+
+/* ---------------------------------------------------------------------------------------- */
+/* MUL_MAT with quantized activations on the file's block layout (lp_quants.h's entry points) */
+/*                                                                                          */
+/* ggml counterpart: ggml-cpu.c ggml_compute_forward_mul_mat: the activations are converted  */
+/* once into the weight type's vec_dot_type, then every output is one vec_dot of a weight row */
+/* and an activation row. Threads split the rows (never the tokens: a decode step has one),  */
+/* in chunks handed out dynamically so that a thread that is descheduled does not hold the   */
+/* others up. The K types' kernels come from kquants.c; their references are weak, so a      */
+/* library built without that file reports those types as unsupported (lp_vec_dot_type -1)  */
+/* and the caller keeps its float32-activation path for them.                                */
+
+#include "lp_quants.h"
+
+#pragma weak lp_quantize_row_q8_K
+#pragma weak lp_vec_dot_q2_K_q8_K
+#pragma weak lp_vec_dot_q3_K_q8_K
+#pragma weak lp_vec_dot_q4_K_q8_K
+#pragma weak lp_vec_dot_q5_K_q8_K
+#pragma weak lp_vec_dot_q6_K_q8_K
+
+/* Rows a thread takes at once (output columns of one chunk), and the rows of a cache block:
+ * for prompts, MM_ROW_BLOCK weight rows stay in L1 while every token's activations pass by. */
+#define MM_ROW_BLOCK 16
+
+typedef void (*mm_quantize_fn)(const float *x, void *y, int64_t k);
+
+typedef struct {
+    int vec_dot_type;
+    int64_t blck, act_bsize; /* activation block: elements, bytes */
+    mm_quantize_fn quantize;
+    lp_vec_dot_fn dot;
+} mm_traits;
+
+static void mm_copy_f32(const float *x, void *y, int64_t k) { memcpy(y, x, (size_t)k * sizeof(float)); }
+
+static void mm_to_f16(const float *x, void *vy, int64_t k) {
+    lp_half *y = vy;
+    for (int64_t i = 0; i < k; i++) y[i] = lp_f2h(x[i]);
+}
+
+static void mm_to_bf16(const float *x, void *vy, int64_t k) {
+    lp_bf16 *y = vy;
+    for (int64_t i = 0; i < k; i++) y[i] = lp_f2bf(x[i]);
+}
+
+/* 0 and the type's traits, or -1 when this library has no kernel for it */
+static int mm_traits_of(int type, mm_traits *t) {
+    const mm_quantize_fn q8_K = lp_quantize_row_q8_K; /* NULL without kquants.c */
+    switch (type) {
+    case LP_TYPE_F32: *t = (mm_traits){LP_TYPE_F32, 1, 4, mm_copy_f32, lp_vec_dot_f32}; break;
+    case LP_TYPE_F16: *t = (mm_traits){LP_TYPE_F16, 1, 2, mm_to_f16, lp_vec_dot_f16}; break;
+    case LP_TYPE_BF16: *t = (mm_traits){LP_TYPE_BF16, 1, 2, mm_to_bf16, lp_vec_dot_bf16}; break;
+    case LP_TYPE_Q4_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q4_0_q8_0}; break;
+    case LP_TYPE_Q5_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q5_0_q8_0}; break;
+    case LP_TYPE_Q8_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q8_0_q8_0}; break;
+    case LP_TYPE_Q4_1: *t = (mm_traits){LP_TYPE_Q8_1, QK8_1, sizeof(block_q8_1), lp_quantize_row_q8_1, lp_vec_dot_q4_1_q8_1}; break;
+    case LP_TYPE_Q5_1: *t = (mm_traits){LP_TYPE_Q8_1, QK8_1, sizeof(block_q8_1), lp_quantize_row_q8_1, lp_vec_dot_q5_1_q8_1}; break;
+    case LP_TYPE_Q2_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q2_K_q8_K}; break;
+    case LP_TYPE_Q3_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q3_K_q8_K}; break;
+    case LP_TYPE_Q4_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q4_K_q8_K}; break;
+    case LP_TYPE_Q5_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q5_K_q8_K}; break;
+    case LP_TYPE_Q6_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q6_K_q8_K}; break;
+    default: return -1;
+    }
+    return t->quantize != NULL && t->dot != NULL ? 0 : -1;
+}
+
+QMM_API int lp_vec_dot_type(int ggml_type) {
+    mm_traits t;
+    return mm_traits_of(ggml_type, &t) == 0 ? t.vec_dot_type : -1;
+}
+
+QMM_API int64_t lp_act_row_bytes(int ggml_type, int64_t n_in) {
+    mm_traits t;
+    if (mm_traits_of(ggml_type, &t) != 0 || n_in % t.blck) return -1;
+    return n_in / t.blck * t.act_bsize;
+}
+
+QMM_API int lp_quantize_act(int ggml_type, const float *x, int64_t ld_x, int64_t n_in, int64_t n_tok, void *xq,
+                            int n_threads) {
+    mm_traits t;
+    if (mm_traits_of(ggml_type, &t) != 0 || n_in % t.blck) return -1;
+    const int64_t rb = n_in / t.blck * t.act_bsize;
+#ifdef _OPENMP
+    if (use_threads(n_threads, n_tok, n_tok * n_in * 4)) {
+#pragma omp parallel for schedule(static) num_threads(n_threads)
+        for (int64_t i = 0; i < n_tok; i++) t.quantize(x + i * ld_x, (uint8_t *)xq + i * rb, n_in);
+        return 0;
+    }
+#else
+    (void)n_threads;
+#endif
+    for (int64_t i = 0; i < n_tok; i++) t.quantize(x + i * ld_x, (uint8_t *)xq + i * rb, n_in);
+    return 0;
+}
+
+/* rows [r0, r1) of y for every token: MM_ROW_BLOCK rows against all tokens at a time */
+static void mm_rows(const mm_traits *t, const uint8_t *w, int64_t r0, int64_t r1, int64_t row_bytes, int n_in,
+                    const uint8_t *xq, int64_t act_bytes, int64_t n_tok, float *y, int64_t ld_y) {
+    for (int64_t rb = r0; rb < r1; rb += MM_ROW_BLOCK) {
+        const int64_t re = rb + MM_ROW_BLOCK < r1 ? rb + MM_ROW_BLOCK : r1;
+        for (int64_t k = 0; k < n_tok; k++) {
+            const uint8_t *xk = xq + k * act_bytes;
+            float *yk = y + k * ld_y;
+            for (int64_t r = rb; r < re; r++) t->dot(n_in, yk + r, w + r * row_bytes, xk);
+        }
+    }
+}
+
+QMM_API int lp_mul_mat_q(int ggml_type, const void *w, int64_t n_rows, int64_t row_bytes, int64_t n_in,
+                         const void *xq, int64_t n_tok, float *y, int64_t ld_y, int n_threads) {
+    mm_traits t;
+    if (mm_traits_of(ggml_type, &t) != 0 || n_in % t.blck || n_in > INT32_MAX) return -1;
+    const int64_t act_bytes = n_in / t.blck * t.act_bsize;
+    if (n_rows <= 0 || n_tok <= 0) return 0;
+#ifdef _OPENMP
+    const int64_t units = (n_rows + MM_ROW_BLOCK - 1) / MM_ROW_BLOCK;
+    if (use_threads(n_threads, units, n_rows * n_in * n_tok)) {
+        /* ~4 chunks a thread, whole row blocks each: both cores busy on 576 rows (36 blocks) */
+        const int64_t nc = units < 4LL * n_threads ? units : 4LL * n_threads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
+        for (int64_t c = 0; c < nc; c++) {
+            const int64_t a = c * units / nc * MM_ROW_BLOCK, b0 = (c + 1) * units / nc * MM_ROW_BLOCK;
+            const int64_t b = b0 < n_rows ? b0 : n_rows;
+            mm_rows(&t, w, a, b, row_bytes, (int)n_in, xq, act_bytes, n_tok, y, ld_y);
+        }
+        return 0;
+    }
+#else
+    (void)n_threads;
+#endif
+    mm_rows(&t, w, 0, n_rows, row_bytes, (int)n_in, xq, act_bytes, n_tok, y, ld_y);
+    return 0;
+}
+
+/* x rounded to what the vec_dot kernels see: quantized to the vec_dot_type and expanded back to
+ * float32 (exactly: d * q, f16 or bf16 values), for products big enough for sgemm on expanded
+ * weights, which then computes the same sums as lp_mul_mat up to the float32 summation order. */
+static void mm_round_row(const mm_traits *t, const float *x, int64_t n_in, float *out) {
+    uint8_t buf[sizeof(block_q8_K)];
+    for (int64_t b = 0; b < n_in; b += t->blck) {
+        const float *xb = x + b;
+        float *ob = out + b;
+        switch (t->vec_dot_type) {
+        case LP_TYPE_F32: memcpy(ob, xb, (size_t)t->blck * sizeof(float)); break;
+        case LP_TYPE_F16: ob[0] = lp_h2f(lp_f2h(xb[0])); break;
+        case LP_TYPE_BF16: ob[0] = lp_bf2f(lp_f2bf(xb[0])); break;
+        case LP_TYPE_Q8_0: {
+            t->quantize(xb, buf, QK8_0);
+            const block_q8_0 *q = (const block_q8_0 *)buf;
+            const float d = lp_h2f(q->d);
+            for (int j = 0; j < QK8_0; j++) ob[j] = d * (float)q->qs[j];
+            break;
+        }
+        case LP_TYPE_Q8_1: {
+            t->quantize(xb, buf, QK8_1);
+            const block_q8_1 *q = (const block_q8_1 *)buf;
+            const float d = lp_h2f(q->d);
+            for (int j = 0; j < QK8_1; j++) ob[j] = d * (float)q->qs[j];
+            break;
+        }
+        case LP_TYPE_Q8_K: {
+            t->quantize(xb, buf, QK_K);
+            const block_q8_K *q = (const block_q8_K *)buf;
+            for (int j = 0; j < QK_K; j++) ob[j] = q->d * (float)q->qs[j];
+            break;
+        }
+        }
+    }
+}
+
+QMM_API int lp_round_act(int ggml_type, const float *x, int64_t ld_x, int64_t n_in, int64_t n_tok, float *out,
+                         int64_t ld_out, int n_threads) {
+    mm_traits t;
+    if (mm_traits_of(ggml_type, &t) != 0 || n_in % t.blck) return -1;
+#ifdef _OPENMP
+    if (use_threads(n_threads, n_tok, n_tok * n_in * 4)) {
+#pragma omp parallel for schedule(static) num_threads(n_threads)
+        for (int64_t i = 0; i < n_tok; i++) mm_round_row(&t, x + i * ld_x, n_in, out + i * ld_out);
+        return 0;
+    }
+#else
+    (void)n_threads;
+#endif
+    for (int64_t i = 0; i < n_tok; i++) mm_round_row(&t, x + i * ld_x, n_in, out + i * ld_out);
+    return 0;
+}
+
+QMM_API int lp_mul_mat(int ggml_type, const void *w, int64_t n_rows, int64_t row_bytes, int64_t n_in,
+                       const float *x, int64_t ld_x, int64_t n_tok, float *y, int64_t ld_y, void *wsp, int n_threads) {
+    if (lp_quantize_act(ggml_type, x, ld_x, n_in, n_tok, wsp, n_threads) != 0) return -1;
+    return lp_mul_mat_q(ggml_type, w, n_rows, row_bytes, n_in, wsp, n_tok, y, ld_y, n_threads);
+}

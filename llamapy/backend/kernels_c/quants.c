@@ -1,0 +1,353 @@
+/* Activation quantization and the dot products of the non-K types on ggml's block layouts.
+ *
+ * ggml counterparts (ggml-cpu): quants.c quantize_row_q8_0 / q8_1 (their _ref versions' rounding)
+ * and ggml_vec_dot_q4_0_q8_0, q4_1_q8_1, q5_0_q8_0, q5_1_q8_1, q8_0_q8_0; vec.c ggml_vec_dot_f32 /
+ * f16 / bf16. The ABI (block structs, names) is lp_quants.h's.
+ *
+ * Definitions (what the tests compute in float64):
+ *   q8_0 of a block of 32 floats: d = max|x| / 127, q = roundf(x / d) (x * (1/d), ties away from
+ *     zero), d stored as f16 - bit-identical to gguf.quants.quantize(..., Q8_0).
+ *   q8_1: the same q and d, plus s = f16(d * sum(q)) with the unrounded d.
+ *   dot(q4_0, q8_0) = sum_blocks f16(dx) * f16(dy) * sum_j (qx_j - 8) * qy_j            (exact int sum)
+ *   dot(q4_1, q8_1) = sum_blocks dx * dy * sum_j qx_j * qy_j + mx * sy
+ *   dot(q5_0, q8_0) = ... (qx_j | hbit_j << 4) - 16;  dot(q5_1, q8_1): (qx_j | hbit_j << 4), + mx * sy
+ *   dot(q8_0, q8_0) = sum_blocks dx * dy * sum_j qx_j * qy_j
+ *   f16 / bf16: the activations are rounded to f16 / bf16 first (ggml's vec_dot_type), products
+ *     summed in float32.
+ * Only the float32 summation order differs between the variants below (integer sums are exact).
+ *
+ * SIMD: each dot product has an AVX2 body (one 32-quant block per step: the nibbles widened to
+ * bytes, u8 x s8 products summed pairwise to int16 with maddubs and then to int32 with madd, or in
+ * one dpbusd where AVX-512 VNNI is there, times the two scales into 8 float32 lanes) and a
+ * portable C body for every other target. The same file is compiled once per variant (setup.py).
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "lp_quants.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define LP_API __attribute__((visibility("default")))
+
+/* roundf for the quantizers: nearest, ties away from zero (numpy's np_roundf in gguf-py) */
+static inline int lp_round(float v) { return (int)roundf(v); }
+
+/* --- activation quantization ------------------------------------------------------------------ */
+
+LP_API void lp_quantize_row_q8_0(const float *x, void *vy, int64_t k) {
+    block_q8_0 *y = vy;
+    for (int64_t i = 0; i < k / QK8_0; i++, x += QK8_0) {
+        float amax = 0.0f;
+        for (int j = 0; j < QK8_0; j++) amax = fmaxf(amax, fabsf(x[j]));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[i].d = lp_f2h(d);
+        for (int j = 0; j < QK8_0; j++) y[i].qs[j] = (int8_t)lp_round(x[j] * id);
+    }
+}
+
+LP_API void lp_quantize_row_q8_1(const float *x, void *vy, int64_t k) {
+    block_q8_1 *y = vy;
+    for (int64_t i = 0; i < k / QK8_1; i++, x += QK8_1) {
+        float amax = 0.0f;
+        for (int j = 0; j < QK8_1; j++) amax = fmaxf(amax, fabsf(x[j]));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QK8_1; j++) {
+            const int q = lp_round(x[j] * id);
+            y[i].qs[j] = (int8_t)q;
+            sum += q;
+        }
+        y[i].d = lp_f2h(d);
+        y[i].s = lp_f2h((float)sum * d);
+    }
+}
+
+/* --- AVX2 helpers ----------------------------------------------------------------------------- */
+
+#if defined(__AVX2__)
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 8 int32 partial sums of u[i] * s[i] (u unsigned bytes, s signed bytes) */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* 8 int32 partial sums of a[i] * b[i], both signed bytes (|a[i]| <= 128) */
+static inline __m256i dot_s8s8(__m256i a, __m256i b) {
+    return dot_u8s8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+}
+
+/* 16 bytes of packed nibbles -> 32 bytes: the low nibbles then the high ones (ggml's order) */
+static inline __m256i nibbles32(const uint8_t *qs) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)qs);
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+}
+
+/* the 32 bits of qh -> 32 bytes, 0x10 where bit j is set */
+static inline __m256i hbits32(const uint8_t *qh) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)h),
+        _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+/* f16 -> f32 in one instruction where F16C is there (the same bits as lp_h2f) */
+#if defined(__F16C__)
+#define H2F(h) _cvtsh_ss(h)
+#else
+#define H2F(h) lp_h2f(h)
+#endif
+
+static inline __m256 h2f_pair(lp_half a, lp_half b) { return _mm256_set1_ps(H2F(a) * H2F(b)); }
+
+#endif
+
+/* --- dot products: q types -------------------------------------------------------------------- */
+
+LP_API void lp_vec_dot_q4_0_q8_0(int n, float *s, const void *vx, const void *vy) {
+    const block_q4_0 *x = vx;
+    const block_q8_0 *y = vy;
+    const int nb = n / QK8_0;
+    int i = 0;
+    float sumf = 0.0f;
+#if defined(__AVX2__)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+#define LP_STEP(acc, i)                                                                                   \
+    do {                                                                                                  \
+        const __m256i qx = _mm256_sub_epi8(nibbles32(x[i].qs), _mm256_set1_epi8(8));                      \
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);                                  \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);       \
+    } while (0)
+    for (; i + 1 < nb; i += 2) {
+        LP_STEP(acc0, i);
+        LP_STEP(acc1, i + 1);
+    }
+    if (i < nb) { LP_STEP(acc0, i); i++; }
+#undef LP_STEP
+    sumf = hsum8(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; i < nb; i++) {
+        int sumi = 0;
+        for (int j = 0; j < QK4_0 / 2; j++) {
+            sumi += ((x[i].qs[j] & 0x0f) - 8) * y[i].qs[j] + ((x[i].qs[j] >> 4) - 8) * y[i].qs[j + QK4_0 / 2];
+        }
+        sumf += (float)sumi * lp_h2f(x[i].d) * lp_h2f(y[i].d);
+    }
+    *s = sumf;
+}
+
+LP_API void lp_vec_dot_q4_1_q8_1(int n, float *s, const void *vx, const void *vy) {
+    const block_q4_1 *x = vx;
+    const block_q8_1 *y = vy;
+    const int nb = n / QK8_1;
+    int i = 0;
+    float sumf = 0.0f;
+#if defined(__AVX2__)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float summ = 0.0f;
+#define LP_STEP(acc, i)                                                                                   \
+    do {                                                                                                  \
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);                                  \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(nibbles32(x[i].qs), qy)), h2f_pair(x[i].d, y[i].d), acc); \
+        summ += H2F(x[i].m) * H2F(y[i].s);                                                                \
+    } while (0)
+    for (; i + 1 < nb; i += 2) {
+        LP_STEP(acc0, i);
+        LP_STEP(acc1, i + 1);
+    }
+    if (i < nb) { LP_STEP(acc0, i); i++; }
+#undef LP_STEP
+    sumf = hsum8(_mm256_add_ps(acc0, acc1)) + summ;
+#endif
+    for (; i < nb; i++) {
+        int sumi = 0;
+        for (int j = 0; j < QK4_1 / 2; j++) {
+            sumi += (x[i].qs[j] & 0x0f) * y[i].qs[j] + (x[i].qs[j] >> 4) * y[i].qs[j + QK4_1 / 2];
+        }
+        sumf += lp_h2f(x[i].d) * lp_h2f(y[i].d) * (float)sumi + lp_h2f(x[i].m) * lp_h2f(y[i].s);
+    }
+    *s = sumf;
+}
+
+/* 5-bit quants j of a q5 block: the nibble plus bit j of qh as bit 4 */
+static inline int q5_at(const uint8_t *qs, const uint8_t *qh, int j) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    const int nib = j < 16 ? (qs[j] & 0x0f) : (qs[j - 16] >> 4);
+    return nib | (int)(((h >> j) & 1u) << 4);
+}
+
+LP_API void lp_vec_dot_q5_0_q8_0(int n, float *s, const void *vx, const void *vy) {
+    const block_q5_0 *x = vx;
+    const block_q8_0 *y = vy;
+    const int nb = n / QK8_0;
+    int i = 0;
+    float sumf = 0.0f;
+#if defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i < nb; i++) {
+        const __m256i q = _mm256_or_si256(nibbles32(x[i].qs), hbits32(x[i].qh));
+        const __m256i qx = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);
+    }
+    sumf = hsum8(acc);
+#endif
+    for (; i < nb; i++) {
+        int sumi = 0;
+        for (int j = 0; j < QK5_0; j++) sumi += (q5_at(x[i].qs, x[i].qh, j) - 16) * y[i].qs[j];
+        sumf += (float)sumi * lp_h2f(x[i].d) * lp_h2f(y[i].d);
+    }
+    *s = sumf;
+}
+
+LP_API void lp_vec_dot_q5_1_q8_1(int n, float *s, const void *vx, const void *vy) {
+    const block_q5_1 *x = vx;
+    const block_q8_1 *y = vy;
+    const int nb = n / QK8_1;
+    int i = 0;
+    float sumf = 0.0f;
+#if defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    float summ = 0.0f;
+    for (; i < nb; i++) {
+        const __m256i qx = _mm256_or_si256(nibbles32(x[i].qs), hbits32(x[i].qh));
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);
+        summ += H2F(x[i].m) * H2F(y[i].s);
+    }
+    sumf = hsum8(acc) + summ;
+#endif
+    for (; i < nb; i++) {
+        int sumi = 0;
+        for (int j = 0; j < QK5_1; j++) sumi += q5_at(x[i].qs, x[i].qh, j) * y[i].qs[j];
+        sumf += lp_h2f(x[i].d) * lp_h2f(y[i].d) * (float)sumi + lp_h2f(x[i].m) * lp_h2f(y[i].s);
+    }
+    *s = sumf;
+}
+
+LP_API void lp_vec_dot_q8_0_q8_0(int n, float *s, const void *vx, const void *vy) {
+    const block_q8_0 *x = vx;
+    const block_q8_0 *y = vy;
+    const int nb = n / QK8_0;
+    int i = 0;
+    float sumf = 0.0f;
+#if defined(__AVX2__)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+#define LP_STEP(acc, i)                                                                                   \
+    do {                                                                                                  \
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[i].qs);                                  \
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);                                  \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);       \
+    } while (0)
+    for (; i + 1 < nb; i += 2) {
+        LP_STEP(acc0, i);
+        LP_STEP(acc1, i + 1);
+    }
+    if (i < nb) { LP_STEP(acc0, i); i++; }
+#undef LP_STEP
+    sumf = hsum8(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; i < nb; i++) {
+        int sumi = 0;
+        for (int j = 0; j < QK8_0; j++) sumi += x[i].qs[j] * y[i].qs[j];
+        sumf += (float)sumi * lp_h2f(x[i].d) * lp_h2f(y[i].d);
+    }
+    *s = sumf;
+}
+
+/* --- dot products: float types ---------------------------------------------------------------- */
+
+/* Portable bodies keep 8 float32 accumulator lanes so that gcc vectorizes them without
+ * reassociation flags (and every target sums in the same order). */
+
+LP_API void lp_vec_dot_f32(int n, float *s, const void *vx, const void *vy) {
+    const float *x = vx, *y = vy;
+    int i = 0;
+    float sumf = 0.0f;
+#if defined(__AVX2__)
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(y + i + 8), a1);
+    }
+    sumf = hsum8(_mm256_add_ps(a0, a1));
+#else
+    float acc[8] = {0};
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) acc[l] += x[i + l] * y[i + l];
+    for (int l = 0; l < 8; l++) sumf += acc[l];
+#endif
+    for (; i < n; i++) sumf += x[i] * y[i];
+    *s = sumf;
+}
+
+LP_API void lp_vec_dot_f16(int n, float *s, const void *vx, const void *vy) {
+    const lp_half *x = vx, *y = vy;
+    int i = 0;
+    float sumf = 0.0f;
+#if defined(__AVX2__) && defined(__F16C__)
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m256 x0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i)));
+        const __m256 x1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i + 8)));
+        const __m256 y0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(y + i)));
+        const __m256 y1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(y + i + 8)));
+        a0 = _mm256_fmadd_ps(x0, y0, a0);
+        a1 = _mm256_fmadd_ps(x1, y1, a1);
+    }
+    sumf = hsum8(_mm256_add_ps(a0, a1));
+#else
+    float acc[8] = {0};
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) acc[l] += lp_h2f(x[i + l]) * lp_h2f(y[i + l]);
+    for (int l = 0; l < 8; l++) sumf += acc[l];
+#endif
+    for (; i < n; i++) sumf += lp_h2f(x[i]) * lp_h2f(y[i]);
+    *s = sumf;
+}
+
+LP_API void lp_vec_dot_bf16(int n, float *s, const void *vx, const void *vy) {
+    const lp_bf16 *x = vx, *y = vy;
+    int i = 0;
+    float sumf = 0.0f;
+#if defined(__AVX2__)
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+#define LP_BF8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+        a0 = _mm256_fmadd_ps(LP_BF8(x + i), LP_BF8(y + i), a0);
+        a1 = _mm256_fmadd_ps(LP_BF8(x + i + 8), LP_BF8(y + i + 8), a1);
+#undef LP_BF8
+    }
+    sumf = hsum8(_mm256_add_ps(a0, a1));
+#else
+    float acc[8] = {0};
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) acc[l] += lp_bf2f(x[i + l]) * lp_bf2f(y[i + l]);
+    for (int l = 0; l < 8; l++) sumf += acc[l];
+#endif
+    for (; i < n; i++) sumf += lp_bf2f(x[i]) * lp_bf2f(y[i]);
+    *s = sumf;
+}

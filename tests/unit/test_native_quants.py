@@ -1,0 +1,260 @@
+"""kernels_c/quants.c and qmatmul.c's lp_mul_mat: activation quantization and the vec_dot kernels
+of every SIMD variant the install built, against ggml's definitions computed in float64.
+
+- lp_quantize_row_q8_0 is bit-identical to gguf.quants.quantize(..., Q8_0); q8_1 to the same
+  blocks plus s = f16(d * sum(q)) (ggml's quantize_row_q8_1_ref).
+- lp_vec_dot_<type>_<vec_dot_type>: weights quantized by gguf-py (random bytes where it cannot),
+  activations quantized as above; the reference is the exact integer dot of each block times
+  its scales, summed in float64. Tolerance: float32 summation, 2e-6 of the sum of |terms|.
+- F16 / BF16 dots: the activations rounded to f16 / bf16 first (ggml's vec_dot_type).
+Each variant is loaded through native.load(variant) (what LLAMAPY_KERNELS_VARIANT selects); a
+variant this CPU cannot run is skipped, saying so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import gguf.quants
+import numpy as np
+import pytest
+
+from llamapy.backend import native
+from llamapy.types import GGMLType, block_size
+
+try:  # tests/unit may or may not be a package
+    from .test_quants import random_raw
+except ImportError:
+    from test_quants import random_raw  # type: ignore[no-redef]
+
+OWN_TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+K_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+VEC_DOT_TYPE = {"F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0",
+                "Q4_1": "Q8_1", "Q5_1": "Q8_1", **{k: "Q8_K" for k in K_TYPES}}
+GGML_ID = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q8_1": 9, "Q8_K": 15,
+           "BF16": 30, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+
+
+def load_variant(v: str) -> ctypes.CDLL:
+    """The library of variant `v` (as LLAMAPY_KERNELS_VARIANT=v loads it), or a skip saying why not."""
+    if v not in native.built():
+        pytest.skip(f"the {v} kernels were not built by this install (built: {native.built()})")
+    if not native.runnable(v):
+        pytest.skip(f"this CPU cannot run the {v} kernels (needs {' '.join(sorted(native.REQUIRES[v]))})")
+    return native.load(v)
+
+
+@pytest.fixture(params=list(native.VARIANTS))
+def lib(request: pytest.FixtureRequest) -> ctypes.CDLL:
+    return load_variant(request.param)
+
+
+def ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+# --- ggml's definitions, in numpy -------------------------------------------------------------
+
+
+def q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(d float32 unrounded, d as f16, q int) of 32-float blocks, as quantize_row_q8_0_ref."""
+    b = x.reshape(-1, 32).astype(np.float32)
+    d = (np.abs(b).max(axis=1) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        idv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+    v = (b * idv[:, None]).astype(np.float32)
+    # roundf: ties away from zero; |v| + 0.5 in float64 is exact for a float32 v
+    q = (np.sign(v) * np.floor(np.abs(v.astype(np.float64)) + 0.5)).astype(np.int64)
+    return d, d.astype(np.float16), q
+
+
+def ref_q8_1(x: np.ndarray) -> np.ndarray:
+    d, d16, q = q8_blocks(x)
+    s = (q.sum(axis=1).astype(np.float32) * d).astype(np.float16)
+    out = np.zeros((d.size, 36), np.uint8)
+    out[:, 0:2] = d16.view(np.uint8).reshape(-1, 2)
+    out[:, 2:4] = s.view(np.uint8).reshape(-1, 2)
+    out[:, 4:] = q.astype(np.int8).view(np.uint8)
+    return out.reshape(-1)
+
+
+def f16(b: np.ndarray, off: int) -> np.ndarray:
+    return np.ascontiguousarray(b[:, off : off + 2]).view(np.float16).reshape(-1).astype(np.float64)
+
+
+def nibbles(qs: np.ndarray) -> np.ndarray:
+    return np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int64)  # element j < 16: low nibble
+
+
+def hbits(qh: np.ndarray) -> np.ndarray:
+    h = np.ascontiguousarray(qh).view("<u4").reshape(-1, 1).astype(np.int64)
+    return (h >> np.arange(32)) & 1
+
+
+def ref_dot(name: str, w: np.ndarray, y: np.ndarray, x: np.ndarray) -> tuple[float, float]:
+    """(dot, sum of |terms|) by ggml's definition: w one weight row (its bytes), y the activation
+    row in the vec_dot_type (its bytes), x the float32 activations."""
+    if name == "F32":
+        t = w.view(np.float32).astype(np.float64) * x.astype(np.float64)
+        return t.sum(), np.abs(t).sum()
+    if name in ("F16", "BF16"):
+        wd = w.view(np.float16).astype(np.float64) if name == "F16" else \
+            (w.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        yd = y.view(np.float16).astype(np.float64) if name == "F16" else \
+            (y.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        t = wd * yd
+        return t.sum(), np.abs(t).sum()
+    bsize = block_size(GGMLType[name])[1]
+    b = w.reshape(-1, bsize)
+    ysz = 34 if VEC_DOT_TYPE[name] == "Q8_0" else 36
+    yb = y.reshape(-1, ysz)
+    qy = yb[:, ysz - 32 :].view(np.int8).astype(np.int64)
+    dy = f16(yb, 0)
+    if name == "Q4_0":
+        qx, dx, m = nibbles(b[:, 2:18]) - 8, f16(b, 0), None
+    elif name == "Q4_1":
+        qx, dx, m = nibbles(b[:, 4:20]), f16(b, 0), f16(b, 2)
+    elif name == "Q5_0":
+        qx, dx, m = (nibbles(b[:, 6:22]) | hbits(b[:, 2:6]) << 4) - 16, f16(b, 0), None
+    elif name == "Q5_1":
+        qx, dx, m = nibbles(b[:, 8:24]) | hbits(b[:, 4:8]) << 4, f16(b, 0), f16(b, 2)
+    else:  # Q8_0
+        qx, dx, m = b[:, 2:34].view(np.int8).astype(np.int64), f16(b, 0), None
+    sumi = (qx * qy).sum(axis=1)  # exact integers
+    terms = dx * dy * sumi
+    if m is not None:
+        terms = terms + m * f16(yb, 2)  # + m * s
+    return terms.sum(), np.abs(terms).sum()
+
+
+# --- tests --------------------------------------------------------------------------------------
+
+
+def test_quantize_row_q8_0_bit_identical_to_gguf(lib: ctypes.CDLL) -> None:
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(32 * 64) * rng.choice([1e-3, 1.0, 40.0], 32 * 64)).astype(np.float32)
+    x[:32] = 0.0  # an all-zero block: d = 0
+    x[32:64] = np.linspace(-127, 127, 32, dtype=np.float32) * np.float32(0.5)  # exact .5 ties
+    y = np.zeros(34 * 64, np.uint8)
+    lib.lp_quantize_row_q8_0(ptr(x), ptr(y), x.size)
+    want = np.ascontiguousarray(gguf.quants.quantize(x.reshape(1, -1), gguf.GGMLQuantizationType.Q8_0))
+    assert np.array_equal(y, want.view(np.uint8).reshape(-1))
+
+
+def test_quantize_row_q8_1_as_ggml(lib: ctypes.CDLL) -> None:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(32 * 40).astype(np.float32) * 3
+    x[32:64] = np.arange(32, dtype=np.float32) - 15.5
+    y = np.zeros(36 * 40, np.uint8)
+    lib.lp_quantize_row_q8_1(ptr(x), ptr(y), x.size)
+    assert np.array_equal(y, ref_q8_1(x))
+
+
+def quantize_act(lib: ctypes.CDLL, name: str, x: np.ndarray) -> np.ndarray:
+    """x (n_tok, n_in) in the vec_dot_type of weight type `name`, through lp_quantize_act."""
+    n_tok, n_in = x.shape
+    rb = lib.lp_act_row_bytes(GGML_ID[name], n_in)
+    assert rb > 0
+    y = np.zeros((n_tok, rb), np.uint8)
+    assert lib.lp_quantize_act(GGML_ID[name], ptr(x), n_in, n_in, n_tok, ptr(y), 1) == 0
+    return y
+
+
+@pytest.mark.parametrize("name", OWN_TYPES)
+@pytest.mark.parametrize("n_in", [32 * 8, 32 * 9 + 256, 4096])  # odd block counts and SIMD tails
+def test_vec_dot_against_float64(lib: ctypes.CDLL, name: str, n_in: int) -> None:
+    if name in ("F32", "F16", "BF16") and n_in == 4096:
+        n_in = 4096 + 7  # float rows of any length
+    rng = np.random.default_rng(n_in)
+    n_rows = 6
+    w = random_raw(name, n_rows, n_in, rng)
+    x = (rng.standard_normal((2, n_in)) * 2).astype(np.float32)
+    y = quantize_act(lib, name, x)
+    if VEC_DOT_TYPE[name] == "Q8_0":  # the activation blocks are gguf-py's, bit for bit
+        want = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0)
+        assert np.array_equal(y, np.ascontiguousarray(want).view(np.uint8).reshape(y.shape))
+    elif name == "F16":
+        assert np.array_equal(y.view(np.float16), x.astype(np.float16))
+    elif name == "BF16":
+        want = gguf.quants.quantize(x, gguf.GGMLQuantizationType.BF16)
+        assert np.array_equal(y, np.ascontiguousarray(want).view(np.uint8).reshape(y.shape))
+    fn = getattr(lib, "lp_vec_dot_" + ({"F32": "f32", "F16": "f16", "BF16": "bf16"}.get(name) or
+                                        f"{name.lower()}_{VEC_DOT_TYPE[name].lower()}"))
+    s = ctypes.c_float()
+    for r in range(n_rows):
+        for t in range(2):
+            fn(n_in, ctypes.byref(s), ptr(w[r]), ptr(y[t]))
+            want, mag = ref_dot(name, w[r], y[t], x[t])
+            assert abs(s.value - want) <= 2e-6 * mag + 1e-30, (name, r, t, s.value, want)
+
+
+@pytest.mark.parametrize("name", OWN_TYPES)
+def test_mul_mat_is_vec_dots(lib: ctypes.CDLL, name: str) -> None:
+    """lp_mul_mat = quantize once + one vec_dot per output, whatever the threads: bit for bit."""
+    rng = np.random.default_rng(7)
+    n_rows, n_in, n_tok = 200, 32 * 18, 5
+    w = random_raw(name, n_rows, n_in, rng)
+    x = rng.standard_normal((n_tok, n_in + 3)).astype(np.float32)  # ld_x > n_in
+    qt = GGML_ID[name]
+    xq = quantize_act(lib, name, np.ascontiguousarray(x[:, :n_in]))
+    fn = getattr(lib, "lp_vec_dot_" + ({"F32": "f32", "F16": "f16", "BF16": "bf16"}.get(name) or
+                                        f"{name.lower()}_{VEC_DOT_TYPE[name].lower()}"))
+    want = np.zeros((n_tok, n_rows), np.float32)
+    s = ctypes.c_float()
+    for t in range(n_tok):
+        for r in range(n_rows):
+            fn(n_in, ctypes.byref(s), ptr(w[r]), ptr(xq[t]))
+            want[t, r] = s.value
+    wsp = np.zeros(xq.size, np.uint8)
+    for n_threads in (1, 2, 3):
+        y = np.full((n_tok, n_rows + 4), np.nan, np.float32)  # ld_y > n_rows
+        rc = lib.lp_mul_mat(qt, ptr(w), n_rows, w.shape[1], n_in, ptr(x), x.shape[1], n_tok, ptr(y), y.shape[1],
+                            ptr(wsp), n_threads)
+        assert rc == 0
+        assert np.array_equal(y[:, :n_rows], want), n_threads
+        assert np.isnan(y[:, n_rows:]).all()  # nothing written past the rows
+        y2 = np.zeros((n_tok, n_rows), np.float32)
+        assert lib.lp_mul_mat_q(qt, ptr(w), n_rows, w.shape[1], n_in, ptr(xq), n_tok, ptr(y2), n_rows,
+                                n_threads) == 0
+        assert np.array_equal(y2, want)
+
+
+def test_dispatch_table(lib: ctypes.CDLL) -> None:
+    for name in OWN_TYPES:
+        assert lib.lp_vec_dot_type(GGML_ID[name]) == GGML_ID[VEC_DOT_TYPE[name]]
+    assert lib.lp_vec_dot_type(9) == -1  # Q8_1 weights: no kernel (ggml has none either)
+    assert lib.lp_vec_dot_type(12345) == -1
+    assert lib.lp_act_row_bytes(GGML_ID["Q4_0"], 48) == -1  # not a whole block
+    # K types: kquants.c's kernels when built in, else reported as missing (the caller falls back)
+    for name in K_TYPES:
+        have = hasattr(lib, f"lp_vec_dot_{name[:2].lower()}_K_q8_K") and hasattr(lib, "lp_quantize_row_q8_K")
+        assert lib.lp_vec_dot_type(GGML_ID[name]) == (GGML_ID["Q8_K"] if have else -1)
+
+
+def test_variant_forced_by_env() -> None:
+    """LLAMAPY_KERNELS_VARIANT picks the library; one this CPU lacks is refused, not crashed on."""
+    code = "from llamapy.backend import native; print(native.variant(), native.error())"
+    for v in native.built():
+        env = {**os.environ, "LLAMAPY_KERNELS_VARIANT": v}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        if native.runnable(v):
+            assert out.stdout.split()[0] == v, out.stdout
+        else:
+            assert out.stdout.startswith("None this CPU lacks"), out.stdout
+    env = {**os.environ, "LLAMAPY_KERNELS_VARIANT": "nope"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("None unknown kernel variant"), out.stdout
+
+
+def test_best_variant_chosen() -> None:
+    flags = frozenset({"avx2", "fma", "f16c"})
+    assert native.runnable("avx2", flags) and not native.runnable("avx512", flags)
+    assert native.runnable("portable", frozenset())
+    env = {k: v for k, v in os.environ.items() if k != "LLAMAPY_KERNELS_VARIANT"}
+    code = "from llamapy.backend import native; print(native.variant())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    best = next((v for v in native.built() if native.runnable(v)), None)
+    assert out.stdout.strip() == str(best)

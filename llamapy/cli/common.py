@@ -208,6 +208,9 @@ def log_load(llm: Any) -> None:
 
         if debug_level() > 0:
             log(ctx.sched.dump(plan.graph, debug_level()))
+            decode = ctx.plan(1)  # what runs per generated token (its plan lines: the executor)
+            if decode.graph is not plan.graph:
+                log("decode graph:\n" + ctx.sched.dump(decode.graph, 1))
 
 
 def log_timings(llm: Any, t: Any, total_ms: float) -> None:

@@ -239,3 +239,23 @@ def test_plan_offsets_never_overlap_live_tensors() -> None:
             ox, oy = a.offsets[x][1], a.offsets[y][1]
             assert ox + x.nbytes <= oy or oy + y.nbytes <= ox, (x, y)
     assert a.sizes[0] >= max(a.offsets[t][1] + t.nbytes for t in ts)
+
+
+def test_sched_debug_shows_the_decode_plan(make_llama) -> None:  # noqa: ANN001
+    """`LLAMAPY_SCHED_DEBUG=1 llamapy run`: the splits, and per split what runs it."""
+    import os
+    import subprocess
+    import sys
+
+    path = make_llama(qtype=T.Q8_0)
+    env = {**os.environ, "LLAMAPY_SCHED_DEBUG": "1"}
+    env.pop("LLAMAPY_EXECUTOR", None)
+    r = subprocess.run([sys.executable, "-m", "llamapy", "run", str(path), "-p", "the", "-n", "2", "--temp", "0"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "decode graph:" in r.stderr and "## PLAN #0: CPU executor: " in r.stderr, r.stderr
+    env["LLAMAPY_EXECUTOR"] = "0"
+    r = subprocess.run([sys.executable, "-m", "llamapy", "run", str(path), "-p", "the", "-n", "2", "--temp", "0"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "## PLAN #0: CPU executor refused: LLAMAPY_EXECUTOR=0 (run_nodes)" in r.stderr

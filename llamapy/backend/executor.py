@@ -22,10 +22,16 @@ repacked layout, a prompt-sized batch that the tile + sgemm path does better) is
 `compile_split` returns a `Refusal`, and the scheduler runs that split with `run_nodes`, the
 reference path. `LLAMAPY_EXECUTOR=0` (read when a CPU backend is made) refuses every split.
 
-Numerics: the records call the C kernels of the reference path's table (cpu_kernels.py) or
-repeat its float32 operations in order, so decode is bit-identical to `run_nodes`, except the
-f32 tail rows of a matrix whose row count is not a multiple of 64 and attention at 9-15 tokens
-(numpy/BLAS in the reference): those agree within float32 rounding.
+MUL_MAT follows the backend's mode (`ContextOptions.cpu_matmul`): "q8" (the default) quantizes
+each input once per vec_dot_type (QUANTIZE record, shared by the products of that input) and
+multiplies the file's rows (lp_mul_mat_q); "f32" runs the repacked float32 matvec (lp_mv_<t>).
+A product on the sgemm path (a type without a q8 kernel in this library) refuses the split. The
+token embedding rows of a file-layout matrix are expanded in Python before the call (one node).
+
+Numerics: the records call the reference path's C kernels or repeat its float32 operations in
+order, so decode logits are bit-identical to `run_nodes` in the q8 mode; in the f32 mode too,
+except the f32 tail rows of a matrix whose row count is not a multiple of 64 (BLAS in the
+reference), and attention at 9-15 tokens (numpy there): within float32 rounding.
 """
 
 from __future__ import annotations

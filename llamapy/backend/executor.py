@@ -212,8 +212,7 @@ class ExecPlan:
         ops: dict[str, int] = {}
         names = {GET_ROWS_Q: "GET_ROWS", GET_ROWS_F32: "GET_ROWS", RMS_NORM: "RMS_NORM", MUL: "MUL", ADD: "ADD",
                  SCALE: "SCALE", SWIGLU: "GLU", MUL_MAT: "MUL_MAT", ROPE: "ROPE", SET_ROWS: "SET_ROWS",
-                 ATTN: "FLASH_ATTN_EXT", CPY: "CONT"}  # fmt: skip
-        names.update({QUANT_ACT: "QUANTIZE", MUL_MAT_Q: "MUL_MAT"})
+                 ATTN: "FLASH_ATTN_EXT", CPY: "CONT", QUANT_ACT: "QUANTIZE", MUL_MAT_Q: "MUL_MAT"}  # fmt: skip
         if self.pre:
             ops["GET_ROWS (Python)"] = len(self.pre)
         for code in self.recs[:, 0]:
@@ -236,7 +235,8 @@ class ExecPlan:
         self.n_runs += 1
         self.n_threads = n_threads
         if rc:
-            raise LlamapyError(f"executor: record {rc - 1} ({int(recs[rc - 1, 0])}) failed: a row id out of range")
+            raise LlamapyError(f"executor: record {rc - 1} (op {int(recs[rc - 1, 0])}) failed: a row id out of "
+                               "range, or no kernel for a type")
         for t, mem, copy in self.exports:
             env[t] = mem.copy() if copy else mem
 

@@ -67,5 +67,7 @@ def test_kv_cache_clear_keeps_plans_valid(make_llama) -> None:  # noqa: ANN001
     again = [ctx.decode([1, 5, 9], [0, 1, 2])] + [ctx.decode([20 + i], [3 + i]) for i in range(3)]
     for x, y in zip(first, again):
         np.testing.assert_array_equal(x, y)
+    assert ctx.sched._plans  # compiled plans hold the cache's and the weights' memory ...
     ctx.free()
+    assert not ctx.sched._plans  # ... until the context is freed
     model.free()

@@ -259,3 +259,20 @@ def test_sched_debug_shows_the_decode_plan(make_llama) -> None:  # noqa: ANN001
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "## PLAN #0: CPU executor refused: LLAMAPY_EXECUTOR=0 (run_nodes)" in r.stderr
+
+
+def test_row_id_out_of_range_is_an_error() -> None:
+    """A bad row id stops the run with a LlamapyError (run_nodes raises IndexError there)."""
+    from llamapy.types import LlamapyError
+
+    table = Tensor("table", (4, 8), flags=TensorFlag.INPUT)
+    ids = Tensor("ids", (2,), GGMLType.I32, flags=TensorFlag.INPUT)
+    rows = ops.get_rows(table, ids, "rows")
+    plan = compile_split([rows], [rows], plan_offsets)
+    assert isinstance(plan, ExecPlan), plan
+    vals = {table: np.arange(32, dtype=np.float32).reshape(4, 8), ids: np.array([3, 1], np.int32)}
+    env = dict(vals)
+    plan.compute(env, 1)
+    np.testing.assert_array_equal(env[rows], vals[table][[3, 1]])
+    with pytest.raises(LlamapyError, match="row id out of range"):
+        plan.compute({table: vals[table], ids: np.array([0, 4], np.int32)}, 1)

@@ -59,6 +59,9 @@ REC = 24
 # Batches from this many tokens are left to run_nodes: its tile + sgemm path and BLAS attention
 # are faster there (qmatmul.SGEMM_MIN_TOKENS).
 MAX_TOKENS = 16
+# Decode attention is shared out among the threads by KV head from this many multiply-adds
+# (N*H*(D+Dv): about 1000 cells of history for SmolLM2); below it one thread is quicker.
+ATTN_PAR_WORK = 1 << 20
 
 _DTYPES = {GGMLType.F32: np.dtype(np.float32), GGMLType.F16: np.dtype(np.float16),
            GGMLType.I32: np.dtype(np.int32), GGMLType.I64: np.dtype(np.int64)}  # fmt: skip
@@ -699,6 +702,7 @@ class _Compiler:
             r[6], r[7], r[8], r[9], r[10], r[11] = T, H, D, N, Hkv, Dv
             r[12], r[13], r[14], r[15] = k.strides[0], k.strides[1], v.strides[0], v.strides[1]
             r[16], r[17], r[18] = mst, fbits(float(n.params["scale"])), int(k.dtype != f32)
+            r[19] = ATTN_PAR_WORK
             return r
         raise Refused(f"op {n.op.name}")  # pragma: no cover - steps_pass knows the codes
 

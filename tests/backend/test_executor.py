@@ -171,6 +171,24 @@ def test_small_graph_elementwise_and_views() -> None:
     np.testing.assert_array_equal(env[n], ref[n])
 
 
+@pytest.mark.parametrize("cache", [GGMLType.F32, GGMLType.F16])
+def test_threaded_decode_attention(make_llama, monkeypatch: pytest.MonkeyPatch, cache: GGMLType) -> None:  # noqa: ANN001
+    """Decode attention shared out by KV head among 2 threads (the threshold lowered so that a
+    short history takes that path) gives run_nodes' logits bit for bit."""
+    from llamapy.backend import executor
+
+    monkeypatch.setattr(executor, "ATTN_PAR_WORK", 0)
+    model = _model(make_llama(qtype=T.Q8_0, n_embd=512, n_head=8, n_head_kv=4))
+    exe, ref = _contexts(monkeypatch, model, n_threads=2, type_k=cache, type_v=cache)
+    toks = list(range(3, 40))
+    _same(exe.decode(toks, range(len(toks))), ref.decode(toks, range(len(toks))))
+    for i in range(4):
+        _same(exe.decode([50 + i], [len(toks) + i]), ref.decode([50 + i], [len(toks) + i]))
+    plan = exe.sched.reserve(exe.graph(1, 256, 1).graph)
+    bp = exe.sched.backend_plan(plan, 0)
+    assert isinstance(bp, ExecPlan) and bp.n_runs == 4 and (bp.recs[:, 19] == 0).any()
+
+
 def test_two_contexts_with_different_threads(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """-t 1 and -t 2 in one process, decoding at the same time from two Python threads: each
     call runs on its own context's thread count, and both get run_nodes' logits."""

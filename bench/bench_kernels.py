@@ -2,14 +2,15 @@
 
 Counterpart of llama.cpp's `test-backend-ops perf -o MUL_MAT`: for each type and each of the
 default model's (SmolLM2-135M) matrix shapes, time `QMatrix.matmul` on one token and print
-GB/s of quantized weights read and G weights/s, for 1 and 2 threads, for each kernel set
-(`qmatmul.kernels()`: the C kernels, numba's, and the numpy fallback of dequantized tiles +
+GB/s of quantized weights read and G weights/s, for 1 and 2 threads, for each kernel set:
+`q8` (the default: activations quantized, lp_mul_mat on the file's blocks), `f32` (float32
+activations on the repacked tiles) and `numpy` (LLAMAPY_KERNELS=numpy: dequantized tiles +
 BLAS). Then, per type, the prompt path's pieces: the dequantization of weights to float32
 (G elements/s, each kernel set vs the numpy reference) and a
 512-token `matmul` (GFLOP/s, dequantization + sgemm), plus the repacked layout's size over
 the file's bytes. Timings are the best of several runs (the machine is shared).
 
-    python bench/bench_kernels.py [--types Q4_1,Q8_0] [--impls c,numba] [--no-fallback] [--min-time 0.3]
+    python bench/bench_kernels.py [--types Q4_1,Q8_0] [--impls q8,f32] [--no-fallback] [--min-time 0.3]
                                   [--no-prompt]
 """
 
@@ -74,8 +75,16 @@ def best_time(fn, min_time: float, repeats: int = 5) -> float:
     return best
 
 
-def bench(m: qmatmul.QMatrix, x: np.ndarray, threads: int, min_time: float) -> float:
-    return best_time(lambda: m.matmul(x, threads), min_time)
+def bench(m: qmatmul.QMatrix, x: np.ndarray, threads: int, min_time: float, q8: bool = True) -> float:
+    return best_time(lambda: m.matmul(x, threads, q8), min_time)
+
+
+def use(impl: str) -> None:
+    """Select a kernel set for the matrices prepared next (numpy: LLAMAPY_KERNELS=numpy)."""
+    if impl == "numpy":
+        os.environ["LLAMAPY_KERNELS"] = "numpy"
+    else:
+        os.environ.pop("LLAMAPY_KERNELS", None)
 
 
 def bench_prompt(name: str, impl: str, mats: dict, min_time: float) -> None:
@@ -96,7 +105,7 @@ def bench_prompt(name: str, impl: str, mats: dict, min_time: float) -> None:
     x = np.random.default_rng(2).standard_normal((512, s[1]), dtype=np.float32)
     gf = []
     for th in (1, 2):
-        dt = best_time(lambda: m.matmul(x, th), min_time, repeats=3)
+        dt = best_time(lambda: m.matmul(x, th, impl == "q8"), min_time, repeats=3)
         gf.append(f"{th}t {2 * 512 * n / dt / 1e9:6.1f}")
     over = m.nbytes / raw.nbytes - 1
     print(f"{name:6} {impl:5} {s[0]}x{s[1]:<5} dequant G elem/s: {'  '.join(cells)} | pp512 matmul "
@@ -104,15 +113,13 @@ def bench_prompt(name: str, impl: str, mats: dict, min_time: float) -> None:
 
 
 def available(impl: str) -> bool:
-    if impl == "c":
-        return native.lib() is not None
-    return impl == "numpy" or qmatmul.numba_kernels() is not None
+    return impl == "numpy" or native.lib() is not None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default=",".join(TYPES))
-    ap.add_argument("--impls", default="c,numba")
+    ap.add_argument("--impls", default="q8,f32")
     ap.add_argument("--no-fallback", action="store_true")
     ap.add_argument("--min-time", type=float, default=0.25)
     ap.add_argument("--no-prompt", action="store_true")
@@ -128,12 +135,12 @@ def main() -> None:
         raws = {s: random_matrix(qt, *s, np.random.default_rng(hash(s) % 1000)) for s in shapes}
         xs = {s: rng_x(s) for s in shapes}
         for impl in impls:
-            qmatmul._kernels = impl  # the matrices are prepared (repacked or not) for this set
-            mats = {s: qmatmul.QMatrix.prepare(raws[s], qt, *s) for s in shapes}
+            use(impl)  # the matrices are prepared (repacked or not) for this set
+            mats = {s: qmatmul.QMatrix.prepare(raws[s], qt, *s, repack=impl == "f32") for s in shapes}
             for threads in (1, 2):
                 cells, tok = [], 0.0
                 for s in shapes:
-                    dt = bench(mats[s], xs[s], threads, args.min_time)
+                    dt = bench(mats[s], xs[s], threads, args.min_time, impl == "q8")
                     gbs = mats[s].nbytes / dt / 1e9
                     gws = s[0] * s[1] / dt / 1e9
                     cells.append(f"{gbs:6.2f}GB/s {gws:5.2f}Gw")
@@ -146,7 +153,7 @@ def main() -> None:
         return
     print("prompt path (dequantize to f32 + sgemm), largest layer shape:")
     for name, impl, mats in prompt:
-        qmatmul._kernels = impl
+        use(impl)
         bench_prompt(name, impl, mats, args.min_time)
 
 

@@ -1,4 +1,5 @@
-"""Block dequantization in numpy (ggml-quants.c's `dequantize_row_*` / gguf-py's `gguf.quants`).
+"""Block dequantization in numpy (ggml-quants.c's `dequantize_row_*` / gguf-py's `gguf.quants`),
+and the reference of ggml's q8_K activation quantization (`quantize_row_q8_K_ref`).
 
 Every type a llama GGUF uses is expanded to float32 with the same float operations, in the same
 order, as gguf-py's reference `gguf.quants.dequantize`, so the results agree bit for bit. The
@@ -219,3 +220,33 @@ def dequantize(raw: np.ndarray, qtype: GGMLType, n_cols: int) -> np.ndarray:
     for i in range(0, blocks.shape[0], step):
         out[i : i + step] = fn(blocks[i : i + step])
     return out.reshape(n_rows, n_cols)
+
+
+# ggml-common.h's block_q8_K: the K-quants' vec_dot_type (activations), 292 bytes, unpadded
+Q8_K_DTYPE = np.dtype([("d", "<f4"), ("qs", "i1", (QK_K,)), ("bsums", "<i2", (QK_K // 16,))])
+
+
+def quantize_q8_k(x: np.ndarray) -> np.ndarray:
+    """float32 rows (..., k), k a multiple of 256 -> (..., k // 256) `Q8_K_DTYPE` blocks, as
+    ggml's quantize_row_q8_K_ref (which ggml-cpu's x86 quantize_row_q8_K calls) for finite x.
+
+    Per block: max = the first element of largest magnitude, with its sign; iscale = -127/max
+    in float32 (ggml's choice of sign, so d = 1/iscale has the sign of -max); qs =
+    nearest_int(iscale * x) (the float32 product rounded to nearest, ties to even), at most 127;
+    bsums = sums of 16 qs. An all-zero block is all zeros (ggml leaves its bsums unwritten)."""
+    x = np.asarray(x, dtype=np.float32)
+    k = x.shape[-1]
+    if k % QK_K:
+        raise ValueError(f"{k} values is not a multiple of q8_K's block of {QK_K}")
+    xb = x.reshape(-1, QK_K)  # (n_blocks, 256)
+    n = xb.shape[0]
+    mx = xb[np.arange(n), np.abs(xb).argmax(axis=1)]
+    nz = mx != 0
+    iscale = np.zeros(n, np.float32)
+    iscale[nz] = np.float32(-127.0) / mx[nz]
+    q = np.minimum(np.rint(xb * iscale[:, None]), 127).astype(np.int8)
+    out = np.zeros(n, Q8_K_DTYPE)
+    out["d"][nz] = np.float32(1.0) / iscale[nz]
+    out["qs"] = q
+    out["bsums"] = q.reshape(n, QK_K // 16, 16).sum(axis=-1, dtype=np.int16)
+    return out.reshape(*x.shape[:-1], k // QK_K)

@@ -6,11 +6,10 @@
  * (one pass over the KV cells with an online softmax, V accumulated in f32; an f16 cache gets Q
  * rounded to f16 first, as q_to_vec_dot does), and vec.h ggml_vec_swiglu_f32 / ggml_v_expf.
  *
- * These replace the numba loops of cpu_kernels.py and are tested against the numpy reference
- * kernels in kernels.py. Built by native.py with
- *   cc -O3 -march=native -fPIC -shared -fopenmp -ffp-contract=off -fno-math-errno -std=gnu11
- * i.e. without -ffast-math: -inf cells of the attention mask and inf/nan propagate as in the
- * numba code. Reductions are written with explicit accumulator lanes (and fmaf) so that gcc
+ * These are tested against the numpy reference kernels in kernels.py. Built by setup.py once
+ * per SIMD variant with -O3 -std=gnu11 -ffp-contract=off -fno-math-errno -fopenmp,
+ * i.e. without -ffast-math: -inf cells of the attention mask and inf/nan propagate as in
+ * numpy. Reductions are written with explicit accumulator lanes (and fmaf) so that gcc
  * vectorizes them without reassociation flags. libc/libm only.
  */
 

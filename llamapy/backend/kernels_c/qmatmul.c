@@ -52,8 +52,8 @@
  * Threads: OpenMP over chunks of tiles (see run_tiles), never for small calls, and never in a
  * child made by fork() (libgomp hangs there once the parent has used it).
  *
- * Built by native.py with
- *   cc -O3 -march=native -fPIC -shared -fopenmp -ffp-contract=off -fno-math-errno -std=gnu11
+ * Built by setup.py once per SIMD variant (portable, -mavx2 -mfma -mf16c, + AVX-512) with
+ *   -O3 -std=gnu11 -ffp-contract=off -fno-math-errno -fvisibility=hidden -fopenmp
  * The code is GCC/clang vector extensions (8 x 32-bit lanes; one AVX2 register, two SSE / NEON
  * ones) plus two intrinsics of x86: the FMA (without it, or with -DLP_QMM_GENERIC, a multiply and
  * an add) and F16C's f16 -> f32 conversion (without it, or with -DLP_QMM_GENERIC, integer and

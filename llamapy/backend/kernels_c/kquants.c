@@ -1,0 +1,686 @@
+/* K-quant dot products with q8_K activations, and the q8_K activation quantizer.
+ *
+ * ggml counterparts: ggml-quants.c quantize_row_q8_K_ref; ggml-cpu quants.c
+ * ggml_vec_dot_q{2,3,4,5,6}_K_q8_K_generic and their x86 versions in arch/x86/quants.c.
+ *
+ * What is computed (ggml's definition): for each 256-element super-block, the exact integer sum
+ * of weight quants times activation quants inside each sub-block, times the sub-block's integer
+ * scale, summed as an integer; then times the float32 product of the two super-block scales
+ * (weight d x activation d), minus, for types with mins, dmin x activation d x the integer
+ * sum of mins times the activation's 16-element sums (bsums); the block results summed in
+ * float32. Only that last float32 summation (its order, and FMA or not) differs between the
+ * variants below, so all agree with a float64 evaluation to ~1e-6 relative.
+ *
+ * This file is compiled once per SIMD variant (see lp_quants.h), each defining the same names:
+ *   portable C     - no -march flags; also the reference the others are tested against;
+ *   AVX2           - maddubs (u8 weight x s8 activation -> s16 pairs) then madd with the
+ *                    sub-block scales (-> s32), ggml's approach: no saturation is possible,
+ *                    since a pair is at most 2 x 63 x 127 < 32767;
+ *   AVX-512 VNNI   - the same with 64-byte vectors and vpdpwssd (madd + add in one) for Q4_K,
+ *                    Q5_K and Q6_K; Q2_K / Q3_K use the AVX2 code (few models use them).
+ * Weight types whose quants are signed (Q3_K: -4..3, Q6_K: -32..31) are used offset to
+ * unsigned (+4, +32) for maddubs, and the offset times the scaled bsums is subtracted.
+ */
+#include "lp_quants.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* the library is built with -fvisibility=hidden: export the entry points */
+#if defined(__GNUC__)
+#define KQ_API __attribute__((visibility("default")))
+#else
+#define KQ_API
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX2__)
+#define LP_KQ_AVX512 1
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+ * shared scalar helpers
+ */
+
+/* f16 -> f32 (exact either way); F16C's one instruction where the variant has it */
+#if defined(__F16C__)
+static inline float kq_h2f(lp_half h) { return _cvtsh_ss(h); }
+#else
+static inline float kq_h2f(lp_half h) { return lp_h2f(h); }
+#endif
+
+/* nearest integer, ties to even: ggml's nearest_int (the float + 1.5*2^23 trick rounds with the
+ * FPU's default mode). Done in double so that no compiler can fuse the preceding float multiply
+ * into an FMA with the magic add (-ffp-contract=fast is GCC's default), which would round the
+ * exact product instead of the float32 one ggml rounds. */
+static inline int kq_nearest_int(float v) {
+    double t = (double)v + 6755399441055744.0; /* 1.5 * 2^52 */
+    int64_t bits;
+    memcpy(&bits, &t, sizeof bits);
+    return (int)(int32_t)(uint32_t)bits;
+}
+
+/* Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins (ggml's get_scale_min_k4) */
+static inline void kq_scale_min_k4(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; ++j) {
+        sc[j] = q[j] & 63;
+        mn[j] = q[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((q[j + 8] & 0xF) | ((q[j] >> 6) << 4));
+        mn[j + 4] = (uint8_t)((q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4));
+    }
+}
+
+/* Q3_K: 12 bytes -> 16 signed six-bit scales (stored +32) */
+static inline void kq_scales_q3(const uint8_t *q, int8_t sc[16]) {
+    for (int j = 0; j < 16; ++j) {
+        const int lo = j < 8 ? (q[j] & 0xF) : (q[j - 8] >> 4);
+        const int hi = (q[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
+        sc[j] = (int8_t)((lo | (hi << 4)) - 32);
+    }
+}
+
+/* exact integer dot product of 16 (or 32) weight quants with activation quants */
+static inline int32_t kq_dot16(const int8_t *a, const int8_t *b) {
+    int32_t s = 0;
+    for (int l = 0; l < 16; ++l) s += (int32_t)a[l] * b[l];
+    return s;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * quantize_row_q8_K
+ */
+
+KQ_API void lp_quantize_row_q8_K(const float *restrict x, void *restrict vy, int64_t k) {
+    block_q8_K *restrict y = (block_q8_K *)vy;
+    const int64_t nb = k / QK_K;
+    for (int64_t i = 0; i < nb; ++i, x += QK_K) {
+        /* the element of largest magnitude, first of equals, with its sign; nan is ignored */
+        float amax = 0.0f, max = 0.0f;
+#if defined(__AVX2__)
+        {
+            const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+            __m256 m = _mm256_setzero_ps();
+            for (int j = 0; j < QK_K; j += 8)
+                m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + j), absmask), m); /* nan -> m */
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            amax = _mm_cvtss_f32(h);
+            if (amax > 0.0f) {
+                for (int j = 0; j < QK_K; ++j) {
+                    float ax = x[j] < 0 ? -x[j] : x[j];
+                    if (ax == amax) { max = x[j]; break; }
+                }
+            }
+        }
+#else
+        for (int j = 0; j < QK_K; ++j) {
+            const float ax = x[j] < 0 ? -x[j] : x[j];
+            if (ax > amax) { amax = ax; max = x[j]; }
+        }
+#endif
+        if (!(amax > 0.0f)) {
+            memset(&y[i], 0, sizeof y[i]);
+            continue;
+        }
+        /* -127/max, not 127/amax: ggml's choice (so d has the sign of -max) */
+        const float iscale = -127.0f / max;
+#if defined(__AVX2__)
+        {
+            const __m256 vs = _mm256_set1_ps(iscale);
+            const __m256i q127 = _mm256_set1_epi32(127);
+            const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+            for (int j = 0; j < QK_K; j += 32) {
+                /* cvtps rounds with MXCSR's default mode: nearest, ties to even, as nearest_int */
+                __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + j + 0), vs));
+                __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + j + 8), vs));
+                __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + j + 16), vs));
+                __m256i d = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + j + 24), vs));
+                a = _mm256_min_epi32(a, q127);
+                b = _mm256_min_epi32(b, q127);
+                c = _mm256_min_epi32(c, q127);
+                d = _mm256_min_epi32(d, q127);
+                /* packs interleave 128-bit lanes: a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7 */
+                __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+                p = _mm256_permutevar8x32_epi32(p, order);
+                _mm256_storeu_si256((__m256i *)(y[i].qs + j), p);
+            }
+        }
+#else
+        for (int j = 0; j < QK_K; ++j) {
+            const int v = kq_nearest_int(iscale * x[j]);
+            y[i].qs[j] = (int8_t)(v < 127 ? v : 127);
+        }
+#endif
+        for (int j = 0; j < QK_K / 16; ++j) {
+            int sum = 0;
+            for (int l = 0; l < 16; ++l) sum += y[i].qs[16 * j + l];
+            y[i].bsums[j] = (int16_t)sum;
+        }
+        y[i].d = 1.0f / iscale;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * AVX2 helpers
+ */
+#if defined(__AVX2__)
+
+static inline float kq_hsum_ps256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float kq_hsum_ps128(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Scales of 16-element sub-blocks: 16 int8 -> int16, the first 8 in both 128-bit lanes (.lo)
+ * and the last 8 in both (.hi), so that one in-lane byte shuffle gives the scale of each s16
+ * lane maddubs produces for elements 32g .. 32g+31: [s[2g] x 8 | s[2g+1] x 8]. */
+typedef struct { __m256i lo, hi; } kq_sc16;
+
+static inline kq_sc16 kq_sc16_load(__m128i sc8) {
+    const __m256i s = _mm256_cvtepi8_epi16(sc8);
+    return (kq_sc16){_mm256_permute2x128_si256(s, s, 0x00), _mm256_permute2x128_si256(s, s, 0x11)};
+}
+
+static inline __m256i kq_scales16_pair(kq_sc16 sc, int g) {
+    const int a = 2 * (g & 3); /* int16 index of s[2g] within its half */
+    const __m256i m = _mm256_setr_m128i(_mm_set1_epi16((short)(((2 * a + 1) << 8) | (2 * a))),
+                                        _mm_set1_epi16((short)(((2 * a + 3) << 8) | (2 * a + 2))));
+    return _mm256_shuffle_epi8(g < 4 ? sc.lo : sc.hi, m);
+}
+
+/* 8 int16 scales duplicated in both 128-bit lanes -> scale number k in every s16 lane */
+static inline __m256i kq_scale16_bcast(__m256i sc16x2, int k) {
+    return _mm256_shuffle_epi8(sc16x2, _mm256_set1_epi16((short)(((2 * k + 1) << 8) | (2 * k))));
+}
+
+/* maddubs then madd by scales: 32 u8 weights x 32 s8 activations -> 8 int32 partial sums */
+static inline __m256i kq_dot32(__m256i w, const int8_t *q8, __m256i sc16) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)q8)), sc16);
+}
+
+/* Q4_K/Q5_K 12 scale bytes -> (scales lo, scales hi, mins lo, mins hi) as four little-endian
+ * words of 4 six-bit values, the same packing ggml's kmask code produces */
+static inline __m128i kq_scale_min_k4_vec(const uint8_t *q) {
+    uint32_t a, b, c;
+    memcpy(&a, q, 4);
+    memcpy(&b, q + 4, 4);
+    memcpy(&c, q + 8, 4);
+    const uint32_t sc_lo = a & 0x3f3f3f3fu;
+    const uint32_t sc_hi = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
+    const uint32_t mn_lo = b & 0x3f3f3f3fu;
+    const uint32_t mn_hi = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
+    return _mm_set_epi32((int)mn_hi, (int)mn_lo, (int)sc_hi, (int)sc_lo);
+}
+
+/* Q3_K 12 scale bytes -> 16 int8 scales (-32..31) */
+static inline __m128i kq_scales_q3_vec(const uint8_t *q) {
+    uint32_t a, b, c;
+    memcpy(&a, q, 4);
+    memcpy(&b, q + 4, 4);
+    memcpy(&c, q + 8, 4);
+    const uint32_t s0 = (a & 0x0f0f0f0fu) | (((c >> 0) & 0x03030303u) << 4);
+    const uint32_t s1 = (b & 0x0f0f0f0fu) | (((c >> 2) & 0x03030303u) << 4);
+    const uint32_t s2 = ((a >> 4) & 0x0f0f0f0fu) | (((c >> 4) & 0x03030303u) << 4);
+    const uint32_t s3 = ((b >> 4) & 0x0f0f0f0fu) | (((c >> 6) & 0x03030303u) << 4);
+    return _mm_sub_epi8(_mm_set_epi32((int)s3, (int)s2, (int)s1, (int)s0), _mm_set1_epi8(32));
+}
+
+/* mins . (bsums summed per 32 elements): 8 int16 mins (upper lane of mins_scales) -> 4 int32 */
+static inline __m128i kq_mins_dot(__m256i mins_scales16, const int16_t *bsums) {
+    const __m256i bs = _mm256_loadu_si256((const __m256i *)bsums);
+    const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+    return _mm_madd_epi16(_mm256_extracti128_si256(mins_scales16, 1), bs32);
+}
+
+#endif /* __AVX2__ */
+
+/* ---------------------------------------------------------------------------------------------
+ * Q2_K: 16 sub-blocks of 16, 2-bit quants, 4-bit scale and 4-bit min each
+ */
+KQ_API void lp_vec_dot_q2_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
+    const block_q2_K *restrict x = (const block_q2_K *)vx;
+    const block_q8_K *restrict y = (const block_q8_K *)vy;
+    const int nb = n / QK_K;
+#if defined(__AVX2__)
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const float dall = y[i].d * kq_h2f(x[i].d);
+        const float mdmin = -(y[i].d * kq_h2f(x[i].dmin));
+        const __m128i sc_mn = _mm_loadu_si128((const __m128i *)x[i].scales);
+        const kq_sc16 sc = kq_sc16_load(_mm_and_si128(sc_mn, m4));
+        const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc_mn, 4), m4));
+        const __m256i summs = _mm256_madd_epi16(mins16, _mm256_loadu_si256((const __m256i *)y[i].bsums));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(mdmin), _mm256_cvtepi32_ps(summs), acc);
+
+        const int8_t *q8 = y[i].qs;
+        __m256i sumi = _mm256_setzero_si256();
+#if defined(__GNUC__)
+#pragma GCC unroll 2
+#endif
+        for (int k = 0; k < 2; ++k) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * k));
+            const int8_t *q = q8 + 128 * k;
+            const __m256i p0 = kq_dot32(_mm256_and_si256(bits, m3), q, kq_scales16_pair(sc, 4 * k + 0));
+            const __m256i p1 = kq_dot32(_mm256_and_si256(_mm256_srli_epi16(bits, 2), m3), q + 32, kq_scales16_pair(sc, 4 * k + 1));
+            const __m256i p2 = kq_dot32(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m3), q + 64, kq_scales16_pair(sc, 4 * k + 2));
+            const __m256i p3 = kq_dot32(_mm256_and_si256(_mm256_srli_epi16(bits, 6), m3), q + 96, kq_scales16_pair(sc, 4 * k + 3));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dall), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    *s = kq_hsum_ps256(acc);
+#else
+    float sumf = 0.0f;
+    for (int i = 0; i < nb; ++i) {
+        const uint8_t *sc = x[i].scales;
+        int summs = 0;
+        for (int j = 0; j < 16; ++j) summs += y[i].bsums[j] * (sc[j] >> 4);
+        int8_t q[QK_K];
+        for (int k = 0; k < 2; ++k)
+            for (int sh = 0; sh < 4; ++sh)
+                for (int l = 0; l < 32; ++l)
+                    q[128 * k + 32 * sh + l] = (int8_t)((x[i].qs[32 * k + l] >> (2 * sh)) & 3);
+        int isum = 0;
+        for (int j = 0; j < 16; ++j) isum += (sc[j] & 0xF) * kq_dot16(q + 16 * j, y[i].qs + 16 * j);
+        const float dall = y[i].d * kq_h2f(x[i].d);
+        const float dmin = y[i].d * kq_h2f(x[i].dmin);
+        sumf += dall * (float)isum - dmin * (float)summs;
+    }
+    *s = sumf;
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Q3_K: 16 sub-blocks of 16, 3-bit quants (2 low bits + a high bit that, when clear, means -4),
+ * signed 6-bit scales
+ */
+KQ_API void lp_vec_dot_q3_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
+    const block_q3_K *restrict x = (const block_q3_K *)vx;
+    const block_q8_K *restrict y = (const block_q8_K *)vy;
+    const int nb = n / QK_K;
+#if defined(__AVX2__)
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m256i m4 = _mm256_set1_epi8(4);
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const float d = y[i].d * kq_h2f(x[i].d);
+        const __m128i sc8 = kq_scales_q3_vec(x[i].scales);
+        const kq_sc16 sc = kq_sc16_load(sc8);
+        /* weights are used as q + 4 = low bits | high bit << 2 (0..7): subtract 4 x scale x bsums */
+        const __m256i off = _mm256_slli_epi32(
+            _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc8), _mm256_loadu_si256((const __m256i *)y[i].bsums)), 2);
+        const __m256i hbits = _mm256_loadu_si256((const __m256i *)x[i].hmask);
+        const int8_t *q8 = y[i].qs;
+        __m256i sumi = _mm256_setzero_si256();
+#if defined(__GNUC__)
+#pragma GCC unroll 2
+#endif
+        for (int k = 0; k < 2; ++k) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * k));
+#if defined(__GNUC__)
+#pragma GCC unroll 4
+#endif
+            for (int sh = 0; sh < 4; ++sh) {
+                const int b = 4 * k + sh; /* hmask bit of these 32 elements, moved to bit 2 */
+                __m256i h = b < 2 ? _mm256_slli_epi16(hbits, 2 - b) : _mm256_srli_epi16(hbits, b - 2);
+                h = _mm256_and_si256(h, m4);
+                const __m256i w = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 2 * sh), m3), h);
+                sumi = _mm256_add_epi32(sumi, kq_dot32(w, q8 + 128 * k + 32 * sh, kq_scales16_pair(sc, b)));
+            }
+        }
+        sumi = _mm256_sub_epi32(sumi, off);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    *s = kq_hsum_ps256(acc);
+#else
+    float sumf = 0.0f;
+    for (int i = 0; i < nb; ++i) {
+        int8_t sc[16];
+        kq_scales_q3(x[i].scales, sc);
+        /* quants used as q + 4 = low bits | high bit << 2 (no branch per element); the
+         * offset's share, 4 x scale x bsums, is subtracted */
+        int8_t q[QK_K];
+        for (int k = 0; k < 2; ++k)
+            for (int sh = 0; sh < 4; ++sh) {
+                const int b = 4 * k + sh;
+                for (int l = 0; l < 32; ++l)
+                    q[32 * b + l] = (int8_t)(((x[i].qs[32 * k + l] >> (2 * sh)) & 3) |
+                                             (((x[i].hmask[l] >> b) & 1) << 2));
+            }
+        int isum = 0;
+        for (int j = 0; j < 16; ++j) isum += sc[j] * (kq_dot16(q + 16 * j, y[i].qs + 16 * j) - 4 * y[i].bsums[j]);
+        sumf += y[i].d * kq_h2f(x[i].d) * (float)isum;
+    }
+    *s = sumf;
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Q4_K: 8 sub-blocks of 32, 4-bit quants, 6-bit scale and 6-bit min each
+ */
+KQ_API void lp_vec_dot_q4_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
+    const block_q4_K *restrict x = (const block_q4_K *)vx;
+    const block_q8_K *restrict y = (const block_q8_K *)vy;
+    const int nb = n / QK_K;
+#if defined(LP_KQ_AVX512)
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    /* int16 lane permutations picking scale k for the first 16 lanes and k+1 for the rest */
+    const __m512i idx01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(0)), _mm256_set1_epi16(1), 1);
+    const __m512i idx23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(2)), _mm256_set1_epi16(3), 1);
+    const __m512i idx45 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(4)), _mm256_set1_epi16(5), 1);
+    const __m512i idx67 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(6)), _mm256_set1_epi16(7), 1);
+    __m512 acc = _mm512_setzero_ps();
+    __m128 acc_m = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const float d = y[i].d * kq_h2f(x[i].d);
+        const float dmin = y[i].d * kq_h2f(x[i].dmin);
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
+        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(kq_mins_dot(ms16, y[i].bsums)), acc_m);
+        const __m512i sc = _mm512_castsi256_si512(ms16); /* scales in int16 lanes 0..7 */
+
+        const int8_t *q8 = y[i].qs;
+        /* 64 bytes of qs: low nibbles = sub-blocks 0 | 2, high = 1 | 3; regroup to 0 | 1, 2 | 3 */
+        const __m512i b0 = _mm512_loadu_si512((const void *)x[i].qs);
+        const __m512i b1 = _mm512_loadu_si512((const void *)(x[i].qs + 64));
+        const __m512i l0 = _mm512_and_si512(b0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), m4);
+        const __m512i l1 = _mm512_and_si512(b1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), m4);
+        const __m512i w01 = _mm512_shuffle_i64x2(l0, h0, 0x44);
+        const __m512i w23 = _mm512_shuffle_i64x2(l0, h0, 0xEE);
+        const __m512i w45 = _mm512_shuffle_i64x2(l1, h1, 0x44);
+        const __m512i w67 = _mm512_shuffle_i64x2(l1, h1, 0xEE);
+        __m512i sumi = _mm512_setzero_si512();
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w01, _mm512_loadu_si512((const void *)(q8 + 0))),
+                                   _mm512_permutexvar_epi16(idx01, sc));
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w23, _mm512_loadu_si512((const void *)(q8 + 64))),
+                                   _mm512_permutexvar_epi16(idx23, sc));
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w45, _mm512_loadu_si512((const void *)(q8 + 128))),
+                                   _mm512_permutexvar_epi16(idx45, sc));
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w67, _mm512_loadu_si512((const void *)(q8 + 192))),
+                                   _mm512_permutexvar_epi16(idx67, sc));
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    *s = _mm512_reduce_add_ps(acc) - kq_hsum_ps128(acc_m);
+#elif defined(__AVX2__)
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc = _mm256_setzero_ps();
+    __m128 acc_m = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const float d = y[i].d * kq_h2f(x[i].d);
+        const float dmin = y[i].d * kq_h2f(x[i].dmin);
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
+        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(kq_mins_dot(ms16, y[i].bsums)), acc_m);
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms16));
+
+        const uint8_t *q4 = x[i].qs;
+        const int8_t *q8 = y[i].qs;
+        __m256i sumi = _mm256_setzero_si256();
+#if defined(__GNUC__)
+#pragma GCC unroll 4
+#endif
+        for (int j = 0; j < 4; ++j) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(q4 + 32 * j));
+            const __m256i lo = _mm256_and_si256(bits, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            const __m256i pl = kq_dot32(lo, q8 + 64 * j, kq_scale16_bcast(sc, 2 * j));
+            const __m256i ph = kq_dot32(hi, q8 + 64 * j + 32, kq_scale16_bcast(sc, 2 * j + 1));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    *s = kq_hsum_ps256(acc) - kq_hsum_ps128(acc_m);
+#else
+    float sumf = 0.0f;
+    for (int i = 0; i < nb; ++i) {
+        uint8_t sc[8], mn[8];
+        kq_scale_min_k4(x[i].scales, sc, mn);
+        int summs = 0;
+        for (int j = 0; j < 16; ++j) summs += y[i].bsums[j] * mn[j / 2];
+        int8_t q[QK_K];
+        for (int j = 0; j < 4; ++j)
+            for (int l = 0; l < 32; ++l) {
+                q[64 * j + l] = (int8_t)(x[i].qs[32 * j + l] & 0xF);
+                q[64 * j + 32 + l] = (int8_t)(x[i].qs[32 * j + l] >> 4);
+            }
+        int isum = 0;
+        for (int j = 0; j < 8; ++j)
+            isum += sc[j] * (kq_dot16(q + 32 * j, y[i].qs + 32 * j) + kq_dot16(q + 32 * j + 16, y[i].qs + 32 * j + 16));
+        const float d = y[i].d * kq_h2f(x[i].d);
+        const float dmin = y[i].d * kq_h2f(x[i].dmin);
+        sumf += d * (float)isum - dmin * (float)summs;
+    }
+    *s = sumf;
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Q5_K: Q4_K with a fifth bit per quant in qh (bit j of qh[l] for element l of sub-block j)
+ */
+KQ_API void lp_vec_dot_q5_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
+    const block_q5_K *restrict x = (const block_q5_K *)vx;
+    const block_q8_K *restrict y = (const block_q8_K *)vy;
+    const int nb = n / QK_K;
+#if defined(LP_KQ_AVX512)
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i m16 = _mm512_set1_epi8(16);
+    const __m512i idx01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(0)), _mm256_set1_epi16(1), 1);
+    const __m512i idx23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(2)), _mm256_set1_epi16(3), 1);
+    const __m512i idx45 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(4)), _mm256_set1_epi16(5), 1);
+    const __m512i idx67 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(6)), _mm256_set1_epi16(7), 1);
+    /* per 256-bit half: move qh bit 2p (first half) / 2p+1 (second half) to bit 4; 64-bit
+     * shifts by <= 4 keep the bit in its own byte */
+    const __m512i sh01 = _mm512_setr_epi64(4, 4, 4, 4, 3, 3, 3, 3);
+    const __m512i sh23 = _mm512_setr_epi64(2, 2, 2, 2, 1, 1, 1, 1);
+    const __m512i sh45 = _mm512_setr_epi64(0, 0, 0, 0, 1, 1, 1, 1);
+    const __m512i sh67 = _mm512_setr_epi64(2, 2, 2, 2, 3, 3, 3, 3);
+    __m512 acc = _mm512_setzero_ps();
+    __m128 acc_m = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const float d = y[i].d * kq_h2f(x[i].d);
+        const float dmin = y[i].d * kq_h2f(x[i].dmin);
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
+        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(kq_mins_dot(ms16, y[i].bsums)), acc_m);
+        const __m512i sc = _mm512_castsi256_si512(ms16);
+
+        const int8_t *q8 = y[i].qs;
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)x[i].qh));
+        /* high bits of sub-blocks 0|1, 2|3 (shifted left) and 4|5, 6|7 (shifted right) */
+        const __m512i h01 = _mm512_and_si512(_mm512_sllv_epi64(qh, sh01), m16);
+        const __m512i h23 = _mm512_and_si512(_mm512_sllv_epi64(qh, sh23), m16);
+        const __m512i h45 = _mm512_and_si512(_mm512_srlv_epi64(qh, sh45), m16);
+        const __m512i h67 = _mm512_and_si512(_mm512_srlv_epi64(qh, sh67), m16);
+        const __m512i b0 = _mm512_loadu_si512((const void *)x[i].qs);
+        const __m512i b1 = _mm512_loadu_si512((const void *)(x[i].qs + 64));
+        const __m512i l0 = _mm512_and_si512(b0, m4), hi0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), m4);
+        const __m512i l1 = _mm512_and_si512(b1, m4), hi1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), m4);
+        const __m512i w01 = _mm512_or_si512(_mm512_shuffle_i64x2(l0, hi0, 0x44), h01);
+        const __m512i w23 = _mm512_or_si512(_mm512_shuffle_i64x2(l0, hi0, 0xEE), h23);
+        const __m512i w45 = _mm512_or_si512(_mm512_shuffle_i64x2(l1, hi1, 0x44), h45);
+        const __m512i w67 = _mm512_or_si512(_mm512_shuffle_i64x2(l1, hi1, 0xEE), h67);
+        __m512i sumi = _mm512_setzero_si512();
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w01, _mm512_loadu_si512((const void *)(q8 + 0))),
+                                   _mm512_permutexvar_epi16(idx01, sc));
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w23, _mm512_loadu_si512((const void *)(q8 + 64))),
+                                   _mm512_permutexvar_epi16(idx23, sc));
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w45, _mm512_loadu_si512((const void *)(q8 + 128))),
+                                   _mm512_permutexvar_epi16(idx45, sc));
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w67, _mm512_loadu_si512((const void *)(q8 + 192))),
+                                   _mm512_permutexvar_epi16(idx67, sc));
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    *s = _mm512_reduce_add_ps(acc) - kq_hsum_ps128(acc_m);
+#elif defined(__AVX2__)
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m256i m16 = _mm256_set1_epi8(16);
+    __m256 acc = _mm256_setzero_ps();
+    __m128 acc_m = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const float d = y[i].d * kq_h2f(x[i].d);
+        const float dmin = y[i].d * kq_h2f(x[i].dmin);
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
+        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(kq_mins_dot(ms16, y[i].bsums)), acc_m);
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms16));
+
+        const __m256i hbits = _mm256_loadu_si256((const __m256i *)x[i].qh);
+        const uint8_t *q4 = x[i].qs;
+        const int8_t *q8 = y[i].qs;
+        __m256i sumi = _mm256_setzero_si256();
+#if defined(__GNUC__)
+#pragma GCC unroll 4
+#endif
+        for (int j = 0; j < 4; ++j) {
+            /* qh bit b -> bit 4 of each byte (a 16-bit shift by <= 4 keeps bits within bytes) */
+            const int bl = 2 * j, bh = 2 * j + 1;
+            __m256i hl = bl <= 4 ? _mm256_slli_epi16(hbits, 4 - bl) : _mm256_srli_epi16(hbits, bl - 4);
+            __m256i hh = bh <= 4 ? _mm256_slli_epi16(hbits, 4 - bh) : _mm256_srli_epi16(hbits, bh - 4);
+            hl = _mm256_and_si256(hl, m16);
+            hh = _mm256_and_si256(hh, m16);
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(q4 + 32 * j));
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(bits, m4), hl);
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), hh);
+            const __m256i pl = kq_dot32(lo, q8 + 64 * j, kq_scale16_bcast(sc, bl));
+            const __m256i ph = kq_dot32(hi, q8 + 64 * j + 32, kq_scale16_bcast(sc, bh));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    *s = kq_hsum_ps256(acc) - kq_hsum_ps128(acc_m);
+#else
+    float sumf = 0.0f;
+    for (int i = 0; i < nb; ++i) {
+        uint8_t sc[8], mn[8];
+        kq_scale_min_k4(x[i].scales, sc, mn);
+        int summs = 0;
+        for (int j = 0; j < 16; ++j) summs += y[i].bsums[j] * mn[j / 2];
+        int8_t q[QK_K];
+        for (int j = 0; j < 4; ++j)
+            for (int l = 0; l < 32; ++l) {
+                const uint8_t h = x[i].qh[l];
+                q[64 * j + l] = (int8_t)((x[i].qs[32 * j + l] & 0xF) | (((h >> (2 * j)) & 1) << 4));
+                q[64 * j + 32 + l] = (int8_t)((x[i].qs[32 * j + l] >> 4) | (((h >> (2 * j + 1)) & 1) << 4));
+            }
+        int isum = 0;
+        for (int j = 0; j < 8; ++j)
+            isum += sc[j] * (kq_dot16(q + 32 * j, y[i].qs + 32 * j) + kq_dot16(q + 32 * j + 16, y[i].qs + 32 * j + 16));
+        const float d = y[i].d * kq_h2f(x[i].d);
+        const float dmin = y[i].d * kq_h2f(x[i].dmin);
+        sumf += d * (float)isum - dmin * (float)summs;
+    }
+    *s = sumf;
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Q6_K: 16 sub-blocks of 16, 6-bit quants stored +32 (4 low bits in ql, 2 high in qh), signed
+ * 8-bit scales. Per 128 elements: ql[0..32) low nibbles = elements 0..31, ql[32..64) low =
+ * 32..63, ql[0..32) high = 64..95, ql[32..64) high = 96..127; qh bits 2s..2s+1 of qh[l] are the
+ * high bits of element 32s + l.
+ */
+KQ_API void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
+    const block_q6_K *restrict x = (const block_q6_K *)vx;
+    const block_q8_K *restrict y = (const block_q8_K *)vy;
+    const int nb = n / QK_K;
+#if defined(LP_KQ_AVX512)
+    const __m512i m15 = _mm512_set1_epi8(15);
+    const __m512i m48 = _mm512_set1_epi8(48);
+    /* qh bits 0-1 | 2-3 to bits 4-5 (left by 4 | 2), and bits 4-5 | 6-7 (right by 0 | 2) */
+    const __m512i shl = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2);
+    const __m512i shr = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
+    /* int16 lane permutations: scale g, g+1, g+2, g+3 for each run of 8 lanes */
+    const __m512i idx0 = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_setr_m128i(_mm_set1_epi16(0), _mm_set1_epi16(1))),
+        _mm256_setr_m128i(_mm_set1_epi16(2), _mm_set1_epi16(3)), 1);
+    const __m512i four = _mm512_set1_epi16(4);
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const float d = y[i].d * kq_h2f(x[i].d);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
+        const __m512i sc = _mm512_castsi256_si512(sc16);
+        const int8_t *q8 = y[i].qs;
+        __m512i sumi = _mm512_setzero_si512();
+        __m512i idx = idx0;
+        for (int k = 0; k < 2; ++k) {
+            const __m512i ql = _mm512_loadu_si512((const void *)(x[i].ql + 64 * k));
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * k)));
+            const __m512i wa = _mm512_or_si512(_mm512_and_si512(ql, m15), _mm512_and_si512(_mm512_sllv_epi64(qh, shl), m48));
+            const __m512i wb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m15),
+                                               _mm512_and_si512(_mm512_srlv_epi64(qh, shr), m48));
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(wa, _mm512_loadu_si512((const void *)(q8 + 128 * k))),
+                                       _mm512_permutexvar_epi16(idx, sc));
+            idx = _mm512_add_epi16(idx, four);
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(wb, _mm512_loadu_si512((const void *)(q8 + 128 * k + 64))),
+                                       _mm512_permutexvar_epi16(idx, sc));
+            idx = _mm512_add_epi16(idx, four);
+        }
+        /* quants were used +32: subtract 32 x scale x bsums */
+        __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
+        s8 = _mm256_sub_epi32(s8, _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)y[i].bsums)), 5));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s8), acc);
+    }
+    *s = kq_hsum_ps256(acc);
+#elif defined(__AVX2__)
+    const __m256i m15 = _mm256_set1_epi8(15);
+    const __m256i m48 = _mm256_set1_epi8(48);
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const float d = y[i].d * kq_h2f(x[i].d);
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
+        const kq_sc16 sc = kq_sc16_load(sc8);
+        const __m256i off = _mm256_slli_epi32(
+            _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc8), _mm256_loadu_si256((const __m256i *)y[i].bsums)), 5);
+        const int8_t *q8 = y[i].qs;
+        __m256i sumi = _mm256_setzero_si256();
+#if defined(__GNUC__)
+#pragma GCC unroll 2
+#endif
+        for (int k = 0; k < 2; ++k) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * k));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * k + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * k));
+            /* 16-bit shifts by <= 4 then masking bits 4-5 keep every bit in its own byte */
+            const __m256i w0 = _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m48));
+            const __m256i w1 = _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m48));
+            const __m256i w2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m48));
+            const __m256i w3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
+                                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m48));
+            const __m256i p0 = kq_dot32(w0, q8 + 128 * k + 0, kq_scales16_pair(sc, 4 * k + 0));
+            const __m256i p1 = kq_dot32(w1, q8 + 128 * k + 32, kq_scales16_pair(sc, 4 * k + 1));
+            const __m256i p2 = kq_dot32(w2, q8 + 128 * k + 64, kq_scales16_pair(sc, 4 * k + 2));
+            const __m256i p3 = kq_dot32(w3, q8 + 128 * k + 96, kq_scales16_pair(sc, 4 * k + 3));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+        }
+        sumi = _mm256_sub_epi32(sumi, off);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    *s = kq_hsum_ps256(acc);
+#else
+    float sumf = 0.0f;
+    for (int i = 0; i < nb; ++i) {
+        int8_t q[QK_K];
+        for (int k = 0; k < 2; ++k) {
+            const uint8_t *ql = x[i].ql + 64 * k;
+            const uint8_t *qh = x[i].qh + 32 * k;
+            int8_t *a = q + 128 * k;
+            for (int l = 0; l < 32; ++l) {
+                a[l + 0] = (int8_t)(((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
+                a[l + 32] = (int8_t)(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                a[l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                a[l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+            }
+        }
+        int isum = 0;
+        for (int j = 0; j < 16; ++j) isum += x[i].scales[j] * kq_dot16(q + 16 * j, y[i].qs + 16 * j);
+        sumf += y[i].d * kq_h2f(x[i].d) * (float)isum;
+    }
+    *s = sumf;
+#endif
+}

@@ -72,6 +72,7 @@ def _batches() -> list[tuple[list[int], list[int], int | list[int], list[bool] |
 @pytest.mark.parametrize(
     "qtype, mode",
     [(T.Q8_0, "q8"), (T.Q4_0, "q8"), (T.Q4_1, "q8"), (T.Q5_0, "q8"), (T.Q5_1, "q8"), (T.F16, "q8"),
+     (T.Q2_K, "q8"), (T.Q3_K, "q8"), (T.Q4_K, "q8"), (T.Q5_K, "q8"), (T.Q6_K, "q8"), (T.BF16, "q8"),
      (T.Q8_0, "f32"), (T.Q4_1, "f32"), (T.Q4_K, "f32"), (T.Q6_K, "f32")],
 )
 def test_executor_matches_run_nodes(make_llama, monkeypatch: pytest.MonkeyPatch, qtype: T, mode: str) -> None:  # noqa: ANN001

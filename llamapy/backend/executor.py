@@ -29,9 +29,10 @@ A product on the sgemm path (a type without a q8 kernel in this library) refuses
 token embedding rows of a file-layout matrix are expanded in Python before the call (one node).
 
 Numerics: the records call the reference path's C kernels or repeat its float32 operations in
-order, so decode logits are bit-identical to `run_nodes` in the q8 mode; in the f32 mode too,
-except the f32 tail rows of a matrix whose row count is not a multiple of 64 (BLAS in the
-reference), and attention at 9-15 tokens (numpy there): within float32 rounding.
+order, so logits are bit-identical to `run_nodes` in the q8 mode; in the f32 mode too, except
+the f32 tail rows of a matrix whose row count is not a multiple of 64 (BLAS in the reference):
+within float32 rounding. Batches of more than 8 tokens (numpy's attention in the reference) are
+left to run_nodes.
 """
 
 from __future__ import annotations
@@ -688,6 +689,12 @@ class _Compiler:
             r[6], r[7], r[8], r[9], r[10], r[11] = ids.n_elements, cols, ss, d_rows, int(f16), d_st
             return r
         if st.code == ATTN:
+            from .cpu_kernels import ATTN_MAX_TOKENS
+
+            if n.shape[0] > ATTN_MAX_TOKENS:
+                # the reference takes numpy's blocked attention there, whose sums differ enough
+                # (a random 32-layer model's logits by ~0.3) to change greedy picks against it
+                raise Refused(f"attention over {n.shape[0]} query tokens (numpy's above {ATTN_MAX_TOKENS})")
             q, k, v, mask = (loc(s) for s in n.src)
             need_f32(q, "attention Q")
             need_f32(mask, "attention mask")

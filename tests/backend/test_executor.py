@@ -119,6 +119,17 @@ def test_prompt_batches_fall_back_to_run_nodes(make_llama, monkeypatch: pytest.M
     assert "## PLAN #0: CPU executor: " in exe.sched.dump(exe.graph(1, 256, 1).graph)
 
 
+def test_attention_beyond_8_tokens_falls_back(monkeypatch: pytest.MonkeyPatch, make_llama) -> None:  # noqa: ANN001
+    """Batches of 9-15 tokens: the reference attends with numpy there, so the executor leaves
+    the split to it (and the logits are run_nodes' own)."""
+    model = _model(make_llama(qtype=T.Q8_0))
+    exe, ref = _contexts(monkeypatch, model)
+    toks = list(range(3, 15))
+    _same(exe.decode(toks, range(12)), ref.decode(toks, range(12)))
+    bp = exe.sched.backend_plan(exe.sched.reserve(exe.graph(12, 256, 1).graph), 0)
+    assert isinstance(bp, Refusal) and "attention over 12 query tokens" in bp.reason
+
+
 def test_products_without_a_compiled_path_fall_back(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """K-quant weights in the q8 mode run on the sgemm path while the library has no q8_K
     kernels: such a split is refused, runs node by node, and gives run_nodes' logits."""

@@ -176,7 +176,7 @@ class CPUBackend(Backend):
 
     def from_host(self, data: np.ndarray, t: Tensor | None = None) -> Any:
         if t is not None and t.flags & TensorFlag.WEIGHT:
-            return host_value(t, data, copy=False)
+            return host_value(t, data, copy=False, repack=self.cpu_matmul == "f32" and kernels() == "c")
         return data
 
     def to_host(self, value: Any) -> np.ndarray:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..tensor import Op, Tensor
+from .qmatmul import QMatrix
 from .threads import blas_threads
 
 Kernel = Callable[[Tensor, list[Any], Any], Any]
@@ -65,7 +66,9 @@ def mul_mat(node: Tensor, s: list[Any], xp: Any) -> Any:
     w, x = s
     if not isinstance(w, xp.ndarray):  # a WeightMatrix (interface.py)
         lead = x.shape[:-1]
-        out = w.matmul(x.reshape(-1, x.shape[-1]))  # (n, K) -> (n, M)
+        x2 = x.reshape(-1, x.shape[-1])  # (n, K)
+        # the reference: float32 activations (the CPU backend's q8 mode is its own MUL_MAT)
+        out = w.matmul(x2, q8=False) if isinstance(w, QMatrix) else w.matmul(x2)  # (n, M)
         return out.reshape(*lead, out.shape[-1])
     w = _as_f32(xp, w)
     x = _as_f32(xp, x)

@@ -40,7 +40,9 @@ needs_tiny = pytest.mark.skipif(not TINY32.exists(), reason="tiny32 reference mo
 def tiny():
     if not TINY32.exists():
         pytest.skip("tiny32 reference model missing")
-    llm = Llama(TINY32, n_ctx=512, n_threads=0)
+    # the f32 matmul mode: batched and single runs differ in float order (attention), which the
+    # default q8 mode's activation rounding turns into different tokens on this random model
+    llm = Llama(TINY32, n_ctx=512, n_threads=0, cpu_matmul="f32")
     yield llm
     llm.close()
 

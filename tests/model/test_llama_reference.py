@@ -178,7 +178,7 @@ def test_q8_prompt_on_sgemm_matches_reference(make_llama, qtype: T) -> None:
     _check(make_llama(n_layer=2, qtype=qtype), TOKENS * 3, "q8")
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.F16, T.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.F16, T.BF16, *K_QUANTS], ids=lambda t: t.name)
 @pytest.mark.parametrize("n_tokens", [3, 42])  # the q8 kernels; sgemm on rounded activations
 def test_q8_products_are_ggmls(make_llama, monkeypatch, qtype: T, n_tokens: int) -> None:
     """Every MUL_MAT of a whole q8-mode run equals ggml's definition for its input (the reference's
@@ -198,10 +198,12 @@ def test_q8_products_are_ggmls(make_llama, monkeypatch, qtype: T, n_tokens: int)
         w, x = s
         x2 = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
         raw = w.data
-        if w.qtype in (T.Q4_1, T.Q5_1):
+        wf = gguf.quants.dequantize(raw, w.qtype).reshape(w.n_out, w.n_in).astype(np.float64)
+        if w.vec_dot_type() is None:  # no q8 kernel for the type in this build: float32
+            want = x2 @ wf.T
+        elif w.qtype in (T.Q4_1, T.Q5_1):
             want = _q8_1_product(x2, raw, w.qtype, w.n_out)
         else:
-            wf = gguf.quants.dequantize(raw, w.qtype).reshape(w.n_out, w.n_in).astype(np.float64)
             want = round_activations(x2, w.qtype) @ wf.T
         got = out.reshape(want.shape)
         scale = np.abs(x2) @ np.abs(gguf.quants.dequantize(raw, w.qtype).reshape(w.n_out, w.n_in)).T

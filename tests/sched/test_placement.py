@@ -12,7 +12,10 @@ from llamapy.types import OutOfMemoryError
 
 
 def _llm(path, ngl=0, ot=(), ts=(), **ctx):  # noqa: ANN001, ANN003
-    co = ContextOptions(n_ctx=ctx.pop("n_ctx", 256), **ctx)
+    # float32 activations: the logits of different placements are compared to 1e-4, and the
+    # CPU's default 8-bit activations round differently wherever the float32 sums of the two
+    # placements differ in order (the q8 mode is checked in tests/model)
+    co = ContextOptions(n_ctx=ctx.pop("n_ctx", 256), cpu_matmul=ctx.pop("cpu_matmul", "f32"), **ctx)
     return llamapy.Llama(path, model_options=ModelOptions(n_gpu_layers=ngl, override_tensor=ot, tensor_split=ts), context_options=co)
 
 

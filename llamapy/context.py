@@ -340,7 +340,7 @@ class Context:
         for b in self.compute_buffers:
             b.free()
         self.compute_buffers.clear()
-        for g in self._graphs.values():
+        for g in self._graphs.values():  # their compiled plans hold the cache and the weights
             self.sched.forget(g.graph)
         self._graphs.clear()
 

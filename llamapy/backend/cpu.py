@@ -9,7 +9,7 @@ The BLAS backend shares these buffers; the TEST device reuses the kernels but ow
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,11 +17,16 @@ import numpy as np
 from ..tensor import Op, Tensor, TensorFlag
 from ..types import NUMPY_DTYPES, DeviceType, LlamapyError
 from .cpu_kernels import cpu_kernels
+from .executor import Refusal, compile_split
+from .executor import enabled as executor_enabled
 from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps, Registry
 from .kernels import KERNELS, run_nodes
 from .qmatmul import MATMUL_MODES, QMatrix, kernels, set_num_threads
 from .repack_cache import RepackStore
 from .threads import set_blas_threads
+
+
+_CORES = os.cpu_count() or 1  # constant for the process (read once: ~5 us a call)
 
 
 def host_value(t: Tensor, data: np.ndarray, copy: bool, repack: bool = False) -> Any:
@@ -83,11 +88,10 @@ class CPUBuffer(Buffer):
 
     def get(self, t: Tensor) -> np.ndarray:
         v = self._store[t]
-        return v.dequantize() if hasattr(v, "dequantize") else np.asarray(v)
+        return np.asarray(v) if isinstance(v, np.ndarray) else v.dequantize()  # a WeightMatrix
 
-    def zeros(self, t: Tensor) -> None:
-        """Allocate a zero-filled mutable tensor (the KV cache)."""
-        self._store[t] = np.zeros(t.shape, NUMPY_DTYPES[t.type])
+    def _zeros_value(self, t: Tensor) -> Any:
+        return np.zeros(t.shape, NUMPY_DTYPES[t.type])
 
 
 class CPUBufferType(BufferType):
@@ -105,8 +109,12 @@ class CPUBackend(Backend):
     def __init__(self, device: Device, n_threads: int = 0) -> None:
         super().__init__(device)
         self.n_threads = n_threads
+        # splits compiled by the executor unless LLAMAPY_EXECUTOR=0 (when the backend is made)
+        self.use_executor = executor_enabled()
         self.cpu_matmul = "q8"
-        self._table = {**cpu_kernels(), Op.MUL_MAT: self._mul_mat}
+        # MUL_MAT (this backend's bound method) joins the table per run: stored here it would make
+        # a reference cycle, and a closed model's mappings would wait for the garbage collector
+        self._kernels = cpu_kernels()
         # the last activations quantized per vec_dot_type: (x, its quantized rows); a MUL_MAT
         # whose input is the same array reuses them (Q, K and V; gate and up)
         self._act: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
@@ -149,9 +157,32 @@ class CPUBackend(Backend):
 
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
         try:
-            run_nodes(nodes, env, np, table=self._table)
+            run_nodes(nodes, env, np, table={**self._kernels, Op.MUL_MAT: self._mul_mat})
         finally:
             self._act.clear()  # the graph's activations are not kept past its run
+
+    # -- compiled plans (backend/executor.py) ------------------------------------------------
+
+    def threads(self) -> int:
+        """This backend's -t, never more than the cores (0: every core)."""
+        cores = _CORES
+        return min(self.n_threads, cores) if self.n_threads > 0 else cores
+
+    def graph_plan_create(
+        self, nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Callable[..., Any]
+    ) -> Any | None:
+        # an ExecPlan, or a Refusal (falsy: the scheduler runs the split node by node) saying why
+        if not self.use_executor:
+            return Refusal("LLAMAPY_EXECUTOR=0")
+        return compile_split(nodes, exports, allocate, self.cpu_matmul)
+
+    def graph_plan_compute(self, plan: Any, env: dict[Tensor, Any]) -> None:
+        plan.compute(env, self.threads())
+
+    def graph_plan_summary(self, plan: Any) -> str:
+        if plan is None:
+            return ""
+        return f"executor refused: {plan.reason} (run_nodes)" if isinstance(plan, Refusal) else plan.summary()
 
     def from_host(self, data: np.ndarray, t: Tensor | None = None) -> Any:
         if t is not None and t.flags & TensorFlag.WEIGHT:

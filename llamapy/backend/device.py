@@ -89,8 +89,8 @@ class DeviceMemoryBuffer(Buffer):
     def get(self, t: Tensor) -> np.ndarray:
         return self.buft.device.download(self._store[t])
 
-    def zeros(self, t: Tensor) -> None:
-        self._store[t] = self.buft.device.zeros(t)
+    def _zeros_value(self, t: Tensor) -> Any:
+        return self.buft.device.zeros(t)
 
 
 class MemoryDevice(Device):

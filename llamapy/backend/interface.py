@@ -11,15 +11,34 @@ backends only through `Backend.from_host` / `to_host` / `copy_from` (the copy la
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..tensor import Tensor
-from ..types import DeviceType, OutOfMemoryError
+from ..types import DeviceType, GGMLType, OutOfMemoryError
+
+
+class WeightMatrix(Protocol):
+    """A weight matrix in a backend's own representation (QMatrix on the host): what a MUL_MAT
+    or GET_ROWS reads as its first source when that source is not a plain array. Kernels tell
+    the two apart by `isinstance(value, xp.ndarray)`, never by probing attributes."""
+
+    qtype: GGMLType
+    n_out: int  # rows (ggml ne[1])
+    n_in: int  # elements per row (ggml ne[0])
+
+    def matmul(self, x: Any, n_threads: int = 0) -> Any:
+        """x (n_tokens, n_in) float32 -> x @ W.T (n_tokens, n_out) float32."""
+
+    def get_rows(self, ids: Any) -> Any:
+        """float32 rows `ids` (GET_ROWS of an embedding table)."""
+
+    def dequantize(self, rows: Any = None, n_threads: int = 0) -> Any:
+        """float32 (n, n_in) of the selected rows (all when `rows` is None)."""
 
 
 class BufferUsage(Enum):
@@ -51,6 +70,7 @@ class Buffer(ABC):
         self.used = 0
         self._store: dict[Tensor, Any] = {}
         self._raw: dict[Tensor, np.ndarray] = {}  # weights' bytes as the file stores them
+        self._mutable: list[Tensor] = []  # tensors made by `zeros` (the KV cache)
 
     @property
     def name(self) -> str:
@@ -73,6 +93,35 @@ class Buffer(ABC):
     @abstractmethod
     def get(self, t: Tensor) -> np.ndarray:
         """Buffer -> host."""
+
+    def zeros(self, t: Tensor) -> None:
+        """Give `t` (placed by `alloc_tensor`) zero-filled, mutable memory of its type: the KV
+        cache. Its native value keeps its identity from then on (`clear` fills it in place), so
+        compiled plans may hold its address."""
+        self._store[t] = self._zeros_value(t)
+        self._mutable.append(t)
+
+    def _zeros_value(self, t: Tensor) -> Any:
+        raise NotImplementedError(f"{self.name} buffers hold no mutable tensors")
+
+    def clear(self, value: float = 0) -> None:
+        """Fill every mutable tensor with `value`, in place (ggml_backend_buffer_clear)."""
+        for t in self._mutable:
+            self._store[t].fill(value)
+
+    def alias(self, t: Tensor, of: Tensor) -> None:
+        """Make `t` a second name for `of`'s memory, with `t`'s shape (ggml_backend_view_init:
+        a tied output matrix, a reshaped view); no bytes are reserved or copied."""
+        v = self._store[of]
+        if (t.shape, t.type) != (of.shape, of.type):
+            if not isinstance(v, np.ndarray) or t.type != of.type or t.n_elements != of.n_elements:
+                raise ValueError(f"{t.name} {t.type.name}{list(t.shape)} cannot alias {of.name} "
+                                 f"{of.type.name}{list(of.shape)}")
+            v = v.reshape(t.shape)  # a view: the same memory
+        self._store[t] = v
+        t.buffer = self
+        if of in self._raw:
+            self._raw[t] = self._raw[of]
 
     def use_cache(self, key: str, label: str = "", cpu_matmul: str = "q8") -> None:
         """Optional: a backend may keep prepared (repacked) weights in a cache file under `key`
@@ -98,6 +147,7 @@ class Buffer(ABC):
         """Release everything (ggml_backend_buffer_free); the device's budget gets it back."""
         self._store.clear()
         self._raw.clear()
+        self._mutable.clear()
         self.used = 0
         self.buft.release(self)
 
@@ -148,6 +198,26 @@ class Backend(ABC):
     def copy_from(self, src: Backend, value: Any) -> Any | None:
         """Optional device-to-device fast path; None means "go through the host"."""
         return None
+
+    def graph_plan_create(
+        self, nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Callable[..., Any]
+    ) -> Any | None:
+        """Optional (ggml_backend_graph_plan_create): compile a split's nodes once into a plan
+        that `graph_plan_compute` runs with the values of the moment. `exports` are the nodes
+        whose values must be in the environment afterwards (read by other splits, or graph
+        outputs); `allocate` is the scheduler's allocator (sched/alloc.py `plan_offsets`: byte
+        offsets from lifetimes), which a plan uses to lay out its memory. None, or a falsy
+        object saying why: no plan (the default), and the scheduler calls `compute` instead."""
+        return None
+
+    def graph_plan_compute(self, plan: Any, env: dict[Tensor, Any]) -> None:
+        """Run a plan of `graph_plan_create`: sources from `env` / their buffers, the exports
+        stored into `env` (ggml_backend_graph_plan_compute)."""
+        raise NotImplementedError(f"{self.name} makes no plans")
+
+    def graph_plan_summary(self, plan: Any) -> str:
+        """One line on a plan (or on why there is none) for LLAMAPY_SCHED_DEBUG; "" for nothing."""
+        return ""
 
     def synchronize(self) -> None:
         """Wait for queued work (only asynchronous backends need it)."""

@@ -2,8 +2,8 @@
 (numpy here, CuPy on CUDA) — the role of ggml-cpu's `ggml_compute_forward_*`.
 
 Every kernel takes the node and its sources' native values and returns the node's value. A
-quantized weight arrives as an object with `.matmul(x)` / `.get_rows(ids)` (QMatrix on the host);
-everything else is an array. Activations are float32 throughout.
+quantized weight arrives as a `WeightMatrix` (interface.py; QMatrix on the host); everything
+else is an array. Activations are float32 throughout.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _as_f32(xp: Any, a: Any) -> Any:
 
 def get_rows(node: Tensor, s: list[Any], xp: Any) -> Any:
     table, ids = s
-    if hasattr(table, "get_rows"):
+    if not isinstance(table, xp.ndarray):  # a WeightMatrix (interface.py)
         return table.get_rows(ids)
     return _as_f32(xp, table[ids.astype(xp.int64)])
 
@@ -81,7 +81,7 @@ def gelu(xp: Any, x: Any) -> Any:
 
 def mul_mat(node: Tensor, s: list[Any], xp: Any) -> Any:
     w, x = s
-    if hasattr(w, "matmul"):
+    if not isinstance(w, xp.ndarray):  # a WeightMatrix (interface.py)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # (n, K)
         # the reference: float32 activations (the CPU backend's q8 mode is its own MUL_MAT)

@@ -2,9 +2,10 @@
 
 Walks the scheduled graph once, allocating each backend's intermediate tensors at byte offsets
 in that backend's compute buffer and freeing them after their last reader, with a best-fit free
-list. The result is the buffer size each backend needs for this graph shape — sized before
-anything runs, reported like llama.cpp's `CPU compute buffer size = … MiB`, and the budget a
-device's memory pool is limited to.
+list. The result is each tensor's offset and the buffer size each backend needs for this graph
+shape — sized before anything runs, reported like llama.cpp's `CPU compute buffer size = … MiB`,
+the budget a device's memory pool is limited to, and the arena layout the CPU executor's plan
+binds to (backend/executor.py).
 """
 
 from __future__ import annotations
@@ -58,14 +59,25 @@ class _Arena:
         self.free = merged
 
 
-def plan_sizes(
-    order: Sequence[tuple[int, Tensor, Sequence[Tensor]]], outputs: Sequence[Tensor]
-) -> dict[int, int]:
-    """Bytes each backend's compute buffer needs.
+@dataclass
+class Allocation:
+    """Where each tensor lives in its backend's compute buffer, and how big each buffer is."""
+
+    sizes: dict[int, int]  # backend -> bytes
+    offsets: dict[Tensor, tuple[int, int]]  # tensor -> (backend, byte offset)
+
+
+def plan_offsets(
+    order: Sequence[tuple[int, Tensor | None, Sequence[Tensor]]], outputs: Sequence[Tensor]
+) -> Allocation:
+    """Byte offsets of every tensor that owns memory, and each backend's buffer size.
 
     `order` lists, in execution order, (backend, tensor, tensors it reads) for every tensor a
-    backend must hold: computed nodes and the copies of split inputs (reading nothing).
-    Views and in-place results share memory and must not be listed as owners.
+    backend must hold: computed nodes and the copies of split inputs (reading nothing). A
+    `None` tensor only reads (a view, or an op writing into a pre-allocated buffer): it keeps
+    what it reads alive until then. Views and in-place results share memory and must not be
+    listed as owners. A tensor is placed before the tensors read at the same step are released,
+    so a result never overlaps its own sources; tensors in `outputs` live to the end.
     """
     last_use: dict[Tensor, int] = {}
     for i, (_b, _t, reads) in enumerate(order):
@@ -76,12 +88,21 @@ def plan_sizes(
     arenas: dict[int, _Arena] = {}
     live: dict[Tensor, tuple[int, int, int]] = {}  # tensor -> (backend, offset, size)
     dying: dict[int, list[Tensor]] = {}
+    offsets: dict[Tensor, tuple[int, int]] = {}
     for i, (b, t, _reads) in enumerate(order):
         arena = arenas.setdefault(b, _Arena())
-        if t not in live:
+        if t is not None and t not in live:
             live[t] = (b, arena.alloc(t.nbytes), t.nbytes)
-            dying.setdefault(last_use.get(t, i), []).append(t)
+            offsets[t] = (b, live[t][1])
+            dying.setdefault(max(i, last_use.get(t, i)), []).append(t)
         for d in dying.pop(i, []):
             db, off, size = live.pop(d)
             arenas[db].release(off, size)
-    return {b: a.top for b, a in arenas.items()}
+    return Allocation({b: a.top for b, a in arenas.items()}, offsets)
+
+
+def plan_sizes(
+    order: Sequence[tuple[int, Tensor | None, Sequence[Tensor]]], outputs: Sequence[Tensor]
+) -> dict[int, int]:
+    """Bytes each backend's compute buffer needs (`plan_offsets` without the offsets)."""
+    return plan_offsets(order, outputs).sizes

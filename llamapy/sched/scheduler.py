@@ -22,7 +22,7 @@ from ..backend.interface import Backend
 from ..graph import Graph
 from ..tensor import Tensor, TensorFlag
 from ..types import LlamapyError
-from .alloc import plan_sizes
+from .alloc import plan_offsets
 from .passes import Assignment, assign
 from .split import Split, releases, split
 
@@ -33,6 +33,10 @@ class Plan:
     assignment: Assignment
     splits: list[Split]
     compute_sizes: dict[str, int] = field(default_factory=dict)  # backend name -> bytes
+    # tensor -> (backend index, byte offset) in that backend's compute buffer (sched/alloc.py)
+    offsets: dict[Tensor, tuple[int, int]] = field(default_factory=dict)
+    # split index -> the backend's compiled plan for it (graph_plan_create), None if refused
+    backend_plans: dict[int, Any] = field(default_factory=dict)
     shown: bool = False  # given to the scheduler's debug hook already
 
 
@@ -78,8 +82,8 @@ class Scheduler:
                     order.append((s.backend, n, reads))
                 elif reads:
                     order.append((s.backend, _owner(n), reads))
-        sizes = plan_sizes(order, [_owner(o) for o in graph.outputs])
-        plan = Plan(graph, a, splits, {self.backends[b].name: n for b, n in sizes.items()})
+        alloc = plan_offsets(order, [_owner(o) for o in graph.outputs])
+        plan = Plan(graph, a, splits, {self.backends[b].name: n for b, n in alloc.sizes.items()}, offsets=alloc.offsets)
         for be in self.backends:
             plan.compute_sizes.setdefault(be.name, 0)
         self._plans[id(graph)] = plan
@@ -114,9 +118,10 @@ class Scheduler:
             plan.shown = True
             self.debug_hook(plan)
         vals: dict[Tensor, Any] = dict(inputs)
-        home: dict[Tensor, int] = {t: plan.assignment[t] for t in inputs}
+        # where each value lives: its backend in the assignment (a split runs its nodes there)
+        home = plan.assignment
         copies: dict[tuple[Tensor, int], Any] = {}
-        for s in plan.splits:
+        for si, s in enumerate(plan.splits):
             be = self.backends[s.backend]
             # the split reads its inputs' copies under their own names; the originals (values
             # native to another backend) are put back afterwards
@@ -124,13 +129,13 @@ class Scheduler:
             for inp in s.inputs:
                 key = (inp, s.backend)
                 if key not in copies:
-                    src_b = home.get(inp, plan.assignment[inp])
+                    src_b = home[inp]
                     value = vals[inp] if inp in vals else inp.root().buffer.storage(inp)  # type: ignore[union-attr]
                     copies[key] = self._copy(inp, value, self.backends[src_b], be)
                 if inp in vals:
                     saved[inp] = vals[inp]
                 vals[inp] = copies[key]
-            be.compute(s.nodes, vals)
+            self._run_split(plan, si, vals)
             for inp in s.inputs:
                 if inp in saved:
                     vals[inp] = saved[inp]
@@ -138,13 +143,33 @@ class Scheduler:
                     del vals[inp]
             for t in s.release_after:
                 vals.pop(t, None)
-            for n in s.nodes:
-                home[n] = s.backend
         out: dict[Tensor, np.ndarray] = {}
         for o in graph.outputs:
             be = self.backends[home[o]]
             out[o] = np.asarray(be.to_host(vals[o]))
         return out
+
+    def backend_plan(self, plan: Plan, si: int) -> Any:
+        """Split `si`'s compiled plan (ggml_backend_graph_plan_create), made on first use; falsy
+        (None, or a refusal saying why) when its backend has none for this split, which then
+        runs node by node."""
+        if si not in plan.backend_plans:
+            s = plan.splits[si]
+            own = set(s.nodes)
+            exports = [n for n in plan.graph.outputs if n in own]
+            for other in plan.splits:
+                if other is not s:
+                    exports += [x for n in other.nodes for x in n.src if x in own and x not in exports]
+            plan.backend_plans[si] = self.backends[s.backend].graph_plan_create(s.nodes, exports, plan_offsets)
+        return plan.backend_plans[si]
+
+    def _run_split(self, plan: Plan, si: int, vals: dict[Tensor, Any]) -> None:
+        be = self.backends[plan.splits[si].backend]
+        bp = self.backend_plan(plan, si)
+        if not bp:
+            be.compute(plan.splits[si].nodes, vals)
+        else:
+            be.graph_plan_compute(bp, vals)
 
     # -- debugging -----------------------------------------------------------------------
 
@@ -163,6 +188,11 @@ class Scheduler:
                         f"{x.name} [{self.backends[plan.assignment[x]].name}]" for x in n.src
                     )
                     lines.append(f"node #{graph.nodes.index(n):4d} ({n.op.name:>14}): {n.name:<24} [{be:>6}] <- {srcs}")
+        # what runs each split: a backend's compiled plan (or why it has none)
+        for i, s in enumerate(plan.splits):
+            summary = self.backends[s.backend].graph_plan_summary(self.backend_plan(plan, i))
+            if summary:
+                lines.append(f"## PLAN #{i}: {self.backends[s.backend].name} {summary}")
         return "\n".join(lines)
 
 

@@ -213,6 +213,9 @@ def test_q8_products_are_ggmls(make_llama, monkeypatch, qtype: T, n_tokens: int)
         return out
 
     monkeypatch.setattr(CPUBackend, "_mul_mat", spy)
+    # the spy sits on the node-by-node path; the executor's products equal it bit for bit
+    # (tests/backend/test_executor.py)
+    monkeypatch.setenv("LLAMAPY_EXECUTOR", "0")
     path = make_llama(n_layer=2, qtype=qtype, embd_type=qtype)
     co = ContextOptions(n_ctx=256, type_k=T.F32, type_v=T.F32, cpu_matmul="q8")
     with llamapy.Llama(path, context_options=co) as llm:

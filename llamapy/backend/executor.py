@@ -1,0 +1,732 @@
+"""The CPU split executor: a split compiled once into op records over one arena, run by one
+native call (ggml-cpu's `ggml_backend_cpu_graph_plan_create` / `_plan_compute`, and
+ggml-alloc's tensor addresses; the records are run by kernels_c/executor.c).
+
+`compile_split(nodes, exports, allocate)` walks the split's nodes once:
+  * views (RESHAPE, VIEW, PERMUTE) and SET_ROWS results become addresses and strides, no op;
+  * every other node becomes a record, with the fusions llama.cpp's CPU backend makes: an
+    RMS_NORM and the MUL by its weight are one record, and an ADD feeding that norm joins it;
+  * memory: sched/alloc.py's `plan_offsets` (handed over by the scheduler) places every result
+    and the *input slots* (graph inputs, values from other splits) in one arena, from the
+    records' own lifetimes (a fused record reads its sources at its own step); weights and the
+    KV cache are used where their buffers hold them.
+Threads: each run gets its backend's -t (never more than the cores) and hands it to the
+matvecs' OpenMP regions; a plan holds no thread state, so contexts with different -t share
+nothing.
+What changes every token (token ids, positions, KV cells, the mask) is copied into the input
+slots before the call; the number of cells attended is part of the graph's shape (the context
+keys its graphs by it), so a new shape means a new plan, never a rebuild per token.
+
+A split the executor cannot compile (an op or a layout it does not know, a weight without a
+repacked layout, a prompt-sized batch that the tile + sgemm path does better) is refused:
+`compile_split` returns a `Refusal`, and the scheduler runs that split with `run_nodes`, the
+reference path. `LLAMAPY_EXECUTOR=0` (read when a CPU backend is made) refuses every split.
+
+MUL_MAT follows the backend's mode (`ContextOptions.cpu_matmul`): "q8" (the default) quantizes
+each input once per vec_dot_type (QUANTIZE record, shared by the products of that input) and
+multiplies the file's rows (lp_mul_mat_q); "f32" runs the repacked float32 matvec (lp_mv_<t>).
+A product on the sgemm path (a type without a q8 kernel in this library) refuses the split. The
+token embedding rows of a file-layout matrix are expanded in Python before the call (one node).
+
+Numerics: the records call the reference path's C kernels or repeat its float32 operations in
+order, so logits are bit-identical to `run_nodes` in the q8 mode; in the f32 mode too, except
+the f32 tail rows of a matrix whose row count is not a multiple of 64 (BLAS in the reference):
+within float32 rounding. Batches of more than 8 tokens (numpy's attention in the reference) are
+left to run_nodes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..tensor import Op, Tensor, TensorFlag
+from ..types import GGMLType, LlamapyError, block_size
+from . import native
+from .kernels import rope_inv_freq
+
+ALIGN = 64  # the arena's alignment (AVX-512 loads); sched/alloc.py aligns offsets to 32
+
+# Op codes and record size: kernels_c/executor.c's enum and EX_REC.
+(GET_ROWS_Q, GET_ROWS_F32, RMS_NORM, MUL, ADD, SCALE, SWIGLU, MUL_MAT, ROPE, SET_ROWS, ATTN, CPY, QUANT_ACT,
+ MUL_MAT_Q) = range(1, 15)
+REC = 24
+# Batches from this many tokens are left to run_nodes: its tile + sgemm path and BLAS attention
+# are faster there (qmatmul.SGEMM_MIN_TOKENS).
+MAX_TOKENS = 16
+# Decode attention is shared out among the threads by KV head from this many multiply-adds
+# (N*H*(D+Dv): about 1000 cells of history for SmolLM2); below it one thread is quicker.
+ATTN_PAR_WORK = 1 << 20
+
+_DTYPES = {GGMLType.F32: np.dtype(np.float32), GGMLType.F16: np.dtype(np.float16),
+           GGMLType.I32: np.dtype(np.int32), GGMLType.I64: np.dtype(np.int64)}  # fmt: skip
+
+
+def enabled() -> bool:
+    """LLAMAPY_EXECUTOR=0 (or off/no) keeps every split on run_nodes."""
+    return os.environ.get("LLAMAPY_EXECUTOR", "1").lower() not in ("0", "off", "no")
+
+
+class Refused(Exception):
+    """This split cannot be compiled (the reason is the message)."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A split left to run_nodes, and why (shown by LLAMAPY_SCHED_DEBUG). Falsy: "no plan"."""
+
+    reason: str
+
+    def __bool__(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class Loc:
+    """Where a value lives: address, shape, strides in elements (numpy order), element type,
+    and the object owning the memory (the arena, or a buffer's array)."""
+
+    addr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: np.dtype
+    owner: Any
+
+    def contiguous(self) -> bool:
+        return self.strides == _cstrides(self.shape)
+
+    def rows(self) -> tuple[int, int, int]:
+        """(rows, n, row stride): the value as rows of its last dimension, the rows evenly
+        spaced; Refused when it is not."""
+        if not self.shape:
+            return 1, 1, 1
+        n = self.shape[-1]
+        if self.strides[-1] != 1 and n > 1:
+            raise Refused(f"a {list(self.shape)} value whose last dimension is strided")
+        lead, st = self.shape[:-1], self.strides[:-1]
+        dims = [(d, s) for d, s in zip(lead, st) if d != 1]
+        if not dims:
+            return 1, n, n
+        for (d0, s0), (d1, s1) in zip(dims, dims[1:]):
+            if s0 != s1 * d1:
+                raise Refused(f"a {list(self.shape)} value whose rows are not evenly spaced")
+        rows = 1
+        for d, _ in dims:
+            rows *= d
+        return rows, n, dims[-1][1]
+
+    def array(self) -> np.ndarray:
+        """A numpy view of this memory (an input slot, an export)."""
+        base = self.owner
+        isz = self.dtype.itemsize
+        return np.ndarray(self.shape, self.dtype, buffer=base, offset=self.addr - base.ctypes.data,
+                          strides=tuple(s * isz for s in self.strides))
+
+
+def _cstrides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    st, acc = [], 1
+    for d in reversed(shape):
+        st.append(acc)
+        acc *= d
+    return tuple(reversed(st))
+
+
+def _array_loc(a: np.ndarray) -> Loc:
+    isz = a.itemsize
+    if any(s % isz for s in a.strides):
+        raise Refused("an array with unaligned strides")
+    return Loc(a.ctypes.data, a.shape, tuple(s // isz for s in a.strides), a.dtype, a)
+
+
+@dataclass
+class _NativeMatrix:
+    """What a MUL_MAT / GET_ROWS record needs of a weight matrix."""
+
+    mv: int  # matvec function (0: the f32 rows do everything)
+    dqr: int  # selected rows, expanded
+    parts: int  # pointer to the repacked arrays' pointers
+    n_tiles: int
+    nb: int
+    n_full: int  # rows in the repacked tiles
+    rows_f32: np.ndarray | None  # float32 rows n_full.. (the tail, or a whole F32 matrix)
+    keep: Any  # the matrix (it owns `parts`)
+
+
+def native_matrix(w: Any) -> _NativeMatrix:
+    """The native layout of a host weight matrix (a QMatrix of qmatmul.py), or Refused.
+
+    This is the one place that knows QMatrix's repacked layout (the float32-activation mode's
+    tiles); the quantized-activation mode reads the file's rows (`QMatrix.data`)."""
+    from .qmatmul import REPACK_ROWS, QMatrix
+
+    if not isinstance(w, QMatrix):
+        raise Refused(f"a MUL_MAT weight of type {type(w).__name__}")
+    if not w.repacked:
+        if w.qtype == GGMLType.F32:
+            return _NativeMatrix(0, 0, 0, 0, 0, 0, np.ascontiguousarray(w.data.view(np.float32)), w)
+        raise Refused(f"{w.qtype.name} weights without a repacked C layout")
+    fns = w._c()
+    nb = w.n_in // block_size(w.qtype)[0]
+    tail = w._tail_rows() if w._n_full < w.n_out else None
+    addr = ctypes.cast
+    return _NativeMatrix(
+        addr(fns[0], ctypes.c_void_p).value or 0, addr(fns[2], ctypes.c_void_p).value or 0,
+        ctypes.addressof(w._cparts), w._n_full // REPACK_ROWS, nb, w._n_full, tail, w,
+    )
+
+
+@dataclass
+class _Step:
+    """One record to be: the op code, the node(s) it computes, the tensors it reads."""
+
+    code: int
+    node: Tensor  # the result (its value in the arena)
+    reads: list[Tensor]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ExecPlan:
+    """A compiled split: records over one arena, the inputs to copy in, the exports to copy out."""
+
+    recs: np.ndarray  # (n, REC) int64
+    arena: np.ndarray
+    inputs: list[tuple[Tensor, np.ndarray]]  # (tensor, its slot)
+    exports: list[tuple[Tensor, np.ndarray, bool]]  # (node, its memory, copy it out?)
+    keep: list[Any]  # whatever the records point into
+    n_nodes: int
+    n_fused: int
+    run: Any  # the C entry point
+    pre: list[tuple[np.ndarray, Any, Tensor]] = field(default_factory=list)  # (slot, matrix, ids)
+    n_threads: int = 0  # of the last run
+    native_s: float = 0.0  # seconds inside the native call, summed over runs (for the timer)
+    recs_ptr: int = 0
+    n_runs: int = 0
+
+    def __post_init__(self) -> None:
+        self.recs_ptr = self.recs.ctypes.data
+
+    def summary(self) -> str:
+        ops: dict[str, int] = {}
+        names = {GET_ROWS_Q: "GET_ROWS", GET_ROWS_F32: "GET_ROWS", RMS_NORM: "RMS_NORM", MUL: "MUL", ADD: "ADD",
+                 SCALE: "SCALE", SWIGLU: "GLU", MUL_MAT: "MUL_MAT", ROPE: "ROPE", SET_ROWS: "SET_ROWS",
+                 ATTN: "FLASH_ATTN_EXT", CPY: "CONT", QUANT_ACT: "QUANTIZE", MUL_MAT_Q: "MUL_MAT"}  # fmt: skip
+        if self.pre:
+            ops["GET_ROWS (Python)"] = len(self.pre)
+        for code in self.recs[:, 0]:
+            ops[names[int(code)]] = ops.get(names[int(code)], 0) + 1
+        counts = " ".join(f"{k}:{v}" for k, v in ops.items())
+        return (f"executor: {len(self.recs)} records for {self.n_nodes} nodes ({self.n_fused} fused), "
+                f"arena {self.arena.nbytes / 1024:.0f} KiB, {len(self.inputs)} inputs, "
+                f"{len(self.exports)} exports [{counts}]")
+
+    def compute(self, env: dict[Tensor, Any], n_threads: int) -> None:
+        """One run: inputs copied in, one native call on `n_threads` threads, exports out."""
+        for t, slot in self.inputs:
+            slot[...] = env[t]
+        for slot, w, ids in self.pre:
+            slot[...] = w.get_rows(env[ids])
+        recs = self.recs
+        t0 = time.perf_counter()
+        rc = self.run(self.recs_ptr, len(recs), n_threads)
+        self.native_s += time.perf_counter() - t0
+        self.n_runs += 1
+        self.n_threads = n_threads
+        if rc:
+            raise LlamapyError(f"executor: record {rc - 1} (op {int(recs[rc - 1, 0])}) failed: a row id out of "
+                               "range, or no kernel for a type")
+        for t, mem, copy in self.exports:
+            env[t] = mem.copy() if copy else mem
+
+
+def _lib() -> Any:
+    lib = native.lib()
+    if lib is None:
+        raise Refused(f"no C kernels ({native.error()})")
+    try:
+        fn = lib.lp_exec_run
+    except AttributeError:
+        raise Refused("the kernel library has no executor") from None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    fn.restype = ctypes.c_int64
+    lib.lp_exec_caps.argtypes = []
+    lib.lp_exec_caps.restype = ctypes.c_int64
+    return lib
+
+
+def _leaf_value(t: Tensor) -> Any | None:
+    """The buffer value of a weight / KV-cache leaf in host memory, None for an input."""
+    r = t.root()
+    if r.buffer is None:
+        return None
+    if not r.buffer.buft.is_host:
+        # device memory: the scheduler copies it in as a split input
+        if r.flags & TensorFlag.WEIGHT:
+            raise Refused(f"weight {r.name} in {r.buffer.name} memory")
+        return None
+    return r.buffer.storage(r)
+
+
+def compile_split(
+    nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Callable[..., Any], cpu_matmul: str = "q8"
+) -> ExecPlan | Refusal:
+    """Compile a split's nodes; a Refusal when any of them is beyond the executor. `allocate`:
+    the scheduler's allocator (sched/alloc.py `plan_offsets`; backends do not import sched);
+    `cpu_matmul`: the backend's MUL_MAT mode ("q8": quantized activations, "f32")."""
+    from .qmatmul import kernels
+
+    try:
+        if kernels() != "c":
+            raise Refused(f"kernels are {kernels()!r}, not C")
+        return _Compiler(nodes, exports, _lib(), allocate, cpu_matmul == "q8").build()
+    except Refused as e:
+        return Refusal(str(e))
+
+
+class _Compiler:
+    def __init__(self, nodes: Sequence[Tensor], exports: Sequence[Tensor], lib: Any, allocate: Any, q8: bool) -> None:
+        self.allocate = allocate
+        self.q8 = q8
+        self.pre: list[Tensor] = []  # GET_ROWS of file-layout rows, run in Python before the call
+        self.quantized: dict[int, Any] = {}  # vec_dot_type -> the input its scratch holds now
+        self.scratch: dict[int, np.ndarray] = {}  # vec_dot_type -> room for quantized activations
+        self.nodes = list(nodes)
+        self.own = set(self.nodes)
+        self.exports = list(exports)
+        self.lib = lib
+        self.readers: dict[Tensor, int] = {}
+        for n in self.nodes:
+            for s in n.src:
+                self.readers[s] = self.readers.get(s, 0) + 1
+        for e in self.exports:
+            self.readers[e] = self.readers.get(e, 0) + 1
+        self.alias: dict[Tensor, Tensor] = {}  # a view / SET_ROWS node -> the tensor it shows
+        self.inputs: list[Tensor] = []  # values copied in each run
+        self.steps: list[_Step] = []
+        self.n_fused = 0
+
+    # -- pass 1: steps and the tensors that need memory -------------------------------------
+
+    def _base(self, t: Tensor) -> Tensor:
+        """The tensor owning `t`'s memory, following views (inside this split)."""
+        while t in self.alias:
+            t = self.alias[t]
+        return t
+
+    def _source(self, t: Tensor) -> None:
+        """Register a tensor read by this split but not computed here."""
+        if t in self.own or t in self.inputs:
+            return
+        if _leaf_value(t) is not None and t.is_leaf:
+            return  # a weight or the KV cache, read where it is
+        if t.type not in _DTYPES:
+            raise Refused(f"input {t.name} of type {t.type.name}")
+        self.inputs.append(t)
+
+    def steps_pass(self) -> None:
+        for n in self.nodes:
+            for s in n.src:
+                self._source(s)
+            op = n.op
+            if op in (Op.RESHAPE, Op.VIEW, Op.PERMUTE):
+                self.alias[n] = n.src[0]
+                continue
+            if op is Op.SET_ROWS:
+                if not n.src[0].is_leaf or _leaf_value(n.src[0]) is None:
+                    raise Refused("SET_ROWS into a tensor without a buffer")
+                self.alias[n] = n.src[0]
+                self.steps.append(_Step(SET_ROWS, n, list(n.src)))
+                continue
+            if n.type is not GGMLType.F32:
+                raise Refused(f"{op.name} {n.name} of type {n.type.name}")
+            if len(n.shape) >= 2 and n.shape[0] >= MAX_TOKENS:
+                # a prompt: sgemm and BLAS attention are faster there, and a plan's arena would
+                # hold copies of the batch's activations for as long as the graph is cached
+                raise Refused(f"a batch of {n.shape[0]} tokens")
+            if op is Op.MUL and self._fuse_norm_mul(n):
+                continue
+            code = {Op.GET_ROWS: GET_ROWS_F32, Op.RMS_NORM: RMS_NORM, Op.MUL: MUL, Op.ADD: ADD, Op.SCALE: SCALE,
+                    Op.GLU: SWIGLU, Op.MUL_MAT: MUL_MAT, Op.ROPE: ROPE, Op.FLASH_ATTN_EXT: ATTN,
+                    Op.CONT: CPY}.get(op)  # fmt: skip
+            if code is None:
+                raise Refused(f"op {op.name} ({n.name})")
+            if op is Op.GLU and n.params.get("op") != "swiglu":
+                raise Refused(f"GLU {n.params.get('op')}")
+            if op is Op.RMS_NORM:
+                self._fuse_add_norm(n)
+                continue
+            if op is Op.GET_ROWS and self._pre_get_rows(n):
+                continue
+            self.steps.append(_Step(code, n, list(n.src)))
+
+    def _pre_get_rows(self, n: Tensor) -> bool:
+        """GET_ROWS of a matrix kept in the file's layout (the token embeddings in the q8 mode),
+        whose ids are an input: the rows are expanded in Python (QMatrix.get_rows, the reference
+        path's function) into the node's arena slot before the native call."""
+        from .qmatmul import QMatrix
+
+        table, ids = n.src
+        tv = _leaf_value(table) if table.is_leaf else None
+        if not isinstance(tv, QMatrix) or tv.repacked or tv.qtype == GGMLType.F32:
+            return False
+        if ids not in self.inputs:
+            raise Refused(f"GET_ROWS {n.name} of {tv.qtype.name} rows with computed ids")
+        self.pre.append(n)
+        return True
+
+    def _fuse_add_norm(self, norm: Tensor) -> None:
+        """RMS_NORM, joined by the ADD that made its input when that ADD is the step just before
+        (the residual add and the next norm: ggml-cpu's add + rms_norm fusion)."""
+        prev = self.steps[-1] if self.steps else None
+        x = norm.src[0]
+        if prev is not None and prev.code == ADD and prev.node is x and "norm" not in prev.extra:
+            prev.code = RMS_NORM
+            prev.extra = {"add": x, "norm": norm}
+            prev.node = norm
+            prev.reads = [*x.src, x]
+            self.n_fused += 1
+            return
+        self.steps.append(_Step(RMS_NORM, norm, [x], {"norm": norm}))
+
+    def _fuse_norm_mul(self, mul: Tensor) -> bool:
+        """MUL(norm, weight vector) folded into the RMS_NORM step that made `norm` when nothing
+        else reads the norm (ggml-cpu's rms_norm + mul fusion)."""
+        prev = self.steps[-1] if self.steps else None
+        a, w = mul.src
+        if prev is None or prev.code != RMS_NORM or prev.node is not a or self.readers.get(a, 0) != 1:
+            return False
+        if w.shape[-1] != a.shape[-1] or w.n_elements != w.shape[-1] or w.type is not GGMLType.F32:
+            return False
+        prev.node = mul
+        prev.extra["weight"] = w
+        prev.reads.append(w)
+        self._source(w)
+        self.n_fused += 1
+        return True
+
+    # -- pass 2: memory ----------------------------------------------------------------------
+
+    def alloc(self) -> dict[Tensor, int]:
+        # inputs and the rows expanded before the call are written first: they are placed first
+        order: list[tuple[int, Tensor | None, list[Tensor]]] = [(0, t, []) for t in self.inputs + self.pre]
+        for st in self.steps:
+            reads = [self._base(r) for r in st.reads]
+            if "add" in st.extra:
+                order.append((0, st.extra["add"], reads))
+                reads = [*reads, st.extra["add"]]
+            out = None if st.code == SET_ROWS else st.node
+            order.append((0, out, reads))
+        outs = [self._base(e) for e in self.exports]
+        a = self.allocate(order, outs)
+        self.arena_size = a.sizes.get(0, 0)
+        return {t: off for t, (_b, off) in a.offsets.items()}
+
+    # -- pass 3: records ---------------------------------------------------------------------
+
+    def build(self) -> ExecPlan:
+        self.steps_pass()
+        offsets = self.alloc()
+        raw = np.zeros(self.arena_size + 2 * ALIGN, np.uint8)
+        start = (-raw.ctypes.data) % ALIGN
+        arena = raw[start : start + self.arena_size + ALIGN]
+        self.keep: list[Any] = [raw]
+        locs: dict[Tensor, Loc] = {}
+        base = arena.ctypes.data
+
+        def owned(t: Tensor) -> Loc:
+            return Loc(base + offsets[t], t.shape, _cstrides(t.shape), _DTYPES[t.type], arena)
+
+        def loc(t: Tensor) -> Loc:
+            hit = locs.get(t)
+            if hit is not None:
+                return hit
+            if t in self.alias:
+                l = self._view(t, loc(self.alias[t]))
+            elif t in offsets:
+                l = owned(t)
+            else:
+                v = _leaf_value(t)
+                if not isinstance(v, np.ndarray):
+                    raise Refused(f"{t.name}: a {type(v).__name__} where an array is needed")
+                l = _array_loc(v)
+                self.keep.append(v)
+            locs[t] = l
+            return l
+
+        try:
+            self._size_scratch()
+            recs = []
+            for st in self.steps:
+                recs += self._records(st, loc)
+            inputs = [(t, loc(t).array()) for t in self.inputs]
+            pre = [(loc(n).array(), _leaf_value(n.src[0]), n.src[1]) for n in self.pre]
+            self.keep += list(self.scratch.values())
+            exports = []
+            for e in self.exports:
+                l = loc(e)
+                exports.append((e, l.array(), l.owner is arena))
+        finally:
+            # `loc` is recursive (its closure holds itself): break that cycle, or the weights'
+            # views in `locs` would keep a closed model's mapping until the garbage collector runs
+            locs.clear()
+            loc = None  # noqa: F841
+        return ExecPlan(np.array(recs, np.int64).reshape(-1, REC), raw, inputs, exports, self.keep,
+                        len(self.nodes), self.n_fused, self.lib.lp_exec_run, pre)
+
+    def _view(self, t: Tensor, src: Loc) -> Loc:
+        op = t.op
+        if op is Op.SET_ROWS:
+            return src
+        if op is Op.PERMUTE:
+            axes = t.params["axes"]
+            return Loc(src.addr, t.shape, tuple(src.strides[i] for i in axes), src.dtype, src.owner)
+        if op is Op.VIEW and "cols" in t.params:
+            c0, _c1 = t.params["cols"]
+            return Loc(src.addr + c0 * src.dtype.itemsize, t.shape, src.strides, src.dtype, src.owner)
+        if op is Op.VIEW:
+            if not src.contiguous():
+                raise Refused(f"VIEW {t.name} of a strided value")
+            return Loc(src.addr + t.params["offset"] * src.dtype.itemsize, t.shape, _cstrides(t.shape), src.dtype,
+                       src.owner)
+        # RESHAPE: free when the source is contiguous, or when its rows stay the leading dimension
+        if src.contiguous():
+            return Loc(src.addr, t.shape, _cstrides(t.shape), src.dtype, src.owner)
+        rows, n, st = src.rows()
+        if t.shape and t.shape[0] == rows and t.n_elements == rows * n:
+            inner = _cstrides(t.shape[1:])
+            return Loc(src.addr, t.shape, (st, *inner), src.dtype, src.owner)
+        raise Refused(f"RESHAPE {t.name} of a strided value")
+
+    def _size_scratch(self) -> None:
+        """Room for each vec_dot_type's quantized activations: the largest product's."""
+        need: dict[int, int] = {}
+        for st in self.steps:
+            if st.code != MUL_MAT:
+                continue
+            w, x = st.node.src
+            wv = _leaf_value(w) if w.is_leaf else None
+            q = self._q8_type(wv, x.n_elements // x.shape[-1])
+            if q is not None:
+                rb = int(self.lib.lp_act_row_bytes(int(wv.qtype), wv.n_in))
+                need[q] = max(need.get(q, 0), rb * (x.n_elements // x.shape[-1]))
+        self.scratch = {q: np.zeros(n + ALIGN, np.uint8) for q, n in need.items()}
+
+    def _q8_type(self, wv: Any, n_tok: int) -> int | None:
+        """The vec_dot_type a product runs in (the q8 mode's path), None for the other paths."""
+        from .qmatmul import QMatrix
+
+        if not isinstance(wv, QMatrix) or not self.q8 or wv.path(n_tok, True) != "q8":
+            return None
+        return wv.vec_dot_type()
+
+    def _records(self, st: _Step, loc: Any) -> list[list[int]]:
+        if st.code == MUL_MAT:
+            w, x = st.node.src
+            wv = _leaf_value(w) if w.is_leaf else None
+            xl = loc(x)
+            n_tok = xl.rows()[0] if xl.dtype == np.dtype(np.float32) else 0
+            vdt = self._q8_type(wv, n_tok)
+            if vdt is not None:
+                return self._mul_mat_q8(st.node, loc(st.node).addr, wv, xl, vdt)
+        return [self._record(st, loc)]
+
+    def _mul_mat_q8(self, n: Tensor, dst: int, wv: Any, xl: Loc, vdt: int) -> list[list[int]]:
+        """QUANTIZE (unless this input is what the vec_dot_type's scratch holds already: the
+        Q/K/V or gate/up products of one input) and MUL_MAT_Q records."""
+        n_tok, n_in, xs = xl.rows()
+        if n_tok >= MAX_TOKENS:
+            raise Refused(f"a batch of {n_tok} tokens (the tile + sgemm path is faster)")
+        x = n.src[1]
+        key = (self._base(x), xl.addr, xl.strides)
+        scratch = self.scratch[vdt]
+        xq = scratch.ctypes.data + (-scratch.ctypes.data) % ALIGN
+        out: list[list[int]] = []
+        if self.quantized.get(vdt) != key:
+            r = [0] * REC
+            r[0], r[1], r[2], r[6], r[7], r[8], r[9] = QUANT_ACT, xq, xl.addr, int(wv.qtype), xs, n_in, n_tok
+            out.append(r)
+            self.quantized[vdt] = key
+        r = [0] * REC
+        r[0], r[1], r[2], r[3], r[6], r[7], r[8], r[9], r[10], r[11] = MUL_MAT_Q, dst, wv.data.ctypes.data, xq, \
+            int(wv.qtype), wv.n_out, wv.data.shape[1], n_in, n_tok, wv.n_out  # fmt: skip
+        self.keep.append(wv)
+        out.append(r)
+        return out
+
+    def _record(self, st: _Step, loc: Any) -> list[int]:
+        r = [0] * REC
+        r[0] = st.code
+        n = st.node
+        f32 = np.dtype(np.float32)
+
+        def fbits(x: float) -> int:
+            return int(np.float64(x).view(np.int64))
+
+        def need_f32(l: Loc, what: str) -> Loc:
+            if l.dtype != f32:
+                raise Refused(f"{what} of type {l.dtype}")
+            return l
+
+        r[1] = loc(n).addr
+        if st.code == RMS_NORM:
+            norm = st.extra["norm"]
+            x = need_f32(loc(norm.src[0]), "RMS_NORM input")
+            rows, cols, xs = x.rows()
+            r[2], r[6], r[7], r[8], r[9] = x.addr, rows, cols, xs, fbits(float(norm.params["eps"]))
+            if "weight" in st.extra:
+                w = need_f32(loc(st.extra["weight"]), "norm weight")
+                if not w.contiguous():
+                    raise Refused("a strided norm weight")
+                r[3] = w.addr
+            if "add" in st.extra:
+                add = st.extra["add"]
+                a, b = (need_f32(loc(s), "ADD input") for s in add.src)
+                r[10] = loc(add).addr
+                r[4], r[11] = a.addr, self._rows_like(a, rows, cols)
+                r[5], r[12] = b.addr, self._rows_like(b, rows, cols)
+                if r[11] == 0:
+                    raise Refused("a broadcast first ADD operand")
+            return r
+        if st.code in (MUL, ADD):
+            a, b = (need_f32(loc(s), f"{n.op.name} input") for s in n.src)
+            rows, cols, ast = a.rows()
+            r[2], r[3], r[6], r[7], r[8], r[9] = a.addr, b.addr, rows, cols, ast, self._rows_like(b, rows, cols)
+            return r
+        if st.code == SCALE:
+            a = need_f32(loc(n.src[0]), "SCALE input")
+            rows, cols, ast = a.rows()
+            r[2], r[6], r[7], r[8], r[9] = a.addr, rows, cols, ast, fbits(float(n.params["s"]))
+            return r
+        if st.code == CPY:
+            a = need_f32(loc(n.src[0]), "CONT input")
+            rows, cols, ast = a.rows()
+            r[2], r[6], r[7], r[8] = a.addr, rows, cols, ast
+            return r
+        if st.code == SWIGLU:
+            g, u = (need_f32(loc(s), "GLU input") for s in n.src)
+            rows, cols, gs = g.rows()
+            r[2], r[3], r[6], r[7], r[8], r[9] = g.addr, u.addr, rows, cols, gs, self._rows_like(u, rows, cols)
+            return r
+        if st.code == GET_ROWS_F32:
+            table, ids = n.src
+            il = loc(ids)
+            if il.dtype != np.dtype(np.int32) or not il.contiguous():
+                raise Refused("GET_ROWS ids that are not int32")
+            tv = _leaf_value(table) if table.is_leaf else None
+            if tv is not None and not isinstance(tv, np.ndarray):
+                m = native_matrix(tv)
+                self.keep.append(m)
+                if m.mv == 0:  # an F32 matrix: its rows are an array
+                    tl = _array_loc(m.rows_f32)  # type: ignore[arg-type]
+                    r[0], r[2], r[3] = GET_ROWS_F32, tl.addr, il.addr
+                    r[6], r[7], r[8], r[9] = ids.n_elements, tv.n_in, tv.n_in, tv.n_out
+                    return r
+                r[0] = GET_ROWS_Q
+                r[2], r[6], r[7], r[8], r[9], r[10], r[11] = il.addr, ids.n_elements, tv.n_in, m.nb, m.dqr, m.parts, \
+                    m.n_full  # fmt: skip
+                r[12] = m.rows_f32.ctypes.data if m.rows_f32 is not None else 0
+                r[13] = tv.n_out
+                return r
+            t = need_f32(loc(table), "GET_ROWS table")
+            rows, cols, ts = t.rows()
+            r[2], r[3], r[6], r[7], r[8], r[9] = t.addr, il.addr, ids.n_elements, cols, ts, rows
+            return r
+        if st.code == MUL_MAT:
+            from .qmatmul import QMatrix
+
+            w, x = n.src
+            wv = _leaf_value(w) if w.is_leaf else None
+            if wv is None or isinstance(wv, np.ndarray):
+                raise Refused(f"MUL_MAT {n.name} with an activation or array weight")
+            if isinstance(wv, QMatrix) and not wv.repacked and wv.qtype != GGMLType.F32:
+                n_tok = x.n_elements // x.shape[-1]
+                raise Refused(f"{wv.qtype.name} MUL_MAT of {n_tok} tokens on the {wv.path(n_tok, self.q8)} path")
+            m = native_matrix(wv)
+            self.keep.append(m)
+            xl = need_f32(loc(x), "MUL_MAT input")
+            n_tok, n_in, xs = xl.rows()
+            if n_tok >= MAX_TOKENS:
+                raise Refused(f"a batch of {n_tok} tokens (the tile + sgemm path is faster)")
+            if xs != n_in and n_tok > 1:
+                raise Refused(f"MUL_MAT {n.name} of strided rows")
+            r[2], r[6], r[7], r[8], r[9], r[10], r[11], r[12] = xl.addr, n_tok, n_in, xs, m.mv, m.parts, m.n_tiles, m.nb
+            r[13], r[14] = wv.n_out, m.n_full
+            r[15] = m.rows_f32.ctypes.data if m.rows_f32 is not None else 0
+            return r
+        if st.code == ROPE:
+            x = need_f32(loc(n.src[0]), "ROPE input")
+            pos = loc(n.src[1])
+            if len(x.shape) != 3 or x.strides[2] != 1 or pos.dtype != np.dtype(np.int32) or not pos.contiguous():
+                raise Refused("a ROPE layout")
+            factors = None
+            if len(n.src) > 2:
+                fv = _leaf_value(n.src[2])
+                if not isinstance(fv, np.ndarray):
+                    raise Refused("rope_freqs without a buffer")
+                factors = fv
+            p = n.params
+            inv = np.ascontiguousarray(rope_inv_freq(np, p["n_dims"], p["freq_base"], p["freq_scale"], factors))
+            self.keep.append(inv)
+            T, H, D = x.shape
+            r[2], r[3], r[4] = x.addr, pos.addr, inv.ctypes.data
+            r[6], r[7], r[8], r[9], r[10], r[11], r[12] = T, H, D, x.strides[0], x.strides[1], p["n_dims"], \
+                int(p["mode"] == 2)  # fmt: skip
+            return r
+        if st.code == SET_ROWS:
+            dst, ids, src = n.src
+            dl, il = loc(dst), loc(ids)
+            sl = need_f32(loc(src), "SET_ROWS source")
+            rows, cols, ss = sl.rows()
+            d_rows, d_cols, d_st = dl.rows()
+            if il.dtype != np.dtype(np.int64) or not il.contiguous() or cols != d_cols:
+                raise Refused("a SET_ROWS layout")
+            f16 = dl.dtype == np.dtype(np.float16)
+            if f16 and not self.lib.lp_exec_caps() & 1:
+                raise Refused("f16 stores need a compiler with _Float16")
+            if not f16 and dl.dtype != f32:
+                raise Refused(f"SET_ROWS into {dl.dtype}")
+            r[1], r[3], r[4] = dl.addr, il.addr, sl.addr
+            r[6], r[7], r[8], r[9], r[10], r[11] = ids.n_elements, cols, ss, d_rows, int(f16), d_st
+            return r
+        if st.code == ATTN:
+            from .cpu_kernels import ATTN_MAX_TOKENS
+
+            if n.shape[0] > ATTN_MAX_TOKENS:
+                # the reference takes numpy's blocked attention there, whose sums differ enough
+                # (a random 32-layer model's logits by ~0.3) to change greedy picks against it
+                raise Refused(f"attention over {n.shape[0]} query tokens (numpy's above {ATTN_MAX_TOKENS})")
+            q, k, v, mask = (loc(s) for s in n.src)
+            need_f32(q, "attention Q")
+            need_f32(mask, "attention mask")
+            if not q.contiguous() or len(k.shape) != 3 or k.strides[2] != 1 or v.strides[2] != 1:
+                raise Refused("an attention layout")
+            if k.dtype != v.dtype or k.dtype not in (f32, np.dtype(np.float16)):
+                raise Refused(f"attention over {k.dtype} / {v.dtype}")
+            mrows, mcols, mst = mask.rows()
+            T, H, D = q.shape
+            N, Hkv, Dv = v.shape
+            r[2], r[3], r[4], r[5] = q.addr, k.addr, v.addr, mask.addr
+            r[6], r[7], r[8], r[9], r[10], r[11] = T, H, D, N, Hkv, Dv
+            r[12], r[13], r[14], r[15] = k.strides[0], k.strides[1], v.strides[0], v.strides[1]
+            r[16], r[17], r[18] = mst, fbits(float(n.params["scale"])), int(k.dtype != f32)
+            r[19] = ATTN_PAR_WORK
+            return r
+        raise Refused(f"op {n.op.name}")  # pragma: no cover - steps_pass knows the codes
+
+    @staticmethod
+    def _rows_like(b: Loc, rows: int, cols: int) -> int:
+        """Row stride of a second operand with `rows` rows of `cols` (0: one broadcast row)."""
+        if rows > 1 and int(np.prod(b.shape)) == cols:
+            if b.strides[-1] != 1:
+                raise Refused("a strided broadcast operand")
+            return 0
+        br, bc, bs = b.rows()
+        if (br, bc) != (rows, cols):
+            raise Refused(f"operands of {rows}x{cols} and {br}x{bc}")
+        return bs

@@ -1,0 +1,361 @@
+/* The compiled executor of a CPU split: one call runs a whole plan of op records.
+ *
+ * ggml counterparts: ggml-cpu.c's ggml_graph_compute (a node loop over a cgraph whose tensors
+ * have their data pointers set by ggml-alloc) and ggml_backend_cpu_graph_plan_create /
+ * _plan_compute; the fusions are those of ggml-cpu (rms_norm followed by a mul with the norm
+ * weight, an add feeding a norm).
+ *
+ * A plan is an array of records built once per graph shape by backend/executor.py: every
+ * pointer in it is absolute (the compute arena, the inputs block, the weights, the KV cache are
+ * all allocated before the plan is built and live as long as it does), so running a step is
+ * one loop over the records, without Python. What changes per token (token ids, positions, KV
+ * cells, the mask) is written into the inputs block by the caller before the call.
+ *
+ * The records call the same kernels as the reference path (cpu.py's table, cpu_kernels.py): the
+ * quantized-activation MUL_MAT (lp_quantize_act once per input and vec_dot_type, then
+ * lp_mul_mat_q), or in the float32-activation mode the repacked matvec through a function
+ * pointer in the record (lp_mv_<t>); lp_attend / lp_attend_f16 and lp_swiglu of ops.c; rms_norm, rope and the elementwise ops repeat ops.c's
+ * and numpy's float32 operations in the same order, so a decode step is bit-identical to
+ * run_nodes (see tests/backend/test_executor.py; the f32 tail rows of a matrix whose row count
+ * is not a multiple of 64 are summed here, not by BLAS: within float32 noise).
+ *
+ * Threads: `n_threads` of each call go to the matvecs (OpenMP regions inside them); nothing
+ * here keeps thread state between calls, so contexts with different -t do not interfere.
+ * Built like the other kernels_c sources (-ffp-contract=off: no FMA contraction).
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define EX_API __attribute__((visibility("default")))
+
+/* libgomp cannot be used in a child made by fork() once the parent has run a parallel region
+ * (qmatmul.c does the same): there, attention stays on the calling thread. */
+#ifdef _OPENMP
+#include <pthread.h>
+static volatile int ex_fork_child = 0;
+static void ex_on_fork_child(void) { ex_fork_child = 1; }
+__attribute__((constructor)) static void ex_register_atfork(void) { pthread_atfork(NULL, NULL, ex_on_fork_child); }
+#endif
+
+/* ops.c */
+void lp_attend(const float *q, int64_t T, int64_t H, int64_t D, const float *k, const float *v, int64_t N,
+               int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh, const float *mask,
+               int64_t mask_st, float scale, float *out);
+void lp_attend_f16(const float *q, int64_t T, int64_t H, int64_t D, const uint16_t *k, const uint16_t *v, int64_t N,
+                   int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
+                   const float *mask, int64_t mask_st, float scale, float *out);
+void lp_swiglu(const float *gate, const float *up, int64_t rows, int64_t n, int64_t gate_st, int64_t up_st,
+               float *out);
+
+/* qmatmul.c: MUL_MAT with quantized activations (lp_quants.h) */
+int lp_quantize_act(int ggml_type, const float *x, int64_t ld_x, int64_t n_in, int64_t n_tok, void *xq,
+                    int n_threads);
+int lp_mul_mat_q(int ggml_type, const void *w, int64_t n_rows, int64_t row_bytes, int64_t n_in, const void *xq,
+                 int64_t n_tok, float *y, int64_t ld_y, int n_threads);
+
+/* the matvec ABI of qmatmul.c's lp_mv_<t> */
+typedef void (*mv_fn)(const void *const *parts, int64_t n_tiles, int64_t nb, const float *x, int64_t n_tok,
+                      float *out, int64_t ld_out, int n_threads);
+/* qmatmul.c's lp_dqr_<t>: selected rows of a repacked matrix, expanded */
+typedef void (*dqr_fn)(const void *const *parts, int64_t nb, const int64_t *ids, int64_t n, float *out);
+
+/* Op codes and record layout: keep in step with executor.py (OPS, REC). Every slot is 8 bytes:
+ * an integer, a pointer, or a double's bits. Slot 0 is the op, 1 the destination, 2..5 sources. */
+enum {
+    EX_GET_ROWS_Q = 1,
+    EX_GET_ROWS_F32 = 2,
+    EX_RMS_NORM = 3, /* optionally fused: an add before it, a mul by the norm weight after it */
+    EX_MUL = 4,
+    EX_ADD = 5,
+    EX_SCALE = 6,
+    EX_SWIGLU = 7,
+    EX_MUL_MAT = 8,
+    EX_ROPE = 9,
+    EX_SET_ROWS = 10,
+    EX_ATTN = 11,
+    EX_CPY = 12,
+    EX_QUANT_ACT = 13, /* activations quantized to a weight type's vec_dot_type, once for its products */
+    EX_MUL_MAT_Q = 14, /* MUL_MAT on the file's blocks with those quantized activations */
+};
+
+#define EX_REC 24
+
+typedef union {
+    int64_t i;
+    double f;
+    void *p;
+} ex_slot;
+
+#define I(k) (r[k].i)
+#define F(k) (r[k].f)
+#define P(k) (r[k].p)
+
+static void rms_rows(const float *x, int64_t rows, int64_t n, int64_t xs, double eps, const float *w, float *out) {
+    /* ops.c lp_rms_norm's sum (8 double lanes, then the same pairing), then numpy's mul */
+    for (int64_t t = 0; t < rows; t++) {
+        const float *xr = x + t * xs;
+        float *o = out + t * n;
+        double acc[8] = {0};
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            for (int l = 0; l < 8; l++) acc[l] += (double)xr[i + l] * (double)xr[i + l];
+        double s = 0.0;
+        for (; i < n; i++) s += (double)xr[i] * (double)xr[i];
+        s += ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        const float scale = (float)(1.0 / sqrt(s / (double)n + eps));
+        if (w)
+            for (i = 0; i < n; i++) o[i] = (xr[i] * scale) * w[i];
+        else
+            for (i = 0; i < n; i++) o[i] = xr[i] * scale;
+    }
+}
+
+static void rope_rows(const float *x, int64_t T, int64_t H, int64_t D, int64_t xs_t, int64_t xs_h,
+                      const int32_t *pos, const double *inv_freq, int64_t n_dims, int neox, float *out) {
+    /* ops.c lp_rope, with strided input (the Q/K columns of a fused QKV product) */
+    const int64_t half = n_dims / 2;
+    float cs_stack[2 * 256];
+    float *cs = half <= 256 ? cs_stack : malloc(2 * (size_t)half * sizeof(float));
+    if (!cs) return;
+    float *sn = cs + half;
+    for (int64_t t = 0; t < T; t++) {
+        const double p = (double)pos[t];
+        for (int64_t i = 0; i < half; i++) {
+            const double theta = p * inv_freq[i];
+            cs[i] = (float)cos(theta);
+            sn[i] = (float)sin(theta);
+        }
+        for (int64_t h = 0; h < H; h++) {
+            const float *xr = x + t * xs_t + h * xs_h;
+            float *o = out + (t * H + h) * D;
+            if (neox) {
+                for (int64_t i = 0; i < half; i++) {
+                    const float a = xr[i], b = xr[i + half];
+                    o[i] = a * cs[i] - b * sn[i];
+                    o[i + half] = a * sn[i] + b * cs[i];
+                }
+            } else {
+                for (int64_t i = 0; i < half; i++) {
+                    const float a = xr[2 * i], b = xr[2 * i + 1];
+                    o[2 * i] = a * cs[i] - b * sn[i];
+                    o[2 * i + 1] = a * sn[i] + b * cs[i];
+                }
+            }
+            for (int64_t i = 2 * half; i < D; i++) o[i] = xr[i];
+        }
+    }
+    if (cs != cs_stack) free(cs);
+}
+
+/* float32 rows of a weight (the f32 tail of a repacked matrix, or an F32 matrix): out[t, j] for
+ * j < n_rows, a plain float32 sum (BLAS sums in another order: within float32 noise) */
+static void mm_f32(const float *x, int64_t n_tok, int64_t n_in, int64_t x_st, const float *w, int64_t n_rows,
+                   float *out, int64_t ld_out) {
+    for (int64_t t = 0; t < n_tok; t++) {
+        const float *xr = x + t * x_st;
+        for (int64_t j = 0; j < n_rows; j++) {
+            const float *wr = w + j * n_in;
+            float acc[8] = {0};
+            int64_t i = 0;
+            for (; i + 8 <= n_in; i += 8)
+                for (int l = 0; l < 8; l++) acc[l] += xr[i + l] * wr[i + l];
+            float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+            for (; i < n_in; i++) s += xr[i] * wr[i];
+            out[t * ld_out + j] = s;
+        }
+    }
+}
+
+static uint16_t to_f16(float x) {
+#if defined(__FLT16_MAX__)
+    _Float16 h = (_Float16)x; /* round to nearest even, as numpy's astype(float16) */
+    uint16_t u;
+    memcpy(&u, &h, 2);
+    return u;
+#else
+    (void)x;
+    return 0x7e00u; /* never reached: lp_exec_caps() says f16 stores are not available */
+#endif
+}
+
+/* Decode attention: the KV heads shared out among up to n_threads OpenMP threads when the work
+ * (N*H*(D+Dv) multiply-adds) reaches r[19] (long histories); each thread runs lp_attend on its
+ * heads' query rows, which are computed exactly as in one call (rows are independent). */
+static void attention(const ex_slot *r, int n_threads) {
+    const int64_t T = I(6), H = I(7), D = I(8), N = I(9), Hkv = I(10), Dv = I(11);
+    const int f16 = (int)I(18);
+    int nt = 1;
+#ifdef _OPENMP
+    if (T == 1 && Hkv > 1 && n_threads > 1 && !ex_fork_child && N * H * (D + Dv) >= I(19))
+        nt = n_threads < Hkv ? n_threads : (int)Hkv;
+#else
+    (void)n_threads;
+#endif
+    const int64_t g = H / Hkv, hs = nt > 1 ? 1 : Hkv; /* KV heads per call */
+    const size_t esz = f16 ? 2 : 4;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1)
+    for (int64_t kh = 0; kh < Hkv; kh += hs) {
+        const float *q = (const float *)P(2) + kh * g * D;
+        const char *k = (const char *)P(3) + (size_t)(kh * I(13)) * esz;
+        const char *v = (const char *)P(4) + (size_t)(kh * I(15)) * esz;
+        float *out = (float *)P(1) + kh * g * Dv;
+        if (f16)
+            lp_attend_f16(q, T, hs * g, D, (const uint16_t *)k, (const uint16_t *)v, N, hs, Dv, I(12), I(13), I(14),
+                          I(15), P(5), I(16), (float)F(17), out);
+        else
+            lp_attend(q, T, hs * g, D, (const float *)k, (const float *)v, N, hs, Dv, I(12), I(13), I(14), I(15), P(5),
+                      I(16), (float)F(17), out);
+    }
+}
+
+/* Bit 0: SET_ROWS into an f16 cache is available (the compiler has _Float16). */
+EX_API int64_t lp_exec_caps(void) {
+#if defined(__FLT16_MAX__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Run records [0, n_rec). Returns 0, or 1 + the index of the record that failed (a row id out
+ * of range, or out of memory); what ran before it has run. */
+EX_API int64_t lp_exec_run(const int64_t *recs, int64_t n_rec, int n_threads) {
+    for (int64_t k = 0; k < n_rec; k++) {
+        const ex_slot *r = (const ex_slot *)(recs + k * EX_REC);
+        switch (I(0)) {
+        case EX_GET_ROWS_Q: {
+            /* dst (n, n_in) <- rows ids of a repacked matrix: [6] n, [7] n_in, [8] nb, [9] dqr,
+             * [10] parts, [11] n_full, [12] tail f32 rows, [13] n_rows */
+            const int32_t *ids = P(2);
+            float *dst = P(1);
+            const int64_t n_in = I(7);
+            for (int64_t i = 0; i < I(6); i++) {
+                const int64_t id = ids[i];
+                if (id < 0 || id >= I(13)) return k + 1;
+                if (id < I(11))
+                    ((dqr_fn)P(9))((const void *const *)P(10), I(8), &id, 1, dst + i * n_in);
+                else
+                    memcpy(dst + i * n_in, (const float *)P(12) + (id - I(11)) * n_in, (size_t)n_in * 4);
+            }
+            break;
+        }
+        case EX_GET_ROWS_F32: {
+            /* dst (n, c) <- rows ids of src: [6] n, [7] c, [8] src row stride, [9] src rows */
+            const float *src = P(2);
+            const int32_t *ids = P(3);
+            float *dst = P(1);
+            for (int64_t i = 0; i < I(6); i++) {
+                if (ids[i] < 0 || ids[i] >= I(9)) return k + 1;
+                memcpy(dst + i * I(7), src + ids[i] * I(8), (size_t)I(7) * 4);
+            }
+            break;
+        }
+        case EX_RMS_NORM: {
+            /* dst (rows, n) = rms_norm(x) [* w]: [6] rows, [7] n, [8] x stride, [9] eps, src1 w or
+             * NULL; fused add first when [10] is set: x = [10] (rows, n) = src2 + src3 (strides
+             * [11], [12]; 0: a broadcast row) */
+            const int64_t rows = I(6), n = I(7);
+            if (P(10)) {
+                float *s = P(10);
+                const float *a = P(4), *b = P(5);
+                for (int64_t t = 0; t < rows; t++)
+                    for (int64_t i = 0; i < n; i++) s[t * n + i] = a[t * I(11) + i] + b[t * I(12) + i];
+            }
+            rms_rows(P(2), rows, n, I(8), F(9), P(3), P(1));
+            break;
+        }
+        case EX_MUL:
+        case EX_ADD: {
+            /* dst (rows, n) = a op b: [6] rows, [7] n, [8] a stride, [9] b stride (0: broadcast) */
+            const float *a = P(2), *b = P(3);
+            float *d = P(1);
+            const int64_t rows = I(6), n = I(7);
+            for (int64_t t = 0; t < rows; t++) {
+                const float *ar = a + t * I(8), *br = b + t * I(9);
+                float *dr = d + t * n;
+                if (I(0) == EX_MUL)
+                    for (int64_t i = 0; i < n; i++) dr[i] = ar[i] * br[i];
+                else
+                    for (int64_t i = 0; i < n; i++) dr[i] = ar[i] + br[i];
+            }
+            break;
+        }
+        case EX_SCALE: {
+            /* [6] rows, [7] n, [8] stride, [9] s */
+            const float *a = P(2);
+            float *d = P(1);
+            const float s = (float)F(9);
+            for (int64_t t = 0; t < I(6); t++)
+                for (int64_t i = 0; i < I(7); i++) d[t * I(7) + i] = a[t * I(8) + i] * s;
+            break;
+        }
+        case EX_SWIGLU:
+            /* [6] rows, [7] n, [8] gate stride, [9] up stride */
+            lp_swiglu(P(2), P(3), I(6), I(7), I(8), I(9), P(1));
+            break;
+        case EX_MUL_MAT: {
+            /* dst (n_tok, n_out) = x @ W.T: [6] n_tok, [7] n_in, [8] x stride (== n_in for the
+             * matvec), [9] mv fn or NULL, [10] parts, [11] n_tiles, [12] nb, [13] n_out,
+             * [14] n_full (rows in tiles), [15] f32 rows n_full.. (or all rows: no fn) */
+            const int64_t n_tok = I(6), n_in = I(7), n_out = I(13), n_full = I(14);
+            float *dst = P(1);
+            if (P(9) && I(11) > 0)
+                ((mv_fn)P(9))((const void *const *)P(10), I(11), I(12), P(2), n_tok, dst, n_out, n_threads);
+            if (n_full < n_out)
+                mm_f32(P(2), n_tok, n_in, I(8), P(15), n_out - n_full, dst + n_full, n_out);
+            break;
+        }
+        case EX_ROPE:
+            /* src1 pos (int32), src2 inv_freq (double): [6] T, [7] H, [8] D, [9] token stride,
+             * [10] head stride, [11] n_dims, [12] neox */
+            rope_rows(P(2), I(6), I(7), I(8), I(9), I(10), P(3), P(4), I(11), (int)I(12), P(1));
+            break;
+        case EX_SET_ROWS: {
+            /* rows ids (int64, src1) of dst <- rows of src2: [6] n, [7] cols, [8] src stride,
+             * [9] dst rows, [10] f16 dst, [11] dst row stride */
+            const int64_t *ids = P(3);
+            const float *src = P(4);
+            for (int64_t i = 0; i < I(6); i++) {
+                const int64_t id = ids[i];
+                if (id < 0 || id >= I(9)) return k + 1;
+                const float *s = src + i * I(8);
+                if (I(10)) {
+                    uint16_t *d = (uint16_t *)P(1) + id * I(11);
+                    for (int64_t c = 0; c < I(7); c++) d[c] = to_f16(s[c]);
+                } else {
+                    memcpy((float *)P(1) + id * I(11), s, (size_t)I(7) * 4);
+                }
+            }
+            break;
+        }
+        case EX_ATTN:
+            /* src0 q (T,H,D) contiguous, src1 k, src2 v, src3 mask: [6] T, [7] H, [8] D, [9] N,
+             * [10] Hkv, [11] Dv, [12..15] k/v strides, [16] mask stride, [17] scale, [18] f16,
+             * [19] work from which decode attention is threaded */
+            attention(r, n_threads);
+            break;
+        case EX_CPY: {
+            /* dst (rows, n) contiguous <- src rows: [6] rows, [7] n, [8] src stride */
+            for (int64_t t = 0; t < I(6); t++)
+                memcpy((float *)P(1) + t * I(7), (const float *)P(2) + t * I(8), (size_t)I(7) * 4);
+            break;
+        }
+        case EX_QUANT_ACT:
+            /* dst xq <- src0 x: [6] weight type, [7] x row stride, [8] n_in, [9] n_tok */
+            if (lp_quantize_act((int)I(6), P(2), I(7), I(8), I(9), P(1), n_threads) != 0) return k + 1;
+            break;
+        case EX_MUL_MAT_Q:
+            /* dst y <- W (src0, the file's rows) . xq (src1): [6] type, [7] n_rows, [8] row bytes,
+             * [9] n_in, [10] n_tok, [11] y row stride */
+            if (lp_mul_mat_q((int)I(6), P(2), I(7), I(8), I(9), P(3), I(10), P(1), I(11), n_threads) != 0)
+                return k + 1;
+            break;
+        default:
+            return k + 1;
+        }
+    }
+    return 0;
+}

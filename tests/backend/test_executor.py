@@ -1,0 +1,309 @@
+"""The CPU split executor (backend/executor.py, kernels_c/executor.c) against run_nodes, the
+reference path, on the same model and the same batches.
+
+Bit-identical where both paths run the same C kernels: every logit in the quantized-activation
+mode (the default); in the float32-activation mode every logit except those of the f32 tail rows
+of a matrix whose row count is not a multiple of 64 (the tiny models' 271-row vocabulary: BLAS
+in run_nodes, a plain sum in the executor), which agree within float32 noise.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from llamapy import ops
+from llamapy.backend import native
+from llamapy.backend.executor import ExecPlan, Refusal, compile_split
+from llamapy.context import Context, ContextOptions, Model
+from llamapy.sched.alloc import plan_offsets
+from llamapy.tensor import Tensor, TensorFlag
+from llamapy.types import GGMLType
+
+pytestmark = pytest.mark.skipif(native.lib() is None, reason=f"no C kernels: {native.error()}")
+
+N_FULL = 256  # the tiny models' output rows held in repacked tiles (271 = 4*64 + 15)
+
+
+def _model(path: Path, cpu_matmul: str = "q8") -> Model:
+    return Model(path, context_options=ContextOptions(cpu_matmul=cpu_matmul))
+
+
+def _contexts(monkeypatch: pytest.MonkeyPatch, model: Model, **kw: object) -> tuple[Context, Context]:
+    """(executor, run_nodes) contexts on one model, in the model's MUL_MAT mode."""
+    kw.setdefault("cpu_matmul", model.fit_options.cpu_matmul)
+    monkeypatch.setenv("LLAMAPY_EXECUTOR", "1")
+    exe = Context(model, ContextOptions(n_ctx=512, **kw))  # type: ignore[arg-type]
+    monkeypatch.setenv("LLAMAPY_EXECUTOR", "0")
+    ref = Context(model, ContextOptions(n_ctx=512, **kw))  # type: ignore[arg-type]
+    return exe, ref
+
+
+def _same(a: np.ndarray, b: np.ndarray, q8: bool = True) -> None:
+    assert a.shape == b.shape
+    if q8:
+        np.testing.assert_array_equal(a, b)  # bit-identical
+        return
+    np.testing.assert_array_equal(a[:, :N_FULL], b[:, :N_FULL])
+    np.testing.assert_allclose(a[:, N_FULL:], b[:, N_FULL:], rtol=1e-4, atol=1e-4)  # f32 tail rows
+
+
+def _plans(ctx: Context) -> list[object]:
+    return [p for plan in ctx.sched._plans.values() for p in plan.backend_plans.values()]
+
+
+def _batches() -> list[tuple[list[int], list[int], int | list[int], list[bool] | None]]:
+    """A prompt (last logits only: the out_ids selection), decode steps at growing positions,
+    a second sequence sharing the cache (its mask hides the first), a 3-token micro-batch with
+    every logit, then decode again."""
+    out: list[tuple[list[int], list[int], int | list[int], list[bool] | None]] = [
+        ([1, 40, 90, 200, 7], list(range(5)), 0, None)]
+    out += [([10 + i], [5 + i], 0, None) for i in range(4)]
+    out += [([1, 66, 67], [0, 1, 2], 1, [True, True, True])]
+    out += [([30 + i], [9 + i], 0, None) for i in range(3)]
+    out += [([99], [3], 1, None)]
+    return out
+
+
+@pytest.mark.parametrize(
+    "qtype, mode",
+    [(T.Q8_0, "q8"), (T.Q4_0, "q8"), (T.Q4_1, "q8"), (T.Q5_0, "q8"), (T.Q5_1, "q8"), (T.F16, "q8"),
+     (T.Q2_K, "q8"), (T.Q3_K, "q8"), (T.Q4_K, "q8"), (T.Q5_K, "q8"), (T.Q6_K, "q8"), (T.BF16, "q8"),
+     (T.Q8_0, "f32"), (T.Q4_1, "f32"), (T.Q4_K, "f32"), (T.Q6_K, "f32")],
+)
+def test_executor_matches_run_nodes(make_llama, monkeypatch: pytest.MonkeyPatch, qtype: T, mode: str) -> None:  # noqa: ANN001
+    model = _model(make_llama(qtype=qtype, rope_freqs=qtype in (T.Q4_1, T.Q6_K)), mode)
+    exe, ref = _contexts(monkeypatch, model, n_threads=2)
+    for toks, pos, seq, want in _batches():
+        _same(exe.decode(toks, pos, seq, want), ref.decode(toks, pos, seq, want), mode == "q8")
+    plans = _plans(exe)
+    assert plans and all(isinstance(p, ExecPlan) for p in plans)
+    assert sum(p.n_runs for p in plans) == len(_batches())  # type: ignore[attr-defined]
+    assert all(isinstance(p, Refusal) for p in _plans(ref))
+    model.free()
+
+
+def test_f16_cache_and_untied_output(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    model = _model(make_llama(qtype=T.Q4_0, tied=False))
+    exe, ref = _contexts(monkeypatch, model, type_k=GGMLType.F16, type_v=GGMLType.F16, n_threads=1)
+    for toks, pos, seq, want in _batches():
+        _same(exe.decode(toks, pos, seq, want), ref.decode(toks, pos, seq, want))
+    assert all(isinstance(p, ExecPlan) for p in _plans(exe))
+    # the cache holds what run_nodes stored, bit for bit (f32 -> f16 rounding as numpy's)
+    for a, b in zip(exe.kv.k + exe.kv.v, ref.kv.k + ref.kv.v):
+        np.testing.assert_array_equal(a.buffer.storage(a), b.buffer.storage(b))
+
+
+def test_prompt_batches_fall_back_to_run_nodes(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    model = _model(make_llama(qtype=T.Q8_0))
+    exe, ref = _contexts(monkeypatch, model)
+    toks = list(range(3, 23))  # 20 tokens: the tile + sgemm path
+    np.testing.assert_array_equal(exe.decode(toks, range(20)), ref.decode(toks, range(20)))
+    g = exe.graph(20, 256, 1)
+    plan = exe.sched.reserve(g.graph)
+    # CPU splits that hold the batch's rows (the BLAS backend, when there is one, has the big
+    # products; the last rows after the output selection may still be compiled)
+    cpu = [i for i, s in enumerate(plan.splits) if exe.backends[s.backend].name == "CPU"
+           and any(len(n.shape) > 1 and n.shape[0] == 20 for n in s.nodes if not n.is_view)]
+    assert cpu
+    for i in cpu:
+        bp = exe.sched.backend_plan(plan, i)
+        assert isinstance(bp, Refusal) and "a batch of 20 tokens" in bp.reason, bp
+    dump = exe.sched.dump(g.graph)
+    assert f"## PLAN #{cpu[0]}: CPU executor refused: a batch of 20 tokens" in dump
+    _same(exe.decode([5], [20]), ref.decode([5], [20]))
+    assert "## PLAN #0: CPU executor: " in exe.sched.dump(exe.graph(1, 256, 1).graph)
+
+
+def test_attention_beyond_8_tokens_falls_back(monkeypatch: pytest.MonkeyPatch, make_llama) -> None:  # noqa: ANN001
+    """Batches of 9-15 tokens: the reference attends with numpy there, so the executor leaves
+    the split to it (and the logits are run_nodes' own)."""
+    model = _model(make_llama(qtype=T.Q8_0))
+    exe, ref = _contexts(monkeypatch, model)
+    toks = list(range(3, 15))
+    _same(exe.decode(toks, range(12)), ref.decode(toks, range(12)))
+    bp = exe.sched.backend_plan(exe.sched.reserve(exe.graph(12, 256, 1).graph), 0)
+    assert isinstance(bp, Refusal) and "attention over 12 query tokens" in bp.reason
+
+
+def test_products_without_a_compiled_path_fall_back(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """K-quant weights in the q8 mode run on the sgemm path while the library has no q8_K
+    kernels: such a split is refused, runs node by node, and gives run_nodes' logits."""
+    model = _model(make_llama(qtype=T.Q4_K))
+    exe, ref = _contexts(monkeypatch, model)
+    np.testing.assert_array_equal(exe.decode([1, 2, 3], [0, 1, 2]), ref.decode([1, 2, 3], [0, 1, 2]))
+    np.testing.assert_array_equal(exe.decode([4], [3]), ref.decode([4], [3]))
+    plan = exe.sched.reserve(exe.graph(1, 256, 1).graph)
+    bp = exe.sched.backend_plan(plan, 0)
+    path = _plans(exe) and plan.splits[0].nodes
+    if isinstance(bp, ExecPlan):  # the library has q8_K kernels: then the executor ran it
+        assert bp.n_runs == 1
+    else:
+        assert "sgemm path" in bp.reason and path
+
+
+def test_unknown_op_is_refused() -> None:
+    x = Tensor("x", (2, 8), flags=TensorFlag.INPUT)
+    y = ops.soft_max(ops.scale(x, 2.0), name="probs")
+    plan = compile_split([y.src[0], y], [y], plan_offsets)
+    assert isinstance(plan, Refusal) and "SOFT_MAX" in plan.reason
+
+
+def test_small_graph_elementwise_and_views() -> None:
+    """A hand-built graph with inputs, a strided column view, a broadcast MUL, SCALE and CONT:
+    the executor's results equal the numpy reference's bit for bit."""
+    from llamapy.backend.cpu_kernels import cpu_kernels
+    from llamapy.backend.kernels import run_nodes
+
+    rng = np.random.default_rng(1)
+    a = Tensor("a", (3, 16), flags=TensorFlag.INPUT)
+    b = Tensor("b", (16,), flags=TensorFlag.INPUT)
+    s = ops.add(ops.mul(a, b, "ab"), a, "sum")
+    c = ops.cols(s, 4, 12, "mid")  # (3, 8), row stride 16
+    out = ops.cont(ops.scale(c, 0.5, "half"), "out")
+    n = ops.rms_norm(out, 1e-6, "n")
+    nodes = [s.src[0], s, c, out.src[0], out, n]
+    vals = {a: rng.standard_normal((3, 16)).astype(np.float32), b: rng.standard_normal(16).astype(np.float32)}
+    plan = compile_split(nodes, [n, out], plan_offsets)
+    assert isinstance(plan, ExecPlan), plan
+    env = dict(vals)
+    plan.compute(env, 1)
+    ref = dict(vals)
+    run_nodes(nodes, ref, np, table=cpu_kernels())
+    np.testing.assert_array_equal(env[n], ref[n])
+    np.testing.assert_array_equal(env[out], ref[out])
+    vals2 = {a: vals[a] * 2, b: vals[b]}  # new inputs, same plan
+    env, ref = dict(vals2), dict(vals2)
+    plan.compute(env, 1)
+    run_nodes(nodes, ref, np, table=cpu_kernels())
+    np.testing.assert_array_equal(env[n], ref[n])
+
+
+@pytest.mark.parametrize("cache", [GGMLType.F32, GGMLType.F16])
+def test_threaded_decode_attention(make_llama, monkeypatch: pytest.MonkeyPatch, cache: GGMLType) -> None:  # noqa: ANN001
+    """Decode attention shared out by KV head among 2 threads (the threshold lowered so that a
+    short history takes that path) gives run_nodes' logits bit for bit."""
+    from llamapy.backend import executor
+
+    monkeypatch.setattr(executor, "ATTN_PAR_WORK", 0)
+    model = _model(make_llama(qtype=T.Q8_0, n_embd=512, n_head=8, n_head_kv=4))
+    exe, ref = _contexts(monkeypatch, model, n_threads=2, type_k=cache, type_v=cache)
+    toks = list(range(3, 40))
+    _same(exe.decode(toks, range(len(toks))), ref.decode(toks, range(len(toks))))
+    for i in range(4):
+        _same(exe.decode([50 + i], [len(toks) + i]), ref.decode([50 + i], [len(toks) + i]))
+    plan = exe.sched.reserve(exe.graph(1, 256, 1).graph)
+    bp = exe.sched.backend_plan(plan, 0)
+    assert isinstance(bp, ExecPlan) and bp.n_runs == 4 and (bp.recs[:, 19] == 0).any()
+
+
+def test_two_contexts_with_different_threads(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """-t 1 and -t 2 in one process, decoding at the same time from two Python threads: each
+    call runs on its own context's thread count, and both get run_nodes' logits."""
+    model = _model(make_llama(qtype=T.Q4_0, n_embd=512, n_ff=1536, n_head=8))  # threaded products
+    monkeypatch.setenv("LLAMAPY_EXECUTOR", "1")
+    ctxs = [Context(model, ContextOptions(n_ctx=256, n_threads=n)) for n in (1, 2)]
+    monkeypatch.setenv("LLAMAPY_EXECUTOR", "0")
+    ref = Context(model, ContextOptions(n_ctx=256, n_threads=2))
+    steps = [([1, 2, 3], [0, 1, 2])] + [([10 + i], [3 + i]) for i in range(6)]
+    want = [ref.decode(t, p) for t, p in steps]
+    got: dict[int, list[np.ndarray]] = {0: [], 1: []}
+
+    def run(i: int) -> None:
+        for t, p in steps:
+            got[i].append(ctxs[i].decode(t, p))
+
+    th = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    for i in (0, 1):
+        for g, w in zip(got[i], want):
+            _same(g, w)
+    threads = [{p.n_threads for p in _plans(c) if isinstance(p, ExecPlan) and p.n_runs} for c in ctxs]
+    assert threads == [{1}, {2}]
+    model.free()
+
+
+def test_default_model_greedy_unchanged(default_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2: 12 greedy steps, logits bit-identical to run_nodes."""
+    model = Model(default_model)
+    exe, ref = _contexts(monkeypatch, model, n_threads=2)
+    toks = model.tokenizer.encode("The capital of France is")
+    la, lb = exe.decode(toks, range(len(toks))), ref.decode(toks, range(len(toks)))
+    for i in range(12):
+        np.testing.assert_array_equal(la, lb)
+        t = int(la[-1].argmax())
+        la, lb = exe.decode([t], [len(toks) + i]), ref.decode([t], [len(toks) + i])
+    assert any(isinstance(p, ExecPlan) and p.n_runs == 12 for p in _plans(exe))
+    model.free()
+
+
+def test_plan_offsets_never_overlap_live_tensors() -> None:
+    """alloc.plan_offsets: a tensor's bytes are never shared with a tensor alive at the same
+    time, and a step's result never overlaps what that step reads."""
+    rng = np.random.default_rng(0)
+    ts = [Tensor(f"t{i}", (int(rng.integers(1, 300)),)) for i in range(60)]
+    order: list[tuple[int, Tensor | None, list[Tensor]]] = []
+    for i, t in enumerate(ts):
+        reads = [ts[j] for j in rng.choice(i, size=min(i, 3), replace=False)] if i else []
+        order.append((0, t, reads))
+        if i % 7 == 0 and i:
+            order.append((0, None, [ts[i - 1]]))  # a read-only step (a view)
+    a = plan_offsets(order, [ts[-1]])
+    born = {t: i for i, (_b, t, _r) in enumerate(order) if t is not None}
+    last = dict(born)
+    for i, (_b, _t, reads) in enumerate(order):
+        for r in reads:
+            last[r] = i
+    last[ts[-1]] = len(order)
+    for x in ts:
+        for y in ts:
+            if x is y or born[x] > last[y] or born[y] > last[x]:
+                continue
+            ox, oy = a.offsets[x][1], a.offsets[y][1]
+            assert ox + x.nbytes <= oy or oy + y.nbytes <= ox, (x, y)
+    assert a.sizes[0] >= max(a.offsets[t][1] + t.nbytes for t in ts)
+
+
+def test_sched_debug_shows_the_decode_plan(make_llama) -> None:  # noqa: ANN001
+    """`LLAMAPY_SCHED_DEBUG=1 llamapy run`: the splits, and per split what runs it."""
+    import os
+    import subprocess
+    import sys
+
+    path = make_llama(qtype=T.Q8_0)
+    env = {**os.environ, "LLAMAPY_SCHED_DEBUG": "1"}
+    env.pop("LLAMAPY_EXECUTOR", None)
+    r = subprocess.run([sys.executable, "-m", "llamapy", "run", str(path), "-p", "the", "-n", "2", "--temp", "0"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    # each distinct graph that runs is dumped once (the reserve graph, the prompt, the decode step)
+    assert "sched: graph #2:" in r.stderr and "## PLAN #0: CPU executor: " in r.stderr, r.stderr
+    env["LLAMAPY_EXECUTOR"] = "0"
+    r = subprocess.run([sys.executable, "-m", "llamapy", "run", str(path), "-p", "the", "-n", "2", "--temp", "0"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "## PLAN #0: CPU executor refused: LLAMAPY_EXECUTOR=0 (run_nodes)" in r.stderr
+
+
+def test_row_id_out_of_range_is_an_error() -> None:
+    """A bad row id stops the run with a LlamapyError (run_nodes raises IndexError there)."""
+    from llamapy.types import LlamapyError
+
+    table = Tensor("table", (4, 8), flags=TensorFlag.INPUT)
+    ids = Tensor("ids", (2,), GGMLType.I32, flags=TensorFlag.INPUT)
+    rows = ops.get_rows(table, ids, "rows")
+    plan = compile_split([rows], [rows], plan_offsets)
+    assert isinstance(plan, ExecPlan), plan
+    vals = {table: np.arange(32, dtype=np.float32).reshape(4, 8), ids: np.array([3, 1], np.int32)}
+    env = dict(vals)
+    plan.compute(env, 1)
+    np.testing.assert_array_equal(env[rows], vals[table][[3, 1]])
+    with pytest.raises(LlamapyError, match="row id out of range"):
+        plan.compute({table: vals[table], ids: np.array([0, 4], np.int32)}, 1)

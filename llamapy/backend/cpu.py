@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..tensor import Tensor, TensorFlag
-from ..types import NUMPY_DTYPES, DeviceType
+from ..types import NUMPY_DTYPES, DeviceType, storage
 from .cpu_kernels import cpu_kernels
 from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps, Registry
 from .kernels import run_nodes
@@ -83,7 +83,7 @@ class CPUBuffer(Buffer):
 
     def zeros(self, t: Tensor) -> None:
         """Allocate a zero-filled mutable tensor (the KV cache)."""
-        self._store[t] = np.zeros(t.shape, NUMPY_DTYPES[t.type])
+        self._store[t] = np.zeros(*storage(t.type, t.shape))
 
 
 class CPUBufferType(BufferType):

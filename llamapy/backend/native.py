@@ -56,6 +56,7 @@ SIGNATURES: dict[str, list] = {
     "lp_rope": [_P, _I64, _I64, _I64, _P, _P, _I64, _INT, _P],
     "lp_attend": _ATTEND,
     "lp_attend_f16": _ATTEND,  # k, v: the f16 cache's bits
+    "lp_attend_q": [*_ATTEND, _INT, _INT],  # + K and V cache types (LP_KV_*: f32 f16 q8_0 q4_0)
     "lp_attend_set_threads": [_INT],
     "lp_swiglu": [_P, _P, _I64, _I64, _I64, _I64, _P],
 }

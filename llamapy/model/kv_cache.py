@@ -10,6 +10,12 @@ Sliding-window layers (gemma3's local layers) read the same cells through a seco
 also hides cells `n_swa` or more positions behind the query (llama_hparams::is_masked_swa). The
 cache keeps every cell for those layers too — llama.cpp's `--swa-full` layout: simple, and
 memory is no concern at the sizes llamapy runs; the window is enforced by the mask alone.
+
+Cache types (`-ctk`/`-ctv`, llama.cpp's kv_cache_types subset): f32, f16, and ggml's Q8_0 and
+Q4_0 blocks — SET_ROWS quantizes each row as ggml's from_float does, and attention reads the
+blocks (llama.cpp allows a quantized V only with flash attention; llamapy's attention is always
+the fused FLASH_ATTN_EXT kind, so any pairing works). A quantized row holds whole blocks of 32
+per head, so the head sizes must be multiples of 32, as llama.cpp requires.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ import numpy as np
 
 from ..backend.interface import Buffer, BufferUsage, Device
 from ..tensor import Tensor
-from ..types import ContextFullError, GGMLType, OutOfMemoryError
+from ..types import ContextFullError, GGMLType, OutOfMemoryError, UnsupportedError
 
+CACHE_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0)
 N_KV_PAD = 256  # attend to a multiple of this many cells, so the decode graph keeps its shape
 
 
@@ -83,6 +90,11 @@ class KVCache:
         """The cache's tensors without memory (for planning, and for `create`)."""
         kw = [n_embd_gqa] * n_layer if isinstance(n_embd_gqa, int) else list(n_embd_gqa)
         vw = kw if n_embd_v_gqa is None else list(n_embd_v_gqa)
+        for t in (type_k, type_v):
+            if t not in CACHE_TYPES:
+                raise UnsupportedError(
+                    f"KV cache type {t.name.lower()}: supported are {', '.join(c.name.lower() for c in CACHE_TYPES)}"
+                )
         k = [Tensor(f"cache_k_l{il}", (size, kw[il]), type_k) for il in range(n_layer)]
         v = [Tensor(f"cache_v_l{il}", (size, vw[il]), type_v) for il in range(n_layer)]
         return cls(size, k, v)

@@ -15,7 +15,9 @@ Cache types (`-ctk`/`-ctv`, llama.cpp's kv_cache_types subset): f32, f16, and gg
 Q4_0 blocks — SET_ROWS quantizes each row as ggml's from_float does, and attention reads the
 blocks (llama.cpp allows a quantized V only with flash attention; llamapy's attention is always
 the fused FLASH_ATTN_EXT kind, so any pairing works). A quantized row holds whole blocks of 32
-per head, so the head sizes must be multiples of 32, as llama.cpp requires.
+per head, so the head sizes must be multiples of 32, as llama.cpp requires. llama.cpp also
+rotates Q, K and V by a Hadamard matrix for a quantized cache (attn_rot_k/v, which spreads
+outliers over a block); llamapy does not (yet): it computes llama.cpp's LLAMA_ATTN_ROT_DISABLE=1.
 """
 
 from __future__ import annotations

@@ -235,6 +235,8 @@ class Context:
             )
         except OutOfMemoryError as e:
             raise self._oom(f"KV cache for -c {self.n_ctx}: {e}") from None
+        if os.environ.get("LLAMA_ATTN_ROT_DISABLE", "0").strip() in ("", "0"):  # llama.cpp's switch
+            self.kv.set_rotation(p.head_dim, p.head_dim_v)
         self.backends: list[Backend] = [d.init_backend() for d in model.devices]
         for be in self.backends:
             be.set_n_threads(o.n_threads)

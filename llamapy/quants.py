@@ -262,6 +262,27 @@ def quantize(x: np.ndarray, qtype: GGMLType) -> np.ndarray:
     return out.reshape(n_rows, -1)
 
 
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Walsh-Hadamard matrix of order `n` (a power of two), built as llama.cpp's
+    ggml_gen_hadamard does in float32: symmetric, its own inverse."""
+    h = np.zeros((n, n), np.float32)
+    h[0, 0] = np.float32(1.0 / np.sqrt(np.float32(n)))
+    s = 1
+    while s < n:
+        blk = h[:s, :s].copy()
+        h[s : 2 * s, :s], h[:s, s : 2 * s], h[s : 2 * s, s : 2 * s] = blk, blk, -blk
+        s *= 2
+    return h
+
+
+def rotate(x: np.ndarray, n: int) -> np.ndarray:
+    """`x` (…, m) with each run of `n` contiguous values multiplied by hadamard(n) (llama.cpp's
+    llama_mul_mat_hadamard: rows of n, `m` a multiple of n)."""
+    shape = x.shape
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n)  # (…*m/n, n)
+    return (rows @ hadamard(n)).reshape(shape)  # hadamard(n) is symmetric
+
+
 def round_trip_q8_0(x: np.ndarray) -> np.ndarray:
     """`x` (…, n) as the Q8_0 blocks ggml converts it to, expanded back to float32 (exact: an
     int8 times an f16 scale). llama.cpp's flash attention does this to Q over a quantized K cache

@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from ..quants import KV_QUANT_TYPES
+from ..quants import KV_QUANT_TYPES, rotate
 from ..tensor import Op, Tensor
 from ..types import GGMLType
 from . import native
-from .kernels import KERNELS, Kernel, rope_inv_freq
+from .kernels import KERNELS, Kernel, cache_rotation, rope_inv_freq
 from .qmatmul import kernels, numba_kernels
 
 _ptr = native.ptr
@@ -118,7 +118,8 @@ def _c_flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
 def _c_attend_q(node: Tensor, s: list[Any], kt: int, vt: int) -> Any:
     """A Q8_0/Q4_0 cache (either of K, V): lp_attend_q reads its blocks in place."""
     q, k, v, mask = s
-    q = np.ascontiguousarray(q, dtype=np.float32)
+    rot_k, rot_v = cache_rotation(node)  # llama.cpp's attn_rot (kernels.flash_attn_ext)
+    q = rotate(q, rot_k) if rot_k else np.ascontiguousarray(q, dtype=np.float32)
     mask = np.ascontiguousarray(mask, dtype=np.float32)
     # k, v: (N, Hkv, D) f32/f16 elements or (N, Hkv, head_bytes) uint8 blocks; rows contiguous
     k = k if k.strides[2] == k.itemsize else np.ascontiguousarray(k)
@@ -132,7 +133,7 @@ def _c_attend_q(node: Tensor, s: list[Any], kt: int, vt: int) -> Any:
     _lib.lp_attend_q(_ptr(q), T, H, D, _ptr(k), _ptr(v), N, Hkv, Dv, k.strides[0] // ki, k.strides[1] // ki,
                      v.strides[0] // vi, v.strides[1] // vi, _ptr(mask), mask.strides[0] // 4, scale, _ptr(out),
                      kt, vt)  # fmt: skip
-    return out
+    return rotate(out, rot_v) if rot_v else out
 
 
 def _c_glu(node: Tensor, s: list[Any], xp: Any) -> Any:

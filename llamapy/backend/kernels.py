@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..quants import KV_QUANT_TYPES, dequantize, quantize, round_trip_q8_0
+from ..quants import KV_QUANT_TYPES, dequantize, quantize, rotate, round_trip_q8_0
 from ..tensor import Op, Tensor
 from ..types import GGMLType, storage
 from .threads import blas_threads
@@ -37,7 +37,9 @@ def set_rows(node: Tensor, s: list[Any], xp: Any) -> Any:
     dst, ids, src = s
     rows = src.reshape(src.shape[0], -1)
     if node.type in KV_QUANT_TYPES:  # a Q8_0/Q4_0 cache: rows quantized as ggml's from_float does
-        rows = xp.asarray(quantize(_host(xp, rows), node.type))
+        host = _host(xp, rows)
+        rot = node.src[0].params.get("rot", 0)  # llama.cpp's attn_rot: stored rotated (KVCache)
+        rows = xp.asarray(quantize(rotate(host, rot) if rot else host, node.type))
     dst[ids.astype(xp.int64, copy=False)] = rows.astype(dst.dtype, copy=False)
     return dst
 
@@ -179,6 +181,21 @@ def rope(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 
 def flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
+    rot_k, rot_v = cache_rotation(node)
+    if not (rot_k or rot_v):
+        return _flash_attn_ext(node, s, xp)
+    # a rotated cache (llama.cpp's attn_rot): Q in K's rotated basis, the output rotated back
+    q = xp.asarray(rotate(_host(xp, s[0]), rot_k)) if rot_k else s[0]
+    out = _flash_attn_ext(node, [q, *s[1:]], xp)
+    return xp.asarray(rotate(_host(xp, out), rot_v)) if rot_v else out
+
+
+def cache_rotation(node: Tensor) -> tuple[int, int]:
+    """The Hadamard orders (0: none) the K and V caches a FLASH_ATTN_EXT reads are stored in."""
+    return node.src[1].root().params.get("rot", 0), node.src[2].root().params.get("rot", 0)
+
+
+def _flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
     q, k, v, mask = s
     kt, vt = node.src[1].type, node.src[2].type
     if kt in KV_QUANT_TYPES:

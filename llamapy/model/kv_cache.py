@@ -15,9 +15,12 @@ Cache types (`-ctk`/`-ctv`, llama.cpp's kv_cache_types subset): f32, f16, and gg
 Q4_0 blocks — SET_ROWS quantizes each row as ggml's from_float does, and attention reads the
 blocks (llama.cpp allows a quantized V only with flash attention; llamapy's attention is always
 the fused FLASH_ATTN_EXT kind, so any pairing works). A quantized row holds whole blocks of 32
-per head, so the head sizes must be multiples of 32, as llama.cpp requires. llama.cpp also
-rotates Q, K and V by a Hadamard matrix for a quantized cache (attn_rot_k/v, which spreads
-outliers over a block); llamapy does not (yet): it computes llama.cpp's LLAMA_ATTN_ROT_DISABLE=1.
+per head, so the head sizes must be multiples of 32, as llama.cpp requires. As llama.cpp does
+(attn_rot_k/v), a quantized cache with heads of a multiple of 64 holds its rows rotated by a
+Hadamard matrix, which spreads outliers over a block before quantizing: `set_rotation` marks the
+cache tensors (params["rot"]: the order), SET_ROWS rotates before quantizing, FLASH_ATTN_EXT
+rotates Q into K's basis and its output back from V's. `LLAMA_ATTN_ROT_DISABLE=1` turns it off,
+as in llama.cpp.
 """
 
 from __future__ import annotations
@@ -100,6 +103,18 @@ class KVCache:
         k = [Tensor(f"cache_k_l{il}", (size, kw[il]), type_k) for il in range(n_layer)]
         v = [Tensor(f"cache_v_l{il}", (size, vw[il]), type_v) for il in range(n_layer)]
         return cls(size, k, v)
+
+    def set_rotation(self, head_k: int, head_v: int) -> None:
+        """llama.cpp's attn_rot_k/v for a quantized cache: K rows in runs of the largest power of
+        two (>= 64) dividing the head size, V rows in runs of 64; off for f32/f16 or other heads."""
+        for tensors, head, largest in ((self.k, head_k, True), (self.v, head_v, False)):
+            if not tensors or tensors[0].type not in (GGMLType.Q8_0, GGMLType.Q4_0) or head % 64:
+                continue
+            n = 64
+            while largest and head % (2 * n) == 0:
+                n *= 2
+            for t in tensors:
+                t.params["rot"] = n
 
     def nbytes_by_device(self) -> dict[str, int]:
         return {b.name: b.nbytes for b in self.buffers}

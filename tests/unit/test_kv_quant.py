@@ -67,6 +67,12 @@ def _ggml_attention(q, kraw, vraw, kt, vt, mask, scale):  # noqa: ANN001, ANN202
     return out
 
 
+def _src(t: T, shape: tuple[int, ...], rot: int = 0) -> SimpleNamespace:
+    src = SimpleNamespace(type=t, shape=shape, params={"rot": rot} if rot else {})
+    src.root = lambda: src
+    return src
+
+
 def _case(rng, kt, vt, n_tokens, N=200, H=4, Hkv=2, D=64):  # noqa: ANN001, ANN202
     q = rng.standard_normal((n_tokens, H, D)).astype(np.float32)
     k = rng.standard_normal((N, Hkv, D)).astype(np.float32)
@@ -77,8 +83,7 @@ def _case(rng, kt, vt, n_tokens, N=200, H=4, Hkv=2, D=64):  # noqa: ANN001, ANN2
     mask[:, 0] = 0
     node = SimpleNamespace(
         params={"scale": 0.125}, shape=(n_tokens, H, D),
-        src=(SimpleNamespace(type=T.F32), SimpleNamespace(type=kt, shape=(N, Hkv, D)),
-             SimpleNamespace(type=vt, shape=(N, Hkv, D)), SimpleNamespace(type=T.F32)),
+        src=(_src(T.F32, (n_tokens, H, D)), _src(kt, (N, Hkv, D)), _src(vt, (N, Hkv, D)), _src(T.F32, (n_tokens, N))),
     )  # fmt: skip
     return node, [q, kraw, vraw, mask]
 

@@ -20,8 +20,11 @@ from gguf import GGMLQuantizationType as T
 import llamapy
 from llamapy.backend import kernels as K
 from llamapy.context import ContextOptions, ModelOptions
-from llamapy.quants import quantize
+from llamapy import ops
+from llamapy.quants import hadamard, quantize, rotate
+from llamapy.tensor import Tensor
 from llamapy.types import UnsupportedError
+from tests_support import shared
 
 QTYPES = [T.Q8_0, T.Q4_0]
 
@@ -96,6 +99,53 @@ def test_reference_attention_is_ggmls_definition(kt: T, vt: T, n_tokens: int) ->
     got = K.flash_attn_ext(node, s, np)  # type: ignore[arg-type]
     want = _ggml_attention(*s[:3], kt, vt, s[3], 0.125)
     assert np.abs(got - want).max() <= 2e-5
+
+
+def test_hadamard_is_ggmls_and_its_own_inverse() -> None:
+    h = hadamard(128)
+    assert h[0, 0] == np.float32(1 / np.sqrt(np.float32(128))) and np.array_equal(h, h.T)
+    assert np.array_equal(np.abs(h), np.full((128, 128), h[0, 0]))
+    assert np.abs(h @ h - np.eye(128)).max() < 1e-6
+    # Sylvester's construction: entry (i, j) has the sign (-1)^popcount(i & j)
+    i, j = np.meshgrid(np.arange(128), np.arange(128), indexing="ij")
+    sign = 1 - 2 * (np.vectorize(lambda a: bin(a).count("1"))(i & j) % 2)
+    assert np.array_equal(np.sign(h), sign)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 20])
+def test_rotated_cache_is_ggmls_definition_in_the_rotated_basis(n_tokens: int) -> None:
+    """A cache marked rot (llama.cpp's attn_rot): SET_ROWS stores H·row quantized; attention is
+    ggml's over H·q, the stored blocks, and its output multiplied by H again."""
+    from llamapy.backend import cpu_kernels, native
+
+    rng = np.random.default_rng(5)
+    N, Hkv, D = 100, 2, 128
+    k = rng.standard_normal((N, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((N, Hkv, D)).astype(np.float32)
+    cache_k = Tensor("cache_k", (N, Hkv * D), T.Q8_0, params={"rot": 128})
+    cache_v = Tensor("cache_v", (N, Hkv * D), T.Q4_0, params={"rot": 64})
+    ids = np.arange(N)
+    kraw = K.set_rows(ops.set_rows(cache_k, Tensor("i", (N,), T.I64), Tensor("x", (N, Hkv * D))),
+                      [np.zeros((N, Hkv * D // 32 * 34), np.uint8), ids, k.reshape(N, -1)], np)  # fmt: skip
+    vraw = K.set_rows(ops.set_rows(cache_v, Tensor("i", (N,), T.I64), Tensor("x", (N, Hkv * D))),
+                      [np.zeros((N, Hkv * D // 32 * 18), np.uint8), ids, v.reshape(N, -1)], np)  # fmt: skip
+    assert np.array_equal(kraw, gguf.quants.quantize(rotate(k.reshape(N, -1), 128), T.Q8_0))
+    assert np.array_equal(vraw, gguf.quants.quantize(rotate(v.reshape(N, -1), 64), T.Q4_0))
+    q = rng.standard_normal((n_tokens, 4, D)).astype(np.float32)
+    mask = np.where(rng.random((n_tokens, N)) < 0.8, 0, -np.inf).astype(np.float32)
+    mask[:, 0] = 0
+    kv, vv = kraw.reshape(N, Hkv, -1), vraw.reshape(N, Hkv, -1)
+    node = SimpleNamespace(
+        params={"scale": 0.1}, shape=(n_tokens, 4, D),
+        src=(_src(T.F32, q.shape), _src(T.Q8_0, (N, Hkv, D), 128), _src(T.Q4_0, (N, Hkv, D), 64), _src(T.F32, mask.shape)),
+    )  # fmt: skip
+    want = rotate(_ggml_attention(rotate(q, 128), kv, vv, T.Q8_0, T.Q4_0, mask, 0.1).astype(np.float32), 64)
+    got = K.flash_attn_ext(node, [q, kv, vv, mask], np)  # type: ignore[arg-type]
+    assert np.abs(got - want).max() <= 3e-5
+    if native.enabled() and native.compiler() is not None and n_tokens == 1:
+        cpu_kernels._lib = native.lib()
+        got_c = cpu_kernels._c_flash_attn_ext(node, [q, kv, vv, mask], np)  # type: ignore[arg-type]
+        assert np.abs(got_c - want).max() <= 3e-5
 
 
 MIXED = [(kt, vt) for kt in (T.F32, T.F16, *QTYPES) for vt in (T.F16, *QTYPES) if kt in QTYPES or vt in QTYPES]
@@ -174,6 +224,19 @@ def test_written_model_quantized_cache_close_to_f16(make_llama, monkeypatch, tes
     assert 0 < d8 < 3e-3 and d8 < d4 < 5e-2, (d8, d4)
 
 
+def test_rotation_can_be_turned_off(make_llama, monkeypatch) -> None:  # noqa: ANN001
+    """LLAMA_ATTN_ROT_DISABLE=1 (llama.cpp's switch) stores the rows unrotated."""
+    path = make_llama(n_layer=1, qtype=T.Q8_0)
+    rot, _ = _run(path, T.Q4_0, T.Q4_0, TOKENS)
+    with llamapy.Llama(path, context_options=ContextOptions(n_ctx=64, type_k=T.Q4_0)) as llm:
+        assert llm.ctx.kv.k[0].params["rot"] == 64 and "rot" not in llm.ctx.kv.v[0].params  # V is f32
+    monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "1")
+    plain, _ = _run(path, T.Q4_0, T.Q4_0, TOKENS)
+    assert not np.array_equal(rot, plain)
+    with llamapy.Llama(path, context_options=ContextOptions(n_ctx=64, type_k=T.Q4_0)) as llm:
+        assert "rot" not in llm.ctx.kv.k[0].params
+
+
 @pytest.mark.slow
 def test_tiny32_q8_0_cache_close_to_f16(tiny32: Path) -> None:
     ids = json.loads((tiny32.parent / "tempest.ids").read_text())[:96]
@@ -182,6 +245,22 @@ def test_tiny32_q8_0_cache_close_to_f16(tiny32: Path) -> None:
     assert q8_bytes * 64 == base_bytes * 34
     assert 0 < _kld(base, q8) < 2e-3
     assert (base.argmax(-1) == q8.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.slow
+def test_smollm2_rotation_helps_a_q4_0_cache(default_model: Path, monkeypatch) -> None:  # noqa: ANN001
+    """As in llama.cpp (SmolLM2 tempest c128x3, q4_0 vs f16: KLD 0.229 unrotated, 0.086 rotated),
+    the Hadamard rotation brings a Q4_0 cache's logits much closer to the f16 cache's (SmolLM2's
+    keys have outlier channels, which the rotation spreads over the block)."""
+    text = shared("data", "text", "tempest.txt")
+    with llamapy.Llama(default_model, context_options=ContextOptions(n_ctx=64)) as llm:
+        ids = llm.tokenize(text.read_text()[:2000])[:96]
+    base, _ = _run(default_model, T.F16, T.F16, ids)
+    rot, _ = _run(default_model, T.Q4_0, T.Q4_0, ids)
+    monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "1")
+    plain, _ = _run(default_model, T.Q4_0, T.Q4_0, ids)
+    k_rot, k_plain = _kld(base, rot), _kld(base, plain)
+    assert 0 < k_rot < 0.6 * k_plain, (k_rot, k_plain)
 
 
 def test_unsupported_cache_type_is_refused(make_llama) -> None:  # noqa: ANN001

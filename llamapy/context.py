@@ -37,7 +37,7 @@ from .model.loader import (
 from .model.tokenizer import Tokenizer
 from .models import HParams, ModelGraph, UBatch, build_graph, read_hparams
 from .sched.scheduler import Plan, Scheduler
-from .types import DeviceType, GGMLType, LlamapyError, OutOfMemoryError
+from .types import DeviceType, GGMLType, LlamapyError, OutOfMemoryError, UnsupportedError, block_size, row_nbytes
 
 
 @dataclass
@@ -60,7 +60,8 @@ class ContextOptions:
     n_ubatch: int = 512
     n_threads: int = 0  # 0: every core
     # f32 by default: measured faster here (no f16<->f32 conversion in attention; bench/RESULTS.md)
-    # at the same KL-divergence against llama.cpp; -ctk/-ctv f16 halves the cache
+    # at the same KL-divergence against llama.cpp; -ctk/-ctv f16 halves the cache, q8_0 / q4_0
+    # (model/kv_cache.py) take about a half / a quarter of f16
     type_k: GGMLType = GGMLType.F32
     type_v: GGMLType = GGMLType.F32
     no_kv_offload: bool = False
@@ -238,6 +239,8 @@ class Context:
             )
         except OutOfMemoryError as e:
             raise self._oom(f"KV cache for -c {self.n_ctx}: {e}") from None
+        if os.environ.get("LLAMA_ATTN_ROT_DISABLE", "0").strip() in ("", "0"):  # llama.cpp's switch
+            self.kv.set_rotation(p.head_dim, p.head_dim_v)
         self.backends: list[Backend] = [d.init_backend() for d in model.devices]
         for be in self.backends:
             be.set_n_threads(o.n_threads)
@@ -255,10 +258,9 @@ class Context:
         """A -c too large for the host fails here, with the figures, not in the allocator."""
         o = self.options
         p = self.model.params
-        k_size = 2 if o.type_k is GGMLType.F16 else 4
-        v_size = 2 if o.type_v is GGMLType.F16 else 4
+        self._check_cache_types(kv_devices)
         need = self.n_ctx * sum(
-            p.n_embd_k_gqa(il) * k_size + p.n_embd_v_gqa(il) * v_size
+            row_nbytes(o.type_k, p.n_embd_k_gqa(il)) + row_nbytes(o.type_v, p.n_embd_v_gqa(il))
             for il, d in enumerate(kv_devices) if d.type is not DeviceType.GPU
         )  # fmt: skip
         free = self.model.cpu.memory()[0]
@@ -267,6 +269,22 @@ class Context:
                 f"-c {self.n_ctx} needs {need / 2**20:.0f} MiB of host memory for the KV cache, "
                 f"only {free / 2**20:.0f} MiB are available"
             )
+
+    def _check_cache_types(self, kv_devices: Sequence[Device]) -> None:
+        """A quantized cache needs heads of whole Q8_0/Q4_0 blocks (llama.cpp's check), and runs
+        on the host and TEST devices (the CUDA kernels read f32/f16 caches only)."""
+        o = self.options
+        p = self.model.params
+        for t, name, width in ((o.type_k, "-ctk", p.head_dim), (o.type_v, "-ctv", p.head_dim_v)):
+            if t in (GGMLType.F32, GGMLType.F16):
+                continue
+            blck = block_size(t)[0]
+            if width % blck:
+                raise UnsupportedError(
+                    f"{name} {t.name.lower()}: the head size {width} is not a multiple of {t.name}'s block of {blck}"
+                )
+            if any(d.name.startswith("CUDA") for d in kv_devices):
+                raise UnsupportedError(f"{name} {t.name.lower()}: a quantized KV cache on CUDA is not supported (use -nkvo)")
 
     def _reserve_compute(self) -> dict[str, int]:
         """Plan the worst-case graph (a full micro-batch over the whole context) and reserve

@@ -250,3 +250,75 @@ def quantize_q8_k(x: np.ndarray) -> np.ndarray:
     out["qs"] = q
     out["bsums"] = q.reshape(n, QK_K // 16, 16).sum(axis=-1, dtype=np.int16)
     return out.reshape(*x.shape[:-1], k // QK_K)
+
+
+# -- quantization of the KV cache's rows (ggml-quants.c's quantize_row_q8_0_ref / q4_0_ref) --------
+
+KV_QUANT_TYPES: frozenset[GGMLType] = frozenset([GGMLType.Q8_0, GGMLType.Q4_0])
+
+
+def _roundf(v: np.ndarray) -> np.ndarray:
+    """C's roundf (halves away from zero), exactly: numpy's round goes to even."""
+    a = np.abs(v)
+    fl = np.floor(a)
+    return np.copysign(fl + np.floor(np.float32(2) * (a - fl)), v)
+
+
+def quantize(x: np.ndarray, qtype: GGMLType) -> np.ndarray:
+    """float32 (n_rows, n_cols) -> uint8 (n_rows, row_bytes) of Q8_0 or Q4_0 blocks, with the
+    float32 operations of ggml's reference quantizers (bit-identical to gguf.quants.quantize)."""
+    qtype = GGMLType(qtype)
+    if qtype not in KV_QUANT_TYPES:
+        raise UnsupportedError(f"quantization to type {qtype.name}")
+    x = np.asarray(x, dtype=np.float32)
+    n_rows, n_cols = x.shape
+    blck, bsize = block_size(qtype)
+    if n_cols % blck:
+        raise ValueError(f"{n_cols} columns is not a multiple of {qtype.name}'s block of {blck}")
+    b = x.reshape(-1, blck)  # (n_blocks, 32)
+    out = np.empty((b.shape[0], bsize), np.uint8)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if qtype == GGMLType.Q8_0:
+            d = np.abs(b).max(axis=1, keepdims=True) / np.float32(127)
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+            out[:, 2:] = _roundf(b * inv).astype(np.int8).view(np.uint8)
+        else:  # Q4_0: the scale is the signed value of largest magnitude (its first one) / -8
+            imax = np.abs(b).argmax(axis=1)[:, None]
+            d = np.take_along_axis(b, imax, axis=1) / np.float32(-8)
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+            # (int8_t)(x*id + 8.5f): truncation toward zero, then at most 15
+            q = np.minimum(np.trunc(b * inv + np.float32(8.5)), np.float32(15)).astype(np.uint8)
+            out[:, 2:] = q[:, :16] | (q[:, 16:] << np.uint8(4))
+    out[:, :2] = d.astype(np.float16).view(np.uint8)
+    return out.reshape(n_rows, -1)
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Walsh-Hadamard matrix of order `n` (a power of two), built as llama.cpp's
+    ggml_gen_hadamard does in float32: symmetric, its own inverse."""
+    h = np.zeros((n, n), np.float32)
+    h[0, 0] = np.float32(1.0 / np.sqrt(np.float32(n)))
+    s = 1
+    while s < n:
+        blk = h[:s, :s].copy()
+        h[s : 2 * s, :s], h[:s, s : 2 * s], h[s : 2 * s, s : 2 * s] = blk, blk, -blk
+        s *= 2
+    return h
+
+
+def rotate(x: np.ndarray, n: int) -> np.ndarray:
+    """`x` (…, m) with each run of `n` contiguous values multiplied by hadamard(n) (llama.cpp's
+    llama_mul_mat_hadamard: rows of n, `m` a multiple of n)."""
+    shape = x.shape
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n)  # (…*m/n, n)
+    return (rows @ hadamard(n)).reshape(shape)  # hadamard(n) is symmetric
+
+
+def round_trip_q8_0(x: np.ndarray) -> np.ndarray:
+    """`x` (…, n) as the Q8_0 blocks ggml converts it to, expanded back to float32 (exact: an
+    int8 times an f16 scale). llama.cpp's flash attention does this to Q over a quantized K cache
+    (q_to_vec_dot: Q4_0 and Q8_0 both dot with Q8_0), so the float product equals the integer one
+    up to the order of the float sums."""
+    shape = x.shape
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, shape[-1])
+    return dequantize(quantize(rows, GGMLType.Q8_0), GGMLType.Q8_0, shape[-1]).reshape(shape)

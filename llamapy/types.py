@@ -59,6 +59,14 @@ NUMPY_DTYPES: dict[GGMLType, np.dtype] = {
 }
 
 
+def storage(t: GGMLType, shape: tuple[int, ...]) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype of a mutable array holding a tensor of type `t` (the KV cache): the
+    elements for f32/f16, else the rows' raw blocks — (…, row_bytes) uint8 (a Q8_0/Q4_0 cache)."""
+    if t in NUMPY_DTYPES:
+        return shape, NUMPY_DTYPES[t]
+    return (*shape[:-1], row_nbytes(t, shape[-1])), np.dtype(np.uint8)
+
+
 class LlamapyError(Exception):
     """Base of every error llamapy raises on purpose; the CLI prints it as one line."""
 

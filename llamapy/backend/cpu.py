@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..tensor import Op, Tensor, TensorFlag
-from ..types import NUMPY_DTYPES, DeviceType, LlamapyError
+from ..types import NUMPY_DTYPES, DeviceType, LlamapyError, storage
 from .cpu_kernels import cpu_kernels
 from .executor import Refusal, compile_split
 from .executor import enabled as executor_enabled
@@ -91,7 +91,7 @@ class CPUBuffer(Buffer):
         return np.asarray(v) if isinstance(v, np.ndarray) else v.dequantize()  # a WeightMatrix
 
     def _zeros_value(self, t: Tensor) -> Any:
-        return np.zeros(t.shape, NUMPY_DTYPES[t.type])
+        return np.zeros(*storage(t.type, t.shape))  # a quantized cache: raw block rows
 
 
 class CPUBufferType(BufferType):

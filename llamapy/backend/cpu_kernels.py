@@ -14,9 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from ..quants import KV_QUANT_TYPES, rotate
 from ..tensor import Op, Tensor
+from ..types import GGMLType
 from . import native
-from .kernels import KERNELS, Kernel, rope_inv_freq
+from .kernels import KERNELS, Kernel, cache_rotation, rope_inv_freq
 from .qmatmul import kernels
 
 _ptr = native.ptr
@@ -73,9 +75,16 @@ def _c_rope(node: Tensor, s: list[Any], xp: Any) -> Any:
     return out
 
 
+# lp_attend_q's cache type codes (ops.c LP_KV_*)
+_KV_CODES = {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q8_0: 2, GGMLType.Q4_0: 3}
+
+
 def _c_flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
     if s[0].shape[0] > ATTN_MAX_TOKENS:
         return KERNELS[Op.FLASH_ATTN_EXT](node, s, xp)
+    kt, vt = node.src[1].type, node.src[2].type
+    if kt in KV_QUANT_TYPES or vt in KV_QUANT_TYPES:
+        return _c_attend_q(node, s, _KV_CODES[kt], _KV_CODES[vt])
     q, k, v, mask = s
     q = np.ascontiguousarray(q, dtype=np.float32)  # an f16 cache: the kernel rounds Q to f16 itself
     mask = mask.astype(np.float32, copy=False)
@@ -95,6 +104,27 @@ def _c_flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
     fn(_ptr(q), T, H, D, _ptr(k), _ptr(v), N, Hkv, Dv, ks[0] // isz, ks[1] // isz, vs[0] // isz, vs[1] // isz,
        _ptr(mask), mask.strides[0] // 4, scale, _ptr(out))
     return out
+
+
+def _c_attend_q(node: Tensor, s: list[Any], kt: int, vt: int) -> Any:
+    """A Q8_0/Q4_0 cache (either of K, V): lp_attend_q reads its blocks in place."""
+    q, k, v, mask = s
+    rot_k, rot_v = cache_rotation(node)  # llama.cpp's attn_rot (kernels.flash_attn_ext)
+    q = rotate(q, rot_k) if rot_k else np.ascontiguousarray(q, dtype=np.float32)
+    mask = np.ascontiguousarray(mask, dtype=np.float32)
+    # k, v: (N, Hkv, D) f32/f16 elements or (N, Hkv, head_bytes) uint8 blocks; rows contiguous
+    k = k if k.strides[2] == k.itemsize else np.ascontiguousarray(k)
+    v = v if v.strides[2] == v.itemsize else np.ascontiguousarray(v)
+    T, H, D = q.shape
+    N, Hkv, _ = v.shape
+    Dv = node.shape[-1]
+    out = np.empty((T, H, Dv), np.float32)
+    ki, vi = k.itemsize, v.itemsize  # strides in the type's storage unit: halves, floats or bytes
+    (scale,) = _node_consts(node, lambda: (float(node.params["scale"]),))
+    _lib.lp_attend_q(_ptr(q), T, H, D, _ptr(k), _ptr(v), N, Hkv, Dv, k.strides[0] // ki, k.strides[1] // ki,
+                     v.strides[0] // vi, v.strides[1] // vi, _ptr(mask), mask.strides[0] // 4, scale, _ptr(out),
+                     kt, vt)  # fmt: skip
+    return rotate(out, rot_v) if rot_v else out
 
 
 def _c_glu(node: Tensor, s: list[Any], xp: Any) -> Any:

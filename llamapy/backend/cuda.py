@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from ..quants import KV_QUANT_TYPES as _KV_QUANT
 from ..tensor import Op, Tensor, TensorFlag
 from ..types import (
     NUMPY_DTYPES,
@@ -417,6 +418,9 @@ class CUDADevice(MemoryDevice):
             w = node.src[0]
             if w.flags & TensorFlag.WEIGHT and w.type not in WEIGHT_TYPES:
                 return False
+        # a Q8_0/Q4_0 KV cache (kept on the host: Context refuses it on CUDA) is read on the host
+        if node.type in _KV_QUANT or any(s.type in _KV_QUANT for s in node.src):
+            return False
         return True
 
     def init_backend(self) -> Backend:

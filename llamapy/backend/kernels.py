@@ -14,8 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from ..quants import KV_QUANT_TYPES, dequantize, quantize, rotate, round_trip_q8_0
 from ..tensor import Op, Tensor
 from .qmatmul import QMatrix
+from ..types import GGMLType, storage
 from .threads import blas_threads
 
 Kernel = Callable[[Tensor, list[Any], Any], Any]
@@ -34,8 +36,17 @@ def get_rows(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 def set_rows(node: Tensor, s: list[Any], xp: Any) -> Any:
     dst, ids, src = s
-    dst[ids.astype(xp.int64, copy=False)] = src.reshape(src.shape[0], -1).astype(dst.dtype, copy=False)
+    rows = src.reshape(src.shape[0], -1)
+    if node.type in KV_QUANT_TYPES:  # a Q8_0/Q4_0 cache: rows quantized as ggml's from_float does
+        host = _host(xp, rows)
+        rot = node.src[0].params.get("rot", 0)  # llama.cpp's attn_rot: stored rotated (KVCache)
+        rows = xp.asarray(quantize(rotate(host, rot) if rot else host, node.type))
+    dst[ids.astype(xp.int64, copy=False)] = rows.astype(dst.dtype, copy=False)
     return dst
+
+
+def _host(xp: Any, a: Any) -> np.ndarray:
+    return a if xp is np else xp.asnumpy(a)
 
 
 def rms_norm(node: Tensor, s: list[Any], xp: Any) -> Any:
@@ -173,7 +184,31 @@ def rope(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 
 def flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
+    rot_k, rot_v = cache_rotation(node)
+    if not (rot_k or rot_v):
+        return _flash_attn_ext(node, s, xp)
+    # a rotated cache (llama.cpp's attn_rot): Q in K's rotated basis, the output rotated back
+    q = xp.asarray(rotate(_host(xp, s[0]), rot_k)) if rot_k else s[0]
+    out = _flash_attn_ext(node, [q, *s[1:]], xp)
+    return xp.asarray(rotate(_host(xp, out), rot_v)) if rot_v else out
+
+
+def cache_rotation(node: Tensor) -> tuple[int, int]:
+    """The Hadamard orders (0: none) the K and V caches a FLASH_ATTN_EXT reads are stored in."""
+    return node.src[1].root().params.get("rot", 0), node.src[2].root().params.get("rot", 0)
+
+
+def _flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
     q, k, v, mask = s
+    kt, vt = node.src[1].type, node.src[2].type
+    if kt in KV_QUANT_TYPES:
+        # llama.cpp converts Q to K's vec_dot_type (Q8_0 for a Q8_0 or Q4_0 cache) and takes
+        # integer dot products: the same as float products of the expanded blocks, up to the
+        # order of the float sums
+        q = xp.asarray(round_trip_q8_0(_host(xp, q)))
+        k = _expand(k, kt, node.src[1].shape, xp)
+    if vt in KV_QUANT_TYPES:  # ggml expands each V row to f32 (v_to_float) before summing it
+        v = _expand(v, vt, node.src[2].shape, xp)
     n_tokens = q.shape[0]
     if n_tokens <= FA_BLOCK:
         return _attend(q, k, v, mask, node.params["scale"], xp)
@@ -190,6 +225,12 @@ def flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 
 FA_BLOCK = 128  # query rows per block of a prompt's attention
+
+
+def _expand(raw: Any, t: GGMLType, shape: tuple[int, ...], xp: Any) -> Any:
+    """A quantized cache view, (N, Hkv, row_bytes_per_head) uint8 -> (N, Hkv, D) float32."""
+    flat = _host(xp, raw).reshape(-1, raw.shape[-1])  # (N*Hkv, bytes)
+    return xp.asarray(dequantize(flat, t, shape[-1]).reshape(shape))
 
 
 def _attend(q: Any, k: Any, v: Any, mask: Any, scale: float, xp: Any) -> Any:
@@ -239,6 +280,13 @@ def view(node: Tensor, s: list[Any], xp: Any) -> Any:
         return s[0][..., c0:c1]
     off = node.params["offset"]
     n = node.n_elements
+    if node.type in KV_QUANT_TYPES:
+        # the value holds whole rows of blocks (types.storage): a window of whole rows, its last
+        # dimension split into whole blocks (a head of a multiple of 32 elements)
+        width = node.src[0].shape[-1]
+        r0, nr = off // width, n // width
+        shape, _ = storage(node.type, node.shape)
+        return s[0].reshape(-1, s[0].shape[-1])[r0 : r0 + nr].reshape(shape)
     return s[0].reshape(-1)[off : off + n].reshape(node.shape)
 
 

@@ -54,6 +54,7 @@ SIGNATURES: dict[str, tuple[list, Any]] = {
     "lp_rope": ([_P, _I64, _I64, _I64, _P, _P, _I64, _INT, _P], None),
     "lp_attend": (_ATTEND, None),
     "lp_attend_f16": (_ATTEND, None),  # k, v: the f16 cache's bits
+    "lp_attend_q": ([*_ATTEND, _INT, _INT], None),  # + K and V cache types (LP_KV_*: f32 f16 q8_0 q4_0)
     "lp_attend_set_threads": ([_INT], None),
     "lp_swiglu": ([_P, _P, _I64, _I64, _I64, _I64, _P], None),
     # quantized-activation MUL_MAT (lp_quants.h)

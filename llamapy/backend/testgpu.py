@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..tensor import Tensor, TensorFlag
-from ..types import NUMPY_DTYPES
+from ..types import storage
 from .cpu import host_value
 from .device import MemoryDevice
 from .interface import Device, Registry
@@ -41,7 +41,7 @@ class TestDevice(MemoryDevice):
         return arr
 
     def zeros(self, t: Tensor) -> Any:
-        return np.zeros(t.shape, NUMPY_DTYPES[t.type])
+        return np.zeros(*storage(t.type, t.shape))
 
 
 class TestRegistry(Registry):

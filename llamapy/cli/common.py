@@ -27,8 +27,8 @@ CTX = typer.Option(4096, "-c", "--ctx-size", help="context size (0 = the model's
 BATCH = typer.Option(2048, "-b", "--batch-size", help="logical batch size")
 UBATCH = typer.Option(512, "-ub", "--ubatch-size", help="physical batch size")
 THREADS = typer.Option(0, "-t", "--threads", help="threads (0 = all cores)")
-CTK = typer.Option("f32", "-ctk", "--cache-type-k", metavar="TYPE", help="K cache type: f16 or f32")
-CTV = typer.Option("f32", "-ctv", "--cache-type-v", metavar="TYPE", help="V cache type: f16 or f32")
+CTK = typer.Option("f32", "-ctk", "--cache-type-k", metavar="TYPE", help="K cache type: f32, f16, q8_0 or q4_0")
+CTV = typer.Option("f32", "-ctv", "--cache-type-v", metavar="TYPE", help="V cache type: f32, f16, q8_0 or q4_0")
 NKVO = typer.Option(False, "-nkvo", "--no-kv-offload", help="keep the KV cache in host memory")
 NO_OP_OFFLOAD = typer.Option(False, "--no-op-offload", help="never run ops on a GPU for weights in host memory")
 F32_ACT = typer.Option(False, "--f32-activations", help="CPU matmuls on float32 activations (exactness studies; default: 8-bit as llama.cpp)")
@@ -119,9 +119,11 @@ def resolve_model(model: str | None, model_opt: str | None) -> Path:
 
 
 def cache_type(name: str, flag: str) -> GGMLType:
-    types = {"f16": GGMLType.F16, "f32": GGMLType.F32}
+    from ..model.kv_cache import CACHE_TYPES
+
+    types = {t.name.lower(): t for t in CACHE_TYPES}
     if name.lower() not in types:
-        raise LlamapyError(f"{flag} {name}: supported cache types are f16 and f32")
+        raise LlamapyError(f"{flag} {name}: supported cache types are {', '.join(types)}")
     return types[name.lower()]
 
 

@@ -10,6 +10,17 @@ Sliding-window layers (gemma3's local layers) read the same cells through a seco
 also hides cells `n_swa` or more positions behind the query (llama_hparams::is_masked_swa). The
 cache keeps every cell for those layers too — llama.cpp's `--swa-full` layout: simple, and
 memory is no concern at the sizes llamapy runs; the window is enforced by the mask alone.
+
+Cache types (`-ctk`/`-ctv`, llama.cpp's kv_cache_types subset): f32, f16, and ggml's Q8_0 and
+Q4_0 blocks — SET_ROWS quantizes each row as ggml's from_float does, and attention reads the
+blocks (llama.cpp allows a quantized V only with flash attention; llamapy's attention is always
+the fused FLASH_ATTN_EXT kind, so any pairing works). A quantized row holds whole blocks of 32
+per head, so the head sizes must be multiples of 32, as llama.cpp requires. As llama.cpp does
+(attn_rot_k/v), a quantized cache with heads of a multiple of 64 holds its rows rotated by a
+Hadamard matrix, which spreads outliers over a block before quantizing: `set_rotation` marks the
+cache tensors (params["rot"]: the order), SET_ROWS rotates before quantizing, FLASH_ATTN_EXT
+rotates Q into K's basis and its output back from V's. `LLAMA_ATTN_ROT_DISABLE=1` turns it off,
+as in llama.cpp.
 """
 
 from __future__ import annotations
@@ -21,8 +32,9 @@ import numpy as np
 
 from ..backend.interface import Buffer, BufferUsage, Device
 from ..tensor import Tensor
-from ..types import ContextFullError, GGMLType, OutOfMemoryError
+from ..types import ContextFullError, GGMLType, OutOfMemoryError, UnsupportedError
 
+CACHE_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0)
 N_KV_PAD = 256  # attend to a multiple of this many cells, so the decode graph keeps its shape
 
 
@@ -83,9 +95,26 @@ class KVCache:
         """The cache's tensors without memory (for planning, and for `create`)."""
         kw = [n_embd_gqa] * n_layer if isinstance(n_embd_gqa, int) else list(n_embd_gqa)
         vw = kw if n_embd_v_gqa is None else list(n_embd_v_gqa)
+        for t in (type_k, type_v):
+            if t not in CACHE_TYPES:
+                raise UnsupportedError(
+                    f"KV cache type {t.name.lower()}: supported are {', '.join(c.name.lower() for c in CACHE_TYPES)}"
+                )
         k = [Tensor(f"cache_k_l{il}", (size, kw[il]), type_k) for il in range(n_layer)]
         v = [Tensor(f"cache_v_l{il}", (size, vw[il]), type_v) for il in range(n_layer)]
         return cls(size, k, v)
+
+    def set_rotation(self, head_k: int, head_v: int) -> None:
+        """llama.cpp's attn_rot_k/v for a quantized cache: K rows in runs of the largest power of
+        two (>= 64) dividing the head size, V rows in runs of 64; off for f32/f16 or other heads."""
+        for tensors, head, largest in ((self.k, head_k, True), (self.v, head_v, False)):
+            if not tensors or tensors[0].type not in (GGMLType.Q8_0, GGMLType.Q4_0) or head % 64:
+                continue
+            n = 64
+            while largest and head % (2 * n) == 0:
+                n *= 2
+            for t in tensors:
+                t.params["rot"] = n
 
     def nbytes_by_device(self) -> dict[str, int]:
         return {b.name: b.nbytes for b in self.buffers}

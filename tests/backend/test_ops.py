@@ -131,6 +131,38 @@ def _cases() -> list[tuple[str, Callable[[np.random.Generator], tuple[Tensor, di
         s = {tq: q, tk: k, tv: v, tm: mask}
         return ops.flash_attn_ext(tq, tk, tv, tm), s, s
 
+    def attention_q(kt: T, vt: T, n_tokens: int):  # noqa: ANN202
+        """Over a quantized K and/or V cache: the values are the rows' raw blocks."""
+
+        def cache(name: str, x: np.ndarray, t: T) -> tuple[Tensor, np.ndarray]:
+            tt = Tensor(name, x.shape, t, flags=TensorFlag.INPUT)  # (N, Hkv, D) elements
+            if t is T.F16:
+                return tt, x.astype(np.float16)
+            n, h, d = x.shape
+            return tt, np.asarray(gguf.quants.quantize(x.reshape(n * h, d), t)).reshape(n, h, -1)
+
+        def make(rng):  # noqa: ANN001, ANN202
+            q = f32(rng, n_tokens, 4, 64)
+            (tk, k), (tv, v) = cache("k", f32(rng, 300, 2, 64), kt), cache("v", f32(rng, 300, 2, 64), vt)
+            mask = np.where(rng.random((n_tokens, 300)) < 0.7, 0, -np.inf).astype(np.float32)
+            mask[:, 0] = 0
+            tq, tm = act("q", q), act("m", mask)
+            s = {tq: q, tk: k, tv: v, tm: mask}
+            return ops.flash_attn_ext(tq, tk, tv, tm), s, s
+
+        return make
+
+    def set_rows_q(qt: T):  # noqa: ANN202
+        def make(rng):  # noqa: ANN001, ANN202
+            dst = np.zeros((10, 2 * 34 if qt is T.Q8_0 else 2 * 18), np.uint8)  # 10 rows of 64
+            src = f32(rng, 3, 64)
+            ids = np.array([7, 2, 9], np.int64)
+            d = Tensor("cache", (10, 64), qt, flags=TensorFlag.INPUT)
+            s_, i = act("src", src), act("idx", ids, T.I64)
+            return ops.set_rows(d, i, s_), {d: dst, i: ids, s_: src}, {d: dst.copy(), i: ids, s_: src}
+
+        return make
+
     def softmax(rng):  # noqa: ANN001, ANN202
         x, m = f32(rng, 5, 9), np.where(np.tri(5, 9, 4) > 0, 0, -np.inf).astype(np.float32)
         a, b = act("a", x), act("m", m)
@@ -172,6 +204,13 @@ def _cases() -> list[tuple[str, Callable[[np.random.Generator], tuple[Tensor, di
         ("SOFT_MAX", softmax),
         ("FLASH_ATTN_EXT", attention),
         ("SET_ROWS", set_rows),
+        ("SET_ROWS-Q8_0", set_rows_q(T.Q8_0)),
+        ("SET_ROWS-Q4_0", set_rows_q(T.Q4_0)),
+        ("FLASH_ATTN_EXT-q8_0-decode", attention_q(T.Q8_0, T.Q8_0, 1)),
+        ("FLASH_ATTN_EXT-q4_0-decode", attention_q(T.Q4_0, T.Q4_0, 1)),
+        ("FLASH_ATTN_EXT-f16k-q4_0v", attention_q(T.F16, T.Q4_0, 3)),
+        ("FLASH_ATTN_EXT-q8_0k-f16v", attention_q(T.Q8_0, T.F16, 5)),
+        ("FLASH_ATTN_EXT-q8_0-prompt", attention_q(T.Q8_0, T.Q4_0, 20)),
         ("ROPE-normal", rope(0, False)),
         ("ROPE-neox", rope(2, False)),
         ("ROPE-freq_factors", rope(0, True)),

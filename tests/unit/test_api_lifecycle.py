@@ -69,7 +69,10 @@ def _cycles(path: Path, n: int, how: str, cpu_matmul: str = "q8") -> tuple[list[
 
 @pytest.mark.parametrize("cpu_matmul", ["q8", "f32"])
 @pytest.mark.parametrize("how", ["close", "with", "gc"])
-def test_load_close_cycles_release_mappings_and_fds(make_llama, how: str, cpu_matmul: str) -> None:  # noqa: ANN001
+def test_load_close_cycles_release_mappings_and_fds(make_llama, how: str, cpu_matmul: str, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    # a repack folder of its own: another test's live Llama of the same content may map the
+    # shared folder's entry, which _mappings would count
+    monkeypatch.setenv("LLAMAPY_REPACK_CACHE", str(tmp_path / "repack"))
     # big enough (~22 MB of Q8_0 weights) that a leaked mapping per cycle shows in the RSS
     path = make_llama(n_layer=4, n_embd=512, n_ff=2048, n_head=8, n_head_kv=4, qtype=T.Q8_0)
     _cycles(path, 2, how, cpu_matmul)  # first loads: write the repack cache (f32), warm allocators

@@ -112,6 +112,45 @@ LP_INLINE void f16_row(float *restrict dst, const uint16_t *restrict src, int64_
     for (; i < n; i++) dst[i] = f16_bits_to_f32(src[i]);
 }
 
+/* The KV cache's element types (lp_attend_q): f32, f16, and ggml's Q8_0 / Q4_0 blocks of 32 */
+enum { LP_KV_F32 = 0, LP_KV_F16 = 1, LP_KV_Q8_0 = 2, LP_KV_Q4_0 = 3 };
+
+/* dst[0..n) = one cache row expanded to f32; `off` counts elements of the type's storage unit:
+ * halves for f16, bytes for Q8_0/Q4_0 (whose blocks are an f16 scale d, then 32 int8 / 32 4-bit
+ * values: d*q, d*(q-8), as ggml's dequantize_row_q8_0 / q4_0) */
+LP_INLINE void kv_row(float *restrict dst, const void *base, int64_t off, int type, int64_t n) {
+    if (type == LP_KV_F16) {
+        f16_row(dst, (const uint16_t *)base + off, n);
+        return;
+    }
+    const uint8_t *b = (const uint8_t *)base + off;
+    for (int64_t i0 = 0; i0 < n; i0 += 32) {
+        const float d = f16_bits_to_f32((uint16_t)(b[0] | b[1] << 8));
+        if (type == LP_KV_Q8_0) {
+            const int8_t *qs = (const int8_t *)(b + 2);
+            for (int j = 0; j < 32; j++) dst[i0 + j] = d * (float)qs[j];
+            b += 34;
+        } else {
+            for (int j = 0; j < 16; j++) {
+                dst[i0 + j] = d * (float)((b[2 + j] & 0x0f) - 8);
+                dst[i0 + 16 + j] = d * (float)((b[2 + j] >> 4) - 8);
+            }
+            b += 18;
+        }
+    }
+}
+
+/* x[0..n) as the Q8_0 blocks of ggml's quantize_row_q8_0_ref, expanded back (exact in f32): what
+ * llama.cpp's flash attention dots a Q4_0/Q8_0 K with (their vec_dot_type is Q8_0) */
+LP_INLINE void round_q8_0_row(float *restrict dst, const float *restrict x, int64_t n) {
+    for (int64_t i0 = 0; i0 < n; i0 += 32) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fabsf(x[i0 + j]) > amax ? fabsf(x[i0 + j]) : amax;
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f, dh = round_f16(d);
+        for (int j = 0; j < 32; j++) dst[i0 + j] = dh * (float)(int8_t)roundf(x[i0 + j] * id);
+    }
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* rms_norm                                                                                  */
 
@@ -304,7 +343,7 @@ LP_INLINE void attend_range(const float *restrict q, int64_t Hkv, int64_t R, int
                             const void *v, int64_t n0, int64_t n1, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn,
                             int64_t v_sh, const float *mask, int64_t mask_st, float scale, float *restrict m,
                             float *restrict l, float *restrict acc, float *restrict sc, float *restrict kf,
-                            float *restrict vf, int f16) {
+                            float *restrict vf, int kt, int vt) {
     const int64_t T = R / g, RR = Hkv * R;
     unsigned char live[ATT_BLOCK];
     int nan_seen[RR];
@@ -338,9 +377,8 @@ LP_INLINE void attend_range(const float *restrict q, int64_t Hkv, int64_t R, int
             for (int64_t kh = 0; kh < Hkv; kh++) {
                 const float *k0;
                 int64_t ks;
-                if (f16) {
-                    const uint16_t *k16 = (const uint16_t *)k + (b0 + c) * k_sn + kh * k_sh;
-                    for (int u = 0; u < 8; u++) f16_row(kf + u * D, k16 + u * k_sn, D);
+                if (kt) {
+                    for (int u = 0; u < 8; u++) kv_row(kf + u * D, k, (b0 + c + u) * k_sn + kh * k_sh, kt, D);
                     k0 = kf, ks = D;
                 } else {
                     k0 = (const float *)k + (b0 + c) * k_sn + kh * k_sh, ks = k_sn;
@@ -360,8 +398,8 @@ LP_INLINE void attend_range(const float *restrict q, int64_t Hkv, int64_t R, int
             }
             for (int64_t kh = 0; kh < Hkv; kh++) {
                 const float *kr;
-                if (f16) {
-                    f16_row(kf, (const uint16_t *)k + (b0 + c) * k_sn + kh * k_sh, D);
+                if (kt) {
+                    kv_row(kf, k, (b0 + c) * k_sn + kh * k_sh, kt, D);
                     kr = kf;
                 } else {
                     kr = (const float *)k + (b0 + c) * k_sn + kh * k_sh;
@@ -432,10 +470,9 @@ LP_INLINE void attend_range(const float *restrict q, int64_t Hkv, int64_t R, int
             for (int64_t kh = 0; kh < Hkv; kh++) {
                 const float *v0;
                 int64_t vs;
-                if (f16) {
-                    const uint16_t *v16 = (const uint16_t *)v + (b0 + c0) * v_sn + kh * v_sh;
+                if (vt) {
                     for (int64_t i = 0; i < ng; i++)
-                        if (live[c0 + i]) f16_row(vf + i * Dv, v16 + i * v_sn, Dv);
+                        if (live[c0 + i]) kv_row(vf + i * Dv, v, (b0 + c0 + i) * v_sn + kh * v_sh, vt, Dv);
                     v0 = vf, vs = Dv;
                 } else {
                     v0 = (const float *)v + (b0 + c0) * v_sn + kh * v_sh, vs = v_sn;
@@ -468,7 +505,7 @@ LP_API void lp_attend_set_threads(int n) { attend_threads = n; }
 
 LP_INLINE void attend(const float *q, int64_t T, int64_t H, int64_t D, const void *k, const void *v, int64_t N,
                       int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
-                      const float *mask, int64_t mask_st, float scale, float *out, int f16) {
+                      const float *mask, int64_t mask_st, float scale, float *out, int kt, int vt) {
     if (T <= 0 || H <= 0 || Hkv <= 0 || Dv <= 0) return;
     const int64_t g = H / Hkv, R = T * g, RR = Hkv * R;
     /* threads take ranges of cells (all heads each), merged at the end */
@@ -499,8 +536,10 @@ LP_INLINE void attend(const float *q, int64_t T, int64_t H, int64_t D, const voi
         for (int64_t r = 0; r < R; r++) {
             const float *qr = q + ((r / g) * H + kh * g + r % g) * D;
             float *dst = qs + (kh * R + r) * D;
-            if (f16)
+            if (kt == LP_KV_F16)
                 for (int64_t i = 0; i < D; i++) dst[i] = round_f16(qr[i]);
+            else if (kt)
+                round_q8_0_row(dst, qr, D);
             else
                 memcpy(dst, qr, (size_t)D * sizeof(float));
         }
@@ -517,7 +556,7 @@ LP_INLINE void attend(const float *q, int64_t T, int64_t H, int64_t D, const voi
         float *pm = parts + ch * part, *pl = pm + RR, *pa = pl + RR;
         float *sc = buf, *kf = sc + RR * ATT_BLOCK, *vf = kf + 8 * D;
         attend_range(qs, Hkv, R, g, D, k, v, c0, c1, Dv, k_sn, k_sh, v_sn, v_sh, mask, mask_st, scale, pm, pl, pa, sc,
-                     kf, vf, f16);
+                     kf, vf, kt, vt);
         free(buf);
     }
     if (failed) {
@@ -560,7 +599,7 @@ LP_INLINE void attend(const float *q, int64_t T, int64_t H, int64_t D, const voi
 LP_API void lp_attend(const float *q, int64_t T, int64_t H, int64_t D, const float *k, const float *v, int64_t N,
                       int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
                       const float *mask, int64_t mask_st, float scale, float *out) {
-    attend(q, T, H, D, k, v, N, Hkv, Dv, k_sn, k_sh, v_sn, v_sh, mask, mask_st, scale, out, 0);
+    attend(q, T, H, D, k, v, N, Hkv, Dv, k_sn, k_sh, v_sn, v_sh, mask, mask_st, scale, out, LP_KV_F32, LP_KV_F32);
 }
 
 /* The same over an f16 cache (k, v: IEEE half bits; strides in elements). Q is rounded to f16
@@ -568,7 +607,20 @@ LP_API void lp_attend(const float *q, int64_t T, int64_t H, int64_t D, const flo
 LP_API void lp_attend_f16(const float *q, int64_t T, int64_t H, int64_t D, const uint16_t *k, const uint16_t *v,
                           int64_t N, int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
                           const float *mask, int64_t mask_st, float scale, float *out) {
-    attend(q, T, H, D, k, v, N, Hkv, Dv, k_sn, k_sh, v_sn, v_sh, mask, mask_st, scale, out, 1);
+    attend(q, T, H, D, k, v, N, Hkv, Dv, k_sn, k_sh, v_sn, v_sh, mask, mask_st, scale, out, LP_KV_F16, LP_KV_F16);
+}
+
+/* The same with K and V each of any cache type (LP_KV_*), read in place: f32/f16 strides in
+ * elements, Q8_0/Q4_0 strides in bytes (a head's D elements: whole blocks of 32). Over a
+ * quantized K, Q is first rounded through Q8_0 as llama.cpp's q_to_vec_dot does, so each score is
+ * ggml's integer dot product (up to the order of the float sums); V rows are expanded to f32 and
+ * summed, as ggml's v_to_float path. */
+LP_API void lp_attend_q(const float *q, int64_t T, int64_t H, int64_t D, const void *k, const void *v, int64_t N,
+                        int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
+                        const float *mask, int64_t mask_st, float scale, float *out, int kt, int vt) {
+    if (kt < LP_KV_F32 || kt > LP_KV_Q4_0 || vt < LP_KV_F32 || vt > LP_KV_Q4_0) return;
+    if ((kt >= LP_KV_Q8_0 && D % 32) || (vt >= LP_KV_Q8_0 && Dv % 32)) return;
+    attend(q, T, H, D, k, v, N, Hkv, Dv, k_sn, k_sh, v_sn, v_sh, mask, mask_st, scale, out, kt, vt);
 }
 
 /* ---------------------------------------------------------------------------------------- */

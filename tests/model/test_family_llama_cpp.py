@@ -65,23 +65,24 @@ def _gemma3_refs() -> dict:
 # (-c, chunks): one pass of llama-perplexity's parallel sequences each (4 x 512, 1 x 2048
 # tokens) — the running estimate after them is in families.json; more chunks only cost time
 @pytest.mark.parametrize(("ctx", "chunks"), [(512, 4), (2048, 1)])
-def test_gemma3_perplexity_matches_llama_cpp(ctx: int, chunks: int) -> None:
-    """Against llama.cpp's run of the weights dequantized to F32 (float32 activations, as llamapy
-    computes); its run of the Q4_K_M file (8-bit activations) is printed beside."""
+@pytest.mark.parametrize(("cpu_matmul", "ref_key"), [("q8", "perplexity"), ("f32", "perplexity_f32")])
+def test_gemma3_perplexity_matches_llama_cpp(ctx: int, chunks: int, cpu_matmul: str, ref_key: str) -> None:
+    """The default mode (8-bit activations, as llama.cpp's CPU backend) against llama.cpp's run of
+    the Q4_K_M file; --f32-activations against its run of the weights dequantized to F32."""
     refs_ = _gemma3_refs()
-    row = next((r for r in refs_.get("perplexity_f32", ()) if r["ctx"] == ctx), None)
+    row = next((r for r in refs_.get(ref_key, ()) if r["ctx"] == ctx), None)
     if row is None or len(row["running"]) < chunks:
-        pytest.skip(f"no llama.cpp F32 perplexity at -c {ctx} over {chunks} chunks")
+        pytest.skip(f"no llama.cpp {ref_key} at -c {ctx} over {chunks} chunks")
     want = row["running"][chunks - 1]
-    q = next((r["running"][chunks - 1] for r in refs_["perplexity"] if r["ctx"] == ctx), None)
     n_seq, n_kv, n_batch = plan_context(ctx, 2048)
-    with Llama(_gemma3(), context_options=ContextOptions(n_ctx=n_kv, n_batch=n_batch, n_ubatch=512)) as llm:
+    co = ContextOptions(n_ctx=n_kv, n_batch=n_batch, n_ubatch=512, cpu_matmul=cpu_matmul)
+    with Llama(_gemma3(), context_options=co) as llm:
         tokens = llm.tokenize(refs.TEMPEST.read_text(encoding="utf-8"))
         est: PerplexityEstimate | None = None
         for _, est in evaluate_perplexity(llm.ctx, tokens, ctx, chunks, n_batch):
             pass
     assert est is not None and len(est.history) == chunks
-    print(f"gemma3 -c {ctx} x{chunks}: PPL {est.ppl:.4f} (llama.cpp F32 {want}, Q4_K_M {q})")
+    print(f"gemma3 -c {ctx} x{chunks} {cpu_matmul}: PPL {est.ppl:.4f} (llama.cpp {ref_key} {want})")
     assert est.ppl == pytest.approx(want, rel=0.003)
 
 
@@ -126,9 +127,12 @@ def test_gemma3_same_text_at_every_ngl(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LLAMAPY_TEST_GPU", "1")
     monkeypatch.delenv("LLAMAPY_TEST_GPU_MEM", raising=False)
     texts = []
+    # float32 activations: the TEST device's products are float32 ones (the CPU's q8 mode would
+    # differ from them by its rounding, as llama.cpp's CPU and CUDA runs differ)
+    co = ContextOptions(n_ctx=128, cpu_matmul="f32")
     for ngl in (0, 10, "all"):
         mo = ModelOptions(n_gpu_layers=ngl)
-        with Llama(_gemma3(), model_options=mo, context_options=ContextOptions(n_ctx=128)) as llm:
+        with Llama(_gemma3(), model_options=mo, context_options=co) as llm:
             if ngl != 0:
                 assert any(b.name.startswith("TEST") for b in llm.model.weights.buffers)
             texts.append(_greedy(llm, "The capital of France is", 12))

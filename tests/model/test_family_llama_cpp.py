@@ -139,6 +139,19 @@ def test_gemma3_same_text_at_every_ngl(monkeypatch: pytest.MonkeyPatch) -> None:
     assert texts[0] == texts[1] == texts[2]
 
 
+def test_gemma3_ngl_auto_plans_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """-ngl auto on a TEST device with room for the whole model (weights 253 MB, KV, compute
+    buffers) offloads all 19 layers (18 + output) and generates the CPU's greedy text."""
+    monkeypatch.setenv("LLAMAPY_TEST_GPU", "1")
+    monkeypatch.setenv("LLAMAPY_TEST_GPU_MEM", "700")
+    co = ContextOptions(n_ctx=128, cpu_matmul="f32")
+    with Llama(_gemma3(), model_options=ModelOptions(n_gpu_layers="auto"), context_options=co) as llm:
+        assert llm.model.placement.n_gpu_layers == 19
+        auto = _greedy(llm, "The capital of France is", 8)
+    with Llama(_gemma3(), model_options=ModelOptions(n_gpu_layers=0), context_options=co) as llm:
+        assert _greedy(llm, "The capital of France is", 8) == auto
+
+
 def test_gemma3_cli_run_streams_text() -> None:
     """`llamapy run` on Gemma 3: English on stdout, starting as llama.cpp's greedy run does."""
     import subprocess

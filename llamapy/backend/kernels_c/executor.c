@@ -113,42 +113,9 @@ static void rms_rows(const float *x, int64_t rows, int64_t n, int64_t xs, double
     }
 }
 
-static void rope_rows(const float *x, int64_t T, int64_t H, int64_t D, int64_t xs_t, int64_t xs_h,
-                      const int32_t *pos, const double *inv_freq, int64_t n_dims, int neox, float *out) {
-    /* ops.c lp_rope, with strided input (the Q/K columns of a fused QKV product) */
-    const int64_t half = n_dims / 2;
-    float cs_stack[2 * 256];
-    float *cs = half <= 256 ? cs_stack : malloc(2 * (size_t)half * sizeof(float));
-    if (!cs) return;
-    float *sn = cs + half;
-    for (int64_t t = 0; t < T; t++) {
-        const double p = (double)pos[t];
-        for (int64_t i = 0; i < half; i++) {
-            const double theta = p * inv_freq[i];
-            cs[i] = (float)cos(theta);
-            sn[i] = (float)sin(theta);
-        }
-        for (int64_t h = 0; h < H; h++) {
-            const float *xr = x + t * xs_t + h * xs_h;
-            float *o = out + (t * H + h) * D;
-            if (neox) {
-                for (int64_t i = 0; i < half; i++) {
-                    const float a = xr[i], b = xr[i + half];
-                    o[i] = a * cs[i] - b * sn[i];
-                    o[i + half] = a * sn[i] + b * cs[i];
-                }
-            } else {
-                for (int64_t i = 0; i < half; i++) {
-                    const float a = xr[2 * i], b = xr[2 * i + 1];
-                    o[2 * i] = a * cs[i] - b * sn[i];
-                    o[2 * i + 1] = a * sn[i] + b * cs[i];
-                }
-            }
-            for (int64_t i = 2 * half; i < D; i++) o[i] = xr[i];
-        }
-    }
-    if (cs != cs_stack) free(cs);
-}
+/* ops.c: rope over strided rows (the Q/K columns of a fused QKV product) */
+void lp_rope_rows(const float *x, int64_t T, int64_t H, int64_t D, int64_t xs_t, int64_t xs_h, const int32_t *pos,
+                  const double *inv_freq, int64_t n_dims, int neox, float *out);
 
 /* float32 rows of a weight (the f32 tail of a repacked matrix, or an F32 matrix): out[t, j] for
  * j < n_rows, a plain float32 sum (BLAS sums in another order: within float32 noise) */
@@ -311,7 +278,7 @@ EX_API int64_t lp_exec_run(const int64_t *recs, int64_t n_rec, int n_threads) {
         case EX_ROPE:
             /* src1 pos (int32), src2 inv_freq (double): [6] T, [7] H, [8] D, [9] token stride,
              * [10] head stride, [11] n_dims, [12] neox */
-            rope_rows(P(2), I(6), I(7), I(8), I(9), I(10), P(3), P(4), I(11), (int)I(12), P(1));
+            lp_rope_rows(P(2), I(6), I(7), I(8), I(9), I(10), P(3), P(4), I(11), (int)I(12), P(1));
             break;
         case EX_SET_ROWS: {
             /* rows ids (int64, src1) of dst <- rows of src2: [6] n, [7] cols, [8] src stride,

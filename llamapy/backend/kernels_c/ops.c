@@ -173,8 +173,11 @@ LP_API void lp_rms_norm(const float *x, int64_t rows, int64_t n, int64_t x_strid
 /* ---------------------------------------------------------------------------------------- */
 /* rope                                                                                      */
 
-LP_API void lp_rope(const float *x, int64_t T, int64_t H, int64_t D, const int32_t *pos, const double *inv_freq,
-                    int64_t n_dims, int neox, float *out) {
+/* rope over rows with strides: row (t, h) of x starts at x + t * xs_t + h * xs_h (the Q/K columns
+ * of a fused QKV product, for the executor); out is contiguous (T, H, D). Shared by lp_rope and
+ * executor.c (one library: not exported). */
+void lp_rope_rows(const float *x, int64_t T, int64_t H, int64_t D, int64_t xs_t, int64_t xs_h, const int32_t *pos,
+                  const double *inv_freq, int64_t n_dims, int neox, float *out) {
     const int64_t half = n_dims / 2;
     float cs_stack[2 * 256];
     float *cs = half <= 256 ? cs_stack : malloc(2 * (size_t)half * sizeof(float));
@@ -188,7 +191,7 @@ LP_API void lp_rope(const float *x, int64_t T, int64_t H, int64_t D, const int32
             sn[i] = (float)sin(theta);
         }
         for (int64_t h = 0; h < H; h++) {
-            const float *xr = x + (t * H + h) * D;
+            const float *xr = x + t * xs_t + h * xs_h;
             float *o = out + (t * H + h) * D;
             if (neox) {
                 for (int64_t i = 0; i < half; i++) {
@@ -208,6 +211,11 @@ LP_API void lp_rope(const float *x, int64_t T, int64_t H, int64_t D, const int32
         }
     }
     if (cs != cs_stack) free(cs);
+}
+
+LP_API void lp_rope(const float *x, int64_t T, int64_t H, int64_t D, const int32_t *pos, const double *inv_freq,
+                    int64_t n_dims, int neox, float *out) {
+    lp_rope_rows(x, T, H, D, H * D, D, pos, inv_freq, n_dims, neox, out);
 }
 
 /* ---------------------------------------------------------------------------------------- */

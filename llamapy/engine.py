@@ -3,10 +3,15 @@
 
 One Engine owns a Context. Its KV cache is split into `n_parallel` slots of `n_ctx_slot` cells
 each; slot `i` decodes as KV sequence `i`. A request (`submit`) waits in a bounded queue until a
-slot is free; each `step()` then builds ONE micro-batch holding the next token of every generating
-slot plus a chunk of every prompt being evaluated (up to `n_batch` tokens in all, so a long prompt
-does not stall the slots that are generating), decodes it, samples a token for every row of logits
-and hands each request its events through the request's `sink`:
+slot is free; each `step()` then decodes the next token of every generating slot as one micro-batch
+and, apart from it, chunks of the prompts being evaluated (each prompt cut every `n_batch` tokens
+from its start, as a request alone is; chunks are taken while the step holds fewer than `n_batch`
+tokens, so a long prompt does not stall the slots that are generating), samples a token for every
+row of logits and hands each request its events through the request's `sink`. Decode tokens and
+prompt chunks go to separate `decode` calls so that a request's numbers do not depend on what runs
+beside it: with 8-bit activations a MUL_MAT's path depends on its row count (`use_sgemm`), and a
+decode token batched with a 30-token prompt would take the float32-GEMM path, whose sums round
+differently from the one-token kernels and change greedy text.
 
 - `Event(kind="token")` per sampled token: the text it releases (text that might be the start of a
   stop string is held back), the token id, and its logprob / top logprobs when asked;
@@ -466,80 +471,70 @@ class Engine:
 
     def _decode_step(self) -> bool:
         busy = [s for s in self.slots if s.job is not None]
-        toks: list[int] = []
-        pos: list[int] = []
-        seqs: list[int] = []
-        want: list[bool] = []
-        rows: list[_Slot] = []
-        prompting: list[tuple[_Slot, int]] = []
-        for s in busy:  # generating slots first: one token each
+        # (tokens, positions, sequences, wanted logits, slots sampled from the rows, prompt chunks)
+        calls: list[tuple[list[int], list[int], list[int], list[bool], list[_Slot], list[tuple[_Slot, int]]]] = []
+        gen = [s for s in busy if s.job is not None and s.job.pending >= 0]  # one token each
+        if gen:
+            calls.append(([s.job.pending for s in gen], [len(s.cached) for s in gen],  # type: ignore[union-attr]
+                          [s.seq for s in gen], [True] * len(gen), gen, []))  # fmt: skip
+        n_tokens = len(gen)
+        for s in busy:  # then chunks of the prompts still to evaluate, one call each
             job = s.job
             assert job is not None
-            if job.pending >= 0:
-                toks.append(job.pending)
-                pos.append(len(s.cached))
-                seqs.append(s.seq)
-                want.append(True)
-                rows.append(s)
-        budget = max(1, self.ctx.n_batch - len(toks))
-        for s in busy:  # then chunks of the prompts still to evaluate
-            job = s.job
-            assert job is not None
-            if job.n_done >= len(job.prompt) or budget <= 0:
+            if job.n_done >= len(job.prompt):
                 continue
-            chunk = job.prompt[job.n_done : job.n_done + budget]
-            budget -= len(chunk)
+            if n_tokens >= self.ctx.n_batch and calls:
+                break
+            chunk = job.prompt[job.n_done : job.n_done + self.ctx.n_batch]
+            n_tokens += len(chunk)
             last = job.n_done + len(chunk) == len(job.prompt)
-            toks.extend(chunk)
-            pos.extend(range(job.n_done, job.n_done + len(chunk)))
-            seqs.extend([s.seq] * len(chunk))
-            want.extend([False] * (len(chunk) - 1) + [last and job.req.max_tokens != 0])
-            if last and job.req.max_tokens != 0:
-                rows.append(s)
-            prompting.append((s, len(chunk)))
-        if not toks:
+            sample = last and job.req.max_tokens != 0
+            calls.append((list(chunk), list(range(job.n_done, job.n_done + len(chunk))), [s.seq] * len(chunk),
+                          [False] * (len(chunk) - 1) + [sample], [s] if sample else [], [(s, len(chunk))]))  # fmt: skip
+        if not calls:
             return False
-        t0 = time.perf_counter()
-        try:
-            logits = self._decode(toks, pos, seqs, want)
-        except ContextFullError:
-            # only when something else holds cells of this context (the slots' own always fit)
-            for s in busy:
-                if s.job is not None:
-                    self._finish(s, "context", drop=True)
-            return True
-        except Exception as e:  # noqa: BLE001 - one failed batch ends its requests, not the engine
-            for s in busy:
-                if s.job is not None:
-                    self._finish(s, "error", error=f"decode failed: {type(e).__name__}: {e}", drop=True)
-            return True
-        t1 = time.perf_counter()
         m = self.metrics
         m.n_decode_total += 1
         m.n_busy_slots_total += len(busy)
-        m.n_batch_tokens_max = max(m.n_batch_tokens_max, len(toks))
-        m.decode_seconds_total += t1 - t0
-        for s in rows:
-            if s.job is not None and s.job.pending >= 0:
-                s.cached.append(s.job.pending)
-                s.job.pending = -1
-        for s, n in prompting:
-            job = s.job
-            assert job is not None
-            s.cached.extend(job.prompt[job.n_done : job.n_done + n])
-            job.n_done += n
-            m.prompt_tokens_total += n
-            if job.n_done == len(job.prompt):
-                job.t_prompt_end = t1
-                m.prompt_seconds_total += t1 - job.t_start
-                if job.req.max_tokens == 0:
-                    self._finish(s, "length")
-        for s, row in zip(rows, logits):
+        m.n_batch_tokens_max = max(m.n_batch_tokens_max, max(len(c[0]) for c in calls))
+        for toks, pos, seqs, want, rows, prompting in calls:
+            t0 = time.perf_counter()
             try:
-                self._sample(s, row)
-            except Exception as e:  # noqa: BLE001 - a request whose sampling fails ends alone
-                if s.job is not None:
-                    self._finish(s, "error", error=f"sampling failed: {type(e).__name__}: {e}", drop=True)
+                logits = self._decode(toks, pos, seqs, want)
+            except ContextFullError:
+                # only when something else holds cells of this context (the slots' own always fit)
+                for s in busy:
+                    if s.job is not None:
+                        self._finish(s, "context", drop=True)
+                return True
+            except Exception as e:  # noqa: BLE001 - one failed batch ends its requests, not the engine
+                for s in busy:
+                    if s.job is not None:
+                        self._finish(s, "error", error=f"decode failed: {type(e).__name__}: {e}", drop=True)
+                return True
+            t1 = time.perf_counter()
+            m.decode_seconds_total += t1 - t0
+            for s in rows:
+                if s.job is not None and s.job.pending >= 0:
+                    s.cached.append(s.job.pending)
+                    s.job.pending = -1
+            for s, n in prompting:
+                job = s.job
+                assert job is not None
+                s.cached.extend(job.prompt[job.n_done : job.n_done + n])
+                job.n_done += n
+                m.prompt_tokens_total += n
+                if job.n_done == len(job.prompt):
+                    job.t_prompt_end = t1
+                    m.prompt_seconds_total += t1 - job.t_start
+                    if job.req.max_tokens == 0:
+                        self._finish(s, "length")
+            for s, row in zip(rows, logits):
+                try:
+                    self._sample(s, row)
+                except Exception as e:  # noqa: BLE001 - a request whose sampling fails ends alone
+                    if s.job is not None:
+                        self._finish(s, "error", error=f"sampling failed: {type(e).__name__}: {e}", drop=True)
         for s in self.slots:
             m.n_tokens_max = max(m.n_tokens_max, len(s.cached))
         return True

@@ -111,6 +111,7 @@ def serve(
     ctv: str = common.CTV,
     nkvo: bool = common.NKVO,
     no_op_offload: bool = common.NO_OP_OFFLOAD,
+    f32_activations: bool = common.F32_ACT,
     device: str = common.DEVICE,
     no_warmup: bool = typer.Option(False, "--no-warmup", help="skip the warm-up run"),
 ) -> None:
@@ -144,7 +145,7 @@ def serve(
         try:
             llm = common.load(
                 str(path), None, ngl, ot, ts, mg, ctx_size * n_parallel, batch, ubatch, threads, ctk, ctv, nkvo,
-                no_op_offload, device,
+                no_op_offload, device, f32_activations=f32_activations,
             )  # fmt: skip
             holder["llm"] = llm
             if not no_warmup:

@@ -149,23 +149,23 @@ def test_random_seed_is_reported_and_replays(tiny: Llama) -> None:
 @pytest.mark.parametrize("fault", [RuntimeError("boom"), KeyboardInterrupt()])
 def test_failed_decode_ends_the_run_and_frees_the_cells(tiny: Llama, monkeypatch: pytest.MonkeyPatch, fault: BaseException) -> None:
     real = tiny.ctx.decode
-    calls = {"n": 0}
+    got: list = []
+    seen = {"at_fault": -1}
 
     def decode(*a, **k):  # noqa: ANN002, ANN003, ANN202
-        calls["n"] += 1
-        if calls["n"] == 6:
+        if len(got) >= 2:  # some records are out, others are running: fail the next decode
+            seen["at_fault"] = len(got)
             raise fault
         return real(*a, **k)
 
     monkeypatch.setattr(tiny.ctx, "decode", decode)
-    got = []
     # a decode that fails is the engine's failure, not the prompts': no error records (a resumed
     # `llamapy batch` retries them); Ctrl-C stays Ctrl-C; the records finished before are kept
     expect = LlamapyError if isinstance(fault, Exception) else KeyboardInterrupt
     with pytest.raises(expect, match="boom" if expect is LlamapyError else None):
         for rec in run_batch(tiny.ctx, PROMPTS, n_parallel=4, n_predict=3, sampling=SamplingParams(temp=0)):
             got.append(rec)
-    assert len(got) == 4 and all(r.error is None for r in got)
+    assert len(got) == seen["at_fault"] >= 2 and all(r.error is None for r in got)
     assert tiny.ctx.kv.n_used() == 0
     monkeypatch.setattr(tiny.ctx, "decode", real)
     assert len(list(run_batch(tiny.ctx, PROMPTS[:3], n_parallel=2, n_predict=2))) == 3

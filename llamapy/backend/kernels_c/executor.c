@@ -93,25 +93,8 @@ typedef union {
 #define F(k) (r[k].f)
 #define P(k) (r[k].p)
 
-static void rms_rows(const float *x, int64_t rows, int64_t n, int64_t xs, double eps, const float *w, float *out) {
-    /* ops.c lp_rms_norm's sum (8 double lanes, then the same pairing), then numpy's mul */
-    for (int64_t t = 0; t < rows; t++) {
-        const float *xr = x + t * xs;
-        float *o = out + t * n;
-        double acc[8] = {0};
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8)
-            for (int l = 0; l < 8; l++) acc[l] += (double)xr[i + l] * (double)xr[i + l];
-        double s = 0.0;
-        for (; i < n; i++) s += (double)xr[i] * (double)xr[i];
-        s += ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-        const float scale = (float)(1.0 / sqrt(s / (double)n + eps));
-        if (w)
-            for (i = 0; i < n; i++) o[i] = (xr[i] * scale) * w[i];
-        else
-            for (i = 0; i < n; i++) o[i] = xr[i] * scale;
-    }
-}
+/* ops.c: RMS norm over strided rows, times an optional weight (lp_rms_norm's sums) */
+void lp_rms_rows(const float *x, int64_t rows, int64_t n, int64_t xs, double eps, const float *w, float *out);
 
 /* ops.c: rope over strided rows (the Q/K columns of a fused QKV product) */
 void lp_rope_rows(const float *x, int64_t T, int64_t H, int64_t D, int64_t xs_t, int64_t xs_h, const int32_t *pos,
@@ -231,7 +214,7 @@ EX_API int64_t lp_exec_run(const int64_t *recs, int64_t n_rec, int n_threads) {
                 for (int64_t t = 0; t < rows; t++)
                     for (int64_t i = 0; i < n; i++) s[t * n + i] = a[t * I(11) + i] + b[t * I(12) + i];
             }
-            rms_rows(P(2), rows, n, I(8), F(9), P(3), P(1));
+            lp_rms_rows(P(2), rows, n, I(8), F(9), P(3), P(1));
             break;
         }
         case EX_MUL:

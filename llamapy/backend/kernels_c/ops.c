@@ -154,10 +154,13 @@ LP_INLINE void round_q8_0_row(float *restrict dst, const float *restrict x, int6
 /* ---------------------------------------------------------------------------------------- */
 /* rms_norm                                                                                  */
 
-LP_API void lp_rms_norm(const float *x, int64_t rows, int64_t n, int64_t x_stride, double eps, float *out) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * x_stride;
-        float *o = out + r * n;
+/* RMS norm of `rows` rows (row t at x + t * xs) into contiguous out, times the weight w when it is
+ * given (the executor's fused RMS_NORM x MUL, rounded as numpy's separate mul); shared by
+ * lp_rms_norm and executor.c (one library: not exported) */
+void lp_rms_rows(const float *x, int64_t rows, int64_t n, int64_t xs, double eps, const float *w, float *out) {
+    for (int64_t t = 0; t < rows; t++) {
+        const float *xr = x + t * xs;
+        float *o = out + t * n;
         double acc[8] = {0};
         int64_t i = 0;
         for (; i + 8 <= n; i += 8)
@@ -166,8 +169,15 @@ LP_API void lp_rms_norm(const float *x, int64_t rows, int64_t n, int64_t x_strid
         for (; i < n; i++) s += (double)xr[i] * (double)xr[i];
         s += ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
         const float scale = (float)(1.0 / sqrt(s / (double)n + eps));
-        for (i = 0; i < n; i++) o[i] = xr[i] * scale;
+        if (w)
+            for (i = 0; i < n; i++) o[i] = (xr[i] * scale) * w[i];
+        else
+            for (i = 0; i < n; i++) o[i] = xr[i] * scale;
     }
+}
+
+LP_API void lp_rms_norm(const float *x, int64_t rows, int64_t n, int64_t x_stride, double eps, float *out) {
+    lp_rms_rows(x, rows, n, x_stride, eps, NULL, out);
 }
 
 /* ---------------------------------------------------------------------------------------- */

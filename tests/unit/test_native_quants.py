@@ -182,7 +182,7 @@ def test_vec_dot_against_float64(lib: ctypes.CDLL, name: str, n_in: int) -> None
         want = gguf.quants.quantize(x, gguf.GGMLQuantizationType.BF16)
         assert np.array_equal(y, np.ascontiguousarray(want).view(np.uint8).reshape(y.shape))
     fn = getattr(lib, "lp_vec_dot_" + ({"F32": "f32", "F16": "f16", "BF16": "bf16"}.get(name) or
-                                        f"{name.lower()}_{VEC_DOT_TYPE[name].lower()}"))
+                                        f"{name[:2].lower()}{name[2:]}_{VEC_DOT_TYPE[name].lower()}".replace("_q8_k", "_q8_K")))
     s = ctypes.c_float()
     for r in range(n_rows):
         for t in range(2):
@@ -191,17 +191,21 @@ def test_vec_dot_against_float64(lib: ctypes.CDLL, name: str, n_in: int) -> None
             assert abs(s.value - want) <= 2e-6 * mag + 1e-30, (name, r, t, s.value, want)
 
 
-@pytest.mark.parametrize("name", OWN_TYPES)
-def test_mul_mat_is_vec_dots(lib: ctypes.CDLL, name: str) -> None:
-    """lp_mul_mat = quantize once + one vec_dot per output, whatever the threads: bit for bit."""
+@pytest.mark.parametrize("name", OWN_TYPES + K_TYPES)
+@pytest.mark.parametrize("n_tok", [1, 5, 9])  # LP_GEMM_COLS = 4: whole groups and remainders
+def test_mul_mat_is_vec_dots(lib: ctypes.CDLL, name: str, n_tok: int) -> None:
+    """lp_mul_mat = quantize once + one vec_dot per output, whatever the threads and however many
+    tokens (the multi-column kernels where a type has one): bit for bit."""
+    if lib.lp_vec_dot_type(GGML_ID[name]) < 0:
+        pytest.skip(f"this library has no {name} kernel")
     rng = np.random.default_rng(7)
-    n_rows, n_in, n_tok = 200, 32 * 18, 5
+    n_rows, n_in = 200, 256 * 3
     w = random_raw(name, n_rows, n_in, rng)
     x = rng.standard_normal((n_tok, n_in + 3)).astype(np.float32)  # ld_x > n_in
     qt = GGML_ID[name]
     xq = quantize_act(lib, name, np.ascontiguousarray(x[:, :n_in]))
     fn = getattr(lib, "lp_vec_dot_" + ({"F32": "f32", "F16": "f16", "BF16": "bf16"}.get(name) or
-                                        f"{name.lower()}_{VEC_DOT_TYPE[name].lower()}"))
+                                        f"{name[:2].lower()}{name[2:]}_{VEC_DOT_TYPE[name].lower()}".replace("_q8_k", "_q8_K")))
     want = np.zeros((n_tok, n_rows), np.float32)
     s = ctypes.c_float()
     for t in range(n_tok):

@@ -130,6 +130,17 @@ void lp_quantize_row_q8_0(const float *x, void *y, int64_t k);
 void lp_quantize_row_q8_1(const float *x, void *y, int64_t k);
 void lp_quantize_row_q8_K(const float *x, void *y, int64_t k);
 
+/* Several outputs at once (ggml's vec_dot with nrc > 1, and repack.cpp's gemm): weight rows
+ * w, w + row_bytes, ... (nr of them) against activation rows x, x + x_bytes, ... (nc of them,
+ * nc <= LP_GEMM_COLS), s[c * ld_s + r] = dot(row r, column c). Each output is bit-identical to
+ * the type's lp_vec_dot_* (same operations in the same order per output), so the token count
+ * of a batch never changes a result; what the kernel saves is decoding each weight block once
+ * for all nc columns. lp_gemm_<type>_<vec_dot_type> is optional per type: qmatmul.c
+ * references it weakly and loops lp_vec_dot_* where a type has none. */
+#define LP_GEMM_COLS 4
+typedef void (*lp_gemm_fn)(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
+                           int64_t x_bytes, int nc);
+
 /* dot products: weight row vx (its type) with activation row vy (its vec_dot_type) */
 typedef void (*lp_vec_dot_fn)(int n, float *s, const void *vx, const void *vy);
 void lp_vec_dot_f32(int n, float *s, const void *vx, const void *vy);

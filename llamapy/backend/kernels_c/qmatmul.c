@@ -934,6 +934,34 @@ QMM_API void lp_dqr_q6_k(const void *const *parts, int64_t nb, const int64_t *id
 #pragma weak lp_vec_dot_q5_K_q8_K
 #pragma weak lp_vec_dot_q6_K_q8_K
 
+/* the optional multi-column kernels (lp_quants.h, LP_GEMM_COLS): NULL where a type has none */
+#pragma weak lp_gemm_f32
+#pragma weak lp_gemm_f16
+#pragma weak lp_gemm_bf16
+#pragma weak lp_gemm_q4_0_q8_0
+#pragma weak lp_gemm_q5_0_q8_0
+#pragma weak lp_gemm_q8_0_q8_0
+#pragma weak lp_gemm_q4_1_q8_1
+#pragma weak lp_gemm_q5_1_q8_1
+#pragma weak lp_gemm_q2_K_q8_K
+#pragma weak lp_gemm_q3_K_q8_K
+#pragma weak lp_gemm_q4_K_q8_K
+#pragma weak lp_gemm_q5_K_q8_K
+#pragma weak lp_gemm_q6_K_q8_K
+void lp_gemm_f32(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_f16(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_bf16(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_q4_0_q8_0(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_q5_0_q8_0(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_q8_0_q8_0(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_q4_1_q8_1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_q5_1_q8_1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_q2_K_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_q3_K_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_q4_K_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_q5_K_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_q6_K_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+
 /* Rows a thread takes at once (output columns of one chunk), and the rows of a cache block:
  * for prompts, MM_ROW_BLOCK weight rows stay in L1 while every token's activations pass by. */
 #define MM_ROW_BLOCK 16
@@ -945,6 +973,7 @@ typedef struct {
     int64_t blck, act_bsize; /* activation block: elements, bytes */
     mm_quantize_fn quantize;
     lp_vec_dot_fn dot;
+    lp_gemm_fn gemm; /* NULL: one dot per output */
 } mm_traits;
 
 static void mm_copy_f32(const float *x, void *y, int64_t k) { memcpy(y, x, (size_t)k * sizeof(float)); }
@@ -963,19 +992,19 @@ static void mm_to_bf16(const float *x, void *vy, int64_t k) {
 static int mm_traits_of(int type, mm_traits *t) {
     const mm_quantize_fn q8_K = lp_quantize_row_q8_K; /* NULL without kquants.c */
     switch (type) {
-    case LP_TYPE_F32: *t = (mm_traits){LP_TYPE_F32, 1, 4, mm_copy_f32, lp_vec_dot_f32}; break;
-    case LP_TYPE_F16: *t = (mm_traits){LP_TYPE_F16, 1, 2, mm_to_f16, lp_vec_dot_f16}; break;
-    case LP_TYPE_BF16: *t = (mm_traits){LP_TYPE_BF16, 1, 2, mm_to_bf16, lp_vec_dot_bf16}; break;
-    case LP_TYPE_Q4_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q4_0_q8_0}; break;
-    case LP_TYPE_Q5_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q5_0_q8_0}; break;
-    case LP_TYPE_Q8_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q8_0_q8_0}; break;
-    case LP_TYPE_Q4_1: *t = (mm_traits){LP_TYPE_Q8_1, QK8_1, sizeof(block_q8_1), lp_quantize_row_q8_1, lp_vec_dot_q4_1_q8_1}; break;
-    case LP_TYPE_Q5_1: *t = (mm_traits){LP_TYPE_Q8_1, QK8_1, sizeof(block_q8_1), lp_quantize_row_q8_1, lp_vec_dot_q5_1_q8_1}; break;
-    case LP_TYPE_Q2_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q2_K_q8_K}; break;
-    case LP_TYPE_Q3_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q3_K_q8_K}; break;
-    case LP_TYPE_Q4_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q4_K_q8_K}; break;
-    case LP_TYPE_Q5_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q5_K_q8_K}; break;
-    case LP_TYPE_Q6_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q6_K_q8_K}; break;
+    case LP_TYPE_F32: *t = (mm_traits){LP_TYPE_F32, 1, 4, mm_copy_f32, lp_vec_dot_f32, lp_gemm_f32}; break;
+    case LP_TYPE_F16: *t = (mm_traits){LP_TYPE_F16, 1, 2, mm_to_f16, lp_vec_dot_f16, lp_gemm_f16}; break;
+    case LP_TYPE_BF16: *t = (mm_traits){LP_TYPE_BF16, 1, 2, mm_to_bf16, lp_vec_dot_bf16, lp_gemm_bf16}; break;
+    case LP_TYPE_Q4_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q4_0_q8_0, lp_gemm_q4_0_q8_0}; break;
+    case LP_TYPE_Q5_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q5_0_q8_0, lp_gemm_q5_0_q8_0}; break;
+    case LP_TYPE_Q8_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q8_0_q8_0, lp_gemm_q8_0_q8_0}; break;
+    case LP_TYPE_Q4_1: *t = (mm_traits){LP_TYPE_Q8_1, QK8_1, sizeof(block_q8_1), lp_quantize_row_q8_1, lp_vec_dot_q4_1_q8_1, lp_gemm_q4_1_q8_1}; break;
+    case LP_TYPE_Q5_1: *t = (mm_traits){LP_TYPE_Q8_1, QK8_1, sizeof(block_q8_1), lp_quantize_row_q8_1, lp_vec_dot_q5_1_q8_1, lp_gemm_q5_1_q8_1}; break;
+    case LP_TYPE_Q2_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q2_K_q8_K, lp_gemm_q2_K_q8_K}; break;
+    case LP_TYPE_Q3_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q3_K_q8_K, lp_gemm_q3_K_q8_K}; break;
+    case LP_TYPE_Q4_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q4_K_q8_K, lp_gemm_q4_K_q8_K}; break;
+    case LP_TYPE_Q5_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q5_K_q8_K, lp_gemm_q5_K_q8_K}; break;
+    case LP_TYPE_Q6_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q6_K_q8_K, lp_gemm_q6_K_q8_K}; break;
     default: return -1;
     }
     return t->quantize != NULL && t->dot != NULL ? 0 : -1;
@@ -1010,11 +1039,20 @@ QMM_API int lp_quantize_act(int ggml_type, const float *x, int64_t ld_x, int64_t
     return 0;
 }
 
-/* rows [r0, r1) of y for every token: MM_ROW_BLOCK rows against all tokens at a time */
+/* rows [r0, r1) of y for every token: MM_ROW_BLOCK rows against all tokens at a time, in
+ * groups of LP_GEMM_COLS tokens where the type has a multi-column kernel */
 static void mm_rows(const mm_traits *t, const uint8_t *w, int64_t r0, int64_t r1, int64_t row_bytes, int n_in,
                     const uint8_t *xq, int64_t act_bytes, int64_t n_tok, float *y, int64_t ld_y) {
     for (int64_t rb = r0; rb < r1; rb += MM_ROW_BLOCK) {
         const int64_t re = rb + MM_ROW_BLOCK < r1 ? rb + MM_ROW_BLOCK : r1;
+        if (t->gemm != NULL && n_tok > 1) {
+            for (int64_t k = 0; k < n_tok; k += LP_GEMM_COLS) {
+                const int nc = (int)(n_tok - k < LP_GEMM_COLS ? n_tok - k : LP_GEMM_COLS);
+                t->gemm(n_in, y + k * ld_y + rb, ld_y, w + rb * row_bytes, row_bytes, (int)(re - rb),
+                        xq + k * act_bytes, act_bytes, nc);
+            }
+            continue;
+        }
         for (int64_t k = 0; k < n_tok; k++) {
             const uint8_t *xk = xq + k * act_bytes;
             float *yk = y + k * ld_y;

@@ -6,6 +6,7 @@
     python bench/compare.py --models tiny32 --reps 1 --json out.json
     python bench/compare.py --models llama1b --types all --write     # + the per-type table
     python bench/compare.py --only-types --types q4_0,q4_k -n 64     # the per-type table alone
+    python bench/compare.py --models default --depth 2048 --only-depth   # tg with 2048 cells of history
 
 Models: the default model (python models/fetch_default.py), tiny32
 (../shared/reference/tiny32/tiny32-Q4_K_M.gguf) and the Llama-3.2-1B-shape Q4_K_M file
@@ -19,6 +20,11 @@ type (files cached in `--models-dir`, bench/models1b.py), tg N (`-n`, default 64
 `llama-bench -p 0 -n N` and `llamapy bench -p 0 -n N` side by side, their ratio (bar ≥ 0.9×),
 and the effective bandwidth of both: the weight bytes a decode step reads (`llamapy bench`'s
 weight_bytes_per_token) × tok/s, with llamapy's fraction of its read probe on the same threads.
+
+History table (`--depth D`, for each model of --models): tgN after D cells of history, for each
+cache type of `--cache-types` (default f16,q8_0,q4_0; K and V the same type), `llama-bench -p 0 -n
+N -d D -ctk T -ctv T` and `llamapy bench` with the same flags side by side (N: 128, or 64 for the
+1B shape); bar ≥ 1.0× (issue 11). `--only-depth` skips the main table.
 
 Every output (the printed tables, the RESULTS.md section, the JSON) names the CPU and its SIMD
 flags (avx2, avx512f, avx512_vnni, amx…), since the ratios differ between hosts of this kind.
@@ -479,6 +485,42 @@ def per_type(qtype: str, path: Path, tools: dict[str, Path] | None, threads: int
     return res
 
 
+def at_depth(model: Path, depth: int, cache_type: str, tools: dict[str, Path] | None, threads: int, reps: int,
+             n_gen: int, timeout: float | None) -> dict[str, Any]:  # fmt: skip
+    """tgN after `depth` cells of history with K and V caches of `cache_type`: llama-bench and
+    llamapy bench side by side."""
+    res: dict[str, Any] = {"model": model.stem, "depth": depth, "cache_type": cache_type, "n_gen": n_gen}
+    flags = ["-d", str(depth), "-ctk", cache_type, "-ctv", cache_type]
+    key = f"tg{n_gen}_tps"
+    if tools:
+        try:
+            lc = llama_cpp.run_bench(tools, model, p=0, n=n_gen, t=threads, reps=reps, extra=flags, timeout=timeout)
+            res["llama.cpp"] = llama_cpp.bench_tps(lc).get(key)
+        except (RuntimeError, ValueError) as e:
+            log(f"llama-bench -d {depth} -ctk {cache_type} on {model.name}: {e}")
+    cmd = [*LLAMAPY, "bench", str(model), "-p", "0", "-n", str(n_gen), "-t", str(threads), "-r", str(reps),
+           "--probe-mib", "0", "-o", "json", *flags]  # fmt: skip
+    r = llama_cpp.run_child(cmd, env=child_env(), timeout=timeout)
+    if r.rc == 0:
+        res["llamapy"] = llama_cpp.bench_tps(json.loads(r.stdout)).get(key)
+    else:
+        log(f"llamapy bench -d {depth} -ctk {cache_type} failed (exit {r.rc}): {r.stderr.strip()[-500:]}")
+    return res
+
+
+def depth_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | cache type (K and V) | test | llamapy (tok/s) | llama.cpp (tok/s) | ratio | bar ≥ 1.0× |",
+             "|---|---|---|---:|---:|---:|---|"]  # fmt: skip
+    for r in rows:
+        a, b = r.get("llamapy"), r.get("llama.cpp")
+        ratio = a / b if a and b else None
+        status = "n/a" if ratio is None else "met" if ratio >= 1.0 else "NOT MET"
+        cells = [r["model"], r["cache_type"], f"tg{r['n_gen']} @ d{r['depth']}", _fmt(a, ".2f"), _fmt(b, ".2f"),
+                 _fmt(ratio, ".2f") + ("×" if ratio else ""), status]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def per_type_markdown(rows: list[dict[str, Any]]) -> str:
     n = rows[0]["n_gen"] if rows else 64
     lines = [f"| type | file (MiB) | weights a token (MB) | llamapy tg{n} (tok/s) | llama.cpp tg{n} (tok/s) | ratio | "
@@ -515,6 +557,10 @@ def main(argv: list[str] | None = None) -> int:
                    "(default $LLAMAPY_BENCH_MODELS, else $LLAMAPY_BENCH_CACHE/models)")  # fmt: skip
     g.add_argument("--llama1b", help="the 1B-shape Q4_K_M file (default $LLAMAPY_LLAMA1B, else in --models-dir)")
     g.add_argument("--llama1b-f16", help="its F16 source (default $LLAMAPY_LLAMA1B_F16, else in --models-dir)")
+    d = ap.add_argument_group("the history table")
+    d.add_argument("--depth", type=int, default=0, help="tg after this many cells of history (0: no table)")
+    d.add_argument("--cache-types", default="f16,q8_0,q4_0", help="cache types of the history table")
+    d.add_argument("--only-depth", action="store_true", help="the history table alone (no main table)")
     a = ap.parse_args(argv)
     try:
         types = models1b.parse_types(a.types) if a.types else []
@@ -524,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--only-types needs --types")
     if a.n_gen < 1:
         ap.error("-n must be >= 1")
+    if a.only_depth and a.depth <= 0:
+        ap.error("--only-depth needs --depth")
+    cache_types = [c.strip() for c in a.cache_types.split(",") if c.strip()]
 
     mach = machine()
     log(f"machine: {machine_line(mach)}")
@@ -543,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{why}: only 1B-shape files that exist are used")
     models = resolve_models(names, mpaths, quantize)
     results = []
-    for kind, model in models:
+    for kind, model in models if not a.only_depth else []:
         log(f"== {model.name}")
         n_gen = 64 if kind == "llama1b" else 128
         res: dict[str, Any] = {"model": model.stem, "path": str(model), "kind": kind, "n_gen": n_gen}
@@ -574,16 +623,25 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{qtype} left out: {e}")
             continue
         typed.append(per_type(qtype, path, tools, a.threads, a.reps, a.n_gen, a.timeout))
+    deep: list[dict[str, Any]] = []
+    for kind, model in models if a.depth > 0 else []:
+        for ct in cache_types:
+            log(f"== {model.name}: tg after {a.depth} cells, {ct} cache")
+            deep.append(at_depth(model, a.depth, ct, tools, a.threads, a.reps, 64 if kind == "llama1b" else 128,
+                                 a.timeout))  # fmt: skip
     parts = [f"machine: {machine_line(mach)}"]
     if results:
         parts.append(markdown(results))
+    if deep:
+        parts.append(f"With history: -t {a.threads}, -r {a.reps}:\n\n" + depth_markdown(deep))
     if typed:
         parts.append(f"Per type: the 1B shape quantized `llama-quantize --pure` to each type, -t {a.threads}, "
                      f"-r {a.reps}:\n\n" + per_type_markdown(typed))  # fmt: skip
     md = "\n\n".join(parts)
     print(md)
     if a.json:
-        Path(a.json).write_text(json.dumps({"machine": mach, "note": note, "results": results, "per_type": typed},
+        Path(a.json).write_text(json.dumps({"machine": mach, "note": note, "results": results, "per_type": typed,
+                                            "depth": deep},
                                            indent=2) + "\n")  # fmt: skip
     if a.write:
         cmd = "python bench/compare.py " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))

@@ -66,6 +66,9 @@ class Instance:
     n_ubatch: int
     n_prompt: int
     n_gen: int
+    n_depth: int = 0  # cells of history filled (untimed) before each repetition
+    type_k: str = "f32"
+    type_v: str = "f32"
 
 
 def _int_list(value: str, flag: str, minimum: int) -> list[int]:
@@ -135,15 +138,15 @@ def _random_tokens(rng: np.random.Generator, n: int, n_vocab: int) -> np.ndarray
     return rng.integers(0, n_vocab, size=n, dtype=np.int32)
 
 
-def _test_prompt(ctx: Any, n_prompt: int, rng: np.random.Generator) -> None:
+def _test_prompt(ctx: Any, n_prompt: int, rng: np.random.Generator, n_past: int = 0) -> None:
     tok = ctx.model.tokenizer
     n_vocab = ctx.model.params.n_vocab
     toks = _random_tokens(rng, n_prompt, n_vocab)
-    if tok.add_bos and tok.bos is not None:
+    if tok.add_bos and tok.bos is not None and n_past == 0:
         toks[0] = tok.bos
     for b0 in range(0, n_prompt, ctx.n_batch):
         b1 = min(n_prompt, b0 + ctx.n_batch)
-        ctx.decode(toks[b0:b1], np.arange(b0, b1), 0)
+        ctx.decode(toks[b0:b1], np.arange(n_past + b0, n_past + b1), 0)
 
 
 def _test_gen(ctx: Any, n_gen: int, rng: np.random.Generator, n_past: int = 0) -> None:
@@ -160,10 +163,13 @@ def run_instance(model: Any, inst: Instance, reps: int, warmup: bool) -> list[in
     from ..context import Context, ContextOptions
 
     co = ContextOptions(
-        n_ctx=inst.n_prompt + inst.n_gen, n_batch=inst.n_batch, n_ubatch=inst.n_ubatch, n_threads=inst.n_threads
-    )
+        n_ctx=inst.n_depth + inst.n_prompt + inst.n_gen, n_batch=inst.n_batch, n_ubatch=inst.n_ubatch,
+        n_threads=inst.n_threads, type_k=common.cache_type(inst.type_k, "-ctk"),
+        type_v=common.cache_type(inst.type_v, "-ctv"),
+    )  # fmt: skip
     ctx = Context(model, co)
     rng = np.random.default_rng(0)
+    d = inst.n_depth
     try:
         if warmup:
             ctx.kv.clear()
@@ -174,11 +180,13 @@ def run_instance(model: Any, inst: Instance, reps: int, warmup: bool) -> list[in
         samples = []
         for _ in range(reps):
             ctx.kv.clear()
+            if d > 0:  # the history, as llama-bench's -d: filled before the clock starts
+                _test_prompt(ctx, d, rng)
             t0 = time.perf_counter_ns()
             if inst.n_prompt > 0:
-                _test_prompt(ctx, inst.n_prompt, rng)
+                _test_prompt(ctx, inst.n_prompt, rng, d)
             if inst.n_gen > 0:
-                _test_gen(ctx, inst.n_gen, rng, inst.n_prompt)
+                _test_gen(ctx, inst.n_gen, rng, d + inst.n_prompt)
             samples.append(time.perf_counter_ns() - t0)
         return samples
     finally:
@@ -261,18 +269,20 @@ def decode_weight_bytes(model: Any) -> int:
 
 
 def _instances(
-    ngls: list[int | str], threads: list[int], batches: list[int], ubatches: list[int], ps: list[int], ns: list[int]
-) -> list[Instance]:
+    ngls: list[int | str], threads: list[int], batches: list[int], ubatches: list[int], ps: list[int], ns: list[int],
+    depths: list[int] = [0], ctks: list[str] = ["f32"], ctvs: list[str] = ["f32"],  # noqa: B006 (never mutated)
+) -> list[Instance]:  # fmt: skip
     """llama-bench's order (pp tests, then tg tests, for each parameter set), with -ngl outermost
     so that each -ngl loads the model once."""
     out = []
-    for ngl, nb, nub, nt in itertools.product(ngls, batches, ubatches, threads):
-        for p in ps:
-            if p > 0:
-                out.append(Instance(ngl, nt, nb, nub, p, 0))
-        for n in ns:
-            if n > 0:
-                out.append(Instance(ngl, nt, nb, nub, 0, n))
+    for ngl, nb, nub, ctk, ctv, nt in itertools.product(ngls, batches, ubatches, ctks, ctvs, threads):
+        for d in depths:
+            for p in ps:
+                if p > 0:
+                    out.append(Instance(ngl, nt, nb, nub, p, 0, d, ctk, ctv))
+            for n in ns:
+                if n > 0:
+                    out.append(Instance(ngl, nt, nb, nub, 0, n, d, ctk, ctv))
     return out
 
 
@@ -281,10 +291,6 @@ def _fields(
     probe: ReadProbe | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     from .. import __version__ as version
-    from ..context import ContextOptions
-
-    co = ContextOptions()  # the cache types run_instance's contexts get
-
     n_tokens = inst.n_prompt + inst.n_gen
     ts = [1e9 * n_tokens / ns for ns in samples]
     avg_ts = statistics.fmean(ts)
@@ -305,8 +311,8 @@ def _fields(
         "n_batch": inst.n_batch,
         "n_ubatch": inst.n_ubatch,
         "n_threads": n_threads,
-        "type_k": co.type_k.name.lower(),
-        "type_v": co.type_v.name.lower(),
+        "type_k": inst.type_k,
+        "type_v": inst.type_v,
         # as asked (llama-bench's column), "all"/"auto" resolved to a number of layers
         "n_gpu_layers": inst.ngl if isinstance(inst.ngl, int) else model.info.n_gpu_layers
         if inst.ngl == "auto" else model.params.n_layer + 1,
@@ -319,7 +325,7 @@ def _fields(
         "embeddings": False,
         "n_prompt": inst.n_prompt,
         "n_gen": inst.n_gen,
-        "n_depth": 0,
+        "n_depth": inst.n_depth,
         "test_time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "avg_ns": int(statistics.fmean(samples)),
         "stddev_ns": int(_stdev([float(s) for s in samples])),
@@ -342,15 +348,20 @@ def _fields(
 _HEADERS = {"n_gpu_layers": "ngl", "n_threads": "threads", "n_batch": "n_batch", "n_ubatch": "n_ubatch",
             "eff_bw": "eff GB/s", "bw_fraction": "of probe"}  # fmt: skip
 _WIDTHS = {"model": -30, "size": 10, "params": 10, "backend": -10, "n_gpu_layers": 3, "n_threads": 7,
-           "n_batch": 7, "n_ubatch": 8, "test": 15, "t/s": 20, "eff_bw": 8, "bw_fraction": 8}  # fmt: skip
+           "n_batch": 7, "n_ubatch": 8, "type_k": -6, "type_v": -6, "test": 15, "t/s": 20, "eff_bw": 8, "bw_fraction": 8}  # fmt: skip
 
 
-def _md_fields(batches: list[int], ubatches: list[int], bandwidth: bool = False) -> list[str]:
+def _md_fields(batches: list[int], ubatches: list[int], bandwidth: bool = False, ctks: list[str] = ["f32"],
+               ctvs: list[str] = ["f32"]) -> list[str]:  # fmt: skip  # noqa: B006
     f = ["model", "size", "params", "backend", "n_gpu_layers", "n_threads"]
     if batches != [_DEFAULT_BATCH]:
         f.append("n_batch")
     if ubatches != [_DEFAULT_UBATCH]:
         f.append("n_ubatch")
+    if ctks != ["f32"]:
+        f.append("type_k")
+    if ctvs != ["f32"]:
+        f.append("type_v")
     f += ["test", "t/s"]
     # llamapy's columns come after llama-bench's, so that its readers still find theirs
     return f + ["eff_bw", "bw_fraction"] if bandwidth else f
@@ -399,6 +410,8 @@ def md_row(r: dict[str, Any], fields: list[str]) -> str:
     test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
     if r["n_prompt"] and r["n_gen"]:
         test = f"pp{r['n_prompt']}+tg{r['n_gen']}"
+    if r.get("n_depth"):
+        test += f" @ d{r['n_depth']}"
     values = {
         "model": r["model_type"],
         "size": _size(r["model_size"]),
@@ -408,6 +421,8 @@ def md_row(r: dict[str, Any], fields: list[str]) -> str:
         "n_threads": str(r["n_threads"]),
         "n_batch": str(r["n_batch"]),
         "n_ubatch": str(r["n_ubatch"]),
+        "type_k": r["type_k"],
+        "type_v": r["type_v"],
         "test": test,
         "t/s": f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}",
         "eff_bw": "-" if r.get("eff_bw_gbs") is None else f"{r['eff_bw_gbs']:.2f}",
@@ -426,6 +441,9 @@ def bench(
     threads: str = typer.Option(None, "-t", "--threads", help="threads, comma-separated (default: every core)"),
     batch: str = typer.Option(str(_DEFAULT_BATCH), "-b", "--batch-size", help="logical batch sizes"),
     ubatch: str = typer.Option(str(_DEFAULT_UBATCH), "-ub", "--ubatch-size", help="physical batch sizes"),
+    depth: str = typer.Option("0", "-d", "--n-depth", help="cells of history before each test, comma-separated"),
+    ctk: str = typer.Option("f32", "-ctk", "--cache-type-k", help="K cache types (f32 f16 q8_0 q4_0), comma-separated"),
+    ctv: str = typer.Option("f32", "-ctv", "--cache-type-v", help="V cache types, comma-separated"),
     reps: int = typer.Option(5, "-r", "--repetitions", help="repetitions of each test"),
     output: str = typer.Option("md", "-o", "--output", help="md or json"),
     no_warmup: bool = typer.Option(False, "--no-warmup", help="skip the unmeasured warmup run"),
@@ -450,12 +468,19 @@ def bench(
     ts_ = _int_list(threads, "-t", 0) if threads is not None else [n_cores]
     bs = _int_list(batch, "-b", 1)
     ubs = _int_list(ubatch, "-ub", 1)
-    insts = _instances(ngls, ts_, bs, ubs, ps, ns)
+    ds = _int_list(depth, "-d", 0)
+    ctks = [c.strip().lower() for c in ctk.split(",")]
+    ctvs = [c.strip().lower() for c in ctv.split(",")]
+    for c in ctks:
+        common.cache_type(c, "-ctk")  # refused here, before any model is loaded
+    for c in ctvs:
+        common.cache_type(c, "-ctv")
+    insts = _instances(ngls, ts_, bs, ubs, ps, ns, ds, ctks, ctvs)
     if not insts:
         raise LlamapyError("nothing to measure: every -p and -n is 0")
     path = common.resolve_model(model, model_opt)
     bandwidth = probe_mib > 0 and any(i.n_gen and not i.n_prompt for i in insts)
-    fields = _md_fields(bs, ubs, bandwidth)
+    fields = _md_fields(bs, ubs, bandwidth, ctks, ctvs)
     probes: dict[int, ReadProbe] = {}  # by thread count, measured before its first tg test
     out = sys.stdout
     results: list[dict[str, Any]] = []

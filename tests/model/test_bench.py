@@ -65,3 +65,39 @@ def test_bench_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
             main(["bench", str(TINY32), *args])
         assert exc.value.code == 1
     assert capsys.readouterr().err.count("error: ") == 4
+
+
+def test_bench_depth_and_cache_types(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """-d fills that many cells before each measured test (llama-bench's `tgN @ dD`); -ctk/-ctv sweep
+    the cache types: positions of every decode call recorded, not just the labels."""
+    from llamapy.context import Context
+
+    calls: list[tuple[int, int, str]] = []
+    real = Context.decode
+
+    def spy(self: Context, tokens, positions, *a, **k):  # type: ignore[no-untyped-def]
+        calls.append((int(positions[0]), len(positions), self.options.type_k.name.lower()))
+        return real(self, tokens, positions, *a, **k)
+
+    monkeypatch.setattr(Context, "decode", spy)
+    main(["bench", str(TINY32), "-p", "4", "-n", "2", "-d", "0,8", "-ctk", "f16,q8_0", "-ctv", "f16", "-r", "1",
+          "-t", "1", "--no-warmup", "-o", "json", "--probe-mib", "0"])  # fmt: skip
+    res = json.loads(capsys.readouterr().out)
+    got = [(r["type_k"], r["type_v"], r["n_depth"], r["n_prompt"], r["n_gen"]) for r in res]
+    assert got == [(k, "f16", d, p, n) for k in ("f16", "q8_0") for d in (0, 8) for p, n in ((4, 0), (0, 2))]
+    # per cache type: pp4, tg2, then history 8 + pp4 at 8, history 8 + tg2 at 8, 9
+    want = [(0, 4), (0, 1), (1, 1), (0, 8), (8, 4), (0, 8), (8, 1), (9, 1)]
+    assert [(p, n) for p, n, _ in calls] == want * 2
+    assert [k for _, _, k in calls] == ["f16"] * 8 + ["q8_0"] * 8
+
+    main(["bench", str(TINY32), "-p", "0", "-n", "2", "-d", "8", "-ctk", "q4_0", "-r", "1", "-t", "1", "--no-warmup",
+          "--probe-mib", "0"])  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head == ["model", "size", "params", "backend", "ngl", "threads", "type_k", "test", "t/s"]
+    row = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert row[6] == "q4_0" and row[7] == "tg2 @ d8"
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", str(TINY32), "-ctk", "q5_1"])
+    assert exc.value.code == 1 and "error: -ctk q5_1" in capsys.readouterr().err

@@ -126,3 +126,32 @@ def test_bandwidth_fields_come_from_the_tg_record() -> None:
             {"n_prompt": 0, "n_gen": 64, "eff_bw_gbs": 7.5, "bw_fraction": 0.5, "weight_bytes_per_token": 10}]  # fmt: skip
     assert cmp.bandwidth(recs) == {"eff_bw_gbs": 7.5, "bw_fraction": 0.5, "weight_bytes_per_token": 10}
     assert cmp.bandwidth(recs[:1]) == {}
+
+
+def test_depth_table_rows_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The history table: llama-bench and llamapy bench get the same -d/-ctk/-ctv, ratio vs 1.0×."""
+    cmp = _load("compare")
+    seen: list[list[str]] = []
+
+    def fake_bench(tools, model, p, n, t, reps, extra, timeout):  # type: ignore[no-untyped-def]
+        seen.append(["llama-bench", "-p", str(p), "-n", str(n), *extra])
+        return [{"n_prompt": 0, "n_gen": n, "avg_ts": 50.0}]
+
+    class Child:
+        rc, stderr = 0, ""
+        stdout = '[{"n_prompt": 0, "n_gen": 128, "avg_ts": 55.0}]'
+
+    def fake_child(cmd, env=None, timeout=None):  # type: ignore[no-untyped-def]
+        seen.append(list(cmd))
+        return Child()
+
+    monkeypatch.setattr(cmp.llama_cpp, "run_bench", fake_bench)
+    monkeypatch.setattr(cmp.llama_cpp, "run_child", fake_child)
+    r = cmp.at_depth(Path("m.gguf"), 2048, "q8_0", {"llama-bench": Path("x")}, 2, 1, 128, None)
+    assert r["llamapy"] == 55.0 and r["llama.cpp"] == 50.0
+    flags = ["-d", "2048", "-ctk", "q8_0", "-ctv", "q8_0"]
+    assert seen[0][-6:] == flags and seen[1][-6:] == flags and "bench" in seen[1]
+    lines = cmp.depth_markdown([r, {**r, "cache_type": "q4_0", "llama.cpp": 60.0}]).splitlines()
+    assert [c.strip() for c in lines[2].strip("|").split("|")][1:] == \
+        ["q8_0", "tg128 @ d2048", "55.00", "50.00", "1.10×", "met"]
+    assert lines[3].rstrip(" |").endswith("NOT MET")

@@ -374,6 +374,7 @@ LP_API void lp_vec_dot_bf16(int n, float *s, const void *vx, const void *vy) {
 #endif
 
 enum { GK_Q4_0, GK_Q4_1, GK_Q5_0, GK_Q5_1, GK_Q8_0 };
+_Static_assert(LP_GEMM_COLS == 4, "the mins terms of the columns are one __m128");
 
 /* bytes of a weight block of each kind, and whether its vec_dot has a mins term (q8_1 y) and
  * two alternating accumulators */
@@ -401,13 +402,13 @@ LP_INLINE void gk_decode(const int kind, const uint8_t *b, __m256i *qx, __m256i 
 
 /* block i of NR weight rows against NC activation rows into accumulator a (0 or 1) */
 LP_INLINE void gk_step(const int kind, const int NR, const int NC, const int a, int i, __m256 acc[][LP_GEMM_COLS][2],
-                       float summ[][LP_GEMM_COLS], const uint8_t *w, int64_t row_bytes, const uint8_t *x,
+                       __m128 summ[], const uint8_t *w, int64_t row_bytes, const uint8_t *x,
                        int64_t x_bytes, const float *yd, const float *ys) {
     const int wb = GK_WBYTES(kind), yb = GK_MINS(kind) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0);
     const int yq = GK_MINS(kind) ? 4 : 2; /* offset of the activation quants in their block */
     __m256i qx[GEMM_NR], sx[GEMM_NR];
     __m256 dx[GEMM_NR];
-    float mx[GEMM_NR];
+    __m128 mx[GEMM_NR];
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) {
         const uint8_t *b = w + r * row_bytes + (int64_t)i * wb;
@@ -417,7 +418,9 @@ LP_INLINE void gk_step(const int kind, const int NR, const int NC, const int a, 
         dx[r] = _mm256_set1_ps(H2F(h));
         if (GK_MINS(kind)) {
             memcpy(&h, b + 2, 2);
-            mx[r] = H2F(h);
+            mx[r] = _mm_set1_ps(H2F(h));
+            /* the mins terms of the 4 columns in one vector: m * s then +, as the vec_dot */
+            summ[r] = _mm_add_ps(summ[r], _mm_mul_ps(mx[r], _mm_loadu_ps(ys + i * LP_GEMM_COLS)));
         }
     }
 #pragma GCC unroll 4
@@ -428,7 +431,6 @@ LP_INLINE void gk_step(const int kind, const int NR, const int NC, const int a, 
         for (int r = 0; r < NR; r++) {
             const __m256i p = GK_SIGNED(kind) ? dot_u8s8(qx[r], _mm256_sign_epi8(qy, sx[r])) : dot_u8s8(qx[r], qy);
             acc[r][c][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dx[r], dy), acc[r][c][a]);
-            if (GK_MINS(kind)) summ[r][c] += mx[r] * ys[i * LP_GEMM_COLS + c];
         }
     }
 }
@@ -438,14 +440,13 @@ LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float
                        const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t x_bytes, const float *yd,
                        const float *ys) {
     __m256 acc[GEMM_NR][LP_GEMM_COLS][2];
-    float summ[GEMM_NR][LP_GEMM_COLS];
+    __m128 summ[GEMM_NR]; /* the 4 columns' sums of m * s */
 #pragma GCC unroll 4
-    for (int r = 0; r < NR; r++)
+    for (int r = 0; r < NR; r++) {
+        summ[r] = _mm_setzero_ps();
 #pragma GCC unroll 4
-        for (int c = 0; c < NC; c++) {
-            acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
-            summ[r][c] = 0.0f;
-        }
+        for (int c = 0; c < NC; c++) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+    }
     /* blocks in pairs as the vec_dots run them: acc0 takes the even ones, acc1 the odd ones
      * (one accumulator for the q5 kinds) */
     const int a1 = GK_NACC(kind) == 2 ? 1 : 0;
@@ -456,12 +457,15 @@ LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float
     }
     if (i < nb) gk_step(kind, NR, NC, 0, i, acc, summ, w, row_bytes, x, x_bytes, yd, ys);
 #pragma GCC unroll 4
-    for (int r = 0; r < NR; r++)
+    for (int r = 0; r < NR; r++) {
+        float sm[4];
+        _mm_storeu_ps(sm, summ[r]);
 #pragma GCC unroll 4
         for (int c = 0; c < NC; c++) {
             const __m256 v = GK_NACC(kind) == 2 ? _mm256_add_ps(acc[r][c][0], acc[r][c][1]) : acc[r][c][0];
-            s[c * ld_s + r] = GK_MINS(kind) ? hsum8(v) + summ[r][c] : hsum8(v);
+            s[c * ld_s + r] = GK_MINS(kind) ? hsum8(v) + sm[c] : hsum8(v);
         }
+    }
 }
 
 LP_INLINE void gk_rows(const int kind, const int NC, int nb, float *s, int64_t ld_s, const uint8_t *w,
@@ -479,6 +483,7 @@ LP_INLINE void gk_gemm(const int kind, int n, float *s, int64_t ld_s, const void
     const uint8_t *x = vx;
     /* the columns' scales (and q8_1 sums) as float32, [block][column] */
     float yd[nb * LP_GEMM_COLS], ys[GK_MINS(kind) ? nb * LP_GEMM_COLS : 1];
+    if (GK_MINS(kind) && nc < LP_GEMM_COLS) memset(ys, 0, sizeof ys); /* the unused lanes */
     for (int c = 0; c < nc; c++) {
         const uint8_t *xc = x + c * x_bytes;
         for (int i = 0; i < nb; i++) {

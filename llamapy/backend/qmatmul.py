@@ -17,8 +17,10 @@ with few tokens, chosen per context (`ContextOptions.cpu_matmul`, `--f32-activat
 
 Prompts: `use_sgemm` is the one place that decides when a product is big enough for float32
 tiles + sgemm instead (both modes, and the BLAS backend, which claims exactly those products).
-In the q8 mode sgemm gets the activations quantized and expanded back (`round_act`), so a
-prompt computes the same sums as the q8 kernels, as llama.cpp's CPU backend does at any batch.
+In the q8 mode the types of `Q8_GEMM_WINS` never go there (their multi-column q8 kernels are
+faster at every batch, and a token's numbers then never depend on its batch); for the others
+sgemm gets the activations quantized and expanded back (`round_act`), so a prompt computes the
+same sums as the q8 kernels (up to float32 summation order), as llama.cpp's CPU backend does.
 Without the compiled kernels (LLAMAPY_KERNELS=numpy, or an install without a C compiler) every
 product is numpy dequantization + BLAS.
 """
@@ -44,6 +46,26 @@ from . import native
 # the repacked tiles, C) plus sgemm (~0.02-0.04 ms a token per 1M weights): they cross
 # between 8 and 16 tokens; at 64 tokens sgemm is 3-10x faster, at 512 tokens ~4x.
 SGEMM_MIN_TOKENS = 16
+# Weight types whose q8 kernels beat float32 tiles + sgemm at every batch in the q8 mode, where
+# the library has their multi-column kernel (lp_gemm_<type>_<vec_dot_type>, kernels_c/quants.c:
+# each weight block decoded once for LP_GEMM_COLS tokens, bit-identical to the vec_dot), so their
+# prompts stay on lp_mul_mat: a token's numbers are then the same alone or in any batch, as
+# llama.cpp's (which runs these types' prompts on vec_dot on x86). Measured (noisy: shared
+# 2-core AVX-512 host under load; one thread each, best of 3; time of sgemm path (round_act +
+# tiles + sgemm) / time of q8 path (quantize_act + lp_mul_mat), bench/RESULTS.md 2026-12-02):
+#   SmolLM2 576x576, 1536x576, 576x1536 at 4 / 16 / 64 / 512 tokens:
+#     Q4_1 22-83 / 7.5-24 / 2.4-9.3 / 1.18-1.22   Q8_0 10-16 / 3.2-4.9 / 1.9-2.8 / 0.87-1.56
+#     Q4_0 12-16 / 4.2-5.6 / 1.5-2.1 / 1.02-1.57  Q5_0 17-37 / 5.8-6.6 / 2.2-3.5 / 0.56-1.27
+#     Q5_1 22-58 / 9.8-14 / 3.5-7.6 / 0.92-1.69
+#   1B shape 2048x2048, 8192x2048, 2048x8192 (Q4_0) at 4 / 32 / 128 / 512 tokens:
+#     10-65 / 3.4-9.3 / 1.7-2.0 / 1.06-1.15
+Q8_GEMM_WINS: dict[GGMLType, str] = {
+    GGMLType.Q4_0: "lp_gemm_q4_0_q8_0",
+    GGMLType.Q4_1: "lp_gemm_q4_1_q8_1",
+    GGMLType.Q5_0: "lp_gemm_q5_0_q8_0",
+    GGMLType.Q5_1: "lp_gemm_q5_1_q8_1",
+    GGMLType.Q8_0: "lp_gemm_q8_0_q8_0",
+}
 # Float32 elements per dequantized tile on the sgemm path (4 MiB).
 TILE_ELEMS = 1 << 20
 # Rows per repacked tile: wide enough for 8-lane AVX2 loops with little loop overhead
@@ -64,15 +86,25 @@ def kernels() -> str:
     return "c" if native.lib() is not None else "numpy"
 
 
-def use_sgemm(qtype: GGMLType, n_out: int, n_in: int, n_tokens: int) -> bool:
+def use_sgemm(qtype: GGMLType, n_out: int, n_in: int, n_tokens: int, q8: bool = True) -> bool:
     """Whether a MUL_MAT of an (n_out, n_in) `qtype` weight with n_tokens rows of activations
     runs as float32 tiles + sgemm rather than as the per-block kernels: the one decision for the
-    CPU backend (QMatrix.matmul) and the BLAS backend (which claims these products)."""
+    CPU backend (QMatrix.matmul) and the BLAS backend (which claims these products). `q8`: the
+    context's mode ("q8" unless --f32-activations; the BLAS backend asks for the default)."""
     if kernels() == "numpy":
         return True
     if qtype == GGMLType.F32:
         return n_tokens >= 2  # already float32: no expansion to pay for
+    if q8 and _has_gemm(qtype):
+        return False  # the multi-column q8 kernel beats tiles + sgemm at every batch (Q8_GEMM_WINS)
     return n_tokens >= SGEMM_MIN_TOKENS
+
+
+def _has_gemm(qtype: GGMLType) -> bool:
+    """Whether `qtype` is in Q8_GEMM_WINS and the loaded library has its multi-column kernel
+    (the portable build has none: one vec_dot per output loses to sgemm from ~16 tokens)."""
+    name = Q8_GEMM_WINS.get(qtype)
+    return name is not None and hasattr(native.lib(), name)
 
 
 _num_threads = 0
@@ -311,7 +343,7 @@ class QMatrix:
         blocks), "mv" (float32 activations on the repacked tiles), "sgemm" (float32 tiles +
         BLAS; in the q8 mode on activations rounded by `round_act`). `q8`: the context's mode
         ("q8" unless --f32-activations)."""
-        if use_sgemm(self.qtype, self.n_out, self.n_in, n_tok):
+        if use_sgemm(self.qtype, self.n_out, self.n_in, n_tok, q8):
             return "sgemm"
         if self._rp is not None:
             return "mv"

@@ -191,6 +191,37 @@ def test_vec_dot_against_float64(lib: ctypes.CDLL, name: str, n_in: int) -> None
             assert abs(s.value - want) <= 2e-6 * mag + 1e-30, (name, r, t, s.value, want)
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_gemm_is_vec_dots(lib: ctypes.CDLL, name: str) -> None:
+    """lp_gemm_<type> (where the variant has one: AVX2, AVX-512) called directly: every output
+    s[c * ld_s + r] is its vec_dot's bit for bit, for 1..LP_GEMM_COLS columns, an odd row count
+    (the kernels take rows in pairs on AVX-512) and an odd block count (the vec_dots' two
+    accumulators take the blocks in pairs)."""
+    sym = f"{name.lower()}_{VEC_DOT_TYPE[name].lower()}"
+    if not hasattr(lib, "lp_gemm_" + sym):
+        assert "avx" not in os.path.basename(lib._name)  # the AVX2 and AVX-512 builds have them all
+        pytest.skip(f"this library has no lp_gemm_{sym}")
+    gemm, dot = getattr(lib, "lp_gemm_" + sym), getattr(lib, "lp_vec_dot_" + sym)
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    gemm.argtypes, gemm.restype = [ctypes.c_int, p, i64, p, i64, ctypes.c_int, p, i64, ctypes.c_int], None
+    rng = np.random.default_rng(11)
+    n_rows, n_in, n_cols = 7, 32 * 19, 4
+    w = random_raw(name, n_rows, n_in, rng)
+    xq = quantize_act(lib, name, rng.standard_normal((n_cols, n_in)).astype(np.float32))
+    want = np.zeros((n_cols, n_rows), np.float32)
+    s = ctypes.c_float()
+    for c in range(n_cols):
+        for r in range(n_rows):
+            dot(n_in, ctypes.byref(s), ptr(w[r]), ptr(xq[c]))
+            want[c, r] = s.value
+    for nc in range(1, n_cols + 1):
+        for nr in (1, 2, n_rows):
+            y = np.full((n_cols, n_rows + 2), np.nan, np.float32)  # ld_s > nr
+            gemm(n_in, ptr(y), y.shape[1], ptr(w), w.shape[1], nr, ptr(xq), xq.shape[1], nc)
+            assert np.array_equal(y[:nc, :nr], want[:nc, :nr]), (nc, nr)
+            assert np.isnan(y[nc:]).all() and np.isnan(y[:, nr:]).all()  # nothing else written
+
+
 @pytest.mark.parametrize("name", OWN_TYPES + K_TYPES)
 @pytest.mark.parametrize("n_tok", [1, 5, 9])  # LP_GEMM_COLS = 4: whole groups and remainders
 def test_mul_mat_is_vec_dots(lib: ctypes.CDLL, name: str, n_tok: int) -> None:

@@ -120,10 +120,28 @@ def test_paths() -> None:
     file_rows = QMatrix.prepare(raw, GGMLType.Q4_1, 128, 64)
     repacked = QMatrix.prepare(raw.copy(), GGMLType.Q4_1, 128, 64, repack=True)
     n = qmatmul.SGEMM_MIN_TOKENS
-    assert [file_rows.path(t) for t in (1, n - 1, n)] == ["q8", "q8", "sgemm"]
+    big = "q8" if hasattr(native.lib(), qmatmul.Q8_GEMM_WINS[GGMLType.Q4_1]) else "sgemm"
+    assert [file_rows.path(t) for t in (1, n - 1, n, 512)] == ["q8", "q8", big, big]
     assert [file_rows.path(t, q8=False) for t in (1, n)] == ["sgemm", "sgemm"]  # no repacked layout
     assert [repacked.path(t, q8=False) for t in (1, n - 1, n)] == ["mv", "mv", "sgemm"]
     assert not qmatmul.use_sgemm(GGMLType.F32, 8, 8, 1) and qmatmul.use_sgemm(GGMLType.F32, 8, 8, 2)
+
+
+@pytest.mark.parametrize("variant", list(native.VARIANTS))
+def test_q8_prompts_stay_on_the_gemm_kernels(monkeypatch, variant: str) -> None:
+    """In the q8 mode the types of Q8_GEMM_WINS run lp_mul_mat at every batch where the library
+    has their multi-column kernel (the AVX2 and AVX-512 builds), and sgemm from SGEMM_MIN_TOKENS
+    where it has none (portable: one vec_dot per output); the f32 mode keeps sgemm."""
+    if variant not in native.built() or not native.runnable(variant):
+        pytest.skip(f"the {variant} kernels are not built or cannot run here")
+    monkeypatch.setenv("LLAMAPY_KERNELS_VARIANT", variant)
+    n = qmatmul.SGEMM_MIN_TOKENS
+    for qt, name in qmatmul.Q8_GEMM_WINS.items():
+        has = hasattr(native.lib(), name)
+        assert has == (variant != "portable"), (variant, name)
+        assert [qmatmul.use_sgemm(qt, 576, 1536, t) for t in (1, n, 512)] == [False, not has, not has]
+        assert [qmatmul.use_sgemm(qt, 576, 1536, t, q8=False) for t in (1, n, 512)] == [False, True, True]
+    assert qmatmul.use_sgemm(GGMLType.F16, 576, 1536, n)  # no multi-column kernel: sgemm
 
 
 def test_blas_backend_claims_what_use_sgemm_says() -> None:
@@ -298,8 +316,9 @@ def test_sgemm_on_rounded_activations_equals_q8_kernels(name: str) -> None:
     raw = random_raw(name, n_out, n_in, np.random.default_rng(20))
     m = QMatrix.prepare(raw, GGMLType[name], n_out, n_in)
     x = np.random.default_rng(21).standard_normal((n_tok, n_in)).astype(np.float32)
-    assert m.path(n_tok) == "sgemm"
-    got = m.matmul(x)
+    got = m.matmul_tiles(m.round_act(x))  # the sgemm path's product (QMatrix.matmul, BLAS)
+    if m.path(n_tok) == "sgemm":  # a type without a multi-column q8 kernel (use_sgemm)
+        assert np.array_equal(m.matmul(x), got)
     want = m.matmul_q8(m.quantize_act(x))
     w = np.abs(gguf.quants.dequantize(raw, GGMLType[name]).reshape(n_out, n_in).astype(np.float64))
     scale = np.abs(x).astype(np.float64) @ w.T

@@ -351,3 +351,170 @@ LP_API void lp_vec_dot_bf16(int n, float *s, const void *vx, const void *vy) {
     for (; i < n; i++) sumf += lp_bf2f(x[i]) * lp_bf2f(y[i]);
     *s = sumf;
 }
+
+/* --- several outputs at once: the q types' lp_gemm_* (lp_quants.h, LP_GEMM_COLS) ------------ */
+
+/* Each weight block is decoded once (nibbles, high bits, its scale) for GEMM_NR rows and dotted
+ * with up to LP_GEMM_COLS activation rows. Per output the float32 operations are the vec_dot's
+ * own, in its order: the same int32 lanes (dot_u8s8 / dot_s8s8), the scale dx * dy rounded once
+ * and broadcast, one fmadd per block into the accumulator the vec_dot uses for that block (two
+ * alternating accumulators for q4_0, q4_1 and q8_0, one for q5_0 and q5_1), the mins term
+ * m * s added in block order, and hsum8 at the end; so a token's numbers never depend on the
+ * batch it is in. The activation scales of the nc columns are converted once per call. */
+
+#if defined(__AVX2__)
+
+#define LP_INLINE static inline __attribute__((always_inline))
+
+/* rows at once: the avx512 build has 32 vector registers (2 rows x 4 columns x 2 accumulators) */
+#if defined(__AVX512F__)
+#define GEMM_NR 2
+#else
+#define GEMM_NR 1
+#endif
+
+enum { GK_Q4_0, GK_Q4_1, GK_Q5_0, GK_Q5_1, GK_Q8_0 };
+_Static_assert(LP_GEMM_COLS == 4, "the mins terms of the columns are one __m128");
+
+/* bytes of a weight block of each kind, and whether its vec_dot has a mins term (q8_1 y) and
+ * two alternating accumulators */
+#define GK_WBYTES(k) ((k) == GK_Q4_0 ? 18 : (k) == GK_Q4_1 ? 20 : (k) == GK_Q5_0 ? 22 : (k) == GK_Q5_1 ? 24 : 34)
+#define GK_MINS(k) ((k) == GK_Q4_1 || (k) == GK_Q5_1)
+#define GK_NACC(k) ((k) == GK_Q5_0 || (k) == GK_Q5_1 ? 1 : 2)
+#define GK_SIGNED(k) ((k) == GK_Q4_0 || (k) == GK_Q5_0 || (k) == GK_Q8_0)
+
+/* the 32 quants of weight block b as the vec_dot forms them (signed kinds: |q| in *qx and q in
+ * *sx, for dot_s8s8's sign trick; unsigned kinds: q in *qx) */
+LP_INLINE void gk_decode(const int kind, const uint8_t *b, __m256i *qx, __m256i *sx) {
+    if (kind == GK_Q4_0) {
+        *sx = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
+    } else if (kind == GK_Q4_1) {
+        *qx = nibbles32(b + 4);
+    } else if (kind == GK_Q5_0) {
+        *sx = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), hbits32(b + 2)), _mm256_set1_epi8(16));
+    } else if (kind == GK_Q5_1) {
+        *qx = _mm256_or_si256(nibbles32(b + 8), hbits32(b + 4));
+    } else {
+        *sx = _mm256_loadu_si256((const __m256i *)(b + 2));
+    }
+    if (GK_SIGNED(kind)) *qx = _mm256_sign_epi8(*sx, *sx);
+}
+
+/* block i of NR weight rows against NC activation rows into accumulator a (0 or 1) */
+LP_INLINE void gk_step(const int kind, const int NR, const int NC, const int a, int i, __m256 acc[][LP_GEMM_COLS][2],
+                       __m128 summ[], const uint8_t *w, int64_t row_bytes, const uint8_t *x,
+                       int64_t x_bytes, const float *yd, const float *ys) {
+    const int wb = GK_WBYTES(kind), yb = GK_MINS(kind) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0);
+    const int yq = GK_MINS(kind) ? 4 : 2; /* offset of the activation quants in their block */
+    __m256i qx[GEMM_NR], sx[GEMM_NR];
+    __m256 dx[GEMM_NR];
+    __m128 mx[GEMM_NR];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        const uint8_t *b = w + r * row_bytes + (int64_t)i * wb;
+        gk_decode(kind, b, &qx[r], &sx[r]);
+        lp_half h;
+        memcpy(&h, b, 2);
+        dx[r] = _mm256_set1_ps(H2F(h));
+        if (GK_MINS(kind)) {
+            memcpy(&h, b + 2, 2);
+            mx[r] = _mm_set1_ps(H2F(h));
+            /* the mins terms of the 4 columns in one vector: m * s then +, as the vec_dot */
+            summ[r] = _mm_add_ps(summ[r], _mm_mul_ps(mx[r], _mm_loadu_ps(ys + i * LP_GEMM_COLS)));
+        }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) {
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)(x + c * x_bytes + (int64_t)i * yb + yq));
+        const __m256 dy = _mm256_broadcast_ss(yd + i * LP_GEMM_COLS + c);
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            const __m256i p = GK_SIGNED(kind) ? dot_u8s8(qx[r], _mm256_sign_epi8(qy, sx[r])) : dot_u8s8(qx[r], qy);
+            acc[r][c][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dx[r], dy), acc[r][c][a]);
+        }
+    }
+}
+
+/* NR weight rows x NC activation rows (compile-time constants once inlined) */
+LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float *s, int64_t ld_s,
+                       const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t x_bytes, const float *yd,
+                       const float *ys) {
+    __m256 acc[GEMM_NR][LP_GEMM_COLS][2];
+    __m128 summ[GEMM_NR]; /* the 4 columns' sums of m * s */
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        summ[r] = _mm_setzero_ps();
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+    }
+    /* blocks in pairs as the vec_dots run them: acc0 takes the even ones, acc1 the odd ones
+     * (one accumulator for the q5 kinds) */
+    const int a1 = GK_NACC(kind) == 2 ? 1 : 0;
+    int i = 0;
+    for (; i + 1 < nb; i += 2) {
+        gk_step(kind, NR, NC, 0, i, acc, summ, w, row_bytes, x, x_bytes, yd, ys);
+        gk_step(kind, NR, NC, a1, i + 1, acc, summ, w, row_bytes, x, x_bytes, yd, ys);
+    }
+    if (i < nb) gk_step(kind, NR, NC, 0, i, acc, summ, w, row_bytes, x, x_bytes, yd, ys);
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        float sm[4];
+        _mm_storeu_ps(sm, summ[r]);
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) {
+            const __m256 v = GK_NACC(kind) == 2 ? _mm256_add_ps(acc[r][c][0], acc[r][c][1]) : acc[r][c][0];
+            s[c * ld_s + r] = GK_MINS(kind) ? hsum8(v) + sm[c] : hsum8(v);
+        }
+    }
+}
+
+LP_INLINE void gk_rows(const int kind, const int NC, int nb, float *s, int64_t ld_s, const uint8_t *w,
+                       int64_t row_bytes, int nr, const uint8_t *x, int64_t x_bytes, const float *yd,
+                       const float *ys) {
+    int r = 0;
+    for (; r + GEMM_NR <= nr; r += GEMM_NR)
+        gk_tile(kind, GEMM_NR, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys);
+    for (; r < nr; r++) gk_tile(kind, 1, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys);
+}
+
+LP_INLINE void gk_gemm(const int kind, int n, float *s, int64_t ld_s, const void *vw, int64_t row_bytes, int nr,
+                       const void *vx, int64_t x_bytes, int nc) {
+    const int nb = n / QK8_0;
+    const uint8_t *x = vx;
+    /* the columns' scales (and q8_1 sums) as float32, [block][column] */
+    float yd[nb * LP_GEMM_COLS], ys[GK_MINS(kind) ? nb * LP_GEMM_COLS : 1];
+    if (GK_MINS(kind) && nc < LP_GEMM_COLS) memset(ys, 0, sizeof ys); /* the unused lanes */
+    for (int c = 0; c < nc; c++) {
+        const uint8_t *xc = x + c * x_bytes;
+        for (int i = 0; i < nb; i++) {
+            lp_half h;
+            memcpy(&h, xc + (int64_t)i * (GK_MINS(kind) ? sizeof(block_q8_1) : sizeof(block_q8_0)), 2);
+            yd[i * LP_GEMM_COLS + c] = H2F(h);
+            if (GK_MINS(kind)) {
+                memcpy(&h, xc + (int64_t)i * sizeof(block_q8_1) + 2, 2);
+                ys[i * LP_GEMM_COLS + c] = H2F(h);
+            }
+        }
+    }
+    const uint8_t *w = vw;
+    switch (nc) {
+    case 1: gk_rows(kind, 1, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
+    case 2: gk_rows(kind, 2, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
+    case 3: gk_rows(kind, 3, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
+    default: gk_rows(kind, 4, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
+    }
+}
+
+#define GK_DEFINE(name, kind)                                                                             \
+    LP_API void name(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, \
+                     int64_t x_bytes, int nc) {                                                           \
+        gk_gemm(kind, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);                                      \
+    }
+GK_DEFINE(lp_gemm_q4_0_q8_0, GK_Q4_0)
+GK_DEFINE(lp_gemm_q4_1_q8_1, GK_Q4_1)
+GK_DEFINE(lp_gemm_q5_0_q8_0, GK_Q5_0)
+GK_DEFINE(lp_gemm_q5_1_q8_1, GK_Q5_1)
+GK_DEFINE(lp_gemm_q8_0_q8_0, GK_Q8_0)
+#undef GK_DEFINE
+
+#endif

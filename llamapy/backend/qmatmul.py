@@ -44,6 +44,21 @@ from . import native
 # the repacked tiles, C) plus sgemm (~0.02-0.04 ms a token per 1M weights): they cross
 # between 8 and 16 tokens; at 64 tokens sgemm is 3-10x faster, at 512 tokens ~4x.
 SGEMM_MIN_TOKENS = 16
+# The q8 mode's exceptions, per weight type: where the C library has the type's multi-column
+# int8 kernel (this symbol, lp_quants.h's lp_gemm_fn; the AVX2 / AVX-512 builds), lp_mul_mat
+# runs it for groups of tokens, and from how many tokens sgemm is used instead (None: never).
+# Measured (noisy: shared 2-core AVX-512 machine, load ~8; one thread each, numpy BLAS included;
+# lp_mul_mat_q + quantize_act vs round_act + tiles + sgemm on the Llama-3.2-1B shapes 2048x2048,
+# 512x2048, 8192x2048, 2048x8192 and Q6_K's 128256x2048 output, 4..512 tokens): sgemm's time
+# over the int8 kernel's is >= 2.0 everywhere (Q4_K: 2.0-2.1 at 512 tokens, 4-12 at 64, 17-40
+# at 16; Q6_K: 2.6-3.1 at 512, 2.2-8 at 128, 8-60 at 16-32), so K types never take sgemm.
+# Figures: bench/RESULTS.md ("int8 multi-column kernels").
+Q8_GEMM: dict[GGMLType, tuple[str, int | None]] = {
+    GGMLType.Q3_K: ("lp_gemm_q3_K_q8_K", None),
+    GGMLType.Q4_K: ("lp_gemm_q4_K_q8_K", None),
+    GGMLType.Q5_K: ("lp_gemm_q5_K_q8_K", None),
+    GGMLType.Q6_K: ("lp_gemm_q6_K_q8_K", None),
+}
 # Float32 elements per dequantized tile on the sgemm path (4 MiB).
 TILE_ELEMS = 1 << 20
 # Rows per repacked tile: wide enough for 8-lane AVX2 loops with little loop overhead
@@ -64,14 +79,19 @@ def kernels() -> str:
     return "c" if native.lib() is not None else "numpy"
 
 
-def use_sgemm(qtype: GGMLType, n_out: int, n_in: int, n_tokens: int) -> bool:
+def use_sgemm(qtype: GGMLType, n_out: int, n_in: int, n_tokens: int, q8: bool = True) -> bool:
     """Whether a MUL_MAT of an (n_out, n_in) `qtype` weight with n_tokens rows of activations
     runs as float32 tiles + sgemm rather than as the per-block kernels: the one decision for the
-    CPU backend (QMatrix.matmul) and the BLAS backend (which claims these products)."""
+    CPU backend (QMatrix.matmul) and the BLAS backend (which claims these products). `q8`: the
+    context's mode (the BLAS backend rounds activations as the q8 mode does); the f32 mode
+    keeps SGEMM_MIN_TOKENS for every type."""
     if kernels() == "numpy":
         return True
     if qtype == GGMLType.F32:
         return n_tokens >= 2  # already float32: no expansion to pay for
+    gemm = Q8_GEMM.get(qtype) if q8 else None
+    if gemm is not None and hasattr(native.lib(), gemm[0]):
+        return gemm[1] is not None and n_tokens >= gemm[1]
     return n_tokens >= SGEMM_MIN_TOKENS
 
 
@@ -311,7 +331,7 @@ class QMatrix:
         blocks), "mv" (float32 activations on the repacked tiles), "sgemm" (float32 tiles +
         BLAS; in the q8 mode on activations rounded by `round_act`). `q8`: the context's mode
         ("q8" unless --f32-activations)."""
-        if use_sgemm(self.qtype, self.n_out, self.n_in, n_tok):
+        if use_sgemm(self.qtype, self.n_out, self.n_in, n_tok, q8):
             return "sgemm"
         if self._rp is not None:
             return "mv"

@@ -132,11 +132,34 @@ def test_blas_backend_claims_what_use_sgemm_says() -> None:
 
     dev = BLASDevice()
     for n_tok in (1, qmatmul.SGEMM_MIN_TOKENS - 1, qmatmul.SGEMM_MIN_TOKENS, 512):
-        for qt in (GGMLType.Q4_1, GGMLType.F32):
+        for qt in (GGMLType.Q4_1, GGMLType.F32, GGMLType.Q4_K):
             w = Tensor("w", (576, 1536), qt, flags=TensorFlag.WEIGHT)
             x = Tensor("x", (n_tok, 1536), GGMLType.F32)
             node = Tensor("y", (n_tok, 576), GGMLType.F32, op=Op.MUL_MAT, src=(w, x))
             assert dev.supports_op(node) == qmatmul.use_sgemm(qt, 576, 1536, n_tok)
+
+
+@pytest.mark.parametrize("name", ["Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_k_types_stay_on_int8_kernels_at_any_batch(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """use_sgemm's Q8_GEMM table: in the q8 mode a K type whose multi-column int8 kernel the
+    library has (lp_gemm_*) runs the q8 kernels at every batch size, so a token's numbers do not
+    depend on the batch it is in; the f32 mode, and a library without that kernel (the portable
+    build), keep sgemm from SGEMM_MIN_TOKENS tokens."""
+    if native.lib() is None:
+        pytest.skip(f"no C kernels: {native.error()}")
+    qt, n = GGMLType[name], qmatmul.SGEMM_MIN_TOKENS
+    raw = random_raw(name, 80, 512, np.random.default_rng(3))
+    m = QMatrix.prepare(raw, qt, 80, 512)
+    if not hasattr(native.lib(), qmatmul.Q8_GEMM[qt][0]):
+        pytest.skip(f"this library has no {name} multi-column kernel")
+    assert [m.path(t) for t in (1, n, 512)] == ["q8", "q8", "q8"]
+    assert m.path(n, q8=False) == "sgemm"
+    x = np.random.default_rng(4).standard_normal((n + 5, 512)).astype(np.float32)
+    batch = m.matmul(x)
+    assert all(np.array_equal(batch[i], m.matmul(x[i : i + 1])[0]) for i in range(0, n + 5, 4))
+    if "portable" in native.built():
+        monkeypatch.setenv("LLAMAPY_KERNELS_VARIANT", "portable")
+        assert not hasattr(native.lib(), qmatmul.Q8_GEMM[qt][0]) and m.path(n) == "sgemm"
 
 
 def test_dequantize_and_get_rows(qmat) -> None:

@@ -17,7 +17,7 @@ with few tokens, chosen per context (`ContextOptions.cpu_matmul`, `--f32-activat
 
 Prompts: `use_sgemm` is the one place that decides when a product is big enough for float32
 tiles + sgemm instead (both modes, and the BLAS backend, which claims exactly those products).
-In the q8 mode the types of `Q8_GEMM_WINS` never go there (their multi-column q8 kernels are
+In the q8 mode the types of `Q8_GEMM` never go there (their multi-column q8 kernels are
 faster at every batch, and a token's numbers then never depend on its batch); for the others
 sgemm gets the activations quantized and expanded back (`round_act`), so a prompt computes the
 same sums as the q8 kernels (up to float32 summation order), as llama.cpp's CPU backend does.
@@ -47,24 +47,31 @@ from . import native
 # between 8 and 16 tokens; at 64 tokens sgemm is 3-10x faster, at 512 tokens ~4x.
 SGEMM_MIN_TOKENS = 16
 # Weight types whose q8 kernels beat float32 tiles + sgemm at every batch in the q8 mode, where
-# the library has their multi-column kernel (lp_gemm_<type>_<vec_dot_type>, kernels_c/quants.c:
-# each weight block decoded once for LP_GEMM_COLS tokens, bit-identical to the vec_dot), so their
-# prompts stay on lp_mul_mat: a token's numbers are then the same alone or in any batch, as
-# llama.cpp's (which runs these types' prompts on vec_dot on x86). Measured (noisy: shared
-# 2-core AVX-512 host under load; one thread each, best of 3; time of sgemm path (round_act +
-# tiles + sgemm) / time of q8 path (quantize_act + lp_mul_mat), bench/RESULTS.md 2026-12-02):
+# the library has their multi-column kernel (this symbol, lp_quants.h's lp_gemm_fn; the AVX2 and
+# AVX-512 builds: each weight block decoded once for LP_GEMM_COLS tokens, bit-identical to the
+# vec_dot), so their prompts stay on lp_mul_mat: a token's numbers are then the same alone or in
+# any batch, as llama.cpp's (which runs these types' prompts on vec_dot on x86). Measured (noisy:
+# shared 2-core AVX-512 host under load ~8; one thread each, best of 3; time of the sgemm path
+# (round_act + tiles + sgemm) / time of the q8 path (quantize_act + lp_mul_mat), bench/RESULTS.md
+# 2026-12-02):
 #   SmolLM2 576x576, 1536x576, 576x1536 at 4 / 16 / 64 / 512 tokens:
 #     Q4_1 22-83 / 7.5-24 / 2.4-9.3 / 1.18-1.22   Q8_0 10-16 / 3.2-4.9 / 1.9-2.8 / 0.87-1.56
 #     Q4_0 12-16 / 4.2-5.6 / 1.5-2.1 / 1.02-1.57  Q5_0 17-37 / 5.8-6.6 / 2.2-3.5 / 0.56-1.27
 #     Q5_1 22-58 / 9.8-14 / 3.5-7.6 / 0.92-1.69
 #   1B shape 2048x2048, 8192x2048, 2048x8192 (Q4_0) at 4 / 32 / 128 / 512 tokens:
 #     10-65 / 3.4-9.3 / 1.7-2.0 / 1.06-1.15
-Q8_GEMM_WINS: dict[GGMLType, str] = {
+#   1B shapes 2048x2048, 512x2048, 8192x2048, 2048x8192, Q6_K's 128256x2048 output, 4..512 tokens:
+#     Q4_K 17-40 at 16, 4-12 at 64, 2.0-2.1 at 512; Q6_K 8-60 at 16-32, 2.2-8 at 128, 2.6-3.1 at 512
+Q8_GEMM: dict[GGMLType, str] = {
     GGMLType.Q4_0: "lp_gemm_q4_0_q8_0",
     GGMLType.Q4_1: "lp_gemm_q4_1_q8_1",
     GGMLType.Q5_0: "lp_gemm_q5_0_q8_0",
     GGMLType.Q5_1: "lp_gemm_q5_1_q8_1",
     GGMLType.Q8_0: "lp_gemm_q8_0_q8_0",
+    GGMLType.Q3_K: "lp_gemm_q3_K_q8_K",
+    GGMLType.Q4_K: "lp_gemm_q4_K_q8_K",
+    GGMLType.Q5_K: "lp_gemm_q5_K_q8_K",
+    GGMLType.Q6_K: "lp_gemm_q6_K_q8_K",
 }
 # Float32 elements per dequantized tile on the sgemm path (4 MiB).
 TILE_ELEMS = 1 << 20
@@ -96,14 +103,14 @@ def use_sgemm(qtype: GGMLType, n_out: int, n_in: int, n_tokens: int, q8: bool = 
     if qtype == GGMLType.F32:
         return n_tokens >= 2  # already float32: no expansion to pay for
     if q8 and _has_gemm(qtype):
-        return False  # the multi-column q8 kernel beats tiles + sgemm at every batch (Q8_GEMM_WINS)
+        return False  # the multi-column q8 kernel beats tiles + sgemm at every batch (Q8_GEMM)
     return n_tokens >= SGEMM_MIN_TOKENS
 
 
 def _has_gemm(qtype: GGMLType) -> bool:
-    """Whether `qtype` is in Q8_GEMM_WINS and the loaded library has its multi-column kernel
+    """Whether `qtype` is in Q8_GEMM and the loaded library has its multi-column kernel
     (the portable build has none: one vec_dot per output loses to sgemm from ~16 tokens)."""
-    name = Q8_GEMM_WINS.get(qtype)
+    name = Q8_GEMM.get(qtype)
     return name is not None and hasattr(native.lib(), name)
 
 

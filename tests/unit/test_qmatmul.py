@@ -120,7 +120,7 @@ def test_paths() -> None:
     file_rows = QMatrix.prepare(raw, GGMLType.Q4_1, 128, 64)
     repacked = QMatrix.prepare(raw.copy(), GGMLType.Q4_1, 128, 64, repack=True)
     n = qmatmul.SGEMM_MIN_TOKENS
-    big = "q8" if hasattr(native.lib(), qmatmul.Q8_GEMM_WINS[GGMLType.Q4_1]) else "sgemm"
+    big = "q8" if hasattr(native.lib(), qmatmul.Q8_GEMM[GGMLType.Q4_1]) else "sgemm"
     assert [file_rows.path(t) for t in (1, n - 1, n, 512)] == ["q8", "q8", big, big]
     assert [file_rows.path(t, q8=False) for t in (1, n)] == ["sgemm", "sgemm"]  # no repacked layout
     assert [repacked.path(t, q8=False) for t in (1, n - 1, n)] == ["mv", "mv", "sgemm"]
@@ -129,14 +129,14 @@ def test_paths() -> None:
 
 @pytest.mark.parametrize("variant", list(native.VARIANTS))
 def test_q8_prompts_stay_on_the_gemm_kernels(monkeypatch, variant: str) -> None:
-    """In the q8 mode the types of Q8_GEMM_WINS run lp_mul_mat at every batch where the library
+    """In the q8 mode the types of Q8_GEMM run lp_mul_mat at every batch where the library
     has their multi-column kernel (the AVX2 and AVX-512 builds), and sgemm from SGEMM_MIN_TOKENS
     where it has none (portable: one vec_dot per output); the f32 mode keeps sgemm."""
     if variant not in native.built() or not native.runnable(variant):
         pytest.skip(f"the {variant} kernels are not built or cannot run here")
     monkeypatch.setenv("LLAMAPY_KERNELS_VARIANT", variant)
     n = qmatmul.SGEMM_MIN_TOKENS
-    for qt, name in qmatmul.Q8_GEMM_WINS.items():
+    for qt, name in qmatmul.Q8_GEMM.items():
         has = hasattr(native.lib(), name)
         assert has == (variant != "portable"), (variant, name)
         assert [qmatmul.use_sgemm(qt, 576, 1536, t) for t in (1, n, 512)] == [False, not has, not has]
@@ -150,11 +150,34 @@ def test_blas_backend_claims_what_use_sgemm_says() -> None:
 
     dev = BLASDevice()
     for n_tok in (1, qmatmul.SGEMM_MIN_TOKENS - 1, qmatmul.SGEMM_MIN_TOKENS, 512):
-        for qt in (GGMLType.Q4_1, GGMLType.F32):
+        for qt in (GGMLType.Q4_1, GGMLType.F32, GGMLType.Q4_K):
             w = Tensor("w", (576, 1536), qt, flags=TensorFlag.WEIGHT)
             x = Tensor("x", (n_tok, 1536), GGMLType.F32)
             node = Tensor("y", (n_tok, 576), GGMLType.F32, op=Op.MUL_MAT, src=(w, x))
             assert dev.supports_op(node) == qmatmul.use_sgemm(qt, 576, 1536, n_tok)
+
+
+@pytest.mark.parametrize("name", ["Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_k_types_stay_on_int8_kernels_at_any_batch(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """use_sgemm's Q8_GEMM table: in the q8 mode a K type whose multi-column int8 kernel the
+    library has (lp_gemm_*) runs the q8 kernels at every batch size, so a token's numbers do not
+    depend on the batch it is in; the f32 mode, and a library without that kernel (the portable
+    build), keep sgemm from SGEMM_MIN_TOKENS tokens."""
+    if native.lib() is None:
+        pytest.skip(f"no C kernels: {native.error()}")
+    qt, n = GGMLType[name], qmatmul.SGEMM_MIN_TOKENS
+    raw = random_raw(name, 80, 512, np.random.default_rng(3))
+    m = QMatrix.prepare(raw, qt, 80, 512)
+    if not hasattr(native.lib(), qmatmul.Q8_GEMM[qt]):
+        pytest.skip(f"this library has no {name} multi-column kernel")
+    assert [m.path(t) for t in (1, n, 512)] == ["q8", "q8", "q8"]
+    assert m.path(n, q8=False) == "sgemm"
+    x = np.random.default_rng(4).standard_normal((n + 5, 512)).astype(np.float32)
+    batch = m.matmul(x)
+    assert all(np.array_equal(batch[i], m.matmul(x[i : i + 1])[0]) for i in range(0, n + 5, 4))
+    if "portable" in native.built():
+        monkeypatch.setenv("LLAMAPY_KERNELS_VARIANT", "portable")
+        assert not hasattr(native.lib(), qmatmul.Q8_GEMM[qt]) and m.path(n) == "sgemm"
 
 
 def test_dequantize_and_get_rows(qmat) -> None:

@@ -684,3 +684,320 @@ KQ_API void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict 
     *s = sumf;
 #endif
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * Multi-column kernels (lp_quants.h, lp_gemm_fn): one weight row against nc <= LP_GEMM_COLS
+ * activation rows at a time. Each weight block is decoded once (nibbles, high bits, scales,
+ * mins) and multiplied with every column; per column the vec_dot's own operations are done in
+ * the vec_dot's order: the same int32 lanes (integer sums, exact whatever their order) go
+ * through the same float32 FMAs into per-column accumulators, reduced the same way, so every
+ * output is bit-identical to the variant's lp_vec_dot_*_q8_K. Only the AVX2 / AVX-512 builds
+ * have them; the portable build leaves them out (qmatmul.c then loops the vec_dot).
+ * ggml counterpart: the nrc > 1 vec_dots and repack.cpp's gemm (which repack the weights).
+ */
+#if defined(__AVX2__)
+
+#if defined(__GNUC__)
+#define KQ_INLINE static inline __attribute__((always_inline))
+#else
+#define KQ_INLINE static inline
+#endif
+
+/* column c's block i: the activation rows are x_bytes apart */
+#define KQ_COL(y, y_bytes, c, i) ((const block_q8_K *)((y) + (int64_t)(c) * (y_bytes)) + (i))
+
+/* one entry point per type: rows one by one, the column count a compile-time constant in the
+ * inlined row kernel (so its per-column accumulators stay in registers) */
+#define KQ_GEMM_ENTRY(name, block_t, row_fn)                                                                   \
+    KQ_API void name(int n, float *restrict s, int64_t ld_s, const void *restrict w, int64_t row_bytes, int nr, \
+                     const void *restrict x, int64_t x_bytes, int nc) {                                        \
+        const uint8_t *y = (const uint8_t *)x;                                                                  \
+        for (int r = 0; r < nr; ++r) {                                                                          \
+            const block_t *xr = (const block_t *)((const uint8_t *)w + r * row_bytes);                          \
+            switch (nc) {                                                                                       \
+            case 1: row_fn(n / QK_K, s + r, ld_s, xr, y, x_bytes, 1); break;                                    \
+            case 2: row_fn(n / QK_K, s + r, ld_s, xr, y, x_bytes, 2); break;                                    \
+            case 3: row_fn(n / QK_K, s + r, ld_s, xr, y, x_bytes, 3); break;                                    \
+            default: row_fn(n / QK_K, s + r, ld_s, xr, y, x_bytes, 4); break;                                   \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+#if LP_GEMM_COLS != 4
+#error "KQ_GEMM_ENTRY handles LP_GEMM_COLS = 4"
+#endif
+
+/* Q3_K (one kernel for both builds, as its vec_dot) */
+KQ_INLINE void kq_gemm_q3_K_row(int nb, float *s, int64_t ld_s, const block_q3_K *x, const uint8_t *y, int64_t y_bytes,
+                                const int nc) {
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m256i m4 = _mm256_set1_epi8(4);
+    __m256 acc[LP_GEMM_COLS];
+    for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const float xd = kq_h2f(x[i].d);
+        const __m128i sc8 = kq_scales_q3_vec(x[i].scales);
+        const kq_sc16 sc = kq_sc16_load(sc8);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        const __m256i hbits = _mm256_loadu_si256((const __m256i *)x[i].hmask);
+        __m256i sumi[LP_GEMM_COLS];
+        for (int c = 0; c < nc; ++c) sumi[c] = _mm256_setzero_si256();
+        for (int k = 0; k < 2; ++k) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * k));
+            for (int sh = 0; sh < 4; ++sh) {
+                const int b = 4 * k + sh;
+                __m256i h = b < 2 ? _mm256_slli_epi16(hbits, 2 - b) : _mm256_srli_epi16(hbits, b - 2);
+                h = _mm256_and_si256(h, m4);
+                const __m256i wq = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 2 * sh), m3), h);
+                const __m256i scb = kq_scales16_pair(sc, b);
+                for (int c = 0; c < nc; ++c)
+                    sumi[c] = _mm256_add_epi32(sumi[c], kq_dot32(wq, KQ_COL(y, y_bytes, c, i)->qs + 128 * k + 32 * sh, scb));
+            }
+        }
+        for (int c = 0; c < nc; ++c) {
+            const block_q8_K *yc = KQ_COL(y, y_bytes, c, i);
+            const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)yc->bsums)), 2);
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(yc->d * xd), _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[c], off)), acc[c]);
+        }
+    }
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = kq_hsum_ps256(acc[c]);
+}
+KQ_GEMM_ENTRY(lp_gemm_q3_K_q8_K, block_q3_K, kq_gemm_q3_K_row)
+
+#if defined(LP_KQ_AVX512)
+
+/* Q4_K / Q5_K, AVX-512: w[4] are the 4 x 64 weight bytes of a block (sub-blocks 2p | 2p+1) */
+KQ_INLINE void kq_gemm_q45_K_cols(int i, const __m512i w[4], const __m512i scp[4], __m256i ms16, float xd, float xdmin,
+                                  const uint8_t *y, int64_t y_bytes, const int nc, __m512 *acc, __m128 *acc_m) {
+    for (int c = 0; c < nc; ++c) {
+        const block_q8_K *yc = KQ_COL(y, y_bytes, c, i);
+        const float d = yc->d * xd;
+        const float dmin = yc->d * xdmin;
+        acc_m[c] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(kq_mins_dot(ms16, yc->bsums)), acc_m[c]);
+        __m512i sumi = _mm512_setzero_si512();
+        for (int p = 0; p < 4; ++p)
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w[p], _mm512_loadu_si512((const void *)(yc->qs + 64 * p))),
+                                       scp[p]);
+        acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc[c]);
+    }
+}
+
+/* the int16 scales of sub-blocks 2p (first 16 lanes) and 2p+1 (last 16) */
+KQ_INLINE void kq_scale_pairs512(__m256i ms16, __m512i scp[4]) {
+    const __m512i sc = _mm512_castsi256_si512(ms16);
+    for (int p = 0; p < 4; ++p) {
+        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(2 * p))),
+                                               _mm256_set1_epi16((short)(2 * p + 1)), 1);
+        scp[p] = _mm512_permutexvar_epi16(idx, sc);
+    }
+}
+
+KQ_INLINE void kq_gemm_q4_K_row(int nb, float *s, int64_t ld_s, const block_q4_K *x, const uint8_t *y, int64_t y_bytes,
+                                const int nc) {
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    __m512 acc[LP_GEMM_COLS];
+    __m128 acc_m[LP_GEMM_COLS];
+    for (int c = 0; c < nc; ++c) acc[c] = _mm512_setzero_ps(), acc_m[c] = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
+        __m512i scp[4], w[4];
+        kq_scale_pairs512(ms16, scp);
+        const __m512i b0 = _mm512_loadu_si512((const void *)x[i].qs);
+        const __m512i b1 = _mm512_loadu_si512((const void *)(x[i].qs + 64));
+        const __m512i l0 = _mm512_and_si512(b0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), m4);
+        const __m512i l1 = _mm512_and_si512(b1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), m4);
+        w[0] = _mm512_shuffle_i64x2(l0, h0, 0x44);
+        w[1] = _mm512_shuffle_i64x2(l0, h0, 0xEE);
+        w[2] = _mm512_shuffle_i64x2(l1, h1, 0x44);
+        w[3] = _mm512_shuffle_i64x2(l1, h1, 0xEE);
+        kq_gemm_q45_K_cols(i, w, scp, ms16, kq_h2f(x[i].d), kq_h2f(x[i].dmin), y, y_bytes, nc, acc, acc_m);
+    }
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = _mm512_reduce_add_ps(acc[c]) - kq_hsum_ps128(acc_m[c]);
+}
+
+KQ_INLINE void kq_gemm_q5_K_row(int nb, float *s, int64_t ld_s, const block_q5_K *x, const uint8_t *y, int64_t y_bytes,
+                                const int nc) {
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i m16 = _mm512_set1_epi8(16);
+    const __m512i sh01 = _mm512_setr_epi64(4, 4, 4, 4, 3, 3, 3, 3);
+    const __m512i sh23 = _mm512_setr_epi64(2, 2, 2, 2, 1, 1, 1, 1);
+    const __m512i sh45 = _mm512_setr_epi64(0, 0, 0, 0, 1, 1, 1, 1);
+    const __m512i sh67 = _mm512_setr_epi64(2, 2, 2, 2, 3, 3, 3, 3);
+    __m512 acc[LP_GEMM_COLS];
+    __m128 acc_m[LP_GEMM_COLS];
+    for (int c = 0; c < nc; ++c) acc[c] = _mm512_setzero_ps(), acc_m[c] = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
+        __m512i scp[4], w[4];
+        kq_scale_pairs512(ms16, scp);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)x[i].qh));
+        const __m512i b0 = _mm512_loadu_si512((const void *)x[i].qs);
+        const __m512i b1 = _mm512_loadu_si512((const void *)(x[i].qs + 64));
+        const __m512i l0 = _mm512_and_si512(b0, m4), hi0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), m4);
+        const __m512i l1 = _mm512_and_si512(b1, m4), hi1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), m4);
+        w[0] = _mm512_or_si512(_mm512_shuffle_i64x2(l0, hi0, 0x44), _mm512_and_si512(_mm512_sllv_epi64(qh, sh01), m16));
+        w[1] = _mm512_or_si512(_mm512_shuffle_i64x2(l0, hi0, 0xEE), _mm512_and_si512(_mm512_sllv_epi64(qh, sh23), m16));
+        w[2] = _mm512_or_si512(_mm512_shuffle_i64x2(l1, hi1, 0x44), _mm512_and_si512(_mm512_srlv_epi64(qh, sh45), m16));
+        w[3] = _mm512_or_si512(_mm512_shuffle_i64x2(l1, hi1, 0xEE), _mm512_and_si512(_mm512_srlv_epi64(qh, sh67), m16));
+        kq_gemm_q45_K_cols(i, w, scp, ms16, kq_h2f(x[i].d), kq_h2f(x[i].dmin), y, y_bytes, nc, acc, acc_m);
+    }
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = _mm512_reduce_add_ps(acc[c]) - kq_hsum_ps128(acc_m[c]);
+}
+
+KQ_INLINE void kq_gemm_q6_K_row(int nb, float *s, int64_t ld_s, const block_q6_K *x, const uint8_t *y, int64_t y_bytes,
+                                const int nc) {
+    const __m512i m15 = _mm512_set1_epi8(15);
+    const __m512i m48 = _mm512_set1_epi8(48);
+    const __m512i shl = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2);
+    const __m512i shr = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
+    const __m512i idx0 = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_setr_m128i(_mm_set1_epi16(0), _mm_set1_epi16(1))),
+        _mm256_setr_m128i(_mm_set1_epi16(2), _mm_set1_epi16(3)), 1);
+    const __m512i four = _mm512_set1_epi16(4);
+    __m256 acc[LP_GEMM_COLS];
+    for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const float xd = kq_h2f(x[i].d);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
+        const __m512i sc = _mm512_castsi256_si512(sc16);
+        __m512i w[4], scq[4];
+        __m512i idx = idx0;
+        for (int k = 0; k < 2; ++k) {
+            const __m512i ql = _mm512_loadu_si512((const void *)(x[i].ql + 64 * k));
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * k)));
+            w[2 * k] = _mm512_or_si512(_mm512_and_si512(ql, m15), _mm512_and_si512(_mm512_sllv_epi64(qh, shl), m48));
+            w[2 * k + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m15),
+                                           _mm512_and_si512(_mm512_srlv_epi64(qh, shr), m48));
+            scq[2 * k] = _mm512_permutexvar_epi16(idx, sc);
+            idx = _mm512_add_epi16(idx, four);
+            scq[2 * k + 1] = _mm512_permutexvar_epi16(idx, sc);
+            idx = _mm512_add_epi16(idx, four);
+        }
+        for (int c = 0; c < nc; ++c) {
+            const block_q8_K *yc = KQ_COL(y, y_bytes, c, i);
+            __m512i sumi = _mm512_setzero_si512();
+            for (int p = 0; p < 4; ++p)
+                sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w[p], _mm512_loadu_si512((const void *)(yc->qs + 64 * p))),
+                                           scq[p]);
+            __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
+            s8 = _mm256_sub_epi32(s8, _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)yc->bsums)), 5));
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(yc->d * xd), _mm256_cvtepi32_ps(s8), acc[c]);
+        }
+    }
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = kq_hsum_ps256(acc[c]);
+}
+
+#else /* AVX2 */
+
+/* Q4_K / Q5_K, AVX2: lo/hi are the 32 weights of sub-blocks 2j / 2j+1 */
+KQ_INLINE void kq_gemm_q45_K_pair(int i, int j, __m256i lo, __m256i hi, __m256i sc, const uint8_t *y, int64_t y_bytes,
+                                  const int nc, __m256i *sumi) {
+    const __m256i sl = kq_scale16_bcast(sc, 2 * j), sh = kq_scale16_bcast(sc, 2 * j + 1);
+    for (int c = 0; c < nc; ++c) {
+        const int8_t *q8 = KQ_COL(y, y_bytes, c, i)->qs;
+        sumi[c] = _mm256_add_epi32(sumi[c], _mm256_add_epi32(kq_dot32(lo, q8 + 64 * j, sl), kq_dot32(hi, q8 + 64 * j + 32, sh)));
+    }
+}
+
+/* the per-column float part of Q4_K / Q5_K: mins, then the block's sum, as the vec_dot */
+KQ_INLINE void kq_gemm_q45_K_acc(int i, __m256i ms16, float xd, float xdmin, const __m256i *sumi, const uint8_t *y,
+                                 int64_t y_bytes, const int nc, __m256 *acc, __m128 *acc_m) {
+    for (int c = 0; c < nc; ++c) {
+        const block_q8_K *yc = KQ_COL(y, y_bytes, c, i);
+        acc_m[c] = _mm_fmadd_ps(_mm_set1_ps(yc->d * xdmin), _mm_cvtepi32_ps(kq_mins_dot(ms16, yc->bsums)), acc_m[c]);
+        acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(yc->d * xd), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
+    }
+}
+
+KQ_INLINE void kq_gemm_q4_K_row(int nb, float *s, int64_t ld_s, const block_q4_K *x, const uint8_t *y, int64_t y_bytes,
+                                const int nc) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc[LP_GEMM_COLS];
+    __m128 acc_m[LP_GEMM_COLS];
+    for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps(), acc_m[c] = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms16));
+        __m256i sumi[LP_GEMM_COLS];
+        for (int c = 0; c < nc; ++c) sumi[c] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * j));
+            kq_gemm_q45_K_pair(i, j, _mm256_and_si256(bits, m4), _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), sc, y,
+                               y_bytes, nc, sumi);
+        }
+        kq_gemm_q45_K_acc(i, ms16, kq_h2f(x[i].d), kq_h2f(x[i].dmin), sumi, y, y_bytes, nc, acc, acc_m);
+    }
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = kq_hsum_ps256(acc[c]) - kq_hsum_ps128(acc_m[c]);
+}
+
+KQ_INLINE void kq_gemm_q5_K_row(int nb, float *s, int64_t ld_s, const block_q5_K *x, const uint8_t *y, int64_t y_bytes,
+                                const int nc) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m256i m16 = _mm256_set1_epi8(16);
+    __m256 acc[LP_GEMM_COLS];
+    __m128 acc_m[LP_GEMM_COLS];
+    for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps(), acc_m[c] = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms16));
+        const __m256i hbits = _mm256_loadu_si256((const __m256i *)x[i].qh);
+        __m256i sumi[LP_GEMM_COLS];
+        for (int c = 0; c < nc; ++c) sumi[c] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+            const int bl = 2 * j, bh = 2 * j + 1;
+            __m256i hl = bl <= 4 ? _mm256_slli_epi16(hbits, 4 - bl) : _mm256_srli_epi16(hbits, bl - 4);
+            __m256i hh = bh <= 4 ? _mm256_slli_epi16(hbits, 4 - bh) : _mm256_srli_epi16(hbits, bh - 4);
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * j));
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(bits, m4), _mm256_and_si256(hl, m16));
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), _mm256_and_si256(hh, m16));
+            kq_gemm_q45_K_pair(i, j, lo, hi, sc, y, y_bytes, nc, sumi);
+        }
+        kq_gemm_q45_K_acc(i, ms16, kq_h2f(x[i].d), kq_h2f(x[i].dmin), sumi, y, y_bytes, nc, acc, acc_m);
+    }
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = kq_hsum_ps256(acc[c]) - kq_hsum_ps128(acc_m[c]);
+}
+
+KQ_INLINE void kq_gemm_q6_K_row(int nb, float *s, int64_t ld_s, const block_q6_K *x, const uint8_t *y, int64_t y_bytes,
+                                const int nc) {
+    const __m256i m15 = _mm256_set1_epi8(15);
+    const __m256i m48 = _mm256_set1_epi8(48);
+    __m256 acc[LP_GEMM_COLS];
+    for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const float xd = kq_h2f(x[i].d);
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
+        const kq_sc16 sc = kq_sc16_load(sc8);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        __m256i sumi[LP_GEMM_COLS];
+        for (int c = 0; c < nc; ++c) sumi[c] = _mm256_setzero_si256();
+        for (int k = 0; k < 2; ++k) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * k));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * k + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * k));
+            __m256i wq[4];
+            wq[0] = _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m48));
+            wq[1] = _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m48));
+            wq[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m48));
+            wq[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
+                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m48));
+            for (int p = 0; p < 4; ++p) {
+                const __m256i scp = kq_scales16_pair(sc, 4 * k + p);
+                for (int c = 0; c < nc; ++c)
+                    sumi[c] = _mm256_add_epi32(sumi[c], kq_dot32(wq[p], KQ_COL(y, y_bytes, c, i)->qs + 128 * k + 32 * p, scp));
+            }
+        }
+        for (int c = 0; c < nc; ++c) {
+            const block_q8_K *yc = KQ_COL(y, y_bytes, c, i);
+            const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)yc->bsums)), 5);
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(yc->d * xd), _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[c], off)), acc[c]);
+        }
+    }
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = kq_hsum_ps256(acc[c]);
+}
+
+#endif /* LP_KQ_AVX512 */
+
+KQ_GEMM_ENTRY(lp_gemm_q4_K_q8_K, block_q4_K, kq_gemm_q4_K_row)
+KQ_GEMM_ENTRY(lp_gemm_q5_K_q8_K, block_q5_K, kq_gemm_q5_K_row)
+KQ_GEMM_ENTRY(lp_gemm_q6_K_q8_K, block_q6_K, kq_gemm_q6_K_row)
+
+#endif /* __AVX2__ */

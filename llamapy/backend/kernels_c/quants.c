@@ -472,8 +472,11 @@ LP_INLINE void gk_rows(const int kind, const int NC, int nb, float *s, int64_t l
                        int64_t row_bytes, int nr, const uint8_t *x, int64_t x_bytes, const float *yd,
                        const float *ys) {
     int r = 0;
-    for (; r + GEMM_NR <= nr; r += GEMM_NR)
-        gk_tile(kind, GEMM_NR, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys);
+    /* rows in pairs only for 3-4 columns: with 1-2 the pairs were slower on memory-bound
+     * matrices (2048x8192 at 2 tokens: 0.4-0.66x, noisy) and no faster on small ones */
+    if (GEMM_NR == 2 && NC >= 3)
+        for (; r + 2 <= nr; r += 2)
+            gk_tile(kind, 2, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys);
     for (; r < nr; r++) gk_tile(kind, 1, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys);
 }
 

@@ -449,6 +449,57 @@ LP_INLINE void gk_step(const int kind, const int NR, const int NC, const int a, 
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define GK_ZMM 1
+/* blocks i and i + 1 in one 512-bit vector (half the instructions of two gk_steps): the low half
+ * is the vec_dot's acc0 (even block), the high half its acc1 (odd block), with the same int32
+ * lanes (dpbusd has no intermediate saturation, so dot_s8s8's sign trick may negate the
+ * activations where the weight is negative with a mask instead: where it is 0 the product is 0
+ * either way) and the same float operations per half */
+LP_INLINE void gk_step_pair(const int kind, const int NR, const int NC, int i, __m512 acc[][LP_GEMM_COLS],
+                            __m128 summ[], const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t x_bytes,
+                            const float *yd, const float *ys) {
+    const int wb = GK_WBYTES(kind), yb = GK_MINS(kind) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0);
+    const int yq = GK_MINS(kind) ? 4 : 2;
+    __m512i qx[GEMM_NR];
+    __mmask64 neg[GEMM_NR];
+    __m512 dx[GEMM_NR];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        const uint8_t *b0 = w + r * row_bytes + (int64_t)i * wb, *b1 = b0 + wb;
+        __m256i q0, s0, q1, s1;
+        gk_decode(kind, b0, &q0, &s0);
+        gk_decode(kind, b1, &q1, &s1);
+        qx[r] = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
+        if (GK_SIGNED(kind)) neg[r] = _mm512_movepi8_mask(_mm512_inserti64x4(_mm512_castsi256_si512(s0), s1, 1));
+        lp_half h0, h1;
+        memcpy(&h0, b0, 2);
+        memcpy(&h1, b1, 2);
+        dx[r] = _mm512_insertf32x8(_mm512_set1_ps(H2F(h0)), _mm256_set1_ps(H2F(h1)), 1);
+        if (GK_MINS(kind)) { /* block i's m * s, then block i + 1's, as the vec_dot */
+            memcpy(&h0, b0 + 2, 2);
+            memcpy(&h1, b1 + 2, 2);
+            summ[r] = _mm_add_ps(summ[r], _mm_mul_ps(_mm_set1_ps(H2F(h0)), _mm_loadu_ps(ys + i * LP_GEMM_COLS)));
+            summ[r] = _mm_add_ps(summ[r], _mm_mul_ps(_mm_set1_ps(H2F(h1)), _mm_loadu_ps(ys + (i + 1) * LP_GEMM_COLS)));
+        }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) {
+        const uint8_t *yc = x + c * x_bytes + (int64_t)i * yb + yq;
+        const __m512i qy = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)yc)),
+                                              _mm256_loadu_si256((const __m256i *)(yc + yb)), 1);
+        const __m512 dy = _mm512_insertf32x8(_mm512_set1_ps(yd[i * LP_GEMM_COLS + c]),
+                                             _mm256_set1_ps(yd[(i + 1) * LP_GEMM_COLS + c]), 1);
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            const __m512i q = GK_SIGNED(kind) ? _mm512_mask_sub_epi8(qy, neg[r], _mm512_setzero_si512(), qy) : qy;
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx[r], q);
+            acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dx[r], dy), acc[r][c]);
+        }
+    }
+}
+#endif
+
 /* NR weight rows x NC activation rows (compile-time constants once inlined) */
 LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float *s, int64_t ld_s,
                        const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t x_bytes, const float *yd,
@@ -463,10 +514,26 @@ LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float
     }
     /* blocks in pairs as the vec_dots run them: acc0 takes the even ones, acc1 the odd ones */
     int i = 0;
+#if defined(GK_ZMM)
+    __m512 acc2[GEMM_NR][LP_GEMM_COLS]; /* acc0 | acc1 */
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) acc2[r][c] = _mm512_setzero_ps();
+    for (; i + 1 < nb; i += 2) gk_step_pair(kind, NR, NC, i, acc2, summ, w, row_bytes, x, x_bytes, yd, ys);
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) {
+            acc[r][c][0] = _mm512_castps512_ps256(acc2[r][c]);
+            acc[r][c][1] = _mm512_extractf32x8_ps(acc2[r][c], 1);
+        }
+#else
     for (; i + 1 < nb; i += 2) {
         gk_step(kind, NR, NC, 0, i, acc, summ, w, row_bytes, x, x_bytes, yd, ys);
         gk_step(kind, NR, NC, 1, i + 1, acc, summ, w, row_bytes, x, x_bytes, yd, ys);
     }
+#endif
     if (i < nb) gk_step(kind, NR, NC, 0, i, acc, summ, w, row_bytes, x, x_bytes, yd, ys);
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) {

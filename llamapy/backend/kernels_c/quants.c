@@ -18,8 +18,10 @@
  *
  * SIMD: each dot product has an AVX2 body (one 32-quant block per step: the nibbles widened to
  * bytes, u8 x s8 products summed pairwise to int16 with maddubs and then to int32 with madd, or in
- * one dpbusd where AVX-512 VNNI is there, times the two scales into 8 float32 lanes) and a
- * portable C body for every other target. The same file is compiled once per variant (setup.py).
+ * one dpbusd where AVX-512 VNNI is there, times the two scales into 8 float32 lanes, even and odd
+ * blocks into two accumulators so consecutive fmadds do not wait on each other) and a portable C
+ * body for every other target. The same file is compiled once per variant (setup.py). The
+ * multi-column lp_gemm_* at the end repeat the vec_dots' float operations exactly.
  */
 
 #include <math.h>
@@ -206,14 +208,21 @@ LP_API void lp_vec_dot_q5_0_q8_0(int n, float *s, const void *vx, const void *vy
     int i = 0;
     float sumf = 0.0f;
 #if defined(__AVX2__)
-    __m256 acc = _mm256_setzero_ps();
-    for (; i < nb; i++) {
-        const __m256i q = _mm256_or_si256(nibbles32(x[i].qs), hbits32(x[i].qh));
-        const __m256i qx = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
-        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+#define LP_STEP(acc, i)                                                                                   \
+    do {                                                                                                  \
+        const __m256i q = _mm256_or_si256(nibbles32(x[i].qs), hbits32(x[i].qh));                          \
+        const __m256i qx = _mm256_sub_epi8(q, _mm256_set1_epi8(16));                                      \
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);                                  \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);       \
+    } while (0)
+    for (; i + 1 < nb; i += 2) {
+        LP_STEP(acc0, i);
+        LP_STEP(acc1, i + 1);
     }
-    sumf = hsum8(acc);
+    if (i < nb) { LP_STEP(acc0, i); i++; }
+#undef LP_STEP
+    sumf = hsum8(_mm256_add_ps(acc0, acc1));
 #endif
     for (; i < nb; i++) {
         int sumi = 0;
@@ -230,15 +239,22 @@ LP_API void lp_vec_dot_q5_1_q8_1(int n, float *s, const void *vx, const void *vy
     int i = 0;
     float sumf = 0.0f;
 #if defined(__AVX2__)
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     float summ = 0.0f;
-    for (; i < nb; i++) {
-        const __m256i qx = _mm256_or_si256(nibbles32(x[i].qs), hbits32(x[i].qh));
-        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);
-        summ += H2F(x[i].m) * H2F(y[i].s);
+#define LP_STEP(acc, i)                                                                                   \
+    do {                                                                                                  \
+        const __m256i qx = _mm256_or_si256(nibbles32(x[i].qs), hbits32(x[i].qh));                         \
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);                                  \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);       \
+        summ += H2F(x[i].m) * H2F(y[i].s);                                                                \
+    } while (0)
+    for (; i + 1 < nb; i += 2) {
+        LP_STEP(acc0, i);
+        LP_STEP(acc1, i + 1);
     }
-    sumf = hsum8(acc) + summ;
+    if (i < nb) { LP_STEP(acc0, i); i++; }
+#undef LP_STEP
+    sumf = hsum8(_mm256_add_ps(acc0, acc1)) + summ;
 #endif
     for (; i < nb; i++) {
         int sumi = 0;
@@ -357,8 +373,8 @@ LP_API void lp_vec_dot_bf16(int n, float *s, const void *vx, const void *vy) {
 /* Each weight block is decoded once (nibbles, high bits, its scale) for GEMM_NR rows and dotted
  * with up to LP_GEMM_COLS activation rows. Per output the float32 operations are the vec_dot's
  * own, in its order: the same int32 lanes (dot_u8s8 / dot_s8s8), the scale dx * dy rounded once
- * and broadcast, one fmadd per block into the accumulator the vec_dot uses for that block (two
- * alternating accumulators for q4_0, q4_1 and q8_0, one for q5_0 and q5_1), the mins term
+ * and broadcast, one fmadd per block into the accumulator the vec_dot uses for that block (acc0 for
+ * even blocks, acc1 for odd ones), the mins term
  * m * s added in block order, and hsum8 at the end; so a token's numbers never depend on the
  * batch it is in. The activation scales of the nc columns are converted once per call. */
 
@@ -376,11 +392,9 @@ LP_API void lp_vec_dot_bf16(int n, float *s, const void *vx, const void *vy) {
 enum { GK_Q4_0, GK_Q4_1, GK_Q5_0, GK_Q5_1, GK_Q8_0 };
 _Static_assert(LP_GEMM_COLS == 4, "the mins terms of the columns are one __m128");
 
-/* bytes of a weight block of each kind, and whether its vec_dot has a mins term (q8_1 y) and
- * two alternating accumulators */
+/* bytes of a weight block of each kind, and whether its vec_dot has a mins term (q8_1 y) */
 #define GK_WBYTES(k) ((k) == GK_Q4_0 ? 18 : (k) == GK_Q4_1 ? 20 : (k) == GK_Q5_0 ? 22 : (k) == GK_Q5_1 ? 24 : 34)
 #define GK_MINS(k) ((k) == GK_Q4_1 || (k) == GK_Q5_1)
-#define GK_NACC(k) ((k) == GK_Q5_0 || (k) == GK_Q5_1 ? 1 : 2)
 #define GK_SIGNED(k) ((k) == GK_Q4_0 || (k) == GK_Q5_0 || (k) == GK_Q8_0)
 
 /* the 32 quants of weight block b as the vec_dot forms them (signed kinds: |q| in *qx and q in
@@ -435,6 +449,57 @@ LP_INLINE void gk_step(const int kind, const int NR, const int NC, const int a, 
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define GK_ZMM 1
+/* blocks i and i + 1 in one 512-bit vector (half the instructions of two gk_steps): the low half
+ * is the vec_dot's acc0 (even block), the high half its acc1 (odd block), with the same int32
+ * lanes (dpbusd has no intermediate saturation, so dot_s8s8's sign trick may negate the
+ * activations where the weight is negative with a mask instead: where it is 0 the product is 0
+ * either way) and the same float operations per half */
+LP_INLINE void gk_step_pair(const int kind, const int NR, const int NC, int i, __m512 acc[][LP_GEMM_COLS],
+                            __m128 summ[], const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t x_bytes,
+                            const float *yd, const float *ys) {
+    const int wb = GK_WBYTES(kind), yb = GK_MINS(kind) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0);
+    const int yq = GK_MINS(kind) ? 4 : 2;
+    __m512i qx[GEMM_NR];
+    __mmask64 neg[GEMM_NR];
+    __m512 dx[GEMM_NR];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        const uint8_t *b0 = w + r * row_bytes + (int64_t)i * wb, *b1 = b0 + wb;
+        __m256i q0, s0, q1, s1;
+        gk_decode(kind, b0, &q0, &s0);
+        gk_decode(kind, b1, &q1, &s1);
+        qx[r] = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
+        if (GK_SIGNED(kind)) neg[r] = _mm512_movepi8_mask(_mm512_inserti64x4(_mm512_castsi256_si512(s0), s1, 1));
+        lp_half h0, h1;
+        memcpy(&h0, b0, 2);
+        memcpy(&h1, b1, 2);
+        dx[r] = _mm512_insertf32x8(_mm512_set1_ps(H2F(h0)), _mm256_set1_ps(H2F(h1)), 1);
+        if (GK_MINS(kind)) { /* block i's m * s, then block i + 1's, as the vec_dot */
+            memcpy(&h0, b0 + 2, 2);
+            memcpy(&h1, b1 + 2, 2);
+            summ[r] = _mm_add_ps(summ[r], _mm_mul_ps(_mm_set1_ps(H2F(h0)), _mm_loadu_ps(ys + i * LP_GEMM_COLS)));
+            summ[r] = _mm_add_ps(summ[r], _mm_mul_ps(_mm_set1_ps(H2F(h1)), _mm_loadu_ps(ys + (i + 1) * LP_GEMM_COLS)));
+        }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) {
+        const uint8_t *yc = x + c * x_bytes + (int64_t)i * yb + yq;
+        const __m512i qy = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)yc)),
+                                              _mm256_loadu_si256((const __m256i *)(yc + yb)), 1);
+        const __m512 dy = _mm512_insertf32x8(_mm512_set1_ps(yd[i * LP_GEMM_COLS + c]),
+                                             _mm256_set1_ps(yd[(i + 1) * LP_GEMM_COLS + c]), 1);
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            const __m512i q = GK_SIGNED(kind) ? _mm512_mask_sub_epi8(qy, neg[r], _mm512_setzero_si512(), qy) : qy;
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx[r], q);
+            acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dx[r], dy), acc[r][c]);
+        }
+    }
+}
+#endif
+
 /* NR weight rows x NC activation rows (compile-time constants once inlined) */
 LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float *s, int64_t ld_s,
                        const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t x_bytes, const float *yd,
@@ -447,14 +512,28 @@ LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float
 #pragma GCC unroll 4
         for (int c = 0; c < NC; c++) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
     }
-    /* blocks in pairs as the vec_dots run them: acc0 takes the even ones, acc1 the odd ones
-     * (one accumulator for the q5 kinds) */
-    const int a1 = GK_NACC(kind) == 2 ? 1 : 0;
+    /* blocks in pairs as the vec_dots run them: acc0 takes the even ones, acc1 the odd ones */
     int i = 0;
+#if defined(GK_ZMM)
+    __m512 acc2[GEMM_NR][LP_GEMM_COLS]; /* acc0 | acc1 */
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) acc2[r][c] = _mm512_setzero_ps();
+    for (; i + 1 < nb; i += 2) gk_step_pair(kind, NR, NC, i, acc2, summ, w, row_bytes, x, x_bytes, yd, ys);
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) {
+            acc[r][c][0] = _mm512_castps512_ps256(acc2[r][c]);
+            acc[r][c][1] = _mm512_extractf32x8_ps(acc2[r][c], 1);
+        }
+#else
     for (; i + 1 < nb; i += 2) {
         gk_step(kind, NR, NC, 0, i, acc, summ, w, row_bytes, x, x_bytes, yd, ys);
-        gk_step(kind, NR, NC, a1, i + 1, acc, summ, w, row_bytes, x, x_bytes, yd, ys);
+        gk_step(kind, NR, NC, 1, i + 1, acc, summ, w, row_bytes, x, x_bytes, yd, ys);
     }
+#endif
     if (i < nb) gk_step(kind, NR, NC, 0, i, acc, summ, w, row_bytes, x, x_bytes, yd, ys);
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) {
@@ -462,7 +541,7 @@ LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float
         _mm_storeu_ps(sm, summ[r]);
 #pragma GCC unroll 4
         for (int c = 0; c < NC; c++) {
-            const __m256 v = GK_NACC(kind) == 2 ? _mm256_add_ps(acc[r][c][0], acc[r][c][1]) : acc[r][c][0];
+            const __m256 v = _mm256_add_ps(acc[r][c][0], acc[r][c][1]);
             s[c * ld_s + r] = GK_MINS(kind) ? hsum8(v) + sm[c] : hsum8(v);
         }
     }
@@ -472,8 +551,11 @@ LP_INLINE void gk_rows(const int kind, const int NC, int nb, float *s, int64_t l
                        int64_t row_bytes, int nr, const uint8_t *x, int64_t x_bytes, const float *yd,
                        const float *ys) {
     int r = 0;
-    for (; r + GEMM_NR <= nr; r += GEMM_NR)
-        gk_tile(kind, GEMM_NR, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys);
+    /* rows in pairs only for 3-4 columns: with 1-2 the pairs were slower on memory-bound
+     * matrices (2048x8192 at 2 tokens: 0.4-0.66x, noisy) and no faster on small ones */
+    if (GEMM_NR == 2 && NC >= 3)
+        for (; r + 2 <= nr; r += 2)
+            gk_tile(kind, 2, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys);
     for (; r < nr; r++) gk_tile(kind, 1, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys);
 }
 

@@ -51,7 +51,8 @@ SGEMM_MIN_TOKENS = 16
 # lp_mul_mat_q + quantize_act vs round_act + tiles + sgemm on the Llama-3.2-1B shapes 2048x2048,
 # 512x2048, 8192x2048, 2048x8192 and Q6_K's 128256x2048 output, 4..512 tokens): sgemm's time
 # over the int8 kernel's is >= 2.0 everywhere (Q4_K: 2.0-2.1 at 512 tokens, 4-12 at 64, 17-40
-# at 16; Q6_K: 2.6-3.1 at 512, 2.2-8 at 128, 8-60 at 16-32), so K types never take sgemm.
+# at 16; Q6_K: 2.6-3.1 at 512, 2.2-8 at 128, 8-60 at 16-32; Q5_K / Q3_K at 2048x2048 and
+# 2048x8192: 1.5-4.5 at 512, 12-24 at 16), so these types never take sgemm.
 # Figures: bench/RESULTS.md ("int8 multi-column kernels").
 Q8_GEMM: dict[GGMLType, tuple[str, int | None]] = {
     GGMLType.Q3_K: ("lp_gemm_q3_K_q8_K", None),

@@ -62,6 +62,7 @@ SGEMM_MIN_TOKENS = 16
 #     10-65 / 3.4-9.3 / 1.7-2.0 / 1.06-1.15
 #   1B shapes 2048x2048, 512x2048, 8192x2048, 2048x8192, Q6_K's 128256x2048 output, 4..512 tokens:
 #     Q4_K 17-40 at 16, 4-12 at 64, 2.0-2.1 at 512; Q6_K 8-60 at 16-32, 2.2-8 at 128, 2.6-3.1 at 512
+#     Q5_K / Q3_K at 2048x2048 and 2048x8192: 12-24 at 16, 1.5-4.5 at 512
 Q8_GEMM: dict[GGMLType, str] = {
     GGMLType.Q4_0: "lp_gemm_q4_0_q8_0",
     GGMLType.Q4_1: "lp_gemm_q4_1_q8_1",

@@ -706,25 +706,41 @@ KQ_API void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict 
 /* column c's block i: the activation rows are x_bytes apart */
 #define KQ_COL(y, y_bytes, c, i) ((const block_q8_K *)((y) + (int64_t)(c) * (y_bytes)) + (i))
 
-/* one entry point per type: rows one by one, the column count a compile-time constant in the
- * inlined row kernel (so its per-column accumulators stay in registers) */
-#define KQ_GEMM_ENTRY(name, block_t, row_fn)                                                                   \
+/* one entry point per type: columns in chunks of at most `cols` (the 256-bit kernels take 4:
+ * with 16 ymm registers, 8 columns' accumulators spill; measured ~5x slower for AVX2 Q4_K),
+ * rows one by one, the chunk's column count a compile-time constant in the inlined row kernel
+ * (so its per-column accumulators stay in registers) */
+#define KQ_GEMM_ENTRY(name, block_t, row_fn, cols)                                                             \
     KQ_API void name(int n, float *restrict s, int64_t ld_s, const void *restrict w, int64_t row_bytes, int nr, \
                      const void *restrict x, int64_t x_bytes, int nc) {                                        \
-        const uint8_t *y = (const uint8_t *)x;                                                                  \
-        for (int r = 0; r < nr; ++r) {                                                                          \
-            const block_t *xr = (const block_t *)((const uint8_t *)w + r * row_bytes);                          \
-            switch (nc) {                                                                                       \
-            case 1: row_fn(n / QK_K, s + r, ld_s, xr, y, x_bytes, 1); break;                                    \
-            case 2: row_fn(n / QK_K, s + r, ld_s, xr, y, x_bytes, 2); break;                                    \
-            case 3: row_fn(n / QK_K, s + r, ld_s, xr, y, x_bytes, 3); break;                                    \
-            default: row_fn(n / QK_K, s + r, ld_s, xr, y, x_bytes, 4); break;                                   \
+        for (int c0 = 0; c0 < nc; c0 += (cols)) {                                                               \
+            const int m = nc - c0 < (cols) ? nc - c0 : (cols);                                                  \
+            const uint8_t *y = (const uint8_t *)x + c0 * x_bytes;                                               \
+            float *sc = s + c0 * ld_s;                                                                          \
+            for (int r = 0; r < nr; ++r) {                                                                      \
+                const block_t *xr = (const block_t *)((const uint8_t *)w + r * row_bytes);                      \
+                switch (m) {                                                                                    \
+                case 1: row_fn(n / QK_K, sc + r, ld_s, xr, y, x_bytes, 1); break;                               \
+                case 2: row_fn(n / QK_K, sc + r, ld_s, xr, y, x_bytes, 2); break;                               \
+                case 3: row_fn(n / QK_K, sc + r, ld_s, xr, y, x_bytes, 3); break;                               \
+                KQ_GEMM_CASES_8(row_fn)                                                                         \
+                default: row_fn(n / QK_K, sc + r, ld_s, xr, y, x_bytes, (cols)); break;                         \
+                }                                                                                               \
             }                                                                                                   \
         }                                                                                                       \
     }
-#if LP_GEMM_COLS != 4
-#error "KQ_GEMM_ENTRY handles LP_GEMM_COLS = 4"
+#if LP_GEMM_COLS == 8
+#define KQ_GEMM_CASES_8(row_fn)                                                                                 \
+    case 4: row_fn(n / QK_K, sc + r, ld_s, xr, y, x_bytes, 4); break;                                           \
+    case 5: row_fn(n / QK_K, sc + r, ld_s, xr, y, x_bytes, 5); break;                                           \
+    case 6: row_fn(n / QK_K, sc + r, ld_s, xr, y, x_bytes, 6); break;                                           \
+    case 7: row_fn(n / QK_K, sc + r, ld_s, xr, y, x_bytes, 7); break;
+#elif LP_GEMM_COLS == 4
+#define KQ_GEMM_CASES_8(row_fn)
+#else
+#error "KQ_GEMM_ENTRY handles LP_GEMM_COLS = 4 or 8"
 #endif
+#define KQ_COLS256 4 /* LP_GEMM_COLS >= 4 */
 
 /* Q3_K (one kernel for both builds, as its vec_dot) */
 KQ_INLINE void kq_gemm_q3_K_row(int nb, float *s, int64_t ld_s, const block_q3_K *x, const uint8_t *y, int64_t y_bytes,
@@ -761,7 +777,7 @@ KQ_INLINE void kq_gemm_q3_K_row(int nb, float *s, int64_t ld_s, const block_q3_K
     }
     for (int c = 0; c < nc; ++c) s[c * ld_s] = kq_hsum_ps256(acc[c]);
 }
-KQ_GEMM_ENTRY(lp_gemm_q3_K_q8_K, block_q3_K, kq_gemm_q3_K_row)
+KQ_GEMM_ENTRY(lp_gemm_q3_K_q8_K, block_q3_K, kq_gemm_q3_K_row, KQ_COLS256)
 
 #if defined(LP_KQ_AVX512)
 
@@ -996,8 +1012,13 @@ KQ_INLINE void kq_gemm_q6_K_row(int nb, float *s, int64_t ld_s, const block_q6_K
 
 #endif /* LP_KQ_AVX512 */
 
-KQ_GEMM_ENTRY(lp_gemm_q4_K_q8_K, block_q4_K, kq_gemm_q4_K_row)
-KQ_GEMM_ENTRY(lp_gemm_q5_K_q8_K, block_q5_K, kq_gemm_q5_K_row)
-KQ_GEMM_ENTRY(lp_gemm_q6_K_q8_K, block_q6_K, kq_gemm_q6_K_row)
+#if defined(LP_KQ_AVX512)
+#define KQ_COLS_K LP_GEMM_COLS
+#else
+#define KQ_COLS_K KQ_COLS256
+#endif
+KQ_GEMM_ENTRY(lp_gemm_q4_K_q8_K, block_q4_K, kq_gemm_q4_K_row, KQ_COLS_K)
+KQ_GEMM_ENTRY(lp_gemm_q5_K_q8_K, block_q5_K, kq_gemm_q5_K_row, KQ_COLS_K)
+KQ_GEMM_ENTRY(lp_gemm_q6_K_q8_K, block_q6_K, kq_gemm_q6_K_row, KQ_COLS_K)
 
 #endif /* __AVX2__ */

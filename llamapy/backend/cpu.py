@@ -86,6 +86,11 @@ class CPUBuffer(Buffer):
             cache.put(key, state)  # type: ignore[union-attr]
         self._store[t] = value
 
+    def copies_weight(self, t: Tensor) -> bool:
+        # the "f32" mode's repacked tiles (made from the file's bytes, or mapped from the cache)
+        v = self._store.get(t)
+        return isinstance(v, QMatrix) and v.repacked
+
     def get(self, t: Tensor) -> np.ndarray:
         v = self._store[t]
         return np.asarray(v) if isinstance(v, np.ndarray) else v.dequantize()  # a WeightMatrix

@@ -484,6 +484,27 @@ class GGUFFile:
         flat = np.frombuffer(self._buf, dtype=np.uint8, count=t.nbytes, offset=t.offset)
         return flat.reshape(-1, row_bytes)
 
+    def release_pages(self, name: str) -> int:
+        """Drop this process's mapped pages of a tensor (madvise MADV_DONTNEED on the whole pages
+        inside it; a page shared with a neighbour stays). For a tensor whose bytes were copied
+        (a fused weight's parts): the copy is what runs, and the file's pages would otherwise
+        count in the RSS a second time. The mapping is read-only and file-backed, so a later
+        read faults the bytes back in unchanged. Returns the bytes released (0 where the
+        platform has no madvise)."""
+        self._check_open()
+        mm = self._mmap
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if mm is None or advice is None or not hasattr(mm, "madvise"):
+            return 0
+        t = self.tensors[name]
+        page = mmap.PAGESIZE
+        start = -(-t.offset // page) * page  # the first page that starts inside the tensor
+        end = (t.offset + t.nbytes) // page * page
+        if end <= start:
+            return 0
+        mm.madvise(advice, start, end - start)
+        return end - start
+
     def content_key(self, sample: int = 4096) -> str:
         """The file's identity by content, for caches of prepared weights (a copy or a touched
         file has the same): BLAKE2b of its size, its whole header (metadata and tensor index:

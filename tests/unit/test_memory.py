@@ -1,0 +1,76 @@
+"""Resident memory (issue 11: peak RSS of `run -n 128 -c 512` ≤ 1.2× llama.cpp's). Deterministic
+checks of what stays resident, not timings: a fused weight's parts (copied into one matrix) do
+not keep their pages of the model file mapped; the run path imports no module it does not use."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+import llamapy
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _resident_pages(arr: np.ndarray) -> int:
+    """Pages of `arr`'s address range mapped in this process (/proc/self/pagemap's present bit:
+    readable without privileges)."""
+    first = arr.ctypes.data // PAGE
+    last = (arr.ctypes.data + arr.nbytes - 1) // PAGE
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        data = f.read((last - first + 1) * 8)
+    return sum(1 for (e,) in struct.iter_unpack("<Q", data) if e >> 63)
+
+
+pagemap = pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="needs Linux /proc/self/pagemap")
+
+
+@pagemap
+@pytest.mark.parametrize("cpu_matmul", ["q8", "f32"])
+def test_fused_parts_do_not_stay_resident(make_llama, tmp_path, monkeypatch, cpu_matmul) -> None:  # noqa: ANN001
+    monkeypatch.setenv("LLAMAPY_REPACK_CACHE", str(tmp_path / "repack"))
+    # 256 x 256 Q8_0 rows: 68 KiB a matrix, so each part spans many whole pages
+    path = make_llama(n_layer=2, n_embd=256, n_ff=512, qtype=T.Q8_0)
+    toks = [1, 260, 261, 40, 41, 42]
+    with llamapy.Llama(path, n_ctx=64, cpu_matmul=cpu_matmul) as llm:
+        gf = llm.model.gguf
+        parts = [n for layer in llm.model.weights.layers for t in layer.values()
+                 for n in t.params.get("fused_from", ())]  # fmt: skip
+        assert len(parts) == 2 * 5  # q, k, v, gate, up per layer
+        logits = llm.logits(toks)
+        for name in parts:
+            view = gf.tensor_bytes(name)
+            assert view.nbytes > 4 * PAGE
+            # at most the two pages it shares with its neighbours in the file
+            assert _resident_pages(view) <= 2, name
+        down = gf.tensor_bytes("blk.0.ffn_down.weight")
+        if cpu_matmul == "q8":
+            # an unfused matrix is multiplied where it is mapped: its pages stay (the release
+            # is not global)
+            assert _resident_pages(down) >= down.nbytes // PAGE - 1
+        else:
+            # "f32" repacks every matrix: what runs is the copy, the file's pages go
+            assert _resident_pages(down) <= 2
+    # the released pages read back unchanged: a second load computes the same logits
+    with llamapy.Llama(path, n_ctx=64, cpu_matmul=cpu_matmul) as llm:
+        assert np.array_equal(llm.logits(toks), logits)
+
+
+def test_release_pages_keeps_the_bytes(make_llama) -> None:  # noqa: ANN001
+    from llamapy.model.gguf import GGUFFile
+
+    path = make_llama(n_layer=1, n_embd=256, qtype=T.Q8_0)
+    with GGUFFile(path) as gf:
+        view = gf.tensor_bytes("blk.0.attn_q.weight")
+        before = view.copy()
+        released = gf.release_pages("blk.0.attn_q.weight")
+        assert 0 < released <= view.nbytes and released % PAGE == 0
+        assert np.array_equal(view, before)
+        assert gf.release_pages("blk.0.attn_norm.weight") == 0  # 1 KiB: no whole page inside

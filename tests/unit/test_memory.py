@@ -74,3 +74,26 @@ def test_release_pages_keeps_the_bytes(make_llama) -> None:  # noqa: ANN001
         assert 0 < released <= view.nbytes and released % PAGE == 0
         assert np.array_equal(view, before)
         assert gf.release_pages("blk.0.attn_norm.weight") == 0  # 1 KiB: no whole page inside
+
+
+def test_run_imports_nothing_it_does_not_use(default_model) -> None:  # noqa: ANN001
+    """`run --temp 0` on the default model: none of the modules that cost resident memory
+    without being used (pydantic through typer >= 0.29, OpenSSL's libcrypto through hashlib or
+    secrets, numpy.random for greedy decoding, asyncio) is imported."""
+    probe = (
+        "import atexit, runpy, sys\n"
+        "atexit.register(lambda: sys.stderr.write('MODULES ' + ' '.join(sorted(sys.modules)) + '\\n'))\n"
+        "sys.argv = ['llamapy'] + sys.argv[1:]\n"
+        "runpy.run_module('llamapy', run_name='__main__', alter_sys=True)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", probe, "run", str(default_model), "-p", "Once upon a time", "-n", "4",
+         "-c", "512", "--temp", "0"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = next(x for x in r.stderr.splitlines() if x.startswith("MODULES "))
+    mods = set(line.split()[1:])
+    assert "llamapy.model.sampler" in mods  # the probe saw the run
+    for unwanted in ("pydantic", "_hashlib", "hmac", "numpy.random", "asyncio"):
+        assert unwanted not in mods, f"{unwanted} imported by `run --temp 0` (typer>=0.29 imports pydantic)"

@@ -450,11 +450,16 @@ class GGUFFile:
             except GGUFError as e:
                 raise GGUFError(f"{self.path.name}: {e}") from None
         if v.item_type == T_STRING:
-            return self._string_array(v)
-        dt = np.dtype(_SCALAR[v.item_type][1])
-        arr = np.frombuffer(self._buf, dtype=dt, count=v.count, offset=v.offset)
-        # a copy: a view would keep the mapping alive after close() (metadata arrays are small)
-        return arr.astype(bool) if v.item_type == 7 else arr.copy()
+            out: Any = self._string_array(v)
+        else:
+            dt = np.dtype(_SCALAR[v.item_type][1])
+            arr = np.frombuffer(self._buf, dtype=dt, count=v.count, offset=v.offset)
+            # a copy: a view would keep the mapping alive after close() (metadata arrays are small)
+            out = arr.astype(bool) if v.item_type == 7 else arr.copy()
+        # the value is kept decoded (Metadata caches it): its bytes in the mapping, read once
+        # (the vocabulary: ~1.7 MB for a 49k one), would count in the RSS a second time
+        self._release_range(v.offset, v.end)
+        return out
 
     def _string_array(self, v: LazyValue) -> list[str]:
         # bounds were checked while parsing; copy the array's bytes once and slice them
@@ -497,14 +502,18 @@ class GGUFFile:
         read faults the bytes back in unchanged. Returns the bytes released (0 where the
         platform has no madvise)."""
         self._check_open()
+        t = self.tensors[name]
+        return self._release_range(t.offset, t.offset + t.nbytes)
+
+    def _release_range(self, lo: int, hi: int) -> int:
+        # the whole pages inside [lo, hi): a page shared with bytes outside it stays
         mm = self._mmap
         advice = getattr(mmap, "MADV_DONTNEED", None)
         if mm is None or advice is None or not hasattr(mm, "madvise"):
             return 0
-        t = self.tensors[name]
         page = mmap.PAGESIZE
-        start = -(-t.offset // page) * page  # the first page that starts inside the tensor
-        end = (t.offset + t.nbytes) // page * page
+        start = -(-lo // page) * page
+        end = hi // page * page
         if end <= start:
             return 0
         mm.madvise(advice, start, end - start)
@@ -528,6 +537,7 @@ class GGUFFile:
             else:
                 for at in (0, (t.nbytes - sample) // 2, t.nbytes - sample):
                     h.update(buf[t.offset + at : t.offset + at + sample])
+        self._release_range(0, self.data_offset)  # the header, read for the hash alone
         return h.hexdigest()
 
     def close(self) -> None:

@@ -97,3 +97,19 @@ def test_run_imports_nothing_it_does_not_use(default_model) -> None:  # noqa: AN
     assert "llamapy.model.sampler" in mods  # the probe saw the run
     for unwanted in ("pydantic", "_hashlib", "hmac", "numpy.random", "asyncio"):
         assert unwanted not in mods, f"{unwanted} imported by `run --temp 0` (typer>=0.29 imports pydantic)"
+
+
+@pagemap
+def test_decoded_metadata_arrays_are_not_kept_mapped(default_model) -> None:  # noqa: ANN001
+    """The vocabulary is kept decoded (Python strings): its bytes in the mapping are released
+    once read, and read back unchanged when decoded again."""
+    from llamapy.model.gguf import GGUFFile
+
+    with GGUFFile(default_model) as gf:  # 49152 tokens: ~0.8 MB of the header
+        ent = gf.metadata._entries["tokenizer.ggml.tokens"]
+        start = -(-ent.offset // PAGE) * PAGE
+        inner = np.frombuffer(gf._buf, np.uint8, count=ent.end // PAGE * PAGE - start, offset=start)
+        assert inner.nbytes >= PAGE  # the vocabulary spans whole pages
+        tokens = gf.metadata["tokenizer.ggml.tokens"]
+        assert _resident_pages(inner) == 0
+        assert gf._decode("tokenizer.ggml.tokens", ent) == tokens

@@ -113,3 +113,37 @@ def test_decoded_metadata_arrays_are_not_kept_mapped(default_model) -> None:  # 
         tokens = gf.metadata["tokenizer.ggml.tokens"]
         assert _resident_pages(inner) == 0
         assert gf._decode("tokenizer.ggml.tokens", ent) == tokens
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) for x in f if x.startswith("VmRSS:"))
+
+
+@pagemap
+def test_kv_cache_pages_count_once_written(make_llama) -> None:  # noqa: ANN001
+    """The CPU KV cache lies on private anonymous pages: reading unwritten cells (attention
+    reads past the cells in use) maps nothing, a page counts in the RSS once written, and
+    clearing the buffer to zero gives the pages back."""
+    from llamapy.backend.cpu import zeroed_pages
+
+    a = zeroed_pages((2048, 1024), np.dtype(np.float32))  # 8 MiB
+    r0 = _rss_kib()
+    assert float(a.sum()) == 0.0  # reads every page
+    r1 = _rss_kib()
+    assert r1 - r0 < 2048, "reading unwritten pages made them resident"
+    a[:] = 1.0
+    r2 = _rss_kib()
+    assert r2 - r1 > 6 * 1024
+    path = make_llama(n_layer=2)
+    with llamapy.Llama(path, n_ctx=2048) as llm:
+        llm.logits([1, 260, 261, 40])
+        buf = llm.ctx.kv.buffers[0]
+        k = buf.storage(buf.tensors()[0])
+        assert k.nbytes >= 256 * 1024
+        assert _resident_pages(k) < k.nbytes // PAGE  # not the whole cache
+        k[:] = 1.0
+        before = _rss_kib()
+        buf.clear(0)
+        assert _rss_kib() < before - k.nbytes // 2048  # the pages went (half of them, at least)
+        assert not k.any()

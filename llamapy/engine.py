@@ -29,7 +29,6 @@ caller's thread. Library code: nothing here prints.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import queue
 import threading
@@ -37,12 +36,15 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .context import Context
 from .generate import log_softmax
+
+if TYPE_CHECKING:  # asyncio is imported where a server uses it: ~1.5 MiB (ssl) for every `run`
+    import asyncio
 from .model.sampler import Sampler, SamplingParams
 from .types import ContextFullError, LlamapyError
 
@@ -738,6 +740,8 @@ class Engine:
     def open_async(self, req: Request) -> AsyncEvents:
         """Submit `req` now (errors raise here, before any response is started) and return its
         events for the running asyncio loop; the worker thread (start()) decodes."""
+        import asyncio
+
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Event] = asyncio.Queue()
 

@@ -8,6 +8,7 @@ The BLAS backend shares these buffers; the TEST device reuses the kernels but ow
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,6 +49,38 @@ def host_value(t: Tensor, data: np.ndarray, copy: bool, repack: bool = False) ->
     return dequantize(data.reshape(1, -1).view(np.uint8), t.type, t.n_elements).reshape(t.shape)
 
 
+_ZEROED_MIN = 1 << 16  # smaller arrays come from malloc: a mapping each would waste its pages
+
+
+def zeroed_pages(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A zero-filled array on private anonymous pages of its own, for the KV cache: a page
+    counts in the RSS once a cell on it is written, not before (reading an unwritten page maps
+    the shared zero page). np.zeros may take freed heap memory, which calloc clears by writing
+    it; and a shared mapping (mmap's default) allocates a page even to read it — attention
+    reads past the cells written."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    if nbytes < _ZEROED_MIN or not flags:
+        return np.zeros(shape, dtype)
+    mm = mmap.mmap(-1, nbytes, flags=flags)  # unmapped when the last view goes (Buffer.free)
+    return np.frombuffer(mm, dtype).reshape(shape)  # shape: the tensor's, nothing copied
+
+
+def drop_pages(arr: np.ndarray) -> bool:
+    """Zero an array made by zeroed_pages by giving its pages back (MADV_DONTNEED: a private
+    anonymous page reads as zeros again, and leaves the RSS); False for any other array."""
+    base: Any = arr
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if not isinstance(base, mmap.mmap) or advice is None or not hasattr(base, "madvise"):
+        return False
+    base.madvise(advice)
+    return True
+
+
 class CPUBuffer(Buffer):
     _repack: RepackStore | None = None
     cache_note: str | None = None  # why the repack cache could not be written (for the CLI)
@@ -86,12 +119,23 @@ class CPUBuffer(Buffer):
             cache.put(key, state)  # type: ignore[union-attr]
         self._store[t] = value
 
+    def copies_weight(self, t: Tensor) -> bool:
+        # the "f32" mode's repacked tiles (made from the file's bytes, or mapped from the cache)
+        v = self._store.get(t)
+        return isinstance(v, QMatrix) and v.repacked
+
     def get(self, t: Tensor) -> np.ndarray:
         v = self._store[t]
         return np.asarray(v) if isinstance(v, np.ndarray) else v.dequantize()  # a WeightMatrix
 
     def _zeros_value(self, t: Tensor) -> Any:
-        return np.zeros(*storage(t.type, t.shape))  # a quantized cache: raw block rows
+        shape, dtype = storage(t.type, t.shape)  # a quantized cache: raw block rows
+        return zeroed_pages(shape, dtype)
+
+    def clear(self, value: float = 0) -> None:
+        for t in self._mutable:
+            if value != 0 or not drop_pages(self._store[t]):
+                self._store[t].fill(value)
 
 
 class CPUBufferType(BufferType):

@@ -129,6 +129,12 @@ class Buffer(ABC):
         weights are set. `cpu_matmul`: the context's CPU MUL_MAT mode ("q8" or "f32"), which the
         host weights are laid out for."""
 
+    def copies_weight(self, t: Tensor) -> bool:
+        """Whether this buffer computes with its own copy of weight `t` (repacked, uploaded)
+        rather than the bytes it was given: the loader then releases the file's pages that were
+        read to make it, so they do not count in the RSS twice. Default: not known, kept."""
+        return False
+
     def finish_loading(self) -> None:
         """Optional: called once every weight is set (e.g. to write that cache)."""
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import secrets
+import os
 import signal
 import sys
 import time
@@ -43,7 +43,9 @@ def _random_seed() -> int:
     """A seed drawn here rather than in the sampler, so that `sampler seed: N` can be logged and
     the run repeated with `-s N` (0xFFFFFFFF is llama.h's "random" and never drawn)."""
     while True:
-        seed = secrets.randbits(32)
+        # os.urandom, as secrets.randbits reads it: importing secrets (hmac) would map OpenSSL's
+        # libcrypto, 3.4 MiB of RSS
+        seed = int.from_bytes(os.urandom(4), "little")
         if seed != LLAMA_DEFAULT_SEED:
             return seed
 

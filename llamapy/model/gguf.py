@@ -24,7 +24,6 @@ Shapes: `TensorInfo.ne` is ggml's order (fastest dimension first, as stored in t
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import stat
@@ -35,6 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+try:  # hashlib's own BLAKE2 (CPython's built-in module): importing hashlib would also map
+    # OpenSSL's libcrypto, 3.4 MiB of RSS for a hash that does not use it
+    from _blake2 import blake2b
+except ImportError:  # another Python implementation
+    from hashlib import blake2b
 
 from ..types import GGMLType, GGUFError, block_size, type_name
 
@@ -445,11 +450,16 @@ class GGUFFile:
             except GGUFError as e:
                 raise GGUFError(f"{self.path.name}: {e}") from None
         if v.item_type == T_STRING:
-            return self._string_array(v)
-        dt = np.dtype(_SCALAR[v.item_type][1])
-        arr = np.frombuffer(self._buf, dtype=dt, count=v.count, offset=v.offset)
-        # a copy: a view would keep the mapping alive after close() (metadata arrays are small)
-        return arr.astype(bool) if v.item_type == 7 else arr.copy()
+            out: Any = self._string_array(v)
+        else:
+            dt = np.dtype(_SCALAR[v.item_type][1])
+            arr = np.frombuffer(self._buf, dtype=dt, count=v.count, offset=v.offset)
+            # a copy: a view would keep the mapping alive after close() (metadata arrays are small)
+            out = arr.astype(bool) if v.item_type == 7 else arr.copy()
+        # the value is kept decoded (Metadata caches it): its bytes in the mapping, read once
+        # (the vocabulary: ~1.7 MB for a 49k one), would count in the RSS a second time
+        self._release_range(v.offset, v.end)
+        return out
 
     def _string_array(self, v: LazyValue) -> list[str]:
         # bounds were checked while parsing; copy the array's bytes once and slice them
@@ -484,6 +494,31 @@ class GGUFFile:
         flat = np.frombuffer(self._buf, dtype=np.uint8, count=t.nbytes, offset=t.offset)
         return flat.reshape(-1, row_bytes)
 
+    def release_pages(self, name: str) -> int:
+        """Drop this process's mapped pages of a tensor (madvise MADV_DONTNEED on the whole pages
+        inside it; a page shared with a neighbour stays). For a tensor whose bytes were copied
+        (a fused weight's parts): the copy is what runs, and the file's pages would otherwise
+        count in the RSS a second time. The mapping is read-only and file-backed, so a later
+        read faults the bytes back in unchanged. Returns the bytes released (0 where the
+        platform has no madvise)."""
+        self._check_open()
+        t = self.tensors[name]
+        return self._release_range(t.offset, t.offset + t.nbytes)
+
+    def _release_range(self, lo: int, hi: int) -> int:
+        # the whole pages inside [lo, hi): a page shared with bytes outside it stays
+        mm = self._mmap
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if mm is None or advice is None or not hasattr(mm, "madvise"):
+            return 0
+        page = mmap.PAGESIZE
+        start = -(-lo // page) * page
+        end = hi // page * page
+        if end <= start:
+            return 0
+        mm.madvise(advice, start, end - start)
+        return end - start
+
     def content_key(self, sample: int = 4096) -> str:
         """The file's identity by content, for caches of prepared weights (a copy or a touched
         file has the same): BLAKE2b of its size, its whole header (metadata and tensor index:
@@ -493,7 +528,7 @@ class GGUFFile:
         tensor that leaves the header and those samples as they were goes unnoticed."""
         self._check_open()
         buf = self._buf
-        h = hashlib.blake2b(digest_size=16)
+        h = blake2b(digest_size=16)
         h.update(f"{self.size}|{self.data_offset}|".encode())
         h.update(buf[: self.data_offset])
         for t in sorted(self.tensors.values(), key=lambda t: t.offset):
@@ -502,6 +537,7 @@ class GGUFFile:
             else:
                 for at in (0, (t.nbytes - sample) // 2, t.nbytes - sample):
                     h.update(buf[t.offset + at : t.offset + at + sample])
+        self._release_range(0, self.data_offset)  # the header, read for the hash alone
         return h.hexdigest()
 
     def close(self) -> None:

@@ -288,9 +288,15 @@ def load_weights(gf: GGUFFile, w: ModelWeights, placement: Placement, where: dic
                 buf.alloc_tensor(t)
                 if FUSED_FROM in t.params:
                     buf.set(t, ConcatRows([gf.tensor_bytes(n) for n in t.params[FUSED_FROM]]))  # type: ignore[arg-type]
+                    # the buffer holds the parts stacked (a copy, or views of the repack cache):
+                    # the parts' own pages, read to make it, would count in the RSS twice
+                    for n in t.params[FUSED_FROM]:
+                        gf.release_pages(n)
                     continue
                 src = "token_embd.weight" if (t is w.output and w.tied_output) else t.name
                 buf.set(t, gf.tensor_bytes(src))
+                if buf.copies_weight(t):
+                    gf.release_pages(src)  # read once to make the copy; what runs is the copy
             buf.finish_loading()
     except OutOfMemoryError:
         w.free()

@@ -74,7 +74,15 @@ class Sampler:
             self.seed = int(p.seed)
         maxlen = p.repeat_last_n if p.repeat_last_n > 0 else None
         self._history: deque[int] = deque(maxlen=maxlen)
-        self._rng = np.random.Generator(np.random.PCG64(self.seed))
+        self._rng_state: np.random.Generator | None = None  # made at the first draw (_rng)
+
+    @property
+    def _rng(self) -> np.random.Generator:
+        # made when a token is first drawn: numpy.random (its bit generators, and `secrets`,
+        # which maps OpenSSL's libcrypto) is ~5 MiB of RSS that greedy decoding never needs
+        if self._rng_state is None:
+            self._rng_state = np.random.Generator(np.random.PCG64(self.seed))
+        return self._rng_state
 
     # -- state --------------------------------------------------------------------------------
 
@@ -86,7 +94,7 @@ class Sampler:
     def reset(self) -> None:
         """Forget the history and restart the RNG from the seed (llama_sampler_reset)."""
         self._history.clear()
-        self._rng = np.random.Generator(np.random.PCG64(self.seed))
+        self._rng_state = None  # the next draw starts again from the seed
 
     # -- the chain ----------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import codecs
 import heapq
+import itertools
 import re
 import unicodedata
 from collections.abc import Iterable, Mapping
@@ -589,7 +590,8 @@ class Tokenizer:
         self.ignore_merges = pre.ignore_merges if pre is not None else False
 
         n = len(tokens)
-        texts = list(tokens)
+        # the caller's list itself unless a token must be renamed (a copy is 8 bytes a token)
+        texts = list(tokens) if not isinstance(tokens, list) or not all(tokens) else tokens
         for i, t in enumerate(texts):
             if not t:
                 texts[i] = f"[EMPTY_{i}]"  # llama.cpp renames empty tokens
@@ -1045,7 +1047,11 @@ class Tokenizer:
             if isinstance(merges, _LazyMerges):
                 merges = merges.load()
             n = len(merges)
-            self._ranks_cache = dict(zip(reversed(merges), range(n - 1, -1, -1)))
+            # the ranks are the int objects tok2id already holds as ids (0..n_vocab-1, in
+            # insertion order), not ~49k new ones (32 bytes each)
+            ints = list(itertools.islice(self._tok2id.values(), n))
+            ints += range(len(ints), n)
+            self._ranks_cache = dict(zip(reversed(merges), reversed(ints)))
         return self._ranks_cache
 
     def _bpe_tokenize(self, text: str, out: list[int]) -> None:

@@ -267,6 +267,39 @@ def test_attend_threads(lib):
         np.testing.assert_allclose(c_attend(lib, q, k, v, mask, 0.125, n), ref, rtol=0, atol=1e-5)
 
 
+def test_attend_threads_after_fork(lib):
+    """A fork child of a process that ran threaded attention must not hang in libgomp: there the
+    kernel stays on the calling thread (same output: the thread count changes nothing)."""
+    import os
+    import time
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork")
+    rng = np.random.default_rng(15)
+    q = rng.standard_normal((64, 6, 64)).astype(np.float32)
+    k = rng.standard_normal((600, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((600, 2, 64)).astype(np.float32)
+    mask = _causal(64, 600, 536)
+    ref = c_attend(lib, q, k, v, mask, 0.125, 2)  # enough work for threads: the team starts here
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os._exit(0 if np.array_equal(c_attend(lib, q, k, v, mask, 0.125, 2), ref) else 1)
+        finally:
+            os._exit(2)
+    deadline = time.monotonic() + 20
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the fork child hung in threaded attention")
+        time.sleep(0.01)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
 def _causal(T, N, p0):
     """Tokens at positions p0..p0+T-1 seeing cells 0..their position."""
     return np.where(np.arange(N)[None, :] <= np.arange(p0, p0 + T)[:, None], 0.0, -np.inf).astype(np.float32)

@@ -536,6 +536,22 @@ static void attend_unit(const att_args *a, int64_t kh, int64_t t0, int64_t t1, i
     }
 }
 
+/* Unit u of attend(): the last query blocks first (most cells, for the dynamic schedule), KV
+ * head innermost; the cells are the union of what its tokens see ([lo, hi) per token in range). */
+static void attend_unit_at(const att_args *a, const int64_t *range, int64_t tb, int64_t n_tb, int64_t u,
+                           float *buf) {
+    const int64_t b = n_tb - 1 - u / a->Hkv, kh = u % a->Hkv;
+    const int64_t t0 = b * tb, t1 = t0 + tb < a->T ? t0 + tb : a->T;
+    int64_t lo = a->N, hi = 0;
+    for (int64_t t = t0; t < t1; t++)
+        if (range[2 * t] < range[2 * t + 1]) {
+            lo = range[2 * t] < lo ? range[2 * t] : lo;
+            hi = range[2 * t + 1] > hi ? range[2 * t + 1] : hi;
+        }
+    if (lo >= hi) lo = hi = 0; /* nothing visible: zeros */
+    attend_unit(a, kh, t0, t1, lo, hi, buf);
+}
+
 /* Attention of T query tokens over N cells (ggml's flash_attn_ext): work units of (KV head, a
  * block of query tokens), shared out among up to n_threads OpenMP threads (dynamically, the
  * units with most cells first) once the work reaches ATT_PAR_WORK; each unit reads only the
@@ -565,24 +581,20 @@ static void attend(const att_args *a, int n_threads) {
 #else
     (void)n_threads;
 #endif
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        float *buf = malloc(att_scratch_floats(R, a->D, a->Dv) * sizeof(float)); /* NULL: nothing written */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < units; u++) {
-            if (!buf) continue;
-            const int64_t b = n_tb - 1 - u / a->Hkv, kh = u % a->Hkv; /* the last tokens first */
-            const int64_t t0 = b * tb, t1 = t0 + tb < T ? t0 + tb : T;
-            int64_t lo = N, hi = 0;
-            for (int64_t t = t0; t < t1; t++)
-                if (range[2 * t] < range[2 * t + 1]) {
-                    lo = range[2 * t] < lo ? range[2 * t] : lo;
-                    hi = range[2 * t + 1] > hi ? range[2 * t + 1] : hi;
-                }
-            if (lo >= hi) lo = hi = 0; /* nothing visible: zeros */
-            attend_unit(a, kh, t0, t1, lo, hi, buf);
-        }
+    if (nt == 1) { /* no OpenMP region at all (a fork child cannot run one) */
+        float *buf = malloc(att_scratch_floats(R, a->D, a->Dv) * sizeof(float));
+        if (buf)
+            for (int64_t u = 0; u < units; u++) attend_unit_at(a, range, tb, n_tb, u, buf);
         free(buf);
+    } else {
+#pragma omp parallel num_threads(nt)
+        {
+            float *buf = malloc(att_scratch_floats(R, a->D, a->Dv) * sizeof(float)); /* NULL: nothing written */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t u = 0; u < units; u++)
+                if (buf) attend_unit_at(a, range, tb, n_tb, u, buf);
+            free(buf);
+        }
     }
     free(range);
 }

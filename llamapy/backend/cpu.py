@@ -17,12 +17,12 @@ import numpy as np
 
 from ..tensor import Op, Tensor, TensorFlag
 from ..types import NUMPY_DTYPES, DeviceType, LlamapyError, storage
-from .cpu_kernels import cpu_kernels
+from .cpu_kernels import c_flash_attn_ext, cpu_kernels
 from .executor import Refusal, compile_split
 from .executor import enabled as executor_enabled
 from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps, Registry
 from .kernels import KERNELS, run_nodes
-from .qmatmul import MATMUL_MODES, QMatrix, kernels, set_num_threads
+from .qmatmul import MATMUL_MODES, QMatrix, kernels
 from .repack_cache import RepackStore
 from .threads import set_blas_threads
 
@@ -177,8 +177,11 @@ class CPUBackend(Backend):
         q8 = self.cpu_matmul == "q8"
         path = w.path(x2.shape[0], q8)
         vdt = w.vec_dot_type() if q8 and path != "mv" else None
+        nt = self.threads()  # this backend's -t, passed to every kernel (no process-wide count)
+        if path == "sgemm":
+            set_blas_threads(nt)  # BLAS's count is its library's: set for this backend's products
         if vdt is None:
-            out = w.matmul(x2, self.n_threads, q8)
+            out = w.matmul(x2, nt, q8)
         else:
             # the activations in the vec_dot_type: quantized (q8 kernels) or rounded (sgemm),
             # once for every product of the same input
@@ -186,22 +189,26 @@ class CPUBackend(Backend):
             if hit is not None and hit[0] is x:
                 a = hit[1]
             else:
-                a = w.quantize_act(x2, self.n_threads) if path == "q8" else w.round_act(x2, self.n_threads)
+                a = w.quantize_act(x2, nt) if path == "q8" else w.round_act(x2, nt)
                 self._act[(vdt, path)] = (x, a)
-            out = w.matmul_q8(a, self.n_threads) if path == "q8" else w.matmul_tiles(a, self.n_threads)
+            out = w.matmul_q8(a, nt) if path == "q8" else w.matmul_tiles(a, nt)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     _kernels_mul_mat = staticmethod(KERNELS[Op.MUL_MAT])  # float arrays (no QMatrix)
 
     def set_n_threads(self, n_threads: int) -> None:
+        # kept on the backend and passed with every kernel call (threads()): nothing process-wide
         self.n_threads = n_threads
-        n = n_threads or (os.cpu_count() or 1)
-        set_num_threads(n)
-        set_blas_threads(n)
+
+    def _flash_attn_ext(self, node: Tensor, s: list[Any], xp: Any) -> Any:
+        return c_flash_attn_ext(node, s, xp, self.threads())
 
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
+        table = {**self._kernels, Op.MUL_MAT: self._mul_mat}
+        if table[Op.FLASH_ATTN_EXT] is c_flash_attn_ext:  # the C kernels: on this backend's -t
+            table[Op.FLASH_ATTN_EXT] = self._flash_attn_ext
         try:
-            run_nodes(nodes, env, np, table={**self._kernels, Op.MUL_MAT: self._mul_mat})
+            run_nodes(nodes, env, np, table=table)
         finally:
             self._act.clear()  # the graph's activations are not kept past its run
 

@@ -4,8 +4,12 @@ flash_attn_ext, swiglu): the C ones (kernels_c/ops.c), when the install built th
 During decode every op works on a few hundred floats, so numpy's per-call overhead (a dozen
 array temporaries for one attention head) costs more than the arithmetic; one compiled loop per
 op removes it. The numpy kernels in kernels.py stay the reference these are tested against, and
-the fallback without compiled kernels (LLAMAPY_KERNELS=numpy). Prompts keep the BLAS attention
-path: for a block of 128 queries sgemm beats a scalar loop.
+the fallback without compiled kernels (LLAMAPY_KERNELS=numpy).
+
+Attention runs in C for any number of query tokens, threaded over (KV head, block of queries)
+units; each query's output does not depend on the rest of the batch, on the cells attended
+beyond what it sees, or on the thread count (ops.c). The thread count is an argument: the table
+entry runs on one thread, the CPU backend passes its own -t (`c_flash_attn_ext(..., n_threads)`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from .kernels import KERNELS, Kernel, cache_rotation, rope_inv_freq
 from .qmatmul import kernels
 
 _ptr = native.ptr
-ATTN_MAX_TOKENS = 8  # up to this many queries, attention runs in the compiled loop
 
 
 # A decode step runs ~270 of these small kernels, so their Python side is kept short: a node's
@@ -79,12 +82,11 @@ def _c_rope(node: Tensor, s: list[Any], xp: Any) -> Any:
 _KV_CODES = {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q8_0: 2, GGMLType.Q4_0: 3}
 
 
-def _c_flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
-    if s[0].shape[0] > ATTN_MAX_TOKENS:
-        return KERNELS[Op.FLASH_ATTN_EXT](node, s, xp)
+def c_flash_attn_ext(node: Tensor, s: list[Any], xp: Any, n_threads: int = 1) -> Any:
+    """FLASH_ATTN_EXT in C (lp_attend / lp_attend_f16 / lp_attend_q) on up to n_threads threads."""
     kt, vt = node.src[1].type, node.src[2].type
     if kt in KV_QUANT_TYPES or vt in KV_QUANT_TYPES:
-        return _c_attend_q(node, s, _KV_CODES[kt], _KV_CODES[vt])
+        return _c_attend_q(node, s, _KV_CODES[kt], _KV_CODES[vt], n_threads)
     q, k, v, mask = s
     q = np.ascontiguousarray(q, dtype=np.float32)  # an f16 cache: the kernel rounds Q to f16 itself
     mask = mask.astype(np.float32, copy=False)
@@ -102,11 +104,11 @@ def _c_flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
     fn = _lib.lp_attend_f16 if isz == 2 else _lib.lp_attend
     (scale,) = _node_consts(node, lambda: (float(node.params["scale"]),))
     fn(_ptr(q), T, H, D, _ptr(k), _ptr(v), N, Hkv, Dv, ks[0] // isz, ks[1] // isz, vs[0] // isz, vs[1] // isz,
-       _ptr(mask), mask.strides[0] // 4, scale, _ptr(out))
+       _ptr(mask), mask.strides[0] // 4, scale, _ptr(out), n_threads)
     return out
 
 
-def _c_attend_q(node: Tensor, s: list[Any], kt: int, vt: int) -> Any:
+def _c_attend_q(node: Tensor, s: list[Any], kt: int, vt: int, n_threads: int) -> Any:
     """A Q8_0/Q4_0 cache (either of K, V): lp_attend_q reads its blocks in place."""
     q, k, v, mask = s
     rot_k, rot_v = cache_rotation(node)  # llama.cpp's attn_rot (kernels.flash_attn_ext)
@@ -123,7 +125,7 @@ def _c_attend_q(node: Tensor, s: list[Any], kt: int, vt: int) -> Any:
     (scale,) = _node_consts(node, lambda: (float(node.params["scale"]),))
     _lib.lp_attend_q(_ptr(q), T, H, D, _ptr(k), _ptr(v), N, Hkv, Dv, k.strides[0] // ki, k.strides[1] // ki,
                      v.strides[0] // vi, v.strides[1] // vi, _ptr(mask), mask.strides[0] // 4, scale, _ptr(out),
-                     kt, vt)  # fmt: skip
+                     kt, vt, n_threads)  # fmt: skip
     return rotate(out, rot_v) if rot_v else out
 
 
@@ -139,7 +141,7 @@ def _c_glu(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 
 _TABLES: dict[str, dict[Op, Kernel]] = {
-    "c": {**KERNELS, Op.RMS_NORM: _c_rms_norm, Op.ROPE: _c_rope, Op.FLASH_ATTN_EXT: _c_flash_attn_ext,
+    "c": {**KERNELS, Op.RMS_NORM: _c_rms_norm, Op.ROPE: _c_rope, Op.FLASH_ATTN_EXT: c_flash_attn_ext,
           Op.GLU: _c_glu},
     "numpy": KERNELS,
 }

@@ -11,8 +11,8 @@ ggml-alloc's tensor addresses; the records are run by kernels_c/executor.c).
     records' own lifetimes (a fused record reads its sources at its own step); weights and the
     KV cache are used where their buffers hold them.
 Threads: each run gets its backend's -t (never more than the cores) and hands it to the
-matvecs' OpenMP regions; a plan holds no thread state, so contexts with different -t share
-nothing.
+matvecs' and attention's OpenMP regions; a plan holds no thread state, so contexts with
+different -t share nothing.
 What changes every token (token ids, positions, KV cells, the mask) is copied into the input
 slots before the call; the number of cells attended is part of the graph's shape (the context
 keys its graphs by it), so a new shape means a new plan, never a rebuild per token.
@@ -31,8 +31,8 @@ token embedding rows of a file-layout matrix are expanded in Python before the c
 Numerics: the records call the reference path's C kernels or repeat its float32 operations in
 order, so logits are bit-identical to `run_nodes` in the q8 mode; in the f32 mode too, except
 the f32 tail rows of a matrix whose row count is not a multiple of 64 (BLAS in the reference):
-within float32 rounding. Batches of more than 8 tokens (numpy's attention in the reference) are
-left to run_nodes.
+within float32 rounding. Attention is ops.c's kernel in both, for any number of query tokens, so
+a split of up to MAX_TOKENS - 1 tokens (e.g. a decode batch of several sequences) runs here.
 """
 
 from __future__ import annotations
@@ -57,12 +57,9 @@ ALIGN = 64  # the arena's alignment (AVX-512 loads); sched/alloc.py aligns offse
 (GET_ROWS_Q, GET_ROWS_F32, RMS_NORM, MUL, ADD, SCALE, SWIGLU, MUL_MAT, ROPE, SET_ROWS, ATTN, CPY, QUANT_ACT,
  MUL_MAT_Q) = range(1, 15)
 REC = 24
-# Batches from this many tokens are left to run_nodes: its tile + sgemm path and BLAS attention
-# are faster there (qmatmul.SGEMM_MIN_TOKENS).
+# Batches from this many tokens are left to run_nodes: its tile + sgemm path is faster there
+# (qmatmul.SGEMM_MIN_TOKENS).
 MAX_TOKENS = 16
-# Decode attention is shared out among the threads by KV head from this many multiply-adds
-# (N*H*(D+Dv): about 1000 cells of history for SmolLM2); below it one thread is quicker.
-ATTN_PAR_WORK = 1 << 20
 
 _DTYPES = {GGMLType.F32: np.dtype(np.float32), GGMLType.F16: np.dtype(np.float16),
            GGMLType.I32: np.dtype(np.int32), GGMLType.I64: np.dtype(np.int64)}  # fmt: skip
@@ -346,7 +343,7 @@ class _Compiler:
             if n.type is not GGMLType.F32:
                 raise Refused(f"{op.name} {n.name} of type {n.type.name}")
             if len(n.shape) >= 2 and n.shape[0] >= MAX_TOKENS:
-                # a prompt: sgemm and BLAS attention are faster there, and a plan's arena would
+                # a prompt: the sgemm path is faster there, and a plan's arena would
                 # hold copies of the batch's activations for as long as the graph is cached
                 raise Refused(f"a batch of {n.shape[0]} tokens")
             if op is Op.MUL and self._fuse_norm_mul(n):
@@ -695,12 +692,6 @@ class _Compiler:
             r[6], r[7], r[8], r[9], r[10], r[11] = ids.n_elements, cols, ss, d_rows, int(f16), d_st
             return r
         if st.code == ATTN:
-            from .cpu_kernels import ATTN_MAX_TOKENS
-
-            if n.shape[0] > ATTN_MAX_TOKENS:
-                # the reference takes numpy's blocked attention there, whose sums differ enough
-                # (a random 32-layer model's logits by ~0.3) to change greedy picks against it
-                raise Refused(f"attention over {n.shape[0]} query tokens (numpy's above {ATTN_MAX_TOKENS})")
             q, k, v, mask = (loc(s) for s in n.src)
             need_f32(q, "attention Q")
             need_f32(mask, "attention mask")
@@ -715,7 +706,6 @@ class _Compiler:
             r[6], r[7], r[8], r[9], r[10], r[11] = T, H, D, N, Hkv, Dv
             r[12], r[13], r[14], r[15] = k.strides[0], k.strides[1], v.strides[0], v.strides[1]
             r[16], r[17], r[18] = mst, fbits(float(n.params["scale"])), int(k.dtype != f32)
-            r[19] = ATTN_PAR_WORK
             return r
         raise Refused(f"op {n.op.name}")  # pragma: no cover - steps_pass knows the codes
 

@@ -40,8 +40,9 @@ _INT = ctypes.c_int
 _MV = [_P, _I64, _I64, _P, _I64, _P, _I64, _INT]  # parts, n_tiles, nb, x, n_tok, out, ld_out, n_threads
 _DQT = [_P, _I64, _I64, _I64, _P, _I64, _INT]  # parts, t0, t1, nb, out_t, ld, n_threads
 _DQR = [_P, _I64, _P, _I64, _P]  # parts, nb, ids, n, out
-# q, T, H, D, k, v, N, Hkv, Dv, k_sn, k_sh, v_sn, v_sh, mask, mask_st, scale, out
-_ATTEND = [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, ctypes.c_float, _P]
+# q, T, H, D, k, v, N, Hkv, Dv, k_sn, k_sh, v_sn, v_sh, mask, mask_st, scale, out (+ lp_attend_q's kt, vt), n_threads
+_ATT = [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, ctypes.c_float, _P]
+_ATTEND = [*_ATT, _INT]
 _VEC_DOT = [_INT, _P, _P, _P]  # n, s, vx, vy
 REPACKED_TYPES = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
 VEC_DOTS = ("f32", "f16", "bf16", "q4_0_q8_0", "q4_1_q8_1", "q5_0_q8_0", "q5_1_q8_1", "q8_0_q8_0")
@@ -54,8 +55,7 @@ SIGNATURES: dict[str, tuple[list, Any]] = {
     "lp_rope": ([_P, _I64, _I64, _I64, _P, _P, _I64, _INT, _P], None),
     "lp_attend": (_ATTEND, None),
     "lp_attend_f16": (_ATTEND, None),  # k, v: the f16 cache's bits
-    "lp_attend_q": ([*_ATTEND, _INT, _INT], None),  # + K and V cache types (LP_KV_*: f32 f16 q8_0 q4_0)
-    "lp_attend_set_threads": ([_INT], None),
+    "lp_attend_q": ([*_ATT, _INT, _INT, _INT], None),  # + K and V cache types (LP_KV_*: f32 f16 q8_0 q4_0)
     "lp_swiglu": ([_P, _P, _I64, _I64, _I64, _I64, _P], None),
     # quantized-activation MUL_MAT (lp_quants.h)
     "lp_quantize_row_q8_0": ([_P, _P, _I64], None),

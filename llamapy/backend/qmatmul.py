@@ -115,18 +115,10 @@ def _has_gemm(qtype: GGMLType) -> bool:
     return name is not None and hasattr(native.lib(), name)
 
 
-_num_threads = 0
-
-
-def set_num_threads(n: int) -> None:
-    """Threads the kernels use (llama.cpp's `-t`); 0 means one per core."""
-    global _num_threads
-    _num_threads = max(0, int(n))
-
-
 def _threads(n_threads: int) -> int:
-    n = n_threads or _num_threads
-    return n if n > 0 else (os.cpu_count() or 1)
+    """The kernels' thread count for a call: the caller's (its backend's -t); 0 means one per
+    core. There is no process-wide setting: two contexts with different -t do not interfere."""
+    return n_threads if n_threads > 0 else (os.cpu_count() or 1)
 
 
 # --------------------------------------------------------------------------------------------

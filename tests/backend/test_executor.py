@@ -119,15 +119,16 @@ def test_prompt_batches_fall_back_to_run_nodes(make_llama, monkeypatch: pytest.M
     assert "## PLAN #0: CPU executor: " in exe.sched.dump(exe.graph(1, 256, 1).graph)
 
 
-def test_attention_beyond_8_tokens_falls_back(monkeypatch: pytest.MonkeyPatch, make_llama) -> None:  # noqa: ANN001
-    """Batches of 9-15 tokens: the reference attends with numpy there, so the executor leaves
-    the split to it (and the logits are run_nodes' own)."""
+def test_batches_of_9_to_15_tokens_compile(monkeypatch: pytest.MonkeyPatch, make_llama) -> None:  # noqa: ANN001
+    """Batches of 9-15 tokens: attention runs in C for any number of queries in both paths, so
+    the executor compiles the split (before, it left them to numpy's attention in run_nodes)
+    and gives run_nodes' logits bit for bit."""
     model = _model(make_llama(qtype=T.Q8_0))
     exe, ref = _contexts(monkeypatch, model)
     toks = list(range(3, 15))
     _same(exe.decode(toks, range(12)), ref.decode(toks, range(12)))
     bp = exe.sched.backend_plan(exe.sched.reserve(exe.graph(12, 256, 1).graph), 0)
-    assert isinstance(bp, Refusal) and "attention over 12 query tokens" in bp.reason
+    assert isinstance(bp, ExecPlan) and bp.n_runs == 1, bp
 
 
 def test_products_without_a_compiled_path_fall_back(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
@@ -184,21 +185,21 @@ def test_small_graph_elementwise_and_views() -> None:
 
 
 @pytest.mark.parametrize("cache", [GGMLType.F32, GGMLType.F16])
-def test_threaded_decode_attention(make_llama, monkeypatch: pytest.MonkeyPatch, cache: GGMLType) -> None:  # noqa: ANN001
-    """Decode attention shared out by KV head among 2 threads (the threshold lowered so that a
-    short history takes that path) gives run_nodes' logits bit for bit."""
-    from llamapy.backend import executor
-
-    monkeypatch.setattr(executor, "ATTN_PAR_WORK", 0)
+def test_threaded_batch_attention(make_llama, monkeypatch: pytest.MonkeyPatch, cache: GGMLType) -> None:  # noqa: ANN001
+    """Batches of 12 tokens (more than the 8 the executor took before its attention ran any
+    number of queries), attention threaded over (KV head, query block) on 2 threads: the
+    executor runs them and gives run_nodes' logits bit for bit, and -t 1 gives the same."""
     model = _model(make_llama(qtype=T.Q8_0, n_embd=512, n_head=8, n_head_kv=4))
     exe, ref = _contexts(monkeypatch, model, n_threads=2, type_k=cache, type_v=cache)
-    toks = list(range(3, 40))
-    _same(exe.decode(toks, range(len(toks))), ref.decode(toks, range(len(toks))))
-    for i in range(4):
-        _same(exe.decode([50 + i], [len(toks) + i]), ref.decode([50 + i], [len(toks) + i]))
-    plan = exe.sched.reserve(exe.graph(1, 256, 1).graph)
-    bp = exe.sched.backend_plan(plan, 0)
-    assert isinstance(bp, ExecPlan) and bp.n_runs == 4 and (bp.recs[:, 19] == 0).any()
+    one, _ = _contexts(monkeypatch, model, n_threads=1, type_k=cache, type_v=cache)
+    for c0 in range(0, 48, 12):
+        toks, pos = list(range(3 + c0, 15 + c0)), list(range(c0, c0 + 12))
+        every = [True] * 12
+        got = exe.decode(toks, pos, 0, every)
+        _same(got, ref.decode(toks, pos, 0, every))
+        _same(got, one.decode(toks, pos, 0, every))
+    assert any(isinstance(p, ExecPlan) and p.n_runs == 4 and p.n_threads == 2 for p in _plans(exe))
+    model.free()
 
 
 def test_two_contexts_with_different_threads(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001

@@ -131,6 +131,14 @@ def _cases() -> list[tuple[str, Callable[[np.random.Generator], tuple[Tensor, di
         s = {tq: q, tk: k, tv: v, tm: mask}
         return ops.flash_attn_ext(tq, tk, tv, tm), s, s
 
+    def attention_prompt(rng):  # noqa: ANN001, ANN202
+        """150 queries at positions 10..159 over an f16 cache, causal (the C kernel's query blocks)."""
+        q, k, v = f32(rng, 150, 4, 32), f32(rng, 160, 2, 32).astype(np.float16), f32(rng, 160, 2, 32).astype(np.float16)
+        mask = np.where(np.arange(160)[None, :] <= np.arange(10, 160)[:, None], 0, -np.inf).astype(np.float32)
+        tq, tk, tv, tm = act("q", q), act("k", k, T.F16), act("v", v, T.F16), act("m", mask)
+        s = {tq: q, tk: k, tv: v, tm: mask}
+        return ops.flash_attn_ext(tq, tk, tv, tm), s, s
+
     def attention_q(kt: T, vt: T, n_tokens: int):  # noqa: ANN202
         """Over a quantized K and/or V cache: the values are the rows' raw blocks."""
 
@@ -203,6 +211,7 @@ def _cases() -> list[tuple[str, Callable[[np.random.Generator], tuple[Tensor, di
         ("GLU", glu),
         ("SOFT_MAX", softmax),
         ("FLASH_ATTN_EXT", attention),
+        ("FLASH_ATTN_EXT-prompt", attention_prompt),
         ("SET_ROWS", set_rows),
         ("SET_ROWS-Q8_0", set_rows_q(T.Q8_0)),
         ("SET_ROWS-Q4_0", set_rows_q(T.Q4_0)),

@@ -142,10 +142,11 @@ def test_rotated_cache_is_ggmls_definition_in_the_rotated_basis(n_tokens: int) -
     want = rotate(_ggml_attention(rotate(q, 128), kv, vv, T.Q8_0, T.Q4_0, mask, 0.1).astype(np.float32), 64)
     got = K.flash_attn_ext(node, [q, kv, vv, mask], np)  # type: ignore[arg-type]
     assert np.abs(got - want).max() <= 3e-5
-    if native.lib() is not None and n_tokens == 1:
+    if native.lib() is not None:
         cpu_kernels._lib = native.lib()
-        got_c = cpu_kernels._c_flash_attn_ext(node, [q, kv, vv, mask], np)  # type: ignore[arg-type]
-        assert np.abs(got_c - want).max() <= 3e-5
+        for n_threads in (1, 2):
+            got_c = cpu_kernels.c_flash_attn_ext(node, [q, kv, vv, mask], np, n_threads)  # type: ignore[arg-type]
+            assert np.abs(got_c - want).max() <= 3e-5
 
 
 MIXED = [(kt, vt) for kt in (T.F32, T.F16, *QTYPES) for vt in (T.F16, *QTYPES) if kt in QTYPES or vt in QTYPES]
@@ -153,14 +154,14 @@ MIXED = [(kt, vt) for kt in (T.F32, T.F16, *QTYPES) for vt in (T.F16, *QTYPES) i
 
 @pytest.mark.parametrize("kt,vt", MIXED, ids=lambda t: t.name)
 def test_c_attend_q_matches_the_reference(kt: T, vt: T) -> None:
-    """lp_attend_q reads the blocks in place (decode: 1 and 8 tokens; cells over several of its
-    64-cell blocks) and gives the numpy reference's result."""
+    """lp_attend_q reads the blocks in place (1, 8 and 40 tokens, on 1 and 2 threads; cells over
+    several of its 64-cell blocks) and gives the numpy reference's result."""
     from llamapy.backend import cpu_kernels, native
 
     if native.lib() is None:
         pytest.skip("the compiled kernels are not installed (no C compiler at install time)")
     cpu_kernels._lib = native.lib()
-    for n_tokens in (1, 8):
+    for n_tokens in (1, 8, 40):
         node, s = _case(np.random.default_rng(3), T.Q8_0, T.Q8_0, n_tokens, N=300)
         rng = np.random.default_rng(4)
         k = rng.standard_normal((300, 2, 64)).astype(np.float32)
@@ -173,9 +174,11 @@ def test_c_attend_q_matches_the_reference(kt: T, vt: T) -> None:
 
         s[1], s[2] = store(k, kt), store(v, vt)
         node.src[1].type, node.src[2].type = kt, vt
-        got = cpu_kernels._c_flash_attn_ext(node, s, np)  # type: ignore[arg-type]
         want = K.flash_attn_ext(node, s, np)  # type: ignore[arg-type]
-        assert np.abs(got - want).max() <= 2e-5, (kt, vt, n_tokens)
+        one = cpu_kernels.c_flash_attn_ext(node, s, np)  # type: ignore[arg-type]
+        assert np.abs(one - want).max() <= 2e-5, (kt, vt, n_tokens)
+        two = cpu_kernels.c_flash_attn_ext(node, s, np, 2)  # type: ignore[arg-type]
+        assert np.array_equal(one, two), (kt, vt, n_tokens)  # the thread count changes nothing
 
 
 def _kld(p_logits: np.ndarray, q_logits: np.ndarray) -> float:

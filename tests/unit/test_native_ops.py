@@ -18,7 +18,8 @@ except ImportError as e:  # pragma: no cover - the loader is part of the package
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 # lp_attend_f16 has lp_attend's arguments (k and v are f16 bits)
-_ATTEND = [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, ctypes.c_float, _P]
+_ATTEND = [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, ctypes.c_float, _P,
+           ctypes.c_int]
 
 
 @pytest.fixture(scope="module", params=["avx512", "avx2", "portable"])
@@ -111,7 +112,7 @@ def test_rope(lib, mode, D, n_dims):
 # ---------------------------------------------------------------------------------------------
 
 
-def c_attend(lib, q, k, v, mask, scale):
+def c_attend(lib, q, k, v, mask, scale, n_threads=1):
     """q (T, H, D) f32; k/v (N, Hkv, D/Dv) f32 or f16 views with unit inner stride; mask (T, N) f32."""
     T, H, D = q.shape
     N, Hkv, _ = k.shape
@@ -129,7 +130,8 @@ def c_attend(lib, q, k, v, mask, scale):
     else:
         fn = lib.lp_attend
     fn(_ptr(q), T, H, D, _ptr(k), _ptr(v), N, Hkv, Dv, k.strides[0] // es, k.strides[1] // es,
-       v.strides[0] // es, v.strides[1] // es, _ptr(mask), mask.strides[0] // 4, scale, _ptr(out))  # fmt: skip
+       v.strides[0] // es, v.strides[1] // es, _ptr(mask), mask.strides[0] // 4, scale, _ptr(out),
+       n_threads)  # fmt: skip
     return out
 
 
@@ -143,7 +145,7 @@ def _mask(rng, T, N, full_row):
     return m
 
 
-def _check_attend(lib, T, N, Hkv, g, D, dtype, layout, seed):
+def _check_attend(lib, T, N, Hkv, g, D, dtype, layout, seed, n_threads=1):
     rng = np.random.default_rng(seed)
     H = Hkv * g
     n_ctx = N + 5
@@ -159,7 +161,9 @@ def _check_attend(lib, T, N, Hkv, g, D, dtype, layout, seed):
     full_row = 1 if T > 1 else None
     mask = _mask(rng, T, N, full_row)
     scale = 1.0 / np.sqrt(D)
-    out = c_attend(lib, q, k, v, mask, scale)
+    out = c_attend(lib, q, k, v, mask, scale, n_threads)
+    if n_threads > 1:
+        np.testing.assert_array_equal(out, c_attend(lib, q, k, v, mask, scale))
     with np.errstate(invalid="ignore"):  # the fully masked row
         ref = K._attend(q, k, v, mask, scale, np)
     if full_row is not None:  # numpy gives nan for a row with no visible cell; the C kernel zeros
@@ -168,7 +172,7 @@ def _check_attend(lib, T, N, Hkv, g, D, dtype, layout, seed):
     np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5 * float(np.abs(v.astype(np.float32)).max()))
 
 
-@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("T", [1, 3, 20])
 @pytest.mark.parametrize("N", [1, 7, 300])
 @pytest.mark.parametrize("g", [1, 3])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -186,10 +190,11 @@ def test_attend_shapes(lib, D, Hkv, g, N):
         _check_attend(lib, 1, N, Hkv, g, D, dtype, "cache", seed=D + N + 1)
 
 
-def test_attend_eight_tokens(lib):
-    """The most queries the decode path sends (cpu_kernels.ATTN_MAX_TOKENS): causal mask rows."""
+@pytest.mark.parametrize("T", [8, 12, 40])
+def test_attend_causal_tokens(lib, T):
+    """Several queries at the end of the cache: causal mask rows (one unit, several units)."""
     rng = np.random.default_rng(8)
-    T, Hkv, g, D, N = 8, 3, 3, 64, 200
+    Hkv, g, D, N = 3, 3, 64, 200
     q = rng.standard_normal((T, Hkv * g, D)).astype(np.float32)
     k = rng.standard_normal((N, Hkv, D)).astype(np.float32)
     v = rng.standard_normal((N, Hkv, D)).astype(np.float32)
@@ -242,31 +247,109 @@ def test_attend_f16_rounding(lib):
     np.testing.assert_allclose(out, K._attend(q, k, v, np.zeros((T, N), np.float32), 0.125, np), rtol=0, atol=1e-5)
 
 
-def test_attend_threads_split_cells(lib):
-    """Several threads split the cells and merge their partial softmaxes (lp_attend_set_threads)."""
-    set_threads = getattr(lib, "lp_attend_set_threads", None)
-    if set_threads is None:
-        pytest.skip("this build has no lp_attend_set_threads")
-    set_threads.argtypes, set_threads.restype = [ctypes.c_int], None
-    try:
-        for n in (4, 3):  # more threads than this machine may have: the split is what is tested
-            set_threads(n)
-            for dt in (np.float32, np.float16):
-                _check_attend(lib, 2, 3000, 1, 4, 64, dt, "padded", seed=11)
-                _check_attend(lib, 1, 5000, 2, 3, 64, dt, "cache", seed=12)
-                _check_attend(lib, 3, 777, 3, 3, 64, dt, "cache", seed=13)  # a short last range
-            # rows that see only the first or the last cells: ranges with nothing visible
-            rng = np.random.default_rng(14)
-            q = rng.standard_normal((2, 4, 64)).astype(np.float32)
-            k = rng.standard_normal((3000, 2, 64)).astype(np.float32)
-            v = rng.standard_normal((3000, 2, 64)).astype(np.float32)
-            mask = np.full((2, 3000), -np.inf, np.float32)
-            mask[0, :100] = 0.0
-            mask[1, -100:] = 0.0
-            ref = K._attend(q, k, v, mask, 0.125, np)
-            np.testing.assert_allclose(c_attend(lib, q, k, v, mask, 0.125), ref, rtol=0, atol=1e-5)
-    finally:
-        set_threads(1)
+def test_attend_threads(lib):
+    """Work units of (KV head, query block) shared out among threads: the output is the one-thread
+    output bit for bit (no cell ranges merged), whatever the count, and the reference's."""
+    for n in (2, 3, 4):  # more threads than this machine may have: the sharing is what is tested
+        for dt in (np.float32, np.float16):
+            _check_attend(lib, 2, 3000, 1, 4, 64, dt, "padded", seed=11, n_threads=n)
+            _check_attend(lib, 1, 5000, 2, 3, 64, dt, "cache", seed=12, n_threads=n)
+            _check_attend(lib, 37, 777, 3, 3, 64, dt, "cache", seed=13, n_threads=n)
+    # rows that see only the first or the last cells: units with nothing visible in most blocks
+    rng = np.random.default_rng(14)
+    q = rng.standard_normal((2, 4, 64)).astype(np.float32)
+    k = rng.standard_normal((3000, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((3000, 2, 64)).astype(np.float32)
+    mask = np.full((2, 3000), -np.inf, np.float32)
+    mask[0, :100] = 0.0
+    mask[1, -100:] = 0.0
+    ref = K._attend(q, k, v, mask, 0.125, np)
+    for n in (1, 2, 3):
+        np.testing.assert_allclose(c_attend(lib, q, k, v, mask, 0.125, n), ref, rtol=0, atol=1e-5)
+
+
+def test_attend_threads_after_fork(lib):
+    """A fork child of a process that ran threaded attention must not hang in libgomp: there the
+    kernel stays on the calling thread (same output: the thread count changes nothing)."""
+    import os
+    import time
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork")
+    rng = np.random.default_rng(15)
+    q = rng.standard_normal((64, 6, 64)).astype(np.float32)
+    k = rng.standard_normal((600, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((600, 2, 64)).astype(np.float32)
+    mask = _causal(64, 600, 536)
+    ref = c_attend(lib, q, k, v, mask, 0.125, 2)  # enough work for threads: the team starts here
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os._exit(0 if np.array_equal(c_attend(lib, q, k, v, mask, 0.125, 2), ref) else 1)
+        finally:
+            os._exit(2)
+    deadline = time.monotonic() + 20
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the fork child hung in threaded attention")
+        time.sleep(0.01)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def _causal(T, N, p0):
+    """Tokens at positions p0..p0+T-1 seeing cells 0..their position."""
+    return np.where(np.arange(N)[None, :] <= np.arange(p0, p0 + T)[:, None], 0.0, -np.inf).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_attend_prompt(lib, dtype):
+    """A prompt-sized batch (causal, two sequences side by side, GQA) against the reference."""
+    rng = np.random.default_rng(21)
+    T, Hkv, g, D, N = 300, 3, 3, 64, 320
+    q = rng.standard_normal((T, Hkv * g, D)).astype(np.float32)
+    k = rng.standard_normal((N, Hkv, D)).astype(dtype)
+    v = rng.standard_normal((N, Hkv, D)).astype(dtype)
+    mask = np.full((T, N), -np.inf, np.float32)
+    mask[:200, :200] = _causal(200, 200, 0)  # sequence 0: cells 0..199
+    mask[200:, 200:] = _causal(100, 120, 20)  # sequence 1: cells 200..319, 20 of them cached before
+    ref = K._attend(q, k, v, mask, 0.125, np)
+    out = c_attend(lib, q, k, v, mask, 0.125, 2)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_attend_query_independent_of_batch(lib, dtype):
+    """A query's output is bit for bit the same alone, inside a batch (other rows of its sequence,
+    another sequence's tokens), over more cells (masked padding, whatever they hold: 63 cells,
+    so that its last cells no longer end a 64-cell block or a group of 8) and on any thread
+    count: masked cells contribute exactly nothing and visible cells are summed in cell order."""
+    rng = np.random.default_rng(22)
+    Hkv, g, D, N = 2, 3, 72, 203  # D % 8 != 0: the tail of the dot products too
+    q = rng.standard_normal((40, Hkv * g, D)).astype(np.float32)
+    k = rng.standard_normal((N + 63, Hkv, D)).astype(dtype)
+    v = rng.standard_normal((N + 63, Hkv, D)).astype(dtype)
+    mask = _causal(40, N, N - 40)
+    mask[5, 150:180] = -np.inf  # a hole in one row
+    mask[7, :] = -0.25  # a finite bias everywhere
+    batch = c_attend(lib, q, k[:N], v[:N], mask, 0.125, 1)
+    padded = np.full((40, N + 63), -np.inf, np.float32)
+    padded[:, :N] = mask
+    other = np.full((20, N + 63), -np.inf, np.float32)  # another sequence's tokens in the padding
+    other[:, N:] = 0.0
+    both = np.concatenate([padded, other])
+    q2 = np.concatenate([q, rng.standard_normal((20, Hkv * g, D)).astype(np.float32)])
+    for n in (1, 2, 3):
+        np.testing.assert_array_equal(c_attend(lib, q, k, v, padded, 0.125, n), batch)
+        np.testing.assert_array_equal(c_attend(lib, q2, k, v, both, 0.125, n)[:40], batch)
+    for t in (0, 5, 7, 39):  # each query alone
+        alone = c_attend(lib, q[t : t + 1], k[:N], v[:N], mask[t : t + 1], 0.125, 1)
+        np.testing.assert_array_equal(alone, batch[t : t + 1])
+        np.testing.assert_array_equal(c_attend(lib, q[t : t + 1], k, v, padded[t : t + 1], 0.125, 2), alone)
 
 
 # ---------------------------------------------------------------------------------------------

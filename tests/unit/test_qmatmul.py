@@ -215,11 +215,6 @@ def test_prepare_errors() -> None:
         m.matmul(np.zeros((1, 31), np.float32))
 
 
-def test_set_num_threads() -> None:
-    qmatmul.set_num_threads(1)
-    qmatmul.set_num_threads(0)
-
-
 @pytest.mark.parametrize("env", [{"LLAMAPY_KERNELS_VARIANT": "nope"}, {"LLAMAPY_KERNELS": "numpy"}])
 def test_no_compiled_kernels_env(env: dict[str, str]) -> None:
     code = (

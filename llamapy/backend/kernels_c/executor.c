@@ -19,7 +19,7 @@
  * run_nodes (see tests/backend/test_executor.py; the f32 tail rows of a matrix whose row count
  * is not a multiple of 64 are summed here, not by BLAS: within float32 noise).
  *
- * Threads: `n_threads` of each call go to the matvecs (OpenMP regions inside them); nothing
+ * Threads: `n_threads` of each call go to the matvecs and attention (OpenMP regions inside them); nothing
  * here keeps thread state between calls, so contexts with different -t do not interfere.
  * Built like the other kernels_c sources (-ffp-contract=off: no FMA contraction).
  */
@@ -31,22 +31,14 @@
 
 #define EX_API __attribute__((visibility("default")))
 
-/* libgomp cannot be used in a child made by fork() once the parent has run a parallel region
- * (qmatmul.c does the same): there, attention stays on the calling thread. */
-#ifdef _OPENMP
-#include <pthread.h>
-static volatile int ex_fork_child = 0;
-static void ex_on_fork_child(void) { ex_fork_child = 1; }
-__attribute__((constructor)) static void ex_register_atfork(void) { pthread_atfork(NULL, NULL, ex_on_fork_child); }
-#endif
-
-/* ops.c */
+/* ops.c (attention threads itself, up to n_threads, and stays on the calling thread in a fork
+ * child, where libgomp cannot run) */
 void lp_attend(const float *q, int64_t T, int64_t H, int64_t D, const float *k, const float *v, int64_t N,
                int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh, const float *mask,
-               int64_t mask_st, float scale, float *out);
+               int64_t mask_st, float scale, float *out, int n_threads);
 void lp_attend_f16(const float *q, int64_t T, int64_t H, int64_t D, const uint16_t *k, const uint16_t *v, int64_t N,
                    int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
-                   const float *mask, int64_t mask_st, float scale, float *out);
+                   const float *mask, int64_t mask_st, float scale, float *out, int n_threads);
 void lp_swiglu(const float *gate, const float *up, int64_t rows, int64_t n, int64_t gate_st, int64_t up_st,
                float *out);
 
@@ -131,34 +123,16 @@ static uint16_t to_f16(float x) {
 #endif
 }
 
-/* Decode attention: the KV heads shared out among up to n_threads OpenMP threads when the work
- * (N*H*(D+Dv) multiply-adds) reaches r[19] (long histories); each thread runs lp_attend on its
- * heads' query rows, which are computed exactly as in one call (rows are independent). */
+/* Attention (any number of query tokens): ops.c's kernel, which shares out its (KV head, query
+ * block) units among up to n_threads threads once the work is big enough; each query's output
+ * is the same whatever the thread count. */
 static void attention(const ex_slot *r, int n_threads) {
-    const int64_t T = I(6), H = I(7), D = I(8), N = I(9), Hkv = I(10), Dv = I(11);
-    const int f16 = (int)I(18);
-    int nt = 1;
-#ifdef _OPENMP
-    if (T == 1 && Hkv > 1 && n_threads > 1 && !ex_fork_child && N * H * (D + Dv) >= I(19))
-        nt = n_threads < Hkv ? n_threads : (int)Hkv;
-#else
-    (void)n_threads;
-#endif
-    const int64_t g = H / Hkv, hs = nt > 1 ? 1 : Hkv; /* KV heads per call */
-    const size_t esz = f16 ? 2 : 4;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1)
-    for (int64_t kh = 0; kh < Hkv; kh += hs) {
-        const float *q = (const float *)P(2) + kh * g * D;
-        const char *k = (const char *)P(3) + (size_t)(kh * I(13)) * esz;
-        const char *v = (const char *)P(4) + (size_t)(kh * I(15)) * esz;
-        float *out = (float *)P(1) + kh * g * Dv;
-        if (f16)
-            lp_attend_f16(q, T, hs * g, D, (const uint16_t *)k, (const uint16_t *)v, N, hs, Dv, I(12), I(13), I(14),
-                          I(15), P(5), I(16), (float)F(17), out);
-        else
-            lp_attend(q, T, hs * g, D, (const float *)k, (const float *)v, N, hs, Dv, I(12), I(13), I(14), I(15), P(5),
-                      I(16), (float)F(17), out);
-    }
+    if (I(18))
+        lp_attend_f16(P(2), I(6), I(7), I(8), P(3), P(4), I(9), I(10), I(11), I(12), I(13), I(14), I(15), P(5), I(16),
+                      (float)F(17), P(1), n_threads);
+    else
+        lp_attend(P(2), I(6), I(7), I(8), P(3), P(4), I(9), I(10), I(11), I(12), I(13), I(14), I(15), P(5), I(16),
+                  (float)F(17), P(1), n_threads);
 }
 
 /* Bit 0: SET_ROWS into an f16 cache is available (the compiler has _Float16). */
@@ -283,8 +257,7 @@ EX_API int64_t lp_exec_run(const int64_t *recs, int64_t n_rec, int n_threads) {
         }
         case EX_ATTN:
             /* src0 q (T,H,D) contiguous, src1 k, src2 v, src3 mask: [6] T, [7] H, [8] D, [9] N,
-             * [10] Hkv, [11] Dv, [12..15] k/v strides, [16] mask stride, [17] scale, [18] f16,
-             * [19] work from which decode attention is threaded */
+             * [10] Hkv, [11] Dv, [12..15] k/v strides, [16] mask stride, [17] scale, [18] f16 */
             attention(r, n_threads);
             break;
         case EX_CPY: {

@@ -1,10 +1,12 @@
-/* The small per-token ops of the CPU backend: rms_norm, rope, decode attention, swiglu.
+/* The small per-token ops of the CPU backend: rms_norm, rope, attention, swiglu.
  *
  * ggml counterparts (ggml-cpu): ops.cpp ggml_compute_forward_rms_norm (sum of squares in
  * ggml_float = double), ggml_compute_forward_rope (rope_yarn with ext_factor 0: plain
  * cos/sin of pos * theta_scale^i, neox and normal pairings), ggml_compute_forward_flash_attn_ext
  * (one pass over the KV cells with an online softmax, V accumulated in f32; an f16 cache gets Q
  * rounded to f16 first, as q_to_vec_dot does), and vec.h ggml_vec_swiglu_f32 / ggml_v_expf.
+ * Attention takes any number of query tokens; threads are an argument of each call (none of
+ * these kernels keeps state between calls).
  *
  * These are tested against the numpy reference kernels in kernels.py. Built by setup.py once
  * per SIMD variant with -O3 -std=gnu11 -ffp-contract=off -fno-math-errno -fopenmp,
@@ -279,22 +281,6 @@ LP_INLINE v8f v8_hsum8(const v8f a[8]) {
 
 LP_INLINE float v8_sum(v8f a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
 
-LP_INLINE float dot_f32(const float *restrict a, const float *restrict b, int64_t n) {
-    v8f a0 = {0}, a1 = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        a0 = v8_fma(v8_load(a + i), v8_load(b + i), a0);
-        a1 = v8_fma(v8_load(a + i + 8), v8_load(b + i + 8), a1);
-    }
-    if (i + 8 <= n) {
-        a0 = v8_fma(v8_load(a + i), v8_load(b + i), a0);
-        i += 8;
-    }
-    float s = 0.0f;
-    for (; i < n; i++) s = lp_fmaf(a[i], b[i], s);
-    return v8_sum(a0 + a1) + s;
-}
-
 /* dot products of one query row with the 8 K rows k0 + c*ks (c < 8): one accumulator per row,
  * the query vector loaded once for all 8, the horizontal sums done together */
 LP_INLINE v8f dot8(const float *restrict q, const float *restrict k0, int64_t ks, int64_t D) {
@@ -344,100 +330,148 @@ LP_INLINE void v_accumulate(float *restrict a, const float *restrict w, int64_t 
             if (w[c] != 0.0f) a[i0] = lp_fmaf(w[c], v0[c * vs + i0], a[i0]);
 }
 
-#define ATT_BLOCK 64 /* KV cells per step of the online softmax (a multiple of ATT_VGROUP) */
+#define ATT_BLOCK 64  /* KV cells per step of the online softmax (a multiple of ATT_VGROUP and of 8) */
 #define ATT_VGROUP 16 /* KV cells per step of the V sums */
+#define ATT_ROWS 32   /* query rows (tokens x the heads of a KV group) per work unit, at least */
 
-/* Scratch of one worker, in floats: scores, one f16 K group, one f16 V group. */
-LP_INLINE size_t attend_scratch(int64_t RR, int64_t D, int64_t Dv) {
-    return (size_t)(RR * ATT_BLOCK + 8 * D + ATT_VGROUP * Dv);
+#ifndef ATT_PAR_WORK
+#define ATT_PAR_WORK (1 << 20) /* multiply-adds (T*N*H*(D+Dv)) from which threads are used */
+#endif
+
+#ifdef _OPENMP
+#include <omp.h>
+#include <pthread.h>
+/* libgomp cannot be used in a child made by fork() once the parent has run a parallel region
+ * (the child hangs in its first one): there, attention stays on the calling thread (qmatmul.c
+ * does the same for its kernels). */
+static volatile int ops_fork_child = 0;
+static void ops_on_fork_child(void) { ops_fork_child = 1; }
+__attribute__((constructor)) static void ops_register_atfork(void) { pthread_atfork(NULL, NULL, ops_on_fork_child); }
+#endif
+
+/* What one attention call reads and writes (see lp_attend). */
+typedef struct {
+    const float *q;
+    const void *k, *v;
+    const float *mask;
+    float *out;
+    int64_t T, H, D, N, Hkv, Dv, g, k_sn, k_sh, v_sn, v_sh, mask_st;
+    float scale;
+    int kt, vt;
+} att_args;
+
+/* One worker's scratch, in floats: the unit's Q rows (R x D), scores (R x ATT_BLOCK), V sums
+ * (R x Dv), running max and sum (R each), one K group of 8 rows and one V group widened to f32. */
+LP_INLINE size_t att_scratch_floats(int64_t R, int64_t D, int64_t Dv) {
+    return (size_t)(R * (D + ATT_BLOCK + Dv + 3) + 8 * D + ATT_VGROUP * Dv);
 }
 
-/* All RR = Hkv*T*g query rows (row kh*R + t*g + j, R = T*g) over the cells [n0, n1): the online
- * softmax's running max m, sum l and unnormalized V sums acc (RR x Dv) of that range. q: RR x D
- * (f16-rounded already for an f16 cache); mask row t at mask + t*mask_st (cells absolute). The
- * cells are walked in order with every KV head inside, so the cache streams from memory row by
- * row; a cell whose mask is -inf for every token is not read. */
-LP_INLINE void attend_range(const float *restrict q, int64_t Hkv, int64_t R, int64_t g, int64_t D, const void *k,
-                            const void *v, int64_t n0, int64_t n1, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn,
-                            int64_t v_sh, const float *mask, int64_t mask_st, float scale, float *restrict m,
-                            float *restrict l, float *restrict acc, float *restrict sc, float *restrict kf,
-                            float *restrict vf, int kt, int vt) {
-    const int64_t T = R / g, RR = Hkv * R;
+/* the dot product of dot8's lanes, for one K row: the same operations in the same order, so a
+ * cell's score does not depend on whether it falls in a group of 8 (on N, on the batch) */
+LP_INLINE float dot1(const float *restrict q, const float *restrict k, int64_t D) {
+    v8f a = v8_splat(0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) a = v8_fma(v8_load(q + i), v8_load(k + i), a);
+    float r = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    for (; i < D; i++) r = lp_fmaf(q[i], k[i], r);
+    return r;
+}
+
+/* One work unit: KV head kh and the query tokens [t0, t1), i.e. R = (t1-t0)*g rows (row r: token
+ * t0 + r/g, query head kh*g + r%g) over the cells [lo, hi) that any of them sees. The cells are
+ * walked in blocks of ATT_BLOCK aligned on absolute cell indices, each block as ATT_BLOCK slots
+ * (cells beyond N are -inf), so every row's arithmetic depends only on its own scores: a block
+ * where a row sees nothing changes nothing for it (max -inf, weights exactly 0, sums += 0, V rows
+ * of weight 0 not read), and its visible cells are summed in cell order. Hence a query's output
+ * is the same whatever else is in the batch, whatever N (padding) and whatever the thread count.
+ * K rows are read (widened) once per group of 8 cells for all R rows of the unit. */
+static void attend_unit(const att_args *a, int64_t kh, int64_t t0, int64_t t1, int64_t lo, int64_t hi,
+                        float *restrict buf) {
+    const int64_t g = a->g, R = (t1 - t0) * g, D = a->D, Dv = a->Dv, H = a->H, N = a->N;
+    const int kt = a->kt, vt = a->vt;
+    float *restrict qs = buf, *restrict sc = qs + R * D, *restrict acc = sc + R * ATT_BLOCK;
+    float *restrict m = acc + R * Dv, *restrict l = m + R, *restrict nan_seen = l + R;
+    float *restrict kf = nan_seen + R, *restrict vf = kf + 8 * D;
+    /* q rows (f16-rounded for an f16 K, as llama.cpp's q_to_vec_dot; Q8_0-rounded for a
+     * quantized one) */
+    for (int64_t r = 0; r < R; r++) {
+        const float *qr = a->q + ((t0 + r / g) * H + kh * g + r % g) * D;
+        float *dst = qs + r * D;
+        if (kt == LP_KV_F16)
+            for (int64_t i = 0; i < D; i++) dst[i] = round_f16(qr[i]);
+        else if (kt)
+            round_q8_0_row(dst, qr, D);
+        else
+            memcpy(dst, qr, (size_t)D * sizeof(float));
+        m[r] = -INFINITY, l[r] = 0.0f, nan_seen[r] = 0.0f;
+    }
+    memset(acc, 0, (size_t)(R * Dv) * sizeof(float));
+    const float *mask = a->mask + t0 * a->mask_st;
+    const int64_t mask_st = a->mask_st, Tu = t1 - t0;
+    const float minf = -INFINITY, scale = a->scale;
+    const float *kb = (const float *)a->k + kh * a->k_sh, *vb = (const float *)a->v + kh * a->v_sh; /* f32 only */
     unsigned char live[ATT_BLOCK];
-    int nan_seen[RR];
-    for (int64_t r = 0; r < RR; r++) m[r] = -INFINITY, l[r] = 0.0f, nan_seen[r] = 0;
-    memset(acc, 0, (size_t)(RR * Dv) * sizeof(float));
-    const float minf = -INFINITY;
-    for (int64_t b0 = n0; b0 < n1; b0 += ATT_BLOCK) {
-        const int64_t nb = n1 - b0 < ATT_BLOCK ? n1 - b0 : ATT_BLOCK;
+    for (int64_t b0 = lo / ATT_BLOCK * ATT_BLOCK; b0 < hi; b0 += ATT_BLOCK) {
+        const int64_t nb = N - b0 < ATT_BLOCK ? N - b0 : ATT_BLOCK; /* cells that exist */
         int any = 0;
-        if (T == 1) {
-            for (int64_t c = 0; c < nb; c++) live[c] = mask[b0 + c] != minf;
-        } else {
-            for (int64_t c = 0; c < nb; c++) {
-                int lv = 0;
-                for (int64_t t = 0; t < T; t++) lv |= mask[t * mask_st + b0 + c] != minf;
-                live[c] = (unsigned char)lv;
-            }
+        for (int64_t c = 0; c < nb; c++) {
+            int lv = 0;
+            for (int64_t t = 0; t < Tu; t++) lv |= mask[t * mask_st + b0 + c] != minf;
+            live[c] = (unsigned char)lv;
+            any |= lv;
         }
-        for (int64_t c = 0; c < nb; c++) any |= live[c];
         if (!any) continue;
-        /* scores: groups of 8 cells, each K row read once for the g*T rows of its head */
+        /* scores: groups of 8 cells, each K row read once for the unit's R rows */
         int64_t c = 0;
         for (; c + 8 <= nb; c += 8) {
             int lv8 = 0;
             for (int u = 0; u < 8; u++) lv8 |= live[c + u];
             if (!lv8) {
-                for (int64_t r = 0; r < RR; r++)
+                for (int64_t r = 0; r < R; r++)
                     for (int u = 0; u < 8; u++) sc[r * ATT_BLOCK + c + u] = minf;
                 continue;
             }
-            for (int64_t kh = 0; kh < Hkv; kh++) {
-                const float *k0;
-                int64_t ks;
-                if (kt) {
-                    for (int u = 0; u < 8; u++) kv_row(kf + u * D, k, (b0 + c + u) * k_sn + kh * k_sh, kt, D);
-                    k0 = kf, ks = D;
-                } else {
-                    k0 = (const float *)k + (b0 + c) * k_sn + kh * k_sh, ks = k_sn;
-                }
-                for (int64_t r = 0; r < R; r++) {
-                    const v8f d = dot8(q + (kh * R + r) * D, k0, ks, D);
-                    const v8f mv = v8_load(mask + (r / g) * mask_st + b0 + c);
-                    v8_store(sc + (kh * R + r) * ATT_BLOCK + c,
-                             v8_select(mv == v8_splat(minf), mv, d * v8_splat(scale) + mv));
-                }
+            const float *k0;
+            int64_t ks;
+            if (kt) {
+                for (int u = 0; u < 8; u++) kv_row(kf + u * D, a->k, (b0 + c + u) * a->k_sn + kh * a->k_sh, kt, D);
+                k0 = kf, ks = D;
+            } else {
+                k0 = kb + (b0 + c) * a->k_sn, ks = a->k_sn;
+            }
+            for (int64_t r = 0; r < R; r++) {
+                const v8f d = dot8(qs + r * D, k0, ks, D);
+                const v8f mv = v8_load(mask + (r / g) * mask_st + b0 + c);
+                v8_store(sc + r * ATT_BLOCK + c, v8_select(mv == v8_splat(minf), mv, d * v8_splat(scale) + mv));
             }
         }
         for (; c < nb; c++) {
             if (!live[c]) {
-                for (int64_t r = 0; r < RR; r++) sc[r * ATT_BLOCK + c] = minf;
+                for (int64_t r = 0; r < R; r++) sc[r * ATT_BLOCK + c] = minf;
                 continue;
             }
-            for (int64_t kh = 0; kh < Hkv; kh++) {
-                const float *kr;
-                if (kt) {
-                    kv_row(kf, k, (b0 + c) * k_sn + kh * k_sh, kt, D);
-                    kr = kf;
-                } else {
-                    kr = (const float *)k + (b0 + c) * k_sn + kh * k_sh;
-                }
-                for (int64_t r = 0; r < R; r++) {
-                    const float mv = mask[(r / g) * mask_st + b0 + c];
-                    const float d = mv == minf ? 0.0f : dot_f32(q + (kh * R + r) * D, kr, D);
-                    sc[(kh * R + r) * ATT_BLOCK + c] = mv == minf ? minf : d * scale + mv;
-                }
+            const float *kr;
+            if (kt) {
+                kv_row(kf, a->k, (b0 + c) * a->k_sn + kh * a->k_sh, kt, D);
+                kr = kf;
+            } else {
+                kr = kb + (b0 + c) * a->k_sn;
+            }
+            for (int64_t r = 0; r < R; r++) {
+                const float mv = mask[(r / g) * mask_st + b0 + c];
+                sc[r * ATT_BLOCK + c] = mv == minf ? minf : dot1(qs + r * D, kr, D) * scale + mv;
             }
         }
+        for (; c < ATT_BLOCK; c++) /* beyond N: slots of weight 0 */
+            for (int64_t r = 0; r < R; r++) sc[r * ATT_BLOCK + c] = minf;
         /* softmax weights, rescaling what was accumulated when the running max grows */
         int any_w = 0;
-        for (int64_t r = 0; r < RR; r++) {
+        for (int64_t r = 0; r < R; r++) {
             float *s = sc + r * ATT_BLOCK;
             /* the block's max; nan is skipped here and reaches l and acc through its weight */
             v8f bm8 = v8_splat(minf);
             v8i nan8 = {0};
-            int64_t i = 0;
-            for (; i + 8 <= nb; i += 8) {
+            for (int64_t i = 0; i < ATT_BLOCK; i += 8) {
                 const v8f x = v8_load(s + i);
                 bm8 = v8_select(x > bm8, x, bm8);
                 nan8 |= x != x;
@@ -445,187 +479,148 @@ LP_INLINE void attend_range(const float *restrict q, int64_t Hkv, int64_t R, int
             float bm = minf;
             int nan = 0;
             for (int u = 0; u < 8; u++) bm = bm8[u] > bm ? bm8[u] : bm, nan |= nan8[u] != 0;
-            for (; i < nb; i++) {
-                bm = s[i] > bm ? s[i] : bm;
-                nan |= s[i] != s[i];
-            }
-            nan_seen[r] |= nan;
+            if (nan) nan_seen[r] = 1.0f;
             if (bm > m[r]) {
                 const float corr = lp_expf(m[r] - bm); /* m = -inf: 0, nothing accumulated yet */
-                float *a = acc + r * Dv;
-                for (int64_t j = 0; j < Dv; j++) a[j] *= corr;
+                float *ar = acc + r * Dv;
+                for (int64_t j = 0; j < Dv; j++) ar[j] *= corr;
                 l[r] *= corr;
                 m[r] = bm;
             }
             if (m[r] == minf) { /* nothing visible yet (or nan scores only): weights 0 */
-                for (i = 0; i < nb; i++) s[i] = 0.0f;
+                for (int64_t i = 0; i < ATT_BLOCK; i++) s[i] = 0.0f;
                 continue;
             }
             any_w = 1;
             const float mr = m[r];
             float ls[8] = {0};
-            for (i = 0; i + 8 <= nb; i += 8)
+            for (int64_t i = 0; i < ATT_BLOCK; i += 8)
                 for (int u = 0; u < 8; u++) {
                     const float w = lp_expf(s[i + u] - mr); /* -inf cells: 0 */
                     s[i + u] = w;
                     ls[u] += w;
                 }
-            float lt = 0.0f;
-            for (; i < nb; i++) {
-                const float w = lp_expf(s[i] - mr);
-                s[i] = w;
-                lt += w;
-            }
-            l[r] += (((ls[0] + ls[4]) + (ls[1] + ls[5])) + ((ls[2] + ls[6]) + (ls[3] + ls[7]))) + lt;
+            l[r] += ((ls[0] + ls[4]) + (ls[1] + ls[5])) + ((ls[2] + ls[6]) + (ls[3] + ls[7]));
         }
         if (!any_w) continue;
-        /* V sums, in groups of cells with every head inside (an f16 group widened once per head) */
+        /* V sums in groups of cells (an f16/quantized group widened once for the R rows); cells
+         * of weight 0 are skipped, so a row's sum runs over its visible cells in cell order */
         for (int64_t c0 = 0; c0 < nb; c0 += ATT_VGROUP) {
             const int64_t ng = nb - c0 < ATT_VGROUP ? nb - c0 : ATT_VGROUP;
             int lv = 0;
             for (int64_t i = 0; i < ng; i++) lv |= live[c0 + i];
             if (!lv) continue;
-            for (int64_t kh = 0; kh < Hkv; kh++) {
-                const float *v0;
-                int64_t vs;
-                if (vt) {
-                    for (int64_t i = 0; i < ng; i++)
-                        if (live[c0 + i]) kv_row(vf + i * Dv, v, (b0 + c0 + i) * v_sn + kh * v_sh, vt, Dv);
-                    v0 = vf, vs = Dv;
-                } else {
-                    v0 = (const float *)v + (b0 + c0) * v_sn + kh * v_sh, vs = v_sn;
-                }
-                for (int64_t r = kh * R; r < (kh + 1) * R; r++)
-                    v_accumulate(acc + r * Dv, sc + r * ATT_BLOCK + c0, ng, v0, vs, Dv);
+            const float *v0;
+            int64_t vs;
+            if (vt) {
+                for (int64_t i = 0; i < ng; i++)
+                    if (live[c0 + i]) kv_row(vf + i * Dv, a->v, (b0 + c0 + i) * a->v_sn + kh * a->v_sh, vt, Dv);
+                v0 = vf, vs = Dv;
+            } else {
+                v0 = vb + (b0 + c0) * a->v_sn, vs = a->v_sn;
             }
+            for (int64_t r = 0; r < R; r++) v_accumulate(acc + r * Dv, sc + r * ATT_BLOCK + c0, ng, v0, vs, Dv);
         }
     }
-    for (int64_t r = 0; r < RR; r++)
-        if (nan_seen[r]) l[r] = NAN; /* a nan score: nan out, as numpy (and numba unless all are nan) */
+    /* normalize */
+    for (int64_t r = 0; r < R; r++) {
+        float *o = a->out + ((t0 + r / g) * H + kh * g + r % g) * Dv;
+        if (nan_seen[r] != 0.0f || m[r] == minf) { /* a nan score: nan, as numpy; nothing visible: zeros */
+            const float fill = nan_seen[r] != 0.0f ? NAN : 0.0f;
+            for (int64_t i = 0; i < Dv; i++) o[i] = fill;
+            continue;
+        }
+        const float inv = 1.0f / l[r];
+        const float *ar = acc + r * Dv;
+        for (int64_t i = 0; i < Dv; i++) o[i] = ar[i] * inv;
+    }
 }
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+/* Unit u of attend(): the last query blocks first (most cells, for the dynamic schedule), KV
+ * head innermost; the cells are the union of what its tokens see ([lo, hi) per token in range). */
+static void attend_unit_at(const att_args *a, const int64_t *range, int64_t tb, int64_t n_tb, int64_t u,
+                           float *buf) {
+    const int64_t b = n_tb - 1 - u / a->Hkv, kh = u % a->Hkv;
+    const int64_t t0 = b * tb, t1 = t0 + tb < a->T ? t0 + tb : a->T;
+    int64_t lo = a->N, hi = 0;
+    for (int64_t t = t0; t < t1; t++)
+        if (range[2 * t] < range[2 * t + 1]) {
+            lo = range[2 * t] < lo ? range[2 * t] : lo;
+            hi = range[2 * t + 1] > hi ? range[2 * t + 1] : hi;
+        }
+    if (lo >= hi) lo = hi = 0; /* nothing visible: zeros */
+    attend_unit(a, kh, t0, t1, lo, hi, buf);
+}
 
-#ifndef ATT_PAR_WORK
-#define ATT_PAR_WORK (1 << 20) /* multiply-adds (N*H*T*(D+Dv)) from which threads are used */
-#endif
-#define ATT_MIN_CHUNK 256 /* fewest cells per thread */
-
-/* Threads lp_attend may use for a large N*H (ranges of cells, merged at the end); 1 by default.
- * On a machine whose cores are busy elsewhere an OpenMP team can stall for a scheduler time
- * slice (milliseconds, measured on a shared 2-core box), so threads are the caller's choice,
- * like the n_threads of the matvec kernels. n <= 0: OpenMP's default (omp_get_max_threads). */
-static int attend_threads = 1;
-
-LP_API void lp_attend_set_threads(int n) { attend_threads = n; }
-
-LP_INLINE void attend(const float *q, int64_t T, int64_t H, int64_t D, const void *k, const void *v, int64_t N,
-                      int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
-                      const float *mask, int64_t mask_st, float scale, float *out, int kt, int vt) {
-    if (T <= 0 || H <= 0 || Hkv <= 0 || Dv <= 0) return;
-    const int64_t g = H / Hkv, R = T * g, RR = Hkv * R;
-    /* threads take ranges of cells (all heads each), merged at the end */
-    int64_t n_chunks = 1;
-#ifdef _OPENMP
-    const int64_t work = N * RR * (D + Dv);
-    const int max_threads = omp_in_parallel() ? 1 : attend_threads > 0 ? attend_threads : omp_get_max_threads();
-    if (max_threads > 1 && work >= ATT_PAR_WORK) {
-        const int64_t most = N / ATT_MIN_CHUNK;
-        n_chunks = max_threads < most ? max_threads : most;
-        n_chunks = n_chunks < 1 ? 1 : n_chunks;
+/* Attention of T query tokens over N cells (ggml's flash_attn_ext): work units of (KV head, a
+ * block of query tokens), shared out among up to n_threads OpenMP threads (dynamically, the
+ * units with most cells first) once the work reaches ATT_PAR_WORK; each unit reads only the
+ * cells its tokens see (the causal lower triangle, one sequence's cells). No state outside the
+ * call: the thread count is an argument. */
+static void attend(const att_args *a, int n_threads) {
+    const int64_t T = a->T, N = a->N;
+    if (T <= 0 || a->H <= 0 || a->Hkv <= 0 || a->Dv <= 0) return;
+    /* each token's visible range [lo, hi) (empty: 0, 0) */
+    int64_t *range = malloc((size_t)(2 * T) * sizeof(int64_t));
+    if (!range) return;
+    for (int64_t t = 0; t < T; t++) {
+        const float *mr = a->mask + t * a->mask_st;
+        int64_t lo = 0, hi = N;
+        while (lo < N && mr[lo] == -INFINITY) lo++;
+        while (hi > lo && mr[hi - 1] == -INFINITY) hi--;
+        range[2 * t] = lo < hi ? lo : 0, range[2 * t + 1] = lo < hi ? hi : 0;
     }
-#endif
-    int64_t chunk = (N + n_chunks - 1) / n_chunks;
-    chunk = (chunk + ATT_BLOCK - 1) / ATT_BLOCK * ATT_BLOCK; /* whole blocks */
-    if (chunk < ATT_BLOCK) chunk = ATT_BLOCK;
-    n_chunks = (N + chunk - 1) / chunk;
-    if (n_chunks < 1) n_chunks = 1;
-    const int n_threads = (int)n_chunks;
+    const int64_t g = a->g, tb = g >= ATT_ROWS ? 1 : (ATT_ROWS + g - 1) / g; /* tokens per unit */
+    const int64_t n_tb = (T + tb - 1) / tb, units = a->Hkv * n_tb;
+    const int64_t R = (tb < T ? tb : T) * g;
+    int nt = 1;
+#ifdef _OPENMP
+    if (n_threads > 1 && units > 1 && !ops_fork_child && !omp_in_parallel() &&
+        T * N * a->H * (a->D + a->Dv) >= ATT_PAR_WORK)
+        nt = (int64_t)n_threads < units ? n_threads : (int)units;
+#else
     (void)n_threads;
-    /* q rows in head order (f16-rounded for an f16 cache, as llama.cpp's q_to_vec_dot), then per
-     * chunk: m (RR), l (RR), acc (RR x Dv) */
-    const int64_t part = RR * (2 + Dv);
-    float *qs = malloc((size_t)(RR * D + n_chunks * part) * sizeof(float));
-    if (!qs) return;
-    float *parts = qs + RR * D;
-    for (int64_t kh = 0; kh < Hkv; kh++)
-        for (int64_t r = 0; r < R; r++) {
-            const float *qr = q + ((r / g) * H + kh * g + r % g) * D;
-            float *dst = qs + (kh * R + r) * D;
-            if (kt == LP_KV_F16)
-                for (int64_t i = 0; i < D; i++) dst[i] = round_f16(qr[i]);
-            else if (kt)
-                round_q8_0_row(dst, qr, D);
-            else
-                memcpy(dst, qr, (size_t)D * sizeof(float));
-        }
-    int failed = 0;
-#pragma omp parallel for schedule(static, 1) num_threads(n_threads) if (n_threads > 1)
-    for (int64_t ch = 0; ch < n_chunks; ch++) {
-        float *buf = malloc(attend_scratch(RR, D, Dv) * sizeof(float));
-        if (!buf) {
-#pragma omp atomic write
-            failed = 1;
-            continue;
-        }
-        const int64_t c0 = ch * chunk, c1 = c0 + chunk < N ? c0 + chunk : N;
-        float *pm = parts + ch * part, *pl = pm + RR, *pa = pl + RR;
-        float *sc = buf, *kf = sc + RR * ATT_BLOCK, *vf = kf + 8 * D;
-        attend_range(qs, Hkv, R, g, D, k, v, c0, c1, Dv, k_sn, k_sh, v_sn, v_sh, mask, mask_st, scale, pm, pl, pa, sc,
-                     kf, vf, kt, vt);
+#endif
+    if (nt == 1) { /* no OpenMP region at all (a fork child cannot run one) */
+        float *buf = malloc(att_scratch_floats(R, a->D, a->Dv) * sizeof(float));
+        if (buf)
+            for (int64_t u = 0; u < units; u++) attend_unit_at(a, range, tb, n_tb, u, buf);
         free(buf);
-    }
-    if (failed) {
-        free(qs);
-        return;
-    }
-    /* merge the chunks and normalize */
-    for (int64_t rr = 0; rr < RR; rr++) {
-        const int64_t kh = rr / R, r = rr % R;
-        float *o = out + ((r / g) * H + kh * g + r % g) * Dv;
-        float mx = -INFINITY;
-        int nan = 0;
-        for (int64_t ch = 0; ch < n_chunks; ch++) {
-            const float *pm = parts + ch * part;
-            mx = pm[rr] > mx ? pm[rr] : mx;
-            nan |= pm[RR + rr] != pm[RR + rr];
+    } else {
+#pragma omp parallel num_threads(nt)
+        {
+            float *buf = malloc(att_scratch_floats(R, a->D, a->Dv) * sizeof(float)); /* NULL: nothing written */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t u = 0; u < units; u++)
+                if (buf) attend_unit_at(a, range, tb, n_tb, u, buf);
+            free(buf);
         }
-        if (mx == -INFINITY) { /* every cell masked: zeros, as the numba kernel (nan if nan scores) */
-            for (int64_t i = 0; i < Dv; i++) o[i] = nan ? NAN : 0.0f;
-            continue;
-        }
-        float lsum = 0.0f;
-        for (int64_t i = 0; i < Dv; i++) o[i] = 0.0f;
-        for (int64_t ch = 0; ch < n_chunks; ch++) {
-            const float *pm = parts + ch * part, *pl = pm + RR, *pa = pl + RR + rr * Dv;
-            if (pm[rr] == -INFINITY) {
-                lsum += pl[rr]; /* 0, or nan */
-                continue;
-            }
-            const float f = lp_expf(pm[rr] - mx);
-            lsum = lp_fmaf(pl[rr], f, lsum);
-            for (int64_t i = 0; i < Dv; i++) o[i] = lp_fmaf(pa[i], f, o[i]);
-        }
-        const float inv = 1.0f / lsum;
-        for (int64_t i = 0; i < Dv; i++) o[i] *= inv;
     }
-    free(qs);
+    free(range);
 }
 
+#define ATT_ARGS(kt_, vt_)                                                                                       \
+    {q, k, v, mask, out, T, H, D, N, Hkv, Dv, Hkv > 0 ? H / Hkv : 1, k_sn, k_sh, v_sn, v_sh, mask_st, scale, kt_, \
+     vt_}
+
+/* softmax(q k^T * scale + mask) v: q (T, H, D) contiguous; k (N, Hkv, D) and v (N, Hkv, Dv) with
+ * strides in elements (rows contiguous); query head h reads KV head h / (H / Hkv); mask row t at
+ * mask + t * mask_st (-inf: not visible); out (T, H, Dv). A row that sees no cell gets zeros (nan
+ * where a score is nan). n_threads: at most this many threads (the caller's -t). */
 LP_API void lp_attend(const float *q, int64_t T, int64_t H, int64_t D, const float *k, const float *v, int64_t N,
                       int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
-                      const float *mask, int64_t mask_st, float scale, float *out) {
-    attend(q, T, H, D, k, v, N, Hkv, Dv, k_sn, k_sh, v_sn, v_sh, mask, mask_st, scale, out, LP_KV_F32, LP_KV_F32);
+                      const float *mask, int64_t mask_st, float scale, float *out, int n_threads) {
+    const att_args a = ATT_ARGS(LP_KV_F32, LP_KV_F32);
+    attend(&a, n_threads);
 }
 
 /* The same over an f16 cache (k, v: IEEE half bits; strides in elements). Q is rounded to f16
  * first, as llama.cpp and the reference kernel do; scores and V sums in f32. */
 LP_API void lp_attend_f16(const float *q, int64_t T, int64_t H, int64_t D, const uint16_t *k, const uint16_t *v,
                           int64_t N, int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
-                          const float *mask, int64_t mask_st, float scale, float *out) {
-    attend(q, T, H, D, k, v, N, Hkv, Dv, k_sn, k_sh, v_sn, v_sh, mask, mask_st, scale, out, LP_KV_F16, LP_KV_F16);
+                          const float *mask, int64_t mask_st, float scale, float *out, int n_threads) {
+    const att_args a = ATT_ARGS(LP_KV_F16, LP_KV_F16);
+    attend(&a, n_threads);
 }
 
 /* The same with K and V each of any cache type (LP_KV_*), read in place: f32/f16 strides in
@@ -635,10 +630,11 @@ LP_API void lp_attend_f16(const float *q, int64_t T, int64_t H, int64_t D, const
  * summed, as ggml's v_to_float path. */
 LP_API void lp_attend_q(const float *q, int64_t T, int64_t H, int64_t D, const void *k, const void *v, int64_t N,
                         int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
-                        const float *mask, int64_t mask_st, float scale, float *out, int kt, int vt) {
+                        const float *mask, int64_t mask_st, float scale, float *out, int kt, int vt, int n_threads) {
     if (kt < LP_KV_F32 || kt > LP_KV_Q4_0 || vt < LP_KV_F32 || vt > LP_KV_Q4_0) return;
     if ((kt >= LP_KV_Q8_0 && D % 32) || (vt >= LP_KV_Q8_0 && Dv % 32)) return;
-    attend(q, T, H, D, k, v, N, Hkv, Dv, k_sn, k_sh, v_sn, v_sh, mask, mask_st, scale, out, kt, vt);
+    const att_args a = ATT_ARGS(kt, vt);
+    attend(&a, n_threads);
 }
 
 /* ---------------------------------------------------------------------------------------- */

@@ -386,8 +386,10 @@ LP_INLINE void fk_gemm(int kind, int n, float *s, int64_t ld_s, const void *w, i
  * and adds each two neighbouring products into 16 float32 lanes, no conversion at all. The
  * avx512 library is built without -mavx512bf16 (most AVX-512 CPUs lack it), so this body is
  * compiled for it alone and chosen at run time (__builtin_cpu_supports); on other CPUs the bf16
- * dot products are fk_cols'. The instruction treats denormal inputs as zero, as ggml's does. */
-#if defined(FK_AVX512) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 10)
+ * dot products are fk_cols' (LP_NO_BF16DP leaves this body out: the tests build that library to
+ * check it on CPUs that have the instruction). vdpbf16ps treats denormal inputs as zero, as ggml's
+ * dot product does there. */
+#if defined(FK_AVX512) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 10) && !defined(LP_NO_BF16DP)
 #define FK_BF16DP 1
 #define BF16DP_TARGET __attribute__((target("avx512bf16")))
 

@@ -293,3 +293,73 @@ def test_best_variant_chosen() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     best = next((v for v in native.built() if native.runnable(v)), None)
     assert out.stdout.strip() == str(best)
+
+
+GEMM_NAMES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q2_K": "q2_K_q8_K"}
+
+
+def gemm_vs_vec_dot(lib: ctypes.CDLL, name: str, n_in: int, act: np.ndarray | None = None) -> None:
+    """lp_gemm_<name> called directly, nc = 1..LP_GEMM_COLS columns, several rows and ld_s > rows:
+    every output bit for bit the type's vec_dot. act: 4 activation rows already in the
+    vec_dot_type (else random ones through lp_quantize_act)."""
+    gemm = getattr(lib, "lp_gemm_" + GEMM_NAMES[name])
+    gemm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    gemm.restype = None
+    dot = getattr(lib, "lp_vec_dot_" + GEMM_NAMES[name])
+    dot.argtypes, dot.restype = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p], None
+    rng = np.random.default_rng(n_in)
+    n_rows, ld_s = 5, 8
+    w = random_raw(name, n_rows, n_in, rng)
+    xq = act if act is not None else quantize_act(lib, name, rng.standard_normal((4, n_in)).astype(np.float32))
+    s = ctypes.c_float()
+    want = np.zeros((4, n_rows), np.float32)
+    for c in range(4):
+        for r in range(n_rows):
+            dot(n_in, ctypes.byref(s), ptr(w[r]), ptr(xq[c]))
+            want[c, r] = s.value
+    for nc in (1, 2, 3, 4):
+        out = np.full((nc, ld_s), np.nan, np.float32)
+        gemm(n_in, ptr(out), ld_s, ptr(w), w.shape[1], n_rows, ptr(xq), xq.shape[1], nc)
+        assert np.array_equal(out[:, :n_rows], want[:nc]), (name, nc)
+        assert np.isnan(out[:, n_rows:]).all()
+
+
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q2_K"])
+def test_gemm_is_vec_dots(lib: ctypes.CDLL, name: str) -> None:
+    """The multi-column kernels of the float types (a row length that takes every SIMD step and
+    a scalar tail: 871 = 13 x 64 + 2 x 16 + 7 = 6 x 128 + 3 x 32 + 7) and of Q2_K."""
+    if name == "Q2_K" and lib.lp_vec_dot_type(GGML_ID[name]) < 0:
+        pytest.skip("this library has no Q2_K kernel")
+    gemm_vs_vec_dot(lib, name, 256 * 3 if name == "Q2_K" else 871)
+
+
+def test_bf16_without_avx512_bf16(tmp_path: "os.PathLike[str]") -> None:
+    """The avx512 library runs vdpbf16ps only where the CPU has AVX512_BF16; its other BF16 body
+    (what such CPUs run) is quants.c built here with LP_NO_BF16DP: against float64 and its gemm."""
+    import shutil
+
+    if not native.runnable("avx512"):
+        pytest.skip("this CPU cannot run the avx512 kernels")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        pytest.skip("no C compiler")
+    so = os.path.join(tmp_path, "libq_nobf16dp.so")
+    flags = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"]
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off", "-Wall", "-Werror", "-DLP_NO_BF16DP", *flags,
+           str(native.SRC_DIR / "quants.c"), "-o", so, "-lm"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lib = ctypes.CDLL(so)
+    lib.lp_vec_dot_bf16.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    n_in, rng = 871, np.random.default_rng(3)
+    w = random_raw("BF16", 3, n_in, rng)
+    x = rng.standard_normal((4, n_in)).astype(np.float32)
+    y = np.ascontiguousarray(gguf.quants.quantize(x, gguf.GGMLQuantizationType.BF16)).view(np.uint8).reshape(4, -1)
+    s = ctypes.c_float()
+    for row in w:
+        for t in range(4):
+            lib.lp_vec_dot_bf16(n_in, ctypes.byref(s), ptr(row), ptr(y[t]))
+            want, mag = ref_dot("BF16", row, y[t], x[t])
+            assert abs(s.value - want) <= 2e-6 * mag + 1e-30
+    gemm_vs_vec_dot(lib, "BF16", n_in, y)

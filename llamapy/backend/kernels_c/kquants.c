@@ -244,60 +244,146 @@ static inline __m128i kq_mins_dot(__m256i mins_scales16, const int16_t *bsums) {
 
 /* ---------------------------------------------------------------------------------------------
  * Q2_K: 16 sub-blocks of 16, 2-bit quants, 4-bit scale and 4-bit min each
+ *
+ * q2k_cols is one weight row against nc activation rows, inlined with nc a constant:
+ * lp_vec_dot_q2_K_q8_K is its nc = 1 case and lp_gemm_q2_K_q8_K loops rows over it, so every
+ * output takes the same operations in the same order (lp_quants.h's bit-identity rule), while
+ * each weight block is unpacked once for all nc columns. The AVX-512 body works on all 64 bytes
+ * of quants at once: shift sh of byte l holds element 32 sh + l (l < 32) and 128 + 32 sh + l - 32
+ * (l >= 32), so one 512-bit maddubs covers four sub-blocks, the activations are the two matching
+ * 32-byte runs, and one vpermw spreads the four sub-blocks' scales over the 32 int16 lanes.
  */
-KQ_API void lp_vec_dot_q2_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
-    const block_q2_K *restrict x = (const block_q2_K *)vx;
-    const block_q8_K *restrict y = (const block_q8_K *)vy;
+#define KQ_INLINE static inline __attribute__((always_inline))
+
+#if defined(LP_KQ_AVX512)
+/* vpermw indices: int16 lane j of shift sh's products (bytes 2j, 2j+1) lies in sub-block
+ * 2 sh + j / 8 for j < 16 and 8 + 2 sh + (j - 16) / 8 above */
+#define KQ_LANES(sh) {2*sh, 2*sh, 2*sh, 2*sh, 2*sh, 2*sh, 2*sh, 2*sh, \
+    2*sh+1, 2*sh+1, 2*sh+1, 2*sh+1, 2*sh+1, 2*sh+1, 2*sh+1, 2*sh+1, \
+    8+2*sh, 8+2*sh, 8+2*sh, 8+2*sh, 8+2*sh, 8+2*sh, 8+2*sh, 8+2*sh, \
+    9+2*sh, 9+2*sh, 9+2*sh, 9+2*sh, 9+2*sh, 9+2*sh, 9+2*sh, 9+2*sh}
+static const int16_t kq_q2k_scale_lanes[4][32] __attribute__((aligned(64))) = {KQ_LANES(0), KQ_LANES(1), KQ_LANES(2), KQ_LANES(3)};
+#undef KQ_LANES
+#endif
+
+KQ_INLINE void q2k_cols(int n, float *restrict s, int64_t ld_s, const block_q2_K *restrict x, const uint8_t *restrict vy,
+                        int64_t y_bytes, int nc) {
     const int nb = n / QK_K;
-#if defined(__AVX2__)
+#if defined(LP_KQ_AVX512)
+    const __m512i m3 = _mm512_set1_epi8(3);
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    const __m512i sc_idx[4] = {_mm512_loadu_si512((const void *)kq_q2k_scale_lanes[0]),
+                               _mm512_loadu_si512((const void *)kq_q2k_scale_lanes[1]),
+                               _mm512_loadu_si512((const void *)kq_q2k_scale_lanes[2]),
+                               _mm512_loadu_si512((const void *)kq_q2k_scale_lanes[3])};
+    __m512 acc[LP_GEMM_COLS];
+    __m256 accm[LP_GEMM_COLS];
+    for (int c = 0; c < nc; ++c) acc[c] = _mm512_setzero_ps(), accm[c] = _mm256_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const float xd = kq_h2f(x[i].d), xdmin = kq_h2f(x[i].dmin);
+        const __m128i sc_mn = _mm_loadu_si128((const __m128i *)x[i].scales);
+        const __m512i sc16 = _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(sc_mn, m4)));
+        const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc_mn, 4), m4));
+        const __m512i bits = _mm512_loadu_si512((const void *)x[i].qs);
+        const __m512i w0 = _mm512_and_si512(bits, m3), w1 = _mm512_and_si512(_mm512_srli_epi16(bits, 2), m3);
+        const __m512i w2 = _mm512_and_si512(_mm512_srli_epi16(bits, 4), m3), w3 = _mm512_and_si512(_mm512_srli_epi16(bits, 6), m3);
+        const __m512i s0 = _mm512_permutexvar_epi16(sc_idx[0], sc16), s1 = _mm512_permutexvar_epi16(sc_idx[1], sc16);
+        const __m512i s2 = _mm512_permutexvar_epi16(sc_idx[2], sc16), s3 = _mm512_permutexvar_epi16(sc_idx[3], sc16);
+        for (int c = 0; c < nc; ++c) {
+            const block_q8_K *y = (const block_q8_K *)(vy + c * y_bytes) + i;
+            const float dall = y->d * xd;
+            const float mdmin = -(y->d * xdmin);
+            const __m256i summs = _mm256_madd_epi16(mins16, _mm256_loadu_si256((const __m256i *)y->bsums));
+            accm[c] = _mm256_fmadd_ps(_mm256_set1_ps(mdmin), _mm256_cvtepi32_ps(summs), accm[c]);
+            const int8_t *q8 = y->qs;
+#define KQ_Q8X2(o) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q8 + (o)))), \
+                                      _mm256_loadu_si256((const __m256i *)(q8 + 128 + (o))), 1)
+            __m512i sumi = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(w0, KQ_Q8X2(0)), s0);
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w1, KQ_Q8X2(32)), s1);
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w2, KQ_Q8X2(64)), s2);
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w3, KQ_Q8X2(96)), s3);
+#undef KQ_Q8X2
+            acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(dall), _mm512_cvtepi32_ps(sumi), acc[c]);
+        }
+    }
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = _mm512_reduce_add_ps(acc[c]) + kq_hsum_ps256(accm[c]);
+#elif defined(__AVX2__)
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m128i m4 = _mm_set1_epi8(0xF);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[LP_GEMM_COLS];
+    for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        const float dall = y[i].d * kq_h2f(x[i].d);
-        const float mdmin = -(y[i].d * kq_h2f(x[i].dmin));
+        const float xd = kq_h2f(x[i].d), xdmin = kq_h2f(x[i].dmin);
         const __m128i sc_mn = _mm_loadu_si128((const __m128i *)x[i].scales);
         const kq_sc16 sc = kq_sc16_load(_mm_and_si128(sc_mn, m4));
         const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc_mn, 4), m4));
-        const __m256i summs = _mm256_madd_epi16(mins16, _mm256_loadu_si256((const __m256i *)y[i].bsums));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(mdmin), _mm256_cvtepi32_ps(summs), acc);
-
-        const int8_t *q8 = y[i].qs;
-        __m256i sumi = _mm256_setzero_si256();
-#if defined(__GNUC__)
-#pragma GCC unroll 2
-#endif
+        __m256i sumi[LP_GEMM_COLS];
+        for (int c = 0; c < nc; ++c) {
+            const block_q8_K *y = (const block_q8_K *)(vy + c * y_bytes) + i;
+            const float mdmin = -(y->d * xdmin);
+            const __m256i summs = _mm256_madd_epi16(mins16, _mm256_loadu_si256((const __m256i *)y->bsums));
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(mdmin), _mm256_cvtepi32_ps(summs), acc[c]);
+            sumi[c] = _mm256_setzero_si256();
+        }
+        /* half k of the block: quants 32 k .. 32 k + 31, elements 128 k .. 128 k + 127 */
         for (int k = 0; k < 2; ++k) {
             const __m256i bits = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * k));
-            const int8_t *q = q8 + 128 * k;
-            const __m256i p0 = kq_dot32(_mm256_and_si256(bits, m3), q, kq_scales16_pair(sc, 4 * k + 0));
-            const __m256i p1 = kq_dot32(_mm256_and_si256(_mm256_srli_epi16(bits, 2), m3), q + 32, kq_scales16_pair(sc, 4 * k + 1));
-            const __m256i p2 = kq_dot32(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m3), q + 64, kq_scales16_pair(sc, 4 * k + 2));
-            const __m256i p3 = kq_dot32(_mm256_and_si256(_mm256_srli_epi16(bits, 6), m3), q + 96, kq_scales16_pair(sc, 4 * k + 3));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+            const __m256i w0 = _mm256_and_si256(bits, m3), w1 = _mm256_and_si256(_mm256_srli_epi16(bits, 2), m3);
+            const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m3), w3 = _mm256_and_si256(_mm256_srli_epi16(bits, 6), m3);
+            const __m256i s0 = kq_scales16_pair(sc, 4 * k + 0), s1 = kq_scales16_pair(sc, 4 * k + 1);
+            const __m256i s2 = kq_scales16_pair(sc, 4 * k + 2), s3 = kq_scales16_pair(sc, 4 * k + 3);
+            for (int c = 0; c < nc; ++c) {
+                const int8_t *q = ((const block_q8_K *)(vy + c * y_bytes) + i)->qs + 128 * k;
+                const __m256i p0 = kq_dot32(w0, q, s0), p1 = kq_dot32(w1, q + 32, s1);
+                const __m256i p2 = kq_dot32(w2, q + 64, s2), p3 = kq_dot32(w3, q + 96, s3);
+                sumi[c] = _mm256_add_epi32(sumi[c], _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+            }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(dall), _mm256_cvtepi32_ps(sumi), acc);
+        for (int c = 0; c < nc; ++c) {
+            const float dall = ((const block_q8_K *)(vy + c * y_bytes) + i)->d * xd;
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(dall), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
+        }
     }
-    *s = kq_hsum_ps256(acc);
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = kq_hsum_ps256(acc[c]);
 #else
-    float sumf = 0.0f;
+    float sumf[LP_GEMM_COLS] = {0};
     for (int i = 0; i < nb; ++i) {
         const uint8_t *sc = x[i].scales;
-        int summs = 0;
-        for (int j = 0; j < 16; ++j) summs += y[i].bsums[j] * (sc[j] >> 4);
         int8_t q[QK_K];
         for (int k = 0; k < 2; ++k)
             for (int sh = 0; sh < 4; ++sh)
                 for (int l = 0; l < 32; ++l)
                     q[128 * k + 32 * sh + l] = (int8_t)((x[i].qs[32 * k + l] >> (2 * sh)) & 3);
-        int isum = 0;
-        for (int j = 0; j < 16; ++j) isum += (sc[j] & 0xF) * kq_dot16(q + 16 * j, y[i].qs + 16 * j);
-        const float dall = y[i].d * kq_h2f(x[i].d);
-        const float dmin = y[i].d * kq_h2f(x[i].dmin);
-        sumf += dall * (float)isum - dmin * (float)summs;
+        for (int c = 0; c < nc; ++c) {
+            const block_q8_K *y = (const block_q8_K *)(vy + c * y_bytes) + i;
+            int summs = 0;
+            for (int j = 0; j < 16; ++j) summs += y->bsums[j] * (sc[j] >> 4);
+            int isum = 0;
+            for (int j = 0; j < 16; ++j) isum += (sc[j] & 0xF) * kq_dot16(q + 16 * j, y->qs + 16 * j);
+            const float dall = y->d * kq_h2f(x[i].d);
+            const float dmin = y->d * kq_h2f(x[i].dmin);
+            sumf[c] += dall * (float)isum - dmin * (float)summs;
+        }
     }
-    *s = sumf;
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = sumf[c];
 #endif
+}
+
+KQ_API void lp_vec_dot_q2_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
+    q2k_cols(n, s, 0, (const block_q2_K *)vx, (const uint8_t *)vy, 0, 1);
+}
+
+KQ_API void lp_gemm_q2_K_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
+                              int64_t x_bytes, int nc) {
+    for (int r = 0; r < nr; ++r) {
+        const block_q2_K *wr = (const block_q2_K *)((const uint8_t *)w + r * row_bytes);
+        switch (nc) {
+        case 1: q2k_cols(n, s + r, ld_s, wr, x, x_bytes, 1); break;
+        case 2: q2k_cols(n, s + r, ld_s, wr, x, x_bytes, 2); break;
+        case 3: q2k_cols(n, s + r, ld_s, wr, x, x_bytes, 3); break;
+        default: q2k_cols(n, s + r, ld_s, wr, x, x_bytes, LP_GEMM_COLS); break;
+        }
+    }
 }
 
 /* ---------------------------------------------------------------------------------------------

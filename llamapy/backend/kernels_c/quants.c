@@ -296,76 +296,201 @@ LP_API void lp_vec_dot_q8_0_q8_0(int n, float *s, const void *vx, const void *vy
 
 /* --- dot products: float types ---------------------------------------------------------------- */
 
-/* Portable bodies keep 8 float32 accumulator lanes so that gcc vectorizes them without
- * reassociation flags (and every target sums in the same order). */
+/* One body per float type (FK_*: how 16 or 8 elements load as float32) for one weight row against
+ * nc activation rows, inlined with nc a constant: lp_vec_dot_* is its nc = 1 case and lp_gemm_*
+ * loops rows over it, so each output takes the same operations in the same order either way
+ * (lp_quants.h's bit-identity rule) while a weight vector loads and converts once for nc columns.
+ * Decode is memory-bound here (2 bytes a weight): the AVX-512 body reads 64 weights a step into
+ * 4 independent accumulators per column (ggml's GGML_F16_STEP / GGML_F16_EPR: 4 x 16 lanes), so
+ * the loads stay ahead of the FMA latency; the AVX2 body keeps 2 x 8 lanes; the portable body 8
+ * float32 lanes that gcc vectorizes without reassociation flags. */
+enum { FK_F32, FK_F16, FK_BF16 };
+#define LP_INLINE static inline __attribute__((always_inline))
 
-LP_API void lp_vec_dot_f32(int n, float *s, const void *vx, const void *vy) {
-    const float *x = vx, *y = vy;
-    int i = 0;
-    float sumf = 0.0f;
-#if defined(__AVX2__)
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    for (; i + 16 <= n; i += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(y + i + 8), a1);
-    }
-    sumf = hsum8(_mm256_add_ps(a0, a1));
-#else
-    float acc[8] = {0};
-    for (; i + 8 <= n; i += 8)
-        for (int l = 0; l < 8; l++) acc[l] += x[i + l] * y[i + l];
-    for (int l = 0; l < 8; l++) sumf += acc[l];
-#endif
-    for (; i < n; i++) sumf += x[i] * y[i];
-    *s = sumf;
+LP_INLINE float fk_at(int kind, const void *p, int64_t i) {
+    if (kind == FK_F32) return ((const float *)p)[i];
+    if (kind == FK_F16) return lp_h2f(((const lp_half *)p)[i]);
+    return lp_bf2f(((const lp_bf16 *)p)[i]);
 }
 
-LP_API void lp_vec_dot_f16(int n, float *s, const void *vx, const void *vy) {
-    const lp_half *x = vx, *y = vy;
-    int i = 0;
-    float sumf = 0.0f;
-#if defined(__AVX2__) && defined(__F16C__)
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    for (; i + 16 <= n; i += 16) {
-        const __m256 x0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i)));
-        const __m256 x1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i + 8)));
-        const __m256 y0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(y + i)));
-        const __m256 y1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(y + i + 8)));
-        a0 = _mm256_fmadd_ps(x0, y0, a0);
-        a1 = _mm256_fmadd_ps(x1, y1, a1);
-    }
-    sumf = hsum8(_mm256_add_ps(a0, a1));
-#else
-    float acc[8] = {0};
-    for (; i + 8 <= n; i += 8)
-        for (int l = 0; l < 8; l++) acc[l] += lp_h2f(x[i + l]) * lp_h2f(y[i + l]);
-    for (int l = 0; l < 8; l++) sumf += acc[l];
-#endif
-    for (; i < n; i++) sumf += lp_h2f(x[i]) * lp_h2f(y[i]);
-    *s = sumf;
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__F16C__)
+#define FK_AVX512 1
+LP_INLINE __m512 fk_load16(int kind, const void *p, int64_t i) {
+    if (kind == FK_F32) return _mm512_loadu_ps((const float *)p + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    if (kind == FK_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); /* bf16: the high half */
 }
+#elif defined(__AVX2__) && defined(__F16C__)
+#define FK_AVX2 1
+LP_INLINE __m256 fk_load8(int kind, const void *p, int64_t i) {
+    if (kind == FK_F32) return _mm256_loadu_ps((const float *)p + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    if (kind == FK_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+/* s[c * ld_s] = dot(w, column c) for c < nc; column c starts at x + c * x_bytes */
+LP_INLINE void fk_cols(int kind, int n, float *s, int64_t ld_s, const void *w, const void *x, int64_t x_bytes, int nc) {
+    const uint8_t *xb = x;
+    float sum[LP_GEMM_COLS];
+    int i = 0;
+#if defined(FK_AVX512)
+    __m512 a[LP_GEMM_COLS][4];
+    for (int c = 0; c < nc; c++) a[c][0] = a[c][1] = a[c][2] = a[c][3] = _mm512_setzero_ps();
+    for (; i + 64 <= n; i += 64) {
+        const __m512 w0 = fk_load16(kind, w, i), w1 = fk_load16(kind, w, i + 16);
+        const __m512 w2 = fk_load16(kind, w, i + 32), w3 = fk_load16(kind, w, i + 48);
+        for (int c = 0; c < nc; c++) {
+            const void *xc = xb + c * x_bytes;
+            a[c][0] = _mm512_fmadd_ps(w0, fk_load16(kind, xc, i), a[c][0]);
+            a[c][1] = _mm512_fmadd_ps(w1, fk_load16(kind, xc, i + 16), a[c][1]);
+            a[c][2] = _mm512_fmadd_ps(w2, fk_load16(kind, xc, i + 32), a[c][2]);
+            a[c][3] = _mm512_fmadd_ps(w3, fk_load16(kind, xc, i + 48), a[c][3]);
+        }
+    }
+    for (; i + 16 <= n; i += 16) {
+        const __m512 w0 = fk_load16(kind, w, i);
+        for (int c = 0; c < nc; c++) a[c][0] = _mm512_fmadd_ps(w0, fk_load16(kind, xb + c * x_bytes, i), a[c][0]);
+    }
+    for (int c = 0; c < nc; c++)
+        sum[c] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[c][0], a[c][1]), _mm512_add_ps(a[c][2], a[c][3])));
+#elif defined(FK_AVX2)
+    __m256 a[LP_GEMM_COLS][2];
+    for (int c = 0; c < nc; c++) a[c][0] = a[c][1] = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m256 w0 = fk_load8(kind, w, i), w1 = fk_load8(kind, w, i + 8);
+        for (int c = 0; c < nc; c++) {
+            const void *xc = xb + c * x_bytes;
+            a[c][0] = _mm256_fmadd_ps(w0, fk_load8(kind, xc, i), a[c][0]);
+            a[c][1] = _mm256_fmadd_ps(w1, fk_load8(kind, xc, i + 8), a[c][1]);
+        }
+    }
+    for (int c = 0; c < nc; c++) sum[c] = hsum8(_mm256_add_ps(a[c][0], a[c][1]));
+#else
+    float acc[LP_GEMM_COLS][8] = {{0}};
+    for (; i + 8 <= n; i += 8)
+        for (int c = 0; c < nc; c++)
+            for (int l = 0; l < 8; l++) acc[c][l] += fk_at(kind, w, i + l) * fk_at(kind, xb + c * x_bytes, i + l);
+    for (int c = 0; c < nc; c++) {
+        sum[c] = 0.0f;
+        for (int l = 0; l < 8; l++) sum[c] += acc[c][l];
+    }
+#endif
+    for (int c = 0; c < nc; c++) {
+        for (int j = i; j < n; j++) sum[c] += fk_at(kind, w, j) * fk_at(kind, xb + c * x_bytes, j);
+        s[c * ld_s] = sum[c];
+    }
+}
+
+/* nr rows x nc columns (lp_gemm_fn) of fk_cols, nc a constant in each case */
+LP_INLINE void fk_gemm(int kind, int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
+                       int64_t x_bytes, int nc) {
+    for (int r = 0; r < nr; r++) {
+        const void *wr = (const uint8_t *)w + r * row_bytes;
+        switch (nc) {
+        case 1: fk_cols(kind, n, s + r, ld_s, wr, x, x_bytes, 1); break;
+        case 2: fk_cols(kind, n, s + r, ld_s, wr, x, x_bytes, 2); break;
+        case 3: fk_cols(kind, n, s + r, ld_s, wr, x, x_bytes, 3); break;
+        default: fk_cols(kind, n, s + r, ld_s, wr, x, x_bytes, LP_GEMM_COLS); break;
+        }
+    }
+}
+
+/* BF16 with AVX512_BF16 (ggml's vec_dot_bf16 on such CPUs): vdpbf16ps multiplies 32 bf16 pairs
+ * and adds each two neighbouring products into 16 float32 lanes, no conversion at all. The
+ * avx512 library is built without -mavx512bf16 (most AVX-512 CPUs lack it), so this body is
+ * compiled for it alone and chosen at run time (__builtin_cpu_supports); on other CPUs the bf16
+ * dot products are fk_cols' (LP_NO_BF16DP leaves this body out: the tests build that library to
+ * check it on CPUs that have the instruction). vdpbf16ps treats denormal inputs as zero, as ggml's
+ * dot product does there. */
+#if defined(FK_AVX512) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 10) && !defined(LP_NO_BF16DP)
+#define FK_BF16DP 1
+#define BF16DP_TARGET __attribute__((target("avx512bf16")))
+
+BF16DP_TARGET LP_INLINE __m512bh bf16dp_load32(const void *p, int64_t i) {
+    return (__m512bh)_mm512_loadu_si512((const void *)((const lp_bf16 *)p + i));
+}
+
+BF16DP_TARGET LP_INLINE void bf16dp_cols(int n, float *s, int64_t ld_s, const void *w, const void *x, int64_t x_bytes,
+                                         int nc) {
+    const uint8_t *xb = x;
+    __m512 a[LP_GEMM_COLS][4];
+    int i = 0;
+    for (int c = 0; c < nc; c++) a[c][0] = a[c][1] = a[c][2] = a[c][3] = _mm512_setzero_ps();
+    for (; i + 128 <= n; i += 128) {
+        const __m512bh w0 = bf16dp_load32(w, i), w1 = bf16dp_load32(w, i + 32);
+        const __m512bh w2 = bf16dp_load32(w, i + 64), w3 = bf16dp_load32(w, i + 96);
+        for (int c = 0; c < nc; c++) {
+            const void *xc = xb + c * x_bytes;
+            a[c][0] = _mm512_dpbf16_ps(a[c][0], w0, bf16dp_load32(xc, i));
+            a[c][1] = _mm512_dpbf16_ps(a[c][1], w1, bf16dp_load32(xc, i + 32));
+            a[c][2] = _mm512_dpbf16_ps(a[c][2], w2, bf16dp_load32(xc, i + 64));
+            a[c][3] = _mm512_dpbf16_ps(a[c][3], w3, bf16dp_load32(xc, i + 96));
+        }
+    }
+    for (; i + 32 <= n; i += 32) {
+        const __m512bh w0 = bf16dp_load32(w, i);
+        for (int c = 0; c < nc; c++) a[c][0] = _mm512_dpbf16_ps(a[c][0], w0, bf16dp_load32(xb + c * x_bytes, i));
+    }
+    for (int c = 0; c < nc; c++) {
+        float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[c][0], a[c][1]), _mm512_add_ps(a[c][2], a[c][3])));
+        for (int j = i; j < n; j++) sum += fk_at(FK_BF16, w, j) * fk_at(FK_BF16, xb + c * x_bytes, j);
+        s[c * ld_s] = sum;
+    }
+}
+
+BF16DP_TARGET static void bf16dp_gemm(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr,
+                                      const void *x, int64_t x_bytes, int nc) {
+    for (int r = 0; r < nr; r++) {
+        const void *wr = (const uint8_t *)w + r * row_bytes;
+        switch (nc) {
+        case 1: bf16dp_cols(n, s + r, ld_s, wr, x, x_bytes, 1); break;
+        case 2: bf16dp_cols(n, s + r, ld_s, wr, x, x_bytes, 2); break;
+        case 3: bf16dp_cols(n, s + r, ld_s, wr, x, x_bytes, 3); break;
+        default: bf16dp_cols(n, s + r, ld_s, wr, x, x_bytes, LP_GEMM_COLS); break;
+        }
+    }
+}
+
+/* whether this CPU runs bf16dp_* (read from libgcc's CPU model: no state of ours) */
+static inline int bf16dp_ok(void) { return __builtin_cpu_supports("avx512bf16"); }
+#endif
+
+LP_API void lp_vec_dot_f32(int n, float *s, const void *vx, const void *vy) { fk_cols(FK_F32, n, s, 0, vx, vy, 0, 1); }
+
+LP_API void lp_vec_dot_f16(int n, float *s, const void *vx, const void *vy) { fk_cols(FK_F16, n, s, 0, vx, vy, 0, 1); }
 
 LP_API void lp_vec_dot_bf16(int n, float *s, const void *vx, const void *vy) {
-    const lp_bf16 *x = vx, *y = vy;
-    int i = 0;
-    float sumf = 0.0f;
-#if defined(__AVX2__)
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    for (; i + 16 <= n; i += 16) {
-#define LP_BF8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
-        a0 = _mm256_fmadd_ps(LP_BF8(x + i), LP_BF8(y + i), a0);
-        a1 = _mm256_fmadd_ps(LP_BF8(x + i + 8), LP_BF8(y + i + 8), a1);
-#undef LP_BF8
+#if defined(FK_BF16DP)
+    if (bf16dp_ok()) {
+        bf16dp_gemm(n, s, 0, vx, 0, 1, vy, 0, 1);
+        return;
     }
-    sumf = hsum8(_mm256_add_ps(a0, a1));
-#else
-    float acc[8] = {0};
-    for (; i + 8 <= n; i += 8)
-        for (int l = 0; l < 8; l++) acc[l] += lp_bf2f(x[i + l]) * lp_bf2f(y[i + l]);
-    for (int l = 0; l < 8; l++) sumf += acc[l];
 #endif
-    for (; i < n; i++) sumf += lp_bf2f(x[i]) * lp_bf2f(y[i]);
-    *s = sumf;
+    fk_cols(FK_BF16, n, s, 0, vx, vy, 0, 1);
+}
+
+LP_API void lp_gemm_f32(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
+                        int64_t x_bytes, int nc) {
+    fk_gemm(FK_F32, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
+}
+
+LP_API void lp_gemm_f16(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
+                        int64_t x_bytes, int nc) {
+    fk_gemm(FK_F16, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
+}
+
+LP_API void lp_gemm_bf16(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
+                         int64_t x_bytes, int nc) {
+#if defined(FK_BF16DP)
+    if (bf16dp_ok()) {
+        bf16dp_gemm(n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
+        return;
+    }
+#endif
+    fk_gemm(FK_BF16, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
 }
 
 /* --- several outputs at once: the q types' lp_gemm_* (lp_quants.h, LP_GEMM_COLS) ------------ */

@@ -129,6 +129,11 @@ class Buffer(ABC):
         weights are set. `cpu_matmul`: the context's CPU MUL_MAT mode ("q8" or "f32"), which the
         host weights are laid out for."""
 
+    def use_file(self, gf: Any) -> None:
+        """Optional: the mapped GGUF file (model/gguf.py GGUFFile) the weights are set from,
+        called before they are set: a remote device (backend/ray.py) has its node read them
+        from its own copy of the file instead of receiving the bytes."""
+
     def finish_loading(self) -> None:
         """Optional: called once every weight is set (e.g. to write that cache)."""
 

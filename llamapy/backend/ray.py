@@ -218,10 +218,12 @@ def build_graph(
 
 
 def _cache_dir() -> Path:
-    from .repack_cache import cache_root
+    """Where a node keeps model files it was sent: $LLAMAPY_RAY_CACHE (read on the node), else
+    $LLAMAPY_CACHE/ray-models (~/.cache/llamapy/ray-models)."""
+    from ..types import cache_dir
 
-    root = cache_root() or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llamapy"
-    return root / "ray-models"
+    env = os.environ.get("LLAMAPY_RAY_CACHE")
+    return Path(env).expanduser() if env else cache_dir() / "ray-models"
 
 
 class DeviceActor:
@@ -232,6 +234,9 @@ class DeviceActor:
 
         self.buft = CPU_BUFT
         self.backend = CPUDevice().init_backend()
+        # every core of the node, as a local run: Ray starts workers with OMP_NUM_THREADS=1,
+        # and BLAS sums (attention's products) in another order with another thread count
+        self.backend.set_n_threads(0)
         self.tensors: dict[int, Tensor] = {}
         self.buffers: dict[int, tuple[Buffer, list[int]]] = {}
         self.graphs: dict[int, tuple[list[Tensor], list[Tensor], list[Tensor], Any]] = {}
@@ -382,6 +387,9 @@ class DeviceActor:
             self.backend.compute(nodes, env)
         return tuple(np.ascontiguousarray(env[o]) for o in outs)
 
+    def set_n_threads(self, n: int) -> None:
+        self.backend.set_n_threads(max(int(n), 0))
+
     def ping(self) -> bool:
         return True
 
@@ -524,7 +532,6 @@ class RayBuffer(Buffer):
         actor = dev.actor()
         if not wait(dev.name, actor.has_file.remote(path, self._key, size), "checking the model file"):
             dev.send_file(gf.path, self._key, size)
-            dev.stats.n_in += 1
         self._remote = True
         wait(dev.name, actor.load.remote(self.bid, path, self._key, size, self._label, self._cpu_matmul, specs),
              "loading weights")
@@ -676,8 +683,9 @@ class RayBackend(Backend):
     def graph_plan_summary(self, plan: Any) -> str:
         return f"remote graph #{plan.gid}: {plan.n_nodes} nodes, {len(plan.inputs)} inputs" if plan else ""
 
-    def synchronize(self) -> None:
-        pass
+    def set_n_threads(self, n_threads: int) -> None:
+        # the context's -t, for the node's CPU backend (queued before any later call)
+        self.device.actor().set_n_threads.remote(n_threads)
 
 
 class RayDevice(Device):
@@ -692,6 +700,7 @@ class RayDevice(Device):
         self.free0, self.total = free, total
         self.description = f"Ray node {host} ({node_id[:8]})"
         self.stats = CopyStats()
+        self.file_bytes_sent = 0  # model-file bytes this driver had to send (file absent there)
         self.ids = count(1)
         self.chain = chain
         self._actor: Any = None
@@ -739,7 +748,7 @@ class RayDevice(Device):
                 if not data:
                     break
                 wait(self.name, actor.receive.remote(key, off, data, size), "sending the model file")
-                self.stats.bytes_in += len(data)
+                self.file_bytes_sent += len(data)
                 off += len(data)
         if not wait(self.name, actor.received.remote(key, str(path), size), "sending the model file"):
             raise LlamapyError(f"{self.name}: the model file sent does not check out on {self.host}")
@@ -774,6 +783,8 @@ class RayRegistry(Registry):
 def connect(address: str) -> list[RayDevice]:
     """Join the cluster at `address` and make one device per node offering `llamapy`."""
     ray = _ray()
+    # Ray's C++ core logs warnings on stderr (e.g. its probe for the host's own address)
+    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
     if not ray.is_initialized():
         try:
             ray.init(

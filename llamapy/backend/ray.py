@@ -531,7 +531,7 @@ class RayBuffer(Buffer):
         path, size = str(Path(gf.path).resolve()), int(gf.size)
         actor = dev.actor()
         if not wait(dev.name, actor.has_file.remote(path, self._key, size), "checking the model file"):
-            dev.send_file(gf.path, self._key, size)
+            dev.send_file(gf, self._key)
         self._remote = True
         wait(dev.name, actor.load.remote(self.bid, path, self._key, size, self._label, self._cpu_matmul, specs),
              "loading weights")
@@ -738,19 +738,16 @@ class RayDevice(Device):
             raise LlamapyError(f"{self.name}: returned {type(a).__name__} for a tensor")
         return a
 
-    def send_file(self, path: Any, key: str, size: int) -> None:
-        """The model file, in chunks, to a node that lacks it (kept there by content key)."""
+    def send_file(self, gf: Any, key: str) -> None:
+        """The model file, in chunks from the driver's mapping, to a node that lacks it (kept
+        there by content key)."""
         actor = self.actor()
-        with open(path, "rb") as f:
-            off = 0
-            while off < size:
-                data = f.read(min(CHUNK, size - off))
-                if not data:
-                    break
-                wait(self.name, actor.receive.remote(key, off, data, size), "sending the model file")
-                self.file_bytes_sent += len(data)
-                off += len(data)
-        if not wait(self.name, actor.received.remote(key, str(path), size), "sending the model file"):
+        mem, size = gf._buf, int(gf.size)
+        for off in range(0, size, CHUNK):
+            data = bytes(mem[off : min(off + CHUNK, size)])
+            wait(self.name, actor.receive.remote(key, off, data, size), "sending the model file")
+            self.file_bytes_sent += len(data)
+        if not wait(self.name, actor.received.remote(key, str(gf.path), size), "sending the model file"):
             raise LlamapyError(f"{self.name}: the model file sent does not check out on {self.host}")
 
     def props(self) -> DeviceProps:
@@ -783,8 +780,6 @@ class RayRegistry(Registry):
 def connect(address: str) -> list[RayDevice]:
     """Join the cluster at `address` and make one device per node offering `llamapy`."""
     ray = _ray()
-    # Ray's C++ core logs warnings on stderr (e.g. its probe for the host's own address)
-    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
     if not ray.is_initialized():
         try:
             ray.init(

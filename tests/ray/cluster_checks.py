@@ -134,8 +134,9 @@ def test_absent_file_is_sent_once_then_cached_on_the_node(address: str, tiny: Pa
     lines = re.findall(r"load (\d): sent (\d+) argmax (\d+)", r.stdout)
     assert len(lines) == 2, r.stdout
     size = tiny.stat().st_size
-    # the first load sends the file to both nodes; the second finds their copies: no more bytes
-    assert int(lines[0][1]) == 2 * size and int(lines[1][1]) == 2 * size
+    # the first load sends the file once (the simulated nodes share one disk, so the second node
+    # finds the copy the first one received); the second load finds it too: no more bytes
+    assert int(lines[0][1]) == size and int(lines[1][1]) == size
     assert lines[0][2] == lines[1][2]
 
 
@@ -167,5 +168,5 @@ def test_killed_node_ends_the_run_with_one_line(ray_cluster, address: str, tiny:
     text = err.decode(errors="replace").strip()
     last = text.splitlines()[-1] if text else ""
     assert p.returncode not in (0, None) and "Traceback" not in text, text[-3000:]
-    assert re.match(r"error: RAY[01]: ", last), text[-3000:]
+    assert last.startswith("error: ") and re.search(r"\bRAY[01]: device lost", last), text[-3000:]
     assert took < 30 + 15, took  # within the timeout (and the exit)

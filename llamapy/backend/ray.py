@@ -779,6 +779,10 @@ class RayRegistry(Registry):
 
 def connect(address: str) -> list[RayDevice]:
     """Join the cluster at `address` and make one device per node offering `llamapy`."""
+    # Ray's token authentication (Ray >= 2.52), on unless RAY_AUTH_MODE says otherwise: the
+    # token is RAY_AUTH_TOKEN, or the file RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token, as for
+    # `ray start` (Ray reads it from this process's environment when imported, hence set here)
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     ray = _ray()
     if not ray.is_initialized():
         try:

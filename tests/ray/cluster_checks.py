@@ -59,6 +59,13 @@ def test_devices_listed_with_self_test(address: str) -> None:
     assert "RAY2" not in r.stdout  # the head offers no `llamapy`: no device
 
 
+def test_a_driver_without_the_cluster_token_is_refused(address: str) -> None:
+    r = cli("run", "-p", "hi", "-n", "1", "--ray", address, env={"RAY_AUTH_TOKEN": "0" * 64}, timeout=300)
+    text = r.stderr.strip()
+    assert r.returncode != 0 and "Traceback" not in text, text[-2000:]
+    assert text.splitlines()[-1].startswith(f"error: --ray {address}: "), text[-2000:]
+
+
 def test_greedy_text_on_two_remote_devices_equals_cpu(address: str, tiny: Path) -> None:
     cpu = _run(tiny, "-ngl", "0")
     ray = _run(tiny, "--ray", address, "-ngl", "all", "-ts", "1,1")

@@ -103,6 +103,22 @@ def test_perplexity_logits_across_remote_devices_equal_cpu(address: str, tiny: P
     assert _kld(ray.stdout) == _kld(cpu.stdout)
 
 
+def test_batch_over_two_remote_devices_equals_cpu(address: str, tiny: Path, tmp_path: Path) -> None:
+    import json
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the cat\nOnce upon a time\nin the\nshe said\n")
+    texts = []
+    for i, flags in enumerate((["-ngl", "0"], ["--ray", address, "-ngl", "all", "-ts", "1,1"])):
+        out = tmp_path / f"out{i}.jsonl"
+        r = cli("batch", str(tiny), str(prompts), "-o", str(out), "-n", "8", "--temp", "0", "-np", "2", "-c", "256",
+                "--no-progress", *flags, timeout=600)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        recs = sorted((json.loads(ln) for ln in out.read_text().splitlines()), key=lambda d: d["index"])
+        texts.append([d["text"] for d in recs])
+    assert len(texts[0]) == 4 and texts[1] == texts[0]
+
+
 LOAD_TWICE = r"""
 import shutil, sys
 from pathlib import Path

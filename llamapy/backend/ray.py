@@ -240,6 +240,7 @@ class DeviceActor:
         self.tensors: dict[int, Tensor] = {}
         self.buffers: dict[int, tuple[Buffer, list[int]]] = {}
         self.graphs: dict[int, tuple[list[Tensor], list[Tensor], list[Tensor], Any]] = {}
+        self.graph_leaves: dict[int, set[int]] = {}  # graph id -> the kept tensors it reads
         self.files: dict[str, Any] = {}  # content key -> open GGUFFile
         self.incoming: dict[str, Any] = {}  # content key -> file being received
 
@@ -357,8 +358,10 @@ class DeviceActor:
         buf, tids = entry
         for tid in tids:
             self.tensors.pop(tid, None)
+        gone = set(tids)
+        for gid in [g for g, used in self.graph_leaves.items() if used & gone]:
+            del self.graphs[gid], self.graph_leaves[gid]  # their plans hold the freed values
         buf.free()
-        self.graphs.clear()  # their plans may hold the freed values
 
     # graphs -----------------------------------------------------------------------------
 
@@ -368,6 +371,7 @@ class DeviceActor:
         nodes, inputs, outs = build_graph(recs, in_recs, leaf_recs, self.tensors, len(exports), exports)
         plan = self.backend.graph_plan_create(nodes, outs, plan_offsets)
         self.graphs[gid] = (nodes, inputs, outs, plan)
+        self.graph_leaves[gid] = {r[0] for r in leaf_recs}
 
     def run(self, gid: int, picks: Sequence[int], *values: Any) -> tuple[np.ndarray, ...]:
         """Run graph `gid`. values[k] is input k, or (picks[k] >= 0) a tuple of arrays (another
@@ -415,8 +419,9 @@ def _error_line(e: BaseException) -> str:
     return line[:300]
 
 
-def wait(device: str, refs: Any, what: str) -> Any:
-    """ray.get with the timeout; failures become one LlamapyError naming the device."""
+def wait(device: str, refs: Any, what: str, dev: RayDevice | None = None) -> Any:
+    """ray.get with the timeout; failures become one LlamapyError naming the device. A lost
+    device (`dev`) forgets its actor: a later load makes a new one."""
     ray = _ray()
     t = timeout_s()
     try:
@@ -424,6 +429,8 @@ def wait(device: str, refs: Any, what: str) -> Any:
     except ray.exceptions.GetTimeoutError:
         raise LlamapyError(f"{device}: no answer within {t:g} s ({what}); set {ENV_TIMEOUT} to wait longer") from None
     except (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError) as e:
+        if dev is not None:
+            dev.forget_actor()
         raise LlamapyError(f"{device}: device lost ({what}): {_error_line(e)}") from None
     except ray.exceptions.RayError as e:
         raise LlamapyError(f"{device}: {what} failed: {_error_line(e)}") from None
@@ -449,7 +456,7 @@ class _Result:
 
     def fetch(self) -> tuple[np.ndarray, ...]:
         if self.values is None:
-            self.values = wait(self.device.name, self.ref, "compute")
+            self.values = self.device.wait(self.ref, "compute")
         return self.values
 
 
@@ -530,10 +537,10 @@ class RayBuffer(Buffer):
             specs.append((tid, t.name, tuple(t.shape), t.type.name, ranges))
         path, size = str(Path(gf.path).resolve()), int(gf.size)
         actor = dev.actor()
-        if not wait(dev.name, actor.has_file.remote(path, self._key, size), "checking the model file"):
+        if not dev.wait(actor.has_file.remote(path, self._key, size), "checking the model file"):
             dev.send_file(gf, self._key)
         self._remote = True
-        wait(dev.name, actor.load.remote(self.bid, path, self._key, size, self._label, self._cpu_matmul, specs),
+        dev.wait(actor.load.remote(self.bid, path, self._key, size, self._label, self._cpu_matmul, specs),
              "loading weights")
         self._pending.clear()
 
@@ -546,13 +553,13 @@ class RayBuffer(Buffer):
         tid = next(dev.ids)
         self._store[t] = RemoteLeaf(dev, tid)
         self._mutable.append(t)
-        wait(dev.name, dev.actor().zeros.remote(self.bid, [_leaf_record(tid, t)]), "allocating the KV cache")
+        dev.wait(dev.actor().zeros.remote(self.bid, [_leaf_record(tid, t)]), "allocating the KV cache")
         self._remote = True
 
     def clear(self, value: float = 0) -> None:
         if self._remote:
             dev = self.buft.device
-            wait(dev.name, dev.actor().clear.remote(self.bid, value), "clearing")
+            dev.wait(dev.actor().clear.remote(self.bid, value), "clearing")
 
     def alias(self, t: Tensor, of: Tensor) -> None:
         if (t.shape, t.type) != (of.shape, of.type):
@@ -563,7 +570,7 @@ class RayBuffer(Buffer):
         dev = self.buft.device
         if self._remote and dev.alive():
             try:
-                wait(dev.name, dev.actor().free.remote(self.bid), "freeing")
+                dev.wait(dev.actor().free.remote(self.bid), "freeing")
             except LlamapyError:
                 pass  # a lost device has nothing left to free
         self._remote = False
@@ -614,12 +621,8 @@ class RayBackend(Backend):
     device: RayDevice
 
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
-        # no plan given (the self test, a one-off graph): register it, run it, forget it
-        plan = self.graph_plan_create(nodes, list(nodes), lambda *a: None)
-        try:
-            self.graph_plan_compute(plan, env)
-        finally:
-            pass
+        # no plan given (the self test, a one-off graph): register the nodes and run them
+        self.graph_plan_compute(self.graph_plan_create(nodes, list(nodes), lambda *a: None), env)
 
     def from_host(self, data: np.ndarray, t: Tensor | None = None) -> Any:
         if t is not None and t.flags & TensorFlag.WEIGHT:
@@ -662,9 +665,12 @@ class RayBackend(Backend):
             v = env.get(t)
             if v is None and t.root().buffer is not None:
                 v = t.root().buffer.storage(t)
-            if isinstance(v, RemoteOut):
-                picks.append(v.index)
-                values.append(v.result.ref if v.result.values is None else v.result.values)
+            if isinstance(v, RemoteOut) and v.result.values is None:
+                picks.append(v.index)  # not fetched: the reference (Ray hands the actor the values)
+                values.append(v.result.ref)
+            elif isinstance(v, RemoteOut):
+                picks.append(-1)
+                values.append(v.fetch())
             elif isinstance(v, RemoteLeaf):
                 picks.append(-1)
                 values.append(v.device.fetch_leaf(v.tid))
@@ -673,12 +679,11 @@ class RayBackend(Backend):
                 values.append(v)
             else:
                 raise LlamapyError(f"{dev.name}: no value for input {t.name}")
-        ref = dev.actor().run.remote(plan.gid, picks, *values)
-        res = _Result(dev, ref)
+        # not waited for here: a host split or the graph's outputs fetch it (to_host), another
+        # remote split gets the reference (copy_from)
+        res = _Result(dev, dev.actor().run.remote(plan.gid, picks, *values))
         for i, t in enumerate(plan.exports):
             env[t] = RemoteOut(res, i, t)
-        if not dev.chain:
-            res.fetch()
 
     def graph_plan_summary(self, plan: Any) -> str:
         return f"remote graph #{plan.gid}: {plan.n_nodes} nodes, {len(plan.inputs)} inputs" if plan else ""
@@ -693,7 +698,7 @@ class RayDevice(Device):
 
     type = DeviceType.GPU
 
-    def __init__(self, name: str, node_id: str, host: str, free: int, total: int, chain: bool = True) -> None:
+    def __init__(self, name: str, node_id: str, host: str, free: int, total: int) -> None:
         self.name = name
         self.node_id = node_id
         self.host = host
@@ -702,7 +707,6 @@ class RayDevice(Device):
         self.stats = CopyStats()
         self.file_bytes_sent = 0  # model-file bytes this driver had to send (file absent there)
         self.ids = count(1)
-        self.chain = chain
         self._actor: Any = None
         self._leaf_ids: dict[int, int] = {}
         self._buft = RayBufferType(self, free)
@@ -723,6 +727,12 @@ class RayDevice(Device):
     def alive(self) -> bool:
         return self._actor is not None
 
+    def forget_actor(self) -> None:
+        self._actor = None
+
+    def wait(self, refs: Any, what: str) -> Any:
+        return wait(self.name, refs, what, self)
+
     def leaf_id(self, t: Tensor) -> int | None:
         r = t.root()
         buf = r.buffer
@@ -733,7 +743,7 @@ class RayDevice(Device):
         return None
 
     def fetch_leaf(self, tid: int) -> np.ndarray:
-        a = wait(self.name, self.actor().get.remote(tid), "reading a tensor")
+        a = self.wait(self.actor().get.remote(tid), "reading a tensor")
         if not isinstance(a, np.ndarray):
             raise LlamapyError(f"{self.name}: returned {type(a).__name__} for a tensor")
         return a
@@ -745,9 +755,9 @@ class RayDevice(Device):
         mem, size = gf._buf, int(gf.size)
         for off in range(0, size, CHUNK):
             data = bytes(mem[off : min(off + CHUNK, size)])
-            wait(self.name, actor.receive.remote(key, off, data, size), "sending the model file")
+            self.wait(actor.receive.remote(key, off, data, size), "sending the model file")
             self.file_bytes_sent += len(data)
-        if not wait(self.name, actor.received.remote(key, str(gf.path), size), "sending the model file"):
+        if not self.wait(actor.received.remote(key, str(gf.path), size), "sending the model file"):
             raise LlamapyError(f"{self.name}: the model file sent does not check out on {self.host}")
 
     def props(self) -> DeviceProps:
@@ -777,6 +787,19 @@ class RayRegistry(Registry):
         return 1 if self._devices else 0
 
 
+def _quiet_driver() -> None:
+    """Ray's driver prints the cluster's error messages (a node marked dead, …) on stdout from
+    a thread of its own; stdout carries llamapy's tokens, and what matters reaches llamapy as an
+    exception anyway. The thread's function is replaced by one that returns at once (a Ray
+    internal: where it is missing, nothing is changed)."""
+    try:
+        from ray._private import worker
+    except ImportError:
+        return
+    if callable(getattr(worker, "listen_error_messages", None)):
+        worker.listen_error_messages = lambda *a, **k: None
+
+
 def connect(address: str) -> list[RayDevice]:
     """Join the cluster at `address` and make one device per node offering `llamapy`."""
     # Ray's token authentication (Ray >= 2.52), on unless RAY_AUTH_MODE says otherwise: the
@@ -785,6 +808,7 @@ def connect(address: str) -> list[RayDevice]:
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     ray = _ray()
     if not ray.is_initialized():
+        _quiet_driver()
         try:
             ray.init(
                 address=address,
@@ -797,17 +821,25 @@ def connect(address: str) -> list[RayDevice]:
         except Exception as e:  # noqa: BLE001 - any failure to join is one line
             raise LlamapyError(f"--ray {address}: cannot connect: {_error_line(e)}") from None
     nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(RESOURCE, 0) > 0]
-    devs = []
-    for i, n in enumerate(nodes):
-        devs.append(RayDevice(f"RAY{i}", n["NodeID"], n.get("NodeManagerAddress", "?"), 0, 0))
-    # each node says its own memory (its actor's first call; they start in parallel)
-    infos = [d.actor().info.remote() for d in devs]
-    for d, ref in zip(devs, infos):
-        info = wait(d.name, ref, "starting")
+    cands = [RayDevice(f"node{i}", n["NodeID"], n.get("NodeManagerAddress", "?"), 0, 0) for i, n in enumerate(nodes)]
+    # each node says its own memory (its actor's first call; they start in parallel). A node
+    # that died before the cluster noticed is still listed alive: its actor never starts, and
+    # it is left out rather than failing the others
+    infos = [d.actor().info.remote() for d in cands]
+    devs: list[RayDevice] = []
+    for d, ref in zip(cands, infos):
+        try:
+            info = d.wait(ref, "starting")
+        except LlamapyError as e:
+            if "device lost" in str(e):
+                continue
+            raise
+        d.name = d._buft.name = f"RAY{len(devs)}"
         d.host = f"{info['host']}"
         d.description = f"Ray node {d.host} ({d.node_id[:8]})"
         d._buft.budget = int(info["free"])
         d.total = int(info["total"])
+        devs.append(d)
     return devs
 
 

@@ -193,3 +193,7 @@ def test_killed_node_ends_the_run_with_one_line(ray_cluster, address: str, tiny:
     assert p.returncode not in (0, None) and "Traceback" not in text, text[-3000:]
     assert last.startswith("error: ") and re.search(r"\bRAY[01]: device lost", last), text[-3000:]
     assert took < 30 + 15, took  # within the timeout (and the exit)
+    # a later load starts afresh on what is left: one node, RAY0
+    again = _run(tiny, "--ray", address, "-ngl", "all")
+    assert again.returncode == 0 and "RAY0 model buffer" in again.stderr and "RAY1" not in again.stderr, again.stderr
+    assert again.stdout == _run(tiny, "-ngl", "0").stdout

@@ -107,7 +107,7 @@ def _local_devices(monkeypatch: pytest.MonkeyPatch, results: dict[str, Any] | No
         return devs
 
     monkeypatch.setattr(rb, "connect", connect)
-    monkeypatch.setattr(rb, "wait", lambda device, ref, what: ref.value)
+    monkeypatch.setattr(rb, "wait", lambda device, ref, what, dev=None: ref.value)
     monkeypatch.setenv("LLAMAPY_RAY", "in-process")
 
 

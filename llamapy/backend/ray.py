@@ -306,8 +306,7 @@ class DeviceActor:
         gf = self._open(path, key, size)
         if gf is None:
             raise FileNotFoundError(f"{path}: not on this node, and no copy with content key {key}")
-        if cpu_matmul in ("q8", "f32") and hasattr(self.backend, "set_cpu_matmul"):
-            self.backend.set_cpu_matmul(cpu_matmul)
+        self.backend.set_cpu_matmul(cpu_matmul)  # the context's mode (an unknown one raises)
         tensors = []
         for tid, name, shape, tname, ranges in specs:
             t = Tensor(str(name), _check_shape(shape), _check_type(tname), flags=TensorFlag.WEIGHT)
@@ -821,7 +820,7 @@ def connect(address: str) -> list[RayDevice]:
         except Exception as e:  # noqa: BLE001 - any failure to join is one line
             raise LlamapyError(f"--ray {address}: cannot connect: {_error_line(e)}") from None
     nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(RESOURCE, 0) > 0]
-    cands = [RayDevice(f"node{i}", n["NodeID"], n.get("NodeManagerAddress", "?"), 0, 0) for i, n in enumerate(nodes)]
+    cands = [RayDevice(f"RAY{i}", n["NodeID"], n.get("NodeManagerAddress", "?"), 0, 0) for i, n in enumerate(nodes)]
     # each node says its own memory (its actor's first call; they start in parallel). A node
     # that died before the cluster noticed is still listed alive: its actor never starts, and
     # it is left out rather than failing the others

@@ -66,6 +66,14 @@ def test_a_driver_without_the_cluster_token_is_refused(address: str) -> None:
     assert text.splitlines()[-1].startswith(f"error: --ray {address}: "), text[-2000:]
 
 
+def test_a_device_that_does_not_answer_in_time_is_one_line(address: str, tiny: Path) -> None:
+    r = _run(tiny, "--ray", address, "-ngl", "all", env={"LLAMAPY_RAY_TIMEOUT": "0.001"})
+    text = r.stderr.strip()
+    assert r.returncode != 0 and "Traceback" not in text, text[-2000:]
+    assert re.fullmatch(r"error: RAY0: no answer within 0\.001 s \(\w[^)]*\); set LLAMAPY_RAY_TIMEOUT to wait longer",
+                        text.splitlines()[-1]), text[-2000:]  # fmt: skip
+
+
 def test_greedy_text_on_two_remote_devices_equals_cpu(address: str, tiny: Path) -> None:
     cpu = _run(tiny, "-ngl", "0")
     ray = _run(tiny, "--ray", address, "-ngl", "all", "-ts", "1,1")

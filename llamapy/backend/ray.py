@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import count
@@ -808,17 +809,31 @@ def connect(address: str) -> list[RayDevice]:
     ray = _ray()
     if not ray.is_initialized():
         _quiet_driver()
-        try:
-            ray.init(
-                address=address,
-                namespace="llamapy",
-                logging_level=logging.ERROR,
-                log_to_driver=False,
-                include_dashboard=False,
-                configure_logging=True,
-            )
-        except Exception as e:  # noqa: BLE001 - any failure to join is one line
-            raise LlamapyError(f"--ray {address}: cannot connect: {_error_line(e)}") from None
+        outcome: list[BaseException | None] = []
+
+        def join() -> None:
+            try:
+                ray.init(
+                    address=address,
+                    namespace="llamapy",
+                    logging_level=logging.ERROR,
+                    log_to_driver=False,
+                    include_dashboard=False,
+                    configure_logging=True,
+                )
+                outcome.append(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                outcome.append(e)
+
+        # ray.init retries an unreachable address for minutes: bounded by the timeout here
+        th = threading.Thread(target=join, name="llamapy-ray-connect", daemon=True)
+        th.start()
+        th.join(timeout_s())
+        if not outcome:
+            raise LlamapyError(f"--ray {address}: no cluster answered within {timeout_s():g} s "
+                               f"(set {ENV_TIMEOUT} to wait longer)")
+        if outcome[0] is not None:
+            raise LlamapyError(f"--ray {address}: cannot connect: {_error_line(outcome[0])}")
     nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(RESOURCE, 0) > 0]
     cands = [RayDevice(f"RAY{i}", n["NodeID"], n.get("NodeManagerAddress", "?"), 0, 0) for i, n in enumerate(nodes)]
     # each node says its own memory (its actor's first call; they start in parallel). A node

@@ -135,6 +135,11 @@ class Buffer(ABC):
         read to make it, so they do not count in the RSS twice. Default: not known, kept."""
         return False
 
+    def use_file(self, gf: Any) -> None:
+        """Optional: the mapped GGUF file (model/gguf.py GGUFFile) the weights are set from,
+        called before they are set: a remote device (backend/ray.py) has its node read them
+        from its own copy of the file instead of receiving the bytes."""
+
     def finish_loading(self) -> None:
         """Optional: called once every weight is set (e.g. to write that cache)."""
 

@@ -19,6 +19,7 @@ from .interface import Device, Registry
 # name -> "module:function"; the order is the priority order of registration
 BUILTINS: dict[str, str] = {
     "cuda": "llamapy.backend.cuda:registry",
+    "ray": "llamapy.backend.ray:registry",
     "test": "llamapy.backend.testgpu:registry",
     "blas": "llamapy.backend.blas:registry",
     "cpu": "llamapy.backend.cpu:registry",
@@ -94,10 +95,10 @@ def discover(refresh: bool = False) -> Discovery:
                 st.registry = reg
         except Exception as e:  # noqa: BLE001 - report, never crash
             st.error = f"{type(e).__name__}: {e}".splitlines()[0]
-        if name == "test" and st.registry is None and not st.error:
+        if name in ("test", "ray") and st.registry is None and not st.error:
             continue
-        if name == "test" and st.error.startswith("not supported"):
-            continue  # the TEST family only shows when LLAMAPY_TEST_GPU asks for it
+        if name in ("test", "ray") and st.error.startswith("not supported"):
+            continue  # TEST / RAY only show when LLAMAPY_TEST_GPU / LLAMAPY_RAY ask for them
         disc.statuses.append(st)
     _cache = disc
     return disc

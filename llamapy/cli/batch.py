@@ -279,8 +279,10 @@ def batch(
     nkvo: bool = common.NKVO,
     no_op_offload: bool = common.NO_OP_OFFLOAD,
     device: str = common.DEVICE,
+    ray: str = common.RAY,
 ) -> None:
     """Decode every prompt of a file as parallel sequences; write one JSONL record per prompt."""
+    common.use_ray(ray)
     from ..generate import check_n_predict
     from ..model.sampler import SamplingParams
 

@@ -451,8 +451,10 @@ def bench(
     probe_mib: int = typer.Option(
         _DEFAULT_PROBE_MIB, "--probe-mib", help="MiB the read-bandwidth probe sums (0: no probe, no eff GB/s column)"
     ),
+    ray: str = common.RAY,
 ) -> None:
     """Measure prompt processing (pp) and generation (tg) speed, as llama-bench does."""
+    common.use_ray(ray)
     from ..context import Model, ModelOptions
 
     if output not in ("md", "json"):

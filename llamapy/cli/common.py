@@ -33,6 +33,7 @@ NKVO = typer.Option(False, "-nkvo", "--no-kv-offload", help="keep the KV cache i
 NO_OP_OFFLOAD = typer.Option(False, "--no-op-offload", help="never run ops on a GPU for weights in host memory")
 F32_ACT = typer.Option(False, "--f32-activations", help="CPU matmuls on float32 activations (exactness studies; default: 8-bit as llama.cpp)")
 DEVICE = typer.Option(None, "-dev", "--device", metavar="DEV,…", help="comma-separated devices to use (default: all; CPU is always used)")
+RAY = typer.Option(None, "--ray", metavar="ADDRESS", help="join the Ray cluster at ADDRESS: its nodes offering 'llamapy' become devices RAY0, … (default: $LLAMAPY_RAY)")
 
 # sampling (common/arg.cpp's names and llama.cpp's defaults)
 TEMP = typer.Option(0.8, "--temp", "--temperature", help="temperature (0: greedy)")
@@ -51,6 +52,22 @@ THREADS_BATCH = typer.Option(None, "-tb", "--threads-batch", help="threads for t
 NO_MMAP = typer.Option(False, "--no-mmap", help="llamapy always maps the file read-only (no effect)")
 LOG_DISABLE = typer.Option(False, "--log-disable", help="no logs on stderr (errors are still said)")
 ESCAPE = typer.Option(True, "-e/--no-escape", "--escape", show_default="on", help="process escapes (\\n, \\t, \\xHH, …) in the prompt")
+
+
+def use_ray(address: str | None, check: bool = True) -> None:
+    """--ray ADDRESS: the Ray registry (backend/ray.py) connects there when backends are
+    discovered; a cluster asked for that cannot be used is an error, not a silent CPU run."""
+    import os
+
+    if address:
+        os.environ["LLAMAPY_RAY"] = address  # this process's own setting, read by discovery
+    if not check or not os.environ.get("LLAMAPY_RAY", "").strip():
+        return
+    from ..backend.registry import discover
+
+    for st in discover().statuses:
+        if st.name == "ray" and st.registry is None:
+            raise LlamapyError(st.error.removeprefix("LlamapyError: "))
 
 
 def no_effect(flash_attn: str, threads_batch: int | None, no_mmap: bool) -> None:

@@ -62,8 +62,9 @@ def _memory(p: Any) -> str:
 
 
 @app.command(short_help="every backend and device, PASS or FAIL")
-def devices() -> None:
+def devices(ray: str = common.RAY) -> None:
     """List every backend registry and device: type, memory, PASS or FAIL with the reason."""
+    common.use_ray(ray, check=False)  # a cluster that cannot be used is listed as FAIL
     from ..backend.registry import discover
 
     disc = discover()

@@ -57,12 +57,14 @@ def perplexity(
     no_op_offload: bool = common.NO_OP_OFFLOAD,
     f32_activations: bool = common.F32_ACT,
     device: str = common.DEVICE,
+    ray: str = common.RAY,
     flash_attn: str = common.FLASH_ATTN,
     threads_batch: int = common.THREADS_BATCH,
     no_mmap: bool = common.NO_MMAP,
     log_disable: bool = common.LOG_DISABLE,
 ) -> None:
     """Perplexity of a text, or KL divergence against a base model's logits (llama-perplexity)."""
+    common.use_ray(ray)
     from ..perplexity import plan_context
 
     set_logging(not log_disable)

@@ -116,12 +116,14 @@ def run(
     no_op_offload: bool = common.NO_OP_OFFLOAD,
     f32_activations: bool = common.F32_ACT,
     device: str = common.DEVICE,
+    ray: str = common.RAY,
     flash_attn: str = common.FLASH_ATTN,
     no_mmap: bool = common.NO_MMAP,
     no_warmup: bool = typer.Option(False, "--no-warmup", help="skip the warm-up run before the prompt"),
     log_disable: bool = common.LOG_DISABLE,
 ) -> None:
     """Generate text from a prompt, streaming it to stdout (llama-completion)."""
+    common.use_ray(ray)
     from ..generate import GenerationResult, check_n_predict, stream
     from ..model.sampler import SamplingParams
 

@@ -279,6 +279,7 @@ def load_weights(gf: GGUFFile, w: ModelWeights, placement: Placement, where: dic
             buf = buft.alloc_buffer(size, BufferUsage.WEIGHTS)
             w.buffers.append(buf)
             buf.use_cache(key, label, cpu_matmul)
+            buf.use_file(gf)
             for t in tensors:
                 if shared_output and t is w.output:
                     t.buffer = buf

@@ -1,0 +1,868 @@
+"""Other hosts as devices, on a Ray cluster: llamapy's counterpart of llama.cpp's RPC backend
+(ggml-rpc.cpp, `--rpc host:port`), built on an existing distributed engine instead of a protocol
+of its own.
+
+`--ray ADDRESS` (or `LLAMAPY_RAY=ADDRESS`) connects to the cluster; every alive node offering the
+custom resource `llamapy` becomes one GPU-like device, RAY0, RAY1, … (in the cluster's node
+order), whose memory is the node's available host memory. `-ngl`, `-ts`, `-dev` and `-ot` place
+layers on them as on GPUs; the scheduler splits the graph and copies between devices as for any
+device with its own memory.
+
+Each device is one actor pinned to its node (node affinity), holding that device's tensors:
+- **weights** are read by the actor from the GGUF on its own node, after checking it is the same
+  file (`GGUFFile.content_key`: size, header and tensor index, samples of every tensor). Only when
+  the file is absent (or differs) there are the bytes sent, in chunks, once: the node keeps them
+  under its llamapy cache by content key, and a later load reads them there (ggml-rpc's hash cache
+  of PR #12620, by file rather than by tensor).
+- **graphs**: a split's nodes are sent once as plain records (op name from an allowlist, shape,
+  type, numeric/string params, sources by index: nothing callable travels; the actor validates
+  every record) and cached by id; each micro-batch runs the split by id with only its inputs
+  (activations, positions, mask, cell indices). The KV cache stays on the actor. Results are
+  object references: a split that reads another remote split's output gets the reference, so
+  consecutive remote splits chain inside the cluster and the driver waits once, when a host
+  split or the graph's outputs need the values. The driver validates every array it receives
+  (type, dtype, shape).
+- **faults**: every wait has a timeout (`LLAMAPY_RAY_TIMEOUT`, seconds, default 120); a timeout or
+  a lost node raises LlamapyError naming the device.
+
+The actor computes with the CPU backend of its node (backend/cpu.py, its compiled executor plans
+included), so a remote split gives the same numbers as that split run locally.
+
+Trust: Ray moves pickled objects between its processes, so a Ray cluster must be trusted as a
+whole (enable Ray's token authentication: docs/ray.md). What llamapy itself sends is data only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..tensor import Op, Tensor, TensorFlag
+from ..types import DeviceType, GGMLType, LlamapyError, storage
+from .device import CopyStats
+from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps, Registry
+from .kernels import KERNELS
+
+ENV_ADDRESS = "LLAMAPY_RAY"
+ENV_TIMEOUT = "LLAMAPY_RAY_TIMEOUT"
+RESOURCE = "llamapy"  # the custom resource a node offers to become a device
+DEFAULT_TIMEOUT = 120.0
+CHUNK = 64 << 20  # bytes per call when a model file must be sent to a node
+
+# what may travel in an op record: the graph's ops (never NONE: leaves are declared separately)
+ALLOWED_OPS = frozenset(op.name for op in KERNELS if op is not Op.NONE)
+MAX_NODES = 1 << 16
+MAX_DIMS = 8
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def timeout_s() -> float:
+    try:
+        v = float(os.environ.get(ENV_TIMEOUT, "") or DEFAULT_TIMEOUT)
+    except ValueError:
+        raise LlamapyError(f"{ENV_TIMEOUT}={os.environ.get(ENV_TIMEOUT)!r}: expected seconds") from None
+    if v <= 0:
+        raise LlamapyError(f"{ENV_TIMEOUT}: must be > 0")
+    return v
+
+
+# -- records: what describes a split to an actor (data only) ---------------------------------
+
+
+def _check_param(v: Any, depth: int = 0) -> Any:
+    """A param value as plain data: scalars, and tuples/lists of them (nested a little)."""
+    if isinstance(v, _SCALARS) and not (isinstance(v, str) and len(v) > 256):
+        return v
+    if isinstance(v, (tuple, list)) and depth < 3 and len(v) <= 64:
+        return tuple(_check_param(x, depth + 1) for x in v)
+    raise ValueError(f"param value of type {type(v).__name__} is not plain data")
+
+
+def _check_params(p: Any) -> dict[str, Any]:
+    if not isinstance(p, dict) or len(p) > 32:
+        raise ValueError("params must be a small dict")
+    out = {}
+    for k, v in p.items():
+        if not isinstance(k, str) or len(k) > 64:
+            raise ValueError("param names must be short strings")
+        out[k] = _check_param(v)
+    return out
+
+
+def _check_shape(shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, (tuple, list)) or len(shape) > MAX_DIMS:
+        raise ValueError("bad shape")
+    if not all(type(d) is int and 0 <= d < 1 << 40 for d in shape):
+        raise ValueError(f"bad shape {shape!r}")
+    return tuple(shape)
+
+
+def _check_type(name: Any) -> GGMLType:
+    if not isinstance(name, str) or name not in GGMLType.__members__:
+        raise ValueError(f"unknown tensor type {name!r}")
+    return GGMLType[name]
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """A tensor the actor keeps (a weight or a KV cache tensor), by its device-wide id."""
+
+    tid: int
+    name: str
+    shape: tuple[int, ...]
+    type: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def _leaf_record(tid: int, t: Tensor) -> tuple[Any, ...]:
+    return (tid, t.name, tuple(t.shape), t.type.name, _check_params(_plain_params(t.params)))
+
+
+def _plain_params(p: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in p.items() if isinstance(v, (*_SCALARS, tuple, list))}
+
+
+# a source reference: ("n", i) node i of this split, ("l", tid) a tensor the actor keeps,
+# ("i", k) the split's k-th input (sent with every run)
+
+
+def graph_records(
+    nodes: Sequence[Tensor], leaf_id: Callable[[Tensor], int | None]
+) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], list[Tensor], list[tuple[Any, ...]]]:
+    """(node records, input records, input tensors, leaf records) describing `nodes`.
+
+    A node record is (name, op, shape, type, params, sources, view_src); an input record
+    (name, shape, type). Raises ValueError on anything that is not plain data."""
+    index = {n: i for i, n in enumerate(nodes)}
+    inputs: dict[Tensor, int] = {}
+    leaves: dict[int, tuple[Any, ...]] = {}
+
+    def ref(t: Tensor) -> tuple[str, int]:
+        if t in index:
+            return ("n", index[t])
+        tid = leaf_id(t)
+        if tid is not None:
+            leaves.setdefault(tid, _leaf_record(tid, t))
+            return ("l", tid)
+        return ("i", inputs.setdefault(t, len(inputs)))
+
+    recs = []
+    for n in nodes:
+        if n.op.name not in ALLOWED_OPS:
+            raise ValueError(f"{n.op.name} cannot run on a remote device")
+        srcs = tuple(ref(s) for s in n.src)
+        vsrc = ref(n.view_src) if n.view_src is not None else None
+        recs.append((n.name, n.op.name, tuple(n.shape), n.type.name, _check_params(n.params), srcs, vsrc))
+    in_recs = [(t.name, tuple(t.shape), t.type.name) for t in inputs]
+    return recs, in_recs, list(inputs), list(leaves.values())
+
+
+def build_graph(
+    recs: Any, in_recs: Any, leaf_recs: Any, keep: dict[int, Tensor], n_exports: Any, exports: Any
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """The actor side of `graph_records`: validate the records and make the split's tensors.
+    `keep`: the actor's own tensors by id (their params are refreshed from the records: the
+    KV cache's rotation is set after it is made). Returns (nodes, inputs, exports)."""
+    if not isinstance(recs, list) or not 0 < len(recs) <= MAX_NODES:
+        raise ValueError("bad node list")
+    inputs = []
+    for r in in_recs:
+        name, shape, tname = r
+        inputs.append(Tensor(str(name)[:256], _check_shape(shape), _check_type(tname), flags=TensorFlag.INPUT))
+    for tid, _name, shape, tname, params in leaf_recs:
+        t = keep.get(tid)
+        if t is None:
+            raise ValueError(f"tensor #{tid} is not on this device")
+        if (t.shape, t.type) != (_check_shape(shape), _check_type(tname)):
+            raise ValueError(f"tensor #{tid} ({t.name}) differs from the driver's")
+        t.params.update(_check_params(params))
+    nodes: list[Tensor] = []
+
+    def get(r: Any) -> Tensor:
+        kind, i = r
+        if type(i) is not int:
+            raise ValueError("bad source index")
+        if kind == "n" and 0 <= i < len(nodes):
+            return nodes[i]
+        if kind == "i" and 0 <= i < len(inputs):
+            return inputs[i]
+        if kind == "l" and i in keep:
+            return keep[i]
+        raise ValueError(f"bad source reference {r!r}")
+
+    for name, opname, shape, tname, params, srcs, vsrc in recs:
+        if opname not in ALLOWED_OPS:
+            raise ValueError(f"op {opname!r} is not allowed")
+        t = Tensor(str(name)[:256], _check_shape(shape), _check_type(tname), Op[opname],
+                   tuple(get(s) for s in srcs), _check_params(params))
+        if vsrc is not None:
+            t.view_src = get(vsrc)
+        nodes.append(t)
+    out = []
+    for i in exports:
+        if type(i) is not int or not 0 <= i < len(nodes):
+            raise ValueError("bad export index")
+        out.append(nodes[i])
+    return nodes, inputs, out
+
+
+# -- the actor (runs on its node) ------------------------------------------------------------
+
+
+def _cache_dir() -> Path:
+    """Where a node keeps model files it was sent: $LLAMAPY_RAY_CACHE (read on the node), else
+    $LLAMAPY_CACHE/ray-models (~/.cache/llamapy/ray-models)."""
+    from ..types import cache_dir
+
+    env = os.environ.get("LLAMAPY_RAY_CACHE")
+    return Path(env).expanduser() if env else cache_dir() / "ray-models"
+
+
+class DeviceActor:
+    """Holds one device's tensors on its node and runs the splits placed there."""
+
+    def __init__(self) -> None:
+        from .cpu import CPU_BUFT, CPUDevice
+
+        self.buft = CPU_BUFT
+        self.backend = CPUDevice().init_backend()
+        # every core of the node, as a local run: Ray starts workers with OMP_NUM_THREADS=1,
+        # and BLAS sums (attention's products) in another order with another thread count
+        self.backend.set_n_threads(0)
+        self.tensors: dict[int, Tensor] = {}
+        self.buffers: dict[int, tuple[Buffer, list[int]]] = {}
+        self.graphs: dict[int, tuple[list[Tensor], list[Tensor], list[Tensor], Any]] = {}
+        self.graph_leaves: dict[int, set[int]] = {}  # graph id -> the kept tensors it reads
+        self.files: dict[str, Any] = {}  # content key -> open GGUFFile
+        self.incoming: dict[str, Any] = {}  # content key -> file being received
+
+    def info(self) -> dict[str, Any]:
+        from . import hostmem
+
+        free, total = hostmem.host_memory()
+        return {"host": socket.gethostname(), "pid": os.getpid(), "free": free, "total": total}
+
+    # weights ----------------------------------------------------------------------------
+
+    def _open(self, path: str, key: str, size: int) -> Any:
+        """The GGUF at `path` if it is the driver's file (same size and content key), else
+        the copy cached here by content key, else None."""
+        from ..model.gguf import GGUFFile
+
+        if key in self.files:
+            return self.files[key]
+        for p in (Path(path), _cache_dir() / f"{key}.gguf"):
+            try:
+                if not p.is_file() or p.stat().st_size != size:
+                    continue
+                gf = GGUFFile(p)
+            except Exception:  # noqa: BLE001 - an unreadable file counts as absent
+                continue
+            if gf.content_key() == key:
+                self.files[key] = gf
+                return gf
+            gf.close()
+        return None
+
+    def has_file(self, path: str, key: str, size: int) -> bool:
+        return self._open(path, key, size) is not None
+
+    def receive(self, key: str, offset: int, data: bytes, size: int) -> None:
+        """A chunk of a model file this node lacks; written under a temporary name."""
+        if not isinstance(key, str) or not key.isalnum():
+            raise ValueError("bad content key")
+        d = _cache_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f"{key}.gguf.part"
+        f = self.incoming.get(key)
+        if f is None:
+            f = self.incoming[key] = open(tmp, "wb")  # noqa: SIM115 - closed by `received`
+            f.truncate(size)
+        f.seek(offset)
+        f.write(data)
+
+    def received(self, key: str, path: str, size: int) -> bool:
+        f = self.incoming.pop(key)
+        f.close()
+        d = _cache_dir()
+        os.replace(d / f"{key}.gguf.part", d / f"{key}.gguf")
+        return self._open(path, key, size) is not None
+
+    def load(self, bid: int, path: str, key: str, size: int, label: str, cpu_matmul: str,
+             specs: list[tuple[Any, ...]]) -> int:
+        """Allocate buffer `bid` and set each (tid, name, shape, type, ranges) from the file's
+        byte ranges [(offset, nbytes), …]. Returns the bytes set."""
+        from ..model.loader import ConcatRows
+        from ..types import row_nbytes
+
+        gf = self._open(path, key, size)
+        if gf is None:
+            raise FileNotFoundError(f"{path}: not on this node, and no copy with content key {key}")
+        self.backend.set_cpu_matmul(cpu_matmul)  # the context's mode (an unknown one raises)
+        tensors = []
+        for tid, name, shape, tname, ranges in specs:
+            t = Tensor(str(name), _check_shape(shape), _check_type(tname), flags=TensorFlag.WEIGHT)
+            tensors.append((tid, t, ranges))
+        buf = self.buft.alloc_buffer(sum(self.buft.alloc_size(t) for _, t, _ in tensors), BufferUsage.WEIGHTS)
+        buf.use_cache(key, label, cpu_matmul)
+        total = 0
+        for tid, t, ranges in tensors:
+            row = row_nbytes(t.type, t.shape[-1])
+            parts = []
+            for off, n in ranges:
+                if not (0 <= off and 0 < n and off + n <= gf.size):
+                    raise ValueError(f"{t.name}: byte range outside the file")
+                parts.append(np.frombuffer(gf._buf, np.uint8, count=n, offset=off).reshape(-1, row))
+            if sum(p.nbytes for p in parts) != t.nbytes:
+                raise ValueError(f"{t.name}: {sum(p.nbytes for p in parts)} bytes for a {t.nbytes}-byte tensor")
+            buf.alloc_tensor(t)
+            buf.set(t, parts[0] if len(parts) == 1 else ConcatRows(parts))  # type: ignore[arg-type]
+            self.tensors[tid] = t
+            total += t.nbytes
+        buf.finish_loading()
+        self.buffers[bid] = (buf, [tid for tid, _, _ in tensors])
+        return total
+
+    def zeros(self, bid: int, specs: list[tuple[Any, ...]]) -> None:
+        """Buffer `bid` of zero-filled mutable tensors (the KV cache)."""
+        tensors = []
+        for tid, name, shape, tname, params in specs:
+            tensors.append((tid, Tensor(str(name), _check_shape(shape), _check_type(tname), params=_check_params(params))))
+        buf = self.buft.alloc_buffer(sum(self.buft.alloc_size(t) for _, t in tensors), BufferUsage.ANY)
+        for tid, t in tensors:
+            buf.alloc_tensor(t)
+            buf.zeros(t)
+            self.tensors[tid] = t
+        self.buffers[bid] = (buf, [tid for tid, _ in tensors])
+
+    def clear(self, bid: int, value: float) -> None:
+        self.buffers[bid][0].clear(float(value))
+
+    def get(self, tid: int) -> np.ndarray:
+        t = self.tensors[tid]
+        return t.buffer.get(t)  # type: ignore[union-attr]
+
+    def free(self, bid: int) -> None:
+        entry = self.buffers.pop(bid, None)
+        if entry is None:
+            return
+        buf, tids = entry
+        for tid in tids:
+            self.tensors.pop(tid, None)
+        gone = set(tids)
+        for gid in [g for g, used in self.graph_leaves.items() if used & gone]:
+            del self.graphs[gid], self.graph_leaves[gid]  # their plans hold the freed values
+        buf.free()
+
+    # graphs -----------------------------------------------------------------------------
+
+    def create(self, gid: int, recs: Any, in_recs: Any, leaf_recs: Any, exports: Any) -> None:
+        from ..sched.alloc import plan_offsets
+
+        nodes, inputs, outs = build_graph(recs, in_recs, leaf_recs, self.tensors, len(exports), exports)
+        plan = self.backend.graph_plan_create(nodes, outs, plan_offsets)
+        self.graphs[gid] = (nodes, inputs, outs, plan)
+        self.graph_leaves[gid] = {r[0] for r in leaf_recs}
+
+    def run(self, gid: int, picks: Sequence[int], *values: Any) -> tuple[np.ndarray, ...]:
+        """Run graph `gid`. values[k] is input k, or (picks[k] >= 0) a tuple of arrays (another
+        remote split's results, resolved by Ray from its reference) of which element picks[k]."""
+        nodes, inputs, outs, plan = self.graphs[gid]
+        if len(values) != len(inputs):
+            raise ValueError(f"graph {gid}: {len(values)} inputs for {len(inputs)}")
+        env: dict[Tensor, Any] = {}
+        for t, v, pick in zip(inputs, values, picks):
+            a = v[pick] if pick >= 0 else v
+            if not isinstance(a, np.ndarray) or a.size != t.n_elements:
+                raise ValueError(f"input {t.name}: {getattr(a, 'shape', type(a).__name__)} for {list(t.shape)}")
+            env[t] = a.reshape(t.shape) if a.shape != t.shape else a
+        if plan:
+            self.backend.graph_plan_compute(plan, env)
+        else:
+            self.backend.compute(nodes, env)
+        return tuple(np.ascontiguousarray(env[o]) for o in outs)
+
+    def set_n_threads(self, n: int) -> None:
+        self.backend.set_n_threads(max(int(n), 0))
+
+    def ping(self) -> bool:
+        return True
+
+
+# -- the driver side -------------------------------------------------------------------------
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise LlamapyError("--ray needs Ray: pip install 'llamapy[ray]'") from None
+    return ray
+
+
+def _error_line(e: BaseException) -> str:
+    cause = getattr(e, "cause", None)
+    if cause is not None and cause is not e:
+        e = cause
+    text = str(e).strip().splitlines()
+    # Ray's task errors repeat a traceback; the exception's own line is the last one
+    line = next((ln for ln in reversed(text) if ln.strip() and not ln.startswith(" ")), type(e).__name__)
+    return line[:300]
+
+
+def wait(device: str, refs: Any, what: str, dev: RayDevice | None = None) -> Any:
+    """ray.get with the timeout; failures become one LlamapyError naming the device. A lost
+    device (`dev`) forgets its actor: a later load makes a new one."""
+    ray = _ray()
+    t = timeout_s()
+    try:
+        return ray.get(refs, timeout=t)
+    except ray.exceptions.GetTimeoutError:
+        raise LlamapyError(f"{device}: no answer within {t:g} s ({what}); set {ENV_TIMEOUT} to wait longer") from None
+    except (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError) as e:
+        if dev is not None:
+            dev.forget_actor()
+        raise LlamapyError(f"{device}: device lost ({what}): {_error_line(e)}") from None
+    except ray.exceptions.RayError as e:
+        raise LlamapyError(f"{device}: {what} failed: {_error_line(e)}") from None
+
+
+@dataclass
+class RemoteLeaf:
+    """A tensor an actor keeps (weight, KV cache)."""
+
+    device: RayDevice
+    tid: int
+
+
+class _Result:
+    """One run's results: an object reference, fetched once."""
+
+    __slots__ = ("device", "ref", "values")
+
+    def __init__(self, device: RayDevice, ref: Any) -> None:
+        self.device = device
+        self.ref = ref
+        self.values: tuple[np.ndarray, ...] | None = None
+
+    def fetch(self) -> tuple[np.ndarray, ...]:
+        if self.values is None:
+            self.values = self.device.wait(self.ref, "compute")
+        return self.values
+
+
+@dataclass
+class RemoteOut:
+    """Output `index` of a remote run (the tensor `t`), validated when fetched."""
+
+    result: _Result
+    index: int
+    t: Tensor
+
+    def fetch(self) -> np.ndarray:
+        vals = self.result.fetch()
+        dev = self.result.device.name
+        a = vals[self.index] if isinstance(vals, tuple) and self.index < len(vals) else None
+        shape, dtype = storage(self.t.type, self.t.shape)
+        if not isinstance(a, np.ndarray) or a.dtype != dtype or a.shape != tuple(shape):
+            got = f"{a.dtype}{list(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__
+            raise LlamapyError(f"{dev}: returned {got} for {self.t.name} ({np.dtype(dtype)}{list(shape)})")
+        self.result.device.stats.bytes_out += a.nbytes
+        return a
+
+
+class RayBuffer(Buffer):
+    buft: RayBufferType
+
+    def __init__(self, buft: RayBufferType, nbytes: int, usage: BufferUsage) -> None:
+        super().__init__(buft, nbytes, usage)
+        self.bid = next(buft.device.ids)
+        self._key = ""
+        self._label = ""
+        self._cpu_matmul = "q8"
+        self._gf: Any = None
+        self._pending: list[tuple[int, Tensor, Any]] = []
+        self._remote = False  # the actor holds something for this buffer
+
+    def use_cache(self, key: str, label: str = "", cpu_matmul: str = "q8") -> None:
+        self._key, self._label, self._cpu_matmul = key, label, cpu_matmul
+
+    def use_file(self, gf: Any) -> None:
+        self._gf = gf
+
+    def set(self, t: Tensor, data: np.ndarray) -> None:
+        if not t.flags & TensorFlag.WEIGHT:
+            raise LlamapyError(f"{self.name}: only weights are set from the host")
+        tid = next(self.buft.device.ids)
+        self._store[t] = RemoteLeaf(self.buft.device, tid)
+        self._pending.append((tid, t, data))
+
+    def _ranges(self, data: Any) -> list[tuple[int, int]] | None:
+        """Where `data` (views of the mapped file, or ConcatRows of them) lies in the file."""
+        gf = self._gf
+        if gf is None or not gf.tensors:
+            return None
+        first = next(iter(gf.tensors))
+        base = gf.tensor_bytes(first).ctypes.data - gf.tensors[first].offset
+        parts = getattr(data, "parts", None) or [data]
+        out = []
+        for p in parts:
+            if not isinstance(p, np.ndarray) or not p.flags.c_contiguous:
+                return None
+            off = p.ctypes.data - base
+            if not (0 <= off and off + p.nbytes <= gf.size):
+                return None
+            out.append((int(off), int(p.nbytes)))
+        return out
+
+    def finish_loading(self) -> None:
+        dev = self.buft.device
+        if not self._pending:
+            return
+        gf = self._gf
+        specs = []
+        for tid, t, data in self._pending:
+            ranges = self._ranges(data)
+            if ranges is None:
+                raise LlamapyError(f"{dev.name}: {t.name} is not read from the model file; remote devices load weights from it")
+            specs.append((tid, t.name, tuple(t.shape), t.type.name, ranges))
+        path, size = str(Path(gf.path).resolve()), int(gf.size)
+        actor = dev.actor()
+        if not dev.wait(actor.has_file.remote(path, self._key, size), "checking the model file"):
+            dev.send_file(gf, self._key)
+        self._remote = True
+        dev.wait(actor.load.remote(self.bid, path, self._key, size, self._label, self._cpu_matmul, specs),
+             "loading weights")
+        self._pending.clear()
+
+    def get(self, t: Tensor) -> np.ndarray:
+        v = self._store[t]
+        return self.buft.device.fetch_leaf(v.tid)
+
+    def zeros(self, t: Tensor) -> None:
+        dev = self.buft.device
+        tid = next(dev.ids)
+        self._store[t] = RemoteLeaf(dev, tid)
+        self._mutable.append(t)
+        dev.wait(dev.actor().zeros.remote(self.bid, [_leaf_record(tid, t)]), "allocating the KV cache")
+        self._remote = True
+
+    def clear(self, value: float = 0) -> None:
+        if self._remote:
+            dev = self.buft.device
+            dev.wait(dev.actor().clear.remote(self.bid, value), "clearing")
+
+    def alias(self, t: Tensor, of: Tensor) -> None:
+        if (t.shape, t.type) != (of.shape, of.type):
+            raise LlamapyError(f"{self.name}: {t.name} cannot be a reshaped view on a remote device")
+        super().alias(t, of)
+
+    def free(self) -> None:
+        dev = self.buft.device
+        if self._remote and dev.alive():
+            try:
+                dev.wait(dev.actor().free.remote(self.bid), "freeing")
+            except LlamapyError:
+                pass  # a lost device has nothing left to free
+        self._remote = False
+        self._pending.clear()
+        self._gf = None
+        super().free()
+
+
+class RayBufferType(BufferType):
+    is_host = False
+
+    def __init__(self, device: RayDevice, budget: int) -> None:
+        self.device = device
+        self.name = device.name
+        self.budget = budget
+        self.allocated = 0
+
+    def alloc_buffer(self, nbytes: int, usage: BufferUsage = BufferUsage.ANY) -> Buffer:
+        from ..types import OutOfMemoryError
+
+        if self.allocated + nbytes > self.budget:
+            raise OutOfMemoryError(
+                f"{self.name}: cannot allocate {nbytes / 2**20:.2f} MiB "
+                f"({(self.budget - self.allocated) / 2**20:.2f} MiB free of {self.budget / 2**20:.2f} MiB)"
+            )
+        self.allocated += nbytes
+        return RayBuffer(self, nbytes, usage)
+
+    def release(self, buf: Buffer) -> None:
+        self.allocated -= buf.nbytes
+        buf.nbytes = 0
+
+
+@dataclass
+class RayPlan:
+    """A split registered on the actor under `gid`."""
+
+    gid: int
+    inputs: list[Tensor]
+    exports: list[Tensor]
+    n_nodes: int
+
+    def __bool__(self) -> bool:
+        return True
+
+
+class RayBackend(Backend):
+    device: RayDevice
+
+    def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
+        # no plan given (the self test, a one-off graph): register the nodes and run them
+        self.graph_plan_compute(self.graph_plan_create(nodes, list(nodes), lambda *a: None), env)
+
+    def from_host(self, data: np.ndarray, t: Tensor | None = None) -> Any:
+        if t is not None and t.flags & TensorFlag.WEIGHT:
+            raise LlamapyError(f"{self.name}: host weights are not sent to remote devices per compute")
+        a = np.ascontiguousarray(data)
+        self.device.stats.bytes_in += a.nbytes
+        self.device.stats.n_in += 1
+        return a  # sent with the run that reads it
+
+    def to_host(self, value: Any) -> np.ndarray:
+        if isinstance(value, RemoteOut):
+            return value.fetch()
+        if isinstance(value, RemoteLeaf):
+            return value.device.fetch_leaf(value.tid)
+        return np.asarray(value)
+
+    def copy_from(self, src: Backend, value: Any) -> Any | None:
+        # another remote split's result: its reference goes on, the bytes stay in the cluster
+        return value if isinstance(value, RemoteOut) else None
+
+    def graph_plan_create(
+        self, nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Callable[..., Any]
+    ) -> Any | None:
+        dev = self.device
+        try:
+            recs, in_recs, inputs, leaves = graph_records(nodes, dev.leaf_id)
+        except ValueError as e:
+            raise LlamapyError(f"{dev.name}: {e}") from None
+        index = {n: i for i, n in enumerate(nodes)}
+        outs = [index[e] for e in exports]
+        gid = next(dev.ids)
+        # ordered after this caller's earlier calls to the actor; a failure shows at the run
+        dev.actor().create.remote(gid, recs, in_recs, leaves, outs)
+        return RayPlan(gid, inputs, list(exports), len(nodes))
+
+    def graph_plan_compute(self, plan: Any, env: dict[Tensor, Any]) -> None:
+        dev = self.device
+        picks, values = [], []
+        for t in plan.inputs:
+            v = env.get(t)
+            if v is None and t.root().buffer is not None:
+                v = t.root().buffer.storage(t)
+            if isinstance(v, RemoteOut) and v.result.values is None:
+                picks.append(v.index)  # not fetched: the reference (Ray hands the actor the values)
+                values.append(v.result.ref)
+            elif isinstance(v, RemoteOut):
+                picks.append(-1)
+                values.append(v.fetch())
+            elif isinstance(v, RemoteLeaf):
+                picks.append(-1)
+                values.append(v.device.fetch_leaf(v.tid))
+            elif isinstance(v, np.ndarray):
+                picks.append(-1)
+                values.append(v)
+            else:
+                raise LlamapyError(f"{dev.name}: no value for input {t.name}")
+        # not waited for here: a host split or the graph's outputs fetch it (to_host), another
+        # remote split gets the reference (copy_from)
+        res = _Result(dev, dev.actor().run.remote(plan.gid, picks, *values))
+        for i, t in enumerate(plan.exports):
+            env[t] = RemoteOut(res, i, t)
+
+    def graph_plan_summary(self, plan: Any) -> str:
+        return f"remote graph #{plan.gid}: {plan.n_nodes} nodes, {len(plan.inputs)} inputs" if plan else ""
+
+    def set_n_threads(self, n_threads: int) -> None:
+        # the context's -t, for the node's CPU backend (queued before any later call)
+        self.device.actor().set_n_threads.remote(n_threads)
+
+
+class RayDevice(Device):
+    """One cluster node offering the `llamapy` resource."""
+
+    type = DeviceType.GPU
+
+    def __init__(self, name: str, node_id: str, host: str, free: int, total: int) -> None:
+        self.name = name
+        self.node_id = node_id
+        self.host = host
+        self.free0, self.total = free, total
+        self.description = f"Ray node {host} ({node_id[:8]})"
+        self.stats = CopyStats()
+        self.file_bytes_sent = 0  # model-file bytes this driver had to send (file absent there)
+        self.ids = count(1)
+        self._actor: Any = None
+        self._leaf_ids: dict[int, int] = {}
+        self._buft = RayBufferType(self, free)
+
+    def actor(self) -> Any:
+        if self._actor is None:
+            ray = _ray()
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            cls = ray.remote(DeviceActor)
+            self._actor = cls.options(
+                num_cpus=0,
+                max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(self.node_id, soft=False),
+            ).remote()
+        return self._actor
+
+    def alive(self) -> bool:
+        return self._actor is not None
+
+    def forget_actor(self) -> None:
+        self._actor = None
+
+    def wait(self, refs: Any, what: str) -> Any:
+        return wait(self.name, refs, what, self)
+
+    def leaf_id(self, t: Tensor) -> int | None:
+        r = t.root()
+        buf = r.buffer
+        if isinstance(buf, RayBuffer) and buf.buft.device is self:
+            v = buf._store.get(t) or buf._store.get(r)
+            if isinstance(v, RemoteLeaf):
+                return v.tid
+        return None
+
+    def fetch_leaf(self, tid: int) -> np.ndarray:
+        a = self.wait(self.actor().get.remote(tid), "reading a tensor")
+        if not isinstance(a, np.ndarray):
+            raise LlamapyError(f"{self.name}: returned {type(a).__name__} for a tensor")
+        return a
+
+    def send_file(self, gf: Any, key: str) -> None:
+        """The model file, in chunks from the driver's mapping, to a node that lacks it (kept
+        there by content key)."""
+        actor = self.actor()
+        mem, size = gf._buf, int(gf.size)
+        for off in range(0, size, CHUNK):
+            data = bytes(mem[off : min(off + CHUNK, size)])
+            self.wait(actor.receive.remote(key, off, data, size), "sending the model file")
+            self.file_bytes_sent += len(data)
+        if not self.wait(actor.received.remote(key, str(gf.path), size), "sending the model file"):
+            raise LlamapyError(f"{self.name}: the model file sent does not check out on {self.host}")
+
+    def props(self) -> DeviceProps:
+        b = self._buft
+        return DeviceProps(self.name, self.description, self.type, b.budget - b.allocated, b.budget)
+
+    def buffer_type(self) -> BufferType:
+        return self._buft
+
+    def supports_op(self, node: Tensor) -> bool:
+        return node.op.name in ALLOWED_OPS
+
+    def init_backend(self) -> Backend:
+        return RayBackend(self)
+
+
+class RayRegistry(Registry):
+    name = "RAY"
+
+    def __init__(self, devices: list[Device]) -> None:
+        self._devices = devices
+
+    def devices(self) -> list[Device]:
+        return self._devices
+
+    def score(self) -> int:
+        return 1 if self._devices else 0
+
+
+def _quiet_driver() -> None:
+    """Ray's driver prints the cluster's error messages (a node marked dead, …) on stdout from
+    a thread of its own; stdout carries llamapy's tokens, and what matters reaches llamapy as an
+    exception anyway. The thread's function is replaced by one that returns at once (a Ray
+    internal: where it is missing, nothing is changed)."""
+    try:
+        from ray._private import worker
+    except ImportError:
+        return
+    if callable(getattr(worker, "listen_error_messages", None)):
+        worker.listen_error_messages = lambda *a, **k: None
+
+
+def connect(address: str) -> list[RayDevice]:
+    """Join the cluster at `address` and make one device per node offering `llamapy`."""
+    # Ray's token authentication (Ray >= 2.52), on unless RAY_AUTH_MODE says otherwise: the
+    # token is RAY_AUTH_TOKEN, or the file RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token, as for
+    # `ray start` (Ray reads it from this process's environment when imported, hence set here)
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    ray = _ray()
+    if not ray.is_initialized():
+        _quiet_driver()
+        outcome: list[BaseException | None] = []
+
+        def join() -> None:
+            try:
+                ray.init(
+                    address=address,
+                    namespace="llamapy",
+                    logging_level=logging.ERROR,
+                    log_to_driver=False,
+                    include_dashboard=False,
+                    configure_logging=True,
+                )
+                outcome.append(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                outcome.append(e)
+
+        # ray.init retries an unreachable address for minutes: bounded by the timeout here
+        th = threading.Thread(target=join, name="llamapy-ray-connect", daemon=True)
+        th.start()
+        th.join(timeout_s())
+        if not outcome:
+            raise LlamapyError(f"--ray {address}: no cluster answered within {timeout_s():g} s "
+                               f"(set {ENV_TIMEOUT} to wait longer)")
+        if outcome[0] is not None:
+            raise LlamapyError(f"--ray {address}: cannot connect: {_error_line(outcome[0])}")
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(RESOURCE, 0) > 0]
+    cands = [RayDevice(f"RAY{i}", n["NodeID"], n.get("NodeManagerAddress", "?"), 0, 0) for i, n in enumerate(nodes)]
+    # each node says its own memory (its actor's first call; they start in parallel). A node
+    # that died before the cluster noticed is still listed alive: its actor never starts, and
+    # it is left out rather than failing the others
+    infos = [d.actor().info.remote() for d in cands]
+    devs: list[RayDevice] = []
+    for d, ref in zip(cands, infos):
+        try:
+            info = d.wait(ref, "starting")
+        except LlamapyError as e:
+            if "device lost" in str(e):
+                continue
+            raise
+        d.name = d._buft.name = f"RAY{len(devs)}"
+        d.host = f"{info['host']}"
+        d.description = f"Ray node {d.host} ({d.node_id[:8]})"
+        d._buft.budget = int(info["free"])
+        d.total = int(info["total"])
+        devs.append(d)
+    return devs
+
+
+def registry() -> Registry:
+    """Entry point: the RAY registry when LLAMAPY_RAY names a cluster (else none, hidden)."""
+    address = os.environ.get(ENV_ADDRESS, "").strip()
+    if not address:
+        return RayRegistry([])
+    devs = connect(address)
+    if not devs:
+        raise LlamapyError(f"--ray {address}: no alive node offers the resource {RESOURCE!r}")
+    return RayRegistry(devs)  # type: ignore[arg-type]

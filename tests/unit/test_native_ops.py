@@ -77,18 +77,11 @@ def test_rms_norm_zero_and_nonfinite(lib):
 # ---------------------------------------------------------------------------------------------
 
 
-def _inv_freq(n_dims, base, scale, factors=None):
-    inv = base ** (-2.0 * np.arange(n_dims // 2) / n_dims) * scale  # as cpu_kernels._rope_inv_freq
-    if factors is not None:
-        inv = inv / factors.astype(np.float64)
-    return np.ascontiguousarray(inv, np.float64)
-
-
-def c_rope(lib, x, pos, inv, n_dims, neox):
+def c_rope(lib, x, pos, rc, n_dims, neox):
     T, H, D = x.shape
-    assert x.flags.c_contiguous and pos.dtype == np.int32 and inv.dtype == np.float64
+    assert x.flags.c_contiguous and pos.dtype == np.int32 and rc.dtype == np.float32
     out = np.empty_like(x)
-    lib.lp_rope(_ptr(x), T, H, D, _ptr(pos), _ptr(inv), n_dims, int(neox), _ptr(out))
+    lib.lp_rope(_ptr(x), T, H, D, _ptr(pos), _ptr(rc), n_dims, int(neox), _ptr(out))
     return out
 
 
@@ -103,7 +96,7 @@ def test_rope(lib, mode, D, n_dims):
     node = _node(n_dims=n_dims, freq_base=500000.0, freq_scale=0.25, mode=mode)
     srcs = [x, pos] + ([factors] if factors is not None else [])
     ref = K.rope(node, srcs, np)
-    out = c_rope(lib, x, pos, _inv_freq(n_dims, 500000.0, 0.25, factors), n_dims, mode == 2)
+    out = c_rope(lib, x, pos, K.rope_consts(n_dims, 500000.0, 0.25, factors), n_dims, mode == 2)
     np.testing.assert_allclose(out, ref, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(out[..., n_dims:], x[..., n_dims:])
 

@@ -290,3 +290,17 @@ def test_swiglu_nonfinite(lib):
     with np.errstate(all="ignore"):
         ref = K.glu(None, [gate, up], np)
     np.testing.assert_array_equal(c_swiglu(lib, gate, up), ref)
+
+
+def test_rope_angles_are_ggmls(lib):
+    """The angles as ggml's rope_cache_init rounds them (theta *= powf(base, -2/n_dims) in float32
+    from theta = p), not p * base^(-2i/n_dims): at p = 4095 the two differ by up to ~1e-3 rad."""
+    n_dims, base, T = 64, 100000.0, 3
+    pos = np.array([1, 300, 4095], np.int32)
+    x = np.zeros((T, 1, n_dims), np.float32)
+    x[..., 0::2] = 1.0  # pairs (1, 0): the output is (cos, sin) of each angle
+    out = c_rope(lib, x, pos, K.rope_consts(n_dims, base, 1.0, None), n_dims, False)
+    ts = np.float32(base ** (-2.0 / n_dims))
+    theta = np.cumprod(np.concatenate([pos[:, None].astype(np.float32), np.full((T, n_dims // 2 - 1), ts, np.float32)], 1), 1)
+    np.testing.assert_allclose(out[:, 0, 0::2], np.cos(theta.astype(np.float64)), rtol=0, atol=1.2e-7)
+    np.testing.assert_allclose(out[:, 0, 1::2], np.sin(theta.astype(np.float64)), rtol=0, atol=1.2e-7)

@@ -111,10 +111,7 @@ def reference_logits(path, tokens: list[int], q8: bool = False) -> np.ndarray:  
     hd = e // n_head
 
     def norm(v: np.ndarray, g: np.ndarray) -> np.ndarray:
-        # in float32 as ggml's rms_norm and mul define it: x * (1.0f / sqrtf(mean + eps)) * g
-        v32 = v.astype(np.float32)
-        mean = (v32.astype(np.float64) ** 2).mean(-1, keepdims=True).astype(np.float32)
-        return ((v32 * (np.float32(1.0) / np.sqrt(mean + np.float32(eps)))) * g.astype(np.float32)).astype(np.float64)
+        return v / np.sqrt((v * v).mean(-1, keepdims=True) + eps) * g
 
     def rope(v: np.ndarray) -> np.ndarray:  # (T, H, D), pairs (2i, 2i+1)
         # the angles as ggml defines them (rope_cache_init): theta_i+1 = theta_i * base^(-2/hd) in

@@ -659,7 +659,10 @@ LP_INLINE float lp_expf_avx512(float x) {
     const float u = b * b;
     const float j = fmaf(fmaf(fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u, fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)), u,
                          fmaf(0x1.ffffecp-1f, b, 1.0f));
-    return ldexpf(j, (int)n);
+    /* j * 2^n in two exact-or-once-rounded steps (|n| <= 192: each half a normal power of two),
+     * as scalef rounds: multiplies that vectorize, where ldexpf is a call per value */
+    const int ni = (int)n, n1 = ni / 2, n2 = ni - n1;
+    return j * bits_f32((uint32_t)(n1 + 127) << 23) * bits_f32((uint32_t)(n2 + 127) << 23);
 }
 
 /* SiLU(gate) * up rounded as ggml's ggml_vec_swiglu_f32 on the llama.cpp build for this CPU

@@ -22,7 +22,7 @@ from ..quants import KV_QUANT_TYPES, rotate
 from ..tensor import Op, Tensor
 from ..types import GGMLType
 from . import native
-from .kernels import KERNELS, Kernel, cache_rotation, rope_inv_freq
+from .kernels import KERNELS, Kernel, cache_rotation, rope_consts
 from .qmatmul import kernels
 
 _ptr = native.ptr
@@ -57,13 +57,13 @@ def _c_rms_norm(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 
 def _rope_consts(node: Tensor, s: list[Any]) -> tuple[np.ndarray, int, int]:
-    """A ROPE node's (inverse frequencies, n_dims, neox), worked out on its first run."""
+    """A ROPE node's (rope_consts, n_dims, neox), worked out on its first run."""
 
     def make() -> tuple[np.ndarray, int, int]:
         p = node.params
         factors = s[2] if len(s) > 2 else None  # rope_freqs: a weight, fixed for the node
-        inv = rope_inv_freq(np, p["n_dims"], p["freq_base"], p["freq_scale"], factors)
-        return np.ascontiguousarray(inv), p["n_dims"], int(p["mode"] == 2)
+        rc = rope_consts(p["n_dims"], p["freq_base"], p["freq_scale"], factors)
+        return rc, p["n_dims"], int(p["mode"] == 2)
 
     return _node_consts(node, make)
 

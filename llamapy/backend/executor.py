@@ -49,7 +49,7 @@ import numpy as np
 from ..tensor import Op, Tensor, TensorFlag
 from ..types import GGMLType, LlamapyError, block_size
 from . import native
-from .kernels import rope_inv_freq
+from .kernels import rope_consts
 
 ALIGN = 64  # the arena's alignment (AVX-512 loads); sched/alloc.py aligns offsets to 32
 
@@ -668,7 +668,7 @@ class _Compiler:
                     raise Refused("rope_freqs without a buffer")
                 factors = fv
             p = n.params
-            inv = np.ascontiguousarray(rope_inv_freq(np, p["n_dims"], p["freq_base"], p["freq_scale"], factors))
+            inv = rope_consts(p["n_dims"], p["freq_base"], p["freq_scale"], factors)
             self.keep.append(inv)
             T, H, D = x.shape
             r[2], r[3], r[4] = x.addr, pos.addr, inv.ctypes.data

@@ -72,8 +72,9 @@ def glu(node: Tensor, s: list[Any], xp: Any) -> Any:
     gate, up = s
     if node is not None and node.params.get("op", "swiglu") == "geglu":  # no node: swiglu (direct calls)
         return gelu(xp, gate) * up
-    # silu(g) = g / (1 + exp(-g)); clipping keeps exp finite in f32 (the result is ~0 there anyway)
-    return (gate / (1.0 + xp.exp(-xp.maximum(gate, -88.0)))) * up
+    # silu(g) = g / (1 + exp(-g)) as ggml: below g ~ -88.7 exp overflows to inf and the result is -0
+    with np.errstate(over="ignore"):
+        return (gate / (1.0 + xp.exp(-gate))) * up
 
 
 GELU_COEF_A = 0.044715
@@ -142,22 +143,39 @@ def rope_cos_sin(
     return cos, sin
 
 
-def rope_inv_freq(xp: Any, n_dims: int, base: float, freq_scale: float, factors: Any | None) -> Any:
-    """(n_dims/2,) float64: the angle of pair i at position p is p * inv[i] (ggml
-    rope_cache_init: base^(-2i/n_dims) * freq_scale, divided by rope_freqs when present)."""
-    i = xp.arange(n_dims // 2, dtype=xp.float64)
-    inv = base ** (-2.0 * i / n_dims)
-    if factors is not None:
-        inv = inv / factors.astype(xp.float64)
-    return inv * freq_scale
+def rope_consts(n_dims: int, base: float, freq_scale: float, factors: Any | None) -> np.ndarray:
+    """(2 + n_dims/2,) float32: freq_base, freq_scale and each pair's rope_freqs divisor (1 without
+    them), as ggml keeps them (float op parameters): the C kernels (ops.c lp_rope_rows) take these
+    and round the angles as ggml does."""
+    ff = np.ones(n_dims // 2, np.float32) if factors is None else np.asarray(factors, np.float32)[: n_dims // 2]
+    return np.ascontiguousarray(np.concatenate([np.array([base, freq_scale], np.float32), ff]))
 
 
 def _rope_tables_compute(
     xp: Any, pos: Any, n_dims: int, base: float, freq_scale: float, factors: Any | None
 ) -> tuple[Any, Any]:
-    inv = rope_inv_freq(xp, n_dims, base, freq_scale, factors)
-    theta = pos.astype(xp.float64)[:, None] * inv[None, :]
-    return xp.cos(theta).astype(xp.float32), xp.sin(theta).astype(xp.float32)
+    # the angles as ggml's rope_cache_init rounds them (bit for bit; any other rounding flips q8
+    # activation roundings downstream): theta_scale = powf(base, -2.0f/n_dims) (correctly rounded
+    # here, as glibc's powf is), theta_0 = p, theta_i+1 = theta_i * theta_scale in f32 — a
+    # sequential product, not p * theta_scale^i — then / rope_freqs and * freq_scale in f32
+    half = n_dims // 2
+    ts = np.float32(float(np.float32(base)) ** float(np.float32(-2.0) / np.float32(n_dims)))
+    steps = xp.full((pos.shape[0], half), ts, dtype=xp.float32)  # (n_tokens, n_dims/2)
+    steps[:, 0] = pos.astype(xp.float32)
+    theta = xp.cumprod(steps, axis=1)
+    if factors is not None:
+        theta = theta / _as_f32(xp, factors)[:half]
+    theta = xp.float32(freq_scale) * theta
+    # cos/sin of the f32 angle rounded from f64: glibc's cosf/sinf (the C kernel) differ in the
+    # last bit for ~1 angle in 4000
+    th = theta.astype(xp.float64)
+    return xp.cos(th).astype(xp.float32), xp.sin(th).astype(xp.float32)
+
+
+def _rot(xp: Any, a: Any, b: Any, c: Any, s: Any, sign: float) -> Any:
+    """a*c + sign*(b*s) rounded as ggml's rotate_pairs compiles (-march=native, fp-contract):
+    fma(a, c, sign*(b*s)), the f32 product b*s rounded first (f64 holds a*c exactly)."""
+    return (a.astype(xp.float64) * c + sign * (b * s).astype(xp.float64)).astype(xp.float32)
 
 
 def rope(node: Tensor, s: list[Any], xp: Any) -> Any:
@@ -172,14 +190,14 @@ def rope(node: Tensor, s: list[Any], xp: Any) -> Any:
     if p["mode"] == 0:  # normal: pairs (x[2i], x[2i+1])
         x0 = x[..., 0:n_dims:2]
         x1 = x[..., 1:n_dims:2]
-        out[..., 0:n_dims:2] = x0 * cos - x1 * sin
-        out[..., 1:n_dims:2] = x0 * sin + x1 * cos
+        out[..., 0:n_dims:2] = _rot(xp, x0, x1, cos, sin, -1.0)
+        out[..., 1:n_dims:2] = _rot(xp, x0, x1, sin, cos, 1.0)
     else:  # neox: pairs (x[i], x[i + n_dims/2])
         h = n_dims // 2
         x0 = x[..., :h]
         x1 = x[..., h:n_dims]
-        out[..., :h] = x0 * cos - x1 * sin
-        out[..., h:n_dims] = x0 * sin + x1 * cos
+        out[..., :h] = _rot(xp, x0, x1, cos, sin, -1.0)
+        out[..., h:n_dims] = _rot(xp, x0, x1, sin, cos, 1.0)
     return out
 
 

@@ -114,10 +114,13 @@ def reference_logits(path, tokens: list[int], q8: bool = False) -> np.ndarray:  
         return v / np.sqrt((v * v).mean(-1, keepdims=True) + eps) * g
 
     def rope(v: np.ndarray) -> np.ndarray:  # (T, H, D), pairs (2i, 2i+1)
-        inv = base ** (-np.arange(0, hd, 2) / hd)
+        # the angles as ggml defines them (rope_cache_init): theta_i+1 = theta_i * base^(-2/hd) in
+        # float32 from theta_0 = p, not p * base^(-2i/hd) (they differ by up to ~hd/2 float32 ulps)
+        steps = np.full((n, hd // 2), np.float32(base ** (-2.0 / hd)), np.float32)
+        steps[:, 0] = np.arange(n)
+        ang = np.cumprod(steps, axis=1).astype(np.float64)
         if freqs is not None:
-            inv = inv / freqs
-        ang = np.arange(n)[:, None] * inv[None, :]
+            ang = ang / freqs
         c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
         out = v.copy()
         out[..., 0::2] = v[..., 0::2] * c - v[..., 1::2] * s

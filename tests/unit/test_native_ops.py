@@ -78,18 +78,11 @@ def test_rms_norm_zero_and_nonfinite(lib):
 # ---------------------------------------------------------------------------------------------
 
 
-def _inv_freq(n_dims, base, scale, factors=None):
-    inv = base ** (-2.0 * np.arange(n_dims // 2) / n_dims) * scale  # as cpu_kernels._rope_inv_freq
-    if factors is not None:
-        inv = inv / factors.astype(np.float64)
-    return np.ascontiguousarray(inv, np.float64)
-
-
-def c_rope(lib, x, pos, inv, n_dims, neox):
+def c_rope(lib, x, pos, rc, n_dims, neox):
     T, H, D = x.shape
-    assert x.flags.c_contiguous and pos.dtype == np.int32 and inv.dtype == np.float64
+    assert x.flags.c_contiguous and pos.dtype == np.int32 and rc.dtype == np.float32
     out = np.empty_like(x)
-    lib.lp_rope(_ptr(x), T, H, D, _ptr(pos), _ptr(inv), n_dims, int(neox), _ptr(out))
+    lib.lp_rope(_ptr(x), T, H, D, _ptr(pos), _ptr(rc), n_dims, int(neox), _ptr(out))
     return out
 
 
@@ -104,7 +97,7 @@ def test_rope(lib, mode, D, n_dims):
     node = _node(n_dims=n_dims, freq_base=500000.0, freq_scale=0.25, mode=mode)
     srcs = [x, pos] + ([factors] if factors is not None else [])
     ref = K.rope(node, srcs, np)
-    out = c_rope(lib, x, pos, _inv_freq(n_dims, 500000.0, 0.25, factors), n_dims, mode == 2)
+    out = c_rope(lib, x, pos, K.rope_consts(n_dims, 500000.0, 0.25, factors), n_dims, mode == 2)
     np.testing.assert_allclose(out, ref, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(out[..., n_dims:], x[..., n_dims:])
 
@@ -380,3 +373,52 @@ def test_swiglu_nonfinite(lib):
     with np.errstate(all="ignore"):
         ref = K.glu(None, [gate, up], np)
     np.testing.assert_array_equal(c_swiglu(lib, gate, up), ref)
+
+
+def test_rope_angles_are_ggmls(lib):
+    """The angles as ggml's rope_cache_init rounds them (theta *= powf(base, -2/n_dims) in float32
+    from theta = p), not p * base^(-2i/n_dims): at p = 4095 the two differ by up to ~1e-3 rad."""
+    n_dims, base, T = 64, 100000.0, 3
+    pos = np.array([1, 300, 4095], np.int32)
+    x = np.zeros((T, 1, n_dims), np.float32)
+    x[..., 0::2] = 1.0  # pairs (1, 0): the output is (cos, sin) of each angle
+    out = c_rope(lib, x, pos, K.rope_consts(n_dims, base, 1.0, None), n_dims, False)
+    ts = np.float32(base ** (-2.0 / n_dims))
+    theta = np.cumprod(np.concatenate([pos[:, None].astype(np.float32), np.full((T, n_dims // 2 - 1), ts, np.float32)], 1), 1)
+    np.testing.assert_allclose(out[:, 0, 0::2], np.cos(theta.astype(np.float64)), rtol=0, atol=1.2e-7)
+    np.testing.assert_allclose(out[:, 0, 1::2], np.sin(theta.astype(np.float64)), rtol=0, atol=1.2e-7)
+
+
+def _fma(a, b, c):
+    """fmaf in numpy: the exact product in float64, one rounding to float32 (exact here: the sum
+    of a 48-bit product and a float32 fits in a double for these magnitudes)."""
+    return (np.float64(a) * np.float64(b) + np.float64(c)).astype(np.float32)
+
+
+def _h(hexfloat):
+    return np.float32(float.fromhex(hexfloat))
+
+
+def _ggml_expf_avx512(x):
+    """ggml's __m512 ggml_v_expf (vec.h), element by element (the arguments stay in range)."""
+    r = _h("0x1.8p23")
+    z = _fma(x, _h("0x1.715476p+0"), r)
+    n = z - r
+    b = _fma(-n, _h("0x1.7f7d1cp-20"), _fma(-n, _h("0x1.62e4p-1"), x))
+    u = b * b
+    j = _fma(_fma(_fma(_h("0x1.0e4020p-7"), b, _h("0x1.573e2ep-5")), u,
+                  _fma(_h("0x1.555e66p-3"), b, _h("0x1.fffdb6p-2"))), u,
+             _fma(_h("0x1.ffffecp-1"), b, np.float32(1.0)))
+    return np.ldexp(j, n.astype(np.int32)).astype(np.float32)
+
+
+def test_swiglu_is_ggmls_avx512_silu(lib, request):
+    """On the AVX-512 build SiLU's exp is ggml's __m512 variant (scalef of e^b), which rounds
+    differently from the AVX2 one (e^b - 1, then an fma) in ~10 % of values: equal, bit for bit."""
+    if "avx512" not in request.node.callspec.id:
+        pytest.skip("the AVX-512 variant's rounding")
+    rng = np.random.default_rng(5)
+    g = (rng.standard_normal((2, 64)) * 4).astype(np.float32)
+    u = rng.standard_normal((2, 64)).astype(np.float32)
+    want = g / (np.float32(1.0) + _ggml_expf_avx512(np.float32(0.0) - g)) * u
+    np.testing.assert_array_equal(c_swiglu(lib, g, u), want)

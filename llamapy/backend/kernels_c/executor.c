@@ -90,7 +90,7 @@ void lp_rms_rows(const float *x, int64_t rows, int64_t n, int64_t xs, double eps
 
 /* ops.c: rope over strided rows (the Q/K columns of a fused QKV product) */
 void lp_rope_rows(const float *x, int64_t T, int64_t H, int64_t D, int64_t xs_t, int64_t xs_h, const int32_t *pos,
-                  const double *inv_freq, int64_t n_dims, int neox, float *out);
+                  const float *rc, int64_t n_dims, int neox, float *out);
 
 /* float32 rows of a weight (the f32 tail of a repacked matrix, or an F32 matrix): out[t, j] for
  * j < n_rows, a plain float32 sum (BLAS sums in another order: within float32 noise) */
@@ -233,7 +233,7 @@ EX_API int64_t lp_exec_run(const int64_t *recs, int64_t n_rec, int n_threads) {
             break;
         }
         case EX_ROPE:
-            /* src1 pos (int32), src2 inv_freq (double): [6] T, [7] H, [8] D, [9] token stride,
+            /* src1 pos (int32), src2 rope constants (float, kernels.rope_consts): [6] T, [7] H, [8] D, [9] token stride,
              * [10] head stride, [11] n_dims, [12] neox */
             lp_rope_rows(P(2), I(6), I(7), I(8), I(9), I(10), P(3), P(4), I(11), (int)I(12), P(1));
             break;

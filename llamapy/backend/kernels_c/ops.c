@@ -186,37 +186,40 @@ LP_API void lp_rms_norm(const float *x, int64_t rows, int64_t n, int64_t x_strid
 /* rope                                                                                      */
 
 /* rope over rows with strides: row (t, h) of x starts at x + t * xs_t + h * xs_h (the Q/K columns
- * of a fused QKV product, for the executor); out is contiguous (T, H, D). Shared by lp_rope and
+ * of a fused QKV product, for the executor); out is contiguous (T, H, D). rc: freq_base,
+ * freq_scale, then each pair's rope_freqs divisor (kernels.rope_consts). Rounded as ggml's
+ * rope_cache_init + rotate_pairs, bit for bit: theta_scale = powf(base, -2/n_dims), the angle by
+ * the f32 recurrence theta *= theta_scale (not p * theta_scale^i), cosf/sinf, and the rotation
+ * with one fma each as llama.cpp's -march=native build contracts it. Shared by lp_rope and
  * executor.c (one library: not exported). */
 void lp_rope_rows(const float *x, int64_t T, int64_t H, int64_t D, int64_t xs_t, int64_t xs_h, const int32_t *pos,
-                  const double *inv_freq, int64_t n_dims, int neox, float *out) {
+                  const float *rc, int64_t n_dims, int neox, float *out) {
     const int64_t half = n_dims / 2;
+    const float freq_scale = rc[1], *ff = rc + 2;
+    const float theta_scale = powf(rc[0], -2.0f / (float)n_dims);
     float cs_stack[2 * 256];
     float *cs = half <= 256 ? cs_stack : malloc(2 * (size_t)half * sizeof(float));
     if (!cs) return;
     float *sn = cs + half;
     for (int64_t t = 0; t < T; t++) {
-        const double p = (double)pos[t];
+        float theta = (float)pos[t];
         for (int64_t i = 0; i < half; i++) {
-            const double theta = p * inv_freq[i];
-            cs[i] = (float)cos(theta);
-            sn[i] = (float)sin(theta);
+            const float th = freq_scale * (theta / ff[i]);
+            cs[i] = cosf(th);
+            sn[i] = sinf(th);
+            theta *= theta_scale;
         }
         for (int64_t h = 0; h < H; h++) {
             const float *xr = x + t * xs_t + h * xs_h;
             float *o = out + (t * H + h) * D;
-            if (neox) {
-                for (int64_t i = 0; i < half; i++) {
-                    const float a = xr[i], b = xr[i + half];
-                    o[i] = a * cs[i] - b * sn[i];
-                    o[i + half] = a * sn[i] + b * cs[i];
-                }
-            } else {
-                for (int64_t i = 0; i < half; i++) {
-                    const float a = xr[2 * i], b = xr[2 * i + 1];
-                    o[2 * i] = a * cs[i] - b * sn[i];
-                    o[2 * i + 1] = a * sn[i] + b * cs[i];
-                }
+            /* pairs (i, i + half) for neox, (2i, 2i + 1) otherwise */
+            const int64_t step = neox ? 1 : 2, off = neox ? half : 1;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = xr[i * step], b = xr[i * step + off];
+                const float o0 = fmaf(a, cs[i], -(b * sn[i]));
+                const float o1 = fmaf(a, sn[i], b * cs[i]);
+                o[i * step] = o0;
+                o[i * step + off] = o1;
             }
             if (o != xr)
                 for (int64_t i = 2 * half; i < D; i++) o[i] = xr[i];
@@ -225,9 +228,9 @@ void lp_rope_rows(const float *x, int64_t T, int64_t H, int64_t D, int64_t xs_t,
     if (cs != cs_stack) free(cs);
 }
 
-LP_API void lp_rope(const float *x, int64_t T, int64_t H, int64_t D, const int32_t *pos, const double *inv_freq,
+LP_API void lp_rope(const float *x, int64_t T, int64_t H, int64_t D, const int32_t *pos, const float *rc,
                     int64_t n_dims, int neox, float *out) {
-    lp_rope_rows(x, T, H, D, H * D, D, pos, inv_freq, n_dims, neox, out);
+    lp_rope_rows(x, T, H, D, H * D, D, pos, rc, n_dims, neox, out);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -640,15 +643,47 @@ LP_API void lp_attend_q(const float *q, int64_t T, int64_t H, int64_t D, const v
 /* ---------------------------------------------------------------------------------------- */
 /* swiglu                                                                                    */
 
+/* e^x as ggml's SiLU computes it on an AVX-512 F+DQ build (vec.h ggml_v_expf, the __m512 variant):
+ * the same reduction and polynomial as lp_expf but exp(b) itself, then scaled by 2^n (scalef),
+ * which rounds differently from lp_expf's (exp(b) - 1) * 2^n + 2^n (ggml's AVX2 variant). */
+LP_INLINE float lp_expf_avx512(float x) {
+    const float r = 0x1.8p23f;
+    const float z = fmaf(x, 0x1.715476p+0f, r);
+    const float n = z - r;
+    if (!(fabsf(n) <= 192.0f)) return n != n ? n : (n > 0.0f ? INFINITY : 0.0f); /* nan; out of range */
+    const float b = fmaf(-n, 0x1.7f7d1cp-20f, fmaf(-n, 0x1.62e4p-1f, x));
+    const float u = b * b;
+    const float j = fmaf(fmaf(fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u, fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)), u,
+                         fmaf(0x1.ffffecp-1f, b, 1.0f));
+    /* j * 2^n in two exact-or-once-rounded steps (|n| <= 192: each half a normal power of two),
+     * as scalef rounds: multiplies that vectorize, where ldexpf is a call per value */
+    const int ni = (int)n, n1 = ni / 2, n2 = ni - n1;
+    return j * bits_f32((uint32_t)(n1 + 127) << 23) * bits_f32((uint32_t)(n2 + 127) << 23);
+}
+
+/* SiLU(gate) * up rounded as ggml's ggml_vec_swiglu_f32 on the llama.cpp build for this CPU
+ * (-march=native), bit for bit: x / (1 + e^-x) * g, e^-x by its SIMD exp over whole vectors (16
+ * floats with AVX-512 F+DQ, 8 with AVX2) and by libm's expf on the tail (n % width). */
 LP_API void lp_swiglu(const float *gate, const float *up, int64_t rows, int64_t n, int64_t gate_st, int64_t up_st,
                       float *out) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    const int64_t nv = n / 16 * 16;
+#else
+    const int64_t nv = n / 8 * 8;
+#endif
     for (int64_t r = 0; r < rows; r++) {
         const float *gr = gate + r * gate_st, *ur = up + r * up_st;
         float *o = out + r * n;
-        for (int64_t i = 0; i < n; i++) {
+        for (int64_t i = 0; i < nv; i++) {
             const float g = gr[i];
-            const float e = lp_expf(-(g > -88.0f ? g : -88.0f)); /* nan g: nan out through g */
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+            const float e = lp_expf_avx512(0.0f - g);
+#else
+            /* below -88 libm's expf (its overflow to inf gives -0, as ggml's special case does) */
+            const float e = g > -88.0f ? lp_expf(-g) : expf(-g);
+#endif
             o[i] = g / (1.0f + e) * ur[i];
         }
+        for (int64_t i = nv; i < n; i++) o[i] = gr[i] / (1.0f + expf(-gr[i])) * ur[i];
     }
 }

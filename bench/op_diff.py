@@ -1,0 +1,100 @@
+"""llamapy's C kernels (kernels_c/ops.c: lp_rms_norm, lp_rope, lp_swiglu, lp_attend[_f16]) run on
+llama.cpp's own inputs, from a dump of bench/op_dump.cpp, and compared with llama.cpp's outputs bit
+for bit, op by op and layer by layer (each op on llama.cpp's inputs, so one op's difference does not
+hide the next). A llama-architecture model with normal (not neox) RoPE, as the default SmolLM2.
+
+    python bench/op_diff.py DUMPDIR [--layers 0,1,15] [--rope-base 100000] [--eps 1e-5]
+
+Prints, per op: values whose bits differ, the largest absolute and relative difference. A
+development tool (bench/RESULTS.md, "op by op"), not a test."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from llamapy.backend import kernels as K
+from llamapy.backend import native
+from llamapy.backend.cpu_kernels import _ptr
+
+
+class Dump:
+    """The tensors of one op_dump run, by (name, op, occurrence)."""
+
+    def __init__(self, d: Path) -> None:
+        self.d = d
+        self.rows = [line.rstrip("\n").split("\t") for line in open(d / "index.tsv")]
+
+    def get(self, name: str, op: str, k: int = 0) -> np.ndarray:
+        r = [r for r in self.rows if r[1] == name and r[2] == op][k]
+        ne = [int(x) for x in r[4].split(",")]
+        nb = [int(x) for x in r[5].split(",")]
+        raw = np.fromfile(self.d / f"{r[0]}.bin", np.float32 if r[3] == "f32" else np.float16)
+        # ggml's ne/nb are innermost first: numpy's shape/strides reversed
+        return np.array(np.lib.stride_tricks.as_strided(raw, shape=ne[::-1], strides=nb[::-1]))
+
+    def nth(self, op: str, k: int) -> np.ndarray:
+        r = [r for r in self.rows if r[2] == op][k]
+        return self.get(r[1], op, [x for x in self.rows if x[1] == r[1] and x[2] == op].index(r))
+
+
+def report(name: str, got: np.ndarray, want: np.ndarray) -> None:
+    a = np.ascontiguousarray(got, np.float32).ravel()
+    b = np.ascontiguousarray(want, np.float32).ravel()
+    n = np.count_nonzero(a.view(np.uint32) != b.view(np.uint32))
+    d = float(np.max(np.abs(a - b)))
+    print(f"{name:40s} bits differ {n:7d}/{a.size:7d}  max abs {d:.3e}  rel {d / float(np.max(np.abs(b))):.2e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dump", type=Path)
+    ap.add_argument("--layers", default="0,1")
+    ap.add_argument("--rope-base", type=float, default=100000.0)
+    ap.add_argument("--eps", type=float, default=1e-5)
+    a = ap.parse_args()
+    lib = native.lib()
+    if lib is None:
+        raise SystemExit(f"error: no C kernels: {native.error()}")
+    dp = Dump(a.dump)
+    has_fa = any(r[2] == "FLASH_ATTN_EXT" for r in dp.rows)
+    for il in (int(x) for x in a.layers.split(",")):
+        for which, src in ((0, "embd" if il == 0 else f"l_out-{il - 1}"), (1, f"ffn_inp-{il}")):
+            x = np.ascontiguousarray(dp.get(src, "GET_ROWS" if src == "embd" else "ADD")[0, 0])  # (T, E)
+            out = np.empty_like(x)
+            lib.lp_rms_norm(_ptr(x), x.shape[0], x.shape[1], x.shape[1], a.eps, _ptr(out))
+            report(f"RMS_NORM L{il} ({'attn' if which == 0 else 'ffn'})", out, dp.get(f"norm-{il}", "RMS_NORM", which)[0, 0])
+        for nm in ("Qcur", "Kcur"):
+            x = np.ascontiguousarray(dp.get(f"{nm}-{il}", "RESHAPE")[0])  # (T, H, D)
+            T, H, D = x.shape
+            pos = np.arange(T, dtype=np.int32)
+            out = np.empty_like(x)
+            lib.lp_rope(_ptr(x), T, H, D, _ptr(pos), _ptr(K.rope_consts(D, a.rope_base, 1.0, None)), D, 0, _ptr(out))
+            report(f"ROPE L{il} {nm}", out, dp.get(f"{nm}-{il}", "ROPE")[0])
+        g = np.ascontiguousarray(dp.get(f"ffn_gate-{il}", "MUL_MAT")[0, 0])
+        u = np.ascontiguousarray(dp.get(f"ffn_up-{il}", "MUL_MAT")[0, 0])
+        out = np.empty_like(g)
+        lib.lp_swiglu(_ptr(g), _ptr(u), g.shape[0], g.shape[1], g.shape[1], u.shape[1], _ptr(out))
+        report(f"SWIGLU L{il}", out, dp.get(f"ffn_swiglu-{il}", "SWIGLU")[0, 0])
+        if has_fa:
+            q = np.ascontiguousarray(dp.get(f"Qcur-{il}", "ROPE")[0])  # (T, H, D)
+            T, H, D = q.shape
+            kc = dp.get(f"cache_k_l{il} (view)", "SET_ROWS")[0, 0][:T]  # (T, Hkv*D) f16 cells
+            vc = dp.get(f"cache_v_l{il} (view)", "SET_ROWS")[0, 0][:T]
+            hkv = kc.shape[1] // D
+            k, v = np.ascontiguousarray(kc.reshape(T, hkv, D)), np.ascontiguousarray(vc.reshape(T, hkv, D))
+            mask = np.where(np.arange(T)[None, :] <= np.arange(T)[:, None], 0.0, -np.inf).astype(np.float32)
+            want = dp.nth("FLASH_ATTN_EXT", il).reshape(T, H, D)
+            scale = 1.0 / np.sqrt(D)
+            for label, fn, kk, vv in (("f16 cache (lp_attend_f16)", lib.lp_attend_f16, k, v),
+                                      ("Q in f32 (lp_attend, cache as f32)", lib.lp_attend, k.astype(np.float32),
+                                       v.astype(np.float32))):
+                out = np.empty((T, H, D), np.float32)
+                fn(_ptr(q), T, H, D, _ptr(kk), _ptr(vv), T, hkv, D, hkv * D, D, hkv * D, D, _ptr(mask), T, scale, _ptr(out))
+                report(f"FLASH_ATTN_EXT L{il} {label}", out, want)
+
+
+if __name__ == "__main__":
+    main()

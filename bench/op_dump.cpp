@@ -1,0 +1,89 @@
+// op_dump: every graph tensor of one llama_decode, written as raw bytes plus an index, for
+// bench/op_diff.py (which runs llamapy's kernels on these inputs and compares bit for bit).
+// The counterpart of llama.cpp's examples/eval-callback, which prints only a few values.
+//
+// Build against the static libraries `bench/llama_cpp.py build` leaves (B: its build folder,
+// L: the llama.cpp sources):
+//   c++ -O2 -I$L/include -I$L/ggml/include bench/op_dump.cpp -o op_dump $B/src/libllama.a
+//       $B/ggml/src/libggml.a $B/ggml/src/libggml-cpu.a $B/ggml/src/libggml-base.a -ldl -lm -fopenmp -lpthread
+// Run: op_dump MODEL OUTDIR FLASH_ATTN(0|1) CACHE(f16|f32) N_UBATCH TOKEN...   (-t 1, n_ctx 256)
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "llama.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+struct dump_state {
+    std::string dir;
+    int n = 0;
+    FILE * index = nullptr;
+};
+
+static bool on_tensor(struct ggml_tensor * t, bool ask, void * user) {
+    auto * st = (dump_state *) user;
+    if (ask) {
+        return true;  // every tensor
+    }
+    const size_t nbytes = ggml_nbytes(t);
+    std::vector<char> buf(nbytes);
+    ggml_backend_tensor_get(t, buf.data(), 0, nbytes);
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%04d.bin", st->dir.c_str(), st->n);
+    FILE * f = fopen(path, "wb");
+    fwrite(buf.data(), 1, nbytes, f);
+    fclose(f);
+    // index: number, name, op, type, ne0..3, nb0..3, src0 name, src1 name
+    fprintf(st->index, "%04d\t%s\t%s\t%s\t%lld,%lld,%lld,%lld\t%zu,%zu,%zu,%zu\t%s\t%s\n", st->n, t->name, ggml_op_desc(t),
+            ggml_type_name(t->type), (long long) t->ne[0], (long long) t->ne[1], (long long) t->ne[2],
+            (long long) t->ne[3], t->nb[0], t->nb[1], t->nb[2], t->nb[3], t->src[0] ? t->src[0]->name : "-",
+            t->src[1] ? t->src[1]->name : "-");
+    st->n++;
+    return true;
+}
+
+int main(int argc, char ** argv) {
+    if (argc < 7) {
+        fprintf(stderr, "usage: %s MODEL OUTDIR FLASH_ATTN(0|1) CACHE(f16|f32) N_UBATCH TOKEN...\n", argv[0]);
+        return 2;
+    }
+    dump_state st;
+    st.dir = argv[2];
+    std::vector<llama_token> tokens;
+    for (int i = 6; i < argc; i++) {
+        tokens.push_back(atoi(argv[i]));
+    }
+    st.index = fopen((st.dir + "/index.tsv").c_str(), "w");
+    if (!st.index) {
+        fprintf(stderr, "cannot write %s/index.tsv\n", argv[2]);
+        return 1;
+    }
+    llama_backend_init();
+    llama_model_params mp = llama_model_default_params();
+    mp.n_gpu_layers = 0;
+    llama_model * model = llama_model_load_from_file(argv[1], mp);
+    if (!model) {
+        return 1;
+    }
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = 256;
+    cp.n_batch = 256;
+    cp.n_ubatch = atoi(argv[5]);
+    cp.n_threads = cp.n_threads_batch = 1;
+    cp.flash_attn_type = atoi(argv[3]) ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    cp.type_k = cp.type_v = strcmp(argv[4], "f32") == 0 ? GGML_TYPE_F32 : GGML_TYPE_F16;
+    cp.cb_eval = on_tensor;
+    cp.cb_eval_user_data = &st;
+    llama_context * ctx = llama_init_from_model(model, cp);
+    if (llama_decode(ctx, llama_batch_get_one(tokens.data(), (int32_t) tokens.size()))) {
+        fprintf(stderr, "decode failed\n");
+        return 1;
+    }
+    fclose(st.index);
+    llama_free(ctx);
+    llama_model_free(model);
+    return 0;
+}

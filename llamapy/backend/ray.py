@@ -25,8 +25,10 @@ Each device is one actor pinned to its node (node affinity), holding that device
 - **faults**: every wait has a timeout (`LLAMAPY_RAY_TIMEOUT`, seconds, default 120); a timeout or
   a lost node raises LlamapyError naming the device.
 
-The actor computes with the CPU backend of its node (backend/cpu.py, its compiled executor plans
-included), so a remote split gives the same numbers as that split run locally.
+The actor (llamapy/ray_node.py, llama.cpp's rpc-server: it sits above the backends, reading the
+GGUF and planning arenas as a context does) computes with the CPU backend of its node
+(backend/cpu.py, its compiled executor plans included), so a remote split gives the same numbers
+as that split run locally. The registry's entry point is ray_node.registry.
 
 Trust: Ray moves pickled objects between its processes, so a Ray cluster must be trusted as a
 whole (enable Ray's token authentication: docs/ray.md). What llamapy itself sends is data only.
@@ -36,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -213,189 +214,6 @@ def build_graph(
             raise ValueError("bad export index")
         out.append(nodes[i])
     return nodes, inputs, out
-
-
-# -- the actor (runs on its node) ------------------------------------------------------------
-
-
-def _cache_dir() -> Path:
-    """Where a node keeps model files it was sent: $LLAMAPY_RAY_CACHE (read on the node), else
-    $LLAMAPY_CACHE/ray-models (~/.cache/llamapy/ray-models)."""
-    from ..types import cache_dir
-
-    env = os.environ.get("LLAMAPY_RAY_CACHE")
-    return Path(env).expanduser() if env else cache_dir() / "ray-models"
-
-
-class DeviceActor:
-    """Holds one device's tensors on its node and runs the splits placed there."""
-
-    def __init__(self) -> None:
-        from .cpu import CPU_BUFT, CPUDevice
-
-        self.buft = CPU_BUFT
-        self.backend = CPUDevice().init_backend()
-        # every core of the node, as a local run: Ray starts workers with OMP_NUM_THREADS=1,
-        # and BLAS sums (attention's products) in another order with another thread count
-        self.backend.set_n_threads(0)
-        self.tensors: dict[int, Tensor] = {}
-        self.buffers: dict[int, tuple[Buffer, list[int]]] = {}
-        self.graphs: dict[int, tuple[list[Tensor], list[Tensor], list[Tensor], Any]] = {}
-        self.graph_leaves: dict[int, set[int]] = {}  # graph id -> the kept tensors it reads
-        self.files: dict[str, Any] = {}  # content key -> open GGUFFile
-        self.incoming: dict[str, Any] = {}  # content key -> file being received
-
-    def info(self) -> dict[str, Any]:
-        from . import hostmem
-
-        free, total = hostmem.host_memory()
-        return {"host": socket.gethostname(), "pid": os.getpid(), "free": free, "total": total}
-
-    # weights ----------------------------------------------------------------------------
-
-    def _open(self, path: str, key: str, size: int) -> Any:
-        """The GGUF at `path` if it is the driver's file (same size and content key), else
-        the copy cached here by content key, else None."""
-        from ..model.gguf import GGUFFile
-
-        if key in self.files:
-            return self.files[key]
-        for p in (Path(path), _cache_dir() / f"{key}.gguf"):
-            try:
-                if not p.is_file() or p.stat().st_size != size:
-                    continue
-                gf = GGUFFile(p)
-            except Exception:  # noqa: BLE001 - an unreadable file counts as absent
-                continue
-            if gf.content_key() == key:
-                self.files[key] = gf
-                return gf
-            gf.close()
-        return None
-
-    def has_file(self, path: str, key: str, size: int) -> bool:
-        return self._open(path, key, size) is not None
-
-    def receive(self, key: str, offset: int, data: bytes, size: int) -> None:
-        """A chunk of a model file this node lacks; written under a temporary name."""
-        if not isinstance(key, str) or not key.isalnum():
-            raise ValueError("bad content key")
-        d = _cache_dir()
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f"{key}.gguf.part"
-        f = self.incoming.get(key)
-        if f is None:
-            f = self.incoming[key] = open(tmp, "wb")  # noqa: SIM115 - closed by `received`
-            f.truncate(size)
-        f.seek(offset)
-        f.write(data)
-
-    def received(self, key: str, path: str, size: int) -> bool:
-        f = self.incoming.pop(key)
-        f.close()
-        d = _cache_dir()
-        os.replace(d / f"{key}.gguf.part", d / f"{key}.gguf")
-        return self._open(path, key, size) is not None
-
-    def load(self, bid: int, path: str, key: str, size: int, label: str, cpu_matmul: str,
-             specs: list[tuple[Any, ...]]) -> int:
-        """Allocate buffer `bid` and set each (tid, name, shape, type, ranges) from the file's
-        byte ranges [(offset, nbytes), …]. Returns the bytes set."""
-        from ..model.loader import ConcatRows
-        from ..types import row_nbytes
-
-        gf = self._open(path, key, size)
-        if gf is None:
-            raise FileNotFoundError(f"{path}: not on this node, and no copy with content key {key}")
-        self.backend.set_cpu_matmul(cpu_matmul)  # the context's mode (an unknown one raises)
-        tensors = []
-        for tid, name, shape, tname, ranges in specs:
-            t = Tensor(str(name), _check_shape(shape), _check_type(tname), flags=TensorFlag.WEIGHT)
-            tensors.append((tid, t, ranges))
-        buf = self.buft.alloc_buffer(sum(self.buft.alloc_size(t) for _, t, _ in tensors), BufferUsage.WEIGHTS)
-        buf.use_cache(key, label, cpu_matmul)
-        total = 0
-        for tid, t, ranges in tensors:
-            row = row_nbytes(t.type, t.shape[-1])
-            parts = []
-            for off, n in ranges:
-                if not (0 <= off and 0 < n and off + n <= gf.size):
-                    raise ValueError(f"{t.name}: byte range outside the file")
-                parts.append(np.frombuffer(gf._buf, np.uint8, count=n, offset=off).reshape(-1, row))
-            if sum(p.nbytes for p in parts) != t.nbytes:
-                raise ValueError(f"{t.name}: {sum(p.nbytes for p in parts)} bytes for a {t.nbytes}-byte tensor")
-            buf.alloc_tensor(t)
-            buf.set(t, parts[0] if len(parts) == 1 else ConcatRows(parts))  # type: ignore[arg-type]
-            self.tensors[tid] = t
-            total += t.nbytes
-        buf.finish_loading()
-        self.buffers[bid] = (buf, [tid for tid, _, _ in tensors])
-        return total
-
-    def zeros(self, bid: int, specs: list[tuple[Any, ...]]) -> None:
-        """Buffer `bid` of zero-filled mutable tensors (the KV cache)."""
-        tensors = []
-        for tid, name, shape, tname, params in specs:
-            tensors.append((tid, Tensor(str(name), _check_shape(shape), _check_type(tname), params=_check_params(params))))
-        buf = self.buft.alloc_buffer(sum(self.buft.alloc_size(t) for _, t in tensors), BufferUsage.ANY)
-        for tid, t in tensors:
-            buf.alloc_tensor(t)
-            buf.zeros(t)
-            self.tensors[tid] = t
-        self.buffers[bid] = (buf, [tid for tid, _ in tensors])
-
-    def clear(self, bid: int, value: float) -> None:
-        self.buffers[bid][0].clear(float(value))
-
-    def get(self, tid: int) -> np.ndarray:
-        t = self.tensors[tid]
-        return t.buffer.get(t)  # type: ignore[union-attr]
-
-    def free(self, bid: int) -> None:
-        entry = self.buffers.pop(bid, None)
-        if entry is None:
-            return
-        buf, tids = entry
-        for tid in tids:
-            self.tensors.pop(tid, None)
-        gone = set(tids)
-        for gid in [g for g, used in self.graph_leaves.items() if used & gone]:
-            del self.graphs[gid], self.graph_leaves[gid]  # their plans hold the freed values
-        buf.free()
-
-    # graphs -----------------------------------------------------------------------------
-
-    def create(self, gid: int, recs: Any, in_recs: Any, leaf_recs: Any, exports: Any) -> None:
-        from ..sched.alloc import plan_offsets
-
-        nodes, inputs, outs = build_graph(recs, in_recs, leaf_recs, self.tensors, len(exports), exports)
-        plan = self.backend.graph_plan_create(nodes, outs, plan_offsets)
-        self.graphs[gid] = (nodes, inputs, outs, plan)
-        self.graph_leaves[gid] = {r[0] for r in leaf_recs}
-
-    def run(self, gid: int, picks: Sequence[int], *values: Any) -> tuple[np.ndarray, ...]:
-        """Run graph `gid`. values[k] is input k, or (picks[k] >= 0) a tuple of arrays (another
-        remote split's results, resolved by Ray from its reference) of which element picks[k]."""
-        nodes, inputs, outs, plan = self.graphs[gid]
-        if len(values) != len(inputs):
-            raise ValueError(f"graph {gid}: {len(values)} inputs for {len(inputs)}")
-        env: dict[Tensor, Any] = {}
-        for t, v, pick in zip(inputs, values, picks):
-            a = v[pick] if pick >= 0 else v
-            if not isinstance(a, np.ndarray) or a.size != t.n_elements:
-                raise ValueError(f"input {t.name}: {getattr(a, 'shape', type(a).__name__)} for {list(t.shape)}")
-            env[t] = a.reshape(t.shape) if a.shape != t.shape else a
-        if plan:
-            self.backend.graph_plan_compute(plan, env)
-        else:
-            self.backend.compute(nodes, env)
-        return tuple(np.ascontiguousarray(env[o]) for o in outs)
-
-    def set_n_threads(self, n: int) -> None:
-        self.backend.set_n_threads(max(int(n), 0))
-
-    def ping(self) -> bool:
-        return True
 
 
 # -- the driver side -------------------------------------------------------------------------
@@ -698,8 +516,9 @@ class RayDevice(Device):
 
     type = DeviceType.GPU
 
-    def __init__(self, name: str, node_id: str, host: str, free: int, total: int) -> None:
+    def __init__(self, name: str, node_id: str, host: str, free: int, total: int, actor_cls: type) -> None:
         self.name = name
+        self.actor_cls = actor_cls  # the node side (llamapy/ray_node.py's DeviceActor)
         self.node_id = node_id
         self.host = host
         self.free0, self.total = free, total
@@ -716,7 +535,7 @@ class RayDevice(Device):
             ray = _ray()
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            cls = ray.remote(DeviceActor)
+            cls = ray.remote(self.actor_cls)
             self._actor = cls.options(
                 num_cpus=0,
                 max_restarts=0,
@@ -800,8 +619,10 @@ def _quiet_driver() -> None:
         worker.listen_error_messages = lambda *a, **k: None
 
 
-def connect(address: str) -> list[RayDevice]:
-    """Join the cluster at `address` and make one device per node offering `llamapy`."""
+def connect(address: str, actor_cls: type) -> list[RayDevice]:
+    """Join the cluster at `address` and make one device per node offering `llamapy`, each run
+    by an actor of `actor_cls` on its node (ray_node.DeviceActor: the node side lives above the
+    backends, since it loads GGUF files and plans arenas as a context does)."""
     # Ray's token authentication (Ray >= 2.52), on unless RAY_AUTH_MODE says otherwise: the
     # token is RAY_AUTH_TOKEN, or the file RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token, as for
     # `ray start` (Ray reads it from this process's environment when imported, hence set here)
@@ -835,7 +656,7 @@ def connect(address: str) -> list[RayDevice]:
         if outcome[0] is not None:
             raise LlamapyError(f"--ray {address}: cannot connect: {_error_line(outcome[0])}")
     nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(RESOURCE, 0) > 0]
-    cands = [RayDevice(f"RAY{i}", n["NodeID"], n.get("NodeManagerAddress", "?"), 0, 0) for i, n in enumerate(nodes)]
+    cands = [RayDevice(f"RAY{i}", n["NodeID"], n.get("NodeManagerAddress", "?"), 0, 0, actor_cls) for i, n in enumerate(nodes)]
     # each node says its own memory (its actor's first call; they start in parallel). A node
     # that died before the cluster noticed is still listed alive: its actor never starts, and
     # it is left out rather than failing the others
@@ -855,14 +676,3 @@ def connect(address: str) -> list[RayDevice]:
         d.total = int(info["total"])
         devs.append(d)
     return devs
-
-
-def registry() -> Registry:
-    """Entry point: the RAY registry when LLAMAPY_RAY names a cluster (else none, hidden)."""
-    address = os.environ.get(ENV_ADDRESS, "").strip()
-    if not address:
-        return RayRegistry([])
-    devs = connect(address)
-    if not devs:
-        raise LlamapyError(f"--ray {address}: no alive node offers the resource {RESOURCE!r}")
-    return RayRegistry(devs)  # type: ignore[arg-type]

@@ -19,7 +19,7 @@ from .interface import Device, Registry
 # name -> "module:function"; the order is the priority order of registration
 BUILTINS: dict[str, str] = {
     "cuda": "llamapy.backend.cuda:registry",
-    "ray": "llamapy.backend.ray:registry",
+    "ray": "llamapy.ray_node:registry",
     "test": "llamapy.backend.testgpu:registry",
     "blas": "llamapy.backend.blas:registry",
     "cpu": "llamapy.backend.cpu:registry",

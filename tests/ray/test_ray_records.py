@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from llamapy import ops
+from llamapy import ray_node
 from llamapy.backend import ray as rb
 from llamapy.tensor import Op, Tensor, TensorFlag
 from llamapy.types import GGMLType, LlamapyError
@@ -83,7 +84,7 @@ class _Handle:
     """A stand-in for an actor handle: `handle.method.remote(*args)` runs it here."""
 
     def __init__(self) -> None:
-        self.actor = rb.DeviceActor()
+        self.actor = ray_node.DeviceActor()
 
     def __getattr__(self, name: str) -> Any:
         f = getattr(self.actor, name)
@@ -98,10 +99,10 @@ class _Handle:
 
 
 def _local_devices(monkeypatch: pytest.MonkeyPatch, results: dict[str, Any] | None = None) -> None:
-    def connect(address: str) -> list[rb.RayDevice]:
+    def connect(address: str, actor_cls: type) -> list[rb.RayDevice]:
         devs = []
         for i in range(2):
-            d = rb.RayDevice(f"RAY{i}", f"node{i}", "here", 1 << 34, 1 << 34)
+            d = rb.RayDevice(f"RAY{i}", f"node{i}", "here", 1 << 34, 1 << 34, ray_node.DeviceActor)
             d._actor = _Handle()
             devs.append(d)
         return devs
@@ -139,7 +140,7 @@ def test_in_process_actors_give_the_cpu_logits(monkeypatch: pytest.MonkeyPatch, 
 
 
 def test_the_driver_validates_what_a_device_returns() -> None:
-    dev = rb.RayDevice("RAY0", "node0", "here", 1 << 20, 1 << 20)
+    dev = rb.RayDevice("RAY0", "node0", "here", 1 << 20, 1 << 20, ray_node.DeviceActor)
     t = Tensor("x", (2, 3), GGMLType.F32)
     for bad in (np.zeros((3, 2), np.float32), np.zeros((2, 3), np.float64), "not an array"):
         res = rb._Result(dev, None)

@@ -217,18 +217,27 @@ def _rows() -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("row", _rows(), ids=lambda r: f"{Path(r['text']).stem}-c{r['ctx']}x{r['chunks']}")
-def test_perplexity_table(row: dict, default_model: Path) -> None:
+@pytest.mark.parametrize(("cpu_matmul", "col", "rel"), [("f32", "f32", 0.003), ("q8", "q41", 0.01)])
+def test_perplexity_table(row: dict, cpu_matmul: str, col: str, rel: float, default_model: Path) -> None:
+    """Float32 activations against llama.cpp's run of the exactly dequantized F32 weights (0.3 %);
+    the default 8-bit activations against its run of the Q4_1 file itself, within llama.cpp's own
+    spread: any change of summation order flips some activation roundings, and over a few hundred
+    scored tokens that moves the PPL. llama-perplexity on tempest -c 128 x3 (192 tokens scored),
+    -t 2, AMD EPYC AVX-512, 2026-12-02: -ub 512 30.9135, -ub 1 30.9383, -fa off -ctk f32 -ctv f32
+    31.0609; the shared table's Q4_1 run (Intel host) 30.9952; llamapy 30.7360. The mean KLD
+    against llama.cpp's logits (test_kld_*) is the finer check of the same numerics."""
     n_ctx = row["ctx"]
     n_seq, n_kv, n_batch = plan_context(n_ctx, 2048)
-    co = ContextOptions(n_ctx=n_kv, n_batch=n_batch, n_ubatch=512)
+    co = ContextOptions(n_ctx=n_kv, n_batch=n_batch, n_ubatch=512, cpu_matmul=cpu_matmul)
     with Llama(default_model, context_options=co) as llm:
         tokens = llm.tokenize((SHARED / row["text"]).read_text(encoding="utf-8"))
         est: PerplexityEstimate | None = None
         for _, est in evaluate_perplexity(llm.ctx, tokens, n_ctx, row["chunks"], n_batch):
             pass
     assert est is not None and len(est.history) == row["chunks"]
-    print(f"{row['text']} c{n_ctx}x{row['chunks']}: PPL {est.ppl:.4f} +/- {est.error:.5f} (llama.cpp f32 {row['f32']})")
-    assert est.ppl == pytest.approx(row["f32"], rel=0.003)
-    if "f32_err" in row:
-        assert est.error == pytest.approx(row["f32_err"], rel=0.02)
+    print(f"{row['text']} c{n_ctx}x{row['chunks']} {cpu_matmul}: PPL {est.ppl:.4f} +/- {est.error:.5f} "
+          f"(llama.cpp {col} {row[col]})")  # fmt: skip
+    assert est.ppl == pytest.approx(row[col], rel=rel)
+    if f"{col}_err" in row:
+        assert est.error == pytest.approx(row[f"{col}_err"], rel=0.02)
     assert np.isfinite(est.error)

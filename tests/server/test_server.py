@@ -417,21 +417,21 @@ def test_default_model_greedy_matches_run_and_chats(default_model: Path, tmp_pat
     prompt = "The capital of France is"
     run = subprocess.run(
         [sys.executable, "-m", "llamapy", "run", str(default_model), "-p", prompt, "-n", "24", "--temp", "0",
-         "-c", "512", "--no-warmup", "--f32-activations"],
+         "-c", "512", "--no-warmup"],
         cwd=REPO, capture_output=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr.decode()
-    # float32 activations: with 8-bit ones a request's greedy text may change with what runs beside
-    # it (prompt attention sums over cells other sequences hold, masked, and the 8-bit rounding
-    # amplifies that change of order), as llama.cpp's server warns of batching and cache_prompt
-    s = Server(default_model, ["-np", "2", "-c", "512", "--f32-activations"], tmp_path / "server.log", ready_s=600)
+    # the default 8-bit activations: a token's MUL_MATs and attention give the same bits alone or
+    # in any batch, wherever its sequence's cells lie in the cache (kernels_c: lp_gemm_*, ops.c)
+    s = Server(default_model, ["-np", "2", "-c", "512"], tmp_path / "server.log", ready_s=600)
     try:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=600)
         text = c.completions.create(model="x", prompt=prompt, max_tokens=24, temperature=0).choices[0].text
         assert run.stdout.decode() == text + ("" if text.endswith("\n") else "\n")
         msgs = [{"role": "user", "content": "What is the capital of France?"}]
-        # no prompt cache: a cache hit re-evaluates only the prompt's last token, a smaller batch
-        # than the whole prompt's; what is compared here is concurrency alone
+        # no prompt cache: with it some texts still differ (bench/serve_load.py: 6 of 16, not yet
+        # traced; a candidate: a reused slot's cells need not stay in position order, and
+        # attention sums in cell order); what is compared here is concurrency alone
         nocache = {"cache_prompt": False}
         alone = c.chat.completions.create(model="x", messages=msgs, max_tokens=16, temperature=0, extra_body=nocache)
         assert alone.choices[0].message.content.strip()

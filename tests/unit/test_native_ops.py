@@ -345,6 +345,33 @@ def test_attend_query_independent_of_batch(lib, dtype):
         np.testing.assert_array_equal(c_attend(lib, q[t : t + 1], k, v, padded[t : t + 1], 0.125, 2), alone)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_attend_query_independent_of_cell_placement(lib, dtype):
+    """A sequence's queries give the same bits whether its cells are contiguous (it ran alone) or
+    interleaved with other sequences' cells (slots decoding together in the unified cache): a
+    row's softmax depends only on its visible cells in cell order, never on block boundaries."""
+    rng = np.random.default_rng(23)
+    Hkv, g, D, n, T = 3, 3, 64, 150, 6
+    q = rng.standard_normal((T, Hkv * g, D)).astype(np.float32)
+    ks = (rng.standard_normal((n, Hkv, D)) * 3).astype(dtype)  # large scores: the max matters
+    vs = rng.standard_normal((n, Hkv, D)).astype(dtype)
+
+    def placed(stride: int, offset: int, threads: int) -> np.ndarray:
+        N = n * stride + offset
+        k = rng.standard_normal((N, Hkv, D)).astype(dtype)  # other sequences' cells
+        v = rng.standard_normal((N, Hkv, D)).astype(dtype)
+        mask = np.full((T, N), -np.inf, np.float32)
+        cells = np.arange(n) * stride + offset
+        k[cells], v[cells] = ks, vs
+        for t in range(T):  # causal: query t sees the first n - T + 1 + t of its cells
+            mask[t, cells[: n - T + 1 + t]] = 0.0
+        return c_attend(lib, q, k, v, mask, 0.125, threads)
+
+    alone = placed(1, 0, 1)
+    for stride, offset, threads in ((4, 0, 1), (4, 3, 2), (3, 70, 1), (2, 1, 3)):
+        np.testing.assert_array_equal(placed(stride, offset, threads), alone)
+
+
 # ---------------------------------------------------------------------------------------------
 
 

@@ -333,7 +333,7 @@ LP_INLINE void v_accumulate(float *restrict a, const float *restrict w, int64_t 
             if (w[c] != 0.0f) a[i0] = lp_fmaf(w[c], v0[c * vs + i0], a[i0]);
 }
 
-#define ATT_BLOCK 64  /* KV cells per step of the online softmax (a multiple of ATT_VGROUP and of 8) */
+#define ATT_BLOCK 64  /* KV cells per step of the score pass (a multiple of ATT_VGROUP and of 8) */
 #define ATT_VGROUP 16 /* KV cells per step of the V sums */
 #define ATT_ROWS 32   /* query rows (tokens x the heads of a KV group) per work unit, at least */
 
@@ -363,10 +363,12 @@ typedef struct {
     int kt, vt;
 } att_args;
 
-/* One worker's scratch, in floats: the unit's Q rows (R x D), scores (R x ATT_BLOCK), V sums
- * (R x Dv), running max and sum (R each), one K group of 8 rows and one V group widened to f32. */
-LP_INLINE size_t att_scratch_floats(int64_t R, int64_t D, int64_t Dv) {
-    return (size_t)(R * (D + ATT_BLOCK + Dv + 3) + 8 * D + ATT_VGROUP * Dv);
+/* One worker's scratch, in floats: the unit's Q rows (R x D), the scores of every cell it may see
+ * (R x span, span: N rounded up to whole ATT_BLOCKs, plus one), V sums (R x Dv), max and sum (R
+ * each), one K group of 8 rows and one V group widened to f32. */
+LP_INLINE int64_t att_span(int64_t N) { return (N + ATT_BLOCK - 1) / ATT_BLOCK * ATT_BLOCK + ATT_BLOCK; }
+LP_INLINE size_t att_scratch_floats(int64_t R, int64_t D, int64_t Dv, int64_t N) {
+    return (size_t)(R * (D + att_span(N) + Dv + 3) + 8 * D + ATT_VGROUP * Dv);
 }
 
 /* the dot product of dot8's lanes, for one K row: the same operations in the same order, so a
@@ -381,18 +383,20 @@ LP_INLINE float dot1(const float *restrict q, const float *restrict k, int64_t D
 }
 
 /* One work unit: KV head kh and the query tokens [t0, t1), i.e. R = (t1-t0)*g rows (row r: token
- * t0 + r/g, query head kh*g + r%g) over the cells [lo, hi) that any of them sees. The cells are
- * walked in blocks of ATT_BLOCK aligned on absolute cell indices, each block as ATT_BLOCK slots
- * (cells beyond N are -inf), so every row's arithmetic depends only on its own scores: a block
- * where a row sees nothing changes nothing for it (max -inf, weights exactly 0, sums += 0, V rows
- * of weight 0 not read), and its visible cells are summed in cell order. Hence a query's output
- * is the same whatever else is in the batch, whatever N (padding) and whatever the thread count.
- * K rows are read (widened) once per group of 8 cells for all R rows of the unit. */
+ * t0 + r/g, query head kh*g + r%g) over the cells [lo, hi) that any of them sees. Three passes, so
+ * that a row's result depends only on its own visible cells, in cell order — not on what else is
+ * in the batch, on N (padding), on the thread count, nor on where its cells lie in the cache (a
+ * sequence's cells are contiguous when it runs alone and interleaved with other slots' when they
+ * run together): (1) every score, each row's max over what it sees; (2) weights exp(s - max)
+ * (masked cells: exactly 0) and their sum over the cells of non-zero weight in order; (3) V sums
+ * over the same cells in cell order. (An online softmax would rescale at block boundaries, which
+ * fall differently on a sequence's cells as their placement changes.) K rows are read (widened)
+ * once per group of 8 cells for all R rows of the unit, V rows once per group of cells. */
 static void attend_unit(const att_args *a, int64_t kh, int64_t t0, int64_t t1, int64_t lo, int64_t hi,
                         float *restrict buf) {
-    const int64_t g = a->g, R = (t1 - t0) * g, D = a->D, Dv = a->Dv, H = a->H, N = a->N;
+    const int64_t g = a->g, R = (t1 - t0) * g, D = a->D, Dv = a->Dv, H = a->H, N = a->N, span = att_span(N);
     const int kt = a->kt, vt = a->vt;
-    float *restrict qs = buf, *restrict sc = qs + R * D, *restrict acc = sc + R * ATT_BLOCK;
+    float *restrict qs = buf, *restrict sc = qs + R * D, *restrict acc = sc + R * span;
     float *restrict m = acc + R * Dv, *restrict l = m + R, *restrict nan_seen = l + R;
     float *restrict kf = nan_seen + R, *restrict vf = kf + 8 * D;
     /* q rows (f16-rounded for an f16 K, as llama.cpp's q_to_vec_dot; Q8_0-rounded for a
@@ -413,25 +417,23 @@ static void attend_unit(const att_args *a, int64_t kh, int64_t t0, int64_t t1, i
     const int64_t mask_st = a->mask_st, Tu = t1 - t0;
     const float minf = -INFINITY, scale = a->scale;
     const float *kb = (const float *)a->k + kh * a->k_sh, *vb = (const float *)a->v + kh * a->v_sh; /* f32 only */
+    const int64_t base = lo / ATT_BLOCK * ATT_BLOCK, end = hi < N ? hi : N; /* cells [base, end) */
     unsigned char live[ATT_BLOCK];
-    for (int64_t b0 = lo / ATT_BLOCK * ATT_BLOCK; b0 < hi; b0 += ATT_BLOCK) {
-        const int64_t nb = N - b0 < ATT_BLOCK ? N - b0 : ATT_BLOCK; /* cells that exist */
-        int any = 0;
+    /* (1) scores: groups of 8 cells, each K row read once for the unit's R rows */
+    for (int64_t b0 = base; b0 < end; b0 += ATT_BLOCK) {
+        const int64_t nb = end - b0 < ATT_BLOCK ? end - b0 : ATT_BLOCK;
         for (int64_t c = 0; c < nb; c++) {
             int lv = 0;
             for (int64_t t = 0; t < Tu; t++) lv |= mask[t * mask_st + b0 + c] != minf;
             live[c] = (unsigned char)lv;
-            any |= lv;
         }
-        if (!any) continue;
-        /* scores: groups of 8 cells, each K row read once for the unit's R rows */
         int64_t c = 0;
         for (; c + 8 <= nb; c += 8) {
             int lv8 = 0;
             for (int u = 0; u < 8; u++) lv8 |= live[c + u];
             if (!lv8) {
                 for (int64_t r = 0; r < R; r++)
-                    for (int u = 0; u < 8; u++) sc[r * ATT_BLOCK + c + u] = minf;
+                    for (int u = 0; u < 8; u++) sc[r * span + b0 - base + c + u] = minf;
                 continue;
             }
             const float *k0;
@@ -445,12 +447,12 @@ static void attend_unit(const att_args *a, int64_t kh, int64_t t0, int64_t t1, i
             for (int64_t r = 0; r < R; r++) {
                 const v8f d = dot8(qs + r * D, k0, ks, D);
                 const v8f mv = v8_load(mask + (r / g) * mask_st + b0 + c);
-                v8_store(sc + r * ATT_BLOCK + c, v8_select(mv == v8_splat(minf), mv, d * v8_splat(scale) + mv));
+                v8_store(sc + r * span + b0 - base + c, v8_select(mv == v8_splat(minf), mv, d * v8_splat(scale) + mv));
             }
         }
         for (; c < nb; c++) {
             if (!live[c]) {
-                for (int64_t r = 0; r < R; r++) sc[r * ATT_BLOCK + c] = minf;
+                for (int64_t r = 0; r < R; r++) sc[r * span + b0 - base + c] = minf;
                 continue;
             }
             const float *kr;
@@ -462,68 +464,70 @@ static void attend_unit(const att_args *a, int64_t kh, int64_t t0, int64_t t1, i
             }
             for (int64_t r = 0; r < R; r++) {
                 const float mv = mask[(r / g) * mask_st + b0 + c];
-                sc[r * ATT_BLOCK + c] = mv == minf ? minf : dot1(qs + r * D, kr, D) * scale + mv;
+                sc[r * span + b0 - base + c] = mv == minf ? minf : dot1(qs + r * D, kr, D) * scale + mv;
             }
         }
-        for (; c < ATT_BLOCK; c++) /* beyond N: slots of weight 0 */
-            for (int64_t r = 0; r < R; r++) sc[r * ATT_BLOCK + c] = minf;
-        /* softmax weights, rescaling what was accumulated when the running max grows */
-        int any_w = 0;
-        for (int64_t r = 0; r < R; r++) {
-            float *s = sc + r * ATT_BLOCK;
-            /* the block's max; nan is skipped here and reaches l and acc through its weight */
-            v8f bm8 = v8_splat(minf);
-            v8i nan8 = {0};
-            for (int64_t i = 0; i < ATT_BLOCK; i += 8) {
-                const v8f x = v8_load(s + i);
-                bm8 = v8_select(x > bm8, x, bm8);
-                nan8 |= x != x;
-            }
-            float bm = minf;
-            int nan = 0;
-            for (int u = 0; u < 8; u++) bm = bm8[u] > bm ? bm8[u] : bm, nan |= nan8[u] != 0;
-            if (nan) nan_seen[r] = 1.0f;
-            if (bm > m[r]) {
-                const float corr = lp_expf(m[r] - bm); /* m = -inf: 0, nothing accumulated yet */
-                float *ar = acc + r * Dv;
-                for (int64_t j = 0; j < Dv; j++) ar[j] *= corr;
-                l[r] *= corr;
-                m[r] = bm;
-            }
-            if (m[r] == minf) { /* nothing visible yet (or nan scores only): weights 0 */
-                for (int64_t i = 0; i < ATT_BLOCK; i++) s[i] = 0.0f;
-                continue;
-            }
-            any_w = 1;
-            const float mr = m[r];
-            float ls[8] = {0};
-            for (int64_t i = 0; i < ATT_BLOCK; i += 8)
-                for (int u = 0; u < 8; u++) {
-                    const float w = lp_expf(s[i + u] - mr); /* -inf cells: 0 */
-                    s[i + u] = w;
-                    ls[u] += w;
-                }
-            l[r] += ((ls[0] + ls[4]) + (ls[1] + ls[5])) + ((ls[2] + ls[6]) + (ls[3] + ls[7]));
+    }
+    /* (2) each row's max (nan skipped: it reaches the output through nan_seen), then its weights
+     * and their sum, cell after cell (a masked cell adds exactly 0) */
+    const int64_t n_c = end > base ? end - base : 0;
+    int any_w = 0;
+    for (int64_t r = 0; r < R; r++) {
+        float *s = sc + r * span;
+        v8f bm8 = v8_splat(minf); /* the max is exact in any order: 8 lanes */
+        v8i nan8 = {0};
+        int64_t i = 0;
+        for (; i + 8 <= n_c; i += 8) {
+            const v8f x = v8_load(s + i);
+            bm8 = v8_select(x > bm8, x, bm8);
+            nan8 |= x != x;
         }
-        if (!any_w) continue;
-        /* V sums in groups of cells (an f16/quantized group widened once for the R rows); cells
-         * of weight 0 are skipped, so a row's sum runs over its visible cells in cell order */
-        for (int64_t c0 = 0; c0 < nb; c0 += ATT_VGROUP) {
-            const int64_t ng = nb - c0 < ATT_VGROUP ? nb - c0 : ATT_VGROUP;
-            int lv = 0;
-            for (int64_t i = 0; i < ng; i++) lv |= live[c0 + i];
-            if (!lv) continue;
-            const float *v0;
-            int64_t vs;
-            if (vt) {
-                for (int64_t i = 0; i < ng; i++)
-                    if (live[c0 + i]) kv_row(vf + i * Dv, a->v, (b0 + c0 + i) * a->v_sn + kh * a->v_sh, vt, Dv);
-                v0 = vf, vs = Dv;
-            } else {
-                v0 = vb + (b0 + c0) * a->v_sn, vs = a->v_sn;
-            }
-            for (int64_t r = 0; r < R; r++) v_accumulate(acc + r * Dv, sc + r * ATT_BLOCK + c0, ng, v0, vs, Dv);
+        float mx = minf;
+        for (int u = 0; u < 8; u++) {
+            mx = bm8[u] > mx ? bm8[u] : mx;
+            if (nan8[u]) nan_seen[r] = 1.0f;
         }
+        for (; i < n_c; i++) {
+            if (s[i] != s[i]) nan_seen[r] = 1.0f;
+            else if (s[i] > mx) mx = s[i];
+        }
+        m[r] = mx;
+        if (mx == minf) { /* nothing visible (or nan scores only): weights 0 */
+            memset(s, 0, (size_t)n_c * sizeof(float));
+            continue;
+        }
+        any_w = 1;
+        for (i = 0; i < n_c; i++) s[i] = lp_expf(s[i] - mx); /* -inf cells: 0 */
+        /* the sum in 8 lanes by the index among the cells of non-zero weight (not by cell
+         * index, which depends on the placement) */
+        float ls[8] = {0};
+        int64_t j = 0;
+        for (i = 0; i < n_c; i++)
+            if (s[i] != 0.0f) ls[j++ & 7] += s[i];
+        l[r] = ((ls[0] + ls[4]) + (ls[1] + ls[5])) + ((ls[2] + ls[6]) + (ls[3] + ls[7]));
+    }
+    /* (3) V sums in groups of cells (an f16/quantized group widened once for the R rows); cells
+     * of weight 0 are skipped, so a row's sum runs over its visible cells in cell order */
+    for (int64_t c0 = 0; any_w && c0 < n_c; c0 += ATT_VGROUP) {
+        const int64_t ng = n_c - c0 < ATT_VGROUP ? n_c - c0 : ATT_VGROUP;
+        int lv = 0;
+        for (int64_t i = 0; i < ng; i++) {
+            int li = 0;
+            for (int64_t r = 0; r < R; r++) li |= sc[r * span + c0 + i] != 0.0f;
+            live[i] = (unsigned char)li;
+            lv |= li;
+        }
+        if (!lv) continue;
+        const float *v0;
+        int64_t vs;
+        if (vt) {
+            for (int64_t i = 0; i < ng; i++)
+                if (live[i]) kv_row(vf + i * Dv, a->v, (base + c0 + i) * a->v_sn + kh * a->v_sh, vt, Dv);
+            v0 = vf, vs = Dv;
+        } else {
+            v0 = vb + (base + c0) * a->v_sn, vs = a->v_sn;
+        }
+        for (int64_t r = 0; r < R; r++) v_accumulate(acc + r * Dv, sc + r * span + c0, ng, v0, vs, Dv);
     }
     /* normalize */
     for (int64_t r = 0; r < R; r++) {
@@ -585,14 +589,14 @@ static void attend(const att_args *a, int n_threads) {
     (void)n_threads;
 #endif
     if (nt == 1) { /* no OpenMP region at all (a fork child cannot run one) */
-        float *buf = malloc(att_scratch_floats(R, a->D, a->Dv) * sizeof(float));
+        float *buf = malloc(att_scratch_floats(R, a->D, a->Dv, a->N) * sizeof(float));
         if (buf)
             for (int64_t u = 0; u < units; u++) attend_unit_at(a, range, tb, n_tb, u, buf);
         free(buf);
     } else {
 #pragma omp parallel num_threads(nt)
         {
-            float *buf = malloc(att_scratch_floats(R, a->D, a->Dv) * sizeof(float)); /* NULL: nothing written */
+            float *buf = malloc(att_scratch_floats(R, a->D, a->Dv, a->N) * sizeof(float)); /* NULL: nothing written */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t u = 0; u < units; u++)
                 if (buf) attend_unit_at(a, range, tb, n_tb, u, buf);

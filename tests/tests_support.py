@@ -31,3 +31,22 @@ def cli(*args: str | bytes, env: dict[str, str] | None = None, stdin: str | None
         [sys.executable, "-m", "llamapy", *args], capture_output=True, text=True, env=e, input=stdin,
         timeout=timeout, errors="replace",
     )  # fmt: skip
+
+
+def wait_child(pid: int, what: str, timeout: float = 20.0) -> None:
+    """Wait for a fork child that exits 0 when its check passed; a hung child is killed and
+    fails the test naming `what` (the parallel region a fork child could hang in)."""
+    import os
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the fork child hung in {what}")
+        time.sleep(0.01)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

@@ -70,6 +70,10 @@ class DeviceMemoryBufferType(BufferType):
                 f"({(self.budget - self.allocated) / 2**20:.2f} MiB free of {self.budget / 2**20:.2f} MiB)"
             )
         self.allocated += nbytes
+        return self._new_buffer(nbytes, usage)
+
+    def _new_buffer(self, nbytes: int, usage: BufferUsage) -> Buffer:
+        """The buffer of an allocation the budget allows (a remote device's holds no memory here)."""
         return DeviceMemoryBuffer(self, nbytes, usage)
 
     def release(self, buf: Buffer) -> None:

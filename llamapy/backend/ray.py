@@ -49,7 +49,7 @@ import numpy as np
 
 from ..tensor import Op, Tensor, TensorFlag
 from ..types import DeviceType, GGMLType, LlamapyError, storage
-from .device import CopyStats
+from .device import CopyStats, DeviceMemoryBufferType
 from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps, Registry
 from .kernels import KERNELS
 
@@ -397,29 +397,11 @@ class RayBuffer(Buffer):
         super().free()
 
 
-class RayBufferType(BufferType):
-    is_host = False
+class RayBufferType(DeviceMemoryBufferType):
+    """The node's memory, with the budget it reported (device.py's accounting)."""
 
-    def __init__(self, device: RayDevice, budget: int) -> None:
-        self.device = device
-        self.name = device.name
-        self.budget = budget
-        self.allocated = 0
-
-    def alloc_buffer(self, nbytes: int, usage: BufferUsage = BufferUsage.ANY) -> Buffer:
-        from ..types import OutOfMemoryError
-
-        if self.allocated + nbytes > self.budget:
-            raise OutOfMemoryError(
-                f"{self.name}: cannot allocate {nbytes / 2**20:.2f} MiB "
-                f"({(self.budget - self.allocated) / 2**20:.2f} MiB free of {self.budget / 2**20:.2f} MiB)"
-            )
-        self.allocated += nbytes
+    def _new_buffer(self, nbytes: int, usage: BufferUsage) -> Buffer:
         return RayBuffer(self, nbytes, usage)
-
-    def release(self, buf: Buffer) -> None:
-        self.allocated -= buf.nbytes
-        buf.nbytes = 0
 
 
 @dataclass

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from tests_support import wait_child
 
 from llamapy.backend import kernels as K
 
@@ -265,7 +266,6 @@ def test_attend_threads_after_fork(lib):
     """A fork child of a process that ran threaded attention must not hang in libgomp: there the
     kernel stays on the calling thread (same output: the thread count changes nothing)."""
     import os
-    import time
 
     if not hasattr(os, "fork"):
         pytest.skip("no fork")
@@ -281,17 +281,7 @@ def test_attend_threads_after_fork(lib):
             os._exit(0 if np.array_equal(c_attend(lib, q, k, v, mask, 0.125, 2), ref) else 1)
         finally:
             os._exit(2)
-    deadline = time.monotonic() + 20
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the fork child hung in threaded attention")
-        time.sleep(0.01)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    wait_child(pid, "threaded attention")
 
 
 def _causal(T, N, p0):

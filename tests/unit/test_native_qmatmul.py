@@ -11,6 +11,7 @@ import ctypes
 import gguf.quants
 import numpy as np
 import pytest
+from tests_support import wait_child
 
 from llamapy.types import GGMLType, block_size
 
@@ -146,7 +147,6 @@ def test_dqr_bit_exact(lib: ctypes.CDLL, name: str) -> None:
 def test_threads_after_fork(lib: ctypes.CDLL) -> None:
     """A fork child of a process that ran threaded kernels must not hang in libgomp."""
     import os
-    import time
 
     if not hasattr(os, "fork"):
         pytest.skip("no fork")
@@ -164,14 +164,4 @@ def test_threads_after_fork(lib: ctypes.CDLL) -> None:
             os._exit(0 if np.array_equal(out, ref) else 1)
         finally:
             os._exit(2)
-    deadline = time.monotonic() + 20
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the fork child hung in a threaded kernel")
-        time.sleep(0.01)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    wait_child(pid, "a threaded kernel")

@@ -439,7 +439,7 @@ class Context:
         n_outputs = len(out_ids)
         # the graph always produces at least one row; unwanted ones are dropped below
         ids = out_ids if n_outputs else np.array([n - 1], np.int32)
-        idx = self.kv.find_slot(n)
+        idx = self.kv.find_slot(n, seq)
         self.kv.commit(idx, pos, seq)
         try:
             n_kv = self.kv.n_kv(idx)

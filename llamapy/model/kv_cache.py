@@ -143,15 +143,43 @@ class KVCache:
     def n_used(self) -> int:
         return int((self.pos >= 0).sum())
 
-    def find_slot(self, n_tokens: int) -> np.ndarray:
-        """Indices of `n_tokens` free cells (lowest first), or ContextFullError."""
+    def find_slot(self, n_tokens: int, seq: np.ndarray | None = None) -> np.ndarray:
+        """Indices of `n_tokens` free cells, or ContextFullError. Without `seq`: the lowest. With
+        the tokens' sequence ids (each sequence's tokens in position order): each token gets the
+        lowest free cell after every cell its sequence already holds, where there is one, so a
+        sequence's cells stay in position order — attention sums a query's cells in cell order,
+        and then gets the same bits whether the sequence ran alone or beside others whose cells
+        were freed (a reused slot's prompt cache). Where no such cell is left, the lowest free."""
         free = np.flatnonzero(self.pos < 0)
         if len(free) < n_tokens:
             raise ContextFullError(
                 f"the context is full: {n_tokens} more tokens do not fit in {self.size} cells "
                 f"({self.n_used()} used)"
             )
-        return free[:n_tokens]
+        if seq is None:
+            return free[:n_tokens]
+        seq = np.asarray(seq)
+        if len(seq) and (seq == seq[0]).all():  # one sequence (a prompt, one slot's step)
+            held = np.flatnonzero(self.seq == seq[0])
+            after = free[free > (held[-1] if len(held) else -1)]
+            if len(after) >= n_tokens:
+                return after[:n_tokens]
+        taken = np.zeros(len(free), bool)
+        out = np.empty(n_tokens, np.int64)
+        last: dict[int, int] = {}
+        for i, s in enumerate(seq.tolist()):
+            if s not in last:
+                held = np.flatnonzero(self.seq == s)
+                last[s] = int(held[-1]) if len(held) else -1
+            j = int(np.searchsorted(free, last[s] + 1))
+            while j < len(free) and taken[j]:
+                j += 1
+            if j == len(free):  # nothing free after this sequence's cells: the lowest free
+                j = int(np.flatnonzero(~taken)[0])
+            taken[j] = True
+            out[i] = free[j]
+            last[s] = max(last[s], int(free[j]))
+        return out
 
     def commit(self, idx: np.ndarray, pos: np.ndarray, seq: np.ndarray) -> None:
         self.version += 1

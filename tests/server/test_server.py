@@ -429,9 +429,8 @@ def test_default_model_greedy_matches_run_and_chats(default_model: Path, tmp_pat
         text = c.completions.create(model="x", prompt=prompt, max_tokens=24, temperature=0).choices[0].text
         assert run.stdout.decode() == text + ("" if text.endswith("\n") else "\n")
         msgs = [{"role": "user", "content": "What is the capital of France?"}]
-        # no prompt cache: with it some texts still differ (bench/serve_load.py: 6 of 16, not yet
-        # traced; a candidate: a reused slot's cells need not stay in position order, and
-        # attention sums in cell order); what is compared here is concurrency alone
+        # first without the prompt cache (concurrency alone), then with it: a reused slot keeps
+        # its cells in position order (KVCache.find_slot), so the text is the same again
         nocache = {"cache_prompt": False}
         alone = c.chat.completions.create(model="x", messages=msgs, max_tokens=16, temperature=0, extra_body=nocache)
         assert alone.choices[0].message.content.strip()
@@ -441,6 +440,10 @@ def test_default_model_greedy_matches_run_and_chats(default_model: Path, tmp_pat
         with ThreadPoolExecutor(2) as pool:
             a, b = pool.map(lambda _: c.chat.completions.create(model="x", messages=msgs, max_tokens=16,
                                                                  temperature=0, extra_body=nocache), range(2))  # fmt: skip
+        assert a.choices[0].message.content == b.choices[0].message.content == alone.choices[0].message.content
+        with ThreadPoolExecutor(2) as pool:  # both slots now hold this prompt: cache hits
+            a, b = pool.map(lambda _: c.chat.completions.create(model="x", messages=msgs, max_tokens=16,
+                                                                 temperature=0), range(2))  # fmt: skip
         assert a.choices[0].message.content == b.choices[0].message.content == alone.choices[0].message.content
     finally:
         s.stop()

@@ -45,7 +45,9 @@ class DeviceActor:
         # and BLAS sums (attention's products) in another order with another thread count
         self.backend.set_n_threads(0)
         self.tensors: dict[int, Tensor] = {}
-        self.buffers: dict[int, tuple[Buffer, list[int]]] = {}
+        # the driver's buffer id -> the node's buffers for it (one per load / zeros call) and
+        # the tensor ids they hold
+        self.buffers: dict[int, tuple[list[Buffer], list[int]]] = {}
         self.graphs: dict[int, tuple[list[Tensor], list[Tensor], list[Tensor], Any]] = {}
         self.graph_leaves: dict[int, set[int]] = {}  # graph id -> the kept tensors it reads
         self.files: dict[str, Any] = {}  # content key -> open GGUFFile
@@ -136,7 +138,7 @@ class DeviceActor:
             self.tensors[tid] = t
             total += t.nbytes
         buf.finish_loading()
-        self.buffers[bid] = (buf, [tid for tid, _, _ in tensors])
+        self._add(bid, buf, [tid for tid, _, _ in tensors])
         self.file_users.setdefault(key, set()).add(bid)
         return total
 
@@ -150,10 +152,16 @@ class DeviceActor:
             buf.alloc_tensor(t)
             buf.zeros(t)
             self.tensors[tid] = t
-        self.buffers[bid] = (buf, [tid for tid, _ in tensors])
+        self._add(bid, buf, [tid for tid, _ in tensors])
+
+    def _add(self, bid: int, buf: Buffer, tids: list[int]) -> None:
+        bufs, held = self.buffers.setdefault(bid, ([], []))
+        bufs.append(buf)
+        held.extend(tids)
 
     def clear(self, bid: int, value: float) -> None:
-        self.buffers[bid][0].clear(float(value))
+        for buf in self.buffers[bid][0]:
+            buf.clear(float(value))
 
     def get(self, tid: int) -> np.ndarray:
         t = self.tensors[tid]
@@ -163,13 +171,14 @@ class DeviceActor:
         entry = self.buffers.pop(bid, None)
         if entry is None:
             return
-        buf, tids = entry
+        bufs, tids = entry
         for tid in tids:
             self.tensors.pop(tid, None)
         gone = set(tids)
         for gid in [g for g, used in self.graph_leaves.items() if used & gone]:
             del self.graphs[gid], self.graph_leaves[gid]  # their plans hold the freed values
-        buf.free()
+        for buf in bufs:
+            buf.free()
         # the last buffer read from a file is gone (the driver closed its model): unmap the file
         for key, users in list(self.file_users.items()):
             users.discard(bid)

@@ -272,6 +272,7 @@ def batch(
     repeat_last_n: int = common.REPEAT_LAST_N,
     presence_penalty: float = common.PRESENCE_PENALTY,
     frequency_penalty: float = common.FREQUENCY_PENALTY,
+    ignore_eos: bool = common.IGNORE_EOS,
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar on stderr"),
     ngl: str = common.NGL,
     ot: list[str] = common.OT,
@@ -318,7 +319,7 @@ def batch(
         sampling = SamplingParams(
             temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
             repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, seed=seed,
+            frequency_penalty=frequency_penalty, seed=seed, ignore_eos=ignore_eos,
         )  # fmt: skip
         llm = common.load(
             model_path, None, ngl, ot, ts, mg, ctx_size, batch_size, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device

@@ -110,3 +110,20 @@ def test_the_driver_validates_what_a_device_returns() -> None:
     res = rb._Result(dev, None)
     res.values = (np.ones((2, 3), np.float32),)
     assert rb.RemoteOut(res, 0, t).fetch().sum() == 6
+
+
+def test_the_node_uses_the_drivers_public_validators() -> None:
+    """ray_node checks what it receives with backend/ray.py's validators, a public interface:
+    it imports no private name from there."""
+    import ast
+
+    tree = ast.parse(Path(ray_node.__file__).read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").endswith("backend.ray")
+             for a in n.names]  # fmt: skip
+    assert {"check_params", "check_shape", "check_type", "build_graph"} <= set(names)
+    assert not [n for n in names if n.startswith("_")], names
+    assert rb.check_shape([2, 3]) == (2, 3) and rb.check_type("Q4_K").name == "Q4_K"
+    assert rb.check_params({"dims": [1, [2, 3]]}) == {"dims": (1, (2, 3))}
+    for bad in (lambda: rb.check_shape((1, -1)), lambda: rb.check_type("eval"), lambda: rb.check_params({"f": len})):
+        with pytest.raises(ValueError):
+            bad()

@@ -297,7 +297,7 @@ def test_killed_node_during_batch_loses_no_finished_record(ray_cluster, address:
     text = err.decode(errors="replace").strip()
     last = text.splitlines()[-1] if text else ""
     assert p.returncode == 1 and "Traceback" not in text, text[-3000:]
-    m = re.match(rf"error: batch: RAY[01]: device lost \(.*\) \(prompts? ([0-9, ]+) running\); (\d) records written "
+    m = re.match(rf"error: batch: RAY[01]: device lost \(compute\): .* \(prompts? ([0-9, ]+) running\); (\d) records written "
                  rf"to {re.escape(str(out))}; rerun with -o", last)  # fmt: skip
     assert m, text[-3000:]
     running = {int(i) for i in m.group(1).split(", ")}

@@ -11,8 +11,11 @@ its cells are dropped (no prompt cache: `cache_prompt` off) and the next prompt 
 
 `run_batch()` yields one `BatchRecord` per prompt as it finishes (completion order, not input
 order). A prompt that cannot run (no tokens, longer than a slot, bad settings) yields an error
-record and the rest carry on; a failure of the engine itself (a decode that fails) ends the run
-with a LlamapyError. Library code: nothing here prints.
+record and the rest carry on; a failure of the engine itself (a decode that fails, a lost device)
+ends the run with a BatchFailed error, after every record that finished before it (those of the
+failing step included) was yielded: no finished record is lost. The prompts that were running get
+no record (a resumed run decodes them again); the error names them. Library code: nothing here
+prints.
 """
 
 from __future__ import annotations
@@ -29,7 +32,18 @@ from .generate import check_n_predict
 from .model.sampler import Sampler, SamplingParams
 from .types import LlamapyError
 
-__all__ = ["BatchRecord", "BatchRequest", "BatchStats", "run_batch"]
+__all__ = ["BatchFailed", "BatchRecord", "BatchRequest", "BatchStats", "run_batch"]
+
+
+class BatchFailed(LlamapyError):
+    """The engine failed (a decode error, a lost device) while `running` (input indices) were
+    being decoded; every record finished before it was yielded."""
+
+    def __init__(self, reason: str, running: list[int]) -> None:
+        shown = ", ".join(map(str, running[:10])) + (", …" if len(running) > 10 else "")
+        super().__init__(f"{reason} (prompt{'s' if len(running) != 1 else ''} {shown} running)")
+        self.reason = reason
+        self.running = running
 
 
 @dataclass
@@ -184,6 +198,8 @@ def run_batch(
         st.max_batch = max(st0.max_batch, m.n_batch_tokens_max)
         st.wall_ms = st0.wall_ms + (time.perf_counter() - t_start) * 1e3
 
+    failed: list[tuple[int, str]] = []  # (index, error) of the prompts the engine failed
+
     def take(ev: Event) -> BatchRecord | None:
         """Fold one event into its record; the record when it is complete."""
         rec = live[ev.id]
@@ -193,9 +209,10 @@ def run_batch(
             return None
         del live[ev.id]
         if ev.finish_reason not in ("stop", "length", "context") or ev.timings is None:
-            # the engine failed (a decode error), not this request: stop the run, so that a
-            # resumed run tries these prompts again rather than keeping error records for them
-            raise LlamapyError(f"batch: prompt {rec.index}: {ev.error or ev.finish_reason}")
+            # the engine failed (a decode error, a lost device), not this request: the run stops
+            # after this step, with no record for it, so that a resumed run tries it again
+            failed.append((rec.index, ev.error or ev.finish_reason))
+            return None
         rec.finish_reason = ev.finish_reason
         rec.n_tokens = len(rec.tokens)
         rec.prompt_ms = ev.timings.prompt_ms
@@ -225,7 +242,9 @@ def run_batch(
             engine.step()
             done = [rec for rec in map(take, _drain(events)) if rec is not None]
             update_stats()
-            yield from done
+            yield from done  # first: what finished in the failing step is kept too
+            if failed:
+                raise BatchFailed(failed[0][1], sorted(i for i, _ in failed) + sorted(r.index for r in live.values()))
     finally:
         # finished, abandoned (error, Ctrl-C, or the caller stopped iterating): cancel what runs
         # and leave no cells behind

@@ -22,6 +22,11 @@ Prompt cache: an idle slot keeps the K/V of the tokens it last held; a new reque
 slot sharing the longest prefix with its prompt and only the rest is evaluated. What idle slots keep
 is bounded in bytes (`cache_bytes`): past it, the least recently used slot's cells are dropped.
 
+Faults: a decode that fails ends the requests in that micro-batch, not the engine. A lost device
+(DeviceLostError: a remote node died or stopped answering) takes the context's state with it, so
+the engine keeps the reason (`fault`, naming the device): the running requests end with it as
+their error, and those waiting or submitted later are refused with it (the server answers 503).
+
 Threads: `start()` runs the step loop in one worker thread; `submit` and `cancel` may be called from
 any thread (an asyncio loop: see `open_async`). Without a worker, `generate()` drives `step()` in the
 caller's thread. Library code: nothing here prints.
@@ -46,7 +51,7 @@ from .generate import log_softmax
 if TYPE_CHECKING:  # asyncio is imported where a server uses it: ~1.5 MiB (ssl) for every `run`
     import asyncio
 from .model.sampler import Sampler, SamplingParams
-from .types import ContextFullError, LlamapyError
+from .types import ContextFullError, DeviceLostError, LlamapyError
 
 __all__ = [
     "Engine",
@@ -294,6 +299,9 @@ class Engine:
         self._closing = False
         self._kv_version = -1  # the KV cache's state after our last step (see _check_kv)
         self.loop_error: BaseException | None = None
+        # a device of the context was lost (DeviceLostError): the requests running on it failed,
+        # and nothing more can run on this context; the error's text (it names the device)
+        self.fault: str | None = None
 
     @staticmethod
     def _kv_bytes_per_token(ctx: Context) -> int:
@@ -329,6 +337,8 @@ class Engine:
                 raise EngineStoppedError("the engine is shutting down")
             if self.loop_error is not None:
                 raise EngineStoppedError(f"the engine stopped: {self.loop_error!r}")
+            if self.fault is not None:
+                raise EngineStoppedError(f"the model is unavailable: {self.fault}")
             busy = sum(1 for s in self.slots if s.job is not None)
             if len(self._waiting) + busy >= self.n_parallel + self.max_queue:
                 raise QueueFullError(
@@ -420,6 +430,12 @@ class Engine:
                 self._finish(s, "cancelled")
 
     def _admit(self) -> None:
+        if self.fault is not None:  # nothing can start: what waits fails with the reason
+            with self._lock:
+                waiting, self._waiting = list(self._waiting), deque()
+            for j in waiting:
+                self._emit(j, Event(j.id, "done", finish_reason="error", error=f"the model is unavailable: {self.fault}"))
+            return
         while True:
             free = [s for s in self.slots if s.job is None]
             with self._lock:
@@ -510,9 +526,13 @@ class Engine:
                         self._finish(s, "context", drop=True)
                 return True
             except Exception as e:  # noqa: BLE001 - one failed batch ends its requests, not the engine
+                if isinstance(e, DeviceLostError):  # the context's state on that device is gone
+                    self.fault = why = str(e)
+                else:
+                    why = f"decode failed: {type(e).__name__}: {e}"
                 for s in busy:
                     if s.job is not None:
-                        self._finish(s, "error", error=f"decode failed: {type(e).__name__}: {e}", drop=True)
+                        self._finish(s, "error", error=why, drop=True)
                 return True
             t1 = time.perf_counter()
             m.decode_seconds_total += t1 - t0

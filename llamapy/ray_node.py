@@ -20,7 +20,7 @@ import numpy as np
 
 from .backend.interface import Buffer, BufferUsage, Registry
 from .backend import ray as rb
-from .backend.ray import _check_params, _check_shape, _check_type, build_graph
+from .backend.ray import check_params, check_shape, check_type, build_graph
 from .tensor import Tensor, TensorFlag
 from .types import LlamapyError
 
@@ -45,10 +45,13 @@ class DeviceActor:
         # and BLAS sums (attention's products) in another order with another thread count
         self.backend.set_n_threads(0)
         self.tensors: dict[int, Tensor] = {}
-        self.buffers: dict[int, tuple[Buffer, list[int]]] = {}
+        # the driver's buffer id -> the node's buffers for it (one per load / zeros call) and
+        # the tensor ids they hold
+        self.buffers: dict[int, tuple[list[Buffer], list[int]]] = {}
         self.graphs: dict[int, tuple[list[Tensor], list[Tensor], list[Tensor], Any]] = {}
         self.graph_leaves: dict[int, set[int]] = {}  # graph id -> the kept tensors it reads
         self.files: dict[str, Any] = {}  # content key -> open GGUFFile
+        self.file_users: dict[str, set[int]] = {}  # content key -> the buffers loaded from it
         self.incoming: dict[str, Any] = {}  # content key -> file being received
 
     def info(self) -> dict[str, Any]:
@@ -116,7 +119,7 @@ class DeviceActor:
         self.backend.set_cpu_matmul(cpu_matmul)  # the context's mode (an unknown one raises)
         tensors = []
         for tid, name, shape, tname, ranges in specs:
-            t = Tensor(str(name), _check_shape(shape), _check_type(tname), flags=TensorFlag.WEIGHT)
+            t = Tensor(str(name), check_shape(shape), check_type(tname), flags=TensorFlag.WEIGHT)
             tensors.append((tid, t, ranges))
         buf = self.buft.alloc_buffer(sum(self.buft.alloc_size(t) for _, t, _ in tensors), BufferUsage.WEIGHTS)
         buf.use_cache(key, label, cpu_matmul)
@@ -135,23 +138,30 @@ class DeviceActor:
             self.tensors[tid] = t
             total += t.nbytes
         buf.finish_loading()
-        self.buffers[bid] = (buf, [tid for tid, _, _ in tensors])
+        self._add(bid, buf, [tid for tid, _, _ in tensors])
+        self.file_users.setdefault(key, set()).add(bid)
         return total
 
     def zeros(self, bid: int, specs: list[tuple[Any, ...]]) -> None:
         """Buffer `bid` of zero-filled mutable tensors (the KV cache)."""
         tensors = []
         for tid, name, shape, tname, params in specs:
-            tensors.append((tid, Tensor(str(name), _check_shape(shape), _check_type(tname), params=_check_params(params))))
+            tensors.append((tid, Tensor(str(name), check_shape(shape), check_type(tname), params=check_params(params))))
         buf = self.buft.alloc_buffer(sum(self.buft.alloc_size(t) for _, t in tensors), BufferUsage.ANY)
         for tid, t in tensors:
             buf.alloc_tensor(t)
             buf.zeros(t)
             self.tensors[tid] = t
-        self.buffers[bid] = (buf, [tid for tid, _ in tensors])
+        self._add(bid, buf, [tid for tid, _ in tensors])
+
+    def _add(self, bid: int, buf: Buffer, tids: list[int]) -> None:
+        bufs, held = self.buffers.setdefault(bid, ([], []))
+        bufs.append(buf)
+        held.extend(tids)
 
     def clear(self, bid: int, value: float) -> None:
-        self.buffers[bid][0].clear(float(value))
+        for buf in self.buffers[bid][0]:
+            buf.clear(float(value))
 
     def get(self, tid: int) -> np.ndarray:
         t = self.tensors[tid]
@@ -161,13 +171,22 @@ class DeviceActor:
         entry = self.buffers.pop(bid, None)
         if entry is None:
             return
-        buf, tids = entry
+        bufs, tids = entry
         for tid in tids:
             self.tensors.pop(tid, None)
         gone = set(tids)
         for gid in [g for g, used in self.graph_leaves.items() if used & gone]:
             del self.graphs[gid], self.graph_leaves[gid]  # their plans hold the freed values
-        buf.free()
+        for buf in bufs:
+            buf.free()
+        # the last buffer read from a file is gone (the driver closed its model): unmap the file
+        for key, users in list(self.file_users.items()):
+            users.discard(bid)
+            if not users:
+                del self.file_users[key]
+                gf = self.files.pop(key, None)
+                if gf is not None:
+                    gf.close()
 
     # graphs -----------------------------------------------------------------------------
 

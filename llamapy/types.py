@@ -91,6 +91,16 @@ class ContextFullError(LlamapyError):
     """The KV cache has no room left for the tokens asked for."""
 
 
+class DeviceLostError(LlamapyError):
+    """A device that stopped answering (a remote node died, or a call timed out): what a context
+    keeps on it (weights, KV cache) is gone or in an unknown state, so the context cannot go on;
+    a new load starts afresh. `device` names it (RAY1)."""
+
+    def __init__(self, device: str, message: str) -> None:
+        super().__init__(message)
+        self.device = device
+
+
 class DeviceType(IntEnum):
     """ggml_backend_dev_type; also the scheduler's priority: lower value is tried first."""
 

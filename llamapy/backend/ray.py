@@ -23,7 +23,10 @@ Each device is one actor pinned to its node (node affinity), holding that device
   split or the graph's outputs need the values. The driver validates every array it receives
   (type, dtype, shape).
 - **faults**: every wait has a timeout (`LLAMAPY_RAY_TIMEOUT`, seconds, default 120); a timeout or
-  a lost node raises LlamapyError naming the device.
+  a lost node raises DeviceLostError naming the device. The device then forgets its actor (the
+  stuck or dead one goes with its last handle) and starts a new epoch: what was made in the old
+  one (buffers, split plans) raises DeviceLostError when used again, never reaching the new
+  actor, and only a new load (a new context) uses the device again.
 
 The actor (llamapy/ray_node.py, llama.cpp's rpc-server: it sits above the backends, reading the
 GGUF and planning arenas as a context does) computes with the CPU backend of its node
@@ -48,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from ..tensor import Op, Tensor, TensorFlag
-from ..types import DeviceType, GGMLType, LlamapyError, storage
+from ..types import DeviceLostError, DeviceType, GGMLType, LlamapyError, storage
 from .device import CopyStats, DeviceMemoryBufferType
 from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps, Registry
 from .kernels import KERNELS
@@ -77,29 +80,38 @@ def timeout_s() -> float:
 
 
 # -- records: what describes a split to an actor (data only) ---------------------------------
+#
+# The validators below are the one interface both sides share for what crosses the wire: the
+# driver checks what it sends (graph_records), the node checks everything it receives
+# (ray_node.DeviceActor: build_graph, load, zeros) with the same functions, so that the two
+# cannot disagree on what is plain data. Each returns the value in its checked form, or raises
+# ValueError naming what is wrong.
 
 
-def _check_param(v: Any, depth: int = 0) -> Any:
-    """A param value as plain data: scalars, and tuples/lists of them (nested a little)."""
+def check_param(v: Any, depth: int = 0) -> Any:
+    """A param value as plain data: scalars (strings up to 256 characters), and tuples/lists of
+    them (up to 64 items, nested up to 3 deep), lists returned as tuples."""
     if isinstance(v, _SCALARS) and not (isinstance(v, str) and len(v) > 256):
         return v
     if isinstance(v, (tuple, list)) and depth < 3 and len(v) <= 64:
-        return tuple(_check_param(x, depth + 1) for x in v)
+        return tuple(check_param(x, depth + 1) for x in v)
     raise ValueError(f"param value of type {type(v).__name__} is not plain data")
 
 
-def _check_params(p: Any) -> dict[str, Any]:
+def check_params(p: Any) -> dict[str, Any]:
+    """An op's or tensor's params: a dict of at most 32 short string names to `check_param` values."""
     if not isinstance(p, dict) or len(p) > 32:
         raise ValueError("params must be a small dict")
     out = {}
     for k, v in p.items():
         if not isinstance(k, str) or len(k) > 64:
             raise ValueError("param names must be short strings")
-        out[k] = _check_param(v)
+        out[k] = check_param(v)
     return out
 
 
-def _check_shape(shape: Any) -> tuple[int, ...]:
+def check_shape(shape: Any) -> tuple[int, ...]:
+    """A tensor shape: at most MAX_DIMS non-negative ints (below 2**40), as a tuple."""
     if not isinstance(shape, (tuple, list)) or len(shape) > MAX_DIMS:
         raise ValueError("bad shape")
     if not all(type(d) is int and 0 <= d < 1 << 40 for d in shape):
@@ -107,7 +119,8 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _check_type(name: Any) -> GGMLType:
+def check_type(name: Any) -> GGMLType:
+    """A tensor type by its GGMLType name (F32, Q4_K, …)."""
     if not isinstance(name, str) or name not in GGMLType.__members__:
         raise ValueError(f"unknown tensor type {name!r}")
     return GGMLType[name]
@@ -125,7 +138,7 @@ class LeafSpec:
 
 
 def _leaf_record(tid: int, t: Tensor) -> tuple[Any, ...]:
-    return (tid, t.name, tuple(t.shape), t.type.name, _check_params(_plain_params(t.params)))
+    return (tid, t.name, tuple(t.shape), t.type.name, check_params(_plain_params(t.params)))
 
 
 def _plain_params(p: dict[str, Any]) -> dict[str, Any]:
@@ -162,7 +175,7 @@ def graph_records(
             raise ValueError(f"{n.op.name} cannot run on a remote device")
         srcs = tuple(ref(s) for s in n.src)
         vsrc = ref(n.view_src) if n.view_src is not None else None
-        recs.append((n.name, n.op.name, tuple(n.shape), n.type.name, _check_params(n.params), srcs, vsrc))
+        recs.append((n.name, n.op.name, tuple(n.shape), n.type.name, check_params(n.params), srcs, vsrc))
     in_recs = [(t.name, tuple(t.shape), t.type.name) for t in inputs]
     return recs, in_recs, list(inputs), list(leaves.values())
 
@@ -178,14 +191,14 @@ def build_graph(
     inputs = []
     for r in in_recs:
         name, shape, tname = r
-        inputs.append(Tensor(str(name)[:256], _check_shape(shape), _check_type(tname), flags=TensorFlag.INPUT))
+        inputs.append(Tensor(str(name)[:256], check_shape(shape), check_type(tname), flags=TensorFlag.INPUT))
     for tid, _name, shape, tname, params in leaf_recs:
         t = keep.get(tid)
         if t is None:
             raise ValueError(f"tensor #{tid} is not on this device")
-        if (t.shape, t.type) != (_check_shape(shape), _check_type(tname)):
+        if (t.shape, t.type) != (check_shape(shape), check_type(tname)):
             raise ValueError(f"tensor #{tid} ({t.name}) differs from the driver's")
-        t.params.update(_check_params(params))
+        t.params.update(check_params(params))
     nodes: list[Tensor] = []
 
     def get(r: Any) -> Tensor:
@@ -203,8 +216,8 @@ def build_graph(
     for name, opname, shape, tname, params, srcs, vsrc in recs:
         if opname not in ALLOWED_OPS:
             raise ValueError(f"op {opname!r} is not allowed")
-        t = Tensor(str(name)[:256], _check_shape(shape), _check_type(tname), Op[opname],
-                   tuple(get(s) for s in srcs), _check_params(params))
+        t = Tensor(str(name)[:256], check_shape(shape), check_type(tname), Op[opname],
+                   tuple(get(s) for s in srcs), check_params(params))
         if vsrc is not None:
             t.view_src = get(vsrc)
         nodes.append(t)
@@ -238,20 +251,26 @@ def _error_line(e: BaseException) -> str:
 
 
 def wait(device: str, refs: Any, what: str, dev: RayDevice | None = None) -> Any:
-    """ray.get with the timeout; failures become one LlamapyError naming the device. A lost
-    device (`dev`) forgets its actor: a later load makes a new one."""
+    """ray.get with the timeout; failures become one LlamapyError naming the device: a timeout
+    or a lost node a DeviceLostError, after which `dev` is lost (RayDevice.lose)."""
     ray = _ray()
     t = timeout_s()
     try:
         return ray.get(refs, timeout=t)
     except ray.exceptions.GetTimeoutError:
-        raise LlamapyError(f"{device}: no answer within {t:g} s ({what}); set {ENV_TIMEOUT} to wait longer") from None
+        msg = f"{device}: no answer within {t:g} s ({what}); set {ENV_TIMEOUT} to wait longer"
+        raise lost(device, msg, dev) from None
     except (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError) as e:
-        if dev is not None:
-            dev.forget_actor()
-        raise LlamapyError(f"{device}: device lost ({what}): {_error_line(e)}") from None
+        raise lost(device, f"{device}: device lost ({what}): {_error_line(e)}", dev) from None
     except ray.exceptions.RayError as e:
         raise LlamapyError(f"{device}: {what} failed: {_error_line(e)}") from None
+
+
+def lost(device: str, message: str, dev: RayDevice | None = None) -> DeviceLostError:
+    """The error for a device that stopped answering; `dev` (when given) is lost from now on."""
+    if dev is not None:
+        dev.lose(message)
+    return DeviceLostError(device, message)
 
 
 @dataclass
@@ -310,6 +329,7 @@ class RayBuffer(Buffer):
         self._gf: Any = None
         self._pending: list[tuple[int, Tensor, Any]] = []
         self._remote = False  # the actor holds something for this buffer
+        self._epoch = buft.device.epoch  # the device's actor this buffer's tensors are on
 
     def use_cache(self, key: str, label: str = "", cpu_matmul: str = "q8") -> None:
         self._key, self._label, self._cpu_matmul = key, label, cpu_matmul
@@ -354,6 +374,7 @@ class RayBuffer(Buffer):
                 raise LlamapyError(f"{dev.name}: {t.name} is not read from the model file; remote devices load weights from it")
             specs.append((tid, t.name, tuple(t.shape), t.type.name, ranges))
         path, size = str(Path(gf.path).resolve()), int(gf.size)
+        dev.check_epoch(self._epoch)
         actor = dev.actor()
         if not dev.wait(actor.has_file.remote(path, self._key, size), "checking the model file"):
             dev.send_file(gf, self._key)
@@ -364,10 +385,12 @@ class RayBuffer(Buffer):
 
     def get(self, t: Tensor) -> np.ndarray:
         v = self._store[t]
+        self.buft.device.check_epoch(self._epoch)
         return self.buft.device.fetch_leaf(v.tid)
 
     def zeros(self, t: Tensor) -> None:
         dev = self.buft.device
+        dev.check_epoch(self._epoch)
         tid = next(dev.ids)
         self._store[t] = RemoteLeaf(dev, tid)
         self._mutable.append(t)
@@ -377,6 +400,7 @@ class RayBuffer(Buffer):
     def clear(self, value: float = 0) -> None:
         if self._remote:
             dev = self.buft.device
+            dev.check_epoch(self._epoch)
             dev.wait(dev.actor().clear.remote(self.bid, value), "clearing")
 
     def alias(self, t: Tensor, of: Tensor) -> None:
@@ -386,7 +410,7 @@ class RayBuffer(Buffer):
 
     def free(self) -> None:
         dev = self.buft.device
-        if self._remote and dev.alive():
+        if self._remote and dev.alive() and dev.epoch == self._epoch:
             try:
                 dev.wait(dev.actor().free.remote(self.bid), "freeing")
             except LlamapyError:
@@ -412,6 +436,7 @@ class RayPlan:
     inputs: list[Tensor]
     exports: list[Tensor]
     n_nodes: int
+    epoch: int = 0  # the device's actor it was registered with
 
     def __bool__(self) -> bool:
         return True
@@ -456,10 +481,11 @@ class RayBackend(Backend):
         gid = next(dev.ids)
         # ordered after this caller's earlier calls to the actor; a failure shows at the run
         dev.actor().create.remote(gid, recs, in_recs, leaves, outs)
-        return RayPlan(gid, inputs, list(exports), len(nodes))
+        return RayPlan(gid, inputs, list(exports), len(nodes), dev.epoch)
 
     def graph_plan_compute(self, plan: Any, env: dict[Tensor, Any]) -> None:
         dev = self.device
+        dev.check_epoch(plan.epoch)
         picks, values = [], []
         for t in plan.inputs:
             v = env.get(t)
@@ -509,6 +535,8 @@ class RayDevice(Device):
         self.file_bytes_sent = 0  # model-file bytes this driver had to send (file absent there)
         self.ids = count(1)
         self._actor: Any = None
+        self.epoch = 0  # + 1 each time the device is lost: its actor and all it held are gone
+        self.lost_reason = ""
         self._leaf_ids: dict[int, int] = {}
         self._buft = RayBufferType(self, free)
 
@@ -528,8 +556,16 @@ class RayDevice(Device):
     def alive(self) -> bool:
         return self._actor is not None
 
-    def forget_actor(self) -> None:
+    def lose(self, reason: str) -> None:
+        """The actor stopped answering: forget it (with its last handle Ray ends it, if it still
+        runs) and start a new epoch, so that nothing made with the old one reaches a new one."""
         self._actor = None
+        self.epoch += 1
+        self.lost_reason = reason
+
+    def check_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            raise DeviceLostError(self.name, f"{self.lost_reason or self.name + ': device lost'} (load the model again)")
 
     def wait(self, refs: Any, what: str) -> Any:
         return wait(self.name, refs, what, self)
@@ -538,6 +574,7 @@ class RayDevice(Device):
         r = t.root()
         buf = r.buffer
         if isinstance(buf, RayBuffer) and buf.buft.device is self:
+            self.check_epoch(buf._epoch)
             v = buf._store.get(t) or buf._store.get(r)
             if isinstance(v, RemoteLeaf):
                 return v.tid

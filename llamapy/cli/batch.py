@@ -8,7 +8,10 @@ that is not a valid request (bad JSON, a missing prompt, invalid UTF-8) becomes 
 `{"index": i, "error": "…"}` and the others still run.
 
 Output: one line per prompt in INPUT order (a completion that finishes early waits in memory until
-every earlier record is out), each written with a single write, flushed and fsync'ed. With `-o`,
+every earlier record is out), each written with a single write, flushed and fsync'ed. When the
+run fails (a lost Ray device: docs/ray.md) the records waiting in memory are written then, out of
+order, so that no finished record is lost; the error line names the device and the prompts that
+were running, which get no record. With `-o`,
 rerunning with the same file resumes: indices already there are skipped, and a last line cut short
 by a crash (not newline-terminated, or not valid JSON) is removed first. A file whose records were
 written for other prompts (another input, or this one edited) is refused, naming the first record
@@ -269,6 +272,7 @@ def batch(
     repeat_last_n: int = common.REPEAT_LAST_N,
     presence_penalty: float = common.PRESENCE_PENALTY,
     frequency_penalty: float = common.FREQUENCY_PENALTY,
+    ignore_eos: bool = common.IGNORE_EOS,
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar on stderr"),
     ngl: str = common.NGL,
     ot: list[str] = common.OT,
@@ -315,7 +319,7 @@ def batch(
         sampling = SamplingParams(
             temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
             repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, seed=seed,
+            frequency_penalty=frequency_penalty, seed=seed, ignore_eos=ignore_eos,
         )  # fmt: skip
         llm = common.load(
             model_path, None, ngl, ot, ts, mg, ctx_size, batch_size, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device
@@ -330,7 +334,7 @@ def batch(
 def _run(llm, items, todo, done, writer, n_parallel, n_predict, sampling, no_progress) -> None:  # noqa: ANN001
     from tqdm import tqdm
 
-    from ..batch import BatchStats, run_batch
+    from ..batch import BatchFailed, BatchStats, run_batch
 
     order = _ordered(items, done)  # indices to write, in input order
     next_index = next(order, None)
@@ -354,12 +358,18 @@ def _run(llm, items, todo, done, writer, n_parallel, n_predict, sampling, no_pro
                 emit(it.index, {"index": it.index, "id": it.id, "error": it.error})
                 bar.update(1)
         requests = (it.request for it in todo if it.error is None)
-        for rec in run_batch(llm.ctx, requests, n_parallel, n_predict, sampling, stats):
-            if rec.error is not None:
-                n_err += 1
-            emit(rec.index, rec.to_dict())
-            bar.update(1)
-            bar.set_postfix_str(f"{_rate(stats.n_gen_tokens, stats.wall_ms):.1f} tok/s", refresh=False)
+        try:
+            for rec in run_batch(llm.ctx, requests, n_parallel, n_predict, sampling, stats):
+                if rec.error is not None:
+                    n_err += 1
+                emit(rec.index, rec.to_dict())
+                bar.update(1)
+                bar.set_postfix_str(f"{_rate(stats.n_gen_tokens, stats.wall_ms):.1f} tok/s", refresh=False)
+        except BatchFailed as e:
+            for i in sorted(ready):  # finished, waiting for an earlier one: out of order, not lost
+                writer.write(ready.pop(i))
+            where = f" to {writer.path}; rerun with -o {writer.path} to resume" if writer.path else ""
+            raise LlamapyError(f"batch: {e}; {writer.n_written} records written{where}") from None
     finally:
         bar.close()
     wall = (time.perf_counter() - t0) * 1e3

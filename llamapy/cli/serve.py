@@ -113,6 +113,7 @@ def serve(
     no_op_offload: bool = common.NO_OP_OFFLOAD,
     f32_activations: bool = common.F32_ACT,
     device: str = common.DEVICE,
+    ray: str = common.RAY,
     no_warmup: bool = typer.Option(False, "--no-warmup", help="skip the warm-up run"),
 ) -> None:
     """Serve a model over HTTP: OpenAI's /v1/chat/completions and /v1/completions, llama-server's
@@ -133,6 +134,7 @@ def serve(
         raise LlamapyError(f"--queue {max_queue}: must be >= 0")
     key = _api_key(api_key, api_key_file)
     path = common.resolve_model(model, model_opt)
+    common.use_ray(ray)  # joined before listening: a cluster that cannot be used is an error here
     sock = _bind(host, port)
     state = ServerState(model_name=alias or path.name, api_key=key, metrics=metrics)
     config = uvicorn.Config(

@@ -6,6 +6,11 @@ Requests are parsed in the event loop; decoding runs in the engine's worker thre
 events come back through the loop. A streaming client that goes away cancels its request (its
 generator is closed), a non-streaming one is noticed by polling the connection, and either way the
 engine frees the slot at its next step.
+
+A lost device (a Ray node that died or stopped answering: docs/ray.md) ends the requests running
+on the model with an error naming it; the server stays up, /health then answers 503 with the
+reason, and generation requests get 503 until the server is restarted (the model is not reloaded
+by itself: the cluster may need attention first).
 """
 
 from __future__ import annotations
@@ -143,6 +148,10 @@ def create_app(state: ServerState) -> FastAPI:
             return _error(ApiError("loading model", 503, "unavailable_error"))
         if state.engine is not None and state.engine.loop_error is not None:
             return _error(ApiError(f"the engine stopped: {state.engine.loop_error!r}", 500, "server_error"))
+        if state.engine is not None and state.engine.fault is not None:
+            # a lost device (a Ray node): generation is refused until the server is restarted
+            return _error(ApiError(f"the model is unavailable: {state.engine.fault}; restart the server to load it again",
+                                   503, "unavailable_error"))  # fmt: skip
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")

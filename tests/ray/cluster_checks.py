@@ -1,6 +1,7 @@
 """Checks of the Ray devices on one simulated cluster (a head and two nodes offering
 {"llamapy": 1}), run by test_ray.py inside a loopback-only network namespace — never directly
-(the name keeps pytest from collecting it). The node kill comes last: it leaves one node."""
+(the name keeps pytest from collecting it). The node kills come last: the first leaves one node;
+the batch check adds one back, then kills one."""
 
 from __future__ import annotations
 
@@ -101,6 +102,41 @@ def test_ngl_10_on_one_remote_device_equals_cpu(address: str, tiny: Path) -> Non
     assert ray.returncode == 0, ray.stderr
     assert "offloaded 10/33 layers" in ray.stderr and "RAY1" not in ray.stderr, ray.stderr
     assert ray.stdout == cpu.stdout
+
+
+def test_ngl_auto_and_override_tensor_treat_remote_devices_as_gpus(address: str, tiny: Path) -> None:
+    cpu = _run(tiny, "-ngl", "0")
+    auto = _run(tiny, "--ray", address, "-ngl", "auto")
+    assert auto.returncode == 0, auto.stderr[-2000:]
+    # as many layers as the nodes' free memory holds, less a GPU's margin (this machine is shared:
+    # not necessarily all of them)
+    m = re.search(r"-ngl auto: (\d+)/33 layers fit the free GPU memory \(margin: RAY0 \d+ MiB, RAY1 \d+ MiB\)",
+                  auto.stderr)  # fmt: skip
+    assert m and int(m.group(1)) > 0, auto.stderr[-2000:]
+    assert re.search(r"RAY[01] model buffer", auto.stderr), auto.stderr[-2000:]
+    # -ot: layers 16.. on RAY1 although -ngl 0 keeps every layer on the CPU
+    ot = _run(tiny, "--ray", address, "-ngl", "0", "-ot", r"blk\.(1[6-9]|2[0-9]|3[01])\.=RAY1")
+    assert ot.returncode == 0, ot.stderr[-2000:]
+    assert "RAY1 model buffer" in ot.stderr and "RAY0 model buffer" not in ot.stderr, ot.stderr[-2000:]
+    assert auto.stdout == cpu.stdout and ot.stdout == cpu.stdout
+
+
+def test_serve_with_ray_flag(address: str, tiny: Path, tmp_path: Path) -> None:
+    import httpx
+
+    sys.path.insert(0, str(HERE.parent / "server"))
+    from serving import Server
+
+    s = Server(tiny, ["-np", "1", "-c", "512", "--ray", address, "-ngl", "all", "-ts", "1,1"], tmp_path / "server.log",
+               ready_s=300)  # fmt: skip
+    try:
+        assert "RAY0 model buffer" in s.text() and "RAY1 model buffer" in s.text(), s.text()[-2000:]
+        r = httpx.post(s.url + "/completion", json={"prompt": PROMPT, "n_predict": 24, "temperature": 0}, timeout=300)
+        assert r.status_code == 200, r.text
+        got = r.json()["content"]
+    finally:
+        s.stop()
+    assert got.strip() and got in _run(tiny, "-ngl", "0").stdout
 
 
 def _kld(stdout: str) -> tuple[float, float, float]:
@@ -217,3 +253,58 @@ def test_killed_node_ends_the_run_with_one_line(ray_cluster, address: str, tiny:
     again = _run(tiny, "--ray", address, "-ngl", "all")
     assert again.returncode == 0 and "RAY0 model buffer" in again.stderr and "RAY1" not in again.stderr, again.stderr
     assert again.stdout == _run(tiny, "-ngl", "0").stdout
+
+
+BATCH_PROMPTS = [("the cat", 4), ("Once upon a time", 100000), ("in the", 4), ("she said", 100000)]
+
+
+def test_killed_node_during_batch_loses_no_finished_record(ray_cluster, address: str, tiny: Path,  # noqa: ANN001
+                                                           tmp_path: Path) -> None:  # fmt: skip
+    import json
+
+    import cluster
+
+    # two nodes again: the one the test above left, and a new one
+    ray_cluster.add_node(num_cpus=1, resources={"llamapy": 1}, object_store_memory=cluster.STORE)
+    ray_cluster.wait_for_nodes()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "n_predict": n}) + "\n" for p, n in BATCH_PROMPTS))
+    flags = ["batch", str(tiny), str(prompts), "-np", "2", "-c", "4096", "--temp", "0", "--ignore-eos", "--no-progress"]
+    short = tmp_path / "short.jsonl"  # the same prompts, all as short as 0 and 2: what they give on the CPU
+    short.write_text("".join(json.dumps({"prompt": p, "n_predict": 4}) + "\n" for p, _ in BATCH_PROMPTS))
+    base = tmp_path / "cpu.jsonl"
+    r = cli("batch", str(tiny), str(short), "-o", str(base), "-np", "2", "--temp", "0", "--no-progress", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = tmp_path / "ray.jsonl"
+    env = dict(os.environ, LLAMAPY_RAY_TIMEOUT="30")
+    env.pop("LLAMAPY_DEBUG", None)
+    p = subprocess.Popen([sys.executable, "-m", "llamapy", *flags, "-o", str(out), "--ray", address, "-ngl", "all",
+                          "-ts", "1,1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)  # fmt: skip
+    try:
+        t_end = time.monotonic() + 300
+        while time.monotonic() < t_end and p.poll() is None:  # record 0 is out
+            if out.exists() and out.read_text().strip():
+                break
+            time.sleep(0.2)
+        time.sleep(3)  # prompt 2 (4 tokens) finishes too: its record waits in memory for 1's
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        node = sorted(ray_cluster.worker_nodes, key=lambda n: n.unique_id)[0]
+        ray_cluster.remove_node(node, allow_graceful=False)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = err.decode(errors="replace").strip()
+    last = text.splitlines()[-1] if text else ""
+    assert p.returncode == 1 and "Traceback" not in text, text[-3000:]
+    m = re.match(rf"error: batch: RAY[01]: device lost \(compute\): .* \(prompts? ([0-9, ]+) running\); (\d) records written "
+                 rf"to {re.escape(str(out))}; rerun with -o", last)  # fmt: skip
+    assert m, text[-3000:]
+    running = {int(i) for i in m.group(1).split(", ")}
+    recs = [json.loads(ln) for ln in out.read_text().splitlines()]
+    written = {d["index"] for d in recs}
+    want = {d["index"]: d["text"] for d in map(json.loads, base.read_text().splitlines())}
+    # every finished record is there (2 normally: it had waited in memory), none of a running prompt
+    assert 0 in written and 1 in running and not written & running and int(m.group(2)) == len(recs), (last, written)
+    assert written <= {0, 2}
+    assert all(d["finish_reason"] == "length" and d["text"] == want[d["index"]] for d in recs), (recs, want)

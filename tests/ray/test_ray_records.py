@@ -1,7 +1,7 @@
 """What travels to a Ray device and back, without a cluster (backend/ray.py): op records are
 plain data and validated on the actor's side; results are validated by the driver; and the
 actor's code run in this process (a stand-in for its handle that copies every argument and
-result, as Ray does) gives a model's logits equal to the CPU's."""
+result, as Ray does: tests/ray/inprocess.py) gives a model's logits equal to the CPU's."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from llamapy import ray_node
 from llamapy.backend import ray as rb
 from llamapy.tensor import Op, Tensor, TensorFlag
 from llamapy.types import GGMLType, LlamapyError
+
+import inprocess
 
 
 def _graph() -> tuple[Tensor, Tensor, Tensor]:
@@ -65,51 +67,9 @@ def test_the_driver_refuses_params_that_are_not_plain_data() -> None:
         rb.graph_records([s.src[0], s], lambda t: None)
 
 
-class _Ref:
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-def _copied(x: Any) -> Any:
-    """An argument or a result as Ray hands it over: a copy, arrays read-only."""
-    x = pickle.loads(pickle.dumps(x))
-    for a in x if isinstance(x, (list, tuple)) else [x]:
-        for y in a if isinstance(a, tuple) else [a]:
-            if isinstance(y, np.ndarray):
-                y.flags.writeable = False
-    return x
-
-
-class _Handle:
-    """A stand-in for an actor handle: `handle.method.remote(*args)` runs it here."""
-
-    def __init__(self) -> None:
-        self.actor = ray_node.DeviceActor()
-
-    def __getattr__(self, name: str) -> Any:
-        f = getattr(self.actor, name)
-
-        class M:
-            @staticmethod
-            def remote(*args: Any) -> _Ref:
-                args = _copied([x.value if isinstance(x, _Ref) else x for x in args])
-                return _Ref(_copied(f(*args)))
-
-        return M
-
-
-def _local_devices(monkeypatch: pytest.MonkeyPatch, results: dict[str, Any] | None = None) -> None:
-    def connect(address: str, actor_cls: type) -> list[rb.RayDevice]:
-        devs = []
-        for i in range(2):
-            d = rb.RayDevice(f"RAY{i}", f"node{i}", "here", 1 << 34, 1 << 34, ray_node.DeviceActor)
-            d._actor = _Handle()
-            devs.append(d)
-        return devs
-
-    monkeypatch.setattr(rb, "connect", connect)
-    monkeypatch.setattr(rb, "wait", lambda device, ref, what, dev=None: ref.value)
+def _local_devices(monkeypatch: pytest.MonkeyPatch) -> list[inprocess.FakeDevice]:
     monkeypatch.setenv("LLAMAPY_RAY", "in-process")
+    return inprocess.install(monkeypatch.setattr)
 
 
 def test_in_process_actors_give_the_cpu_logits(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -150,3 +110,20 @@ def test_the_driver_validates_what_a_device_returns() -> None:
     res = rb._Result(dev, None)
     res.values = (np.ones((2, 3), np.float32),)
     assert rb.RemoteOut(res, 0, t).fetch().sum() == 6
+
+
+def test_the_node_uses_the_drivers_public_validators() -> None:
+    """ray_node checks what it receives with backend/ray.py's validators, a public interface:
+    it imports no private name from there."""
+    import ast
+
+    tree = ast.parse(Path(ray_node.__file__).read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").endswith("backend.ray")
+             for a in n.names]  # fmt: skip
+    assert {"check_params", "check_shape", "check_type", "build_graph"} <= set(names)
+    assert not [n for n in names if n.startswith("_")], names
+    assert rb.check_shape([2, 3]) == (2, 3) and rb.check_type("Q4_K").name == "Q4_K"
+    assert rb.check_params({"dims": [1, [2, 3]]}) == {"dims": (1, (2, 3))}
+    for bad in (lambda: rb.check_shape((1, -1)), lambda: rb.check_type("eval"), lambda: rb.check_params({"f": len})):
+        with pytest.raises(ValueError):
+            bad()

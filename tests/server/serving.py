@@ -21,12 +21,14 @@ CHAT_TEMPLATE = (
 class Server:
     """`python -m llamapy serve MODEL --port 0 ARGS…` on loopback; the port is read from its log."""
 
-    def __init__(self, model: Path, args: list[str], log: Path, ready_s: float = 120.0) -> None:
+    def __init__(self, model: Path, args: list[str], log: Path, ready_s: float = 120.0,
+                 cli: list[str] | None = None, env: dict[str, str] | None = None) -> None:  # fmt: skip
+        """`cli`: the command that runs llamapy's CLI (default: python -m llamapy)."""
         self.log = log
         self._log_fh = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "llamapy", "serve", str(model), "--host", "127.0.0.1", "--port", "0", *args],
+            [*(cli or [sys.executable, "-m", "llamapy"]), "serve", str(model), "--host", "127.0.0.1", "--port", "0", *args],
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=self._log_fh, stdin=subprocess.DEVNULL, env=env,
         )  # fmt: skip
         self.url = ""

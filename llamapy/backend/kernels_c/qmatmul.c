@@ -974,6 +974,7 @@ typedef struct {
     mm_quantize_fn quantize;
     lp_vec_dot_fn dot;
     lp_gemm_fn gemm; /* NULL: one dot per output */
+    int gemm_cols;   /* the most columns gemm takes a call */
 } mm_traits;
 
 static void mm_copy_f32(const float *x, void *y, int64_t k) { memcpy(y, x, (size_t)k * sizeof(float)); }
@@ -1007,6 +1008,8 @@ static int mm_traits_of(int type, mm_traits *t) {
     case LP_TYPE_Q6_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q6_K_q8_K, lp_gemm_q6_K_q8_K}; break;
     default: return -1;
     }
+    t->gemm_cols = type == LP_TYPE_Q3_K || type == LP_TYPE_Q4_K || type == LP_TYPE_Q5_K || type == LP_TYPE_Q6_K
+                       ? LP_GEMM_COLS_K : LP_GEMM_COLS;
     return t->quantize != NULL && t->dot != NULL ? 0 : -1;
 }
 
@@ -1040,14 +1043,14 @@ QMM_API int lp_quantize_act(int ggml_type, const float *x, int64_t ld_x, int64_t
 }
 
 /* rows [r0, r1) of y for every token: MM_ROW_BLOCK rows against all tokens at a time, in
- * groups of LP_GEMM_COLS tokens where the type has a multi-column kernel */
+ * groups of gemm_cols tokens where the type has a multi-column kernel */
 static void mm_rows(const mm_traits *t, const uint8_t *w, int64_t r0, int64_t r1, int64_t row_bytes, int n_in,
                     const uint8_t *xq, int64_t act_bytes, int64_t n_tok, float *y, int64_t ld_y) {
     for (int64_t rb = r0; rb < r1; rb += MM_ROW_BLOCK) {
         const int64_t re = rb + MM_ROW_BLOCK < r1 ? rb + MM_ROW_BLOCK : r1;
         if (t->gemm != NULL && n_tok > 1) {
-            for (int64_t k = 0; k < n_tok; k += LP_GEMM_COLS) {
-                const int nc = (int)(n_tok - k < LP_GEMM_COLS ? n_tok - k : LP_GEMM_COLS);
+            for (int64_t k = 0; k < n_tok; k += t->gemm_cols) {
+                const int nc = (int)(n_tok - k < t->gemm_cols ? n_tok - k : t->gemm_cols);
                 t->gemm(n_in, y + k * ld_y + rb, ld_y, w + rb * row_bytes, row_bytes, (int)(re - rb),
                         xq + k * act_bytes, act_bytes, nc);
             }

@@ -1008,10 +1008,11 @@ KQ_INLINE void kq_gemm_q45_K_cols8(int i, const __m512i w[4], const __m512i scp[
 
 /* one row's blocks [0, kc) (x at the chunk's first block) into its state */
 #define KQ_Q45_ROW8(type)                                                                                        \
-    KQ_INLINE void kq_gemm_##type##_row8(int kc, const block_##type *x, const kq_act8 *a, kq_state8 *st) {     \
+    KQ_INLINE void kq_gemm_##type##_row8(int kc, const block_##type *x, const kq_act8 *a, kq_state8 *st, int first) { \
         __m512 acc[KQ_COLS8], acc_m[2];                                                                        \
-        for (int c = 0; c < KQ_COLS8; ++c) acc[c] = st->acc[c];                                                \
-        acc_m[0] = st->acc_m[0], acc_m[1] = st->acc_m[1];                                                      \
+        for (int c = 0; c < KQ_COLS8; ++c) acc[c] = first ? _mm512_setzero_ps() : st->acc[c];                 \
+        acc_m[0] = first ? _mm512_setzero_ps() : st->acc_m[0];                                                 \
+        acc_m[1] = first ? _mm512_setzero_ps() : st->acc_m[1];                                                 \
         for (int i = 0; i < kc; ++i) {                                                                         \
             const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));                       \
             __m512i scp[4], w[4];                                                                              \
@@ -1028,7 +1029,7 @@ KQ_Q45_ROW8(q5_K)
 /* Q6_K, eight columns: as its vec_dot, with the quants' +32 offset (32 x scales . bsums)
  * subtracted inside the 512-bit integer sum (one madd of the bsums with -32 x scales into
  * lanes 0..7, exact) before its two halves are added */
-KQ_INLINE void kq_gemm_q6_K_row8(int kc, const block_q6_K *x, const kq_act8 *a, __m256 *st) {
+KQ_INLINE void kq_gemm_q6_K_row8(int kc, const block_q6_K *x, const kq_act8 *a, __m256 *st, int first) {
     const __m512i m15 = _mm512_set1_epi8(15);
     const __m512i m48 = _mm512_set1_epi8(48);
     const __m512i shl = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2);
@@ -1038,7 +1039,7 @@ KQ_INLINE void kq_gemm_q6_K_row8(int kc, const block_q6_K *x, const kq_act8 *a, 
         _mm256_setr_m128i(_mm_set1_epi16(2), _mm_set1_epi16(3)), 1);
     const __m512i four = _mm512_set1_epi16(4);
     __m256 acc[KQ_COLS8];
-    for (int c = 0; c < KQ_COLS8; ++c) acc[c] = st[c];
+    for (int c = 0; c < KQ_COLS8; ++c) acc[c] = first ? _mm256_setzero_ps() : st[c];
     for (int i = 0; i < kc; ++i) {
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
         const __m512i sc = _mm512_castsi256_si512(sc16);
@@ -1251,13 +1252,12 @@ KQ_INLINE void kq_gemm_q6_K_row(int nb, float *s, int64_t ld_s, const block_q6_K
                 const uint8_t *y = (const uint8_t *)x + c0 * x_bytes;                                          \
                 for (int r0 = 0; r0 < nr; r0 += KQ_RC) {                                                       \
                     const int rc = nr - r0 < KQ_RC ? nr - r0 : KQ_RC;                                          \
-                    memset(st, 0, sizeof st);                                                                  \
                     for (int i0 = 0; i0 < nb; i0 += KQ_KC) {                                                   \
                         const int kc = nb - i0 < KQ_KC ? nb - i0 : KQ_KC;                                      \
                         kq_act8_fill(i0, kc, y, x_bytes, &a);                                                  \
                         for (int r = 0; r < rc; ++r)                                                           \
                             kq_gemm_##type##_row8(kc, (const block_##type *)((const uint8_t *)w + (r0 + r) * row_bytes) + i0, \
-                                                  &a, &st[r]);                                                 \
+                                                  &a, &st[r], i0 == 0);                                        \
                     }                                                                                          \
                     for (int r = 0; r < rc; ++r) kq_q45_K_finish8(&st[r], s + c0 * ld_s + r0 + r, ld_s);       \
                 }                                                                                              \
@@ -1280,12 +1280,12 @@ KQ_API void lp_gemm_q6_K_q8_K(int n, float *restrict s, int64_t ld_s, const void
             const uint8_t *y = (const uint8_t *)x + c0 * x_bytes;
             for (int r0 = 0; r0 < nr; r0 += KQ_RC) {
                 const int rc = nr - r0 < KQ_RC ? nr - r0 : KQ_RC;
-                memset(st, 0, sizeof st);
                 for (int i0 = 0; i0 < nb; i0 += KQ_KC) {
                     const int kc = nb - i0 < KQ_KC ? nb - i0 : KQ_KC;
                     kq_act8_fill(i0, kc, y, x_bytes, &a);
                     for (int r = 0; r < rc; ++r)
-                        kq_gemm_q6_K_row8(kc, (const block_q6_K *)((const uint8_t *)w + (r0 + r) * row_bytes) + i0, &a, st[r]);
+                        kq_gemm_q6_K_row8(kc, (const block_q6_K *)((const uint8_t *)w + (r0 + r) * row_bytes) + i0, &a, st[r],
+                                          i0 == 0);
                 }
                 for (int r = 0; r < rc; ++r)
                     for (int c = 0; c < KQ_COLS8; ++c) s[(c0 + c) * ld_s + r0 + r] = kq_hsum_ps256(st[r][c]);

@@ -261,7 +261,7 @@ def test_mul_mat_is_vec_dots(lib: ctypes.CDLL, name: str, n_tok: int) -> None:
 def test_k_gemm_is_vec_dots_at_any_column_count(lib: ctypes.CDLL, name: str) -> None:
     """lp_gemm_q{3..6}_K_q8_K take any number of columns (lp_quants.h: LP_GEMM_COLS_K; the AVX-512
     Q4_K/Q5_K/Q6_K kernels 8 at a time, the row cut in chunks of 8 blocks and the rows in groups of
-    16): every output is its vec_dot's bit for bit, for whole groups of 8 and remainders, more
+    64): every output is its vec_dot's bit for bit, for whole groups of 8 and remainders, more
     rows than a group, a row of 11 blocks (a chunk and a part), and ld_s > rows."""
     sym = f"{name[:2].lower()}_K_q8_K"
     if not hasattr(lib, "lp_gemm_" + sym):
@@ -271,7 +271,7 @@ def test_k_gemm_is_vec_dots_at_any_column_count(lib: ctypes.CDLL, name: str) -> 
     i64, p = ctypes.c_int64, ctypes.c_void_p
     gemm.argtypes, gemm.restype = [ctypes.c_int, p, i64, p, i64, ctypes.c_int, p, i64, ctypes.c_int], None
     rng = np.random.default_rng(23)
-    n_rows, n_in, n_cols = 37, 256 * 11, 25
+    n_rows, n_in, n_cols = 70, 256 * 11, 25
     w = random_raw(name, n_rows, n_in, rng)
     xq = quantize_act(lib, name, (rng.standard_normal((n_cols, n_in)) * 3).astype(np.float32))
     want = np.zeros((n_cols, n_rows), np.float32)

@@ -965,6 +965,13 @@ void lp_gemm_q6_K_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row
 /* Rows a thread takes at once (output columns of one chunk), and the rows of a cache block:
  * for prompts, MM_ROW_BLOCK weight rows stay in L1 while every token's activations pass by. */
 #define MM_ROW_BLOCK 16
+/* the K types' gemms (any column count, lp_quants.h) take this many rows a call: the AVX-512
+ * ones prepare their activations once a call for all its rows (measured ~+15% over 16 rows) */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define MM_ROW_BLOCK_K 64
+#else
+#define MM_ROW_BLOCK_K MM_ROW_BLOCK
+#endif
 
 typedef void (*mm_quantize_fn)(const float *x, void *y, int64_t k);
 
@@ -1046,8 +1053,9 @@ QMM_API int lp_quantize_act(int ggml_type, const float *x, int64_t ld_x, int64_t
  * groups of gemm_cols tokens where the type has a multi-column kernel */
 static void mm_rows(const mm_traits *t, const uint8_t *w, int64_t r0, int64_t r1, int64_t row_bytes, int n_in,
                     const uint8_t *xq, int64_t act_bytes, int64_t n_tok, float *y, int64_t ld_y) {
-    for (int64_t rb = r0; rb < r1; rb += MM_ROW_BLOCK) {
-        const int64_t re = rb + MM_ROW_BLOCK < r1 ? rb + MM_ROW_BLOCK : r1;
+    const int64_t rblk = t->gemm != NULL && n_tok > 1 && t->gemm_cols > LP_GEMM_COLS ? MM_ROW_BLOCK_K : MM_ROW_BLOCK;
+    for (int64_t rb = r0; rb < r1; rb += rblk) {
+        const int64_t re = rb + rblk < r1 ? rb + rblk : r1;
         if (t->gemm != NULL && n_tok > 1) {
             for (int64_t k = 0; k < n_tok; k += t->gemm_cols) {
                 const int nc = (int)(n_tok - k < t->gemm_cols ? n_tok - k : t->gemm_cols);

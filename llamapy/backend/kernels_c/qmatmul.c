@@ -1081,11 +1081,16 @@ QMM_API int lp_mul_mat_q(int ggml_type, const void *w, int64_t n_rows, int64_t r
 #ifdef _OPENMP
     const int64_t units = (n_rows + MM_ROW_BLOCK - 1) / MM_ROW_BLOCK;
     if (use_threads(n_threads, units, n_rows * n_in * n_tok)) {
-        /* ~4 chunks a thread, whole row blocks each: both cores busy on 576 rows (36 blocks) */
-        const int64_t nc = units < 4LL * n_threads ? units : 4LL * n_threads;
+        /* ~4 chunks a thread, whole row blocks each: both cores busy on 576 rows (36 blocks);
+         * a prompt on the K types' gemms: one chunk per MM_ROW_BLOCK_K rows (the gemm's call),
+         * so that a thread slowed down by others leaves at most one such call to wait for */
+        const int64_t unit = t.gemm != NULL && n_tok > 1 && t.gemm_cols > LP_GEMM_COLS ? MM_ROW_BLOCK_K : MM_ROW_BLOCK;
+        const int64_t n_units = (n_rows + unit - 1) / unit;
+        const int64_t n_chunk = unit == MM_ROW_BLOCK ? 4LL * n_threads : n_units;
+        const int64_t nc = n_units < n_chunk ? n_units : n_chunk;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
         for (int64_t c = 0; c < nc; c++) {
-            const int64_t a = c * units / nc * MM_ROW_BLOCK, b0 = (c + 1) * units / nc * MM_ROW_BLOCK;
+            const int64_t a = c * n_units / nc * unit, b0 = (c + 1) * n_units / nc * unit;
             const int64_t b = b0 < n_rows ? b0 : n_rows;
             mm_rows(&t, w, a, b, row_bytes, (int)n_in, xq, act_bytes, n_tok, y, ld_y);
         }

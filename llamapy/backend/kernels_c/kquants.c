@@ -17,7 +17,8 @@
  *                    sub-block scales (-> s32), ggml's approach: no saturation is possible,
  *                    since a pair is at most 2 x 63 x 127 < 32767;
  *   AVX-512 VNNI   - the same with 64-byte vectors and vpdpwssd (madd + add in one) for Q4_K,
- *                    Q5_K and Q6_K; Q2_K / Q3_K use the AVX2 code (few models use them).
+ *                    Q5_K and Q6_K; Q2_K / Q3_K use the AVX2 code (few models use them); the
+ *                    prompt kernels of Q4_K-Q6_K take 8 tokens x 64 rows a step (lp_gemm_*).
  * Weight types whose quants are signed (Q3_K: -4..3, Q6_K: -32..31) are used offset to
  * unsigned (+4, +32) for maddubs, and the offset times the scaled bsums is subtracted.
  */
@@ -943,19 +944,21 @@ KQ_INLINE void kq_decode_q5_K(const block_q5_K *x, __m512i w[4]) {
 KQ_Q45_ROW(q4_K)
 KQ_Q45_ROW(q5_K)
 
-/* Eight columns at once (KQ_COLS8), Q4_K / Q5_K, cache-blocked: the columns' blocks are taken
- * KQ_KC at a time, copied to an aligned buffer (kq_act8: a q8_K block's quants lie 292 bytes
- * apart, so most 64-byte loads of the file layout cross a cache line) that stays in L1 while
- * KQ_RC weight rows pass by, each row's accumulators kept between chunks (kq_state8); what
- * depends only on the activations is prepared once per chunk for all rows (each column's bsums
- * summed per 32 elements, four columns to a vector, and its d). Per row and column a block then
- * costs its 4 maddubs + 4 madd (the integer sums, exact in any order), one convert and one FMA,
- * and the mins of four columns one madd, convert and FMA together. Per output these are the
- * vec_dot's float32 operations on the vec_dot's values in the vec_dot's order, lane for lane:
- * the same bits. */
+/* Eight columns at once (KQ_COLS8), Q4_K / Q5_K (Q6_K below), cache-blocked: the columns'
+ * blocks are taken KQ_KC at a time and copied, with what depends only on the activations (each
+ * column's bsums summed per 32 elements, four columns to a vector, and its d), into one aligned
+ * buffer (kq_act8, ~21 KiB, in L1) prepared once for the KQ_RC weight rows of a call, each row's
+ * accumulators kept between chunks (kq_state8). Per row and column a block then costs its 4
+ * maddubs + 4 madd (the integer sums, exact in any order), one convert and one FMA, and the
+ * mins of four columns one madd, convert and FMA together. Per output these are the vec_dot's
+ * float32 operations on the vec_dot's values in the vec_dot's order, lane for lane: the same
+ * bits. Measured (noisy, one thread, 2048 x 2048 x 512 tokens): the 4-column kernel ~95 G
+ * multiply-adds/s, this ~120 at 16 rows a call, ~145-155 at 64; tried and not kept: vpdpbusd
+ * with the scales applied by one madd per two sub-blocks (6 instead of 8 multiplies: 3 % slower),
+ * 16 columns (register spills: 13 % slower), chains interleaved across columns (slower). */
 #define KQ_COLS8 8
-#define KQ_KC 8  /* blocks of a chunk: 16 KiB of activations + KQ_RC x 1.1-1.4 KiB of weights in L1 */
-#define KQ_RC 64 /* rows whose accumulators a chunk carries (qmatmul.c passes 64 a call: measured ~+15% over 16) */
+#define KQ_KC 8  /* blocks of a chunk: 16 KiB of activations */
+#define KQ_RC 64 /* rows a chunk serves (qmatmul.c passes 64 a call), their state 40 KiB of stack */
 typedef struct {
     int8_t qs[KQ_KC][KQ_COLS8][QK_K];
     int16_t bs32[KQ_KC][2][32]; /* block i, columns 4g .. 4g+3: 8 sums of 32 activations each */
@@ -992,8 +995,7 @@ KQ_INLINE void kq_gemm_q45_K_cols8(int i, const __m512i w[4], const __m512i scp[
         const __m512i md = _mm512_madd_epi16(mins, _mm512_load_si512((const void *)a->bs32[i][g]));
         acc_m[g] = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(md), acc_m[g]);
     }
-    /* each column's d x the row's d, one multiply for all 8, broadcast back from memory (a load,
-     * not a shuffle: the shuffle and multiply pipes are what this loop is short of) */
+    /* each column's d x the row's d: one multiply for all 8 (the vec_dot's one float product) */
     float d8[16] __attribute__((aligned(64)));
     _mm512_store_ps(d8, _mm512_mul_ps(_mm512_load_ps(a->yd[i]), xdv));
     for (int c = 0; c < KQ_COLS8; ++c) {

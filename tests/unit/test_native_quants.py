@@ -230,7 +230,7 @@ def test_mul_mat_is_vec_dots(lib: ctypes.CDLL, name: str, n_tok: int) -> None:
     if lib.lp_vec_dot_type(GGML_ID[name]) < 0:
         pytest.skip(f"this library has no {name} kernel")
     rng = np.random.default_rng(7)
-    n_rows, n_in = 200, 256 * 3
+    n_rows, n_in = 290, 256 * 3  # 2 threads: chunks of 64 rows on the AVX-512 K gemms, 3: of 16
     w = random_raw(name, n_rows, n_in, rng)
     x = rng.standard_normal((n_tok, n_in + 3)).astype(np.float32)  # ld_x > n_in
     qt = GGML_ID[name]

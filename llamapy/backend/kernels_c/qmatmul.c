@@ -1082,9 +1082,13 @@ QMM_API int lp_mul_mat_q(int ggml_type, const void *w, int64_t n_rows, int64_t r
     const int64_t units = (n_rows + MM_ROW_BLOCK - 1) / MM_ROW_BLOCK;
     if (use_threads(n_threads, units, n_rows * n_in * n_tok)) {
         /* ~4 chunks a thread, whole row blocks each: both cores busy on 576 rows (36 blocks);
-         * a prompt on the K types' gemms: one chunk per MM_ROW_BLOCK_K rows (the gemm's call),
-         * so that a thread slowed down by others leaves at most one such call to wait for */
-        const int64_t unit = t.gemm != NULL && n_tok > 1 && t.gemm_cols > LP_GEMM_COLS ? MM_ROW_BLOCK_K : MM_ROW_BLOCK;
+         * a prompt on the K types' gemms with rows for 2 calls a thread: one chunk per
+         * MM_ROW_BLOCK_K rows (the gemm's call), so that a thread slowed down by others leaves
+         * at most one such call to wait for */
+        const int64_t unit = t.gemm != NULL && n_tok > 1 && t.gemm_cols > LP_GEMM_COLS &&
+                                     n_rows >= 2LL * n_threads * MM_ROW_BLOCK_K
+                                 ? MM_ROW_BLOCK_K
+                                 : MM_ROW_BLOCK;
         const int64_t n_units = (n_rows + unit - 1) / unit;
         const int64_t n_chunk = unit == MM_ROW_BLOCK ? 4LL * n_threads : n_units;
         const int64_t nc = n_units < n_chunk ? n_units : n_chunk;

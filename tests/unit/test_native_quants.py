@@ -223,14 +223,14 @@ def test_gemm_is_vec_dots(lib: ctypes.CDLL, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", OWN_TYPES + K_TYPES)
-@pytest.mark.parametrize("n_tok", [1, 5, 9])  # LP_GEMM_COLS = 4: whole groups and remainders
+@pytest.mark.parametrize("n_tok", [1, 5, 9, 17])  # groups of 4 (8 for the K types) and remainders
 def test_mul_mat_is_vec_dots(lib: ctypes.CDLL, name: str, n_tok: int) -> None:
     """lp_mul_mat = quantize once + one vec_dot per output, whatever the threads and however many
     tokens (the multi-column kernels where a type has one): bit for bit."""
     if lib.lp_vec_dot_type(GGML_ID[name]) < 0:
         pytest.skip(f"this library has no {name} kernel")
     rng = np.random.default_rng(7)
-    n_rows, n_in = 200, 256 * 3
+    n_rows, n_in = 290, 256 * 3  # 2 threads: chunks of 64 rows on the AVX-512 K gemms, 3: of 16
     w = random_raw(name, n_rows, n_in, rng)
     x = rng.standard_normal((n_tok, n_in + 3)).astype(np.float32)  # ld_x > n_in
     qt = GGML_ID[name]
@@ -255,6 +255,37 @@ def test_mul_mat_is_vec_dots(lib: ctypes.CDLL, name: str, n_tok: int) -> None:
         assert lib.lp_mul_mat_q(qt, ptr(w), n_rows, w.shape[1], n_in, ptr(xq), n_tok, ptr(y2), n_rows,
                                 n_threads) == 0
         assert np.array_equal(y2, want)
+
+
+@pytest.mark.parametrize("name", ["Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_k_gemm_is_vec_dots_at_any_column_count(lib: ctypes.CDLL, name: str) -> None:
+    """lp_gemm_q{3..6}_K_q8_K take any number of columns (lp_quants.h: LP_GEMM_COLS_K; the AVX-512
+    Q4_K/Q5_K/Q6_K kernels 8 at a time, the row cut in chunks of 8 blocks and the rows in groups of
+    64): every output is its vec_dot's bit for bit, for whole groups of 8 and remainders, more
+    rows than a group, a row of 11 blocks (a chunk and a part), and ld_s > rows."""
+    sym = f"{name[:2].lower()}_K_q8_K"
+    if not hasattr(lib, "lp_gemm_" + sym):
+        assert "avx" not in os.path.basename(lib._name)
+        pytest.skip(f"this library has no lp_gemm_{sym}")
+    gemm, dot = getattr(lib, "lp_gemm_" + sym), getattr(lib, "lp_vec_dot_" + sym)
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    gemm.argtypes, gemm.restype = [ctypes.c_int, p, i64, p, i64, ctypes.c_int, p, i64, ctypes.c_int], None
+    rng = np.random.default_rng(23)
+    n_rows, n_in, n_cols = 70, 256 * 11, 25
+    w = random_raw(name, n_rows, n_in, rng)
+    xq = quantize_act(lib, name, (rng.standard_normal((n_cols, n_in)) * 3).astype(np.float32))
+    want = np.zeros((n_cols, n_rows), np.float32)
+    s = ctypes.c_float()
+    for c in range(n_cols):
+        for r in range(n_rows):
+            dot(n_in, ctypes.byref(s), ptr(w[r]), ptr(xq[c]))
+            want[c, r] = s.value
+    for nc in (1, 7, 8, 9, 16, 25):
+        for nr in (1, 16, n_rows):
+            y = np.full((n_cols, n_rows + 3), np.nan, np.float32)  # ld_s > nr
+            gemm(n_in, ptr(y), y.shape[1], ptr(w), w.shape[1], nr, ptr(xq), xq.shape[1], nc)
+            assert np.array_equal(y[:nc, :nr], want[:nc, :nr]), (nc, nr)
+            assert np.isnan(y[nc:]).all() and np.isnan(y[:, nr:]).all()  # nothing else written
 
 
 def test_dispatch_table(lib: ctypes.CDLL) -> None:

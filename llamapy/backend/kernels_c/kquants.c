@@ -17,7 +17,8 @@
  *                    sub-block scales (-> s32), ggml's approach: no saturation is possible,
  *                    since a pair is at most 2 x 63 x 127 < 32767;
  *   AVX-512 VNNI   - the same with 64-byte vectors and vpdpwssd (madd + add in one) for Q4_K,
- *                    Q5_K and Q6_K; Q2_K / Q3_K use the AVX2 code (few models use them).
+ *                    Q5_K and Q6_K; Q2_K / Q3_K use the AVX2 code (few models use them); the
+ *                    prompt kernels of Q4_K-Q6_K take 8 tokens x 64 rows a step (lp_gemm_*).
  * Weight types whose quants are signed (Q3_K: -4..3, Q6_K: -32..31) are used offset to
  * unsigned (+4, +32) for maddubs, and the offset times the scaled bsums is subtracted.
  */
@@ -796,8 +797,9 @@ KQ_API void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict 
  * with 16 ymm registers, 8 columns' accumulators spill; measured ~5x slower for AVX2 Q4_K),
  * rows one by one, the chunk's column count a compile-time constant in the inlined row kernel
  * (so its per-column accumulators stay in registers) */
-#define KQ_GEMM_ENTRY(name, block_t, row_fn, cols)                                                             \
-    KQ_API void name(int n, float *restrict s, int64_t ld_s, const void *restrict w, int64_t row_bytes, int nr, \
+#define KQ_GEMM_ENTRY(name, block_t, row_fn, cols) KQ_GEMM_ENTRY_L(KQ_API, name, block_t, row_fn, cols)
+#define KQ_GEMM_ENTRY_L(linkage, name, block_t, row_fn, cols)                                                  \
+    linkage void name(int n, float *restrict s, int64_t ld_s, const void *restrict w, int64_t row_bytes, int nr, \
                      const void *restrict x, int64_t x_bytes, int nc) {                                        \
         for (int c0 = 0; c0 < nc; c0 += (cols)) {                                                               \
             const int m = nc - c0 < (cols) ? nc - c0 : (cols);                                                  \
@@ -893,56 +895,190 @@ KQ_INLINE void kq_scale_pairs512(__m256i ms16, __m512i scp[4]) {
     }
 }
 
-KQ_INLINE void kq_gemm_q4_K_row(int nb, float *s, int64_t ld_s, const block_q4_K *x, const uint8_t *y, int64_t y_bytes,
-                                const int nc) {
+/* one Q4_K / Q5_K block's weights as 4 x 64 bytes (sub-blocks 2p | 2p+1) */
+KQ_INLINE void kq_decode_q4_K(const block_q4_K *x, __m512i w[4]) {
     const __m512i m4 = _mm512_set1_epi8(0xF);
-    __m512 acc[LP_GEMM_COLS];
-    __m128 acc_m[LP_GEMM_COLS];
-    for (int c = 0; c < nc; ++c) acc[c] = _mm512_setzero_ps(), acc_m[c] = _mm_setzero_ps();
-    for (int i = 0; i < nb; ++i) {
-        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
-        __m512i scp[4], w[4];
-        kq_scale_pairs512(ms16, scp);
-        const __m512i b0 = _mm512_loadu_si512((const void *)x[i].qs);
-        const __m512i b1 = _mm512_loadu_si512((const void *)(x[i].qs + 64));
-        const __m512i l0 = _mm512_and_si512(b0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), m4);
-        const __m512i l1 = _mm512_and_si512(b1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), m4);
-        w[0] = _mm512_shuffle_i64x2(l0, h0, 0x44);
-        w[1] = _mm512_shuffle_i64x2(l0, h0, 0xEE);
-        w[2] = _mm512_shuffle_i64x2(l1, h1, 0x44);
-        w[3] = _mm512_shuffle_i64x2(l1, h1, 0xEE);
-        kq_gemm_q45_K_cols(i, w, scp, ms16, kq_h2f(x[i].d), kq_h2f(x[i].dmin), y, y_bytes, nc, acc, acc_m);
-    }
-    for (int c = 0; c < nc; ++c) s[c * ld_s] = _mm512_reduce_add_ps(acc[c]) - kq_hsum_ps128(acc_m[c]);
+    const __m512i b0 = _mm512_loadu_si512((const void *)x->qs);
+    const __m512i b1 = _mm512_loadu_si512((const void *)(x->qs + 64));
+    const __m512i l0 = _mm512_and_si512(b0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), m4);
+    const __m512i l1 = _mm512_and_si512(b1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), m4);
+    w[0] = _mm512_shuffle_i64x2(l0, h0, 0x44);
+    w[1] = _mm512_shuffle_i64x2(l0, h0, 0xEE);
+    w[2] = _mm512_shuffle_i64x2(l1, h1, 0x44);
+    w[3] = _mm512_shuffle_i64x2(l1, h1, 0xEE);
 }
 
-KQ_INLINE void kq_gemm_q5_K_row(int nb, float *s, int64_t ld_s, const block_q5_K *x, const uint8_t *y, int64_t y_bytes,
-                                const int nc) {
+KQ_INLINE void kq_decode_q5_K(const block_q5_K *x, __m512i w[4]) {
     const __m512i m4 = _mm512_set1_epi8(0xF);
     const __m512i m16 = _mm512_set1_epi8(16);
     const __m512i sh01 = _mm512_setr_epi64(4, 4, 4, 4, 3, 3, 3, 3);
     const __m512i sh23 = _mm512_setr_epi64(2, 2, 2, 2, 1, 1, 1, 1);
     const __m512i sh45 = _mm512_setr_epi64(0, 0, 0, 0, 1, 1, 1, 1);
     const __m512i sh67 = _mm512_setr_epi64(2, 2, 2, 2, 3, 3, 3, 3);
-    __m512 acc[LP_GEMM_COLS];
-    __m128 acc_m[LP_GEMM_COLS];
-    for (int c = 0; c < nc; ++c) acc[c] = _mm512_setzero_ps(), acc_m[c] = _mm_setzero_ps();
-    for (int i = 0; i < nb; ++i) {
-        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
-        __m512i scp[4], w[4];
-        kq_scale_pairs512(ms16, scp);
-        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)x[i].qh));
-        const __m512i b0 = _mm512_loadu_si512((const void *)x[i].qs);
-        const __m512i b1 = _mm512_loadu_si512((const void *)(x[i].qs + 64));
-        const __m512i l0 = _mm512_and_si512(b0, m4), hi0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), m4);
-        const __m512i l1 = _mm512_and_si512(b1, m4), hi1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), m4);
-        w[0] = _mm512_or_si512(_mm512_shuffle_i64x2(l0, hi0, 0x44), _mm512_and_si512(_mm512_sllv_epi64(qh, sh01), m16));
-        w[1] = _mm512_or_si512(_mm512_shuffle_i64x2(l0, hi0, 0xEE), _mm512_and_si512(_mm512_sllv_epi64(qh, sh23), m16));
-        w[2] = _mm512_or_si512(_mm512_shuffle_i64x2(l1, hi1, 0x44), _mm512_and_si512(_mm512_srlv_epi64(qh, sh45), m16));
-        w[3] = _mm512_or_si512(_mm512_shuffle_i64x2(l1, hi1, 0xEE), _mm512_and_si512(_mm512_srlv_epi64(qh, sh67), m16));
-        kq_gemm_q45_K_cols(i, w, scp, ms16, kq_h2f(x[i].d), kq_h2f(x[i].dmin), y, y_bytes, nc, acc, acc_m);
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)x->qh));
+    const __m512i b0 = _mm512_loadu_si512((const void *)x->qs);
+    const __m512i b1 = _mm512_loadu_si512((const void *)(x->qs + 64));
+    const __m512i l0 = _mm512_and_si512(b0, m4), hi0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), m4);
+    const __m512i l1 = _mm512_and_si512(b1, m4), hi1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), m4);
+    w[0] = _mm512_or_si512(_mm512_shuffle_i64x2(l0, hi0, 0x44), _mm512_and_si512(_mm512_sllv_epi64(qh, sh01), m16));
+    w[1] = _mm512_or_si512(_mm512_shuffle_i64x2(l0, hi0, 0xEE), _mm512_and_si512(_mm512_sllv_epi64(qh, sh23), m16));
+    w[2] = _mm512_or_si512(_mm512_shuffle_i64x2(l1, hi1, 0x44), _mm512_and_si512(_mm512_srlv_epi64(qh, sh45), m16));
+    w[3] = _mm512_or_si512(_mm512_shuffle_i64x2(l1, hi1, 0xEE), _mm512_and_si512(_mm512_srlv_epi64(qh, sh67), m16));
+}
+
+#define KQ_Q45_ROW(type)                                                                                        \
+    KQ_INLINE void kq_gemm_##type##_row(int nb, float *s, int64_t ld_s, const block_##type *x, const uint8_t *y, \
+                                        int64_t y_bytes, const int nc) {                                       \
+        __m512 acc[LP_GEMM_COLS];                                                                              \
+        __m128 acc_m[LP_GEMM_COLS];                                                                            \
+        for (int c = 0; c < nc; ++c) acc[c] = _mm512_setzero_ps(), acc_m[c] = _mm_setzero_ps();               \
+        for (int i = 0; i < nb; ++i) {                                                                         \
+            const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));                       \
+            __m512i scp[4], w[4];                                                                              \
+            kq_scale_pairs512(ms16, scp);                                                                      \
+            kq_decode_##type(x + i, w);                                                                        \
+            kq_gemm_q45_K_cols(i, w, scp, ms16, kq_h2f(x[i].d), kq_h2f(x[i].dmin), y, y_bytes, nc, acc, acc_m); \
+        }                                                                                                      \
+        for (int c = 0; c < nc; ++c) s[c * ld_s] = _mm512_reduce_add_ps(acc[c]) - kq_hsum_ps128(acc_m[c]);     \
     }
-    for (int c = 0; c < nc; ++c) s[c * ld_s] = _mm512_reduce_add_ps(acc[c]) - kq_hsum_ps128(acc_m[c]);
+KQ_Q45_ROW(q4_K)
+KQ_Q45_ROW(q5_K)
+
+/* Eight columns at once (KQ_COLS8), Q4_K / Q5_K (Q6_K below), cache-blocked: the columns'
+ * blocks are taken KQ_KC at a time and copied, with what depends only on the activations (each
+ * column's bsums summed per 32 elements, four columns to a vector, and its d), into one aligned
+ * buffer (kq_act8, ~21 KiB, in L1) prepared once for the KQ_RC weight rows of a call, each row's
+ * accumulators kept between chunks (kq_state8). Per row and column a block then costs its 4
+ * maddubs + 4 madd (the integer sums, exact in any order), one convert and one FMA, and the
+ * mins of four columns one madd, convert and FMA together. Per output these are the vec_dot's
+ * float32 operations on the vec_dot's values in the vec_dot's order, lane for lane: the same
+ * bits. Measured (noisy, one thread, 2048 x 2048 x 512 tokens): the 4-column kernel ~95 G
+ * multiply-adds/s, this ~120 at 16 rows a call, ~145-155 at 64; tried and not kept: vpdpbusd
+ * with the scales applied by one madd per two sub-blocks (6 instead of 8 multiplies: 3 % slower),
+ * 16 columns (register spills: 13 % slower), chains interleaved across columns (slower). */
+#define KQ_COLS8 8
+#define KQ_KC 8  /* blocks of a chunk: 16 KiB of activations */
+#define KQ_RC 64 /* rows a chunk serves (qmatmul.c passes 64 a call), their state 40 KiB of stack */
+typedef struct {
+    int8_t qs[KQ_KC][KQ_COLS8][QK_K];
+    int16_t bs32[KQ_KC][2][32]; /* block i, columns 4g .. 4g+3: 8 sums of 32 activations each */
+    float ydm[KQ_KC][2][16]; /* lane 4c + k: column 4g + c's d */
+    float yd[KQ_KC][16];      /* columns' d (8 lanes used) */
+    int16_t bsums[KQ_KC][KQ_COLS8][16];
+} __attribute__((aligned(64))) kq_act8;
+typedef struct {
+    __m512 acc[KQ_COLS8], acc_m[2]; /* acc_m lanes 4c + k: column 4g + c's mins lane k */
+} kq_state8;
+
+/* blocks [i0, i0 + kc) of the 8 columns at y into a */
+KQ_INLINE void kq_act8_fill(int i0, int kc, const uint8_t *y, int64_t y_bytes, kq_act8 *a) {
+    for (int i = 0; i < kc; ++i)
+        for (int c = 0; c < KQ_COLS8; ++c) {
+            const block_q8_K *yc = KQ_COL(y, y_bytes, c, i0 + i);
+            for (int k = 0; k < 4; ++k)
+                _mm512_store_si512((void *)(a->qs[i][c] + 64 * k), _mm512_loadu_si512((const void *)(yc->qs + 64 * k)));
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)yc->bsums);
+            _mm256_store_si256((__m256i *)a->bsums[i][c], bs);
+            _mm_store_si128((__m128i *)&a->bs32[i][c >> 2][8 * (c & 3)],
+                            _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1)));
+            a->yd[i][c] = yc->d;
+            for (int k = 0; k < 4; ++k) a->ydm[i][c >> 2][4 * (c & 3) + k] = yc->d;
+        }
+}
+
+KQ_INLINE void kq_gemm_q45_K_cols8(int i, const __m512i w[4], const __m512i scp[4], __m256i ms16, float xd, float xdmin,
+                                   const kq_act8 *a, __m512 *acc, __m512 *acc_m) {
+    const __m512i mins = _mm512_broadcast_i32x4(_mm256_extracti128_si256(ms16, 1));
+    const __m512 xdminv = _mm512_set1_ps(xdmin), xdv = _mm512_set1_ps(xd);
+    for (int g = 0; g < 2; ++g) {
+        const __m512 dmin = _mm512_mul_ps(_mm512_load_ps(a->ydm[i][g]), xdminv);
+        const __m512i md = _mm512_madd_epi16(mins, _mm512_load_si512((const void *)a->bs32[i][g]));
+        acc_m[g] = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(md), acc_m[g]);
+    }
+    /* each column's d x the row's d: one multiply for all 8 (the vec_dot's one float product) */
+    float d8[16] __attribute__((aligned(64)));
+    _mm512_store_ps(d8, _mm512_mul_ps(_mm512_load_ps(a->yd[i]), xdv));
+    for (int c = 0; c < KQ_COLS8; ++c) {
+        const int8_t *q8 = a->qs[i][c];
+        __m512i sumi = _mm512_madd_epi16(_mm512_maddubs_epi16(w[0], _mm512_load_si512((const void *)q8)), scp[0]);
+        for (int p = 1; p < 4; ++p)
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w[p], _mm512_load_si512((const void *)(q8 + 64 * p))),
+                                       scp[p]);
+        acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(d8[c]), _mm512_cvtepi32_ps(sumi), acc[c]);
+    }
+}
+
+/* one row's blocks [0, kc) (x at the chunk's first block) into its state */
+#define KQ_Q45_ROW8(type)                                                                                        \
+    KQ_INLINE void kq_gemm_##type##_row8(int kc, const block_##type *x, const kq_act8 *a, kq_state8 *st, int first) { \
+        __m512 acc[KQ_COLS8], acc_m[2];                                                                        \
+        for (int c = 0; c < KQ_COLS8; ++c) acc[c] = first ? _mm512_setzero_ps() : st->acc[c];                 \
+        acc_m[0] = first ? _mm512_setzero_ps() : st->acc_m[0];                                                 \
+        acc_m[1] = first ? _mm512_setzero_ps() : st->acc_m[1];                                                 \
+        for (int i = 0; i < kc; ++i) {                                                                         \
+            const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));                       \
+            __m512i scp[4], w[4];                                                                              \
+            kq_scale_pairs512(ms16, scp);                                                                      \
+            kq_decode_##type(x + i, w);                                                                        \
+            kq_gemm_q45_K_cols8(i, w, scp, ms16, kq_h2f(x[i].d), kq_h2f(x[i].dmin), a, acc, acc_m);            \
+        }                                                                                                      \
+        for (int c = 0; c < KQ_COLS8; ++c) st->acc[c] = acc[c];                                                \
+        st->acc_m[0] = acc_m[0], st->acc_m[1] = acc_m[1];                                                      \
+    }
+KQ_Q45_ROW8(q4_K)
+KQ_Q45_ROW8(q5_K)
+
+/* Q6_K, eight columns: as its vec_dot, with the quants' +32 offset (32 x scales . bsums)
+ * subtracted inside the 512-bit integer sum (one madd of the bsums with -32 x scales into
+ * lanes 0..7, exact) before its two halves are added */
+KQ_INLINE void kq_gemm_q6_K_row8(int kc, const block_q6_K *x, const kq_act8 *a, __m256 *st, int first) {
+    const __m512i m15 = _mm512_set1_epi8(15);
+    const __m512i m48 = _mm512_set1_epi8(48);
+    const __m512i shl = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2);
+    const __m512i shr = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
+    const __m512i idx0 = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_setr_m128i(_mm_set1_epi16(0), _mm_set1_epi16(1))),
+        _mm256_setr_m128i(_mm_set1_epi16(2), _mm_set1_epi16(3)), 1);
+    const __m512i four = _mm512_set1_epi16(4);
+    __m256 acc[KQ_COLS8];
+    for (int c = 0; c < KQ_COLS8; ++c) acc[c] = first ? _mm256_setzero_ps() : st[c];
+    for (int i = 0; i < kc; ++i) {
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
+        const __m512i sc = _mm512_castsi256_si512(sc16);
+        const __m512i nsc32 = _mm512_zextsi256_si512(_mm256_mullo_epi16(sc16, _mm256_set1_epi16(-32)));
+        __m512i w[4], scq[4];
+        __m512i idx = idx0;
+        for (int k = 0; k < 2; ++k) {
+            const __m512i ql = _mm512_loadu_si512((const void *)(x[i].ql + 64 * k));
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * k)));
+            w[2 * k] = _mm512_or_si512(_mm512_and_si512(ql, m15), _mm512_and_si512(_mm512_sllv_epi64(qh, shl), m48));
+            w[2 * k + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m15),
+                                           _mm512_and_si512(_mm512_srlv_epi64(qh, shr), m48));
+            scq[2 * k] = _mm512_permutexvar_epi16(idx, sc);
+            idx = _mm512_add_epi16(idx, four);
+            scq[2 * k + 1] = _mm512_permutexvar_epi16(idx, sc);
+            idx = _mm512_add_epi16(idx, four);
+        }
+        const __m256 d8 = _mm256_mul_ps(_mm256_load_ps(a->yd[i]), _mm256_set1_ps(kq_h2f(x[i].d)));
+        for (int c = 0; c < KQ_COLS8; ++c) {
+            const int8_t *q8 = a->qs[i][c];
+            __m512i sumi = _mm512_madd_epi16(_mm512_zextsi256_si512(_mm256_load_si256((const __m256i *)a->bsums[i][c])), nsc32);
+            for (int p = 0; p < 4; ++p)
+                sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w[p], _mm512_load_si512((const void *)(q8 + 64 * p))),
+                                           scq[p]);
+            const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
+            acc[c] = _mm256_fmadd_ps(_mm256_permutexvar_ps(_mm256_set1_epi32(c), d8), _mm256_cvtepi32_ps(s8), acc[c]);
+        }
+    }
+    for (int c = 0; c < KQ_COLS8; ++c) st[c] = acc[c];
+}
+
+/* the vec_dot's final reduction of each column */
+KQ_INLINE void kq_q45_K_finish8(const kq_state8 *st, float *s, int64_t ld_s) {
+    float m[32];
+    _mm512_storeu_ps(m, st->acc_m[0]);
+    _mm512_storeu_ps(m + 16, st->acc_m[1]);
+    for (int c = 0; c < KQ_COLS8; ++c) s[c * ld_s] = _mm512_reduce_add_ps(st->acc[c]) - kq_hsum_ps128(_mm_loadu_ps(m + 4 * c));
 }
 
 KQ_INLINE void kq_gemm_q6_K_row(int nb, float *s, int64_t ld_s, const block_q6_K *x, const uint8_t *y, int64_t y_bytes,
@@ -1103,8 +1239,68 @@ KQ_INLINE void kq_gemm_q6_K_row(int nb, float *s, int64_t ld_s, const block_q6_K
 #else
 #define KQ_COLS_K KQ_COLS256
 #endif
+#if defined(LP_KQ_AVX512)
+/* whole groups of 8 columns through the _row8 kernels, the rest 4 at a time */
+#define KQ_GEMM_ENTRY8(type)                                                                                    \
+    KQ_GEMM_ENTRY_L(static, kq_gemm4_##type, block_##type, kq_gemm_##type##_row, KQ_COLS_K)                     \
+    KQ_API void lp_gemm_##type##_q8_K(int n, float *restrict s, int64_t ld_s, const void *restrict w, int64_t row_bytes, \
+                                      int nr, const void *restrict x, int64_t x_bytes, int nc) {               \
+        const int nb = n / QK_K;                                                                               \
+        int c0 = 0;                                                                                            \
+        if (nc >= KQ_COLS8) {                                                                                  \
+            kq_act8 a;                                                                                         \
+            kq_state8 st[KQ_RC];                                                                               \
+            for (; c0 + KQ_COLS8 <= nc; c0 += KQ_COLS8) {                                                      \
+                const uint8_t *y = (const uint8_t *)x + c0 * x_bytes;                                          \
+                for (int r0 = 0; r0 < nr; r0 += KQ_RC) {                                                       \
+                    const int rc = nr - r0 < KQ_RC ? nr - r0 : KQ_RC;                                          \
+                    for (int i0 = 0; i0 < nb; i0 += KQ_KC) {                                                   \
+                        const int kc = nb - i0 < KQ_KC ? nb - i0 : KQ_KC;                                      \
+                        kq_act8_fill(i0, kc, y, x_bytes, &a);                                                  \
+                        for (int r = 0; r < rc; ++r)                                                           \
+                            kq_gemm_##type##_row8(kc, (const block_##type *)((const uint8_t *)w + (r0 + r) * row_bytes) + i0, \
+                                                  &a, &st[r], i0 == 0);                                        \
+                    }                                                                                          \
+                    for (int r = 0; r < rc; ++r) kq_q45_K_finish8(&st[r], s + c0 * ld_s + r0 + r, ld_s);       \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        if (c0 < nc)                                                                                           \
+            kq_gemm4_##type(n, s + c0 * ld_s, ld_s, w, row_bytes, nr, (const uint8_t *)x + c0 * x_bytes, x_bytes, nc - c0); \
+    }
+KQ_GEMM_ENTRY8(q4_K)
+KQ_GEMM_ENTRY8(q5_K)
+KQ_GEMM_ENTRY_L(static, kq_gemm4_q6_K, block_q6_K, kq_gemm_q6_K_row, KQ_COLS_K)
+KQ_API void lp_gemm_q6_K_q8_K(int n, float *restrict s, int64_t ld_s, const void *restrict w, int64_t row_bytes, int nr,
+                              const void *restrict x, int64_t x_bytes, int nc) {
+    const int nb = n / QK_K;
+    int c0 = 0;
+    if (nc >= KQ_COLS8) {
+        kq_act8 a;
+        __m256 st[KQ_RC][KQ_COLS8];
+        for (; c0 + KQ_COLS8 <= nc; c0 += KQ_COLS8) {
+            const uint8_t *y = (const uint8_t *)x + c0 * x_bytes;
+            for (int r0 = 0; r0 < nr; r0 += KQ_RC) {
+                const int rc = nr - r0 < KQ_RC ? nr - r0 : KQ_RC;
+                for (int i0 = 0; i0 < nb; i0 += KQ_KC) {
+                    const int kc = nb - i0 < KQ_KC ? nb - i0 : KQ_KC;
+                    kq_act8_fill(i0, kc, y, x_bytes, &a);
+                    for (int r = 0; r < rc; ++r)
+                        kq_gemm_q6_K_row8(kc, (const block_q6_K *)((const uint8_t *)w + (r0 + r) * row_bytes) + i0, &a, st[r],
+                                          i0 == 0);
+                }
+                for (int r = 0; r < rc; ++r)
+                    for (int c = 0; c < KQ_COLS8; ++c) s[(c0 + c) * ld_s + r0 + r] = kq_hsum_ps256(st[r][c]);
+            }
+        }
+    }
+    if (c0 < nc)
+        kq_gemm4_q6_K(n, s + c0 * ld_s, ld_s, w, row_bytes, nr, (const uint8_t *)x + c0 * x_bytes, x_bytes, nc - c0);
+}
+#else
 KQ_GEMM_ENTRY(lp_gemm_q4_K_q8_K, block_q4_K, kq_gemm_q4_K_row, KQ_COLS_K)
 KQ_GEMM_ENTRY(lp_gemm_q5_K_q8_K, block_q5_K, kq_gemm_q5_K_row, KQ_COLS_K)
 KQ_GEMM_ENTRY(lp_gemm_q6_K_q8_K, block_q6_K, kq_gemm_q6_K_row, KQ_COLS_K)
+#endif
 
 #endif /* __AVX2__ */

@@ -138,6 +138,10 @@ void lp_quantize_row_q8_K(const float *x, void *y, int64_t k);
  * for all nc columns. lp_gemm_<type>_<vec_dot_type> is optional per type: qmatmul.c
  * references it weakly and loops lp_vec_dot_* where a type has none. */
 #define LP_GEMM_COLS 4
+/* lp_gemm_q3_K/q4_K/q5_K/q6_K_q8_K take any nc (they loop over columns themselves; the AVX-512
+ * Q4_K/Q5_K/Q6_K kernels 8 at a time, cache-blocked over the row): qmatmul.c hands them this
+ * many tokens a call */
+#define LP_GEMM_COLS_K 64
 typedef void (*lp_gemm_fn)(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
                            int64_t x_bytes, int nc);
 

@@ -222,6 +222,37 @@ def test_gemm_is_vec_dots(lib: ctypes.CDLL, name: str) -> None:
             assert np.isnan(y[nc:]).all() and np.isnan(y[:, nr:]).all()  # nothing else written
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_0"])
+@pytest.mark.parametrize("n_blocks", [19, 64, 1025])  # an odd tail block; past the stack buffer (1024)
+def test_gemv_is_vec_dots(lib: ctypes.CDLL, name: str, n_blocks: int) -> None:
+    """lp_gemv_<type> (the decode kernel over many rows, where the variant has one) called
+    directly: every output its vec_dot's bit for bit, for row counts around the kernel's group
+    of 4, rows longer than their data (row_bytes > the blocks), and nothing written past nr."""
+    sym = f"{name.lower()}_{VEC_DOT_TYPE[name].lower()}"
+    if not hasattr(lib, "lp_gemv_" + sym):
+        assert "avx512" not in os.path.basename(lib._name)  # the AVX-512 build has them
+        pytest.skip(f"this library has no lp_gemv_{sym}")
+    gemv, dot = getattr(lib, "lp_gemv_" + sym), getattr(lib, "lp_vec_dot_" + sym)
+    p = ctypes.c_void_p
+    gemv.argtypes, gemv.restype = [ctypes.c_int, p, p, ctypes.c_int64, ctypes.c_int, p], None
+    rng = np.random.default_rng(n_blocks)
+    n_rows, n_in = 11, 32 * n_blocks
+    raw = random_raw(name, n_rows, n_in, rng)
+    w = np.zeros((n_rows, raw.shape[1] + 6), np.uint8)  # row_bytes > the row's blocks
+    w[:, : raw.shape[1]] = raw
+    xq = quantize_act(lib, name, (rng.standard_normal((1, n_in)) * 3).astype(np.float32))
+    want = np.zeros(n_rows, np.float32)
+    s = ctypes.c_float()
+    for r in range(n_rows):
+        dot(n_in, ctypes.byref(s), ptr(w[r]), ptr(xq[0]))
+        want[r] = s.value
+    for nr in (1, 3, 4, 5, 8, n_rows):
+        y = np.full(n_rows + 1, np.nan, np.float32)
+        gemv(n_in, ptr(y), ptr(w), w.shape[1], nr, ptr(xq))
+        assert np.array_equal(y[:nr], want[:nr]), (name, nr)
+        assert np.isnan(y[nr:]).all()
+
+
 @pytest.mark.parametrize("name", OWN_TYPES + K_TYPES)
 @pytest.mark.parametrize("n_tok", [1, 5, 9])  # LP_GEMM_COLS = 4: whole groups and remainders
 def test_mul_mat_is_vec_dots(lib: ctypes.CDLL, name: str, n_tok: int) -> None:

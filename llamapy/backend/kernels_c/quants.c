@@ -625,6 +625,112 @@ LP_INLINE void gk_step_pair(const int kind, const int NR, const int NC, int i, _
 }
 #endif
 
+#if defined(GK_ZMM)
+/* One activation row (decode) against many weight rows of the signed nibble kinds (Q4_0, Q5_0),
+ * the vec_dot's float32 operations per row exactly, in fewer instructions: two blocks a 512-bit
+ * step, the -8 / -16 offset taken out of the activations once for all rows instead of the sign
+ * trick per row and block, and the activation side (quants, offset sums, scales) prepared once
+ * per call. The bytes of a block pair sit in the vector as [block i quants 0-15, block i+1
+ * quants 0-15, block i quants 16-31, block i+1 quants 16-31] (the nibbles as they lie in memory,
+ * low halves then high halves; the activations are permuted to match), so int32 lane k of the
+ * dpbusd holds the exact sum of the same four products as lane k of the vec_dot's dot_s8s8 for
+ * lanes 0-3 and 8-11 (block i: its acc0 lanes 0-7) and 4-7, 12-15 (block i+1: its acc1 lanes),
+ * each scaled by the same rounded dx * dy and fmadd-ed in the same block order; the end puts
+ * acc0 and acc1 back together and sums them as the vec_dot does (hsum8). GV_R rows at a time
+ * keep independent fmadd chains in flight. */
+#define GV_R 4
+#define GV_MAX_NB 1024 /* the prepared activation row (96 bytes a block) stays on the stack */
+
+/* the 64 quants of blocks b0, b0 + wb as unsigned bytes (0..15 / 0..31), in the pair order */
+LP_INLINE __m512i gv_quants(const int kind, const uint8_t *b0, int wb) {
+    const uint8_t *b1 = b0 + wb;
+    const int qo = kind == GK_Q4_0 ? 2 : 6;
+    const __m256i t = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + qo))),
+                                              _mm_loadu_si128((const __m128i *)(b1 + qo)), 1);
+    __m512i z = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1),
+                                 _mm512_set1_epi8(0x0f));
+    if (kind == GK_Q5_0) { /* bit j of qh is quant j's bit 4 */
+        uint32_t h0, h1;
+        memcpy(&h0, b0 + 2, 4);
+        memcpy(&h1, b1 + 2, 4);
+        const __mmask64 m = (uint64_t)(h0 & 0xffffu) | (uint64_t)(h1 & 0xffffu) << 16 | (uint64_t)(h0 >> 16) << 32 |
+                            (uint64_t)(h1 >> 16) << 48;
+        z = _mm512_mask_add_epi8(z, m, z, _mm512_set1_epi8(16));
+    }
+    return z;
+}
+
+/* the f16 scales at b0 and b0 + stride as float32 lanes [a x4, b x4, a x4, b x4] */
+LP_INLINE __m512 gv_scales(const uint8_t *b0, int stride) {
+    int32_t a, b;
+    memcpy(&a, b0, 4); /* the scale is the low half (little endian); the high one is not used */
+    memcpy(&b, b0 + stride, 4);
+    const __m128 f = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(a), b, 1)); /* a, -, b, - */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2),
+                                 _mm512_castps128_ps512(f));
+}
+
+/* R rows from w: s[r] = vec_dot(row r, the activation row); prep: per block pair the permuted
+ * quants, the negated offset sums (-8 or -16 x the sum of each 4 activations) and the scales */
+LP_INLINE void gv_rows(const int kind, const int R, int nb, float *s, const uint8_t *w, int64_t row_bytes,
+                       const uint8_t *x, const __m512i *prep) {
+    const int wb = GK_WBYTES(kind), np = nb / 2;
+    __m512 acc[GV_R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int j = 0; j < np; j++) {
+        const __m512i qy = _mm512_load_si512(prep + 3 * j), off = _mm512_load_si512(prep + 3 * j + 1);
+        const __m512 dy = _mm512_castsi512_ps(_mm512_load_si512(prep + 3 * j + 2));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const uint8_t *b = w + r * row_bytes + (int64_t)(2 * j) * wb;
+            const __m512i p = _mm512_dpbusd_epi32(off, gv_quants(kind, b, wb), qy);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(gv_scales(b, wb), dy), acc[r]);
+        }
+    }
+    const __m512i split = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const __m512 a = _mm512_permutexvar_ps(split, acc[r]);
+        __m256 acc0 = _mm512_castps512_ps256(a), acc1 = _mm512_extractf32x8_ps(a, 1);
+        if (nb & 1) { /* the last block, into acc0 as the vec_dot's odd tail */
+            const int i = nb - 1;
+            const uint8_t *b = w + r * row_bytes + (int64_t)i * wb;
+            const uint8_t *yb = x + (int64_t)i * sizeof(block_q8_0);
+            __m256i qx, sx;
+            gk_decode(kind, b, &qx, &sx);
+            lp_half hx, hy;
+            memcpy(&hx, b, 2);
+            memcpy(&hy, yb, 2);
+            const __m256i p = dot_u8s8(qx, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(yb + 2)), sx));
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), h2f_pair(hx, hy), acc0);
+        }
+        s[r] = hsum8(_mm256_add_ps(acc0, acc1));
+    }
+}
+
+LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64_t row_bytes, int nr,
+                       const uint8_t *x) {
+    const int np = nb / 2;
+    __m512i prep[3 * (np > 0 ? np : 1)];
+    const int yb = (int)sizeof(block_q8_0);
+    for (int j = 0; j < np; j++) {
+        const uint8_t *y0 = x + (int64_t)(2 * j) * yb;
+        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(y0 + 2))),
+                                             _mm256_loadu_si256((const __m256i *)(y0 + yb + 2)), 1);
+        const __m512i qy = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7), q);
+        const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(kind == GK_Q4_0 ? 8 : 16), qy);
+        prep[3 * j] = qy;
+        prep[3 * j + 1] = _mm512_sub_epi32(_mm512_setzero_si512(), sum);
+        prep[3 * j + 2] = _mm512_castps_si512(gv_scales(y0, yb));
+    }
+    int r = 0;
+    for (; r + GV_R <= nr; r += GV_R) gv_rows(kind, GV_R, nb, s + r, w + r * row_bytes, row_bytes, x, prep);
+    for (; r < nr; r++) gv_rows(kind, 1, nb, s + r, w + r * row_bytes, row_bytes, x, prep);
+}
+
+#endif
+
 /* NR weight rows x NC activation rows (compile-time constants once inlined) */
 LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float *s, int64_t ld_s,
                        const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t x_bytes, const float *yd,
@@ -723,5 +829,22 @@ GK_DEFINE(lp_gemm_q5_0_q8_0, GK_Q5_0)
 GK_DEFINE(lp_gemm_q5_1_q8_1, GK_Q5_1)
 GK_DEFINE(lp_gemm_q8_0_q8_0, GK_Q8_0)
 #undef GK_DEFINE
+
+#if defined(GK_ZMM)
+/* lp_gemv_* (lp_quants.h): the decode kernels above; a row longer than the stack buffer allows
+ * is one vec_dot per row */
+#define GV_DEFINE(name, kind, dot)                                                                        \
+    LP_API void name(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x) {          \
+        const int nb = n / QK8_0;                                                                         \
+        if (nb > GV_MAX_NB) {                                                                             \
+            for (int r = 0; r < nr; r++) dot(n, s + r, (const uint8_t *)w + r * row_bytes, x);            \
+            return;                                                                                       \
+        }                                                                                                 \
+        gv_gemv(kind, nb, s, w, row_bytes, nr, x);                                                        \
+    }
+GV_DEFINE(lp_gemv_q4_0_q8_0, GK_Q4_0, lp_vec_dot_q4_0_q8_0)
+GV_DEFINE(lp_gemv_q5_0_q8_0, GK_Q5_0, lp_vec_dot_q5_0_q8_0)
+#undef GV_DEFINE
+#endif
 
 #endif

@@ -731,6 +731,89 @@ LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64
 
 #endif
 
+#if !defined(GK_ZMM)
+/* The AVX2 build's decode kernels: gv_rows' approach on 256-bit vectors, one block a step as the
+ * AVX2 vec_dot (acc0 even blocks, acc1 odd ones, the same int32 lanes and float operations):
+ * maddubs of the unsigned quants (0..15 / 0..31: pairs at most 2 x 31 x 127, no saturation) and
+ * the activations, madd to int32, plus the activations' offset sums prepared once per call; the
+ * two scales of a block pair converted in one vcvtph2ps. */
+#define GV_R 4
+#define GV_MAX_NB 1024
+
+LP_INLINE __m256i gv2_quants(const int kind, const uint8_t *b) {
+    if (kind == GK_Q4_0) return nibbles32(b + 2);
+    return _mm256_or_si256(nibbles32(b + 6), hbits32(b + 2));
+}
+
+/* the f16 scales at b0 and b0 + stride: a, -, b, - as float32 */
+LP_INLINE __m128 gv2_scales(const uint8_t *b0, int stride) {
+    int32_t a, b;
+    memcpy(&a, b0, 4);
+    memcpy(&b, b0 + stride, 4);
+    return _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(a), b, 1));
+}
+
+LP_INLINE void gv2_rows(const int kind, const int R, int nb, float *s, const uint8_t *w, int64_t row_bytes,
+                        const uint8_t *x, const __m256i *prep) {
+    const int wb = GK_WBYTES(kind), yb = (int)sizeof(block_q8_0), np = nb / 2;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc0[GV_R], acc1[GV_R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    for (int j = 0; j < np; j++) {
+        const uint8_t *y0 = x + (int64_t)(2 * j) * yb;
+        const __m256i qy0 = _mm256_loadu_si256((const __m256i *)(y0 + 2));
+        const __m256i qy1 = _mm256_loadu_si256((const __m256i *)(y0 + yb + 2));
+        const __m256i off0 = _mm256_load_si256(prep + 3 * j), off1 = _mm256_load_si256(prep + 3 * j + 1);
+        const __m128 dy = _mm256_castps256_ps128(_mm256_castsi256_ps(_mm256_load_si256(prep + 3 * j + 2)));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const uint8_t *b = w + r * row_bytes + (int64_t)(2 * j) * wb;
+            const __m128 d = _mm_mul_ps(gv2_scales(b, wb), dy); /* dx0 * dy0, -, dx1 * dy1, - */
+            const __m256 d0 = _mm256_broadcastss_ps(d), d1 = _mm256_broadcastss_ps(_mm_movehl_ps(d, d));
+            const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(gv2_quants(kind, b), qy0), ones), off0);
+            const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(gv2_quants(kind, b + wb), qy1), ones), off1);
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), d0, acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), d1, acc1[r]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        if (nb & 1) { /* the last block, into acc0 as the vec_dot's odd tail */
+            const int i = nb - 1;
+            const uint8_t *b = w + r * row_bytes + (int64_t)i * wb;
+            const uint8_t *yq = x + (int64_t)i * yb;
+            __m256i qx, sx;
+            gk_decode(kind, b, &qx, &sx);
+            lp_half hx, hy;
+            memcpy(&hx, b, 2);
+            memcpy(&hy, yq, 2);
+            const __m256i p = dot_u8s8(qx, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(yq + 2)), sx));
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), h2f_pair(hx, hy), acc0[r]);
+        }
+        s[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+    }
+}
+
+LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64_t row_bytes, int nr,
+                       const uint8_t *x) {
+    const int np = nb / 2, yb = (int)sizeof(block_q8_0);
+    __m256i prep[3 * (np > 0 ? np : 1)];
+    const __m256i c = _mm256_set1_epi8(kind == GK_Q4_0 ? 8 : 16), ones = _mm256_set1_epi16(1);
+    for (int j = 0; j < np; j++) {
+        const uint8_t *y0 = x + (int64_t)(2 * j) * yb;
+        for (int k = 0; k < 2; k++) { /* -(offset x the sum of each 4 activations) */
+            const __m256i qy = _mm256_loadu_si256((const __m256i *)(y0 + k * yb + 2));
+            prep[3 * j + k] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(_mm256_maddubs_epi16(c, qy), ones));
+        }
+        prep[3 * j + 2] = _mm256_castps_si256(_mm256_castps128_ps256(gv2_scales(y0, yb)));
+    }
+    int r = 0;
+    for (; r + GV_R <= nr; r += GV_R) gv2_rows(kind, GV_R, nb, s + r, w + r * row_bytes, row_bytes, x, prep);
+    for (; r < nr; r++) gv2_rows(kind, 1, nb, s + r, w + r * row_bytes, row_bytes, x, prep);
+}
+#endif
+
 /* NR weight rows x NC activation rows (compile-time constants once inlined) */
 LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float *s, int64_t ld_s,
                        const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t x_bytes, const float *yd,
@@ -830,8 +913,7 @@ GK_DEFINE(lp_gemm_q5_1_q8_1, GK_Q5_1)
 GK_DEFINE(lp_gemm_q8_0_q8_0, GK_Q8_0)
 #undef GK_DEFINE
 
-#if defined(GK_ZMM)
-/* lp_gemv_* (lp_quants.h): the decode kernels above; a row longer than the stack buffer allows
+/* lp_gemv_* (lp_quants.h): the decode kernels above (gv_rows / gv2_rows); a row longer than the stack buffer allows
  * is one vec_dot per row */
 #define GV_DEFINE(name, kind, dot)                                                                        \
     LP_API void name(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x) {          \
@@ -845,6 +927,5 @@ GK_DEFINE(lp_gemm_q8_0_q8_0, GK_Q8_0)
 GV_DEFINE(lp_gemv_q4_0_q8_0, GK_Q4_0, lp_vec_dot_q4_0_q8_0)
 GV_DEFINE(lp_gemv_q5_0_q8_0, GK_Q5_0, lp_vec_dot_q5_0_q8_0)
 #undef GV_DEFINE
-#endif
 
 #endif

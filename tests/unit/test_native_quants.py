@@ -222,7 +222,7 @@ def test_gemm_is_vec_dots(lib: ctypes.CDLL, name: str) -> None:
             assert np.isnan(y[nc:]).all() and np.isnan(y[:, nr:]).all()  # nothing else written
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q5_0"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize("n_blocks", [19, 64, 1025])  # an odd tail block; past the stack buffer (1024)
 def test_gemv_is_vec_dots(lib: ctypes.CDLL, name: str, n_blocks: int) -> None:
     """lp_gemv_<type> (the decode kernel over many rows, where the variant has one) called

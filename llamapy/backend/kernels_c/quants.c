@@ -625,34 +625,79 @@ LP_INLINE void gk_step_pair(const int kind, const int NR, const int NC, int i, _
 }
 #endif
 
-#if defined(GK_ZMM)
-/* One activation row (decode) against many weight rows of the signed nibble kinds (Q4_0, Q5_0),
- * the vec_dot's float32 operations per row exactly, in fewer instructions: two blocks a 512-bit
- * step, the -8 / -16 offset taken out of the activations once for all rows instead of the sign
- * trick per row and block, and the activation side (quants, offset sums, scales) prepared once
- * per call. The bytes of a block pair sit in the vector as [block i quants 0-15, block i+1
- * quants 0-15, block i quants 16-31, block i+1 quants 16-31] (the nibbles as they lie in memory,
- * low halves then high halves; the activations are permuted to match), so int32 lane k of the
- * dpbusd holds the exact sum of the same four products as lane k of the vec_dot's dot_s8s8 for
- * lanes 0-3 and 8-11 (block i: its acc0 lanes 0-7) and 4-7, 12-15 (block i+1: its acc1 lanes),
- * each scaled by the same rounded dx * dy and fmadd-ed in the same block order; the end puts
- * acc0 and acc1 back together and sums them as the vec_dot does (hsum8). GV_R rows at a time
- * keep independent fmadd chains in flight. */
+/* One activation row (decode) against many weight rows of the nibble kinds (Q4_0, Q4_1, Q5_0,
+ * Q5_1): the vec_dot's float32 operations per row exactly, in fewer instructions. Everything on
+ * the activation side is prepared once per call for all rows (lp_gemv_*: a thread's whole range
+ * of rows): the quants, for the signed kinds the offset sums (-8 or -16 x the sum of each 4
+ * activations, so that the weights' quants are used unsigned, 0..15 / 0..31, instead of the sign
+ * trick per row and block), and the scales. GV_R rows at a time keep independent fmadd chains in
+ * flight; the two scales of a block pair are converted by one vcvtph2ps. The mins term of
+ * Q4_1 / Q5_1 (m * s, added in block order into a float32) stays the vec_dot's scalar chain.
+ *
+ * AVX-512 (gv_rows): two blocks a 512-bit step. The bytes of a block pair sit in the vector as
+ * [block i quants 0-15, block i+1 quants 0-15, block i quants 16-31, block i+1 quants 16-31] (the
+ * nibbles as they lie in memory, low halves then high halves; the activations are permuted to
+ * match), so int32 lane k of the dpbusd holds the exact sum of the same four products as lane k
+ * of the vec_dot's dot_u8s8 / dot_s8s8 for lanes 0-3 and 8-11 (block i: its acc0 lanes 0-7) and
+ * 4-7, 12-15 (block i+1: its acc1 lanes), each scaled by the same rounded dx * dy and fmadd-ed
+ * in the same block order; the end puts acc0 and acc1 back together and sums them as the vec_dot
+ * does (hsum8). AVX2 (gv2_rows): one block a 256-bit step into acc0 / acc1 as the vec_dot, the
+ * quants through maddubs (pairs at most 2 x 31 x 127: no saturation) and madd. */
 #define GV_R 4
-#define GV_MAX_NB 1024 /* the prepared activation row (96 bytes a block) stays on the stack */
+#define GV_MAX_NB 1024 /* the prepared activation row (128 bytes a block on AVX-512) stays on the stack */
 
+/* offsets in a weight block of the nibbles, of qh (Q5_x), and the bytes of an activation block */
+#define GV_QS(k) ((k) == GK_Q4_0 ? 2 : (k) == GK_Q4_1 ? 4 : (k) == GK_Q5_0 ? 6 : 8)
+#define GV_QH(k) ((k) == GK_Q5_0 ? 2 : 4)
+#define GV_HIGH(k) ((k) == GK_Q5_0 || (k) == GK_Q5_1)
+#define GV_YB(k) (GK_MINS(k) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0))
+#define GV_YQ(k) (GK_MINS(k) ? 4 : 2)
+
+/* the f16 values at p and p + stride, converted together: a, -, b, - as float32 */
+LP_INLINE __m128 gv_pair(const uint8_t *p, int stride) {
+    int32_t a, b;
+    memcpy(&a, p, 4); /* the value is the low half (little endian); the high one is not used */
+    memcpy(&b, p + stride, 4);
+    return _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(a), b, 1));
+}
+
+/* the tail block i (nb odd) as the vec_dot's LP_STEP into acc0, and its mins term */
+LP_INLINE void gv_tail(const int kind, int i, const uint8_t *w, const uint8_t *x, __m256 *acc0, float *summ) {
+    const uint8_t *b = w + (int64_t)i * GK_WBYTES(kind), *yb = x + (int64_t)i * GV_YB(kind);
+    __m256i qx, sx;
+    gk_decode(kind, b, &qx, &sx);
+    const __m256i qy = _mm256_loadu_si256((const __m256i *)(yb + GV_YQ(kind)));
+    const __m256i p = GK_SIGNED(kind) ? dot_u8s8(qx, _mm256_sign_epi8(qy, sx)) : dot_u8s8(qx, qy);
+    lp_half hx, hy;
+    memcpy(&hx, b, 2);
+    memcpy(&hy, yb, 2);
+    *acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), h2f_pair(hx, hy), *acc0);
+    if (GK_MINS(kind)) {
+        memcpy(&hx, b + 2, 2);
+        memcpy(&hy, yb + 2, 2);
+        *summ += H2F(hx) * H2F(hy);
+    }
+}
+
+/* the mins terms of a block pair (a, -, b, - from gv_pair products) into summ, block i first */
+LP_INLINE float gv_mins(float summ, __m128 ms) {
+    summ += _mm_cvtss_f32(ms);
+    return summ + _mm_cvtss_f32(_mm_movehl_ps(ms, ms));
+}
+
+#if defined(GK_ZMM)
 /* the 64 quants of blocks b0, b0 + wb as unsigned bytes (0..15 / 0..31), in the pair order */
 LP_INLINE __m512i gv_quants(const int kind, const uint8_t *b0, int wb) {
     const uint8_t *b1 = b0 + wb;
-    const int qo = kind == GK_Q4_0 ? 2 : 6;
-    const __m256i t = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + qo))),
-                                              _mm_loadu_si128((const __m128i *)(b1 + qo)), 1);
+    const __m256i t = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + GV_QS(kind)))),
+        _mm_loadu_si128((const __m128i *)(b1 + GV_QS(kind))), 1);
     __m512i z = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1),
                                  _mm512_set1_epi8(0x0f));
-    if (kind == GK_Q5_0) { /* bit j of qh is quant j's bit 4 */
+    if (GV_HIGH(kind)) { /* bit j of qh is quant j's bit 4 */
         uint32_t h0, h1;
-        memcpy(&h0, b0 + 2, 4);
-        memcpy(&h1, b1 + 2, 4);
+        memcpy(&h0, b0 + GV_QH(kind), 4);
+        memcpy(&h1, b1 + GV_QH(kind), 4);
         const __mmask64 m = (uint64_t)(h0 & 0xffffu) | (uint64_t)(h1 & 0xffffu) << 16 | (uint64_t)(h0 >> 16) << 32 |
                             (uint64_t)(h1 >> 16) << 48;
         z = _mm512_mask_add_epi8(z, m, z, _mm512_set1_epi8(16));
@@ -660,32 +705,41 @@ LP_INLINE __m512i gv_quants(const int kind, const uint8_t *b0, int wb) {
     return z;
 }
 
-/* the f16 scales at b0 and b0 + stride as float32 lanes [a x4, b x4, a x4, b x4] */
-LP_INLINE __m512 gv_scales(const uint8_t *b0, int stride) {
-    int32_t a, b;
-    memcpy(&a, b0, 4); /* the scale is the low half (little endian); the high one is not used */
-    memcpy(&b, b0 + stride, 4);
-    const __m128 f = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(a), b, 1)); /* a, -, b, - */
+/* a, -, b, - as float32 lanes [a x4, b x4, a x4, b x4] */
+LP_INLINE __m512 gv_spread(__m128 f) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2),
                                  _mm512_castps128_ps512(f));
 }
 
-/* R rows from w: s[r] = vec_dot(row r, the activation row); prep: per block pair the permuted
- * quants, the negated offset sums (-8 or -16 x the sum of each 4 activations) and the scales */
+/* prep, per block pair j: [4j] the permuted activation quants, [4j+1] the offset sums (signed
+ * kinds), [4j+2] the activation scales spread as gv_spread, [4j+3] (mins kinds) the activation
+ * sums s of both blocks as gv_pair gives them */
+#define GV_PREP 4
+typedef __m512i gv_vec;
+
 LP_INLINE void gv_rows(const int kind, const int R, int nb, float *s, const uint8_t *w, int64_t row_bytes,
-                       const uint8_t *x, const __m512i *prep) {
+                       const uint8_t *x, const gv_vec *prep) {
     const int wb = GK_WBYTES(kind), np = nb / 2;
     __m512 acc[GV_R];
+    float summ[GV_R];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_setzero_ps();
+        summ[r] = 0.0f;
+    }
     for (int j = 0; j < np; j++) {
-        const __m512i qy = _mm512_load_si512(prep + 3 * j), off = _mm512_load_si512(prep + 3 * j + 1);
-        const __m512 dy = _mm512_castsi512_ps(_mm512_load_si512(prep + 3 * j + 2));
+        const gv_vec *pj = prep + GV_PREP * j;
+        const __m512i qy = _mm512_load_si512(pj);
+        const __m512i off = GK_SIGNED(kind) ? _mm512_load_si512(pj + 1) : _mm512_setzero_si512();
+        const __m512 dy = _mm512_castsi512_ps(_mm512_load_si512(pj + 2));
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const uint8_t *b = w + r * row_bytes + (int64_t)(2 * j) * wb;
             const __m512i p = _mm512_dpbusd_epi32(off, gv_quants(kind, b, wb), qy);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(gv_scales(b, wb), dy), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(gv_spread(gv_pair(b, wb)), dy), acc[r]);
+            if (GK_MINS(kind))
+                summ[r] = gv_mins(summ[r], _mm_mul_ps(gv_pair(b + 2, wb), _mm512_castps512_ps128(
+                                                          _mm512_castsi512_ps(_mm512_load_si512(pj + 3)))));
         }
     }
     const __m512i split = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
@@ -693,126 +747,114 @@ LP_INLINE void gv_rows(const int kind, const int R, int nb, float *s, const uint
     for (int r = 0; r < R; r++) {
         const __m512 a = _mm512_permutexvar_ps(split, acc[r]);
         __m256 acc0 = _mm512_castps512_ps256(a), acc1 = _mm512_extractf32x8_ps(a, 1);
-        if (nb & 1) { /* the last block, into acc0 as the vec_dot's odd tail */
-            const int i = nb - 1;
-            const uint8_t *b = w + r * row_bytes + (int64_t)i * wb;
-            const uint8_t *yb = x + (int64_t)i * sizeof(block_q8_0);
-            __m256i qx, sx;
-            gk_decode(kind, b, &qx, &sx);
-            lp_half hx, hy;
-            memcpy(&hx, b, 2);
-            memcpy(&hy, yb, 2);
-            const __m256i p = dot_u8s8(qx, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(yb + 2)), sx));
-            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), h2f_pair(hx, hy), acc0);
-        }
-        s[r] = hsum8(_mm256_add_ps(acc0, acc1));
+        if (nb & 1) gv_tail(kind, nb - 1, w + r * row_bytes, x, &acc0, &summ[r]);
+        const float v = hsum8(_mm256_add_ps(acc0, acc1));
+        s[r] = GK_MINS(kind) ? v + summ[r] : v;
     }
 }
 
-LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64_t row_bytes, int nr,
-                       const uint8_t *x) {
-    const int np = nb / 2;
-    __m512i prep[3 * (np > 0 ? np : 1)];
-    const int yb = (int)sizeof(block_q8_0);
+LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
+    const int yb = GV_YB(kind), yq = GV_YQ(kind);
     for (int j = 0; j < np; j++) {
         const uint8_t *y0 = x + (int64_t)(2 * j) * yb;
-        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(y0 + 2))),
-                                             _mm256_loadu_si256((const __m256i *)(y0 + yb + 2)), 1);
+        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(y0 + yq))),
+                                             _mm256_loadu_si256((const __m256i *)(y0 + yb + yq)), 1);
         const __m512i qy = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7), q);
-        const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(kind == GK_Q4_0 ? 8 : 16), qy);
-        prep[3 * j] = qy;
-        prep[3 * j + 1] = _mm512_sub_epi32(_mm512_setzero_si512(), sum);
-        prep[3 * j + 2] = _mm512_castps_si512(gv_scales(y0, yb));
+        gv_vec *pj = prep + GV_PREP * j;
+        pj[0] = qy;
+        if (GK_SIGNED(kind)) {
+            const __m512i c = _mm512_set1_epi8(kind == GK_Q4_0 ? 8 : 16);
+            pj[1] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, qy));
+        }
+        pj[2] = _mm512_castps_si512(gv_spread(gv_pair(y0, yb)));
+        if (GK_MINS(kind)) pj[3] = _mm512_castps_si512(_mm512_castps128_ps512(gv_pair(y0 + 2, yb)));
     }
-    int r = 0;
-    for (; r + GV_R <= nr; r += GV_R) gv_rows(kind, GV_R, nb, s + r, w + r * row_bytes, row_bytes, x, prep);
-    for (; r < nr; r++) gv_rows(kind, 1, nb, s + r, w + r * row_bytes, row_bytes, x, prep);
 }
+#define GV_ROWS gv_rows
 
-#endif
-
-#if !defined(GK_ZMM)
-/* The AVX2 build's decode kernels: gv_rows' approach on 256-bit vectors, one block a step as the
- * AVX2 vec_dot (acc0 even blocks, acc1 odd ones, the same int32 lanes and float operations):
- * maddubs of the unsigned quants (0..15 / 0..31: pairs at most 2 x 31 x 127, no saturation) and
- * the activations, madd to int32, plus the activations' offset sums prepared once per call; the
- * two scales of a block pair converted in one vcvtph2ps. */
-#define GV_R 4
-#define GV_MAX_NB 1024
+#else
+/* prep, per block pair j: [4j], [4j+1] the offset sums of both blocks (signed kinds), [4j+2] the
+ * activation scales as gv_pair gives them (low 128 bits), [4j+3] (mins kinds) their sums s */
+#define GV_PREP 4
+typedef __m256i gv_vec;
 
 LP_INLINE __m256i gv2_quants(const int kind, const uint8_t *b) {
-    if (kind == GK_Q4_0) return nibbles32(b + 2);
-    return _mm256_or_si256(nibbles32(b + 6), hbits32(b + 2));
+    const __m256i q = nibbles32(b + GV_QS(kind));
+    return GV_HIGH(kind) ? _mm256_or_si256(q, hbits32(b + GV_QH(kind))) : q;
 }
 
-/* the f16 scales at b0 and b0 + stride: a, -, b, - as float32 */
-LP_INLINE __m128 gv2_scales(const uint8_t *b0, int stride) {
-    int32_t a, b;
-    memcpy(&a, b0, 4);
-    memcpy(&b, b0 + stride, 4);
-    return _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(a), b, 1));
-}
+LP_INLINE __m128 gv2_low(const gv_vec *p) { return _mm256_castps256_ps128(_mm256_castsi256_ps(_mm256_load_si256(p))); }
 
 LP_INLINE void gv2_rows(const int kind, const int R, int nb, float *s, const uint8_t *w, int64_t row_bytes,
-                        const uint8_t *x, const __m256i *prep) {
-    const int wb = GK_WBYTES(kind), yb = (int)sizeof(block_q8_0), np = nb / 2;
+                        const uint8_t *x, const gv_vec *prep) {
+    const int wb = GK_WBYTES(kind), yb = GV_YB(kind), yq = GV_YQ(kind), np = nb / 2;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc0[GV_R], acc1[GV_R];
+    float summ[GV_R];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        acc0[r] = acc1[r] = _mm256_setzero_ps();
+        summ[r] = 0.0f;
+    }
     for (int j = 0; j < np; j++) {
+        const gv_vec *pj = prep + GV_PREP * j;
         const uint8_t *y0 = x + (int64_t)(2 * j) * yb;
-        const __m256i qy0 = _mm256_loadu_si256((const __m256i *)(y0 + 2));
-        const __m256i qy1 = _mm256_loadu_si256((const __m256i *)(y0 + yb + 2));
-        const __m256i off0 = _mm256_load_si256(prep + 3 * j), off1 = _mm256_load_si256(prep + 3 * j + 1);
-        const __m128 dy = _mm256_castps256_ps128(_mm256_castsi256_ps(_mm256_load_si256(prep + 3 * j + 2)));
+        const __m256i qy0 = _mm256_loadu_si256((const __m256i *)(y0 + yq));
+        const __m256i qy1 = _mm256_loadu_si256((const __m256i *)(y0 + yb + yq));
+        const __m128 dy = gv2_low(pj + 2);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const uint8_t *b = w + r * row_bytes + (int64_t)(2 * j) * wb;
-            const __m128 d = _mm_mul_ps(gv2_scales(b, wb), dy); /* dx0 * dy0, -, dx1 * dy1, - */
+            const __m128 d = _mm_mul_ps(gv_pair(b, wb), dy); /* dx0 * dy0, -, dx1 * dy1, - */
             const __m256 d0 = _mm256_broadcastss_ps(d), d1 = _mm256_broadcastss_ps(_mm_movehl_ps(d, d));
-            const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(gv2_quants(kind, b), qy0), ones), off0);
-            const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(gv2_quants(kind, b + wb), qy1), ones), off1);
+            __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(gv2_quants(kind, b), qy0), ones);
+            __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(gv2_quants(kind, b + wb), qy1), ones);
+            if (GK_SIGNED(kind)) {
+                p0 = _mm256_add_epi32(p0, _mm256_load_si256(pj));
+                p1 = _mm256_add_epi32(p1, _mm256_load_si256(pj + 1));
+            }
             acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), d0, acc0[r]);
             acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), d1, acc1[r]);
+            if (GK_MINS(kind)) summ[r] = gv_mins(summ[r], _mm_mul_ps(gv_pair(b + 2, wb), gv2_low(pj + 3)));
         }
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
-        if (nb & 1) { /* the last block, into acc0 as the vec_dot's odd tail */
-            const int i = nb - 1;
-            const uint8_t *b = w + r * row_bytes + (int64_t)i * wb;
-            const uint8_t *yq = x + (int64_t)i * yb;
-            __m256i qx, sx;
-            gk_decode(kind, b, &qx, &sx);
-            lp_half hx, hy;
-            memcpy(&hx, b, 2);
-            memcpy(&hy, yq, 2);
-            const __m256i p = dot_u8s8(qx, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(yq + 2)), sx));
-            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), h2f_pair(hx, hy), acc0[r]);
-        }
-        s[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+        if (nb & 1) gv_tail(kind, nb - 1, w + r * row_bytes, x, &acc0[r], &summ[r]);
+        const float v = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+        s[r] = GK_MINS(kind) ? v + summ[r] : v;
     }
 }
 
-LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64_t row_bytes, int nr,
-                       const uint8_t *x) {
-    const int np = nb / 2, yb = (int)sizeof(block_q8_0);
-    __m256i prep[3 * (np > 0 ? np : 1)];
-    const __m256i c = _mm256_set1_epi8(kind == GK_Q4_0 ? 8 : 16), ones = _mm256_set1_epi16(1);
+LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
+    const int yb = GV_YB(kind), yq = GV_YQ(kind);
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int j = 0; j < np; j++) {
         const uint8_t *y0 = x + (int64_t)(2 * j) * yb;
-        for (int k = 0; k < 2; k++) { /* -(offset x the sum of each 4 activations) */
-            const __m256i qy = _mm256_loadu_si256((const __m256i *)(y0 + k * yb + 2));
-            prep[3 * j + k] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(_mm256_maddubs_epi16(c, qy), ones));
+        gv_vec *pj = prep + GV_PREP * j;
+        if (GK_SIGNED(kind)) {
+            const __m256i c = _mm256_set1_epi8(kind == GK_Q4_0 ? 8 : 16);
+            for (int k = 0; k < 2; k++) { /* -(offset x the sum of each 4 activations) */
+                const __m256i qy = _mm256_loadu_si256((const __m256i *)(y0 + k * yb + yq));
+                pj[k] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(_mm256_maddubs_epi16(c, qy), ones));
+            }
         }
-        prep[3 * j + 2] = _mm256_castps_si256(_mm256_castps128_ps256(gv2_scales(y0, yb)));
+        pj[2] = _mm256_castps_si256(_mm256_castps128_ps256(gv_pair(y0, yb)));
+        if (GK_MINS(kind)) pj[3] = _mm256_castps_si256(_mm256_castps128_ps256(gv_pair(y0 + 2, yb)));
     }
-    int r = 0;
-    for (; r + GV_R <= nr; r += GV_R) gv2_rows(kind, GV_R, nb, s + r, w + r * row_bytes, row_bytes, x, prep);
-    for (; r < nr; r++) gv2_rows(kind, 1, nb, s + r, w + r * row_bytes, row_bytes, x, prep);
 }
+#define GV_ROWS gv2_rows
 #endif
+
+LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64_t row_bytes, int nr,
+                       const uint8_t *x) {
+    const int np = nb / 2;
+    gv_vec prep[GV_PREP * (np > 0 ? np : 1)];
+    gv_prep(kind, np, x, prep);
+    int r = 0;
+    for (; r + GV_R <= nr; r += GV_R) GV_ROWS(kind, GV_R, nb, s + r, w + r * row_bytes, row_bytes, x, prep);
+    for (; r < nr; r++) GV_ROWS(kind, 1, nb, s + r, w + r * row_bytes, row_bytes, x, prep);
+}
 
 /* NR weight rows x NC activation rows (compile-time constants once inlined) */
 LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float *s, int64_t ld_s,
@@ -926,6 +968,8 @@ GK_DEFINE(lp_gemm_q8_0_q8_0, GK_Q8_0)
     }
 GV_DEFINE(lp_gemv_q4_0_q8_0, GK_Q4_0, lp_vec_dot_q4_0_q8_0)
 GV_DEFINE(lp_gemv_q5_0_q8_0, GK_Q5_0, lp_vec_dot_q5_0_q8_0)
+GV_DEFINE(lp_gemv_q4_1_q8_1, GK_Q4_1, lp_vec_dot_q4_1_q8_1)
+GV_DEFINE(lp_gemv_q5_1_q8_1, GK_Q5_1, lp_vec_dot_q5_1_q8_1)
 #undef GV_DEFINE
 
 #endif

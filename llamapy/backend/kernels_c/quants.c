@@ -630,20 +630,22 @@ LP_INLINE void gk_step_pair(const int kind, const int NR, const int NC, int i, _
  * the activation side is prepared once per call for all rows (lp_gemv_*: a thread's whole range
  * of rows): the quants, for the signed kinds the offset sums (-8 or -16 x the sum of each 4
  * activations, so that the weights' quants are used unsigned, 0..15 / 0..31, instead of the sign
- * trick per row and block), and the scales. GV_R rows at a time keep independent fmadd chains in
- * flight; the two scales of a block pair are converted by one vcvtph2ps. The mins term of
+ * trick per row and block), and the scales; the two scales of a block pair are converted by one
+ * vcvtph2ps. One row at a time, so the weights are read in one sequential stream: with 2 or 4
+ * rows interleaved (independent fmadd chains) the kernels ran 2x faster on matrices in cache
+ * but 0.65-0.75x on matrices streamed from memory, as a decode step is (noisy measurements), and
+ * one row is as fast in cache: the loop carries only the fmadd into acc. The mins term of
  * Q4_1 / Q5_1 (m * s, added in block order into a float32) stays the vec_dot's scalar chain.
  *
- * AVX-512 (gv_rows): two blocks a 512-bit step. The bytes of a block pair sit in the vector as
+ * AVX-512 (gv_row): two blocks a 512-bit step. The bytes of a block pair sit in the vector as
  * [block i quants 0-15, block i+1 quants 0-15, block i quants 16-31, block i+1 quants 16-31] (the
  * nibbles as they lie in memory, low halves then high halves; the activations are permuted to
  * match), so int32 lane k of the dpbusd holds the exact sum of the same four products as lane k
  * of the vec_dot's dot_u8s8 / dot_s8s8 for lanes 0-3 and 8-11 (block i: its acc0 lanes 0-7) and
  * 4-7, 12-15 (block i+1: its acc1 lanes), each scaled by the same rounded dx * dy and fmadd-ed
  * in the same block order; the end puts acc0 and acc1 back together and sums them as the vec_dot
- * does (hsum8). AVX2 (gv2_rows): one block a 256-bit step into acc0 / acc1 as the vec_dot, the
+ * does (hsum8). AVX2 (the other gv_row): one block a 256-bit step into acc0 / acc1 as the vec_dot, the
  * quants through maddubs (pairs at most 2 x 31 x 127: no saturation) and madd. */
-#define GV_R 4
 #define GV_MAX_NB 1024 /* the prepared activation row (128 bytes a block on AVX-512) stays on the stack */
 
 /* offsets in a weight block of the nibbles, of qh (Q5_x), and the bytes of an activation block */
@@ -717,40 +719,26 @@ LP_INLINE __m512 gv_spread(__m128 f) {
 #define GV_PREP 4
 typedef __m512i gv_vec;
 
-LP_INLINE void gv_rows(const int kind, const int R, int nb, float *s, const uint8_t *w, int64_t row_bytes,
-                       const uint8_t *x, const gv_vec *prep) {
+LP_INLINE float gv_row(const int kind, int nb, const uint8_t *w, const uint8_t *x, const gv_vec *prep) {
     const int wb = GK_WBYTES(kind), np = nb / 2;
-    __m512 acc[GV_R];
-    float summ[GV_R];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        acc[r] = _mm512_setzero_ps();
-        summ[r] = 0.0f;
-    }
+    __m512 acc = _mm512_setzero_ps();
+    float summ = 0.0f;
     for (int j = 0; j < np; j++) {
         const gv_vec *pj = prep + GV_PREP * j;
-        const __m512i qy = _mm512_load_si512(pj);
+        const uint8_t *b = w + (int64_t)(2 * j) * wb;
         const __m512i off = GK_SIGNED(kind) ? _mm512_load_si512(pj + 1) : _mm512_setzero_si512();
+        const __m512i p = _mm512_dpbusd_epi32(off, gv_quants(kind, b, wb), _mm512_load_si512(pj));
         const __m512 dy = _mm512_castsi512_ps(_mm512_load_si512(pj + 2));
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const uint8_t *b = w + r * row_bytes + (int64_t)(2 * j) * wb;
-            const __m512i p = _mm512_dpbusd_epi32(off, gv_quants(kind, b, wb), qy);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(gv_spread(gv_pair(b, wb)), dy), acc[r]);
-            if (GK_MINS(kind))
-                summ[r] = gv_mins(summ[r], _mm_mul_ps(gv_pair(b + 2, wb), _mm512_castps512_ps128(
-                                                          _mm512_castsi512_ps(_mm512_load_si512(pj + 3)))));
-        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(gv_spread(gv_pair(b, wb)), dy), acc);
+        if (GK_MINS(kind))
+            summ = gv_mins(summ, _mm_mul_ps(gv_pair(b + 2, wb),
+                                            _mm512_castps512_ps128(_mm512_castsi512_ps(_mm512_load_si512(pj + 3)))));
     }
-    const __m512i split = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        const __m512 a = _mm512_permutexvar_ps(split, acc[r]);
-        __m256 acc0 = _mm512_castps512_ps256(a), acc1 = _mm512_extractf32x8_ps(a, 1);
-        if (nb & 1) gv_tail(kind, nb - 1, w + r * row_bytes, x, &acc0, &summ[r]);
-        const float v = hsum8(_mm256_add_ps(acc0, acc1));
-        s[r] = GK_MINS(kind) ? v + summ[r] : v;
-    }
+    const __m512 a = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15), acc);
+    __m256 acc0 = _mm512_castps512_ps256(a), acc1 = _mm512_extractf32x8_ps(a, 1);
+    if (nb & 1) gv_tail(kind, nb - 1, w, x, &acc0, &summ);
+    const float v = hsum8(_mm256_add_ps(acc0, acc1));
+    return GK_MINS(kind) ? v + summ : v;
 }
 
 LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
@@ -770,7 +758,6 @@ LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
         if (GK_MINS(kind)) pj[3] = _mm512_castps_si512(_mm512_castps128_ps512(gv_pair(y0 + 2, yb)));
     }
 }
-#define GV_ROWS gv_rows
 
 #else
 /* prep, per block pair j: [4j], [4j+1] the offset sums of both blocks (signed kinds), [4j+2] the
@@ -785,45 +772,31 @@ LP_INLINE __m256i gv2_quants(const int kind, const uint8_t *b) {
 
 LP_INLINE __m128 gv2_low(const gv_vec *p) { return _mm256_castps256_ps128(_mm256_castsi256_ps(_mm256_load_si256(p))); }
 
-LP_INLINE void gv2_rows(const int kind, const int R, int nb, float *s, const uint8_t *w, int64_t row_bytes,
-                        const uint8_t *x, const gv_vec *prep) {
+LP_INLINE float gv_row(const int kind, int nb, const uint8_t *w, const uint8_t *x, const gv_vec *prep) {
     const int wb = GK_WBYTES(kind), yb = GV_YB(kind), yq = GV_YQ(kind), np = nb / 2;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc0[GV_R], acc1[GV_R];
-    float summ[GV_R];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        acc0[r] = acc1[r] = _mm256_setzero_ps();
-        summ[r] = 0.0f;
-    }
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float summ = 0.0f;
     for (int j = 0; j < np; j++) {
         const gv_vec *pj = prep + GV_PREP * j;
-        const uint8_t *y0 = x + (int64_t)(2 * j) * yb;
+        const uint8_t *y0 = x + (int64_t)(2 * j) * yb, *b = w + (int64_t)(2 * j) * wb;
         const __m256i qy0 = _mm256_loadu_si256((const __m256i *)(y0 + yq));
         const __m256i qy1 = _mm256_loadu_si256((const __m256i *)(y0 + yb + yq));
-        const __m128 dy = gv2_low(pj + 2);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const uint8_t *b = w + r * row_bytes + (int64_t)(2 * j) * wb;
-            const __m128 d = _mm_mul_ps(gv_pair(b, wb), dy); /* dx0 * dy0, -, dx1 * dy1, - */
-            const __m256 d0 = _mm256_broadcastss_ps(d), d1 = _mm256_broadcastss_ps(_mm_movehl_ps(d, d));
-            __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(gv2_quants(kind, b), qy0), ones);
-            __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(gv2_quants(kind, b + wb), qy1), ones);
-            if (GK_SIGNED(kind)) {
-                p0 = _mm256_add_epi32(p0, _mm256_load_si256(pj));
-                p1 = _mm256_add_epi32(p1, _mm256_load_si256(pj + 1));
-            }
-            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), d0, acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), d1, acc1[r]);
-            if (GK_MINS(kind)) summ[r] = gv_mins(summ[r], _mm_mul_ps(gv_pair(b + 2, wb), gv2_low(pj + 3)));
+        const __m128 d = _mm_mul_ps(gv_pair(b, wb), gv2_low(pj + 2)); /* dx0 * dy0, -, dx1 * dy1, - */
+        const __m256 d0 = _mm256_broadcastss_ps(d), d1 = _mm256_broadcastss_ps(_mm_movehl_ps(d, d));
+        __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(gv2_quants(kind, b), qy0), ones);
+        __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(gv2_quants(kind, b + wb), qy1), ones);
+        if (GK_SIGNED(kind)) {
+            p0 = _mm256_add_epi32(p0, _mm256_load_si256(pj));
+            p1 = _mm256_add_epi32(p1, _mm256_load_si256(pj + 1));
         }
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), d0, acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), d1, acc1);
+        if (GK_MINS(kind)) summ = gv_mins(summ, _mm_mul_ps(gv_pair(b + 2, wb), gv2_low(pj + 3)));
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        if (nb & 1) gv_tail(kind, nb - 1, w + r * row_bytes, x, &acc0[r], &summ[r]);
-        const float v = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
-        s[r] = GK_MINS(kind) ? v + summ[r] : v;
-    }
+    if (nb & 1) gv_tail(kind, nb - 1, w, x, &acc0, &summ);
+    const float v = hsum8(_mm256_add_ps(acc0, acc1));
+    return GK_MINS(kind) ? v + summ : v;
 }
 
 LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
@@ -843,7 +816,6 @@ LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
         if (GK_MINS(kind)) pj[3] = _mm256_castps_si256(_mm256_castps128_ps256(gv_pair(y0 + 2, yb)));
     }
 }
-#define GV_ROWS gv2_rows
 #endif
 
 LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64_t row_bytes, int nr,
@@ -851,9 +823,7 @@ LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64
     const int np = nb / 2;
     gv_vec prep[GV_PREP * (np > 0 ? np : 1)];
     gv_prep(kind, np, x, prep);
-    int r = 0;
-    for (; r + GV_R <= nr; r += GV_R) GV_ROWS(kind, GV_R, nb, s + r, w + r * row_bytes, row_bytes, x, prep);
-    for (; r < nr; r++) GV_ROWS(kind, 1, nb, s + r, w + r * row_bytes, row_bytes, x, prep);
+    for (int r = 0; r < nr; r++) s[r] = gv_row(kind, nb, w + r * row_bytes, x, prep);
 }
 
 /* NR weight rows x NC activation rows (compile-time constants once inlined) */
@@ -955,7 +925,7 @@ GK_DEFINE(lp_gemm_q5_1_q8_1, GK_Q5_1)
 GK_DEFINE(lp_gemm_q8_0_q8_0, GK_Q8_0)
 #undef GK_DEFINE
 
-/* lp_gemv_* (lp_quants.h): the decode kernels above (gv_rows / gv2_rows); a row longer than the stack buffer allows
+/* lp_gemv_* (lp_quants.h): the decode kernels above (gv_row, AVX-512 or AVX2); a row longer than the stack buffer allows
  * is one vec_dot per row */
 #define GV_DEFINE(name, kind, dot)                                                                        \
     LP_API void name(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x) {          \

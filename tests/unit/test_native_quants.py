@@ -153,6 +153,35 @@ def test_quantize_row_q8_1_as_ggml(lib: ctypes.CDLL) -> None:
     assert np.array_equal(y, ref_q8_1(x))
 
 
+def test_quantize_rows_match_portable(lib: ctypes.CDLL) -> None:
+    """The SIMD quantizers (AVX2 / AVX-512 builds) against the portable build's scalar loops, bit
+    for bit, on blocks that test their rounding and their edge cases: exact ties (d = 1, values
+    k + 0.5, away from zero), values just below a tie, tiny blocks (d underflows or 1/d
+    overflows), NaN and inf inputs."""
+    if "portable" not in native.built():
+        pytest.skip("the portable kernels were not built")
+    ref = native.load("portable")
+    rng = np.random.default_rng(5)
+    blocks = [
+        np.concatenate([[127.0], np.arange(31) - 15.5]),  # d = 1: ties at every element
+        np.concatenate([[127.0], np.nextafter(np.arange(31) - 15.5, 0)]),  # just inside the ties
+        np.concatenate([[-127.0], -(np.arange(31) + 0.5)]),
+        rng.standard_normal(32) * 1e-38,  # d underflows to a subnormal or zero
+        rng.standard_normal(32) * 1e-44,
+        np.full(32, -0.0),
+        np.where(np.arange(32) == 3, np.nan, rng.standard_normal(32)),  # a NaN: fmaxf ignores it
+        np.where(np.arange(32) == 7, np.inf, rng.standard_normal(32)),  # d = inf, id = 0
+        np.where(np.arange(32) == 0, -np.inf, 0.0),
+    ] + [rng.standard_normal(32) * sc for sc in (1e-3, 1.0, 3.0, 1e4)]
+    x = np.concatenate(blocks).astype(np.float32)
+    for fn, bs in (("lp_quantize_row_q8_0", 34), ("lp_quantize_row_q8_1", 36)):
+        got = np.zeros(bs * len(blocks), np.uint8)
+        want = np.zeros_like(got)
+        getattr(lib, fn)(ptr(x), ptr(got), x.size)
+        getattr(ref, fn)(ptr(x), ptr(want), x.size)
+        assert np.array_equal(got.reshape(len(blocks), bs), want.reshape(len(blocks), bs)), fn
+
+
 def quantize_act(lib: ctypes.CDLL, name: str, x: np.ndarray) -> np.ndarray:
     """x (n_tok, n_in) in the vec_dot_type of weight type `name`, through lp_quantize_act."""
     n_tok, n_in = x.shape

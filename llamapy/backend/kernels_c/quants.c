@@ -980,8 +980,8 @@ GK_DEFINE(lp_gemm_q5_1_q8_1, GK_Q5_1)
 GK_DEFINE(lp_gemm_q8_0_q8_0, GK_Q8_0)
 #undef GK_DEFINE
 
-/* lp_gemv_* (lp_quants.h): the decode kernels above (gv_row, AVX-512 or AVX2); a row longer than the stack buffer allows
- * is one vec_dot per row */
+/* lp_gemv_* (lp_quants.h): the decode kernels above (gv_row, AVX-512 or AVX2); a row longer than
+ * the stack buffer allows (GV_MAX_NB blocks) is one vec_dot per row */
 #define GV_DEFINE(name, kind, dot)                                                                        \
     LP_API void name(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x) {          \
         const int nb = n / QK8_0;                                                                         \

@@ -159,15 +159,19 @@ static inline __m256i nibbles32(const uint8_t *qs) {
 }
 
 /* the 32 bits of qh -> 32 bytes, 0x10 where bit j is set */
-static inline __m256i hbits32(const uint8_t *qh) {
-    uint32_t h;
-    memcpy(&h, qh, 4);
+static inline __m256i hbits32_of(uint32_t h) {
     const __m256i spread = _mm256_shuffle_epi8(
         _mm256_set1_epi32((int)h),
         _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
     return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+static inline __m256i hbits32(const uint8_t *qh) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    return hbits32_of(h);
 }
 
 /* f16 -> f32 in one instruction where F16C is there (the same bits as lp_h2f) */
@@ -699,8 +703,8 @@ LP_INLINE void gk_step_pair(const int kind, const int NR, const int NC, int i, _
  * of the vec_dot's dot_u8s8 / dot_s8s8 for lanes 0-3 and 8-11 (block i: its acc0 lanes 0-7) and
  * 4-7, 12-15 (block i+1: its acc1 lanes), each scaled by the same rounded dx * dy and fmadd-ed
  * in the same block order; the end puts acc0 and acc1 back together and sums them as the vec_dot
- * does (hsum8). AVX2 (the other gv_row): one block a 256-bit step into acc0 / acc1 as the vec_dot, the
- * quants through maddubs (pairs at most 2 x 31 x 127: no saturation) and madd. */
+ * does (hsum8). AVX2 (the other gv_row): a block pair as two 256-bit vectors (below), the quants
+ * through maddubs (pairs at most 2 x 31 x 127: no saturation) and madd. */
 #define GV_MAX_NB 1024 /* the prepared activation row (128 bytes a block on AVX-512) stays on the stack */
 
 /* offsets in a weight block of the nibbles, of qh (Q5_x), and the bytes of an activation block */
@@ -815,40 +819,54 @@ LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
 }
 
 #else
-/* prep, per block pair j: [4j], [4j+1] the offset sums of both blocks (signed kinds), [4j+2] the
- * activation scales as gv_pair gives them (low 128 bits), [4j+3] (mins kinds) their sums s */
-#define GV_PREP 4
+/* prep, per block pair j: [5j] the activation quants 0-15 of both blocks (block i's, then block
+ * i+1's), [5j+1] their quants 16-31, [5j+2], [5j+3] the offset sums of those (signed kinds),
+ * [5j+4] the scales (low 128 bits) and sums s (high 128 bits, mins kinds) as gv_pair gives them.
+ * A row takes a block pair as two vectors, the low nibbles of both blocks' 16 bytes and the high
+ * ones: int32 lanes 0-3 of the low vector are the vec_dot's acc0 lanes 0-3 (block i), 4-7 its
+ * acc1 lanes 0-3 (block i+1), and the high vector the lanes 4-7 of each, so accA and accB
+ * receive each lane's fmadds in the vec_dot's order and are put back together at the end. */
+#define GV_PREP 5
 typedef __m256i gv_vec;
 
-LP_INLINE __m256i gv2_quants(const int kind, const uint8_t *b) {
-    const __m256i q = nibbles32(b + GV_QS(kind));
-    return GV_HIGH(kind) ? _mm256_or_si256(q, hbits32(b + GV_QH(kind))) : q;
-}
-
-LP_INLINE __m128 gv2_low(const gv_vec *p) { return _mm256_castps256_ps128(_mm256_castsi256_ps(_mm256_load_si256(p))); }
+/* qh bits 0-15 of two blocks side by side (low halves), or bits 16-31 (high halves) */
+#define GV2_HLO(h0, h1) (((h0) & 0xffffu) | ((h1) << 16))
+#define GV2_HHI(h0, h1) (((h0) >> 16) | ((h1) & 0xffff0000u))
 
 LP_INLINE float gv_row(const int kind, int nb, const uint8_t *w, const uint8_t *x, const gv_vec *prep) {
-    const int wb = GK_WBYTES(kind), yb = GV_YB(kind), yq = GV_YQ(kind), np = nb / 2;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    const int wb = GK_WBYTES(kind), np = nb / 2;
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f);
+    const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
+    __m256 accA = _mm256_setzero_ps(), accB = _mm256_setzero_ps();
     float summ = 0.0f;
     for (int j = 0; j < np; j++) {
         const gv_vec *pj = prep + GV_PREP * j;
-        const uint8_t *y0 = x + (int64_t)(2 * j) * yb, *b = w + (int64_t)(2 * j) * wb;
-        const __m256i qy0 = _mm256_loadu_si256((const __m256i *)(y0 + yq));
-        const __m256i qy1 = _mm256_loadu_si256((const __m256i *)(y0 + yb + yq));
-        const __m128 d = _mm_mul_ps(gv_pair(b, wb), gv2_low(pj + 2)); /* dx0 * dy0, -, dx1 * dy1, - */
-        const __m256 d0 = _mm256_broadcastss_ps(d), d1 = _mm256_broadcastss_ps(_mm_movehl_ps(d, d));
-        __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(gv2_quants(kind, b), qy0), ones);
-        __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(gv2_quants(kind, b + wb), qy1), ones);
-        if (GK_SIGNED(kind)) {
-            p0 = _mm256_add_epi32(p0, _mm256_load_si256(pj));
-            p1 = _mm256_add_epi32(p1, _mm256_load_si256(pj + 1));
+        const uint8_t *b = w + (int64_t)(2 * j) * wb;
+        const __m256i t = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + GV_QS(kind)))),
+            _mm_loadu_si128((const __m128i *)(b + wb + GV_QS(kind))), 1);
+        __m256i lo = _mm256_and_si256(t, m4), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), m4);
+        if (GV_HIGH(kind)) {
+            uint32_t h0, h1;
+            memcpy(&h0, b + GV_QH(kind), 4);
+            memcpy(&h1, b + wb + GV_QH(kind), 4);
+            lo = _mm256_or_si256(lo, hbits32_of(GV2_HLO(h0, h1)));
+            hi = _mm256_or_si256(hi, hbits32_of(GV2_HHI(h0, h1)));
         }
-        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), d0, acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), d1, acc1);
-        if (GK_MINS(kind)) summ = gv_mins(summ, _mm_mul_ps(gv_pair(b + 2, wb), gv2_low(pj + 3)));
+        __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_load_si256(pj)), ones);
+        __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_load_si256(pj + 1)), ones);
+        if (GK_SIGNED(kind)) {
+            plo = _mm256_add_epi32(plo, _mm256_load_si256(pj + 2));
+            phi = _mm256_add_epi32(phi, _mm256_load_si256(pj + 3));
+        }
+        const __m256 sy = _mm256_castsi256_ps(_mm256_load_si256(pj + 4));
+        const __m128 d = _mm_mul_ps(gv_pair(b, wb), _mm256_castps256_ps128(sy)); /* dx0 * dy0, -, dx1 * dy1, - */
+        const __m256 dv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d), spread);
+        accA = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), dv, accA);
+        accB = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), dv, accB);
+        if (GK_MINS(kind)) summ = gv_mins(summ, _mm_mul_ps(gv_pair(b + 2, wb), _mm256_extractf128_ps(sy, 1)));
     }
+    __m256 acc0 = _mm256_permute2f128_ps(accA, accB, 0x20), acc1 = _mm256_permute2f128_ps(accA, accB, 0x31);
     if (nb & 1) gv_tail(kind, nb - 1, w, x, &acc0, &summ);
     const float v = hsum8(_mm256_add_ps(acc0, acc1));
     return GK_MINS(kind) ? v + summ : v;
@@ -858,17 +876,19 @@ LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
     const int yb = GV_YB(kind), yq = GV_YQ(kind);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int j = 0; j < np; j++) {
-        const uint8_t *y0 = x + (int64_t)(2 * j) * yb;
+        const uint8_t *y0 = x + (int64_t)(2 * j) * yb + yq, *y1 = y0 + yb;
         gv_vec *pj = prep + GV_PREP * j;
-        if (GK_SIGNED(kind)) {
+        for (int k = 0; k < 2; k++)
+            pj[k] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(y0 + 16 * k))),
+                                            _mm_loadu_si128((const __m128i *)(y1 + 16 * k)), 1);
+        if (GK_SIGNED(kind)) { /* -(offset x the sum of each 4 activations) */
             const __m256i c = _mm256_set1_epi8(kind == GK_Q4_0 ? 8 : 16);
-            for (int k = 0; k < 2; k++) { /* -(offset x the sum of each 4 activations) */
-                const __m256i qy = _mm256_loadu_si256((const __m256i *)(y0 + k * yb + yq));
-                pj[k] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(_mm256_maddubs_epi16(c, qy), ones));
-            }
+            for (int k = 0; k < 2; k++)
+                pj[2 + k] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(_mm256_maddubs_epi16(c, pj[k]), ones));
         }
-        pj[2] = _mm256_castps_si256(_mm256_castps128_ps256(gv_pair(y0, yb)));
-        if (GK_MINS(kind)) pj[3] = _mm256_castps_si256(_mm256_castps128_ps256(gv_pair(y0 + 2, yb)));
+        const uint8_t *yd = x + (int64_t)(2 * j) * yb;
+        const __m128 sc = gv_pair(yd, yb), sm = GK_MINS(kind) ? gv_pair(yd + 2, yb) : _mm_setzero_ps();
+        pj[4] = _mm256_castps_si256(_mm256_insertf128_ps(_mm256_castps128_ps256(sc), sm, 1));
     }
 }
 #endif

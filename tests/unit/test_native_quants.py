@@ -252,7 +252,7 @@ def test_gemm_is_vec_dots(lib: ctypes.CDLL, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
-@pytest.mark.parametrize("n_blocks", [19, 64, 1025])  # an odd tail block; past the stack buffer (1024)
+@pytest.mark.parametrize("n_blocks", [1, 2, 19, 64, 1025])  # odd tail blocks; past the stack buffer (1024)
 def test_gemv_is_vec_dots(lib: ctypes.CDLL, name: str, n_blocks: int) -> None:
     """lp_gemv_<type> (the decode kernel over many rows, where the variant has one) called
     directly: every output its vec_dot's bit for bit, for row counts around the kernel's group

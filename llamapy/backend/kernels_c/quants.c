@@ -159,19 +159,15 @@ static inline __m256i nibbles32(const uint8_t *qs) {
 }
 
 /* the 32 bits of qh -> 32 bytes, 0x10 where bit j is set */
-static inline __m256i hbits32_of(uint32_t h) {
+static inline __m256i hbits32(const uint8_t *qh) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
     const __m256i spread = _mm256_shuffle_epi8(
         _mm256_set1_epi32((int)h),
         _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
     return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
-}
-
-static inline __m256i hbits32(const uint8_t *qh) {
-    uint32_t h;
-    memcpy(&h, qh, 4);
-    return hbits32_of(h);
 }
 
 /* f16 -> f32 in one instruction where F16C is there (the same bits as lp_h2f) */
@@ -829,9 +825,18 @@ LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
 #define GV_PREP 5
 typedef __m256i gv_vec;
 
-/* qh bits 0-15 of two blocks side by side (low halves), or bits 16-31 (high halves) */
-#define GV2_HLO(h0, h1) (((h0) & 0xffffu) | ((h1) << 16))
-#define GV2_HHI(h0, h1) (((h0) >> 16) | ((h1) & 0xffff0000u))
+/* the qh words of two blocks (h in every 64-bit lane: block i's low, block i+1's high) -> bytes
+ * 0x10 where the quant's bit 4 is set, in the pair order: bits 0-15 of both blocks (half 0), or
+ * bits 16-31 (half 1) */
+LP_INLINE __m256i gv2_hbits(__m256i h, int half) {
+    const __m256i pick = half == 0 ? _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0404040404040404LL,
+                                                        0x0505050505050505LL)
+                                   : _mm256_setr_epi64x(0x0202020202020202LL, 0x0303030303030303LL,
+                                                        0x0606060606060606LL, 0x0707070707070707LL);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(h, pick), bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
 
 LP_INLINE float gv_row(const int kind, int nb, const uint8_t *w, const uint8_t *x, const gv_vec *prep) {
     const int wb = GK_WBYTES(kind), np = nb / 2;
@@ -850,8 +855,9 @@ LP_INLINE float gv_row(const int kind, int nb, const uint8_t *w, const uint8_t *
             uint32_t h0, h1;
             memcpy(&h0, b + GV_QH(kind), 4);
             memcpy(&h1, b + wb + GV_QH(kind), 4);
-            lo = _mm256_or_si256(lo, hbits32_of(GV2_HLO(h0, h1)));
-            hi = _mm256_or_si256(hi, hbits32_of(GV2_HHI(h0, h1)));
+            const __m256i h = _mm256_set1_epi64x((long long)((uint64_t)h1 << 32 | h0));
+            lo = _mm256_or_si256(lo, gv2_hbits(h, 0));
+            hi = _mm256_or_si256(hi, gv2_hbits(h, 1));
         }
         __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_load_si256(pj)), ones);
         __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_load_si256(pj + 1)), ones);

@@ -153,6 +153,35 @@ def test_quantize_row_q8_1_as_ggml(lib: ctypes.CDLL) -> None:
     assert np.array_equal(y, ref_q8_1(x))
 
 
+def test_quantize_rows_match_portable(lib: ctypes.CDLL) -> None:
+    """The SIMD quantizers (AVX2 / AVX-512 builds) against the portable build's scalar loops, bit
+    for bit, on blocks that test their rounding and their edge cases: exact ties (d = 1, values
+    k + 0.5, away from zero), values just below a tie, tiny blocks (d underflows or 1/d
+    overflows), NaN and inf inputs."""
+    if "portable" not in native.built():
+        pytest.skip("the portable kernels were not built")
+    ref = native.load("portable")
+    rng = np.random.default_rng(5)
+    blocks = [
+        np.concatenate([[127.0], np.arange(31) - 15.5]),  # d = 1: ties at every element
+        np.concatenate([[127.0], np.nextafter(np.arange(31) - 15.5, 0)]),  # just inside the ties
+        np.concatenate([[-127.0], -(np.arange(31) + 0.5)]),
+        rng.standard_normal(32) * 1e-38,  # d underflows to a subnormal or zero
+        rng.standard_normal(32) * 1e-44,
+        np.full(32, -0.0),
+        np.where(np.arange(32) == 3, np.nan, rng.standard_normal(32)),  # a NaN: fmaxf ignores it
+        np.where(np.arange(32) == 7, np.inf, rng.standard_normal(32)),  # d = inf, id = 0
+        np.where(np.arange(32) == 0, -np.inf, 0.0),
+    ] + [rng.standard_normal(32) * sc for sc in (1e-3, 1.0, 3.0, 1e4)]
+    x = np.concatenate(blocks).astype(np.float32)
+    for fn, bs in (("lp_quantize_row_q8_0", 34), ("lp_quantize_row_q8_1", 36)):
+        got = np.zeros(bs * len(blocks), np.uint8)
+        want = np.zeros_like(got)
+        getattr(lib, fn)(ptr(x), ptr(got), x.size)
+        getattr(ref, fn)(ptr(x), ptr(want), x.size)
+        assert np.array_equal(got.reshape(len(blocks), bs), want.reshape(len(blocks), bs)), fn
+
+
 def quantize_act(lib: ctypes.CDLL, name: str, x: np.ndarray) -> np.ndarray:
     """x (n_tok, n_in) in the vec_dot_type of weight type `name`, through lp_quantize_act."""
     n_tok, n_in = x.shape
@@ -220,6 +249,37 @@ def test_gemm_is_vec_dots(lib: ctypes.CDLL, name: str) -> None:
             gemm(n_in, ptr(y), y.shape[1], ptr(w), w.shape[1], nr, ptr(xq), xq.shape[1], nc)
             assert np.array_equal(y[:nc, :nr], want[:nc, :nr]), (nc, nr)
             assert np.isnan(y[nc:]).all() and np.isnan(y[:, nr:]).all()  # nothing else written
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("n_blocks", [1, 2, 19, 64, 1025])  # odd tail blocks; past the stack buffer (1024)
+def test_gemv_is_vec_dots(lib: ctypes.CDLL, name: str, n_blocks: int) -> None:
+    """lp_gemv_<type> (the decode kernel over many rows, where the variant has one) called
+    directly: every output its vec_dot's bit for bit, for row counts around the kernel's group
+    of 4, rows longer than their data (row_bytes > the blocks), and nothing written past nr."""
+    sym = f"{name.lower()}_{VEC_DOT_TYPE[name].lower()}"
+    if not hasattr(lib, "lp_gemv_" + sym):
+        assert "avx" not in os.path.basename(lib._name)  # the AVX2 and AVX-512 builds have them
+        pytest.skip(f"this library has no lp_gemv_{sym}")
+    gemv, dot = getattr(lib, "lp_gemv_" + sym), getattr(lib, "lp_vec_dot_" + sym)
+    p = ctypes.c_void_p
+    gemv.argtypes, gemv.restype = [ctypes.c_int, p, p, ctypes.c_int64, ctypes.c_int, p], None
+    rng = np.random.default_rng(n_blocks)
+    n_rows, n_in = 11, 32 * n_blocks
+    raw = random_raw(name, n_rows, n_in, rng)
+    w = np.zeros((n_rows, raw.shape[1] + 6), np.uint8)  # row_bytes > the row's blocks
+    w[:, : raw.shape[1]] = raw
+    xq = quantize_act(lib, name, (rng.standard_normal((1, n_in)) * 3).astype(np.float32))
+    want = np.zeros(n_rows, np.float32)
+    s = ctypes.c_float()
+    for r in range(n_rows):
+        dot(n_in, ctypes.byref(s), ptr(w[r]), ptr(xq[0]))
+        want[r] = s.value
+    for nr in (1, 3, 4, 5, 8, n_rows):
+        y = np.full(n_rows + 1, np.nan, np.float32)
+        gemv(n_in, ptr(y), ptr(w), w.shape[1], nr, ptr(xq))
+        assert np.array_equal(y[:nr], want[:nr]), (name, nr)
+        assert np.isnan(y[nr:]).all()
 
 
 @pytest.mark.parametrize("name", OWN_TYPES + K_TYPES)

@@ -948,6 +948,14 @@ QMM_API void lp_dqr_q6_k(const void *const *parts, int64_t nb, const int64_t *id
 #pragma weak lp_gemm_q4_K_q8_K
 #pragma weak lp_gemm_q5_K_q8_K
 #pragma weak lp_gemm_q6_K_q8_K
+#pragma weak lp_gemv_q4_0_q8_0
+#pragma weak lp_gemv_q5_0_q8_0
+#pragma weak lp_gemv_q4_1_q8_1
+#pragma weak lp_gemv_q5_1_q8_1
+void lp_gemv_q4_0_q8_0(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x);
+void lp_gemv_q5_0_q8_0(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x);
+void lp_gemv_q4_1_q8_1(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x);
+void lp_gemv_q5_1_q8_1(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x);
 void lp_gemm_f32(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_f16(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_bf16(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
@@ -981,7 +989,8 @@ typedef struct {
     mm_quantize_fn quantize;
     lp_vec_dot_fn dot;
     lp_gemm_fn gemm; /* NULL: one dot per output */
-    int gemm_cols;   /* the most columns gemm takes a call */
+    lp_gemv_fn gemv; /* one token over many rows; NULL: one dot per row */
+    int gemm_cols;   /* the most columns gemm takes a call (set after the initializer) */
 } mm_traits;
 
 static void mm_copy_f32(const float *x, void *y, int64_t k) { memcpy(y, x, (size_t)k * sizeof(float)); }
@@ -1003,11 +1012,11 @@ static int mm_traits_of(int type, mm_traits *t) {
     case LP_TYPE_F32: *t = (mm_traits){LP_TYPE_F32, 1, 4, mm_copy_f32, lp_vec_dot_f32, lp_gemm_f32}; break;
     case LP_TYPE_F16: *t = (mm_traits){LP_TYPE_F16, 1, 2, mm_to_f16, lp_vec_dot_f16, lp_gemm_f16}; break;
     case LP_TYPE_BF16: *t = (mm_traits){LP_TYPE_BF16, 1, 2, mm_to_bf16, lp_vec_dot_bf16, lp_gemm_bf16}; break;
-    case LP_TYPE_Q4_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q4_0_q8_0, lp_gemm_q4_0_q8_0}; break;
-    case LP_TYPE_Q5_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q5_0_q8_0, lp_gemm_q5_0_q8_0}; break;
+    case LP_TYPE_Q4_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q4_0_q8_0, lp_gemm_q4_0_q8_0, lp_gemv_q4_0_q8_0}; break;
+    case LP_TYPE_Q5_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q5_0_q8_0, lp_gemm_q5_0_q8_0, lp_gemv_q5_0_q8_0}; break;
     case LP_TYPE_Q8_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q8_0_q8_0, lp_gemm_q8_0_q8_0}; break;
-    case LP_TYPE_Q4_1: *t = (mm_traits){LP_TYPE_Q8_1, QK8_1, sizeof(block_q8_1), lp_quantize_row_q8_1, lp_vec_dot_q4_1_q8_1, lp_gemm_q4_1_q8_1}; break;
-    case LP_TYPE_Q5_1: *t = (mm_traits){LP_TYPE_Q8_1, QK8_1, sizeof(block_q8_1), lp_quantize_row_q8_1, lp_vec_dot_q5_1_q8_1, lp_gemm_q5_1_q8_1}; break;
+    case LP_TYPE_Q4_1: *t = (mm_traits){LP_TYPE_Q8_1, QK8_1, sizeof(block_q8_1), lp_quantize_row_q8_1, lp_vec_dot_q4_1_q8_1, lp_gemm_q4_1_q8_1, lp_gemv_q4_1_q8_1}; break;
+    case LP_TYPE_Q5_1: *t = (mm_traits){LP_TYPE_Q8_1, QK8_1, sizeof(block_q8_1), lp_quantize_row_q8_1, lp_vec_dot_q5_1_q8_1, lp_gemm_q5_1_q8_1, lp_gemv_q5_1_q8_1}; break;
     case LP_TYPE_Q2_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q2_K_q8_K, lp_gemm_q2_K_q8_K}; break;
     case LP_TYPE_Q3_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q3_K_q8_K, lp_gemm_q3_K_q8_K}; break;
     case LP_TYPE_Q4_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q4_K_q8_K, lp_gemm_q4_K_q8_K}; break;
@@ -1053,6 +1062,10 @@ QMM_API int lp_quantize_act(int ggml_type, const float *x, int64_t ld_x, int64_t
  * groups of gemm_cols tokens where the type has a multi-column kernel */
 static void mm_rows(const mm_traits *t, const uint8_t *w, int64_t r0, int64_t r1, int64_t row_bytes, int n_in,
                     const uint8_t *xq, int64_t act_bytes, int64_t n_tok, float *y, int64_t ld_y) {
+    if (n_tok == 1 && t->gemv != NULL) { /* decode: the whole range, its activation prepared once */
+        t->gemv(n_in, y + r0, w + r0 * row_bytes, row_bytes, (int)(r1 - r0), xq);
+        return;
+    }
     const int64_t rblk = t->gemm != NULL && n_tok > 1 && t->gemm_cols > LP_GEMM_COLS ? MM_ROW_BLOCK_K : MM_ROW_BLOCK;
     for (int64_t rb = r0; rb < r1; rb += rblk) {
         const int64_t re = rb + rblk < r1 ? rb + rblk : r1;

@@ -41,21 +41,75 @@ static inline int lp_round(float v) { return (int)roundf(v); }
 
 /* --- activation quantization ------------------------------------------------------------------ */
 
+#if defined(__AVX2__)
+/* One block of 32 floats the scalar loops' way, 8 lanes at a time (a decode step quantizes every
+ * matmul input; the scalar loop took ~4.4 ns an element, ~1 ms a token on the 1B shape): the
+ * same amax (max ignores a NaN |x| as fmaxf does: maxps returns its second operand then), the
+ * same scalar d and id, x * id rounded to nearest with ties away from zero exactly (t = trunc(v),
+ * then +-1 where |v - t| >= 0.5; v - t is exact), and the int32 -> int8 conversion truncating as
+ * (int8_t)(int) does (the low byte; NaN and inf give INT_MIN -> 0 either way). Returns the 8
+ * lanes' int32 sums of the quants (q8_1's s). */
+static inline __m256i q8_block(const float *x, float *d_out, int8_t *q) {
+    const __m256 signbit = _mm256_set1_ps(-0.0f);
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_loadu_ps(x + 8 * k);
+        amax = _mm256_max_ps(_mm256_andnot_ps(signbit, v[k]), amax);
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float d = _mm_cvtss_f32(m) / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    *d_out = d;
+    const __m256 vid = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    __m256i qi[4], sum = _mm256_setzero_si256();
+    for (int k = 0; k < 4; k++) {
+        const __m256 p = _mm256_mul_ps(v[k], vid);
+        const __m256 t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(signbit, _mm256_sub_ps(p, t)), half, _CMP_GE_OQ);
+        const __m256 step = _mm256_or_ps(_mm256_and_ps(p, signbit), one); /* +-1 with p's sign */
+        qi[k] = _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_and_ps(up, step)));
+        sum = _mm256_add_epi32(sum, qi[k]);
+        qi[k] = _mm256_and_si256(qi[k], _mm256_set1_epi32(0xff));
+    }
+    /* the low bytes in order: packs of values 0..255 keep them, then undo the 128-bit lane order */
+    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(qi[0], qi[1]), _mm256_packus_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    return sum;
+}
+#endif
+
 LP_API void lp_quantize_row_q8_0(const float *x, void *vy, int64_t k) {
     block_q8_0 *y = vy;
     for (int64_t i = 0; i < k / QK8_0; i++, x += QK8_0) {
+#if defined(__AVX2__)
+        float d;
+        q8_block(x, &d, y[i].qs);
+        y[i].d = lp_f2h(d);
+#else
         float amax = 0.0f;
         for (int j = 0; j < QK8_0; j++) amax = fmaxf(amax, fabsf(x[j]));
         const float d = amax / 127.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         y[i].d = lp_f2h(d);
         for (int j = 0; j < QK8_0; j++) y[i].qs[j] = (int8_t)lp_round(x[j] * id);
+#endif
     }
 }
 
 LP_API void lp_quantize_row_q8_1(const float *x, void *vy, int64_t k) {
     block_q8_1 *y = vy;
     for (int64_t i = 0; i < k / QK8_1; i++, x += QK8_1) {
+#if defined(__AVX2__)
+        float d;
+        const __m256i s8 = q8_block(x, &d, y[i].qs);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        const int sum = _mm_cvtsi128_si32(s4);
+#else
         float amax = 0.0f;
         for (int j = 0; j < QK8_1; j++) amax = fmaxf(amax, fabsf(x[j]));
         const float d = amax / 127.0f;
@@ -66,6 +120,7 @@ LP_API void lp_quantize_row_q8_1(const float *x, void *vy, int64_t k) {
             y[i].qs[j] = (int8_t)q;
             sum += q;
         }
+#endif
         y[i].d = lp_f2h(d);
         y[i].s = lp_f2h((float)sum * d);
     }
@@ -625,6 +680,233 @@ LP_INLINE void gk_step_pair(const int kind, const int NR, const int NC, int i, _
 }
 #endif
 
+/* One activation row (decode) against many weight rows of the nibble kinds (Q4_0, Q4_1, Q5_0,
+ * Q5_1): the vec_dot's float32 operations per row exactly, in fewer instructions. Everything on
+ * the activation side is prepared once per call for all rows (lp_gemv_*: a thread's whole range
+ * of rows): the quants, for the signed kinds the offset sums (-8 or -16 x the sum of each 4
+ * activations, so that the weights' quants are used unsigned, 0..15 / 0..31, instead of the sign
+ * trick per row and block), and the scales; the two scales of a block pair are converted by one
+ * vcvtph2ps. One row at a time, so the weights are read in one sequential stream: with 2 or 4
+ * rows interleaved (independent fmadd chains) the kernels ran 2x faster on matrices in cache
+ * but 0.65-0.75x on matrices streamed from memory, as a decode step is (noisy measurements), and
+ * one row is as fast in cache: the loop carries only the fmadd into acc. The mins term of
+ * Q4_1 / Q5_1 (m * s, added in block order into a float32) stays the vec_dot's scalar chain.
+ *
+ * AVX-512 (gv_row): two blocks a 512-bit step. The bytes of a block pair sit in the vector as
+ * [block i quants 0-15, block i+1 quants 0-15, block i quants 16-31, block i+1 quants 16-31] (the
+ * nibbles as they lie in memory, low halves then high halves; the activations are permuted to
+ * match), so int32 lane k of the dpbusd holds the exact sum of the same four products as lane k
+ * of the vec_dot's dot_u8s8 / dot_s8s8 for lanes 0-3 and 8-11 (block i: its acc0 lanes 0-7) and
+ * 4-7, 12-15 (block i+1: its acc1 lanes), each scaled by the same rounded dx * dy and fmadd-ed
+ * in the same block order; the end puts acc0 and acc1 back together and sums them as the vec_dot
+ * does (hsum8). AVX2 (the other gv_row): a block pair as two 256-bit vectors (below), the quants
+ * through maddubs (pairs at most 2 x 31 x 127: no saturation) and madd. */
+#define GV_MAX_NB 1024 /* the prepared activation row (128 bytes a block on AVX-512) stays on the stack */
+
+/* offsets in a weight block of the nibbles, of qh (Q5_x), and the bytes of an activation block */
+#define GV_QS(k) ((k) == GK_Q4_0 ? 2 : (k) == GK_Q4_1 ? 4 : (k) == GK_Q5_0 ? 6 : 8)
+#define GV_QH(k) ((k) == GK_Q5_0 ? 2 : 4)
+#define GV_HIGH(k) ((k) == GK_Q5_0 || (k) == GK_Q5_1)
+#define GV_YB(k) (GK_MINS(k) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0))
+#define GV_YQ(k) (GK_MINS(k) ? 4 : 2)
+
+/* the f16 values at p and p + stride, converted together: a, -, b, - as float32 */
+LP_INLINE __m128 gv_pair(const uint8_t *p, int stride) {
+    int32_t a, b;
+    memcpy(&a, p, 4); /* the value is the low half (little endian); the high one is not used */
+    memcpy(&b, p + stride, 4);
+    return _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(a), b, 1));
+}
+
+/* the tail block i (nb odd) as the vec_dot's LP_STEP into acc0, and its mins term */
+LP_INLINE void gv_tail(const int kind, int i, const uint8_t *w, const uint8_t *x, __m256 *acc0, float *summ) {
+    const uint8_t *b = w + (int64_t)i * GK_WBYTES(kind), *yb = x + (int64_t)i * GV_YB(kind);
+    __m256i qx, sx;
+    gk_decode(kind, b, &qx, &sx);
+    const __m256i qy = _mm256_loadu_si256((const __m256i *)(yb + GV_YQ(kind)));
+    const __m256i p = GK_SIGNED(kind) ? dot_u8s8(qx, _mm256_sign_epi8(qy, sx)) : dot_u8s8(qx, qy);
+    lp_half hx, hy;
+    memcpy(&hx, b, 2);
+    memcpy(&hy, yb, 2);
+    *acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), h2f_pair(hx, hy), *acc0);
+    if (GK_MINS(kind)) {
+        memcpy(&hx, b + 2, 2);
+        memcpy(&hy, yb + 2, 2);
+        *summ += H2F(hx) * H2F(hy);
+    }
+}
+
+/* the mins terms of a block pair (a, -, b, - from gv_pair products) into summ, block i first */
+LP_INLINE float gv_mins(float summ, __m128 ms) {
+    summ += _mm_cvtss_f32(ms);
+    return summ + _mm_cvtss_f32(_mm_movehl_ps(ms, ms));
+}
+
+#if defined(GK_ZMM)
+/* the 64 quants of blocks b0, b0 + wb as unsigned bytes (0..15 / 0..31), in the pair order */
+LP_INLINE __m512i gv_quants(const int kind, const uint8_t *b0, int wb) {
+    const uint8_t *b1 = b0 + wb;
+    const __m256i t = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + GV_QS(kind)))),
+        _mm_loadu_si128((const __m128i *)(b1 + GV_QS(kind))), 1);
+    __m512i z = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1),
+                                 _mm512_set1_epi8(0x0f));
+    if (GV_HIGH(kind)) { /* bit j of qh is quant j's bit 4 */
+        uint32_t h0, h1;
+        memcpy(&h0, b0 + GV_QH(kind), 4);
+        memcpy(&h1, b1 + GV_QH(kind), 4);
+        const __mmask64 m = (uint64_t)(h0 & 0xffffu) | (uint64_t)(h1 & 0xffffu) << 16 | (uint64_t)(h0 >> 16) << 32 |
+                            (uint64_t)(h1 >> 16) << 48;
+        z = _mm512_mask_add_epi8(z, m, z, _mm512_set1_epi8(16));
+    }
+    return z;
+}
+
+/* a, -, b, - as float32 lanes [a x4, b x4, a x4, b x4] */
+LP_INLINE __m512 gv_spread(__m128 f) {
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2),
+                                 _mm512_castps128_ps512(f));
+}
+
+/* prep, per block pair j: [4j] the permuted activation quants, [4j+1] the offset sums (signed
+ * kinds), [4j+2] the activation scales spread as gv_spread, [4j+3] (mins kinds) the activation
+ * sums s of both blocks as gv_pair gives them */
+#define GV_PREP 4
+typedef __m512i gv_vec;
+
+LP_INLINE float gv_row(const int kind, int nb, const uint8_t *w, const uint8_t *x, const gv_vec *prep) {
+    const int wb = GK_WBYTES(kind), np = nb / 2;
+    __m512 acc = _mm512_setzero_ps();
+    float summ = 0.0f;
+    for (int j = 0; j < np; j++) {
+        const gv_vec *pj = prep + GV_PREP * j;
+        const uint8_t *b = w + (int64_t)(2 * j) * wb;
+        const __m512i off = GK_SIGNED(kind) ? _mm512_load_si512(pj + 1) : _mm512_setzero_si512();
+        const __m512i p = _mm512_dpbusd_epi32(off, gv_quants(kind, b, wb), _mm512_load_si512(pj));
+        const __m512 dy = _mm512_castsi512_ps(_mm512_load_si512(pj + 2));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(gv_spread(gv_pair(b, wb)), dy), acc);
+        if (GK_MINS(kind))
+            summ = gv_mins(summ, _mm_mul_ps(gv_pair(b + 2, wb),
+                                            _mm512_castps512_ps128(_mm512_castsi512_ps(_mm512_load_si512(pj + 3)))));
+    }
+    const __m512 a = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15), acc);
+    __m256 acc0 = _mm512_castps512_ps256(a), acc1 = _mm512_extractf32x8_ps(a, 1);
+    if (nb & 1) gv_tail(kind, nb - 1, w, x, &acc0, &summ);
+    const float v = hsum8(_mm256_add_ps(acc0, acc1));
+    return GK_MINS(kind) ? v + summ : v;
+}
+
+LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
+    const int yb = GV_YB(kind), yq = GV_YQ(kind);
+    for (int j = 0; j < np; j++) {
+        const uint8_t *y0 = x + (int64_t)(2 * j) * yb;
+        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(y0 + yq))),
+                                             _mm256_loadu_si256((const __m256i *)(y0 + yb + yq)), 1);
+        const __m512i qy = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7), q);
+        gv_vec *pj = prep + GV_PREP * j;
+        pj[0] = qy;
+        if (GK_SIGNED(kind)) {
+            const __m512i c = _mm512_set1_epi8(kind == GK_Q4_0 ? 8 : 16);
+            pj[1] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, qy));
+        }
+        pj[2] = _mm512_castps_si512(gv_spread(gv_pair(y0, yb)));
+        if (GK_MINS(kind)) pj[3] = _mm512_castps_si512(_mm512_castps128_ps512(gv_pair(y0 + 2, yb)));
+    }
+}
+
+#else
+/* prep, per block pair j: [5j] the activation quants 0-15 of both blocks (block i's, then block
+ * i+1's), [5j+1] their quants 16-31, [5j+2], [5j+3] the offset sums of those (signed kinds),
+ * [5j+4] the scales (low 128 bits) and sums s (high 128 bits, mins kinds) as gv_pair gives them.
+ * A row takes a block pair as two vectors, the low nibbles of both blocks' 16 bytes and the high
+ * ones: int32 lanes 0-3 of the low vector are the vec_dot's acc0 lanes 0-3 (block i), 4-7 its
+ * acc1 lanes 0-3 (block i+1), and the high vector the lanes 4-7 of each, so accA and accB
+ * receive each lane's fmadds in the vec_dot's order and are put back together at the end. */
+#define GV_PREP 5
+typedef __m256i gv_vec;
+
+/* the qh words of two blocks (h in every 64-bit lane: block i's low, block i+1's high) -> bytes
+ * 0x10 where the quant's bit 4 is set, in the pair order: bits 0-15 of both blocks (half 0), or
+ * bits 16-31 (half 1) */
+LP_INLINE __m256i gv2_hbits(__m256i h, int half) {
+    const __m256i pick = half == 0 ? _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0404040404040404LL,
+                                                        0x0505050505050505LL)
+                                   : _mm256_setr_epi64x(0x0202020202020202LL, 0x0303030303030303LL,
+                                                        0x0606060606060606LL, 0x0707070707070707LL);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(h, pick), bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+LP_INLINE float gv_row(const int kind, int nb, const uint8_t *w, const uint8_t *x, const gv_vec *prep) {
+    const int wb = GK_WBYTES(kind), np = nb / 2;
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f);
+    const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
+    __m256 accA = _mm256_setzero_ps(), accB = _mm256_setzero_ps();
+    float summ = 0.0f;
+    for (int j = 0; j < np; j++) {
+        const gv_vec *pj = prep + GV_PREP * j;
+        const uint8_t *b = w + (int64_t)(2 * j) * wb;
+        const __m256i t = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + GV_QS(kind)))),
+            _mm_loadu_si128((const __m128i *)(b + wb + GV_QS(kind))), 1);
+        __m256i lo = _mm256_and_si256(t, m4), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), m4);
+        if (GV_HIGH(kind)) {
+            uint32_t h0, h1;
+            memcpy(&h0, b + GV_QH(kind), 4);
+            memcpy(&h1, b + wb + GV_QH(kind), 4);
+            const __m256i h = _mm256_set1_epi64x((long long)((uint64_t)h1 << 32 | h0));
+            lo = _mm256_or_si256(lo, gv2_hbits(h, 0));
+            hi = _mm256_or_si256(hi, gv2_hbits(h, 1));
+        }
+        __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_load_si256(pj)), ones);
+        __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_load_si256(pj + 1)), ones);
+        if (GK_SIGNED(kind)) {
+            plo = _mm256_add_epi32(plo, _mm256_load_si256(pj + 2));
+            phi = _mm256_add_epi32(phi, _mm256_load_si256(pj + 3));
+        }
+        const __m256 sy = _mm256_castsi256_ps(_mm256_load_si256(pj + 4));
+        const __m128 d = _mm_mul_ps(gv_pair(b, wb), _mm256_castps256_ps128(sy)); /* dx0 * dy0, -, dx1 * dy1, - */
+        const __m256 dv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d), spread);
+        accA = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), dv, accA);
+        accB = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), dv, accB);
+        if (GK_MINS(kind)) summ = gv_mins(summ, _mm_mul_ps(gv_pair(b + 2, wb), _mm256_extractf128_ps(sy, 1)));
+    }
+    __m256 acc0 = _mm256_permute2f128_ps(accA, accB, 0x20), acc1 = _mm256_permute2f128_ps(accA, accB, 0x31);
+    if (nb & 1) gv_tail(kind, nb - 1, w, x, &acc0, &summ);
+    const float v = hsum8(_mm256_add_ps(acc0, acc1));
+    return GK_MINS(kind) ? v + summ : v;
+}
+
+LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
+    const int yb = GV_YB(kind), yq = GV_YQ(kind);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int j = 0; j < np; j++) {
+        const uint8_t *y0 = x + (int64_t)(2 * j) * yb + yq, *y1 = y0 + yb;
+        gv_vec *pj = prep + GV_PREP * j;
+        for (int k = 0; k < 2; k++)
+            pj[k] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(y0 + 16 * k))),
+                                            _mm_loadu_si128((const __m128i *)(y1 + 16 * k)), 1);
+        if (GK_SIGNED(kind)) { /* -(offset x the sum of each 4 activations) */
+            const __m256i c = _mm256_set1_epi8(kind == GK_Q4_0 ? 8 : 16);
+            for (int k = 0; k < 2; k++)
+                pj[2 + k] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(_mm256_maddubs_epi16(c, pj[k]), ones));
+        }
+        const uint8_t *yd = x + (int64_t)(2 * j) * yb;
+        const __m128 sc = gv_pair(yd, yb), sm = GK_MINS(kind) ? gv_pair(yd + 2, yb) : _mm_setzero_ps();
+        pj[4] = _mm256_castps_si256(_mm256_insertf128_ps(_mm256_castps128_ps256(sc), sm, 1));
+    }
+}
+#endif
+
+LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64_t row_bytes, int nr,
+                       const uint8_t *x) {
+    const int np = nb / 2;
+    gv_vec prep[GV_PREP * (np > 0 ? np : 1)];
+    gv_prep(kind, np, x, prep);
+    for (int r = 0; r < nr; r++) s[r] = gv_row(kind, nb, w + r * row_bytes, x, prep);
+}
+
 /* NR weight rows x NC activation rows (compile-time constants once inlined) */
 LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float *s, int64_t ld_s,
                        const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t x_bytes, const float *yd,
@@ -723,5 +1005,22 @@ GK_DEFINE(lp_gemm_q5_0_q8_0, GK_Q5_0)
 GK_DEFINE(lp_gemm_q5_1_q8_1, GK_Q5_1)
 GK_DEFINE(lp_gemm_q8_0_q8_0, GK_Q8_0)
 #undef GK_DEFINE
+
+/* lp_gemv_* (lp_quants.h): the decode kernels above (gv_row, AVX-512 or AVX2); a row longer than
+ * the stack buffer allows (GV_MAX_NB blocks) is one vec_dot per row */
+#define GV_DEFINE(name, kind, dot)                                                                        \
+    LP_API void name(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x) {          \
+        const int nb = n / QK8_0;                                                                         \
+        if (nb > GV_MAX_NB) {                                                                             \
+            for (int r = 0; r < nr; r++) dot(n, s + r, (const uint8_t *)w + r * row_bytes, x);            \
+            return;                                                                                       \
+        }                                                                                                 \
+        gv_gemv(kind, nb, s, w, row_bytes, nr, x);                                                        \
+    }
+GV_DEFINE(lp_gemv_q4_0_q8_0, GK_Q4_0, lp_vec_dot_q4_0_q8_0)
+GV_DEFINE(lp_gemv_q5_0_q8_0, GK_Q5_0, lp_vec_dot_q5_0_q8_0)
+GV_DEFINE(lp_gemv_q4_1_q8_1, GK_Q4_1, lp_vec_dot_q4_1_q8_1)
+GV_DEFINE(lp_gemv_q5_1_q8_1, GK_Q5_1, lp_vec_dot_q5_1_q8_1)
+#undef GV_DEFINE
 
 #endif

@@ -417,7 +417,7 @@ def gemm_vs_vec_dot(lib: ctypes.CDLL, name: str, n_in: int, act: np.ndarray | No
 
 
 @pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q2_K"])
-def test_gemm_is_vec_dots(lib: ctypes.CDLL, name: str) -> None:
+def test_gemm_of_float_types_and_q2_k_is_vec_dots(lib: ctypes.CDLL, name: str) -> None:
     """The multi-column kernels of the float types (a row length that takes every SIMD step and
     a scalar tail: 871 = 13 x 64 + 2 x 16 + 7 = 6 x 128 + 3 x 32 + 7) and of Q2_K."""
     if name == "Q2_K" and lib.lp_vec_dot_type(GGML_ID[name]) < 0:

@@ -672,20 +672,23 @@ LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float
     }
 }
 
-LP_INLINE void gk_rows(const int kind, const int NC, int nb, float *s, int64_t ld_s, const uint8_t *w,
-                       int64_t row_bytes, int nr, const uint8_t *x, int64_t x_bytes, const float *yd,
-                       const float *ys) {
+LP_INLINE void gk_rows(const int kind, const int NC, const int pairs, int nb, float *s, int64_t ld_s,
+                       const uint8_t *w, int64_t row_bytes, int nr, const uint8_t *x, int64_t x_bytes,
+                       const float *yd, const float *ys) {
     int r = 0;
     /* rows in pairs only for 3-4 columns: with 1-2 the pairs were slower on memory-bound
-     * matrices (2048x8192 at 2 tokens: 0.4-0.66x, noisy) and no faster on small ones */
-    if (GEMM_NR == 2 && NC >= 3)
+     * matrices (2048x8192 at 2 tokens: 0.4-0.66x, noisy) and no faster on small ones; and only
+     * where asked (`pairs`): on weights streamed from memory once (a decode batch of <= 4
+     * tokens) single rows are faster at 3-4 columns too (SmolLM2's 49152x576 Q8_0 output at 4
+     * tokens: 1.9 ms single rows, 3.4 ms pairs; a 4-token decode step 12 % faster, noisy) */
+    if (pairs && GEMM_NR == 2 && NC >= 3)
         for (; r + 2 <= nr; r += 2)
             gk_tile(kind, 2, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys);
     for (; r < nr; r++) gk_tile(kind, 1, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys);
 }
 
-LP_INLINE void gk_gemm(const int kind, int n, float *s, int64_t ld_s, const void *vw, int64_t row_bytes, int nr,
-                       const void *vx, int64_t x_bytes, int nc) {
+LP_INLINE void gk_gemm(const int kind, const int pairs, int n, float *s, int64_t ld_s, const void *vw,
+                       int64_t row_bytes, int nr, const void *vx, int64_t x_bytes, int nc) {
     const int nb = n / QK8_0;
     const uint8_t *x = vx;
     /* the columns' scales (and q8_1 sums) as float32, [block][column] */
@@ -705,17 +708,23 @@ LP_INLINE void gk_gemm(const int kind, int n, float *s, int64_t ld_s, const void
     }
     const uint8_t *w = vw;
     switch (nc) {
-    case 1: gk_rows(kind, 1, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
-    case 2: gk_rows(kind, 2, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
-    case 3: gk_rows(kind, 3, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
-    default: gk_rows(kind, 4, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
+    case 1: gk_rows(kind, 1, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
+    case 2: gk_rows(kind, 2, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
+    case 3: gk_rows(kind, 3, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
+    default: gk_rows(kind, 4, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
     }
 }
 
+/* name: rows in pairs at 3-4 columns (weights reused from cache: a prompt's column groups);
+ * name_r1: one row at a time (weights streamed from memory once: a decode batch) */
 #define GK_DEFINE(name, kind)                                                                             \
     LP_API void name(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, \
                      int64_t x_bytes, int nc) {                                                           \
-        gk_gemm(kind, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);                                      \
+        gk_gemm(kind, 1, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);                                   \
+    }                                                                                                     \
+    LP_API void name##_r1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr,        \
+                          const void *x, int64_t x_bytes, int nc) {                                       \
+        gk_gemm(kind, 0, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);                                   \
     }
 GK_DEFINE(lp_gemm_q4_0_q8_0, GK_Q4_0)
 GK_DEFINE(lp_gemm_q4_1_q8_1, GK_Q4_1)

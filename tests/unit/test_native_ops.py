@@ -198,8 +198,8 @@ def test_attend_causal_tokens(lib, T):
 
 def test_attend_batch_of_sequences_equals_each_row_alone(lib):
     """A server step: decode tokens of 3 sequences whose cells interleave, then a prompt chunk of
-    a 4th (causal): the tokens of different sequences go to work units of their own (none scores
-    another sequence's cells), and every row is its own single-token result bit for bit."""
+    a 4th (causal): every row is its own single-token result bit for bit, and the result over its
+    sequence's cells alone, contiguous (what a request alone computes)."""
     rng = np.random.default_rng(15)
     Hkv, g, D, N = 3, 3, 64, 256
     owner = rng.integers(0, 4, N)  # the sequence of each cell
@@ -216,8 +216,14 @@ def test_attend_batch_of_sequences_equals_each_row_alone(lib):
     k = rng.standard_normal((N, Hkv, D)).astype(np.float32)
     v = rng.standard_normal((N, Hkv, D)).astype(np.float32)
     out = c_attend(lib, q, k, v, mask, 0.125)
-    for t in range(T):
+    for t, (sq, _) in enumerate(rows):
         np.testing.assert_array_equal(out[t], c_attend(lib, q[t : t + 1], k, v, mask[t : t + 1], 0.125)[0])
+        # the same row over its sequence's cells alone, contiguous (whole groups of 8 cells
+        # against the interleaved cache's sparse ones): the same bits
+        mine = owner == sq
+        alone = c_attend(lib, q[t : t + 1], np.ascontiguousarray(k[mine]), np.ascontiguousarray(v[mine]),
+                         np.ascontiguousarray(mask[t : t + 1, mine]), 0.125)  # fmt: skip
+        np.testing.assert_array_equal(out[t], alone[0])
     np.testing.assert_allclose(out, K._attend(q, k, v, mask, 0.125, np), rtol=0, atol=1e-5)
 
 

@@ -545,12 +545,11 @@ static void attend_unit(const att_args *a, int64_t kh, int64_t t0, int64_t t1, i
 }
 
 /* Unit u of attend(): the last query blocks first (most cells, for the dynamic schedule), KV
- * head innermost; block b is the tokens [start[b], start[b + 1]); the cells are the union of
- * what its tokens see ([lo, hi) per token in range). */
-static void attend_unit_at(const att_args *a, const int64_t *range, const int64_t *start, int64_t n_tb, int64_t u,
+ * head innermost; the cells are the union of what its tokens see ([lo, hi) per token in range). */
+static void attend_unit_at(const att_args *a, const int64_t *range, int64_t tb, int64_t n_tb, int64_t u,
                            float *buf) {
     const int64_t b = n_tb - 1 - u / a->Hkv, kh = u % a->Hkv;
-    const int64_t t0 = start[b], t1 = start[b + 1];
+    const int64_t t0 = b * tb, t1 = t0 + tb < a->T ? t0 + tb : a->T;
     int64_t lo = a->N, hi = 0;
     for (int64_t t = t0; t < t1; t++)
         if (range[2 * t] < range[2 * t + 1]) {
@@ -569,8 +568,8 @@ static void attend_unit_at(const att_args *a, const int64_t *range, const int64_
 static void attend(const att_args *a, int n_threads) {
     const int64_t T = a->T, N = a->N;
     if (T <= 0 || a->H <= 0 || a->Hkv <= 0 || a->Dv <= 0) return;
-    /* each token's visible range [lo, hi) (empty: 0, 0), then the token blocks' starts */
-    int64_t *range = malloc((size_t)(3 * T + 1) * sizeof(int64_t));
+    /* each token's visible range [lo, hi) (empty: 0, 0) */
+    int64_t *range = malloc((size_t)(2 * T) * sizeof(int64_t));
     if (!range) return;
     for (int64_t t = 0; t < T; t++) {
         const float *mr = a->mask + t * a->mask_st;
@@ -579,21 +578,8 @@ static void attend(const att_args *a, int n_threads) {
         while (hi > lo && mr[hi - 1] == -INFINITY) hi--;
         range[2 * t] = lo < hi ? lo : 0, range[2 * t + 1] = lo < hi ? hi : 0;
     }
-    /* blocks of at most tb consecutive tokens, a new one where a token does not see the last
-     * cell the previous token sees (another sequence: the tokens of a decode batch, or a prompt
-     * chunk after other slots' tokens), so that no row scores the cells of other sequences
-     * (interleaved with its own, they lie inside the union of ranges a unit reads). Which rows
-     * share a unit never changes a row's result. */
     const int64_t g = a->g, tb = g >= ATT_ROWS ? 1 : (ATT_ROWS + g - 1) / g; /* tokens per unit */
-    int64_t *start = range + 2 * T, n_tb = 0;
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t prev_hi = t > 0 ? range[2 * t - 1] : 0;
-        if (t == 0 || t - start[n_tb - 1] >= tb || prev_hi == 0 ||
-            a->mask[t * a->mask_st + prev_hi - 1] == -INFINITY)
-            start[n_tb++] = t;
-    }
-    start[n_tb] = T;
-    const int64_t units = a->Hkv * n_tb;
+    const int64_t n_tb = (T + tb - 1) / tb, units = a->Hkv * n_tb;
     const int64_t R = (tb < T ? tb : T) * g;
     int nt = 1;
 #ifdef _OPENMP
@@ -606,7 +592,7 @@ static void attend(const att_args *a, int n_threads) {
     if (nt == 1) { /* no OpenMP region at all (a fork child cannot run one) */
         float *buf = malloc(att_scratch_floats(R, a->D, a->Dv, a->N) * sizeof(float));
         if (buf)
-            for (int64_t u = 0; u < units; u++) attend_unit_at(a, range, start, n_tb, u, buf);
+            for (int64_t u = 0; u < units; u++) attend_unit_at(a, range, tb, n_tb, u, buf);
         free(buf);
     } else {
 #pragma omp parallel num_threads(nt)
@@ -614,7 +600,7 @@ static void attend(const att_args *a, int n_threads) {
             float *buf = malloc(att_scratch_floats(R, a->D, a->Dv, a->N) * sizeof(float)); /* NULL: nothing written */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t u = 0; u < units; u++)
-                if (buf) attend_unit_at(a, range, start, n_tb, u, buf);
+                if (buf) attend_unit_at(a, range, tb, n_tb, u, buf);
             free(buf);
         }
     }

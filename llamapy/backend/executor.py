@@ -64,7 +64,7 @@ MAX_TOKENS = 16
 # count (qmatmul.Q8_GEMM: no sgemm to be faster), batches up to here are compiled too: a server
 # step of decode tokens plus prompt chunks (engine.py) runs here instead of node by node. Bounded
 # because a cached plan's arena holds the batch's activations while its graph is cached.
-MAX_TOKENS_Q8 = 128
+MAX_TOKENS_Q8 = 64
 
 _DTYPES = {GGMLType.F32: np.dtype(np.float32), GGMLType.F16: np.dtype(np.float16),
            GGMLType.I32: np.dtype(np.int32), GGMLType.I64: np.dtype(np.int64)}  # fmt: skip

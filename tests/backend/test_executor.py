@@ -123,14 +123,14 @@ def test_prompt_batches_fall_back_to_run_nodes(make_llama, monkeypatch: pytest.M
 
 def test_q8_batches_compile_up_to_max_tokens_q8(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """In the q8 mode (every product on the per-block q8 kernels) a server step of decode tokens
-    of several sequences plus a prompt chunk (20 and 100 tokens) runs compiled, with run_nodes'
+    of several sequences plus a prompt chunk (20 and 50 tokens) runs compiled, with run_nodes'
     logits bit for bit; MAX_TOKENS_Q8 tokens and more are left to run_nodes."""
     model = _model(make_llama(qtype=T.Q8_0))
     exe, ref = _contexts(monkeypatch, model)
     for c in (exe, ref):
         c.decode([1, 40, 90], range(3), 0)
         c.decode([1, 66], range(2), 1)
-    for n in (20, 100):
+    for n in (20, 50):
         toks = [10, 11] + list(range(3, 3 + n - 2))
         pos = [3, 2] + list(range(n - 2))
         seq = [0, 1] + [2] * (n - 2)

@@ -153,6 +153,32 @@ def test_quantize_row_q8_1_as_ggml(lib: ctypes.CDLL) -> None:
     assert np.array_equal(y, ref_q8_1(x))
 
 
+def test_quantizers_equal_the_portable_build(lib: ctypes.CDLL) -> None:
+    """The AVX2 / AVX-512 activation quantizers (vector max, trunc + exact fraction for roundf)
+    give the portable build's (scalar fmaxf, libm roundf) bytes for every input: ties and their
+    neighbours, -0, subnormals, huge values, inf and nan in a block."""
+    try:
+        portable = native.load("portable")
+    except OSError as e:
+        pytest.skip(f"no portable build: {e}")
+    rng = np.random.default_rng(3)
+    blocks = [rng.standard_normal(32) * 3, np.zeros(32), -np.zeros(32), np.full(32, 1e-42),
+              rng.uniform(-3e38, 3e38, 32), np.arange(32) - 15.5]  # fmt: skip
+    tie = np.arange(32, dtype=np.float32) - np.float32(15.5)  # x * (1/d) lands on/near .5 ties
+    blocks += [np.nextafter(tie, np.float32(np.inf)), np.nextafter(tie, np.float32(-np.inf))]
+    for special in (np.nan, np.inf, -np.inf):
+        b = rng.standard_normal(32)
+        b[7] = special
+        blocks.append(b)
+    x = np.concatenate(blocks).astype(np.float32)
+    for fn, size in (("lp_quantize_row_q8_0", 34), ("lp_quantize_row_q8_1", 36)):
+        got, want = (np.zeros(size * (x.size // 32), np.uint8) for _ in range(2))
+        with np.errstate(all="ignore"):
+            getattr(lib, fn)(ptr(x), ptr(got), x.size)
+            getattr(portable, fn)(ptr(x), ptr(want), x.size)
+        assert np.array_equal(got, want), fn
+
+
 def quantize_act(lib: ctypes.CDLL, name: str, x: np.ndarray) -> np.ndarray:
     """x (n_tok, n_in) in the vec_dot_type of weight type `name`, through lp_quantize_act."""
     n_tok, n_in = x.shape

@@ -250,6 +250,7 @@ class Context:
         # what the context changed to fit the memory (the CLI logs it); "" = nothing
         self.fit_note = ""
         self._graphs: dict[tuple[int, int, int], ModelGraph] = {}
+        self._invariant: bool | None = None  # batch_invariant(), worked out on first use
         self.compute_buffers: list[Buffer] = []
         self.freed = False
         self.compute_sizes = self._reserve_compute()
@@ -366,15 +367,47 @@ class Context:
 
     def graph(self, n_tokens: int, n_kv: int, n_outputs: int) -> ModelGraph:
         key = (n_tokens, n_kv, n_outputs)
-        g = self._graphs.get(key)
+        g = self._graphs.pop(key, None)
         if g is None:
             if len(self._graphs) > 16:  # prompt tails of many sizes: keep the cache small
+                # least recently used first (a hit moves its graph to the end): the decode
+                # shapes a server reuses every step outlive its one-off prompt shapes
                 for old in list(self._graphs.values())[:8]:
                     self.sched.forget(old.graph)
                 self._graphs = dict(list(self._graphs.items())[8:])
             g = build_graph(self.model.params, self.model.weights, self.kv, n_tokens, n_kv, n_outputs)
-            self._graphs[key] = g
+        self._graphs[key] = g
         return g
+
+    def batch_invariant(self) -> bool:
+        """Whether a token's logits are the same bits in any batch (alone, beside other
+        sequences' tokens, in a prompt chunk of any size): every node of a full micro-batch runs
+        on the CPU backend in the 8-bit mode and every MUL_MAT on the per-block q8 kernels (no
+        float32 tiles + sgemm, no BLAS, no GPU), whose numbers do not depend on the row count;
+        attention's three passes do not either (ops.c). The engine then puts decode tokens and
+        prompt chunks in one micro-batch (llama-server's update_slots)."""
+        if self._invariant is None:
+            self._invariant = self._check_invariant()
+        return self._invariant
+
+    def _check_invariant(self) -> bool:
+        from .backend.qmatmul import QMatrix
+        from .tensor import Op
+
+        n = self.n_ubatch
+        plan = self.sched.reserve(self.graph(n, self.n_ctx, n).graph)
+        for split in plan.splits:
+            be = self.backends[split.backend]
+            if type(be) is not CPUBackend or be.cpu_matmul != "q8":
+                return False
+            for node in split.nodes:
+                if node.op is not Op.MUL_MAT:
+                    continue
+                r = node.src[0].root()
+                value = r.buffer.storage(r) if r.buffer is not None and r.buffer.buft.is_host else None
+                if not isinstance(value, QMatrix) or any(value.path(k, True) != "q8" for k in (1, n)):
+                    return False
+        return True
 
     def plan(self, n_tokens: int, n_outputs: int | None = None) -> Plan:
         """Plan (without running) the graph of a batch of n_tokens at an empty cache."""

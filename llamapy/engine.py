@@ -3,15 +3,21 @@
 
 One Engine owns a Context. Its KV cache is split into `n_parallel` slots of `n_ctx_slot` cells
 each; slot `i` decodes as KV sequence `i`. A request (`submit`) waits in a bounded queue until a
-slot is free; each `step()` then decodes the next token of every generating slot as one micro-batch
-and, apart from it, chunks of the prompts being evaluated (each prompt cut every `n_batch` tokens
-from its start, as a request alone is; chunks are taken while the step holds fewer than `n_batch`
-tokens, so a long prompt does not stall the slots that are generating), samples a token for every
-row of logits and hands each request its events through the request's `sink`. Decode tokens and
-prompt chunks go to separate `decode` calls so that a request's numbers do not depend on what runs
-beside it: with 8-bit activations a MUL_MAT's path depends on its row count (`use_sgemm`), and a
-decode token batched with a 30-token prompt would take the float32-GEMM path, whose sums round
-differently from the one-token kernels and change greedy text.
+slot is free; each `step()` then decodes the next token of every generating slot and chunks of
+the prompts being evaluated (taken while the step holds fewer than `n_batch` tokens, so a long
+prompt does not stall the slots that are generating), samples a token for every row of logits and
+hands each request its events through the request's `sink`.
+
+Where the context is batch-invariant (`Context.batch_invariant`: the default 8-bit CPU mode with
+q8 kernels for every weight type, whose numbers do not depend on a MUL_MAT's row count), the step
+is ONE micro-batch, as llama-server's `update_slots` builds it: the decode tokens first, then the
+prompt chunks, cut where the step's `n_batch` tokens end; a token's logits are the same bits
+there as alone, so every request still gives its single-request text. Elsewhere (float32
+activations, BLAS/sgemm for big batches, a GPU) a MUL_MAT's path depends on its row count
+(`use_sgemm`, op offload), and a decode token batched with a 30-token prompt would round
+differently from the one-token kernels and change greedy text: decode tokens and each prompt chunk
+(cut every `n_batch` tokens from the prompt's start, as a request alone is) then go to separate
+`decode` calls.
 
 - `Event(kind="token")` per sampled token: the text it releases (text that might be the start of a
   stop string is held back), the token id, and its logprob / top logprobs when asked;
@@ -496,14 +502,16 @@ class Engine:
             calls.append(([s.job.pending for s in gen], [len(s.cached) for s in gen],  # type: ignore[union-attr]
                           [s.seq for s in gen], [True] * len(gen), gen, []))  # fmt: skip
         n_tokens = len(gen)
-        for s in busy:  # then chunks of the prompts still to evaluate, one call each
+        one = self.ctx.batch_invariant()  # one micro-batch for the whole step
+        for s in busy:  # then chunks of the prompts still to evaluate
             job = s.job
             assert job is not None
             if job.n_done >= len(job.prompt):
                 continue
             if n_tokens >= self.ctx.n_batch and calls:
                 break
-            chunk = job.prompt[job.n_done : job.n_done + self.ctx.n_batch]
+            room = self.ctx.n_batch - n_tokens if one else self.ctx.n_batch
+            chunk = job.prompt[job.n_done : job.n_done + room]
             n_tokens += len(chunk)
             last = job.n_done + len(chunk) == len(job.prompt)
             sample = last and job.req.max_tokens != 0
@@ -511,6 +519,8 @@ class Engine:
                           [False] * (len(chunk) - 1) + [sample], [s] if sample else [], [(s, len(chunk))]))  # fmt: skip
         if not calls:
             return False
+        if one and len(calls) > 1:
+            calls = [tuple([x for c in calls for x in c[i]] for i in range(6))]  # type: ignore[misc]
         m = self.metrics
         m.n_decode_total += 1
         m.n_busy_slots_total += len(busy)

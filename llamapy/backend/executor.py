@@ -60,6 +60,11 @@ REC = 24
 # Batches from this many tokens are left to run_nodes: its tile + sgemm path is faster there
 # (qmatmul.SGEMM_MIN_TOKENS).
 MAX_TOKENS = 16
+# In the q8 mode, where every MUL_MAT of a split stays on the per-block q8 kernels at any row
+# count (qmatmul.Q8_GEMM: no sgemm to be faster), batches up to here are compiled too: a server
+# step of decode tokens plus prompt chunks (engine.py) runs here instead of node by node. Bounded
+# because a cached plan's arena holds the batch's activations while its graph is cached.
+MAX_TOKENS_Q8 = 64
 
 _DTYPES = {GGMLType.F32: np.dtype(np.float32), GGMLType.F16: np.dtype(np.float16),
            GGMLType.I32: np.dtype(np.int32), GGMLType.I64: np.dtype(np.int64)}  # fmt: skip
@@ -290,6 +295,7 @@ class _Compiler:
     def __init__(self, nodes: Sequence[Tensor], exports: Sequence[Tensor], lib: Any, allocate: Any, q8: bool) -> None:
         self.allocate = allocate
         self.q8 = q8
+        self.max_tokens = MAX_TOKENS_Q8 if q8 else MAX_TOKENS
         self.pre: list[Tensor] = []  # GET_ROWS of file-layout rows, run in Python before the call
         self.quantized: dict[int, Any] = {}  # vec_dot_type -> the input its scratch holds now
         self.scratch: dict[int, np.ndarray] = {}  # vec_dot_type -> room for quantized activations
@@ -342,7 +348,7 @@ class _Compiler:
                 continue
             if n.type is not GGMLType.F32:
                 raise Refused(f"{op.name} {n.name} of type {n.type.name}")
-            if len(n.shape) >= 2 and n.shape[0] >= MAX_TOKENS:
+            if len(n.shape) >= 2 and n.shape[0] >= self.max_tokens:
                 # a prompt: the sgemm path is faster there, and a plan's arena would
                 # hold copies of the batch's activations for as long as the graph is cached
                 raise Refused(f"a batch of {n.shape[0]} tokens")
@@ -537,8 +543,8 @@ class _Compiler:
         """QUANTIZE (unless this input is what the vec_dot_type's scratch holds already: the
         Q/K/V or gate/up products of one input) and MUL_MAT_Q records."""
         n_tok, n_in, xs = xl.rows()
-        if n_tok >= MAX_TOKENS:
-            raise Refused(f"a batch of {n_tok} tokens (the tile + sgemm path is faster)")
+        if n_tok >= self.max_tokens:
+            raise Refused(f"a batch of {n_tok} tokens")
         x = n.src[1]
         key = (self._base(x), xl.addr, xl.strides)
         scratch = self.scratch[vdt]

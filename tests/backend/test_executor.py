@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as T
 
 from llamapy import ops
 from llamapy.backend import native
-from llamapy.backend.executor import ExecPlan, Refusal, compile_split
+from llamapy.backend.executor import MAX_TOKENS_Q8, ExecPlan, Refusal, compile_split
 from llamapy.context import Context, ContextOptions, Model
 from llamapy.sched.alloc import plan_offsets
 from llamapy.tensor import Tensor, TensorFlag
@@ -99,10 +99,12 @@ def test_f16_cache_and_untied_output(make_llama, monkeypatch: pytest.MonkeyPatch
 
 
 def test_prompt_batches_fall_back_to_run_nodes(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    model = _model(make_llama(qtype=T.Q8_0))
+    """The float32-activation mode leaves batches of MAX_TOKENS and more to run_nodes (its tile +
+    sgemm path is faster there); the q8 mode compiles them up to MAX_TOKENS_Q8."""
+    model = _model(make_llama(qtype=T.Q8_0), "f32")
     exe, ref = _contexts(monkeypatch, model)
     toks = list(range(3, 23))  # 20 tokens: past the executor's MAX_TOKENS
-    np.testing.assert_array_equal(exe.decode(toks, range(20)), ref.decode(toks, range(20)))
+    _same(exe.decode(toks, range(20)), ref.decode(toks, range(20)), q8=False)
     g = exe.graph(20, 256, 1)
     plan = exe.sched.reserve(g.graph)
     # CPU splits that hold the batch's rows (the BLAS backend, when there is one, has the big
@@ -115,8 +117,37 @@ def test_prompt_batches_fall_back_to_run_nodes(make_llama, monkeypatch: pytest.M
         assert isinstance(bp, Refusal) and "a batch of 20 tokens" in bp.reason, bp
     dump = exe.sched.dump(g.graph)
     assert f"## PLAN #{cpu[0]}: CPU executor refused: a batch of 20 tokens" in dump
-    _same(exe.decode([5], [20]), ref.decode([5], [20]))
+    _same(exe.decode([5], [20]), ref.decode([5], [20]), q8=False)
     assert "## PLAN #0: CPU executor: " in exe.sched.dump(exe.graph(1, 256, 1).graph)
+
+
+def test_q8_batches_compile_up_to_max_tokens_q8(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """In the q8 mode (every product on the per-block q8 kernels) a server step of decode tokens
+    of several sequences plus a prompt chunk (20 and 50 tokens) runs compiled, with run_nodes'
+    logits bit for bit; MAX_TOKENS_Q8 tokens and more are left to run_nodes."""
+    model = _model(make_llama(qtype=T.Q8_0))
+    exe, ref = _contexts(monkeypatch, model)
+    for c in (exe, ref):
+        c.decode([1, 40, 90], range(3), 0)
+        c.decode([1, 66], range(2), 1)
+    for n in (20, 50):
+        toks = [10, 11] + list(range(3, 3 + n - 2))
+        pos = [3, 2] + list(range(n - 2))
+        seq = [0, 1] + [2] * (n - 2)
+        want = [True, True] + [False] * (n - 3) + [True]
+        _same(exe.decode(toks, pos, seq, want), ref.decode(toks, pos, seq, want))
+        for c in (exe, ref):
+            c.kv.seq_rm(0, 3)
+            c.kv.seq_rm(1, 2)
+            c.kv.seq_rm(2)
+        plan = exe.sched.reserve(exe.graph(n, 256, 3).graph)
+        cpu = [i for i, s in enumerate(plan.splits) if exe.backends[s.backend].name == "CPU"]
+        assert cpu and all(isinstance(exe.sched.backend_plan(plan, i), ExecPlan) for i in cpu)
+    n = MAX_TOKENS_Q8
+    toks = list(range(3, 3 + n))
+    _same(exe.decode(toks, range(n)), ref.decode(toks, range(n)))
+    bp = exe.sched.backend_plan(exe.sched.reserve(exe.graph(n, 256, 1).graph), 0)
+    assert isinstance(bp, Refusal) and f"a batch of {n} tokens" in bp.reason, bp
 
 
 def test_batches_of_9_to_15_tokens_compile(monkeypatch: pytest.MonkeyPatch, make_llama) -> None:  # noqa: ANN001

@@ -62,15 +62,15 @@ def _executor_threads(llm: Llama) -> set[int]:
 
 def test_two_llamas_with_different_threads(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """-t 0 (every core: 4 here, the core count patched so that it differs from 1 on any machine)
-    and -t 1 in one process, used in turns: a 37-token prompt (run_nodes: sgemm products, C
-    attention over 37 queries) then decode steps (the executor). Each call gets its own
+    and -t 1 in one process, used in turns: a 70-token prompt (run_nodes: past the executor's
+    MAX_TOKENS_Q8; C attention over 70 queries) then decode steps (the executor). Each call gets its own
     context's count, whichever context was made or ran last, and both decode the same text."""
     monkeypatch.setattr(cpu, "_CORES", 4)
     monkeypatch.setenv("LLAMAPY_EXECUTOR", "1")
     path = make_llama(n_layer=2)
     calls = _spy(monkeypatch)
     every, one = Llama(path, n_ctx=256, n_threads=0), Llama(path, n_ctx=256, n_threads=1)
-    prompt = list(range(3, 40))
+    prompt = list(range(3, 73))
     texts = []
     try:
         for llm, want in ((every, 4), (one, 1), (every, 4)):

@@ -62,6 +62,69 @@ def test_parallel_greedy_equals_single_runs(llm: Llama) -> None:
     assert all(not s.is_processing for s in eng.slot_info())
 
 
+@pytest.mark.parametrize("mode", ["q8", "f32"])
+def test_one_micro_batch_per_step_where_batch_invariant(llm: Llama, mode: str) -> None:
+    """A prompt arriving while other slots generate: in the 8-bit mode (batch-invariant) the
+    step decodes the generating slots' tokens and the prompt chunk in ONE micro-batch (cut at
+    n_batch: a long prompt in chunks of at most 24 tokens beside 2 decode tokens), in the
+    float32 mode in separate calls; either way every request gives its single-run tokens."""
+    from llamapy.context import ContextOptions
+    from llamapy.generate import generate
+
+    m = Llama(llm.path, context_options=ContextOptions(n_ctx=512, n_batch=26, n_threads=1, cpu_matmul=mode))
+    try:
+        ctx = m.ctx
+        assert ctx.batch_invariant() == (mode == "q8")
+        prompts = [m.tokenize(p) for p in PROMPTS[:2]] + [m.tokenize(" ".join(["the cat and the dog"] * 2))]
+        assert len(prompts[2]) > 26
+        refs = []
+        for p in prompts:
+            ctx.kv.clear()
+            refs.append(generate(ctx, p, 10, GREEDY).tokens)
+        eng = Engine(ctx, n_parallel=3, n_ctx_slot=128)
+        calls: list[tuple[int, int]] = []  # (tokens, logits wanted) per decode call
+        decode = eng._decode
+
+        def counted(toks: list[int], pos: list[int], seqs: list[int], want: list[bool]):  # noqa: ANN202
+            calls.append((len(toks), sum(want)))
+            return decode(toks, pos, seqs, want)
+
+        eng._decode = counted  # type: ignore[method-assign]
+        out: dict[int, list] = {}
+        ids = [eng.submit(Request(p, 10, GREEDY), lambda ev: out.setdefault(ev.id, []).append(ev)) for p in prompts[:2]]
+        for _ in range(3):
+            eng.step()
+        ids.append(eng.submit(Request(prompts[2], 10, GREEDY), lambda ev: out.setdefault(ev.id, []).append(ev)))
+        steps0, calls0 = eng.metrics.n_decode_total, len(calls)
+        for _ in range(500):
+            if all(i in out and out[i][-1].kind == "done" for i in ids):
+                break
+            eng.step()
+        late = calls[calls0:]
+        if mode == "q8":
+            assert len(late) == eng.metrics.n_decode_total - steps0  # one call per step
+            assert late[0] == (26, 2)  # 2 decode tokens + 24 prompt tokens
+            assert max(n for n, _ in late) <= 26
+        else:
+            assert len(late) > eng.metrics.n_decode_total - steps0
+            assert late[:2] == [(2, 2), (26, 0)]  # apart, the prompt cut at n_batch from its start
+        for i, ref in zip(ids, refs):
+            assert tokens(out[i]) == ref
+    finally:
+        m.close()
+
+
+def test_graph_cache_keeps_the_shapes_in_use(llm: Llama) -> None:
+    """The context's graph cache drops the least recently used shapes: a server's decode shape,
+    used every step, survives a stream of one-off prompt-chunk shapes."""
+    ctx = llm.ctx
+    decode = ctx.graph(3, 256, 3)
+    for n in range(4, 40):
+        ctx.graph(n, 256, 1)
+        assert ctx.graph(3, 256, 3) is decode
+    assert len(ctx._graphs) <= 17
+
+
 def test_prompt_cache_reuse_and_bound(llm: Llama) -> None:
     base = llm.tokenize(PROMPTS[3])
     longer = base + llm.tokenize(" and the end", add_special=False)

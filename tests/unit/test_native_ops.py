@@ -196,6 +196,37 @@ def test_attend_causal_tokens(lib, T):
     np.testing.assert_allclose(c_attend(lib, q, k, v, mask, 0.125), K._attend(q, k, v, mask, 0.125, np), atol=1e-5)
 
 
+def test_attend_batch_of_sequences_equals_each_row_alone(lib):
+    """A server step: decode tokens of 3 sequences whose cells interleave, then a prompt chunk of
+    a 4th (causal): every row is its own single-token result bit for bit, and the result over its
+    sequence's cells alone, contiguous (what a request alone computes)."""
+    rng = np.random.default_rng(15)
+    Hkv, g, D, N = 3, 3, 64, 256
+    owner = rng.integers(0, 4, N)  # the sequence of each cell
+    pos = np.zeros(N, np.int64)
+    for sq in range(4):
+        pos[owner == sq] = np.arange((owner == sq).sum())
+    rows = [(0, pos[owner == 0].max()), (1, pos[owner == 1].max()), (2, pos[owner == 2].max())]
+    rows += [(3, p) for p in range(pos[owner == 3].max() - 9, pos[owner == 3].max() + 1)]
+    T = len(rows)
+    mask = np.full((T, N), -np.inf, np.float32)
+    for t, (sq, p) in enumerate(rows):
+        mask[t, (owner == sq) & (pos <= p)] = 0.0
+    q = rng.standard_normal((T, Hkv * g, D)).astype(np.float32)
+    k = rng.standard_normal((N, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((N, Hkv, D)).astype(np.float32)
+    out = c_attend(lib, q, k, v, mask, 0.125)
+    for t, (sq, _) in enumerate(rows):
+        np.testing.assert_array_equal(out[t], c_attend(lib, q[t : t + 1], k, v, mask[t : t + 1], 0.125)[0])
+        # the same row over its sequence's cells alone, contiguous (whole groups of 8 cells
+        # against the interleaved cache's sparse ones): the same bits
+        mine = owner == sq
+        alone = c_attend(lib, q[t : t + 1], np.ascontiguousarray(k[mine]), np.ascontiguousarray(v[mine]),
+                         np.ascontiguousarray(mask[t : t + 1, mine]), 0.125)  # fmt: skip
+        np.testing.assert_array_equal(out[t], alone[0])
+    np.testing.assert_allclose(out, K._attend(q, k, v, mask, 0.125, np), rtol=0, atol=1e-5)
+
+
 def test_attend_large_scores(lib):
     """Scores far apart (a running max that keeps growing, cells that underflow to 0)."""
     rng = np.random.default_rng(5)

@@ -220,17 +220,19 @@ def test_vec_dot_against_float64(lib: ctypes.CDLL, name: str, n_in: int) -> None
             assert abs(s.value - want) <= 2e-6 * mag + 1e-30, (name, r, t, s.value, want)
 
 
+@pytest.mark.parametrize("suffix", ["", "_r1"])
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
-def test_gemm_is_vec_dots(lib: ctypes.CDLL, name: str) -> None:
+def test_gemm_is_vec_dots(lib: ctypes.CDLL, name: str, suffix: str) -> None:
     """lp_gemm_<type> (where the variant has one: AVX2, AVX-512) called directly: every output
     s[c * ld_s + r] is its vec_dot's bit for bit, for 1..LP_GEMM_COLS columns, an odd row count
     (the kernels take rows in pairs on AVX-512) and an odd block count (the vec_dots' two
-    accumulators take the blocks in pairs)."""
+    accumulators take the blocks in pairs); lp_gemm_<type>_r1 (rows one at a time, for decode
+    batches) too."""
     sym = f"{name.lower()}_{VEC_DOT_TYPE[name].lower()}"
-    if not hasattr(lib, "lp_gemm_" + sym):
+    if not hasattr(lib, "lp_gemm_" + sym + suffix):
         assert "avx" not in os.path.basename(lib._name)  # the AVX2 and AVX-512 builds have them all
-        pytest.skip(f"this library has no lp_gemm_{sym}")
-    gemm, dot = getattr(lib, "lp_gemm_" + sym), getattr(lib, "lp_vec_dot_" + sym)
+        pytest.skip(f"this library has no lp_gemm_{sym}{suffix}")
+    gemm, dot = getattr(lib, "lp_gemm_" + sym + suffix), getattr(lib, "lp_vec_dot_" + sym)
     i64, p = ctypes.c_int64, ctypes.c_void_p
     gemm.argtypes, gemm.restype = [ctypes.c_int, p, i64, p, i64, ctypes.c_int, p, i64, ctypes.c_int], None
     rng = np.random.default_rng(11)
@@ -283,7 +285,9 @@ def test_gemv_is_vec_dots(lib: ctypes.CDLL, name: str, n_blocks: int) -> None:
 
 
 @pytest.mark.parametrize("name", OWN_TYPES + K_TYPES)
-@pytest.mark.parametrize("n_tok", [1, 5, 9, 17])  # groups of 4 (8 for the K types) and remainders
+# groups of LP_GEMM_COLS = 4 (8 for the K types on AVX-512): one group (the single-row kernels),
+# whole groups and remainders
+@pytest.mark.parametrize("n_tok", [1, 3, 4, 5, 9, 17])
 def test_mul_mat_is_vec_dots(lib: ctypes.CDLL, name: str, n_tok: int) -> None:
     """lp_mul_mat = quantize once + one vec_dot per output, whatever the threads and however many
     tokens (the multi-column kernels where a type has one): bit for bit."""

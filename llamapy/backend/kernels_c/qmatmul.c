@@ -969,6 +969,18 @@ void lp_gemm_q3_K_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row
 void lp_gemm_q4_K_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_q5_K_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_q6_K_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+/* the q types' single-row variants (quants.c GK_DEFINE): for a decode batch's weights, streamed
+ * from memory once, where rows in pairs are slower */
+#pragma weak lp_gemm_q4_0_q8_0_r1
+#pragma weak lp_gemm_q5_0_q8_0_r1
+#pragma weak lp_gemm_q8_0_q8_0_r1
+#pragma weak lp_gemm_q4_1_q8_1_r1
+#pragma weak lp_gemm_q5_1_q8_1_r1
+void lp_gemm_q4_0_q8_0_r1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_q5_0_q8_0_r1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_q8_0_q8_0_r1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_q4_1_q8_1_r1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_q5_1_q8_1_r1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 
 /* Rows a thread takes at once (output columns of one chunk), and the rows of a cache block:
  * for prompts, MM_ROW_BLOCK weight rows stay in L1 while every token's activations pass by. */
@@ -989,8 +1001,9 @@ typedef struct {
     mm_quantize_fn quantize;
     lp_vec_dot_fn dot;
     lp_gemm_fn gemm; /* NULL: one dot per output */
-    lp_gemv_fn gemv; /* one token over many rows; NULL: one dot per row */
-    int gemm_cols;   /* the most columns gemm takes a call (set after the initializer) */
+    lp_gemm_fn gemm_r1; /* NULL: gemm; else the same outputs, weight rows one at a time */
+    lp_gemv_fn gemv;    /* one token over many rows; NULL: one dot per row */
+    int gemm_cols;      /* the most columns gemm takes a call (set after the initializer) */
 } mm_traits;
 
 static void mm_copy_f32(const float *x, void *y, int64_t k) { memcpy(y, x, (size_t)k * sizeof(float)); }
@@ -1012,11 +1025,11 @@ static int mm_traits_of(int type, mm_traits *t) {
     case LP_TYPE_F32: *t = (mm_traits){LP_TYPE_F32, 1, 4, mm_copy_f32, lp_vec_dot_f32, lp_gemm_f32}; break;
     case LP_TYPE_F16: *t = (mm_traits){LP_TYPE_F16, 1, 2, mm_to_f16, lp_vec_dot_f16, lp_gemm_f16}; break;
     case LP_TYPE_BF16: *t = (mm_traits){LP_TYPE_BF16, 1, 2, mm_to_bf16, lp_vec_dot_bf16, lp_gemm_bf16}; break;
-    case LP_TYPE_Q4_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q4_0_q8_0, lp_gemm_q4_0_q8_0, lp_gemv_q4_0_q8_0}; break;
-    case LP_TYPE_Q5_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q5_0_q8_0, lp_gemm_q5_0_q8_0, lp_gemv_q5_0_q8_0}; break;
-    case LP_TYPE_Q8_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q8_0_q8_0, lp_gemm_q8_0_q8_0}; break;
-    case LP_TYPE_Q4_1: *t = (mm_traits){LP_TYPE_Q8_1, QK8_1, sizeof(block_q8_1), lp_quantize_row_q8_1, lp_vec_dot_q4_1_q8_1, lp_gemm_q4_1_q8_1, lp_gemv_q4_1_q8_1}; break;
-    case LP_TYPE_Q5_1: *t = (mm_traits){LP_TYPE_Q8_1, QK8_1, sizeof(block_q8_1), lp_quantize_row_q8_1, lp_vec_dot_q5_1_q8_1, lp_gemm_q5_1_q8_1, lp_gemv_q5_1_q8_1}; break;
+    case LP_TYPE_Q4_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q4_0_q8_0, lp_gemm_q4_0_q8_0, lp_gemm_q4_0_q8_0_r1, lp_gemv_q4_0_q8_0}; break;
+    case LP_TYPE_Q5_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q5_0_q8_0, lp_gemm_q5_0_q8_0, lp_gemm_q5_0_q8_0_r1, lp_gemv_q5_0_q8_0}; break;
+    case LP_TYPE_Q8_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q8_0_q8_0, lp_gemm_q8_0_q8_0, lp_gemm_q8_0_q8_0_r1}; break;
+    case LP_TYPE_Q4_1: *t = (mm_traits){LP_TYPE_Q8_1, QK8_1, sizeof(block_q8_1), lp_quantize_row_q8_1, lp_vec_dot_q4_1_q8_1, lp_gemm_q4_1_q8_1, lp_gemm_q4_1_q8_1_r1, lp_gemv_q4_1_q8_1}; break;
+    case LP_TYPE_Q5_1: *t = (mm_traits){LP_TYPE_Q8_1, QK8_1, sizeof(block_q8_1), lp_quantize_row_q8_1, lp_vec_dot_q5_1_q8_1, lp_gemm_q5_1_q8_1, lp_gemm_q5_1_q8_1_r1, lp_gemv_q5_1_q8_1}; break;
     case LP_TYPE_Q2_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q2_K_q8_K, lp_gemm_q2_K_q8_K}; break;
     case LP_TYPE_Q3_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q3_K_q8_K, lp_gemm_q3_K_q8_K}; break;
     case LP_TYPE_Q4_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q4_K_q8_K, lp_gemm_q4_K_q8_K}; break;
@@ -1070,10 +1083,12 @@ static void mm_rows(const mm_traits *t, const uint8_t *w, int64_t r0, int64_t r1
     for (int64_t rb = r0; rb < r1; rb += rblk) {
         const int64_t re = rb + rblk < r1 ? rb + rblk : r1;
         if (t->gemm != NULL && n_tok > 1) {
+            /* one column group: these rows are read once, from memory (see gemm_r1) */
+            const lp_gemm_fn gemm = n_tok <= t->gemm_cols && t->gemm_r1 != NULL ? t->gemm_r1 : t->gemm;
             for (int64_t k = 0; k < n_tok; k += t->gemm_cols) {
                 const int nc = (int)(n_tok - k < t->gemm_cols ? n_tok - k : t->gemm_cols);
-                t->gemm(n_in, y + k * ld_y + rb, ld_y, w + rb * row_bytes, row_bytes, (int)(re - rb),
-                        xq + k * act_bytes, act_bytes, nc);
+                gemm(n_in, y + k * ld_y + rb, ld_y, w + rb * row_bytes, row_bytes, (int)(re - rb),
+                     xq + k * act_bytes, act_bytes, nc);
             }
             continue;
         }

@@ -41,86 +41,76 @@ static inline int lp_round(float v) { return (int)roundf(v); }
 
 /* --- activation quantization ------------------------------------------------------------------ */
 
+/* One block of 32 floats: *d = max|x| / 127 and qs[j] = lp_round(x[j] * (1/d)); returns the sum
+ * of the qs (q8_1's s). The AVX2 body computes the same values as the scalar one (the portable
+ * build's), 8 lanes at a time (a decode step quantizes every matmul input; the scalar loop's libm
+ * calls took ~4.4 ns an element, ~1 ms a token on the 1B shape): the max is exact in any order
+ * (max_ps keeps the running max where |x| is nan, as fmaxf), the products are the same float
+ * multiplies, roundf is trunc + (|v - trunc v| >= 0.5, the exact fraction) with v's sign, and the
+ * int32 -> int8 conversion truncates as (int8_t)(int) does (the low byte; nan and inf give
+ * INT_MIN -> 0 either way). */
+static inline int lp_quant_block32(const float *x, int8_t *qs, float *pd) {
 #if defined(__AVX2__)
-/* One block of 32 floats the scalar loops' way, 8 lanes at a time (a decode step quantizes every
- * matmul input; the scalar loop took ~4.4 ns an element, ~1 ms a token on the 1B shape): the
- * same amax (max ignores a NaN |x| as fmaxf does: maxps returns its second operand then), the
- * same scalar d and id, x * id rounded to nearest with ties away from zero exactly (t = trunc(v),
- * then +-1 where |v - t| >= 0.5; v - t is exact), and the int32 -> int8 conversion truncating as
- * (int8_t)(int) does (the low byte; NaN and inf give INT_MIN -> 0 either way). Returns the 8
- * lanes' int32 sums of the quants (q8_1's s). */
-static inline __m256i q8_block(const float *x, float *d_out, int8_t *q) {
-    const __m256 signbit = _mm256_set1_ps(-0.0f);
-    __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int k = 0; k < 4; k++) {
-        v[k] = _mm256_loadu_ps(x + 8 * k);
-        amax = _mm256_max_ps(_mm256_andnot_ps(signbit, v[k]), amax);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(x + 8 * j);
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, v[j]), m); /* a nan |x|: m, the second operand */
     }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    const float d = _mm_cvtss_f32(m) / 127.0f;
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float d = _mm_cvtss_f32(m4) / 127.0f;
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    *d_out = d;
     const __m256 vid = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
-    __m256i qi[4], sum = _mm256_setzero_si256();
-    for (int k = 0; k < 4; k++) {
-        const __m256 p = _mm256_mul_ps(v[k], vid);
-        const __m256 t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-        const __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(signbit, _mm256_sub_ps(p, t)), half, _CMP_GE_OQ);
-        const __m256 step = _mm256_or_ps(_mm256_and_ps(p, signbit), one); /* +-1 with p's sign */
-        qi[k] = _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_and_ps(up, step)));
-        sum = _mm256_add_epi32(sum, qi[k]);
-        qi[k] = _mm256_and_si256(qi[k], _mm256_set1_epi32(0xff));
+    __m256i qi[4], acc = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        const __m256 s = _mm256_mul_ps(v[j], vid);
+        const __m256 t = _mm256_round_ps(s, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(s, t)), half, _CMP_GE_OQ);
+        const __m256 step = _mm256_or_ps(_mm256_and_ps(s, sign), one); /* +-1 with s's sign */
+        qi[j] = _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_and_ps(up, step)));
+        acc = _mm256_add_epi32(acc, qi[j]);
+        qi[j] = _mm256_and_si256(qi[j], _mm256_set1_epi32(0xff));
     }
     /* the low bytes in order: packs of values 0..255 keep them, then undo the 128-bit lane order */
     const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(qi[0], qi[1]), _mm256_packus_epi32(qi[2], qi[3]));
-    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    _mm256_storeu_si256((__m256i *)qs, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i a4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    a4 = _mm_add_epi32(a4, _mm_shuffle_epi32(a4, 0x4e));
+    a4 = _mm_add_epi32(a4, _mm_shuffle_epi32(a4, 0xb1));
+    *pd = d;
+    return _mm_cvtsi128_si32(a4);
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < 32; j++) {
+        const int q = lp_round(x[j] * id);
+        qs[j] = (int8_t)q;
+        sum += q;
+    }
+    *pd = d;
     return sum;
-}
 #endif
+}
 
 LP_API void lp_quantize_row_q8_0(const float *x, void *vy, int64_t k) {
     block_q8_0 *y = vy;
     for (int64_t i = 0; i < k / QK8_0; i++, x += QK8_0) {
-#if defined(__AVX2__)
         float d;
-        q8_block(x, &d, y[i].qs);
+        lp_quant_block32(x, y[i].qs, &d);
         y[i].d = lp_f2h(d);
-#else
-        float amax = 0.0f;
-        for (int j = 0; j < QK8_0; j++) amax = fmaxf(amax, fabsf(x[j]));
-        const float d = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        y[i].d = lp_f2h(d);
-        for (int j = 0; j < QK8_0; j++) y[i].qs[j] = (int8_t)lp_round(x[j] * id);
-#endif
     }
 }
 
 LP_API void lp_quantize_row_q8_1(const float *x, void *vy, int64_t k) {
     block_q8_1 *y = vy;
     for (int64_t i = 0; i < k / QK8_1; i++, x += QK8_1) {
-#if defined(__AVX2__)
         float d;
-        const __m256i s8 = q8_block(x, &d, y[i].qs);
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-        const int sum = _mm_cvtsi128_si32(s4);
-#else
-        float amax = 0.0f;
-        for (int j = 0; j < QK8_1; j++) amax = fmaxf(amax, fabsf(x[j]));
-        const float d = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        int sum = 0;
-        for (int j = 0; j < QK8_1; j++) {
-            const int q = lp_round(x[j] * id);
-            y[i].qs[j] = (int8_t)q;
-            sum += q;
-        }
-#endif
+        const int sum = lp_quant_block32(x, y[i].qs, &d);
         y[i].d = lp_f2h(d);
         y[i].s = lp_f2h((float)sum * d);
     }
@@ -954,20 +944,23 @@ LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float
     }
 }
 
-LP_INLINE void gk_rows(const int kind, const int NC, int nb, float *s, int64_t ld_s, const uint8_t *w,
-                       int64_t row_bytes, int nr, const uint8_t *x, int64_t x_bytes, const float *yd,
-                       const float *ys) {
+LP_INLINE void gk_rows(const int kind, const int NC, const int pairs, int nb, float *s, int64_t ld_s,
+                       const uint8_t *w, int64_t row_bytes, int nr, const uint8_t *x, int64_t x_bytes,
+                       const float *yd, const float *ys) {
     int r = 0;
     /* rows in pairs only for 3-4 columns: with 1-2 the pairs were slower on memory-bound
-     * matrices (2048x8192 at 2 tokens: 0.4-0.66x, noisy) and no faster on small ones */
-    if (GEMM_NR == 2 && NC >= 3)
+     * matrices (2048x8192 at 2 tokens: 0.4-0.66x, noisy) and no faster on small ones; and only
+     * where asked (`pairs`): on weights streamed from memory once (a decode batch of <= 4
+     * tokens) single rows are faster at 3-4 columns too (SmolLM2's 49152x576 Q8_0 output at 4
+     * tokens: 1.9 ms single rows, 3.4 ms pairs; a 4-token decode step 12 % faster, noisy) */
+    if (pairs && GEMM_NR == 2 && NC >= 3)
         for (; r + 2 <= nr; r += 2)
             gk_tile(kind, 2, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys);
     for (; r < nr; r++) gk_tile(kind, 1, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys);
 }
 
-LP_INLINE void gk_gemm(const int kind, int n, float *s, int64_t ld_s, const void *vw, int64_t row_bytes, int nr,
-                       const void *vx, int64_t x_bytes, int nc) {
+LP_INLINE void gk_gemm(const int kind, const int pairs, int n, float *s, int64_t ld_s, const void *vw,
+                       int64_t row_bytes, int nr, const void *vx, int64_t x_bytes, int nc) {
     const int nb = n / QK8_0;
     const uint8_t *x = vx;
     /* the columns' scales (and q8_1 sums) as float32, [block][column] */
@@ -987,17 +980,23 @@ LP_INLINE void gk_gemm(const int kind, int n, float *s, int64_t ld_s, const void
     }
     const uint8_t *w = vw;
     switch (nc) {
-    case 1: gk_rows(kind, 1, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
-    case 2: gk_rows(kind, 2, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
-    case 3: gk_rows(kind, 3, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
-    default: gk_rows(kind, 4, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
+    case 1: gk_rows(kind, 1, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
+    case 2: gk_rows(kind, 2, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
+    case 3: gk_rows(kind, 3, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
+    default: gk_rows(kind, 4, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
     }
 }
 
+/* name: rows in pairs at 3-4 columns (weights reused from cache: a prompt's column groups);
+ * name_r1: one row at a time (weights streamed from memory once: a decode batch) */
 #define GK_DEFINE(name, kind)                                                                             \
     LP_API void name(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, \
                      int64_t x_bytes, int nc) {                                                           \
-        gk_gemm(kind, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);                                      \
+        gk_gemm(kind, 1, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);                                   \
+    }                                                                                                     \
+    LP_API void name##_r1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr,        \
+                          const void *x, int64_t x_bytes, int nc) {                                       \
+        gk_gemm(kind, 0, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);                                   \
     }
 GK_DEFINE(lp_gemm_q4_0_q8_0, GK_Q4_0)
 GK_DEFINE(lp_gemm_q4_1_q8_1, GK_Q4_1)

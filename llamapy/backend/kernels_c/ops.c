@@ -337,6 +337,11 @@ LP_INLINE void v_accumulate(float *restrict a, const float *restrict w, int64_t 
 #define ATT_BLOCK 64  /* KV cells per step of the score pass (a multiple of ATT_VGROUP and of 8) */
 #define ATT_VGROUP 16 /* KV cells per step of the V sums */
 #define ATT_ROWS 32   /* query rows (tokens x the heads of a KV group) per work unit, at least */
+/* Visible cells per chunk of a query's cells: a row's cells are cut, in cell order, into chunks of
+ * this many of its visible (unmasked) cells, a constant, so that the cuts depend only on the row's
+ * own visible cells (not on N, the batch, the placement or the thread count); chunks are what the
+ * threads share out when there are few (KV head, query block) units, e.g. one decode token */
+#define ATT_CHUNK 256
 
 #ifndef ATT_PAR_WORK
 #define ATT_PAR_WORK (1 << 20) /* multiply-adds (T*N*H*(D+Dv)) from which threads are used */
@@ -364,12 +369,27 @@ typedef struct {
     int kt, vt;
 } att_args;
 
-/* One worker's scratch, in floats: the unit's Q rows (R x D), the scores of every cell it may see
- * (R x span, span: N rounded up to whole ATT_BLOCKs, plus one), V sums (R x Dv), max and sum (R
- * each), one K group of 8 rows and one V group widened to f32. */
+/* Each token's chunks: chunk j of token t holds its visible cells in [bnd[t*nb + j], bnd[t*nb +
+ * j + 1]) (the first cell of its visible cell number j*ATT_CHUNK; the last bound: after its last
+ * visible cell), for j < nch[t]; nch[t] = 0: nothing visible. */
+typedef struct {
+    const int64_t *bnd, *nch;
+    int64_t nb; /* bounds per token: the most chunks N cells can make, plus one */
+} att_chunks;
+
+/* A partial (or running) result of R rows, in floats: max m (R), weight sum l (R), nan seen (R),
+ * then the V sums (R x Dv). */
+LP_INLINE size_t att_part_floats(int64_t R, int64_t Dv) { return (size_t)(R * (Dv + 3)); }
+
+/* One worker's scratch, in floats: the unit's Q rows (R x D), the scores of the cells of one
+ * chunk pass (R x span, span: N rounded up to whole ATT_BLOCKs, plus one), one K group of 8 rows
+ * and one V group widened to f32, then two partial results (a chunk's and the running fold). */
 LP_INLINE int64_t att_span(int64_t N) { return (N + ATT_BLOCK - 1) / ATT_BLOCK * ATT_BLOCK + ATT_BLOCK; }
+LP_INLINE size_t att_core_floats(int64_t R, int64_t D, int64_t Dv, int64_t N) {
+    return (size_t)(R * (D + att_span(N)) + 8 * D + ATT_VGROUP * Dv);
+}
 LP_INLINE size_t att_scratch_floats(int64_t R, int64_t D, int64_t Dv, int64_t N) {
-    return (size_t)(R * (D + att_span(N) + Dv + 3) + 8 * D + ATT_VGROUP * Dv);
+    return att_core_floats(R, D, Dv, N) + 2 * att_part_floats(R, Dv);
 }
 
 /* the dot product of dot8's lanes, for one K row: the same operations in the same order, so a
@@ -383,23 +403,31 @@ LP_INLINE float dot1(const float *restrict q, const float *restrict k, int64_t D
     return r;
 }
 
-/* One work unit: KV head kh and the query tokens [t0, t1), i.e. R = (t1-t0)*g rows (row r: token
- * t0 + r/g, query head kh*g + r%g) over the cells [lo, hi) that any of them sees. Three passes, so
- * that a row's result depends only on its own visible cells, in cell order — not on what else is
- * in the batch, on N (padding), on the thread count, nor on where its cells lie in the cache (a
- * sequence's cells are contiguous when it runs alone and interleaved with other slots' when they
- * run together): (1) every score, each row's max over what it sees; (2) weights exp(s - max)
- * (masked cells: exactly 0) and their sum over the cells of non-zero weight in order; (3) V sums
- * over the same cells in cell order. (An online softmax would rescale at block boundaries, which
- * fall differently on a sequence's cells as their placement changes.) K rows are read (widened)
- * once per group of 8 cells for all R rows of the unit, V rows once per group of cells. */
-static void attend_unit(const att_args *a, int64_t kh, int64_t t0, int64_t t1, int64_t lo, int64_t hi,
-                        float *restrict buf) {
+/* Chunk j of a work unit: KV head kh and the query tokens [t0, t1), i.e. R = (t1-t0)*g rows (row
+ * r: token t0 + r/g, query head kh*g + r%g), each over its own chunk j (att_chunks); the unit
+ * reads the cells [lo, hi) that any of those chunks holds. Writes the chunk's partial result to
+ * `part` (att_part_floats): three passes over the chunk, so that it depends only on the row's
+ * visible cells of the chunk, in cell order: (1) every score, each row's max over its chunk;
+ * (2) weights exp(s - max) (masked cells and cells of other chunks: exactly 0) and their sum over
+ * the cells of non-zero weight in order; (3) V sums over the same cells in cell order. K rows are
+ * read (widened) once per group of 8 cells for all R rows of the unit, V rows once per group of
+ * cells. */
+static void attend_chunk(const att_args *a, const att_chunks *ch, int64_t kh, int64_t t0, int64_t t1, int64_t j,
+                         float *restrict buf, float *restrict part) {
     const int64_t g = a->g, R = (t1 - t0) * g, D = a->D, Dv = a->Dv, H = a->H, N = a->N, span = att_span(N);
     const int kt = a->kt, vt = a->vt;
-    float *restrict qs = buf, *restrict sc = qs + R * D, *restrict acc = sc + R * span;
-    float *restrict m = acc + R * Dv, *restrict l = m + R, *restrict nan_seen = l + R;
-    float *restrict kf = nan_seen + R, *restrict vf = kf + 8 * D;
+    float *restrict m = part, *restrict l = m + R, *restrict nan_seen = l + R, *restrict acc = nan_seen + R;
+    for (int64_t r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f, nan_seen[r] = 0.0f;
+    memset(acc, 0, (size_t)(R * Dv) * sizeof(float));
+    int64_t lo = N, hi = 0; /* the cells of chunk j of any of the unit's tokens */
+    for (int64_t t = t0; t < t1; t++)
+        if (j < ch->nch[t]) {
+            const int64_t *w = ch->bnd + t * ch->nb + j;
+            lo = w[0] < lo ? w[0] : lo;
+            hi = w[1] > hi ? w[1] : hi;
+        }
+    if (lo >= hi) return; /* no token of the unit has a chunk j */
+    float *restrict qs = buf, *restrict sc = qs + R * D, *restrict kf = sc + R * span, *restrict vf = kf + 8 * D;
     /* q rows (f16-rounded for an f16 K, as llama.cpp's q_to_vec_dot; Q8_0-rounded for a
      * quantized one) */
     for (int64_t r = 0; r < R; r++) {
@@ -411,9 +439,7 @@ static void attend_unit(const att_args *a, int64_t kh, int64_t t0, int64_t t1, i
             round_q8_0_row(dst, qr, D);
         else
             memcpy(dst, qr, (size_t)D * sizeof(float));
-        m[r] = -INFINITY, l[r] = 0.0f, nan_seen[r] = 0.0f;
     }
-    memset(acc, 0, (size_t)(R * Dv) * sizeof(float));
     const float *mask = a->mask + t0 * a->mask_st;
     const int64_t mask_st = a->mask_st, Tu = t1 - t0;
     const float minf = -INFINITY, scale = a->scale;
@@ -426,7 +452,7 @@ static void attend_unit(const att_args *a, int64_t kh, int64_t t0, int64_t t1, i
         for (int64_t c = 0; c < nb; c++) {
             int lv = 0;
             for (int64_t t = 0; t < Tu; t++) lv |= mask[t * mask_st + b0 + c] != minf;
-            live[c] = (unsigned char)lv;
+            live[c] = (unsigned char)(lv && b0 + c >= lo);
         }
         int64_t c = 0;
         for (; c + 8 <= nb; c += 8) {
@@ -469,12 +495,21 @@ static void attend_unit(const att_args *a, int64_t kh, int64_t t0, int64_t t1, i
             }
         }
     }
-    /* (2) each row's max (nan skipped: it reaches the output through nan_seen), then its weights
-     * and their sum, cell after cell (a masked cell adds exactly 0) */
+    /* (2) each row's cells outside its chunk j dropped (-inf), its max (nan skipped: it reaches
+     * the output through nan_seen), then its weights and their sum, cell after cell (a masked
+     * cell adds exactly 0) */
     const int64_t n_c = end > base ? end - base : 0;
     int any_w = 0;
     for (int64_t r = 0; r < R; r++) {
         float *s = sc + r * span;
+        const int64_t t = t0 + r / g;
+        int64_t w0 = n_c, w1 = n_c; /* the row's chunk, relative to base */
+        if (j < ch->nch[t]) {
+            const int64_t *w = ch->bnd + t * ch->nb + j;
+            w0 = w[0] - base, w1 = w[1] - base < n_c ? w[1] - base : n_c;
+        }
+        for (int64_t i = 0; i < w0; i++) s[i] = minf;
+        for (int64_t i = w1; i < n_c; i++) s[i] = minf;
         v8f bm8 = v8_splat(minf); /* the max is exact in any order: 8 lanes */
         v8i nan8 = {0};
         int64_t i = 0;
@@ -502,13 +537,13 @@ static void attend_unit(const att_args *a, int64_t kh, int64_t t0, int64_t t1, i
         /* the sum in 8 lanes by the index among the cells of non-zero weight (not by cell
          * index, which depends on the placement) */
         float ls[8] = {0};
-        int64_t j = 0;
+        int64_t k = 0;
         for (i = 0; i < n_c; i++)
-            if (s[i] != 0.0f) ls[j++ & 7] += s[i];
+            if (s[i] != 0.0f) ls[k++ & 7] += s[i];
         l[r] = ((ls[0] + ls[4]) + (ls[1] + ls[5])) + ((ls[2] + ls[6]) + (ls[3] + ls[7]));
     }
     /* (3) V sums in groups of cells (an f16/quantized group widened once for the R rows); cells
-     * of weight 0 are skipped, so a row's sum runs over its visible cells in cell order */
+     * of weight 0 are skipped, so a row's sum runs over its chunk's visible cells in cell order */
     for (int64_t c0 = 0; any_w && c0 < n_c; c0 += ATT_VGROUP) {
         const int64_t ng = n_c - c0 < ATT_VGROUP ? n_c - c0 : ATT_VGROUP;
         int lv = 0;
@@ -530,11 +565,60 @@ static void attend_unit(const att_args *a, int64_t kh, int64_t t0, int64_t t1, i
         }
         for (int64_t r = 0; r < R; r++) v_accumulate(acc + r * Dv, sc + r * span + c0, ng, v0, vs, Dv);
     }
-    /* normalize */
+}
+
+/* A running result of R rows (att_part_floats, first set by att_part_clear) and the next chunk's
+ * partial folded into it, row by row: both rescaled to the larger max (ggml's online softmax
+ * step, done once per chunk). Always applied to a row's chunks one after the other in order,
+ * whichever thread made each partial, so a row's result does not depend on the split. */
+LP_INLINE void att_part_clear(float *st, int64_t R, int64_t Dv) {
+    for (int64_t r = 0; r < R; r++) st[r] = -INFINITY, st[R + r] = 0.0f, st[2 * R + r] = 0.0f;
+    memset(st + 3 * R, 0, (size_t)(R * Dv) * sizeof(float));
+}
+
+static void att_fold(float *restrict st, const float *restrict pt, int64_t R, int64_t Dv) {
+    float *m = st, *l = st + R, *n = st + 2 * R, *acc = st + 3 * R;
+    const float *pm = pt, *pl = pt + R, *pn = pt + 2 * R, *pacc = pt + 3 * R;
     for (int64_t r = 0; r < R; r++) {
-        float *o = a->out + ((t0 + r / g) * H + kh * g + r % g) * Dv;
-        if (nan_seen[r] != 0.0f || m[r] == minf) { /* a nan score: nan, as numpy; nothing visible: zeros */
-            const float fill = nan_seen[r] != 0.0f ? NAN : 0.0f;
+        if (pn[r] != 0.0f) n[r] = 1.0f;
+        if (pm[r] == -INFINITY) continue; /* nothing in this chunk for the row */
+        float *restrict ar = acc + r * Dv;
+        const float *restrict pa = pacc + r * Dv;
+        if (m[r] == -INFINITY) { /* the row's first chunk: taken as it is */
+            m[r] = pm[r], l[r] = pl[r];
+            memcpy(ar, pa, (size_t)Dv * sizeof(float));
+            continue;
+        }
+        const float mx = pm[r] > m[r] ? pm[r] : m[r];
+        const float fa = m[r] == mx ? 1.0f : lp_expf(m[r] - mx), fb = pm[r] == mx ? 1.0f : lp_expf(pm[r] - mx);
+        l[r] = l[r] * fa + pl[r] * fb;
+        for (int64_t i = 0; i < Dv; i++) ar[i] = ar[i] * fa + pa[i] * fb;
+        m[r] = mx;
+    }
+}
+
+/* Unit u (the last query blocks first: most cells; KV head innermost): its head and tokens */
+typedef struct {
+    int64_t kh, t0, t1, n_chunks; /* n_chunks: the most chunks any of its tokens has */
+} att_unit;
+
+LP_INLINE att_unit att_unit_at(const att_args *a, const att_chunks *ch, int64_t tb, int64_t n_tb, int64_t u) {
+    att_unit w;
+    const int64_t b = n_tb - 1 - u / a->Hkv;
+    w.kh = u % a->Hkv, w.t0 = b * tb, w.t1 = w.t0 + tb < a->T ? w.t0 + tb : a->T, w.n_chunks = 0;
+    for (int64_t t = w.t0; t < w.t1; t++) w.n_chunks = ch->nch[t] > w.n_chunks ? ch->nch[t] : w.n_chunks;
+    return w;
+}
+
+/* The unit's running result normalized into out: acc / l; a nan score: nan, as numpy; nothing
+ * visible: zeros */
+static void att_store(const att_args *a, const att_unit *w, const float *st) {
+    const int64_t g = a->g, R = (w->t1 - w->t0) * g, Dv = a->Dv, H = a->H;
+    const float *m = st, *l = st + R, *n = st + 2 * R, *acc = st + 3 * R;
+    for (int64_t r = 0; r < R; r++) {
+        float *o = a->out + ((w->t0 + r / g) * H + w->kh * g + r % g) * Dv;
+        if (n[r] != 0.0f || m[r] == -INFINITY) {
+            const float fill = n[r] != 0.0f ? NAN : 0.0f;
             for (int64_t i = 0; i < Dv; i++) o[i] = fill;
             continue;
         }
@@ -544,67 +628,122 @@ static void attend_unit(const att_args *a, int64_t kh, int64_t t0, int64_t t1, i
     }
 }
 
-/* Unit u of attend(): the last query blocks first (most cells, for the dynamic schedule), KV
- * head innermost; the cells are the union of what its tokens see ([lo, hi) per token in range). */
-static void attend_unit_at(const att_args *a, const int64_t *range, int64_t tb, int64_t n_tb, int64_t u,
-                           float *buf) {
-    const int64_t b = n_tb - 1 - u / a->Hkv, kh = u % a->Hkv;
-    const int64_t t0 = b * tb, t1 = t0 + tb < a->T ? t0 + tb : a->T;
-    int64_t lo = a->N, hi = 0;
-    for (int64_t t = t0; t < t1; t++)
-        if (range[2 * t] < range[2 * t + 1]) {
-            lo = range[2 * t] < lo ? range[2 * t] : lo;
-            hi = range[2 * t + 1] > hi ? range[2 * t + 1] : hi;
-        }
-    if (lo >= hi) lo = hi = 0; /* nothing visible: zeros */
-    attend_unit(a, kh, t0, t1, lo, hi, buf);
+/* A whole unit on one thread: its chunks in order, each folded in as it is made */
+static void attend_unit(const att_args *a, const att_chunks *ch, const att_unit *w, float *buf) {
+    const int64_t R = (w->t1 - w->t0) * a->g;
+    float *st = buf + att_core_floats(R, a->D, a->Dv, a->N), *pt = st + att_part_floats(R, a->Dv);
+    att_part_clear(st, R, a->Dv);
+    for (int64_t j = 0; j < w->n_chunks; j++) {
+        attend_chunk(a, ch, w->kh, w->t0, w->t1, j, buf, pt);
+        att_fold(st, pt, R, a->Dv);
+    }
+    att_store(a, w, st);
 }
 
 /* Attention of T query tokens over N cells (ggml's flash_attn_ext): work units of (KV head, a
- * block of query tokens), shared out among up to n_threads OpenMP threads (dynamically, the
- * units with most cells first) once the work reaches ATT_PAR_WORK; each unit reads only the
- * cells its tokens see (the causal lower triangle, one sequence's cells). No state outside the
- * call: the thread count is an argument. */
+ * block of query tokens), each row's cells cut into chunks of ATT_CHUNK visible cells. Up to
+ * n_threads OpenMP threads once the work reaches ATT_PAR_WORK: with many units (a prompt), each
+ * thread takes whole units (dynamically, most cells first); with few (decode: one unit per KV
+ * head), the (unit, chunk) pairs are shared out, their partial results kept, then folded in
+ * chunk order per unit (llama.cpp splits one query's cells among its threads too). The folds are
+ * the same either way, so the output does not depend on the thread count. Each unit reads only
+ * the cells its tokens see (the causal lower triangle, one sequence's cells). No state outside
+ * the call: the thread count is an argument. */
 static void attend(const att_args *a, int n_threads) {
-    const int64_t T = a->T, N = a->N;
-    if (T <= 0 || a->H <= 0 || a->Hkv <= 0 || a->Dv <= 0) return;
-    /* each token's visible range [lo, hi) (empty: 0, 0) */
-    int64_t *range = malloc((size_t)(2 * T) * sizeof(int64_t));
-    if (!range) return;
+    const int64_t T = a->T, N = a->N, Dv = a->Dv;
+    if (T <= 0 || a->H <= 0 || a->Hkv <= 0 || Dv <= 0) return;
+    /* each token's chunks: its visible cells, counted in cell order */
+    const int64_t nbd = (N + ATT_CHUNK - 1) / ATT_CHUNK + 1;
+    int64_t *bnd = malloc((size_t)(T * (nbd + 1)) * sizeof(int64_t));
+    if (!bnd) return;
+    int64_t *nch = bnd + T * nbd;
     for (int64_t t = 0; t < T; t++) {
         const float *mr = a->mask + t * a->mask_st;
-        int64_t lo = 0, hi = N;
-        while (lo < N && mr[lo] == -INFINITY) lo++;
-        while (hi > lo && mr[hi - 1] == -INFINITY) hi--;
-        range[2 * t] = lo < hi ? lo : 0, range[2 * t + 1] = lo < hi ? hi : 0;
+        int64_t *bt = bnd + t * nbd, seen = 0, last = 0;
+        for (int64_t c = 0; c < N; c++)
+            if (mr[c] != -INFINITY) {
+                if (seen % ATT_CHUNK == 0) bt[seen / ATT_CHUNK] = c;
+                seen++, last = c + 1;
+            }
+        nch[t] = (seen + ATT_CHUNK - 1) / ATT_CHUNK;
+        bt[nch[t]] = last;
     }
+    const att_chunks ch = {bnd, nch, nbd};
     const int64_t g = a->g, tb = g >= ATT_ROWS ? 1 : (ATT_ROWS + g - 1) / g; /* tokens per unit */
     const int64_t n_tb = (T + tb - 1) / tb, units = a->Hkv * n_tb;
     const int64_t R = (tb < T ? tb : T) * g;
+    const size_t scratch = att_scratch_floats(R, a->D, Dv, N);
     int nt = 1;
 #ifdef _OPENMP
-    if (n_threads > 1 && units > 1 && !ops_fork_child && !omp_in_parallel() &&
-        T * N * a->H * (a->D + a->Dv) >= ATT_PAR_WORK)
-        nt = (int64_t)n_threads < units ? n_threads : (int)units;
+    if (n_threads > 1 && !ops_fork_child && !omp_in_parallel() && T * N * a->H * (a->D + Dv) >= ATT_PAR_WORK)
+        nt = n_threads;
 #else
     (void)n_threads;
 #endif
-    if (nt == 1) { /* no OpenMP region at all (a fork child cannot run one) */
-        float *buf = malloc(att_scratch_floats(R, a->D, a->Dv, a->N) * sizeof(float));
-        if (buf)
-            for (int64_t u = 0; u < units; u++) attend_unit_at(a, range, tb, n_tb, u, buf);
-        free(buf);
-    } else {
-#pragma omp parallel num_threads(nt)
-        {
-            float *buf = malloc(att_scratch_floats(R, a->D, a->Dv, a->N) * sizeof(float)); /* NULL: nothing written */
-#pragma omp for schedule(dynamic, 1)
+    /* few units: the (unit, chunk) pairs shared out, their partials kept, then folded per unit */
+    int64_t *first = NULL, *item_u = NULL, items = 0;
+    att_unit *us = NULL;
+    float *parts = NULL;
+    const size_t pf = att_part_floats(R, Dv);
+    if (nt > 1 && units < 4 * (int64_t)nt) {
+        first = malloc((size_t)units * sizeof(int64_t));
+        us = malloc((size_t)units * sizeof(att_unit));
+        for (int64_t u = 0; first && us && u < units; u++) {
+            us[u] = att_unit_at(a, &ch, tb, n_tb, u);
+            first[u] = items, items += us[u].n_chunks;
+        }
+        if (first && us && items > 1) {
+            parts = malloc((size_t)items * pf * sizeof(float));
+            item_u = malloc((size_t)items * sizeof(int64_t));
+        }
+        if (parts && item_u)
             for (int64_t u = 0; u < units; u++)
-                if (buf) attend_unit_at(a, range, tb, n_tb, u, buf);
+                for (int64_t j = 0; j < us[u].n_chunks; j++) item_u[first[u] + j] = u;
+    }
+    if (parts && item_u) {
+        const int nth = items < nt ? (int)items : nt;
+#pragma omp parallel num_threads(nth)
+        {
+            float *buf = malloc(scratch * sizeof(float)); /* NULL: nothing written */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < items; i++) {
+                const att_unit *w = &us[item_u[i]];
+                if (buf) attend_chunk(a, &ch, w->kh, w->t0, w->t1, i - first[item_u[i]], buf, parts + i * pf);
+            }
+            /* (the implicit barrier: every partial is made) */
+#pragma omp for schedule(static, 1)
+            for (int64_t u = 0; u < units; u++) {
+                const att_unit *w = &us[u];
+                const int64_t Ru = (w->t1 - w->t0) * g;
+                float *st = buf ? buf + att_core_floats(R, a->D, Dv, N) : NULL;
+                if (!st) continue;
+                att_part_clear(st, Ru, Dv);
+                for (int64_t j = 0; j < w->n_chunks; j++) att_fold(st, parts + (first[u] + j) * pf, Ru, Dv);
+                att_store(a, w, st);
+            }
             free(buf);
         }
+    } else if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+        {
+            float *buf = malloc(scratch * sizeof(float)); /* NULL: nothing written */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t u = 0; u < units; u++) {
+                const att_unit w = att_unit_at(a, &ch, tb, n_tb, u);
+                if (buf) attend_unit(a, &ch, &w, buf);
+            }
+            free(buf);
+        }
+    } else { /* no OpenMP region at all (a fork child cannot run one) */
+        float *buf = malloc(scratch * sizeof(float));
+        for (int64_t u = 0; buf && u < units; u++) {
+            const att_unit w = att_unit_at(a, &ch, tb, n_tb, u);
+            attend_unit(a, &ch, &w, buf);
+        }
+        free(buf);
     }
-    free(range);
+    free(item_u), free(parts), free(first), free(us);
+    free(bnd);
 }
 
 #define ATT_ARGS(kt_, vt_)                                                                                       \

@@ -124,8 +124,8 @@ static uint16_t to_f16(float x) {
 }
 
 /* Attention (any number of query tokens): ops.c's kernel, which shares out its (KV head, query
- * block) units among up to n_threads threads once the work is big enough; each query's output
- * is the same whatever the thread count. */
+ * block) units, or with few units their chunks of cells, among up to n_threads threads once the
+ * work is big enough; each query's output is the same whatever the thread count. */
 static void attention(const ex_slot *r, int n_threads) {
     if (I(18))
         lp_attend_f16(P(2), I(6), I(7), I(8), P(3), P(4), I(9), I(10), I(11), I(12), I(13), I(14), I(15), P(5), I(16),

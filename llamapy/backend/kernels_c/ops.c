@@ -3,9 +3,11 @@
  * ggml counterparts (ggml-cpu): ops.cpp ggml_compute_forward_rms_norm (sum of squares in
  * ggml_float = double), ggml_compute_forward_rope (rope_yarn with ext_factor 0: plain
  * cos/sin of pos * theta_scale^i, neox and normal pairings), ggml_compute_forward_flash_attn_ext
- * (there an online softmax; here three passes, so that a row's result depends only on its own
- * visible cells in order: see attend_unit; V accumulated in f32; an f16 cache gets Q rounded to
- * f16 first, as q_to_vec_dot does), and vec.h ggml_vec_swiglu_f32 / ggml_v_expf.
+ * (there an online softmax over each thread's share of the cells; here three passes per chunk of
+ * a fixed number of a row's visible cells, the chunks folded in order, so that a row's result
+ * depends only on its own visible cells in order: see attend_chunk and att_fold; V accumulated in
+ * f32; an f16 cache gets Q rounded to f16 first, as q_to_vec_dot does), and vec.h
+ * ggml_vec_swiglu_f32 / ggml_v_expf.
  * Attention takes any number of query tokens; threads are an argument of each call (none of
  * these kernels keeps state between calls).
  *

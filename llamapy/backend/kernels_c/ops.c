@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "lp_quants.h" /* lp_f2h, lp_quantize_row_q8_0 (quants.c) */
+
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wpsabi" /* 32-byte vectors in static functions on a non-AVX target */
 #endif
@@ -154,6 +156,53 @@ LP_INLINE void round_q8_0_row(float *restrict dst, const float *restrict x, int6
         const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f, dh = round_f16(d);
         for (int j = 0; j < 32; j++) dst[i0 + j] = dh * (float)(int8_t)roundf(x[i0 + j] * id);
     }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* KV cache stores (executor.c's SET_ROWS into a quantized cache)                             */
+
+/* llama.cpp's attn_rot: each run of n values of x[0..len) (n a power of two dividing len)
+ * multiplied by the Hadamard matrix of order n, in place: quants.rotate's butterflies in its order
+ * (stage h: pairs h apart within blocks of 2h become a + b, a - b), then the scale c =
+ * hadamard(n)[0, 0], so the bits are the reference's. Shared with executor.c (not exported). */
+void lp_hadamard_runs(float *x, int64_t len, int64_t n, float c) {
+    for (int64_t r0 = 0; r0 + n <= len; r0 += n) {
+        float *restrict y = x + r0;
+        for (int64_t h = 1; h < n; h *= 2)
+            for (int64_t b = 0; b < n; b += 2 * h)
+                for (int64_t j = b; j < b + h; j++) {
+                    const float p = y[j], q = y[j + h];
+                    y[j] = p + q, y[j + h] = p - q;
+                }
+        for (int64_t i = 0; i < n; i++) y[i] *= c;
+    }
+}
+
+/* n floats (a multiple of 32) as Q4_0 blocks, as ggml's quantize_row_q4_0_ref and quants.quantize:
+ * d = the value of largest magnitude (its first) / -8, q = min(15, (int)(x * (1/d) + 8.5)) */
+static void quantize_row_q4_0(const float *restrict x, uint8_t *restrict y, int64_t n) {
+    for (int64_t i0 = 0; i0 < n; i0 += 32, x += 32, y += 18) {
+        float amax = 0.0f, mx = 0.0f;
+        for (int j = 0; j < 32; j++)
+            if (amax < fabsf(x[j])) amax = fabsf(x[j]), mx = x[j];
+        const float d = mx / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const lp_half dh = lp_f2h(d);
+        memcpy(y, &dh, 2);
+        for (int j = 0; j < 16; j++) {
+            const float a = x[j] * id + 8.5f, b = x[16 + j] * id + 8.5f;
+            const int qa = (int)a < 15 ? (int)a : 15, qb = (int)b < 15 ? (int)b : 15;
+            y[2 + j] = (uint8_t)(qa | qb << 4);
+        }
+    }
+}
+
+/* Row x[0..n) stored as one cache row at dst of type t (LP_KV_Q8_0 / LP_KV_Q4_0: quants.quantize,
+ * ggml's reference quantizers, bit for bit). Shared with executor.c (not exported). */
+void lp_kv_quantize_row(void *dst, const float *x, int64_t n, int t) {
+    if (t == LP_KV_Q8_0)
+        lp_quantize_row_q8_0(x, dst, n);
+    else
+        quantize_row_q4_0(x, dst, n);
 }
 
 /* ---------------------------------------------------------------------------------------- */

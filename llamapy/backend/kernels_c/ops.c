@@ -454,18 +454,46 @@ LP_INLINE float dot1(const float *restrict q, const float *restrict k, int64_t D
     return r;
 }
 
-/* Chunk j of a work unit: KV head kh and the query tokens [t0, t1), i.e. R = (t1-t0)*g rows (row
- * r: token t0 + r/g, query head kh*g + r%g), each over its own chunk j (att_chunks); the unit
- * reads the cells [lo, hi) that any of those chunks holds. Writes the chunk's partial result to
- * `part` (att_part_floats): three passes over the chunk, so that it depends only on the row's
+/* Cells ahead whose K (score pass) or V (V pass) rows are prefetched: a decode step reads the
+ * whole cache once, from memory. */
+#define ATT_PREFETCH 32
+
+/* the cache rows of cells [c0, c0 + n) (< end) of KV heads [kh0, kh0 + nh) prefetched (type t,
+ * strides in its storage units) */
+LP_INLINE void att_prefetch(const void *base, int t, int64_t c0, int64_t n, int64_t end, int64_t sn, int64_t sh,
+                            int64_t kh0, int64_t nh, int64_t row_bytes) {
+    const int64_t esz = t == LP_KV_F32 ? 4 : t == LP_KV_F16 ? 2 : 1;
+    for (int64_t c = c0; c < c0 + n && c < end; c++)
+        for (int64_t h = kh0; h < kh0 + nh; h++) {
+            const char *p = (const char *)base + (c * sn + h * sh) * esz;
+            for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(p + o);
+        }
+}
+
+LP_INLINE int64_t att_row_bytes(int t, int64_t n) {
+    return t == LP_KV_F32 ? 4 * n : t == LP_KV_F16 ? 2 * n : t == LP_KV_Q8_0 ? n / 32 * 34 : n / 32 * 18;
+}
+
+/* A work unit: the query tokens [t0, t1) and the KV heads [kh0, kh0 + nh): R = nh * Rh rows,
+ * Rh = (t1-t0)*g per head (row r: KV head kh0 + r/Rh, token t0 + (r%Rh)/g, query head
+ * (kh0 + r/Rh)*g + (r%Rh)%g). One head per unit for a prompt (many units); every head for a few
+ * tokens, so that a cell's K and V rows are read whole, in memory order. */
+typedef struct {
+    int64_t kh0, nh, t0, t1, n_chunks; /* n_chunks: the most chunks any of its tokens has */
+} att_unit;
+
+/* Chunk j of a work unit: each row over its token's chunk j (att_chunks); the unit reads the
+ * cells [lo, hi) that any of those chunks holds. Writes the chunk's partial result to `part`
+ * (att_part_floats(R, Dv)): three passes over the chunk, so that it depends only on the row's
  * visible cells of the chunk, in cell order: (1) every score, each row's max over its chunk;
  * (2) weights exp(s - max) (masked cells and cells of other chunks: exactly 0) and their sum over
  * the cells of non-zero weight in order; (3) V sums over the same cells in cell order. K rows are
- * read (widened) once per group of 8 cells for all R rows of the unit, V rows once per group of
- * cells. */
-static void attend_chunk(const att_args *a, const att_chunks *ch, int64_t kh, int64_t t0, int64_t t1, int64_t j,
-                         float *restrict buf, float *restrict part) {
-    const int64_t g = a->g, R = (t1 - t0) * g, D = a->D, Dv = a->Dv, H = a->H, N = a->N, span = att_span(N);
+ * read (widened) once per group of 8 cells for all rows of their head, V rows once per group of
+ * cells. What a row computes does not depend on the other rows of its unit. */
+static void attend_chunk(const att_args *a, const att_chunks *ch, const att_unit *w, int64_t j, float *restrict buf,
+                         float *restrict part) {
+    const int64_t g = a->g, t0 = w->t0, t1 = w->t1, kh0 = w->kh0, nh = w->nh, Rh = (t1 - t0) * g, R = nh * Rh;
+    const int64_t D = a->D, Dv = a->Dv, H = a->H, N = a->N, span = att_span(N);
     const int kt = a->kt, vt = a->vt;
     float *restrict m = part, *restrict l = m + R, *restrict nan_seen = l + R, *restrict acc = nan_seen + R;
     for (int64_t r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f, nan_seen[r] = 0.0f;
@@ -473,16 +501,17 @@ static void attend_chunk(const att_args *a, const att_chunks *ch, int64_t kh, in
     int64_t lo = N, hi = 0; /* the cells of chunk j of any of the unit's tokens */
     for (int64_t t = t0; t < t1; t++)
         if (j < ch->nch[t]) {
-            const int64_t *w = ch->bnd + t * ch->nb + j;
-            lo = w[0] < lo ? w[0] : lo;
-            hi = w[1] > hi ? w[1] : hi;
+            const int64_t *b = ch->bnd + t * ch->nb + j;
+            lo = b[0] < lo ? b[0] : lo;
+            hi = b[1] > hi ? b[1] : hi;
         }
     if (lo >= hi) return; /* no token of the unit has a chunk j */
     float *restrict qs = buf, *restrict sc = qs + R * D, *restrict kf = sc + R * span, *restrict vf = kf + 8 * D;
     /* q rows (f16-rounded for an f16 K, as llama.cpp's q_to_vec_dot; Q8_0-rounded for a
      * quantized one) */
     for (int64_t r = 0; r < R; r++) {
-        const float *qr = a->q + ((t0 + r / g) * H + kh * g + r % g) * D;
+        const int64_t rr = r % Rh;
+        const float *qr = a->q + ((t0 + rr / g) * H + (kh0 + r / Rh) * g + rr % g) * D;
         float *dst = qs + r * D;
         if (kt == LP_KV_F16)
             for (int64_t i = 0; i < D; i++) dst[i] = round_f16(qr[i]);
@@ -494,10 +523,11 @@ static void attend_chunk(const att_args *a, const att_chunks *ch, int64_t kh, in
     const float *mask = a->mask + t0 * a->mask_st;
     const int64_t mask_st = a->mask_st, Tu = t1 - t0;
     const float minf = -INFINITY, scale = a->scale;
-    const float *kb = (const float *)a->k + kh * a->k_sh, *vb = (const float *)a->v + kh * a->v_sh; /* f32 only */
     const int64_t base = lo / ATT_BLOCK * ATT_BLOCK, end = hi < N ? hi : N; /* cells [base, end) */
+    const int64_t k_rb = att_row_bytes(kt, D), v_rb = att_row_bytes(vt, Dv);
     unsigned char live[ATT_BLOCK];
-    /* (1) scores: groups of 8 cells, each K row read once for the unit's R rows */
+    att_prefetch(a->k, kt, lo, ATT_PREFETCH, end, a->k_sn, a->k_sh, kh0, nh, k_rb);
+    /* (1) scores: groups of 8 cells, each K row read once for the rows of its head */
     for (int64_t b0 = base; b0 < end; b0 += ATT_BLOCK) {
         const int64_t nb = end - b0 < ATT_BLOCK ? end - b0 : ATT_BLOCK;
         for (int64_t c = 0; c < nb; c++) {
@@ -507,6 +537,7 @@ static void attend_chunk(const att_args *a, const att_chunks *ch, int64_t kh, in
         }
         int64_t c = 0;
         for (; c + 8 <= nb; c += 8) {
+            att_prefetch(a->k, kt, b0 + c + ATT_PREFETCH, 8, end, a->k_sn, a->k_sh, kh0, nh, k_rb);
             int lv8 = 0;
             for (int u = 0; u < 8; u++) lv8 |= live[c + u];
             if (!lv8) {
@@ -514,18 +545,23 @@ static void attend_chunk(const att_args *a, const att_chunks *ch, int64_t kh, in
                     for (int u = 0; u < 8; u++) sc[r * span + b0 - base + c + u] = minf;
                 continue;
             }
-            const float *k0;
-            int64_t ks;
-            if (kt) {
-                for (int u = 0; u < 8; u++) kv_row(kf + u * D, a->k, (b0 + c + u) * a->k_sn + kh * a->k_sh, kt, D);
-                k0 = kf, ks = D;
-            } else {
-                k0 = kb + (b0 + c) * a->k_sn, ks = a->k_sn;
-            }
-            for (int64_t r = 0; r < R; r++) {
-                const v8f d = dot8(qs + r * D, k0, ks, D);
-                const v8f mv = v8_load(mask + (r / g) * mask_st + b0 + c);
-                v8_store(sc + r * span + b0 - base + c, v8_select(mv == v8_splat(minf), mv, d * v8_splat(scale) + mv));
+            for (int64_t hh = 0; hh < nh; hh++) {
+                const int64_t kh = kh0 + hh;
+                const float *k0;
+                int64_t ks;
+                if (kt) {
+                    for (int u = 0; u < 8; u++) kv_row(kf + u * D, a->k, (b0 + c + u) * a->k_sn + kh * a->k_sh, kt, D);
+                    k0 = kf, ks = D;
+                } else {
+                    k0 = (const float *)a->k + kh * a->k_sh + (b0 + c) * a->k_sn, ks = a->k_sn;
+                }
+                for (int64_t rr = 0; rr < Rh; rr++) {
+                    const int64_t r = hh * Rh + rr;
+                    const v8f d = dot8(qs + r * D, k0, ks, D);
+                    const v8f mv = v8_load(mask + (rr / g) * mask_st + b0 + c);
+                    v8_store(sc + r * span + b0 - base + c,
+                             v8_select(mv == v8_splat(minf), mv, d * v8_splat(scale) + mv));
+                }
             }
         }
         for (; c < nb; c++) {
@@ -533,16 +569,20 @@ static void attend_chunk(const att_args *a, const att_chunks *ch, int64_t kh, in
                 for (int64_t r = 0; r < R; r++) sc[r * span + b0 - base + c] = minf;
                 continue;
             }
-            const float *kr;
-            if (kt) {
-                kv_row(kf, a->k, (b0 + c) * a->k_sn + kh * a->k_sh, kt, D);
-                kr = kf;
-            } else {
-                kr = kb + (b0 + c) * a->k_sn;
-            }
-            for (int64_t r = 0; r < R; r++) {
-                const float mv = mask[(r / g) * mask_st + b0 + c];
-                sc[r * span + b0 - base + c] = mv == minf ? minf : dot1(qs + r * D, kr, D) * scale + mv;
+            for (int64_t hh = 0; hh < nh; hh++) {
+                const int64_t kh = kh0 + hh;
+                const float *kr;
+                if (kt) {
+                    kv_row(kf, a->k, (b0 + c) * a->k_sn + kh * a->k_sh, kt, D);
+                    kr = kf;
+                } else {
+                    kr = (const float *)a->k + kh * a->k_sh + (b0 + c) * a->k_sn;
+                }
+                for (int64_t rr = 0; rr < Rh; rr++) {
+                    const int64_t r = hh * Rh + rr;
+                    const float mv = mask[(rr / g) * mask_st + b0 + c];
+                    sc[r * span + b0 - base + c] = mv == minf ? minf : dot1(qs + r * D, kr, D) * scale + mv;
+                }
             }
         }
     }
@@ -553,11 +593,11 @@ static void attend_chunk(const att_args *a, const att_chunks *ch, int64_t kh, in
     int any_w = 0;
     for (int64_t r = 0; r < R; r++) {
         float *s = sc + r * span;
-        const int64_t t = t0 + r / g;
+        const int64_t t = t0 + (r % Rh) / g;
         int64_t w0 = n_c, w1 = n_c; /* the row's chunk, relative to base */
         if (j < ch->nch[t]) {
-            const int64_t *w = ch->bnd + t * ch->nb + j;
-            w0 = w[0] - base, w1 = w[1] - base < n_c ? w[1] - base : n_c;
+            const int64_t *b = ch->bnd + t * ch->nb + j;
+            w0 = b[0] - base, w1 = b[1] - base < n_c ? b[1] - base : n_c;
         }
         for (int64_t i = 0; i < w0; i++) s[i] = minf;
         for (int64_t i = w1; i < n_c; i++) s[i] = minf;
@@ -593,10 +633,13 @@ static void attend_chunk(const att_args *a, const att_chunks *ch, int64_t kh, in
             if (s[i] != 0.0f) ls[k++ & 7] += s[i];
         l[r] = ((ls[0] + ls[4]) + (ls[1] + ls[5])) + ((ls[2] + ls[6]) + (ls[3] + ls[7]));
     }
-    /* (3) V sums in groups of cells (an f16/quantized group widened once for the R rows); cells
-     * of weight 0 are skipped, so a row's sum runs over its chunk's visible cells in cell order */
+    /* (3) V sums in groups of cells (an f16/quantized group widened once for the rows of its
+     * head); cells of weight 0 are skipped, so a row's sum runs over its chunk's visible cells in
+     * cell order */
+    if (any_w) att_prefetch(a->v, vt, lo, ATT_PREFETCH, end, a->v_sn, a->v_sh, kh0, nh, v_rb);
     for (int64_t c0 = 0; any_w && c0 < n_c; c0 += ATT_VGROUP) {
         const int64_t ng = n_c - c0 < ATT_VGROUP ? n_c - c0 : ATT_VGROUP;
+        att_prefetch(a->v, vt, base + c0 + ATT_PREFETCH, ATT_VGROUP, end, a->v_sn, a->v_sh, kh0, nh, v_rb);
         int lv = 0;
         for (int64_t i = 0; i < ng; i++) {
             int li = 0;
@@ -605,16 +648,22 @@ static void attend_chunk(const att_args *a, const att_chunks *ch, int64_t kh, in
             lv |= li;
         }
         if (!lv) continue;
-        const float *v0;
-        int64_t vs;
-        if (vt) {
-            for (int64_t i = 0; i < ng; i++)
-                if (live[i]) kv_row(vf + i * Dv, a->v, (base + c0 + i) * a->v_sn + kh * a->v_sh, vt, Dv);
-            v0 = vf, vs = Dv;
-        } else {
-            v0 = vb + (base + c0) * a->v_sn, vs = a->v_sn;
+        for (int64_t hh = 0; hh < nh; hh++) {
+            const int64_t kh = kh0 + hh;
+            const float *v0;
+            int64_t vs;
+            if (vt) {
+                for (int64_t i = 0; i < ng; i++)
+                    if (live[i]) kv_row(vf + i * Dv, a->v, (base + c0 + i) * a->v_sn + kh * a->v_sh, vt, Dv);
+                v0 = vf, vs = Dv;
+            } else {
+                v0 = (const float *)a->v + kh * a->v_sh + (base + c0) * a->v_sn, vs = a->v_sn;
+            }
+            for (int64_t rr = 0; rr < Rh; rr++) {
+                const int64_t r = hh * Rh + rr;
+                v_accumulate(acc + r * Dv, sc + r * span + c0, ng, v0, vs, Dv);
+            }
         }
-        for (int64_t r = 0; r < R; r++) v_accumulate(acc + r * Dv, sc + r * span + c0, ng, v0, vs, Dv);
     }
 }
 
@@ -648,15 +697,13 @@ static void att_fold(float *restrict st, const float *restrict pt, int64_t R, in
     }
 }
 
-/* Unit u (the last query blocks first: most cells; KV head innermost): its head and tokens */
-typedef struct {
-    int64_t kh, t0, t1, n_chunks; /* n_chunks: the most chunks any of its tokens has */
-} att_unit;
-
-LP_INLINE att_unit att_unit_at(const att_args *a, const att_chunks *ch, int64_t tb, int64_t n_tb, int64_t u) {
+/* Unit u of `hpu` heads per unit: the last query blocks first (most cells), heads innermost */
+LP_INLINE att_unit att_unit_at(const att_args *a, const att_chunks *ch, int64_t tb, int64_t n_tb, int64_t hpu,
+                               int64_t u) {
     att_unit w;
-    const int64_t b = n_tb - 1 - u / a->Hkv;
-    w.kh = u % a->Hkv, w.t0 = b * tb, w.t1 = w.t0 + tb < a->T ? w.t0 + tb : a->T, w.n_chunks = 0;
+    const int64_t nhu = a->Hkv / hpu, b = n_tb - 1 - u / nhu;
+    w.kh0 = u % nhu * hpu, w.nh = hpu;
+    w.t0 = b * tb, w.t1 = w.t0 + tb < a->T ? w.t0 + tb : a->T, w.n_chunks = 0;
     for (int64_t t = w.t0; t < w.t1; t++) w.n_chunks = ch->nch[t] > w.n_chunks ? ch->nch[t] : w.n_chunks;
     return w;
 }
@@ -664,10 +711,11 @@ LP_INLINE att_unit att_unit_at(const att_args *a, const att_chunks *ch, int64_t 
 /* The unit's running result normalized into out: acc / l; a nan score: nan, as numpy; nothing
  * visible: zeros */
 static void att_store(const att_args *a, const att_unit *w, const float *st) {
-    const int64_t g = a->g, R = (w->t1 - w->t0) * g, Dv = a->Dv, H = a->H;
+    const int64_t g = a->g, Rh = (w->t1 - w->t0) * g, R = w->nh * Rh, Dv = a->Dv, H = a->H;
     const float *m = st, *l = st + R, *n = st + 2 * R, *acc = st + 3 * R;
     for (int64_t r = 0; r < R; r++) {
-        float *o = a->out + ((w->t0 + r / g) * H + w->kh * g + r % g) * Dv;
+        const int64_t rr = r % Rh;
+        float *o = a->out + ((w->t0 + rr / g) * H + (w->kh0 + r / Rh) * g + rr % g) * Dv;
         if (n[r] != 0.0f || m[r] == -INFINITY) {
             const float fill = n[r] != 0.0f ? NAN : 0.0f;
             for (int64_t i = 0; i < Dv; i++) o[i] = fill;
@@ -680,26 +728,27 @@ static void att_store(const att_args *a, const att_unit *w, const float *st) {
 }
 
 /* A whole unit on one thread: its chunks in order, each folded in as it is made */
-static void attend_unit(const att_args *a, const att_chunks *ch, const att_unit *w, float *buf) {
-    const int64_t R = (w->t1 - w->t0) * a->g;
-    float *st = buf + att_core_floats(R, a->D, a->Dv, a->N), *pt = st + att_part_floats(R, a->Dv);
+static void attend_unit(const att_args *a, const att_chunks *ch, const att_unit *w, int64_t R_max, float *buf) {
+    const int64_t R = w->nh * (w->t1 - w->t0) * a->g;
+    float *st = buf + att_core_floats(R_max, a->D, a->Dv, a->N), *pt = st + att_part_floats(R, a->Dv);
     att_part_clear(st, R, a->Dv);
     for (int64_t j = 0; j < w->n_chunks; j++) {
-        attend_chunk(a, ch, w->kh, w->t0, w->t1, j, buf, pt);
+        attend_chunk(a, ch, w, j, buf, pt);
         att_fold(st, pt, R, a->Dv);
     }
     att_store(a, w, st);
 }
 
-/* Attention of T query tokens over N cells (ggml's flash_attn_ext): work units of (KV head, a
- * block of query tokens), each row's cells cut into chunks of ATT_CHUNK visible cells. Up to
- * n_threads OpenMP threads once the work reaches ATT_PAR_WORK: with many units (a prompt), each
- * thread takes whole units (dynamically, most cells first); with few (decode: one unit per KV
- * head), the (unit, chunk) pairs are shared out, their partial results kept, then folded in
- * chunk order per unit (llama.cpp splits one query's cells among its threads too). The folds are
- * the same either way, so the output does not depend on the thread count. Each unit reads only
- * the cells its tokens see (the causal lower triangle, one sequence's cells). No state outside
- * the call: the thread count is an argument. */
+/* Attention of T query tokens over N cells (ggml's flash_attn_ext): work units of (KV heads, a
+ * block of query tokens), each row's cells cut into chunks of ATT_CHUNK visible cells. A prompt
+ * (many query blocks) has one KV head per unit, a few tokens every head in one unit. Up to
+ * n_threads OpenMP threads once the work reaches ATT_PAR_WORK: with many units each thread takes
+ * whole units (dynamically, most cells first); with few (decode) the (unit, chunk) pairs are
+ * shared out, their partial results kept, then folded in chunk order per unit (llama.cpp splits
+ * one query's cells among its threads too). The folds are the same either way, so the output
+ * does not depend on the thread count. Each unit reads only the cells its tokens see (the causal
+ * lower triangle, one sequence's cells). No state outside the call: the thread count is an
+ * argument. */
 static void attend(const att_args *a, int n_threads) {
     const int64_t T = a->T, N = a->N, Dv = a->Dv;
     if (T <= 0 || a->H <= 0 || a->Hkv <= 0 || Dv <= 0) return;
@@ -721,9 +770,7 @@ static void attend(const att_args *a, int n_threads) {
     }
     const att_chunks ch = {bnd, nch, nbd};
     const int64_t g = a->g, tb = g >= ATT_ROWS ? 1 : (ATT_ROWS + g - 1) / g; /* tokens per unit */
-    const int64_t n_tb = (T + tb - 1) / tb, units = a->Hkv * n_tb;
-    const int64_t R = (tb < T ? tb : T) * g;
-    const size_t scratch = att_scratch_floats(R, a->D, Dv, N);
+    const int64_t n_tb = (T + tb - 1) / tb;
     int nt = 1;
 #ifdef _OPENMP
     if (n_threads > 1 && !ops_fork_child && !omp_in_parallel() && T * N * a->H * (a->D + Dv) >= ATT_PAR_WORK)
@@ -731,6 +778,10 @@ static void attend(const att_args *a, int n_threads) {
 #else
     (void)n_threads;
 #endif
+    const int few = n_tb < 4 * (int64_t)nt; /* few query blocks: every head in each unit */
+    const int64_t hpu = few ? a->Hkv : 1, units = a->Hkv / hpu * n_tb;
+    const int64_t R = (tb < T ? tb : T) * g * hpu;
+    const size_t scratch = att_scratch_floats(R, a->D, Dv, N);
     /* few units: the (unit, chunk) pairs shared out, their partials kept, then folded per unit */
     int64_t *first = NULL, *item_u = NULL, items = 0;
     att_unit *us = NULL;
@@ -740,7 +791,7 @@ static void attend(const att_args *a, int n_threads) {
         first = malloc((size_t)units * sizeof(int64_t));
         us = malloc((size_t)units * sizeof(att_unit));
         for (int64_t u = 0; first && us && u < units; u++) {
-            us[u] = att_unit_at(a, &ch, tb, n_tb, u);
+            us[u] = att_unit_at(a, &ch, tb, n_tb, hpu, u);
             first[u] = items, items += us[u].n_chunks;
         }
         if (first && us && items > 1) {
@@ -759,13 +810,13 @@ static void attend(const att_args *a, int n_threads) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < items; i++) {
                 const att_unit *w = &us[item_u[i]];
-                if (buf) attend_chunk(a, &ch, w->kh, w->t0, w->t1, i - first[item_u[i]], buf, parts + i * pf);
+                if (buf) attend_chunk(a, &ch, w, i - first[item_u[i]], buf, parts + i * pf);
             }
             /* (the implicit barrier: every partial is made) */
 #pragma omp for schedule(static, 1)
             for (int64_t u = 0; u < units; u++) {
                 const att_unit *w = &us[u];
-                const int64_t Ru = (w->t1 - w->t0) * g;
+                const int64_t Ru = w->nh * (w->t1 - w->t0) * g;
                 float *st = buf ? buf + att_core_floats(R, a->D, Dv, N) : NULL;
                 if (!st) continue;
                 att_part_clear(st, Ru, Dv);
@@ -780,16 +831,16 @@ static void attend(const att_args *a, int n_threads) {
             float *buf = malloc(scratch * sizeof(float)); /* NULL: nothing written */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t u = 0; u < units; u++) {
-                const att_unit w = att_unit_at(a, &ch, tb, n_tb, u);
-                if (buf) attend_unit(a, &ch, &w, buf);
+                const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, u);
+                if (buf) attend_unit(a, &ch, &w, R, buf);
             }
             free(buf);
         }
     } else { /* no OpenMP region at all (a fork child cannot run one) */
         float *buf = malloc(scratch * sizeof(float));
         for (int64_t u = 0; buf && u < units; u++) {
-            const att_unit w = att_unit_at(a, &ch, tb, n_tb, u);
-            attend_unit(a, &ch, &w, buf);
+            const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, u);
+            attend_unit(a, &ch, &w, R, buf);
         }
         free(buf);
     }

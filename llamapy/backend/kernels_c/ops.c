@@ -107,7 +107,7 @@ LP_INLINE float round_f16(float x) { return f16_bits_to_f32(f32_to_f16(x)); }
 
 /* dst[0..n) = the f16 values src[0..n), widened: vcvtph2ps with F16C (gcc does not vectorize
  * _Float16 conversions by itself), else the branch-free bit version */
-#if defined(__F16C__) && defined(__AVX__)
+#if (defined(__F16C__) && defined(__AVX__)) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -138,10 +138,22 @@ LP_INLINE void kv_row(float *restrict dst, const void *base, int64_t off, int ty
             for (int j = 0; j < 32; j++) dst[i0 + j] = d * (float)qs[j];
             b += 34;
         } else {
+#if defined(__AVX2__)
+            /* the same operations 8 at a time: nibble - 8 as int32, to float, times d */
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2)), m4 = _mm_set1_epi8(0x0f);
+            const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+            const __m256i eight = _mm256_set1_epi32(8);
+            const __m256 dv = _mm256_set1_ps(d);
+            const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            for (int u = 0; u < 4; u++)
+                _mm256_storeu_ps(dst + i0 + 8 * u,
+                                 _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(part[u]), eight))));
+#else
             for (int j = 0; j < 16; j++) {
                 dst[i0 + j] = d * (float)((b[2 + j] & 0x0f) - 8);
                 dst[i0 + 16 + j] = d * (float)((b[2 + j] >> 4) - 8);
             }
+#endif
             b += 18;
         }
     }

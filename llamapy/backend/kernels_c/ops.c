@@ -430,6 +430,7 @@ typedef struct {
     int64_t T, H, D, N, Hkv, Dv, g, k_sn, k_sh, v_sn, v_sh, mask_st;
     float scale;
     int kt, vt;
+    int q_ready; /* q already rounded for K's type (attend does it once per call) */
 } att_args;
 
 /* Each token's chunks: chunk j of token t holds its visible cells in [bnd[t*nb + j], bnd[t*nb +
@@ -525,7 +526,9 @@ static void attend_chunk(const att_args *a, const att_chunks *ch, const att_unit
         const int64_t rr = r % Rh;
         const float *qr = a->q + ((t0 + rr / g) * H + (kh0 + r / Rh) * g + rr % g) * D;
         float *dst = qs + r * D;
-        if (kt == LP_KV_F16)
+        if (a->q_ready || !kt)
+            memcpy(dst, qr, (size_t)D * sizeof(float));
+        else if (kt == LP_KV_F16)
             for (int64_t i = 0; i < D; i++) dst[i] = round_f16(qr[i]);
         else if (kt)
             round_q8_0_row(dst, qr, D);
@@ -653,11 +656,24 @@ static void attend_chunk(const att_args *a, const att_chunks *ch, const att_unit
         const int64_t ng = n_c - c0 < ATT_VGROUP ? n_c - c0 : ATT_VGROUP;
         att_prefetch(a->v, vt, base + c0 + ATT_PREFETCH, ATT_VGROUP, end, a->v_sn, a->v_sh, kh0, nh, v_rb);
         int lv = 0;
-        for (int64_t i = 0; i < ng; i++) {
-            int li = 0;
-            for (int64_t r = 0; r < R; r++) li |= sc[r * span + c0 + i] != 0.0f;
-            live[i] = (unsigned char)li;
-            lv |= li;
+        if (ng == 2 * 8 && ATT_VGROUP == 16) { /* cells of any non-zero weight: 8 lanes at a time */
+            v8i l0 = {0}, l1 = {0};
+            const v8f zero = v8_splat(0.0f);
+            for (int64_t r = 0; r < R; r++) {
+                l0 |= v8_load(sc + r * span + c0) != zero;
+                l1 |= v8_load(sc + r * span + c0 + 8) != zero;
+            }
+            for (int u = 0; u < 8; u++) {
+                live[u] = (unsigned char)(l0[u] != 0), live[8 + u] = (unsigned char)(l1[u] != 0);
+                lv |= live[u] | live[8 + u];
+            }
+        } else {
+            for (int64_t i = 0; i < ng; i++) {
+                int li = 0;
+                for (int64_t r = 0; r < R; r++) li |= sc[r * span + c0 + i] != 0.0f;
+                live[i] = (unsigned char)li;
+                lv |= li;
+            }
         }
         if (!lv) continue;
         for (int64_t hh = 0; hh < nh; hh++) {
@@ -781,6 +797,21 @@ static void attend(const att_args *a, int n_threads) {
         bt[nch[t]] = last;
     }
     const att_chunks ch = {bnd, nch, nbd};
+    /* Q rounded for K's type once (not once per chunk): f16, or through Q8_0 (q_to_vec_dot) */
+    float *qround = a->kt ? malloc((size_t)(T * a->H * a->D) * sizeof(float)) : NULL;
+    att_args a_r = *a;
+    if (qround) {
+        for (int64_t i = 0; i < T * a->H; i++) {
+            const float *qr = a->q + i * a->D;
+            float *dst = qround + i * a->D;
+            if (a->kt == LP_KV_F16)
+                for (int64_t e = 0; e < a->D; e++) dst[e] = round_f16(qr[e]);
+            else
+                round_q8_0_row(dst, qr, a->D);
+        }
+        a_r.q = qround, a_r.q_ready = 1;
+        a = &a_r;
+    }
     const int64_t g = a->g, tb = g >= ATT_ROWS ? 1 : (ATT_ROWS + g - 1) / g; /* tokens per unit */
     const int64_t n_tb = (T + tb - 1) / tb;
     int nt = 1;
@@ -857,6 +888,7 @@ static void attend(const att_args *a, int n_threads) {
         free(buf);
     }
     free(item_u), free(parts), free(first), free(us);
+    free(qround);
     free(bnd);
 }
 

@@ -476,6 +476,9 @@ LP_INLINE float dot1(const float *restrict q, const float *restrict k, int64_t D
 LP_INLINE void att_prefetch(const void *base, int t, int64_t c0, int64_t n, int64_t end, int64_t sn, int64_t sh,
                             int64_t kh0, int64_t nh, int64_t row_bytes) {
     const int64_t esz = t == LP_KV_F32 ? 4 : t == LP_KV_F16 ? 2 : 1;
+    if (sh * esz == row_bytes) { /* the heads side by side (a cache row): one span per cell */
+        row_bytes *= nh, nh = 1;
+    }
     for (int64_t c = c0; c < c0 + n && c < end; c++)
         for (int64_t h = kh0; h < kh0 + nh; h++) {
             const char *p = (const char *)base + (c * sn + h * sh) * esz;

@@ -3,7 +3,9 @@ native call (ggml-cpu's `ggml_backend_cpu_graph_plan_create` / `_plan_compute`, 
 ggml-alloc's tensor addresses; the records are run by kernels_c/executor.c).
 
 `compile_split(nodes, exports, allocate)` walks the split's nodes once:
-  * views (RESHAPE, VIEW, PERMUTE) and SET_ROWS results become addresses and strides, no op;
+  * views (RESHAPE, VIEW, PERMUTE) and SET_ROWS results become addresses and strides, no op
+    (SET_ROWS itself is a record: it stores rows into the KV cache — f32, f16, or Q8_0/Q4_0
+    blocks quantized, and rotated where the cache is (llama.cpp's attn_rot), as kernels.set_rows);
   * every other node becomes a record, with the fusions llama.cpp's CPU backend makes: an
     RMS_NORM and the MUL by its weight are one record, and an ADD feeding that norm joins it;
   * memory: sched/alloc.py's `plan_offsets` (handed over by the scheduler) places every result

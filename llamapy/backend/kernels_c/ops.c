@@ -430,7 +430,8 @@ typedef struct {
     int64_t T, H, D, N, Hkv, Dv, g, k_sn, k_sh, v_sn, v_sh, mask_st;
     float scale;
     int kt, vt;
-    int q_ready; /* q already rounded for K's type (attend does it once per call) */
+    int q_ready;  /* q already rounded for K's type (attend does it once per call) */
+    int64_t span; /* score row length of the scratch: the widest chunk's cells (att_chunk_span) */
 } att_args;
 
 /* Each token's chunks: chunk j of token t holds its visible cells in [bnd[t*nb + j], bnd[t*nb +
@@ -446,14 +447,14 @@ typedef struct {
 LP_INLINE size_t att_part_floats(int64_t R, int64_t Dv) { return (size_t)(R * (Dv + 3)); }
 
 /* One worker's scratch, in floats: the unit's Q rows (R x D), the scores of the cells of one
- * chunk pass (R x span, span: N rounded up to whole ATT_BLOCKs, plus one), one K group of 8 rows
- * and one V group widened to f32, then two partial results (a chunk's and the running fold). */
-LP_INLINE int64_t att_span(int64_t N) { return (N + ATT_BLOCK - 1) / ATT_BLOCK * ATT_BLOCK + ATT_BLOCK; }
-LP_INLINE size_t att_core_floats(int64_t R, int64_t D, int64_t Dv, int64_t N) {
-    return (size_t)(R * (D + att_span(N)) + 8 * D + ATT_VGROUP * Dv);
+ * chunk pass (R x span: the widest chunk's cells from a whole ATT_BLOCK, plus one block), one K
+ * group of 8 rows and one V group widened to f32, then two partial results (a chunk's and the
+ * running fold). */
+LP_INLINE size_t att_core_floats(int64_t R, int64_t D, int64_t Dv, int64_t span) {
+    return (size_t)(R * (D + span) + 8 * D + ATT_VGROUP * Dv);
 }
-LP_INLINE size_t att_scratch_floats(int64_t R, int64_t D, int64_t Dv, int64_t N) {
-    return att_core_floats(R, D, Dv, N) + 2 * att_part_floats(R, Dv);
+LP_INLINE size_t att_scratch_floats(int64_t R, int64_t D, int64_t Dv, int64_t span) {
+    return att_core_floats(R, D, Dv, span) + 2 * att_part_floats(R, Dv);
 }
 
 /* the dot product of dot8's lanes, for one K row: the same operations in the same order, so a
@@ -509,7 +510,7 @@ typedef struct {
 static void attend_chunk(const att_args *a, const att_chunks *ch, const att_unit *w, int64_t j, float *restrict buf,
                          float *restrict part) {
     const int64_t g = a->g, t0 = w->t0, t1 = w->t1, kh0 = w->kh0, nh = w->nh, Rh = (t1 - t0) * g, R = nh * Rh;
-    const int64_t D = a->D, Dv = a->Dv, H = a->H, N = a->N, span = att_span(N);
+    const int64_t D = a->D, Dv = a->Dv, H = a->H, N = a->N, span = a->span;
     const int kt = a->kt, vt = a->vt;
     float *restrict m = part, *restrict l = m + R, *restrict nan_seen = l + R, *restrict acc = nan_seen + R;
     for (int64_t r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f, nan_seen[r] = 0.0f;
@@ -728,6 +729,30 @@ static void att_fold(float *restrict st, const float *restrict pt, int64_t R, in
     }
 }
 
+/* The widest cell range a unit's chunk pass scores (from its first cell's ATT_BLOCK), plus one
+ * block: the scratch's score rows, so they span a chunk (~ATT_CHUNK cells when a sequence's cells
+ * are contiguous), not N */
+static int64_t att_chunk_span(const att_chunks *ch, int64_t T, int64_t tb) {
+    int64_t span = 0;
+    for (int64_t t0 = 0; t0 < T; t0 += tb) {
+        const int64_t t1 = t0 + tb < T ? t0 + tb : T;
+        int64_t nc = 0;
+        for (int64_t t = t0; t < t1; t++) nc = ch->nch[t] > nc ? ch->nch[t] : nc;
+        for (int64_t j = 0; j < nc; j++) {
+            int64_t lo = INT64_MAX, hi = 0;
+            for (int64_t t = t0; t < t1; t++)
+                if (j < ch->nch[t]) {
+                    const int64_t *b = ch->bnd + t * ch->nb + j;
+                    lo = b[0] < lo ? b[0] : lo;
+                    hi = b[1] > hi ? b[1] : hi;
+                }
+            const int64_t w = hi > lo ? hi - lo / ATT_BLOCK * ATT_BLOCK : 0;
+            span = w > span ? w : span;
+        }
+    }
+    return (span + ATT_BLOCK - 1) / ATT_BLOCK * ATT_BLOCK + ATT_BLOCK;
+}
+
 /* Unit u of `hpu` heads per unit: the last query blocks first (most cells), heads innermost */
 LP_INLINE att_unit att_unit_at(const att_args *a, const att_chunks *ch, int64_t tb, int64_t n_tb, int64_t hpu,
                                int64_t u) {
@@ -761,7 +786,7 @@ static void att_store(const att_args *a, const att_unit *w, const float *st) {
 /* A whole unit on one thread: its chunks in order, each folded in as it is made */
 static void attend_unit(const att_args *a, const att_chunks *ch, const att_unit *w, int64_t R_max, float *buf) {
     const int64_t R = w->nh * (w->t1 - w->t0) * a->g;
-    float *st = buf + att_core_floats(R_max, a->D, a->Dv, a->N), *pt = st + att_part_floats(R, a->Dv);
+    float *st = buf + att_core_floats(R_max, a->D, a->Dv, a->span), *pt = st + att_part_floats(R, a->Dv);
     att_part_clear(st, R, a->Dv);
     for (int64_t j = 0; j < w->n_chunks; j++) {
         attend_chunk(a, ch, w, j, buf, pt);
@@ -802,7 +827,7 @@ static void attend(const att_args *a, int n_threads) {
     const att_chunks ch = {bnd, nch, nbd};
     /* Q rounded for K's type once (not once per chunk): f16, or through Q8_0 (q_to_vec_dot) */
     float *qround = a->kt ? malloc((size_t)(T * a->H * a->D) * sizeof(float)) : NULL;
-    att_args a_r = *a;
+    att_args a_r = *a; /* (with Q rounded, the score span) */
     if (qround) {
         for (int64_t i = 0; i < T * a->H; i++) {
             const float *qr = a->q + i * a->D;
@@ -813,8 +838,8 @@ static void attend(const att_args *a, int n_threads) {
                 round_q8_0_row(dst, qr, a->D);
         }
         a_r.q = qround, a_r.q_ready = 1;
-        a = &a_r;
     }
+    a = &a_r;
     const int64_t g = a->g, tb = g >= ATT_ROWS ? 1 : (ATT_ROWS + g - 1) / g; /* tokens per unit */
     const int64_t n_tb = (T + tb - 1) / tb;
     int nt = 1;
@@ -827,7 +852,8 @@ static void attend(const att_args *a, int n_threads) {
     const int few = n_tb < 4 * (int64_t)nt; /* few query blocks: every head in each unit */
     const int64_t hpu = few ? a->Hkv : 1, units = a->Hkv / hpu * n_tb;
     const int64_t R = (tb < T ? tb : T) * g * hpu;
-    const size_t scratch = att_scratch_floats(R, a->D, Dv, N);
+    a_r.span = att_chunk_span(&ch, T, tb);
+    const size_t scratch = att_scratch_floats(R, a->D, Dv, a->span);
     /* few units: the (unit, chunk) pairs shared out, their partials kept, then folded per unit */
     int64_t *first = NULL, *item_u = NULL, items = 0;
     att_unit *us = NULL;
@@ -863,7 +889,7 @@ static void attend(const att_args *a, int n_threads) {
             for (int64_t u = 0; u < units; u++) {
                 const att_unit *w = &us[u];
                 const int64_t Ru = w->nh * (w->t1 - w->t0) * g;
-                float *st = buf ? buf + att_core_floats(R, a->D, Dv, N) : NULL;
+                float *st = buf ? buf + att_core_floats(R, a->D, Dv, a->span) : NULL;
                 if (!st) continue;
                 att_part_clear(st, Ru, Dv);
                 for (int64_t j = 0; j < w->n_chunks; j++) att_fold(st, parts + (first[u] + j) * pf, Ru, Dv);

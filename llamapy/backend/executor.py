@@ -52,6 +52,7 @@ from ..tensor import Op, Tensor, TensorFlag
 from ..quants import KV_QUANT_TYPES, hadamard
 from ..types import GGMLType, LlamapyError, block_size, row_nbytes, storage
 from . import native
+from .cpu_kernels import KV_CODES  # a KV cache's element type as ops.c's LP_KV_* codes
 from .kernels import cache_rotation, rope_consts
 
 ALIGN = 64  # the arena's alignment (AVX-512 loads); sched/alloc.py aligns offsets to 32
@@ -66,10 +67,6 @@ MAX_TOKENS = 16
 
 _DTYPES = {GGMLType.F32: np.dtype(np.float32), GGMLType.F16: np.dtype(np.float16),
            GGMLType.I32: np.dtype(np.int32), GGMLType.I64: np.dtype(np.int64)}  # fmt: skip
-
-
-# a KV cache's element type as ops.c's LP_KV_* codes (SET_ROWS and attention records)
-_KV_CODES = {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q8_0: 2, GGMLType.Q4_0: 3}
 
 
 def enabled() -> bool:
@@ -704,7 +701,7 @@ class _Compiler:
                     raise Refused("a SET_ROWS layout")
                 rot = dst.root().params.get("rot", 0)
                 r[1], r[3], r[4] = dl.addr, il.addr, sl.addr
-                r[6], r[7], r[8], r[9], r[10], r[11] = ids.n_elements, cols, ss, d_rows, _KV_CODES[n.type], d_st
+                r[6], r[7], r[8], r[9], r[10], r[11] = ids.n_elements, cols, ss, d_rows, KV_CODES[n.type], d_st
                 r[12], r[13] = rot, fbits(float(hadamard(rot)[0, 0])) if rot else 0
                 return r
             if il.dtype != np.dtype(np.int64) or not il.contiguous() or cols != d_cols:
@@ -724,7 +721,7 @@ class _Compiler:
             if not q.contiguous() or len(k.shape) != 3 or k.strides[2] != 1 or v.strides[2] != 1:
                 raise Refused("an attention layout")
             kt, vt = n.src[1].type, n.src[2].type
-            if kt not in _KV_CODES or vt not in _KV_CODES or (kt != vt and KV_QUANT_TYPES.isdisjoint((kt, vt))):
+            if kt not in KV_CODES or vt not in KV_CODES or (kt != vt and KV_QUANT_TYPES.isdisjoint((kt, vt))):
                 # (an f32 V with an f16 K: the reference rounds V to f16 first)
                 raise Refused(f"attention over {kt.name} / {vt.name}")
             rot_k, rot_v = cache_rotation(n)
@@ -734,7 +731,7 @@ class _Compiler:
             r[2], r[3], r[4], r[5] = q.addr, k.addr, v.addr, mask.addr
             r[6], r[7], r[8], r[9], r[10], r[11] = T, H, D, N, Hkv, Dv
             r[12], r[13], r[14], r[15] = k.strides[0], k.strides[1], v.strides[0], v.strides[1]
-            r[16], r[17], r[18], r[19] = mst, fbits(float(n.params["scale"])), _KV_CODES[kt], _KV_CODES[vt]
+            r[16], r[17], r[18], r[19] = mst, fbits(float(n.params["scale"])), KV_CODES[kt], KV_CODES[vt]
             r[20], r[21] = rot_k, rot_v
             r[22] = fbits(float(hadamard(rot_k)[0, 0])) if rot_k else 0
             r[23] = fbits(float(hadamard(rot_v)[0, 0])) if rot_v else 0

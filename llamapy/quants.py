@@ -310,8 +310,18 @@ def rotate(x: np.ndarray, n: int) -> np.ndarray:
     """`x` (…, m) with each run of `n` contiguous values multiplied by hadamard(n) (llama.cpp's
     llama_mul_mat_hadamard: rows of n, `m` a multiple of n)."""
     shape = x.shape
-    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n)  # (…*m/n, n)
-    return (rows @ hadamard(n)).reshape(shape)  # hadamard(n) is symmetric
+    y = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n)  # (…*m/n, n)
+    # the fast Walsh-Hadamard transform: log2(n) stages of butterflies (a + b, a - b) over pairs
+    # h apart, which is rows @ hadamard(n) unscaled, then the scale 1/sqrt(n) once. Written out
+    # so that its float32 operations have one order (a BLAS product's depends on the library):
+    # the compiled executor repeats them bit for bit (ops.c lp_hadamard_runs)
+    h = 1
+    while h < n:
+        y = y.reshape(-1, n // (2 * h), 2, h)  # (rows, blocks, pair, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        y = np.stack([a + b, a - b], axis=2)
+        h *= 2
+    return (y.reshape(-1, n) * hadamard(n)[0, 0]).reshape(shape)
 
 
 def round_trip_q8_0(x: np.ndarray) -> np.ndarray:

@@ -7,7 +7,7 @@ op removes it. The numpy kernels in kernels.py stay the reference these are test
 the fallback without compiled kernels (LLAMAPY_KERNELS=numpy).
 
 Attention runs in C for any number of query tokens, threaded over (KV head, block of queries)
-units; each query's output does not depend on the rest of the batch, on the cells attended
+units, or over chunks of a query's cells when the units are few (decode); each query's output does not depend on the rest of the batch, on the cells attended
 beyond what it sees, or on the thread count (ops.c). The thread count is an argument: the table
 entry runs on one thread, the CPU backend passes its own -t (`c_flash_attn_ext(..., n_threads)`).
 """
@@ -79,14 +79,14 @@ def _c_rope(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 
 # lp_attend_q's cache type codes (ops.c LP_KV_*)
-_KV_CODES = {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q8_0: 2, GGMLType.Q4_0: 3}
+KV_CODES = {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q8_0: 2, GGMLType.Q4_0: 3}
 
 
 def c_flash_attn_ext(node: Tensor, s: list[Any], xp: Any, n_threads: int = 1) -> Any:
     """FLASH_ATTN_EXT in C (lp_attend / lp_attend_f16 / lp_attend_q) on up to n_threads threads."""
     kt, vt = node.src[1].type, node.src[2].type
     if kt in KV_QUANT_TYPES or vt in KV_QUANT_TYPES:
-        return _c_attend_q(node, s, _KV_CODES[kt], _KV_CODES[vt], n_threads)
+        return _c_attend_q(node, s, KV_CODES[kt], KV_CODES[vt], n_threads)
     q, k, v, mask = s
     q = np.ascontiguousarray(q, dtype=np.float32)  # an f16 cache: the kernel rounds Q to f16 itself
     mask = mask.astype(np.float32, copy=False)

@@ -3,7 +3,9 @@ native call (ggml-cpu's `ggml_backend_cpu_graph_plan_create` / `_plan_compute`, 
 ggml-alloc's tensor addresses; the records are run by kernels_c/executor.c).
 
 `compile_split(nodes, exports, allocate)` walks the split's nodes once:
-  * views (RESHAPE, VIEW, PERMUTE) and SET_ROWS results become addresses and strides, no op;
+  * views (RESHAPE, VIEW, PERMUTE) and SET_ROWS results become addresses and strides, no op
+    (SET_ROWS itself is a record: it stores rows into the KV cache — f32, f16, or Q8_0/Q4_0
+    blocks quantized, and rotated where the cache is (llama.cpp's attn_rot), as kernels.set_rows);
   * every other node becomes a record, with the fusions llama.cpp's CPU backend makes: an
     RMS_NORM and the MUL by its weight are one record, and an ADD feeding that norm joins it;
   * memory: sched/alloc.py's `plan_offsets` (handed over by the scheduler) places every result
@@ -47,9 +49,11 @@ from typing import Any
 import numpy as np
 
 from ..tensor import Op, Tensor, TensorFlag
-from ..types import GGMLType, LlamapyError, block_size
+from ..quants import KV_QUANT_TYPES, hadamard
+from ..types import GGMLType, LlamapyError, block_size, row_nbytes, storage
 from . import native
-from .kernels import rope_consts
+from .cpu_kernels import KV_CODES  # a KV cache's element type as ops.c's LP_KV_* codes
+from .kernels import cache_rotation, rope_consts
 
 ALIGN = 64  # the arena's alignment (AVX-512 loads); sched/alloc.py aligns offsets to 32
 
@@ -492,6 +496,16 @@ class _Compiler:
         if op is Op.VIEW and "cols" in t.params:
             c0, _c1 = t.params["cols"]
             return Loc(src.addr + c0 * src.dtype.itemsize, t.shape, src.strides, src.dtype, src.owner)
+        if op is Op.VIEW and t.type in KV_QUANT_TYPES:
+            # a window of whole rows of a Q8_0/Q4_0 cache (kernels.view): (…, row bytes) uint8, its
+            # last dimension split into whole blocks per head; strides in bytes
+            width = t.src[0].shape[-1]
+            if not src.contiguous() or t.params["offset"] % width or t.shape[-1] % block_size(t.type)[0]:
+                raise Refused(f"VIEW {t.name} of a quantized cache")
+            shape = storage(t.type, t.shape)[0]
+            row_bytes = src.shape[-1]
+            return Loc(src.addr + t.params["offset"] // width * row_bytes, shape, _cstrides(shape), src.dtype,
+                       src.owner)
         if op is Op.VIEW:
             if not src.contiguous():
                 raise Refused(f"VIEW {t.name} of a strided value")
@@ -687,6 +701,15 @@ class _Compiler:
             sl = need_f32(loc(src), "SET_ROWS source")
             rows, cols, ss = sl.rows()
             d_rows, d_cols, d_st = dl.rows()
+            if n.type in KV_QUANT_TYPES:  # rows quantized (and rotated: attn_rot) as kernels.set_rows
+                if il.dtype != np.dtype(np.int64) or not il.contiguous() or cols != dst.shape[-1] \
+                        or d_cols != row_nbytes(n.type, cols) or dl.dtype != np.dtype(np.uint8):
+                    raise Refused("a SET_ROWS layout")
+                rot = dst.root().params.get("rot", 0)
+                r[1], r[3], r[4] = dl.addr, il.addr, sl.addr
+                r[6], r[7], r[8], r[9], r[10], r[11] = ids.n_elements, cols, ss, d_rows, KV_CODES[n.type], d_st
+                r[12], r[13] = rot, fbits(float(hadamard(rot)[0, 0])) if rot else 0
+                return r
             if il.dtype != np.dtype(np.int64) or not il.contiguous() or cols != d_cols:
                 raise Refused("a SET_ROWS layout")
             f16 = dl.dtype == np.dtype(np.float16)
@@ -703,15 +726,21 @@ class _Compiler:
             need_f32(mask, "attention mask")
             if not q.contiguous() or len(k.shape) != 3 or k.strides[2] != 1 or v.strides[2] != 1:
                 raise Refused("an attention layout")
-            if k.dtype != v.dtype or k.dtype not in (f32, np.dtype(np.float16)):
-                raise Refused(f"attention over {k.dtype} / {v.dtype}")
+            kt, vt = n.src[1].type, n.src[2].type
+            if kt not in KV_CODES or vt not in KV_CODES or (kt != vt and KV_QUANT_TYPES.isdisjoint((kt, vt))):
+                # (an f32 V with an f16 K: the reference rounds V to f16 first)
+                raise Refused(f"attention over {kt.name} / {vt.name}")
+            rot_k, rot_v = cache_rotation(n)
             mrows, mcols, mst = mask.rows()
             T, H, D = q.shape
-            N, Hkv, Dv = v.shape
+            N, Hkv, Dv = n.src[2].shape  # (v's storage shape counts bytes for a quantized cache)
             r[2], r[3], r[4], r[5] = q.addr, k.addr, v.addr, mask.addr
             r[6], r[7], r[8], r[9], r[10], r[11] = T, H, D, N, Hkv, Dv
             r[12], r[13], r[14], r[15] = k.strides[0], k.strides[1], v.strides[0], v.strides[1]
-            r[16], r[17], r[18] = mst, fbits(float(n.params["scale"])), int(k.dtype != f32)
+            r[16], r[17], r[18], r[19] = mst, fbits(float(n.params["scale"])), KV_CODES[kt], KV_CODES[vt]
+            r[20], r[21] = rot_k, rot_v
+            r[22] = fbits(float(hadamard(rot_k)[0, 0])) if rot_k else 0
+            r[23] = fbits(float(hadamard(rot_v)[0, 0])) if rot_v else 0
             return r
         raise Refused(f"op {n.op.name}")  # pragma: no cover - steps_pass knows the codes
 

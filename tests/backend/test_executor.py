@@ -215,6 +215,34 @@ def test_small_graph_elementwise_and_views() -> None:
     np.testing.assert_array_equal(env[n], ref[n])
 
 
+@pytest.mark.parametrize(
+    "type_k, type_v, rot",
+    [(GGMLType.Q8_0, GGMLType.Q8_0, True), (GGMLType.Q4_0, GGMLType.Q4_0, True), (GGMLType.Q8_0, GGMLType.Q4_0, False),
+     (GGMLType.F16, GGMLType.Q4_0, True), (GGMLType.Q8_0, GGMLType.F32, False)],
+)
+def test_quantized_cache(make_llama, monkeypatch: pytest.MonkeyPatch, type_k: GGMLType, type_v: GGMLType,
+                         rot: bool) -> None:  # noqa: ANN001
+    """A Q8_0/Q4_0 cache (-ctk/-ctv), rotated (llama.cpp's attn_rot, heads of 64) or not: the
+    executor runs the decode splits (rows quantized and rotated in C, attention over the blocks)
+    and gives run_nodes' logits bit for bit, on 2 threads and on 1; the caches hold the same
+    bytes."""
+    monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "0" if rot else "1")
+    model = _model(make_llama(qtype=T.Q4_0, n_embd=512, n_head=8, n_head_kv=4))
+    kw = {"type_k": type_k, "type_v": type_v}
+    exe, ref = _contexts(monkeypatch, model, n_threads=2, **kw)
+    one, _ = _contexts(monkeypatch, model, n_threads=1, **kw)
+    assert bool(exe.kv.k[0].params.get("rot") or exe.kv.v[0].params.get("rot")) == rot
+    for toks, pos, seq, want in _batches():
+        got = exe.decode(toks, pos, seq, want)
+        _same(got, ref.decode(toks, pos, seq, want))
+        _same(got, one.decode(toks, pos, seq, want))
+    plans = _plans(exe)
+    assert sum(p.n_runs for p in plans if isinstance(p, ExecPlan)) == len(_batches())  # type: ignore[attr-defined]
+    for a, b in zip(exe.kv.k + exe.kv.v, ref.kv.k + ref.kv.v):
+        np.testing.assert_array_equal(a.buffer.storage(a), b.buffer.storage(b))
+    model.free()
+
+
 @pytest.mark.parametrize("cache", [GGMLType.F32, GGMLType.F16])
 def test_threaded_batch_attention(make_llama, monkeypatch: pytest.MonkeyPatch, cache: GGMLType) -> None:  # noqa: ANN001
     """Batches of 12 tokens (more than the 8 the executor took before its attention ran any

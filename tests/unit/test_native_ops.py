@@ -336,14 +336,16 @@ def test_attend_prompt(lib, dtype):
     np.testing.assert_allclose(out, ref, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("N", [203, 777])  # 777: several chunks of 256 visible cells
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_attend_query_independent_of_batch(lib, dtype):
+def test_attend_query_independent_of_batch(lib, dtype, N):
     """A query's output is bit for bit the same alone, inside a batch (other rows of its sequence,
     another sequence's tokens), over more cells (masked padding, whatever they hold: 63 cells,
     so that its last cells no longer end a 64-cell block or a group of 8) and on any thread
-    count: masked cells contribute exactly nothing and visible cells are summed in cell order."""
+    count (whole units per thread, or chunks of cells per thread): masked cells contribute
+    exactly nothing and visible cells are summed in cell order, chunk after chunk."""
     rng = np.random.default_rng(22)
-    Hkv, g, D, N = 2, 3, 72, 203  # D % 8 != 0: the tail of the dot products too
+    Hkv, g, D = 2, 3, 72  # D % 8 != 0: the tail of the dot products too
     q = rng.standard_normal((40, Hkv * g, D)).astype(np.float32)
     k = rng.standard_normal((N + 63, Hkv, D)).astype(dtype)
     v = rng.standard_normal((N + 63, Hkv, D)).astype(dtype)
@@ -366,13 +368,15 @@ def test_attend_query_independent_of_batch(lib, dtype):
         np.testing.assert_array_equal(c_attend(lib, q[t : t + 1], k, v, padded[t : t + 1], 0.125, 2), alone)
 
 
+@pytest.mark.parametrize("n", [150, 700])  # 700: three chunks of visible cells
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_attend_query_independent_of_cell_placement(lib, dtype):
+def test_attend_query_independent_of_cell_placement(lib, dtype, n):
     """A sequence's queries give the same bits whether its cells are contiguous (it ran alone) or
     interleaved with other sequences' cells (slots decoding together in the unified cache): a
-    row's softmax depends only on its visible cells in cell order, never on block boundaries."""
+    row's softmax depends only on its visible cells in cell order, never on block boundaries, and
+    its chunks are cut by counts of its visible cells, not by cell index."""
     rng = np.random.default_rng(23)
-    Hkv, g, D, n, T = 3, 3, 64, 150, 6
+    Hkv, g, D, T = 3, 3, 64, 6
     q = rng.standard_normal((T, Hkv * g, D)).astype(np.float32)
     ks = (rng.standard_normal((n, Hkv, D)) * 3).astype(dtype)  # large scores: the max matters
     vs = rng.standard_normal((n, Hkv, D)).astype(dtype)
@@ -391,6 +395,38 @@ def test_attend_query_independent_of_cell_placement(lib, dtype):
     alone = placed(1, 0, 1)
     for stride, offset, threads in ((4, 0, 1), (4, 3, 2), (3, 70, 1), (2, 1, 3)):
         np.testing.assert_array_equal(placed(stride, offset, threads), alone)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_attend_decode_split_over_cells(lib, dtype):
+    """One decode query over thousands of cells (the 3 KV heads of SmolLM2: too few units for the
+    threads, so its cells are shared out by chunks): the same bits on 1 to 5 threads, over extra
+    masked padding, with holes in its cells (chunks cut by visible cells, not cell index), with
+    rows whose chunks have very different maxima (the fold's rescaling) and next to the reference."""
+    rng = np.random.default_rng(24)
+    Hkv, g, D, N = 3, 3, 64, 2100
+    q = (rng.standard_normal((1, Hkv * g, D)) * 2).astype(np.float32)
+    k = rng.standard_normal((N + 300, Hkv, D)).astype(dtype)
+    k[1500:1700] *= 4  # a chunk whose scores dominate: the others are rescaled when folded
+    v = rng.standard_normal((N + 300, Hkv, D)).astype(dtype)
+    mask = np.zeros((1, N), np.float32)
+    mask[0, 300:420] = -np.inf  # a hole: later chunks start at other cells than 256-multiples
+    mask[0, 1000] = -np.inf
+    mask[0, 50:60] = -1.5
+    ref = K._attend(q, k[:N], v[:N], mask, 0.125, np)
+    one = c_attend(lib, q, k[:N], v[:N], mask, 0.125, 1)
+    np.testing.assert_allclose(one, ref, rtol=0, atol=2e-5)
+    padded = np.full((1, N + 300), -np.inf, np.float32)
+    padded[:, :N] = mask
+    for n in (2, 3, 4, 5):
+        np.testing.assert_array_equal(c_attend(lib, q, k[:N], v[:N], mask, 0.125, n), one)
+        np.testing.assert_array_equal(c_attend(lib, q, k, v, padded, 0.125, n), one)
+    # the same cells moved up by 37 (other cells before them): the chunks follow the cells
+    k2, v2 = np.roll(k, 37, axis=0), np.roll(v, 37, axis=0)
+    shifted = np.full((1, N + 300), -np.inf, np.float32)
+    shifted[:, 37 : N + 37] = mask
+    for n in (1, 2):
+        np.testing.assert_array_equal(c_attend(lib, q, k2, v2, shifted, 0.125, n), one)
 
 
 # ---------------------------------------------------------------------------------------------

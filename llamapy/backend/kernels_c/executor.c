@@ -14,7 +14,10 @@
  * The records call the same kernels as the reference path (cpu.py's table, cpu_kernels.py): the
  * quantized-activation MUL_MAT (lp_quantize_act once per input and vec_dot_type, then
  * lp_mul_mat_q), or in the float32-activation mode the repacked matvec through a function
- * pointer in the record (lp_mv_<t>); lp_attend / lp_attend_f16 and lp_swiglu of ops.c; rms_norm, rope and the elementwise ops repeat ops.c's
+ * pointer in the record (lp_mv_<t>); lp_attend / lp_attend_f16 / lp_attend_q and lp_swiglu of ops.c
+ * (a Q8_0/Q4_0 cache: its rows quantized and, where llama.cpp's attn_rot rotates them, rotated by
+ * ops.c's lp_kv_quantize_row / lp_hadamard_runs, quants.quantize / rotate bit for bit); rms_norm,
+ * rope and the elementwise ops repeat ops.c's
  * and numpy's float32 operations in the same order, so a decode step is bit-identical to
  * run_nodes (see tests/backend/test_executor.py; the f32 tail rows of a matrix whose row count
  * is not a multiple of 64 are summed here, not by BLAS: within float32 noise).
@@ -39,6 +42,11 @@ void lp_attend(const float *q, int64_t T, int64_t H, int64_t D, const float *k, 
 void lp_attend_f16(const float *q, int64_t T, int64_t H, int64_t D, const uint16_t *k, const uint16_t *v, int64_t N,
                    int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
                    const float *mask, int64_t mask_st, float scale, float *out, int n_threads);
+void lp_attend_q(const float *q, int64_t T, int64_t H, int64_t D, const void *k, const void *v, int64_t N,
+                 int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh, const float *mask,
+                 int64_t mask_st, float scale, float *out, int kt, int vt, int n_threads);
+void lp_hadamard_runs(float *x, int64_t len, int64_t n, float c);
+void lp_kv_quantize_row(void *dst, const float *x, int64_t n, int t);
 void lp_swiglu(const float *gate, const float *up, int64_t rows, int64_t n, int64_t gate_st, int64_t up_st,
                float *out);
 
@@ -124,15 +132,36 @@ static uint16_t to_f16(float x) {
 }
 
 /* Attention (any number of query tokens): ops.c's kernel, which shares out its (KV head, query
- * block) units among up to n_threads threads once the work is big enough; each query's output
- * is the same whatever the thread count. */
-static void attention(const ex_slot *r, int n_threads) {
-    if (I(18))
-        lp_attend_f16(P(2), I(6), I(7), I(8), P(3), P(4), I(9), I(10), I(11), I(12), I(13), I(14), I(15), P(5), I(16),
+ * block) units, or with few units their chunks of cells, among up to n_threads threads once the
+ * work is big enough; each query's output is the same whatever the thread count. */
+static int attention(const ex_slot *r, int n_threads) {
+    const int kt = (int)I(18), vt = (int)I(19);
+    if (kt == vt && kt <= 1 && !I(20) && !I(21)) { /* f32 or f16 K and V */
+        if (kt)
+            lp_attend_f16(P(2), I(6), I(7), I(8), P(3), P(4), I(9), I(10), I(11), I(12), I(13), I(14), I(15), P(5),
+                          I(16), (float)F(17), P(1), n_threads);
+        else
+            lp_attend(P(2), I(6), I(7), I(8), P(3), P(4), I(9), I(10), I(11), I(12), I(13), I(14), I(15), P(5), I(16),
                       (float)F(17), P(1), n_threads);
-    else
-        lp_attend(P(2), I(6), I(7), I(8), P(3), P(4), I(9), I(10), I(11), I(12), I(13), I(14), I(15), P(5), I(16),
-                  (float)F(17), P(1), n_threads);
+        return 0;
+    }
+    /* a quantized cache (Q8_0/Q4_0 blocks, strides in bytes), maybe rotated (llama.cpp's
+     * attn_rot): Q into K's rotated basis first, the output back from V's after */
+    const int64_t nq = I(6) * I(7) * I(8);
+    const float *q = P(2);
+    float *qr = NULL;
+    if (I(20)) {
+        qr = malloc((size_t)nq * sizeof(float));
+        if (!qr) return 1;
+        memcpy(qr, q, (size_t)nq * sizeof(float));
+        lp_hadamard_runs(qr, nq, I(20), (float)F(22));
+        q = qr;
+    }
+    lp_attend_q(q, I(6), I(7), I(8), P(3), P(4), I(9), I(10), I(11), I(12), I(13), I(14), I(15), P(5), I(16),
+                (float)F(17), P(1), kt, vt, n_threads);
+    if (I(21)) lp_hadamard_runs(P(1), I(6) * I(7) * I(11), I(21), (float)F(23));
+    free(qr);
+    return 0;
 }
 
 /* Bit 0: SET_ROWS into an f16 cache is available (the compiler has _Float16). */
@@ -239,26 +268,43 @@ EX_API int64_t lp_exec_run(const int64_t *recs, int64_t n_rec, int n_threads) {
             break;
         case EX_SET_ROWS: {
             /* rows ids (int64, src1) of dst <- rows of src2: [6] n, [7] cols, [8] src stride,
-             * [9] dst rows, [10] f16 dst, [11] dst row stride */
+             * [9] dst rows, [10] dst type (0 f32, 1 f16, 2 Q8_0, 3 Q4_0: ops.c's LP_KV_*),
+             * [11] dst row stride (elements; bytes for Q8_0/Q4_0), [12] rotation run (0: none),
+             * [13] its scale (a rotated cache stores each row rotated, then quantized) */
             const int64_t *ids = P(3);
             const float *src = P(4);
+            float *rot = NULL;
+            if (I(12) && !(rot = malloc((size_t)I(7) * sizeof(float)))) return k + 1;
             for (int64_t i = 0; i < I(6); i++) {
                 const int64_t id = ids[i];
-                if (id < 0 || id >= I(9)) return k + 1;
+                if (id < 0 || id >= I(9)) {
+                    free(rot);
+                    return k + 1;
+                }
                 const float *s = src + i * I(8);
-                if (I(10)) {
+                if (rot) {
+                    memcpy(rot, s, (size_t)I(7) * sizeof(float));
+                    lp_hadamard_runs(rot, I(7), I(12), (float)F(13));
+                    s = rot;
+                }
+                if (I(10) >= 2) {
+                    lp_kv_quantize_row((uint8_t *)P(1) + id * I(11), s, I(7), (int)I(10));
+                } else if (I(10)) {
                     uint16_t *d = (uint16_t *)P(1) + id * I(11);
                     for (int64_t c = 0; c < I(7); c++) d[c] = to_f16(s[c]);
                 } else {
                     memcpy((float *)P(1) + id * I(11), s, (size_t)I(7) * 4);
                 }
             }
+            free(rot);
             break;
         }
         case EX_ATTN:
             /* src0 q (T,H,D) contiguous, src1 k, src2 v, src3 mask: [6] T, [7] H, [8] D, [9] N,
-             * [10] Hkv, [11] Dv, [12..15] k/v strides, [16] mask stride, [17] scale, [18] f16 */
-            attention(r, n_threads);
+             * [10] Hkv, [11] Dv, [12..15] k/v strides (in their storage units), [16] mask stride,
+             * [17] scale, [18] / [19] K / V type (ops.c's LP_KV_*), [20] / [21] K / V rotation run
+             * (0: none), [22] / [23] their scales */
+            if (attention(r, n_threads)) return k + 1;
             break;
         case EX_CPY: {
             /* dst (rows, n) contiguous <- src rows: [6] rows, [7] n, [8] src stride */

@@ -3,9 +3,11 @@
  * ggml counterparts (ggml-cpu): ops.cpp ggml_compute_forward_rms_norm (sum of squares in
  * ggml_float = double), ggml_compute_forward_rope (rope_yarn with ext_factor 0: plain
  * cos/sin of pos * theta_scale^i, neox and normal pairings), ggml_compute_forward_flash_attn_ext
- * (there an online softmax; here three passes, so that a row's result depends only on its own
- * visible cells in order: see attend_unit; V accumulated in f32; an f16 cache gets Q rounded to
- * f16 first, as q_to_vec_dot does), and vec.h ggml_vec_swiglu_f32 / ggml_v_expf.
+ * (there an online softmax over each thread's share of the cells; here three passes per chunk of
+ * a fixed number of a row's visible cells, the chunks folded in order, so that a row's result
+ * depends only on its own visible cells in order: see attend_chunk and att_fold; V accumulated in
+ * f32; an f16 cache gets Q rounded to f16 first, as q_to_vec_dot does), and vec.h
+ * ggml_vec_swiglu_f32 / ggml_v_expf.
  * Attention takes any number of query tokens; threads are an argument of each call (none of
  * these kernels keeps state between calls).
  *
@@ -20,6 +22,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "lp_quants.h" /* lp_f2h, lp_quantize_row_q8_0 (quants.c) */
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wpsabi" /* 32-byte vectors in static functions on a non-AVX target */
@@ -103,7 +107,7 @@ LP_INLINE float round_f16(float x) { return f16_bits_to_f32(f32_to_f16(x)); }
 
 /* dst[0..n) = the f16 values src[0..n), widened: vcvtph2ps with F16C (gcc does not vectorize
  * _Float16 conversions by itself), else the branch-free bit version */
-#if defined(__F16C__) && defined(__AVX__)
+#if (defined(__F16C__) && defined(__AVX__)) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -134,10 +138,22 @@ LP_INLINE void kv_row(float *restrict dst, const void *base, int64_t off, int ty
             for (int j = 0; j < 32; j++) dst[i0 + j] = d * (float)qs[j];
             b += 34;
         } else {
+#if defined(__AVX2__)
+            /* the same operations 8 at a time: nibble - 8 as int32, to float, times d */
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2)), m4 = _mm_set1_epi8(0x0f);
+            const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+            const __m256i eight = _mm256_set1_epi32(8);
+            const __m256 dv = _mm256_set1_ps(d);
+            const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            for (int u = 0; u < 4; u++)
+                _mm256_storeu_ps(dst + i0 + 8 * u,
+                                 _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(part[u]), eight))));
+#else
             for (int j = 0; j < 16; j++) {
                 dst[i0 + j] = d * (float)((b[2 + j] & 0x0f) - 8);
                 dst[i0 + 16 + j] = d * (float)((b[2 + j] >> 4) - 8);
             }
+#endif
             b += 18;
         }
     }
@@ -152,6 +168,53 @@ LP_INLINE void round_q8_0_row(float *restrict dst, const float *restrict x, int6
         const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f, dh = round_f16(d);
         for (int j = 0; j < 32; j++) dst[i0 + j] = dh * (float)(int8_t)roundf(x[i0 + j] * id);
     }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* KV cache stores (executor.c's SET_ROWS into a quantized cache)                             */
+
+/* llama.cpp's attn_rot: each run of n values of x[0..len) (n a power of two dividing len)
+ * multiplied by the Hadamard matrix of order n, in place: quants.rotate's butterflies in its order
+ * (stage h: pairs h apart within blocks of 2h become a + b, a - b), then the scale c =
+ * hadamard(n)[0, 0], so the bits are the reference's. Shared with executor.c (not exported). */
+void lp_hadamard_runs(float *x, int64_t len, int64_t n, float c) {
+    for (int64_t r0 = 0; r0 + n <= len; r0 += n) {
+        float *restrict y = x + r0;
+        for (int64_t h = 1; h < n; h *= 2)
+            for (int64_t b = 0; b < n; b += 2 * h)
+                for (int64_t j = b; j < b + h; j++) {
+                    const float p = y[j], q = y[j + h];
+                    y[j] = p + q, y[j + h] = p - q;
+                }
+        for (int64_t i = 0; i < n; i++) y[i] *= c;
+    }
+}
+
+/* n floats (a multiple of 32) as Q4_0 blocks, as ggml's quantize_row_q4_0_ref and quants.quantize:
+ * d = the value of largest magnitude (its first) / -8, q = min(15, (int)(x * (1/d) + 8.5)) */
+static void quantize_row_q4_0(const float *restrict x, uint8_t *restrict y, int64_t n) {
+    for (int64_t i0 = 0; i0 < n; i0 += 32, x += 32, y += 18) {
+        float amax = 0.0f, mx = 0.0f;
+        for (int j = 0; j < 32; j++)
+            if (amax < fabsf(x[j])) amax = fabsf(x[j]), mx = x[j];
+        const float d = mx / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const lp_half dh = lp_f2h(d);
+        memcpy(y, &dh, 2);
+        for (int j = 0; j < 16; j++) {
+            const float a = x[j] * id + 8.5f, b = x[16 + j] * id + 8.5f;
+            const int qa = (int)a < 15 ? (int)a : 15, qb = (int)b < 15 ? (int)b : 15;
+            y[2 + j] = (uint8_t)(qa | qb << 4);
+        }
+    }
+}
+
+/* Row x[0..n) stored as one cache row at dst of type t (LP_KV_Q8_0 / LP_KV_Q4_0: quants.quantize,
+ * ggml's reference quantizers, bit for bit). Shared with executor.c (not exported). */
+void lp_kv_quantize_row(void *dst, const float *x, int64_t n, int t) {
+    if (t == LP_KV_Q8_0)
+        lp_quantize_row_q8_0(x, dst, n);
+    else
+        quantize_row_q4_0(x, dst, n);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -337,6 +400,11 @@ LP_INLINE void v_accumulate(float *restrict a, const float *restrict w, int64_t 
 #define ATT_BLOCK 64  /* KV cells per step of the score pass (a multiple of ATT_VGROUP and of 8) */
 #define ATT_VGROUP 16 /* KV cells per step of the V sums */
 #define ATT_ROWS 32   /* query rows (tokens x the heads of a KV group) per work unit, at least */
+/* Visible cells per chunk of a query's cells: a row's cells are cut, in cell order, into chunks of
+ * this many of its visible (unmasked) cells, a constant, so that the cuts depend only on the row's
+ * own visible cells (not on N, the batch, the placement or the thread count); chunks are what the
+ * threads share out when there are few (KV head, query block) units, e.g. one decode token */
+#define ATT_CHUNK 256
 
 #ifndef ATT_PAR_WORK
 #define ATT_PAR_WORK (1 << 20) /* multiply-adds (T*N*H*(D+Dv)) from which threads are used */
@@ -362,14 +430,31 @@ typedef struct {
     int64_t T, H, D, N, Hkv, Dv, g, k_sn, k_sh, v_sn, v_sh, mask_st;
     float scale;
     int kt, vt;
+    int q_ready;  /* q already rounded for K's type (attend does it once per call) */
+    int64_t span; /* score row length of the scratch: the widest chunk's cells (att_chunk_span) */
 } att_args;
 
-/* One worker's scratch, in floats: the unit's Q rows (R x D), the scores of every cell it may see
- * (R x span, span: N rounded up to whole ATT_BLOCKs, plus one), V sums (R x Dv), max and sum (R
- * each), one K group of 8 rows and one V group widened to f32. */
-LP_INLINE int64_t att_span(int64_t N) { return (N + ATT_BLOCK - 1) / ATT_BLOCK * ATT_BLOCK + ATT_BLOCK; }
-LP_INLINE size_t att_scratch_floats(int64_t R, int64_t D, int64_t Dv, int64_t N) {
-    return (size_t)(R * (D + att_span(N) + Dv + 3) + 8 * D + ATT_VGROUP * Dv);
+/* Each token's chunks: chunk j of token t holds its visible cells in [bnd[t*nb + j], bnd[t*nb +
+ * j + 1]) (the first cell of its visible cell number j*ATT_CHUNK; the last bound: after its last
+ * visible cell), for j < nch[t]; nch[t] = 0: nothing visible. */
+typedef struct {
+    const int64_t *bnd, *nch;
+    int64_t nb; /* bounds per token: the most chunks N cells can make, plus one */
+} att_chunks;
+
+/* A partial (or running) result of R rows, in floats: max m (R), weight sum l (R), nan seen (R),
+ * then the V sums (R x Dv). */
+LP_INLINE size_t att_part_floats(int64_t R, int64_t Dv) { return (size_t)(R * (Dv + 3)); }
+
+/* One worker's scratch, in floats: the unit's Q rows (R x D), the scores of the cells of one
+ * chunk pass (R x span: the widest chunk's cells from a whole ATT_BLOCK, plus one block), one K
+ * group of 8 rows and one V group widened to f32, then two partial results (a chunk's and the
+ * running fold). */
+LP_INLINE size_t att_core_floats(int64_t R, int64_t D, int64_t Dv, int64_t span) {
+    return (size_t)(R * (D + span) + 8 * D + ATT_VGROUP * Dv);
+}
+LP_INLINE size_t att_scratch_floats(int64_t R, int64_t D, int64_t Dv, int64_t span) {
+    return att_core_floats(R, D, Dv, span) + 2 * att_part_floats(R, Dv);
 }
 
 /* the dot product of dot8's lanes, for one K row: the same operations in the same order, so a
@@ -383,53 +468,95 @@ LP_INLINE float dot1(const float *restrict q, const float *restrict k, int64_t D
     return r;
 }
 
-/* One work unit: KV head kh and the query tokens [t0, t1), i.e. R = (t1-t0)*g rows (row r: token
- * t0 + r/g, query head kh*g + r%g) over the cells [lo, hi) that any of them sees. Three passes, so
- * that a row's result depends only on its own visible cells, in cell order — not on what else is
- * in the batch, on N (padding), on the thread count, nor on where its cells lie in the cache (a
- * sequence's cells are contiguous when it runs alone and interleaved with other slots' when they
- * run together): (1) every score, each row's max over what it sees; (2) weights exp(s - max)
- * (masked cells: exactly 0) and their sum over the cells of non-zero weight in order; (3) V sums
- * over the same cells in cell order. (An online softmax would rescale at block boundaries, which
- * fall differently on a sequence's cells as their placement changes.) K rows are read (widened)
- * once per group of 8 cells for all R rows of the unit, V rows once per group of cells. */
-static void attend_unit(const att_args *a, int64_t kh, int64_t t0, int64_t t1, int64_t lo, int64_t hi,
-                        float *restrict buf) {
-    const int64_t g = a->g, R = (t1 - t0) * g, D = a->D, Dv = a->Dv, H = a->H, N = a->N, span = att_span(N);
+/* Cells ahead whose K (score pass) or V (V pass) rows are prefetched: a decode step reads the
+ * whole cache once, from memory. */
+#define ATT_PREFETCH 32
+
+/* the cache rows of cells [c0, c0 + n) (< end) of KV heads [kh0, kh0 + nh) prefetched (type t,
+ * strides in its storage units) */
+LP_INLINE void att_prefetch(const void *base, int t, int64_t c0, int64_t n, int64_t end, int64_t sn, int64_t sh,
+                            int64_t kh0, int64_t nh, int64_t row_bytes) {
+    const int64_t esz = t == LP_KV_F32 ? 4 : t == LP_KV_F16 ? 2 : 1;
+    if (sh * esz == row_bytes) { /* the heads side by side (a cache row): one span per cell */
+        row_bytes *= nh, nh = 1;
+    }
+    for (int64_t c = c0; c < c0 + n && c < end; c++)
+        for (int64_t h = kh0; h < kh0 + nh; h++) {
+            const char *p = (const char *)base + (c * sn + h * sh) * esz;
+            for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(p + o);
+        }
+}
+
+LP_INLINE int64_t att_row_bytes(int t, int64_t n) {
+    return t == LP_KV_F32 ? 4 * n : t == LP_KV_F16 ? 2 * n : t == LP_KV_Q8_0 ? n / 32 * 34 : n / 32 * 18;
+}
+
+/* A work unit: the query tokens [t0, t1) and the KV heads [kh0, kh0 + nh): R = nh * Rh rows,
+ * Rh = (t1-t0)*g per head (row r: KV head kh0 + r/Rh, token t0 + (r%Rh)/g, query head
+ * (kh0 + r/Rh)*g + (r%Rh)%g). One head per unit for a prompt (many units); every head for a few
+ * tokens, so that a cell's K and V rows are read whole, in memory order. */
+typedef struct {
+    int64_t kh0, nh, t0, t1, n_chunks; /* n_chunks: the most chunks any of its tokens has */
+} att_unit;
+
+/* Chunk j of a work unit: each row over its token's chunk j (att_chunks); the unit reads the
+ * cells [lo, hi) that any of those chunks holds. Writes the chunk's partial result to `part`
+ * (att_part_floats(R, Dv)): three passes over the chunk, so that it depends only on the row's
+ * visible cells of the chunk, in cell order: (1) every score, each row's max over its chunk;
+ * (2) weights exp(s - max) (masked cells and cells of other chunks: exactly 0) and their sum over
+ * the cells of non-zero weight in order; (3) V sums over the same cells in cell order. K rows are
+ * read (widened) once per group of 8 cells for all rows of their head, V rows once per group of
+ * cells. What a row computes does not depend on the other rows of its unit. */
+static void attend_chunk(const att_args *a, const att_chunks *ch, const att_unit *w, int64_t j, float *restrict buf,
+                         float *restrict part) {
+    const int64_t g = a->g, t0 = w->t0, t1 = w->t1, kh0 = w->kh0, nh = w->nh, Rh = (t1 - t0) * g, R = nh * Rh;
+    const int64_t D = a->D, Dv = a->Dv, H = a->H, N = a->N, span = a->span;
     const int kt = a->kt, vt = a->vt;
-    float *restrict qs = buf, *restrict sc = qs + R * D, *restrict acc = sc + R * span;
-    float *restrict m = acc + R * Dv, *restrict l = m + R, *restrict nan_seen = l + R;
-    float *restrict kf = nan_seen + R, *restrict vf = kf + 8 * D;
+    float *restrict m = part, *restrict l = m + R, *restrict nan_seen = l + R, *restrict acc = nan_seen + R;
+    for (int64_t r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f, nan_seen[r] = 0.0f;
+    memset(acc, 0, (size_t)(R * Dv) * sizeof(float));
+    int64_t lo = N, hi = 0; /* the cells of chunk j of any of the unit's tokens */
+    for (int64_t t = t0; t < t1; t++)
+        if (j < ch->nch[t]) {
+            const int64_t *b = ch->bnd + t * ch->nb + j;
+            lo = b[0] < lo ? b[0] : lo;
+            hi = b[1] > hi ? b[1] : hi;
+        }
+    if (lo >= hi) return; /* no token of the unit has a chunk j */
+    float *restrict qs = buf, *restrict sc = qs + R * D, *restrict kf = sc + R * span, *restrict vf = kf + 8 * D;
     /* q rows (f16-rounded for an f16 K, as llama.cpp's q_to_vec_dot; Q8_0-rounded for a
      * quantized one) */
     for (int64_t r = 0; r < R; r++) {
-        const float *qr = a->q + ((t0 + r / g) * H + kh * g + r % g) * D;
+        const int64_t rr = r % Rh;
+        const float *qr = a->q + ((t0 + rr / g) * H + (kh0 + r / Rh) * g + rr % g) * D;
         float *dst = qs + r * D;
-        if (kt == LP_KV_F16)
+        if (a->q_ready || !kt)
+            memcpy(dst, qr, (size_t)D * sizeof(float));
+        else if (kt == LP_KV_F16)
             for (int64_t i = 0; i < D; i++) dst[i] = round_f16(qr[i]);
         else if (kt)
             round_q8_0_row(dst, qr, D);
         else
             memcpy(dst, qr, (size_t)D * sizeof(float));
-        m[r] = -INFINITY, l[r] = 0.0f, nan_seen[r] = 0.0f;
     }
-    memset(acc, 0, (size_t)(R * Dv) * sizeof(float));
     const float *mask = a->mask + t0 * a->mask_st;
     const int64_t mask_st = a->mask_st, Tu = t1 - t0;
     const float minf = -INFINITY, scale = a->scale;
-    const float *kb = (const float *)a->k + kh * a->k_sh, *vb = (const float *)a->v + kh * a->v_sh; /* f32 only */
     const int64_t base = lo / ATT_BLOCK * ATT_BLOCK, end = hi < N ? hi : N; /* cells [base, end) */
+    const int64_t k_rb = att_row_bytes(kt, D), v_rb = att_row_bytes(vt, Dv);
     unsigned char live[ATT_BLOCK];
-    /* (1) scores: groups of 8 cells, each K row read once for the unit's R rows */
+    att_prefetch(a->k, kt, lo, ATT_PREFETCH, end, a->k_sn, a->k_sh, kh0, nh, k_rb);
+    /* (1) scores: groups of 8 cells, each K row read once for the rows of its head */
     for (int64_t b0 = base; b0 < end; b0 += ATT_BLOCK) {
         const int64_t nb = end - b0 < ATT_BLOCK ? end - b0 : ATT_BLOCK;
         for (int64_t c = 0; c < nb; c++) {
             int lv = 0;
             for (int64_t t = 0; t < Tu; t++) lv |= mask[t * mask_st + b0 + c] != minf;
-            live[c] = (unsigned char)lv;
+            live[c] = (unsigned char)(lv && b0 + c >= lo);
         }
         int64_t c = 0;
         for (; c + 8 <= nb; c += 8) {
+            att_prefetch(a->k, kt, b0 + c + ATT_PREFETCH, 8, end, a->k_sn, a->k_sh, kh0, nh, k_rb);
             int lv8 = 0;
             for (int u = 0; u < 8; u++) lv8 |= live[c + u];
             if (!lv8) {
@@ -437,18 +564,23 @@ static void attend_unit(const att_args *a, int64_t kh, int64_t t0, int64_t t1, i
                     for (int u = 0; u < 8; u++) sc[r * span + b0 - base + c + u] = minf;
                 continue;
             }
-            const float *k0;
-            int64_t ks;
-            if (kt) {
-                for (int u = 0; u < 8; u++) kv_row(kf + u * D, a->k, (b0 + c + u) * a->k_sn + kh * a->k_sh, kt, D);
-                k0 = kf, ks = D;
-            } else {
-                k0 = kb + (b0 + c) * a->k_sn, ks = a->k_sn;
-            }
-            for (int64_t r = 0; r < R; r++) {
-                const v8f d = dot8(qs + r * D, k0, ks, D);
-                const v8f mv = v8_load(mask + (r / g) * mask_st + b0 + c);
-                v8_store(sc + r * span + b0 - base + c, v8_select(mv == v8_splat(minf), mv, d * v8_splat(scale) + mv));
+            for (int64_t hh = 0; hh < nh; hh++) {
+                const int64_t kh = kh0 + hh;
+                const float *k0;
+                int64_t ks;
+                if (kt) {
+                    for (int u = 0; u < 8; u++) kv_row(kf + u * D, a->k, (b0 + c + u) * a->k_sn + kh * a->k_sh, kt, D);
+                    k0 = kf, ks = D;
+                } else {
+                    k0 = (const float *)a->k + kh * a->k_sh + (b0 + c) * a->k_sn, ks = a->k_sn;
+                }
+                for (int64_t rr = 0; rr < Rh; rr++) {
+                    const int64_t r = hh * Rh + rr;
+                    const v8f d = dot8(qs + r * D, k0, ks, D);
+                    const v8f mv = v8_load(mask + (rr / g) * mask_st + b0 + c);
+                    v8_store(sc + r * span + b0 - base + c,
+                             v8_select(mv == v8_splat(minf), mv, d * v8_splat(scale) + mv));
+                }
             }
         }
         for (; c < nb; c++) {
@@ -456,25 +588,38 @@ static void attend_unit(const att_args *a, int64_t kh, int64_t t0, int64_t t1, i
                 for (int64_t r = 0; r < R; r++) sc[r * span + b0 - base + c] = minf;
                 continue;
             }
-            const float *kr;
-            if (kt) {
-                kv_row(kf, a->k, (b0 + c) * a->k_sn + kh * a->k_sh, kt, D);
-                kr = kf;
-            } else {
-                kr = kb + (b0 + c) * a->k_sn;
-            }
-            for (int64_t r = 0; r < R; r++) {
-                const float mv = mask[(r / g) * mask_st + b0 + c];
-                sc[r * span + b0 - base + c] = mv == minf ? minf : dot1(qs + r * D, kr, D) * scale + mv;
+            for (int64_t hh = 0; hh < nh; hh++) {
+                const int64_t kh = kh0 + hh;
+                const float *kr;
+                if (kt) {
+                    kv_row(kf, a->k, (b0 + c) * a->k_sn + kh * a->k_sh, kt, D);
+                    kr = kf;
+                } else {
+                    kr = (const float *)a->k + kh * a->k_sh + (b0 + c) * a->k_sn;
+                }
+                for (int64_t rr = 0; rr < Rh; rr++) {
+                    const int64_t r = hh * Rh + rr;
+                    const float mv = mask[(rr / g) * mask_st + b0 + c];
+                    sc[r * span + b0 - base + c] = mv == minf ? minf : dot1(qs + r * D, kr, D) * scale + mv;
+                }
             }
         }
     }
-    /* (2) each row's max (nan skipped: it reaches the output through nan_seen), then its weights
-     * and their sum, cell after cell (a masked cell adds exactly 0) */
+    /* (2) each row's cells outside its chunk j dropped (-inf), its max (nan skipped: it reaches
+     * the output through nan_seen), then its weights and their sum, cell after cell (a masked
+     * cell adds exactly 0) */
     const int64_t n_c = end > base ? end - base : 0;
     int any_w = 0;
     for (int64_t r = 0; r < R; r++) {
         float *s = sc + r * span;
+        const int64_t t = t0 + (r % Rh) / g;
+        int64_t w0 = n_c, w1 = n_c; /* the row's chunk, relative to base */
+        if (j < ch->nch[t]) {
+            const int64_t *b = ch->bnd + t * ch->nb + j;
+            w0 = b[0] - base, w1 = b[1] - base < n_c ? b[1] - base : n_c;
+        }
+        for (int64_t i = 0; i < w0; i++) s[i] = minf;
+        for (int64_t i = w1; i < n_c; i++) s[i] = minf;
         v8f bm8 = v8_splat(minf); /* the max is exact in any order: 8 lanes */
         v8i nan8 = {0};
         int64_t i = 0;
@@ -502,39 +647,133 @@ static void attend_unit(const att_args *a, int64_t kh, int64_t t0, int64_t t1, i
         /* the sum in 8 lanes by the index among the cells of non-zero weight (not by cell
          * index, which depends on the placement) */
         float ls[8] = {0};
-        int64_t j = 0;
+        int64_t k = 0;
         for (i = 0; i < n_c; i++)
-            if (s[i] != 0.0f) ls[j++ & 7] += s[i];
+            if (s[i] != 0.0f) ls[k++ & 7] += s[i];
         l[r] = ((ls[0] + ls[4]) + (ls[1] + ls[5])) + ((ls[2] + ls[6]) + (ls[3] + ls[7]));
     }
-    /* (3) V sums in groups of cells (an f16/quantized group widened once for the R rows); cells
-     * of weight 0 are skipped, so a row's sum runs over its visible cells in cell order */
+    /* (3) V sums in groups of cells (an f16/quantized group widened once for the rows of its
+     * head); cells of weight 0 are skipped, so a row's sum runs over its chunk's visible cells in
+     * cell order */
+    if (any_w) att_prefetch(a->v, vt, lo, ATT_PREFETCH, end, a->v_sn, a->v_sh, kh0, nh, v_rb);
     for (int64_t c0 = 0; any_w && c0 < n_c; c0 += ATT_VGROUP) {
         const int64_t ng = n_c - c0 < ATT_VGROUP ? n_c - c0 : ATT_VGROUP;
+        att_prefetch(a->v, vt, base + c0 + ATT_PREFETCH, ATT_VGROUP, end, a->v_sn, a->v_sh, kh0, nh, v_rb);
         int lv = 0;
-        for (int64_t i = 0; i < ng; i++) {
-            int li = 0;
-            for (int64_t r = 0; r < R; r++) li |= sc[r * span + c0 + i] != 0.0f;
-            live[i] = (unsigned char)li;
-            lv |= li;
+        if (ng == 2 * 8 && ATT_VGROUP == 16) { /* cells of any non-zero weight: 8 lanes at a time */
+            v8i l0 = {0}, l1 = {0};
+            const v8f zero = v8_splat(0.0f);
+            for (int64_t r = 0; r < R; r++) {
+                l0 |= v8_load(sc + r * span + c0) != zero;
+                l1 |= v8_load(sc + r * span + c0 + 8) != zero;
+            }
+            for (int u = 0; u < 8; u++) {
+                live[u] = (unsigned char)(l0[u] != 0), live[8 + u] = (unsigned char)(l1[u] != 0);
+                lv |= live[u] | live[8 + u];
+            }
+        } else {
+            for (int64_t i = 0; i < ng; i++) {
+                int li = 0;
+                for (int64_t r = 0; r < R; r++) li |= sc[r * span + c0 + i] != 0.0f;
+                live[i] = (unsigned char)li;
+                lv |= li;
+            }
         }
         if (!lv) continue;
-        const float *v0;
-        int64_t vs;
-        if (vt) {
-            for (int64_t i = 0; i < ng; i++)
-                if (live[i]) kv_row(vf + i * Dv, a->v, (base + c0 + i) * a->v_sn + kh * a->v_sh, vt, Dv);
-            v0 = vf, vs = Dv;
-        } else {
-            v0 = vb + (base + c0) * a->v_sn, vs = a->v_sn;
+        for (int64_t hh = 0; hh < nh; hh++) {
+            const int64_t kh = kh0 + hh;
+            const float *v0;
+            int64_t vs;
+            if (vt) {
+                for (int64_t i = 0; i < ng; i++)
+                    if (live[i]) kv_row(vf + i * Dv, a->v, (base + c0 + i) * a->v_sn + kh * a->v_sh, vt, Dv);
+                v0 = vf, vs = Dv;
+            } else {
+                v0 = (const float *)a->v + kh * a->v_sh + (base + c0) * a->v_sn, vs = a->v_sn;
+            }
+            for (int64_t rr = 0; rr < Rh; rr++) {
+                const int64_t r = hh * Rh + rr;
+                v_accumulate(acc + r * Dv, sc + r * span + c0, ng, v0, vs, Dv);
+            }
         }
-        for (int64_t r = 0; r < R; r++) v_accumulate(acc + r * Dv, sc + r * span + c0, ng, v0, vs, Dv);
     }
-    /* normalize */
+}
+
+/* A running result of R rows (att_part_floats, first set by att_part_clear) and the next chunk's
+ * partial folded into it, row by row: both rescaled to the larger max (ggml's online softmax
+ * step, done once per chunk). Always applied to a row's chunks one after the other in order,
+ * whichever thread made each partial, so a row's result does not depend on the split. */
+LP_INLINE void att_part_clear(float *st, int64_t R, int64_t Dv) {
+    for (int64_t r = 0; r < R; r++) st[r] = -INFINITY, st[R + r] = 0.0f, st[2 * R + r] = 0.0f;
+    memset(st + 3 * R, 0, (size_t)(R * Dv) * sizeof(float));
+}
+
+static void att_fold(float *restrict st, const float *restrict pt, int64_t R, int64_t Dv) {
+    float *m = st, *l = st + R, *n = st + 2 * R, *acc = st + 3 * R;
+    const float *pm = pt, *pl = pt + R, *pn = pt + 2 * R, *pacc = pt + 3 * R;
     for (int64_t r = 0; r < R; r++) {
-        float *o = a->out + ((t0 + r / g) * H + kh * g + r % g) * Dv;
-        if (nan_seen[r] != 0.0f || m[r] == minf) { /* a nan score: nan, as numpy; nothing visible: zeros */
-            const float fill = nan_seen[r] != 0.0f ? NAN : 0.0f;
+        if (pn[r] != 0.0f) n[r] = 1.0f;
+        if (pm[r] == -INFINITY) continue; /* nothing in this chunk for the row */
+        float *restrict ar = acc + r * Dv;
+        const float *restrict pa = pacc + r * Dv;
+        if (m[r] == -INFINITY) { /* the row's first chunk: taken as it is */
+            m[r] = pm[r], l[r] = pl[r];
+            memcpy(ar, pa, (size_t)Dv * sizeof(float));
+            continue;
+        }
+        const float mx = pm[r] > m[r] ? pm[r] : m[r];
+        const float fa = m[r] == mx ? 1.0f : lp_expf(m[r] - mx), fb = pm[r] == mx ? 1.0f : lp_expf(pm[r] - mx);
+        l[r] = l[r] * fa + pl[r] * fb;
+        for (int64_t i = 0; i < Dv; i++) ar[i] = ar[i] * fa + pa[i] * fb;
+        m[r] = mx;
+    }
+}
+
+/* The widest cell range a unit's chunk pass scores (from its first cell's ATT_BLOCK), plus one
+ * block: the scratch's score rows, so they span a chunk (~ATT_CHUNK cells when a sequence's cells
+ * are contiguous), not N */
+static int64_t att_chunk_span(const att_chunks *ch, int64_t T, int64_t tb) {
+    int64_t span = 0;
+    for (int64_t t0 = 0; t0 < T; t0 += tb) {
+        const int64_t t1 = t0 + tb < T ? t0 + tb : T;
+        int64_t nc = 0;
+        for (int64_t t = t0; t < t1; t++) nc = ch->nch[t] > nc ? ch->nch[t] : nc;
+        for (int64_t j = 0; j < nc; j++) {
+            int64_t lo = INT64_MAX, hi = 0;
+            for (int64_t t = t0; t < t1; t++)
+                if (j < ch->nch[t]) {
+                    const int64_t *b = ch->bnd + t * ch->nb + j;
+                    lo = b[0] < lo ? b[0] : lo;
+                    hi = b[1] > hi ? b[1] : hi;
+                }
+            const int64_t w = hi > lo ? hi - lo / ATT_BLOCK * ATT_BLOCK : 0;
+            span = w > span ? w : span;
+        }
+    }
+    return (span + ATT_BLOCK - 1) / ATT_BLOCK * ATT_BLOCK + ATT_BLOCK;
+}
+
+/* Unit u of `hpu` heads per unit: the last query blocks first (most cells), heads innermost */
+LP_INLINE att_unit att_unit_at(const att_args *a, const att_chunks *ch, int64_t tb, int64_t n_tb, int64_t hpu,
+                               int64_t u) {
+    att_unit w;
+    const int64_t nhu = a->Hkv / hpu, b = n_tb - 1 - u / nhu;
+    w.kh0 = u % nhu * hpu, w.nh = hpu;
+    w.t0 = b * tb, w.t1 = w.t0 + tb < a->T ? w.t0 + tb : a->T, w.n_chunks = 0;
+    for (int64_t t = w.t0; t < w.t1; t++) w.n_chunks = ch->nch[t] > w.n_chunks ? ch->nch[t] : w.n_chunks;
+    return w;
+}
+
+/* The unit's running result normalized into out: acc / l; a nan score: nan, as numpy; nothing
+ * visible: zeros */
+static void att_store(const att_args *a, const att_unit *w, const float *st) {
+    const int64_t g = a->g, Rh = (w->t1 - w->t0) * g, R = w->nh * Rh, Dv = a->Dv, H = a->H;
+    const float *m = st, *l = st + R, *n = st + 2 * R, *acc = st + 3 * R;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t rr = r % Rh;
+        float *o = a->out + ((w->t0 + rr / g) * H + (w->kh0 + r / Rh) * g + rr % g) * Dv;
+        if (n[r] != 0.0f || m[r] == -INFINITY) {
+            const float fill = n[r] != 0.0f ? NAN : 0.0f;
             for (int64_t i = 0; i < Dv; i++) o[i] = fill;
             continue;
         }
@@ -544,67 +783,142 @@ static void attend_unit(const att_args *a, int64_t kh, int64_t t0, int64_t t1, i
     }
 }
 
-/* Unit u of attend(): the last query blocks first (most cells, for the dynamic schedule), KV
- * head innermost; the cells are the union of what its tokens see ([lo, hi) per token in range). */
-static void attend_unit_at(const att_args *a, const int64_t *range, int64_t tb, int64_t n_tb, int64_t u,
-                           float *buf) {
-    const int64_t b = n_tb - 1 - u / a->Hkv, kh = u % a->Hkv;
-    const int64_t t0 = b * tb, t1 = t0 + tb < a->T ? t0 + tb : a->T;
-    int64_t lo = a->N, hi = 0;
-    for (int64_t t = t0; t < t1; t++)
-        if (range[2 * t] < range[2 * t + 1]) {
-            lo = range[2 * t] < lo ? range[2 * t] : lo;
-            hi = range[2 * t + 1] > hi ? range[2 * t + 1] : hi;
-        }
-    if (lo >= hi) lo = hi = 0; /* nothing visible: zeros */
-    attend_unit(a, kh, t0, t1, lo, hi, buf);
+/* A whole unit on one thread: its chunks in order, each folded in as it is made */
+static void attend_unit(const att_args *a, const att_chunks *ch, const att_unit *w, int64_t R_max, float *buf) {
+    const int64_t R = w->nh * (w->t1 - w->t0) * a->g;
+    float *st = buf + att_core_floats(R_max, a->D, a->Dv, a->span), *pt = st + att_part_floats(R, a->Dv);
+    att_part_clear(st, R, a->Dv);
+    for (int64_t j = 0; j < w->n_chunks; j++) {
+        attend_chunk(a, ch, w, j, buf, pt);
+        att_fold(st, pt, R, a->Dv);
+    }
+    att_store(a, w, st);
 }
 
-/* Attention of T query tokens over N cells (ggml's flash_attn_ext): work units of (KV head, a
- * block of query tokens), shared out among up to n_threads OpenMP threads (dynamically, the
- * units with most cells first) once the work reaches ATT_PAR_WORK; each unit reads only the
- * cells its tokens see (the causal lower triangle, one sequence's cells). No state outside the
- * call: the thread count is an argument. */
+/* Attention of T query tokens over N cells (ggml's flash_attn_ext): work units of (KV heads, a
+ * block of query tokens), each row's cells cut into chunks of ATT_CHUNK visible cells. A prompt
+ * (many query blocks) has one KV head per unit, a few tokens every head in one unit. Up to
+ * n_threads OpenMP threads once the work reaches ATT_PAR_WORK: with many units each thread takes
+ * whole units (dynamically, most cells first); with few (decode) the (unit, chunk) pairs are
+ * shared out, their partial results kept, then folded in chunk order per unit (llama.cpp splits
+ * one query's cells among its threads too). The folds are the same either way, so the output
+ * does not depend on the thread count. Each unit reads only the cells its tokens see (the causal
+ * lower triangle, one sequence's cells). No state outside the call: the thread count is an
+ * argument. */
 static void attend(const att_args *a, int n_threads) {
-    const int64_t T = a->T, N = a->N;
-    if (T <= 0 || a->H <= 0 || a->Hkv <= 0 || a->Dv <= 0) return;
-    /* each token's visible range [lo, hi) (empty: 0, 0) */
-    int64_t *range = malloc((size_t)(2 * T) * sizeof(int64_t));
-    if (!range) return;
+    const int64_t T = a->T, N = a->N, Dv = a->Dv;
+    if (T <= 0 || a->H <= 0 || a->Hkv <= 0 || Dv <= 0) return;
+    /* each token's chunks: its visible cells, counted in cell order */
+    const int64_t nbd = (N + ATT_CHUNK - 1) / ATT_CHUNK + 1;
+    int64_t *bnd = malloc((size_t)(T * (nbd + 1)) * sizeof(int64_t));
+    if (!bnd) return;
+    int64_t *nch = bnd + T * nbd;
     for (int64_t t = 0; t < T; t++) {
         const float *mr = a->mask + t * a->mask_st;
-        int64_t lo = 0, hi = N;
-        while (lo < N && mr[lo] == -INFINITY) lo++;
-        while (hi > lo && mr[hi - 1] == -INFINITY) hi--;
-        range[2 * t] = lo < hi ? lo : 0, range[2 * t + 1] = lo < hi ? hi : 0;
+        int64_t *bt = bnd + t * nbd, seen = 0, last = 0;
+        for (int64_t c = 0; c < N; c++)
+            if (mr[c] != -INFINITY) {
+                if (seen % ATT_CHUNK == 0) bt[seen / ATT_CHUNK] = c;
+                seen++, last = c + 1;
+            }
+        nch[t] = (seen + ATT_CHUNK - 1) / ATT_CHUNK;
+        bt[nch[t]] = last;
     }
+    const att_chunks ch = {bnd, nch, nbd};
+    /* Q rounded for K's type once (not once per chunk): f16, or through Q8_0 (q_to_vec_dot) */
+    float *qround = a->kt ? malloc((size_t)(T * a->H * a->D) * sizeof(float)) : NULL;
+    att_args a_r = *a; /* (with Q rounded, the score span) */
+    if (qround) {
+        for (int64_t i = 0; i < T * a->H; i++) {
+            const float *qr = a->q + i * a->D;
+            float *dst = qround + i * a->D;
+            if (a->kt == LP_KV_F16)
+                for (int64_t e = 0; e < a->D; e++) dst[e] = round_f16(qr[e]);
+            else
+                round_q8_0_row(dst, qr, a->D);
+        }
+        a_r.q = qround, a_r.q_ready = 1;
+    }
+    a = &a_r;
     const int64_t g = a->g, tb = g >= ATT_ROWS ? 1 : (ATT_ROWS + g - 1) / g; /* tokens per unit */
-    const int64_t n_tb = (T + tb - 1) / tb, units = a->Hkv * n_tb;
-    const int64_t R = (tb < T ? tb : T) * g;
+    const int64_t n_tb = (T + tb - 1) / tb;
     int nt = 1;
 #ifdef _OPENMP
-    if (n_threads > 1 && units > 1 && !ops_fork_child && !omp_in_parallel() &&
-        T * N * a->H * (a->D + a->Dv) >= ATT_PAR_WORK)
-        nt = (int64_t)n_threads < units ? n_threads : (int)units;
+    if (n_threads > 1 && !ops_fork_child && !omp_in_parallel() && T * N * a->H * (a->D + Dv) >= ATT_PAR_WORK)
+        nt = n_threads;
 #else
     (void)n_threads;
 #endif
-    if (nt == 1) { /* no OpenMP region at all (a fork child cannot run one) */
-        float *buf = malloc(att_scratch_floats(R, a->D, a->Dv, a->N) * sizeof(float));
-        if (buf)
-            for (int64_t u = 0; u < units; u++) attend_unit_at(a, range, tb, n_tb, u, buf);
-        free(buf);
-    } else {
-#pragma omp parallel num_threads(nt)
-        {
-            float *buf = malloc(att_scratch_floats(R, a->D, a->Dv, a->N) * sizeof(float)); /* NULL: nothing written */
-#pragma omp for schedule(dynamic, 1)
+    const int few = n_tb < 4 * (int64_t)nt; /* few query blocks: every head in each unit */
+    const int64_t hpu = few ? a->Hkv : 1, units = a->Hkv / hpu * n_tb;
+    const int64_t R = (tb < T ? tb : T) * g * hpu;
+    a_r.span = att_chunk_span(&ch, T, tb);
+    const size_t scratch = att_scratch_floats(R, a->D, Dv, a->span);
+    /* few units: the (unit, chunk) pairs shared out, their partials kept, then folded per unit */
+    int64_t *first = NULL, *item_u = NULL, items = 0;
+    att_unit *us = NULL;
+    float *parts = NULL;
+    const size_t pf = att_part_floats(R, Dv);
+    if (nt > 1 && units < 4 * (int64_t)nt) {
+        first = malloc((size_t)units * sizeof(int64_t));
+        us = malloc((size_t)units * sizeof(att_unit));
+        for (int64_t u = 0; first && us && u < units; u++) {
+            us[u] = att_unit_at(a, &ch, tb, n_tb, hpu, u);
+            first[u] = items, items += us[u].n_chunks;
+        }
+        if (first && us && items > 1) {
+            parts = malloc((size_t)items * pf * sizeof(float));
+            item_u = malloc((size_t)items * sizeof(int64_t));
+        }
+        if (parts && item_u)
             for (int64_t u = 0; u < units; u++)
-                if (buf) attend_unit_at(a, range, tb, n_tb, u, buf);
+                for (int64_t j = 0; j < us[u].n_chunks; j++) item_u[first[u] + j] = u;
+    }
+    if (parts && item_u) {
+        const int nth = items < nt ? (int)items : nt;
+#pragma omp parallel num_threads(nth)
+        {
+            float *buf = malloc(scratch * sizeof(float)); /* NULL: nothing written */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < items; i++) {
+                const att_unit *w = &us[item_u[i]];
+                if (buf) attend_chunk(a, &ch, w, i - first[item_u[i]], buf, parts + i * pf);
+            }
+            /* (the implicit barrier: every partial is made) */
+#pragma omp for schedule(static, 1)
+            for (int64_t u = 0; u < units; u++) {
+                const att_unit *w = &us[u];
+                const int64_t Ru = w->nh * (w->t1 - w->t0) * g;
+                float *st = buf ? buf + att_core_floats(R, a->D, Dv, a->span) : NULL;
+                if (!st) continue;
+                att_part_clear(st, Ru, Dv);
+                for (int64_t j = 0; j < w->n_chunks; j++) att_fold(st, parts + (first[u] + j) * pf, Ru, Dv);
+                att_store(a, w, st);
+            }
             free(buf);
         }
+    } else if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+        {
+            float *buf = malloc(scratch * sizeof(float)); /* NULL: nothing written */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t u = 0; u < units; u++) {
+                const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, u);
+                if (buf) attend_unit(a, &ch, &w, R, buf);
+            }
+            free(buf);
+        }
+    } else { /* no OpenMP region at all (a fork child cannot run one) */
+        float *buf = malloc(scratch * sizeof(float));
+        for (int64_t u = 0; buf && u < units; u++) {
+            const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, u);
+            attend_unit(a, &ch, &w, R, buf);
+        }
+        free(buf);
     }
-    free(range);
+    free(item_u), free(parts), free(first), free(us);
+    free(qround);
+    free(bnd);
 }
 
 #define ATT_ARGS(kt_, vt_)                                                                                       \

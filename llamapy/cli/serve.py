@@ -8,6 +8,7 @@ gets the context it was promised). Binds 127.0.0.1 unless --host says otherwise.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import threading
@@ -134,6 +135,14 @@ def serve(
         raise LlamapyError(f"--queue {max_queue}: must be >= 0")
     key = _api_key(api_key, api_key_file)
     path = common.resolve_model(model, model_opt)
+    if "OMP_WAIT_POLICY" not in os.environ:
+        # The kernels' OpenMP threads wait for the next parallel region by spinning, then sleep.
+        # A server's steps are farther apart than a CLI run's (the event loop frames and sends
+        # every token in between), so with libgomp's default spin the threads fall asleep between
+        # steps and each step pays their wake-up: measured +2.4-2.8 ms a streamed token over the
+        # engine alone (bench/serve_load.py), +0.7-1.4 ms when they spin longer. llama-server
+        # polls too (--poll 50). Read by libgomp when the kernels load, after this point.
+        os.environ.setdefault("GOMP_SPINCOUNT", "1000000")
     common.use_ray(ray)  # joined before listening: a cluster that cannot be used is an error here
     sock = _bind(host, port)
     state = ServerState(model_name=alias or path.name, api_key=key, metrics=metrics)

@@ -220,6 +220,34 @@ def test_vec_dot_against_float64(lib: ctypes.CDLL, name: str, n_in: int) -> None
             assert abs(s.value - want) <= 2e-6 * mag + 1e-30, (name, r, t, s.value, want)
 
 
+def check_gemm(lib: ctypes.CDLL, name: str, sym: str, n_rows: int, n_in: int, n_cols: int,
+               ncs: tuple[int, ...], nrs: tuple[int, ...], seed: int, scale: float = 1.0,
+               act: np.ndarray | None = None) -> None:
+    """lp_gemm_<sym> called directly on random weights: for each column count nc and row count nr
+    every output s[c * ld_s + r] is the type's vec_dot bit for bit (ld_s > nr), and nothing else
+    is written. act: n_cols activation rows already in the vec_dot_type (else random ones through
+    lp_quantize_act)."""
+    gemm, dot = getattr(lib, "lp_gemm_" + sym), getattr(lib, "lp_vec_dot_" + sym.removesuffix("_r1"))
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    gemm.argtypes, gemm.restype = [ctypes.c_int, p, i64, p, i64, ctypes.c_int, p, i64, ctypes.c_int], None
+    rng = np.random.default_rng(seed)
+    w = random_raw(name, n_rows, n_in, rng)
+    xq = act if act is not None else \
+        quantize_act(lib, name, (rng.standard_normal((n_cols, n_in)) * scale).astype(np.float32))
+    want = np.zeros((n_cols, n_rows), np.float32)
+    s = ctypes.c_float()
+    for c in range(n_cols):
+        for r in range(n_rows):
+            dot(n_in, ctypes.byref(s), ptr(w[r]), ptr(xq[c]))
+            want[c, r] = s.value
+    for nc in ncs:
+        for nr in nrs:
+            y = np.full((n_cols, n_rows + 3), np.nan, np.float32)  # ld_s > nr
+            gemm(n_in, ptr(y), y.shape[1], ptr(w), w.shape[1], nr, ptr(xq), xq.shape[1], nc)
+            assert np.array_equal(y[:nc, :nr], want[:nc, :nr]), (sym, nc, nr)
+            assert np.isnan(y[nc:]).all() and np.isnan(y[:, nr:]).all()  # nothing else written
+
+
 @pytest.mark.parametrize("suffix", ["", "_r1"])
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_gemm_is_vec_dots(lib: ctypes.CDLL, name: str, suffix: str) -> None:
@@ -232,25 +260,7 @@ def test_gemm_is_vec_dots(lib: ctypes.CDLL, name: str, suffix: str) -> None:
     if not hasattr(lib, "lp_gemm_" + sym + suffix):
         assert "avx" not in os.path.basename(lib._name)  # the AVX2 and AVX-512 builds have them all
         pytest.skip(f"this library has no lp_gemm_{sym}{suffix}")
-    gemm, dot = getattr(lib, "lp_gemm_" + sym + suffix), getattr(lib, "lp_vec_dot_" + sym)
-    i64, p = ctypes.c_int64, ctypes.c_void_p
-    gemm.argtypes, gemm.restype = [ctypes.c_int, p, i64, p, i64, ctypes.c_int, p, i64, ctypes.c_int], None
-    rng = np.random.default_rng(11)
-    n_rows, n_in, n_cols = 7, 32 * 19, 4
-    w = random_raw(name, n_rows, n_in, rng)
-    xq = quantize_act(lib, name, rng.standard_normal((n_cols, n_in)).astype(np.float32))
-    want = np.zeros((n_cols, n_rows), np.float32)
-    s = ctypes.c_float()
-    for c in range(n_cols):
-        for r in range(n_rows):
-            dot(n_in, ctypes.byref(s), ptr(w[r]), ptr(xq[c]))
-            want[c, r] = s.value
-    for nc in range(1, n_cols + 1):
-        for nr in (1, 2, n_rows):
-            y = np.full((n_cols, n_rows + 2), np.nan, np.float32)  # ld_s > nr
-            gemm(n_in, ptr(y), y.shape[1], ptr(w), w.shape[1], nr, ptr(xq), xq.shape[1], nc)
-            assert np.array_equal(y[:nc, :nr], want[:nc, :nr]), (nc, nr)
-            assert np.isnan(y[nc:]).all() and np.isnan(y[:, nr:]).all()  # nothing else written
+    check_gemm(lib, name, sym + suffix, 7, 32 * 19, n_cols=4, ncs=(1, 2, 3, 4), nrs=(1, 2, 7), seed=11)
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
@@ -331,25 +341,7 @@ def test_k_gemm_is_vec_dots_at_any_column_count(lib: ctypes.CDLL, name: str) -> 
     if not hasattr(lib, "lp_gemm_" + sym):
         assert "avx" not in os.path.basename(lib._name)
         pytest.skip(f"this library has no lp_gemm_{sym}")
-    gemm, dot = getattr(lib, "lp_gemm_" + sym), getattr(lib, "lp_vec_dot_" + sym)
-    i64, p = ctypes.c_int64, ctypes.c_void_p
-    gemm.argtypes, gemm.restype = [ctypes.c_int, p, i64, p, i64, ctypes.c_int, p, i64, ctypes.c_int], None
-    rng = np.random.default_rng(23)
-    n_rows, n_in, n_cols = 70, 256 * 11, 25
-    w = random_raw(name, n_rows, n_in, rng)
-    xq = quantize_act(lib, name, (rng.standard_normal((n_cols, n_in)) * 3).astype(np.float32))
-    want = np.zeros((n_cols, n_rows), np.float32)
-    s = ctypes.c_float()
-    for c in range(n_cols):
-        for r in range(n_rows):
-            dot(n_in, ctypes.byref(s), ptr(w[r]), ptr(xq[c]))
-            want[c, r] = s.value
-    for nc in (1, 7, 8, 9, 16, 25):
-        for nr in (1, 16, n_rows):
-            y = np.full((n_cols, n_rows + 3), np.nan, np.float32)  # ld_s > nr
-            gemm(n_in, ptr(y), y.shape[1], ptr(w), w.shape[1], nr, ptr(xq), xq.shape[1], nc)
-            assert np.array_equal(y[:nc, :nr], want[:nc, :nr]), (nc, nr)
-            assert np.isnan(y[nc:]).all() and np.isnan(y[:, nr:]).all()  # nothing else written
+    check_gemm(lib, name, sym, 70, 256 * 11, n_cols=25, ncs=(1, 7, 8, 9, 16, 25), nrs=(1, 16, 70), seed=23, scale=3.0)
 
 
 def test_dispatch_table(lib: ctypes.CDLL) -> None:
@@ -393,40 +385,14 @@ def test_best_variant_chosen() -> None:
 GEMM_NAMES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q2_K": "q2_K_q8_K"}
 
 
-def gemm_vs_vec_dot(lib: ctypes.CDLL, name: str, n_in: int, act: np.ndarray | None = None) -> None:
-    """lp_gemm_<name> called directly, nc = 1..LP_GEMM_COLS columns, several rows and ld_s > rows:
-    every output bit for bit the type's vec_dot. act: 4 activation rows already in the
-    vec_dot_type (else random ones through lp_quantize_act)."""
-    gemm = getattr(lib, "lp_gemm_" + GEMM_NAMES[name])
-    gemm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    gemm.restype = None
-    dot = getattr(lib, "lp_vec_dot_" + GEMM_NAMES[name])
-    dot.argtypes, dot.restype = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p], None
-    rng = np.random.default_rng(n_in)
-    n_rows, ld_s = 5, 8
-    w = random_raw(name, n_rows, n_in, rng)
-    xq = act if act is not None else quantize_act(lib, name, rng.standard_normal((4, n_in)).astype(np.float32))
-    s = ctypes.c_float()
-    want = np.zeros((4, n_rows), np.float32)
-    for c in range(4):
-        for r in range(n_rows):
-            dot(n_in, ctypes.byref(s), ptr(w[r]), ptr(xq[c]))
-            want[c, r] = s.value
-    for nc in (1, 2, 3, 4):
-        out = np.full((nc, ld_s), np.nan, np.float32)
-        gemm(n_in, ptr(out), ld_s, ptr(w), w.shape[1], n_rows, ptr(xq), xq.shape[1], nc)
-        assert np.array_equal(out[:, :n_rows], want[:nc]), (name, nc)
-        assert np.isnan(out[:, n_rows:]).all()
-
-
 @pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q2_K"])
 def test_gemm_of_float_types_and_q2_k_is_vec_dots(lib: ctypes.CDLL, name: str) -> None:
     """The multi-column kernels of the float types (a row length that takes every SIMD step and
     a scalar tail: 871 = 13 x 64 + 2 x 16 + 7 = 6 x 128 + 3 x 32 + 7) and of Q2_K."""
     if name == "Q2_K" and lib.lp_vec_dot_type(GGML_ID[name]) < 0:
         pytest.skip("this library has no Q2_K kernel")
-    gemm_vs_vec_dot(lib, name, 256 * 3 if name == "Q2_K" else 871)
+    n_in = 256 * 3 if name == "Q2_K" else 871
+    check_gemm(lib, name, GEMM_NAMES[name], 5, n_in, n_cols=4, ncs=(1, 2, 3, 4), nrs=(5,), seed=n_in)
 
 
 def test_bf16_without_avx512_bf16(tmp_path: "os.PathLike[str]") -> None:
@@ -457,4 +423,4 @@ def test_bf16_without_avx512_bf16(tmp_path: "os.PathLike[str]") -> None:
             lib.lp_vec_dot_bf16(n_in, ctypes.byref(s), ptr(row), ptr(y[t]))
             want, mag = ref_dot("BF16", row, y[t], x[t])
             assert abs(s.value - want) <= 2e-6 * mag + 1e-30
-    gemm_vs_vec_dot(lib, "BF16", n_in, y)
+    check_gemm(lib, "BF16", "bf16", 5, n_in, n_cols=4, ncs=(1, 2, 3, 4), nrs=(5,), seed=n_in, act=y)

@@ -1303,4 +1303,135 @@ KQ_GEMM_ENTRY(lp_gemm_q5_K_q8_K, block_q5_K, kq_gemm_q5_K_row, KQ_COLS_K)
 KQ_GEMM_ENTRY(lp_gemm_q6_K_q8_K, block_q6_K, kq_gemm_q6_K_row, KQ_COLS_K)
 #endif
 
+#if defined(LP_KQ_AVX512)
+/* Decode, AVX-512 (lp_quants.h lp_gemv_fn): one activation row against a thread's whole range of
+ * weight rows, one row at a time so the weights stream from memory in order, software-prefetched
+ * KQ_GV_PF bytes ahead (the next rows' blocks: rows lie back to back). Per output these are the
+ * vec_dot's float32 operations on the vec_dot's values in its order, lane for lane (the same
+ * bits); what changes is around them: no call and no constants per row, and for Q4_K the
+ * activations are copied once a call into the order of the weights' nibbles, [sub-blocks 0 | 2],
+ * [1 | 3], [4 | 6], [5 | 7] (the low and high nibbles of qs[0..64) and qs[64..128) as they load),
+ * with their bsums summed per 32 and d, so a block needs no shuffle of its weights: the two
+ * integer sums A (low nibbles) and B (high) hold in lanes 0-7 | 8-15 sub-blocks 0+4 | 2+6 and
+ * 1+5 | 3+7, and [A.lo + A.hi | B.lo + B.hi] are the vec_dot's int32 lanes (exact, any order).
+ * ggml counterpart: the one-row ggml_vec_dot_q4_K_q8_K / q6_K called per row by ggml_compute_forward_mul_mat. */
+#define KQ_GV_MAX_NB 128 /* the prepared activation row (Q4_K: 276 bytes a block) stays on the stack */
+#define KQ_GV_PF 768     /* prefetch distance, bytes */
+
+KQ_INLINE void kq_gv_prefetch(const void *p) {
+    const char *c = (const char *)p + KQ_GV_PF;
+    _mm_prefetch(c, _MM_HINT_T0);
+    _mm_prefetch(c + 64, _MM_HINT_T0);
+    _mm_prefetch(c + 128, _MM_HINT_T0);
+}
+
+typedef struct {
+    __m512i q[4]; /* the quants of sub-blocks [0 | 2], [1 | 3], [4 | 6], [5 | 7] */
+    __m128i bs32; /* bsums summed per 32 elements (kq_mins_dot's) */
+    float d;
+} kq_gv_q4;
+
+KQ_INLINE void kq_gv_q4_K_prep(int nb, const block_q8_K *y, kq_gv_q4 *a) {
+    for (int i = 0; i < nb; ++i) {
+        const int8_t *q8 = y[i].qs;
+        for (int p = 0; p < 4; ++p) { /* p: 64 (p >> 1) + 32 (p & 1) elements in, then 64 more */
+            const int8_t *o = q8 + 128 * (p >> 1) + 32 * (p & 1);
+            a[i].q[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)o)),
+                                           _mm256_loadu_si256((const __m256i *)(o + 64)), 1);
+        }
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)y[i].bsums);
+        a[i].bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+        a[i].d = y[i].d;
+    }
+}
+
+/* int16 lane permutation: scale j for the first 16 lanes, k for the rest */
+#define KQ_GV_IDX(j, k) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(j)), _mm256_set1_epi16(k), 1)
+
+KQ_INLINE float kq_gv_q4_K_row(int nb, const block_q4_K *x, const kq_gv_q4 *a) {
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i i02 = KQ_GV_IDX(0, 2), i13 = KQ_GV_IDX(1, 3), i46 = KQ_GV_IDX(4, 6), i57 = KQ_GV_IDX(5, 7);
+    __m512 acc = _mm512_setzero_ps();
+    __m128 acc_m = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        kq_gv_prefetch(x + i);
+        const float d = a[i].d * kq_h2f(x[i].d);
+        const float dmin = a[i].d * kq_h2f(x[i].dmin);
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
+        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(_mm256_extracti128_si256(ms16, 1), a[i].bs32)),
+                             acc_m);
+        const __m512i sc = _mm512_castsi256_si512(ms16);
+        const __m512i b0 = _mm512_loadu_si512((const void *)x[i].qs);
+        const __m512i b1 = _mm512_loadu_si512((const void *)(x[i].qs + 64));
+        const __m512i l0 = _mm512_and_si512(b0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), m4);
+        const __m512i l1 = _mm512_and_si512(b1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), m4);
+        __m512i A = _mm512_madd_epi16(_mm512_maddubs_epi16(l0, a[i].q[0]), _mm512_permutexvar_epi16(i02, sc));
+        A = _mm512_dpwssd_epi32(A, _mm512_maddubs_epi16(l1, a[i].q[2]), _mm512_permutexvar_epi16(i46, sc));
+        __m512i B = _mm512_madd_epi16(_mm512_maddubs_epi16(h0, a[i].q[1]), _mm512_permutexvar_epi16(i13, sc));
+        B = _mm512_dpwssd_epi32(B, _mm512_maddubs_epi16(h1, a[i].q[3]), _mm512_permutexvar_epi16(i57, sc));
+        const __m512i sumi = _mm512_add_epi32(_mm512_shuffle_i64x2(A, B, 0x44), _mm512_shuffle_i64x2(A, B, 0xEE));
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    return _mm512_reduce_add_ps(acc) - kq_hsum_ps128(acc_m);
+}
+
+KQ_API void lp_gemv_q4_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
+                              const void *restrict x) {
+    const int nb = n / QK_K;
+    if (nb > KQ_GV_MAX_NB || nb == 0) {
+        for (int r = 0; r < nr; ++r) lp_vec_dot_q4_K_q8_K(n, s + r, (const uint8_t *)w + r * row_bytes, x);
+        return;
+    }
+    kq_gv_q4 a[nb];
+    kq_gv_q4_K_prep(nb, (const block_q8_K *)x, a);
+    for (int r = 0; r < nr; ++r) s[r] = kq_gv_q4_K_row(nb, (const block_q4_K *)((const uint8_t *)w + r * row_bytes), a);
+}
+
+/* Q6_K: the vec_dot's body as it is (its activation-side work is only loads), per row */
+KQ_INLINE float kq_gv_q6_K_row(int nb, const block_q6_K *x, const block_q8_K *y) {
+    const __m512i m15 = _mm512_set1_epi8(15);
+    const __m512i m48 = _mm512_set1_epi8(48);
+    const __m512i shl = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2);
+    const __m512i shr = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
+    const __m512i idx0 = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_setr_m128i(_mm_set1_epi16(0), _mm_set1_epi16(1))),
+        _mm256_setr_m128i(_mm_set1_epi16(2), _mm_set1_epi16(3)), 1);
+    const __m512i four = _mm512_set1_epi16(4);
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        kq_gv_prefetch(x + i);
+        const float d = y[i].d * kq_h2f(x[i].d);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
+        const __m512i sc = _mm512_castsi256_si512(sc16);
+        const int8_t *q8 = y[i].qs;
+        __m512i sumi = _mm512_setzero_si512();
+        __m512i idx = idx0;
+        for (int k = 0; k < 2; ++k) {
+            const __m512i ql = _mm512_loadu_si512((const void *)(x[i].ql + 64 * k));
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * k)));
+            const __m512i wa = _mm512_or_si512(_mm512_and_si512(ql, m15), _mm512_and_si512(_mm512_sllv_epi64(qh, shl), m48));
+            const __m512i wb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m15),
+                                               _mm512_and_si512(_mm512_srlv_epi64(qh, shr), m48));
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(wa, _mm512_loadu_si512((const void *)(q8 + 128 * k))),
+                                       _mm512_permutexvar_epi16(idx, sc));
+            idx = _mm512_add_epi16(idx, four);
+            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(wb, _mm512_loadu_si512((const void *)(q8 + 128 * k + 64))),
+                                       _mm512_permutexvar_epi16(idx, sc));
+            idx = _mm512_add_epi16(idx, four);
+        }
+        __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
+        s8 = _mm256_sub_epi32(s8, _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)y[i].bsums)), 5));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s8), acc);
+    }
+    return kq_hsum_ps256(acc);
+}
+
+KQ_API void lp_gemv_q6_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
+                              const void *restrict x) {
+    const int nb = n / QK_K;
+    for (int r = 0; r < nr; ++r)
+        s[r] = kq_gv_q6_K_row(nb, (const block_q6_K *)((const uint8_t *)w + r * row_bytes), (const block_q8_K *)x);
+}
+#endif /* LP_KQ_AVX512 */
+
 #endif /* __AVX2__ */

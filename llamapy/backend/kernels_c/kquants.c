@@ -1305,9 +1305,8 @@ KQ_GEMM_ENTRY(lp_gemm_q6_K_q8_K, block_q6_K, kq_gemm_q6_K_row, KQ_COLS_K)
 
 #if defined(LP_KQ_AVX512)
 /* Decode, AVX-512 (lp_quants.h lp_gemv_fn): one activation row against a thread's whole range of
- * weight rows, one row at a time so the weights stream from memory in order, software-prefetched
- * KQ_GV_PF bytes ahead (the next rows' blocks: rows lie back to back). Per output these are the
- * vec_dot's float32 operations on the vec_dot's values in its order, lane for lane (the same
+ * weight rows, one row at a time so the weights stream from memory in order. Per output these are
+ * the vec_dot's float32 operations on the vec_dot's values in its order, lane for lane (the same
  * bits); what changes is around them: no call and no constants per row, and for Q4_K the
  * activations are copied once a call into the order of the weights' nibbles, [sub-blocks 0 | 2],
  * [1 | 3], [4 | 6], [5 | 7] (the low and high nibbles of qs[0..64) and qs[64..128) as they load),
@@ -1316,15 +1315,6 @@ KQ_GEMM_ENTRY(lp_gemm_q6_K_q8_K, block_q6_K, kq_gemm_q6_K_row, KQ_COLS_K)
  * 1+5 | 3+7, and [A.lo + A.hi | B.lo + B.hi] are the vec_dot's int32 lanes (exact, any order).
  * ggml counterpart: the one-row ggml_vec_dot_q4_K_q8_K / q6_K called per row by ggml_compute_forward_mul_mat. */
 #define KQ_GV_MAX_NB 128 /* the prepared activation row (Q4_K: 276 bytes a block) stays on the stack */
-#define KQ_GV_PF 768     /* prefetch distance, bytes */
-
-KQ_INLINE void kq_gv_prefetch(const void *p) {
-    const char *c = (const char *)p + KQ_GV_PF;
-    _mm_prefetch(c, _MM_HINT_T0);
-    _mm_prefetch(c + 64, _MM_HINT_T0);
-    _mm_prefetch(c + 128, _MM_HINT_T0);
-}
-
 typedef struct {
     __m512i q[4]; /* the quants of sub-blocks [0 | 2], [1 | 3], [4 | 6], [5 | 7] */
     __m128i bs32; /* bsums summed per 32 elements (kq_mins_dot's) */
@@ -1348,16 +1338,27 @@ KQ_INLINE void kq_gv_q4_K_prep(int nb, const block_q8_K *y, kq_gv_q4 *a) {
 /* int16 lane permutation: scale j for the first 16 lanes, k for the rest */
 #define KQ_GV_IDX(j, k) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(j)), _mm256_set1_epi16(k), 1)
 
+/* kq_scale_min_k4_vec's four words from the block's first 16 bytes (d, dmin, the 12 scale bytes
+ * a, b, c as dwords 1-3) in vector registers: [a & 0x3f.., (c & 0x0f..) | ((a >> 6) & 3..) << 4,
+ * b & 0x3f.., ((c >> 4) & 0x0f..) | ((b >> 6) & 3..) << 4] */
+KQ_INLINE __m128i kq_gv_scale_min_k4(const block_q4_K *x) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)x);
+    const __m128i acbc = _mm_shuffle_epi32(v, _MM_SHUFFLE(3, 2, 3, 1)), aabb = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 1, 1));
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(acbc, _mm_setr_epi32(0, 0, 0, 4)),
+                                     _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi32(aabb, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm_or_si128(lo, hi);
+}
+
 KQ_INLINE float kq_gv_q4_K_row(int nb, const block_q4_K *x, const kq_gv_q4 *a) {
     const __m512i m4 = _mm512_set1_epi8(0xF);
     const __m512i i02 = KQ_GV_IDX(0, 2), i13 = KQ_GV_IDX(1, 3), i46 = KQ_GV_IDX(4, 6), i57 = KQ_GV_IDX(5, 7);
     __m512 acc = _mm512_setzero_ps();
     __m128 acc_m = _mm_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        kq_gv_prefetch(x + i);
         const float d = a[i].d * kq_h2f(x[i].d);
         const float dmin = a[i].d * kq_h2f(x[i].dmin);
-        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_gv_scale_min_k4(x + i));
         acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(_mm256_extracti128_si256(ms16, 1), a[i].bs32)),
                              acc_m);
         const __m512i sc = _mm512_castsi256_si512(ms16);
@@ -1399,7 +1400,6 @@ KQ_INLINE float kq_gv_q6_K_row(int nb, const block_q6_K *x, const block_q8_K *y)
     const __m512i four = _mm512_set1_epi16(4);
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        kq_gv_prefetch(x + i);
         const float d = y[i].d * kq_h2f(x[i].d);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
         const __m512i sc = _mm512_castsi256_si512(sc16);

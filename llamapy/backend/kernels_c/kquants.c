@@ -1335,9 +1335,6 @@ KQ_INLINE void kq_gv_q4_K_prep(int nb, const block_q8_K *y, kq_gv_q4 *a) {
     }
 }
 
-/* int16 lane permutation: scale j for the first 16 lanes, k for the rest */
-#define KQ_GV_IDX(j, k) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(j)), _mm256_set1_epi16(k), 1)
-
 /* kq_scale_min_k4_vec's four words from the block's first 16 bytes (d, dmin, the 12 scale bytes
  * a, b, c as dwords 1-3) in vector registers: [a & 0x3f.., (c & 0x0f..) | ((a >> 6) & 3..) << 4,
  * b & 0x3f.., ((c >> 4) & 0x0f..) | ((b >> 6) & 3..) << 4] */
@@ -1350,6 +1347,11 @@ KQ_INLINE __m128i kq_gv_scale_min_k4(const block_q4_K *x) {
     return _mm_or_si128(lo, hi);
 }
 
+/* int16 lane shuffle (within 128-bit lanes of 8 scales): scale j for the first 16 lanes, k for the rest */
+#define KQ_GV_IDX(j, k)                                                                                       \
+    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)((2 * (j) + 1) << 8 | 2 * (j)))),   \
+                       _mm256_set1_epi16((short)((2 * (k) + 1) << 8 | 2 * (k))), 1)
+
 KQ_INLINE float kq_gv_q4_K_row(int nb, const block_q4_K *x, const kq_gv_q4 *a) {
     const __m512i m4 = _mm512_set1_epi8(0xF);
     const __m512i i02 = KQ_GV_IDX(0, 2), i13 = KQ_GV_IDX(1, 3), i46 = KQ_GV_IDX(4, 6), i57 = KQ_GV_IDX(5, 7);
@@ -1358,18 +1360,18 @@ KQ_INLINE float kq_gv_q4_K_row(int nb, const block_q4_K *x, const kq_gv_q4 *a) {
     for (int i = 0; i < nb; ++i) {
         const float d = a[i].d * kq_h2f(x[i].d);
         const float dmin = a[i].d * kq_h2f(x[i].dmin);
-        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_gv_scale_min_k4(x + i));
-        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(_mm256_extracti128_si256(ms16, 1), a[i].bs32)),
-                             acc_m);
-        const __m512i sc = _mm512_castsi256_si512(ms16);
+        const __m128i sm8 = kq_gv_scale_min_k4(x + i); /* 8 scales, 8 mins */
+        const __m128i mins = _mm_unpackhi_epi8(sm8, _mm_setzero_si128());
+        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, a[i].bs32)), acc_m);
+        const __m512i sc = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm8)); /* the 8 int16 scales in each 128 bits */
         const __m512i b0 = _mm512_loadu_si512((const void *)x[i].qs);
         const __m512i b1 = _mm512_loadu_si512((const void *)(x[i].qs + 64));
         const __m512i l0 = _mm512_and_si512(b0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), m4);
         const __m512i l1 = _mm512_and_si512(b1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), m4);
-        __m512i A = _mm512_madd_epi16(_mm512_maddubs_epi16(l0, a[i].q[0]), _mm512_permutexvar_epi16(i02, sc));
-        A = _mm512_dpwssd_epi32(A, _mm512_maddubs_epi16(l1, a[i].q[2]), _mm512_permutexvar_epi16(i46, sc));
-        __m512i B = _mm512_madd_epi16(_mm512_maddubs_epi16(h0, a[i].q[1]), _mm512_permutexvar_epi16(i13, sc));
-        B = _mm512_dpwssd_epi32(B, _mm512_maddubs_epi16(h1, a[i].q[3]), _mm512_permutexvar_epi16(i57, sc));
+        __m512i A = _mm512_madd_epi16(_mm512_maddubs_epi16(l0, a[i].q[0]), _mm512_shuffle_epi8(sc, i02));
+        A = _mm512_dpwssd_epi32(A, _mm512_maddubs_epi16(l1, a[i].q[2]), _mm512_shuffle_epi8(sc, i46));
+        __m512i B = _mm512_madd_epi16(_mm512_maddubs_epi16(h0, a[i].q[1]), _mm512_shuffle_epi8(sc, i13));
+        B = _mm512_dpwssd_epi32(B, _mm512_maddubs_epi16(h1, a[i].q[3]), _mm512_shuffle_epi8(sc, i57));
         const __m512i sumi = _mm512_add_epi32(_mm512_shuffle_i64x2(A, B, 0x44), _mm512_shuffle_i64x2(A, B, 0xEE));
         acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc);
     }

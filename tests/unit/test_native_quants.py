@@ -260,17 +260,15 @@ def test_gemv_is_vec_dots(lib: ctypes.CDLL, name: str, n_blocks: int) -> None:
     """lp_gemv_<type> (the decode kernel over many rows, where the variant has one) called
     directly: every output its vec_dot's bit for bit, for row counts around the kernel's group
     of 4, rows longer than their data (row_bytes > the blocks), and nothing written past nr."""
-    k_type = name in K_TYPES
     sym = f"{name.lower()}_{VEC_DOT_TYPE[name].lower()}".replace("_k", "_K")  # q4_0_q8_0, q4_K_q8_K
     if not hasattr(lib, "lp_gemv_" + sym):
-        # the AVX2 and AVX-512 builds have them (the K types': the AVX-512 build)
-        assert "avx" not in os.path.basename(lib._name) or (k_type and "avx512" not in os.path.basename(lib._name))
+        assert "avx" not in os.path.basename(lib._name)  # the AVX2 and AVX-512 builds have them
         pytest.skip(f"this library has no lp_gemv_{sym}")
     gemv, dot = getattr(lib, "lp_gemv_" + sym), getattr(lib, "lp_vec_dot_" + sym)
     p = ctypes.c_void_p
     gemv.argtypes, gemv.restype = [ctypes.c_int, p, p, ctypes.c_int64, ctypes.c_int, p], None
     rng = np.random.default_rng(n_blocks)
-    n_rows, n_in = 11, (256 if k_type else 32) * n_blocks
+    n_rows, n_in = 11, (256 if name in K_TYPES else 32) * n_blocks
     raw = random_raw(name, n_rows, n_in, rng)
     w = np.zeros((n_rows, raw.shape[1] + 6), np.uint8)  # row_bytes > the row's blocks
     w[:, : raw.shape[1]] = raw

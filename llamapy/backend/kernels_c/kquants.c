@@ -455,10 +455,8 @@ KQ_API void lp_vec_dot_q3_K_q8_K(int n, float *restrict s, const void *restrict 
 /* ---------------------------------------------------------------------------------------------
  * Q4_K: 8 sub-blocks of 32, 4-bit quants, 6-bit scale and 6-bit min each
  */
-KQ_API void lp_vec_dot_q4_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
-    const block_q4_K *restrict x = (const block_q4_K *)vx;
-    const block_q8_K *restrict y = (const block_q8_K *)vy;
-    const int nb = n / QK_K;
+/* the vec_dot of nb blocks (inlined into lp_gemv_q4_K_q8_K's row loop too) */
+KQ_INLINE float kq_dot_q4_K(int nb, const block_q4_K *restrict x, const block_q8_K *restrict y) {
 #if defined(LP_KQ_AVX512)
     const __m512i m4 = _mm512_set1_epi8(0xF);
     /* int16 lane permutations picking scale k for the first 16 lanes and k+1 for the rest */
@@ -496,7 +494,7 @@ KQ_API void lp_vec_dot_q4_K_q8_K(int n, float *restrict s, const void *restrict 
                                    _mm512_permutexvar_epi16(idx67, sc));
         acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc);
     }
-    *s = _mm512_reduce_add_ps(acc) - kq_hsum_ps128(acc_m);
+    return _mm512_reduce_add_ps(acc) - kq_hsum_ps128(acc_m);
 #elif defined(__AVX2__)
     const __m256i m4 = _mm256_set1_epi8(0xF);
     __m256 acc = _mm256_setzero_ps();
@@ -524,7 +522,7 @@ KQ_API void lp_vec_dot_q4_K_q8_K(int n, float *restrict s, const void *restrict 
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
     }
-    *s = kq_hsum_ps256(acc) - kq_hsum_ps128(acc_m);
+    return kq_hsum_ps256(acc) - kq_hsum_ps128(acc_m);
 #else
     float sumf = 0.0f;
     for (int i = 0; i < nb; ++i) {
@@ -545,8 +543,12 @@ KQ_API void lp_vec_dot_q4_K_q8_K(int n, float *restrict s, const void *restrict 
         const float dmin = y[i].d * kq_h2f(x[i].dmin);
         sumf += d * (float)isum - dmin * (float)summs;
     }
-    *s = sumf;
+    return sumf;
 #endif
+}
+
+KQ_API void lp_vec_dot_q4_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
+    *s = kq_dot_q4_K(n / QK_K, (const block_q4_K *)vx, (const block_q8_K *)vy);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -672,10 +674,8 @@ KQ_API void lp_vec_dot_q5_K_q8_K(int n, float *restrict s, const void *restrict 
  * 32..63, ql[0..32) high = 64..95, ql[32..64) high = 96..127; qh bits 2s..2s+1 of qh[l] are the
  * high bits of element 32s + l.
  */
-KQ_API void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
-    const block_q6_K *restrict x = (const block_q6_K *)vx;
-    const block_q8_K *restrict y = (const block_q8_K *)vy;
-    const int nb = n / QK_K;
+/* the vec_dot of nb blocks (inlined into lp_gemv_q6_K_q8_K's row loop too) */
+KQ_INLINE float kq_dot_q6_K(int nb, const block_q6_K *restrict x, const block_q8_K *restrict y) {
 #if defined(LP_KQ_AVX512)
     const __m512i m15 = _mm512_set1_epi8(15);
     const __m512i m48 = _mm512_set1_epi8(48);
@@ -713,7 +713,7 @@ KQ_API void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict 
         s8 = _mm256_sub_epi32(s8, _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)y[i].bsums)), 5));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s8), acc);
     }
-    *s = kq_hsum_ps256(acc);
+    return kq_hsum_ps256(acc);
 #elif defined(__AVX2__)
     const __m256i m15 = _mm256_set1_epi8(15);
     const __m256i m48 = _mm256_set1_epi8(48);
@@ -748,7 +748,7 @@ KQ_API void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict 
         sumi = _mm256_sub_epi32(sumi, off);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
     }
-    *s = kq_hsum_ps256(acc);
+    return kq_hsum_ps256(acc);
 #else
     float sumf = 0.0f;
     for (int i = 0; i < nb; ++i) {
@@ -768,8 +768,12 @@ KQ_API void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict 
         for (int j = 0; j < 16; ++j) isum += x[i].scales[j] * kq_dot16(q + 16 * j, y[i].qs + 16 * j);
         sumf += y[i].d * kq_h2f(x[i].d) * (float)isum;
     }
-    *s = sumf;
+    return sumf;
 #endif
+}
+
+KQ_API void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
+    *s = kq_dot_q6_K(n / QK_K, (const block_q6_K *)vx, (const block_q8_K *)vy);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1304,16 +1308,18 @@ KQ_GEMM_ENTRY(lp_gemm_q6_K_q8_K, block_q6_K, kq_gemm_q6_K_row, KQ_COLS_K)
 #endif
 
 #if defined(LP_KQ_AVX512)
-/* Decode, AVX-512 (lp_quants.h lp_gemv_fn): one activation row against a thread's whole range of
- * weight rows, one row at a time so the weights stream from memory in order. Per output these are
- * the vec_dot's float32 operations on the vec_dot's values in its order, lane for lane (the same
- * bits); what changes is around them: no call and no constants per row, and for Q4_K the
- * activations are copied once a call into the order of the weights' nibbles, [sub-blocks 0 | 2],
- * [1 | 3], [4 | 6], [5 | 7] (the low and high nibbles of qs[0..64) and qs[64..128) as they load),
- * with their bsums summed per 32 and d, so a block needs no shuffle of its weights: the two
- * integer sums A (low nibbles) and B (high) hold in lanes 0-7 | 8-15 sub-blocks 0+4 | 2+6 and
- * 1+5 | 3+7, and [A.lo + A.hi | B.lo + B.hi] are the vec_dot's int32 lanes (exact, any order).
- * ggml counterpart: the one-row ggml_vec_dot_q4_K_q8_K / q6_K called per row by ggml_compute_forward_mul_mat. */
+/* Decode (lp_quants.h lp_gemv_fn): one activation row against a thread's whole range of weight
+ * rows, one row at a time so the weights stream from memory in order. Per output these are the
+ * vec_dot's float32 operations on the vec_dot's values in its order, lane for lane (the same
+ * bits); what changes is around them: no call and no constants per row, and for Q4_K on AVX-512
+ * the activations are copied once a call into the order of the weights' nibbles, [sub-blocks
+ * 0 | 2], [1 | 3], [4 | 6], [5 | 7] (the low and high nibbles of qs[0..64) and qs[64..128) as they
+ * load), with their bsums summed per 32 and d, so a block needs no shuffle of its weights: the
+ * two integer sums A (low nibbles) and B (high) hold in lanes 0-7 | 8-15 sub-blocks 0+4 | 2+6
+ * and 1+5 | 3+7, and [A.lo + A.hi | B.lo + B.hi] are the vec_dot's int32 lanes (exact, any
+ * order). Measured (noisy, one thread, 150 MB Q4_K matrices streamed from memory): ~+10-17 %
+ * over one vec_dot per row; Q6_K ~+2-3 %. Software prefetch 384-1536 bytes ahead: no gain.
+ * ggml counterpart: ggml_vec_dot_q4_K_q8_K / q6_K, called per row by ggml_compute_forward_mul_mat. */
 #define KQ_GV_MAX_NB 128 /* the prepared activation row (Q4_K: 276 bytes a block) stays on the stack */
 typedef struct {
     __m512i q[4]; /* the quants of sub-blocks [0 | 2], [1 | 3], [4 | 6], [5 | 7] */
@@ -1389,51 +1395,22 @@ KQ_API void lp_gemv_q4_K_q8_K(int n, float *restrict s, const void *restrict w, 
     kq_gv_q4_K_prep(nb, (const block_q8_K *)x, a);
     for (int r = 0; r < nr; ++r) s[r] = kq_gv_q4_K_row(nb, (const block_q4_K *)((const uint8_t *)w + r * row_bytes), a);
 }
-
-/* Q6_K: the vec_dot's body as it is (its activation-side work is only loads), per row */
-KQ_INLINE float kq_gv_q6_K_row(int nb, const block_q6_K *x, const block_q8_K *y) {
-    const __m512i m15 = _mm512_set1_epi8(15);
-    const __m512i m48 = _mm512_set1_epi8(48);
-    const __m512i shl = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2);
-    const __m512i shr = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
-    const __m512i idx0 = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_setr_m128i(_mm_set1_epi16(0), _mm_set1_epi16(1))),
-        _mm256_setr_m128i(_mm_set1_epi16(2), _mm_set1_epi16(3)), 1);
-    const __m512i four = _mm512_set1_epi16(4);
-    __m256 acc = _mm256_setzero_ps();
-    for (int i = 0; i < nb; ++i) {
-        const float d = y[i].d * kq_h2f(x[i].d);
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
-        const __m512i sc = _mm512_castsi256_si512(sc16);
-        const int8_t *q8 = y[i].qs;
-        __m512i sumi = _mm512_setzero_si512();
-        __m512i idx = idx0;
-        for (int k = 0; k < 2; ++k) {
-            const __m512i ql = _mm512_loadu_si512((const void *)(x[i].ql + 64 * k));
-            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * k)));
-            const __m512i wa = _mm512_or_si512(_mm512_and_si512(ql, m15), _mm512_and_si512(_mm512_sllv_epi64(qh, shl), m48));
-            const __m512i wb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m15),
-                                               _mm512_and_si512(_mm512_srlv_epi64(qh, shr), m48));
-            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(wa, _mm512_loadu_si512((const void *)(q8 + 128 * k))),
-                                       _mm512_permutexvar_epi16(idx, sc));
-            idx = _mm512_add_epi16(idx, four);
-            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(wb, _mm512_loadu_si512((const void *)(q8 + 128 * k + 64))),
-                                       _mm512_permutexvar_epi16(idx, sc));
-            idx = _mm512_add_epi16(idx, four);
-        }
-        __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
-        s8 = _mm256_sub_epi32(s8, _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)y[i].bsums)), 5));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s8), acc);
-    }
-    return kq_hsum_ps256(acc);
+#else
+/* AVX2: the vec_dot's body inlined into the row loop (its constants set up once a call) */
+KQ_API void lp_gemv_q4_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
+                              const void *restrict x) {
+    const int nb = n / QK_K;
+    for (int r = 0; r < nr; ++r)
+        s[r] = kq_dot_q4_K(nb, (const block_q4_K *)((const uint8_t *)w + r * row_bytes), (const block_q8_K *)x);
 }
+#endif /* LP_KQ_AVX512 */
 
+/* Q6_K (both builds): the vec_dot's body inlined into the row loop (its activation side is loads) */
 KQ_API void lp_gemv_q6_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
                               const void *restrict x) {
     const int nb = n / QK_K;
     for (int r = 0; r < nr; ++r)
-        s[r] = kq_gv_q6_K_row(nb, (const block_q6_K *)((const uint8_t *)w + r * row_bytes), (const block_q8_K *)x);
+        s[r] = kq_dot_q6_K(nb, (const block_q6_K *)((const uint8_t *)w + r * row_bytes), (const block_q8_K *)x);
 }
-#endif /* LP_KQ_AVX512 */
 
 #endif /* __AVX2__ */

@@ -263,13 +263,14 @@ def test_gemm_is_vec_dots(lib: ctypes.CDLL, name: str, suffix: str) -> None:
     check_gemm(lib, name, sym + suffix, 7, 32 * 19, n_cols=4, ncs=(1, 2, 3, 4), nrs=(1, 2, 7), seed=11)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
-@pytest.mark.parametrize("n_blocks", [1, 2, 19, 64, 1025])  # odd tail blocks; past the stack buffer (1024)
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"])
+# odd tail blocks; past the stack buffer (1024 blocks of 32; the K types: 128 of 256)
+@pytest.mark.parametrize("n_blocks", [1, 2, 19, 64, 1025])
 def test_gemv_is_vec_dots(lib: ctypes.CDLL, name: str, n_blocks: int) -> None:
     """lp_gemv_<type> (the decode kernel over many rows, where the variant has one) called
     directly: every output its vec_dot's bit for bit, for row counts around the kernel's group
     of 4, rows longer than their data (row_bytes > the blocks), and nothing written past nr."""
-    sym = f"{name.lower()}_{VEC_DOT_TYPE[name].lower()}"
+    sym = f"{name.lower()}_{VEC_DOT_TYPE[name].lower()}".replace("_k", "_K")  # q4_0_q8_0, q4_K_q8_K
     if not hasattr(lib, "lp_gemv_" + sym):
         assert "avx" not in os.path.basename(lib._name)  # the AVX2 and AVX-512 builds have them
         pytest.skip(f"this library has no lp_gemv_{sym}")
@@ -277,7 +278,7 @@ def test_gemv_is_vec_dots(lib: ctypes.CDLL, name: str, n_blocks: int) -> None:
     p = ctypes.c_void_p
     gemv.argtypes, gemv.restype = [ctypes.c_int, p, p, ctypes.c_int64, ctypes.c_int, p], None
     rng = np.random.default_rng(n_blocks)
-    n_rows, n_in = 11, 32 * n_blocks
+    n_rows, n_in = 11, (256 if name in K_TYPES else 32) * n_blocks
     raw = random_raw(name, n_rows, n_in, rng)
     w = np.zeros((n_rows, raw.shape[1] + 6), np.uint8)  # row_bytes > the row's blocks
     w[:, : raw.shape[1]] = raw

@@ -455,10 +455,8 @@ KQ_API void lp_vec_dot_q3_K_q8_K(int n, float *restrict s, const void *restrict 
 /* ---------------------------------------------------------------------------------------------
  * Q4_K: 8 sub-blocks of 32, 4-bit quants, 6-bit scale and 6-bit min each
  */
-KQ_API void lp_vec_dot_q4_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
-    const block_q4_K *restrict x = (const block_q4_K *)vx;
-    const block_q8_K *restrict y = (const block_q8_K *)vy;
-    const int nb = n / QK_K;
+/* the vec_dot of nb blocks (inlined into lp_gemv_q4_K_q8_K's row loop too) */
+KQ_INLINE float kq_dot_q4_K(int nb, const block_q4_K *restrict x, const block_q8_K *restrict y) {
 #if defined(LP_KQ_AVX512)
     const __m512i m4 = _mm512_set1_epi8(0xF);
     /* int16 lane permutations picking scale k for the first 16 lanes and k+1 for the rest */
@@ -496,7 +494,7 @@ KQ_API void lp_vec_dot_q4_K_q8_K(int n, float *restrict s, const void *restrict 
                                    _mm512_permutexvar_epi16(idx67, sc));
         acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc);
     }
-    *s = _mm512_reduce_add_ps(acc) - kq_hsum_ps128(acc_m);
+    return _mm512_reduce_add_ps(acc) - kq_hsum_ps128(acc_m);
 #elif defined(__AVX2__)
     const __m256i m4 = _mm256_set1_epi8(0xF);
     __m256 acc = _mm256_setzero_ps();
@@ -524,7 +522,7 @@ KQ_API void lp_vec_dot_q4_K_q8_K(int n, float *restrict s, const void *restrict 
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
     }
-    *s = kq_hsum_ps256(acc) - kq_hsum_ps128(acc_m);
+    return kq_hsum_ps256(acc) - kq_hsum_ps128(acc_m);
 #else
     float sumf = 0.0f;
     for (int i = 0; i < nb; ++i) {
@@ -545,8 +543,12 @@ KQ_API void lp_vec_dot_q4_K_q8_K(int n, float *restrict s, const void *restrict 
         const float dmin = y[i].d * kq_h2f(x[i].dmin);
         sumf += d * (float)isum - dmin * (float)summs;
     }
-    *s = sumf;
+    return sumf;
 #endif
+}
+
+KQ_API void lp_vec_dot_q4_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
+    *s = kq_dot_q4_K(n / QK_K, (const block_q4_K *)vx, (const block_q8_K *)vy);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -672,10 +674,8 @@ KQ_API void lp_vec_dot_q5_K_q8_K(int n, float *restrict s, const void *restrict 
  * 32..63, ql[0..32) high = 64..95, ql[32..64) high = 96..127; qh bits 2s..2s+1 of qh[l] are the
  * high bits of element 32s + l.
  */
-KQ_API void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
-    const block_q6_K *restrict x = (const block_q6_K *)vx;
-    const block_q8_K *restrict y = (const block_q8_K *)vy;
-    const int nb = n / QK_K;
+/* the vec_dot of nb blocks (inlined into lp_gemv_q6_K_q8_K's row loop too) */
+KQ_INLINE float kq_dot_q6_K(int nb, const block_q6_K *restrict x, const block_q8_K *restrict y) {
 #if defined(LP_KQ_AVX512)
     const __m512i m15 = _mm512_set1_epi8(15);
     const __m512i m48 = _mm512_set1_epi8(48);
@@ -713,7 +713,7 @@ KQ_API void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict 
         s8 = _mm256_sub_epi32(s8, _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)y[i].bsums)), 5));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s8), acc);
     }
-    *s = kq_hsum_ps256(acc);
+    return kq_hsum_ps256(acc);
 #elif defined(__AVX2__)
     const __m256i m15 = _mm256_set1_epi8(15);
     const __m256i m48 = _mm256_set1_epi8(48);
@@ -748,7 +748,7 @@ KQ_API void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict 
         sumi = _mm256_sub_epi32(sumi, off);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
     }
-    *s = kq_hsum_ps256(acc);
+    return kq_hsum_ps256(acc);
 #else
     float sumf = 0.0f;
     for (int i = 0; i < nb; ++i) {
@@ -768,8 +768,12 @@ KQ_API void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict 
         for (int j = 0; j < 16; ++j) isum += x[i].scales[j] * kq_dot16(q + 16 * j, y[i].qs + 16 * j);
         sumf += y[i].d * kq_h2f(x[i].d) * (float)isum;
     }
-    *s = sumf;
+    return sumf;
 #endif
+}
+
+KQ_API void lp_vec_dot_q6_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
+    *s = kq_dot_q6_K(n / QK_K, (const block_q6_K *)vx, (const block_q8_K *)vy);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1302,5 +1306,111 @@ KQ_GEMM_ENTRY(lp_gemm_q4_K_q8_K, block_q4_K, kq_gemm_q4_K_row, KQ_COLS_K)
 KQ_GEMM_ENTRY(lp_gemm_q5_K_q8_K, block_q5_K, kq_gemm_q5_K_row, KQ_COLS_K)
 KQ_GEMM_ENTRY(lp_gemm_q6_K_q8_K, block_q6_K, kq_gemm_q6_K_row, KQ_COLS_K)
 #endif
+
+#if defined(LP_KQ_AVX512)
+/* Decode (lp_quants.h lp_gemv_fn): one activation row against a thread's whole range of weight
+ * rows, one row at a time so the weights stream from memory in order. Per output these are the
+ * vec_dot's float32 operations on the vec_dot's values in its order, lane for lane (the same
+ * bits); what changes is around them: no call and no constants per row, and for Q4_K on AVX-512
+ * the activations are copied once a call into the order of the weights' nibbles, [sub-blocks
+ * 0 | 2], [1 | 3], [4 | 6], [5 | 7] (the low and high nibbles of qs[0..64) and qs[64..128) as they
+ * load), with their bsums summed per 32 and d, so a block needs no shuffle of its weights: the
+ * two integer sums A (low nibbles) and B (high) hold in lanes 0-7 | 8-15 sub-blocks 0+4 | 2+6
+ * and 1+5 | 3+7, and [A.lo + A.hi | B.lo + B.hi] are the vec_dot's int32 lanes (exact, any
+ * order). Measured (noisy, one thread, 150 MB Q4_K matrices streamed from memory): ~+10-17 %
+ * over one vec_dot per row; Q6_K ~+2-3 %. Software prefetch 384-1536 bytes ahead: no gain.
+ * ggml counterpart: ggml_vec_dot_q4_K_q8_K / q6_K, called per row by ggml_compute_forward_mul_mat. */
+#define KQ_GV_MAX_NB 128 /* the prepared activation row (Q4_K: 276 bytes a block) stays on the stack */
+typedef struct {
+    __m512i q[4]; /* the quants of sub-blocks [0 | 2], [1 | 3], [4 | 6], [5 | 7] */
+    __m128i bs32; /* bsums summed per 32 elements (kq_mins_dot's) */
+    float d;
+} kq_gv_q4;
+
+KQ_INLINE void kq_gv_q4_K_prep(int nb, const block_q8_K *y, kq_gv_q4 *a) {
+    for (int i = 0; i < nb; ++i) {
+        const int8_t *q8 = y[i].qs;
+        for (int p = 0; p < 4; ++p) { /* p: 64 (p >> 1) + 32 (p & 1) elements in, then 64 more */
+            const int8_t *o = q8 + 128 * (p >> 1) + 32 * (p & 1);
+            a[i].q[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)o)),
+                                           _mm256_loadu_si256((const __m256i *)(o + 64)), 1);
+        }
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)y[i].bsums);
+        a[i].bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+        a[i].d = y[i].d;
+    }
+}
+
+/* kq_scale_min_k4_vec's four words from the block's first 16 bytes (d, dmin, the 12 scale bytes
+ * a, b, c as dwords 1-3) in vector registers: [a & 0x3f.., (c & 0x0f..) | ((a >> 6) & 3..) << 4,
+ * b & 0x3f.., ((c >> 4) & 0x0f..) | ((b >> 6) & 3..) << 4] */
+KQ_INLINE __m128i kq_gv_scale_min_k4(const block_q4_K *x) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)x);
+    const __m128i acbc = _mm_shuffle_epi32(v, _MM_SHUFFLE(3, 2, 3, 1)), aabb = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 1, 1));
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(acbc, _mm_setr_epi32(0, 0, 0, 4)),
+                                     _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi32(aabb, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm_or_si128(lo, hi);
+}
+
+/* int16 lane shuffle (within 128-bit lanes of 8 scales): scale j for the first 16 lanes, k for the rest */
+#define KQ_GV_IDX(j, k)                                                                                       \
+    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)((2 * (j) + 1) << 8 | 2 * (j)))),   \
+                       _mm256_set1_epi16((short)((2 * (k) + 1) << 8 | 2 * (k))), 1)
+
+KQ_INLINE float kq_gv_q4_K_row(int nb, const block_q4_K *x, const kq_gv_q4 *a) {
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i i02 = KQ_GV_IDX(0, 2), i13 = KQ_GV_IDX(1, 3), i46 = KQ_GV_IDX(4, 6), i57 = KQ_GV_IDX(5, 7);
+    __m512 acc = _mm512_setzero_ps();
+    __m128 acc_m = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const float d = a[i].d * kq_h2f(x[i].d);
+        const float dmin = a[i].d * kq_h2f(x[i].dmin);
+        const __m128i sm8 = kq_gv_scale_min_k4(x + i); /* 8 scales, 8 mins */
+        const __m128i mins = _mm_unpackhi_epi8(sm8, _mm_setzero_si128());
+        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, a[i].bs32)), acc_m);
+        const __m512i sc = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm8)); /* the 8 int16 scales in each 128 bits */
+        const __m512i b0 = _mm512_loadu_si512((const void *)x[i].qs);
+        const __m512i b1 = _mm512_loadu_si512((const void *)(x[i].qs + 64));
+        const __m512i l0 = _mm512_and_si512(b0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), m4);
+        const __m512i l1 = _mm512_and_si512(b1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), m4);
+        __m512i A = _mm512_madd_epi16(_mm512_maddubs_epi16(l0, a[i].q[0]), _mm512_shuffle_epi8(sc, i02));
+        A = _mm512_dpwssd_epi32(A, _mm512_maddubs_epi16(l1, a[i].q[2]), _mm512_shuffle_epi8(sc, i46));
+        __m512i B = _mm512_madd_epi16(_mm512_maddubs_epi16(h0, a[i].q[1]), _mm512_shuffle_epi8(sc, i13));
+        B = _mm512_dpwssd_epi32(B, _mm512_maddubs_epi16(h1, a[i].q[3]), _mm512_shuffle_epi8(sc, i57));
+        const __m512i sumi = _mm512_add_epi32(_mm512_shuffle_i64x2(A, B, 0x44), _mm512_shuffle_i64x2(A, B, 0xEE));
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    return _mm512_reduce_add_ps(acc) - kq_hsum_ps128(acc_m);
+}
+
+KQ_API void lp_gemv_q4_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
+                              const void *restrict x) {
+    const int nb = n / QK_K;
+    if (nb > KQ_GV_MAX_NB || nb == 0) {
+        for (int r = 0; r < nr; ++r) lp_vec_dot_q4_K_q8_K(n, s + r, (const uint8_t *)w + r * row_bytes, x);
+        return;
+    }
+    kq_gv_q4 a[nb];
+    kq_gv_q4_K_prep(nb, (const block_q8_K *)x, a);
+    for (int r = 0; r < nr; ++r) s[r] = kq_gv_q4_K_row(nb, (const block_q4_K *)((const uint8_t *)w + r * row_bytes), a);
+}
+#else
+/* AVX2: the vec_dot's body inlined into the row loop (its constants set up once a call) */
+KQ_API void lp_gemv_q4_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
+                              const void *restrict x) {
+    const int nb = n / QK_K;
+    for (int r = 0; r < nr; ++r)
+        s[r] = kq_dot_q4_K(nb, (const block_q4_K *)((const uint8_t *)w + r * row_bytes), (const block_q8_K *)x);
+}
+#endif /* LP_KQ_AVX512 */
+
+/* Q6_K (both builds): the vec_dot's body inlined into the row loop (its activation side is loads) */
+KQ_API void lp_gemv_q6_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
+                              const void *restrict x) {
+    const int nb = n / QK_K;
+    for (int r = 0; r < nr; ++r)
+        s[r] = kq_dot_q6_K(nb, (const block_q6_K *)((const uint8_t *)w + r * row_bytes), (const block_q8_K *)x);
+}
 
 #endif /* __AVX2__ */

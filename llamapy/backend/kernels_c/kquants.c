@@ -1032,10 +1032,10 @@ KQ_INLINE void kq_gemm_q45_K_cols8(int i, const __m512i w[4], const __m512i scp[
 KQ_Q45_ROW8(q4_K)
 KQ_Q45_ROW8(q5_K)
 
-/* Q6_K, eight columns: as its vec_dot, with the quants' +32 offset (32 x scales . bsums)
- * subtracted inside the 512-bit integer sum (one madd of the bsums with -32 x scales into
- * lanes 0..7, exact) before its two halves are added */
-KQ_INLINE void kq_gemm_q6_K_row8(int kc, const block_q6_K *x, const kq_act8 *a, __m256 *st, int first) {
+/* one Q6_K block for the gemms: w[p] = the 6-bit quants of sub-blocks 2p (low 256 bits) and
+ * 2p + 1 (high), unsigned (+32 offset kept), and scq[p] = their int16 scales spread to match
+ * (sc: the 16 scales in int16 lanes 0..15) */
+KQ_INLINE void kq_decode_q6_K(const block_q6_K *x, __m512i sc, __m512i w[4], __m512i scq[4]) {
     const __m512i m15 = _mm512_set1_epi8(15);
     const __m512i m48 = _mm512_set1_epi8(48);
     const __m512i shl = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2);
@@ -1044,6 +1044,24 @@ KQ_INLINE void kq_gemm_q6_K_row8(int kc, const block_q6_K *x, const kq_act8 *a, 
         _mm512_castsi256_si512(_mm256_setr_m128i(_mm_set1_epi16(0), _mm_set1_epi16(1))),
         _mm256_setr_m128i(_mm_set1_epi16(2), _mm_set1_epi16(3)), 1);
     const __m512i four = _mm512_set1_epi16(4);
+    __m512i idx = idx0;
+    for (int k = 0; k < 2; ++k) {
+        const __m512i ql = _mm512_loadu_si512((const void *)(x->ql + 64 * k));
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->qh + 32 * k)));
+        w[2 * k] = _mm512_or_si512(_mm512_and_si512(ql, m15), _mm512_and_si512(_mm512_sllv_epi64(qh, shl), m48));
+        w[2 * k + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m15),
+                                       _mm512_and_si512(_mm512_srlv_epi64(qh, shr), m48));
+        scq[2 * k] = _mm512_permutexvar_epi16(idx, sc);
+        idx = _mm512_add_epi16(idx, four);
+        scq[2 * k + 1] = _mm512_permutexvar_epi16(idx, sc);
+        idx = _mm512_add_epi16(idx, four);
+    }
+}
+
+/* Q6_K, eight columns: as its vec_dot, with the quants' +32 offset (32 x scales . bsums)
+ * subtracted inside the 512-bit integer sum (one madd of the bsums with -32 x scales into
+ * lanes 0..7, exact) before its two halves are added */
+KQ_INLINE void kq_gemm_q6_K_row8(int kc, const block_q6_K *x, const kq_act8 *a, __m256 *st, int first) {
     __m256 acc[KQ_COLS8];
     for (int c = 0; c < KQ_COLS8; ++c) acc[c] = first ? _mm256_setzero_ps() : st[c];
     for (int i = 0; i < kc; ++i) {
@@ -1051,18 +1069,7 @@ KQ_INLINE void kq_gemm_q6_K_row8(int kc, const block_q6_K *x, const kq_act8 *a, 
         const __m512i sc = _mm512_castsi256_si512(sc16);
         const __m512i nsc32 = _mm512_zextsi256_si512(_mm256_mullo_epi16(sc16, _mm256_set1_epi16(-32)));
         __m512i w[4], scq[4];
-        __m512i idx = idx0;
-        for (int k = 0; k < 2; ++k) {
-            const __m512i ql = _mm512_loadu_si512((const void *)(x[i].ql + 64 * k));
-            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * k)));
-            w[2 * k] = _mm512_or_si512(_mm512_and_si512(ql, m15), _mm512_and_si512(_mm512_sllv_epi64(qh, shl), m48));
-            w[2 * k + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m15),
-                                           _mm512_and_si512(_mm512_srlv_epi64(qh, shr), m48));
-            scq[2 * k] = _mm512_permutexvar_epi16(idx, sc);
-            idx = _mm512_add_epi16(idx, four);
-            scq[2 * k + 1] = _mm512_permutexvar_epi16(idx, sc);
-            idx = _mm512_add_epi16(idx, four);
-        }
+        kq_decode_q6_K(&x[i], sc, w, scq);
         const __m256 d8 = _mm256_mul_ps(_mm256_load_ps(a->yd[i]), _mm256_set1_ps(kq_h2f(x[i].d)));
         for (int c = 0; c < KQ_COLS8; ++c) {
             const int8_t *q8 = a->qs[i][c];
@@ -1087,14 +1094,6 @@ KQ_INLINE void kq_q45_K_finish8(const kq_state8 *st, float *s, int64_t ld_s) {
 
 KQ_INLINE void kq_gemm_q6_K_row(int nb, float *s, int64_t ld_s, const block_q6_K *x, const uint8_t *y, int64_t y_bytes,
                                 const int nc) {
-    const __m512i m15 = _mm512_set1_epi8(15);
-    const __m512i m48 = _mm512_set1_epi8(48);
-    const __m512i shl = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2);
-    const __m512i shr = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
-    const __m512i idx0 = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_setr_m128i(_mm_set1_epi16(0), _mm_set1_epi16(1))),
-        _mm256_setr_m128i(_mm_set1_epi16(2), _mm_set1_epi16(3)), 1);
-    const __m512i four = _mm512_set1_epi16(4);
     __m256 acc[LP_GEMM_COLS];
     for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
     for (int i = 0; i < nb; ++i) {
@@ -1102,18 +1101,7 @@ KQ_INLINE void kq_gemm_q6_K_row(int nb, float *s, int64_t ld_s, const block_q6_K
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
         const __m512i sc = _mm512_castsi256_si512(sc16);
         __m512i w[4], scq[4];
-        __m512i idx = idx0;
-        for (int k = 0; k < 2; ++k) {
-            const __m512i ql = _mm512_loadu_si512((const void *)(x[i].ql + 64 * k));
-            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * k)));
-            w[2 * k] = _mm512_or_si512(_mm512_and_si512(ql, m15), _mm512_and_si512(_mm512_sllv_epi64(qh, shl), m48));
-            w[2 * k + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m15),
-                                           _mm512_and_si512(_mm512_srlv_epi64(qh, shr), m48));
-            scq[2 * k] = _mm512_permutexvar_epi16(idx, sc);
-            idx = _mm512_add_epi16(idx, four);
-            scq[2 * k + 1] = _mm512_permutexvar_epi16(idx, sc);
-            idx = _mm512_add_epi16(idx, four);
-        }
+        kq_decode_q6_K(&x[i], sc, w, scq);
         for (int c = 0; c < nc; ++c) {
             const block_q8_K *yc = KQ_COL(y, y_bytes, c, i);
             __m512i sumi = _mm512_setzero_si512();

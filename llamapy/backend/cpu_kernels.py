@@ -7,8 +7,9 @@ op removes it. The numpy kernels in kernels.py stay the reference these are test
 the fallback without compiled kernels (LLAMAPY_KERNELS=numpy).
 
 Attention runs in C for any number of query tokens, threaded over (KV head, block of queries)
-units, or over chunks of a query's cells when the units are few (decode); each query's output does not depend on the rest of the batch, on the cells attended
-beyond what it sees, or on the thread count (ops.c). The thread count is an argument: the table
+units, or over chunks of a query's cells when the units are few (decode); each query's output
+does not depend on the rest of the batch, on the cells attended beyond what it sees, or on the
+thread count (ops.c). The thread count is an argument: the table
 entry runs on one thread, the CPU backend passes its own -t (`c_flash_attn_ext(..., n_threads)`).
 """
 

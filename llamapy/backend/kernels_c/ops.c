@@ -212,7 +212,7 @@ static void quantize_row_q4_0(const float *restrict x, uint8_t *restrict y, int6
  * ggml's reference quantizers, bit for bit). Shared with executor.c (not exported). */
 void lp_kv_quantize_row(void *dst, const float *x, int64_t n, int t) {
     if (t == LP_KV_Q8_0)
-        lp_quantize_row_q8_0(x, dst, n);
+        lp_quantize_row_q8_0_ref(x, dst, n);
     else
         quantize_row_q4_0(x, dst, n);
 }

@@ -586,15 +586,26 @@ LP_INLINE void gk_decode(const int kind, const uint8_t *b, __m256i *qx, __m256i 
     if (GK_SIGNED(kind)) *qx = _mm256_sign_epi8(*sx, *sx);
 }
 
-/* block i of NR weight rows against NC activation rows */
+/* the mins terms of block i for NR rows and the 4 columns in one vector each: m * s then +, in
+ * block order, as the vec_dot's summs */
+LP_INLINE void gk_mins(const int kind, const int NR, int i, __m128 summ[], const uint8_t *w, int64_t row_bytes,
+                       const float *ys) {
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        lp_half h;
+        memcpy(&h, w + r * row_bytes + (int64_t)i * GK_WBYTES(kind) + 2, 2);
+        summ[r] = _mm_add_ps(summ[r], _mm_mul_ps(_mm_set1_ps(H2F(h)), _mm_loadu_ps(ys + i * LP_GEMM_COLS)));
+    }
+}
+
+/* block i of NR weight rows against NC activation rows (x: the first one; yd: its scale at
+ * yd[i * LP_GEMM_COLS]) */
 LP_INLINE void gk_step(const int kind, const int NR, const int NC, int i, __m256 acc[][LP_GEMM_COLS],
-                       __m128 summ[], const uint8_t *w, int64_t row_bytes, const uint8_t *x,
-                       int64_t x_bytes, const float *yd, const float *ys) {
+                       const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t x_bytes, const float *yd) {
     const int wb = GK_WBYTES(kind), yb = GK_MINS(kind) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0);
     const int yq = GK_MINS(kind) ? 4 : 2; /* offset of the activation quants in their block */
     __m256i qx[GEMM_NR], sx[GEMM_NR];
     __m256 dx[GEMM_NR];
-    __m128 mx[GEMM_NR];
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) {
         const uint8_t *b = w + r * row_bytes + (int64_t)i * wb;
@@ -602,12 +613,6 @@ LP_INLINE void gk_step(const int kind, const int NR, const int NC, int i, __m256
         lp_half h;
         memcpy(&h, b, 2);
         dx[r] = _mm256_set1_ps(H2F(h));
-        if (GK_MINS(kind)) {
-            memcpy(&h, b + 2, 2);
-            mx[r] = _mm_set1_ps(H2F(h));
-            /* the mins terms of the 4 columns in one vector: m * s then +, as the vec_dot */
-            summ[r] = _mm_add_ps(summ[r], _mm_mul_ps(mx[r], _mm_loadu_ps(ys + i * LP_GEMM_COLS)));
-        }
     }
 #pragma GCC unroll 4
     for (int c = 0; c < NC; c++) {
@@ -623,15 +628,15 @@ LP_INLINE void gk_step(const int kind, const int NR, const int NC, int i, __m256
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
 #define GK_ZMM 1
-/* blocks i and i + 1 in one 512-bit vector (half the instructions of two gk_steps): the low half
- * is block i's 8 int32 lanes, the high half block i + 1's, the same lanes as the vec_dot's (dpbusd
- * has no intermediate saturation, so dot_s8s8's sign trick may negate the activations where the
- * weight is negative with a mask instead: where it is 0 the product is 0 either way), converted
- * and scaled in one 512-bit step; the two halves then go into the one accumulator in block
- * order, two 256-bit fmadds as the vec_dot's */
-LP_INLINE void gk_step_pair(const int kind, const int NR, const int NC, int i, __m256 acc[][LP_GEMM_COLS],
-                            __m128 summ[], const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t x_bytes,
-                            const float *yd, const float *ys) {
+/* block i of NR weight rows against NCP column pairs, a pair in one 512-bit vector: the low half
+ * is column 2k's 8 int32 lanes and float accumulator, the high half column 2k + 1's, so one
+ * 512-bit dpbusd / convert / scale / fmadd does one block of two outputs, each half in its
+ * output's one accumulator in block order (as the vec_dot). The weight block is decoded once
+ * into both halves; dpbusd has no intermediate saturation, so dot_s8s8's sign trick may negate
+ * the activations where the weight is negative with a mask instead (where it is 0 the product is
+ * 0 either way). */
+LP_INLINE void gk_step_z(const int kind, const int NR, const int NCP, int i, __m512 acc[][LP_GEMM_COLS / 2],
+                         const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t x_bytes, const float *yd) {
     const int wb = GK_WBYTES(kind), yb = GK_MINS(kind) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0);
     const int yq = GK_MINS(kind) ? 4 : 2;
     __m512i qx[GEMM_NR];
@@ -639,37 +644,30 @@ LP_INLINE void gk_step_pair(const int kind, const int NR, const int NC, int i, _
     __m512 dx[GEMM_NR];
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) {
-        const uint8_t *b0 = w + r * row_bytes + (int64_t)i * wb, *b1 = b0 + wb;
-        __m256i q0, s0, q1, s1;
-        gk_decode(kind, b0, &q0, &s0);
-        gk_decode(kind, b1, &q1, &s1);
-        qx[r] = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
-        if (GK_SIGNED(kind)) neg[r] = _mm512_movepi8_mask(_mm512_inserti64x4(_mm512_castsi256_si512(s0), s1, 1));
-        lp_half h0, h1;
-        memcpy(&h0, b0, 2);
-        memcpy(&h1, b1, 2);
-        dx[r] = _mm512_insertf32x8(_mm512_set1_ps(H2F(h0)), _mm256_set1_ps(H2F(h1)), 1);
-        if (GK_MINS(kind)) { /* block i's m * s, then block i + 1's, as the vec_dot */
-            memcpy(&h0, b0 + 2, 2);
-            memcpy(&h1, b1 + 2, 2);
-            summ[r] = _mm_add_ps(summ[r], _mm_mul_ps(_mm_set1_ps(H2F(h0)), _mm_loadu_ps(ys + i * LP_GEMM_COLS)));
-            summ[r] = _mm_add_ps(summ[r], _mm_mul_ps(_mm_set1_ps(H2F(h1)), _mm_loadu_ps(ys + (i + 1) * LP_GEMM_COLS)));
-        }
+        const uint8_t *b = w + r * row_bytes + (int64_t)i * wb;
+        __m256i q, sq;
+        gk_decode(kind, b, &q, &sq);
+        qx[r] = _mm512_broadcast_i64x4(q);
+        if (GK_SIGNED(kind)) neg[r] = _mm512_movepi8_mask(_mm512_broadcast_i64x4(sq));
+        lp_half h;
+        memcpy(&h, b, 2);
+        dx[r] = _mm512_set1_ps(H2F(h));
     }
-#pragma GCC unroll 4
-    for (int c = 0; c < NC; c++) {
-        const uint8_t *yc = x + c * x_bytes + (int64_t)i * yb + yq;
+    const __m128 dys = _mm_loadu_ps(yd + i * LP_GEMM_COLS); /* the 4 columns' scales */
+#pragma GCC unroll 2
+    for (int k = 0; k < NCP; k++) {
+        const uint8_t *yc = x + 2 * k * x_bytes + (int64_t)i * yb + yq;
         const __m512i qy = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)yc)),
-                                              _mm256_loadu_si256((const __m256i *)(yc + yb)), 1);
-        const __m512 dy = _mm512_insertf32x8(_mm512_set1_ps(yd[i * LP_GEMM_COLS + c]),
-                                             _mm256_set1_ps(yd[(i + 1) * LP_GEMM_COLS + c]), 1);
+                                              _mm256_loadu_si256((const __m256i *)(yc + x_bytes)), 1);
+        const __m512 dy = _mm512_permutexvar_ps(
+            _mm512_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1, 2 * k + 1,
+                              2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1),
+            _mm512_castps128_ps512(dys));
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) {
             const __m512i q = GK_SIGNED(kind) ? _mm512_mask_sub_epi8(qy, neg[r], _mm512_setzero_si512(), qy) : qy;
             const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx[r], q);
-            const __m512 pf = _mm512_cvtepi32_ps(p), d = _mm512_mul_ps(dx[r], dy);
-            acc[r][c] = _mm256_fmadd_ps(_mm512_castps512_ps256(pf), _mm512_castps512_ps256(d), acc[r][c]);
-            acc[r][c] = _mm256_fmadd_ps(_mm512_extractf32x8_ps(pf, 1), _mm512_extractf32x8_ps(d, 1), acc[r][c]);
+            acc[r][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dx[r], dy), acc[r][k]);
         }
     }
 }
@@ -687,15 +685,17 @@ LP_INLINE void gk_step_pair(const int kind, const int NR, const int NC, int i, _
  * one row is as fast in cache: the loop carries only the fmadd into acc. The mins term of
  * Q4_1 / Q5_1 (m * s, added in block order into a float32) stays the vec_dot's scalar chain.
  *
- * AVX-512 (gv_row): two blocks a 512-bit step. The bytes of a block pair sit in the vector as
- * [block i quants 0-31, block i+1 quants 0-31] (each block's low nibbles then its high ones, as
- * the vec_dot's nibbles32), so int32 lanes 0-7 of the dpbusd hold the exact sums of the vec_dot's
- * lanes 0-7 of block i and lanes 8-15 those of block i+1; converted and scaled (dx * dy rounded
- * as the vec_dot's) 512 bits at once, then fmadd-ed into the row's one 256-bit accumulator in
- * block order, and summed as the vec_dot does (hsum8). AVX2 (the other gv_row): a block pair as
- * two 256-bit vectors (below), the quants through maddubs (pairs at most 2 x 31 x 127: no
- * saturation) and madd. */
-#define GV_MAX_NB 1024 /* the prepared activation row (128 bytes a block on AVX-512) stays on the stack */
+ * AVX-512 (gv_row2): two ROWS a 512-bit step, block by block: the vector holds row r's block i
+ * quants (low nibbles, then high ones, as the vec_dot's nibbles32) in its low half and row r+1's
+ * in its high half, against the activation block in both halves, so int32 lanes 0-7 are row r's
+ * vec_dot lanes and 8-15 row r+1's; scaled (dx * dy rounded as the vec_dot's) and fmadd-ed into a
+ * 512-bit accumulator whose halves are the two rows' one accumulators, in block order, then
+ * summed as the vec_dot does (hsum8). (Two blocks of one row in a vector would need two
+ * dependent fmadds a step: the one-accumulator order makes one row a latency chain.) An odd last
+ * row takes gv_row1, the same in 256 bits. AVX2 (the other gv_row): a block pair as two 256-bit
+ * vectors (below), the quants through maddubs (pairs at most 2 x 31 x 127: no saturation) and
+ * madd. */
+#define GV_MAX_NB 1024 /* the prepared activation row (~128 bytes a block) stays on the stack */
 
 /* offsets in a weight block of the nibbles, of qh (Q5_x), and the bytes of an activation block */
 #define GV_QS(k) ((k) == GK_Q4_0 ? 2 : (k) == GK_Q4_1 ? 4 : (k) == GK_Q5_0 ? 6 : 8)
@@ -705,7 +705,7 @@ LP_INLINE void gk_step_pair(const int kind, const int NR, const int NC, int i, _
 #define GV_YQ(k) (GK_MINS(k) ? 4 : 2)
 
 /* the f16 values at p and p + stride, converted together: a, -, b, - as float32 */
-LP_INLINE __m128 gv_pair(const uint8_t *p, int stride) {
+LP_INLINE __m128 gv_pair(const uint8_t *p, int64_t stride) {
     int32_t a, b;
     memcpy(&a, p, 4); /* the value is the low half (little endian); the high one is not used */
     memcpy(&b, p + stride, 4);
@@ -737,10 +737,10 @@ LP_INLINE float gv_mins(float summ, __m128 ms) {
 }
 
 #if defined(GK_ZMM)
-/* the 64 quants of blocks b0, b0 + wb as unsigned bytes (0..15 / 0..31): block b0's 32 (low
- * nibbles, then high ones), then block b0 + wb's */
-LP_INLINE __m512i gv_quants(const int kind, const uint8_t *b0, int wb) {
-    const uint8_t *b1 = b0 + wb;
+/* the quants of blocks b0 and b0 + stride (the same block of two rows) as unsigned bytes (0..15 /
+ * 0..31): b0's 32 (low nibbles, then high ones) in the low half, the other's in the high half */
+LP_INLINE __m512i gv_quants(const int kind, const uint8_t *b0, int64_t stride) {
+    const uint8_t *b1 = b0 + stride;
     const __m256i t = _mm256_inserti128_si256(
         _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + GV_QS(kind)))),
         _mm_loadu_si128((const __m128i *)(b1 + GV_QS(kind))), 1);
@@ -762,49 +762,80 @@ LP_INLINE __m512 gv_spread(__m128 f) {
                                  _mm512_castps128_ps512(f));
 }
 
-/* prep, per block pair j: [4j] the activation quants of both blocks, [4j+1] the offset sums
- * (signed kinds), [4j+2] the activation scales spread as gv_spread, [4j+3] (mins kinds) the
- * activation sums s of both blocks as gv_pair gives them */
-#define GV_PREP 4
+/* prep, per block i: [2i] the activation quants in both halves, [2i+1] (signed kinds) the offset
+ * sums in both halves; yd[i], ys[i]: the activation scale and sum s as float32 */
+#define GV_PREP 2
 typedef __m512i gv_vec;
 
-LP_INLINE float gv_row(const int kind, int nb, const uint8_t *w, const uint8_t *x, const gv_vec *prep) {
-    const int wb = GK_WBYTES(kind), np = nb / 2;
+LP_INLINE void gv_row2(const int kind, int nb, const uint8_t *w, int64_t row_bytes, const gv_vec *prep,
+                       const float *yd, const float *ys, float *s) {
+    const int wb = GK_WBYTES(kind);
+    __m512 acc = _mm512_setzero_ps();
+    __m128 summ = _mm_setzero_ps(); /* lanes 0 and 2: the two rows' sums of m * s */
+    for (int i = 0; i < nb; i++) {
+        const gv_vec *pi = prep + GV_PREP * i;
+        const uint8_t *b = w + (int64_t)i * wb;
+        const __m512i off = GK_SIGNED(kind) ? _mm512_load_si512(pi + 1) : _mm512_setzero_si512();
+        const __m512i p = _mm512_dpbusd_epi32(off, gv_quants(kind, b, row_bytes), _mm512_load_si512(pi));
+        const __m512 d = _mm512_mul_ps(gv_spread(gv_pair(b, row_bytes)), _mm512_set1_ps(yd[i]));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), d, acc);
+        if (GK_MINS(kind)) summ = _mm_add_ps(summ, _mm_mul_ps(gv_pair(b + 2, row_bytes), _mm_set1_ps(ys[i])));
+    }
+    float sm[4];
+    _mm_storeu_ps(sm, summ);
+    const float v0 = hsum8(_mm512_castps512_ps256(acc)), v1 = hsum8(_mm512_extractf32x8_ps(acc, 1));
+    s[0] = GK_MINS(kind) ? v0 + sm[0] : v0;
+    s[1] = GK_MINS(kind) ? v1 + sm[2] : v1;
+}
+
+LP_INLINE float gv_row1(const int kind, int nb, const uint8_t *w, const gv_vec *prep, const float *yd,
+                        const float *ys) {
+    const int wb = GK_WBYTES(kind);
     __m256 acc = _mm256_setzero_ps();
     float summ = 0.0f;
-    for (int j = 0; j < np; j++) {
-        const gv_vec *pj = prep + GV_PREP * j;
-        const uint8_t *b = w + (int64_t)(2 * j) * wb;
-        const __m512i off = GK_SIGNED(kind) ? _mm512_load_si512(pj + 1) : _mm512_setzero_si512();
-        const __m512i p = _mm512_dpbusd_epi32(off, gv_quants(kind, b, wb), _mm512_load_si512(pj));
-        const __m512 dy = _mm512_castsi512_ps(_mm512_load_si512(pj + 2));
-        const __m512 pf = _mm512_cvtepi32_ps(p), d = _mm512_mul_ps(gv_spread(gv_pair(b, wb)), dy);
-        acc = _mm256_fmadd_ps(_mm512_castps512_ps256(pf), _mm512_castps512_ps256(d), acc);
-        acc = _mm256_fmadd_ps(_mm512_extractf32x8_ps(pf, 1), _mm512_extractf32x8_ps(d, 1), acc);
-        if (GK_MINS(kind))
-            summ = gv_mins(summ, _mm_mul_ps(gv_pair(b + 2, wb),
-                                            _mm512_castps512_ps128(_mm512_castsi512_ps(_mm512_load_si512(pj + 3)))));
+    for (int i = 0; i < nb; i++) {
+        const gv_vec *pi = prep + GV_PREP * i;
+        const uint8_t *b = w + (int64_t)i * wb;
+        __m256i q = nibbles32(b + GV_QS(kind));
+        if (GV_HIGH(kind)) q = _mm256_or_si256(q, hbits32(b + GV_QH(kind)));
+        const __m256i off = GK_SIGNED(kind) ? _mm512_castsi512_si256(_mm512_load_si512(pi + 1)) : _mm256_setzero_si256();
+        const __m256i p = _mm256_dpbusd_epi32(off, q, _mm512_castsi512_si256(_mm512_load_si512(pi)));
+        lp_half h;
+        memcpy(&h, b, 2);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(H2F(h) * yd[i]), acc);
+        if (GK_MINS(kind)) {
+            memcpy(&h, b + 2, 2);
+            summ += H2F(h) * ys[i];
+        }
     }
-    if (nb & 1) gv_tail(kind, nb - 1, w, x, &acc, &summ);
     const float v = hsum8(acc);
     return GK_MINS(kind) ? v + summ : v;
 }
 
-LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
+LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64_t row_bytes, int nr,
+                       const uint8_t *x) {
     const int yb = GV_YB(kind), yq = GV_YQ(kind);
-    for (int j = 0; j < np; j++) {
-        const uint8_t *y0 = x + (int64_t)(2 * j) * yb;
-        const __m512i qy = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(y0 + yq))),
-                                              _mm256_loadu_si256((const __m256i *)(y0 + yb + yq)), 1);
-        gv_vec *pj = prep + GV_PREP * j;
-        pj[0] = qy;
-        if (GK_SIGNED(kind)) {
+    gv_vec prep[GV_PREP * (nb > 0 ? nb : 1)];
+    float yd[nb > 0 ? nb : 1], ys[nb > 0 ? nb : 1];
+    for (int i = 0; i < nb; i++) {
+        const uint8_t *y = x + (int64_t)i * yb;
+        const __m512i qy = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(y + yq)));
+        prep[GV_PREP * i] = qy;
+        if (GK_SIGNED(kind)) { /* -(offset x the sum of each 4 activations) */
             const __m512i c = _mm512_set1_epi8(kind == GK_Q4_0 ? 8 : 16);
-            pj[1] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, qy));
+            prep[GV_PREP * i + 1] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, qy));
         }
-        pj[2] = _mm512_castps_si512(gv_spread(gv_pair(y0, yb)));
-        if (GK_MINS(kind)) pj[3] = _mm512_castps_si512(_mm512_castps128_ps512(gv_pair(y0 + 2, yb)));
+        lp_half h;
+        memcpy(&h, y, 2);
+        yd[i] = H2F(h);
+        if (GK_MINS(kind)) {
+            memcpy(&h, y + 2, 2);
+            ys[i] = H2F(h);
+        }
     }
+    int r = 0;
+    for (; r + 2 <= nr; r += 2) gv_row2(kind, nb, w + r * row_bytes, row_bytes, prep, yd, ys, s + r);
+    if (r < nr) s[r] = gv_row1(kind, nb, w + r * row_bytes, prep, yd, ys);
 }
 
 #else
@@ -889,8 +920,6 @@ LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
         pj[4] = _mm256_castps_si256(_mm256_insertf128_ps(_mm256_castps128_ps256(sc), sm, 1));
     }
 }
-#endif
-
 LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64_t row_bytes, int nr,
                        const uint8_t *x) {
     const int np = nb / 2;
@@ -898,31 +927,61 @@ LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64
     gv_prep(kind, np, x, prep);
     for (int r = 0; r < nr; r++) s[r] = gv_row(kind, nb, w + r * row_bytes, x, prep);
 }
+#endif
+
 
 /* NR weight rows x NC activation rows (compile-time constants once inlined) */
 LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float *s, int64_t ld_s,
                        const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t x_bytes, const float *yd,
                        const float *ys) {
-    __m256 acc[GEMM_NR][LP_GEMM_COLS];
     __m128 summ[GEMM_NR]; /* the 4 columns' sums of m * s */
+    float sm[GEMM_NR][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) summ[r] = _mm_setzero_ps();
+#if defined(GK_ZMM)
+    /* column pairs in 512-bit accumulators; an odd last column in a 256-bit one */
+    const int NCP = NC / 2, c1 = NC - 1;
+    __m512 accz[GEMM_NR][LP_GEMM_COLS / 2];
+    __m256 acc1[GEMM_NR][LP_GEMM_COLS];
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) {
-        summ[r] = _mm_setzero_ps();
+        acc1[r][0] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+        for (int k = 0; k < NCP; k++) accz[r][k] = _mm512_setzero_ps();
+    }
+    for (int i = 0; i < nb; i++) {
+        if (GK_MINS(kind)) gk_mins(kind, NR, i, summ, w, row_bytes, ys);
+        gk_step_z(kind, NR, NCP, i, accz, w, row_bytes, x, x_bytes, yd);
+        if (NC & 1) gk_step(kind, NR, 1, i, acc1, w, row_bytes, x + c1 * x_bytes, x_bytes, yd + c1);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        _mm_storeu_ps(sm[r], summ[r]);
+#pragma GCC unroll 2
+        for (int k = 0; k < NCP; k++) {
+            const float lo = hsum8(_mm512_castps512_ps256(accz[r][k])), hi = hsum8(_mm512_extractf32x8_ps(accz[r][k], 1));
+            s[2 * k * ld_s + r] = GK_MINS(kind) ? lo + sm[r][2 * k] : lo;
+            s[(2 * k + 1) * ld_s + r] = GK_MINS(kind) ? hi + sm[r][2 * k + 1] : hi;
+        }
+        if (NC & 1) s[c1 * ld_s + r] = GK_MINS(kind) ? hsum8(acc1[r][0]) + sm[r][c1] : hsum8(acc1[r][0]);
+    }
+#else
+    __m256 acc[GEMM_NR][LP_GEMM_COLS];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
 #pragma GCC unroll 4
         for (int c = 0; c < NC; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++) {
+        if (GK_MINS(kind)) gk_mins(kind, NR, i, summ, w, row_bytes, ys);
+        gk_step(kind, NR, NC, i, acc, w, row_bytes, x, x_bytes, yd);
     }
-    int i = 0;
-#if defined(GK_ZMM)
-    for (; i + 1 < nb; i += 2) gk_step_pair(kind, NR, NC, i, acc, summ, w, row_bytes, x, x_bytes, yd, ys);
-#endif
-    for (; i < nb; i++) gk_step(kind, NR, NC, i, acc, summ, w, row_bytes, x, x_bytes, yd, ys);
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) {
-        float sm[4];
-        _mm_storeu_ps(sm, summ[r]);
+        _mm_storeu_ps(sm[r], summ[r]);
 #pragma GCC unroll 4
-        for (int c = 0; c < NC; c++) s[c * ld_s + r] = GK_MINS(kind) ? hsum8(acc[r][c]) + sm[c] : hsum8(acc[r][c]);
+        for (int c = 0; c < NC; c++) s[c * ld_s + r] = GK_MINS(kind) ? hsum8(acc[r][c]) + sm[r][c] : hsum8(acc[r][c]);
     }
+#endif
 }
 
 LP_INLINE void gk_rows(const int kind, const int NC, const int pairs, int nb, float *s, int64_t ld_s,
@@ -933,8 +992,11 @@ LP_INLINE void gk_rows(const int kind, const int NC, const int pairs, int nb, fl
      * matrices (2048x8192 at 2 tokens: 0.4-0.66x, noisy) and no faster on small ones; and only
      * where asked (`pairs`): on weights streamed from memory once (a decode batch of <= 4
      * tokens) single rows are faster at 3-4 columns too (SmolLM2's 49152x576 Q8_0 output at 4
-     * tokens: 1.9 ms single rows, 3.4 ms pairs; a 4-token decode step 12 % faster, noisy) */
-    if (pairs && GEMM_NR == 2 && NC >= 3)
+     * tokens: 1.9 ms single rows, 3.4 ms pairs; a 4-token decode step 12 % faster, noisy).
+     * Those figures predate the one-accumulator order: an output is now one fmadd chain (a
+     * 512-bit vector holds a column pair), so 1-2 columns take rows in pairs to have two
+     * independent chains (2 tokens on SmolLM2's matrices: 3x slower with single rows) */
+    if (GEMM_NR == 2 && ((pairs && NC >= 3) || NC <= 2))
         for (; r + 2 <= nr; r += 2)
             gk_tile(kind, 2, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys);
     for (; r < nr; r++) gk_tile(kind, 1, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys);

@@ -628,6 +628,7 @@ LP_INLINE void gk_step(const int kind, const int NR, const int NC, int i, __m256
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
 #define GK_ZMM 1
+#define GK_ZP 4 /* prepared activation vectors a block (gk_zprep) */
 /* block i of NR weight rows against NCP column pairs, a pair in one 512-bit vector: the low half
  * is column 2k's 8 int32 lanes and float accumulator, the high half column 2k + 1's, so one
  * 512-bit dpbusd / convert / scale / fmadd does one block of two outputs, each half in its
@@ -636,9 +637,8 @@ LP_INLINE void gk_step(const int kind, const int NR, const int NC, int i, __m256
  * the activations where the weight is negative with a mask instead (where it is 0 the product is
  * 0 either way). */
 LP_INLINE void gk_step_z(const int kind, const int NR, const int NCP, int i, __m512 acc[][LP_GEMM_COLS / 2],
-                         const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t x_bytes, const float *yd) {
-    const int wb = GK_WBYTES(kind), yb = GK_MINS(kind) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0);
-    const int yq = GK_MINS(kind) ? 4 : 2;
+                         const uint8_t *w, int64_t row_bytes, const __m512i *zp) {
+    const int wb = GK_WBYTES(kind);
     __m512i qx[GEMM_NR];
     __mmask64 neg[GEMM_NR];
     __m512 dx[GEMM_NR];
@@ -653,16 +653,10 @@ LP_INLINE void gk_step_z(const int kind, const int NR, const int NCP, int i, __m
         memcpy(&h, b, 2);
         dx[r] = _mm512_set1_ps(H2F(h));
     }
-    const __m128 dys = _mm_loadu_ps(yd + i * LP_GEMM_COLS); /* the 4 columns' scales */
 #pragma GCC unroll 2
     for (int k = 0; k < NCP; k++) {
-        const uint8_t *yc = x + 2 * k * x_bytes + (int64_t)i * yb + yq;
-        const __m512i qy = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)yc)),
-                                              _mm256_loadu_si256((const __m256i *)(yc + x_bytes)), 1);
-        const __m512 dy = _mm512_permutexvar_ps(
-            _mm512_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1, 2 * k + 1,
-                              2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1),
-            _mm512_castps128_ps512(dys));
+        const __m512i qy = _mm512_load_si512(zp + GK_ZP * i + 2 * k);
+        const __m512 dy = _mm512_castsi512_ps(_mm512_load_si512(zp + GK_ZP * i + 2 * k + 1));
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) {
             const __m512i q = GK_SIGNED(kind) ? _mm512_mask_sub_epi8(qy, neg[r], _mm512_setzero_si512(), qy) : qy;
@@ -670,6 +664,23 @@ LP_INLINE void gk_step_z(const int kind, const int NR, const int NCP, int i, __m
             acc[r][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dx[r], dy), acc[r][k]);
         }
     }
+}
+
+/* per block i, zp[GK_ZP * i + 2k] the quants of column pair k (column 2k's block in the low half,
+ * 2k+1's in the high half) and zp[GK_ZP * i + 2k + 1] their scales as [dy x8, dy' x8]: the
+ * activation side of gk_step_z, built once per call instead of once per weight row */
+LP_INLINE void gk_zprep(const int kind, int nb, int ncp, const uint8_t *x, int64_t x_bytes, const float *yd,
+                        __m512i *zp) {
+    const int yb = GK_MINS(kind) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0), yq = GK_MINS(kind) ? 4 : 2;
+    for (int i = 0; i < nb; i++)
+        for (int k = 0; k < ncp; k++) {
+            const uint8_t *yc = x + 2 * k * x_bytes + (int64_t)i * yb + yq;
+            zp[GK_ZP * i + 2 * k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)yc)),
+                                                       _mm256_loadu_si256((const __m256i *)(yc + x_bytes)), 1);
+            zp[GK_ZP * i + 2 * k + 1] = _mm512_castps_si512(
+                _mm512_insertf32x8(_mm512_set1_ps(yd[i * LP_GEMM_COLS + 2 * k]),
+                                   _mm256_set1_ps(yd[i * LP_GEMM_COLS + 2 * k + 1]), 1));
+        }
 }
 #endif
 
@@ -685,10 +696,10 @@ LP_INLINE void gk_step_z(const int kind, const int NR, const int NCP, int i, __m
  * one row is as fast in cache: the loop carries only the fmadd into acc. The mins term of
  * Q4_1 / Q5_1 (m * s, added in block order into a float32) stays the vec_dot's scalar chain.
  *
- * AVX-512 (gv_row2): two ROWS a 512-bit step, block by block: the vector holds row r's block i
- * quants (low nibbles, then high ones, as the vec_dot's nibbles32) in its low half and row r+1's
- * in its high half, against the activation block in both halves, so int32 lanes 0-7 are row r's
- * vec_dot lanes and 8-15 row r+1's; scaled (dx * dy rounded as the vec_dot's) and fmadd-ed into a
+ * AVX-512 (gv_row2): two ROWS a 512-bit step, block by block: the vector holds the block i quants
+ * of rows r and r+1 as they lie in memory (both rows' low nibbles, then both rows' high ones),
+ * against the activation block prepared in the same order, so int32 lanes 0-3 and 8-11 are row
+ * r's vec_dot lanes 0-3 and 4-7, lanes 4-7 and 12-15 row r+1's; scaled (dx * dy rounded as the vec_dot's) and fmadd-ed into a
  * 512-bit accumulator whose halves are the two rows' one accumulators, in block order, then
  * summed as the vec_dot does (hsum8). (Two blocks of one row in a vector would need two
  * dependent fmadds a step: the one-accumulator order makes one row a latency chain.) An odd last
@@ -738,32 +749,36 @@ LP_INLINE float gv_mins(float summ, __m128 ms) {
 
 #if defined(GK_ZMM)
 /* the quants of blocks b0 and b0 + stride (the same block of two rows) as unsigned bytes (0..15 /
- * 0..31): b0's 32 (low nibbles, then high ones) in the low half, the other's in the high half */
+ * 0..31), as they lie in memory: [b0 low nibbles, b1 low nibbles, b0 high nibbles, b1 high
+ * nibbles] (16 each; the activations are prepared in the same order, so int32 lanes 0-3 and 8-11
+ * are b0's vec_dot lanes 0-3 and 4-7, lanes 4-7 and 12-15 b1's) */
 LP_INLINE __m512i gv_quants(const int kind, const uint8_t *b0, int64_t stride) {
     const uint8_t *b1 = b0 + stride;
     const __m256i t = _mm256_inserti128_si256(
         _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + GV_QS(kind)))),
         _mm_loadu_si128((const __m128i *)(b1 + GV_QS(kind))), 1);
-    /* [b0 bytes, b1 bytes, b0 >> 4, b1 >> 4] -> [b0, b0 >> 4, b1, b1 >> 4] in 128-bit pieces */
-    const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1);
-    __m512i z = _mm512_and_si512(_mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(0x0f));
+    __m512i z = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1),
+                                 _mm512_set1_epi8(0x0f));
     if (GV_HIGH(kind)) { /* bit j of qh is quant j's bit 4 */
         uint32_t h0, h1;
         memcpy(&h0, b0 + GV_QH(kind), 4);
         memcpy(&h1, b1 + GV_QH(kind), 4);
-        z = _mm512_mask_add_epi8(z, (__mmask64)((uint64_t)h1 << 32 | h0), z, _mm512_set1_epi8(16));
+        const __mmask64 m = (uint64_t)(h0 & 0xffffu) | (uint64_t)(h1 & 0xffffu) << 16 | (uint64_t)(h0 >> 16) << 32 |
+                            (uint64_t)(h1 >> 16) << 48;
+        z = _mm512_mask_add_epi8(z, m, z, _mm512_set1_epi8(16));
     }
     return z;
 }
 
-/* a, -, b, - as float32 lanes [a x8, b x8] */
+/* a, -, b, - as float32 lanes [a x4, b x4, a x4, b x4] (the lanes of gv_quants' rows) */
 LP_INLINE __m512 gv_spread(__m128 f) {
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2),
                                  _mm512_castps128_ps512(f));
 }
 
-/* prep, per block i: [2i] the activation quants in both halves, [2i+1] (signed kinds) the offset
- * sums in both halves; yd[i], ys[i]: the activation scale and sum s as float32 */
+/* prep, per block i: [2i] the activation quants as [0-15, 0-15, 16-31, 16-31] (gv_quants' order),
+ * [2i+1] (signed kinds) their offset sums; yd[i], ys[i]: the activation scale and sum s as
+ * float32 */
 #define GV_PREP 2
 typedef __m512i gv_vec;
 
@@ -783,6 +798,8 @@ LP_INLINE void gv_row2(const int kind, int nb, const uint8_t *w, int64_t row_byt
     }
     float sm[4];
     _mm_storeu_ps(sm, summ);
+    /* the rows' lanes together again: row 0's are 0-3 and 8-11, row 1's 4-7 and 12-15 */
+    acc = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15), acc);
     const float v0 = hsum8(_mm512_castps512_ps256(acc)), v1 = hsum8(_mm512_extractf32x8_ps(acc, 1));
     s[0] = GK_MINS(kind) ? v0 + sm[0] : v0;
     s[1] = GK_MINS(kind) ? v1 + sm[2] : v1;
@@ -798,8 +815,12 @@ LP_INLINE float gv_row1(const int kind, int nb, const uint8_t *w, const gv_vec *
         const uint8_t *b = w + (int64_t)i * wb;
         __m256i q = nibbles32(b + GV_QS(kind));
         if (GV_HIGH(kind)) q = _mm256_or_si256(q, hbits32(b + GV_QH(kind)));
-        const __m256i off = GK_SIGNED(kind) ? _mm512_castsi512_si256(_mm512_load_si512(pi + 1)) : _mm256_setzero_si256();
-        const __m256i p = _mm256_dpbusd_epi32(off, q, _mm512_castsi512_si256(_mm512_load_si512(pi)));
+        /* the prepared [0-15, 0-15, 16-31, 16-31] -> 0-31 (and its offsets' lanes likewise) */
+        const __m512i sel = _mm512_setr_epi64(0, 1, 4, 5, 0, 1, 4, 5);
+        const __m256i qy = _mm512_castsi512_si256(_mm512_permutexvar_epi64(sel, _mm512_load_si512(pi)));
+        const __m256i off = GK_SIGNED(kind) ? _mm512_castsi512_si256(_mm512_permutexvar_epi64(sel, _mm512_load_si512(pi + 1)))
+                                            : _mm256_setzero_si256();
+        const __m256i p = _mm256_dpbusd_epi32(off, q, qy);
         lp_half h;
         memcpy(&h, b, 2);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(H2F(h) * yd[i]), acc);
@@ -819,7 +840,8 @@ LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64
     float yd[nb > 0 ? nb : 1], ys[nb > 0 ? nb : 1];
     for (int i = 0; i < nb; i++) {
         const uint8_t *y = x + (int64_t)i * yb;
-        const __m512i qy = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(y + yq)));
+        const __m512i qy = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
+                                                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(y + yq))));
         prep[GV_PREP * i] = qy;
         if (GK_SIGNED(kind)) { /* -(offset x the sum of each 4 activations) */
             const __m512i c = _mm512_set1_epi8(kind == GK_Q4_0 ? 8 : 16);
@@ -933,7 +955,7 @@ LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64
 /* NR weight rows x NC activation rows (compile-time constants once inlined) */
 LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float *s, int64_t ld_s,
                        const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t x_bytes, const float *yd,
-                       const float *ys) {
+                       const float *ys, const void *zp) {
     __m128 summ[GEMM_NR]; /* the 4 columns' sums of m * s */
     float sm[GEMM_NR][4];
 #pragma GCC unroll 4
@@ -951,7 +973,7 @@ LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float
     }
     for (int i = 0; i < nb; i++) {
         if (GK_MINS(kind)) gk_mins(kind, NR, i, summ, w, row_bytes, ys);
-        gk_step_z(kind, NR, NCP, i, accz, w, row_bytes, x, x_bytes, yd);
+        gk_step_z(kind, NR, NCP, i, accz, w, row_bytes, (const __m512i *)zp);
         if (NC & 1) gk_step(kind, NR, 1, i, acc1, w, row_bytes, x + c1 * x_bytes, x_bytes, yd + c1);
     }
 #pragma GCC unroll 4
@@ -966,6 +988,7 @@ LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float
         if (NC & 1) s[c1 * ld_s + r] = GK_MINS(kind) ? hsum8(acc1[r][0]) + sm[r][c1] : hsum8(acc1[r][0]);
     }
 #else
+    (void)zp;
     __m256 acc[GEMM_NR][LP_GEMM_COLS];
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++)
@@ -986,7 +1009,7 @@ LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float
 
 LP_INLINE void gk_rows(const int kind, const int NC, const int pairs, int nb, float *s, int64_t ld_s,
                        const uint8_t *w, int64_t row_bytes, int nr, const uint8_t *x, int64_t x_bytes,
-                       const float *yd, const float *ys) {
+                       const float *yd, const float *ys, const void *zp) {
     int r = 0;
     /* rows in pairs only for 3-4 columns: with 1-2 the pairs were slower on memory-bound
      * matrices (2048x8192 at 2 tokens: 0.4-0.66x, noisy) and no faster on small ones; and only
@@ -998,8 +1021,8 @@ LP_INLINE void gk_rows(const int kind, const int NC, const int pairs, int nb, fl
      * independent chains (2 tokens on SmolLM2's matrices: 3x slower with single rows) */
     if (GEMM_NR == 2 && ((pairs && NC >= 3) || NC <= 2))
         for (; r + 2 <= nr; r += 2)
-            gk_tile(kind, 2, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys);
-    for (; r < nr; r++) gk_tile(kind, 1, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys);
+            gk_tile(kind, 2, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys, zp);
+    for (; r < nr; r++) gk_tile(kind, 1, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys, zp);
 }
 
 LP_INLINE void gk_gemm(const int kind, const int pairs, int n, float *s, int64_t ld_s, const void *vw,
@@ -1022,11 +1045,17 @@ LP_INLINE void gk_gemm(const int kind, const int pairs, int n, float *s, int64_t
         }
     }
     const uint8_t *w = vw;
+#if defined(GK_ZMM)
+    __m512i zp[GK_ZP * (nb > 0 ? nb : 1)];
+    gk_zprep(kind, nb, (nc < LP_GEMM_COLS ? nc : LP_GEMM_COLS) / 2, x, x_bytes, yd, zp);
+#else
+    const void *zp = NULL;
+#endif
     switch (nc) {
-    case 1: gk_rows(kind, 1, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
-    case 2: gk_rows(kind, 2, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
-    case 3: gk_rows(kind, 3, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
-    default: gk_rows(kind, 4, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
+    case 1: gk_rows(kind, 1, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys, zp); break;
+    case 2: gk_rows(kind, 2, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys, zp); break;
+    case 3: gk_rows(kind, 3, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys, zp); break;
+    default: gk_rows(kind, 4, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys, zp); break;
     }
 }
 

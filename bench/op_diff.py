@@ -1,9 +1,12 @@
-"""llamapy's C kernels (kernels_c/ops.c: lp_rms_norm, lp_rope, lp_swiglu, lp_attend[_f16]) run on
+"""llamapy's C kernels (kernels_c/ops.c: lp_rms_norm, lp_rope, lp_swiglu, lp_attend[_f16]; with --model,
+qmatmul.c's lp_mul_mat: the q8 MUL_MATs, weights read from that GGUF file) run on
 llama.cpp's own inputs, from a dump of bench/op_dump.cpp, and compared with llama.cpp's outputs bit
 for bit, op by op and layer by layer (each op on llama.cpp's inputs, so one op's difference does not
 hide the next). A llama-architecture model with normal (not neox) RoPE, as the default SmolLM2.
 
-    python bench/op_diff.py DUMPDIR [--layers 0,1,15] [--rope-base 100000] [--eps 1e-5]
+    python bench/op_diff.py DUMPDIR [--layers 0,1,15] [--rope-base 100000] [--eps 1e-5] [--model GGUF]
+
+(LLAMAPY_KERNELS_VARIANT=avx2 / portable: the same comparison for another build variant.)
 
 Prints, per op: values whose bits differ, the largest absolute and relative difference. A
 development tool (bench/RESULTS.md, "op by op"), not a test."""
@@ -18,6 +21,10 @@ import numpy as np
 from llamapy.backend import kernels as K
 from llamapy.backend import native
 from llamapy.backend.cpu_kernels import _ptr
+
+MATMULS = ("Qcur", "Kcur", "Vcur", "attn_out", "ffn_gate", "ffn_up", "ffn_out")
+WEIGHTS = {"Qcur": "attn_q", "Kcur": "attn_k", "Vcur": "attn_v", "attn_out": "attn_output", "ffn_gate": "ffn_gate",
+           "ffn_up": "ffn_up", "ffn_out": "ffn_down"}
 
 
 class Dump:
@@ -54,12 +61,34 @@ def main() -> None:
     ap.add_argument("--layers", default="0,1")
     ap.add_argument("--rope-base", type=float, default=100000.0)
     ap.add_argument("--eps", type=float, default=1e-5)
+    ap.add_argument("--model", type=Path, help="the GGUF file of the dump: also compare the MUL_MATs")
     a = ap.parse_args()
     lib = native.lib()
     if lib is None:
         raise SystemExit(f"error: no C kernels: {native.error()}")
     dp = Dump(a.dump)
     has_fa = any(r[2] == "FLASH_ATTN_EXT" for r in dp.rows)
+    weights = {}
+    if a.model is not None:
+        import gguf
+
+        weights = {t.name: t for t in gguf.GGUFReader(a.model).tensors}
+
+    def mul_mat(name: str, wname: str, k: int = 0) -> None:
+        """MUL_MAT `name` (its k-th occurrence) by lp_mul_mat on llama.cpp's input (src1)."""
+        r = [r for r in dp.rows if r[1] == name and r[2] == "MUL_MAT"][k]
+        src1 = [x for x in dp.rows if x[1] == r[7] and x[0] < r[0]][-1]
+        x = np.ascontiguousarray(dp.get(src1[1], src1[2], [y for y in dp.rows if y[1] == src1[1] and y[2] == src1[2]].index(src1))[0, 0])
+        t = weights[wname]
+        w = np.ascontiguousarray(t.data).view(np.uint8).reshape(int(t.shape[1]), -1)  # (n_out, row bytes)
+        want = dp.get(name, "MUL_MAT", k)[0, 0]
+        n_tok, n_in = x.shape[0], x.shape[1]
+        y = np.empty((n_tok, w.shape[0]), np.float32)
+        wsp = np.empty(n_tok * max(lib.lp_act_row_bytes(int(t.tensor_type), n_in), 1), np.uint8)
+        if lib.lp_mul_mat(int(t.tensor_type), _ptr(w), w.shape[0], w.shape[1], n_in, _ptr(x), n_in, n_tok, _ptr(y),
+                          w.shape[0], _ptr(wsp), 1) != 0:
+            raise SystemExit(f"error: lp_mul_mat cannot take {wname} ({t.tensor_type.name})")
+        report(f"MUL_MAT {name} ({t.tensor_type.name}, {n_tok} tok)", y, want)
     for il in (int(x) for x in a.layers.split(",")):
         for which, src in ((0, "embd" if il == 0 else f"l_out-{il - 1}"), (1, f"ffn_inp-{il}")):
             x = np.ascontiguousarray(dp.get(src, "GET_ROWS" if src == "embd" else "ADD")[0, 0])  # (T, E)
@@ -73,6 +102,10 @@ def main() -> None:
             out = np.empty_like(x)
             lib.lp_rope(_ptr(x), T, H, D, _ptr(pos), _ptr(K.rope_consts(D, a.rope_base, 1.0, None)), D, 0, _ptr(out))
             report(f"ROPE L{il} {nm}", out, dp.get(f"{nm}-{il}", "ROPE")[0])
+        if weights:
+            for nm in MATMULS:
+                if any(r[1] == f"{nm}-{il}" and r[2] == "MUL_MAT" for r in dp.rows):
+                    mul_mat(f"{nm}-{il}", f"blk.{il}.{WEIGHTS[nm]}.weight")
         g = np.ascontiguousarray(dp.get(f"ffn_gate-{il}", "MUL_MAT")[0, 0])
         u = np.ascontiguousarray(dp.get(f"ffn_up-{il}", "MUL_MAT")[0, 0])
         out = np.empty_like(g)
@@ -92,8 +125,10 @@ def main() -> None:
                                       ("Q in f32 (lp_attend, cache as f32)", lib.lp_attend, k.astype(np.float32),
                                        v.astype(np.float32))):
                 out = np.empty((T, H, D), np.float32)
-                fn(_ptr(q), T, H, D, _ptr(kk), _ptr(vv), T, hkv, D, hkv * D, D, hkv * D, D, _ptr(mask), T, scale, _ptr(out))
+                fn(_ptr(q), T, H, D, _ptr(kk), _ptr(vv), T, hkv, D, hkv * D, D, hkv * D, D, _ptr(mask), T, scale, _ptr(out), 1)
                 report(f"FLASH_ATTN_EXT L{il} {label}", out, want)
+    if weights and any(r[1] == "result_output" for r in dp.rows):
+        mul_mat("result_output", "output.weight" if "output.weight" in weights else "token_embd.weight")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
 //   c++ -O2 -I$L/include -I$L/ggml/include bench/op_dump.cpp -o op_dump $B/src/libllama.a
 //       $B/ggml/src/libggml.a $B/ggml/src/libggml-cpu.a $B/ggml/src/libggml-base.a -ldl -lm -fopenmp -lpthread
 // Run: op_dump MODEL OUTDIR FLASH_ATTN(0|1) CACHE(f16|f32) N_UBATCH TOKEN...   (-t 1, n_ctx 256)
+//      OP_DUMP_ALL_LOGITS=1: every token's logits (llama-perplexity's many-row output MUL_MAT)
 #include "ggml-backend.h"
 #include "ggml.h"
 #include "llama.h"
@@ -78,11 +79,24 @@ int main(int argc, char ** argv) {
     cp.cb_eval = on_tensor;
     cp.cb_eval_user_data = &st;
     llama_context * ctx = llama_init_from_model(model, cp);
-    if (llama_decode(ctx, llama_batch_get_one(tokens.data(), (int32_t) tokens.size()))) {
+    // every token's logits (as llama-perplexity asks): result_output is then a many-row MUL_MAT
+    // (llamafile's tinyBLAS for a Q8_0 output) instead of the last token's single row
+    const bool all_logits = getenv("OP_DUMP_ALL_LOGITS") && atoi(getenv("OP_DUMP_ALL_LOGITS"));
+    llama_batch batch = llama_batch_init((int32_t) tokens.size(), 0, 1);
+    for (size_t i = 0; i < tokens.size(); i++) {
+        batch.token[i] = tokens[i];
+        batch.pos[i] = (llama_pos) i;
+        batch.n_seq_id[i] = 1;
+        batch.seq_id[i][0] = 0;
+        batch.logits[i] = all_logits || i + 1 == tokens.size();
+    }
+    batch.n_tokens = (int32_t) tokens.size();
+    if (llama_decode(ctx, batch)) {
         fprintf(stderr, "decode failed\n");
         return 1;
     }
     fclose(st.index);
+    llama_batch_free(batch);
     llama_free(ctx);
     llama_model_free(model);
     return 0;

@@ -51,9 +51,12 @@ def _host(xp: Any, a: Any) -> np.ndarray:
 
 def rms_norm(node: Tensor, s: list[Any], xp: Any) -> Any:
     x = s[0]
-    # the mean square in f32 with pairwise summation: within 1e-7 of ggml's double sum
-    ms = xp.einsum("...i,...i->...", x, x)[..., None] / xp.float32(x.shape[-1])
-    return x * (1.0 / xp.sqrt(ms + xp.float32(node.params["eps"])))
+    # as ggml's rms_norm_f32 rounds, bit for bit: squares in f32, summed in f64 in order (cumsum is
+    # sequential; a pairwise sum differs in the last bits), the mean rounded to f32, then
+    # 1 / sqrt(mean + eps) in f32
+    ss = xp.cumsum((x * x).astype(xp.float64), axis=-1)[..., -1:]
+    mean = (ss / x.shape[-1]).astype(xp.float32)
+    return x * (xp.float32(1.0) / xp.sqrt(mean + xp.float32(node.params["eps"])))
 
 
 def mul(node: Tensor, s: list[Any], xp: Any) -> Any:

@@ -212,7 +212,7 @@ static void quantize_row_q4_0(const float *restrict x, uint8_t *restrict y, int6
  * ggml's reference quantizers, bit for bit). Shared with executor.c (not exported). */
 void lp_kv_quantize_row(void *dst, const float *x, int64_t n, int t) {
     if (t == LP_KV_Q8_0)
-        lp_quantize_row_q8_0(x, dst, n);
+        lp_quantize_row_q8_0_ref(x, dst, n);
     else
         quantize_row_q4_0(x, dst, n);
 }
@@ -222,23 +222,22 @@ void lp_kv_quantize_row(void *dst, const float *x, int64_t n, int t) {
 
 /* RMS norm of `rows` rows (row t at x + t * xs) into contiguous out, times the weight w when it is
  * given (the executor's fused RMS_NORM x MUL, rounded as numpy's separate mul); shared by
- * lp_rms_norm and executor.c (one library: not exported) */
+ * lp_rms_norm and executor.c (one library: not exported). Rounded as ggml's rms_norm_f32, bit for
+ * bit: each square in float, summed in double in order, the mean rounded to float, then
+ * 1.0f / sqrtf(mean + eps) in float (any other order flips q8 activation roundings downstream). */
 void lp_rms_rows(const float *x, int64_t rows, int64_t n, int64_t xs, double eps, const float *w, float *out) {
+    const float epsf = (float)eps;  /* ggml keeps eps as a float op parameter */
     for (int64_t t = 0; t < rows; t++) {
         const float *xr = x + t * xs;
         float *o = out + t * n;
-        double acc[8] = {0};
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8)
-            for (int l = 0; l < 8; l++) acc[l] += (double)xr[i + l] * (double)xr[i + l];
         double s = 0.0;
-        for (; i < n; i++) s += (double)xr[i] * (double)xr[i];
-        s += ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-        const float scale = (float)(1.0 / sqrt(s / (double)n + eps));
+        for (int64_t i = 0; i < n; i++) s += (double)(xr[i] * xr[i]);
+        const float mean = (float)(s / (double)n);
+        const float scale = 1.0f / sqrtf(mean + epsf);
         if (w)
-            for (i = 0; i < n; i++) o[i] = (xr[i] * scale) * w[i];
+            for (int64_t i = 0; i < n; i++) o[i] = (xr[i] * scale) * w[i];
         else
-            for (i = 0; i < n; i++) o[i] = xr[i] * scale;
+            for (int64_t i = 0; i < n; i++) o[i] = xr[i] * scale;
     }
 }
 

@@ -257,9 +257,9 @@ def _attend(q: Any, k: Any, v: Any, mask: Any, scale: float, xp: Any) -> Any:
     n_tokens, n_head, hd = q.shape
     n_kv, n_head_kv, _ = k.shape
     g = n_head // n_head_kv
-    if k.dtype == xp.float16:
-        # llama.cpp converts Q to the K cache's type before the dot products (q_to_vec_dot)
-        q = q.astype(xp.float16).astype(xp.float32)
+    # an f16 cache: Q stays f32 and K is widened, as llama.cpp's tiled flash attention does (its
+    # path for fewer than 64 query rows would round Q to f16: llamapy keeps one arithmetic for
+    # every row count, so that a query's result does not depend on its batch)
     qh = q.transpose(1, 0, 2).reshape(n_head_kv, g * n_tokens, hd)  # (Hkv, G*T, D)
     k = _as_f32(xp, k)
     v = _as_f32(xp, v)

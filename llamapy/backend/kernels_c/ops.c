@@ -397,14 +397,17 @@ LP_INLINE void v_accumulate(float *restrict a, const float *restrict w, int64_t 
             if (w[c] != 0.0f) a[i0] = lp_fmaf(w[c], v0[c * vs + i0], a[i0]);
 }
 
-#define ATT_BLOCK 64  /* KV cells per step of the score pass (a multiple of ATT_VGROUP and of 8) */
+#define ATT_GROUP 16  /* KV cells per step of the score pass: two transposed blocks of 8 */
 #define ATT_VGROUP 16 /* KV cells per step of the V sums */
 #define ATT_ROWS 32   /* query rows (tokens x the heads of a KV group) per work unit, at least */
-/* Visible cells per chunk of a query's cells: a row's cells are cut, in cell order, into chunks of
- * this many of its visible (unmasked) cells, a constant, so that the cuts depend only on the row's
- * own visible cells (not on N, the batch, the placement or the thread count); chunks are what the
- * threads share out when there are few (KV head, query block) units, e.g. one decode token */
-#define ATT_CHUNK 256
+/* Visible cells per tile: a row's visible (unmasked) cells are cut, in cell order, into tiles of
+ * this many, and the online softmax steps once per tile, as llama.cpp's flash_attn_ext_tiled
+ * steps once per KV tile of GGML_FA_TILE_KV = 64 cells. llama.cpp's tiles are 64 cell indices
+ * (fully masked cells inside one add exactly 0); these are 64 visible cells, so the cuts depend
+ * only on the row's own visible cells: the same tiles wherever a sequence's cells start on a
+ * multiple of 64 and are contiguous (llama-perplexity's layout), and placement-invariant
+ * everywhere. */
+#define ATT_TILE 64
 
 #ifndef ATT_PAR_WORK
 #define ATT_PAR_WORK (1 << 20) /* multiply-adds (T*N*H*(D+Dv)) from which threads are used */
@@ -430,42 +433,124 @@ typedef struct {
     int64_t T, H, D, N, Hkv, Dv, g, k_sn, k_sh, v_sn, v_sh, mask_st;
     float scale;
     int kt, vt;
-    int q_ready;  /* q already rounded for K's type (attend does it once per call) */
-    int64_t span; /* score row length of the scratch: the widest chunk's cells (att_chunk_span) */
+    int64_t span; /* score row length of the scratch: the widest tile's cells (att_tile_span) */
 } att_args;
 
-/* Each token's chunks: chunk j of token t holds its visible cells in [bnd[t*nb + j], bnd[t*nb +
- * j + 1]) (the first cell of its visible cell number j*ATT_CHUNK; the last bound: after its last
+/* Each token's tiles: tile j of token t holds its visible cells in [bnd[t*nb + j], bnd[t*nb + j +
+ * 1]) (the first cell of its visible cell number j*ATT_TILE; the last bound: after its last
  * visible cell), for j < nch[t]; nch[t] = 0: nothing visible. */
 typedef struct {
     const int64_t *bnd, *nch;
-    int64_t nb; /* bounds per token: the most chunks N cells can make, plus one */
+    int64_t nb; /* bounds per token: the most tiles N cells can make, plus one */
 } att_chunks;
 
-/* A partial (or running) result of R rows, in floats: max m (R), weight sum l (R), nan seen (R),
- * then the V sums (R x Dv). */
-LP_INLINE size_t att_part_floats(int64_t R, int64_t Dv) { return (size_t)(R * (Dv + 3)); }
+/* e^x for the softmax weights (x = score - max: <= 0, -inf or nan), as ggml_vec_soft_max_f32
+ * computes it with ggml_v_expf on the llama.cpp build for this CPU (vec.h), bit for bit: on an
+ * AVX-512 F+DQ build the __m512 variant (exp(b) by the polynomial, then scalef by 2^n: here two
+ * multiplies by halves of 2^n, exact then rounded once, as scalef; |n| > 192: 0 or inf), else the
+ * __m256 one (exp(b) - 1, then fma(j, 2^n, 2^n), with its |n| > 126 and > 192 cases). Branch-free,
+ * so the loops over it vectorize. */
+LP_INLINE float att_expf(float x) {
+    const float r = 0x1.8p23f;
+    const float z = lp_fmaf(x, 0x1.715476p+0f, r);
+    const float n = z - r;
+    const float b = lp_fmaf(-n, 0x1.7f7d1cp-20f, lp_fmaf(-n, 0x1.62e4p-1f, x));
+    const float u = b * b;
+    const float an = fabsf(n);
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    const float j = lp_fmaf(lp_fmaf(lp_fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u, lp_fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
+                            u, lp_fmaf(0x1.ffffecp-1f, b, 1.0f));
+    const int ni = an <= 192.0f ? (int)n : 0, n1 = ni / 2, n2 = ni - n1; /* nan: j is nan */
+    const float res = j * bits_f32((uint32_t)(n1 + 127) << 23) * bits_f32((uint32_t)(n2 + 127) << 23);
+    return an > 192.0f ? (n > 0.0f ? INFINITY : 0.0f) : res;
+#else
+    const uint32_t e = f32_bits(z) << 23;
+    const float k = bits_f32(e + 0x3f800000u);
+    const float j = lp_fmaf(lp_fmaf(lp_fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u, lp_fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
+                            u, 0x1.ffffecp-1f * b);
+    const uint32_t gb = n <= 0.0f ? 0x82000000u : 0u;
+    const float s1 = bits_f32(gb + 0x7f000000u), s2 = bits_f32(e - gb);
+    const float big = lp_fmaf(s2, j, s2) * s1, norm = lp_fmaf(k, j, k);
+    return an > 192.0f ? s1 * s1 : an > 126.0f ? big : norm;
+#endif
+}
 
-/* One worker's scratch, in floats: the unit's Q rows (R x D), the scores of the cells of one
- * chunk pass (R x span: the widest chunk's cells from a whole ATT_BLOCK, plus one block), one K
- * group of 8 rows and one V group widened to f32, then two partial results (a chunk's and the
- * running fold). */
+/* The sum of one SIMD vector of weights as ggml_vec_soft_max_f32 takes it: AVX-512,
+ * _mm512_reduce_add_ps (gcc: halves added, then (t0+t4)+(t2+t6) + (t1+t5)+(t3+t7)), 16 lanes;
+ * AVX2, the same tree over 8. */
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define ATT_SUM_W 16
+#else
+#define ATT_SUM_W 8
+#endif
+LP_INLINE float att_vsum(const float *w) {
+    float t[8];
+    for (int i = 0; i < 8; i++) t[i] = ATT_SUM_W == 16 ? w[8 + i] + w[i] : w[i];
+    return ((t[4] + t[0]) + (t[6] + t[2])) + ((t[5] + t[1]) + (t[7] + t[3]));
+}
+
+/* One worker's scratch, in floats: the unit's Q rows (R x D), the scores of one tile pass (R x
+ * span), K rows of one group widened (ATT_GROUP x D) and transposed (the same), one V group
+ * widened, then the unit's running state: max M (R), sum S (R), nan seen (R), V sums (R x Dv). */
+LP_INLINE size_t att_state_floats(int64_t R, int64_t Dv) { return (size_t)(R * (Dv + 3)); }
 LP_INLINE size_t att_core_floats(int64_t R, int64_t D, int64_t Dv, int64_t span) {
-    return (size_t)(R * (D + span) + 8 * D + ATT_VGROUP * Dv);
+    return (size_t)(R * (D + span) + 2 * ATT_GROUP * D + ATT_VGROUP * Dv);
 }
 LP_INLINE size_t att_scratch_floats(int64_t R, int64_t D, int64_t Dv, int64_t span) {
-    return att_core_floats(R, D, Dv, span) + 2 * att_part_floats(R, Dv);
+    return att_core_floats(R, D, Dv, span) + att_state_floats(R, Dv);
 }
 
-/* the dot product of dot8's lanes, for one K row: the same operations in the same order, so a
- * cell's score does not depend on whether it falls in a group of 8 (on N, on the batch) */
-LP_INLINE float dot1(const float *restrict q, const float *restrict k, int64_t D) {
-    v8f a = v8_splat(0.0f);
-    int64_t i = 0;
-    for (; i + 8 <= D; i += 8) a = v8_fma(v8_load(q + i), v8_load(k + i), a);
-    float r = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-    for (; i < D; i++) r = lp_fmaf(q[i], k[i], r);
-    return r;
+/* 8 rows of 8 floats (r[u][0..8)) transposed in registers: out[i] = (r[0][i], ..., r[7][i]) */
+LP_INLINE void v8_transpose(v8f r[8]) {
+    v8f t[8], s[8];
+    for (int p = 0; p < 4; p++) {
+        t[2 * p] = SHUF8(r[2 * p], r[2 * p + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[2 * p + 1] = SHUF8(r[2 * p], r[2 * p + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int p = 0; p < 2; p++) {
+        s[4 * p + 0] = SHUF8(t[4 * p], t[4 * p + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+        s[4 * p + 1] = SHUF8(t[4 * p], t[4 * p + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        s[4 * p + 2] = SHUF8(t[4 * p + 1], t[4 * p + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+        s[4 * p + 3] = SHUF8(t[4 * p + 1], t[4 * p + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = SHUF8(s[i], s[4 + i], 0, 1, 2, 3, 8, 9, 10, 11);
+        r[4 + i] = SHUF8(s[i], s[4 + i], 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+}
+
+/* kT[d*8 + u] = K row u [d] for the 8 rows at k0 + u*ks (f32, d < D): the K block transposed so
+ * that each lane of a vector is one cell */
+LP_INLINE void k_transpose8(float *restrict kT, const float *k0, int64_t ks, int64_t D) {
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+        v8f r[8];
+        for (int u = 0; u < 8; u++) r[u] = v8_load(k0 + u * ks + d);
+        v8_transpose(r);
+        for (int i = 0; i < 8; i++) v8_store(kT + (d + i) * 8, r[i]);
+    }
+    for (; d < D; d++)
+        for (int u = 0; u < 8; u++) kT[d * 8 + u] = k0[u * ks + d];
+}
+
+/* Scores of up to 4 query rows (q[i]) with the 16 cells of two transposed K blocks: per cell
+ * ggml's simd_gemm order, one fma chain over d from 0 (lanes: cells; the rows and blocks are
+ * independent chains, interleaved for the fma latency) */
+LP_INLINE void kq_rows4(const float *const q[4], const float *restrict kT, int64_t D, v8f o[4][2]) {
+    v8f a[4][2];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = v8_splat(0.0f);
+    for (int64_t d = 0; d < D; d++) {
+        const v8f k0 = v8_load(kT + d * 8), k1 = v8_load(kT + (D + d) * 8);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            const v8f qv = v8_splat(q[i][d]);
+            a[i][0] = v8_fma(qv, k0, a[i][0]);
+            a[i][1] = v8_fma(qv, k1, a[i][1]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) o[i][0] = a[i][0], o[i][1] = a[i][1];
 }
 
 /* Cells ahead whose K (score pass) or V (V pass) rows are prefetched: a decode step reads the
@@ -491,193 +576,159 @@ LP_INLINE int64_t att_row_bytes(int t, int64_t n) {
     return t == LP_KV_F32 ? 4 * n : t == LP_KV_F16 ? 2 * n : t == LP_KV_Q8_0 ? n / 32 * 34 : n / 32 * 18;
 }
 
-/* A work unit: the query tokens [t0, t1) and the KV heads [kh0, kh0 + nh): R = nh * Rh rows,
- * Rh = (t1-t0)*g per head (row r: KV head kh0 + r/Rh, token t0 + (r%Rh)/g, query head
- * (kh0 + r/Rh)*g + (r%Rh)%g). One head per unit for a prompt (many units); every head for a few
- * tokens, so that a cell's K and V rows are read whole, in memory order. */
+/* A work unit: the query tokens [t0, t1), the KV heads [kh0, kh0 + nh) and of each of their
+ * groups the query heads [gq0, gq0 + ng): R = nh * Rh rows, Rh = (t1-t0)*ng per KV head (row r:
+ * KV head kh0 + r/Rh, token t0 + (r%Rh)/ng, query head (kh0 + r/Rh)*g + gq0 + (r%Rh)%ng). One KV
+ * head per unit for a prompt (many units); for a few tokens every head in one unit on one thread,
+ * or units of fewer query heads to share among threads. */
 typedef struct {
-    int64_t kh0, nh, t0, t1, n_chunks; /* n_chunks: the most chunks any of its tokens has */
+    int64_t kh0, nh, t0, t1, gq0, ng, n_chunks; /* n_chunks: the most tiles any of its tokens has */
 } att_unit;
 
-/* Chunk j of a work unit: each row over its token's chunk j (att_chunks); the unit reads the
- * cells [lo, hi) that any of those chunks holds. Writes the chunk's partial result to `part`
- * (att_part_floats(R, Dv)): three passes over the chunk, so that it depends only on the row's
- * visible cells of the chunk, in cell order: (1) every score, each row's max over its chunk;
- * (2) weights exp(s - max) (masked cells and cells of other chunks: exactly 0) and their sum over
- * the cells of non-zero weight in order; (3) V sums over the same cells in cell order. K rows are
- * read (widened) once per group of 8 cells for all rows of their head, V rows once per group of
- * cells. What a row computes does not depend on the other rows of its unit. */
-static void attend_chunk(const att_args *a, const att_chunks *ch, const att_unit *w, int64_t j, float *restrict buf,
-                         float *restrict part) {
-    const int64_t g = a->g, t0 = w->t0, t1 = w->t1, kh0 = w->kh0, nh = w->nh, Rh = (t1 - t0) * g, R = nh * Rh;
-    const int64_t D = a->D, Dv = a->Dv, H = a->H, N = a->N, span = a->span;
+LP_INLINE int64_t att_row_q(const att_args *a, const att_unit *w, int64_t Rh, int64_t r, int64_t *t) {
+    const int64_t rr = r % Rh;
+    *t = w->t0 + rr / w->ng;
+    return (w->kh0 + r / Rh) * a->g + w->gq0 + rr % w->ng; /* query head */
+}
+
+/* Tile j of a work unit, folded into its running state st (M, S, nan, acc): each row over its
+ * token's tile j (att_chunks), as one step of llama.cpp's flash_attn_ext_tiled (ops.cpp) for that
+ * row: (1) scores: per cell an fma chain over d (simd_gemm's order), times scale, plus the mask;
+ * (2) the tile's max, the new max Mnew = fmaxf(M, max), and on a rise the state rescaled by
+ * libm's expf(M - Mnew); the weights ggml's SIMD exp of (score - Mnew), packed by visible cell
+ * into ATT_TILE lanes (padding: 0) and summed as ggml_vec_soft_max_f32 (each vector's tree sum,
+ * those added in double), S = (float)(S + sum); (3) the V sums: per element one fma chain over
+ * the cells in order, continuing the rescaled running sums (simd_gemm(VKQ32, KQ, V32)). Cells of
+ * weight exactly 0 are skipped in (3), which changes no bit (a running sum from +0 is never -0).
+ * K rows are widened and transposed once per group of ATT_GROUP cells for all rows of their head,
+ * V rows once per group. What a row computes does not depend on the other rows of its unit. */
+static void attend_tile(const att_args *a, const att_chunks *ch, const att_unit *w, int64_t j, float *restrict buf,
+                        float *restrict st) {
+    const int64_t t0 = w->t0, t1 = w->t1, kh0 = w->kh0, nh = w->nh, Rh = (t1 - t0) * w->ng, R = nh * Rh;
+    const int64_t D = a->D, Dv = a->Dv, N = a->N, span = a->span;
     const int kt = a->kt, vt = a->vt;
-    float *restrict m = part, *restrict l = m + R, *restrict nan_seen = l + R, *restrict acc = nan_seen + R;
-    for (int64_t r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f, nan_seen[r] = 0.0f;
-    memset(acc, 0, (size_t)(R * Dv) * sizeof(float));
-    int64_t lo = N, hi = 0; /* the cells of chunk j of any of the unit's tokens */
+    float *restrict M = st, *restrict S = M + R, *restrict nan_seen = S + R, *restrict acc = nan_seen + R;
+    int64_t lo = N, hi = 0; /* the cells of tile j of any of the unit's tokens */
     for (int64_t t = t0; t < t1; t++)
         if (j < ch->nch[t]) {
             const int64_t *b = ch->bnd + t * ch->nb + j;
             lo = b[0] < lo ? b[0] : lo;
             hi = b[1] > hi ? b[1] : hi;
         }
-    if (lo >= hi) return; /* no token of the unit has a chunk j */
-    float *restrict qs = buf, *restrict sc = qs + R * D, *restrict kf = sc + R * span, *restrict vf = kf + 8 * D;
-    /* q rows (f16-rounded for an f16 K, as llama.cpp's q_to_vec_dot; Q8_0-rounded for a
-     * quantized one) */
+    if (lo >= hi) return; /* no token of the unit has a tile j */
+    float *restrict qs = buf, *restrict sc = qs + R * D, *restrict kf = sc + R * span, *restrict kT = kf + ATT_GROUP * D,
+                    *restrict vf = kT + ATT_GROUP * D;
     for (int64_t r = 0; r < R; r++) {
-        const int64_t rr = r % Rh;
-        const float *qr = a->q + ((t0 + rr / g) * H + (kh0 + r / Rh) * g + rr % g) * D;
-        float *dst = qs + r * D;
-        if (a->q_ready || !kt)
-            memcpy(dst, qr, (size_t)D * sizeof(float));
-        else if (kt == LP_KV_F16)
-            for (int64_t i = 0; i < D; i++) dst[i] = round_f16(qr[i]);
-        else if (kt)
-            round_q8_0_row(dst, qr, D);
-        else
-            memcpy(dst, qr, (size_t)D * sizeof(float));
+        int64_t t;
+        const int64_t h = att_row_q(a, w, Rh, r, &t);
+        memcpy(qs + r * D, a->q + (t * a->H + h) * D, (size_t)D * sizeof(float));
     }
     const float *mask = a->mask + t0 * a->mask_st;
-    const int64_t mask_st = a->mask_st, Tu = t1 - t0;
+    const int64_t mask_st = a->mask_st, Tu = t1 - t0, ng = w->ng;
     const float minf = -INFINITY, scale = a->scale;
-    const int64_t base = lo / ATT_BLOCK * ATT_BLOCK, end = hi < N ? hi : N; /* cells [base, end) */
+    const int64_t base = lo, end = hi < N ? hi : N, n_c = end - base; /* cells [base, end) */
     const int64_t k_rb = att_row_bytes(kt, D), v_rb = att_row_bytes(vt, Dv);
-    unsigned char live[ATT_BLOCK];
+    unsigned char live[ATT_GROUP > ATT_VGROUP ? ATT_GROUP : ATT_VGROUP];
     att_prefetch(a->k, kt, lo, ATT_PREFETCH, end, a->k_sn, a->k_sh, kh0, nh, k_rb);
-    /* (1) scores: groups of 8 cells, each K row read once for the rows of its head */
-    for (int64_t b0 = base; b0 < end; b0 += ATT_BLOCK) {
-        const int64_t nb = end - b0 < ATT_BLOCK ? end - b0 : ATT_BLOCK;
+    /* (1) scores, ATT_GROUP cells at a time */
+    for (int64_t c0 = base; c0 < end; c0 += ATT_GROUP) {
+        const int64_t nb = end - c0 < ATT_GROUP ? end - c0 : ATT_GROUP;
+        att_prefetch(a->k, kt, c0 + ATT_PREFETCH, ATT_GROUP, end, a->k_sn, a->k_sh, kh0, nh, k_rb);
+        int lv = 0;
         for (int64_t c = 0; c < nb; c++) {
-            int lv = 0;
-            for (int64_t t = 0; t < Tu; t++) lv |= mask[t * mask_st + b0 + c] != minf;
-            live[c] = (unsigned char)(lv && b0 + c >= lo);
+            int l = 0;
+            for (int64_t t = 0; t < Tu; t++) l |= mask[t * mask_st + c0 + c] != minf;
+            live[c] = (unsigned char)l;
+            lv |= l;
         }
-        int64_t c = 0;
-        for (; c + 8 <= nb; c += 8) {
-            att_prefetch(a->k, kt, b0 + c + ATT_PREFETCH, 8, end, a->k_sn, a->k_sh, kh0, nh, k_rb);
-            int lv8 = 0;
-            for (int u = 0; u < 8; u++) lv8 |= live[c + u];
-            if (!lv8) {
-                for (int64_t r = 0; r < R; r++)
-                    for (int u = 0; u < 8; u++) sc[r * span + b0 - base + c + u] = minf;
-                continue;
-            }
-            for (int64_t hh = 0; hh < nh; hh++) {
-                const int64_t kh = kh0 + hh;
-                const float *k0;
-                int64_t ks;
-                if (kt) {
-                    for (int u = 0; u < 8; u++) kv_row(kf + u * D, a->k, (b0 + c + u) * a->k_sn + kh * a->k_sh, kt, D);
-                    k0 = kf, ks = D;
-                } else {
-                    k0 = (const float *)a->k + kh * a->k_sh + (b0 + c) * a->k_sn, ks = a->k_sn;
-                }
-                for (int64_t rr = 0; rr < Rh; rr++) {
-                    const int64_t r = hh * Rh + rr;
-                    const v8f d = dot8(qs + r * D, k0, ks, D);
-                    const v8f mv = v8_load(mask + (rr / g) * mask_st + b0 + c);
-                    v8_store(sc + r * span + b0 - base + c,
-                             v8_select(mv == v8_splat(minf), mv, d * v8_splat(scale) + mv));
-                }
-            }
+        if (!lv) {
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t c = 0; c < nb; c++) sc[r * span + c0 - base + c] = minf;
+            continue;
         }
-        for (; c < nb; c++) {
-            if (!live[c]) {
-                for (int64_t r = 0; r < R; r++) sc[r * span + b0 - base + c] = minf;
-                continue;
+        for (int64_t hh = 0; hh < nh; hh++) {
+            const int64_t kh = kh0 + hh;
+            /* the group's K rows as f32 (rows past the end: zeros), then transposed by 8 */
+            for (int64_t c = 0; c < ATT_GROUP; c++) {
+                float *row = kf + c * D;
+                if (c >= nb || !live[c])
+                    memset(row, 0, (size_t)D * sizeof(float));
+                else if (kt == LP_KV_F32)
+                    memcpy(row, (const float *)a->k + (c0 + c) * a->k_sn + kh * a->k_sh, (size_t)D * sizeof(float));
+                else
+                    kv_row(row, a->k, (c0 + c) * a->k_sn + kh * a->k_sh, kt, D);
             }
-            for (int64_t hh = 0; hh < nh; hh++) {
-                const int64_t kh = kh0 + hh;
-                const float *kr;
-                if (kt) {
-                    kv_row(kf, a->k, (b0 + c) * a->k_sn + kh * a->k_sh, kt, D);
-                    kr = kf;
-                } else {
-                    kr = (const float *)a->k + kh * a->k_sh + (b0 + c) * a->k_sn;
-                }
-                for (int64_t rr = 0; rr < Rh; rr++) {
-                    const int64_t r = hh * Rh + rr;
-                    const float mv = mask[(rr / g) * mask_st + b0 + c];
-                    sc[r * span + b0 - base + c] = mv == minf ? minf : dot1(qs + r * D, kr, D) * scale + mv;
+            k_transpose8(kT, kf, D, D);
+            k_transpose8(kT + 8 * D, kf + 8 * D, D, D);
+            for (int64_t rr = 0; rr < Rh; rr += 4) {
+                const float *qp[4];
+                for (int i = 0; i < 4; i++) qp[i] = qs + (hh * Rh + (rr + i < Rh ? rr + i : rr)) * D;
+                v8f o[4][2];
+                kq_rows4(qp, kT, D, o);
+                for (int i = 0; i < 4 && rr + i < Rh; i++) {
+                    const int64_t r = hh * Rh + rr + i;
+                    const float *mr = mask + ((rr + i) / ng) * mask_st + c0;
+                    float *s = sc + r * span + c0 - base;
+                    float d16[16];
+                    v8_store(d16, o[i][0]);
+                    v8_store(d16 + 8, o[i][1]);
+                    for (int64_t c = 0; c < nb; c++) s[c] = mr[c] == minf ? minf : d16[c] * scale + mr[c];
                 }
             }
         }
     }
-    /* (2) each row's cells outside its chunk j dropped (-inf), its max (nan skipped: it reaches
-     * the output through nan_seen), then its weights and their sum, cell after cell (a masked
-     * cell adds exactly 0) */
-    const int64_t n_c = end > base ? end - base : 0;
+    /* (2) each row's tile: its visible cells packed in order, max, rescale, weights, sum; the
+     * weights written back to the row's cells (0 elsewhere) for (3) */
     int any_w = 0;
     for (int64_t r = 0; r < R; r++) {
         float *s = sc + r * span;
-        const int64_t t = t0 + (r % Rh) / g;
-        int64_t w0 = n_c, w1 = n_c; /* the row's chunk, relative to base */
+        const int64_t t = t0 + (r % Rh) / ng;
+        int64_t w0 = 0, w1 = 0; /* the row's tile, relative to base */
         if (j < ch->nch[t]) {
             const int64_t *b = ch->bnd + t * ch->nb + j;
             w0 = b[0] - base, w1 = b[1] - base < n_c ? b[1] - base : n_c;
         }
-        for (int64_t i = 0; i < w0; i++) s[i] = minf;
-        for (int64_t i = w1; i < n_c; i++) s[i] = minf;
-        v8f bm8 = v8_splat(minf); /* the max is exact in any order: 8 lanes */
-        v8i nan8 = {0};
-        int64_t i = 0;
-        for (; i + 8 <= n_c; i += 8) {
-            const v8f x = v8_load(s + i);
-            bm8 = v8_select(x > bm8, x, bm8);
-            nan8 |= x != x;
-        }
+        const float *mr = a->mask + t * mask_st + base;
+        float tile[ATT_TILE];
+        int32_t idx[ATT_TILE];
+        int n = 0;
+        for (int64_t c = w0; c < w1 && n < ATT_TILE; c++)
+            if (mr[c] != minf) tile[n] = s[c], idx[n++] = (int32_t)c;
+        memset(s, 0, (size_t)n_c * sizeof(float));
         float mx = minf;
-        for (int u = 0; u < 8; u++) {
-            mx = bm8[u] > mx ? bm8[u] : mx;
-            if (nan8[u]) nan_seen[r] = 1.0f;
+        for (int i = 0; i < n; i++) {
+            if (tile[i] != tile[i]) nan_seen[r] = 1.0f; /* reaches the output through nan_seen */
+            else if (tile[i] > mx) mx = tile[i];
         }
-        for (; i < n_c; i++) {
-            if (s[i] != s[i]) nan_seen[r] = 1.0f;
-            else if (s[i] > mx) mx = s[i];
-        }
-        m[r] = mx;
-        if (mx == minf) { /* nothing visible (or nan scores only): weights 0 */
-            memset(s, 0, (size_t)n_c * sizeof(float));
-            continue;
-        }
+        if (mx == minf) continue; /* nothing visible (or -inf/nan scores only): weights 0 */
         any_w = 1;
-        for (i = 0; i < n_c; i++) s[i] = lp_expf(s[i] - mx); /* -inf cells: 0 */
-        /* the sum in 8 lanes by the index among the cells of non-zero weight (not by cell
-         * index, which depends on the placement) */
-        float ls[8] = {0};
-        int64_t k = 0;
-        for (i = 0; i < n_c; i++)
-            if (s[i] != 0.0f) ls[k++ & 7] += s[i];
-        l[r] = ((ls[0] + ls[4]) + (ls[1] + ls[5])) + ((ls[2] + ls[6]) + (ls[3] + ls[7]));
+        const float Mnew = fmaxf(M[r], mx);
+        if (Mnew > M[r]) {
+            const float ms = expf(M[r] - Mnew); /* libm, as ggml (M = -inf first: 0) */
+            float *ar = acc + r * Dv;
+            for (int64_t i = 0; i < Dv; i++) ar[i] *= ms;
+            S[r] *= ms;
+        }
+        M[r] = Mnew;
+        float wt[ATT_TILE];
+        for (int i = 0; i < ATT_TILE; i++) wt[i] = att_expf((i < n ? tile[i] : minf) - Mnew);
+        double sum = 0.0;
+        for (int i = 0; i < ATT_TILE; i += ATT_SUM_W) sum += (double)att_vsum(wt + i);
+        S[r] = (float)((double)S[r] + sum);
+        for (int i = 0; i < n; i++) s[idx[i]] = wt[i];
     }
     /* (3) V sums in groups of cells (an f16/quantized group widened once for the rows of its
-     * head); cells of weight 0 are skipped, so a row's sum runs over its chunk's visible cells in
-     * cell order */
+     * head); cells of weight 0 are skipped */
     if (any_w) att_prefetch(a->v, vt, lo, ATT_PREFETCH, end, a->v_sn, a->v_sh, kh0, nh, v_rb);
     for (int64_t c0 = 0; any_w && c0 < n_c; c0 += ATT_VGROUP) {
-        const int64_t ng = n_c - c0 < ATT_VGROUP ? n_c - c0 : ATT_VGROUP;
+        const int64_t ng_ = n_c - c0 < ATT_VGROUP ? n_c - c0 : ATT_VGROUP;
         att_prefetch(a->v, vt, base + c0 + ATT_PREFETCH, ATT_VGROUP, end, a->v_sn, a->v_sh, kh0, nh, v_rb);
         int lv = 0;
-        if (ng == 2 * 8 && ATT_VGROUP == 16) { /* cells of any non-zero weight: 8 lanes at a time */
-            v8i l0 = {0}, l1 = {0};
-            const v8f zero = v8_splat(0.0f);
-            for (int64_t r = 0; r < R; r++) {
-                l0 |= v8_load(sc + r * span + c0) != zero;
-                l1 |= v8_load(sc + r * span + c0 + 8) != zero;
-            }
-            for (int u = 0; u < 8; u++) {
-                live[u] = (unsigned char)(l0[u] != 0), live[8 + u] = (unsigned char)(l1[u] != 0);
-                lv |= live[u] | live[8 + u];
-            }
-        } else {
-            for (int64_t i = 0; i < ng; i++) {
-                int li = 0;
-                for (int64_t r = 0; r < R; r++) li |= sc[r * span + c0 + i] != 0.0f;
-                live[i] = (unsigned char)li;
-                lv |= li;
-            }
+        for (int64_t i = 0; i < ng_; i++) {
+            int li = 0;
+            for (int64_t r = 0; r < R; r++) li |= sc[r * span + c0 + i] != 0.0f;
+            live[i] = (unsigned char)li;
+            lv |= li;
         }
         if (!lv) continue;
         for (int64_t hh = 0; hh < nh; hh++) {
@@ -685,7 +736,7 @@ static void attend_chunk(const att_args *a, const att_chunks *ch, const att_unit
             const float *v0;
             int64_t vs;
             if (vt) {
-                for (int64_t i = 0; i < ng; i++)
+                for (int64_t i = 0; i < ng_; i++)
                     if (live[i]) kv_row(vf + i * Dv, a->v, (base + c0 + i) * a->v_sn + kh * a->v_sh, vt, Dv);
                 v0 = vf, vs = Dv;
             } else {
@@ -693,46 +744,15 @@ static void attend_chunk(const att_args *a, const att_chunks *ch, const att_unit
             }
             for (int64_t rr = 0; rr < Rh; rr++) {
                 const int64_t r = hh * Rh + rr;
-                v_accumulate(acc + r * Dv, sc + r * span + c0, ng, v0, vs, Dv);
+                v_accumulate(acc + r * Dv, sc + r * span + c0, ng_, v0, vs, Dv);
             }
         }
     }
 }
 
-/* A running result of R rows (att_part_floats, first set by att_part_clear) and the next chunk's
- * partial folded into it, row by row: both rescaled to the larger max (ggml's online softmax
- * step, done once per chunk). Always applied to a row's chunks one after the other in order,
- * whichever thread made each partial, so a row's result does not depend on the split. */
-LP_INLINE void att_part_clear(float *st, int64_t R, int64_t Dv) {
-    for (int64_t r = 0; r < R; r++) st[r] = -INFINITY, st[R + r] = 0.0f, st[2 * R + r] = 0.0f;
-    memset(st + 3 * R, 0, (size_t)(R * Dv) * sizeof(float));
-}
-
-static void att_fold(float *restrict st, const float *restrict pt, int64_t R, int64_t Dv) {
-    float *m = st, *l = st + R, *n = st + 2 * R, *acc = st + 3 * R;
-    const float *pm = pt, *pl = pt + R, *pn = pt + 2 * R, *pacc = pt + 3 * R;
-    for (int64_t r = 0; r < R; r++) {
-        if (pn[r] != 0.0f) n[r] = 1.0f;
-        if (pm[r] == -INFINITY) continue; /* nothing in this chunk for the row */
-        float *restrict ar = acc + r * Dv;
-        const float *restrict pa = pacc + r * Dv;
-        if (m[r] == -INFINITY) { /* the row's first chunk: taken as it is */
-            m[r] = pm[r], l[r] = pl[r];
-            memcpy(ar, pa, (size_t)Dv * sizeof(float));
-            continue;
-        }
-        const float mx = pm[r] > m[r] ? pm[r] : m[r];
-        const float fa = m[r] == mx ? 1.0f : lp_expf(m[r] - mx), fb = pm[r] == mx ? 1.0f : lp_expf(pm[r] - mx);
-        l[r] = l[r] * fa + pl[r] * fb;
-        for (int64_t i = 0; i < Dv; i++) ar[i] = ar[i] * fa + pa[i] * fb;
-        m[r] = mx;
-    }
-}
-
-/* The widest cell range a unit's chunk pass scores (from its first cell's ATT_BLOCK), plus one
- * block: the scratch's score rows, so they span a chunk (~ATT_CHUNK cells when a sequence's cells
- * are contiguous), not N */
-static int64_t att_chunk_span(const att_chunks *ch, int64_t T, int64_t tb) {
+/* The widest cell range a unit's tile pass scores, rounded up to ATT_GROUP: the scratch's score
+ * rows, so they span a tile (ATT_TILE cells when a sequence's cells are contiguous), not N */
+static int64_t att_tile_span(const att_chunks *ch, int64_t T, int64_t tb) {
     int64_t span = 0;
     for (int64_t t0 = 0; t0 < T; t0 += tb) {
         const int64_t t1 = t0 + tb < T ? t0 + tb : T;
@@ -746,70 +766,69 @@ static int64_t att_chunk_span(const att_chunks *ch, int64_t T, int64_t tb) {
                     lo = b[0] < lo ? b[0] : lo;
                     hi = b[1] > hi ? b[1] : hi;
                 }
-            const int64_t w = hi > lo ? hi - lo / ATT_BLOCK * ATT_BLOCK : 0;
+            const int64_t w = hi > lo ? hi - lo : 0;
             span = w > span ? w : span;
         }
     }
-    return (span + ATT_BLOCK - 1) / ATT_BLOCK * ATT_BLOCK + ATT_BLOCK;
+    return (span + ATT_GROUP - 1) / ATT_GROUP * ATT_GROUP + ATT_GROUP;
 }
 
-/* Unit u of `hpu` heads per unit: the last query blocks first (most cells), heads innermost */
+/* Unit u: `hpu` KV heads and `ngu` query heads of each group per unit; the last query blocks
+ * first (most cells), heads innermost */
 LP_INLINE att_unit att_unit_at(const att_args *a, const att_chunks *ch, int64_t tb, int64_t n_tb, int64_t hpu,
-                               int64_t u) {
+                               int64_t ngu, int64_t u) {
     att_unit w;
-    const int64_t nhu = a->Hkv / hpu, b = n_tb - 1 - u / nhu;
-    w.kh0 = u % nhu * hpu, w.nh = hpu;
+    const int64_t ngs = a->g / ngu, nhu = a->Hkv / hpu * ngs, b = n_tb - 1 - u / nhu, hu = u % nhu;
+    w.kh0 = hu / ngs * hpu, w.nh = hpu, w.gq0 = hu % ngs * ngu, w.ng = ngu;
     w.t0 = b * tb, w.t1 = w.t0 + tb < a->T ? w.t0 + tb : a->T, w.n_chunks = 0;
     for (int64_t t = w.t0; t < w.t1; t++) w.n_chunks = ch->nch[t] > w.n_chunks ? ch->nch[t] : w.n_chunks;
     return w;
 }
 
-/* The unit's running result normalized into out: acc / l; a nan score: nan, as numpy; nothing
- * visible: zeros */
+/* The unit's running state normalized into out: acc * (1/S), as ggml; a nan score: nan, as
+ * numpy; nothing visible: zeros */
 static void att_store(const att_args *a, const att_unit *w, const float *st) {
-    const int64_t g = a->g, Rh = (w->t1 - w->t0) * g, R = w->nh * Rh, Dv = a->Dv, H = a->H;
-    const float *m = st, *l = st + R, *n = st + 2 * R, *acc = st + 3 * R;
+    const int64_t Rh = (w->t1 - w->t0) * w->ng, R = w->nh * Rh, Dv = a->Dv, H = a->H;
+    const float *M = st, *S = st + R, *n = st + 2 * R, *acc = st + 3 * R;
     for (int64_t r = 0; r < R; r++) {
-        const int64_t rr = r % Rh;
-        float *o = a->out + ((w->t0 + rr / g) * H + (w->kh0 + r / Rh) * g + rr % g) * Dv;
-        if (n[r] != 0.0f || m[r] == -INFINITY) {
+        int64_t t;
+        const int64_t h = att_row_q(a, w, Rh, r, &t);
+        float *o = a->out + (t * H + h) * Dv;
+        if (n[r] != 0.0f || M[r] == -INFINITY) {
             const float fill = n[r] != 0.0f ? NAN : 0.0f;
             for (int64_t i = 0; i < Dv; i++) o[i] = fill;
             continue;
         }
-        const float inv = 1.0f / l[r];
+        const float inv = S[r] == 0.0f ? 0.0f : 1.0f / S[r];
         const float *ar = acc + r * Dv;
         for (int64_t i = 0; i < Dv; i++) o[i] = ar[i] * inv;
     }
 }
 
-/* A whole unit on one thread: its chunks in order, each folded in as it is made */
+/* A whole unit on one thread: its tiles in order */
 static void attend_unit(const att_args *a, const att_chunks *ch, const att_unit *w, int64_t R_max, float *buf) {
-    const int64_t R = w->nh * (w->t1 - w->t0) * a->g;
-    float *st = buf + att_core_floats(R_max, a->D, a->Dv, a->span), *pt = st + att_part_floats(R, a->Dv);
-    att_part_clear(st, R, a->Dv);
-    for (int64_t j = 0; j < w->n_chunks; j++) {
-        attend_chunk(a, ch, w, j, buf, pt);
-        att_fold(st, pt, R, a->Dv);
-    }
+    const int64_t R = w->nh * (w->t1 - w->t0) * w->ng;
+    float *st = buf + att_core_floats(R_max, a->D, a->Dv, a->span);
+    for (int64_t r = 0; r < R; r++) st[r] = -INFINITY, st[R + r] = 0.0f, st[2 * R + r] = 0.0f;
+    memset(st + 3 * R, 0, (size_t)(R * a->Dv) * sizeof(float));
+    for (int64_t j = 0; j < w->n_chunks; j++) attend_tile(a, ch, w, j, buf, st);
     att_store(a, w, st);
 }
 
-/* Attention of T query tokens over N cells (ggml's flash_attn_ext): work units of (KV heads, a
- * block of query tokens), each row's cells cut into chunks of ATT_CHUNK visible cells. A prompt
- * (many query blocks) has one KV head per unit, a few tokens every head in one unit. Up to
- * n_threads OpenMP threads once the work reaches ATT_PAR_WORK: with many units each thread takes
- * whole units (dynamically, most cells first); with few (decode) the (unit, chunk) pairs are
- * shared out, their partial results kept, then folded in chunk order per unit (llama.cpp splits
- * one query's cells among its threads too). The folds are the same either way, so the output
- * does not depend on the thread count. Each unit reads only the cells its tokens see (the causal
- * lower triangle, one sequence's cells). No state outside the call: the thread count is an
- * argument. */
+/* Attention of T query tokens over N cells (ggml's flash_attn_ext, the arithmetic of its tiled
+ * path for every row count): work units of (KV heads, query heads of a group, a block of query
+ * tokens), each row's cells cut into tiles of ATT_TILE visible cells, stepped through in order
+ * (an online softmax). A prompt (many query blocks) has one KV head per unit; a few tokens on one
+ * thread every head in one unit, on several threads one unit per query head (llama.cpp splits a
+ * single query's cells among its threads, which cannot keep the sequential tile order). Units
+ * are whole, so the output does not depend on the thread count. Each unit reads only the cells
+ * its tokens see (the causal lower triangle, one sequence's cells). Up to n_threads OpenMP
+ * threads once the work reaches ATT_PAR_WORK. No state outside the call. */
 static void attend(const att_args *a, int n_threads) {
     const int64_t T = a->T, N = a->N, Dv = a->Dv;
     if (T <= 0 || a->H <= 0 || a->Hkv <= 0 || Dv <= 0) return;
-    /* each token's chunks: its visible cells, counted in cell order */
-    const int64_t nbd = (N + ATT_CHUNK - 1) / ATT_CHUNK + 1;
+    /* each token's tiles: its visible cells, counted in cell order */
+    const int64_t nbd = (N + ATT_TILE - 1) / ATT_TILE + 1;
     int64_t *bnd = malloc((size_t)(T * (nbd + 1)) * sizeof(int64_t));
     if (!bnd) return;
     int64_t *nch = bnd + T * nbd;
@@ -818,26 +837,20 @@ static void attend(const att_args *a, int n_threads) {
         int64_t *bt = bnd + t * nbd, seen = 0, last = 0;
         for (int64_t c = 0; c < N; c++)
             if (mr[c] != -INFINITY) {
-                if (seen % ATT_CHUNK == 0) bt[seen / ATT_CHUNK] = c;
+                if (seen % ATT_TILE == 0) bt[seen / ATT_TILE] = c;
                 seen++, last = c + 1;
             }
-        nch[t] = (seen + ATT_CHUNK - 1) / ATT_CHUNK;
+        nch[t] = (seen + ATT_TILE - 1) / ATT_TILE;
         bt[nch[t]] = last;
     }
     const att_chunks ch = {bnd, nch, nbd};
-    /* Q rounded for K's type once (not once per chunk): f16, or through Q8_0 (q_to_vec_dot) */
-    float *qround = a->kt ? malloc((size_t)(T * a->H * a->D) * sizeof(float)) : NULL;
+    /* Q rounded through Q8_0 once for a quantized K (q_to_vec_dot); f32 and f16 K: Q stays f32,
+     * as in llama.cpp's tiled path */
+    float *qround = a->kt >= LP_KV_Q8_0 ? malloc((size_t)(T * a->H * a->D) * sizeof(float)) : NULL;
     att_args a_r = *a; /* (with Q rounded, the score span) */
     if (qround) {
-        for (int64_t i = 0; i < T * a->H; i++) {
-            const float *qr = a->q + i * a->D;
-            float *dst = qround + i * a->D;
-            if (a->kt == LP_KV_F16)
-                for (int64_t e = 0; e < a->D; e++) dst[e] = round_f16(qr[e]);
-            else
-                round_q8_0_row(dst, qr, a->D);
-        }
-        a_r.q = qround, a_r.q_ready = 1;
+        for (int64_t i = 0; i < T * a->H; i++) round_q8_0_row(qround + i * a->D, a->q + i * a->D, a->D);
+        a_r.q = qround;
     }
     a = &a_r;
     const int64_t g = a->g, tb = g >= ATT_ROWS ? 1 : (ATT_ROWS + g - 1) / g; /* tokens per unit */
@@ -849,61 +862,21 @@ static void attend(const att_args *a, int n_threads) {
 #else
     (void)n_threads;
 #endif
-    const int few = n_tb < 4 * (int64_t)nt; /* few query blocks: every head in each unit */
-    const int64_t hpu = few ? a->Hkv : 1, units = a->Hkv / hpu * n_tb;
-    const int64_t R = (tb < T ? tb : T) * g * hpu;
-    a_r.span = att_chunk_span(&ch, T, tb);
+    const int few = n_tb < 4 * (int64_t)nt; /* few query blocks */
+    /* one thread: every head in one unit (a cell's K and V rows read whole); threads: one KV
+     * head per unit, and with few query blocks one query head per unit */
+    const int64_t hpu = few && nt == 1 ? a->Hkv : 1, ngu = few && nt > 1 ? 1 : g;
+    const int64_t units = a->Hkv / hpu * (g / ngu) * n_tb;
+    const int64_t R = (tb < T ? tb : T) * ngu * hpu;
+    a_r.span = att_tile_span(&ch, T, tb);
     const size_t scratch = att_scratch_floats(R, a->D, Dv, a->span);
-    /* few units: the (unit, chunk) pairs shared out, their partials kept, then folded per unit */
-    int64_t *first = NULL, *item_u = NULL, items = 0;
-    att_unit *us = NULL;
-    float *parts = NULL;
-    const size_t pf = att_part_floats(R, Dv);
-    if (nt > 1 && units < 4 * (int64_t)nt) {
-        first = malloc((size_t)units * sizeof(int64_t));
-        us = malloc((size_t)units * sizeof(att_unit));
-        for (int64_t u = 0; first && us && u < units; u++) {
-            us[u] = att_unit_at(a, &ch, tb, n_tb, hpu, u);
-            first[u] = items, items += us[u].n_chunks;
-        }
-        if (first && us && items > 1) {
-            parts = malloc((size_t)items * pf * sizeof(float));
-            item_u = malloc((size_t)items * sizeof(int64_t));
-        }
-        if (parts && item_u)
-            for (int64_t u = 0; u < units; u++)
-                for (int64_t j = 0; j < us[u].n_chunks; j++) item_u[first[u] + j] = u;
-    }
-    if (parts && item_u) {
-        const int nth = items < nt ? (int)items : nt;
-#pragma omp parallel num_threads(nth)
-        {
-            float *buf = malloc(scratch * sizeof(float)); /* NULL: nothing written */
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < items; i++) {
-                const att_unit *w = &us[item_u[i]];
-                if (buf) attend_chunk(a, &ch, w, i - first[item_u[i]], buf, parts + i * pf);
-            }
-            /* (the implicit barrier: every partial is made) */
-#pragma omp for schedule(static, 1)
-            for (int64_t u = 0; u < units; u++) {
-                const att_unit *w = &us[u];
-                const int64_t Ru = w->nh * (w->t1 - w->t0) * g;
-                float *st = buf ? buf + att_core_floats(R, a->D, Dv, a->span) : NULL;
-                if (!st) continue;
-                att_part_clear(st, Ru, Dv);
-                for (int64_t j = 0; j < w->n_chunks; j++) att_fold(st, parts + (first[u] + j) * pf, Ru, Dv);
-                att_store(a, w, st);
-            }
-            free(buf);
-        }
-    } else if (nt > 1) {
+    if (nt > 1) {
 #pragma omp parallel num_threads(nt)
         {
             float *buf = malloc(scratch * sizeof(float)); /* NULL: nothing written */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t u = 0; u < units; u++) {
-                const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, u);
+                const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, ngu, u);
                 if (buf) attend_unit(a, &ch, &w, R, buf);
             }
             free(buf);
@@ -911,12 +884,11 @@ static void attend(const att_args *a, int n_threads) {
     } else { /* no OpenMP region at all (a fork child cannot run one) */
         float *buf = malloc(scratch * sizeof(float));
         for (int64_t u = 0; buf && u < units; u++) {
-            const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, u);
+            const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, ngu, u);
             attend_unit(a, &ch, &w, R, buf);
         }
         free(buf);
     }
-    free(item_u), free(parts), free(first), free(us);
     free(qround);
     free(bnd);
 }

@@ -489,16 +489,8 @@ LP_INLINE float att_vsum(const float *w) {
     return ((t[4] + t[0]) + (t[6] + t[2])) + ((t[5] + t[1]) + (t[7] + t[3]));
 }
 
-/* One worker's scratch, in floats: the unit's Q rows (R x D), the scores of one tile pass (R x
- * span), K rows of one group widened (ATT_GROUP x D) and transposed (the same), one V group
- * widened, then the unit's running state: max M (R), sum S (R), nan seen (R), V sums (R x Dv). */
+/* A unit's running state, in floats: max M (R), sum S (R), nan seen (R), V sums (R x Dv) */
 LP_INLINE size_t att_state_floats(int64_t R, int64_t Dv) { return (size_t)(R * (Dv + 3)); }
-LP_INLINE size_t att_core_floats(int64_t R, int64_t D, int64_t Dv, int64_t span) {
-    return (size_t)(R * (D + span) + 2 * ATT_GROUP * D + ATT_VGROUP * Dv);
-}
-LP_INLINE size_t att_scratch_floats(int64_t R, int64_t D, int64_t Dv, int64_t span) {
-    return att_core_floats(R, D, Dv, span) + att_state_floats(R, Dv);
-}
 
 /* 8 rows of 8 floats (r[u][0..8)) transposed in registers: out[i] = (r[0][i], ..., r[7][i]) */
 LP_INLINE void v8_transpose(v8f r[8]) {
@@ -519,36 +511,114 @@ LP_INLINE void v8_transpose(v8f r[8]) {
     }
 }
 
-/* kT[d*8 + u] = K row u [d] for the 8 rows at k0 + u*ks (f32, d < D): the K block transposed so
- * that each lane of a vector is one cell */
-LP_INLINE void k_transpose8(float *restrict kT, const float *k0, int64_t ks, int64_t D) {
-    int64_t d = 0;
-    for (; d + 8 <= D; d += 8) {
-        v8f r[8];
-        for (int u = 0; u < 8; u++) r[u] = v8_load(k0 + u * ks + d);
-        v8_transpose(r);
-        for (int i = 0; i < 8; i++) v8_store(kT + (d + i) * 8, r[i]);
+/* Columns d0..d0+7 of 8 K rows (rows[u]: f16 bits where f16, else f32), transposed:
+ * r[e] = (row 0 [d0+e], ..., row 7 [d0+e]), a lane per cell. f16 rows are transposed as 16-bit
+ * values and widened after (F16C), so no widened copy of the rows is made. */
+LP_INLINE void kblock8(const void *const rows[8], const int f16, int64_t d0, v8f r[8]) {
+#if defined(__F16C__) && defined(__AVX2__)
+    if (f16) {
+        __m128i x[8], y[8];
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; u++) x[u] = _mm_loadu_si128((const __m128i *)((const uint16_t *)rows[u] + d0));
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) {
+            y[2 * p] = _mm_unpacklo_epi16(x[2 * p], x[2 * p + 1]);
+            y[2 * p + 1] = _mm_unpackhi_epi16(x[2 * p], x[2 * p + 1]);
+        }
+#pragma GCC unroll 2
+        for (int p = 0; p < 2; p++) {
+            x[4 * p + 0] = _mm_unpacklo_epi32(y[4 * p], y[4 * p + 2]);
+            x[4 * p + 1] = _mm_unpackhi_epi32(y[4 * p], y[4 * p + 2]);
+            x[4 * p + 2] = _mm_unpacklo_epi32(y[4 * p + 1], y[4 * p + 3]);
+            x[4 * p + 3] = _mm_unpackhi_epi32(y[4 * p + 1], y[4 * p + 3]);
+        }
+#pragma GCC unroll 4
+        for (int e = 0; e < 4; e++) {
+            const __m256 lo = _mm256_cvtph_ps(_mm_unpacklo_epi64(x[e], x[4 + e]));
+            const __m256 hi = _mm256_cvtph_ps(_mm_unpackhi_epi64(x[e], x[4 + e]));
+            memcpy(&r[2 * e], &lo, sizeof lo);
+            memcpy(&r[2 * e + 1], &hi, sizeof hi);
+        }
+        return;
     }
-    for (; d < D; d++)
-        for (int u = 0; u < 8; u++) kT[d * 8 + u] = k0[u * ks + d];
+#endif
+    if (f16) {
+        for (int e = 0; e < 8; e++)
+            for (int u = 0; u < 8; u++) r[e][u] = f16_bits_to_f32(((const uint16_t *)rows[u])[d0 + e]);
+        return;
+    }
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; u++) r[u] = v8_load((const float *)rows[u] + d0);
+    v8_transpose(r);
 }
 
-/* Scores of up to 4 query rows (q[i]) with the 16 cells of two transposed K blocks: per cell
- * ggml's simd_gemm order, one fma chain over d from 0 (lanes: cells; the rows and blocks are
- * independent chains, interleaved for the fma latency) */
-LP_INLINE void kq_rows4(const float *const q[4], const float *restrict kT, int64_t D, v8f o[4][2]) {
+/* column d of 8 K rows (a D % 8 tail) */
+LP_INLINE v8f kcol8(const void *const rows[8], const int f16, int64_t d) {
+    v8f r;
+    for (int u = 0; u < 8; u++)
+        r[u] = f16 ? f16_bits_to_f32(((const uint16_t *)rows[u])[d]) : ((const float *)rows[u])[d];
+    return r;
+}
+
+/* kT[(b*D + d)*8 + u] = row b*8+u [d], for the 16 rows (two blocks of 8): the K group transposed
+ * once for many query rows */
+LP_INLINE void k_transpose16(float *restrict kT, const void *const rows[16], const int f16, int64_t D) {
+    for (int b = 0; b < 2; b++) {
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) {
+            v8f r[8];
+            kblock8(rows + 8 * b, f16, d, r);
+            for (int e = 0; e < 8; e++) v8_store(kT + (b * D + d + e) * 8, r[e]);
+        }
+        for (; d < D; d++) v8_store(kT + (b * D + d) * 8, kcol8(rows + 8 * b, f16, d));
+    }
+}
+
+/* Scores of up to 4 query rows (q[i], i < nr) with the 16 cells of two transposed K blocks: per
+ * cell ggml's simd_gemm order, one fma chain over d from 0 (lanes: cells; the rows and blocks
+ * are independent chains, interleaved for the fma latency) */
+LP_INLINE void kq_rows4(const float *const q[4], const int nr, const float *restrict kT, int64_t D, v8f o[4][2]) {
     v8f a[4][2];
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = v8_splat(0.0f);
     for (int64_t d = 0; d < D; d++) {
         const v8f k0 = v8_load(kT + d * 8), k1 = v8_load(kT + (D + d) * 8);
 #pragma GCC unroll 4
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < nr; i++) {
             const v8f qv = v8_splat(q[i][d]);
             a[i][0] = v8_fma(qv, k0, a[i][0]);
             a[i][1] = v8_fma(qv, k1, a[i][1]);
         }
     }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) o[i][0] = a[i][0], o[i][1] = a[i][1];
+}
+
+/* The same for up to 4 query rows and the 16 K rows, transposed 8x8 in registers on the way (no
+ * transposed copy): for a unit of few rows (a decode step), where the copy would cost more than
+ * the products */
+LP_INLINE void kq_rows4_direct(const float *const q[4], const int nr, const void *const rows[16], const int f16,
+                               int64_t D, v8f o[4][2]) {
+    v8f a[4][2];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = v8_splat(0.0f);
+    int64_t d0 = 0;
+    for (; d0 + 8 <= D; d0 += 8) {
+#pragma GCC unroll 2
+        for (int blk = 0; blk < 2; blk++) {
+            v8f r[8];
+            kblock8(rows + 8 * blk, f16, d0, r);
+#pragma GCC unroll 8
+            for (int e = 0; e < 8; e++)
+#pragma GCC unroll 4
+                for (int i = 0; i < nr; i++) a[i][blk] = v8_fma(v8_splat(q[i][d0 + e]), r[e], a[i][blk]);
+        }
+    }
+    for (; d0 < D; d0++)
+        for (int blk = 0; blk < 2; blk++) {
+            const v8f kv = kcol8(rows + 8 * blk, f16, d0);
+            for (int i = 0; i < nr; i++) a[i][blk] = v8_fma(v8_splat(q[i][d0]), kv, a[i][blk]);
+        }
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) o[i][0] = a[i][0], o[i][1] = a[i][1];
 }
@@ -591,49 +661,44 @@ LP_INLINE int64_t att_row_q(const att_args *a, const att_unit *w, int64_t Rh, in
     return (w->kh0 + r / Rh) * a->g + w->gq0 + rr % w->ng; /* query head */
 }
 
-/* Tile j of a work unit, folded into its running state st (M, S, nan, acc): each row over its
- * token's tile j (att_chunks), as one step of llama.cpp's flash_attn_ext_tiled (ops.cpp) for that
- * row: (1) scores: per cell an fma chain over d (simd_gemm's order), times scale, plus the mask;
- * (2) the tile's max, the new max Mnew = fmaxf(M, max), and on a rise the state rescaled by
- * libm's expf(M - Mnew); the weights ggml's SIMD exp of (score - Mnew), packed by visible cell
- * into ATT_TILE lanes (padding: 0) and summed as ggml_vec_soft_max_f32 (each vector's tree sum,
- * those added in double), S = (float)(S + sum); (3) the V sums: per element one fma chain over
- * the cells in order, continuing the rescaled running sums (simd_gemm(VKQ32, KQ, V32)). Cells of
- * weight exactly 0 are skipped in (3), which changes no bit (a running sum from +0 is never -0).
- * K rows are widened and transposed once per group of ATT_GROUP cells for all rows of their head,
- * V rows once per group. What a row computes does not depend on the other rows of its unit. */
-static void attend_tile(const att_args *a, const att_chunks *ch, const att_unit *w, int64_t j, float *restrict buf,
-                        float *restrict st) {
-    const int64_t t0 = w->t0, t1 = w->t1, kh0 = w->kh0, nh = w->nh, Rh = (t1 - t0) * w->ng, R = nh * Rh;
-    const int64_t D = a->D, Dv = a->Dv, N = a->N, span = a->span;
-    const int kt = a->kt, vt = a->vt;
-    float *restrict M = st, *restrict S = M + R, *restrict nan_seen = S + R, *restrict acc = nan_seen + R;
-    int64_t lo = N, hi = 0; /* the cells of tile j of any of the unit's tokens */
-    for (int64_t t = t0; t < t1; t++)
+/* The cells [*lo, *hi) that tile j of any of a unit's tokens holds (empty: lo >= hi) */
+LP_INLINE void att_tile_cells(const att_chunks *ch, const att_unit *w, int64_t j, int64_t N, int64_t *lo, int64_t *hi) {
+    int64_t l = N, h = 0;
+    for (int64_t t = w->t0; t < w->t1; t++)
         if (j < ch->nch[t]) {
             const int64_t *b = ch->bnd + t * ch->nb + j;
-            lo = b[0] < lo ? b[0] : lo;
-            hi = b[1] > hi ? b[1] : hi;
+            l = b[0] < l ? b[0] : l;
+            h = b[1] > h ? b[1] : h;
         }
-    if (lo >= hi) return; /* no token of the unit has a tile j */
-    float *restrict qs = buf, *restrict sc = qs + R * D, *restrict kf = sc + R * span, *restrict kT = kf + ATT_GROUP * D,
-                    *restrict vf = kT + ATT_GROUP * D;
+    *lo = l, *hi = h < N ? h : N;
+}
+
+/* The rows' scores of score cells (mask, tile j's cells [lo, hi)) into sc (R x span, cell lo
+ * first), as one step of llama.cpp's flash_attn_ext_tiled (ops.cpp) computes them: per cell an
+ * fma chain over d from 0 (simd_gemm's order), times scale, plus the mask (-inf: -inf). K rows
+ * are widened once per group of ATT_GROUP cells for all rows of their head and transposed (by
+ * 8: a lane per cell). scr: qs (R x D), kf and kT (ATT_GROUP x D each), a zero row (D). */
+static void tile_scores(const att_args *a, const att_unit *w, int64_t lo, int64_t hi, float *restrict scr,
+                        float *restrict sc) {
+    const int64_t t0 = w->t0, t1 = w->t1, kh0 = w->kh0, nh = w->nh, ng = w->ng, Rh = (t1 - t0) * ng, R = nh * Rh;
+    const int64_t D = a->D, span = a->span;
+    const int kt = a->kt;
+    float *restrict qs = scr, *restrict kf = qs + R * D, *restrict kT = kf + ATT_GROUP * D, *zr = kT + ATT_GROUP * D;
+    memset(zr, 0, (size_t)D * sizeof(float)); /* (f32 zeros: f16 zeros too) */
     for (int64_t r = 0; r < R; r++) {
         int64_t t;
         const int64_t h = att_row_q(a, w, Rh, r, &t);
         memcpy(qs + r * D, a->q + (t * a->H + h) * D, (size_t)D * sizeof(float));
     }
     const float *mask = a->mask + t0 * a->mask_st;
-    const int64_t mask_st = a->mask_st, Tu = t1 - t0, ng = w->ng;
+    const int64_t mask_st = a->mask_st, Tu = t1 - t0;
     const float minf = -INFINITY, scale = a->scale;
-    const int64_t base = lo, end = hi < N ? hi : N, n_c = end - base; /* cells [base, end) */
-    const int64_t k_rb = att_row_bytes(kt, D), v_rb = att_row_bytes(vt, Dv);
-    unsigned char live[ATT_GROUP > ATT_VGROUP ? ATT_GROUP : ATT_VGROUP];
-    att_prefetch(a->k, kt, lo, ATT_PREFETCH, end, a->k_sn, a->k_sh, kh0, nh, k_rb);
-    /* (1) scores, ATT_GROUP cells at a time */
-    for (int64_t c0 = base; c0 < end; c0 += ATT_GROUP) {
-        const int64_t nb = end - c0 < ATT_GROUP ? end - c0 : ATT_GROUP;
-        att_prefetch(a->k, kt, c0 + ATT_PREFETCH, ATT_GROUP, end, a->k_sn, a->k_sh, kh0, nh, k_rb);
+    const int64_t k_rb = att_row_bytes(kt, D);
+    unsigned char live[ATT_GROUP];
+    att_prefetch(a->k, kt, lo, ATT_PREFETCH, hi, a->k_sn, a->k_sh, kh0, nh, k_rb);
+    for (int64_t c0 = lo; c0 < hi; c0 += ATT_GROUP) {
+        const int64_t nb = hi - c0 < ATT_GROUP ? hi - c0 : ATT_GROUP;
+        att_prefetch(a->k, kt, c0 + ATT_PREFETCH, ATT_GROUP, hi, a->k_sn, a->k_sh, kh0, nh, k_rb);
         int lv = 0;
         for (int64_t c = 0; c < nb; c++) {
             int l = 0;
@@ -643,32 +708,53 @@ static void attend_tile(const att_args *a, const att_chunks *ch, const att_unit 
         }
         if (!lv) {
             for (int64_t r = 0; r < R; r++)
-                for (int64_t c = 0; c < nb; c++) sc[r * span + c0 - base + c] = minf;
+                for (int64_t c = 0; c < nb; c++) sc[r * span + c0 - lo + c] = minf;
             continue;
         }
         for (int64_t hh = 0; hh < nh; hh++) {
             const int64_t kh = kh0 + hh;
-            /* the group's K rows as f32 (rows past the end: zeros), then transposed by 8 */
+            /* the group's K rows: f32 and f16 in place, quantized ones widened into kf; rows
+             * past the end, or seen by no row, a row of zeros (zr) */
+            const void *rows[ATT_GROUP];
+            const int f16 = kt == LP_KV_F16;
             for (int64_t c = 0; c < ATT_GROUP; c++) {
-                float *row = kf + c * D;
+                const int64_t off = (c0 + c) * a->k_sn + kh * a->k_sh;
                 if (c >= nb || !live[c])
-                    memset(row, 0, (size_t)D * sizeof(float));
+                    rows[c] = zr;
                 else if (kt == LP_KV_F32)
-                    memcpy(row, (const float *)a->k + (c0 + c) * a->k_sn + kh * a->k_sh, (size_t)D * sizeof(float));
-                else
-                    kv_row(row, a->k, (c0 + c) * a->k_sn + kh * a->k_sh, kt, D);
+                    rows[c] = (const float *)a->k + off;
+                else if (f16)
+                    rows[c] = (const uint16_t *)a->k + off;
+                else {
+                    kv_row(kf + c * D, a->k, off, kt, D);
+                    rows[c] = kf + c * D;
+                }
             }
-            k_transpose8(kT, kf, D, D);
-            k_transpose8(kT + 8 * D, kf + 8 * D, D, D);
+            const int rf16 = f16; /* (the zero row reads as 0 either way) */
+            if (Rh > 4) k_transpose16(kT, rows, rf16, D); /* many rows: one transposed copy for all */
             for (int64_t rr = 0; rr < Rh; rr += 4) {
+                const int nr = Rh - rr < 4 ? (int)(Rh - rr) : 4;
                 const float *qp[4];
-                for (int i = 0; i < 4; i++) qp[i] = qs + (hh * Rh + (rr + i < Rh ? rr + i : rr)) * D;
+                for (int i = 0; i < 4; i++) qp[i] = qs + (hh * Rh + (i < nr ? rr + i : rr)) * D;
                 v8f o[4][2];
-                kq_rows4(qp, kT, D, o);
-                for (int i = 0; i < 4 && rr + i < Rh; i++) {
-                    const int64_t r = hh * Rh + rr + i;
+                if (Rh > 4) {
+                    switch (nr) { /* (constant row counts: the loops unrolled) */
+                    case 1: kq_rows4(qp, 1, kT, D, o); break;
+                    case 2: kq_rows4(qp, 2, kT, D, o); break;
+                    case 3: kq_rows4(qp, 3, kT, D, o); break;
+                    default: kq_rows4(qp, 4, kT, D, o);
+                    }
+                } else {
+                    switch (nr) {
+                    case 1: kq_rows4_direct(qp, 1, rows, rf16, D, o); break;
+                    case 2: kq_rows4_direct(qp, 2, rows, rf16, D, o); break;
+                    case 3: kq_rows4_direct(qp, 3, rows, rf16, D, o); break;
+                    default: kq_rows4_direct(qp, 4, rows, rf16, D, o);
+                    }
+                }
+                for (int i = 0; i < nr; i++) {
                     const float *mr = mask + ((rr + i) / ng) * mask_st + c0;
-                    float *s = sc + r * span + c0 - base;
+                    float *s = sc + (hh * Rh + rr + i) * span + c0 - lo;
                     float d16[16];
                     v8_store(d16, o[i][0]);
                     v8_store(d16 + 8, o[i][1]);
@@ -677,28 +763,48 @@ static void attend_tile(const att_args *a, const att_chunks *ch, const att_unit 
             }
         }
     }
-    /* (2) each row's tile: its visible cells packed in order, max, rescale, weights, sum; the
-     * weights written back to the row's cells (0 elsewhere) for (3) */
+}
+
+/* Tile j's softmax step for each row, on its scores sc (tile_scores, cells [lo, hi)): the row's
+ * visible cells of its tile packed in order into ATT_TILE lanes (padding: -inf), their max, the
+ * new max Mnew = fmaxf(M, max) and on a rise the state rescaled by libm's expf(M - Mnew) (V sums
+ * only in columns [dv0, dv1)); the weights ggml's SIMD exp of (score - Mnew), summed as
+ * ggml_vec_soft_max_f32 (each SIMD vector's tree sum, added in double), S = (float)(S + sum).
+ * The weights are written back over sc at their cells (0 elsewhere). Returns whether any row has
+ * a weight. st: M (R), S (R), nan seen (R), V sums (R x Dv). */
+static int tile_softmax(const att_args *a, const att_chunks *ch, const att_unit *w, int64_t j, int64_t lo,
+                        int64_t hi, float *restrict sc, float *restrict st, int64_t dv0, int64_t dv1) {
+    const int64_t Rh = (w->t1 - w->t0) * w->ng, R = w->nh * Rh, Dv = a->Dv, span = a->span, n_c = hi - lo;
+    float *restrict M = st, *restrict S = M + R, *restrict nan_seen = S + R, *restrict acc = nan_seen + R;
+    const float minf = -INFINITY;
     int any_w = 0;
     for (int64_t r = 0; r < R; r++) {
         float *s = sc + r * span;
-        const int64_t t = t0 + (r % Rh) / ng;
-        int64_t w0 = 0, w1 = 0; /* the row's tile, relative to base */
+        const int64_t t = w->t0 + (r % Rh) / w->ng;
+        int64_t w0 = 0, w1 = 0; /* the row's tile, relative to lo */
         if (j < ch->nch[t]) {
             const int64_t *b = ch->bnd + t * ch->nb + j;
-            w0 = b[0] - base, w1 = b[1] - base < n_c ? b[1] - base : n_c;
+            w0 = b[0] - lo, w1 = b[1] - lo < n_c ? b[1] - lo : n_c;
         }
-        const float *mr = a->mask + t * mask_st + base;
+        const float *mr = a->mask + t * a->mask_st + lo;
         float tile[ATT_TILE];
         int32_t idx[ATT_TILE];
         int n = 0;
         for (int64_t c = w0; c < w1 && n < ATT_TILE; c++)
             if (mr[c] != minf) tile[n] = s[c], idx[n++] = (int32_t)c;
+        for (int i = n; i < ATT_TILE; i++) tile[i] = minf;
         memset(s, 0, (size_t)n_c * sizeof(float));
+        v8f m8 = v8_splat(minf);
+        v8i nan8 = {0};
+        for (int i = 0; i < ATT_TILE; i += 8) { /* the max is exact in any order; nan skipped */
+            const v8f x = v8_load(tile + i);
+            m8 = v8_select(x > m8, x, m8);
+            nan8 |= x != x;
+        }
         float mx = minf;
-        for (int i = 0; i < n; i++) {
-            if (tile[i] != tile[i]) nan_seen[r] = 1.0f; /* reaches the output through nan_seen */
-            else if (tile[i] > mx) mx = tile[i];
+        for (int u = 0; u < 8; u++) {
+            mx = m8[u] > mx ? m8[u] : mx;
+            if (nan8[u]) nan_seen[r] = 1.0f; /* reaches the output through nan_seen */
         }
         if (mx == minf) continue; /* nothing visible (or -inf/nan scores only): weights 0 */
         any_w = 1;
@@ -706,25 +812,38 @@ static void attend_tile(const att_args *a, const att_chunks *ch, const att_unit 
         if (Mnew > M[r]) {
             const float ms = expf(M[r] - Mnew); /* libm, as ggml (M = -inf first: 0) */
             float *ar = acc + r * Dv;
-            for (int64_t i = 0; i < Dv; i++) ar[i] *= ms;
+            for (int64_t i = dv0; i < dv1; i++) ar[i] *= ms;
             S[r] *= ms;
         }
         M[r] = Mnew;
         float wt[ATT_TILE];
-        for (int i = 0; i < ATT_TILE; i++) wt[i] = att_expf((i < n ? tile[i] : minf) - Mnew);
+        for (int i = 0; i < ATT_TILE; i++) wt[i] = att_expf(tile[i] - Mnew);
         double sum = 0.0;
         for (int i = 0; i < ATT_TILE; i += ATT_SUM_W) sum += (double)att_vsum(wt + i);
         S[r] = (float)((double)S[r] + sum);
         for (int i = 0; i < n; i++) s[idx[i]] = wt[i];
     }
-    /* (3) V sums in groups of cells (an f16/quantized group widened once for the rows of its
-     * head); cells of weight 0 are skipped */
-    if (any_w) att_prefetch(a->v, vt, lo, ATT_PREFETCH, end, a->v_sn, a->v_sh, kh0, nh, v_rb);
-    for (int64_t c0 = 0; any_w && c0 < n_c; c0 += ATT_VGROUP) {
-        const int64_t ng_ = n_c - c0 < ATT_VGROUP ? n_c - c0 : ATT_VGROUP;
-        att_prefetch(a->v, vt, base + c0 + ATT_PREFETCH, ATT_VGROUP, end, a->v_sn, a->v_sh, kh0, nh, v_rb);
+    return any_w;
+}
+
+/* Tile j's V sums for columns [dv0, dv1): per element one fma chain over the cells in order,
+ * continuing the rescaled running sums (ggml's simd_gemm(VKQ32, KQ, V32)), in groups of cells (an
+ * f16/quantized group widened once for the rows of its head). Cells of weight exactly 0 are
+ * skipped, which changes no bit (a running sum from +0 is never -0). A quantized V: the whole
+ * rows (dv0 = 0, dv1 = Dv). vf: ATT_VGROUP x Dv floats. */
+static void tile_v(const att_args *a, const att_unit *w, int64_t lo, int64_t hi, const float *restrict sc,
+                   float *restrict acc, int64_t dv0, int64_t dv1, float *restrict vf) {
+    const int64_t Rh = (w->t1 - w->t0) * w->ng, R = w->nh * Rh, Dv = a->Dv, span = a->span, n_c = hi - lo;
+    const int64_t kh0 = w->kh0, nh = w->nh, nd = dv1 - dv0;
+    const int vt = a->vt;
+    const int64_t v_rb = att_row_bytes(vt, Dv);
+    unsigned char live[ATT_VGROUP];
+    att_prefetch(a->v, vt, lo, ATT_PREFETCH, hi, a->v_sn, a->v_sh, kh0, nh, v_rb);
+    for (int64_t c0 = 0; c0 < n_c; c0 += ATT_VGROUP) {
+        const int64_t ngr = n_c - c0 < ATT_VGROUP ? n_c - c0 : ATT_VGROUP;
+        att_prefetch(a->v, vt, lo + c0 + ATT_PREFETCH, ATT_VGROUP, hi, a->v_sn, a->v_sh, kh0, nh, v_rb);
         int lv = 0;
-        for (int64_t i = 0; i < ng_; i++) {
+        for (int64_t i = 0; i < ngr; i++) {
             int li = 0;
             for (int64_t r = 0; r < R; r++) li |= sc[r * span + c0 + i] != 0.0f;
             live[i] = (unsigned char)li;
@@ -736,15 +855,15 @@ static void attend_tile(const att_args *a, const att_chunks *ch, const att_unit 
             const float *v0;
             int64_t vs;
             if (vt) {
-                for (int64_t i = 0; i < ng_; i++)
-                    if (live[i]) kv_row(vf + i * Dv, a->v, (base + c0 + i) * a->v_sn + kh * a->v_sh, vt, Dv);
-                v0 = vf, vs = Dv;
+                for (int64_t i = 0; i < ngr; i++)
+                    if (live[i]) kv_row(vf + i * nd, a->v, (lo + c0 + i) * a->v_sn + kh * a->v_sh + dv0, vt, nd);
+                v0 = vf, vs = nd;
             } else {
-                v0 = (const float *)a->v + kh * a->v_sh + (base + c0) * a->v_sn, vs = a->v_sn;
+                v0 = (const float *)a->v + kh * a->v_sh + (lo + c0) * a->v_sn + dv0, vs = a->v_sn;
             }
             for (int64_t rr = 0; rr < Rh; rr++) {
                 const int64_t r = hh * Rh + rr;
-                v_accumulate(acc + r * Dv, sc + r * span + c0, ng_, v0, vs, Dv);
+                v_accumulate(acc + r * Dv + dv0, sc + r * span + c0, ngr, v0, vs, nd);
             }
         }
     }
@@ -785,9 +904,14 @@ LP_INLINE att_unit att_unit_at(const att_args *a, const att_chunks *ch, int64_t 
     return w;
 }
 
-/* The unit's running state normalized into out: acc * (1/S), as ggml; a nan score: nan, as
- * numpy; nothing visible: zeros */
-static void att_store(const att_args *a, const att_unit *w, const float *st) {
+LP_INLINE void att_state_clear(float *st, int64_t R, int64_t Dv) {
+    for (int64_t r = 0; r < R; r++) st[r] = -INFINITY, st[R + r] = 0.0f, st[2 * R + r] = 0.0f;
+    memset(st + 3 * R, 0, (size_t)(R * Dv) * sizeof(float));
+}
+
+/* The unit's running state normalized into out, columns [dv0, dv1): acc * (1/S), as ggml; a nan
+ * score: nan, as numpy; nothing visible: zeros */
+static void att_store(const att_args *a, const att_unit *w, const float *st, int64_t dv0, int64_t dv1) {
     const int64_t Rh = (w->t1 - w->t0) * w->ng, R = w->nh * Rh, Dv = a->Dv, H = a->H;
     const float *M = st, *S = st + R, *n = st + 2 * R, *acc = st + 3 * R;
     for (int64_t r = 0; r < R; r++) {
@@ -796,34 +920,53 @@ static void att_store(const att_args *a, const att_unit *w, const float *st) {
         float *o = a->out + (t * H + h) * Dv;
         if (n[r] != 0.0f || M[r] == -INFINITY) {
             const float fill = n[r] != 0.0f ? NAN : 0.0f;
-            for (int64_t i = 0; i < Dv; i++) o[i] = fill;
+            for (int64_t i = dv0; i < dv1; i++) o[i] = fill;
             continue;
         }
         const float inv = S[r] == 0.0f ? 0.0f : 1.0f / S[r];
         const float *ar = acc + r * Dv;
-        for (int64_t i = 0; i < Dv; i++) o[i] = ar[i] * inv;
+        for (int64_t i = dv0; i < dv1; i++) o[i] = ar[i] * inv;
     }
 }
 
-/* A whole unit on one thread: its tiles in order */
+/* One worker's scratch, in floats: a tile's scores (R x span), the score pass's Q rows and K
+ * groups, one V group widened, then the unit's running state */
+LP_INLINE size_t att_core_floats(int64_t R, int64_t D, int64_t Dv, int64_t span) {
+    return (size_t)(R * span + R * D + (2 * ATT_GROUP + 1) * D + ATT_VGROUP * Dv);
+}
+LP_INLINE size_t att_scratch_floats(int64_t R, int64_t D, int64_t Dv, int64_t span) {
+    return att_core_floats(R, D, Dv, span) + att_state_floats(R, Dv);
+}
+
+/* A whole unit on one thread: its tiles in order, each scored, stepped and summed */
 static void attend_unit(const att_args *a, const att_chunks *ch, const att_unit *w, int64_t R_max, float *buf) {
-    const int64_t R = w->nh * (w->t1 - w->t0) * w->ng;
-    float *st = buf + att_core_floats(R_max, a->D, a->Dv, a->span);
-    for (int64_t r = 0; r < R; r++) st[r] = -INFINITY, st[R + r] = 0.0f, st[2 * R + r] = 0.0f;
-    memset(st + 3 * R, 0, (size_t)(R * a->Dv) * sizeof(float));
-    for (int64_t j = 0; j < w->n_chunks; j++) attend_tile(a, ch, w, j, buf, st);
-    att_store(a, w, st);
+    const int64_t R = w->nh * (w->t1 - w->t0) * w->ng, D = a->D, Dv = a->Dv;
+    float *sc = buf, *scr = sc + R_max * a->span, *vf = scr + R_max * D + (2 * ATT_GROUP + 1) * D;
+    float *st = buf + att_core_floats(R_max, D, Dv, a->span);
+    att_state_clear(st, R, Dv);
+    for (int64_t j = 0; j < w->n_chunks; j++) {
+        int64_t lo, hi;
+        att_tile_cells(ch, w, j, a->N, &lo, &hi);
+        if (lo >= hi) continue;
+        tile_scores(a, w, lo, hi, scr, sc);
+        if (tile_softmax(a, ch, w, j, lo, hi, sc, st, 0, Dv)) tile_v(a, w, lo, hi, sc, st + 3 * R, 0, Dv, vf);
+    }
+    att_store(a, w, st, 0, Dv);
 }
 
 /* Attention of T query tokens over N cells (ggml's flash_attn_ext, the arithmetic of its tiled
  * path for every row count): work units of (KV heads, query heads of a group, a block of query
  * tokens), each row's cells cut into tiles of ATT_TILE visible cells, stepped through in order
- * (an online softmax). A prompt (many query blocks) has one KV head per unit; a few tokens on one
- * thread every head in one unit, on several threads one unit per query head (llama.cpp splits a
- * single query's cells among its threads, which cannot keep the sequential tile order). Units
- * are whole, so the output does not depend on the thread count. Each unit reads only the cells
- * its tokens see (the causal lower triangle, one sequence's cells). Up to n_threads OpenMP
- * threads once the work reaches ATT_PAR_WORK. No state outside the call. */
+ * (an online softmax). A prompt (many query blocks) has one KV head per unit, each unit on one
+ * thread. A few tokens (decode): every head in one unit, and on several threads in two phases:
+ * the tiles' scores shared out (each score depends on its cell alone), then the V sums shared
+ * out by columns (each column's chain is sequential over the tiles on its own), each thread
+ * repeating the cheap softmax steps. llama.cpp instead splits one query's cells among its
+ * threads and combines their partial results, which cannot keep the sequential tile order.
+ * Either way a row's arithmetic is the same, so the output does not depend on the thread count
+ * or on the other rows. Each unit reads only the cells its tokens see (the causal lower
+ * triangle, one sequence's cells). Up to n_threads OpenMP threads once the work reaches
+ * ATT_PAR_WORK. No state outside the call. */
 static void attend(const att_args *a, int n_threads) {
     const int64_t T = a->T, N = a->N, Dv = a->Dv;
     if (T <= 0 || a->H <= 0 || a->Hkv <= 0 || Dv <= 0) return;
@@ -862,21 +1005,69 @@ static void attend(const att_args *a, int n_threads) {
 #else
     (void)n_threads;
 #endif
-    const int few = n_tb < 4 * (int64_t)nt; /* few query blocks */
-    /* one thread: every head in one unit (a cell's K and V rows read whole); threads: one KV
-     * head per unit, and with few query blocks one query head per unit */
-    const int64_t hpu = few && nt == 1 ? a->Hkv : 1, ngu = few && nt > 1 ? 1 : g;
-    const int64_t units = a->Hkv / hpu * (g / ngu) * n_tb;
-    const int64_t R = (tb < T ? tb : T) * ngu * hpu;
+    const int few = n_tb < 4 * (int64_t)nt; /* few query blocks: every head in each unit */
+    const int64_t hpu = few ? a->Hkv : 1, units = a->Hkv / hpu * n_tb;
+    const int64_t R = (tb < T ? tb : T) * g * hpu, D = a->D;
     a_r.span = att_tile_span(&ch, T, tb);
-    const size_t scratch = att_scratch_floats(R, a->D, Dv, a->span);
-    if (nt > 1) {
+    const int64_t span = a->span;
+    const size_t scratch = att_scratch_floats(R, D, Dv, span);
+    /* few units on threads: the (unit, tile) scores first, then (unit, column range) V sums */
+    int64_t *first = NULL, items = 0, ncol = 1;
+    float *scores = NULL;
+    if (nt > 1 && few) {
+        first = malloc((size_t)(units + 1) * sizeof(int64_t));
+        for (int64_t u = 0; first && u < units; u++) {
+            first[u] = items;
+            items += att_unit_at(a, &ch, tb, n_tb, hpu, g, u).n_chunks;
+        }
+        if (first) first[units] = items;
+        if (first && items > 1) scores = malloc((size_t)(items * R * span) * sizeof(float));
+        /* column ranges of whole 8-lane vectors (a quantized V: whole rows, as it is widened) */
+        ncol = a->vt >= LP_KV_Q8_0 ? 1 : (nt + units - 1) / units;
+        if (ncol > Dv / 8) ncol = Dv / 8 > 1 ? Dv / 8 : 1;
+    }
+    if (scores) {
+        const int64_t vitems = units * ncol, cw = (Dv / 8 + ncol - 1) / ncol * 8; /* columns per range */
+#pragma omp parallel num_threads(nt)
+        {
+            float *buf = malloc(scratch * sizeof(float)); /* NULL: nothing written */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < items; i++) {
+                int64_t u = 0;
+                while (first[u + 1] <= i) u++;
+                const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, g, u);
+                int64_t lo, hi;
+                att_tile_cells(&ch, &w, i - first[u], N, &lo, &hi);
+                if (buf && lo < hi) tile_scores(a, &w, lo, hi, buf + R * span, scores + i * R * span);
+            }
+            /* (the implicit barrier: every score is made) */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < vitems; i++) {
+                const int64_t u = i / ncol, dv0 = i % ncol * cw, dv1 = dv0 + cw < Dv ? dv0 + cw : Dv;
+                const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, g, u);
+                const int64_t Ru = w.nh * (w.t1 - w.t0) * w.ng;
+                if (!buf || dv0 >= Dv) continue;
+                float *sc = buf, *vf = buf + R * span + R * D + (2 * ATT_GROUP + 1) * D;
+                float *st = buf + att_core_floats(R, D, Dv, span);
+                att_state_clear(st, Ru, Dv);
+                for (int64_t j = 0; j < w.n_chunks; j++) {
+                    int64_t lo, hi;
+                    att_tile_cells(&ch, &w, j, N, &lo, &hi);
+                    if (lo >= hi) continue;
+                    memcpy(sc, scores + (first[u] + j) * R * span, (size_t)(Ru * span) * sizeof(float));
+                    if (tile_softmax(a, &ch, &w, j, lo, hi, sc, st, dv0, dv1)) tile_v(a, &w, lo, hi, sc, st + 3 * Ru, dv0, dv1, vf);
+                }
+                att_store(a, &w, st, dv0, dv1);
+            }
+            free(buf);
+        }
+    } else if (nt > 1) {
 #pragma omp parallel num_threads(nt)
         {
             float *buf = malloc(scratch * sizeof(float)); /* NULL: nothing written */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t u = 0; u < units; u++) {
-                const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, ngu, u);
+                const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, g, u);
                 if (buf) attend_unit(a, &ch, &w, R, buf);
             }
             free(buf);
@@ -884,11 +1075,12 @@ static void attend(const att_args *a, int n_threads) {
     } else { /* no OpenMP region at all (a fork child cannot run one) */
         float *buf = malloc(scratch * sizeof(float));
         for (int64_t u = 0; buf && u < units; u++) {
-            const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, ngu, u);
+            const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, g, u);
             attend_unit(a, &ch, &w, R, buf);
         }
         free(buf);
     }
+    free(scores), free(first);
     free(qround);
     free(bnd);
 }

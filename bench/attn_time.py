@@ -81,8 +81,7 @@ def main() -> None:
     q = rng.standard_normal((T, H, D)).astype(np.float32)
     cell, tok = np.arange(N)[None, :], np.arange(T)[:, None] + (N - T)
     per = T // S
-    first = np.where(tok - (N - T) >= per * (S - 1), 0, (N - T) + (tok - (N - T)) // per * per)  # sequence start
-    first = np.where(S == 1, 0, first)
+    first = 0 if S == 1 else (N - T) + (tok - (N - T)) // per * per  # each token's sequence's first cell
     mask = np.where((cell <= tok) & (cell >= first), 0.0, -np.inf).astype(np.float32)
     out = np.empty((T, H, D), np.float32)
     print(f"kernels {native.variant()}, {args.layers} layers x {N} cells, {H} heads / {Hkv} KV heads of {D}, "

@@ -440,7 +440,7 @@ typedef struct {
  * 1]) (the first cell of its visible cell number j*ATT_TILE; the last bound: after its last
  * visible cell), for j < nch[t]; nch[t] = 0: nothing visible. */
 typedef struct {
-    const int64_t *bnd, *nch;
+    const int64_t *bnd, *nch, *nvis; /* nvis[t]: token t's visible cells */
     int64_t nb; /* bounds per token: the most tiles N cells can make, plus one */
 } att_chunks;
 
@@ -700,11 +700,23 @@ static void tile_scores(const att_args *a, const att_unit *w, int64_t lo, int64_
         const int64_t nb = hi - c0 < ATT_GROUP ? hi - c0 : ATT_GROUP;
         att_prefetch(a->k, kt, c0 + ATT_PREFETCH, ATT_GROUP, hi, a->k_sn, a->k_sh, kh0, nh, k_rb);
         int lv = 0;
-        for (int64_t c = 0; c < nb; c++) {
-            int l = 0;
-            for (int64_t t = 0; t < Tu; t++) l |= mask[t * mask_st + c0 + c] != minf;
-            live[c] = (unsigned char)l;
-            lv |= l;
+        if (nb == 16) { /* cells any token sees: 8 lanes at a time */
+            v8i l0 = {0}, l1 = {0};
+            for (int64_t t = 0; t < Tu; t++) {
+                l0 |= v8_load(mask + t * mask_st + c0) != v8_splat(minf);
+                l1 |= v8_load(mask + t * mask_st + c0 + 8) != v8_splat(minf);
+            }
+            for (int u = 0; u < 8; u++) {
+                live[u] = (unsigned char)(l0[u] != 0), live[8 + u] = (unsigned char)(l1[u] != 0);
+                lv |= live[u] | live[8 + u];
+            }
+        } else {
+            for (int64_t c = 0; c < nb; c++) {
+                int l = 0;
+                for (int64_t t = 0; t < Tu; t++) l |= mask[t * mask_st + c0 + c] != minf;
+                live[c] = (unsigned char)l;
+                lv |= l;
+            }
         }
         if (!lv) {
             for (int64_t r = 0; r < R; r++)
@@ -755,6 +767,13 @@ static void tile_scores(const att_args *a, const att_unit *w, int64_t lo, int64_
                 for (int i = 0; i < nr; i++) {
                     const float *mr = mask + ((rr + i) / ng) * mask_st + c0;
                     float *s = sc + (hh * Rh + rr + i) * span + c0 - lo;
+                    if (nb == 16) { /* score * scale + mask; a -inf mask: -inf */
+                        for (int b = 0; b < 2; b++) {
+                            const v8f mv = v8_load(mr + 8 * b);
+                            v8_store(s + 8 * b, v8_select(mv == v8_splat(minf), mv, o[i][b] * v8_splat(scale) + mv));
+                        }
+                        continue;
+                    }
                     float d16[16];
                     v8_store(d16, o[i][0]);
                     v8_store(d16 + 8, o[i][1]);
@@ -790,8 +809,15 @@ static int tile_softmax(const att_args *a, const att_chunks *ch, const att_unit 
         float tile[ATT_TILE];
         int32_t idx[ATT_TILE];
         int n = 0;
-        for (int64_t c = w0; c < w1 && n < ATT_TILE; c++)
-            if (mr[c] != minf) tile[n] = s[c], idx[n++] = (int32_t)c;
+        const int64_t left = ch->nvis[t] - j * ATT_TILE, nj = left < ATT_TILE ? left : ATT_TILE;
+        const int dense = w1 - w0 == nj; /* the tile's cells all visible: no packing */
+        if (dense) {
+            n = (int)nj;
+            memcpy(tile, s + w0, (size_t)n * sizeof(float));
+        } else {
+            for (int64_t c = w0; c < w1 && n < ATT_TILE; c++)
+                if (mr[c] != minf) tile[n] = s[c], idx[n++] = (int32_t)c;
+        }
         for (int i = n; i < ATT_TILE; i++) tile[i] = minf;
         memset(s, 0, (size_t)n_c * sizeof(float));
         v8f m8 = v8_splat(minf);
@@ -821,7 +847,10 @@ static int tile_softmax(const att_args *a, const att_chunks *ch, const att_unit 
         double sum = 0.0;
         for (int i = 0; i < ATT_TILE; i += ATT_SUM_W) sum += (double)att_vsum(wt + i);
         S[r] = (float)((double)S[r] + sum);
-        for (int i = 0; i < n; i++) s[idx[i]] = wt[i];
+        if (dense)
+            memcpy(s + w0, wt, (size_t)n * sizeof(float));
+        else
+            for (int i = 0; i < n; i++) s[idx[i]] = wt[i];
     }
     return any_w;
 }
@@ -843,11 +872,24 @@ static void tile_v(const att_args *a, const att_unit *w, int64_t lo, int64_t hi,
         const int64_t ngr = n_c - c0 < ATT_VGROUP ? n_c - c0 : ATT_VGROUP;
         att_prefetch(a->v, vt, lo + c0 + ATT_PREFETCH, ATT_VGROUP, hi, a->v_sn, a->v_sh, kh0, nh, v_rb);
         int lv = 0;
-        for (int64_t i = 0; i < ngr; i++) {
-            int li = 0;
-            for (int64_t r = 0; r < R; r++) li |= sc[r * span + c0 + i] != 0.0f;
-            live[i] = (unsigned char)li;
-            lv |= li;
+        if (ngr == 16 && ATT_VGROUP == 16) { /* cells of any non-zero weight: 8 lanes at a time */
+            v8i l0 = {0}, l1 = {0};
+            const v8f zero = v8_splat(0.0f);
+            for (int64_t r = 0; r < R; r++) {
+                l0 |= v8_load(sc + r * span + c0) != zero;
+                l1 |= v8_load(sc + r * span + c0 + 8) != zero;
+            }
+            for (int u = 0; u < 8; u++) {
+                live[u] = (unsigned char)(l0[u] != 0), live[8 + u] = (unsigned char)(l1[u] != 0);
+                lv |= live[u] | live[8 + u];
+            }
+        } else {
+            for (int64_t i = 0; i < ngr; i++) {
+                int li = 0;
+                for (int64_t r = 0; r < R; r++) li |= sc[r * span + c0 + i] != 0.0f;
+                live[i] = (unsigned char)li;
+                lv |= li;
+            }
         }
         if (!lv) continue;
         for (int64_t hh = 0; hh < nh; hh++) {
@@ -972,9 +1014,9 @@ static void attend(const att_args *a, int n_threads) {
     if (T <= 0 || a->H <= 0 || a->Hkv <= 0 || Dv <= 0) return;
     /* each token's tiles: its visible cells, counted in cell order */
     const int64_t nbd = (N + ATT_TILE - 1) / ATT_TILE + 1;
-    int64_t *bnd = malloc((size_t)(T * (nbd + 1)) * sizeof(int64_t));
+    int64_t *bnd = malloc((size_t)(T * (nbd + 2)) * sizeof(int64_t));
     if (!bnd) return;
-    int64_t *nch = bnd + T * nbd;
+    int64_t *nch = bnd + T * nbd, *nvis = nch + T;
     for (int64_t t = 0; t < T; t++) {
         const float *mr = a->mask + t * a->mask_st;
         int64_t *bt = bnd + t * nbd, seen = 0, last = 0;
@@ -983,10 +1025,10 @@ static void attend(const att_args *a, int n_threads) {
                 if (seen % ATT_TILE == 0) bt[seen / ATT_TILE] = c;
                 seen++, last = c + 1;
             }
-        nch[t] = (seen + ATT_TILE - 1) / ATT_TILE;
+        nch[t] = (seen + ATT_TILE - 1) / ATT_TILE, nvis[t] = seen;
         bt[nch[t]] = last;
     }
-    const att_chunks ch = {bnd, nch, nbd};
+    const att_chunks ch = {bnd, nch, nvis, nbd};
     /* Q rounded through Q8_0 once for a quantized K (q_to_vec_dot); f32 and f16 K: Q stays f32,
      * as in llama.cpp's tiled path */
     float *qround = a->kt >= LP_KV_Q8_0 ? malloc((size_t)(T * a->H * a->D) * sizeof(float)) : NULL;

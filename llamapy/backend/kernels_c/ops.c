@@ -3,11 +3,12 @@
  * ggml counterparts (ggml-cpu): ops.cpp ggml_compute_forward_rms_norm (sum of squares in
  * ggml_float = double), ggml_compute_forward_rope (rope_yarn with ext_factor 0: plain
  * cos/sin of pos * theta_scale^i, neox and normal pairings), ggml_compute_forward_flash_attn_ext
- * (there an online softmax over each thread's share of the cells; here three passes per chunk of
- * a fixed number of a row's visible cells, the chunks folded in order, so that a row's result
- * depends only on its own visible cells in order: see attend_chunk and att_fold; V accumulated in
- * f32; an f16 cache gets Q rounded to f16 first, as q_to_vec_dot does), and vec.h
- * ggml_vec_swiglu_f32 / ggml_v_expf.
+ * (the arithmetic of its tiled path, flash_attn_ext_tiled, bit for bit over an f32/f16 cache, for
+ * every number of query rows: Q in f32, fma-chain scores, an online softmax stepped per tile of
+ * 64 cells with ggml's SIMD exp and sums; the tiles are 64 of a row's visible cells, so that a
+ * row's result depends only on its own visible cells in order: see tile_softmax; llama.cpp itself
+ * uses another arithmetic below 64 rows, and splits a decode query's cells among threads), and
+ * vec.h ggml_vec_swiglu_f32 / ggml_v_expf.
  * Attention takes any number of query tokens; threads are an argument of each call (none of
  * these kernels keeps state between calls).
  *
@@ -332,39 +333,6 @@ LP_INLINE v8f v8_fma(v8f a, v8f b, v8f c) {
 #else
     return a * b + c;
 #endif
-}
-
-/* [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7], x86's hadd_ps */
-LP_INLINE v8f v8_hadd(v8f a, v8f b) {
-    return SHUF8(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + SHUF8(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
-}
-
-/* lane c: the sum of a[c]'s lanes (8 horizontal sums in 6 hadds and one cross-half add) */
-LP_INLINE v8f v8_hsum8(const v8f a[8]) {
-    const v8f g0 = v8_hadd(v8_hadd(a[0], a[1]), v8_hadd(a[2], a[3]));
-    const v8f g1 = v8_hadd(v8_hadd(a[4], a[5]), v8_hadd(a[6], a[7]));
-    return SHUF8(g0, g1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF8(g0, g1, 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
-LP_INLINE float v8_sum(v8f a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
-
-/* dot products of one query row with the 8 K rows k0 + c*ks (c < 8): one accumulator per row,
- * the query vector loaded once for all 8, the horizontal sums done together */
-LP_INLINE v8f dot8(const float *restrict q, const float *restrict k0, int64_t ks, int64_t D) {
-    v8f a[8];
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; c++) a[c] = v8_splat(0.0f);
-    int64_t i = 0;
-    for (; i + 8 <= D; i += 8) {
-        const v8f qv = v8_load(q + i);
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; c++) a[c] = v8_fma(qv, v8_load(k0 + c * ks + i), a[c]);
-    }
-    v8f r = v8_hsum8(a);
-    for (; i < D; i++)
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; c++) r[c] = lp_fmaf(q[i], k0[c * ks + i], r[c]);
-    return r;
 }
 
 /* a[0..Dv) += sum over c < nb of w[c] * V row c (at v0 + c*vs); cells with weight 0 (masked,
@@ -1142,8 +1110,8 @@ LP_API void lp_attend(const float *q, int64_t T, int64_t H, int64_t D, const flo
     attend(&a, n_threads);
 }
 
-/* The same over an f16 cache (k, v: IEEE half bits; strides in elements). Q is rounded to f16
- * first, as llama.cpp and the reference kernel do; scores and V sums in f32. */
+/* The same over an f16 cache (k, v: IEEE half bits; strides in elements). Q stays f32 and the K
+ * and V rows are widened, as llama.cpp's tiled path does; scores and V sums in f32. */
 LP_API void lp_attend_f16(const float *q, int64_t T, int64_t H, int64_t D, const uint16_t *k, const uint16_t *v,
                           int64_t N, int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
                           const float *mask, int64_t mask_st, float scale, float *out, int n_threads) {

@@ -970,8 +970,8 @@ static void attend_unit(const att_args *a, const att_chunks *ch, const att_unit 
  * (an online softmax). A prompt (many query blocks) has one KV head per unit, each unit on one
  * thread. A few tokens (decode): every head in one unit, and on several threads in two phases:
  * the tiles' scores shared out (each score depends on its cell alone), then the V sums shared
- * out by columns (each column's chain is sequential over the tiles on its own), each thread
- * repeating the cheap softmax steps. llama.cpp instead splits one query's cells among its
+ * out by KV head and column range (each column's chain is sequential over the tiles on its
+ * own), each such item repeating its head's cheap softmax steps. llama.cpp instead splits one query's cells among its
  * threads and combines their partial results, which cannot keep the sequential tile order.
  * Either way a row's arithmetic is the same, so the output does not depend on the thread count
  * or on the other rows. Each unit reads only the cells its tokens see (the causal lower
@@ -1033,11 +1033,11 @@ static void attend(const att_args *a, int n_threads) {
         if (first) first[units] = items;
         if (first && items > 1) scores = malloc((size_t)(items * R * span) * sizeof(float));
         /* column ranges of whole 8-lane vectors (a quantized V: whole rows, as it is widened) */
-        ncol = a->vt >= LP_KV_Q8_0 ? 1 : (nt + units - 1) / units;
+        ncol = a->vt >= LP_KV_Q8_0 ? 1 : (3 * nt + units * hpu - 1) / (units * hpu); /* ~3 items a thread */
         if (ncol > Dv / 8) ncol = Dv / 8 > 1 ? Dv / 8 : 1;
     }
     if (scores) {
-        const int64_t vitems = units * ncol, cw = (Dv / 8 + ncol - 1) / ncol * 8; /* columns per range */
+        const int64_t vitems = units * hpu * ncol, cw = (Dv / 8 + ncol - 1) / ncol * 8; /* columns per range */
 #pragma omp parallel num_threads(nt)
         {
             float *buf = malloc(scratch * sizeof(float)); /* NULL: nothing written */
@@ -1053,9 +1053,12 @@ static void attend(const att_args *a, int n_threads) {
             /* (the implicit barrier: every score is made) */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < vitems; i++) {
-                const int64_t u = i / ncol, dv0 = i % ncol * cw, dv1 = dv0 + cw < Dv ? dv0 + cw : Dv;
-                const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, g, u);
-                const int64_t Ru = w.nh * (w.t1 - w.t0) * w.ng;
+                /* (unit, one of its KV heads, a column range): the head's rows of the unit's scores */
+                const int64_t u = i / (hpu * ncol), hh = i / ncol % hpu, dv0 = i % ncol * cw;
+                const int64_t dv1 = dv0 + cw < Dv ? dv0 + cw : Dv;
+                att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, g, u);
+                const int64_t Ru = (w.t1 - w.t0) * w.ng; /* rows of one KV head */
+                w.kh0 += hh, w.nh = 1;
                 if (!buf || dv0 >= Dv) continue;
                 float *sc = buf, *vf = buf + R * span + R * D + (2 * ATT_GROUP + 1) * D;
                 float *st = buf + att_core_floats(R, D, Dv, span);
@@ -1064,7 +1067,7 @@ static void attend(const att_args *a, int n_threads) {
                     int64_t lo, hi;
                     att_tile_cells(&ch, &w, j, N, &lo, &hi);
                     if (lo >= hi) continue;
-                    memcpy(sc, scores + (first[u] + j) * R * span, (size_t)(Ru * span) * sizeof(float));
+                    memcpy(sc, scores + ((first[u] + j) * R + hh * Ru) * span, (size_t)(Ru * span) * sizeof(float));
                     if (tile_softmax(a, &ch, &w, j, lo, hi, sc, st, dv0, dv1)) tile_v(a, &w, lo, hi, sc, st + 3 * Ru, dv0, dv1, vf);
                 }
                 att_store(a, &w, st, dv0, dv1);

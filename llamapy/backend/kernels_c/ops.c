@@ -377,6 +377,8 @@ LP_INLINE void v_accumulate(float *restrict a, const float *restrict w, int64_t 
  * everywhere. */
 #define ATT_TILE 64
 
+#define ATT_SCORES_MAX (64.0 * 1024 * 1024) /* bytes of scores the two-phase threaded decode keeps */
+
 #ifndef ATT_PAR_WORK
 #define ATT_PAR_WORK (1 << 20) /* multiply-adds (T*N*H*(D+Dv)) from which threads are used */
 #endif
@@ -617,8 +619,8 @@ LP_INLINE int64_t att_row_bytes(int t, int64_t n) {
 /* A work unit: the query tokens [t0, t1), the KV heads [kh0, kh0 + nh) and of each of their
  * groups the query heads [gq0, gq0 + ng): R = nh * Rh rows, Rh = (t1-t0)*ng per KV head (row r:
  * KV head kh0 + r/Rh, token t0 + (r%Rh)/ng, query head (kh0 + r/Rh)*g + gq0 + (r%Rh)%ng). One KV
- * head per unit for a prompt (many units); for a few tokens every head in one unit on one thread,
- * or units of fewer query heads to share among threads. */
+ * head per unit for a prompt (many units); for a few tokens every head in one unit (attend always
+ * takes whole groups: gq0 = 0, ng = g; att_row_q maps any). */
 typedef struct {
     int64_t kh0, nh, t0, t1, gq0, ng, n_chunks; /* n_chunks: the most tiles any of its tokens has */
 } att_unit;
@@ -1015,16 +1017,22 @@ static void attend(const att_args *a, int n_threads) {
 #else
     (void)n_threads;
 #endif
-    const int few = n_tb < 4 * (int64_t)nt; /* few query blocks: every head in each unit */
-    const int64_t hpu = few ? a->Hkv : 1, units = a->Hkv / hpu * n_tb;
-    const int64_t R = (tb < T ? tb : T) * g * hpu, D = a->D;
     a_r.span = att_tile_span(&ch, T, tb);
-    const int64_t span = a->span;
+    const int64_t span = a->span, D = a->D;
+    /* Fewer query blocks than threads (decode): every head in one unit and the two phases below,
+     * while their scores (every tile of every unit) take at most ATT_SCORES_MAX bytes; else one
+     * KV head per unit on threads. One thread and a few blocks: every head in one unit. */
+    int64_t max_tiles = 0;
+    for (int64_t t = 0; t < T; t++) max_tiles = nch[t] > max_tiles ? nch[t] : max_tiles;
+    const int two = nt > 1 && n_tb < nt &&
+                    (double)n_tb * (double)max_tiles * (double)((tb < T ? tb : T) * g * a->Hkv * span) * 4.0 <= ATT_SCORES_MAX;
+    const int64_t hpu = two || (nt == 1 && n_tb < 4) ? a->Hkv : 1, units = a->Hkv / hpu * n_tb;
+    const int64_t R = (tb < T ? tb : T) * g * hpu;
     const size_t scratch = att_scratch_floats(R, D, Dv, span);
-    /* few units on threads: the (unit, tile) scores first, then (unit, column range) V sums */
+    /* the (unit, tile) scores first, then the (unit, KV head, column range) V sums */
     int64_t *first = NULL, items = 0, ncol = 1;
     float *scores = NULL;
-    if (nt > 1 && few) {
+    if (two) {
         first = malloc((size_t)(units + 1) * sizeof(int64_t));
         for (int64_t u = 0; first && u < units; u++) {
             first[u] = items;
@@ -1100,7 +1108,7 @@ static void attend(const att_args *a, int n_threads) {
 
 #define ATT_ARGS(kt_, vt_)                                                                                       \
     {q, k, v, mask, out, T, H, D, N, Hkv, Dv, Hkv > 0 ? H / Hkv : 1, k_sn, k_sh, v_sn, v_sh, mask_st, scale, kt_, \
-     vt_}
+     vt_, 0}
 
 /* softmax(q k^T * scale + mask) v: q (T, H, D) contiguous; k (N, Hkv, D) and v (N, Hkv, Dv) with
  * strides in elements (rows contiguous); query head h reads KV head h / (H / Hkv); mask row t at

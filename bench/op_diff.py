@@ -4,7 +4,8 @@ llama.cpp's own inputs, from a dump of bench/op_dump.cpp, and compared with llam
 for bit, op by op and layer by layer (each op on llama.cpp's inputs, so one op's difference does not
 hide the next). A llama-architecture model with normal (not neox) RoPE, as the default SmolLM2.
 
-    python bench/op_diff.py DUMPDIR [--layers 0,1,15] [--rope-base 100000] [--eps 1e-5] [--model GGUF]
+    python bench/op_diff.py DUMPDIR [--layers 0,1,15|all] [--fa-only] [--rope-base 100000] [--eps 1e-5]
+        [--model GGUF]
 
 (LLAMAPY_KERNELS_VARIANT=avx2 / portable: the same comparison for another build variant.)
 
@@ -58,7 +59,8 @@ def report(name: str, got: np.ndarray, want: np.ndarray) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dump", type=Path)
-    ap.add_argument("--layers", default="0,1")
+    ap.add_argument("--layers", default="0,1", help="comma-separated, or 'all'")
+    ap.add_argument("--fa-only", action="store_true", help="FLASH_ATTN_EXT only")
     ap.add_argument("--rope-base", type=float, default=100000.0)
     ap.add_argument("--eps", type=float, default=1e-5)
     ap.add_argument("--model", type=Path, help="the GGUF file of the dump: also compare the MUL_MATs")
@@ -89,7 +91,12 @@ def main() -> None:
                           w.shape[0], _ptr(wsp), 1) != 0:
             raise SystemExit(f"error: lp_mul_mat cannot take {wname} ({t.tensor_type.name})")
         report(f"MUL_MAT {name} ({t.tensor_type.name}, {n_tok} tok)", y, want)
-    for il in (int(x) for x in a.layers.split(",")):
+    n_layers = sum(1 for r in dp.rows if r[2] == "FLASH_ATTN_EXT") if has_fa else 0
+    layers = range(n_layers) if a.layers == "all" else [int(x) for x in a.layers.split(",")]
+    for il in layers:
+        if a.fa_only:
+            fa_diff(dp, lib, il)
+            continue
         for which, src in ((0, "embd" if il == 0 else f"l_out-{il - 1}"), (1, f"ffn_inp-{il}")):
             x = np.ascontiguousarray(dp.get(src, "GET_ROWS" if src == "embd" else "ADD")[0, 0])  # (T, E)
             out = np.empty_like(x)
@@ -112,24 +119,42 @@ def main() -> None:
         lib.lp_swiglu(_ptr(g), _ptr(u), g.shape[0], g.shape[1], g.shape[1], u.shape[1], _ptr(out))
         report(f"SWIGLU L{il}", out, dp.get(f"ffn_swiglu-{il}", "SWIGLU")[0, 0])
         if has_fa:
-            q = np.ascontiguousarray(dp.get(f"Qcur-{il}", "ROPE")[0])  # (T, H, D)
-            T, H, D = q.shape
-            kc = dp.get(f"cache_k_l{il} (view)", "SET_ROWS")[0, 0][:T]  # (T, Hkv*D) f16 cells
-            vc = dp.get(f"cache_v_l{il} (view)", "SET_ROWS")[0, 0][:T]
-            hkv = kc.shape[1] // D
-            k, v = np.ascontiguousarray(kc.reshape(T, hkv, D)), np.ascontiguousarray(vc.reshape(T, hkv, D))
-            mask = np.where(np.arange(T)[None, :] <= np.arange(T)[:, None], 0.0, -np.inf).astype(np.float32)
-            want = dp.nth("FLASH_ATTN_EXT", il).reshape(T, H, D)
-            scale = 1.0 / np.sqrt(D)
-            for label, fn, kk, vv in (("f16 cache (lp_attend_f16)", lib.lp_attend_f16, k, v),
-                                      ("Q in f32 (lp_attend, cache as f32)", lib.lp_attend, k.astype(np.float32),
-                                       v.astype(np.float32))):
-                out = np.empty((T, H, D), np.float32)
-                fn(_ptr(q), T, H, D, _ptr(kk), _ptr(vv), T, hkv, D, hkv * D, D, hkv * D, D, _ptr(mask), T, scale, _ptr(out), 1)
-                report(f"FLASH_ATTN_EXT L{il} {label}", out, want)
+            fa_diff(dp, lib, il)
     if weights and any(r[1] == "result_output" for r in dp.rows):
         mul_mat("result_output", "output.weight" if "output.weight" in weights else "token_embd.weight")
 
+
+def fa_diff(dp: Dump, lib, il: int) -> None:  # noqa: ANN001 - the ctypes library
+    """FLASH_ATTN_EXT of layer il on llama.cpp's Q and cache: its n_stream sequences (one KV stream
+    each, as llama-perplexity; 1 for one sequence) laid out as llamapy does, one after the other in
+    one cache, each sequence's cells from a multiple of its length, a block-diagonal causal mask; on
+    1 and 2 threads, over the f16 cache and the same cache widened to f32."""
+    q = np.ascontiguousarray(dp.get(f"Qcur-{il}", "ROPE")[0])  # (T, H, D), tokens by sequence
+    T, H, D = q.shape
+    want_t = dp.nth("FLASH_ATTN_EXT", il)  # (ns, T/ns, H, D)
+    ns = want_t.shape[0] if want_t.ndim == 4 else 1
+    want = want_t.reshape(T, H, D)
+    ts = T // ns
+    rows = [r for r in dp.rows if r[2] == "SET_ROWS" and r[1].startswith(f"cache_k_l{il} ")]
+    kc = dp.get(rows[0][1], "SET_ROWS")[0, 0]  # (ns * cells per stream, Hkv*D) f16
+    vc = dp.get(rows[0][1].replace("cache_k", "cache_v"), "SET_ROWS")[0, 0]
+    per = kc.shape[0] // ns
+    hkv = kc.shape[1] // D
+    k = np.concatenate([kc[s * per : s * per + ts] for s in range(ns)]).reshape(T, hkv, D)
+    v = np.concatenate([vc[s * per : s * per + ts] for s in range(ns)]).reshape(T, hkv, D)
+    tok = np.arange(T)
+    vis = (tok[None, :] <= tok[:, None]) & (tok[None, :] // ts == tok[:, None] // ts)
+    mask = np.where(vis, 0.0, -np.inf).astype(np.float32)
+    scale = 1.0 / np.sqrt(D)
+    for label, fn, kk, vv in (("f16 cache (lp_attend_f16)", lib.lp_attend_f16, k, v),
+                              ("cache widened to f32 (lp_attend)", lib.lp_attend, k.astype(np.float32),
+                               v.astype(np.float32))):
+        kk, vv = np.ascontiguousarray(kk), np.ascontiguousarray(vv)
+        for nt in (1, 2):
+            out = np.empty((T, H, D), np.float32)
+            fn(_ptr(q), T, H, D, _ptr(kk), _ptr(vv), T, hkv, D, hkv * D, D, hkv * D, D, _ptr(mask), T, scale,
+               _ptr(out), nt)
+            report(f"FLASH_ATTN_EXT L{il} {label} -t {nt}", out, want)
 
 if __name__ == "__main__":
     main()

@@ -59,11 +59,11 @@ class ContextOptions:
     n_batch: int = 2048
     n_ubatch: int = 512
     n_threads: int = 0  # 0: every core
-    # f32 by default: measured faster here (no f16<->f32 conversion in attention; bench/RESULTS.md)
-    # at the same KL-divergence against llama.cpp; -ctk/-ctv f16 halves the cache, q8_0 / q4_0
-    # (model/kv_cache.py) take about a half / a quarter of f16
-    type_k: GGMLType = GGMLType.F32
-    type_v: GGMLType = GGMLType.F32
+    # f16 by default, as llama.cpp: with it the q8 path gives llama.cpp's logits for the same file
+    # (bench/RESULTS.md, "op by op"); f32 doubles the cache, q8_0 / q4_0 (model/kv_cache.py) take
+    # about a half / a quarter of f16
+    type_k: GGMLType = GGMLType.F16
+    type_v: GGMLType = GGMLType.F16
     no_kv_offload: bool = False
     op_offload: bool = True
     # CPU MUL_MAT: "q8" quantizes the activations as llama.cpp does (its numbers for the same

@@ -67,8 +67,8 @@ class Instance:
     n_prompt: int
     n_gen: int
     n_depth: int = 0  # cells of history filled (untimed) before each repetition
-    type_k: str = "f32"
-    type_v: str = "f32"
+    type_k: str = "f16"
+    type_v: str = "f16"
 
 
 def _int_list(value: str, flag: str, minimum: int) -> list[int]:
@@ -270,7 +270,7 @@ def decode_weight_bytes(model: Any) -> int:
 
 def _instances(
     ngls: list[int | str], threads: list[int], batches: list[int], ubatches: list[int], ps: list[int], ns: list[int],
-    depths: list[int] = [0], ctks: list[str] = ["f32"], ctvs: list[str] = ["f32"],  # noqa: B006 (never mutated)
+    depths: list[int] = [0], ctks: list[str] = ["f16"], ctvs: list[str] = ["f16"],  # noqa: B006 (never mutated)
 ) -> list[Instance]:  # fmt: skip
     """llama-bench's order (pp tests, then tg tests, for each parameter set), with -ngl outermost
     so that each -ngl loads the model once."""
@@ -351,16 +351,16 @@ _WIDTHS = {"model": -30, "size": 10, "params": 10, "backend": -10, "n_gpu_layers
            "n_batch": 7, "n_ubatch": 8, "type_k": -6, "type_v": -6, "test": 15, "t/s": 20, "eff_bw": 8, "bw_fraction": 8}  # fmt: skip
 
 
-def _md_fields(batches: list[int], ubatches: list[int], bandwidth: bool = False, ctks: list[str] = ["f32"],
-               ctvs: list[str] = ["f32"]) -> list[str]:  # fmt: skip  # noqa: B006
+def _md_fields(batches: list[int], ubatches: list[int], bandwidth: bool = False, ctks: list[str] = ["f16"],
+               ctvs: list[str] = ["f16"]) -> list[str]:  # fmt: skip  # noqa: B006
     f = ["model", "size", "params", "backend", "n_gpu_layers", "n_threads"]
     if batches != [_DEFAULT_BATCH]:
         f.append("n_batch")
     if ubatches != [_DEFAULT_UBATCH]:
         f.append("n_ubatch")
-    if ctks != ["f32"]:
+    if ctks != ["f16"]:  # llama-bench shows type_k only when it is not its default
         f.append("type_k")
-    if ctvs != ["f32"]:
+    if ctvs != ["f16"]:
         f.append("type_v")
     f += ["test", "t/s"]
     # llamapy's columns come after llama-bench's, so that its readers still find theirs
@@ -442,8 +442,8 @@ def bench(
     batch: str = typer.Option(str(_DEFAULT_BATCH), "-b", "--batch-size", help="logical batch sizes"),
     ubatch: str = typer.Option(str(_DEFAULT_UBATCH), "-ub", "--ubatch-size", help="physical batch sizes"),
     depth: str = typer.Option("0", "-d", "--n-depth", help="cells of history before each test, comma-separated"),
-    ctk: str = typer.Option("f32", "-ctk", "--cache-type-k", help="K cache types (f32 f16 q8_0 q4_0), comma-separated"),
-    ctv: str = typer.Option("f32", "-ctv", "--cache-type-v", help="V cache types, comma-separated"),
+    ctk: str = typer.Option("f16", "-ctk", "--cache-type-k", help="K cache types (f32 f16 q8_0 q4_0), comma-separated"),
+    ctv: str = typer.Option("f16", "-ctv", "--cache-type-v", help="V cache types, comma-separated"),
     reps: int = typer.Option(5, "-r", "--repetitions", help="repetitions of each test"),
     output: str = typer.Option("md", "-o", "--output", help="md or json"),
     no_warmup: bool = typer.Option(False, "--no-warmup", help="skip the unmeasured warmup run"),

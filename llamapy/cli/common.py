@@ -27,8 +27,8 @@ CTX = typer.Option(4096, "-c", "--ctx-size", help="context size (0 = the model's
 BATCH = typer.Option(2048, "-b", "--batch-size", help="logical batch size")
 UBATCH = typer.Option(512, "-ub", "--ubatch-size", help="physical batch size")
 THREADS = typer.Option(0, "-t", "--threads", help="threads (0 = all cores)")
-CTK = typer.Option("f32", "-ctk", "--cache-type-k", metavar="TYPE", help="K cache type: f32, f16, q8_0 or q4_0")
-CTV = typer.Option("f32", "-ctv", "--cache-type-v", metavar="TYPE", help="V cache type: f32, f16, q8_0 or q4_0")
+CTK = typer.Option("f16", "-ctk", "--cache-type-k", metavar="TYPE", help="K cache type: f32, f16, q8_0 or q4_0")
+CTV = typer.Option("f16", "-ctv", "--cache-type-v", metavar="TYPE", help="V cache type: f32, f16, q8_0 or q4_0")
 NKVO = typer.Option(False, "-nkvo", "--no-kv-offload", help="keep the KV cache in host memory")
 NO_OP_OFFLOAD = typer.Option(False, "--no-op-offload", help="never run ops on a GPU for weights in host memory")
 F32_ACT = typer.Option(False, "--f32-activations", help="CPU matmuls on float32 activations (exactness studies; default: 8-bit as llama.cpp)")
@@ -198,8 +198,8 @@ def load(
     batch: int = 2048,
     ubatch: int = 512,
     threads: int = 0,
-    ctk: str = "f32",
-    ctv: str = "f32",
+    ctk: str = "f16",
+    ctv: str = "f16",
     nkvo: bool = False,
     no_op_offload: bool = False,
     device: str | None = None,

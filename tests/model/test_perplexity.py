@@ -99,18 +99,26 @@ SMOL_Q41_BASE = Path(__file__).parent / "references" / "smollm2-q41-tempest-c128
 
 @pytest.mark.slow
 def test_kld_smollm2_q8_against_llama_cpp_same_file(tmp_path: Path, default_model: Path) -> None:
-    """llama.cpp's logits for the SAME Q4_1 file (references/README.md says how they were made).
-    Not near 0, as on tiny32 (test_kld_tiny32_q8): the 8-bit activation rounding turns
-    float-order differences into different roundings downstream. Measured on this file, c128 x 3
-    chunks: llama.cpp -ub 1 against its own -ub 512 run 0.0050 (same top 95.2 %), -t 1 -fa off
-    0.0051; llamapy q8 0.0045 (95.8 %; 0.0051 before its activation quantizer, q-type sum order
-    and RMS norm were made llama.cpp's, bit-equal on llama.cpp's inputs: attention still differs),
-    f32 activations 0.0046. The same base regenerated on the Intel host is byte-identical."""
+    """llama.cpp's logits for the SAME Q4_1 file (references/README.md says how they were made:
+    llama-perplexity, c128 x 3 chunks, its default f16 cache, an AVX-512 build). With 8-bit
+    activations any 1-ulp difference flips roundings downstream (llama.cpp -ub 1 against its own
+    -ub 512 run: 0.0050, same top 95.2 %), so this is near 0 only when every op is bit-equal to
+    that build's: the q8 path with the avx512 kernel library, f16 cache (the default), measured
+    0.000000 / 100 % (0.0051 before the x86 quantizer, ggml's sum order, RMS norm and the tiled
+    flash attention of 2026-12-02; 0.0050 with an f32 cache). The avx2 and portable libraries follow
+    an AVX2 build of llama.cpp (its SIMD exp, 8-lane sums), which this AVX-512 base is not: for
+    them only the q8 noise level is checked."""
+    from llamapy.backend import native
+
     base = tmp_path / "smol-q41.kld"
     base.write_bytes(lzma.decompress(SMOL_Q41_BASE.read_bytes()))
     s = kld_against(default_model, base, 2048, 512)
-    assert s.mean_kld()[0] <= 0.0065
-    assert s.same_top()[0] >= 0.93
+    if native.variant() == "avx512":
+        assert s.mean_kld()[0] <= 0.0005
+        assert s.same_top()[0] >= 0.98
+    else:
+        assert s.mean_kld()[0] <= 0.0065
+        assert s.same_top()[0] >= 0.93
 
 
 # -- the files llamapy writes ------------------------------------------------------------------

@@ -53,9 +53,9 @@ def test_without_meminfo_sysconf_is_the_fallback(monkeypatch) -> None:  # noqa: 
 
 
 def test_kv_cache_check_uses_mem_available(tiny32, fake_meminfo) -> None:  # noqa: ANN001
-    # tiny32's f32 KV cache: 32 layers x 2 x 128 floats = 32 KiB a cell, 128 MiB at -c 4096
-    fake_meminfo(24 * 1024 * MiB, 20 * 1024 * MiB, 64 * MiB)  # plenty free, little available
-    with pytest.raises(OutOfMemoryError, match=r"-c 4096 needs 128 MiB of host memory .* only 64 MiB are available"):
+    # tiny32's f16 KV cache (the default): 32 layers x 2 x 128 halves = 16 KiB a cell, 64 MiB at -c 4096
+    fake_meminfo(24 * 1024 * MiB, 20 * 1024 * MiB, 32 * MiB)  # plenty free, little available
+    with pytest.raises(OutOfMemoryError, match=r"-c 4096 needs 64 MiB of host memory .* only 32 MiB are available"):
         open_llm(tiny32, n_ctx=4096)
     fake_meminfo(24 * 1024 * MiB, 1 * MiB, 20 * 1024 * MiB)  # little free, plenty available
     with open_llm(tiny32, n_ctx=4096) as llm:

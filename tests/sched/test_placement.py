@@ -8,13 +8,17 @@ import pytest
 
 import llamapy
 from llamapy.context import ContextOptions, ModelOptions
-from llamapy.types import OutOfMemoryError
+from llamapy.types import GGMLType, OutOfMemoryError
 
 
 def _llm(path, ngl=0, ot=(), ts=(), **ctx):  # noqa: ANN001, ANN003
     # float32 activations: the logits of different placements are compared to 1e-4, and the
     # CPU's default 8-bit activations round differently wherever the float32 sums of the two
-    # placements differ in order (the q8 mode is checked in tests/model)
+    # placements differ in order (the q8 mode is checked in tests/model); an f32 cache for the
+    # same reason: an f16 cache rounds K/V, so those float-order differences (4e-6 of the logits on
+    # SmolLM2) flip a few f16 roundings and reach 1e-4
+    ctx.setdefault("type_k", GGMLType.F32)
+    ctx.setdefault("type_v", GGMLType.F32)
     co = ContextOptions(n_ctx=ctx.pop("n_ctx", 256), cpu_matmul=ctx.pop("cpu_matmul", "f32"), **ctx)
     return llamapy.Llama(path, model_options=ModelOptions(n_gpu_layers=ngl, override_tensor=ot, tensor_split=ts), context_options=co)
 

@@ -27,6 +27,11 @@ differently from the one-token kernels and change greedy text: decode tokens and
 Prompt cache: an idle slot keeps the K/V of the tokens it last held; a new request goes to the free
 slot sharing the longest prefix with its prompt and only the rest is evaluated. What idle slots keep
 is bounded in bytes (`cache_bytes`): past it, the least recently used slot's cells are dropped.
+Where another slot (busy or idle) holds a longer prefix of the prompt — every chat starts with the
+template's system prompt — its cells are shared into the new slot's sequence (`KVCache.seq_cp`:
+llama_memory_seq_cp on a unified cache, no K/V copied) instead of being evaluated again; only
+where the context is batch-invariant, so those cells are the bits this prompt alone would write.
+The shared tokens count as cached (usage, timings' cache_n) and within the slot's context.
 
 Faults: a decode that fails ends the requests in that micro-batch, not the engine. A lost device
 (DeviceLostError: a remote node died or stopped answering) takes the context's state with it, so
@@ -56,6 +61,7 @@ from .generate import log_softmax
 
 if TYPE_CHECKING:  # asyncio is imported where a server uses it: ~1.5 MiB (ssl) for every `run`
     import asyncio
+from .model.kv_cache import MAX_SHARE_SEQ
 from .model.sampler import Sampler, SamplingParams
 from .types import ContextFullError, DeviceLostError, LlamapyError
 
@@ -193,6 +199,9 @@ class EngineMetrics:
     # not llama-server's: what `llamapy batch` reports (its micro-batches and their decode time)
     n_batch_tokens_max: int = 0
     decode_seconds_total: float = 0.0
+    # not llama-server's: prompt tokens whose cells another slot's sequence shared (seq_cp); part
+    # of prompt_tokens_cached_total
+    prompt_tokens_shared_total: int = 0
 
 
 Sink = Callable[[Event], None]
@@ -304,6 +313,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._kv_version = -1  # the KV cache's state after our last step (see _check_kv)
+        # prompt prefixes are shared across slots (seq_cp) where every slot's sequence can share cells
+        self._share = all(s.seq < MAX_SHARE_SEQ for s in self.slots)
         self.loop_error: BaseException | None = None
         # a device of the context was lost (DeviceLostError): the requests running on it failed,
         # and nothing more can run on this context; the error's text (it names the device)
@@ -368,7 +379,7 @@ class Engine:
             # trust the cells, not the caller: keep only the prefix whose positions the sequence
             # really holds (a generation cut by -n never decoded its last token)
             kv = self.ctx.kv
-            held = kv.pos[(kv.seq == s.seq) & (kv.pos >= 0) & (kv.pos < len(toks))]
+            held = kv.pos[kv.holds(s.seq) & (kv.pos >= 0) & (kv.pos < len(toks))]
             have = np.zeros(len(toks) + 1, bool)
             have[held] = True
             s.cached = toks[: int(np.argmin(have))]
@@ -471,8 +482,16 @@ class Engine:
     def _start(self, slot: _Slot, job: _Job) -> None:
         job.t_start = time.perf_counter()
         keep = _common_prefix(slot.cached, job.prompt) if job.req.cache_prompt else 0
-        keep = min(keep, len(job.prompt) - 1)  # the last prompt token is evaluated for its logits
-        self.ctx.kv.seq_rm(slot.seq, keep)
+        last = len(job.prompt) - 1  # the last prompt token is evaluated for its logits
+        keep = min(keep, last)
+        donor, shared = self._donor(slot, job) if job.req.cache_prompt else (None, 0)
+        if donor is not None and min(shared, last) > keep:
+            keep = min(shared, last)
+            self.ctx.kv.seq_rm(slot.seq)
+            self.ctx.kv.seq_cp(donor.seq, slot.seq, 0, keep)
+            self.metrics.prompt_tokens_shared_total += keep
+        else:
+            self.ctx.kv.seq_rm(slot.seq, keep)
         slot.cached = job.prompt[:keep]
         slot.job = job
         job.n_done = job.n_cached = keep
@@ -481,6 +500,24 @@ class Engine:
             job.sampler.accept(t)
         job.decoder = self.tokenizer.stream_decoder(job.req.special)
         self.metrics.prompt_tokens_cached_total += keep
+
+    def _donor(self, slot: _Slot, job: _Job) -> tuple[_Slot | None, int]:
+        """The other slot (busy or idle) whose cells hold the longest prefix of the prompt, and
+        its length: those cells are shared into this slot's sequence (seq_cp) instead of being
+        evaluated again — e.g. the chat template's system prompt every conversation starts with.
+        Only where a token's K/V are the same bits in any batch (batch_invariant: the donor
+        evaluated them in other micro-batches than this prompt alone would) and where the
+        cache can share cells between these sequences."""
+        if not self._share or not self.ctx.batch_invariant():
+            return None, 0
+        best, n = None, 0
+        for s in self.slots:
+            if s is slot or not s.cached:
+                continue
+            k = _common_prefix(s.cached, job.prompt)
+            if k > n:
+                best, n = s, k
+        return best, n
 
     def step(self) -> bool:
         """Cancel, admit, decode one micro-batch and sample. Returns False when there was nothing

@@ -144,6 +144,57 @@ def test_prompt_cache_reuse_and_bound(llm: Llama) -> None:
     assert tokens(evs) == ref
 
 
+def test_prompt_prefix_shared_across_slots(llm: Llama) -> None:
+    """A request whose prompt shares a prefix with what another (busy) slot holds evaluates only
+    the rest: the prefix's cells join its sequence (seq_cp). Its tokens and logprobs are the bits
+    of a run alone, also after the slot that wrote the shared cells moves on to another prompt."""
+    head = "the cat and the dog sat on the mat in the house of"
+    a, b, c = head + " it all", head + " a b c d e", "she said it"
+
+    def req(text: str) -> Request:
+        return Request(llm.tokenize(text), 12, GREEDY, logprobs=3)
+
+    def bits(evs: list) -> list:
+        return [(e.token, e.logprob, e.top_logprobs) for e in evs if e.kind == "token"]
+
+    refs = {}
+    for t in (a, b, c):
+        llm.ctx.kv.clear()
+        refs[t] = bits(next(iter(run_all(Engine(llm.ctx), [req(t)]).values())))
+    pa, pb = llm.tokenize(a), llm.tokenize(b)
+    n_head = next(i for i, (x, y) in enumerate(zip(pa, pb)) if x != y)
+    assert n_head > 8
+    llm.ctx.kv.clear()
+    eng = Engine(llm.ctx, n_parallel=2, n_ctx_slot=128)
+    out: dict[int, list] = {}
+
+    def sink(ev) -> None:
+        out.setdefault(ev.id, []).append(ev)
+
+    ia = eng.submit(req(a), sink)
+    for _ in range(3):  # a's prompt is evaluated, it generates
+        eng.step()
+    evaluated = eng.metrics.prompt_tokens_total
+    ib = eng.submit(req(b), sink)
+    eng.step()  # b starts beside a, sharing a's cells of the common prefix
+    assert eng.metrics.prompt_tokens_total - evaluated == len(pb) - n_head
+    assert eng.metrics.prompt_tokens_shared_total == n_head
+    while out[ia][-1].kind != "done":
+        eng.step()
+    ic = eng.submit(req(c), sink)  # takes a's slot and drops a's cells but those b shares
+    while any(i not in out or out[i][-1].kind != "done" for i in (ib, ic)):
+        eng.step()
+    assert bits(out[ia]) == refs[a]
+    assert bits(out[ib]) == refs[b]
+    assert bits(out[ic]) == refs[c]
+    done = out[ib][-1]
+    assert done.usage.cached_tokens == n_head and done.timings.prompt_n == len(pb) - n_head
+    eng.close()
+    for s in eng.slots:  # with no slot holding them, no cell is left
+        llm.ctx.kv.seq_rm(s.seq)
+    assert llm.ctx.kv.n_used() == 0
+
+
 def test_cache_dropped_when_someone_else_uses_the_kv(llm: Llama) -> None:
     p = llm.tokenize(PROMPTS[0])
     eng = Engine(llm.ctx, n_parallel=1)

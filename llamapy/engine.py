@@ -49,6 +49,7 @@ import itertools
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -309,6 +310,9 @@ class Engine:
         self._cv = threading.Condition(self._lock)
         self._waiting: deque[_Job] = deque()
         self._cancel: set[int] = set()
+        # per asyncio loop driving this engine: its event hand-over (open_async); weak, so a
+        # closed loop is forgotten
+        self._posts: weakref.WeakKeyDictionary[Any, _LoopPost] = weakref.WeakKeyDictionary()
         self._step_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -484,40 +488,68 @@ class Engine:
         keep = _common_prefix(slot.cached, job.prompt) if job.req.cache_prompt else 0
         last = len(job.prompt) - 1  # the last prompt token is evaluated for its logits
         keep = min(keep, last)
-        donor, shared = self._donor(slot, job) if job.req.cache_prompt else (None, 0)
-        if donor is not None and min(shared, last) > keep:
-            keep = min(shared, last)
-            self.ctx.kv.seq_rm(slot.seq)
-            self.ctx.kv.seq_cp(donor.seq, slot.seq, 0, keep)
-            self.metrics.prompt_tokens_shared_total += keep
-        else:
-            self.ctx.kv.seq_rm(slot.seq, keep)
+        self.ctx.kv.seq_rm(slot.seq, keep)
         slot.cached = job.prompt[:keep]
         slot.job = job
         job.n_done = job.n_cached = keep
+        self._share_prefix(slot)
         job.sampler = Sampler(job.req.sampling)
         for t in job.prompt:
             job.sampler.accept(t)
         job.decoder = self.tokenizer.stream_decoder(job.req.special)
         self.metrics.prompt_tokens_cached_total += keep
 
-    def _donor(self, slot: _Slot, job: _Job) -> tuple[_Slot | None, int]:
-        """The other slot (busy or idle) whose cells hold the longest prefix of the prompt, and
-        its length: those cells are shared into this slot's sequence (seq_cp) instead of being
-        evaluated again — e.g. the chat template's system prompt every conversation starts with.
-        Only where a token's K/V are the same bits in any batch (batch_invariant: the donor
-        evaluated them in other micro-batches than this prompt alone would) and where the
-        cache can share cells between these sequences."""
-        if not self._share or not self.ctx.batch_invariant():
-            return None, 0
-        best, n = None, 0
+    def _sharing(self, job: _Job) -> bool:
+        """Whether this prompt may take other slots' cells: only where a token's K/V are the
+        same bits in any micro-batch (batch_invariant: another slot evaluated them in other
+        micro-batches than this prompt alone would), and where the cache can share cells
+        between the slots' sequences."""
+        return self._share and job.req.cache_prompt and self.ctx.batch_invariant()
+
+    def _share_prefix(self, slot: _Slot) -> None:
+        """If another slot (busy or idle) holds a longer prefix of this slot's prompt than the
+        slot has, and the request has evaluated nothing itself yet, that slot's cells of it join
+        this slot's sequence (seq_cp) instead of being evaluated again — e.g. the chat
+        template's system prompt every conversation starts with."""
+        job = slot.job
+        assert job is not None
+        if job.n_done != job.n_cached or not self._sharing(job):
+            return
+        best, n = None, job.n_done
+        last = len(job.prompt) - 1  # the last prompt token is evaluated for its logits
         for s in self.slots:
-            if s is slot or not s.cached:
+            if s is not slot and s.cached:
+                k = min(_common_prefix(s.cached, job.prompt), last)
+                if k > n:
+                    best, n = s, k
+        if best is None:
+            return
+        kv = self.ctx.kv
+        kv.seq_rm(slot.seq)
+        kv.seq_cp(best.seq, slot.seq, 0, n)
+        slot.cached = job.prompt[:n]
+        self.metrics.prompt_tokens_cached_total += n - job.n_done
+        self.metrics.prompt_tokens_shared_total += n
+        job.n_done = job.n_cached = n
+
+    def _waits(self, slot: _Slot) -> bool:
+        """Whether this slot's prompt should wait a step: an earlier request still evaluating its
+        prompt is about to write cells of a prefix the two share (requests arriving together,
+        all opening with the same system prompt), which this one then takes (_share_prefix)
+        instead of evaluating it a second time in the same step."""
+        job = slot.job
+        assert job is not None
+        if job.n_done != job.n_cached or not self._sharing(job):
+            return False
+        last = len(job.prompt) - 1
+        for s in self.slots:
+            o = s.job
+            if o is None or s is slot or o.id > job.id or o.n_done >= len(o.prompt) or not o.req.cache_prompt:
                 continue
-            k = _common_prefix(s.cached, job.prompt)
-            if k > n:
-                best, n = s, k
-        return best, n
+            k = min(_common_prefix(o.prompt, job.prompt), last)
+            if k > job.n_done and o.n_done < k:
+                return True
+        return False
 
     def step(self) -> bool:
         """Cancel, admit, decode one micro-batch and sample. Returns False when there was nothing
@@ -544,6 +576,9 @@ class Engine:
             job = s.job
             assert job is not None
             if job.n_done >= len(job.prompt):
+                continue
+            self._share_prefix(s)  # what another slot evaluated since this request started
+            if self._waits(s):
                 continue
             if n_tokens >= self.ctx.n_batch and calls:
                 break
@@ -811,11 +846,36 @@ class Engine:
 
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Event] = asyncio.Queue()
+        with self._lock:
+            post = self._posts.get(loop)
+            if post is None:
+                post = self._posts[loop] = _LoopPost(loop)
+        return AsyncEvents(self, self.submit(req, lambda ev: post.put(q, ev)), q)
 
-        def sink(ev: Event) -> None:
-            loop.call_soon_threadsafe(q.put_nowait, ev)
 
-        return AsyncEvents(self, self.submit(req, sink), q)
+class _LoopPost:
+    """Hands events from the engine's thread to one asyncio loop: one wake-up of the loop
+    (call_soon_threadsafe: a write to its self-pipe) for every event posted until the loop runs
+    the hand-over, not one per event — a step's events for all the streams on that loop arrive
+    together (the engine holds the GIL while it emits them)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.items: list[tuple[asyncio.Queue[Event], Event]] = []
+
+    def put(self, q: asyncio.Queue[Event], ev: Event) -> None:
+        with self.lock:
+            self.items.append((q, ev))
+            if len(self.items) > 1:
+                return  # a hand-over is already scheduled
+        self.loop.call_soon_threadsafe(self._hand_over)
+
+    def _hand_over(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+        for q, ev in items:
+            q.put_nowait(ev)
 
 
 class AsyncEvents:
@@ -832,10 +892,19 @@ class AsyncEvents:
         return self._iter()
 
     async def _iter(self) -> AsyncIterator[Event]:
+        async for evs in self.batches():
+            for ev in evs:
+                yield ev
+
+    async def batches(self) -> AsyncIterator[list[Event]]:
+        """The events in batches: each with every event already waiting, so a server answers a
+        step's events (a token, the end, the usage) with one write."""
         while not self.done:
-            ev = await self._q.get()
-            self.done = ev.kind == "done"
-            yield ev
+            evs = [await self._q.get()]
+            while not self._q.empty():
+                evs.append(self._q.get_nowait())
+            self.done = evs[-1].kind == "done"
+            yield evs
 
     def close(self) -> None:
         if not self.done:

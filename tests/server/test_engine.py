@@ -193,6 +193,14 @@ def test_prompt_prefix_shared_across_slots(llm: Llama) -> None:
     for s in eng.slots:  # with no slot holding them, no cell is left
         llm.ctx.kv.seq_rm(s.seq)
     assert llm.ctx.kv.n_used() == 0
+    # arriving together: b waits one step for a's cells of the prefix instead of evaluating it too
+    eng = Engine(llm.ctx, n_parallel=3, n_ctx_slot=128)
+    res = run_all(eng, [req(a), req(b), req(c)])
+    assert [bits(evs) for evs in res.values()] == [refs[a], refs[b], refs[c]]
+    pc = llm.tokenize(c)
+    n_c = next(i for i, (x, y) in enumerate(zip(pa, pc)) if x != y)  # c shares a's first tokens
+    assert eng.metrics.prompt_tokens_total == len(pa) + len(pb) - n_head + len(pc) - n_c
+    assert [evs[-1].usage.cached_tokens for evs in res.values()] == [0, n_head, n_c]
 
 
 def test_cache_dropped_when_someone_else_uses_the_kv(llm: Llama) -> None:

@@ -49,7 +49,6 @@ import itertools
 import queue
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -310,9 +309,6 @@ class Engine:
         self._cv = threading.Condition(self._lock)
         self._waiting: deque[_Job] = deque()
         self._cancel: set[int] = set()
-        # per asyncio loop driving this engine: its event hand-over (open_async); weak, so a
-        # closed loop is forgotten
-        self._posts: weakref.WeakKeyDictionary[Any, _LoopPost] = weakref.WeakKeyDictionary()
         self._step_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -846,36 +842,11 @@ class Engine:
 
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Event] = asyncio.Queue()
-        with self._lock:
-            post = self._posts.get(loop)
-            if post is None:
-                post = self._posts[loop] = _LoopPost(loop)
-        return AsyncEvents(self, self.submit(req, lambda ev: post.put(q, ev)), q)
 
+        def sink(ev: Event) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, ev)
 
-class _LoopPost:
-    """Hands events from the engine's thread to one asyncio loop: one wake-up of the loop
-    (call_soon_threadsafe: a write to its self-pipe) for every event posted until the loop runs
-    the hand-over, not one per event — a step's events for all the streams on that loop arrive
-    together (the engine holds the GIL while it emits them)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.lock = threading.Lock()
-        self.items: list[tuple[asyncio.Queue[Event], Event]] = []
-
-    def put(self, q: asyncio.Queue[Event], ev: Event) -> None:
-        with self.lock:
-            self.items.append((q, ev))
-            if len(self.items) > 1:
-                return  # a hand-over is already scheduled
-        self.loop.call_soon_threadsafe(self._hand_over)
-
-    def _hand_over(self) -> None:
-        with self.lock:
-            items, self.items = self.items, []
-        for q, ev in items:
-            q.put_nowait(ev)
+        return AsyncEvents(self, self.submit(req, sink), q)
 
 
 class AsyncEvents:
@@ -892,19 +863,10 @@ class AsyncEvents:
         return self._iter()
 
     async def _iter(self) -> AsyncIterator[Event]:
-        async for evs in self.batches():
-            for ev in evs:
-                yield ev
-
-    async def batches(self) -> AsyncIterator[list[Event]]:
-        """The events in batches: each with every event already waiting, so a server answers a
-        step's events (a token, the end, the usage) with one write."""
         while not self.done:
-            evs = [await self._q.get()]
-            while not self._q.empty():
-                evs.append(self._q.get_nowait())
-            self.done = evs[-1].kind == "done"
-            yield evs
+            ev = await self._q.get()
+            self.done = ev.kind == "done"
+            yield ev
 
     def close(self) -> None:
         if not self.done:

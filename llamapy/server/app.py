@@ -232,11 +232,13 @@ def create_app(state: ServerState) -> FastAPI:
 
         if parsed.stream:
 
-            async def sse() -> AsyncIterator[bytes]:
+            async def sse() -> AsyncIterator[dict[str, str]]:
                 with _closing(events):
-                    async for evs in events.batches():
-                        yield _sse([_server_error(ev).body() if ev.kind == "done" and ev.finish_reason == "error"
-                                    else chunk(ev) for ev in evs])  # fmt: skip
+                    async for ev in events:
+                        if ev.kind == "done" and ev.finish_reason == "error":
+                            yield {"data": json.dumps(_server_error(ev).body())}
+                        else:
+                            yield {"data": json.dumps(chunk(ev))}
 
             return EventSourceResponse(sse(), sep="\n")
         evs = await _collect(request, events)
@@ -255,25 +257,21 @@ def create_app(state: ServerState) -> FastAPI:
         r = Responder(kind, parsed.model or state.model_name, state.llm.tokenizer)
         if parsed.stream:
 
-            async def sse() -> AsyncIterator[bytes]:
+            async def sse() -> AsyncIterator[dict[str, str]]:
                 with _closing(events):
-                    if start := r.start_chunks():
-                        yield _sse(start)
-                    async for evs in events.batches():
-                        out: list[Any] = []
-                        for ev in evs:
-                            if ev.kind == "token":
-                                c = r.token_chunk(ev)
-                                if c is not None:
-                                    out.append(c)
-                            elif ev.finish_reason == "error":
-                                out.append(_server_error(ev).body())
-                            else:
-                                out += r.end_chunks(ev, parsed.include_usage)
-                        if events.done:  # the batches end with the request's "done" event
-                            out.append(DONE)
-                        if out:
-                            yield _sse(out)
+                    for c in r.start_chunks():
+                        yield {"data": json.dumps(c)}
+                    async for ev in events:
+                        if ev.kind == "token":
+                            c = r.token_chunk(ev)
+                            if c is not None:
+                                yield {"data": json.dumps(c)}
+                        elif ev.finish_reason == "error":
+                            yield {"data": json.dumps(_server_error(ev).body())}
+                        else:
+                            for c in r.end_chunks(ev, parsed.include_usage):
+                                yield {"data": json.dumps(c)}
+                    yield {"data": "[DONE]"}
 
             return EventSourceResponse(sse(), sep="\n")
         evs = await _collect(request, events)
@@ -282,15 +280,6 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(r.response(evs))
 
     return app
-
-
-DONE = object()  # the stream's last message, `data: [DONE]`
-
-
-def _sse(objs: list[Any]) -> bytes:
-    """Server-sent events, one `data:` message per object (JSON), as one write: the chunks of a
-    decode step leave together (sse-starlette sends bytes as they are)."""
-    return b"".join(b"data: [DONE]\n\n" if o is DONE else b"data: " + json.dumps(o).encode() + b"\n\n" for o in objs)
 
 
 def _piece_json(b: bytes) -> str | list[int]:

@@ -31,6 +31,8 @@ Where another slot (busy or idle) holds a longer prefix of the prompt — every 
 template's system prompt — its cells are shared into the new slot's sequence (`KVCache.seq_cp`:
 llama_memory_seq_cp on a unified cache, no K/V copied) instead of being evaluated again; only
 where the context is batch-invariant, so those cells are the bits this prompt alone would write.
+Requests arriving together (four chats opening with one system prompt) do not each evaluate the
+prefix in the same step: a later one waits a step for the earlier one's cells, then takes them.
 The shared tokens count as cached (usage, timings' cache_n) and within the slot's context.
 
 Faults: a decode that fails ends the requests in that micro-batch, not the engine. A lost device

@@ -12,7 +12,8 @@ against one server with -np slots, compared with the same requests one after ano
 3. All requests at once (asyncio + httpx): every text must equal its own sequential one (a
    difference is reported with its index; batched and single decoding may legitimately differ
    where two top logits tie); tokens/s against the sequential run; p50/p99 of time to first token
-   and inter-token latency.
+   and inter-token latency; prompt tokens each phase evaluated (/metrics' prompt_tokens_total:
+   what no slot's cache held).
 
 Prints a markdown block for bench/RESULTS.md. The default model is SmolLM2-135M-Instruct.
 """
@@ -93,7 +94,7 @@ async def chat(client: httpx.AsyncClient, url: str, question: str, n: int, per_t
 def start_server(model: Path, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
     fh = open(log, "wb")  # noqa: SIM115 - lives as long as the server
     cmd = [sys.executable, "-m", "llamapy", "serve", str(model), "--port", "0", "-np", str(args.np),
-           "-c", str(args.c), "-t", str(args.t), "--queue", str(args.requests)]  # fmt: skip
+           "-c", str(args.c), "-t", str(args.t), "--queue", str(args.requests), "--metrics"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=fh)
     deadline = time.monotonic() + 300
     url = ""
@@ -137,6 +138,12 @@ def engine_alone(model: Path, args: argparse.Namespace) -> float:
         llm.close()
 
 
+async def prompt_tokens(client: httpx.AsyncClient, url: str) -> float:
+    """Prompt tokens the server has evaluated so far (not taken from a cache): /metrics."""
+    text = (await client.get(url + "/metrics")).text
+    return float(re.search(r"^llamacpp:prompt_tokens_total (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+
+
 def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs) * 1e3, q)) if xs else float("nan")
 
@@ -165,15 +172,20 @@ def main() -> None:
             limits = httpx.Limits(max_connections=args.requests + 4)
             async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
                 await chat(client, url, "warm up", 4)
+                p0 = await prompt_tokens(client, url)
                 t0 = time.perf_counter()
                 seq = [await chat(client, url, q, args.n) for q in questions]
                 t_seq = time.perf_counter() - t0
+                p1 = await prompt_tokens(client, url)
                 single = await chat(client, url, questions[0], args.n, per_token=True)
+                p2 = await prompt_tokens(client, url)
                 t0 = time.perf_counter()
                 conc = await asyncio.gather(*(chat(client, url, q, args.n) for q in questions))
                 t_conc = time.perf_counter() - t0
+                evaluated.extend([p1 - p0, await prompt_tokens(client, url) - p2])
                 return seq, t_seq, single, list(conc), t_conc
 
+        evaluated: list[float] = []
         seq, t_seq, single, conc, t_conc = asyncio.run(run())
         slots = httpx.get(url + "/slots", timeout=10).json()
     finally:
@@ -200,6 +212,7 @@ def main() -> None:
           f"ITL ms: p50 {pct(itl, 50):.1f}, p99 {pct(itl, 99):.1f}")  # fmt: skip
     print(f"- per token, one request: engine alone {per_token_engine * 1e3:.2f} ms, through HTTP/SSE "
           f"{per_token_server * 1e3:.2f} ms; server overhead {(per_token_server - per_token_engine) * 1e3:+.2f} ms/token")  # fmt: skip
+    print(f"- prompt tokens evaluated: one after another {evaluated[0]:.0f}, concurrent {evaluated[1]:.0f}")
     print(f"- slots busy afterwards: {sum(1 for s in slots if s['is_processing'])}")
 
 

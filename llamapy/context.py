@@ -458,8 +458,7 @@ class Context:
                     out.append(rows)
         except BaseException:
             if was_free is not None:
-                self.kv.pos[was_free] = -1
-                self.kv.seq[was_free] = -1
+                self.kv.release(np.flatnonzero(was_free))
             raise
         n_vocab = self.model.params.n_vocab
         return np.concatenate(out) if out else np.zeros((0, n_vocab), np.float32)
@@ -481,8 +480,7 @@ class Context:
             leafs = set(g.graph.leafs)
             result = self.sched.compute(g.graph, {t: v for t, v in inputs.items() if t in leafs})
         except BaseException:
-            self.kv.pos[idx] = -1
-            self.kv.seq[idx] = -1
+            self.kv.release(idx)
             raise
         return result[g.logits] if n_outputs else None
 

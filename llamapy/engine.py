@@ -27,6 +27,13 @@ differently from the one-token kernels and change greedy text: decode tokens and
 Prompt cache: an idle slot keeps the K/V of the tokens it last held; a new request goes to the free
 slot sharing the longest prefix with its prompt and only the rest is evaluated. What idle slots keep
 is bounded in bytes (`cache_bytes`): past it, the least recently used slot's cells are dropped.
+Where another slot (busy or idle) holds a longer prefix of the prompt — every chat starts with the
+template's system prompt — its cells are shared into the new slot's sequence (`KVCache.seq_cp`:
+llama_memory_seq_cp on a unified cache, no K/V copied) instead of being evaluated again; only
+where the context is batch-invariant, so those cells are the bits this prompt alone would write.
+Requests arriving together (four chats opening with one system prompt) do not each evaluate the
+prefix in the same step: a later one waits a step for the earlier one's cells, then takes them.
+The shared tokens count as cached (usage, timings' cache_n) and within the slot's context.
 
 Faults: a decode that fails ends the requests in that micro-batch, not the engine. A lost device
 (DeviceLostError: a remote node died or stopped answering) takes the context's state with it, so
@@ -56,6 +63,7 @@ from .generate import log_softmax
 
 if TYPE_CHECKING:  # asyncio is imported where a server uses it: ~1.5 MiB (ssl) for every `run`
     import asyncio
+from .model.kv_cache import MAX_SHARE_SEQ
 from .model.sampler import Sampler, SamplingParams
 from .types import ContextFullError, DeviceLostError, LlamapyError
 
@@ -193,6 +201,9 @@ class EngineMetrics:
     # not llama-server's: what `llamapy batch` reports (its micro-batches and their decode time)
     n_batch_tokens_max: int = 0
     decode_seconds_total: float = 0.0
+    # not llama-server's: prompt tokens whose cells another slot's sequence shared (seq_cp); part
+    # of prompt_tokens_cached_total
+    prompt_tokens_shared_total: int = 0
 
 
 Sink = Callable[[Event], None]
@@ -304,6 +315,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._kv_version = -1  # the KV cache's state after our last step (see _check_kv)
+        # prompt prefixes are shared across slots (seq_cp) where every slot's sequence can share cells
+        self._share = all(s.seq < MAX_SHARE_SEQ for s in self.slots)
         self.loop_error: BaseException | None = None
         # a device of the context was lost (DeviceLostError): the requests running on it failed,
         # and nothing more can run on this context; the error's text (it names the device)
@@ -368,7 +381,7 @@ class Engine:
             # trust the cells, not the caller: keep only the prefix whose positions the sequence
             # really holds (a generation cut by -n never decoded its last token)
             kv = self.ctx.kv
-            held = kv.pos[(kv.seq == s.seq) & (kv.pos >= 0) & (kv.pos < len(toks))]
+            held = kv.pos[kv.holds(s.seq) & (kv.pos >= 0) & (kv.pos < len(toks))]
             have = np.zeros(len(toks) + 1, bool)
             have[held] = True
             s.cached = toks[: int(np.argmin(have))]
@@ -471,16 +484,70 @@ class Engine:
     def _start(self, slot: _Slot, job: _Job) -> None:
         job.t_start = time.perf_counter()
         keep = _common_prefix(slot.cached, job.prompt) if job.req.cache_prompt else 0
-        keep = min(keep, len(job.prompt) - 1)  # the last prompt token is evaluated for its logits
+        last = len(job.prompt) - 1  # the last prompt token is evaluated for its logits
+        keep = min(keep, last)
         self.ctx.kv.seq_rm(slot.seq, keep)
         slot.cached = job.prompt[:keep]
         slot.job = job
         job.n_done = job.n_cached = keep
+        self._share_prefix(slot)
         job.sampler = Sampler(job.req.sampling)
         for t in job.prompt:
             job.sampler.accept(t)
         job.decoder = self.tokenizer.stream_decoder(job.req.special)
         self.metrics.prompt_tokens_cached_total += keep
+
+    def _sharing(self, job: _Job) -> bool:
+        """Whether this prompt may take other slots' cells: only where a token's K/V are the
+        same bits in any micro-batch (batch_invariant: another slot evaluated them in other
+        micro-batches than this prompt alone would), and where the cache can share cells
+        between the slots' sequences."""
+        return self._share and job.req.cache_prompt and self.ctx.batch_invariant()
+
+    def _share_prefix(self, slot: _Slot) -> None:
+        """If another slot (busy or idle) holds a longer prefix of this slot's prompt than the
+        slot has, and the request has evaluated nothing itself yet, that slot's cells of it join
+        this slot's sequence (seq_cp) instead of being evaluated again — e.g. the chat
+        template's system prompt every conversation starts with."""
+        job = slot.job
+        assert job is not None
+        if job.n_done != job.n_cached or not self._sharing(job):
+            return
+        best, n = None, job.n_done
+        last = len(job.prompt) - 1  # the last prompt token is evaluated for its logits
+        for s in self.slots:
+            if s is not slot and s.cached:
+                k = min(_common_prefix(s.cached, job.prompt), last)
+                if k > n:
+                    best, n = s, k
+        if best is None:
+            return
+        kv = self.ctx.kv
+        kv.seq_rm(slot.seq)
+        kv.seq_cp(best.seq, slot.seq, 0, n)
+        slot.cached = job.prompt[:n]
+        self.metrics.prompt_tokens_cached_total += n - job.n_done
+        self.metrics.prompt_tokens_shared_total += n
+        job.n_done = job.n_cached = n
+
+    def _waits(self, slot: _Slot) -> bool:
+        """Whether this slot's prompt should wait a step: an earlier request still evaluating its
+        prompt is about to write cells of a prefix the two share (requests arriving together,
+        all opening with the same system prompt), which this one then takes (_share_prefix)
+        instead of evaluating it a second time in the same step."""
+        job = slot.job
+        assert job is not None
+        if job.n_done != job.n_cached or not self._sharing(job):
+            return False
+        last = len(job.prompt) - 1
+        for s in self.slots:
+            o = s.job
+            if o is None or s is slot or o.id > job.id or o.n_done >= len(o.prompt) or not o.req.cache_prompt:
+                continue
+            k = min(_common_prefix(o.prompt, job.prompt), last)
+            if k > job.n_done and o.n_done < k:
+                return True
+        return False
 
     def step(self) -> bool:
         """Cancel, admit, decode one micro-batch and sample. Returns False when there was nothing
@@ -507,6 +574,9 @@ class Engine:
             job = s.job
             assert job is not None
             if job.n_done >= len(job.prompt):
+                continue
+            self._share_prefix(s)  # what another slot evaluated since this request started
+            if self._waits(s):
                 continue
             if n_tokens >= self.ctx.n_batch and calls:
                 break

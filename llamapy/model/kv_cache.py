@@ -6,6 +6,12 @@ hold; a micro-batch gets free cells (`find_slot`), writes its K/V rows there wit
 attends to the first `n_kv` cells through a mask that hides other sequences and the future —
 so several sequences share one cache and one batch, as llama.cpp's parallel decoding does.
 
+A cell may hold several sequences (llama_kv_cells' per-cell seq bitset): `seq` is the cell's
+owner and `share` a bitmask of the other sequences (ids below MAX_SHARE_SEQ) that hold it too.
+`seq_cp` adds a sequence to cells without copying K/V (llama_memory_seq_cp on a unified cache): a
+served prompt reuses another slot's cells of a common prefix — the same bits, and attention reads
+a query's visible cells in cell order whatever else lies between them.
+
 Sliding-window layers (gemma3's local layers) read the same cells through a second mask that
 also hides cells `n_swa` or more positions behind the query (llama_hparams::is_masked_swa). The
 cache keeps every cell for those layers too — llama.cpp's `--swa-full` layout: simple, and
@@ -36,6 +42,7 @@ from ..types import ContextFullError, GGMLType, OutOfMemoryError, UnsupportedErr
 
 CACHE_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0)
 N_KV_PAD = 256  # attend to a multiple of this many cells, so the decode graph keeps its shape
+MAX_SHARE_SEQ = 64  # sequences that can share cells (bits of `share`)
 
 
 @dataclass
@@ -45,7 +52,9 @@ class KVCache:
     v: list[Tensor]
     buffers: list[Buffer] = field(default_factory=list)
     pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # -1: empty cell
-    seq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    seq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # the cell's owner
+    # bit s: sequence s holds the cell too (seq_cp); created on first use
+    share: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     # bumped by every change of the cells: a user of the cache (the serving engine's prompt cache)
     # can tell whether anyone else changed them since it last looked
     version: int = 0
@@ -130,15 +139,59 @@ class KVCache:
         self.version += 1
         self.pos[:] = -1
         self.seq[:] = -1
+        self.share = np.zeros(0, np.uint64)
+
+    def _shared(self) -> np.ndarray | None:
+        """`share`, or None while no cell is shared (the common case costs nothing)."""
+        sh = self.share
+        if len(sh) != self.size or not sh.any():
+            return None
+        return sh
+
+    def holds(self, seq_id: int) -> np.ndarray:
+        """Which cells sequence `seq_id` holds (owns or shares)."""
+        sel = self.seq == seq_id
+        sh = self._shared()
+        if sh is not None and 0 <= seq_id < MAX_SHARE_SEQ:
+            sel |= (sh >> np.uint64(seq_id)) & np.uint64(1) != 0
+        return sel
 
     def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
-        """Forget cells of `seq_id` at positions [p0, p1) (p1 < 0: to the end)."""
+        """Forget cells of `seq_id` at positions [p0, p1) (p1 < 0: to the end). A cell another
+        sequence shares stays, owned by the lowest of them."""
         self.version += 1
-        sel = (self.seq == seq_id) & (self.pos >= p0)
+        rng = self.pos >= p0
         if p1 >= 0:
-            sel &= self.pos < p1
+            rng &= self.pos < p1
+        sel = (self.seq == seq_id) & rng
+        sh = self._shared()
+        if sh is not None:
+            if 0 <= seq_id < MAX_SHARE_SEQ:
+                sh[rng] &= ~np.uint64(1 << seq_id)
+            heirs = np.flatnonzero(sel & (sh != 0))
+            for i in heirs.tolist():  # few cells: a shared prefix whose owner leaves
+                bits = int(sh[i])
+                low = (bits & -bits).bit_length() - 1
+                self.seq[i] = low
+                sh[i] = np.uint64(bits & ~(1 << low))
+            sel[heirs] = False
         self.pos[sel] = -1
         self.seq[sel] = -1
+
+    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        """Sequence `dst` also holds `src`'s cells at positions [p0, p1) (p1 < 0: to the end):
+        llama_memory_seq_cp on a unified cache, no K/V copied. `dst` must hold none of them."""
+        if not 0 <= dst < MAX_SHARE_SEQ:
+            raise UnsupportedError(f"seq_cp: sequence {dst} cannot share cells (ids below {MAX_SHARE_SEQ} can)")
+        if src == dst:
+            return
+        self.version += 1
+        sel = self.holds(src) & (self.pos >= p0)
+        if p1 >= 0:
+            sel &= self.pos < p1
+        if len(self.share) != self.size:
+            self.share = np.zeros(self.size, np.uint64)
+        self.share[sel] |= np.uint64(1 << dst)
 
     def n_used(self) -> int:
         return int((self.pos >= 0).sum())
@@ -160,7 +213,7 @@ class KVCache:
             return free[:n_tokens]
         seq = np.asarray(seq)
         if len(seq) and (seq == seq[0]).all():  # one sequence (a prompt, one slot's step)
-            held = np.flatnonzero(self.seq == seq[0])
+            held = np.flatnonzero(self.holds(int(seq[0])))
             after = free[free > (held[-1] if len(held) else -1)]
             if len(after) >= n_tokens:
                 return after[:n_tokens]
@@ -169,7 +222,7 @@ class KVCache:
         last: dict[int, int] = {}
         for i, s in enumerate(seq.tolist()):
             if s not in last:
-                held = np.flatnonzero(self.seq == s)
+                held = np.flatnonzero(self.holds(s))
                 last[s] = int(held[-1]) if len(held) else -1
             j = int(np.searchsorted(free, last[s] + 1))
             while j < len(free) and taken[j]:
@@ -185,6 +238,15 @@ class KVCache:
         self.version += 1
         self.pos[idx] = pos
         self.seq[idx] = seq
+        if len(self.share) == self.size:
+            self.share[idx] = 0
+
+    def release(self, idx: np.ndarray) -> None:
+        """Free cells a failed decode had taken (they were free before it)."""
+        self.pos[idx] = -1
+        self.seq[idx] = -1
+        if len(self.share) == self.size:
+            self.share[idx] = 0
 
     def n_kv(self, idx: np.ndarray) -> int:
         """Cells to attend to: up to the last used one, padded so the graph shape is reused."""
@@ -198,7 +260,13 @@ class KVCache:
         kq_mask / kq_mask_swa)."""
         cp = self.pos[:n_kv][None, :]
         cs = self.seq[:n_kv][None, :]
-        ok = (cs == seq[:, None]) & (cp >= 0) & (cp <= pos[:, None])
+        mine = cs == seq[:, None]
+        sh = self._shared()
+        if sh is not None:  # cells shared by several sequences (seq_cp)
+            bit = np.where((seq >= 0) & (seq < MAX_SHARE_SEQ), seq, 0).astype(np.uint64)
+            also = (sh[:n_kv][None, :] >> bit[:, None]) & np.uint64(1) != 0
+            mine |= also & ((seq >= 0) & (seq < MAX_SHARE_SEQ))[:, None]
+        ok = mine & (cp >= 0) & (cp <= pos[:, None])
         if n_swa > 0:
             ok &= pos[:, None] - cp < n_swa
         return np.where(ok, np.float32(0), np.float32(-np.inf)).astype(np.float32)

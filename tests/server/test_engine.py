@@ -144,6 +144,84 @@ def test_prompt_cache_reuse_and_bound(llm: Llama) -> None:
     assert tokens(evs) == ref
 
 
+@pytest.mark.parametrize("mode", ["q8", "f32"])
+def test_prompt_prefix_shared_across_slots(llm: Llama, mode: str) -> None:
+    """A request whose prompt shares a prefix with what another (busy) slot holds evaluates only
+    the rest: the prefix's cells join its sequence (seq_cp). Its tokens and logprobs are the bits
+    of a run alone, also after the slot that wrote the shared cells moves on to another prompt.
+    Only where the context is batch-invariant (the 8-bit mode): in the float32 mode nothing is
+    shared."""
+    from llamapy.context import ContextOptions
+
+    m = Llama(llm.path, context_options=ContextOptions(n_ctx=512, n_batch=64, n_threads=1, cpu_matmul=mode))
+    try:
+        assert m.ctx.batch_invariant() == (mode == "q8")
+        _prefix_sharing(m, mode == "q8")
+    finally:
+        m.close()
+
+
+def _prefix_sharing(llm: Llama, shares: bool) -> None:
+    head = "the cat and the dog sat on the mat in the house of"
+    a, b, c = head + " it all", head + " a b c d e", "she said it"
+
+    def req(text: str) -> Request:
+        return Request(llm.tokenize(text), 12, GREEDY, logprobs=3)
+
+    def bits(evs: list) -> list:
+        # the float32 mode rounds a batch of decode rows differently (sgemm): its tokens only
+        return [(e.token, e.logprob, e.top_logprobs) if shares else e.token for e in evs if e.kind == "token"]
+
+    refs = {}
+    for t in (a, b, c):
+        llm.ctx.kv.clear()
+        refs[t] = bits(next(iter(run_all(Engine(llm.ctx), [req(t)]).values())))
+    pa, pb = llm.tokenize(a), llm.tokenize(b)
+    n_head = next(i for i, (x, y) in enumerate(zip(pa, pb)) if x != y)
+    assert n_head > 8
+    llm.ctx.kv.clear()
+    eng = Engine(llm.ctx, n_parallel=2, n_ctx_slot=128)
+    out: dict[int, list] = {}
+
+    def sink(ev) -> None:
+        out.setdefault(ev.id, []).append(ev)
+
+    ia = eng.submit(req(a), sink)
+    for _ in range(3):  # a's prompt is evaluated, it generates
+        eng.step()
+    evaluated = eng.metrics.prompt_tokens_total
+    ib = eng.submit(req(b), sink)
+    eng.step()  # b starts beside a, sharing a's cells of the common prefix
+    # (unshared, b's first chunk is an n_batch of 64: a's decode token goes to a separate call)
+    assert eng.metrics.prompt_tokens_total - evaluated == (len(pb) - n_head if shares else 64)
+    assert eng.metrics.prompt_tokens_shared_total == (n_head if shares else 0)
+    while out[ia][-1].kind != "done":
+        eng.step()
+    ic = eng.submit(req(c), sink)  # takes a's slot and drops a's cells but those b shares
+    while any(i not in out or out[i][-1].kind != "done" for i in (ib, ic)):
+        eng.step()
+    assert bits(out[ia]) == refs[a]
+    assert bits(out[ib]) == refs[b]
+    assert bits(out[ic]) == refs[c]
+    done = out[ib][-1]
+    if not shares:
+        assert done.usage.cached_tokens == 0 and eng.metrics.prompt_tokens_shared_total == 0
+        return
+    assert done.usage.cached_tokens == n_head and done.timings.prompt_n == len(pb) - n_head
+    eng.close()
+    for s in eng.slots:  # with no slot holding them, no cell is left
+        llm.ctx.kv.seq_rm(s.seq)
+    assert llm.ctx.kv.n_used() == 0
+    # arriving together: b waits one step for a's cells of the prefix instead of evaluating it too
+    eng = Engine(llm.ctx, n_parallel=3, n_ctx_slot=128)
+    res = run_all(eng, [req(a), req(b), req(c)])
+    assert [bits(evs) for evs in res.values()] == [refs[a], refs[b], refs[c]]
+    pc = llm.tokenize(c)
+    n_c = next(i for i, (x, y) in enumerate(zip(pa, pc)) if x != y)  # c shares a's first tokens
+    assert eng.metrics.prompt_tokens_total == len(pa) + len(pb) - n_head + len(pc) - n_c
+    assert [evs[-1].usage.cached_tokens for evs in res.values()] == [0, n_head, n_c]
+
+
 def test_cache_dropped_when_someone_else_uses_the_kv(llm: Llama) -> None:
     p = llm.tokenize(PROMPTS[0])
     eng = Engine(llm.ctx, n_parallel=1)

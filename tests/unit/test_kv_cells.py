@@ -37,3 +37,30 @@ def test_no_free_cell_after_a_sequence_falls_back_to_the_lowest() -> None:
     assert c.find_slot(2, np.zeros(2, np.int64)).tolist() == [0, 1]
     with pytest.raises(ContextFullError):
         c.find_slot(3, np.zeros(3, np.int64))
+
+
+def test_seq_cp_shares_cells_and_seq_rm_hands_them_on() -> None:
+    """seq_cp adds a sequence to cells (no new cells); the mask lets it see them; when the owner
+    forgets them they stay, owned by a sequence that shares them; when none does, they are free."""
+    c = _cache(16)
+    c.commit(np.arange(0, 6), np.arange(6), np.zeros(6, np.int64))  # seq 0: positions 0..5
+    c.seq_cp(0, 2, 0, 4)  # seq 2 holds positions 0..3 too
+    assert c.n_used() == 6
+    assert c.holds(2).tolist() == [True] * 4 + [False] * 12
+    # seq 2's next token goes after its cells (cell 6, after seq 0's), and sees cells 0..3 only
+    assert c.find_slot(1, np.array([2])).tolist() == [6]
+    m = c.mask(8, np.array([4, 6]), np.array([2, 0]))
+    assert (m[0] == 0).tolist() == [True] * 4 + [False] * 4
+    assert (m[1] == 0).tolist() == [True] * 6 + [False] * 2
+    c.seq_rm(0)  # the owner leaves: positions 0..3 stay for seq 2, 4 and 5 are free
+    assert c.seq[:6].tolist() == [2, 2, 2, 2, -1, -1] and c.n_used() == 4
+    assert not c.share.any()
+    c.seq_rm(2, 2)
+    assert c.n_used() == 2
+    c.seq_cp(2, 5)
+    c.seq_cp(2, 3)
+    c.seq_rm(2)  # the lowest sharer inherits, the other keeps sharing
+    assert c.seq[:2].tolist() == [3, 3] and c.holds(5)[:2].all() and c.n_used() == 2
+    c.seq_rm(5)
+    c.seq_rm(3)
+    assert c.n_used() == 0

@@ -951,29 +951,33 @@ KQ_Q45_ROW(q4_K)
 KQ_Q45_ROW(q5_K)
 
 /* Eight columns at once (KQ_COLS8), Q4_K / Q5_K / Q6_K, cache-blocked, from decoded weights:
- * - each weight block of the call's rows is decoded once a call (kq_panel: its quants as
- *   unsigned bytes, its scales spread to int16 lanes, its mins and d) into a panel (up to
- *   KQ_PANEL_MAX bytes, ~3x the blocks' size) that every group of 8 columns reads; qmatmul.c hands
- *   the gemm LP_GEMM_COLS_K tokens a call, so a block's decode (~30 vector operations, as many
- *   as the 8 columns' products need) is paid once per 64 rows x that many tokens, not once per
- *   8 tokens;
+ * - a weight block decoded (kq_panel: its quants as unsigned bytes, its scales spread to int16
+ *   lanes, its mins and d: ~30 vector operations, as many as the 8 columns' products of it) is
+ *   used by every group of 8 columns of the call: from KQ_PANEL_MIN_COLS columns on, the blocks of
+ *   the call's rows are decoded once into a panel on the heap (up to KQ_PANEL_MAX bytes, ~3x the
+ *   blocks' size) that the groups read; below, as they are used (registers). qmatmul.c hands
+ *   these gemms LP_GEMM_COLS_K (512) tokens a call: a prompt's micro-batch decodes each block once
+ *   per 64 rows, not once per 8 tokens;
  * - the columns' blocks are taken KQ_KC at a time and copied, with what depends only on the
  *   activations (each column's bsums summed per 32 elements, four columns to a vector, and its
- *   d), into one aligned buffer (kq_act8, ~21 KiB, in L1) prepared once for the panel's rows, each
+ *   d), into one aligned buffer (kq_act8, ~21 KiB, in L1) prepared once for up to KQ_RC rows, each
  *   row's accumulators kept between chunks (kq_state8);
- * - per row and column a block then costs 4 vpdpbusd + 2 merges + 2 madd (kq_pairs_dot: the
+ * - per row and column a block then costs 4 vpdpbusd + 2 merges + 2 madd (kq_pairs: the
  *   vec_dot's integer lane sums, exact in any order), one convert and one FMA, and the mins of
  *   four columns one madd, convert and FMA together.
  * Per output these are the vec_dot's float32 operations on the vec_dot's values in the vec_dot's
- * order, lane for lane: the same bits. Measured (one thread of the shared 2-core Intel AVX-512
- * host, 64 rows x 2048 x 512 tokens, ctypes A/B in one process): decoding per 8 columns ~96 G
- * multiply-adds/s, from the panel ~120 (the products alone are as fast with maddubs + madd as
- * with vpdpbusd + merges; the latter's panel holds 2 scale vectors instead of 4). Tried and not
- * kept before: 16 columns (register spills: 13 % slower), chains interleaved across columns. */
+ * order, lane for lane: the same bits. Measured (one thread of the shared 2-core Intel Xeon
+ * AVX-512 host, 64 rows x 2048 inputs x 512 tokens, A/B in one process, best of 30): decoding per
+ * 8 columns (before) ~96 G multiply-adds/s, from the panel ~120 (Q4_K and Q6_K; ~+25 %); 8-15
+ * tokens (decoded as used) ~+5 %, 16-31 about even; the products alone are as fast with maddubs +
+ * madd as with vpdpbusd + merges (the latter's panel holds 2 scale vectors instead of 4). Tried
+ * and not kept: 12 or 16 columns (slower), chunks of 4 or 16 blocks (the same), the d broadcasts
+ * from memory (the same); before: chains interleaved across columns. */
 #define KQ_COLS8 8
 #define KQ_NG (KQ_COLS8 / 4) /* groups of 4 columns (the mins: 4 columns x 4 lanes a vector) */
 #define KQ_KC 8  /* blocks of a chunk: 16 KiB of activations */
 #define KQ_RC 64 /* rows a chunk serves (qmatmul.c passes 64 a call), their state 40 KiB of stack */
+#define KQ_PANEL_MIN_COLS 32 /* columns from which a call decodes into a panel (below: as used) */
 #define KQ_PANEL_MAX (1 << 20) /* bytes of decoded blocks a call holds (64 rows x 8192 inputs: 917 KiB) */
 typedef struct {
     int8_t qs[KQ_KC][KQ_COLS8][QK_K];
@@ -1037,9 +1041,10 @@ KQ_INLINE __m512i kq_pair_scales(__m512i s_even, __m512i s_odd) {
 /* a zeroed register by the zeroing idiom (no execution port), not a copy of a zero register */
 KQ_INLINE __m512i kq_zero512(void) {
     __m512i z;
-    __asm__("vpxord %0, %0, %0" : "=v"(z));
+    __asm__ volatile("vpxord %0, %0, %0" : "=v"(z));
     return z;
 }
+
 
 /* the merged pairs of chunks 0, 1 (pr[0]) and 2, 3 (pr[1]) of weights w against 256 activations */
 KQ_INLINE void kq_pairs(const __m512i w[4], const int8_t *q8, __m512i pr[2]) {
@@ -1075,35 +1080,47 @@ KQ_INLINE void kq_load_panel(const kq_panel *p, __m512i w[4], __m512i *sc01, __m
 KQ_Q45_PANEL(q4_K)
 KQ_Q45_PANEL(q5_K)
 
-/* one row's blocks [0, kc) (pn at the chunk's first block) into its state */
-KQ_INLINE void kq_gemm_q45_K_row8(int kc, const kq_panel *pn, const kq_act8 *a, kq_state8 *st, int first) {
-    __m512 acc[KQ_COLS8], acc_m[KQ_NG];
-    for (int c = 0; c < KQ_COLS8; ++c) acc[c] = first ? _mm512_setzero_ps() : st->acc[c];
-    for (int g = 0; g < KQ_NG; ++g) acc_m[g] = first ? _mm512_setzero_ps() : st->acc_m[g];
-    for (int i = 0; i < kc; ++i) {
-        const kq_panel *p = pn + i;
-        __m512i w[4], sc01, sc23;
-        kq_load_panel(p, w, &sc01, &sc23);
-        const __m512i mins = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)p->u.k45.mins));
-        const __m512 xdminv = _mm512_set1_ps(p->u.k45.dmin), xdv = _mm512_set1_ps(p->u.k45.d);
-        for (int g = 0; g < KQ_NG; ++g) {
-            const __m512 dmin = _mm512_mul_ps(_mm512_load_ps(a->ydm[i][g]), xdminv);
-            const __m512i md = _mm512_madd_epi16(mins, _mm512_load_si512((const void *)a->bs32[i][g]));
-            acc_m[g] = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(md), acc_m[g]);
-        }
-        /* each column's d x the row's d: one multiply for all 8 (the vec_dot's one float product) */
-        float d8[KQ_COLS8 < 16 ? 16 : KQ_COLS8] __attribute__((aligned(64)));
-        for (int c = 0; c < KQ_COLS8; c += 16) _mm512_store_ps(d8 + c, _mm512_mul_ps(_mm512_load_ps(a->yd[i] + c), xdv));
-        for (int c = 0; c < KQ_COLS8; ++c) {
-            __m512i pr[2];
-            kq_pairs(w, a->qs[i][c], pr);
-            const __m512i sumi = _mm512_dpwssd_epi32(_mm512_madd_epi16(pr[0], sc01), pr[1], sc23);
-            acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(d8[c]), _mm512_cvtepi32_ps(sumi), acc[c]);
-        }
+/* one row's blocks [0, kc) into its state: from the panel pn (at the chunk's first block), or,
+ * with pn NULL, decoded from the row's blocks x as they are used (a local panel entry, kept in
+ * registers) */
+#define KQ_Q45_ROW8(type)                                                                                       \
+    KQ_INLINE void kq_gemm_##type##_row8(int kc, const kq_panel *pn, const block_##type *x, const kq_act8 *a,  \
+                                         kq_state8 *st, int first) {                                            \
+        __m512 acc[KQ_COLS8], acc_m[KQ_NG];                                                                     \
+        for (int c = 0; c < KQ_COLS8; ++c) acc[c] = first ? _mm512_setzero_ps() : st->acc[c];                  \
+        for (int g = 0; g < KQ_NG; ++g) acc_m[g] = first ? _mm512_setzero_ps() : st->acc_m[g];                 \
+        for (int i = 0; i < kc; ++i) {                                                                          \
+            kq_panel e;                                                                                         \
+            const kq_panel *p = pn != NULL ? pn + i : (kq_panel_##type(x + i, &e), &e);                         \
+            kq_gemm_q45_K_block8(p, a, i, acc, acc_m);                                                          \
+        }                                                                                                       \
+        for (int c = 0; c < KQ_COLS8; ++c) st->acc[c] = acc[c];                                                 \
+        for (int g = 0; g < KQ_NG; ++g) st->acc_m[g] = acc_m[g];                                                \
     }
-    for (int c = 0; c < KQ_COLS8; ++c) st->acc[c] = acc[c];
-    for (int g = 0; g < KQ_NG; ++g) st->acc_m[g] = acc_m[g];
+
+/* one block of a row (its panel entry p) x the 8 columns' block i */
+KQ_INLINE void kq_gemm_q45_K_block8(const kq_panel *p, const kq_act8 *a, int i, __m512 *acc, __m512 *acc_m) {
+    __m512i w[4], sc01, sc23;
+    kq_load_panel(p, w, &sc01, &sc23);
+    const __m512i mins = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)p->u.k45.mins));
+    const __m512 xdminv = _mm512_set1_ps(p->u.k45.dmin), xdv = _mm512_set1_ps(p->u.k45.d);
+    for (int g = 0; g < KQ_NG; ++g) {
+        const __m512 dmin = _mm512_mul_ps(_mm512_load_ps(a->ydm[i][g]), xdminv);
+        const __m512i md = _mm512_madd_epi16(mins, _mm512_load_si512((const void *)a->bs32[i][g]));
+        acc_m[g] = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(md), acc_m[g]);
+    }
+    /* each column's d x the row's d: one multiply for all 8 (the vec_dot's one float product) */
+    float d8[KQ_COLS8 < 16 ? 16 : KQ_COLS8] __attribute__((aligned(64)));
+    for (int c = 0; c < KQ_COLS8; c += 16) _mm512_store_ps(d8 + c, _mm512_mul_ps(_mm512_load_ps(a->yd[i] + c), xdv));
+    for (int c = 0; c < KQ_COLS8; ++c) {
+        __m512i pr[2];
+        kq_pairs(w, a->qs[i][c], pr);
+        const __m512i sumi = _mm512_dpwssd_epi32(_mm512_madd_epi16(pr[0], sc01), pr[1], sc23);
+        acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(d8[c]), _mm512_cvtepi32_ps(sumi), acc[c]);
+    }
 }
+KQ_Q45_ROW8(q4_K)
+KQ_Q45_ROW8(q5_K)
 
 /* one Q6_K block for the gemms: w[p] = the 6-bit quants of sub-blocks 2p (low 256 bits) and
  * 2p + 1 (high), unsigned (+32 offset kept), and scq[p] = their int16 scales spread to match
@@ -1145,11 +1162,13 @@ KQ_INLINE void kq_panel_q6_K(const block_q6_K *x, kq_panel *p) {
 /* Q6_K, eight columns: as its vec_dot, with the quants' +32 offset (32 x scales . bsums)
  * subtracted inside the 512-bit integer sum (one madd of the bsums with -32 x scales into
  * lanes 0..7, exact) before its two halves are added */
-KQ_INLINE void kq_gemm_q6_K_row8(int kc, const kq_panel *pn, const kq_act8 *a, __m256 *st, int first) {
+KQ_INLINE void kq_gemm_q6_K_row8(int kc, const kq_panel *pn, const block_q6_K *x, const kq_act8 *a, __m256 *st,
+                                 int first) {
     __m256 acc[KQ_COLS8];
     for (int c = 0; c < KQ_COLS8; ++c) acc[c] = first ? _mm256_setzero_ps() : st[c];
     for (int i = 0; i < kc; ++i) {
-        const kq_panel *p = pn + i;
+        kq_panel e;
+        const kq_panel *p = pn != NULL ? pn + i : (kq_panel_q6_K(x + i, &e), &e);
         __m512i w[4], sc01, sc23;
         kq_load_panel(p, w, &sc01, &sc23);
         const __m512i nsc32 = _mm512_zextsi256_si512(_mm256_load_si256((const __m256i *)p->u.k6.nsc));
@@ -1315,57 +1334,74 @@ KQ_INLINE void kq_gemm_q6_K_row(int nb, float *s, int64_t ld_s, const block_q6_K
 #define KQ_COLS_K KQ_COLS256
 #endif
 #if defined(LP_KQ_AVX512)
-/* Whole groups of 8 columns through the _row8 kernels from a panel of decoded blocks (rows in
- * chunks whose panel fits KQ_PANEL_MAX), the rest 4 at a time; where the panel cannot be
- * allocated, every column 4 at a time (the same bits: each output is its vec_dot's). */
-#define KQ_GEMM_PANEL(type, state_t, row8, finish)                                                               \
+/* Whole groups of 8 columns through the _row8 kernels, the rest 4 at a time. With two groups or
+ * more, the blocks of the call's rows are decoded once into a panel on the heap (rows in chunks
+ * whose panel fits KQ_PANEL_MAX) that every group reads; with one group (a decode batch of 8-15
+ * tokens), or where the panel cannot be allocated, each row's blocks are decoded chunk by chunk as
+ * they are used, into KQ_KC panel entries on the stack. The same kernels either way, so the same
+ * bits: each output is its vec_dot's. */
+#define KQ_GEMM_PANEL(type, state_t, finish)                                                               \
     KQ_GEMM_ENTRY_L(static, kq_gemm4_##type, block_##type, kq_gemm_##type##_row, KQ_COLS_K)                      \
     KQ_API void lp_gemm_##type##_q8_K(int n, float *restrict s, int64_t ld_s, const void *restrict w, int64_t row_bytes, \
                                       int nr, const void *restrict x, int64_t x_bytes, int nc) {                \
         const int nb = n / QK_K;                                                                                \
-        int c0 = 0;                                                                                             \
+        const int c_end = nc / KQ_COLS8 * KQ_COLS8;                                                             \
         int rp = KQ_RC; /* rows a panel holds */                                                                \
         while (rp > 1 && (size_t)rp * nb * sizeof(kq_panel) > KQ_PANEL_MAX) rp /= 2;                            \
         if (rp > nr) rp = nr;                                                                                   \
-        kq_panel *pn = nc >= KQ_COLS8 && nb > 0 ? aligned_alloc(64, (size_t)rp * nb * sizeof(kq_panel)) : NULL; \
+        kq_panel *pn = c_end >= KQ_PANEL_MIN_COLS && nb > 0 ? aligned_alloc(64, (size_t)rp * nb * sizeof(kq_panel)) : NULL; \
+        kq_act8 a;                                                                                              \
+        state_t st[KQ_RC];                                                                                      \
         if (pn != NULL) {                                                                                       \
-            const int c_end = nc / KQ_COLS8 * KQ_COLS8;                                                         \
-            kq_act8 a;                                                                                          \
-            state_t st[KQ_RC];                                                                                  \
             for (int r0 = 0; r0 < nr; r0 += rp) {                                                               \
                 const int rc = nr - r0 < rp ? nr - r0 : rp;                                                     \
                 for (int r = 0; r < rc; ++r) {                                                                  \
                     const block_##type *xr = (const block_##type *)((const uint8_t *)w + (r0 + r) * row_bytes); \
                     for (int i = 0; i < nb; ++i) kq_panel_##type(xr + i, pn + (size_t)r * nb + i);              \
                 }                                                                                               \
-                for (c0 = 0; c0 < c_end; c0 += KQ_COLS8) {                                                      \
+                for (int c0 = 0; c0 < c_end; c0 += KQ_COLS8) {                                                  \
                     const uint8_t *y = (const uint8_t *)x + c0 * x_bytes;                                       \
                     for (int i0 = 0; i0 < nb; i0 += KQ_KC) {                                                    \
                         const int kc = nb - i0 < KQ_KC ? nb - i0 : KQ_KC;                                       \
                         kq_act8_fill(i0, kc, y, x_bytes, &a);                                                   \
-                        for (int r = 0; r < rc; ++r) row8(kc, pn + (size_t)r * nb + i0, &a, st[r], i0 == 0);    \
+                        for (int r = 0; r < rc; ++r)                                                            \
+                            kq_gemm_##type##_row8(kc, pn + (size_t)r * nb + i0, NULL, &a, st[r], i0 == 0);          \
                     }                                                                                           \
                     for (int r = 0; r < rc; ++r) finish(st[r], s + c0 * ld_s + r0 + r, ld_s);                   \
                 }                                                                                               \
             }                                                                                                   \
             free(pn);                                                                                           \
-            c0 = c_end;                                                                                         \
+        } else {                                                                                                \
+            for (int c0 = 0; c0 < c_end; c0 += KQ_COLS8) {                                                      \
+                const uint8_t *y = (const uint8_t *)x + c0 * x_bytes;                                           \
+                for (int r0 = 0; r0 < nr; r0 += KQ_RC) {                                                        \
+                    const int rc = nr - r0 < KQ_RC ? nr - r0 : KQ_RC;                                           \
+                    for (int i0 = 0; i0 < nb; i0 += KQ_KC) {                                                    \
+                        const int kc = nb - i0 < KQ_KC ? nb - i0 : KQ_KC;                                       \
+                        kq_act8_fill(i0, kc, y, x_bytes, &a);                                                   \
+                        for (int r = 0; r < rc; ++r) {                                                          \
+                            const block_##type *xr = (const block_##type *)((const uint8_t *)w + (r0 + r) * row_bytes) + i0; \
+                            kq_gemm_##type##_row8(kc, NULL, xr, &a, st[r], i0 == 0);                            \
+                        }                                                                                       \
+                    }                                                                                           \
+                    for (int r = 0; r < rc; ++r) finish(st[r], s + c0 * ld_s + r0 + r, ld_s);                   \
+                }                                                                                               \
+            }                                                                                                   \
         }                                                                                                       \
-        if (c0 < nc)                                                                                            \
-            kq_gemm4_##type(n, s + c0 * ld_s, ld_s, w, row_bytes, nr, (const uint8_t *)x + c0 * x_bytes, x_bytes, nc - c0); \
+        if (c_end < nc)                                                                                         \
+            kq_gemm4_##type(n, s + c_end * ld_s, ld_s, w, row_bytes, nr, (const uint8_t *)x + c_end * x_bytes, x_bytes, \
+                            nc - c_end);                                                                        \
     }
 typedef kq_state8 kq_st45[1];
 typedef __m256 kq_st6[KQ_COLS8];
-#define KQ_ROW8_45(kc, p, a, st, first) kq_gemm_q45_K_row8(kc, p, a, st, first)
 #define KQ_FINISH_45(st, s, ld) kq_q45_K_finish8(st, s, ld)
-#define KQ_ROW8_6(kc, p, a, st, first) kq_gemm_q6_K_row8(kc, p, a, st, first)
 #define KQ_FINISH_6(st, out, ld)                                                                                \
     do {                                                                                                        \
         for (int c = 0; c < KQ_COLS8; ++c) (out)[c * (ld)] = kq_hsum_ps256((st)[c]);                            \
     } while (0)
-KQ_GEMM_PANEL(q4_K, kq_st45, KQ_ROW8_45, KQ_FINISH_45)
-KQ_GEMM_PANEL(q5_K, kq_st45, KQ_ROW8_45, KQ_FINISH_45)
-KQ_GEMM_PANEL(q6_K, kq_st6, KQ_ROW8_6, KQ_FINISH_6)
+KQ_GEMM_PANEL(q4_K, kq_st45, KQ_FINISH_45)
+KQ_GEMM_PANEL(q5_K, kq_st45, KQ_FINISH_45)
+KQ_GEMM_PANEL(q6_K, kq_st6, KQ_FINISH_6)
 #else
 KQ_GEMM_ENTRY(lp_gemm_q4_K_q8_K, block_q4_K, kq_gemm_q4_K_row, KQ_COLS_K)
 KQ_GEMM_ENTRY(lp_gemm_q5_K_q8_K, block_q5_K, kq_gemm_q5_K_row, KQ_COLS_K)

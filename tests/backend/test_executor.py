@@ -10,6 +10,7 @@ in run_nodes, a plain sum in the executor), which agree within float32 noise.
 from __future__ import annotations
 
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -170,6 +171,10 @@ def test_plans_share_the_backends_arena(make_llama, monkeypatch: pytest.MonkeyPa
     assert arenas[3] == arenas[4] == arenas[2]  # ...and stayed: decode runs there after it
     decode = [p for p in _plans(exe) if isinstance(p, ExecPlan) and p.n_runs >= 2]
     assert decode and all(p.base == arenas[2][0] for p in decode)  # moved, and run again
+    ref_arena = weakref.ref(decode[0].arena)
+    del plans, decode, arena
+    exe.free()  # the plans go, and their arena with them
+    assert ref_arena() is None
     model.free()
 
 

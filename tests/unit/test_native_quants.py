@@ -1,11 +1,13 @@
 """kernels_c/quants.c and qmatmul.c's lp_mul_mat: activation quantization and the vec_dot kernels
 of every SIMD variant the install built, against ggml's definitions computed in float64.
 
-- lp_quantize_row_q8_0 is bit-identical to gguf.quants.quantize(..., Q8_0); q8_1 to the same
-  blocks plus s = f16(d * sum(q)) (ggml's quantize_row_q8_1_ref).
+- lp_quantize_row_q8_0 / q8_1 are bit-identical to quants.quantize_q8_act: ggml's x86 SIMD
+  quantize_row_q8_0 / q8_1 (127/amax, ties to even), what llama.cpp's x86 builds run; not
+  gguf.quants (ggml's reference quantizer: 1/d, ties away), whose difference one test counts.
 - lp_vec_dot_<type>_<vec_dot_type>: weights quantized by gguf-py (random bytes where it cannot),
   activations quantized as above; the reference is the exact integer dot of each block times
-  its scales, summed in float64. Tolerance: float32 summation, 2e-6 of the sum of |terms|.
+  its scales, summed in float64. Tolerance: float32 summation, 2e-6 of the sum of |terms|. The
+  q types' float32 order is also checked bit for bit against an emulation of ggml's AVX2 one.
 - F16 / BF16 dots: the activations rounded to f16 / bf16 first (ggml's vec_dot_type).
 Each variant is loaded through native.load(variant) (what LLAMAPY_KERNELS_VARIANT selects); a
 variant this CPU cannot run is skipped, saying so.
@@ -23,6 +25,7 @@ import numpy as np
 import pytest
 
 from llamapy.backend import native
+from llamapy.quants import quantize_q8_act
 from llamapy.types import GGMLType, block_size
 
 try:  # tests/unit may or may not be a package
@@ -57,28 +60,6 @@ def ptr(a: np.ndarray) -> int:
 
 
 # --- ggml's definitions, in numpy -------------------------------------------------------------
-
-
-def q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(d float32 unrounded, d as f16, q int) of 32-float blocks, as quantize_row_q8_0_ref."""
-    b = x.reshape(-1, 32).astype(np.float32)
-    d = (np.abs(b).max(axis=1) / np.float32(127)).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        idv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
-    v = (b * idv[:, None]).astype(np.float32)
-    # roundf: ties away from zero; |v| + 0.5 in float64 is exact for a float32 v
-    q = (np.sign(v) * np.floor(np.abs(v.astype(np.float64)) + 0.5)).astype(np.int64)
-    return d, d.astype(np.float16), q
-
-
-def ref_q8_1(x: np.ndarray) -> np.ndarray:
-    d, d16, q = q8_blocks(x)
-    s = (q.sum(axis=1).astype(np.float32) * d).astype(np.float16)
-    out = np.zeros((d.size, 36), np.uint8)
-    out[:, 0:2] = d16.view(np.uint8).reshape(-1, 2)
-    out[:, 2:4] = s.view(np.uint8).reshape(-1, 2)
-    out[:, 4:] = q.astype(np.int8).view(np.uint8)
-    return out.reshape(-1)
 
 
 def f16(b: np.ndarray, off: int) -> np.ndarray:
@@ -133,53 +114,85 @@ def ref_dot(name: str, w: np.ndarray, y: np.ndarray, x: np.ndarray) -> tuple[flo
 # --- tests --------------------------------------------------------------------------------------
 
 
-def test_quantize_row_q8_0_bit_identical_to_gguf(lib: ctypes.CDLL) -> None:
+def edge_blocks(rng: np.random.Generator) -> np.ndarray:
+    """Blocks that test the quantizers' rounding and edge cases: exact ties (amax = 127: id = 1,
+    values k + 0.5), values just inside the ties, tiny blocks (d underflows, 127/amax overflows),
+    zeros, NaN and inf inputs, and random ones of several scales."""
+    blocks = [
+        np.concatenate([[127.0], np.arange(31) - 15.5]),  # id = 1: ties at every element
+        np.concatenate([[127.0], np.nextafter(np.arange(31) - 15.5, 0)]),  # just inside the ties
+        np.concatenate([[-127.0], -(np.arange(31) + 0.5)]),
+        np.concatenate([[63.5], np.arange(31) * 0.5 - 7.75]),  # id = 2: ties again
+        rng.standard_normal(32) * 1e-38,  # d underflows to a subnormal or zero
+        rng.standard_normal(32) * 1e-44,  # 127 / amax overflows to inf
+        np.full(32, -0.0),
+        np.where(np.arange(32) == 3, np.nan, rng.standard_normal(32)),
+        np.where(np.arange(32) == 12, np.nan, rng.standard_normal(32)),
+        np.where(np.arange(32) == 7, np.inf, rng.standard_normal(32)),  # d = inf, id = 0
+        np.where(np.arange(32) == 0, -np.inf, 0.0),
+    ] + [rng.standard_normal(32) * sc for sc in (1e-3, 1.0, 3.0, 1e4)]
+    return np.concatenate(blocks).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q8_1"])
+def test_quantize_row_q8_as_ggml_x86(lib: ctypes.CDLL, qtype: str) -> None:
+    """lp_quantize_row_q8_0 / q8_1 give quants.quantize_q8_act's bytes (ggml's x86 SIMD
+    quantizer), on random rows of several scales and on the edge blocks, in every variant."""
     rng = np.random.default_rng(0)
-    x = (rng.standard_normal(32 * 64) * rng.choice([1e-3, 1.0, 40.0], 32 * 64)).astype(np.float32)
+    x = (rng.standard_normal(32 * 256) * rng.choice([1e-3, 1.0, 40.0], 32 * 256)).astype(np.float32)
     x[:32] = 0.0  # an all-zero block: d = 0
-    x[32:64] = np.linspace(-127, 127, 32, dtype=np.float32) * np.float32(0.5)  # exact .5 ties
-    y = np.zeros(34 * 64, np.uint8)
-    lib.lp_quantize_row_q8_0(ptr(x), ptr(y), x.size)
-    want = np.ascontiguousarray(gguf.quants.quantize(x.reshape(1, -1), gguf.GGMLQuantizationType.Q8_0))
-    assert np.array_equal(y, want.view(np.uint8).reshape(-1))
+    x = np.concatenate([x, edge_blocks(rng)])
+    bs = 34 if qtype == "Q8_0" else 36
+    y = np.zeros(bs * (x.size // 32), np.uint8)
+    getattr(lib, f"lp_quantize_row_{qtype.lower()}")(ptr(x), ptr(y), x.size)
+    want = quantize_q8_act(x.reshape(1, -1), GGMLType[qtype]).reshape(-1, bs)
+    got = y.reshape(-1, bs)
+    ok = np.all(got == want, axis=1)
+    assert ok.all(), (np.flatnonzero(~ok), got[~ok][:2], want[~ok][:2])
 
 
-def test_quantize_row_q8_1_as_ggml(lib: ctypes.CDLL) -> None:
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal(32 * 40).astype(np.float32) * 3
-    x[32:64] = np.arange(32, dtype=np.float32) - 15.5
-    y = np.zeros(36 * 40, np.uint8)
-    lib.lp_quantize_row_q8_1(ptr(x), ptr(y), x.size)
-    assert np.array_equal(y, ref_q8_1(x))
+def test_activation_quantizer_differs_from_gguf_reference() -> None:
+    """quantize_q8_act (llama.cpp's x86 activation quantizer) against gguf.quants' Q8_0 (ggml's
+    reference quantizer, which quantizes a file's weights): the same scales, the quants equal
+    except where x * id falls on a tie (even vs away from zero) or where 127/amax and
+    1/(amax/127) differ by an ulp across a rounding boundary; each such difference is 1. On
+    random normal rows that is rare (0 of 262144 quants here); on values that sit on a grid it is
+    common: SmolLM2-135M's layer-0 attention input (96 tempest tokens, llama.cpp's own values)
+    has 40 exact ties and 22 of 55296 quants differ - each one moves its whole output row."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((64, 4096)) * 2).astype(np.float32)
+    ours = quantize_q8_act(x, GGMLType.Q8_0).reshape(-1, 34)
+    ref = np.ascontiguousarray(gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0)).view(np.uint8).reshape(-1, 34)
+    assert np.array_equal(ours[:, :2], ref[:, :2])  # d
+    assert np.count_nonzero(ours != ref) <= 1e-4 * ours.size
+    # a grid: amax = 127 * 2^-3, values k/2 * 2^-3 -> x * id = k / 2: a tie for every odd k
+    g = (rng.integers(-254, 255, (64, 4096)) * np.float32(2.0**-4)).astype(np.float32)
+    g[:, ::32] = np.float32(127 * 2.0**-3)
+    ours = quantize_q8_act(g, GGMLType.Q8_0).reshape(-1, 34)
+    ref = np.ascontiguousarray(gguf.quants.quantize(g, gguf.GGMLQuantizationType.Q8_0)).view(np.uint8).reshape(-1, 34)
+    assert np.array_equal(ours[:, :2], ref[:, :2])
+    dq = ours[:, 2:].view(np.int8).astype(int) - ref[:, 2:].view(np.int8).astype(int)
+    v = (g.reshape(-1, 32) * np.float32(8)).astype(np.float64)  # x * id, exact
+    tie_odd = (v - np.floor(v) == 0.5) & (np.floor(np.abs(v)) % 2 == 0)  # even below: even rounds toward 0
+    assert np.array_equal(dq != 0, tie_odd)
+    assert np.array_equal(np.abs(dq[tie_odd]), np.ones(np.count_nonzero(tie_odd), int))
+    assert 0.2 < np.count_nonzero(dq) / dq.size < 0.3  # a quarter: half the values are ties
 
 
 def test_quantize_rows_match_portable(lib: ctypes.CDLL) -> None:
     """The SIMD quantizers (AVX2 / AVX-512 builds) against the portable build's scalar loops, bit
-    for bit, on blocks that test their rounding and their edge cases: exact ties (d = 1, values
-    k + 0.5, away from zero), values just below a tie, tiny blocks (d underflows or 1/d
-    overflows), NaN and inf inputs."""
+    for bit, on the edge blocks (ties, tiny blocks, NaN and inf inputs)."""
     if "portable" not in native.built():
         pytest.skip("the portable kernels were not built")
     ref = native.load("portable")
-    rng = np.random.default_rng(5)
-    blocks = [
-        np.concatenate([[127.0], np.arange(31) - 15.5]),  # d = 1: ties at every element
-        np.concatenate([[127.0], np.nextafter(np.arange(31) - 15.5, 0)]),  # just inside the ties
-        np.concatenate([[-127.0], -(np.arange(31) + 0.5)]),
-        rng.standard_normal(32) * 1e-38,  # d underflows to a subnormal or zero
-        rng.standard_normal(32) * 1e-44,
-        np.full(32, -0.0),
-        np.where(np.arange(32) == 3, np.nan, rng.standard_normal(32)),  # a NaN: fmaxf ignores it
-        np.where(np.arange(32) == 7, np.inf, rng.standard_normal(32)),  # d = inf, id = 0
-        np.where(np.arange(32) == 0, -np.inf, 0.0),
-    ] + [rng.standard_normal(32) * sc for sc in (1e-3, 1.0, 3.0, 1e4)]
-    x = np.concatenate(blocks).astype(np.float32)
+    x = edge_blocks(np.random.default_rng(5))
+    n = x.size // 32
     for fn, bs in (("lp_quantize_row_q8_0", 34), ("lp_quantize_row_q8_1", 36)):
-        got = np.zeros(bs * len(blocks), np.uint8)
+        got = np.zeros(bs * n, np.uint8)
         want = np.zeros_like(got)
         getattr(lib, fn)(ptr(x), ptr(got), x.size)
         getattr(ref, fn)(ptr(x), ptr(want), x.size)
-        assert np.array_equal(got.reshape(len(blocks), bs), want.reshape(len(blocks), bs)), fn
+        assert np.array_equal(got.reshape(n, bs), want.reshape(n, bs)), fn
 
 
 def quantize_act(lib: ctypes.CDLL, name: str, x: np.ndarray) -> np.ndarray:
@@ -202,9 +215,8 @@ def test_vec_dot_against_float64(lib: ctypes.CDLL, name: str, n_in: int) -> None
     w = random_raw(name, n_rows, n_in, rng)
     x = (rng.standard_normal((2, n_in)) * 2).astype(np.float32)
     y = quantize_act(lib, name, x)
-    if VEC_DOT_TYPE[name] == "Q8_0":  # the activation blocks are gguf-py's, bit for bit
-        want = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0)
-        assert np.array_equal(y, np.ascontiguousarray(want).view(np.uint8).reshape(y.shape))
+    if VEC_DOT_TYPE[name] in ("Q8_0", "Q8_1"):  # the activation blocks are ggml's x86 ones, bit for bit
+        assert np.array_equal(y, quantize_q8_act(x, GGMLType[VEC_DOT_TYPE[name]]))
     elif name == "F16":
         assert np.array_equal(y.view(np.float16), x.astype(np.float16))
     elif name == "BF16":
@@ -218,6 +230,54 @@ def test_vec_dot_against_float64(lib: ctypes.CDLL, name: str, n_in: int) -> None
             fn(n_in, ctypes.byref(s), ptr(w[r]), ptr(y[t]))
             want, mag = ref_dot(name, w[r], y[t], x[t])
             assert abs(s.value - want) <= 2e-6 * mag + 1e-30, (name, r, t, s.value, want)
+
+
+def ggml_order_dot(name: str, w: np.ndarray, y: np.ndarray) -> np.float32:
+    """The dot of one weight row and one activation row (their bytes) as ggml's AVX2
+    ggml_vec_dot_<type>_<q8> sums it in float32: int32 lane l of block i = the exact sum of the
+    products of quants 4l..4l+3; acc[l] = fma(dx*dy, lane, acc[l]) block after block into one
+    accumulator; summs += m * s in block order (q4_1, q5_1); hsum_float_8(acc) + summs. The fma
+    is exact in float64 then rounded to float32 (a double rounding: wrong only where the float64
+    sum lands exactly on a float32 midpoint, not the case for these seeds)."""
+    bsize = block_size(GGMLType[name])[1]
+    b = w.reshape(-1, bsize)
+    ysz = 34 if VEC_DOT_TYPE[name] == "Q8_0" else 36
+    yb = y.reshape(-1, ysz)
+    qy = yb[:, ysz - 32 :].view(np.int8).astype(np.int64)
+    qx = {"Q4_0": lambda: nibbles(b[:, 2:18]) - 8, "Q4_1": lambda: nibbles(b[:, 4:20]),
+          "Q5_0": lambda: (nibbles(b[:, 6:22]) | hbits(b[:, 2:6]) << 4) - 16,
+          "Q5_1": lambda: nibbles(b[:, 8:24]) | hbits(b[:, 4:8]) << 4,
+          "Q8_0": lambda: b[:, 2:34].view(np.int8).astype(np.int64)}[name]()
+    lanes = (qx * qy).reshape(-1, 8, 4).sum(axis=2).astype(np.float32)  # exact
+    d = (f16(b, 0).astype(np.float32) * f16(yb, 0).astype(np.float32)).astype(np.float32)
+    acc = np.zeros(8, np.float32)
+    summ = np.float32(0)
+    for i in range(b.shape[0]):
+        acc = (np.float64(d[i]) * lanes[i].astype(np.float64) + acc.astype(np.float64)).astype(np.float32)
+        if name in ("Q4_1", "Q5_1"):
+            summ = np.float32(summ + np.float32(np.float32(f16(b, 2)[i]) * np.float32(f16(yb, 2)[i])))
+    a = acc
+    h = np.float32(np.float32(np.float32(a[0] + a[4]) + np.float32(a[2] + a[6])) +
+                   np.float32(np.float32(a[1] + a[5]) + np.float32(a[3] + a[7])))
+    return np.float32(h + summ)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_vec_dot_in_ggml_avx2_order(lib: ctypes.CDLL, name: str) -> None:
+    """lp_vec_dot_<type>_<q8> of every variant (portable included) sums in ggml's AVX2 order, bit
+    for bit (so llamapy's q8 MUL_MATs are llama.cpp's x86 ones; the gemm / gemv kernels are held
+    to the vec_dots by the tests below)."""
+    rng = np.random.default_rng(17)
+    n_in, n_rows = 32 * 37, 8
+    w = random_raw(name, n_rows, n_in, rng)
+    y = quantize_act(lib, name, (rng.standard_normal((3, n_in)) * 2).astype(np.float32))
+    fn = getattr(lib, f"lp_vec_dot_{name.lower()}_{VEC_DOT_TYPE[name].lower()}")
+    s = ctypes.c_float()
+    for r in range(n_rows):
+        for t in range(y.shape[0]):
+            fn(n_in, ctypes.byref(s), ptr(w[r]), ptr(y[t]))
+            want = ggml_order_dot(name, w[r], y[t])
+            assert np.float32(s.value).view(np.uint32) == want.view(np.uint32), (name, r, t, s.value, want)
 
 
 def check_gemm(lib: ctypes.CDLL, name: str, sym: str, n_rows: int, n_in: int, n_cols: int,

@@ -128,6 +128,8 @@ static inline lp_bf16 lp_f2bf(float f) {
 /* activation quantization (ggml-cpu quants.c quantize_row_q8_*) */
 void lp_quantize_row_q8_0(const float *x, void *y, int64_t k);
 void lp_quantize_row_q8_1(const float *x, void *y, int64_t k);
+/* ggml's reference Q8_0 quantizer (quantize_row_q8_0_ref): the KV cache stores (quants.c) */
+void lp_quantize_row_q8_0_ref(const float *x, void *y, int64_t k);
 void lp_quantize_row_q8_K(const float *x, void *y, int64_t k);
 
 /* Several outputs at once (ggml's vec_dot with nrc > 1, and repack.cpp's gemm): weight rows

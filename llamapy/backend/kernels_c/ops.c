@@ -3,11 +3,12 @@
  * ggml counterparts (ggml-cpu): ops.cpp ggml_compute_forward_rms_norm (sum of squares in
  * ggml_float = double), ggml_compute_forward_rope (rope_yarn with ext_factor 0: plain
  * cos/sin of pos * theta_scale^i, neox and normal pairings), ggml_compute_forward_flash_attn_ext
- * (there an online softmax over each thread's share of the cells; here three passes per chunk of
- * a fixed number of a row's visible cells, the chunks folded in order, so that a row's result
- * depends only on its own visible cells in order: see attend_chunk and att_fold; V accumulated in
- * f32; an f16 cache gets Q rounded to f16 first, as q_to_vec_dot does), and vec.h
- * ggml_vec_swiglu_f32 / ggml_v_expf.
+ * (the arithmetic of its tiled path, flash_attn_ext_tiled, bit for bit over an f32/f16 cache, for
+ * every number of query rows: Q in f32, fma-chain scores, an online softmax stepped per tile of
+ * 64 cells with ggml's SIMD exp and sums; the tiles are 64 of a row's visible cells, so that a
+ * row's result depends only on its own visible cells in order: see tile_softmax; llama.cpp itself
+ * uses another arithmetic below 64 rows, and splits a decode query's cells among threads), and
+ * vec.h ggml_vec_swiglu_f32 / ggml_v_expf.
  * Attention takes any number of query tokens; threads are an argument of each call (none of
  * these kernels keeps state between calls).
  *
@@ -212,7 +213,7 @@ static void quantize_row_q4_0(const float *restrict x, uint8_t *restrict y, int6
  * ggml's reference quantizers, bit for bit). Shared with executor.c (not exported). */
 void lp_kv_quantize_row(void *dst, const float *x, int64_t n, int t) {
     if (t == LP_KV_Q8_0)
-        lp_quantize_row_q8_0(x, dst, n);
+        lp_quantize_row_q8_0_ref(x, dst, n);
     else
         quantize_row_q4_0(x, dst, n);
 }
@@ -222,23 +223,22 @@ void lp_kv_quantize_row(void *dst, const float *x, int64_t n, int t) {
 
 /* RMS norm of `rows` rows (row t at x + t * xs) into contiguous out, times the weight w when it is
  * given (the executor's fused RMS_NORM x MUL, rounded as numpy's separate mul); shared by
- * lp_rms_norm and executor.c (one library: not exported) */
+ * lp_rms_norm and executor.c (one library: not exported). Rounded as ggml's rms_norm_f32, bit for
+ * bit: each square in float, summed in double in order, the mean rounded to float, then
+ * 1.0f / sqrtf(mean + eps) in float (any other order flips q8 activation roundings downstream). */
 void lp_rms_rows(const float *x, int64_t rows, int64_t n, int64_t xs, double eps, const float *w, float *out) {
+    const float epsf = (float)eps;  /* ggml keeps eps as a float op parameter */
     for (int64_t t = 0; t < rows; t++) {
         const float *xr = x + t * xs;
         float *o = out + t * n;
-        double acc[8] = {0};
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8)
-            for (int l = 0; l < 8; l++) acc[l] += (double)xr[i + l] * (double)xr[i + l];
         double s = 0.0;
-        for (; i < n; i++) s += (double)xr[i] * (double)xr[i];
-        s += ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-        const float scale = (float)(1.0 / sqrt(s / (double)n + eps));
+        for (int64_t i = 0; i < n; i++) s += (double)(xr[i] * xr[i]);
+        const float mean = (float)(s / (double)n);
+        const float scale = 1.0f / sqrtf(mean + epsf);
         if (w)
-            for (i = 0; i < n; i++) o[i] = (xr[i] * scale) * w[i];
+            for (int64_t i = 0; i < n; i++) o[i] = (xr[i] * scale) * w[i];
         else
-            for (i = 0; i < n; i++) o[i] = xr[i] * scale;
+            for (int64_t i = 0; i < n; i++) o[i] = xr[i] * scale;
     }
 }
 
@@ -334,39 +334,6 @@ LP_INLINE v8f v8_fma(v8f a, v8f b, v8f c) {
 #endif
 }
 
-/* [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7], x86's hadd_ps */
-LP_INLINE v8f v8_hadd(v8f a, v8f b) {
-    return SHUF8(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + SHUF8(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
-}
-
-/* lane c: the sum of a[c]'s lanes (8 horizontal sums in 6 hadds and one cross-half add) */
-LP_INLINE v8f v8_hsum8(const v8f a[8]) {
-    const v8f g0 = v8_hadd(v8_hadd(a[0], a[1]), v8_hadd(a[2], a[3]));
-    const v8f g1 = v8_hadd(v8_hadd(a[4], a[5]), v8_hadd(a[6], a[7]));
-    return SHUF8(g0, g1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF8(g0, g1, 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
-LP_INLINE float v8_sum(v8f a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
-
-/* dot products of one query row with the 8 K rows k0 + c*ks (c < 8): one accumulator per row,
- * the query vector loaded once for all 8, the horizontal sums done together */
-LP_INLINE v8f dot8(const float *restrict q, const float *restrict k0, int64_t ks, int64_t D) {
-    v8f a[8];
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; c++) a[c] = v8_splat(0.0f);
-    int64_t i = 0;
-    for (; i + 8 <= D; i += 8) {
-        const v8f qv = v8_load(q + i);
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; c++) a[c] = v8_fma(qv, v8_load(k0 + c * ks + i), a[c]);
-    }
-    v8f r = v8_hsum8(a);
-    for (; i < D; i++)
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; c++) r[c] = lp_fmaf(q[i], k0[c * ks + i], r[c]);
-    return r;
-}
-
 /* a[0..Dv) += sum over c < nb of w[c] * V row c (at v0 + c*vs); cells with weight 0 (masked,
  * or underflowed) are not read. Chunks of 64 columns stay in 8 registers across the cells. */
 LP_INLINE void v_accumulate(float *restrict a, const float *restrict w, int64_t nb, const float *restrict v0,
@@ -397,14 +364,19 @@ LP_INLINE void v_accumulate(float *restrict a, const float *restrict w, int64_t 
             if (w[c] != 0.0f) a[i0] = lp_fmaf(w[c], v0[c * vs + i0], a[i0]);
 }
 
-#define ATT_BLOCK 64  /* KV cells per step of the score pass (a multiple of ATT_VGROUP and of 8) */
+#define ATT_GROUP 16  /* KV cells per step of the score pass: two transposed blocks of 8 */
 #define ATT_VGROUP 16 /* KV cells per step of the V sums */
 #define ATT_ROWS 32   /* query rows (tokens x the heads of a KV group) per work unit, at least */
-/* Visible cells per chunk of a query's cells: a row's cells are cut, in cell order, into chunks of
- * this many of its visible (unmasked) cells, a constant, so that the cuts depend only on the row's
- * own visible cells (not on N, the batch, the placement or the thread count); chunks are what the
- * threads share out when there are few (KV head, query block) units, e.g. one decode token */
-#define ATT_CHUNK 256
+/* Visible cells per tile: a row's visible (unmasked) cells are cut, in cell order, into tiles of
+ * this many, and the online softmax steps once per tile, as llama.cpp's flash_attn_ext_tiled
+ * steps once per KV tile of GGML_FA_TILE_KV = 64 cells. llama.cpp's tiles are 64 cell indices
+ * (fully masked cells inside one add exactly 0); these are 64 visible cells, so the cuts depend
+ * only on the row's own visible cells: the same tiles wherever a sequence's cells start on a
+ * multiple of 64 and are contiguous (llama-perplexity's layout), and placement-invariant
+ * everywhere. */
+#define ATT_TILE 64
+
+#define ATT_SCORES_MAX (64.0 * 1024 * 1024) /* bytes of scores the two-phase threaded decode keeps */
 
 #ifndef ATT_PAR_WORK
 #define ATT_PAR_WORK (1 << 20) /* multiply-adds (T*N*H*(D+Dv)) from which threads are used */
@@ -430,42 +402,194 @@ typedef struct {
     int64_t T, H, D, N, Hkv, Dv, g, k_sn, k_sh, v_sn, v_sh, mask_st;
     float scale;
     int kt, vt;
-    int q_ready;  /* q already rounded for K's type (attend does it once per call) */
-    int64_t span; /* score row length of the scratch: the widest chunk's cells (att_chunk_span) */
+    int64_t span; /* score row length of the scratch: the widest tile's cells (att_tile_span) */
 } att_args;
 
-/* Each token's chunks: chunk j of token t holds its visible cells in [bnd[t*nb + j], bnd[t*nb +
- * j + 1]) (the first cell of its visible cell number j*ATT_CHUNK; the last bound: after its last
+/* Each token's tiles: tile j of token t holds its visible cells in [bnd[t*nb + j], bnd[t*nb + j +
+ * 1]) (the first cell of its visible cell number j*ATT_TILE; the last bound: after its last
  * visible cell), for j < nch[t]; nch[t] = 0: nothing visible. */
 typedef struct {
-    const int64_t *bnd, *nch;
-    int64_t nb; /* bounds per token: the most chunks N cells can make, plus one */
+    const int64_t *bnd, *nch, *nvis; /* nvis[t]: token t's visible cells */
+    int64_t nb; /* bounds per token: the most tiles N cells can make, plus one */
 } att_chunks;
 
-/* A partial (or running) result of R rows, in floats: max m (R), weight sum l (R), nan seen (R),
- * then the V sums (R x Dv). */
-LP_INLINE size_t att_part_floats(int64_t R, int64_t Dv) { return (size_t)(R * (Dv + 3)); }
-
-/* One worker's scratch, in floats: the unit's Q rows (R x D), the scores of the cells of one
- * chunk pass (R x span: the widest chunk's cells from a whole ATT_BLOCK, plus one block), one K
- * group of 8 rows and one V group widened to f32, then two partial results (a chunk's and the
- * running fold). */
-LP_INLINE size_t att_core_floats(int64_t R, int64_t D, int64_t Dv, int64_t span) {
-    return (size_t)(R * (D + span) + 8 * D + ATT_VGROUP * Dv);
+/* e^x for the softmax weights (x = score - max: <= 0, -inf or nan), as ggml_vec_soft_max_f32
+ * computes it with ggml_v_expf on the llama.cpp build for this CPU (vec.h), bit for bit: on an
+ * AVX-512 F+DQ build the __m512 variant (exp(b) by the polynomial, then scalef by 2^n: here two
+ * multiplies by halves of 2^n, exact then rounded once, as scalef; |n| > 192: 0 or inf), else the
+ * __m256 one (exp(b) - 1, then fma(j, 2^n, 2^n), with its |n| > 126 and > 192 cases). Branch-free,
+ * so the loops over it vectorize. */
+LP_INLINE float att_expf(float x) {
+    const float r = 0x1.8p23f;
+    const float z = lp_fmaf(x, 0x1.715476p+0f, r);
+    const float n = z - r;
+    const float b = lp_fmaf(-n, 0x1.7f7d1cp-20f, lp_fmaf(-n, 0x1.62e4p-1f, x));
+    const float u = b * b;
+    const float an = fabsf(n);
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    const float j = lp_fmaf(lp_fmaf(lp_fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u, lp_fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
+                            u, lp_fmaf(0x1.ffffecp-1f, b, 1.0f));
+    const int ni = an <= 192.0f ? (int)n : 0, n1 = ni / 2, n2 = ni - n1; /* nan: j is nan */
+    const float res = j * bits_f32((uint32_t)(n1 + 127) << 23) * bits_f32((uint32_t)(n2 + 127) << 23);
+    return an > 192.0f ? (n > 0.0f ? INFINITY : 0.0f) : res;
+#else
+    const uint32_t e = f32_bits(z) << 23;
+    const float k = bits_f32(e + 0x3f800000u);
+    const float j = lp_fmaf(lp_fmaf(lp_fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u, lp_fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
+                            u, 0x1.ffffecp-1f * b);
+    const uint32_t gb = n <= 0.0f ? 0x82000000u : 0u;
+    const float s1 = bits_f32(gb + 0x7f000000u), s2 = bits_f32(e - gb);
+    const float big = lp_fmaf(s2, j, s2) * s1, norm = lp_fmaf(k, j, k);
+    return an > 192.0f ? s1 * s1 : an > 126.0f ? big : norm;
+#endif
 }
-LP_INLINE size_t att_scratch_floats(int64_t R, int64_t D, int64_t Dv, int64_t span) {
-    return att_core_floats(R, D, Dv, span) + 2 * att_part_floats(R, Dv);
+
+/* The sum of one SIMD vector of weights as ggml_vec_soft_max_f32 takes it: AVX-512,
+ * _mm512_reduce_add_ps (gcc: halves added, then (t0+t4)+(t2+t6) + (t1+t5)+(t3+t7)), 16 lanes;
+ * AVX2, the same tree over 8. */
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define ATT_SUM_W 16
+#else
+#define ATT_SUM_W 8
+#endif
+LP_INLINE float att_vsum(const float *w) {
+    float t[8];
+    for (int i = 0; i < 8; i++) t[i] = ATT_SUM_W == 16 ? w[8 + i] + w[i] : w[i];
+    return ((t[4] + t[0]) + (t[6] + t[2])) + ((t[5] + t[1]) + (t[7] + t[3]));
 }
 
-/* the dot product of dot8's lanes, for one K row: the same operations in the same order, so a
- * cell's score does not depend on whether it falls in a group of 8 (on N, on the batch) */
-LP_INLINE float dot1(const float *restrict q, const float *restrict k, int64_t D) {
-    v8f a = v8_splat(0.0f);
-    int64_t i = 0;
-    for (; i + 8 <= D; i += 8) a = v8_fma(v8_load(q + i), v8_load(k + i), a);
-    float r = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-    for (; i < D; i++) r = lp_fmaf(q[i], k[i], r);
+/* A unit's running state, in floats: max M (R), sum S (R), nan seen (R), V sums (R x Dv) */
+LP_INLINE size_t att_state_floats(int64_t R, int64_t Dv) { return (size_t)(R * (Dv + 3)); }
+
+/* 8 rows of 8 floats (r[u][0..8)) transposed in registers: out[i] = (r[0][i], ..., r[7][i]) */
+LP_INLINE void v8_transpose(v8f r[8]) {
+    v8f t[8], s[8];
+    for (int p = 0; p < 4; p++) {
+        t[2 * p] = SHUF8(r[2 * p], r[2 * p + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[2 * p + 1] = SHUF8(r[2 * p], r[2 * p + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int p = 0; p < 2; p++) {
+        s[4 * p + 0] = SHUF8(t[4 * p], t[4 * p + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+        s[4 * p + 1] = SHUF8(t[4 * p], t[4 * p + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        s[4 * p + 2] = SHUF8(t[4 * p + 1], t[4 * p + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+        s[4 * p + 3] = SHUF8(t[4 * p + 1], t[4 * p + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = SHUF8(s[i], s[4 + i], 0, 1, 2, 3, 8, 9, 10, 11);
+        r[4 + i] = SHUF8(s[i], s[4 + i], 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+}
+
+/* Columns d0..d0+7 of 8 K rows (rows[u]: f16 bits where f16, else f32), transposed:
+ * r[e] = (row 0 [d0+e], ..., row 7 [d0+e]), a lane per cell. f16 rows are transposed as 16-bit
+ * values and widened after (F16C), so no widened copy of the rows is made. */
+LP_INLINE void kblock8(const void *const rows[8], const int f16, int64_t d0, v8f r[8]) {
+#if defined(__F16C__) && defined(__AVX2__)
+    if (f16) {
+        __m128i x[8], y[8];
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; u++) x[u] = _mm_loadu_si128((const __m128i *)((const uint16_t *)rows[u] + d0));
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) {
+            y[2 * p] = _mm_unpacklo_epi16(x[2 * p], x[2 * p + 1]);
+            y[2 * p + 1] = _mm_unpackhi_epi16(x[2 * p], x[2 * p + 1]);
+        }
+#pragma GCC unroll 2
+        for (int p = 0; p < 2; p++) {
+            x[4 * p + 0] = _mm_unpacklo_epi32(y[4 * p], y[4 * p + 2]);
+            x[4 * p + 1] = _mm_unpackhi_epi32(y[4 * p], y[4 * p + 2]);
+            x[4 * p + 2] = _mm_unpacklo_epi32(y[4 * p + 1], y[4 * p + 3]);
+            x[4 * p + 3] = _mm_unpackhi_epi32(y[4 * p + 1], y[4 * p + 3]);
+        }
+#pragma GCC unroll 4
+        for (int e = 0; e < 4; e++) {
+            const __m256 lo = _mm256_cvtph_ps(_mm_unpacklo_epi64(x[e], x[4 + e]));
+            const __m256 hi = _mm256_cvtph_ps(_mm_unpackhi_epi64(x[e], x[4 + e]));
+            memcpy(&r[2 * e], &lo, sizeof lo);
+            memcpy(&r[2 * e + 1], &hi, sizeof hi);
+        }
+        return;
+    }
+#endif
+    if (f16) {
+        for (int e = 0; e < 8; e++)
+            for (int u = 0; u < 8; u++) r[e][u] = f16_bits_to_f32(((const uint16_t *)rows[u])[d0 + e]);
+        return;
+    }
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; u++) r[u] = v8_load((const float *)rows[u] + d0);
+    v8_transpose(r);
+}
+
+/* column d of 8 K rows (a D % 8 tail) */
+LP_INLINE v8f kcol8(const void *const rows[8], const int f16, int64_t d) {
+    v8f r;
+    for (int u = 0; u < 8; u++)
+        r[u] = f16 ? f16_bits_to_f32(((const uint16_t *)rows[u])[d]) : ((const float *)rows[u])[d];
     return r;
+}
+
+/* kT[(b*D + d)*8 + u] = row b*8+u [d], for the 16 rows (two blocks of 8): the K group transposed
+ * once for many query rows */
+LP_INLINE void k_transpose16(float *restrict kT, const void *const rows[16], const int f16, int64_t D) {
+    for (int b = 0; b < 2; b++) {
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) {
+            v8f r[8];
+            kblock8(rows + 8 * b, f16, d, r);
+            for (int e = 0; e < 8; e++) v8_store(kT + (b * D + d + e) * 8, r[e]);
+        }
+        for (; d < D; d++) v8_store(kT + (b * D + d) * 8, kcol8(rows + 8 * b, f16, d));
+    }
+}
+
+/* Scores of up to 4 query rows (q[i], i < nr) with the 16 cells of two transposed K blocks: per
+ * cell ggml's simd_gemm order, one fma chain over d from 0 (lanes: cells; the rows and blocks
+ * are independent chains, interleaved for the fma latency) */
+LP_INLINE void kq_rows4(const float *const q[4], const int nr, const float *restrict kT, int64_t D, v8f o[4][2]) {
+    v8f a[4][2];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = v8_splat(0.0f);
+    for (int64_t d = 0; d < D; d++) {
+        const v8f k0 = v8_load(kT + d * 8), k1 = v8_load(kT + (D + d) * 8);
+#pragma GCC unroll 4
+        for (int i = 0; i < nr; i++) {
+            const v8f qv = v8_splat(q[i][d]);
+            a[i][0] = v8_fma(qv, k0, a[i][0]);
+            a[i][1] = v8_fma(qv, k1, a[i][1]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) o[i][0] = a[i][0], o[i][1] = a[i][1];
+}
+
+/* The same for up to 4 query rows and the 16 K rows, transposed 8x8 in registers on the way (no
+ * transposed copy): for a unit of few rows (a decode step), where the copy would cost more than
+ * the products */
+LP_INLINE void kq_rows4_direct(const float *const q[4], const int nr, const void *const rows[16], const int f16,
+                               int64_t D, v8f o[4][2]) {
+    v8f a[4][2];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = v8_splat(0.0f);
+    int64_t d0 = 0;
+    for (; d0 + 8 <= D; d0 += 8) {
+#pragma GCC unroll 2
+        for (int blk = 0; blk < 2; blk++) {
+            v8f r[8];
+            kblock8(rows + 8 * blk, f16, d0, r);
+#pragma GCC unroll 8
+            for (int e = 0; e < 8; e++)
+#pragma GCC unroll 4
+                for (int i = 0; i < nr; i++) a[i][blk] = v8_fma(v8_splat(q[i][d0 + e]), r[e], a[i][blk]);
+        }
+    }
+    for (; d0 < D; d0++)
+        for (int blk = 0; blk < 2; blk++) {
+            const v8f kv = kcol8(rows + 8 * blk, f16, d0);
+            for (int i = 0; i < nr; i++) a[i][blk] = v8_fma(v8_splat(q[i][d0]), kv, a[i][blk]);
+        }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) o[i][0] = a[i][0], o[i][1] = a[i][1];
 }
 
 /* Cells ahead whose K (score pass) or V (V pass) rows are prefetched: a decode step reads the
@@ -491,176 +615,233 @@ LP_INLINE int64_t att_row_bytes(int t, int64_t n) {
     return t == LP_KV_F32 ? 4 * n : t == LP_KV_F16 ? 2 * n : t == LP_KV_Q8_0 ? n / 32 * 34 : n / 32 * 18;
 }
 
-/* A work unit: the query tokens [t0, t1) and the KV heads [kh0, kh0 + nh): R = nh * Rh rows,
- * Rh = (t1-t0)*g per head (row r: KV head kh0 + r/Rh, token t0 + (r%Rh)/g, query head
- * (kh0 + r/Rh)*g + (r%Rh)%g). One head per unit for a prompt (many units); every head for a few
- * tokens, so that a cell's K and V rows are read whole, in memory order. */
+/* A work unit: the query tokens [t0, t1), the KV heads [kh0, kh0 + nh) and of each of their
+ * groups the query heads [gq0, gq0 + ng): R = nh * Rh rows, Rh = (t1-t0)*ng per KV head (row r:
+ * KV head kh0 + r/Rh, token t0 + (r%Rh)/ng, query head (kh0 + r/Rh)*g + gq0 + (r%Rh)%ng). One KV
+ * head per unit for a prompt (many units); for a few tokens every head in one unit (attend always
+ * takes whole groups: gq0 = 0, ng = g; att_row_q maps any). */
 typedef struct {
-    int64_t kh0, nh, t0, t1, n_chunks; /* n_chunks: the most chunks any of its tokens has */
+    int64_t kh0, nh, t0, t1, gq0, ng, n_chunks; /* n_chunks: the most tiles any of its tokens has */
 } att_unit;
 
-/* Chunk j of a work unit: each row over its token's chunk j (att_chunks); the unit reads the
- * cells [lo, hi) that any of those chunks holds. Writes the chunk's partial result to `part`
- * (att_part_floats(R, Dv)): three passes over the chunk, so that it depends only on the row's
- * visible cells of the chunk, in cell order: (1) every score, each row's max over its chunk;
- * (2) weights exp(s - max) (masked cells and cells of other chunks: exactly 0) and their sum over
- * the cells of non-zero weight in order; (3) V sums over the same cells in cell order. K rows are
- * read (widened) once per group of 8 cells for all rows of their head, V rows once per group of
- * cells. What a row computes does not depend on the other rows of its unit. */
-static void attend_chunk(const att_args *a, const att_chunks *ch, const att_unit *w, int64_t j, float *restrict buf,
-                         float *restrict part) {
-    const int64_t g = a->g, t0 = w->t0, t1 = w->t1, kh0 = w->kh0, nh = w->nh, Rh = (t1 - t0) * g, R = nh * Rh;
-    const int64_t D = a->D, Dv = a->Dv, H = a->H, N = a->N, span = a->span;
-    const int kt = a->kt, vt = a->vt;
-    float *restrict m = part, *restrict l = m + R, *restrict nan_seen = l + R, *restrict acc = nan_seen + R;
-    for (int64_t r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f, nan_seen[r] = 0.0f;
-    memset(acc, 0, (size_t)(R * Dv) * sizeof(float));
-    int64_t lo = N, hi = 0; /* the cells of chunk j of any of the unit's tokens */
-    for (int64_t t = t0; t < t1; t++)
+LP_INLINE int64_t att_row_q(const att_args *a, const att_unit *w, int64_t Rh, int64_t r, int64_t *t) {
+    const int64_t rr = r % Rh;
+    *t = w->t0 + rr / w->ng;
+    return (w->kh0 + r / Rh) * a->g + w->gq0 + rr % w->ng; /* query head */
+}
+
+/* The cells [*lo, *hi) that tile j of any of a unit's tokens holds (empty: lo >= hi) */
+LP_INLINE void att_tile_cells(const att_chunks *ch, const att_unit *w, int64_t j, int64_t N, int64_t *lo, int64_t *hi) {
+    int64_t l = N, h = 0;
+    for (int64_t t = w->t0; t < w->t1; t++)
         if (j < ch->nch[t]) {
             const int64_t *b = ch->bnd + t * ch->nb + j;
-            lo = b[0] < lo ? b[0] : lo;
-            hi = b[1] > hi ? b[1] : hi;
+            l = b[0] < l ? b[0] : l;
+            h = b[1] > h ? b[1] : h;
         }
-    if (lo >= hi) return; /* no token of the unit has a chunk j */
-    float *restrict qs = buf, *restrict sc = qs + R * D, *restrict kf = sc + R * span, *restrict vf = kf + 8 * D;
-    /* q rows (f16-rounded for an f16 K, as llama.cpp's q_to_vec_dot; Q8_0-rounded for a
-     * quantized one) */
+    *lo = l, *hi = h < N ? h : N;
+}
+
+/* The rows' scores of score cells (mask, tile j's cells [lo, hi)) into sc (R x span, cell lo
+ * first), as one step of llama.cpp's flash_attn_ext_tiled (ops.cpp) computes them: per cell an
+ * fma chain over d from 0 (simd_gemm's order), times scale, plus the mask (-inf: -inf). K rows
+ * are widened once per group of ATT_GROUP cells for all rows of their head and transposed (by
+ * 8: a lane per cell). scr: qs (R x D), kf and kT (ATT_GROUP x D each), a zero row (D). */
+static void tile_scores(const att_args *a, const att_unit *w, int64_t lo, int64_t hi, float *restrict scr,
+                        float *restrict sc) {
+    const int64_t t0 = w->t0, t1 = w->t1, kh0 = w->kh0, nh = w->nh, ng = w->ng, Rh = (t1 - t0) * ng, R = nh * Rh;
+    const int64_t D = a->D, span = a->span;
+    const int kt = a->kt;
+    float *restrict qs = scr, *restrict kf = qs + R * D, *restrict kT = kf + ATT_GROUP * D, *zr = kT + ATT_GROUP * D;
+    memset(zr, 0, (size_t)D * sizeof(float)); /* (f32 zeros: f16 zeros too) */
     for (int64_t r = 0; r < R; r++) {
-        const int64_t rr = r % Rh;
-        const float *qr = a->q + ((t0 + rr / g) * H + (kh0 + r / Rh) * g + rr % g) * D;
-        float *dst = qs + r * D;
-        if (a->q_ready || !kt)
-            memcpy(dst, qr, (size_t)D * sizeof(float));
-        else if (kt == LP_KV_F16)
-            for (int64_t i = 0; i < D; i++) dst[i] = round_f16(qr[i]);
-        else if (kt)
-            round_q8_0_row(dst, qr, D);
-        else
-            memcpy(dst, qr, (size_t)D * sizeof(float));
+        int64_t t;
+        const int64_t h = att_row_q(a, w, Rh, r, &t);
+        memcpy(qs + r * D, a->q + (t * a->H + h) * D, (size_t)D * sizeof(float));
     }
     const float *mask = a->mask + t0 * a->mask_st;
     const int64_t mask_st = a->mask_st, Tu = t1 - t0;
     const float minf = -INFINITY, scale = a->scale;
-    const int64_t base = lo / ATT_BLOCK * ATT_BLOCK, end = hi < N ? hi : N; /* cells [base, end) */
-    const int64_t k_rb = att_row_bytes(kt, D), v_rb = att_row_bytes(vt, Dv);
-    unsigned char live[ATT_BLOCK];
-    att_prefetch(a->k, kt, lo, ATT_PREFETCH, end, a->k_sn, a->k_sh, kh0, nh, k_rb);
-    /* (1) scores: groups of 8 cells, each K row read once for the rows of its head */
-    for (int64_t b0 = base; b0 < end; b0 += ATT_BLOCK) {
-        const int64_t nb = end - b0 < ATT_BLOCK ? end - b0 : ATT_BLOCK;
-        for (int64_t c = 0; c < nb; c++) {
-            int lv = 0;
-            for (int64_t t = 0; t < Tu; t++) lv |= mask[t * mask_st + b0 + c] != minf;
-            live[c] = (unsigned char)(lv && b0 + c >= lo);
-        }
-        int64_t c = 0;
-        for (; c + 8 <= nb; c += 8) {
-            att_prefetch(a->k, kt, b0 + c + ATT_PREFETCH, 8, end, a->k_sn, a->k_sh, kh0, nh, k_rb);
-            int lv8 = 0;
-            for (int u = 0; u < 8; u++) lv8 |= live[c + u];
-            if (!lv8) {
-                for (int64_t r = 0; r < R; r++)
-                    for (int u = 0; u < 8; u++) sc[r * span + b0 - base + c + u] = minf;
-                continue;
+    const int64_t k_rb = att_row_bytes(kt, D);
+    unsigned char live[ATT_GROUP];
+    att_prefetch(a->k, kt, lo, ATT_PREFETCH, hi, a->k_sn, a->k_sh, kh0, nh, k_rb);
+    for (int64_t c0 = lo; c0 < hi; c0 += ATT_GROUP) {
+        const int64_t nb = hi - c0 < ATT_GROUP ? hi - c0 : ATT_GROUP;
+        att_prefetch(a->k, kt, c0 + ATT_PREFETCH, ATT_GROUP, hi, a->k_sn, a->k_sh, kh0, nh, k_rb);
+        int lv = 0;
+        if (nb == 16) { /* cells any token sees: 8 lanes at a time */
+            v8i l0 = {0}, l1 = {0};
+            for (int64_t t = 0; t < Tu; t++) {
+                l0 |= v8_load(mask + t * mask_st + c0) != v8_splat(minf);
+                l1 |= v8_load(mask + t * mask_st + c0 + 8) != v8_splat(minf);
             }
-            for (int64_t hh = 0; hh < nh; hh++) {
-                const int64_t kh = kh0 + hh;
-                const float *k0;
-                int64_t ks;
-                if (kt) {
-                    for (int u = 0; u < 8; u++) kv_row(kf + u * D, a->k, (b0 + c + u) * a->k_sn + kh * a->k_sh, kt, D);
-                    k0 = kf, ks = D;
-                } else {
-                    k0 = (const float *)a->k + kh * a->k_sh + (b0 + c) * a->k_sn, ks = a->k_sn;
-                }
-                for (int64_t rr = 0; rr < Rh; rr++) {
-                    const int64_t r = hh * Rh + rr;
-                    const v8f d = dot8(qs + r * D, k0, ks, D);
-                    const v8f mv = v8_load(mask + (rr / g) * mask_st + b0 + c);
-                    v8_store(sc + r * span + b0 - base + c,
-                             v8_select(mv == v8_splat(minf), mv, d * v8_splat(scale) + mv));
-                }
+            for (int u = 0; u < 8; u++) {
+                live[u] = (unsigned char)(l0[u] != 0), live[8 + u] = (unsigned char)(l1[u] != 0);
+                lv |= live[u] | live[8 + u];
+            }
+        } else {
+            for (int64_t c = 0; c < nb; c++) {
+                int l = 0;
+                for (int64_t t = 0; t < Tu; t++) l |= mask[t * mask_st + c0 + c] != minf;
+                live[c] = (unsigned char)l;
+                lv |= l;
             }
         }
-        for (; c < nb; c++) {
-            if (!live[c]) {
-                for (int64_t r = 0; r < R; r++) sc[r * span + b0 - base + c] = minf;
-                continue;
-            }
-            for (int64_t hh = 0; hh < nh; hh++) {
-                const int64_t kh = kh0 + hh;
-                const float *kr;
-                if (kt) {
-                    kv_row(kf, a->k, (b0 + c) * a->k_sn + kh * a->k_sh, kt, D);
-                    kr = kf;
-                } else {
-                    kr = (const float *)a->k + kh * a->k_sh + (b0 + c) * a->k_sn;
+        if (!lv) {
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t c = 0; c < nb; c++) sc[r * span + c0 - lo + c] = minf;
+            continue;
+        }
+        for (int64_t hh = 0; hh < nh; hh++) {
+            const int64_t kh = kh0 + hh;
+            /* the group's K rows: f32 and f16 in place, quantized ones widened into kf; rows
+             * past the end, or seen by no row, a row of zeros (zr) */
+            const void *rows[ATT_GROUP];
+            const int f16 = kt == LP_KV_F16;
+            for (int64_t c = 0; c < ATT_GROUP; c++) {
+                const int64_t off = (c0 + c) * a->k_sn + kh * a->k_sh;
+                if (c >= nb || !live[c])
+                    rows[c] = zr;
+                else if (kt == LP_KV_F32)
+                    rows[c] = (const float *)a->k + off;
+                else if (f16)
+                    rows[c] = (const uint16_t *)a->k + off;
+                else {
+                    kv_row(kf + c * D, a->k, off, kt, D);
+                    rows[c] = kf + c * D;
                 }
-                for (int64_t rr = 0; rr < Rh; rr++) {
-                    const int64_t r = hh * Rh + rr;
-                    const float mv = mask[(rr / g) * mask_st + b0 + c];
-                    sc[r * span + b0 - base + c] = mv == minf ? minf : dot1(qs + r * D, kr, D) * scale + mv;
+            }
+            const int rf16 = f16; /* (the zero row reads as 0 either way) */
+            if (Rh > 4) k_transpose16(kT, rows, rf16, D); /* many rows: one transposed copy for all */
+            for (int64_t rr = 0; rr < Rh; rr += 4) {
+                const int nr = Rh - rr < 4 ? (int)(Rh - rr) : 4;
+                const float *qp[4];
+                for (int i = 0; i < 4; i++) qp[i] = qs + (hh * Rh + (i < nr ? rr + i : rr)) * D;
+                v8f o[4][2];
+                if (Rh > 4) {
+                    switch (nr) { /* (constant row counts: the loops unrolled) */
+                    case 1: kq_rows4(qp, 1, kT, D, o); break;
+                    case 2: kq_rows4(qp, 2, kT, D, o); break;
+                    case 3: kq_rows4(qp, 3, kT, D, o); break;
+                    default: kq_rows4(qp, 4, kT, D, o);
+                    }
+                } else {
+                    switch (nr) {
+                    case 1: kq_rows4_direct(qp, 1, rows, rf16, D, o); break;
+                    case 2: kq_rows4_direct(qp, 2, rows, rf16, D, o); break;
+                    case 3: kq_rows4_direct(qp, 3, rows, rf16, D, o); break;
+                    default: kq_rows4_direct(qp, 4, rows, rf16, D, o);
+                    }
+                }
+                for (int i = 0; i < nr; i++) {
+                    const float *mr = mask + ((rr + i) / ng) * mask_st + c0;
+                    float *s = sc + (hh * Rh + rr + i) * span + c0 - lo;
+                    if (nb == 16) { /* score * scale + mask; a -inf mask: -inf */
+                        for (int b = 0; b < 2; b++) {
+                            const v8f mv = v8_load(mr + 8 * b);
+                            v8_store(s + 8 * b, v8_select(mv == v8_splat(minf), mv, o[i][b] * v8_splat(scale) + mv));
+                        }
+                        continue;
+                    }
+                    float d16[16];
+                    v8_store(d16, o[i][0]);
+                    v8_store(d16 + 8, o[i][1]);
+                    for (int64_t c = 0; c < nb; c++) s[c] = mr[c] == minf ? minf : d16[c] * scale + mr[c];
                 }
             }
         }
     }
-    /* (2) each row's cells outside its chunk j dropped (-inf), its max (nan skipped: it reaches
-     * the output through nan_seen), then its weights and their sum, cell after cell (a masked
-     * cell adds exactly 0) */
-    const int64_t n_c = end > base ? end - base : 0;
+}
+
+/* Tile j's softmax step for each row, on its scores sc (tile_scores, cells [lo, hi)): the row's
+ * visible cells of its tile packed in order into ATT_TILE lanes (padding: -inf), their max, the
+ * new max Mnew = fmaxf(M, max) and on a rise the state rescaled by libm's expf(M - Mnew) (V sums
+ * only in columns [dv0, dv1)); the weights ggml's SIMD exp of (score - Mnew), summed as
+ * ggml_vec_soft_max_f32 (each SIMD vector's tree sum, added in double), S = (float)(S + sum).
+ * The weights are written back over sc at their cells (0 elsewhere). Returns whether any row has
+ * a weight. st: M (R), S (R), nan seen (R), V sums (R x Dv). */
+static int tile_softmax(const att_args *a, const att_chunks *ch, const att_unit *w, int64_t j, int64_t lo,
+                        int64_t hi, float *restrict sc, float *restrict st, int64_t dv0, int64_t dv1) {
+    const int64_t Rh = (w->t1 - w->t0) * w->ng, R = w->nh * Rh, Dv = a->Dv, span = a->span, n_c = hi - lo;
+    float *restrict M = st, *restrict S = M + R, *restrict nan_seen = S + R, *restrict acc = nan_seen + R;
+    const float minf = -INFINITY;
     int any_w = 0;
     for (int64_t r = 0; r < R; r++) {
         float *s = sc + r * span;
-        const int64_t t = t0 + (r % Rh) / g;
-        int64_t w0 = n_c, w1 = n_c; /* the row's chunk, relative to base */
+        const int64_t t = w->t0 + (r % Rh) / w->ng;
+        int64_t w0 = 0, w1 = 0; /* the row's tile, relative to lo */
         if (j < ch->nch[t]) {
             const int64_t *b = ch->bnd + t * ch->nb + j;
-            w0 = b[0] - base, w1 = b[1] - base < n_c ? b[1] - base : n_c;
+            w0 = b[0] - lo, w1 = b[1] - lo < n_c ? b[1] - lo : n_c;
         }
-        for (int64_t i = 0; i < w0; i++) s[i] = minf;
-        for (int64_t i = w1; i < n_c; i++) s[i] = minf;
-        v8f bm8 = v8_splat(minf); /* the max is exact in any order: 8 lanes */
+        const float *mr = a->mask + t * a->mask_st + lo;
+        float tile[ATT_TILE];
+        int32_t idx[ATT_TILE];
+        int n = 0;
+        const int64_t left = ch->nvis[t] - j * ATT_TILE, nj = left < ATT_TILE ? left : ATT_TILE;
+        const int dense = w1 - w0 == nj; /* the tile's cells all visible: no packing */
+        if (dense) {
+            n = (int)nj;
+            memcpy(tile, s + w0, (size_t)n * sizeof(float));
+        } else {
+            for (int64_t c = w0; c < w1 && n < ATT_TILE; c++)
+                if (mr[c] != minf) tile[n] = s[c], idx[n++] = (int32_t)c;
+        }
+        for (int i = n; i < ATT_TILE; i++) tile[i] = minf;
+        memset(s, 0, (size_t)n_c * sizeof(float));
+        v8f m8 = v8_splat(minf);
         v8i nan8 = {0};
-        int64_t i = 0;
-        for (; i + 8 <= n_c; i += 8) {
-            const v8f x = v8_load(s + i);
-            bm8 = v8_select(x > bm8, x, bm8);
+        for (int i = 0; i < ATT_TILE; i += 8) { /* the max is exact in any order; nan skipped */
+            const v8f x = v8_load(tile + i);
+            m8 = v8_select(x > m8, x, m8);
             nan8 |= x != x;
         }
         float mx = minf;
         for (int u = 0; u < 8; u++) {
-            mx = bm8[u] > mx ? bm8[u] : mx;
-            if (nan8[u]) nan_seen[r] = 1.0f;
+            mx = m8[u] > mx ? m8[u] : mx;
+            if (nan8[u]) nan_seen[r] = 1.0f; /* reaches the output through nan_seen */
         }
-        for (; i < n_c; i++) {
-            if (s[i] != s[i]) nan_seen[r] = 1.0f;
-            else if (s[i] > mx) mx = s[i];
-        }
-        m[r] = mx;
-        if (mx == minf) { /* nothing visible (or nan scores only): weights 0 */
-            memset(s, 0, (size_t)n_c * sizeof(float));
-            continue;
-        }
+        if (mx == minf) continue; /* nothing visible (or -inf/nan scores only): weights 0 */
         any_w = 1;
-        for (i = 0; i < n_c; i++) s[i] = lp_expf(s[i] - mx); /* -inf cells: 0 */
-        /* the sum in 8 lanes by the index among the cells of non-zero weight (not by cell
-         * index, which depends on the placement) */
-        float ls[8] = {0};
-        int64_t k = 0;
-        for (i = 0; i < n_c; i++)
-            if (s[i] != 0.0f) ls[k++ & 7] += s[i];
-        l[r] = ((ls[0] + ls[4]) + (ls[1] + ls[5])) + ((ls[2] + ls[6]) + (ls[3] + ls[7]));
+        const float Mnew = fmaxf(M[r], mx);
+        if (Mnew > M[r]) {
+            const float ms = expf(M[r] - Mnew); /* libm, as ggml (M = -inf first: 0) */
+            float *ar = acc + r * Dv;
+            for (int64_t i = dv0; i < dv1; i++) ar[i] *= ms;
+            S[r] *= ms;
+        }
+        M[r] = Mnew;
+        float wt[ATT_TILE];
+        for (int i = 0; i < ATT_TILE; i++) wt[i] = att_expf(tile[i] - Mnew);
+        double sum = 0.0;
+        for (int i = 0; i < ATT_TILE; i += ATT_SUM_W) sum += (double)att_vsum(wt + i);
+        S[r] = (float)((double)S[r] + sum);
+        if (dense)
+            memcpy(s + w0, wt, (size_t)n * sizeof(float));
+        else
+            for (int i = 0; i < n; i++) s[idx[i]] = wt[i];
     }
-    /* (3) V sums in groups of cells (an f16/quantized group widened once for the rows of its
-     * head); cells of weight 0 are skipped, so a row's sum runs over its chunk's visible cells in
-     * cell order */
-    if (any_w) att_prefetch(a->v, vt, lo, ATT_PREFETCH, end, a->v_sn, a->v_sh, kh0, nh, v_rb);
-    for (int64_t c0 = 0; any_w && c0 < n_c; c0 += ATT_VGROUP) {
-        const int64_t ng = n_c - c0 < ATT_VGROUP ? n_c - c0 : ATT_VGROUP;
-        att_prefetch(a->v, vt, base + c0 + ATT_PREFETCH, ATT_VGROUP, end, a->v_sn, a->v_sh, kh0, nh, v_rb);
+    return any_w;
+}
+
+/* Tile j's V sums for columns [dv0, dv1): per element one fma chain over the cells in order,
+ * continuing the rescaled running sums (ggml's simd_gemm(VKQ32, KQ, V32)), in groups of cells (an
+ * f16/quantized group widened once for the rows of its head). Cells of weight exactly 0 are
+ * skipped, which changes no bit (a running sum from +0 is never -0). A quantized V: the whole
+ * rows (dv0 = 0, dv1 = Dv). vf: ATT_VGROUP x Dv floats. */
+static void tile_v(const att_args *a, const att_unit *w, int64_t lo, int64_t hi, const float *restrict sc,
+                   float *restrict acc, int64_t dv0, int64_t dv1, float *restrict vf) {
+    const int64_t Rh = (w->t1 - w->t0) * w->ng, R = w->nh * Rh, Dv = a->Dv, span = a->span, n_c = hi - lo;
+    const int64_t kh0 = w->kh0, nh = w->nh, nd = dv1 - dv0;
+    const int vt = a->vt;
+    const int64_t v_rb = att_row_bytes(vt, Dv);
+    unsigned char live[ATT_VGROUP];
+    att_prefetch(a->v, vt, lo, ATT_PREFETCH, hi, a->v_sn, a->v_sh, kh0, nh, v_rb);
+    for (int64_t c0 = 0; c0 < n_c; c0 += ATT_VGROUP) {
+        const int64_t ngr = n_c - c0 < ATT_VGROUP ? n_c - c0 : ATT_VGROUP;
+        att_prefetch(a->v, vt, lo + c0 + ATT_PREFETCH, ATT_VGROUP, hi, a->v_sn, a->v_sh, kh0, nh, v_rb);
         int lv = 0;
-        if (ng == 2 * 8 && ATT_VGROUP == 16) { /* cells of any non-zero weight: 8 lanes at a time */
+        if (ngr == 16 && ATT_VGROUP == 16) { /* cells of any non-zero weight: 8 lanes at a time */
             v8i l0 = {0}, l1 = {0};
             const v8f zero = v8_splat(0.0f);
             for (int64_t r = 0; r < R; r++) {
@@ -672,7 +853,7 @@ static void attend_chunk(const att_args *a, const att_chunks *ch, const att_unit
                 lv |= live[u] | live[8 + u];
             }
         } else {
-            for (int64_t i = 0; i < ng; i++) {
+            for (int64_t i = 0; i < ngr; i++) {
                 int li = 0;
                 for (int64_t r = 0; r < R; r++) li |= sc[r * span + c0 + i] != 0.0f;
                 live[i] = (unsigned char)li;
@@ -685,54 +866,23 @@ static void attend_chunk(const att_args *a, const att_chunks *ch, const att_unit
             const float *v0;
             int64_t vs;
             if (vt) {
-                for (int64_t i = 0; i < ng; i++)
-                    if (live[i]) kv_row(vf + i * Dv, a->v, (base + c0 + i) * a->v_sn + kh * a->v_sh, vt, Dv);
-                v0 = vf, vs = Dv;
+                for (int64_t i = 0; i < ngr; i++)
+                    if (live[i]) kv_row(vf + i * nd, a->v, (lo + c0 + i) * a->v_sn + kh * a->v_sh + dv0, vt, nd);
+                v0 = vf, vs = nd;
             } else {
-                v0 = (const float *)a->v + kh * a->v_sh + (base + c0) * a->v_sn, vs = a->v_sn;
+                v0 = (const float *)a->v + kh * a->v_sh + (lo + c0) * a->v_sn + dv0, vs = a->v_sn;
             }
             for (int64_t rr = 0; rr < Rh; rr++) {
                 const int64_t r = hh * Rh + rr;
-                v_accumulate(acc + r * Dv, sc + r * span + c0, ng, v0, vs, Dv);
+                v_accumulate(acc + r * Dv + dv0, sc + r * span + c0, ngr, v0, vs, nd);
             }
         }
     }
 }
 
-/* A running result of R rows (att_part_floats, first set by att_part_clear) and the next chunk's
- * partial folded into it, row by row: both rescaled to the larger max (ggml's online softmax
- * step, done once per chunk). Always applied to a row's chunks one after the other in order,
- * whichever thread made each partial, so a row's result does not depend on the split. */
-LP_INLINE void att_part_clear(float *st, int64_t R, int64_t Dv) {
-    for (int64_t r = 0; r < R; r++) st[r] = -INFINITY, st[R + r] = 0.0f, st[2 * R + r] = 0.0f;
-    memset(st + 3 * R, 0, (size_t)(R * Dv) * sizeof(float));
-}
-
-static void att_fold(float *restrict st, const float *restrict pt, int64_t R, int64_t Dv) {
-    float *m = st, *l = st + R, *n = st + 2 * R, *acc = st + 3 * R;
-    const float *pm = pt, *pl = pt + R, *pn = pt + 2 * R, *pacc = pt + 3 * R;
-    for (int64_t r = 0; r < R; r++) {
-        if (pn[r] != 0.0f) n[r] = 1.0f;
-        if (pm[r] == -INFINITY) continue; /* nothing in this chunk for the row */
-        float *restrict ar = acc + r * Dv;
-        const float *restrict pa = pacc + r * Dv;
-        if (m[r] == -INFINITY) { /* the row's first chunk: taken as it is */
-            m[r] = pm[r], l[r] = pl[r];
-            memcpy(ar, pa, (size_t)Dv * sizeof(float));
-            continue;
-        }
-        const float mx = pm[r] > m[r] ? pm[r] : m[r];
-        const float fa = m[r] == mx ? 1.0f : lp_expf(m[r] - mx), fb = pm[r] == mx ? 1.0f : lp_expf(pm[r] - mx);
-        l[r] = l[r] * fa + pl[r] * fb;
-        for (int64_t i = 0; i < Dv; i++) ar[i] = ar[i] * fa + pa[i] * fb;
-        m[r] = mx;
-    }
-}
-
-/* The widest cell range a unit's chunk pass scores (from its first cell's ATT_BLOCK), plus one
- * block: the scratch's score rows, so they span a chunk (~ATT_CHUNK cells when a sequence's cells
- * are contiguous), not N */
-static int64_t att_chunk_span(const att_chunks *ch, int64_t T, int64_t tb) {
+/* The widest cell range a unit's tile pass scores, rounded up to ATT_GROUP: the scratch's score
+ * rows, so they span a tile (ATT_TILE cells when a sequence's cells are contiguous), not N */
+static int64_t att_tile_span(const att_chunks *ch, int64_t T, int64_t tb) {
     int64_t span = 0;
     for (int64_t t0 = 0; t0 < T; t0 += tb) {
         const int64_t t1 = t0 + tb < T ? t0 + tb : T;
@@ -746,98 +896,115 @@ static int64_t att_chunk_span(const att_chunks *ch, int64_t T, int64_t tb) {
                     lo = b[0] < lo ? b[0] : lo;
                     hi = b[1] > hi ? b[1] : hi;
                 }
-            const int64_t w = hi > lo ? hi - lo / ATT_BLOCK * ATT_BLOCK : 0;
+            const int64_t w = hi > lo ? hi - lo : 0;
             span = w > span ? w : span;
         }
     }
-    return (span + ATT_BLOCK - 1) / ATT_BLOCK * ATT_BLOCK + ATT_BLOCK;
+    return (span + ATT_GROUP - 1) / ATT_GROUP * ATT_GROUP + ATT_GROUP;
 }
 
-/* Unit u of `hpu` heads per unit: the last query blocks first (most cells), heads innermost */
+/* Unit u: `hpu` KV heads and `ngu` query heads of each group per unit; the last query blocks
+ * first (most cells), heads innermost */
 LP_INLINE att_unit att_unit_at(const att_args *a, const att_chunks *ch, int64_t tb, int64_t n_tb, int64_t hpu,
-                               int64_t u) {
+                               int64_t ngu, int64_t u) {
     att_unit w;
-    const int64_t nhu = a->Hkv / hpu, b = n_tb - 1 - u / nhu;
-    w.kh0 = u % nhu * hpu, w.nh = hpu;
+    const int64_t ngs = a->g / ngu, nhu = a->Hkv / hpu * ngs, b = n_tb - 1 - u / nhu, hu = u % nhu;
+    w.kh0 = hu / ngs * hpu, w.nh = hpu, w.gq0 = hu % ngs * ngu, w.ng = ngu;
     w.t0 = b * tb, w.t1 = w.t0 + tb < a->T ? w.t0 + tb : a->T, w.n_chunks = 0;
     for (int64_t t = w.t0; t < w.t1; t++) w.n_chunks = ch->nch[t] > w.n_chunks ? ch->nch[t] : w.n_chunks;
     return w;
 }
 
-/* The unit's running result normalized into out: acc / l; a nan score: nan, as numpy; nothing
- * visible: zeros */
-static void att_store(const att_args *a, const att_unit *w, const float *st) {
-    const int64_t g = a->g, Rh = (w->t1 - w->t0) * g, R = w->nh * Rh, Dv = a->Dv, H = a->H;
-    const float *m = st, *l = st + R, *n = st + 2 * R, *acc = st + 3 * R;
+LP_INLINE void att_state_clear(float *st, int64_t R, int64_t Dv) {
+    for (int64_t r = 0; r < R; r++) st[r] = -INFINITY, st[R + r] = 0.0f, st[2 * R + r] = 0.0f;
+    memset(st + 3 * R, 0, (size_t)(R * Dv) * sizeof(float));
+}
+
+/* The unit's running state normalized into out, columns [dv0, dv1): acc * (1/S), as ggml; a nan
+ * score: nan, as numpy; nothing visible: zeros */
+static void att_store(const att_args *a, const att_unit *w, const float *st, int64_t dv0, int64_t dv1) {
+    const int64_t Rh = (w->t1 - w->t0) * w->ng, R = w->nh * Rh, Dv = a->Dv, H = a->H;
+    const float *M = st, *S = st + R, *n = st + 2 * R, *acc = st + 3 * R;
     for (int64_t r = 0; r < R; r++) {
-        const int64_t rr = r % Rh;
-        float *o = a->out + ((w->t0 + rr / g) * H + (w->kh0 + r / Rh) * g + rr % g) * Dv;
-        if (n[r] != 0.0f || m[r] == -INFINITY) {
+        int64_t t;
+        const int64_t h = att_row_q(a, w, Rh, r, &t);
+        float *o = a->out + (t * H + h) * Dv;
+        if (n[r] != 0.0f || M[r] == -INFINITY) {
             const float fill = n[r] != 0.0f ? NAN : 0.0f;
-            for (int64_t i = 0; i < Dv; i++) o[i] = fill;
+            for (int64_t i = dv0; i < dv1; i++) o[i] = fill;
             continue;
         }
-        const float inv = 1.0f / l[r];
+        const float inv = S[r] == 0.0f ? 0.0f : 1.0f / S[r];
         const float *ar = acc + r * Dv;
-        for (int64_t i = 0; i < Dv; i++) o[i] = ar[i] * inv;
+        for (int64_t i = dv0; i < dv1; i++) o[i] = ar[i] * inv;
     }
 }
 
-/* A whole unit on one thread: its chunks in order, each folded in as it is made */
+/* One worker's scratch, in floats: a tile's scores (R x span), the score pass's Q rows and K
+ * groups, one V group widened, then the unit's running state */
+LP_INLINE size_t att_core_floats(int64_t R, int64_t D, int64_t Dv, int64_t span) {
+    return (size_t)(R * span + R * D + (2 * ATT_GROUP + 1) * D + ATT_VGROUP * Dv);
+}
+LP_INLINE size_t att_scratch_floats(int64_t R, int64_t D, int64_t Dv, int64_t span) {
+    return att_core_floats(R, D, Dv, span) + att_state_floats(R, Dv);
+}
+
+/* A whole unit on one thread: its tiles in order, each scored, stepped and summed */
 static void attend_unit(const att_args *a, const att_chunks *ch, const att_unit *w, int64_t R_max, float *buf) {
-    const int64_t R = w->nh * (w->t1 - w->t0) * a->g;
-    float *st = buf + att_core_floats(R_max, a->D, a->Dv, a->span), *pt = st + att_part_floats(R, a->Dv);
-    att_part_clear(st, R, a->Dv);
+    const int64_t R = w->nh * (w->t1 - w->t0) * w->ng, D = a->D, Dv = a->Dv;
+    float *sc = buf, *scr = sc + R_max * a->span, *vf = scr + R_max * D + (2 * ATT_GROUP + 1) * D;
+    float *st = buf + att_core_floats(R_max, D, Dv, a->span);
+    att_state_clear(st, R, Dv);
     for (int64_t j = 0; j < w->n_chunks; j++) {
-        attend_chunk(a, ch, w, j, buf, pt);
-        att_fold(st, pt, R, a->Dv);
+        int64_t lo, hi;
+        att_tile_cells(ch, w, j, a->N, &lo, &hi);
+        if (lo >= hi) continue;
+        tile_scores(a, w, lo, hi, scr, sc);
+        if (tile_softmax(a, ch, w, j, lo, hi, sc, st, 0, Dv)) tile_v(a, w, lo, hi, sc, st + 3 * R, 0, Dv, vf);
     }
-    att_store(a, w, st);
+    att_store(a, w, st, 0, Dv);
 }
 
-/* Attention of T query tokens over N cells (ggml's flash_attn_ext): work units of (KV heads, a
- * block of query tokens), each row's cells cut into chunks of ATT_CHUNK visible cells. A prompt
- * (many query blocks) has one KV head per unit, a few tokens every head in one unit. Up to
- * n_threads OpenMP threads once the work reaches ATT_PAR_WORK: with many units each thread takes
- * whole units (dynamically, most cells first); with few (decode) the (unit, chunk) pairs are
- * shared out, their partial results kept, then folded in chunk order per unit (llama.cpp splits
- * one query's cells among its threads too). The folds are the same either way, so the output
- * does not depend on the thread count. Each unit reads only the cells its tokens see (the causal
- * lower triangle, one sequence's cells). No state outside the call: the thread count is an
- * argument. */
+/* Attention of T query tokens over N cells (ggml's flash_attn_ext, the arithmetic of its tiled
+ * path for every row count): work units of (KV heads, query heads of a group, a block of query
+ * tokens), each row's cells cut into tiles of ATT_TILE visible cells, stepped through in order
+ * (an online softmax). A prompt (many query blocks) has one KV head per unit, each unit on one
+ * thread. A few tokens (decode): every head in one unit, and on several threads in two phases:
+ * the tiles' scores shared out (each score depends on its cell alone), then the V sums shared
+ * out by KV head and column range (each column's chain is sequential over the tiles on its
+ * own), each such item repeating its head's cheap softmax steps. llama.cpp instead splits one query's cells among its
+ * threads and combines their partial results, which cannot keep the sequential tile order.
+ * Either way a row's arithmetic is the same, so the output does not depend on the thread count
+ * or on the other rows. Each unit reads only the cells its tokens see (the causal lower
+ * triangle, one sequence's cells). Up to n_threads OpenMP threads once the work reaches
+ * ATT_PAR_WORK. No state outside the call. */
 static void attend(const att_args *a, int n_threads) {
     const int64_t T = a->T, N = a->N, Dv = a->Dv;
     if (T <= 0 || a->H <= 0 || a->Hkv <= 0 || Dv <= 0) return;
-    /* each token's chunks: its visible cells, counted in cell order */
-    const int64_t nbd = (N + ATT_CHUNK - 1) / ATT_CHUNK + 1;
-    int64_t *bnd = malloc((size_t)(T * (nbd + 1)) * sizeof(int64_t));
+    /* each token's tiles: its visible cells, counted in cell order */
+    const int64_t nbd = (N + ATT_TILE - 1) / ATT_TILE + 1;
+    int64_t *bnd = malloc((size_t)(T * (nbd + 2)) * sizeof(int64_t));
     if (!bnd) return;
-    int64_t *nch = bnd + T * nbd;
+    int64_t *nch = bnd + T * nbd, *nvis = nch + T;
     for (int64_t t = 0; t < T; t++) {
         const float *mr = a->mask + t * a->mask_st;
         int64_t *bt = bnd + t * nbd, seen = 0, last = 0;
         for (int64_t c = 0; c < N; c++)
             if (mr[c] != -INFINITY) {
-                if (seen % ATT_CHUNK == 0) bt[seen / ATT_CHUNK] = c;
+                if (seen % ATT_TILE == 0) bt[seen / ATT_TILE] = c;
                 seen++, last = c + 1;
             }
-        nch[t] = (seen + ATT_CHUNK - 1) / ATT_CHUNK;
+        nch[t] = (seen + ATT_TILE - 1) / ATT_TILE, nvis[t] = seen;
         bt[nch[t]] = last;
     }
-    const att_chunks ch = {bnd, nch, nbd};
-    /* Q rounded for K's type once (not once per chunk): f16, or through Q8_0 (q_to_vec_dot) */
-    float *qround = a->kt ? malloc((size_t)(T * a->H * a->D) * sizeof(float)) : NULL;
+    const att_chunks ch = {bnd, nch, nvis, nbd};
+    /* Q rounded through Q8_0 once for a quantized K (q_to_vec_dot); f32 and f16 K: Q stays f32,
+     * as in llama.cpp's tiled path */
+    float *qround = a->kt >= LP_KV_Q8_0 ? malloc((size_t)(T * a->H * a->D) * sizeof(float)) : NULL;
     att_args a_r = *a; /* (with Q rounded, the score span) */
     if (qround) {
-        for (int64_t i = 0; i < T * a->H; i++) {
-            const float *qr = a->q + i * a->D;
-            float *dst = qround + i * a->D;
-            if (a->kt == LP_KV_F16)
-                for (int64_t e = 0; e < a->D; e++) dst[e] = round_f16(qr[e]);
-            else
-                round_q8_0_row(dst, qr, a->D);
-        }
-        a_r.q = qround, a_r.q_ready = 1;
+        for (int64_t i = 0; i < T * a->H; i++) round_q8_0_row(qround + i * a->D, a->q + i * a->D, a->D);
+        a_r.q = qround;
     }
     a = &a_r;
     const int64_t g = a->g, tb = g >= ATT_ROWS ? 1 : (ATT_ROWS + g - 1) / g; /* tokens per unit */
@@ -849,51 +1016,68 @@ static void attend(const att_args *a, int n_threads) {
 #else
     (void)n_threads;
 #endif
-    const int few = n_tb < 4 * (int64_t)nt; /* few query blocks: every head in each unit */
-    const int64_t hpu = few ? a->Hkv : 1, units = a->Hkv / hpu * n_tb;
+    a_r.span = att_tile_span(&ch, T, tb);
+    const int64_t span = a->span, D = a->D;
+    /* Fewer query blocks than threads (decode): every head in one unit and the two phases below,
+     * while their scores (every tile of every unit) take at most ATT_SCORES_MAX bytes; else one
+     * KV head per unit on threads. One thread and a few blocks: every head in one unit. */
+    int64_t max_tiles = 0;
+    for (int64_t t = 0; t < T; t++) max_tiles = nch[t] > max_tiles ? nch[t] : max_tiles;
+    const int two = nt > 1 && n_tb < nt &&
+                    (double)n_tb * (double)max_tiles * (double)((tb < T ? tb : T) * g * a->Hkv * span) * 4.0 <= ATT_SCORES_MAX;
+    const int64_t hpu = two || (nt == 1 && n_tb < 4) ? a->Hkv : 1, units = a->Hkv / hpu * n_tb;
     const int64_t R = (tb < T ? tb : T) * g * hpu;
-    a_r.span = att_chunk_span(&ch, T, tb);
-    const size_t scratch = att_scratch_floats(R, a->D, Dv, a->span);
-    /* few units: the (unit, chunk) pairs shared out, their partials kept, then folded per unit */
-    int64_t *first = NULL, *item_u = NULL, items = 0;
-    att_unit *us = NULL;
-    float *parts = NULL;
-    const size_t pf = att_part_floats(R, Dv);
-    if (nt > 1 && units < 4 * (int64_t)nt) {
-        first = malloc((size_t)units * sizeof(int64_t));
-        us = malloc((size_t)units * sizeof(att_unit));
-        for (int64_t u = 0; first && us && u < units; u++) {
-            us[u] = att_unit_at(a, &ch, tb, n_tb, hpu, u);
-            first[u] = items, items += us[u].n_chunks;
+    const size_t scratch = att_scratch_floats(R, D, Dv, span);
+    /* the (unit, tile) scores first, then the (unit, KV head, column range) V sums */
+    int64_t *first = NULL, items = 0, ncol = 1;
+    float *scores = NULL;
+    if (two) {
+        first = malloc((size_t)(units + 1) * sizeof(int64_t));
+        for (int64_t u = 0; first && u < units; u++) {
+            first[u] = items;
+            items += att_unit_at(a, &ch, tb, n_tb, hpu, g, u).n_chunks;
         }
-        if (first && us && items > 1) {
-            parts = malloc((size_t)items * pf * sizeof(float));
-            item_u = malloc((size_t)items * sizeof(int64_t));
-        }
-        if (parts && item_u)
-            for (int64_t u = 0; u < units; u++)
-                for (int64_t j = 0; j < us[u].n_chunks; j++) item_u[first[u] + j] = u;
+        if (first) first[units] = items;
+        if (first && items > 1) scores = malloc((size_t)(items * R * span) * sizeof(float));
+        /* column ranges of whole 8-lane vectors (a quantized V: whole rows, as it is widened) */
+        ncol = a->vt >= LP_KV_Q8_0 ? 1 : (3 * nt + units * hpu - 1) / (units * hpu); /* ~3 items a thread */
+        if (ncol > Dv / 8) ncol = Dv / 8 > 1 ? Dv / 8 : 1;
     }
-    if (parts && item_u) {
-        const int nth = items < nt ? (int)items : nt;
-#pragma omp parallel num_threads(nth)
+    if (scores) {
+        const int64_t vitems = units * hpu * ncol, cw = (Dv / 8 + ncol - 1) / ncol * 8; /* columns per range */
+#pragma omp parallel num_threads(nt)
         {
             float *buf = malloc(scratch * sizeof(float)); /* NULL: nothing written */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < items; i++) {
-                const att_unit *w = &us[item_u[i]];
-                if (buf) attend_chunk(a, &ch, w, i - first[item_u[i]], buf, parts + i * pf);
+                int64_t u = 0;
+                while (first[u + 1] <= i) u++;
+                const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, g, u);
+                int64_t lo, hi;
+                att_tile_cells(&ch, &w, i - first[u], N, &lo, &hi);
+                if (buf && lo < hi) tile_scores(a, &w, lo, hi, buf + R * span, scores + i * R * span);
             }
-            /* (the implicit barrier: every partial is made) */
-#pragma omp for schedule(static, 1)
-            for (int64_t u = 0; u < units; u++) {
-                const att_unit *w = &us[u];
-                const int64_t Ru = w->nh * (w->t1 - w->t0) * g;
-                float *st = buf ? buf + att_core_floats(R, a->D, Dv, a->span) : NULL;
-                if (!st) continue;
-                att_part_clear(st, Ru, Dv);
-                for (int64_t j = 0; j < w->n_chunks; j++) att_fold(st, parts + (first[u] + j) * pf, Ru, Dv);
-                att_store(a, w, st);
+            /* (the implicit barrier: every score is made) */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < vitems; i++) {
+                /* (unit, one of its KV heads, a column range): the head's rows of the unit's scores */
+                const int64_t u = i / (hpu * ncol), hh = i / ncol % hpu, dv0 = i % ncol * cw;
+                const int64_t dv1 = dv0 + cw < Dv ? dv0 + cw : Dv;
+                att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, g, u);
+                const int64_t Ru = (w.t1 - w.t0) * w.ng; /* rows of one KV head */
+                w.kh0 += hh, w.nh = 1;
+                if (!buf || dv0 >= Dv) continue;
+                float *sc = buf, *vf = buf + R * span + R * D + (2 * ATT_GROUP + 1) * D;
+                float *st = buf + att_core_floats(R, D, Dv, span);
+                att_state_clear(st, Ru, Dv);
+                for (int64_t j = 0; j < w.n_chunks; j++) {
+                    int64_t lo, hi;
+                    att_tile_cells(&ch, &w, j, N, &lo, &hi);
+                    if (lo >= hi) continue;
+                    memcpy(sc, scores + ((first[u] + j) * R + hh * Ru) * span, (size_t)(Ru * span) * sizeof(float));
+                    if (tile_softmax(a, &ch, &w, j, lo, hi, sc, st, dv0, dv1)) tile_v(a, &w, lo, hi, sc, st + 3 * Ru, dv0, dv1, vf);
+                }
+                att_store(a, &w, st, dv0, dv1);
             }
             free(buf);
         }
@@ -903,7 +1087,7 @@ static void attend(const att_args *a, int n_threads) {
             float *buf = malloc(scratch * sizeof(float)); /* NULL: nothing written */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t u = 0; u < units; u++) {
-                const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, u);
+                const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, g, u);
                 if (buf) attend_unit(a, &ch, &w, R, buf);
             }
             free(buf);
@@ -911,19 +1095,19 @@ static void attend(const att_args *a, int n_threads) {
     } else { /* no OpenMP region at all (a fork child cannot run one) */
         float *buf = malloc(scratch * sizeof(float));
         for (int64_t u = 0; buf && u < units; u++) {
-            const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, u);
+            const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, g, u);
             attend_unit(a, &ch, &w, R, buf);
         }
         free(buf);
     }
-    free(item_u), free(parts), free(first), free(us);
+    free(scores), free(first);
     free(qround);
     free(bnd);
 }
 
 #define ATT_ARGS(kt_, vt_)                                                                                       \
     {q, k, v, mask, out, T, H, D, N, Hkv, Dv, Hkv > 0 ? H / Hkv : 1, k_sn, k_sh, v_sn, v_sh, mask_st, scale, kt_, \
-     vt_}
+     vt_, 0}
 
 /* softmax(q k^T * scale + mask) v: q (T, H, D) contiguous; k (N, Hkv, D) and v (N, Hkv, Dv) with
  * strides in elements (rows contiguous); query head h reads KV head h / (H / Hkv); mask row t at
@@ -936,8 +1120,8 @@ LP_API void lp_attend(const float *q, int64_t T, int64_t H, int64_t D, const flo
     attend(&a, n_threads);
 }
 
-/* The same over an f16 cache (k, v: IEEE half bits; strides in elements). Q is rounded to f16
- * first, as llama.cpp and the reference kernel do; scores and V sums in f32. */
+/* The same over an f16 cache (k, v: IEEE half bits; strides in elements). Q stays f32 and the K
+ * and V rows are widened, as llama.cpp's tiled path does; scores and V sums in f32. */
 LP_API void lp_attend_f16(const float *q, int64_t T, int64_t H, int64_t D, const uint16_t *k, const uint16_t *v,
                           int64_t N, int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
                           const float *mask, int64_t mask_st, float scale, float *out, int n_threads) {

@@ -1,12 +1,15 @@
 /* Activation quantization and the dot products of the non-K types on ggml's block layouts.
  *
- * ggml counterparts (ggml-cpu): quants.c quantize_row_q8_0 / q8_1 (their _ref versions' rounding)
- * and ggml_vec_dot_q4_0_q8_0, q4_1_q8_1, q5_0_q8_0, q5_1_q8_1, q8_0_q8_0; vec.c ggml_vec_dot_f32 /
- * f16 / bf16. The ABI (block structs, names) is lp_quants.h's.
+ * ggml counterparts (ggml-cpu): arch/x86/quants.c quantize_row_q8_0 / q8_1 (the SIMD ones llama.cpp's
+ * x86 builds run, not their _ref versions) and ggml_vec_dot_q4_0_q8_0, q4_1_q8_1, q5_0_q8_0,
+ * q5_1_q8_1, q8_0_q8_0 (their AVX2 bodies' float order); vec.c ggml_vec_dot_f32 / f16 / bf16. The
+ * ABI (block structs, names) is lp_quants.h's.
  *
- * Definitions (what the tests compute in float64):
- *   q8_0 of a block of 32 floats: d = max|x| / 127, q = roundf(x / d) (x * (1/d), ties away from
- *     zero), d stored as f16 - bit-identical to gguf.quants.quantize(..., Q8_0).
+ * Definitions (llamapy computes llama.cpp's x86 bits for these; the tests check them against
+ * quants.quantize_q8_act and a float emulation of the sums below):
+ *   q8_0 of a block of 32 floats: amax = max|x|, d = amax / 127 stored as f16, id = 127 / amax,
+ *     q = round-half-to-EVEN(x * id) - NOT gguf.quants (ggml's reference: 1/d and roundf), which
+ *     the KV cache's lp_quantize_row_q8_0_ref keeps.
  *   q8_1: the same q and d, plus s = f16(d * sum(q)) with the unrounded d.
  *   dot(q4_0, q8_0) = sum_blocks f16(dx) * f16(dy) * sum_j (qx_j - 8) * qy_j            (exact int sum)
  *   dot(q4_1, q8_1) = sum_blocks dx * dy * sum_j qx_j * qy_j + mx * sy
@@ -14,14 +17,15 @@
  *   dot(q8_0, q8_0) = sum_blocks dx * dy * sum_j qx_j * qy_j
  *   f16 / bf16: the activations are rounded to f16 / bf16 first (ggml's vec_dot_type), products
  *     summed in float32.
- * Only the float32 summation order differs between the variants below (integer sums are exact).
+ * The q types' float32 sums follow ggml's AVX2 order exactly in every variant (below, "dot
+ * products: q types"); the float types' order is this file's own.
  *
- * SIMD: each dot product has an AVX2 body (one 32-quant block per step: the nibbles widened to
+ * SIMD: each q dot product has an AVX2 body (one 32-quant block per step: the nibbles widened to
  * bytes, u8 x s8 products summed pairwise to int16 with maddubs and then to int32 with madd, or in
- * one dpbusd where AVX-512 VNNI is there, times the two scales into 8 float32 lanes, even and odd
- * blocks into two accumulators so consecutive fmadds do not wait on each other) and a portable C
- * body for every other target. The same file is compiled once per variant (setup.py). The
- * multi-column lp_gemm_* at the end repeat the vec_dots' float operations exactly.
+ * one dpbusd where AVX-512 VNNI is there, times the two scales into the 8 float32 lanes of one
+ * accumulator) and a portable C body (8 scalar lanes, fmaf) for every other target. The same file
+ * is compiled once per variant (setup.py). The multi-column lp_gemm_* and the decode lp_gemv_* at
+ * the end repeat the vec_dots' float operations exactly.
  */
 
 #include <math.h>
@@ -36,64 +40,68 @@
 
 #define LP_API __attribute__((visibility("default")))
 
-/* roundf for the quantizers: nearest, ties away from zero (numpy's np_roundf in gguf-py) */
+/* roundf for the reference quantizer: nearest, ties away from zero (numpy's np_roundf in gguf-py) */
 static inline int lp_round(float v) { return (int)roundf(v); }
 
 /* --- activation quantization ------------------------------------------------------------------ */
 
-/* One block of 32 floats: *d = max|x| / 127 and qs[j] = lp_round(x[j] * (1/d)); returns the sum
- * of the qs (q8_1's s). The AVX2 body computes the same values as the scalar one (the portable
- * build's), 8 lanes at a time (a decode step quantizes every matmul input; the scalar loop's libm
- * calls took ~4.4 ns an element, ~1 ms a token on the 1B shape): the max is exact in any order
- * (max_ps keeps the running max where |x| is nan, as fmaxf), the products are the same float
- * multiplies, roundf is trunc + (|v - trunc v| >= 0.5, the exact fraction) with v's sign, and the
- * int32 -> int8 conversion truncates as (int8_t)(int) does (the low byte; nan and inf give
- * INT_MIN -> 0 either way). */
+/* One block of 32 floats as llama.cpp's x86 build quantizes activations (arch/x86/quants.c
+ * quantize_row_q8_0 / q8_1, used for every MUL_MAT input whose weight dots with q8_0 / q8_1):
+ *   amax = max|x| (max_ps in ggml's tree: 4 vectors of 8 in order, then 8 -> 4 -> 2 -> 1),
+ *   d = amax / 127 (stored as f16), id = 127 / amax (0 when amax == 0; NOT 1 / d),
+ *   q = round-to-nearest-EVEN(x * id) (vroundps), then int32 -> int8 with saturation (packs),
+ * and returns the sum of the int32 qs (q8_1's s = f16(d * sum)). ggml's reference quantizer
+ * (quantize_row_q8_0_ref, = gguf.quants) uses 1/d and roundf instead: a different value on ~1 %
+ * of blocks (ties and the 127/amax vs 1/(amax/127) rounding), and llama.cpp runs the SIMD one,
+ * so every variant here computes the SIMD definition: the AVX2 body with ggml's instructions'
+ * semantics, the portable one with the same max tree (a > b ? a : b is max_ps, nan included),
+ * nearbyintf (ties to even under the default rounding mode) and the same saturation (a nan or
+ * infinite product is cvtps's 0x80000000, so -128). */
+static inline float lp_maxps(float a, float b) { return a > b ? a : b; }
+
 static inline int lp_quant_block32(const float *x, int8_t *qs, float *pd) {
 #if defined(__AVX2__)
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 v[4], m = _mm256_setzero_ps();
-    for (int j = 0; j < 4; j++) {
-        v[j] = _mm256_loadu_ps(x + 8 * j);
-        m = _mm256_max_ps(_mm256_andnot_ps(sign, v[j]), m); /* a nan |x|: m, the second operand */
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    __m256 v[4];
+    for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(x + 8 * j);
+    __m256 m = _mm256_andnot_ps(sign, v[0]);
+    for (int j = 1; j < 4; j++) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float d = _mm_cvtss_f32(m4) / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    const __m256 vid = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
-    __m256i qi[4], acc = _mm256_setzero_si256();
-    for (int j = 0; j < 4; j++) {
-        const __m256 s = _mm256_mul_ps(v[j], vid);
-        const __m256 t = _mm256_round_ps(s, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-        const __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(s, t)), half, _CMP_GE_OQ);
-        const __m256 step = _mm256_or_ps(_mm256_and_ps(s, sign), one); /* +-1 with s's sign */
-        qi[j] = _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_and_ps(up, step)));
-        acc = _mm256_add_epi32(acc, qi[j]);
-        qi[j] = _mm256_and_si256(qi[j], _mm256_set1_epi32(0xff));
-    }
-    /* the low bytes in order: packs of values 0..255 keep them, then undo the 128-bit lane order */
-    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(qi[0], qi[1]), _mm256_packus_epi32(qi[2], qi[3]));
+    const float amax = _mm_cvtss_f32(m4);
+    const __m256 vid = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+    __m256i qi[4];
+    for (int j = 0; j < 4; j++)
+        qi[j] = _mm256_cvtps_epi32(
+            _mm256_round_ps(_mm256_mul_ps(v[j], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i acc = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    /* saturating packs, then undo their 128-bit lane order */
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
     _mm256_storeu_si256((__m256i *)qs, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     __m128i a4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
     a4 = _mm_add_epi32(a4, _mm_shuffle_epi32(a4, 0x4e));
     a4 = _mm_add_epi32(a4, _mm_shuffle_epi32(a4, 0xb1));
-    *pd = d;
+    *pd = amax / 127.0f;
     return _mm_cvtsi128_si32(a4);
 #else
-    float amax = 0.0f;
-    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
-    const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    int sum = 0;
+    float m[8];
+    for (int l = 0; l < 8; l++) m[l] = fabsf(x[l]);
+    for (int j = 1; j < 4; j++)
+        for (int l = 0; l < 8; l++) m[l] = lp_maxps(m[l], fabsf(x[8 * j + l]));
+    for (int l = 0; l < 4; l++) m[l] = lp_maxps(m[4 + l], m[l]);
+    for (int l = 0; l < 2; l++) m[l] = lp_maxps(m[l], m[l + 2]);
+    const float amax = lp_maxps(m[0], m[1]);
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    uint32_t sum = 0; /* wraps as the int32 lanes do */
     for (int j = 0; j < 32; j++) {
-        const int q = lp_round(x[j] * id);
-        qs[j] = (int8_t)q;
-        sum += q;
+        const float v = nearbyintf(x[j] * id);
+        const int32_t q = fabsf(v) < 2147483648.0f ? (int32_t)v : INT32_MIN;
+        qs[j] = (int8_t)(q < -128 ? -128 : q > 127 ? 127 : q);
+        sum += (uint32_t)q;
     }
-    *pd = d;
-    return sum;
+    *pd = amax / 127.0f;
+    return (int32_t)sum;
 #endif
 }
 
@@ -112,7 +120,23 @@ LP_API void lp_quantize_row_q8_1(const float *x, void *vy, int64_t k) {
         float d;
         const int sum = lp_quant_block32(x, y[i].qs, &d);
         y[i].d = lp_f2h(d);
-        y[i].s = lp_f2h((float)sum * d);
+        y[i].s = lp_f2h(d * (float)sum);
+    }
+}
+
+/* Q8_0 blocks as ggml's reference quantize_row_q8_0_ref (= gguf.quants, quants.quantize): the KV
+ * cache stores (ops.c lp_kv_quantize_row) keep this definition, which their tests and the numpy
+ * reference follow (llama.cpp's own SET_ROWS uses the SIMD from_float above; see bench/RESULTS.md).
+ * d = max|x| / 127, q = roundf(x * (1/d)). */
+void lp_quantize_row_q8_0_ref(const float *x, void *vy, int64_t k) {
+    block_q8_0 *y = vy;
+    for (int64_t i = 0; i < k / QK8_0; i++, x += QK8_0) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        for (int j = 0; j < 32; j++) y[i].qs[j] = (int8_t)lp_round(x[j] * id);
+        y[i].d = lp_f2h(d);
     }
 }
 
@@ -169,73 +193,83 @@ static inline __m256i hbits32(const uint8_t *qh) {
 
 static inline __m256 h2f_pair(lp_half a, lp_half b) { return _mm256_set1_ps(H2F(a) * H2F(b)); }
 
+#else
+#define H2F(h) lp_h2f(h)
 #endif
 
 /* --- dot products: q types -------------------------------------------------------------------- */
+
+/* Every q-type dot product sums its floats in the order of ggml's AVX2 ggml_vec_dot_<t>_<q8> (the
+ * one llama.cpp's x86 builds run, AVX-512 ones included: these functions have no AVX-512 body):
+ *   lane l (0..7) of block i = the exact int32 sum of the products of quants 4l..4l+3 (quant j
+ *     of every type is its element j: Q4/Q5 low nibbles are elements 0..15, high ones 16..31),
+ *   acc[l] = fma(dx_i * dy_i (one f32 product), float(lane l), acc[l]), block after block into
+ *     ONE accumulator,
+ *   the mins kinds (q4_1, q5_1): summs += mx_i * sy_i in block order, a separate float,
+ *   result = hsum_float_8(acc) (+ summs), hsum_float_8 = ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)).
+ * The portable bodies compute exactly this with 8 scalar lanes and fmaf; gemm / gemv below repeat
+ * it per output. The int32 lanes are exact however they are formed (maddubs pairs stay below
+ * 2 x 127 x 127: no saturation; dpbusd has none). */
+
+/* hsum_float_8's pairing of 8 lanes */
+static inline float lp_hsum8_order(const float a[8]) {
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+/* the portable body of one block: acc[l] = fmaf(d, sum of qx[4l..4l+3] * qy[4l..4l+3], acc[l]) */
+static inline void lp_block_lanes(float acc[8], float d, const int qx[32], const int8_t *qy) {
+    for (int l = 0; l < 8; l++) {
+        int p = 0;
+        for (int k = 4 * l; k < 4 * l + 4; k++) p += qx[k] * qy[k];
+        acc[l] = fmaf(d, (float)p, acc[l]);
+    }
+}
+
+#if defined(__AVX2__)
+#define LP_VD_ACC __m256 acc = _mm256_setzero_ps()
+#define LP_VD_SUM hsum8(acc)
+#else
+#define LP_VD_ACC float acc[8] = {0}
+#define LP_VD_SUM lp_hsum8_order(acc)
+#endif
 
 LP_API void lp_vec_dot_q4_0_q8_0(int n, float *s, const void *vx, const void *vy) {
     const block_q4_0 *x = vx;
     const block_q8_0 *y = vy;
     const int nb = n / QK8_0;
-    int i = 0;
-    float sumf = 0.0f;
+    LP_VD_ACC;
+    for (int i = 0; i < nb; i++) {
 #if defined(__AVX2__)
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-#define LP_STEP(acc, i)                                                                                   \
-    do {                                                                                                  \
-        const __m256i qx = _mm256_sub_epi8(nibbles32(x[i].qs), _mm256_set1_epi8(8));                      \
-        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);                                  \
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);       \
-    } while (0)
-    for (; i + 1 < nb; i += 2) {
-        LP_STEP(acc0, i);
-        LP_STEP(acc1, i + 1);
-    }
-    if (i < nb) { LP_STEP(acc0, i); i++; }
-#undef LP_STEP
-    sumf = hsum8(_mm256_add_ps(acc0, acc1));
+        const __m256i qx = _mm256_sub_epi8(nibbles32(x[i].qs), _mm256_set1_epi8(8));
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);
+#else
+        int q[32];
+        for (int j = 0; j < 16; j++) q[j] = (x[i].qs[j] & 0x0f) - 8, q[j + 16] = (x[i].qs[j] >> 4) - 8;
+        lp_block_lanes(acc, lp_h2f(x[i].d) * lp_h2f(y[i].d), q, y[i].qs);
 #endif
-    for (; i < nb; i++) {
-        int sumi = 0;
-        for (int j = 0; j < QK4_0 / 2; j++) {
-            sumi += ((x[i].qs[j] & 0x0f) - 8) * y[i].qs[j] + ((x[i].qs[j] >> 4) - 8) * y[i].qs[j + QK4_0 / 2];
-        }
-        sumf += (float)sumi * lp_h2f(x[i].d) * lp_h2f(y[i].d);
     }
-    *s = sumf;
+    *s = LP_VD_SUM;
 }
 
 LP_API void lp_vec_dot_q4_1_q8_1(int n, float *s, const void *vx, const void *vy) {
     const block_q4_1 *x = vx;
     const block_q8_1 *y = vy;
     const int nb = n / QK8_1;
-    int i = 0;
-    float sumf = 0.0f;
-#if defined(__AVX2__)
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    LP_VD_ACC;
     float summ = 0.0f;
-#define LP_STEP(acc, i)                                                                                   \
-    do {                                                                                                  \
-        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);                                  \
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(nibbles32(x[i].qs), qy)), h2f_pair(x[i].d, y[i].d), acc); \
-        summ += H2F(x[i].m) * H2F(y[i].s);                                                                \
-    } while (0)
-    for (; i + 1 < nb; i += 2) {
-        LP_STEP(acc0, i);
-        LP_STEP(acc1, i + 1);
-    }
-    if (i < nb) { LP_STEP(acc0, i); i++; }
-#undef LP_STEP
-    sumf = hsum8(_mm256_add_ps(acc0, acc1)) + summ;
+    for (int i = 0; i < nb; i++) {
+        summ += H2F(x[i].m) * H2F(y[i].s);
+#if defined(__AVX2__)
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(nibbles32(x[i].qs), qy)), h2f_pair(x[i].d, y[i].d), acc);
+#else
+        int q[32];
+        for (int j = 0; j < 16; j++) q[j] = x[i].qs[j] & 0x0f, q[j + 16] = x[i].qs[j] >> 4;
+        lp_block_lanes(acc, lp_h2f(x[i].d) * lp_h2f(y[i].d), q, y[i].qs);
 #endif
-    for (; i < nb; i++) {
-        int sumi = 0;
-        for (int j = 0; j < QK4_1 / 2; j++) {
-            sumi += (x[i].qs[j] & 0x0f) * y[i].qs[j] + (x[i].qs[j] >> 4) * y[i].qs[j + QK4_1 / 2];
-        }
-        sumf += lp_h2f(x[i].d) * lp_h2f(y[i].d) * (float)sumi + lp_h2f(x[i].m) * lp_h2f(y[i].s);
     }
-    *s = sumf;
+    *s = LP_VD_SUM + summ;
 }
 
 /* 5-bit quants j of a q5 block: the nibble plus bit j of qh as bit 4 */
@@ -250,94 +284,63 @@ LP_API void lp_vec_dot_q5_0_q8_0(int n, float *s, const void *vx, const void *vy
     const block_q5_0 *x = vx;
     const block_q8_0 *y = vy;
     const int nb = n / QK8_0;
-    int i = 0;
-    float sumf = 0.0f;
+    LP_VD_ACC;
+    for (int i = 0; i < nb; i++) {
 #if defined(__AVX2__)
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-#define LP_STEP(acc, i)                                                                                   \
-    do {                                                                                                  \
-        const __m256i q = _mm256_or_si256(nibbles32(x[i].qs), hbits32(x[i].qh));                          \
-        const __m256i qx = _mm256_sub_epi8(q, _mm256_set1_epi8(16));                                      \
-        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);                                  \
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);       \
-    } while (0)
-    for (; i + 1 < nb; i += 2) {
-        LP_STEP(acc0, i);
-        LP_STEP(acc1, i + 1);
-    }
-    if (i < nb) { LP_STEP(acc0, i); i++; }
-#undef LP_STEP
-    sumf = hsum8(_mm256_add_ps(acc0, acc1));
+        const __m256i q = _mm256_or_si256(nibbles32(x[i].qs), hbits32(x[i].qh));
+        const __m256i qx = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);
+#else
+        int q[32];
+        for (int j = 0; j < 32; j++) q[j] = q5_at(x[i].qs, x[i].qh, j) - 16;
+        lp_block_lanes(acc, lp_h2f(x[i].d) * lp_h2f(y[i].d), q, y[i].qs);
 #endif
-    for (; i < nb; i++) {
-        int sumi = 0;
-        for (int j = 0; j < QK5_0; j++) sumi += (q5_at(x[i].qs, x[i].qh, j) - 16) * y[i].qs[j];
-        sumf += (float)sumi * lp_h2f(x[i].d) * lp_h2f(y[i].d);
     }
-    *s = sumf;
+    *s = LP_VD_SUM;
 }
 
 LP_API void lp_vec_dot_q5_1_q8_1(int n, float *s, const void *vx, const void *vy) {
     const block_q5_1 *x = vx;
     const block_q8_1 *y = vy;
     const int nb = n / QK8_1;
-    int i = 0;
-    float sumf = 0.0f;
-#if defined(__AVX2__)
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    LP_VD_ACC;
     float summ = 0.0f;
-#define LP_STEP(acc, i)                                                                                   \
-    do {                                                                                                  \
-        const __m256i qx = _mm256_or_si256(nibbles32(x[i].qs), hbits32(x[i].qh));                         \
-        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);                                  \
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);       \
-        summ += H2F(x[i].m) * H2F(y[i].s);                                                                \
-    } while (0)
-    for (; i + 1 < nb; i += 2) {
-        LP_STEP(acc0, i);
-        LP_STEP(acc1, i + 1);
-    }
-    if (i < nb) { LP_STEP(acc0, i); i++; }
-#undef LP_STEP
-    sumf = hsum8(_mm256_add_ps(acc0, acc1)) + summ;
+    for (int i = 0; i < nb; i++) {
+        summ += H2F(x[i].m) * H2F(y[i].s);
+#if defined(__AVX2__)
+        const __m256i qx = _mm256_or_si256(nibbles32(x[i].qs), hbits32(x[i].qh));
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);
+#else
+        int q[32];
+        for (int j = 0; j < 32; j++) q[j] = q5_at(x[i].qs, x[i].qh, j);
+        lp_block_lanes(acc, lp_h2f(x[i].d) * lp_h2f(y[i].d), q, y[i].qs);
 #endif
-    for (; i < nb; i++) {
-        int sumi = 0;
-        for (int j = 0; j < QK5_1; j++) sumi += q5_at(x[i].qs, x[i].qh, j) * y[i].qs[j];
-        sumf += lp_h2f(x[i].d) * lp_h2f(y[i].d) * (float)sumi + lp_h2f(x[i].m) * lp_h2f(y[i].s);
     }
-    *s = sumf;
+    *s = LP_VD_SUM + summ;
 }
 
 LP_API void lp_vec_dot_q8_0_q8_0(int n, float *s, const void *vx, const void *vy) {
     const block_q8_0 *x = vx;
     const block_q8_0 *y = vy;
     const int nb = n / QK8_0;
-    int i = 0;
-    float sumf = 0.0f;
+    LP_VD_ACC;
+    for (int i = 0; i < nb; i++) {
 #if defined(__AVX2__)
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-#define LP_STEP(acc, i)                                                                                   \
-    do {                                                                                                  \
-        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[i].qs);                                  \
-        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);                                  \
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);       \
-    } while (0)
-    for (; i + 1 < nb; i += 2) {
-        LP_STEP(acc0, i);
-        LP_STEP(acc1, i + 1);
-    }
-    if (i < nb) { LP_STEP(acc0, i); i++; }
-#undef LP_STEP
-    sumf = hsum8(_mm256_add_ps(acc0, acc1));
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[i].qs);
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);
+#else
+        int q[32];
+        for (int j = 0; j < 32; j++) q[j] = x[i].qs[j];
+        lp_block_lanes(acc, lp_h2f(x[i].d) * lp_h2f(y[i].d), q, y[i].qs);
 #endif
-    for (; i < nb; i++) {
-        int sumi = 0;
-        for (int j = 0; j < QK8_0; j++) sumi += x[i].qs[j] * y[i].qs[j];
-        sumf += (float)sumi * lp_h2f(x[i].d) * lp_h2f(y[i].d);
     }
-    *s = sumf;
+    *s = LP_VD_SUM;
 }
+#undef LP_VD_ACC
+#undef LP_VD_SUM
 
 /* --- dot products: float types ---------------------------------------------------------------- */
 
@@ -543,8 +546,7 @@ LP_API void lp_gemm_bf16(int n, float *s, int64_t ld_s, const void *w, int64_t r
 /* Each weight block is decoded once (nibbles, high bits, its scale) for GEMM_NR rows and dotted
  * with up to LP_GEMM_COLS activation rows. Per output the float32 operations are the vec_dot's
  * own, in its order: the same int32 lanes (dot_u8s8 / dot_s8s8), the scale dx * dy rounded once
- * and broadcast, one fmadd per block into the accumulator the vec_dot uses for that block (acc0 for
- * even blocks, acc1 for odd ones), the mins term
+ * and broadcast, one fmadd per block into the output's one accumulator, the mins term
  * m * s added in block order, and hsum8 at the end; so a token's numbers never depend on the
  * batch it is in. The activation scales of the nc columns are converted once per call. */
 
@@ -552,7 +554,7 @@ LP_API void lp_gemm_bf16(int n, float *s, int64_t ld_s, const void *w, int64_t r
 
 #define LP_INLINE static inline __attribute__((always_inline))
 
-/* rows at once: the avx512 build has 32 vector registers (2 rows x 4 columns x 2 accumulators) */
+/* rows at once: the avx512 build has 32 vector registers (2 rows x 4 columns, one accumulator each) */
 #if defined(__AVX512F__)
 #define GEMM_NR 2
 #else
@@ -584,15 +586,26 @@ LP_INLINE void gk_decode(const int kind, const uint8_t *b, __m256i *qx, __m256i 
     if (GK_SIGNED(kind)) *qx = _mm256_sign_epi8(*sx, *sx);
 }
 
-/* block i of NR weight rows against NC activation rows into accumulator a (0 or 1) */
-LP_INLINE void gk_step(const int kind, const int NR, const int NC, const int a, int i, __m256 acc[][LP_GEMM_COLS][2],
-                       __m128 summ[], const uint8_t *w, int64_t row_bytes, const uint8_t *x,
-                       int64_t x_bytes, const float *yd, const float *ys) {
+/* the mins terms of block i for NR rows and the 4 columns in one vector each: m * s then +, in
+ * block order, as the vec_dot's summs */
+LP_INLINE void gk_mins(const int kind, const int NR, int i, __m128 summ[], const uint8_t *w, int64_t row_bytes,
+                       const float *ys) {
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        lp_half h;
+        memcpy(&h, w + r * row_bytes + (int64_t)i * GK_WBYTES(kind) + 2, 2);
+        summ[r] = _mm_add_ps(summ[r], _mm_mul_ps(_mm_set1_ps(H2F(h)), _mm_loadu_ps(ys + i * LP_GEMM_COLS)));
+    }
+}
+
+/* block i of NR weight rows against NC activation rows (x: the first one; yd: its scale at
+ * yd[i * LP_GEMM_COLS]) */
+LP_INLINE void gk_step(const int kind, const int NR, const int NC, int i, __m256 acc[][LP_GEMM_COLS],
+                       const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t x_bytes, const float *yd) {
     const int wb = GK_WBYTES(kind), yb = GK_MINS(kind) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0);
     const int yq = GK_MINS(kind) ? 4 : 2; /* offset of the activation quants in their block */
     __m256i qx[GEMM_NR], sx[GEMM_NR];
     __m256 dx[GEMM_NR];
-    __m128 mx[GEMM_NR];
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) {
         const uint8_t *b = w + r * row_bytes + (int64_t)i * wb;
@@ -600,12 +613,6 @@ LP_INLINE void gk_step(const int kind, const int NR, const int NC, const int a, 
         lp_half h;
         memcpy(&h, b, 2);
         dx[r] = _mm256_set1_ps(H2F(h));
-        if (GK_MINS(kind)) {
-            memcpy(&h, b + 2, 2);
-            mx[r] = _mm_set1_ps(H2F(h));
-            /* the mins terms of the 4 columns in one vector: m * s then +, as the vec_dot */
-            summ[r] = _mm_add_ps(summ[r], _mm_mul_ps(mx[r], _mm_loadu_ps(ys + i * LP_GEMM_COLS)));
-        }
     }
 #pragma GCC unroll 4
     for (int c = 0; c < NC; c++) {
@@ -614,59 +621,66 @@ LP_INLINE void gk_step(const int kind, const int NR, const int NC, const int a, 
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) {
             const __m256i p = GK_SIGNED(kind) ? dot_u8s8(qx[r], _mm256_sign_epi8(qy, sx[r])) : dot_u8s8(qx[r], qy);
-            acc[r][c][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dx[r], dy), acc[r][c][a]);
+            acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dx[r], dy), acc[r][c]);
         }
     }
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
 #define GK_ZMM 1
-/* blocks i and i + 1 in one 512-bit vector (half the instructions of two gk_steps): the low half
- * is the vec_dot's acc0 (even block), the high half its acc1 (odd block), with the same int32
- * lanes (dpbusd has no intermediate saturation, so dot_s8s8's sign trick may negate the
- * activations where the weight is negative with a mask instead: where it is 0 the product is 0
- * either way) and the same float operations per half */
-LP_INLINE void gk_step_pair(const int kind, const int NR, const int NC, int i, __m512 acc[][LP_GEMM_COLS],
-                            __m128 summ[], const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t x_bytes,
-                            const float *yd, const float *ys) {
-    const int wb = GK_WBYTES(kind), yb = GK_MINS(kind) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0);
-    const int yq = GK_MINS(kind) ? 4 : 2;
+#define GK_ZP 4 /* prepared activation vectors a block (gk_zprep) */
+/* block i of NR weight rows against NCP column pairs, a pair in one 512-bit vector: the low half
+ * is column 2k's 8 int32 lanes and float accumulator, the high half column 2k + 1's, so one
+ * 512-bit dpbusd / convert / scale / fmadd does one block of two outputs, each half in its
+ * output's one accumulator in block order (as the vec_dot). The weight block is decoded once
+ * into both halves; dpbusd has no intermediate saturation, so dot_s8s8's sign trick may negate
+ * the activations where the weight is negative with a mask instead (where it is 0 the product is
+ * 0 either way). */
+LP_INLINE void gk_step_z(const int kind, const int NR, const int NCP, int i, __m512 acc[][LP_GEMM_COLS / 2],
+                         const uint8_t *w, int64_t row_bytes, const __m512i *zp) {
+    const int wb = GK_WBYTES(kind);
     __m512i qx[GEMM_NR];
     __mmask64 neg[GEMM_NR];
     __m512 dx[GEMM_NR];
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) {
-        const uint8_t *b0 = w + r * row_bytes + (int64_t)i * wb, *b1 = b0 + wb;
-        __m256i q0, s0, q1, s1;
-        gk_decode(kind, b0, &q0, &s0);
-        gk_decode(kind, b1, &q1, &s1);
-        qx[r] = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
-        if (GK_SIGNED(kind)) neg[r] = _mm512_movepi8_mask(_mm512_inserti64x4(_mm512_castsi256_si512(s0), s1, 1));
-        lp_half h0, h1;
-        memcpy(&h0, b0, 2);
-        memcpy(&h1, b1, 2);
-        dx[r] = _mm512_insertf32x8(_mm512_set1_ps(H2F(h0)), _mm256_set1_ps(H2F(h1)), 1);
-        if (GK_MINS(kind)) { /* block i's m * s, then block i + 1's, as the vec_dot */
-            memcpy(&h0, b0 + 2, 2);
-            memcpy(&h1, b1 + 2, 2);
-            summ[r] = _mm_add_ps(summ[r], _mm_mul_ps(_mm_set1_ps(H2F(h0)), _mm_loadu_ps(ys + i * LP_GEMM_COLS)));
-            summ[r] = _mm_add_ps(summ[r], _mm_mul_ps(_mm_set1_ps(H2F(h1)), _mm_loadu_ps(ys + (i + 1) * LP_GEMM_COLS)));
-        }
+        const uint8_t *b = w + r * row_bytes + (int64_t)i * wb;
+        __m256i q, sq;
+        gk_decode(kind, b, &q, &sq);
+        qx[r] = _mm512_broadcast_i64x4(q);
+        if (GK_SIGNED(kind)) neg[r] = _mm512_movepi8_mask(_mm512_broadcast_i64x4(sq));
+        lp_half h;
+        memcpy(&h, b, 2);
+        dx[r] = _mm512_set1_ps(H2F(h));
     }
-#pragma GCC unroll 4
-    for (int c = 0; c < NC; c++) {
-        const uint8_t *yc = x + c * x_bytes + (int64_t)i * yb + yq;
-        const __m512i qy = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)yc)),
-                                              _mm256_loadu_si256((const __m256i *)(yc + yb)), 1);
-        const __m512 dy = _mm512_insertf32x8(_mm512_set1_ps(yd[i * LP_GEMM_COLS + c]),
-                                             _mm256_set1_ps(yd[(i + 1) * LP_GEMM_COLS + c]), 1);
+#pragma GCC unroll 2
+    for (int k = 0; k < NCP; k++) {
+        const __m512i qy = _mm512_load_si512(zp + GK_ZP * i + 2 * k);
+        const __m512 dy = _mm512_castsi512_ps(_mm512_load_si512(zp + GK_ZP * i + 2 * k + 1));
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) {
             const __m512i q = GK_SIGNED(kind) ? _mm512_mask_sub_epi8(qy, neg[r], _mm512_setzero_si512(), qy) : qy;
             const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx[r], q);
-            acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dx[r], dy), acc[r][c]);
+            acc[r][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dx[r], dy), acc[r][k]);
         }
     }
+}
+
+/* per block i, zp[GK_ZP * i + 2k] the quants of column pair k (column 2k's block in the low half,
+ * 2k+1's in the high half) and zp[GK_ZP * i + 2k + 1] their scales as [dy x8, dy' x8]: the
+ * activation side of gk_step_z, built once per call instead of once per weight row */
+LP_INLINE void gk_zprep(const int kind, int nb, int ncp, const uint8_t *x, int64_t x_bytes, const float *yd,
+                        __m512i *zp) {
+    const int yb = GK_MINS(kind) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0), yq = GK_MINS(kind) ? 4 : 2;
+    for (int i = 0; i < nb; i++)
+        for (int k = 0; k < ncp; k++) {
+            const uint8_t *yc = x + 2 * k * x_bytes + (int64_t)i * yb + yq;
+            zp[GK_ZP * i + 2 * k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)yc)),
+                                                       _mm256_loadu_si256((const __m256i *)(yc + x_bytes)), 1);
+            zp[GK_ZP * i + 2 * k + 1] = _mm512_castps_si512(
+                _mm512_insertf32x8(_mm512_set1_ps(yd[i * LP_GEMM_COLS + 2 * k]),
+                                   _mm256_set1_ps(yd[i * LP_GEMM_COLS + 2 * k + 1]), 1));
+        }
 }
 #endif
 
@@ -682,16 +696,17 @@ LP_INLINE void gk_step_pair(const int kind, const int NR, const int NC, int i, _
  * one row is as fast in cache: the loop carries only the fmadd into acc. The mins term of
  * Q4_1 / Q5_1 (m * s, added in block order into a float32) stays the vec_dot's scalar chain.
  *
- * AVX-512 (gv_row): two blocks a 512-bit step. The bytes of a block pair sit in the vector as
- * [block i quants 0-15, block i+1 quants 0-15, block i quants 16-31, block i+1 quants 16-31] (the
- * nibbles as they lie in memory, low halves then high halves; the activations are permuted to
- * match), so int32 lane k of the dpbusd holds the exact sum of the same four products as lane k
- * of the vec_dot's dot_u8s8 / dot_s8s8 for lanes 0-3 and 8-11 (block i: its acc0 lanes 0-7) and
- * 4-7, 12-15 (block i+1: its acc1 lanes), each scaled by the same rounded dx * dy and fmadd-ed
- * in the same block order; the end puts acc0 and acc1 back together and sums them as the vec_dot
- * does (hsum8). AVX2 (the other gv_row): a block pair as two 256-bit vectors (below), the quants
- * through maddubs (pairs at most 2 x 31 x 127: no saturation) and madd. */
-#define GV_MAX_NB 1024 /* the prepared activation row (128 bytes a block on AVX-512) stays on the stack */
+ * AVX-512 (gv_row2): two ROWS a 512-bit step, block by block: the vector holds the block i quants
+ * of rows r and r+1 as they lie in memory (both rows' low nibbles, then both rows' high ones),
+ * against the activation block prepared in the same order, so int32 lanes 0-3 and 8-11 are row
+ * r's vec_dot lanes 0-3 and 4-7, lanes 4-7 and 12-15 row r+1's; scaled (dx * dy rounded as the vec_dot's) and fmadd-ed into a
+ * 512-bit accumulator whose halves are the two rows' one accumulators, in block order, then
+ * summed as the vec_dot does (hsum8). (Two blocks of one row in a vector would need two
+ * dependent fmadds a step: the one-accumulator order makes one row a latency chain.) An odd last
+ * row takes gv_row1, the same in 256 bits. AVX2 (the other gv_row): a block pair as two 256-bit
+ * vectors (below), the quants through maddubs (pairs at most 2 x 31 x 127: no saturation) and
+ * madd. */
+#define GV_MAX_NB 1024 /* the prepared activation row (~128 bytes a block) stays on the stack */
 
 /* offsets in a weight block of the nibbles, of qh (Q5_x), and the bytes of an activation block */
 #define GV_QS(k) ((k) == GK_Q4_0 ? 2 : (k) == GK_Q4_1 ? 4 : (k) == GK_Q5_0 ? 6 : 8)
@@ -701,15 +716,15 @@ LP_INLINE void gk_step_pair(const int kind, const int NR, const int NC, int i, _
 #define GV_YQ(k) (GK_MINS(k) ? 4 : 2)
 
 /* the f16 values at p and p + stride, converted together: a, -, b, - as float32 */
-LP_INLINE __m128 gv_pair(const uint8_t *p, int stride) {
+LP_INLINE __m128 gv_pair(const uint8_t *p, int64_t stride) {
     int32_t a, b;
     memcpy(&a, p, 4); /* the value is the low half (little endian); the high one is not used */
     memcpy(&b, p + stride, 4);
     return _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(a), b, 1));
 }
 
-/* the tail block i (nb odd) as the vec_dot's LP_STEP into acc0, and its mins term */
-LP_INLINE void gv_tail(const int kind, int i, const uint8_t *w, const uint8_t *x, __m256 *acc0, float *summ) {
+/* the tail block i (nb odd) as the vec_dot's step into acc, and its mins term */
+LP_INLINE void gv_tail(const int kind, int i, const uint8_t *w, const uint8_t *x, __m256 *acc, float *summ) {
     const uint8_t *b = w + (int64_t)i * GK_WBYTES(kind), *yb = x + (int64_t)i * GV_YB(kind);
     __m256i qx, sx;
     gk_decode(kind, b, &qx, &sx);
@@ -718,7 +733,7 @@ LP_INLINE void gv_tail(const int kind, int i, const uint8_t *w, const uint8_t *x
     lp_half hx, hy;
     memcpy(&hx, b, 2);
     memcpy(&hy, yb, 2);
-    *acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), h2f_pair(hx, hy), *acc0);
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), h2f_pair(hx, hy), *acc);
     if (GK_MINS(kind)) {
         memcpy(&hx, b + 2, 2);
         memcpy(&hy, yb + 2, 2);
@@ -733,9 +748,12 @@ LP_INLINE float gv_mins(float summ, __m128 ms) {
 }
 
 #if defined(GK_ZMM)
-/* the 64 quants of blocks b0, b0 + wb as unsigned bytes (0..15 / 0..31), in the pair order */
-LP_INLINE __m512i gv_quants(const int kind, const uint8_t *b0, int wb) {
-    const uint8_t *b1 = b0 + wb;
+/* the quants of blocks b0 and b0 + stride (the same block of two rows) as unsigned bytes (0..15 /
+ * 0..31), as they lie in memory: [b0 low nibbles, b1 low nibbles, b0 high nibbles, b1 high
+ * nibbles] (16 each; the activations are prepared in the same order, so int32 lanes 0-3 and 8-11
+ * are b0's vec_dot lanes 0-3 and 4-7, lanes 4-7 and 12-15 b1's) */
+LP_INLINE __m512i gv_quants(const int kind, const uint8_t *b0, int64_t stride) {
+    const uint8_t *b1 = b0 + stride;
     const __m256i t = _mm256_inserti128_si256(
         _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + GV_QS(kind)))),
         _mm_loadu_si128((const __m128i *)(b1 + GV_QS(kind))), 1);
@@ -752,56 +770,94 @@ LP_INLINE __m512i gv_quants(const int kind, const uint8_t *b0, int wb) {
     return z;
 }
 
-/* a, -, b, - as float32 lanes [a x4, b x4, a x4, b x4] */
+/* a, -, b, - as float32 lanes [a x4, b x4, a x4, b x4] (the lanes of gv_quants' rows) */
 LP_INLINE __m512 gv_spread(__m128 f) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2),
                                  _mm512_castps128_ps512(f));
 }
 
-/* prep, per block pair j: [4j] the permuted activation quants, [4j+1] the offset sums (signed
- * kinds), [4j+2] the activation scales spread as gv_spread, [4j+3] (mins kinds) the activation
- * sums s of both blocks as gv_pair gives them */
-#define GV_PREP 4
+/* prep, per block i: [2i] the activation quants as [0-15, 0-15, 16-31, 16-31] (gv_quants' order),
+ * [2i+1] (signed kinds) their offset sums; yd[i], ys[i]: the activation scale and sum s as
+ * float32 */
+#define GV_PREP 2
 typedef __m512i gv_vec;
 
-LP_INLINE float gv_row(const int kind, int nb, const uint8_t *w, const uint8_t *x, const gv_vec *prep) {
-    const int wb = GK_WBYTES(kind), np = nb / 2;
+LP_INLINE void gv_row2(const int kind, int nb, const uint8_t *w, int64_t row_bytes, const gv_vec *prep,
+                       const float *yd, const float *ys, float *s) {
+    const int wb = GK_WBYTES(kind);
     __m512 acc = _mm512_setzero_ps();
-    float summ = 0.0f;
-    for (int j = 0; j < np; j++) {
-        const gv_vec *pj = prep + GV_PREP * j;
-        const uint8_t *b = w + (int64_t)(2 * j) * wb;
-        const __m512i off = GK_SIGNED(kind) ? _mm512_load_si512(pj + 1) : _mm512_setzero_si512();
-        const __m512i p = _mm512_dpbusd_epi32(off, gv_quants(kind, b, wb), _mm512_load_si512(pj));
-        const __m512 dy = _mm512_castsi512_ps(_mm512_load_si512(pj + 2));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(gv_spread(gv_pair(b, wb)), dy), acc);
-        if (GK_MINS(kind))
-            summ = gv_mins(summ, _mm_mul_ps(gv_pair(b + 2, wb),
-                                            _mm512_castps512_ps128(_mm512_castsi512_ps(_mm512_load_si512(pj + 3)))));
+    __m128 summ = _mm_setzero_ps(); /* lanes 0 and 2: the two rows' sums of m * s */
+    for (int i = 0; i < nb; i++) {
+        const gv_vec *pi = prep + GV_PREP * i;
+        const uint8_t *b = w + (int64_t)i * wb;
+        const __m512i off = GK_SIGNED(kind) ? _mm512_load_si512(pi + 1) : _mm512_setzero_si512();
+        const __m512i p = _mm512_dpbusd_epi32(off, gv_quants(kind, b, row_bytes), _mm512_load_si512(pi));
+        const __m512 d = _mm512_mul_ps(gv_spread(gv_pair(b, row_bytes)), _mm512_set1_ps(yd[i]));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), d, acc);
+        if (GK_MINS(kind)) summ = _mm_add_ps(summ, _mm_mul_ps(gv_pair(b + 2, row_bytes), _mm_set1_ps(ys[i])));
     }
-    const __m512 a = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15), acc);
-    __m256 acc0 = _mm512_castps512_ps256(a), acc1 = _mm512_extractf32x8_ps(a, 1);
-    if (nb & 1) gv_tail(kind, nb - 1, w, x, &acc0, &summ);
-    const float v = hsum8(_mm256_add_ps(acc0, acc1));
+    float sm[4];
+    _mm_storeu_ps(sm, summ);
+    /* the rows' lanes together again: row 0's are 0-3 and 8-11, row 1's 4-7 and 12-15 */
+    acc = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15), acc);
+    const float v0 = hsum8(_mm512_castps512_ps256(acc)), v1 = hsum8(_mm512_extractf32x8_ps(acc, 1));
+    s[0] = GK_MINS(kind) ? v0 + sm[0] : v0;
+    s[1] = GK_MINS(kind) ? v1 + sm[2] : v1;
+}
+
+LP_INLINE float gv_row1(const int kind, int nb, const uint8_t *w, const gv_vec *prep, const float *yd,
+                        const float *ys) {
+    const int wb = GK_WBYTES(kind);
+    __m256 acc = _mm256_setzero_ps();
+    float summ = 0.0f;
+    for (int i = 0; i < nb; i++) {
+        const gv_vec *pi = prep + GV_PREP * i;
+        const uint8_t *b = w + (int64_t)i * wb;
+        __m256i q = nibbles32(b + GV_QS(kind));
+        if (GV_HIGH(kind)) q = _mm256_or_si256(q, hbits32(b + GV_QH(kind)));
+        /* the prepared [0-15, 0-15, 16-31, 16-31] -> 0-31 (and its offsets' lanes likewise) */
+        const __m512i sel = _mm512_setr_epi64(0, 1, 4, 5, 0, 1, 4, 5);
+        const __m256i qy = _mm512_castsi512_si256(_mm512_permutexvar_epi64(sel, _mm512_load_si512(pi)));
+        const __m256i off = GK_SIGNED(kind) ? _mm512_castsi512_si256(_mm512_permutexvar_epi64(sel, _mm512_load_si512(pi + 1)))
+                                            : _mm256_setzero_si256();
+        const __m256i p = _mm256_dpbusd_epi32(off, q, qy);
+        lp_half h;
+        memcpy(&h, b, 2);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(H2F(h) * yd[i]), acc);
+        if (GK_MINS(kind)) {
+            memcpy(&h, b + 2, 2);
+            summ += H2F(h) * ys[i];
+        }
+    }
+    const float v = hsum8(acc);
     return GK_MINS(kind) ? v + summ : v;
 }
 
-LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
+LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64_t row_bytes, int nr,
+                       const uint8_t *x) {
     const int yb = GV_YB(kind), yq = GV_YQ(kind);
-    for (int j = 0; j < np; j++) {
-        const uint8_t *y0 = x + (int64_t)(2 * j) * yb;
-        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(y0 + yq))),
-                                             _mm256_loadu_si256((const __m256i *)(y0 + yb + yq)), 1);
-        const __m512i qy = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7), q);
-        gv_vec *pj = prep + GV_PREP * j;
-        pj[0] = qy;
-        if (GK_SIGNED(kind)) {
+    gv_vec prep[GV_PREP * (nb > 0 ? nb : 1)];
+    float yd[nb > 0 ? nb : 1], ys[nb > 0 ? nb : 1];
+    for (int i = 0; i < nb; i++) {
+        const uint8_t *y = x + (int64_t)i * yb;
+        const __m512i qy = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
+                                                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(y + yq))));
+        prep[GV_PREP * i] = qy;
+        if (GK_SIGNED(kind)) { /* -(offset x the sum of each 4 activations) */
             const __m512i c = _mm512_set1_epi8(kind == GK_Q4_0 ? 8 : 16);
-            pj[1] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, qy));
+            prep[GV_PREP * i + 1] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, qy));
         }
-        pj[2] = _mm512_castps_si512(gv_spread(gv_pair(y0, yb)));
-        if (GK_MINS(kind)) pj[3] = _mm512_castps_si512(_mm512_castps128_ps512(gv_pair(y0 + 2, yb)));
+        lp_half h;
+        memcpy(&h, y, 2);
+        yd[i] = H2F(h);
+        if (GK_MINS(kind)) {
+            memcpy(&h, y + 2, 2);
+            ys[i] = H2F(h);
+        }
     }
+    int r = 0;
+    for (; r + 2 <= nr; r += 2) gv_row2(kind, nb, w + r * row_bytes, row_bytes, prep, yd, ys, s + r);
+    if (r < nr) s[r] = gv_row1(kind, nb, w + r * row_bytes, prep, yd, ys);
 }
 
 #else
@@ -809,9 +865,9 @@ LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
  * i+1's), [5j+1] their quants 16-31, [5j+2], [5j+3] the offset sums of those (signed kinds),
  * [5j+4] the scales (low 128 bits) and sums s (high 128 bits, mins kinds) as gv_pair gives them.
  * A row takes a block pair as two vectors, the low nibbles of both blocks' 16 bytes and the high
- * ones: int32 lanes 0-3 of the low vector are the vec_dot's acc0 lanes 0-3 (block i), 4-7 its
- * acc1 lanes 0-3 (block i+1), and the high vector the lanes 4-7 of each, so accA and accB
- * receive each lane's fmadds in the vec_dot's order and are put back together at the end. */
+ * ones: int32 lanes 0-3 of the low vector are the vec_dot's lanes 0-3 of block i, 4-7 its lanes
+ * 0-3 of block i+1, and the high vector the lanes 4-7 of each; two 128-bit permutes put block
+ * i's 8 lanes and block i+1's together, fmadd-ed into the one accumulator in block order. */
 #define GV_PREP 5
 typedef __m256i gv_vec;
 
@@ -831,8 +887,8 @@ LP_INLINE __m256i gv2_hbits(__m256i h, int half) {
 LP_INLINE float gv_row(const int kind, int nb, const uint8_t *w, const uint8_t *x, const gv_vec *prep) {
     const int wb = GK_WBYTES(kind), np = nb / 2;
     const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f);
-    const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
-    __m256 accA = _mm256_setzero_ps(), accB = _mm256_setzero_ps();
+    const __m256i two = _mm256_set1_epi32(2);
+    __m256 acc = _mm256_setzero_ps();
     float summ = 0.0f;
     for (int j = 0; j < np; j++) {
         const gv_vec *pj = prep + GV_PREP * j;
@@ -857,14 +913,13 @@ LP_INLINE float gv_row(const int kind, int nb, const uint8_t *w, const uint8_t *
         }
         const __m256 sy = _mm256_castsi256_ps(_mm256_load_si256(pj + 4));
         const __m128 d = _mm_mul_ps(gv_pair(b, wb), _mm256_castps256_ps128(sy)); /* dx0 * dy0, -, dx1 * dy1, - */
-        const __m256 dv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d), spread);
-        accA = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), dv, accA);
-        accB = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), dv, accB);
+        const __m256 d0 = _mm256_broadcastss_ps(d), d1 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d), two);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(plo, phi, 0x20)), d0, acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(plo, phi, 0x31)), d1, acc);
         if (GK_MINS(kind)) summ = gv_mins(summ, _mm_mul_ps(gv_pair(b + 2, wb), _mm256_extractf128_ps(sy, 1)));
     }
-    __m256 acc0 = _mm256_permute2f128_ps(accA, accB, 0x20), acc1 = _mm256_permute2f128_ps(accA, accB, 0x31);
-    if (nb & 1) gv_tail(kind, nb - 1, w, x, &acc0, &summ);
-    const float v = hsum8(_mm256_add_ps(acc0, acc1));
+    if (nb & 1) gv_tail(kind, nb - 1, w, x, &acc, &summ);
+    const float v = hsum8(acc);
     return GK_MINS(kind) ? v + summ : v;
 }
 
@@ -887,8 +942,6 @@ LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
         pj[4] = _mm256_castps_si256(_mm256_insertf128_ps(_mm256_castps128_ps256(sc), sm, 1));
     }
 }
-#endif
-
 LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64_t row_bytes, int nr,
                        const uint8_t *x) {
     const int np = nb / 2;
@@ -896,67 +949,80 @@ LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64
     gv_prep(kind, np, x, prep);
     for (int r = 0; r < nr; r++) s[r] = gv_row(kind, nb, w + r * row_bytes, x, prep);
 }
+#endif
+
 
 /* NR weight rows x NC activation rows (compile-time constants once inlined) */
 LP_INLINE void gk_tile(const int kind, const int NR, const int NC, int nb, float *s, int64_t ld_s,
                        const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t x_bytes, const float *yd,
-                       const float *ys) {
-    __m256 acc[GEMM_NR][LP_GEMM_COLS][2];
+                       const float *ys, const void *zp) {
     __m128 summ[GEMM_NR]; /* the 4 columns' sums of m * s */
+    float sm[GEMM_NR][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) summ[r] = _mm_setzero_ps();
+#if defined(GK_ZMM)
+    /* column pairs in 512-bit accumulators; an odd last column in a 256-bit one */
+    const int NCP = NC / 2, c1 = NC - 1;
+    __m512 accz[GEMM_NR][LP_GEMM_COLS / 2];
+    __m256 acc1[GEMM_NR][LP_GEMM_COLS];
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) {
-        summ[r] = _mm_setzero_ps();
-#pragma GCC unroll 4
-        for (int c = 0; c < NC; c++) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+        acc1[r][0] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+        for (int k = 0; k < NCP; k++) accz[r][k] = _mm512_setzero_ps();
     }
-    /* blocks in pairs as the vec_dots run them: acc0 takes the even ones, acc1 the odd ones */
-    int i = 0;
-#if defined(GK_ZMM)
-    __m512 acc2[GEMM_NR][LP_GEMM_COLS]; /* acc0 | acc1 */
+    for (int i = 0; i < nb; i++) {
+        if (GK_MINS(kind)) gk_mins(kind, NR, i, summ, w, row_bytes, ys);
+        gk_step_z(kind, NR, NCP, i, accz, w, row_bytes, (const __m512i *)zp);
+        if (NC & 1) gk_step(kind, NR, 1, i, acc1, w, row_bytes, x + c1 * x_bytes, x_bytes, yd + c1);
+    }
 #pragma GCC unroll 4
-    for (int r = 0; r < NR; r++)
-#pragma GCC unroll 4
-        for (int c = 0; c < NC; c++) acc2[r][c] = _mm512_setzero_ps();
-    for (; i + 1 < nb; i += 2) gk_step_pair(kind, NR, NC, i, acc2, summ, w, row_bytes, x, x_bytes, yd, ys);
-#pragma GCC unroll 4
-    for (int r = 0; r < NR; r++)
-#pragma GCC unroll 4
-        for (int c = 0; c < NC; c++) {
-            acc[r][c][0] = _mm512_castps512_ps256(acc2[r][c]);
-            acc[r][c][1] = _mm512_extractf32x8_ps(acc2[r][c], 1);
+    for (int r = 0; r < NR; r++) {
+        _mm_storeu_ps(sm[r], summ[r]);
+#pragma GCC unroll 2
+        for (int k = 0; k < NCP; k++) {
+            const float lo = hsum8(_mm512_castps512_ps256(accz[r][k])), hi = hsum8(_mm512_extractf32x8_ps(accz[r][k], 1));
+            s[2 * k * ld_s + r] = GK_MINS(kind) ? lo + sm[r][2 * k] : lo;
+            s[(2 * k + 1) * ld_s + r] = GK_MINS(kind) ? hi + sm[r][2 * k + 1] : hi;
         }
+        if (NC & 1) s[c1 * ld_s + r] = GK_MINS(kind) ? hsum8(acc1[r][0]) + sm[r][c1] : hsum8(acc1[r][0]);
+    }
 #else
-    for (; i + 1 < nb; i += 2) {
-        gk_step(kind, NR, NC, 0, i, acc, summ, w, row_bytes, x, x_bytes, yd, ys);
-        gk_step(kind, NR, NC, 1, i + 1, acc, summ, w, row_bytes, x, x_bytes, yd, ys);
+    (void)zp;
+    __m256 acc[GEMM_NR][LP_GEMM_COLS];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++) {
+        if (GK_MINS(kind)) gk_mins(kind, NR, i, summ, w, row_bytes, ys);
+        gk_step(kind, NR, NC, i, acc, w, row_bytes, x, x_bytes, yd);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        _mm_storeu_ps(sm[r], summ[r]);
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) s[c * ld_s + r] = GK_MINS(kind) ? hsum8(acc[r][c]) + sm[r][c] : hsum8(acc[r][c]);
     }
 #endif
-    if (i < nb) gk_step(kind, NR, NC, 0, i, acc, summ, w, row_bytes, x, x_bytes, yd, ys);
-#pragma GCC unroll 4
-    for (int r = 0; r < NR; r++) {
-        float sm[4];
-        _mm_storeu_ps(sm, summ[r]);
-#pragma GCC unroll 4
-        for (int c = 0; c < NC; c++) {
-            const __m256 v = _mm256_add_ps(acc[r][c][0], acc[r][c][1]);
-            s[c * ld_s + r] = GK_MINS(kind) ? hsum8(v) + sm[c] : hsum8(v);
-        }
-    }
 }
 
 LP_INLINE void gk_rows(const int kind, const int NC, const int pairs, int nb, float *s, int64_t ld_s,
                        const uint8_t *w, int64_t row_bytes, int nr, const uint8_t *x, int64_t x_bytes,
-                       const float *yd, const float *ys) {
+                       const float *yd, const float *ys, const void *zp) {
     int r = 0;
     /* rows in pairs only for 3-4 columns: with 1-2 the pairs were slower on memory-bound
      * matrices (2048x8192 at 2 tokens: 0.4-0.66x, noisy) and no faster on small ones; and only
      * where asked (`pairs`): on weights streamed from memory once (a decode batch of <= 4
      * tokens) single rows are faster at 3-4 columns too (SmolLM2's 49152x576 Q8_0 output at 4
-     * tokens: 1.9 ms single rows, 3.4 ms pairs; a 4-token decode step 12 % faster, noisy) */
-    if (pairs && GEMM_NR == 2 && NC >= 3)
+     * tokens: 1.9 ms single rows, 3.4 ms pairs; a 4-token decode step 12 % faster, noisy).
+     * Those figures predate the one-accumulator order: an output is now one fmadd chain (a
+     * 512-bit vector holds a column pair), so 1-2 columns take rows in pairs to have two
+     * independent chains (2 tokens on SmolLM2's matrices: 3x slower with single rows) */
+    if (GEMM_NR == 2 && ((pairs && NC >= 3) || NC <= 2))
         for (; r + 2 <= nr; r += 2)
-            gk_tile(kind, 2, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys);
-    for (; r < nr; r++) gk_tile(kind, 1, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys);
+            gk_tile(kind, 2, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys, zp);
+    for (; r < nr; r++) gk_tile(kind, 1, NC, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, yd, ys, zp);
 }
 
 LP_INLINE void gk_gemm(const int kind, const int pairs, int n, float *s, int64_t ld_s, const void *vw,
@@ -979,11 +1045,17 @@ LP_INLINE void gk_gemm(const int kind, const int pairs, int n, float *s, int64_t
         }
     }
     const uint8_t *w = vw;
+#if defined(GK_ZMM)
+    __m512i zp[GK_ZP * (nb > 0 ? nb : 1)];
+    gk_zprep(kind, nb, (nc < LP_GEMM_COLS ? nc : LP_GEMM_COLS) / 2, x, x_bytes, yd, zp);
+#else
+    const void *zp = NULL;
+#endif
     switch (nc) {
-    case 1: gk_rows(kind, 1, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
-    case 2: gk_rows(kind, 2, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
-    case 3: gk_rows(kind, 3, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
-    default: gk_rows(kind, 4, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys); break;
+    case 1: gk_rows(kind, 1, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys, zp); break;
+    case 2: gk_rows(kind, 2, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys, zp); break;
+    case 3: gk_rows(kind, 3, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys, zp); break;
+    default: gk_rows(kind, 4, pairs, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, yd, ys, zp); break;
     }
 }
 

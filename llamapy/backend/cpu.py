@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 from ..tensor import Op, Tensor, TensorFlag
 from ..types import NUMPY_DTYPES, DeviceType, LlamapyError, storage
 from .cpu_kernels import c_flash_attn_ext, cpu_kernels
-from .executor import Refusal, compile_split
+from .executor import Arena, Refusal, compile_split
 from .executor import enabled as executor_enabled
 from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps, Registry
 from .kernels import KERNELS, run_nodes
@@ -162,6 +163,10 @@ class CPUBackend(Backend):
         # the last activations quantized per vec_dot_type: (x, its quantized rows); a MUL_MAT
         # whose input is the same array reuses them (Q, K and V; gate and up)
         self._act: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
+        # the compute memory of this backend's compiled plans, shared by them (they run one at a
+        # time): as large as the largest, its pages kept from one run to the next; held by the
+        # plans (weakly here), so it goes with the last of them (Context.free, graphs evicted)
+        self._arena_ref: weakref.ReferenceType[Arena] | None = None
 
     def set_cpu_matmul(self, mode: str) -> None:
         """"q8" (activations quantized as llama.cpp does) or "f32" (float32 activations)."""
@@ -225,7 +230,11 @@ class CPUBackend(Backend):
         # an ExecPlan, or a Refusal (falsy: the scheduler runs the split node by node) saying why
         if not self.use_executor:
             return Refusal("LLAMAPY_EXECUTOR=0")
-        return compile_split(nodes, exports, allocate, self.cpu_matmul)
+        arena = self._arena_ref() if self._arena_ref is not None else None
+        if arena is None:
+            arena = Arena()
+            self._arena_ref = weakref.ref(arena)
+        return compile_split(nodes, exports, allocate, self.cpu_matmul, arena)
 
     def graph_plan_compute(self, plan: Any, env: dict[Tensor, Any]) -> None:
         plan.compute(env, self.threads())

@@ -10,8 +10,13 @@ ggml-alloc's tensor addresses; the records are run by kernels_c/executor.c).
     RMS_NORM and the MUL by its weight are one record, and an ADD feeding that norm joins it;
   * memory: sched/alloc.py's `plan_offsets` (handed over by the scheduler) places every result
     and the *input slots* (graph inputs, values from other splits) in one arena, from the
-    records' own lifetimes (a fused record reads its sources at its own step); weights and the
-    KV cache are used where their buffers hold them.
+    records' own lifetimes (a fused record reads its sources at its own step), followed by the
+    quantized activations' scratch; weights and the KV cache are used where their buffers hold
+    them. The arena is the backend's (`Arena`, ggml's compute buffer): its plans run one at a
+    time and keep nothing there between runs, so they all share one block of memory, as large
+    as the largest plan's, whose pages stay mapped from one run to the next (a prompt's
+    micro-batches do not take fresh zeroed pages for their activations each step); a plan made
+    while the block was smaller moves its addresses on its next run.
 Threads: each run gets its backend's -t (never more than the cores) and hands it to the
 matvecs' and attention's OpenMP regions; a plan holds no thread state, so contexts with
 different -t share nothing.
@@ -20,7 +25,8 @@ slots before the call; the number of cells attended is part of the graph's shape
 keys its graphs by it), so a new shape means a new plan, never a rebuild per token.
 
 A split the executor cannot compile (an op or a layout it does not know, a weight without a
-repacked layout, a prompt-sized batch that the tile + sgemm path does better) is refused:
+repacked layout, a prompt-sized batch that the tile + sgemm path does better: the f32 mode's
+batches of MAX_TOKENS and more) is refused:
 `compile_split` returns a `Refusal`, and the scheduler runs that split with `run_nodes`, the
 reference path. `LLAMAPY_EXECUTOR=0` (read when a CPU backend is made) refuses every split.
 
@@ -33,8 +39,9 @@ token embedding rows of a file-layout matrix are expanded in Python before the c
 Numerics: the records call the reference path's C kernels or repeat its float32 operations in
 order, so logits are bit-identical to `run_nodes` in the q8 mode; in the f32 mode too, except
 the f32 tail rows of a matrix whose row count is not a multiple of 64 (BLAS in the reference):
-within float32 rounding. Attention is ops.c's kernel in both, for any number of query tokens, so
-a split of up to MAX_TOKENS - 1 tokens (e.g. a decode batch of several sequences) runs here.
+within float32 rounding. Attention is ops.c's kernel in both, for any number of query tokens: in
+the q8 mode a batch of any size runs here (a prompt's micro-batch too), in the f32 mode up to
+MAX_TOKENS - 1 tokens (e.g. a decode batch of several sequences).
 """
 
 from __future__ import annotations
@@ -61,17 +68,37 @@ ALIGN = 64  # the arena's alignment (AVX-512 loads); sched/alloc.py aligns offse
 (GET_ROWS_Q, GET_ROWS_F32, RMS_NORM, MUL, ADD, SCALE, SWIGLU, MUL_MAT, ROPE, SET_ROWS, ATTN, CPY, QUANT_ACT,
  MUL_MAT_Q) = range(1, 15)
 REC = 24
-# Batches from this many tokens are left to run_nodes: its tile + sgemm path is faster there
-# (qmatmul.SGEMM_MIN_TOKENS).
+# In the f32 mode, batches from this many tokens are left to run_nodes: its tile + sgemm path is
+# faster there (qmatmul.SGEMM_MIN_TOKENS). In the q8 mode every MUL_MAT a compiled split has
+# stays on the per-block q8 kernels at any row count (qmatmul.Q8_GEMM: no sgemm to be faster; a
+# product on the sgemm path refuses the split), so batches of any size are compiled: a prompt's
+# micro-batch, a server step of decode tokens plus prompt chunks (engine.py). Its activations
+# take the backend's shared arena, not memory of the plan's own.
 MAX_TOKENS = 16
-# In the q8 mode, where every MUL_MAT of a split stays on the per-block q8 kernels at any row
-# count (qmatmul.Q8_GEMM: no sgemm to be faster), batches up to here are compiled too: a server
-# step of decode tokens plus prompt chunks (engine.py) runs here instead of node by node. Bounded
-# because a cached plan's arena holds the batch's activations while its graph is cached.
-MAX_TOKENS_Q8 = 64
 
 _DTYPES = {GGMLType.F32: np.dtype(np.float32), GGMLType.F16: np.dtype(np.float16),
            GGMLType.I32: np.dtype(np.int32), GGMLType.I64: np.dtype(np.int64)}  # fmt: skip
+
+
+class Arena:
+    """One backend's compute memory for its compiled plans (ggml-alloc's compute buffer, sized to
+    the largest graph). Plans run one at a time on their backend and keep nothing in it between
+    runs (inputs are copied in, exports out), so they share it: it grows to the largest plan's
+    size and stays, and a plan made before it last grew moves its addresses (`ExecPlan`) on its
+    next run. The memory is a numpy buffer (zeroed, its pages mapped on first touch)."""
+
+    def __init__(self) -> None:
+        self.raw: np.ndarray | None = None
+        self.base = 0  # its first ALIGN-aligned address
+        self.size = 0
+
+    def ensure(self, nbytes: int) -> int:
+        """The base address of at least `nbytes` of arena."""
+        if nbytes > self.size or self.raw is None:
+            self.raw = None  # the old block goes before the new one is made: never both
+            raw = np.zeros(nbytes + ALIGN, np.uint8)
+            self.raw, self.base, self.size = raw, raw.ctypes.data + (-raw.ctypes.data) % ALIGN, nbytes
+        return self.base
 
 
 def enabled() -> bool:
@@ -197,19 +224,43 @@ class _Step:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class _Slot:
+    """An array in the arena, at `off` bytes from its base (made a numpy view for each run)."""
+
+    off: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in bytes
+    dtype: np.dtype
+
+    def view(self, arena: Arena) -> np.ndarray:
+        raw = arena.raw
+        return np.ndarray(self.shape, self.dtype, buffer=raw, offset=arena.base - raw.ctypes.data + self.off,  # type: ignore[union-attr]
+                          strides=self.strides)
+
+
+# The record slots that may hold addresses of the arena: 1 (the destination) .. 5 (sources), and
+# an RMS_NORM record's 10 (its fused ADD's result; executor.c's layout)
+_ADDR_SLOTS = (1, 2, 3, 4, 5)
+
+
 @dataclass
 class ExecPlan:
-    """A compiled split: records over one arena, the inputs to copy in, the exports to copy out."""
+    """A compiled split: records over the backend's arena, the inputs to copy in, the exports to
+    copy out (arena slots; an export elsewhere, e.g. the KV cache's memory, as its array)."""
 
     recs: np.ndarray  # (n, REC) int64
-    arena: np.ndarray
-    inputs: list[tuple[Tensor, np.ndarray]]  # (tensor, its slot)
-    exports: list[tuple[Tensor, np.ndarray, bool]]  # (node, its memory, copy it out?)
+    arena: Arena
+    nbytes: int  # of the arena this plan uses
+    base: int  # the arena's base address the records hold
+    moves: tuple[np.ndarray, np.ndarray]  # (record, slot) indices of the addresses in the arena
+    inputs: list[tuple[Tensor, _Slot]]  # (tensor, its slot)
+    exports: list[tuple[Tensor, _Slot | np.ndarray]]  # (node, its slot, or the array outside the arena)
     keep: list[Any]  # whatever the records point into
     n_nodes: int
     n_fused: int
     run: Any  # the C entry point
-    pre: list[tuple[np.ndarray, Any, Tensor]] = field(default_factory=list)  # (slot, matrix, ids)
+    pre: list[tuple[_Slot, Any, Tensor]] = field(default_factory=list)  # (slot, matrix, ids)
     n_threads: int = 0  # of the last run
     native_s: float = 0.0  # seconds inside the native call, summed over runs (for the timer)
     recs_ptr: int = 0
@@ -217,6 +268,11 @@ class ExecPlan:
 
     def __post_init__(self) -> None:
         self.recs_ptr = self.recs.ctypes.data
+
+    def _move(self, base: int) -> None:
+        """The arena was made again (larger) since these records were written: move them."""
+        self.recs[self.moves] += base - self.base
+        self.base = base
 
     def summary(self) -> str:
         ops: dict[str, int] = {}
@@ -229,15 +285,19 @@ class ExecPlan:
             ops[names[int(code)]] = ops.get(names[int(code)], 0) + 1
         counts = " ".join(f"{k}:{v}" for k, v in ops.items())
         return (f"executor: {len(self.recs)} records for {self.n_nodes} nodes ({self.n_fused} fused), "
-                f"arena {self.arena.nbytes / 1024:.0f} KiB, {len(self.inputs)} inputs, "
+                f"arena {self.nbytes / 1024:.0f} KiB, {len(self.inputs)} inputs, "
                 f"{len(self.exports)} exports [{counts}]")
 
     def compute(self, env: dict[Tensor, Any], n_threads: int) -> None:
         """One run: inputs copied in, one native call on `n_threads` threads, exports out."""
+        arena = self.arena
+        base = arena.ensure(self.nbytes)
+        if base != self.base:
+            self._move(base)
         for t, slot in self.inputs:
-            slot[...] = env[t]
+            slot.view(arena)[...] = env[t]
         for slot, w, ids in self.pre:
-            slot[...] = w.get_rows(env[ids])
+            slot.view(arena)[...] = w.get_rows(env[ids])
         recs = self.recs
         t0 = time.perf_counter()
         rc = self.run(self.recs_ptr, len(recs), n_threads)
@@ -247,8 +307,8 @@ class ExecPlan:
         if rc:
             raise LlamapyError(f"executor: record {rc - 1} (op {int(recs[rc - 1, 0])}) failed: a row id out of "
                                "range, or no kernel for a type")
-        for t, mem, copy in self.exports:
-            env[t] = mem.copy() if copy else mem
+        for t, mem in self.exports:
+            env[t] = mem.view(arena).copy() if isinstance(mem, _Slot) else mem
 
 
 def _lib() -> Any:
@@ -280,17 +340,19 @@ def _leaf_value(t: Tensor) -> Any | None:
 
 
 def compile_split(
-    nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Callable[..., Any], cpu_matmul: str = "q8"
+    nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Callable[..., Any], cpu_matmul: str = "q8",
+    arena: Arena | None = None,
 ) -> ExecPlan | Refusal:
     """Compile a split's nodes; a Refusal when any of them is beyond the executor. `allocate`:
     the scheduler's allocator (sched/alloc.py `plan_offsets`; backends do not import sched);
-    `cpu_matmul`: the backend's MUL_MAT mode ("q8": quantized activations, "f32")."""
+    `cpu_matmul`: the backend's MUL_MAT mode ("q8": quantized activations, "f32"); `arena`: the
+    backend's (its plans share it; default: one of the plan's own)."""
     from .qmatmul import kernels
 
     try:
         if kernels() != "c":
             raise Refused(f"kernels are {kernels()!r}, not C")
-        return _Compiler(nodes, exports, _lib(), allocate, cpu_matmul == "q8").build()
+        return _Compiler(nodes, exports, _lib(), allocate, cpu_matmul == "q8").build(arena or Arena())
     except Refused as e:
         return Refusal(str(e))
 
@@ -299,10 +361,11 @@ class _Compiler:
     def __init__(self, nodes: Sequence[Tensor], exports: Sequence[Tensor], lib: Any, allocate: Any, q8: bool) -> None:
         self.allocate = allocate
         self.q8 = q8
-        self.max_tokens = MAX_TOKENS_Q8 if q8 else MAX_TOKENS
+        self.max_tokens: int | None = None if q8 else MAX_TOKENS
         self.pre: list[Tensor] = []  # GET_ROWS of file-layout rows, run in Python before the call
         self.quantized: dict[int, Any] = {}  # vec_dot_type -> the input its scratch holds now
-        self.scratch: dict[int, np.ndarray] = {}  # vec_dot_type -> room for quantized activations
+        self.scratch: dict[int, int] = {}  # vec_dot_type -> the arena offset of its quantized activations
+        self.base = 0  # the arena's address while the records are written
         self.nodes = list(nodes)
         self.own = set(self.nodes)
         self.exports = list(exports)
@@ -352,10 +415,8 @@ class _Compiler:
                 continue
             if n.type is not GGMLType.F32:
                 raise Refused(f"{op.name} {n.name} of type {n.type.name}")
-            if len(n.shape) >= 2 and n.shape[0] >= self.max_tokens:
-                # a prompt: the sgemm path is faster there, and a plan's arena would
-                # hold copies of the batch's activations for as long as the graph is cached
-                raise Refused(f"a batch of {n.shape[0]} tokens")
+            if self.max_tokens is not None and len(n.shape) >= 2 and n.shape[0] >= self.max_tokens:
+                raise Refused(f"a batch of {n.shape[0]} tokens")  # the f32 mode's sgemm is faster there
             if op is Op.MUL and self._fuse_norm_mul(n):
                 continue
             code = {Op.GET_ROWS: GET_ROWS_F32, Op.RMS_NORM: RMS_NORM, Op.MUL: MUL, Op.ADD: ADD, Op.SCALE: SCALE,
@@ -436,18 +497,20 @@ class _Compiler:
 
     # -- pass 3: records ---------------------------------------------------------------------
 
-    def build(self) -> ExecPlan:
+    def build(self, arena: Arena) -> ExecPlan:
         self.steps_pass()
         offsets = self.alloc()
-        raw = np.zeros(self.arena_size + 2 * ALIGN, np.uint8)
-        start = (-raw.ctypes.data) % ALIGN
-        arena = raw[start : start + self.arena_size + ALIGN]
-        self.keep: list[Any] = [raw]
+        nbytes = self._size_scratch(self.arena_size)
+        self.base = base = arena.ensure(nbytes)
+        self.keep: list[Any] = []
         locs: dict[Tensor, Loc] = {}
-        base = arena.ctypes.data
 
         def owned(t: Tensor) -> Loc:
             return Loc(base + offsets[t], t.shape, _cstrides(t.shape), _DTYPES[t.type], arena)
+
+        def slot(l: Loc) -> _Slot:
+            isz = l.dtype.itemsize
+            return _Slot(l.addr - base, l.shape, tuple(st * isz for st in l.strides), l.dtype)
 
         def loc(t: Tensor) -> Loc:
             hit = locs.get(t)
@@ -467,24 +530,30 @@ class _Compiler:
             return l
 
         try:
-            self._size_scratch()
             recs = []
             for st in self.steps:
                 recs += self._records(st, loc)
-            inputs = [(t, loc(t).array()) for t in self.inputs]
-            pre = [(loc(n).array(), _leaf_value(n.src[0]), n.src[1]) for n in self.pre]
-            self.keep += list(self.scratch.values())
-            exports = []
+            inputs = [(t, slot(loc(t))) for t in self.inputs]  # inputs and `pre` rows: arena-owned
+            pre = [(slot(loc(n)), _leaf_value(n.src[0]), n.src[1]) for n in self.pre]
+            exports: list[tuple[Tensor, _Slot | np.ndarray]] = []
             for e in self.exports:
                 l = loc(e)
-                exports.append((e, l.array(), l.owner is arena))
+                exports.append((e, slot(l) if l.owner is arena else l.array()))
         finally:
             # `loc` is recursive (its closure holds itself): break that cycle, or the weights'
             # views in `locs` would keep a closed model's mapping until the garbage collector runs
             locs.clear()
             loc = None  # noqa: F841
-        return ExecPlan(np.array(recs, np.int64).reshape(-1, REC), raw, inputs, exports, self.keep,
-                        len(self.nodes), self.n_fused, self.lib.lp_exec_run, pre)
+        table = np.array(recs, np.int64).reshape(-1, REC)
+        # the addresses in the arena, moved when it is made again (ExecPlan._move); a fused
+        # RMS_NORM's ADD result is in slot 10
+        cols = table[:, list(_ADDR_SLOTS) + [10]]
+        inside = (cols >= base) & (cols < base + max(nbytes, 1))
+        inside[:, -1] &= table[:, 0] == RMS_NORM
+        rows, which = np.nonzero(inside)
+        moves = (rows, np.array(list(_ADDR_SLOTS) + [10])[which])
+        return ExecPlan(table, arena, nbytes, base, moves, inputs, exports, self.keep, len(self.nodes), self.n_fused,
+                        self.lib.lp_exec_run, pre)
 
     def _view(self, t: Tensor, src: Loc) -> Loc:
         op = t.op
@@ -520,8 +589,9 @@ class _Compiler:
             return Loc(src.addr, t.shape, (st, *inner), src.dtype, src.owner)
         raise Refused(f"RESHAPE {t.name} of a strided value")
 
-    def _size_scratch(self) -> None:
-        """Room for each vec_dot_type's quantized activations: the largest product's."""
+    def _size_scratch(self, start: int) -> int:
+        """Room for each vec_dot_type's quantized activations (the largest product's), in the
+        arena from `start` (self.scratch: their offsets); the arena's bytes in all."""
         need: dict[int, int] = {}
         for st in self.steps:
             if st.code != MUL_MAT:
@@ -532,7 +602,13 @@ class _Compiler:
             if q is not None:
                 rb = int(self.lib.lp_act_row_bytes(int(wv.qtype), wv.n_in))
                 need[q] = max(need.get(q, 0), rb * (x.n_elements // x.shape[-1]))
-        self.scratch = {q: np.zeros(n + ALIGN, np.uint8) for q, n in need.items()}
+        self.scratch = {}
+        end = start
+        for q, n in need.items():
+            end += (-end) % ALIGN
+            self.scratch[q] = end
+            end += n
+        return end
 
     def _q8_type(self, wv: Any, n_tok: int) -> int | None:
         """The vec_dot_type a product runs in (the q8 mode's path), None for the other paths."""
@@ -557,12 +633,9 @@ class _Compiler:
         """QUANTIZE (unless this input is what the vec_dot_type's scratch holds already: the
         Q/K/V or gate/up products of one input) and MUL_MAT_Q records."""
         n_tok, n_in, xs = xl.rows()
-        if n_tok >= self.max_tokens:
-            raise Refused(f"a batch of {n_tok} tokens")
         x = n.src[1]
         key = (self._base(x), xl.addr, xl.strides)
-        scratch = self.scratch[vdt]
-        xq = scratch.ctypes.data + (-scratch.ctypes.data) % ALIGN
+        xq = self.base + self.scratch[vdt]
         out: list[list[int]] = []
         if self.quantized.get(vdt) != key:
             r = [0] * REC

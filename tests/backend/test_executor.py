@@ -10,6 +10,7 @@ in run_nodes, a plain sum in the executor), which agree within float32 noise.
 from __future__ import annotations
 
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from gguf import GGMLQuantizationType as T
 
 from llamapy import ops
 from llamapy.backend import native
-from llamapy.backend.executor import MAX_TOKENS_Q8, ExecPlan, Refusal, compile_split
+from llamapy.backend.executor import Arena, ExecPlan, Refusal, compile_split
 from llamapy.context import Context, ContextOptions, Model
 from llamapy.sched.alloc import plan_offsets
 from llamapy.tensor import Tensor, TensorFlag
@@ -121,10 +122,10 @@ def test_prompt_batches_fall_back_to_run_nodes(make_llama, monkeypatch: pytest.M
     assert "## PLAN #0: CPU executor: " in exe.sched.dump(exe.graph(1, 256, 1).graph)
 
 
-def test_q8_batches_compile_up_to_max_tokens_q8(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+def test_q8_batches_of_any_size_compile(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """In the q8 mode (every product on the per-block q8 kernels) a server step of decode tokens
-    of several sequences plus a prompt chunk (20 and 50 tokens) runs compiled, with run_nodes'
-    logits bit for bit; MAX_TOKENS_Q8 tokens and more are left to run_nodes."""
+    of several sequences plus a prompt chunk (20 and 50 tokens), and a whole prompt micro-batch
+    (300 tokens), run compiled, with run_nodes' logits bit for bit."""
     model = _model(make_llama(qtype=T.Q8_0))
     exe, ref = _contexts(monkeypatch, model)
     for c in (exe, ref):
@@ -143,11 +144,38 @@ def test_q8_batches_compile_up_to_max_tokens_q8(make_llama, monkeypatch: pytest.
         plan = exe.sched.reserve(exe.graph(n, 256, 3).graph)
         cpu = [i for i, s in enumerate(plan.splits) if exe.backends[s.backend].name == "CPU"]
         assert cpu and all(isinstance(exe.sched.backend_plan(plan, i), ExecPlan) for i in cpu)
-    n = MAX_TOKENS_Q8
-    toks = list(range(3, 3 + n))
-    _same(exe.decode(toks, range(n)), ref.decode(toks, range(n)))
-    bp = exe.sched.backend_plan(exe.sched.reserve(exe.graph(n, 256, 1).graph), 0)
-    assert isinstance(bp, Refusal) and f"a batch of {n} tokens" in bp.reason, bp
+    n = 300
+    toks = [1] + [(7 * i) % 250 + 3 for i in range(n - 1)]
+    want = [i % 97 == 0 or i == n - 1 for i in range(n)]
+    _same(exe.decode(toks, range(n), 3, want), ref.decode(toks, range(n), 3, want))
+    bp = exe.sched.backend_plan(exe.sched.reserve(exe.graph(n, 512, sum(want)).graph), 0)
+    assert isinstance(bp, ExecPlan) and bp.n_runs == 1, bp
+
+
+def test_plans_share_the_backends_arena(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Every compiled plan of a backend runs in its one arena, as large as the largest plan's:
+    a decode plan made before a prompt's plan grew it moves its addresses on its next run and
+    still gives run_nodes' logits bit for bit; the pages stay (the same memory every run)."""
+    model = _model(make_llama(qtype=T.Q4_0))
+    exe, ref = _contexts(monkeypatch, model, n_threads=2)
+    steps = [([1, 5], [0, 1]), ([9], [2]), (list(range(3, 203)), list(range(3, 203))), ([11], [203]), ([12], [204])]
+    arenas: list[tuple[int, int]] = []
+    for toks, pos in steps:
+        _same(exe.decode(toks, pos), ref.decode(toks, pos))
+        plans = [p for p in _plans(exe) if isinstance(p, ExecPlan)]
+        assert plans and len({id(p.arena) for p in plans}) == 1
+        arena = plans[0].arena
+        assert arena.size == max(p.nbytes for p in plans)
+        arenas.append((arena.base, arena.size))
+    assert arenas[2][1] > arenas[1][1]  # the prompt's plan needed more: the arena grew...
+    assert arenas[3] == arenas[4] == arenas[2]  # ...and stayed: decode runs there after it
+    decode = [p for p in _plans(exe) if isinstance(p, ExecPlan) and p.n_runs >= 2]
+    assert decode and all(p.base == arenas[2][0] for p in decode)  # moved, and run again
+    ref_arena = weakref.ref(decode[0].arena)
+    del plans, decode, arena
+    exe.free()  # the plans go, and their arena with them
+    assert ref_arena() is None
+    model.free()
 
 
 def test_batches_of_9_to_15_tokens_compile(monkeypatch: pytest.MonkeyPatch, make_llama) -> None:  # noqa: ANN001

@@ -60,13 +60,15 @@ def _executor_threads(llm: Llama) -> set[int]:
     return {p.n_threads for p in plans if isinstance(p, ExecPlan) and p.n_runs}
 
 
-def test_two_llamas_with_different_threads(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("executor", ["0", "1"])
+def test_two_llamas_with_different_threads(make_llama, monkeypatch: pytest.MonkeyPatch, executor: str) -> None:  # noqa: ANN001
     """-t 0 (every core: 4 here, the core count patched so that it differs from 1 on any machine)
-    and -t 1 in one process, used in turns: a 70-token prompt (run_nodes: past the executor's
-    MAX_TOKENS_Q8; C attention over 70 queries) then decode steps (the executor). Each call gets its own
-    context's count, whichever context was made or ran last, and both decode the same text."""
+    and -t 1 in one process, used in turns: a 70-token prompt then decode steps, node by node
+    (LLAMAPY_EXECUTOR=0: run_nodes, C attention over 70 queries) or compiled (the executor, which
+    takes batches of any size in the q8 mode). Each call gets its own context's count, whichever
+    context was made or ran last, and both decode the same text."""
     monkeypatch.setattr(cpu, "_CORES", 4)
-    monkeypatch.setenv("LLAMAPY_EXECUTOR", "1")
+    monkeypatch.setenv("LLAMAPY_EXECUTOR", executor)
     path = make_llama(n_layer=2)
     calls = _spy(monkeypatch)
     every, one = Llama(path, n_ctx=256, n_threads=0), Llama(path, n_ctx=256, n_threads=1)
@@ -79,9 +81,13 @@ def test_two_llamas_with_different_threads(make_llama, monkeypatch: pytest.Monke
             llm.ctx.kv.clear()
             r = llm.generate(prompt, n_predict=6, temp=0)
             texts.append(r.tokens)
-            assert calls["attend"] and set(calls["attend"]) == {want}
-            assert calls["matmul"] and set(calls["matmul"]) == {want}
-            assert _executor_threads(llm) == {want}
+            if executor == "0":
+                assert calls["attend"] and set(calls["attend"]) == {want}
+                assert calls["matmul"] and set(calls["matmul"]) == {want}
+                assert not _executor_threads(llm)
+            else:
+                assert not calls["attend"] and not calls["matmul"]  # every step compiled
+                assert _executor_threads(llm) == {want}
     finally:
         every.close()
         one.close()

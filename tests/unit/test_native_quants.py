@@ -282,16 +282,16 @@ def test_vec_dot_in_ggml_avx2_order(lib: ctypes.CDLL, name: str) -> None:
 
 def check_gemm(lib: ctypes.CDLL, name: str, sym: str, n_rows: int, n_in: int, n_cols: int,
                ncs: tuple[int, ...], nrs: tuple[int, ...], seed: int, scale: float = 1.0,
-               act: np.ndarray | None = None) -> None:
+               act: np.ndarray | None = None, w: np.ndarray | None = None) -> None:
     """lp_gemm_<sym> called directly on random weights: for each column count nc and row count nr
     every output s[c * ld_s + r] is the type's vec_dot bit for bit (ld_s > nr), and nothing else
     is written. act: n_cols activation rows already in the vec_dot_type (else random ones through
-    lp_quantize_act)."""
+    lp_quantize_act); w: the weight rows (else random ones)."""
     gemm, dot = getattr(lib, "lp_gemm_" + sym), getattr(lib, "lp_vec_dot_" + sym.removesuffix("_r1"))
     i64, p = ctypes.c_int64, ctypes.c_void_p
     gemm.argtypes, gemm.restype = [ctypes.c_int, p, i64, p, i64, ctypes.c_int, p, i64, ctypes.c_int], None
     rng = np.random.default_rng(seed)
-    w = random_raw(name, n_rows, n_in, rng)
+    w = random_raw(name, n_rows, n_in, rng) if w is None else w
     xq = act if act is not None else \
         quantize_act(lib, name, (rng.standard_normal((n_cols, n_in)) * scale).astype(np.float32))
     want = np.zeros((n_cols, n_rows), np.float32)
@@ -396,13 +396,43 @@ def test_mul_mat_is_vec_dots(lib: ctypes.CDLL, name: str, n_tok: int) -> None:
 def test_k_gemm_is_vec_dots_at_any_column_count(lib: ctypes.CDLL, name: str) -> None:
     """lp_gemm_q{3..6}_K_q8_K take any number of columns (lp_quants.h: LP_GEMM_COLS_K; the AVX-512
     Q4_K/Q5_K/Q6_K kernels 8 at a time, the row cut in chunks of 8 blocks and the rows in groups of
-    64): every output is its vec_dot's bit for bit, for whole groups of 8 and remainders, more
-    rows than a group, a row of 11 blocks (a chunk and a part), and ld_s > rows."""
+    64, the blocks decoded as they are used below 32 columns and into a panel for all the groups
+    from 32): every output is its vec_dot's bit for bit, for whole groups of 8 and remainders, more
+    rows than a group, a row of 11 blocks (a chunk and a part), and ld_s > rows; and rows of 40
+    blocks, whose panel holds 32 of the 64 rows at a time."""
     sym = f"{name[:2].lower()}_K_q8_K"
     if not hasattr(lib, "lp_gemm_" + sym):
         assert "avx" not in os.path.basename(lib._name)
         pytest.skip(f"this library has no lp_gemm_{sym}")
-    check_gemm(lib, name, sym, 70, 256 * 11, n_cols=25, ncs=(1, 7, 8, 9, 16, 25), nrs=(1, 16, 70), seed=23, scale=3.0)
+    check_gemm(lib, name, sym, 70, 256 * 11, n_cols=41, ncs=(1, 7, 8, 9, 16, 25, 32, 41), nrs=(1, 16, 70), seed=23,
+               scale=3.0)
+    check_gemm(lib, name, sym, 66, 256 * 40, n_cols=33, ncs=(33,), nrs=(66,), seed=5)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_gemm_at_the_extremes(lib: ctypes.CDLL, name: str) -> None:
+    """The largest quants (every bit set: 15, 31, 63 with scales 63 / 127) against activations
+    that quantize to -127 everywhere, and against +-127 alternating: the AVX-512 gemms' 16-bit
+    per-lane sums (4 x 63 x 127 < 2^15 for Q6_K) hold them; each output is its vec_dot's."""
+    sym = f"{name[:2].lower()}_K_q8_K"
+    if not hasattr(lib, "lp_gemm_" + sym):
+        assert "avx" not in os.path.basename(lib._name)
+        pytest.skip(f"this library has no lp_gemm_{sym}")
+    n_in, n_rows = 256 * 3, 9
+    w = random_raw(name, n_rows, n_in, np.random.default_rng(2))
+    blocks = w.reshape(-1, block_size(GGMLType[name])[1])
+    if name == "Q6_K":
+        blocks[:, :192] = 0xFF  # ql, qh: every quant 63
+        blocks[:, 192:208] = 127  # scales
+    else:
+        f16 = {"Q4_K": 4, "Q5_K": 4}[name]  # d, dmin first; then 12 scale bytes
+        blocks[:, f16 : f16 + 12] = 0xFF  # every scale and min 63
+        blocks[:, f16 + 12 :] = 0xFF  # (Q5_K: qh too) every quant at its largest
+    x = np.ones((40, n_in), np.float32)
+    x[20:, 1::2] = -1.0  # -127 and +127 alternating
+    xq = quantize_act(lib, name, x)
+    assert (xq[:20, 4:260].view(np.int8) == -127).all()  # (q8_K: d, then the 256 quants of a block)
+    check_gemm(lib, name, sym, n_rows, n_in, n_cols=40, ncs=(8, 40), nrs=(n_rows,), seed=0, act=xq, w=w)
 
 
 def test_dispatch_table(lib: ctypes.CDLL) -> None:

@@ -22,7 +22,9 @@
  * run_nodes (see tests/backend/test_executor.py; the f32 tail rows of a matrix whose row count
  * is not a multiple of 64 are summed here, not by BLAS: within float32 noise).
  *
- * Threads: `n_threads` of each call go to the matvecs and attention (OpenMP regions inside them); nothing
+ * Threads: `n_threads` of each call go to the matvecs and attention (OpenMP regions inside them),
+ * and to the row-wise records (norms, elementwise ops, rope, SwiGLU, copies) of a big batch,
+ * whose rows are shared out (ex_rows: each row computed as alone, so the same bits); nothing
  * here keeps thread state between calls, so contexts with different -t do not interfere.
  * Built like the other kernels_c sources (-ffp-contract=off: no FMA contraction).
  */
@@ -33,6 +35,19 @@
 #include <string.h>
 
 #define EX_API __attribute__((visibility("default")))
+
+#ifdef _OPENMP
+#include <omp.h>
+#include <pthread.h>
+/* libgomp cannot be used in a child made by fork() once the parent has run a parallel region:
+ * there the row-wise records stay on the calling thread (as qmatmul.c's and ops.c's kernels) */
+static volatile int ex_fork_child = 0;
+static void ex_on_fork_child(void) { ex_fork_child = 1; }
+__attribute__((constructor)) static void ex_register_atfork(void) { pthread_atfork(NULL, NULL, ex_on_fork_child); }
+#endif
+/* elements of a row-wise record from which its rows are shared out among the threads (a prompt's
+ * micro-batch: 512 x 2048; a decode step's records stay on one thread) */
+#define EX_PAR_MIN (1 << 16)
 
 /* ops.c (attention threads itself, up to n_threads, and stays on the calling thread in a fork
  * child, where libgomp cannot run) */
@@ -164,6 +179,86 @@ static int attention(const ex_slot *r, int n_threads) {
     return 0;
 }
 
+/* Rows [r0, r1) of a row-wise record (each row computed on its own: the same bits in any split). */
+static void ex_rows(const ex_slot *r, int64_t r0, int64_t r1) {
+    switch (I(0)) {
+    case EX_RMS_NORM: {
+        /* dst (rows, n) = rms_norm(x) [* w]: [6] rows, [7] n, [8] x stride, [9] eps, src1 w or
+         * NULL; fused add first when [10] is set: x = [10] (rows, n) = src2 + src3 (strides
+         * [11], [12]; 0: a broadcast row) */
+        const int64_t n = I(7);
+        if (P(10)) {
+            float *s = P(10);
+            const float *a = P(4), *b = P(5);
+            for (int64_t t = r0; t < r1; t++)
+                for (int64_t i = 0; i < n; i++) s[t * n + i] = a[t * I(11) + i] + b[t * I(12) + i];
+        }
+        lp_rms_rows((const float *)P(2) + r0 * I(8), r1 - r0, n, I(8), F(9), P(3), (float *)P(1) + r0 * n);
+        break;
+    }
+    case EX_MUL:
+    case EX_ADD: {
+        /* dst (rows, n) = a op b: [6] rows, [7] n, [8] a stride, [9] b stride (0: broadcast) */
+        const float *a = P(2), *b = P(3);
+        float *d = P(1);
+        const int64_t n = I(7);
+        for (int64_t t = r0; t < r1; t++) {
+            const float *ar = a + t * I(8), *br = b + t * I(9);
+            float *dr = d + t * n;
+            if (I(0) == EX_MUL)
+                for (int64_t i = 0; i < n; i++) dr[i] = ar[i] * br[i];
+            else
+                for (int64_t i = 0; i < n; i++) dr[i] = ar[i] + br[i];
+        }
+        break;
+    }
+    case EX_SCALE: {
+        /* [6] rows, [7] n, [8] stride, [9] s */
+        const float *a = P(2);
+        float *d = P(1);
+        const float s = (float)F(9);
+        for (int64_t t = r0; t < r1; t++)
+            for (int64_t i = 0; i < I(7); i++) d[t * I(7) + i] = a[t * I(8) + i] * s;
+        break;
+    }
+    case EX_SWIGLU:
+        /* [6] rows, [7] n, [8] gate stride, [9] up stride */
+        lp_swiglu((const float *)P(2) + r0 * I(8), (const float *)P(3) + r0 * I(9), r1 - r0, I(7), I(8), I(9),
+                  (float *)P(1) + r0 * I(7));
+        break;
+    case EX_ROPE:
+        /* src1 pos (int32), src2 rope constants (float, kernels.rope_consts): [6] T, [7] H, [8] D, [9] token stride,
+         * [10] head stride, [11] n_dims, [12] neox; rows: tokens */
+        lp_rope_rows((const float *)P(2) + r0 * I(9), r1 - r0, I(7), I(8), I(9), I(10), (const int32_t *)P(3) + r0, P(4),
+                     I(11), (int)I(12), (float *)P(1) + r0 * I(7) * I(8));
+        break;
+    case EX_CPY:
+        /* dst (rows, n) contiguous <- src rows: [6] rows, [7] n, [8] src stride */
+        for (int64_t t = r0; t < r1; t++)
+            memcpy((float *)P(1) + t * I(7), (const float *)P(2) + t * I(8), (size_t)I(7) * 4);
+        break;
+    }
+}
+
+/* a row-wise record: its rows ([6]: rows or tokens) on up to n_threads threads when it is big */
+static void ex_rows_run(const ex_slot *r, int n_threads) {
+    const int64_t rows = I(6);
+    int64_t work = rows * I(7);
+    if (I(0) == EX_ROPE) work *= I(8);
+#ifdef _OPENMP
+    if (n_threads > 1 && rows > 1 && work >= EX_PAR_MIN && !ex_fork_child && !omp_in_parallel()) {
+        const int nt = rows < n_threads ? (int)rows : n_threads;
+#pragma omp parallel for schedule(static) num_threads(nt)
+        for (int c = 0; c < nt; c++) ex_rows(r, c * rows / nt, (c + 1) * rows / nt);
+        return;
+    }
+#else
+    (void)n_threads;
+    (void)work;
+#endif
+    ex_rows(r, 0, rows);
+}
+
 /* Bit 0: SET_ROWS into an f16 cache is available (the compiler has _Float16). */
 EX_API int64_t lp_exec_caps(void) {
 #if defined(__FLT16_MAX__)
@@ -206,48 +301,14 @@ EX_API int64_t lp_exec_run(const int64_t *recs, int64_t n_rec, int n_threads) {
             }
             break;
         }
-        case EX_RMS_NORM: {
-            /* dst (rows, n) = rms_norm(x) [* w]: [6] rows, [7] n, [8] x stride, [9] eps, src1 w or
-             * NULL; fused add first when [10] is set: x = [10] (rows, n) = src2 + src3 (strides
-             * [11], [12]; 0: a broadcast row) */
-            const int64_t rows = I(6), n = I(7);
-            if (P(10)) {
-                float *s = P(10);
-                const float *a = P(4), *b = P(5);
-                for (int64_t t = 0; t < rows; t++)
-                    for (int64_t i = 0; i < n; i++) s[t * n + i] = a[t * I(11) + i] + b[t * I(12) + i];
-            }
-            lp_rms_rows(P(2), rows, n, I(8), F(9), P(3), P(1));
-            break;
-        }
+        case EX_RMS_NORM:
         case EX_MUL:
-        case EX_ADD: {
-            /* dst (rows, n) = a op b: [6] rows, [7] n, [8] a stride, [9] b stride (0: broadcast) */
-            const float *a = P(2), *b = P(3);
-            float *d = P(1);
-            const int64_t rows = I(6), n = I(7);
-            for (int64_t t = 0; t < rows; t++) {
-                const float *ar = a + t * I(8), *br = b + t * I(9);
-                float *dr = d + t * n;
-                if (I(0) == EX_MUL)
-                    for (int64_t i = 0; i < n; i++) dr[i] = ar[i] * br[i];
-                else
-                    for (int64_t i = 0; i < n; i++) dr[i] = ar[i] + br[i];
-            }
-            break;
-        }
-        case EX_SCALE: {
-            /* [6] rows, [7] n, [8] stride, [9] s */
-            const float *a = P(2);
-            float *d = P(1);
-            const float s = (float)F(9);
-            for (int64_t t = 0; t < I(6); t++)
-                for (int64_t i = 0; i < I(7); i++) d[t * I(7) + i] = a[t * I(8) + i] * s;
-            break;
-        }
+        case EX_ADD:
+        case EX_SCALE:
         case EX_SWIGLU:
-            /* [6] rows, [7] n, [8] gate stride, [9] up stride */
-            lp_swiglu(P(2), P(3), I(6), I(7), I(8), I(9), P(1));
+        case EX_ROPE:
+        case EX_CPY:
+            ex_rows_run(r, n_threads);
             break;
         case EX_MUL_MAT: {
             /* dst (n_tok, n_out) = x @ W.T: [6] n_tok, [7] n_in, [8] x stride (== n_in for the
@@ -261,11 +322,6 @@ EX_API int64_t lp_exec_run(const int64_t *recs, int64_t n_rec, int n_threads) {
                 mm_f32(P(2), n_tok, n_in, I(8), P(15), n_out - n_full, dst + n_full, n_out);
             break;
         }
-        case EX_ROPE:
-            /* src1 pos (int32), src2 rope constants (float, kernels.rope_consts): [6] T, [7] H, [8] D, [9] token stride,
-             * [10] head stride, [11] n_dims, [12] neox */
-            lp_rope_rows(P(2), I(6), I(7), I(8), I(9), I(10), P(3), P(4), I(11), (int)I(12), P(1));
-            break;
         case EX_SET_ROWS: {
             /* rows ids (int64, src1) of dst <- rows of src2: [6] n, [7] cols, [8] src stride,
              * [9] dst rows, [10] dst type (0 f32, 1 f16, 2 Q8_0, 3 Q4_0: ops.c's LP_KV_*),
@@ -306,12 +362,6 @@ EX_API int64_t lp_exec_run(const int64_t *recs, int64_t n_rec, int n_threads) {
              * (0: none), [22] / [23] their scales */
             if (attention(r, n_threads)) return k + 1;
             break;
-        case EX_CPY: {
-            /* dst (rows, n) contiguous <- src rows: [6] rows, [7] n, [8] src stride */
-            for (int64_t t = 0; t < I(6); t++)
-                memcpy((float *)P(1) + t * I(7), (const float *)P(2) + t * I(8), (size_t)I(7) * 4);
-            break;
-        }
         case EX_QUANT_ACT:
             /* dst xq <- src0 x: [6] weight type, [7] x row stride, [8] n_in, [9] n_tok */
             if (lp_quantize_act((int)I(6), P(2), I(7), I(8), I(9), P(1), n_threads) != 0) return k + 1;

@@ -24,6 +24,8 @@
  */
 #include "lp_quants.h"
 
+#include <stdlib.h>
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -948,35 +950,52 @@ KQ_INLINE void kq_decode_q5_K(const block_q5_K *x, __m512i w[4]) {
 KQ_Q45_ROW(q4_K)
 KQ_Q45_ROW(q5_K)
 
-/* Eight columns at once (KQ_COLS8), Q4_K / Q5_K (Q6_K below), cache-blocked: the columns'
- * blocks are taken KQ_KC at a time and copied, with what depends only on the activations (each
- * column's bsums summed per 32 elements, four columns to a vector, and its d), into one aligned
- * buffer (kq_act8, ~21 KiB, in L1) prepared once for the KQ_RC weight rows of a call, each row's
- * accumulators kept between chunks (kq_state8). Per row and column a block then costs its 4
- * maddubs + 4 madd (the integer sums, exact in any order), one convert and one FMA, and the
- * mins of four columns one madd, convert and FMA together. Per output these are the vec_dot's
- * float32 operations on the vec_dot's values in the vec_dot's order, lane for lane: the same
- * bits. Measured (noisy, one thread, 2048 x 2048 x 512 tokens): the 4-column kernel ~95 G
- * multiply-adds/s, this ~120 at 16 rows a call, ~145-155 at 64; tried and not kept: vpdpbusd
- * with the scales applied by one madd per two sub-blocks (6 instead of 8 multiplies: 3 % slower),
- * 16 columns (register spills: 13 % slower), chains interleaved across columns (slower). */
+/* Eight columns at once (KQ_COLS8), Q4_K / Q5_K / Q6_K, cache-blocked, from decoded weights:
+ * - a weight block decoded (kq_panel: its quants as unsigned bytes, its scales spread to int16
+ *   lanes, its mins and d: ~30 vector operations, as many as the 8 columns' products of it) is
+ *   used by every group of 8 columns of the call: from KQ_PANEL_MIN_COLS columns on, the blocks of
+ *   the call's rows are decoded once into a panel on the heap (up to KQ_PANEL_MAX bytes, ~3x the
+ *   blocks' size) that the groups read; below, as they are used (registers). qmatmul.c hands
+ *   these gemms LP_GEMM_COLS_K (512) tokens a call: a prompt's micro-batch decodes each block once
+ *   per 64 rows, not once per 8 tokens;
+ * - the columns' blocks are taken KQ_KC at a time and copied, with what depends only on the
+ *   activations (each column's bsums summed per 32 elements, four columns to a vector, and its
+ *   d), into one aligned buffer (kq_act8, ~21 KiB, in L1) prepared once for up to KQ_RC rows, each
+ *   row's accumulators kept between chunks (kq_state8);
+ * - per row and column a block then costs 4 vpdpbusd + 2 merges + 2 madd (kq_pairs: the
+ *   vec_dot's integer lane sums, exact in any order), one convert and one FMA, and the mins of
+ *   four columns one madd, convert and FMA together.
+ * Per output these are the vec_dot's float32 operations on the vec_dot's values in the vec_dot's
+ * order, lane for lane: the same bits. Measured (one thread of the shared 2-core Intel Xeon
+ * AVX-512 host, 64 rows x 2048 inputs x 512 tokens, A/B in one process, best of 30): decoding per
+ * 8 columns (before) ~96 G multiply-adds/s, from the panel ~120 (Q4_K and Q6_K; ~+25 %); 8-15
+ * tokens (decoded as used) ~+5 %, 16-31 about even; the products alone are as fast with maddubs +
+ * madd as with vpdpbusd + merges (the latter's panel holds 2 scale vectors instead of 4). Tried
+ * and not kept: 12 or 16 columns (slower), chunks of 4 or 16 blocks (the same), the d broadcasts
+ * from memory (the same); before: chains interleaved across columns. */
 #define KQ_COLS8 8
+#define KQ_NG (KQ_COLS8 / 4) /* groups of 4 columns (the mins: 4 columns x 4 lanes a vector) */
 #define KQ_KC 8  /* blocks of a chunk: 16 KiB of activations */
 #define KQ_RC 64 /* rows a chunk serves (qmatmul.c passes 64 a call), their state 40 KiB of stack */
+#define KQ_PANEL_MIN_COLS 32 /* columns from which a call decodes into a panel (below: as used) */
+#define KQ_PANEL_MAX (1 << 20) /* bytes of decoded blocks a call holds (64 rows x 8192 inputs: 917 KiB) */
 typedef struct {
     int8_t qs[KQ_KC][KQ_COLS8][QK_K];
-    int16_t bs32[KQ_KC][2][32]; /* block i, columns 4g .. 4g+3: 8 sums of 32 activations each */
-    float ydm[KQ_KC][2][16]; /* lane 4c + k: column 4g + c's d */
-    float yd[KQ_KC][16];      /* columns' d (8 lanes used) */
+    int16_t bs32[KQ_KC][KQ_NG][32]; /* block i, columns 4g .. 4g+3: 8 sums of 32 activations each */
+    float ydm[KQ_KC][KQ_NG][16]; /* lane 4c + k: column 4g + c's d */
+    float yd[KQ_KC][KQ_COLS8 < 16 ? 16 : KQ_COLS8]; /* columns' d */
     int16_t bsums[KQ_KC][KQ_COLS8][16];
 } __attribute__((aligned(64))) kq_act8;
 typedef struct {
-    __m512 acc[KQ_COLS8], acc_m[2]; /* acc_m lanes 4c + k: column 4g + c's mins lane k */
+    __m512 acc[KQ_COLS8], acc_m[KQ_NG]; /* acc_m lanes 4c + k: column 4g + c's mins lane k */
 } kq_state8;
 
 /* blocks [i0, i0 + kc) of the 8 columns at y into a */
 KQ_INLINE void kq_act8_fill(int i0, int kc, const uint8_t *y, int64_t y_bytes, kq_act8 *a) {
-    for (int i = 0; i < kc; ++i)
+    for (int i = 0; i < kc; ++i) {
+        /* the d lanes past the columns are multiplied too (one 16-lane multiply): zeros, not
+         * whatever the stack held (a denormal there costs a microcode assist a block) */
+        for (int c = KQ_COLS8; c < (int)(sizeof a->yd[i] / sizeof a->yd[i][0]); ++c) a->yd[i][c] = 0.0f;
         for (int c = 0; c < KQ_COLS8; ++c) {
             const block_q8_K *yc = KQ_COL(y, y_bytes, c, i0 + i);
             for (int k = 0; k < 4; ++k)
@@ -988,47 +1007,118 @@ KQ_INLINE void kq_act8_fill(int i0, int kc, const uint8_t *y, int64_t y_bytes, k
             a->yd[i][c] = yc->d;
             for (int k = 0; k < 4; ++k) a->ydm[i][c >> 2][4 * (c & 3) + k] = yc->d;
         }
+    }
 }
 
-KQ_INLINE void kq_gemm_q45_K_cols8(int i, const __m512i w[4], const __m512i scp[4], __m256i ms16, float xd, float xdmin,
-                                   const kq_act8 *a, __m512 *acc, __m512 *acc_m) {
-    const __m512i mins = _mm512_broadcast_i32x4(_mm256_extracti128_si256(ms16, 1));
-    const __m512 xdminv = _mm512_set1_ps(xdmin), xdv = _mm512_set1_ps(xd);
-    for (int g = 0; g < 2; ++g) {
+/* one weight block decoded for the 8-column kernels */
+typedef struct {
+    __m512i w[4];  /* the quants as unsigned bytes, chunk p: kq_decode_* */
+    __m512i sc[2]; /* int16 scale pairs of chunks 0, 1 and 2, 3 (kq_pair_scales) */
+    union {
+        struct {
+            int16_t mins[8]; /* Q4_K / Q5_K: the 6-bit mins */
+            float d, dmin;
+        } k45;
+        struct {
+            int16_t nsc[16]; /* Q6_K: -32 x the 16 scales (the +32 offset's share) */
+            float d;
+        } k6;
+    } u;
+} __attribute__((aligned(64))) kq_panel;
+
+/* The integer part of a block x column: int32 lane j of the vec_dot's sum is
+ * sum_p s(p, j) * D(p, j), D(p, j) = the 4-byte dot product of weight chunk p's lane j with the
+ * activations (the vec_dot's maddubs pairs of that lane, added) and s(p, j) the scale of its
+ * sub-block: integers, exact in any order, and |D| <= 4 x 63 x 128 < 2^15 for the 4-, 5- and
+ * 6-bit quants. Here each D is one vpdpbusd lane, chunks 2q and 2q+1 are merged into one
+ * int16 pair per lane (D(2q, j) low, D(2q+1, j) high: a masked byte shuffle) and multiplied by
+ * the scale pair (s(2q, j), s(2q+1, j)) in one madd / dpwssd. */
+KQ_INLINE __m512i kq_pair_scales(__m512i s_even, __m512i s_odd) {
+    /* s_even / s_odd hold s(p, j) in both int16 halves of lane j */
+    return _mm512_mask_blend_epi16(0xAAAAAAAAu, s_even, s_odd);
+}
+
+/* a zeroed register by the zeroing idiom (no execution port), not a copy of a zero register */
+KQ_INLINE __m512i kq_zero512(void) {
+    __m512i z;
+    __asm__ volatile("vpxord %0, %0, %0" : "=v"(z));
+    return z;
+}
+
+
+/* the merged pairs of chunks 0, 1 (pr[0]) and 2, 3 (pr[1]) of weights w against 256 activations */
+KQ_INLINE void kq_pairs(const __m512i w[4], const int8_t *q8, __m512i pr[2]) {
+    const __m512i up = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 1, 0, 0, 4, 5, 0, 0, 8, 9, 0, 0, 12, 13));
+    const __mmask64 hi = 0xCCCCCCCCCCCCCCCCull; /* bytes 2, 3 of each lane */
+    for (int q = 0; q < 2; ++q) {
+        const __m512i lo = _mm512_dpbusd_epi32(kq_zero512(), w[2 * q], _mm512_load_si512((const void *)(q8 + 128 * q)));
+        const __m512i up_d = _mm512_dpbusd_epi32(kq_zero512(), w[2 * q + 1], _mm512_load_si512((const void *)(q8 + 128 * q + 64)));
+        pr[q] = _mm512_mask_shuffle_epi8(lo, hi, up_d, up);
+    }
+}
+
+KQ_INLINE void kq_load_panel(const kq_panel *p, __m512i w[4], __m512i *sc01, __m512i *sc23) {
+    for (int k = 0; k < 4; ++k) w[k] = _mm512_load_si512((const void *)&p->w[k]);
+    *sc01 = _mm512_load_si512((const void *)&p->sc[0]);
+    *sc23 = _mm512_load_si512((const void *)&p->sc[1]);
+}
+
+/* Q4_K / Q5_K: one block decoded into p */
+#define KQ_Q45_PANEL(type)                                                                                      \
+    KQ_INLINE void kq_panel_##type(const block_##type *x, kq_panel *p) {                                        \
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x->scales));                              \
+        __m512i scp[4], w[4];                                                                                   \
+        kq_scale_pairs512(ms16, scp);                                                                           \
+        kq_decode_##type(x, w);                                                                                 \
+        for (int k = 0; k < 4; ++k) _mm512_store_si512((void *)&p->w[k], w[k]);                                 \
+        _mm512_store_si512((void *)&p->sc[0], kq_pair_scales(scp[0], scp[1]));                                  \
+        _mm512_store_si512((void *)&p->sc[1], kq_pair_scales(scp[2], scp[3]));                                  \
+        _mm_store_si128((__m128i *)p->u.k45.mins, _mm256_extracti128_si256(ms16, 1));                           \
+        p->u.k45.d = kq_h2f(x->d);                                                                              \
+        p->u.k45.dmin = kq_h2f(x->dmin);                                                                        \
+    }
+KQ_Q45_PANEL(q4_K)
+KQ_Q45_PANEL(q5_K)
+
+/* one row's blocks [0, kc) into its state: from the panel pn (at the chunk's first block), or,
+ * with pn NULL, decoded from the row's blocks x as they are used (a local panel entry, kept in
+ * registers) */
+#define KQ_Q45_ROW8(type)                                                                                       \
+    KQ_INLINE void kq_gemm_##type##_row8(int kc, const kq_panel *pn, const block_##type *x, const kq_act8 *a,  \
+                                         kq_state8 *st, int first) {                                            \
+        __m512 acc[KQ_COLS8], acc_m[KQ_NG];                                                                     \
+        for (int c = 0; c < KQ_COLS8; ++c) acc[c] = first ? _mm512_setzero_ps() : st->acc[c];                  \
+        for (int g = 0; g < KQ_NG; ++g) acc_m[g] = first ? _mm512_setzero_ps() : st->acc_m[g];                 \
+        for (int i = 0; i < kc; ++i) {                                                                          \
+            kq_panel e;                                                                                         \
+            const kq_panel *p = pn != NULL ? pn + i : (kq_panel_##type(x + i, &e), &e);                         \
+            kq_gemm_q45_K_block8(p, a, i, acc, acc_m);                                                          \
+        }                                                                                                       \
+        for (int c = 0; c < KQ_COLS8; ++c) st->acc[c] = acc[c];                                                 \
+        for (int g = 0; g < KQ_NG; ++g) st->acc_m[g] = acc_m[g];                                                \
+    }
+
+/* one block of a row (its panel entry p) x the 8 columns' block i */
+KQ_INLINE void kq_gemm_q45_K_block8(const kq_panel *p, const kq_act8 *a, int i, __m512 *acc, __m512 *acc_m) {
+    __m512i w[4], sc01, sc23;
+    kq_load_panel(p, w, &sc01, &sc23);
+    const __m512i mins = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)p->u.k45.mins));
+    const __m512 xdminv = _mm512_set1_ps(p->u.k45.dmin), xdv = _mm512_set1_ps(p->u.k45.d);
+    for (int g = 0; g < KQ_NG; ++g) {
         const __m512 dmin = _mm512_mul_ps(_mm512_load_ps(a->ydm[i][g]), xdminv);
         const __m512i md = _mm512_madd_epi16(mins, _mm512_load_si512((const void *)a->bs32[i][g]));
         acc_m[g] = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(md), acc_m[g]);
     }
     /* each column's d x the row's d: one multiply for all 8 (the vec_dot's one float product) */
-    float d8[16] __attribute__((aligned(64)));
-    _mm512_store_ps(d8, _mm512_mul_ps(_mm512_load_ps(a->yd[i]), xdv));
+    float d8[KQ_COLS8 < 16 ? 16 : KQ_COLS8] __attribute__((aligned(64)));
+    for (int c = 0; c < KQ_COLS8; c += 16) _mm512_store_ps(d8 + c, _mm512_mul_ps(_mm512_load_ps(a->yd[i] + c), xdv));
     for (int c = 0; c < KQ_COLS8; ++c) {
-        const int8_t *q8 = a->qs[i][c];
-        __m512i sumi = _mm512_madd_epi16(_mm512_maddubs_epi16(w[0], _mm512_load_si512((const void *)q8)), scp[0]);
-        for (int p = 1; p < 4; ++p)
-            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w[p], _mm512_load_si512((const void *)(q8 + 64 * p))),
-                                       scp[p]);
+        __m512i pr[2];
+        kq_pairs(w, a->qs[i][c], pr);
+        const __m512i sumi = _mm512_dpwssd_epi32(_mm512_madd_epi16(pr[0], sc01), pr[1], sc23);
         acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(d8[c]), _mm512_cvtepi32_ps(sumi), acc[c]);
     }
 }
-
-/* one row's blocks [0, kc) (x at the chunk's first block) into its state */
-#define KQ_Q45_ROW8(type)                                                                                        \
-    KQ_INLINE void kq_gemm_##type##_row8(int kc, const block_##type *x, const kq_act8 *a, kq_state8 *st, int first) { \
-        __m512 acc[KQ_COLS8], acc_m[2];                                                                        \
-        for (int c = 0; c < KQ_COLS8; ++c) acc[c] = first ? _mm512_setzero_ps() : st->acc[c];                 \
-        acc_m[0] = first ? _mm512_setzero_ps() : st->acc_m[0];                                                 \
-        acc_m[1] = first ? _mm512_setzero_ps() : st->acc_m[1];                                                 \
-        for (int i = 0; i < kc; ++i) {                                                                         \
-            const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));                       \
-            __m512i scp[4], w[4];                                                                              \
-            kq_scale_pairs512(ms16, scp);                                                                      \
-            kq_decode_##type(x + i, w);                                                                        \
-            kq_gemm_q45_K_cols8(i, w, scp, ms16, kq_h2f(x[i].d), kq_h2f(x[i].dmin), a, acc, acc_m);            \
-        }                                                                                                      \
-        for (int c = 0; c < KQ_COLS8; ++c) st->acc[c] = acc[c];                                                \
-        st->acc_m[0] = acc_m[0], st->acc_m[1] = acc_m[1];                                                      \
-    }
 KQ_Q45_ROW8(q4_K)
 KQ_Q45_ROW8(q5_K)
 
@@ -1058,27 +1148,40 @@ KQ_INLINE void kq_decode_q6_K(const block_q6_K *x, __m512i sc, __m512i w[4], __m
     }
 }
 
+KQ_INLINE void kq_panel_q6_K(const block_q6_K *x, kq_panel *p) {
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales));
+    __m512i w[4], scq[4];
+    kq_decode_q6_K(x, _mm512_castsi256_si512(sc16), w, scq);
+    for (int k = 0; k < 4; ++k) _mm512_store_si512((void *)&p->w[k], w[k]);
+    _mm512_store_si512((void *)&p->sc[0], kq_pair_scales(scq[0], scq[1]));
+    _mm512_store_si512((void *)&p->sc[1], kq_pair_scales(scq[2], scq[3]));
+    _mm256_store_si256((__m256i *)p->u.k6.nsc, _mm256_mullo_epi16(sc16, _mm256_set1_epi16(-32)));
+    p->u.k6.d = kq_h2f(x->d);
+}
+
 /* Q6_K, eight columns: as its vec_dot, with the quants' +32 offset (32 x scales . bsums)
  * subtracted inside the 512-bit integer sum (one madd of the bsums with -32 x scales into
  * lanes 0..7, exact) before its two halves are added */
-KQ_INLINE void kq_gemm_q6_K_row8(int kc, const block_q6_K *x, const kq_act8 *a, __m256 *st, int first) {
+KQ_INLINE void kq_gemm_q6_K_row8(int kc, const kq_panel *pn, const block_q6_K *x, const kq_act8 *a, __m256 *st,
+                                 int first) {
     __m256 acc[KQ_COLS8];
     for (int c = 0; c < KQ_COLS8; ++c) acc[c] = first ? _mm256_setzero_ps() : st[c];
     for (int i = 0; i < kc; ++i) {
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
-        const __m512i sc = _mm512_castsi256_si512(sc16);
-        const __m512i nsc32 = _mm512_zextsi256_si512(_mm256_mullo_epi16(sc16, _mm256_set1_epi16(-32)));
-        __m512i w[4], scq[4];
-        kq_decode_q6_K(&x[i], sc, w, scq);
-        const __m256 d8 = _mm256_mul_ps(_mm256_load_ps(a->yd[i]), _mm256_set1_ps(kq_h2f(x[i].d)));
+        kq_panel e;
+        const kq_panel *p = pn != NULL ? pn + i : (kq_panel_q6_K(x + i, &e), &e);
+        __m512i w[4], sc01, sc23;
+        kq_load_panel(p, w, &sc01, &sc23);
+        const __m512i nsc32 = _mm512_zextsi256_si512(_mm256_load_si256((const __m256i *)p->u.k6.nsc));
+        float d8[KQ_COLS8 < 16 ? 16 : KQ_COLS8] __attribute__((aligned(64)));
+        for (int c = 0; c < KQ_COLS8; c += 16)
+            _mm512_store_ps(d8 + c, _mm512_mul_ps(_mm512_load_ps(a->yd[i] + c), _mm512_set1_ps(p->u.k6.d)));
         for (int c = 0; c < KQ_COLS8; ++c) {
-            const int8_t *q8 = a->qs[i][c];
+            __m512i pr[2];
+            kq_pairs(w, a->qs[i][c], pr);
             __m512i sumi = _mm512_madd_epi16(_mm512_zextsi256_si512(_mm256_load_si256((const __m256i *)a->bsums[i][c])), nsc32);
-            for (int p = 0; p < 4; ++p)
-                sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w[p], _mm512_load_si512((const void *)(q8 + 64 * p))),
-                                           scq[p]);
+            sumi = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sumi, pr[0], sc01), pr[1], sc23);
             const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
-            acc[c] = _mm256_fmadd_ps(_mm256_permutexvar_ps(_mm256_set1_epi32(c), d8), _mm256_cvtepi32_ps(s8), acc[c]);
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d8[c]), _mm256_cvtepi32_ps(s8), acc[c]);
         }
     }
     for (int c = 0; c < KQ_COLS8; ++c) st[c] = acc[c];
@@ -1086,9 +1189,8 @@ KQ_INLINE void kq_gemm_q6_K_row8(int kc, const block_q6_K *x, const kq_act8 *a, 
 
 /* the vec_dot's final reduction of each column */
 KQ_INLINE void kq_q45_K_finish8(const kq_state8 *st, float *s, int64_t ld_s) {
-    float m[32];
-    _mm512_storeu_ps(m, st->acc_m[0]);
-    _mm512_storeu_ps(m + 16, st->acc_m[1]);
+    float m[16 * KQ_NG];
+    for (int g = 0; g < KQ_NG; ++g) _mm512_storeu_ps(m + 16 * g, st->acc_m[g]);
     for (int c = 0; c < KQ_COLS8; ++c) s[c * ld_s] = _mm512_reduce_add_ps(st->acc[c]) - kq_hsum_ps128(_mm_loadu_ps(m + 4 * c));
 }
 
@@ -1232,63 +1334,74 @@ KQ_INLINE void kq_gemm_q6_K_row(int nb, float *s, int64_t ld_s, const block_q6_K
 #define KQ_COLS_K KQ_COLS256
 #endif
 #if defined(LP_KQ_AVX512)
-/* whole groups of 8 columns through the _row8 kernels, the rest 4 at a time */
-#define KQ_GEMM_ENTRY8(type)                                                                                    \
-    KQ_GEMM_ENTRY_L(static, kq_gemm4_##type, block_##type, kq_gemm_##type##_row, KQ_COLS_K)                     \
+/* Whole groups of 8 columns through the _row8 kernels, the rest 4 at a time. With two groups or
+ * more, the blocks of the call's rows are decoded once into a panel on the heap (rows in chunks
+ * whose panel fits KQ_PANEL_MAX) that every group reads; with one group (a decode batch of 8-15
+ * tokens), or where the panel cannot be allocated, each row's blocks are decoded chunk by chunk as
+ * they are used, into KQ_KC panel entries on the stack. The same kernels either way, so the same
+ * bits: each output is its vec_dot's. */
+#define KQ_GEMM_PANEL(type, state_t, finish)                                                               \
+    KQ_GEMM_ENTRY_L(static, kq_gemm4_##type, block_##type, kq_gemm_##type##_row, KQ_COLS_K)                      \
     KQ_API void lp_gemm_##type##_q8_K(int n, float *restrict s, int64_t ld_s, const void *restrict w, int64_t row_bytes, \
-                                      int nr, const void *restrict x, int64_t x_bytes, int nc) {               \
-        const int nb = n / QK_K;                                                                               \
-        int c0 = 0;                                                                                            \
-        if (nc >= KQ_COLS8) {                                                                                  \
-            kq_act8 a;                                                                                         \
-            kq_state8 st[KQ_RC];                                                                               \
-            for (; c0 + KQ_COLS8 <= nc; c0 += KQ_COLS8) {                                                      \
-                const uint8_t *y = (const uint8_t *)x + c0 * x_bytes;                                          \
-                for (int r0 = 0; r0 < nr; r0 += KQ_RC) {                                                       \
-                    const int rc = nr - r0 < KQ_RC ? nr - r0 : KQ_RC;                                          \
-                    for (int i0 = 0; i0 < nb; i0 += KQ_KC) {                                                   \
-                        const int kc = nb - i0 < KQ_KC ? nb - i0 : KQ_KC;                                      \
-                        kq_act8_fill(i0, kc, y, x_bytes, &a);                                                  \
-                        for (int r = 0; r < rc; ++r)                                                           \
-                            kq_gemm_##type##_row8(kc, (const block_##type *)((const uint8_t *)w + (r0 + r) * row_bytes) + i0, \
-                                                  &a, &st[r], i0 == 0);                                        \
-                    }                                                                                          \
-                    for (int r = 0; r < rc; ++r) kq_q45_K_finish8(&st[r], s + c0 * ld_s + r0 + r, ld_s);       \
-                }                                                                                              \
-            }                                                                                                  \
-        }                                                                                                      \
-        if (c0 < nc)                                                                                           \
-            kq_gemm4_##type(n, s + c0 * ld_s, ld_s, w, row_bytes, nr, (const uint8_t *)x + c0 * x_bytes, x_bytes, nc - c0); \
+                                      int nr, const void *restrict x, int64_t x_bytes, int nc) {                \
+        const int nb = n / QK_K;                                                                                \
+        const int c_end = nc / KQ_COLS8 * KQ_COLS8;                                                             \
+        int rp = KQ_RC; /* rows a panel holds */                                                                \
+        while (rp > 1 && (size_t)rp * nb * sizeof(kq_panel) > KQ_PANEL_MAX) rp /= 2;                            \
+        if (rp > nr) rp = nr;                                                                                   \
+        kq_panel *pn = c_end >= KQ_PANEL_MIN_COLS && nb > 0 ? aligned_alloc(64, (size_t)rp * nb * sizeof(kq_panel)) : NULL; \
+        kq_act8 a;                                                                                              \
+        state_t st[KQ_RC];                                                                                      \
+        if (pn != NULL) {                                                                                       \
+            for (int r0 = 0; r0 < nr; r0 += rp) {                                                               \
+                const int rc = nr - r0 < rp ? nr - r0 : rp;                                                     \
+                for (int r = 0; r < rc; ++r) {                                                                  \
+                    const block_##type *xr = (const block_##type *)((const uint8_t *)w + (r0 + r) * row_bytes); \
+                    for (int i = 0; i < nb; ++i) kq_panel_##type(xr + i, pn + (size_t)r * nb + i);              \
+                }                                                                                               \
+                for (int c0 = 0; c0 < c_end; c0 += KQ_COLS8) {                                                  \
+                    const uint8_t *y = (const uint8_t *)x + c0 * x_bytes;                                       \
+                    for (int i0 = 0; i0 < nb; i0 += KQ_KC) {                                                    \
+                        const int kc = nb - i0 < KQ_KC ? nb - i0 : KQ_KC;                                       \
+                        kq_act8_fill(i0, kc, y, x_bytes, &a);                                                   \
+                        for (int r = 0; r < rc; ++r)                                                            \
+                            kq_gemm_##type##_row8(kc, pn + (size_t)r * nb + i0, NULL, &a, st[r], i0 == 0);          \
+                    }                                                                                           \
+                    for (int r = 0; r < rc; ++r) finish(st[r], s + c0 * ld_s + r0 + r, ld_s);                   \
+                }                                                                                               \
+            }                                                                                                   \
+            free(pn);                                                                                           \
+        } else {                                                                                                \
+            for (int c0 = 0; c0 < c_end; c0 += KQ_COLS8) {                                                      \
+                const uint8_t *y = (const uint8_t *)x + c0 * x_bytes;                                           \
+                for (int r0 = 0; r0 < nr; r0 += KQ_RC) {                                                        \
+                    const int rc = nr - r0 < KQ_RC ? nr - r0 : KQ_RC;                                           \
+                    for (int i0 = 0; i0 < nb; i0 += KQ_KC) {                                                    \
+                        const int kc = nb - i0 < KQ_KC ? nb - i0 : KQ_KC;                                       \
+                        kq_act8_fill(i0, kc, y, x_bytes, &a);                                                   \
+                        for (int r = 0; r < rc; ++r) {                                                          \
+                            const block_##type *xr = (const block_##type *)((const uint8_t *)w + (r0 + r) * row_bytes) + i0; \
+                            kq_gemm_##type##_row8(kc, NULL, xr, &a, st[r], i0 == 0);                            \
+                        }                                                                                       \
+                    }                                                                                           \
+                    for (int r = 0; r < rc; ++r) finish(st[r], s + c0 * ld_s + r0 + r, ld_s);                   \
+                }                                                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+        if (c_end < nc)                                                                                         \
+            kq_gemm4_##type(n, s + c_end * ld_s, ld_s, w, row_bytes, nr, (const uint8_t *)x + c_end * x_bytes, x_bytes, \
+                            nc - c_end);                                                                        \
     }
-KQ_GEMM_ENTRY8(q4_K)
-KQ_GEMM_ENTRY8(q5_K)
-KQ_GEMM_ENTRY_L(static, kq_gemm4_q6_K, block_q6_K, kq_gemm_q6_K_row, KQ_COLS_K)
-KQ_API void lp_gemm_q6_K_q8_K(int n, float *restrict s, int64_t ld_s, const void *restrict w, int64_t row_bytes, int nr,
-                              const void *restrict x, int64_t x_bytes, int nc) {
-    const int nb = n / QK_K;
-    int c0 = 0;
-    if (nc >= KQ_COLS8) {
-        kq_act8 a;
-        __m256 st[KQ_RC][KQ_COLS8];
-        for (; c0 + KQ_COLS8 <= nc; c0 += KQ_COLS8) {
-            const uint8_t *y = (const uint8_t *)x + c0 * x_bytes;
-            for (int r0 = 0; r0 < nr; r0 += KQ_RC) {
-                const int rc = nr - r0 < KQ_RC ? nr - r0 : KQ_RC;
-                for (int i0 = 0; i0 < nb; i0 += KQ_KC) {
-                    const int kc = nb - i0 < KQ_KC ? nb - i0 : KQ_KC;
-                    kq_act8_fill(i0, kc, y, x_bytes, &a);
-                    for (int r = 0; r < rc; ++r)
-                        kq_gemm_q6_K_row8(kc, (const block_q6_K *)((const uint8_t *)w + (r0 + r) * row_bytes) + i0, &a, st[r],
-                                          i0 == 0);
-                }
-                for (int r = 0; r < rc; ++r)
-                    for (int c = 0; c < KQ_COLS8; ++c) s[(c0 + c) * ld_s + r0 + r] = kq_hsum_ps256(st[r][c]);
-            }
-        }
-    }
-    if (c0 < nc)
-        kq_gemm4_q6_K(n, s + c0 * ld_s, ld_s, w, row_bytes, nr, (const uint8_t *)x + c0 * x_bytes, x_bytes, nc - c0);
-}
+typedef kq_state8 kq_st45[1];
+typedef __m256 kq_st6[KQ_COLS8];
+#define KQ_FINISH_45(st, s, ld) kq_q45_K_finish8(st, s, ld)
+#define KQ_FINISH_6(st, out, ld)                                                                                \
+    do {                                                                                                        \
+        for (int c = 0; c < KQ_COLS8; ++c) (out)[c * (ld)] = kq_hsum_ps256((st)[c]);                            \
+    } while (0)
+KQ_GEMM_PANEL(q4_K, kq_st45, KQ_FINISH_45)
+KQ_GEMM_PANEL(q5_K, kq_st45, KQ_FINISH_45)
+KQ_GEMM_PANEL(q6_K, kq_st6, KQ_FINISH_6)
 #else
 KQ_GEMM_ENTRY(lp_gemm_q4_K_q8_K, block_q4_K, kq_gemm_q4_K_row, KQ_COLS_K)
 KQ_GEMM_ENTRY(lp_gemm_q5_K_q8_K, block_q5_K, kq_gemm_q5_K_row, KQ_COLS_K)

@@ -709,7 +709,7 @@ LP_INLINE void gk_zprep(const int kind, int nb, int ncp, const uint8_t *x, int64
 #define GV_MAX_NB 1024 /* the prepared activation row (~128 bytes a block) stays on the stack */
 
 /* offsets in a weight block of the nibbles, of qh (Q5_x), and the bytes of an activation block */
-#define GV_QS(k) ((k) == GK_Q4_0 ? 2 : (k) == GK_Q4_1 ? 4 : (k) == GK_Q5_0 ? 6 : 8)
+#define GV_QS(k) ((k) == GK_Q4_0 || (k) == GK_Q8_0 ? 2 : (k) == GK_Q4_1 ? 4 : (k) == GK_Q5_0 ? 6 : 8)
 #define GV_QH(k) ((k) == GK_Q5_0 ? 2 : 4)
 #define GV_HIGH(k) ((k) == GK_Q5_0 || (k) == GK_Q5_1)
 #define GV_YB(k) (GK_MINS(k) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0))
@@ -751,9 +751,16 @@ LP_INLINE float gv_mins(float summ, __m128 ms) {
 /* the quants of blocks b0 and b0 + stride (the same block of two rows) as unsigned bytes (0..15 /
  * 0..31), as they lie in memory: [b0 low nibbles, b1 low nibbles, b0 high nibbles, b1 high
  * nibbles] (16 each; the activations are prepared in the same order, so int32 lanes 0-3 and 8-11
- * are b0's vec_dot lanes 0-3 and 4-7, lanes 4-7 and 12-15 b1's) */
+ * are b0's vec_dot lanes 0-3 and 4-7, lanes 4-7 and 12-15 b1's). Q8_0: [b0 0-15, b1 0-15, b0 16-31,
+ * b1 16-31] plus 128 (0..255; the prepared offset sums take the 128 x the activations off). */
 LP_INLINE __m512i gv_quants(const int kind, const uint8_t *b0, int64_t stride) {
     const uint8_t *b1 = b0 + stride;
+    if (kind == GK_Q8_0) {
+        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                             _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+        return _mm512_xor_si512(_mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7), q),
+                                _mm512_set1_epi8((char)0x80));
+    }
     const __m256i t = _mm256_inserti128_si256(
         _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + GV_QS(kind)))),
         _mm_loadu_si128((const __m128i *)(b1 + GV_QS(kind))), 1);
@@ -813,7 +820,8 @@ LP_INLINE float gv_row1(const int kind, int nb, const uint8_t *w, const gv_vec *
     for (int i = 0; i < nb; i++) {
         const gv_vec *pi = prep + GV_PREP * i;
         const uint8_t *b = w + (int64_t)i * wb;
-        __m256i q = nibbles32(b + GV_QS(kind));
+        __m256i q = kind == GK_Q8_0 ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80))
+                                    : nibbles32(b + GV_QS(kind));
         if (GV_HIGH(kind)) q = _mm256_or_si256(q, hbits32(b + GV_QH(kind)));
         /* the prepared [0-15, 0-15, 16-31, 16-31] -> 0-31 (and its offsets' lanes likewise) */
         const __m512i sel = _mm512_setr_epi64(0, 1, 4, 5, 0, 1, 4, 5);
@@ -844,7 +852,7 @@ LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64
                                                     _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(y + yq))));
         prep[GV_PREP * i] = qy;
         if (GK_SIGNED(kind)) { /* -(offset x the sum of each 4 activations) */
-            const __m512i c = _mm512_set1_epi8(kind == GK_Q4_0 ? 8 : 16);
+            const __m512i c = _mm512_set1_epi8((char)(kind == GK_Q4_0 ? 8 : kind == GK_Q8_0 ? 128 : 16));
             prep[GV_PREP * i + 1] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, qy));
         }
         lp_half h;
@@ -1078,11 +1086,17 @@ GK_DEFINE(lp_gemm_q8_0_q8_0, GK_Q8_0)
 #undef GK_DEFINE
 
 /* lp_gemv_* (lp_quants.h): the decode kernels above (gv_row, AVX-512 or AVX2); a row longer than
- * the stack buffer allows (GV_MAX_NB blocks) is one vec_dot per row */
+ * the stack buffer allows (GV_MAX_NB blocks) is one vec_dot per row, and so is Q8_0 on AVX2 (its
+ * quants plus 128 would overflow maddubs' pairs: the vec_dot's sign trick is what AVX2 has) */
+#if defined(GK_ZMM)
+#define GV_FAST(kind) 1
+#else
+#define GV_FAST(kind) ((kind) != GK_Q8_0)
+#endif
 #define GV_DEFINE(name, kind, dot)                                                                        \
     LP_API void name(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x) {          \
         const int nb = n / QK8_0;                                                                         \
-        if (nb > GV_MAX_NB) {                                                                             \
+        if (nb > GV_MAX_NB || !GV_FAST(kind)) {                                                           \
             for (int r = 0; r < nr; r++) dot(n, s + r, (const uint8_t *)w + r * row_bytes, x);            \
             return;                                                                                       \
         }                                                                                                 \
@@ -1092,6 +1106,8 @@ GV_DEFINE(lp_gemv_q4_0_q8_0, GK_Q4_0, lp_vec_dot_q4_0_q8_0)
 GV_DEFINE(lp_gemv_q5_0_q8_0, GK_Q5_0, lp_vec_dot_q5_0_q8_0)
 GV_DEFINE(lp_gemv_q4_1_q8_1, GK_Q4_1, lp_vec_dot_q4_1_q8_1)
 GV_DEFINE(lp_gemv_q5_1_q8_1, GK_Q5_1, lp_vec_dot_q5_1_q8_1)
+GV_DEFINE(lp_gemv_q8_0_q8_0, GK_Q8_0, lp_vec_dot_q8_0_q8_0)
 #undef GV_DEFINE
+#undef GV_FAST
 
 #endif

@@ -642,6 +642,33 @@ LP_INLINE void att_tile_cells(const att_chunks *ch, const att_unit *w, int64_t j
     *lo = l, *hi = h < N ? h : N;
 }
 
+/* Which of the n (<= 16) columns at p hold, in any of `rows` rows (stride st), a value other
+ * than `dead` (a masked cell: -inf; a cell of zero weight: 0): live[c] 1 or 0; returns whether
+ * any does. 16 columns take 8 lanes at a time. */
+LP_INLINE int att_live(const float *p, int64_t rows, int64_t st, int64_t n, float dead, unsigned char *live) {
+    int lv = 0;
+    if (n == 16) {
+        v8i l0 = {0}, l1 = {0};
+        const v8f d = v8_splat(dead);
+        for (int64_t r = 0; r < rows; r++) {
+            l0 |= v8_load(p + r * st) != d;
+            l1 |= v8_load(p + r * st + 8) != d;
+        }
+        for (int u = 0; u < 8; u++) {
+            live[u] = (unsigned char)(l0[u] != 0), live[8 + u] = (unsigned char)(l1[u] != 0);
+            lv |= live[u] | live[8 + u];
+        }
+        return lv;
+    }
+    for (int64_t c = 0; c < n; c++) {
+        int l = 0;
+        for (int64_t r = 0; r < rows; r++) l |= p[r * st + c] != dead;
+        live[c] = (unsigned char)l;
+        lv |= l;
+    }
+    return lv;
+}
+
 /* The rows' scores of score cells (mask, tile j's cells [lo, hi)) into sc (R x span, cell lo
  * first), as one step of llama.cpp's flash_attn_ext_tiled (ops.cpp) computes them: per cell an
  * fma chain over d from 0 (simd_gemm's order), times scale, plus the mask (-inf: -inf). K rows
@@ -668,25 +695,7 @@ static void tile_scores(const att_args *a, const att_unit *w, int64_t lo, int64_
     for (int64_t c0 = lo; c0 < hi; c0 += ATT_GROUP) {
         const int64_t nb = hi - c0 < ATT_GROUP ? hi - c0 : ATT_GROUP;
         att_prefetch(a->k, kt, c0 + ATT_PREFETCH, ATT_GROUP, hi, a->k_sn, a->k_sh, kh0, nh, k_rb);
-        int lv = 0;
-        if (nb == 16) { /* cells any token sees: 8 lanes at a time */
-            v8i l0 = {0}, l1 = {0};
-            for (int64_t t = 0; t < Tu; t++) {
-                l0 |= v8_load(mask + t * mask_st + c0) != v8_splat(minf);
-                l1 |= v8_load(mask + t * mask_st + c0 + 8) != v8_splat(minf);
-            }
-            for (int u = 0; u < 8; u++) {
-                live[u] = (unsigned char)(l0[u] != 0), live[8 + u] = (unsigned char)(l1[u] != 0);
-                lv |= live[u] | live[8 + u];
-            }
-        } else {
-            for (int64_t c = 0; c < nb; c++) {
-                int l = 0;
-                for (int64_t t = 0; t < Tu; t++) l |= mask[t * mask_st + c0 + c] != minf;
-                live[c] = (unsigned char)l;
-                lv |= l;
-            }
-        }
+        const int lv = att_live(mask + c0, Tu, mask_st, nb, minf, live); /* cells any token sees */
         if (!lv) {
             for (int64_t r = 0; r < R; r++)
                 for (int64_t c = 0; c < nb; c++) sc[r * span + c0 - lo + c] = minf;
@@ -840,27 +849,7 @@ static void tile_v(const att_args *a, const att_unit *w, int64_t lo, int64_t hi,
     for (int64_t c0 = 0; c0 < n_c; c0 += ATT_VGROUP) {
         const int64_t ngr = n_c - c0 < ATT_VGROUP ? n_c - c0 : ATT_VGROUP;
         att_prefetch(a->v, vt, lo + c0 + ATT_PREFETCH, ATT_VGROUP, hi, a->v_sn, a->v_sh, kh0, nh, v_rb);
-        int lv = 0;
-        if (ngr == 16 && ATT_VGROUP == 16) { /* cells of any non-zero weight: 8 lanes at a time */
-            v8i l0 = {0}, l1 = {0};
-            const v8f zero = v8_splat(0.0f);
-            for (int64_t r = 0; r < R; r++) {
-                l0 |= v8_load(sc + r * span + c0) != zero;
-                l1 |= v8_load(sc + r * span + c0 + 8) != zero;
-            }
-            for (int u = 0; u < 8; u++) {
-                live[u] = (unsigned char)(l0[u] != 0), live[8 + u] = (unsigned char)(l1[u] != 0);
-                lv |= live[u] | live[8 + u];
-            }
-        } else {
-            for (int64_t i = 0; i < ngr; i++) {
-                int li = 0;
-                for (int64_t r = 0; r < R; r++) li |= sc[r * span + c0 + i] != 0.0f;
-                live[i] = (unsigned char)li;
-                lv |= li;
-            }
-        }
-        if (!lv) continue;
+        if (!att_live(sc + c0, R, span, ngr, 0.0f, live)) continue; /* cells of any non-zero weight */
         for (int64_t hh = 0; hh < nh; hh++) {
             const int64_t kh = kh0 + hh;
             const float *v0;

@@ -568,6 +568,9 @@ _Static_assert(LP_GEMM_COLS == 4, "the mins terms of the columns are one __m128"
 #define GK_WBYTES(k) ((k) == GK_Q4_0 ? 18 : (k) == GK_Q4_1 ? 20 : (k) == GK_Q5_0 ? 22 : (k) == GK_Q5_1 ? 24 : 34)
 #define GK_MINS(k) ((k) == GK_Q4_1 || (k) == GK_Q5_1)
 #define GK_SIGNED(k) ((k) == GK_Q4_0 || (k) == GK_Q5_0 || (k) == GK_Q8_0)
+/* bytes of an activation block (q8_1 for the mins kinds, else q8_0), and the offset of its quants */
+#define GK_YB(k) (GK_MINS(k) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0))
+#define GK_YQ(k) (GK_MINS(k) ? 4 : 2)
 
 /* the 32 quants of weight block b as the vec_dot forms them (signed kinds: |q| in *qx and q in
  * *sx, for dot_s8s8's sign trick; unsigned kinds: q in *qx) */
@@ -602,8 +605,7 @@ LP_INLINE void gk_mins(const int kind, const int NR, int i, __m128 summ[], const
  * yd[i * LP_GEMM_COLS]) */
 LP_INLINE void gk_step(const int kind, const int NR, const int NC, int i, __m256 acc[][LP_GEMM_COLS],
                        const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t x_bytes, const float *yd) {
-    const int wb = GK_WBYTES(kind), yb = GK_MINS(kind) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0);
-    const int yq = GK_MINS(kind) ? 4 : 2; /* offset of the activation quants in their block */
+    const int wb = GK_WBYTES(kind), yb = GK_YB(kind), yq = GK_YQ(kind);
     __m256i qx[GEMM_NR], sx[GEMM_NR];
     __m256 dx[GEMM_NR];
 #pragma GCC unroll 4
@@ -671,7 +673,7 @@ LP_INLINE void gk_step_z(const int kind, const int NR, const int NCP, int i, __m
  * activation side of gk_step_z, built once per call instead of once per weight row */
 LP_INLINE void gk_zprep(const int kind, int nb, int ncp, const uint8_t *x, int64_t x_bytes, const float *yd,
                         __m512i *zp) {
-    const int yb = GK_MINS(kind) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0), yq = GK_MINS(kind) ? 4 : 2;
+    const int yb = GK_YB(kind), yq = GK_YQ(kind);
     for (int i = 0; i < nb; i++)
         for (int k = 0; k < ncp; k++) {
             const uint8_t *yc = x + 2 * k * x_bytes + (int64_t)i * yb + yq;
@@ -699,8 +701,8 @@ LP_INLINE void gk_zprep(const int kind, int nb, int ncp, const uint8_t *x, int64
  * AVX-512 (gv_row2): two ROWS a 512-bit step, block by block: the vector holds the block i quants
  * of rows r and r+1 as they lie in memory (both rows' low nibbles, then both rows' high ones),
  * against the activation block prepared in the same order, so int32 lanes 0-3 and 8-11 are row
- * r's vec_dot lanes 0-3 and 4-7, lanes 4-7 and 12-15 row r+1's; scaled (dx * dy rounded as the vec_dot's) and fmadd-ed into a
- * 512-bit accumulator whose halves are the two rows' one accumulators, in block order, then
+ * r's vec_dot lanes 0-3 and 4-7, lanes 4-7 and 12-15 row r+1's; scaled (dx * dy rounded as the
+ * vec_dot's) and fmadd-ed into a 512-bit accumulator whose halves are the two rows' one accumulators, in block order, then
  * summed as the vec_dot does (hsum8). (Two blocks of one row in a vector would need two
  * dependent fmadds a step: the one-accumulator order makes one row a latency chain.) An odd last
  * row takes gv_row1, the same in 256 bits. AVX2 (the other gv_row): a block pair as two 256-bit
@@ -708,12 +710,10 @@ LP_INLINE void gk_zprep(const int kind, int nb, int ncp, const uint8_t *x, int64
  * madd. */
 #define GV_MAX_NB 1024 /* the prepared activation row (~128 bytes a block) stays on the stack */
 
-/* offsets in a weight block of the nibbles, of qh (Q5_x), and the bytes of an activation block */
+/* offsets in a weight block of the quants and of qh (Q5_x) */
 #define GV_QS(k) ((k) == GK_Q4_0 || (k) == GK_Q8_0 ? 2 : (k) == GK_Q4_1 ? 4 : (k) == GK_Q5_0 ? 6 : 8)
 #define GV_QH(k) ((k) == GK_Q5_0 ? 2 : 4)
 #define GV_HIGH(k) ((k) == GK_Q5_0 || (k) == GK_Q5_1)
-#define GV_YB(k) (GK_MINS(k) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0))
-#define GV_YQ(k) (GK_MINS(k) ? 4 : 2)
 
 /* the f16 values at p and p + stride, converted together: a, -, b, - as float32 */
 LP_INLINE __m128 gv_pair(const uint8_t *p, int64_t stride) {
@@ -725,10 +725,10 @@ LP_INLINE __m128 gv_pair(const uint8_t *p, int64_t stride) {
 
 /* the tail block i (nb odd) as the vec_dot's step into acc, and its mins term */
 LP_INLINE void gv_tail(const int kind, int i, const uint8_t *w, const uint8_t *x, __m256 *acc, float *summ) {
-    const uint8_t *b = w + (int64_t)i * GK_WBYTES(kind), *yb = x + (int64_t)i * GV_YB(kind);
+    const uint8_t *b = w + (int64_t)i * GK_WBYTES(kind), *yb = x + (int64_t)i * GK_YB(kind);
     __m256i qx, sx;
     gk_decode(kind, b, &qx, &sx);
-    const __m256i qy = _mm256_loadu_si256((const __m256i *)(yb + GV_YQ(kind)));
+    const __m256i qy = _mm256_loadu_si256((const __m256i *)(yb + GK_YQ(kind)));
     const __m256i p = GK_SIGNED(kind) ? dot_u8s8(qx, _mm256_sign_epi8(qy, sx)) : dot_u8s8(qx, qy);
     lp_half hx, hy;
     memcpy(&hx, b, 2);
@@ -843,7 +843,7 @@ LP_INLINE float gv_row1(const int kind, int nb, const uint8_t *w, const gv_vec *
 
 LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64_t row_bytes, int nr,
                        const uint8_t *x) {
-    const int yb = GV_YB(kind), yq = GV_YQ(kind);
+    const int yb = GK_YB(kind), yq = GK_YQ(kind);
     gv_vec prep[GV_PREP * (nb > 0 ? nb : 1)];
     float yd[nb > 0 ? nb : 1], ys[nb > 0 ? nb : 1];
     for (int i = 0; i < nb; i++) {
@@ -932,7 +932,7 @@ LP_INLINE float gv_row(const int kind, int nb, const uint8_t *w, const uint8_t *
 }
 
 LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
-    const int yb = GV_YB(kind), yq = GV_YQ(kind);
+    const int yb = GK_YB(kind), yq = GK_YQ(kind);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int j = 0; j < np; j++) {
         const uint8_t *y0 = x + (int64_t)(2 * j) * yb + yq, *y1 = y0 + yb;

@@ -38,12 +38,9 @@
 
 #ifdef _OPENMP
 #include <omp.h>
-#include <pthread.h>
-/* libgomp cannot be used in a child made by fork() once the parent has run a parallel region:
- * there the row-wise records stay on the calling thread (as qmatmul.c's and ops.c's kernels) */
-static volatile int ex_fork_child = 0;
-static void ex_on_fork_child(void) { ex_fork_child = 1; }
-__attribute__((constructor)) static void ex_register_atfork(void) { pthread_atfork(NULL, NULL, ex_on_fork_child); }
+/* qmatmul.c: set in a child made by fork(), where libgomp cannot run: there the row-wise records
+ * stay on the calling thread, as the kernels do */
+extern volatile int lp_fork_child;
 #endif
 /* elements of a row-wise record from which its rows are shared out among the threads (a prompt's
  * micro-batch: 512 x 2048; a decode step's records stay on one thread) */
@@ -246,7 +243,7 @@ static void ex_rows_run(const ex_slot *r, int n_threads) {
     int64_t work = rows * I(7);
     if (I(0) == EX_ROPE) work *= I(8);
 #ifdef _OPENMP
-    if (n_threads > 1 && rows > 1 && work >= EX_PAR_MIN && !ex_fork_child && !omp_in_parallel()) {
+    if (n_threads > 1 && rows > 1 && work >= EX_PAR_MIN && !lp_fork_child && !omp_in_parallel()) {
         const int nt = rows < n_threads ? (int)rows : n_threads;
 #pragma omp parallel for schedule(static) num_threads(nt)
         for (int c = 0; c < nt; c++) ex_rows(r, c * rows / nt, (c + 1) * rows / nt);

@@ -213,4 +213,8 @@ int lp_mul_mat(int ggml_type, const void *w, int64_t n_rows, int64_t row_bytes, 
 int lp_round_act(int ggml_type, const float *x, int64_t ld_x, int64_t n_in, int64_t n_tok, float *out, int64_t ld_out,
                  int n_threads);
 
+/* qmatmul.c: 1 in a child made by fork() (libgomp cannot run there: the kernels stay on the
+ * calling thread) */
+extern volatile int lp_fork_child;
+
 #endif

@@ -384,13 +384,7 @@ LP_INLINE void v_accumulate(float *restrict a, const float *restrict w, int64_t 
 
 #ifdef _OPENMP
 #include <omp.h>
-#include <pthread.h>
-/* libgomp cannot be used in a child made by fork() once the parent has run a parallel region
- * (the child hangs in its first one): there, attention stays on the calling thread (qmatmul.c
- * does the same for its kernels). */
-static volatile int ops_fork_child = 0;
-static void ops_on_fork_child(void) { ops_fork_child = 1; }
-__attribute__((constructor)) static void ops_register_atfork(void) { pthread_atfork(NULL, NULL, ops_on_fork_child); }
+/* in a fork child (lp_fork_child, qmatmul.c), attention stays on the calling thread */
 #endif
 
 /* What one attention call reads and writes (see lp_attend). */
@@ -1000,7 +994,7 @@ static void attend(const att_args *a, int n_threads) {
     const int64_t n_tb = (T + tb - 1) / tb;
     int nt = 1;
 #ifdef _OPENMP
-    if (n_threads > 1 && !ops_fork_child && !omp_in_parallel() && T * N * a->H * (a->D + Dv) >= ATT_PAR_WORK)
+    if (n_threads > 1 && !lp_fork_child && !omp_in_parallel() && T * N * a->H * (a->D + Dv) >= ATT_PAR_WORK)
         nt = n_threads;
 #else
     (void)n_threads;

@@ -173,16 +173,17 @@ QMM_INLINE v8i ldi8(const int8_t *p) { return (v8i){p[0], p[1], p[2], p[3], p[4]
 
 /* libgomp cannot be used in a child made by fork() once the parent has run a parallel region
  * (the child hangs in its first one: the team's threads did not come along). So in a fork child
- * these kernels run on the calling thread only. */
+ * these kernels, attention (ops.c) and the executor's row-wise records run on the calling thread
+ * only. One flag for the library (lp_quants.h). */
 #ifdef _OPENMP
-static volatile int qmm_fork_child = 0;
+volatile int lp_fork_child = 0;
 
-static void qmm_on_fork_child(void) { qmm_fork_child = 1; }
+static void lp_on_fork_child(void) { lp_fork_child = 1; }
 
-__attribute__((constructor)) static void qmm_register_atfork(void) { pthread_atfork(NULL, NULL, qmm_on_fork_child); }
+__attribute__((constructor)) static void lp_register_atfork(void) { pthread_atfork(NULL, NULL, lp_on_fork_child); }
 
 static int use_threads(int n_threads, int64_t units, int64_t work) {
-    return n_threads > 1 && units > 1 && work >= LP_PAR_MIN_WEIGHTS && !qmm_fork_child;
+    return n_threads > 1 && units > 1 && work >= LP_PAR_MIN_WEIGHTS && !lp_fork_child;
 }
 #endif
 

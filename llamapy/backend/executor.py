@@ -17,9 +17,10 @@ ggml-alloc's tensor addresses; the records are run by kernels_c/executor.c).
     as the largest plan's, whose pages stay mapped from one run to the next (a prompt's
     micro-batches do not take fresh zeroed pages for their activations each step); a plan made
     while the block was smaller moves its addresses on its next run.
-Threads: each run gets its backend's -t (never more than the cores) and hands it to the
-matvecs' and attention's OpenMP regions; a plan holds no thread state, so contexts with
-different -t share nothing.
+Threads: each run gets its backend's -t (never more than the cores): one team of threads
+(kernels_c/team.c, one OpenMP region) walks all the records, sharing out the products, attention
+and a big batch's row-wise ops, with barriers between records; a plan holds no thread state, so
+contexts with different -t share nothing.
 What changes every token (token ids, positions, KV cells, the mask) is copied into the input
 slots before the call; the number of cells attended is part of the graph's shape (the context
 keys its graphs by it), so a new shape means a new plan, never a rebuild per token.
@@ -181,7 +182,7 @@ def _array_loc(a: np.ndarray) -> Loc:
 class _NativeMatrix:
     """What a MUL_MAT / GET_ROWS record needs of a weight matrix."""
 
-    mv: int  # matvec function (0: the f32 rows do everything)
+    mv: int  # matvec function of a team's thread, lp_mvp_<t> (0: the f32 rows do everything)
     dqr: int  # selected rows, expanded
     parts: int  # pointer to the repacked arrays' pointers
     n_tiles: int
@@ -209,7 +210,7 @@ def native_matrix(w: Any) -> _NativeMatrix:
     tail = w._tail_rows() if w._n_full < w.n_out else None
     addr = ctypes.cast
     return _NativeMatrix(
-        addr(fns[0], ctypes.c_void_p).value or 0, addr(fns[2], ctypes.c_void_p).value or 0,
+        addr(fns[3], ctypes.c_void_p).value or 0, addr(fns[2], ctypes.c_void_p).value or 0,
         ctypes.addressof(w._cparts), w._n_full // REPACK_ROWS, nb, w._n_full, tail, w,
     )
 

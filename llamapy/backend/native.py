@@ -38,6 +38,8 @@ _I64 = ctypes.c_int64
 _INT = ctypes.c_int
 # Exported functions and their argument types (see the C sources for their contracts).
 _MV = [_P, _I64, _I64, _P, _I64, _P, _I64, _INT]  # parts, n_tiles, nb, x, n_tok, out, ld_out, n_threads
+# lp_mvp_<t>: the same as a thread of a running team (lp_team.h; only the executor's records call it)
+_MVP = [_P, _P, _I64, _I64, _P, _I64, _P, _I64]  # par, parts, n_tiles, nb, x, n_tok, out, ld_out
 _DQT = [_P, _I64, _I64, _I64, _P, _I64, _INT]  # parts, t0, t1, nb, out_t, ld, n_threads
 _DQR = [_P, _I64, _P, _I64, _P]  # parts, nb, ids, n, out
 # q, T, H, D, k, v, N, Hkv, Dv, k_sn, k_sh, v_sn, v_sh, mask, mask_st, scale, out (+ lp_attend_q's kt, vt), n_threads
@@ -49,6 +51,7 @@ VEC_DOTS = ("f32", "f16", "bf16", "q4_0_q8_0", "q4_1_q8_1", "q5_0_q8_0", "q5_1_q
 # (name, argtypes, restype)
 SIGNATURES: dict[str, tuple[list, Any]] = {
     **{f"lp_mv_{t}": (_MV, None) for t in REPACKED_TYPES},
+    **{f"lp_mvp_{t}": (_MVP, None) for t in REPACKED_TYPES},
     **{f"lp_dqt_{t}": (_DQT, None) for t in REPACKED_TYPES},
     **{f"lp_dqr_{t}": (_DQR, None) for t in REPACKED_TYPES},
     "lp_rms_norm": ([_P, _I64, _I64, _I64, ctypes.c_double, _P], None),
@@ -132,8 +135,9 @@ def _open(variant: str) -> ctypes.CDLL:
                       "reinstall llamapy with a C compiler)")
     if not runnable(variant):
         raise OSError(f"this CPU lacks what the {variant} kernels need ({' '.join(sorted(REQUIRES[variant]))})")
-    # libgomp reads its settings when it loads, i.e. right here: spin ~1000 rounds (tens of us,
-    # the gap between two matmuls of a decode step), then sleep. Measured, default model, 2 cores,
+    # libgomp reads its settings when it loads, i.e. right here: spin ~1000 rounds (tens of us),
+    # then sleep, between two parallel regions (a compiled split is one region, with the
+    # kernels' own spinning barriers inside: kernels_c/team.c; each run_nodes kernel is one). Measured, default model, 2 cores,
     # -t 2, quiet / with one core busy in another process: libgomp's default spin 52-56 / 3 tok/s
     # (spinning threads starve the one that has work), passive 40-42 / 33, 1000 rounds
     # 47-51 / 28. A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.

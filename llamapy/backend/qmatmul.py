@@ -396,10 +396,10 @@ class QMatrix:
         return out_t
 
     def _c(self) -> Any:
-        """This repacked matrix's C kernels (matvec, tiles, rows)."""
+        """This repacked matrix's C kernels (matvec, tiles, rows, the executor's matvec)."""
         if self._cparts is None:
             lib, t = native.lib(), self.qtype.name.lower()
-            self._cfns = (getattr(lib, f"lp_mv_{t}"), getattr(lib, f"lp_dqt_{t}"), getattr(lib, f"lp_dqr_{t}"))
+            self._cfns = tuple(getattr(lib, f"lp_{k}_{t}") for k in ("mv", "dqt", "dqr", "mvp"))
             self._cparts = native.parts(self._rp)  # the arrays live as long as self
         return self._cfns
 

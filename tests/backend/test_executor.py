@@ -395,3 +395,34 @@ def test_row_id_out_of_range_is_an_error() -> None:
     np.testing.assert_array_equal(env[rows], vals[table][[3, 1]])
     with pytest.raises(LlamapyError, match="row id out of range"):
         plan.compute({table: vals[table], ids: np.array([0, 4], np.int32)}, 1)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_failure_between_shared_records_stops_every_thread(n_threads: int) -> None:
+    """A serial record that fails between two shared-out ones (lp_exec_run's one team per split):
+    the call returns that record's error on any thread count (no thread is left at a barrier),
+    and the plan runs again afterwards with good ids."""
+    from llamapy.types import LlamapyError
+
+    n = 256  # (256, 256) adds: big enough that their rows are shared out among the threads
+    x = Tensor("x", (n, n), flags=TensorFlag.INPUT)
+    y = Tensor("y", (n, n), flags=TensorFlag.INPUT)
+    table = Tensor("table", (n, n), flags=TensorFlag.INPUT)
+    ids = Tensor("ids", (n,), GGMLType.I32, flags=TensorFlag.INPUT)
+    s = ops.add(x, y, "s")
+    r = ops.get_rows(table, ids, "r")
+    u = ops.add(s, r, "u")
+    plan = compile_split([s, r, u], [u], plan_offsets)
+    assert isinstance(plan, ExecPlan), plan
+    assert [int(c) for c in plan.recs[:, 0]] == [5, 2, 5]  # ADD (shared out), GET_ROWS_F32 (serial), ADD
+    rng = np.random.default_rng(0)
+    vals = {t: rng.standard_normal((n, n), dtype=np.float32) for t in (x, y, table)}
+    good = rng.permutation(n).astype(np.int32)
+    bad = good.copy()
+    bad[n // 2] = n
+    for k in range(3):
+        with pytest.raises(LlamapyError, match="row id out of range"):
+            plan.compute({**vals, ids: bad}, n_threads)
+        env = {**vals, ids: good}
+        plan.compute(env, n_threads)
+        np.testing.assert_array_equal(env[u], (vals[x] + vals[y]) + vals[table][good])

@@ -22,10 +22,14 @@
  * run_nodes (see tests/backend/test_executor.py; the f32 tail rows of a matrix whose row count
  * is not a multiple of 64 are summed here, not by BLAS: within float32 noise).
  *
- * Threads: `n_threads` of each call go to the matvecs and attention (OpenMP regions inside them),
- * and to the row-wise records (norms, elementwise ops, rope, SwiGLU, copies) of a big batch,
- * whose rows are shared out (ex_rows: each row computed as alone, so the same bits); nothing
- * here keeps thread state between calls, so contexts with different -t do not interfere.
+ * Threads: one team of `n_threads` (lp_team.h: one OpenMP region) runs the whole plan, as ggml
+ * runs a graph: every thread walks the records, the matvecs, the activations' quantization and
+ * attention share out their work, the row-wise records (norms, elementwise ops, rope, SwiGLU,
+ * copies) share out the rows of a big batch (ex_rows: each row computed as alone, so the same
+ * bits), and the small records run on thread 0 while the others wait at the next barrier,
+ * spinning (a decode step's records take microseconds: waking sleeping threads for each of them
+ * cost more than the work). Nothing here keeps thread state between calls, so contexts with
+ * different -t do not interfere.
  * Built like the other kernels_c sources (-ffp-contract=off: no FMA contraction).
  */
 
@@ -36,41 +40,31 @@
 
 #define EX_API __attribute__((visibility("default")))
 
-#ifdef _OPENMP
-#include <omp.h>
-/* qmatmul.c: set in a child made by fork(), where libgomp cannot run: there the row-wise records
- * stay on the calling thread, as the kernels do */
-extern volatile int lp_fork_child;
-#endif
+#include "lp_team.h"
+
 /* elements of a row-wise record from which its rows are shared out among the threads (a prompt's
- * micro-batch: 512 x 2048; a decode step's records stay on one thread) */
+ * micro-batch: 512 x 2048; a decode step's records stay on thread 0) */
 #define EX_PAR_MIN (1 << 16)
 
-/* ops.c (attention threads itself, up to n_threads, and stays on the calling thread in a fork
- * child, where libgomp cannot run) */
-void lp_attend(const float *q, int64_t T, int64_t H, int64_t D, const float *k, const float *v, int64_t N,
-               int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh, const float *mask,
-               int64_t mask_st, float scale, float *out, int n_threads);
-void lp_attend_f16(const float *q, int64_t T, int64_t H, int64_t D, const uint16_t *k, const uint16_t *v, int64_t N,
-                   int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
-                   const float *mask, int64_t mask_st, float scale, float *out, int n_threads);
-void lp_attend_q(const float *q, int64_t T, int64_t H, int64_t D, const void *k, const void *v, int64_t N,
-                 int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh, const float *mask,
-                 int64_t mask_st, float scale, float *out, int kt, int vt, int n_threads);
+/* ops.c: attention as a thread of a team (every cache type, LP_KV_*); the rotation of a
+ * quantized cache (llama.cpp's attn_rot) and its rows' quantization */
+void lp_attend_q_par(lp_par *p, const float *q, int64_t T, int64_t H, int64_t D, const void *k, const void *v,
+                     int64_t N, int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
+                     const float *mask, int64_t mask_st, float scale, float *out, int kt, int vt);
 void lp_hadamard_runs(float *x, int64_t len, int64_t n, float c);
 void lp_kv_quantize_row(void *dst, const float *x, int64_t n, int t);
 void lp_swiglu(const float *gate, const float *up, int64_t rows, int64_t n, int64_t gate_st, int64_t up_st,
                float *out);
 
-/* qmatmul.c: MUL_MAT with quantized activations (lp_quants.h) */
-int lp_quantize_act(int ggml_type, const float *x, int64_t ld_x, int64_t n_in, int64_t n_tok, void *xq,
-                    int n_threads);
-int lp_mul_mat_q(int ggml_type, const void *w, int64_t n_rows, int64_t row_bytes, int64_t n_in, const void *xq,
-                 int64_t n_tok, float *y, int64_t ld_y, int n_threads);
+/* qmatmul.c: MUL_MAT with quantized activations, as a thread of a team (lp_quants.h) */
+int lp_quantize_act_par(lp_par *p, int ggml_type, const float *x, int64_t ld_x, int64_t n_in, int64_t n_tok,
+                        void *xq);
+int lp_mul_mat_q_par(lp_par *p, int ggml_type, const void *w, int64_t n_rows, int64_t row_bytes, int64_t n_in,
+                     const void *xq, int64_t n_tok, float *y, int64_t ld_y);
 
-/* the matvec ABI of qmatmul.c's lp_mv_<t> */
-typedef void (*mv_fn)(const void *const *parts, int64_t n_tiles, int64_t nb, const float *x, int64_t n_tok,
-                      float *out, int64_t ld_out, int n_threads);
+/* the matvec ABI of qmatmul.c's lp_mvp_<t> (a thread of a team) */
+typedef void (*mvp_fn)(lp_par *p, const void *const *parts, int64_t n_tiles, int64_t nb, const float *x,
+                       int64_t n_tok, float *out, int64_t ld_out);
 /* qmatmul.c's lp_dqr_<t>: selected rows of a repacked matrix, expanded */
 typedef void (*dqr_fn)(const void *const *parts, int64_t nb, const int64_t *ids, int64_t n, float *out);
 
@@ -144,35 +138,29 @@ static uint16_t to_f16(float x) {
 }
 
 /* Attention (any number of query tokens): ops.c's kernel, which shares out its (KV head, query
- * block) units, or with few units their chunks of cells, among up to n_threads threads once the
- * work is big enough; each query's output is the same whatever the thread count. */
-static int attention(const ex_slot *r, int n_threads) {
-    const int kt = (int)I(18), vt = (int)I(19);
-    if (kt == vt && kt <= 1 && !I(20) && !I(21)) { /* f32 or f16 K and V */
-        if (kt)
-            lp_attend_f16(P(2), I(6), I(7), I(8), P(3), P(4), I(9), I(10), I(11), I(12), I(13), I(14), I(15), P(5),
-                          I(16), (float)F(17), P(1), n_threads);
-        else
-            lp_attend(P(2), I(6), I(7), I(8), P(3), P(4), I(9), I(10), I(11), I(12), I(13), I(14), I(15), P(5), I(16),
-                      (float)F(17), P(1), n_threads);
-        return 0;
-    }
-    /* a quantized cache (Q8_0/Q4_0 blocks, strides in bytes), maybe rotated (llama.cpp's
-     * attn_rot): Q into K's rotated basis first, the output back from V's after */
+ * block) units, or with few units their chunks of cells, among the team once the work is big
+ * enough; each query's output is the same whatever the thread count. A rotated quantized cache
+ * (llama.cpp's attn_rot): Q into K's rotated basis first, the output back from V's after, on
+ * thread 0. Returns 1 out of memory (on every thread). */
+static int attention(lp_par *p, const ex_slot *r) {
     const int64_t nq = I(6) * I(7) * I(8);
     const float *q = P(2);
     float *qr = NULL;
     if (I(20)) {
-        qr = malloc((size_t)nq * sizeof(float));
-        if (!qr) return 1;
-        memcpy(qr, q, (size_t)nq * sizeof(float));
-        lp_hadamard_runs(qr, nq, I(20), (float)F(22));
+        if (p->ith == 0 && (qr = malloc((size_t)nq * sizeof(float)))) {
+            memcpy(qr, q, (size_t)nq * sizeof(float));
+            lp_hadamard_runs(qr, nq, I(20), (float)F(22));
+        }
+        if (!(qr = lp_par_share(p, qr))) return 1;
         q = qr;
     }
-    lp_attend_q(q, I(6), I(7), I(8), P(3), P(4), I(9), I(10), I(11), I(12), I(13), I(14), I(15), P(5), I(16),
-                (float)F(17), P(1), kt, vt, n_threads);
-    if (I(21)) lp_hadamard_runs(P(1), I(6) * I(7) * I(11), I(21), (float)F(23));
-    free(qr);
+    lp_attend_q_par(p, q, I(6), I(7), I(8), P(3), P(4), I(9), I(10), I(11), I(12), I(13), I(14), I(15), P(5), I(16),
+                    (float)F(17), P(1), (int)I(18), (int)I(19));
+    if (I(20) || I(21)) lp_par_barrier(p); /* the output is whole; no one reads qr any more */
+    if (p->ith == 0) {
+        if (I(21)) lp_hadamard_runs(P(1), I(6) * I(7) * I(11), I(21), (float)F(23));
+        free(qr);
+    }
     return 0;
 }
 
@@ -237,23 +225,9 @@ static void ex_rows(const ex_slot *r, int64_t r0, int64_t r1) {
     }
 }
 
-/* a row-wise record: its rows ([6]: rows or tokens) on up to n_threads threads when it is big */
-static void ex_rows_run(const ex_slot *r, int n_threads) {
-    const int64_t rows = I(6);
-    int64_t work = rows * I(7);
-    if (I(0) == EX_ROPE) work *= I(8);
-#ifdef _OPENMP
-    if (n_threads > 1 && rows > 1 && work >= EX_PAR_MIN && !lp_fork_child && !omp_in_parallel()) {
-        const int nt = rows < n_threads ? (int)rows : n_threads;
-#pragma omp parallel for schedule(static) num_threads(nt)
-        for (int c = 0; c < nt; c++) ex_rows(r, c * rows / nt, (c + 1) * rows / nt);
-        return;
-    }
-#else
-    (void)n_threads;
-    (void)work;
-#endif
-    ex_rows(r, 0, rows);
+/* work of a row-wise record ([6]: rows or tokens) */
+static int64_t ex_rows_work(const ex_slot *r) {
+    return I(6) * I(7) * (I(0) == EX_ROPE ? I(8) : 1);
 }
 
 /* Bit 0: SET_ROWS into an f16 cache is available (the compiler has _Float16). */
@@ -265,113 +239,183 @@ EX_API int64_t lp_exec_caps(void) {
 #endif
 }
 
-/* Run records [0, n_rec). Returns 0, or 1 + the index of the record that failed (a row id out
- * of range, or out of memory); what ran before it has run. */
-EX_API int64_t lp_exec_run(const int64_t *recs, int64_t n_rec, int n_threads) {
-    for (int64_t k = 0; k < n_rec; k++) {
-        const ex_slot *r = (const ex_slot *)(recs + k * EX_REC);
-        switch (I(0)) {
-        case EX_GET_ROWS_Q: {
-            /* dst (n, n_in) <- rows ids of a repacked matrix: [6] n, [7] n_in, [8] nb, [9] dqr,
-             * [10] parts, [11] n_full, [12] tail f32 rows, [13] n_rows */
-            const int32_t *ids = P(2);
-            float *dst = P(1);
-            const int64_t n_in = I(7);
-            for (int64_t i = 0; i < I(6); i++) {
-                const int64_t id = ids[i];
-                if (id < 0 || id >= I(13)) return k + 1;
-                if (id < I(11))
-                    ((dqr_fn)P(9))((const void *const *)P(10), I(8), &id, 1, dst + i * n_in);
-                else
-                    memcpy(dst + i * n_in, (const float *)P(12) + (id - I(11)) * n_in, (size_t)n_in * 4);
+/* A record that has a serial part only (thread 0 runs it, the others go on to the next barrier)
+ * or one the team shares out: 0 / 1. */
+static int ex_is_par(const ex_slot *r) {
+    switch (I(0)) {
+    case EX_RMS_NORM:
+    case EX_MUL:
+    case EX_ADD:
+    case EX_SCALE:
+    case EX_SWIGLU:
+    case EX_ROPE:
+    case EX_CPY:
+        return I(6) > 1 && ex_rows_work(r) >= EX_PAR_MIN;
+    case EX_QUANT_ACT:
+        return I(9) > 1;
+    case EX_MUL_MAT:
+    case EX_MUL_MAT_Q:
+    case EX_ATTN:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+/* this thread's part of a shared-out record; nonzero: it failed (every thread says so) */
+static int ex_par_record(lp_par *p, const ex_slot *r) {
+    switch (I(0)) {
+    case EX_MUL_MAT: {
+        /* dst (n_tok, n_out) = x @ W.T: [6] n_tok, [7] n_in, [8] x stride (== n_in for the
+         * matvec), [9] mvp fn or NULL, [10] parts, [11] n_tiles, [12] nb, [13] n_out,
+         * [14] n_full (rows in tiles), [15] f32 rows n_full.. (or all rows: no fn) */
+        const int64_t n_tok = I(6), n_in = I(7), n_out = I(13), n_full = I(14);
+        float *dst = P(1);
+        if (P(9) && I(11) > 0)
+            ((mvp_fn)P(9))(p, (const void *const *)P(10), I(11), I(12), P(2), n_tok, dst, n_out);
+        if (n_full < n_out && p->ith == 0)
+            mm_f32(P(2), n_tok, n_in, I(8), P(15), n_out - n_full, dst + n_full, n_out);
+        return 0;
+    }
+    case EX_ATTN:
+        /* src0 q (T,H,D) contiguous, src1 k, src2 v, src3 mask: [6] T, [7] H, [8] D, [9] N,
+         * [10] Hkv, [11] Dv, [12..15] k/v strides (in their storage units), [16] mask stride,
+         * [17] scale, [18] / [19] K / V type (ops.c's LP_KV_*), [20] / [21] K / V rotation run
+         * (0: none), [22] / [23] their scales */
+        return attention(p, r);
+    case EX_QUANT_ACT:
+        /* dst xq <- src0 x: [6] weight type, [7] x row stride, [8] n_in, [9] n_tok */
+        return lp_quantize_act_par(p, (int)I(6), P(2), I(7), I(8), I(9), P(1)) != 0;
+    case EX_MUL_MAT_Q:
+        /* dst y <- W (src0, the file's rows) . xq (src1): [6] type, [7] n_rows, [8] row bytes,
+         * [9] n_in, [10] n_tok, [11] y row stride */
+        return lp_mul_mat_q_par(p, (int)I(6), P(2), I(7), I(8), I(9), P(3), I(10), P(1), I(11)) != 0;
+    case EX_RMS_NORM:
+    case EX_MUL:
+    case EX_ADD:
+    case EX_SCALE:
+    case EX_SWIGLU:
+    case EX_ROPE:
+    case EX_CPY: { /* a row-wise record of a big batch: a static share of its rows */
+        int64_t r0, r1;
+        lp_par_range(p, I(6), &r0, &r1);
+        if (r0 < r1) ex_rows(r, r0, r1);
+        return 0;
+    }
+    default:
+        return 1;
+    }
+}
+
+/* a serial record, on thread 0; nonzero: it failed (a row id out of range, out of memory, an
+ * unknown op) */
+static int ex_serial_record(const ex_slot *r) {
+    switch (I(0)) {
+    case EX_GET_ROWS_Q: {
+        /* dst (n, n_in) <- rows ids of a repacked matrix: [6] n, [7] n_in, [8] nb, [9] dqr,
+         * [10] parts, [11] n_full, [12] tail f32 rows, [13] n_rows */
+        const int32_t *ids = P(2);
+        float *dst = P(1);
+        const int64_t n_in = I(7);
+        for (int64_t i = 0; i < I(6); i++) {
+            const int64_t id = ids[i];
+            if (id < 0 || id >= I(13)) return 1;
+            if (id < I(11))
+                ((dqr_fn)P(9))((const void *const *)P(10), I(8), &id, 1, dst + i * n_in);
+            else
+                memcpy(dst + i * n_in, (const float *)P(12) + (id - I(11)) * n_in, (size_t)n_in * 4);
+        }
+        return 0;
+    }
+    case EX_GET_ROWS_F32: {
+        /* dst (n, c) <- rows ids of src: [6] n, [7] c, [8] src row stride, [9] src rows */
+        const float *src = P(2);
+        const int32_t *ids = P(3);
+        float *dst = P(1);
+        for (int64_t i = 0; i < I(6); i++) {
+            if (ids[i] < 0 || ids[i] >= I(9)) return 1;
+            memcpy(dst + i * I(7), src + ids[i] * I(8), (size_t)I(7) * 4);
+        }
+        return 0;
+    }
+    case EX_SET_ROWS: {
+        /* rows ids (int64, src1) of dst <- rows of src2: [6] n, [7] cols, [8] src stride,
+         * [9] dst rows, [10] dst type (0 f32, 1 f16, 2 Q8_0, 3 Q4_0: ops.c's LP_KV_*),
+         * [11] dst row stride (elements; bytes for Q8_0/Q4_0), [12] rotation run (0: none),
+         * [13] its scale (a rotated cache stores each row rotated, then quantized) */
+        const int64_t *ids = P(3);
+        const float *src = P(4);
+        float *rot = NULL;
+        if (I(12) && !(rot = malloc((size_t)I(7) * sizeof(float)))) return 1;
+        for (int64_t i = 0; i < I(6); i++) {
+            const int64_t id = ids[i];
+            if (id < 0 || id >= I(9)) {
+                free(rot);
+                return 1;
             }
-            break;
-        }
-        case EX_GET_ROWS_F32: {
-            /* dst (n, c) <- rows ids of src: [6] n, [7] c, [8] src row stride, [9] src rows */
-            const float *src = P(2);
-            const int32_t *ids = P(3);
-            float *dst = P(1);
-            for (int64_t i = 0; i < I(6); i++) {
-                if (ids[i] < 0 || ids[i] >= I(9)) return k + 1;
-                memcpy(dst + i * I(7), src + ids[i] * I(8), (size_t)I(7) * 4);
+            const float *s = src + i * I(8);
+            if (rot) {
+                memcpy(rot, s, (size_t)I(7) * sizeof(float));
+                lp_hadamard_runs(rot, I(7), I(12), (float)F(13));
+                s = rot;
             }
-            break;
-        }
-        case EX_RMS_NORM:
-        case EX_MUL:
-        case EX_ADD:
-        case EX_SCALE:
-        case EX_SWIGLU:
-        case EX_ROPE:
-        case EX_CPY:
-            ex_rows_run(r, n_threads);
-            break;
-        case EX_MUL_MAT: {
-            /* dst (n_tok, n_out) = x @ W.T: [6] n_tok, [7] n_in, [8] x stride (== n_in for the
-             * matvec), [9] mv fn or NULL, [10] parts, [11] n_tiles, [12] nb, [13] n_out,
-             * [14] n_full (rows in tiles), [15] f32 rows n_full.. (or all rows: no fn) */
-            const int64_t n_tok = I(6), n_in = I(7), n_out = I(13), n_full = I(14);
-            float *dst = P(1);
-            if (P(9) && I(11) > 0)
-                ((mv_fn)P(9))((const void *const *)P(10), I(11), I(12), P(2), n_tok, dst, n_out, n_threads);
-            if (n_full < n_out)
-                mm_f32(P(2), n_tok, n_in, I(8), P(15), n_out - n_full, dst + n_full, n_out);
-            break;
-        }
-        case EX_SET_ROWS: {
-            /* rows ids (int64, src1) of dst <- rows of src2: [6] n, [7] cols, [8] src stride,
-             * [9] dst rows, [10] dst type (0 f32, 1 f16, 2 Q8_0, 3 Q4_0: ops.c's LP_KV_*),
-             * [11] dst row stride (elements; bytes for Q8_0/Q4_0), [12] rotation run (0: none),
-             * [13] its scale (a rotated cache stores each row rotated, then quantized) */
-            const int64_t *ids = P(3);
-            const float *src = P(4);
-            float *rot = NULL;
-            if (I(12) && !(rot = malloc((size_t)I(7) * sizeof(float)))) return k + 1;
-            for (int64_t i = 0; i < I(6); i++) {
-                const int64_t id = ids[i];
-                if (id < 0 || id >= I(9)) {
-                    free(rot);
-                    return k + 1;
-                }
-                const float *s = src + i * I(8);
-                if (rot) {
-                    memcpy(rot, s, (size_t)I(7) * sizeof(float));
-                    lp_hadamard_runs(rot, I(7), I(12), (float)F(13));
-                    s = rot;
-                }
-                if (I(10) >= 2) {
-                    lp_kv_quantize_row((uint8_t *)P(1) + id * I(11), s, I(7), (int)I(10));
-                } else if (I(10)) {
-                    uint16_t *d = (uint16_t *)P(1) + id * I(11);
-                    for (int64_t c = 0; c < I(7); c++) d[c] = to_f16(s[c]);
-                } else {
-                    memcpy((float *)P(1) + id * I(11), s, (size_t)I(7) * 4);
-                }
+            if (I(10) >= 2) {
+                lp_kv_quantize_row((uint8_t *)P(1) + id * I(11), s, I(7), (int)I(10));
+            } else if (I(10)) {
+                uint16_t *d = (uint16_t *)P(1) + id * I(11);
+                for (int64_t c = 0; c < I(7); c++) d[c] = to_f16(s[c]);
+            } else {
+                memcpy((float *)P(1) + id * I(11), s, (size_t)I(7) * 4);
             }
-            free(rot);
-            break;
         }
-        case EX_ATTN:
-            /* src0 q (T,H,D) contiguous, src1 k, src2 v, src3 mask: [6] T, [7] H, [8] D, [9] N,
-             * [10] Hkv, [11] Dv, [12..15] k/v strides (in their storage units), [16] mask stride,
-             * [17] scale, [18] / [19] K / V type (ops.c's LP_KV_*), [20] / [21] K / V rotation run
-             * (0: none), [22] / [23] their scales */
-            if (attention(r, n_threads)) return k + 1;
-            break;
-        case EX_QUANT_ACT:
-            /* dst xq <- src0 x: [6] weight type, [7] x row stride, [8] n_in, [9] n_tok */
-            if (lp_quantize_act((int)I(6), P(2), I(7), I(8), I(9), P(1), n_threads) != 0) return k + 1;
-            break;
-        case EX_MUL_MAT_Q:
-            /* dst y <- W (src0, the file's rows) . xq (src1): [6] type, [7] n_rows, [8] row bytes,
-             * [9] n_in, [10] n_tok, [11] y row stride */
-            if (lp_mul_mat_q((int)I(6), P(2), I(7), I(8), I(9), P(3), I(10), P(1), I(11), n_threads) != 0)
-                return k + 1;
-            break;
-        default:
-            return k + 1;
+        free(rot);
+        return 0;
+    }
+    default: { /* a small record of the others: as a team of one */
+        lp_team solo = {.nth = 1};
+        lp_par one = {&solo, 0, 1, 0};
+        return ex_par_record(&one, r);
+    }
+    }
+}
+
+typedef struct {
+    const int64_t *recs;
+    int64_t n_rec;
+} ex_job;
+
+/* Every thread walks the records, as ggml's threads walk a graph. Barriers: before a shared-out
+ * record (its inputs are whole), and before the first serial record after one; a run of serial
+ * records is thread 0's alone, in order. A failure is the team's: thread 0 reports a serial
+ * record's and meets the others at their next barrier; a shared-out record's is seen by everyone
+ * at the barrier after it. */
+static int64_t ex_walk(lp_par *p, void *arg) {
+    const ex_job *j = arg;
+    int prev_par = 0;
+    for (int64_t k = 0; k < j->n_rec; k++) {
+        const ex_slot *r = (const ex_slot *)(j->recs + k * EX_REC);
+        const int par = ex_is_par(r);
+        if (k > 0 && (par || prev_par)) {
+            lp_par_barrier(p);
+            if (lp_par_error(p)) return 0;
+        }
+        prev_par = par;
+        if (par) {
+            if (ex_par_record(p, r)) lp_par_fail(p, k + 1);
+        } else if (p->ith == 0 && ex_serial_record(r)) {
+            lp_par_fail(p, k + 1);
+            lp_par_barrier(p);
+            return 0;
         }
     }
+    lp_par_barrier(p);
     return 0;
+}
+
+/* Run records [0, n_rec) on n_threads threads: one team (one OpenMP region) for the whole
+ * split. Returns 0, or 1 + the index of the record that failed (a row id out of range, or out
+ * of memory); what ran before it has run. */
+EX_API int64_t lp_exec_run(const int64_t *recs, int64_t n_rec, int n_threads) {
+    ex_job j = {recs, n_rec};
+    return lp_par_run(n_threads, ex_walk, &j);
 }

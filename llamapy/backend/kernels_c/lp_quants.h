@@ -31,6 +31,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "lp_team.h"
+
 #define QK4_0 32
 #define QK4_1 32
 #define QK5_0 32
@@ -201,7 +203,8 @@ enum {
  *                              x quantized to the vec_dot_type and expanded back to float32
  *                              (d * q exactly; f16 / bf16 values): float32 tiles + sgemm on these
  *                              compute lp_mul_mat's sums (large batches); 0, or -1
- * Threads: n_threads OpenMP threads for this call only (no global state), chunks of rows. */
+ * Threads: n_threads threads for this call only (no global state), chunks of rows; the _par forms
+ * are one thread of a running team (lp_team.h: the executor's one region per split). */
 int lp_vec_dot_type(int ggml_type);
 int64_t lp_act_row_bytes(int ggml_type, int64_t n_in);
 int lp_quantize_act(int ggml_type, const float *x, int64_t ld_x, int64_t n_in, int64_t n_tok, void *xq,
@@ -212,9 +215,9 @@ int lp_mul_mat(int ggml_type, const void *w, int64_t n_rows, int64_t row_bytes, 
                int64_t ld_x, int64_t n_tok, float *y, int64_t ld_y, void *wsp, int n_threads);
 int lp_round_act(int ggml_type, const float *x, int64_t ld_x, int64_t n_in, int64_t n_tok, float *out, int64_t ld_out,
                  int n_threads);
-
-/* qmatmul.c: 1 in a child made by fork() (libgomp cannot run there: the kernels stay on the
- * calling thread) */
-extern volatile int lp_fork_child;
+int lp_quantize_act_par(lp_par *p, int ggml_type, const float *x, int64_t ld_x, int64_t n_in, int64_t n_tok,
+                        void *xq);
+int lp_mul_mat_q_par(lp_par *p, int ggml_type, const void *w, int64_t n_rows, int64_t row_bytes, int64_t n_in,
+                     const void *xq, int64_t n_tok, float *y, int64_t ld_y);
 
 #endif

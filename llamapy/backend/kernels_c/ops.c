@@ -382,10 +382,6 @@ LP_INLINE void v_accumulate(float *restrict a, const float *restrict w, int64_t 
 #define ATT_PAR_WORK (1 << 20) /* multiply-adds (T*N*H*(D+Dv)) from which threads are used */
 #endif
 
-#ifdef _OPENMP
-#include <omp.h>
-/* in a fork child (lp_fork_child, qmatmul.c), attention stays on the calling thread */
-#endif
 
 /* What one attention call reads and writes (see lp_attend). */
 typedef struct {
@@ -948,26 +944,26 @@ static void attend_unit(const att_args *a, const att_chunks *ch, const att_unit 
     att_store(a, w, st, 0, Dv);
 }
 
-/* Attention of T query tokens over N cells (ggml's flash_attn_ext, the arithmetic of its tiled
- * path for every row count): work units of (KV heads, query heads of a group, a block of query
- * tokens), each row's cells cut into tiles of ATT_TILE visible cells, stepped through in order
- * (an online softmax). A prompt (many query blocks) has one KV head per unit, each unit on one
- * thread. A few tokens (decode): every head in one unit, and on several threads in two phases:
- * the tiles' scores shared out (each score depends on its cell alone), then the V sums shared
- * out by KV head and column range (each column's chain is sequential over the tiles on its
- * own), each such item repeating its head's cheap softmax steps. llama.cpp instead splits one query's cells among its
- * threads and combines their partial results, which cannot keep the sequential tile order.
- * Either way a row's arithmetic is the same, so the output does not depend on the thread count
- * or on the other rows. Each unit reads only the cells its tokens see (the causal lower
- * triangle, one sequence's cells). Up to n_threads OpenMP threads once the work reaches
- * ATT_PAR_WORK. No state outside the call. */
-static void attend(const att_args *a, int n_threads) {
-    const int64_t T = a->T, N = a->N, Dv = a->Dv;
-    if (T <= 0 || a->H <= 0 || a->Hkv <= 0 || Dv <= 0) return;
+/* What thread 0 prepares for every thread of one attention call. */
+typedef struct {
+    att_args a;     /* with Q rounded (a quantized K) and the score span */
+    att_chunks ch;
+    int64_t tb, n_tb, hpu, units, R, ncol;
+    size_t scratch; /* floats of a thread's buffer */
+    int64_t *bnd, *first, items; /* (bnd owns ch's arrays) */
+    float *qround, *scores;
+} att_plan;
+
+/* the tiles, the unit shape and the shared score buffer of a call of nt threads (NULL: out of
+ * memory) */
+static att_plan *att_plan_make(const att_args *in, int nt, att_plan *pl) {
+    const int64_t T = in->T, N = in->N;
+    *pl = (att_plan){.a = *in};
+    att_args *a = &pl->a;
     /* each token's tiles: its visible cells, counted in cell order */
     const int64_t nbd = (N + ATT_TILE - 1) / ATT_TILE + 1;
-    int64_t *bnd = malloc((size_t)(T * (nbd + 2)) * sizeof(int64_t));
-    if (!bnd) return;
+    int64_t *bnd = pl->bnd = malloc((size_t)(T * (nbd + 2)) * sizeof(int64_t));
+    if (!bnd) return NULL;
     int64_t *nch = bnd + T * nbd, *nvis = nch + T;
     for (int64_t t = 0; t < T; t++) {
         const float *mr = a->mask + t * a->mask_st;
@@ -980,112 +976,135 @@ static void attend(const att_args *a, int n_threads) {
         nch[t] = (seen + ATT_TILE - 1) / ATT_TILE, nvis[t] = seen;
         bt[nch[t]] = last;
     }
-    const att_chunks ch = {bnd, nch, nvis, nbd};
+    pl->ch = (att_chunks){bnd, nch, nvis, nbd};
     /* Q rounded through Q8_0 once for a quantized K (q_to_vec_dot); f32 and f16 K: Q stays f32,
      * as in llama.cpp's tiled path */
-    float *qround = a->kt >= LP_KV_Q8_0 ? malloc((size_t)(T * a->H * a->D) * sizeof(float)) : NULL;
-    att_args a_r = *a; /* (with Q rounded, the score span) */
-    if (qround) {
-        for (int64_t i = 0; i < T * a->H; i++) round_q8_0_row(qround + i * a->D, a->q + i * a->D, a->D);
-        a_r.q = qround;
+    if (a->kt >= LP_KV_Q8_0) {
+        if (!(pl->qround = malloc((size_t)(T * a->H * a->D) * sizeof(float)))) return NULL;
+        for (int64_t i = 0; i < T * a->H; i++) round_q8_0_row(pl->qround + i * a->D, a->q + i * a->D, a->D);
+        a->q = pl->qround;
     }
-    a = &a_r;
     const int64_t g = a->g, tb = g >= ATT_ROWS ? 1 : (ATT_ROWS + g - 1) / g; /* tokens per unit */
     const int64_t n_tb = (T + tb - 1) / tb;
-    int nt = 1;
-#ifdef _OPENMP
-    if (n_threads > 1 && !lp_fork_child && !omp_in_parallel() && T * N * a->H * (a->D + Dv) >= ATT_PAR_WORK)
-        nt = n_threads;
-#else
-    (void)n_threads;
-#endif
-    a_r.span = att_tile_span(&ch, T, tb);
-    const int64_t span = a->span, D = a->D;
-    /* Fewer query blocks than threads (decode): every head in one unit and the two phases below,
-     * while their scores (every tile of every unit) take at most ATT_SCORES_MAX bytes; else one
-     * KV head per unit on threads. One thread and a few blocks: every head in one unit. */
+    a->span = att_tile_span(&pl->ch, T, tb);
+    /* Fewer query blocks than threads (decode): every head in one unit and the two phases of
+     * attend_par, while their scores (every tile of every unit) take at most ATT_SCORES_MAX bytes;
+     * else one KV head per unit on threads. One thread and a few blocks: every head in one unit. */
     int64_t max_tiles = 0;
     for (int64_t t = 0; t < T; t++) max_tiles = nch[t] > max_tiles ? nch[t] : max_tiles;
     const int two = nt > 1 && n_tb < nt &&
-                    (double)n_tb * (double)max_tiles * (double)((tb < T ? tb : T) * g * a->Hkv * span) * 4.0 <= ATT_SCORES_MAX;
+                    (double)n_tb * (double)max_tiles * (double)((tb < T ? tb : T) * g * a->Hkv * a->span) * 4.0 <=
+                        ATT_SCORES_MAX;
     const int64_t hpu = two || (nt == 1 && n_tb < 4) ? a->Hkv : 1, units = a->Hkv / hpu * n_tb;
-    const int64_t R = (tb < T ? tb : T) * g * hpu;
-    const size_t scratch = att_scratch_floats(R, D, Dv, span);
+    pl->tb = tb, pl->n_tb = n_tb, pl->hpu = hpu, pl->units = units, pl->ncol = 1;
+    pl->R = (tb < T ? tb : T) * g * hpu;
+    pl->scratch = att_scratch_floats(pl->R, a->D, a->Dv, a->span);
     /* the (unit, tile) scores first, then the (unit, KV head, column range) V sums */
-    int64_t *first = NULL, items = 0, ncol = 1;
-    float *scores = NULL;
     if (two) {
-        first = malloc((size_t)(units + 1) * sizeof(int64_t));
-        for (int64_t u = 0; first && u < units; u++) {
-            first[u] = items;
-            items += att_unit_at(a, &ch, tb, n_tb, hpu, g, u).n_chunks;
+        int64_t *first = pl->first = malloc((size_t)(units + 1) * sizeof(int64_t));
+        if (!first) return NULL;
+        for (int64_t u = 0; u < units; u++) {
+            first[u] = pl->items;
+            pl->items += att_unit_at(a, &pl->ch, tb, n_tb, hpu, g, u).n_chunks;
         }
-        if (first) first[units] = items;
-        if (first && items > 1) scores = malloc((size_t)(items * R * span) * sizeof(float));
+        first[units] = pl->items;
+        if (pl->items > 1 && !(pl->scores = malloc((size_t)(pl->items * pl->R * a->span) * sizeof(float))))
+            return NULL;
         /* column ranges of whole 8-lane vectors (a quantized V: whole rows, as it is widened) */
-        ncol = a->vt >= LP_KV_Q8_0 ? 1 : (3 * nt + units * hpu - 1) / (units * hpu); /* ~3 items a thread */
-        if (ncol > Dv / 8) ncol = Dv / 8 > 1 ? Dv / 8 : 1;
+        pl->ncol = a->vt >= LP_KV_Q8_0 ? 1 : (3 * nt + units * hpu - 1) / (units * hpu); /* ~3 items a thread */
+        if (pl->ncol > a->Dv / 8) pl->ncol = a->Dv / 8 > 1 ? a->Dv / 8 : 1;
     }
-    if (scores) {
-        const int64_t vitems = units * hpu * ncol, cw = (Dv / 8 + ncol - 1) / ncol * 8; /* columns per range */
-#pragma omp parallel num_threads(nt)
-        {
-            float *buf = malloc(scratch * sizeof(float)); /* NULL: nothing written */
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < items; i++) {
-                int64_t u = 0;
-                while (first[u + 1] <= i) u++;
-                const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, g, u);
+    return pl;
+}
+
+static void att_plan_free(att_plan *pl) {
+    free(pl->scores), free(pl->first);
+    free(pl->qround);
+    free(pl->bnd);
+}
+
+/* Attention of T query tokens over N cells (ggml's flash_attn_ext, the arithmetic of its tiled
+ * path for every row count): work units of (KV heads, query heads of a group, a block of query
+ * tokens), each row's cells cut into tiles of ATT_TILE visible cells, stepped through in order
+ * (an online softmax). A prompt (many query blocks) has one KV head per unit, each unit on one
+ * thread. A few tokens (decode): every head in one unit, and on several threads in two phases:
+ * the tiles' scores shared out (each score depends on its cell alone), then the V sums shared
+ * out by KV head and column range (each column's chain is sequential over the tiles on its
+ * own), each such item repeating its head's cheap softmax steps. llama.cpp instead splits one query's cells among its
+ * threads and combines their partial results, which cannot keep the sequential tile order.
+ * Either way a row's arithmetic is the same, so the output does not depend on the thread count
+ * or on the other rows. Each unit reads only the cells its tokens see (the causal lower
+ * triangle, one sequence's cells). The whole team once the work reaches ATT_PAR_WORK, else
+ * thread 0 alone. No state outside the call. */
+static void attend_par(lp_par *p, const att_args *in) {
+    if (in->T <= 0 || in->H <= 0 || in->Hkv <= 0 || in->Dv <= 0) return;
+    const int nt = p->nth > 1 && in->T * in->N * in->H * (in->D + in->Dv) >= ATT_PAR_WORK ? p->nth : 1;
+    if (nt == 1 && p->ith != 0) return;
+    att_plan mine, *pl = p->ith == 0 ? att_plan_make(in, nt, &mine) : NULL;
+    if (nt > 1) pl = lp_par_share(p, pl);
+    if (pl == NULL) { /* out of memory: nothing written */
+        if (p->ith == 0) att_plan_free(&mine);
+        return;
+    }
+    const att_args *a = &pl->a;
+    const att_chunks *ch = &pl->ch;
+    const int64_t tb = pl->tb, n_tb = pl->n_tb, hpu = pl->hpu, units = pl->units, R = pl->R;
+    const int64_t g = a->g, N = a->N, D = a->D, Dv = a->Dv, span = a->span;
+    float *buf = malloc(pl->scratch * sizeof(float)); /* NULL: nothing written */
+    if (pl->scores) {
+        const int64_t *first = pl->first;
+        for (int64_t i = lp_par_first(p, nt > 1, pl->items); i < pl->items; i = lp_par_then(p, nt > 1, i)) {
+            int64_t u = 0;
+            while (first[u + 1] <= i) u++;
+            const att_unit w = att_unit_at(a, ch, tb, n_tb, hpu, g, u);
+            int64_t lo, hi;
+            att_tile_cells(ch, &w, i - first[u], N, &lo, &hi);
+            if (buf && lo < hi) tile_scores(a, &w, lo, hi, buf + R * span, pl->scores + i * R * span);
+        }
+        lp_par_barrier(p); /* every score is made */
+        const int64_t ncol = pl->ncol, vitems = units * hpu * ncol, cw = (Dv / 8 + ncol - 1) / ncol * 8;
+        for (int64_t i = lp_par_first(p, nt > 1, vitems); i < vitems; i = lp_par_then(p, nt > 1, i)) {
+            /* (unit, one of its KV heads, a column range): the head's rows of the unit's scores */
+            const int64_t u = i / (hpu * ncol), hh = i / ncol % hpu, dv0 = i % ncol * cw;
+            const int64_t dv1 = dv0 + cw < Dv ? dv0 + cw : Dv;
+            att_unit w = att_unit_at(a, ch, tb, n_tb, hpu, g, u);
+            const int64_t Ru = (w.t1 - w.t0) * w.ng; /* rows of one KV head */
+            w.kh0 += hh, w.nh = 1;
+            if (!buf || dv0 >= Dv) continue;
+            float *sc = buf, *vf = buf + R * span + R * D + (2 * ATT_GROUP + 1) * D;
+            float *st = buf + att_core_floats(R, D, Dv, span);
+            att_state_clear(st, Ru, Dv);
+            for (int64_t j = 0; j < w.n_chunks; j++) {
                 int64_t lo, hi;
-                att_tile_cells(&ch, &w, i - first[u], N, &lo, &hi);
-                if (buf && lo < hi) tile_scores(a, &w, lo, hi, buf + R * span, scores + i * R * span);
+                att_tile_cells(ch, &w, j, N, &lo, &hi);
+                if (lo >= hi) continue;
+                memcpy(sc, pl->scores + ((first[u] + j) * R + hh * Ru) * span, (size_t)(Ru * span) * sizeof(float));
+                if (tile_softmax(a, ch, &w, j, lo, hi, sc, st, dv0, dv1)) tile_v(a, &w, lo, hi, sc, st + 3 * Ru, dv0, dv1, vf);
             }
-            /* (the implicit barrier: every score is made) */
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < vitems; i++) {
-                /* (unit, one of its KV heads, a column range): the head's rows of the unit's scores */
-                const int64_t u = i / (hpu * ncol), hh = i / ncol % hpu, dv0 = i % ncol * cw;
-                const int64_t dv1 = dv0 + cw < Dv ? dv0 + cw : Dv;
-                att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, g, u);
-                const int64_t Ru = (w.t1 - w.t0) * w.ng; /* rows of one KV head */
-                w.kh0 += hh, w.nh = 1;
-                if (!buf || dv0 >= Dv) continue;
-                float *sc = buf, *vf = buf + R * span + R * D + (2 * ATT_GROUP + 1) * D;
-                float *st = buf + att_core_floats(R, D, Dv, span);
-                att_state_clear(st, Ru, Dv);
-                for (int64_t j = 0; j < w.n_chunks; j++) {
-                    int64_t lo, hi;
-                    att_tile_cells(&ch, &w, j, N, &lo, &hi);
-                    if (lo >= hi) continue;
-                    memcpy(sc, scores + ((first[u] + j) * R + hh * Ru) * span, (size_t)(Ru * span) * sizeof(float));
-                    if (tile_softmax(a, &ch, &w, j, lo, hi, sc, st, dv0, dv1)) tile_v(a, &w, lo, hi, sc, st + 3 * Ru, dv0, dv1, vf);
-                }
-                att_store(a, &w, st, dv0, dv1);
-            }
-            free(buf);
+            att_store(a, &w, st, dv0, dv1);
         }
-    } else if (nt > 1) {
-#pragma omp parallel num_threads(nt)
-        {
-            float *buf = malloc(scratch * sizeof(float)); /* NULL: nothing written */
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t u = 0; u < units; u++) {
-                const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, g, u);
-                if (buf) attend_unit(a, &ch, &w, R, buf);
-            }
-            free(buf);
+    } else {
+        for (int64_t u = lp_par_first(p, nt > 1, units); u < units; u = lp_par_then(p, nt > 1, u)) {
+            const att_unit w = att_unit_at(a, ch, tb, n_tb, hpu, g, u);
+            if (buf) attend_unit(a, ch, &w, R, buf);
         }
-    } else { /* no OpenMP region at all (a fork child cannot run one) */
-        float *buf = malloc(scratch * sizeof(float));
-        for (int64_t u = 0; buf && u < units; u++) {
-            const att_unit w = att_unit_at(a, &ch, tb, n_tb, hpu, g, u);
-            attend_unit(a, &ch, &w, R, buf);
-        }
-        free(buf);
     }
-    free(scores), free(first);
-    free(qround);
-    free(bnd);
+    free(buf);
+    if (nt > 1) lp_par_barrier(p); /* no one reads the plan any more */
+    if (p->ith == 0) att_plan_free(&mine);
+}
+
+static int64_t attend_run(lp_par *p, void *a) {
+    attend_par(p, a);
+    return 0;
+}
+
+static void attend(const att_args *a, int n_threads) { lp_par_run(n_threads, attend_run, (void *)a); }
+
+/* cache types lp_attend_q reads: each of K, V one of LP_KV_*, a quantized one in whole blocks */
+static int att_types_ok(int kt, int vt, int64_t D, int64_t Dv) {
+    if (kt < LP_KV_F32 || kt > LP_KV_Q4_0 || vt < LP_KV_F32 || vt > LP_KV_Q4_0) return 0;
+    return !((kt >= LP_KV_Q8_0 && D % 32) || (vt >= LP_KV_Q8_0 && Dv % 32));
 }
 
 #define ATT_ARGS(kt_, vt_)                                                                                       \
@@ -1120,10 +1139,18 @@ LP_API void lp_attend_f16(const float *q, int64_t T, int64_t H, int64_t D, const
 LP_API void lp_attend_q(const float *q, int64_t T, int64_t H, int64_t D, const void *k, const void *v, int64_t N,
                         int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
                         const float *mask, int64_t mask_st, float scale, float *out, int kt, int vt, int n_threads) {
-    if (kt < LP_KV_F32 || kt > LP_KV_Q4_0 || vt < LP_KV_F32 || vt > LP_KV_Q4_0) return;
-    if ((kt >= LP_KV_Q8_0 && D % 32) || (vt >= LP_KV_Q8_0 && Dv % 32)) return;
+    if (!att_types_ok(kt, vt, D, Dv)) return;
     const att_args a = ATT_ARGS(kt, vt);
     attend(&a, n_threads);
+}
+
+/* lp_attend_q as a thread of a running team (the executor's records) */
+void lp_attend_q_par(lp_par *p, const float *q, int64_t T, int64_t H, int64_t D, const void *k, const void *v,
+                     int64_t N, int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
+                     const float *mask, int64_t mask_st, float scale, float *out, int kt, int vt) {
+    if (!att_types_ok(kt, vt, D, Dv)) return;
+    const att_args a = ATT_ARGS(kt, vt);
+    attend_par(p, &a);
 }
 
 /* ---------------------------------------------------------------------------------------- */

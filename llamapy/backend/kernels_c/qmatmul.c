@@ -49,8 +49,8 @@
  * conversion quiets a signalling-nan scale where numpy keeps it; no output can tell, as each is
  * an arithmetic result of its scales, which quiets it the same way.)
  *
- * Threads: OpenMP over chunks of tiles (see run_tiles), never for small calls, and never in a
- * child made by fork() (libgomp hangs there once the parent has used it).
+ * Threads: a team (lp_team.h) over chunks of tiles (see run_tiles), never for small calls, and
+ * never in a child made by fork() (libgomp hangs there once the parent has used it).
  *
  * Built by setup.py once per SIMD variant (portable, -mavx2 -mfma -mf16c, + AVX-512) with
  *   -O3 -std=gnu11 -ffp-contract=off -fno-math-errno -fvisibility=hidden -fopenmp
@@ -65,9 +65,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <pthread.h>
-#endif
+#include "lp_team.h"
 #if defined(__FMA__) && defined(__AVX__) && !defined(LP_QMM_GENERIC)
 #include <immintrin.h>
 #define LP_QMM_FMA 1
@@ -171,45 +169,32 @@ QMM_INLINE v8i ldi8(const int8_t *p) { return (v8i){p[0], p[1], p[2], p[3], p[4]
 /* ---------------------------------------------------------------------------------------- */
 /* threading                                                                                 */
 
-/* libgomp cannot be used in a child made by fork() once the parent has run a parallel region
- * (the child hangs in its first one: the team's threads did not come along). So in a fork child
- * these kernels, attention (ops.c) and the executor's row-wise records run on the calling thread
- * only. One flag for the library (lp_quants.h). */
-#ifdef _OPENMP
-volatile int lp_fork_child = 0;
-
-static void lp_on_fork_child(void) { lp_fork_child = 1; }
-
-__attribute__((constructor)) static void lp_register_atfork(void) { pthread_atfork(NULL, NULL, lp_on_fork_child); }
-
+/* Every kernel here is written once as a function of its thread's lp_par (lp_team.h): called
+ * from the executor inside its one region per split, or through lp_par_run by the exported
+ * function, which opens a region of its own. */
 static int use_threads(int n_threads, int64_t units, int64_t work) {
-    return n_threads > 1 && units > 1 && work >= LP_PAR_MIN_WEIGHTS && !lp_fork_child;
+    return n_threads > 1 && units > 1 && work >= LP_PAR_MIN_WEIGHTS;
 }
-#endif
 
 typedef void (*tiles_fn)(const void *const *parts, int64_t ta, int64_t tb, int64_t nb, const float *x,
                          const float *xs, int64_t n_tok, float *out, int64_t ld_out);
 
-/* fn over tiles [0, n_tiles): in one call, or in min(n_tiles, 4*n_threads) chunks of tiles
- * shared out dynamically among n_threads OpenMP threads when the work is big enough. Each chunk
- * writes its own output columns. */
-static void run_tiles(tiles_fn fn, const void *const *parts, int64_t n_tiles, int64_t nb, const float *x,
-                      const float *xs, int64_t n_tok, float *out, int64_t ld_out, int n_threads, int64_t work) {
-    if (n_tiles <= 0)
-        return;
-#ifdef _OPENMP
-    if (use_threads(n_threads, n_tiles, work)) {
-        const int64_t nc = n_tiles < 4LL * n_threads ? n_tiles : 4LL * n_threads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
-        for (int64_t c = 0; c < nc; c++)
-            fn(parts, c * n_tiles / nc, (c + 1) * n_tiles / nc, nb, x, xs, n_tok, out, ld_out);
-        return;
+static void fill_nan(float *out, int64_t n_tok, int64_t n_cols, int64_t ld_out);
+
+/* fn over tiles [0, n_tiles): on thread 0 alone, or in min(n_tiles, 4*nth) chunks of tiles
+ * handed out dynamically when the work is big enough. Each chunk writes its own output columns.
+ * xs NULL where the type needs it (out of memory): this thread's chunks become nan. */
+static void run_tiles(lp_par *p, tiles_fn fn, int need_xs, const void *const *parts, int64_t n_tiles, int64_t nb,
+                      const float *x, const float *xs, int64_t n_tok, float *out, int64_t ld_out, int64_t work) {
+    const int par = use_threads(p->nth, n_tiles, work);
+    const int64_t nc = !par ? 1 : n_tiles < 4LL * p->nth ? n_tiles : 4LL * p->nth;
+    for (int64_t c = lp_par_first(p, par, nc); c < nc; c = lp_par_then(p, par, c)) {
+        const int64_t ta = c * n_tiles / nc, tb = (c + 1) * n_tiles / nc;
+        if (need_xs && xs == NULL)
+            fill_nan(out + ta * LP_R, n_tok, (tb - ta) * LP_R, ld_out);
+        else
+            fn(parts, ta, tb, nb, x, xs, n_tok, out, ld_out);
     }
-#else
-    (void)n_threads;
-    (void)work;
-#endif
-    fn(parts, 0, n_tiles, nb, x, xs, n_tok, out, ld_out);
 }
 
 /* Sums of x over runs of 32 elements, xs[t*(n_in/32) + i], for the "+ m" / "- dmin*m" terms:
@@ -561,48 +546,56 @@ static void mv_q6_k_tiles(const void *const *parts, int64_t ta, int64_t tb, int6
 /* The exported matvecs. out[t*ld_out + tile*64 + r] = sum_i x[t*n_in + i] * W[tile*64 + r, i]
  * for the tiles [0, n_tiles) and tokens t < n_tok (x is (n_tok, n_in) row-major; out must not
  * overlap x or the weights: it holds the running sums during the call). Threads: see run_tiles.
- * `need_xs`: the type's "m" / "dmin" terms use x's sums over runs of 32. */
-static void mv_run(tiles_fn fn, int need_xs, int64_t qk, const void *const *parts, int64_t n_tiles, int64_t nb,
-                   const float *x, int64_t n_tok, float *out, int64_t ld_out, int n_threads) {
-    if (n_tiles <= 0 || n_tok <= 0)
+ * `need_xs`: the type's "m" / "dmin" terms use x's sums over runs of 32 (each thread sums them
+ * for itself: n_in/32 floats a token, nothing to share). */
+typedef struct {
+    tiles_fn fn;
+    int need_xs;
+    int64_t qk;
+    const void *const *parts;
+    int64_t n_tiles, nb;
+    const float *x;
+    int64_t n_tok;
+    float *out;
+    int64_t ld_out;
+} mv_job;
+
+static void mv_par(lp_par *p, const mv_job *j) {
+    if (j->n_tiles <= 0 || j->n_tok <= 0)
         return;
-    const int64_t n_in = nb * qk;
-    const int64_t work = n_tiles * LP_R * n_in * n_tok;
+    const int64_t n_in = j->nb * j->qk;
     float stack[XS_STACK];
-    float *xs = NULL;
-    if (need_xs && (xs = block_sums32(x, n_tok, n_in, stack)) == NULL) {
-        fill_nan(out, n_tok, n_tiles * LP_R, ld_out);
-        return;
-    }
-    run_tiles(fn, parts, n_tiles, nb, x, xs, n_tok, out, ld_out, n_threads, work);
+    const float *xs = j->need_xs ? block_sums32(j->x, j->n_tok, n_in, stack) : NULL;
+    run_tiles(p, j->fn, j->need_xs, j->parts, j->n_tiles, j->nb, j->x, xs, j->n_tok, j->out, j->ld_out,
+              j->n_tiles * LP_R * n_in * j->n_tok);
     if (xs != NULL && xs != stack)
-        free(xs);
+        free((void *)xs);
 }
 
-QMM_API void lp_mv_q4_0(const void *const *parts, int64_t n_tiles, int64_t nb, const float *x, int64_t n_tok,
-                        float *out, int64_t ld_out, int n_threads) {
-    mv_run(mv_q4_0_tiles, 0, 32, parts, n_tiles, nb, x, n_tok, out, ld_out, n_threads);
+static int64_t mv_job_run(lp_par *p, void *j) {
+    mv_par(p, j);
+    return 0;
 }
 
-QMM_API void lp_mv_q4_1(const void *const *parts, int64_t n_tiles, int64_t nb, const float *x, int64_t n_tok,
-                        float *out, int64_t ld_out, int n_threads) {
-    mv_run(mv_q4_1_tiles, 1, 32, parts, n_tiles, nb, x, n_tok, out, ld_out, n_threads);
-}
+/* lp_mv_<t>: on up to n_threads threads of its own; lp_mvp_<t>: a thread of a running team
+ * (the executor's records) */
+#define MV_EXPORTS(t, need_xs, qk)                                                                                  \
+    QMM_API void lp_mvp_##t(lp_par *p, const void *const *parts, int64_t n_tiles, int64_t nb, const float *x,       \
+                            int64_t n_tok, float *out, int64_t ld_out) {                                            \
+        const mv_job j = {mv_##t##_tiles, need_xs, qk, parts, n_tiles, nb, x, n_tok, out, ld_out};                 \
+        mv_par(p, &j);                                                                                              \
+    }                                                                                                               \
+    QMM_API void lp_mv_##t(const void *const *parts, int64_t n_tiles, int64_t nb, const float *x, int64_t n_tok,    \
+                           float *out, int64_t ld_out, int n_threads) {                                             \
+        mv_job j = {mv_##t##_tiles, need_xs, qk, parts, n_tiles, nb, x, n_tok, out, ld_out};                       \
+        lp_par_run(n_threads, mv_job_run, &j);                                                                      \
+    }
 
-QMM_API void lp_mv_q8_0(const void *const *parts, int64_t n_tiles, int64_t nb, const float *x, int64_t n_tok,
-                        float *out, int64_t ld_out, int n_threads) {
-    mv_run(mv_q8_0_tiles, 0, 32, parts, n_tiles, nb, x, n_tok, out, ld_out, n_threads);
-}
-
-QMM_API void lp_mv_q4_k(const void *const *parts, int64_t n_tiles, int64_t nb, const float *x, int64_t n_tok,
-                        float *out, int64_t ld_out, int n_threads) {
-    mv_run(mv_q4_k_tiles, 1, 256, parts, n_tiles, nb, x, n_tok, out, ld_out, n_threads);
-}
-
-QMM_API void lp_mv_q6_k(const void *const *parts, int64_t n_tiles, int64_t nb, const float *x, int64_t n_tok,
-                        float *out, int64_t ld_out, int n_threads) {
-    mv_run(mv_q6_k_tiles, 0, 256, parts, n_tiles, nb, x, n_tok, out, ld_out, n_threads);
-}
+MV_EXPORTS(q4_0, 0, 32)
+MV_EXPORTS(q4_1, 1, 32)
+MV_EXPORTS(q8_0, 0, 32)
+MV_EXPORTS(q4_k, 1, 256)
+MV_EXPORTS(q6_k, 0, 256)
 
 /* ---------------------------------------------------------------------------------------- */
 /* dequantization of whole tiles, transposed (the sgemm operand of prompt processing):       */
@@ -612,24 +605,31 @@ QMM_API void lp_mv_q6_k(const void *const *parts, int64_t n_tiles, int64_t nb, c
 typedef void (*dqt_fn)(const void *const *parts, int64_t ta, int64_t tb, int64_t t0, int64_t nb, float *out_t,
                        int64_t ld);
 
+typedef struct {
+    dqt_fn fn;
+    const void *const *parts;
+    int64_t t0, t1, nb;
+    float *out_t;
+    int64_t ld, work;
+} dqt_job;
+
+/* the tiles [t0, t1): on thread 0 alone, or in min(n, 4*nth) chunks handed out dynamically */
+static int64_t dqt_job_run(lp_par *p, void *arg) {
+    const dqt_job *j = arg;
+    const int64_t n_t = j->t1 - j->t0;
+    const int par = use_threads(p->nth, n_t, j->work);
+    const int64_t nc = !par ? 1 : n_t < 4LL * p->nth ? n_t : 4LL * p->nth;
+    for (int64_t c = lp_par_first(p, par, nc); c < nc; c = lp_par_then(p, par, c))
+        j->fn(j->parts, j->t0 + c * n_t / nc, j->t0 + (c + 1) * n_t / nc, j->t0, j->nb, j->out_t, j->ld);
+    return 0;
+}
+
 static void dqt_run(dqt_fn fn, int64_t qk, const void *const *parts, int64_t t0, int64_t t1, int64_t nb,
                     float *out_t, int64_t ld, int n_threads) {
-    const int64_t n_t = t1 - t0;
-    if (n_t <= 0 || nb <= 0)
+    if (t1 <= t0 || nb <= 0)
         return;
-#ifdef _OPENMP
-    if (use_threads(n_threads, n_t, n_t * LP_R * nb * qk * LP_DQ_WEIGHT)) {
-        const int64_t nc = n_t < 4LL * n_threads ? n_t : 4LL * n_threads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
-        for (int64_t c = 0; c < nc; c++)
-            fn(parts, t0 + c * n_t / nc, t0 + (c + 1) * n_t / nc, t0, nb, out_t, ld);
-        return;
-    }
-#else
-    (void)n_threads;
-    (void)qk;
-#endif
-    fn(parts, t0, t1, t0, nb, out_t, ld);
+    dqt_job j = {fn, parts, t0, t1, nb, out_t, ld, (t1 - t0) * LP_R * nb * qk * LP_DQ_WEIGHT};
+    lp_par_run(n_threads, dqt_job_run, &j);
 }
 
 static void dqt_q4_0_tiles(const void *const *parts, int64_t ta, int64_t tb, int64_t t0, int64_t nb, float *out_t,
@@ -1060,22 +1060,48 @@ QMM_API int64_t lp_act_row_bytes(int ggml_type, int64_t n_in) {
     return n_in / t.blck * t.act_bsize;
 }
 
-QMM_API int lp_quantize_act(int ggml_type, const float *x, int64_t ld_x, int64_t n_in, int64_t n_tok, void *xq,
-                            int n_threads) {
+/* this thread's rows of a (n_tok, n_in) activation: a static share when the work is big enough,
+ * else all of them on thread 0 */
+static void act_rows(const lp_par *p, int64_t n_tok, int64_t n_in, int64_t *a, int64_t *b) {
+    if (use_threads(p->nth, n_tok, n_tok * n_in * 4)) {
+        lp_par_range(p, n_tok, a, b);
+    } else {
+        *a = 0;
+        *b = p->ith == 0 ? n_tok : 0;
+    }
+}
+
+/* x (n_tok rows, stride ld_x) into the weight type's vec_dot_type rows of xq; 0, or -1 for a
+ * type without quantized products. A thread of a running team (the executor's records). */
+int lp_quantize_act_par(lp_par *p, int ggml_type, const float *x, int64_t ld_x, int64_t n_in, int64_t n_tok,
+                        void *xq) {
     mm_traits t;
     if (mm_traits_of(ggml_type, &t) != 0 || n_in % t.blck) return -1;
     const int64_t rb = n_in / t.blck * t.act_bsize;
-#ifdef _OPENMP
-    if (use_threads(n_threads, n_tok, n_tok * n_in * 4)) {
-#pragma omp parallel for schedule(static) num_threads(n_threads)
-        for (int64_t i = 0; i < n_tok; i++) t.quantize(x + i * ld_x, (uint8_t *)xq + i * rb, n_in);
-        return 0;
-    }
-#else
-    (void)n_threads;
-#endif
-    for (int64_t i = 0; i < n_tok; i++) t.quantize(x + i * ld_x, (uint8_t *)xq + i * rb, n_in);
+    int64_t a, b;
+    act_rows(p, n_tok, n_in, &a, &b);
+    for (int64_t i = a; i < b; i++) t.quantize(x + i * ld_x, (uint8_t *)xq + i * rb, n_in);
     return 0;
+}
+
+/* the arguments of lp_quantize_act and lp_round_act (out: xq, or the rounded floats) */
+typedef struct {
+    int type;
+    const float *x;
+    int64_t ld_x, n_in, n_tok;
+    void *out;
+    int64_t ld_out;
+} act_job;
+
+static int64_t quantize_act_run(lp_par *p, void *arg) {
+    const act_job *j = arg;
+    return lp_quantize_act_par(p, j->type, j->x, j->ld_x, j->n_in, j->n_tok, j->out);
+}
+
+QMM_API int lp_quantize_act(int ggml_type, const float *x, int64_t ld_x, int64_t n_in, int64_t n_tok, void *xq,
+                            int n_threads) {
+    act_job j = {ggml_type, x, ld_x, n_in, n_tok, xq, 0};
+    return lp_par_run(n_threads, quantize_act_run, &j) ? -1 : 0;
 }
 
 /* rows [r0, r1) of y for every token: MM_ROW_BLOCK rows against all tokens at a time, in
@@ -1107,39 +1133,54 @@ static void mm_rows(const mm_traits *t, const uint8_t *w, int64_t r0, int64_t r1
     }
 }
 
-QMM_API int lp_mul_mat_q(int ggml_type, const void *w, int64_t n_rows, int64_t row_bytes, int64_t n_in,
-                         const void *xq, int64_t n_tok, float *y, int64_t ld_y, int n_threads) {
+/* y (n_tok, ld_y) = xq . W^T over W's n_rows rows; 0, or -1 for a type without quantized
+ * products. A thread of a running team (the executor's records). */
+int lp_mul_mat_q_par(lp_par *p, int ggml_type, const void *w, int64_t n_rows, int64_t row_bytes, int64_t n_in,
+                     const void *xq, int64_t n_tok, float *y, int64_t ld_y) {
     mm_traits t;
     if (mm_traits_of(ggml_type, &t) != 0 || n_in % t.blck || n_in > INT32_MAX) return -1;
     const int64_t act_bytes = n_in / t.blck * t.act_bsize;
     if (n_rows <= 0 || n_tok <= 0) return 0;
-#ifdef _OPENMP
-    const int64_t units = (n_rows + MM_ROW_BLOCK - 1) / MM_ROW_BLOCK;
-    if (use_threads(n_threads, units, n_rows * n_in * n_tok)) {
-        /* ~4 chunks a thread, whole row blocks each: both cores busy on 576 rows (36 blocks);
-         * a prompt on the K types' gemms with rows for 2 calls a thread: one chunk per
-         * MM_ROW_BLOCK_K rows (the gemm's call), so that a thread slowed down by others leaves
-         * at most one such call to wait for */
-        const int64_t unit = t.gemm != NULL && n_tok > 1 && t.gemm_cols > LP_GEMM_COLS &&
-                                     n_rows >= 2LL * n_threads * MM_ROW_BLOCK_K
-                                 ? MM_ROW_BLOCK_K
-                                 : MM_ROW_BLOCK;
-        const int64_t n_units = (n_rows + unit - 1) / unit;
-        const int64_t n_chunk = unit == MM_ROW_BLOCK ? 4LL * n_threads : n_units;
-        const int64_t nc = n_units < n_chunk ? n_units : n_chunk;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
-        for (int64_t c = 0; c < nc; c++) {
-            const int64_t a = c * n_units / nc * unit, b0 = (c + 1) * n_units / nc * unit;
-            const int64_t b = b0 < n_rows ? b0 : n_rows;
-            mm_rows(&t, w, a, b, row_bytes, (int)n_in, xq, act_bytes, n_tok, y, ld_y);
-        }
-        return 0;
+    const int nth = p->nth;
+    const int par = use_threads(nth, (n_rows + MM_ROW_BLOCK - 1) / MM_ROW_BLOCK, n_rows * n_in * n_tok);
+    /* ~4 chunks a thread, whole row blocks each: both cores busy on 576 rows (36 blocks); a
+     * prompt on the K types' gemms with rows for 2 calls a thread: one chunk per MM_ROW_BLOCK_K
+     * rows (the gemm's call), so that a thread slowed down by others leaves at most one such
+     * call to wait for. One thread: one chunk. */
+    const int64_t unit = par && t.gemm != NULL && n_tok > 1 && t.gemm_cols > LP_GEMM_COLS &&
+                                 n_rows >= 2LL * nth * MM_ROW_BLOCK_K
+                             ? MM_ROW_BLOCK_K
+                             : MM_ROW_BLOCK;
+    const int64_t n_units = (n_rows + unit - 1) / unit;
+    const int64_t n_chunk = !par ? 1 : unit == MM_ROW_BLOCK ? 4LL * nth : n_units;
+    const int64_t nc = n_units < n_chunk ? n_units : n_chunk;
+    for (int64_t c = lp_par_first(p, par, nc); c < nc; c = lp_par_then(p, par, c)) {
+        const int64_t a = c * n_units / nc * unit, b0 = (c + 1) * n_units / nc * unit;
+        const int64_t b = b0 < n_rows ? b0 : n_rows;
+        mm_rows(&t, w, a, b, row_bytes, (int)n_in, xq, act_bytes, n_tok, y, ld_y);
     }
-#else
-    (void)n_threads;
-#endif
-    mm_rows(&t, w, 0, n_rows, row_bytes, (int)n_in, xq, act_bytes, n_tok, y, ld_y);
     return 0;
+}
+
+typedef struct {
+    int type;
+    const void *w;
+    int64_t n_rows, row_bytes, n_in;
+    const void *xq;
+    int64_t n_tok;
+    float *y;
+    int64_t ld_y;
+} mm_job;
+
+static int64_t mul_mat_q_run(lp_par *p, void *arg) {
+    const mm_job *j = arg;
+    return lp_mul_mat_q_par(p, j->type, j->w, j->n_rows, j->row_bytes, j->n_in, j->xq, j->n_tok, j->y, j->ld_y);
+}
+
+QMM_API int lp_mul_mat_q(int ggml_type, const void *w, int64_t n_rows, int64_t row_bytes, int64_t n_in,
+                         const void *xq, int64_t n_tok, float *y, int64_t ld_y, int n_threads) {
+    mm_job j = {ggml_type, w, n_rows, row_bytes, n_in, xq, n_tok, y, ld_y};
+    return lp_par_run(n_threads, mul_mat_q_run, &j) ? -1 : 0;
 }
 
 /* x rounded to what the vec_dot kernels see: quantized to the vec_dot_type and expanded back to
@@ -1178,21 +1219,20 @@ static void mm_round_row(const mm_traits *t, const float *x, int64_t n_in, float
     }
 }
 
+static int64_t round_act_run(lp_par *p, void *arg) {
+    const act_job *j = arg;
+    mm_traits t;
+    if (mm_traits_of(j->type, &t) != 0 || j->n_in % t.blck) return -1;
+    int64_t a, b;
+    act_rows(p, j->n_tok, j->n_in, &a, &b);
+    for (int64_t i = a; i < b; i++) mm_round_row(&t, j->x + i * j->ld_x, j->n_in, (float *)j->out + i * j->ld_out);
+    return 0;
+}
+
 QMM_API int lp_round_act(int ggml_type, const float *x, int64_t ld_x, int64_t n_in, int64_t n_tok, float *out,
                          int64_t ld_out, int n_threads) {
-    mm_traits t;
-    if (mm_traits_of(ggml_type, &t) != 0 || n_in % t.blck) return -1;
-#ifdef _OPENMP
-    if (use_threads(n_threads, n_tok, n_tok * n_in * 4)) {
-#pragma omp parallel for schedule(static) num_threads(n_threads)
-        for (int64_t i = 0; i < n_tok; i++) mm_round_row(&t, x + i * ld_x, n_in, out + i * ld_out);
-        return 0;
-    }
-#else
-    (void)n_threads;
-#endif
-    for (int64_t i = 0; i < n_tok; i++) mm_round_row(&t, x + i * ld_x, n_in, out + i * ld_out);
-    return 0;
+    act_job j = {ggml_type, x, ld_x, n_in, n_tok, out, ld_out};
+    return lp_par_run(n_threads, round_act_run, &j) ? -1 : 0;
 }
 
 QMM_API int lp_mul_mat(int ggml_type, const void *w, int64_t n_rows, int64_t row_bytes, int64_t n_in,

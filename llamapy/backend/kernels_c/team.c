@@ -1,0 +1,108 @@
+/* A team of threads for one call (lp_team.h): the OpenMP region, barriers, shared counters.
+ *
+ * ggml counterparts: ggml-cpu.c's ggml_graph_compute (one `omp parallel` region per graph),
+ * ggml_barrier (threads spin on an atomic counter) and the mul_mat chunk counter
+ * (current_chunk). Built like the other kernels_c sources, once per SIMD variant.
+ */
+
+#include "lp_team.h"
+
+#include <sched.h>
+#include <stdatomic.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#include <pthread.h>
+
+/* libgomp cannot be used in a child made by fork() once the parent has run a parallel region
+ * (the child hangs in its first one: the team's threads did not come along). So in a fork child
+ * every team is the calling thread alone. One flag for the library. */
+static volatile int lp_fork_child = 0;
+
+static void lp_on_fork_child(void) { lp_fork_child = 1; }
+
+__attribute__((constructor)) static void lp_register_atfork(void) { pthread_atfork(NULL, NULL, lp_on_fork_child); }
+#endif
+
+/* Rounds of spinning at a barrier before yielding the core between checks. A barrier inside a
+ * split waits for microseconds (a kernel's uneven end, thread 0's row-wise records), which a
+ * sleep and wake-up would cost several times over; ~100 us of spinning covers those, and beyond
+ * it yielding keeps a thread that shares its core with another process from starving it (a
+ * spinning thread's core is not given to the thread it waits for: measured at stop 9 and 18 with
+ * libgomp's long spins, 45 -> 6 tok/s with a busy loop on one core). */
+#define LP_SPIN_ROUNDS 4096
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+void lp_par_barrier(lp_par *p) {
+    lp_team *t = p->team;
+    /* the counter of the phase after this one was last used two phases ago: everyone is done
+     * with it, and no one takes from it before this barrier is passed */
+    if (p->ith == 0) atomic_store_explicit(&t->next[(p->phase + 1) & 1], 0, memory_order_relaxed);
+    p->phase++;
+    if (p->nth == 1) return;
+    const unsigned gen = atomic_load_explicit(&t->gen, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&t->arrived, 1, memory_order_acq_rel) == p->nth - 1) {
+        atomic_store_explicit(&t->arrived, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&t->gen, 1, memory_order_release);
+        return;
+    }
+    for (int i = 0; atomic_load_explicit(&t->gen, memory_order_acquire) == gen; i++) {
+        if (i < LP_SPIN_ROUNDS)
+            cpu_relax();
+        else
+            sched_yield();
+    }
+}
+
+int64_t lp_par_next(lp_par *p) {
+    return atomic_fetch_add_explicit(&p->team->next[p->phase & 1], 1, memory_order_relaxed);
+}
+
+void *lp_par_share(lp_par *p, void *v) {
+    /* a slot per phase parity: the next write to this one is two barriers away, after every
+     * thread has read it */
+    void *_Atomic *slot = &p->team->shared[p->phase & 1];
+    if (p->ith == 0) atomic_store_explicit(slot, v, memory_order_relaxed);
+    lp_par_barrier(p);
+    return atomic_load_explicit(slot, memory_order_relaxed);
+}
+
+/* The error and the phase it was reported in, in one word: (phase << 32) | err. A thread acts on
+ * an error from an earlier phase only: after a barrier, a thread that is late out of it must not
+ * see what thread 0 reported after it (and miss the barrier thread 0 then waits at). */
+void lp_par_fail(lp_par *p, int64_t err) {
+    int64_t none = 0;
+    if (err) atomic_compare_exchange_strong(&p->team->err, &none, (int64_t)((uint64_t)p->phase << 32 | (uint32_t)err));
+}
+
+int64_t lp_par_error(const lp_par *p) {
+    const uint64_t e = (uint64_t)atomic_load(&p->team->err);
+    return e && (unsigned)(e >> 32) < p->phase ? (int64_t)(uint32_t)e : 0;
+}
+
+int64_t lp_par_run(int n_threads, lp_par_fn fn, void *arg) {
+    lp_team team = {.nth = 1};
+#ifdef _OPENMP
+    if (n_threads > 1 && !lp_fork_child && !omp_in_parallel()) {
+#pragma omp parallel num_threads(n_threads)
+        {
+            /* (the region may get fewer threads than asked: every thread sees the same count) */
+            lp_par p = {&team, omp_get_thread_num(), omp_get_num_threads(), 0};
+            lp_par_fail(&p, fn(&p, arg));
+        }
+        return (uint32_t)atomic_load(&team.err);
+    }
+#else
+    (void)n_threads;
+#endif
+    lp_par p = {&team, 0, 1, 0};
+    lp_par_fail(&p, fn(&p, arg));
+    return (uint32_t)atomic_load(&team.err);
+}

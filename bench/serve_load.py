@@ -2,13 +2,16 @@
 against one server with -np slots, compared with the same requests one after another.
 
     python bench/serve_load.py [--model PATH] [--requests 16] [--np 4] [-n 64] [-c 1024] [-t 0]
+                               [--overhead-reps 5]
 
-1. The engine alone, in this process: one greedy request of -n tokens, per-token time (the
-   baseline of the server's overhead per streamed token).
+1. The engine alone, in this process (with serve's GOMP_SPINCOUNT): one greedy request of -n
+   tokens, timed per token from its first token — the baseline of the server's overhead.
 2. A `llamapy serve` subprocess on a free loopback port. Every request alone, one after another
    (streaming, greedy, ignore_eos so each yields exactly -n tokens): the reference texts and the
-   sequential wall time. One request alone again: per-token time through HTTP/SSE, whose excess
-   over (1) is the server's overhead per token.
+   sequential wall time. Then --overhead-reps pairs, alternately: one request through HTTP/SSE
+   (one chunk a token) and the same through the engine alone of (1); the server's overhead per
+   token is the median of the pairs' differences (one pair swings by ~2 ms on 2 cores: the
+   event loop and the kernels' threads share them).
 3. All requests at once (asyncio + httpx): every text must equal its own sequential one (a
    difference is reported with its index; batched and single decoding may legitimately differ
    where two top logits tie); tokens/s against the sequential run; p50/p99 of time to first token
@@ -112,30 +115,37 @@ def start_server(model: Path, args: argparse.Namespace, log: Path) -> tuple[subp
     raise SystemExit(f"the server did not start:\n{log.read_text(errors='replace')}")
 
 
-def engine_alone(model: Path, args: argparse.Namespace) -> float:
-    """Seconds per generated token of one greedy request through the engine, no HTTP: from its
-    first token to its end, over n - 1."""
-    from llamapy.api import Llama
-    from llamapy.engine import Engine, Request
-    from llamapy.model.sampler import SamplingParams
-    from llamapy.server.protocol import ChatTemplate, chat_prompt
+class EngineAlone:
+    """The engine in this process, no HTTP: one greedy request of -n tokens at a time, timed from
+    its first token to its end (seconds per token over n - 1), the baseline of the server's
+    overhead per streamed token."""
 
-    llm = Llama(model, n_ctx=args.c * args.np, n_threads=args.t)
-    try:
-        llm.warmup()
-        eng = Engine(llm.ctx, args.np, args.c)
-        toks, _ = chat_prompt([{"role": "user", "content": QUESTIONS[0]}], ChatTemplate.of(llm.model), llm.tokenizer)
+    def __init__(self, model: Path, args: argparse.Namespace) -> None:
+        from llamapy.api import Llama
+        from llamapy.engine import Engine, Request
+        from llamapy.model.sampler import SamplingParams
+        from llamapy.server.protocol import ChatTemplate, chat_prompt
+
+        self.n = args.n
+        self.llm = Llama(model, n_ctx=args.c * args.np, n_threads=args.t)
+        self.llm.warmup()
+        self.eng = Engine(self.llm.ctx, args.np, args.c)
+        toks, _ = chat_prompt([{"role": "user", "content": QUESTIONS[0]}], ChatTemplate.of(self.llm.model),
+                              self.llm.tokenizer)
         # logprobs as the server's measurement asks for them (one chunk per token)
-        req = Request(toks, args.n, SamplingParams(temp=0, ignore_eos=True), logprobs=0, cache_prompt=False)
-        list(eng.generate(req))  # graphs built once
+        self.req = Request(toks, args.n, SamplingParams(temp=0, ignore_eos=True), logprobs=0, cache_prompt=False)
+        list(self.eng.generate(self.req))  # graphs built once
+
+    def per_token(self) -> float:
         t_first = t_end = 0.0
-        for ev in eng.generate(req):
+        for ev in self.eng.generate(self.req):
             if ev.kind == "token" and ev.index == 0:
                 t_first = time.perf_counter()
             t_end = time.perf_counter()
-        return (t_end - t_first) / max(1, args.n - 1)
-    finally:
-        llm.close()
+        return (t_end - t_first) / max(1, self.n - 1)
+
+    def close(self) -> None:
+        self.llm.close()
 
 
 async def prompt_tokens(client: httpx.AsyncClient, url: str) -> float:
@@ -156,6 +166,8 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=64, help="tokens per request")
     ap.add_argument("-c", type=int, default=1024, help="context per slot")
     ap.add_argument("-t", type=int, default=0, help="threads (0: all cores)")
+    ap.add_argument("--overhead-reps", type=int, default=5,
+                    help="pairs (one request through the server, the same through the engine alone) timed")
     args = ap.parse_args()
     if args.model is None:
         from llamapy.model.fetch import default_model_path
@@ -163,12 +175,16 @@ def main() -> None:
         args.model = default_model_path()
     questions = [QUESTIONS[i % len(QUESTIONS)] + ("" if i < len(QUESTIONS) else f" ({i})") for i in range(args.requests)]
 
-    per_token_engine = engine_alone(args.model, args)
+    # the engine alone runs as the server does: with serve's spin of the kernels' threads between
+    # steps (cli/serve.py; read when the kernels load, here and in the server child)
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", "1000000")
+    alone = EngineAlone(args.model, args)
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"serve_load.{os.getpid()}.log"
     proc, url = start_server(args.model, args, log)
     try:
 
-        async def run() -> tuple[list[Result], float, Result, list[Result], float]:
+        async def run() -> tuple[list[Result], float, list[tuple[float, float]], list[Result], float]:
             limits = httpx.Limits(max_connections=args.requests + 4)
             async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
                 await chat(client, url, "warm up", 4)
@@ -177,25 +193,32 @@ def main() -> None:
                 seq = [await chat(client, url, q, args.n) for q in questions]
                 t_seq = time.perf_counter() - t0
                 p1 = await prompt_tokens(client, url)
-                single = await chat(client, url, questions[0], args.n, per_token=True)
+                # (server, engine alone) seconds per token, alternately: the same request, the
+                # cores otherwise idle for each (the server waits while this process decodes)
+                pairs = []
+                for _ in range(args.overhead_reps):
+                    single = await chat(client, url, questions[0], args.n, per_token=True)
+                    pairs.append(((single.wall - single.t_first) / max(1, args.n - 1), alone.per_token()))
                 p2 = await prompt_tokens(client, url)
                 t0 = time.perf_counter()
                 conc = await asyncio.gather(*(chat(client, url, q, args.n) for q in questions))
                 t_conc = time.perf_counter() - t0
                 evaluated.extend([p1 - p0, await prompt_tokens(client, url) - p2])
-                return seq, t_seq, single, list(conc), t_conc
+                return seq, t_seq, pairs, list(conc), t_conc
 
         evaluated: list[float] = []
-        seq, t_seq, single, conc, t_conc = asyncio.run(run())
+        seq, t_seq, pairs, conc, t_conc = asyncio.run(run())
         slots = httpx.get(url + "/slots", timeout=10).json()
     finally:
         proc.terminate()
         proc.wait(30)
+        alone.close()
     n_tok = args.n * args.requests
     mismatches = [i for i, (a, b) in enumerate(zip(seq, conc)) if a.text != b.text]
     lost = [i for i, r in enumerate(conc) if not r.text]
     # from the first content chunk to the end of the stream, as for the engine alone
-    per_token_server = (single.wall - single.t_first) / max(1, args.n - 1)
+    server_ms, engine_ms = (np.array(x) * 1e3 for x in zip(*pairs))
+    over = server_ms - engine_ms
     ttft = [r.t_first for r in conc]
     itl = [x for r in conc for x in r.itl]
     print(f"## serve_load: {args.requests} streaming chats, -np {args.np}, -n {args.n}, -c {args.c} per slot, model {args.model.name}")
@@ -210,8 +233,9 @@ def main() -> None:
           f"differ from their single-request output: {mismatches or 'none'}")  # fmt: skip
     print(f"- concurrent TTFT ms: p50 {pct(ttft, 50):.1f}, p99 {pct(ttft, 99):.1f}; "
           f"ITL ms: p50 {pct(itl, 50):.1f}, p99 {pct(itl, 99):.1f}")  # fmt: skip
-    print(f"- per token, one request: engine alone {per_token_engine * 1e3:.2f} ms, through HTTP/SSE "
-          f"{per_token_server * 1e3:.2f} ms; server overhead {(per_token_server - per_token_engine) * 1e3:+.2f} ms/token")  # fmt: skip
+    print(f"- per token, one request ({len(pairs)} pairs, medians): engine alone {np.median(engine_ms):.2f} ms, "
+          f"through HTTP/SSE {np.median(server_ms):.2f} ms; server overhead {np.median(over):+.2f} ms/token "
+          f"(pairs {', '.join(f'{o:+.2f}' for o in over)})")  # fmt: skip
     print(f"- prompt tokens evaluated: one after another {evaluated[0]:.0f}, concurrent {evaluated[1]:.0f}")
     print(f"- slots busy afterwards: {sum(1 for s in slots if s['is_processing'])}")
 

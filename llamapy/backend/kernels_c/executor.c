@@ -372,7 +372,7 @@ static int ex_serial_record(const ex_slot *r) {
         return 0;
     }
     default: { /* a small record of the others: as a team of one */
-        lp_team solo = {.nth = 1};
+        lp_team solo = {0};
         lp_par one = {&solo, 0, 1, 0};
         return ex_par_record(&one, r);
     }

@@ -21,12 +21,14 @@
 #include <stdint.h>
 
 typedef struct lp_team {
-    int nth;
-    int _Atomic arrived;      /* threads at the current barrier */
-    unsigned _Atomic gen;     /* barriers completed */
-    int64_t _Atomic next[2];  /* dynamic units of the even / odd phases */
-    int64_t _Atomic err;      /* the first error a thread reported and its phase (0: none) */
-    void *_Atomic shared[2];  /* thread 0's pointers of the even / odd phases */
+    /* (a cache line each for the arrivals, what the waiters spin on, and the unit counters: an
+     * arrival does not disturb the spinning threads' copy of gen) */
+    _Alignas(64) int _Atomic arrived; /* threads at the current barrier */
+    _Alignas(64) unsigned _Atomic gen; /* barriers completed (a futex word) */
+    int _Atomic sleepers;              /* threads asleep on gen */
+    _Alignas(64) int64_t _Atomic next[2]; /* dynamic units of the even / odd phases */
+    int64_t _Atomic err;               /* the first error a thread reported and its phase (0: none) */
+    void *_Atomic shared[2];           /* thread 0's pointers of the even / odd phases */
 } lp_team;
 
 typedef struct {
@@ -42,7 +44,7 @@ typedef int64_t (*lp_par_fn)(lp_par *p, void *arg);
  * thread reported (lp_par_fail, or a nonzero return of fn), 0 if none. */
 int64_t lp_par_run(int n_threads, lp_par_fn fn, void *arg);
 
-/* every thread of the team waits here for the others (spinning a while, then yielding) */
+/* every thread of the team waits here for the others (spinning a while, then asleep) */
 void lp_par_barrier(lp_par *p);
 
 /* the next unit of this phase's dynamic loop: 0, 1, 2, ... across the team */

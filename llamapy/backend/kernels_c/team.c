@@ -24,13 +24,16 @@ static void lp_on_fork_child(void) { lp_fork_child = 1; }
 __attribute__((constructor)) static void lp_register_atfork(void) { pthread_atfork(NULL, NULL, lp_on_fork_child); }
 #endif
 
-/* Rounds of spinning at a barrier before yielding the core between checks. A barrier inside a
- * split waits for microseconds (a kernel's uneven end, thread 0's row-wise records), which a
- * sleep and wake-up would cost several times over; ~100 us of spinning covers those, and beyond
- * it yielding keeps a thread that shares its core with another process from starving it (a
- * spinning thread's core is not given to the thread it waits for: measured at stop 9 and 18 with
- * libgomp's long spins, 45 -> 6 tok/s with a busy loop on one core). */
-#define LP_SPIN_ROUNDS 4096
+/* Rounds of spinning at a barrier before sleeping. A barrier inside a split waits for
+ * microseconds (a kernel's uneven end, thread 0's row-wise records), which a sleep and wake-up
+ * would cost several times over; ~100 us of spinning covers those. Beyond it the thread waits
+ * (it was descheduled: the machine is busy), sleeping on a futex until the last thread arrives,
+ * so that its core goes to the thread it waits for (a spinning or merely yielding thread keeps
+ * it: measured at stop 9 and 18 with libgomp's long spins, 45 -> 6 tok/s with a busy loop on
+ * one core). */
+#include <stdlib.h>
+static int spin_rounds(void) { const char *e = getenv("LP_SPIN"); return e ? atoi(e) : 2048; }
+#define LP_SPIN_ROUNDS spin_rounds_v
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -40,6 +43,26 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+#ifdef __linux__
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* sleep while *word == val (returns at once if it is not) / wake every sleeper on word */
+static void word_wait(unsigned _Atomic *word, unsigned val) {
+    syscall(SYS_futex, (unsigned *)word, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
+}
+static void word_wake(unsigned _Atomic *word) { syscall(SYS_futex, (unsigned *)word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0); }
+#else
+static void word_wait(unsigned _Atomic *word, unsigned val) {
+    (void)word, (void)val;
+    sched_yield();
+}
+static void word_wake(unsigned _Atomic *word) { (void)word; }
+#endif
+
+static __thread int spin_rounds_v = 2048;
 void lp_par_barrier(lp_par *p) {
     lp_team *t = p->team;
     /* the counter of the phase after this one was last used two phases ago: everyone is done
@@ -47,17 +70,22 @@ void lp_par_barrier(lp_par *p) {
     if (p->ith == 0) atomic_store_explicit(&t->next[(p->phase + 1) & 1], 0, memory_order_relaxed);
     p->phase++;
     if (p->nth == 1) return;
-    const unsigned gen = atomic_load_explicit(&t->gen, memory_order_acquire);
-    if (atomic_fetch_add_explicit(&t->arrived, 1, memory_order_acq_rel) == p->nth - 1) {
-        atomic_store_explicit(&t->arrived, 0, memory_order_relaxed);
-        atomic_fetch_add_explicit(&t->gen, 1, memory_order_release);
+    const unsigned gen = atomic_load(&t->gen);
+    if (atomic_fetch_add(&t->arrived, 1) == p->nth - 1) {
+        atomic_store(&t->arrived, 0);
+        atomic_fetch_add(&t->gen, 1);
+        /* (sequentially consistent: a sleeper counted after this sees the new gen instead) */
+        if (atomic_load(&t->sleepers)) word_wake(&t->gen);
         return;
     }
     for (int i = 0; atomic_load_explicit(&t->gen, memory_order_acquire) == gen; i++) {
-        if (i < LP_SPIN_ROUNDS)
+        if (i < LP_SPIN_ROUNDS) {
             cpu_relax();
-        else
-            sched_yield();
+        } else {
+            atomic_fetch_add(&t->sleepers, 1);
+            if (atomic_load(&t->gen) == gen) word_wait(&t->gen, gen);
+            atomic_fetch_sub(&t->sleepers, 1);
+        }
     }
 }
 
@@ -88,12 +116,13 @@ int64_t lp_par_error(const lp_par *p) {
 }
 
 int64_t lp_par_run(int n_threads, lp_par_fn fn, void *arg) {
-    lp_team team = {.nth = 1};
+    lp_team team = {0};
 #ifdef _OPENMP
     if (n_threads > 1 && !lp_fork_child && !omp_in_parallel()) {
 #pragma omp parallel num_threads(n_threads)
         {
             /* (the region may get fewer threads than asked: every thread sees the same count) */
+            spin_rounds_v = spin_rounds();
             lp_par p = {&team, omp_get_thread_num(), omp_get_num_threads(), 0};
             lp_par_fail(&p, fn(&p, arg));
         }

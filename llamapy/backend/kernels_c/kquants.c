@@ -1628,6 +1628,60 @@ KQ_INLINE float kq_gv_q4_K_row(int nb, const block_q4_K *x, const kq_gv_q4 *a) {
     return acc - accm;
 }
 
+/* Four rows at once, kq_q4k_chain in 4 float32 lanes (one per row: the same operations as
+ * kq_gv_q4_K_row's, so the same bits). The rows' [pair 0 | pair 1], [pair 2 | pair 3] vectors are
+ * summed per 256-bit half by one transposing reduction (unpack, add; lanes 4p + r in the end),
+ * their mins sums by one permutation. */
+KQ_INLINE void kq_gv_q4_K_rows4(int nb, const uint8_t *w, int64_t row_bytes, const kq_gv_q4 *a, float *s) {
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i i02 = KQ_GV_IDX(0, 2), i13 = KQ_GV_IDX(1, 3), i46 = KQ_GV_IDX(4, 6), i57 = KQ_GV_IDX(5, 7);
+    const __m512i pidx = _mm512_setr_epi32(0, 2, 8, 10, 4, 6, 12, 14, 1, 3, 9, 11, 5, 7, 13, 15);
+    const __m512i midx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const block_q4_K *x[4];
+    for (int r = 0; r < 4; ++r) x[r] = (const block_q4_K *)(w + r * row_bytes);
+    __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        __m512i t[4];
+        __m128i mr[4];
+        for (int r = 0; r < 4; ++r) {
+            const block_q4_K *xb = x[r] + i;
+            const __m128i sm8 = kq_gv_scale_min_k4(xb);
+            mr[r] = _mm_madd_epi16(_mm_unpackhi_epi8(sm8, _mm_setzero_si128()), a[i].bs32);
+            const __m512i sc = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm8));
+            const __m512i b0 = _mm512_loadu_si512((const void *)xb->qs);
+            const __m512i b1 = _mm512_loadu_si512((const void *)(xb->qs + 64));
+            const __m512i l0 = _mm512_and_si512(b0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), m4);
+            const __m512i l1 = _mm512_and_si512(b1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), m4);
+            __m512i z01 = _mm512_madd_epi16(_mm512_maddubs_epi16(l0, a[i].q[0]), _mm512_shuffle_epi8(sc, i02));
+            z01 = _mm512_dpwssd_epi32(z01, _mm512_maddubs_epi16(h0, a[i].q[1]), _mm512_shuffle_epi8(sc, i13));
+            __m512i z23 = _mm512_madd_epi16(_mm512_maddubs_epi16(l1, a[i].q[2]), _mm512_shuffle_epi8(sc, i46));
+            z23 = _mm512_dpwssd_epi32(z23, _mm512_maddubs_epi16(h1, a[i].q[3]), _mm512_shuffle_epi8(sc, i57));
+            /* per 128 bits [z01 0+2, z23 0+2, z01 1+3, z23 1+3] */
+            t[r] = _mm512_add_epi32(_mm512_unpacklo_epi32(z01, z23), _mm512_unpackhi_epi32(z01, z23));
+        }
+        /* per 128 bits k: [z01 r, z23 r, z01 r+1, z23 r+1] summed over 128-bit lane k */
+        const __m512i u01 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[0], t[1]), _mm512_unpackhi_epi64(t[0], t[1]));
+        const __m512i u23 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2], t[3]), _mm512_unpackhi_epi64(t[2], t[3]));
+        const __m512 S = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(pidx, kq_l2(u01, u23))); /* lanes 4p + r */
+        const __m512i m = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_setr_m128i(mr[0], mr[1])), _mm256_setr_m128i(mr[2], mr[3]), 1);
+        const __m512 M = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(midx, m));
+        const __m256 dm = _mm256_cvtph_ps(_mm_setr_epi16((short)x[0][i].d, (short)x[1][i].d, (short)x[2][i].d, (short)x[3][i].d,
+                                                         (short)x[0][i].dmin, (short)x[1][i].dmin, (short)x[2][i].dmin,
+                                                         (short)x[3][i].dmin));
+        const __m128 yd = _mm_set1_ps(a[i].d);
+        const __m128 dd = _mm_mul_ps(_mm256_castps256_ps128(dm), yd), dmn = _mm_mul_ps(_mm256_extractf128_ps(dm, 1), yd);
+        acc = _mm_fmadd_ps(_mm512_castps512_ps128(S), dd, acc);
+        accm = _mm_fmadd_ps(_mm512_castps512_ps128(M), dmn, accm);
+        acc = _mm_fmadd_ps(_mm512_extractf32x4_ps(S, 1), dd, acc);
+        accm = _mm_fmadd_ps(_mm512_extractf32x4_ps(M, 1), dmn, accm);
+        acc = _mm_fmadd_ps(_mm512_extractf32x4_ps(S, 2), dd, acc);
+        accm = _mm_fmadd_ps(_mm512_extractf32x4_ps(M, 2), dmn, accm);
+        acc = _mm_fmadd_ps(_mm512_extractf32x4_ps(S, 3), dd, acc);
+        accm = _mm_fmadd_ps(_mm512_extractf32x4_ps(M, 3), dmn, accm);
+    }
+    _mm_storeu_ps(s, _mm_sub_ps(acc, accm));
+}
+
 KQ_API void lp_gemv_q4_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
                               const void *restrict x) {
     const int nb = n / QK_K;
@@ -1637,14 +1691,58 @@ KQ_API void lp_gemv_q4_K_q8_K(int n, float *restrict s, const void *restrict w, 
     }
     kq_gv_q4 a[nb];
     kq_gv_q4_K_prep(nb, (const block_q8_K *)x, a);
-    for (int r = 0; r < nr; ++r) s[r] = kq_gv_q4_K_row(nb, (const block_q4_K *)((const uint8_t *)w + r * row_bytes), a);
+    int r = 0;
+    for (; r + 4 <= nr; r += 4) kq_gv_q4_K_rows4(nb, (const uint8_t *)w + r * row_bytes, row_bytes, a, s + r);
+    for (; r < nr; ++r) s[r] = kq_gv_q4_K_row(nb, (const block_q4_K *)((const uint8_t *)w + r * row_bytes), a);
 }
 #else
-/* AVX2: the vec_dot's body inlined into the row loop (its constants set up once a call) */
+/* AVX2: four rows at once, kq_q4k_chain in 4 float32 lanes (one per row: the vec_dot's operations,
+ * so its bits), each row's pair sums and mins sums transposed into pair-major vectors; the rest
+ * row by row through the vec_dot's body */
+KQ_INLINE void kq_gv_q4_K_rows4(int nb, const uint8_t *w, int64_t row_bytes, const block_q8_K *y, float *s) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const block_q4_K *x[4];
+    for (int r = 0; r < 4; ++r) x[r] = (const block_q4_K *)(w + r * row_bytes);
+    __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        __m128i S[4], M[4];
+        for (int r = 0; r < 4; ++r) {
+            const block_q4_K *xb = x[r] + i;
+            const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(xb->scales));
+            const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms16));
+            __m256i pj[4];
+            for (int j = 0; j < 4; ++j) {
+                const __m256i bits = _mm256_loadu_si256((const __m256i *)(xb->qs + 32 * j));
+                pj[j] = _mm256_add_epi32(kq_dot32(_mm256_and_si256(bits, m4), y[i].qs + 64 * j, kq_scale16_bcast(sc, 2 * j)),
+                                         kq_dot32(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), y[i].qs + 64 * j + 32,
+                                                  kq_scale16_bcast(sc, 2 * j + 1)));
+            }
+            S[r] = kq_sum4_256(pj[0], pj[1], pj[2], pj[3]);
+            M[r] = kq_mins_dot(ms16, y[i].bsums);
+        }
+        __m128 sf[4] = {_mm_cvtepi32_ps(S[0]), _mm_cvtepi32_ps(S[1]), _mm_cvtepi32_ps(S[2]), _mm_cvtepi32_ps(S[3])};
+        __m128 mf[4] = {_mm_cvtepi32_ps(M[0]), _mm_cvtepi32_ps(M[1]), _mm_cvtepi32_ps(M[2]), _mm_cvtepi32_ps(M[3])};
+        _MM_TRANSPOSE4_PS(sf[0], sf[1], sf[2], sf[3]); /* sf[p]: pair p of the 4 rows */
+        _MM_TRANSPOSE4_PS(mf[0], mf[1], mf[2], mf[3]);
+        const __m256 dm = _mm256_cvtph_ps(_mm_setr_epi16((short)x[0][i].d, (short)x[1][i].d, (short)x[2][i].d, (short)x[3][i].d,
+                                                         (short)x[0][i].dmin, (short)x[1][i].dmin, (short)x[2][i].dmin,
+                                                         (short)x[3][i].dmin));
+        const __m128 yd = _mm_set1_ps(y[i].d);
+        const __m128 dd = _mm_mul_ps(_mm256_castps256_ps128(dm), yd), dmn = _mm_mul_ps(_mm256_extractf128_ps(dm, 1), yd);
+        for (int p = 0; p < 4; ++p) {
+            acc = _mm_fmadd_ps(sf[p], dd, acc);
+            accm = _mm_fmadd_ps(mf[p], dmn, accm);
+        }
+    }
+    _mm_storeu_ps(s, _mm_sub_ps(acc, accm));
+}
+
 KQ_API void lp_gemv_q4_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
                               const void *restrict x) {
     const int nb = n / QK_K;
-    for (int r = 0; r < nr; ++r)
+    int r = 0;
+    for (; r + 4 <= nr; r += 4) kq_gv_q4_K_rows4(nb, (const uint8_t *)w + r * row_bytes, row_bytes, (const block_q8_K *)x, s + r);
+    for (; r < nr; ++r)
         s[r] = kq_dot_q4_K(nb, (const block_q4_K *)((const uint8_t *)w + r * row_bytes), (const block_q8_K *)x);
 }
 #endif /* LP_KQ_AVX512 */

@@ -1,18 +1,28 @@
 /* K-quant dot products with q8_K activations, and the q8_K activation quantizer.
  *
  * ggml counterparts: ggml-quants.c quantize_row_q8_K_ref; ggml-cpu quants.c
- * ggml_vec_dot_q{2,3,4,5,6}_K_q8_K_generic and their x86 versions in arch/x86/quants.c.
+ * ggml_vec_dot_q{2,3,4,5,6}_K_q8_K_generic and their x86 versions in arch/x86/quants.c; for the
+ * float32 order of Q3_K-Q6_K, repack.cpp's ggml_gemm_q4_K_8x8_q8_K and tiled/tiled-kernel.cpp.
  *
  * What is computed (ggml's definition): for each 256-element super-block, the exact integer sum
  * of weight quants times activation quants inside each sub-block, times the sub-block's integer
  * scale, summed as an integer; then times the float32 product of the two super-block scales
  * (weight d x activation d), minus, for types with mins, dmin x activation d x the integer
  * sum of mins times the activation's 16-element sums (bsums); the block results summed in
- * float32. Only that last float32 summation (its order, and FMA or not) differs between the
- * variants below, so all agree with a float64 evaluation to ~1e-6 relative.
+ * float32. Only the float32 part has an order to choose. Q3_K-Q6_K take, in every variant and at
+ * every batch size, the order of llama.cpp 0.3.36's x86 prompt kernels (kq_q4k_chain,
+ * kq_tiled_step below), so llama-perplexity's logits for a K-quant file are llamapy's bit for bit
+ * (tests/model/test_perplexity.py, the tiny32 Q4_K_M same-file test): Q4_K weights go through
+ * its repacked q4_K_8x8 gemm there (every ne[1] % 8 == 0 matrix, AVX2 and AVX-512), the others'
+ * prompts of >= 8 rows through the tiled microtiles. llama.cpp itself is not batch-invariant here
+ * (its 1-3 leftover rows of a Q4_K batch run the q4_K_8x8 gemv, per super-block; < 8 rows of the
+ * others the vec_dots, 8 lanes + hsum): llamapy keeps one order for a token alone or in any batch,
+ * so its decode matches llama.cpp's prompt arithmetic, not its 1-token one. Q2_K keeps the
+ * vec_dot order of ggml's AVX2 code (llama.cpp repacks it on AVX-512: not followed).
  *
  * This file is compiled once per SIMD variant (see lp_quants.h), each defining the same names:
- *   portable C     - no -march flags; also the reference the others are tested against;
+ *   portable C     - no -march flags (scalar fmaf: the same order, so the same bits, as the
+ *                    others for Q3_K-Q6_K);
  *   AVX2           - maddubs (u8 weight x s8 activation -> s16 pairs) then madd with the
  *                    sub-block scales (-> s32), ggml's approach: no saturation is possible,
  *                    since a pair is at most 2 x 63 x 127 < 32767;
@@ -723,7 +733,10 @@ KQ_API void lp_vec_dot_q5_K_q8_K(int n, float *restrict s, const void *restrict 
  * high bits of element 32s + l.
  */
 /* the vec_dot of nb blocks (inlined into lp_gemv_q6_K_q8_K's row loop too) */
-KQ_INLINE float kq_dot_q6_K(int nb, const block_q6_K *restrict x, const block_q8_K *restrict y) {
+#if defined(__AVX2__)
+/* one Q6_K block's integer sum in 8 int32 lanes (the +32 offset's share subtracted), the
+ * AVX2 vec_dot's lanes (any lanes would do: their total is exact) */
+KQ_INLINE __m256i kq_q6k_lanes(const block_q6_K *restrict x, const block_q8_K *restrict y) {
 #if defined(LP_KQ_AVX512)
     const __m512i m15 = _mm512_set1_epi8(15);
     const __m512i m48 = _mm512_set1_epi8(48);
@@ -735,64 +748,64 @@ KQ_INLINE float kq_dot_q6_K(int nb, const block_q6_K *restrict x, const block_q8
         _mm512_castsi256_si512(_mm256_setr_m128i(_mm_set1_epi16(0), _mm_set1_epi16(1))),
         _mm256_setr_m128i(_mm_set1_epi16(2), _mm_set1_epi16(3)), 1);
     const __m512i four = _mm512_set1_epi16(4);
-    float acc = 0.0f;
-    for (int i = 0; i < nb; ++i) {
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
-        const __m512i sc = _mm512_castsi256_si512(sc16);
-        const int8_t *q8 = y[i].qs;
-        __m512i sumi = _mm512_setzero_si512();
-        __m512i idx = idx0;
-        for (int k = 0; k < 2; ++k) {
-            const __m512i ql = _mm512_loadu_si512((const void *)(x[i].ql + 64 * k));
-            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * k)));
-            const __m512i wa = _mm512_or_si512(_mm512_and_si512(ql, m15), _mm512_and_si512(_mm512_sllv_epi64(qh, shl), m48));
-            const __m512i wb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m15),
-                                               _mm512_and_si512(_mm512_srlv_epi64(qh, shr), m48));
-            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(wa, _mm512_loadu_si512((const void *)(q8 + 128 * k))),
-                                       _mm512_permutexvar_epi16(idx, sc));
-            idx = _mm512_add_epi16(idx, four);
-            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(wb, _mm512_loadu_si512((const void *)(q8 + 128 * k + 64))),
-                                       _mm512_permutexvar_epi16(idx, sc));
-            idx = _mm512_add_epi16(idx, four);
-        }
-        /* quants were used +32: subtract 32 x scale x bsums */
-        __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
-        s8 = _mm256_sub_epi32(s8, _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)y[i].bsums)), 5));
-        acc = kq_tiled_step(kq_hsum_epi32_256(s8), kq_h2f(x[i].d), y[i].d, acc);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales));
+    const __m512i sc = _mm512_castsi256_si512(sc16);
+    const int8_t *q8 = y->qs;
+    __m512i sumi = _mm512_setzero_si512();
+    __m512i idx = idx0;
+    for (int k = 0; k < 2; ++k) {
+        const __m512i ql = _mm512_loadu_si512((const void *)(x->ql + 64 * k));
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->qh + 32 * k)));
+        const __m512i wa = _mm512_or_si512(_mm512_and_si512(ql, m15), _mm512_and_si512(_mm512_sllv_epi64(qh, shl), m48));
+        const __m512i wb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m15),
+                                           _mm512_and_si512(_mm512_srlv_epi64(qh, shr), m48));
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(wa, _mm512_loadu_si512((const void *)(q8 + 128 * k))),
+                                   _mm512_permutexvar_epi16(idx, sc));
+        idx = _mm512_add_epi16(idx, four);
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(wb, _mm512_loadu_si512((const void *)(q8 + 128 * k + 64))),
+                                   _mm512_permutexvar_epi16(idx, sc));
+        idx = _mm512_add_epi16(idx, four);
     }
-    return acc;
-#elif defined(__AVX2__)
+    /* quants were used +32: subtract 32 x scale x bsums */
+    const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
+    return _mm256_sub_epi32(s8, _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)y->bsums)), 5));
+#else
     const __m256i m15 = _mm256_set1_epi8(15);
     const __m256i m48 = _mm256_set1_epi8(48);
-    float acc = 0.0f;
-    for (int i = 0; i < nb; ++i) {
-        const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
-        const kq_sc16 sc = kq_sc16_load(sc8);
-        const __m256i off = _mm256_slli_epi32(
-            _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc8), _mm256_loadu_si256((const __m256i *)y[i].bsums)), 5);
-        const int8_t *q8 = y[i].qs;
-        __m256i sumi = _mm256_setzero_si256();
+    const __m128i sc8 = _mm_loadu_si128((const __m128i *)x->scales);
+    const kq_sc16 sc = kq_sc16_load(sc8);
+    const __m256i off = _mm256_slli_epi32(
+        _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc8), _mm256_loadu_si256((const __m256i *)y->bsums)), 5);
+    const int8_t *q8 = y->qs;
+    __m256i sumi = _mm256_setzero_si256();
 #if defined(__GNUC__)
 #pragma GCC unroll 2
 #endif
-        for (int k = 0; k < 2; ++k) {
-            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * k));
-            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * k + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * k));
-            /* 16-bit shifts by <= 4 then masking bits 4-5 keep every bit in its own byte */
-            const __m256i w0 = _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m48));
-            const __m256i w1 = _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m48));
-            const __m256i w2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m48));
-            const __m256i w3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
-                                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m48));
-            const __m256i p0 = kq_dot32(w0, q8 + 128 * k + 0, kq_scales16_pair(sc, 4 * k + 0));
-            const __m256i p1 = kq_dot32(w1, q8 + 128 * k + 32, kq_scales16_pair(sc, 4 * k + 1));
-            const __m256i p2 = kq_dot32(w2, q8 + 128 * k + 64, kq_scales16_pair(sc, 4 * k + 2));
-            const __m256i p3 = kq_dot32(w3, q8 + 128 * k + 96, kq_scales16_pair(sc, 4 * k + 3));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
-        }
-        acc = kq_tiled_step(kq_hsum_epi32_256(_mm256_sub_epi32(sumi, off)), kq_h2f(x[i].d), y[i].d, acc);
+    for (int k = 0; k < 2; ++k) {
+        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * k));
+        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * k + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * k));
+        /* 16-bit shifts by <= 4 then masking bits 4-5 keep every bit in its own byte */
+        const __m256i w0 = _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m48));
+        const __m256i w1 = _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m48));
+        const __m256i w2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m48));
+        const __m256i w3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
+                                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), m48));
+        const __m256i p0 = kq_dot32(w0, q8 + 128 * k + 0, kq_scales16_pair(sc, 4 * k + 0));
+        const __m256i p1 = kq_dot32(w1, q8 + 128 * k + 32, kq_scales16_pair(sc, 4 * k + 1));
+        const __m256i p2 = kq_dot32(w2, q8 + 128 * k + 64, kq_scales16_pair(sc, 4 * k + 2));
+        const __m256i p3 = kq_dot32(w3, q8 + 128 * k + 96, kq_scales16_pair(sc, 4 * k + 3));
+        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
     }
+    return _mm256_sub_epi32(sumi, off);
+#endif
+}
+#endif
+
+KQ_INLINE float kq_dot_q6_K(int nb, const block_q6_K *restrict x, const block_q8_K *restrict y) {
+#if defined(__AVX2__)
+    float acc = 0.0f;
+    for (int i = 0; i < nb; ++i) acc = kq_tiled_step(kq_hsum_epi32_256(kq_q6k_lanes(x + i, y + i)), kq_h2f(x[i].d), y[i].d, acc);
     return acc;
 #else
     float sumf = 0.0f;
@@ -1019,11 +1032,15 @@ KQ_INLINE void kq_gemm_q5_K_row(int nb, float *s, int64_t ld_s, const block_q5_K
  *   activations (each column's bsums summed per 32 elements, four columns to a vector, and its
  *   d), into one aligned buffer (kq_act8, ~21 KiB, in L1) prepared once for up to KQ_RC rows, each
  *   row's accumulators kept between chunks (kq_state8);
- * - per row and column a block then costs 4 vpdpbusd + 2 merges + 2 madd (kq_pairs: the
- *   vec_dot's integer lane sums, exact in any order), one convert and one FMA, and the mins of
- *   four columns one madd, convert and FMA together.
- * Per output these are the vec_dot's float32 operations on the vec_dot's values in the vec_dot's
- * order, lane for lane: the same bits. Measured (one thread of the shared 2-core Intel Xeon
+ * - per row and column a block then costs 4 vpdpbusd + 2 merges + 2 madd (kq_pairs; Q4_K: 4
+ *   vpdpbusd + 2 packs + 2 madd, its pairs kept apart) and the share of a transposing reduction
+ *   of the 8 columns' integer sums (exact), then the float32 part for the 8 columns at once in
+ *   8 lanes (kq_q4k_chain / kq_tiled_step's operations in their order), the mins of four columns
+ *   one madd.
+ * Per output these are the vec_dot's float32 operations on the same integers in the same order:
+ * the same bits. Measured (before the x86 prompt order of 2026-12-02; since then Q4_K's kernel
+ * does ~45 % more operations a block, measured 0.93-1.06x main's time at 128-512 tokens, 1.3x at
+ * 8-32) (one thread of the shared 2-core Intel Xeon
  * AVX-512 host, 64 rows x 2048 inputs x 512 tokens, A/B in one process, best of 30): decoding per
  * 8 columns (before) ~96 G multiply-adds/s, from the panel ~120 (Q4_K and Q6_K; ~+25 %); 8-15
  * tokens (decoded as used) ~+5 %, 16-31 about even; the products alone are as fast with maddubs +
@@ -1208,26 +1225,21 @@ KQ_INLINE void kq_gemm_q4_K_block8(const kq_panel *p, const kq_act8 *a, int i, _
     const __m512i r1 = kq_l2(kq_l2(h[4], h[5]), kq_l2(h[6], h[7]));
     __m512i md[KQ_NG];
     kq_mins8(p, a, i, md);
-    /* pair-major: lane 8 (p & 1) + c */
+    /* pair-major, [S_p | M_p] for the 8 columns (lanes c | 8 + c): one FMA a pair for both chains */
     const __m512i i01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
     const __m512i i23 = _mm512_add_epi32(i01, _mm512_set1_epi32(2));
+    const __m512i s01 = _mm512_permutex2var_epi32(r0, i01, r1), s23 = _mm512_permutex2var_epi32(r0, i23, r1);
+    const __m512i m01 = _mm512_permutex2var_epi32(md[0], i01, md[1]), m23 = _mm512_permutex2var_epi32(md[0], i23, md[1]);
     const __m256 yd = _mm256_load_ps(a->yd[i]);
-    const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(p->u.k45.d), yd), dm = _mm256_mul_ps(_mm256_set1_ps(p->u.k45.dmin), yd);
-    const __m512 s01 = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(r0, i01, r1));
-    const __m512 s23 = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(r0, i23, r1));
-    const __m512 m01 = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(md[0], i01, md[1]));
-    const __m512 m23 = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(md[0], i23, md[1]));
-    __m256 s = *acc, m = *accm;
-    s = _mm256_fmadd_ps(_mm512_castps512_ps256(s01), dd, s);
-    m = _mm256_fmadd_ps(_mm512_castps512_ps256(m01), dm, m);
-    s = _mm256_fmadd_ps(_mm512_extractf32x8_ps(s01, 1), dd, s);
-    m = _mm256_fmadd_ps(_mm512_extractf32x8_ps(m01, 1), dm, m);
-    s = _mm256_fmadd_ps(_mm512_castps512_ps256(s23), dd, s);
-    m = _mm256_fmadd_ps(_mm512_castps512_ps256(m23), dm, m);
-    s = _mm256_fmadd_ps(_mm512_extractf32x8_ps(s23, 1), dd, s);
-    m = _mm256_fmadd_ps(_mm512_extractf32x8_ps(m23, 1), dm, m);
-    *acc = s;
-    *accm = m;
+    const __m512 dd = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(p->u.k45.d), yd)),
+                                         _mm256_mul_ps(_mm256_set1_ps(p->u.k45.dmin), yd), 1);
+    __m512 am = _mm512_insertf32x8(_mm512_castps256_ps512(*acc), *accm, 1);
+    am = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_shuffle_i64x2(s01, m01, 0x44)), dd, am);
+    am = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_shuffle_i64x2(s01, m01, 0xEE)), dd, am);
+    am = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_shuffle_i64x2(s23, m23, 0x44)), dd, am);
+    am = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_shuffle_i64x2(s23, m23, 0xEE)), dd, am);
+    *acc = _mm512_castps512_ps256(am);
+    *accm = _mm512_extractf32x8_ps(am, 1);
 }
 
 /* Q5_K, 8 columns through kq_tiled_step_min: each column's block total (kq_pairs, madd / dpwssd
@@ -1556,15 +1568,14 @@ KQ_GEMM_ENTRY(lp_gemm_q6_K_q8_K, block_q6_K, kq_gemm_q6_K_row, KQ_COLS_K)
 
 #if defined(LP_KQ_AVX512)
 /* Decode (lp_quants.h lp_gemv_fn): one activation row against a thread's whole range of weight
- * rows, one row at a time so the weights stream from memory in order. Per output these are the
- * vec_dot's float32 operations on the vec_dot's values in its order, lane for lane (the same
- * bits); what changes is around them: no call and no constants per row, and for Q4_K on AVX-512
- * the activations are copied once a call into the order of the weights' nibbles, [sub-blocks
- * 0 | 2], [1 | 3], [4 | 6], [5 | 7] (the low and high nibbles of qs[0..64) and qs[64..128) as they
- * load), with their bsums summed per 32 and d, so a block needs no shuffle of its weights: the
- * two integer sums A (low nibbles) and B (high) hold in lanes 0-7 | 8-15 sub-blocks 0+4 | 2+6
- * and 1+5 | 3+7, and [A.lo + A.hi | B.lo + B.hi] are the vec_dot's int32 lanes (exact, any
- * order). Measured (noisy, one thread, 150 MB Q4_K matrices streamed from memory): ~+10-17 %
+ * rows in order so the weights stream from memory in order. Per output these are the vec_dot's
+ * float32 operations on the same integers in its order (the same bits); what changes is around
+ * them: no call and no constants per row, and for Q4_K on AVX-512 the activations are copied once
+ * a call into the order of the weights' nibbles, [sub-blocks 0 | 2], [1 | 3], [4 | 6], [5 | 7]
+ * (the low and high nibbles of qs[0..64) and qs[64..128) as they load), with their bsums summed
+ * per 32 and d, so a block needs no shuffle of its weights: the integer sums of the low and high
+ * nibbles, added, hold [pair 0 | pair 1] and [pair 2 | pair 3] (exact, any order), and four rows
+ * go through kq_q4k_chain together (kq_gv_q4_K_rows4). Measured (noisy, one thread, 150 MB Q4_K matrices streamed from memory): ~+10-17 %
  * over one vec_dot per row; Q6_K ~+2-3 %. Software prefetch 384-1536 bytes ahead: no gain.
  * ggml counterpart: ggml_vec_dot_q4_K_q8_K / q6_K, called per row by ggml_compute_forward_mul_mat. */
 #define KQ_GV_MAX_NB 128 /* the prepared activation row (Q4_K: 276 bytes a block) stays on the stack */
@@ -1747,12 +1758,27 @@ KQ_API void lp_gemv_q4_K_q8_K(int n, float *restrict s, const void *restrict w, 
 }
 #endif /* LP_KQ_AVX512 */
 
-/* Q6_K (both builds): the vec_dot's body inlined into the row loop (its activation side is loads) */
+/* Q6_K (both builds): four rows at once, their block totals summed together (kq_sum4_256) and
+ * kq_tiled_step in 4 float32 lanes (the vec_dot's operations, so its bits); the rest row by row */
 KQ_API void lp_gemv_q6_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
                               const void *restrict x) {
     const int nb = n / QK_K;
-    for (int r = 0; r < nr; ++r)
-        s[r] = kq_dot_q6_K(nb, (const block_q6_K *)((const uint8_t *)w + r * row_bytes), (const block_q8_K *)x);
+    const block_q8_K *y = (const block_q8_K *)x;
+    int r = 0;
+    for (; r + 4 <= nr; r += 4) {
+        const block_q6_K *xr[4];
+        for (int k = 0; k < 4; ++k) xr[k] = (const block_q6_K *)((const uint8_t *)w + (r + k) * row_bytes);
+        __m128 acc = _mm_setzero_ps();
+        for (int i = 0; i < nb; ++i) {
+            const __m128i S = kq_sum4_256(kq_q6k_lanes(xr[0] + i, y + i), kq_q6k_lanes(xr[1] + i, y + i),
+                                          kq_q6k_lanes(xr[2] + i, y + i), kq_q6k_lanes(xr[3] + i, y + i));
+            const __m128 xd = _mm_cvtph_ps(_mm_setr_epi16((short)xr[0][i].d, (short)xr[1][i].d, (short)xr[2][i].d,
+                                                          (short)xr[3][i].d, 0, 0, 0, 0));
+            acc = _mm_fmadd_ps(_mm_mul_ps(_mm_cvtepi32_ps(S), xd), _mm_set1_ps(y[i].d), acc);
+        }
+        _mm_storeu_ps(s + r, acc);
+    }
+    for (; r < nr; ++r) s[r] = kq_dot_q6_K(nb, (const block_q6_K *)((const uint8_t *)w + r * row_bytes), y);
 }
 
 #endif /* __AVX2__ */

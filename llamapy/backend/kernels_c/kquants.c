@@ -1390,33 +1390,49 @@ KQ_INLINE void kq_gemm_q45_K_pair(int i, int j, __m256i lo, __m256i hi, __m256i 
     }
 }
 
-/* Q4_K: each column's pair sums through kq_q4k_chain (the weights' nibbles decoded once for all) */
+/* Q4_K: each column's pair sums through kq_q4k_chain (the weights' nibbles decoded once for all),
+ * the up to 4 columns in 4 float32 lanes (their pair and mins sums transposed to pair-major) */
 KQ_INLINE void kq_gemm_q4_K_row(int nb, float *s, int64_t ld_s, const block_q4_K *x, const uint8_t *y, int64_t y_bytes,
                                 const int nc) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
-    float acc[LP_GEMM_COLS], accm[LP_GEMM_COLS];
-    for (int c = 0; c < nc; ++c) acc[c] = 0.0f, accm[c] = 0.0f;
+    __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
     for (int i = 0; i < nb; ++i) {
         const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
         const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms16));
-        const float xd = kq_h2f(x[i].d), xdmin = kq_h2f(x[i].dmin);
         __m256i lo[4], hi[4];
         for (int j = 0; j < 4; ++j) {
             const __m256i bits = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * j));
             lo[j] = _mm256_and_si256(bits, m4);
             hi[j] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
         }
-        for (int c = 0; c < nc; ++c) {
+        __m256i pj[4][4]; /* [pair][column] */
+        __m128 sf[4], mf[4];
+        float yd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int c = 0; c < 4; ++c) {
+            if (c >= nc) {
+                for (int j = 0; j < 4; ++j) pj[j][c] = _mm256_setzero_si256();
+                mf[c] = _mm_setzero_ps();
+                continue;
+            }
             const block_q8_K *yc = KQ_COL(y, y_bytes, c, i);
-            __m256i pj[4];
             for (int j = 0; j < 4; ++j)
-                pj[j] = _mm256_add_epi32(kq_dot32(lo[j], yc->qs + 64 * j, kq_scale16_bcast(sc, 2 * j)),
-                                         kq_dot32(hi[j], yc->qs + 64 * j + 32, kq_scale16_bcast(sc, 2 * j + 1)));
-            kq_q4k_step(kq_sum4_256(pj[0], pj[1], pj[2], pj[3]), kq_mins_dot(ms16, yc->bsums), xd * yc->d, xdmin * yc->d,
-                        &acc[c], &accm[c]);
+                pj[j][c] = _mm256_add_epi32(kq_dot32(lo[j], yc->qs + 64 * j, kq_scale16_bcast(sc, 2 * j)),
+                                            kq_dot32(hi[j], yc->qs + 64 * j + 32, kq_scale16_bcast(sc, 2 * j + 1)));
+            mf[c] = _mm_cvtepi32_ps(kq_mins_dot(ms16, yc->bsums));
+            yd[c] = yc->d;
+        }
+        for (int j = 0; j < 4; ++j) sf[j] = _mm_cvtepi32_ps(kq_sum4_256(pj[j][0], pj[j][1], pj[j][2], pj[j][3])); /* pair j of the columns */
+        _MM_TRANSPOSE4_PS(mf[0], mf[1], mf[2], mf[3]);
+        const __m128 ydv = _mm_loadu_ps(yd);
+        const __m128 dd = _mm_mul_ps(_mm_set1_ps(kq_h2f(x[i].d)), ydv), dm = _mm_mul_ps(_mm_set1_ps(kq_h2f(x[i].dmin)), ydv);
+        for (int p = 0; p < 4; ++p) {
+            acc = _mm_fmadd_ps(sf[p], dd, acc);
+            accm = _mm_fmadd_ps(mf[p], dm, accm);
         }
     }
-    for (int c = 0; c < nc; ++c) s[c * ld_s] = acc[c] - accm[c];
+    float out[4];
+    _mm_storeu_ps(out, _mm_sub_ps(acc, accm));
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = out[c];
 }
 
 KQ_INLINE void kq_gemm_q5_K_row(int nb, float *s, int64_t ld_s, const block_q5_K *x, const uint8_t *y, int64_t y_bytes,

@@ -50,7 +50,8 @@ SGEMM_MIN_TOKENS = 16
 # the library has their multi-column kernel (this symbol, lp_quants.h's lp_gemm_fn; the AVX2 and
 # AVX-512 builds: each weight block decoded once for LP_GEMM_COLS tokens, bit-identical to the
 # vec_dot), so their prompts stay on lp_mul_mat: a token's numbers are then the same alone or in
-# any batch, as llama.cpp's (which runs these types' prompts on vec_dot on x86). Measured (noisy:
+# any batch, and equal to llama.cpp's x86 prompt results (its vec_dots for Q4_0-Q8_0; for the K types
+# its repacked Q4_K gemm and tiled microtiles, whose order kernels_c/kquants.c follows). Measured (noisy:
 # shared 2-core AVX-512 host under load ~8; one thread each, best of 3; time of the sgemm path
 # (round_act + tiles + sgemm) / time of the q8 path (quantize_act + lp_mul_mat), bench/RESULTS.md
 # 2026-12-02):

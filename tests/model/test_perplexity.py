@@ -121,6 +121,32 @@ def test_kld_smollm2_q8_against_llama_cpp_same_file(tmp_path: Path, default_mode
         assert s.same_top()[0] >= 0.93
 
 
+TINY32_SAME_BASE = Path(__file__).parent / "references" / "tiny32-q4km-tempest-c128x1.kld.xz"
+
+
+@pytest.mark.slow
+def test_kld_tiny32_q8_against_llama_cpp_same_file(tmp_path: Path) -> None:
+    """llama.cpp's logits for the SAME tiny32 Q4_K_M file (Q4_K, Q6_K; references/README.md:
+    llama-perplexity c128 x 1 chunk, f16 cache, on the Intel AVX-512 host) — the K types' issue 11
+    bar. Near 0 only when every op is that build's bit for bit, the K types included: Q4_K in the
+    repacked q4_K_8x8 gemm's order, Q6_K in the tiled microtile's (kernels_c/kquants.c); measured
+    0.000000 / 100 % (0.0045 / 95 % before, as llama.cpp -ub 1 against its own -ub 512). Only the
+    avx512 library follows that build in every op (the SIMD exp of SwiGLU and attention); the
+    others are held to the q8 noise level. (../shared/reference's tiny32 base is from another
+    llama.cpp build: this host's llama.cpp itself is 0.0045 from it, and llamapy the same.)"""
+    from llamapy.backend import native
+
+    base = tmp_path / "tiny32-same.kld"
+    base.write_bytes(lzma.decompress(TINY32_SAME_BASE.read_bytes()))
+    s = kld_against(TINY32, base, 2048, 512)
+    if native.variant() == "avx512":
+        assert s.mean_kld()[0] <= 0.0005
+        assert s.same_top()[0] >= 0.98
+    else:
+        assert s.mean_kld()[0] <= 0.01
+        assert s.same_top()[0] >= 0.88
+
+
 # -- the files llamapy writes ------------------------------------------------------------------
 
 

@@ -4,6 +4,8 @@ SIMD variant the install built, against numpy.
 - q8_K blocks from C equal `llamapy.quants.quantize_q8_k` (ggml's quantize_row_q8_K_ref) bit for
   bit, bsums included; a few of ggml's rules are also checked by hand, on both (ties to even,
   the sign of d, first of equal magnitudes).
+- vec_dot, Q3_K-Q6_K: bit for bit the float32 order of llama.cpp's x86 prompt kernels (an exact
+  emulation here: the repacked Q4_K gemm, the tiled Q3_K/Q5_K/Q6_K microtiles), every variant.
 - vec_dot: |C - ref| <= 1e-5 * sum |w * x| per row (for types with mins, summed over the scale
   and the min parts of w separately, as ggml sums them), ref = the float64 sum of the products
   of the exactly dequantized weights (gguf.quants.dequantize) and the q8_K-dequantized
@@ -22,6 +24,7 @@ import os
 import platform
 import shutil
 import subprocess
+from fractions import Fraction
 from pathlib import Path
 
 import gguf.quants
@@ -265,3 +268,81 @@ def test_vec_dot_edge_cases(kq: KQ, name: str) -> None:
         _check(kq, name, raw, x.astype(np.float32))
     act = quants.quantize_q8_k(np.zeros(n, np.float32))
     assert not kq.vec_dot(name, raw, act, n).any()
+
+
+# ------------------------------------------------------------------------------------------------
+# the float32 order: llama.cpp 0.3.36's x86 prompt kernels
+
+
+def _fmaf(a: float, b: float, c: float) -> np.float32:
+    """fmaf: a * b + c with one rounding to float32 (nearest, ties to even), exactly."""
+    r = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    f = np.float32(float(r))
+    cands = [f, np.nextafter(f, np.float32(np.inf)), np.nextafter(f, np.float32(-np.inf))]
+    return min(cands, key=lambda v: (abs(Fraction(float(v)) - r), int(np.float32(v).view(np.uint32)) & 1))
+
+
+def _int_parts(name: str, row: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
+    """One weight row's integer parts, per block: sc * q for every element (the row dequantized
+    with d = 1, dmin = 0: exact), the sub-block min of every element (d = 0, dmin = 1; None
+    without mins), d and dmin as float32."""
+    qt = GGMLType[name]
+    _, bsize = block_size(qt)
+    b = row.reshape(-1, bsize)
+    one, zero = np.frombuffer(np.float16(1.0).tobytes(), np.uint8), np.zeros(2, np.uint8)
+
+    def with_scales(fields: list[np.ndarray]) -> np.ndarray:
+        r = b.copy()
+        for off, v in zip(F16_FIELDS[name], fields):
+            r[:, off : off + 2] = v
+        return gguf.quants.dequantize(r.reshape(-1), qt).reshape(-1, QK_K).astype(np.int64)
+
+    def f16s(off: int) -> np.ndarray:
+        return np.ascontiguousarray(b[:, off : off + 2]).view(np.float16).astype(np.float32).reshape(-1)
+
+    if len(F16_FIELDS[name]) == 1:
+        return with_scales([one]), None, f16s(F16_FIELDS[name][0]), None
+    return with_scales([one, zero]), -with_scales([zero, one]), f16s(F16_FIELDS[name][0]), f16s(F16_FIELDS[name][1])
+
+
+def _prompt_order_dot(name: str, row: np.ndarray, act: np.ndarray) -> np.float32:
+    """Q4_K as ggml_gemm_q4_K_8x8_q8_K (repack.cpp, llama.cpp's Q4_K prompts on x86: AVX2 and
+    AVX-512 bodies alike): per block and 64-element pair p, acc = fma(S_p, d_w * d_y, acc) and accm
+    = fma(M_p, dmin_w * d_y, accm), the result acc - accm. Q3_K / Q5_K / Q6_K as the tiled
+    microtiles (tiled/tiled-kernel.cpp, the prompts of >= 8 rows): per block r = S * d_w, r =
+    fma(-dmin_w, M, r) with mins, acc = fma(r, d_y, acc). S, M: the exact integer sums (sc * q . q8,
+    mn . bsums)."""
+    sq, mn, dw, dmin = _int_parts(name, row)
+    q8 = act["qs"].astype(np.int64)
+    dy = act["d"].astype(np.float32)
+    f32 = np.float32
+    acc, accm = f32(0), f32(0)
+    for i in range(sq.shape[0]):
+        if name == "Q4_K":
+            for p in range(4):
+                e = slice(64 * p, 64 * p + 64)
+                acc = _fmaf(f32(int(sq[i, e] @ q8[i, e])), f32(dw[i] * dy[i]), acc)
+                accm = _fmaf(f32(int(mn[i, e] @ q8[i, e])), f32(dmin[i] * dy[i]), accm)
+            continue
+        r = f32(f32(int(sq[i] @ q8[i])) * dw[i])
+        if mn is not None:
+            r = _fmaf(-dmin[i], f32(int(mn[i] @ q8[i])), r)
+        acc = _fmaf(r, dy[i], acc)
+    return f32(acc - accm)
+
+
+@pytest.mark.parametrize("name", ["Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_vec_dot_in_ggml_x86_prompt_order(kq: KQ, name: str) -> None:
+    """Every variant's vec_dot (so its gemm and gemv, which tests/unit/test_native_quants.py holds
+    to it bit for bit) computes llama.cpp's x86 prompt order exactly (_prompt_order_dot): the
+    float32 results of llama-perplexity on the same file. (llama.cpp's own decode runs other
+    orders for < 4 rows of Q4_K and < 8 of the others, so it is not batch-invariant; llamapy
+    takes the prompt order at every batch size.)"""
+    rng = np.random.default_rng(5 + K_TYPES.index(name))
+    n = 5 * QK_K
+    raw = random_raw(name, 6, n, rng)
+    for x in (rng.standard_normal(n) * 3, rng.uniform(-1, 1, n) ** 3 * 50):
+        act = quants.quantize_q8_k(x.astype(np.float32)).reshape(-1)
+        got = kq.vec_dot(name, raw, act, n)
+        want = np.array([_prompt_order_dot(name, raw[r], act) for r in range(raw.shape[0])], np.float32)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (name, got, want)

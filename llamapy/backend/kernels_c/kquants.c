@@ -1,18 +1,28 @@
 /* K-quant dot products with q8_K activations, and the q8_K activation quantizer.
  *
  * ggml counterparts: ggml-quants.c quantize_row_q8_K_ref; ggml-cpu quants.c
- * ggml_vec_dot_q{2,3,4,5,6}_K_q8_K_generic and their x86 versions in arch/x86/quants.c.
+ * ggml_vec_dot_q{2,3,4,5,6}_K_q8_K_generic and their x86 versions in arch/x86/quants.c; for the
+ * float32 order of Q3_K-Q6_K, repack.cpp's ggml_gemm_q4_K_8x8_q8_K and tiled/tiled-kernel.cpp.
  *
  * What is computed (ggml's definition): for each 256-element super-block, the exact integer sum
  * of weight quants times activation quants inside each sub-block, times the sub-block's integer
  * scale, summed as an integer; then times the float32 product of the two super-block scales
  * (weight d x activation d), minus, for types with mins, dmin x activation d x the integer
  * sum of mins times the activation's 16-element sums (bsums); the block results summed in
- * float32. Only that last float32 summation (its order, and FMA or not) differs between the
- * variants below, so all agree with a float64 evaluation to ~1e-6 relative.
+ * float32. Only the float32 part has an order to choose. Q3_K-Q6_K take, in every variant and at
+ * every batch size, the order of llama.cpp 0.3.36's x86 prompt kernels (kq_q4k_chain,
+ * kq_tiled_step below), so llama-perplexity's logits for a K-quant file are llamapy's bit for bit
+ * (tests/model/test_perplexity.py, the tiny32 Q4_K_M same-file test): Q4_K weights go through
+ * its repacked q4_K_8x8 gemm there (every ne[1] % 8 == 0 matrix, AVX2 and AVX-512), the others'
+ * prompts of >= 8 rows through the tiled microtiles. llama.cpp itself is not batch-invariant here
+ * (its 1-3 leftover rows of a Q4_K batch run the q4_K_8x8 gemv, per super-block; < 8 rows of the
+ * others the vec_dots, 8 lanes + hsum): llamapy keeps one order for a token alone or in any batch,
+ * so its decode matches llama.cpp's prompt arithmetic, not its 1-token one. Q2_K keeps the
+ * vec_dot order of ggml's AVX2 code (llama.cpp repacks it on AVX-512: not followed).
  *
  * This file is compiled once per SIMD variant (see lp_quants.h), each defining the same names:
- *   portable C     - no -march flags; also the reference the others are tested against;
+ *   portable C     - no -march flags (scalar fmaf: the same order, so the same bits, as the
+ *                    others for Q3_K-Q6_K);
  *   AVX2           - maddubs (u8 weight x s8 activation -> s16 pairs) then madd with the
  *                    sub-block scales (-> s32), ggml's approach: no saturation is possible,
  *                    since a pair is at most 2 x 63 x 127 < 32767;
@@ -24,6 +34,7 @@
  */
 #include "lp_quants.h"
 
+#include <math.h>
 #include <stdlib.h>
 
 #if defined(__AVX2__)
@@ -87,6 +98,37 @@ static inline int32_t kq_dot16(const int8_t *a, const int8_t *b) {
     int32_t s = 0;
     for (int l = 0; l < 16; ++l) s += (int32_t)a[l] * b[l];
     return s;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The float32 part, in ggml's order for prompts on x86 (llama.cpp 0.3.36, see the file comment):
+ * every kernel below (vec_dot, gemm, gemv, each SIMD variant) computes the exact integers of a
+ * block and hands them to one of these, so all give the same bits.
+ *
+ * Q4_K (repack.cpp ggml_gemm_q4_K_8x8_q8_K, AVX2 and AVX-512 bodies alike): per block, per pair p
+ * of 32-element sub-blocks (64 elements), S_p = sc[2p] dot(2p) + sc[2p+1] dot(2p+1) and
+ * M_p = mn[2p] bsum32(2p) + mn[2p+1] bsum32(2p+1), then
+ *   acc  = fma((float)S_p, d_w * d_y, acc);  accm = fma((float)M_p, dmin_w * d_y, accm)
+ * and the result acc - accm. */
+static inline void kq_q4k_chain(const int32_t S[4], const int32_t M[4], float dd, float dm, float *acc, float *accm) {
+    float a = *acc, b = *accm;
+    for (int p = 0; p < 4; ++p) {
+        a = fmaf((float)S[p], dd, a);
+        b = fmaf((float)M[p], dm, b);
+    }
+    *acc = a;
+    *accm = b;
+}
+
+/* Q3_K / Q5_K / Q6_K (tiled/tiled-kernel.cpp, the AVX-512 VNNI and AVX2 microtiles alike; GCC
+ * contracts the VNNI one's final multiply-add into an FMA): per block the exact integer total S
+ * (and, with mins, M = sum mn bsum32), then
+ *   r = (float)S * d_w;  [r = fma(-dmin_w, (float)M, r)];  acc = fma(r, d_y, acc) */
+static inline float kq_tiled_step(int32_t S, float xd, float yd, float acc) {
+    return fmaf((float)S * xd, yd, acc);
+}
+static inline float kq_tiled_step_min(int32_t S, int32_t M, float xd, float xdmin, float yd, float acc) {
+    return fmaf(fmaf(-xdmin, (float)M, (float)S * xd), yd, acc);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -243,7 +285,46 @@ static inline __m128i kq_mins_dot(__m256i mins_scales16, const int16_t *bsums) {
     return _mm_madd_epi16(_mm256_extracti128_si256(mins_scales16, 1), bs32);
 }
 
+/* integer sums (exact in any order) */
+static inline int32_t kq_hsum_epi32_128(__m128i v) {
+    v = _mm_add_epi32(v, _mm_unpackhi_epi64(v, v));
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 1, 1)));
+    return _mm_cvtsi128_si32(v);
+}
+static inline int32_t kq_hsum_epi32_256(__m256i v) {
+    return kq_hsum_epi32_128(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+/* [sum P0, sum P1, sum P2, sum P3] of four 8-lane vectors */
+static inline __m128i kq_sum4_256(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+/* one Q4_K block's pair sums and min sums through kq_q4k_chain */
+static inline void kq_q4k_step(__m128i S, __m128i M, float dd, float dm, float *acc, float *accm) {
+    int32_t s[4], m[4];
+    _mm_storeu_si128((__m128i *)s, S);
+    _mm_storeu_si128((__m128i *)m, M);
+    kq_q4k_chain(s, m, dd, dm, acc, accm);
+}
+
 #endif /* __AVX2__ */
+
+#if defined(LP_KQ_AVX512)
+/* [sum P0, sum P1, sum P2, sum P3] of four 16-lane vectors */
+static inline __m128i kq_sum4_512(__m512i p0, __m512i p1, __m512i p2, __m512i p3) {
+    const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(p0, p1), _mm512_unpackhi_epi32(p0, p1));
+    const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(p2, p3), _mm512_unpackhi_epi32(p2, p3));
+    const __m512i c = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b)); /* per 128 bits */
+    const __m256i d = _mm256_add_epi32(_mm512_castsi512_si256(c), _mm512_extracti64x4_epi64(c, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
+}
+/* [sum of lanes 0-7 of a, of lanes 8-15 of a, the same of b] */
+static inline __m128i kq_sum_halves_512(__m512i a, __m512i b) {
+    return kq_sum4_512(_mm512_maskz_mov_epi32(0x00FF, a), _mm512_maskz_mov_epi32(0xFF00, a),
+                       _mm512_maskz_mov_epi32(0x00FF, b), _mm512_maskz_mov_epi32(0xFF00, b));
+}
+#endif
 
 /* ---------------------------------------------------------------------------------------------
  * Q2_K: 16 sub-blocks of 16, 2-bit quants, 4-bit scale and 4-bit min each
@@ -400,9 +481,8 @@ KQ_API void lp_vec_dot_q3_K_q8_K(int n, float *restrict s, const void *restrict 
 #if defined(__AVX2__)
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m256i m4 = _mm256_set1_epi8(4);
-    __m256 acc = _mm256_setzero_ps();
+    float acc = 0.0f;
     for (int i = 0; i < nb; ++i) {
-        const float d = y[i].d * kq_h2f(x[i].d);
         const __m128i sc8 = kq_scales_q3_vec(x[i].scales);
         const kq_sc16 sc = kq_sc16_load(sc8);
         /* weights are used as q + 4 = low bits | high bit << 2 (0..7): subtract 4 x scale x bsums */
@@ -427,10 +507,9 @@ KQ_API void lp_vec_dot_q3_K_q8_K(int n, float *restrict s, const void *restrict 
                 sumi = _mm256_add_epi32(sumi, kq_dot32(w, q8 + 128 * k + 32 * sh, kq_scales16_pair(sc, b)));
             }
         }
-        sumi = _mm256_sub_epi32(sumi, off);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        acc = kq_tiled_step(kq_hsum_epi32_256(_mm256_sub_epi32(sumi, off)), kq_h2f(x[i].d), y[i].d, acc);
     }
-    *s = kq_hsum_ps256(acc);
+    *s = acc;
 #else
     float sumf = 0.0f;
     for (int i = 0; i < nb; ++i) {
@@ -448,7 +527,7 @@ KQ_API void lp_vec_dot_q3_K_q8_K(int n, float *restrict s, const void *restrict 
             }
         int isum = 0;
         for (int j = 0; j < 16; ++j) isum += sc[j] * (kq_dot16(q + 16 * j, y[i].qs + 16 * j) - 4 * y[i].bsums[j]);
-        sumf += y[i].d * kq_h2f(x[i].d) * (float)isum;
+        sumf = kq_tiled_step(isum, kq_h2f(x[i].d), y[i].d, sumf);
     }
     *s = sumf;
 #endif
@@ -459,6 +538,7 @@ KQ_API void lp_vec_dot_q3_K_q8_K(int n, float *restrict s, const void *restrict 
  */
 /* the vec_dot of nb blocks (inlined into lp_gemv_q4_K_q8_K's row loop too) */
 KQ_INLINE float kq_dot_q4_K(int nb, const block_q4_K *restrict x, const block_q8_K *restrict y) {
+    float acc = 0.0f, accm = 0.0f;
 #if defined(LP_KQ_AVX512)
     const __m512i m4 = _mm512_set1_epi8(0xF);
     /* int16 lane permutations picking scale k for the first 16 lanes and k+1 for the rest */
@@ -466,51 +546,35 @@ KQ_INLINE float kq_dot_q4_K(int nb, const block_q4_K *restrict x, const block_q8
     const __m512i idx23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(2)), _mm256_set1_epi16(3), 1);
     const __m512i idx45 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(4)), _mm256_set1_epi16(5), 1);
     const __m512i idx67 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(6)), _mm256_set1_epi16(7), 1);
-    __m512 acc = _mm512_setzero_ps();
-    __m128 acc_m = _mm_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        const float d = y[i].d * kq_h2f(x[i].d);
-        const float dmin = y[i].d * kq_h2f(x[i].dmin);
         const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
-        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(kq_mins_dot(ms16, y[i].bsums)), acc_m);
         const __m512i sc = _mm512_castsi256_si512(ms16); /* scales in int16 lanes 0..7 */
-
         const int8_t *q8 = y[i].qs;
         /* 64 bytes of qs: low nibbles = sub-blocks 0 | 2, high = 1 | 3; regroup to 0 | 1, 2 | 3 */
         const __m512i b0 = _mm512_loadu_si512((const void *)x[i].qs);
         const __m512i b1 = _mm512_loadu_si512((const void *)(x[i].qs + 64));
         const __m512i l0 = _mm512_and_si512(b0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), m4);
         const __m512i l1 = _mm512_and_si512(b1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), m4);
-        const __m512i w01 = _mm512_shuffle_i64x2(l0, h0, 0x44);
-        const __m512i w23 = _mm512_shuffle_i64x2(l0, h0, 0xEE);
-        const __m512i w45 = _mm512_shuffle_i64x2(l1, h1, 0x44);
-        const __m512i w67 = _mm512_shuffle_i64x2(l1, h1, 0xEE);
-        __m512i sumi = _mm512_setzero_si512();
-        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w01, _mm512_loadu_si512((const void *)(q8 + 0))),
-                                   _mm512_permutexvar_epi16(idx01, sc));
-        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w23, _mm512_loadu_si512((const void *)(q8 + 64))),
-                                   _mm512_permutexvar_epi16(idx23, sc));
-        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w45, _mm512_loadu_si512((const void *)(q8 + 128))),
-                                   _mm512_permutexvar_epi16(idx45, sc));
-        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w67, _mm512_loadu_si512((const void *)(q8 + 192))),
-                                   _mm512_permutexvar_epi16(idx67, sc));
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc);
+        /* pair p: sub-blocks 2p | 2p+1, each lane scaled */
+        const __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_shuffle_i64x2(l0, h0, 0x44), _mm512_loadu_si512((const void *)(q8 + 0))),
+                                             _mm512_permutexvar_epi16(idx01, sc));
+        const __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_shuffle_i64x2(l0, h0, 0xEE), _mm512_loadu_si512((const void *)(q8 + 64))),
+                                             _mm512_permutexvar_epi16(idx23, sc));
+        const __m512i p2 = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_shuffle_i64x2(l1, h1, 0x44), _mm512_loadu_si512((const void *)(q8 + 128))),
+                                             _mm512_permutexvar_epi16(idx45, sc));
+        const __m512i p3 = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_shuffle_i64x2(l1, h1, 0xEE), _mm512_loadu_si512((const void *)(q8 + 192))),
+                                             _mm512_permutexvar_epi16(idx67, sc));
+        kq_q4k_step(kq_sum4_512(p0, p1, p2, p3), kq_mins_dot(ms16, y[i].bsums), kq_h2f(x[i].d) * y[i].d,
+                    kq_h2f(x[i].dmin) * y[i].d, &acc, &accm);
     }
-    return _mm512_reduce_add_ps(acc) - kq_hsum_ps128(acc_m);
 #elif defined(__AVX2__)
     const __m256i m4 = _mm256_set1_epi8(0xF);
-    __m256 acc = _mm256_setzero_ps();
-    __m128 acc_m = _mm_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        const float d = y[i].d * kq_h2f(x[i].d);
-        const float dmin = y[i].d * kq_h2f(x[i].dmin);
         const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
-        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(kq_mins_dot(ms16, y[i].bsums)), acc_m);
         const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms16));
-
         const uint8_t *q4 = x[i].qs;
         const int8_t *q8 = y[i].qs;
-        __m256i sumi = _mm256_setzero_si256();
+        __m256i pj[4];
 #if defined(__GNUC__)
 #pragma GCC unroll 4
 #endif
@@ -518,35 +582,35 @@ KQ_INLINE float kq_dot_q4_K(int nb, const block_q4_K *restrict x, const block_q8
             const __m256i bits = _mm256_loadu_si256((const __m256i *)(q4 + 32 * j));
             const __m256i lo = _mm256_and_si256(bits, m4);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-            const __m256i pl = kq_dot32(lo, q8 + 64 * j, kq_scale16_bcast(sc, 2 * j));
-            const __m256i ph = kq_dot32(hi, q8 + 64 * j + 32, kq_scale16_bcast(sc, 2 * j + 1));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+            pj[j] = _mm256_add_epi32(kq_dot32(lo, q8 + 64 * j, kq_scale16_bcast(sc, 2 * j)),
+                                     kq_dot32(hi, q8 + 64 * j + 32, kq_scale16_bcast(sc, 2 * j + 1)));
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        kq_q4k_step(kq_sum4_256(pj[0], pj[1], pj[2], pj[3]), kq_mins_dot(ms16, y[i].bsums), kq_h2f(x[i].d) * y[i].d,
+                    kq_h2f(x[i].dmin) * y[i].d, &acc, &accm);
     }
-    return kq_hsum_ps256(acc) - kq_hsum_ps128(acc_m);
 #else
-    float sumf = 0.0f;
     for (int i = 0; i < nb; ++i) {
         uint8_t sc[8], mn[8];
         kq_scale_min_k4(x[i].scales, sc, mn);
-        int summs = 0;
-        for (int j = 0; j < 16; ++j) summs += y[i].bsums[j] * mn[j / 2];
         int8_t q[QK_K];
         for (int j = 0; j < 4; ++j)
             for (int l = 0; l < 32; ++l) {
                 q[64 * j + l] = (int8_t)(x[i].qs[32 * j + l] & 0xF);
                 q[64 * j + 32 + l] = (int8_t)(x[i].qs[32 * j + l] >> 4);
             }
-        int isum = 0;
-        for (int j = 0; j < 8; ++j)
-            isum += sc[j] * (kq_dot16(q + 32 * j, y[i].qs + 32 * j) + kq_dot16(q + 32 * j + 16, y[i].qs + 32 * j + 16));
-        const float d = y[i].d * kq_h2f(x[i].d);
-        const float dmin = y[i].d * kq_h2f(x[i].dmin);
-        sumf += d * (float)isum - dmin * (float)summs;
+        int32_t S[4], M[4];
+        for (int p = 0; p < 4; ++p) {
+            S[p] = 0;
+            M[p] = 0;
+            for (int j = 2 * p; j < 2 * p + 2; ++j) {
+                S[p] += sc[j] * (kq_dot16(q + 32 * j, y[i].qs + 32 * j) + kq_dot16(q + 32 * j + 16, y[i].qs + 32 * j + 16));
+                M[p] += mn[j] * (y[i].bsums[2 * j] + y[i].bsums[2 * j + 1]);
+            }
+        }
+        kq_q4k_chain(S, M, kq_h2f(x[i].d) * y[i].d, kq_h2f(x[i].dmin) * y[i].d, &acc, &accm);
     }
-    return sumf;
 #endif
+    return acc - accm;
 }
 
 KQ_API void lp_vec_dot_q4_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
@@ -573,13 +637,10 @@ KQ_API void lp_vec_dot_q5_K_q8_K(int n, float *restrict s, const void *restrict 
     const __m512i sh23 = _mm512_setr_epi64(2, 2, 2, 2, 1, 1, 1, 1);
     const __m512i sh45 = _mm512_setr_epi64(0, 0, 0, 0, 1, 1, 1, 1);
     const __m512i sh67 = _mm512_setr_epi64(2, 2, 2, 2, 3, 3, 3, 3);
-    __m512 acc = _mm512_setzero_ps();
-    __m128 acc_m = _mm_setzero_ps();
+    float acc = 0.0f;
     for (int i = 0; i < nb; ++i) {
-        const float d = y[i].d * kq_h2f(x[i].d);
-        const float dmin = y[i].d * kq_h2f(x[i].dmin);
         const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
-        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(kq_mins_dot(ms16, y[i].bsums)), acc_m);
+        const int32_t M = kq_hsum_epi32_128(kq_mins_dot(ms16, y[i].bsums));
         const __m512i sc = _mm512_castsi256_si512(ms16);
 
         const int8_t *q8 = y[i].qs;
@@ -606,19 +667,16 @@ KQ_API void lp_vec_dot_q5_K_q8_K(int n, float *restrict s, const void *restrict 
                                    _mm512_permutexvar_epi16(idx45, sc));
         sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w67, _mm512_loadu_si512((const void *)(q8 + 192))),
                                    _mm512_permutexvar_epi16(idx67, sc));
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc);
+        acc = kq_tiled_step_min(_mm512_reduce_add_epi32(sumi), M, kq_h2f(x[i].d), kq_h2f(x[i].dmin), y[i].d, acc);
     }
-    *s = _mm512_reduce_add_ps(acc) - kq_hsum_ps128(acc_m);
+    *s = acc;
 #elif defined(__AVX2__)
     const __m256i m4 = _mm256_set1_epi8(0xF);
     const __m256i m16 = _mm256_set1_epi8(16);
-    __m256 acc = _mm256_setzero_ps();
-    __m128 acc_m = _mm_setzero_ps();
+    float acc = 0.0f;
     for (int i = 0; i < nb; ++i) {
-        const float d = y[i].d * kq_h2f(x[i].d);
-        const float dmin = y[i].d * kq_h2f(x[i].dmin);
         const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
-        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(kq_mins_dot(ms16, y[i].bsums)), acc_m);
+        const int32_t M = kq_hsum_epi32_128(kq_mins_dot(ms16, y[i].bsums));
         const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms16));
 
         const __m256i hbits = _mm256_loadu_si256((const __m256i *)x[i].qh);
@@ -642,9 +700,9 @@ KQ_API void lp_vec_dot_q5_K_q8_K(int n, float *restrict s, const void *restrict 
             const __m256i ph = kq_dot32(hi, q8 + 64 * j + 32, kq_scale16_bcast(sc, bh));
             sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        acc = kq_tiled_step_min(kq_hsum_epi32_256(sumi), M, kq_h2f(x[i].d), kq_h2f(x[i].dmin), y[i].d, acc);
     }
-    *s = kq_hsum_ps256(acc) - kq_hsum_ps128(acc_m);
+    *s = acc;
 #else
     float sumf = 0.0f;
     for (int i = 0; i < nb; ++i) {
@@ -662,9 +720,7 @@ KQ_API void lp_vec_dot_q5_K_q8_K(int n, float *restrict s, const void *restrict 
         int isum = 0;
         for (int j = 0; j < 8; ++j)
             isum += sc[j] * (kq_dot16(q + 32 * j, y[i].qs + 32 * j) + kq_dot16(q + 32 * j + 16, y[i].qs + 32 * j + 16));
-        const float d = y[i].d * kq_h2f(x[i].d);
-        const float dmin = y[i].d * kq_h2f(x[i].dmin);
-        sumf += d * (float)isum - dmin * (float)summs;
+        sumf = kq_tiled_step_min(isum, summs, kq_h2f(x[i].d), kq_h2f(x[i].dmin), y[i].d, sumf);
     }
     *s = sumf;
 #endif
@@ -677,7 +733,10 @@ KQ_API void lp_vec_dot_q5_K_q8_K(int n, float *restrict s, const void *restrict 
  * high bits of element 32s + l.
  */
 /* the vec_dot of nb blocks (inlined into lp_gemv_q6_K_q8_K's row loop too) */
-KQ_INLINE float kq_dot_q6_K(int nb, const block_q6_K *restrict x, const block_q8_K *restrict y) {
+#if defined(__AVX2__)
+/* one Q6_K block's integer sum in 8 int32 lanes (the +32 offset's share subtracted), the
+ * AVX2 vec_dot's lanes (any lanes would do: their total is exact) */
+KQ_INLINE __m256i kq_q6k_lanes(const block_q6_K *restrict x, const block_q8_K *restrict y) {
 #if defined(LP_KQ_AVX512)
     const __m512i m15 = _mm512_set1_epi8(15);
     const __m512i m48 = _mm512_set1_epi8(48);
@@ -689,68 +748,65 @@ KQ_INLINE float kq_dot_q6_K(int nb, const block_q6_K *restrict x, const block_q8
         _mm512_castsi256_si512(_mm256_setr_m128i(_mm_set1_epi16(0), _mm_set1_epi16(1))),
         _mm256_setr_m128i(_mm_set1_epi16(2), _mm_set1_epi16(3)), 1);
     const __m512i four = _mm512_set1_epi16(4);
-    __m256 acc = _mm256_setzero_ps();
-    for (int i = 0; i < nb; ++i) {
-        const float d = y[i].d * kq_h2f(x[i].d);
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
-        const __m512i sc = _mm512_castsi256_si512(sc16);
-        const int8_t *q8 = y[i].qs;
-        __m512i sumi = _mm512_setzero_si512();
-        __m512i idx = idx0;
-        for (int k = 0; k < 2; ++k) {
-            const __m512i ql = _mm512_loadu_si512((const void *)(x[i].ql + 64 * k));
-            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * k)));
-            const __m512i wa = _mm512_or_si512(_mm512_and_si512(ql, m15), _mm512_and_si512(_mm512_sllv_epi64(qh, shl), m48));
-            const __m512i wb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m15),
-                                               _mm512_and_si512(_mm512_srlv_epi64(qh, shr), m48));
-            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(wa, _mm512_loadu_si512((const void *)(q8 + 128 * k))),
-                                       _mm512_permutexvar_epi16(idx, sc));
-            idx = _mm512_add_epi16(idx, four);
-            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(wb, _mm512_loadu_si512((const void *)(q8 + 128 * k + 64))),
-                                       _mm512_permutexvar_epi16(idx, sc));
-            idx = _mm512_add_epi16(idx, four);
-        }
-        /* quants were used +32: subtract 32 x scale x bsums */
-        __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
-        s8 = _mm256_sub_epi32(s8, _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)y[i].bsums)), 5));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s8), acc);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales));
+    const __m512i sc = _mm512_castsi256_si512(sc16);
+    const int8_t *q8 = y->qs;
+    __m512i sumi = _mm512_setzero_si512();
+    __m512i idx = idx0;
+    for (int k = 0; k < 2; ++k) {
+        const __m512i ql = _mm512_loadu_si512((const void *)(x->ql + 64 * k));
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->qh + 32 * k)));
+        const __m512i wa = _mm512_or_si512(_mm512_and_si512(ql, m15), _mm512_and_si512(_mm512_sllv_epi64(qh, shl), m48));
+        const __m512i wb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m15),
+                                           _mm512_and_si512(_mm512_srlv_epi64(qh, shr), m48));
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(wa, _mm512_loadu_si512((const void *)(q8 + 128 * k))),
+                                   _mm512_permutexvar_epi16(idx, sc));
+        idx = _mm512_add_epi16(idx, four);
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(wb, _mm512_loadu_si512((const void *)(q8 + 128 * k + 64))),
+                                   _mm512_permutexvar_epi16(idx, sc));
+        idx = _mm512_add_epi16(idx, four);
     }
-    return kq_hsum_ps256(acc);
-#elif defined(__AVX2__)
+    /* quants were used +32: subtract 32 x scale x bsums */
+    const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
+    return _mm256_sub_epi32(s8, _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)y->bsums)), 5));
+#else
     const __m256i m15 = _mm256_set1_epi8(15);
     const __m256i m48 = _mm256_set1_epi8(48);
-    __m256 acc = _mm256_setzero_ps();
-    for (int i = 0; i < nb; ++i) {
-        const float d = y[i].d * kq_h2f(x[i].d);
-        const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
-        const kq_sc16 sc = kq_sc16_load(sc8);
-        const __m256i off = _mm256_slli_epi32(
-            _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc8), _mm256_loadu_si256((const __m256i *)y[i].bsums)), 5);
-        const int8_t *q8 = y[i].qs;
-        __m256i sumi = _mm256_setzero_si256();
+    const __m128i sc8 = _mm_loadu_si128((const __m128i *)x->scales);
+    const kq_sc16 sc = kq_sc16_load(sc8);
+    const __m256i off = _mm256_slli_epi32(
+        _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc8), _mm256_loadu_si256((const __m256i *)y->bsums)), 5);
+    const int8_t *q8 = y->qs;
+    __m256i sumi = _mm256_setzero_si256();
 #if defined(__GNUC__)
 #pragma GCC unroll 2
 #endif
-        for (int k = 0; k < 2; ++k) {
-            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * k));
-            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * k + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * k));
-            /* 16-bit shifts by <= 4 then masking bits 4-5 keep every bit in its own byte */
-            const __m256i w0 = _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m48));
-            const __m256i w1 = _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m48));
-            const __m256i w2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m48));
-            const __m256i w3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
-                                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m48));
-            const __m256i p0 = kq_dot32(w0, q8 + 128 * k + 0, kq_scales16_pair(sc, 4 * k + 0));
-            const __m256i p1 = kq_dot32(w1, q8 + 128 * k + 32, kq_scales16_pair(sc, 4 * k + 1));
-            const __m256i p2 = kq_dot32(w2, q8 + 128 * k + 64, kq_scales16_pair(sc, 4 * k + 2));
-            const __m256i p3 = kq_dot32(w3, q8 + 128 * k + 96, kq_scales16_pair(sc, 4 * k + 3));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
-        }
-        sumi = _mm256_sub_epi32(sumi, off);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    for (int k = 0; k < 2; ++k) {
+        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * k));
+        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * k + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * k));
+        /* 16-bit shifts by <= 4 then masking bits 4-5 keep every bit in its own byte */
+        const __m256i w0 = _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m48));
+        const __m256i w1 = _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m48));
+        const __m256i w2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m48));
+        const __m256i w3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
+                                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), m48));
+        const __m256i p0 = kq_dot32(w0, q8 + 128 * k + 0, kq_scales16_pair(sc, 4 * k + 0));
+        const __m256i p1 = kq_dot32(w1, q8 + 128 * k + 32, kq_scales16_pair(sc, 4 * k + 1));
+        const __m256i p2 = kq_dot32(w2, q8 + 128 * k + 64, kq_scales16_pair(sc, 4 * k + 2));
+        const __m256i p3 = kq_dot32(w3, q8 + 128 * k + 96, kq_scales16_pair(sc, 4 * k + 3));
+        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
     }
-    return kq_hsum_ps256(acc);
+    return _mm256_sub_epi32(sumi, off);
+#endif
+}
+#endif
+
+KQ_INLINE float kq_dot_q6_K(int nb, const block_q6_K *restrict x, const block_q8_K *restrict y) {
+#if defined(__AVX2__)
+    float acc = 0.0f;
+    for (int i = 0; i < nb; ++i) acc = kq_tiled_step(kq_hsum_epi32_256(kq_q6k_lanes(x + i, y + i)), kq_h2f(x[i].d), y[i].d, acc);
+    return acc;
 #else
     float sumf = 0.0f;
     for (int i = 0; i < nb; ++i) {
@@ -768,7 +824,7 @@ KQ_INLINE float kq_dot_q6_K(int nb, const block_q6_K *restrict x, const block_q8
         }
         int isum = 0;
         for (int j = 0; j < 16; ++j) isum += x[i].scales[j] * kq_dot16(q + 16 * j, y[i].qs + 16 * j);
-        sumf += y[i].d * kq_h2f(x[i].d) * (float)isum;
+        sumf = kq_tiled_step(isum, kq_h2f(x[i].d), y[i].d, sumf);
     }
     return sumf;
 #endif
@@ -841,8 +897,8 @@ KQ_INLINE void kq_gemm_q3_K_row(int nb, float *s, int64_t ld_s, const block_q3_K
                                 const int nc) {
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m256i m4 = _mm256_set1_epi8(4);
-    __m256 acc[LP_GEMM_COLS];
-    for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
+    float acc[LP_GEMM_COLS];
+    for (int c = 0; c < nc; ++c) acc[c] = 0.0f;
     for (int i = 0; i < nb; ++i) {
         const float xd = kq_h2f(x[i].d);
         const __m128i sc8 = kq_scales_q3_vec(x[i].scales);
@@ -866,30 +922,14 @@ KQ_INLINE void kq_gemm_q3_K_row(int nb, float *s, int64_t ld_s, const block_q3_K
         for (int c = 0; c < nc; ++c) {
             const block_q8_K *yc = KQ_COL(y, y_bytes, c, i);
             const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)yc->bsums)), 2);
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(yc->d * xd), _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[c], off)), acc[c]);
+            acc[c] = kq_tiled_step(kq_hsum_epi32_256(_mm256_sub_epi32(sumi[c], off)), xd, yc->d, acc[c]);
         }
     }
-    for (int c = 0; c < nc; ++c) s[c * ld_s] = kq_hsum_ps256(acc[c]);
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = acc[c];
 }
 KQ_GEMM_ENTRY(lp_gemm_q3_K_q8_K, block_q3_K, kq_gemm_q3_K_row, KQ_COLS256)
 
 #if defined(LP_KQ_AVX512)
-
-/* Q4_K / Q5_K, AVX-512: w[4] are the 4 x 64 weight bytes of a block (sub-blocks 2p | 2p+1) */
-KQ_INLINE void kq_gemm_q45_K_cols(int i, const __m512i w[4], const __m512i scp[4], __m256i ms16, float xd, float xdmin,
-                                  const uint8_t *y, int64_t y_bytes, const int nc, __m512 *acc, __m128 *acc_m) {
-    for (int c = 0; c < nc; ++c) {
-        const block_q8_K *yc = KQ_COL(y, y_bytes, c, i);
-        const float d = yc->d * xd;
-        const float dmin = yc->d * xdmin;
-        acc_m[c] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(kq_mins_dot(ms16, yc->bsums)), acc_m[c]);
-        __m512i sumi = _mm512_setzero_si512();
-        for (int p = 0; p < 4; ++p)
-            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w[p], _mm512_loadu_si512((const void *)(yc->qs + 64 * p))),
-                                       scp[p]);
-        acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc[c]);
-    }
-}
 
 /* the int16 scales of sub-blocks 2p (first 16 lanes) and 2p+1 (last 16) */
 KQ_INLINE void kq_scale_pairs512(__m256i ms16, __m512i scp[4]) {
@@ -932,23 +972,53 @@ KQ_INLINE void kq_decode_q5_K(const block_q5_K *x, __m512i w[4]) {
     w[3] = _mm512_or_si512(_mm512_shuffle_i64x2(l1, hi1, 0xEE), _mm512_and_si512(_mm512_srlv_epi64(qh, sh67), m16));
 }
 
-#define KQ_Q45_ROW(type)                                                                                        \
-    KQ_INLINE void kq_gemm_##type##_row(int nb, float *s, int64_t ld_s, const block_##type *x, const uint8_t *y, \
-                                        int64_t y_bytes, const int nc) {                                       \
-        __m512 acc[LP_GEMM_COLS];                                                                              \
-        __m128 acc_m[LP_GEMM_COLS];                                                                            \
-        for (int c = 0; c < nc; ++c) acc[c] = _mm512_setzero_ps(), acc_m[c] = _mm_setzero_ps();               \
-        for (int i = 0; i < nb; ++i) {                                                                         \
-            const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));                       \
-            __m512i scp[4], w[4];                                                                              \
-            kq_scale_pairs512(ms16, scp);                                                                      \
-            kq_decode_##type(x + i, w);                                                                        \
-            kq_gemm_q45_K_cols(i, w, scp, ms16, kq_h2f(x[i].d), kq_h2f(x[i].dmin), y, y_bytes, nc, acc, acc_m); \
-        }                                                                                                      \
-        for (int c = 0; c < nc; ++c) s[c * ld_s] = _mm512_reduce_add_ps(acc[c]) - kq_hsum_ps128(acc_m[c]);     \
+/* Q4_K / Q5_K, AVX-512, up to LP_GEMM_COLS columns (w[p]: a block's weights of sub-blocks 2p | 2p+1,
+ * scp[p] their scales): Q4_K each column's pair sums through kq_q4k_chain, Q5_K its block total
+ * through kq_tiled_step_min */
+KQ_INLINE void kq_gemm_q4_K_row(int nb, float *s, int64_t ld_s, const block_q4_K *x, const uint8_t *y, int64_t y_bytes,
+                                const int nc) {
+    float acc[LP_GEMM_COLS], accm[LP_GEMM_COLS];
+    for (int c = 0; c < nc; ++c) acc[c] = 0.0f, accm[c] = 0.0f;
+    for (int i = 0; i < nb; ++i) {
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
+        __m512i scp[4], w[4];
+        kq_scale_pairs512(ms16, scp);
+        kq_decode_q4_K(x + i, w);
+        const float xd = kq_h2f(x[i].d), xdmin = kq_h2f(x[i].dmin);
+        for (int c = 0; c < nc; ++c) {
+            const block_q8_K *yc = KQ_COL(y, y_bytes, c, i);
+            __m512i P[4];
+            for (int p = 0; p < 4; ++p)
+                P[p] = _mm512_madd_epi16(_mm512_maddubs_epi16(w[p], _mm512_loadu_si512((const void *)(yc->qs + 64 * p))), scp[p]);
+            kq_q4k_step(kq_sum4_512(P[0], P[1], P[2], P[3]), kq_mins_dot(ms16, yc->bsums), xd * yc->d, xdmin * yc->d,
+                        &acc[c], &accm[c]);
+        }
     }
-KQ_Q45_ROW(q4_K)
-KQ_Q45_ROW(q5_K)
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = acc[c] - accm[c];
+}
+
+KQ_INLINE void kq_gemm_q5_K_row(int nb, float *s, int64_t ld_s, const block_q5_K *x, const uint8_t *y, int64_t y_bytes,
+                                const int nc) {
+    float acc[LP_GEMM_COLS];
+    for (int c = 0; c < nc; ++c) acc[c] = 0.0f;
+    for (int i = 0; i < nb; ++i) {
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
+        __m512i scp[4], w[4];
+        kq_scale_pairs512(ms16, scp);
+        kq_decode_q5_K(x + i, w);
+        const float xd = kq_h2f(x[i].d), xdmin = kq_h2f(x[i].dmin);
+        for (int c = 0; c < nc; ++c) {
+            const block_q8_K *yc = KQ_COL(y, y_bytes, c, i);
+            __m512i sumi = _mm512_setzero_si512();
+            for (int p = 0; p < 4; ++p)
+                sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w[p], _mm512_loadu_si512((const void *)(yc->qs + 64 * p))),
+                                           scp[p]);
+            acc[c] = kq_tiled_step_min(_mm512_reduce_add_epi32(sumi), kq_hsum_epi32_128(kq_mins_dot(ms16, yc->bsums)), xd, xdmin,
+                                       yc->d, acc[c]);
+        }
+    }
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = acc[c];
+}
 
 /* Eight columns at once (KQ_COLS8), Q4_K / Q5_K / Q6_K, cache-blocked, from decoded weights:
  * - a weight block decoded (kq_panel: its quants as unsigned bytes, its scales spread to int16
@@ -962,11 +1032,15 @@ KQ_Q45_ROW(q5_K)
  *   activations (each column's bsums summed per 32 elements, four columns to a vector, and its
  *   d), into one aligned buffer (kq_act8, ~21 KiB, in L1) prepared once for up to KQ_RC rows, each
  *   row's accumulators kept between chunks (kq_state8);
- * - per row and column a block then costs 4 vpdpbusd + 2 merges + 2 madd (kq_pairs: the
- *   vec_dot's integer lane sums, exact in any order), one convert and one FMA, and the mins of
- *   four columns one madd, convert and FMA together.
- * Per output these are the vec_dot's float32 operations on the vec_dot's values in the vec_dot's
- * order, lane for lane: the same bits. Measured (one thread of the shared 2-core Intel Xeon
+ * - per row and column a block then costs 4 vpdpbusd + 2 merges + 2 madd (kq_pairs; Q4_K: 4
+ *   vpdpbusd + 2 packs + 2 madd, its pairs kept apart) and the share of a transposing reduction
+ *   of the 8 columns' integer sums (exact), then the float32 part for the 8 columns at once in
+ *   8 lanes (kq_q4k_chain / kq_tiled_step's operations in their order), the mins of four columns
+ *   one madd.
+ * Per output these are the vec_dot's float32 operations on the same integers in the same order:
+ * the same bits. Measured (before the x86 prompt order of 2026-12-02; since then Q4_K's kernel
+ * does ~45 % more operations a block, measured 0.93-1.06x main's time at 128-512 tokens, 1.3x at
+ * 8-32) (one thread of the shared 2-core Intel Xeon
  * AVX-512 host, 64 rows x 2048 inputs x 512 tokens, A/B in one process, best of 30): decoding per
  * 8 columns (before) ~96 G multiply-adds/s, from the panel ~120 (Q4_K and Q6_K; ~+25 %); 8-15
  * tokens (decoded as used) ~+5 %, 16-31 about even; the products alone are as fast with maddubs +
@@ -987,7 +1061,7 @@ typedef struct {
     int16_t bsums[KQ_KC][KQ_COLS8][16];
 } __attribute__((aligned(64))) kq_act8;
 typedef struct {
-    __m512 acc[KQ_COLS8], acc_m[KQ_NG]; /* acc_m lanes 4c + k: column 4g + c's mins lane k */
+    __m256 acc, accm; /* lane c: column c's accumulators (kq_q4k_chain's acc, accm; the others' acc) */
 } kq_state8;
 
 /* blocks [i0, i0 + kc) of the 8 columns at y into a */
@@ -1077,50 +1151,139 @@ KQ_INLINE void kq_load_panel(const kq_panel *p, __m512i w[4], __m512i *sc01, __m
         p->u.k45.d = kq_h2f(x->d);                                                                              \
         p->u.k45.dmin = kq_h2f(x->dmin);                                                                        \
     }
-KQ_Q45_PANEL(q4_K)
 KQ_Q45_PANEL(q5_K)
+
+/* Q4_K's panel: sc[q] are the int16 scales for kq_gemm_q4_K_block8's packs of chunks 2q, 2q+1: per
+ * 128 bits, lanes 0-1 (elements 0-7 of a sub-block) (sc[4q] x 4, sc[4q+2] x 4), lanes 2-3 (elements
+ * 8-15) (sc[4q+1] x 4, sc[4q+3] x 4) */
+KQ_INLINE void kq_panel_q4_K(const block_q4_K *x, kq_panel *p) {
+    const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x->scales));
+    __m512i w[4];
+    kq_decode_q4_K(x, w);
+    for (int k = 0; k < 4; ++k) _mm512_store_si512((void *)&p->w[k], w[k]);
+    for (int q = 0; q < 2; ++q) {
+        const __m128i lo = _mm_setr_epi16((short)(4 * q), (short)(4 * q), (short)(4 * q), (short)(4 * q), (short)(4 * q + 2),
+                                          (short)(4 * q + 2), (short)(4 * q + 2), (short)(4 * q + 2));
+        const __m128i hi = _mm_add_epi16(lo, _mm_set1_epi16(1));
+        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(lo)), _mm256_broadcastsi128_si256(hi), 1);
+        _mm512_store_si512((void *)&p->sc[q], _mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(ms16)));
+    }
+    _mm_store_si128((__m128i *)p->u.k45.mins, _mm256_extracti128_si256(ms16, 1));
+    p->u.k45.d = kq_h2f(x->d);
+    p->u.k45.dmin = kq_h2f(x->dmin);
+}
+
+/* per 128 bits [a0 + a1, a2 + a3, b0 + b1, b2 + b3] */
+KQ_INLINE __m512i kq_h4(__m512i a, __m512i b) {
+    const __m512 fa = _mm512_castsi512_ps(a), fb = _mm512_castsi512_ps(b);
+    return _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(fa, fb, _MM_SHUFFLE(2, 0, 2, 0))),
+                            _mm512_castps_si512(_mm512_shuffle_ps(fa, fb, _MM_SHUFFLE(3, 1, 3, 1))));
+}
+/* 128-bit lanes [a.0 + a.1, a.2 + a.3, b.0 + b.1, b.2 + b.3] */
+KQ_INLINE __m512i kq_l2(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_i32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+/* lane c = the sum of v[c]'s 16 lanes */
+KQ_INLINE __m256i kq_sum8_512(const __m512i v[8]) {
+    __m512i t[4];
+    for (int k = 0; k < 4; ++k)
+        t[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
+    const __m512i u0 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[0], t[1]), _mm512_unpackhi_epi64(t[0], t[1]));
+    const __m512i u1 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2], t[3]), _mm512_unpackhi_epi64(t[2], t[3]));
+    const __m512i w = kq_l2(u0, u1);
+    return _mm512_castsi512_si256(kq_l2(w, w));
+}
+/* lane c = the sum of column c's 4 lanes in m0 (columns 0-3, lanes 4c + k) and m1 (4-7) */
+KQ_INLINE __m256i kq_sum_mins8(__m512i m0, __m512i m1) {
+    const __m512i h = kq_h4(m0, m1);
+    return _mm512_castsi512_si256(
+        _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), kq_h4(h, h)));
+}
+/* the mins sums of the 8 columns, lanes 4c + p per group of 4: mn[2p] bs32[2p] + mn[2p+1] bs32[2p+1] */
+KQ_INLINE void kq_mins8(const kq_panel *p, const kq_act8 *a, int i, __m512i md[KQ_NG]) {
+    const __m512i mins = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)p->u.k45.mins));
+    for (int g = 0; g < KQ_NG; ++g) md[g] = _mm512_madd_epi16(mins, _mm512_load_si512((const void *)a->bs32[i][g]));
+}
+
+/* Q4_K, one block of a row (its panel entry p) x the 8 columns' block i, through kq_q4k_chain for
+ * the 8 at once. Per column the chunks' raw 4-byte dot products (vpdpbusd; |D| <= 4 x 63 x 127 <
+ * 2^15) are packed to int16 two chunks at a time and multiplied by their scales (madd: in each 128
+ * bits lanes 0-1 pair 2q, lanes 2-3 pair 2q+1); the 16 such vectors are summed per pair (kq_h4,
+ * kq_l2: lanes 4c + p), moved to pair-major order and taken through the chain. */
+KQ_INLINE void kq_gemm_q4_K_block8(const kq_panel *p, const kq_act8 *a, int i, __m256 *acc, __m256 *accm) {
+    __m512i w[4];
+    for (int k = 0; k < 4; ++k) w[k] = _mm512_load_si512((const void *)&p->w[k]);
+    const __m512i sc0 = _mm512_load_si512((const void *)&p->sc[0]), sc1 = _mm512_load_si512((const void *)&p->sc[1]);
+    __m512i h[KQ_COLS8];
+    for (int c = 0; c < KQ_COLS8; ++c) {
+        const int8_t *q8 = a->qs[i][c];
+        __m512i x[4];
+        for (int k = 0; k < 4; ++k) x[k] = _mm512_dpbusd_epi32(kq_zero512(), w[k], _mm512_load_si512((const void *)(q8 + 64 * k)));
+        h[c] = kq_h4(_mm512_madd_epi16(_mm512_packs_epi32(x[0], x[1]), sc0), _mm512_madd_epi16(_mm512_packs_epi32(x[2], x[3]), sc1));
+    }
+    const __m512i r0 = kq_l2(kq_l2(h[0], h[1]), kq_l2(h[2], h[3])); /* lanes 4c + p, columns 0-3 */
+    const __m512i r1 = kq_l2(kq_l2(h[4], h[5]), kq_l2(h[6], h[7]));
+    __m512i md[KQ_NG];
+    kq_mins8(p, a, i, md);
+    /* pair-major, [S_p | M_p] for the 8 columns (lanes c | 8 + c): one FMA a pair for both chains */
+    const __m512i i01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+    const __m512i i23 = _mm512_add_epi32(i01, _mm512_set1_epi32(2));
+    const __m512i s01 = _mm512_permutex2var_epi32(r0, i01, r1), s23 = _mm512_permutex2var_epi32(r0, i23, r1);
+    const __m512i m01 = _mm512_permutex2var_epi32(md[0], i01, md[1]), m23 = _mm512_permutex2var_epi32(md[0], i23, md[1]);
+    const __m256 yd = _mm256_load_ps(a->yd[i]);
+    const __m512 dd = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(p->u.k45.d), yd)),
+                                         _mm256_mul_ps(_mm256_set1_ps(p->u.k45.dmin), yd), 1);
+    __m512 am = _mm512_insertf32x8(_mm512_castps256_ps512(*acc), *accm, 1);
+    am = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_shuffle_i64x2(s01, m01, 0x44)), dd, am);
+    am = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_shuffle_i64x2(s01, m01, 0xEE)), dd, am);
+    am = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_shuffle_i64x2(s23, m23, 0x44)), dd, am);
+    am = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_shuffle_i64x2(s23, m23, 0xEE)), dd, am);
+    *acc = _mm512_castps512_ps256(am);
+    *accm = _mm512_extractf32x8_ps(am, 1);
+}
+
+/* Q5_K, 8 columns through kq_tiled_step_min: each column's block total (kq_pairs, madd / dpwssd
+ * by the pair scales, summed) and mins total */
+KQ_INLINE void kq_gemm_q5_K_block8(const kq_panel *p, const kq_act8 *a, int i, __m256 *acc) {
+    __m512i w[4], sc01, sc23;
+    kq_load_panel(p, w, &sc01, &sc23);
+    __m512i t[KQ_COLS8];
+    for (int c = 0; c < KQ_COLS8; ++c) {
+        __m512i pr[2];
+        kq_pairs(w, a->qs[i][c], pr);
+        t[c] = _mm512_dpwssd_epi32(_mm512_madd_epi16(pr[0], sc01), pr[1], sc23);
+    }
+    __m512i md[KQ_NG];
+    kq_mins8(p, a, i, md);
+    const __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(kq_sum8_512(t)), _mm256_set1_ps(p->u.k45.d));
+    const __m256 r2 = _mm256_fnmadd_ps(_mm256_set1_ps(p->u.k45.dmin), _mm256_cvtepi32_ps(kq_sum_mins8(md[0], md[1])), r);
+    *acc = _mm256_fmadd_ps(r2, _mm256_load_ps(a->yd[i]), *acc);
+}
 
 /* one row's blocks [0, kc) into its state: from the panel pn (at the chunk's first block), or,
  * with pn NULL, decoded from the row's blocks x as they are used (a local panel entry, kept in
  * registers) */
-#define KQ_Q45_ROW8(type)                                                                                       \
-    KQ_INLINE void kq_gemm_##type##_row8(int kc, const kq_panel *pn, const block_##type *x, const kq_act8 *a,  \
-                                         kq_state8 *st, int first) {                                            \
-        __m512 acc[KQ_COLS8], acc_m[KQ_NG];                                                                     \
-        for (int c = 0; c < KQ_COLS8; ++c) acc[c] = first ? _mm512_setzero_ps() : st->acc[c];                  \
-        for (int g = 0; g < KQ_NG; ++g) acc_m[g] = first ? _mm512_setzero_ps() : st->acc_m[g];                 \
-        for (int i = 0; i < kc; ++i) {                                                                          \
-            kq_panel e;                                                                                         \
-            const kq_panel *p = pn != NULL ? pn + i : (kq_panel_##type(x + i, &e), &e);                         \
-            kq_gemm_q45_K_block8(p, a, i, acc, acc_m);                                                          \
-        }                                                                                                       \
-        for (int c = 0; c < KQ_COLS8; ++c) st->acc[c] = acc[c];                                                 \
-        for (int g = 0; g < KQ_NG; ++g) st->acc_m[g] = acc_m[g];                                                \
+KQ_INLINE void kq_gemm_q4_K_row8(int kc, const kq_panel *pn, const block_q4_K *x, const kq_act8 *a, kq_state8 *st,
+                                 int first) {
+    __m256 acc = first ? _mm256_setzero_ps() : st->acc, accm = first ? _mm256_setzero_ps() : st->accm;
+    for (int i = 0; i < kc; ++i) {
+        kq_panel e;
+        const kq_panel *p = pn != NULL ? pn + i : (kq_panel_q4_K(x + i, &e), &e);
+        kq_gemm_q4_K_block8(p, a, i, &acc, &accm);
     }
-
-/* one block of a row (its panel entry p) x the 8 columns' block i */
-KQ_INLINE void kq_gemm_q45_K_block8(const kq_panel *p, const kq_act8 *a, int i, __m512 *acc, __m512 *acc_m) {
-    __m512i w[4], sc01, sc23;
-    kq_load_panel(p, w, &sc01, &sc23);
-    const __m512i mins = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)p->u.k45.mins));
-    const __m512 xdminv = _mm512_set1_ps(p->u.k45.dmin), xdv = _mm512_set1_ps(p->u.k45.d);
-    for (int g = 0; g < KQ_NG; ++g) {
-        const __m512 dmin = _mm512_mul_ps(_mm512_load_ps(a->ydm[i][g]), xdminv);
-        const __m512i md = _mm512_madd_epi16(mins, _mm512_load_si512((const void *)a->bs32[i][g]));
-        acc_m[g] = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(md), acc_m[g]);
-    }
-    /* each column's d x the row's d: one multiply for all 8 (the vec_dot's one float product) */
-    float d8[KQ_COLS8 < 16 ? 16 : KQ_COLS8] __attribute__((aligned(64)));
-    for (int c = 0; c < KQ_COLS8; c += 16) _mm512_store_ps(d8 + c, _mm512_mul_ps(_mm512_load_ps(a->yd[i] + c), xdv));
-    for (int c = 0; c < KQ_COLS8; ++c) {
-        __m512i pr[2];
-        kq_pairs(w, a->qs[i][c], pr);
-        const __m512i sumi = _mm512_dpwssd_epi32(_mm512_madd_epi16(pr[0], sc01), pr[1], sc23);
-        acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(d8[c]), _mm512_cvtepi32_ps(sumi), acc[c]);
-    }
+    st->acc = acc;
+    st->accm = accm;
 }
-KQ_Q45_ROW8(q4_K)
-KQ_Q45_ROW8(q5_K)
+KQ_INLINE void kq_gemm_q5_K_row8(int kc, const kq_panel *pn, const block_q5_K *x, const kq_act8 *a, kq_state8 *st,
+                                 int first) {
+    __m256 acc = first ? _mm256_setzero_ps() : st->acc;
+    for (int i = 0; i < kc; ++i) {
+        kq_panel e;
+        const kq_panel *p = pn != NULL ? pn + i : (kq_panel_q5_K(x + i, &e), &e);
+        kq_gemm_q5_K_block8(p, a, i, &acc);
+    }
+    st->acc = acc;
+}
 
 /* one Q6_K block for the gemms: w[p] = the 6-bit quants of sub-blocks 2p (low 256 bits) and
  * 2p + 1 (high), unsigned (+32 offset kept), and scq[p] = their int16 scales spread to match
@@ -1159,45 +1322,42 @@ KQ_INLINE void kq_panel_q6_K(const block_q6_K *x, kq_panel *p) {
     p->u.k6.d = kq_h2f(x->d);
 }
 
-/* Q6_K, eight columns: as its vec_dot, with the quants' +32 offset (32 x scales . bsums)
- * subtracted inside the 512-bit integer sum (one madd of the bsums with -32 x scales into
- * lanes 0..7, exact) before its two halves are added */
-KQ_INLINE void kq_gemm_q6_K_row8(int kc, const kq_panel *pn, const block_q6_K *x, const kq_act8 *a, __m256 *st,
+/* Q6_K, eight columns through kq_tiled_step: each column's block total, the quants' +32 offset
+ * (32 x scales . bsums) subtracted inside the 512-bit integer sum (one madd of the bsums with -32 x
+ * scales into lanes 0..7, exact) */
+KQ_INLINE void kq_gemm_q6_K_row8(int kc, const kq_panel *pn, const block_q6_K *x, const kq_act8 *a, kq_state8 *st,
                                  int first) {
-    __m256 acc[KQ_COLS8];
-    for (int c = 0; c < KQ_COLS8; ++c) acc[c] = first ? _mm256_setzero_ps() : st[c];
+    __m256 acc = first ? _mm256_setzero_ps() : st->acc;
     for (int i = 0; i < kc; ++i) {
         kq_panel e;
         const kq_panel *p = pn != NULL ? pn + i : (kq_panel_q6_K(x + i, &e), &e);
         __m512i w[4], sc01, sc23;
         kq_load_panel(p, w, &sc01, &sc23);
         const __m512i nsc32 = _mm512_zextsi256_si512(_mm256_load_si256((const __m256i *)p->u.k6.nsc));
-        float d8[KQ_COLS8 < 16 ? 16 : KQ_COLS8] __attribute__((aligned(64)));
-        for (int c = 0; c < KQ_COLS8; c += 16)
-            _mm512_store_ps(d8 + c, _mm512_mul_ps(_mm512_load_ps(a->yd[i] + c), _mm512_set1_ps(p->u.k6.d)));
+        __m512i t[KQ_COLS8];
         for (int c = 0; c < KQ_COLS8; ++c) {
             __m512i pr[2];
             kq_pairs(w, a->qs[i][c], pr);
-            __m512i sumi = _mm512_madd_epi16(_mm512_zextsi256_si512(_mm256_load_si256((const __m256i *)a->bsums[i][c])), nsc32);
-            sumi = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sumi, pr[0], sc01), pr[1], sc23);
-            const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d8[c]), _mm256_cvtepi32_ps(s8), acc[c]);
+            const __m512i sumi = _mm512_madd_epi16(_mm512_zextsi256_si512(_mm256_load_si256((const __m256i *)a->bsums[i][c])), nsc32);
+            t[c] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sumi, pr[0], sc01), pr[1], sc23);
         }
+        const __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(kq_sum8_512(t)), _mm256_set1_ps(p->u.k6.d));
+        acc = _mm256_fmadd_ps(r, _mm256_load_ps(a->yd[i]), acc);
     }
-    for (int c = 0; c < KQ_COLS8; ++c) st[c] = acc[c];
+    st->acc = acc;
 }
 
-/* the vec_dot's final reduction of each column */
-KQ_INLINE void kq_q45_K_finish8(const kq_state8 *st, float *s, int64_t ld_s) {
-    float m[16 * KQ_NG];
-    for (int g = 0; g < KQ_NG; ++g) _mm512_storeu_ps(m + 16 * g, st->acc_m[g]);
-    for (int c = 0; c < KQ_COLS8; ++c) s[c * ld_s] = _mm512_reduce_add_ps(st->acc[c]) - kq_hsum_ps128(_mm_loadu_ps(m + 4 * c));
+/* the 8 columns' results out of a row's state */
+KQ_INLINE void kq_finish8(const kq_state8 *st, float *s, int64_t ld_s, int mins) {
+    float v[KQ_COLS8];
+    _mm256_storeu_ps(v, mins ? _mm256_sub_ps(st->acc, st->accm) : st->acc);
+    for (int c = 0; c < KQ_COLS8; ++c) s[c * ld_s] = v[c];
 }
 
 KQ_INLINE void kq_gemm_q6_K_row(int nb, float *s, int64_t ld_s, const block_q6_K *x, const uint8_t *y, int64_t y_bytes,
                                 const int nc) {
-    __m256 acc[LP_GEMM_COLS];
-    for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
+    float acc[LP_GEMM_COLS];
+    for (int c = 0; c < nc; ++c) acc[c] = 0.0f;
     for (int i = 0; i < nb; ++i) {
         const float xd = kq_h2f(x[i].d);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
@@ -1212,10 +1372,10 @@ KQ_INLINE void kq_gemm_q6_K_row(int nb, float *s, int64_t ld_s, const block_q6_K
                                            scq[p]);
             __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
             s8 = _mm256_sub_epi32(s8, _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)yc->bsums)), 5));
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(yc->d * xd), _mm256_cvtepi32_ps(s8), acc[c]);
+            acc[c] = kq_tiled_step(kq_hsum_epi32_256(s8), xd, yc->d, acc[c]);
         }
     }
-    for (int c = 0; c < nc; ++c) s[c * ld_s] = kq_hsum_ps256(acc[c]);
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = acc[c];
 }
 
 #else /* AVX2 */
@@ -1230,44 +1390,57 @@ KQ_INLINE void kq_gemm_q45_K_pair(int i, int j, __m256i lo, __m256i hi, __m256i 
     }
 }
 
-/* the per-column float part of Q4_K / Q5_K: mins, then the block's sum, as the vec_dot */
-KQ_INLINE void kq_gemm_q45_K_acc(int i, __m256i ms16, float xd, float xdmin, const __m256i *sumi, const uint8_t *y,
-                                 int64_t y_bytes, const int nc, __m256 *acc, __m128 *acc_m) {
-    for (int c = 0; c < nc; ++c) {
-        const block_q8_K *yc = KQ_COL(y, y_bytes, c, i);
-        acc_m[c] = _mm_fmadd_ps(_mm_set1_ps(yc->d * xdmin), _mm_cvtepi32_ps(kq_mins_dot(ms16, yc->bsums)), acc_m[c]);
-        acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(yc->d * xd), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
-    }
-}
-
+/* Q4_K: each column's pair sums through kq_q4k_chain (the weights' nibbles decoded once for all),
+ * the up to 4 columns in 4 float32 lanes (their pair and mins sums transposed to pair-major) */
 KQ_INLINE void kq_gemm_q4_K_row(int nb, float *s, int64_t ld_s, const block_q4_K *x, const uint8_t *y, int64_t y_bytes,
                                 const int nc) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
-    __m256 acc[LP_GEMM_COLS];
-    __m128 acc_m[LP_GEMM_COLS];
-    for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps(), acc_m[c] = _mm_setzero_ps();
+    __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
     for (int i = 0; i < nb; ++i) {
         const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
         const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms16));
-        __m256i sumi[LP_GEMM_COLS];
-        for (int c = 0; c < nc; ++c) sumi[c] = _mm256_setzero_si256();
+        __m256i lo[4], hi[4];
         for (int j = 0; j < 4; ++j) {
             const __m256i bits = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * j));
-            kq_gemm_q45_K_pair(i, j, _mm256_and_si256(bits, m4), _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), sc, y,
-                               y_bytes, nc, sumi);
+            lo[j] = _mm256_and_si256(bits, m4);
+            hi[j] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
         }
-        kq_gemm_q45_K_acc(i, ms16, kq_h2f(x[i].d), kq_h2f(x[i].dmin), sumi, y, y_bytes, nc, acc, acc_m);
+        __m256i pj[4][4]; /* [pair][column] */
+        __m128 sf[4], mf[4];
+        float yd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int c = 0; c < 4; ++c) {
+            if (c >= nc) {
+                for (int j = 0; j < 4; ++j) pj[j][c] = _mm256_setzero_si256();
+                mf[c] = _mm_setzero_ps();
+                continue;
+            }
+            const block_q8_K *yc = KQ_COL(y, y_bytes, c, i);
+            for (int j = 0; j < 4; ++j)
+                pj[j][c] = _mm256_add_epi32(kq_dot32(lo[j], yc->qs + 64 * j, kq_scale16_bcast(sc, 2 * j)),
+                                            kq_dot32(hi[j], yc->qs + 64 * j + 32, kq_scale16_bcast(sc, 2 * j + 1)));
+            mf[c] = _mm_cvtepi32_ps(kq_mins_dot(ms16, yc->bsums));
+            yd[c] = yc->d;
+        }
+        for (int j = 0; j < 4; ++j) sf[j] = _mm_cvtepi32_ps(kq_sum4_256(pj[j][0], pj[j][1], pj[j][2], pj[j][3])); /* pair j of the columns */
+        _MM_TRANSPOSE4_PS(mf[0], mf[1], mf[2], mf[3]);
+        const __m128 ydv = _mm_loadu_ps(yd);
+        const __m128 dd = _mm_mul_ps(_mm_set1_ps(kq_h2f(x[i].d)), ydv), dm = _mm_mul_ps(_mm_set1_ps(kq_h2f(x[i].dmin)), ydv);
+        for (int p = 0; p < 4; ++p) {
+            acc = _mm_fmadd_ps(sf[p], dd, acc);
+            accm = _mm_fmadd_ps(mf[p], dm, accm);
+        }
     }
-    for (int c = 0; c < nc; ++c) s[c * ld_s] = kq_hsum_ps256(acc[c]) - kq_hsum_ps128(acc_m[c]);
+    float out[4];
+    _mm_storeu_ps(out, _mm_sub_ps(acc, accm));
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = out[c];
 }
 
 KQ_INLINE void kq_gemm_q5_K_row(int nb, float *s, int64_t ld_s, const block_q5_K *x, const uint8_t *y, int64_t y_bytes,
                                 const int nc) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
     const __m256i m16 = _mm256_set1_epi8(16);
-    __m256 acc[LP_GEMM_COLS];
-    __m128 acc_m[LP_GEMM_COLS];
-    for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps(), acc_m[c] = _mm_setzero_ps();
+    float acc[LP_GEMM_COLS];
+    for (int c = 0; c < nc; ++c) acc[c] = 0.0f;
     for (int i = 0; i < nb; ++i) {
         const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
         const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms16));
@@ -1283,17 +1456,22 @@ KQ_INLINE void kq_gemm_q5_K_row(int nb, float *s, int64_t ld_s, const block_q5_K
             const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), _mm256_and_si256(hh, m16));
             kq_gemm_q45_K_pair(i, j, lo, hi, sc, y, y_bytes, nc, sumi);
         }
-        kq_gemm_q45_K_acc(i, ms16, kq_h2f(x[i].d), kq_h2f(x[i].dmin), sumi, y, y_bytes, nc, acc, acc_m);
+        const float xd = kq_h2f(x[i].d), xdmin = kq_h2f(x[i].dmin);
+        for (int c = 0; c < nc; ++c) {
+            const block_q8_K *yc = KQ_COL(y, y_bytes, c, i);
+            acc[c] = kq_tiled_step_min(kq_hsum_epi32_256(sumi[c]), kq_hsum_epi32_128(kq_mins_dot(ms16, yc->bsums)), xd, xdmin,
+                                       yc->d, acc[c]);
+        }
     }
-    for (int c = 0; c < nc; ++c) s[c * ld_s] = kq_hsum_ps256(acc[c]) - kq_hsum_ps128(acc_m[c]);
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = acc[c];
 }
 
 KQ_INLINE void kq_gemm_q6_K_row(int nb, float *s, int64_t ld_s, const block_q6_K *x, const uint8_t *y, int64_t y_bytes,
                                 const int nc) {
     const __m256i m15 = _mm256_set1_epi8(15);
     const __m256i m48 = _mm256_set1_epi8(48);
-    __m256 acc[LP_GEMM_COLS];
-    for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
+    float acc[LP_GEMM_COLS];
+    for (int c = 0; c < nc; ++c) acc[c] = 0.0f;
     for (int i = 0; i < nb; ++i) {
         const float xd = kq_h2f(x[i].d);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
@@ -1320,10 +1498,10 @@ KQ_INLINE void kq_gemm_q6_K_row(int nb, float *s, int64_t ld_s, const block_q6_K
         for (int c = 0; c < nc; ++c) {
             const block_q8_K *yc = KQ_COL(y, y_bytes, c, i);
             const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)yc->bsums)), 5);
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(yc->d * xd), _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[c], off)), acc[c]);
+            acc[c] = kq_tiled_step(kq_hsum_epi32_256(_mm256_sub_epi32(sumi[c], off)), xd, yc->d, acc[c]);
         }
     }
-    for (int c = 0; c < nc; ++c) s[c * ld_s] = kq_hsum_ps256(acc[c]);
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = acc[c];
 }
 
 #endif /* LP_KQ_AVX512 */
@@ -1392,16 +1570,12 @@ KQ_INLINE void kq_gemm_q6_K_row(int nb, float *s, int64_t ld_s, const block_q6_K
             kq_gemm4_##type(n, s + c_end * ld_s, ld_s, w, row_bytes, nr, (const uint8_t *)x + c_end * x_bytes, x_bytes, \
                             nc - c_end);                                                                        \
     }
-typedef kq_state8 kq_st45[1];
-typedef __m256 kq_st6[KQ_COLS8];
-#define KQ_FINISH_45(st, s, ld) kq_q45_K_finish8(st, s, ld)
-#define KQ_FINISH_6(st, out, ld)                                                                                \
-    do {                                                                                                        \
-        for (int c = 0; c < KQ_COLS8; ++c) (out)[c * (ld)] = kq_hsum_ps256((st)[c]);                            \
-    } while (0)
-KQ_GEMM_PANEL(q4_K, kq_st45, KQ_FINISH_45)
-KQ_GEMM_PANEL(q5_K, kq_st45, KQ_FINISH_45)
-KQ_GEMM_PANEL(q6_K, kq_st6, KQ_FINISH_6)
+typedef kq_state8 kq_st8[1];
+#define KQ_FINISH_MINS(st, s, ld) kq_finish8(st, s, ld, 1)
+#define KQ_FINISH(st, s, ld) kq_finish8(st, s, ld, 0)
+KQ_GEMM_PANEL(q4_K, kq_st8, KQ_FINISH_MINS)
+KQ_GEMM_PANEL(q5_K, kq_st8, KQ_FINISH)
+KQ_GEMM_PANEL(q6_K, kq_st8, KQ_FINISH)
 #else
 KQ_GEMM_ENTRY(lp_gemm_q4_K_q8_K, block_q4_K, kq_gemm_q4_K_row, KQ_COLS_K)
 KQ_GEMM_ENTRY(lp_gemm_q5_K_q8_K, block_q5_K, kq_gemm_q5_K_row, KQ_COLS_K)
@@ -1410,15 +1584,14 @@ KQ_GEMM_ENTRY(lp_gemm_q6_K_q8_K, block_q6_K, kq_gemm_q6_K_row, KQ_COLS_K)
 
 #if defined(LP_KQ_AVX512)
 /* Decode (lp_quants.h lp_gemv_fn): one activation row against a thread's whole range of weight
- * rows, one row at a time so the weights stream from memory in order. Per output these are the
- * vec_dot's float32 operations on the vec_dot's values in its order, lane for lane (the same
- * bits); what changes is around them: no call and no constants per row, and for Q4_K on AVX-512
- * the activations are copied once a call into the order of the weights' nibbles, [sub-blocks
- * 0 | 2], [1 | 3], [4 | 6], [5 | 7] (the low and high nibbles of qs[0..64) and qs[64..128) as they
- * load), with their bsums summed per 32 and d, so a block needs no shuffle of its weights: the
- * two integer sums A (low nibbles) and B (high) hold in lanes 0-7 | 8-15 sub-blocks 0+4 | 2+6
- * and 1+5 | 3+7, and [A.lo + A.hi | B.lo + B.hi] are the vec_dot's int32 lanes (exact, any
- * order). Measured (noisy, one thread, 150 MB Q4_K matrices streamed from memory): ~+10-17 %
+ * rows in order so the weights stream from memory in order. Per output these are the vec_dot's
+ * float32 operations on the same integers in its order (the same bits); what changes is around
+ * them: no call and no constants per row, and for Q4_K on AVX-512 the activations are copied once
+ * a call into the order of the weights' nibbles, [sub-blocks 0 | 2], [1 | 3], [4 | 6], [5 | 7]
+ * (the low and high nibbles of qs[0..64) and qs[64..128) as they load), with their bsums summed
+ * per 32 and d, so a block needs no shuffle of its weights: the integer sums of the low and high
+ * nibbles, added, hold [pair 0 | pair 1] and [pair 2 | pair 3] (exact, any order), and four rows
+ * go through kq_q4k_chain together (kq_gv_q4_K_rows4). Measured (noisy, one thread, 150 MB Q4_K matrices streamed from memory): ~+10-17 %
  * over one vec_dot per row; Q6_K ~+2-3 %. Software prefetch 384-1536 bytes ahead: no gain.
  * ggml counterpart: ggml_vec_dot_q4_K_q8_K / q6_K, called per row by ggml_compute_forward_mul_mat. */
 #define KQ_GV_MAX_NB 128 /* the prepared activation row (Q4_K: 276 bytes a block) stays on the stack */
@@ -1462,27 +1635,78 @@ KQ_INLINE __m128i kq_gv_scale_min_k4(const block_q4_K *x) {
 KQ_INLINE float kq_gv_q4_K_row(int nb, const block_q4_K *x, const kq_gv_q4 *a) {
     const __m512i m4 = _mm512_set1_epi8(0xF);
     const __m512i i02 = KQ_GV_IDX(0, 2), i13 = KQ_GV_IDX(1, 3), i46 = KQ_GV_IDX(4, 6), i57 = KQ_GV_IDX(5, 7);
-    __m512 acc = _mm512_setzero_ps();
-    __m128 acc_m = _mm_setzero_ps();
+    float acc = 0.0f, accm = 0.0f;
     for (int i = 0; i < nb; ++i) {
-        const float d = a[i].d * kq_h2f(x[i].d);
-        const float dmin = a[i].d * kq_h2f(x[i].dmin);
         const __m128i sm8 = kq_gv_scale_min_k4(x + i); /* 8 scales, 8 mins */
         const __m128i mins = _mm_unpackhi_epi8(sm8, _mm_setzero_si128());
-        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, a[i].bs32)), acc_m);
         const __m512i sc = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm8)); /* the 8 int16 scales in each 128 bits */
         const __m512i b0 = _mm512_loadu_si512((const void *)x[i].qs);
         const __m512i b1 = _mm512_loadu_si512((const void *)(x[i].qs + 64));
         const __m512i l0 = _mm512_and_si512(b0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), m4);
         const __m512i l1 = _mm512_and_si512(b1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), m4);
-        __m512i A = _mm512_madd_epi16(_mm512_maddubs_epi16(l0, a[i].q[0]), _mm512_shuffle_epi8(sc, i02));
-        A = _mm512_dpwssd_epi32(A, _mm512_maddubs_epi16(l1, a[i].q[2]), _mm512_shuffle_epi8(sc, i46));
-        __m512i B = _mm512_madd_epi16(_mm512_maddubs_epi16(h0, a[i].q[1]), _mm512_shuffle_epi8(sc, i13));
-        B = _mm512_dpwssd_epi32(B, _mm512_maddubs_epi16(h1, a[i].q[3]), _mm512_shuffle_epi8(sc, i57));
-        const __m512i sumi = _mm512_add_epi32(_mm512_shuffle_i64x2(A, B, 0x44), _mm512_shuffle_i64x2(A, B, 0xEE));
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc);
+        /* [sub-blocks 0 + 1 | 2 + 3] = [pair 0 | pair 1], and [pair 2 | pair 3] */
+        __m512i z01 = _mm512_madd_epi16(_mm512_maddubs_epi16(l0, a[i].q[0]), _mm512_shuffle_epi8(sc, i02));
+        z01 = _mm512_dpwssd_epi32(z01, _mm512_maddubs_epi16(h0, a[i].q[1]), _mm512_shuffle_epi8(sc, i13));
+        __m512i z23 = _mm512_madd_epi16(_mm512_maddubs_epi16(l1, a[i].q[2]), _mm512_shuffle_epi8(sc, i46));
+        z23 = _mm512_dpwssd_epi32(z23, _mm512_maddubs_epi16(h1, a[i].q[3]), _mm512_shuffle_epi8(sc, i57));
+        kq_q4k_step(kq_sum_halves_512(z01, z23), _mm_madd_epi16(mins, a[i].bs32), kq_h2f(x[i].d) * a[i].d,
+                    kq_h2f(x[i].dmin) * a[i].d, &acc, &accm);
     }
-    return _mm512_reduce_add_ps(acc) - kq_hsum_ps128(acc_m);
+    return acc - accm;
+}
+
+/* Four rows at once, kq_q4k_chain in 4 float32 lanes (one per row: the same operations as
+ * kq_gv_q4_K_row's, so the same bits). The rows' [pair 0 | pair 1], [pair 2 | pair 3] vectors are
+ * summed per 256-bit half by one transposing reduction (unpack, add; lanes 4p + r in the end),
+ * their mins sums by one permutation. */
+KQ_INLINE void kq_gv_q4_K_rows4(int nb, const uint8_t *w, int64_t row_bytes, const kq_gv_q4 *a, float *s) {
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i i02 = KQ_GV_IDX(0, 2), i13 = KQ_GV_IDX(1, 3), i46 = KQ_GV_IDX(4, 6), i57 = KQ_GV_IDX(5, 7);
+    const __m512i pidx = _mm512_setr_epi32(0, 2, 8, 10, 4, 6, 12, 14, 1, 3, 9, 11, 5, 7, 13, 15);
+    const __m512i midx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const block_q4_K *x[4];
+    for (int r = 0; r < 4; ++r) x[r] = (const block_q4_K *)(w + r * row_bytes);
+    __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        __m512i t[4];
+        __m128i mr[4];
+        for (int r = 0; r < 4; ++r) {
+            const block_q4_K *xb = x[r] + i;
+            const __m128i sm8 = kq_gv_scale_min_k4(xb);
+            mr[r] = _mm_madd_epi16(_mm_unpackhi_epi8(sm8, _mm_setzero_si128()), a[i].bs32);
+            const __m512i sc = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm8));
+            const __m512i b0 = _mm512_loadu_si512((const void *)xb->qs);
+            const __m512i b1 = _mm512_loadu_si512((const void *)(xb->qs + 64));
+            const __m512i l0 = _mm512_and_si512(b0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(b0, 4), m4);
+            const __m512i l1 = _mm512_and_si512(b1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(b1, 4), m4);
+            __m512i z01 = _mm512_madd_epi16(_mm512_maddubs_epi16(l0, a[i].q[0]), _mm512_shuffle_epi8(sc, i02));
+            z01 = _mm512_dpwssd_epi32(z01, _mm512_maddubs_epi16(h0, a[i].q[1]), _mm512_shuffle_epi8(sc, i13));
+            __m512i z23 = _mm512_madd_epi16(_mm512_maddubs_epi16(l1, a[i].q[2]), _mm512_shuffle_epi8(sc, i46));
+            z23 = _mm512_dpwssd_epi32(z23, _mm512_maddubs_epi16(h1, a[i].q[3]), _mm512_shuffle_epi8(sc, i57));
+            /* per 128 bits [z01 0+2, z23 0+2, z01 1+3, z23 1+3] */
+            t[r] = _mm512_add_epi32(_mm512_unpacklo_epi32(z01, z23), _mm512_unpackhi_epi32(z01, z23));
+        }
+        /* per 128 bits k: [z01 r, z23 r, z01 r+1, z23 r+1] summed over 128-bit lane k */
+        const __m512i u01 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[0], t[1]), _mm512_unpackhi_epi64(t[0], t[1]));
+        const __m512i u23 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2], t[3]), _mm512_unpackhi_epi64(t[2], t[3]));
+        const __m512 S = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(pidx, kq_l2(u01, u23))); /* lanes 4p + r */
+        const __m512i m = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_setr_m128i(mr[0], mr[1])), _mm256_setr_m128i(mr[2], mr[3]), 1);
+        const __m512 M = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(midx, m));
+        const __m256 dm = _mm256_cvtph_ps(_mm_setr_epi16((short)x[0][i].d, (short)x[1][i].d, (short)x[2][i].d, (short)x[3][i].d,
+                                                         (short)x[0][i].dmin, (short)x[1][i].dmin, (short)x[2][i].dmin,
+                                                         (short)x[3][i].dmin));
+        const __m128 yd = _mm_set1_ps(a[i].d);
+        const __m128 dd = _mm_mul_ps(_mm256_castps256_ps128(dm), yd), dmn = _mm_mul_ps(_mm256_extractf128_ps(dm, 1), yd);
+        acc = _mm_fmadd_ps(_mm512_castps512_ps128(S), dd, acc);
+        accm = _mm_fmadd_ps(_mm512_castps512_ps128(M), dmn, accm);
+        acc = _mm_fmadd_ps(_mm512_extractf32x4_ps(S, 1), dd, acc);
+        accm = _mm_fmadd_ps(_mm512_extractf32x4_ps(M, 1), dmn, accm);
+        acc = _mm_fmadd_ps(_mm512_extractf32x4_ps(S, 2), dd, acc);
+        accm = _mm_fmadd_ps(_mm512_extractf32x4_ps(M, 2), dmn, accm);
+        acc = _mm_fmadd_ps(_mm512_extractf32x4_ps(S, 3), dd, acc);
+        accm = _mm_fmadd_ps(_mm512_extractf32x4_ps(M, 3), dmn, accm);
+    }
+    _mm_storeu_ps(s, _mm_sub_ps(acc, accm));
 }
 
 KQ_API void lp_gemv_q4_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
@@ -1494,24 +1718,83 @@ KQ_API void lp_gemv_q4_K_q8_K(int n, float *restrict s, const void *restrict w, 
     }
     kq_gv_q4 a[nb];
     kq_gv_q4_K_prep(nb, (const block_q8_K *)x, a);
-    for (int r = 0; r < nr; ++r) s[r] = kq_gv_q4_K_row(nb, (const block_q4_K *)((const uint8_t *)w + r * row_bytes), a);
+    int r = 0;
+    for (; r + 4 <= nr; r += 4) kq_gv_q4_K_rows4(nb, (const uint8_t *)w + r * row_bytes, row_bytes, a, s + r);
+    for (; r < nr; ++r) s[r] = kq_gv_q4_K_row(nb, (const block_q4_K *)((const uint8_t *)w + r * row_bytes), a);
 }
 #else
-/* AVX2: the vec_dot's body inlined into the row loop (its constants set up once a call) */
+/* AVX2: four rows at once, kq_q4k_chain in 4 float32 lanes (one per row: the vec_dot's operations,
+ * so its bits), each row's pair sums and mins sums transposed into pair-major vectors; the rest
+ * row by row through the vec_dot's body */
+KQ_INLINE void kq_gv_q4_K_rows4(int nb, const uint8_t *w, int64_t row_bytes, const block_q8_K *y, float *s) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const block_q4_K *x[4];
+    for (int r = 0; r < 4; ++r) x[r] = (const block_q4_K *)(w + r * row_bytes);
+    __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        __m128i S[4], M[4];
+        for (int r = 0; r < 4; ++r) {
+            const block_q4_K *xb = x[r] + i;
+            const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(xb->scales));
+            const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms16));
+            __m256i pj[4];
+            for (int j = 0; j < 4; ++j) {
+                const __m256i bits = _mm256_loadu_si256((const __m256i *)(xb->qs + 32 * j));
+                pj[j] = _mm256_add_epi32(kq_dot32(_mm256_and_si256(bits, m4), y[i].qs + 64 * j, kq_scale16_bcast(sc, 2 * j)),
+                                         kq_dot32(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), y[i].qs + 64 * j + 32,
+                                                  kq_scale16_bcast(sc, 2 * j + 1)));
+            }
+            S[r] = kq_sum4_256(pj[0], pj[1], pj[2], pj[3]);
+            M[r] = kq_mins_dot(ms16, y[i].bsums);
+        }
+        __m128 sf[4] = {_mm_cvtepi32_ps(S[0]), _mm_cvtepi32_ps(S[1]), _mm_cvtepi32_ps(S[2]), _mm_cvtepi32_ps(S[3])};
+        __m128 mf[4] = {_mm_cvtepi32_ps(M[0]), _mm_cvtepi32_ps(M[1]), _mm_cvtepi32_ps(M[2]), _mm_cvtepi32_ps(M[3])};
+        _MM_TRANSPOSE4_PS(sf[0], sf[1], sf[2], sf[3]); /* sf[p]: pair p of the 4 rows */
+        _MM_TRANSPOSE4_PS(mf[0], mf[1], mf[2], mf[3]);
+        const __m256 dm = _mm256_cvtph_ps(_mm_setr_epi16((short)x[0][i].d, (short)x[1][i].d, (short)x[2][i].d, (short)x[3][i].d,
+                                                         (short)x[0][i].dmin, (short)x[1][i].dmin, (short)x[2][i].dmin,
+                                                         (short)x[3][i].dmin));
+        const __m128 yd = _mm_set1_ps(y[i].d);
+        const __m128 dd = _mm_mul_ps(_mm256_castps256_ps128(dm), yd), dmn = _mm_mul_ps(_mm256_extractf128_ps(dm, 1), yd);
+        for (int p = 0; p < 4; ++p) {
+            acc = _mm_fmadd_ps(sf[p], dd, acc);
+            accm = _mm_fmadd_ps(mf[p], dmn, accm);
+        }
+    }
+    _mm_storeu_ps(s, _mm_sub_ps(acc, accm));
+}
+
 KQ_API void lp_gemv_q4_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
                               const void *restrict x) {
     const int nb = n / QK_K;
-    for (int r = 0; r < nr; ++r)
+    int r = 0;
+    for (; r + 4 <= nr; r += 4) kq_gv_q4_K_rows4(nb, (const uint8_t *)w + r * row_bytes, row_bytes, (const block_q8_K *)x, s + r);
+    for (; r < nr; ++r)
         s[r] = kq_dot_q4_K(nb, (const block_q4_K *)((const uint8_t *)w + r * row_bytes), (const block_q8_K *)x);
 }
 #endif /* LP_KQ_AVX512 */
 
-/* Q6_K (both builds): the vec_dot's body inlined into the row loop (its activation side is loads) */
+/* Q6_K (both builds): four rows at once, their block totals summed together (kq_sum4_256) and
+ * kq_tiled_step in 4 float32 lanes (the vec_dot's operations, so its bits); the rest row by row */
 KQ_API void lp_gemv_q6_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
                               const void *restrict x) {
     const int nb = n / QK_K;
-    for (int r = 0; r < nr; ++r)
-        s[r] = kq_dot_q6_K(nb, (const block_q6_K *)((const uint8_t *)w + r * row_bytes), (const block_q8_K *)x);
+    const block_q8_K *y = (const block_q8_K *)x;
+    int r = 0;
+    for (; r + 4 <= nr; r += 4) {
+        const block_q6_K *xr[4];
+        for (int k = 0; k < 4; ++k) xr[k] = (const block_q6_K *)((const uint8_t *)w + (r + k) * row_bytes);
+        __m128 acc = _mm_setzero_ps();
+        for (int i = 0; i < nb; ++i) {
+            const __m128i S = kq_sum4_256(kq_q6k_lanes(xr[0] + i, y + i), kq_q6k_lanes(xr[1] + i, y + i),
+                                          kq_q6k_lanes(xr[2] + i, y + i), kq_q6k_lanes(xr[3] + i, y + i));
+            const __m128 xd = _mm_cvtph_ps(_mm_setr_epi16((short)xr[0][i].d, (short)xr[1][i].d, (short)xr[2][i].d,
+                                                          (short)xr[3][i].d, 0, 0, 0, 0));
+            acc = _mm_fmadd_ps(_mm_mul_ps(_mm_cvtepi32_ps(S), xd), _mm_set1_ps(y[i].d), acc);
+        }
+        _mm_storeu_ps(s + r, acc);
+    }
+    for (; r < nr; ++r) s[r] = kq_dot_q6_K(nb, (const block_q6_K *)((const uint8_t *)w + r * row_bytes), y);
 }
 
 #endif /* __AVX2__ */

@@ -287,7 +287,7 @@ def check_gemm(lib: ctypes.CDLL, name: str, sym: str, n_rows: int, n_in: int, n_
     every output s[c * ld_s + r] is the type's vec_dot bit for bit (ld_s > nr), and nothing else
     is written. act: n_cols activation rows already in the vec_dot_type (else random ones through
     lp_quantize_act); w: the weight rows (else random ones)."""
-    gemm, dot = getattr(lib, "lp_gemm_" + sym), getattr(lib, "lp_vec_dot_" + sym.removesuffix("_r1"))
+    gemm, dot = getattr(lib, "lp_gemm_" + sym), getattr(lib, "lp_vec_dot_" + sym.removesuffix("_r1").removesuffix("_panel"))
     i64, p = ctypes.c_int64, ctypes.c_void_p
     gemm.argtypes, gemm.restype = [ctypes.c_int, p, i64, p, i64, ctypes.c_int, p, i64, ctypes.c_int], None
     rng = np.random.default_rng(seed)
@@ -321,6 +321,22 @@ def test_gemm_is_vec_dots(lib: ctypes.CDLL, name: str, suffix: str) -> None:
         assert "avx" not in os.path.basename(lib._name)  # the AVX2 and AVX-512 builds have them all
         pytest.skip(f"this library has no lp_gemm_{sym}{suffix}")
     check_gemm(lib, name, sym + suffix, 7, 32 * 19, n_cols=4, ncs=(1, 2, 3, 4), nrs=(1, 2, 7), seed=11)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_panel_gemm_is_vec_dots(lib: ctypes.CDLL, name: str) -> None:
+    """lp_gemm_<type>_panel (the AVX-512 prompt kernels: any column count, rows decoded into
+    panels of 4-row quads, tiles of 8 rows x 4 columns): every output is its vec_dot's bit for bit
+    for column counts around the group of 4, row counts around the quad and the tile (odd ones
+    included), an odd block count, and rows long enough that a panel holds only 8 of them (several
+    panels a call); large activations (scale 3) for the signed kinds' a + 128."""
+    sym = f"{name.lower()}_{VEC_DOT_TYPE[name].lower()}_panel"
+    if not hasattr(lib, "lp_gemm_" + sym):
+        assert "avx512" not in os.path.basename(lib._name)  # the AVX-512 build has them all
+        pytest.skip(f"this library has no lp_gemm_{sym}")
+    check_gemm(lib, name, sym, 19, 32 * 19, n_cols=13, ncs=(1, 3, 4, 5, 8, 13), nrs=(1, 2, 3, 4, 5, 7, 8, 9, 19),
+               seed=31, scale=3.0)
+    check_gemm(lib, name, sym, 21, 32 * 129, n_cols=6, ncs=(6,), nrs=(21,), seed=37)
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"])

@@ -988,6 +988,18 @@ void lp_gemm_q5_0_q8_0_r1(int n, float *s, int64_t ld_s, const void *w, int64_t 
 void lp_gemm_q8_0_q8_0_r1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_q4_1_q8_1_r1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_q5_1_q8_1_r1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+/* the q types' prompt kernels (quants.c GP_DEFINE, AVX-512): any nc, a thread's whole range of
+ * rows and every token of the call at once */
+#pragma weak lp_gemm_q4_0_q8_0_panel
+#pragma weak lp_gemm_q5_0_q8_0_panel
+#pragma weak lp_gemm_q8_0_q8_0_panel
+#pragma weak lp_gemm_q4_1_q8_1_panel
+#pragma weak lp_gemm_q5_1_q8_1_panel
+void lp_gemm_q4_0_q8_0_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_q5_0_q8_0_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_q8_0_q8_0_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_q4_1_q8_1_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_q5_1_q8_1_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 
 /* Rows a thread takes at once (output columns of one chunk), and the rows of a cache block:
  * for prompts, MM_ROW_BLOCK weight rows stay in L1 while every token's activations pass by. */
@@ -1011,6 +1023,7 @@ typedef struct {
     lp_gemm_fn gemm_r1; /* NULL: gemm; else the same outputs, weight rows one at a time */
     lp_gemv_fn gemv;    /* one token over many rows; NULL: one dot per row */
     int gemm_cols;      /* the most columns gemm takes a call (set after the initializer) */
+    lp_gemm_fn gemm_panel; /* NULL, or any nc over a whole range of rows: prompts (set after it) */
 } mm_traits;
 
 static void mm_copy_f32(const float *x, void *y, int64_t k) { memcpy(y, x, (size_t)k * sizeof(float)); }
@@ -1046,6 +1059,9 @@ static int mm_traits_of(int type, mm_traits *t) {
     }
     t->gemm_cols = type == LP_TYPE_Q3_K || type == LP_TYPE_Q4_K || type == LP_TYPE_Q5_K || type == LP_TYPE_Q6_K
                        ? LP_GEMM_COLS_K : LP_GEMM_COLS;
+    t->gemm_panel = type == LP_TYPE_Q4_0 ? lp_gemm_q4_0_q8_0_panel : type == LP_TYPE_Q4_1 ? lp_gemm_q4_1_q8_1_panel
+                  : type == LP_TYPE_Q5_0 ? lp_gemm_q5_0_q8_0_panel : type == LP_TYPE_Q5_1 ? lp_gemm_q5_1_q8_1_panel
+                  : type == LP_TYPE_Q8_0 ? lp_gemm_q8_0_q8_0_panel : NULL;
     return t->quantize != NULL && t->dot != NULL ? 0 : -1;
 }
 
@@ -1110,6 +1126,10 @@ static void mm_rows(const mm_traits *t, const uint8_t *w, int64_t r0, int64_t r1
                     const uint8_t *xq, int64_t act_bytes, int64_t n_tok, float *y, int64_t ld_y) {
     if (n_tok == 1 && t->gemv != NULL) { /* decode: the whole range, its activation prepared once */
         t->gemv(n_in, y + r0, w + r0 * row_bytes, row_bytes, (int)(r1 - r0), xq);
+        return;
+    }
+    if (n_tok > LP_GEMM_COLS && t->gemm_panel != NULL) { /* a prompt: the range's rows decoded once */
+        t->gemm_panel(n_in, y + r0, ld_y, w + r0 * row_bytes, row_bytes, (int)(r1 - r0), xq, act_bytes, (int)n_tok);
         return;
     }
     const int64_t rblk = t->gemm != NULL && n_tok > 1 && t->gemm_cols > LP_GEMM_COLS ? MM_ROW_BLOCK_K : MM_ROW_BLOCK;

@@ -29,7 +29,9 @@
  */
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "lp_quants.h"
@@ -1084,6 +1086,213 @@ GK_DEFINE(lp_gemm_q5_0_q8_0, GK_Q5_0)
 GK_DEFINE(lp_gemm_q5_1_q8_1, GK_Q5_1)
 GK_DEFINE(lp_gemm_q8_0_q8_0, GK_Q8_0)
 #undef GK_DEFINE
+
+#if defined(GK_ZMM)
+/* Prompts (any number of columns, lp_gemm_<type>_panel; qmatmul.c mm_rows hands them a thread's
+ * whole range of rows and every token of the micro-batch): each output's float32 operations are
+ * its vec_dot's, in its order (the int32 lanes of a block, one cvt, the scale dx * dy rounded once,
+ * one fmadd into the one accumulator; the mins m * s then + in block order; hsum8 + summ), so the
+ * same bits as lp_gemm_* and the vec_dot. What changes is how little is done around them:
+ * - the activations are prepared once a call (gp_act: per group of 4 columns and block, the 4
+ *   columns' 32 quants, their scales d and sums s as float32), on the heap (~1.1 x their bytes);
+ * - the weights are decoded once per PANEL of rows (gp_quad: per 4 rows and block, two 512-bit
+ *   vectors of quants, rows 2k and 2k+1 side by side, their scales as [dx x8 | dx' x8], and the
+ *   4 rows' mins spread to [m x4 ...]), a panel (~32 KiB) staying in L1 while every column group
+ *   passes by;
+ * - a tile is 8 rows x 4 columns (16 accumulators, two outputs a vector: a row pair's halves):
+ *   per block and row pair x column one vpdpbusd (its quants against the column's broadcast from
+ *   memory), one convert, one multiply (dx pair x dy broadcast from memory) and one fmadd, and the
+ *   mins of 4 rows x 4 columns one multiply and add (16 chains in one vector).
+ * The signed kinds (Q4_0, Q5_0, Q8_0) keep their weights signed (q - 8, q - 16, q) and take the
+ * activations unsigned (a + 128, exact: a ^ 0x80), the panel holding -128 x each 4 weights' sum
+ * as the vpdpbusd's start: the lanes sum (a + 128) w - 128 w = a w exactly (vpdpbusd does not
+ * saturate). Measured (one thread of the shared 2-core AVX-512 host, SmolLM2's 576x576, 1536x576
+ * and 576x1536 through lp_mul_mat_q, A/B in one process, best of 7; the same bits): 512 tokens
+ * ~33 -> ~80 G multiply-adds/s for Q4_1 (2.4x), Q4_0 2.4-2.5x, Q5_0 2.8-2.9x, Q5_1 2.6-2.8x,
+ * Q8_0 2.0-2.1x; Q4_1 at 64 tokens 2.2-2.3x, 17: 1.6-1.7x, 8: 1.35-1.4x, 5: ~1.03x. */
+typedef struct {
+    __m512i q[2]; /* row pairs (0,1) and (2,3): 32 quants each, side by side */
+    __m512 d[2];  /* [dx x8 | dx' x8] of the pairs */
+    __m512 m;     /* mins kinds: [m0 x4, m1 x4, m2 x4, m3 x4] */
+    __m512i c[2]; /* signed kinds: the pairs' -128 x the sums of each 4 weights */
+} gp_quad;
+typedef struct {
+    uint8_t q[4][32]; /* the 4 columns' quants (signed kinds: + 128) */
+    float d[4], s[4];
+} gp_act;
+#define GP_PANEL_BYTES (32 * 1024)
+#define GP_QUAD_BYTES(k) (GK_SIGNED(k) ? (int)sizeof(gp_quad) : (int)offsetof(gp_quad, c))
+
+/* the 32 quants of weight block b as the panel holds them: unsigned kinds 0..15 / 0..31, signed
+ * kinds signed */
+LP_INLINE __m256i gp_quants(const int kind, const uint8_t *b) {
+    if (kind == GK_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+    __m256i q = nibbles32(b + GV_QS(kind));
+    if (GV_HIGH(kind)) q = _mm256_or_si256(q, hbits32(b + GV_QH(kind)));
+    if (kind == GK_Q4_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+    if (kind == GK_Q5_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+    return q;
+}
+
+/* rows w .. w + (nrows - 1) * row_bytes (nrows 1..4; missing rows repeat the last) -> nb quads */
+LP_INLINE void gp_decode(const int kind, int nb, const uint8_t *w, int64_t row_bytes, int nrows, uint8_t *pq) {
+    const int wb = GK_WBYTES(kind), qb = GP_QUAD_BYTES(kind);
+    for (int i = 0; i < nb; i++) {
+        gp_quad *p = (gp_quad *)(pq + (int64_t)i * qb);
+        float m[16];
+        for (int k = 0; k < 2; k++) {
+            const uint8_t *b0 = w + (int64_t)(2 * k < nrows ? 2 * k : nrows - 1) * row_bytes + (int64_t)i * wb;
+            const uint8_t *b1 = w + (int64_t)(2 * k + 1 < nrows ? 2 * k + 1 : nrows - 1) * row_bytes + (int64_t)i * wb;
+            const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(gp_quants(kind, b0)), gp_quants(kind, b1), 1);
+            _mm512_store_si512(&p->q[k], q);
+            lp_half h0, h1;
+            memcpy(&h0, b0, 2);
+            memcpy(&h1, b1, 2);
+            _mm512_store_ps(&p->d[k], _mm512_insertf32x8(_mm512_set1_ps(H2F(h0)), _mm256_set1_ps(H2F(h1)), 1));
+            if (GK_MINS(kind)) {
+                memcpy(&h0, b0 + 2, 2);
+                memcpy(&h1, b1 + 2, 2);
+                for (int l = 0; l < 4; l++) m[8 * k + l] = H2F(h0), m[8 * k + 4 + l] = H2F(h1);
+            }
+            if (GK_SIGNED(kind))
+                _mm512_store_si512(&p->c[k], _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                              _mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                                                                  _mm512_set1_epi8((char)0x80), q)));
+        }
+        if (GK_MINS(kind)) _mm512_store_ps(&p->m, _mm512_loadu_ps(m));
+    }
+}
+
+/* columns x .. x + (nc - 1) * x_bytes -> ng = ceil(nc / 4) groups of nb gp_act (a missing
+ * column repeats the last) */
+LP_INLINE void gp_prep(const int kind, int nb, const uint8_t *x, int64_t x_bytes, int nc, gp_act *a) {
+    const int yb = GK_YB(kind), yq = GK_YQ(kind);
+    for (int g = 0; g * 4 < nc; g++)
+        for (int c = 0; c < 4; c++) {
+            const uint8_t *xc = x + (int64_t)(4 * g + c < nc ? 4 * g + c : nc - 1) * x_bytes;
+            for (int i = 0; i < nb; i++) {
+                gp_act *p = a + (int64_t)g * nb + i;
+                const uint8_t *y = xc + (int64_t)i * yb;
+                __m256i q = _mm256_loadu_si256((const __m256i *)(y + yq));
+                if (GK_SIGNED(kind)) q = _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80));
+                _mm256_store_si256((__m256i *)p->q[c], q);
+                lp_half h;
+                memcpy(&h, y, 2);
+                p->d[c] = H2F(h);
+                if (GK_MINS(kind)) {
+                    memcpy(&h, y + 2, 2);
+                    p->s[c] = H2F(h);
+                } else
+                    p->s[c] = 0.0f;
+            }
+        }
+}
+
+/* NQ quads (pq: quad 0's nb entries, then quad 1's) x one group of 4 columns: out[c][4j + k] */
+LP_INLINE void gp_tile(const int kind, const int NQ, int nb, const uint8_t *pq, const gp_act *a, float out[4][8]) {
+    const int qb = GP_QUAD_BYTES(kind);
+    __m512 acc[4][4], summ[2];
+#pragma GCC unroll 4
+    for (int h = 0; h < 2 * NQ; h++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) acc[h][c] = _mm512_setzero_ps();
+    summ[0] = summ[1] = _mm512_setzero_ps();
+    for (int i = 0; i < nb; i++) {
+        const gp_act *ai = a + i;
+        __m512i y[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) y[c] = _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)ai->q[c]));
+#pragma GCC unroll 2
+        for (int j = 0; j < NQ; j++) {
+            const gp_quad *p = (const gp_quad *)(pq + ((int64_t)j * nb + i) * qb);
+#pragma GCC unroll 2
+            for (int k = 0; k < 2; k++) {
+                const __m512i wq = _mm512_load_si512(&p->q[k]);
+                const __m512 dx = _mm512_load_ps(&p->d[k]);
+                const __m512i c0 = GK_SIGNED(kind) ? _mm512_load_si512(&p->c[k]) : _mm512_setzero_si512();
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) {
+                    const __m512i s = GK_SIGNED(kind) ? _mm512_dpbusd_epi32(c0, y[c], wq) : _mm512_dpbusd_epi32(c0, wq, y[c]);
+                    acc[2 * j + k][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dx, _mm512_set1_ps(ai->d[c])),
+                                                        acc[2 * j + k][c]);
+                }
+            }
+            if (GK_MINS(kind))
+                summ[j] = _mm512_add_ps(summ[j], _mm512_mul_ps(_mm512_load_ps(&p->m), _mm512_broadcast_f32x4(_mm_load_ps(ai->s))));
+        }
+    }
+    float sm[2][16];
+#pragma GCC unroll 2
+    for (int j = 0; j < NQ; j++) _mm512_storeu_ps(sm[j], summ[j]);
+#pragma GCC unroll 2
+    for (int j = 0; j < NQ; j++)
+#pragma GCC unroll 2
+        for (int k = 0; k < 2; k++)
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const __m512 v = acc[2 * j + k][c];
+                const float lo = hsum8(_mm512_castps512_ps256(v)), hi = hsum8(_mm512_extractf32x8_ps(v, 1));
+                out[c][4 * j + 2 * k] = GK_MINS(kind) ? lo + sm[j][4 * (2 * k) + c] : lo;
+                out[c][4 * j + 2 * k + 1] = GK_MINS(kind) ? hi + sm[j][4 * (2 * k + 1) + c] : hi;
+            }
+}
+
+/* 0, or -1 where the buffers cannot be allocated (the caller then takes 4 columns a call) */
+LP_INLINE int gp_gemm(const int kind, int n, float *s, int64_t ld_s, const uint8_t *w, int64_t row_bytes, int nr,
+                      const uint8_t *x, int64_t x_bytes, int nc) {
+    const int nb = n / QK8_0, ng = (nc + 3) / 4, qb = GP_QUAD_BYTES(kind);
+    if (nb <= 0 || nr <= 0 || nc <= 0) return nb <= 0 ? -1 : 0;
+    int rq = GP_PANEL_BYTES / (nb * qb); /* quads a panel */
+    rq = rq < 2 ? 2 : rq & ~1;
+    if (rq * 4 > nr + 7) rq = (nr + 7) / 8 * 2;
+    gp_act *a = aligned_alloc(64, ((size_t)ng * nb * sizeof(gp_act) + 63) / 64 * 64);
+    uint8_t *pq = aligned_alloc(64, (size_t)rq * nb * qb);
+    if (a == NULL || pq == NULL) {
+        free(a);
+        free(pq);
+        return -1;
+    }
+    gp_prep(kind, nb, x, x_bytes, nc, a);
+    for (int r0 = 0; r0 < nr; r0 += 4 * rq) {
+        const int rows = nr - r0 < 4 * rq ? nr - r0 : 4 * rq, nq = (rows + 3) / 4;
+        for (int j = 0; j < nq; j++) {
+            const int left = rows - 4 * j;
+            gp_decode(kind, nb, w + (int64_t)(r0 + 4 * j) * row_bytes, row_bytes, left < 4 ? left : 4,
+                      pq + (int64_t)j * nb * qb);
+        }
+        for (int g = 0; g < ng; g++) {
+            const int cols = nc - 4 * g < 4 ? nc - 4 * g : 4;
+            for (int j = 0; j < nq; j += 2) {
+                float out[4][8];
+                const int two = j + 1 < nq, rr = rows - 4 * j < 8 ? rows - 4 * j : 8;
+                if (two) gp_tile(kind, 2, nb, pq + (int64_t)j * nb * qb, a + (int64_t)g * nb, out);
+                else gp_tile(kind, 1, nb, pq + (int64_t)j * nb * qb, a + (int64_t)g * nb, out);
+                for (int c = 0; c < cols; c++)
+                    for (int r = 0; r < rr; r++) s[(int64_t)(4 * g + c) * ld_s + r0 + 4 * j + r] = out[c][r];
+            }
+        }
+    }
+    free(a);
+    free(pq);
+    return 0;
+}
+
+/* lp_gemm_<type>_panel: any nc (lp_quants.h); the 4-column kernel where the buffers cannot be had */
+#define GP_DEFINE(name, kind)                                                                            \
+    LP_API void name##_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr,    \
+                             const void *x, int64_t x_bytes, int nc) {                                   \
+        if (gp_gemm(kind, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc) == 0) return;                    \
+        for (int c = 0; c < nc; c += LP_GEMM_COLS)                                                       \
+            name(n, s + c * ld_s, ld_s, w, row_bytes, nr, (const uint8_t *)x + c * x_bytes, x_bytes,     \
+                 nc - c < LP_GEMM_COLS ? nc - c : LP_GEMM_COLS);                                         \
+    }
+GP_DEFINE(lp_gemm_q4_0_q8_0, GK_Q4_0)
+GP_DEFINE(lp_gemm_q4_1_q8_1, GK_Q4_1)
+GP_DEFINE(lp_gemm_q5_0_q8_0, GK_Q5_0)
+GP_DEFINE(lp_gemm_q5_1_q8_1, GK_Q5_1)
+GP_DEFINE(lp_gemm_q8_0_q8_0, GK_Q8_0)
+#undef GP_DEFINE
+#endif
 
 /* lp_gemv_* (lp_quants.h): the decode kernels above (gv_row, AVX-512 or AVX2); a row longer than
  * the stack buffer allows (GV_MAX_NB blocks) is one vec_dot per row, and so is Q8_0 on AVX2 (its

@@ -843,11 +843,74 @@ LP_INLINE float gv_row1(const int kind, int nb, const uint8_t *w, const gv_vec *
     return GK_MINS(kind) ? v + summ : v;
 }
 
+/* Four rows at once (two of gv_row2's row pairs, two independent fmadd chains): the four rows'
+ * first 4 bytes of block i (d and m: Q4_1 / Q5_1; d and 2 bytes not used: the others) go into one
+ * vector and through one vcvtph2ps, [d0 m0 d1 m1 d2 m2 d3 m3], and one multiply by [dy s] x4 gives
+ * every dx * dy and m * s of the block (the vec_dot's products, rounded once each); the m * s
+ * lanes are added into 8 sums (odd lanes: the 4 rows' summs, in block order), the dx * dy ones
+ * spread to the row pairs' lanes by two permutes. */
+/* NP (2 or 4) row pairs at once */
+LP_INLINE void gv_rowq(const int kind, const int NP, int nb, const uint8_t *w, int64_t row_bytes, const gv_vec *prep,
+                       const float *yds, float *s) {
+    const int wb = GK_WBYTES(kind);
+    __m512 acc[4];
+    __m512i sp[4];
+#pragma GCC unroll 4
+    for (int k = 0; k < NP; k++) {
+        acc[k] = _mm512_setzero_ps();
+        sp[k] = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2), _mm512_set1_epi32(4 * k));
+    }
+    __m512 summ = _mm512_setzero_ps();
+    for (int i = 0; i < nb; i++) {
+        const gv_vec *pi = prep + GV_PREP * i;
+        const uint8_t *b = w + (int64_t)i * wb;
+        __m128i h[2];
+#pragma GCC unroll 2
+        for (int g = 0; g < NP / 2; g++) {
+            const uint8_t *bg = b + 4 * g * row_bytes;
+            int32_t h0, h1, h2, h3;
+            memcpy(&h0, bg, 4);
+            memcpy(&h1, bg + row_bytes, 4);
+            memcpy(&h2, bg + 2 * row_bytes, 4);
+            memcpy(&h3, bg + 3 * row_bytes, 4);
+            h[g] = _mm_insert_epi32(_mm_insert_epi32(_mm_insert_epi32(_mm_cvtsi32_si128(h0), h1, 1), h2, 2), h3, 3);
+        }
+        __m512 pr;
+        if (NP == 4)
+            pr = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(h[0]), h[1], 1)),
+                               _mm512_castpd_ps(_mm512_set1_pd(*(const double *)(yds + 2 * i))));
+        else
+            pr = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_cvtph_ps(h[0]), _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(yds + 2 * i)))));
+        if (GK_MINS(kind)) summ = _mm512_add_ps(summ, pr);
+        const __m512i y = _mm512_load_si512(pi);
+        const __m512i off = GK_SIGNED(kind) ? _mm512_load_si512(pi + 1) : _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int k = 0; k < NP; k++) {
+            const __m512i p = _mm512_dpbusd_epi32(off, gv_quants(kind, b + 2 * k * row_bytes, row_bytes), y);
+            acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(sp[k], pr), acc[k]);
+        }
+    }
+    float sm[16];
+    _mm512_storeu_ps(sm, summ);
+    const __m512i rows = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+#pragma GCC unroll 4
+    for (int k = 0; k < NP; k++) {
+        const __m512 a = _mm512_permutexvar_ps(rows, acc[k]);
+        const float v0 = hsum8(_mm512_castps512_ps256(a)), v1 = hsum8(_mm512_extractf32x8_ps(a, 1));
+        s[2 * k] = GK_MINS(kind) ? v0 + sm[4 * k + 1] : v0;
+        s[2 * k + 1] = GK_MINS(kind) ? v1 + sm[4 * k + 3] : v1;
+    }
+}
+
+#ifndef GV_ROWS
+#define GV_ROWS 8
+#endif
 LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64_t row_bytes, int nr,
                        const uint8_t *x) {
     const int yb = GK_YB(kind), yq = GK_YQ(kind);
     gv_vec prep[GV_PREP * (nb > 0 ? nb : 1)];
     float yd[nb > 0 ? nb : 1], ys[nb > 0 ? nb : 1];
+    float yds[2 * (nb > 0 ? nb : 1)] __attribute__((aligned(8)));
     for (int i = 0; i < nb; i++) {
         const uint8_t *y = x + (int64_t)i * yb;
         const __m512i qy = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
@@ -859,13 +922,16 @@ LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64
         }
         lp_half h;
         memcpy(&h, y, 2);
-        yd[i] = H2F(h);
+        yd[i] = yds[2 * i] = H2F(h);
+        yds[2 * i + 1] = 0.0f;
         if (GK_MINS(kind)) {
             memcpy(&h, y + 2, 2);
-            ys[i] = H2F(h);
+            ys[i] = yds[2 * i + 1] = H2F(h);
         }
     }
     int r = 0;
+    for (; r + GV_ROWS <= nr; r += GV_ROWS) gv_rowq(kind, GV_ROWS / 2, nb, w + r * row_bytes, row_bytes, prep, yds, s + r);
+    for (; r + 4 <= nr; r += 4) gv_rowq(kind, 2, nb, w + r * row_bytes, row_bytes, prep, yds, s + r);
     for (; r + 2 <= nr; r += 2) gv_row2(kind, nb, w + r * row_bytes, row_bytes, prep, yd, ys, s + r);
     if (r < nr) s[r] = gv_row1(kind, nb, w + r * row_bytes, prep, yd, ys);
 }

@@ -766,11 +766,10 @@ LP_INLINE __m512i gv_quants(const int kind, const uint8_t *b0, int64_t stride) {
         return _mm512_xor_si512(_mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7), q),
                                 _mm512_set1_epi8((char)0x80));
     }
-    const __m256i t = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + GV_QS(kind)))),
-        _mm_loadu_si128((const __m128i *)(b1 + GV_QS(kind))), 1);
-    __m512i z = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1),
-                                 _mm512_set1_epi8(0x0f));
+    /* [b0 | b1 | b0 | b1] (a broadcast load, a merge-masked one), the upper half shifted */
+    __m512i z = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b0 + GV_QS(kind)))),
+                                            0xF0F0, _mm_loadu_si128((const __m128i *)(b1 + GV_QS(kind))));
+    z = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xFFFF0000u, z, 4), _mm512_set1_epi8(0x0f));
     if (GV_HIGH(kind)) { /* bit j of qh is quant j's bit 4 */
         uint32_t h0, h1;
         memcpy(&h0, b0 + GV_QH(kind), 4);

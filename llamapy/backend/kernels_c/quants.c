@@ -1443,7 +1443,7 @@ LP_INLINE int gp_gemm(const int kind, int n, float *s, int64_t ld_s, const uint8
                       const uint8_t *x, int64_t x_bytes, int nc) {
     const int nb = n / QK8_0, ng = (nc + 3) / 4, qb = GP_QUAD_BYTES(kind);
     if (nb <= 0 || nr <= 0 || nc <= 0) return nb <= 0 ? -1 : 0;
-    int rq = GP_PANEL_BYTES / (nb * qb); /* quads a panel */
+    int rq = (int)(GP_PANEL_BYTES / ((int64_t)nb * qb)); /* quads a panel */
     rq = rq < 2 ? 2 : rq & ~1;
     if (rq * 4 > nr + 7) rq = (nr + 7) / 8 * 2;
     gp_act *a = aligned_alloc(64, ((size_t)ng * nb * sizeof(gp_act) + 63) / 64 * 64);

@@ -147,6 +147,10 @@ void lp_quantize_row_q8_K(const float *x, void *y, int64_t k);
  * many tokens a call (a whole 512-token micro-batch: the AVX-512 kernels decode each weight block
  * of their rows once a call, measured +29 % at 512 tokens a call over 64) */
 #define LP_GEMM_COLS_K 512
+/* lp_gemm_q4_0_q8_0_panel, q4_1_q8_1, q5_0_q8_0, q5_1_q8_1, q8_0_q8_0 _panel (the AVX-512 build): the
+ * same outputs as lp_gemm_<type> for ANY nc, for prompts (qmatmul.c mm_rows hands them a thread's
+ * whole range of rows and every token of the call: the weights are decoded once per panel of rows,
+ * the activations prepared once a call); the same lp_gemm_fn signature. */
 typedef void (*lp_gemm_fn)(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
                            int64_t x_bytes, int nc);
 

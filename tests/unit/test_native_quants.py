@@ -323,7 +323,7 @@ def test_gemm_is_vec_dots(lib: ctypes.CDLL, name: str, suffix: str) -> None:
     check_gemm(lib, name, sym + suffix, 7, 32 * 19, n_cols=4, ncs=(1, 2, 3, 4), nrs=(1, 2, 7), seed=11)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q4_K", "Q6_K"])
 # odd tail blocks; past the stack buffer (1024 blocks of 32; the K types: 128 of 256)
 @pytest.mark.parametrize("n_blocks", [1, 2, 19, 64, 1025])
 def test_gemv_is_vec_dots(lib: ctypes.CDLL, name: str, n_blocks: int) -> None:

@@ -505,6 +505,85 @@ KQ_API void lp_gemm_q2_K_q8_K(int n, float *s, int64_t ld_s, const void *w, int6
 }
 #endif
 
+/* lp_gemv_q2_K_q8_K: one token over nr rows, each output the vec_dot's bits. AVX-512: four rows at
+ * once, their sub-sums reduced together (kq_tr4_512) and kq_q2k_chain in 4 float32 lanes (one row a
+ * lane: the same FMAs in the same order as the vec_dot); the rest, and the AVX2 build, row by row. */
+#if defined(LP_KQ_AVX512)
+/* per 128-bit lane k: [sum of a's int32 lanes 4k..4k+3, of b's, of c's, of d's] */
+static inline __m512i kq_tr4_512(__m512i a, __m512i b, __m512i c, __m512i d) {
+    const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+}
+
+/* one row's block: sumi (int32 lanes 0-7 half 0, 8-15 half 1, as q2k_cols), summs in the low 256
+ * bits (lanes 0-3 half 0, 4-7 half 1; the upper 256 bits unused) */
+KQ_INLINE void kq_q2k_ints512(const block_q2_K *restrict x, const block_q8_K *restrict y, const __m512i sc_idx[4],
+                              __m512i *sumi, __m512i *summs) {
+    const __m512i m3 = _mm512_set1_epi8(3);
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    const __m128i sc_mn = _mm_loadu_si128((const __m128i *)x->scales);
+    const __m512i sc16 = _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(sc_mn, m4)));
+    const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc_mn, 4), m4));
+    *summs = _mm512_castsi256_si512(_mm256_madd_epi16(mins16, _mm256_loadu_si256((const __m256i *)y->bsums)));
+    const __m512i bits = _mm512_loadu_si512((const void *)x->qs);
+    const int8_t *q8 = y->qs;
+#define KQ_Q8X2(o) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q8 + (o)))), \
+                                      _mm256_loadu_si256((const __m256i *)(q8 + 128 + (o))), 1)
+    __m512i acc = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(_mm512_and_si512(bits, m3), KQ_Q8X2(0)),
+                                      _mm512_permutexvar_epi16(sc_idx[0], sc16));
+    acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 2), m3), KQ_Q8X2(32)),
+                              _mm512_permutexvar_epi16(sc_idx[1], sc16));
+    acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 4), m3), KQ_Q8X2(64)),
+                              _mm512_permutexvar_epi16(sc_idx[2], sc16));
+    acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 6), m3), KQ_Q8X2(96)),
+                              _mm512_permutexvar_epi16(sc_idx[3], sc16));
+#undef KQ_Q8X2
+    *sumi = acc;
+}
+
+KQ_API void lp_gemv_q2_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
+                              const void *restrict x) {
+    const int nb = n / QK_K;
+    const block_q8_K *y = (const block_q8_K *)x;
+    const __m512i sc_idx[4] = {_mm512_loadu_si512((const void *)kq_q2k_scale_lanes[0]),
+                               _mm512_loadu_si512((const void *)kq_q2k_scale_lanes[1]),
+                               _mm512_loadu_si512((const void *)kq_q2k_scale_lanes[2]),
+                               _mm512_loadu_si512((const void *)kq_q2k_scale_lanes[3])};
+    int r = 0;
+    for (; r + 4 <= nr; r += 4) {
+        const block_q2_K *xr[4];
+        for (int k = 0; k < 4; ++k) xr[k] = (const block_q2_K *)((const uint8_t *)w + (r + k) * row_bytes);
+        __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
+        for (int i = 0; i < nb; ++i) {
+            __m512i e[4], f[4];
+            for (int k = 0; k < 4; ++k) kq_q2k_ints512(xr[k] + i, y + i, sc_idx, &e[k], &f[k]);
+            const __m512i ue = kq_tr4_512(e[0], e[1], e[2], e[3]), uf = kq_tr4_512(f[0], f[1], f[2], f[3]);
+            const __m128i S0 = _mm_add_epi32(_mm512_castsi512_si128(ue), _mm512_extracti32x4_epi32(ue, 1));
+            const __m128i S1 = _mm_add_epi32(_mm512_extracti32x4_epi32(ue, 2), _mm512_extracti32x4_epi32(ue, 3));
+            const __m128i M0 = _mm512_castsi512_si128(uf), M1 = _mm512_extracti32x4_epi32(uf, 1);
+            const __m128 yd = _mm_set1_ps(y[i].d);
+            const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_setr_epi16((short)xr[0][i].d, (short)xr[1][i].d, (short)xr[2][i].d,
+                                                                     (short)xr[3][i].d, 0, 0, 0, 0)), yd);
+            const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_setr_epi16((short)xr[0][i].dmin, (short)xr[1][i].dmin,
+                                                                     (short)xr[2][i].dmin, (short)xr[3][i].dmin, 0, 0, 0, 0)), yd);
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(S0), dd, acc);
+            accm = _mm_fmadd_ps(_mm_cvtepi32_ps(M0), dm, accm);
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(S1), dd, acc);
+            accm = _mm_fmadd_ps(_mm_cvtepi32_ps(M1), dm, accm);
+        }
+        _mm_storeu_ps(s + r, _mm_sub_ps(acc, accm));
+    }
+    for (; r < nr; ++r) q2k_cols(n, s + r, 0, (const block_q2_K *)((const uint8_t *)w + r * row_bytes), (const uint8_t *)x, 0, 1);
+}
+#elif defined(__AVX2__)
+KQ_API void lp_gemv_q2_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
+                              const void *restrict x) {
+    for (int r = 0; r < nr; ++r)
+        q2k_cols(n, s + r, 0, (const block_q2_K *)((const uint8_t *)w + r * row_bytes), (const uint8_t *)x, 0, 1);
+}
+#endif
+
 /* ---------------------------------------------------------------------------------------------
  * Q3_K: 16 sub-blocks of 16, 3-bit quants (2 low bits + a high bit that, when clear, means -4),
  * signed 6-bit scales

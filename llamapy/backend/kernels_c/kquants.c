@@ -488,9 +488,10 @@ KQ_API void lp_vec_dot_q2_K_q8_K(int n, float *restrict s, const void *restrict 
     q2k_cols(n, s, 0, (const block_q2_K *)vx, (const uint8_t *)vy, 0, 1);
 }
 
-/* the AVX2 and AVX-512 builds only, as the other K gemms: without it (the portable build) Q2_K prompts
- * go to sgemm (qmatmul.py _has_gemm), one vec_dot per output being slower there */
-#if defined(__AVX2__)
+/* the AVX2 and AVX-512 (below) builds only, as the other K gemms: without it (the portable build)
+ * Q2_K prompts go to sgemm (qmatmul.py _has_gemm), one vec_dot per output being slower there.
+ * AVX2: each row against up to LP_GEMM_COLS columns (q2k_cols) */
+#if defined(__AVX2__) && !defined(LP_KQ_AVX512)
 KQ_API void lp_gemm_q2_K_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
                               int64_t x_bytes, int nc) {
     for (int r = 0; r < nr; ++r) {
@@ -516,29 +517,33 @@ static inline __m512i kq_tr4_512(__m512i a, __m512i b, __m512i c, __m512i d) {
     return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
 }
 
-/* one row's block: sumi (int32 lanes 0-7 half 0, 8-15 half 1, as q2k_cols), summs in the low 256
- * bits (lanes 0-3 half 0, 4-7 half 1; the upper 256 bits unused) */
-KQ_INLINE void kq_q2k_ints512(const block_q2_K *restrict x, const block_q8_K *restrict y, const __m512i sc_idx[4],
-                              __m512i *sumi, __m512i *summs) {
+/* one row's block decoded: its quants by shift (w), the scales of each shift's int16 lanes (sc),
+ * the 16 mins as int16 */
+typedef struct { __m512i w[4], sc[4]; __m256i mins16; } kq_q2k_dec;
+
+KQ_INLINE void kq_q2k_decode(const block_q2_K *restrict x, const __m512i sc_idx[4], kq_q2k_dec *d) {
     const __m512i m3 = _mm512_set1_epi8(3);
     const __m128i m4 = _mm_set1_epi8(0xF);
     const __m128i sc_mn = _mm_loadu_si128((const __m128i *)x->scales);
     const __m512i sc16 = _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(sc_mn, m4)));
-    const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc_mn, 4), m4));
-    *summs = _mm512_castsi256_si512(_mm256_madd_epi16(mins16, _mm256_loadu_si256((const __m256i *)y->bsums)));
+    d->mins16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc_mn, 4), m4));
     const __m512i bits = _mm512_loadu_si512((const void *)x->qs);
-    const int8_t *q8 = y->qs;
-#define KQ_Q8X2(o) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q8 + (o)))), \
-                                      _mm256_loadu_si256((const __m256i *)(q8 + 128 + (o))), 1)
-    __m512i acc = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(_mm512_and_si512(bits, m3), KQ_Q8X2(0)),
-                                      _mm512_permutexvar_epi16(sc_idx[0], sc16));
-    acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 2), m3), KQ_Q8X2(32)),
-                              _mm512_permutexvar_epi16(sc_idx[1], sc16));
-    acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 4), m3), KQ_Q8X2(64)),
-                              _mm512_permutexvar_epi16(sc_idx[2], sc16));
-    acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 6), m3), KQ_Q8X2(96)),
-                              _mm512_permutexvar_epi16(sc_idx[3], sc16));
-#undef KQ_Q8X2
+    for (int sh = 0; sh < 4; ++sh) {
+        d->w[sh] = _mm512_and_si512(_mm512_srli_epi16(bits, 2 * sh), m3);
+        d->sc[sh] = _mm512_permutexvar_epi16(sc_idx[sh], sc16);
+    }
+}
+
+/* that block against one activation block: sumi (int32 lanes 0-7 half 0, 8-15 half 1, as
+ * q2k_cols), summs in the low 256 bits (lanes 0-3 half 0, 4-7 half 1; the upper bits unused) */
+KQ_INLINE void kq_q2k_mul(const kq_q2k_dec *d, const block_q8_K *restrict y, __m512i *sumi, __m512i *summs) {
+    *summs = _mm512_castsi256_si512(_mm256_madd_epi16(d->mins16, _mm256_loadu_si256((const __m256i *)y->bsums)));
+    __m512i acc = _mm512_setzero_si512();
+    for (int sh = 0; sh < 4; ++sh) {
+        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(y->qs + 32 * sh))),
+                                             _mm256_loadu_si256((const __m256i *)(y->qs + 128 + 32 * sh)), 1);
+        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(d->w[sh], q), d->sc[sh]);
+    }
     *sumi = acc;
 }
 
@@ -557,7 +562,11 @@ KQ_API void lp_gemv_q2_K_q8_K(int n, float *restrict s, const void *restrict w, 
         __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
         for (int i = 0; i < nb; ++i) {
             __m512i e[4], f[4];
-            for (int k = 0; k < 4; ++k) kq_q2k_ints512(xr[k] + i, y + i, sc_idx, &e[k], &f[k]);
+            for (int k = 0; k < 4; ++k) {
+                kq_q2k_dec d;
+                kq_q2k_decode(xr[k] + i, sc_idx, &d);
+                kq_q2k_mul(&d, y + i, &e[k], &f[k]);
+            }
             const __m512i ue = kq_tr4_512(e[0], e[1], e[2], e[3]), uf = kq_tr4_512(f[0], f[1], f[2], f[3]);
             const __m128i S0 = _mm_add_epi32(_mm512_castsi512_si128(ue), _mm512_extracti32x4_epi32(ue, 1));
             const __m128i S1 = _mm_add_epi32(_mm512_extracti32x4_epi32(ue, 2), _mm512_extracti32x4_epi32(ue, 3));
@@ -575,6 +584,71 @@ KQ_API void lp_gemv_q2_K_q8_K(int n, float *restrict s, const void *restrict w, 
         _mm_storeu_ps(s + r, _mm_sub_ps(acc, accm));
     }
     for (; r < nr; ++r) q2k_cols(n, s + r, 0, (const block_q2_K *)((const uint8_t *)w + r * row_bytes), (const uint8_t *)x, 0, 1);
+}
+/* lp_gemm_q2_K_q8_K (AVX-512): two rows x two columns a step, both rows' blocks decoded once for
+ * the two columns, the four outputs' sub-sums reduced together (kq_tr4_512) and kq_q2k_chain in 4
+ * float32 lanes [(r, c), (r+1, c), (r, c+1), (r+1, c+1)]: each output the vec_dot's bits. An odd
+ * row or column goes through q2k_cols. */
+KQ_INLINE void kq_q2k_2x2(int nb, float *restrict s, int64_t ld_s, const block_q2_K *restrict xa,
+                          const block_q2_K *restrict xb, const block_q8_K *restrict y0, const block_q8_K *restrict y1,
+                          const __m512i sc_idx[4]) {
+    __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        kq_q2k_dec da, db;
+        kq_q2k_decode(xa + i, sc_idx, &da);
+        kq_q2k_decode(xb + i, sc_idx, &db);
+        __m512i e[4], f[4];
+        kq_q2k_mul(&da, y0 + i, &e[0], &f[0]);
+        kq_q2k_mul(&db, y0 + i, &e[1], &f[1]);
+        kq_q2k_mul(&da, y1 + i, &e[2], &f[2]);
+        kq_q2k_mul(&db, y1 + i, &e[3], &f[3]);
+        const __m512i ue = kq_tr4_512(e[0], e[1], e[2], e[3]), uf = kq_tr4_512(f[0], f[1], f[2], f[3]);
+        const __m128i S0 = _mm_add_epi32(_mm512_castsi512_si128(ue), _mm512_extracti32x4_epi32(ue, 1));
+        const __m128i S1 = _mm_add_epi32(_mm512_extracti32x4_epi32(ue, 2), _mm512_extracti32x4_epi32(ue, 3));
+        const __m128i M0 = _mm512_castsi512_si128(uf), M1 = _mm512_extracti32x4_epi32(uf, 1);
+        const __m128 yd = _mm_setr_ps(y0[i].d, y0[i].d, y1[i].d, y1[i].d);
+        const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_setr_epi16((short)xa[i].d, (short)xb[i].d, (short)xa[i].d,
+                                                                 (short)xb[i].d, 0, 0, 0, 0)), yd);
+        const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_setr_epi16((short)xa[i].dmin, (short)xb[i].dmin, (short)xa[i].dmin,
+                                                                 (short)xb[i].dmin, 0, 0, 0, 0)), yd);
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(S0), dd, acc);
+        accm = _mm_fmadd_ps(_mm_cvtepi32_ps(M0), dm, accm);
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(S1), dd, acc);
+        accm = _mm_fmadd_ps(_mm_cvtepi32_ps(M1), dm, accm);
+    }
+    float o[4];
+    _mm_storeu_ps(o, _mm_sub_ps(acc, accm));
+    s[0] = o[0];
+    s[1] = o[1];
+    s[ld_s] = o[2];
+    s[ld_s + 1] = o[3];
+}
+
+KQ_API void lp_gemm_q2_K_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
+                              int64_t x_bytes, int nc) {
+    const int nb = n / QK_K;
+    const __m512i sc_idx[4] = {_mm512_loadu_si512((const void *)kq_q2k_scale_lanes[0]),
+                               _mm512_loadu_si512((const void *)kq_q2k_scale_lanes[1]),
+                               _mm512_loadu_si512((const void *)kq_q2k_scale_lanes[2]),
+                               _mm512_loadu_si512((const void *)kq_q2k_scale_lanes[3])};
+    const uint8_t *vy = (const uint8_t *)x;
+    int r = 0;
+    for (; r + 2 <= nr; r += 2) {
+        const block_q2_K *xa = (const block_q2_K *)((const uint8_t *)w + r * row_bytes);
+        const block_q2_K *xb = (const block_q2_K *)((const uint8_t *)w + (r + 1) * row_bytes);
+        int c = 0;
+        for (; c + 2 <= nc; c += 2)
+            kq_q2k_2x2(nb, s + c * ld_s + r, ld_s, xa, xb, (const block_q8_K *)(vy + c * x_bytes),
+                       (const block_q8_K *)(vy + (c + 1) * x_bytes), sc_idx);
+        if (c < nc) {
+            q2k_cols(n, s + c * ld_s + r, 0, xa, vy + c * x_bytes, 0, 1);
+            q2k_cols(n, s + c * ld_s + r + 1, 0, xb, vy + c * x_bytes, 0, 1);
+        }
+    }
+    if (r < nr) {
+        const block_q2_K *xa = (const block_q2_K *)((const uint8_t *)w + r * row_bytes);
+        for (int c = 0; c < nc; ++c) q2k_cols(n, s + c * ld_s + r, 0, xa, vy + c * x_bytes, 0, 1);
+    }
 }
 #elif defined(__AVX2__)
 KQ_API void lp_gemv_q2_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,

@@ -51,7 +51,7 @@ SGEMM_MIN_TOKENS = 16
 # AVX-512 builds: each weight block decoded once for LP_GEMM_COLS tokens, bit-identical to the
 # vec_dot), so their prompts stay on lp_mul_mat: a token's numbers are then the same alone or in
 # any batch, and equal to llama.cpp's x86 prompt results (its vec_dots for Q4_0-Q8_0; for the K types
-# its repacked Q4_K gemm and tiled microtiles, whose order kernels_c/kquants.c follows). Measured (noisy:
+# its repacked Q4_K and (AVX-512) Q2_K gemms and tiled microtiles, whose order kernels_c/kquants.c follows). Measured (noisy:
 # shared 2-core AVX-512 host under load ~8; one thread each, best of 3; time of the sgemm path
 # (round_act + tiles + sgemm) / time of the q8 path (quantize_act + lp_mul_mat), bench/RESULTS.md
 # 2026-12-02):
@@ -70,6 +70,7 @@ Q8_GEMM: dict[GGMLType, str] = {
     GGMLType.Q5_0: "lp_gemm_q5_0_q8_0",
     GGMLType.Q5_1: "lp_gemm_q5_1_q8_1",
     GGMLType.Q8_0: "lp_gemm_q8_0_q8_0",
+    GGMLType.Q2_K: "lp_gemm_q2_K_q8_K",
     GGMLType.Q3_K: "lp_gemm_q3_K_q8_K",
     GGMLType.Q4_K: "lp_gemm_q4_K_q8_K",
     GGMLType.Q5_K: "lp_gemm_q5_K_q8_K",

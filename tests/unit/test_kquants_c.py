@@ -307,7 +307,8 @@ def _int_parts(name: str, row: np.ndarray) -> tuple[np.ndarray, np.ndarray | Non
 
 def _prompt_order_dot(name: str, row: np.ndarray, act: np.ndarray) -> np.float32:
     """Q4_K as ggml_gemm_q4_K_8x8_q8_K (repack.cpp, llama.cpp's Q4_K prompts on x86: AVX2 and
-    AVX-512 bodies alike): per block and 64-element pair p, acc = fma(S_p, d_w * d_y, acc) and accm
+    AVX-512 bodies alike), Q2_K as ggml_gemm_q2_K_8x8_q8_K (its prompts on AVX-512; per 128-element
+    half instead of pair): per block and 64-element pair p, acc = fma(S_p, d_w * d_y, acc) and accm
     = fma(M_p, dmin_w * d_y, accm), the result acc - accm. Q3_K / Q5_K / Q6_K as the tiled
     microtiles (tiled/tiled-kernel.cpp, the prompts of >= 8 rows): per block r = S * d_w, r =
     fma(-dmin_w, M, r) with mins, acc = fma(r, d_y, acc). S, M: the exact integer sums (sc * q . q8,
@@ -318,9 +319,10 @@ def _prompt_order_dot(name: str, row: np.ndarray, act: np.ndarray) -> np.float32
     f32 = np.float32
     acc, accm = f32(0), f32(0)
     for i in range(sq.shape[0]):
-        if name == "Q4_K":
-            for p in range(4):
-                e = slice(64 * p, 64 * p + 64)
+        if name in ("Q2_K", "Q4_K"):
+            w = 128 if name == "Q2_K" else 64
+            for p in range(QK_K // w):
+                e = slice(w * p, w * p + w)
                 acc = _fmaf(f32(int(sq[i, e] @ q8[i, e])), f32(dw[i] * dy[i]), acc)
                 accm = _fmaf(f32(int(mn[i, e] @ q8[i, e])), f32(dmin[i] * dy[i]), accm)
             continue
@@ -331,7 +333,7 @@ def _prompt_order_dot(name: str, row: np.ndarray, act: np.ndarray) -> np.float32
     return f32(acc - accm)
 
 
-@pytest.mark.parametrize("name", ["Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", K_TYPES)
 def test_vec_dot_in_ggml_x86_prompt_order(kq: KQ, name: str) -> None:
     """Every variant's vec_dot (so its gemm and gemv, which tests/unit/test_native_quants.py holds
     to it bit for bit) computes llama.cpp's x86 prompt order exactly (_prompt_order_dot): the

@@ -157,7 +157,7 @@ def test_blas_backend_claims_what_use_sgemm_says() -> None:
             assert dev.supports_op(node) == qmatmul.use_sgemm(qt, 576, 1536, n_tok)
 
 
-@pytest.mark.parametrize("name", ["Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_k_types_stay_on_int8_kernels_at_any_batch(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """use_sgemm's Q8_GEMM table: in the q8 mode a K type whose multi-column int8 kernel the
     library has (lp_gemm_*) runs the q8 kernels at every batch size, so a token's numbers do not

@@ -2,23 +2,26 @@
  *
  * ggml counterparts: ggml-quants.c quantize_row_q8_K_ref; ggml-cpu quants.c
  * ggml_vec_dot_q{2,3,4,5,6}_K_q8_K_generic and their x86 versions in arch/x86/quants.c; for the
- * float32 order of Q3_K-Q6_K, repack.cpp's ggml_gemm_q4_K_8x8_q8_K and tiled/tiled-kernel.cpp.
+ * float32 order, repack.cpp's ggml_gemm_q4_K_8x8_q8_K / ggml_gemm_q2_K_8x8_q8_K and
+ * tiled/tiled-kernel.cpp.
  *
  * What is computed (ggml's definition): for each 256-element super-block, the exact integer sum
  * of weight quants times activation quants inside each sub-block, times the sub-block's integer
  * scale, summed as an integer; then times the float32 product of the two super-block scales
  * (weight d x activation d), minus, for types with mins, dmin x activation d x the integer
  * sum of mins times the activation's 16-element sums (bsums); the block results summed in
- * float32. Only the float32 part has an order to choose. Q3_K-Q6_K take, in every variant and at
+ * float32. Only the float32 part has an order to choose. Q2_K-Q6_K take, in every variant and at
  * every batch size, the order of llama.cpp 0.3.36's x86 prompt kernels (kq_q4k_chain,
- * kq_tiled_step below), so llama-perplexity's logits for a K-quant file are llamapy's bit for bit
+ * kq_q2k_chain, kq_tiled_step below), so llama-perplexity's logits for a K-quant file are llamapy's bit for bit
  * (tests/model/test_perplexity.py, the tiny32 Q4_K_M same-file test): Q4_K weights go through
  * its repacked q4_K_8x8 gemm there (every ne[1] % 8 == 0 matrix, AVX2 and AVX-512), the others'
  * prompts of >= 8 rows through the tiled microtiles. llama.cpp itself is not batch-invariant here
  * (its 1-3 leftover rows of a Q4_K batch run the q4_K_8x8 gemv, per super-block; < 8 rows of the
  * others the vec_dots, 8 lanes + hsum): llamapy keeps one order for a token alone or in any batch,
- * so its decode matches llama.cpp's prompt arithmetic, not its 1-token one. Q2_K keeps the
- * vec_dot order of ggml's AVX2 code (llama.cpp repacks it on AVX-512: not followed).
+ * so its decode matches llama.cpp's prompt arithmetic, not its 1-token one. Q2_K takes the order of
+ * llama.cpp's AVX-512 build (kq_q2k_chain: its repacked q2_K_8x8 gemm, per 128-element half, every
+ * ne[1] % 8 == 0 matrix; its gemv for 1-3 leftover rows sums per block instead; its AVX2 builds
+ * do not repack Q2_K and run the tiled microtiles: not followed).
  *
  * This file is compiled once per SIMD variant (see lp_quants.h), each defining the same names:
  *   portable C     - no -march flags (scalar fmaf: the same order, so the same bits, as the
@@ -27,7 +30,8 @@
  *                    sub-block scales (-> s32), ggml's approach: no saturation is possible,
  *                    since a pair is at most 2 x 63 x 127 < 32767;
  *   AVX-512 VNNI   - the same with 64-byte vectors and vpdpwssd (madd + add in one) for Q4_K,
- *                    Q5_K and Q6_K; Q2_K / Q3_K use the AVX2 code (few models use them); the
+ *                    Q5_K and Q6_K, and Q2_K's whole block in one maddubs per shift; Q3_K uses
+ *                    the AVX2 code (few models use it); the
  *                    prompt kernels of Q4_K-Q6_K take 8 tokens x 64 rows a step (lp_gemm_*).
  * Weight types whose quants are signed (Q3_K: -4..3, Q6_K: -32..31) are used offset to
  * unsigned (+4, +32) for maddubs, and the offset times the scaled bsums is subtracted.
@@ -115,6 +119,22 @@ static inline void kq_q4k_chain(const int32_t S[4], const int32_t M[4], float dd
     for (int p = 0; p < 4; ++p) {
         a = fmaf((float)S[p], dd, a);
         b = fmaf((float)M[p], dm, b);
+    }
+    *acc = a;
+    *accm = b;
+}
+
+/* Q2_K (repack.cpp ggml_gemm_q2_K_8x8_q8_K: llama.cpp repacks Q2_K on AVX-512 and runs its prompts
+ * there, per 128-element half; that gemm's AVX2 bodies, for the columns past a multiple of 16, in
+ * the same order): per block, per half h, S_h = sum of sc dot16 over its 8 sub-blocks and
+ * M_h = sum of mn bsum16, then
+ *   acc  = fma((float)S_h, d_w * d_y, acc);  accm = fma((float)M_h, dmin_w * d_y, accm)
+ * and the result acc - accm: kq_q4k_chain's form with two steps a block. */
+static inline void kq_q2k_chain(const int32_t S[2], const int32_t M[2], float dd, float dm, float *acc, float *accm) {
+    float a = *acc, b = *accm;
+    for (int h = 0; h < 2; ++h) {
+        a = fmaf((float)S[h], dd, a);
+        b = fmaf((float)M[h], dm, b);
     }
     *acc = a;
     *accm = b;
@@ -308,6 +328,15 @@ static inline void kq_q4k_step(__m128i S, __m128i M, float dd, float dm, float *
     kq_q4k_chain(s, m, dd, dm, acc, accm);
 }
 
+/* kq_q2k_chain for one block, both chains in one register: SM = [S_0, M_0, S_1, M_1] (exact),
+ * acc lanes 0, 1 = (acc, accm); two FMAs of [S_h, M_h] by [d_w d_y, dmin_w d_y] */
+static inline __m128 kq_q2k_step(__m128i SM, float dd, float dm, __m128 acc) {
+    const __m128 f = _mm_cvtepi32_ps(SM);
+    const __m128 d = _mm_setr_ps(dd, dm, dd, dm);
+    acc = _mm_fmadd_ps(f, d, acc);
+    return _mm_fmadd_ps(_mm_movehl_ps(f, f), d, acc);
+}
+
 #endif /* __AVX2__ */
 
 #if defined(LP_KQ_AVX512)
@@ -353,6 +382,10 @@ static const int16_t kq_q2k_scale_lanes[4][32] __attribute__((aligned(64))) = {K
 KQ_INLINE void q2k_cols(int n, float *restrict s, int64_t ld_s, const block_q2_K *restrict x, const uint8_t *restrict vy,
                         int64_t y_bytes, int nc) {
     const int nb = n / QK_K;
+#if defined(__AVX2__)
+    /* lanes 0, 1: acc, accm of kq_q2k_chain (lanes 2, 3 unused) */
+    __m128 acc[LP_GEMM_COLS];
+    for (int c = 0; c < nc; ++c) acc[c] = _mm_setzero_ps();
 #if defined(LP_KQ_AVX512)
     const __m512i m3 = _mm512_set1_epi8(3);
     const __m128i m4 = _mm_set1_epi8(0xF);
@@ -360,9 +393,6 @@ KQ_INLINE void q2k_cols(int n, float *restrict s, int64_t ld_s, const block_q2_K
                                _mm512_loadu_si512((const void *)kq_q2k_scale_lanes[1]),
                                _mm512_loadu_si512((const void *)kq_q2k_scale_lanes[2]),
                                _mm512_loadu_si512((const void *)kq_q2k_scale_lanes[3])};
-    __m512 acc[LP_GEMM_COLS];
-    __m256 accm[LP_GEMM_COLS];
-    for (int c = 0; c < nc; ++c) acc[c] = _mm512_setzero_ps(), accm[c] = _mm256_setzero_ps();
     for (int i = 0; i < nb; ++i) {
         const float xd = kq_h2f(x[i].d), xdmin = kq_h2f(x[i].dmin);
         const __m128i sc_mn = _mm_loadu_si128((const __m128i *)x[i].scales);
@@ -375,40 +405,31 @@ KQ_INLINE void q2k_cols(int n, float *restrict s, int64_t ld_s, const block_q2_K
         const __m512i s2 = _mm512_permutexvar_epi16(sc_idx[2], sc16), s3 = _mm512_permutexvar_epi16(sc_idx[3], sc16);
         for (int c = 0; c < nc; ++c) {
             const block_q8_K *y = (const block_q8_K *)(vy + c * y_bytes) + i;
-            const float dall = y->d * xd;
-            const float mdmin = -(y->d * xdmin);
+            /* int32 lanes 0-3: the mins of half 0 (sub-blocks 0-7), 4-7: half 1 */
             const __m256i summs = _mm256_madd_epi16(mins16, _mm256_loadu_si256((const __m256i *)y->bsums));
-            accm[c] = _mm256_fmadd_ps(_mm256_set1_ps(mdmin), _mm256_cvtepi32_ps(summs), accm[c]);
             const int8_t *q8 = y->qs;
 #define KQ_Q8X2(o) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q8 + (o)))), \
                                       _mm256_loadu_si256((const __m256i *)(q8 + 128 + (o))), 1)
+            /* int32 lanes 0-7: half 0 (quant bytes 0-31), 8-15: half 1 */
             __m512i sumi = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(w0, KQ_Q8X2(0)), s0);
             sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w1, KQ_Q8X2(32)), s1);
             sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w2, KQ_Q8X2(64)), s2);
             sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(w3, KQ_Q8X2(96)), s3);
 #undef KQ_Q8X2
-            acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(dall), _mm512_cvtepi32_ps(sumi), acc[c]);
+            const __m128i SM = kq_sum4_512(_mm512_maskz_mov_epi32(0x00FF, sumi), _mm512_zextsi128_si512(_mm256_castsi256_si128(summs)),
+                                           _mm512_maskz_mov_epi32(0xFF00, sumi), _mm512_zextsi128_si512(_mm256_extracti128_si256(summs, 1)));
+            acc[c] = kq_q2k_step(SM, xd * y->d, xdmin * y->d, acc[c]);
         }
     }
-    for (int c = 0; c < nc; ++c) s[c * ld_s] = _mm512_reduce_add_ps(acc[c]) + kq_hsum_ps256(accm[c]);
-#elif defined(__AVX2__)
+#else
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m128i m4 = _mm_set1_epi8(0xF);
-    __m256 acc[LP_GEMM_COLS];
-    for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
     for (int i = 0; i < nb; ++i) {
         const float xd = kq_h2f(x[i].d), xdmin = kq_h2f(x[i].dmin);
         const __m128i sc_mn = _mm_loadu_si128((const __m128i *)x[i].scales);
         const kq_sc16 sc = kq_sc16_load(_mm_and_si128(sc_mn, m4));
         const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc_mn, 4), m4));
-        __m256i sumi[LP_GEMM_COLS];
-        for (int c = 0; c < nc; ++c) {
-            const block_q8_K *y = (const block_q8_K *)(vy + c * y_bytes) + i;
-            const float mdmin = -(y->d * xdmin);
-            const __m256i summs = _mm256_madd_epi16(mins16, _mm256_loadu_si256((const __m256i *)y->bsums));
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(mdmin), _mm256_cvtepi32_ps(summs), acc[c]);
-            sumi[c] = _mm256_setzero_si256();
-        }
+        __m256i sumi[2][LP_GEMM_COLS];
         /* half k of the block: quants 32 k .. 32 k + 31, elements 128 k .. 128 k + 127 */
         for (int k = 0; k < 2; ++k) {
             const __m256i bits = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * k));
@@ -420,17 +441,27 @@ KQ_INLINE void q2k_cols(int n, float *restrict s, int64_t ld_s, const block_q2_K
                 const int8_t *q = ((const block_q8_K *)(vy + c * y_bytes) + i)->qs + 128 * k;
                 const __m256i p0 = kq_dot32(w0, q, s0), p1 = kq_dot32(w1, q + 32, s1);
                 const __m256i p2 = kq_dot32(w2, q + 64, s2), p3 = kq_dot32(w3, q + 96, s3);
-                sumi[c] = _mm256_add_epi32(sumi[c], _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+                sumi[k][c] = _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3));
             }
         }
         for (int c = 0; c < nc; ++c) {
-            const float dall = ((const block_q8_K *)(vy + c * y_bytes) + i)->d * xd;
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(dall), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
+            const block_q8_K *y = (const block_q8_K *)(vy + c * y_bytes) + i;
+            /* int32 lanes 0-3: the mins of half 0 (sub-blocks 0-7), 4-7: half 1 */
+            const __m256i summs = _mm256_madd_epi16(mins16, _mm256_loadu_si256((const __m256i *)y->bsums));
+            const __m256i zero = _mm256_setzero_si256();
+            const __m128i SM = kq_sum4_256(sumi[0][c], _mm256_blend_epi32(zero, summs, 0x0F), sumi[1][c],
+                                           _mm256_blend_epi32(zero, summs, 0xF0));
+            acc[c] = kq_q2k_step(SM, xd * y->d, xdmin * y->d, acc[c]);
         }
     }
-    for (int c = 0; c < nc; ++c) s[c * ld_s] = kq_hsum_ps256(acc[c]);
+#endif
+    for (int c = 0; c < nc; ++c) {
+        float a[4];
+        _mm_storeu_ps(a, acc[c]);
+        s[c * ld_s] = a[0] - a[1];
+    }
 #else
-    float sumf[LP_GEMM_COLS] = {0};
+    float acc[LP_GEMM_COLS] = {0}, accm[LP_GEMM_COLS] = {0};
     for (int i = 0; i < nb; ++i) {
         const uint8_t *sc = x[i].scales;
         int8_t q[QK_K];
@@ -438,18 +469,18 @@ KQ_INLINE void q2k_cols(int n, float *restrict s, int64_t ld_s, const block_q2_K
             for (int sh = 0; sh < 4; ++sh)
                 for (int l = 0; l < 32; ++l)
                     q[128 * k + 32 * sh + l] = (int8_t)((x[i].qs[32 * k + l] >> (2 * sh)) & 3);
+        const float xd = kq_h2f(x[i].d), xdmin = kq_h2f(x[i].dmin);
         for (int c = 0; c < nc; ++c) {
             const block_q8_K *y = (const block_q8_K *)(vy + c * y_bytes) + i;
-            int summs = 0;
-            for (int j = 0; j < 16; ++j) summs += y->bsums[j] * (sc[j] >> 4);
-            int isum = 0;
-            for (int j = 0; j < 16; ++j) isum += (sc[j] & 0xF) * kq_dot16(q + 16 * j, y->qs + 16 * j);
-            const float dall = y->d * kq_h2f(x[i].d);
-            const float dmin = y->d * kq_h2f(x[i].dmin);
-            sumf[c] += dall * (float)isum - dmin * (float)summs;
+            int32_t S[2] = {0, 0}, M[2] = {0, 0};
+            for (int j = 0; j < 16; ++j) {
+                S[j / 8] += (sc[j] & 0xF) * kq_dot16(q + 16 * j, y->qs + 16 * j);
+                M[j / 8] += (sc[j] >> 4) * y->bsums[j];
+            }
+            kq_q2k_chain(S, M, xd * y->d, xdmin * y->d, &acc[c], &accm[c]);
         }
     }
-    for (int c = 0; c < nc; ++c) s[c * ld_s] = sumf[c];
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = acc[c] - accm[c];
 #endif
 }
 
@@ -457,6 +488,10 @@ KQ_API void lp_vec_dot_q2_K_q8_K(int n, float *restrict s, const void *restrict 
     q2k_cols(n, s, 0, (const block_q2_K *)vx, (const uint8_t *)vy, 0, 1);
 }
 
+/* the AVX2 and AVX-512 (below) builds only, as the other K gemms: without it (the portable build)
+ * Q2_K prompts go to sgemm (qmatmul.py _has_gemm), one vec_dot per output being slower there.
+ * AVX2: each row against up to LP_GEMM_COLS columns (q2k_cols) */
+#if defined(__AVX2__) && !defined(LP_KQ_AVX512)
 KQ_API void lp_gemm_q2_K_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
                               int64_t x_bytes, int nc) {
     for (int r = 0; r < nr; ++r) {
@@ -469,6 +504,159 @@ KQ_API void lp_gemm_q2_K_q8_K(int n, float *s, int64_t ld_s, const void *w, int6
         }
     }
 }
+#endif
+
+/* lp_gemv_q2_K_q8_K: one token over nr rows, each output the vec_dot's bits. AVX-512: four rows at
+ * once, their sub-sums reduced together (kq_tr4_512) and kq_q2k_chain in 4 float32 lanes (one row a
+ * lane: the same FMAs in the same order as the vec_dot); the rest, and the AVX2 build, row by row. */
+#if defined(LP_KQ_AVX512)
+/* per 128-bit lane k: [sum of a's int32 lanes 4k..4k+3, of b's, of c's, of d's] */
+static inline __m512i kq_tr4_512(__m512i a, __m512i b, __m512i c, __m512i d) {
+    const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+}
+
+/* one row's block decoded: its quants by shift (w), the scales of each shift's int16 lanes (sc),
+ * the 16 mins as int16 */
+typedef struct { __m512i w[4], sc[4]; __m256i mins16; } kq_q2k_dec;
+
+KQ_INLINE void kq_q2k_decode(const block_q2_K *restrict x, const __m512i sc_idx[4], kq_q2k_dec *d) {
+    const __m512i m3 = _mm512_set1_epi8(3);
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    const __m128i sc_mn = _mm_loadu_si128((const __m128i *)x->scales);
+    const __m512i sc16 = _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(sc_mn, m4)));
+    d->mins16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc_mn, 4), m4));
+    const __m512i bits = _mm512_loadu_si512((const void *)x->qs);
+    for (int sh = 0; sh < 4; ++sh) {
+        d->w[sh] = _mm512_and_si512(_mm512_srli_epi16(bits, 2 * sh), m3);
+        d->sc[sh] = _mm512_permutexvar_epi16(sc_idx[sh], sc16);
+    }
+}
+
+/* that block against one activation block: sumi (int32 lanes 0-7 half 0, 8-15 half 1, as
+ * q2k_cols), summs in the low 256 bits (lanes 0-3 half 0, 4-7 half 1; the upper bits unused) */
+KQ_INLINE void kq_q2k_mul(const kq_q2k_dec *d, const block_q8_K *restrict y, __m512i *sumi, __m512i *summs) {
+    *summs = _mm512_castsi256_si512(_mm256_madd_epi16(d->mins16, _mm256_loadu_si256((const __m256i *)y->bsums)));
+    __m512i acc = _mm512_setzero_si512();
+    for (int sh = 0; sh < 4; ++sh) {
+        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(y->qs + 32 * sh))),
+                                             _mm256_loadu_si256((const __m256i *)(y->qs + 128 + 32 * sh)), 1);
+        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(d->w[sh], q), d->sc[sh]);
+    }
+    *sumi = acc;
+}
+
+KQ_API void lp_gemv_q2_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
+                              const void *restrict x) {
+    const int nb = n / QK_K;
+    const block_q8_K *y = (const block_q8_K *)x;
+    const __m512i sc_idx[4] = {_mm512_loadu_si512((const void *)kq_q2k_scale_lanes[0]),
+                               _mm512_loadu_si512((const void *)kq_q2k_scale_lanes[1]),
+                               _mm512_loadu_si512((const void *)kq_q2k_scale_lanes[2]),
+                               _mm512_loadu_si512((const void *)kq_q2k_scale_lanes[3])};
+    int r = 0;
+    for (; r + 4 <= nr; r += 4) {
+        const block_q2_K *xr[4];
+        for (int k = 0; k < 4; ++k) xr[k] = (const block_q2_K *)((const uint8_t *)w + (r + k) * row_bytes);
+        __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
+        for (int i = 0; i < nb; ++i) {
+            __m512i e[4], f[4];
+            for (int k = 0; k < 4; ++k) {
+                kq_q2k_dec d;
+                kq_q2k_decode(xr[k] + i, sc_idx, &d);
+                kq_q2k_mul(&d, y + i, &e[k], &f[k]);
+            }
+            const __m512i ue = kq_tr4_512(e[0], e[1], e[2], e[3]), uf = kq_tr4_512(f[0], f[1], f[2], f[3]);
+            const __m128i S0 = _mm_add_epi32(_mm512_castsi512_si128(ue), _mm512_extracti32x4_epi32(ue, 1));
+            const __m128i S1 = _mm_add_epi32(_mm512_extracti32x4_epi32(ue, 2), _mm512_extracti32x4_epi32(ue, 3));
+            const __m128i M0 = _mm512_castsi512_si128(uf), M1 = _mm512_extracti32x4_epi32(uf, 1);
+            const __m128 yd = _mm_set1_ps(y[i].d);
+            const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_setr_epi16((short)xr[0][i].d, (short)xr[1][i].d, (short)xr[2][i].d,
+                                                                     (short)xr[3][i].d, 0, 0, 0, 0)), yd);
+            const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_setr_epi16((short)xr[0][i].dmin, (short)xr[1][i].dmin,
+                                                                     (short)xr[2][i].dmin, (short)xr[3][i].dmin, 0, 0, 0, 0)), yd);
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(S0), dd, acc);
+            accm = _mm_fmadd_ps(_mm_cvtepi32_ps(M0), dm, accm);
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(S1), dd, acc);
+            accm = _mm_fmadd_ps(_mm_cvtepi32_ps(M1), dm, accm);
+        }
+        _mm_storeu_ps(s + r, _mm_sub_ps(acc, accm));
+    }
+    for (; r < nr; ++r) q2k_cols(n, s + r, 0, (const block_q2_K *)((const uint8_t *)w + r * row_bytes), (const uint8_t *)x, 0, 1);
+}
+/* lp_gemm_q2_K_q8_K (AVX-512): two rows x two columns a step, both rows' blocks decoded once for
+ * the two columns, the four outputs' sub-sums reduced together (kq_tr4_512) and kq_q2k_chain in 4
+ * float32 lanes [(r, c), (r+1, c), (r, c+1), (r+1, c+1)]: each output the vec_dot's bits. An odd
+ * row or column goes through q2k_cols. */
+KQ_INLINE void kq_q2k_2x2(int nb, float *restrict s, int64_t ld_s, const block_q2_K *restrict xa,
+                          const block_q2_K *restrict xb, const block_q8_K *restrict y0, const block_q8_K *restrict y1,
+                          const __m512i sc_idx[4]) {
+    __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        kq_q2k_dec da, db;
+        kq_q2k_decode(xa + i, sc_idx, &da);
+        kq_q2k_decode(xb + i, sc_idx, &db);
+        __m512i e[4], f[4];
+        kq_q2k_mul(&da, y0 + i, &e[0], &f[0]);
+        kq_q2k_mul(&db, y0 + i, &e[1], &f[1]);
+        kq_q2k_mul(&da, y1 + i, &e[2], &f[2]);
+        kq_q2k_mul(&db, y1 + i, &e[3], &f[3]);
+        const __m512i ue = kq_tr4_512(e[0], e[1], e[2], e[3]), uf = kq_tr4_512(f[0], f[1], f[2], f[3]);
+        const __m128i S0 = _mm_add_epi32(_mm512_castsi512_si128(ue), _mm512_extracti32x4_epi32(ue, 1));
+        const __m128i S1 = _mm_add_epi32(_mm512_extracti32x4_epi32(ue, 2), _mm512_extracti32x4_epi32(ue, 3));
+        const __m128i M0 = _mm512_castsi512_si128(uf), M1 = _mm512_extracti32x4_epi32(uf, 1);
+        const __m128 yd = _mm_setr_ps(y0[i].d, y0[i].d, y1[i].d, y1[i].d);
+        const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_setr_epi16((short)xa[i].d, (short)xb[i].d, (short)xa[i].d,
+                                                                 (short)xb[i].d, 0, 0, 0, 0)), yd);
+        const __m128 dm = _mm_mul_ps(_mm_cvtph_ps(_mm_setr_epi16((short)xa[i].dmin, (short)xb[i].dmin, (short)xa[i].dmin,
+                                                                 (short)xb[i].dmin, 0, 0, 0, 0)), yd);
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(S0), dd, acc);
+        accm = _mm_fmadd_ps(_mm_cvtepi32_ps(M0), dm, accm);
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(S1), dd, acc);
+        accm = _mm_fmadd_ps(_mm_cvtepi32_ps(M1), dm, accm);
+    }
+    float o[4];
+    _mm_storeu_ps(o, _mm_sub_ps(acc, accm));
+    s[0] = o[0];
+    s[1] = o[1];
+    s[ld_s] = o[2];
+    s[ld_s + 1] = o[3];
+}
+
+KQ_API void lp_gemm_q2_K_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
+                              int64_t x_bytes, int nc) {
+    const int nb = n / QK_K;
+    const __m512i sc_idx[4] = {_mm512_loadu_si512((const void *)kq_q2k_scale_lanes[0]),
+                               _mm512_loadu_si512((const void *)kq_q2k_scale_lanes[1]),
+                               _mm512_loadu_si512((const void *)kq_q2k_scale_lanes[2]),
+                               _mm512_loadu_si512((const void *)kq_q2k_scale_lanes[3])};
+    const uint8_t *vy = (const uint8_t *)x;
+    int r = 0;
+    for (; r + 2 <= nr; r += 2) {
+        const block_q2_K *xa = (const block_q2_K *)((const uint8_t *)w + r * row_bytes);
+        const block_q2_K *xb = (const block_q2_K *)((const uint8_t *)w + (r + 1) * row_bytes);
+        int c = 0;
+        for (; c + 2 <= nc; c += 2)
+            kq_q2k_2x2(nb, s + c * ld_s + r, ld_s, xa, xb, (const block_q8_K *)(vy + c * x_bytes),
+                       (const block_q8_K *)(vy + (c + 1) * x_bytes), sc_idx);
+        if (c < nc) {
+            q2k_cols(n, s + c * ld_s + r, 0, xa, vy + c * x_bytes, 0, 1);
+            q2k_cols(n, s + c * ld_s + r + 1, 0, xb, vy + c * x_bytes, 0, 1);
+        }
+    }
+    if (r < nr) {
+        const block_q2_K *xa = (const block_q2_K *)((const uint8_t *)w + r * row_bytes);
+        for (int c = 0; c < nc; ++c) q2k_cols(n, s + c * ld_s + r, 0, xa, vy + c * x_bytes, 0, 1);
+    }
+}
+#elif defined(__AVX2__)
+KQ_API void lp_gemv_q2_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
+                              const void *restrict x) {
+    for (int r = 0; r < nr; ++r)
+        q2k_cols(n, s + r, 0, (const block_q2_K *)((const uint8_t *)w + r * row_bytes), (const uint8_t *)x, 0, 1);
+}
+#endif
 
 /* ---------------------------------------------------------------------------------------------
  * Q3_K: 16 sub-blocks of 16, 3-bit quants (2 low bits + a high bit that, when clear, means -4),

@@ -954,6 +954,7 @@ QMM_API void lp_dqr_q6_k(const void *const *parts, int64_t nb, const int64_t *id
 #pragma weak lp_gemv_q4_1_q8_1
 #pragma weak lp_gemv_q5_1_q8_1
 #pragma weak lp_gemv_q8_0_q8_0
+#pragma weak lp_gemv_q2_K_q8_K
 #pragma weak lp_gemv_q4_K_q8_K
 #pragma weak lp_gemv_q6_K_q8_K
 void lp_gemv_q4_0_q8_0(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x);
@@ -961,6 +962,7 @@ void lp_gemv_q5_0_q8_0(int n, float *s, const void *w, int64_t row_bytes, int nr
 void lp_gemv_q4_1_q8_1(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x);
 void lp_gemv_q5_1_q8_1(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x);
 void lp_gemv_q8_0_q8_0(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x);
+void lp_gemv_q2_K_q8_K(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x);
 void lp_gemv_q4_K_q8_K(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x);
 void lp_gemv_q6_K_q8_K(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x);
 void lp_gemm_f32(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
@@ -1050,7 +1052,7 @@ static int mm_traits_of(int type, mm_traits *t) {
     case LP_TYPE_Q8_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q8_0_q8_0, lp_gemm_q8_0_q8_0, lp_gemm_q8_0_q8_0_r1, lp_gemv_q8_0_q8_0}; break;
     case LP_TYPE_Q4_1: *t = (mm_traits){LP_TYPE_Q8_1, QK8_1, sizeof(block_q8_1), lp_quantize_row_q8_1, lp_vec_dot_q4_1_q8_1, lp_gemm_q4_1_q8_1, lp_gemm_q4_1_q8_1_r1, lp_gemv_q4_1_q8_1}; break;
     case LP_TYPE_Q5_1: *t = (mm_traits){LP_TYPE_Q8_1, QK8_1, sizeof(block_q8_1), lp_quantize_row_q8_1, lp_vec_dot_q5_1_q8_1, lp_gemm_q5_1_q8_1, lp_gemm_q5_1_q8_1_r1, lp_gemv_q5_1_q8_1}; break;
-    case LP_TYPE_Q2_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q2_K_q8_K, lp_gemm_q2_K_q8_K}; break;
+    case LP_TYPE_Q2_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q2_K_q8_K, lp_gemm_q2_K_q8_K, NULL, lp_gemv_q2_K_q8_K}; break;
     case LP_TYPE_Q3_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q3_K_q8_K, lp_gemm_q3_K_q8_K}; break;
     case LP_TYPE_Q4_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q4_K_q8_K, lp_gemm_q4_K_q8_K, NULL, lp_gemv_q4_K_q8_K}; break;
     case LP_TYPE_Q5_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q5_K_q8_K, lp_gemm_q5_K_q8_K}; break;

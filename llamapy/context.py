@@ -447,7 +447,10 @@ class Context:
         # all or nothing: a batch the cache cannot hold is refused before any cell changes, and
         # a failure half-way (an error, Ctrl-C) frees the cells this call took
         # (one micro-batch undoes its own cells; several need the map of what was free)
-        self.kv.find_slot(n)
+        # (one micro-batch: its own find_slot refuses it before any cell changes, with the same
+        # error; several need the check for them all first)
+        if n > self.n_ubatch:
+            self.kv.find_slot(n)
         was_free = self.kv.pos < 0 if n > self.n_ubatch else None
         out: list[np.ndarray] = []
         try:
@@ -460,6 +463,8 @@ class Context:
             if was_free is not None:
                 self.kv.release(np.flatnonzero(was_free))
             raise
+        if len(out) == 1:  # a fresh array each call already (the executor copies its export
+            return out[0]  # out of the arena): a decode step's logits are not copied again
         n_vocab = self.model.params.n_vocab
         return np.concatenate(out) if out else np.zeros((0, n_vocab), np.float32)
 
@@ -477,8 +482,8 @@ class Context:
             n_kv = self.kv.n_kv(idx)
             g = self.graph(n, n_kv, len(ids))
             inputs = g.inputs.values(UBatch(toks, pos, seq, idx, ids, n_kv))
-            leafs = set(g.graph.leafs)
-            result = self.sched.compute(g.graph, {t: v for t, v in inputs.items() if t in leafs})
+            # only the inputs this graph reads (e.g. no out_ids when every row is an output)
+            result = self.sched.compute(g.graph, {t: v for t, v in inputs.items() if g.graph.has(t)})
         except BaseException:
             self.kv.release(idx)
             raise

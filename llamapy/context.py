@@ -446,12 +446,15 @@ class Context:
             raise LlamapyError("decode: sequence ids and positions must be >= 0")
         # all or nothing: a batch the cache cannot hold is refused before any cell changes, and
         # a failure half-way (an error, Ctrl-C) frees the cells this call took
-        # (one micro-batch undoes its own cells; several need the map of what was free)
-        # (one micro-batch: its own find_slot refuses it before any cell changes, with the same
-        # error; several need the check for them all first)
-        if n > self.n_ubatch:
-            self.kv.find_slot(n)
-        was_free = self.kv.pos < 0 if n > self.n_ubatch else None
+        n_vocab = self.model.params.n_vocab
+        if n <= self.n_ubatch:
+            # one micro-batch (every decode step): its own find_slot refuses it before any cell
+            # changes, and it frees its own cells; no slices to make
+            rows = self._decode_ubatch(toks, positions, seqs, want)
+            return rows if rows is not None else np.zeros((0, n_vocab), np.float32)
+        # several: the check for them all first, and the map of what was free to undo
+        self.kv.find_slot(n)
+        was_free = self.kv.pos < 0
         out: list[np.ndarray] = []
         try:
             for u0 in range(0, n, self.n_ubatch):
@@ -460,12 +463,12 @@ class Context:
                 if rows is not None:
                     out.append(rows)
         except BaseException:
-            if was_free is not None:
-                self.kv.release(np.flatnonzero(was_free))
+            self.kv.release(np.flatnonzero(was_free))
             raise
-        if len(out) == 1:  # a fresh array each call already (the executor copies its export
-            return out[0]  # out of the arena): a decode step's logits are not copied again
-        n_vocab = self.model.params.n_vocab
+        # one micro-batch's rows (a prompt's last token) are a fresh array already (the
+        # executor's product writes one each run; run_nodes computes one): not copied again
+        if len(out) == 1:
+            return out[0]
         return np.concatenate(out) if out else np.zeros((0, n_vocab), np.float32)
 
     def _decode_ubatch(

@@ -22,8 +22,7 @@ Threads: each run gets its backend's -t (never more than the cores): one team of
 and a big batch's row-wise ops, with barriers between records; a plan holds no thread state, so
 contexts with different -t share nothing.
 What changes every token (token ids, positions, KV cells, the mask) is copied into the input
-slots before the call (the exports are copied out after it, except an output that one product
-writes last, the logits: that record writes a fresh array each run); the number of cells attended is part of the graph's shape (the context
+slots before the call; the number of cells attended is part of the graph's shape (the context
 keys its graphs by it), so a new shape means a new plan, never a rebuild per token.
 
 A split the executor cannot compile (an op or a layout it does not know, a weight without a
@@ -263,9 +262,6 @@ class ExecPlan:
     n_fused: int
     run: Any  # the C entry point
     pre: list[tuple[_Slot, Any, Tensor]] = field(default_factory=list)  # (slot, matrix, ids)
-    # exports that a product writes straight into a fresh array each run (the logits), not into
-    # the arena to be copied out: (node, its record's index, its shape)
-    direct: list[tuple[Tensor, int, tuple[int, ...]]] = field(default_factory=list)
     n_threads: int = 0  # of the last run
     native_s: float = 0.0  # seconds inside the native call, summed over runs (for the timer)
     recs_ptr: int = 0
@@ -304,11 +300,6 @@ class ExecPlan:
         for slot, w, ids in self.pre:
             slot.view(arena)[...] = w.get_rows(env[ids])
         recs = self.recs
-        outs = []
-        for t, i, shape in self.direct:  # a fresh array, as the copy out gave, without the copy
-            out = _aligned_f32(shape)
-            recs[i, 1] = out.ctypes.data
-            outs.append((t, out))
         t0 = time.perf_counter()
         rc = self.run(self.recs_ptr, len(recs), n_threads)
         self.native_s += time.perf_counter() - t0
@@ -319,46 +310,6 @@ class ExecPlan:
                                "range, or no kernel for a type")
         for t, mem in self.exports:
             env[t] = mem.view(arena).copy() if isinstance(mem, _Slot) else mem
-        for t, out in outs:
-            env[t] = out
-
-
-def _aligned_f32(shape: tuple[int, ...]) -> np.ndarray:
-    """An uninitialized float32 array at an ALIGN-aligned address, as the arena's slots are."""
-    n = int(np.prod(shape))
-    raw = np.empty(n + ALIGN // 4, np.float32)
-    k = (-raw.ctypes.data) % ALIGN // 4
-    return raw[k : k + n].reshape(shape)
-
-
-def _direct_exports(table: np.ndarray, exports: list[tuple[Tensor, _Slot | np.ndarray]], base: int) \
-        -> list[tuple[Tensor, int, tuple[int, ...]]]:
-    """The arena exports that a product record writes whole (its destination, slot 1: MUL_MAT /
-    MUL_MAT_Q write n_tok rows of n_out contiguous floats) and no later record reads: that record
-    can write a fresh array each run instead, so the export is not copied out of the arena (a
-    decode step's logits: 192 KiB for a 49k vocabulary, just written by every thread of the
-    team). Earlier records may use the memory (other tensors whose lifetimes ended there); any
-    other value of the writer or a later record inside it (a reader, or a number that only looks
-    like one) keeps the export in the arena."""
-    out = []
-    for t, mem in exports:
-        if not isinstance(mem, _Slot) or mem.dtype != np.dtype(np.float32) \
-                or mem.strides != tuple(4 * s for s in _cstrides(mem.shape)):
-            continue
-        n = int(np.prod(mem.shape))
-        lo = base + mem.off
-        writers = np.flatnonzero((table[:, 1] == lo) & np.isin(table[:, 0], (MUL_MAT, MUL_MAT_Q)))
-        if not len(writers):
-            continue
-        i = int(writers[-1])
-        hits = np.argwhere((table[i:] >= lo) & (table[i:] < lo + 4 * n))
-        if len(hits) != 1:  # the writer's destination alone
-            continue
-        r = table[i]
-        # it writes exactly the slot: n_tok rows of n_out floats, one after the other
-        if (r[0] == MUL_MAT_Q and r[11] == r[7] and r[10] * r[7] == n) or (r[0] == MUL_MAT and r[6] * r[13] == n):
-            out.append((t, i, mem.shape))
-    return out
 
 
 def _lib() -> Any:
@@ -595,19 +546,15 @@ class _Compiler:
             locs.clear()
             loc = None  # noqa: F841
         table = np.array(recs, np.int64).reshape(-1, REC)
-        direct = _direct_exports(table, exports, base)
-        exports = [e for e in exports if all(e[0] is not d[0] for d in direct)]
         # the addresses in the arena, moved when it is made again (ExecPlan._move); a fused
-        # RMS_NORM's ADD result is in slot 10; a direct export's destination is set each run
+        # RMS_NORM's ADD result is in slot 10
         cols = table[:, list(_ADDR_SLOTS) + [10]]
         inside = (cols >= base) & (cols < base + max(nbytes, 1))
         inside[:, -1] &= table[:, 0] == RMS_NORM
-        for _, i, _ in direct:
-            inside[i, 0] = False
         rows, which = np.nonzero(inside)
         moves = (rows, np.array(list(_ADDR_SLOTS) + [10])[which])
         return ExecPlan(table, arena, nbytes, base, moves, inputs, exports, self.keep, len(self.nodes), self.n_fused,
-                        self.lib.lp_exec_run, pre, direct)
+                        self.lib.lp_exec_run, pre)
 
     def _view(self, t: Tensor, src: Loc) -> Loc:
         op = t.op

@@ -465,8 +465,8 @@ class Context:
         except BaseException:
             self.kv.release(np.flatnonzero(was_free))
             raise
-        # one micro-batch's rows (a prompt's last token) are a fresh array already (the
-        # executor's product writes one each run; run_nodes computes one): not copied again
+        # one micro-batch's rows (a prompt's last token) are a fresh array already (the executor
+        # copies its exports out of its arena; run_nodes computes them): not copied again
         if len(out) == 1:
             return out[0]
         return np.concatenate(out) if out else np.zeros((0, n_vocab), np.float32)

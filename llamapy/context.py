@@ -446,9 +446,15 @@ class Context:
             raise LlamapyError("decode: sequence ids and positions must be >= 0")
         # all or nothing: a batch the cache cannot hold is refused before any cell changes, and
         # a failure half-way (an error, Ctrl-C) frees the cells this call took
-        # (one micro-batch undoes its own cells; several need the map of what was free)
+        n_vocab = self.model.params.n_vocab
+        if n <= self.n_ubatch:
+            # one micro-batch (every decode step): its own find_slot refuses it before any cell
+            # changes, and it frees its own cells; no slices to make
+            rows = self._decode_ubatch(toks, positions, seqs, want)
+            return rows if rows is not None else np.zeros((0, n_vocab), np.float32)
+        # several: the check for them all first, and the map of what was free to undo
         self.kv.find_slot(n)
-        was_free = self.kv.pos < 0 if n > self.n_ubatch else None
+        was_free = self.kv.pos < 0
         out: list[np.ndarray] = []
         try:
             for u0 in range(0, n, self.n_ubatch):
@@ -457,10 +463,12 @@ class Context:
                 if rows is not None:
                     out.append(rows)
         except BaseException:
-            if was_free is not None:
-                self.kv.release(np.flatnonzero(was_free))
+            self.kv.release(np.flatnonzero(was_free))
             raise
-        n_vocab = self.model.params.n_vocab
+        # one micro-batch's rows (a prompt's last token) are a fresh array already (the executor
+        # copies its exports out of its arena; run_nodes computes them): not copied again
+        if len(out) == 1:
+            return out[0]
         return np.concatenate(out) if out else np.zeros((0, n_vocab), np.float32)
 
     def _decode_ubatch(
@@ -477,8 +485,8 @@ class Context:
             n_kv = self.kv.n_kv(idx)
             g = self.graph(n, n_kv, len(ids))
             inputs = g.inputs.values(UBatch(toks, pos, seq, idx, ids, n_kv))
-            leafs = set(g.graph.leafs)
-            result = self.sched.compute(g.graph, {t: v for t, v in inputs.items() if t in leafs})
+            # only the inputs this graph reads (e.g. no out_ids when every row is an output)
+            result = self.sched.compute(g.graph, {t: v for t, v in inputs.items() if g.graph.has(t)})
         except BaseException:
             self.kv.release(idx)
             raise

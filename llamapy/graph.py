@@ -57,6 +57,10 @@ class Graph:
             seen.add(id(t))
             (self.leafs if t.is_leaf else self.nodes).append(t)
 
+    def has(self, t: Tensor) -> bool:
+        """Whether `t` is one of this graph's nodes or leafs (a set lookup, no list scan)."""
+        return id(t) in self._seen
+
     def inputs(self) -> list[Tensor]:
         return [t for t in self.leafs if t.flags & TensorFlag.INPUT]
 

@@ -432,6 +432,9 @@ class QMatrix:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.n_out):
             raise IndexError(f"row id out of range 0..{self.n_out - 1}")
+        if self._rp is None:  # the file's rows, ids checked above (not again by `_ids`: a decode
+            # step's token embedding, where each numpy call counts)
+            return quants.dequantize(self.data[ids], self.qtype, self.n_in).reshape(-1, self.n_in)
         return self.dequantize(ids)
 
     # --- products -------------------------------------------------------------------------------

@@ -26,14 +26,13 @@ __attribute__((constructor)) static void lp_register_atfork(void) { pthread_atfo
 
 /* Rounds of spinning at a barrier before sleeping. A barrier inside a split waits for
  * microseconds (a kernel's uneven end, thread 0's row-wise records), which a sleep and wake-up
- * would cost several times over; ~100 us of spinning covers those. Beyond it the thread waits
- * (it was descheduled: the machine is busy), sleeping on a futex until the last thread arrives,
- * so that its core goes to the thread it waits for (a spinning or merely yielding thread keeps
- * it: measured at stop 9 and 18 with libgomp's long spins, 45 -> 6 tok/s with a busy loop on
- * one core). */
-#include <stdlib.h>
-static int spin_rounds(void) { const char *e = getenv("LP_SPIN"); return e ? atoi(e) : 2048; }
-#define LP_SPIN_ROUNDS spin_rounds_v
+ * would cost several times over; 1024 rounds (~20 us of pause on this machine kind) cover those.
+ * Beyond it the thread sleeps on a futex until the last thread arrives, so that on a busy
+ * machine its core goes to the thread it waits for. Measured (SmolLM2 tg128, -t 2, Intel host,
+ * bench/RESULTS.md): quiet 60 / 78 / 117-128 / 117-123 / 120-122 tok/s at 0 / 256 / 1024 / 2048 /
+ * 8192 rounds (92 with a region per kernel call); one core busy in another process: 47 at 1024,
+ * 38 at 2048 (48 with a region per call). */
+#define LP_SPIN_ROUNDS 1024
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -62,7 +61,6 @@ static void word_wait(unsigned _Atomic *word, unsigned val) {
 static void word_wake(unsigned _Atomic *word) { (void)word; }
 #endif
 
-static __thread int spin_rounds_v = 2048;
 void lp_par_barrier(lp_par *p) {
     lp_team *t = p->team;
     /* the counter of the phase after this one was last used two phases ago: everyone is done
@@ -122,7 +120,6 @@ int64_t lp_par_run(int n_threads, lp_par_fn fn, void *arg) {
 #pragma omp parallel num_threads(n_threads)
         {
             /* (the region may get fewer threads than asked: every thread sees the same count) */
-            spin_rounds_v = spin_rounds();
             lp_par p = {&team, omp_get_thread_num(), omp_get_num_threads(), 0};
             lp_par_fail(&p, fn(&p, arg));
         }

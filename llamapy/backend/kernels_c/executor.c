@@ -239,18 +239,17 @@ EX_API int64_t lp_exec_caps(void) {
 #endif
 }
 
+/* the row-wise records (ex_rows) */
+static int ex_rowwise(int64_t op) {
+    return op == EX_RMS_NORM || op == EX_MUL || op == EX_ADD || op == EX_SCALE || op == EX_SWIGLU || op == EX_ROPE ||
+           op == EX_CPY;
+}
+
 /* A record that has a serial part only (thread 0 runs it, the others go on to the next barrier)
  * or one the team shares out: 0 / 1. */
 static int ex_is_par(const ex_slot *r) {
+    if (ex_rowwise(I(0))) return I(6) > 1 && ex_rows_work(r) >= EX_PAR_MIN;
     switch (I(0)) {
-    case EX_RMS_NORM:
-    case EX_MUL:
-    case EX_ADD:
-    case EX_SCALE:
-    case EX_SWIGLU:
-    case EX_ROPE:
-    case EX_CPY:
-        return I(6) > 1 && ex_rows_work(r) >= EX_PAR_MIN;
     case EX_QUANT_ACT:
         return I(9) > 1;
     case EX_MUL_MAT:
@@ -290,20 +289,13 @@ static int ex_par_record(lp_par *p, const ex_slot *r) {
         /* dst y <- W (src0, the file's rows) . xq (src1): [6] type, [7] n_rows, [8] row bytes,
          * [9] n_in, [10] n_tok, [11] y row stride */
         return lp_mul_mat_q_par(p, (int)I(6), P(2), I(7), I(8), I(9), P(3), I(10), P(1), I(11)) != 0;
-    case EX_RMS_NORM:
-    case EX_MUL:
-    case EX_ADD:
-    case EX_SCALE:
-    case EX_SWIGLU:
-    case EX_ROPE:
-    case EX_CPY: { /* a row-wise record of a big batch: a static share of its rows */
+    default: { /* a row-wise record of a big batch: a static share of its rows */
+        if (!ex_rowwise(I(0))) return 1;
         int64_t r0, r1;
         lp_par_range(p, I(6), &r0, &r1);
         if (r0 < r1) ex_rows(r, r0, r1);
         return 0;
     }
-    default:
-        return 1;
     }
 }
 

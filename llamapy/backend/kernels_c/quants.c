@@ -851,6 +851,17 @@ LP_INLINE float gv_row1(const int kind, int nb, const uint8_t *w, const gv_vec *
  * every dx * dy and m * s of the block (the vec_dot's products, rounded once each); the m * s
  * lanes are added into 8 sums (odd lanes: the 4 rows' summs, in block order), the dx * dy ones
  * spread to the row pairs' lanes by two permutes. */
+/* the first 4 bytes (a block's d, m / d and its first quants) of 4 rows row_bytes apart, one
+ * row an int32 lane */
+LP_INLINE __m128i gv_heads4(const uint8_t *b, int64_t row_bytes) {
+    int32_t h0, h1, h2, h3;
+    memcpy(&h0, b, 4);
+    memcpy(&h1, b + row_bytes, 4);
+    memcpy(&h2, b + 2 * row_bytes, 4);
+    memcpy(&h3, b + 3 * row_bytes, 4);
+    return _mm_insert_epi32(_mm_insert_epi32(_mm_insert_epi32(_mm_cvtsi32_si128(h0), h1, 1), h2, 2), h3, 3);
+}
+
 /* NP (2 or 4) row pairs at once */
 LP_INLINE void gv_rowq(const int kind, const int NP, int nb, const uint8_t *w, int64_t row_bytes, const gv_vec *prep,
                        const float *yds, float *s) {
@@ -868,15 +879,7 @@ LP_INLINE void gv_rowq(const int kind, const int NP, int nb, const uint8_t *w, i
         const uint8_t *b = w + (int64_t)i * wb;
         __m128i h[2];
 #pragma GCC unroll 2
-        for (int g = 0; g < NP / 2; g++) {
-            const uint8_t *bg = b + 4 * g * row_bytes;
-            int32_t h0, h1, h2, h3;
-            memcpy(&h0, bg, 4);
-            memcpy(&h1, bg + row_bytes, 4);
-            memcpy(&h2, bg + 2 * row_bytes, 4);
-            memcpy(&h3, bg + 3 * row_bytes, 4);
-            h[g] = _mm_insert_epi32(_mm_insert_epi32(_mm_insert_epi32(_mm_cvtsi32_si128(h0), h1, 1), h2, 2), h3, 3);
-        }
+        for (int g = 0; g < NP / 2; g++) h[g] = gv_heads4(b + 4 * g * row_bytes, row_bytes);
         __m512 pr;
         if (NP == 4)
             pr = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(h[0]), h[1], 1)),
@@ -926,15 +929,7 @@ LP_INLINE void gv_cols(const int kind, const int NP, const int NC, int nb, float
         const uint8_t *b = w + (int64_t)i * wb;
         __m128i h[2];
 #pragma GCC unroll 2
-        for (int g = 0; g < NP / 2; g++) {
-            const uint8_t *bg = b + 4 * g * row_bytes;
-            int32_t h0, h1, h2, h3;
-            memcpy(&h0, bg, 4);
-            memcpy(&h1, bg + row_bytes, 4);
-            memcpy(&h2, bg + 2 * row_bytes, 4);
-            memcpy(&h3, bg + 3 * row_bytes, 4);
-            h[g] = _mm_insert_epi32(_mm_insert_epi32(_mm_insert_epi32(_mm_cvtsi32_si128(h0), h1, 1), h2, 2), h3, 3);
-        }
+        for (int g = 0; g < NP / 2; g++) h[g] = gv_heads4(b + 4 * g * row_bytes, row_bytes);
         const __m512 f = NP == 4 ? _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(h[0]), h[1], 1))
                                  : _mm512_castps256_ps512(_mm256_cvtph_ps(h[0]));
 #pragma GCC unroll 4

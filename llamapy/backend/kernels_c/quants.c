@@ -1020,28 +1020,11 @@ LP_INLINE int gv_gemm_cols(const int kind, int n, float *s, int64_t ld_s, const 
 #endif
 LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64_t row_bytes, int nr,
                        const uint8_t *x) {
-    const int yb = GK_YB(kind), yq = GK_YQ(kind);
     gv_vec prep[GV_PREP * (nb > 0 ? nb : 1)];
     float yd[nb > 0 ? nb : 1], ys[nb > 0 ? nb : 1];
     float yds[2 * (nb > 0 ? nb : 1)] __attribute__((aligned(8)));
-    for (int i = 0; i < nb; i++) {
-        const uint8_t *y = x + (int64_t)i * yb;
-        const __m512i qy = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
-                                                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(y + yq))));
-        prep[GV_PREP * i] = qy;
-        if (GK_SIGNED(kind)) { /* -(offset x the sum of each 4 activations) */
-            const __m512i c = _mm512_set1_epi8((char)(kind == GK_Q4_0 ? 8 : kind == GK_Q8_0 ? 128 : 16));
-            prep[GV_PREP * i + 1] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, qy));
-        }
-        lp_half h;
-        memcpy(&h, y, 2);
-        yd[i] = yds[2 * i] = H2F(h);
-        yds[2 * i + 1] = 0.0f;
-        if (GK_MINS(kind)) {
-            memcpy(&h, y + 2, 2);
-            ys[i] = yds[2 * i + 1] = H2F(h);
-        }
-    }
+    gv_prep1(kind, nb, x, prep, yds);
+    for (int i = 0; i < nb; i++) yd[i] = yds[2 * i], ys[i] = yds[2 * i + 1]; /* (gv_row2/gv_row1 take them apart) */
     int r = 0;
     /* Q8_0 (34 bytes a block: SmolLM2's 49152x576 output, read from memory) stays 2 rows at a time:
      * 8 rows' streams at once were slower there (2.85 vs 2.49 ms one thread, 0.88x), where Q4_1's

@@ -560,7 +560,9 @@ KQ_API void lp_gemv_q2_K_q8_K(int n, float *restrict s, const void *restrict w, 
         const block_q2_K *xr[4];
         for (int k = 0; k < 4; ++k) xr[k] = (const block_q2_K *)((const uint8_t *)w + (r + k) * row_bytes);
         __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
+        const lp_pf pf = lp_pf_group(xr[0], 4 * row_bytes, nb);
         for (int i = 0; i < nb; ++i) {
+            lp_pf_step(&pf, i);
             __m512i e[4], f[4];
             for (int k = 0; k < 4; ++k) {
                 kq_q2k_dec d;
@@ -1780,7 +1782,8 @@ KQ_GEMM_ENTRY(lp_gemm_q6_K_q8_K, block_q6_K, kq_gemm_q6_K_row, KQ_COLS_K)
  * per 32 and d, so a block needs no shuffle of its weights: the integer sums of the low and high
  * nibbles, added, hold [pair 0 | pair 1] and [pair 2 | pair 3] (exact, any order), and four rows
  * go through kq_q4k_chain together (kq_gv_q4_K_rows4). Measured (noisy, one thread, 150 MB Q4_K matrices streamed from memory): ~+10-17 %
- * over one vec_dot per row; Q6_K ~+2-3 %. Software prefetch 384-1536 bytes ahead: no gain.
+ * over one vec_dot per row; Q6_K ~+2-3 %. Software prefetch 384-1536 bytes ahead within the rows: no gain
+ * there; the next group of rows prefetched (lp_pf_group, lp_quants.h) made them 1.3-3x faster from memory on a Zen 5 host.
  * ggml counterpart: ggml_vec_dot_q4_K_q8_K / q6_K, called per row by ggml_compute_forward_mul_mat. */
 #define KQ_GV_MAX_NB 128 /* the prepared activation row (Q4_K: 276 bytes a block) stays on the stack */
 typedef struct {
@@ -1855,7 +1858,9 @@ KQ_INLINE void kq_gv_q4_K_rows4(int nb, const uint8_t *w, int64_t row_bytes, con
     const block_q4_K *x[4];
     for (int r = 0; r < 4; ++r) x[r] = (const block_q4_K *)(w + r * row_bytes);
     __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
+    const lp_pf pf = lp_pf_group(w, 4 * row_bytes, nb);
     for (int i = 0; i < nb; ++i) {
+        lp_pf_step(&pf, i);
         __m512i t[4];
         __m128i mr[4];
         for (int r = 0; r < 4; ++r) {
@@ -1919,7 +1924,9 @@ KQ_INLINE void kq_gv_q4_K_rows4(int nb, const uint8_t *w, int64_t row_bytes, con
     const block_q4_K *x[4];
     for (int r = 0; r < 4; ++r) x[r] = (const block_q4_K *)(w + r * row_bytes);
     __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
+    const lp_pf pf = lp_pf_group(w, 4 * row_bytes, nb);
     for (int i = 0; i < nb; ++i) {
+        lp_pf_step(&pf, i);
         __m128i S[4], M[4];
         for (int r = 0; r < 4; ++r) {
             const block_q4_K *xb = x[r] + i;
@@ -1973,7 +1980,9 @@ KQ_API void lp_gemv_q6_K_q8_K(int n, float *restrict s, const void *restrict w, 
         const block_q6_K *xr[4];
         for (int k = 0; k < 4; ++k) xr[k] = (const block_q6_K *)((const uint8_t *)w + (r + k) * row_bytes);
         __m128 acc = _mm_setzero_ps();
+        const lp_pf pf = lp_pf_group(xr[0], 4 * row_bytes, nb);
         for (int i = 0; i < nb; ++i) {
+            lp_pf_step(&pf, i);
             const __m128i S = kq_sum4_256(kq_q6k_lanes(xr[0] + i, y + i), kq_q6k_lanes(xr[1] + i, y + i),
                                           kq_q6k_lanes(xr[2] + i, y + i), kq_q6k_lanes(xr[3] + i, y + i));
             const __m128 xd = _mm_cvtph_ps(_mm_setr_epi16((short)xr[0][i].d, (short)xr[1][i].d, (short)xr[2][i].d,

@@ -355,6 +355,7 @@ LP_API void lp_vec_dot_q8_0_q8_0(int n, float *s, const void *vx, const void *vy
  * the loads stay ahead of the FMA latency; the AVX2 body keeps 2 x 8 lanes; the portable body 8
  * float32 lanes that gcc vectorizes without reassociation flags. */
 enum { FK_F32, FK_F16, FK_BF16 };
+#define FK_SIZE(kind) ((kind) == FK_F32 ? 4 : 2)
 #define LP_INLINE static inline __attribute__((always_inline))
 
 LP_INLINE float fk_at(int kind, const void *p, int64_t i) {
@@ -390,6 +391,7 @@ LP_INLINE void fk_cols(int kind, int n, float *s, int64_t ld_s, const void *w, c
     __m512 a[LP_GEMM_COLS][4];
     for (int c = 0; c < nc; c++) a[c][0] = a[c][1] = a[c][2] = a[c][3] = _mm512_setzero_ps();
     for (; i + 64 <= n; i += 64) {
+        lp_pf_ahead((const char *)w + i * FK_SIZE(kind), 64 * FK_SIZE(kind));
         const __m512 w0 = fk_load16(kind, w, i), w1 = fk_load16(kind, w, i + 16);
         const __m512 w2 = fk_load16(kind, w, i + 32), w3 = fk_load16(kind, w, i + 48);
         for (int c = 0; c < nc; c++) {
@@ -410,6 +412,7 @@ LP_INLINE void fk_cols(int kind, int n, float *s, int64_t ld_s, const void *w, c
     __m256 a[LP_GEMM_COLS][2];
     for (int c = 0; c < nc; c++) a[c][0] = a[c][1] = _mm256_setzero_ps();
     for (; i + 16 <= n; i += 16) {
+        lp_pf_ahead((const char *)w + i * FK_SIZE(kind), 16 * FK_SIZE(kind));
         const __m256 w0 = fk_load8(kind, w, i), w1 = fk_load8(kind, w, i + 8);
         for (int c = 0; c < nc; c++) {
             const void *xc = xb + c * x_bytes;
@@ -470,6 +473,7 @@ BF16DP_TARGET LP_INLINE void bf16dp_cols(int n, float *s, int64_t ld_s, const vo
     int i = 0;
     for (int c = 0; c < nc; c++) a[c][0] = a[c][1] = a[c][2] = a[c][3] = _mm512_setzero_ps();
     for (; i + 128 <= n; i += 128) {
+        lp_pf_ahead((const lp_bf16 *)w + i, 256);
         const __m512bh w0 = bf16dp_load32(w, i), w1 = bf16dp_load32(w, i + 32);
         const __m512bh w2 = bf16dp_load32(w, i + 64), w3 = bf16dp_load32(w, i + 96);
         for (int c = 0; c < nc; c++) {
@@ -697,7 +701,8 @@ LP_INLINE void gk_zprep(const int kind, int nb, int ncp, const uint8_t *x, int64
  * vcvtph2ps. One row at a time, so the weights are read in one sequential stream: with 2 or 4
  * rows interleaved (independent fmadd chains) the kernels ran 2x faster on matrices in cache
  * but 0.65-0.75x on matrices streamed from memory, as a decode step is (noisy measurements), and
- * one row is as fast in cache: the loop carries only the fmadd into acc. The mins term of
+ * one row is as fast in cache: the loop carries only the fmadd into acc. (The AVX-512 kernels below
+ * read rows side by side, with the rows ahead prefetched in software: lp_pf_group, lp_quants.h.) The mins term of
  * Q4_1 / Q5_1 (m * s, added in block order into a float32) stays the vec_dot's scalar chain.
  *
  * AVX-512 (gv_row2): two ROWS a 512-bit step, block by block: the vector holds the block i quants
@@ -798,7 +803,9 @@ LP_INLINE void gv_row2(const int kind, int nb, const uint8_t *w, int64_t row_byt
     const int wb = GK_WBYTES(kind);
     __m512 acc = _mm512_setzero_ps();
     __m128 summ = _mm_setzero_ps(); /* lanes 0 and 2: the two rows' sums of m * s */
+    const lp_pf pf = lp_pf_group(w, 2 * row_bytes, nb);
     for (int i = 0; i < nb; i++) {
+        lp_pf_step(&pf, i);
         const gv_vec *pi = prep + GV_PREP * i;
         const uint8_t *b = w + (int64_t)i * wb;
         const __m512i off = GK_SIGNED(kind) ? _mm512_load_si512(pi + 1) : _mm512_setzero_si512();
@@ -874,7 +881,9 @@ LP_INLINE void gv_rowq(const int kind, const int NP, int nb, const uint8_t *w, i
         sp[k] = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2), _mm512_set1_epi32(4 * k));
     }
     __m512 summ = _mm512_setzero_ps();
+    const lp_pf pf = lp_pf_group(w, 2 * NP * row_bytes, nb);
     for (int i = 0; i < nb; i++) {
+        lp_pf_step(&pf, i);
         const gv_vec *pi = prep + GV_PREP * i;
         const uint8_t *b = w + (int64_t)i * wb;
         __m128i h[2];
@@ -925,7 +934,9 @@ LP_INLINE void gv_cols(const int kind, const int NP, const int NC, int nb, float
     }
 #pragma GCC unroll 4
     for (int c = 0; c < NC; c++) summ[c] = _mm512_setzero_ps();
+    const lp_pf pf = lp_pf_group(w, 2 * NP * row_bytes, nb);
     for (int i = 0; i < nb; i++) {
+        lp_pf_step(&pf, i);
         const uint8_t *b = w + (int64_t)i * wb;
         __m128i h[2];
 #pragma GCC unroll 2
@@ -1070,6 +1081,7 @@ LP_INLINE float gv_row(const int kind, int nb, const uint8_t *w, const uint8_t *
     for (int j = 0; j < np; j++) {
         const gv_vec *pj = prep + GV_PREP * j;
         const uint8_t *b = w + (int64_t)(2 * j) * wb;
+        lp_pf_ahead(b, 2 * wb);
         const __m256i t = _mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + GV_QS(kind)))),
             _mm_loadu_si128((const __m128i *)(b + wb + GV_QS(kind))), 1);

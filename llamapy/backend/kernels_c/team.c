@@ -9,6 +9,7 @@
 
 #include <sched.h>
 #include <stdatomic.h>
+#include <time.h>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -31,8 +32,23 @@ __attribute__((constructor)) static void lp_register_atfork(void) { pthread_atfo
  * machine its core goes to the thread it waits for. Measured (SmolLM2 tg128, -t 2, Intel host,
  * bench/RESULTS.md): quiet 60 / 78 / 117-128 / 117-123 / 120-122 tok/s at 0 / 256 / 1024 / 2048 /
  * 8192 rounds (92 with a region per kernel call); one core busy in another process: 47 at 1024,
- * 38 at 2048 (48 with a region per call). */
+ * 38 at 2048 (48 with a region per call).
+ * Between the spin and the sleep the thread yields its core (sched_yield) for up to LP_YIELD_NS:
+ * on a virtual machine waking a sleeping thread can take hundreds of microseconds, and a sleep
+ * then feeds itself: the woken thread reaches the next barrier that much late, so the other
+ * sleeps there too, and so on, every barrier paying a wake-up. Seen on an AMD EPYC (Zen 5) host:
+ * SmolLM2 decode steps of 30 ms instead of 4-5 in some runs, ~130 context switches a step instead
+ * of 3-9; yielding for 2 ms cut the context switches of a 150-step run from 400-1400 to ~200, and
+ * with another process busy on one core decode was as fast as without it (15.6 ms a step), since
+ * a yielding thread gives that core away. */
 #define LP_SPIN_ROUNDS 1024
+#define LP_YIELD_NS 2000000
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -76,9 +92,13 @@ void lp_par_barrier(lp_par *p) {
         if (atomic_load(&t->sleepers)) word_wake(&t->gen);
         return;
     }
+    int64_t yield_end = 0;
     for (int i = 0; atomic_load_explicit(&t->gen, memory_order_acquire) == gen; i++) {
         if (i < LP_SPIN_ROUNDS) {
             cpu_relax();
+        } else if (i == LP_SPIN_ROUNDS || now_ns() < yield_end) {
+            if (i == LP_SPIN_ROUNDS) yield_end = now_ns() + LP_YIELD_NS;
+            sched_yield();
         } else {
             atomic_fetch_add(&t->sleepers, 1);
             if (atomic_load(&t->gen) == gen) word_wait(&t->gen, gen);

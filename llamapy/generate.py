@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .context import Context
+from .engine import Engine, Request
 from .model.sampler import SamplingParams
 from .types import LlamapyError
 
@@ -74,8 +75,6 @@ def stream(
     `special`: special tokens are rendered as their text (llama.cpp's --special).
     """
     check_n_predict(n_predict)
-    from .engine import Engine, Request  # the engine imports this module's log_softmax
-
     res = result if result is not None else GenerationResult()
     res.timings.load_ms = ctx.model.info.load_ms
     if len(prompt_tokens) == 0:

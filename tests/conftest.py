@@ -71,8 +71,11 @@ def write_llama_gguf(
     seed: int = 0,
     arch: str = "llama",
     chat_template: str | None = None,
+    sorted_layers: bool = False,
 ) -> Path:
-    """A small llama GGUF with random weights and a byte-level SPM vocabulary."""
+    """A small llama GGUF with random weights and a byte-level SPM vocabulary. `sorted_layers`:
+    each layer's tensors in name order (attn_k, attn_norm, ..., ffn_up, as llama-quantize's files
+    have them: no fused weight's parts one after another), else q, k, v and gate, up adjacent."""
     rng = np.random.default_rng(seed)
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     words = ["▁the", "▁a", "▁and", "▁of", "▁to", "▁in", "ing", "ed", "▁he", "▁she", "er", "▁it"]
@@ -109,7 +112,15 @@ def write_llama_gguf(
     def mat(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols)).astype(np.float32)
 
+    layer: list[tuple[str, np.ndarray, T]] = []  # a layer's tensors, with sorted_layers
+
     def add(name: str, data: np.ndarray, t: T) -> None:
+        if name.startswith("blk.") and sorted_layers:
+            layer.append((name, data, t))
+        else:
+            write(name, data, t)
+
+    def write(name: str, data: np.ndarray, t: T) -> None:
         if t in (T.F32,):
             w.add_tensor(name, data.astype(np.float32))
         elif t is T.F16:
@@ -129,6 +140,9 @@ def write_llama_gguf(
         add(p + "ffn_gate.weight", mat(n_ff, n_embd), qtype)
         add(p + "ffn_up.weight", mat(n_ff, n_embd), qtype)
         add(p + "ffn_down.weight", mat(n_embd, n_ff, 0.5), qtype)
+        for name, data, t in sorted(layer, key=lambda e: e[0]):
+            write(name, data, t)
+        layer.clear()
     add("output_norm.weight", np.ones(n_embd, np.float32), T.F32)
     if not tied:
         add("output.weight", mat(n_vocab, n_embd, 4.0), qtype)

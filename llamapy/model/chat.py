@@ -113,9 +113,7 @@ class _Budget:
             raise SecurityError(f"template output exceeded {self.limits.max_output} characters")
 
 
-_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar(
-    "llamapy_chat_budget", default=None
-)
+_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("llamapy_chat_budget", default=None)
 
 
 def _step() -> None:
@@ -181,9 +179,7 @@ def _tojson(
     # transformers replaces jinja's tojson, which HTML-escapes <, >, & and '; same signature.
     if isinstance(indent, int) and indent > 1000 or isinstance(indent, str) and len(indent) > 1000:
         raise SecurityError("tojson: indent too large")
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:  # noqa: A002
@@ -399,12 +395,8 @@ def render_chat(
     # The caller's messages are copied so that no hole in the sandbox could ever change them.
     variables: dict[str, Any] = {"tools": None, "documents": None}
     variables.update(copy.deepcopy(extra))
-    variables.update(
-        messages=copy.deepcopy(messages),
-        add_generation_prompt=add_generation_prompt,
-        bos_token=bos_token,
-        eos_token=eos_token,
-    )
+    variables.update(messages=copy.deepcopy(messages), add_generation_prompt=add_generation_prompt,
+                     bos_token=bos_token, eos_token=eos_token)
     token = _BUDGET.set(_Budget(LIMITS))
     try:
         return "".join(compiled.generate(**variables))

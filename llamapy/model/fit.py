@@ -69,14 +69,9 @@ def _dry_weights(weights: ModelWeights, where: dict[Tensor, Device]) -> tuple[Mo
         return dataclasses.replace(t, buffer=dry[dev.name])
 
     w = weights
-    shadowed = ModelWeights(
-        shadow(w.tok_embd),
-        shadow(w.output_norm),
-        shadow(w.output),
-        [{k: shadow(t) for k, t in layer.items()} for layer in w.layers],
-        shadow(w.rope_freqs) if w.rope_freqs is not None else None,
-        tied_output=w.tied_output,
-    )
+    shadowed = ModelWeights(shadow(w.tok_embd), shadow(w.output_norm), shadow(w.output),
+                            [{k: shadow(t) for k, t in layer.items()} for layer in w.layers],
+                            shadow(w.rope_freqs) if w.rope_freqs is not None else None, tied_output=w.tied_output)
     return shadowed, dry
 
 

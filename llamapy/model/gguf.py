@@ -28,7 +28,7 @@ import mmap
 import os
 import stat
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -493,6 +493,15 @@ class GGUFFile:
         row_bytes = t.ne[0] // blck * bsize
         flat = np.frombuffer(self._buf, dtype=np.uint8, count=t.nbytes, offset=t.offset)
         return flat.reshape(-1, row_bytes)
+
+    def adjacent_bytes(self, names: Sequence[str]) -> np.ndarray | None:
+        """One uint8 view (rows, row_bytes) of tensors that lie one after another in the file with
+        the same row size, their rows stacked without a copy (a fused weight's parts: converted
+        files often store ffn_gate just before ffn_up); None when they do not."""
+        ts, rows = [self.tensors[n] for n in names], [self.tensor_bytes(n) for n in names]
+        if any(b.offset != a.offset + a.nbytes for a, b in zip(ts, ts[1:])) or len({r.shape[1] for r in rows}) != 1:
+            return None
+        return np.frombuffer(self._buf, np.uint8, sum(t.nbytes for t in ts), ts[0].offset).reshape(-1, rows[0].shape[1])
 
     def release_pages(self, name: str) -> int:
         """Drop this process's mapped pages of a tensor (madvise MADV_DONTNEED on the whole pages

@@ -287,17 +287,20 @@ def load_weights(gf: GGUFFile, w: ModelWeights, placement: Placement, where: dic
                     buf._raw[t] = buf.raw(w.tok_embd)
                     continue
                 buf.alloc_tensor(t)
-                if FUSED_FROM in t.params:
-                    buf.set(t, ConcatRows([gf.tensor_bytes(n) for n in t.params[FUSED_FROM]]))  # type: ignore[arg-type]
+                parts = t.params.get(FUSED_FROM, ())
+                whole = gf.adjacent_bytes(parts) if parts else None  # the parts' rows in the file: no copy
+                if parts and whole is None:
+                    buf.set(t, ConcatRows([gf.tensor_bytes(n) for n in parts]))  # type: ignore[arg-type]
                     # the buffer holds the parts stacked (a copy, or views of the repack cache):
                     # the parts' own pages, read to make it, would count in the RSS twice
-                    for n in t.params[FUSED_FROM]:
+                    for n in parts:
                         gf.release_pages(n)
                     continue
                 src = "token_embd.weight" if (t is w.output and w.tied_output) else t.name
-                buf.set(t, gf.tensor_bytes(src))
+                buf.set(t, whole if whole is not None else gf.tensor_bytes(src))
                 if buf.copies_weight(t):
-                    gf.release_pages(src)  # read once to make the copy; what runs is the copy
+                    for n in parts or (src,):
+                        gf.release_pages(n)  # read once to make the copy; what runs is the copy
             buf.finish_loading()
     except OutOfMemoryError:
         w.free()

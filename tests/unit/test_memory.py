@@ -1,6 +1,7 @@
 """Resident memory (issue 11: peak RSS of `run -n 128 -c 512` ≤ 1.2× llama.cpp's). Deterministic
-checks of what stays resident, not timings: a fused weight's parts (copied into one matrix) do
-not keep their pages of the model file mapped; the run path imports no module it does not use."""
+checks of what stays resident, not timings: a fused weight's parts, copied into one matrix, do
+not keep their pages of the model file mapped (parts that lie one after another in the file are
+used there, without a copy); the run path imports no module it does not use."""
 
 from __future__ import annotations
 
@@ -34,22 +35,32 @@ pagemap = pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="n
 
 @pagemap
 @pytest.mark.parametrize("cpu_matmul", ["q8", "f32"])
-def test_fused_parts_do_not_stay_resident(make_llama, tmp_path, monkeypatch, cpu_matmul) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("sorted_layers", [True, False], ids=["parts-apart", "parts-adjacent"])
+def test_fused_parts_do_not_stay_resident(make_llama, tmp_path, monkeypatch, cpu_matmul, sorted_layers) -> None:  # noqa: ANN001
     monkeypatch.setenv("LLAMAPY_REPACK_CACHE", str(tmp_path / "repack"))
     # 256 x 256 Q8_0 rows: 68 KiB a matrix, so each part spans many whole pages
-    path = make_llama(n_layer=2, n_embd=256, n_ff=512, qtype=T.Q8_0)
+    path = make_llama(n_layer=2, n_embd=256, n_ff=512, qtype=T.Q8_0, sorted_layers=sorted_layers)
     toks = [1, 260, 261, 40, 41, 42]
     with llamapy.Llama(path, n_ctx=64, cpu_matmul=cpu_matmul) as llm:
         gf = llm.model.gguf
-        parts = [n for layer in llm.model.weights.layers for t in layer.values()
-                 for n in t.params.get("fused_from", ())]  # fmt: skip
-        assert len(parts) == 2 * 5  # q, k, v, gate, up per layer
+        fused = [t for layer in llm.model.weights.layers for t in layer.values() if "fused_from" in t.params]
+        assert len(fused) == 2 * 2  # qkv, gate_up per layer
         logits = llm.logits(toks)
-        for name in parts:
-            view = gf.tensor_bytes(name)
-            assert view.nbytes > 4 * PAGE
-            # at most the two pages it shares with its neighbours in the file
-            assert _resident_pages(view) <= 2, name
+        for t in fused:
+            parts = t.params["fused_from"]
+            # llama-quantize's order (sorted) puts no parts one after another; the writer's own
+            # order puts q, k, v and gate, up so
+            assert (gf.adjacent_bytes(parts) is None) == sorted_layers
+            for name in parts:
+                view = gf.tensor_bytes(name)
+                assert view.nbytes > 4 * PAGE
+                if sorted_layers or cpu_matmul == "f32":
+                    # a copy runs (the parts stacked, or repacked tiles): at most the two pages
+                    # each part shares with its neighbours in the file stay
+                    assert _resident_pages(view) <= 2, name
+                else:
+                    # adjacent parts run where they are mapped, as one matrix: no copy to hold
+                    assert _resident_pages(view) >= view.nbytes // PAGE - 1, name
         down = gf.tensor_bytes("blk.0.ffn_down.weight")
         if cpu_matmul == "q8":
             # an unfused matrix is multiplied where it is mapped: its pages stay (the release
@@ -58,8 +69,12 @@ def test_fused_parts_do_not_stay_resident(make_llama, tmp_path, monkeypatch, cpu
         else:
             # "f32" repacks every matrix: what runs is the copy, the file's pages go
             assert _resident_pages(down) <= 2
-    # the released pages read back unchanged: a second load computes the same logits
+    # the released pages read back unchanged: a second load computes the same logits, and
+    # the other order of the same tensors too
     with llamapy.Llama(path, n_ctx=64, cpu_matmul=cpu_matmul) as llm:
+        assert np.array_equal(llm.logits(toks), logits)
+    other = make_llama(n_layer=2, n_embd=256, n_ff=512, qtype=T.Q8_0, sorted_layers=not sorted_layers)
+    with llamapy.Llama(other, n_ctx=64, cpu_matmul=cpu_matmul) as llm:
         assert np.array_equal(llm.logits(toks), logits)
 
 

@@ -135,14 +135,17 @@ def _open(variant: str) -> ctypes.CDLL:
                       "reinstall llamapy with a C compiler)")
     if not runnable(variant):
         raise OSError(f"this CPU lacks what the {variant} kernels need ({' '.join(sorted(REQUIRES[variant]))})")
-    # libgomp reads its settings when it loads, i.e. right here: spin ~1000 rounds (tens of us),
+    # libgomp reads its settings when it loads, i.e. right here: spin 20000 rounds,
     # then sleep, between two parallel regions (a compiled split is one region, with the
     # kernels' own spinning barriers inside: kernels_c/team.c; each run_nodes kernel is one). Measured, default model, 2 cores,
     # -t 2, quiet / with one core busy in another process: libgomp's default spin 52-56 / 3 tok/s
     # (spinning threads starve the one that has work), passive 40-42 / 33, 1000 rounds
-    # 47-51 / 28. A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+    # 47-51 / 28. 20000 rounds (Zen 5 host, SmolLM2 150 steps): the worker no longer sleeps
+    # between two decode steps (47-65 context switches instead of 197-312; a sleeping vCPU's
+    # wake-up is slow on a busy host), same speed quiet (3.5-3.9 vs 3.7 ms a step) and with a
+    # core busy (15.7 vs 15.5 ms). A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
     if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+        os.environ.setdefault("GOMP_SPINCOUNT", "20000")
     lib = ctypes.CDLL(str(target))
     for name, (argtypes, restype) in SIGNATURES.items():
         fn = getattr(lib, name)  # AttributeError: a library without this kernel

@@ -39,8 +39,8 @@ __attribute__((constructor)) static void lp_register_atfork(void) { pthread_atfo
  * sleeps there too, and so on, every barrier paying a wake-up. Seen on an AMD EPYC (Zen 5) host:
  * SmolLM2 decode steps of 30 ms instead of 4-5 in some runs, ~130 context switches a step instead
  * of 3-9; yielding for 2 ms cut the context switches of a 150-step run from 400-1400 to ~200, and
- * with another process busy on one core decode was as fast as without it (15.6 ms a step), since
- * a yielding thread gives that core away. */
+ * with another process busy on one core a step took as long as without the yield (15.6 vs 15.8
+ * ms), since a yielding thread gives its core away. */
 #define LP_SPIN_ROUNDS 1024
 #define LP_YIELD_NS 2000000
 

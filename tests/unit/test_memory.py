@@ -36,7 +36,7 @@ pagemap = pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="n
 @pagemap
 @pytest.mark.parametrize("cpu_matmul", ["q8", "f32"])
 @pytest.mark.parametrize("sorted_layers", [True, False], ids=["parts-apart", "parts-adjacent"])
-def test_fused_parts_do_not_stay_resident(make_llama, tmp_path, monkeypatch, cpu_matmul, sorted_layers) -> None:  # noqa: ANN001
+def test_fused_parts_resident_once(make_llama, tmp_path, monkeypatch, cpu_matmul, sorted_layers) -> None:  # noqa: ANN001
     monkeypatch.setenv("LLAMAPY_REPACK_CACHE", str(tmp_path / "repack"))
     # 256 x 256 Q8_0 rows: 68 KiB a matrix, so each part spans many whole pages
     path = make_llama(n_layer=2, n_embd=256, n_ff=512, qtype=T.Q8_0, sorted_layers=sorted_layers)

@@ -144,6 +144,12 @@ def _case(rng, T, N, Hkv, g, D, layout):  # noqa: ANN001, ANN201
     cell, tok = np.arange(N)[None, :], np.arange(T)[:, None]
     if layout == "causal":  # the last T of N cells, each token up to itself
         mask = np.where(cell <= tok + (N - T), 0.0, -np.inf)
+    elif layout == "interleaved":  # a decode step of 4 sequences that took cells in turn after a shared prefix
+        n_seq, prefix = min(T, 4), 40
+        mine = ((cell - prefix) % n_seq == tok % n_seq) & (cell <= tok + (N - T))
+        mask = np.where((cell < prefix) | mine, 0.0, -np.inf)
+    elif layout == "window":  # causal within a sliding window of 100 cells (gemma3's local layers)
+        mask = np.where((cell <= tok + (N - T)) & (cell > tok + (N - T) - 100), 0.0, -np.inf)
     elif layout == "sequences":  # T tokens in 4 sequences of contiguous cells from multiples of 64
         per = -(-T // 4)
         start = (tok // per) * ((N // 4) // 64 * 64)
@@ -166,6 +172,9 @@ CASES = [  # T, N, Hkv, g, D, layout
     (129, 300, 2, 2, 128, "holes"),
     (200, 512, 3, 3, 64, "sequences"),
     (37, 450, 2, 3, 72, "causal"),  # a head dimension that is not a multiple of 8
+    (4, 520, 3, 3, 64, "interleaved"),  # N - T - 40: a multiple of the 4 sequences
+    (12, 292, 2, 3, 64, "interleaved"),
+    (40, 300, 3, 3, 64, "window"),
 ]
 
 

@@ -659,13 +659,55 @@ LP_INLINE int att_live(const float *p, int64_t rows, int64_t st, int64_t n, floa
     return lv;
 }
 
-/* The rows' scores of score cells (mask, tile j's cells [lo, hi)) into sc (R x span, cell lo
- * first), as one step of llama.cpp's flash_attn_ext_tiled (ops.cpp) computes them: per cell an
- * fma chain over d from 0 (simd_gemm's order), times scale, plus the mask (-inf: -inf). K rows
- * are widened once per group of ATT_GROUP cells for all rows of their head and transposed (by
- * 8: a lane per cell). scr: qs (R x D), kf and kT (ATT_GROUP x D each), a zero row (D). */
-static void tile_scores(const att_args *a, const att_unit *w, int64_t lo, int64_t hi, float *restrict scr,
-                        float *restrict sc) {
+/* Bit c: cell c of a mask row (n <= 64 cells) visible (not -inf; nan is, as the scalar test) */
+LP_INLINE uint64_t att_mask_bits(const float *mr, int64_t n) {
+    uint64_t m = 0;
+#if defined(__AVX2__)
+    if (n == 64) {
+        const __m256 minf = _mm256_set1_ps(-INFINITY);
+        for (int k = 0; k < 8; k++)
+            m |= (uint64_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(mr + 8 * k), minf, _CMP_NEQ_UQ)) << (8 * k);
+        return m;
+    }
+#endif
+    for (int64_t c = 0; c < n; c++) m |= (uint64_t)(mr[c] != -INFINITY) << c;
+    return m;
+}
+
+/* The cells of [lo, lo + n) in which any of `rows` rows at p (cell lo first, stride st) holds a
+ * value other than `dead`, in order, into cells (absolute indices); returns their count. A unit's
+ * tile may span other sequences' cells (a unified cache whose sequences decode side by side
+ * takes cells in turn): the passes below work on these cells alone, 16 at a time. */
+LP_INLINE int64_t att_live_cells(const float *p, int64_t rows, int64_t st, int64_t n, float dead, int64_t lo,
+                                 int32_t *cells) {
+    int64_t k = 0;
+    unsigned char live[16];
+    for (int64_t c0 = 0; c0 < n; c0 += 16) {
+        const int64_t nb = n - c0 < 16 ? n - c0 : 16;
+        if (!att_live(p + c0, rows, st, nb, dead, live)) continue;
+        for (int64_t c = 0; c < nb; c++)
+            if (live[c]) cells[k++] = (int32_t)(lo + c0 + c);
+    }
+    return k;
+}
+
+/* the cache rows of the listed cells [i0, i0 + n) (< end) of KV heads [kh0, kh0 + nh) prefetched
+ * (att_prefetch's arguments) */
+LP_INLINE void att_prefetch_cells(const void *base, int t, const int32_t *cells, int64_t i0, int64_t n, int64_t end,
+                                  int64_t sn, int64_t sh, int64_t kh0, int64_t nh, int64_t row_bytes) {
+    for (int64_t i = i0; i < i0 + n && i < end; i++) att_prefetch(base, t, cells[i], 1, cells[i] + 1, sn, sh, kh0, nh, row_bytes);
+}
+
+/* The rows' scores of tile j (cells [lo, hi)) as one step of llama.cpp's flash_attn_ext_tiled
+ * (ops.cpp) computes them: per cell an fma chain over d from 0 (simd_gemm's order), times scale,
+ * plus the mask (-inf: -inf). Only the cells some token of the unit sees are scored: their list
+ * goes to cells, and row r's scores to sc[r * span + i] for cell cells[i] (a unit's tile may span
+ * other sequences' cells: a unified cache whose sequences decode side by side takes cells in
+ * turn). Returns the number of cells. K rows are widened once per group of ATT_GROUP cells for
+ * all rows of their head and transposed (by 8: a lane per cell). scr: qs (R x D), kf and kT
+ * (ATT_GROUP x D each), a zero row (D). */
+static int64_t tile_scores(const att_args *a, const att_unit *w, int64_t lo, int64_t hi, float *restrict scr,
+                           int32_t *restrict cells, float *restrict sc) {
     const int64_t t0 = w->t0, t1 = w->t1, kh0 = w->kh0, nh = w->nh, ng = w->ng, Rh = (t1 - t0) * ng, R = nh * Rh;
     const int64_t D = a->D, span = a->span;
     const int kt = a->kt;
@@ -680,26 +722,23 @@ static void tile_scores(const att_args *a, const att_unit *w, int64_t lo, int64_
     const int64_t mask_st = a->mask_st, Tu = t1 - t0;
     const float minf = -INFINITY, scale = a->scale;
     const int64_t k_rb = att_row_bytes(kt, D);
-    unsigned char live[ATT_GROUP];
-    att_prefetch(a->k, kt, lo, ATT_PREFETCH, hi, a->k_sn, a->k_sh, kh0, nh, k_rb);
-    for (int64_t c0 = lo; c0 < hi; c0 += ATT_GROUP) {
-        const int64_t nb = hi - c0 < ATT_GROUP ? hi - c0 : ATT_GROUP;
-        att_prefetch(a->k, kt, c0 + ATT_PREFETCH, ATT_GROUP, hi, a->k_sn, a->k_sh, kh0, nh, k_rb);
-        const int lv = att_live(mask + c0, Tu, mask_st, nb, minf, live); /* cells any token sees */
-        if (!lv) {
-            for (int64_t r = 0; r < R; r++)
-                for (int64_t c = 0; c < nb; c++) sc[r * span + c0 - lo + c] = minf;
-            continue;
-        }
+    const int64_t n_live = att_live_cells(mask + lo, Tu, mask_st, hi - lo, minf, lo, cells); /* cells any token sees */
+    att_prefetch_cells(a->k, kt, cells, 0, ATT_PREFETCH, n_live, a->k_sn, a->k_sh, kh0, nh, k_rb);
+    for (int64_t i0 = 0; i0 < n_live; i0 += ATT_GROUP) {
+        const int64_t nb = n_live - i0 < ATT_GROUP ? n_live - i0 : ATT_GROUP;
+        const int32_t *cg = cells + i0;
+        /* 16 cells in a row (a sequence's own cells): the mask read as vectors */
+        const int64_t c0 = nb == ATT_GROUP && cg[nb - 1] - cg[0] == nb - 1 ? cg[0] : -1;
+        att_prefetch_cells(a->k, kt, cells, i0 + ATT_PREFETCH, ATT_GROUP, n_live, a->k_sn, a->k_sh, kh0, nh, k_rb);
         for (int64_t hh = 0; hh < nh; hh++) {
             const int64_t kh = kh0 + hh;
             /* the group's K rows: f32 and f16 in place, quantized ones widened into kf; rows
-             * past the end, or seen by no row, a row of zeros (zr) */
+             * past the last cell a row of zeros (zr) */
             const void *rows[ATT_GROUP];
             const int f16 = kt == LP_KV_F16;
             for (int64_t c = 0; c < ATT_GROUP; c++) {
-                const int64_t off = (c0 + c) * a->k_sn + kh * a->k_sh;
-                if (c >= nb || !live[c])
+                const int64_t off = (c < nb ? cg[c] : 0) * a->k_sn + kh * a->k_sh;
+                if (c >= nb)
                     rows[c] = zr;
                 else if (kt == LP_KV_F32)
                     rows[c] = (const float *)a->k + off;
@@ -733,11 +772,11 @@ static void tile_scores(const att_args *a, const att_unit *w, int64_t lo, int64_
                     }
                 }
                 for (int i = 0; i < nr; i++) {
-                    const float *mr = mask + ((rr + i) / ng) * mask_st + c0;
-                    float *s = sc + (hh * Rh + rr + i) * span + c0 - lo;
-                    if (nb == 16) { /* score * scale + mask; a -inf mask: -inf */
+                    const float *mr = mask + ((rr + i) / ng) * mask_st;
+                    float *s = sc + (hh * Rh + rr + i) * span + i0;
+                    if (c0 >= 0) { /* score * scale + mask; a -inf mask: -inf */
                         for (int b = 0; b < 2; b++) {
-                            const v8f mv = v8_load(mr + 8 * b);
+                            const v8f mv = v8_load(mr + c0 + 8 * b);
                             v8_store(s + 8 * b, v8_select(mv == v8_splat(minf), mv, o[i][b] * v8_splat(scale) + mv));
                         }
                         continue;
@@ -745,35 +784,50 @@ static void tile_scores(const att_args *a, const att_unit *w, int64_t lo, int64_
                     float d16[16];
                     v8_store(d16, o[i][0]);
                     v8_store(d16 + 8, o[i][1]);
-                    for (int64_t c = 0; c < nb; c++) s[c] = mr[c] == minf ? minf : d16[c] * scale + mr[c];
+                    for (int64_t c = 0; c < nb; c++) s[c] = mr[cg[c]] == minf ? minf : d16[c] * scale + mr[cg[c]];
                 }
             }
         }
     }
+    return n_live;
 }
 
-/* Tile j's softmax step for each row, on its scores sc (tile_scores, cells [lo, hi)): the row's
+/* the first of the n sorted cells that is >= c */
+LP_INLINE int64_t att_lower(const int32_t *cells, int64_t n, int64_t c) {
+    int64_t l = 0, h = n;
+    while (l < h) {
+        const int64_t m = (l + h) / 2;
+        if (cells[m] < c)
+            l = m + 1;
+        else
+            h = m;
+    }
+    return l;
+}
+
+/* Tile j's softmax step for each row, on its scores sc (tile_scores: n cells, listed): the row's
  * visible cells of its tile packed in order into ATT_TILE lanes (padding: -inf), their max, the
  * new max Mnew = fmaxf(M, max) and on a rise the state rescaled by libm's expf(M - Mnew) (V sums
  * only in columns [dv0, dv1)); the weights ggml's SIMD exp of (score - Mnew), summed as
  * ggml_vec_soft_max_f32 (each SIMD vector's tree sum, added in double), S = (float)(S + sum).
- * The weights are written back over sc at their cells (0 elsewhere). Returns whether any row has
+ * The weights are written back over sc at their cells' places (0 elsewhere). Returns whether any row has
  * a weight. st: M (R), S (R), nan seen (R), V sums (R x Dv). */
-static int tile_softmax(const att_args *a, const att_chunks *ch, const att_unit *w, int64_t j, int64_t lo,
-                        int64_t hi, float *restrict sc, float *restrict st, int64_t dv0, int64_t dv1) {
-    const int64_t Rh = (w->t1 - w->t0) * w->ng, R = w->nh * Rh, Dv = a->Dv, span = a->span, n_c = hi - lo;
+static int tile_softmax(const att_args *a, const att_chunks *ch, const att_unit *w, int64_t j,
+                        const int32_t *restrict cells, int64_t n_c, float *restrict sc, float *restrict st,
+                        int64_t dv0, int64_t dv1) {
+    const int64_t Rh = (w->t1 - w->t0) * w->ng, R = w->nh * Rh, Dv = a->Dv, span = a->span;
     float *restrict M = st, *restrict S = M + R, *restrict nan_seen = S + R, *restrict acc = nan_seen + R;
     const float minf = -INFINITY;
     int any_w = 0;
     for (int64_t r = 0; r < R; r++) {
         float *s = sc + r * span;
         const int64_t t = w->t0 + (r % Rh) / w->ng;
-        int64_t w0 = 0, w1 = 0; /* the row's tile, relative to lo */
+        int64_t w0 = 0, w1 = 0; /* the row's tile: the listed cells [w0, w1) */
         if (j < ch->nch[t]) {
             const int64_t *b = ch->bnd + t * ch->nb + j;
-            w0 = b[0] - lo, w1 = b[1] - lo < n_c ? b[1] - lo : n_c;
+            w0 = att_lower(cells, n_c, b[0]), w1 = att_lower(cells, n_c, b[1]);
         }
-        const float *mr = a->mask + t * a->mask_st + lo;
+        const float *mr = a->mask + t * a->mask_st;
         float tile[ATT_TILE];
         int32_t idx[ATT_TILE];
         int n = 0;
@@ -784,7 +838,7 @@ static int tile_softmax(const att_args *a, const att_chunks *ch, const att_unit 
             memcpy(tile, s + w0, (size_t)n * sizeof(float));
         } else {
             for (int64_t c = w0; c < w1 && n < ATT_TILE; c++)
-                if (mr[c] != minf) tile[n] = s[c], idx[n++] = (int32_t)c;
+                if (mr[cells[c]] != minf) tile[n] = s[c], idx[n++] = (int32_t)c;
         }
         for (int i = n; i < ATT_TILE; i++) tile[i] = minf;
         memset(s, 0, (size_t)n_c * sizeof(float));
@@ -824,47 +878,56 @@ static int tile_softmax(const att_args *a, const att_chunks *ch, const att_unit 
 }
 
 /* Tile j's V sums for columns [dv0, dv1): per element one fma chain over the cells in order,
- * continuing the rescaled running sums (ggml's simd_gemm(VKQ32, KQ, V32)), in groups of cells (an
- * f16/quantized group widened once for the rows of its head). Cells of weight exactly 0 are
- * skipped, which changes no bit (a running sum from +0 is never -0). A quantized V: the whole
- * rows (dv0 = 0, dv1 = Dv). vf: ATT_VGROUP x Dv floats. */
-static void tile_v(const att_args *a, const att_unit *w, int64_t lo, int64_t hi, const float *restrict sc,
-                   float *restrict acc, int64_t dv0, int64_t dv1, float *restrict vf) {
-    const int64_t Rh = (w->t1 - w->t0) * w->ng, R = w->nh * Rh, Dv = a->Dv, span = a->span, n_c = hi - lo;
+ * continuing the rescaled running sums (ggml's simd_gemm(VKQ32, KQ, V32)), in groups of the listed
+ * cells (tile_scores': n, their weights in sc). An f16/quantized group is widened once for the
+ * rows of its head (f32 read in place where its cells are in a row); a group no row weighs is
+ * skipped, and a row's cells of weight exactly 0, which changes no bit (a running sum from +0 is
+ * never -0). A quantized V: the whole rows (dv0 = 0, dv1 = Dv). vf: ATT_VGROUP x Dv floats. */
+static void tile_v(const att_args *a, const att_unit *w, const int32_t *restrict cells, int64_t n,
+                   const float *restrict sc, float *restrict acc, int64_t dv0, int64_t dv1, float *restrict vf) {
+    const int64_t Rh = (w->t1 - w->t0) * w->ng, R = w->nh * Rh, Dv = a->Dv, span = a->span;
     const int64_t kh0 = w->kh0, nh = w->nh, nd = dv1 - dv0;
     const int vt = a->vt;
     const int64_t v_rb = att_row_bytes(vt, Dv);
     unsigned char live[ATT_VGROUP];
-    att_prefetch(a->v, vt, lo, ATT_PREFETCH, hi, a->v_sn, a->v_sh, kh0, nh, v_rb);
-    for (int64_t c0 = 0; c0 < n_c; c0 += ATT_VGROUP) {
-        const int64_t ngr = n_c - c0 < ATT_VGROUP ? n_c - c0 : ATT_VGROUP;
-        att_prefetch(a->v, vt, lo + c0 + ATT_PREFETCH, ATT_VGROUP, hi, a->v_sn, a->v_sh, kh0, nh, v_rb);
-        if (!att_live(sc + c0, R, span, ngr, 0.0f, live)) continue; /* cells of any non-zero weight */
+    att_prefetch_cells(a->v, vt, cells, 0, ATT_PREFETCH, n, a->v_sn, a->v_sh, kh0, nh, v_rb);
+    for (int64_t i0 = 0; i0 < n; i0 += ATT_VGROUP) {
+        const int64_t ngr = n - i0 < ATT_VGROUP ? n - i0 : ATT_VGROUP;
+        const int32_t *cg = cells + i0;
+        att_prefetch_cells(a->v, vt, cells, i0 + ATT_PREFETCH, ATT_VGROUP, n, a->v_sn, a->v_sh, kh0, nh, v_rb);
+        if (!att_live(sc + i0, R, span, ngr, 0.0f, live)) continue; /* cells of any non-zero weight */
         for (int64_t hh = 0; hh < nh; hh++) {
             const int64_t kh = kh0 + hh;
             const float *v0;
             int64_t vs;
-            if (vt) {
-                for (int64_t i = 0; i < ngr; i++)
-                    if (live[i]) kv_row(vf + i * nd, a->v, (lo + c0 + i) * a->v_sn + kh * a->v_sh + dv0, vt, nd);
-                v0 = vf, vs = nd;
+            if (vt == LP_KV_F32 && cg[ngr - 1] - cg[0] == ngr - 1) {
+                v0 = (const float *)a->v + kh * a->v_sh + cg[0] * a->v_sn + dv0, vs = a->v_sn;
             } else {
-                v0 = (const float *)a->v + kh * a->v_sh + (lo + c0) * a->v_sn + dv0, vs = a->v_sn;
+                for (int64_t i = 0; i < ngr; i++) {
+                    if (!live[i]) continue;
+                    const int64_t off = cg[i] * a->v_sn + kh * a->v_sh + dv0;
+                    if (vt == LP_KV_F32)
+                        memcpy(vf + i * nd, (const float *)a->v + off, (size_t)nd * sizeof(float));
+                    else
+                        kv_row(vf + i * nd, a->v, off, vt, nd);
+                }
+                v0 = vf, vs = nd;
             }
             for (int64_t rr = 0; rr < Rh; rr++) {
                 const int64_t r = hh * Rh + rr;
-                v_accumulate(acc + r * Dv + dv0, sc + r * span + c0, ngr, v0, vs, nd);
+                v_accumulate(acc + r * Dv + dv0, sc + r * span + i0, ngr, v0, vs, nd);
             }
         }
     }
 }
 
 /* The widest cell range a unit's tile pass scores, rounded up to ATT_GROUP: the scratch's score
- * rows, so they span a tile (ATT_TILE cells when a sequence's cells are contiguous), not N */
-static int64_t att_tile_span(const att_chunks *ch, int64_t T, int64_t tb) {
+ * rows, so they span a tile (ATT_TILE cells when a sequence's cells are contiguous), not N.
+ * blk: the query blocks' first tokens (n_tb + 1: the last is T). */
+static int64_t att_tile_span(const att_chunks *ch, const int64_t *blk, int64_t n_tb) {
     int64_t span = 0;
-    for (int64_t t0 = 0; t0 < T; t0 += tb) {
-        const int64_t t1 = t0 + tb < T ? t0 + tb : T;
+    for (int64_t b = 0; b < n_tb; b++) {
+        const int64_t t0 = blk[b], t1 = blk[b + 1];
         int64_t nc = 0;
         for (int64_t t = t0; t < t1; t++) nc = ch->nch[t] > nc ? ch->nch[t] : nc;
         for (int64_t j = 0; j < nc; j++) {
@@ -884,12 +947,12 @@ static int64_t att_tile_span(const att_chunks *ch, int64_t T, int64_t tb) {
 
 /* Unit u: `hpu` KV heads and `ngu` query heads of each group per unit; the last query blocks
  * first (most cells), heads innermost */
-LP_INLINE att_unit att_unit_at(const att_args *a, const att_chunks *ch, int64_t tb, int64_t n_tb, int64_t hpu,
+LP_INLINE att_unit att_unit_at(const att_args *a, const att_chunks *ch, const int64_t *blk, int64_t n_tb, int64_t hpu,
                                int64_t ngu, int64_t u) {
     att_unit w;
     const int64_t ngs = a->g / ngu, nhu = a->Hkv / hpu * ngs, b = n_tb - 1 - u / nhu, hu = u % nhu;
     w.kh0 = hu / ngs * hpu, w.nh = hpu, w.gq0 = hu % ngs * ngu, w.ng = ngu;
-    w.t0 = b * tb, w.t1 = w.t0 + tb < a->T ? w.t0 + tb : a->T, w.n_chunks = 0;
+    w.t0 = blk[b], w.t1 = blk[b + 1], w.n_chunks = 0;
     for (int64_t t = w.t0; t < w.t1; t++) w.n_chunks = ch->nch[t] > w.n_chunks ? ch->nch[t] : w.n_chunks;
     return w;
 }
@@ -920,9 +983,19 @@ static void att_store(const att_args *a, const att_unit *w, const float *st, int
 }
 
 /* One worker's scratch, in floats: a tile's scores (R x span), the score pass's Q rows and K
- * groups, one V group widened, then the unit's running state */
+ * groups, one V group widened, the tile's cells (span), then the unit's running state */
 LP_INLINE size_t att_core_floats(int64_t R, int64_t D, int64_t Dv, int64_t span) {
-    return (size_t)(R * span + R * D + (2 * ATT_GROUP + 1) * D + ATT_VGROUP * Dv);
+    return (size_t)(R * span + R * D + (2 * ATT_GROUP + 1) * D + ATT_VGROUP * Dv + span);
+}
+typedef struct {
+    float *sc, *scr, *vf;
+    int32_t *cells;
+} att_bufs;
+LP_INLINE att_bufs att_bufs_of(float *buf, int64_t R, int64_t D, int64_t Dv, int64_t span) {
+    att_bufs b;
+    b.sc = buf, b.scr = buf + R * span, b.vf = b.scr + R * D + (2 * ATT_GROUP + 1) * D;
+    b.cells = (int32_t *)(b.vf + ATT_VGROUP * Dv);
+    return b;
 }
 LP_INLINE size_t att_scratch_floats(int64_t R, int64_t D, int64_t Dv, int64_t span) {
     return att_core_floats(R, D, Dv, span) + att_state_floats(R, Dv);
@@ -931,15 +1004,15 @@ LP_INLINE size_t att_scratch_floats(int64_t R, int64_t D, int64_t Dv, int64_t sp
 /* A whole unit on one thread: its tiles in order, each scored, stepped and summed */
 static void attend_unit(const att_args *a, const att_chunks *ch, const att_unit *w, int64_t R_max, float *buf) {
     const int64_t R = w->nh * (w->t1 - w->t0) * w->ng, D = a->D, Dv = a->Dv;
-    float *sc = buf, *scr = sc + R_max * a->span, *vf = scr + R_max * D + (2 * ATT_GROUP + 1) * D;
+    const att_bufs b = att_bufs_of(buf, R_max, D, Dv, a->span);
     float *st = buf + att_core_floats(R_max, D, Dv, a->span);
     att_state_clear(st, R, Dv);
     for (int64_t j = 0; j < w->n_chunks; j++) {
         int64_t lo, hi;
         att_tile_cells(ch, w, j, a->N, &lo, &hi);
         if (lo >= hi) continue;
-        tile_scores(a, w, lo, hi, scr, sc);
-        if (tile_softmax(a, ch, w, j, lo, hi, sc, st, 0, Dv)) tile_v(a, w, lo, hi, sc, st + 3 * R, 0, Dv, vf);
+        const int64_t n = tile_scores(a, w, lo, hi, b.scr, b.cells, b.sc);
+        if (tile_softmax(a, ch, w, j, b.cells, n, b.sc, st, 0, Dv)) tile_v(a, w, b.cells, n, b.sc, st + 3 * R, 0, Dv, b.vf);
     }
     att_store(a, w, st, 0, Dv);
 }
@@ -948,10 +1021,11 @@ static void attend_unit(const att_args *a, const att_chunks *ch, const att_unit 
 typedef struct {
     att_args a;     /* with Q rounded (a quantized K) and the score span */
     att_chunks ch;
-    int64_t tb, n_tb, hpu, units, R, ncol;
+    int64_t n_tb, hpu, units, R, ncol;
     size_t scratch; /* floats of a thread's buffer */
-    int64_t *bnd, *first, items; /* (bnd owns ch's arrays) */
+    int64_t *bnd, *blk, *first, items; /* (bnd owns ch's and blk's arrays) */
     float *qround, *scores;
+    int32_t *cells; /* the two phases: each item's cells (span), their count after them */
 } att_plan;
 
 /* the tiles, the unit shape and the shared score buffer of a call of nt threads (NULL: out of
@@ -962,20 +1036,45 @@ static att_plan *att_plan_make(const att_args *in, int nt, att_plan *pl) {
     att_args *a = &pl->a;
     /* each token's tiles: its visible cells, counted in cell order */
     const int64_t nbd = (N + ATT_TILE - 1) / ATT_TILE + 1;
-    int64_t *bnd = pl->bnd = malloc((size_t)(T * (nbd + 2)) * sizeof(int64_t));
+    const int64_t nw = (N + 63) / 64; /* a mask row as bits */
+    int64_t *bnd = pl->bnd = malloc((size_t)(T * (nbd + 3) + 1 + 2 * nw) * sizeof(int64_t));
     if (!bnd) return NULL;
-    int64_t *nch = bnd + T * nbd, *nvis = nch + T;
+    int64_t *nch = bnd + T * nbd, *nvis = nch + T, *blk = pl->blk = nvis + T;
+    uint64_t *bits = (uint64_t *)(blk + T + 1), *head_bits = bits + nw;
+    memset(head_bits, 0, (size_t)nw * sizeof(uint64_t));
+    /* Query blocks (units' tokens): up to tb consecutive tokens that see mostly the same cells (a
+     * prompt's tokens, within a sliding window too), sharing each K group they score. A token
+     * that shares under half its cells with its block's first (another sequence's, in a decode
+     * step of several) starts a block of its own. */
+    const int64_t g = a->g, tb = g >= ATT_ROWS ? 1 : (ATT_ROWS + g - 1) / g;
+    int64_t n_tb = 0, tbm = 0;
     for (int64_t t = 0; t < T; t++) {
-        const float *mr = a->mask + t * a->mask_st;
-        int64_t *bt = bnd + t * nbd, seen = 0, last = 0;
-        for (int64_t c = 0; c < N; c++)
-            if (mr[c] != -INFINITY) {
-                if (seen % ATT_TILE == 0) bt[seen / ATT_TILE] = c;
-                seen++, last = c + 1;
+        const int64_t head = n_tb > 0 && t - blk[n_tb - 1] < tb ? blk[n_tb - 1] : t;
+        int64_t *bt = bnd + t * nbd, seen = 0, last = 0, shared = 0;
+        for (int64_t w = 0; w < nw; w++) {
+            uint64_t m = att_mask_bits(a->mask + t * a->mask_st + 64 * w, N - 64 * w < 64 ? N - 64 * w : 64);
+            bits[w] = m;
+            if (!m) continue;
+            shared += __builtin_popcountll(m & head_bits[w]);
+            last = 64 * w + 64 - __builtin_clzll(m);
+            /* tile j starts at visible cell j * ATT_TILE: where that falls in this word */
+            for (int64_t k = (ATT_TILE - seen % ATT_TILE) % ATT_TILE, n = __builtin_popcountll(m); k < n; k += ATT_TILE) {
+                uint64_t r = m;
+                for (int64_t i = 0; i < k; i++) r &= r - 1; /* drop the k lowest cells */
+                bt[(seen + k) / ATT_TILE] = 64 * w + __builtin_ctzll(r);
             }
+            seen += __builtin_popcountll(m);
+        }
         nch[t] = (seen + ATT_TILE - 1) / ATT_TILE, nvis[t] = seen;
         bt[nch[t]] = last;
+        if (head == t || 2 * shared < (seen < nvis[head] ? seen : nvis[head])) {
+            blk[n_tb++] = t;
+            memcpy(head_bits, bits, (size_t)nw * sizeof(uint64_t));
+        }
+        const int64_t size = t + 1 - blk[n_tb - 1];
+        tbm = size > tbm ? size : tbm;
     }
+    blk[n_tb] = T;
     pl->ch = (att_chunks){bnd, nch, nvis, nbd};
     /* Q rounded through Q8_0 once for a quantized K (q_to_vec_dot); f32 and f16 K: Q stays f32,
      * as in llama.cpp's tiled path */
@@ -984,20 +1083,17 @@ static att_plan *att_plan_make(const att_args *in, int nt, att_plan *pl) {
         for (int64_t i = 0; i < T * a->H; i++) round_q8_0_row(pl->qround + i * a->D, a->q + i * a->D, a->D);
         a->q = pl->qround;
     }
-    const int64_t g = a->g, tb = g >= ATT_ROWS ? 1 : (ATT_ROWS + g - 1) / g; /* tokens per unit */
-    const int64_t n_tb = (T + tb - 1) / tb;
-    a->span = att_tile_span(&pl->ch, T, tb);
+    a->span = att_tile_span(&pl->ch, blk, n_tb);
     /* Fewer query blocks than threads (decode): every head in one unit and the two phases of
      * attend_par, while their scores (every tile of every unit) take at most ATT_SCORES_MAX bytes;
      * else one KV head per unit on threads. One thread and a few blocks: every head in one unit. */
     int64_t max_tiles = 0;
     for (int64_t t = 0; t < T; t++) max_tiles = nch[t] > max_tiles ? nch[t] : max_tiles;
     const int two = nt > 1 && n_tb < nt &&
-                    (double)n_tb * (double)max_tiles * (double)((tb < T ? tb : T) * g * a->Hkv * a->span) * 4.0 <=
-                        ATT_SCORES_MAX;
-    const int64_t hpu = two || (nt == 1 && n_tb < 4) ? a->Hkv : 1, units = a->Hkv / hpu * n_tb;
-    pl->tb = tb, pl->n_tb = n_tb, pl->hpu = hpu, pl->units = units, pl->ncol = 1;
-    pl->R = (tb < T ? tb : T) * g * hpu;
+                    (double)n_tb * (double)max_tiles * (double)(tbm * g * a->Hkv * a->span) * 4.0 <= ATT_SCORES_MAX;
+    const int64_t hpu = two || (nt == 1 && n_tb < 4) || tbm * g < ATT_ROWS ? a->Hkv : 1, units = a->Hkv / hpu * n_tb;
+    pl->n_tb = n_tb, pl->hpu = hpu, pl->units = units, pl->ncol = 1;
+    pl->R = tbm * g * hpu;
     pl->scratch = att_scratch_floats(pl->R, a->D, a->Dv, a->span);
     /* the (unit, tile) scores first, then the (unit, KV head, column range) V sums */
     if (two) {
@@ -1005,10 +1101,11 @@ static att_plan *att_plan_make(const att_args *in, int nt, att_plan *pl) {
         if (!first) return NULL;
         for (int64_t u = 0; u < units; u++) {
             first[u] = pl->items;
-            pl->items += att_unit_at(a, &pl->ch, tb, n_tb, hpu, g, u).n_chunks;
+            pl->items += att_unit_at(a, &pl->ch, blk, n_tb, hpu, g, u).n_chunks;
         }
         first[units] = pl->items;
-        if (pl->items > 1 && !(pl->scores = malloc((size_t)(pl->items * pl->R * a->span) * sizeof(float))))
+        if (pl->items > 1 && (!(pl->scores = malloc((size_t)(pl->items * pl->R * a->span) * sizeof(float))) ||
+                              !(pl->cells = malloc((size_t)(pl->items * (a->span + 1)) * sizeof(int32_t)))))
             return NULL;
         /* column ranges of whole 8-lane vectors (a quantized V: whole rows, as it is widened) */
         pl->ncol = a->vt >= LP_KV_Q8_0 ? 1 : (3 * nt + units * hpu - 1) / (units * hpu); /* ~3 items a thread */
@@ -1018,7 +1115,7 @@ static att_plan *att_plan_make(const att_args *in, int nt, att_plan *pl) {
 }
 
 static void att_plan_free(att_plan *pl) {
-    free(pl->scores), free(pl->first);
+    free(pl->scores), free(pl->cells), free(pl->first);
     free(pl->qround);
     free(pl->bnd);
 }
@@ -1048,18 +1145,20 @@ static void attend_par(lp_par *p, const att_args *in) {
     }
     const att_args *a = &pl->a;
     const att_chunks *ch = &pl->ch;
-    const int64_t tb = pl->tb, n_tb = pl->n_tb, hpu = pl->hpu, units = pl->units, R = pl->R;
+    const int64_t *blk = pl->blk, n_tb = pl->n_tb, hpu = pl->hpu, units = pl->units, R = pl->R;
     const int64_t g = a->g, N = a->N, D = a->D, Dv = a->Dv, span = a->span;
     float *buf = malloc(pl->scratch * sizeof(float)); /* NULL: nothing written */
+    const att_bufs b = att_bufs_of(buf, R, D, Dv, span);
     if (pl->scores) {
         const int64_t *first = pl->first;
         for (int64_t i = lp_par_first(p, nt > 1, pl->items); i < pl->items; i = lp_par_then(p, nt > 1, i)) {
             int64_t u = 0;
             while (first[u + 1] <= i) u++;
-            const att_unit w = att_unit_at(a, ch, tb, n_tb, hpu, g, u);
+            const att_unit w = att_unit_at(a, ch, blk, n_tb, hpu, g, u);
             int64_t lo, hi;
             att_tile_cells(ch, &w, i - first[u], N, &lo, &hi);
-            if (buf && lo < hi) tile_scores(a, &w, lo, hi, buf + R * span, pl->scores + i * R * span);
+            int32_t *cells = pl->cells + i * (span + 1);
+            cells[span] = buf && lo < hi ? (int32_t)tile_scores(a, &w, lo, hi, b.scr, cells, pl->scores + i * R * span) : 0;
         }
         lp_par_barrier(p); /* every score is made */
         const int64_t ncol = pl->ncol, vitems = units * hpu * ncol, cw = (Dv / 8 + ncol - 1) / ncol * 8;
@@ -1067,25 +1166,25 @@ static void attend_par(lp_par *p, const att_args *in) {
             /* (unit, one of its KV heads, a column range): the head's rows of the unit's scores */
             const int64_t u = i / (hpu * ncol), hh = i / ncol % hpu, dv0 = i % ncol * cw;
             const int64_t dv1 = dv0 + cw < Dv ? dv0 + cw : Dv;
-            att_unit w = att_unit_at(a, ch, tb, n_tb, hpu, g, u);
+            att_unit w = att_unit_at(a, ch, blk, n_tb, hpu, g, u);
             const int64_t Ru = (w.t1 - w.t0) * w.ng; /* rows of one KV head */
             w.kh0 += hh, w.nh = 1;
             if (!buf || dv0 >= Dv) continue;
-            float *sc = buf, *vf = buf + R * span + R * D + (2 * ATT_GROUP + 1) * D;
             float *st = buf + att_core_floats(R, D, Dv, span);
             att_state_clear(st, Ru, Dv);
             for (int64_t j = 0; j < w.n_chunks; j++) {
-                int64_t lo, hi;
-                att_tile_cells(ch, &w, j, N, &lo, &hi);
-                if (lo >= hi) continue;
-                memcpy(sc, pl->scores + ((first[u] + j) * R + hh * Ru) * span, (size_t)(Ru * span) * sizeof(float));
-                if (tile_softmax(a, ch, &w, j, lo, hi, sc, st, dv0, dv1)) tile_v(a, &w, lo, hi, sc, st + 3 * Ru, dv0, dv1, vf);
+                const int32_t *cells = pl->cells + (first[u] + j) * (span + 1);
+                const int64_t n = cells[span];
+                if (n == 0) continue;
+                for (int64_t r = 0; r < Ru; r++) /* (the head's rows: their listed cells' scores) */
+                    memcpy(b.sc + r * span, pl->scores + ((first[u] + j) * R + hh * Ru + r) * span, (size_t)n * sizeof(float));
+                if (tile_softmax(a, ch, &w, j, cells, n, b.sc, st, dv0, dv1)) tile_v(a, &w, cells, n, b.sc, st + 3 * Ru, dv0, dv1, b.vf);
             }
             att_store(a, &w, st, dv0, dv1);
         }
     } else {
         for (int64_t u = lp_par_first(p, nt > 1, units); u < units; u = lp_par_then(p, nt > 1, u)) {
-            const att_unit w = att_unit_at(a, ch, tb, n_tb, hpu, g, u);
+            const att_unit w = att_unit_at(a, ch, blk, n_tb, hpu, g, u);
             if (buf) attend_unit(a, ch, &w, R, buf);
         }
     }

@@ -345,6 +345,43 @@ def test_asyncio_client_with_worker_thread(llm: Llama) -> None:
     assert not eng.running
 
 
+def test_a_step_wakes_the_loop_once_and_a_closed_loop_cancels(llm: Llama) -> None:
+    """A step's events reach an asyncio loop with one call_soon_threadsafe (one write to its
+    self-pipe), not one per event; a request whose loop has closed is cancelled."""
+    eng = Engine(llm.ctx, n_parallel=3)
+
+    async def main() -> tuple[list[int], list[int]]:
+        loop = asyncio.get_running_loop()
+        wakes: list[int] = []
+        real = loop.call_soon_threadsafe
+        # (to_thread's own result comes back through it too: only the engine's calls are counted)
+        loop.call_soon_threadsafe = lambda f, *a: (wakes.append(f.__name__ == "_drain"), real(f, *a))[1]  # type: ignore[method-assign]
+        streams = [eng.open_async(Request(llm.tokenize(p), 4, GREEDY)) for p in PROMPTS[:3]]
+        per_step, got = [], [0, 0, 0]
+        while any(not e.done for e in streams):
+            n0 = sum(wakes)
+            await asyncio.to_thread(eng.step)
+            per_step.append(sum(wakes) - n0)
+            for i, e in enumerate(streams):
+                while not e._q.empty():
+                    ev = e._q.get_nowait()
+                    got[i] += ev.kind == "token"
+                    e.done = ev.kind == "done"
+        return per_step, got
+
+    per_step, got = asyncio.run(main())
+    assert got == [4, 4, 4] and max(per_step) == 1
+
+    async def abandoned() -> None:
+        eng.open_async(Request(llm.tokenize(PROMPTS[0]), 50, GREEDY))
+        await asyncio.to_thread(eng.step)  # its loop closes with the request running
+
+    asyncio.run(abandoned())
+    for _ in range(3):
+        eng.step()
+    assert eng.n_busy() == 0
+
+
 def test_generate_stream_runs_on_the_engine_and_reuses_what_the_sequence_holds(llm: Llama) -> None:
     from llamapy.generate import GenerationResult, stream
 

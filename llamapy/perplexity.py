@@ -111,15 +111,6 @@ def decode_log_probs(rows: np.ndarray, n_vocab: int) -> np.ndarray:
     return scale[:, None] * r[:, 4 : 4 + n_vocab].astype(np.float32) + min_log_prob[:, None]
 
 
-def token_nll(logits: np.ndarray, targets: Sequence[int] | np.ndarray) -> np.ndarray:
-    """-log softmax(logits)[target] per row (float64, llama.cpp's double log_softmax)."""
-    lg = _rows_f32(logits).astype(np.float64)
-    t = np.asarray(targets, np.int64)
-    mx = lg.max(axis=1)
-    lse = np.log(np.exp(lg - mx[:, None]).sum(axis=1))
-    return mx + lse - lg[np.arange(len(t)), t]
-
-
 # -- the logits file ---------------------------------------------------------------------------
 
 

@@ -132,24 +132,23 @@ def k_scale_min(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scale, mins
 
 
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K blocks: each sub-block's scale d * sc and min dmin * m, (n, 8, 1)."""
+    sc, mn = k_scale_min(b[:, 4:16])
+    d, dmin = (_f16(b[:, k : k + 2]).reshape(-1, 1, 1) for k in (0, 2))
+    return d * sc.astype(np.float32).reshape(-1, 8, 1), dmin * mn.astype(np.float32).reshape(-1, 8, 1)
+
+
 def _deq_q4_k(b: np.ndarray) -> np.ndarray:
     n = b.shape[0]
-    d = _f16(b[:, 0:2])
-    dmin = _f16(b[:, 2:4])
-    sc, mn = k_scale_min(b[:, 4:16])
-    dl = (d * sc.astype(np.float32)).reshape(n, 8, 1)
-    ml = (dmin * mn.astype(np.float32)).reshape(n, 8, 1)
+    dl, ml = _k_scales(b)  # (n, 8, 1) each
     q = _nibbles(b[:, 16:144], 32).reshape(n, 8, 32).astype(np.float32)
     return (dl * q - ml).reshape(n, QK_K)
 
 
 def _deq_q5_k(b: np.ndarray) -> np.ndarray:
     n = b.shape[0]
-    d = _f16(b[:, 0:2])
-    dmin = _f16(b[:, 2:4])
-    sc, mn = k_scale_min(b[:, 4:16])
-    dl = (d * sc.astype(np.float32)).reshape(n, 8, 1)
-    ml = (dmin * mn.astype(np.float32)).reshape(n, 8, 1)
+    dl, ml = _k_scales(b)  # (n, 8, 1) each
     qh = b[:, 16:48]
     ql = _nibbles(b[:, 48:176], 32).reshape(n, 8, 32)
     h = ((qh.reshape(n, 1, 32) >> _SHIFT_1.reshape(1, 8, 1)) & np.uint8(1)).reshape(n, 8, 32)

@@ -43,7 +43,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -124,17 +124,6 @@ def check_type(name: Any) -> GGMLType:
     if not isinstance(name, str) or name not in GGMLType.__members__:
         raise ValueError(f"unknown tensor type {name!r}")
     return GGMLType[name]
-
-
-@dataclass(frozen=True)
-class LeafSpec:
-    """A tensor the actor keeps (a weight or a KV cache tensor), by its device-wide id."""
-
-    tid: int
-    name: str
-    shape: tuple[int, ...]
-    type: str
-    params: dict[str, Any] = field(default_factory=dict)
 
 
 def _leaf_record(tid: int, t: Tensor) -> tuple[Any, ...]:

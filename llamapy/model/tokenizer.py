@@ -864,9 +864,6 @@ class Tokenizer:
     def is_control(self, token: int) -> bool:
         return bool(self.token_attr(token) & ATTR_CONTROL)
 
-    def is_byte(self, token: int) -> bool:
-        return bool(self.token_attr(token) & ATTR_BYTE)
-
     def token_text(self, token: int) -> str:
         """The token's text as stored in the vocabulary (SPM "▁", GPT-2 byte characters)."""
         self._check(token)

@@ -26,6 +26,11 @@ cache type of `--cache-types` (default f16,q8_0,q4_0; K and V the same type), `l
 N -d D -ctk T -ctv T` and `llamapy bench` with the same flags side by side (N: 128, or 64 for the
 1B shape); bar ≥ 1.0× (issue 11). `--only-depth` skips the main table.
 
+`--rounds K` (default 1) measures the tok/s figures of every table K times, llama.cpp and llamapy
+alternately (llama-bench, then `llamapy bench`, then again), and reports each side's median: a
+shared host has slow phases lasting seconds to minutes, which then hit both sides instead of one.
+The ratio cells then also give the range of the K per-round ratios.
+
 Every output (the printed tables, the RESULTS.md section, the JSON) names the CPU and its SIMD
 flags (avx2, avx512f, avx512_vnni, amx…), since the ratios differ between hosts of this kind.
 
@@ -61,9 +66,11 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -281,7 +288,7 @@ def llamapy_load(model: Path, threads: int, timeout: float | None) -> dict[str, 
 
 
 def llamacpp_figures(tools: dict[str, Path] | None, model: Path, threads: int, reps: int,
-                     timeout: float | None, n_gen: int = 128) -> dict[str, Any]:  # fmt: skip
+                     timeout: float | None, n_gen: int = 128, completion: bool = True) -> dict[str, Any]:  # fmt: skip
     if tools:
         out: dict[str, Any] = {"source": "measured in this run"}
         try:
@@ -290,8 +297,9 @@ def llamacpp_figures(tools: dict[str, Path] | None, model: Path, threads: int, r
         except (RuntimeError, ValueError) as e:
             log(f"llama-bench on {model.name}: {e}")
         try:
-            out.update({"completion": llama_cpp.run_completion(tools, model, PROMPT, n=n_gen, t=threads,
-                                                               timeout=timeout)})  # fmt: skip
+            if completion:
+                out.update({"completion": llama_cpp.run_completion(tools, model, PROMPT, n=n_gen, t=threads,
+                                                                   timeout=timeout)})  # fmt: skip
         except RuntimeError as e:
             log(f"llama-completion on {model.name}: {e}")
         return out
@@ -309,6 +317,34 @@ def llamacpp_figures(tools: dict[str, Path] | None, model: Path, threads: int, r
 
 def _ref_tps(d: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in d.items() if k in ("pp512_tps", "tg128_tps")}
+
+
+def alternate(rounds: int, lc: Callable[[int], dict[str, Any]], lp: Callable[[int], dict[str, Any]]
+              ) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, float]]]:  # fmt: skip
+    """lc(i) and lp(i) for rounds i = 0 .. rounds - 1, alternately: each side's fields, numbers
+    as their median over the rounds (others from round 0), and the per-round ratios of the
+    `*_tps` fields both sides have."""
+    a, b = [], []
+    for i in range(rounds):
+        a.append(lc(i))
+        b.append(lp(i))
+
+    def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+        out = dict(runs[0])
+        for k, v in runs[0].items():
+            vals = [r.get(k) for r in runs]
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and all(isinstance(x, (int, float)) for x in vals):
+                out[k] = statistics.median(vals)
+        return out
+
+    ratios = [{k: y[k] / x[k] for k in y if k.endswith("_tps") and x.get(k) and y.get(k)} for x, y in zip(a, b)]
+    return merge(a), merge(b), ratios
+
+
+def _spread(ratios: list[dict[str, float]] | None, key: str) -> str:
+    """' (lo–hi)' of the per-round ratios of `key`, where there are several rounds"""
+    vals = [r[key] for r in ratios or [] if key in r]
+    return f" ({min(vals):.2f}–{max(vals):.2f})" if len(vals) > 1 else ""
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -358,10 +394,11 @@ def rows_for(res: dict[str, Any]) -> list[list[str]]:
     kind = res.get("kind", "tiny32" if "tiny32" in res["model"] else "path")
     # the speed issues set bars for the default model and the 1B shape; tiny32's are reported only
     bars = {"tiny32": {}, "llama1b": BARS_1B}.get(kind, BARS)
+    spread = {"tg": _spread(res.get("round_ratios"), f"tg{n}_tps"), "pp512": _spread(res.get("round_ratios"), "pp512_tps")}
     for key, label, a, b, spec in metrics:
         r = ratio(a, b)
         barred = key in bars
-        out.append([res["model"], label, _fmt(a, spec), _fmt(b, spec), _fmt(r, ".2f") + ("×" if r else ""),
+        out.append([res["model"], label, _fmt(a, spec), _fmt(b, spec), _fmt(r, ".2f") + ("×" if r else "") + spread.get(key, ""),
                     _bar(key, bars) if barred else "none (reported)",
                     _status(key, r, bars) if barred else "-"])  # fmt: skip
     return out
@@ -466,19 +503,24 @@ def write_results(md: str, cmd: str, mach: dict[str, Any], note: str) -> None:
 
 
 def per_type(qtype: str, path: Path, tools: dict[str, Path] | None, threads: int, reps: int, n_gen: int,
-             timeout: float | None) -> dict[str, Any]:  # fmt: skip
-    """tgN of one `--pure` file: llama-bench and llamapy bench side by side, with llamapy's
-    bandwidth fields."""
+             timeout: float | None, rounds: int = 1) -> dict[str, Any]:  # fmt: skip
+    """tgN of one `--pure` file: llama-bench and llamapy bench side by side (alternately, `rounds`
+    times), with llamapy's bandwidth fields."""
     res: dict[str, Any] = {"type": qtype, "path": str(path), "file_bytes": path.stat().st_size, "n_gen": n_gen}
     key = f"tg{n_gen}_tps"
-    if tools:
-        try:
-            lc = llama_cpp.bench_tps(llama_cpp.run_bench(tools, path, p=0, n=n_gen, t=threads, reps=reps,
-                                                         timeout=timeout))  # fmt: skip
-            res["llama.cpp"] = lc.get(key)
-        except (RuntimeError, ValueError) as e:
-            log(f"llama-bench on {path.name}: {e}")
-    lp = llamapy_bench(path, threads, reps, timeout, n_prompt=0, n_gen=n_gen)
+
+    def lc_run(_: int) -> dict[str, Any]:
+        if tools:
+            try:
+                return llama_cpp.bench_tps(llama_cpp.run_bench(tools, path, p=0, n=n_gen, t=threads, reps=reps,
+                                                               timeout=timeout))  # fmt: skip
+            except (RuntimeError, ValueError) as e:
+                log(f"llama-bench on {path.name}: {e}")
+        return {}
+
+    lc, lp, res["round_ratios"] = alternate(rounds, lc_run,
+                                            lambda _: llamapy_bench(path, threads, reps, timeout, n_prompt=0, n_gen=n_gen))
+    res["llama.cpp"] = lc.get(key)
     res["llamapy"] = lp.get(key)
     res["llamapy_via"] = lp.get("via")
     res.update({k: lp[k] for k in BW_FIELDS if k in lp})
@@ -486,25 +528,33 @@ def per_type(qtype: str, path: Path, tools: dict[str, Path] | None, threads: int
 
 
 def at_depth(model: Path, depth: int, cache_type: str, tools: dict[str, Path] | None, threads: int, reps: int,
-             n_gen: int, timeout: float | None) -> dict[str, Any]:  # fmt: skip
+             n_gen: int, timeout: float | None, rounds: int = 1) -> dict[str, Any]:  # fmt: skip
     """tgN after `depth` cells of history with K and V caches of `cache_type`: llama-bench and
-    llamapy bench side by side."""
+    llamapy bench side by side (alternately, `rounds` times)."""
     res: dict[str, Any] = {"model": model.stem, "depth": depth, "cache_type": cache_type, "n_gen": n_gen}
     flags = ["-d", str(depth), "-ctk", cache_type, "-ctv", cache_type]
     key = f"tg{n_gen}_tps"
-    if tools:
-        try:
-            lc = llama_cpp.run_bench(tools, model, p=0, n=n_gen, t=threads, reps=reps, extra=flags, timeout=timeout)
-            res["llama.cpp"] = llama_cpp.bench_tps(lc).get(key)
-        except (RuntimeError, ValueError) as e:
-            log(f"llama-bench -d {depth} -ctk {cache_type} on {model.name}: {e}")
-    cmd = [*LLAMAPY, "bench", str(model), "-p", "0", "-n", str(n_gen), "-t", str(threads), "-r", str(reps),
-           "--probe-mib", "0", "-o", "json", *flags]  # fmt: skip
-    r = llama_cpp.run_child(cmd, env=child_env(), timeout=timeout)
-    if r.rc == 0:
-        res["llamapy"] = llama_cpp.bench_tps(json.loads(r.stdout)).get(key)
-    else:
+
+    def lc_run(_: int) -> dict[str, Any]:
+        if tools:
+            try:
+                lc = llama_cpp.run_bench(tools, model, p=0, n=n_gen, t=threads, reps=reps, extra=flags, timeout=timeout)
+                return llama_cpp.bench_tps(lc)
+            except (RuntimeError, ValueError) as e:
+                log(f"llama-bench -d {depth} -ctk {cache_type} on {model.name}: {e}")
+        return {}
+
+    def lp_run(_: int) -> dict[str, Any]:
+        cmd = [*LLAMAPY, "bench", str(model), "-p", "0", "-n", str(n_gen), "-t", str(threads), "-r", str(reps),
+               "--probe-mib", "0", "-o", "json", *flags]  # fmt: skip
+        r = llama_cpp.run_child(cmd, env=child_env(), timeout=timeout)
+        if r.rc == 0:
+            return llama_cpp.bench_tps(json.loads(r.stdout))
         log(f"llamapy bench -d {depth} -ctk {cache_type} failed (exit {r.rc}): {r.stderr.strip()[-500:]}")
+        return {}
+
+    lc, lp, res["round_ratios"] = alternate(rounds, lc_run, lp_run)
+    res["llama.cpp"], res["llamapy"] = lc.get(key), lp.get(key)
     return res
 
 
@@ -516,7 +566,8 @@ def depth_markdown(rows: list[dict[str, Any]]) -> str:
         ratio = a / b if a and b else None
         status = "n/a" if ratio is None else "met" if ratio >= 1.0 else "NOT MET"
         cells = [r["model"], r["cache_type"], f"tg{r['n_gen']} @ d{r['depth']}", _fmt(a, ".2f"), _fmt(b, ".2f"),
-                 _fmt(ratio, ".2f") + ("×" if ratio else ""), status]  # fmt: skip
+                 _fmt(ratio, ".2f") + ("×" if ratio else "") + _spread(r.get("round_ratios"), f"tg{r['n_gen']}_tps"),
+                 status]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -532,7 +583,8 @@ def per_type_markdown(rows: list[dict[str, Any]]) -> str:
         status = "n/a" if ratio is None else "met" if ratio >= PER_TYPE_BAR else "NOT MET"
         weights, lp_eff, lc_eff = _bw_cells(r, b)
         cells = [r["type"], f"{r['file_bytes'] / 2**20:.0f}", weights, _fmt(a, ".2f"), _fmt(b, ".2f"),
-                 _fmt(ratio, ".2f") + ("×" if ratio else ""), status, lp_eff, lc_eff]  # fmt: skip
+                 _fmt(ratio, ".2f") + ("×" if ratio else "") + _spread(r.get("round_ratios"), f"tg{n}_tps"), status,
+                 lp_eff, lc_eff]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -543,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="paths, or 'default' / 'tiny32' / 'llama1b'")  # fmt: skip
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-r", "--reps", type=int, default=3, help="repetitions for llama-bench and llamapy bench")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="tok/s measured this many times, llama.cpp and llamapy alternately; medians reported")
     ap.add_argument("--no-build", action="store_true",
                     help="do not build llama.cpp nor make model files (use what exists)")  # fmt: skip
     ap.add_argument("--build-timeout", type=float, default=3600, help="seconds per build or quantization step")
@@ -570,6 +624,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--only-types needs --types")
     if a.n_gen < 1:
         ap.error("-n must be >= 1")
+    if a.rounds < 1:
+        ap.error("--rounds must be >= 1")
     if a.only_depth and a.depth <= 0:
         ap.error("--only-depth needs --depth")
     cache_types = [c.strip() for c in a.cache_types.split(",") if c.strip()]
@@ -596,11 +652,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"== {model.name}")
         n_gen = 64 if kind == "llama1b" else 128
         res: dict[str, Any] = {"model": model.stem, "path": str(model), "kind": kind, "n_gen": n_gen}
-        log("llama.cpp: llama-bench, llama-completion")
-        res["llama.cpp"] = llamacpp_figures(tools, model, a.threads, a.reps, a.timeout, n_gen)
-        lp: dict[str, Any] = {}
-        log("llamapy: bench")
-        lp.update(llamapy_bench(model, a.threads, a.reps, a.timeout, n_gen=n_gen))
+        log(f"llama.cpp: llama-bench (and llama-completion once), llamapy: bench; {a.rounds} round(s)")
+        lc, lp, res["round_ratios"] = alternate(  # (called at once: the loop's model and n_gen)
+            a.rounds, lambda i: llamacpp_figures(tools, model, a.threads, a.reps, a.timeout, n_gen, completion=i == 0),  # noqa: B023
+            lambda i: llamapy_bench(model, a.threads, a.reps, a.timeout, n_gen=n_gen))  # noqa: B023  # fmt: skip
+        res["llama.cpp"] = lc
         log(f"llamapy: run -n {n_gen} -c 512 (peak RSS)")
         try:
             lp["run"] = llamapy_run(model, a.threads, a.timeout, n_gen)
@@ -622,21 +678,22 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, subprocess.SubprocessError, OSError) as e:
             log(f"{qtype} left out: {e}")
             continue
-        typed.append(per_type(qtype, path, tools, a.threads, a.reps, a.n_gen, a.timeout))
+        typed.append(per_type(qtype, path, tools, a.threads, a.reps, a.n_gen, a.timeout, a.rounds))
     deep: list[dict[str, Any]] = []
     for kind, model in models if a.depth > 0 else []:
         for ct in cache_types:
             log(f"== {model.name}: tg after {a.depth} cells, {ct} cache")
             deep.append(at_depth(model, a.depth, ct, tools, a.threads, a.reps, 64 if kind == "llama1b" else 128,
-                                 a.timeout))  # fmt: skip
+                                 a.timeout, a.rounds))  # fmt: skip
     parts = [f"machine: {machine_line(mach)}"]
     if results:
-        parts.append(markdown(results))
+        parts.append((f"tok/s: medians of {a.rounds} alternating rounds (ratio range in brackets)\n\n" if a.rounds > 1
+                      else "") + markdown(results))  # fmt: skip
     if deep:
-        parts.append(f"With history: -t {a.threads}, -r {a.reps}:\n\n" + depth_markdown(deep))
+        parts.append(f"With history: -t {a.threads}, -r {a.reps}, {a.rounds} round(s):\n\n" + depth_markdown(deep))
     if typed:
         parts.append(f"Per type: the 1B shape quantized `llama-quantize --pure` to each type, -t {a.threads}, "
-                     f"-r {a.reps}:\n\n" + per_type_markdown(typed))  # fmt: skip
+                     f"-r {a.reps}, {a.rounds} round(s):\n\n" + per_type_markdown(typed))  # fmt: skip
     md = "\n\n".join(parts)
     print(md)
     if a.json:

@@ -155,3 +155,24 @@ def test_depth_table_rows_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [c.strip() for c in lines[2].strip("|").split("|")][1:] == \
         ["q8_0", "tg128 @ d2048", "55.00", "50.00", "1.10×", "met"]
     assert lines[3].rstrip(" |").endswith("NOT MET")
+
+
+def test_alternating_rounds_take_medians_in_turn() -> None:
+    cmp = _load("compare")
+    calls: list[str] = []
+    lc_tg, lp_tg = [100.0, 50.0, 90.0], [120.0, 40.0, 99.0]  # round 1: a slow phase of the host
+
+    def lc(i: int) -> dict:
+        calls.append(f"lc{i}")
+        return {"tg64_tps": lc_tg[i], "source": "measured", **({"completion": {"x": 1}} if i == 0 else {})}
+
+    def lp(i: int) -> dict:
+        calls.append(f"lp{i}")
+        return {"tg64_tps": lp_tg[i], "via": "llamapy bench"}
+
+    a, b, ratios = cmp.alternate(3, lc, lp)
+    assert calls == ["lc0", "lp0", "lc1", "lp1", "lc2", "lp2"]
+    assert a == {"tg64_tps": 90.0, "source": "measured", "completion": {"x": 1}}
+    assert b == {"tg64_tps": 99.0, "via": "llamapy bench"}
+    assert [round(r["tg64_tps"], 3) for r in ratios] == [1.2, 0.8, 1.1]
+    assert cmp._spread(ratios, "tg64_tps") == " (0.80–1.20)" and cmp._spread(ratios[:1], "tg64_tps") == ""

@@ -2,7 +2,7 @@
 against one server with -np slots, compared with the same requests one after another.
 
     python bench/serve_load.py [--model PATH] [--requests 16] [--np 4] [-n 64] [-c 1024] [-t 0]
-                               [--overhead-reps 5]
+                               [--overhead-reps 5] [--rounds 1]
 
 1. The engine alone, in this process (with serve's GOMP_SPINCOUNT): one greedy request of -n
    tokens, timed per token from its first token — the baseline of the server's overhead.
@@ -17,6 +17,9 @@ against one server with -np slots, compared with the same requests one after ano
    where two top logits tie); tokens/s against the sequential run; p50/p99 of time to first token
    and inter-token latency; prompt tokens each phase evaluated (/metrics' prompt_tokens_total:
    what no slot's cache held).
+4. With --rounds K > 1, K - 1 more (one after another, all at once) pairs: the speed-up is then the
+   median of the K pairs' ratios, with their range (a shared host has slow phases of seconds to
+   minutes, which one phase alone can catch).
 
 Prints a markdown block for bench/RESULTS.md. The default model is SmolLM2-135M-Instruct.
 """
@@ -166,6 +169,8 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=64, help="tokens per request")
     ap.add_argument("-c", type=int, default=1024, help="context per slot")
     ap.add_argument("-t", type=int, default=0, help="threads (0: all cores)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="(one after another, concurrent) pairs; the speed-up is their ratios' median")
     ap.add_argument("--overhead-reps", type=int, default=5,
                     help="pairs (one request through the server, the same through the engine alone) timed")
     args = ap.parse_args()
@@ -204,9 +209,19 @@ def main() -> None:
                 conc = await asyncio.gather(*(chat(client, url, q, args.n) for q in questions))
                 t_conc = time.perf_counter() - t0
                 evaluated.extend([p1 - p0, await prompt_tokens(client, url) - p2])
+                rounds.append((t_seq, t_conc))
+                for _ in range(args.rounds - 1):
+                    t0 = time.perf_counter()
+                    again = [await chat(client, url, q, args.n) for q in questions]
+                    t1 = time.perf_counter()
+                    again += await asyncio.gather(*(chat(client, url, q, args.n) for q in questions))
+                    rounds.append((t1 - t0, time.perf_counter() - t1))
+                    later.extend(i for i, r in enumerate(again) if r.text != seq[i % len(seq)].text)
                 return seq, t_seq, pairs, list(conc), t_conc
 
         evaluated: list[float] = []
+        rounds: list[tuple[float, float]] = []  # (one after another, concurrent) wall seconds
+        later: list[int] = []  # requests of the later rounds whose text differs from round 1's
         seq, t_seq, pairs, conc, t_conc = asyncio.run(run())
         slots = httpx.get(url + "/slots", timeout=10).json()
     finally:
@@ -228,7 +243,14 @@ def main() -> None:
     print(f"| one after another | {t_seq:.2f} | {n_tok / t_seq:.1f} |")
     print(f"| concurrent | {t_conc:.2f} | {n_tok / t_conc:.1f} |")
     print()
-    print(f"- speed-up: {t_seq / t_conc:.2f}x")
+    ratios = sorted(a / b for a, b in rounds)
+    if len(rounds) > 1:
+        print(f"- speed-up: {float(np.median(ratios)):.2f}x, the median of {len(rounds)} rounds (range "
+              f"{ratios[0]:.2f}-{ratios[-1]:.2f}; walls one after another / concurrent: "
+              f"{', '.join(f'{a:.2f}/{b:.2f}' for a, b in rounds)} s); the table: round 1; later rounds' texts "
+              f"that differ from round 1's: {later or 'none'}")  # fmt: skip
+    else:
+        print(f"- speed-up: {t_seq / t_conc:.2f}x")
     print(f"- completed: {sum(1 for r in conc if r.text)}/{len(conc)}; lost: {lost or 'none'}; "
           f"differ from their single-request output: {mismatches or 'none'}")  # fmt: skip
     print(f"- concurrent TTFT ms: p50 {pct(ttft, 50):.1f}, p99 {pct(ttft, 99):.1f}; "

@@ -1086,7 +1086,8 @@ static att_plan *att_plan_make(const att_args *in, int nt, att_plan *pl) {
     a->span = att_tile_span(&pl->ch, blk, n_tb);
     /* Fewer query blocks than threads (decode): every head in one unit and the two phases of
      * attend_par, while their scores (every tile of every unit) take at most ATT_SCORES_MAX bytes;
-     * else one KV head per unit on threads. One thread and a few blocks: every head in one unit. */
+     * else one KV head per unit on threads. One thread and a few blocks, or blocks of few rows (a
+     * decode step's tokens of several sequences): every head in one unit. */
     int64_t max_tiles = 0;
     for (int64_t t = 0; t < T; t++) max_tiles = nch[t] > max_tiles ? nch[t] : max_tiles;
     const int two = nt > 1 && n_tb < nt &&

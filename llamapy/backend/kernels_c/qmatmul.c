@@ -1006,6 +1006,9 @@ void lp_gemm_q5_1_q8_1_panel(int n, float *s, int64_t ld_s, const void *w, int64
 /* Rows a thread takes at once (output columns of one chunk), and the rows of a cache block:
  * for prompts, MM_ROW_BLOCK weight rows stay in L1 while every token's activations pass by. */
 #define MM_ROW_BLOCK 16
+/* rows a gemv takes at once when it runs once per token (mm_rows): 128 rows of the 1B shape's
+ * 8192-wide Q4_K are 590 KB, in L2 for the next token (128 to 1024 measured the same) */
+#define MM_GEMV_ROWS 128
 /* the K types' gemms (any column count, lp_quants.h) take this many rows a call: the AVX-512
  * ones prepare their activations once a call for all its rows (measured ~+15% over 16 rows) */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -1026,6 +1029,7 @@ typedef struct {
     lp_gemv_fn gemv;    /* one token over many rows; NULL: one dot per row */
     int gemm_cols;      /* the most columns gemm takes a call (set after the initializer) */
     lp_gemm_fn gemm_panel; /* NULL, or any nc over a whole range of rows: prompts (set after it) */
+    int gemv_cols;         /* up to this many tokens, one gemv a token (set after it; 0: never) */
 } mm_traits;
 
 static void mm_copy_f32(const float *x, void *y, int64_t k) { memcpy(y, x, (size_t)k * sizeof(float)); }
@@ -1061,6 +1065,18 @@ static int mm_traits_of(int type, mm_traits *t) {
     }
     t->gemm_cols = type == LP_TYPE_Q3_K || type == LP_TYPE_Q4_K || type == LP_TYPE_Q5_K || type == LP_TYPE_Q6_K
                        ? LP_GEMM_COLS_K : LP_GEMM_COLS;
+    /* 2..gemv_cols tokens: gemv a token over rows kept in cache beats the K types' multi-column
+     * kernels (their 8-column row kernel only from 8 tokens on AVX-512). Measured on the 1B shape's
+     * 16 ffn_down (8192 wide, ~150 MB), 2 threads, ms old -> new (bench/RESULTS.md, stop 22):
+     *   AVX-512 Q4_K 2 / 4 / 6 tokens 8.3 / 18.9 / 26.5 -> 5.1 / 9.7 / 14.4, 8 tokens 11.0 -> 19.9;
+     *           Q6_K 4 / 7 19.3 / 23.7 -> 11.0 / 16.2; Q2_K 2 / 4 / 7 4.6 / 9.6 / 15.0 -> 3.4 / 6.8 / 12.2;
+     *   AVX2    Q4_K 2 / 4 / 6 12.0 / 15.7 / 24.2 -> 9.8 / 14.0 / 21.3, 8 tokens 27.5 -> 28.3;
+     *           Q6_K 4 / 6 23.5 / 28.8 -> 18.1 / 24.3, 2 tokens 7.0 -> 7.8; Q2_K 2 11.0 -> 7.2, 4 11.0 -> 13.2 */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+    t->gemv_cols = t->gemv != NULL && t->vec_dot_type == LP_TYPE_Q8_K ? 7 : 0;
+#else
+    t->gemv_cols = t->gemv == NULL || t->vec_dot_type != LP_TYPE_Q8_K ? 0 : type == LP_TYPE_Q2_K ? 2 : 6;
+#endif
     t->gemm_panel = type == LP_TYPE_Q4_0 ? lp_gemm_q4_0_q8_0_panel : type == LP_TYPE_Q4_1 ? lp_gemm_q4_1_q8_1_panel
                   : type == LP_TYPE_Q5_0 ? lp_gemm_q5_0_q8_0_panel : type == LP_TYPE_Q5_1 ? lp_gemm_q5_1_q8_1_panel
                   : type == LP_TYPE_Q8_0 ? lp_gemm_q8_0_q8_0_panel : NULL;
@@ -1128,6 +1144,16 @@ static void mm_rows(const mm_traits *t, const uint8_t *w, int64_t r0, int64_t r1
                     const uint8_t *xq, int64_t act_bytes, int64_t n_tok, float *y, int64_t ld_y) {
     if (n_tok == 1 && t->gemv != NULL) { /* decode: the whole range, its activation prepared once */
         t->gemv(n_in, y + r0, w + r0 * row_bytes, row_bytes, (int)(r1 - r0), xq);
+        return;
+    }
+    if (n_tok > 1 && n_tok <= t->gemv_cols) {
+        /* a few tokens (a decode batch) on a K type: its gemv once per token over MM_GEMV_ROWS rows
+         * at a time, which stay in L2 for the other tokens (see gemv_cols) */
+        for (int64_t rb = r0; rb < r1; rb += MM_GEMV_ROWS) {
+            const int64_t re = rb + MM_GEMV_ROWS < r1 ? rb + MM_GEMV_ROWS : r1;
+            for (int64_t k = 0; k < n_tok; k++)
+                t->gemv(n_in, y + k * ld_y + rb, w + rb * row_bytes, row_bytes, (int)(re - rb), xq + k * act_bytes);
+        }
         return;
     }
     if (n_tok > LP_GEMM_COLS && t->gemm_panel != NULL) { /* a prompt: the range's rows decoded once */

@@ -1007,7 +1007,9 @@ void lp_gemm_q5_1_q8_1_panel(int n, float *s, int64_t ld_s, const void *w, int64
  * for prompts, MM_ROW_BLOCK weight rows stay in L1 while every token's activations pass by. */
 #define MM_ROW_BLOCK 16
 /* rows a gemv takes at once when it runs once per token (mm_rows): 128 rows of the 1B shape's
- * 8192-wide Q4_K are 590 KB, in L2 for the next token (128 to 1024 measured the same) */
+ * 8192-wide Q4_K are 590 KB, in L2 for the next token. With threads a K type's chunk is
+ * MM_ROW_BLOCK_K rows already (64 on AVX-512, 16 on AVX2) on matrices of 2 nth such blocks; one
+ * thread, or a smaller matrix, has the whole range cut here. */
 #define MM_GEMV_ROWS 128
 /* the K types' gemms (any column count, lp_quants.h) take this many rows a call: the AVX-512
  * ones prepare their activations once a call for all its rows (measured ~+15% over 16 rows) */

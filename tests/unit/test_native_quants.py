@@ -375,8 +375,8 @@ def test_gemv_is_vec_dots(lib: ctypes.CDLL, name: str, n_blocks: int) -> None:
 
 @pytest.mark.parametrize("name", OWN_TYPES + K_TYPES)
 # groups of LP_GEMM_COLS = 4 (8 for the K types on AVX-512): one group (the single-row kernels),
-# whole groups and remainders; the K types' gemv a token up to 2 / 6 / 7 tokens (qmatmul.c
-# gemv_cols) and their gemms from 3 / 7 / 8
+# whole groups and remainders; the K types' gemv a token up to 2 / 6 / 7 tokens (Q8_0 on AVX2: 4;
+# qmatmul.c gemv_cols) and their gemms from 3 / 7 / 8
 @pytest.mark.parametrize("n_tok", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17])
 def test_mul_mat_is_vec_dots(lib: ctypes.CDLL, name: str, n_tok: int) -> None:
     """lp_mul_mat = quantize once + one vec_dot per output, whatever the threads and however many

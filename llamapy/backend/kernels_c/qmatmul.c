@@ -1073,11 +1073,14 @@ static int mm_traits_of(int type, mm_traits *t) {
      *   AVX-512 Q4_K 2 / 4 / 6 tokens 8.3 / 18.9 / 26.5 -> 5.1 / 9.7 / 14.4, 8 tokens 11.0 -> 19.9;
      *           Q6_K 4 / 7 19.3 / 23.7 -> 11.0 / 16.2; Q2_K 2 / 4 / 7 4.6 / 9.6 / 15.0 -> 3.4 / 6.8 / 12.2;
      *   AVX2    Q4_K 2 / 4 / 6 12.0 / 15.7 / 24.2 -> 9.8 / 14.0 / 21.3, 8 tokens 27.5 -> 28.3;
-     *           Q6_K 4 / 6 23.5 / 28.8 -> 18.1 / 24.3, 2 tokens 7.0 -> 7.8; Q2_K 2 11.0 -> 7.2, 4 11.0 -> 13.2 */
+     *           Q6_K 4 / 6 23.5 / 28.8 -> 18.1 / 24.3, 2 tokens 7.0 -> 7.8; Q2_K 2 11.0 -> 7.2, 4 11.0 -> 13.2;
+     *           Q8_0 (its AVX2 gemv is a vec_dot a row) 2 / 4 tokens 17.5 / 27.4 -> 14.3 / 23.9, 5: 32.2 -> 32.5.
+     * The other types' multi-column decode kernels beat it (AVX-512 Q4_1 at 4 tokens 11.9 vs 20.0). */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
     t->gemv_cols = t->gemv != NULL && t->vec_dot_type == LP_TYPE_Q8_K ? 7 : 0;
 #else
-    t->gemv_cols = t->gemv == NULL || t->vec_dot_type != LP_TYPE_Q8_K ? 0 : type == LP_TYPE_Q2_K ? 2 : 6;
+    t->gemv_cols = t->gemv == NULL ? 0 : type == LP_TYPE_Q8_0 ? 4 : t->vec_dot_type != LP_TYPE_Q8_K ? 0
+                 : type == LP_TYPE_Q2_K ? 2 : 6;
 #endif
     t->gemm_panel = type == LP_TYPE_Q4_0 ? lp_gemm_q4_0_q8_0_panel : type == LP_TYPE_Q4_1 ? lp_gemm_q4_1_q8_1_panel
                   : type == LP_TYPE_Q5_0 ? lp_gemm_q5_0_q8_0_panel : type == LP_TYPE_Q5_1 ? lp_gemm_q5_1_q8_1_panel

@@ -1009,7 +1009,7 @@ void lp_gemm_q5_1_q8_1_panel(int n, float *s, int64_t ld_s, const void *w, int64
 /* rows a gemv takes at once when it runs once per token (mm_rows): 128 rows of the 1B shape's
  * 8192-wide Q4_K are 590 KB, in L2 for the next token. With threads a K type's chunk is
  * MM_ROW_BLOCK_K rows already (64 on AVX-512, 16 on AVX2) on matrices of 2 nth such blocks; one
- * thread, or a smaller matrix, has the whole range cut here. */
+ * thread, a smaller matrix, or Q8_0 (~4 chunks a thread) has its range cut here. */
 #define MM_GEMV_ROWS 128
 /* the K types' gemms (any column count, lp_quants.h) take this many rows a call: the AVX-512
  * ones prepare their activations once a call for all its rows (measured ~+15% over 16 rows) */
@@ -1152,8 +1152,8 @@ static void mm_rows(const mm_traits *t, const uint8_t *w, int64_t r0, int64_t r1
         return;
     }
     if (n_tok > 1 && n_tok <= t->gemv_cols) {
-        /* a few tokens (a decode batch) on a K type: its gemv once per token over MM_GEMV_ROWS rows
-         * at a time, which stay in L2 for the other tokens (see gemv_cols) */
+        /* a few tokens (a decode batch) on a K type, or Q8_0 on AVX2: its gemv once per token over
+         * MM_GEMV_ROWS rows at a time, which stay in L2 for the other tokens (see gemv_cols) */
         for (int64_t rb = r0; rb < r1; rb += MM_GEMV_ROWS) {
             const int64_t re = rb + MM_GEMV_ROWS < r1 ? rb + MM_GEMV_ROWS : r1;
             for (int64_t k = 0; k < n_tok; k++)

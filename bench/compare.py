@@ -347,6 +347,11 @@ def _spread(ratios: list[dict[str, float]] | None, key: str) -> str:
     return f" ({min(vals):.2f}–{max(vals):.2f})" if len(vals) > 1 else ""
 
 
+def _ratio_cell(r: float | None, ratios: list[dict[str, float]] | None, key: str) -> str:
+    """'1.23×', and ' (lo–hi)' of the per-round ratios of `key` where there are several rounds"""
+    return _fmt(r, ".2f") + ("×" if r else "") + _spread(ratios, key)
+
+
 # -- report -------------------------------------------------------------------------------------
 
 
@@ -394,11 +399,11 @@ def rows_for(res: dict[str, Any]) -> list[list[str]]:
     kind = res.get("kind", "tiny32" if "tiny32" in res["model"] else "path")
     # the speed issues set bars for the default model and the 1B shape; tiny32's are reported only
     bars = {"tiny32": {}, "llama1b": BARS_1B}.get(kind, BARS)
-    spread = {"tg": _spread(res.get("round_ratios"), f"tg{n}_tps"), "pp512": _spread(res.get("round_ratios"), "pp512_tps")}
+    spread_key = {"tg": f"tg{n}_tps", "pp512": "pp512_tps"}  # the round ratios of a metric
     for key, label, a, b, spec in metrics:
         r = ratio(a, b)
         barred = key in bars
-        out.append([res["model"], label, _fmt(a, spec), _fmt(b, spec), _fmt(r, ".2f") + ("×" if r else "") + spread.get(key, ""),
+        out.append([res["model"], label, _fmt(a, spec), _fmt(b, spec), _ratio_cell(r, res.get("round_ratios"), spread_key.get(key, "")),
                     _bar(key, bars) if barred else "none (reported)",
                     _status(key, r, bars) if barred else "-"])  # fmt: skip
     return out
@@ -566,8 +571,7 @@ def depth_markdown(rows: list[dict[str, Any]]) -> str:
         ratio = a / b if a and b else None
         status = "n/a" if ratio is None else "met" if ratio >= 1.0 else "NOT MET"
         cells = [r["model"], r["cache_type"], f"tg{r['n_gen']} @ d{r['depth']}", _fmt(a, ".2f"), _fmt(b, ".2f"),
-                 _fmt(ratio, ".2f") + ("×" if ratio else "") + _spread(r.get("round_ratios"), f"tg{r['n_gen']}_tps"),
-                 status]  # fmt: skip
+                 _ratio_cell(ratio, r.get("round_ratios"), f"tg{r['n_gen']}_tps"), status]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -583,8 +587,7 @@ def per_type_markdown(rows: list[dict[str, Any]]) -> str:
         status = "n/a" if ratio is None else "met" if ratio >= PER_TYPE_BAR else "NOT MET"
         weights, lp_eff, lc_eff = _bw_cells(r, b)
         cells = [r["type"], f"{r['file_bytes'] / 2**20:.0f}", weights, _fmt(a, ".2f"), _fmt(b, ".2f"),
-                 _fmt(ratio, ".2f") + ("×" if ratio else "") + _spread(r.get("round_ratios"), f"tg{n}_tps"), status,
-                 lp_eff, lc_eff]  # fmt: skip
+                 _ratio_cell(ratio, r.get("round_ratios"), f"tg{n}_tps"), status, lp_eff, lc_eff]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -698,12 +698,12 @@ LP_INLINE void gk_zprep(const int kind, int nb, int ncp, const uint8_t *x, int64
  * of rows): the quants, for the signed kinds the offset sums (-8 or -16 x the sum of each 4
  * activations, so that the weights' quants are used unsigned, 0..15 / 0..31, instead of the sign
  * trick per row and block), and the scales; the two scales of a block pair are converted by one
- * vcvtph2ps. One row at a time, so the weights are read in one sequential stream: with 2 or 4
- * rows interleaved (independent fmadd chains) the kernels ran 2x faster on matrices in cache
- * but 0.65-0.75x on matrices streamed from memory, as a decode step is (noisy measurements), and
- * one row is as fast in cache: the loop carries only the fmadd into acc. (The AVX-512 kernels below
- * read rows side by side, with the rows ahead prefetched in software: lp_pf_group, lp_quants.h.) The mins term of
- * Q4_1 / Q5_1 (m * s, added in block order into a float32) stays the vec_dot's scalar chain.
+ * vcvtph2ps. Rows are read side by side (independent fmadd chains), with the group of rows ahead
+ * prefetched in software (lp_pf_group, lp_quants.h): without that prefetch, 2 or 4 interleaved
+ * rows ran 0.65-0.75x one row's speed on matrices streamed from memory (an older host); with it,
+ * AVX2's 4 rows (gv_rows) against one: the 1B --pure shape's 48 ffn matrices, 2 threads, Q4_0
+ * 16.5 / 17.0 / 18.9 -> 15.7 / 15.5 / 18.7 ms; Q4_1 / Q5_0 / Q5_1 ffn_up within +-4 % (stop 23). The mins term of Q4_1 / Q5_1 (m * s,
+ * added in block order into a float32) stays the vec_dot's scalar chain.
  *
  * AVX-512 (gv_row2): two ROWS a 512-bit step, block by block: the vector holds the block i quants
  * of rows r and r+1 as they lie in memory (both rows' low nibbles, then both rows' high ones),
@@ -715,7 +715,7 @@ LP_INLINE void gk_zprep(const int kind, int nb, int ncp, const uint8_t *x, int64
  * row takes gv_row1, the same in 256 bits. The nibble kinds take 8 rows at once (gv_rowq: four
  * such row pairs, four independent fmadd chains, 1.2-1.5x faster than one pair on SmolLM2's
  * Q4_1 matrices; the streams-from-memory concern above did not show on this host's Q4_1, whose
- * matrices sit in its L3, but did on Q8_0's 49152x576 output, which keeps gv_row2). AVX2 (the other gv_row): a block pair as two 256-bit
+ * matrices sit in its L3, but did on Q8_0's 49152x576 output, which keeps gv_row2). AVX2 (gv_step): a block pair as two 256-bit
  * vectors (below), the quants through maddubs (pairs at most 2 x 31 x 127: no saturation) and
  * madd. */
 #define GV_MAX_NB 1024 /* the prepared activation row (~128 bytes a block) stays on the stack */
@@ -1058,6 +1058,9 @@ LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64
  * i's 8 lanes and block i+1's together, fmadd-ed into the one accumulator in block order. */
 #define GV_PREP 5
 typedef __m256i gv_vec;
+#ifndef GV_ROWS_MAX
+#define GV_ROWS_MAX 4
+#endif
 
 /* the qh words of two blocks (h in every 64-bit lane: block i's low, block i+1's high) -> bytes
  * 0x10 where the quant's bit 4 is set, in the pair order: bits 0-15 of both blocks (half 0), or
@@ -1072,44 +1075,58 @@ LP_INLINE __m256i gv2_hbits(__m256i h, int half) {
     return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-LP_INLINE float gv_row(const int kind, int nb, const uint8_t *w, const uint8_t *x, const gv_vec *prep) {
-    const int wb = GK_WBYTES(kind), np = nb / 2;
+/* block pair j (b: its first weight block) of one row into acc (and its mins into summ) */
+LP_INLINE void gv_step(const int kind, const uint8_t *b, const gv_vec *pj, __m256 *acc, float *summ) {
+    const int wb = GK_WBYTES(kind);
     const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f);
     const __m256i two = _mm256_set1_epi32(2);
-    __m256 acc = _mm256_setzero_ps();
-    float summ = 0.0f;
-    for (int j = 0; j < np; j++) {
-        const gv_vec *pj = prep + GV_PREP * j;
-        const uint8_t *b = w + (int64_t)(2 * j) * wb;
-        lp_pf_ahead(b, 2 * wb);
-        const __m256i t = _mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + GV_QS(kind)))),
-            _mm_loadu_si128((const __m128i *)(b + wb + GV_QS(kind))), 1);
-        __m256i lo = _mm256_and_si256(t, m4), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), m4);
-        if (GV_HIGH(kind)) {
-            uint32_t h0, h1;
-            memcpy(&h0, b + GV_QH(kind), 4);
-            memcpy(&h1, b + wb + GV_QH(kind), 4);
-            const __m256i h = _mm256_set1_epi64x((long long)((uint64_t)h1 << 32 | h0));
-            lo = _mm256_or_si256(lo, gv2_hbits(h, 0));
-            hi = _mm256_or_si256(hi, gv2_hbits(h, 1));
-        }
-        __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_load_si256(pj)), ones);
-        __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_load_si256(pj + 1)), ones);
-        if (GK_SIGNED(kind)) {
-            plo = _mm256_add_epi32(plo, _mm256_load_si256(pj + 2));
-            phi = _mm256_add_epi32(phi, _mm256_load_si256(pj + 3));
-        }
-        const __m256 sy = _mm256_castsi256_ps(_mm256_load_si256(pj + 4));
-        const __m128 d = _mm_mul_ps(gv_pair(b, wb), _mm256_castps256_ps128(sy)); /* dx0 * dy0, -, dx1 * dy1, - */
-        const __m256 d0 = _mm256_broadcastss_ps(d), d1 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d), two);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(plo, phi, 0x20)), d0, acc);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(plo, phi, 0x31)), d1, acc);
-        if (GK_MINS(kind)) summ = gv_mins(summ, _mm_mul_ps(gv_pair(b + 2, wb), _mm256_extractf128_ps(sy, 1)));
+    const __m256i t = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + GV_QS(kind)))),
+                                              _mm_loadu_si128((const __m128i *)(b + wb + GV_QS(kind))), 1);
+    __m256i lo = _mm256_and_si256(t, m4), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), m4);
+    if (GV_HIGH(kind)) {
+        uint32_t h0, h1;
+        memcpy(&h0, b + GV_QH(kind), 4);
+        memcpy(&h1, b + wb + GV_QH(kind), 4);
+        const __m256i h = _mm256_set1_epi64x((long long)((uint64_t)h1 << 32 | h0));
+        lo = _mm256_or_si256(lo, gv2_hbits(h, 0));
+        hi = _mm256_or_si256(hi, gv2_hbits(h, 1));
     }
-    if (nb & 1) gv_tail(kind, nb - 1, w, x, &acc, &summ);
-    const float v = hsum8(acc);
-    return GK_MINS(kind) ? v + summ : v;
+    __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_load_si256(pj)), ones);
+    __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_load_si256(pj + 1)), ones);
+    if (GK_SIGNED(kind)) {
+        plo = _mm256_add_epi32(plo, _mm256_load_si256(pj + 2));
+        phi = _mm256_add_epi32(phi, _mm256_load_si256(pj + 3));
+    }
+    const __m256 sy = _mm256_castsi256_ps(_mm256_load_si256(pj + 4));
+    const __m128 d = _mm_mul_ps(gv_pair(b, wb), _mm256_castps256_ps128(sy)); /* dx0 * dy0, -, dx1 * dy1, - */
+    const __m256 d0 = _mm256_broadcastss_ps(d), d1 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d), two);
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(plo, phi, 0x20)), d0, *acc);
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(plo, phi, 0x31)), d1, *acc);
+    if (GK_MINS(kind)) *summ = gv_mins(*summ, _mm_mul_ps(gv_pair(b + 2, wb), _mm256_extractf128_ps(sy, 1)));
+}
+
+/* NR rows (w, w + row_bytes, ...) into s[0..NR): one row is one stream, prefetched ahead
+ * (lp_pf_ahead); several rows are independent fmadd chains (one row's two fmadds a pair are its
+ * loop's latency), the group's rows ahead prefetched (lp_pf_group) */
+LP_INLINE void gv_rows(const int kind, const int NR, int nb, const uint8_t *w, int64_t row_bytes, const uint8_t *x,
+                       const gv_vec *prep, float *s) {
+    const int wb = GK_WBYTES(kind), np = nb / 2;
+    __m256 acc[GV_ROWS_MAX];
+    float summ[GV_ROWS_MAX];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps(), summ[r] = 0.0f;
+    const lp_pf pf = lp_pf_group(w, NR * row_bytes, np > 0 ? np : 1);
+    for (int j = 0; j < np; j++) {
+        const uint8_t *b = w + (int64_t)(2 * j) * wb;
+        if (NR == 1) lp_pf_ahead(b, 2 * wb);
+        else lp_pf_step(&pf, j);
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) gv_step(kind, b + r * row_bytes, prep + GV_PREP * j, &acc[r], &summ[r]);
+    }
+    for (int r = 0; r < NR; r++) {
+        if (nb & 1) gv_tail(kind, nb - 1, w + r * row_bytes, x, &acc[r], &summ[r]);
+        const float v = hsum8(acc[r]);
+        s[r] = GK_MINS(kind) ? v + summ[r] : v;
+    }
 }
 
 LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
@@ -1136,7 +1153,9 @@ LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64
     const int np = nb / 2;
     gv_vec prep[GV_PREP * (np > 0 ? np : 1)];
     gv_prep(kind, np, x, prep);
-    for (int r = 0; r < nr; r++) s[r] = gv_row(kind, nb, w + r * row_bytes, x, prep);
+    int r = 0;
+    for (; r + GV_ROWS_MAX <= nr; r += GV_ROWS_MAX) gv_rows(kind, GV_ROWS_MAX, nb, w + r * row_bytes, row_bytes, x, prep, s + r);
+    for (; r < nr; r++) gv_rows(kind, 1, nb, w + r * row_bytes, row_bytes, x, prep, s + r);
 }
 #endif
 
@@ -1485,7 +1504,7 @@ GP_DEFINE(lp_gemm_q8_0_q8_0, GK_Q8_0)
 #undef GP_DEFINE
 #endif
 
-/* lp_gemv_* (lp_quants.h): the decode kernels above (gv_row, AVX-512 or AVX2); a row longer than
+/* lp_gemv_* (lp_quants.h): the decode kernels above (gv_gemv, AVX-512 or AVX2); a row longer than
  * the stack buffer allows (GV_MAX_NB blocks) is one vec_dot per row, and so is Q8_0 on AVX2 (its
  * quants plus 128 would overflow maddubs' pairs: the vec_dot's sign trick is what AVX2 has) */
 #if defined(GK_ZMM)

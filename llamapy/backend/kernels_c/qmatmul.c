@@ -990,7 +990,7 @@ void lp_gemm_q5_0_q8_0_r1(int n, float *s, int64_t ld_s, const void *w, int64_t 
 void lp_gemm_q8_0_q8_0_r1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_q4_1_q8_1_r1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_q5_1_q8_1_r1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
-/* the q types' prompt kernels (quants.c GP_DEFINE, AVX-512): any nc, a thread's whole range of
+/* the q types' prompt kernels (quants.c GP_DEFINE, AVX-512 and AVX2): any nc, a thread's whole range of
  * rows and every token of the call at once */
 #pragma weak lp_gemm_q4_0_q8_0_panel
 #pragma weak lp_gemm_q5_0_q8_0_panel
@@ -1017,6 +1017,15 @@ void lp_gemm_q5_1_q8_1_panel(int n, float *s, int64_t ld_s, const void *w, int64
 #define MM_ROW_BLOCK_K 64
 #else
 #define MM_ROW_BLOCK_K MM_ROW_BLOCK
+#endif
+
+/* tokens from which the q types take their prompt kernel (gemm_panel). AVX2's 2-row tile beats the
+ * 4-column kernel from ~12 tokens on SmolLM2's matrices (in cache) and from 16-64 on the 1B shape's
+ * (streamed from memory; 8 tokens 6.2 vs 7.7 ms); AVX-512's 8-row tile from 5 (quants.c). */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define MM_PANEL_MIN (LP_GEMM_COLS + 1)
+#else
+#define MM_PANEL_MIN 16
 #endif
 
 typedef void (*mm_quantize_fn)(const float *x, void *y, int64_t k);
@@ -1161,7 +1170,7 @@ static void mm_rows(const mm_traits *t, const uint8_t *w, int64_t r0, int64_t r1
         }
         return;
     }
-    if (n_tok > LP_GEMM_COLS && t->gemm_panel != NULL) { /* a prompt: the range's rows decoded once */
+    if (n_tok >= MM_PANEL_MIN && t->gemm_panel != NULL) { /* a prompt: the range's rows decoded once */
         t->gemm_panel(n_in, y + r0, ld_y, w + r0 * row_bytes, row_bytes, (int)(r1 - r0), xq, act_bytes, (int)n_tok);
         return;
     }

@@ -1297,6 +1297,14 @@ GK_DEFINE(lp_gemm_q5_1_q8_1, GK_Q5_1)
 GK_DEFINE(lp_gemm_q8_0_q8_0, GK_Q8_0)
 #undef GK_DEFINE
 
+/* the 32 quants of weight block b as stored: the nibble kinds' 0..15 / 0..31 (Q4_0 and Q5_0
+ * before their - 8 / - 16), Q8_0's signed (the prompt panels below) */
+LP_INLINE __m256i gp_raw(const int kind, const uint8_t *b) {
+    if (kind == GK_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+    const __m256i q = nibbles32(b + GV_QS(kind));
+    return GV_HIGH(kind) ? _mm256_or_si256(q, hbits32(b + GV_QH(kind))) : q;
+}
+
 #if defined(GK_ZMM)
 /* Prompts (any number of columns, lp_gemm_<type>_panel; qmatmul.c mm_rows hands them a thread's
  * whole range of rows and every token of the micro-batch): each output's float32 operations are
@@ -1336,11 +1344,9 @@ typedef struct {
 /* the 32 quants of weight block b as the panel holds them: unsigned kinds 0..15 / 0..31, signed
  * kinds signed */
 LP_INLINE __m256i gp_quants(const int kind, const uint8_t *b) {
-    if (kind == GK_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
-    __m256i q = nibbles32(b + GV_QS(kind));
-    if (GV_HIGH(kind)) q = _mm256_or_si256(q, hbits32(b + GV_QH(kind)));
-    if (kind == GK_Q4_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
-    if (kind == GK_Q5_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+    const __m256i q = gp_raw(kind, b);
+    if (kind == GK_Q4_0) return _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+    if (kind == GK_Q5_0) return _mm256_sub_epi8(q, _mm256_set1_epi8(16));
     return q;
 }
 
@@ -1487,6 +1493,164 @@ LP_INLINE int gp_gemm(const int kind, int n, float *s, int64_t ld_s, const uint8
     return 0;
 }
 
+#else
+/* Prompts on AVX2 (lp_gemm_<type>_panel, as above): each output's float32 operations are its
+ * vec_dot's, in its order, so the same bits; around them, the AVX-512 panel's plan in 256 bits
+ * without VNNI:
+ * - the activations prepared once a call (gp2_act: per group of 4 columns and block, the quants,
+ *   d and s as float32, and for Q4_0 / Q5_0 -8 / -16 x the sums of each 4 quants);
+ * - the weights decoded once per panel of rows (gp2_pair: per 2 rows and block, the quants as
+ *   stored, the scales broadcast, the mins as [m x4 | m' x4]; Q8_0 also the signed quants);
+ * - a tile is 2 rows x 4 columns (8 accumulators): per block and output one maddubs, one madd,
+ *   one convert, one multiply dx * dy and one fmadd; Q4_0 / Q5_0 add the column's offset sums
+ *   (the weights used unsigned: (q - 8) y = q y - 8 y, exact), Q8_0 keeps the vec_dot's sign
+ *   trick (its q + 128 would overflow maddubs' pairs), and the mins of 2 rows x 4 columns are one
+ *   multiply and add (8 chains in one vector).
+ * The panel (GP2_PANEL_BYTES) is L2-sized: a 2-row tile is small, so each column group's
+ * activations (kept in L1 across the panel's rows) are read from further out once per panel.
+ * Measured (stop 23, 2 threads, the AVX2 library, one layer's 7 matrices, A/B in one process;
+ * the same bits): SmolLM2 Q4_1, 512 tokens, 22.4 ms -> 19.7 / 18.9 / 19.0 with 16 / 64 / 256 KiB
+ * panels, 64 tokens 3.17 -> 2.59, 16: 0.82 -> 0.75, 8: 0.39 -> 0.39, 5: 0.34 -> 0.46 (below
+ * MM_PANEL_MIN, qmatmul.c); the 1B shape --pure Q4_0, 512 tokens 411 -> 346 / 322 / 307 ms, 64:
+ * 45.6 -> 39.0, 16: 11.6 -> 11.6. */
+typedef struct {
+    __m256i q[2];  /* rows r, r + 1: the 32 quants as stored (Q8_0: |q|) */
+    __m256i sq[2]; /* Q8_0: the signed quants */
+    __m256 d[2];   /* dx of each row, broadcast */
+    __m256 m;      /* mins kinds: [m x4 | m' x4] */
+} gp2_pair;
+typedef struct {
+    int8_t q[4][32]; /* the 4 columns' quants */
+    __m256i c[4];    /* Q4_0 / Q5_0: -(8 or 16) x the sums of each 4 quants */
+    float d[4], s[4];
+} gp2_act;
+#define GP2_PANEL_BYTES (256 * 1024)
+#define GP2_OFFSET(k) ((k) == GK_Q4_0 ? 8 : (k) == GK_Q5_0 ? 16 : 0)
+
+/* rows w, w + row_bytes (nrows 1 or 2; a missing row repeats the first) -> nb pairs */
+LP_INLINE void gp2_decode(const int kind, int nb, const uint8_t *w, int64_t row_bytes, int nrows, gp2_pair *pp) {
+    const int wb = GK_WBYTES(kind);
+    for (int i = 0; i < nb; i++) {
+        gp2_pair *p = pp + i;
+        float m[8];
+        for (int r = 0; r < 2; r++) {
+            const uint8_t *b = w + (r < nrows ? r : 0) * row_bytes + (int64_t)i * wb;
+            const __m256i q = gp_raw(kind, b);
+            _mm256_store_si256(&p->q[r], kind == GK_Q8_0 ? _mm256_sign_epi8(q, q) : q);
+            if (kind == GK_Q8_0) _mm256_store_si256(&p->sq[r], q);
+            lp_half h;
+            memcpy(&h, b, 2);
+            _mm256_store_ps((float *)&p->d[r], _mm256_set1_ps(H2F(h)));
+            if (GK_MINS(kind)) {
+                memcpy(&h, b + 2, 2);
+                for (int l = 0; l < 4; l++) m[4 * r + l] = H2F(h);
+            }
+        }
+        if (GK_MINS(kind)) _mm256_store_ps((float *)&p->m, _mm256_loadu_ps(m));
+    }
+}
+
+/* columns x .. x + (nc - 1) * x_bytes -> ceil(nc / 4) groups of nb gp2_act (a missing column
+ * repeats the last) */
+LP_INLINE void gp2_prep(const int kind, int nb, const uint8_t *x, int64_t x_bytes, int nc, gp2_act *a) {
+    const int yb = GK_YB(kind), yq = GK_YQ(kind);
+    for (int g = 0; g * 4 < nc; g++)
+        for (int c = 0; c < 4; c++) {
+            const uint8_t *xc = x + (int64_t)(4 * g + c < nc ? 4 * g + c : nc - 1) * x_bytes;
+            for (int i = 0; i < nb; i++) {
+                gp2_act *p = a + (int64_t)g * nb + i;
+                const uint8_t *y = xc + (int64_t)i * yb;
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(y + yq));
+                _mm256_store_si256((__m256i *)p->q[c], q);
+                if (GP2_OFFSET(kind))
+                    _mm256_store_si256(&p->c[c], _mm256_sub_epi32(_mm256_setzero_si256(),
+                                                                  _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(GP2_OFFSET(kind)), q),
+                                                                                    _mm256_set1_epi16(1))));
+                lp_half h;
+                memcpy(&h, y, 2);
+                p->d[c] = H2F(h);
+                p->s[c] = 0.0f;
+                if (GK_MINS(kind)) {
+                    memcpy(&h, y + 2, 2);
+                    p->s[c] = H2F(h);
+                }
+            }
+        }
+}
+
+/* one row pair x one group of 4 columns: out[c][r] */
+LP_INLINE void gp2_tile(const int kind, int nb, const gp2_pair *pp, const gp2_act *a, float out[4][2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[2][4], summ = _mm256_setzero_ps();
+#pragma GCC unroll 2
+    for (int r = 0; r < 2; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++) {
+        const gp2_pair *p = pp + i;
+        const gp2_act *ai = a + i;
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m256i y = _mm256_load_si256((const __m256i *)ai->q[c]);
+            const __m256 dy = _mm256_broadcast_ss(&ai->d[c]);
+#pragma GCC unroll 2
+            for (int r = 0; r < 2; r++) {
+                const __m256i wq = _mm256_load_si256(&p->q[r]);
+                const __m256i yr = kind == GK_Q8_0 ? _mm256_sign_epi8(y, _mm256_load_si256(&p->sq[r])) : y;
+                __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, yr), ones);
+                if (GP2_OFFSET(kind)) s32 = _mm256_add_epi32(s32, _mm256_load_si256(&ai->c[c]));
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(_mm256_load_ps((const float *)&p->d[r]), dy),
+                                            acc[r][c]);
+            }
+        }
+        if (GK_MINS(kind))
+            summ = _mm256_add_ps(summ, _mm256_mul_ps(_mm256_load_ps((const float *)&p->m), _mm256_broadcast_ps((const __m128 *)ai->s)));
+    }
+    float sm[8];
+    _mm256_storeu_ps(sm, summ);
+#pragma GCC unroll 2
+    for (int r = 0; r < 2; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) out[c][r] = GK_MINS(kind) ? hsum8(acc[r][c]) + sm[4 * r + c] : hsum8(acc[r][c]);
+}
+
+/* 0, or -1 where the buffers cannot be allocated (the caller then takes 4 columns a call) */
+LP_INLINE int gp_gemm(const int kind, int n, float *s, int64_t ld_s, const uint8_t *w, int64_t row_bytes, int nr,
+                      const uint8_t *x, int64_t x_bytes, int nc) {
+    const int nb = n / QK8_0, ng = (nc + 3) / 4;
+    if (nb <= 0 || nr <= 0 || nc <= 0) return nb <= 0 ? -1 : 0;
+    int rp = (int)(GP2_PANEL_BYTES / ((int64_t)nb * sizeof(gp2_pair))); /* row pairs a panel */
+    rp = rp < 1 ? 1 : rp;
+    if (rp * 2 > nr + 1) rp = (nr + 1) / 2;
+    gp2_act *a = aligned_alloc(64, ((size_t)ng * nb * sizeof(gp2_act) + 63) / 64 * 64);
+    gp2_pair *pp = aligned_alloc(64, ((size_t)rp * nb * sizeof(gp2_pair) + 63) / 64 * 64);
+    if (a == NULL || pp == NULL) {
+        free(a);
+        free(pp);
+        return -1;
+    }
+    gp2_prep(kind, nb, x, x_bytes, nc, a);
+    for (int r0 = 0; r0 < nr; r0 += 2 * rp) {
+        const int rows = nr - r0 < 2 * rp ? nr - r0 : 2 * rp, np = (rows + 1) / 2;
+        for (int j = 0; j < np; j++)
+            gp2_decode(kind, nb, w + (int64_t)(r0 + 2 * j) * row_bytes, row_bytes, rows - 2 * j < 2 ? 1 : 2, pp + (int64_t)j * nb);
+        for (int g = 0; g < ng; g++) {
+            const int cols = nc - 4 * g < 4 ? nc - 4 * g : 4;
+            for (int j = 0; j < np; j++) {
+                float out[4][2];
+                const int rr = rows - 2 * j < 2 ? 1 : 2;
+                gp2_tile(kind, nb, pp + (int64_t)j * nb, a + (int64_t)g * nb, out);
+                for (int c = 0; c < cols; c++)
+                    for (int r = 0; r < rr; r++) s[(int64_t)(4 * g + c) * ld_s + r0 + 2 * j + r] = out[c][r];
+            }
+        }
+    }
+    free(a);
+    free(pp);
+    return 0;
+}
+#endif
+
 /* lp_gemm_<type>_panel: any nc (lp_quants.h); the 4-column kernel where the buffers cannot be had */
 #define GP_DEFINE(name, kind)                                                                            \
     LP_API void name##_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr,    \
@@ -1502,7 +1666,6 @@ GP_DEFINE(lp_gemm_q5_0_q8_0, GK_Q5_0)
 GP_DEFINE(lp_gemm_q5_1_q8_1, GK_Q5_1)
 GP_DEFINE(lp_gemm_q8_0_q8_0, GK_Q8_0)
 #undef GP_DEFINE
-#endif
 
 /* lp_gemv_* (lp_quants.h): the decode kernels above (gv_gemv, AVX-512 or AVX2); a row longer than
  * the stack buffer allows (GV_MAX_NB blocks) is one vec_dot per row, and so is Q8_0 on AVX2 (its

@@ -1502,7 +1502,7 @@ LP_INLINE int gp_gemm(const int kind, int n, float *s, int64_t ld_s, const uint8
  * - the weights decoded once per panel of rows (gp2_pair: per 2 rows and block, the quants as
  *   stored, the scales broadcast, the mins as [m x4 | m' x4]; Q8_0 also the signed quants);
  * - a tile is 2 rows x 4 columns (8 accumulators): per block and output one maddubs, one madd,
- *   one convert, one multiply dx * dy and one fmadd; Q4_0 / Q5_0 add the column's offset sums
+ *   one convert and one fmadd (and the tile's 8 dx * dy in one multiply); Q4_0 / Q5_0 add the column's offset sums
  *   (the weights used unsigned: (q - 8) y = q y - 8 y, exact), Q8_0 keeps the vec_dot's sign
  *   trick (its q + 128 would overflow maddubs' pairs), and the mins of 2 rows x 4 columns are one
  *   multiply and add (8 chains in one vector).
@@ -1512,11 +1512,14 @@ LP_INLINE int gp_gemm(const int kind, int n, float *s, int64_t ld_s, const uint8
  * the same bits): SmolLM2 Q4_1, 512 tokens, 22.4 ms -> 19.7 / 18.9 / 19.0 with 16 / 64 / 256 KiB
  * panels, 64 tokens 3.17 -> 2.59, 16: 0.82 -> 0.75, 8: 0.39 -> 0.39, 5: 0.34 -> 0.46 (below
  * MM_PANEL_MIN, qmatmul.c); the 1B shape --pure Q4_0, 512 tokens 411 -> 346 / 322 / 307 ms, 64:
- * 45.6 -> 39.0, 16: 11.6 -> 11.6. */
+ * 45.6 -> 39.0, 16: 11.6 -> 11.6. The tile's 8 scales dx * dy are one multiply, stored and
+ * broadcast back by loads (instead of 8 multiplies): Q4_1 / Q8_0 1B shape 512 tokens a further
+ * 306 -> 279 / 343 -> 312 ms, SmolLM2 20.5 -> 19.8; Q4_0 / Q5_0 (their offset sums are another load
+ * an output) 346 / 331 -> 344 / 351, 321 -> 333 (noise). */
 typedef struct {
     __m256i q[2];  /* rows r, r + 1: the 32 quants as stored (Q8_0: |q|) */
     __m256i sq[2]; /* Q8_0: the signed quants */
-    __m256 d[2];   /* dx of each row, broadcast */
+    __m256 d;      /* [dx x4 | dx' x4] */
     __m256 m;      /* mins kinds: [m x4 | m' x4] */
 } gp2_pair;
 typedef struct {
@@ -1532,7 +1535,7 @@ LP_INLINE void gp2_decode(const int kind, int nb, const uint8_t *w, int64_t row_
     const int wb = GK_WBYTES(kind);
     for (int i = 0; i < nb; i++) {
         gp2_pair *p = pp + i;
-        float m[8];
+        float d[8], m[8];
         for (int r = 0; r < 2; r++) {
             const uint8_t *b = w + (r < nrows ? r : 0) * row_bytes + (int64_t)i * wb;
             const __m256i q = gp_raw(kind, b);
@@ -1540,12 +1543,13 @@ LP_INLINE void gp2_decode(const int kind, int nb, const uint8_t *w, int64_t row_
             if (kind == GK_Q8_0) _mm256_store_si256(&p->sq[r], q);
             lp_half h;
             memcpy(&h, b, 2);
-            _mm256_store_ps((float *)&p->d[r], _mm256_set1_ps(H2F(h)));
+            for (int l = 0; l < 4; l++) d[4 * r + l] = H2F(h);
             if (GK_MINS(kind)) {
                 memcpy(&h, b + 2, 2);
                 for (int l = 0; l < 4; l++) m[4 * r + l] = H2F(h);
             }
         }
+        _mm256_store_ps((float *)&p->d, _mm256_loadu_ps(d));
         if (GK_MINS(kind)) _mm256_store_ps((float *)&p->m, _mm256_loadu_ps(m));
     }
 }
@@ -1586,21 +1590,23 @@ LP_INLINE void gp2_tile(const int kind, int nb, const gp2_pair *pp, const gp2_ac
     for (int r = 0; r < 2; r++)
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
+    float dd[8] __attribute__((aligned(32)));
     for (int i = 0; i < nb; i++) {
         const gp2_pair *p = pp + i;
         const gp2_act *ai = a + i;
+        /* the 8 scales dx * dy in one multiply, each broadcast back from memory (a load, not a
+         * multiply a tile output) */
+        _mm256_store_ps(dd, _mm256_mul_ps(_mm256_load_ps((const float *)&p->d), _mm256_broadcast_ps((const __m128 *)ai->d)));
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
             const __m256i y = _mm256_load_si256((const __m256i *)ai->q[c]);
-            const __m256 dy = _mm256_broadcast_ss(&ai->d[c]);
 #pragma GCC unroll 2
             for (int r = 0; r < 2; r++) {
                 const __m256i wq = _mm256_load_si256(&p->q[r]);
                 const __m256i yr = kind == GK_Q8_0 ? _mm256_sign_epi8(y, _mm256_load_si256(&p->sq[r])) : y;
                 __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, yr), ones);
                 if (GP2_OFFSET(kind)) s32 = _mm256_add_epi32(s32, _mm256_load_si256(&ai->c[c]));
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(_mm256_load_ps((const float *)&p->d[r]), dy),
-                                            acc[r][c]);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_broadcast_ss(&dd[4 * r + c]), acc[r][c]);
             }
         }
         if (GK_MINS(kind))

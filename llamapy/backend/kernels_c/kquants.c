@@ -1811,7 +1811,137 @@ KQ_GEMM_PANEL(q4_K, kq_st8, KQ_FINISH_MINS)
 KQ_GEMM_PANEL(q5_K, kq_st8, KQ_FINISH)
 KQ_GEMM_PANEL(q6_K, kq_st8, KQ_FINISH)
 #else
-KQ_GEMM_ENTRY(lp_gemm_q4_K_q8_K, block_q4_K, kq_gemm_q4_K_row, KQ_COLS_K)
+/* AVX2 Q4_K prompts (more than two groups of 4 columns): the call's rows are decoded once into a
+ * panel on the heap (kq_q4p: the nibbles as bytes, the 8 scales each broadcast for madd, the mins
+ * broadcast, d and dmin), and per group of 4 columns what kq_gemm_q4_K_row recomputes for every
+ * row, each column's bsums summed per 32 (two columns a vector) and its d, is prepared once
+ * (kq_q4c). The integers and the float chain are kq_gemm_q4_K_row's (the same bits). Measured
+ * (stop 23, as above): 512 tokens Q4_K_M 348 -> 286 ms, --pure Q4_K 328 -> 249; 64 tokens 41.4 ->
+ * 35.5 / 41.5 -> 32.9; 16 about even, 8 (two groups) 9.3 -> 10.0: from 9 columns. */
+typedef struct {
+    __m256i lo[4], hi[4]; /* sub-blocks 2p and 2p + 1: the quants as bytes */
+    __m256i sc[8];        /* scale k in every int16 lane */
+    __m256i mins;         /* the 8 mins as int16, in both 128-bit lanes */
+    float d, dmin;
+} kq_q4p;
+typedef struct {
+    __m256i bs01, bs23; /* [bs32 of column 0 | of column 1], [2 | 3] (kq_mins_dot's) */
+    float yd[4];
+} kq_q4c;
+
+KQ_INLINE void kq_q4p_fill(const block_q4_K *x, kq_q4p *p) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m128i sm8 = kq_gv_scale_min_k4(x);
+    const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm8));
+    for (int k = 0; k < 8; ++k) _mm256_store_si256(&p->sc[k], kq_scale16_bcast(sc, k));
+    _mm256_store_si256(&p->mins, _mm256_broadcastsi128_si256(_mm_unpackhi_epi8(sm8, _mm_setzero_si128())));
+    for (int j = 0; j < 4; ++j) {
+        const __m256i bits = _mm256_loadu_si256((const __m256i *)(x->qs + 32 * j));
+        _mm256_store_si256(&p->lo[j], _mm256_and_si256(bits, m4));
+        _mm256_store_si256(&p->hi[j], _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4));
+    }
+    p->d = kq_h2f(x->d);
+    p->dmin = kq_h2f(x->dmin);
+}
+
+KQ_INLINE void kq_q4c_fill(int nb, const block_q8_K *const yc[4], kq_q4c *cp) {
+    for (int i = 0; i < nb; ++i) {
+        __m128i bs32[4];
+        for (int c = 0; c < 4; ++c) {
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)yc[c][i].bsums);
+            bs32[c] = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+            cp[i].yd[c] = yc[c][i].d;
+        }
+        _mm256_store_si256(&cp[i].bs01, _mm256_setr_m128i(bs32[0], bs32[1]));
+        _mm256_store_si256(&cp[i].bs23, _mm256_setr_m128i(bs32[2], bs32[3]));
+    }
+}
+
+KQ_INLINE void kq_gemm_q4_K_prow(int nb, float *s, int64_t ld_s, const kq_q4p *xp, const block_q8_K *const yc[4],
+                                 const kq_q4c *cp, const int nc) {
+    __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const kq_q4p *p = xp + i;
+        __m256i u[4]; /* per 128-bit lane [columns 0-3] of pair j (kq_gemm_q4_K_row's tree) */
+        for (int j = 0; j < 4; ++j) {
+            const __m256i lo = _mm256_load_si256(&p->lo[j]), hi = _mm256_load_si256(&p->hi[j]);
+            __m256i pc[4];
+            for (int c = 0; c < 4; ++c) {
+                const int8_t *q8 = yc[c][i].qs + 64 * j;
+                pc[c] = _mm256_add_epi32(kq_dot32(lo, q8, _mm256_load_si256(&p->sc[2 * j])),
+                                         kq_dot32(hi, q8 + 32, _mm256_load_si256(&p->sc[2 * j + 1])));
+            }
+            const __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(pc[0], pc[1]), _mm256_unpackhi_epi32(pc[0], pc[1]));
+            const __m256i t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(pc[2], pc[3]), _mm256_unpackhi_epi32(pc[2], pc[3]));
+            u[j] = _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
+        }
+        const __m256 f01 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u[0], u[1], 0x20),
+                                                               _mm256_permute2x128_si256(u[0], u[1], 0x31)));
+        const __m256 f23 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u[2], u[3], 0x20),
+                                                               _mm256_permute2x128_si256(u[2], u[3], 0x31)));
+        const __m128 sf[4] = {_mm256_castps256_ps128(f01), _mm256_extractf128_ps(f01, 1), _mm256_castps256_ps128(f23),
+                              _mm256_extractf128_ps(f23, 1)};
+        /* [M pairs 0-3 of column 0 | of column 1], [2 | 3] -> pair-major (kq_gv_q4_K_rows4's) */
+        const __m256i mins = _mm256_load_si256(&p->mins);
+        const __m256 m01 = _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, _mm256_load_si256(&cp[i].bs01)));
+        const __m256 m23 = _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, _mm256_load_si256(&cp[i].bs23)));
+        const __m256 ml = _mm256_unpacklo_ps(m01, m23), mh = _mm256_unpackhi_ps(m01, m23);
+        const __m128 ml0 = _mm256_castps256_ps128(ml), ml1 = _mm256_extractf128_ps(ml, 1);
+        const __m128 mh0 = _mm256_castps256_ps128(mh), mh1 = _mm256_extractf128_ps(mh, 1);
+        const __m128 mf[4] = {_mm_unpacklo_ps(ml0, ml1), _mm_unpackhi_ps(ml0, ml1), _mm_unpacklo_ps(mh0, mh1),
+                              _mm_unpackhi_ps(mh0, mh1)};
+        const __m128 ydv = _mm_loadu_ps(cp[i].yd);
+        const __m128 dd = _mm_mul_ps(_mm_set1_ps(p->d), ydv), dm = _mm_mul_ps(_mm_set1_ps(p->dmin), ydv);
+        for (int k = 0; k < 4; ++k) {
+            acc = _mm_fmadd_ps(sf[k], dd, acc);
+            accm = _mm_fmadd_ps(mf[k], dm, accm);
+        }
+    }
+    float out[4];
+    _mm_storeu_ps(out, _mm_sub_ps(acc, accm));
+    for (int c = 0; c < nc; ++c) s[c * ld_s] = out[c];
+}
+
+KQ_GEMM_ENTRY_L(static, kq_gemm4_q4_K, block_q4_K, kq_gemm_q4_K_row, KQ_COLS_K)
+
+KQ_API void lp_gemm_q4_K_q8_K(int n, float *restrict s, int64_t ld_s, const void *restrict w, int64_t row_bytes, int nr,
+                              const void *restrict x, int64_t x_bytes, int nc) {
+    const int nb = n / QK_K;
+    kq_q4p *pn = NULL;
+    kq_q4c *cp = NULL;
+    if (nc > 2 * KQ_COLS256 && nb > 0 && nr > 0) {
+        pn = aligned_alloc(32, (size_t)nr * nb * sizeof(kq_q4p));
+        cp = aligned_alloc(32, (size_t)nb * sizeof(kq_q4c));
+    }
+    if (pn == NULL || cp == NULL) { /* one or two groups of columns (or no memory): decoded as used */
+        free(pn);
+        free(cp);
+        kq_gemm4_q4_K(n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
+        return;
+    }
+    for (int r = 0; r < nr; ++r)
+        for (int i = 0; i < nb; ++i)
+            kq_q4p_fill((const block_q4_K *)((const uint8_t *)w + r * row_bytes) + i, pn + (int64_t)r * nb + i);
+    for (int c0 = 0; c0 < nc; c0 += KQ_COLS256) {
+        const int m = nc - c0 < KQ_COLS256 ? nc - c0 : KQ_COLS256;
+        const block_q8_K *yc[4];
+        for (int c = 0; c < 4; ++c) yc[c] = KQ_COL((const uint8_t *)x, x_bytes, c0 + (c < m ? c : m - 1), 0);
+        kq_q4c_fill(nb, yc, cp);
+        float *sc = s + c0 * ld_s;
+        for (int r = 0; r < nr; ++r) {
+            const kq_q4p *xp = pn + (int64_t)r * nb;
+            switch (m) {
+            case 1: kq_gemm_q4_K_prow(nb, sc + r, ld_s, xp, yc, cp, 1); break;
+            case 2: kq_gemm_q4_K_prow(nb, sc + r, ld_s, xp, yc, cp, 2); break;
+            case 3: kq_gemm_q4_K_prow(nb, sc + r, ld_s, xp, yc, cp, 3); break;
+            default: kq_gemm_q4_K_prow(nb, sc + r, ld_s, xp, yc, cp, 4); break;
+            }
+        }
+    }
+    free(pn);
+    free(cp);
+}
+
 KQ_GEMM_ENTRY(lp_gemm_q5_K_q8_K, block_q5_K, kq_gemm_q5_K_row, KQ_COLS_K)
 KQ_GEMM_ENTRY(lp_gemm_q6_K_q8_K, block_q6_K, kq_gemm_q6_K_row, KQ_COLS_K)
 #endif

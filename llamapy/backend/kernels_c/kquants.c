@@ -1598,64 +1598,9 @@ KQ_INLINE void kq_gemm_q45_K_pair(int i, int j, __m256i lo, __m256i hi, __m256i 
     }
 }
 
-/* Q4_K: each column's pair sums through kq_q4k_chain (the weights' nibbles decoded once for all),
- * the up to 4 columns in 4 float32 lanes. Pair by pair, the 4 columns' integer vectors are
- * reduced at once by an unpack-and-add tree into [columns 0-3] per 128-bit lane, and the four
- * pairs into pair-major [pair 0 | pair 1], [pair 2 | pair 3] (kq_gv_q4_K_rows4's tree, with
- * columns for rows); the scales and mins from kq_gv_scale_min_k4's vector code. A missing column
- * (c >= nc) repeats the last one and is not stored. Q5_K and Q6_K below sum their 4 columns'
- * vectors at once too (kq_sum4_256) and take kq_tiled_step(_min) in 4 float32 lanes. Measured
- * (stop 23, 2 threads, the AVX2 library, one layer's 7 matrices of the 1B shape, A/B in one
- * process; the same bits), against one column at a time with scalar steps: 512 tokens Q4_K_M
- * 430 / 473 -> 324 / 346 ms, --pure Q6_K 366 -> 317, Q5_K 440 -> 381; 64 tokens Q4_K_M 52.0 -> 41.0. */
-KQ_INLINE void kq_gemm_q4_K_row(int nb, float *s, int64_t ld_s, const block_q4_K *x, const uint8_t *y, int64_t y_bytes,
-                                const int nc) {
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    const block_q8_K *yc[4];
-    for (int c = 0; c < 4; ++c) yc[c] = KQ_COL(y, y_bytes, c < nc ? c : nc - 1, 0);
-    __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
-    for (int i = 0; i < nb; ++i) {
-        const __m128i sm8 = kq_gv_scale_min_k4(x + i); /* 8 scales, 8 mins */
-        const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm8));
-        const __m128i mins = _mm_unpackhi_epi8(sm8, _mm_setzero_si128());
-        __m256i u[4]; /* per 128-bit lane [columns 0-3] of pair p, each lane half the sum */
-        for (int p = 0; p < 4; ++p) {
-            const __m256i bits = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * p));
-            const __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-            const __m256i sl = kq_scale16_bcast(sc, 2 * p), sh = kq_scale16_bcast(sc, 2 * p + 1);
-            __m256i pc[4];
-            for (int c = 0; c < 4; ++c) {
-                const int8_t *q8 = yc[c][i].qs + 64 * p;
-                pc[c] = _mm256_add_epi32(kq_dot32(lo, q8, sl), kq_dot32(hi, q8 + 32, sh));
-            }
-            const __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(pc[0], pc[1]), _mm256_unpackhi_epi32(pc[0], pc[1]));
-            const __m256i t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(pc[2], pc[3]), _mm256_unpackhi_epi32(pc[2], pc[3]));
-            u[p] = _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
-        }
-        const __m256 f01 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u[0], u[1], 0x20),
-                                                               _mm256_permute2x128_si256(u[0], u[1], 0x31)));
-        const __m256 f23 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u[2], u[3], 0x20),
-                                                               _mm256_permute2x128_si256(u[2], u[3], 0x31)));
-        const __m128 sf[4] = {_mm256_castps256_ps128(f01), _mm256_extractf128_ps(f01, 1), _mm256_castps256_ps128(f23),
-                              _mm256_extractf128_ps(f23, 1)};
-        __m128 mf[4];
-        for (int c = 0; c < 4; ++c) {
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)yc[c][i].bsums);
-            mf[c] = _mm_cvtepi32_ps(_mm_madd_epi16(mins, _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1))));
-        }
-        _MM_TRANSPOSE4_PS(mf[0], mf[1], mf[2], mf[3]); /* mf[p]: pair p of the 4 columns */
-        const __m128 ydv = _mm_setr_ps(yc[0][i].d, yc[1][i].d, yc[2][i].d, yc[3][i].d);
-        const __m128 dd = _mm_mul_ps(_mm_set1_ps(kq_h2f(x[i].d)), ydv), dm = _mm_mul_ps(_mm_set1_ps(kq_h2f(x[i].dmin)), ydv);
-        for (int p = 0; p < 4; ++p) {
-            acc = _mm_fmadd_ps(sf[p], dd, acc);
-            accm = _mm_fmadd_ps(mf[p], dm, accm);
-        }
-    }
-    float out[4];
-    _mm_storeu_ps(out, _mm_sub_ps(acc, accm));
-    for (int c = 0; c < nc; ++c) s[c * ld_s] = out[c];
-}
-
+/* Q5_K (AVX2): each row decoded per group of 4 columns, their block totals summed at once
+ * (kq_sum4_256) and kq_tiled_step_min in 4 float32 lanes (stop 23: --pure Q5_K, 512 tokens,
+ * 440 -> 381 ms against one column at a time; the same bits) */
 KQ_INLINE void kq_gemm_q5_K_row(int nb, float *s, int64_t ld_s, const block_q5_K *x, const uint8_t *y, int64_t y_bytes,
                                 const int nc) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
@@ -1687,51 +1632,6 @@ KQ_INLINE void kq_gemm_q5_K_row(int nb, float *s, int64_t ld_s, const block_q5_K
         const __m128 M = _mm_cvtepi32_ps(_mm_hadd_epi32(_mm_hadd_epi32(m[0], m[1]), _mm_hadd_epi32(m[2], m[3])));
         const __m128 r = _mm_fmadd_ps(_mm_set1_ps(-kq_h2f(x[i].dmin)), M, _mm_mul_ps(S, _mm_set1_ps(kq_h2f(x[i].d))));
         acc = _mm_fmadd_ps(r, _mm_loadu_ps(yd), acc);
-    }
-    float out[KQ_COLS256];
-    _mm_storeu_ps(out, acc);
-    for (int c = 0; c < nc; ++c) s[c * ld_s] = out[c];
-}
-
-KQ_INLINE void kq_gemm_q6_K_row(int nb, float *s, int64_t ld_s, const block_q6_K *x, const uint8_t *y, int64_t y_bytes,
-                                const int nc) {
-    const __m256i m15 = _mm256_set1_epi8(15);
-    const __m256i m48 = _mm256_set1_epi8(48);
-    __m128 acc = _mm_setzero_ps();
-    for (int i = 0; i < nb; ++i) {
-        const float xd = kq_h2f(x[i].d);
-        const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
-        const kq_sc16 sc = kq_sc16_load(sc8);
-        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
-        __m256i sumi[KQ_COLS256];
-        for (int c = 0; c < KQ_COLS256; ++c) sumi[c] = _mm256_setzero_si256();
-        for (int k = 0; k < 2; ++k) {
-            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * k));
-            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * k + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * k));
-            __m256i wq[4];
-            wq[0] = _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m48));
-            wq[1] = _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m48));
-            wq[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m48));
-            wq[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
-                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m48));
-            for (int p = 0; p < 4; ++p) {
-                const __m256i scp = kq_scales16_pair(sc, 4 * k + p);
-                for (int c = 0; c < nc; ++c)
-                    sumi[c] = _mm256_add_epi32(sumi[c], kq_dot32(wq[p], KQ_COL(y, y_bytes, c, i)->qs + 128 * k + 32 * p, scp));
-            }
-        }
-        /* kq_tiled_step for the columns in 4 float32 lanes (a missing column: zeros) */
-        float yd[KQ_COLS256];
-        for (int c = 0; c < KQ_COLS256; ++c) {
-            yd[c] = c < nc ? KQ_COL(y, y_bytes, c, i)->d : 0.0f;
-            if (c < nc)
-                sumi[c] = _mm256_sub_epi32(sumi[c], _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256(
-                                                                                                 (const __m256i *)KQ_COL(y, y_bytes, c, i)->bsums)),
-                                                                      5));
-        }
-        const __m128 S = _mm_cvtepi32_ps(kq_sum4_256(sumi[0], sumi[1], sumi[2], sumi[3]));
-        acc = _mm_fmadd_ps(_mm_mul_ps(S, _mm_set1_ps(xd)), _mm_loadu_ps(yd), acc);
     }
     float out[KQ_COLS256];
     _mm_storeu_ps(out, acc);
@@ -1811,15 +1711,21 @@ KQ_GEMM_PANEL(q4_K, kq_st8, KQ_FINISH_MINS)
 KQ_GEMM_PANEL(q5_K, kq_st8, KQ_FINISH)
 KQ_GEMM_PANEL(q6_K, kq_st8, KQ_FINISH)
 #else
-/* AVX2 Q4_K prompts (more than two groups of 4 columns): the call's rows are decoded once into a
- * panel on the heap (kq_q4p: the nibbles as bytes, the 8 scales each broadcast for madd, the mins
- * broadcast, d and dmin), and per group of 4 columns what kq_gemm_q4_K_row recomputes for every
- * row, each column's bsums summed per 32 (two columns a vector) and its d, is prepared once
- * (kq_q4c). The integers and the float chain are kq_gemm_q4_K_row's (the same bits). Measured
- * (stop 23, as above): 512 tokens Q4_K_M 348 -> 286 ms, --pure Q4_K 328 -> 249; 64 tokens 41.4 ->
- * 35.5 / 41.5 -> 32.9; 16 about even, 8 (two groups) 9.3 -> 10.0: from 9 columns. */
+/* AVX2 prompts and decode batches of Q4_K and Q6_K (lp_gemm_*, any nc): the columns in groups of
+ * 4; per group, what every row needs of the columns is prepared once (kq_q4c / kq_q6c: their d,
+ * and Q4_K's bsums summed per 32, two columns a vector), and each row's blocks are decoded into
+ * entries (kq_q4p / kq_q6p: the quants as bytes, each scale broadcast for madd) - once a call into
+ * a panel on the heap when there are enough groups (below), else as used, one entry on the stack.
+ * Per block and group (kq_q4_K_block4 / kq_q6_K_block4) the vec_dot's integers (the same bits):
+ * Q4_K's pair sums reduced for the 4 columns at once by an unpack-and-add tree into pair-major
+ * [pair 0 | pair 1], [pair 2 | pair 3] and taken through kq_q4k_chain in 4 float32 lanes; Q6_K's
+ * block totals (kq_sum4_256) through kq_tiled_step in 4 lanes. A missing column (c >= nc) is not
+ * stored. Measured (stop 23, 2 threads, the AVX2 library, one layer's 7 matrices of the 1B
+ * shape, A/B in one process), against one column at a time with scalar steps and each row
+ * decoded per group: 512 tokens Q4_K_M 430 / 473 -> 324 / 346 ms with the 4-column reductions,
+ * 348 -> 286 with Q4_K's panel; --pure Q4_K 328 -> 249 (panel), Q6_K 366 -> 317 (reductions). */
 typedef struct {
-    __m256i lo[4], hi[4]; /* sub-blocks 2p and 2p + 1: the quants as bytes */
+    __m256i lo[4], hi[4]; /* sub-blocks 2j and 2j + 1: the quants as bytes */
     __m256i sc[8];        /* scale k in every int16 lane */
     __m256i mins;         /* the 8 mins as int16, in both 128-bit lanes */
     float d, dmin;
@@ -1828,6 +1734,15 @@ typedef struct {
     __m256i bs01, bs23; /* [bs32 of column 0 | of column 1], [2 | 3] (kq_mins_dot's) */
     float yd[4];
 } kq_q4c;
+typedef struct {
+    __m256i w[8];  /* elements 32k .. 32k + 31 as q + 32 (0..63) */
+    __m256i sc[8]; /* their two 16-element sub-blocks' scales (kq_scales16_pair) */
+    __m256i sc16;  /* the 16 scales (the +32 offset's share: 32 x scale x bsums) */
+    float d;
+} kq_q6p;
+typedef struct {
+    float yd[4];
+} kq_q6c;
 
 KQ_INLINE void kq_q4p_fill(const block_q4_K *x, kq_q4p *p) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
@@ -1844,106 +1759,152 @@ KQ_INLINE void kq_q4p_fill(const block_q4_K *x, kq_q4p *p) {
     p->dmin = kq_h2f(x->dmin);
 }
 
-KQ_INLINE void kq_q4c_fill(int nb, const block_q8_K *const yc[4], kq_q4c *cp) {
-    for (int i = 0; i < nb; ++i) {
-        __m128i bs32[4];
+KQ_INLINE void kq_q6p_fill(const block_q6_K *x, kq_q6p *p) {
+    const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(48);
+    const __m128i sc8 = _mm_loadu_si128((const __m128i *)x->scales);
+    const kq_sc16 sc = kq_sc16_load(sc8);
+    _mm256_store_si256(&p->sc16, _mm256_cvtepi8_epi16(sc8));
+    for (int k = 0; k < 2; ++k) {
+        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * k));
+        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * k + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * k));
+        __m256i *w = p->w + 4 * k;
+        _mm256_store_si256(w, _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m48)));
+        _mm256_store_si256(w + 1, _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m48)));
+        _mm256_store_si256(w + 2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m48)));
+        _mm256_store_si256(w + 3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
+                                                  _mm256_and_si256(_mm256_srli_epi16(qh, 2), m48)));
+        for (int j = 0; j < 4; ++j) _mm256_store_si256(&p->sc[4 * k + j], kq_scales16_pair(sc, 4 * k + j));
+    }
+    p->d = kq_h2f(x->d);
+}
+
+/* columns yc[0..3]'s block i into c (a missing column repeats the last) */
+KQ_INLINE void kq_q4c_fill(int i, const block_q8_K *const yc[4], kq_q4c *c) {
+    __m128i bs32[4];
+    for (int k = 0; k < 4; ++k) {
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)yc[k][i].bsums);
+        bs32[k] = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+        c->yd[k] = yc[k][i].d;
+    }
+    _mm256_store_si256(&c->bs01, _mm256_setr_m128i(bs32[0], bs32[1]));
+    _mm256_store_si256(&c->bs23, _mm256_setr_m128i(bs32[2], bs32[3]));
+}
+KQ_INLINE void kq_q6c_fill(int i, const block_q8_K *const yc[4], kq_q6c *c) {
+    for (int k = 0; k < 4; ++k) c->yd[k] = yc[k][i].d;
+}
+
+/* one Q4_K block (entry p) x the 4 columns' block i, through kq_q4k_chain (lanes: columns) */
+KQ_INLINE void kq_q4_K_block4(const kq_q4p *p, const block_q8_K *const yc[4], int i, const kq_q4c *ci, const int nc,
+                              __m128 *acc, __m128 *accm) {
+    (void)nc;
+    __m256i u[4]; /* per 128-bit lane [columns 0-3] of pair j, each lane half the sum */
+    for (int j = 0; j < 4; ++j) {
+        const __m256i lo = _mm256_load_si256(&p->lo[j]), hi = _mm256_load_si256(&p->hi[j]);
+        __m256i pc[4];
         for (int c = 0; c < 4; ++c) {
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)yc[c][i].bsums);
-            bs32[c] = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-            cp[i].yd[c] = yc[c][i].d;
+            const int8_t *q8 = yc[c][i].qs + 64 * j;
+            pc[c] = _mm256_add_epi32(kq_dot32(lo, q8, _mm256_load_si256(&p->sc[2 * j])),
+                                     kq_dot32(hi, q8 + 32, _mm256_load_si256(&p->sc[2 * j + 1])));
         }
-        _mm256_store_si256(&cp[i].bs01, _mm256_setr_m128i(bs32[0], bs32[1]));
-        _mm256_store_si256(&cp[i].bs23, _mm256_setr_m128i(bs32[2], bs32[3]));
+        const __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(pc[0], pc[1]), _mm256_unpackhi_epi32(pc[0], pc[1]));
+        const __m256i t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(pc[2], pc[3]), _mm256_unpackhi_epi32(pc[2], pc[3]));
+        u[j] = _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
+    }
+    const __m256 f01 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u[0], u[1], 0x20),
+                                                           _mm256_permute2x128_si256(u[0], u[1], 0x31)));
+    const __m256 f23 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u[2], u[3], 0x20),
+                                                           _mm256_permute2x128_si256(u[2], u[3], 0x31)));
+    const __m128 sf[4] = {_mm256_castps256_ps128(f01), _mm256_extractf128_ps(f01, 1), _mm256_castps256_ps128(f23),
+                          _mm256_extractf128_ps(f23, 1)};
+    /* [M pairs 0-3 of column 0 | of column 1], [2 | 3] -> pair-major (kq_gv_q4_K_rows4's) */
+    const __m256i mins = _mm256_load_si256(&p->mins);
+    const __m256 m01 = _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, _mm256_load_si256(&ci->bs01)));
+    const __m256 m23 = _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, _mm256_load_si256(&ci->bs23)));
+    const __m256 ml = _mm256_unpacklo_ps(m01, m23), mh = _mm256_unpackhi_ps(m01, m23);
+    const __m128 ml0 = _mm256_castps256_ps128(ml), ml1 = _mm256_extractf128_ps(ml, 1);
+    const __m128 mh0 = _mm256_castps256_ps128(mh), mh1 = _mm256_extractf128_ps(mh, 1);
+    const __m128 mf[4] = {_mm_unpacklo_ps(ml0, ml1), _mm_unpackhi_ps(ml0, ml1), _mm_unpacklo_ps(mh0, mh1),
+                          _mm_unpackhi_ps(mh0, mh1)};
+    const __m128 ydv = _mm_loadu_ps(ci->yd);
+    const __m128 dd = _mm_mul_ps(_mm_set1_ps(p->d), ydv), dm = _mm_mul_ps(_mm_set1_ps(p->dmin), ydv);
+    for (int k = 0; k < 4; ++k) {
+        *acc = _mm_fmadd_ps(sf[k], dd, *acc);
+        *accm = _mm_fmadd_ps(mf[k], dm, *accm);
     }
 }
 
-KQ_INLINE void kq_gemm_q4_K_prow(int nb, float *s, int64_t ld_s, const kq_q4p *xp, const block_q8_K *const yc[4],
-                                 const kq_q4c *cp, const int nc) {
-    __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
-    for (int i = 0; i < nb; ++i) {
-        const kq_q4p *p = xp + i;
-        __m256i u[4]; /* per 128-bit lane [columns 0-3] of pair j (kq_gemm_q4_K_row's tree) */
-        for (int j = 0; j < 4; ++j) {
-            const __m256i lo = _mm256_load_si256(&p->lo[j]), hi = _mm256_load_si256(&p->hi[j]);
-            __m256i pc[4];
-            for (int c = 0; c < 4; ++c) {
-                const int8_t *q8 = yc[c][i].qs + 64 * j;
-                pc[c] = _mm256_add_epi32(kq_dot32(lo, q8, _mm256_load_si256(&p->sc[2 * j])),
-                                         kq_dot32(hi, q8 + 32, _mm256_load_si256(&p->sc[2 * j + 1])));
-            }
-            const __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(pc[0], pc[1]), _mm256_unpackhi_epi32(pc[0], pc[1]));
-            const __m256i t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(pc[2], pc[3]), _mm256_unpackhi_epi32(pc[2], pc[3]));
-            u[j] = _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
-        }
-        const __m256 f01 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u[0], u[1], 0x20),
-                                                               _mm256_permute2x128_si256(u[0], u[1], 0x31)));
-        const __m256 f23 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u[2], u[3], 0x20),
-                                                               _mm256_permute2x128_si256(u[2], u[3], 0x31)));
-        const __m128 sf[4] = {_mm256_castps256_ps128(f01), _mm256_extractf128_ps(f01, 1), _mm256_castps256_ps128(f23),
-                              _mm256_extractf128_ps(f23, 1)};
-        /* [M pairs 0-3 of column 0 | of column 1], [2 | 3] -> pair-major (kq_gv_q4_K_rows4's) */
-        const __m256i mins = _mm256_load_si256(&p->mins);
-        const __m256 m01 = _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, _mm256_load_si256(&cp[i].bs01)));
-        const __m256 m23 = _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, _mm256_load_si256(&cp[i].bs23)));
-        const __m256 ml = _mm256_unpacklo_ps(m01, m23), mh = _mm256_unpackhi_ps(m01, m23);
-        const __m128 ml0 = _mm256_castps256_ps128(ml), ml1 = _mm256_extractf128_ps(ml, 1);
-        const __m128 mh0 = _mm256_castps256_ps128(mh), mh1 = _mm256_extractf128_ps(mh, 1);
-        const __m128 mf[4] = {_mm_unpacklo_ps(ml0, ml1), _mm_unpackhi_ps(ml0, ml1), _mm_unpacklo_ps(mh0, mh1),
-                              _mm_unpackhi_ps(mh0, mh1)};
-        const __m128 ydv = _mm_loadu_ps(cp[i].yd);
-        const __m128 dd = _mm_mul_ps(_mm_set1_ps(p->d), ydv), dm = _mm_mul_ps(_mm_set1_ps(p->dmin), ydv);
-        for (int k = 0; k < 4; ++k) {
-            acc = _mm_fmadd_ps(sf[k], dd, acc);
-            accm = _mm_fmadd_ps(mf[k], dm, accm);
-        }
+/* one Q6_K block (entry p) x the columns' block i, through kq_tiled_step (lanes: columns; a
+ * missing column's lane stays 0) */
+KQ_INLINE void kq_q6_K_block4(const kq_q6p *p, const block_q8_K *const yc[4], int i, const kq_q6c *ci, const int nc,
+                              __m128 *acc, __m128 *accm) {
+    (void)accm;
+    __m256i sumi[KQ_COLS256];
+    for (int c = 0; c < KQ_COLS256; ++c) sumi[c] = _mm256_setzero_si256();
+    for (int k = 0; k < 8; ++k) {
+        const __m256i w = _mm256_load_si256(&p->w[k]), scp = _mm256_load_si256(&p->sc[k]);
+        for (int c = 0; c < nc; ++c) sumi[c] = _mm256_add_epi32(sumi[c], kq_dot32(w, yc[c][i].qs + 32 * k, scp));
     }
-    float out[4];
-    _mm_storeu_ps(out, _mm_sub_ps(acc, accm));
-    for (int c = 0; c < nc; ++c) s[c * ld_s] = out[c];
+    const __m256i sc16 = _mm256_load_si256(&p->sc16);
+    for (int c = 0; c < nc; ++c)
+        sumi[c] = _mm256_sub_epi32(sumi[c], _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)yc[c][i].bsums)), 5));
+    const __m128 S = _mm_cvtepi32_ps(kq_sum4_256(sumi[0], sumi[1], sumi[2], sumi[3]));
+    *acc = _mm_fmadd_ps(_mm_mul_ps(S, _mm_set1_ps(p->d)), _mm_loadu_ps(ci->yd), *acc);
 }
 
-KQ_GEMM_ENTRY_L(static, kq_gemm4_q4_K, block_q4_K, kq_gemm_q4_K_row, KQ_COLS_K)
-
-KQ_API void lp_gemm_q4_K_q8_K(int n, float *restrict s, int64_t ld_s, const void *restrict w, int64_t row_bytes, int nr,
-                              const void *restrict x, int64_t x_bytes, int nc) {
-    const int nb = n / QK_K;
-    kq_q4p *pn = NULL;
-    kq_q4c *cp = NULL;
-    if (nc > 2 * KQ_COLS256 && nb > 0 && nr > 0) {
-        pn = aligned_alloc(32, (size_t)nr * nb * sizeof(kq_q4p));
-        cp = aligned_alloc(32, (size_t)nb * sizeof(kq_q4c));
+/* lp_gemm_<type>_q8_K for the AVX2 build: kq_rows_<type> runs a row (its panel entries xp, or its
+ * blocks x decoded as used) over one group's nb blocks; the entry point prepares the groups, and
+ * the panel from more than G groups (measured on the 1B shape's layer: Q4_K from 9 columns even or
+ * better, 8 columns 9.3 -> 10.0 ms with it; Q6_K 9 / 16 / 20 / 32 columns 7.8 -> 9.0, 11.8 -> 12.3,
+ * 14.4 -> 14.6, 22.0 -> 20.4) */
+#define KQ_AVX2_GEMM(type, PT, CT, OUT, G)                                                                        \
+    KQ_INLINE void kq_rows_##type(int nb, float *s, int64_t ld_s, const PT *xp, const block_##type *x,             \
+                                  const block_q8_K *const yc[4], const CT *cp, const int nc) {                       \
+        __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();                                                  \
+        if (xp != NULL) /* two loops: one body each, no select in the hot one */                                \
+            for (int i = 0; i < nb; ++i) kq_##type##_block4(xp + i, yc, i, cp + i, nc, &acc, &accm);           \
+        else                                                                                                     \
+            for (int i = 0; i < nb; ++i) {                                                                       \
+                PT e;                                                                                            \
+                PT##_fill(x + i, &e);                                                                            \
+                kq_##type##_block4(&e, yc, i, cp + i, nc, &acc, &accm);                                          \
+            }                                                                                                    \
+        float out[4];                                                                                            \
+        _mm_storeu_ps(out, OUT);                                                                                 \
+        for (int c = 0; c < nc; ++c) s[c * ld_s] = out[c];                                                       \
+    }                                                                                                            \
+    KQ_API void lp_gemm_##type##_q8_K(int n, float *restrict s, int64_t ld_s, const void *restrict w,             \
+                                      int64_t row_bytes, int nr, const void *restrict x, int64_t x_bytes, int nc) { \
+        const int nb = n / QK_K;                                                                                 \
+        if (nb <= 0 || nr <= 0 || nc <= 0) return;                                                               \
+        PT *pn = nc > (G) * KQ_COLS256 ? aligned_alloc(32, (size_t)nr * nb * sizeof(PT)) : NULL;                 \
+        for (int r = 0; pn != NULL && r < nr; ++r)                                                               \
+            for (int i = 0; i < nb; ++i)                                                                         \
+                PT##_fill((const block_##type *)((const uint8_t *)w + r * row_bytes) + i, pn + (int64_t)r * nb + i); \
+        CT cp[nb];                                                                                               \
+        for (int c0 = 0; c0 < nc; c0 += KQ_COLS256) {                                                            \
+            const int m = nc - c0 < KQ_COLS256 ? nc - c0 : KQ_COLS256;                                           \
+            const block_q8_K *yc[4];                                                                             \
+            for (int c = 0; c < 4; ++c) yc[c] = KQ_COL((const uint8_t *)x, x_bytes, c0 + (c < m ? c : m - 1), 0);  \
+            for (int i = 0; i < nb; ++i) CT##_fill(i, yc, cp + i);                                               \
+            for (int r = 0; r < nr; ++r) {                                                                       \
+                float *sr = s + c0 * ld_s + r;                                                                   \
+                const PT *xp = pn != NULL ? pn + (int64_t)r * nb : NULL;                                         \
+                const block_##type *xr = (const block_##type *)((const uint8_t *)w + r * row_bytes);             \
+                switch (m) {                                                                                     \
+                case 1: kq_rows_##type(nb, sr, ld_s, xp, xr, yc, cp, 1); break;                                  \
+                case 2: kq_rows_##type(nb, sr, ld_s, xp, xr, yc, cp, 2); break;                                  \
+                case 3: kq_rows_##type(nb, sr, ld_s, xp, xr, yc, cp, 3); break;                                  \
+                default: kq_rows_##type(nb, sr, ld_s, xp, xr, yc, cp, 4); break;                                 \
+                }                                                                                                \
+            }                                                                                                    \
+        }                                                                                                        \
+        free(pn);                                                                                                \
     }
-    if (pn == NULL || cp == NULL) { /* one or two groups of columns (or no memory): decoded as used */
-        free(pn);
-        free(cp);
-        kq_gemm4_q4_K(n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
-        return;
-    }
-    for (int r = 0; r < nr; ++r)
-        for (int i = 0; i < nb; ++i)
-            kq_q4p_fill((const block_q4_K *)((const uint8_t *)w + r * row_bytes) + i, pn + (int64_t)r * nb + i);
-    for (int c0 = 0; c0 < nc; c0 += KQ_COLS256) {
-        const int m = nc - c0 < KQ_COLS256 ? nc - c0 : KQ_COLS256;
-        const block_q8_K *yc[4];
-        for (int c = 0; c < 4; ++c) yc[c] = KQ_COL((const uint8_t *)x, x_bytes, c0 + (c < m ? c : m - 1), 0);
-        kq_q4c_fill(nb, yc, cp);
-        float *sc = s + c0 * ld_s;
-        for (int r = 0; r < nr; ++r) {
-            const kq_q4p *xp = pn + (int64_t)r * nb;
-            switch (m) {
-            case 1: kq_gemm_q4_K_prow(nb, sc + r, ld_s, xp, yc, cp, 1); break;
-            case 2: kq_gemm_q4_K_prow(nb, sc + r, ld_s, xp, yc, cp, 2); break;
-            case 3: kq_gemm_q4_K_prow(nb, sc + r, ld_s, xp, yc, cp, 3); break;
-            default: kq_gemm_q4_K_prow(nb, sc + r, ld_s, xp, yc, cp, 4); break;
-            }
-        }
-    }
-    free(pn);
-    free(cp);
-}
-
+KQ_AVX2_GEMM(q4_K, kq_q4p, kq_q4c, _mm_sub_ps(acc, accm), 2)
+KQ_AVX2_GEMM(q6_K, kq_q6p, kq_q6c, acc, 6)
+#undef KQ_AVX2_GEMM
 KQ_GEMM_ENTRY(lp_gemm_q5_K_q8_K, block_q5_K, kq_gemm_q5_K_row, KQ_COLS_K)
-KQ_GEMM_ENTRY(lp_gemm_q6_K_q8_K, block_q6_K, kq_gemm_q6_K_row, KQ_COLS_K)
 #endif
 
 #define KQ_GV_MAX_NB 128 /* the prepared activation row (AVX-512 Q4_K: 276 bytes a block) stays on the stack */

@@ -1588,7 +1588,7 @@ KQ_INLINE void kq_gemm_q6_K_row(int nb, float *s, int64_t ld_s, const block_q6_K
 
 #else /* AVX2 */
 
-/* Q4_K / Q5_K, AVX2: lo/hi are the 32 weights of sub-blocks 2j / 2j+1 */
+/* Q5_K, AVX2: lo/hi are the 32 weights of sub-blocks 2j / 2j+1 */
 KQ_INLINE void kq_gemm_q45_K_pair(int i, int j, __m256i lo, __m256i hi, __m256i sc, const uint8_t *y, int64_t y_bytes,
                                   const int nc, __m256i *sumi) {
     const __m256i sl = kq_scale16_bcast(sc, 2 * j), sh = kq_scale16_bcast(sc, 2 * j + 1);

@@ -327,14 +327,15 @@ def test_gemm_is_vec_dots(lib: ctypes.CDLL, name: str, suffix: str) -> None:
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_panel_gemm_is_vec_dots(lib: ctypes.CDLL, name: str) -> None:
-    """lp_gemm_<type>_panel (the AVX-512 prompt kernels: any column count, rows decoded into
-    panels of 4-row quads, tiles of 8 rows x 4 columns): every output is its vec_dot's bit for bit
-    for column counts around the group of 4, row counts around the quad and the tile (odd ones
-    included), an odd block count, and rows long enough that a panel holds only 8 of them (several
-    panels a call); large activations (scale 3) for the signed kinds' a + 128."""
+    """lp_gemm_<type>_panel (the prompt kernels: any column count; AVX-512: rows decoded into
+    panels of 4-row quads, tiles of 8 rows x 4 columns; AVX2: panels of row pairs, tiles of 2 rows x
+    4 columns): every output is its vec_dot's bit for bit for column counts around the group of 4,
+    row counts around the quad and the tile (odd ones included), an odd block count, and rows long
+    enough that a panel holds only 8 (AVX2: 16) of them (several panels a call); large activations
+    (scale 3) for the signed kinds' a + 128 and AVX2's offset sums."""
     sym = f"{name.lower()}_{VEC_DOT_TYPE[name].lower()}_panel"
     if not hasattr(lib, "lp_gemm_" + sym):
-        assert "avx512" not in os.path.basename(lib._name)  # the AVX-512 build has them all
+        assert "avx" not in os.path.basename(lib._name)  # the AVX2 and AVX-512 builds have them all
         pytest.skip(f"this library has no lp_gemm_{sym}")
     check_gemm(lib, name, sym, 19, 32 * 19, n_cols=13, ncs=(1, 3, 4, 5, 8, 13), nrs=(1, 2, 3, 4, 5, 7, 8, 9, 19),
                seed=31, scale=3.0)

@@ -1588,56 +1588,6 @@ KQ_INLINE void kq_gemm_q6_K_row(int nb, float *s, int64_t ld_s, const block_q6_K
 
 #else /* AVX2 */
 
-/* Q5_K, AVX2: lo/hi are the 32 weights of sub-blocks 2j / 2j+1 */
-KQ_INLINE void kq_gemm_q45_K_pair(int i, int j, __m256i lo, __m256i hi, __m256i sc, const uint8_t *y, int64_t y_bytes,
-                                  const int nc, __m256i *sumi) {
-    const __m256i sl = kq_scale16_bcast(sc, 2 * j), sh = kq_scale16_bcast(sc, 2 * j + 1);
-    for (int c = 0; c < nc; ++c) {
-        const int8_t *q8 = KQ_COL(y, y_bytes, c, i)->qs;
-        sumi[c] = _mm256_add_epi32(sumi[c], _mm256_add_epi32(kq_dot32(lo, q8 + 64 * j, sl), kq_dot32(hi, q8 + 64 * j + 32, sh)));
-    }
-}
-
-/* Q5_K (AVX2): each row decoded per group of 4 columns, their block totals summed at once
- * (kq_sum4_256) and kq_tiled_step_min in 4 float32 lanes (stop 23: --pure Q5_K, 512 tokens,
- * 440 -> 381 ms against one column at a time; the same bits) */
-KQ_INLINE void kq_gemm_q5_K_row(int nb, float *s, int64_t ld_s, const block_q5_K *x, const uint8_t *y, int64_t y_bytes,
-                                const int nc) {
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    const __m256i m16 = _mm256_set1_epi8(16);
-    __m128 acc = _mm_setzero_ps();
-    for (int i = 0; i < nb; ++i) {
-        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
-        const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms16));
-        const __m256i hbits = _mm256_loadu_si256((const __m256i *)x[i].qh);
-        __m256i sumi[KQ_COLS256];
-        for (int c = 0; c < KQ_COLS256; ++c) sumi[c] = _mm256_setzero_si256();
-        for (int j = 0; j < 4; ++j) {
-            const int bl = 2 * j, bh = 2 * j + 1;
-            __m256i hl = bl <= 4 ? _mm256_slli_epi16(hbits, 4 - bl) : _mm256_srli_epi16(hbits, bl - 4);
-            __m256i hh = bh <= 4 ? _mm256_slli_epi16(hbits, 4 - bh) : _mm256_srli_epi16(hbits, bh - 4);
-            const __m256i bits = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * j));
-            const __m256i lo = _mm256_or_si256(_mm256_and_si256(bits, m4), _mm256_and_si256(hl, m16));
-            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), _mm256_and_si256(hh, m16));
-            kq_gemm_q45_K_pair(i, j, lo, hi, sc, y, y_bytes, nc, sumi);
-        }
-        /* kq_tiled_step_min for the columns in 4 float32 lanes (a missing column: zeros) */
-        __m128i m[KQ_COLS256];
-        float yd[KQ_COLS256];
-        for (int c = 0; c < KQ_COLS256; ++c) {
-            m[c] = c < nc ? kq_mins_dot(ms16, KQ_COL(y, y_bytes, c, i)->bsums) : _mm_setzero_si128();
-            yd[c] = c < nc ? KQ_COL(y, y_bytes, c, i)->d : 0.0f;
-        }
-        const __m128 S = _mm_cvtepi32_ps(kq_sum4_256(sumi[0], sumi[1], sumi[2], sumi[3]));
-        const __m128 M = _mm_cvtepi32_ps(_mm_hadd_epi32(_mm_hadd_epi32(m[0], m[1]), _mm_hadd_epi32(m[2], m[3])));
-        const __m128 r = _mm_fmadd_ps(_mm_set1_ps(-kq_h2f(x[i].dmin)), M, _mm_mul_ps(S, _mm_set1_ps(kq_h2f(x[i].d))));
-        acc = _mm_fmadd_ps(r, _mm_loadu_ps(yd), acc);
-    }
-    float out[KQ_COLS256];
-    _mm_storeu_ps(out, acc);
-    for (int c = 0; c < nc; ++c) s[c * ld_s] = out[c];
-}
-
 #endif /* LP_KQ_AVX512 */
 
 #if defined(LP_KQ_AVX512)
@@ -1711,19 +1661,20 @@ KQ_GEMM_PANEL(q4_K, kq_st8, KQ_FINISH_MINS)
 KQ_GEMM_PANEL(q5_K, kq_st8, KQ_FINISH)
 KQ_GEMM_PANEL(q6_K, kq_st8, KQ_FINISH)
 #else
-/* AVX2 prompts and decode batches of Q4_K and Q6_K (lp_gemm_*, any nc): the columns in groups of
- * 4; per group, what every row needs of the columns is prepared once (kq_q4c / kq_q6c: their d,
+/* AVX2 prompts and decode batches of Q4_K, Q5_K and Q6_K (lp_gemm_*, any nc): the columns in groups of
+ * 4; per group, what every row needs of the columns is prepared once (kq_q4c, also Q5_K's / kq_q6c: their d,
  * and Q4_K's bsums summed per 32, two columns a vector), and each row's blocks are decoded into
- * entries (kq_q4p / kq_q6p: the quants as bytes, each scale broadcast for madd) - once a call into
+ * entries (kq_q4p, kq_q5p / kq_q6p: the quants as bytes, each scale broadcast for madd) - once a call into
  * a panel on the heap when there are enough groups (below), else as used, one entry on the stack.
  * Per block and group (kq_q4_K_block4 / kq_q6_K_block4) the vec_dot's integers (the same bits):
  * Q4_K's pair sums reduced for the 4 columns at once by an unpack-and-add tree into pair-major
- * [pair 0 | pair 1], [pair 2 | pair 3] and taken through kq_q4k_chain in 4 float32 lanes; Q6_K's
- * block totals (kq_sum4_256) through kq_tiled_step in 4 lanes. A missing column (c >= nc) is not
+ * [pair 0 | pair 1], [pair 2 | pair 3] and taken through kq_q4k_chain in 4 float32 lanes; Q5_K's and
+ * Q6_K's block totals (kq_sum4_256) through kq_tiled_step(_min) in 4 lanes. A missing column (c >= nc) is not
  * stored. Measured (stop 23, 2 threads, the AVX2 library, one layer's 7 matrices of the 1B
  * shape, A/B in one process), against one column at a time with scalar steps and each row
  * decoded per group: 512 tokens Q4_K_M 430 / 473 -> 324 / 346 ms with the 4-column reductions,
- * 348 -> 286 with Q4_K's panel; --pure Q4_K 328 -> 249 (panel), Q6_K 366 -> 317 (reductions). */
+ * 348 -> 286 with Q4_K's panel; --pure Q4_K 328 -> 249 (panel), Q6_K 366 -> 317 (reductions), Q5_K
+ * 440 -> 381 (reductions) -> 271 (panel). */
 typedef struct {
     __m256i lo[4], hi[4]; /* sub-blocks 2j and 2j + 1: the quants as bytes */
     __m256i sc[8];        /* scale k in every int16 lane */
@@ -1743,6 +1694,7 @@ typedef struct {
 typedef struct {
     float yd[4];
 } kq_q6c;
+typedef kq_q4p kq_q5p; /* Q5_K's entries: the quants with their fifth bit (0..31) */
 
 KQ_INLINE void kq_q4p_fill(const block_q4_K *x, kq_q4p *p) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
@@ -1777,6 +1729,25 @@ KQ_INLINE void kq_q6p_fill(const block_q6_K *x, kq_q6p *p) {
         for (int j = 0; j < 4; ++j) _mm256_store_si256(&p->sc[4 * k + j], kq_scales16_pair(sc, 4 * k + j));
     }
     p->d = kq_h2f(x->d);
+}
+
+KQ_INLINE void kq_q5p_fill(const block_q5_K *x, kq_q5p *p) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m16 = _mm256_set1_epi8(16);
+    const __m128i sm8 = kq_gv_scale_min_k4((const block_q4_K *)x); /* the same first 16 bytes */
+    const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm8));
+    for (int k = 0; k < 8; ++k) _mm256_store_si256(&p->sc[k], kq_scale16_bcast(sc, k));
+    _mm256_store_si256(&p->mins, _mm256_broadcastsi128_si256(_mm_unpackhi_epi8(sm8, _mm_setzero_si128())));
+    const __m256i hbits = _mm256_loadu_si256((const __m256i *)x->qh);
+    for (int j = 0; j < 4; ++j) { /* qh bit 2j (2j + 1) of element l moved to bit 4 */
+        const int bl = 2 * j, bh = 2 * j + 1;
+        const __m256i hl = bl <= 4 ? _mm256_slli_epi16(hbits, 4 - bl) : _mm256_srli_epi16(hbits, bl - 4);
+        const __m256i hh = bh <= 4 ? _mm256_slli_epi16(hbits, 4 - bh) : _mm256_srli_epi16(hbits, bh - 4);
+        const __m256i bits = _mm256_loadu_si256((const __m256i *)(x->qs + 32 * j));
+        _mm256_store_si256(&p->lo[j], _mm256_or_si256(_mm256_and_si256(bits, m4), _mm256_and_si256(hl, m16)));
+        _mm256_store_si256(&p->hi[j], _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), _mm256_and_si256(hh, m16)));
+    }
+    p->d = kq_h2f(x->d);
+    p->dmin = kq_h2f(x->dmin);
 }
 
 /* columns yc[0..3]'s block i into c (a missing column repeats the last) */
@@ -1834,6 +1805,32 @@ KQ_INLINE void kq_q4_K_block4(const kq_q4p *p, const block_q8_K *const yc[4], in
     }
 }
 
+/* one Q5_K block (entry p) x the 4 columns' block i, through kq_tiled_step_min (lanes: columns) */
+KQ_INLINE void kq_q5_K_block4(const kq_q5p *p, const block_q8_K *const yc[4], int i, const kq_q4c *ci, const int nc,
+                              __m128 *acc, __m128 *accm) {
+    (void)nc;
+    (void)accm;
+    __m256i sumi[4];
+    for (int c = 0; c < 4; ++c) sumi[c] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+        const __m256i lo = _mm256_load_si256(&p->lo[j]), hi = _mm256_load_si256(&p->hi[j]);
+        for (int c = 0; c < 4; ++c) {
+            const int8_t *q8 = yc[c][i].qs + 64 * j;
+            sumi[c] = _mm256_add_epi32(sumi[c], _mm256_add_epi32(kq_dot32(lo, q8, _mm256_load_si256(&p->sc[2 * j])),
+                                                                 kq_dot32(hi, q8 + 32, _mm256_load_si256(&p->sc[2 * j + 1]))));
+        }
+    }
+    const __m128 S = _mm_cvtepi32_ps(kq_sum4_256(sumi[0], sumi[1], sumi[2], sumi[3]));
+    /* the mins totals: [M pairs of column 0 | 1], [2 | 3] summed per column -> [c0, c1, c2, c3] */
+    const __m256i mins = _mm256_load_si256(&p->mins);
+    const __m256i h = _mm256_hadd_epi32(_mm256_madd_epi16(mins, _mm256_load_si256(&ci->bs01)),
+                                        _mm256_madd_epi16(mins, _mm256_load_si256(&ci->bs23)));
+    const __m256i hh = _mm256_hadd_epi32(h, h); /* [c0, c2, c0, c2 | c1, c3, c1, c3] */
+    const __m128 M = _mm_cvtepi32_ps(_mm_unpacklo_epi32(_mm256_castsi256_si128(hh), _mm256_extracti128_si256(hh, 1)));
+    const __m128 r = _mm_fmadd_ps(_mm_set1_ps(-p->dmin), M, _mm_mul_ps(S, _mm_set1_ps(p->d)));
+    *acc = _mm_fmadd_ps(r, _mm_loadu_ps(ci->yd), *acc);
+}
+
 /* one Q6_K block (entry p) x the columns' block i, through kq_tiled_step (lanes: columns; a
  * missing column's lane stays 0) */
 KQ_INLINE void kq_q6_K_block4(const kq_q6p *p, const block_q8_K *const yc[4], int i, const kq_q6c *ci, const int nc,
@@ -1855,8 +1852,8 @@ KQ_INLINE void kq_q6_K_block4(const kq_q6p *p, const block_q8_K *const yc[4], in
 /* lp_gemm_<type>_q8_K for the AVX2 build: kq_rows_<type> runs a row (its panel entries xp, or its
  * blocks x decoded as used) over one group's nb blocks; the entry point prepares the groups, and
  * the panel from more than G groups (measured on the 1B shape's layer: Q4_K from 9 columns even or
- * better, 8 columns 9.3 -> 10.0 ms with it; Q6_K 9 / 16 / 20 / 32 columns 7.8 -> 9.0, 11.8 -> 12.3,
- * 14.4 -> 14.6, 22.0 -> 20.4) */
+ * better, 8 columns 9.3 -> 10.0 ms with it; Q5_K 9 / 16 columns 8.2 -> 10.1, 13.3 -> 12.4; Q6_K
+ * 9 / 16 / 20 / 32 columns 7.8 -> 9.0, 11.8 -> 12.3, 14.4 -> 14.6, 22.0 -> 20.4) */
 #define KQ_AVX2_GEMM(type, PT, CT, OUT, G)                                                                        \
     KQ_INLINE void kq_rows_##type(int nb, float *s, int64_t ld_s, const PT *xp, const block_##type *x,             \
                                   const block_q8_K *const yc[4], const CT *cp, const int nc) {                       \
@@ -1902,9 +1899,9 @@ KQ_INLINE void kq_q6_K_block4(const kq_q6p *p, const block_q8_K *const yc[4], in
         free(pn);                                                                                                \
     }
 KQ_AVX2_GEMM(q4_K, kq_q4p, kq_q4c, _mm_sub_ps(acc, accm), 2)
+KQ_AVX2_GEMM(q5_K, kq_q5p, kq_q4c, acc, 3)
 KQ_AVX2_GEMM(q6_K, kq_q6p, kq_q6c, acc, 6)
 #undef KQ_AVX2_GEMM
-KQ_GEMM_ENTRY(lp_gemm_q5_K_q8_K, block_q5_K, kq_gemm_q5_K_row, KQ_COLS_K)
 #endif
 
 #define KQ_GV_MAX_NB 128 /* the prepared activation row (AVX-512 Q4_K: 276 bytes a block) stays on the stack */

@@ -331,7 +331,7 @@ def test_panel_gemm_is_vec_dots(lib: ctypes.CDLL, name: str) -> None:
     panels of 4-row quads, tiles of 8 rows x 4 columns; AVX2: panels of row pairs, tiles of 2 rows x
     4 columns): every output is its vec_dot's bit for bit for column counts around the group of 4,
     row counts around the quad and the tile (odd ones included), an odd block count, and rows long
-    enough that a panel holds only 8 (AVX2: 16) of them (several panels a call); large activations
+    enough that a panel holds only 8 (AVX2: 20) of them (several panels a call); large activations
     (scale 3) for the signed kinds' a + 128 and AVX2's offset sums."""
     sym = f"{name.lower()}_{VEC_DOT_TYPE[name].lower()}_panel"
     if not hasattr(lib, "lp_gemm_" + sym):

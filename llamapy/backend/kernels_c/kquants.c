@@ -1661,20 +1661,21 @@ KQ_GEMM_PANEL(q4_K, kq_st8, KQ_FINISH_MINS)
 KQ_GEMM_PANEL(q5_K, kq_st8, KQ_FINISH)
 KQ_GEMM_PANEL(q6_K, kq_st8, KQ_FINISH)
 #else
-/* AVX2 prompts and decode batches of Q4_K, Q5_K and Q6_K (lp_gemm_*, any nc): the columns in groups of
- * 4; per group, what every row needs of the columns is prepared once (kq_q4c, also Q5_K's / kq_q6c: their d,
- * and Q4_K's bsums summed per 32, two columns a vector), and each row's blocks are decoded into
- * entries (kq_q4p, kq_q5p / kq_q6p: the quants as bytes, each scale broadcast for madd) - once a call into
- * a panel on the heap when there are enough groups (below), else as used, one entry on the stack.
- * Per block and group (kq_q4_K_block4 / kq_q6_K_block4) the vec_dot's integers (the same bits):
- * Q4_K's pair sums reduced for the 4 columns at once by an unpack-and-add tree into pair-major
- * [pair 0 | pair 1], [pair 2 | pair 3] and taken through kq_q4k_chain in 4 float32 lanes; Q5_K's and
- * Q6_K's block totals (kq_sum4_256) through kq_tiled_step(_min) in 4 lanes. A missing column (c >= nc) is not
- * stored. Measured (stop 23, 2 threads, the AVX2 library, one layer's 7 matrices of the 1B
- * shape, A/B in one process), against one column at a time with scalar steps and each row
- * decoded per group: 512 tokens Q4_K_M 430 / 473 -> 324 / 346 ms with the 4-column reductions,
- * 348 -> 286 with Q4_K's panel; --pure Q4_K 328 -> 249 (panel), Q6_K 366 -> 317 (reductions), Q5_K
- * 440 -> 381 (reductions) -> 271 (panel). */
+/* AVX2 prompts and decode batches of Q4_K, Q5_K and Q6_K (lp_gemm_*, any nc). The columns go in
+ * groups of 4; per group, what every row needs of them is prepared once (kq_q4c for Q4_K and Q5_K:
+ * their d and bsums summed per 32, two columns a vector; kq_q6c: their d). Each row's blocks are
+ * decoded into entries (kq_q4p, kq_q5p, kq_q6p: the quants as bytes, each scale broadcast for
+ * madd): once a call into a panel on the heap when there are enough groups (KQ_AVX2_GEMM's G),
+ * else per group as used, one entry on the stack. Per block and group (kq_<type>_block4) the
+ * vec_dot's integers and float operations, so the same bits: Q4_K's pair sums reduced for the 4
+ * columns at once by an unpack-and-add tree into pair-major [pair 0 | pair 1], [pair 2 | pair 3]
+ * and taken through kq_q4k_chain in 4 float32 lanes; Q5_K's and Q6_K's block totals
+ * (kq_sum4_256) through kq_tiled_step(_min) in 4 lanes. A missing column (c >= nc) is computed
+ * (a copy of the last) and not stored. Measured (stop 23, 2 threads, the AVX2 library, one
+ * layer's 7 matrices of the 1B shape, A/B in one process), against one column at a time with
+ * scalar steps and each row decoded per group: 512 tokens Q4_K_M 430 / 473 -> 324 / 346 ms with
+ * the 4-column reductions, then 348 -> 286 with Q4_K's panel; --pure Q4_K 328 -> 249 (panel),
+ * Q6_K 366 -> 317 (reductions), Q5_K 440 -> 381 (reductions) -> 271 (panel). */
 typedef struct {
     __m256i lo[4], hi[4]; /* sub-blocks 2j and 2j + 1: the quants as bytes */
     __m256i sc[8];        /* scale k in every int16 lane */
@@ -1696,19 +1697,24 @@ typedef struct {
 } kq_q6c;
 typedef kq_q4p kq_q5p; /* Q5_K's entries: the quants with their fifth bit (0..31) */
 
-KQ_INLINE void kq_q4p_fill(const block_q4_K *x, kq_q4p *p) {
-    const __m256i m4 = _mm256_set1_epi8(0xF);
+/* the scales, mins, d and dmin of a Q4_K or Q5_K block (the same first 16 bytes) into p */
+KQ_INLINE void kq_q45p_head(const block_q4_K *x, kq_q4p *p) {
     const __m128i sm8 = kq_gv_scale_min_k4(x);
     const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm8));
     for (int k = 0; k < 8; ++k) _mm256_store_si256(&p->sc[k], kq_scale16_bcast(sc, k));
     _mm256_store_si256(&p->mins, _mm256_broadcastsi128_si256(_mm_unpackhi_epi8(sm8, _mm_setzero_si128())));
+    p->d = kq_h2f(x->d);
+    p->dmin = kq_h2f(x->dmin);
+}
+
+KQ_INLINE void kq_q4p_fill(const block_q4_K *x, kq_q4p *p) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    kq_q45p_head(x, p);
     for (int j = 0; j < 4; ++j) {
         const __m256i bits = _mm256_loadu_si256((const __m256i *)(x->qs + 32 * j));
         _mm256_store_si256(&p->lo[j], _mm256_and_si256(bits, m4));
         _mm256_store_si256(&p->hi[j], _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4));
     }
-    p->d = kq_h2f(x->d);
-    p->dmin = kq_h2f(x->dmin);
 }
 
 KQ_INLINE void kq_q6p_fill(const block_q6_K *x, kq_q6p *p) {
@@ -1733,10 +1739,7 @@ KQ_INLINE void kq_q6p_fill(const block_q6_K *x, kq_q6p *p) {
 
 KQ_INLINE void kq_q5p_fill(const block_q5_K *x, kq_q5p *p) {
     const __m256i m4 = _mm256_set1_epi8(0xF), m16 = _mm256_set1_epi8(16);
-    const __m128i sm8 = kq_gv_scale_min_k4((const block_q4_K *)x); /* the same first 16 bytes */
-    const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm8));
-    for (int k = 0; k < 8; ++k) _mm256_store_si256(&p->sc[k], kq_scale16_bcast(sc, k));
-    _mm256_store_si256(&p->mins, _mm256_broadcastsi128_si256(_mm_unpackhi_epi8(sm8, _mm_setzero_si128())));
+    kq_q45p_head((const block_q4_K *)x, p);
     const __m256i hbits = _mm256_loadu_si256((const __m256i *)x->qh);
     for (int j = 0; j < 4; ++j) { /* qh bit 2j (2j + 1) of element l moved to bit 4 */
         const int bl = 2 * j, bh = 2 * j + 1;
@@ -1746,8 +1749,6 @@ KQ_INLINE void kq_q5p_fill(const block_q5_K *x, kq_q5p *p) {
         _mm256_store_si256(&p->lo[j], _mm256_or_si256(_mm256_and_si256(bits, m4), _mm256_and_si256(hl, m16)));
         _mm256_store_si256(&p->hi[j], _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), _mm256_and_si256(hh, m16)));
     }
-    p->d = kq_h2f(x->d);
-    p->dmin = kq_h2f(x->dmin);
 }
 
 /* columns yc[0..3]'s block i into c (a missing column repeats the last) */

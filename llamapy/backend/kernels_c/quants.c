@@ -702,8 +702,9 @@ LP_INLINE void gk_zprep(const int kind, int nb, int ncp, const uint8_t *x, int64
  * prefetched in software (lp_pf_group, lp_quants.h): without that prefetch, 2 or 4 interleaved
  * rows ran 0.65-0.75x one row's speed on matrices streamed from memory (an older host); with it,
  * AVX2's 4 rows (gv_rows) against one: the 1B --pure shape's 48 ffn matrices, 2 threads, Q4_0
- * 16.5 / 17.0 / 18.9 -> 15.7 / 15.5 / 18.7 ms; Q4_1 / Q5_0 / Q5_1 ffn_up within +-4 % (stop 23). The mins term of Q4_1 / Q5_1 (m * s,
- * added in block order into a float32) stays the vec_dot's scalar chain.
+ * 16.5 / 17.0 / 18.9 -> 15.7 / 15.5 / 18.7 ms; Q4_1 / Q5_0 / Q5_1 ffn_up within +-4 % (stop 23).
+ * The mins term of Q4_1 / Q5_1 (m * s, added in block order into a float32) stays the vec_dot's
+ * scalar chain.
  *
  * AVX-512 (gv_row2): two ROWS a 512-bit step, block by block: the vector holds the block i quants
  * of rows r and r+1 as they lie in memory (both rows' low nibbles, then both rows' high ones),
@@ -1500,12 +1501,13 @@ LP_INLINE int gp_gemm(const int kind, int n, float *s, int64_t ld_s, const uint8
  * - the activations prepared once a call (gp2_act: per group of 4 columns and block, the quants,
  *   d and s as float32, and for Q4_0 / Q5_0 -8 / -16 x the sums of each 4 quants);
  * - the weights decoded once per panel of rows (gp2_pair: per 2 rows and block, the quants as
- *   stored, the scales broadcast, the mins as [m x4 | m' x4]; Q8_0 also the signed quants);
+ *   stored, the scales as [dx x4 | dx' x4] and the mins as [m x4 | m' x4]; Q8_0 also the signed
+ *   quants);
  * - a tile is 2 rows x 4 columns (8 accumulators): per block and output one maddubs, one madd,
- *   one convert and one fmadd (and the tile's 8 dx * dy in one multiply); Q4_0 / Q5_0 add the column's offset sums
- *   (the weights used unsigned: (q - 8) y = q y - 8 y, exact), Q8_0 keeps the vec_dot's sign
- *   trick (its q + 128 would overflow maddubs' pairs), and the mins of 2 rows x 4 columns are one
- *   multiply and add (8 chains in one vector).
+ *   one convert and one fmadd (and the tile's 8 dx * dy in one multiply); Q4_0 / Q5_0 add the
+ *   column's offset sums (the weights used unsigned: (q - 8) y = q y - 8 y, exact), Q8_0 keeps
+ *   the vec_dot's sign trick (its q + 128 would overflow maddubs' pairs), and the mins of 2 rows
+ *   x 4 columns are one multiply and add (8 chains in one vector).
  * The panel (GP2_PANEL_BYTES) is L2-sized: a 2-row tile is small, so each column group's
  * activations (kept in L1 across the panel's rows) are read from further out once per panel.
  * Measured (stop 23, 2 threads, the AVX2 library, one layer's 7 matrices, A/B in one process;

@@ -338,6 +338,33 @@ static inline __m128i kq_sum4_256(__m256i p0, __m256i p1, __m256i p2, __m256i p3
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
+/* [v0 | v1 | v2 | v3] summed per 128-bit lane: lanes [v0, v1, v2, v3] of each half, the halves
+ * adding to the sums (an unpack-and-add tree: no hadd) */
+static inline __m256i kq_t4(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
+    const __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(v0, v1), _mm256_unpackhi_epi32(v0, v1));
+    const __m256i t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(v2, v3), _mm256_unpackhi_epi32(v2, v3));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
+}
+
+/* u[p] = kq_t4 of pair p's four vectors -> f[p] = their sums as float32 (exact), pair-major */
+static inline void kq_t4_pairs(const __m256i u[4], __m128 f[4]) {
+    const __m256 f01 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u[0], u[1], 0x20),
+                                                           _mm256_permute2x128_si256(u[0], u[1], 0x31)));
+    const __m256 f23 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u[2], u[3], 0x20),
+                                                           _mm256_permute2x128_si256(u[2], u[3], 0x31)));
+    f[0] = _mm256_castps256_ps128(f01), f[1] = _mm256_extractf128_ps(f01, 1);
+    f[2] = _mm256_castps256_ps128(f23), f[3] = _mm256_extractf128_ps(f23, 1);
+}
+
+/* [4 values of a | of b], [of c | of d] -> f[p] = [a_p, b_p, c_p, d_p] (a 4 x 4 transpose) */
+static inline void kq_t4_mins(__m256 m01, __m256 m23, __m128 f[4]) {
+    const __m256 ml = _mm256_unpacklo_ps(m01, m23), mh = _mm256_unpackhi_ps(m01, m23); /* [a0 c0 a1 c1 | b0 d0 b1 d1] */
+    const __m128 ml0 = _mm256_castps256_ps128(ml), ml1 = _mm256_extractf128_ps(ml, 1);
+    const __m128 mh0 = _mm256_castps256_ps128(mh), mh1 = _mm256_extractf128_ps(mh, 1);
+    f[0] = _mm_unpacklo_ps(ml0, ml1), f[1] = _mm_unpackhi_ps(ml0, ml1);
+    f[2] = _mm_unpacklo_ps(mh0, mh1), f[3] = _mm_unpackhi_ps(mh0, mh1);
+}
+
 /* one Q4_K block's pair sums and min sums through kq_q4k_chain */
 static inline void kq_q4k_step(__m128i S, __m128i M, float dd, float dm, float *acc, float *accm) {
     int32_t s[4], m[4];
@@ -1779,25 +1806,14 @@ KQ_INLINE void kq_q4_K_block4(const kq_q4p *p, const block_q8_K *const yc[4], in
             pc[c] = _mm256_add_epi32(kq_dot32(lo, q8, _mm256_load_si256(&p->sc[2 * j])),
                                      kq_dot32(hi, q8 + 32, _mm256_load_si256(&p->sc[2 * j + 1])));
         }
-        const __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(pc[0], pc[1]), _mm256_unpackhi_epi32(pc[0], pc[1]));
-        const __m256i t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(pc[2], pc[3]), _mm256_unpackhi_epi32(pc[2], pc[3]));
-        u[j] = _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
+        u[j] = kq_t4(pc[0], pc[1], pc[2], pc[3]);
     }
-    const __m256 f01 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u[0], u[1], 0x20),
-                                                           _mm256_permute2x128_si256(u[0], u[1], 0x31)));
-    const __m256 f23 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u[2], u[3], 0x20),
-                                                           _mm256_permute2x128_si256(u[2], u[3], 0x31)));
-    const __m128 sf[4] = {_mm256_castps256_ps128(f01), _mm256_extractf128_ps(f01, 1), _mm256_castps256_ps128(f23),
-                          _mm256_extractf128_ps(f23, 1)};
-    /* [M pairs 0-3 of column 0 | of column 1], [2 | 3] -> pair-major (kq_gv_q4_K_rows4's) */
+    __m128 sf[4], mf[4];
+    kq_t4_pairs(u, sf);
+    /* [M pairs 0-3 of column 0 | of column 1], [2 | 3] -> pair-major */
     const __m256i mins = _mm256_load_si256(&p->mins);
-    const __m256 m01 = _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, _mm256_load_si256(&ci->bs01)));
-    const __m256 m23 = _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, _mm256_load_si256(&ci->bs23)));
-    const __m256 ml = _mm256_unpacklo_ps(m01, m23), mh = _mm256_unpackhi_ps(m01, m23);
-    const __m128 ml0 = _mm256_castps256_ps128(ml), ml1 = _mm256_extractf128_ps(ml, 1);
-    const __m128 mh0 = _mm256_castps256_ps128(mh), mh1 = _mm256_extractf128_ps(mh, 1);
-    const __m128 mf[4] = {_mm_unpacklo_ps(ml0, ml1), _mm_unpackhi_ps(ml0, ml1), _mm_unpacklo_ps(mh0, mh1),
-                          _mm_unpackhi_ps(mh0, mh1)};
+    kq_t4_mins(_mm256_cvtepi32_ps(_mm256_madd_epi16(mins, _mm256_load_si256(&ci->bs01))),
+               _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, _mm256_load_si256(&ci->bs23))), mf);
     const __m128 ydv = _mm_loadu_ps(ci->yd);
     const __m128 dd = _mm_mul_ps(_mm_set1_ps(p->d), ydv), dm = _mm_mul_ps(_mm_set1_ps(p->dmin), ydv);
     for (int k = 0; k < 4; ++k) {
@@ -2079,22 +2095,11 @@ KQ_INLINE void kq_gv_q4_K_rows4(int nb, const uint8_t *w, int64_t row_bytes, con
                                          kq_dot32(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), y[i].qs + 64 * p + 32,
                                                   kq_scale16_bcast(sc[r], 2 * p + 1)));
             }
-            const __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(pr[0], pr[1]), _mm256_unpackhi_epi32(pr[0], pr[1]));
-            const __m256i t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(pr[2], pr[3]), _mm256_unpackhi_epi32(pr[2], pr[3]));
-            u[p] = _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
+            u[p] = kq_t4(pr[0], pr[1], pr[2], pr[3]);
         }
-        const __m256 f01 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u[0], u[1], 0x20),
-                                                               _mm256_permute2x128_si256(u[0], u[1], 0x31)));
-        const __m256 f23 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u[2], u[3], 0x20),
-                                                               _mm256_permute2x128_si256(u[2], u[3], 0x31)));
-        /* the mins sums pair-major: [r0p0 r2p0 r0p1 r2p1 | r1p0 r3p0 r1p1 r3p1] and pairs 2, 3 -> mf[p] */
-        const __m256 ml = _mm256_unpacklo_ps(m01, m23), mh = _mm256_unpackhi_ps(m01, m23);
-        const __m128 ml0 = _mm256_castps256_ps128(ml), ml1 = _mm256_extractf128_ps(ml, 1);
-        const __m128 mh0 = _mm256_castps256_ps128(mh), mh1 = _mm256_extractf128_ps(mh, 1);
-        const __m128 sf[4] = {_mm256_castps256_ps128(f01), _mm256_extractf128_ps(f01, 1), _mm256_castps256_ps128(f23),
-                              _mm256_extractf128_ps(f23, 1)};
-        const __m128 mf[4] = {_mm_unpacklo_ps(ml0, ml1), _mm_unpackhi_ps(ml0, ml1), _mm_unpacklo_ps(mh0, mh1),
-                              _mm_unpackhi_ps(mh0, mh1)};
+        __m128 sf[4], mf[4]; /* pair-major: the rows' pair sums, their mins sums */
+        kq_t4_pairs(u, sf);
+        kq_t4_mins(m01, m23, mf);
         /* dword 0 of each header is (d, dmin): [d0m0 d2m2 . . | d1m1 d3m3 . .] -> qwords 0, 2 */
         const __m128i dq = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_unpacklo_epi32(h01, h23), _MM_SHUFFLE(3, 1, 2, 0)));
         const __m256 dm = _mm256_cvtph_ps(_mm_shuffle_epi8(dq, dsel));

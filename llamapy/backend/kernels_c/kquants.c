@@ -272,23 +272,11 @@ static inline __m256i kq_dot32(__m256i w, const int8_t *q8, __m256i sc16) {
 }
 
 /* Q4_K/Q5_K 12 scale bytes -> (scales lo, scales hi, mins lo, mins hi) as four little-endian
- * words of 4 six-bit values, the same packing ggml's kmask code produces */
-static inline __m128i kq_scale_min_k4_vec(const uint8_t *q) {
-    uint32_t a, b, c;
-    memcpy(&a, q, 4);
-    memcpy(&b, q + 4, 4);
-    memcpy(&c, q + 8, 4);
-    const uint32_t sc_lo = a & 0x3f3f3f3fu;
-    const uint32_t sc_hi = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
-    const uint32_t mn_lo = b & 0x3f3f3f3fu;
-    const uint32_t mn_hi = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
-    return _mm_set_epi32((int)mn_hi, (int)mn_lo, (int)sc_hi, (int)sc_lo);
-}
-
-/* kq_scale_min_k4_vec's four words from a block's first 16 bytes (d, dmin, the 12 scale bytes
- * a, b, c as dwords 1-3) in vector registers, per 128-bit lane (two blocks at once): [a & 0x3f..,
- * (c & 0x0f..) | ((a >> 6) & 3..) << 4, b & 0x3f.., ((c >> 4) & 0x0f..) | ((b >> 6) & 3..) << 4] */
-static inline __m256i kq_gv_scale_min_k4x2(__m256i v) {
+ * words of 4 six-bit values, the same packing ggml's kmask code produces; from a block's first
+ * 16 bytes (d, dmin, the 12 scale bytes a, b, c as dwords 1-3) per 128-bit lane (two blocks at
+ * once): [a & 0x3f.., (c & 0x0f..) | ((a >> 6) & 3..) << 4, b & 0x3f.., ((c >> 4) & 0x0f..) |
+ * ((b >> 6) & 3..) << 4] */
+static inline __m256i kq_scale_min_k4_x2(__m256i v) {
     const __m256i acbc = _mm256_shuffle_epi32(v, _MM_SHUFFLE(3, 2, 3, 1)), aabb = _mm256_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 1, 1));
     const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(acbc, _mm256_setr_epi32(0, 0, 0, 4, 0, 0, 0, 4)),
                                         _mm256_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f,
@@ -298,9 +286,9 @@ static inline __m256i kq_gv_scale_min_k4x2(__m256i v) {
     return _mm256_or_si256(lo, hi);
 }
 
-/* one block's (the low lane's) */
-static inline __m128i kq_gv_scale_min_k4(const block_q4_K *x) {
-    return _mm256_castsi256_si128(kq_gv_scale_min_k4x2(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)x))));
+/* one Q4_K or Q5_K block's (the same first 16 bytes) */
+static inline __m128i kq_scale_min_k4_vec(const void *block) {
+    return _mm256_castsi256_si128(kq_scale_min_k4_x2(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)block))));
 }
 
 /* Q3_K 12 scale bytes -> 16 int8 scales (-32..31) */
@@ -316,11 +304,15 @@ static inline __m128i kq_scales_q3_vec(const uint8_t *q) {
     return _mm_sub_epi8(_mm_set_epi32((int)s3, (int)s2, (int)s1, (int)s0), _mm_set1_epi8(32));
 }
 
+/* a q8_K block's 16 bsums summed per 32 elements: 8 int16 */
+static inline __m128i kq_bs32(const int16_t *bsums) {
+    const __m256i bs = _mm256_loadu_si256((const __m256i *)bsums);
+    return _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+}
+
 /* mins . (bsums summed per 32 elements): 8 int16 mins (upper lane of mins_scales) -> 4 int32 */
 static inline __m128i kq_mins_dot(__m256i mins_scales16, const int16_t *bsums) {
-    const __m256i bs = _mm256_loadu_si256((const __m256i *)bsums);
-    const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-    return _mm_madd_epi16(_mm256_extracti128_si256(mins_scales16, 1), bs32);
+    return _mm_madd_epi16(_mm256_extracti128_si256(mins_scales16, 1), kq_bs32(bsums));
 }
 
 /* integer sums (exact in any order) */
@@ -782,7 +774,7 @@ KQ_INLINE float kq_dot_q4_K(int nb, const block_q4_K *restrict x, const block_q8
     const __m512i idx45 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(4)), _mm256_set1_epi16(5), 1);
     const __m512i idx67 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(6)), _mm256_set1_epi16(7), 1);
     for (int i = 0; i < nb; ++i) {
-        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x + i));
         const __m512i sc = _mm512_castsi256_si512(ms16); /* scales in int16 lanes 0..7 */
         const int8_t *q8 = y[i].qs;
         /* 64 bytes of qs: low nibbles = sub-blocks 0 | 2, high = 1 | 3; regroup to 0 | 1, 2 | 3 */
@@ -805,7 +797,7 @@ KQ_INLINE float kq_dot_q4_K(int nb, const block_q4_K *restrict x, const block_q8
 #elif defined(__AVX2__)
     const __m256i m4 = _mm256_set1_epi8(0xF);
     for (int i = 0; i < nb; ++i) {
-        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x + i));
         const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms16));
         const uint8_t *q4 = x[i].qs;
         const int8_t *q8 = y[i].qs;
@@ -874,7 +866,7 @@ KQ_API void lp_vec_dot_q5_K_q8_K(int n, float *restrict s, const void *restrict 
     const __m512i sh67 = _mm512_setr_epi64(2, 2, 2, 2, 3, 3, 3, 3);
     float acc = 0.0f;
     for (int i = 0; i < nb; ++i) {
-        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x + i));
         const int32_t M = kq_hsum_epi32_128(kq_mins_dot(ms16, y[i].bsums));
         const __m512i sc = _mm512_castsi256_si512(ms16);
 
@@ -910,7 +902,7 @@ KQ_API void lp_vec_dot_q5_K_q8_K(int n, float *restrict s, const void *restrict 
     const __m256i m16 = _mm256_set1_epi8(16);
     float acc = 0.0f;
     for (int i = 0; i < nb; ++i) {
-        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x + i));
         const int32_t M = kq_hsum_epi32_128(kq_mins_dot(ms16, y[i].bsums));
         const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms16));
 
@@ -1215,7 +1207,7 @@ KQ_INLINE void kq_gemm_q4_K_row(int nb, float *s, int64_t ld_s, const block_q4_K
     float acc[LP_GEMM_COLS], accm[LP_GEMM_COLS];
     for (int c = 0; c < nc; ++c) acc[c] = 0.0f, accm[c] = 0.0f;
     for (int i = 0; i < nb; ++i) {
-        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x + i));
         __m512i scp[4], w[4];
         kq_scale_pairs512(ms16, scp);
         kq_decode_q4_K(x + i, w);
@@ -1237,7 +1229,7 @@ KQ_INLINE void kq_gemm_q5_K_row(int nb, float *s, int64_t ld_s, const block_q5_K
     float acc[LP_GEMM_COLS];
     for (int c = 0; c < nc; ++c) acc[c] = 0.0f;
     for (int i = 0; i < nb; ++i) {
-        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x[i].scales));
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x + i));
         __m512i scp[4], w[4];
         kq_scale_pairs512(ms16, scp);
         kq_decode_q5_K(x + i, w);
@@ -1309,10 +1301,8 @@ KQ_INLINE void kq_act8_fill(int i0, int kc, const uint8_t *y, int64_t y_bytes, k
             const block_q8_K *yc = KQ_COL(y, y_bytes, c, i0 + i);
             for (int k = 0; k < 4; ++k)
                 _mm512_store_si512((void *)(a->qs[i][c] + 64 * k), _mm512_loadu_si512((const void *)(yc->qs + 64 * k)));
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)yc->bsums);
-            _mm256_store_si256((__m256i *)a->bsums[i][c], bs);
-            _mm_store_si128((__m128i *)&a->bs32[i][c >> 2][8 * (c & 3)],
-                            _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1)));
+            _mm256_store_si256((__m256i *)a->bsums[i][c], _mm256_loadu_si256((const __m256i *)yc->bsums));
+            _mm_store_si128((__m128i *)&a->bs32[i][c >> 2][8 * (c & 3)], kq_bs32(yc->bsums));
             a->yd[i][c] = yc->d;
             for (int k = 0; k < 4; ++k) a->ydm[i][c >> 2][4 * (c & 3) + k] = yc->d;
         }
@@ -1375,7 +1365,7 @@ KQ_INLINE void kq_load_panel(const kq_panel *p, __m512i w[4], __m512i *sc01, __m
 /* Q4_K / Q5_K: one block decoded into p */
 #define KQ_Q45_PANEL(type)                                                                                      \
     KQ_INLINE void kq_panel_##type(const block_##type *x, kq_panel *p) {                                        \
-        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x->scales));                              \
+        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x));                              \
         __m512i scp[4], w[4];                                                                                   \
         kq_scale_pairs512(ms16, scp);                                                                           \
         kq_decode_##type(x, w);                                                                                 \
@@ -1392,7 +1382,7 @@ KQ_Q45_PANEL(q5_K)
  * 128 bits, lanes 0-1 (elements 0-7 of a sub-block) (sc[4q] x 4, sc[4q+2] x 4), lanes 2-3 (elements
  * 8-15) (sc[4q+1] x 4, sc[4q+3] x 4) */
 KQ_INLINE void kq_panel_q4_K(const block_q4_K *x, kq_panel *p) {
-    const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x->scales));
+    const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x));
     __m512i w[4];
     kq_decode_q4_K(x, w);
     for (int k = 0; k < 4; ++k) _mm512_store_si512((void *)&p->w[k], w[k]);
@@ -1726,7 +1716,7 @@ typedef kq_q4p kq_q5p; /* Q5_K's entries: the quants with their fifth bit (0..31
 
 /* the scales, mins, d and dmin of a Q4_K or Q5_K block (the same first 16 bytes) into p */
 KQ_INLINE void kq_q45p_head(const block_q4_K *x, kq_q4p *p) {
-    const __m128i sm8 = kq_gv_scale_min_k4(x);
+    const __m128i sm8 = kq_scale_min_k4_vec(x);
     const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm8));
     for (int k = 0; k < 8; ++k) _mm256_store_si256(&p->sc[k], kq_scale16_bcast(sc, k));
     _mm256_store_si256(&p->mins, _mm256_broadcastsi128_si256(_mm_unpackhi_epi8(sm8, _mm_setzero_si128())));
@@ -1782,8 +1772,7 @@ KQ_INLINE void kq_q5p_fill(const block_q5_K *x, kq_q5p *p) {
 KQ_INLINE void kq_q4c_fill(int i, const block_q8_K *const yc[4], kq_q4c *c) {
     __m128i bs32[4];
     for (int k = 0; k < 4; ++k) {
-        const __m256i bs = _mm256_loadu_si256((const __m256i *)yc[k][i].bsums);
-        bs32[k] = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+        bs32[k] = kq_bs32(yc[k][i].bsums);
         c->yd[k] = yc[k][i].d;
     }
     _mm256_store_si256(&c->bs01, _mm256_setr_m128i(bs32[0], bs32[1]));
@@ -1949,8 +1938,7 @@ KQ_INLINE void kq_gv_q4_K_prep(int nb, const block_q8_K *y, kq_gv_q4 *a) {
             a[i].q[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)o)),
                                            _mm256_loadu_si256((const __m256i *)(o + 64)), 1);
         }
-        const __m256i bs = _mm256_loadu_si256((const __m256i *)y[i].bsums);
-        a[i].bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+        a[i].bs32 = kq_bs32(y[i].bsums);
         a[i].d = y[i].d;
     }
 }
@@ -1965,7 +1953,7 @@ KQ_INLINE float kq_gv_q4_K_row(int nb, const block_q4_K *x, const kq_gv_q4 *a) {
     const __m512i i02 = KQ_GV_IDX(0, 2), i13 = KQ_GV_IDX(1, 3), i46 = KQ_GV_IDX(4, 6), i57 = KQ_GV_IDX(5, 7);
     float acc = 0.0f, accm = 0.0f;
     for (int i = 0; i < nb; ++i) {
-        const __m128i sm8 = kq_gv_scale_min_k4(x + i); /* 8 scales, 8 mins */
+        const __m128i sm8 = kq_scale_min_k4_vec(x + i); /* 8 scales, 8 mins */
         const __m128i mins = _mm_unpackhi_epi8(sm8, _mm_setzero_si128());
         const __m512i sc = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm8)); /* the 8 int16 scales in each 128 bits */
         const __m512i b0 = _mm512_loadu_si512((const void *)x[i].qs);
@@ -2002,7 +1990,7 @@ KQ_INLINE void kq_gv_q4_K_rows4(int nb, const uint8_t *w, int64_t row_bytes, con
         __m128i mr[4];
         for (int r = 0; r < 4; ++r) {
             const block_q4_K *xb = x[r] + i;
-            const __m128i sm8 = kq_gv_scale_min_k4(xb);
+            const __m128i sm8 = kq_scale_min_k4_vec(xb);
             mr[r] = _mm_madd_epi16(_mm_unpackhi_epi8(sm8, _mm_setzero_si128()), a[i].bs32);
             const __m512i sc = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm8));
             const __m512i b0 = _mm512_loadu_si512((const void *)xb->qs);
@@ -2079,7 +2067,7 @@ KQ_INLINE void kq_gv_q4_K_rows4(int nb, const uint8_t *w, int64_t row_bytes, con
                                                     _mm_loadu_si128((const __m128i *)(x[1] + i)), 1);
         const __m256i h23 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(x[2] + i))),
                                                     _mm_loadu_si128((const __m128i *)(x[3] + i)), 1);
-        const __m256i sm01 = kq_gv_scale_min_k4x2(h01), sm23 = kq_gv_scale_min_k4x2(h23); /* 8 scales, 8 mins a lane */
+        const __m256i sm01 = kq_scale_min_k4_x2(h01), sm23 = kq_scale_min_k4_x2(h23); /* 8 scales, 8 mins a lane */
         /* [M pairs 0-3 of row 0 | of row 1], [rows 2 | 3] */
         const __m256 m01 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_unpackhi_epi8(sm01, zero), bs32x2[i]));
         const __m256 m23 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_unpackhi_epi8(sm23, zero), bs32x2[i]));
@@ -2120,10 +2108,7 @@ KQ_API void lp_gemv_q4_K_q8_K(int n, float *restrict s, const void *restrict w, 
     int r = 0;
     if (nb <= KQ_GV_MAX_NB && nr >= 4) {
         __m256i bs32x2[nb > 0 ? nb : 1];
-        for (int i = 0; i < nb; ++i) {
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)y[i].bsums);
-            bs32x2[i] = _mm256_broadcastsi128_si256(_mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1)));
-        }
+        for (int i = 0; i < nb; ++i) bs32x2[i] = _mm256_broadcastsi128_si256(kq_bs32(y[i].bsums));
         for (; r + 4 <= nr; r += 4) kq_gv_q4_K_rows4(nb, (const uint8_t *)w + r * row_bytes, row_bytes, y, bs32x2, s + r);
     }
     for (; r < nr; ++r) s[r] = kq_dot_q4_K(nb, (const block_q4_K *)((const uint8_t *)w + r * row_bytes), y);

@@ -1,6 +1,7 @@
 """llama.cpp's own tools, for side-by-side measurements (never a dependency of llamapy).
 
     python bench/llama_cpp.py build                 # download the sdist with pip and build (cached)
+    python bench/llama_cpp.py build --server        # also llama-server (bench/serve_load.py --llama-server)
     python bench/llama_cpp.py where                 # print the tool paths, or why there are none
     python bench/llama_cpp.py bench MODEL           # llama-bench -p 512 -n 128 -t 2 -o json
     python bench/llama_cpp.py completion MODEL      # llama-completion: load time, eval, peak RSS
@@ -168,6 +169,34 @@ def build(jobs: int = 2, timeout: float | None = None) -> dict[str, Path]:
     return tools
 
 
+def find_server() -> Path | None:
+    """llama-server next to the other tools ($LLAMA_CPP_BIN or the cache's build), or None."""
+    tools = find_tools()
+    p = tools["llama-bench"].parent / "llama-server" if tools else None
+    return p if p is not None and p.is_file() and os.access(p, os.X_OK) else None
+
+
+def build_server(jobs: int = 2, timeout: float | None = None) -> Path:
+    """llama-server in the same build directory (after build()): the configuration turned to
+    LLAMA_BUILD_SERVER=ON with the web UI neither built (npm) nor downloaded, so only the
+    server's own sources compile; ggml and the other tools are not rebuilt. Idempotent."""
+    build(jobs=jobs, timeout=timeout)
+    found = find_server()
+    if found:
+        return found
+    with open(cache_dir() / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with open(cache_dir() / "build.log", "a") as logf:
+            ui_off = ["-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
+            _run_logged(["cmake", "-S", str(source_dir()), "-B", str(build_dir()), *ui_off], logf, timeout)
+            _log(f"cmake --build -j{jobs} --target llama-server (log: {cache_dir() / 'build.log'})")
+            _run_logged(["cmake", "--build", str(build_dir()), f"-j{jobs}", "--target", "llama-server"], logf, timeout)
+    found = find_server()
+    if not found:
+        raise RuntimeError(f"the build finished but llama-server is missing from {build_dir() / 'bin'}")
+    return found
+
+
 def ensure(allow_build: bool = True, timeout: float | None = None) -> tuple[dict[str, Path] | None, str]:
     """(tools, note): the tools if found or built, else None and why."""
     tools = find_tools()
@@ -310,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="download the sdist and build llama-bench, llama-completion")
     b.add_argument("-j", "--jobs", type=int, default=2)
+    b.add_argument("--server", action="store_true", help="also build llama-server (no web UI)")
     sub.add_parser("where", help="print the tool paths")
     pb = sub.add_parser("bench", help="llama-bench -p 512 -n 128 -o json")
     pb.add_argument("model")
@@ -322,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.cmd == "build":
         tools = build(jobs=a.jobs)
-        print(json.dumps({k: str(v) for k, v in tools.items()} | {"build": build_info()}, indent=2))
+        server = {"llama-server": str(build_server(jobs=a.jobs))} if a.server else {}
+        print(json.dumps({k: str(v) for k, v in tools.items()} | server | {"build": build_info()}, indent=2))
         return 0
     tools = find_tools()
     if a.cmd == "where":

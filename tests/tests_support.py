@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
+
+
+def bench_module(name: str) -> ModuleType:
+    """bench/<name>.py, loaded afresh as module `bench_<name>`, with bench/ on sys.path while it
+    loads: the scripts import each other (compare.py: llama_cpp, models1b) from there."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # its dataclasses look their module up there
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(REPO / "bench"))
 
 
 def shared(*parts: str) -> Path:

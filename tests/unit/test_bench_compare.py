@@ -4,27 +4,10 @@ and the per-type table's computed columns."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-
-from tests_support import REPO
-
-
-def _load(name: str) -> ModuleType:
-    sys.path.insert(0, str(REPO / "bench"))  # compare.py imports llama_cpp and models1b from there
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules.setdefault(spec.name, mod)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(REPO / "bench"))
+from tests_support import bench_module as _load
 
 
 def test_cpu_flags_name_the_simd_extensions() -> None:

@@ -4,13 +4,12 @@ the llama.cpp build on hosts that report it (without building anything here)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from tests_support import REPO
+from tests_support import REPO, bench_module
 
 # tests that need the default model, each through the default_model fixture
 NEEDS_MODEL = [
@@ -36,24 +35,15 @@ def test_tests_that_need_the_default_model_skip_offline(tmp_path: Path) -> None:
     assert " passed" not in r.stdout  # every one of them skipped
 
 
-def _bench_module():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location("bench_llama_cpp", REPO / "bench" / "llama_cpp.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, mod)  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_bench_finds_shared_next_to_the_checkout_only() -> None:
-    mod = _bench_module()
+    mod = bench_module("llama_cpp")
     assert mod.REFERENCE == REPO.parent / "shared" / "reference" / "smollm2" / "bench.json"
     for path in (REPO / "bench").glob("*.py"):
         assert '"/work/' not in path.read_text(), path  # no machine's absolute path
 
 
 def test_llama_cpp_build_flags_keep_amx_out_where_reported() -> None:
-    mod = _bench_module()
+    mod = bench_module("llama_cpp")
     intel = "processor\t: 0\nflags\t\t: fpu sse avx512f avx512_vnni amx_bf16 amx_tile amx_int8\n"
     amd = "processor\t: 0\nflags\t\t: fpu sse avx2 fma\n"
     no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"

@@ -101,20 +101,21 @@ def use_sgemm(qtype: GGMLType, n_out: int, n_in: int, n_tokens: int, q8: bool = 
     runs as float32 tiles + sgemm rather than as the per-block kernels: the one decision for the
     CPU backend (QMatrix.matmul) and the BLAS backend (which claims these products). `q8`: the
     context's mode ("q8" unless --f32-activations; the BLAS backend asks for the default)."""
-    if kernels() == "numpy":
+    # the library looked up once: the scheduler and the executor ask ~1300 times a new graph shape
+    if (lib := native.lib()) is None:
         return True
     if qtype == GGMLType.F32:
         return n_tokens >= 2  # already float32: no expansion to pay for
-    if q8 and _has_gemm(qtype):
+    if q8 and _has_gemm(qtype, lib):
         return False  # the multi-column q8 kernel beats tiles + sgemm at every batch (Q8_GEMM)
     return n_tokens >= SGEMM_MIN_TOKENS
 
 
-def _has_gemm(qtype: GGMLType) -> bool:
-    """Whether `qtype` is in Q8_GEMM and the loaded library has its multi-column kernel
+def _has_gemm(qtype: GGMLType, lib: Any) -> bool:
+    """Whether `qtype` is in Q8_GEMM and the kernel library `lib` has its multi-column kernel
     (the portable build has none: one vec_dot per output loses to sgemm from ~16 tokens)."""
     name = Q8_GEMM.get(qtype)
-    return name is not None and hasattr(native.lib(), name)
+    return name is not None and hasattr(lib, name)
 
 
 def _threads(n_threads: int) -> int:

@@ -313,6 +313,8 @@ def main() -> None:
                     if ref:  # llama-server's round k, right after llamapy's
                         r_seq, a, r_conc, b = await one_round(ref_client, ref[1], questions, args.n)
                         ref_rounds.append((a, b))
+                        if not ref_conc:  # round 1's, for TTFT and ITL
+                            ref_conc.extend(r_conc)
                         ref_differ.update(i for i, (x, y) in enumerate(zip(r_seq, r_conc)) if x.text != y.text)
                     if k < args.rounds - 1:
                         again, a, more, b = await one_round(client, url, questions, args.n)
@@ -325,6 +327,7 @@ def main() -> None:
         later: list[int] = []  # requests of the later rounds whose text differs from round 1's
         ref_rounds: list[tuple[float, float]] = []  # llama-server's
         ref_differ: set[int] = set()  # requests whose concurrent text differs from the sequential one there
+        ref_conc: list[Result] = []
         seq, t_seq, pairs, conc, t_conc = asyncio.run(run())
         slots = httpx.get(url + "/slots", timeout=10).json()
     finally:
@@ -373,7 +376,10 @@ def main() -> None:
               f"speed-up {float(np.median(ref_ratios)):.2f}x (range {ref_ratios[0]:.2f}-{ref_ratios[-1]:.2f}; walls "
               f"{', '.join(f'{a:.2f}/{b:.2f}' for a, b in ref_rounds)} s); concurrent tokens/s, medians: "
               f"llamapy {mine:.1f}, llama-server {theirs:.1f} ({mine / theirs:.2f}x); its concurrent texts that "
-              f"differ from its own one-after-another ones: {sorted(ref_differ) or 'none'}")  # fmt: skip
+              f"differ from its own one-after-another ones: {sorted(ref_differ) or 'none'}; its concurrent TTFT ms "
+              f"(round 1): p50 {pct([r.t_first for r in ref_conc], 50):.1f}, p99 {pct([r.t_first for r in ref_conc], 99):.1f}; "
+              f"ITL ms: p50 {pct([x for r in ref_conc for x in r.itl], 50):.1f}, "
+              f"p99 {pct([x for r in ref_conc for x in r.itl], 99):.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ against one server with -np slots, compared with the same requests one after ano
    (one chunk a token) read by a bare asyncio client, the same read by httpx, and the same
    through the engine alone of (1); the server's overhead per token is the median of the
    differences from the engine alone (one request swings by ~2 ms on 2 cores: the event loop,
-   the client and the kernels' threads share them). The bare client's figure is the server's
-   own: httpx's parsing alone takes ~0.5 ms of CPU a chunk from the same 2 cores.
+   the client and the kernels' threads share them). The bare client takes the least CPU from the
+   cores the server needs (httpx's parsing takes ~0.5 ms a chunk), so its figure is the closer
+   to the server's own overhead.
 3. All requests at once (asyncio + httpx): every text must equal its own sequential one (a
    difference is reported with its index; batched and single decoding may legitimately differ
    where two top logits tie); tokens/s against the sequential run; p50/p99 of time to first token
@@ -43,6 +44,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -142,25 +144,29 @@ async def chat_bare(url: str, question: str, n: int, per_token: bool = False) ->
     return res
 
 
-def start_server(model: Path, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
+def start(cmd: list[str], log: Path, url: str | None = None, **popen: Any) -> tuple[subprocess.Popen, str]:
+    """Start a server (stderr into `log`) and wait up to 300 s for its /health to answer 200: at
+    `url`, or at the address `llamapy serve` logs once it listens (it picks its free port)."""
     fh = open(log, "wb")  # noqa: SIM115 - lives as long as the server
-    cmd = [sys.executable, "-m", "llamapy", "serve", str(model), "--port", "0", "-np", str(args.np),
-           "-c", str(args.c), "-t", str(args.t), "--queue", str(args.requests), "--metrics"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=fh)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=fh, **popen)
     deadline = time.monotonic() + 300
-    url = ""
     while time.monotonic() < deadline and proc.poll() is None:
-        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", log.read_text(errors="replace"))
-        if m:
-            url = m.group(1)
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    return proc, url
-            except httpx.TransportError:
-                pass
+        m = None if url else re.search(r"listening on (http://127\.0\.0\.1:\d+)", log.read_text(errors="replace"))
+        at = url or (m.group(1) if m else "")
+        try:
+            if at and httpx.get(at + "/health", timeout=5).status_code == 200:
+                return proc, at
+        except httpx.TransportError:
+            pass
         time.sleep(0.2)
     proc.kill()
-    raise SystemExit(f"the server did not start:\n{log.read_text(errors='replace')}")
+    raise SystemExit(f"{' '.join(cmd[:4])} did not start:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def start_server(model: Path, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "llamapy", "serve", str(model), "--port", "0", "-np", str(args.np),
+           "-c", str(args.c), "-t", str(args.t), "--queue", str(args.requests), "--metrics"]  # fmt: skip
+    return start(cmd, log, cwd=REPO)
 
 
 def start_llama_server(binary: Path, model: Path, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
@@ -169,21 +175,9 @@ def start_llama_server(binary: Path, model: Path, args: argparse.Namespace, log:
     with socket.socket() as s:  # a free loopback port (the server binds it a moment later)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    fh = open(log, "wb")  # noqa: SIM115 - lives as long as the server
     cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(args.np),
            "-c", str(args.c * args.np), "-t", str(args.t or os.cpu_count() or 1), "--metrics"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=fh)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"llama-server did not start:\n{log.read_text(errors='replace')[-3000:]}")
+    return start(cmd, log, f"http://127.0.0.1:{port}")
 
 
 async def one_round(
@@ -240,6 +234,12 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs) * 1e3, q)) if xs else float("nan")
 
 
+def latency(results: list[Result]) -> str:
+    """p50 / p99 of time to first token and of inter-token latency, in ms."""
+    ttft, itl = [r.t_first for r in results], [x for r in results for x in r.itl]
+    return f"TTFT ms: p50 {pct(ttft, 50):.1f}, p99 {pct(ttft, 99):.1f}; ITL ms: p50 {pct(itl, 50):.1f}, p99 {pct(itl, 99):.1f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None)
@@ -278,7 +278,7 @@ def main() -> None:
     ref = start_llama_server(ref_bin, args.model, args, log.with_suffix(".llama-server.log")) if ref_bin else None
     try:
 
-        async def run() -> tuple[list[Result], float, list[tuple[float, ...]], list[Result], float]:
+        async def run() -> tuple[list[Result], float, list[tuple[float, float, float]], list[Result], float]:
             limits = httpx.Limits(max_connections=args.requests + 4)
             # llama-server (cpp-httplib) closes a kept-alive connection after a few requests, which
             # httpx would then reuse and fail on: a fresh connection for each of its requests
@@ -298,11 +298,12 @@ def main() -> None:
                 # (server with the bare client, with httpx, engine alone) seconds per token,
                 # alternately: the same request, the cores otherwise idle for each (the server
                 # waits while this process decodes)
-                pairs = []
+                triples = []
                 for _ in range(args.overhead_reps):
                     bare = await chat_bare(url, questions[0], args.n, per_token=True)
                     via = await chat(client, url, questions[0], args.n, per_token=True)
-                    pairs.append((*((r.wall - r.t_first) / max(1, args.n - 1) for r in (bare, via)), alone.per_token()))
+                    per_tok = [(r.wall - r.t_first) / max(1, args.n - 1) for r in (bare, via)]
+                    triples.append((per_tok[0], per_tok[1], alone.per_token()))
                 p2 = await prompt_tokens(client, url)
                 t0 = time.perf_counter()
                 conc = await asyncio.gather(*(chat(client, url, q, args.n) for q in questions))
@@ -320,7 +321,7 @@ def main() -> None:
                         again, a, more, b = await one_round(client, url, questions, args.n)
                         rounds.append((a, b))
                         later.extend(i for i, r in enumerate(again + more) if r.text != seq[i % len(seq)].text)
-                return seq, t_seq, pairs, list(conc), t_conc
+                return seq, t_seq, triples, list(conc), t_conc
 
         evaluated: list[float] = []
         rounds: list[tuple[float, float]] = []  # (one after another, concurrent) wall seconds
@@ -328,7 +329,7 @@ def main() -> None:
         ref_rounds: list[tuple[float, float]] = []  # llama-server's
         ref_differ: set[int] = set()  # requests whose concurrent text differs from the sequential one there
         ref_conc: list[Result] = []
-        seq, t_seq, pairs, conc, t_conc = asyncio.run(run())
+        seq, t_seq, triples, conc, t_conc = asyncio.run(run())
         slots = httpx.get(url + "/slots", timeout=10).json()
     finally:
         for p in (proc, ref[0]) if ref else (proc,):
@@ -339,10 +340,8 @@ def main() -> None:
     mismatches = [i for i, (a, b) in enumerate(zip(seq, conc)) if a.text != b.text]
     lost = [i for i, r in enumerate(conc) if not r.text]
     # from the first content chunk to the end of the stream, as for the engine alone
-    bare_ms, httpx_ms, engine_ms = (np.array(x) * 1e3 for x in zip(*pairs))
+    bare_ms, httpx_ms, engine_ms = (np.array(x) * 1e3 for x in zip(*triples))
     over, over_httpx = bare_ms - engine_ms, httpx_ms - engine_ms
-    ttft = [r.t_first for r in conc]
-    itl = [x for r in conc for x in r.itl]
     print(f"## serve_load: {args.requests} streaming chats, -np {args.np}, -n {args.n}, -c {args.c} per slot, model {args.model.name}")
     print()
     print("| | wall s | tokens/s |")
@@ -360,9 +359,8 @@ def main() -> None:
         print(f"- speed-up: {t_seq / t_conc:.2f}x")
     print(f"- completed: {sum(1 for r in conc if r.text)}/{len(conc)}; lost: {lost or 'none'}; "
           f"differ from their single-request output: {mismatches or 'none'}")  # fmt: skip
-    print(f"- concurrent TTFT ms: p50 {pct(ttft, 50):.1f}, p99 {pct(ttft, 99):.1f}; "
-          f"ITL ms: p50 {pct(itl, 50):.1f}, p99 {pct(itl, 99):.1f}")  # fmt: skip
-    print(f"- per token, one request ({len(pairs)} triples, medians): engine alone {np.median(engine_ms):.2f} ms, "
+    print(f"- concurrent {latency(conc)}")
+    print(f"- per token, one request ({len(triples)} triples, medians): engine alone {np.median(engine_ms):.2f} ms, "
           f"through HTTP/SSE {np.median(bare_ms):.2f} ms (bare asyncio client) / {np.median(httpx_ms):.2f} ms (httpx); "
           f"server overhead {np.median(over):+.2f} ms/token (each: {', '.join(f'{o:+.2f}' for o in over)}), "
           f"with httpx's parsing on the same cores {np.median(over_httpx):+.2f}")  # fmt: skip
@@ -376,10 +374,8 @@ def main() -> None:
               f"speed-up {float(np.median(ref_ratios)):.2f}x (range {ref_ratios[0]:.2f}-{ref_ratios[-1]:.2f}; walls "
               f"{', '.join(f'{a:.2f}/{b:.2f}' for a, b in ref_rounds)} s); concurrent tokens/s, medians: "
               f"llamapy {mine:.1f}, llama-server {theirs:.1f} ({mine / theirs:.2f}x); its concurrent texts that "
-              f"differ from its own one-after-another ones: {sorted(ref_differ) or 'none'}; its concurrent TTFT ms "
-              f"(round 1): p50 {pct([r.t_first for r in ref_conc], 50):.1f}, p99 {pct([r.t_first for r in ref_conc], 99):.1f}; "
-              f"ITL ms: p50 {pct([x for r in ref_conc for x in r.itl], 50):.1f}, "
-              f"p99 {pct([x for r in ref_conc for x in r.itl], 99):.1f}")  # fmt: skip
+              f"differ from its own one-after-another ones: {sorted(ref_differ) or 'none'}; its concurrent "
+              f"{latency(ref_conc)} (round 1)")  # fmt: skip
 
 
 if __name__ == "__main__":

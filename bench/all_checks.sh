@@ -11,8 +11,9 @@
 #    history for the f16, q8_0 and q4_0 caches;
 # 4. python_time.py three times (Python per decode step);
 # 5. serve_load.py with llama-server beside it.
-# machine.txt records the CPU, its flags and the commit. About 25 minutes on 2 cores, once the
-# builds and files exist (the first build of llama.cpp adds ~6 minutes, the 1B files ~5).
+# machine.txt records the CPU, its flags and the commit. About 10 minutes on 2 cores (9 at stop
+# 24), once the builds and files exist (the first build of llama.cpp adds ~10 minutes with its
+# server, the 1B files ~5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${TMPDIR:-/tmp}/llamapy-checks-$(date -u +%Y%m%dT%H%M)}

@@ -3,8 +3,10 @@
 
 The Context picks backends in priority order — GPU, then ACCEL, then CPU (the CPU last, the
 fallback for every op) — creates the scheduler and runs every micro-batch through it. Graphs are
-cached by shape `(n_tokens, n_kv, n_outputs)`, so decoding one token at a time builds and plans a
-graph once per 256 cells of history.
+cached by shape `(n_tokens, n_outputs)`: the number of cells attended (llama.cpp's n_kv, the used
+cells padded to 256) is the width of the mask's value, an input, so decoding one token at a time
+builds and plans its graph once, at any length of history (llama.cpp rebuilds its graph when n_kv
+grows).
 """
 
 from __future__ import annotations
@@ -317,7 +319,7 @@ class Context:
     def _alloc_compute(self) -> dict[str, int]:
         """Reserve the planned compute buffers; on OutOfMemoryError none stays allocated."""
         n = self.n_ubatch
-        plan = self.sched.reserve(self.graph(n, self.n_ctx, n).graph)
+        plan = self.sched.reserve(self.graph(n, n).graph)
         try:
             for be in self.backends:
                 size = plan.compute_sizes.get(be.name, 0)
@@ -365,8 +367,8 @@ class Context:
 
     # -- graphs ---------------------------------------------------------------------------
 
-    def graph(self, n_tokens: int, n_kv: int, n_outputs: int) -> ModelGraph:
-        key = (n_tokens, n_kv, n_outputs)
+    def graph(self, n_tokens: int, n_outputs: int) -> ModelGraph:
+        key = (n_tokens, n_outputs)
         g = self._graphs.pop(key, None)
         if g is None:
             if len(self._graphs) > 16:  # prompt tails of many sizes: keep the cache small
@@ -375,7 +377,7 @@ class Context:
                 for old in list(self._graphs.values())[:8]:
                     self.sched.forget(old.graph)
                 self._graphs = dict(list(self._graphs.items())[8:])
-            g = build_graph(self.model.params, self.model.weights, self.kv, n_tokens, n_kv, n_outputs)
+            g = build_graph(self.model.params, self.model.weights, self.kv, n_tokens, n_outputs)
         self._graphs[key] = g
         return g
 
@@ -395,7 +397,7 @@ class Context:
         from .tensor import Op
 
         n = self.n_ubatch
-        plan = self.sched.reserve(self.graph(n, self.n_ctx, n).graph)
+        plan = self.sched.reserve(self.graph(n, n).graph)
         for split in plan.splits:
             be = self.backends[split.backend]
             if type(be) is not CPUBackend or be.cpu_matmul != "q8":
@@ -410,9 +412,8 @@ class Context:
         return True
 
     def plan(self, n_tokens: int, n_outputs: int | None = None) -> Plan:
-        """Plan (without running) the graph of a batch of n_tokens at an empty cache."""
-        n_kv = min(self.n_ctx, max(256, (n_tokens + 255) // 256 * 256))
-        return self.sched.reserve(self.graph(n_tokens, n_kv, n_outputs or n_tokens).graph)
+        """Plan (without running) the graph of a batch of n_tokens."""
+        return self.sched.reserve(self.graph(n_tokens, n_outputs or n_tokens).graph)
 
     # -- decoding -------------------------------------------------------------------------
 
@@ -482,9 +483,8 @@ class Context:
         idx = self.kv.find_slot(n, seq)
         self.kv.commit(idx, pos, seq)
         try:
-            n_kv = self.kv.n_kv(idx)
-            g = self.graph(n, n_kv, len(ids))
-            inputs = g.inputs.values(UBatch(toks, pos, seq, idx, ids, n_kv))
+            g = self.graph(n, len(ids))
+            inputs = g.inputs.values(UBatch(toks, pos, seq, idx, ids, self.kv.n_kv(idx)))
             # only the inputs this graph reads (e.g. no out_ids when every row is an output)
             result = self.sched.compute(g.graph, {t: v for t, v in inputs.items() if g.graph.has(t)})
         except BaseException:
@@ -502,6 +502,4 @@ _FILE_TYPES = {
 
 
 def _file_type_name(ft: int | None) -> str:
-    if ft is None:
-        return "unknown"
-    return _FILE_TYPES.get(int(ft), f"type {ft}")
+    return "unknown" if ft is None else _FILE_TYPES.get(int(ft), f"type {ft}")

@@ -108,6 +108,9 @@ def flash_attn_ext(
     """softmax(q k^T * scale + mask) v over grouped heads (ggml_flash_attn_ext).
 
     q (n_tokens, n_head, hd), k/v (n_kv, n_head_kv, hd), mask (n_tokens, n_kv) -> (n_tokens, n_head, hd).
+    The mask's value may be narrower than its tensor, (n_tokens, n <= n_kv): the op then attends to
+    the first n cells. So k/v can view the whole cache, and the number of cells a micro-batch
+    attends to is an input of the graph, not part of its shape (ggml pads and rebuilds instead).
     """
     n_tokens, n_head, hd = q.shape
     if n_head % k.shape[1]:

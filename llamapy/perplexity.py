@@ -310,9 +310,7 @@ class PerplexityEstimate:
             return float("nan")
         mean = self.nll / self.count
         var = self.nll2 / self.count - mean * mean
-        if var <= 0:
-            return float("nan")
-        return math.sqrt(var / (self.count - 1)) * math.exp(mean)
+        return float("nan") if var <= 0 else math.sqrt(var / (self.count - 1)) * math.exp(mean)
 
 
 def format_running(history: Sequence[float], start: int = 1) -> str:
@@ -340,9 +338,7 @@ def _mean_and_uncertainty(s: float, s2: float, count: int) -> tuple[float, float
 
 
 def _covariance(sa: float, sb: float, sab: float, count: int) -> float:
-    if count < 10:
-        return 0.0
-    return (sab / count - (sa / count) * (sb / count)) / (count - 1)
+    return 0.0 if count < 10 else (sab / count - (sa / count) * (sb / count)) / (count - 1)
 
 
 def _percentile(values: np.ndarray, fraction: float) -> float:

@@ -21,7 +21,7 @@ import numpy as np
 from .backend.interface import Buffer, BufferUsage, Registry
 from .backend import ray as rb
 from .backend.ray import check_params, check_shape, check_type, build_graph
-from .tensor import Tensor, TensorFlag
+from .tensor import Op, Tensor, TensorFlag
 from .types import LlamapyError
 
 def _cache_dir() -> Path:
@@ -205,11 +205,13 @@ class DeviceActor:
         if len(values) != len(inputs):
             raise ValueError(f"graph {gid}: {len(values)} inputs for {len(inputs)}")
         env: dict[Tensor, Any] = {}
+        masks = {n.src[3] for n in nodes if n.op is Op.FLASH_ATTN_EXT}  # narrower values: ops.flash_attn_ext
         for t, v, pick in zip(inputs, values, picks):
             a = v[pick] if pick >= 0 else v
-            if not isinstance(a, np.ndarray) or a.size != t.n_elements:
+            narrow = t in masks and isinstance(a, np.ndarray) and a.shape[:-1] == t.shape[:-1] and a.shape[-1] <= t.shape[-1]
+            if not isinstance(a, np.ndarray) or (a.size != t.n_elements and not narrow):
                 raise ValueError(f"input {t.name}: {getattr(a, 'shape', type(a).__name__)} for {list(t.shape)}")
-            env[t] = a.reshape(t.shape) if a.shape != t.shape else a
+            env[t] = a.reshape(t.shape) if a.shape != t.shape and not narrow else a
         if plan:
             self.backend.graph_plan_compute(plan, env)
         else:

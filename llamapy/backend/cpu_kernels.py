@@ -25,7 +25,7 @@ from ..quants import KV_QUANT_TYPES, rotate
 from ..tensor import Op, Tensor
 from ..types import GGMLType
 from . import native
-from .kernels import KERNELS, Kernel, cache_rotation, rope_consts
+from .kernels import KERNELS, Kernel, attended, cache_rotation, rope_consts
 from .qmatmul import kernels
 
 _ptr = native.ptr
@@ -87,6 +87,7 @@ KV_CODES = {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q8_0: 2, GGMLType.Q4_0: 3
 
 def c_flash_attn_ext(node: Tensor, s: list[Any], xp: Any, n_threads: int = 1) -> Any:
     """FLASH_ATTN_EXT in C (lp_attend / lp_attend_f16 / lp_attend_q) on up to n_threads threads."""
+    s = attended(s)
     kt, vt = node.src[1].type, node.src[2].type
     if kt in KV_QUANT_TYPES or vt in KV_QUANT_TYPES:
         return _c_attend_q(node, s, KV_CODES[kt], KV_CODES[vt], n_threads)

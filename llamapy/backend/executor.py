@@ -21,9 +21,11 @@ Threads: each run gets its backend's -t (never more than the cores): one team of
 (kernels_c/team.c, one OpenMP region) walks all the records, sharing out the products, attention
 and a big batch's row-wise ops, with barriers between records; a plan holds no thread state, so
 contexts with different -t share nothing.
-What changes every token (token ids, positions, KV cells, the mask) is copied into the input
-slots before the call; the number of cells attended is part of the graph's shape (the context
-keys its graphs by it), so a new shape means a new plan, never a rebuild per token.
+What changes every token (token ids, positions, KV cells, the mask, the number of cells attended)
+is an input: copied into the input slots before the call. A mask's slot spans the whole cache;
+its value's width is the number of cells attended (ops.flash_attn_ext), written with that row
+length into the slot and into the ATTN records that read it, so one plan serves every length of
+history.
 
 A split the executor cannot compile (an op or a layout it does not know, a weight without a
 repacked layout, a prompt-sized batch that the tile + sgemm path does better: the f32 mode's
@@ -234,10 +236,15 @@ class _Slot:
     strides: tuple[int, ...]  # in bytes
     dtype: np.dtype
 
-    def view(self, arena: Arena) -> np.ndarray:
+    def view(self, arena: Arena, cols: int = 0) -> np.ndarray:
+        """The slot, or with `cols` its first (…, cols) elements as contiguous rows."""
+        shape, strides = self.shape, self.strides
+        if cols:
+            shape = (*shape[:-1], cols)
+            strides = tuple(st * self.dtype.itemsize for st in _cstrides(shape))
         raw = arena.raw
-        return np.ndarray(self.shape, self.dtype, buffer=raw, offset=arena.base - raw.ctypes.data + self.off,  # type: ignore[union-attr]
-                          strides=self.strides)
+        return np.ndarray(shape, self.dtype, buffer=raw, offset=arena.base - raw.ctypes.data + self.off,  # type: ignore[union-attr]
+                          strides=strides)
 
 
 # The record slots that may hold addresses of the arena: 1 (the destination) .. 5 (sources), and
@@ -262,6 +269,7 @@ class ExecPlan:
     n_fused: int
     run: Any  # the C entry point
     pre: list[tuple[_Slot, Any, Tensor]] = field(default_factory=list)  # (slot, matrix, ids)
+    masks: list[tuple[Tensor, _Slot, np.ndarray]] = field(default_factory=list)  # (mask, slot, its ATTN records)
     n_threads: int = 0  # of the last run
     native_s: float = 0.0  # seconds inside the native call, summed over runs (for the timer)
     recs_ptr: int = 0
@@ -286,7 +294,7 @@ class ExecPlan:
             ops[names[int(code)]] = ops.get(names[int(code)], 0) + 1
         counts = " ".join(f"{k}:{v}" for k, v in ops.items())
         return (f"executor: {len(self.recs)} records for {self.n_nodes} nodes ({self.n_fused} fused), "
-                f"arena {self.nbytes / 1024:.0f} KiB, {len(self.inputs)} inputs, "
+                f"arena {self.nbytes / 1024:.0f} KiB, {len(self.inputs) + len(self.masks)} inputs, "
                 f"{len(self.exports)} exports [{counts}]")
 
     def compute(self, env: dict[Tensor, Any], n_threads: int) -> None:
@@ -297,6 +305,12 @@ class ExecPlan:
             self._move(base)
         for t, slot in self.inputs:
             slot.view(arena)[...] = env[t]
+        for t, slot, rows in self.masks:
+            n = (v := env[t]).shape[-1]  # the cells attended: the records' N and mask row length
+            if not 0 < n <= slot.shape[-1]:
+                raise LlamapyError(f"executor: a {list(v.shape)} mask for {list(slot.shape)}")
+            slot.view(arena, n)[...] = v
+            self.recs[rows, 9] = self.recs[rows, 16] = n
         for slot, w, ids in self.pre:
             slot.view(arena)[...] = w.get_rows(env[ids])
         recs = self.recs
@@ -532,9 +546,15 @@ class _Compiler:
 
         try:
             recs = []
+            attn: dict[Tensor, list[int]] = {}  # a mask input -> the ATTN records reading it
             for st in self.steps:
+                if st.code == ATTN and st.node.src[3] in self.inputs:
+                    attn.setdefault(st.node.src[3], []).append(len(recs))
                 recs += self._records(st, loc)
-            inputs = [(t, slot(loc(t))) for t in self.inputs]  # inputs and `pre` rows: arena-owned
+            if any(self.readers[m] != len(rows) for m, rows in attn.items()):
+                raise Refused("a mask read by another op than FLASH_ATTN_EXT")
+            masks = [(t, slot(loc(t)), np.array(rows)) for t, rows in attn.items()]
+            inputs = [(t, slot(loc(t))) for t in self.inputs if t not in attn]  # inputs and `pre` rows: arena-owned
             pre = [(slot(loc(n)), _leaf_value(n.src[0]), n.src[1]) for n in self.pre]
             exports: list[tuple[Tensor, _Slot | np.ndarray]] = []
             for e in self.exports:
@@ -554,7 +574,7 @@ class _Compiler:
         rows, which = np.nonzero(inside)
         moves = (rows, np.array(list(_ADDR_SLOTS) + [10])[which])
         return ExecPlan(table, arena, nbytes, base, moves, inputs, exports, self.keep, len(self.nodes), self.n_fused,
-                        self.lib.lp_exec_run, pre)
+                        self.lib.lp_exec_run, pre, masks)
 
     def _view(self, t: Tensor, src: Loc) -> Loc:
         op = t.op

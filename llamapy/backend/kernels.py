@@ -205,6 +205,7 @@ def rope(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 
 def flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
+    s = attended(s)
     rot_k, rot_v = cache_rotation(node)
     if not (rot_k or rot_v):
         return _flash_attn_ext(node, s, xp)
@@ -212,6 +213,14 @@ def flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
     q = xp.asarray(rotate(_host(xp, s[0]), rot_k)) if rot_k else s[0]
     out = _flash_attn_ext(node, [q, *s[1:]], xp)
     return xp.asarray(rotate(_host(xp, out), rot_v)) if rot_v else out
+
+
+def attended(s: list[Any]) -> list[Any]:
+    """FLASH_ATTN_EXT's values (q, k, v, mask) with K and V cut to the cells attended: the
+    mask's width. The graph's K/V views span the whole cache; how many of its cells a
+    micro-batch attends to is a property of its mask's value (ops.flash_attn_ext)."""
+    q, k, v, mask = s
+    return [q, k[: mask.shape[-1]], v[: mask.shape[-1]], mask]
 
 
 def cache_rotation(node: Tensor) -> tuple[int, int]:
@@ -227,9 +236,9 @@ def _flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
         # integer dot products: the same as float products of the expanded blocks, up to the
         # order of the float sums
         q = xp.asarray(round_trip_q8_0(_host(xp, q)))
-        k = _expand(k, kt, node.src[1].shape, xp)
+        k = _expand(k, kt, node.src[1].shape[-1], xp)
     if vt in KV_QUANT_TYPES:  # ggml expands each V row to f32 (v_to_float) before summing it
-        v = _expand(v, vt, node.src[2].shape, xp)
+        v = _expand(v, vt, node.src[2].shape[-1], xp)
     n_tokens = q.shape[0]
     if n_tokens <= FA_BLOCK:
         return _attend(q, k, v, mask, node.params["scale"], xp)
@@ -248,10 +257,10 @@ def _flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
 FA_BLOCK = 128  # query rows per block of a prompt's attention
 
 
-def _expand(raw: Any, t: GGMLType, shape: tuple[int, ...], xp: Any) -> Any:
-    """A quantized cache view, (N, Hkv, row_bytes_per_head) uint8 -> (N, Hkv, D) float32."""
+def _expand(raw: Any, t: GGMLType, d: int, xp: Any) -> Any:
+    """A quantized cache view, (N, Hkv, row_bytes_per_head) uint8 -> (N, Hkv, d) float32."""
     flat = _host(xp, raw).reshape(-1, raw.shape[-1])  # (N*Hkv, bytes)
-    return xp.asarray(dequantize(flat, t, shape[-1]).reshape(shape))
+    return xp.asarray(dequantize(flat, t, d).reshape(*raw.shape[:2], d))
 
 
 def _attend(q: Any, k: Any, v: Any, mask: Any, scale: float, xp: Any) -> Any:

@@ -272,9 +272,7 @@ class QMatrix:
     def state(self) -> list[np.ndarray] | None:
         """The arrays a repacked matrix is made of (tiles..., tail rows), for a cache file;
         None when the matrix is not repacked (it is then just the file's bytes)."""
-        if self._rp is None:
-            return None
-        return [*self._rp, self.data]
+        return None if self._rp is None else [*self._rp, self.data]
 
     @classmethod
     def from_state(cls, qtype: GGMLType, n_out: int, n_in: int, arrays: list[np.ndarray]) -> QMatrix:

@@ -449,9 +449,7 @@ class RayBackend(Backend):
     def to_host(self, value: Any) -> np.ndarray:
         if isinstance(value, RemoteOut):
             return value.fetch()
-        if isinstance(value, RemoteLeaf):
-            return value.device.fetch_leaf(value.tid)
-        return np.asarray(value)
+        return value.device.fetch_leaf(value.tid) if isinstance(value, RemoteLeaf) else np.asarray(value)
 
     def copy_from(self, src: Backend, value: Any) -> Any | None:
         # another remote split's result: its reference goes on, the bytes stay in the cluster

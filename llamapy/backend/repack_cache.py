@@ -44,9 +44,7 @@ def cache_root() -> Path | None:
     env = os.environ.get("LLAMAPY_REPACK_CACHE", "")
     if env.lower() in ("0", "off", "no"):
         return None
-    if env:
-        return Path(env)
-    return cache_dir() / "repack"
+    return Path(env) if env else cache_dir() / "repack"
 
 
 def max_bytes() -> int:

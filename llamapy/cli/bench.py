@@ -248,7 +248,7 @@ def decode_weight_bytes(model: Any) -> int:
 
     ctx = Context(model, ContextOptions(n_ctx=16, n_batch=16, n_ubatch=16, n_threads=1))
     try:
-        graph = ctx.graph(1, ctx.n_ctx, 1).graph
+        graph = ctx.graph(1, 1).graph
         seen: set[int] = set()
         total = 0
         for node in graph.nodes:

@@ -52,7 +52,7 @@ def compute_sizes(
 ) -> dict[str, int]:
     """Compute-buffer bytes per device name for the worst-case micro-batch graph."""
     n_tokens = min(n_ubatch, n_ctx)
-    g = build_graph(params, weights, kv, n_tokens, n_ctx, n_tokens)
+    g = build_graph(params, weights, kv, n_tokens, n_tokens)
     sched = Scheduler([d.init_backend() for d in devices], op_offload=op_offload)
     return sched.reserve(g.graph).compute_sizes
 

@@ -41,7 +41,7 @@ from ..tensor import Tensor
 from ..types import ContextFullError, GGMLType, OutOfMemoryError, UnsupportedError
 
 CACHE_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0)
-N_KV_PAD = 256  # attend to a multiple of this many cells, so the decode graph keeps its shape
+N_KV_PAD = 256  # attend to a multiple of this many cells, as llama.cpp pads its n_kv
 MAX_SHARE_SEQ = 64  # sequences that can share cells (bits of `share`)
 
 
@@ -144,9 +144,7 @@ class KVCache:
     def _shared(self) -> np.ndarray | None:
         """`share`, or None while no cell is shared (the common case costs nothing)."""
         sh = self.share
-        if len(sh) != self.size or not sh.any():
-            return None
-        return sh
+        return sh if len(sh) == self.size and sh.any() else None
 
     def holds(self, seq_id: int) -> np.ndarray:
         """Which cells sequence `seq_id` holds (owns or shares)."""
@@ -249,7 +247,7 @@ class KVCache:
             self.share[idx] = 0
 
     def n_kv(self, idx: np.ndarray) -> int:
-        """Cells to attend to: up to the last used one, padded so the graph shape is reused."""
+        """Cells to attend to: up to the last used one, padded to N_KV_PAD (llama.cpp's n_kv)."""
         used = np.flatnonzero(self.pos >= 0)
         top = max(int(used[-1]) + 1 if len(used) else 0, int(idx.max()) + 1 if len(idx) else 0)
         return min(self.size, (top + N_KV_PAD - 1) // N_KV_PAD * N_KV_PAD)

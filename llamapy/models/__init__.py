@@ -61,18 +61,12 @@ class ModelGraph:
         return self.inputs.n_tokens
 
     @property
-    def n_kv(self) -> int:
-        return self.inputs.n_kv
-
-    @property
     def n_outputs(self) -> int:
         return self.inputs.n_outputs
 
 
-def build_graph(
-    p: HParams, w: ModelWeights, kv: KVCache, n_tokens: int, n_kv: int, n_outputs: int
-) -> ModelGraph:
+def build_graph(p: HParams, w: ModelWeights, kv: KVCache, n_tokens: int, n_outputs: int) -> ModelGraph:
     """The graph of one micro-batch shape, for whichever architecture `p` is."""
-    g = GraphInputs(kv, n_tokens, n_kv, n_outputs)
+    g = GraphInputs(kv, n_tokens, n_outputs)
     logits = architecture(p.arch).build(p, w, g)
     return ModelGraph(g.gf.output(logits), g, logits)

@@ -41,13 +41,14 @@ def _input(name: str, shape: tuple[int, ...], t: GGMLType = GGMLType.I32) -> Ten
 
 @dataclass
 class GraphInputs:
-    """The inputs of one graph shape `(n_tokens, n_kv, n_outputs)`; `kv` is the cache whose
-    tensors the graph stores to and reads from; `gf` is the graph being built, for builders that
-    fix the order of some nodes early (llm_graph_context's `gf`)."""
+    """The inputs of one graph shape `(n_tokens, n_outputs)`; `kv` is the cache whose tensors
+    the graph stores to and reads from; `gf` is the graph being built, for builders that fix the
+    order of some nodes early (llm_graph_context's `gf`). The graph's K/V views span all of the
+    cache's `kv.size` cells; a micro-batch attends to the first `UBatch.n_kv` of them, its masks' width
+    (ops.flash_attn_ext), so one graph serves every length of history."""
 
     kv: KVCache
     n_tokens: int
-    n_kv: int
     n_outputs: int
     tokens: Tensor = field(init=False)  # (T,) token ids
     pos: Tensor = field(init=False)  # (T,) positions
@@ -64,11 +65,12 @@ class GraphInputs:
         self.out_ids = _input("inp_out_ids", (self.n_outputs,))
 
     def kq_mask(self, n_swa: int = 0) -> Tensor:
-        """The (T, N) mask: causal over the batch's sequences, and with `n_swa` > 0 hiding cells
-        `n_swa` or more positions back (llm_graph_input_attn_kv_iswa's second mask)."""
+        """The (T, kv.size) mask, whose values are (T, n_kv): causal over the batch's sequences,
+        and with `n_swa` > 0 hiding cells `n_swa` or more positions back
+        (llm_graph_input_attn_kv_iswa's second mask)."""
         m = self.masks.get(n_swa)
         if m is None:
-            m = _input("kq_mask_swa" if n_swa else "kq_mask", (self.n_tokens, self.n_kv), GGMLType.F32)
+            m = _input("kq_mask_swa" if n_swa else "kq_mask", (self.n_tokens, self.kv.size), GGMLType.F32)
             self.masks[n_swa] = m
         return m
 

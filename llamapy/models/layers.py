@@ -56,7 +56,7 @@ def attention(
     rope with the layer's base, the sliding-window mask on a sliding-window layer, and the
     output projection. `q_scale` multiplies Q (a SCALE node, as gemma3 does) and then the
     attention runs at scale 1; by default the attention scales by 1/sqrt(D)."""
-    T, H, Hkv, D, Dv, N = g.n_tokens, p.n_head_arr[il], p.n_head_kv_arr[il], p.head_dim, p.head_dim_v, g.n_kv
+    T, H, Hkv, D, Dv, N = g.n_tokens, p.n_head_arr[il], p.n_head_kv_arr[il], p.head_dim, p.head_dim_v, g.kv.size
     q, k, v = qkv(p, w, x, il)
     q = ops.reshape(q, (T, H, D), f"Qcur-{il} (reshaped)")  # (T, H, D)
     k = ops.reshape(k, (T, Hkv, D), f"Kcur-{il} (reshaped)")  # (T, Hkv, D)
@@ -75,7 +75,8 @@ def attention(
     # Q, V, K and then both cache stores go into the graph together (build_attn's order): a
     # layer whose KV cache is on the host then needs one switch there and back, not two
     g.gf.expand(q, v, k)
-    # store this batch's K/V rows in the cache, then attend to the first N cells of it
+    # store this batch's K/V rows in the cache; the views span all N cells, and the attention reads
+    # the first n_kv of them, its mask's width (ops.flash_attn_ext)
     kv = g.kv
     k2 = ops.reshape(k, (T, Hkv * D), f"Kcur-{il} (rows)")  # (T, Hkv*D)
     k_all = ops.set_rows(kv.k[il], g.kv_idx, k2, f"k_cache_store-{il}")

@@ -38,9 +38,7 @@ class Split:
 def _usable_without_copy(backends: Sequence[Backend], a: Assignment, src: Tensor, b: int) -> bool:
     dev = backends[b].device
     buf = src.root().buffer
-    if buf is not None:
-        return dev.supports_buft(buf.buft)
-    return dev.supports_buft(backends[a[src]].device.buffer_type())
+    return dev.supports_buft(buf.buft if buf is not None else backends[a[src]].device.buffer_type())
 
 
 def split(graph: Graph, backends: Sequence[Backend], a: Assignment) -> list[Split]:

@@ -106,7 +106,7 @@ def test_prompt_batches_fall_back_to_run_nodes(make_llama, monkeypatch: pytest.M
     exe, ref = _contexts(monkeypatch, model)
     toks = list(range(3, 23))  # 20 tokens: past the executor's MAX_TOKENS
     _same(exe.decode(toks, range(20)), ref.decode(toks, range(20)), q8=False)
-    g = exe.graph(20, 256, 1)
+    g = exe.graph(20, 1)
     plan = exe.sched.reserve(g.graph)
     # CPU splits that hold the batch's rows (the BLAS backend, when there is one, has the big
     # products; the last rows after the output selection may still be compiled)
@@ -119,7 +119,7 @@ def test_prompt_batches_fall_back_to_run_nodes(make_llama, monkeypatch: pytest.M
     dump = exe.sched.dump(g.graph)
     assert f"## PLAN #{cpu[0]}: CPU executor refused: a batch of 20 tokens" in dump
     _same(exe.decode([5], [20]), ref.decode([5], [20]), q8=False)
-    assert "## PLAN #0: CPU executor: " in exe.sched.dump(exe.graph(1, 256, 1).graph)
+    assert "## PLAN #0: CPU executor: " in exe.sched.dump(exe.graph(1, 1).graph)
 
 
 def test_q8_batches_of_any_size_compile(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
@@ -141,14 +141,14 @@ def test_q8_batches_of_any_size_compile(make_llama, monkeypatch: pytest.MonkeyPa
             c.kv.seq_rm(0, 3)
             c.kv.seq_rm(1, 2)
             c.kv.seq_rm(2)
-        plan = exe.sched.reserve(exe.graph(n, 256, 3).graph)
+        plan = exe.sched.reserve(exe.graph(n, 3).graph)
         cpu = [i for i, s in enumerate(plan.splits) if exe.backends[s.backend].name == "CPU"]
         assert cpu and all(isinstance(exe.sched.backend_plan(plan, i), ExecPlan) for i in cpu)
     n = 300
     toks = [1] + [(7 * i) % 250 + 3 for i in range(n - 1)]
     want = [i % 97 == 0 or i == n - 1 for i in range(n)]
     _same(exe.decode(toks, range(n), 3, want), ref.decode(toks, range(n), 3, want))
-    bp = exe.sched.backend_plan(exe.sched.reserve(exe.graph(n, 512, sum(want)).graph), 0)
+    bp = exe.sched.backend_plan(exe.sched.reserve(exe.graph(n, sum(want)).graph), 0)
     assert isinstance(bp, ExecPlan) and bp.n_runs == 1, bp
 
 
@@ -186,7 +186,7 @@ def test_batches_of_9_to_15_tokens_compile(monkeypatch: pytest.MonkeyPatch, make
     exe, ref = _contexts(monkeypatch, model)
     toks = list(range(3, 15))
     _same(exe.decode(toks, range(12)), ref.decode(toks, range(12)))
-    bp = exe.sched.backend_plan(exe.sched.reserve(exe.graph(12, 256, 1).graph), 0)
+    bp = exe.sched.backend_plan(exe.sched.reserve(exe.graph(12, 1).graph), 0)
     assert isinstance(bp, ExecPlan) and bp.n_runs == 1, bp
 
 
@@ -197,7 +197,7 @@ def test_products_without_a_compiled_path_fall_back(make_llama, monkeypatch: pyt
     exe, ref = _contexts(monkeypatch, model)
     np.testing.assert_array_equal(exe.decode([1, 2, 3], [0, 1, 2]), ref.decode([1, 2, 3], [0, 1, 2]))
     np.testing.assert_array_equal(exe.decode([4], [3]), ref.decode([4], [3]))
-    plan = exe.sched.reserve(exe.graph(1, 256, 1).graph)
+    plan = exe.sched.reserve(exe.graph(1, 1).graph)
     bp = exe.sched.backend_plan(plan, 0)
     path = _plans(exe) and plan.splits[0].nodes
     if isinstance(bp, ExecPlan):  # the library has q8_K kernels: then the executor ran it
@@ -268,6 +268,26 @@ def test_quantized_cache(make_llama, monkeypatch: pytest.MonkeyPatch, type_k: GG
     assert sum(p.n_runs for p in plans if isinstance(p, ExecPlan)) == len(_batches())  # type: ignore[attr-defined]
     for a, b in zip(exe.kv.k + exe.kv.v, ref.kv.k + ref.kv.v):
         np.testing.assert_array_equal(a.buffer.storage(a), b.buffer.storage(b))
+    model.free()
+
+
+@pytest.mark.parametrize("cache", [GGMLType.F16, GGMLType.Q8_0])
+def test_one_decode_plan_at_every_length_of_history(make_llama, monkeypatch: pytest.MonkeyPatch,
+                                                    cache: GGMLType) -> None:  # noqa: ANN001
+    """The number of cells attended (256, then 512 past the 256th cell) is an input of the plan,
+    its mask's width, not part of the graph's shape: the decode steps on either side of the
+    boundary run one graph and one compiled plan, whose attention records read the new width,
+    and give run_nodes' logits bit for bit."""
+    model = _model(make_llama(qtype=T.Q4_0))
+    exe, ref = _contexts(monkeypatch, model, n_threads=2, type_k=cache, type_v=cache)
+    prompt = [1] + [(7 * i) % 250 + 3 for i in range(251)]
+    _same(exe.decode(prompt, range(252), 0), ref.decode(prompt, range(252), 0))
+    for p in range(252, 262):
+        _same(exe.decode([p % 250 + 3], [p], 0), ref.decode([p % 250 + 3], [p], 0))
+    assert [k for k in exe._graphs if k[0] == 1] == [(1, 1)]
+    (plan,) = [bp for bp in exe.sched.reserve(exe.graph(1, 1).graph).backend_plans.values() if bp]
+    assert isinstance(plan, ExecPlan) and plan.n_runs == 10
+    assert len(plan.masks) == 1 and set(plan.recs[plan.masks[0][2], 9]) == {512}
     model.free()
 
 

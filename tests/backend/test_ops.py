@@ -139,8 +139,10 @@ def _cases() -> list[tuple[str, Callable[[np.random.Generator], tuple[Tensor, di
         s = {tq: q, tk: k, tv: v, tm: mask}
         return ops.flash_attn_ext(tq, tk, tv, tm), s, s
 
-    def attention_q(kt: T, vt: T, n_tokens: int):  # noqa: ANN202
-        """Over a quantized K and/or V cache: the values are the rows' raw blocks."""
+    def attention_q(kt: T, vt: T, n_tokens: int, width: int = 300):  # noqa: ANN202
+        """Over a quantized K and/or V cache: the values are the rows' raw blocks. With `width`
+        below the cache's 300 cells, the mask's value is that narrow (the cells a micro-batch
+        attends to, ops.flash_attn_ext): the reference gets K and V cut to those cells."""
 
         def cache(name: str, x: np.ndarray, t: T) -> tuple[Tensor, np.ndarray]:
             tt = Tensor(name, x.shape, t, flags=TensorFlag.INPUT)  # (N, Hkv, D) elements
@@ -152,11 +154,11 @@ def _cases() -> list[tuple[str, Callable[[np.random.Generator], tuple[Tensor, di
         def make(rng):  # noqa: ANN001, ANN202
             q = f32(rng, n_tokens, 4, 64)
             (tk, k), (tv, v) = cache("k", f32(rng, 300, 2, 64), kt), cache("v", f32(rng, 300, 2, 64), vt)
-            mask = np.where(rng.random((n_tokens, 300)) < 0.7, 0, -np.inf).astype(np.float32)
+            mask = np.where(rng.random((n_tokens, width)) < 0.7, 0, -np.inf).astype(np.float32)
             mask[:, 0] = 0
-            tq, tm = act("q", q), act("m", mask)
+            tq, tm = act("q", q), Tensor("m", (n_tokens, 300), flags=TensorFlag.INPUT)
             s = {tq: q, tk: k, tv: v, tm: mask}
-            return ops.flash_attn_ext(tq, tk, tv, tm), s, s
+            return ops.flash_attn_ext(tq, tk, tv, tm), s, {**s, tk: k[:width], tv: v[:width]}
 
         return make
 
@@ -220,6 +222,8 @@ def _cases() -> list[tuple[str, Callable[[np.random.Generator], tuple[Tensor, di
         ("FLASH_ATTN_EXT-f16k-q4_0v", attention_q(T.F16, T.Q4_0, 3)),
         ("FLASH_ATTN_EXT-q8_0k-f16v", attention_q(T.Q8_0, T.F16, 5)),
         ("FLASH_ATTN_EXT-q8_0-prompt", attention_q(T.Q8_0, T.Q4_0, 20)),
+        ("FLASH_ATTN_EXT-f16-narrow-mask", attention_q(T.F16, T.F16, 3, 256)),
+        ("FLASH_ATTN_EXT-q8_0-narrow-mask", attention_q(T.Q8_0, T.Q8_0, 150, 200)),
         ("ROPE-normal", rope(0, False)),
         ("ROPE-neox", rope(2, False)),
         ("ROPE-freq_factors", rope(0, True)),

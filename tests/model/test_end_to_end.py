@@ -8,7 +8,6 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import llamapy
@@ -96,7 +95,7 @@ def test_tiny32_runs_end_to_end_and_decode_graph_is_one_cpu_split(tiny32) -> Non
         assert len(res.tokens) >= 1
         n_past = len(llm.tokenize("Hello")) + len(res.tokens)
         llm.ctx.decode([res.tokens[-1]], [n_past])
-        g = llm.ctx.graph(1, llm.ctx.kv.n_kv(np.array([n_past])), 1)
+        g = llm.ctx.graph(1, 1)
         plan = llm.ctx.sched.reserve(g.graph)
         assert len(plan.splits) == 1 and llm.ctx.backends[plan.splits[0].backend].name == "CPU"
         dump = g.graph.dump()

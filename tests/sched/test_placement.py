@@ -26,8 +26,7 @@ def _llm(path, ngl=0, ot=(), ts=(), **ctx):  # noqa: ANN001, ANN003
 def _decode_plan(llm, n_past: int):  # noqa: ANN001, ANN202
     """The plan of a single-token decode step at position n_past."""
     llm.ctx.decode([5], [n_past])
-    n_kv = llm.ctx.kv.n_kv(np.array([n_past]))
-    g = llm.ctx.graph(1, n_kv, 1)
+    g = llm.ctx.graph(1, 1)
     return g, llm.ctx.sched.reserve(g.graph)
 
 
@@ -67,7 +66,7 @@ def test_ngl20_decode_runs_in_two_splits_copying_only_boundaries(tiny32, test_gp
         inputs = plan.splits[1].inputs
         e = llm.model.params.n_embd
         for t in inputs:  # boundary activations (one row) and small inputs only: no weights
-            assert t.nbytes <= 4 * max(e, g.n_kv), t
+            assert t.nbytes <= 4 * max(e, g.inputs.kv.size), t
             assert not t.name.endswith(".weight")
         dev = _test0(llm)
         dev.stats.bytes_in = 0
@@ -178,7 +177,7 @@ def test_big_batches_go_to_blas_without_a_test_device(tiny32, monkeypatch) -> No
     monkeypatch.setattr(qmatmul, "Q8_GEMM", {})
     toks = list(range(1, 41))  # >= 32 tokens: BLAS claims the MUL_MATs
     with _llm(tiny32, 0) as llm:
-        g = llm.ctx.graph(len(toks), 256, len(toks))
+        g = llm.ctx.graph(len(toks), len(toks))
         plan = llm.ctx.sched.reserve(g.graph)
         mm = [n for n in g.graph.nodes if n.op.name == "MUL_MAT"]
         assert {llm.ctx.backends[plan.assignment[n]].name for n in mm} == {"BLAS"}
@@ -239,7 +238,7 @@ def test_dead_values_are_dropped_as_the_graph_runs(tiny32, test_gpu, monkeypatch
     with _llm(tiny32, ngl, n_ctx=128, n_batch=64, n_ubatch=64) as llm:
         toks = list(range(1, 65))
         got = llm.ctx.decode(toks, list(range(64)), 0)
-        g = llm.ctx.graph(64, llm.ctx.kv.n_kv(np.arange(64)), 1).graph
+        g = llm.ctx.graph(64, 1).graph
         n_nodes = len(g.nodes)
     assert np.isfinite(got).all()
     assert n_nodes > 500 and 0 < max(live) < 40, (n_nodes, max(live))

@@ -45,7 +45,7 @@ def test_entry_point_backend_is_found_and_broken_one_reported(installed: Path, m
     with llamapy.Llama(tiny32, n_ctx=128) as llm:
         assert [b.name for b in llm.ctx.backends][-2:] == ["TOY0", "CPU"]
         assert len(llm.generate("Hi", n_predict=2, temp=0).tokens) >= 1
-        g = llm.ctx.graph(1, 128, 1)
+        g = llm.ctx.graph(1, 1)
         plan = llm.ctx.sched.reserve(g.graph)
         adds = [n for n in g.graph.nodes if n.op.name == "ADD"]
         assert {llm.ctx.backends[plan.assignment[n]].name for n in adds} == {"TOY0"}

@@ -53,7 +53,7 @@ def child(model: str, n_threads: int, n_steps: int, executor: bool, stub: bool) 
     toks = m.tokenizer.encode("The capital of France is")
     t = int(ctx.decode(toks, np.arange(len(toks)))[-1].argmax())
     t = int(ctx.decode([t], [len(toks)])[-1].argmax())  # warm-up: compiles the decode plan
-    plan = ctx.sched.reserve(ctx.graph(1, 256, 1).graph)
+    plan = ctx.sched.reserve(ctx.graph(1, 1).graph)
     bp = ctx.sched.backend_plan(plan, 0)
     if executor and not bp:
         raise SystemExit(f"the executor refused the decode split: {getattr(bp, 'reason', bp)}")

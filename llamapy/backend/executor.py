@@ -93,6 +93,7 @@ class Arena:
     def __init__(self) -> None:
         self.raw: np.ndarray | None = None
         self.base = 0  # its first ALIGN-aligned address
+        self.pad = 0  # where that address lies in `raw` (slots are views at pad + offset)
         self.size = 0
 
     def ensure(self, nbytes: int) -> int:
@@ -100,7 +101,8 @@ class Arena:
         if nbytes > self.size or self.raw is None:
             self.raw = None  # the old block goes before the new one is made: never both
             raw = np.zeros(nbytes + ALIGN, np.uint8)
-            self.raw, self.base, self.size = raw, raw.ctypes.data + (-raw.ctypes.data) % ALIGN, nbytes
+            self.raw, self.pad, self.size = raw, -raw.ctypes.data % ALIGN, nbytes
+            self.base = raw.ctypes.data + self.pad
         return self.base
 
 
@@ -242,9 +244,8 @@ class _Slot:
         if cols:
             shape = (*shape[:-1], cols)
             strides = tuple(st * self.dtype.itemsize for st in _cstrides(shape))
-        raw = arena.raw
-        return np.ndarray(shape, self.dtype, buffer=raw, offset=arena.base - raw.ctypes.data + self.off,  # type: ignore[union-attr]
-                          strides=strides)
+        # (not `raw.ctypes`: each use builds a ctypes object, a large part of a decode step's Python time)
+        return np.ndarray(shape, self.dtype, buffer=arena.raw, offset=arena.pad + self.off, strides=strides)
 
 
 # The record slots that may hold addresses of the arena: 1 (the destination) .. 5 (sources), and

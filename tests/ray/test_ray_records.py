@@ -81,8 +81,10 @@ def test_in_process_actors_give_the_cpu_logits(monkeypatch: pytest.MonkeyPatch, 
 
     monkeypatch.setenv("LLAMAPY_BACKENDS", "cpu,ray")
     tiny32 = write_llama_gguf(tmp_path / "m.gguf", n_layer=4)  # Q8_0, tied output
-    co = ContextOptions(n_ctx=256, n_batch=64, n_ubatch=8)
-    toks = list(range(10, 30))  # micro-batches of 8: later ones attend to cached K/V
+    # micro-batches of 8: later ones attend to cached K/V; 256 of the 512 cells (the masks sent to
+    # the actors are narrower than their tensors)
+    co = ContextOptions(n_ctx=512, n_batch=64, n_ubatch=8)
+    toks = list(range(10, 30))
     monkeypatch.delenv("LLAMAPY_RAY", raising=False)
     discover(refresh=True)
     with Llama(tiny32, model_options=ModelOptions(n_gpu_layers=0), context_options=co) as llm:

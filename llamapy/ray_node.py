@@ -48,7 +48,7 @@ class DeviceActor:
         # the driver's buffer id -> the node's buffers for it (one per load / zeros call) and
         # the tensor ids they hold
         self.buffers: dict[int, tuple[list[Buffer], list[int]]] = {}
-        self.graphs: dict[int, tuple[list[Tensor], list[Tensor], list[Tensor], Any]] = {}
+        self.graphs: dict[int, tuple[list[Tensor], list[Tensor], list[Tensor], Any, set[Tensor]]] = {}
         self.graph_leaves: dict[int, set[int]] = {}  # graph id -> the kept tensors it reads
         self.files: dict[str, Any] = {}  # content key -> open GGUFFile
         self.file_users: dict[str, set[int]] = {}  # content key -> the buffers loaded from it
@@ -195,17 +195,17 @@ class DeviceActor:
 
         nodes, inputs, outs = build_graph(recs, in_recs, leaf_recs, self.tensors, len(exports), exports)
         plan = self.backend.graph_plan_create(nodes, outs, plan_offsets)
-        self.graphs[gid] = (nodes, inputs, outs, plan)
+        masks = {n.src[3] for n in nodes if n.op is Op.FLASH_ATTN_EXT}  # narrower values: ops.flash_attn_ext
+        self.graphs[gid] = (nodes, inputs, outs, plan, masks)
         self.graph_leaves[gid] = {r[0] for r in leaf_recs}
 
     def run(self, gid: int, picks: Sequence[int], *values: Any) -> tuple[np.ndarray, ...]:
         """Run graph `gid`. values[k] is input k, or (picks[k] >= 0) a tuple of arrays (another
         remote split's results, resolved by Ray from its reference) of which element picks[k]."""
-        nodes, inputs, outs, plan = self.graphs[gid]
+        nodes, inputs, outs, plan, masks = self.graphs[gid]
         if len(values) != len(inputs):
             raise ValueError(f"graph {gid}: {len(values)} inputs for {len(inputs)}")
         env: dict[Tensor, Any] = {}
-        masks = {n.src[3] for n in nodes if n.op is Op.FLASH_ATTN_EXT}  # narrower values: ops.flash_attn_ext
         for t, v, pick in zip(inputs, values, picks):
             a = v[pick] if pick >= 0 else v
             narrow = t in masks and isinstance(a, np.ndarray) and a.shape[:-1] == t.shape[:-1] and a.shape[-1] <= t.shape[-1]

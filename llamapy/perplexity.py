@@ -150,10 +150,6 @@ class LogitsWriter:
             self.abort()
             raise _io_error(self.tmp, e, "write the logits file") from None
 
-    @property
-    def expected_size(self) -> int:
-        return file_size(self.n_ctx, self.n_vocab, self.n_chunk)
-
     def write_chunk(self, logits: np.ndarray) -> None:
         """Append one chunk: the logits of its n_ctx - 1 - n_ctx/2 scored positions."""
         if self._f is None:

@@ -221,9 +221,6 @@ class DeviceActor:
     def set_n_threads(self, n: int) -> None:
         self.backend.set_n_threads(max(int(n), 0))
 
-    def ping(self) -> bool:
-        return True
-
 
 def registry() -> Registry:
     """Entry point: the RAY registry when LLAMAPY_RAY names a cluster (else none, hidden)."""

@@ -95,11 +95,12 @@ class Arena:
         self.base = 0  # its first ALIGN-aligned address
         self.pad = 0  # where that address lies in `raw` (slots are views at pad + offset)
         self.size = 0
+        self.views: dict[tuple[_Slot, int], np.ndarray] = {}  # _Slot.view's, made once per block
 
     def ensure(self, nbytes: int) -> int:
         """The base address of at least `nbytes` of arena."""
         if nbytes > self.size or self.raw is None:
-            self.raw = None  # the old block goes before the new one is made: never both
+            self.raw, self.views = None, {}  # the old block goes before the new one is made: never both
             raw = np.zeros(nbytes + ALIGN, np.uint8)
             self.raw, self.pad, self.size = raw, -raw.ctypes.data % ALIGN, nbytes
             self.base = raw.ctypes.data + self.pad
@@ -239,13 +240,17 @@ class _Slot:
     dtype: np.dtype
 
     def view(self, arena: Arena, cols: int = 0) -> np.ndarray:
-        """The slot, or with `cols` its first (…, cols) elements as contiguous rows."""
-        shape, strides = self.shape, self.strides
-        if cols:
-            shape = (*shape[:-1], cols)
-            strides = tuple(st * self.dtype.itemsize for st in _cstrides(shape))
-        # (not `raw.ctypes`: each use builds a ctypes object, a large part of a decode step's Python time)
-        return np.ndarray(shape, self.dtype, buffer=arena.raw, offset=arena.pad + self.off, strides=strides)
+        """The slot, or with `cols` its first (…, cols) elements as contiguous rows. Made once
+        per arena block: a decode step makes no array (after a native call that swept the
+        weights through the caches, each numpy call of a step costs tens of microseconds)."""
+        key = (self, cols)
+        if key not in arena.views:
+            if len(arena.views) > 1024:  # (views of plans since forgotten, e.g. a server's many prompt sizes)
+                arena.views.clear()
+            shape = (*self.shape[:-1], cols) if cols else self.shape
+            strides = tuple(st * self.dtype.itemsize for st in _cstrides(shape)) if cols else self.strides
+            arena.views[key] = np.ndarray(shape, self.dtype, buffer=arena.raw, offset=arena.pad + self.off, strides=strides)
+        return arena.views[key]
 
 
 # The record slots that may hold addresses of the arena: 1 (the destination) .. 5 (sources), and
@@ -311,7 +316,8 @@ class ExecPlan:
             if not 0 < n <= slot.shape[-1]:
                 raise LlamapyError(f"executor: a {list(v.shape)} mask for {list(slot.shape)}")
             slot.view(arena, n)[...] = v
-            self.recs[rows, 9] = self.recs[rows, 16] = n
+            if self.recs[rows[0], 9] != n:  # (a new width every 256 cells)
+                self.recs[rows, 9] = self.recs[rows, 16] = n
         for slot, w, ids in self.pre:
             slot.view(arena)[...] = w.get_rows(env[ids])
         recs = self.recs
@@ -450,14 +456,15 @@ class _Compiler:
             self.steps.append(_Step(code, n, list(n.src)))
 
     def _pre_get_rows(self, n: Tensor) -> bool:
-        """GET_ROWS of a matrix kept in the file's layout (the token embeddings in the q8 mode),
-        whose ids are an input: the rows are expanded in Python (QMatrix.get_rows, the reference
-        path's function) into the node's arena slot before the native call."""
+        """GET_ROWS of a matrix kept in the file's layout (the token embeddings in the q8 mode)
+        in a type other than F32/F16/Q8_0/Q4_0 (a K type), whose ids are an input: the rows are
+        expanded in Python (QMatrix.get_rows, the reference path's function) into the node's
+        arena slot before the native call."""
         from .qmatmul import QMatrix
 
         table, ids = n.src
         tv = _leaf_value(table) if table.is_leaf else None
-        if not isinstance(tv, QMatrix) or tv.repacked or tv.qtype == GGMLType.F32:
+        if not isinstance(tv, QMatrix) or tv.repacked or tv.qtype in KV_CODES:  # (those: a native record)
             return False
         if ids not in self.inputs:
             raise Refused(f"GET_ROWS {n.name} of {tv.qtype.name} rows with computed ids")
@@ -731,6 +738,12 @@ class _Compiler:
             if il.dtype != np.dtype(np.int32) or not il.contiguous():
                 raise Refused("GET_ROWS ids that are not int32")
             tv = _leaf_value(table) if table.is_leaf else None
+            kv = KV_CODES.get(tv.qtype, 0) if tv is not None and not getattr(tv, "repacked", True) else 0
+            if kv:  # F16 / Q8_0 / Q4_0 rows as the file has them, expanded by ops.c's cache-row code
+                self.keep.append(d := tv.data)
+                r[2], r[3], r[6], r[7] = d.ctypes.data, il.addr, ids.n_elements, tv.n_in
+                r[8], r[9], r[10] = d.strides[0], tv.n_out, kv
+                return r
             if tv is not None and not isinstance(tv, np.ndarray):
                 m = native_matrix(tv)
                 self.keep.append(m)

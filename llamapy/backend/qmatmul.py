@@ -88,7 +88,6 @@ MATMUL_MODES = ("q8", "f32")
 # Which kernels: "c" (the library setup.py built, loaded by native.py) or "numpy" (dequantization
 # + BLAS, the reference). LLAMAPY_KERNELS=numpy asks for numpy.
 # --------------------------------------------------------------------------------------------
-IMPLS = ("c", "numpy")
 
 
 def kernels() -> str:

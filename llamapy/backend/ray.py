@@ -516,7 +516,7 @@ class RayDevice(Device):
         self.actor_cls = actor_cls  # the node side (llamapy/ray_node.py's DeviceActor)
         self.node_id = node_id
         self.host = host
-        self.free0, self.total = free, total
+        self.total = total
         self.description = f"Ray node {host} ({node_id[:8]})"
         self.stats = CopyStats()
         self.file_bytes_sent = 0  # model-file bytes this driver had to send (file absent there)
@@ -524,7 +524,6 @@ class RayDevice(Device):
         self._actor: Any = None
         self.epoch = 0  # + 1 each time the device is lost: its actor and all it held are gone
         self.lost_reason = ""
-        self._leaf_ids: dict[int, int] = {}
         self._buft = RayBufferType(self, free)
 
     def actor(self) -> Any:

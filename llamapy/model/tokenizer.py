@@ -1266,9 +1266,6 @@ class StreamDecoder:
 
     __call__ = push
 
-    def push_many(self, tokens: Iterable[int]) -> str:
-        return "".join(self.push(t) for t in tokens)
-
     def flush(self) -> str:
         """Whatever is still held back (an unfinished character becomes U+FFFD); resets."""
         text = self._decoder.decode(b"", final=True)

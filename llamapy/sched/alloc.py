@@ -101,8 +101,3 @@ def plan_offsets(
     return Allocation({b: a.top for b, a in arenas.items()}, offsets)
 
 
-def plan_sizes(
-    order: Sequence[tuple[int, Tensor | None, Sequence[Tensor]]], outputs: Sequence[Tensor]
-) -> dict[int, int]:
-    """Bytes each backend's compute buffer needs (`plan_offsets` without the offsets)."""
-    return plan_offsets(order, outputs).sizes

@@ -55,6 +55,7 @@ void lp_attend_q_par(lp_par *p, const float *q, int64_t T, int64_t H, int64_t D,
                      const float *mask, int64_t mask_st, float scale, float *out, int kt, int vt);
 void lp_hadamard_runs(float *x, int64_t len, int64_t n, float c);
 void lp_kv_quantize_row(void *dst, const float *x, int64_t n, int t);
+void lp_kv_row(float *dst, const void *base, int64_t off, int type, int64_t n);
 void lp_swiglu(const float *gate, const float *up, int64_t rows, int64_t n, int64_t gate_st, int64_t up_st,
                float *out);
 
@@ -322,13 +323,16 @@ static int ex_serial_record(const ex_slot *r) {
         return 0;
     }
     case EX_GET_ROWS_F32: {
-        /* dst (n, c) <- rows ids of src: [6] n, [7] c, [8] src row stride, [9] src rows */
-        const float *src = P(2);
+        /* dst (n, c) <- rows ids of src: [6] n, [7] c, [8] src row stride (f32 elements; bytes for
+         * the others), [9] src rows, [10] src type (0 f32, 1 f16, 2 Q8_0, 3 Q4_0: ops.c's LP_KV_*) */
         const int32_t *ids = P(3);
         float *dst = P(1);
         for (int64_t i = 0; i < I(6); i++) {
             if (ids[i] < 0 || ids[i] >= I(9)) return 1;
-            memcpy(dst + i * I(7), src + ids[i] * I(8), (size_t)I(7) * 4);
+            if (I(10))
+                lp_kv_row(dst + i * I(7), P(2), ids[i] * I(8) / (I(10) == 1 ? 2 : 1), (int)I(10), I(7));
+            else
+                memcpy(dst + i * I(7), (const float *)P(2) + ids[i] * I(8), (size_t)I(7) * 4);
         }
         return 0;
     }

@@ -160,6 +160,10 @@ LP_INLINE void kv_row(float *restrict dst, const void *base, int64_t off, int ty
     }
 }
 
+/* kv_row for the executor's GET_ROWS of a table in one of those types (token embeddings in F16,
+ * Q8_0 or Q4_0 as the file has them) */
+void lp_kv_row(float *dst, const void *base, int64_t off, int type, int64_t n) { kv_row(dst, base, off, type, n); }
+
 /* x[0..n) as the Q8_0 blocks of ggml's quantize_row_q8_0_ref, expanded back (exact in f32): what
  * llama.cpp's flash attention dots a Q4_0/Q8_0 K with (their vec_dot_type is Q8_0) */
 LP_INLINE void round_q8_0_row(float *restrict dst, const float *restrict x, int64_t n) {

@@ -283,6 +283,20 @@ class QMatrix:
         m._n_full = n_out - tail.shape[0]
         return m
 
+    def row_range(self, r0: int, r1: int) -> QMatrix:
+        """Rows [r0, r1) as a matrix of their own, sharing this one's blocks (one expert of a
+        stacked (n_expert * M, K) expert weight; MUL_MAT_ID). A repacked matrix gives whole
+        tiles only: the loader repacks expert weights only when M is a multiple of REPACK_ROWS."""
+        if self._rp is None:
+            return QMatrix(self.qtype, r1 - r0, self.n_in, self.data[r0:r1])
+        R = REPACK_ROWS
+        if r0 % R or (r1 - r0) % R or r1 > self._n_full:
+            raise ValueError(f"rows [{r0}, {r1}) are not whole repacked tiles of {self._n_full} rows")
+        m = QMatrix(self.qtype, r1 - r0, self.n_in, self.data[:0])
+        m._rp = tuple(a[r0 // R : r1 // R] for a in self._rp)
+        m._n_full = r1 - r0
+        return m
+
     @property
     def nbytes(self) -> int:
         """Bytes this object holds: the quantized rows (file layout) plus any repacked tiles."""

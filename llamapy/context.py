@@ -39,6 +39,7 @@ from .model.loader import (
 from .model.tokenizer import Tokenizer
 from .models import HParams, ModelGraph, UBatch, build_graph, read_hparams
 from .sched.scheduler import Plan, Scheduler
+from .tensor import Tensor
 from .types import DeviceType, GGMLType, LlamapyError, OutOfMemoryError, UnsupportedError, block_size, row_nbytes
 
 
@@ -87,6 +88,8 @@ class LoadInfo:
     i_gpu_start: int = 0
     ngl_reason: str = ""
     warnings: list[str] = field(default_factory=list)  # e.g. a repack cache that cannot be written
+    # what -ot / --cpu-moe / --n-cpu-moe moved off the device -ngl gave: device -> (tensors, bytes)
+    overridden: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class Model:
@@ -145,7 +148,17 @@ class Model:
             i_gpu_start=self.placement.i_gpu_start,
             ngl_reason=reason,
             warnings=[n for b in self.weights.buffers if (n := getattr(b, "cache_note", None))],
+            overridden=self._overridden(where),
         )
+
+    def _overridden(self, where: dict[Tensor, Device]) -> dict[str, tuple[int, int]]:
+        by_layer = weight_devices(self.weights, self.placement)
+        out: dict[str, tuple[int, int]] = {}
+        for t, dev in where.items():
+            if by_layer[t] is not dev:
+                n, size = out.get(dev.name, (0, 0))
+                out[dev.name] = (n + 1, size + t.nbytes)
+        return out
 
     # -- devices and -ngl -------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from .cpu_kernels import c_flash_attn_ext, cpu_kernels
 from .executor import Arena, Refusal, compile_split
 from .executor import enabled as executor_enabled
 from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps, Registry
-from .kernels import KERNELS, run_nodes
+from .kernels import KERNELS, expert_groups, run_nodes
 from .qmatmul import MATMUL_MODES, REPACK_ROWS, QMatrix, kernels
 from .repack_cache import RepackStore
 from .threads import set_blas_threads
@@ -208,6 +208,29 @@ class CPUBackend(Backend):
 
     _kernels_mul_mat = staticmethod(KERNELS[Op.MUL_MAT])  # float arrays (no QMatrix)
 
+    def _mul_mat_id(self, node: Tensor, s: list[Any], xp: Any) -> Any:
+        """MUL_MAT_ID in the q8 mode: the input rows quantized once into the experts'
+        vec_dot_type (as ggml-cpu's mul_mat_id does), then each chosen expert's rows multiply, in
+        one q8 product, the rows of every token that chose it. The f32 mode: the reference."""
+        w, x, ids = s
+        vdt = w.vec_dot_type() if isinstance(w, QMatrix) and self.cpu_matmul == "q8" else None
+        if vdt is None:
+            return KERNELS[Op.MUL_MAT_ID](node, s, xp)
+        T, U, M = node.shape
+        ux = x.shape[1]  # 1: every slot reads the token's one row
+        nt = self.threads()
+        hit = self._act.get((vdt, "q8"))
+        if hit is not None and hit[0] is x:
+            xq = hit[1]
+        else:
+            xq = w.quantize_act(x.reshape(-1, x.shape[-1]), nt)  # (T*ux, row bytes)
+            self._act[(vdt, "q8")] = (x, xq)
+        out = np.zeros((T, U, M), np.float32)
+        for e, tok, slot in expert_groups(ids):
+            rows = tok * ux + (0 if ux == 1 else slot)
+            out[tok, slot] = w.row_range(e * M, (e + 1) * M).matmul_q8(xq[rows], nt)
+        return out
+
     def set_n_threads(self, n_threads: int) -> None:
         # kept on the backend and passed with every kernel call (threads()): nothing process-wide
         self.n_threads = n_threads
@@ -216,7 +239,7 @@ class CPUBackend(Backend):
         return c_flash_attn_ext(node, s, xp, self.threads())
 
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
-        table = {**self._kernels, Op.MUL_MAT: self._mul_mat}
+        table = {**self._kernels, Op.MUL_MAT: self._mul_mat, Op.MUL_MAT_ID: self._mul_mat_id}
         if table[Op.FLASH_ATTN_EXT] is c_flash_attn_ext:  # the C kernels: on this backend's -t
             table[Op.FLASH_ATTN_EXT] = self._flash_attn_ext
         try:

@@ -276,6 +276,8 @@ def batch(
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar on stderr"),
     ngl: str = common.NGL,
     ot: list[str] = common.OT,
+    cpu_moe: bool = common.CPU_MOE,
+    n_cpu_moe: int = common.N_CPU_MOE,
     ts: str = common.TS,
     mg: int = common.MG,
     ctk: str = common.CTK,
@@ -322,7 +324,7 @@ def batch(
             frequency_penalty=frequency_penalty, seed=seed, ignore_eos=ignore_eos,
         )  # fmt: skip
         llm = common.load(
-            model_path, None, ngl, ot, ts, mg, ctx_size, batch_size, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device
+            model_path, None, ngl, common.with_expert_overrides(ot, cpu_moe, n_cpu_moe), ts, mg, ctx_size, batch_size, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device
         )
         n_slot = llm.ctx.n_ctx // n_parallel
         log(f"batch: {len(todo)} prompts, -np {n_parallel}, {n_slot} cells per sequence (-c {llm.ctx.n_ctx})")

@@ -21,6 +21,8 @@ NGL = typer.Option(
     help="layers to offload: N, 'all' or 'auto' (default: auto with a GPU, else 0)",
 )  # fmt: skip
 OT = typer.Option(None, "-ot", "--override-tensor", metavar="REGEX=DEV", help="REGEX=DEVICE: keep matching tensors on DEVICE (repeatable)")
+CPU_MOE = typer.Option(False, "-cmoe", "--cpu-moe", help="keep every mixture-of-experts weight in host memory (as -ot exps=CPU)")
+N_CPU_MOE = typer.Option(0, "-ncmoe", "--n-cpu-moe", metavar="N", help="keep the experts of the first N layers in host memory")
 TS = typer.Option(None, "-ts", "--tensor-split", metavar="N,N,…", help="offloaded layers per GPU, e.g. 3,1 (default: by free memory)")
 MG = typer.Option(0, "-mg", "--main-gpu", help="the GPU used when not splitting")
 CTX = typer.Option(4096, "-c", "--ctx-size", help="context size (0 = the model's)")
@@ -178,6 +180,17 @@ def parse_overrides(items: list[str] | None) -> list[tuple[str, str]]:
     return out
 
 
+def with_expert_overrides(ot: list[str] | None, cpu_moe: bool, n_cpu_moe: int) -> list[str]:
+    """-ot with `--cpu-moe` / `--n-cpu-moe N` appended as the REGEX=CPU entries llama.cpp makes
+    of them (model/loader.py `expert_overrides`); an -ot given explicitly comes first and wins."""
+    from ..model.loader import expert_overrides
+
+    extra = (expert_overrides(None) if cpu_moe else []) + (expert_overrides(n_cpu_moe) if n_cpu_moe else [])
+    if n_cpu_moe < 0:
+        expert_overrides(n_cpu_moe)  # the one-line error
+    return [*(ot or []), *(f"{pat}={dev}" for pat, dev in extra)]
+
+
 def parse_split(value: str | None) -> list[float]:
     if not value:
         return []
@@ -273,6 +286,8 @@ def log_load(llm: Any) -> None:
         f"print_info: n_layer = {p.n_layer}, n_embd = {p.n_embd}, n_ff = {p.n_ff}, n_head = {p.n_head}, "
         f"n_head_kv = {p.n_head_kv}, n_rot = {p.n_rot}, n_ctx_train = {p.n_ctx_train}, n_vocab = {p.n_vocab}"
     )
+    if p.n_expert:
+        log(f"print_info: n_expert = {p.n_expert}, n_expert_used = {p.n_expert_used}, n_ff_exp = {p.n_ff_exp}")
     if info.ngl_reason:
         log(f"load_tensors: {info.ngl_reason}")
     n_total = p.n_layer + 1
@@ -284,6 +299,8 @@ def log_load(llm: Any) -> None:
         log(f"load_tensors: offloading {n_rep} repeating layers to GPU")
     if m.gpus:
         log(f"load_tensors: offloaded {ngl}/{n_total} layers to GPU")
+    for name, (n, size) in info.overridden.items():
+        log(f"load_tensors: {n} tensors ({size / 2**20:.2f} MiB) overridden to {name} (-ot, --cpu-moe, --n-cpu-moe)")
     for name, size in info.buffer_sizes.items():
         label = "CPU_Mapped" if name == "CPU" else name
         log(f"load_tensors: {label:>12} model buffer size = {_mib(size)}")

@@ -108,6 +108,8 @@ def run(
     ),
     ngl: str = common.NGL,
     ot: list[str] = common.OT,
+    cpu_moe: bool = common.CPU_MOE,
+    n_cpu_moe: int = common.N_CPU_MOE,
     ts: str = common.TS,
     mg: int = common.MG,
     ctk: str = common.CTK,
@@ -145,7 +147,7 @@ def run(
         repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, seed=seed, ignore_eos=ignore_eos,
     )  # fmt: skip
-    llm = common.load(model, model_opt, ngl, ot, ts, mg, ctx_size, batch, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device,
+    llm = common.load(model, model_opt, ngl, common.with_expert_overrides(ot, cpu_moe, n_cpu_moe), ts, mg, ctx_size, batch, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device,
                       f32_activations=f32_activations)
     has_template = bool(llm.model.gguf.metadata.get("tokenizer.chat_template"))
     if conversation is None:

@@ -57,10 +57,12 @@ def write_moe_gguf(
     vocab: Path | None = None,
     embd_scale: float = 1.0,
     tied: bool = False,
+    n_router: int | None = None,
 ) -> Path:
     """qwen3moe (Q/K norms, NEOX rope, experts `n_ff_exp` wide) or llama with experts (normal
     rope, experts `n_ff` wide). `vocab`: a vocab GGUF to copy the tokenizer from (else the
-    byte-level SPM vocabulary of family_models)."""
+    byte-level SPM vocabulary of family_models). `n_router`: the router's rows, when a test wants
+    them to disagree with n_expert."""
     rng = np.random.default_rng(seed)
     hd = head_dim or n_embd // n_head
     ff_exp = n_ff if arch == "llama" else (n_ff_exp or n_ff // n_expert_used)
@@ -110,7 +112,7 @@ def write_moe_gguf(
             add(p + "attn_k_norm.weight", vec(hd))
         add(p + "attn_output.weight", mat(n_embd, n_head * hd, gain=0.5))
         add(p + "ffn_norm.weight", vec(n_embd))
-        add(p + "ffn_gate_inp.weight", mat(n_expert, n_embd, gain=2.0))  # a router with clear choices
+        add(p + "ffn_gate_inp.weight", mat(n_router or n_expert, n_embd, gain=2.0))  # a router with clear choices
         add(p + "ffn_gate_exps.weight", mat(n_expert, ff_exp, n_embd))
         add(p + "ffn_up_exps.weight", mat(n_expert, ff_exp, n_embd))
         add(p + "ffn_down_exps.weight", mat(n_expert, n_embd, ff_exp, gain=0.5))

@@ -22,7 +22,7 @@ from .cpu_kernels import c_flash_attn_ext, cpu_kernels
 from .executor import Arena, Refusal, compile_split
 from .executor import enabled as executor_enabled
 from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps, Registry
-from .kernels import KERNELS, expert_groups, run_nodes
+from .kernels import KERNELS, run_nodes
 from .qmatmul import MATMUL_MODES, REPACK_ROWS, QMatrix, kernels
 from .repack_cache import RepackStore
 from .threads import set_blas_threads
@@ -211,9 +211,10 @@ class CPUBackend(Backend):
     def _mul_mat_id(self, node: Tensor, s: list[Any], xp: Any) -> Any:
         """MUL_MAT_ID in the q8 mode: the input rows quantized once into the experts'
         vec_dot_type (as ggml-cpu's mul_mat_id does), then each chosen expert's rows multiply, in
-        one q8 product, the rows of every token that chose it. The f32 mode: the reference."""
+        one q8 product, the rows of every token that chose it (`lp_mul_mat_id_q`). The f32 mode:
+        the reference."""
         w, x, ids = s
-        vdt = w.vec_dot_type() if isinstance(w, QMatrix) and self.cpu_matmul == "q8" else None
+        vdt = w.vec_dot_type() if isinstance(w, QMatrix) and self.cpu_matmul == "q8" and not w.repacked else None
         if vdt is None:
             return KERNELS[Op.MUL_MAT_ID](node, s, xp)
         T, U, M = node.shape
@@ -225,11 +226,7 @@ class CPUBackend(Backend):
         else:
             xq = w.quantize_act(x.reshape(-1, x.shape[-1]), nt)  # (T*ux, row bytes)
             self._act[(vdt, "q8")] = (x, xq)
-        out = np.zeros((T, U, M), np.float32)
-        for e, tok, slot in expert_groups(ids):
-            rows = tok * ux + (0 if ux == 1 else slot)
-            out[tok, slot] = w.row_range(e * M, (e + 1) * M).matmul_q8(xq[rows], nt)
-        return out
+        return w.matmul_id_q8(xq.reshape(T, ux, -1), ids, node.src[0].shape[0], nt)
 
     def set_n_threads(self, n_threads: int) -> None:
         # kept on the backend and passed with every kernel call (threads()): nothing process-wide

@@ -352,6 +352,26 @@ class QMatrix:
             raise UnsupportedError(f"no quantized-activation kernel for {self.qtype.name}")
         return out
 
+    def matmul_id_q8(self, xq: np.ndarray, ids: np.ndarray, n_expert: int, n_threads: int = 0) -> np.ndarray:
+        """MUL_MAT_ID of this stacked expert matrix (n_expert * M rows) with activations
+        quantized by `quantize_act`, xq (T, ux, row bytes), ux 1 (a row for all of a token's
+        slots) or U; ids (T, U) int32 (a view with a row stride is fine) -> (T, U, M)
+        (`lp_mul_mat_id_q`: each chosen expert's rows read once for all the tokens that chose it)."""
+        T, ux = xq.shape[0], xq.shape[1]
+        U, M = ids.shape[1], self.n_out // n_expert
+        if ids.dtype != np.int32 or ids.strides[1] != 4:
+            ids = np.ascontiguousarray(ids, np.int32)
+        xq = np.ascontiguousarray(xq)
+        out = np.empty((T, U, M), np.float32)
+        rc = native.lib().lp_mul_mat_id_q(int(self.qtype), self.data.ctypes.data, n_expert, M, self.data.shape[1],
+                                          self.n_in, xq.ctypes.data, ux, ids.ctypes.data, ids.strides[0] // 4, T, U,
+                                          native.ptr(out), _threads(n_threads))
+        if rc == -2:
+            raise IndexError(f"expert id out of range 0..{n_expert - 1}")
+        if rc != 0:
+            raise UnsupportedError(f"no quantized-activation kernel for {self.qtype.name}")
+        return out
+
     def path(self, n_tok: int, q8: bool = True) -> str:
         """Which kernel a product with n_tok tokens runs: "q8" (lp_mul_mat on the file's
         blocks), "mv" (float32 activations on the repacked tiles), "sgemm" (float32 tiles +

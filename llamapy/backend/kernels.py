@@ -160,6 +160,8 @@ def mul_mat_id(node: Tensor, s: list[Any], xp: Any) -> Any:
         raise IndexError(f"{node.name}: expert id out of range 0..{node.src[0].shape[0] - 1}")
     shared = x.shape[1] == 1  # one input row for all of a token's slots
     for e, tok, slot in expert_groups(host_ids):
+        if xp is not np:  # the index arrays on the device (CuPy)
+            tok, slot = xp.asarray(tok), xp.asarray(slot)
         xs = x[tok, 0] if shared else x[tok, slot]  # (n, K)
         we = expert_rows(w, e, M, xp)
         if isinstance(we, xp.ndarray):

@@ -10,7 +10,7 @@ As a script it writes the real shapes with fewer layers, for comparisons with ll
     python tests/model/moe_models.py mixtral-8x7b VOCAB.gguf out.gguf --layers 4
     python tests/model/moe_models.py tiny-qwen3moe - out.gguf        # the byte vocabulary
 
-F32 tensors; a real shape's float32 file is large (Qwen3-30B-A3B: ~2.4 GB a layer).
+F32 tensors (--f16: F16); a real shape's float32 file is large (Qwen3-30B-A3B: ~2.4 GB a layer).
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ def write_moe_gguf(
         w.add_expert_feed_forward_length(ff_exp)
     else:
         w.add_rope_dimension_count(hd)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype is T.F32 else gguf.LlamaFileType.MOSTLY_Q8_0)
+    ftype = {T.F32: gguf.LlamaFileType.ALL_F32, T.F16: gguf.LlamaFileType.MOSTLY_F16}.get(qtype, gguf.LlamaFileType.MOSTLY_Q8_0)
+    w.add_file_type(ftype)
     tokens = _add_vocab(w, vocab)
     n_vocab = len(tokens)
 
@@ -97,6 +98,8 @@ def write_moe_gguf(
     def add(name: str, data: np.ndarray) -> None:
         if qtype is T.F32 or data.ndim == 1:
             w.add_tensor(name, data.astype(np.float32))
+        elif qtype is T.F16:
+            w.add_tensor(name, data.astype(np.float16))
         else:
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
@@ -245,12 +248,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--seed", type=int, default=99)
     ap.add_argument("--embd-scale", type=float, default=0.2)  # logit spread ~ scale * sqrt(n_embd)
+    ap.add_argument("--f16", action="store_true", help="F16 matrices (half the size of F32)")
     a = ap.parse_args()
     kw = dict(SHAPES[a.shape])
     if a.layers:
         kw["n_layer"] = a.layers
     write_moe_gguf(Path(a.out), **kw, seed=a.seed, vocab=None if a.vocab == "-" else Path(a.vocab),
-                   embd_scale=a.embd_scale)  # fmt: skip
+                   embd_scale=a.embd_scale, qtype=T.F16 if a.f16 else T.F32)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -175,9 +175,30 @@ class Model:
             n = self.max_layers_that_fit()
             margins = ", ".join(f"{d.name} {self.margin(d) / 2**20:.0f} MiB" for d in self.gpus)
             reason = f"-ngl auto: {n}/{n_total} layers fit the free GPU memory (margin: {margins})"
+            if n < n_total and self.params.n_expert:
+                k = self._experts_to_cpu()
+                if k is not None:
+                    return n_total, f"{reason}; all of them with the experts of the first {k} on the CPU (as --n-cpu-moe {k})"
             n, note = self._fit_without_op_offload(n)
             return n, f"{reason}; {note}" if note else reason
         return int(ngl), ""
+
+    def _experts_to_cpu(self) -> int | None:
+        """-ngl auto on a mixture of experts: the fewest first layers whose experts, kept in host
+        memory, let every layer's attention and router fit the GPUs (llama.cpp's fit moves experts
+        before layers: attention runs every token, an expert only when chosen). Sets the
+        overrides; None when even all the experts on the CPU leave too little room."""
+        from .model.loader import expert_overrides
+
+        user = list(self.overrides)
+        free = {d.name: d.memory()[0] - self.margin(d) for d in self.gpus}
+        for k in range(1, self.params.n_layer + 1):
+            self.overrides = user + [(p, self.cpu) for p, _ in expert_overrides(k)]
+            need = self.device_bytes(self.params.n_layer + 1)
+            if all(need[n] <= free[n] for n in need if n in free):
+                return k
+        self.overrides = user
+        return None
 
     def _fit_without_op_offload(self, n: int) -> tuple[int, str]:
         """-ngl auto: when op offload's compute buffers cost layers, more layers win (they speed

@@ -174,8 +174,8 @@ def test_expert_overrides_patterns() -> None:
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    e = {**os.environ, "LLAMAPY_TEST_GPU": "1", **(env or {})}
-    e.pop("LLAMAPY_TEST_GPU_MEM", None)
+    e = {k: v for k, v in os.environ.items() if k != "LLAMAPY_TEST_GPU_MEM"}
+    e.update({"LLAMAPY_TEST_GPU": "1", **(env or {})})
     return subprocess.run(["llamapy", *args], capture_output=True, text=True, env=e, timeout=300)
 
 
@@ -192,6 +192,19 @@ def test_cli_n_cpu_moe_logs_and_keeps_the_text(tmp_path: Path) -> None:
     assert "* Experts: 8, 3 used per token; expert tensors 2.25 of " in info.stdout  # 3 layers x 3 tensors x 0.25 MiB
     bad = _cli(*common, "--n-cpu-moe", "-3")
     assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == "error: --n-cpu-moe -3: must be >= 0"
+
+
+def test_ngl_auto_moves_experts_before_layers(tmp_path: Path) -> None:
+    """-ngl auto on a mixture of experts whose layers do not all fit: every layer on the GPU, the
+    experts of the first layers in host memory (the fewest that fit), and the same text."""
+    path = write_moe_gguf(tmp_path / "m.gguf", **{**CASES["qwen3moe"], "n_layer": 3})
+    common = ["run", str(path), "-p", "the cat", "-n", "8", "--temp", "0", "--f32-activations", "-ub", "16", "-c", "128"]
+    auto = _cli(*common, "-ngl", "auto", env={"LLAMAPY_TEST_GPU_MEM": "2.2"})
+    assert auto.returncode == 0, auto.stderr
+    assert "all of them with the experts of the first 2 on the CPU (as --n-cpu-moe 2)" in auto.stderr
+    assert "load_tensors: offloaded 4/4 layers to GPU" in auto.stderr
+    assert "load_tensors: 6 tensors (1.50 MiB) overridden to CPU" in auto.stderr
+    assert auto.stdout == _cli(*common).stdout  # the default: TEST0 without a budget holds everything
 
 
 # -- bad files: one line each ------------------------------------------------------------------

@@ -188,6 +188,9 @@ def test_cli_n_cpu_moe_logs_and_keeps_the_text(tmp_path: Path) -> None:
     assert moe.stdout == plain.stdout
     assert "print_info: n_expert = 8, n_expert_used = 3, n_ff_exp = 64" in moe.stderr
     assert "load_tensors: 6 tensors (1.50 MiB) overridden to CPU" in moe.stderr  # 2 layers x gate, up, down: 8x64x128 f32
+    ot = _cli(*common, "-ot", "exps=CPU")  # llama.cpp's README spelling: every expert tensor
+    assert ot.returncode == 0 and ot.stdout == plain.stdout, ot.stderr
+    assert "load_tensors: 9 tensors (2.25 MiB) overridden to CPU" in ot.stderr
     info = _cli("info", str(path))
     assert "* Experts: 8, 3 used per token; expert tensors 2.25 of " in info.stdout  # 3 layers x 3 tensors x 0.25 MiB
     bad = _cli(*common, "--n-cpu-moe", "-3")

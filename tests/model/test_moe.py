@@ -136,8 +136,8 @@ def test_moe_executor_matches_run_nodes(tmp_path: Path, monkeypatch: pytest.Monk
 @pytest.mark.parametrize("case", list(CASES))
 def test_q8_token_alone_or_in_a_batch_same_bits(tmp_path: Path, case: str) -> None:
     """In the q8 mode a token's logits are the same bits in a 19-token batch (each expert's
-    rows against however many tokens chose it) and alone (-ub 1): the engine may then mix decode
-    tokens and prompt chunks in one micro-batch (Context.batch_invariant)."""
+    rows against however many tokens chose it) and alone (-ub 1), wherever the context says it is
+    batch-invariant (the engine then mixes decode tokens and prompt chunks in one micro-batch)."""
     from llamapy.context import Context, Model
 
     model = Model(write_moe_gguf(tmp_path / "m.gguf", **CASES[case], qtype=T.Q4_0))
@@ -146,8 +146,10 @@ def test_q8_token_alone_or_in_a_batch_same_bits(tmp_path: Path, case: str) -> No
     alone = Context(model, ContextOptions(n_ctx=256, n_ubatch=1, n_batch=1))
     got = batch.decode(toks, list(range(len(toks))), 0, np.ones(len(toks), bool))
     want = np.concatenate([alone.decode([t], [i], 0, None) for i, t in enumerate(toks)])
-    np.testing.assert_array_equal(got, want)
-    assert batch.batch_invariant()
+    if batch.batch_invariant():  # every MUL_MAT on the q8 kernels (a build with multi-column ones)
+        np.testing.assert_array_equal(got, want)
+    else:  # the portable build: prompts' dense products on sgemm (qmatmul.use_sgemm)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
     model.free()
 
 

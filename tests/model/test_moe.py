@@ -238,12 +238,20 @@ def test_ngl_auto_moves_experts_before_layers(tmp_path: Path) -> None:
 # -- bad files: one line each ------------------------------------------------------------------
 
 
-def _bad(tmp_path: Path, **keys: int) -> Path:
+def _bad(tmp_path: Path, **keys: object) -> Path:
     import gguf
 
+    VT = gguf.GGUFValueType
     src = write_moe_gguf(tmp_path / "src.gguf", **CASES["qwen3moe"])
-    u32 = gguf.GGUFValueType.UINT32
-    return rewrite_gguf(src, tmp_path / "bad.gguf", set_keys={f"qwen3moe.{k}": (v, u32, None) for k, v in keys.items()})
+
+    def typed(v: object) -> tuple:  # type: ignore[type-arg]
+        if isinstance(v, str):
+            return v, VT.STRING, None
+        if isinstance(v, list):
+            return v, VT.ARRAY, VT.INT32
+        return v, VT.INT32 if isinstance(v, int) and v < 0 else VT.UINT32, None
+
+    return rewrite_gguf(src, tmp_path / "bad.gguf", set_keys={f"qwen3moe.{k}": typed(v) for k, v in keys.items()})
 
 
 @pytest.mark.parametrize(
@@ -254,11 +262,25 @@ def _bad(tmp_path: Path, **keys: int) -> Path:
         (dict(expert_used_count=0), r"expert_used_count 0 must be 1..expert_count \(8\)"),
         (dict(expert_count=0), r"qwen3moe needs 'qwen3moe.expert_count' > 0"),
         (dict(expert_feed_forward_length=32), r"tensor 'blk.0.ffn_gate_exps.weight' has shape \[128, 64, 8\], expected \[128, 32, 8\]"),
+        (dict(expert_count=10**6), r"expert_count 1000000 out of range \(1..1024\)"),
+        (dict(expert_count=-8), r"qwen3moe needs 'qwen3moe.expert_count' > 0 \(got -8\)"),
+        (dict(expert_count="eight"), r"key 'qwen3moe.expert_count' has value 'eight', expected int"),
+        (dict(expert_used_count=[3, 2]), r"'qwen3moe.expert_used_count' differs between layers"),
+        (dict(expert_used_count=[3, 3, 3]), r"'qwen3moe.expert_used_count' has 3 values, expected one per layer \(2\)"),
+        (dict(expert_group_count=2), r"expert groups \(expert_group_count > 1\) are not supported"),
     ],
 )
-def test_bad_moe_file_is_one_error(tmp_path: Path, keys: dict[str, int], message: str) -> None:
-    with pytest.raises(llamapy.LlamapyError, match=message):
+def test_bad_moe_file_is_one_error(tmp_path: Path, keys: dict[str, object], message: str) -> None:
+    with pytest.raises(llamapy.LlamapyError, match=message) as e:
         llamapy.Llama(_bad(tmp_path, **keys))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("drop", ["blk.1.ffn_gate_inp.weight", "blk.0.ffn_down_exps.weight"])
+def test_missing_router_or_experts_is_named(tmp_path: Path, drop: str) -> None:
+    src = write_moe_gguf(tmp_path / "src.gguf", **CASES["mixtral"])
+    with pytest.raises(llamapy.LlamapyError, match=f"missing tensor '{drop}'"):
+        llamapy.Llama(rewrite_gguf(src, tmp_path / "bad.gguf", drop_tensors=(drop,)))
 
 
 def test_router_of_the_wrong_shape(tmp_path: Path) -> None:

@@ -624,6 +624,7 @@ class Tokenizer:
         self._finish_special(model_name)
 
         self._pieces: list[bytes | None] = [None] * n
+        self.constraints: Any = None  # model/constrain.py's compiled grammars for this vocabulary
         self._word_cache: dict[str, tuple[int, ...]] = {}
         # SPM: may text be cut before every "▁" that follows another character? Only if no
         # token contains such a pair, so that no merge can ever cross the cut.

@@ -224,8 +224,9 @@ class Llama:
     def _openai_run(self, parsed, kind: str, constraint: ConstraintSpec | None = None):  # noqa: ANN001, ANN202
         from .server.protocol import Responder
 
-        r = Responder(kind, parsed.model or str(self.path), self.tokenizer)
-        parsed.request.constraint = constraint
+        r = Responder(kind, parsed.model or str(self.path), self.tokenizer, parsed.syntax)
+        if constraint is not None:  # (a chat request's constraint comes from the protocol: tools, response_format)
+            parsed.request.constraint = constraint
         self._engine().compiled(parsed.request)  # an invalid grammar raises now, streaming or not
         events = self._engine().generate(parsed.request)
         if not parsed.stream:
@@ -244,9 +245,7 @@ class Llama:
         yield from r.start_chunks()
         for ev in events:
             if ev.kind == "token":
-                c = r.token_chunk(ev)
-                if c is not None:
-                    yield c
+                yield from r.token_chunks(ev)
             elif ev.finish_reason == "error":
                 raise LlamapyError(ev.error or "generation failed")
             else:
@@ -303,23 +302,26 @@ class Llama:
         stream: bool = False,
         grammar: str | None = None,
         response_format: dict | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
         **unsupported: object,
     ) -> dict | Iterator[dict]:
         """llama-cpp-python's Llama.create_chat_completion: the GGUF's chat template (sandboxed),
         an OpenAI `chat.completion` dict or with stream=True an iterator of its chunks.
-        `grammar` / `response_format` constrain the reply as in create_completion."""
+        `grammar` / `response_format` constrain the reply as in create_completion; `tools` and
+        `tool_choice` as OpenAI's (the reply's `tool_calls`, a required call forced by a grammar)."""
         body = _body(locals(), unsupported)
         from .server.protocol import ChatTemplate, chat_request
 
         if max_tokens is None or max_tokens <= 0:
             body.pop("max_tokens", None)
-        spec = _constraint(body)
-        return self._openai_run(chat_request(body, self.tokenizer, ChatTemplate.of(self.model)), "chat", spec)
+        return self._openai_run(chat_request(body, self.tokenizer, ChatTemplate.of(self.model)), "chat")
 
 
 # llama-cpp-python parameters that mean "off" at these values are accepted and dropped
 _OFF = {"suffix": None, "echo": False, "logit_bias": None, "functions": None, "function_call": None,
-        "tools": None, "tool_choice": None, "n": 1,
+        "n": 1,
         "typical_p": 1.0, "tfs_z": 1.0, "mirostat_mode": 0, "logits_processor": None,
         "stopping_criteria": None, "model": None, "best_of": None}  # fmt: skip
 

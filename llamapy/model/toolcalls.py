@@ -34,6 +34,7 @@ from datetime import datetime
 from typing import Any
 
 from .chat import ChatTemplateError, render_chat
+from .constrain import JSON_WHITESPACE
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -273,6 +274,9 @@ def call_grammar(fmt: str, tools: list[Tool], parallel: bool, tokenizer: Any) ->
         start = "call"
     else:
         raise ValueError(f"no call grammar for format {fmt!r}")
+    # JSON whitespace bounded as in every other constraint (constrain.py: else a small model can
+    # write newlines forever between two keys)
+    body = dict(body, **{"x-guidance": {"whitespace_pattern": JSON_WHITESPACE}})
     return "lark", f"start: {start}\ncall: {call}\nbody: %json {json.dumps(body)}\n"
 
 

@@ -22,7 +22,12 @@ differently from the one-token kernels and change greedy text: decode tokens and
 - `Event(kind="token")` per sampled token: the text it releases (text that might be the start of a
   stop string is held back), the token id, and its logprob / top logprobs when asked;
 - one final `Event(kind="done")` with the finish reason ("stop", "length", "context" (the
-  slot is full), "cancelled" or "error"), the last released text, usage and timings.
+  slot is full), "cancelled", "error" or "grammar_dead_end" (its constraint allowed no token;
+  `error` says why)), the last released text, usage and timings.
+
+A request's `constraint` (model/constrain.py) masks its rows before its sampler chain, with its
+own matcher: requests in one step are constrained each on its own; a complete grammar ends the
+request with "stop".
 
 Prompt cache: an idle slot keeps the K/V of the tokens it last held; a new request goes to the free
 slot sharing the longest prefix with its prompt and only the rest is evaluated. What idle slots keep

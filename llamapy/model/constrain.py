@@ -28,6 +28,7 @@ as an EOS the grammar allows once it is complete.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,14 @@ KINDS = ("gbnf", "json_schema", "json_object", "regex", "lark")
 # llama.cpp's json-schema-to-grammar SPACE_RULE, as a regex
 JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
 _CACHE_SIZE = 32  # compiled constraints kept per vocabulary (a server's recurring schemas)
+# byte -> the 8 logit offsets of its bits (bit i set: token allowed, 0; else -inf); a gather and
+# an add, with no branch on each token: a `where=` copy took 0.3-0.6 ms on a 128k row whose
+# allowed tokens are scattered, this 0.12 ms whatever the mask
+_BIT_OFFSETS = np.where(
+    np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(bool),
+    np.float32(0.0),
+    np.float32(-np.inf),
+).astype(np.float32)
 
 
 class ConstraintError(LlamapyError):
@@ -125,6 +134,7 @@ class _Vocab:
         self.eog = eog
         self.lltok = llg.LLTokenizer(llg.TokenizerWrapper(wrapper), n_vocab=n, eos_token=eog)
         self.compiled: OrderedDict[ConstraintSpec, CompiledConstraint] = OrderedDict()
+        self.lock = threading.Lock()  # a server compiles from its worker threads
 
 
 class _Wrapper:
@@ -148,14 +158,16 @@ def compile_constraint(spec: ConstraintSpec, tokenizer: Any) -> CompiledConstrai
     vocab = getattr(tokenizer, "constraints", None)
     if vocab is None:
         vocab = tokenizer.constraints = _Vocab(tokenizer)
-    hit = vocab.compiled.get(spec)
-    if hit is not None:
-        vocab.compiled.move_to_end(spec)
-        return hit
-    cc = CompiledConstraint(spec, vocab)
-    vocab.compiled[spec] = cc
-    while len(vocab.compiled) > _CACHE_SIZE:
-        vocab.compiled.popitem(last=False)
+    with vocab.lock:
+        hit = vocab.compiled.get(spec)
+        if hit is not None:
+            vocab.compiled.move_to_end(spec)
+            return hit
+    cc = CompiledConstraint(spec, vocab)  # (outside the lock: a big grammar takes a while)
+    with vocab.lock:
+        vocab.compiled[spec] = cc
+        while len(vocab.compiled) > _CACHE_SIZE:
+            vocab.compiled.popitem(last=False)
     return cc
 
 
@@ -187,6 +199,7 @@ class Matcher:
         self._m = m
         self._n_vocab = n_vocab
         self._bits = np.zeros((n_vocab + 31) // 32, np.int32)
+        self._offsets = np.empty((self._bits.nbytes, 8), np.float32)  # a logit offset per token
         self._dead = False
 
     def mask(self, logits: np.ndarray) -> None:
@@ -197,10 +210,10 @@ class Matcher:
             return
         self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         # bit i of word w is token 32*w + i: little-endian bytes, bits in little order
-        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._n_vocab].view(bool)
-        np.copyto(logits[: self._n_vocab], -np.inf, where=~allowed)
+        np.take(_BIT_OFFSETS, self._bits.view(np.uint8), axis=0, out=self._offsets)
+        logits[: self._n_vocab] += self._offsets.reshape(-1)[: self._n_vocab]
         logits[self._n_vocab :] = -np.inf
-        self._dead = not allowed.any()
+        self._dead = not self._bits.any()
 
     def accept(self, token: int) -> None:
         if not self._m.consume_token(int(token)):

@@ -441,13 +441,13 @@ class ReplyStream:
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         self.text += text
-        if self.syntax.plain:
-            self.message.content = self.text
+        if self.syntax.plain:  # nothing to read: the text passes through as it comes
             return [{"content": text}] if text else []
         return self._advance(parse(self.text, self.syntax, partial=True))
 
     def finish(self) -> list[dict[str, Any]]:
         if self.syntax.plain:
+            self.message.content = self.text
             return []
         return self._advance(parse(self.text, self.syntax, partial=False))
 

@@ -23,7 +23,7 @@ from .generate import (
     perplexity_chunks,
     stream,
 )
-from .model.constrain import ConstraintError, ConstraintSpec, response_format_spec
+from .model.constrain import ConstraintError, ConstraintSpec, compile_constraint, response_format_spec
 from .model.sampler import SamplingParams
 from .types import ContextFullError, LlamapyError
 
@@ -154,6 +154,8 @@ class Llama:
         Bad arguments (and a closed Llama) raise here, not at the first chunk."""
         ctx = self.ctx
         check_n_predict(n_predict)
+        if constraint is not None:
+            compile_constraint(constraint, self.tokenizer)  # an invalid one raises now (then cached)
         return stream(ctx, self._tokens(prompt), n_predict, SamplingParams(**sampling), result,  # type: ignore[arg-type]
                       constraint=constraint)  # fmt: skip
 

@@ -78,8 +78,8 @@ def stream(
     `cached` lists the tokens sequence `seq` already holds in the KV cache (a conversation's
     earlier turns): only what follows their common prefix with the prompt is evaluated.
     `special`: special tokens are rendered as their text (llama.cpp's --special).
-    `constraint`: a grammar / JSON schema the output must match (ConstraintError, raised here
-    before anything is evaluated, when it is invalid).
+    `constraint`: a grammar / JSON schema the output must match (ConstraintError before anything
+    is evaluated when it is invalid).
     """
     check_n_predict(n_predict)
     res = result if result is not None else GenerationResult()
@@ -95,7 +95,7 @@ def stream(
     max_tokens = n_predict if n_predict >= 0 else -1  # -1 and -2: until the end or a full context
     req = Request([int(t) for t in prompt_tokens], max_tokens, sampling or SamplingParams(), special=special,
                   constraint=constraint)  # fmt: skip
-    engine.compiled(req)  # an invalid constraint fails before the first chunk is asked for
+    engine.compiled(req)  # an invalid constraint fails before the prompt is evaluated
     for ev in engine.generate(req):
         if ev.kind == "token":
             res.tokens.append(ev.token)

@@ -103,8 +103,8 @@ def _grammar(spec: ConstraintSpec) -> str:
             text = gbnf_to_lark(text)
         except GbnfToLarkError as e:
             raise ConstraintError(f"invalid GBNF grammar: {_one_line(str(e))}") from None
-        except Exception as e:  # noqa: BLE001 - the converter's own failures (KeyError for an undefined rule, ...)
-            raise ConstraintError(f"invalid GBNF grammar: {type(e).__name__}: {_one_line(str(e))}") from None
+        except Exception as e:  # noqa: BLE001 - the converter's other failures ("Rule 'x' not found", ...)
+            raise ConstraintError(f"invalid GBNF grammar: {_one_line(str(e) or type(e).__name__)}") from None
     return llg.LLMatcher.grammar_from_lark(text)
 
 

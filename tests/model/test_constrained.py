@@ -125,6 +125,8 @@ def test_api_response_format_and_grammar(llm: llamapy.Llama) -> None:
         llm.create_completion("x", grammar='root ::= "a"', response_format={"type": "json_object"})
     with pytest.raises(ConstraintError, match="invalid GBNF"):
         llm.create_completion("x", grammar="root ::= [a-", stream=True)  # raised at the call, not the first chunk
+    with pytest.raises(ConstraintError, match="invalid regex"):
+        llm.stream("x", 4, constraint=ConstraintSpec("regex", "a(b"))
 
 
 def test_cli_run_json_schema_and_grammar(default_model: Path, tmp_path: Path) -> None:

@@ -255,3 +255,44 @@ def test_a_dead_end_keeps_its_finish_reason() -> None:
     done = Event(0, "done", finish_reason="grammar_dead_end", error="the grammar reached a dead end", usage=Usage(3))
     assert Responder("chat", "m", None).response([done])["choices"][0]["finish_reason"] == "grammar_dead_end"
     assert Responder("chat", "m", None).end_chunks(done, False)[-1]["choices"][0]["finish_reason"] == "grammar_dead_end"
+
+
+def test_what_each_request_asks_of_the_engine(tiny_models: dict[str, Path]) -> None:
+    """The format, the constraint and the prompt chat_request hands the engine (llama.cpp's
+    choices), without generating."""
+    from llamapy.model.tokenizer import Tokenizer
+    from llamapy.server.protocol import ChatTemplate, chat_request
+
+    path = tiny_models["Qwen-Qwen3-0.6B"]
+    tok = Tokenizer.from_file(path)
+    tpl = ChatTemplate((TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text(), "<s>", "</s>")
+
+    def plan(**body: object):  # noqa: ANN202
+        p = chat_request({"messages": ASK, **body}, tok, tpl)
+        return p.syntax, p.request.constraint, p.prompt_text
+
+    syntax, spec, prompt = plan(tools=TOOLS)  # auto: the model is free, its calls read back
+    assert (syntax.format, syntax.parse_tools, syntax.reasoning, spec) == ("hermes", True, True, None)
+    assert "<tools>" in prompt and '"name": "get_time"' in prompt
+    syntax, spec, _ = plan(tools=TOOLS, tool_choice="required", parallel_tool_calls=True)
+    assert spec.kind == "lark" and spec.source.startswith('start: call ("\\n" call)*') and "get_time" in spec.source
+    _, spec, _ = plan(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert "get_time" in spec.source and "get_weather" not in spec.source
+    syntax, spec, prompt = plan(tools=TOOLS, tool_choice="none")  # nothing offered, nothing read
+    assert (syntax.format, syntax.parse_tools, spec) == ("content", False, None) and "<tools>" not in prompt
+    # tools with a schema: llama.cpp's generic format, a call or the schema's response
+    schema = obj({"n": {"type": "integer"}})
+    syntax, spec, _ = plan(tools=TOOLS, response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}})
+    assert syntax.format == "generic" and spec.kind == "json_schema"
+    assert json.loads(spec.source)["anyOf"][1]["properties"]["response"] == schema
+    # a conversation that carries calls renders without tools offered, and a template without
+    # tools gets them written into its turns
+    convo = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+    p = chat_request({"messages": convo}, tok, tpl)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in p.prompt_text
+    gemma = ChatTemplate((TEMPLATES / "google-gemma-2-2b-it.jinja").read_text(), "<s>", "</s>")
+    p = chat_request({"messages": convo, "tools": TOOLS}, tok, gemma)
+    assert p.syntax.format == "generic" and "You can call any of the following tools" in p.prompt_text
+    assert '{"tool_response": {"tool": "get_weather", "content": "sunny"}}' in p.prompt_text

@@ -85,6 +85,7 @@ class Syntax:
     reasoning: bool = False  # the template writes <think>…</think>
     thinking_open: bool = False  # the prompt itself ends inside <think>
     parse_tools: bool = False
+    forced: bool = False  # the grammar admits only calls (tool_choice required / named)
 
     @property
     def plain(self) -> bool:
@@ -305,14 +306,40 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def _call(obj: Any, args_keys: tuple[str, ...]) -> ToolCall | None:
+def _call(obj: Any, keys: tuple[str, ...], src: str = "", start: int = 0, end: int = 0) -> ToolCall | None:
+    """A decoded call object as a ToolCall; with `src`, its arguments are the text the model wrote
+    (src[start:end] holds the object), so that what was streamed of them is a prefix."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    key = next((k for k in args_keys if k in obj), None)
+    key = next((k for k in keys if k in obj), None)
     if key is None or not isinstance(obj[key], (dict, str)):
         return None
     args = obj[key] if isinstance(obj[key], str) else json.dumps(obj[key], ensure_ascii=False)
+    m = re.compile(rf'"{key}"\s*:\s*').search(src, start, end) if src and not isinstance(obj[key], str) else None
+    got = _json_at(src, m.end()) if m else None
+    if got and got[0] == obj[key]:
+        args = src[m.end():got[1]]  # type: ignore[union-attr]
     return ToolCall(obj["name"], args, obj["id"] if isinstance(obj.get("id"), str) else "")
+
+
+# the head of a call object whose arguments are still being written
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def _read_call(s: str, i: int, keys: tuple[str, ...]) -> tuple[ToolCall | None, int, bool]:
+    """(call, end, complete) for the call object at s[i]. Incomplete, a call is returned when its
+    name and the start of its arguments are there (the arguments so far)."""
+    while i < len(s) and s[i] in _WS:
+        i += 1
+    got = _json_at(s, i)
+    if got:
+        return _call(got[0], keys, s, i, got[1]), got[1], True
+    m = _CALL_HEAD.match(s, i)
+    if not m:
+        return None, len(s), False
+    args = _json_at(s, m.end())
+    so_far = s[m.end():args[1]] if args else s[m.end():]
+    return ToolCall(json.loads(f'"{m.group(1)}"'), "" if so_far.startswith('"') else so_far), len(s), False
 
 
 def _split_reasoning(text: str, syntax: Syntax, partial: bool) -> tuple[str, str]:
@@ -334,7 +361,7 @@ def _split_reasoning(text: str, syntax: Syntax, partial: bool) -> tuple[str, str
     return body[:end].strip(_WS), body[end + len(THINK_CLOSE):].lstrip(_WS)
 
 
-def _parse_hermes(text: str, partial: bool) -> Message:
+def _parse_hermes(text: str, partial: bool, forced: bool) -> Message:
     msg, pos = Message(), 0
     while True:
         i = text.find(HERMES_OPEN, pos)
@@ -343,13 +370,13 @@ def _parse_hermes(text: str, partial: bool) -> Message:
             msg.content += tail[: len(tail) - (_partial_suffix(tail, HERMES_OPEN) if partial else 0)]
             return msg
         msg.content += text[pos:i]
-        got = _json_at(text, i + len(HERMES_OPEN))
-        call = _call(got[0], ("arguments",)) if got else None
-        j = got[1] if got else 0
+        call, j, complete = _read_call(text, i + len(HERMES_OPEN), ("arguments",))
         while j < len(text) and text[j] in _WS:
             j += 1
-        if call is None or not text.startswith(HERMES_CLOSE, j):
-            if not partial:
+        if call is None or not complete or not text.startswith(HERMES_CLOSE, j):
+            if call is not None and forced:
+                msg.tool_calls.append(call)  # still being written, or cut off (finish_reason length)
+            elif not partial:
                 msg.content += text[i:]  # malformed: the text as it is
             return msg
         msg.tool_calls.append(call)
@@ -358,7 +385,7 @@ def _parse_hermes(text: str, partial: bool) -> Message:
             pos += 1
 
 
-def _parse_llama3(text: str, partial: bool) -> Message:
+def _parse_llama3(text: str, partial: bool, forced: bool) -> Message:
     s = text.lstrip(_WS)
     if partial and PYTHON_TAG.startswith(s):
         return Message()
@@ -366,32 +393,53 @@ def _parse_llama3(text: str, partial: bool) -> Message:
         s = s[len(PYTHON_TAG):]
     if not s.lstrip(_WS).startswith("{"):
         return Message(content=text if not partial or s.strip(_WS) else "")
-    calls, i = [], 0
+    calls: list[ToolCall] = []
+    i = 0
     while True:
-        got = _json_at(s, i)
-        call = _call(got[0], ("parameters", "arguments")) if got else None
-        if call is None:
-            return Message() if partial else Message(content=text)
+        call, i, complete = _read_call(s, i, ("parameters", "arguments"))
+        if call is None or not complete:
+            if call is not None and forced:
+                return Message(tool_calls=calls + [call])
+            return Message(tool_calls=calls) if partial else Message(content=text)
         calls.append(call)
-        i = got[1]
         while i < len(s) and s[i] in _WS + ";":
             i += 1
         if i >= len(s):
             return Message(tool_calls=calls)
 
 
-def _parse_mistral(text: str, partial: bool) -> Message:
+def _parse_mistral(text: str, partial: bool, forced: bool) -> Message:
     i = text.find(MISTRAL_CALLS)
     if i < 0:
         return Message(content=text[: len(text) - (_partial_suffix(text, MISTRAL_CALLS) if partial else 0)])
-    got = _json_at(text, i + len(MISTRAL_CALLS))
-    calls = [_call(o, ("arguments",)) for o in got[0]] if got and isinstance(got[0], list) else [None]
-    if not calls or any(c is None for c in calls):
-        return Message(content=text[:i]) if partial else Message(content=text)
-    return Message(content=text[:i], tool_calls=calls)  # type: ignore[arg-type]
+    msg, j = Message(content=text[:i]), i + len(MISTRAL_CALLS)
+    while j < len(text) and text[j] in _WS:
+        j += 1
+    if text.startswith("[", j):
+        while True:  # [call, call, ...]
+            call, j, complete = _read_call(text, j + 1, ("arguments",))
+            if call is not None and (complete or forced):
+                msg.tool_calls.append(call)
+            while j < len(text) and text[j] in _WS:
+                j += 1
+            if call is None or not complete or not text.startswith((",", "]"), j):
+                break
+            if text[j] == "]":
+                return msg
+    if partial or forced and msg.tool_calls:
+        return msg
+    return Message(content=text)  # malformed: the text as it is
 
 
-def _parse_generic(text: str, partial: bool) -> Message:
+_GENERIC_CALL = re.compile(r'\s*\{\s*"tool_call"\s*:')
+
+
+def _parse_generic(text: str, partial: bool, forced: bool) -> Message:
+    m = _GENERIC_CALL.match(text)
+    if m:
+        call, end, complete = _read_call(text, m.end(), ("arguments",))
+        if call is not None and (forced or complete and text[end:].strip(_WS) == "}"):
+            return Message(tool_calls=[call])
     got = _json_at(text, 0)
     obj = got[0] if got and not text[got[1]:].strip(_WS) else None
     if isinstance(obj, dict):
@@ -399,10 +447,6 @@ def _parse_generic(text: str, partial: bool) -> Message:
             calls = [_call(o, ("arguments",)) for o in obj["tool_calls"]]
             if calls and all(calls):
                 return Message(tool_calls=calls)  # type: ignore[arg-type]
-        elif "tool_call" in obj:
-            call = _call(obj["tool_call"], ("arguments",))
-            if call:
-                return Message(tool_calls=[call])
         elif "response" in obj:
             r = obj["response"]
             return Message(content=r if isinstance(r, str) else json.dumps(r, ensure_ascii=False))
@@ -415,10 +459,11 @@ _PARSERS = {"hermes": _parse_hermes, "llama3": _parse_llama3, "mistral": _parse_
 def parse(text: str, syntax: Syntax, partial: bool = False) -> Message:
     """The reply read as `syntax` says. `partial`: text still growing, so what may yet become a
     marker, a tool call or the end of the reasoning is held back. Malformed calls in a final reply
-    come back as plain content, never an error."""
+    come back as plain content, never an error. A forced call (the grammar admits nothing else)
+    is returned while its arguments are being written, and as far as it got when cut off."""
     reasoning, rest = _split_reasoning(text, syntax, partial)
     parser = _PARSERS.get(syntax.format) if syntax.parse_tools else None
-    msg = parser(rest, partial) if parser else Message(content=rest)
+    msg = parser(rest, partial, syntax.forced) if parser else Message(content=rest)
     msg.reasoning_content = reasoning
     return msg
 
@@ -431,8 +476,10 @@ def new_call_id(fmt: str) -> str:
 
 class ReplyStream:
     """A reply read as it streams, as OpenAI's deltas: the whole text parsed again at each step
-    and compared with the last parse (llama.cpp's common_chat_msg_diff). A tool call is sent once
-    its JSON is complete: a header delta (index, id, type, name), then its arguments."""
+    and compared with the last parse (llama.cpp's common_chat_msg_diff). A call opens with a
+    header delta (index, id, type, name), then its arguments follow in pieces: as they are written
+    when the call is forced, else at once when its JSON is complete (an unforced call may yet turn
+    out malformed, and then it is content)."""
 
     def __init__(self, syntax: Syntax) -> None:
         self.syntax = syntax
@@ -459,14 +506,15 @@ class ReplyStream:
         if new.content.startswith(old.content) and len(new.content) > len(old.content):
             out.append({"content": new.content[len(old.content):]})
             old.content = new.content
-        for i in range(len(old.tool_calls), len(new.tool_calls)):
-            c = new.tool_calls[i]
-            c.id = c.id or new_call_id(self.syntax.format)
-            old.tool_calls.append(c)
-            out.append({"tool_calls": [{"index": i, "id": c.id, "type": "function",
-                                        "function": {"name": c.name, "arguments": ""}}]})  # fmt: skip
-            if c.arguments:
-                out.append({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})
+        for i, c in enumerate(new.tool_calls):
+            if i == len(old.tool_calls):
+                old.tool_calls.append(ToolCall(c.name, "", c.id or new_call_id(self.syntax.format)))
+                out.append({"tool_calls": [{"index": i, "id": old.tool_calls[i].id, "type": "function",
+                                            "function": {"name": c.name, "arguments": ""}}]})  # fmt: skip
+            sent = old.tool_calls[i]
+            if c.arguments.startswith(sent.arguments) and len(c.arguments) > len(sent.arguments):
+                out.append({"tool_calls": [{"index": i, "function": {"arguments": c.arguments[len(sent.arguments):]}}]})
+            sent.arguments = c.arguments  # (a final parse that disagrees still fixes the whole message)
         return out
 
 

@@ -133,6 +133,7 @@ def accumulate(stream) -> tuple[dict, str]:
                 assert tc.id and tc.type == "function" and tc.function.name
                 msg["tool_calls"].append({"id": tc.id, "name": tc.function.name, "arguments": ""})
             msg["tool_calls"][tc.index]["arguments"] += tc.function.arguments or ""
+            msg["pieces"] = msg.get("pieces", 0) + bool(tc.function.arguments)
         finish = ch.finish_reason or finish
     return msg, finish
 
@@ -150,8 +151,9 @@ def tool_round(client, tools: list, choice, first: str | None = None, n: int = 1
     streamed, finish = accumulate(client.chat.completions.create(
         model="x", messages=ASK, tools=tools, tool_choice=choice, temperature=0, max_tokens=n, stream=True))  # fmt: skip
     assert finish == "tool_calls" and streamed["content"] == ""
-    assert [(c["name"], json.loads(c["arguments"])) for c in streamed["tool_calls"]] == \
-        [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls]  # fmt: skip
+    assert [(c["name"], c["arguments"]) for c in streamed["tool_calls"]] == \
+        [(c.function.name, c.function.arguments) for c in ch.message.tool_calls]  # fmt: skip
+    assert streamed["pieces"] > 2  # a forced call's arguments stream as they are written
     convo = ASK + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
         {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]  # fmt: skip

@@ -87,7 +87,9 @@ def test_llama3() -> None:
 def test_mistral() -> None:
     m = parse('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}, "id": "abcDEF123"}]', syn("mistral"))
     assert [(c.name, json.loads(c.arguments), c.id) for c in m.tool_calls] == [("get_weather", {"city": "Rome"}, "abcDEF123")]
-    for text in ("[TOOL_CALLS][{\"name\": \"f\"}]", "[TOOL_CALLS]{\"name\": \"f\", \"arguments\": {}}", "[TOOL_CALLS][", "plain"):
+    m = parse('[TOOL_CALLS] [{"name": "a", "arguments": {}, "id": "aaaaaaaaa"}, {"name": "b", "arguments": {"x": 1}, "id": "bbbbbbbbb"}]', syn("mistral"))
+    assert [(c.name, c.arguments, c.id) for c in m.tool_calls] == [("a", "{}", "aaaaaaaaa"), ("b", '{"x": 1}', "bbbbbbbbb")]
+    for text in ("[TOOL_CALLS][{\"name\": \"f\"}]", "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {}} junk", "[TOOL_CALLS]{\"name\": \"f\", \"arguments\": {}}", "[TOOL_CALLS][", "plain"):
         m = parse(text, syn("mistral"))
         assert m.tool_calls == [] and m.content == text
 
@@ -248,3 +250,32 @@ def test_control_token_markers_are_named_by_id() -> None:
 
     assert "call: <[5]> body" in call_grammar("mistral", [WEATHER], False, Tok())[1]
     assert 'call: "<tool_call>"' in call_grammar("hermes", [WEATHER], False, Tok())[1]
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'),
+    ("generic", '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}, "id": "abcdefghi"}]'),
+])  # fmt: skip
+def test_forced_calls_stream_their_arguments_as_written(fmt: str, text: str) -> None:
+    forced = Syntax(fmt, parse_tools=True, forced=True)
+    deltas, s = _stream(text, forced, step=2)
+    args = [d["tool_calls"][0]["function"]["arguments"] for d in deltas if "arguments" in d["tool_calls"][0]["function"]]
+    assert len([a for a in args if a]) > 10  # in pieces, as the model writes them
+    acc = _accumulate(deltas)
+    assert [(c["name"], c["arguments"]) for c in acc["tool_calls"]] == [("get_weather", '{"city": "Paris", "unit": "celsius"}')]
+    assert acc["content"] == "" and s.message.tool_calls[0].arguments == acc["tool_calls"][0]["arguments"]
+    # cut off by max_tokens: the call as far as it got (OpenAI's finish_reason "length" shape)
+    cut = parse(text[: text.index("Paris") + 3], forced)
+    assert [(c.name, c.arguments) for c in cut.tool_calls] == [("get_weather", '{"city": "Par')] and cut.content == ""
+    # unforced, the same cut text is content, and nothing of it was streamed as a call
+    deltas, _ = _stream(text[: text.index("Paris") + 3], Syntax(fmt, parse_tools=True), step=2)
+    assert _accumulate(deltas)["tool_calls"] == []
+
+
+def test_arguments_are_the_text_the_model_wrote() -> None:
+    m = parse('<tool_call>\n{"name": "f", "arguments": {"a":  [1, 2.50]}}\n</tool_call>', syn("hermes"))
+    assert m.tool_calls[0].arguments == '{"a":  [1, 2.50]}'
+    m = parse('<tool_call>\n{"name": "f", "arguments": "{\\"k\\": 1}"}\n</tool_call>', syn("hermes", ))
+    assert m.tool_calls[0].arguments == '{"k": 1}'  # a JSON string of arguments: its value

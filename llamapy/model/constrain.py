@@ -77,6 +77,47 @@ def _json_position(source: str, what: str) -> Any:
         raise ConstraintError(f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
 
 
+# keywords whose value maps names (not keywords) to subschemas
+_NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _schema_where(spec: ConstraintSpec, msg: str) -> str:
+    """" at /json/pointer" of the subschema an unenforceable-keyword message is about:
+    llguidance names the keyword, not where it is."""
+    if spec.kind != "json_schema":
+        return ""
+    if msg.startswith("Unimplemented keys: "):
+        try:
+            keys = set(json.loads(msg.split(": ", 1)[1]))
+        except (ValueError, TypeError):
+            return ""
+        ptr = _find(json.loads(spec.source), lambda d: bool(keys & d.keys()))
+    elif msg.startswith("Unknown format: "):
+        fmt = msg.split(": ", 1)[1]
+        ptr = _find(json.loads(spec.source), lambda d: d.get("format") == fmt)
+    else:
+        return ""
+    return f" at {ptr or '/'}" if ptr is not None else ""
+
+
+def _find(node: Any, want: Any, path: str = "", names: bool = False) -> str | None:
+    """The JSON pointer of the first subschema (depth first) for which want(subschema)."""
+    if isinstance(node, dict):
+        if not names and want(node):
+            return path
+        items: Any = node.items()
+    elif isinstance(node, list):
+        items = enumerate(node)
+    else:
+        return None
+    for k, v in items:
+        key = str(k).replace("~", "~0").replace("/", "~1")
+        hit = _find(v, want, f"{path}/{key}", not names and k in _NAME_MAPS)
+        if hit is not None:
+            return hit
+    return None
+
+
 def _grammar(spec: ConstraintSpec) -> str:
     """llguidance's grammar text for a spec (not yet checked against a vocabulary)."""
     import llguidance as llg
@@ -182,7 +223,8 @@ class CompiledConstraint:
         grammar = _grammar(spec)
         is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(grammar, vocab.lltok)
         if is_error:
-            raise ConstraintError(f"invalid {spec.kind.replace('_', ' ')}: {_one_line(msgs[0] if msgs else '')}")
+            msg = _one_line(msgs[0] if msgs else "")
+            raise ConstraintError(f"invalid {spec.kind.replace('_', ' ')}: {msg}{_schema_where(spec, msg)}")
         # matchers are deep copies of this one: the grammar is parsed once
         self._proto = llg.LLMatcher(vocab.lltok, grammar, log_level=0)
         if self._proto.is_error():

@@ -184,3 +184,12 @@ def test_cli_batch_file_with_per_line_schemas(default_model: Path, tmp_path: Pat
     assert recs[3]["text"] in (" yes", " no")
     assert 'Unimplemented keys: ["uniqueItems"]' in recs[6]["error"]
     assert recs[7]["error"] == "line 8: give `json_schema` or `grammar`, not both"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_cli_run_every_schema(default_model: Path, case: int) -> None:
+    prompt, schema = CASES[case]
+    r = cli("run", str(default_model), "-p", prompt, "-n", str(N_PREDICT), "--temp", "0", "-j", json.dumps(schema), "--log-disable")
+    assert r.returncode == 0, r.stderr
+    jsonschema.validate(json.loads(r.stdout), schema)

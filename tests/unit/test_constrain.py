@@ -165,6 +165,17 @@ def test_unenforceable_schema_features_are_refused(tok: Tokenizer, schema: dict,
         compile_constraint(ConstraintSpec("json_schema", json.dumps(schema)), tok)
 
 
+def test_a_refused_keyword_is_located(tok: Tokenizer) -> None:
+    """The JSON pointer of the subschema holding it; a property *named* like a keyword is no hit."""
+    schema = {"type": "object", "properties": {"not": {"type": "string"}, "tags": {"type": "array", "items": {
+        "anyOf": [{"type": "string"}, {"type": "array", "uniqueItems": True}]}}}}  # fmt: skip
+    with pytest.raises(ConstraintError, match=r'Unimplemented keys: \["uniqueItems"\] at /properties/tags/items/anyOf/1$'):
+        compile_constraint(ConstraintSpec("json_schema", json.dumps(schema)), tok)
+    schema = {"$defs": {"d": {"type": "string", "format": "colour"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/d"}}}
+    with pytest.raises(ConstraintError, match=r"Unknown format: colour at /\$defs/d$"):
+        compile_constraint(ConstraintSpec("json_schema", json.dumps(schema)), tok)
+
+
 def test_response_format() -> None:
     assert response_format_spec({"type": "text"}) is None
     assert response_format_spec({"type": "json_object"}) == ConstraintSpec("json_object", "")

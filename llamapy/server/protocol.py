@@ -202,7 +202,7 @@ def check_constraint(spec: ConstraintSpec | None, tokenizer: Any, where: str, pa
         compile_constraint(spec, tokenizer)
     except ConstraintError as e:
         at = ""
-        if spec.kind == "json_schema":
+        if spec.kind == "json_schema" and " at /" not in str(e):  # (constrain.py locates some itself)
             try:
                 pointer = _locate(json.loads(spec.source), str(e))
             except json.JSONDecodeError:

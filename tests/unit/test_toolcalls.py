@@ -279,3 +279,25 @@ def test_arguments_are_the_text_the_model_wrote() -> None:
     assert m.tool_calls[0].arguments == '{"a":  [1, 2.50]}'
     m = parse('<tool_call>\n{"name": "f", "arguments": "{\\"k\\": 1}"}\n</tool_call>', syn("hermes", ))
     assert m.tool_calls[0].arguments == '{"k": 1}'  # a JSON string of arguments: its value
+
+
+def test_no_text_makes_a_parser_fail() -> None:
+    """Every prefix of real replies, and of junk, in every mode: a Message, never an exception."""
+    import random
+
+    rng = random.Random(3)
+    samples = [
+        '<think>\nok\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {"a": [1, {"b": "\\u00e9\\"}"}]}}\n</tool_call>',
+        '<|python_tag|>{"name": "f", "parameters": {"x": null}}; {"name": "g", "parameters": "{}"}',
+        '[TOOL_CALLS][{"name": "f", "arguments": {}, "id": "abcdefghi"}, {"name": 1}]',
+        '{"tool_calls": [{"name": "f", "arguments": {"a": 1}}]}{"tool_call": {"name": "f", "arguments": {}}}',
+        "".join(rng.choice('{}[]":,\\ntool_call<>/ name arguments"[TOOL_CALLS]') for _ in range(300)),
+    ]
+    for fmt in ("hermes", "llama3", "mistral", "generic", "content"):
+        for forced in (False, True):
+            syntax = Syntax(fmt, reasoning=True, parse_tools=fmt != "content", forced=forced)
+            for text in samples:
+                for n in range(len(text) + 1):
+                    for partial in (True, False):
+                        m = parse(text[:n], syntax, partial)
+                        assert isinstance(m.content, str) and all(isinstance(c.arguments, str) for c in m.tool_calls)

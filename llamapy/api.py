@@ -227,7 +227,8 @@ class Llama:
         from .server.protocol import Responder
 
         r = Responder(kind, parsed.model or str(self.path), self.tokenizer)
-        parsed.request.constraint = constraint
+        if constraint is not None:  # (else what the protocol's parser set, if anything)
+            parsed.request.constraint = constraint
         self._engine().compiled(parsed.request)  # an invalid grammar raises now, streaming or not
         events = self._engine().generate(parsed.request)
         if not parsed.stream:

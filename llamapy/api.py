@@ -227,7 +227,7 @@ class Llama:
         from .server.protocol import Responder
 
         r = Responder(kind, parsed.model or str(self.path), self.tokenizer, parsed.syntax)
-        if constraint is not None:  # (a chat request's constraint comes from the protocol: tools, response_format)
+        if constraint is not None:  # (else what the protocol's parser set, if anything: tools, response_format)
             parsed.request.constraint = constraint
         self._engine().compiled(parsed.request)  # an invalid grammar raises now, streaming or not
         events = self._engine().generate(parsed.request)

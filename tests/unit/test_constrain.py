@@ -258,3 +258,15 @@ def test_llama_cpp_gbnf_grammars(tok: Tokenizer, name: str, doc: str) -> None:
     logits = np.zeros(tok.n_vocab, np.float32)
     m.mask(logits)
     assert np.isfinite(logits[sorted(tok.eog_ids)]).any()  # the document is complete: it may end here
+
+
+def test_lark_names_control_tokens_and_embeds_a_schema(tok: Tokenizer) -> None:
+    """What a tool-call grammar needs: a schema embedded in Lark (`%json`), and a control token
+    named by its text (`<|im_start|>`) that plain text never spells."""
+    grammar = 'start: "<tool_call>\\n" %json{"type": "object", "properties": {"name": {"const": "f"}}, "required": ["name"]} "\\n</tool_call>" <|im_start|>'
+    m = compile_constraint(ConstraintSpec("lark", grammar), tok).matcher()
+    for t in tok.encode('<tool_call>\n{"name": "f"}\n</tool_call>', add_special=False):
+        m.accept(t)
+    assert _allowed(tok, m).tolist() == [tok.token_id("<|im_start|>")]
+    m.accept(tok.token_id("<|im_start|>"))
+    assert m.done

@@ -253,32 +253,45 @@ def _marker(text: str, tokenizer: Any) -> str:
     return json.dumps(text)
 
 
-def call_grammar(fmt: str, tools: list[Tool], parallel: bool, tokenizer: Any) -> tuple[str, str]:
+def call_grammar(fmt: str, tools: list[Tool], parallel: bool, tokenizer: Any, lazy: bool = False) -> tuple[str, str]:
     """(kind, source) of a constraint that admits only tool calls of these tools, in the format's
-    syntax, each call's arguments held to its `parameters` schema."""
+    syntax, each call's arguments held to its `parameters` schema. `lazy` (tool_choice auto,
+    llama.cpp's lazy grammars): any text, until the text opens a call, which is then held to it."""
     if fmt == "generic":
-        return "json_schema", json.dumps(generic_schema(tools, True, parallel, None))
+        return "json_schema", json.dumps(generic_schema(tools, not lazy, parallel, None))
     if fmt == "hermes":
-        call = f'{_marker(HERMES_OPEN, tokenizer)} "\\n" body "\\n" {_marker(HERMES_CLOSE, tokenizer)}'
+        mark, after = HERMES_OPEN, f'"\\n" body "\\n" {_marker(HERMES_CLOSE, tokenizer)}'
         body = _one_of([_call_schema(t, "arguments") for t in tools])
-        start = 'call ("\\n" call)*' if parallel else "call"
     elif fmt == "llama3":
-        call = "body"
+        mark, after = "", "body"
         body = _one_of([_call_schema(t, "parameters") for t in tools])
-        start = 'call (";" " "? call)*' if parallel else "call"
     elif fmt == "mistral":
+        mark, after = MISTRAL_CALLS, "body"
         item = _one_of([dict(_call_schema(t, "arguments"), properties=dict(
             _call_schema(t, "arguments")["properties"], id={"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}),
             required=["name", "arguments", "id"]) for t in tools])  # fmt: skip
         body = {"type": "array", "items": item, "minItems": 1, **({} if parallel else {"maxItems": 1})}
-        call = f"{_marker(MISTRAL_CALLS, tokenizer)} body"
-        start = "call"
     else:
         raise ValueError(f"no call grammar for format {fmt!r}")
+    more = {"hermes": ' ("\\n" call)*', "llama3": ' (";" " "? call)*'}.get(fmt, "") if parallel else ""
+    m = _marker(mark, tokenizer) if mark else ""
+    rules = [f"call: {m} {after}".replace("  ", " ")]
+    if not lazy:
+        rules.insert(0, f"start: call{more}")
+    elif fmt == "llama3":  # a reply that opens with "{" is a call, any other is text
+        tag = _marker(PYTHON_TAG, tokenizer)
+        rules.insert(0, f"start: (TEXT | {tag + '? ' if tag.startswith('<[') else ''}call{more})?")
+        rules.append("TEXT: /[^{](.|\\n)*/")
+    elif m.startswith("<["):  # a control token opens the calls: text can never contain it
+        rules.insert(0, f"start: TEXT? (call{more})?")
+        rules.append("TEXT: /(.|\\n)*/")
+    else:  # a marker written as text: free text up to it (a lazy lexeme), then the call
+        rules.insert(0, f"start: TEXT | head {after}{more}")
+        rules += [f"head[lazy]: TEXT {m}", "TEXT: /(.|\\n)*/"]
     # JSON whitespace bounded as in every other constraint (constrain.py: else a small model can
     # write newlines forever between two keys)
     body = dict(body, **{"x-guidance": {"whitespace_pattern": JSON_WHITESPACE}})
-    return "lark", f"start: {start}\ncall: {call}\nbody: %json {json.dumps(body)}\n"
+    return "lark", "\n".join(rules) + f"\nbody: %json {json.dumps(body)}\n"
 
 
 # -- reading the reply -----------------------------------------------------------------------------

@@ -10,8 +10,8 @@ llama-server's defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05), not
 Structured output (model/constrain.py): `response_format` (json_object, json_schema), llama-server's
 `grammar` (GBNF) and `json_schema`, one of them per request. Tools (model/toolcalls.py): `tools`,
 `tool_choice` (auto, none, required, a named function) and `parallel_tool_calls`; a required or
-named call is forced by a grammar, `auto` leaves the model free (except in the generic format,
-whose JSON reply is always constrained). An invalid schema or grammar is a 400 naming the field
+named call is forced by a grammar; under `auto` the text is free until it opens a call, which is
+then held to the tools (the generic format's JSON reply is a call or a response). An invalid schema or grammar is a 400 naming the field
 and, for schemas, the JSON pointer of the keyword llguidance refused.
 """
 
@@ -477,8 +477,9 @@ def chat_request(body: Any, tokenizer: Any, template: ChatTemplate) -> Parsed:
                 {"type": "object"} if spec is not None else None)  # fmt: skip
             spec = ConstraintSpec("json_schema", json.dumps(tc.generic_schema(tools, False, parallel, response)))
             where = where or "tools"
-        else:
-            spec = None  # auto: the model is free; its calls are read back if it makes any
+        else:  # auto: free text, but a call the text opens is held to the tools (llama.cpp's lazy grammar)
+            kind, source = tc.call_grammar(fmt, tools, parallel, tokenizer, lazy=True)
+            spec, where, param = ConstraintSpec(kind, source), "tools", "tools"
     check_constraint(spec, tokenizer, where, param)
     want_lp = _bool(body, "logprobs")
     top = _num(body, "top_logprobs", int, 0, MAX_TOP_LOGPROBS)

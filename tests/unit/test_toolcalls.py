@@ -301,3 +301,83 @@ def test_no_text_makes_a_parser_fail() -> None:
                     for partial in (True, False):
                         m = parse(text[:n], syntax, partial)
                         assert isinstance(m.content, str) and all(isinstance(c.arguments, str) for c in m.tool_calls)
+
+
+# -- the grammars, run: what a matcher lets through ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    pytest.importorskip("llguidance")
+    from conftest import write_llama_gguf
+
+    from llamapy.model.tokenizer import Tokenizer
+
+    # byte-level vocabulary (a space only inside its word tokens: the texts below have none)
+    return Tokenizer.from_file(write_llama_gguf(tmp_path_factory.mktemp("tok") / "t.gguf", add_space_prefix=False))
+
+
+def _matcher(tok, fmt: str, lazy: bool, parallel: bool = False):  # noqa: ANN001, ANN202
+    from llamapy.model.constrain import ConstraintSpec, compile_constraint
+
+    kind, src = call_grammar(fmt, [WEATHER, Tool("f")], parallel, tok, lazy=lazy)
+    return compile_constraint(ConstraintSpec(kind, src), tok).matcher()
+
+
+def _allows(tok, m, text: str) -> bool:  # noqa: ANN001
+    """Whether the matcher takes `text` (then it has taken it)."""
+    import numpy as np
+
+    from llamapy.model.constrain import ConstraintError
+
+    for t in tok.encode(text, add_special=False, parse_special=False):
+        row = np.zeros(tok.n_vocab, np.float32)
+        m.mask(row)
+        if not np.isfinite(row[t]):
+            return False
+        try:
+            m.accept(t)
+        except ConstraintError:
+            return False
+    return True
+
+
+def _eos_ok(tok, m) -> bool:  # noqa: ANN001
+    import numpy as np
+
+    row = np.zeros(tok.n_vocab, np.float32)
+    m.mask(row)
+    return bool(np.isfinite(row[tok.eos]))
+
+
+CALL = '{"name":"get_weather","arguments":{"city":"Oslo"}}'
+
+
+@pytest.mark.parametrize("fmt, text, bad", [
+    ("hermes", f"Let_me_check.<tool_call>\n{CALL}\n</tool_call>", 'Let_me_check.<tool_call>\n{"name":"nope"'),
+    ("llama3", CALL.replace("arguments", "parameters"), '{"name":"get_weather","parameters":{"town"'),
+    ("mistral", f'Sure.[TOOL_CALLS][{CALL[:-1]},"id":"abcdefghi"}}]', 'Sure.[TOOL_CALLS][{"name":"get_weather","arguments":{"city":1'),
+])  # fmt: skip
+def test_auto_grammars_leave_text_free_and_hold_a_call_once_opened(tok, fmt: str, text: str, bad: str) -> None:  # noqa: ANN001
+    m = _matcher(tok, fmt, lazy=True)
+    assert _eos_ok(tok, m)  # an empty reply
+    assert _allows(tok, m, text) and _eos_ok(tok, m)
+    m = _matcher(tok, fmt, lazy=True)
+    assert _allows(tok, m, "The_weather_is_fine,_no_tools_needed.") and _eos_ok(tok, m)
+    m = _matcher(tok, fmt, lazy=True)
+    assert not _allows(tok, m, bad)  # an unknown tool, a missing required argument, a wrong type
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("hermes", f"<tool_call>\n{CALL}\n</tool_call>"),
+    ("llama3", CALL.replace("arguments", "parameters")),
+    ("mistral", f'[TOOL_CALLS][{CALL[:-1]},"id":"abcdefghi"}}]'),
+])  # fmt: skip
+def test_required_grammars_admit_only_calls(tok, fmt: str, text: str) -> None:  # noqa: ANN001
+    m = _matcher(tok, fmt, lazy=False)
+    assert not _eos_ok(tok, m)
+    assert _allows(tok, m, text) and _eos_ok(tok, m)
+    assert not _allows(tok, _matcher(tok, fmt, lazy=False), "Hello")
+    if fmt == "hermes":  # parallel: more calls after a newline
+        m = _matcher(tok, fmt, lazy=False, parallel=True)
+        assert _allows(tok, m, f"{text}\n{text}") and _eos_ok(tok, m)

@@ -189,7 +189,9 @@ class _Wrapper:
         self.special_token_ids: list[int] = []
 
     def __call__(self, text: bytes) -> list[int]:
-        return self._tok.encode(text, add_special=False, parse_special=False)
+        # the text a grammar forces continues the reply: no SPM leading space (with one, the
+        # mask of a Llama-2-style vocabulary allowed only the first byte of its space marker)
+        return self._tok.encode(text, add_special=False, parse_special=False, space_prefix=False)
 
 
 def compile_constraint(spec: ConstraintSpec, tokenizer: Any) -> CompiledConstraint:

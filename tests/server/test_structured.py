@@ -174,9 +174,9 @@ def test_tools_required_on_the_default_model(smol) -> None:
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("tpl")
-    # no SentencePiece space prefix (as Gemma's vocabularies): constrain.py's tokenizer wrapper
-    # still gives llguidance a prefixed tokenization with one (reported to part A)
-    return {p.stem: write_llama_gguf(d / f"{p.stem}.gguf", seed=7, chat_template=p.read_text(), add_space_prefix=False)
+    # SentencePiece with add_space_prefix (as Llama 2's): the text a grammar forces must be
+    # tokenized without the leading space (constrain._Wrapper), or the first forced token dies
+    return {p.stem: write_llama_gguf(d / f"{p.stem}.gguf", seed=7, chat_template=p.read_text())
             for p in TEMPLATES.glob("*.jinja")}
 
 

@@ -313,8 +313,8 @@ def tok(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
 
     from llamapy.model.tokenizer import Tokenizer
 
-    # byte-level vocabulary (a space only inside its word tokens: the texts below have none)
-    return Tokenizer.from_file(write_llama_gguf(tmp_path_factory.mktemp("tok") / "t.gguf", add_space_prefix=False))
+    # SentencePiece with add_space_prefix, as Llama 2's (the texts below have no spaces)
+    return Tokenizer.from_file(write_llama_gguf(tmp_path_factory.mktemp("tok") / "t.gguf"))
 
 
 def _matcher(tok, fmt: str, lazy: bool, parallel: bool = False):  # noqa: ANN001, ANN202
@@ -330,7 +330,7 @@ def _allows(tok, m, text: str) -> bool:  # noqa: ANN001
 
     from llamapy.model.constrain import ConstraintError
 
-    for t in tok.encode(text, add_special=False, parse_special=False):
+    for t in tok.encode(text, add_special=False, parse_special=False, space_prefix=False):  # a reply goes on from the prompt
         row = np.zeros(tok.n_vocab, np.float32)
         m.mask(row)
         if not np.isfinite(row[t]):

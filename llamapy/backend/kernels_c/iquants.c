@@ -1,0 +1,389 @@
+/* The quant types mixture-of-experts models ship in: IQ4_NL, IQ4_XS and MXFP4 (dequantization,
+ * their dot products with the q8 activations, and the multi-row kernels built on them).
+ *
+ * ggml counterparts: ggml-common.h (block_iq4_nl, block_iq4_xs, block_mxfp4, kvalues_iq4nl,
+ * kvalues_mxfp4), ggml-quants.c (dequantize_row_iq4_nl / iq4_xs / mxfp4), ggml-cpu's
+ * arch/x86/quants.c (ggml_vec_dot_iq4_xs_q8_K) and arch/x86/repack.cpp
+ * (gemv/gemm_q4_b32_8x8_q8_0_lut_avx: the iq4_nl_8x8 and mxfp4_8x8 kernels llama.cpp's x86 builds
+ * run on these weights, every matrix of a multiple of 8 rows: decode and prompts alike).
+ *
+ * Numerics (each output bit for bit what llama.cpp 0.3.36's x86 build computes):
+ *   IQ4_NL . Q8_0, MXFP4 . Q8_0 (the repacked 8x8 kernels' order): per 32-element block i the
+ *     exact int32 sum S_i of kvalue * q8, acc = fmaf((float)S_i, d_w,i * d_y,i, acc) block after
+ *     block, from 0: one chain per output. d_w is the f16 scale (IQ4_NL) or 2^(e - 128)
+ *     (ggml_e8m0_to_fp32_half: MXFP4's e2m1 values are stored doubled, as integers).
+ *   IQ4_XS . Q8_K (ggml_vec_dot_iq4_xs_q8_K's AVX2 body; the AVX-512 builds run it too): per
+ *     256-element block, lane l (0..7) = the exact int32 sum over its 8 sub-blocks of
+ *     scale_sub * (the products of elements 4l..4l+3), acc[l] = fmaf(d_w * d_y, (float)lane, acc[l]),
+ *     the result hsum_float_8(acc) = ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)).
+ * The int32 sums are exact however they are formed (maddubs pairs stay below 2 x 127 x 128), so
+ * the portable bodies (scalar, fmaf) and the AVX2 / AVX-512 ones give the same bits, and so do the
+ * multi-row / multi-column kernels (lp_gemv_*, lp_gemm_*: the vec_dot per output).
+ * Dequantization is exact (an f16 or power-of-two scale times a small integer, IQ4_XS's d * scale
+ * rounded first as ggml does): the same bits as gguf-py's.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "lp_quants.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#if defined(__GNUC__)
+#define IQ_API __attribute__((visibility("default")))
+#else
+#define IQ_API
+#endif
+
+typedef struct { lp_half d; uint8_t qs[16]; } block_iq4_nl;
+typedef struct { lp_half d; uint16_t scales_h; uint8_t scales_l[QK_K / 64]; uint8_t qs[QK_K / 2]; } block_iq4_xs;
+typedef struct { uint8_t e; uint8_t qs[16]; } block_mxfp4;
+_Static_assert(sizeof(block_iq4_nl) == 18, "iq4_nl");
+_Static_assert(sizeof(block_iq4_xs) == 136, "iq4_xs");
+_Static_assert(sizeof(block_mxfp4) == 17, "mxfp4");
+
+static const int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t kvalues_mxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* ggml_e8m0_to_fp32_half: 2^(e - 128), as float32 bits (e < 2: subnormal) */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* dequantization (ggml-quants.c dequantize_row_*)                                              */
+
+static void deq_iq4_nl(const void *vx, float *y, int64_t nb) {
+    const block_iq4_nl *x = vx;
+    for (int64_t i = 0; i < nb; i++, y += 32) {
+        const float d = lp_h2f(x[i].d);
+        for (int j = 0; j < 16; j++) {
+            y[j] = d * (float)kvalues_iq4nl[x[i].qs[j] & 15];
+            y[j + 16] = d * (float)kvalues_iq4nl[x[i].qs[j] >> 4];
+        }
+    }
+}
+
+static void deq_mxfp4(const void *vx, float *y, int64_t nb) {
+    const block_mxfp4 *x = vx;
+    for (int64_t i = 0; i < nb; i++, y += 32) {
+        const float d = e8m0_half(x[i].e);
+        for (int j = 0; j < 16; j++) {
+            y[j] = d * (float)kvalues_mxfp4[x[i].qs[j] & 15];
+            y[j + 16] = d * (float)kvalues_mxfp4[x[i].qs[j] >> 4];
+        }
+    }
+}
+
+/* IQ4_XS sub-block ib's scale (6 bits: 4 in scales_l, 2 in scales_h), minus 32 */
+static inline int iq4_xs_scale(const block_iq4_xs *b, int ib) {
+    return (((b->scales_l[ib / 2] >> 4 * (ib % 2)) & 0xf) | (((b->scales_h >> 2 * ib) & 3) << 4)) - 32;
+}
+
+static void deq_iq4_xs(const void *vx, float *y, int64_t nb) {
+    const block_iq4_xs *x = vx;
+    for (int64_t i = 0; i < nb; i++) {
+        const float d = lp_h2f(x[i].d);
+        for (int ib = 0; ib < QK_K / 32; ib++, y += 32) {
+            const float dl = d * (float)iq4_xs_scale(&x[i], ib);
+            const uint8_t *qs = x[i].qs + 16 * ib;
+            for (int j = 0; j < 16; j++) {
+                y[j] = dl * (float)kvalues_iq4nl[qs[j] & 15];
+                y[j + 16] = dl * (float)kvalues_iq4nl[qs[j] >> 4];
+            }
+        }
+    }
+}
+
+/* n_rows rows of `type` (row_bytes apart, n_in elements each) -> float32 rows ld_out apart;
+ * 0, or -1 for a type this file does not know or a width not a multiple of its block */
+IQ_API int lp_dequantize_rows(int type, const void *w, int64_t n_rows, int64_t row_bytes, int64_t n_in, float *out,
+                              int64_t ld_out) {
+    void (*fn)(const void *, float *, int64_t);
+    int64_t blck;
+    switch (type) {
+    case LP_TYPE_IQ4_NL: fn = deq_iq4_nl, blck = 32; break;
+    case LP_TYPE_MXFP4: fn = deq_mxfp4, blck = 32; break;
+    case LP_TYPE_IQ4_XS: fn = deq_iq4_xs, blck = QK_K; break;
+    default: return -1;
+    }
+    if (n_in % blck) return -1;
+    for (int64_t r = 0; r < n_rows; r++) fn((const uint8_t *)w + r * row_bytes, out + r * ld_out, n_in / blck);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* IQ4_NL and MXFP4 against Q8_0: 32-element blocks of 16 nibble bytes under one scale          */
+
+typedef struct {
+    int bsize, qoff;     /* block bytes, offset of its 16 quant bytes */
+    const int8_t *lut;   /* nibble -> int8 */
+    int e8m0;            /* scale: 1 an E8M0 byte (MXFP4), 0 an f16 (IQ4_NL) */
+} b32_kind;
+
+static const b32_kind K_IQ4_NL = {sizeof(block_iq4_nl), 2, kvalues_iq4nl, 0};
+static const b32_kind K_MXFP4 = {sizeof(block_mxfp4), 1, kvalues_mxfp4, 1};
+
+static inline float b32_scale(const b32_kind *k, const uint8_t *blk) {
+    if (k->e8m0) return e8m0_half(blk[0]);
+    lp_half h;
+    memcpy(&h, blk, sizeof h);
+    return lp_h2f(h);
+}
+
+static inline int b32_isum_scalar(const b32_kind *k, const uint8_t *qs, const int8_t *y) {
+    int s = 0;
+    for (int j = 0; j < 16; j++) s += k->lut[qs[j] & 15] * y[j] + k->lut[qs[j] >> 4] * y[j + 16];
+    return s;
+}
+
+#if defined(__AVX2__)
+/* 16 nibble bytes -> the block's 32 int8 values in element order (low nibbles, then high) */
+static inline __m256i b32_values(__m128i lut, const uint8_t *qs) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, m4));
+    const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), m4));
+    return _mm256_set_m128i(hi, lo);
+}
+
+/* 8 int32 partial sums of w[i] * y[i], both signed bytes (|w[i]| <= 127) */
+static inline __m256i dot8_s8(__m256i w, __m256i y) {
+    const __m256i u = _mm256_sign_epi8(w, w), s = _mm256_sign_epi8(y, w);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline int hsum_i32x8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* the 8 vectors' lane totals, in order (v[r]'s total in lane r) */
+static inline __m256i hsum8_rows(const __m256i v[8]) {
+    const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+}
+#endif
+
+/* one row against nc activation rows (x_bytes apart): s[c * ld_s] = the chain of fmaf over blocks */
+static void b32_row(const b32_kind *k, int nb, float *s, int64_t ld_s, const uint8_t *w, const uint8_t *x,
+                    int64_t x_bytes, int nc) {
+    for (int c = 0; c < nc; c++) {
+        const block_q8_0 *y = (const block_q8_0 *)(x + c * x_bytes);
+        float acc = 0.0f;
+        for (int i = 0; i < nb; i++) {
+            const uint8_t *blk = w + (int64_t)i * k->bsize;
+#if defined(__AVX2__)
+            const __m128i lut = _mm_loadu_si128((const __m128i *)k->lut);
+            const int S = hsum_i32x8(dot8_s8(b32_values(lut, blk + k->qoff), _mm256_loadu_si256((const __m256i *)y[i].qs)));
+#else
+            const int S = b32_isum_scalar(k, blk + k->qoff, y[i].qs);
+#endif
+            acc = fmaf((float)S, b32_scale(k, blk) * lp_h2f(y[i].d), acc);
+        }
+        s[c * ld_s] = acc;
+    }
+}
+
+#if defined(__AVX2__)
+/* 8 rows (row_bytes apart) against nc <= LP_GEMM_COLS activation rows: the rows in the lanes, each
+ * block's 8 weight vectors decoded once for all nc columns */
+static void b32_rows8(const b32_kind *k, int nb, float *s, int64_t ld_s, const uint8_t *w, int64_t row_bytes,
+                      const uint8_t *x, int64_t x_bytes, int nc) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)k->lut);
+    __m256 acc[LP_GEMM_COLS];
+    for (int c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
+    lp_pf pf = lp_pf_group(w, 8 * row_bytes, nb);
+    for (int i = 0; i < nb; i++) {
+        lp_pf_step(&pf, i);
+        __m256i wv[8];
+        float dw[8];
+        for (int r = 0; r < 8; r++) {
+            const uint8_t *blk = w + r * row_bytes + (int64_t)i * k->bsize;
+            wv[r] = b32_values(lut, blk + k->qoff);
+            dw[r] = b32_scale(k, blk);
+        }
+        const __m256 dwv = _mm256_loadu_ps(dw);
+        for (int c = 0; c < nc; c++) {
+            const block_q8_0 *y = (const block_q8_0 *)(x + c * x_bytes) + i;
+            const __m256i yv = _mm256_loadu_si256((const __m256i *)y->qs);
+            __m256i p[8];
+            for (int r = 0; r < 8; r++) p[r] = dot8_s8(wv[r], yv);
+            const __m256 sc = _mm256_mul_ps(dwv, _mm256_set1_ps(lp_h2f(y->d)));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8_rows(p)), sc, acc[c]);
+        }
+    }
+    for (int c = 0; c < nc; c++) {
+        float o[8];
+        _mm256_storeu_ps(o, acc[c]);
+        for (int r = 0; r < 8; r++) s[c * ld_s + r] = o[r];
+    }
+}
+#endif
+
+static void b32_gemm(const b32_kind *k, int n, float *s, int64_t ld_s, const void *vw, int64_t row_bytes, int nr,
+                     const void *vx, int64_t x_bytes, int nc) {
+    const uint8_t *w = vw, *x = vx;
+    const int nb = n / 32;
+    for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS) {
+        const int m = nc - c0 < LP_GEMM_COLS ? nc - c0 : LP_GEMM_COLS;
+        int r = 0;
+#if defined(__AVX2__)
+        for (; r + 8 <= nr; r += 8)
+            b32_rows8(k, nb, s + c0 * ld_s + r, ld_s, w + r * row_bytes, row_bytes, x + c0 * x_bytes, x_bytes, m);
+#endif
+        for (; r < nr; r++) b32_row(k, nb, s + c0 * ld_s + r, ld_s, w + r * row_bytes, x + c0 * x_bytes, x_bytes, m);
+    }
+}
+
+IQ_API void lp_vec_dot_iq4_nl_q8_0(int n, float *s, const void *vx, const void *vy) {
+    b32_row(&K_IQ4_NL, n / 32, s, 0, vx, vy, 0, 1);
+}
+
+IQ_API void lp_vec_dot_mxfp4_q8_0(int n, float *s, const void *vx, const void *vy) {
+    b32_row(&K_MXFP4, n / 32, s, 0, vx, vy, 0, 1);
+}
+
+IQ_API void lp_gemm_iq4_nl_q8_0(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
+                                int64_t x_bytes, int nc) {
+    b32_gemm(&K_IQ4_NL, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
+}
+
+IQ_API void lp_gemm_mxfp4_q8_0(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
+                               int64_t x_bytes, int nc) {
+    b32_gemm(&K_MXFP4, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
+}
+
+IQ_API void lp_gemv_iq4_nl_q8_0(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x) {
+    b32_gemm(&K_IQ4_NL, n, s, 0, w, row_bytes, nr, x, 0, 1);
+}
+
+IQ_API void lp_gemv_mxfp4_q8_0(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x) {
+    b32_gemm(&K_MXFP4, n, s, 0, w, row_bytes, nr, x, 0, 1);
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* IQ4_XS against Q8_K                                                                          */
+
+/* the block's 8 int32 lanes (see the top) */
+#if defined(__AVX2__)
+static inline __m256i xs_lanes(const block_iq4_xs *b, const int8_t *q8) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)kvalues_iq4nl);
+    __m256i sum = _mm256_setzero_si256();
+    for (int ib = 0; ib < QK_K / 32; ib++) {
+        const __m256i wv = b32_values(lut, b->qs + 16 * ib);
+        const __m256i y = _mm256_loadu_si256((const __m256i *)(q8 + 32 * ib));
+        const __m256i u = _mm256_sign_epi8(wv, wv), sy = _mm256_sign_epi8(y, wv);
+        const __m256i p16 = _mm256_maddubs_epi16(u, sy);
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p16, _mm256_set1_epi16((int16_t)iq4_xs_scale(b, ib))));
+    }
+    return sum;
+}
+#else
+static inline void xs_lanes(const block_iq4_xs *b, const int8_t *q8, int lanes[8]) {
+    for (int l = 0; l < 8; l++) lanes[l] = 0;
+    for (int ib = 0; ib < QK_K / 32; ib++) {
+        const int ls = iq4_xs_scale(b, ib);
+        const uint8_t *qs = b->qs + 16 * ib;
+        const int8_t *y = q8 + 32 * ib;
+        for (int l = 0; l < 8; l++) {
+            int p = 0;
+            for (int j = 4 * l; j < 4 * l + 4; j++) {
+                const int q = j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
+                p += kvalues_iq4nl[q] * y[j];
+            }
+            lanes[l] += ls * p;
+        }
+    }
+}
+#endif
+
+IQ_API void lp_vec_dot_iq4_xs_q8_K(int n, float *s, const void *vx, const void *vy) {
+    const block_iq4_xs *x = vx;
+    const block_q8_K *y = vy;
+    const int nb = n / QK_K;
+#if defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++)
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(lp_h2f(x[i].d) * y[i].d), _mm256_cvtepi32_ps(xs_lanes(&x[i], y[i].qs)), acc);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    *s = _mm_cvtss_f32(h);
+#else
+    float acc[8] = {0};
+    for (int i = 0; i < nb; i++) {
+        int lanes[8];
+        xs_lanes(&x[i], y[i].qs, lanes);
+        const float d = lp_h2f(x[i].d) * y[i].d;
+        for (int l = 0; l < 8; l++) acc[l] = fmaf(d, (float)lanes[l], acc[l]);
+    }
+    *s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+#endif
+}
+
+/* one row against nc <= LP_GEMM_COLS activation rows, each block's values decoded once */
+static void xs_row(int nb, float *s, int64_t ld_s, const block_iq4_xs *x, const uint8_t *act, int64_t x_bytes, int nc) {
+#if defined(__AVX2__)
+    const __m128i lut = _mm_loadu_si128((const __m128i *)kvalues_iq4nl);
+    __m256 acc[LP_GEMM_COLS];
+    for (int c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++) {
+        __m256i u[QK_K / 32], sg[QK_K / 32], ls[QK_K / 32];
+        for (int ib = 0; ib < QK_K / 32; ib++) {
+            sg[ib] = b32_values(lut, x[i].qs + 16 * ib);
+            u[ib] = _mm256_sign_epi8(sg[ib], sg[ib]);
+            ls[ib] = _mm256_set1_epi16((int16_t)iq4_xs_scale(&x[i], ib));
+        }
+        const float dx = lp_h2f(x[i].d);
+        for (int c = 0; c < nc; c++) {
+            const block_q8_K *y = (const block_q8_K *)(act + c * x_bytes) + i;
+            __m256i sum = _mm256_setzero_si256();
+            for (int ib = 0; ib < QK_K / 32; ib++) {
+                const __m256i sy = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y->qs + 32 * ib)), sg[ib]);
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u[ib], sy), ls[ib]));
+            }
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(dx * y->d), _mm256_cvtepi32_ps(sum), acc[c]);
+        }
+    }
+    for (int c = 0; c < nc; c++) {
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[c]), _mm256_extractf128_ps(acc[c], 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        s[c * ld_s] = _mm_cvtss_f32(h);
+    }
+#else
+    for (int c = 0; c < nc; c++) lp_vec_dot_iq4_xs_q8_K(nb * QK_K, s + c * ld_s, x, act + c * x_bytes);
+#endif
+}
+
+IQ_API void lp_gemm_iq4_xs_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
+                                int64_t x_bytes, int nc) {
+    for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS) {
+        const int m = nc - c0 < LP_GEMM_COLS ? nc - c0 : LP_GEMM_COLS;
+        for (int r = 0; r < nr; r++)
+            xs_row(n / QK_K, s + c0 * ld_s + r, ld_s, (const block_iq4_xs *)((const uint8_t *)w + r * row_bytes),
+                   (const uint8_t *)x + c0 * x_bytes, x_bytes, m);
+    }
+}
+
+IQ_API void lp_gemv_iq4_xs_q8_K(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x) {
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *row = (const uint8_t *)w + r * row_bytes;
+        lp_pf_ahead(row, (int)row_bytes);
+        lp_vec_dot_iq4_xs_q8_K(n, s + r, row, x);
+    }
+}

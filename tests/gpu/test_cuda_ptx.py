@@ -23,7 +23,7 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 
 def test_sources_exist() -> None:
     names = {p.name for p in SOURCES}
-    assert {"floats.cu", "legacy.cu", "kquants.cu"} <= names
+    assert {"floats.cu", "legacy.cu", "kquants.cu", "iquants.cu"} <= names
     assert (KDIR / "common.cuh").is_file()
 
 
@@ -65,6 +65,7 @@ def test_every_weight_type_has_kernels() -> None:
 F16_FIELDS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
     "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+    "IQ4_NL": [0], "IQ4_XS": [0], "MXFP4": [],  # MXFP4: any E8M0 byte is a valid scale
 }  # fmt: skip
 
 
@@ -108,7 +109,8 @@ def host_libs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL
     return libs
 
 
-ALL_TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+ALL_TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+             "IQ4_NL", "IQ4_XS", "MXFP4"]
 
 
 @pytest.mark.parametrize("name", ALL_TYPES)

@@ -119,6 +119,10 @@ IQ_API int lp_dequantize_rows(int type, const void *w, int64_t n_rows, int64_t r
     return 0;
 }
 
+/* The multi-row / multi-column entry points (lp_gemm_*, lp_gemv_*) are in the SIMD builds only:
+ * the portable library has none, as for the other types (qmatmul.py takes float32 tiles + sgemm
+ * for its prompts, qmatmul.c a vec_dot per output). */
+
 /* ------------------------------------------------------------------------------------------- */
 /* IQ4_NL and MXFP4 against Q8_0: 32-element blocks of 16 nibble bytes under one scale          */
 
@@ -234,6 +238,7 @@ static void b32_rows8(const b32_kind *k, int nb, float *s, int64_t ld_s, const u
 }
 #endif
 
+#if defined(__AVX2__)
 static void b32_gemm(const b32_kind *k, int n, float *s, int64_t ld_s, const void *vw, int64_t row_bytes, int nr,
                      const void *vx, int64_t x_bytes, int nc) {
     const uint8_t *w = vw, *x = vx;
@@ -241,13 +246,12 @@ static void b32_gemm(const b32_kind *k, int n, float *s, int64_t ld_s, const voi
     for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS) {
         const int m = nc - c0 < LP_GEMM_COLS ? nc - c0 : LP_GEMM_COLS;
         int r = 0;
-#if defined(__AVX2__)
         for (; r + 8 <= nr; r += 8)
             b32_rows8(k, nb, s + c0 * ld_s + r, ld_s, w + r * row_bytes, row_bytes, x + c0 * x_bytes, x_bytes, m);
-#endif
         for (; r < nr; r++) b32_row(k, nb, s + c0 * ld_s + r, ld_s, w + r * row_bytes, x + c0 * x_bytes, x_bytes, m);
     }
 }
+#endif
 
 IQ_API void lp_vec_dot_iq4_nl_q8_0(int n, float *s, const void *vx, const void *vy) {
     b32_row(&K_IQ4_NL, n / 32, s, 0, vx, vy, 0, 1);
@@ -257,6 +261,7 @@ IQ_API void lp_vec_dot_mxfp4_q8_0(int n, float *s, const void *vx, const void *v
     b32_row(&K_MXFP4, n / 32, s, 0, vx, vy, 0, 1);
 }
 
+#if defined(__AVX2__)
 IQ_API void lp_gemm_iq4_nl_q8_0(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
                                 int64_t x_bytes, int nc) {
     b32_gemm(&K_IQ4_NL, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
@@ -274,6 +279,7 @@ IQ_API void lp_gemv_iq4_nl_q8_0(int n, float *s, const void *w, int64_t row_byte
 IQ_API void lp_gemv_mxfp4_q8_0(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x) {
     b32_gemm(&K_MXFP4, n, s, 0, w, row_bytes, nr, x, 0, 1);
 }
+#endif
 
 /* ------------------------------------------------------------------------------------------- */
 /* IQ4_XS against Q8_K                                                                          */
@@ -335,9 +341,9 @@ IQ_API void lp_vec_dot_iq4_xs_q8_K(int n, float *s, const void *vx, const void *
 #endif
 }
 
+#if defined(__AVX2__)
 /* one row against nc <= LP_GEMM_COLS activation rows, each block's values decoded once */
 static void xs_row(int nb, float *s, int64_t ld_s, const block_iq4_xs *x, const uint8_t *act, int64_t x_bytes, int nc) {
-#if defined(__AVX2__)
     const __m128i lut = _mm_loadu_si128((const __m128i *)kvalues_iq4nl);
     __m256 acc[LP_GEMM_COLS];
     for (int c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
@@ -365,9 +371,6 @@ static void xs_row(int nb, float *s, int64_t ld_s, const block_iq4_xs *x, const 
         h = _mm_add_ss(h, _mm_movehdup_ps(h));
         s[c * ld_s] = _mm_cvtss_f32(h);
     }
-#else
-    for (int c = 0; c < nc; c++) lp_vec_dot_iq4_xs_q8_K(nb * QK_K, s + c * ld_s, x, act + c * x_bytes);
-#endif
 }
 
 IQ_API void lp_gemm_iq4_xs_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
@@ -387,3 +390,4 @@ IQ_API void lp_gemv_iq4_xs_q8_K(int n, float *s, const void *w, int64_t row_byte
         lp_vec_dot_iq4_xs_q8_K(n, s + r, row, x);
     }
 }
+#endif

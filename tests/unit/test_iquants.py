@@ -2,8 +2,8 @@
 CPU: numpy dequantization against gguf-py's (`gguf.quants`, which has all three), the C
 dequantization (kernels_c/iquants.c `lp_dequantize_rows`) against numpy, the q8 dot products
 against an exact emulation of llama.cpp 0.3.36's x86 float32 order (IQ4_NL / MXFP4: its repacked
-8x8 gemv/gemm, one fmaf chain per output; IQ4_XS: ggml_vec_dot_iq4_xs_q8_K's 8 lanes and
-hsum_float_8), the multi-row / multi-column kernels against the vec_dot bit for bit, and QMatrix's
+8x8 gemv/gemm, one fmaf chain per output; IQ4_XS: its tiled prompt microkernels, a product and an
+fmaf per 256-element block), the multi-row / multi-column kernels against the vec_dot bit for bit, and QMatrix's
 products in both modes against float64 references. Every SIMD variant the install built and this
 CPU runs."""
 
@@ -125,14 +125,13 @@ def _values(name: str, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _ggml_x86_dot(name: str, row: np.ndarray, act: np.ndarray) -> np.float32:
     f32 = np.float32
     v, dw = _values(name, row)
-    if name == "IQ4_XS":  # act: q8_K blocks
+    if name == "IQ4_XS":  # act: q8_K blocks; the tiled microkernels' order (llama.cpp's prompts)
         q8 = act["qs"].astype(np.int64).reshape(-1, 8, 32)
-        acc = [f32(0)] * 8
+        acc = f32(0)
         for i in range(v.shape[0]):
-            lanes = (v[i] * q8[i]).reshape(8, 8, 4).sum(axis=(0, 2))  # lane l: elements 4l..4l+3 of every sub-block
-            d = f32(dw[i] * f32(act["d"][i]))
-            acc = [_fmaf(d, f32(int(lanes[l])), acc[l]) for l in range(8)]
-        return f32(f32(f32(acc[0] + acc[4]) + f32(acc[2] + acc[6])) + f32(f32(acc[1] + acc[5]) + f32(acc[3] + acc[7])))
+            r = f32(f32(int((v[i] * q8[i]).sum())) * dw[i])
+            acc = _fmaf(r, f32(act["d"][i]), acc)
+        return acc
     b = act.reshape(-1, 34)  # q8_0 blocks
     dy = np.ascontiguousarray(b[:, 0:2]).view(np.float16).astype(np.float32).reshape(-1)
     q8 = np.ascontiguousarray(b[:, 2:]).view(np.int8).astype(np.int64)

@@ -12,10 +12,11 @@
  *     exact int32 sum S_i of kvalue * q8, acc = fmaf((float)S_i, d_w,i * d_y,i, acc) block after
  *     block, from 0: one chain per output. d_w is the f16 scale (IQ4_NL) or 2^(e - 128)
  *     (ggml_e8m0_to_fp32_half: MXFP4's e2m1 values are stored doubled, as integers).
- *   IQ4_XS . Q8_K (ggml_vec_dot_iq4_xs_q8_K's AVX2 body; the AVX-512 builds run it too): per
- *     256-element block, lane l (0..7) = the exact int32 sum over its 8 sub-blocks of
- *     scale_sub * (the products of elements 4l..4l+3), acc[l] = fmaf(d_w * d_y, (float)lane, acc[l]),
- *     the result hsum_float_8(acc) = ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)).
+ *   IQ4_XS . Q8_K (the order of llama.cpp's tiled microkernels, tiled/tiled-kernel.cpp, which run
+ *     its prompts): per 256-element block the exact int32 total S_i over its 8 sub-blocks of
+ *     scale_sub * (kvalues . q8), r = (float)S_i * d_w,i, acc = fmaf(r, d_y,i, acc). llama.cpp's
+ *     decode (ggml_vec_dot_iq4_xs_q8_K: 8 lanes, hsum_float_8) sums in another order, so it is
+ *     not batch-invariant; llamapy takes the prompt order at every batch size, as for Q3_K-Q6_K.
  * The int32 sums are exact however they are formed (maddubs pairs stay below 2 x 127 x 128), so
  * the portable bodies (scalar, fmaf) and the AVX2 / AVX-512 ones give the same bits, and so do the
  * multi-row / multi-column kernels (lp_gemv_*, lp_gemm_*: the vec_dot per output).
@@ -284,69 +285,44 @@ IQ_API void lp_gemv_mxfp4_q8_0(int n, float *s, const void *w, int64_t row_bytes
 /* ------------------------------------------------------------------------------------------- */
 /* IQ4_XS against Q8_K                                                                          */
 
-/* the block's 8 int32 lanes (see the top) */
+/* the block's exact integer sum: over its 8 sub-blocks, scale * (kvalues . q8) */
+static inline int xs_total(const block_iq4_xs *b, const int8_t *q8) {
 #if defined(__AVX2__)
-static inline __m256i xs_lanes(const block_iq4_xs *b, const int8_t *q8) {
     const __m128i lut = _mm_loadu_si128((const __m128i *)kvalues_iq4nl);
     __m256i sum = _mm256_setzero_si256();
     for (int ib = 0; ib < QK_K / 32; ib++) {
         const __m256i wv = b32_values(lut, b->qs + 16 * ib);
         const __m256i y = _mm256_loadu_si256((const __m256i *)(q8 + 32 * ib));
-        const __m256i u = _mm256_sign_epi8(wv, wv), sy = _mm256_sign_epi8(y, wv);
-        const __m256i p16 = _mm256_maddubs_epi16(u, sy);
+        const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(y, wv));
         sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p16, _mm256_set1_epi16((int16_t)iq4_xs_scale(b, ib))));
     }
-    return sum;
-}
+    return hsum_i32x8(sum);
 #else
-static inline void xs_lanes(const block_iq4_xs *b, const int8_t *q8, int lanes[8]) {
-    for (int l = 0; l < 8; l++) lanes[l] = 0;
+    int S = 0;
     for (int ib = 0; ib < QK_K / 32; ib++) {
-        const int ls = iq4_xs_scale(b, ib);
         const uint8_t *qs = b->qs + 16 * ib;
         const int8_t *y = q8 + 32 * ib;
-        for (int l = 0; l < 8; l++) {
-            int p = 0;
-            for (int j = 4 * l; j < 4 * l + 4; j++) {
-                const int q = j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
-                p += kvalues_iq4nl[q] * y[j];
-            }
-            lanes[l] += ls * p;
-        }
+        int p = 0;
+        for (int j = 0; j < 16; j++) p += kvalues_iq4nl[qs[j] & 15] * y[j] + kvalues_iq4nl[qs[j] >> 4] * y[j + 16];
+        S += iq4_xs_scale(b, ib) * p;
     }
-}
+    return S;
 #endif
+}
 
 IQ_API void lp_vec_dot_iq4_xs_q8_K(int n, float *s, const void *vx, const void *vy) {
     const block_iq4_xs *x = vx;
     const block_q8_K *y = vy;
-    const int nb = n / QK_K;
-#if defined(__AVX2__)
-    __m256 acc = _mm256_setzero_ps();
-    for (int i = 0; i < nb; i++)
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(lp_h2f(x[i].d) * y[i].d), _mm256_cvtepi32_ps(xs_lanes(&x[i], y[i].qs)), acc);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    *s = _mm_cvtss_f32(h);
-#else
-    float acc[8] = {0};
-    for (int i = 0; i < nb; i++) {
-        int lanes[8];
-        xs_lanes(&x[i], y[i].qs, lanes);
-        const float d = lp_h2f(x[i].d) * y[i].d;
-        for (int l = 0; l < 8; l++) acc[l] = fmaf(d, (float)lanes[l], acc[l]);
-    }
-    *s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
-#endif
+    float acc = 0.0f;
+    for (int i = 0; i < n / QK_K; i++) acc = fmaf((float)xs_total(&x[i], y[i].qs) * lp_h2f(x[i].d), y[i].d, acc);
+    *s = acc;
 }
 
 #if defined(__AVX2__)
 /* one row against nc <= LP_GEMM_COLS activation rows, each block's values decoded once */
 static void xs_row(int nb, float *s, int64_t ld_s, const block_iq4_xs *x, const uint8_t *act, int64_t x_bytes, int nc) {
     const __m128i lut = _mm_loadu_si128((const __m128i *)kvalues_iq4nl);
-    __m256 acc[LP_GEMM_COLS];
-    for (int c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
+    float acc[LP_GEMM_COLS] = {0};
     for (int i = 0; i < nb; i++) {
         __m256i u[QK_K / 32], sg[QK_K / 32], ls[QK_K / 32];
         for (int ib = 0; ib < QK_K / 32; ib++) {
@@ -362,15 +338,10 @@ static void xs_row(int nb, float *s, int64_t ld_s, const block_iq4_xs *x, const 
                 const __m256i sy = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y->qs + 32 * ib)), sg[ib]);
                 sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u[ib], sy), ls[ib]));
             }
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(dx * y->d), _mm256_cvtepi32_ps(sum), acc[c]);
+            acc[c] = fmaf((float)hsum_i32x8(sum) * dx, y->d, acc[c]);
         }
     }
-    for (int c = 0; c < nc; c++) {
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[c]), _mm256_extractf128_ps(acc[c], 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        s[c * ld_s] = _mm_cvtss_f32(h);
-    }
+    for (int c = 0; c < nc; c++) s[c * ld_s] = acc[c];
 }
 
 IQ_API void lp_gemm_iq4_xs_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,

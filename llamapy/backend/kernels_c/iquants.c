@@ -136,6 +136,12 @@ typedef struct {
 static const b32_kind K_IQ4_NL = {sizeof(block_iq4_nl), 2, kvalues_iq4nl, 0};
 static const b32_kind K_MXFP4 = {sizeof(block_mxfp4), 1, kvalues_mxfp4, 1};
 
+/* The grids shifted to unsigned bytes, for u8 x s8 products without the sign trick:
+ * sum((v + off) * y) - off * sum(y) = sum(v * y), exactly. MXFP4 (off 12, at most 24): maddubs
+ * pairs stay below 2 x 24 x 128, so AVX2 too; IQ4_NL (off 128) only with VNNI (no int16 pairs). */
+static const uint8_t ulut_mxfp4[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+static const uint8_t ulut_iq4nl[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
 static inline float b32_scale(const b32_kind *k, const uint8_t *blk) {
     if (k->e8m0) return e8m0_half(blk[0]);
     lp_half h;
@@ -152,10 +158,11 @@ static inline int b32_isum_scalar(const b32_kind *k, const uint8_t *qs, const in
 #if defined(__AVX2__)
 /* 16 nibble bytes -> the block's 32 int8 values in element order (low nibbles, then high) */
 static inline __m256i b32_values(__m128i lut, const uint8_t *qs) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, m4));
-    const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), m4));
-    return _mm256_set_m128i(hi, lo);
+    /* the 16 bytes in both halves (a load, no shuffle), the high half shifted: one shuffle for all
+     * 32 values (the shuffle port bounds the decode kernels) */
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    const __m256i n = _mm256_and_si256(_mm256_blend_epi32(b, _mm256_srli_epi16(b, 4), 0xf0), _mm256_set1_epi8(0x0f));
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(lut), n);
 }
 
 /* 8 int32 partial sums of w[i] * y[i], both signed bytes (|w[i]| <= 127) */
@@ -165,6 +172,16 @@ static inline __m256i dot8_s8(__m256i w, __m256i y) {
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* 8 int32 partial sums of u[i] * y[i] (u unsigned, y signed bytes; without VNNI u[i] <= 127 or
+ * pairs below 2^15: maddubs saturates its int16 pairs) */
+static inline __m256i dot8_u8s8(__m256i u, __m256i y) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, y);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1));
 #endif
 }
 
@@ -204,31 +221,56 @@ static void b32_row(const b32_kind *k, int nb, float *s, int64_t ld_s, const uin
 }
 
 #if defined(__AVX2__)
+/* the scales of the blocks at blk, blk + row_bytes, ... (8 rows) as floats: the same bits as
+ * b32_scale (F16C's conversion is exact; E8M0 as bits, e < 2 the subnormal 0x00200000 << e) */
+static inline __m256 b32_scales8(const b32_kind *k, const uint8_t *blk, int64_t row_bytes) {
+    const uint8_t *b[8];
+    for (int r = 0; r < 8; r++) b[r] = blk + r * row_bytes;
+    if (k->e8m0) {
+        const __m256i e = _mm256_setr_epi32(b[0][0], b[1][0], b[2][0], b[3][0], b[4][0], b[5][0], b[6][0], b[7][0]);
+        const __m256i big = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+        const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+        return _mm256_castsi256_ps(_mm256_blendv_epi8(small, big, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
+    }
+    uint16_t h[8];
+    for (int r = 0; r < 8; r++) memcpy(&h[r], b[r], 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
 /* 8 rows (row_bytes apart) against nc <= LP_GEMM_COLS activation rows: the rows in the lanes, each
  * block's 8 weight vectors decoded once for all nc columns */
 static void b32_rows8(const b32_kind *k, int nb, float *s, int64_t ld_s, const uint8_t *w, int64_t row_bytes,
                       const uint8_t *x, int64_t x_bytes, int nc) {
-    const __m128i lut = _mm_loadu_si128((const __m128i *)k->lut);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    const int off = k->e8m0 ? 12 : 128; /* unsigned grid + dpbusd for both */
+#else
+    const int off = k->e8m0 ? 12 : 0; /* unsigned grid + maddubs for MXFP4, the sign trick for IQ4_NL */
+#endif
+    const __m128i lut = _mm_loadu_si128((const __m128i *)(off == 0 ? (const void *)k->lut
+                                                          : k->e8m0 ? (const void *)ulut_mxfp4 : (const void *)ulut_iq4nl));
+    const __m256i ones8 = _mm256_set1_epi8(1);
     __m256 acc[LP_GEMM_COLS];
     for (int c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
     lp_pf pf = lp_pf_group(w, 8 * row_bytes, nb);
     for (int i = 0; i < nb; i++) {
         lp_pf_step(&pf, i);
         __m256i wv[8];
-        float dw[8];
-        for (int r = 0; r < 8; r++) {
-            const uint8_t *blk = w + r * row_bytes + (int64_t)i * k->bsize;
-            wv[r] = b32_values(lut, blk + k->qoff);
-            dw[r] = b32_scale(k, blk);
-        }
-        const __m256 dwv = _mm256_loadu_ps(dw);
+        const uint8_t *blk = w + (int64_t)i * k->bsize;
+        for (int r = 0; r < 8; r++) wv[r] = b32_values(lut, blk + r * row_bytes + k->qoff);
+        const __m256 dwv = b32_scales8(k, blk, row_bytes);
         for (int c = 0; c < nc; c++) {
             const block_q8_0 *y = (const block_q8_0 *)(x + c * x_bytes) + i;
             const __m256i yv = _mm256_loadu_si256((const __m256i *)y->qs);
             __m256i p[8];
-            for (int r = 0; r < 8; r++) p[r] = dot8_s8(wv[r], yv);
+            if (off == 0) {
+                for (int r = 0; r < 8; r++) p[r] = dot8_s8(wv[r], yv);
+            } else {
+                for (int r = 0; r < 8; r++) p[r] = dot8_u8s8(wv[r], yv);
+            }
+            __m256i tot = hsum8_rows(p);
+            if (off != 0) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(off * hsum_i32x8(dot8_u8s8(ones8, yv))));
             const __m256 sc = _mm256_mul_ps(dwv, _mm256_set1_ps(lp_h2f(y->d)));
-            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8_rows(p)), sc, acc[c]);
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), sc, acc[c]);
         }
     }
     for (int c = 0; c < nc; c++) {

@@ -26,6 +26,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "lp_quants.h"
@@ -185,6 +186,15 @@ static inline __m256i dot8_u8s8(__m256i u, __m256i y) {
 #endif
 }
 
+/* acc + the 8 int32 partial sums of u[i] * y[i] (as dot8_u8s8) */
+static inline __m256i dot8_u8s8_acc(__m256i acc, __m256i u, __m256i y) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, y);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1)));
+#endif
+}
+
 static inline int hsum_i32x8(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -282,17 +292,120 @@ static void b32_rows8(const b32_kind *k, int nb, float *s, int64_t ld_s, const u
 #endif
 
 #if defined(__AVX2__)
+/* Prompts: 8 rows against any number of columns with the rows in the lanes. Each block's 8 value
+ * vectors are transposed once into a panel of 8 vectors of 4-byte groups (vector g: values
+ * 4g..4g+3 of every row), so a column's 8 block sums are 8 products with its activation bytes
+ * broadcast, no horizontal sums; the panel (B32_PANEL_BLOCKS blocks at a time, L1-sized) serves
+ * every column, each column's chain carried from one panel to the next. */
+#define B32_PANEL_BLOCKS 32
+#define B32_PANEL_MIN 4 /* columns from which the panel beats rows8's horizontal sums */
+
+static inline void transpose8_i32(__m256i v[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) {
+        u[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);
+        u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);
+        u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]);
+        u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]);
+    }
+    for (int g = 0; g < 4; g++) {
+        v[g] = _mm256_permute2x128_si256(u[g], u[g + 4], 0x20);
+        v[g + 4] = _mm256_permute2x128_si256(u[g], u[g + 4], 0x31);
+    }
+}
+
+/* off * (the sum of each activation block's 32 quants), column c's block i at [c * nb + i]: the
+ * shifted grids' correction, made once per call for every row group */
+static void b32_ysums(int off, int nb, const uint8_t *x, int64_t x_bytes, int nc, int32_t *ys) {
+    for (int c = 0; c < nc; c++) {
+        const block_q8_0 *y = (const block_q8_0 *)(x + c * x_bytes);
+        for (int i = 0; i < nb; i++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)y[i].qs);
+            ys[(int64_t)c * nb + i] = off * hsum_i32x8(dot8_u8s8(_mm256_set1_epi8(1), v));
+        }
+    }
+}
+
+static void b32_panel8(const b32_kind *k, int off, const int32_t *ys, int nb, float *s, int64_t ld_s, const uint8_t *w,
+                       int64_t row_bytes, const uint8_t *x, int64_t x_bytes, int nc) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)(off == 0 ? (const void *)k->lut
+                                                          : k->e8m0 ? (const void *)ulut_mxfp4 : (const void *)ulut_iq4nl));
+    __m256i panel[B32_PANEL_BLOCKS][8];
+    __m256 dw[B32_PANEL_BLOCKS];
+    __m256 acc[LP_GEMM_COLS_K];
+    for (int c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
+    for (int i0 = 0; i0 < nb; i0 += B32_PANEL_BLOCKS) {
+        const int m = nb - i0 < B32_PANEL_BLOCKS ? nb - i0 : B32_PANEL_BLOCKS;
+        for (int i = 0; i < m; i++) {
+            const uint8_t *blk = w + (int64_t)(i0 + i) * k->bsize;
+            for (int r = 0; r < 8; r++) panel[i][r] = b32_values(lut, blk + r * row_bytes + k->qoff);
+            transpose8_i32(panel[i]);
+            dw[i] = b32_scales8(k, blk, row_bytes);
+        }
+        for (int c = 0; c < nc; c++) {
+            const block_q8_0 *y = (const block_q8_0 *)(x + c * x_bytes) + i0;
+            __m256 a = acc[c];
+            for (int i = 0; i < m; i++) {
+                const int32_t *q = (const int32_t *)y[i].qs;
+                __m256i tot;
+                if (off == 0) {
+                    tot = _mm256_setzero_si256();
+                    for (int g = 0; g < 8; g++) tot = _mm256_add_epi32(tot, dot8_s8(panel[i][g], _mm256_set1_epi32(q[g])));
+                } else {
+                    tot = _mm256_set1_epi32(-ys[(int64_t)c * nb + i0 + i]);
+                    for (int g = 0; g < 8; g++) tot = dot8_u8s8_acc(tot, panel[i][g], _mm256_set1_epi32(q[g]));
+                }
+                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(dw[i], _mm256_set1_ps(lp_h2f(y[i].d))), a);
+            }
+            acc[c] = a;
+        }
+    }
+    for (int c = 0; c < nc; c++) {
+        float o[8];
+        _mm256_storeu_ps(o, acc[c]);
+        for (int r = 0; r < 8; r++) s[c * ld_s + r] = o[r];
+    }
+}
+
 static void b32_gemm(const b32_kind *k, int n, float *s, int64_t ld_s, const void *vw, int64_t row_bytes, int nr,
                      const void *vx, int64_t x_bytes, int nc) {
     const uint8_t *w = vw, *x = vx;
     const int nb = n / 32;
-    for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS) {
-        const int m = nc - c0 < LP_GEMM_COLS ? nc - c0 : LP_GEMM_COLS;
-        int r = 0;
-        for (; r + 8 <= nr; r += 8)
-            b32_rows8(k, nb, s + c0 * ld_s + r, ld_s, w + r * row_bytes, row_bytes, x + c0 * x_bytes, x_bytes, m);
-        for (; r < nr; r++) b32_row(k, nb, s + c0 * ld_s + r, ld_s, w + r * row_bytes, x + c0 * x_bytes, x_bytes, m);
+    int r = 0;
+    if (nc >= B32_PANEL_MIN && nr >= 8) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        const int off = k->e8m0 ? 12 : 128;
+#else
+        const int off = k->e8m0 ? 12 : 0;
+#endif
+        int32_t *ys = off != 0 ? malloc((size_t)nc * (size_t)nb * sizeof(int32_t)) : NULL;
+        if (ys != NULL) b32_ysums(off, nb, x, x_bytes, nc, ys);
+        const int use = off == 0 || ys != NULL ? off : -1; /* -1: no memory for the sums, rows8 below */
+        for (int c0 = 0; use >= 0 && c0 < nc; c0 += LP_GEMM_COLS_K) {
+            const int m = nc - c0 < LP_GEMM_COLS_K ? nc - c0 : LP_GEMM_COLS_K;
+            for (r = 0; r + 8 <= nr; r += 8)
+                b32_panel8(k, use, ys == NULL ? NULL : ys + (int64_t)c0 * nb, nb, s + c0 * ld_s + r, ld_s,
+                           w + r * row_bytes, row_bytes, x + c0 * x_bytes, x_bytes, m);
+        }
+        free(ys);
+        if (use < 0) r = 0;
     }
+    if (r == 0) {
+        for (r = 0; r + 8 <= nr; r += 8)
+            for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS) {
+                const int m = nc - c0 < LP_GEMM_COLS ? nc - c0 : LP_GEMM_COLS;
+                b32_rows8(k, nb, s + c0 * ld_s + r, ld_s, w + r * row_bytes, row_bytes, x + c0 * x_bytes, x_bytes, m);
+            }
+    }
+    for (; r < nr; r++)
+        for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS) {
+            const int m = nc - c0 < LP_GEMM_COLS ? nc - c0 : LP_GEMM_COLS;
+            b32_row(k, nb, s + c0 * ld_s + r, ld_s, w + r * row_bytes, x + c0 * x_bytes, x_bytes, m);
+        }
 }
 #endif
 

@@ -210,11 +210,11 @@ def test_gemm_and_gemv_equal_vec_dot(lib: ctypes.CDLL, name: str) -> None:
         assert not hasattr(lib, f"lp_gemm_{suffix}")
         pytest.skip("the portable build has no multi-column kernels (a vec_dot per output)")
     rng = np.random.default_rng(15)
-    n = 2 * QK_K
+    n = 9 * QK_K  # the prompt kernels' panels hold 32 (IQ4_NL, MXFP4) / 4 (IQ4_XS) blocks: several
     raw = np.ascontiguousarray(random_blocks(name, 21, n, rng))
     acts = np.stack([_activation(name, rng.standard_normal(n) * (1 + c)).view(np.uint8) for c in range(6)])
     want = np.stack([_vec_dot(lib, name, raw, acts[c].view(act_dtype(name)), n) for c in range(6)])
-    for nc in (1, 2, 4, 5, 6):
+    for nc in (1, 2, 3, 4, 5, 6):
         got = _gemm(lib, f"lp_gemm_{suffix}", n, raw, np.ascontiguousarray(acts[:nc]))
         assert np.array_equal(got.view(np.uint32), want[:nc].view(np.uint32)), nc
     got = _gemm(lib, f"lp_gemv_{suffix}", n, raw, np.ascontiguousarray(acts[:1]), gemv=True)

@@ -499,13 +499,80 @@ static void xs_row(int nb, float *s, int64_t ld_s, const block_iq4_xs *x, const 
     for (int c = 0; c < nc; c++) s[c * ld_s] = acc[c];
 }
 
+/* Prompts: 8 rows against any number of columns on a transposed panel, as b32_panel8, a block's
+ * 8 sub-blocks each summed with the rows in the lanes, times the rows' sub-block scales */
+#define XS_PANEL_BLOCKS 4
+
+static void xs_panel8(int nb, float *s, int64_t ld_s, const uint8_t *w, int64_t row_bytes, const uint8_t *x,
+                      int64_t x_bytes, int nc) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    const int off = 128; /* the unsigned grid: dpbusd, less q8_K's bsums */
+    const __m128i lut = _mm_loadu_si128((const __m128i *)ulut_iq4nl);
+#else
+    const int off = 0; /* the sign trick */
+    const __m128i lut = _mm_loadu_si128((const __m128i *)kvalues_iq4nl);
+#endif
+    __m256i panel[XS_PANEL_BLOCKS][QK_K / 32][8], ls[XS_PANEL_BLOCKS][QK_K / 32];
+    __m256 dw[XS_PANEL_BLOCKS];
+    float acc[LP_GEMM_COLS_K][8];
+    memset(acc, 0, sizeof(float) * 8 * (size_t)nc);
+    for (int i0 = 0; i0 < nb; i0 += XS_PANEL_BLOCKS) {
+        const int m = nb - i0 < XS_PANEL_BLOCKS ? nb - i0 : XS_PANEL_BLOCKS;
+        for (int i = 0; i < m; i++) {
+            const block_iq4_xs *b[8];
+            for (int r = 0; r < 8; r++) b[r] = (const block_iq4_xs *)(w + r * row_bytes) + i0 + i;
+            for (int ib = 0; ib < QK_K / 32; ib++) {
+                for (int r = 0; r < 8; r++) panel[i][ib][r] = b32_values(lut, b[r]->qs + 16 * ib);
+                transpose8_i32(panel[i][ib]);
+                ls[i][ib] = _mm256_setr_epi32(iq4_xs_scale(b[0], ib), iq4_xs_scale(b[1], ib), iq4_xs_scale(b[2], ib),
+                                              iq4_xs_scale(b[3], ib), iq4_xs_scale(b[4], ib), iq4_xs_scale(b[5], ib),
+                                              iq4_xs_scale(b[6], ib), iq4_xs_scale(b[7], ib));
+            }
+            uint16_t h[8];
+            for (int r = 0; r < 8; r++) h[r] = b[r]->d;
+            dw[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+        }
+        for (int c = 0; c < nc; c++) {
+            const block_q8_K *y = (const block_q8_K *)(x + c * x_bytes) + i0;
+            __m256 a = _mm256_loadu_ps(acc[c]);
+            for (int i = 0; i < m; i++) {
+                __m256i S = _mm256_setzero_si256();
+                for (int ib = 0; ib < QK_K / 32; ib++) {
+                    const int32_t *q = (const int32_t *)(y[i].qs + 32 * ib);
+                    __m256i t;
+                    if (off == 0) {
+                        t = _mm256_setzero_si256();
+                        for (int g = 0; g < 8; g++) t = _mm256_add_epi32(t, dot8_s8(panel[i][ib][g], _mm256_set1_epi32(q[g])));
+                    } else {
+                        t = _mm256_set1_epi32(-off * (y[i].bsums[2 * ib] + y[i].bsums[2 * ib + 1]));
+                        for (int g = 0; g < 8; g++) t = dot8_u8s8_acc(t, panel[i][ib][g], _mm256_set1_epi32(q[g]));
+                    }
+                    S = _mm256_add_epi32(S, _mm256_mullo_epi32(t, ls[i][ib]));
+                }
+                a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(S), dw[i]), _mm256_set1_ps(y[i].d), a);
+            }
+            _mm256_storeu_ps(acc[c], a);
+        }
+    }
+    for (int c = 0; c < nc; c++)
+        for (int r = 0; r < 8; r++) s[c * ld_s + r] = acc[c][r];
+}
+
 IQ_API void lp_gemm_iq4_xs_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
                                 int64_t x_bytes, int nc) {
+    const uint8_t *wb = w, *xb = x;
+    int r = 0;
+    if (nc >= B32_PANEL_MIN)
+        for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS_K) {
+            const int m = nc - c0 < LP_GEMM_COLS_K ? nc - c0 : LP_GEMM_COLS_K;
+            for (r = 0; r + 8 <= nr; r += 8)
+                xs_panel8(n / QK_K, s + c0 * ld_s + r, ld_s, wb + r * row_bytes, row_bytes, xb + c0 * x_bytes, x_bytes, m);
+        }
     for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS) {
         const int m = nc - c0 < LP_GEMM_COLS ? nc - c0 : LP_GEMM_COLS;
-        for (int r = 0; r < nr; r++)
-            xs_row(n / QK_K, s + c0 * ld_s + r, ld_s, (const block_iq4_xs *)((const uint8_t *)w + r * row_bytes),
-                   (const uint8_t *)x + c0 * x_bytes, x_bytes, m);
+        for (int rr = r; rr < nr; rr++)
+            xs_row(n / QK_K, s + c0 * ld_s + rr, ld_s, (const block_iq4_xs *)(wb + rr * row_bytes), xb + c0 * x_bytes,
+                   x_bytes, m);
     }
 }
 

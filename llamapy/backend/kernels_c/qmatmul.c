@@ -1098,7 +1098,7 @@ static int mm_traits_of(int type, mm_traits *t) {
     default: return -1;
     }
     t->gemm_cols = type == LP_TYPE_Q3_K || type == LP_TYPE_Q4_K || type == LP_TYPE_Q5_K || type == LP_TYPE_Q6_K
-                           || type == LP_TYPE_IQ4_NL || type == LP_TYPE_MXFP4 /* iquants.c: any nc, a panel */
+                           || type == LP_TYPE_IQ4_NL || type == LP_TYPE_MXFP4 || type == LP_TYPE_IQ4_XS /* iquants.c: any nc, a panel */
                        ? LP_GEMM_COLS_K : LP_GEMM_COLS;
     /* 2..gemv_cols tokens: gemv a token over rows kept in cache beats the K types' multi-column
      * kernels (their 8-column row kernel only from 8 tokens on AVX-512). Measured on the 1B shape's

@@ -122,3 +122,22 @@ def test_q8_mode_batch_invariant_executor_and_close(model: tuple[str, Path, np.n
     # 8-bit activations: a few percent of the logits' range, the same argmax almost everywhere
     assert np.abs(full - ref).max() <= 0.05 * np.abs(ref).max(), name
     assert (full.argmax(axis=1) == ref.argmax(axis=1)).mean() >= 0.8, name
+
+
+def test_offloaded_layers_on_the_test_device(model: tuple[str, Path, np.ndarray], monkeypatch: pytest.MonkeyPatch) -> None:
+    """-ngl 2 and all on the TEST device (a GPU-like device running the numpy reference kernels
+    on its own copies of the blocks): the CPU's float32-mode logits within float32 rounding."""
+    from llamapy.context import ModelOptions
+
+    name, path, ref = model
+    monkeypatch.setenv("LLAMAPY_TEST_GPU", "1")
+    monkeypatch.delenv("LLAMAPY_TEST_GPU_MEM", raising=False)
+    co = ContextOptions(n_ctx=128, type_k=T.F32, type_v=T.F32, cpu_matmul="f32")
+    outs = []
+    for ngl in (0, 2, "all"):
+        with llamapy.Llama(path, model_options=ModelOptions(n_gpu_layers=ngl), context_options=co) as llm:
+            if ngl != 0:
+                assert any(b.name.startswith("TEST") for b in llm.model.weights.buffers)
+            outs.append(llm.ctx.decode(TOKENS, list(range(len(TOKENS))), 0, np.ones(len(TOKENS), bool)))
+    for o in outs[1:]:
+        assert np.abs(o - outs[0]).max() <= 1e-5 * np.abs(ref).max(), name

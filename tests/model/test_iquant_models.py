@@ -141,3 +141,19 @@ def test_offloaded_layers_on_the_test_device(model: tuple[str, Path, np.ndarray]
             outs.append(llm.ctx.decode(TOKENS, list(range(len(TOKENS))), 0, np.ones(len(TOKENS), bool)))
     for o in outs[1:]:
         assert np.abs(o - outs[0]).max() <= 1e-5 * np.abs(ref).max(), name
+
+
+def test_cli_runs_and_shows_the_type(model: tuple[str, Path, np.ndarray]) -> None:
+    """`llamapy info` names the tensors' type and `llamapy run` generates greedily from the file,
+    the same tokens as the library's greedy decoding in the default mode."""
+    from tests_support import cli
+
+    name, path, _ = model
+    info = cli("info", str(path))
+    assert info.returncode == 0, info.stderr
+    assert "blk.0.ffn_up.weight" in info.stdout and name in info.stdout
+    run = cli("run", str(path), "-p", "the a", "-n", "6", "--temp", "0", "-c", "128")
+    assert run.returncode == 0, run.stderr
+    with llamapy.Llama(path, context_options=ContextOptions(n_ctx=128)) as llm:
+        want = "".join(c.text for c in llm.stream("the a", n_predict=6, temp=0))
+    assert run.stdout.rstrip("\n").endswith(want) and want, (run.stdout, want)

@@ -231,6 +231,31 @@ static void b32_row(const b32_kind *k, int nb, float *s, int64_t ld_s, const uin
 }
 
 #if defined(__AVX2__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* AVX-512: two rows a 512-bit vector in the decode kernel (the unsigned grids, dpbusd): half the
+ * shuffles of the value expansion and of the horizontal sums */
+#define B32_ZMM 1
+
+/* rows a and b's 32 values, a's in the low 256 bits (as b32_values) */
+static inline __m512i b32_values2(__m128i lut, const uint8_t *qa, const uint8_t *qb) {
+    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qa))),
+                                         _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qb)), 1);
+    const __m512i n = _mm512_and_si512(_mm512_mask_blend_epi32(0xf0f0, q, _mm512_srli_epi16(q, 4)), _mm512_set1_epi8(0x0f));
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(lut), n);
+}
+
+/* p[r] = [row r's 8 partial sums | row r + 4's] -> the 8 rows' totals, in order */
+static inline __m256i hsum8_rows_zmm(const __m512i p[4]) {
+    const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]), _mm512_unpackhi_epi32(p[0], p[1]));
+    const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]), _mm512_unpackhi_epi32(p[2], p[3]));
+    /* each 128-bit lane: [r0, r1, r2, r3] (lanes 0, 1: rows 0-3; lanes 2, 3: rows 4-7) */
+    const __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+    const __m512i lo = _mm512_shuffle_i64x2(t, t, 0x08); /* lanes 0, 2 */
+    const __m512i hi = _mm512_shuffle_i64x2(t, t, 0x0d); /* lanes 1, 3 */
+    return _mm512_castsi512_si256(_mm512_add_epi32(lo, hi));
+}
+#endif
+
 /* the scales of the blocks at blk, blk + row_bytes, ... (8 rows) as floats: the same bits as
  * b32_scale (F16C's conversion is exact; E8M0 as bits, e < 2 the subnormal 0x00200000 << e) */
 static inline __m256 b32_scales8(const b32_kind *k, const uint8_t *blk, int64_t row_bytes) {
@@ -249,28 +274,33 @@ static inline __m256 b32_scales8(const b32_kind *k, const uint8_t *blk, int64_t 
 
 /* 8 rows (row_bytes apart) against nc <= LP_GEMM_COLS activation rows: the rows in the lanes, each
  * block's 8 weight vectors decoded once for all nc columns */
-static void b32_rows8(const b32_kind *k, int nb, float *s, int64_t ld_s, const uint8_t *w, int64_t row_bytes,
-                      const uint8_t *x, int64_t x_bytes, int nc) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    const int off = k->e8m0 ? 12 : 128; /* unsigned grid + dpbusd for both */
-#else
-    const int off = k->e8m0 ? 12 : 0; /* unsigned grid + maddubs for MXFP4, the sign trick for IQ4_NL */
-#endif
+static void b32_rows8(const b32_kind *k, int off, const int32_t *ys, int nb, float *s, int64_t ld_s, const uint8_t *w,
+                      int64_t row_bytes, const uint8_t *x, int64_t x_bytes, int nc) {
     const __m128i lut = _mm_loadu_si128((const __m128i *)(off == 0 ? (const void *)k->lut
                                                           : k->e8m0 ? (const void *)ulut_mxfp4 : (const void *)ulut_iq4nl));
-    const __m256i ones8 = _mm256_set1_epi8(1);
     __m256 acc[LP_GEMM_COLS];
     for (int c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
     lp_pf pf = lp_pf_group(w, 8 * row_bytes, nb);
     for (int i = 0; i < nb; i++) {
         lp_pf_step(&pf, i);
-        __m256i wv[8];
         const uint8_t *blk = w + (int64_t)i * k->bsize;
-        for (int r = 0; r < 8; r++) wv[r] = b32_values(lut, blk + r * row_bytes + k->qoff);
         const __m256 dwv = b32_scales8(k, blk, row_bytes);
+#if defined(B32_ZMM)
+        __m512i wz[4]; /* rows r and r + 4 side by side */
+        for (int r = 0; r < 4; r++) wz[r] = b32_values2(lut, blk + r * row_bytes + k->qoff, blk + (r + 4) * row_bytes + k->qoff);
+#else
+        __m256i wv[8];
+        for (int r = 0; r < 8; r++) wv[r] = b32_values(lut, blk + r * row_bytes + k->qoff);
+#endif
         for (int c = 0; c < nc; c++) {
             const block_q8_0 *y = (const block_q8_0 *)(x + c * x_bytes) + i;
             const __m256i yv = _mm256_loadu_si256((const __m256i *)y->qs);
+#if defined(B32_ZMM)
+            const __m512i yz = _mm512_broadcast_i64x4(yv);
+            __m512i pz[4];
+            for (int r = 0; r < 4; r++) pz[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wz[r], yz);
+            __m256i tot = hsum8_rows_zmm(pz);
+#else
             __m256i p[8];
             if (off == 0) {
                 for (int r = 0; r < 8; r++) p[r] = dot8_s8(wv[r], yv);
@@ -278,8 +308,9 @@ static void b32_rows8(const b32_kind *k, int nb, float *s, int64_t ld_s, const u
                 for (int r = 0; r < 8; r++) p[r] = dot8_u8s8(wv[r], yv);
             }
             __m256i tot = hsum8_rows(p);
-            if (off != 0) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(off * hsum_i32x8(dot8_u8s8(ones8, yv))));
-            const __m256 sc = _mm256_mul_ps(dwv, _mm256_set1_ps(lp_h2f(y->d)));
+#endif
+            if (off != 0) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(ys[(int64_t)c * nb + i]));
+            const __m256 sc = _mm256_mul_ps(dwv, _mm256_set1_ps(_cvtsh_ss(y->d)));
             acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), sc, acc[c]);
         }
     }
@@ -359,7 +390,7 @@ static void b32_panel8(const b32_kind *k, int off, const int32_t *ys, int nb, fl
                     tot = _mm256_set1_epi32(-ys[(int64_t)c * nb + i0 + i]);
                     for (int g = 0; g < 8; g++) tot = dot8_u8s8_acc(tot, panel[i][g], _mm256_set1_epi32(q[g]));
                 }
-                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(dw[i], _mm256_set1_ps(lp_h2f(y[i].d))), a);
+                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(dw[i], _mm256_set1_ps(_cvtsh_ss(y[i].d))), a);
             }
             acc[c] = a;
         }
@@ -375,32 +406,28 @@ static void b32_gemm(const b32_kind *k, int n, float *s, int64_t ld_s, const voi
                      const void *vx, int64_t x_bytes, int nc) {
     const uint8_t *w = vw, *x = vx;
     const int nb = n / 32;
-    int r = 0;
-    if (nc >= B32_PANEL_MIN && nr >= 8) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        const int off = k->e8m0 ? 12 : 128;
+    int off = k->e8m0 ? 12 : 128; /* the unsigned grids and dpbusd for both */
 #else
-        const int off = k->e8m0 ? 12 : 0;
+    int off = k->e8m0 ? 12 : 0; /* the unsigned grid and maddubs for MXFP4, the sign trick for IQ4_NL */
 #endif
-        int32_t *ys = off != 0 ? malloc((size_t)nc * (size_t)nb * sizeof(int32_t)) : NULL;
-        if (ys != NULL) b32_ysums(off, nb, x, x_bytes, nc, ys);
-        const int use = off == 0 || ys != NULL ? off : -1; /* -1: no memory for the sums, rows8 below */
-        for (int c0 = 0; use >= 0 && c0 < nc; c0 += LP_GEMM_COLS_K) {
-            const int m = nc - c0 < LP_GEMM_COLS_K ? nc - c0 : LP_GEMM_COLS_K;
-            for (r = 0; r + 8 <= nr; r += 8)
-                b32_panel8(k, use, ys == NULL ? NULL : ys + (int64_t)c0 * nb, nb, s + c0 * ld_s + r, ld_s,
-                           w + r * row_bytes, row_bytes, x + c0 * x_bytes, x_bytes, m);
-        }
-        free(ys);
-        if (use < 0) r = 0;
-    }
-    if (r == 0) {
-        for (r = 0; r + 8 <= nr; r += 8)
-            for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS) {
-                const int m = nc - c0 < LP_GEMM_COLS ? nc - c0 : LP_GEMM_COLS;
-                b32_rows8(k, nb, s + c0 * ld_s + r, ld_s, w + r * row_bytes, row_bytes, x + c0 * x_bytes, x_bytes, m);
+    int32_t *ys = off != 0 && nr >= 8 ? malloc((size_t)nc * (size_t)nb * sizeof(int32_t)) : NULL;
+    if (ys != NULL) b32_ysums(off, nb, x, x_bytes, nc, ys);
+    int r = 0;
+    if (off == 0 || ys != NULL) { /* (no memory for the sums: every row through b32_row) */
+        if (nc >= B32_PANEL_MIN) {
+            for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS_K) {
+                const int m = nc - c0 < LP_GEMM_COLS_K ? nc - c0 : LP_GEMM_COLS_K;
+                for (r = 0; r + 8 <= nr; r += 8)
+                    b32_panel8(k, off, ys == NULL ? NULL : ys + (int64_t)c0 * nb, nb, s + c0 * ld_s + r, ld_s,
+                               w + r * row_bytes, row_bytes, x + c0 * x_bytes, x_bytes, m);
             }
+        } else {
+            for (r = 0; r + 8 <= nr; r += 8)
+                b32_rows8(k, off, ys, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, nc);
+        }
     }
+    free(ys);
     for (; r < nr; r++)
         for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS) {
             const int m = nc - c0 < LP_GEMM_COLS ? nc - c0 : LP_GEMM_COLS;

@@ -3,9 +3,17 @@
  *
  * ggml counterparts: ggml-common.h (block_iq4_nl, block_iq4_xs, block_mxfp4, kvalues_iq4nl,
  * kvalues_mxfp4), ggml-quants.c (dequantize_row_iq4_nl / iq4_xs / mxfp4), ggml-cpu's
- * arch/x86/quants.c (ggml_vec_dot_iq4_xs_q8_K) and arch/x86/repack.cpp
+ * arch/x86/quants.c (ggml_vec_dot_iq4_xs_q8_K), arch/x86/repack.cpp
  * (gemv/gemm_q4_b32_8x8_q8_0_lut_avx: the iq4_nl_8x8 and mxfp4_8x8 kernels llama.cpp's x86 builds
- * run on these weights, every matrix of a multiple of 8 rows: decode and prompts alike).
+ * run on these weights, every matrix of a multiple of 8 rows: decode and prompts alike) and
+ * tiled/tiled-kernel.cpp (its IQ4_XS prompts).
+ *
+ * Kernels (the file's blocks where they are mapped, no repacking): decode takes 8 rows a step,
+ * each block's 8 integer sums reduced across lanes (two rows a 512-bit vector on AVX-512);
+ * prompts transpose 8 rows' decoded blocks into a panel with the rows in the lanes, which every
+ * token then reads with its activation bytes broadcast (no horizontal sums). With VNNI (and for
+ * MXFP4 on AVX2) the grids are shifted to unsigned bytes and the activations' block sums
+ * subtracted, instead of the sign trick.
  *
  * Numerics (each output bit for bit what llama.cpp 0.3.36's x86 build computes):
  *   IQ4_NL . Q8_0, MXFP4 . Q8_0 (the repacked 8x8 kernels' order): per 32-element block i the

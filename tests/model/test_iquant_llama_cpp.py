@@ -5,7 +5,7 @@ the float32-activation mode against llama.cpp's run of the F32-dequantized file 
 <= 1e-4, the issue's bar for the MoE files), the default 8-bit mode against llama.cpp's run of the
 quantized file itself — its kernels sum in llama.cpp's x86 orders, so it is far inside llama.cpp's
 own spread (llama-perplexity -ub 1 --kl-divergence against its default run on these files,
-2026-12-04, AMD EPYC AVX-512, -t 2: IQ4_NL 0.0029, IQ4_XS 0.0060, MXFP4 0.0026).
+2026-12-04, an Intel Xeon with AVX-512 VNNI, -t 2: IQ4_NL 0.0029, IQ4_XS 0.0060, MXFP4 0.0026).
 """
 
 from __future__ import annotations

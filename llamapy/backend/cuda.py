@@ -77,6 +77,9 @@ _TYPE_KERNELS: dict[GGMLType, tuple[str, str]] = {
     GGMLType.Q4_K: ("kquants.cu", "q4_k"),
     GGMLType.Q5_K: ("kquants.cu", "q5_k"),
     GGMLType.Q6_K: ("kquants.cu", "q6_k"),
+    GGMLType.IQ4_NL: ("iquants.cu", "iq4_nl"),
+    GGMLType.IQ4_XS: ("iquants.cu", "iq4_xs"),
+    GGMLType.MXFP4: ("iquants.cu", "mxfp4"),
 }
 WEIGHT_TYPES: frozenset[GGMLType] = frozenset(_TYPE_KERNELS)
 _FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})

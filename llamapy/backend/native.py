@@ -80,6 +80,9 @@ SIGNATURES: dict[str, tuple[list, Any]] = {
 OPTIONAL: dict[str, tuple[list, Any]] = {
     "lp_quantize_row_q8_K": ([_P, _P, _I64], None),
     **{f"lp_vec_dot_q{k}_K_q8_K": (_VEC_DOT, None) for k in range(2, 7)},
+    # iquants.c: the MoE models' types
+    **{f"lp_vec_dot_{t}": (_VEC_DOT, None) for t in ("iq4_nl_q8_0", "mxfp4_q8_0", "iq4_xs_q8_K")},
+    "lp_dequantize_rows": ([_INT, _P, _I64, _I64, _I64, _P, _I64], _INT),
 }
 
 _lock = threading.Lock()

@@ -75,7 +75,16 @@ Q8_GEMM: dict[GGMLType, str] = {
     GGMLType.Q4_K: "lp_gemm_q4_K_q8_K",
     GGMLType.Q5_K: "lp_gemm_q5_K_q8_K",
     GGMLType.Q6_K: "lp_gemm_q6_K_q8_K",
+    # the MoE models' types (kernels_c/iquants.c): llama.cpp's x86 build takes IQ4_NL and MXFP4
+    # through its repacked 8x8 gemm / gemv (one fma chain per output, at every batch size) and
+    # IQ4_XS through its vec_dot; these kernels repeat those orders, so sgemm's would not be theirs
+    GGMLType.IQ4_NL: "lp_gemm_iq4_nl_q8_0",
+    GGMLType.IQ4_XS: "lp_gemm_iq4_xs_q8_K",
+    GGMLType.MXFP4: "lp_gemm_mxfp4_q8_0",
 }
+# Types whose file rows the library expands to float32 (`lp_dequantize_rows`, kernels_c/iquants.c:
+# the same bits as quants.dequantize, numpy's): the sgemm path's tiles and GET_ROWS
+C_DEQUANT: frozenset[GGMLType] = frozenset([GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4])
 # Float32 elements per dequantized tile on the sgemm path (4 MiB).
 TILE_ELEMS = 1 << 20
 # Rows per repacked tile: wide enough for 8-lane AVX2 loops with little loop overhead
@@ -406,7 +415,7 @@ class QMatrix:
         if self._rp is None:
             sel = self.data if rows is None else self.data[rows] if isinstance(rows, slice) else \
                 self.data[self._ids(rows)]
-            return quants.dequantize(sel, self.qtype, self.n_in).reshape(-1, self.n_in)
+            return self._dequant_file_rows(sel)
         ids = self._ids(rows)
         R, n = REPACK_ROWS, ids.size
         if n and ids[0] % R == 0 and n % R == 0 and ids[-1] < self._n_full:
@@ -416,6 +425,17 @@ class QMatrix:
                 return self._dequant_tiles_t(int(ids[0]) // R, n // R).T
         out = np.empty((n, self.n_in), dtype=np.float32)
         self._dequant_into(ids, out)
+        return out
+
+    def _dequant_file_rows(self, sel: np.ndarray) -> np.ndarray:
+        """float32 (n, n_in) of rows in the file's layout: in C for the types of C_DEQUANT."""
+        lib = native.lib() if self.qtype in C_DEQUANT else None
+        if lib is None or not hasattr(lib, "lp_dequantize_rows"):
+            return quants.dequantize(sel, self.qtype, self.n_in).reshape(-1, self.n_in)
+        sel = np.ascontiguousarray(sel)
+        out = np.empty((sel.shape[0], self.n_in), np.float32)
+        lib.lp_dequantize_rows(int(self.qtype), sel.ctypes.data, sel.shape[0], sel.shape[1], self.n_in,
+                               out.ctypes.data, self.n_in)
         return out
 
     def _dequant_tiles_t(self, ta: int, n_t: int) -> np.ndarray:
@@ -466,7 +486,7 @@ class QMatrix:
             raise IndexError(f"row id out of range 0..{self.n_out - 1}")
         if self._rp is None:  # the file's rows, ids checked above (not again by `_ids`: a decode
             # step's token embedding, where each numpy call counts)
-            return quants.dequantize(self.data[ids], self.qtype, self.n_in).reshape(-1, self.n_in)
+            return self._dequant_file_rows(self.data[ids])
         return self.dequantize(ids)
 
     # --- products -------------------------------------------------------------------------------

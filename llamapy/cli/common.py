@@ -52,6 +52,11 @@ IGNORE_EOS = typer.Option(False, "--ignore-eos", help="never stop at end of gene
 FLASH_ATTN = typer.Option("auto", "-fa", "--flash-attn", metavar="on|off|auto", help="on, off or auto: llamapy has no flash-attention kernel (no effect)")
 THREADS_BATCH = typer.Option(None, "-tb", "--threads-batch", help="threads for the prompt: llamapy uses -t for both (no effect)")
 NO_MMAP = typer.Option(False, "--no-mmap", help="llamapy always maps the file read-only (no effect)")
+# constrained output (llama.cpp's common/arg.cpp: --grammar, --grammar-file, -j, -jf)
+GRAMMAR = typer.Option(None, "--grammar", metavar="GRAMMAR", help="GBNF grammar the output must match (llama.cpp's grammars/README.md)")
+GRAMMAR_FILE = typer.Option(None, "--grammar-file", metavar="FILE", help="read the GBNF grammar from a file")
+JSON_SCHEMA = typer.Option(None, "-j", "--json-schema", metavar="SCHEMA", help="JSON schema the output must match, e.g. '{}' for any JSON")
+JSON_SCHEMA_FILE = typer.Option(None, "-jf", "--json-schema-file", metavar="FILE", help="read the JSON schema from a file")
 LOG_DISABLE = typer.Option(False, "--log-disable", help="no logs on stderr (errors are still said)")
 ESCAPE = typer.Option(True, "-e/--no-escape", "--escape", show_default="on", help="process escapes (\\n, \\t, \\xHH, …) in the prompt")
 
@@ -331,3 +336,20 @@ def log_timings(llm: Any, t: Any, total_ms: float) -> None:
     log(f"llama_perf_context_print: prompt eval time = {rate(t.prompt_ms, t.n_prompt, 'tokens')}")
     log(f"llama_perf_context_print:        eval time = {rate(t.eval_ms, t.n_eval, 'runs  ')}")
     log(f"llama_perf_context_print:       total time = {total_ms:10.2f} ms / {t.n_prompt + t.n_eval:5d} tokens")
+
+
+def constraint(grammar: str | None, grammar_file: str | None, json_schema: str | None, json_schema_file: str | None) -> Any:
+    """The ConstraintSpec that --grammar / --grammar-file / -j / -jf give (None: none); at most
+    one of them, as llama.cpp (which keeps the last) would silently drop the others."""
+    from ..model.constrain import ConstraintSpec
+    from .run import read_text_file
+
+    given = [(f, v) for f, v in (("--grammar", grammar), ("--grammar-file", grammar_file), ("-j", json_schema),
+                                 ("-jf", json_schema_file)) if v is not None]  # fmt: skip
+    if len(given) > 1:
+        raise LlamapyError(f"give one of --grammar, --grammar-file, -j, -jf (got {' and '.join(f for f, _ in given)})")
+    if not given:
+        return None
+    flag, value = given[0]
+    text = read_text_file(value, flag) if flag in ("--grammar-file", "-jf") else value
+    return ConstraintSpec("gbnf" if "grammar" in flag else "json_schema", text)

@@ -1003,6 +1003,26 @@ void lp_gemm_q8_0_q8_0_panel(int n, float *s, int64_t ld_s, const void *w, int64
 void lp_gemm_q4_1_q8_1_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_q5_1_q8_1_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 
+/* the MoE models' types (iquants.c): every kernel there, referenced weakly as the K types' */
+#pragma weak lp_vec_dot_iq4_nl_q8_0
+#pragma weak lp_vec_dot_mxfp4_q8_0
+#pragma weak lp_vec_dot_iq4_xs_q8_K
+#pragma weak lp_gemm_iq4_nl_q8_0
+#pragma weak lp_gemm_mxfp4_q8_0
+#pragma weak lp_gemm_iq4_xs_q8_K
+#pragma weak lp_gemv_iq4_nl_q8_0
+#pragma weak lp_gemv_mxfp4_q8_0
+#pragma weak lp_gemv_iq4_xs_q8_K
+void lp_vec_dot_iq4_nl_q8_0(int n, float *s, const void *vx, const void *vy);
+void lp_vec_dot_mxfp4_q8_0(int n, float *s, const void *vx, const void *vy);
+void lp_vec_dot_iq4_xs_q8_K(int n, float *s, const void *vx, const void *vy);
+void lp_gemm_iq4_nl_q8_0(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_mxfp4_q8_0(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_iq4_xs_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemv_iq4_nl_q8_0(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x);
+void lp_gemv_mxfp4_q8_0(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x);
+void lp_gemv_iq4_xs_q8_K(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x);
+
 /* Rows a thread takes at once (output columns of one chunk), and the rows of a cache block:
  * for prompts, MM_ROW_BLOCK weight rows stay in L1 while every token's activations pass by. */
 #define MM_ROW_BLOCK 16
@@ -1072,9 +1092,13 @@ static int mm_traits_of(int type, mm_traits *t) {
     case LP_TYPE_Q4_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q4_K_q8_K, lp_gemm_q4_K_q8_K, NULL, lp_gemv_q4_K_q8_K}; break;
     case LP_TYPE_Q5_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q5_K_q8_K, lp_gemm_q5_K_q8_K}; break;
     case LP_TYPE_Q6_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q6_K_q8_K, lp_gemm_q6_K_q8_K, NULL, lp_gemv_q6_K_q8_K}; break;
+    case LP_TYPE_IQ4_NL: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_iq4_nl_q8_0, lp_gemm_iq4_nl_q8_0, NULL, lp_gemv_iq4_nl_q8_0}; break;
+    case LP_TYPE_MXFP4: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_mxfp4_q8_0, lp_gemm_mxfp4_q8_0, NULL, lp_gemv_mxfp4_q8_0}; break;
+    case LP_TYPE_IQ4_XS: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_iq4_xs_q8_K, lp_gemm_iq4_xs_q8_K, NULL, lp_gemv_iq4_xs_q8_K}; break;
     default: return -1;
     }
     t->gemm_cols = type == LP_TYPE_Q3_K || type == LP_TYPE_Q4_K || type == LP_TYPE_Q5_K || type == LP_TYPE_Q6_K
+                           || type == LP_TYPE_IQ4_NL || type == LP_TYPE_MXFP4 || type == LP_TYPE_IQ4_XS /* iquants.c: any nc, a panel */
                        ? LP_GEMM_COLS_K : LP_GEMM_COLS;
     /* 2..gemv_cols tokens: gemv a token over rows kept in cache beats the K types' multi-column
      * kernels (their 8-column row kernel only from 8 tokens on AVX-512). Measured on the 1B shape's
@@ -1091,6 +1115,7 @@ static int mm_traits_of(int type, mm_traits *t) {
     t->gemv_cols = t->gemv == NULL ? 0 : type == LP_TYPE_Q8_0 ? 4 : t->vec_dot_type != LP_TYPE_Q8_K ? 0
                  : type == LP_TYPE_Q2_K ? 2 : 6;
 #endif
+    if (type == LP_TYPE_IQ4_XS) t->gemv_cols = 0; /* its gemv is a vec_dot a row: the gemm decodes once */
     t->gemm_panel = type == LP_TYPE_Q4_0 ? lp_gemm_q4_0_q8_0_panel : type == LP_TYPE_Q4_1 ? lp_gemm_q4_1_q8_1_panel
                   : type == LP_TYPE_Q5_0 ? lp_gemm_q5_0_q8_0_panel : type == LP_TYPE_Q5_1 ? lp_gemm_q5_1_q8_1_panel
                   : type == LP_TYPE_Q8_0 ? lp_gemm_q8_0_q8_0_panel : NULL;

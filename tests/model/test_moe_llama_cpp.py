@@ -54,8 +54,9 @@ def _spread(run: list, model: Path, base: Path, path: Path) -> float:
     return float(path.read_text())
 
 
-def _files(name: str) -> tuple[Path, Path, Path, Path, float, float]:
-    """(Q4_K_M file, its F32 copy, llama.cpp's logits of each, llama.cpp's -ub 1 spread on each)."""
+def _files(name: str, ftype: str = "Q4_K_M") -> tuple[Path, Path, Path, Path, float, float]:
+    """(Q4_K_M file, its F32 copy, llama.cpp's logits of each, llama.cpp's -ub 1 spread on each);
+    another `ftype`: that type's file requantized from the F32 copy, and its logits and spread."""
     bin_dir = refs.llama_cpp_bin()
     if bin_dir is None:
         pytest.skip("llama.cpp's tools are not built (bench/llama_cpp.py builds them; then llama-quantize and llama-perplexity)")
@@ -77,8 +78,15 @@ def _files(name: str) -> tuple[Path, Path, Path, Path, float, float]:
         refs._run([*run, "-m", f32, "--kl-divergence-base", kf])
     if not kq.is_file():
         refs._run([*run, "-m", q, "--kl-divergence-base", kq])
-    return (q, f32, kq, kf, _spread(run, q, kq, out / f"moe-{name}.spread"),
-            _spread(run, f32, kf, out / f"moe-{name}-f32.spread"))
+    spread_f32 = _spread(run, f32, kf, out / f"moe-{name}-f32.spread")
+    if ftype != "Q4_K_M":
+        q, kq = out / f"moe-{name}-{ftype}.gguf", out / f"moe-{name}-{ftype}.c128x2.kld"
+        if not q.is_file():
+            refs._run([bin_dir / "llama-quantize", "--allow-requantize", f32, q, ftype])
+        if not kq.is_file():
+            refs._run([*run, "-m", q, "--kl-divergence-base", kq])
+        return q, f32, kq, kf, _spread(run, q, kq, out / f"moe-{name}-{ftype}.spread"), spread_f32
+    return q, f32, kq, kf, _spread(run, q, kq, out / f"moe-{name}.spread"), spread_f32
 
 
 def _kld(model: Path, kld: Path, cpu_matmul: str) -> tuple[float, float, np.ndarray]:
@@ -107,9 +115,16 @@ def test_f32_against_llama_cpp(name: str) -> None:
     assert kld <= max(1e-4, spread) and np.median(per_token) <= 1e-5
 
 
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "IQ4_XS", "IQ4_NL", "MXFP4_MOE"])
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_q8_against_llama_cpp_within_its_spread(name: str) -> None:
-    q, _f32, kq, _kf, spread, _spread_f32 = _files(name)
+def test_q8_against_llama_cpp_within_its_spread(name: str, ftype: str) -> None:
+    """The shipped types: Q4_K_M, and the experts in IQ4_XS / IQ4_NL / MXFP4 (llama-quantize's
+    MXFP4_MOE: experts MXFP4, the rest Q8_0), requantized from the F32 file."""
+    from llamapy.types import SUPPORTED_TYPES, GGMLType
+
+    if ftype != "Q4_K_M" and GGMLType[ftype.split("_MOE")[0]] not in SUPPORTED_TYPES:
+        pytest.skip(f"{ftype} is not a type llamapy loads on this branch")
+    q, _f32, kq, _kf, spread, _spread_f32 = _files(name, ftype)
     kld, top, _ = _kld(q, kq, "q8")
-    print(f"{name} Q4_K_M q8: mean KLD {kld:.6f} (llama.cpp -ub 1 vs default: {spread:.6f}), same top {top:.4f}")
+    print(f"{name} {ftype} q8: mean KLD {kld:.6f} (llama.cpp -ub 1 vs default: {spread:.6f}), same top {top:.4f}")
     assert kld <= max(spread, 1e-6)

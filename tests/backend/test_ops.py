@@ -29,6 +29,9 @@ def _devices() -> list[Device]:
         return discover(refresh=True).devices()
     finally:
         del os.environ["LLAMAPY_TEST_GPU"]
+        # discovery is cached for the process: later test files must find this machine's devices,
+        # not the TEST ones (a Llama made later would offload to TEST0)
+        discover(refresh=True)
 
 
 DEVICES = _devices()

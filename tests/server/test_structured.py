@@ -167,12 +167,12 @@ def test_tools_required_with_real_templates(tiny_models: dict[str, Path], tmp_pa
 
 @pytest.mark.parametrize("body, needle", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": obj({"a": {"type": "integer", "minimum": "zero"}})}}},
-     "response_format.json_schema.schema at /properties/a/minimum: invalid json schema"),
+     "response_format.json_schema.schema: invalid json schema: Expected f64 for 'minimum', got \"zero\" at /properties/a/minimum"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": obj({"a": {"type": "array", "uniqueItems": True}})}}},
      'Unimplemented keys: ["uniqueItems"] at /properties/a'),  # a keyword llguidance cannot enforce: refused, not ignored
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}}}, "at /type"),
     ({"tools": [dict(WEATHER, function=dict(WEATHER["function"], parameters={"type": "object", "properties": {"a": {"type": "int"}}}))]},
-     "tools[0].function.parameters at /properties/a/type"),
+     "tools[0].function.parameters: invalid json schema: Invalid type: int at /properties/a/type"),
     ({"json_schema": {"type": "object"}, "grammar": "root ::= \"a\""}, "only one of"),
     ({"grammar": "root ::= foo"}, "grammar: invalid"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope', which is not among the tools"),
@@ -190,6 +190,32 @@ def test_bad_requests_name_the_field_and_position(smol, body: dict, needle: str)
     with pytest.raises(openai.BadRequestError, match="invalid json schema"):  # the official client sees a 400
         smol[1].chat.completions.create(model="x", messages=ASK, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}})  # fmt: skip
+
+
+@pytest.mark.parametrize("schema, needle", [
+    # the schema as JSON text (OpenAI's client sends what it is given): the syntax error's line and column
+    ('{"type": "object", "properties": {"a": {"type": "integer",, }}}',
+     "response_format.json_schema.schema: the JSON schema is not valid JSON: Expecting property name enclosed in double quotes "
+     "at line 1 column 59"),
+    ('{"type": "object",\n "properties": {"a": {"type": "integer"}}', "not valid JSON: Expecting ',' delimiter at line 2 column 42"),
+    # keywords llguidance cannot enforce, refused at their JSON pointer
+    (obj({"tags": {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "array", "uniqueItems": True}]}}}),
+     'invalid json schema: Unimplemented keys: ["uniqueItems"] at /properties/tags/items/anyOf/1'),
+    (obj({"a": {"if": {"type": "string"}, "then": {"minLength": 2}}}), 'Unimplemented keys: ["if", "then"] at /properties/a'),
+    (obj({"a": {"type": "string", "format": "colour"}}), "Unknown format: colour at /properties/a"),
+    (obj({"a": {"type": "string", "pattern": "^(?=x)y$"}}), "look-around, including look-ahead and look-behind, is not supported at /properties/a/pattern"),
+    (obj({"a": {"$ref": "#/$defs/nope"}}), "Pointer '/$defs/nope' does not exist at /properties/a/$ref"),
+])  # fmt: skip
+def test_the_openai_client_gets_400_with_the_position(smol, schema: dict | str, needle: str) -> None:
+    """Through the official client: a schema that is not JSON, or uses a keyword llguidance cannot
+    enforce, is a 400 (openai.BadRequestError) whose one-line message says where."""
+    with pytest.raises(openai.BadRequestError) as info:
+        smol[1].chat.completions.create(model="x", messages=ASK, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}})  # fmt: skip
+    assert info.value.status_code == 400
+    err = info.value.body
+    err = err.get("error", err) if isinstance(err, dict) else err  # (the body's "error" object, by client version)
+    assert needle in err["message"] and "\n" not in err["message"] and err["param"] == "response_format", err
 
 
 def test_python_api_tools_and_reasoning(tiny_models: dict[str, Path]) -> None:

@@ -176,6 +176,23 @@ def test_a_refused_keyword_is_located(tok: Tokenizer) -> None:
         compile_constraint(ConstraintSpec("json_schema", json.dumps(schema)), tok)
 
 
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"properties": {"a": {"type": "string", "pattern": "^(?=x)y$"}}}, r"is not supported at /properties/a/pattern$"),
+        ({"patternProperties": {"[a-": {"type": "integer"}}}, r"unclosed character class at /patternProperties/\[a-$"),
+        ({"properties": {"a": {"$ref": "#/$defs/nope"}}}, r"Pointer '/\$defs/nope' does not exist at /properties/a/\$ref$"),
+        ({"properties": {"a": {"type": "strng"}}}, r"Invalid type: strng at /properties/a/type$"),
+        ({"properties": {"a": {"type": "integer", "minimum": "zero"}}}, r"Expected f64 for 'minimum', got \"zero\" at /properties/a/minimum$"),
+    ],
+)
+def test_an_invalid_schema_value_is_located(tok: Tokenizer, schema: dict, message: str) -> None:
+    """The pointer is found here, so `run -j`'s error line names it as the server's 400 does: the
+    regex that does not parse, the $ref to nothing, the value of the wrong type."""
+    with pytest.raises(ConstraintError, match=message):
+        compile_constraint(ConstraintSpec("json_schema", json.dumps(schema)), tok)
+
+
 def test_response_format() -> None:
     assert response_format_spec({"type": "text"}) is None
     assert response_format_spec({"type": "json_object"}) == ConstraintSpec("json_object", "")

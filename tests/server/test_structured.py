@@ -1,5 +1,6 @@
 """Structured output and tool calls through `llamapy serve`, driven with the official `openai`
-client: response_format json_schema (every reply validated with `jsonschema`), json_object, tools
+client: response_format json_schema (every reply validated with `jsonschema`; the twenty schemas of
+tests/structured_cases.py on the default model and through each real template), json_object, tools
 with tool_choice required (non-streamed and streamed, then the tool's result and a final answer)
 on the default model (SmolLM2, whose chatml template knows no tools: the generic JSON format) and
 on tiny random models carrying real templates (Qwen3's hermes `<tool_call>`, Llama 3.2's JSON,
@@ -47,9 +48,9 @@ def smol(default_model: Path, tmp_path_factory: pytest.TempPathFactory):
     s.stop()
 
 
-def check_schema_reply(client, prompt: str, schema: dict) -> None:
+def check_schema_reply(client, prompt: str, schema: dict, max_tokens: int = 120) -> None:
     r = client.chat.completions.create(
-        model="x", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=120,
+        model="x", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=max_tokens,
         response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}})  # fmt: skip
     content = r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop", content  # the grammar completed, not cut off
@@ -160,6 +161,23 @@ def test_tools_required_with_real_templates(tiny_models: dict[str, Path], tmp_pa
         # auto: the lazy grammar (free text until a call opens) runs in the engine too
         r = c.chat.completions.create(model="x", messages=ASK, tools=TOOLS, temperature=0, max_tokens=16)
         assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        c.close()
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("name", ["Qwen-Qwen3-0.6B", "meta-llama-Llama-3.2-3B-Instruct", "mistralai-Mistral-Nemo-Instruct-2407",
+                                  "google-gemma-2-2b-it"])  # fmt: skip
+def test_json_schema_replies_with_real_templates(tiny_models: dict[str, Path], tmp_path: Path, name: str) -> None:
+    """The twenty schemas and json_object through each real template (Qwen3's reasoning prompt,
+    Gemma's turns without a system role, ...): random weights, so only the grammar makes JSON."""
+    s = Server(tiny_models[name], ["-c", "8192", "-t", "1"], tmp_path / "server.log")
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=600)
+        for prompt, schema in SCHEMAS:
+            check_schema_reply(c, prompt, schema, max_tokens=1500)  # (byte tokens, whitespace at every gap)
+        r = c.chat.completions.create(model="x", messages=ASK, temperature=0, max_tokens=1500, response_format={"type": "json_object"})
+        assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
         c.close()
     finally:
         s.stop()

@@ -224,3 +224,17 @@ def test_cli_run_j_with_the_servers_schemas(default_model: Path, i: int) -> None
     assert r.returncode == 0, r.stderr
     assert "[end of text]" in r.stderr, r.stderr[-400:]
     jsonschema.validate(json.loads(r.stdout), schema)
+
+
+def test_cli_conversation_constrains_each_answer(default_model: Path) -> None:
+    """Conversation mode (-cnv, turns on stdin) holds every answer to the grammar, and a
+    single-turn chat (-st) to the JSON schema."""
+    r = cli("run", str(default_model), "-cnv", "--temp", "0", "-n", "16", "--grammar", 'root ::= ("yes" | "no") "."',
+            stdin="Is the sky blue?\nIs fire cold?\nIs water wet?\n")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.splitlines()) == 3 and set(r.stdout.splitlines()) <= {"yes.", "no."}, r.stdout
+    prompt, schema = SCHEMAS[0]
+    r = cli("run", str(default_model), "-cnv", "-st", "-p", prompt, "--temp", "0", "-n", str(N_PREDICT), "-j", json.dumps(schema),
+            stdin="")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    jsonschema.validate(json.loads(r.stdout), schema)

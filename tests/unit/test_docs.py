@@ -11,16 +11,17 @@ REPO = Path(__file__).resolve().parents[2]
 # Markdown heading underline, so only the two outer markers count)
 MARKER = re.compile(r"^(<{7}|>{7})( |$)", re.M)
 SUFFIXES = {".md", ".py", ".toml", ".sh", ".c", ".h", ".cu", ".cuh", ".cpp", ".jinja", ".cfg", ".txt", ".yml", ".yaml"}
-SKIP = {".git", ".venv", "venv", "build", "__pycache__", "node_modules"}
+# the project's own folders (not a virtual environment or a cache someone keeps in the checkout)
+ROOTS = ("docs", "llamapy", "tests", "bench", "fuzz", "models", ".ci")
+SKIP = {"__pycache__", "build", "_kernels"}
 
 
 def _text_files() -> list[Path]:
-    out = []
-    for p in REPO.rglob("*"):
-        if any(part in SKIP or part.endswith(".egg-info") for part in p.relative_to(REPO).parts):
-            continue
-        if p.is_file() and (p.suffix in SUFFIXES or p.name in ("run", "Makefile")):
-            out.append(p)
+    out = [p for p in REPO.iterdir() if p.is_file() and p.suffix in SUFFIXES]
+    for root in ROOTS:
+        for p in (REPO / root).rglob("*"):
+            if p.is_file() and (p.suffix in SUFFIXES or p.parent.name == ".ci") and not SKIP & set(p.relative_to(REPO).parts):
+                out.append(p)
     return out
 
 

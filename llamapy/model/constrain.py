@@ -71,6 +71,18 @@ def _one_line(msg: str, n: int = 3) -> str:
     return "; ".join(lines[:n]) if lines else "invalid grammar"
 
 
+def _lark_rule_error(msg: str) -> str:
+    """llguidance's error on a GBNF grammar it converted to Lark: "at LINE(COL)" counts in the Lark
+    text, which the user never wrote; the rule as converted (`start` is GBNF's `root`) says where."""
+    lines = msg.strip().splitlines()
+    m = re.match(r"at (\d+)\(\d+\): (.*)", lines[0]) if lines else None
+    if m is None:
+        return _one_line(msg)
+    why = [m.group(2)] + [ln.strip() for ln in lines[1:] if ln.strip().startswith("error:")]
+    rule = next((ln.split("|", 1)[1].strip() for ln in lines if re.match(rf"\s*{m.group(1)} \|", ln)), "")
+    return "; ".join(why) + (f" in the rule `{rule}` (as converted to Lark)" if rule else "")
+
+
 def _json_position(source: str, what: str) -> Any:
     try:
         return json.loads(source)
@@ -248,7 +260,8 @@ class CompiledConstraint:
         grammar = _grammar(spec)
         is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(grammar, vocab.lltok)
         if is_error:
-            msg = _one_line(msgs[0] if msgs else "")
+            converted = spec.kind == "gbnf" and not spec.source.lstrip().startswith("%llguidance")
+            msg = _lark_rule_error(msgs[0]) if converted and msgs else _one_line(msgs[0] if msgs else "")
             raise ConstraintError(f"invalid {spec.kind.replace('_', ' ')}: {msg}{_schema_where(spec, msg)}")
         # matchers are deep copies of this one: the grammar is parsed once
         self._proto = llg.LLMatcher(vocab.lltok, grammar, log_level=0)

@@ -135,6 +135,10 @@ def test_logits_past_the_vocabulary_are_masked(tok: Tokenizer) -> None:
         (ConstraintSpec("gbnf", 'root ::= "a" [b-'), r"invalid GBNF grammar: .*line 1"),
         (ConstraintSpec("gbnf", 'root ::= "a" other'), r"invalid GBNF grammar: .*'other' not found"),
         (ConstraintSpec("gbnf", "  "), r"the gbnf grammar is empty"),
+        # found after llguidance's conversion to Lark: the rule named as converted, not a Lark line number
+        (ConstraintSpec("gbnf", 'root ::= x\n# c\nx ::= "b" y\ny ::= [a-z]{3,1}'),
+         r"^invalid gbnf: range end must be >= start, got \(3, 1\) in the rule `Y: /\[a-z\]/\{3,1\}` \(as converted to Lark\)$"),
+        (ConstraintSpec("gbnf", 'root ::= "a" [b-a]'), r"invalid regex .*; error: invalid character class range.* in the rule `start: \"a\" /\[b-a\]/`"),
         (ConstraintSpec("lark", 'start: "a" (\n'), r"invalid lark: 1\(13\): Expected token"),  # line(column)
         (ConstraintSpec("regex", "a(b"), r"invalid regex: at 1\(\d+\).*unclosed group"),
         (ConstraintSpec("json_schema", '{"type": "object",\n "x": }'), r"not valid JSON: .* line 2 column 7"),

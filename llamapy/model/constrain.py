@@ -28,6 +28,7 @@ as an EOS the grammar allows once it is complete.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -70,6 +71,18 @@ def _one_line(msg: str, n: int = 3) -> str:
     return "; ".join(lines[:n]) if lines else "invalid grammar"
 
 
+def _lark_rule_error(msg: str) -> str:
+    """llguidance's error on a GBNF grammar it converted to Lark: "at LINE(COL)" counts in the Lark
+    text, which the user never wrote; the rule as converted (`start` is GBNF's `root`) says where."""
+    lines = msg.strip().splitlines()
+    m = re.match(r"at (\d+)\(\d+\): (.*)", lines[0]) if lines else None
+    if m is None:
+        return _one_line(msg)
+    why = [m.group(2)] + [ln.strip() for ln in lines[1:] if ln.strip().startswith("error:")]
+    rule = next((ln.split("|", 1)[1].strip() for ln in lines if re.match(rf"\s*{m.group(1)} \|", ln)), "")
+    return "; ".join(why) + (f" in the rule `{rule}` (as converted to Lark)" if rule else "")
+
+
 def _json_position(source: str, what: str) -> Any:
     try:
         return json.loads(source)
@@ -82,22 +95,44 @@ _NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions
 
 
 def _schema_where(spec: ConstraintSpec, msg: str) -> str:
-    """" at /json/pointer" of the subschema an unenforceable-keyword message is about:
-    llguidance names the keyword, not where it is."""
+    """" at /json/pointer" of what a schema error is about: llguidance names the keyword, the
+    regex or the value, not where it is (the CLI's error line and the server's 400 both say it)."""
     if spec.kind != "json_schema":
         return ""
-    if msg.startswith("Unimplemented keys: "):
+    schema = json.loads(spec.source)
+    if msg.startswith("Unimplemented keys: "):  # the subschema holding them
         try:
             keys = set(json.loads(msg.split(": ", 1)[1]))
         except (ValueError, TypeError):
             return ""
-        ptr = _find(json.loads(spec.source), lambda d: bool(keys & d.keys()))
+        ptr = _find(schema, lambda d: bool(keys & d.keys()))
     elif msg.startswith("Unknown format: "):
         fmt = msg.split(": ", 1)[1]
-        ptr = _find(json.loads(spec.source), lambda d: d.get("format") == fmt)
-    else:
-        return ""
+        ptr = _find(schema, lambda d: d.get("format") == fmt)
+    elif msg.startswith("regex parse error:"):  # "regex parse error:; REGEX; error: ..." (_one_line)
+        parts = msg.split("; ")
+        ptr = _locate(schema, {parts[1].strip()}) if len(parts) > 2 else None  # a pattern, a patternProperties key
+    elif m := re.match(r"Pointer '([^']*)' does not exist", msg):  # a $ref to nothing
+        ptr = _locate(schema, {"#" + m.group(1)})
+    else:  # the first key or string value the message quotes ("Expected f64 for 'minimum'", ...)
+        ptr = _locate(schema, {w for pair in _QUOTED.findall(msg) for w in pair if w})
     return f" at {ptr or '/'}" if ptr is not None else ""
+
+
+_QUOTED = re.compile(r"""["']([^"']+)["']|Invalid type: (\S+)""")
+
+
+def _locate(node: Any, words: set[str], path: str = "") -> str | None:
+    """The JSON pointer of the first key (depth first) in `words`, or string value whose text is."""
+    items: Any = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        here = f"{path}/{str(k).replace('~', '~0').replace('/', '~1')}"
+        if (isinstance(node, dict) and k in words) or (isinstance(v, str) and v.strip() in words):
+            return here
+        found = _locate(v, words, here)
+        if found is not None:
+            return found
+    return None
 
 
 def _find(node: Any, want: Any, path: str = "", names: bool = False) -> str | None:
@@ -225,7 +260,8 @@ class CompiledConstraint:
         grammar = _grammar(spec)
         is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(grammar, vocab.lltok)
         if is_error:
-            msg = _one_line(msgs[0] if msgs else "")
+            converted = spec.kind == "gbnf" and not spec.source.lstrip().startswith("%llguidance")
+            msg = _lark_rule_error(msgs[0]) if converted and msgs else _one_line(msgs[0] if msgs else "")
             raise ConstraintError(f"invalid {spec.kind.replace('_', ' ')}: {msg}{_schema_where(spec, msg)}")
         # matchers are deep copies of this one: the grammar is parsed once
         self._proto = llg.LLMatcher(vocab.lltok, grammar, log_level=0)

@@ -173,26 +173,6 @@ class Parsed:
 # -- structured output and tools ---------------------------------------------------------------
 
 
-def _locate(schema: Any, message: str, path: str = "") -> str | None:
-    """The JSON pointer of the first key or string value of `schema` that llguidance's message
-    quotes (its messages name the keyword, not where it is)."""
-    words = {w for pair in re.findall(r"""["']([^"']+)["']|Invalid type: (\S+)""", message) for w in pair if w}
-    if isinstance(schema, dict):
-        for k, v in schema.items():
-            here = f"{path}/{k}"
-            if k in words or (isinstance(v, str) and v in words):
-                return here
-            found = _locate(v, message, here)
-            if found:
-                return found
-    elif isinstance(schema, list):
-        for i, v in enumerate(schema):
-            found = _locate(v, message, f"{path}/{i}")
-            if found:
-                return found
-    return None
-
-
 def check_constraint(spec: ConstraintSpec | None, tokenizer: Any, where: str, param: str) -> None:
     """Compile now (cached on the tokenizer, so the engine's compile is free): an invalid grammar or
     schema is this request's 400, naming the field and, for a schema, the keyword's JSON pointer."""
@@ -200,15 +180,8 @@ def check_constraint(spec: ConstraintSpec | None, tokenizer: Any, where: str, pa
         return
     try:
         compile_constraint(spec, tokenizer)
-    except ConstraintError as e:
-        at = ""
-        if spec.kind == "json_schema" and " at /" not in str(e):  # (constrain.py locates some itself)
-            try:
-                pointer = _locate(json.loads(spec.source), str(e))
-            except json.JSONDecodeError:
-                pointer = None
-            at = f" at {pointer}" if pointer else ""
-        raise ApiError(f"{where}{at}: {e}", param=param) from None
+    except ConstraintError as e:  # (its message carries the JSON pointer: constrain._schema_where)
+        raise ApiError(f"{where}: {e}", param=param) from None
 
 
 def structured_spec(body: dict) -> tuple[ConstraintSpec | None, str, str]:

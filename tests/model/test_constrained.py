@@ -1,6 +1,8 @@
 """Constrained generation on the default model: JSON schemas through the engine (per sequence,
 in one batch), `llamapy run -j/-jf/--grammar`, `llamapy batch` files with per-line schemas,
-Llama.create_*(response_format=, grammar=); every output validated with `jsonschema`. The
+Llama.create_*(response_format=, grammar=); every output validated with `jsonschema`. The twenty
+schemas the server's test sends (tests/structured_cases.py) go through one `batch` file and,
+in the slow suite, `llamapy run -j` each. The
 unconstrained path never touches the constraint code; a dead end ends with its finish reason."""
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from llamapy.model import constrain
 from llamapy.model.constrain import ConstraintError, ConstraintSpec
 from llamapy.model.sampler import SamplingParams
 
+from structured_cases import SCHEMAS
 from tests_support import cli
 
 # (prompt, schema): nested objects, bounded arrays, enums, required/optional, number ranges,
@@ -191,5 +194,47 @@ def test_cli_batch_file_with_per_line_schemas(default_model: Path, tmp_path: Pat
 def test_cli_run_every_schema(default_model: Path, case: int) -> None:
     prompt, schema = CASES[case]
     r = cli("run", str(default_model), "-p", prompt, "-n", str(N_PREDICT), "--temp", "0", "-j", json.dumps(schema), "--log-disable")
+    assert r.returncode == 0, r.stderr
+    jsonschema.validate(json.loads(r.stdout), schema)
+
+
+def test_cli_batch_file_with_the_servers_twenty_schemas(default_model: Path, tmp_path: Path) -> None:
+    """One `batch` file, a `json_schema` per line (the server test's twenty schemas): every record
+    completes its grammar ("stop") and validates against its own line's schema."""
+    src = tmp_path / "schemas.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p, "json_schema": s, "id": i}) + "\n" for i, (p, s) in enumerate(SCHEMAS)))
+    out = tmp_path / "out.jsonl"
+    r = cli("batch", str(default_model), str(src), "-o", str(out), "-n", str(N_PREDICT), "--temp", "0",
+            "-np", "4", "-c", "2048", "--no-progress")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["id"] for x in recs] == list(range(len(SCHEMAS)))
+    for rec, (_, schema) in zip(recs, SCHEMAS):
+        assert rec.get("error") is None and rec["finish_reason"] == "stop", rec
+        jsonschema.validate(json.loads(rec["text"]), schema)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
+def test_cli_run_j_with_the_servers_schemas(default_model: Path, i: int) -> None:
+    """`llamapy run -j` (a process each, ~2-4 s on 2 busy cores): the output is JSON valid
+    against the schema, and the grammar completed (`[end of text]`, exit 0)."""
+    prompt, schema = SCHEMAS[i]
+    r = cli("run", str(default_model), "-p", prompt, "-n", str(N_PREDICT), "--temp", "0", "-j", json.dumps(schema))
+    assert r.returncode == 0, r.stderr
+    assert "[end of text]" in r.stderr, r.stderr[-400:]
+    jsonschema.validate(json.loads(r.stdout), schema)
+
+
+def test_cli_conversation_constrains_each_answer(default_model: Path) -> None:
+    """Conversation mode (-cnv, turns on stdin) holds every answer to the grammar, and a
+    single-turn chat (-st) to the JSON schema."""
+    r = cli("run", str(default_model), "-cnv", "--temp", "0", "-n", "16", "--grammar", 'root ::= ("yes" | "no") "."',
+            stdin="Is the sky blue?\nIs fire cold?\nIs water wet?\n")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.splitlines()) == 3 and set(r.stdout.splitlines()) <= {"yes.", "no."}, r.stdout
+    prompt, schema = SCHEMAS[0]
+    r = cli("run", str(default_model), "-cnv", "-st", "-p", prompt, "--temp", "0", "-n", str(N_PREDICT), "-j", json.dumps(schema),
+            stdin="")  # fmt: skip
     assert r.returncode == 0, r.stderr
     jsonschema.validate(json.loads(r.stdout), schema)

@@ -32,8 +32,8 @@ def test_kld_against_llama_cpp_f32(name: str) -> None:
     bin_dir = refs.llama_cpp_bin()
     if bin_dir is None:
         pytest.skip("llama.cpp's tools are not built (bench/llama_cpp.py builds them)")
-    if not refs.QWEN2_VOCAB.is_file():
-        pytest.skip(f"{refs.QWEN2_VOCAB} is not there")
+    _shared(refs.QWEN2_VOCAB)
+    _shared(refs.TEMPEST)  # (llama.cpp's run that makes the .kld base reads it)
     model, kld, _ = refs.ensure_variant(name, bin_dir, refs.out_dir())
     base = read_logits_file(kld)
     co = ContextOptions(n_ctx=base.n_ctx, n_batch=base.n_ctx)
@@ -45,6 +45,13 @@ def test_kld_against_llama_cpp_f32(name: str) -> None:
     print(f"{name}: mean KLD {stats.mean_kld()[0]:.6f}, same top {stats.same_top()[0]:.4f}")
     assert stats.mean_kld()[0] <= 0.006
     assert stats.same_top()[0] >= 0.9
+
+
+def _shared(path: Path) -> Path:
+    """A file of ../shared the test reads (or hands llama.cpp): skipped where it is missing."""
+    if not path.is_file():
+        pytest.skip(f"{path} is not there")
+    return path
 
 
 def _gemma3() -> Path:
@@ -80,10 +87,11 @@ def test_gemma3_perplexity_matches_llama_cpp(ctx: int, chunks: int, cpu_matmul: 
     if row is None or len(row["running"]) < chunks:
         pytest.skip(f"no llama.cpp {ref_key} at -c {ctx} over {chunks} chunks")
     want = row["running"][chunks - 1]
+    text = _shared(refs.TEMPEST).read_text(encoding="utf-8")
     n_seq, n_kv, n_batch = plan_context(ctx, 2048)
     co = ContextOptions(n_ctx=n_kv, n_batch=n_batch, n_ubatch=512, cpu_matmul=cpu_matmul)
     with Llama(_gemma3(), context_options=co) as llm:
-        tokens = llm.tokenize(refs.TEMPEST.read_text(encoding="utf-8"))
+        tokens = llm.tokenize(text)
         est: PerplexityEstimate | None = None
         for _, est in evaluate_perplexity(llm.ctx, tokens, ctx, chunks, n_batch):
             pass
@@ -96,6 +104,7 @@ def test_gemma3_kld_against_llama_cpp_f32() -> None:
     bin_dir = refs.llama_cpp_bin()
     if bin_dir is None:
         pytest.skip("llama.cpp's tools are not built (bench/llama_cpp.py builds them)")
+    _shared(refs.TEMPEST)  # (llama.cpp's run that makes the .kld base reads it)
     base = read_logits_file(refs.ensure_gemma3_kld(bin_dir, _gemma3(), refs.out_dir()))
     with Llama(_gemma3(), context_options=ContextOptions(n_ctx=base.n_ctx, n_batch=base.n_ctx)) as llm:
         stats = None

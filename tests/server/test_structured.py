@@ -1,5 +1,6 @@
 """Structured output and tool calls through `llamapy serve`, driven with the official `openai`
-client: response_format json_schema (every reply validated with `jsonschema`), json_object, tools
+client: response_format json_schema (every reply validated with `jsonschema`; the twenty schemas of
+tests/structured_cases.py on the default model and through each real template), json_object, tools
 with tool_choice required (non-streamed and streamed, then the tool's result and a final answer)
 on the default model (SmolLM2, whose chatml template knows no tools: the generic JSON format) and
 on tiny random models carrying real templates (Qwen3's hermes `<tool_call>`, Llama 3.2's JSON,
@@ -21,46 +22,11 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from conftest import write_llama_gguf  # noqa: E402
 from serving import Server  # noqa: E402
+from structured_cases import SCHEMAS, obj  # noqa: E402
 
 from llamapy.types import LlamapyError  # noqa: E402
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "unit" / "chat_templates"
-OBJ = {"type": "object", "additionalProperties": False}
-
-
-def obj(props: dict, required: list[str] | None = None, **kw: object) -> dict:
-    return dict(OBJ, properties=props, required=list(props) if required is None else required, **kw)
-
-
-STR = {"type": "string", "maxLength": 12}
-# (prompt, schema): nested objects, arrays with bounds, enums, required/optional, numbers with
-# ranges, strings with patterns; each allows a short answer
-SCHEMAS = [
-    ("Describe a person: name and age.", obj({"name": STR, "age": {"type": "integer", "minimum": 0, "maximum": 120}})),
-    ("Give a person's first and last name.", obj({"person": obj({"first": STR, "last": STR})})),
-    ("List two or three colors.", obj({"colors": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 2, "maxItems": 3}})),
-    ("Is the sky green?", obj({"answer": {"enum": ["yes", "no", "maybe"]}})),
-    ("What is the temperature today in Celsius?", obj({"temperature": {"type": "integer", "minimum": -50, "maximum": 50}})),
-    ("Give a US zip code.", obj({"zip": {"type": "string", "pattern": "^[0-9]{5}$"}})),
-    ("Name a city, and its country if you know it.", obj({"city": STR, "country": STR}, required=["city"])),
-    ("A shopping list of one or two items with quantities.", obj({"items": {"type": "array", "minItems": 1, "maxItems": 2,
-                                                                  "items": obj({"name": STR, "qty": {"type": "integer", "minimum": 1, "maximum": 9}})}})),
-    ("Is Paris the capital of France?", obj({"is_capital": {"type": "boolean"}})),
-    ("Three numbers between 1 and 100.", {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 100}, "minItems": 3, "maxItems": 3}),
-    ("A ticket's priority and status.", obj({"priority": {"type": "integer", "enum": [1, 2, 3]}, "status": {"type": "string", "enum": ["open", "closed"]}})),
-    ("What is today's date?", obj({"date": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"}})),
-    ("Rate this on a scale of 0 to 10.", obj({"rating": {"type": "number", "minimum": 0, "maximum": 10, "multipleOf": 0.5}})),
-    ("A nested value.", obj({"a": obj({"b": obj({"c": {"type": "integer", "minimum": 0, "maximum": 9}})})})),
-    ("Report the version and whether it is ok.", obj({"version": {"const": "1.0"}, "ok": {"type": "boolean"}})),
-    ("A small number or a short word.", obj({"value": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 10}, {"type": "string", "maxLength": 5}]}})),
-    ("An airport code.", obj({"code": {"type": "string", "pattern": "^[A-Z]{3}$"}})),
-    ("A line segment from one point to another.", {"$defs": {"point": obj({"x": {"type": "integer", "minimum": -9, "maximum": 9},
-                                                                            "y": {"type": "integer", "minimum": -9, "maximum": 9}})},
-                                                   **obj({"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}})}),
-    ("Your middle name, if any.", obj({"middle_name": {"type": ["string", "null"], "maxLength": 10}})),
-    ("Tag this with colors and a score from 0 to 10.", obj({"tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
-                                                            "score": {"type": "integer", "minimum": 0, "maximum": 10}})),
-]  # fmt: skip
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
@@ -82,9 +48,9 @@ def smol(default_model: Path, tmp_path_factory: pytest.TempPathFactory):
     s.stop()
 
 
-def check_schema_reply(client, prompt: str, schema: dict) -> None:
+def check_schema_reply(client, prompt: str, schema: dict, max_tokens: int = 120) -> None:
     r = client.chat.completions.create(
-        model="x", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=120,
+        model="x", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=max_tokens,
         response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}})  # fmt: skip
     content = r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop", content  # the grammar completed, not cut off
@@ -200,14 +166,31 @@ def test_tools_required_with_real_templates(tiny_models: dict[str, Path], tmp_pa
         s.stop()
 
 
+@pytest.mark.parametrize("name", ["Qwen-Qwen3-0.6B", "meta-llama-Llama-3.2-3B-Instruct", "mistralai-Mistral-Nemo-Instruct-2407",
+                                  "google-gemma-2-2b-it"])  # fmt: skip
+def test_json_schema_replies_with_real_templates(tiny_models: dict[str, Path], tmp_path: Path, name: str) -> None:
+    """The twenty schemas and json_object through each real template (Qwen3's reasoning prompt,
+    Gemma's turns without a system role, ...): random weights, so only the grammar makes JSON."""
+    s = Server(tiny_models[name], ["-c", "8192", "-t", "1"], tmp_path / "server.log")
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=600)
+        for prompt, schema in SCHEMAS:
+            check_schema_reply(c, prompt, schema, max_tokens=1500)  # (byte tokens, whitespace at every gap)
+        r = c.chat.completions.create(model="x", messages=ASK, temperature=0, max_tokens=1500, response_format={"type": "json_object"})
+        assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
+        c.close()
+    finally:
+        s.stop()
+
+
 @pytest.mark.parametrize("body, needle", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": obj({"a": {"type": "integer", "minimum": "zero"}})}}},
-     "response_format.json_schema.schema at /properties/a/minimum: invalid json schema"),
+     "response_format.json_schema.schema: invalid json schema: Expected f64 for 'minimum', got \"zero\" at /properties/a/minimum"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": obj({"a": {"type": "array", "uniqueItems": True}})}}},
      'Unimplemented keys: ["uniqueItems"] at /properties/a'),  # a keyword llguidance cannot enforce: refused, not ignored
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}}}, "at /type"),
     ({"tools": [dict(WEATHER, function=dict(WEATHER["function"], parameters={"type": "object", "properties": {"a": {"type": "int"}}}))]},
-     "tools[0].function.parameters at /properties/a/type"),
+     "tools[0].function.parameters: invalid json schema: Invalid type: int at /properties/a/type"),
     ({"json_schema": {"type": "object"}, "grammar": "root ::= \"a\""}, "only one of"),
     ({"grammar": "root ::= foo"}, "grammar: invalid"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope', which is not among the tools"),
@@ -225,6 +208,32 @@ def test_bad_requests_name_the_field_and_position(smol, body: dict, needle: str)
     with pytest.raises(openai.BadRequestError, match="invalid json schema"):  # the official client sees a 400
         smol[1].chat.completions.create(model="x", messages=ASK, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}})  # fmt: skip
+
+
+@pytest.mark.parametrize("schema, needle", [
+    # the schema as JSON text (OpenAI's client sends what it is given): the syntax error's line and column
+    ('{"type": "object", "properties": {"a": {"type": "integer",, }}}',
+     "response_format.json_schema.schema: the JSON schema is not valid JSON: Expecting property name enclosed in double quotes "
+     "at line 1 column 59"),
+    ('{"type": "object",\n "properties": {"a": {"type": "integer"}}', "not valid JSON: Expecting ',' delimiter at line 2 column 42"),
+    # keywords llguidance cannot enforce, refused at their JSON pointer
+    (obj({"tags": {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "array", "uniqueItems": True}]}}}),
+     'invalid json schema: Unimplemented keys: ["uniqueItems"] at /properties/tags/items/anyOf/1'),
+    (obj({"a": {"if": {"type": "string"}, "then": {"minLength": 2}}}), 'Unimplemented keys: ["if", "then"] at /properties/a'),
+    (obj({"a": {"type": "string", "format": "colour"}}), "Unknown format: colour at /properties/a"),
+    (obj({"a": {"type": "string", "pattern": "^(?=x)y$"}}), "look-around, including look-ahead and look-behind, is not supported at /properties/a/pattern"),
+    (obj({"a": {"$ref": "#/$defs/nope"}}), "Pointer '/$defs/nope' does not exist at /properties/a/$ref"),
+])  # fmt: skip
+def test_the_openai_client_gets_400_with_the_position(smol, schema: dict | str, needle: str) -> None:
+    """Through the official client: a schema that is not JSON, or uses a keyword llguidance cannot
+    enforce, is a 400 (openai.BadRequestError) whose one-line message says where."""
+    with pytest.raises(openai.BadRequestError) as info:
+        smol[1].chat.completions.create(model="x", messages=ASK, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}})  # fmt: skip
+    assert info.value.status_code == 400
+    err = info.value.body
+    err = err.get("error", err) if isinstance(err, dict) else err  # (the body's "error" object, by client version)
+    assert needle in err["message"] and "\n" not in err["message"] and err["param"] == "response_format", err
 
 
 def test_python_api_tools_and_reasoning(tiny_models: dict[str, Path]) -> None:

@@ -135,6 +135,10 @@ def test_logits_past_the_vocabulary_are_masked(tok: Tokenizer) -> None:
         (ConstraintSpec("gbnf", 'root ::= "a" [b-'), r"invalid GBNF grammar: .*line 1"),
         (ConstraintSpec("gbnf", 'root ::= "a" other'), r"invalid GBNF grammar: .*'other' not found"),
         (ConstraintSpec("gbnf", "  "), r"the gbnf grammar is empty"),
+        # found after llguidance's conversion to Lark: the rule named as converted, not a Lark line number
+        (ConstraintSpec("gbnf", 'root ::= x\n# c\nx ::= "b" y\ny ::= [a-z]{3,1}'),
+         r"^invalid gbnf: range end must be >= start, got \(3, 1\) in the rule `Y: /\[a-z\]/\{3,1\}` \(as converted to Lark\)$"),
+        (ConstraintSpec("gbnf", 'root ::= "a" [b-a]'), r"invalid regex .*; error: invalid character class range.* in the rule `start: \"a\" /\[b-a\]/`"),
         (ConstraintSpec("lark", 'start: "a" (\n'), r"invalid lark: 1\(13\): Expected token"),  # line(column)
         (ConstraintSpec("regex", "a(b"), r"invalid regex: at 1\(\d+\).*unclosed group"),
         (ConstraintSpec("json_schema", '{"type": "object",\n "x": }'), r"not valid JSON: .* line 2 column 7"),
@@ -173,6 +177,23 @@ def test_a_refused_keyword_is_located(tok: Tokenizer) -> None:
         compile_constraint(ConstraintSpec("json_schema", json.dumps(schema)), tok)
     schema = {"$defs": {"d": {"type": "string", "format": "colour"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/d"}}}
     with pytest.raises(ConstraintError, match=r"Unknown format: colour at /\$defs/d$"):
+        compile_constraint(ConstraintSpec("json_schema", json.dumps(schema)), tok)
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"properties": {"a": {"type": "string", "pattern": "^(?=x)y$"}}}, r"is not supported at /properties/a/pattern$"),
+        ({"patternProperties": {"[a-": {"type": "integer"}}}, r"unclosed character class at /patternProperties/\[a-$"),
+        ({"properties": {"a": {"$ref": "#/$defs/nope"}}}, r"Pointer '/\$defs/nope' does not exist at /properties/a/\$ref$"),
+        ({"properties": {"a": {"type": "strng"}}}, r"Invalid type: strng at /properties/a/type$"),
+        ({"properties": {"a": {"type": "integer", "minimum": "zero"}}}, r"Expected f64 for 'minimum', got \"zero\" at /properties/a/minimum$"),
+    ],
+)
+def test_an_invalid_schema_value_is_located(tok: Tokenizer, schema: dict, message: str) -> None:
+    """The pointer is found here, so `run -j`'s error line names it as the server's 400 does: the
+    regex that does not parse, the $ref to nothing, the value of the wrong type."""
+    with pytest.raises(ConstraintError, match=message):
         compile_constraint(ConstraintSpec("json_schema", json.dumps(schema)), tok)
 
 

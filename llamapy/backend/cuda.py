@@ -287,6 +287,15 @@ class CUDADevice(MemoryDevice):
         self._functions: dict[tuple[str, GGMLType], Any] = {}
         self._staging: list[_Staging] = []
         self._next_staging = 0
+        self._runtime: Any = None  # cuda_exec.CUDARuntime: the compiled plans' arena and launches
+
+    def runtime(self) -> Any:
+        """The device's GPU-plan runtime (cuda_exec.py), made on first use."""
+        if self._runtime is None:
+            from .cuda_exec import CUDARuntime
+
+            self._runtime = CUDARuntime(self)
+        return self._runtime
 
     # -- context --------------------------------------------------------------------------
 
@@ -454,6 +463,28 @@ class CUDABackend(MemoryDeviceBackend):
 
     def synchronize(self) -> None:
         self.device.stream.synchronize()
+
+    # -- compiled plans (gpu_plan.py, launched by cuda_exec.py) ---------------------------------
+
+    def graph_plan_create(self, nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Any) -> Any:
+        from .executor import Refusal
+        from .executor import enabled as executor_enabled
+        from .gpu_plan import compile_split
+
+        if not executor_enabled():
+            return Refusal("LLAMAPY_EXECUTOR=0")
+        dev = self.device
+        with dev.context("compiling a GPU plan"):
+            return compile_split(nodes, exports, allocate, dev.runtime())
+
+    def graph_plan_compute(self, plan: Any, env: dict[Tensor, Any]) -> None:
+        with self.device.context("running a GPU plan"):
+            plan.compute(env)
+
+    def graph_plan_summary(self, plan: Any) -> str:
+        if plan is None:
+            return ""
+        return plan.summary() if plan else f"GPU plan refused: {plan.reason} (run_nodes)"
 
     def copy_from(self, src: Backend, value: Any) -> Any | None:
         """CUDA -> CUDA arrays: a peer copy; anything else goes through the host."""

@@ -71,6 +71,17 @@ ALIGN = 64  # the arena's alignment (AVX-512 loads); sched/alloc.py aligns offse
 (GET_ROWS_Q, GET_ROWS_F32, RMS_NORM, MUL, ADD, SCALE, SWIGLU, MUL_MAT, ROPE, SET_ROWS, ATTN, CPY, QUANT_ACT,
  MUL_MAT_Q) = range(1, 15)
 REC = 24
+OP_NAMES = {GET_ROWS_Q: "GET_ROWS", GET_ROWS_F32: "GET_ROWS", RMS_NORM: "RMS_NORM", MUL: "MUL", ADD: "ADD",
+            SCALE: "SCALE", SWIGLU: "GLU", MUL_MAT: "MUL_MAT", ROPE: "ROPE", SET_ROWS: "SET_ROWS",
+            ATTN: "FLASH_ATTN_EXT", CPY: "CONT", QUANT_ACT: "QUANTIZE", MUL_MAT_Q: "MUL_MAT"}  # fmt: skip
+
+
+def op_counts(recs: np.ndarray, ops: dict[str, int], names: dict[int, str] = OP_NAMES) -> str:
+    """`RMS_NORM:9 MUL_MAT:28 …`: the records of a plan by ggml op name."""
+    for code in recs[:, 0]:
+        k = names.get(int(code), str(int(code)))
+        ops[k] = ops.get(k, 0) + 1
+    return " ".join(f"{k}:{v}" for k, v in ops.items())
 # In the f32 mode, batches from this many tokens are left to run_nodes: its tile + sgemm path is
 # faster there (qmatmul.SGEMM_MIN_TOKENS). In the q8 mode every MUL_MAT a compiled split has
 # stays on the per-block q8 kernels at any row count (qmatmul.Q8_GEMM: no sgemm to be faster; a
@@ -291,14 +302,9 @@ class ExecPlan:
 
     def summary(self) -> str:
         ops: dict[str, int] = {}
-        names = {GET_ROWS_Q: "GET_ROWS", GET_ROWS_F32: "GET_ROWS", RMS_NORM: "RMS_NORM", MUL: "MUL", ADD: "ADD",
-                 SCALE: "SCALE", SWIGLU: "GLU", MUL_MAT: "MUL_MAT", ROPE: "ROPE", SET_ROWS: "SET_ROWS",
-                 ATTN: "FLASH_ATTN_EXT", CPY: "CONT", QUANT_ACT: "QUANTIZE", MUL_MAT_Q: "MUL_MAT"}  # fmt: skip
         if self.pre:
             ops["GET_ROWS (Python)"] = len(self.pre)
-        for code in self.recs[:, 0]:
-            ops[names[int(code)]] = ops.get(names[int(code)], 0) + 1
-        counts = " ".join(f"{k}:{v}" for k, v in ops.items())
+        counts = op_counts(self.recs, ops)
         return (f"executor: {len(self.recs)} records for {self.n_nodes} nodes ({self.n_fused} fused), "
                 f"arena {self.nbytes / 1024:.0f} KiB, {len(self.inputs) + len(self.masks)} inputs, "
                 f"{len(self.exports)} exports [{counts}]")

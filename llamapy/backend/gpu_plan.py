@@ -1,0 +1,288 @@
+"""The compiled GPU split: the CPU executor's records, launched as kernels on a device stream and
+replayed as one CUDA graph (ggml-cuda's `ggml_backend_cuda_graph_compute`: a graph's nodes
+launched on the backend's stream, captured once into a cudaGraph and replayed while the graph
+keeps its shape; ggml-alloc's addresses; the CPU counterpart is backend/executor.py).
+
+One executor design, two launchers. `compile_split` runs the CPU executor's record compiler
+(`executor._Compiler`: the steps, the RMS_NORM × weight and ADD → RMS_NORM fusions, the arena
+offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and attention) with a
+`GPUTarget`, which resolves values to device addresses and writes the products' records itself:
+
+  * MUL_MAT_W: a fused dequantize + matrix-vector product over the weight's raw blocks on the
+    device (slots 1 dst, 2 x, 3 the weight's blocks; 6 tokens, 7 n_in, 8 x's row stride, 9 the
+    GGML type, 10 n_out, 11 row bytes);
+  * GET_ROWS_W: rows of a weight matrix expanded (1 dst, 2 the blocks, 3 ids; 6 ids, 7 n_in,
+    8 row bytes, 9 n_out, 10 the GGML type);
+  * records are WIDTH slots: the CPU's REC, and slot 24 of an ATTN record points at the int32
+    count of cells attended (0: slot 9 holds it).
+
+Memory: one device arena per device (the `Runtime`'s), shared by its plans as the CPU's is. Its
+first HEAD bytes hold the count slots (one int32 per mask); the allocator's offsets follow, the
+inputs first (sched/alloc.py places values in the order they are listed, and the compiler lists
+the inputs before any step), so everything that changes each step — token ids, positions, KV
+cells, the mask, the counts — lies in [0, in_bytes) of the arena: written into a pinned host
+mirror of that range and sent by ONE asynchronous host-to-device copy before the launches. A
+mask's slot spans the whole cache, its rows keep that stride, and only the attended cells are
+written: the records never change with the length of history, so one capture serves them all.
+
+Launches: the runtime turns each record into a prepared kernel launch once (`Runtime.prepare`,
+every kernel compiled and loaded then). The first run captures the launches on the device's
+stream into a CUDA graph (`Runtime.capture`); every run replays it. A plan that cannot be
+captured (the runtime refuses: graphs turned off, or the capture failed) runs its launches
+directly, and `summary()` (LLAMAPY_SCHED_DEBUG) says which and why. If the arena had to grow,
+the records move to the new block and the launches are prepared and captured again.
+
+Exports (values other splits read, the graph's outputs) are copied out of the arena after the
+launches, as device arrays; the scheduler reads the logits back (the step's one synchronisation).
+
+Refused here (the split then runs node by node with run_nodes, CuPy's reference path): batches of
+more tokens than the matrix-vector kernels take (prompts stay on the cuBLAS path), weights in
+host memory, an op or layout the compiler does not know, an op the runtime has no kernel for.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..tensor import Tensor, TensorFlag
+from ..types import LlamapyError
+from .executor import (ATTN, GET_ROWS_F32, MUL_MAT, OP_NAMES, REC, Built, Loc, Refusal, Refused, Target, _Compiler,
+                       _Slot, op_counts)
+
+# The GPU's own record codes (after executor.c's 1..14)
+MUL_MAT_W, GET_ROWS_W = 15, 16
+WIDTH = REC + 2  # slot 24: an ATTN record's count slot
+COUNT = 24
+HEAD = 64  # bytes of count slots at the arena's start: 16 masks
+NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS"}
+
+
+def graphs_enabled() -> bool:
+    """LLAMAPY_CUDA_GRAPHS=0 launches every record directly each step (ggml's
+    GGML_CUDA_DISABLE_GRAPHS)."""
+    return os.environ.get("LLAMAPY_CUDA_GRAPHS", "1").lower() not in ("0", "off", "no")
+
+
+class Runtime(Protocol):
+    """What a GPU plan needs of its device (cuda_exec.CUDARuntime on CuPy; the tests' fake one
+    records the launches): memory, one stream's copies and launches, graph capture."""
+
+    buft: Any  # the device's buffer type: leaves in it are read in place
+    max_tokens: int  # the largest batch the product kernels take
+    arena: Any  # .ensure(nbytes) -> base address (grows; plans move when it does)
+
+    def array_loc(self, v: Any) -> Loc: ...  # a device array (Refused for anything else)
+    def weight(self, v: Any) -> tuple[int, int, int, int, int]: ...  # (blocks, type, n_out, n_in, row bytes)
+    def host(self, v: Any) -> np.ndarray: ...  # a small device array's values (at compile time)
+    def const(self, a: np.ndarray) -> tuple[int, Any]: ...  # (address, owner) of a table put on the device
+    def prepare(self, rec: np.ndarray) -> Callable[[], None]: ...  # a record's launch (Refused: no kernel)
+    def pinned(self, nbytes: int) -> np.ndarray: ...  # the host mirror of the inputs (uint8, >= nbytes)
+    def h2d(self, dst: int, src: np.ndarray) -> None: ...  # asynchronous, on the stream
+    def d2d(self, dst: int, value: Any) -> None: ...  # a device array into the arena, on the stream
+    def capture(self, launches: Sequence[Callable[[], None]]) -> Any: ...  # a graph, or raises Refused
+    def replay(self, graph: Any) -> None: ...
+    def copy_out(self, addr: int, slot: _Slot) -> Any: ...  # an export: a device array (a copy)
+
+
+class GPUTarget(Target):
+    """The record compiler's view of a device's memory."""
+
+    name = "GPU"
+    head = HEAD
+    width = WIDTH
+    addr_slots = ((COUNT, ATTN),)
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.max_tokens = None  # (a product refuses past rt.max_tokens: its record says why)
+
+    def leaf(self, t: Tensor) -> Any | None:
+        r = t.root()
+        if r.buffer is None:
+            return None
+        if r.buffer.buft is not self.rt.buft:
+            if r.flags & TensorFlag.WEIGHT:
+                raise Refused(f"weight {r.name} in {r.buffer.name} memory")
+            return None  # copied in as a split input
+        return r.buffer.storage(r)
+
+    def array_loc(self, v: Any, keep: list[Any]) -> Loc:
+        keep.append(v)
+        return self.rt.array_loc(v)
+
+    def host_array(self, v: Any) -> np.ndarray:
+        return self.rt.host(v)
+
+    def const(self, a: np.ndarray, keep: list[Any]) -> int:
+        addr, owner = self.rt.const(a)
+        keep.append(owner)
+        return addr
+
+    def export(self, l: Loc) -> Any:
+        raise Refused("an export outside the arena")
+
+    def records(self, c: _Compiler, st: Any, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
+        n = st.node
+        if st.code == MUL_MAT:
+            w, x = n.src
+            wv = self.leaf(w) if w.is_leaf else None
+            if wv is None:
+                raise Refused(f"MUL_MAT {n.name} of two activations")
+            blocks, qtype, n_out, n_in, row_bytes = self.rt.weight(wv)
+            c.keep.append(wv)
+            xl = loc(x)
+            if xl.dtype != np.dtype(np.float32):
+                raise Refused(f"MUL_MAT input of type {xl.dtype}")
+            n_tok, k, xs = xl.rows()
+            if n_tok > self.rt.max_tokens:
+                raise Refused(f"a batch of {n_tok} tokens (prompts stay on the cuBLAS path)")
+            if k != n_in or (xs != n_in and n_tok > 1) or xl.addr % 16:
+                raise Refused(f"MUL_MAT {n.name}: input rows the matrix-vector kernel cannot read")
+            dst = loc(n)
+            r = [0] * WIDTH
+            r[0], r[1], r[2], r[3] = MUL_MAT_W, dst.addr, xl.addr, blocks
+            r[6], r[7], r[8], r[9], r[10], r[11] = n_tok, n_in, xs, qtype, n_out, row_bytes
+            return [r]
+        if st.code == GET_ROWS_F32:
+            table, ids = n.src
+            tv = self.leaf(table) if table.is_leaf else None
+            if tv is None:
+                return None  # rows of an activation: the shared record
+            try:
+                self.rt.array_loc(tv)
+                return None  # a plain array (the shared record reads it as rows)
+            except Refused:
+                pass
+            blocks, qtype, n_out, n_in, row_bytes = self.rt.weight(tv)
+            c.keep.append(tv)
+            il = loc(ids)
+            if il.dtype != np.dtype(np.int32) or not il.contiguous():
+                raise Refused("GET_ROWS ids that are not int32")
+            r = [0] * WIDTH
+            r[0], r[1], r[2], r[3] = GET_ROWS_W, loc(n).addr, blocks, il.addr
+            r[6], r[7], r[8], r[9], r[10] = ids.n_elements, n_in, row_bytes, n_out, qtype
+            return [r]
+        return None
+
+    def finish(self, c: _Compiler, recs: list[list[int]], masks: list[tuple[Tensor, _Slot, np.ndarray]]) -> None:
+        for r in recs:
+            r.extend([0] * (WIDTH - len(r)))
+        if len(masks) * 4 > HEAD:
+            raise Refused(f"{len(masks)} masks (count slots for {HEAD // 4})")
+        for i, (_t, _slot, rows) in enumerate(masks):
+            for j in rows:
+                recs[j][COUNT] = c.base + 4 * i
+
+
+@dataclass
+class GPUPlan:
+    """A compiled GPU split: records over the device arena, their launches, the graph."""
+
+    built: Built
+    rt: Runtime
+    in_bytes: int  # the arena's [0, in_bytes): every value written before the launches
+    launches: list[Callable[[], None]] = field(default_factory=list)
+    graph: Any = None
+    direct: str = ""  # why the launches run directly ("" while a graph may be captured)
+    n_runs: int = 0
+    n_captures: int = 0
+    host_inputs = True  # the scheduler hands host values over as they are (they go to the mirror)
+
+    def __post_init__(self) -> None:
+        self.launches = [self.rt.prepare(r) for r in self.built.recs]
+        if not graphs_enabled():
+            self.direct = "LLAMAPY_CUDA_GRAPHS=0"
+
+    @property
+    def recs(self) -> np.ndarray:
+        return self.built.recs
+
+    def _move(self, base: int) -> None:
+        """The arena was made again (larger): the records' addresses move, their launches and
+        graph are made again."""
+        b = self.built
+        b.recs[b.moves] += base - b.base
+        b.base = base
+        self.launches = [self.rt.prepare(r) for r in b.recs]
+        self.graph = None
+
+    def summary(self) -> str:
+        b = self.built
+        counts = op_counts(b.recs, {}, {**OP_NAMES, **NAMES})
+        how = f"direct launches ({self.direct})" if self.direct else "one CUDA graph"
+        return (f"GPU plan: {len(b.recs)} launches for {b.n_nodes} nodes ({b.n_fused} fused), {how}, "
+                f"arena {b.nbytes / 1024:.0f} KiB, inputs {self.in_bytes} B in one copy, "
+                f"{len(b.exports)} exports [{counts}]")
+
+    def compute(self, env: dict[Tensor, Any]) -> None:
+        """One step: the inputs into the pinned mirror, one H2D copy, the graph (or the
+        launches), the exports copied out. Nothing here waits for the device."""
+        b, rt = self.built, self.rt
+        base = b.arena.ensure(b.nbytes)
+        if base != b.base:
+            self._move(base)
+        mirror = rt.pinned(self.in_bytes)
+        late: list[tuple[int, Any]] = []  # inputs already on the device: copied after the mirror
+        for t, slot in b.inputs:
+            v = env[t]
+            if isinstance(v, np.ndarray):
+                _view(mirror, slot)[...] = v
+            else:
+                late.append((base + slot.off, v))
+        counts = mirror[:HEAD].view(np.int32)
+        for i, (t, slot, _rows) in enumerate(b.masks):
+            v = env[t]
+            if not isinstance(v, np.ndarray):
+                v = rt.host(v)  # (a mask made on another device: a copy back, rare)
+            n = v.shape[-1]  # the cells attended
+            if not 0 < n <= slot.shape[-1]:
+                raise LlamapyError(f"GPU plan: a {list(v.shape)} mask for {list(slot.shape)}")
+            _view(mirror, slot)[..., :n] = v
+            counts[i] = n
+        rt.h2d(base, mirror[: self.in_bytes])
+        for addr, v in late:
+            rt.d2d(addr, v)
+        if not self.direct and self.graph is None:
+            try:
+                self.graph = rt.capture(self.launches)
+                self.n_captures += 1
+            except Refused as e:
+                self.direct = f"capture failed: {e}"
+        if self.graph is not None and not self.direct:
+            rt.replay(self.graph)
+        else:
+            for launch in self.launches:
+                launch()
+        self.n_runs += 1
+        for t, slot in b.exports:
+            env[t] = rt.copy_out(base + slot.off, slot)
+
+
+def _view(mirror: np.ndarray, slot: _Slot) -> np.ndarray:
+    return np.ndarray(slot.shape, slot.dtype, buffer=mirror, offset=slot.off, strides=slot.strides)
+
+
+def compile_split(nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Callable[..., Any],
+                  rt: Runtime) -> GPUPlan | Refusal:
+    """A split's GPU plan over `rt`'s arena, or a Refusal saying why it runs node by node."""
+    try:
+        built = _Compiler(nodes, exports, GPUTarget(rt), allocate).build(rt.arena)
+        if built.pre:
+            raise Refused("GET_ROWS expanded in Python")
+        ends = [s.off + _extent(s) for _t, s in built.inputs] + [s.off + _extent(s) for _t, s, _r in built.masks]
+        in_bytes = max([HEAD, *ends])
+        return GPUPlan(built, rt, in_bytes)
+    except Refused as e:
+        return Refusal(str(e))
+
+
+def _extent(s: _Slot) -> int:
+    """Bytes from a slot's first element past its last."""
+    if not s.shape or 0 in s.shape:
+        return s.dtype.itemsize
+    return sum((d - 1) * st for d, st in zip(s.shape, s.strides)) + s.dtype.itemsize

@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from ..types import GGMLType
-from .executor import Loc, Refused, _Slot
-from .gpu_plan import GET_ROWS_W, MUL_MAT_W
+from .cpu_kernels import KV_CODES
+from .executor import ADD, ATTN, CPY, GET_ROWS_F32, MUL, RMS_NORM, ROPE, SCALE, SET_ROWS, SWIGLU, Loc, Refused, _Slot
+from .gpu_plan import COUNT, GET_ROWS_W, MUL_MAT_W, SCRATCH, SPLITS
 
 
 def _first_line(e: BaseException) -> str:
@@ -65,6 +66,7 @@ class CUDARuntime:
         self._pinned: Any = None
         self._mirror = np.zeros(0, np.uint8)
         self._copied: Any = None  # the event of the last copy out of the mirror
+        self._ops: Any = None
 
     # -- memory -------------------------------------------------------------------------------
 
@@ -118,6 +120,28 @@ class CUDARuntime:
 
     # -- launches -------------------------------------------------------------------------------
 
+    @property
+    def ops(self) -> Any:
+        """cuda_ops' launch layer with every kernel loaded on this device (once)."""
+        if self._ops is None:
+            get = getattr(self.dev, "ops", None)
+            if get is not None:
+                self._ops = get()
+            else:
+                try:
+                    from .cuda_ops import CudaKernels
+                except ImportError as e:
+                    raise Refused(f"no CUDA kernels for the GPU plan ({_first_line(e)})") from None
+                with self.dev.context("loading the kernels"):
+                    self._ops = CudaKernels.load(self.cp)
+        return self._ops
+
+    def attn_split(self, n_tokens: int, n_head: int, n_head_kv: int, n_cells: int, dv: int) -> tuple[int, int]:
+        from .cuda_ops import fattn_scratch_floats, fattn_splits
+
+        n = fattn_splits(n_tokens, n_head_kv, n_cells, self.ops.n_sm)
+        return n, 4 * fattn_scratch_floats(n_tokens, n_head, dv, n)
+
     def prepare(self, rec: np.ndarray) -> Callable[[], None]:
         code = int(rec[0])
         make = _LAUNCHES.get(code)
@@ -157,31 +181,119 @@ def _span(s: _Slot) -> int:
 
 
 # -- one launch maker per record code (the record layouts: executor.py, gpu_plan.py) ----------
+# Each reads its record once, when the plan is made, and returns a closure over cuda_ops'
+# launch method with the arguments fixed.
 
 Launch = Callable[[], None]
+_KV_TYPES = {code: t for t, code in KV_CODES.items()}  # ops.c's cache codes -> GGML types
+_KV_ITEM = {GGMLType.F32: 4, GGMLType.F16: 2, GGMLType.Q8_0: 1, GGMLType.Q4_0: 1}  # bytes a stride unit
 
 
-def _mul_mat_w(rt: CUDARuntime, r: np.ndarray) -> Launch:
-    """MUL_MAT_W: common.cuh's mmv_<type> (one warp a row, MMV_ROWS_PER_BLOCK rows a block)."""
-    from .cuda import MMV_ROWS_PER_BLOCK
+def _f(bits: Any) -> float:
+    return float(np.int64(bits).view(np.float64))
 
-    qtype = GGMLType(int(r[9]))
-    if int(r[8]) != int(r[7]) and int(r[6]) > 1:
-        raise Refused("MUL_MAT_W of strided rows")
-    fn = rt.dev.kernel("mmv", qtype)
-    n_out = int(r[10])
-    grid = ((n_out + MMV_ROWS_PER_BLOCK - 1) // MMV_ROWS_PER_BLOCK,)
-    block = (32 * MMV_ROWS_PER_BLOCK,)
-    args = (np.uint64(r[3]), np.uint64(r[2]), np.uint64(r[1]), np.int32(n_out), np.int32(r[7]), np.int64(r[11]),
-            np.int32(r[6]))
 
-    def launch() -> None:
-        fn(grid, block, args)
+def _i(r: np.ndarray) -> list[int]:
+    return [int(x) for x in r]
 
-    return launch
+
+def _rms_norm(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    rows, n = r[6], r[7]
+    if r[10]:  # the ADD before it fused: x = a + b, written to r[10] (contiguous rows of n)
+        kw = dict(b=r[5], sb=r[12], sum_out=r[10], ss=n, w=r[3])
+        x, sx = r[4], r[11]
+    else:
+        kw, x, sx = dict(w=r[3]), r[2], r[8]
+    eps = _f(r[9])
+    return lambda: ops.rms_norm(st, x, sx, r[1], n, rows, n, eps, **kw)
+
+
+def _binary(op: str) -> Callable[[CUDARuntime, np.ndarray], Launch]:
+    def make(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+        r, ops, st = _i(rec), rt.ops, rt.dev.stream
+        return lambda: ops.binary(st, op, r[2], r[8], r[3], r[9], r[1], r[7], r[6], r[7])
+
+    return make
+
+
+def _scale(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    s = _f(r[9])
+    return lambda: ops.scale(st, r[2], r[8], r[1], r[7], r[6], r[7], s)
+
+
+def _cpy(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    """CONT: rows copied (a scale by 1, exact for every finite value)."""
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    return lambda: ops.scale(st, r[2], r[8], r[1], r[7], r[6], r[7], 1.0)
+
+
+def _swiglu(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    return lambda: ops.glu(st, "swiglu", r[2], r[8], r[3], r[9], r[1], r[7], r[6], r[7])
+
+
+def _get_rows_f32(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    return lambda: ops.get_rows_f32(st, r[2], r[8], r[9], r[3], r[1], r[7], r[6], r[7])
+
+
+def _get_rows_w(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    qtype = GGMLType(r[10])
+    return lambda: ops.get_rows(st, qtype, r[2], r[8], r[9], r[3], r[1], r[7], r[6], r[7])
+
+
+def _mul_mat_w(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    if r[8] != r[7] and r[6] > 1:
+        raise Refused("MUL_MAT of strided rows")
+    qtype = GGMLType(r[9])
+    return lambda: ops.mul_mat_vec(st, qtype, r[3], r[11], r[10], r[7], r[2], r[1], r[6])
+
+
+def _rope(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    T, H, D = r[6], r[7], r[8]
+    kw = dict(pos=r[3], n_dims=r[11], mode=2 if r[12] else 0, freq_base=_f(r[13]), freq_scale=_f(r[14]),
+              factors=r[4])
+    # the result: contiguous (T, H, D) in the arena
+    return lambda: ops.rope(st, r[2], r[9], r[10], r[1], H * D, D, T, H, D, **kw)
+
+
+def _set_rows(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    """SET_ROWS: rope.cu's store without a rotation of positions (mode -1): rows of `cols`
+    as heads of D (the whole row when it fits a block), quantized and Hadamard-rotated there
+    for a Q8_0 / Q4_0 cache."""
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    ct = _KV_TYPES[r[10]]
+    n, cols, rot = r[6], r[7], r[12]
+    d = cols
+    if cols > 2048:
+        d = next((k for k in (256, 128, 64) if cols % k == 0 and k % max(rot, 32) == 0), 0)
+        if not d:
+            raise Refused(f"SET_ROWS of rows of {cols}")
+    row_bytes = r[11] * _KV_ITEM[ct]
+    return lambda: ops.rope(st, r[4], r[8], d, 0, 0, 0, n, cols // d, d, mode=-1, cache_type=ct, ids=r[3],
+                            n_cells=r[9], cache=r[1], cache_rb=row_bytes, rot=rot)
+
+
+def _attn(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    T, H, D, N, Hkv, Dv = r[6:12]
+    kt, vt = _KV_TYPES[r[18]], _KV_TYPES[r[19]]
+    ki, vi = _KV_ITEM[kt], _KV_ITEM[vt]
+    dv = Dv  # (elements: the record takes V's shape from its tensor, not from a quantized cache's bytes)
+    kw = dict(n_kv=N, n_kv_dev=r[COUNT], n_splits=r[SPLITS], scratch=r[SCRATCH] if r[SPLITS] > 1 else 0,
+              rot_k=r[20], rot_v=r[21])
+    scale = _f(r[17])
+    return lambda: ops.flash_attn_ext(st, r[2], H * D, D, kt, r[3], r[12] * ki, r[13] * ki, vt, r[4], r[14] * vi,
+                                      r[15] * vi, N, r[5], r[16], r[1], H * dv, dv, T, H, Hkv, D, dv, scale, **kw)
 
 
 _LAUNCHES: dict[int, Callable[[CUDARuntime, np.ndarray], Launch]] = {
-    MUL_MAT_W: _mul_mat_w,
-}
-_ = GET_ROWS_W  # (its launch comes with getrows.cu's launch function)
+    RMS_NORM: _rms_norm, MUL: _binary("mul"), ADD: _binary("add"), SCALE: _scale, CPY: _cpy, SWIGLU: _swiglu,
+    GET_ROWS_F32: _get_rows_f32, GET_ROWS_W: _get_rows_w, MUL_MAT_W: _mul_mat_w, ROPE: _rope, SET_ROWS: _set_rows,
+    ATTN: _attn,
+}  # fmt: skip

@@ -13,8 +13,11 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     GGML type, 10 n_out, 11 row bytes);
   * GET_ROWS_W: rows of a weight matrix expanded (1 dst, 2 the blocks, 3 ids; 6 ids, 7 n_in,
     8 row bytes, 9 n_out, 10 the GGML type);
-  * records are WIDTH slots: the CPU's REC, and slot 24 of an ATTN record points at the int32
-    count of cells attended (0: slot 9 holds it).
+  * ROPE: the CPU's record, with slot 4 the rope_freqs divisors on the device (0: none) instead of
+    the CPU's table of inverse frequencies, 13 / 14 the frequency base and scale (float64 bits);
+  * records are WIDTH slots: the CPU's REC, and in an ATTN record slot 24 points at the int32
+    count of cells attended (0: slot 9 holds it), 25 at the scratch of its split partials, 26
+    the number of splits of the cells (the runtime's choice for the shape).
 
 Memory: one device arena per device (the `Runtime`'s), shared by its plans as the CPU's is. Its
 first HEAD bytes hold the count slots (one int32 per mask); the allocator's offsets follow, the
@@ -50,14 +53,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..tensor import Tensor, TensorFlag
-from ..types import LlamapyError
-from .executor import (ATTN, GET_ROWS_F32, MUL_MAT, OP_NAMES, REC, Built, Loc, Refusal, Refused, Target, _Compiler,
+from ..types import LlamapyError, UnsupportedError
+from .executor import (ATTN, GET_ROWS_F32, MUL_MAT, OP_NAMES, ROPE, REC, Built, Loc, Refusal, Refused, Target, _Compiler,
                        _Slot, op_counts)
 
 # The GPU's own record codes (after executor.c's 1..14)
 MUL_MAT_W, GET_ROWS_W = 15, 16
-WIDTH = REC + 2  # slot 24: an ATTN record's count slot
-COUNT = 24
+WIDTH = REC + 3  # slots 24-26: an ATTN record's count slot, split scratch, splits
+COUNT, SCRATCH, SPLITS = 24, 25, 26
 HEAD = 64  # bytes of count slots at the arena's start: 16 masks
 NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS"}
 
@@ -80,6 +83,8 @@ class Runtime(Protocol):
     def weight(self, v: Any) -> tuple[int, int, int, int, int]: ...  # (blocks, type, n_out, n_in, row bytes)
     def host(self, v: Any) -> np.ndarray: ...  # a small device array's values (at compile time)
     def const(self, a: np.ndarray) -> tuple[int, Any]: ...  # (address, owner) of a table put on the device
+    def attn_split(self, n_tokens: int, n_head: int, n_head_kv: int, n_cells: int, dv: int) -> tuple[int, int]: ...
+    # ^ (splits of the cells, scratch bytes) of an attention of that shape
     def prepare(self, rec: np.ndarray) -> Callable[[], None]: ...  # a record's launch (Refused: no kernel)
     def pinned(self, nbytes: int) -> np.ndarray: ...  # the host mirror of the inputs (uint8, >= nbytes)
     def h2d(self, dst: int, src: np.ndarray) -> None: ...  # asynchronous, on the stream
@@ -126,6 +131,21 @@ class GPUTarget(Target):
     def export(self, l: Loc) -> Any:
         raise Refused("an export outside the arena")
 
+    def scratch(self, c: _Compiler, start: int) -> int:
+        """One scratch for the split partials of every attention (they run one after another)."""
+        need = 0
+        self.splits: dict[Tensor, int] = {}
+        for st in c.steps:
+            if st.code == ATTN:
+                q, _k, v, _m = st.node.src
+                T, H, _D = q.shape
+                N, Hkv, Dv = v.shape[0], v.shape[1], st.node.shape[-1]
+                self.splits[st.node], nbytes = self.rt.attn_split(T, H, Hkv, N, Dv)
+                need = max(need, nbytes)
+        start += (-start) % 256
+        self.scratch_off = start
+        return start + need
+
     def records(self, c: _Compiler, st: Any, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
         n = st.node
         if st.code == MUL_MAT:
@@ -167,7 +187,32 @@ class GPUTarget(Target):
             r[0], r[1], r[2], r[3] = GET_ROWS_W, loc(n).addr, blocks, il.addr
             r[6], r[7], r[8], r[9], r[10] = ids.n_elements, n_in, row_bytes, n_out, qtype
             return [r]
+        if st.code == ROPE:
+            return [self._rope(c, n, loc)]
+        if st.code == ATTN:
+            r = c._record(st, loc) + [0] * (WIDTH - REC)
+            r[SCRATCH], r[SPLITS] = c.base + self.scratch_off, self.splits[n]
+            return [r]
         return None
+
+    def _rope(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc]) -> list[int]:
+        x, pos = loc(n.src[0]), loc(n.src[1])
+        if x.dtype != np.dtype(np.float32) or len(x.shape) != 3 or x.strides[2] != 1 \
+                or pos.dtype != np.dtype(np.int32) or not pos.contiguous():
+            raise Refused("a ROPE layout")
+        p = n.params
+        r = [0] * WIDTH
+        r[0], r[1], r[2], r[3] = ROPE, loc(n).addr, x.addr, pos.addr
+        if len(n.src) > 2:
+            f = loc(n.src[2])
+            if f.dtype != np.dtype(np.float32) or not f.contiguous():
+                raise Refused("rope_freqs of another type")
+            r[4] = f.addr
+        T, H, D = x.shape
+        r[6], r[7], r[8], r[9], r[10], r[11], r[12] = T, H, D, x.strides[0], x.strides[1], p["n_dims"], \
+            int(p["mode"] == 2)  # fmt: skip
+        r[13], r[14] = _fbits(p["freq_base"]), _fbits(p["freq_scale"])
+        return r
 
     def finish(self, c: _Compiler, recs: list[list[int]], masks: list[tuple[Tensor, _Slot, np.ndarray]]) -> None:
         for r in recs:
@@ -197,6 +242,18 @@ class GPUPlan:
         self.launches = [self.rt.prepare(r) for r in self.built.recs]
         if not graphs_enabled():
             self.direct = "LLAMAPY_CUDA_GRAPHS=0"
+        self._capture()
+
+    def _capture(self) -> None:
+        """Record the launches into a graph now, before any run: a capture executes nothing, so
+        a launch the kernels refuse (UnsupportedError) refuses the plan when it is made."""
+        if self.direct:
+            return
+        try:
+            self.graph = self.rt.capture(self.launches)
+            self.n_captures += 1
+        except Refused as e:
+            self.direct = f"capture failed: {e}"
 
     @property
     def recs(self) -> np.ndarray:
@@ -210,6 +267,7 @@ class GPUPlan:
         b.base = base
         self.launches = [self.rt.prepare(r) for r in b.recs]
         self.graph = None
+        self._capture()
 
     def summary(self) -> str:
         b = self.built
@@ -247,13 +305,7 @@ class GPUPlan:
         rt.h2d(base, mirror[: self.in_bytes])
         for addr, v in late:
             rt.d2d(addr, v)
-        if not self.direct and self.graph is None:
-            try:
-                self.graph = rt.capture(self.launches)
-                self.n_captures += 1
-            except Refused as e:
-                self.direct = f"capture failed: {e}"
-        if self.graph is not None and not self.direct:
+        if self.graph is not None:
             rt.replay(self.graph)
         else:
             for launch in self.launches:
@@ -261,6 +313,10 @@ class GPUPlan:
         self.n_runs += 1
         for t, slot in b.exports:
             env[t] = rt.copy_out(base + slot.off, slot)
+
+
+def _fbits(x: float) -> int:
+    return int(np.float64(x).view(np.int64))
 
 
 def _view(mirror: np.ndarray, slot: _Slot) -> np.ndarray:
@@ -277,7 +333,7 @@ def compile_split(nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: 
         ends = [s.off + _extent(s) for _t, s in built.inputs] + [s.off + _extent(s) for _t, s, _r in built.masks]
         in_bytes = max([HEAD, *ends])
         return GPUPlan(built, rt, in_bytes)
-    except Refused as e:
+    except (Refused, UnsupportedError) as e:
         return Refusal(str(e))
 
 

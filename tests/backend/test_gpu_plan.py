@@ -27,6 +27,7 @@ from llamapy.backend.executor import (ATTN, GET_ROWS_F32, MUL_MAT_Q, QUANT_ACT, 
                                       Refusal, Refused, _array_loc, _lib, _Slot)
 from llamapy.backend.gpu_plan import COUNT, GET_ROWS_W, HEAD, MUL_MAT_W, GPUPlan
 from llamapy.backend.cpu_kernels import KV_CODES
+from llamapy.backend.kernels import rope_consts
 from llamapy.context import Context, ContextOptions, Model
 from llamapy.types import GGMLType
 
@@ -45,6 +46,7 @@ class FakeRuntime:
         self.log: list[tuple[str, Any]] = []  # ("h2d", nbytes), ("capture", n), ("replay", n), ("launch", code)
         self.fail_capture = fail_capture
         self.scratch = np.zeros(0, np.uint8)
+        self.keep: list[Any] = []
 
     def array_loc(self, v: Any) -> Loc:
         if not isinstance(v, np.ndarray):
@@ -91,9 +93,21 @@ class FakeRuntime:
         for launch in graph:
             launch()
 
+    def attn_split(self, n_tokens: int, n_head: int, n_head_kv: int, n_cells: int, dv: int) -> tuple[int, int]:
+        return 1, 0
+
     def prepare(self, rec: np.ndarray) -> Callable[[], None]:
         r = rec.copy()
         code = int(r[0])
+        if code == ROPE:  # the CPU's table of inverse frequencies from the GPU record's base, scale, factors
+            n_dims = int(r[11])
+            f = None
+            if r[4]:
+                f = np.ctypeslib.as_array((ctypes.c_float * (n_dims // 2)).from_address(int(r[4])))
+            base, scale = (float(np.int64(v).view(np.float64)) for v in r[13:15])
+            inv = rope_consts(n_dims, base, scale, f)
+            self.keep.append(inv)
+            r[4], r[13], r[14] = inv.ctypes.data, 0, 0
 
         def run(recs: list[np.ndarray]) -> None:
             table = np.ascontiguousarray(np.stack(recs)[:, :REC])
@@ -258,12 +272,14 @@ def test_records_are_the_cpu_executors(make_llama, monkeypatch: pytest.MonkeyPat
         assert r[COUNT] == (gb if r[0] == ATTN else 0)  # (one mask: its count slot is the arena's first)
         n_attn += r[0] == ATTN
         for s in range(1, REC):
-            if r[0] == ROPE and s == 4:
-                continue  # its inverse frequencies: a table of each target's
+            if r[0] == ROPE and s in (4, 13, 14):
+                continue  # the CPU's table of inverse frequencies; the GPU's factors, base and scale
             if r[0] == ATTN and s in (9, 16):
                 continue  # the CPU writes the width attended here; the GPU reads its count slot
             assert rel(int(r[s]), gb, gp.built.nbytes, HEAD) == rel(int(c[s]), cb, cpu.nbytes), (r[0], s)
     assert n_attn == 2
+    rope = [r for r in gp.recs if r[0] == ROPE]
+    assert rope and all(r[4] and np.int64(r[13]).view(np.float64) == 10000.0 for r in rope)  # rope_freqs, base
     # the inputs (tokens' rows, positions, cells, mask) are one region at the arena's start
     offs = sorted(s.off for _t, s in gp.built.inputs) + [s.off for _t, s, _r in gp.built.masks]
     assert min(offs) == HEAD and gp.in_bytes <= max(offs) + 4 * 512 + 64

@@ -6,8 +6,13 @@ runs the record through the CPU executor's C code (kernels_c/executor.c, one rec
 MUL_MAT_W as the q8 mode's QUANTIZE + MUL_MAT_Q). So the GPU plan's records, launch order, arena
 offsets, input region (one copy a step from the mirror), count slots and graph replay are run for
 real and give the CPU executor's logits bit for bit, and its records are compared with the CPU
-executor's for the same split. What this cannot check is the CUDA kernels themselves
-(tests/gpu/, on a GPU).
+executor's for the same split.
+
+Then the same records go through cuda_exec's real launch makers into a numpy stand-in of
+cuda_ops' launch layer (`NumpyOps`: the same method signatures, pointers, sizes and element / byte
+strides, computed with numpy over host memory). A decode through it must give the float32 CPU
+path's logits: a wrong stride, a swapped pointer, a mask read with the wrong width or a count slot
+not read would not. What this cannot check is the CUDA kernels themselves (tests/gpu/, on a GPU).
 """
 
 from __future__ import annotations
@@ -21,13 +26,15 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from llamapy.backend import gpu_plan, native
+from gguf.quants import dequantize
+
+from llamapy.backend import cuda_exec, gpu_plan, native
 from llamapy.backend.cpu import CPU_BUFT, CPUBackend
 from llamapy.backend.executor import (ATTN, GET_ROWS_F32, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena, ExecPlan, Loc,
                                       Refusal, Refused, _array_loc, _lib, _Slot)
 from llamapy.backend.gpu_plan import COUNT, GET_ROWS_W, HEAD, MUL_MAT_W, GPUPlan
 from llamapy.backend.cpu_kernels import KV_CODES
-from llamapy.backend.kernels import rope_consts
+from llamapy.backend.kernels import _rope_tables_compute, rope_consts
 from llamapy.context import Context, ContextOptions, Model
 from llamapy.types import GGMLType
 
@@ -317,3 +324,165 @@ def test_arena_growth_moves_and_recaptures(make_llama, monkeypatch: pytest.Monke
         np.testing.assert_array_equal(a, b)
     assert one.built.base != base and one.n_captures == 2 and one.n_runs == 2
     model.free()
+
+
+# -- the CUDA launcher's argument plumbing ----------------------------------------------------
+
+F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
+
+
+def mem(addr: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any, unit: int = 0) -> np.ndarray:
+    """An array over `addr`: strides in elements (or in bytes with unit=1)."""
+    dt = np.dtype(dtype)
+    bstr = tuple(s * (unit or dt.itemsize) for s in strides)
+    span = sum((d - 1) * s for d, s in zip(shape, bstr)) + dt.itemsize if all(shape) else 0
+    buf = (ctypes.c_char * max(span, 1)).from_address(addr)
+    return np.ndarray(shape, dt, buffer=buf, strides=bstr)
+
+
+class NumpyOps:
+    """cuda_ops.CudaKernels' launch methods, in numpy over host addresses (calls recorded)."""
+
+    n_sm = 4
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def rms_norm(self, stream: Any, x: int, sx: int, y: int, sy: int, rows: int, n: int, eps: float, *,
+                 b: int = 0, sb: int = 0, sum_out: int = 0, ss: int = 0, w: int = 0) -> None:
+        self.calls.append("rms_norm")
+        v = mem(x, (rows, n), (sx, 1), F32).copy()
+        if b:
+            v = v + mem(b, (rows, n), (sb, 1), F32)
+        if sum_out:
+            mem(sum_out, (rows, n), (ss, 1), F32)[...] = v
+        mean = ((v.astype(np.float64) ** 2).sum(-1, keepdims=True) / n).astype(np.float32)
+        out = v * (np.float32(1) / np.sqrt(mean + np.float32(eps)))
+        if w:
+            out = out * mem(w, (n,), (1,), F32)
+        mem(y, (rows, n), (sy, 1), F32)[...] = out
+
+    def binary(self, stream: Any, op: str, a: int, sa: int, b: int, sb: int, y: int, sy: int, rows: int, n: int) -> None:
+        self.calls.append(op)
+        A, B = mem(a, (rows, n), (sa, 1), F32), mem(b, (rows, n), (sb, 1), F32)
+        mem(y, (rows, n), (sy, 1), F32)[...] = A + B if op == "add" else A * B
+
+    def scale(self, stream: Any, a: int, sa: int, y: int, sy: int, rows: int, n: int, s: float) -> None:
+        self.calls.append("scale")
+        mem(y, (rows, n), (sy, 1), F32)[...] = mem(a, (rows, n), (sa, 1), F32) * np.float32(s)
+
+    def glu(self, stream: Any, op: str, g: int, sg: int, u: int, su: int, y: int, sy: int, rows: int, n: int) -> None:
+        self.calls.append(op)
+        G, U = mem(g, (rows, n), (sg, 1), F32), mem(u, (rows, n), (su, 1), F32)
+        mem(y, (rows, n), (sy, 1), F32)[...] = G / (1 + np.exp(-G)) * U
+
+    def get_rows_f32(self, stream: Any, t: int, st: int, n_rows: int, ids: int, y: int, sy: int, n_ids: int,
+                     n: int) -> None:
+        self.calls.append("get_rows_f32")
+        i = mem(ids, (n_ids,), (1,), np.int32)
+        mem(y, (n_ids, n), (sy, 1), F32)[...] = mem(t, (n_rows, n), (st, 1), F32)[i]
+
+    def get_rows(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_rows: int, ids: int, y: int,
+                 sy: int, n_ids: int, n_in: int) -> None:
+        self.calls.append("get_rows")
+        i = mem(ids, (n_ids,), (1,), np.int32)
+        raw = mem(w, (n_rows, row_bytes), (row_bytes, 1), np.uint8)[i]
+        mem(y, (n_ids, n_in), (sy, 1), F32)[...] = dequantize(raw, T(int(qtype))).reshape(n_ids, n_in)
+
+    def mul_mat_vec(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_out: int, n_in: int, x: int,
+                    y: int, n_tok: int) -> None:
+        self.calls.append("mul_mat_vec")
+        assert x % 16 == 0 and n_tok <= 8
+        W = dequantize(mem(w, (n_out, row_bytes), (row_bytes, 1), np.uint8), T(int(qtype))).reshape(n_out, n_in)
+        X = mem(x, (n_tok, n_in), (n_in, 1), F32)
+        mem(y, (n_tok, n_out), (n_out, 1), F32)[...] = (X.astype(np.float64) @ W.T.astype(np.float64)).astype(F32)
+
+    def rope(self, stream: Any, x: int, sxt: int, sxh: int, y: int, syt: int, syh: int, n_tokens: int, n_head: int,
+             head_dim: int, *, pos: int = 0, n_dims: int = 0, mode: int = -1, freq_base: float = 10000.0,
+             freq_scale: float = 1.0, factors: int = 0, cache_type: GGMLType | None = None, ids: int = 0,
+             n_cells: int = 0, cache: int = 0, cache_rb: int = 0, rot: int = 0) -> None:
+        self.calls.append("rope" if mode >= 0 else "set_rows")
+        v = mem(x, (n_tokens, n_head, head_dim), (sxt, sxh, 1), F32).copy()
+        if mode >= 0:
+            f = mem(factors, (n_dims // 2,), (1,), F32) if factors else None
+            cos, sin = _rope_tables_compute(np, mem(pos, (n_tokens,), (1,), np.int32), n_dims, freq_base, freq_scale, f)
+            cos, sin = cos[:, None, :], sin[:, None, :]
+            if mode == 0:
+                i0, i1 = slice(0, n_dims, 2), slice(1, n_dims, 2)
+            else:
+                i0, i1 = slice(0, n_dims // 2), slice(n_dims // 2, n_dims)
+            a, b = v[..., i0].copy(), v[..., i1].copy()
+            v[..., i0], v[..., i1] = a * cos - b * sin, a * sin + b * cos
+        if y:
+            mem(y, (n_tokens, n_head, head_dim), (syt, syh, 1), F32)[...] = v
+        if cache_type is not None:
+            assert cache_type in (GGMLType.F16, GGMLType.F32) and not rot
+            dt = F16 if cache_type == GGMLType.F16 else F32
+            rows = mem(cache, (n_cells, n_head * head_dim), (cache_rb, dt.itemsize), dt, unit=1)
+            rows[mem(ids, (n_tokens,), (1,), np.int64)] = v.reshape(n_tokens, -1).astype(dt)
+
+    def flash_attn_ext(self, stream: Any, q: int, sqt: int, sqh: int, k_type: GGMLType, k: int, k_cb: int,
+                       k_hb: int, v_type: GGMLType, v: int, v_cb: int, v_hb: int, n_cells: int, mask: int, sm: int,
+                       out: int, sot: int, soh: int, n_tokens: int, n_head: int, n_head_kv: int, head_dim: int,
+                       head_dim_v: int, scale: float, *, n_kv: int = 0, n_kv_dev: int = 0, n_splits: int = 1,
+                       scratch: int = 0, rot_k: int = 0, rot_v: int = 0) -> None:
+        self.calls.append("flash_attn_ext")
+        n = ctypes.c_int32.from_address(n_kv_dev).value if n_kv_dev else n_kv
+        assert 0 < n <= n_cells
+        kd = F16 if k_type == GGMLType.F16 else F32
+        vd = F16 if v_type == GGMLType.F16 else F32
+        K = mem(k, (n, n_head_kv, head_dim), (k_cb, k_hb, kd.itemsize), kd, unit=1).astype(np.float64)
+        V = mem(v, (n, n_head_kv, head_dim_v), (v_cb, v_hb, vd.itemsize), vd, unit=1).astype(np.float64)
+        Q = mem(q, (n_tokens, n_head, head_dim), (sqt, sqh, 1), F32).astype(np.float64)
+        M = mem(mask, (n_tokens, n), (sm, 1), F32).astype(np.float64)
+        g = n_head // n_head_kv
+        O = np.zeros((n_tokens, n_head, head_dim_v))
+        for h in range(n_head):
+            s = Q[:, h] @ K[:, h // g].T * scale + M
+            p = np.exp(s - s.max(-1, keepdims=True))
+            O[:, h] = (p / p.sum(-1, keepdims=True)) @ V[:, h // g]
+        mem(out, (n_tokens, n_head, head_dim_v), (sot, soh, 1), F32)[...] = O.astype(F32)
+
+
+class LaunchRuntime(FakeRuntime):
+    """The fake device, its launches made by cuda_exec's launch makers over NumpyOps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = NumpyOps()
+        self.dev = type("Dev", (), {"stream": None})()
+
+    def attn_split(self, n_tokens: int, n_head: int, n_head_kv: int, n_cells: int, dv: int) -> tuple[int, int]:
+        return 1, 0
+
+    def prepare(self, rec: np.ndarray) -> Any:
+        return cuda_exec._LAUNCHES[int(rec[0])](self, rec)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cache", [GGMLType.F16, GGMLType.F32], ids=["f16", "f32"])
+def test_launch_arguments_give_the_reference_logits(make_llama, monkeypatch: pytest.MonkeyPatch,
+                                                    cache: GGMLType) -> None:  # noqa: ANN001
+    path = make_llama(qtype=T.Q8_0, rope_freqs=True)
+    ref_model = Model(path, context_options=ContextOptions(cpu_matmul="f32"))  # float32 activations
+    model = Model(path)  # the file's blocks, as a GPU holds them
+    opts = dict(n_ctx=512, n_threads=1, type_k=cache, type_v=cache)
+    ref = Context(ref_model, ContextOptions(cpu_matmul="f32", **opts))  # type: ignore[arg-type]
+    want = [ref.decode(t, p, s, w) for t, p, s, w in _decode_steps()]
+    rts: list[LaunchRuntime] = []
+
+    def new_rt() -> LaunchRuntime:
+        rts.append(LaunchRuntime())
+        rts[-1].arena.ensure(16 << 20)
+        return rts[-1]
+
+    made = _gpu_backend(monkeypatch, new_rt)
+    gpu = Context(model, ContextOptions(**opts))  # type: ignore[arg-type]
+    got = [gpu.decode(t, p, s, w) for t, p, s, w in _decode_steps()]
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3 * float(np.abs(b).max()))
+        assert (a.argmax(-1) == b.argmax(-1)).all()
+    assert made and all(not p.direct for p in made)
+    calls = set(rts[0].ops.calls)
+    assert {"rms_norm", "mul_mat_vec", "rope", "set_rows", "flash_attn_ext", "swiglu", "get_rows"} <= calls
+    model.free()
+    ref_model.free()

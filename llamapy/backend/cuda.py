@@ -287,6 +287,7 @@ class CUDADevice(MemoryDevice):
         self._functions: dict[tuple[str, GGMLType], Any] = {}
         self._staging: list[_Staging] = []
         self._next_staging = 0
+        self._ops: Any = None
         self._runtime: Any = None  # cuda_exec.CUDARuntime: the compiled plans' arena and launches
 
     def runtime(self) -> Any:
@@ -326,6 +327,16 @@ class CUDADevice(MemoryDevice):
             fn = mod.get_function(f"{kind}_{suffix}")
             self._functions[key] = fn
         return fn
+
+    def ops(self) -> Any:
+        """Every kernel of kernels_cuda/ compiled and loaded on this device, once
+        (cuda_ops.CudaKernels: the launch functions of the compiled GPU split)."""
+        if self._ops is None:
+            from .cuda_ops import CudaKernels
+
+            with self._device:
+                self._ops = CudaKernels.load(self.cp)
+        return self._ops
 
     # -- memory ---------------------------------------------------------------------------
 

@@ -66,7 +66,6 @@ class CUDARuntime:
         self._pinned: Any = None
         self._mirror = np.zeros(0, np.uint8)
         self._copied: Any = None  # the event of the last copy out of the mirror
-        self._ops: Any = None
 
     # -- memory -------------------------------------------------------------------------------
 
@@ -122,19 +121,8 @@ class CUDARuntime:
 
     @property
     def ops(self) -> Any:
-        """cuda_ops' launch layer with every kernel loaded on this device (once)."""
-        if self._ops is None:
-            get = getattr(self.dev, "ops", None)
-            if get is not None:
-                self._ops = get()
-            else:
-                try:
-                    from .cuda_ops import CudaKernels
-                except ImportError as e:
-                    raise Refused(f"no CUDA kernels for the GPU plan ({_first_line(e)})") from None
-                with self.dev.context("loading the kernels"):
-                    self._ops = CudaKernels.load(self.cp)
-        return self._ops
+        """cuda_ops' launch layer with every kernel loaded on this device (CUDADevice.ops)."""
+        return self.dev.ops()
 
     def attn_split(self, n_tokens: int, n_head: int, n_head_kv: int, n_cells: int, dv: int) -> tuple[int, int]:
         from .cuda_ops import fattn_scratch_floats, fattn_splits

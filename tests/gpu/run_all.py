@@ -3,7 +3,11 @@
 outside the repository):
 
   1. environment: CuPy, driver, devices, the CUDA registry's status;
-  2. the op and weight tests on CUDA0 (pytest tests/gpu/test_cuda_ops.py);
+  2. the op and weight tests on CUDA0 (pytest tests/gpu/test_cuda_ops.py: the run_nodes path;
+     tests/gpu/test_cuda_kernels.py: every kernels_cuda/ family through cuda_ops, the kernels of
+     the compiled GPU split, and one captured CUDA graph) -- each failing case listed by name;
+  2b. tiny32 at -ngl all against llama.cpp's F32 logits (mean KLD <= 0.001), when the reference
+     (.gpu/ or ../shared/reference/tiny32) is there;
   3. two generated models -- SmolLM2-shaped (30 layers, 576/1536, 9/3 heads, vocab 49152, Q4_1
      weights, Q8_0 token_embd, tied output) and tiny32-shaped (32 layers, 256/768, 4/2 heads,
      Q4_K / Q6_K) -- with random weights: the last-position distributions of `-ngl all` and
@@ -37,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 KL_MAX = 1e-4
+TINY32_KLD_MAX = 0.001  # issue 28: tiny32 at -ngl all against llama.cpp's F32 logits
 N_PROMPTS = 3
 PROMPT_LEN = 24
 N_CTX = 256
@@ -291,28 +296,59 @@ def main() -> int:
         rep.step(env, "device self-test", dev.self_test)
 
     # 2. op tests -------------------------------------------------------------------------
-    ops = rep.section("Op and weight tests on CUDA0 (pytest tests/gpu/test_cuda_ops.py)")
+    ops = rep.section("Op, kernel and weight tests on CUDA0 (pytest tests/gpu/test_cuda_ops.py, test_cuda_kernels.py)")
     if args.skip_pytest or args.test_device:
         rep.add(ops, "- skipped")
     else:
 
-        def run_pytest() -> None:
-            cmd = [sys.executable, "-m", "pytest", str(ROOT / "tests/gpu/test_cuda_ops.py"), "-q", "-rfEs",
+        def run_pytest(name: str) -> None:
+            cmd = [sys.executable, "-m", "pytest", str(ROOT / "tests/gpu" / name), "-q", "-rfEs", "--tb=line",
                    "-p", "no:cacheprovider"]  # fmt: skip
             t0 = time.perf_counter()
             r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
             tail = (r.stdout + r.stderr).strip().splitlines()
             summary = tail[-1] if tail else "(no output)"
-            rep.add(ops, f"- exit {r.returncode} in {time.perf_counter() - t0:.1f} s: `{summary}`")
+            rep.add(ops, f"- {name}: exit {r.returncode} in {time.perf_counter() - t0:.1f} s: `{summary}`")
             bad = [ln for ln in tail if ln.startswith(("FAILED", "ERROR", "SKIPPED"))]
-            for ln in bad[:40]:
-                rep.add(ops, f"  - `{ln[:300]}`")
+            for ln in bad[:60]:
+                rep.add(ops, f"  - `{ln[:400]}`")
             if r.returncode != 0:
                 rep.failures += 1
                 if not bad:
                     rep.add(ops, "  ```\n  " + "\n  ".join(tail[-30:]) + "\n  ```")
 
-        rep.step(ops, "pytest", run_pytest)
+        for name in ("test_cuda_kernels.py", "test_cuda_ops.py"):
+            rep.step(ops, f"pytest {name}", lambda name=name: run_pytest(name))
+
+    # 2b. tiny32 against llama.cpp -----------------------------------------------------------
+    ref = rep.section(f"tiny32 at -ngl all against llama.cpp's F32 logits (mean KLD <= {TINY32_KLD_MAX})")
+    pairs = [(ROOT / ".gpu/tiny32-Q4_K_M.gguf", ROOT / ".gpu/tiny32-f32.kld"),
+             (ROOT.parent / "shared/reference/tiny32/tiny32-Q4_K_M.gguf",
+              ROOT.parent / "shared/reference/tiny32/tiny32-Q4_K_M-f32.c128x2.kld")]  # fmt: skip
+    found = next(((m, b) for m, b in pairs if m.is_file() and b.is_file()), None)
+    if args.test_device or found is None:
+        rep.add(ref, "- skipped" + ("" if args.test_device else ": no tiny32 reference (.gpu/ or ../shared/reference/tiny32)"))
+    else:
+
+        def tiny32_kld() -> None:
+            import re
+
+            model, base = found
+            cmd = [sys.executable, "-m", "llamapy", "perplexity", str(model), "--kl-divergence-base", str(base),
+                   "--kl-divergence", "-ngl", "all"]  # fmt: skip
+            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+            out = r.stdout + r.stderr
+            m = re.search(r"Mean\s+KLD:\s+(-?[0-9.eE+-]+)", out)
+            if r.returncode != 0 or m is None:
+                rep.failures += 1
+                rep.add(ref, f"- **FAIL**: exit {r.returncode}, no mean KLD: `{out.strip().splitlines()[-1:]}`")
+                return
+            kld = float(m.group(1))
+            ok = kld <= TINY32_KLD_MAX
+            rep.failures += 0 if ok else 1
+            rep.add(ref, f"- mean KLD {kld:.6f}: {'PASS' if ok else '**FAIL**'}")
+
+        rep.step(ref, "tiny32 KLD", tiny32_kld)
 
     # 3 + 4. models -----------------------------------------------------------------------
     tmp = Path(tempfile.mkdtemp(prefix="llamapy-gpu-"))

@@ -7,8 +7,9 @@
 // operations, in the same order and with the same rounding (no FMA contraction), as gguf-py's
 // `gguf.quants.dequantize`, so a dequantized weight is bit-identical to the reference.
 //
-// Two kernels are built on a decoder:
-//   dequant_<type>: one thread per unit -> float32 rows (GET_ROWS, the cuBLAS path, dequantize()).
+// Three kernels are built on a decoder:
+//   dequant_<type>: one thread per unit -> float32 rows (the cuBLAS path, dequantize()).
+//   get_rows_<type>: the same through a list of int32 row ids (GET_ROWS: token embeddings).
 //   mmv_<type>:     y[t, r] = sum_k W[r, k] * x[t, k] for n_tok <= MMV_MAX_TOK (decode). One warp
 //                   per output row; lane l takes units l, l+32, ...; each unit is decoded once and
 //                   dotted with every token's 32 activations (float32, no q8 quantization of x);
@@ -80,6 +81,49 @@ LP_HD float f16_to_f32(unsigned short h) {
 
 LP_HD float ld_f16(const u8* p) { return f16_to_f32(ld_u16(p)); }
 
+// float -> IEEE half, round to nearest even (numpy's astype(float16)); device only
+__device__ __forceinline__ unsigned short f32_to_f16(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// A warp's sum of v (every lane gets it); the full warp must be converged.
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_max(T v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    return v;
+}
+
+// Hadamard rotation in place of a[0 .. len) in shared memory, in runs of `rot` values (a power of
+// two dividing len), as quants.rotate computes it: stages hs = 1, 2, ..., rot/2 of butterflies
+// (a + b, a - b) over the pairs hs apart inside each block of 2*hs, then every value times
+// `scale` (1/sqrt(rot) as quants.hadamard rounds it), each operation rounded in float32. Called
+// by every thread of the block (it synchronizes); the caller synchronizes before it.
+__device__ __forceinline__ void block_hadamard(float* a, int len, int rot, float scale) {
+    const int half = rot / 2;
+    for (int hs = 1; hs < rot; hs <<= 1) {
+        for (int k = threadIdx.x; k < len / 2; k += blockDim.x) {
+            const int r = k / half, kk = k % half;
+            const int i0 = r * rot + (kk / hs) * 2 * hs + kk % hs, i1 = i0 + hs;
+            const float x = a[i0], y = a[i1];
+            a[i0] = __fadd_rn(x, y);
+            a[i1] = __fsub_rn(x, y);
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < len; i += blockDim.x) a[i] = __fmul_rn(a[i], scale);
+    __syncthreads();
+}
+
 // ---------------------------------------------------------------------------------------------
 // dequantize: n_units units of 32 elements; unit g is unit (g % units_per_row) of row
 // (g / units_per_row); rows are row_bytes apart in `w`; y is float32, 32 * n_units elements.
@@ -97,6 +141,31 @@ __device__ __forceinline__ void dequant_impl(const u8* __restrict__ w, float* __
     float4* out = reinterpret_cast<float4*>(y + g * 32);  // 128-byte aligned: y is a fresh array
 #pragma unroll
     for (int i = 0; i < 8; ++i) out[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// GET_ROWS (ggml-cuda getrows.cu): rows ids[i] of w (n_rows rows of row_bytes) -> y[i * sy + ...]
+// float32; one thread per unit of 32. An id outside [0, n_rows) gives a row of NaN (never a read
+// outside the matrix: Context.decode checks token ids, this only keeps a bad one visible).
+// ---------------------------------------------------------------------------------------------
+template <typename DQ>
+__device__ __forceinline__ void get_rows_impl(const u8* __restrict__ w, long long row_bytes, int n_rows,
+                                              const int* __restrict__ ids, float* __restrict__ y,
+                                              long long sy, int n_ids, int units_per_row) {
+    const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= (long long)n_ids * units_per_row) return;
+    const int i = (int)(g / units_per_row);
+    const int u = (int)(g - (long long)i * units_per_row);
+    const int row = ids[i];
+    float* out = y + (long long)i * sy + u * 32;
+    if (row < 0 || row >= n_rows) {
+        for (int k = 0; k < 32; ++k) out[k] = __int_as_float(0x7fc00000);
+        return;
+    }
+    float v[32];
+    DQ::unit(w + (long long)row * row_bytes, u, v);
+#pragma unroll
+    for (int k = 0; k < 32; ++k) out[k] = v[k];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -154,6 +223,12 @@ __device__ __forceinline__ void mmv_impl(const u8* __restrict__ w, const float* 
                                               long long n_units, int units_per_row,                 \
                                               long long row_bytes) {                                \
         dequant_impl<DQ>(w, y, n_units, units_per_row, row_bytes);                                  \
+    }                                                                                               \
+    extern "C" __global__ void get_rows_##name(const u8* __restrict__ w, long long row_bytes,      \
+                                               int n_rows, const int* __restrict__ ids,             \
+                                               float* __restrict__ y, long long sy, int n_ids,      \
+                                               int units_per_row) {                                 \
+        get_rows_impl<DQ>(w, row_bytes, n_rows, ids, y, sy, n_ids, units_per_row);                 \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(256)                                               \
         mmv_##name(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,    \

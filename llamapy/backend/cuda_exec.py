@@ -66,6 +66,11 @@ class CUDARuntime:
         self._pinned: Any = None
         self._mirror = np.zeros(0, np.uint8)
         self._copied: Any = None  # the event of the last copy out of the mirror
+        # GPU time of the plans' steps (run_all.py's Python time = step wall time - this): set
+        # `timing`, run, then `gpu_seconds()`
+        self.timing = False
+        self._start: Any = None
+        self._spans: list[tuple[Any, Any]] = []
 
     # -- memory -------------------------------------------------------------------------------
 
@@ -101,6 +106,8 @@ class CUDARuntime:
         return self._mirror
 
     def h2d(self, dst: int, src: np.ndarray) -> None:
+        if self.timing:
+            self._start = self.dev.stream.record()
         rt = self.cp.cuda.runtime
         rt.memcpyAsync(dst, src.ctypes.data, src.nbytes, rt.memcpyHostToDevice, self.dev.stream.ptr)
         self._copied = self.dev.stream.record()
@@ -160,6 +167,21 @@ class CUDARuntime:
 
     def replay(self, graph: Any) -> None:
         graph.launch(self.dev.stream)
+
+    def done(self) -> None:
+        if self.timing and self._start is not None:
+            self._spans.append((self._start, self.dev.stream.record()))
+            self._start = None
+
+    def gpu_seconds(self) -> float:
+        """The GPU time of the steps run since the last call (from each step's input copy to its
+        exports), waiting for them."""
+        total = 0.0
+        for a, b in self._spans:
+            b.synchronize()
+            total += self.cp.cuda.get_elapsed_time(a, b) / 1000
+        self._spans = []
+        return total
 
 
 def _span(s: _Slot) -> int:

@@ -92,6 +92,7 @@ class Runtime(Protocol):
     def capture(self, launches: Sequence[Callable[[], None]]) -> Any: ...  # a graph, or raises Refused
     def replay(self, graph: Any) -> None: ...
     def copy_out(self, addr: int, slot: _Slot) -> Any: ...  # an export: a device array (a copy)
+    def done(self) -> None: ...  # the step's work is queued (a timing runtime marks the stream here)
 
 
 class GPUTarget(Target):
@@ -313,6 +314,7 @@ class GPUPlan:
         self.n_runs += 1
         for t, slot in b.exports:
             env[t] = rt.copy_out(base + slot.off, slot)
+        rt.done()
 
 
 def _fbits(x: float) -> int:

@@ -89,6 +89,9 @@ class FakeRuntime:
         a = self.arena
         return np.ndarray(slot.shape, slot.dtype, buffer=a.raw, offset=addr - a.base + a.pad, strides=slot.strides).copy()
 
+    def done(self) -> None:
+        self.log.append(("done", 0))
+
     def capture(self, launches: Sequence[Callable[[], None]]) -> Any:
         if self.fail_capture:
             raise Refused(self.fail_capture)

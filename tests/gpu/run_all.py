@@ -5,14 +5,20 @@ outside the repository):
   1. environment: CuPy, driver, devices, the CUDA registry's status;
   2. the op and weight tests on CUDA0 (pytest tests/gpu/test_cuda_ops.py: the run_nodes path;
      tests/gpu/test_cuda_kernels.py: every kernels_cuda/ family through cuda_ops, the kernels of
-     the compiled GPU split, and one captured CUDA graph) -- each failing case listed by name;
+     the compiled GPU split, and one captured CUDA graph; tests/gpu/test_gpu_runtime.py: whole
+     models' decode steps as captured CUDA graphs of the compiled GPU split, against run_nodes
+     and the CPU) -- each failing case listed by name;
   2b. tiny32 at -ngl all against llama.cpp's F32 logits (mean KLD <= 0.001), when the reference
-     (.gpu/ or ../shared/reference/tiny32) is there;
+     (.gpu/ or ../shared/reference/tiny32) is there: with -ub 8 (the compiled GPU split, its
+     CUDA graphs) and -ub 512 (the prompt path), each with the CUDA splits' plan lines;
   3. two generated models -- SmolLM2-shaped (30 layers, 576/1536, 9/3 heads, vocab 49152, Q4_1
      weights, Q8_0 token_embd, tied output) and tiny32-shaped (32 layers, 256/768, 4/2 heads,
      Q4_K / Q6_K) -- with random weights: the last-position distributions of `-ngl all` and
      `-ngl 20` against the CPU run (KL divergence over a few prompts of random tokens, <= 1e-4);
-  4. decode speed (tokens/s) at -ngl 0, 20 and all.
+  4. decode speed (tokens/s) at -ngl 0, 20 and all; at -ngl all the decode graph's plan line
+     (one CUDA graph, or direct launches and why, or why it runs node by node), the time a step
+     and its Python part (step wall time minus the GPU time between the step's input copy and
+     its exports, CUDA events).
 
 Every step is guarded: a failure is reported and the next step runs. The markdown summary is
 printed and written to $OUT/gpu_results.md when OUT is set, else bench/gpu_results.md.
@@ -220,6 +226,34 @@ def last_logits(llm: Any, prompts: list[list[int]]) -> list[np.ndarray]:
     return [np.asarray(llm.logits(p)[-1], np.float64) for p in prompts]
 
 
+def gpu_runtime(llm: Any, n_steps: int = 32) -> tuple[str, float, float]:
+    """(the decode graph's CUDA plan line, ms a step, Python ms a step = wall - GPU time) at the
+    current position of the context's sequence 0 (after decode_speed)."""
+    from llamapy.backend.cuda import CUDABackend
+
+    ctx = llm.ctx
+    g = ctx.graph(1, 1).graph
+    lines = [ln for ln in ctx.sched.dump(g).splitlines() if ln.startswith("## PLAN") and "CUDA" in ln]
+    be = next((b for b in ctx.backends if isinstance(b, CUDABackend)), None)
+    if be is None:
+        return "no CUDA backend", 0.0, 0.0
+    rt = be.device.runtime()
+    pos = int(ctx.kv.n_used())
+    tok = 5
+    rt.gpu_seconds()
+    rt.timing = True
+    try:
+        t0 = time.perf_counter()
+        for _ in range(n_steps):
+            tok = int(np.argmax(ctx.decode([tok], [pos])[-1]))
+            pos += 1
+        wall = time.perf_counter() - t0
+        gpu = rt.gpu_seconds()
+    finally:
+        rt.timing = False
+    return " / ".join(lines) or "no CUDA split", wall / n_steps * 1e3, (wall - gpu) / n_steps * 1e3
+
+
 def decode_speed(llm: Any, n_prompt: int = 8, n_gen: int = 32, seed: int = 0) -> float:
     """Greedy decode of n_gen tokens one at a time after an n_prompt prefill; tokens/s."""
     ctx = llm.ctx
@@ -317,7 +351,7 @@ def main() -> int:
                 if not bad:
                     rep.add(ops, "  ```\n  " + "\n  ".join(tail[-30:]) + "\n  ```")
 
-        for name in ("test_cuda_kernels.py", "test_cuda_ops.py"):
+        for name in ("test_cuda_kernels.py", "test_gpu_runtime.py", "test_cuda_ops.py"):
             rep.step(ops, f"pytest {name}", lambda name=name: run_pytest(name))
 
     # 2b. tiny32 against llama.cpp -----------------------------------------------------------
@@ -330,31 +364,40 @@ def main() -> int:
         rep.add(ref, "- skipped" + ("" if args.test_device else ": no tiny32 reference (.gpu/ or ../shared/reference/tiny32)"))
     else:
 
-        def tiny32_kld() -> None:
+        def tiny32_kld(ub: str, what: str) -> None:
             import re
 
             model, base = found
             cmd = [sys.executable, "-m", "llamapy", "perplexity", str(model), "--kl-divergence-base", str(base),
-                   "--kl-divergence", "-ngl", "all"]  # fmt: skip
-            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+                   "--kl-divergence", "-ngl", "all", "-ub", ub]  # fmt: skip
+            env = {**os.environ, "LLAMAPY_SCHED_DEBUG": "1"}
+            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
             out = r.stdout + r.stderr
             m = re.search(r"Mean\s+KLD:\s+(-?[0-9.eE+-]+)", out)
+            plans = sorted({ln.split(": ", 1)[-1][:160] for ln in out.splitlines() if ln.startswith("## PLAN") and "CUDA" in ln})
+            for ln in plans[:4]:
+                rep.add(ref, f"  - -ub {ub} `{ln}`")
             if r.returncode != 0 or m is None:
                 rep.failures += 1
-                rep.add(ref, f"- **FAIL**: exit {r.returncode}, no mean KLD: `{out.strip().splitlines()[-1:]}`")
+                rep.add(ref, f"- **FAIL** -ub {ub} ({what}): exit {r.returncode}, no mean KLD: `{out.strip().splitlines()[-1:]}`")
                 return
             kld = float(m.group(1))
             ok = kld <= TINY32_KLD_MAX
             rep.failures += 0 if ok else 1
-            rep.add(ref, f"- mean KLD {kld:.6f}: {'PASS' if ok else '**FAIL**'}")
+            rep.add(ref, f"- -ub {ub} ({what}): mean KLD {kld:.6f}: {'PASS' if ok else '**FAIL**'}")
 
-        rep.step(ref, "tiny32 KLD", tiny32_kld)
+        # -ub 8: micro-batches the compiled GPU split takes (its CUDA graphs); 512: the cuBLAS path
+        rep.step(ref, "tiny32 KLD -ub 8", lambda: tiny32_kld("8", "compiled GPU split, CUDA graphs"))
+        rep.step(ref, "tiny32 KLD -ub 512", lambda: tiny32_kld("512", "prompt path: run_nodes + cuBLAS"))
 
     # 3 + 4. models -----------------------------------------------------------------------
     tmp = Path(tempfile.mkdtemp(prefix="llamapy-gpu-"))
     kl_lines = rep.section(f"-ngl all / -ngl 20 vs CPU: KL divergence of the last position (max {KL_MAX:g})")
     rep.add(kl_lines, "| model | -ngl | prompts | max KL | mean KL | max abs logit diff | argmax agree | result |")
     rep.add(kl_lines, "|---|---|---|---|---|---|---|---|")
+    runtime = rep.section("The compiled GPU split at -ngl all (decode graph's plan, Python time a step = wall - GPU time; bar 0.1 ms)")
+    rep.add(runtime, "| model | ms a step | Python ms a step | plan |")
+    rep.add(runtime, "|---|---|---|---|")
     speed = rep.section("Decode speed (tokens/s, 32 tokens after an 8-token prompt)")
     rep.add(speed, "| model | -ngl 0 | -ngl 20 | -ngl all |")
     rep.add(speed, "|---|---|---|---|")
@@ -409,6 +452,10 @@ def main() -> int:
                 n_gen = 8 if args.quick else 32
                 tps = rep.step(setup, f"{label} -ngl {ngl}: decode speed", lambda: decode_speed(llm, n_gen=n_gen))
                 speeds[str(ngl)] = f"{tps:.1f}" if tps is not None else "failed"
+                if ngl == "all" and not args.test_device:
+                    rt = rep.step(setup, f"{label} -ngl all: GPU runtime", lambda: gpu_runtime(llm))
+                    if rt is not None:
+                        rep.add(runtime, f"| {label} | {rt[1]:.3f} | {rt[2]:.3f} | `{rt[0][:300]}` |")
             finally:
                 try:
                     llm.close()

@@ -3,7 +3,8 @@ the backend's stream, `cudaStreamBeginCapture` / `cudaGraphInstantiate` / `cudaG
 backend/gpu_plan.py is the plan, backend/executor.py the record compiler both launchers share).
 
 `CUDARuntime` is gpu_plan's `Runtime` on CuPy, one per device (`CUDADevice.runtime()`):
-  * the device arena: one allocation, grown to the largest plan's size (`DeviceArena`);
+  * the device arena: one allocation, grown to the largest plan's size (`DeviceArena`), held by
+    the plans, so freed with the last of them;
   * a pinned host mirror of the plans' input region, sent by one `cudaMemcpyAsync` a step;
   * `prepare(record)`: the record's kernel launch, its function compiled and loaded now and its
     arguments packed now (numpy scalars; pointers as uint64), so that a launch inside a capture
@@ -17,6 +18,7 @@ strides); the matrix-vector products are `mmv_<type>` of common.cuh.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,7 +64,8 @@ class CUDARuntime:
         self.cp = dev.cp
         self.buft = dev.buffer_type()
         self.max_tokens = MMV_MAX_TOKENS
-        self.arena = DeviceArena(dev)
+        # held by the plans (weakly here), so it goes with the last of them (a freed context)
+        self._arena_ref: weakref.ReferenceType[DeviceArena] | None = None
         self._pinned: Any = None
         self._mirror = np.zeros(0, np.uint8)
         self._copied: Any = None  # the event of the last copy out of the mirror
@@ -73,6 +76,14 @@ class CUDARuntime:
         self._spans: list[tuple[Any, Any]] = []
 
     # -- memory -------------------------------------------------------------------------------
+
+    @property
+    def arena(self) -> DeviceArena:
+        a = self._arena_ref() if self._arena_ref is not None else None
+        if a is None:
+            a = DeviceArena(self.dev)
+            self._arena_ref = weakref.ref(a)
+        return a
 
     def array_loc(self, v: Any) -> Loc:
         cp = self.cp

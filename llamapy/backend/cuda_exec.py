@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..types import GGMLType
+from ..types import GGMLType, LlamapyError
 from .cpu_kernels import KV_CODES
 from .executor import ADD, ATTN, CPY, GET_ROWS_F32, MUL, RMS_NORM, ROPE, SCALE, SET_ROWS, SWIGLU, Loc, Refused, _Slot
 from .gpu_plan import COUNT, GET_ROWS_W, MUL_MAT_W, SCRATCH, SPLITS
@@ -129,9 +129,9 @@ class CUDARuntime:
         rt = cp.cuda.runtime
         rt.memcpyAsync(dst, int(v.data.ptr), v.nbytes, rt.memcpyDeviceToDevice, self.dev.stream.ptr)
 
-    def copy_out(self, addr: int, slot: _Slot) -> Any:
+    def copy_out(self, addr: int, slot: _Slot, owner: Any) -> Any:
         cp = self.cp
-        mem = cp.cuda.UnownedMemory(addr, max(1, _span(slot)), self.arena)
+        mem = cp.cuda.UnownedMemory(addr, max(1, _span(slot)), owner)
         view = cp.ndarray(slot.shape, slot.dtype, cp.cuda.MemoryPointer(mem, 0), strides=slot.strides)
         return view.copy()  # on the device's stream (the backend's context is current)
 
@@ -172,6 +172,8 @@ class CUDARuntime:
             graph = stream.end_capture()
         except Exception as e:  # noqa: BLE001
             err = err or e
+        if isinstance(err, LlamapyError):
+            raise err  # a launch the kernels refuse (UnsupportedError): the plan is refused
         if err is not None:
             raise Refused(_first_line(err))
         return graph

@@ -89,9 +89,11 @@ class Runtime(Protocol):
     def pinned(self, nbytes: int) -> np.ndarray: ...  # the host mirror of the inputs (uint8, >= nbytes)
     def h2d(self, dst: int, src: np.ndarray) -> None: ...  # asynchronous, on the stream
     def d2d(self, dst: int, value: Any) -> None: ...  # a device array into the arena, on the stream
-    def capture(self, launches: Sequence[Callable[[], None]]) -> Any: ...  # a graph, or raises Refused
+    def capture(self, launches: Sequence[Callable[[], None]]) -> Any: ...
+    # ^ a graph; raises Refused when the launches cannot be captured, UnsupportedError when a
+    #   launch's kernel refuses its arguments
     def replay(self, graph: Any) -> None: ...
-    def copy_out(self, addr: int, slot: _Slot) -> Any: ...  # an export: a device array (a copy)
+    def copy_out(self, addr: int, slot: _Slot, owner: Any) -> Any: ...  # an export: a device array (a copy)
     def done(self) -> None: ...  # the step's work is queued (a timing runtime marks the stream here)
 
 
@@ -313,7 +315,7 @@ class GPUPlan:
                 launch()
         self.n_runs += 1
         for t, slot in b.exports:
-            env[t] = rt.copy_out(base + slot.off, slot)
+            env[t] = rt.copy_out(base + slot.off, slot, b.arena)
         rt.done()
 
 

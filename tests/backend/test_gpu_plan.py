@@ -85,7 +85,7 @@ class FakeRuntime:
         v = np.ascontiguousarray(value)
         ctypes.memmove(dst, v.ctypes.data, v.nbytes)
 
-    def copy_out(self, addr: int, slot: _Slot) -> Any:
+    def copy_out(self, addr: int, slot: _Slot, owner: Any) -> Any:
         a = self.arena
         return np.ndarray(slot.shape, slot.dtype, buffer=a.raw, offset=addr - a.base + a.pad, strides=slot.strides).copy()
 
@@ -489,3 +489,22 @@ def test_launch_arguments_give_the_reference_logits(make_llama, monkeypatch: pyt
     assert {"rms_norm", "mul_mat_vec", "rope", "set_rows", "flash_attn_ext", "swiglu", "get_rows"} <= calls
     model.free()
     ref_model.free()
+
+
+def test_a_launch_the_kernels_refuse_refuses_the_plan(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A kernel that refuses its arguments (UnsupportedError, raised while the launches are
+    captured, when the plan is made) leaves the split to run_nodes, and says why."""
+    from llamapy.types import UnsupportedError
+
+    class Refusing(FakeRuntime):
+        def capture(self, launches: Sequence[Callable[[], None]]) -> Any:
+            raise UnsupportedError("CUDA: ROPE of heads of 4096")
+
+    model = Model(make_llama(qtype=T.Q8_0))
+    want = Context(model, ContextOptions(n_ctx=512, n_threads=1)).decode([1, 2], [0, 1])
+    made = _gpu_backend(monkeypatch, Refusing)
+    ctx = Context(model, ContextOptions(n_ctx=512, n_threads=1))
+    np.testing.assert_array_equal(ctx.decode([1, 2], [0, 1]), want)  # node by node: the same bits
+    assert not made
+    assert "refused: CUDA: ROPE of heads of 4096" in ctx.sched.dump(ctx.graph(2, 1).graph)
+    model.free()

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..types import GGMLType, LlamapyError
 from .cpu_kernels import KV_CODES
-from .executor import ADD, ATTN, CPY, GET_ROWS_F32, MUL, RMS_NORM, ROPE, SCALE, SET_ROWS, SWIGLU, Loc, Refused, _Slot
+from .executor import ADD, ATTN, CPY, GEGLU, GET_ROWS_F32, MUL, RMS_NORM, ROPE, SCALE, SET_ROWS, SWIGLU, Loc, Refused, _Slot
 from .gpu_plan import COUNT, GET_ROWS_W, MUL_MAT_W, SCRATCH, SPLITS
 
 
@@ -252,9 +252,12 @@ def _cpy(rt: CUDARuntime, rec: np.ndarray) -> Launch:
     return lambda: ops.scale(st, r[2], r[8], r[1], r[7], r[6], r[7], 1.0)
 
 
-def _swiglu(rt: CUDARuntime, rec: np.ndarray) -> Launch:
-    r, ops, st = _i(rec), rt.ops, rt.dev.stream
-    return lambda: ops.glu(st, "swiglu", r[2], r[8], r[3], r[9], r[1], r[7], r[6], r[7])
+def _glu(op: str) -> Callable[[CUDARuntime, np.ndarray], Launch]:
+    def make(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+        r, ops, st = _i(rec), rt.ops, rt.dev.stream
+        return lambda: ops.glu(st, op, r[2], r[8], r[3], r[9], r[1], r[7], r[6], r[7])
+
+    return make
 
 
 def _get_rows_f32(rt: CUDARuntime, rec: np.ndarray) -> Launch:
@@ -316,7 +319,7 @@ def _attn(rt: CUDARuntime, rec: np.ndarray) -> Launch:
 
 
 _LAUNCHES: dict[int, Callable[[CUDARuntime, np.ndarray], Launch]] = {
-    RMS_NORM: _rms_norm, MUL: _binary("mul"), ADD: _binary("add"), SCALE: _scale, CPY: _cpy, SWIGLU: _swiglu,
+    RMS_NORM: _rms_norm, MUL: _binary("mul"), ADD: _binary("add"), SCALE: _scale, CPY: _cpy, SWIGLU: _glu("swiglu"), GEGLU: _glu("geglu"),
     GET_ROWS_F32: _get_rows_f32, GET_ROWS_W: _get_rows_w, MUL_MAT_W: _mul_mat_w, ROPE: _rope, SET_ROWS: _set_rows,
     ATTN: _attn,
 }  # fmt: skip

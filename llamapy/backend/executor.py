@@ -71,7 +71,9 @@ ALIGN = 64  # the arena's alignment (AVX-512 loads); sched/alloc.py aligns offse
 (GET_ROWS_Q, GET_ROWS_F32, RMS_NORM, MUL, ADD, SCALE, SWIGLU, MUL_MAT, ROPE, SET_ROWS, ATTN, CPY, QUANT_ACT,
  MUL_MAT_Q) = range(1, 15)
 REC = 24
-OP_NAMES = {GET_ROWS_Q: "GET_ROWS", GET_ROWS_F32: "GET_ROWS", RMS_NORM: "RMS_NORM", MUL: "MUL", ADD: "ADD",
+# GLU with GELU (gemma3's GEGLU): a code executor.c has not (its target refuses it), the GPU's has
+GEGLU = 17
+OP_NAMES = {GEGLU: "GLU", GET_ROWS_Q: "GET_ROWS", GET_ROWS_F32: "GET_ROWS", RMS_NORM: "RMS_NORM", MUL: "MUL", ADD: "ADD",
             SCALE: "SCALE", SWIGLU: "GLU", MUL_MAT: "MUL_MAT", ROPE: "ROPE", SET_ROWS: "SET_ROWS",
             ATTN: "FLASH_ATTN_EXT", CPY: "CONT", QUANT_ACT: "QUANTIZE", MUL_MAT_Q: "MUL_MAT"}  # fmt: skip
 
@@ -375,6 +377,7 @@ class Target:
     ROPE, SET_ROWS and attention — is shared, so both plans of a split have the same records."""
 
     name = "executor"
+    glu_ops: tuple[str, ...] = ("swiglu",)  # the GLU variants its records run
     head = 0  # bytes at the arena's start before the allocator's offsets (the GPU's count slots)
     max_tokens: int | None = None  # batches from this many tokens are refused
     width = REC  # int64 slots per record
@@ -690,8 +693,10 @@ class _Compiler:
                     Op.CONT: CPY}.get(op)  # fmt: skip
             if code is None:
                 raise Refused(f"op {op.name} ({n.name})")
-            if op is Op.GLU and n.params.get("op") != "swiglu":
+            if op is Op.GLU and n.params.get("op") not in self.target.glu_ops:
                 raise Refused(f"GLU {n.params.get('op')}")
+            if op is Op.GLU and n.params.get("op") == "geglu":
+                code = GEGLU
             if op is Op.RMS_NORM:
                 self._fuse_add_norm(n)
                 continue
@@ -917,7 +922,7 @@ class _Compiler:
             rows, cols, ast = a.rows()
             r[2], r[6], r[7], r[8] = a.addr, rows, cols, ast
             return r
-        if st.code == SWIGLU:
+        if st.code in (SWIGLU, GEGLU):
             g, u = (need_f32(loc(s), "GLU input") for s in n.src)
             rows, cols, gs = g.rows()
             r[2], r[3], r[6], r[7], r[8], r[9] = g.addr, u.addr, rows, cols, gs, self._rows_like(u, rows, cols)

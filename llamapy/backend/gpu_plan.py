@@ -101,6 +101,7 @@ class GPUTarget(Target):
     """The record compiler's view of a device's memory."""
 
     name = "GPU"
+    glu_ops = ("swiglu", "geglu")
     head = HEAD
     width = WIDTH
     addr_slots = ((COUNT, ATTN),)

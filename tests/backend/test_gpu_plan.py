@@ -30,11 +30,11 @@ from gguf.quants import dequantize
 
 from llamapy.backend import cuda_exec, gpu_plan, native
 from llamapy.backend.cpu import CPU_BUFT, CPUBackend
-from llamapy.backend.executor import (ATTN, GET_ROWS_F32, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena, ExecPlan, Loc,
+from llamapy.backend.executor import (ATTN, GEGLU, GET_ROWS_F32, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena, ExecPlan, Loc,
                                       Refusal, Refused, _array_loc, _lib, _Slot)
 from llamapy.backend.gpu_plan import COUNT, GET_ROWS_W, HEAD, MUL_MAT_W, GPUPlan
 from llamapy.backend.cpu_kernels import KV_CODES
-from llamapy.backend.kernels import _rope_tables_compute, rope_consts
+from llamapy.backend.kernels import _rope_tables_compute, gelu, rope_consts
 from llamapy.context import Context, ContextOptions, Model
 from llamapy.types import GGMLType
 
@@ -141,6 +141,10 @@ class FakeRuntime:
                 g[[0, 1, 2, 3, 6, 7, 8, 9, 10]] = GET_ROWS_F32, r[1], r[2], r[3], r[6], r[7], r[8], r[9], \
                     KV_CODES[GGMLType(int(r[10]))]
                 run([g])
+            elif code == GEGLU:  # (no GEGLU in executor.c): kernels.py's, as run_nodes computes it
+                rows, n = int(r[6]), int(r[7])
+                g, u = (mem(int(r[k]), (rows, n), (int(r[j]), 1), F32) for k, j in ((2, 8), (3, 9)))
+                mem(int(r[1]), (rows, n), (n, 1), F32)[...] = gelu(np, g) * u
             elif code == ATTN and r[COUNT]:
                 a = r.copy()
                 a[9] = ctypes.c_int32.from_address(int(r[COUNT])).value  # the cells attended, from "device memory"
@@ -377,7 +381,7 @@ class NumpyOps:
     def glu(self, stream: Any, op: str, g: int, sg: int, u: int, su: int, y: int, sy: int, rows: int, n: int) -> None:
         self.calls.append(op)
         G, U = mem(g, (rows, n), (sg, 1), F32), mem(u, (rows, n), (su, 1), F32)
-        mem(y, (rows, n), (sy, 1), F32)[...] = G / (1 + np.exp(-G)) * U
+        mem(y, (rows, n), (sy, 1), F32)[...] = (G / (1 + np.exp(-G)) if op == "swiglu" else gelu(np, G)) * U
 
     def get_rows_f32(self, stream: Any, t: int, st: int, n_rows: int, ids: int, y: int, sy: int, n_ids: int,
                      n: int) -> None:
@@ -507,4 +511,26 @@ def test_a_launch_the_kernels_refuse_refuses_the_plan(make_llama, monkeypatch: p
     np.testing.assert_array_equal(ctx.decode([1, 2], [0, 1]), want)  # node by node: the same bits
     assert not made
     assert "refused: CUDA: ROPE of heads of 4096" in ctx.sched.dump(ctx.graph(2, 1).graph)
+    model.free()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
+def test_families(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
+    """qwen2 (Q/K/V biases), qwen3 (per-head Q/K norms) and gemma3 (GEGLU, a sliding-window mask:
+    two masks, two count slots) as GPU plans: the CPU path's logits, bit for bit."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from family_models import write_family_gguf
+
+    model = Model(write_family_gguf(tmp_path / f"{arch}.gguf", arch, qtype=T.Q8_0, n_swa=4))
+    steps = [([1, 5, 9, 3], [0, 1, 2, 3], 0, None)] + [([10 + i], [4 + i], 0, None) for i in range(6)]
+    ref = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    want = [ref.decode(t, p, s, w) for t, p, s, w in steps]
+    made = _gpu_backend(monkeypatch, FakeRuntime)
+    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    for (t, p, s, w), b in zip(steps, want):
+        np.testing.assert_array_equal(ctx.decode(t, p, s, w), b)
+    assert made and all(not p.direct for p in made)
+    assert all(len(p.built.masks) == (2 if arch == "gemma3" else 1) for p in made)
     model.free()

@@ -240,6 +240,7 @@ class GPUPlan:
     direct: str = ""  # why the launches run directly ("" while a graph may be captured)
     n_runs: int = 0
     n_captures: int = 0
+    _views: Any = None  # (mirror, input views, mask views, count slots, the region): made once per mirror
     host_inputs = True  # the scheduler hands host values over as they are (they go to the mirror)
 
     def __post_init__(self) -> None:
@@ -289,14 +290,17 @@ class GPUPlan:
         if base != b.base:
             self._move(base)
         mirror = rt.pinned(self.in_bytes)
+        if self._views is None or self._views[0] is not mirror:  # views of the mirror, made once
+            self._views = (mirror, [_view(mirror, s) for _t, s in b.inputs], [_view(mirror, s) for _t, s, _r in b.masks],
+                           mirror[:HEAD].view(np.int32), mirror[: self.in_bytes])  # fmt: skip
+        _m, ins, masks, counts, region = self._views
         late: list[tuple[int, Any]] = []  # inputs already on the device: copied after the mirror
-        for t, slot in b.inputs:
+        for (t, slot), view in zip(b.inputs, ins):
             v = env[t]
             if isinstance(v, np.ndarray):
-                _view(mirror, slot)[...] = v
+                view[...] = v
             else:
                 late.append((base + slot.off, v))
-        counts = mirror[:HEAD].view(np.int32)
         for i, (t, slot, _rows) in enumerate(b.masks):
             v = env[t]
             if not isinstance(v, np.ndarray):
@@ -304,9 +308,9 @@ class GPUPlan:
             n = v.shape[-1]  # the cells attended
             if not 0 < n <= slot.shape[-1]:
                 raise LlamapyError(f"GPU plan: a {list(v.shape)} mask for {list(slot.shape)}")
-            _view(mirror, slot)[..., :n] = v
+            masks[i][..., :n] = v
             counts[i] = n
-        rt.h2d(base, mirror[: self.in_bytes])
+        rt.h2d(base, region)
         for addr, v in late:
             rt.d2d(addr, v)
         if self.graph is not None:

@@ -81,11 +81,32 @@ LP_HD float f16_to_f32(unsigned short h) {
 
 LP_HD float ld_f16(const u8* p) { return f16_to_f32(ld_u16(p)); }
 
-// float -> IEEE half, round to nearest even (numpy's astype(float16)); device only
-__device__ __forceinline__ unsigned short f32_to_f16(float f) {
+// float -> IEEE half, round to nearest even (numpy's astype(float16))
+LP_HD unsigned short f32_to_f16(float f) {
+#ifdef __CUDA_ARCH__
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+#else  // the same rounding in integers, for the host builds of the tests
+    union { float f; unsigned int u; } v;
+    v.f = f;
+    const unsigned int sign = (v.u >> 16) & 0x8000u, a = v.u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (unsigned short)(sign | 0x7e00u);  // nan
+    if (a >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  // >= 65520 (and inf): inf
+    const unsigned int e = a >> 23;
+    if (e < 113) {  // below 2^-14: a subnormal half, units of 2^-24
+        if (e < 102) return (unsigned short)sign;  // below 2^-25: rounds to zero
+        const unsigned int m = (a & 0x7fffffu) | 0x800000u, shift = 126 - e;
+        unsigned int q = m >> shift;
+        const unsigned int rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (q & 1u))) ++q;
+        return (unsigned short)(sign | q);
+    }
+    unsigned int q = ((e - 112) << 10) | ((a & 0x7fffffu) >> 13);
+    const unsigned int rem = a & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (q & 1u))) ++q;
+    return (unsigned short)(sign | q);
+#endif
 }
 
 // A warp's sum of v (every lane gets it); the full warp must be converged.

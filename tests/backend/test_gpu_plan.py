@@ -485,8 +485,10 @@ def test_launch_arguments_give_the_reference_logits(make_llama, monkeypatch: pyt
     made = _gpu_backend(monkeypatch, new_rt)
     gpu = Context(model, ContextOptions(**opts))  # type: ignore[arg-type]
     got = [gpu.decode(t, p, s, w) for t, p, s, w in _decode_steps()]
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3 * float(np.abs(b).max()))
+    for (t, _p, _s, _w), a, b in zip(_decode_steps(), got, want):
+        if len(t) > 8:
+            continue  # the prompt: node by node, in the q8 mode (another sequence than the steps after it)
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * float(np.abs(b).max()))
         assert (a.argmax(-1) == b.argmax(-1)).all()
     assert made and all(not p.direct for p in made)
     calls = set(rts[0].ops.calls)
@@ -534,3 +536,97 @@ def test_families(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str) ->
     assert made and all(not p.direct for p in made)
     assert all(len(p.built.masks) == (2 if arch == "gemma3" else 1) for p in made)
     model.free()
+
+
+# -- the real kernels, on the CPU emulator of CUDA (tests/gpu/cuda_emu.py) -----------------------
+
+
+@pytest.fixture(scope="module")
+def emu_functions() -> dict[str, Any]:
+    import shutil
+    import sys
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found: no CPU emulation of the CUDA kernels")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    import cuda_emu
+
+    return cuda_emu.build()
+
+
+class EmuRuntime(FakeRuntime):
+    """The fake device whose launches are cuda_exec's launch makers over cuda_ops' real launch
+    layer, the kernels_cuda sources running on the CPU emulator; a capture records each kernel
+    call (name and arguments) and a replay makes exactly those calls."""
+
+    def __init__(self, functions: dict[str, Any]) -> None:
+        from llamapy.backend.cuda_ops import CudaKernels
+
+        super().__init__()
+        self.ops = CudaKernels(dict(functions), n_sm=4)
+        self.dev = type("Dev", (), {"stream": None})()
+
+    def attn_split(self, n_tokens: int, n_head: int, n_head_kv: int, n_cells: int, dv: int) -> tuple[int, int]:
+        from llamapy.backend.cuda_ops import fattn_scratch_floats, fattn_splits
+
+        n = fattn_splits(n_tokens, n_head_kv, n_cells, self.ops.n_sm)
+        return n, 4 * fattn_scratch_floats(n_tokens, n_head, dv, n)
+
+    def prepare(self, rec: np.ndarray) -> Any:
+        return cuda_exec._LAUNCHES[int(rec[0])](self, rec)  # type: ignore[arg-type]
+
+    def capture(self, launches: Sequence[Callable[[], None]]) -> Any:
+        real, calls = self.ops.functions, []
+        self.ops.functions = {n: (lambda n: lambda *a, **kw: calls.append((n, a, kw)))(n) for n in real}
+        try:
+            for launch in launches:
+                launch()
+        finally:
+            self.ops.functions = real
+        self.log.append(("capture", len(calls)))
+        return calls
+
+    def replay(self, graph: Any) -> None:
+        self.log.append(("replay", len(graph)))
+        for n, a, kw in graph:
+            self.ops.functions[n](*a, **kw)
+
+
+_SLOW = pytest.mark.slow  # (~12 s each on the emulator: the first case runs in the fast suite)
+
+
+@pytest.mark.parametrize("qtype, cache", [(T.Q8_0, GGMLType.F16), pytest.param(T.Q4_K, GGMLType.F16, marks=_SLOW),
+                                          pytest.param(T.Q4_1, GGMLType.F32, marks=_SLOW),
+                                          pytest.param(T.Q8_0, GGMLType.Q8_0, marks=_SLOW),
+                                          pytest.param(T.Q4_0, GGMLType.Q4_0, marks=_SLOW)])
+def test_the_kernels_on_the_cuda_emulator(make_llama, monkeypatch: pytest.MonkeyPatch, emu_functions: Any,
+                                          qtype: T, cache: GGMLType) -> None:  # noqa: ANN001
+    """Decode steps through the GPU plan, its launch makers, cuda_ops and every kernels_cuda
+    kernel (emulated): the float32 CPU path's logits, within float32 noise; one capture per plan."""
+    path = make_llama(qtype=qtype, rope_freqs=True)
+    ref_model = Model(path, context_options=ContextOptions(cpu_matmul="f32"))
+    model = Model(path)
+    kv = dict(type_k=cache, type_v=cache)
+    ref = Context(ref_model, ContextOptions(n_ctx=512, n_threads=1, cpu_matmul="f32", **kv))  # type: ignore[arg-type]
+    steps = _decode_steps()
+    want = [ref.decode(t, p, s, w) for t, p, s, w in steps]
+    rts: list[EmuRuntime] = []
+
+    def new_rt() -> EmuRuntime:
+        rts.append(EmuRuntime(emu_functions))
+        rts[-1].arena.ensure(16 << 20)
+        return rts[-1]
+
+    made = _gpu_backend(monkeypatch, new_rt)
+    gpu = Context(model, ContextOptions(n_ctx=512, n_threads=1, **kv))  # type: ignore[arg-type]
+    for i, ((t, p, s, w), b) in enumerate(zip(steps, want)):
+        a = gpu.decode(t, p, s, w)
+        if len(t) > 8:
+            continue  # the prompt: node by node, in the q8 mode (another sequence than the steps after it)
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * float(np.abs(b).max()), err_msg=f"step {i}")
+        assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {i}"
+    assert made and all(not p.direct and p.n_captures == 1 for p in made)
+    kinds = [k for k, _ in rts[0].log]
+    assert kinds.count("replay") == sum(p.n_runs for p in made)
+    model.free()
+    ref_model.free()

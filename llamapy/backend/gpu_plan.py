@@ -54,7 +54,7 @@ import numpy as np
 
 from ..tensor import Tensor, TensorFlag
 from ..types import LlamapyError, UnsupportedError
-from .executor import (ATTN, GET_ROWS_F32, MUL_MAT, OP_NAMES, ROPE, REC, Built, Loc, Refusal, Refused, Target, _Compiler,
+from .executor import (ATTN, GET_ROWS_F32, MUL_MAT, OP_NAMES, RMS_NORM, ROPE, REC, Built, Loc, Refusal, Refused, Target, _Compiler,
                        _Slot, op_counts)
 
 # The GPU's own record codes (after executor.c's 1..14)
@@ -191,6 +191,8 @@ class GPUTarget(Target):
             r[0], r[1], r[2], r[3] = GET_ROWS_W, loc(n).addr, blocks, il.addr
             r[6], r[7], r[8], r[9], r[10] = ids.n_elements, n_in, row_bytes, n_out, qtype
             return [r]
+        if st.code == RMS_NORM and "add" not in st.extra:
+            return self._norm_per_token(st, loc)
         if st.code == ROPE:
             return [self._rope(c, n, loc)]
         if st.code == ATTN:
@@ -198,6 +200,35 @@ class GPUTarget(Target):
             r[SCRATCH], r[SPLITS] = c.base + self.scratch_off, self.splits[n]
             return [r]
         return None
+
+    def _norm_per_token(self, st: Any, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
+        """A per-head norm of a strided view (qwen3's and gemma3's Q/K norms of a fused QKV
+        product, several tokens): its rows are not evenly spaced, so one record per token (each
+        token's heads are); None when they are (the shared record)."""
+        norm = st.extra["norm"]
+        x = loc(norm.src[0])
+        try:
+            x.rows()
+            return None
+        except Refused:
+            pass
+        if x.dtype != np.dtype(np.float32) or len(x.shape) != 3 or x.strides[2] != 1:
+            raise Refused(f"RMS_NORM of a {list(x.shape)} value")
+        T, H, D = x.shape
+        w = 0
+        if "weight" in st.extra:
+            wl = loc(st.extra["weight"])
+            if wl.dtype != np.dtype(np.float32) or not wl.contiguous():
+                raise Refused("a strided norm weight")
+            w = wl.addr
+        dst = loc(st.node)
+        out = []
+        for t in range(T):
+            r = [0] * WIDTH
+            r[0], r[1], r[2], r[3] = RMS_NORM, dst.addr + 4 * t * H * D, x.addr + 4 * t * x.strides[0], w
+            r[6], r[7], r[8], r[9] = H, D, x.strides[1], _fbits(norm.params["eps"])
+            out.append(r)
+        return out
 
     def _rope(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc]) -> list[int]:
         x, pos = loc(n.src[0]), loc(n.src[1])

@@ -630,3 +630,29 @@ def test_the_kernels_on_the_cuda_emulator(make_llama, monkeypatch: pytest.Monkey
     assert kinds.count("replay") == sum(p.n_runs for p in made)
     model.free()
     ref_model.free()
+
+
+@pytest.mark.parametrize("arch", ["gemma3", pytest.param("qwen3", marks=_SLOW), pytest.param("qwen2", marks=_SLOW)])
+def test_families_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, emu_functions: Any,
+                                       arch: str) -> None:
+    """gemma3 (GEGLU, the embedding SCALE, a sliding-window mask: two count slots), qwen3 (per-head
+    Q/K norms), qwen2 (biases) through the real kernels (emulated): the float32 CPU path's logits."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from family_models import write_family_gguf
+
+    path = write_family_gguf(tmp_path / f"{arch}.gguf", arch, qtype=T.Q8_0, n_swa=4)
+    ref_model = Model(path, context_options=ContextOptions(cpu_matmul="f32"))
+    model = Model(path)
+    steps = [([1, 5, 9, 3], [0, 1, 2, 3], 0, None)] + [([10 + i], [4 + i], 0, None) for i in range(5)]
+    ref = Context(ref_model, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32"))
+    want = [ref.decode(t, p, s, w) for t, p, s, w in steps]
+    made = _gpu_backend(monkeypatch, lambda: EmuRuntime(emu_functions))
+    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    for i, ((t, p, s, w), b) in enumerate(zip(steps, want)):
+        a = ctx.decode(t, p, s, w)
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * float(np.abs(b).max()), err_msg=f"step {i}")
+    assert made and all(not p.direct for p in made)
+    model.free()
+    ref_model.free()

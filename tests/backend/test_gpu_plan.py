@@ -656,3 +656,45 @@ def test_families_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytest.Monke
     assert made and all(not p.direct for p in made)
     model.free()
     ref_model.free()
+
+
+@pytest.mark.parametrize("n_gpu, ngl, ts", [(1, 2, ()), (1, "all", ()), (2, "all", (1.0, 1.0))],
+                         ids=["ngl2", "ngl-all", "two-devices"])
+def test_through_the_scheduler_on_test_devices(make_llama, monkeypatch: pytest.MonkeyPatch, n_gpu: int,
+                                               ngl: Any, ts: tuple[float, ...]) -> None:  # noqa: ANN001
+    """GPU plans on the TEST devices (their own memory, LLAMAPY_TEST_GPU), made by the scheduler as
+    on CUDA: -ngl 2 (CPU layers, then the device's split: its inputs handed over as host arrays,
+    into the mirror), -ngl all, and two devices (-ts 1,1: the second split's input from the first
+    device). Launches through executor.c: the CPU's logits, bit for bit."""
+    from llamapy.backend.device import MemoryDeviceBackend
+    from llamapy.context import ModelOptions
+
+    path = make_llama(qtype=T.Q8_0)
+    cpu_model = Model(path)
+    cpu = Context(cpu_model, ContextOptions(n_ctx=512, n_threads=1))
+    want = [cpu.decode(t, p, s, w) for t, p, s, w in _decode_steps()[:5]]
+    from llamapy.backend import registry
+
+    monkeypatch.setenv("LLAMAPY_TEST_GPU", str(n_gpu))
+    monkeypatch.setattr(registry, "_cache", None)  # (discovered again, with the TEST devices)
+    made: list[GPUPlan] = []
+
+    def create(self: MemoryDeviceBackend, nodes: Any, exports: Any, allocate: Any) -> Any:
+        if not hasattr(self, "_fake_rt"):
+            self._fake_rt = FakeRuntime()
+            self._fake_rt.buft = self.device.buffer_type()
+        p = gpu_plan.compile_split(nodes, exports, allocate, self._fake_rt)
+        made.extend([p] if p else [])
+        return p
+
+    monkeypatch.setattr(MemoryDeviceBackend, "graph_plan_create", create, raising=False)
+    monkeypatch.setattr(MemoryDeviceBackend, "graph_plan_compute", lambda self, plan, env: plan.compute(env), raising=False)
+    model = Model(path, ModelOptions(n_gpu_layers=ngl, tensor_split=ts))
+    assert sum(k.startswith("TEST") for k in model.info.buffer_sizes) == n_gpu
+    ctx = Context(model, ContextOptions(n_ctx=512, n_threads=1))
+    for (t, p, s, w), b in zip(_decode_steps()[:5], want):
+        np.testing.assert_array_equal(ctx.decode(t, p, s, w), b)
+    assert made and all(not p.direct for p in made)
+    assert {p.rt.buft.name for p in made} == {f"TEST{i}" for i in range(n_gpu)}
+    model.free()
+    cpu_model.free()

@@ -81,6 +81,39 @@ LP_HD float f16_to_f32(unsigned short h) {
 
 LP_HD float ld_f16(const u8* p) { return f16_to_f32(ld_u16(p)); }
 
+// Wide loads of a block's quants (decode is bandwidth-bound, and a byte load per weight makes it
+// instruction-bound): N little-endian 32-bit words from p, which the caller knows to be aligned
+// to A bytes (16: one 128-bit load per 16 bytes; 4: 32-bit loads; 2: pairs of 16-bit loads). The
+// host builds (tests, the CPU emulator) copy the same bytes, so every use below is the same
+// arithmetic on the same words there.
+template <int N, int A>
+LP_HD void ld_words(const u8* p, unsigned int* o) {
+#ifdef __CUDA_ARCH__
+    if (A >= 16) {
+#pragma unroll
+        for (int i = 0; i < N / 4; ++i) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+            o[4 * i] = v.x;
+            o[4 * i + 1] = v.y;
+            o[4 * i + 2] = v.z;
+            o[4 * i + 3] = v.w;
+        }
+    } else if (A >= 4) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) o[i] = __ldg(reinterpret_cast<const unsigned int*>(p) + i);
+    } else {
+        const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+#pragma unroll
+        for (int i = 0; i < N; ++i) o[i] = (unsigned int)__ldg(h + 2 * i) | ((unsigned int)__ldg(h + 2 * i + 1) << 16);
+    }
+#else
+    __builtin_memcpy(o, p, 4 * N);
+#endif
+}
+
+// byte l of words loaded by ld_words (l a constant after unrolling: the words stay in registers)
+LP_HD int byte_at(const unsigned int* o, int l) { return (int)((o[l >> 2] >> (8 * (l & 3))) & 0xffu); }
+
 // float -> IEEE half, round to nearest even (numpy's astype(float16))
 LP_HD unsigned short f32_to_f16(float f) {
 #ifdef __CUDA_ARCH__

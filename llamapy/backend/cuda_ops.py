@@ -50,7 +50,8 @@ def _entries() -> dict[str, tuple[str, ...]]:
         "glu.cu": ("swiglu_f32", "geglu_f32"),
         "elementwise.cu": ("add_f32", "mul_f32", "scale_f32"),
         "getrows.cu": ("get_rows_f32_rows",),
-        "rope.cu": tuple(f"rope_set_rows_{c}" for c in ("none", *CACHE_SUFFIX.values())),
+        "rope.cu": (*(f"rope_set_rows_{c}" for c in ("none", *CACHE_SUFFIX.values())),
+                    *(f"rope_qkv_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
         "fattn.cu": ("fattn_combine", *(f"fattn_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
     }
     for fname, suffix in WEIGHT_SUFFIX.values():
@@ -232,6 +233,43 @@ class CudaKernels:
                 np.float32(freq_scale), _p(factors if mode >= 0 else 0), _p(ids), np.int64(n_cells), _p(cache),
                 np.int64(cache_rb), np.int32(rot), np.float32(rot_scale))  # fmt: skip
         self._launch(name, (n_tokens, n_head), threads, args, stream, shared)
+
+    def rope_qkv(self, stream: Any, q: int, k: int, v: int, sxt: int, q_out: int, syt: int, n_tokens: int,
+                 n_head: int, n_head_kv: int, head_dim: int, head_dim_v: int, *, pos: int, n_dims: int, mode: int,
+                 freq_base: float, freq_scale: float = 1.0, factors: int = 0, ids: int, n_cells: int,
+                 k_type: GGMLType, k_cache: int, k_rb: int, k_rot: int = 0, v_type: GGMLType, v_cache: int,
+                 v_rb: int, v_rot: int = 0) -> None:
+        """A layer's ROPE of Q (into q_out, row stride syt), ROPE + store of K and store of V in
+        one launch (rope.cu's rope_qkv): Q, K, V rows at q, k, v with row stride sxt (the column
+        views of a fused QKV product), heads head_dim / head_dim / head_dim_v apart. The same
+        results, bit for bit, as `rope` for Q, K and V in turn."""
+        if n_tokens <= 0:
+            return
+        if mode not in (0, 2) or n_dims <= 0 or n_dims % 2 or n_dims > head_dim:
+            raise UnsupportedError(f"CUDA: ROPE mode {mode} of {n_dims} of {head_dim} dimensions")
+        kt, vt = GGMLType(k_type), GGMLType(v_type)
+        shared = 0
+        for ct, dd, rot in ((kt, head_dim, k_rot), (vt, head_dim_v, v_rot)):
+            if ct not in CACHE_SUFFIX:
+                raise UnsupportedError(f"CUDA: a {ct.name} KV cache")
+            if ct in _QUANT_CACHE:
+                if dd % 32 or (rot and (rot & (rot - 1) or dd % rot)):
+                    raise UnsupportedError(f"CUDA: a {ct.name} cache of heads of {dd} (rotation {rot})")
+                shared = max(shared, 4 * dd)
+            elif rot:
+                raise UnsupportedError(f"CUDA: a rotated {ct.name} cache")
+        threads = min(ROPE_MAX_THREADS, _cdiv(max(head_dim, head_dim_v), 32) * 32)
+        if max(head_dim, head_dim_v) > 8 * threads:
+            raise UnsupportedError(f"CUDA: ROPE of heads of {max(head_dim, head_dim_v)}")
+        krs = float(hadamard(k_rot)[0, 0]) if k_rot else 0.0
+        vrs = float(hadamard(v_rot)[0, 0]) if v_rot else 0.0
+        args = (_p(q), _p(k), _p(v), np.int64(sxt), _p(pos), _p(q_out), np.int64(syt), np.int32(n_head),
+                np.int32(n_head_kv), np.int32(head_dim), np.int32(head_dim_v), np.int32(n_dims), np.int32(mode),
+                np.float32(rope_theta_scale(freq_base, n_dims)), np.float32(freq_scale), _p(factors), _p(ids),
+                np.int64(n_cells), _p(k_cache), np.int64(k_rb), np.int32(k_rot), np.float32(krs), _p(v_cache),
+                np.int64(v_rb), np.int32(v_rot), np.float32(vrs))  # fmt: skip
+        name = f"rope_qkv_{CACHE_SUFFIX[kt]}_{CACHE_SUFFIX[vt]}"
+        self._launch(name, (n_tokens, n_head + 2 * n_head_kv), threads, args, stream, shared)
 
     # -- FLASH_ATTN_EXT -------------------------------------------------------------------------
 

@@ -134,6 +134,9 @@ def record_launches() -> list[tuple]:
                cache_rb=1000, rot=rot)  # fmt: skip
     for kt in (G.F32, G.F16, G.Q8_0, G.Q4_0):
         for vt in (G.F32, G.F16, G.Q8_0, G.Q4_0):
+            k.rope_qkv(st, 0x1000, 0x1000 + 4 * 576, 0x1000 + 4 * 768, 960, 0x2000, 576, 5, 9, 3, 64, 64, pos=0x100,
+                       n_dims=64, mode=2, freq_base=1e4, ids=0x300, n_cells=256, k_type=kt, k_cache=0x4000, k_rb=400,
+                       k_rot=64 if kt in (G.Q8_0, G.Q4_0) else 0, v_type=vt, v_cache=0x5000, v_rb=400)  # fmt: skip
             rk = 128 if kt in (G.Q8_0, G.Q4_0) else 0
             rv = 64 if vt in (G.Q8_0, G.Q4_0) else 0
             s = fattn_splits(1, 8, 4096, 132)

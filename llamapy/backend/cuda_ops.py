@@ -55,7 +55,8 @@ def _entries() -> dict[str, tuple[str, ...]]:
         "fattn.cu": ("fattn_combine", *(f"fattn_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
     }
     for fname, suffix in WEIGHT_SUFFIX.values():
-        out[fname] = (*out.get(fname, ()), f"dequant_{suffix}", f"get_rows_{suffix}", f"mmv_{suffix}")
+        out[fname] = (*out.get(fname, ()), f"dequant_{suffix}", f"get_rows_{suffix}", f"mmv_{suffix}",
+                      f"mmv_glu_{suffix}")
     return out
 
 
@@ -337,3 +338,20 @@ class CudaKernels:
         args = (_p(w), _p(x), _p(y), np.int32(n_out), np.int32(n_in), np.int64(row_bytes), np.int32(n_tok))
         grid = _cdiv(n_out, MMV_ROWS_PER_BLOCK)
         self._launch(f"mmv_{WEIGHT_SUFFIX[qtype][1]}", (grid,), 32 * MMV_ROWS_PER_BLOCK, args, stream)
+
+    def mul_mat_vec_glu(self, stream: Any, op: str, qtype: GGMLType, w: int, row_bytes: int, n_ff: int, n_in: int,
+                        x: int, y: int, n_tok: int) -> None:
+        """y (n_tok, n_ff) = act(x @ W[:n_ff].T) * (x @ W[n_ff:].T): the stacked gate/up matrix
+        (2 n_ff rows) with its GLU ("swiglu" or "geglu") as the product's epilogue (mmv_glu_<type>):
+        one launch, the bits of `mul_mat_vec` and `glu`."""
+        qtype = GGMLType(qtype)
+        if op not in ("swiglu", "geglu"):
+            raise UnsupportedError(f"CUDA: GLU op {op!r}")
+        if qtype not in WEIGHT_SUFFIX:
+            raise UnsupportedError(f"CUDA: MUL_MAT of {qtype.name}")
+        if not 0 < n_tok <= MMV_MAX_TOKENS or n_in % 32 or x % 16:
+            raise UnsupportedError(f"CUDA: matrix-vector product of {n_tok} tokens of {n_in} (x at {x:#x})")
+        args = (_p(w), _p(x), _p(y), np.int32(n_ff), np.int32(n_in), np.int64(row_bytes), np.int32(n_tok),
+                np.int32(0 if op == "swiglu" else 1))  # fmt: skip
+        grid = _cdiv(n_ff, MMV_ROWS_PER_BLOCK)
+        self._launch(f"mmv_glu_{WEIGHT_SUFFIX[qtype][1]}", (grid,), 32 * MMV_ROWS_PER_BLOCK, args, stream)

@@ -537,6 +537,29 @@ def test_mul_mat_vec(env: Env, name: str) -> None:
     assert np.all(err <= 1e-5 * scale + 1e-30)  # test_cuda_ops.test_matmul's bound
 
 
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q4_1", "Q8_0"])
+def test_mul_mat_vec_glu_epilogue(env: Env, name: str, op: str) -> None:
+    """The gate/up product with its GLU as epilogue gives the bits of the product, then glu."""
+    n_ff, n_in, n_tok = 96, 512, 2
+    raw = np.ascontiguousarray(random_rows(name, 2 * n_ff, n_in, np.random.default_rng(5)))
+    x = randn(n_tok, n_in) * 3
+    rd, xd = env.d(raw), env.d(x)
+    gu = env.full((n_tok, 2 * n_ff), np.nan, np.float32)
+    sep = env.full((n_tok, n_ff), np.nan, np.float32)
+    fused = env.full((n_tok, n_ff), np.nan, np.float32)
+    rb = raw.shape[1]
+
+    def separate(st: Any) -> None:
+        env.k.mul_mat_vec(st, G[name], env.p(rd), rb, 2 * n_ff, n_in, env.p(xd), env.p(gu), n_tok)
+        env.k.glu(st, op, env.p(gu), 2 * n_ff, env.p(gu) + 4 * n_ff, 2 * n_ff, env.p(sep), n_ff, n_tok, n_ff)
+
+    env.run(separate)
+    env.run(lambda st: env.k.mul_mat_vec_glu(st, op, G[name], env.p(rd), rb, n_ff, n_in, env.p(xd), env.p(fused), n_tok))
+    a, b = env.get(sep), env.get(fused)
+    assert np.all(np.isfinite(a)) and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
 # --- one CUDA graph, replayed ------------------------------------------------------------------
 
 

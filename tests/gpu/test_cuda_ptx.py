@@ -123,6 +123,7 @@ def record_launches() -> list[tuple]:
     for qt in WEIGHT_SUFFIX:
         k.get_rows(st, qt, 0x1000, 1000, 50, 0x2000, 0x3000, 512, 4, 512)
         k.mul_mat_vec(st, qt, 0x1000, 1000, 300, 512, 0x2000, 0x3000, 3)
+        k.mul_mat_vec_glu(st, "swiglu", qt, 0x1000, 1000, 300, 512, 0x2000, 0x3000, 3)
     k.get_rows_f32(st, 0x1000, 64, 50, 0x2000, 0x3000, 64, 4, 64)
     rope = dict(pos=0x100, n_dims=64, mode=0, freq_base=10000.0, factors=0x200)
     k.rope(st, 0x1000, 576, 64, 0x1000, 576, 64, 5, 9, 64, **rope)

@@ -178,6 +178,29 @@ __device__ __forceinline__ void block_hadamard(float* a, int len, int rot, float
     __syncthreads();
 }
 
+// GLU gates (glu.cu, and the GLU epilogue of the matrix-vector products below)
+// silu(g) * u = (g / (1 + exp(-g))) * u in float32, as kernels.glu: each operation rounded on
+// its own; expf is CUDA's (within 2 ulp of the correctly rounded value, numpy's within 1). A
+// gate below ~-88.7 overflows exp to inf and gives -0 (times u), as in ggml.
+__device__ __forceinline__ float silu_mul(float g, float u) {
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
+
+// GELU (tanh approximation) as ggml-cpu's GGML_GELU_FP16 table rounds it (kernels.gelu): the
+// input rounded to f16, the value computed in float32 in the reference's order and rounded to
+// f16; x <= -10 gives 0, x >= 10 gives x.
+__device__ __forceinline__ float gelu_f16(float x) {
+    if (x <= -10.0f) return 0.0f;
+    if (x >= 10.0f) return x;
+    const float h = f16_to_f32(f32_to_f16(x));
+    const float c = 0.79788456080286535587989211986876f;  // sqrt(2 / pi)
+    const float a = 0.044715f;
+    // 0.5 * h * (1 + tanh(c * h * (1 + a * h * h))), left to right
+    const float inner = __fmul_rn(__fmul_rn(c, h), __fadd_rn(1.0f, __fmul_rn(__fmul_rn(a, h), h)));
+    const float y = __fmul_rn(__fmul_rn(0.5f, h), __fadd_rn(1.0f, tanhf(inner)));
+    return f16_to_f32(f32_to_f16(y));
+}
+
 // ---------------------------------------------------------------------------------------------
 // dequantize: n_units units of 32 elements; unit g is unit (g % units_per_row) of row
 // (g / units_per_row); rows are row_bytes apart in `w`; y is float32, 32 * n_units elements.
@@ -271,6 +294,57 @@ __device__ __forceinline__ void mmv_impl(const u8* __restrict__ w, const float* 
     }
 }
 
+// The gate/up product with its GLU as epilogue: W stacks the gate rows (0 .. n_ff-1) over the up
+// rows (n_ff .. 2 n_ff-1), as the fused ffn_gate_up matrix does; a warp takes gate row r and up
+// row n_ff + r, each summed exactly as mmv_impl sums a row, and writes
+// y[t, r] = act(gate) * up (op 0: SiLU, 1: GELU-tanh as glu.cu), the bits of mmv then glu.
+template <typename DQ>
+__device__ __forceinline__ void mmv_glu_impl(const u8* __restrict__ w, const float* __restrict__ x,
+                                             float* __restrict__ y, int n_ff, int n_in, long long row_bytes,
+                                             int n_tok, int op) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= n_ff) return;  // uniform per warp
+    const int n_units = n_in >> 5;
+    float acc[2][MMV_MAX_TOK];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int t = 0; t < MMV_MAX_TOK; ++t) acc[h][t] = 0.0f;
+    float v[32];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u8* wr = w + (long long)(row + h * n_ff) * row_bytes;
+        for (int u = lane; u < n_units; u += 32) {
+            DQ::unit(wr, u, v);
+#pragma unroll
+            for (int t = 0; t < MMV_MAX_TOK; ++t) {
+                if (t < n_tok) {
+                    const float4* xp = reinterpret_cast<const float4*>(x + (long long)t * n_in + u * 32);
+                    float s = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const float4 a = __ldg(xp + i);
+                        s += v[4 * i] * a.x;
+                        s += v[4 * i + 1] * a.y;
+                        s += v[4 * i + 2] * a.z;
+                        s += v[4 * i + 3] * a.w;
+                    }
+                    acc[h][t] += s;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < MMV_MAX_TOK; ++t) {
+        if (t < n_tok) {
+            const float g = warp_sum(acc[0][t]);
+            const float up = warp_sum(acc[1][t]);
+            if (lane == 0) y[(long long)t * n_ff + row] = op == 0 ? silu_mul(g, up) : __fmul_rn(gelu_f16(g), up);
+        }
+    }
+}
+
 // The entry points of one type: extern "C" so that cupy.RawModule finds them by name.
 #define LP_DEVICE_KERNELS(name, DQ)                                                                 \
     extern "C" __global__ void dequant_##name(const u8* __restrict__ w, float* __restrict__ y,      \
@@ -283,6 +357,11 @@ __device__ __forceinline__ void mmv_impl(const u8* __restrict__ w, const float* 
                                                float* __restrict__ y, long long sy, int n_ids,      \
                                                int units_per_row) {                                 \
         get_rows_impl<DQ>(w, row_bytes, n_rows, ids, y, sy, n_ids, units_per_row);                 \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(256)                                               \
+        mmv_glu_##name(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, \
+                       int n_ff, int n_in, long long row_bytes, int n_tok, int op) {                \
+        mmv_glu_impl<DQ>(w, x, y, n_ff, n_in, row_bytes, n_tok, op);                                \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(256)                                               \
         mmv_##name(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,    \

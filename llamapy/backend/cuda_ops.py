@@ -50,11 +50,13 @@ def _entries() -> dict[str, tuple[str, ...]]:
         "glu.cu": ("swiglu_f32", "geglu_f32"),
         "elementwise.cu": ("add_f32", "mul_f32", "scale_f32"),
         "getrows.cu": ("get_rows_f32_rows",),
-        "rope.cu": tuple(f"rope_set_rows_{c}" for c in ("none", *CACHE_SUFFIX.values())),
+        "rope.cu": (*(f"rope_set_rows_{c}" for c in ("none", *CACHE_SUFFIX.values())),
+                    *(f"rope_qkv_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
         "fattn.cu": ("fattn_combine", *(f"fattn_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
     }
     for fname, suffix in WEIGHT_SUFFIX.values():
-        out[fname] = (*out.get(fname, ()), f"dequant_{suffix}", f"get_rows_{suffix}", f"mmv_{suffix}")
+        out[fname] = (*out.get(fname, ()), f"dequant_{suffix}", f"get_rows_{suffix}", f"mmv_{suffix}",
+                      f"mmv_glu_{suffix}")
     return out
 
 
@@ -233,6 +235,43 @@ class CudaKernels:
                 np.int64(cache_rb), np.int32(rot), np.float32(rot_scale))  # fmt: skip
         self._launch(name, (n_tokens, n_head), threads, args, stream, shared)
 
+    def rope_qkv(self, stream: Any, q: int, k: int, v: int, sxt: int, q_out: int, syt: int, n_tokens: int,
+                 n_head: int, n_head_kv: int, head_dim: int, head_dim_v: int, *, pos: int, n_dims: int, mode: int,
+                 freq_base: float, freq_scale: float = 1.0, factors: int = 0, ids: int, n_cells: int,
+                 k_type: GGMLType, k_cache: int, k_rb: int, k_rot: int = 0, v_type: GGMLType, v_cache: int,
+                 v_rb: int, v_rot: int = 0) -> None:
+        """A layer's ROPE of Q (into q_out, row stride syt), ROPE + store of K and store of V in
+        one launch (rope.cu's rope_qkv): Q, K, V rows at q, k, v with row stride sxt (the column
+        views of a fused QKV product), heads head_dim / head_dim / head_dim_v apart. The same
+        results, bit for bit, as `rope` for Q, K and V in turn."""
+        if n_tokens <= 0:
+            return
+        if mode not in (0, 2) or n_dims <= 0 or n_dims % 2 or n_dims > head_dim:
+            raise UnsupportedError(f"CUDA: ROPE mode {mode} of {n_dims} of {head_dim} dimensions")
+        kt, vt = GGMLType(k_type), GGMLType(v_type)
+        shared = 0
+        for ct, dd, rot in ((kt, head_dim, k_rot), (vt, head_dim_v, v_rot)):
+            if ct not in CACHE_SUFFIX:
+                raise UnsupportedError(f"CUDA: a {ct.name} KV cache")
+            if ct in _QUANT_CACHE:
+                if dd % 32 or (rot and (rot & (rot - 1) or dd % rot)):
+                    raise UnsupportedError(f"CUDA: a {ct.name} cache of heads of {dd} (rotation {rot})")
+                shared = max(shared, 4 * dd)
+            elif rot:
+                raise UnsupportedError(f"CUDA: a rotated {ct.name} cache")
+        threads = min(ROPE_MAX_THREADS, _cdiv(max(head_dim, head_dim_v), 32) * 32)
+        if max(head_dim, head_dim_v) > 8 * threads:
+            raise UnsupportedError(f"CUDA: ROPE of heads of {max(head_dim, head_dim_v)}")
+        krs = float(hadamard(k_rot)[0, 0]) if k_rot else 0.0
+        vrs = float(hadamard(v_rot)[0, 0]) if v_rot else 0.0
+        args = (_p(q), _p(k), _p(v), np.int64(sxt), _p(pos), _p(q_out), np.int64(syt), np.int32(n_head),
+                np.int32(n_head_kv), np.int32(head_dim), np.int32(head_dim_v), np.int32(n_dims), np.int32(mode),
+                np.float32(rope_theta_scale(freq_base, n_dims)), np.float32(freq_scale), _p(factors), _p(ids),
+                np.int64(n_cells), _p(k_cache), np.int64(k_rb), np.int32(k_rot), np.float32(krs), _p(v_cache),
+                np.int64(v_rb), np.int32(v_rot), np.float32(vrs))  # fmt: skip
+        name = f"rope_qkv_{CACHE_SUFFIX[kt]}_{CACHE_SUFFIX[vt]}"
+        self._launch(name, (n_tokens, n_head + 2 * n_head_kv), threads, args, stream, shared)
+
     # -- FLASH_ATTN_EXT -------------------------------------------------------------------------
 
     def flash_attn_ext(self, stream: Any, q: int, sqt: int, sqh: int, k_type: GGMLType, k: int, k_cb: int,
@@ -299,3 +338,20 @@ class CudaKernels:
         args = (_p(w), _p(x), _p(y), np.int32(n_out), np.int32(n_in), np.int64(row_bytes), np.int32(n_tok))
         grid = _cdiv(n_out, MMV_ROWS_PER_BLOCK)
         self._launch(f"mmv_{WEIGHT_SUFFIX[qtype][1]}", (grid,), 32 * MMV_ROWS_PER_BLOCK, args, stream)
+
+    def mul_mat_vec_glu(self, stream: Any, op: str, qtype: GGMLType, w: int, row_bytes: int, n_ff: int, n_in: int,
+                        x: int, y: int, n_tok: int) -> None:
+        """y (n_tok, n_ff) = act(x @ W[:n_ff].T) * (x @ W[n_ff:].T): the stacked gate/up matrix
+        (2 n_ff rows) with its GLU ("swiglu" or "geglu") as the product's epilogue (mmv_glu_<type>):
+        one launch, the bits of `mul_mat_vec` and `glu`."""
+        qtype = GGMLType(qtype)
+        if op not in ("swiglu", "geglu"):
+            raise UnsupportedError(f"CUDA: GLU op {op!r}")
+        if qtype not in WEIGHT_SUFFIX:
+            raise UnsupportedError(f"CUDA: MUL_MAT of {qtype.name}")
+        if not 0 < n_tok <= MMV_MAX_TOKENS or n_in % 32 or x % 16:
+            raise UnsupportedError(f"CUDA: matrix-vector product of {n_tok} tokens of {n_in} (x at {x:#x})")
+        args = (_p(w), _p(x), _p(y), np.int32(n_ff), np.int32(n_in), np.int64(row_bytes), np.int32(n_tok),
+                np.int32(0 if op == "swiglu" else 1))  # fmt: skip
+        grid = _cdiv(n_ff, MMV_ROWS_PER_BLOCK)
+        self._launch(f"mmv_glu_{WEIGHT_SUFFIX[qtype][1]}", (grid,), 32 * MMV_ROWS_PER_BLOCK, args, stream)

@@ -406,6 +406,44 @@ def test_rope_with_k_store(env: Env, typ: G, rot: int) -> None:
     assert np.array_equal(env.get(cd).reshape(N, -1).view(np.uint8), want.reshape(N, -1).view(np.uint8))
 
 
+@pytest.mark.parametrize("kt,vt,rot", [(G.F16, G.F16, 0), (G.Q8_0, G.Q4_0, 64), (G.F32, G.Q8_0, 0)])
+def test_rope_qkv_is_three_launches(env: Env, kt: G, vt: G, rot: int) -> None:
+    """rope_qkv (Q rope, K rope + store, V store in one launch from a fused QKV row) gives the
+    bits of the three separate launches."""
+    T, H, Hkv, D, N = 3, 8, 2, 128, 16
+    W = (H + 2 * Hkv) * D
+    qkv = env.d(randn(T, W + 8))  # row stride W + 8
+    sxt = W + 8
+    pos, ids = env.d(POS[:T]), env.d(np.array([2, 7, 11], np.int64))
+    ct_k, k0 = _cache_tensor(N, Hkv * D, kt, rot if kt in (G.Q8_0, G.Q4_0) else 0)
+    ct_v, v0 = _cache_tensor(N, Hkv * D, vt, rot if vt in (G.Q8_0, G.Q4_0) else 0)
+    krot, vrot = ct_k.params.get("rot", 0), ct_v.params.get("rot", 0)
+    rb_k, rb_v = k0.reshape(N, -1).view(np.uint8).shape[1], v0.reshape(N, -1).view(np.uint8).shape[1]
+    outs = []
+    for fused in (False, True):
+        kc, vc, qo = env.d(k0), env.d(v0), env.full((T, H, D), np.nan, np.float32)
+        b = env.p(qkv)
+        kb, vb = b + 4 * H * D, b + 4 * (H + Hkv) * D
+        rope = dict(pos=env.p(pos), n_dims=D, mode=2, freq_base=1e6)
+        if fused:
+            env.run(lambda st: env.k.rope_qkv(st, b, kb, vb, sxt, env.p(qo), H * D, T, H, Hkv, D, D, **rope,
+                                              ids=env.p(ids), n_cells=N, k_type=kt, k_cache=env.p(kc), k_rb=rb_k,
+                                              k_rot=krot, v_type=vt, v_cache=env.p(vc), v_rb=rb_v, v_rot=vrot))  # fmt: skip
+        else:
+            def three(st: Any) -> None:
+                env.k.rope(st, b, sxt, D, env.p(qo), H * D, D, T, H, D, **rope)
+                env.k.rope(st, kb, sxt, D, 0, 0, 0, T, Hkv, D, **rope, cache_type=kt, ids=env.p(ids), n_cells=N,
+                           cache=env.p(kc), cache_rb=rb_k, rot=krot)  # fmt: skip
+                env.k.rope(st, vb, sxt, D, 0, 0, 0, T, Hkv, D, cache_type=vt, ids=env.p(ids), n_cells=N,
+                           cache=env.p(vc), cache_rb=rb_v, rot=vrot)  # fmt: skip
+
+            env.run(three)
+        outs.append([env.get(a).reshape(-1).view(np.uint8) for a in (qo, kc, vc)])
+    for name, a, b2 in zip(("Q", "K cache", "V cache"), *outs):
+        assert np.array_equal(a, b2), f"{name} differs between rope_qkv and three launches"
+    assert not np.array_equal(outs[0][1], k0.reshape(-1).view(np.uint8))  # something was stored
+
+
 # --- fattn.cu ----------------------------------------------------------------------------------
 
 
@@ -497,6 +535,29 @@ def test_mul_mat_vec(env: Env, name: str) -> None:
     scale = np.abs(x).astype(np.float64) @ np.abs(w64).T
     err = np.abs(env.get(y) - x.astype(np.float64) @ w64.T)
     assert np.all(err <= 1e-5 * scale + 1e-30)  # test_cuda_ops.test_matmul's bound
+
+
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q4_1", "Q8_0"])
+def test_mul_mat_vec_glu_epilogue(env: Env, name: str, op: str) -> None:
+    """The gate/up product with its GLU as epilogue gives the bits of the product, then glu."""
+    n_ff, n_in, n_tok = 96, 512, 2
+    raw = np.ascontiguousarray(random_rows(name, 2 * n_ff, n_in, np.random.default_rng(5)))
+    x = randn(n_tok, n_in) * 3
+    rd, xd = env.d(raw), env.d(x)
+    gu = env.full((n_tok, 2 * n_ff), np.nan, np.float32)
+    sep = env.full((n_tok, n_ff), np.nan, np.float32)
+    fused = env.full((n_tok, n_ff), np.nan, np.float32)
+    rb = raw.shape[1]
+
+    def separate(st: Any) -> None:
+        env.k.mul_mat_vec(st, G[name], env.p(rd), rb, 2 * n_ff, n_in, env.p(xd), env.p(gu), n_tok)
+        env.k.glu(st, op, env.p(gu), 2 * n_ff, env.p(gu) + 4 * n_ff, 2 * n_ff, env.p(sep), n_ff, n_tok, n_ff)
+
+    env.run(separate)
+    env.run(lambda st: env.k.mul_mat_vec_glu(st, op, G[name], env.p(rd), rb, n_ff, n_in, env.p(xd), env.p(fused), n_tok))
+    a, b = env.get(sep), env.get(fused)
+    assert np.all(np.isfinite(a)) and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
 # --- one CUDA graph, replayed ------------------------------------------------------------------

@@ -123,6 +123,7 @@ def record_launches() -> list[tuple]:
     for qt in WEIGHT_SUFFIX:
         k.get_rows(st, qt, 0x1000, 1000, 50, 0x2000, 0x3000, 512, 4, 512)
         k.mul_mat_vec(st, qt, 0x1000, 1000, 300, 512, 0x2000, 0x3000, 3)
+        k.mul_mat_vec_glu(st, "swiglu", qt, 0x1000, 1000, 300, 512, 0x2000, 0x3000, 3)
     k.get_rows_f32(st, 0x1000, 64, 50, 0x2000, 0x3000, 64, 4, 64)
     rope = dict(pos=0x100, n_dims=64, mode=0, freq_base=10000.0, factors=0x200)
     k.rope(st, 0x1000, 576, 64, 0x1000, 576, 64, 5, 9, 64, **rope)
@@ -134,6 +135,9 @@ def record_launches() -> list[tuple]:
                cache_rb=1000, rot=rot)  # fmt: skip
     for kt in (G.F32, G.F16, G.Q8_0, G.Q4_0):
         for vt in (G.F32, G.F16, G.Q8_0, G.Q4_0):
+            k.rope_qkv(st, 0x1000, 0x1000 + 4 * 576, 0x1000 + 4 * 768, 960, 0x2000, 576, 5, 9, 3, 64, 64, pos=0x100,
+                       n_dims=64, mode=2, freq_base=1e4, ids=0x300, n_cells=256, k_type=kt, k_cache=0x4000, k_rb=400,
+                       k_rot=64 if kt in (G.Q8_0, G.Q4_0) else 0, v_type=vt, v_cache=0x5000, v_rb=400)  # fmt: skip
             rk = 128 if kt in (G.Q8_0, G.Q4_0) else 0
             rv = 64 if vt in (G.Q8_0, G.Q4_0) else 0
             s = fattn_splits(1, 8, 4096, 132)

@@ -81,6 +81,39 @@ LP_HD float f16_to_f32(unsigned short h) {
 
 LP_HD float ld_f16(const u8* p) { return f16_to_f32(ld_u16(p)); }
 
+// Wide loads of a block's quants (decode is bandwidth-bound, and a byte load per weight makes it
+// instruction-bound): N little-endian 32-bit words from p, which the caller knows to be aligned
+// to A bytes (16: one 128-bit load per 16 bytes; 4: 32-bit loads; 2: pairs of 16-bit loads). The
+// host builds (tests, the CPU emulator) copy the same bytes, so every use below is the same
+// arithmetic on the same words there.
+template <int N, int A>
+LP_HD void ld_words(const u8* p, unsigned int* o) {
+#ifdef __CUDA_ARCH__
+    if (A >= 16) {
+#pragma unroll
+        for (int i = 0; i < N / 4; ++i) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+            o[4 * i] = v.x;
+            o[4 * i + 1] = v.y;
+            o[4 * i + 2] = v.z;
+            o[4 * i + 3] = v.w;
+        }
+    } else if (A >= 4) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) o[i] = __ldg(reinterpret_cast<const unsigned int*>(p) + i);
+    } else {
+        const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+#pragma unroll
+        for (int i = 0; i < N; ++i) o[i] = (unsigned int)__ldg(h + 2 * i) | ((unsigned int)__ldg(h + 2 * i + 1) << 16);
+    }
+#else
+    __builtin_memcpy(o, p, 4 * N);
+#endif
+}
+
+// byte l of words loaded by ld_words (l a constant after unrolling: the words stay in registers)
+LP_HD int byte_at(const unsigned int* o, int l) { return (int)((o[l >> 2] >> (8 * (l & 3))) & 0xffu); }
+
 // float -> IEEE half, round to nearest even (numpy's astype(float16))
 LP_HD unsigned short f32_to_f16(float f) {
 #ifdef __CUDA_ARCH__
@@ -143,6 +176,29 @@ __device__ __forceinline__ void block_hadamard(float* a, int len, int rot, float
     }
     for (int i = threadIdx.x; i < len; i += blockDim.x) a[i] = __fmul_rn(a[i], scale);
     __syncthreads();
+}
+
+// GLU gates (glu.cu, and the GLU epilogue of the matrix-vector products below)
+// silu(g) * u = (g / (1 + exp(-g))) * u in float32, as kernels.glu: each operation rounded on
+// its own; expf is CUDA's (within 2 ulp of the correctly rounded value, numpy's within 1). A
+// gate below ~-88.7 overflows exp to inf and gives -0 (times u), as in ggml.
+__device__ __forceinline__ float silu_mul(float g, float u) {
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
+
+// GELU (tanh approximation) as ggml-cpu's GGML_GELU_FP16 table rounds it (kernels.gelu): the
+// input rounded to f16, the value computed in float32 in the reference's order and rounded to
+// f16; x <= -10 gives 0, x >= 10 gives x.
+__device__ __forceinline__ float gelu_f16(float x) {
+    if (x <= -10.0f) return 0.0f;
+    if (x >= 10.0f) return x;
+    const float h = f16_to_f32(f32_to_f16(x));
+    const float c = 0.79788456080286535587989211986876f;  // sqrt(2 / pi)
+    const float a = 0.044715f;
+    // 0.5 * h * (1 + tanh(c * h * (1 + a * h * h))), left to right
+    const float inner = __fmul_rn(__fmul_rn(c, h), __fadd_rn(1.0f, __fmul_rn(__fmul_rn(a, h), h)));
+    const float y = __fmul_rn(__fmul_rn(0.5f, h), __fadd_rn(1.0f, tanhf(inner)));
+    return f16_to_f32(f32_to_f16(y));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -238,6 +294,57 @@ __device__ __forceinline__ void mmv_impl(const u8* __restrict__ w, const float* 
     }
 }
 
+// The gate/up product with its GLU as epilogue: W stacks the gate rows (0 .. n_ff-1) over the up
+// rows (n_ff .. 2 n_ff-1), as the fused ffn_gate_up matrix does; a warp takes gate row r and up
+// row n_ff + r, each summed exactly as mmv_impl sums a row, and writes
+// y[t, r] = act(gate) * up (op 0: SiLU, 1: GELU-tanh as glu.cu), the bits of mmv then glu.
+template <typename DQ>
+__device__ __forceinline__ void mmv_glu_impl(const u8* __restrict__ w, const float* __restrict__ x,
+                                             float* __restrict__ y, int n_ff, int n_in, long long row_bytes,
+                                             int n_tok, int op) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= n_ff) return;  // uniform per warp
+    const int n_units = n_in >> 5;
+    float acc[2][MMV_MAX_TOK];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int t = 0; t < MMV_MAX_TOK; ++t) acc[h][t] = 0.0f;
+    float v[32];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u8* wr = w + (long long)(row + h * n_ff) * row_bytes;
+        for (int u = lane; u < n_units; u += 32) {
+            DQ::unit(wr, u, v);
+#pragma unroll
+            for (int t = 0; t < MMV_MAX_TOK; ++t) {
+                if (t < n_tok) {
+                    const float4* xp = reinterpret_cast<const float4*>(x + (long long)t * n_in + u * 32);
+                    float s = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const float4 a = __ldg(xp + i);
+                        s += v[4 * i] * a.x;
+                        s += v[4 * i + 1] * a.y;
+                        s += v[4 * i + 2] * a.z;
+                        s += v[4 * i + 3] * a.w;
+                    }
+                    acc[h][t] += s;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < MMV_MAX_TOK; ++t) {
+        if (t < n_tok) {
+            const float g = warp_sum(acc[0][t]);
+            const float up = warp_sum(acc[1][t]);
+            if (lane == 0) y[(long long)t * n_ff + row] = op == 0 ? silu_mul(g, up) : __fmul_rn(gelu_f16(g), up);
+        }
+    }
+}
+
 // The entry points of one type: extern "C" so that cupy.RawModule finds them by name.
 #define LP_DEVICE_KERNELS(name, DQ)                                                                 \
     extern "C" __global__ void dequant_##name(const u8* __restrict__ w, float* __restrict__ y,      \
@@ -250,6 +357,11 @@ __device__ __forceinline__ void mmv_impl(const u8* __restrict__ w, const float* 
                                                float* __restrict__ y, long long sy, int n_ids,      \
                                                int units_per_row) {                                 \
         get_rows_impl<DQ>(w, row_bytes, n_rows, ids, y, sy, n_ids, units_per_row);                 \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(256)                                               \
+        mmv_glu_##name(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, \
+                       int n_ff, int n_in, long long row_bytes, int n_tok, int op) {                \
+        mmv_glu_impl<DQ>(w, x, y, n_ff, n_in, row_bytes, n_tok, op);                                \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(256)                                               \
         mmv_##name(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,    \

@@ -80,12 +80,11 @@ __device__ __forceinline__ void quantize_q4_0(const float* v, u8* blk) {
 // Dynamic shared memory: D floats for the quantized caches (CT_Q8_0, CT_Q4_0), else none.
 template <int CT>
 __device__ __forceinline__ void rope_set_rows_impl(
-    const float* x, long long sxt, long long sxh, const int* __restrict__ pos, float* y, long long syt,
-    long long syh, int D, int n_dims, int mode, float theta_scale, float freq_scale,
+    int t, int h, const float* x, long long sxt, long long sxh, const int* __restrict__ pos, float* y,
+    long long syt, long long syh, int D, int n_dims, int mode, float theta_scale, float freq_scale,
     const float* __restrict__ factors, const long long* __restrict__ ids, long long n_cells,
     u8* __restrict__ cache, long long cache_rb, int rot, float rot_scale) {
     extern __shared__ float head_s[];
-    const int t = blockIdx.x, h = blockIdx.y;
     const float* xh = x + (long long)t * sxt + (long long)h * sxh;
     const int p = mode >= 0 ? pos[t] : 0;
     const int half = n_dims / 2;
@@ -143,8 +142,9 @@ __device__ __forceinline__ void rope_set_rows_impl(
         long long syh, int D, int n_dims, int mode, float theta_scale, float freq_scale,            \
         const float* factors, const long long* ids, long long n_cells, u8* cache, long long cache_rb, \
         int rot, float rot_scale) {                                                                 \
-        rope_set_rows_impl<CT>(x, sxt, sxh, pos, y, syt, syh, D, n_dims, mode, theta_scale,         \
-                               freq_scale, factors, ids, n_cells, cache, cache_rb, rot, rot_scale); \
+        rope_set_rows_impl<CT>(blockIdx.x, blockIdx.y, x, sxt, sxh, pos, y, syt, syh, D, n_dims,    \
+                               mode, theta_scale, freq_scale, factors, ids, n_cells, cache,         \
+                               cache_rb, rot, rot_scale);                                           \
     }
 
 LP_ROPE_KERNEL(none, CT_NONE)
@@ -152,3 +152,50 @@ LP_ROPE_KERNEL(f32, CT_F32)
 LP_ROPE_KERNEL(f16, CT_F16)
 LP_ROPE_KERNEL(q8_0, CT_Q8_0)
 LP_ROPE_KERNEL(q4_0, CT_Q4_0)
+
+// A layer's three stores in one launch (the rows of a fused Q/K/V product): grid (T, H + 2 Hkv);
+// blocks y < H rope Q head y into q_out, the next Hkv rope K's heads and store them into the K
+// cache, the last Hkv store V's heads into the V cache. Each block is exactly the block of the
+// kernels above for that head, so the results are theirs bit for bit. Q, K and V are read at
+// q, k, v with row stride sxt (their heads D / D / Dv apart); dynamic shared memory
+// 4 * max(D, Dv) bytes when a cache is quantized.
+template <int KT, int VT>
+__device__ __forceinline__ void rope_qkv_impl(
+    const float* q, const float* k, const float* v, long long sxt, const int* pos, float* q_out, long long syt,
+    int H, int Hkv, int D, int Dv, int n_dims, int mode, float theta_scale, float freq_scale, const float* factors,
+    const long long* ids, long long n_cells, u8* k_cache, long long k_rb, int k_rot, float k_rot_scale,
+    u8* v_cache, long long v_rb, int v_rot, float v_rot_scale) {
+    const int t = blockIdx.x, hy = blockIdx.y;
+    if (hy < H)
+        rope_set_rows_impl<CT_NONE>(t, hy, q, sxt, D, pos, q_out, syt, D, D, n_dims, mode, theta_scale,
+                                    freq_scale, factors, nullptr, 0, nullptr, 0, 0, 0.0f);
+    else if (hy < H + Hkv)
+        rope_set_rows_impl<KT>(t, hy - H, k, sxt, D, pos, nullptr, 0, 0, D, n_dims, mode, theta_scale,
+                               freq_scale, factors, ids, n_cells, k_cache, k_rb, k_rot, k_rot_scale);
+    else
+        rope_set_rows_impl<VT>(t, hy - H - Hkv, v, sxt, Dv, pos, nullptr, 0, 0, Dv, 0, -1, 0.0f, 1.0f,
+                               nullptr, ids, n_cells, v_cache, v_rb, v_rot, v_rot_scale);
+}
+
+#define LP_ROPE_QKV_KERNEL(kname, vname, KT, VT)                                                    \
+    extern "C" __global__ void __launch_bounds__(256) rope_qkv_##kname##_##vname(                  \
+        const float* q, const float* k, const float* v, long long sxt, const int* pos, float* q_out,  \
+        long long syt, int H, int Hkv, int D, int Dv, int n_dims, int mode, float theta_scale,        \
+        float freq_scale, const float* factors, const long long* ids, long long n_cells,              \
+        u8* k_cache, long long k_rb, int k_rot, float k_rot_scale, u8* v_cache, long long v_rb,       \
+        int v_rot, float v_rot_scale) {                                                               \
+        rope_qkv_impl<KT, VT>(q, k, v, sxt, pos, q_out, syt, H, Hkv, D, Dv, n_dims, mode, theta_scale, \
+                              freq_scale, factors, ids, n_cells, k_cache, k_rb, k_rot, k_rot_scale,   \
+                              v_cache, v_rb, v_rot, v_rot_scale);                                     \
+    }
+
+#define LP_ROPE_QKV_V(kname, KT)                     \
+    LP_ROPE_QKV_KERNEL(kname, f32, KT, CT_F32)       \
+    LP_ROPE_QKV_KERNEL(kname, f16, KT, CT_F16)       \
+    LP_ROPE_QKV_KERNEL(kname, q8_0, KT, CT_Q8_0)     \
+    LP_ROPE_QKV_KERNEL(kname, q4_0, KT, CT_Q4_0)
+
+LP_ROPE_QKV_V(f32, CT_F32)
+LP_ROPE_QKV_V(f16, CT_F16)
+LP_ROPE_QKV_V(q8_0, CT_Q8_0)
+LP_ROPE_QKV_V(q4_0, CT_Q4_0)

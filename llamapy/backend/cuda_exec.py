@@ -27,7 +27,7 @@ import numpy as np
 from ..types import GGMLType, LlamapyError
 from .cpu_kernels import KV_CODES
 from .executor import ADD, ATTN, CPY, GEGLU, GET_ROWS_F32, MUL, RMS_NORM, ROPE, SCALE, SET_ROWS, SWIGLU, Loc, Refused, _Slot
-from .gpu_plan import COUNT, GET_ROWS_W, MUL_MAT_W, SCRATCH, SPLITS
+from .gpu_plan import COUNT, GET_ROWS_W, MUL_MAT_GLU, MUL_MAT_W, SCRATCH, SPLITS
 
 
 def _first_line(e: BaseException) -> str:
@@ -279,6 +279,14 @@ def _mul_mat_w(rt: CUDARuntime, rec: np.ndarray) -> Launch:
     return lambda: ops.mul_mat_vec(st, qtype, r[3], r[11], r[10], r[7], r[2], r[1], r[6])
 
 
+def _mul_mat_glu(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    if r[8] != r[7] and r[6] > 1:
+        raise Refused("MUL_MAT of strided rows")
+    qtype, op = GGMLType(r[9]), ("swiglu", "geglu")[r[12]]
+    return lambda: ops.mul_mat_vec_glu(st, op, qtype, r[3], r[11], r[10], r[7], r[2], r[1], r[6])
+
+
 def _rope(rt: CUDARuntime, rec: np.ndarray) -> Launch:
     r, ops, st = _i(rec), rt.ops, rt.dev.stream
     T, H, D = r[6], r[7], r[8]
@@ -320,6 +328,6 @@ def _attn(rt: CUDARuntime, rec: np.ndarray) -> Launch:
 
 _LAUNCHES: dict[int, Callable[[CUDARuntime, np.ndarray], Launch]] = {
     RMS_NORM: _rms_norm, MUL: _binary("mul"), ADD: _binary("add"), SCALE: _scale, CPY: _cpy, SWIGLU: _glu("swiglu"), GEGLU: _glu("geglu"),
-    GET_ROWS_F32: _get_rows_f32, GET_ROWS_W: _get_rows_w, MUL_MAT_W: _mul_mat_w, ROPE: _rope, SET_ROWS: _set_rows,
+    GET_ROWS_F32: _get_rows_f32, GET_ROWS_W: _get_rows_w, MUL_MAT_W: _mul_mat_w, MUL_MAT_GLU: _mul_mat_glu, ROPE: _rope, SET_ROWS: _set_rows,
     ATTN: _attn,
 }  # fmt: skip

@@ -378,6 +378,7 @@ class Target:
 
     name = "executor"
     glu_ops: tuple[str, ...] = ("swiglu",)  # the GLU variants its records run
+    fuse_glu = False  # a GLU of the two halves of the product before it joins that product's step
     head = 0  # bytes at the arena's start before the allocator's offsets (the GPU's count slots)
     max_tokens: int | None = None  # batches from this many tokens are refused
     width = REC  # int64 slots per record
@@ -422,7 +423,8 @@ class Target:
     # (slot, op code): record slots beyond the shared ones that hold arena addresses
     addr_slots: tuple[tuple[int, int], ...] = ()
 
-    def finish(self, c: _Compiler, recs: list[list[int]], masks: list[tuple[Tensor, _Slot, np.ndarray]]) -> None:
+    def finish(self, c: _Compiler, recs: list[list[int]], masks: list[tuple[Tensor, _Slot, np.ndarray]],
+               exports: list[tuple[Tensor, Any]]) -> None:
         """Last touches to the records once every step has its own (the GPU's count slots)."""
 
 
@@ -688,6 +690,9 @@ class _Compiler:
                 raise Refused(f"a batch of {n.shape[0]} tokens")  # the f32 mode's sgemm is faster there
             if op is Op.MUL and self._fuse_norm_mul(n):
                 continue
+            if op is Op.GLU and self.target.fuse_glu and n.params.get("op") in self.target.glu_ops \
+                    and self._fuse_mul_mat_glu(n):
+                continue
             code = {Op.GET_ROWS: GET_ROWS_F32, Op.RMS_NORM: RMS_NORM, Op.MUL: MUL, Op.ADD: ADD, Op.SCALE: SCALE,
                     Op.GLU: SWIGLU, Op.MUL_MAT: MUL_MAT, Op.ROPE: ROPE, Op.FLASH_ATTN_EXT: ATTN,
                     Op.CONT: CPY}.get(op)  # fmt: skip
@@ -731,6 +736,27 @@ class _Compiler:
             self.n_fused += 1
             return
         self.steps.append(_Step(RMS_NORM, norm, [x], {"norm": norm}))
+
+    def _fuse_mul_mat_glu(self, glu: Tensor) -> bool:
+        """GLU(gate, up) folded into the MUL_MAT step of the stacked gate/up matrix when gate and
+        up are its two halves and nothing else reads it (the product is then never stored: the
+        step's result is the GLU's, placed apart from the product's input, which it reads to the
+        end). Targets with a product whose epilogue is the GLU only (the GPU's)."""
+        prev = self.steps[-1] if self.steps else None
+        if prev is None or prev.code != MUL_MAT or "glu" in prev.extra:
+            return False
+        mm, (g, u) = prev.node, glu.src
+        n_ff = g.shape[-1]
+        if mm.shape[-1] != 2 * n_ff or any(s.op is not Op.VIEW or s.src[0] is not mm for s in (g, u)):
+            return False
+        if g.params.get("cols") != (0, n_ff) or u.params.get("cols") != (n_ff, 2 * n_ff):
+            return False
+        if (self.readers.get(mm, 0), self.readers.get(g, 0), self.readers.get(u, 0)) != (2, 1, 1):
+            return False
+        prev.extra.update(glu=glu, mm=mm)
+        prev.node = glu
+        self.n_fused += 1
+        return True
 
     def _fuse_norm_mul(self, mul: Tensor) -> bool:
         """MUL(norm, weight vector) folded into the RMS_NORM step that made `norm` when nothing
@@ -815,7 +841,7 @@ class _Compiler:
             for e in self.exports:
                 l = loc(e)
                 exports.append((e, slot(l) if l.owner is arena else self.target.export(l)))
-            self.target.finish(self, recs, masks)
+            self.target.finish(self, recs, masks, exports)
         finally:
             # `loc` is recursive (its closure holds itself): break that cycle, or the weights'
             # views in `locs` would keep a closed model's mapping until the garbage collector runs

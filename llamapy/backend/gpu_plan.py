@@ -13,6 +13,9 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     GGML type, 10 n_out, 11 row bytes);
   * GET_ROWS_W: rows of a weight matrix expanded (1 dst, 2 the blocks, 3 ids; 6 ids, 7 n_in,
     8 row bytes, 9 n_out, 10 the GGML type);
+  * MUL_MAT_GLU: the product of the stacked gate/up matrix with its GLU as epilogue (the
+    compiler's MUL_MAT + GLU step, `fuse_glu`): MUL_MAT_W's slots, 1 the GLU's result, 10 n_ff
+    (half the rows), 12 the GLU (0 SwiGLU, 1 GEGLU);
   * ROPE: the CPU's record, with slot 4 the rope_freqs divisors on the device (0: none) instead of
     the CPU's table of inverse frequencies, 13 / 14 the frequency base and scale (float64 bits);
   * records are WIDTH slots: the CPU's REC, and in an ATTN record slot 24 points at the int32
@@ -57,12 +60,12 @@ from ..types import LlamapyError, UnsupportedError
 from .executor import (ATTN, GET_ROWS_F32, MUL_MAT, OP_NAMES, RMS_NORM, ROPE, REC, Built, Loc, Refusal, Refused, Target, _Compiler,
                        _Slot, op_counts)
 
-# The GPU's own record codes (after executor.c's 1..14)
-MUL_MAT_W, GET_ROWS_W = 15, 16
+# The GPU's own record codes (after executor.c's 1..14 and GEGLU's 17)
+MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU = 15, 16, 18
 WIDTH = REC + 3  # slots 24-26: an ATTN record's count slot, split scratch, splits
 COUNT, SCRATCH, SPLITS = 24, 25, 26
 HEAD = 64  # bytes of count slots at the arena's start: 16 masks
-NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS"}
+NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS", MUL_MAT_GLU: "MUL_MAT+GLU"}
 
 
 def graphs_enabled() -> bool:
@@ -102,6 +105,7 @@ class GPUTarget(Target):
 
     name = "GPU"
     glu_ops = ("swiglu", "geglu")
+    fuse_glu = True
     head = HEAD
     width = WIDTH
     addr_slots = ((COUNT, ATTN),)
@@ -153,7 +157,8 @@ class GPUTarget(Target):
     def records(self, c: _Compiler, st: Any, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
         n = st.node
         if st.code == MUL_MAT:
-            w, x = n.src
+            mm = st.extra.get("mm", n)  # (a product with its GLU fused: the step's node is the GLU)
+            w, x = mm.src
             wv = self.leaf(w) if w.is_leaf else None
             if wv is None:
                 raise Refused(f"MUL_MAT {n.name} of two activations")
@@ -171,6 +176,8 @@ class GPUTarget(Target):
             r = [0] * WIDTH
             r[0], r[1], r[2], r[3] = MUL_MAT_W, dst.addr, xl.addr, blocks
             r[6], r[7], r[8], r[9], r[10], r[11] = n_tok, n_in, xs, qtype, n_out, row_bytes
+            if "glu" in st.extra:  # the GLU's result (contiguous rows of n_ff), the product never stored
+                r[0], r[10], r[12] = MUL_MAT_GLU, n_out // 2, int(st.extra["glu"].params.get("op") == "geglu")
             return [r]
         if st.code == GET_ROWS_F32:
             table, ids = n.src
@@ -249,7 +256,8 @@ class GPUTarget(Target):
         r[13], r[14] = _fbits(p["freq_base"]), _fbits(p["freq_scale"])
         return r
 
-    def finish(self, c: _Compiler, recs: list[list[int]], masks: list[tuple[Tensor, _Slot, np.ndarray]]) -> None:
+    def finish(self, c: _Compiler, recs: list[list[int]], masks: list[tuple[Tensor, _Slot, np.ndarray]],
+               exports: list[tuple[Tensor, Any]]) -> None:
         for r in recs:
             r.extend([0] * (WIDTH - len(r)))
         if len(masks) * 4 > HEAD:

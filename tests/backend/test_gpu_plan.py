@@ -30,9 +30,9 @@ from gguf.quants import dequantize
 
 from llamapy.backend import cuda_exec, gpu_plan, native
 from llamapy.backend.cpu import CPU_BUFT, CPUBackend
-from llamapy.backend.executor import (ATTN, GEGLU, GET_ROWS_F32, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena, ExecPlan, Loc,
+from llamapy.backend.executor import (ATTN, GEGLU, GET_ROWS_F32, SWIGLU, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena, ExecPlan, Loc,
                                       Refusal, Refused, _array_loc, _lib, _Slot)
-from llamapy.backend.gpu_plan import COUNT, GET_ROWS_W, HEAD, MUL_MAT_W, GPUPlan
+from llamapy.backend.gpu_plan import COUNT, GET_ROWS_W, HEAD, MUL_MAT_GLU, MUL_MAT_W, GPUPlan
 from llamapy.backend.cpu_kernels import KV_CODES
 from llamapy.backend.kernels import _rope_tables_compute, gelu, rope_consts
 from llamapy.context import Context, ContextOptions, Model
@@ -126,16 +126,29 @@ class FakeRuntime:
 
         def launch() -> None:
             self.log.append(("launch", code))
-            if code == MUL_MAT_W:  # the q8 mode's two records over a scratch of this runtime's
+            if code in (MUL_MAT_W, MUL_MAT_GLU):  # the q8 mode's two records over a scratch of this runtime's
                 n_tok, n_in, xs, qtype, n_out, row_bytes = (int(x) for x in r[6:12])
+                if code == MUL_MAT_GLU:  # the product of 2 n_ff rows into a buffer, then the GLU
+                    n_out *= 2
+                    prod = np.zeros((n_tok, n_out), np.float32)
+                    self.keep.append(prod)
                 need = int(self.lib.lp_act_row_bytes(qtype, n_in)) * n_tok
                 if self.scratch.size < need:
                     self.scratch = np.zeros(need + 64, np.uint8)
                 q, m = np.zeros(REC, np.int64), np.zeros(REC, np.int64)
                 q[[0, 1, 2, 6, 7, 8, 9]] = QUANT_ACT, self.scratch.ctypes.data, r[2], qtype, xs, n_in, n_tok
-                m[[0, 1, 2, 3, 6, 7, 8, 9, 10, 11]] = MUL_MAT_Q, r[1], r[3], self.scratch.ctypes.data, qtype, n_out, \
-                    row_bytes, n_in, n_tok, n_out
+                m[[0, 1, 2, 3, 6, 7, 8, 9, 10, 11]] = MUL_MAT_Q, r[1] if code == MUL_MAT_W else prod.ctypes.data, r[3], \
+                    self.scratch.ctypes.data, qtype, n_out, row_bytes, n_in, n_tok, n_out
                 run([q, m])
+                if code == MUL_MAT_GLU:
+                    n_ff = n_out // 2
+                    if r[12]:
+                        mem(int(r[1]), (n_tok, n_ff), (n_ff, 1), F32)[...] = gelu(np, prod[:, :n_ff]) * prod[:, n_ff:]
+                    else:
+                        sw = np.zeros(REC, np.int64)
+                        sw[[0, 1, 2, 3, 6, 7, 8, 9]] = SWIGLU, r[1], prod.ctypes.data, prod.ctypes.data + 4 * n_ff, \
+                            n_tok, n_ff, n_out, n_out
+                        run([sw])
             elif code == GET_ROWS_W:  # ops.c's expansion of F16/Q8_0/Q4_0 rows (the CPU executor's)
                 g = np.zeros(REC, np.int64)
                 g[[0, 1, 2, 3, 6, 7, 8, 9, 10]] = GET_ROWS_F32, r[1], r[2], r[3], r[6], r[7], r[8], r[9], \
@@ -241,7 +254,9 @@ def test_uncapturable_plan_launches_directly(make_llama, monkeypatch: pytest.Mon
 def test_records_are_the_cpu_executors(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """The same split compiled by both targets: the same records in the same order at the same
     arena offsets (shifted by the GPU's count slots), the products as MUL_MAT_W and the q8 mode's
-    QUANTIZE records gone; the inputs lie first, in one region; every ATTN record's count slot."""
+    QUANTIZE records gone; the inputs lie first, in one region; every ATTN record's count slot.
+    Then with the GPU's gate/up + GLU fusion (which the CPU has not): one record less per layer,
+    the GLU's result never over the product's input (the kernel reads it to the end)."""
     from llamapy.sched.alloc import plan_offsets
 
     model = Model(make_llama(qtype=T.Q8_0, rope_freqs=True))
@@ -254,8 +269,16 @@ def test_records_are_the_cpu_executors(make_llama, monkeypatch: pytest.MonkeyPat
     cpu = ctx.backends[-1].graph_plan_create(split.nodes, exports, plan_offsets)
     assert isinstance(cpu, ExecPlan)
     rt = FakeRuntime()
+    monkeypatch.setattr(gpu_plan.GPUTarget, "fuse_glu", False)
     gp = gpu_plan.compile_split(split.nodes, exports, plan_offsets, rt)
-    assert isinstance(gp, GPUPlan)
+    monkeypatch.undo()
+    fused = gpu_plan.compile_split(split.nodes, exports, plan_offsets, FakeRuntime())
+    assert isinstance(gp, GPUPlan) and isinstance(fused, GPUPlan)
+    glu = fused.recs[fused.recs[:, 0] == MUL_MAT_GLU]
+    assert len(glu) == 2 and len(fused.recs) == len(gp.recs) - 2
+    for r in glu:
+        y, x = int(r[1]), int(r[2])
+        assert y + 4 * r[6] * r[10] <= x or x + 4 * r[6] * r[7] <= y
     cb, gb = cpu.base, gp.built.base
 
     def rel(x: int, base: int, size: int, head: int = 0) -> int | tuple[str, int]:
@@ -395,6 +418,12 @@ class NumpyOps:
         i = mem(ids, (n_ids,), (1,), np.int32)
         raw = mem(w, (n_rows, row_bytes), (row_bytes, 1), np.uint8)[i]
         mem(y, (n_ids, n_in), (sy, 1), F32)[...] = dequantize(raw, T(int(qtype))).reshape(n_ids, n_in)
+
+    def mul_mat_vec_glu(self, stream: Any, op: str, qtype: GGMLType, w: int, row_bytes: int, n_ff: int, n_in: int,
+                        x: int, y: int, n_tok: int) -> None:
+        prod = np.zeros((n_tok, 2 * n_ff), F32)
+        self.mul_mat_vec(stream, qtype, w, row_bytes, 2 * n_ff, n_in, x, prod.ctypes.data, n_tok)
+        self.glu(stream, op, prod.ctypes.data, 2 * n_ff, prod.ctypes.data + 4 * n_ff, 2 * n_ff, y, n_ff, n_tok, n_ff)
 
     def mul_mat_vec(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_out: int, n_in: int, x: int,
                     y: int, n_tok: int) -> None:

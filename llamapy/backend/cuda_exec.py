@@ -27,7 +27,7 @@ import numpy as np
 from ..types import GGMLType, LlamapyError
 from .cpu_kernels import KV_CODES
 from .executor import ADD, ATTN, CPY, GEGLU, GET_ROWS_F32, MUL, RMS_NORM, ROPE, SCALE, SET_ROWS, SWIGLU, Loc, Refused, _Slot
-from .gpu_plan import COUNT, GET_ROWS_W, MUL_MAT_GLU, MUL_MAT_W, SCRATCH, SPLITS
+from .gpu_plan import COUNT, GET_ROWS_W, MUL_MAT_GLU, MUL_MAT_W, ROPE_QKV, SCRATCH, SPLITS
 
 
 def _first_line(e: BaseException) -> str:
@@ -296,6 +296,16 @@ def _rope(rt: CUDARuntime, rec: np.ndarray) -> Launch:
     return lambda: ops.rope(st, r[2], r[9], r[10], r[1], H * D, D, T, H, D, **kw)
 
 
+def _rope_qkv(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    T, H, D, Hkv, Dv = r[6], r[7], r[8], r[15], r[16]
+    kt, vt = _KV_TYPES[r[20]], _KV_TYPES[r[24]]
+    kw = dict(pos=r[3], n_dims=r[11], mode=2 if r[12] else 0, freq_base=_f(r[13]), freq_scale=_f(r[14]),
+              factors=r[17], ids=r[4], n_cells=r[18], k_type=kt, k_cache=r[19], k_rb=r[21] * _KV_ITEM[kt],
+              k_rot=r[22], v_type=vt, v_cache=r[23], v_rb=r[25] * _KV_ITEM[vt], v_rot=r[26])
+    return lambda: ops.rope_qkv(st, r[2], r[5], r[10], r[9], r[1], H * D, T, H, Hkv, D, Dv, **kw)
+
+
 def _set_rows(rt: CUDARuntime, rec: np.ndarray) -> Launch:
     """SET_ROWS: rope.cu's store without a rotation of positions (mode -1): rows of `cols`
     as heads of D (the whole row when it fits a block), quantized and Hadamard-rotated there
@@ -328,6 +338,6 @@ def _attn(rt: CUDARuntime, rec: np.ndarray) -> Launch:
 
 _LAUNCHES: dict[int, Callable[[CUDARuntime, np.ndarray], Launch]] = {
     RMS_NORM: _rms_norm, MUL: _binary("mul"), ADD: _binary("add"), SCALE: _scale, CPY: _cpy, SWIGLU: _glu("swiglu"), GEGLU: _glu("geglu"),
-    GET_ROWS_F32: _get_rows_f32, GET_ROWS_W: _get_rows_w, MUL_MAT_W: _mul_mat_w, MUL_MAT_GLU: _mul_mat_glu, ROPE: _rope, SET_ROWS: _set_rows,
+    GET_ROWS_F32: _get_rows_f32, GET_ROWS_W: _get_rows_w, MUL_MAT_W: _mul_mat_w, MUL_MAT_GLU: _mul_mat_glu, ROPE: _rope, SET_ROWS: _set_rows, ROPE_QKV: _rope_qkv,
     ATTN: _attn,
 }  # fmt: skip

@@ -16,6 +16,12 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
   * MUL_MAT_GLU: the product of the stacked gate/up matrix with its GLU as epilogue (the
     compiler's MUL_MAT + GLU step, `fuse_glu`): MUL_MAT_W's slots, 1 the GLU's result, 10 n_ff
     (half the rows), 12 the GLU (0 SwiGLU, 1 GEGLU);
+  * ROPE_QKV: a layer's ROPE of Q, ROPE of K and its store into the cache, and the store of V, as
+    one launch (cuda_ops.rope_qkv), when Q, K and V are column views of one product (one row
+    stride) and the roped K is read by its store alone: 1 Q's result, 2 Q, 3 positions, 4 cells,
+    5 K, 10 V; 6 tokens, 7 heads, 8 head size, 9 the row stride, 11 n_dims, 12 NeoX, 13 / 14
+    base / scale bits, 15 KV heads, 16 V's head size, 17 rope_freqs, 18 cells of the cache,
+    19-22 the K cache, its type code, row bytes, rotation; 23-26 the V cache's;
   * ROPE: the CPU's record, with slot 4 the rope_freqs divisors on the device (0: none) instead of
     the CPU's table of inverse frequencies, 13 / 14 the frequency base and scale (float64 bits);
   * records are WIDTH slots: the CPU's REC, and in an ATTN record slot 24 points at the int32
@@ -61,11 +67,11 @@ from .executor import (ATTN, GET_ROWS_F32, MUL_MAT, OP_NAMES, RMS_NORM, ROPE, RE
                        _Slot, op_counts)
 
 # The GPU's own record codes (after executor.c's 1..14 and GEGLU's 17)
-MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU = 15, 16, 18
+MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV = 15, 16, 18, 19
 WIDTH = REC + 3  # slots 24-26: an ATTN record's count slot, split scratch, splits
 COUNT, SCRATCH, SPLITS = 24, 25, 26
 HEAD = 64  # bytes of count slots at the arena's start: 16 masks
-NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS", MUL_MAT_GLU: "MUL_MAT+GLU"}
+NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS", MUL_MAT_GLU: "MUL_MAT+GLU", ROPE_QKV: "ROPE+SET_ROWS"}
 
 
 def graphs_enabled() -> bool:
@@ -108,7 +114,7 @@ class GPUTarget(Target):
     fuse_glu = True
     head = HEAD
     width = WIDTH
-    addr_slots = ((COUNT, ATTN),)
+    addr_slots = ((COUNT, ATTN), (10, ROPE_QKV))
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
@@ -265,6 +271,8 @@ class GPUTarget(Target):
         for i, (_t, _slot, rows) in enumerate(masks):
             for j in rows:
                 recs[j][COUNT] = c.base + 4 * i
+        spans = [(c.base + s.off, c.base + s.off + _extent(s)) for _t, s in exports if isinstance(s, _Slot)]
+        recs[:] = _fuse_rope_qkv(recs, spans)  # (after the count slots: it changes the records' indices)
 
 
 @dataclass
@@ -361,6 +369,53 @@ class GPUPlan:
         for t, slot in b.exports:
             env[t] = rt.copy_out(base + slot.off, slot, b.arena)
         rt.done()
+
+
+def _reads(r: list[int]) -> list[int]:
+    """The arena addresses a record may read (its sources; a fused RMS_NORM's ADD operands)."""
+    return [r[k] for k in (2, 3, 4, 5)] + ([r[10]] if r[0] in (RMS_NORM, ROPE_QKV) else [])
+
+
+def _dead_after(recs: list[list[int]], k0: int, lo: int, hi: int, exports: list[tuple[int, int]]) -> bool:
+    """Whether the value in [lo, hi) is read by no record from k0 on until one writes there (the
+    allocator reused its memory: it was dead), and is no export."""
+    for r in recs[k0:]:
+        if any(lo <= a < hi for a in _reads(r)):
+            return False
+        if lo <= r[1] < hi or (r[0] == RMS_NORM and lo <= r[10] < hi):
+            return True
+    return not any(a < hi and lo < b for a, b in exports)
+
+
+def _fuse_rope_qkv(recs: list[list[int]], exports: list[tuple[int, int]]) -> list[list[int]]:
+    """ROPE(Q), ROPE(K), SET_ROWS(K) of that roped K, SET_ROWS(V) (build_attn's order) as one
+    ROPE_QKV record where the kernel can take them: Q, K and V rows with one stride and heads
+    packed, the same positions, rope and cells, float32 rows, the roped K read by nothing else."""
+    from .executor import SET_ROWS
+
+    out: list[list[int]] = []
+    i = 0
+    while i < len(recs):
+        q, k, sk, sv = (recs[i:i + 4] + [[0] * WIDTH] * 4)[:4]
+        T, H, D, Hkv = q[6], q[7], q[8], k[7]
+        ok = (q[0], k[0], sk[0], sv[0]) == (ROPE, ROPE, SET_ROWS, SET_ROWS) and sk[4] == k[1] \
+            and (T == 1 or q[9] == k[9] == sv[8]) and q[10] == k[10] == D and k[8] == D and k[6] == T \
+            and q[3] == k[3] and q[11:15] == k[11:15] and q[4] == k[4] and sk[3] == sv[3] and sk[9] == sv[9] \
+            and sk[6] == sv[6] == T and sk[7] == Hkv * D and sv[7] % Hkv == 0 \
+            and _dead_after(recs, i + 4, k[1], k[1] + 4 * T * Hkv * D, exports)
+        if not ok:
+            out.append(recs[i])
+            i += 1
+            continue
+        r = [0] * WIDTH
+        r[0], r[1], r[2], r[3], r[4], r[5], r[10] = ROPE_QKV, q[1], q[2], q[3], sk[3], k[2], sv[4]
+        r[6], r[7], r[8], r[9], r[11], r[12], r[13], r[14] = T, H, D, q[9], q[11], q[12], q[13], q[14]
+        r[15], r[16], r[17], r[18] = Hkv, sv[7] // Hkv, q[4], sk[9]
+        r[19], r[20], r[21], r[22] = sk[1], sk[10], sk[11], sk[12]
+        r[23], r[24], r[25], r[26] = sv[1], sv[10], sv[11], sv[12]
+        out.append(r)
+        i += 4
+    return out
 
 
 def _fbits(x: float) -> int:

@@ -30,9 +30,9 @@ from gguf.quants import dequantize
 
 from llamapy.backend import cuda_exec, gpu_plan, native
 from llamapy.backend.cpu import CPU_BUFT, CPUBackend
-from llamapy.backend.executor import (ATTN, GEGLU, GET_ROWS_F32, SWIGLU, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena, ExecPlan, Loc,
+from llamapy.backend.executor import (ATTN, GEGLU, GET_ROWS_F32, SET_ROWS, SWIGLU, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena, ExecPlan, Loc,
                                       Refusal, Refused, _array_loc, _lib, _Slot)
-from llamapy.backend.gpu_plan import COUNT, GET_ROWS_W, HEAD, MUL_MAT_GLU, MUL_MAT_W, GPUPlan
+from llamapy.backend.gpu_plan import COUNT, GET_ROWS_W, HEAD, MUL_MAT_GLU, MUL_MAT_W, ROPE_QKV, WIDTH, GPUPlan
 from llamapy.backend.cpu_kernels import KV_CODES
 from llamapy.backend.kernels import _rope_tables_compute, gelu, rope_consts
 from llamapy.context import Context, ContextOptions, Model
@@ -106,7 +106,39 @@ class FakeRuntime:
     def attn_split(self, n_tokens: int, n_head: int, n_head_kv: int, n_cells: int, dv: int) -> tuple[int, int]:
         return 1, 0
 
+    def _rope_qkv(self, rec: np.ndarray) -> Callable[[], None]:
+        """ROPE(Q), ROPE(K) into a buffer, SET_ROWS(K) from it, SET_ROWS(V): the records fused."""
+        from llamapy.quants import hadamard
+
+        r = [int(x) for x in rec]
+        T, H, D, Hkv, Dv = r[6], r[7], r[8], r[15], r[16]
+        k_out = np.zeros((T, Hkv, D), np.float32)
+        self.keep.append(k_out)
+        q, k, sk, sv = (np.zeros(WIDTH, np.int64) for _ in range(4))
+        q[[0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14]] = ROPE, r[1], r[2], r[3], r[17], T, H, D, r[9], D, \
+            r[11], r[12], r[13], r[14]
+        k[[0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14]] = ROPE, k_out.ctypes.data, r[5], r[3], r[17], T, Hkv, \
+            D, r[9], D, r[11], r[12], r[13], r[14]
+
+        def rot_bits(rot: int) -> int:
+            return int(np.float64(hadamard(rot)[0, 0]).view(np.int64)) if rot else 0
+
+        sk[[0, 1, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13]] = SET_ROWS, r[19], r[4], k_out.ctypes.data, T, Hkv * D, \
+            Hkv * D, r[18], r[20], r[21], r[22], rot_bits(r[22])
+        sv[[0, 1, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13]] = SET_ROWS, r[23], r[4], r[10], T, Hkv * Dv, r[9], r[18], \
+            r[24], r[25], r[26], rot_bits(r[26])
+        parts = [self.prepare(x) for x in (q, k, sk, sv)]
+
+        def launch() -> None:
+            self.log.append(("launch", ROPE_QKV))
+            for p in parts:
+                p()
+
+        return launch
+
     def prepare(self, rec: np.ndarray) -> Callable[[], None]:
+        if int(rec[0]) == ROPE_QKV:  # the four records it stands for
+            return self._rope_qkv(rec)
         r = rec.copy()
         code = int(r[0])
         if code == ROPE:  # the CPU's table of inverse frequencies from the GPU record's base, scale, factors
@@ -256,7 +288,8 @@ def test_records_are_the_cpu_executors(make_llama, monkeypatch: pytest.MonkeyPat
     arena offsets (shifted by the GPU's count slots), the products as MUL_MAT_W and the q8 mode's
     QUANTIZE records gone; the inputs lie first, in one region; every ATTN record's count slot.
     Then with the GPU's gate/up + GLU fusion (which the CPU has not): one record less per layer,
-    the GLU's result never over the product's input (the kernel reads it to the end)."""
+    the GLU's result never over the product's input (the kernel reads it to the end); and with
+    ROPE(Q), ROPE(K) + its store and V's store as one ROPE_QKV record."""
     from llamapy.sched.alloc import plan_offsets
 
     model = Model(make_llama(qtype=T.Q8_0, rope_freqs=True))
@@ -270,12 +303,14 @@ def test_records_are_the_cpu_executors(make_llama, monkeypatch: pytest.MonkeyPat
     assert isinstance(cpu, ExecPlan)
     rt = FakeRuntime()
     monkeypatch.setattr(gpu_plan.GPUTarget, "fuse_glu", False)
+    monkeypatch.setattr(gpu_plan, "_fuse_rope_qkv", lambda recs, exports: recs)
     gp = gpu_plan.compile_split(split.nodes, exports, plan_offsets, rt)
     monkeypatch.undo()
     fused = gpu_plan.compile_split(split.nodes, exports, plan_offsets, FakeRuntime())
     assert isinstance(gp, GPUPlan) and isinstance(fused, GPUPlan)
     glu = fused.recs[fused.recs[:, 0] == MUL_MAT_GLU]
-    assert len(glu) == 2 and len(fused.recs) == len(gp.recs) - 2
+    qkv = fused.recs[fused.recs[:, 0] == ROPE_QKV]
+    assert len(glu) == len(qkv) == 2 and len(fused.recs) == len(gp.recs) - 2 - 2 * 3
     for r in glu:
         y, x = int(r[1]), int(r[2])
         assert y + 4 * r[6] * r[10] <= x or x + 4 * r[6] * r[7] <= y
@@ -418,6 +453,19 @@ class NumpyOps:
         i = mem(ids, (n_ids,), (1,), np.int32)
         raw = mem(w, (n_rows, row_bytes), (row_bytes, 1), np.uint8)[i]
         mem(y, (n_ids, n_in), (sy, 1), F32)[...] = dequantize(raw, T(int(qtype))).reshape(n_ids, n_in)
+
+    def rope_qkv(self, stream: Any, q: int, k: int, v: int, sxt: int, q_out: int, syt: int, n_tokens: int,
+                 n_head: int, n_head_kv: int, head_dim: int, head_dim_v: int, *, pos: int, n_dims: int, mode: int,
+                 freq_base: float, freq_scale: float = 1.0, factors: int = 0, ids: int, n_cells: int,
+                 k_type: GGMLType, k_cache: int, k_rb: int, k_rot: int = 0, v_type: GGMLType, v_cache: int,
+                 v_rb: int, v_rot: int = 0) -> None:
+        rope = dict(pos=pos, n_dims=n_dims, mode=mode, freq_base=freq_base, freq_scale=freq_scale, factors=factors)
+        store = dict(ids=ids, n_cells=n_cells)
+        self.rope(stream, q, sxt, head_dim, q_out, syt, head_dim, n_tokens, n_head, head_dim, **rope)
+        self.rope(stream, k, sxt, head_dim, 0, 0, 0, n_tokens, n_head_kv, head_dim, **rope, **store,
+                  cache_type=k_type, cache=k_cache, cache_rb=k_rb, rot=k_rot)
+        self.rope(stream, v, sxt, head_dim_v, 0, 0, 0, n_tokens, n_head_kv, head_dim_v, **store, cache_type=v_type,
+                  cache=v_cache, cache_rb=v_rb, rot=v_rot)
 
     def mul_mat_vec_glu(self, stream: Any, op: str, qtype: GGMLType, w: int, row_bytes: int, n_ff: int, n_in: int,
                         x: int, y: int, n_tok: int) -> None:

@@ -83,6 +83,59 @@ def test_ptx_entry_points(src: Path) -> None:
     assert not missing, f"{src.name} lacks {missing}"
 
 
+def _nvrtc() -> ctypes.CDLL | None:
+    """libnvrtc as CuPy loads it (a CUDA toolkit's, or the nvidia-cuda-nvrtc wheel's), if any."""
+    import ctypes.util
+    import glob
+    import site
+
+    cands = [ctypes.util.find_library("nvrtc") or "", *sorted(glob.glob("/usr/local/cuda*/lib64/libnvrtc.so*"))]
+    for sp in site.getsitepackages():
+        cands += sorted(glob.glob(f"{sp}/nvidia/cu*/lib/libnvrtc.so*")) + sorted(glob.glob(f"{sp}/nvidia/cuda_nvrtc/lib/libnvrtc.so*"))
+    for c in cands:
+        if c and "alt" not in Path(c).name and "builtins" not in Path(c).name:
+            try:
+                # NVRTC dlopens its builtins library by name: load it first from the same folder
+                for b in sorted(Path(c).parent.glob("libnvrtc-builtins.so*")):
+                    if "alt" not in b.name:
+                        ctypes.CDLL(str(b), mode=ctypes.RTLD_GLOBAL)
+                return ctypes.CDLL(c)
+            except OSError:
+                continue
+    return None
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
+def test_nvrtc_compiles(src: Path) -> None:
+    """What the GPU host compiles: the source CuPy's RawModule gets (common.cuh inlined), with
+    NVRTC and the options CuPy (NVRTC 12+) adds, to PTX holding every entry point cuda_ops loads."""
+    from llamapy.backend.cuda import _module_source
+    from llamapy.backend.cuda_ops import ENTRIES, NVRTC_OPTIONS
+
+    lib = _nvrtc()
+    if lib is None:
+        pytest.skip("no libnvrtc (CUDA toolkit or nvidia-cuda-nvrtc wheel)")
+    code = _module_source(src.name).encode()
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), code, b"kern.cu", 0, None, None) == 0
+    opts = [o.encode() for o in (*NVRTC_OPTIONS, "--device-as-default-execution-space", "-arch=compute_90")]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value + 1)
+    lib.nvrtcGetProgramLog(prog, log)
+    try:
+        assert rc == 0, f"NVRTC: {log.value.decode(errors='replace')[:3000]}"
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value + 1)
+        lib.nvrtcGetPTX(prog, ptx)
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    entries = ptx_params(ptx.value.decode())
+    missing = [n for n in ENTRIES[src.name] if n not in entries]
+    assert not missing, f"{src.name} lacks {missing}"
+
+
 _PTX_CLASS = {"u64": 8, "s64": 8, "b64": 8, "u32": 4, "s32": 4, "b32": 4, "f32": "f", "f64": "d"}
 
 

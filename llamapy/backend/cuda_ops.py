@@ -121,6 +121,8 @@ class CudaKernels:
         return cls(functions, n_sm, modules)
 
     def _launch(self, name: str, grid: tuple[int, ...], block: int, args: tuple, stream: Any, shared: int = 0) -> None:
+        if grid[0] >= 2**31 or any(g > 65535 for g in grid[1:]):
+            raise UnsupportedError(f"CUDA: {name} over a grid of {grid} blocks (at most 2^31-1 x 65535 x 65535)")
         self.functions[name](tuple(int(g) for g in grid), (int(block),), args, shared_mem=int(shared), stream=stream)
 
     # -- row-wise ops -------------------------------------------------------------------------

@@ -251,6 +251,8 @@ def test_launch_refusals() -> None:
         k.glu(st, "reglu", 1, 1, 1, 1, 1, 1, 1, 1)
     with pytest.raises(UnsupportedError, match="tokens"):
         k.mul_mat_vec(st, G.Q4_0, 1, 18, 4, 32, 0x1000, 0x2000, 9)
+    with pytest.raises(UnsupportedError, match="grid"):
+        k.glu(st, "swiglu", 1, 1, 1, 1, 1, 1, 70000, 64)
 
 
 def test_every_weight_type_has_kernels() -> None:

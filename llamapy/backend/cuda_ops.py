@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..quants import hadamard
+from ..quants import hadamard_scale
 from ..types import GGMLType, UnsupportedError, block_size
 from .cuda import _TYPE_KERNELS as WEIGHT_SUFFIX  # weight type -> (source file, entry-point suffix)
 from .cuda import MMV_MAX_TOKENS, MMV_ROWS_PER_BLOCK
@@ -229,7 +229,7 @@ class CudaKernels:
                 shared = 4 * head_dim
             elif rot:
                 raise UnsupportedError(f"CUDA: a rotated {ct.name} cache")
-        rot_scale = float(hadamard(rot)[0, 0]) if rot else 0.0
+        rot_scale = float(hadamard_scale(rot)) if rot else 0.0
         ts = rope_theta_scale(freq_base, n_dims) if mode >= 0 else np.float32(0)
         args = (_p(x), np.int64(sxt), np.int64(sxh), _p(pos if mode >= 0 else 0), _p(y), np.int64(syt),
                 np.int64(syh), np.int32(head_dim), np.int32(n_dims), np.int32(mode), np.float32(ts),
@@ -264,8 +264,8 @@ class CudaKernels:
         threads = min(ROPE_MAX_THREADS, _cdiv(max(head_dim, head_dim_v), 32) * 32)
         if max(head_dim, head_dim_v) > 8 * threads:
             raise UnsupportedError(f"CUDA: ROPE of heads of {max(head_dim, head_dim_v)}")
-        krs = float(hadamard(k_rot)[0, 0]) if k_rot else 0.0
-        vrs = float(hadamard(v_rot)[0, 0]) if v_rot else 0.0
+        krs = float(hadamard_scale(k_rot)) if k_rot else 0.0
+        vrs = float(hadamard_scale(v_rot)) if v_rot else 0.0
         args = (_p(q), _p(k), _p(v), np.int64(sxt), _p(pos), _p(q_out), np.int64(syt), np.int32(n_head),
                 np.int32(n_head_kv), np.int32(head_dim), np.int32(head_dim_v), np.int32(n_dims), np.int32(mode),
                 np.float32(rope_theta_scale(freq_base, n_dims)), np.float32(freq_scale), _p(factors), _p(ids),
@@ -311,8 +311,8 @@ class CudaKernels:
         n_splits = max(1, int(n_splits))
         if n_splits > 1 and not scratch:
             raise ValueError("a split attention needs its scratch buffer")
-        rk = float(hadamard(rot_k)[0, 0]) if rot_k else 0.0
-        rv = float(hadamard(rot_v)[0, 0]) if rot_v else 0.0
+        rk = float(hadamard_scale(rot_k)) if rot_k else 0.0
+        rv = float(hadamard_scale(rot_v)) if rot_v else 0.0
         args = (_p(q), np.int64(sqt), np.int64(sqh), _p(k), np.int64(k_cb), np.int64(k_hb), _p(v), np.int64(v_cb),
                 np.int64(v_hb), np.int64(n_cells), _p(mask), np.int64(sm), np.int32(n_kv), _p(n_kv_dev), _p(out),
                 np.int64(sot), np.int64(soh), _p(scratch), np.int32(n_head), np.int32(n_head_kv),

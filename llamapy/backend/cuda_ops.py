@@ -96,6 +96,21 @@ def fattn_scratch_floats(n_tokens: int, n_head: int, dv: int, n_splits: int) -> 
     return 0 if n_splits <= 1 else n_tokens * n_head * n_splits * (dv + 2)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch with its arguments fixed: what a plan replays (no Python per argument)."""
+
+    name: str
+    fn: Any
+    grid: tuple[int, ...]
+    block: int
+    args: tuple
+    shared: int
+
+    def __call__(self, stream: Any) -> None:
+        self.fn(self.grid, (self.block,), self.args, shared_mem=self.shared, stream=stream)
+
+
 @dataclass
 class CudaKernels:
     """The loaded entry points of one device (RawKernel by name) and its SM count."""
@@ -103,6 +118,19 @@ class CudaKernels:
     functions: dict[str, Any]
     n_sm: int
     _modules: list[Any] = field(default_factory=list, repr=False)
+    _sink: list[Launch] | None = field(default=None, repr=False)
+
+    def record(self, build: Any) -> list[Launch]:
+        """The launches `build(stream)` makes through these methods, recorded instead of run:
+        a plan computes its grids and arguments once and replays the `Launch`es each step (or
+        captures them into a CUDA graph)."""
+        self._sink, out = [], []
+        try:
+            build(None)
+            out = self._sink
+        finally:
+            self._sink = None
+        return out
 
     @classmethod
     def load(cls, cp: Any) -> CudaKernels:
@@ -123,7 +151,11 @@ class CudaKernels:
     def _launch(self, name: str, grid: tuple[int, ...], block: int, args: tuple, stream: Any, shared: int = 0) -> None:
         if grid[0] >= 2**31 or any(g > 65535 for g in grid[1:]):
             raise UnsupportedError(f"CUDA: {name} over a grid of {grid} blocks (at most 2^31-1 x 65535 x 65535)")
-        self.functions[name](tuple(int(g) for g in grid), (int(block),), args, shared_mem=int(shared), stream=stream)
+        launch = Launch(name, self.functions[name], tuple(int(g) for g in grid), int(block), args, int(shared))
+        if self._sink is not None:
+            self._sink.append(launch)
+        else:
+            launch(stream)
 
     # -- row-wise ops -------------------------------------------------------------------------
 

@@ -93,16 +93,10 @@ class EmuEnv(Env):
         launch(object())
 
     def capture(self, launches: Any) -> Any:
-        """The emulator's CUDA graph: each launch's kernel and arguments recorded once, replayed
-        as recorded (nothing recomputed from Python values)."""
-        real = self.k.functions
-        rec: list[tuple] = []
-        self.k.functions = {n: (lambda n: lambda *a, **kw: rec.append((n, a, kw)))(n) for n in real}
-        try:
-            launches(object())
-        finally:
-            self.k.functions = real
-        return lambda: [real[n](*a, **kw) for n, a, kw in rec]
+        """The emulator's CUDA graph: the launches recorded once (CudaKernels.record), replayed as
+        recorded (nothing recomputed from Python values)."""
+        recorded = self.k.record(launches)
+        return lambda: [x(None) for x in recorded]
 
 
 class CudaEnv(Env):

@@ -226,6 +226,36 @@ def test_launch_arguments_match_the_kernels() -> None:
     assert not unlaunched, unlaunched
 
 
+def test_recorded_launches_replay_the_same_calls() -> None:
+    """CudaKernels.record gives the launches a build makes, unrun; replaying them makes exactly
+    the calls launching directly makes."""
+    from llamapy.backend.cuda_ops import ENTRIES, CudaKernels
+    from llamapy.types import GGMLType as G
+
+    calls: list[tuple] = []
+
+    def recorder(name: str):  # noqa: ANN202
+        return lambda grid, block, args, shared_mem=0, stream=None: calls.append((name, grid, block, args, shared_mem, stream))
+
+    k = CudaKernels({n: recorder(n) for names in ENTRIES.values() for n in names}, n_sm=132)
+
+    def build(st: object) -> None:
+        k.rms_norm(st, 0x1000, 64, 0x2000, 64, 2, 64, 1e-5, w=0x3000)
+        k.flash_attn_ext(st, 0x1000, 512, 64, G.F16, 0x2000, 256, 128, G.Q8_0, 0x3000, 136, 68, 300, 0x4000, 300,
+                         0x5000, 512, 64, 1, 8, 2, 64, 64, 0.125, n_kv_dev=0x6000, n_splits=3, scratch=0x7000)  # fmt: skip
+
+    launches = k.record(build)
+    assert not calls and [x.name for x in launches] == ["rms_norm_f32", "fattn_f16_q8_0", "fattn_combine"]
+    st = object()
+    build(st)
+    direct, calls[:] = list(calls), []
+    for x in launches:
+        x(st)
+    assert len(calls) == 3 and all(
+        a[:3] == b[:3] and a[4:] == b[4:] and len(a[3]) == len(b[3]) and all(type(u) is type(v) and u == v for u, v in zip(a[3], b[3]))
+        for a, b in zip(calls, direct))  # fmt: skip
+
+
 def test_launch_refusals() -> None:
     """What a kernel cannot do is refused with a LlamapyError before anything is launched."""
     from llamapy.backend.cuda_ops import CudaKernels

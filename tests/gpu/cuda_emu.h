@@ -62,6 +62,19 @@ extern unsigned char lp_warp_slots[32][32][8];
 
 inline void __syncthreads() { lp_wait(&lp_block_barrier); }
 
+extern int lp_block_or;
+// 1 when any thread of the block passes a nonzero p; three barriers so that the flag is reset
+// (by thread 0) before any thread can reach the next call's write
+inline int __syncthreads_or(int p) {
+    lp_wait(&lp_block_barrier);
+    if (p) lp_block_or = 1;
+    lp_wait(&lp_block_barrier);
+    const int r = lp_block_or;
+    lp_wait(&lp_block_barrier);
+    if (threadIdx.x == 0) lp_block_or = 0;
+    return r;
+}
+
 template <typename T>
 inline T __shfl_xor_sync(unsigned int, T v, int off) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
@@ -102,6 +115,7 @@ unsigned char* lp_dyn_smem;
 lp_barrier_t lp_block_barrier;
 lp_barrier_t lp_warp_barriers[32];
 unsigned char lp_warp_slots[32][32][8];
+int lp_block_or;
 
 namespace {
 enum { RUN, WAIT, DONE };

@@ -274,6 +274,87 @@ def decode_speed(llm: Any, n_prompt: int = 8, n_gen: int = 32, seed: int = 0) ->
     return n_gen / (time.perf_counter() - t0)
 
 
+def kernel_speed(rep: Report, lines: list[str], dev: Any) -> None:
+    """Time the decode kernels alone: the matrix-vector products at the benchmark shapes (weight
+    bytes / time), attention over growing histories, and the row-wise kernels."""
+    import cupy as cp
+
+    sys.path.insert(0, str(ROOT / "tests/gpu"))
+    from test_cuda_ptx import random_rows
+
+    from llamapy.backend.cuda_ops import fattn_scratch_floats, fattn_splits
+    from llamapy.types import GGMLType as G
+
+    k = dev.ops()
+    st = dev.stream
+    rng = np.random.default_rng(0)
+
+    def time_us(launch: Callable[[], None], n: int = 100) -> float:
+        with dev.context("timing a kernel"):
+            for _ in range(3):
+                launch()
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(st)
+            for _ in range(n):
+                launch()
+            b.record(st)
+            b.synchronize()
+        return cp.cuda.get_elapsed_time(a, b) * 1000.0 / n
+
+    rep.add(lines, "| kernel | shape | us/launch | GB/s |")
+    rep.add(lines, "|---|---|---|---|")
+    for name, n_out, n_in, n_tok in [("Q4_K", 4096, 4096, 1), ("Q4_K", 28672, 4096, 1), ("Q6_K", 4096, 14336, 1),
+                                     ("Q4_K", 2048, 2048, 1), ("Q4_1", 1536, 576, 1), ("Q8_0", 49152, 576, 1),
+                                     ("Q4_K", 4096, 4096, 4)]:  # fmt: skip
+        raw = cp.asarray(np.ascontiguousarray(random_rows(name, n_out, n_in, rng)))
+        x = cp.asarray(rng.standard_normal((n_tok, n_in)).astype(np.float32))
+        y = cp.empty((n_tok, n_out), cp.float32)
+        cp.cuda.Device(dev.index).synchronize()
+        us = time_us(lambda: k.mul_mat_vec(st, G[name], raw.data.ptr, raw.shape[1], n_out, n_in, x.data.ptr,
+                                           y.data.ptr, n_tok))  # fmt: skip
+        rep.add(lines, f"| mmv {name} | {n_out}x{n_in}, {n_tok} tok | {us:.1f} | {raw.nbytes / us / 1e3:.0f} |")
+    H, Hkv, D, N = 32, 8, 128, 8192
+    kc = cp.zeros((N, Hkv, D), cp.float16)
+    vc = cp.zeros((N, Hkv, D), cp.float16)
+    q = cp.asarray(rng.standard_normal((1, H, D)).astype(np.float32))
+    mask = cp.zeros((1, N), cp.float32)
+    out = cp.empty((1, H, D), cp.float32)
+    for n_kv in (128, 1024, 8192):
+        for s in (1, fattn_splits(1, Hkv, N, k.n_sm)):
+            scratch = cp.zeros(max(1, fattn_scratch_floats(1, H, D, s)), cp.float32)
+            cp.cuda.Device(dev.index).synchronize()
+            us = time_us(lambda: k.flash_attn_ext(st, q.data.ptr, H * D, D, G.F16, kc.data.ptr, Hkv * D * 2, D * 2, G.F16,
+                                                  vc.data.ptr, Hkv * D * 2, D * 2, N, mask.data.ptr, N, out.data.ptr,
+                                                  H * D, D, 1, H, Hkv, D, D, 0.088, n_kv=n_kv, n_splits=s,
+                                                  scratch=scratch.data.ptr))  # fmt: skip
+            gb = 2 * n_kv * Hkv * D * 2 / us / 1e3
+            rep.add(lines, f"| fattn f16 | H{H}/{Hkv} D{D}, {n_kv} cells, {s} split(s) | {us:.1f} | {gb:.0f} |")
+    xr = cp.asarray(rng.standard_normal((1, 4096)).astype(np.float32))
+    w = cp.ones(4096, cp.float32)
+    yr = cp.empty((1, 4096), cp.float32)
+    cp.cuda.Device(dev.index).synchronize()
+    us = time_us(lambda: k.rms_norm(st, xr.data.ptr, 4096, yr.data.ptr, 4096, 1, 4096, 1e-5, b=xr.data.ptr, sb=4096,
+                                    sum_out=yr.data.ptr, ss=4096, w=w.data.ptr))  # fmt: skip
+    rep.add(lines, f"| rms_norm (add, weight) | 1x4096 | {us:.1f} | - |")
+    gu = cp.asarray(rng.standard_normal((1, 2 * 14336)).astype(np.float32))
+    g_out = cp.empty((1, 14336), cp.float32)
+    cp.cuda.Device(dev.index).synchronize()
+    us = time_us(lambda: k.glu(st, "swiglu", gu.data.ptr, 2 * 14336, gu.data.ptr + 4 * 14336, 2 * 14336,
+                               g_out.data.ptr, 14336, 1, 14336))  # fmt: skip
+    rep.add(lines, f"| swiglu | 1x14336 | {us:.1f} | - |")
+    pos = cp.zeros(1, cp.int32)
+    cell = cp.zeros(1, cp.int64)
+    qkv = cp.asarray(rng.standard_normal((1, (H + 2 * Hkv) * D)).astype(np.float32))
+    qo = cp.empty((1, H, D), cp.float32)
+    b = qkv.data.ptr
+    cp.cuda.Device(dev.index).synchronize()
+    us = time_us(lambda: k.rope_qkv(st, b, b + 4 * H * D, b + 4 * (H + Hkv) * D, (H + 2 * Hkv) * D, qo.data.ptr,
+                                    H * D, 1, H, Hkv, D, D, pos=pos.data.ptr, n_dims=D, mode=0, freq_base=5e5,
+                                    ids=cell.data.ptr, n_cells=N, k_type=G.F16, k_cache=kc.data.ptr, k_rb=Hkv * D * 2,
+                                    v_type=G.F16, v_cache=vc.data.ptr, v_rb=Hkv * D * 2))  # fmt: skip
+    rep.add(lines, f"| rope_qkv (f16 cache) | H{H}/{Hkv} D{D} | {us:.1f} | - |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--test-device", action="store_true", help="use the TEST device instead of CUDA (dry run)")
@@ -390,6 +471,13 @@ def main() -> int:
         # -ub 8: micro-batches the compiled GPU split takes (its CUDA graphs); 512: the cuBLAS path
         rep.step(ref, "tiny32 KLD -ub 8", lambda: tiny32_kld("8", "compiled GPU split, CUDA graphs"))
         rep.step(ref, "tiny32 KLD -ub 512", lambda: tiny32_kld("512", "prompt path: run_nodes + cuBLAS"))
+
+    # 2c. kernel speed ------------------------------------------------------------------------
+    kspeed = rep.section("Kernel speed on CUDA0 (CUDA events, mean of 100 launches; H200 HBM3e peak ~4.8 TB/s)")
+    if args.test_device or dev is None:
+        rep.add(kspeed, "- skipped")
+    else:
+        rep.step(kspeed, "kernel speed", lambda: kernel_speed(rep, kspeed, dev))
 
     # 3 + 4. models -----------------------------------------------------------------------
     tmp = Path(tempfile.mkdtemp(prefix="llamapy-gpu-"))

@@ -93,16 +93,10 @@ class EmuEnv(Env):
         launch(object())
 
     def capture(self, launches: Any) -> Any:
-        """The emulator's CUDA graph: each launch's kernel and arguments recorded once, replayed
-        as recorded (nothing recomputed from Python values)."""
-        real = self.k.functions
-        rec: list[tuple] = []
-        self.k.functions = {n: (lambda n: lambda *a, **kw: rec.append((n, a, kw)))(n) for n in real}
-        try:
-            launches(object())
-        finally:
-            self.k.functions = real
-        return lambda: [real[n](*a, **kw) for n, a, kw in rec]
+        """The emulator's CUDA graph: the launches recorded once (CudaKernels.record), replayed as
+        recorded (nothing recomputed from Python values)."""
+        recorded = self.k.record(launches)
+        return lambda: [x(None) for x in recorded]
 
 
 class CudaEnv(Env):
@@ -472,6 +466,7 @@ FA_CASES = [
     (G.F16, G.Q4_0, 3, 4, 2, 64, 300, 256, 0, 64),
     (G.Q8_0, G.F16, 5, 4, 2, 64, 300, 256, 64, 0),
     (G.Q4_0, G.F32, 1, 4, 1, 96, 300, 77, 0, 0),
+    (G.F16, G.F16, 40, 4, 2, 64, 300, 200, 0, 0),  # a prompt: causal (below)
 ]
 
 
@@ -480,14 +475,18 @@ FA_CASES = [
 @pytest.mark.parametrize("n_kv_on_device", [False, True])
 def test_flash_attn_ext(env: Env, case: tuple, split: str, n_kv_on_device: bool) -> None:
     kt, vt, T, H, Hkv, D, N, n_kv, rot_k, rot_v = case
-    if env.name == "emu" and H * n_kv > 20000 and not os.environ.get("LLAMAPY_EMU_ALL"):
-        pytest.skip("~10 s on the CPU emulator: runs on the GPU (LLAMAPY_EMU_ALL=1 runs it here)")
+    work = H * n_kv * T  # the emulator runs ~10k of these a second
+    if env.name == "emu" and not os.environ.get("LLAMAPY_EMU_ALL"):
+        if work > 50000 or (work > 20000 and (split, n_kv_on_device) != ("split", True)):
+            pytest.skip("seconds on the CPU emulator: runs on the GPU (LLAMAPY_EMU_ALL=1 runs it here)")
     q = randn(T, H, D)
     kf, vf = randn(N, Hkv, D), randn(N, Hkv, D)
     kv_k, kv_v = _cache_values(kf, kt, rot_k), _cache_values(vf, vt, rot_v)
     mask = np.where(rng.random((T, n_kv)) < 0.3, -np.inf, 0.0).astype(np.float32)
     mask[:, 0] = 0.0
-    if n_kv > 200:
+    if T >= 32:  # a prompt of T tokens after n_kv - T cells of history: causal, whole tiles hidden
+        mask = np.where(np.arange(n_kv)[None, :] <= np.arange(n_kv - T, n_kv)[:, None] - 100 * (np.arange(T)[:, None] % 3 == 0), 0.0, -np.inf).astype(np.float32)
+    elif n_kv > 200:
         mask[0, 64:200] = -np.inf  # whole tiles masked: a split may see no visible cell
     tk, tv = Tensor("k", (N, Hkv, D), kt), Tensor("v", (N, Hkv, D), vt)
     if rot_k:
@@ -622,3 +621,87 @@ def _rope_ref_at(xa: np.ndarray, position: int) -> np.ndarray:
     T, H, D = xa.shape
     x, pos = t("x", (T, H, D)), t("pos", (T,), G.I32)
     return reference(ops.rope(x, pos, D, 10000.0, 1.0, None, mode=0), [xa, np.array([position], np.int32)])
+
+
+# --- a whole decode layer from the kernels -----------------------------------------------------
+
+
+def test_decode_layer_from_kernels(env: Env) -> None:
+    """One llama decode layer as the compiled GPU split launches it, 9 kernels (+ the attention
+    combine): RMS_NORM x w -> QKV product -> rope_qkv (Q rope, K rope + store, V store) ->
+    attention over the history -> output product -> ADD + RMS_NORM x w (the sum kept) -> gate/up
+    product with SwiGLU -> down product -> ADD; against the same layer in numpy from the
+    reference ops (weights expanded by gguf-py), after 40 cells of history."""
+    from gguf.quants import dequantize
+
+    E, H, Hkv, D, F, N, n_past = 256, 8, 2, 32, 512, 64, 40
+    QKV = (H + 2 * Hkv) * D
+    r = np.random.default_rng(9)
+
+    def weight(rows: int, cols: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+        raw = np.ascontiguousarray(random_rows(name, rows, cols, r))
+        return raw, dequantize(raw, G[name]).reshape(rows, cols).astype(np.float32)
+
+    (wqkv, wqkv_f), (wo, wo_f) = weight(QKV, E, "Q4_K"), weight(E, H * D, "Q8_0")
+    (wgu, wgu_f), (wd, wd_f) = weight(2 * F, E, "Q4_K"), weight(E, F, "Q6_K")
+    n1, n2 = (1 + 0.1 * r.standard_normal(E)).astype(np.float32), (1 + 0.1 * r.standard_normal(E)).astype(np.float32)
+    x = r.standard_normal((1, E)).astype(np.float32)
+    kc0 = (r.standard_normal((N, Hkv * D)) * 0.5).astype(np.float16)
+    vc0 = r.standard_normal((N, Hkv * D)).astype(np.float16)
+    eps, base = 1e-5, 10000.0
+
+    # numpy: the reference ops, in float32
+    def ref_op(node: Tensor, *vals: np.ndarray) -> np.ndarray:
+        return np.asarray(reference(node, list(vals)))
+
+    tx = t("x", (1, E))
+    h = ref_op(ops.mul(tx, t("w", (E,))), ref_op(ops.rms_norm(tx, eps), x), n1)
+    qkv = h @ wqkv_f.T
+    q3, k3 = qkv[:, : H * D].reshape(1, H, D), qkv[:, H * D : (H + Hkv) * D].reshape(1, Hkv, D)
+    rp = {"n_dims": D, "freq_base": base}
+    q3 = ref_op(ops.rope(t("q", (1, H, D)), t("p", (1,), G.I32), **rp), q3, np.array([n_past], np.int32))
+    k3 = ref_op(ops.rope(t("k", (1, Hkv, D)), t("p", (1,), G.I32), **rp), k3, np.array([n_past], np.int32))
+    kc, vc = kc0.copy(), vc0.copy()
+    kc[n_past], vc[n_past] = k3.reshape(-1), qkv[0, (H + Hkv) * D :]
+    att = ref_op(ops.flash_attn_ext(t("q", (1, H, D)), Tensor("k", (N, Hkv, D), G.F16), Tensor("v", (N, Hkv, D), G.F16),
+                                    t("m", (1, N))),
+                 q3, kc.reshape(N, Hkv, D), vc.reshape(N, Hkv, D), np.zeros((1, n_past + 1), np.float32))  # fmt: skip
+    x1 = x + att.reshape(1, -1) @ wo_f.T
+    h2 = ref_op(ops.mul(tx, t("w", (E,))), ref_op(ops.rms_norm(tx, eps), x1), n2)
+    gu = h2 @ wgu_f.T
+    g = ref_op(ops.swiglu(t("g", (1, F)), t("u", (1, F))), gu[:, :F], gu[:, F:])
+    want = x1 + g @ wd_f.T
+
+    # the kernels
+    dv = {n: env.d(a) for n, a in dict(wqkv=wqkv, wo=wo, wgu=wgu, wd=wd, n1=n1, n2=n2, x=x, kc=kc0, vc=vc0).items()}
+    pos, cell, n_kv = env.d(np.array([n_past], np.int32)), env.d(np.array([n_past], np.int64)), env.d(np.array([n_past + 1], np.int32))
+    mask = env.d(np.zeros((1, N), np.float32))
+    bufs = {n: env.full(shape, np.nan, np.float32) for n, shape in
+            dict(h=(1, E), qkv=(1, QKV), q=(1, H, D), att=(1, H * D), o=(1, E), x1=(1, E), h2=(1, E), g=(1, F),
+                 d=(1, E), out=(1, E)).items()}  # fmt: skip
+    s = fattn_splits(1, Hkv, N, env.k.n_sm)
+    scratch = env.zeros(max(1, fattn_scratch_floats(1, H, D, s)), np.float32)
+    P = {n: env.p(a) for n, a in {**dv, **bufs}.items()}
+
+    def layer(st: Any) -> None:
+        k = env.k
+        k.rms_norm(st, P["x"], E, P["h"], E, 1, E, eps, w=P["n1"])
+        k.mul_mat_vec(st, G.Q4_K, P["wqkv"], wqkv.shape[1], QKV, E, P["h"], P["qkv"], 1)
+        k.rope_qkv(st, P["qkv"], P["qkv"] + 4 * H * D, P["qkv"] + 4 * (H + Hkv) * D, QKV, P["q"], H * D, 1, H, Hkv, D,
+                   D, pos=env.p(pos), n_dims=D, mode=0, freq_base=base, ids=env.p(cell), n_cells=N, k_type=G.F16,
+                   k_cache=P["kc"], k_rb=Hkv * D * 2, v_type=G.F16, v_cache=P["vc"], v_rb=Hkv * D * 2)  # fmt: skip
+        k.flash_attn_ext(st, P["q"], H * D, D, G.F16, P["kc"], Hkv * D * 2, D * 2, G.F16, P["vc"], Hkv * D * 2, D * 2, N,
+                         env.p(mask), N, P["att"], H * D, D, 1, H, Hkv, D, D, 1.0 / np.sqrt(D), n_kv_dev=env.p(n_kv),
+                         n_splits=s, scratch=env.p(scratch))  # fmt: skip
+        k.mul_mat_vec(st, G.Q8_0, P["wo"], wo.shape[1], E, H * D, P["att"], P["o"], 1)
+        k.rms_norm(st, P["x"], E, P["h2"], E, 1, E, eps, b=P["o"], sb=E, sum_out=P["x1"], ss=E, w=P["n2"])
+        k.mul_mat_vec_glu(st, "swiglu", G.Q4_K, P["wgu"], wgu.shape[1], F, E, P["h2"], P["g"], 1)
+        k.mul_mat_vec(st, G.Q6_K, P["wd"], wd.shape[1], E, F, P["g"], P["d"], 1)
+        k.binary(st, "add", P["x1"], E, P["d"], E, P["out"], E, 1, E)
+
+    env.run(layer)
+    np.testing.assert_allclose(env.get(bufs["x1"]), x1, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(env.get(bufs["out"]), want, rtol=1e-4, atol=1e-4)
+    got_k = env.get(dv["kc"])
+    assert np.array_equal(np.delete(got_k, n_past, 0), np.delete(kc0, n_past, 0))  # one cell written
+    np.testing.assert_allclose(got_k[n_past].astype(np.float32), kc[n_past].astype(np.float32), rtol=2e-3, atol=1e-3)

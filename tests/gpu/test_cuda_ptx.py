@@ -83,6 +83,59 @@ def test_ptx_entry_points(src: Path) -> None:
     assert not missing, f"{src.name} lacks {missing}"
 
 
+def _nvrtc() -> ctypes.CDLL | None:
+    """libnvrtc as CuPy loads it (a CUDA toolkit's, or the nvidia-cuda-nvrtc wheel's), if any."""
+    import ctypes.util
+    import glob
+    import site
+
+    cands = [ctypes.util.find_library("nvrtc") or "", *sorted(glob.glob("/usr/local/cuda*/lib64/libnvrtc.so*"))]
+    for sp in site.getsitepackages():
+        cands += sorted(glob.glob(f"{sp}/nvidia/cu*/lib/libnvrtc.so*")) + sorted(glob.glob(f"{sp}/nvidia/cuda_nvrtc/lib/libnvrtc.so*"))
+    for c in cands:
+        if c and "alt" not in Path(c).name and "builtins" not in Path(c).name:
+            try:
+                # NVRTC dlopens its builtins library by name: load it first from the same folder
+                for b in sorted(Path(c).parent.glob("libnvrtc-builtins.so*")):
+                    if "alt" not in b.name:
+                        ctypes.CDLL(str(b), mode=ctypes.RTLD_GLOBAL)
+                return ctypes.CDLL(c)
+            except OSError:
+                continue
+    return None
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
+def test_nvrtc_compiles(src: Path) -> None:
+    """What the GPU host compiles: the source CuPy's RawModule gets (common.cuh inlined), with
+    NVRTC and the options CuPy (NVRTC 12+) adds, to PTX holding every entry point cuda_ops loads."""
+    from llamapy.backend.cuda import _module_source
+    from llamapy.backend.cuda_ops import ENTRIES, NVRTC_OPTIONS
+
+    lib = _nvrtc()
+    if lib is None:
+        pytest.skip("no libnvrtc (CUDA toolkit or nvidia-cuda-nvrtc wheel)")
+    code = _module_source(src.name).encode()
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), code, b"kern.cu", 0, None, None) == 0
+    opts = [o.encode() for o in (*NVRTC_OPTIONS, "--device-as-default-execution-space", "-arch=compute_90")]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value + 1)
+    lib.nvrtcGetProgramLog(prog, log)
+    try:
+        assert rc == 0, f"NVRTC: {log.value.decode(errors='replace')[:3000]}"
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value + 1)
+        lib.nvrtcGetPTX(prog, ptx)
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    entries = ptx_params(ptx.value.decode())
+    missing = [n for n in ENTRIES[src.name] if n not in entries]
+    assert not missing, f"{src.name} lacks {missing}"
+
+
 _PTX_CLASS = {"u64": 8, "s64": 8, "b64": 8, "u32": 4, "s32": 4, "b32": 4, "f32": "f", "f64": "d"}
 
 
@@ -173,6 +226,36 @@ def test_launch_arguments_match_the_kernels() -> None:
     assert not unlaunched, unlaunched
 
 
+def test_recorded_launches_replay_the_same_calls() -> None:
+    """CudaKernels.record gives the launches a build makes, unrun; replaying them makes exactly
+    the calls launching directly makes."""
+    from llamapy.backend.cuda_ops import ENTRIES, CudaKernels
+    from llamapy.types import GGMLType as G
+
+    calls: list[tuple] = []
+
+    def recorder(name: str):  # noqa: ANN202
+        return lambda grid, block, args, shared_mem=0, stream=None: calls.append((name, grid, block, args, shared_mem, stream))
+
+    k = CudaKernels({n: recorder(n) for names in ENTRIES.values() for n in names}, n_sm=132)
+
+    def build(st: object) -> None:
+        k.rms_norm(st, 0x1000, 64, 0x2000, 64, 2, 64, 1e-5, w=0x3000)
+        k.flash_attn_ext(st, 0x1000, 512, 64, G.F16, 0x2000, 256, 128, G.Q8_0, 0x3000, 136, 68, 300, 0x4000, 300,
+                         0x5000, 512, 64, 1, 8, 2, 64, 64, 0.125, n_kv_dev=0x6000, n_splits=3, scratch=0x7000)  # fmt: skip
+
+    launches = k.record(build)
+    assert not calls and [x.name for x in launches] == ["rms_norm_f32", "fattn_f16_q8_0", "fattn_combine"]
+    st = object()
+    build(st)
+    direct, calls[:] = list(calls), []
+    for x in launches:
+        x(st)
+    assert len(calls) == 3 and all(
+        a[:3] == b[:3] and a[4:] == b[4:] and len(a[3]) == len(b[3]) and all(type(u) is type(v) and u == v for u, v in zip(a[3], b[3]))
+        for a, b in zip(calls, direct))  # fmt: skip
+
+
 def test_launch_refusals() -> None:
     """What a kernel cannot do is refused with a LlamapyError before anything is launched."""
     from llamapy.backend.cuda_ops import CudaKernels
@@ -198,6 +281,8 @@ def test_launch_refusals() -> None:
         k.glu(st, "reglu", 1, 1, 1, 1, 1, 1, 1, 1)
     with pytest.raises(UnsupportedError, match="tokens"):
         k.mul_mat_vec(st, G.Q4_0, 1, 18, 4, 32, 0x1000, 0x2000, 9)
+    with pytest.raises(UnsupportedError, match="grid"):
+        k.glu(st, "swiglu", 1, 1, 1, 1, 1, 1, 70000, 64)
 
 
 def test_every_weight_type_has_kernels() -> None:

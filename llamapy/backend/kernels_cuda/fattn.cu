@@ -113,6 +113,10 @@ __device__ __forceinline__ void fattn_impl(
     const u8* vh = v + (long long)j * v_hb;
     for (long long c = c0; c < c1; c += FA_TILE) {
         const int nt = (int)(c1 - c < FA_TILE ? c1 - c : FA_TILE);
+        // a tile the mask hides entirely (a prompt's causal future, a sliding window's past)
+        // changes nothing: skipped by the whole block
+        const bool seen = threadIdx.x < nt && mrow[c + threadIdx.x] != NEG_INF;
+        if (!__syncthreads_or(seen)) continue;
         // 1. scores: a warp per cell, a lane per 32nd of the head; masked cells are not read
         for (int jj = warp; jj < nt; jj += n_warps) {
             const float mv = mrow[c + jj];

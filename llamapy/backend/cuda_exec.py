@@ -149,12 +149,21 @@ class CUDARuntime:
         return n, 4 * fattn_scratch_floats(n_tokens, n_head, dv, n)
 
     def prepare(self, rec: np.ndarray) -> Callable[[], None]:
+        """The record's launch: its launch maker's call recorded once (cuda_ops' `record`: grids
+        and arguments computed now, a kernel that refuses them raises UnsupportedError now), so a
+        direct step pays one kernel call per launch and a capture records exactly those."""
         code = int(rec[0])
         make = _LAUNCHES.get(code)
         if make is None:
             raise Refused(f"no CUDA kernel for record op {code}")
         with self.dev.context("loading a kernel"):
-            return make(self, rec)
+            call = make(self, rec)
+            launches = self.ops.record(lambda _stream: call())
+        stream = self.dev.stream
+        if len(launches) == 1:
+            (one,) = launches
+            return lambda: one(stream)
+        return lambda: [launch(stream) for launch in launches]
 
     def capture(self, launches: Sequence[Callable[[], None]]) -> Any:
         stream = self.dev.stream

@@ -632,16 +632,21 @@ def emu_functions() -> dict[str, Any]:
 
 
 class EmuRuntime(FakeRuntime):
-    """The fake device whose launches are cuda_exec's launch makers over cuda_ops' real launch
-    layer, the kernels_cuda sources running on the CPU emulator; a capture records each kernel
-    call (name and arguments) and a replay makes exactly those calls."""
+    """The fake device whose launches are made as CUDARuntime makes them (its `prepare`: the
+    launch makers' calls recorded by cuda_ops as fixed kernel launches) over cuda_ops' real launch
+    layer, the kernels_cuda sources running on the CPU emulator; a capture keeps those launches
+    and a replay makes exactly them."""
+
+    prepare = cuda_exec.CUDARuntime.prepare
 
     def __init__(self, functions: dict[str, Any]) -> None:
+        import contextlib
+
         from llamapy.backend.cuda_ops import CudaKernels
 
         super().__init__()
         self.ops = CudaKernels(dict(functions), n_sm=4)
-        self.dev = type("Dev", (), {"stream": None})()
+        self.dev = type("Dev", (), {"stream": None, "context": staticmethod(lambda what: contextlib.nullcontext())})()
 
     def attn_split(self, n_tokens: int, n_head: int, n_head_kv: int, n_cells: int, dv: int) -> tuple[int, int]:
         from llamapy.backend.cuda_ops import fattn_scratch_floats, fattn_splits
@@ -649,24 +654,9 @@ class EmuRuntime(FakeRuntime):
         n = fattn_splits(n_tokens, n_head_kv, n_cells, self.ops.n_sm)
         return n, 4 * fattn_scratch_floats(n_tokens, n_head, dv, n)
 
-    def prepare(self, rec: np.ndarray) -> Any:
-        return cuda_exec._LAUNCHES[int(rec[0])](self, rec)  # type: ignore[arg-type]
-
     def capture(self, launches: Sequence[Callable[[], None]]) -> Any:
-        real, calls = self.ops.functions, []
-        self.ops.functions = {n: (lambda n: lambda *a, **kw: calls.append((n, a, kw)))(n) for n in real}
-        try:
-            for launch in launches:
-                launch()
-        finally:
-            self.ops.functions = real
-        self.log.append(("capture", len(calls)))
-        return calls
-
-    def replay(self, graph: Any) -> None:
-        self.log.append(("replay", len(graph)))
-        for n, a, kw in graph:
-            self.ops.functions[n](*a, **kw)
+        self.log.append(("capture", len(launches)))
+        return list(launches)
 
 
 _SLOW = pytest.mark.slow  # (~12 s each on the emulator: the first case runs in the fast suite)

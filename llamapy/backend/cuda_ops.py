@@ -370,8 +370,8 @@ class CudaKernels:
         qtype = GGMLType(qtype)
         if qtype not in WEIGHT_SUFFIX:
             raise UnsupportedError(f"CUDA: MUL_MAT of {qtype.name}")
-        if not 0 < n_tok <= MMV_MAX_TOKENS or n_in % 32 or x % 16:
-            raise UnsupportedError(f"CUDA: matrix-vector product of {n_tok} tokens of {n_in} (x at {x:#x})")
+        if not 0 < n_tok <= MMV_MAX_TOKENS or n_in % 32 or n_in % block_size(qtype)[0] or x % 16:
+            raise UnsupportedError(f"CUDA: {qtype.name} matrix-vector product of {n_tok} tokens of {n_in} (x at {x:#x})")
         args = (_p(w), _p(x), _p(y), np.int32(n_out), np.int32(n_in), np.int64(row_bytes), np.int32(n_tok))
         grid = _cdiv(n_out, MMV_ROWS_PER_BLOCK)
         self._launch(f"mmv_{WEIGHT_SUFFIX[qtype][1]}", (grid,), 32 * MMV_ROWS_PER_BLOCK, args, stream)
@@ -386,8 +386,8 @@ class CudaKernels:
             raise UnsupportedError(f"CUDA: GLU op {op!r}")
         if qtype not in WEIGHT_SUFFIX:
             raise UnsupportedError(f"CUDA: MUL_MAT of {qtype.name}")
-        if not 0 < n_tok <= MMV_MAX_TOKENS or n_in % 32 or x % 16:
-            raise UnsupportedError(f"CUDA: matrix-vector product of {n_tok} tokens of {n_in} (x at {x:#x})")
+        if not 0 < n_tok <= MMV_MAX_TOKENS or n_in % 32 or n_in % block_size(qtype)[0] or x % 16:
+            raise UnsupportedError(f"CUDA: {qtype.name} matrix-vector product of {n_tok} tokens of {n_in} (x at {x:#x})")
         args = (_p(w), _p(x), _p(y), np.int32(n_ff), np.int32(n_in), np.int64(row_bytes), np.int32(n_tok),
                 np.int32(0 if op == "swiglu" else 1))  # fmt: skip
         grid = _cdiv(n_ff, MMV_ROWS_PER_BLOCK)

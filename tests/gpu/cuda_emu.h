@@ -23,6 +23,10 @@ struct lp_dim3 {
 struct float4 {
     float x, y, z, w;
 };
+struct uint4 {
+    unsigned int x, y, z, w;
+};
+#define LP_EMU 1
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 
 extern lp_dim3 threadIdx, blockIdx, blockDim, gridDim;
@@ -46,8 +50,16 @@ inline float __int_as_float(int i) {
 }
 inline float __int_as_float(unsigned int i) { return __int_as_float((int)i); }
 inline float __uint_as_float(unsigned int i) { return __int_as_float((int)i); }
+// __ldg as the device's: a load of sizeof(T) bytes, which must be aligned to them there (the
+// emulator records a misaligned one: the launch then fails, naming the kernel)
+extern int lp_misaligned;
 template <typename T>
-inline T __ldg(const T* p) { return *p; }
+inline T __ldg(const T* p) {
+    if (reinterpret_cast<uintptr_t>(p) % sizeof(T)) lp_misaligned = 1;
+    T v;
+    std::memcpy(&v, p, sizeof(T));
+    return v;
+}
 using std::cos;
 using std::sin;
 
@@ -116,6 +128,7 @@ lp_barrier_t lp_block_barrier;
 lp_barrier_t lp_warp_barriers[32];
 unsigned char lp_warp_slots[32][32][8];
 int lp_block_or;
+int lp_misaligned;
 
 namespace {
 enum { RUN, WAIT, DONE };
@@ -165,12 +178,13 @@ void lp_wait(lp_barrier_t* b) {
     swapcontext(&fibers[cur].ctx, &sched_ctx);
 }
 
-// Runs fn over the grid; returns 0, or -1 when a barrier can never be passed (the block index
-// is then in *bad_block).
+// Runs fn over the grid; returns 0, -1 when a barrier can never be passed (the block index is
+// then in *bad_block), -2 when a load was misaligned for its width.
 extern "C" int lp_emu_launch(void (*fn)(const uint64_t*), const uint64_t* args, unsigned int gx, unsigned int gy,
                              unsigned int gz, unsigned int bx, unsigned long long shared, int* bad_block) {
     call = fn;
     call_args = args;
+    lp_misaligned = 0;
     gridDim = {gx, gy, gz};
     blockDim = {bx, 1, 1};
     std::vector<unsigned char> smem(shared + 16);
@@ -214,6 +228,6 @@ extern "C" int lp_emu_launch(void (*fn)(const uint64_t*), const uint64_t* args, 
                     }
                 }
             }
-    return 0;
+    return lp_misaligned ? -2 : 0;
 }
 #endif

@@ -55,6 +55,8 @@ class EmuKernel:
             ctypes.cast(self.call, ctypes.c_void_p), slots.ctypes.data_as(ctypes.c_void_p), g[0], g[1], g[2], block[0],
             ctypes.c_ulonglong(shared_mem), ctypes.byref(bad),
         )  # fmt: skip
+        if rc == -2:
+            raise RuntimeError(f"{self.name}: a load misaligned for its width (it would fault on a GPU)")
         if rc != 0:
             raise RuntimeError(f"{self.name}: block {bad.value} is stuck at a barrier (divergent __syncthreads or shuffle)")
 

@@ -84,11 +84,11 @@ LP_HD float ld_f16(const u8* p) { return f16_to_f32(ld_u16(p)); }
 // Wide loads of a block's quants (decode is bandwidth-bound, and a byte load per weight makes it
 // instruction-bound): N little-endian 32-bit words from p, which the caller knows to be aligned
 // to A bytes (16: one 128-bit load per 16 bytes; 4: 32-bit loads; 2: pairs of 16-bit loads). The
-// host builds (tests, the CPU emulator) copy the same bytes, so every use below is the same
-// arithmetic on the same words there.
+// CPU emulator of the tests (LP_EMU) takes these loads too and checks their alignment; the host
+// decoder tests copy the same bytes.
 template <int N, int A>
 LP_HD void ld_words(const u8* p, unsigned int* o) {
-#ifdef __CUDA_ARCH__
+#if defined(__CUDA_ARCH__) || defined(LP_EMU)
     if (A >= 16) {
 #pragma unroll
         for (int i = 0; i < N / 4; ++i) {

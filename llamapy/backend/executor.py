@@ -71,8 +71,9 @@ ALIGN = 64  # the arena's alignment (AVX-512 loads); sched/alloc.py aligns offse
 (GET_ROWS_Q, GET_ROWS_F32, RMS_NORM, MUL, ADD, SCALE, SWIGLU, MUL_MAT, ROPE, SET_ROWS, ATTN, CPY, QUANT_ACT,
  MUL_MAT_Q) = range(1, 15)
 REC = 24
-# GLU with GELU (gemma3's GEGLU): a code executor.c has not (its target refuses it), the GPU's has
-GEGLU = 17
+# GLU with GELU (gemma3's GEGLU): a code executor.c has not (its target refuses it), the GPU's has.
+# Codes from 32 on are records only the GPU target writes (gpu_plan.py), apart from executor.c's.
+GEGLU = 32
 OP_NAMES = {GEGLU: "GLU", GET_ROWS_Q: "GET_ROWS", GET_ROWS_F32: "GET_ROWS", RMS_NORM: "RMS_NORM", MUL: "MUL", ADD: "ADD",
             SCALE: "SCALE", SWIGLU: "GLU", MUL_MAT: "MUL_MAT", ROPE: "ROPE", SET_ROWS: "SET_ROWS",
             ATTN: "FLASH_ATTN_EXT", CPY: "CONT", QUANT_ACT: "QUANTIZE", MUL_MAT_Q: "MUL_MAT"}  # fmt: skip

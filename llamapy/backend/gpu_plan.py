@@ -66,8 +66,8 @@ from ..types import LlamapyError, UnsupportedError
 from .executor import (ATTN, GET_ROWS_F32, MUL_MAT, OP_NAMES, RMS_NORM, ROPE, REC, Built, Loc, Refusal, Refused, Target, _Compiler,
                        _Slot, op_counts)
 
-# The GPU's own record codes (after executor.c's 1..14 and GEGLU's 17)
-MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV = 15, 16, 18, 19
+# The GPU's own record codes (from 33: apart from executor.c's and GEGLU's 32)
+MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV = 33, 34, 35, 36
 WIDTH = REC + 3  # slots 24-26: an ATTN record's count slot, split scratch, splits
 COUNT, SCRATCH, SPLITS = 24, 25, 26
 HEAD = 64  # bytes of count slots at the arena's start: 16 masks

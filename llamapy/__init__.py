@@ -13,9 +13,11 @@ __version__ = "0.1.0"
 from .api import Llama
 from .context import Context, ContextOptions, Model, ModelOptions
 from .generate import Chunk, GenerationResult, generate, perplexity_chunks, stream
+from .model.constrain import ConstraintError, ConstraintSpec
 from .types import GGMLType, LlamapyError
 
 __all__ = [
     "Llama", "Model", "Context", "ModelOptions", "ContextOptions", "Chunk", "GenerationResult",
-    "generate", "stream", "perplexity_chunks", "GGMLType", "LlamapyError", "__version__",
+    "generate", "stream", "perplexity_chunks", "GGMLType", "LlamapyError", "ConstraintSpec", "ConstraintError",
+    "__version__",
 ]  # fmt: skip

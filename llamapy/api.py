@@ -23,6 +23,7 @@ from .generate import (
     perplexity_chunks,
     stream,
 )
+from .model.constrain import ConstraintError, ConstraintSpec, compile_constraint, response_format_spec
 from .model.sampler import SamplingParams
 from .types import ContextFullError, LlamapyError
 
@@ -145,16 +146,27 @@ class Llama:
         prompt: str | Sequence[int],
         n_predict: int = -1,
         result: GenerationResult | None = None,
+        constraint: ConstraintSpec | None = None,
         **sampling: float | int,
     ) -> Iterator[Chunk]:
-        """Yield one Chunk per generated token. `sampling` takes SamplingParams' fields.
+        """Yield one Chunk per generated token. `sampling` takes SamplingParams' fields;
+        `constraint` a grammar / JSON schema the text must match (model/constrain.py).
         Bad arguments (and a closed Llama) raise here, not at the first chunk."""
         ctx = self.ctx
         check_n_predict(n_predict)
-        return stream(ctx, self._tokens(prompt), n_predict, SamplingParams(**sampling), result)  # type: ignore[arg-type]
+        if constraint is not None:
+            compile_constraint(constraint, self.tokenizer)  # an invalid one raises now (then cached)
+        return stream(ctx, self._tokens(prompt), n_predict, SamplingParams(**sampling), result,  # type: ignore[arg-type]
+                      constraint=constraint)  # fmt: skip
 
-    def generate(self, prompt: str | Sequence[int], n_predict: int = -1, **sampling: float | int) -> GenerationResult:
-        return generate(self.ctx, self._tokens(prompt), n_predict, SamplingParams(**sampling))  # type: ignore[arg-type]
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        n_predict: int = -1,
+        constraint: ConstraintSpec | None = None,
+        **sampling: float | int,
+    ) -> GenerationResult:
+        return generate(self.ctx, self._tokens(prompt), n_predict, SamplingParams(**sampling), constraint)  # type: ignore[arg-type]
 
     def warmup(self) -> float:
         """One throw-away decode, then an empty cache (llama.cpp's common_init warm-up run): the
@@ -211,10 +223,13 @@ class Llama:
             eng = self._serving_engine = Engine(self.ctx, n_parallel=1)
         return eng
 
-    def _openai_run(self, parsed, kind: str):  # noqa: ANN001, ANN202
+    def _openai_run(self, parsed, kind: str, constraint: ConstraintSpec | None = None):  # noqa: ANN001, ANN202
         from .server.protocol import Responder
 
-        r = Responder(kind, parsed.model or str(self.path), self.tokenizer)
+        r = Responder(kind, parsed.model or str(self.path), self.tokenizer, parsed.syntax)
+        if constraint is not None:  # (else what the protocol's parser set, if anything: tools, response_format)
+            parsed.request.constraint = constraint
+        self._engine().compiled(parsed.request)  # an invalid grammar raises now, streaming or not
         events = self._engine().generate(parsed.request)
         if not parsed.stream:
             evs = list(events)
@@ -232,9 +247,7 @@ class Llama:
         yield from r.start_chunks()
         for ev in events:
             if ev.kind == "token":
-                c = r.token_chunk(ev)
-                if c is not None:
-                    yield c
+                yield from r.token_chunks(ev)
             elif ev.finish_reason == "error":
                 raise LlamapyError(ev.error or "generation failed")
             else:
@@ -255,18 +268,23 @@ class Llama:
         repeat_penalty: float = 1.0,
         logprobs: int | None = None,
         stream: bool = False,
+        grammar: str | None = None,
+        response_format: dict | None = None,
         **unsupported: object,
     ) -> dict | Iterator[dict]:
         """llama-cpp-python's Llama.create_completion: an OpenAI `text_completion` dict, or with
         stream=True an iterator of its chunks. `max_tokens` None or <= 0: until end of generation
-        or a full context. Parameters llamapy does not support (suffix, echo, logit_bias, …)
-        raise LlamapyError when given a non-default value."""
+        or a full context. `grammar` (GBNF text) or `response_format` ({"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"schema": ...}}) constrain the text; an invalid
+        one raises ConstraintError. Parameters llamapy does not support (suffix, echo,
+        logit_bias, …) raise LlamapyError when given a non-default value."""
         body = _body(locals(), unsupported)
         from .server.protocol import completion_request
 
         if max_tokens is None or max_tokens <= 0:
             body.pop("max_tokens", None)
-        return self._openai_run(completion_request(body, self.tokenizer), "completion")
+        spec = _constraint(body)
+        return self._openai_run(completion_request(body, self.tokenizer), "completion", spec)
 
     def create_chat_completion(
         self,
@@ -284,10 +302,17 @@ class Llama:
         logprobs: bool | None = None,
         top_logprobs: int | None = None,
         stream: bool = False,
+        grammar: str | None = None,
+        response_format: dict | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
         **unsupported: object,
     ) -> dict | Iterator[dict]:
         """llama-cpp-python's Llama.create_chat_completion: the GGUF's chat template (sandboxed),
-        an OpenAI `chat.completion` dict or with stream=True an iterator of its chunks."""
+        an OpenAI `chat.completion` dict or with stream=True an iterator of its chunks.
+        `grammar` / `response_format` constrain the reply as in create_completion; `tools` and
+        `tool_choice` as OpenAI's (the reply's `tool_calls`, a required call forced by a grammar)."""
         body = _body(locals(), unsupported)
         from .server.protocol import ChatTemplate, chat_request
 
@@ -298,7 +323,7 @@ class Llama:
 
 # llama-cpp-python parameters that mean "off" at these values are accepted and dropped
 _OFF = {"suffix": None, "echo": False, "logit_bias": None, "functions": None, "function_call": None,
-        "tools": None, "tool_choice": None, "response_format": None, "grammar": None, "n": 1,
+        "n": 1,
         "typical_p": 1.0, "tfs_z": 1.0, "mirostat_mode": 0, "logits_processor": None,
         "stopping_criteria": None, "model": None, "best_of": None}  # fmt: skip
 
@@ -313,6 +338,19 @@ def _body(args: dict, unsupported: dict) -> dict:
     if body.get("logprobs") is False:
         body.pop("logprobs")
     return body
+
+
+def _constraint(body: dict) -> ConstraintSpec | None:
+    """`grammar` (GBNF text, as llama-cpp-python's LlamaGrammar.from_string takes it) or
+    `response_format`, taken out of the body the protocol parses; not both."""
+    grammar, rf = body.pop("grammar", None), body.pop("response_format", None)
+    if grammar is not None and rf is not None:
+        raise ConstraintError("give either grammar or response_format, not both")
+    if grammar is not None:
+        if not isinstance(grammar, str):
+            raise ConstraintError(f"grammar must be GBNF text (a str), not {type(grammar).__name__}")
+        return ConstraintSpec("gbnf", grammar)
+    return response_format_spec(rf) if rf is not None else None
 
 
 def _check_seq(seq: object) -> int:

@@ -6,7 +6,8 @@ KV cache, slot `s` decoding as sequence id `s`, and each slot may use `n_ctx // 
 as llama-parallel sizes them. Prompts are submitted lazily, one whenever a slot is free; every
 engine step decodes ONE micro-batch holding the next token of every generating sequence plus the
 prompts (or prompt chunks, up to `n_batch` tokens) of the sequences just admitted. When a sequence
-ends — an end-of-generation token (`stop`), its `n_predict` (`length`) or a full slot (`context`) —
+ends — an end-of-generation token or a complete grammar (`stop`), its `n_predict` (`length`), a full
+slot (`context`) or a grammar that allows no token (`grammar_dead_end`) —
 its cells are dropped (no prompt cache: `cache_prompt` off) and the next prompt takes the slot.
 
 `run_batch()` yields one `BatchRecord` per prompt as it finishes (completion order, not input
@@ -29,6 +30,7 @@ from typing import Any
 from .context import Context
 from .engine import Engine, EngineMetrics, Event, PromptTooLongError, Request
 from .generate import check_n_predict
+from .model.constrain import ConstraintSpec
 from .model.sampler import Sampler, SamplingParams
 from .types import LlamapyError
 
@@ -56,6 +58,7 @@ class BatchRequest:
     seed: int | None = None
     id: Any = None
     index: int | None = None  # default: the request's position in the input
+    constraint: ConstraintSpec | None = None  # this prompt's grammar / JSON schema
 
 
 @dataclass
@@ -70,7 +73,7 @@ class BatchRecord:
     tokens: list[int] = field(default_factory=list)
     n_prompt_tokens: int = 0
     n_tokens: int = 0
-    finish_reason: str = ""  # "stop", "length", "context"; "" with an error
+    finish_reason: str = ""  # "stop", "length", "context", "grammar_dead_end"; "" with an error
     error: str | None = None
     prompt_ms: float = 0.0  # from taking a slot to the end of the prompt's evaluation
     predicted_ms: float = 0.0  # from the first sampled token to the end
@@ -131,12 +134,15 @@ def run_batch(
     n_predict: int = -1,
     sampling: SamplingParams | None = None,
     stats: BatchStats | None = None,
+    constraint: ConstraintSpec | None = None,
 ) -> Iterator[BatchRecord]:
     """Decode `requests` as up to `n_parallel` parallel sequences of `ctx`; yield a record for each
     as it finishes. `requests` is consumed lazily, one item whenever a slot is free.
 
     `n_predict` and `sampling` are the defaults; a BatchRequest's `n_predict`, `temp` and `seed`
     override them for that prompt. -1 (and -2) generate until end of generation or a full slot.
+    `constraint` constrains every prompt without one of its own (BatchRequest.constraint); an
+    invalid one makes an error record.
     """
     if n_parallel < 1:
         raise LlamapyError(f"-np {n_parallel}: the number of parallel sequences must be >= 1")
@@ -173,7 +179,8 @@ def run_batch(
             rec.seed = Sampler(params).seed
             params = replace(params, seed=rec.seed)
             toks = tok.encode(prompt, add_special=True, parse_special=True) if isinstance(prompt, str) else prompt
-            request = Request(toks, max_tokens=npred if npred >= 0 else -1, sampling=params, cache_prompt=False)
+            request = Request(toks, max_tokens=npred if npred >= 0 else -1, sampling=params, cache_prompt=False,
+                              constraint=req.constraint if req.constraint is not None else constraint)  # fmt: skip
             rec.n_prompt_tokens = len(engine.check(request))
         except PromptTooLongError as e:
             rec.error = (
@@ -208,7 +215,7 @@ def run_batch(
             rec.tokens.append(ev.token)
             return None
         del live[ev.id]
-        if ev.finish_reason not in ("stop", "length", "context") or ev.timings is None:
+        if ev.finish_reason not in ("stop", "length", "context", "grammar_dead_end") or ev.timings is None:
             # the engine failed (a decode error, a lost device), not this request: the run stops
             # after this step, with no record for it, so that a resumed run tries it again
             failed.append((rec.index, ev.error or ev.finish_reason))

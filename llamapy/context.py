@@ -39,6 +39,7 @@ from .model.loader import (
 from .model.tokenizer import Tokenizer
 from .models import HParams, ModelGraph, UBatch, build_graph, read_hparams
 from .sched.scheduler import Plan, Scheduler
+from .tensor import Tensor
 from .types import DeviceType, GGMLType, LlamapyError, OutOfMemoryError, UnsupportedError, block_size, row_nbytes
 
 
@@ -87,6 +88,8 @@ class LoadInfo:
     i_gpu_start: int = 0
     ngl_reason: str = ""
     warnings: list[str] = field(default_factory=list)  # e.g. a repack cache that cannot be written
+    # what -ot / --cpu-moe / --n-cpu-moe moved off the device -ngl gave: device -> (tensors, bytes)
+    overridden: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class Model:
@@ -145,7 +148,17 @@ class Model:
             i_gpu_start=self.placement.i_gpu_start,
             ngl_reason=reason,
             warnings=[n for b in self.weights.buffers if (n := getattr(b, "cache_note", None))],
+            overridden=self._overridden(where),
         )
+
+    def _overridden(self, where: dict[Tensor, Device]) -> dict[str, tuple[int, int]]:
+        by_layer = weight_devices(self.weights, self.placement)
+        out: dict[str, tuple[int, int]] = {}
+        for t, dev in where.items():
+            if by_layer[t] is not dev:
+                n, size = out.get(dev.name, (0, 0))
+                out[dev.name] = (n + 1, size + t.nbytes)
+        return out
 
     # -- devices and -ngl -------------------------------------------------------------------
 
@@ -162,9 +175,30 @@ class Model:
             n = self.max_layers_that_fit()
             margins = ", ".join(f"{d.name} {self.margin(d) / 2**20:.0f} MiB" for d in self.gpus)
             reason = f"-ngl auto: {n}/{n_total} layers fit the free GPU memory (margin: {margins})"
+            if n < n_total and self.params.n_expert:
+                k = self._experts_to_cpu()
+                if k is not None:
+                    return n_total, f"{reason}; all of them with the experts of the first {k} on the CPU (as --n-cpu-moe {k})"
             n, note = self._fit_without_op_offload(n)
             return n, f"{reason}; {note}" if note else reason
         return int(ngl), ""
+
+    def _experts_to_cpu(self) -> int | None:
+        """-ngl auto on a mixture of experts: the fewest first layers whose experts, kept in host
+        memory, let every layer's attention and router fit the GPUs (llama.cpp's fit moves experts
+        before layers: attention runs every token, an expert only when chosen). Sets the
+        overrides; None when even all the experts on the CPU leave too little room."""
+        from .model.loader import expert_overrides
+
+        user = list(self.overrides)
+        free = {d.name: d.memory()[0] - self.margin(d) for d in self.gpus}
+        for k in range(1, self.params.n_layer + 1):
+            self.overrides = user + [(p, self.cpu) for p, _ in expert_overrides(k)]
+            need = self.device_bytes(self.params.n_layer + 1)
+            if all(need[n] <= free[n] for n in need if n in free):
+                return k
+        self.overrides = user
+        return None
 
     def _fit_without_op_offload(self, n: int) -> tuple[int, str]:
         """-ngl auto: when op offload's compute buffers cost layers, more layers win (they speed
@@ -497,7 +531,7 @@ _FILE_TYPES = {
     0: "all F32", 1: "mostly F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",
     10: "Q2_K - Medium", 11: "Q3_K - Small", 12: "Q3_K - Medium", 13: "Q3_K - Large",
     14: "Q4_K - Small", 15: "Q4_K - Medium", 16: "Q5_K - Small", 17: "Q5_K - Medium", 18: "Q6_K",
-    32: "BF16",
+    25: "IQ4_NL - 4.5 bpw", 30: "IQ4_XS - 4.25 bpw", 32: "BF16", 38: "MXFP4 MoE",
 }  # fmt: skip
 
 

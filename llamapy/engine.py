@@ -22,7 +22,12 @@ differently from the one-token kernels and change greedy text: decode tokens and
 - `Event(kind="token")` per sampled token: the text it releases (text that might be the start of a
   stop string is held back), the token id, and its logprob / top logprobs when asked;
 - one final `Event(kind="done")` with the finish reason ("stop", "length", "context" (the
-  slot is full), "cancelled" or "error"), the last released text, usage and timings.
+  slot is full), "cancelled", "error" or "grammar_dead_end" (its constraint allowed no token;
+  `error` says why)), the last released text, usage and timings.
+
+A request's `constraint` (model/constrain.py) masks its rows before its sampler chain, with its
+own matcher: requests in one step are constrained each on its own; a complete grammar ends the
+request with "stop".
 
 Prompt cache: an idle slot keeps the K/V of the tokens it last held; a new request goes to the free
 slot sharing the longest prefix with its prompt and only the rest is evaluated. What idle slots keep
@@ -62,6 +67,7 @@ from .context import Context
 
 if TYPE_CHECKING:  # asyncio is imported where a server uses it: ~1.5 MiB (ssl) for every `run`
     import asyncio
+from .model.constrain import CompiledConstraint, ConstraintSpec, Matcher, compile_constraint
 from .model.kv_cache import MAX_SHARE_SEQ
 from .model.sampler import Sampler, SamplingParams
 from .types import ContextFullError, DeviceLostError, LlamapyError
@@ -112,6 +118,8 @@ class Request:
     logprobs: int | None = None  # None: none; 0: the chosen token's; k > 0: also the top k
     cache_prompt: bool = True  # reuse (and leave) this slot's cached prefix
     special: bool = False  # render special tokens as their text (llama.cpp's --special)
+    # a grammar / JSON schema the output must match (model/constrain.py); None: unconstrained
+    constraint: ConstraintSpec | None = None
 
 
 @dataclass
@@ -163,7 +171,8 @@ class Event:
     index: int = -1  # 0-based among the generated tokens
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None  # (token, logprob), best first
-    finish_reason: str | None = None  # "stop", "length", "context", "cancelled", "error" (done only)
+    # "stop", "length", "context", "cancelled", "error", "grammar_dead_end" (done only)
+    finish_reason: str | None = None
     error: str | None = None
     stop_word: str | None = None  # the stop string that ended generation (done only)
     usage: Usage | None = None
@@ -215,6 +224,8 @@ class _Job:
     sink: Sink
     prompt: list[int]
     sampler: Sampler | None = None
+    constraint: CompiledConstraint | None = None
+    matcher: Matcher | None = None  # this request's place in its constraint (None: unconstrained)
     decoder: Any = None
     n_done: int = 0  # prompt tokens in the KV cache
     n_cached: int = 0
@@ -345,7 +356,13 @@ class Engine:
             raise LlamapyError(f"max_tokens {req.max_tokens}: use -1 (no limit) or N >= 0")
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise LlamapyError(f"logprobs {req.logprobs}: must be between 0 and 20")
+        self.compiled(req)
         return toks
+
+    def compiled(self, req: Request) -> CompiledConstraint | None:
+        """The request's constraint compiled for this model's vocabulary (cached on its
+        tokenizer), or ConstraintError naming what is wrong with it."""
+        return compile_constraint(req.constraint, self.tokenizer) if req.constraint is not None else None
 
     def submit(self, req: Request, sink: Sink) -> int:
         """Queue a request; its events go to `sink` (called from the stepping thread, which must
@@ -364,7 +381,7 @@ class Engine:
                 raise QueueFullError(
                     f"all {self.n_parallel} slots are busy and {len(self._waiting)} requests are waiting"
                 )
-            job = _Job(next(self._ids), req, sink, toks, t_submit=time.perf_counter())
+            job = _Job(next(self._ids), req, sink, toks, t_submit=time.perf_counter(), constraint=self.compiled(req))
             self._waiting.append(job)
             self.metrics.requests_total += 1
             self._cv.notify_all()
@@ -493,6 +510,7 @@ class Engine:
         job.n_done = job.n_cached = keep
         self._share_prefix(slot)
         job.sampler = Sampler(job.req.sampling)
+        job.matcher = job.constraint.matcher() if job.constraint is not None else None
         for t in job.prompt:
             job.sampler.accept(t)
         job.decoder = self.tokenizer.stream_decoder(job.req.special)
@@ -661,8 +679,21 @@ class Engine:
             row = row.copy()
             row[list(eog)] = -np.inf
         ts = time.perf_counter()
+        gm = job.matcher
+        if gm is not None:
+            # the grammar first, then the chain (common_sampler with grammar_first): the chain
+            # only ever sees allowed tokens, end of generation among them once the grammar is complete
+            if not (p.ignore_eos and eog):  # (else already a copy)
+                row = row.copy()
+            gm.mask(row)
+            if gm.dead:
+                why = gm.error or "no token can continue the output"
+                self._finish(s, "grammar_dead_end", error=f"the grammar reached a dead end: {why}")
+                return
         token = job.sampler.sample(row)
         job.sampler.accept(token)
+        if gm is not None and token not in eog:
+            gm.accept(token)
         job.sample_ms += (time.perf_counter() - ts) * 1e3
         if token in eog:
             self._finish(s, "stop")
@@ -691,7 +722,7 @@ class Engine:
         self._emit(job, ev)
         if s.job is not job:  # the sink failed: already cancelled
             return
-        if cut is not None:
+        if cut is not None or (gm is not None and gm.done):  # a complete grammar allows only the end
             self._finish(s, "stop")
         elif job.req.max_tokens > 0 and len(job.tokens) >= job.req.max_tokens:
             self._finish(s, "length")

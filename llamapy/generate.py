@@ -17,6 +17,7 @@ import numpy as np
 
 from .context import Context
 from .engine import Engine, Request
+from .model.constrain import ConstraintSpec
 from .model.sampler import SamplingParams
 from .types import LlamapyError
 
@@ -47,7 +48,10 @@ class Timings:
 class GenerationResult:
     text: str = ""
     tokens: list[int] = field(default_factory=list)
-    finish_reason: str = ""  # "stop" (end of generation), "length" (-n), "context" (full)
+    # "stop" (end of generation, or a complete grammar), "length" (-n), "context" (full),
+    # "grammar_dead_end" (the constraint allows no token; `error` says why)
+    finish_reason: str = ""
+    error: str = ""
     timings: Timings = field(default_factory=Timings)
 
 
@@ -65,6 +69,7 @@ def stream(
     seq: int = 0,
     cached: Sequence[int] = (),
     special: bool = False,
+    constraint: ConstraintSpec | None = None,
 ) -> Iterator[Chunk]:
     """Evaluate the prompt, then sample until an end-of-generation token, `n_predict` tokens
     (-1: no limit, -2: until the context is full) or a full context.
@@ -73,6 +78,8 @@ def stream(
     `cached` lists the tokens sequence `seq` already holds in the KV cache (a conversation's
     earlier turns): only what follows their common prefix with the prompt is evaluated.
     `special`: special tokens are rendered as their text (llama.cpp's --special).
+    `constraint`: a grammar / JSON schema the output must match (ConstraintError before anything
+    is evaluated when it is invalid).
     """
     check_n_predict(n_predict)
     res = result if result is not None else GenerationResult()
@@ -86,7 +93,9 @@ def stream(
     engine = Engine(ctx, n_parallel=1, n_ctx_slot=ctx.n_ctx, first_seq=seq)
     engine.assume_cached(0, cached)
     max_tokens = n_predict if n_predict >= 0 else -1  # -1 and -2: until the end or a full context
-    req = Request([int(t) for t in prompt_tokens], max_tokens, sampling or SamplingParams(), special=special)
+    req = Request([int(t) for t in prompt_tokens], max_tokens, sampling or SamplingParams(), special=special,
+                  constraint=constraint)  # fmt: skip
+    engine.compiled(req)  # an invalid constraint fails before the prompt is evaluated
     for ev in engine.generate(req):
         if ev.kind == "token":
             res.tokens.append(ev.token)
@@ -97,6 +106,7 @@ def stream(
         if ev.finish_reason == "error" or t is None:
             raise LlamapyError(ev.error or "generation failed")
         res.finish_reason = ev.finish_reason or ""
+        res.error = ev.error or ""
         res.timings.prompt_ms = t.prompt_ms
         res.timings.n_prompt = t.prompt_n
         res.timings.sample_ms = t.sample_ms
@@ -109,10 +119,14 @@ def stream(
 
 
 def generate(
-    ctx: Context, prompt_tokens: Sequence[int], n_predict: int = -1, sampling: SamplingParams | None = None
+    ctx: Context,
+    prompt_tokens: Sequence[int],
+    n_predict: int = -1,
+    sampling: SamplingParams | None = None,
+    constraint: ConstraintSpec | None = None,
 ) -> GenerationResult:
     res = GenerationResult()
-    for _ in stream(ctx, prompt_tokens, n_predict, sampling, res):
+    for _ in stream(ctx, prompt_tokens, n_predict, sampling, res, constraint=constraint):
         pass
     return res
 

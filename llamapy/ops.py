@@ -19,7 +19,13 @@ def _node(name: str, kind: Op, shape: tuple[int, ...], *src: Tensor, **params: o
 
 
 def get_rows(a: Tensor, ids: Tensor, name: str = "get_rows") -> Tensor:
-    """Rows `ids` of `a`: (R, C), (n,) -> (n, C), dequantized to f32."""
+    """Rows `ids` of `a`: (R, C), (n,) -> (n, C), dequantized to f32. With a batch of id rows,
+    ggml's 3-D form: (B, R, C), (B, n) -> (B, n, C), batch b's rows from a[b] (the router's
+    weights of the chosen experts)."""
+    if len(ids.shape) == 2:
+        if len(a.shape) != 3 or a.shape[0] != ids.shape[0]:
+            raise ValueError(f"get_rows {name}: ids {ids.shape} do not batch over {a.shape}")
+        return _node(name, Op.GET_ROWS, (*ids.shape, a.shape[-1]), a, ids)
     return _node(name, Op.GET_ROWS, (ids.shape[0], a.shape[-1]), a, ids)
 
 
@@ -44,6 +50,32 @@ def mul(a: Tensor, b: Tensor, name: str = "mul") -> Tensor:
 
 def add(a: Tensor, b: Tensor, name: str = "add") -> Tensor:
     return _node(name, Op.ADD, a.shape, a, b)
+
+
+def div(a: Tensor, b: Tensor, name: str = "div") -> Tensor:
+    """Elementwise a / b, `b` broadcast over `a` (ggml_div: b's dimensions divide a's)."""
+    if any(x % y for x, y in zip(a.shape[::-1], b.shape[::-1])) or len(b.shape) > len(a.shape):
+        raise ValueError(f"div {name}: {b.shape} does not broadcast over {a.shape}")
+    return _node(name, Op.DIV, a.shape, a, b)
+
+
+def clamp(a: Tensor, lo: float, hi: float, name: str = "clamp") -> Tensor:
+    return _node(name, Op.CLAMP, a.shape, a, min=lo, max=hi)
+
+
+def sum_rows(a: Tensor, name: str = "sum_rows") -> Tensor:
+    """The sum of each row: (..., n) -> (..., 1)."""
+    return _node(name, Op.SUM_ROWS, (*a.shape[:-1], 1), a)
+
+
+def argsort_top_k(a: Tensor, k: int, name: str = "argsort_top_k") -> Tensor:
+    """The indices of each row's k largest values, largest first: (..., n) -> (..., k) I32
+    (ggml_argsort_top_k: a descending ARGSORT and a view of its first k columns)."""
+    if not 0 < k <= a.shape[-1]:
+        raise ValueError(f"argsort_top_k {name}: k={k} of {a.shape[-1]}")
+    srt = _node(f"{name} (argsort)", Op.ARGSORT, a.shape, a)
+    srt.type = GGMLType.I32
+    return cols(srt, 0, k, name)
 
 
 def scale(a: Tensor, s: float, name: str = "scale") -> Tensor:
@@ -75,6 +107,18 @@ def mul_mat(w: Tensor, x: Tensor, name: str = "mul_mat") -> Tensor:
     if w.shape[-1] != x.shape[-1]:
         raise ValueError(f"mul_mat {name}: inner dims differ, {w.shape} vs {x.shape}")
     return _node(name, Op.MUL_MAT, (*x.shape[:-1], w.shape[-2]), w, x)
+
+
+def mul_mat_id(w: Tensor, x: Tensor, ids: Tensor, name: str = "mul_mat_id") -> Tensor:
+    """ggml_mul_mat_id: w (n_expert, M, K) stacked experts, x (T, U or 1, K), ids (T, U) I32 ->
+    (T, U, M), slot u of token t = x[t, u or 0] @ w[ids[t, u]].T. One input row (U = 1) is shared
+    by all of a token's slots (gate and up); U rows, one per slot (down)."""
+    if len(w.shape) != 3 or len(x.shape) != 3 or len(ids.shape) != 2:
+        raise ValueError(f"mul_mat_id {name}: w {w.shape}, x {x.shape}, ids {ids.shape}")
+    T, U = ids.shape
+    if w.shape[-1] != x.shape[-1] or x.shape[0] != T or x.shape[1] not in (1, U):
+        raise ValueError(f"mul_mat_id {name}: w {w.shape}, x {x.shape}, ids {ids.shape} disagree")
+    return _node(name, Op.MUL_MAT_ID, (T, U, w.shape[1]), w, x, ids)
 
 
 def soft_max(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, name: str = "soft_max") -> Tensor:

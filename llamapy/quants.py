@@ -170,6 +170,52 @@ def _deq_q6_k(b: np.ndarray) -> np.ndarray:
     return (dl * q).reshape(n, QK_K)
 
 
+# -- the types mixture-of-experts models ship in: IQ4_NL, IQ4_XS (ggml-quants.c's kvalues_iq4nl
+# non-linear grid) and MXFP4 (OCP microscaling FP4: e2m1 values under a shared E8M0 exponent) ----
+
+# ggml-common.h's kvalues_iq4nl and kvalues_mxfp4 (the e2m1 values doubled, so they are integers:
+# the scale is halved instead, ggml_e8m0_to_fp32_half)
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def e8m0_to_f32_half(e: np.ndarray) -> np.ndarray:
+    """E8M0 exponent bytes -> float32 2**(e - 128) (ggml_e8m0_to_fp32_half; e < 2: subnormals)."""
+    e = e.astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def _deq_iq4_nl(b: np.ndarray) -> np.ndarray:
+    d = _f16(b[:, 0:2])
+    q = _nibbles(b[:, 2:18], 16).reshape(-1, 32)
+    return d * KVALUES_IQ4NL[q].astype(np.float32)
+
+
+def iq4_xs_scales(b: np.ndarray) -> np.ndarray:
+    """IQ4_XS blocks (n, 136) -> (n, 8) int8 sub-block scales (6 bits: 4 in scales_l, 2 in
+    scales_h, minus 32)."""
+    n = b.shape[0]
+    sh = np.ascontiguousarray(b[:, 2:4]).view(np.uint16)  # (n, 1)
+    lo = (b[:, 4:8].reshape(n, 4, 1) >> _SHIFT_4.reshape(1, 1, 2)).reshape(n, 8) & np.uint8(0x0F)
+    hi = ((sh >> (2 * np.arange(8, dtype=np.uint16)).reshape(1, 8)) & np.uint16(3)).astype(np.uint8)
+    return (lo | (hi << np.uint8(4))).astype(np.int8) - np.int8(32)
+
+
+def _deq_iq4_xs(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    dl = (_f16(b[:, 0:2]) * iq4_xs_scales(b).astype(np.float32)).reshape(n, 8, 1)
+    q = _nibbles(b[:, 8:136], 16).reshape(n, 8, 32)
+    return (dl * KVALUES_IQ4NL[q].astype(np.float32)).reshape(n, QK_K)
+
+
+def _deq_mxfp4(b: np.ndarray) -> np.ndarray:
+    d = e8m0_to_f32_half(b[:, 0:1])
+    q = _nibbles(b[:, 1:17], 16).reshape(-1, 32)
+    with np.errstate(over="ignore"):  # e = 255 with a value of 8 or 12: inf, as in ggml
+        return d * KVALUES_MXFP4[q].astype(np.float32)
+
+
 _BLOCK_FNS = {
     GGMLType.Q4_0: _deq_q4_0,
     GGMLType.Q4_1: _deq_q4_1,
@@ -181,6 +227,9 @@ _BLOCK_FNS = {
     GGMLType.Q4_K: _deq_q4_k,
     GGMLType.Q5_K: _deq_q5_k,
     GGMLType.Q6_K: _deq_q6_k,
+    GGMLType.IQ4_NL: _deq_iq4_nl,
+    GGMLType.IQ4_XS: _deq_iq4_xs,
+    GGMLType.MXFP4: _deq_mxfp4,
 }
 
 DEQUANT_TYPES: frozenset[GGMLType] = frozenset(

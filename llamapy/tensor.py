@@ -42,13 +42,18 @@ class Op(Enum):
     # ** elementwise
     ADD = auto()
     MUL = auto()
+    DIV = auto()  # a / b, b broadcast (the router's weight normalisation)
     SCALE = auto()
+    CLAMP = auto()  # params["min"], params["max"]
     GLU = auto()  # gated linear unit; params["op"]: "swiglu" or "geglu"
     # ** normalization / reductions
     RMS_NORM = auto()
     SOFT_MAX = auto()
+    SUM_ROWS = auto()  # (..., n) -> (..., 1)
+    ARGSORT = auto()  # I32 indices of each row, descending (ggml_argsort with GGML_SORT_ORDER_DESC)
     # ** matrix multiplication
     MUL_MAT = auto()
+    MUL_MAT_ID = auto()  # each token's rows times the experts its ids chose (mixture of experts)
     # ** llama-specific
     ROPE = auto()
     FLASH_ATTN_EXT = auto()

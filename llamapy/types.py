@@ -20,7 +20,7 @@ GGMLType = GGMLQuantizationType
 SUPPORTED_TYPES: frozenset[GGMLType] = frozenset(
     GGMLType[n]
     for n in (
-        "F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K".split()
+        "F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS MXFP4".split()
     )
 )
 

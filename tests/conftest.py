@@ -72,6 +72,7 @@ def write_llama_gguf(
     arch: str = "llama",
     chat_template: str | None = None,
     sorted_layers: bool = False,
+    add_space_prefix: bool | None = None,
 ) -> Path:
     """A small llama GGUF with random weights and a byte-level SPM vocabulary. `sorted_layers`:
     each layer's tensors in name order (attn_k, attn_norm, ..., ffn_up, as llama-quantize's files
@@ -108,6 +109,8 @@ def write_llama_gguf(
     w.add_add_eos_token(False)
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    if add_space_prefix is not None:
+        w.add_add_space_prefix(add_space_prefix)
 
     def mat(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols)).astype(np.float32)

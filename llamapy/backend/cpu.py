@@ -23,7 +23,7 @@ from .executor import Arena, Refusal, compile_split
 from .executor import enabled as executor_enabled
 from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps, Registry
 from .kernels import KERNELS, run_nodes
-from .qmatmul import MATMUL_MODES, QMatrix, kernels
+from .qmatmul import MATMUL_MODES, REPACK_ROWS, QMatrix, kernels
 from .repack_cache import RepackStore
 from .threads import set_blas_threads
 
@@ -42,6 +42,12 @@ def host_value(t: Tensor, data: np.ndarray, copy: bool, repack: bool = False) ->
     if len(t.shape) == 2 and t.flags & TensorFlag.WEIGHT:
         raw = data.reshape(t.shape[0], -1).view(np.uint8)  # (n_out, row_bytes)
         return QMatrix.prepare(raw, t.type, t.shape[0], t.shape[1], repack=repack)
+    if len(t.shape) == 3 and t.flags & TensorFlag.WEIGHT:
+        # stacked experts (n_expert, M, K): one matrix of n_expert * M rows, each expert a row
+        # range of it (MUL_MAT_ID); repacked only when every expert is whole tiles
+        E, M, K = t.shape
+        raw = data.reshape(E * M, -1).view(np.uint8)  # (E*M, row_bytes)
+        return QMatrix.prepare(raw, t.type, E * M, K, repack=repack and M % REPACK_ROWS == 0)
     if t.type in NUMPY_DTYPES:
         return data.view(NUMPY_DTYPES[t.type]).reshape(t.shape)
     # a quantized or bf16 vector (rare: norms are f32 in every llama GGUF): expand it, it is small
@@ -105,14 +111,15 @@ class CPUBuffer(Buffer):
             self._repack = None
 
     def set(self, t: Tensor, data: np.ndarray) -> None:
-        weight_matrix = len(t.shape) == 2 and bool(t.flags & TensorFlag.WEIGHT)
+        weight_matrix = len(t.shape) in (2, 3) and bool(t.flags & TensorFlag.WEIGHT)
         if t.flags & TensorFlag.WEIGHT:
             self._raw[t] = data
         cache = self._repack if weight_matrix else None
         key = f"{t.name}|{t.type.name}|{t.shape}"
         arrays = cache.get(key) if cache is not None else None
         if arrays is not None:  # mapped from the cache file: no repacking, no copy
-            self._store[t] = QMatrix.from_state(t.type, t.shape[0], t.shape[1], arrays)
+            rows = t.shape[0] if len(t.shape) == 2 else t.shape[0] * t.shape[1]  # experts: stacked
+            self._store[t] = QMatrix.from_state(t.type, rows, t.shape[-1], arrays)
             return
         value = host_value(t, data, copy=False, repack=self._f32_layout)
         state = value.state() if cache is not None else None
@@ -201,6 +208,26 @@ class CPUBackend(Backend):
 
     _kernels_mul_mat = staticmethod(KERNELS[Op.MUL_MAT])  # float arrays (no QMatrix)
 
+    def _mul_mat_id(self, node: Tensor, s: list[Any], xp: Any) -> Any:
+        """MUL_MAT_ID in the q8 mode: the input rows quantized once into the experts'
+        vec_dot_type (as ggml-cpu's mul_mat_id does), then each chosen expert's rows multiply, in
+        one q8 product, the rows of every token that chose it (`lp_mul_mat_id_q`). The f32 mode:
+        the reference."""
+        w, x, ids = s
+        vdt = w.vec_dot_type() if isinstance(w, QMatrix) and self.cpu_matmul == "q8" and not w.repacked else None
+        if vdt is None:
+            return KERNELS[Op.MUL_MAT_ID](node, s, xp)
+        T, U, M = node.shape
+        ux = x.shape[1]  # 1: every slot reads the token's one row
+        nt = self.threads()
+        hit = self._act.get((vdt, "q8"))
+        if hit is not None and hit[0] is x:
+            xq = hit[1]
+        else:
+            xq = w.quantize_act(x.reshape(-1, x.shape[-1]), nt)  # (T*ux, row bytes)
+            self._act[(vdt, "q8")] = (x, xq)
+        return w.matmul_id_q8(xq.reshape(T, ux, -1), ids, node.src[0].shape[0], nt)
+
     def set_n_threads(self, n_threads: int) -> None:
         # kept on the backend and passed with every kernel call (threads()): nothing process-wide
         self.n_threads = n_threads
@@ -209,7 +236,7 @@ class CPUBackend(Backend):
         return c_flash_attn_ext(node, s, xp, self.threads())
 
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
-        table = {**self._kernels, Op.MUL_MAT: self._mul_mat}
+        table = {**self._kernels, Op.MUL_MAT: self._mul_mat, Op.MUL_MAT_ID: self._mul_mat_id}
         if table[Op.FLASH_ATTN_EXT] is c_flash_attn_ext:  # the C kernels: on this backend's -t
             table[Op.FLASH_ATTN_EXT] = self._flash_attn_ext
         try:

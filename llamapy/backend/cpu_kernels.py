@@ -1,5 +1,5 @@
 """Compiled CPU kernels for the small per-token ops (ggml-cpu's ops.cpp: rms_norm, rope,
-flash_attn_ext, swiglu): the C ones (kernels_c/ops.c), when the install built them.
+flash_attn_ext, swiglu, soft_max, argsort): the C ones (kernels_c/ops.c), when the install built them.
 
 During decode every op works on a few hundred floats, so numpy's per-call overhead (a dozen
 array temporaries for one attention head) costs more than the arithmetic; one compiled loop per
@@ -135,6 +135,9 @@ def _c_attend_q(node: Tensor, s: list[Any], kt: int, vt: int, n_threads: int) ->
 
 def _c_glu(node: Tensor, s: list[Any], xp: Any) -> Any:
     gate, up = s
+    if gate.ndim > 2:  # (T, U, F): the experts' rows, as rows
+        out = _c_glu(node, [gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])], xp)
+        return out.reshape(gate.shape)
     if node.params.get("op") != "swiglu" or gate.ndim != 2 or gate.dtype != np.float32 or up.dtype != np.float32 or gate.strides[1] != 4 \
             or up.strides[1] != 4:
         return KERNELS[Op.GLU](node, s, xp)
@@ -144,9 +147,31 @@ def _c_glu(node: Tensor, s: list[Any], xp: Any) -> Any:
     return out
 
 
+def _rows_f32(x: np.ndarray) -> tuple[np.ndarray, int, int]:
+    flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)  # (rows, n)
+    return flat, flat.shape[0], flat.shape[1]
+
+
+def _c_soft_max(node: Tensor, s: list[Any], xp: Any) -> Any:
+    """ggml's soft_max rounding (ops.c lp_soft_max_rows); with a mask, the reference."""
+    if len(s) > 1:
+        return KERNELS[Op.SOFT_MAX](node, s, xp)
+    flat, rows, n = _rows_f32(s[0])
+    out = np.empty_like(flat)
+    _lib.lp_soft_max_rows(_ptr(flat), rows, n, n, float(node.params["scale"]), _ptr(out))
+    return out.reshape(s[0].shape)
+
+
+def _c_argsort(node: Tensor, s: list[Any], xp: Any) -> Any:
+    flat, rows, n = _rows_f32(s[0])
+    out = np.empty((rows, n), np.int32)
+    _lib.lp_argsort_rows(_ptr(flat), rows, n, n, _ptr(out))
+    return out.reshape(s[0].shape)
+
+
 _TABLES: dict[str, dict[Op, Kernel]] = {
     "c": {**KERNELS, Op.RMS_NORM: _c_rms_norm, Op.ROPE: _c_rope, Op.FLASH_ATTN_EXT: c_flash_attn_ext,
-          Op.GLU: _c_glu},
+          Op.GLU: _c_glu, Op.SOFT_MAX: _c_soft_max, Op.ARGSORT: _c_argsort},
     "numpy": KERNELS,
 }
 

@@ -27,6 +27,7 @@ with the reason (no CuPy, no driver, no device), which discovery records.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,9 @@ _TYPE_KERNELS: dict[GGMLType, tuple[str, str]] = {
     GGMLType.Q4_K: ("kquants.cu", "q4_k"),
     GGMLType.Q5_K: ("kquants.cu", "q5_k"),
     GGMLType.Q6_K: ("kquants.cu", "q6_k"),
+    GGMLType.IQ4_NL: ("iquants.cu", "iq4_nl"),
+    GGMLType.IQ4_XS: ("iquants.cu", "iq4_xs"),
+    GGMLType.MXFP4: ("iquants.cu", "mxfp4"),
 }
 WEIGHT_TYPES: frozenset[GGMLType] = frozenset(_TYPE_KERNELS)
 _FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
@@ -147,6 +151,11 @@ class CUDAQMatrix:
     @property
     def shape(self) -> tuple[int, int]:
         return (self.n_out, self.n_in)
+
+    def row_range(self, r0: int, r1: int) -> CUDAQMatrix:
+        """Rows [r0, r1) sharing this matrix's device blocks (one expert of a stacked expert
+        weight, MUL_MAT_ID through the reference kernel; no dedicated CUDA kernel yet)."""
+        return CUDAQMatrix(self.device, self.raw[r0:r1], self.qtype, r1 - r0, self.n_in)
 
     # -- dequantization -----------------------------------------------------------------------
 
@@ -405,8 +414,8 @@ class CUDADevice(MemoryDevice):
                     from ..quants import dequantize
 
                     return self._h2d(dequantize(data.reshape(-1).view(np.uint8), t.type, t.shape[1]))
-                if len(t.shape) == 2:
-                    n_out, n_in = t.shape
+                if len(t.shape) in (2, 3):
+                    n_out, n_in = math.prod(t.shape[:-1]), t.shape[-1]  # experts: stacked rows
                     raw = data.reshape(-1).view(np.uint8)
                     row_bytes = CUDAQMatrix.check(t.type, n_out, n_in, raw.size)
                     dev_raw = self._h2d(raw.reshape(n_out, row_bytes))
@@ -436,7 +445,7 @@ class CUDADevice(MemoryDevice):
     def supports_op(self, node: Tensor) -> bool:
         if not super().supports_op(node):
             return False
-        if node.op in (Op.MUL_MAT, Op.GET_ROWS) and node.src:
+        if node.op in (Op.MUL_MAT, Op.MUL_MAT_ID, Op.GET_ROWS) and node.src:
             w = node.src[0]
             if w.flags & TensorFlag.WEIGHT and w.type not in WEIGHT_TYPES:
                 return False

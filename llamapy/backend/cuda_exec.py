@@ -244,6 +244,8 @@ def _rms_norm(rt: CUDARuntime, rec: np.ndarray) -> Launch:
 def _binary(op: str) -> Callable[[CUDARuntime, np.ndarray], Launch]:
     def make(rt: CUDARuntime, rec: np.ndarray) -> Launch:
         r, ops, st = _i(rec), rt.ops, rt.dev.stream
+        if r[10]:
+            raise Refused(f"{op.upper()} by one value per row (no CUDA kernel)")
         return lambda: ops.binary(st, op, r[2], r[8], r[3], r[9], r[1], r[7], r[6], r[7])
 
     return make

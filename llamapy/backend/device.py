@@ -29,13 +29,15 @@ OFFLOAD_MIN_BATCH = 32
 
 def op_batch_size(node: Tensor) -> int:
     """ggml-cuda's `get_op_batch_size`, which decides op offload: GET_ROWS never (0); MUL_MAT its
-    `ne[1]` (the tokens); ROPE its `ne[2]` (tokens of a (tokens, heads, dim) tensor); any other
+    `ne[1]` (the tokens), MUL_MAT_ID its `ne[2]` (the tokens); ROPE its `ne[2]` (tokens of a (tokens, heads, dim) tensor); any other
     op its number of rows (`ggml_nrows`: every dimension but the contiguous one)."""
     if node.op is Op.GET_ROWS:
         return 0
     ne = node.shape[::-1]  # ggml order: ne[0] is the contiguous dimension
     if node.op is Op.MUL_MAT:
         return ne[1] if len(ne) > 1 else 1
+    if node.op is Op.MUL_MAT_ID:  # (tokens, slots, M): its tokens
+        return ne[2]
     if node.op is Op.ROPE:
         return ne[2] if len(ne) > 2 else 1
     rows = 1

@@ -69,14 +69,16 @@ ALIGN = 64  # the arena's alignment (AVX-512 loads); sched/alloc.py aligns offse
 
 # Op codes and record size: kernels_c/executor.c's enum and EX_REC.
 (GET_ROWS_Q, GET_ROWS_F32, RMS_NORM, MUL, ADD, SCALE, SWIGLU, MUL_MAT, ROPE, SET_ROWS, ATTN, CPY, QUANT_ACT,
- MUL_MAT_Q) = range(1, 15)
+ MUL_MAT_Q, SOFT_MAX, ARGSORT, SUM_ROWS, CLAMP, DIV, GET_ROWS_B, MUL_MAT_ID_Q) = range(1, 22)
 REC = 24
 # GLU with GELU (gemma3's GEGLU): a code executor.c has not (its target refuses it), the GPU's has.
 # Codes from 32 on are records only the GPU target writes (gpu_plan.py), apart from executor.c's.
 GEGLU = 32
 OP_NAMES = {GEGLU: "GLU", GET_ROWS_Q: "GET_ROWS", GET_ROWS_F32: "GET_ROWS", RMS_NORM: "RMS_NORM", MUL: "MUL", ADD: "ADD",
             SCALE: "SCALE", SWIGLU: "GLU", MUL_MAT: "MUL_MAT", ROPE: "ROPE", SET_ROWS: "SET_ROWS",
-            ATTN: "FLASH_ATTN_EXT", CPY: "CONT", QUANT_ACT: "QUANTIZE", MUL_MAT_Q: "MUL_MAT"}  # fmt: skip
+            ATTN: "FLASH_ATTN_EXT", CPY: "CONT", QUANT_ACT: "QUANTIZE", MUL_MAT_Q: "MUL_MAT", SOFT_MAX: "SOFT_MAX",
+            ARGSORT: "ARGSORT", SUM_ROWS: "SUM_ROWS", CLAMP: "CLAMP", DIV: "DIV", GET_ROWS_B: "GET_ROWS",
+            MUL_MAT_ID_Q: "MUL_MAT_ID"}  # fmt: skip
 
 
 def op_counts(recs: np.ndarray, ops: dict[str, int], names: dict[int, str] = OP_NAMES) -> str:
@@ -409,6 +411,10 @@ class Target:
         """Whether a GET_ROWS of this table is expanded in Python before the call."""
         return False
 
+    def id_type(self, n: Tensor) -> int | None:
+        """The vec_dot_type a MUL_MAT_ID's experts run in; None: it has no record here."""
+        return None
+
     def f16_stores(self) -> bool:
         return True
 
@@ -476,11 +482,11 @@ class HostTarget(Target):
         arena from `start` (self.offsets: theirs); the arena's bytes in all."""
         need: dict[int, int] = {}
         for st in c.steps:
-            if st.code != MUL_MAT:
+            if st.code not in (MUL_MAT, MUL_MAT_ID_Q):
                 continue
-            w, x = st.node.src
+            w, x = st.node.src[:2]
             wv = _leaf_value(w) if w.is_leaf else None
-            q = self._q8_type(wv, x.n_elements // x.shape[-1])
+            q = self.id_type(st.node) if st.code == MUL_MAT_ID_Q else self._q8_type(wv, x.n_elements // x.shape[-1])
             if q is not None:
                 rb = int(self.lib.lp_act_row_bytes(int(wv.qtype), wv.n_in))
                 need[q] = max(need.get(q, 0), rb * (x.n_elements // x.shape[-1]))
@@ -500,7 +506,19 @@ class HostTarget(Target):
             return None
         return wv.vec_dot_type()
 
+    def id_type(self, n: Tensor) -> int | None:
+        """The vec_dot_type of a MUL_MAT_ID's experts in the q8 mode (always the q8 kernel, at any
+        number of tokens, as the CPU backend's run_nodes path), None without one."""
+        from .qmatmul import QMatrix
+
+        wv = _leaf_value(n.src[0]) if n.src[0].is_leaf else None
+        if not isinstance(wv, QMatrix) or not self.q8:
+            return None
+        return wv.vec_dot_type()
+
     def records(self, c: _Compiler, st: _Step, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
+        if st.code == MUL_MAT_ID_Q:
+            return self._mul_mat_id_q8(c, st.node, loc)
         if st.code == MUL_MAT:
             w, x = st.node.src
             wv = _leaf_value(w) if w.is_leaf else None
@@ -536,6 +554,40 @@ class HostTarget(Target):
         c.keep.append(wv)
         out.append(r)
         return out
+
+    def _quantize(self, c: _Compiler, x: Tensor, xl: Loc, wv: Any, vdt: int) -> list[list[int]]:
+        """A QUANTIZE record of `x` into the vec_dot_type's scratch, unless it holds `x` already."""
+        n_tok, n_in, xs = xl.rows()
+        key = (c._base(x), xl.addr, xl.strides)
+        if self.quantized.get(vdt) == key:
+            return []
+        r = [0] * REC
+        r[0], r[1], r[2], r[6], r[7], r[8], r[9] = QUANT_ACT, c.base + self.offsets[vdt], xl.addr, int(wv.qtype), \
+            xs, n_in, n_tok  # fmt: skip
+        self.quantized[vdt] = key
+        return [r]
+
+    def _mul_mat_id_q8(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc]) -> list[list[int]]:
+        """QUANTIZE (the input's rows: one per token for gate / up, shared by both) and a
+        MUL_MAT_ID_Q record (kernels_c/qmatmul.c lp_mul_mat_id_q_par)."""
+        w, x, ids = n.src
+        wv = _leaf_value(w)
+        vdt = self.id_type(n)
+        xl = loc(x)
+        if xl.dtype != np.dtype(np.float32):
+            raise Refused(f"MUL_MAT_ID {n.name} input of type {xl.dtype}")
+        il = loc(ids)
+        if il.dtype != np.dtype(np.int32) or len(il.shape) != 2 or il.strides[1] != 1:
+            raise Refused(f"MUL_MAT_ID {n.name} ids layout")
+        out = self._quantize(c, x, xl, wv, vdt)  # type: ignore[arg-type]
+        T, U, M = n.shape
+        r = [0] * REC
+        r[0], r[1], r[2], r[3], r[4] = MUL_MAT_ID_Q, loc(n).addr, wv.data.ctypes.data, \
+            c.base + self.offsets[vdt], il.addr  # type: ignore[index]  # fmt: skip
+        r[6], r[7], r[8], r[9], r[10] = int(wv.qtype), w.shape[0], M, wv.data.shape[1], wv.n_in
+        r[11], r[12], r[13], r[14] = x.shape[1], il.strides[0], T, U
+        c.keep.append(wv)
+        return [*out, r]
 
     def _get_rows(self, c: _Compiler, n: Tensor, tv: Any, loc: Callable[[Tensor], Loc]) -> list[int]:
         """GET_ROWS of a host weight matrix (the token embeddings)."""
@@ -685,7 +737,7 @@ class _Compiler:
                 self.alias[n] = n.src[0]
                 self.steps.append(_Step(SET_ROWS, n, list(n.src)))
                 continue
-            if n.type is not GGMLType.F32:
+            if n.type is not GGMLType.F32 and not (op is Op.ARGSORT and n.type is GGMLType.I32):
                 raise Refused(f"{op.name} {n.name} of type {n.type.name}")
             if self.max_tokens is not None and len(n.shape) >= 2 and n.shape[0] >= self.max_tokens:
                 raise Refused(f"a batch of {n.shape[0]} tokens")  # the f32 mode's sgemm is faster there
@@ -696,9 +748,16 @@ class _Compiler:
                 continue
             code = {Op.GET_ROWS: GET_ROWS_F32, Op.RMS_NORM: RMS_NORM, Op.MUL: MUL, Op.ADD: ADD, Op.SCALE: SCALE,
                     Op.GLU: SWIGLU, Op.MUL_MAT: MUL_MAT, Op.ROPE: ROPE, Op.FLASH_ATTN_EXT: ATTN,
-                    Op.CONT: CPY}.get(op)  # fmt: skip
+                    Op.CONT: CPY, Op.SOFT_MAX: SOFT_MAX, Op.ARGSORT: ARGSORT, Op.SUM_ROWS: SUM_ROWS,
+                    Op.CLAMP: CLAMP, Op.DIV: DIV, Op.MUL_MAT_ID: MUL_MAT_ID_Q}.get(op)  # fmt: skip
             if code is None:
                 raise Refused(f"op {op.name} ({n.name})")
+            if op is Op.SOFT_MAX and len(n.src) > 1:
+                raise Refused(f"SOFT_MAX {n.name} with a mask")
+            if op is Op.MUL_MAT_ID and self.target.id_type(n) is None:
+                raise Refused(f"MUL_MAT_ID {n.name} without a q8 kernel (the f32 mode, or the weight's type)")
+            if op is Op.GET_ROWS and len(n.src[1].shape) == 2:
+                code = GET_ROWS_B
             if op is Op.GLU and n.params.get("op") not in self.target.glu_ops:
                 raise Refused(f"GLU {n.params.get('op')}")
             if op is Op.GLU and n.params.get("op") == "geglu":
@@ -934,10 +993,32 @@ class _Compiler:
                 if r[11] == 0:
                     raise Refused("a broadcast first ADD operand")
             return r
-        if st.code in (MUL, ADD):
+        if st.code in (MUL, ADD, DIV):
             a, b = (need_f32(loc(s), f"{n.op.name} input") for s in n.src)
             rows, cols, ast = a.rows()
-            r[2], r[3], r[6], r[7], r[8], r[9] = a.addr, b.addr, rows, cols, ast, self._rows_like(b, rows, cols)
+            if cols > 1 and b.shape and b.shape[-1] == 1 and b.rows()[0] == rows:
+                r[9], r[10] = b.rows()[2], 1  # one value per row (the router's weights)
+            else:
+                r[9] = self._rows_like(b, rows, cols)
+            r[2], r[3], r[6], r[7], r[8] = a.addr, b.addr, rows, cols, ast
+            return r
+        if st.code in (SOFT_MAX, ARGSORT, SUM_ROWS, CLAMP):
+            a = need_f32(loc(n.src[0]), f"{n.op.name} input")
+            rows, cols, ast = a.rows()
+            r[2], r[6], r[7], r[8] = a.addr, rows, cols, ast
+            if st.code == SOFT_MAX:
+                r[9] = fbits(float(n.params["scale"]))
+            if st.code == CLAMP:
+                r[9], r[10] = fbits(float(n.params["min"])), fbits(float(n.params["max"]))
+            return r
+        if st.code == GET_ROWS_B:
+            table, ids = n.src
+            tl, il = need_f32(loc(table), "GET_ROWS table"), loc(ids)
+            if il.dtype != np.dtype(np.int32) or il.strides[1] != 1 or len(tl.shape) != 3 or tl.strides[2] != 1:
+                raise Refused(f"GET_ROWS {n.name} layout")
+            B, R, C = tl.shape
+            r[2], r[3], r[6], r[7], r[8] = tl.addr, il.addr, B, ids.shape[1], C
+            r[9], r[10], r[11], r[12] = tl.strides[0], tl.strides[1], R, il.strides[0]
             return r
         if st.code == SCALE:
             a = need_f32(loc(n.src[0]), "SCALE input")

@@ -31,6 +31,8 @@ def get_rows(node: Tensor, s: list[Any], xp: Any) -> Any:
     table, ids = s
     if not isinstance(table, xp.ndarray):  # a WeightMatrix (interface.py)
         return table.get_rows(ids)
+    if ids.ndim == 2:  # (B, R, C), (B, n) -> (B, n, C): batch b's rows from table[b]
+        return _as_f32(xp, xp.take_along_axis(table, ids.astype(xp.int64)[:, :, None], axis=1))
     return _as_f32(xp, table[ids.astype(xp.int64)])
 
 
@@ -65,6 +67,24 @@ def mul(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 def add(node: Tensor, s: list[Any], xp: Any) -> Any:
     return s[0] + _as_f32(xp, s[1])
+
+
+def div(node: Tensor, s: list[Any], xp: Any) -> Any:
+    return s[0] / _as_f32(xp, s[1])
+
+
+def clamp(node: Tensor, s: list[Any], xp: Any) -> Any:
+    return xp.clip(s[0], xp.float32(node.params["min"]), xp.float32(node.params["max"]))
+
+
+def sum_rows(node: Tensor, s: list[Any], xp: Any) -> Any:
+    # as ggml_vec_sum_f32: each row summed in order in f64, then rounded to f32
+    return xp.cumsum(s[0].astype(xp.float64), axis=-1)[..., -1:].astype(xp.float32)
+
+
+def argsort(node: Tensor, s: list[Any], xp: Any) -> Any:
+    # descending; equal values keep their index order (a stable sort of the negated values)
+    return xp.argsort(-s[0], axis=-1, kind="stable").astype(xp.int32)
 
 
 def scale(node: Tensor, s: list[Any], xp: Any) -> Any:
@@ -108,6 +128,48 @@ def mul_mat(node: Tensor, s: list[Any], xp: Any) -> Any:
         # ggml broadcast: x's batch i uses w's batch i // (nx / nw)
         w = xp.repeat(w, x.shape[0] // w.shape[0], axis=0)
     return xp.matmul(x, xp.swapaxes(w, -1, -2))
+
+
+def expert_rows(w: Any, e: int, m: int, xp: Any) -> Any:
+    """Expert `e`'s (m, K) matrix of a stacked (n_expert * m, K) weight: a WeightMatrix's row
+    range (no copy of the blocks) or an array's slice."""
+    if isinstance(w, xp.ndarray):
+        return _as_f32(xp, w.reshape(-1, w.shape[-1])[e * m : (e + 1) * m])
+    return w.row_range(e * m, (e + 1) * m)
+
+
+def expert_groups(ids: Any) -> list[tuple[int, Any, Any]]:
+    """(expert, token indices, slot indices) for every expert some token chose, experts in
+    increasing order and each expert's (token, slot) pairs in token order (ggml's
+    matrix_row_counts / matrix_rows)."""
+    flat = np.asarray(ids, dtype=np.int64).reshape(-1)  # (T*U,) token-major
+    U = ids.shape[1]
+    order = np.argsort(flat, kind="stable")
+    experts, starts = np.unique(flat[order], return_index=True)
+    bounds = [*starts.tolist(), flat.size]
+    return [(int(e), order[a:b] // U, order[a:b] % U) for e, a, b in zip(experts, bounds, bounds[1:])]
+
+
+def mul_mat_id(node: Tensor, s: list[Any], xp: Any) -> Any:
+    """MUL_MAT_ID: each expert's matrix multiplies, once, the rows of every token that chose it."""
+    w, x, ids = s
+    T, U, M = node.shape
+    out = xp.zeros((T, U, M), xp.float32)
+    host_ids = ids if xp is np else xp.asnumpy(ids)
+    if host_ids.size and (host_ids.min() < 0 or host_ids.max() >= node.src[0].shape[0]):
+        raise IndexError(f"{node.name}: expert id out of range 0..{node.src[0].shape[0] - 1}")
+    shared = x.shape[1] == 1  # one input row for all of a token's slots
+    for e, tok, slot in expert_groups(host_ids):
+        if xp is not np:  # the index arrays on the device (CuPy)
+            tok, slot = xp.asarray(tok), xp.asarray(slot)
+        xs = x[tok, 0] if shared else x[tok, slot]  # (n, K)
+        we = expert_rows(w, e, M, xp)
+        if isinstance(we, xp.ndarray):
+            y = xp.matmul(_as_f32(xp, xs), we.T)
+        else:  # the reference: float32 activations (the CPU backend's q8 mode is its own)
+            y = we.matmul(xp.ascontiguousarray(xs), q8=False) if isinstance(we, QMatrix) else we.matmul(xs)
+        out[tok, slot] = y
+    return out
 
 
 def soft_max(node: Tensor, s: list[Any], xp: Any) -> Any:
@@ -346,7 +408,12 @@ KERNELS: dict[Op, Kernel] = {
     Op.RMS_NORM: rms_norm,
     Op.MUL: mul,
     Op.ADD: add,
+    Op.DIV: div,
     Op.SCALE: scale,
+    Op.CLAMP: clamp,
+    Op.SUM_ROWS: sum_rows,
+    Op.ARGSORT: argsort,
+    Op.MUL_MAT_ID: mul_mat_id,
     Op.GLU: glu,
     Op.MUL_MAT: mul_mat,
     Op.SOFT_MAX: soft_max,

@@ -59,6 +59,9 @@ SIGNATURES: dict[str, tuple[list, Any]] = {
     "lp_attend": (_ATTEND, None),
     "lp_attend_f16": (_ATTEND, None),  # k, v: the f16 cache's bits
     "lp_attend_q": ([*_ATT, _INT, _INT, _INT], None),  # + K and V cache types (LP_KV_*: f32 f16 q8_0 q4_0)
+    # soft_max rows: x, rows, n, x stride, scale, out; argsort rows: x, rows, n, x stride, out (int32)
+    "lp_soft_max_rows": ([_P, _I64, _I64, _I64, ctypes.c_float, _P], None),
+    "lp_argsort_rows": ([_P, _I64, _I64, _I64, _P], None),
     "lp_swiglu": ([_P, _P, _I64, _I64, _I64, _I64, _P], None),
     # quantized-activation MUL_MAT (lp_quants.h)
     "lp_quantize_row_q8_0": ([_P, _P, _I64], None),
@@ -68,6 +71,8 @@ SIGNATURES: dict[str, tuple[list, Any]] = {
     "lp_act_row_bytes": ([_INT, _I64], _I64),
     "lp_quantize_act": ([_INT, _P, _I64, _I64, _I64, _P, _INT], _INT),
     "lp_mul_mat_q": ([_INT, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _INT], _INT),
+    # MUL_MAT_ID: type, w, n_expert, M, row bytes, n_in, xq, ux, ids, ids row stride, T, U, y, threads
+    "lp_mul_mat_id_q": ([_INT, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _I64, _I64, _I64, _P, _INT], _INT),
     "lp_mul_mat": ([_INT, _P, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _P, _INT], _INT),
     "lp_round_act": ([_INT, _P, _I64, _I64, _I64, _P, _I64, _INT], _INT),
 }
@@ -75,6 +80,9 @@ SIGNATURES: dict[str, tuple[list, Any]] = {
 OPTIONAL: dict[str, tuple[list, Any]] = {
     "lp_quantize_row_q8_K": ([_P, _P, _I64], None),
     **{f"lp_vec_dot_q{k}_K_q8_K": (_VEC_DOT, None) for k in range(2, 7)},
+    # iquants.c: the MoE models' types
+    **{f"lp_vec_dot_{t}": (_VEC_DOT, None) for t in ("iq4_nl_q8_0", "mxfp4_q8_0", "iq4_xs_q8_K")},
+    "lp_dequantize_rows": ([_INT, _P, _I64, _I64, _I64, _P, _I64], _INT),
 }
 
 _lock = threading.Lock()

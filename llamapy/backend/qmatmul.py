@@ -75,7 +75,16 @@ Q8_GEMM: dict[GGMLType, str] = {
     GGMLType.Q4_K: "lp_gemm_q4_K_q8_K",
     GGMLType.Q5_K: "lp_gemm_q5_K_q8_K",
     GGMLType.Q6_K: "lp_gemm_q6_K_q8_K",
+    # the MoE models' types (kernels_c/iquants.c): llama.cpp's x86 build takes IQ4_NL and MXFP4
+    # through its repacked 8x8 gemm / gemv (one fma chain per output, at every batch size) and
+    # IQ4_XS through its vec_dot; these kernels repeat those orders, so sgemm's would not be theirs
+    GGMLType.IQ4_NL: "lp_gemm_iq4_nl_q8_0",
+    GGMLType.IQ4_XS: "lp_gemm_iq4_xs_q8_K",
+    GGMLType.MXFP4: "lp_gemm_mxfp4_q8_0",
 }
+# Types whose file rows the library expands to float32 (`lp_dequantize_rows`, kernels_c/iquants.c:
+# the same bits as quants.dequantize, numpy's): the sgemm path's tiles and GET_ROWS
+C_DEQUANT: frozenset[GGMLType] = frozenset([GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4])
 # Float32 elements per dequantized tile on the sgemm path (4 MiB).
 TILE_ELEMS = 1 << 20
 # Rows per repacked tile: wide enough for 8-lane AVX2 loops with little loop overhead
@@ -283,6 +292,20 @@ class QMatrix:
         m._n_full = n_out - tail.shape[0]
         return m
 
+    def row_range(self, r0: int, r1: int) -> QMatrix:
+        """Rows [r0, r1) as a matrix of their own, sharing this one's blocks (one expert of a
+        stacked (n_expert * M, K) expert weight; MUL_MAT_ID). A repacked matrix gives whole
+        tiles only: the loader repacks expert weights only when M is a multiple of REPACK_ROWS."""
+        if self._rp is None:
+            return QMatrix(self.qtype, r1 - r0, self.n_in, self.data[r0:r1])
+        R = REPACK_ROWS
+        if r0 % R or (r1 - r0) % R or r1 > self._n_full:
+            raise ValueError(f"rows [{r0}, {r1}) are not whole repacked tiles of {self._n_full} rows")
+        m = QMatrix(self.qtype, r1 - r0, self.n_in, self.data[:0])
+        m._rp = tuple(a[r0 // R : r1 // R] for a in self._rp)
+        m._n_full = r1 - r0
+        return m
+
     @property
     def nbytes(self) -> int:
         """Bytes this object holds: the quantized rows (file layout) plus any repacked tiles."""
@@ -338,6 +361,26 @@ class QMatrix:
             raise UnsupportedError(f"no quantized-activation kernel for {self.qtype.name}")
         return out
 
+    def matmul_id_q8(self, xq: np.ndarray, ids: np.ndarray, n_expert: int, n_threads: int = 0) -> np.ndarray:
+        """MUL_MAT_ID of this stacked expert matrix (n_expert * M rows) with activations
+        quantized by `quantize_act`, xq (T, ux, row bytes), ux 1 (a row for all of a token's
+        slots) or U; ids (T, U) int32 (a view with a row stride is fine) -> (T, U, M)
+        (`lp_mul_mat_id_q`: each chosen expert's rows read once for all the tokens that chose it)."""
+        T, ux = xq.shape[0], xq.shape[1]
+        U, M = ids.shape[1], self.n_out // n_expert
+        if ids.dtype != np.int32 or ids.strides[1] != 4:
+            ids = np.ascontiguousarray(ids, np.int32)
+        xq = np.ascontiguousarray(xq)
+        out = np.empty((T, U, M), np.float32)
+        rc = native.lib().lp_mul_mat_id_q(int(self.qtype), self.data.ctypes.data, n_expert, M, self.data.shape[1],
+                                          self.n_in, xq.ctypes.data, ux, ids.ctypes.data, ids.strides[0] // 4, T, U,
+                                          native.ptr(out), _threads(n_threads))
+        if rc == -2:
+            raise IndexError(f"expert id out of range 0..{n_expert - 1}")
+        if rc != 0:
+            raise UnsupportedError(f"no quantized-activation kernel for {self.qtype.name}")
+        return out
+
     def path(self, n_tok: int, q8: bool = True) -> str:
         """Which kernel a product with n_tok tokens runs: "q8" (lp_mul_mat on the file's
         blocks), "mv" (float32 activations on the repacked tiles), "sgemm" (float32 tiles +
@@ -372,7 +415,7 @@ class QMatrix:
         if self._rp is None:
             sel = self.data if rows is None else self.data[rows] if isinstance(rows, slice) else \
                 self.data[self._ids(rows)]
-            return quants.dequantize(sel, self.qtype, self.n_in).reshape(-1, self.n_in)
+            return self._dequant_file_rows(sel)
         ids = self._ids(rows)
         R, n = REPACK_ROWS, ids.size
         if n and ids[0] % R == 0 and n % R == 0 and ids[-1] < self._n_full:
@@ -382,6 +425,17 @@ class QMatrix:
                 return self._dequant_tiles_t(int(ids[0]) // R, n // R).T
         out = np.empty((n, self.n_in), dtype=np.float32)
         self._dequant_into(ids, out)
+        return out
+
+    def _dequant_file_rows(self, sel: np.ndarray) -> np.ndarray:
+        """float32 (n, n_in) of rows in the file's layout: in C for the types of C_DEQUANT."""
+        lib = native.lib() if self.qtype in C_DEQUANT else None
+        if lib is None or not hasattr(lib, "lp_dequantize_rows"):
+            return quants.dequantize(sel, self.qtype, self.n_in).reshape(-1, self.n_in)
+        sel = np.ascontiguousarray(sel)
+        out = np.empty((sel.shape[0], self.n_in), np.float32)
+        lib.lp_dequantize_rows(int(self.qtype), sel.ctypes.data, sel.shape[0], sel.shape[1], self.n_in,
+                               out.ctypes.data, self.n_in)
         return out
 
     def _dequant_tiles_t(self, ta: int, n_t: int) -> np.ndarray:
@@ -432,7 +486,7 @@ class QMatrix:
             raise IndexError(f"row id out of range 0..{self.n_out - 1}")
         if self._rp is None:  # the file's rows, ids checked above (not again by `_ids`: a decode
             # step's token embedding, where each numpy call counts)
-            return quants.dequantize(self.data[ids], self.qtype, self.n_in).reshape(-1, self.n_in)
+            return self._dequant_file_rows(self.data[ids])
         return self.dequantize(ids)
 
     # --- products -------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 prompts decoded as parallel sequences of one context, one JSONL record per prompt.
 
 Input: a `.jsonl` file (objects with `prompt` and optional `n_predict` (or its OpenAI name
-`max_tokens`), `temp`, `seed`, `id`) or any other file as text, one prompt per line with `\\n`,
+`max_tokens`), `temp`, `seed`, `id`, and `json_schema` (a schema object, or its JSON text) or
+`grammar` (GBNF text), which replace the batch's -j / --grammar for that line) or any other file as text, one prompt per line with `\\n`,
 `\\t`, `\\\\` escapes. Blank lines are skipped; `index` counts the remaining lines from 0. A line
 that is not a valid request (bad JSON, a missing prompt, invalid UTF-8) becomes an error record
 `{"index": i, "error": "…"}` and the others still run.
@@ -79,8 +80,33 @@ def _parse_json_line(index: int, line: str) -> InputItem:
     if n_predict is not None and max_tokens is not None and n_predict != max_tokens:
         return InputItem(index, error=f"line {index + 1}: `n_predict` {n_predict} and `max_tokens` {max_tokens} disagree", id=rid)
     n_predict = n_predict if n_predict is not None else max_tokens
-    req = BatchRequest(prompt, n_predict=n_predict, temp=obj.get("temp"), seed=obj.get("seed"), id=rid, index=index)
+    try:
+        spec = _line_constraint(obj)
+    except LlamapyError as e:
+        return InputItem(index, error=f"line {index + 1}: {e}", id=rid)
+    req = BatchRequest(prompt, n_predict=n_predict, temp=obj.get("temp"), seed=obj.get("seed"), id=rid, index=index,
+                       constraint=spec)  # fmt: skip
     return InputItem(index, request=req, id=rid)
+
+
+def _line_constraint(obj: dict[str, Any]) -> Any:
+    """A line's `json_schema` (an object or JSON text) or `grammar` (GBNF text); None: none."""
+    from ..model.constrain import ConstraintSpec
+
+    schema, grammar = obj.get("json_schema"), obj.get("grammar")
+    if schema is not None and grammar is not None:
+        raise LlamapyError("give `json_schema` or `grammar`, not both")
+    if grammar is not None:
+        if not isinstance(grammar, str):
+            raise LlamapyError("`grammar` must be GBNF text (a string)")
+        return ConstraintSpec("gbnf", grammar)
+    if schema is None:
+        return None
+    if isinstance(schema, str):
+        return ConstraintSpec("json_schema", schema)
+    if not isinstance(schema, (dict, bool)):
+        raise LlamapyError("`json_schema` must be a JSON schema (an object) or its JSON text")
+    return ConstraintSpec("json_schema", json.dumps(schema))
 
 
 def read_inputs(path: str) -> list[InputItem]:
@@ -273,9 +299,15 @@ def batch(
     presence_penalty: float = common.PRESENCE_PENALTY,
     frequency_penalty: float = common.FREQUENCY_PENALTY,
     ignore_eos: bool = common.IGNORE_EOS,
+    grammar: str = common.GRAMMAR,
+    grammar_file: str = common.GRAMMAR_FILE,
+    json_schema: str = common.JSON_SCHEMA,
+    json_schema_file: str = common.JSON_SCHEMA_FILE,
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar on stderr"),
     ngl: str = common.NGL,
     ot: list[str] = common.OT,
+    cpu_moe: bool = common.CPU_MOE,
+    n_cpu_moe: int = common.N_CPU_MOE,
     ts: str = common.TS,
     mg: int = common.MG,
     ctk: str = common.CTK,
@@ -304,6 +336,7 @@ def batch(
     if n_parallel < 1:
         raise LlamapyError(f"-np {n_parallel}: must be >= 1")
     check_n_predict(n_predict)
+    spec = common.constraint(grammar, grammar_file, json_schema, json_schema_file)
     items = read_inputs(prompts_path)
     records = load_records(out) if out else {}
     check_resume(items, records, out, prompts_path)
@@ -322,16 +355,20 @@ def batch(
             frequency_penalty=frequency_penalty, seed=seed, ignore_eos=ignore_eos,
         )  # fmt: skip
         llm = common.load(
-            model_path, None, ngl, ot, ts, mg, ctx_size, batch_size, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device
+            model_path, None, ngl, common.with_expert_overrides(ot, cpu_moe, n_cpu_moe), ts, mg, ctx_size, batch_size, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device
         )
+        if spec is not None:
+            from ..model.constrain import compile_constraint
+
+            compile_constraint(spec, llm.tokenizer)  # the batch-wide one: an error line, not a record each
         n_slot = llm.ctx.n_ctx // n_parallel
         log(f"batch: {len(todo)} prompts, -np {n_parallel}, {n_slot} cells per sequence (-c {llm.ctx.n_ctx})")
-        _run(llm, items, todo, done, writer, n_parallel, n_predict, sampling, no_progress)
+        _run(llm, items, todo, done, writer, n_parallel, n_predict, sampling, no_progress, spec)
     finally:
         writer.close()
 
 
-def _run(llm, items, todo, done, writer, n_parallel, n_predict, sampling, no_progress) -> None:  # noqa: ANN001
+def _run(llm, items, todo, done, writer, n_parallel, n_predict, sampling, no_progress, spec=None) -> None:  # noqa: ANN001
     from tqdm import tqdm
 
     from ..batch import BatchFailed, BatchStats, run_batch
@@ -359,7 +396,7 @@ def _run(llm, items, todo, done, writer, n_parallel, n_predict, sampling, no_pro
                 bar.update(1)
         requests = (it.request for it in todo if it.error is None)
         try:
-            for rec in run_batch(llm.ctx, requests, n_parallel, n_predict, sampling, stats):
+            for rec in run_batch(llm.ctx, requests, n_parallel, n_predict, sampling, stats, spec):
                 if rec.error is not None:
                     n_err += 1
                 emit(rec.index, rec.to_dict())

@@ -21,6 +21,8 @@ NGL = typer.Option(
     help="layers to offload: N, 'all' or 'auto' (default: auto with a GPU, else 0)",
 )  # fmt: skip
 OT = typer.Option(None, "-ot", "--override-tensor", metavar="REGEX=DEV", help="REGEX=DEVICE: keep matching tensors on DEVICE (repeatable)")
+CPU_MOE = typer.Option(False, "-cmoe", "--cpu-moe", help="keep every mixture-of-experts weight in host memory (as -ot exps=CPU)")
+N_CPU_MOE = typer.Option(0, "-ncmoe", "--n-cpu-moe", metavar="N", help="keep the experts of the first N layers in host memory")
 TS = typer.Option(None, "-ts", "--tensor-split", metavar="N,N,…", help="offloaded layers per GPU, e.g. 3,1 (default: by free memory)")
 MG = typer.Option(0, "-mg", "--main-gpu", help="the GPU used when not splitting")
 CTX = typer.Option(4096, "-c", "--ctx-size", help="context size (0 = the model's)")
@@ -50,6 +52,11 @@ IGNORE_EOS = typer.Option(False, "--ignore-eos", help="never stop at end of gene
 FLASH_ATTN = typer.Option("auto", "-fa", "--flash-attn", metavar="on|off|auto", help="on, off or auto: llamapy has no flash-attention kernel (no effect)")
 THREADS_BATCH = typer.Option(None, "-tb", "--threads-batch", help="threads for the prompt: llamapy uses -t for both (no effect)")
 NO_MMAP = typer.Option(False, "--no-mmap", help="llamapy always maps the file read-only (no effect)")
+# constrained output (llama.cpp's common/arg.cpp: --grammar, --grammar-file, -j, -jf)
+GRAMMAR = typer.Option(None, "--grammar", metavar="GRAMMAR", help="GBNF grammar the output must match (llama.cpp's grammars/README.md)")
+GRAMMAR_FILE = typer.Option(None, "--grammar-file", metavar="FILE", help="read the GBNF grammar from a file")
+JSON_SCHEMA = typer.Option(None, "-j", "--json-schema", metavar="SCHEMA", help="JSON schema the output must match, e.g. '{}' for any JSON")
+JSON_SCHEMA_FILE = typer.Option(None, "-jf", "--json-schema-file", metavar="FILE", help="read the JSON schema from a file")
 LOG_DISABLE = typer.Option(False, "--log-disable", help="no logs on stderr (errors are still said)")
 ESCAPE = typer.Option(True, "-e/--no-escape", "--escape", show_default="on", help="process escapes (\\n, \\t, \\xHH, …) in the prompt")
 
@@ -178,6 +185,17 @@ def parse_overrides(items: list[str] | None) -> list[tuple[str, str]]:
     return out
 
 
+def with_expert_overrides(ot: list[str] | None, cpu_moe: bool, n_cpu_moe: int) -> list[str]:
+    """-ot with `--cpu-moe` / `--n-cpu-moe N` appended as the REGEX=CPU entries llama.cpp makes
+    of them (model/loader.py `expert_overrides`); an -ot given explicitly comes first and wins."""
+    from ..model.loader import expert_overrides
+
+    extra = (expert_overrides(None) if cpu_moe else []) + (expert_overrides(n_cpu_moe) if n_cpu_moe else [])
+    if n_cpu_moe < 0:
+        expert_overrides(n_cpu_moe)  # the one-line error
+    return [*(ot or []), *(f"{pat}={dev}" for pat, dev in extra)]
+
+
 def parse_split(value: str | None) -> list[float]:
     if not value:
         return []
@@ -273,6 +291,8 @@ def log_load(llm: Any) -> None:
         f"print_info: n_layer = {p.n_layer}, n_embd = {p.n_embd}, n_ff = {p.n_ff}, n_head = {p.n_head}, "
         f"n_head_kv = {p.n_head_kv}, n_rot = {p.n_rot}, n_ctx_train = {p.n_ctx_train}, n_vocab = {p.n_vocab}"
     )
+    if p.n_expert:
+        log(f"print_info: n_expert = {p.n_expert}, n_expert_used = {p.n_expert_used}, n_ff_exp = {p.n_ff_exp}")
     if info.ngl_reason:
         log(f"load_tensors: {info.ngl_reason}")
     n_total = p.n_layer + 1
@@ -284,6 +304,8 @@ def log_load(llm: Any) -> None:
         log(f"load_tensors: offloading {n_rep} repeating layers to GPU")
     if m.gpus:
         log(f"load_tensors: offloaded {ngl}/{n_total} layers to GPU")
+    for name, (n, size) in info.overridden.items():
+        log(f"load_tensors: {n} tensors ({size / 2**20:.2f} MiB) overridden to {name} (-ot, --cpu-moe, --n-cpu-moe)")
     for name, size in info.buffer_sizes.items():
         label = "CPU_Mapped" if name == "CPU" else name
         log(f"load_tensors: {label:>12} model buffer size = {_mib(size)}")
@@ -314,3 +336,20 @@ def log_timings(llm: Any, t: Any, total_ms: float) -> None:
     log(f"llama_perf_context_print: prompt eval time = {rate(t.prompt_ms, t.n_prompt, 'tokens')}")
     log(f"llama_perf_context_print:        eval time = {rate(t.eval_ms, t.n_eval, 'runs  ')}")
     log(f"llama_perf_context_print:       total time = {total_ms:10.2f} ms / {t.n_prompt + t.n_eval:5d} tokens")
+
+
+def constraint(grammar: str | None, grammar_file: str | None, json_schema: str | None, json_schema_file: str | None) -> Any:
+    """The ConstraintSpec that --grammar / --grammar-file / -j / -jf give (None: none); at most
+    one of them, as llama.cpp (which keeps the last) would silently drop the others."""
+    from ..model.constrain import ConstraintSpec
+    from .run import read_text_file
+
+    given = [(f, v) for f, v in (("--grammar", grammar), ("--grammar-file", grammar_file), ("-j", json_schema),
+                                 ("-jf", json_schema_file)) if v is not None]  # fmt: skip
+    if len(given) > 1:
+        raise LlamapyError(f"give one of --grammar, --grammar-file, -j, -jf (got {' and '.join(f for f, _ in given)})")
+    if not given:
+        return None
+    flag, value = given[0]
+    text = read_text_file(value, flag) if flag in ("--grammar-file", "-jf") else value
+    return ConstraintSpec("gbnf" if "grammar" in flag else "json_schema", text)

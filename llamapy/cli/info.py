@@ -31,7 +31,10 @@ def info(
     full: bool = typer.Option(False, "--full", help="print long values in full"),
 ) -> None:
     """List a GGUF's metadata and tensors (works on vocabulary-only files of any architecture)."""
+    import re
+
     from ..model.gguf import GGUFFile
+    from ..model.loader import FFN_EXPS_REGEX
 
     path = common.resolve_model(model, model_opt)
     gf = GGUFFile(path)
@@ -47,6 +50,12 @@ def info(
     for i, t in enumerate(gf.tensors.values(), 1):
         dims = " x ".join(str(d) for d in t.ne)
         out.write(f"  {i:4d}: {t.type.name:<6} {t.name:<32} {dims:<20} {t.nbytes / 2**20:9.3f} MiB @ {t.offset}\n")
+    arch = md.get("general.architecture")
+    n_expert = md.get(f"{arch}.expert_count")
+    if n_expert:
+        exps = sum(t.nbytes for t in gf.tensors.values() if re.search(FFN_EXPS_REGEX, t.name))
+        out.write(f"* Experts: {n_expert}, {md.get(f'{arch}.expert_used_count')} used per token; expert tensors "
+                  f"{exps / 2**20:.2f} of {gf.size / 2**20:.2f} MiB (what --cpu-moe keeps in host memory)\n")  # fmt: skip
     counts = ", ".join(f"{k}: {v}" for k, v in sorted(gf.describe_types().items()))
     if counts:
         out.write(f"* Tensor types: {counts}\n")

@@ -49,6 +49,8 @@ def perplexity(
     ),
     ngl: str = common.NGL,
     ot: list[str] = common.OT,
+    cpu_moe: bool = common.CPU_MOE,
+    n_cpu_moe: int = common.N_CPU_MOE,
     ts: str = common.TS,
     mg: int = common.MG,
     ctk: str = common.CTK,
@@ -69,7 +71,7 @@ def perplexity(
 
     set_logging(not log_disable)
     common.no_effect(flash_attn, threads_batch, no_mmap)
-    placement = dict(ngl=ngl, ot=ot, ts=ts, mg=mg, threads=threads, ctk=ctk, ctv=ctv, nkvo=nkvo,
+    placement = dict(ngl=ngl, ot=common.with_expert_overrides(ot, cpu_moe, n_cpu_moe), ts=ts, mg=mg, threads=threads, ctk=ctk, ctv=ctv, nkvo=nkvo,
                      no_op_offload=no_op_offload, device=device, f32_activations=f32_activations)
     if chunks == 0:
         raise LlamapyError("--chunks 0: nothing to evaluate")

@@ -92,6 +92,10 @@ def run(
     presence_penalty: float = common.PRESENCE_PENALTY,
     frequency_penalty: float = common.FREQUENCY_PENALTY,
     ignore_eos: bool = common.IGNORE_EOS,
+    grammar: str = common.GRAMMAR,
+    grammar_file: str = common.GRAMMAR_FILE,
+    json_schema: str = common.JSON_SCHEMA,
+    json_schema_file: str = common.JSON_SCHEMA_FILE,
     reverse_prompt: list[str] = typer.Option(
         None, "-r", "--reverse-prompt", metavar="TEXT", help="stop generating at this text (conversation: end the answer); repeatable"
     ),
@@ -108,6 +112,8 @@ def run(
     ),
     ngl: str = common.NGL,
     ot: list[str] = common.OT,
+    cpu_moe: bool = common.CPU_MOE,
+    n_cpu_moe: int = common.N_CPU_MOE,
     ts: str = common.TS,
     mg: int = common.MG,
     ctk: str = common.CTK,
@@ -138,6 +144,7 @@ def run(
         raise LlamapyError("no prompt: give -p PROMPT or -f FILE (-no-cnv turns conversation mode off)")
     if file is not None and text == "":
         raise LlamapyError(f"-f {file}: the file is empty")
+    spec = common.constraint(grammar, grammar_file, json_schema, json_schema_file)
     if seed < 0 or seed == LLAMA_DEFAULT_SEED:
         seed = _random_seed()
     sampling = SamplingParams(
@@ -145,8 +152,12 @@ def run(
         repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, seed=seed, ignore_eos=ignore_eos,
     )  # fmt: skip
-    llm = common.load(model, model_opt, ngl, ot, ts, mg, ctx_size, batch, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device,
+    llm = common.load(model, model_opt, ngl, common.with_expert_overrides(ot, cpu_moe, n_cpu_moe), ts, mg, ctx_size, batch, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device,
                       f32_activations=f32_activations)
+    if spec is not None:
+        from ..model.constrain import compile_constraint
+
+        compile_constraint(spec, llm.tokenizer)  # an invalid grammar is one error line, before any output
     has_template = bool(llm.model.gguf.metadata.get("tokenizer.chat_template"))
     if conversation is None:
         # llama-completion: a chat template and no prompt turn conversation mode on
@@ -165,7 +176,7 @@ def run(
     for r in stops.texts:
         log(f"run: reverse prompt: '{r}'")
     if conversation:
-        _conversation(llm, text, system_prompt, n_predict, sampling, escape, special, reverse_prompt, single_turn)
+        _conversation(llm, text, system_prompt, n_predict, sampling, escape, special, reverse_prompt, single_turn, spec)
         return
     assert text is not None
     tokens = llm.tokenize(text)
@@ -174,7 +185,7 @@ def run(
     res = GenerationResult()
     t0 = time.perf_counter()
     interrupted = False
-    gen = stream(llm.ctx, tokens, n_predict, sampling, res, special=special)
+    gen = stream(llm.ctx, tokens, n_predict, sampling, res, special=special, constraint=spec)
     try:
         for chunk in gen:
             if chunk.text:
@@ -197,6 +208,8 @@ def run(
     if interrupted:
         log("interrupted")
         raise SystemExit(130)
+    if res.finish_reason == "grammar_dead_end":  # the output is incomplete: a failure for scripts
+        raise LlamapyError(res.error)
 
 
 class _Terminal:
@@ -253,6 +266,7 @@ def _conversation(
     special: bool,
     reverse_prompt: list[str] | None,
     single_turn: bool,
+    spec: Any = None,
 ) -> None:
     """Conversation mode: the GGUF's chat template, rendered in a sandbox, turn by turn.
 
@@ -302,7 +316,7 @@ def _conversation(
                     f"the conversation is {len(tokens)} tokens, longer than the context (-c {llm.ctx.n_ctx})"
                 )
             stops = _ReversePrompts(reverse_prompt)
-            gen = stream(llm.ctx, tokens, n_predict, sampling, res, cached=cached, special=special)
+            gen = stream(llm.ctx, tokens, n_predict, sampling, res, cached=cached, special=special, constraint=spec)
             try:
                 for chunk in gen:
                     sys.stdout.write(chunk.text)
@@ -315,6 +329,8 @@ def _conversation(
             signal.signal(signal.SIGINT, previous)
         sys.stdout.write("\n")
         sys.stdout.flush()
+        if res.finish_reason == "grammar_dead_end":
+            log(f"run: {res.error}")
         # the KV cache holds the prompt and the generated tokens that were decoded (the last one
         # sampled is decoded only when generation goes on)
         cached = tokens + res.tokens[: res.timings.n_eval]

@@ -106,6 +106,8 @@ def serve(
     threads: int = common.THREADS,
     ngl: str = common.NGL,
     ot: list[str] = common.OT,
+    cpu_moe: bool = common.CPU_MOE,
+    n_cpu_moe: int = common.N_CPU_MOE,
     ts: str = common.TS,
     mg: int = common.MG,
     ctk: str = common.CTK,
@@ -155,7 +157,7 @@ def serve(
     def load() -> None:
         try:
             llm = common.load(
-                str(path), None, ngl, ot, ts, mg, ctx_size * n_parallel, batch, ubatch, threads, ctk, ctv, nkvo,
+                str(path), None, ngl, common.with_expert_overrides(ot, cpu_moe, n_cpu_moe), ts, mg, ctx_size * n_parallel, batch, ubatch, threads, ctk, ctv, nkvo,
                 no_op_offload, device, f32_activations=f32_activations,
             )  # fmt: skip
             holder["llm"] = llm

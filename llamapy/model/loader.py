@@ -77,6 +77,22 @@ def override_devices(
     return out
 
 
+# llama.cpp's LLM_FFN_EXPS_REGEX (common.h): every expert tensor of a layer (`ffn_up_exps`, …)
+FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+
+
+def expert_overrides(n_layers: int | None) -> list[tuple[str, str]]:
+    """`--cpu-moe` (n_layers None: every layer's experts) and `--n-cpu-moe N` (the experts of the
+    first N layers) as the `-ot` entries llama.cpp makes of them (llm_ffn_exps_cpu_override,
+    llm_add_n_cpu_ffn_overrides): the experts stay in host memory, attention and the router
+    follow -ngl."""
+    if n_layers is None:
+        return [(FFN_EXPS_REGEX, "CPU")]
+    if n_layers < 0:
+        raise LlamapyError(f"--n-cpu-moe {n_layers}: must be >= 0")
+    return [(rf"blk\.{i}{FFN_EXPS_REGEX}", "CPU") for i in range(n_layers)]
+
+
 def check_split_options(tensor_split: Sequence[float], main_gpu: int, gpus: Sequence[Device]) -> None:
     """`-ts` proportions are finite and >= 0, and name no more GPUs than there are; `-mg` is the
     index of one of the GPUs (llama.cpp: "invalid value for main_gpu")."""

@@ -624,6 +624,7 @@ class Tokenizer:
         self._finish_special(model_name)
 
         self._pieces: list[bytes | None] = [None] * n
+        self.constraints: Any = None  # model/constrain.py's compiled grammars for this vocabulary
         self._word_cache: dict[str, tuple[int, ...]] = {}
         # SPM: may text be cut before every "▁" that follows another character? Only if no
         # token contains such a pair, so that no merge can ever cross the cut.
@@ -875,9 +876,12 @@ class Tokenizer:
 
     # -- tokenize --------------------------------------------------------------------------
 
-    def encode(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
+    def encode(self, text: str | bytes, add_special: bool = True, parse_special: bool = False,
+               space_prefix: bool = True) -> list[int]:
         """llama_tokenize: BOS/EOS per the vocabulary when `add_special`; control tokens written
-        in the text become tokens only when `parse_special` (user-defined ones always do)."""
+        in the text become tokens only when `parse_special` (user-defined ones always do).
+        `space_prefix=False`: a text that continues one already begun (a grammar's forced text)
+        takes no SPM leading space, whatever the vocabulary's add_space_prefix says."""
         text = _as_text(text)
         frags = self._partition(text, parse_special) if text else []
         out: list[int] = []
@@ -891,7 +895,7 @@ class Tokenizer:
                     is_prev_special = True
                     continue
                 piece = text[f[0] : f[1]]
-                if self.add_space_prefix and is_prev_special:
+                if self.add_space_prefix and is_prev_special and space_prefix:
                     piece = " " + piece
                 self._spm_tokenize(piece.replace(" ", _SPACE_ESC), out)
                 is_prev_special = False

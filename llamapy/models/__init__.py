@@ -25,6 +25,7 @@ ARCHITECTURES: dict[str, str] = {
     "llama": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3moe": "qwen3moe",
     "gemma3": "gemma3",
 }
 

@@ -28,6 +28,7 @@ ROPE_NORM = 0  # llama.cpp's LLAMA_ROPE_TYPE_NORM: rotates adjacent pairs
 ROPE_NEOX = 2  # LLAMA_ROPE_TYPE_NEOX: rotates the two halves of a head
 
 _REQUIRED = object()
+MAX_EXPERTS = 1024  # llama.cpp's LLAMA_MAX_EXPERTS
 
 
 class KeyReader:
@@ -110,6 +111,11 @@ class HParams:
     rope_freq_base_swa: float = 10000.0
     rope_freq_scale_swa: float = 1.0
     attn_scale: float = 0.0  # 0: 1/sqrt(head_dim)
+    # mixture of experts (llama.cpp's n_expert, n_expert_used, n_ff_exp, expert_weights_scale)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    expert_weights_scale: float = 0.0  # 0 or 1: the router's weights are not scaled
 
     # the first layer's values: what llamapy reports and what uniform models use throughout
     @property
@@ -165,6 +171,13 @@ class HParams:
             raise GGUFError("rope.freq_base must be positive")
         if self.n_swa < 0 or (self.swa_layers and len(self.swa_layers) != self.n_layer):
             raise GGUFError(f"attention.sliding_window {self.n_swa} or its pattern is invalid")
+        if self.n_expert:
+            if not 0 < self.n_expert <= MAX_EXPERTS:
+                raise GGUFError(f"expert_count {self.n_expert} out of range (1..{MAX_EXPERTS})")
+            if not 0 < self.n_expert_used <= self.n_expert:
+                raise GGUFError(f"expert_used_count {self.n_expert_used} must be 1..expert_count ({self.n_expert})")
+            if not 0 < self.n_ff_exp <= 1 << 22:
+                raise GGUFError(f"expert_feed_forward_length {self.n_ff_exp} out of range")
 
 
 @dataclass(frozen=True)
@@ -318,6 +331,41 @@ def ffn_tensors(p: HParams, il: int, *, norm: MODEL_TENSOR = MODEL_TENSOR.FFN_NO
     if post_norm:
         spec.append(TensorSpec(T.FFN_POST_NORM, (e,), il))
     return spec
+
+
+def read_experts(r: KeyReader, fields: dict[str, Any], required: bool) -> None:
+    """The mixture-of-experts keys (llama_model::load_hparams' expert_count, expert_used_count;
+    the family's expert_feed_forward_length, by default n_ff / n_expert_used as qwen3moe's):
+    into `fields`. Expert groups (DeepSeek-V3's routing) are refused, not ignored."""
+    n_expert = r.get(Keys.LLM.EXPERT_COUNT, 0)
+    if required and n_expert <= 0:
+        raise GGUFError(f"{r.arch} needs {r.name(Keys.LLM.EXPERT_COUNT)!r} > 0 (got {n_expert})")
+    if n_expert <= 0:
+        return
+    used = set(r.get_arr(Keys.LLM.EXPERT_USED_COUNT, fields["n_layer"], 0))
+    if len(used) != 1:
+        raise UnsupportedError(f"{r.name(Keys.LLM.EXPERT_USED_COUNT)!r} differs between layers")
+    if r.get(Keys.LLM.EXPERT_GROUP_COUNT, 0) > 1:
+        raise UnsupportedError("expert groups (expert_group_count > 1) are not supported")
+    n_used = used.pop()
+    ff = fields["n_ff_arr"][0]
+    fields.update(n_expert=n_expert, n_expert_used=n_used,
+                  n_ff_exp=r.get(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, ff // n_used if n_used > 0 else 0),
+                  expert_weights_scale=r.get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0, float))  # fmt: skip
+
+
+def moe_tensors(p: HParams, il: int, n_ff: int) -> list[TensorSpec]:
+    """A mixture-of-experts block's tensors (the experts stacked: llama.cpp's ffn_*_exps of
+    {n_embd, n_ff, n_expert}): norm, router, and each expert's gate, up and down."""
+    e, x = p.n_embd, p.n_expert
+    T = MODEL_TENSOR
+    return [
+        TensorSpec(T.FFN_NORM, (e,), il),
+        TensorSpec(T.FFN_GATE_INP, (x, e), il),
+        TensorSpec(T.FFN_GATE_EXP, (x, n_ff, e), il),
+        TensorSpec(T.FFN_UP_EXP, (x, n_ff, e), il),
+        TensorSpec(T.FFN_DOWN_EXP, (x, e, n_ff), il),
+    ]
 
 
 def swa_pattern(n_layer: int, n_pattern: int, dense_first: bool = False) -> tuple[bool, ...]:

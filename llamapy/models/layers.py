@@ -111,3 +111,43 @@ def select_outputs(g: GraphInputs, il: int, n_layer: int, *xs: Tensor) -> tuple[
         return xs
     names = ("attn_out_sel", "inpSA_sel")
     return tuple(ops.get_rows(x, g.out_ids, f"{names[min(i, 1)]}-{il}") for i, x in enumerate(xs))  # (n_out, E)
+
+
+# the smallest normal f16: llama.cpp clamps the sum of the chosen experts' weights to it before
+# dividing by it (build_moe_ffn)
+_MIN_WEIGHT_SUM = 6.103515625e-5
+
+
+def moe_ffn(p: HParams, w: dict[str, Tensor], x: Tensor, il: int, g: GraphInputs, norm_w: bool = True) -> Tensor:
+    """A mixture-of-experts FFN (build_moe_ffn with softmax gating and SwiGLU experts): the
+    router's logits, their softmax, each token's top n_expert_used experts and their weights
+    (normalised to sum 1 when `norm_w`, scaled by expert_weights_scale), the chosen experts'
+    gated FFNs (MUL_MAT_ID), weighted and summed over the slots in slot order."""
+    T, E, U = x.shape[0], p.n_embd, p.n_expert_used
+    logits = ops.mul_mat(w["ffn_gate_inp"], x, f"ffn_moe_logits-{il}")  # (T, n_expert)
+    probs = ops.soft_max(logits, name=f"ffn_moe_probs-{il}")  # (T, n_expert)
+    selected = ops.argsort_top_k(probs, U, f"ffn_moe_topk-{il}")  # (T, U) I32, largest first
+    probs3 = ops.reshape(probs, (T, p.n_expert, 1), f"ffn_moe_probs-{il} (reshaped)")  # (T, n_expert, 1)
+    weights = ops.get_rows(probs3, selected, f"ffn_moe_weights-{il}")  # (T, U, 1)
+    if norm_w:
+        w2 = ops.reshape(weights, (T, U), f"ffn_moe_weights-{il} (2d)")  # (T, U)
+        total = ops.sum_rows(w2, f"ffn_moe_weights_sum-{il}")  # (T, 1)
+        total = ops.clamp(total, _MIN_WEIGHT_SUM, float("inf"), f"ffn_moe_weights_sum_clamped-{il}")
+        w2 = ops.div(w2, total, f"ffn_moe_weights_norm-{il}")  # (T, U)
+        weights = ops.reshape(w2, (T, U, 1), f"ffn_moe_weights_norm-{il} (3d)")  # (T, U, 1)
+    if p.expert_weights_scale not in (0.0, 1.0):
+        weights = ops.scale(weights, p.expert_weights_scale, f"ffn_moe_weights_scaled-{il}")
+    g.gf.expand(weights)  # the router before the experts, as llama.cpp orders them
+    cur = ops.reshape(x, (T, 1, E), f"ffn_norm-{il} (3d)")  # (T, 1, E): one row for every slot
+    up = ops.mul_mat_id(w["ffn_up_exps"], cur, selected, f"ffn_moe_up-{il}")  # (T, U, F)
+    gate = ops.mul_mat_id(w["ffn_gate_exps"], cur, selected, f"ffn_moe_gate-{il}")  # (T, U, F)
+    par = ops.glu(gate, up, "swiglu", f"ffn_moe_swiglu-{il}")  # (T, U, F)
+    experts = ops.mul_mat_id(w["ffn_down_exps"], par, selected, f"ffn_moe_down-{il}")  # (T, U, E)
+    experts = ops.mul(experts, weights, f"ffn_moe_weighted-{il}")  # (T, U, E)
+    g.gf.expand(experts)
+    flat = ops.reshape(experts, (T, U * E), f"ffn_moe_weighted-{il} (rows)")  # (T, U*E)
+    # the slots summed in slot order (largest weight first), as llama.cpp's chain of ADDs
+    out = ops.cols(flat, 0, E, f"ffn_moe_slot0-{il}")  # (T, E)
+    for i in range(1, U):
+        out = ops.add(out, ops.cols(flat, i * E, (i + 1) * E, f"ffn_moe_slot{i}-{il}"), f"ffn_moe_out-{il}")
+    return ops.cont(out, f"ffn_moe_out-{il}") if U == 1 else out  # (T, E)

@@ -1,5 +1,7 @@
 """llama (llama.cpp's src/models/llama.cpp, `llm_build_llama`): pre-norm blocks of RMS-normed
-attention with normal-mode rope (and llama3 rope factors from `rope_freqs`) and a SwiGLU FFN.
+attention with normal-mode rope (and llama3 rope factors from `rope_freqs`) and a SwiGLU FFN —
+or, when the file has `llama.expert_count` (Mixtral-style), a mixture of SwiGLU experts behind a
+softmax router (`ffn_gate_inp`, `ffn_{gate,up,down}_exps`; layers.moe_ffn).
 
 This module only builds graph nodes — it imports no numeric kernels. Node names follow llama.cpp's
 callback names (`attn_norm-0`, `Qcur-0`, `ffn_out-0`, `l_out-0`, `result_output`).
@@ -7,16 +9,17 @@ callback names (`attn_norm-0`, `Qcur-0`, `ffn_out-0`, `l_out-0`, `result_output`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gguf import MODEL_ARCH, MODEL_TENSOR
 
 from .. import ops
 from ..tensor import Tensor
 from ..types import GGUFError
-from .base import ROPE_NORM, Architecture, HParams, TensorSpec, attn_tensors, ffn_tensors
+from .base import (ROPE_NORM, Architecture, HParams, KeyReader, TensorSpec, attn_tensors, ffn_tensors,
+                   moe_tensors, read_experts)
 from .inputs import GraphInputs
-from .layers import attention, feed_forward, rms_norm, select_outputs
+from .layers import attention, feed_forward, moe_ffn, rms_norm, select_outputs
 
 if TYPE_CHECKING:
     from ..model.loader import ModelWeights
@@ -31,6 +34,10 @@ class Llama(Architecture):
 
     qkv_bias = False
     qk_norm = False
+    moe = False  # experts in every layer (qwen3moe); llama has them when the file says so
+
+    def read_extra(self, r: KeyReader, fields: dict[str, Any]) -> None:
+        read_experts(r, fields, required=self.moe)
 
     def check(self, p: HParams) -> None:
         # llama.cpp: "invalid n_rot" unless it is the head size; llamapy's llama also needs E = H*D
@@ -42,7 +49,10 @@ class Llama(Architecture):
         return [*spec, TensorSpec(MODEL_TENSOR.ROPE_FREQS, (p.n_rot // 2,), required=False)]
 
     def layer_tensors(self, p: HParams, il: int) -> list[TensorSpec]:
-        return attn_tensors(p, il, bias=self.qkv_bias, qk_norm=self.qk_norm) + ffn_tensors(p, il)
+        attn = attn_tensors(p, il, bias=self.qkv_bias, qk_norm=self.qk_norm)
+        if p.n_expert:  # llama's experts are n_ff wide; qwen3moe's n_ff_exp (read_experts)
+            return attn + moe_tensors(p, il, p.n_ff_exp if self.moe else p.n_ff_arr[il])
+        return attn + ffn_tensors(p, il)
 
     def build(self, p: HParams, w: ModelWeights, g: GraphInputs) -> Tensor:
         x = ops.get_rows(w.tok_embd, g.tokens, "inp_embd")  # (T, E)
@@ -52,7 +62,10 @@ class Llama(Architecture):
             cur, x = select_outputs(g, il, p.n_layer, cur, x)  # (T or n_outputs, E)
             ffn_inp = ops.add(cur, x, f"ffn_inp-{il}")
             cur = rms_norm(ffn_inp, lw["ffn_norm"], p.rms_eps, f"ffn_norm-{il}", f"norm_ffn-{il}")
-            cur = feed_forward(lw, cur, il, self.ffn_act)
+            if "ffn_gate_inp" in lw:
+                cur = moe_ffn(p, lw, cur, il, g)  # (T or n_outputs, E)
+            else:
+                cur = feed_forward(lw, cur, il, self.ffn_act)
             x = ops.add(cur, ffn_inp, f"l_out-{il}")  # (T or n_outputs, E)
         x = rms_norm(x, w.output_norm, p.rms_eps, "result_norm", "norm")
         return ops.mul_mat(w.output, x, "result_output")  # (n_outputs, V)

@@ -254,7 +254,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def _openai(request: Request, parsed: Parsed, kind: str) -> Response:
         events = engine().open_async(parsed.request)
-        r = Responder(kind, parsed.model or state.model_name, state.llm.tokenizer)
+        r = Responder(kind, parsed.model or state.model_name, state.llm.tokenizer, parsed.syntax)
         if parsed.stream:
 
             async def sse() -> AsyncIterator[dict[str, str]]:
@@ -263,8 +263,7 @@ def create_app(state: ServerState) -> FastAPI:
                         yield {"data": json.dumps(c)}
                     async for ev in events:
                         if ev.kind == "token":
-                            c = r.token_chunk(ev)
-                            if c is not None:
+                            for c in r.token_chunks(ev):
                                 yield {"data": json.dumps(c)}
                         elif ev.finish_reason == "error":
                             yield {"data": json.dumps(_server_error(ev).body())}

@@ -3,23 +3,33 @@
 `to_json_oaicompat*`). The server and `Llama.create_completion` / `create_chat_completion` share it,
 so both accept the same parameters and answer the same dicts.
 
-Parameters llamapy cannot honour (`n > 1`, tools, logit_bias, response formats, …) are rejected with
-an ApiError (HTTP 400), never ignored; so is any parameter it does not know. Sampling parameters a
-request leaves out take llama-server's defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05),
-not OpenAI's.
+Parameters llamapy cannot honour (`n > 1`, logit_bias, …) are rejected with an ApiError (HTTP 400),
+never ignored; so is any parameter it does not know. Sampling parameters a request leaves out take
+llama-server's defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05), not OpenAI's.
+
+Structured output (model/constrain.py): `response_format` (json_object, json_schema), llama-server's
+`grammar` (GBNF) and `json_schema`, one of them per request. Tools (model/toolcalls.py): `tools`,
+`tool_choice` (auto, none, required, a named function) and `parallel_tool_calls`; a required or
+named call is forced by a grammar; under `auto` the text is free until it opens a call, which is
+then held to the tools (the generic format's JSON reply is a call or a response). An invalid schema or grammar is a 400 naming the field
+and, for schemas, the JSON pointer of the keyword llguidance refused.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..engine import Event, Request
+from ..model import toolcalls as tc
 from ..model.chat import render_chat, template_or_default
+from ..model.constrain import ConstraintError, ConstraintSpec, compile_constraint, response_format_spec
 from ..model.sampler import SamplingParams
 from ..types import LlamapyError
 
@@ -94,20 +104,16 @@ def _stops(body: dict, name: str = "stop") -> tuple[str, ...]:
 # What each endpoint accepts. Everything else is a 400: _UNSUPPORTED explains the well-known ones.
 _SAMPLING = {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
              "frequency_penalty", "repeat_penalty", "repeat_last_n", "ignore_eos", "cache_prompt"}  # fmt: skip
-_OAI = _SAMPLING | {"model", "stream", "stream_options", "n", "user", "max_tokens"}
+_STRUCTURED = {"response_format", "grammar", "json_schema"}
+_OAI = _SAMPLING | _STRUCTURED | {"model", "stream", "stream_options", "n", "user", "max_tokens"}
 COMPLETION_FIELDS = _OAI | {"prompt", "logprobs"}
-CHAT_FIELDS = _OAI | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
-LLAMA_COMPLETION_FIELDS = _SAMPLING | {"prompt", "n_predict", "stream", "n_probs"}
+CHAT_FIELDS = _OAI | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
+                      "parallel_tool_calls"}  # fmt: skip
+LLAMA_COMPLETION_FIELDS = _SAMPLING | _STRUCTURED | {"prompt", "n_predict", "stream", "n_probs"}
 _UNSUPPORTED = {
-    "tools": "tool calls are not supported",
-    "tool_choice": "tool calls are not supported",
-    "functions": "function calls are not supported",
-    "function_call": "function calls are not supported",
-    "parallel_tool_calls": "tool calls are not supported",
+    "functions": "the deprecated 'functions' is not supported: use 'tools'",
+    "function_call": "the deprecated 'function_call' is not supported: use 'tool_choice'",
     "logit_bias": "logit_bias is not supported",
-    "response_format": "response formats (JSON mode, schemas) are not supported",
-    "grammar": "grammars are not supported",
-    "json_schema": "JSON schemas are not supported",
     "suffix": "suffix (insertion) is not supported",
     "echo": "echo is not supported",
     "best_of": "best_of is not supported",
@@ -161,6 +167,124 @@ class Parsed:
     include_usage: bool = False
     model: str = ""
     prompt_text: str = ""
+    syntax: tc.Syntax = field(default_factory=tc.Syntax)  # how to read a chat reply
+
+
+# -- structured output and tools ---------------------------------------------------------------
+
+
+def _locate(schema: Any, message: str, path: str = "") -> str | None:
+    """The JSON pointer of the first key or string value of `schema` that llguidance's message
+    quotes (its messages name the keyword, not where it is)."""
+    words = {w for pair in re.findall(r"""["']([^"']+)["']|Invalid type: (\S+)""", message) for w in pair if w}
+    if isinstance(schema, dict):
+        for k, v in schema.items():
+            here = f"{path}/{k}"
+            if k in words or (isinstance(v, str) and v in words):
+                return here
+            found = _locate(v, message, here)
+            if found:
+                return found
+    elif isinstance(schema, list):
+        for i, v in enumerate(schema):
+            found = _locate(v, message, f"{path}/{i}")
+            if found:
+                return found
+    return None
+
+
+def check_constraint(spec: ConstraintSpec | None, tokenizer: Any, where: str, param: str) -> None:
+    """Compile now (cached on the tokenizer, so the engine's compile is free): an invalid grammar or
+    schema is this request's 400, naming the field and, for a schema, the keyword's JSON pointer."""
+    if spec is None:
+        return
+    try:
+        compile_constraint(spec, tokenizer)
+    except ConstraintError as e:
+        at = ""
+        if spec.kind == "json_schema" and " at /" not in str(e):  # (constrain.py locates some itself)
+            try:
+                pointer = _locate(json.loads(spec.source), str(e))
+            except json.JSONDecodeError:
+                pointer = None
+            at = f" at {pointer}" if pointer else ""
+        raise ApiError(f"{where}{at}: {e}", param=param) from None
+
+
+def structured_spec(body: dict) -> tuple[ConstraintSpec | None, str, str]:
+    """(spec, where, param) of `response_format`, `grammar` or `json_schema`: at most one."""
+    given = [k for k in ("response_format", "grammar", "json_schema") if body.get(k) is not None]
+    if len(given) > 1:
+        raise ApiError(f"give only one of 'response_format', 'grammar' and 'json_schema', not {' and '.join(given)}", param=given[1])
+    if not given:
+        return None, "", ""
+    k, v = given[0], body[given[0]]
+    if k == "grammar":
+        if not isinstance(v, str):
+            raise ApiError("'grammar' must be a GBNF grammar (a string)", param=k)
+        return ConstraintSpec("gbnf", v), "grammar", k
+    if k == "json_schema":
+        if not isinstance(v, (dict, bool)):
+            raise ApiError("'json_schema' must be a JSON schema object", param=k)
+        return ConstraintSpec("json_schema", json.dumps(v)), "json_schema", k
+    try:
+        spec = response_format_spec(v)
+    except ConstraintError as e:
+        raise ApiError(str(e), param=k) from None
+    where = "response_format.json_schema.schema" if isinstance(v, dict) and v.get("type") == "json_schema" else "response_format"
+    return spec, where, k
+
+
+def _structured(body: dict, tokenizer: Any) -> ConstraintSpec | None:
+    spec, where, param = structured_spec(body)
+    check_constraint(spec, tokenizer, where, param)
+    return spec
+
+
+_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+def _tools(body: dict) -> list[tc.Tool]:
+    v = body.get("tools")
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise ApiError("'tools' must be a list", param="tools")
+    out = []
+    for i, t in enumerate(v):
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict) or set(t) - {"type", "function"}:
+            raise ApiError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}} (the only tool type)", param="tools")
+        fn = t["function"]
+        bad = set(fn) - {"name", "description", "parameters", "strict"}
+        if bad:
+            raise ApiError(f"tools[{i}].function: unknown field(s) {sorted(bad)}", param="tools")
+        name, desc, params = fn.get("name"), fn.get("description", ""), fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(name, str) or not _TOOL_NAME.match(name):
+            raise ApiError(f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-', got {name!r}", param="tools")
+        if not isinstance(desc, str) or not isinstance(params, dict) or not isinstance(fn.get("strict", True), bool):
+            raise ApiError(f"tools[{i}].function: description must be a string, parameters a JSON schema object, strict a boolean", param="tools")
+        if name in {x.name for x in out}:
+            raise ApiError(f"tools[{i}].function.name {name!r} is given twice", param="tools")
+        out.append(tc.Tool(name, desc, params))
+    return out
+
+
+def _tool_choice(body: dict, tools: list[tc.Tool]) -> tuple[str, str | None]:
+    """("auto" | "none" | "required", the named function or None); OpenAI's default is auto."""
+    v = body.get("tool_choice")
+    if v is None:
+        return "auto", None
+    if not tools:
+        raise ApiError("'tool_choice' needs 'tools'", param="tool_choice")
+    if v in ("auto", "none", "required"):
+        return v, None
+    fn = v.get("function") if isinstance(v, dict) and v.get("type") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ApiError("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                       param="tool_choice")  # fmt: skip
+    if fn["name"] not in {t.name for t in tools}:
+        raise ApiError(f"'tool_choice' names {fn['name']!r}, which is not among the tools", param="tool_choice")
+    return "required", fn["name"]
 
 
 def _common(body: dict, prompt: list[int], max_tokens: int | None, logprobs: int | None) -> Parsed:
@@ -213,6 +337,7 @@ def completion_request(body: Any, tokenizer: Any) -> Parsed:
     lp = _num(body, "logprobs", int, 0, MAX_TOP_LOGPROBS)
     parsed = _common(body, toks, _num(body, "max_tokens", int, 0, I64), lp)
     parsed.prompt_text = text
+    parsed.request.constraint = _structured(body, tokenizer)
     return parsed
 
 
@@ -223,6 +348,7 @@ def llama_completion_request(body: Any, tokenizer: Any) -> Parsed:
     n_probs = _num(body, "n_probs", int, 0, MAX_TOP_LOGPROBS)
     parsed = _common(body, toks, _num(body, "n_predict", int, -1, I64), n_probs or None)
     parsed.prompt_text = text
+    parsed.request.constraint = _structured(body, tokenizer)
     return parsed
 
 
@@ -245,10 +371,40 @@ class ChatTemplate:
         )
 
 
-_ROLES = {"system", "user", "assistant", "developer"}
+_ROLES = {"system", "user", "assistant", "developer", "tool"}
 
 
-def chat_messages(messages: Any) -> list[dict[str, str]]:
+def _text(content: Any, i: int) -> str:
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(f"messages[{i}].content: only text parts are supported", param="messages")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise ApiError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
+    return content
+
+
+def _history_calls(calls: Any, i: int) -> list[dict]:
+    if not isinstance(calls, list) or not calls:
+        raise ApiError(f"messages[{i}].tool_calls must be a non-empty list", param="messages")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if (not isinstance(fn, dict) or c.get("type", "function") != "function" or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("arguments"), (str, dict)) or not isinstance(c.get("id", ""), str)):  # fmt: skip
+            raise ApiError(f'messages[{i}].tool_calls[{j}] must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}',
+                           param="messages")  # fmt: skip
+        args = fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(fn["arguments"], ensure_ascii=False)
+        out.append({"id": c.get("id", ""), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI's messages as the chat templates take them (transformers' shapes): text content,
+    assistant `tool_calls`, `tool` results with their `tool_call_id`."""
     if not isinstance(messages, list) or not messages:
         raise ApiError("'messages' must be a non-empty list", param="messages")
     out = []
@@ -258,32 +414,31 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
         role = m.get("role")
         if role not in _ROLES:
             raise ApiError(f"messages[{i}].role {role!r}: supported roles are {sorted(_ROLES)}", param="messages")
-        extra = set(m) - {"role", "content", "name"}
+        allowed = {"role", "content", "name"} | {"assistant": {"tool_calls", "reasoning_content"},
+                                                 "tool": {"tool_call_id"}}.get(role, set())  # fmt: skip
+        extra = set(m) - allowed
         if extra:
-            raise ApiError(f"messages[{i}]: unsupported field(s) {sorted(extra)}", param="messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(f"messages[{i}].content: only text parts are supported", param="messages")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise ApiError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
-        msg = {"role": "system" if role == "developer" else role, "content": content}
-        if "name" in m:
-            if not isinstance(m["name"], str):
-                raise ApiError(f"messages[{i}].name must be a string", param="messages")
-            msg["name"] = m["name"]  # templates that know it use it
+            raise ApiError(f"messages[{i}] ({role}): unsupported field(s) {sorted(extra)}", param="messages")
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role}
+        if m.get("tool_calls") is not None:
+            msg["tool_calls"] = _history_calls(m["tool_calls"], i)
+            msg["content"] = None if m.get("content") is None else _text(m["content"], i)
+        else:
+            msg["content"] = _text(m.get("content"), i)
+        for k in ("name", "tool_call_id", "reasoning_content"):
+            if m.get(k) is not None:
+                if not isinstance(m[k], str):
+                    raise ApiError(f"messages[{i}].{k} must be a string", param="messages")
+                msg[k] = m[k]  # templates that know them use them
         out.append(msg)
     return out
 
 
-def chat_prompt(messages: list[dict[str, str]], template: ChatTemplate, tokenizer: Any) -> tuple[list[int], str]:
+def chat_prompt(messages: list[dict[str, Any]], template: ChatTemplate, tokenizer: Any, **extra: Any) -> tuple[list[int], str]:
     """The rendered conversation and its tokens: special tokens parsed, BOS added once when the
     model wants one and the template did not write it (llama-server's chat prompts)."""
-    text = render_chat(template.source, messages, add_generation_prompt=True, bos_token=template.bos, eos_token=template.eos)
+    text = render_chat(template.source, messages, add_generation_prompt=True, bos_token=template.bos,
+                       eos_token=template.eos, **extra)  # fmt: skip
     toks = tokenizer.encode(text, add_special=False, parse_special=True)
     if tokenizer.add_bos and tokenizer.bos is not None and (not toks or toks[0] != tokenizer.bos):
         toks = [tokenizer.bos] + toks
@@ -293,7 +448,39 @@ def chat_prompt(messages: list[dict[str, str]], template: ChatTemplate, tokenize
 def chat_request(body: Any, tokenizer: Any, template: ChatTemplate) -> Parsed:
     """POST /v1/chat/completions."""
     body = _check_fields(body, CHAT_FIELDS)
-    toks, text = chat_prompt(chat_messages(body.get("messages")), template, tokenizer)
+    messages = chat_messages(body.get("messages"))
+    tools = _tools(body)
+    choice, named = _tool_choice(body, tools)
+    parallel = _bool(body, "parallel_tool_calls", False)  # llama-server's default
+    spec, where, param = structured_spec(body)
+    for i, t in enumerate(tools):  # every schema checked, forced or not
+        check_constraint(ConstraintSpec("json_schema", json.dumps(t.parameters)), tokenizer,
+                         f"tools[{i}].function.parameters", "tools")  # fmt: skip
+    if choice == "none":
+        tools = []  # nothing offered, nothing parsed
+    if tools and spec is not None and spec.kind == "gbnf":
+        raise ApiError("'grammar' cannot be combined with 'tools' (a tool call has its own grammar)", param="grammar")
+    fmt = tc.detect_format(template.source, bool(tools), with_schema=spec is not None)
+    history_tools = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    caps = tc.template_caps(template.source) if tools or history_tools else None
+    if caps is not None:
+        messages = tc.prepare_messages(messages, tools, fmt, caps)
+    extra = tc.template_variables(fmt, tools, caps) if caps is not None else {}
+    toks, text = chat_prompt(messages, template, tokenizer, **extra)
+    if tools:
+        forced = [t for t in tools if t.name == named] if named else tools
+        if choice == "required":
+            kind, source = tc.call_grammar(fmt, forced, parallel, tokenizer)
+            spec, where, param = ConstraintSpec(kind, source), "tools", "tools"
+        elif fmt == "generic":  # auto: a call or a response, both JSON
+            response = json.loads(spec.source) if spec is not None and spec.kind == "json_schema" else (
+                {"type": "object"} if spec is not None else None)  # fmt: skip
+            spec = ConstraintSpec("json_schema", json.dumps(tc.generic_schema(tools, False, parallel, response)))
+            where = where or "tools"
+        else:  # auto: free text, but a call the text opens is held to the tools (llama.cpp's lazy grammar)
+            kind, source = tc.call_grammar(fmt, tools, parallel, tokenizer, lazy=True)
+            spec, where, param = ConstraintSpec(kind, source), "tools", "tools"
+    check_constraint(spec, tokenizer, where, param)
     want_lp = _bool(body, "logprobs")
     top = _num(body, "top_logprobs", int, 0, MAX_TOP_LOGPROBS)
     if top is not None and not want_lp:
@@ -303,6 +490,12 @@ def chat_request(body: Any, tokenizer: Any, template: ChatTemplate) -> Parsed:
         mt = _num(body, "max_tokens", int, 0, I64)
     parsed = _common(body, toks, mt, (top or 0) if want_lp else None)
     parsed.prompt_text = text
+    parsed.request.constraint = spec
+    # Llama 3's <|python_tag|> and Mistral's [TOOL_CALLS] are control tokens: kept in the text to be read
+    parsed.request.special = fmt in ("llama3", "mistral")
+    parsed.syntax = tc.Syntax(fmt, reasoning=tc.THINK_OPEN in template.source,
+                              thinking_open=text.endswith(tc.THINK_OPEN + "\n"), parse_tools=bool(tools),
+                              forced=bool(tools) and choice == "required")  # fmt: skip
     return parsed
 
 
@@ -314,21 +507,29 @@ def _piece(tokenizer: Any, t: int) -> bytes:
 
 
 def _finish_reason(reason: str | None) -> str:
-    # a full slot is a length limit to OpenAI clients, as llama-server reports it
+    # a full slot is a length limit to OpenAI clients, as llama-server reports it; a grammar's dead
+    # end keeps its own name (OpenAI has none for it, and "stop" would hide it)
+    if reason == "grammar_dead_end":
+        return reason
     return "length" if reason in ("length", "context") else "stop"
 
 
 class Responder:
     """Builds one request's OpenAI-shaped chunks and final response from engine events.
-    kind: "chat" or "completion"."""
+    kind: "chat" or "completion"; a chat reply is read as `syntax` says (tool calls, reasoning)."""
 
-    def __init__(self, kind: str, model: str, tokenizer: Any) -> None:
+    def __init__(self, kind: str, model: str, tokenizer: Any, syntax: tc.Syntax | None = None) -> None:
         self.kind = kind
         self.model = model
         self.tok = tokenizer
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.text_offset = 0
+        self.reply = tc.ReplyStream(syntax or tc.Syntax())
+
+    def finish_reason(self, ev: Event) -> str:
+        reason = _finish_reason(ev.finish_reason)
+        return "tool_calls" if reason == "stop" and self.reply.message.tool_calls else reason
 
     # logprobs
 
@@ -388,21 +589,29 @@ class Responder:
             return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
+    def _deltas(self, deltas: list[dict[str, Any]], lp: dict | None) -> list[dict[str, Any]]:
+        return [self._chunk([{"index": 0, "delta": d, "logprobs": lp if i == 0 else None, "finish_reason": None}])
+                for i, d in enumerate(deltas)]  # fmt: skip
+
     def start_chunks(self) -> list[dict[str, Any]]:
         """Chat streams open with the assistant's role."""
         return [self._chunk([self._choice("", None, None, role=True)])] if self.kind == "chat" else []
 
-    def token_chunk(self, ev: Event) -> dict[str, Any] | None:
+    def token_chunks(self, ev: Event) -> list[dict[str, Any]]:
         lp = self.logprobs([ev])
+        if self.kind == "chat":
+            deltas = self.reply.feed(ev.text)
+            return self._deltas(deltas or ([{"content": ""}] if lp is not None else []), lp)
         if not ev.text and lp is None:
-            return None  # text held back (a possible stop string, half a character)
-        return self._chunk([self._choice(ev.text, None, lp)])
+            return []  # text held back (a possible stop string, half a character)
+        return [self._chunk([self._choice(ev.text, None, lp)])]
 
     def end_chunks(self, ev: Event, include_usage: bool) -> list[dict[str, Any]]:
-        out = []
-        if ev.text:
-            out.append(self._chunk([self._choice(ev.text, None, None)]))
-        out.append(self._chunk([self._choice(None if self.kind == "chat" else "", _finish_reason(ev.finish_reason), None)]))
+        if self.kind == "chat":
+            out = self._deltas(self.reply.feed(ev.text) + self.reply.finish(), None)
+        else:
+            out = [self._chunk([self._choice(ev.text, None, None)])] if ev.text else []
+        out.append(self._chunk([self._choice(None if self.kind == "chat" else "", self.finish_reason(ev), None)]))
         if include_usage:
             out.append(self._chunk([], usage=self.usage(ev)))
         return out
@@ -414,12 +623,14 @@ class Responder:
         done = evs[-1]
         text = "".join(e.text for e in evs)
         lp = self.logprobs(evs)
-        finish = _finish_reason(done.finish_reason)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": finish}
+            self.reply.feed(text)
+            self.reply.finish()
+            choice = {"index": 0, "message": tc.message_dict(self.reply.message), "logprobs": lp,
+                      "finish_reason": self.finish_reason(done)}  # fmt: skip
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": self.finish_reason(done)}
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": self.usage(done)}  # fmt: skip

@@ -202,7 +202,42 @@ def _cases() -> list[tuple[str, Callable[[np.random.Generator], tuple[Tensor, di
         a, w = act("q", x), act("w", wv)
         return ops.mul(ops.rms_norm(a, 1e-6), w), {a: x, w: wv}, {a: x, w: wv}
 
+    def experts(qtype: T, n_tokens: int, per_slot: bool):  # noqa: ANN202
+        """MUL_MAT_ID: 6 experts of (32, 64), each token's 3 choices (repeats across tokens, some
+        experts unchosen); x one row per token (gate / up) or one per slot (down)."""
+
+        def make(rng):  # noqa: ANN001, ANN202
+            wv = f32(rng, 6 * 32, 64)
+            t = Tensor("exps", (6, 32, 64), qtype, flags=TensorFlag.WEIGHT)
+            if qtype is T.F32:
+                raw, ref = wv.view(np.uint8), wv
+            else:
+                q = gguf.quants.quantize(wv, qtype)
+                raw, ref = np.asarray(q).view(np.uint8), gguf.quants.dequantize(q, qtype).astype(np.float32)
+            ids = np.stack([rng.permutation(5)[:3] for _ in range(n_tokens)]).astype(np.int32)  # expert 5 unused
+            x = f32(rng, n_tokens, 3 if per_slot else 1, 64)
+            a, i = act("x", x), act("ids", ids, T.I32)
+            return ops.mul_mat_id(t, a, i), {t: raw, a: x, i: ids}, {t: ref.reshape(6, 32, 64), a: x, i: ids}
+
+        return make
+
+    def router(rng):  # noqa: ANN001, ANN202
+        """The router's ops on (5, 8) logits: softmax, top 3 (ARGSORT + view), GET_ROWS of the
+        chosen probabilities, SUM_ROWS, CLAMP, DIV."""
+        x = f32(rng, 5, 8)
+        a = act("logits", x)
+        probs = ops.soft_max(a)
+        top = ops.argsort_top_k(probs, 3)
+        w = ops.reshape(ops.get_rows(ops.reshape(probs, (5, 8, 1)), top), (5, 3))
+        total = ops.clamp(ops.sum_rows(w), 0.5, float("inf"))
+        return ops.div(w, total), {a: x}, {a: x}
+
     cases = [
+        ("ARGSORT-top_k", unary(lambda a: ops.argsort_top_k(a, 5))),
+        ("SUM_ROWS", unary(ops.sum_rows)),
+        ("CLAMP", unary(lambda a: ops.clamp(a, -0.5, 0.25))),
+        ("DIV", binary(ops.div)),
+        ("router", router),
         ("RMS_NORM", unary(lambda a: ops.rms_norm(a, 1e-5))),
         ("RMS_NORM-per-head", per_head_norm),
         ("GLU-geglu", geglu),
@@ -232,6 +267,10 @@ def _cases() -> list[tuple[str, Callable[[np.random.Generator], tuple[Tensor, di
         cases.append((f"GET_ROWS-{q.name}", get_rows(q)))
         for n in (1, 40):
             cases.append((f"MUL_MAT-{q.name}-n{n}", mul_mat(q, n)))
+    for q in (T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q8_0):
+        for n in (1, 9):
+            for per_slot in (False, True):
+                cases.append((f"MUL_MAT_ID-{q.name}-n{n}{'-per-slot' if per_slot else ''}", experts(q, n, per_slot)))
     return cases
 
 
@@ -267,6 +306,16 @@ def _activation_rounding(node: Tensor, ref_inputs: dict) -> np.ndarray | float:
     vec_dot_type, as ggml's CPU backend (and llamapy's by default) does: half a q8 step of each
     activation's 32-block (f16 rounding for F16 weights) times |w|, and for Q4_1 / Q5_1 the f16
     rounding of the q8_1 block sums. The exact arithmetic is tested in tests/unit."""
+    if node.op is Op.MUL_MAT_ID and node.src[0].type is not T.F32:
+        # each (token, slot) as the MUL_MAT of its row with its expert
+        w3, x3, ids = (ref_inputs[s] for s in node.src)
+        out = np.empty(node.shape)
+        for t in range(ids.shape[0]):
+            for u in range(ids.shape[1]):
+                xr = x3[t, u if x3.shape[1] > 1 else 0][None, :]
+                one = Tensor("m", (1, w3.shape[1]), op=Op.MUL_MAT, src=(Tensor("w", w3.shape[1:], node.src[0].type), Tensor("x", xr.shape)))
+                out[t, u] = _activation_rounding(one, {one.src[0]: w3[ids[t, u]], one.src[1]: xr})[0]
+        return out
     if node.op is not Op.MUL_MAT or node.src[0].type is T.F32:
         return 0.0
     w = np.abs(np.asarray(ref_inputs[node.src[0]], np.float64))

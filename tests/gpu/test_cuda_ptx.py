@@ -28,8 +28,8 @@ def test_sources_exist() -> None:
     from llamapy.backend.cuda_ops import ENTRIES
 
     names = {p.name for p in SOURCES}
-    assert {"floats.cu", "legacy.cu", "kquants.cu", "norm.cu", "glu.cu", "elementwise.cu", "getrows.cu", "rope.cu",
-            "fattn.cu"} <= names  # fmt: skip
+    assert {"floats.cu", "legacy.cu", "kquants.cu", "iquants.cu", "norm.cu", "glu.cu", "elementwise.cu", "getrows.cu",
+            "rope.cu", "fattn.cu"} <= names  # fmt: skip
     assert set(ENTRIES) == names, "every .cu is loaded by cuda_ops (and nothing else is)"
     assert (KDIR / "common.cuh").is_file()
 
@@ -304,6 +304,7 @@ def test_every_weight_type_has_kernels() -> None:
 F16_FIELDS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
     "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+    "IQ4_NL": [0], "IQ4_XS": [0], "MXFP4": [],  # MXFP4: an E8M0 byte (random_rows)
 }  # fmt: skip
 
 
@@ -323,6 +324,8 @@ def random_rows(name: str, n_rows: int, n_in: int, rng: np.random.Generator) -> 
     for o in F16_FIELDS[name]:
         d = (rng.uniform(0.5, 1.5, len(raw)) * 0.01).astype(np.float16)
         raw[:, o : o + 2] = d.view(np.uint8).reshape(-1, 2)
+    if name == "MXFP4":  # E8M0 exponents: the subnormal scales (0, 1) and finite products (<= 2^12 x 12)
+        raw[:, 0] = rng.choice(np.array([0, 1, 2, *range(110, 141)], np.uint8), len(raw))
     return raw.reshape(n_rows, -1)
 
 
@@ -347,7 +350,8 @@ def host_libs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL
     return libs
 
 
-ALL_TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+ALL_TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+             "IQ4_NL", "IQ4_XS", "MXFP4"]
 
 
 @pytest.mark.parametrize("name", ALL_TYPES)

@@ -22,7 +22,8 @@ from llamapy.perplexity import (
     read_logits_file,
 )
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
+from tests_support import SHARED
+
 REF = SHARED / "reference"
 TEXT = SHARED / "data" / "text"
 TINY32 = REF / "tiny32" / "tiny32-Q4_K_M.gguf"

@@ -194,7 +194,7 @@ def test_llama_server_endpoints(server: Server) -> None:
         ("/v1/chat/completions", b'{"messages": [', 400, "not valid JSON"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "'temperature' must be a number"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n = 1"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tool calls are not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": []}, 400, "'functions' is not supported: use 'tools'"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "frobnicate": 1}, 400, "unsupported parameter 'frobnicate'"),
         ("/v1/chat/completions", {"messages": "hello"}, 400, "'messages' must be a non-empty list"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, 400, "'max_tokens' must be between 0 and"),

@@ -11,9 +11,8 @@ import pytest
 from llamapy.model import chat
 from llamapy.model.chat import CHATML_TEMPLATE, ChatTemplateError, render_chat, template_or_default
 from llamapy.types import LlamapyError
-from tests_support import SHARED
+from tests_support import shared
 
-REFERENCE = SHARED / "reference" / "smollm2"
 
 # tokenizer.chat_template of SmolLM2-135M-Instruct.Q4_1.gguf, byte for byte.
 SMOLLM2_TEMPLATE = (
@@ -32,7 +31,7 @@ USER = [{"role": "user", "content": "hi"}]
 
 
 def test_smollm2_matches_transformers_reference() -> None:
-    cases = json.loads((REFERENCE / "chat_render.json").read_text())
+    cases = json.loads(shared("reference", "smollm2", "chat_render.json").read_text())
     assert cases
     for case in cases:
         got = render_chat(

@@ -206,8 +206,8 @@ def test_prepare_keeps_memmap_without_copy(tmp_path) -> None:
 
 
 def test_prepare_errors() -> None:
-    with pytest.raises(UnsupportedError, match="IQ4_NL"):
-        QMatrix.prepare(np.zeros((2, 18), np.uint8), GGMLType.IQ4_NL, 2, 32)
+    with pytest.raises(UnsupportedError, match="IQ2_XXS"):
+        QMatrix.prepare(np.zeros((2, 66), np.uint8), GGMLType.IQ2_XXS, 2, 256)
     with pytest.raises(ValueError):
         QMatrix.prepare(np.zeros((2, 18), np.uint8), GGMLType.Q4_0, 2, 64)
     m = QMatrix.prepare(np.zeros((2, 18), np.uint8), GGMLType.Q4_0, 2, 32)

@@ -17,7 +17,8 @@ from llamapy.model.gguf import GGUFFile
 from llamapy.model.tokenizer import StreamDecoder, Tokenizer
 from llamapy.types import LlamapyError, UnsupportedError
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
+from tests_support import SHARED
+
 VOCAB = SHARED / "data" / "vocab"
 TEXT = SHARED / "data" / "text"
 REF = SHARED / "reference"

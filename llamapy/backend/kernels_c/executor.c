@@ -64,6 +64,12 @@ int lp_quantize_act_par(lp_par *p, int ggml_type, const float *x, int64_t ld_x, 
                         void *xq);
 int lp_mul_mat_q_par(lp_par *p, int ggml_type, const void *w, int64_t n_rows, int64_t row_bytes, int64_t n_in,
                      const void *xq, int64_t n_tok, float *y, int64_t ld_y);
+int lp_mul_mat_id_q_par(lp_par *p, int ggml_type, const void *w, int64_t n_expert, int64_t M, int64_t row_bytes,
+                        int64_t n_in, const void *xq, int64_t ux, const int32_t *ids, int64_t ids_st, int64_t T,
+                        int64_t U, float *y);
+/* ops.c: ggml's soft_max_f32 over strided rows, and a descending argsort of each row */
+void lp_soft_max_rows(const float *x, int64_t rows, int64_t n, int64_t xs, float scale, float *out);
+void lp_argsort_rows(const float *x, int64_t rows, int64_t n, int64_t xs, int32_t *out);
 
 /* the matvec ABI of qmatmul.c's lp_mvp_<t> (a thread of a team) */
 typedef void (*mvp_fn)(lp_par *p, const void *const *parts, int64_t n_tiles, int64_t nb, const float *x,
@@ -88,6 +94,14 @@ enum {
     EX_CPY = 12,
     EX_QUANT_ACT = 13, /* activations quantized to a weight type's vec_dot_type, once for its products */
     EX_MUL_MAT_Q = 14, /* MUL_MAT on the file's blocks with those quantized activations */
+    /* the mixture-of-experts router and experts (build_moe_ffn) */
+    EX_SOFT_MAX = 15,
+    EX_ARGSORT = 16,
+    EX_SUM_ROWS = 17,
+    EX_CLAMP = 18,
+    EX_DIV = 19,
+    EX_GET_ROWS_B = 20,   /* GET_ROWS with a batch of id rows: (B, R, C), (B, n) -> (B, n, C) */
+    EX_MUL_MAT_ID_Q = 21, /* MUL_MAT_ID on the file's blocks with quantized activations */
 };
 
 #define EX_REC 24
@@ -185,18 +199,49 @@ static void ex_rows(const ex_slot *r, int64_t r0, int64_t r1) {
         break;
     }
     case EX_MUL:
-    case EX_ADD: {
-        /* dst (rows, n) = a op b: [6] rows, [7] n, [8] a stride, [9] b stride (0: broadcast) */
+    case EX_ADD:
+    case EX_DIV: {
+        /* dst (rows, n) = a op b: [6] rows, [7] n, [8] a stride, [9] b stride (0: broadcast),
+         * [10] b has one value per row (the router's weights: ggml's broadcast of ne[0] = 1) */
         const float *a = P(2), *b = P(3);
         float *d = P(1);
-        const int64_t n = I(7);
+        const int64_t n = I(7), bi = I(10) ? 0 : 1;
         for (int64_t t = r0; t < r1; t++) {
             const float *ar = a + t * I(8), *br = b + t * I(9);
             float *dr = d + t * n;
             if (I(0) == EX_MUL)
-                for (int64_t i = 0; i < n; i++) dr[i] = ar[i] * br[i];
+                for (int64_t i = 0; i < n; i++) dr[i] = ar[i] * br[i * bi];
+            else if (I(0) == EX_ADD)
+                for (int64_t i = 0; i < n; i++) dr[i] = ar[i] + br[i * bi];
             else
-                for (int64_t i = 0; i < n; i++) dr[i] = ar[i] + br[i];
+                for (int64_t i = 0; i < n; i++) dr[i] = ar[i] / br[i * bi];
+        }
+        break;
+    }
+    case EX_SOFT_MAX:
+        /* dst (rows, n) = softmax(x * scale): [6] rows, [7] n, [8] x stride, [9] scale */
+        lp_soft_max_rows((const float *)P(2) + r0 * I(8), r1 - r0, I(7), I(8), (float)F(9), (float *)P(1) + r0 * I(7));
+        break;
+    case EX_ARGSORT:
+        /* dst (rows, n) int32: each row's indices, largest value first: [6] rows, [7] n, [8] x stride */
+        lp_argsort_rows((const float *)P(2) + r0 * I(8), r1 - r0, I(7), I(8), (int32_t *)P(1) + r0 * I(7));
+        break;
+    case EX_SUM_ROWS:
+        /* dst (rows, 1): each row summed in order in double (ggml_vec_sum_f32): [6] rows, [7] n, [8] stride */
+        for (int64_t t = r0; t < r1; t++) {
+            const float *x = (const float *)P(2) + t * I(8);
+            double acc = 0.0;
+            for (int64_t i = 0; i < I(7); i++) acc += (double)x[i];
+            ((float *)P(1))[t] = (float)acc;
+        }
+        break;
+    case EX_CLAMP: {
+        /* [6] rows, [7] n, [8] stride, [9] min, [10] max */
+        const float lo = (float)F(9), hi = (float)F(10);
+        for (int64_t t = r0; t < r1; t++) {
+            const float *x = (const float *)P(2) + t * I(8);
+            float *d = (float *)P(1) + t * I(7);
+            for (int64_t i = 0; i < I(7); i++) d[i] = x[i] < lo ? lo : x[i] > hi ? hi : x[i];
         }
         break;
     }
@@ -245,7 +290,8 @@ EX_API int64_t lp_exec_caps(void) {
 /* the row-wise records (ex_rows) */
 static int ex_rowwise(int64_t op) {
     return op == EX_RMS_NORM || op == EX_MUL || op == EX_ADD || op == EX_SCALE || op == EX_SWIGLU || op == EX_ROPE ||
-           op == EX_CPY;
+           op == EX_CPY || op == EX_DIV || op == EX_SOFT_MAX || op == EX_ARGSORT || op == EX_SUM_ROWS ||
+           op == EX_CLAMP;
 }
 
 /* A record that has a serial part only (thread 0 runs it, the others go on to the next barrier)
@@ -257,6 +303,7 @@ static int ex_is_par(const ex_slot *r) {
         return I(9) > 1;
     case EX_MUL_MAT:
     case EX_MUL_MAT_Q:
+    case EX_MUL_MAT_ID_Q:
     case EX_ATTN:
         return 1;
     default:
@@ -292,6 +339,12 @@ static int ex_par_record(lp_par *p, const ex_slot *r) {
         /* dst y <- W (src0, the file's rows) . xq (src1): [6] type, [7] n_rows, [8] row bytes,
          * [9] n_in, [10] n_tok, [11] y row stride */
         return lp_mul_mat_q_par(p, (int)I(6), P(2), I(7), I(8), I(9), P(3), I(10), P(1), I(11)) != 0;
+    case EX_MUL_MAT_ID_Q:
+        /* dst y (T, U, M) <- the experts W (src0, stacked, the file's rows) . xq (src1, T x ux rows)
+         * chosen by ids (src2, int32 rows of stride [12]): [6] type, [7] n_expert, [8] M,
+         * [9] row bytes, [10] n_in, [11] ux, [13] T, [14] U */
+        return lp_mul_mat_id_q_par(p, (int)I(6), P(2), I(7), I(8), I(9), I(10), P(3), I(11), P(4), I(12), I(13),
+                                   I(14), P(1)) != 0;
     default: { /* a row-wise record of a big batch: a static share of its rows */
         if (!ex_rowwise(I(0))) return 1;
         int64_t r0, r1;
@@ -334,6 +387,21 @@ static int ex_serial_record(const ex_slot *r) {
             else
                 memcpy(dst + i * I(7), (const float *)P(2) + ids[i] * I(8), (size_t)I(7) * 4);
         }
+        return 0;
+    }
+    case EX_GET_ROWS_B: {
+        /* dst (B, n, C) <- for each batch b, rows ids[b] of table[b]: [6] B, [7] n, [8] C,
+         * [9] table batch stride, [10] table row stride, [11] table rows, [12] ids batch stride
+         * (the ids of a batch contiguous) */
+        const float *tab = P(2);
+        const int32_t *ids = P(3);
+        float *dst = P(1);
+        for (int64_t b = 0; b < I(6); b++)
+            for (int64_t i = 0; i < I(7); i++) {
+                const int32_t id = ids[b * I(12) + i];
+                if (id < 0 || id >= I(11)) return 1;
+                memcpy(dst + (b * I(7) + i) * I(8), tab + b * I(9) + id * I(10), (size_t)I(8) * 4);
+            }
         return 0;
     }
     case EX_SET_ROWS: {

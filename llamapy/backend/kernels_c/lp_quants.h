@@ -213,6 +213,7 @@ enum {
     LP_TYPE_F32 = 0, LP_TYPE_F16 = 1, LP_TYPE_Q4_0 = 2, LP_TYPE_Q4_1 = 3, LP_TYPE_Q5_0 = 6,
     LP_TYPE_Q5_1 = 7, LP_TYPE_Q8_0 = 8, LP_TYPE_Q8_1 = 9, LP_TYPE_Q2_K = 10, LP_TYPE_Q3_K = 11,
     LP_TYPE_Q4_K = 12, LP_TYPE_Q5_K = 13, LP_TYPE_Q6_K = 14, LP_TYPE_Q8_K = 15, LP_TYPE_BF16 = 30,
+    LP_TYPE_IQ4_NL = 20, LP_TYPE_IQ4_XS = 23, LP_TYPE_MXFP4 = 39, /* kernels_c/iquants.c */
 };
 
 /* MUL_MAT with quantized activations (ggml_compute_forward_mul_mat), in kernels_c/qmatmul.c.

@@ -1304,3 +1304,70 @@ LP_API void lp_swiglu(const float *gate, const float *up, int64_t rows, int64_t 
         for (int64_t i = nv; i < n; i++) o[i] = gr[i] / (1.0f + expf(-gr[i])) * ur[i];
     }
 }
+
+/* ---------------------------------------------------------------------------------------- */
+/* soft_max and argsort (the mixture-of-experts router)                                      */
+
+/* ggml's soft_max_f32 without a mask, on the llama.cpp build for this CPU (-march=native), bit
+ * for bit: x * scale, its max, e^(x - max) by the SIMD exp over whole vectors (16 floats with
+ * AVX-512 F+DQ, else 8: ggml_vec_soft_max_f32) each vector's sum reduced as _mm512_reduce_add_ps /
+ * the AVX2 hadd sequence and added in double, libm's expf on the tail, then every value times
+ * (float)(1.0 / sum). */
+LP_API void lp_soft_max_rows(const float *x, int64_t rows, int64_t n, int64_t xs, float scale, float *out) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    enum { W = 16 };
+#else
+    enum { W = 8 };
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * xs;
+        float *y = out + r * n;
+        float max = -INFINITY;
+        for (int64_t i = 0; i < n; i++) {
+            y[i] = xr[i] * scale;
+            max = y[i] > max ? y[i] : max;
+        }
+        double sum = 0.0;
+        int64_t i = 0;
+        for (; i + W <= n; i += W) {
+            float v[W];
+            for (int l = 0; l < W; l++) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+                v[l] = lp_expf_avx512(y[i + l] - max);
+#else
+                v[l] = lp_expf(y[i + l] - max);
+#endif
+                y[i + l] = v[l];
+            }
+            float h[8], q[4];
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+            for (int l = 0; l < 8; l++) h[l] = v[l + 8] + v[l];
+#else
+            for (int l = 0; l < 8; l++) h[l] = v[l];
+#endif
+            for (int l = 0; l < 4; l++) q[l] = h[l + 4] + h[l];
+            sum += (double)((q[0] + q[2]) + (q[1] + q[3]));
+        }
+        for (; i < n; i++) {
+            y[i] = expf(y[i] - max);
+            sum += (double)y[i];
+        }
+        const float inv = (float)(1.0 / sum);
+        for (int64_t k = 0; k < n; k++) y[k] *= inv;
+    }
+}
+
+/* each row's indices, largest value first, equal values in index order (a stable sort; ggml's
+ * argsort leaves ties in no promised order) */
+LP_API void lp_argsort_rows(const float *x, int64_t rows, int64_t n, int64_t xs, int32_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * xs;
+        int32_t *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) {
+            const float key = xr[i];
+            int64_t j = i;
+            for (; j > 0 && xr[o[j - 1]] < key; j--) o[j] = o[j - 1];
+            o[j] = (int32_t)i;
+        }
+    }
+}

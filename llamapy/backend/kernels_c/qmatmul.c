@@ -1003,6 +1003,26 @@ void lp_gemm_q8_0_q8_0_panel(int n, float *s, int64_t ld_s, const void *w, int64
 void lp_gemm_q4_1_q8_1_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_q5_1_q8_1_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 
+/* the MoE models' types (iquants.c): every kernel there, referenced weakly as the K types' */
+#pragma weak lp_vec_dot_iq4_nl_q8_0
+#pragma weak lp_vec_dot_mxfp4_q8_0
+#pragma weak lp_vec_dot_iq4_xs_q8_K
+#pragma weak lp_gemm_iq4_nl_q8_0
+#pragma weak lp_gemm_mxfp4_q8_0
+#pragma weak lp_gemm_iq4_xs_q8_K
+#pragma weak lp_gemv_iq4_nl_q8_0
+#pragma weak lp_gemv_mxfp4_q8_0
+#pragma weak lp_gemv_iq4_xs_q8_K
+void lp_vec_dot_iq4_nl_q8_0(int n, float *s, const void *vx, const void *vy);
+void lp_vec_dot_mxfp4_q8_0(int n, float *s, const void *vx, const void *vy);
+void lp_vec_dot_iq4_xs_q8_K(int n, float *s, const void *vx, const void *vy);
+void lp_gemm_iq4_nl_q8_0(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_mxfp4_q8_0(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_iq4_xs_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemv_iq4_nl_q8_0(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x);
+void lp_gemv_mxfp4_q8_0(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x);
+void lp_gemv_iq4_xs_q8_K(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x);
+
 /* Rows a thread takes at once (output columns of one chunk), and the rows of a cache block:
  * for prompts, MM_ROW_BLOCK weight rows stay in L1 while every token's activations pass by. */
 #define MM_ROW_BLOCK 16
@@ -1072,9 +1092,13 @@ static int mm_traits_of(int type, mm_traits *t) {
     case LP_TYPE_Q4_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q4_K_q8_K, lp_gemm_q4_K_q8_K, NULL, lp_gemv_q4_K_q8_K}; break;
     case LP_TYPE_Q5_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q5_K_q8_K, lp_gemm_q5_K_q8_K}; break;
     case LP_TYPE_Q6_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q6_K_q8_K, lp_gemm_q6_K_q8_K, NULL, lp_gemv_q6_K_q8_K}; break;
+    case LP_TYPE_IQ4_NL: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_iq4_nl_q8_0, lp_gemm_iq4_nl_q8_0, NULL, lp_gemv_iq4_nl_q8_0}; break;
+    case LP_TYPE_MXFP4: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_mxfp4_q8_0, lp_gemm_mxfp4_q8_0, NULL, lp_gemv_mxfp4_q8_0}; break;
+    case LP_TYPE_IQ4_XS: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_iq4_xs_q8_K, lp_gemm_iq4_xs_q8_K, NULL, lp_gemv_iq4_xs_q8_K}; break;
     default: return -1;
     }
     t->gemm_cols = type == LP_TYPE_Q3_K || type == LP_TYPE_Q4_K || type == LP_TYPE_Q5_K || type == LP_TYPE_Q6_K
+                           || type == LP_TYPE_IQ4_NL || type == LP_TYPE_MXFP4 || type == LP_TYPE_IQ4_XS /* iquants.c: any nc, a panel */
                        ? LP_GEMM_COLS_K : LP_GEMM_COLS;
     /* 2..gemv_cols tokens: gemv a token over rows kept in cache beats the K types' multi-column
      * kernels (their 8-column row kernel only from 8 tokens on AVX-512). Measured on the 1B shape's
@@ -1091,6 +1115,7 @@ static int mm_traits_of(int type, mm_traits *t) {
     t->gemv_cols = t->gemv == NULL ? 0 : type == LP_TYPE_Q8_0 ? 4 : t->vec_dot_type != LP_TYPE_Q8_K ? 0
                  : type == LP_TYPE_Q2_K ? 2 : 6;
 #endif
+    if (type == LP_TYPE_IQ4_XS) t->gemv_cols = 0; /* its gemv is a vec_dot a row: the gemm decodes once */
     t->gemm_panel = type == LP_TYPE_Q4_0 ? lp_gemm_q4_0_q8_0_panel : type == LP_TYPE_Q4_1 ? lp_gemm_q4_1_q8_1_panel
                   : type == LP_TYPE_Q5_0 ? lp_gemm_q5_0_q8_0_panel : type == LP_TYPE_Q5_1 ? lp_gemm_q5_1_q8_1_panel
                   : type == LP_TYPE_Q8_0 ? lp_gemm_q8_0_q8_0_panel : NULL;
@@ -1307,4 +1332,121 @@ QMM_API int lp_mul_mat(int ggml_type, const void *w, int64_t n_rows, int64_t row
                        const float *x, int64_t ld_x, int64_t n_tok, float *y, int64_t ld_y, void *wsp, int n_threads) {
     if (lp_quantize_act(ggml_type, x, ld_x, n_in, n_tok, wsp, n_threads) != 0) return -1;
     return lp_mul_mat_q(ggml_type, w, n_rows, row_bytes, n_in, wsp, n_tok, y, ld_y, n_threads);
+}
+
+/* MUL_MAT_ID with quantized activations (ggml-cpu's ggml_compute_forward_mul_mat_id): y (T, U, M)
+ * where slot u of token t is row (t, u or 0) of xq (T, ux, act bytes; ux 1: one row for all of a
+ * token's slots) times the matrix of expert ids[t, u] (rows ids*M .. of w, the experts stacked).
+ * Thread 0 groups the (token, slot) pairs by expert (experts in order, each one's pairs in token
+ * order: ggml's matrix_rows) and gathers their activation rows; then each chosen expert's rows
+ * multiply, once, all the rows that chose it (mm_rows over chunks of its rows, handed out across
+ * the team as one dynamic loop over every expert's chunks), into a buffer in that order; then the
+ * rows go to their (token, slot). Returns 0, -1 for a type without quantized products, -2 for an
+ * expert id out of range. A thread of a running team. */
+typedef struct {
+    int64_t *start;  /* n_expert + 1: each expert's first row in the grouped order */
+    int64_t *pair;   /* T*U: t*U + u of each grouped row */
+    uint8_t *xg;     /* T*U rows of act bytes, grouped */
+    float *yg;       /* T*U rows of M floats, grouped */
+    int64_t *chunk;  /* units: expert << 32 | chunk index */
+    int64_t n_units, n_chunk_rows;
+    int err;
+} mmid_plan;
+
+static mmid_plan *mmid_make(const mm_traits *t, int64_t n_expert, int64_t M, int64_t n_in, const void *xq, int64_t ux,
+                            const int32_t *ids, int64_t ids_st, int64_t T, int64_t U, int nth) {
+    const int64_t act_bytes = n_in / t->blck * t->act_bsize, n = T * U;
+    mmid_plan *pl = calloc(1, sizeof *pl);
+    if (!pl) return NULL;
+    pl->start = calloc((size_t)n_expert + 1, sizeof(int64_t));
+    pl->pair = malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    pl->xg = malloc((size_t)(n ? n : 1) * (size_t)act_bytes);
+    pl->yg = malloc((size_t)(n ? n : 1) * (size_t)M * sizeof(float));
+    if (!pl->start || !pl->pair || !pl->xg || !pl->yg) { pl->err = -3; return pl; }
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t e = ids[(i / U) * ids_st + i % U];
+        if (e < 0 || e >= n_expert) { pl->err = -2; return pl; }
+        pl->start[e + 1]++;
+    }
+    for (int64_t e = 0; e < n_expert; e++) pl->start[e + 1] += pl->start[e];
+    int64_t *fill = malloc((size_t)n_expert * sizeof(int64_t));
+    if (!fill) { pl->err = -3; return pl; }
+    memcpy(fill, pl->start, (size_t)n_expert * sizeof(int64_t));
+    for (int64_t i = 0; i < n; i++) { /* token order within each expert */
+        const int64_t tok = i / U, u = i % U, k = fill[ids[tok * ids_st + u]]++;
+        pl->pair[k] = i;
+        memcpy(pl->xg + k * act_bytes, (const uint8_t *)xq + (tok * ux + (ux == 1 ? 0 : u)) * act_bytes,
+               (size_t)act_bytes);
+    }
+    free(fill);
+    /* units of MM_ROW_BLOCK rows: about 4 a thread over all the work, never fewer than one a expert */
+    int64_t used = 0;
+    for (int64_t e = 0; e < n_expert; e++) used += pl->start[e + 1] > pl->start[e];
+    const int64_t blocks = (M + MM_ROW_BLOCK - 1) / MM_ROW_BLOCK;
+    int64_t per = used ? (4LL * nth + used - 1) / used : 1;
+    per = per < 1 ? 1 : per > blocks ? blocks : per;
+    pl->n_chunk_rows = (blocks + per - 1) / per * MM_ROW_BLOCK;
+    const int64_t n_chunks = (M + pl->n_chunk_rows - 1) / pl->n_chunk_rows;
+    pl->chunk = malloc((size_t)(used * n_chunks + 1) * sizeof(int64_t));
+    if (!pl->chunk) { pl->err = -3; return pl; }
+    for (int64_t e = 0; e < n_expert; e++)
+        if (pl->start[e + 1] > pl->start[e])
+            for (int64_t c = 0; c < n_chunks; c++) pl->chunk[pl->n_units++] = e << 32 | c;
+    return pl;
+}
+
+static void mmid_free(mmid_plan *pl) {
+    if (!pl) return;
+    free(pl->start), free(pl->pair), free(pl->xg), free(pl->yg), free(pl->chunk), free(pl);
+}
+
+int lp_mul_mat_id_q_par(lp_par *p, int ggml_type, const void *w, int64_t n_expert, int64_t M, int64_t row_bytes,
+                        int64_t n_in, const void *xq, int64_t ux, const int32_t *ids, int64_t ids_st, int64_t T,
+                        int64_t U, float *y) {
+    mm_traits t;
+    if (mm_traits_of(ggml_type, &t) != 0 || n_in % t.blck || n_in > INT32_MAX) return -1;
+    const int64_t act_bytes = n_in / t.blck * t.act_bsize;
+    mmid_plan *pl = lp_par_share(p, p->ith == 0 ? mmid_make(&t, n_expert, M, n_in, xq, ux, ids, ids_st, T, U, p->nth)
+                                               : NULL);
+    int err = pl == NULL ? -3 : pl->err;
+    if (err == 0) {
+        for (int64_t c = lp_par_next(p); c < pl->n_units; c = lp_par_next(p)) {
+            const int64_t e = pl->chunk[c] >> 32, a = (pl->chunk[c] & 0xffffffff) * pl->n_chunk_rows;
+            const int64_t b = a + pl->n_chunk_rows < M ? a + pl->n_chunk_rows : M, k0 = pl->start[e];
+            mm_rows(&t, (const uint8_t *)w + e * M * row_bytes, a, b, row_bytes, (int)n_in, pl->xg + k0 * act_bytes,
+                    act_bytes, pl->start[e + 1] - k0, pl->yg + k0 * M, M);
+        }
+        lp_par_barrier(p);
+        int64_t r0, r1;
+        lp_par_range(p, T * U, &r0, &r1);
+        for (int64_t k = r0; k < r1; k++) memcpy(y + pl->pair[k] * M, pl->yg + k * M, (size_t)M * sizeof(float));
+    }
+    lp_par_barrier(p); /* everyone is done with the plan before thread 0 frees it */
+    if (p->ith == 0) mmid_free(pl);
+    return err;
+}
+
+typedef struct {
+    int type;
+    const void *w;
+    int64_t n_expert, M, row_bytes, n_in;
+    const void *xq;
+    int64_t ux;
+    const int32_t *ids;
+    int64_t ids_st, T, U;
+    float *y;
+} mmid_job;
+
+static int64_t mul_mat_id_q_run(lp_par *p, void *arg) {
+    const mmid_job *j = arg;
+    int rc = lp_mul_mat_id_q_par(p, j->type, j->w, j->n_expert, j->M, j->row_bytes, j->n_in, j->xq, j->ux, j->ids,
+                                 j->ids_st, j->T, j->U, j->y);
+    return rc == 0 ? 0 : -rc; /* a positive error for lp_par_run */
+}
+
+QMM_API int lp_mul_mat_id_q(int ggml_type, const void *w, int64_t n_expert, int64_t M, int64_t row_bytes, int64_t n_in,
+                            const void *xq, int64_t ux, const int32_t *ids, int64_t ids_st, int64_t T, int64_t U,
+                            float *y, int n_threads) {
+    mmid_job j = {ggml_type, w, n_expert, M, row_bytes, n_in, xq, ux, ids, ids_st, T, U, y};
+    return -(int)lp_par_run(n_threads, mul_mat_id_q_run, &j);
 }

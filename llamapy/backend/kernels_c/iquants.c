@@ -1,0 +1,621 @@
+/* The quant types mixture-of-experts models ship in: IQ4_NL, IQ4_XS and MXFP4 (dequantization,
+ * their dot products with the q8 activations, and the multi-row kernels built on them).
+ *
+ * ggml counterparts: ggml-common.h (block_iq4_nl, block_iq4_xs, block_mxfp4, kvalues_iq4nl,
+ * kvalues_mxfp4), ggml-quants.c (dequantize_row_iq4_nl / iq4_xs / mxfp4), ggml-cpu's
+ * arch/x86/quants.c (ggml_vec_dot_iq4_xs_q8_K), arch/x86/repack.cpp
+ * (gemv/gemm_q4_b32_8x8_q8_0_lut_avx: the iq4_nl_8x8 and mxfp4_8x8 kernels llama.cpp's x86 builds
+ * run on these weights, every matrix of a multiple of 8 rows: decode and prompts alike) and
+ * tiled/tiled-kernel.cpp (its IQ4_XS prompts).
+ *
+ * Kernels (the file's blocks where they are mapped, no repacking): decode takes 8 rows a step,
+ * each block's 8 integer sums reduced across lanes (two rows a 512-bit vector on AVX-512);
+ * prompts transpose 8 rows' decoded blocks into a panel with the rows in the lanes, which every
+ * token then reads with its activation bytes broadcast (no horizontal sums). With VNNI (and for
+ * MXFP4 on AVX2) the grids are shifted to unsigned bytes and the activations' block sums
+ * subtracted, instead of the sign trick.
+ *
+ * Numerics (each output bit for bit what llama.cpp 0.3.36's x86 build computes):
+ *   IQ4_NL . Q8_0, MXFP4 . Q8_0 (the repacked 8x8 kernels' order): per 32-element block i the
+ *     exact int32 sum S_i of kvalue * q8, acc = fmaf((float)S_i, d_w,i * d_y,i, acc) block after
+ *     block, from 0: one chain per output. d_w is the f16 scale (IQ4_NL) or 2^(e - 128)
+ *     (ggml_e8m0_to_fp32_half: MXFP4's e2m1 values are stored doubled, as integers).
+ *   IQ4_XS . Q8_K (the order of llama.cpp's tiled microkernels, tiled/tiled-kernel.cpp, which run
+ *     its prompts): per 256-element block the exact int32 total S_i over its 8 sub-blocks of
+ *     scale_sub * (kvalues . q8), r = (float)S_i * d_w,i, acc = fmaf(r, d_y,i, acc). llama.cpp's
+ *     decode (ggml_vec_dot_iq4_xs_q8_K: 8 lanes, hsum_float_8) sums in another order, so it is
+ *     not batch-invariant; llamapy takes the prompt order at every batch size, as for Q3_K-Q6_K.
+ * The int32 sums are exact however they are formed (maddubs pairs stay below 2 x 127 x 128), so
+ * the portable bodies (scalar, fmaf) and the AVX2 / AVX-512 ones give the same bits, and so do the
+ * multi-row / multi-column kernels (lp_gemv_*, lp_gemm_*: the vec_dot per output).
+ * Dequantization is exact (an f16 or power-of-two scale times a small integer, IQ4_XS's d * scale
+ * rounded first as ggml does): the same bits as gguf-py's.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lp_quants.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#if defined(__GNUC__)
+#define IQ_API __attribute__((visibility("default")))
+#else
+#define IQ_API
+#endif
+
+typedef struct { lp_half d; uint8_t qs[16]; } block_iq4_nl;
+typedef struct { lp_half d; uint16_t scales_h; uint8_t scales_l[QK_K / 64]; uint8_t qs[QK_K / 2]; } block_iq4_xs;
+typedef struct { uint8_t e; uint8_t qs[16]; } block_mxfp4;
+_Static_assert(sizeof(block_iq4_nl) == 18, "iq4_nl");
+_Static_assert(sizeof(block_iq4_xs) == 136, "iq4_xs");
+_Static_assert(sizeof(block_mxfp4) == 17, "mxfp4");
+
+static const int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t kvalues_mxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* ggml_e8m0_to_fp32_half: 2^(e - 128), as float32 bits (e < 2: subnormal) */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* dequantization (ggml-quants.c dequantize_row_*)                                              */
+
+static void deq_iq4_nl(const void *vx, float *y, int64_t nb) {
+    const block_iq4_nl *x = vx;
+    for (int64_t i = 0; i < nb; i++, y += 32) {
+        const float d = lp_h2f(x[i].d);
+        for (int j = 0; j < 16; j++) {
+            y[j] = d * (float)kvalues_iq4nl[x[i].qs[j] & 15];
+            y[j + 16] = d * (float)kvalues_iq4nl[x[i].qs[j] >> 4];
+        }
+    }
+}
+
+static void deq_mxfp4(const void *vx, float *y, int64_t nb) {
+    const block_mxfp4 *x = vx;
+    for (int64_t i = 0; i < nb; i++, y += 32) {
+        const float d = e8m0_half(x[i].e);
+        for (int j = 0; j < 16; j++) {
+            y[j] = d * (float)kvalues_mxfp4[x[i].qs[j] & 15];
+            y[j + 16] = d * (float)kvalues_mxfp4[x[i].qs[j] >> 4];
+        }
+    }
+}
+
+/* IQ4_XS sub-block ib's scale (6 bits: 4 in scales_l, 2 in scales_h), minus 32 */
+static inline int iq4_xs_scale(const block_iq4_xs *b, int ib) {
+    return (((b->scales_l[ib / 2] >> 4 * (ib % 2)) & 0xf) | (((b->scales_h >> 2 * ib) & 3) << 4)) - 32;
+}
+
+static void deq_iq4_xs(const void *vx, float *y, int64_t nb) {
+    const block_iq4_xs *x = vx;
+    for (int64_t i = 0; i < nb; i++) {
+        const float d = lp_h2f(x[i].d);
+        for (int ib = 0; ib < QK_K / 32; ib++, y += 32) {
+            const float dl = d * (float)iq4_xs_scale(&x[i], ib);
+            const uint8_t *qs = x[i].qs + 16 * ib;
+            for (int j = 0; j < 16; j++) {
+                y[j] = dl * (float)kvalues_iq4nl[qs[j] & 15];
+                y[j + 16] = dl * (float)kvalues_iq4nl[qs[j] >> 4];
+            }
+        }
+    }
+}
+
+/* n_rows rows of `type` (row_bytes apart, n_in elements each) -> float32 rows ld_out apart;
+ * 0, or -1 for a type this file does not know or a width not a multiple of its block */
+IQ_API int lp_dequantize_rows(int type, const void *w, int64_t n_rows, int64_t row_bytes, int64_t n_in, float *out,
+                              int64_t ld_out) {
+    void (*fn)(const void *, float *, int64_t);
+    int64_t blck;
+    switch (type) {
+    case LP_TYPE_IQ4_NL: fn = deq_iq4_nl, blck = 32; break;
+    case LP_TYPE_MXFP4: fn = deq_mxfp4, blck = 32; break;
+    case LP_TYPE_IQ4_XS: fn = deq_iq4_xs, blck = QK_K; break;
+    default: return -1;
+    }
+    if (n_in % blck) return -1;
+    for (int64_t r = 0; r < n_rows; r++) fn((const uint8_t *)w + r * row_bytes, out + r * ld_out, n_in / blck);
+    return 0;
+}
+
+/* The multi-row / multi-column entry points (lp_gemm_*, lp_gemv_*) are in the SIMD builds only:
+ * the portable library has none, as for the other types (qmatmul.py takes float32 tiles + sgemm
+ * for its prompts, qmatmul.c a vec_dot per output). */
+
+/* ------------------------------------------------------------------------------------------- */
+/* IQ4_NL and MXFP4 against Q8_0: 32-element blocks of 16 nibble bytes under one scale          */
+
+typedef struct {
+    int bsize, qoff;     /* block bytes, offset of its 16 quant bytes */
+    const int8_t *lut;   /* nibble -> int8 */
+    int e8m0;            /* scale: 1 an E8M0 byte (MXFP4), 0 an f16 (IQ4_NL) */
+} b32_kind;
+
+static const b32_kind K_IQ4_NL = {sizeof(block_iq4_nl), 2, kvalues_iq4nl, 0};
+static const b32_kind K_MXFP4 = {sizeof(block_mxfp4), 1, kvalues_mxfp4, 1};
+
+/* The grids shifted to unsigned bytes, for u8 x s8 products without the sign trick:
+ * sum((v + off) * y) - off * sum(y) = sum(v * y), exactly. MXFP4 (off 12, at most 24): maddubs
+ * pairs stay below 2 x 24 x 128, so AVX2 too; IQ4_NL (off 128) only with VNNI (no int16 pairs). */
+static const uint8_t ulut_mxfp4[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+static const uint8_t ulut_iq4nl[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
+static inline float b32_scale(const b32_kind *k, const uint8_t *blk) {
+    if (k->e8m0) return e8m0_half(blk[0]);
+    lp_half h;
+    memcpy(&h, blk, sizeof h);
+    return lp_h2f(h);
+}
+
+static inline int b32_isum_scalar(const b32_kind *k, const uint8_t *qs, const int8_t *y) {
+    int s = 0;
+    for (int j = 0; j < 16; j++) s += k->lut[qs[j] & 15] * y[j] + k->lut[qs[j] >> 4] * y[j + 16];
+    return s;
+}
+
+#if defined(__AVX2__)
+/* 16 nibble bytes -> the block's 32 int8 values in element order (low nibbles, then high) */
+static inline __m256i b32_values(__m128i lut, const uint8_t *qs) {
+    /* the 16 bytes in both halves (a load, no shuffle), the high half shifted: one shuffle for all
+     * 32 values (the shuffle port bounds the decode kernels) */
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    const __m256i n = _mm256_and_si256(_mm256_blend_epi32(b, _mm256_srli_epi16(b, 4), 0xf0), _mm256_set1_epi8(0x0f));
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(lut), n);
+}
+
+/* 8 int32 partial sums of w[i] * y[i], both signed bytes (|w[i]| <= 127) */
+static inline __m256i dot8_s8(__m256i w, __m256i y) {
+    const __m256i u = _mm256_sign_epi8(w, w), s = _mm256_sign_epi8(y, w);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* 8 int32 partial sums of u[i] * y[i] (u unsigned, y signed bytes; without VNNI u[i] <= 127 or
+ * pairs below 2^15: maddubs saturates its int16 pairs) */
+static inline __m256i dot8_u8s8(__m256i u, __m256i y) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, y);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1));
+#endif
+}
+
+/* acc + the 8 int32 partial sums of u[i] * y[i] (as dot8_u8s8) */
+static inline __m256i dot8_u8s8_acc(__m256i acc, __m256i u, __m256i y) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, y);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline int hsum_i32x8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* the 8 vectors' lane totals, in order (v[r]'s total in lane r) */
+static inline __m256i hsum8_rows(const __m256i v[8]) {
+    const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+}
+#endif
+
+/* one row against nc activation rows (x_bytes apart): s[c * ld_s] = the chain of fmaf over blocks */
+static void b32_row(const b32_kind *k, int nb, float *s, int64_t ld_s, const uint8_t *w, const uint8_t *x,
+                    int64_t x_bytes, int nc) {
+    for (int c = 0; c < nc; c++) {
+        const block_q8_0 *y = (const block_q8_0 *)(x + c * x_bytes);
+        float acc = 0.0f;
+        for (int i = 0; i < nb; i++) {
+            const uint8_t *blk = w + (int64_t)i * k->bsize;
+#if defined(__AVX2__)
+            const __m128i lut = _mm_loadu_si128((const __m128i *)k->lut);
+            const int S = hsum_i32x8(dot8_s8(b32_values(lut, blk + k->qoff), _mm256_loadu_si256((const __m256i *)y[i].qs)));
+#else
+            const int S = b32_isum_scalar(k, blk + k->qoff, y[i].qs);
+#endif
+            acc = fmaf((float)S, b32_scale(k, blk) * lp_h2f(y[i].d), acc);
+        }
+        s[c * ld_s] = acc;
+    }
+}
+
+#if defined(__AVX2__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* AVX-512: two rows a 512-bit vector in the decode kernel (the unsigned grids, dpbusd): half the
+ * shuffles of the value expansion and of the horizontal sums */
+#define B32_ZMM 1
+
+/* rows a and b's 32 values, a's in the low 256 bits (as b32_values) */
+static inline __m512i b32_values2(__m128i lut, const uint8_t *qa, const uint8_t *qb) {
+    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qa))),
+                                         _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qb)), 1);
+    const __m512i n = _mm512_and_si512(_mm512_mask_blend_epi32(0xf0f0, q, _mm512_srli_epi16(q, 4)), _mm512_set1_epi8(0x0f));
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(lut), n);
+}
+
+/* p[r] = [row r's 8 partial sums | row r + 4's] -> the 8 rows' totals, in order */
+static inline __m256i hsum8_rows_zmm(const __m512i p[4]) {
+    const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]), _mm512_unpackhi_epi32(p[0], p[1]));
+    const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]), _mm512_unpackhi_epi32(p[2], p[3]));
+    /* each 128-bit lane: [r0, r1, r2, r3] (lanes 0, 1: rows 0-3; lanes 2, 3: rows 4-7) */
+    const __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+    const __m512i lo = _mm512_shuffle_i64x2(t, t, 0x08); /* lanes 0, 2 */
+    const __m512i hi = _mm512_shuffle_i64x2(t, t, 0x0d); /* lanes 1, 3 */
+    return _mm512_castsi512_si256(_mm512_add_epi32(lo, hi));
+}
+#endif
+
+/* the scales of the blocks at blk, blk + row_bytes, ... (8 rows) as floats: the same bits as
+ * b32_scale (F16C's conversion is exact; E8M0 as bits, e < 2 the subnormal 0x00200000 << e) */
+static inline __m256 b32_scales8(const b32_kind *k, const uint8_t *blk, int64_t row_bytes) {
+    const uint8_t *b[8];
+    for (int r = 0; r < 8; r++) b[r] = blk + r * row_bytes;
+    if (k->e8m0) {
+        const __m256i e = _mm256_setr_epi32(b[0][0], b[1][0], b[2][0], b[3][0], b[4][0], b[5][0], b[6][0], b[7][0]);
+        const __m256i big = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+        const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+        return _mm256_castsi256_ps(_mm256_blendv_epi8(small, big, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
+    }
+    uint16_t h[8];
+    for (int r = 0; r < 8; r++) memcpy(&h[r], b[r], 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
+/* 8 rows (row_bytes apart) against nc <= LP_GEMM_COLS activation rows: the rows in the lanes, each
+ * block's 8 weight vectors decoded once for all nc columns */
+static void b32_rows8(const b32_kind *k, int off, const int32_t *ys, int nb, float *s, int64_t ld_s, const uint8_t *w,
+                      int64_t row_bytes, const uint8_t *x, int64_t x_bytes, int nc) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)(off == 0 ? (const void *)k->lut
+                                                          : k->e8m0 ? (const void *)ulut_mxfp4 : (const void *)ulut_iq4nl));
+    __m256 acc[LP_GEMM_COLS];
+    for (int c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
+    lp_pf pf = lp_pf_group(w, 8 * row_bytes, nb);
+    for (int i = 0; i < nb; i++) {
+        lp_pf_step(&pf, i);
+        const uint8_t *blk = w + (int64_t)i * k->bsize;
+        const __m256 dwv = b32_scales8(k, blk, row_bytes);
+#if defined(B32_ZMM)
+        __m512i wz[4]; /* rows r and r + 4 side by side */
+        for (int r = 0; r < 4; r++) wz[r] = b32_values2(lut, blk + r * row_bytes + k->qoff, blk + (r + 4) * row_bytes + k->qoff);
+#else
+        __m256i wv[8];
+        for (int r = 0; r < 8; r++) wv[r] = b32_values(lut, blk + r * row_bytes + k->qoff);
+#endif
+        for (int c = 0; c < nc; c++) {
+            const block_q8_0 *y = (const block_q8_0 *)(x + c * x_bytes) + i;
+            const __m256i yv = _mm256_loadu_si256((const __m256i *)y->qs);
+#if defined(B32_ZMM)
+            const __m512i yz = _mm512_broadcast_i64x4(yv);
+            __m512i pz[4];
+            for (int r = 0; r < 4; r++) pz[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wz[r], yz);
+            __m256i tot = hsum8_rows_zmm(pz);
+#else
+            __m256i p[8];
+            if (off == 0) {
+                for (int r = 0; r < 8; r++) p[r] = dot8_s8(wv[r], yv);
+            } else {
+                for (int r = 0; r < 8; r++) p[r] = dot8_u8s8(wv[r], yv);
+            }
+            __m256i tot = hsum8_rows(p);
+#endif
+            if (off != 0) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(ys[(int64_t)c * nb + i]));
+            const __m256 sc = _mm256_mul_ps(dwv, _mm256_set1_ps(_cvtsh_ss(y->d)));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), sc, acc[c]);
+        }
+    }
+    for (int c = 0; c < nc; c++) {
+        float o[8];
+        _mm256_storeu_ps(o, acc[c]);
+        for (int r = 0; r < 8; r++) s[c * ld_s + r] = o[r];
+    }
+}
+#endif
+
+#if defined(__AVX2__)
+/* Prompts: 8 rows against any number of columns with the rows in the lanes. Each block's 8 value
+ * vectors are transposed once into a panel of 8 vectors of 4-byte groups (vector g: values
+ * 4g..4g+3 of every row), so a column's 8 block sums are 8 products with its activation bytes
+ * broadcast, no horizontal sums; the panel (B32_PANEL_BLOCKS blocks at a time, L1-sized) serves
+ * every column, each column's chain carried from one panel to the next. */
+#define B32_PANEL_BLOCKS 32
+#define B32_PANEL_MIN 4 /* columns from which the panel beats rows8's horizontal sums */
+
+static inline void transpose8_i32(__m256i v[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) {
+        u[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);
+        u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);
+        u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]);
+        u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]);
+    }
+    for (int g = 0; g < 4; g++) {
+        v[g] = _mm256_permute2x128_si256(u[g], u[g + 4], 0x20);
+        v[g + 4] = _mm256_permute2x128_si256(u[g], u[g + 4], 0x31);
+    }
+}
+
+/* off * (the sum of each activation block's 32 quants), column c's block i at [c * nb + i]: the
+ * shifted grids' correction, made once per call for every row group */
+static void b32_ysums(int off, int nb, const uint8_t *x, int64_t x_bytes, int nc, int32_t *ys) {
+    for (int c = 0; c < nc; c++) {
+        const block_q8_0 *y = (const block_q8_0 *)(x + c * x_bytes);
+        for (int i = 0; i < nb; i++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)y[i].qs);
+            ys[(int64_t)c * nb + i] = off * hsum_i32x8(dot8_u8s8(_mm256_set1_epi8(1), v));
+        }
+    }
+}
+
+static void b32_panel8(const b32_kind *k, int off, const int32_t *ys, int nb, float *s, int64_t ld_s, const uint8_t *w,
+                       int64_t row_bytes, const uint8_t *x, int64_t x_bytes, int nc) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)(off == 0 ? (const void *)k->lut
+                                                          : k->e8m0 ? (const void *)ulut_mxfp4 : (const void *)ulut_iq4nl));
+    __m256i panel[B32_PANEL_BLOCKS][8];
+    __m256 dw[B32_PANEL_BLOCKS];
+    __m256 acc[LP_GEMM_COLS_K];
+    for (int c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
+    for (int i0 = 0; i0 < nb; i0 += B32_PANEL_BLOCKS) {
+        const int m = nb - i0 < B32_PANEL_BLOCKS ? nb - i0 : B32_PANEL_BLOCKS;
+        for (int i = 0; i < m; i++) {
+            const uint8_t *blk = w + (int64_t)(i0 + i) * k->bsize;
+            for (int r = 0; r < 8; r++) panel[i][r] = b32_values(lut, blk + r * row_bytes + k->qoff);
+            transpose8_i32(panel[i]);
+            dw[i] = b32_scales8(k, blk, row_bytes);
+        }
+        for (int c = 0; c < nc; c++) {
+            const block_q8_0 *y = (const block_q8_0 *)(x + c * x_bytes) + i0;
+            __m256 a = acc[c];
+            for (int i = 0; i < m; i++) {
+                const int32_t *q = (const int32_t *)y[i].qs;
+                __m256i tot;
+                if (off == 0) {
+                    tot = _mm256_setzero_si256();
+                    for (int g = 0; g < 8; g++) tot = _mm256_add_epi32(tot, dot8_s8(panel[i][g], _mm256_set1_epi32(q[g])));
+                } else {
+                    tot = _mm256_set1_epi32(-ys[(int64_t)c * nb + i0 + i]);
+                    for (int g = 0; g < 8; g++) tot = dot8_u8s8_acc(tot, panel[i][g], _mm256_set1_epi32(q[g]));
+                }
+                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(dw[i], _mm256_set1_ps(_cvtsh_ss(y[i].d))), a);
+            }
+            acc[c] = a;
+        }
+    }
+    for (int c = 0; c < nc; c++) {
+        float o[8];
+        _mm256_storeu_ps(o, acc[c]);
+        for (int r = 0; r < 8; r++) s[c * ld_s + r] = o[r];
+    }
+}
+
+static void b32_gemm(const b32_kind *k, int n, float *s, int64_t ld_s, const void *vw, int64_t row_bytes, int nr,
+                     const void *vx, int64_t x_bytes, int nc) {
+    const uint8_t *w = vw, *x = vx;
+    const int nb = n / 32;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    int off = k->e8m0 ? 12 : 128; /* the unsigned grids and dpbusd for both */
+#else
+    int off = k->e8m0 ? 12 : 0; /* the unsigned grid and maddubs for MXFP4, the sign trick for IQ4_NL */
+#endif
+    int32_t *ys = off != 0 && nr >= 8 ? malloc((size_t)nc * (size_t)nb * sizeof(int32_t)) : NULL;
+    if (ys != NULL) b32_ysums(off, nb, x, x_bytes, nc, ys);
+    int r = 0;
+    if (off == 0 || ys != NULL) { /* (no memory for the sums: every row through b32_row) */
+        if (nc >= B32_PANEL_MIN) {
+            for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS_K) {
+                const int m = nc - c0 < LP_GEMM_COLS_K ? nc - c0 : LP_GEMM_COLS_K;
+                for (r = 0; r + 8 <= nr; r += 8)
+                    b32_panel8(k, off, ys == NULL ? NULL : ys + (int64_t)c0 * nb, nb, s + c0 * ld_s + r, ld_s,
+                               w + r * row_bytes, row_bytes, x + c0 * x_bytes, x_bytes, m);
+            }
+        } else {
+            for (r = 0; r + 8 <= nr; r += 8)
+                b32_rows8(k, off, ys, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, nc);
+        }
+    }
+    free(ys);
+    for (; r < nr; r++)
+        for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS) {
+            const int m = nc - c0 < LP_GEMM_COLS ? nc - c0 : LP_GEMM_COLS;
+            b32_row(k, nb, s + c0 * ld_s + r, ld_s, w + r * row_bytes, x + c0 * x_bytes, x_bytes, m);
+        }
+}
+#endif
+
+IQ_API void lp_vec_dot_iq4_nl_q8_0(int n, float *s, const void *vx, const void *vy) {
+    b32_row(&K_IQ4_NL, n / 32, s, 0, vx, vy, 0, 1);
+}
+
+IQ_API void lp_vec_dot_mxfp4_q8_0(int n, float *s, const void *vx, const void *vy) {
+    b32_row(&K_MXFP4, n / 32, s, 0, vx, vy, 0, 1);
+}
+
+#if defined(__AVX2__)
+IQ_API void lp_gemm_iq4_nl_q8_0(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
+                                int64_t x_bytes, int nc) {
+    b32_gemm(&K_IQ4_NL, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
+}
+
+IQ_API void lp_gemm_mxfp4_q8_0(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
+                               int64_t x_bytes, int nc) {
+    b32_gemm(&K_MXFP4, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
+}
+
+IQ_API void lp_gemv_iq4_nl_q8_0(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x) {
+    b32_gemm(&K_IQ4_NL, n, s, 0, w, row_bytes, nr, x, 0, 1);
+}
+
+IQ_API void lp_gemv_mxfp4_q8_0(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x) {
+    b32_gemm(&K_MXFP4, n, s, 0, w, row_bytes, nr, x, 0, 1);
+}
+#endif
+
+/* ------------------------------------------------------------------------------------------- */
+/* IQ4_XS against Q8_K                                                                          */
+
+/* the block's exact integer sum: over its 8 sub-blocks, scale * (kvalues . q8) */
+static inline int xs_total(const block_iq4_xs *b, const int8_t *q8) {
+#if defined(__AVX2__)
+    const __m128i lut = _mm_loadu_si128((const __m128i *)kvalues_iq4nl);
+    __m256i sum = _mm256_setzero_si256();
+    for (int ib = 0; ib < QK_K / 32; ib++) {
+        const __m256i wv = b32_values(lut, b->qs + 16 * ib);
+        const __m256i y = _mm256_loadu_si256((const __m256i *)(q8 + 32 * ib));
+        const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(y, wv));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p16, _mm256_set1_epi16((int16_t)iq4_xs_scale(b, ib))));
+    }
+    return hsum_i32x8(sum);
+#else
+    int S = 0;
+    for (int ib = 0; ib < QK_K / 32; ib++) {
+        const uint8_t *qs = b->qs + 16 * ib;
+        const int8_t *y = q8 + 32 * ib;
+        int p = 0;
+        for (int j = 0; j < 16; j++) p += kvalues_iq4nl[qs[j] & 15] * y[j] + kvalues_iq4nl[qs[j] >> 4] * y[j + 16];
+        S += iq4_xs_scale(b, ib) * p;
+    }
+    return S;
+#endif
+}
+
+IQ_API void lp_vec_dot_iq4_xs_q8_K(int n, float *s, const void *vx, const void *vy) {
+    const block_iq4_xs *x = vx;
+    const block_q8_K *y = vy;
+    float acc = 0.0f;
+    for (int i = 0; i < n / QK_K; i++) acc = fmaf((float)xs_total(&x[i], y[i].qs) * lp_h2f(x[i].d), y[i].d, acc);
+    *s = acc;
+}
+
+#if defined(__AVX2__)
+/* one row against nc <= LP_GEMM_COLS activation rows, each block's values decoded once */
+static void xs_row(int nb, float *s, int64_t ld_s, const block_iq4_xs *x, const uint8_t *act, int64_t x_bytes, int nc) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)kvalues_iq4nl);
+    float acc[LP_GEMM_COLS] = {0};
+    for (int i = 0; i < nb; i++) {
+        __m256i u[QK_K / 32], sg[QK_K / 32], ls[QK_K / 32];
+        for (int ib = 0; ib < QK_K / 32; ib++) {
+            sg[ib] = b32_values(lut, x[i].qs + 16 * ib);
+            u[ib] = _mm256_sign_epi8(sg[ib], sg[ib]);
+            ls[ib] = _mm256_set1_epi16((int16_t)iq4_xs_scale(&x[i], ib));
+        }
+        const float dx = lp_h2f(x[i].d);
+        for (int c = 0; c < nc; c++) {
+            const block_q8_K *y = (const block_q8_K *)(act + c * x_bytes) + i;
+            __m256i sum = _mm256_setzero_si256();
+            for (int ib = 0; ib < QK_K / 32; ib++) {
+                const __m256i sy = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y->qs + 32 * ib)), sg[ib]);
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u[ib], sy), ls[ib]));
+            }
+            acc[c] = fmaf((float)hsum_i32x8(sum) * dx, y->d, acc[c]);
+        }
+    }
+    for (int c = 0; c < nc; c++) s[c * ld_s] = acc[c];
+}
+
+/* Prompts: 8 rows against any number of columns on a transposed panel, as b32_panel8, a block's
+ * 8 sub-blocks each summed with the rows in the lanes, times the rows' sub-block scales */
+#define XS_PANEL_BLOCKS 4
+
+static void xs_panel8(int nb, float *s, int64_t ld_s, const uint8_t *w, int64_t row_bytes, const uint8_t *x,
+                      int64_t x_bytes, int nc) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    const int off = 128; /* the unsigned grid: dpbusd, less q8_K's bsums */
+    const __m128i lut = _mm_loadu_si128((const __m128i *)ulut_iq4nl);
+#else
+    const int off = 0; /* the sign trick */
+    const __m128i lut = _mm_loadu_si128((const __m128i *)kvalues_iq4nl);
+#endif
+    __m256i panel[XS_PANEL_BLOCKS][QK_K / 32][8], ls[XS_PANEL_BLOCKS][QK_K / 32];
+    __m256 dw[XS_PANEL_BLOCKS];
+    float acc[LP_GEMM_COLS_K][8];
+    memset(acc, 0, sizeof(float) * 8 * (size_t)nc);
+    for (int i0 = 0; i0 < nb; i0 += XS_PANEL_BLOCKS) {
+        const int m = nb - i0 < XS_PANEL_BLOCKS ? nb - i0 : XS_PANEL_BLOCKS;
+        for (int i = 0; i < m; i++) {
+            const block_iq4_xs *b[8];
+            for (int r = 0; r < 8; r++) b[r] = (const block_iq4_xs *)(w + r * row_bytes) + i0 + i;
+            for (int ib = 0; ib < QK_K / 32; ib++) {
+                for (int r = 0; r < 8; r++) panel[i][ib][r] = b32_values(lut, b[r]->qs + 16 * ib);
+                transpose8_i32(panel[i][ib]);
+                ls[i][ib] = _mm256_setr_epi32(iq4_xs_scale(b[0], ib), iq4_xs_scale(b[1], ib), iq4_xs_scale(b[2], ib),
+                                              iq4_xs_scale(b[3], ib), iq4_xs_scale(b[4], ib), iq4_xs_scale(b[5], ib),
+                                              iq4_xs_scale(b[6], ib), iq4_xs_scale(b[7], ib));
+            }
+            uint16_t h[8];
+            for (int r = 0; r < 8; r++) h[r] = b[r]->d;
+            dw[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+        }
+        for (int c = 0; c < nc; c++) {
+            const block_q8_K *y = (const block_q8_K *)(x + c * x_bytes) + i0;
+            __m256 a = _mm256_loadu_ps(acc[c]);
+            for (int i = 0; i < m; i++) {
+                __m256i S = _mm256_setzero_si256();
+                for (int ib = 0; ib < QK_K / 32; ib++) {
+                    const int32_t *q = (const int32_t *)(y[i].qs + 32 * ib);
+                    __m256i t;
+                    if (off == 0) {
+                        t = _mm256_setzero_si256();
+                        for (int g = 0; g < 8; g++) t = _mm256_add_epi32(t, dot8_s8(panel[i][ib][g], _mm256_set1_epi32(q[g])));
+                    } else {
+                        t = _mm256_set1_epi32(-off * (y[i].bsums[2 * ib] + y[i].bsums[2 * ib + 1]));
+                        for (int g = 0; g < 8; g++) t = dot8_u8s8_acc(t, panel[i][ib][g], _mm256_set1_epi32(q[g]));
+                    }
+                    S = _mm256_add_epi32(S, _mm256_mullo_epi32(t, ls[i][ib]));
+                }
+                a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(S), dw[i]), _mm256_set1_ps(y[i].d), a);
+            }
+            _mm256_storeu_ps(acc[c], a);
+        }
+    }
+    for (int c = 0; c < nc; c++)
+        for (int r = 0; r < 8; r++) s[c * ld_s + r] = acc[c][r];
+}
+
+IQ_API void lp_gemm_iq4_xs_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
+                                int64_t x_bytes, int nc) {
+    const uint8_t *wb = w, *xb = x;
+    int r = 0;
+    if (nc >= B32_PANEL_MIN)
+        for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS_K) {
+            const int m = nc - c0 < LP_GEMM_COLS_K ? nc - c0 : LP_GEMM_COLS_K;
+            for (r = 0; r + 8 <= nr; r += 8)
+                xs_panel8(n / QK_K, s + c0 * ld_s + r, ld_s, wb + r * row_bytes, row_bytes, xb + c0 * x_bytes, x_bytes, m);
+        }
+    for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS) {
+        const int m = nc - c0 < LP_GEMM_COLS ? nc - c0 : LP_GEMM_COLS;
+        for (int rr = r; rr < nr; rr++)
+            xs_row(n / QK_K, s + c0 * ld_s + rr, ld_s, (const block_iq4_xs *)(wb + rr * row_bytes), xb + c0 * x_bytes,
+                   x_bytes, m);
+    }
+}
+
+IQ_API void lp_gemv_iq4_xs_q8_K(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x) {
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *row = (const uint8_t *)w + r * row_bytes;
+        lp_pf_ahead(row, (int)row_bytes);
+        lp_vec_dot_iq4_xs_q8_K(n, s + r, row, x);
+    }
+}
+#endif

@@ -1,0 +1,261 @@
+"""Random-weight mixture-of-experts GGUFs (qwen3moe; llama with experts, Mixtral-style) and an
+independent float64 forward pass of them, written from the models' reference code (Mixtral's
+and Qwen3-MoE's `SparseMoeBlock`: softmax router, top-k, weights renormalised, SwiGLU experts,
+weighted sum) — not from llamapy's graph builders.
+
+As a script it writes the real shapes with fewer layers, for comparisons with llama.cpp
+(`llama-quantize` them to the shipped types):
+
+    python tests/model/moe_models.py qwen3-30b-a3b VOCAB.gguf out.gguf --layers 8
+    python tests/model/moe_models.py mixtral-8x7b VOCAB.gguf out.gguf --layers 4
+    python tests/model/moe_models.py tiny-qwen3moe - out.gguf        # the byte vocabulary
+
+F32 tensors (--f16: F16); a real shape's float32 file is large (Qwen3-30B-A3B: ~2.4 GB a layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from family_models import BYTE_VOCAB
+
+# the shapes llama.cpp's users run (config.json of each model), and tiny ones for the tests
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b": dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_ff=6144, n_ff_exp=768, n_expert=128,
+                          n_expert_used=8, n_head=32, n_head_kv=4, head_dim=128, rope_base=1_000_000.0),
+    "mixtral-8x7b": dict(arch="llama", n_layer=32, n_embd=4096, n_ff=14336, n_expert=8, n_expert_used=2,
+                         n_head=32, n_head_kv=8, head_dim=128, rope_base=1_000_000.0),
+    "tiny-qwen3moe": dict(arch="qwen3moe", n_layer=2, n_embd=128, n_ff=192, n_ff_exp=64, n_expert=8,
+                          n_expert_used=3, n_head=4, n_head_kv=2, head_dim=48),
+    "tiny-mixtral": dict(arch="llama", n_layer=2, n_embd=128, n_ff=96, n_expert=4, n_expert_used=2,
+                         n_head=4, n_head_kv=2, head_dim=32),
+}  # fmt: skip
+
+
+def write_moe_gguf(
+    path: Path,
+    arch: str = "qwen3moe",
+    n_layer: int = 2,
+    n_embd: int = 128,
+    n_ff: int = 192,
+    n_ff_exp: int | None = None,
+    n_expert: int = 8,
+    n_expert_used: int = 3,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int | None = None,
+    qtype: T = T.F32,
+    seed: int = 0,
+    rope_base: float = 10000.0,
+    vocab: Path | None = None,
+    embd_scale: float = 1.0,
+    tied: bool = False,
+    n_router: int | None = None,
+) -> Path:
+    """qwen3moe (Q/K norms, NEOX rope, experts `n_ff_exp` wide) or llama with experts (normal
+    rope, experts `n_ff` wide). `vocab`: a vocab GGUF to copy the tokenizer from (else the
+    byte-level SPM vocabulary of family_models). `n_router`: the router's rows, when a test wants
+    them to disagree with n_expert."""
+    rng = np.random.default_rng(seed)
+    hd = head_dim or n_embd // n_head
+    ff_exp = n_ff if arch == "llama" else (n_ff_exp or n_ff // n_expert_used)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"moe-{arch}")
+    w.add_block_count(n_layer)
+    w.add_context_length(4096)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_freq_base(rope_base)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(n_expert)
+    w.add_expert_used_count(n_expert_used)
+    if arch == "qwen3moe":
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+        w.add_expert_feed_forward_length(ff_exp)
+    else:
+        w.add_rope_dimension_count(hd)
+    ftype = {T.F32: gguf.LlamaFileType.ALL_F32, T.F16: gguf.LlamaFileType.MOSTLY_F16}.get(qtype, gguf.LlamaFileType.MOSTLY_Q8_0)
+    w.add_file_type(ftype)
+    tokens = _add_vocab(w, vocab)
+    n_vocab = len(tokens)
+
+    def mat(*shape: int, gain: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * (gain / math.sqrt(shape[-1]))).astype(np.float32)
+
+    def vec(n: int, mean: float = 1.0, sd: float = 0.1) -> np.ndarray:
+        return (mean + sd * rng.standard_normal(n)).astype(np.float32)
+
+    def add(name: str, data: np.ndarray) -> None:
+        if qtype is T.F32 or data.ndim == 1:
+            w.add_tensor(name, data.astype(np.float32))
+        elif qtype is T.F16:
+            w.add_tensor(name, data.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", (rng.standard_normal((n_vocab, n_embd), dtype=np.float32) * embd_scale))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", vec(n_embd))
+        add(p + "attn_q.weight", mat(n_head * hd, n_embd))
+        add(p + "attn_k.weight", mat(n_head_kv * hd, n_embd))
+        add(p + "attn_v.weight", mat(n_head_kv * hd, n_embd))
+        if arch == "qwen3moe":
+            add(p + "attn_q_norm.weight", vec(hd))
+            add(p + "attn_k_norm.weight", vec(hd))
+        add(p + "attn_output.weight", mat(n_embd, n_head * hd, gain=0.5))
+        add(p + "ffn_norm.weight", vec(n_embd))
+        add(p + "ffn_gate_inp.weight", mat(n_router or n_expert, n_embd, gain=2.0))  # a router with clear choices
+        add(p + "ffn_gate_exps.weight", mat(n_expert, ff_exp, n_embd))
+        add(p + "ffn_up_exps.weight", mat(n_expert, ff_exp, n_embd))
+        add(p + "ffn_down_exps.weight", mat(n_expert, n_embd, ff_exp, gain=0.5))
+    add("output_norm.weight", vec(n_embd))
+    if not tied:
+        add("output.weight", mat(n_vocab, n_embd, gain=4.0))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add_vocab(w: gguf.GGUFWriter, vocab: Path | None) -> list[str]:
+    if vocab is None:
+        tokens = BYTE_VOCAB
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)])
+        w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259))
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        w.add_add_bos_token(True)
+        return tokens
+    v = gguf.GGUFReader(str(vocab))
+
+    def f(k: str) -> Any:
+        return v.fields[k].contents() if k in v.fields else None
+
+    tokens = f("tokenizer.ggml.tokens")
+    w.add_tokenizer_model(f("tokenizer.ggml.model"))
+    w.add_tokenizer_pre(f("tokenizer.ggml.pre"))
+    w.add_token_list(tokens)
+    w.add_token_types(f("tokenizer.ggml.token_type"))
+    if f("tokenizer.ggml.merges") is not None:
+        w.add_token_merges(f("tokenizer.ggml.merges"))
+    if f("tokenizer.ggml.scores") is not None:
+        w.add_token_scores(f("tokenizer.ggml.scores"))
+    for key, add in (("tokenizer.ggml.bos_token_id", w.add_bos_token_id),
+                     ("tokenizer.ggml.eos_token_id", w.add_eos_token_id)):  # fmt: skip
+        if f(key) is not None:
+            add(int(f(key)))
+    w.add_add_bos_token(False)
+    return list(tokens)
+
+
+def reference_logits(path: Path, tokens: list[int]) -> np.ndarray:
+    """Every position's logits by a float64 forward pass (Hugging Face's MixtralSparseMoeBlock /
+    Qwen3MoeSparseMoeBlock: softmax over the router's logits, the top k, renormalised, each
+    chosen expert's SwiGLU FFN weighted and summed)."""
+    r = gguf.GGUFReader(str(path))
+
+    def md(k: str, default: Any = None) -> Any:
+        return r.fields[k].contents() if k in r.fields else default
+
+    ts = {t.name: t for t in r.tensors}
+
+    def w(name: str) -> np.ndarray:
+        t = ts[name]
+        shape = tuple(int(x) for x in reversed(t.shape))
+        if t.tensor_type in (T.F32, T.F16):
+            return np.asarray(t.data, np.float64).reshape(shape)
+        return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float64)
+
+    arch = md("general.architecture")
+    n_layer, E = md(f"{arch}.block_count"), md(f"{arch}.embedding_length")
+    H, Hkv = md(f"{arch}.attention.head_count"), md(f"{arch}.attention.head_count_kv")
+    D = md(f"{arch}.attention.key_length", E // H)
+    eps, base = md(f"{arch}.attention.layer_norm_rms_epsilon"), md(f"{arch}.rope.freq_base")
+    k_used = md(f"{arch}.expert_used_count")
+    emb = w("token_embd.weight")
+    out_w = w("output.weight") if "output.weight" in ts else emb
+    x = emb[tokens]  # (T, E)
+    n = len(tokens)
+
+    def norm(v: np.ndarray, g: np.ndarray) -> np.ndarray:
+        return v / np.sqrt((v * v).mean(-1, keepdims=True) + eps) * g
+
+    def rope(v: np.ndarray) -> np.ndarray:
+        ang = np.arange(n)[:, None] * (base ** (-np.arange(0, D, 2) / D))[None, :]
+        c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+        if arch == "llama":  # adjacent pairs (2i, 2i+1)
+            a, b = v[..., 0::2], v[..., 1::2]
+            out = np.empty_like(v)
+            out[..., 0::2], out[..., 1::2] = a * c - b * s, a * s + b * c
+            return out
+        h = D // 2  # NEOX: pairs (i, i + D/2)
+        return np.concatenate([v[..., :h] * c - v[..., h:] * s, v[..., :h] * s + v[..., h:] * c], -1)
+
+    mask = np.where(np.arange(n)[None, :] <= np.arange(n)[:, None], 0.0, -np.inf)
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        h = norm(x, w(p + "attn_norm.weight"))
+        q = (h @ w(p + "attn_q.weight").T).reshape(n, H, D)
+        k = (h @ w(p + "attn_k.weight").T).reshape(n, Hkv, D)
+        v = (h @ w(p + "attn_v.weight").T).reshape(n, Hkv, D)
+        if p + "attn_q_norm.weight" in ts:
+            q, k = norm(q, w(p + "attn_q_norm.weight")), norm(k, w(p + "attn_k_norm.weight"))
+        q, k = rope(q), rope(k)
+        g = H // Hkv
+        att = np.empty((n, H, D))
+        for hh in range(H):
+            s = q[:, hh] @ k[:, hh // g].T / math.sqrt(D) + mask
+            pr = np.exp(s - s.max(-1, keepdims=True))
+            att[:, hh] = (pr / pr.sum(-1, keepdims=True)) @ v[:, hh // g]
+        x = x + att.reshape(n, H * D) @ w(p + "attn_output.weight").T
+        h = norm(x, w(p + "ffn_norm.weight"))
+        logits = h @ w(p + "ffn_gate_inp.weight").T  # (T, n_expert)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        gate_e, up_e, down_e = w(p + "ffn_gate_exps.weight"), w(p + "ffn_up_exps.weight"), w(p + "ffn_down_exps.weight")
+        moe = np.zeros_like(x)
+        for t in range(n):
+            top = np.argsort(-probs[t], kind="stable")[:k_used]
+            wt = probs[t, top] / probs[t, top].sum()
+            for e, we in zip(top, wt):
+                gt, up = gate_e[e] @ h[t], up_e[e] @ h[t]
+                moe[t] += we * (down_e[e] @ (gt / (1 + np.exp(-gt)) * up))
+        x = x + moe
+    return norm(x, w("output_norm.weight")) @ out_w.T
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="a random-weight MoE GGUF of a real shape with fewer layers")
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("vocab", help="a GGUF to copy the tokenizer from, or - for the byte vocabulary")
+    ap.add_argument("out")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=99)
+    ap.add_argument("--embd-scale", type=float, default=0.2)  # logit spread ~ scale * sqrt(n_embd)
+    ap.add_argument("--f16", action="store_true", help="F16 matrices (half the size of F32)")
+    a = ap.parse_args()
+    kw = dict(SHAPES[a.shape])
+    if a.layers:
+        kw["n_layer"] = a.layers
+    write_moe_gguf(Path(a.out), **kw, seed=a.seed, vocab=None if a.vocab == "-" else Path(a.vocab),
+                   embd_scale=a.embd_scale, qtype=T.F16 if a.f16 else T.F32)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""The quant types mixture-of-experts models ship in — IQ4_NL, IQ4_XS, MXFP4 — end to end on the
+CPU: numpy dequantization against gguf-py's (`gguf.quants`, which has all three), the C
+dequantization (kernels_c/iquants.c `lp_dequantize_rows`) against numpy, the q8 dot products
+against an exact emulation of llama.cpp 0.3.36's x86 float32 order (IQ4_NL / MXFP4: its repacked
+8x8 gemv/gemm, one fmaf chain per output; IQ4_XS: its tiled prompt microkernels, a product and an
+fmaf per 256-element block), the multi-row / multi-column kernels against the vec_dot bit for bit, and QMatrix's
+products in both modes against float64 references. Every SIMD variant the install built and this
+CPU runs."""
+
+from __future__ import annotations
+
+import ctypes
+from fractions import Fraction
+
+import gguf.quants
+import numpy as np
+import pytest
+
+from llamapy import quants
+from llamapy.backend import native
+from llamapy.backend.qmatmul import QMatrix
+from llamapy.types import GGMLType, block_size
+
+TYPES = ["IQ4_NL", "IQ4_XS", "MXFP4"]
+QK_K = 256
+VDT = {"IQ4_NL": "q8_0", "MXFP4": "q8_0", "IQ4_XS": "q8_K"}
+
+
+def random_blocks(name: str, n_rows: int, n_cols: int, rng: np.random.Generator, scale: float = 0.01) -> np.ndarray:
+    """(n_rows, row_bytes) uint8 of random quants, with small finite scales (f16 d; MXFP4's E8M0
+    exponent around 2^-7)."""
+    qt = GGMLType[name]
+    blck, bsize = block_size(qt)
+    raw = rng.integers(0, 256, (n_rows, n_cols // blck * bsize), dtype=np.uint8)
+    b = raw.reshape(-1, bsize)
+    if name == "MXFP4":
+        b[:, 0] = rng.integers(118, 124, b.shape[0])
+    else:
+        b[:, 0:2] = (rng.random(b.shape[0]) * scale + 1e-4).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+def variants() -> list[str]:
+    return [v for v in native.VARIANTS if v in native.built()]
+
+
+@pytest.fixture(params=native.VARIANTS)
+def lib(request: pytest.FixtureRequest) -> ctypes.CDLL:
+    v = request.param
+    if v not in native.built():
+        pytest.skip(f"the {v} kernels are not built")
+    if not native.runnable(v):
+        pytest.skip(f"this CPU cannot run the {v} kernels (needs {' '.join(sorted(native.REQUIRES[v]))})")
+    lib = native.load(v)
+    if not hasattr(lib, "lp_dequantize_rows"):
+        pytest.skip(f"the {v} library was built without kernels_c/iquants.c: rebuild (setup.py build_ext)")
+    return lib
+
+
+# ------------------------------------------------------------------------------------------------
+# dequantization
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_numpy_dequantize_matches_gguf_bitwise(name: str) -> None:
+    rng = np.random.default_rng(11)
+    raw = random_blocks(name, 7, 1024, rng)
+    ref = gguf.quants.dequantize(raw, GGMLType[name]).reshape(7, 1024).astype(np.float32)
+    got = quants.dequantize(raw, GGMLType[name], 1024)
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+def test_mxfp4_every_exponent_matches_gguf() -> None:
+    """All 256 E8M0 exponents (the subnormal scales of e = 0, 1; inf at e = 255) and all 16 codes."""
+    raw = np.zeros((256, 17), np.uint8)
+    raw[:, 0] = np.arange(256)
+    raw[:, 1:] = np.arange(16, dtype=np.uint8) * 17  # code j in both nibbles of byte j
+    with np.errstate(over="ignore"):
+        ref = gguf.quants.dequantize(raw, GGMLType.MXFP4).reshape(256, 32).astype(np.float32)
+    got = quants.dequantize(raw, GGMLType.MXFP4, 32)
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+    assert got[128, 7] == 12.0 and got[128, 15] == -12.0 and got[0, 1] == 2.0**-128
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_c_dequantize_matches_numpy(lib: ctypes.CDLL, name: str) -> None:
+    rng = np.random.default_rng(12)
+    raw = random_blocks(name, 5, 512, rng)
+    out = np.full((5, 520), np.nan, np.float32)  # ld_out 520: the gaps stay untouched
+    fn = lib.lp_dequantize_rows
+    assert fn(int(GGMLType[name]), raw.ctypes.data, 5, raw.shape[1], 512, out.ctypes.data, 520) == 0
+    ref = quants.dequantize(raw, GGMLType[name], 512)
+    np.testing.assert_array_equal(out[:, :512].view(np.uint32), ref.view(np.uint32))
+    assert np.isnan(out[:, 512:]).all()
+    assert fn(int(GGMLType.Q4_K), raw.ctypes.data, 5, raw.shape[1], 512, out.ctypes.data, 520) == -1
+
+
+# ------------------------------------------------------------------------------------------------
+# dot products in llama.cpp's float32 order
+
+
+def _fmaf(a: float, b: float, c: float) -> np.float32:
+    """a * b + c rounded once to float32 (nearest, ties to even), exactly."""
+    r = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    f = np.float32(float(r))
+    cands = [f, np.nextafter(f, np.float32(np.inf)), np.nextafter(f, np.float32(-np.inf))]
+    return min(cands, key=lambda v: (abs(Fraction(float(v)) - r), int(np.float32(v).view(np.uint32)) & 1))
+
+
+def _values(name: str, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One weight row -> (its integer values (nb, block elements), its block scales float32)."""
+    qt = GGMLType[name]
+    blck, bsize = block_size(qt)
+    b = row.reshape(-1, bsize)
+    if name == "MXFP4":
+        return quants.KVALUES_MXFP4[quants._nibbles(b[:, 1:17], 16).reshape(-1, 32)].astype(np.int64), \
+            quants.e8m0_to_f32_half(b[:, 0])
+    d = np.ascontiguousarray(b[:, 0:2]).view(np.float16).astype(np.float32).reshape(-1)
+    if name == "IQ4_NL":
+        return quants.KVALUES_IQ4NL[quants._nibbles(b[:, 2:18], 16).reshape(-1, 32)].astype(np.int64), d
+    q = quants.KVALUES_IQ4NL[quants._nibbles(b[:, 8:136], 16).reshape(-1, 8, 32)].astype(np.int64)
+    return q * quants.iq4_xs_scales(b).astype(np.int64)[:, :, None], d  # (nb, 8, 32): scale * value
+
+
+def _ggml_x86_dot(name: str, row: np.ndarray, act: np.ndarray) -> np.float32:
+    f32 = np.float32
+    v, dw = _values(name, row)
+    if name == "IQ4_XS":  # act: q8_K blocks; the tiled microkernels' order (llama.cpp's prompts)
+        q8 = act["qs"].astype(np.int64).reshape(-1, 8, 32)
+        acc = f32(0)
+        for i in range(v.shape[0]):
+            r = f32(f32(int((v[i] * q8[i]).sum())) * dw[i])
+            acc = _fmaf(r, f32(act["d"][i]), acc)
+        return acc
+    b = act.reshape(-1, 34)  # q8_0 blocks
+    dy = np.ascontiguousarray(b[:, 0:2]).view(np.float16).astype(np.float32).reshape(-1)
+    q8 = np.ascontiguousarray(b[:, 2:]).view(np.int8).astype(np.int64)
+    acc = f32(0)
+    for i in range(v.shape[0]):
+        acc = _fmaf(f32(int(v[i] @ q8[i])), f32(dw[i] * dy[i]), acc)
+    return acc
+
+
+def _activation(name: str, x: np.ndarray) -> np.ndarray:
+    if name == "IQ4_XS":
+        return quants.quantize_q8_k(x.astype(np.float32)).reshape(-1)
+    return quants.quantize_q8_act(x.reshape(1, -1).astype(np.float32), GGMLType.Q8_0).reshape(-1)
+
+
+def _vec_dot(lib: ctypes.CDLL, name: str, raw: np.ndarray, act: np.ndarray, n: int) -> np.ndarray:
+    fn = getattr(lib, f"lp_vec_dot_{name.lower()}_{VDT[name]}")
+    act = np.ascontiguousarray(act)
+    out = np.zeros(raw.shape[0], np.float32)
+    for r in range(raw.shape[0]):
+        fn(n, out[r:].ctypes.data, np.ascontiguousarray(raw[r]).ctypes.data, act.ctypes.data)
+    return out
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_vec_dot_in_ggml_x86_order(lib: ctypes.CDLL, name: str) -> None:
+    """Bit for bit llama.cpp's x86 float32 order (so llama-perplexity's results on the same file)."""
+    rng = np.random.default_rng(13 + TYPES.index(name))
+    n = 3 * QK_K
+    raw = random_blocks(name, 5, n, rng)
+    for x in (rng.standard_normal(n) * 3, rng.uniform(-1, 1, n) ** 3 * 50):
+        act = _activation(name, x)
+        got = _vec_dot(lib, name, raw, act, n)
+        want = np.array([_ggml_x86_dot(name, raw[r], act) for r in range(raw.shape[0])], np.float32)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (name, got, want)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_vec_dot_close_to_float64(lib: ctypes.CDLL, name: str) -> None:
+    """Against the float64 sum of the dequantized weights times the dequantized activations."""
+    rng = np.random.default_rng(14)
+    n = 8 * QK_K
+    raw = random_blocks(name, 9, n, rng)
+    x = rng.standard_normal(n).astype(np.float32)
+    act = _activation(name, x)
+    w = quants.dequantize(raw, GGMLType[name], n).astype(np.float64)
+    if name == "IQ4_XS":
+        xa = (act["qs"].astype(np.float64) * act["d"].astype(np.float64)[:, None]).reshape(-1)
+    else:
+        xa = quants.dequantize(act, GGMLType.Q8_0, n).astype(np.float64).reshape(-1)
+    want = w @ xa
+    got = _vec_dot(lib, name, raw, act, n)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(w * xa).sum(axis=1).max()))
+
+
+def _gemm(lib: ctypes.CDLL, fn_name: str, n: int, raw: np.ndarray, acts: np.ndarray, gemv: bool = False) -> np.ndarray:
+    nr, nc = raw.shape[0], acts.shape[0]
+    fn = getattr(lib, fn_name)
+    P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    out = np.full((nc, nr), np.nan, np.float32)
+    if gemv:
+        fn.argtypes, fn.restype = [INT, P, P, I64, INT, P], None
+        fn(n, out.ctypes.data, raw.ctypes.data, raw.shape[1], nr, acts.ctypes.data)
+    else:
+        fn.argtypes, fn.restype = [INT, P, I64, P, I64, INT, P, I64, INT], None
+        fn(n, out.ctypes.data, nr, raw.ctypes.data, raw.shape[1], nr, acts.ctypes.data, acts.shape[1], nc)
+    return out
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_gemm_and_gemv_equal_vec_dot(lib: ctypes.CDLL, name: str) -> None:
+    """Any row count (the 8-row SIMD groups and the rows left over) and 1-6 columns. The SIMD
+    builds have these kernels wherever they have the other types' (the portable one has none)."""
+    suffix = f"{name.lower()}_{VDT[name]}"
+    if not hasattr(lib, "lp_gemm_q4_0_q8_0"):
+        assert not hasattr(lib, f"lp_gemm_{suffix}")
+        pytest.skip("the portable build has no multi-column kernels (a vec_dot per output)")
+    rng = np.random.default_rng(15)
+    n = 9 * QK_K  # the prompt kernels' panels hold 32 (IQ4_NL, MXFP4) / 4 (IQ4_XS) blocks: several
+    raw = np.ascontiguousarray(random_blocks(name, 21, n, rng))
+    acts = np.stack([_activation(name, rng.standard_normal(n) * (1 + c)).view(np.uint8) for c in range(6)])
+    want = np.stack([_vec_dot(lib, name, raw, acts[c].view(act_dtype(name)), n) for c in range(6)])
+    for nc in (1, 2, 3, 4, 5, 6):
+        got = _gemm(lib, f"lp_gemm_{suffix}", n, raw, np.ascontiguousarray(acts[:nc]))
+        assert np.array_equal(got.view(np.uint32), want[:nc].view(np.uint32)), nc
+    got = _gemm(lib, f"lp_gemv_{suffix}", n, raw, np.ascontiguousarray(acts[:1]), gemv=True)
+    assert np.array_equal(got.view(np.uint32), want[:1].view(np.uint32))
+
+
+def act_dtype(name: str) -> np.dtype:
+    return quants.Q8_K_DTYPE if name == "IQ4_XS" else np.dtype(np.uint8)
+
+
+# ------------------------------------------------------------------------------------------------
+# QMatrix: the q8 mode's products at every batch size, the f32 mode, GET_ROWS
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_qmatrix_q8_mode_is_batch_invariant_and_matches_vec_dot(name: str) -> None:
+    if native.lib() is None or not hasattr(native.lib(), "lp_dequantize_rows"):
+        pytest.skip("no kernel library with kernels_c/iquants.c")
+    rng = np.random.default_rng(16)
+    n_out, n_in = 72, 2 * QK_K
+    raw = random_blocks(name, n_out, n_in, rng)
+    m = QMatrix.prepare(raw, GGMLType[name], n_out, n_in)
+    assert m.vec_dot_type() == int(GGMLType.Q8_K if name == "IQ4_XS" else GGMLType.Q8_0)
+    x = rng.standard_normal((40, n_in)).astype(np.float32)
+    assert m.path(40, q8=True) == "q8"  # never sgemm: prompts keep llama.cpp's order
+    full = m.matmul(x, n_threads=2)
+    for n_tok in (1, 3, 8, 17):
+        part = m.matmul(x[:n_tok], n_threads=2)
+        assert np.array_equal(part.view(np.uint32), full[:n_tok].view(np.uint32)), n_tok
+    lib = native.lib()
+    for t in (0, 39):
+        want = _vec_dot(lib, name, raw, _activation(name, x[t]), n_in)
+        assert np.array_equal(full[t].view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_qmatrix_f32_mode_and_get_rows(name: str) -> None:
+    rng = np.random.default_rng(17)
+    n_out, n_in = 40, QK_K
+    raw = random_blocks(name, n_out, n_in, rng)
+    m = QMatrix.prepare(raw, GGMLType[name], n_out, n_in, repack=True)
+    w = quants.dequantize(raw, GGMLType[name], n_in)
+    x = rng.standard_normal((3, n_in)).astype(np.float32)
+    got = m.matmul(x, q8=False)
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert (np.abs(got - want) <= 1e-6 * (np.abs(x) @ np.abs(w).T)).all()  # float32 sums of |w x|
+    ids = np.array([3, 0, 39, 3])
+    np.testing.assert_array_equal(m.get_rows(ids).view(np.uint32), w[ids].view(np.uint32))

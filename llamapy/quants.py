@@ -390,11 +390,16 @@ def quantize(x: np.ndarray, qtype: GGMLType) -> np.ndarray:
     return out.reshape(n_rows, -1)
 
 
+def hadamard_scale(n: int) -> np.float32:
+    """The entries' magnitude of `hadamard(n)`, 1/sqrt(n) rounded as ggml_gen_hadamard does."""
+    return np.float32(1.0 / np.sqrt(np.float32(n)))
+
+
 def hadamard(n: int) -> np.ndarray:
     """The orthonormal Walsh-Hadamard matrix of order `n` (a power of two), built as llama.cpp's
     ggml_gen_hadamard does in float32: symmetric, its own inverse."""
     h = np.zeros((n, n), np.float32)
-    h[0, 0] = np.float32(1.0 / np.sqrt(np.float32(n)))
+    h[0, 0] = hadamard_scale(n)
     s = 1
     while s < n:
         blk = h[:s, :s].copy()

@@ -8,8 +8,10 @@ with the reason (no CuPy, no driver, no device), which discovery records.
   * Devices CUDA0, CUDA1, ... are `MemoryDevice`s (backend/device.py): the budget is the free
     memory `cudaMemGetInfo` reports when the backend loads; buffers, counted copies, offload_op
     and supports_op are the code the TEST device exercises on machines without a GPU.
-  * Every op of the llama graph runs through `kernels.run_nodes` with `xp = cupy` on one stream
-    per device; activations are float32 everywhere (the KV cache keeps its F16 type).
+  * A split of up to MMV_MAX_TOKENS tokens runs as a compiled GPU plan (gpu_plan.py: the CPU
+    executor's records, each one kernel launch of cuda_ops, captured once as a CUDA graph and
+    replayed; cuda_exec.py); other splits run through `kernels.run_nodes` with `xp = cupy` on
+    one stream per device. Activations are float32 everywhere (the KV cache keeps its F16 type).
   * Weights are `CUDAQMatrix`: the file's raw blocks on the device, never expanded as a whole.
     `matmul(x)` uses the fused dequantize + matrix-vector kernels of `kernels_cuda/*.cu` for up to
     `MMV_MAX_TOKENS` tokens and otherwise dequantizes row tiles to float32 and calls cuBLAS
@@ -296,6 +298,16 @@ class CUDADevice(MemoryDevice):
         self._functions: dict[tuple[str, GGMLType], Any] = {}
         self._staging: list[_Staging] = []
         self._next_staging = 0
+        self._ops: Any = None
+        self._runtime: Any = None  # cuda_exec.CUDARuntime: the compiled plans' arena and launches
+
+    def runtime(self) -> Any:
+        """The device's GPU-plan runtime (cuda_exec.py), made on first use."""
+        if self._runtime is None:
+            from .cuda_exec import CUDARuntime
+
+            self._runtime = CUDARuntime(self)
+        return self._runtime
 
     # -- context --------------------------------------------------------------------------
 
@@ -326,6 +338,16 @@ class CUDADevice(MemoryDevice):
             fn = mod.get_function(f"{kind}_{suffix}")
             self._functions[key] = fn
         return fn
+
+    def ops(self) -> Any:
+        """Every kernel of kernels_cuda/ compiled and loaded on this device, once
+        (cuda_ops.CudaKernels: the launch functions of the compiled GPU split)."""
+        if self._ops is None:
+            from .cuda_ops import CudaKernels
+
+            with self._device:
+                self._ops = CudaKernels.load(self.cp)
+        return self._ops
 
     # -- memory ---------------------------------------------------------------------------
 
@@ -463,6 +485,28 @@ class CUDABackend(MemoryDeviceBackend):
 
     def synchronize(self) -> None:
         self.device.stream.synchronize()
+
+    # -- compiled plans (gpu_plan.py, launched by cuda_exec.py) ---------------------------------
+
+    def graph_plan_create(self, nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Any) -> Any:
+        from .executor import Refusal
+        from .executor import enabled as executor_enabled
+        from .gpu_plan import compile_split
+
+        if not executor_enabled():
+            return Refusal("LLAMAPY_EXECUTOR=0")
+        dev = self.device
+        with dev.context("compiling a GPU plan"):
+            return compile_split(nodes, exports, allocate, dev.runtime())
+
+    def graph_plan_compute(self, plan: Any, env: dict[Tensor, Any]) -> None:
+        with self.device.context("running a GPU plan"):
+            plan.compute(env)
+
+    def graph_plan_summary(self, plan: Any) -> str:
+        if plan is None:
+            return ""
+        return plan.summary() if plan else f"GPU plan refused: {plan.reason} (run_nodes)"
 
     def copy_from(self, src: Backend, value: Any) -> Any | None:
         """CUDA -> CUDA arrays: a peer copy; anything else goes through the host."""

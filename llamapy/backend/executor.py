@@ -71,6 +71,22 @@ ALIGN = 64  # the arena's alignment (AVX-512 loads); sched/alloc.py aligns offse
 (GET_ROWS_Q, GET_ROWS_F32, RMS_NORM, MUL, ADD, SCALE, SWIGLU, MUL_MAT, ROPE, SET_ROWS, ATTN, CPY, QUANT_ACT,
  MUL_MAT_Q, SOFT_MAX, ARGSORT, SUM_ROWS, CLAMP, DIV, GET_ROWS_B, MUL_MAT_ID_Q) = range(1, 22)
 REC = 24
+# GLU with GELU (gemma3's GEGLU): a code executor.c has not (its target refuses it), the GPU's has.
+# Codes from 32 on are records only the GPU target writes (gpu_plan.py), apart from executor.c's.
+GEGLU = 32
+OP_NAMES = {GEGLU: "GLU", GET_ROWS_Q: "GET_ROWS", GET_ROWS_F32: "GET_ROWS", RMS_NORM: "RMS_NORM", MUL: "MUL", ADD: "ADD",
+            SCALE: "SCALE", SWIGLU: "GLU", MUL_MAT: "MUL_MAT", ROPE: "ROPE", SET_ROWS: "SET_ROWS",
+            ATTN: "FLASH_ATTN_EXT", CPY: "CONT", QUANT_ACT: "QUANTIZE", MUL_MAT_Q: "MUL_MAT", SOFT_MAX: "SOFT_MAX",
+            ARGSORT: "ARGSORT", SUM_ROWS: "SUM_ROWS", CLAMP: "CLAMP", DIV: "DIV", GET_ROWS_B: "GET_ROWS",
+            MUL_MAT_ID_Q: "MUL_MAT_ID"}  # fmt: skip
+
+
+def op_counts(recs: np.ndarray, ops: dict[str, int], names: dict[int, str] = OP_NAMES) -> str:
+    """`RMS_NORM:9 MUL_MAT:28 …`: the records of a plan by ggml op name."""
+    for code in recs[:, 0]:
+        k = names.get(int(code), str(int(code)))
+        ops[k] = ops.get(k, 0) + 1
+    return " ".join(f"{k}:{v}" for k, v in ops.items())
 # In the f32 mode, batches from this many tokens are left to run_nodes: its tile + sgemm path is
 # faster there (qmatmul.SGEMM_MIN_TOKENS). In the q8 mode every MUL_MAT a compiled split has
 # stays on the per-block q8 kernels at any row count (qmatmul.Q8_GEMM: no sgemm to be faster; a
@@ -291,14 +307,9 @@ class ExecPlan:
 
     def summary(self) -> str:
         ops: dict[str, int] = {}
-        names = {GET_ROWS_Q: "GET_ROWS", GET_ROWS_F32: "GET_ROWS", RMS_NORM: "RMS_NORM", MUL: "MUL", ADD: "ADD",
-                 SCALE: "SCALE", SWIGLU: "GLU", MUL_MAT: "MUL_MAT", ROPE: "ROPE", SET_ROWS: "SET_ROWS",
-                 ATTN: "FLASH_ATTN_EXT", CPY: "CONT", QUANT_ACT: "QUANTIZE", MUL_MAT_Q: "MUL_MAT"}  # fmt: skip
         if self.pre:
             ops["GET_ROWS (Python)"] = len(self.pre)
-        for code in self.recs[:, 0]:
-            ops[names[int(code)]] = ops.get(names[int(code)], 0) + 1
-        counts = " ".join(f"{k}:{v}" for k, v in ops.items())
+        counts = op_counts(self.recs, ops)
         return (f"executor: {len(self.recs)} records for {self.n_nodes} nodes ({self.n_fused} fused), "
                 f"arena {self.nbytes / 1024:.0f} KiB, {len(self.inputs) + len(self.masks)} inputs, "
                 f"{len(self.exports)} exports [{counts}]")
@@ -361,6 +372,279 @@ def _leaf_value(t: Tensor) -> Any | None:
     return r.buffer.storage(r)
 
 
+class Target:
+    """What the record compiler asks of the memory its records point into: the one seam between
+    the compiler and its two launchers (the CPU's `HostTarget` below, which kernels_c/executor.c
+    runs; the GPU's in gpu_plan.py, whose records are kernel launches). Everything else — the
+    steps, the fusions, the arena offsets from sched/alloc.py, the records of the row-wise ops,
+    ROPE, SET_ROWS and attention — is shared, so both plans of a split have the same records."""
+
+    name = "executor"
+    glu_ops: tuple[str, ...] = ("swiglu",)  # the GLU variants its records run
+    fuse_glu = False  # a GLU of the two halves of the product before it joins that product's step
+    head = 0  # bytes at the arena's start before the allocator's offsets (the GPU's count slots)
+    max_tokens: int | None = None  # batches from this many tokens are refused
+    width = REC  # int64 slots per record
+
+    def leaf(self, t: Tensor) -> Any | None:
+        """The value of a weight / KV-cache leaf in this target's memory; None for a value
+        copied in (an input); Refused for a weight it cannot read."""
+        raise NotImplementedError
+
+    def array_loc(self, v: Any, keep: list[Any]) -> Loc:
+        """Where an array of this memory lies (Refused for anything else)."""
+        raise NotImplementedError
+
+    def host_array(self, v: Any) -> np.ndarray:
+        """A host copy of a small leaf read at compile time (rope frequency factors)."""
+        raise NotImplementedError
+
+    def const(self, a: np.ndarray, keep: list[Any]) -> int:
+        """The address of a constant table the compiler made (rope's inverse frequencies)."""
+        raise NotImplementedError
+
+    def export(self, l: Loc) -> Any:
+        """The value of an export that lies outside the arena (the KV cache's memory)."""
+        raise NotImplementedError
+
+    def pre_rows(self, tv: Any) -> bool:
+        """Whether a GET_ROWS of this table is expanded in Python before the call."""
+        return False
+
+    def id_type(self, n: Tensor) -> int | None:
+        """The vec_dot_type a MUL_MAT_ID's experts run in; None: it has no record here."""
+        return None
+
+    def f16_stores(self) -> bool:
+        return True
+
+    def scratch(self, c: _Compiler, start: int) -> int:
+        """The arena's bytes in all, from `start` (the end of the allocator's offsets)."""
+        return start
+
+    def records(self, c: _Compiler, st: _Step, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
+        """The records of a step this target writes itself (products, rows of a weight); None:
+        the shared ones (`_Compiler._record`)."""
+        return None
+
+    # (slot, op code): record slots beyond the shared ones that hold arena addresses
+    addr_slots: tuple[tuple[int, int], ...] = ()
+
+    def finish(self, c: _Compiler, recs: list[list[int]], masks: list[tuple[Tensor, _Slot, np.ndarray]],
+               exports: list[tuple[Tensor, Any]]) -> None:
+        """Last touches to the records once every step has its own (the GPU's count slots)."""
+
+
+class HostTarget(Target):
+    """The CPU executor's memory: host buffers (numpy arrays, QMatrix weights), kernels_c's
+    executor. The MUL_MAT records follow the backend's mode: "q8" quantizes each input once per
+    vec_dot_type (QUANTIZE record, shared by the products of that input) and multiplies the
+    file's rows; "f32" runs the repacked float32 matvec."""
+
+    def __init__(self, lib: Any, q8: bool) -> None:
+        self.lib = lib
+        self.q8 = q8
+        self.max_tokens = None if q8 else MAX_TOKENS
+        self.quantized: dict[int, Any] = {}  # vec_dot_type -> the input its scratch holds now
+        self.offsets: dict[int, int] = {}  # vec_dot_type -> the arena offset of its quantized activations
+
+    def leaf(self, t: Tensor) -> Any | None:
+        return _leaf_value(t)
+
+    def array_loc(self, v: Any, keep: list[Any]) -> Loc:
+        if not isinstance(v, np.ndarray):
+            raise Refused(f"a {type(v).__name__} where an array is needed")
+        keep.append(v)
+        return _array_loc(v)
+
+    def host_array(self, v: Any) -> np.ndarray:
+        if not isinstance(v, np.ndarray):
+            raise Refused("rope_freqs without a buffer")
+        return v
+
+    def const(self, a: np.ndarray, keep: list[Any]) -> int:
+        keep.append(a)
+        return a.ctypes.data
+
+    def export(self, l: Loc) -> Any:
+        return l.array()
+
+    def pre_rows(self, tv: Any) -> bool:
+        from .qmatmul import QMatrix
+
+        return isinstance(tv, QMatrix) and not tv.repacked and tv.qtype not in KV_CODES  # (those: a native record)
+
+    def f16_stores(self) -> bool:
+        return bool(self.lib.lp_exec_caps() & 1)
+
+    def scratch(self, c: _Compiler, start: int) -> int:
+        """Room for each vec_dot_type's quantized activations (the largest product's), in the
+        arena from `start` (self.offsets: theirs); the arena's bytes in all."""
+        need: dict[int, int] = {}
+        for st in c.steps:
+            if st.code not in (MUL_MAT, MUL_MAT_ID_Q):
+                continue
+            w, x = st.node.src[:2]
+            wv = _leaf_value(w) if w.is_leaf else None
+            q = self.id_type(st.node) if st.code == MUL_MAT_ID_Q else self._q8_type(wv, x.n_elements // x.shape[-1])
+            if q is not None:
+                rb = int(self.lib.lp_act_row_bytes(int(wv.qtype), wv.n_in))
+                need[q] = max(need.get(q, 0), rb * (x.n_elements // x.shape[-1]))
+        self.offsets = {}
+        end = start
+        for q, n in need.items():
+            end += (-end) % ALIGN
+            self.offsets[q] = end
+            end += n
+        return end
+
+    def _q8_type(self, wv: Any, n_tok: int) -> int | None:
+        """The vec_dot_type a product runs in (the q8 mode's path), None for the other paths."""
+        from .qmatmul import QMatrix
+
+        if not isinstance(wv, QMatrix) or not self.q8 or wv.path(n_tok, True) != "q8":
+            return None
+        return wv.vec_dot_type()
+
+    def id_type(self, n: Tensor) -> int | None:
+        """The vec_dot_type of a MUL_MAT_ID's experts in the q8 mode (always the q8 kernel, at any
+        number of tokens, as the CPU backend's run_nodes path), None without one."""
+        from .qmatmul import QMatrix
+
+        wv = _leaf_value(n.src[0]) if n.src[0].is_leaf else None
+        if not isinstance(wv, QMatrix) or not self.q8:
+            return None
+        return wv.vec_dot_type()
+
+    def records(self, c: _Compiler, st: _Step, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
+        if st.code == MUL_MAT_ID_Q:
+            return self._mul_mat_id_q8(c, st.node, loc)
+        if st.code == MUL_MAT:
+            w, x = st.node.src
+            wv = _leaf_value(w) if w.is_leaf else None
+            xl = loc(x)
+            n_tok = xl.rows()[0] if xl.dtype == np.dtype(np.float32) else 0
+            vdt = self._q8_type(wv, n_tok)
+            if vdt is not None:
+                return self._mul_mat_q8(c, st.node, loc(st.node).addr, wv, xl, vdt)
+            return [self._mul_mat(c, st.node, loc)]
+        if st.code == GET_ROWS_F32:
+            table = st.node.src[0]
+            tv = _leaf_value(table) if table.is_leaf else None
+            if tv is not None and not isinstance(tv, np.ndarray):
+                return [self._get_rows(c, st.node, tv, loc)]
+        return None
+
+    def _mul_mat_q8(self, c: _Compiler, n: Tensor, dst: int, wv: Any, xl: Loc, vdt: int) -> list[list[int]]:
+        """QUANTIZE (unless this input is what the vec_dot_type's scratch holds already: the
+        Q/K/V or gate/up products of one input) and MUL_MAT_Q records."""
+        n_tok, n_in, xs = xl.rows()
+        x = n.src[1]
+        key = (c._base(x), xl.addr, xl.strides)
+        xq = c.base + self.offsets[vdt]
+        out: list[list[int]] = []
+        if self.quantized.get(vdt) != key:
+            r = [0] * REC
+            r[0], r[1], r[2], r[6], r[7], r[8], r[9] = QUANT_ACT, xq, xl.addr, int(wv.qtype), xs, n_in, n_tok
+            out.append(r)
+            self.quantized[vdt] = key
+        r = [0] * REC
+        r[0], r[1], r[2], r[3], r[6], r[7], r[8], r[9], r[10], r[11] = MUL_MAT_Q, dst, wv.data.ctypes.data, xq, \
+            int(wv.qtype), wv.n_out, wv.data.shape[1], n_in, n_tok, wv.n_out  # fmt: skip
+        c.keep.append(wv)
+        out.append(r)
+        return out
+
+    def _quantize(self, c: _Compiler, x: Tensor, xl: Loc, wv: Any, vdt: int) -> list[list[int]]:
+        """A QUANTIZE record of `x` into the vec_dot_type's scratch, unless it holds `x` already."""
+        n_tok, n_in, xs = xl.rows()
+        key = (c._base(x), xl.addr, xl.strides)
+        if self.quantized.get(vdt) == key:
+            return []
+        r = [0] * REC
+        r[0], r[1], r[2], r[6], r[7], r[8], r[9] = QUANT_ACT, c.base + self.offsets[vdt], xl.addr, int(wv.qtype), \
+            xs, n_in, n_tok  # fmt: skip
+        self.quantized[vdt] = key
+        return [r]
+
+    def _mul_mat_id_q8(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc]) -> list[list[int]]:
+        """QUANTIZE (the input's rows: one per token for gate / up, shared by both) and a
+        MUL_MAT_ID_Q record (kernels_c/qmatmul.c lp_mul_mat_id_q_par)."""
+        w, x, ids = n.src
+        wv = _leaf_value(w)
+        vdt = self.id_type(n)
+        xl = loc(x)
+        if xl.dtype != np.dtype(np.float32):
+            raise Refused(f"MUL_MAT_ID {n.name} input of type {xl.dtype}")
+        il = loc(ids)
+        if il.dtype != np.dtype(np.int32) or len(il.shape) != 2 or il.strides[1] != 1:
+            raise Refused(f"MUL_MAT_ID {n.name} ids layout")
+        out = self._quantize(c, x, xl, wv, vdt)  # type: ignore[arg-type]
+        T, U, M = n.shape
+        r = [0] * REC
+        r[0], r[1], r[2], r[3], r[4] = MUL_MAT_ID_Q, loc(n).addr, wv.data.ctypes.data, \
+            c.base + self.offsets[vdt], il.addr  # type: ignore[index]  # fmt: skip
+        r[6], r[7], r[8], r[9], r[10] = int(wv.qtype), w.shape[0], M, wv.data.shape[1], wv.n_in
+        r[11], r[12], r[13], r[14] = x.shape[1], il.strides[0], T, U
+        c.keep.append(wv)
+        return [*out, r]
+
+    def _get_rows(self, c: _Compiler, n: Tensor, tv: Any, loc: Callable[[Tensor], Loc]) -> list[int]:
+        """GET_ROWS of a host weight matrix (the token embeddings)."""
+        r = [0] * REC
+        r[0], r[1] = GET_ROWS_F32, loc(n).addr
+        il = loc(n.src[1])
+        if il.dtype != np.dtype(np.int32) or not il.contiguous():
+            raise Refused("GET_ROWS ids that are not int32")
+        kv = KV_CODES.get(tv.qtype, 0) if not getattr(tv, "repacked", True) else 0
+        if kv:  # F16 / Q8_0 / Q4_0 rows as the file has them, expanded by ops.c's cache-row code
+            c.keep.append(d := tv.data)
+            r[2], r[3], r[6], r[7] = d.ctypes.data, il.addr, n.src[1].n_elements, tv.n_in
+            r[8], r[9], r[10] = d.strides[0], tv.n_out, kv
+            return r
+        m = native_matrix(tv)
+        c.keep.append(m)
+        if m.mv == 0:  # an F32 matrix: its rows are an array
+            tl = _array_loc(m.rows_f32)  # type: ignore[arg-type]
+            r[2], r[3] = tl.addr, il.addr
+            r[6], r[7], r[8], r[9] = n.src[1].n_elements, tv.n_in, tv.n_in, tv.n_out
+            return r
+        r[0] = GET_ROWS_Q
+        r[2], r[6], r[7], r[8], r[9], r[10], r[11] = il.addr, n.src[1].n_elements, tv.n_in, m.nb, m.dqr, m.parts, \
+            m.n_full  # fmt: skip
+        r[12] = m.rows_f32.ctypes.data if m.rows_f32 is not None else 0
+        r[13] = tv.n_out
+        return r
+
+    def _mul_mat(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc]) -> list[int]:
+        """The f32 mode's product: the repacked float32 matvec."""
+        from .qmatmul import QMatrix
+
+        r = [0] * REC
+        r[0], r[1] = MUL_MAT, loc(n).addr
+        w, x = n.src
+        wv = _leaf_value(w) if w.is_leaf else None
+        if wv is None or isinstance(wv, np.ndarray):
+            raise Refused(f"MUL_MAT {n.name} with an activation or array weight")
+        if isinstance(wv, QMatrix) and not wv.repacked and wv.qtype != GGMLType.F32:
+            n_tok = x.n_elements // x.shape[-1]
+            raise Refused(f"{wv.qtype.name} MUL_MAT of {n_tok} tokens on the {wv.path(n_tok, self.q8)} path")
+        m = native_matrix(wv)
+        c.keep.append(m)
+        xl = loc(x)
+        if xl.dtype != np.dtype(np.float32):
+            raise Refused(f"MUL_MAT input of type {xl.dtype}")
+        n_tok, n_in, xs = xl.rows()
+        if n_tok >= MAX_TOKENS:
+            raise Refused(f"a batch of {n_tok} tokens (the tile + sgemm path is faster)")
+        if xs != n_in and n_tok > 1:
+            raise Refused(f"MUL_MAT {n.name} of strided rows")
+        r[2], r[6], r[7], r[8], r[9], r[10], r[11], r[12] = xl.addr, n_tok, n_in, xs, m.mv, m.parts, m.n_tiles, m.nb
+        r[13], r[14] = wv.n_out, m.n_full
+        r[15] = m.rows_f32.ctypes.data if m.rows_f32 is not None else 0
+        return r
+
+
 def compile_split(
     nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Callable[..., Any], cpu_matmul: str = "q8",
     arena: Arena | None = None,
@@ -374,24 +658,42 @@ def compile_split(
     try:
         if kernels() != "c":
             raise Refused(f"kernels are {kernels()!r}, not C")
-        return _Compiler(nodes, exports, _lib(), allocate, cpu_matmul == "q8").build(arena or Arena())
+        lib = _lib()
+        b = _Compiler(nodes, exports, HostTarget(lib, cpu_matmul == "q8"), allocate).build(arena or Arena())
+        return ExecPlan(b.recs, b.arena, b.nbytes, b.base, b.moves, b.inputs, b.exports, b.keep, b.n_nodes,
+                        b.n_fused, lib.lp_exec_run, b.pre, b.masks)
     except Refused as e:
         return Refusal(str(e))
 
 
+@dataclass
+class Built:
+    """A split compiled into records over an arena: what either launcher's plan is made of."""
+
+    recs: np.ndarray  # (n, target.width) int64
+    arena: Any
+    nbytes: int  # of the arena the plan uses
+    base: int  # the arena's base address the records hold
+    moves: tuple[np.ndarray, np.ndarray]  # (record, slot) indices of the addresses in the arena
+    inputs: list[tuple[Tensor, _Slot]]
+    exports: list[tuple[Tensor, Any]]  # (node, its slot, or its value outside the arena)
+    keep: list[Any]
+    n_nodes: int
+    n_fused: int
+    pre: list[tuple[_Slot, Any, Tensor]]
+    masks: list[tuple[Tensor, _Slot, np.ndarray]]
+
+
 class _Compiler:
-    def __init__(self, nodes: Sequence[Tensor], exports: Sequence[Tensor], lib: Any, allocate: Any, q8: bool) -> None:
+    def __init__(self, nodes: Sequence[Tensor], exports: Sequence[Tensor], target: Target, allocate: Any) -> None:
         self.allocate = allocate
-        self.q8 = q8
-        self.max_tokens: int | None = None if q8 else MAX_TOKENS
+        self.target = target
+        self.max_tokens = target.max_tokens
         self.pre: list[Tensor] = []  # GET_ROWS of file-layout rows, run in Python before the call
-        self.quantized: dict[int, Any] = {}  # vec_dot_type -> the input its scratch holds now
-        self.scratch: dict[int, int] = {}  # vec_dot_type -> the arena offset of its quantized activations
         self.base = 0  # the arena's address while the records are written
         self.nodes = list(nodes)
         self.own = set(self.nodes)
         self.exports = list(exports)
-        self.lib = lib
         self.readers: dict[Tensor, int] = {}
         for n in self.nodes:
             for s in n.src:
@@ -415,7 +717,7 @@ class _Compiler:
         """Register a tensor read by this split but not computed here."""
         if t in self.own or t in self.inputs:
             return
-        if _leaf_value(t) is not None and t.is_leaf:
+        if t.is_leaf and self.target.leaf(t) is not None:
             return  # a weight or the KV cache, read where it is
         if t.type not in _DTYPES:
             raise Refused(f"input {t.name} of type {t.type.name}")
@@ -430,7 +732,7 @@ class _Compiler:
                 self.alias[n] = n.src[0]
                 continue
             if op is Op.SET_ROWS:
-                if not n.src[0].is_leaf or _leaf_value(n.src[0]) is None:
+                if not n.src[0].is_leaf or self.target.leaf(n.src[0]) is None:
                     raise Refused("SET_ROWS into a tensor without a buffer")
                 self.alias[n] = n.src[0]
                 self.steps.append(_Step(SET_ROWS, n, list(n.src)))
@@ -441,6 +743,9 @@ class _Compiler:
                 raise Refused(f"a batch of {n.shape[0]} tokens")  # the f32 mode's sgemm is faster there
             if op is Op.MUL and self._fuse_norm_mul(n):
                 continue
+            if op is Op.GLU and self.target.fuse_glu and n.params.get("op") in self.target.glu_ops \
+                    and self._fuse_mul_mat_glu(n):
+                continue
             code = {Op.GET_ROWS: GET_ROWS_F32, Op.RMS_NORM: RMS_NORM, Op.MUL: MUL, Op.ADD: ADD, Op.SCALE: SCALE,
                     Op.GLU: SWIGLU, Op.MUL_MAT: MUL_MAT, Op.ROPE: ROPE, Op.FLASH_ATTN_EXT: ATTN,
                     Op.CONT: CPY, Op.SOFT_MAX: SOFT_MAX, Op.ARGSORT: ARGSORT, Op.SUM_ROWS: SUM_ROWS,
@@ -449,12 +754,14 @@ class _Compiler:
                 raise Refused(f"op {op.name} ({n.name})")
             if op is Op.SOFT_MAX and len(n.src) > 1:
                 raise Refused(f"SOFT_MAX {n.name} with a mask")
-            if op is Op.MUL_MAT_ID and self._id_type(n) is None:
+            if op is Op.MUL_MAT_ID and self.target.id_type(n) is None:
                 raise Refused(f"MUL_MAT_ID {n.name} without a q8 kernel (the f32 mode, or the weight's type)")
             if op is Op.GET_ROWS and len(n.src[1].shape) == 2:
                 code = GET_ROWS_B
-            if op is Op.GLU and n.params.get("op") != "swiglu":
+            if op is Op.GLU and n.params.get("op") not in self.target.glu_ops:
                 raise Refused(f"GLU {n.params.get('op')}")
+            if op is Op.GLU and n.params.get("op") == "geglu":
+                code = GEGLU
             if op is Op.RMS_NORM:
                 self._fuse_add_norm(n)
                 continue
@@ -466,12 +773,10 @@ class _Compiler:
         """GET_ROWS of a matrix kept in the file's layout (the token embeddings in the q8 mode)
         in a type other than F32/F16/Q8_0/Q4_0 (a K type), whose ids are an input: the rows are
         expanded in Python (QMatrix.get_rows, the reference path's function) into the node's
-        arena slot before the native call."""
-        from .qmatmul import QMatrix
-
+        arena slot before the native call (the host target's; a GPU reads no such rows)."""
         table, ids = n.src
-        tv = _leaf_value(table) if table.is_leaf else None
-        if not isinstance(tv, QMatrix) or tv.repacked or tv.qtype in KV_CODES:  # (those: a native record)
+        tv = self.target.leaf(table) if table.is_leaf else None
+        if not self.target.pre_rows(tv):
             return False
         if ids not in self.inputs:
             raise Refused(f"GET_ROWS {n.name} of {tv.qtype.name} rows with computed ids")
@@ -491,6 +796,27 @@ class _Compiler:
             self.n_fused += 1
             return
         self.steps.append(_Step(RMS_NORM, norm, [x], {"norm": norm}))
+
+    def _fuse_mul_mat_glu(self, glu: Tensor) -> bool:
+        """GLU(gate, up) folded into the MUL_MAT step of the stacked gate/up matrix when gate and
+        up are its two halves and nothing else reads it (the product is then never stored: the
+        step's result is the GLU's, placed apart from the product's input, which it reads to the
+        end). Targets with a product whose epilogue is the GLU only (the GPU's)."""
+        prev = self.steps[-1] if self.steps else None
+        if prev is None or prev.code != MUL_MAT or "glu" in prev.extra:
+            return False
+        mm, (g, u) = prev.node, glu.src
+        n_ff = g.shape[-1]
+        if mm.shape[-1] != 2 * n_ff or any(s.op is not Op.VIEW or s.src[0] is not mm for s in (g, u)):
+            return False
+        if g.params.get("cols") != (0, n_ff) or u.params.get("cols") != (n_ff, 2 * n_ff):
+            return False
+        if (self.readers.get(mm, 0), self.readers.get(g, 0), self.readers.get(u, 0)) != (2, 1, 1):
+            return False
+        prev.extra.update(glu=glu, mm=mm)
+        prev.node = glu
+        self.n_fused += 1
+        return True
 
     def _fuse_norm_mul(self, mul: Tensor) -> bool:
         """MUL(norm, weight vector) folded into the RMS_NORM step that made `norm` when nothing
@@ -522,15 +848,16 @@ class _Compiler:
             order.append((0, out, reads))
         outs = [self._base(e) for e in self.exports]
         a = self.allocate(order, outs)
-        self.arena_size = a.sizes.get(0, 0)
-        return {t: off for t, (_b, off) in a.offsets.items()}
+        head = self.target.head  # (the offsets start after the target's head)
+        self.arena_size = a.sizes.get(0, 0) + head
+        return {t: off + head for t, (_b, off) in a.offsets.items()}
 
     # -- pass 3: records ---------------------------------------------------------------------
 
-    def build(self, arena: Arena) -> ExecPlan:
+    def build(self, arena: Any) -> Built:
         self.steps_pass()
         offsets = self.alloc()
-        nbytes = self._size_scratch(self.arena_size)
+        nbytes = self.target.scratch(self, self.arena_size)
         self.base = base = arena.ensure(nbytes)
         self.keep: list[Any] = []
         locs: dict[Tensor, Loc] = {}
@@ -551,11 +878,10 @@ class _Compiler:
             elif t in offsets:
                 l = owned(t)
             else:
-                v = _leaf_value(t)
-                if not isinstance(v, np.ndarray):
-                    raise Refused(f"{t.name}: a {type(v).__name__} where an array is needed")
-                l = _array_loc(v)
-                self.keep.append(v)
+                try:
+                    l = self.target.array_loc(self.target.leaf(t), self.keep)
+                except Refused as e:
+                    raise Refused(f"{t.name}: {e}") from None
             locs[t] = l
             return l
 
@@ -570,26 +896,30 @@ class _Compiler:
                 raise Refused("a mask read by another op than FLASH_ATTN_EXT")
             masks = [(t, slot(loc(t)), np.array(rows)) for t, rows in attn.items()]
             inputs = [(t, slot(loc(t))) for t in self.inputs if t not in attn]  # inputs and `pre` rows: arena-owned
-            pre = [(slot(loc(n)), _leaf_value(n.src[0]), n.src[1]) for n in self.pre]
-            exports: list[tuple[Tensor, _Slot | np.ndarray]] = []
+            pre = [(slot(loc(n)), self.target.leaf(n.src[0]), n.src[1]) for n in self.pre]
+            exports: list[tuple[Tensor, Any]] = []
             for e in self.exports:
                 l = loc(e)
-                exports.append((e, slot(l) if l.owner is arena else l.array()))
+                exports.append((e, slot(l) if l.owner is arena else self.target.export(l)))
+            self.target.finish(self, recs, masks, exports)
         finally:
             # `loc` is recursive (its closure holds itself): break that cycle, or the weights'
             # views in `locs` would keep a closed model's mapping until the garbage collector runs
             locs.clear()
             loc = None  # noqa: F841
-        table = np.array(recs, np.int64).reshape(-1, REC)
+        table = np.array(recs, np.int64).reshape(-1, self.target.width)
         # the addresses in the arena, moved when it is made again (ExecPlan._move); a fused
-        # RMS_NORM's ADD result is in slot 10
-        cols = table[:, list(_ADDR_SLOTS) + [10]]
+        # RMS_NORM's ADD result is in slot 10, and a target may have more (slot, op) of its own
+        extra = [(10, RMS_NORM), *self.target.addr_slots]
+        slots = list(_ADDR_SLOTS) + [k for k, _ in extra]
+        cols = table[:, slots]
         inside = (cols >= base) & (cols < base + max(nbytes, 1))
-        inside[:, -1] &= table[:, 0] == RMS_NORM
+        for j, (_k, code) in enumerate(extra):
+            inside[:, len(_ADDR_SLOTS) + j] &= table[:, 0] == code
         rows, which = np.nonzero(inside)
-        moves = (rows, np.array(list(_ADDR_SLOTS) + [10])[which])
-        return ExecPlan(table, arena, nbytes, base, moves, inputs, exports, self.keep, len(self.nodes), self.n_fused,
-                        self.lib.lp_exec_run, pre, masks)
+        moves = (rows, np.array(slots)[which])
+        return Built(table, arena, nbytes, base, moves, inputs, exports, self.keep, len(self.nodes), self.n_fused,
+                     pre, masks)
 
     def _view(self, t: Tensor, src: Loc) -> Loc:
         op = t.op
@@ -625,111 +955,9 @@ class _Compiler:
             return Loc(src.addr, t.shape, (st, *inner), src.dtype, src.owner)
         raise Refused(f"RESHAPE {t.name} of a strided value")
 
-    def _size_scratch(self, start: int) -> int:
-        """Room for each vec_dot_type's quantized activations (the largest product's), in the
-        arena from `start` (self.scratch: their offsets); the arena's bytes in all."""
-        need: dict[int, int] = {}
-        for st in self.steps:
-            if st.code not in (MUL_MAT, MUL_MAT_ID_Q):
-                continue
-            w, x = st.node.src[:2]
-            wv = _leaf_value(w) if w.is_leaf else None
-            q = self._id_type(st.node) if st.code == MUL_MAT_ID_Q else self._q8_type(wv, x.n_elements // x.shape[-1])
-            if q is not None:
-                rb = int(self.lib.lp_act_row_bytes(int(wv.qtype), wv.n_in))
-                need[q] = max(need.get(q, 0), rb * (x.n_elements // x.shape[-1]))
-        self.scratch = {}
-        end = start
-        for q, n in need.items():
-            end += (-end) % ALIGN
-            self.scratch[q] = end
-            end += n
-        return end
-
-    def _id_type(self, n: Tensor) -> int | None:
-        """The vec_dot_type of a MUL_MAT_ID's experts in the q8 mode (always the q8 kernel, at any
-        number of tokens, as the CPU backend's run_nodes path), None without one."""
-        from .qmatmul import QMatrix
-
-        wv = _leaf_value(n.src[0]) if n.src[0].is_leaf else None
-        if not isinstance(wv, QMatrix) or not self.q8:
-            return None
-        return wv.vec_dot_type()
-
-    def _q8_type(self, wv: Any, n_tok: int) -> int | None:
-        """The vec_dot_type a product runs in (the q8 mode's path), None for the other paths."""
-        from .qmatmul import QMatrix
-
-        if not isinstance(wv, QMatrix) or not self.q8 or wv.path(n_tok, True) != "q8":
-            return None
-        return wv.vec_dot_type()
-
     def _records(self, st: _Step, loc: Any) -> list[list[int]]:
-        if st.code == MUL_MAT_ID_Q:
-            return self._mul_mat_id_q8(st.node, loc)
-        if st.code == MUL_MAT:
-            w, x = st.node.src
-            wv = _leaf_value(w) if w.is_leaf else None
-            xl = loc(x)
-            n_tok = xl.rows()[0] if xl.dtype == np.dtype(np.float32) else 0
-            vdt = self._q8_type(wv, n_tok)
-            if vdt is not None:
-                return self._mul_mat_q8(st.node, loc(st.node).addr, wv, xl, vdt)
-        return [self._record(st, loc)]
-
-    def _mul_mat_q8(self, n: Tensor, dst: int, wv: Any, xl: Loc, vdt: int) -> list[list[int]]:
-        """QUANTIZE (unless this input is what the vec_dot_type's scratch holds already: the
-        Q/K/V or gate/up products of one input) and MUL_MAT_Q records."""
-        n_tok, n_in, xs = xl.rows()
-        x = n.src[1]
-        key = (self._base(x), xl.addr, xl.strides)
-        xq = self.base + self.scratch[vdt]
-        out: list[list[int]] = []
-        if self.quantized.get(vdt) != key:
-            r = [0] * REC
-            r[0], r[1], r[2], r[6], r[7], r[8], r[9] = QUANT_ACT, xq, xl.addr, int(wv.qtype), xs, n_in, n_tok
-            out.append(r)
-            self.quantized[vdt] = key
-        r = [0] * REC
-        r[0], r[1], r[2], r[3], r[6], r[7], r[8], r[9], r[10], r[11] = MUL_MAT_Q, dst, wv.data.ctypes.data, xq, \
-            int(wv.qtype), wv.n_out, wv.data.shape[1], n_in, n_tok, wv.n_out  # fmt: skip
-        self.keep.append(wv)
-        out.append(r)
-        return out
-
-    def _quantize(self, x: Tensor, xl: Loc, wv: Any, vdt: int) -> list[list[int]]:
-        """A QUANTIZE record of `x` into the vec_dot_type's scratch, unless it holds `x` already."""
-        n_tok, n_in, xs = xl.rows()
-        key = (self._base(x), xl.addr, xl.strides)
-        if self.quantized.get(vdt) == key:
-            return []
-        r = [0] * REC
-        r[0], r[1], r[2], r[6], r[7], r[8], r[9] = QUANT_ACT, self.base + self.scratch[vdt], xl.addr, int(wv.qtype), \
-            xs, n_in, n_tok  # fmt: skip
-        self.quantized[vdt] = key
-        return [r]
-
-    def _mul_mat_id_q8(self, n: Tensor, loc: Any) -> list[list[int]]:
-        """QUANTIZE (the input's rows: one per token for gate / up, shared by both) and a
-        MUL_MAT_ID_Q record (kernels_c/qmatmul.c lp_mul_mat_id_q_par)."""
-        w, x, ids = n.src
-        wv = _leaf_value(w)
-        vdt = self._id_type(n)
-        xl = loc(x)
-        if xl.dtype != np.dtype(np.float32):
-            raise Refused(f"MUL_MAT_ID {n.name} input of type {xl.dtype}")
-        il = loc(ids)
-        if il.dtype != np.dtype(np.int32) or len(il.shape) != 2 or il.strides[1] != 1:
-            raise Refused(f"MUL_MAT_ID {n.name} ids layout")
-        out = self._quantize(x, xl, wv, vdt)  # type: ignore[arg-type]
-        T, U, M = n.shape
-        r = [0] * REC
-        r[0], r[1], r[2], r[3], r[4] = MUL_MAT_ID_Q, loc(n).addr, wv.data.ctypes.data, \
-            self.base + self.scratch[vdt], il.addr  # type: ignore[index]  # fmt: skip
-        r[6], r[7], r[8], r[9], r[10] = int(wv.qtype), w.shape[0], M, wv.data.shape[1], wv.n_in
-        r[11], r[12], r[13], r[14] = x.shape[1], il.strides[0], T, U
-        self.keep.append(wv)
-        return [*out, r]
+        own = self.target.records(self, st, loc)
+        return own if own is not None else [self._record(st, loc)]
 
     def _record(self, st: _Step, loc: Any) -> list[int]:
         r = [0] * REC
@@ -802,7 +1030,7 @@ class _Compiler:
             rows, cols, ast = a.rows()
             r[2], r[6], r[7], r[8] = a.addr, rows, cols, ast
             return r
-        if st.code == SWIGLU:
+        if st.code in (SWIGLU, GEGLU):
             g, u = (need_f32(loc(s), "GLU input") for s in n.src)
             rows, cols, gs = g.rows()
             r[2], r[3], r[6], r[7], r[8], r[9] = g.addr, u.addr, rows, cols, gs, self._rows_like(u, rows, cols)
@@ -812,52 +1040,9 @@ class _Compiler:
             il = loc(ids)
             if il.dtype != np.dtype(np.int32) or not il.contiguous():
                 raise Refused("GET_ROWS ids that are not int32")
-            tv = _leaf_value(table) if table.is_leaf else None
-            kv = KV_CODES.get(tv.qtype, 0) if tv is not None and not getattr(tv, "repacked", True) else 0
-            if kv:  # F16 / Q8_0 / Q4_0 rows as the file has them, expanded by ops.c's cache-row code
-                self.keep.append(d := tv.data)
-                r[2], r[3], r[6], r[7] = d.ctypes.data, il.addr, ids.n_elements, tv.n_in
-                r[8], r[9], r[10] = d.strides[0], tv.n_out, kv
-                return r
-            if tv is not None and not isinstance(tv, np.ndarray):
-                m = native_matrix(tv)
-                self.keep.append(m)
-                if m.mv == 0:  # an F32 matrix: its rows are an array
-                    tl = _array_loc(m.rows_f32)  # type: ignore[arg-type]
-                    r[0], r[2], r[3] = GET_ROWS_F32, tl.addr, il.addr
-                    r[6], r[7], r[8], r[9] = ids.n_elements, tv.n_in, tv.n_in, tv.n_out
-                    return r
-                r[0] = GET_ROWS_Q
-                r[2], r[6], r[7], r[8], r[9], r[10], r[11] = il.addr, ids.n_elements, tv.n_in, m.nb, m.dqr, m.parts, \
-                    m.n_full  # fmt: skip
-                r[12] = m.rows_f32.ctypes.data if m.rows_f32 is not None else 0
-                r[13] = tv.n_out
-                return r
             t = need_f32(loc(table), "GET_ROWS table")
             rows, cols, ts = t.rows()
             r[2], r[3], r[6], r[7], r[8], r[9] = t.addr, il.addr, ids.n_elements, cols, ts, rows
-            return r
-        if st.code == MUL_MAT:
-            from .qmatmul import QMatrix
-
-            w, x = n.src
-            wv = _leaf_value(w) if w.is_leaf else None
-            if wv is None or isinstance(wv, np.ndarray):
-                raise Refused(f"MUL_MAT {n.name} with an activation or array weight")
-            if isinstance(wv, QMatrix) and not wv.repacked and wv.qtype != GGMLType.F32:
-                n_tok = x.n_elements // x.shape[-1]
-                raise Refused(f"{wv.qtype.name} MUL_MAT of {n_tok} tokens on the {wv.path(n_tok, self.q8)} path")
-            m = native_matrix(wv)
-            self.keep.append(m)
-            xl = need_f32(loc(x), "MUL_MAT input")
-            n_tok, n_in, xs = xl.rows()
-            if n_tok >= MAX_TOKENS:
-                raise Refused(f"a batch of {n_tok} tokens (the tile + sgemm path is faster)")
-            if xs != n_in and n_tok > 1:
-                raise Refused(f"MUL_MAT {n.name} of strided rows")
-            r[2], r[6], r[7], r[8], r[9], r[10], r[11], r[12] = xl.addr, n_tok, n_in, xs, m.mv, m.parts, m.n_tiles, m.nb
-            r[13], r[14] = wv.n_out, m.n_full
-            r[15] = m.rows_f32.ctypes.data if m.rows_f32 is not None else 0
             return r
         if st.code == ROPE:
             x = need_f32(loc(n.src[0]), "ROPE input")
@@ -866,15 +1051,11 @@ class _Compiler:
                 raise Refused("a ROPE layout")
             factors = None
             if len(n.src) > 2:
-                fv = _leaf_value(n.src[2])
-                if not isinstance(fv, np.ndarray):
-                    raise Refused("rope_freqs without a buffer")
-                factors = fv
+                factors = self.target.host_array(self.target.leaf(n.src[2]))
             p = n.params
             inv = rope_consts(p["n_dims"], p["freq_base"], p["freq_scale"], factors)
-            self.keep.append(inv)
             T, H, D = x.shape
-            r[2], r[3], r[4] = x.addr, pos.addr, inv.ctypes.data
+            r[2], r[3], r[4] = x.addr, pos.addr, self.target.const(inv, self.keep)
             r[6], r[7], r[8], r[9], r[10], r[11], r[12] = T, H, D, x.strides[0], x.strides[1], p["n_dims"], \
                 int(p["mode"] == 2)  # fmt: skip
             return r
@@ -896,7 +1077,7 @@ class _Compiler:
             if il.dtype != np.dtype(np.int64) or not il.contiguous() or cols != d_cols:
                 raise Refused("a SET_ROWS layout")
             f16 = dl.dtype == np.dtype(np.float16)
-            if f16 and not self.lib.lp_exec_caps() & 1:
+            if f16 and not self.target.f16_stores():
                 raise Refused("f16 stores need a compiler with _Float16")
             if not f16 and dl.dtype != f32:
                 raise Refused(f"SET_ROWS into {dl.dtype}")

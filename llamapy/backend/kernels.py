@@ -216,25 +216,34 @@ def rope_consts(n_dims: int, base: float, freq_scale: float, factors: Any | None
     return np.ascontiguousarray(np.concatenate([np.array([base, freq_scale], np.float32), ff]))
 
 
+def rope_theta_scale(base: float, n_dims: int) -> np.float32:
+    """ggml's theta_scale = powf(base, -2.0f/n_dims), correctly rounded (as glibc's powf is)."""
+    return np.float32(float(np.float32(base)) ** float(np.float32(-2.0) / np.float32(n_dims)))
+
+
 def _rope_tables_compute(
     xp: Any, pos: Any, n_dims: int, base: float, freq_scale: float, factors: Any | None
 ) -> tuple[Any, Any]:
     # the angles as ggml's rope_cache_init rounds them (bit for bit; any other rounding flips q8
-    # activation roundings downstream): theta_scale = powf(base, -2.0f/n_dims) (correctly rounded
-    # here, as glibc's powf is), theta_0 = p, theta_i+1 = theta_i * theta_scale in f32 — a
-    # sequential product, not p * theta_scale^i — then / rope_freqs and * freq_scale in f32
+    # activation roundings downstream): theta_0 = p, theta_i+1 = theta_i * theta_scale in f32 —
+    # a sequential product, not p * theta_scale^i — then / rope_freqs and * freq_scale in f32.
+    # On the host: numpy's cumprod is sequential, CuPy's is a parallel scan that rounds the
+    # products in another order (an ulp of a 4095-radian angle moves its cos by 5e-4)
+    if xp is not np:
+        cos, sin = _rope_tables_compute(np, _host(xp, pos), n_dims, base, freq_scale,
+                                        None if factors is None else _host(xp, factors))
+        return xp.asarray(cos), xp.asarray(sin)
     half = n_dims // 2
-    ts = np.float32(float(np.float32(base)) ** float(np.float32(-2.0) / np.float32(n_dims)))
-    steps = xp.full((pos.shape[0], half), ts, dtype=xp.float32)  # (n_tokens, n_dims/2)
-    steps[:, 0] = pos.astype(xp.float32)
-    theta = xp.cumprod(steps, axis=1)
+    steps = np.full((pos.shape[0], half), rope_theta_scale(base, n_dims), dtype=np.float32)  # (n_tokens, n_dims/2)
+    steps[:, 0] = pos.astype(np.float32)
+    theta = np.cumprod(steps, axis=1)
     if factors is not None:
-        theta = theta / _as_f32(xp, factors)[:half]
-    theta = xp.float32(freq_scale) * theta
+        theta = theta / _as_f32(np, factors)[:half]
+    theta = np.float32(freq_scale) * theta
     # cos/sin of the f32 angle rounded from f64: glibc's cosf/sinf (the C kernel) differ in the
     # last bit for ~1 angle in 4000
-    th = theta.astype(xp.float64)
-    return xp.cos(th).astype(xp.float32), xp.sin(th).astype(xp.float32)
+    th = theta.astype(np.float64)
+    return np.cos(th).astype(np.float32), np.sin(th).astype(np.float32)
 
 
 def _rot(xp: Any, a: Any, b: Any, c: Any, s: Any, sign: float) -> Any:

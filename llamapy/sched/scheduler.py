@@ -120,18 +120,25 @@ class Scheduler:
         vals: dict[Tensor, Any] = dict(inputs)
         # where each value lives: its backend in the assignment (a split runs its nodes there)
         home = plan.assignment
-        copies: dict[tuple[Tensor, int], Any] = {}
+        copies: dict[tuple[Tensor, int, bool], Any] = {}
         for si, s in enumerate(plan.splits):
             be = self.backends[s.backend]
+            # a plan that copies host values in itself (the GPU plan's pinned mirror) gets them
+            # as they are, not uploaded first
+            host_in = bool(getattr(self.backend_plan(plan, si), "host_inputs", False))
             # the split reads its inputs' copies under their own names; the originals (values
             # native to another backend) are put back afterwards
             saved: dict[Tensor, Any] = {}
             for inp in s.inputs:
-                key = (inp, s.backend)
+                key = (inp, s.backend, host_in)  # (a host value serves only the plans taking one)
                 if key not in copies:
                     src_b = home[inp]
                     value = vals[inp] if inp in vals else inp.root().buffer.storage(inp)  # type: ignore[union-attr]
-                    copies[key] = self._copy(inp, value, self.backends[src_b], be)
+                    src = self.backends[src_b]
+                    if host_in and src.device.buffer_type().is_host and isinstance(value, np.ndarray):
+                        copies[key] = value
+                    else:
+                        copies[key] = self._copy(inp, value, src, be)
                 if inp in vals:
                     saved[inp] = vals[inp]
                 vals[inp] = copies[key]

@@ -3,12 +3,22 @@
 outside the repository):
 
   1. environment: CuPy, driver, devices, the CUDA registry's status;
-  2. the op and weight tests on CUDA0 (pytest tests/gpu/test_cuda_ops.py);
+  2. the op and weight tests on CUDA0 (pytest tests/gpu/test_cuda_ops.py: the run_nodes path;
+     tests/gpu/test_cuda_kernels.py: every kernels_cuda/ family through cuda_ops, the kernels of
+     the compiled GPU split, and one captured CUDA graph; tests/gpu/test_gpu_runtime.py: whole
+     models' decode steps as captured CUDA graphs of the compiled GPU split, against run_nodes
+     and the CPU) -- each failing case listed by name;
+  2b. tiny32 at -ngl all against llama.cpp's F32 logits (mean KLD <= 0.001), when the reference
+     (.gpu/ or ../shared/reference/tiny32) is there: with -ub 8 (the compiled GPU split, its
+     CUDA graphs) and -ub 512 (the prompt path), each with the CUDA splits' plan lines;
   3. two generated models -- SmolLM2-shaped (30 layers, 576/1536, 9/3 heads, vocab 49152, Q4_1
      weights, Q8_0 token_embd, tied output) and tiny32-shaped (32 layers, 256/768, 4/2 heads,
      Q4_K / Q6_K) -- with random weights: the last-position distributions of `-ngl all` and
      `-ngl 20` against the CPU run (KL divergence over a few prompts of random tokens, <= 1e-4);
-  4. decode speed (tokens/s) at -ngl 0, 20 and all.
+  4. decode speed (tokens/s) at -ngl 0, 20 and all; at -ngl all the decode graph's plan line
+     (one CUDA graph, or direct launches and why, or why it runs node by node), the time a step
+     and its Python part (step wall time minus the GPU time between the step's input copy and
+     its exports, CUDA events).
 
 Every step is guarded: a failure is reported and the next step runs. The markdown summary is
 printed and written to $OUT/gpu_results.md when OUT is set, else bench/gpu_results.md.
@@ -37,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 KL_MAX = 1e-4
+TINY32_KLD_MAX = 0.001  # issue 28: tiny32 at -ngl all against llama.cpp's F32 logits
 N_PROMPTS = 3
 PROMPT_LEN = 24
 N_CTX = 256
@@ -215,6 +226,34 @@ def last_logits(llm: Any, prompts: list[list[int]]) -> list[np.ndarray]:
     return [np.asarray(llm.logits(p)[-1], np.float64) for p in prompts]
 
 
+def gpu_runtime(llm: Any, n_steps: int = 32) -> tuple[str, float, float]:
+    """(the decode graph's CUDA plan line, ms a step, Python ms a step = wall - GPU time) at the
+    current position of the context's sequence 0 (after decode_speed)."""
+    from llamapy.backend.cuda import CUDABackend
+
+    ctx = llm.ctx
+    g = ctx.graph(1, 1).graph
+    lines = [ln for ln in ctx.sched.dump(g).splitlines() if ln.startswith("## PLAN") and "CUDA" in ln]
+    be = next((b for b in ctx.backends if isinstance(b, CUDABackend)), None)
+    if be is None:
+        return "no CUDA backend", 0.0, 0.0
+    rt = be.device.runtime()
+    pos = int(ctx.kv.n_used())
+    tok = 5
+    rt.gpu_seconds()
+    rt.timing = True
+    try:
+        t0 = time.perf_counter()
+        for _ in range(n_steps):
+            tok = int(np.argmax(ctx.decode([tok], [pos])[-1]))
+            pos += 1
+        wall = time.perf_counter() - t0
+        gpu = rt.gpu_seconds()
+    finally:
+        rt.timing = False
+    return " / ".join(lines) or "no CUDA split", wall / n_steps * 1e3, (wall - gpu) / n_steps * 1e3
+
+
 def decode_speed(llm: Any, n_prompt: int = 8, n_gen: int = 32, seed: int = 0) -> float:
     """Greedy decode of n_gen tokens one at a time after an n_prompt prefill; tokens/s."""
     ctx = llm.ctx
@@ -233,6 +272,87 @@ def decode_speed(llm: Any, n_prompt: int = 8, n_gen: int = 32, seed: int = 0) ->
         tok = int(np.argmax(ctx.decode([tok], [pos])[-1]))
         pos += 1
     return n_gen / (time.perf_counter() - t0)
+
+
+def kernel_speed(rep: Report, lines: list[str], dev: Any) -> None:
+    """Time the decode kernels alone: the matrix-vector products at the benchmark shapes (weight
+    bytes / time), attention over growing histories, and the row-wise kernels."""
+    import cupy as cp
+
+    sys.path.insert(0, str(ROOT / "tests/gpu"))
+    from test_cuda_ptx import random_rows
+
+    from llamapy.backend.cuda_ops import fattn_scratch_floats, fattn_splits
+    from llamapy.types import GGMLType as G
+
+    k = dev.ops()
+    st = dev.stream
+    rng = np.random.default_rng(0)
+
+    def time_us(launch: Callable[[], None], n: int = 100) -> float:
+        with dev.context("timing a kernel"):
+            for _ in range(3):
+                launch()
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(st)
+            for _ in range(n):
+                launch()
+            b.record(st)
+            b.synchronize()
+        return cp.cuda.get_elapsed_time(a, b) * 1000.0 / n
+
+    rep.add(lines, "| kernel | shape | us/launch | GB/s |")
+    rep.add(lines, "|---|---|---|---|")
+    for name, n_out, n_in, n_tok in [("Q4_K", 4096, 4096, 1), ("Q4_K", 28672, 4096, 1), ("Q6_K", 4096, 14336, 1),
+                                     ("Q4_K", 2048, 2048, 1), ("Q4_1", 1536, 576, 1), ("Q8_0", 49152, 576, 1),
+                                     ("Q4_K", 4096, 4096, 4)]:  # fmt: skip
+        raw = cp.asarray(np.ascontiguousarray(random_rows(name, n_out, n_in, rng)))
+        x = cp.asarray(rng.standard_normal((n_tok, n_in)).astype(np.float32))
+        y = cp.empty((n_tok, n_out), cp.float32)
+        cp.cuda.Device(dev.index).synchronize()
+        us = time_us(lambda: k.mul_mat_vec(st, G[name], raw.data.ptr, raw.shape[1], n_out, n_in, x.data.ptr,
+                                           y.data.ptr, n_tok))  # fmt: skip
+        rep.add(lines, f"| mmv {name} | {n_out}x{n_in}, {n_tok} tok | {us:.1f} | {raw.nbytes / us / 1e3:.0f} |")
+    H, Hkv, D, N = 32, 8, 128, 8192
+    kc = cp.zeros((N, Hkv, D), cp.float16)
+    vc = cp.zeros((N, Hkv, D), cp.float16)
+    q = cp.asarray(rng.standard_normal((1, H, D)).astype(np.float32))
+    mask = cp.zeros((1, N), cp.float32)
+    out = cp.empty((1, H, D), cp.float32)
+    for n_kv in (128, 1024, 8192):
+        for s in (1, fattn_splits(1, Hkv, N, k.n_sm)):
+            scratch = cp.zeros(max(1, fattn_scratch_floats(1, H, D, s)), cp.float32)
+            cp.cuda.Device(dev.index).synchronize()
+            us = time_us(lambda: k.flash_attn_ext(st, q.data.ptr, H * D, D, G.F16, kc.data.ptr, Hkv * D * 2, D * 2, G.F16,
+                                                  vc.data.ptr, Hkv * D * 2, D * 2, N, mask.data.ptr, N, out.data.ptr,
+                                                  H * D, D, 1, H, Hkv, D, D, 0.088, n_kv=n_kv, n_splits=s,
+                                                  scratch=scratch.data.ptr))  # fmt: skip
+            gb = 2 * n_kv * Hkv * D * 2 / us / 1e3
+            rep.add(lines, f"| fattn f16 | H{H}/{Hkv} D{D}, {n_kv} cells, {s} split(s) | {us:.1f} | {gb:.0f} |")
+    xr = cp.asarray(rng.standard_normal((1, 4096)).astype(np.float32))
+    w = cp.ones(4096, cp.float32)
+    yr = cp.empty((1, 4096), cp.float32)
+    cp.cuda.Device(dev.index).synchronize()
+    us = time_us(lambda: k.rms_norm(st, xr.data.ptr, 4096, yr.data.ptr, 4096, 1, 4096, 1e-5, b=xr.data.ptr, sb=4096,
+                                    sum_out=yr.data.ptr, ss=4096, w=w.data.ptr))  # fmt: skip
+    rep.add(lines, f"| rms_norm (add, weight) | 1x4096 | {us:.1f} | - |")
+    gu = cp.asarray(rng.standard_normal((1, 2 * 14336)).astype(np.float32))
+    g_out = cp.empty((1, 14336), cp.float32)
+    cp.cuda.Device(dev.index).synchronize()
+    us = time_us(lambda: k.glu(st, "swiglu", gu.data.ptr, 2 * 14336, gu.data.ptr + 4 * 14336, 2 * 14336,
+                               g_out.data.ptr, 14336, 1, 14336))  # fmt: skip
+    rep.add(lines, f"| swiglu | 1x14336 | {us:.1f} | - |")
+    pos = cp.zeros(1, cp.int32)
+    cell = cp.zeros(1, cp.int64)
+    qkv = cp.asarray(rng.standard_normal((1, (H + 2 * Hkv) * D)).astype(np.float32))
+    qo = cp.empty((1, H, D), cp.float32)
+    b = qkv.data.ptr
+    cp.cuda.Device(dev.index).synchronize()
+    us = time_us(lambda: k.rope_qkv(st, b, b + 4 * H * D, b + 4 * (H + Hkv) * D, (H + 2 * Hkv) * D, qo.data.ptr,
+                                    H * D, 1, H, Hkv, D, D, pos=pos.data.ptr, n_dims=D, mode=0, freq_base=5e5,
+                                    ids=cell.data.ptr, n_cells=N, k_type=G.F16, k_cache=kc.data.ptr, k_rb=Hkv * D * 2,
+                                    v_type=G.F16, v_cache=vc.data.ptr, v_rb=Hkv * D * 2))  # fmt: skip
+    rep.add(lines, f"| rope_qkv (f16 cache) | H{H}/{Hkv} D{D} | {us:.1f} | - |")
 
 
 def main() -> int:
@@ -291,34 +411,82 @@ def main() -> int:
         rep.step(env, "device self-test", dev.self_test)
 
     # 2. op tests -------------------------------------------------------------------------
-    ops = rep.section("Op and weight tests on CUDA0 (pytest tests/gpu/test_cuda_ops.py)")
+    ops = rep.section("Op, kernel and weight tests on CUDA0 (pytest tests/gpu/test_cuda_ops.py, test_cuda_kernels.py)")
     if args.skip_pytest or args.test_device:
         rep.add(ops, "- skipped")
     else:
 
-        def run_pytest() -> None:
-            cmd = [sys.executable, "-m", "pytest", str(ROOT / "tests/gpu/test_cuda_ops.py"), "-q", "-rfEs",
-                   "-p", "no:cacheprovider"]  # fmt: skip
+        def run_pytest(name: str) -> None:
+            # the kernels on CUDA0 only: their CPU-emulator runs belong to the CPU suite
+            cmd = [sys.executable, "-m", "pytest", str(ROOT / "tests/gpu" / name), "-q", "-rfEs", "--tb=line",
+                   "-p", "no:cacheprovider", "-k", "not emu"]  # fmt: skip
             t0 = time.perf_counter()
             r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
             tail = (r.stdout + r.stderr).strip().splitlines()
             summary = tail[-1] if tail else "(no output)"
-            rep.add(ops, f"- exit {r.returncode} in {time.perf_counter() - t0:.1f} s: `{summary}`")
+            rep.add(ops, f"- {name}: exit {r.returncode} in {time.perf_counter() - t0:.1f} s: `{summary}`")
             bad = [ln for ln in tail if ln.startswith(("FAILED", "ERROR", "SKIPPED"))]
-            for ln in bad[:40]:
-                rep.add(ops, f"  - `{ln[:300]}`")
+            for ln in bad[:60]:
+                rep.add(ops, f"  - `{ln[:400]}`")
             if r.returncode != 0:
                 rep.failures += 1
                 if not bad:
                     rep.add(ops, "  ```\n  " + "\n  ".join(tail[-30:]) + "\n  ```")
 
-        rep.step(ops, "pytest", run_pytest)
+        for name in ("test_cuda_kernels.py", "test_gpu_runtime.py", "test_cuda_ops.py"):
+            rep.step(ops, f"pytest {name}", lambda name=name: run_pytest(name))
+
+    # 2b. tiny32 against llama.cpp -----------------------------------------------------------
+    ref = rep.section(f"tiny32 at -ngl all against llama.cpp's F32 logits (mean KLD <= {TINY32_KLD_MAX})")
+    pairs = [(ROOT / ".gpu/tiny32-Q4_K_M.gguf", ROOT / ".gpu/tiny32-f32.kld"),
+             (ROOT.parent / "shared/reference/tiny32/tiny32-Q4_K_M.gguf",
+              ROOT.parent / "shared/reference/tiny32/tiny32-Q4_K_M-f32.c128x2.kld")]  # fmt: skip
+    found = next(((m, b) for m, b in pairs if m.is_file() and b.is_file()), None)
+    if args.test_device or found is None:
+        rep.add(ref, "- skipped" + ("" if args.test_device else ": no tiny32 reference (.gpu/ or ../shared/reference/tiny32)"))
+    else:
+
+        def tiny32_kld(ub: str, what: str) -> None:
+            import re
+
+            model, base = found
+            cmd = [sys.executable, "-m", "llamapy", "perplexity", str(model), "--kl-divergence-base", str(base),
+                   "--kl-divergence", "-ngl", "all", "-ub", ub]  # fmt: skip
+            env = {**os.environ, "LLAMAPY_SCHED_DEBUG": "1"}
+            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
+            out = r.stdout + r.stderr
+            m = re.search(r"Mean\s+KLD:\s+(-?[0-9.eE+-]+)", out)
+            plans = sorted({ln.split(": ", 1)[-1][:160] for ln in out.splitlines() if ln.startswith("## PLAN") and "CUDA" in ln})
+            for ln in plans[:4]:
+                rep.add(ref, f"  - -ub {ub} `{ln}`")
+            if r.returncode != 0 or m is None:
+                rep.failures += 1
+                rep.add(ref, f"- **FAIL** -ub {ub} ({what}): exit {r.returncode}, no mean KLD: `{out.strip().splitlines()[-1:]}`")
+                return
+            kld = float(m.group(1))
+            ok = kld <= TINY32_KLD_MAX
+            rep.failures += 0 if ok else 1
+            rep.add(ref, f"- -ub {ub} ({what}): mean KLD {kld:.6f}: {'PASS' if ok else '**FAIL**'}")
+
+        # -ub 8: micro-batches the compiled GPU split takes (its CUDA graphs); 512: the cuBLAS path
+        rep.step(ref, "tiny32 KLD -ub 8", lambda: tiny32_kld("8", "compiled GPU split, CUDA graphs"))
+        rep.step(ref, "tiny32 KLD -ub 512", lambda: tiny32_kld("512", "prompt path: run_nodes + cuBLAS"))
+
+    # 2c. kernel speed ------------------------------------------------------------------------
+    kspeed = rep.section("Kernel speed on CUDA0 (CUDA events, mean of 100 launches; H200 HBM3e peak ~4.8 TB/s)")
+    if args.test_device or dev is None:
+        rep.add(kspeed, "- skipped")
+    else:
+        rep.step(kspeed, "kernel speed", lambda: kernel_speed(rep, kspeed, dev))
 
     # 3 + 4. models -----------------------------------------------------------------------
     tmp = Path(tempfile.mkdtemp(prefix="llamapy-gpu-"))
     kl_lines = rep.section(f"-ngl all / -ngl 20 vs CPU: KL divergence of the last position (max {KL_MAX:g})")
     rep.add(kl_lines, "| model | -ngl | prompts | max KL | mean KL | max abs logit diff | argmax agree | result |")
     rep.add(kl_lines, "|---|---|---|---|---|---|---|---|")
+    runtime = rep.section("The compiled GPU split at -ngl all (decode graph's plan, Python time a step = wall - GPU time; bar 0.1 ms)")
+    rep.add(runtime, "| model | ms a step | Python ms a step | plan |")
+    rep.add(runtime, "|---|---|---|---|")
     speed = rep.section("Decode speed (tokens/s, 32 tokens after an 8-token prompt)")
     rep.add(speed, "| model | -ngl 0 | -ngl 20 | -ngl all |")
     rep.add(speed, "|---|---|---|---|")
@@ -373,6 +541,10 @@ def main() -> int:
                 n_gen = 8 if args.quick else 32
                 tps = rep.step(setup, f"{label} -ngl {ngl}: decode speed", lambda: decode_speed(llm, n_gen=n_gen))
                 speeds[str(ngl)] = f"{tps:.1f}" if tps is not None else "failed"
+                if ngl == "all" and not args.test_device:
+                    rt = rep.step(setup, f"{label} -ngl all: GPU runtime", lambda: gpu_runtime(llm))
+                    if rt is not None:
+                        rep.add(runtime, f"| {label} | {rt[1]:.3f} | {rt[2]:.3f} | `{rt[0][:300]}` |")
             finally:
                 try:
                     llm.close()

@@ -4,10 +4,13 @@ cannot load when CuPy is missing."""
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import shutil
+import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -22,28 +25,264 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 
 
 def test_sources_exist() -> None:
+    from llamapy.backend.cuda_ops import ENTRIES
+
     names = {p.name for p in SOURCES}
-    assert {"floats.cu", "legacy.cu", "kquants.cu", "iquants.cu"} <= names
+    assert {"floats.cu", "legacy.cu", "kquants.cu", "iquants.cu", "norm.cu", "glu.cu", "elementwise.cu", "getrows.cu",
+            "rope.cu", "fattn.cu"} <= names  # fmt: skip
+    assert set(ENTRIES) == names, "every .cu is loaded by cuda_ops (and nothing else is)"
     assert (KDIR / "common.cuh").is_file()
 
 
 @needs_nvcc
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
-def test_ptx_compiles(src: Path, tmp_path: Path) -> None:
-    out = tmp_path / (src.stem + ".ptx")
+def test_cubin_compiles(src: Path, tmp_path: Path) -> None:
+    """Every kernel source compiles to machine code for the H200 (sm_90), warnings shown."""
+    out = tmp_path / (src.stem + ".cubin")
     r = subprocess.run(
-        [NVCC, "-ptx", "-arch=sm_90", "-I", str(KDIR), "-o", str(out), str(src)],
+        [NVCC, "-cubin", "-arch=sm_90", "-I", str(KDIR), "-o", str(out), str(src)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
-    ptx = out.read_text()
-    # every type in the file has its two entry points
-    import llamapy.backend.cuda as cuda
+    assert out.stat().st_size > 0
+    assert "warning" not in r.stderr.lower(), r.stderr
 
-    for qtype, (fname, suffix) in cuda._TYPE_KERNELS.items():
-        if fname == src.name:
-            assert f".entry dequant_{suffix}(" in ptx, qtype
-            assert f".entry mmv_{suffix}(" in ptx, qtype
+
+_PTX: dict[str, str] = {}
+
+
+def ptx_of(src: Path) -> str:
+    """The PTX of one source (compiled once per test session)."""
+    if src.name not in _PTX:
+        out = Path(tempfile.mkdtemp(prefix="lp_ptx_")) / (src.stem + ".ptx")
+        r = subprocess.run(
+            [NVCC, "-ptx", "-arch=sm_90", "-I", str(KDIR), "-o", str(out), str(src)],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        _PTX[src.name] = out.read_text()
+    return _PTX[src.name]
+
+
+def ptx_params(ptx: str) -> dict[str, list[str]]:
+    """entry name -> its parameters' PTX types (u64, u32, f32, ...), in order."""
+    out = {}
+    for m in re.finditer(r"\.entry\s+(\w+)\s*\((.*?)\)", ptx, re.S):
+        out[m.group(1)] = re.findall(r"\.param\s+\.(\w+)", m.group(2))
+    return out
+
+
+@needs_nvcc
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
+def test_ptx_entry_points(src: Path) -> None:
+    """Every entry point cuda_ops loads from a source is in its PTX."""
+    from llamapy.backend.cuda_ops import ENTRIES
+
+    entries = ptx_params(ptx_of(src))
+    missing = [n for n in ENTRIES[src.name] if n not in entries]
+    assert not missing, f"{src.name} lacks {missing}"
+
+
+def _nvrtc() -> ctypes.CDLL | None:
+    """libnvrtc as CuPy loads it (a CUDA toolkit's, or the nvidia-cuda-nvrtc wheel's), if any."""
+    import ctypes.util
+    import glob
+    import site
+
+    cands = [ctypes.util.find_library("nvrtc") or "", *sorted(glob.glob("/usr/local/cuda*/lib64/libnvrtc.so*"))]
+    for sp in site.getsitepackages():
+        cands += sorted(glob.glob(f"{sp}/nvidia/cu*/lib/libnvrtc.so*")) + sorted(glob.glob(f"{sp}/nvidia/cuda_nvrtc/lib/libnvrtc.so*"))
+    for c in cands:
+        if c and "alt" not in Path(c).name and "builtins" not in Path(c).name:
+            try:
+                # NVRTC dlopens its builtins library by name: load it first from the same folder
+                for b in sorted(Path(c).parent.glob("libnvrtc-builtins.so*")):
+                    if "alt" not in b.name:
+                        ctypes.CDLL(str(b), mode=ctypes.RTLD_GLOBAL)
+                return ctypes.CDLL(c)
+            except OSError:
+                continue
+    return None
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
+def test_nvrtc_compiles(src: Path) -> None:
+    """What the GPU host compiles: the source CuPy's RawModule gets (common.cuh inlined), with
+    NVRTC and the options CuPy (NVRTC 12+) adds, to PTX holding every entry point cuda_ops loads."""
+    from llamapy.backend.cuda import _module_source
+    from llamapy.backend.cuda_ops import ENTRIES, NVRTC_OPTIONS
+
+    lib = _nvrtc()
+    if lib is None:
+        pytest.skip("no libnvrtc (CUDA toolkit or nvidia-cuda-nvrtc wheel)")
+    code = _module_source(src.name).encode()
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), code, b"kern.cu", 0, None, None) == 0
+    opts = [o.encode() for o in (*NVRTC_OPTIONS, "--device-as-default-execution-space", "-arch=compute_90")]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value + 1)
+    lib.nvrtcGetProgramLog(prog, log)
+    try:
+        assert rc == 0, f"NVRTC: {log.value.decode(errors='replace')[:3000]}"
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value + 1)
+        lib.nvrtcGetPTX(prog, ptx)
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    entries = ptx_params(ptx.value.decode())
+    missing = [n for n in ENTRIES[src.name] if n not in entries]
+    assert not missing, f"{src.name} lacks {missing}"
+
+
+_PTX_CLASS = {"u64": 8, "s64": 8, "b64": 8, "u32": 4, "s32": 4, "b32": 4, "f32": "f", "f64": "d"}
+
+
+def _arg_class(a: object) -> object:
+    if isinstance(a, np.float32):
+        return "f"
+    if isinstance(a, (np.uint64, np.int64)):
+        return 8
+    if isinstance(a, np.int32):
+        return 4
+    return type(a).__name__  # anything else (a Python int: its size is CuPy's guess) is wrong
+
+
+def record_launches() -> list[tuple]:
+    """Every launch function of cuda_ops, with a launcher that records instead of launching."""
+    from llamapy.backend.cuda_ops import ENTRIES, CudaKernels, fattn_scratch_floats, fattn_splits
+    from llamapy.types import GGMLType as G
+
+    calls: list[tuple] = []
+
+    def recorder(name: str):  # noqa: ANN202
+        def launch(grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, stream: object = None) -> None:
+            calls.append((name, grid, block, args, shared_mem, stream))
+
+        return launch
+
+    k = CudaKernels({n: recorder(n) for names in ENTRIES.values() for n in names}, n_sm=132)
+    st = object()
+    k.rms_norm(st, 0x1000, 576, 0x2000, 576, 3, 576, 1e-5)
+    k.rms_norm(st, 0x1000, 576, 0x2000, 576, 3, 576, 1e-5, b=0x3000, sb=576, sum_out=0x4000, ss=576, w=0x5000)
+    for op in ("swiglu", "geglu"):
+        k.glu(st, op, 0x1000, 3072, 0x1000 + 6144, 3072, 0x2000, 1536, 2, 1536)
+    for op in ("add", "mul"):
+        k.binary(st, op, 0x1000, 64, 0x2000, 0, 0x3000, 64, 7, 64)
+    k.scale(st, 0x1000, 33, 0x2000, 33, 7, 33, 0.125)
+    from llamapy.backend.cuda_ops import WEIGHT_SUFFIX
+
+    for qt in WEIGHT_SUFFIX:
+        k.get_rows(st, qt, 0x1000, 1000, 50, 0x2000, 0x3000, 512, 4, 512)
+        k.mul_mat_vec(st, qt, 0x1000, 1000, 300, 512, 0x2000, 0x3000, 3)
+        k.mul_mat_vec_glu(st, "swiglu", qt, 0x1000, 1000, 300, 512, 0x2000, 0x3000, 3)
+    k.get_rows_f32(st, 0x1000, 64, 50, 0x2000, 0x3000, 64, 4, 64)
+    rope = dict(pos=0x100, n_dims=64, mode=0, freq_base=10000.0, factors=0x200)
+    k.rope(st, 0x1000, 576, 64, 0x1000, 576, 64, 5, 9, 64, **rope)
+    for ct in (G.F32, G.F16, G.Q8_0, G.Q4_0):
+        rot = 64 if ct in (G.Q8_0, G.Q4_0) else 0
+        k.rope(st, 0x1000, 192, 64, 0, 0, 0, 5, 3, 64, **rope, cache_type=ct, ids=0x300, n_cells=256, cache=0x4000,
+               cache_rb=1000, rot=rot)  # fmt: skip
+        k.rope(st, 0x1000, 192, 64, 0, 0, 0, 5, 3, 64, cache_type=ct, ids=0x300, n_cells=256, cache=0x4000,
+               cache_rb=1000, rot=rot)  # fmt: skip
+    for kt in (G.F32, G.F16, G.Q8_0, G.Q4_0):
+        for vt in (G.F32, G.F16, G.Q8_0, G.Q4_0):
+            k.rope_qkv(st, 0x1000, 0x1000 + 4 * 576, 0x1000 + 4 * 768, 960, 0x2000, 576, 5, 9, 3, 64, 64, pos=0x100,
+                       n_dims=64, mode=2, freq_base=1e4, ids=0x300, n_cells=256, k_type=kt, k_cache=0x4000, k_rb=400,
+                       k_rot=64 if kt in (G.Q8_0, G.Q4_0) else 0, v_type=vt, v_cache=0x5000, v_rb=400)  # fmt: skip
+            rk = 128 if kt in (G.Q8_0, G.Q4_0) else 0
+            rv = 64 if vt in (G.Q8_0, G.Q4_0) else 0
+            s = fattn_splits(1, 8, 4096, 132)
+            assert s > 1 and fattn_scratch_floats(1, 32, 128, s) > 0
+            for n_splits in (1, s):
+                k.flash_attn_ext(st, 0x1000, 4096, 128, kt, 0x2000, 2048, 256, vt, 0x3000, 2048, 256, 4096, 0x4000, 4096,
+                                 0x5000, 4096, 128, 1, 32, 8, 128, 128, 0.088, n_kv_dev=0x6000, n_splits=n_splits,
+                                 scratch=0x7000 if n_splits > 1 else 0, rot_k=rk, rot_v=rv)  # fmt: skip
+    return calls
+
+
+@needs_nvcc
+def test_launch_arguments_match_the_kernels() -> None:
+    """Each launch function passes each kernel exactly its parameters (count, size, float or
+    integer: what a mismatch would silently garble on a GPU), within CUDA's launch limits, and
+    every entry point but the dequantizers (cuda.py's) has a launch function."""
+    from llamapy.backend.cuda_ops import ENTRIES, SHARED_MAX
+
+    params: dict[str, list[str]] = {}
+    for src in SOURCES:
+        params.update(ptx_params(ptx_of(src)))
+    calls = record_launches()
+    for name, grid, block, args, shared, stream in calls:
+        want = [_PTX_CLASS[t] for t in params[name]]
+        got = [_arg_class(a) for a in args]
+        assert got == want, f"{name}: arguments {got} for parameters {params[name]}"
+        assert all(isinstance(g, int) and g >= 1 for g in grid) and len(grid) <= 3, (name, grid)
+        assert grid[0] < 2**31 and all(g < 65536 for g in grid[1:]), (name, grid)
+        assert len(block) == 1 and 32 <= block[0] <= 1024 and block[0] % 32 == 0, (name, block)
+        assert 0 <= shared <= SHARED_MAX and stream is not None, (name, shared)
+    launched = {c[0] for c in calls}
+    unlaunched = {n for names in ENTRIES.values() for n in names if not n.startswith("dequant_")} - launched
+    assert not unlaunched, unlaunched
+
+
+def test_recorded_launches_replay_the_same_calls() -> None:
+    """CudaKernels.record gives the launches a build makes, unrun; replaying them makes exactly
+    the calls launching directly makes."""
+    from llamapy.backend.cuda_ops import ENTRIES, CudaKernels
+    from llamapy.types import GGMLType as G
+
+    calls: list[tuple] = []
+
+    def recorder(name: str):  # noqa: ANN202
+        return lambda grid, block, args, shared_mem=0, stream=None: calls.append((name, grid, block, args, shared_mem, stream))
+
+    k = CudaKernels({n: recorder(n) for names in ENTRIES.values() for n in names}, n_sm=132)
+
+    def build(st: object) -> None:
+        k.rms_norm(st, 0x1000, 64, 0x2000, 64, 2, 64, 1e-5, w=0x3000)
+        k.flash_attn_ext(st, 0x1000, 512, 64, G.F16, 0x2000, 256, 128, G.Q8_0, 0x3000, 136, 68, 300, 0x4000, 300,
+                         0x5000, 512, 64, 1, 8, 2, 64, 64, 0.125, n_kv_dev=0x6000, n_splits=3, scratch=0x7000)  # fmt: skip
+
+    launches = k.record(build)
+    assert not calls and [x.name for x in launches] == ["rms_norm_f32", "fattn_f16_q8_0", "fattn_combine"]
+    st = object()
+    build(st)
+    direct, calls[:] = list(calls), []
+    for x in launches:
+        x(st)
+    assert len(calls) == 3 and all(
+        a[:3] == b[:3] and a[4:] == b[4:] and len(a[3]) == len(b[3]) and all(type(u) is type(v) and u == v for u, v in zip(a[3], b[3]))
+        for a, b in zip(calls, direct))  # fmt: skip
+
+
+def test_launch_refusals() -> None:
+    """What a kernel cannot do is refused with a LlamapyError before anything is launched."""
+    from llamapy.backend.cuda_ops import CudaKernels
+    from llamapy.types import GGMLType as G
+    from llamapy.types import UnsupportedError
+
+    def never(*a: object, **kw: object) -> None:
+        raise AssertionError("launched")
+
+    k = CudaKernels(collections.defaultdict(lambda: never), n_sm=132)
+    st = object()
+    with pytest.raises(UnsupportedError, match="heads of 512"):
+        k.flash_attn_ext(st, 1, 1, 1, G.F16, 1, 1, 1, G.F16, 1, 1, 1, 8, 1, 8, 1, 1, 1, 1, 8, 8, 512, 512, 1.0)
+    with pytest.raises(UnsupportedError, match="shared memory"):
+        k.flash_attn_ext(st, 1, 1, 1, G.F16, 1, 1, 1, G.F16, 1, 1, 1, 8, 1, 8, 1, 1, 1, 1, 64, 1, 256, 256, 1.0)
+    with pytest.raises(UnsupportedError, match="Q4_1"):
+        k.flash_attn_ext(st, 1, 1, 1, G.Q4_1, 1, 1, 1, G.F16, 1, 1, 1, 8, 1, 8, 1, 1, 1, 1, 8, 8, 64, 64, 1.0)
+    with pytest.raises(UnsupportedError, match="rotation"):
+        k.rope(st, 1, 1, 1, 0, 0, 0, 1, 1, 96, cache_type=G.Q8_0, ids=1, n_cells=4, cache=1, cache_rb=102, rot=64)
+    with pytest.raises(UnsupportedError, match="mode 1"):
+        k.rope(st, 1, 1, 1, 1, 1, 1, 1, 1, 64, pos=1, n_dims=64, mode=1)
+    with pytest.raises(UnsupportedError, match="GLU"):
+        k.glu(st, "reglu", 1, 1, 1, 1, 1, 1, 1, 1)
+    with pytest.raises(UnsupportedError, match="tokens"):
+        k.mul_mat_vec(st, G.Q4_0, 1, 18, 4, 32, 0x1000, 0x2000, 9)
+    with pytest.raises(UnsupportedError, match="grid"):
+        k.glu(st, "swiglu", 1, 1, 1, 1, 1, 1, 70000, 64)
 
 
 def test_every_weight_type_has_kernels() -> None:

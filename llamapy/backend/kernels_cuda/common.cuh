@@ -7,8 +7,9 @@
 // operations, in the same order and with the same rounding (no FMA contraction), as gguf-py's
 // `gguf.quants.dequantize`, so a dequantized weight is bit-identical to the reference.
 //
-// Two kernels are built on a decoder:
-//   dequant_<type>: one thread per unit -> float32 rows (GET_ROWS, the cuBLAS path, dequantize()).
+// Three kernels are built on a decoder:
+//   dequant_<type>: one thread per unit -> float32 rows (the cuBLAS path, dequantize()).
+//   get_rows_<type>: the same through a list of int32 row ids (GET_ROWS: token embeddings).
 //   mmv_<type>:     y[t, r] = sum_k W[r, k] * x[t, k] for n_tok <= MMV_MAX_TOK (decode). One warp
 //                   per output row; lane l takes units l, l+32, ...; each unit is decoded once and
 //                   dotted with every token's 32 activations (float32, no q8 quantization of x);
@@ -80,6 +81,126 @@ LP_HD float f16_to_f32(unsigned short h) {
 
 LP_HD float ld_f16(const u8* p) { return f16_to_f32(ld_u16(p)); }
 
+// Wide loads of a block's quants (decode is bandwidth-bound, and a byte load per weight makes it
+// instruction-bound): N little-endian 32-bit words from p, which the caller knows to be aligned
+// to A bytes (16: one 128-bit load per 16 bytes; 4: 32-bit loads; 2: pairs of 16-bit loads). The
+// CPU emulator of the tests (LP_EMU) takes these loads too and checks their alignment; the host
+// decoder tests copy the same bytes.
+template <int N, int A>
+LP_HD void ld_words(const u8* p, unsigned int* o) {
+#if defined(__CUDA_ARCH__) || defined(LP_EMU)
+    if (A >= 16) {
+#pragma unroll
+        for (int i = 0; i < N / 4; ++i) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+            o[4 * i] = v.x;
+            o[4 * i + 1] = v.y;
+            o[4 * i + 2] = v.z;
+            o[4 * i + 3] = v.w;
+        }
+    } else if (A >= 4) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) o[i] = __ldg(reinterpret_cast<const unsigned int*>(p) + i);
+    } else {
+        const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+#pragma unroll
+        for (int i = 0; i < N; ++i) o[i] = (unsigned int)__ldg(h + 2 * i) | ((unsigned int)__ldg(h + 2 * i + 1) << 16);
+    }
+#else
+    __builtin_memcpy(o, p, 4 * N);
+#endif
+}
+
+// byte l of words loaded by ld_words (l a constant after unrolling: the words stay in registers)
+LP_HD int byte_at(const unsigned int* o, int l) { return (int)((o[l >> 2] >> (8 * (l & 3))) & 0xffu); }
+
+// float -> IEEE half, round to nearest even (numpy's astype(float16))
+LP_HD unsigned short f32_to_f16(float f) {
+#ifdef __CUDA_ARCH__
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#else  // the same rounding in integers, for the host builds of the tests
+    union { float f; unsigned int u; } v;
+    v.f = f;
+    const unsigned int sign = (v.u >> 16) & 0x8000u, a = v.u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (unsigned short)(sign | 0x7e00u);  // nan
+    if (a >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  // >= 65520 (and inf): inf
+    const unsigned int e = a >> 23;
+    if (e < 113) {  // below 2^-14: a subnormal half, units of 2^-24
+        if (e < 102) return (unsigned short)sign;  // below 2^-25: rounds to zero
+        const unsigned int m = (a & 0x7fffffu) | 0x800000u, shift = 126 - e;
+        unsigned int q = m >> shift;
+        const unsigned int rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (q & 1u))) ++q;
+        return (unsigned short)(sign | q);
+    }
+    unsigned int q = ((e - 112) << 10) | ((a & 0x7fffffu) >> 13);
+    const unsigned int rem = a & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (q & 1u))) ++q;
+    return (unsigned short)(sign | q);
+#endif
+}
+
+// A warp's sum of v (every lane gets it); the full warp must be converged.
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_max(T v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    return v;
+}
+
+// Hadamard rotation in place of a[0 .. len) in shared memory, in runs of `rot` values (a power of
+// two dividing len), as quants.rotate computes it: stages hs = 1, 2, ..., rot/2 of butterflies
+// (a + b, a - b) over the pairs hs apart inside each block of 2*hs, then every value times
+// `scale` (1/sqrt(rot) as quants.hadamard rounds it), each operation rounded in float32. Called
+// by every thread of the block (it synchronizes); the caller synchronizes before it.
+__device__ __forceinline__ void block_hadamard(float* a, int len, int rot, float scale) {
+    const int half = rot / 2;
+    for (int hs = 1; hs < rot; hs <<= 1) {
+        for (int k = threadIdx.x; k < len / 2; k += blockDim.x) {
+            const int r = k / half, kk = k % half;
+            const int i0 = r * rot + (kk / hs) * 2 * hs + kk % hs, i1 = i0 + hs;
+            const float x = a[i0], y = a[i1];
+            a[i0] = __fadd_rn(x, y);
+            a[i1] = __fsub_rn(x, y);
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < len; i += blockDim.x) a[i] = __fmul_rn(a[i], scale);
+    __syncthreads();
+}
+
+// GLU gates (glu.cu, and the GLU epilogue of the matrix-vector products below)
+// silu(g) * u = (g / (1 + exp(-g))) * u in float32, as kernels.glu: each operation rounded on
+// its own; expf is CUDA's (within 2 ulp of the correctly rounded value, numpy's within 1). A
+// gate below ~-88.7 overflows exp to inf and gives -0 (times u), as in ggml.
+__device__ __forceinline__ float silu_mul(float g, float u) {
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
+
+// GELU (tanh approximation) as ggml-cpu's GGML_GELU_FP16 table rounds it (kernels.gelu): the
+// input rounded to f16, the value computed in float32 in the reference's order and rounded to
+// f16; x <= -10 gives 0, x >= 10 gives x.
+__device__ __forceinline__ float gelu_f16(float x) {
+    if (x <= -10.0f) return 0.0f;
+    if (x >= 10.0f) return x;
+    const float h = f16_to_f32(f32_to_f16(x));
+    const float c = 0.79788456080286535587989211986876f;  // sqrt(2 / pi)
+    const float a = 0.044715f;
+    // 0.5 * h * (1 + tanh(c * h * (1 + a * h * h))), left to right
+    const float inner = __fmul_rn(__fmul_rn(c, h), __fadd_rn(1.0f, __fmul_rn(__fmul_rn(a, h), h)));
+    const float y = __fmul_rn(__fmul_rn(0.5f, h), __fadd_rn(1.0f, tanhf(inner)));
+    return f16_to_f32(f32_to_f16(y));
+}
+
 // ---------------------------------------------------------------------------------------------
 // dequantize: n_units units of 32 elements; unit g is unit (g % units_per_row) of row
 // (g / units_per_row); rows are row_bytes apart in `w`; y is float32, 32 * n_units elements.
@@ -97,6 +218,31 @@ __device__ __forceinline__ void dequant_impl(const u8* __restrict__ w, float* __
     float4* out = reinterpret_cast<float4*>(y + g * 32);  // 128-byte aligned: y is a fresh array
 #pragma unroll
     for (int i = 0; i < 8; ++i) out[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// GET_ROWS (ggml-cuda getrows.cu): rows ids[i] of w (n_rows rows of row_bytes) -> y[i * sy + ...]
+// float32; one thread per unit of 32. An id outside [0, n_rows) gives a row of NaN (never a read
+// outside the matrix: Context.decode checks token ids, this only keeps a bad one visible).
+// ---------------------------------------------------------------------------------------------
+template <typename DQ>
+__device__ __forceinline__ void get_rows_impl(const u8* __restrict__ w, long long row_bytes, int n_rows,
+                                              const int* __restrict__ ids, float* __restrict__ y,
+                                              long long sy, int n_ids, int units_per_row) {
+    const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= (long long)n_ids * units_per_row) return;
+    const int i = (int)(g / units_per_row);
+    const int u = (int)(g - (long long)i * units_per_row);
+    const int row = ids[i];
+    float* out = y + (long long)i * sy + u * 32;
+    if (row < 0 || row >= n_rows) {
+        for (int k = 0; k < 32; ++k) out[k] = __int_as_float(0x7fc00000);
+        return;
+    }
+    float v[32];
+    DQ::unit(w + (long long)row * row_bytes, u, v);
+#pragma unroll
+    for (int k = 0; k < 32; ++k) out[k] = v[k];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -148,12 +294,74 @@ __device__ __forceinline__ void mmv_impl(const u8* __restrict__ w, const float* 
     }
 }
 
+// The gate/up product with its GLU as epilogue: W stacks the gate rows (0 .. n_ff-1) over the up
+// rows (n_ff .. 2 n_ff-1), as the fused ffn_gate_up matrix does; a warp takes gate row r and up
+// row n_ff + r, each summed exactly as mmv_impl sums a row, and writes
+// y[t, r] = act(gate) * up (op 0: SiLU, 1: GELU-tanh as glu.cu), the bits of mmv then glu.
+template <typename DQ>
+__device__ __forceinline__ void mmv_glu_impl(const u8* __restrict__ w, const float* __restrict__ x,
+                                             float* __restrict__ y, int n_ff, int n_in, long long row_bytes,
+                                             int n_tok, int op) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= n_ff) return;  // uniform per warp
+    const int n_units = n_in >> 5;
+    float acc[2][MMV_MAX_TOK];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int t = 0; t < MMV_MAX_TOK; ++t) acc[h][t] = 0.0f;
+    float v[32];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u8* wr = w + (long long)(row + h * n_ff) * row_bytes;
+        for (int u = lane; u < n_units; u += 32) {
+            DQ::unit(wr, u, v);
+#pragma unroll
+            for (int t = 0; t < MMV_MAX_TOK; ++t) {
+                if (t < n_tok) {
+                    const float4* xp = reinterpret_cast<const float4*>(x + (long long)t * n_in + u * 32);
+                    float s = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const float4 a = __ldg(xp + i);
+                        s += v[4 * i] * a.x;
+                        s += v[4 * i + 1] * a.y;
+                        s += v[4 * i + 2] * a.z;
+                        s += v[4 * i + 3] * a.w;
+                    }
+                    acc[h][t] += s;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < MMV_MAX_TOK; ++t) {
+        if (t < n_tok) {
+            const float g = warp_sum(acc[0][t]);
+            const float up = warp_sum(acc[1][t]);
+            if (lane == 0) y[(long long)t * n_ff + row] = op == 0 ? silu_mul(g, up) : __fmul_rn(gelu_f16(g), up);
+        }
+    }
+}
+
 // The entry points of one type: extern "C" so that cupy.RawModule finds them by name.
 #define LP_DEVICE_KERNELS(name, DQ)                                                                 \
     extern "C" __global__ void dequant_##name(const u8* __restrict__ w, float* __restrict__ y,      \
                                               long long n_units, int units_per_row,                 \
                                               long long row_bytes) {                                \
         dequant_impl<DQ>(w, y, n_units, units_per_row, row_bytes);                                  \
+    }                                                                                               \
+    extern "C" __global__ void get_rows_##name(const u8* __restrict__ w, long long row_bytes,      \
+                                               int n_rows, const int* __restrict__ ids,             \
+                                               float* __restrict__ y, long long sy, int n_ids,      \
+                                               int units_per_row) {                                 \
+        get_rows_impl<DQ>(w, row_bytes, n_rows, ids, y, sy, n_ids, units_per_row);                 \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(256)                                               \
+        mmv_glu_##name(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, \
+                       int n_ff, int n_in, long long row_bytes, int n_tok, int op) {                \
+        mmv_glu_impl<DQ>(w, x, y, n_ff, n_in, row_bytes, n_tok, op);                                \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(256)                                               \
         mmv_##name(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,    \

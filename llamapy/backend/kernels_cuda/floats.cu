@@ -10,20 +10,23 @@ struct DQ_F32 {
     }
 };
 
+// rows of F16 / BF16 are 64-byte multiples (n_in % 32 == 0): 16-byte loads
 struct DQ_F16 {
     static LP_HD void unit(const u8* row, int u, float* w) {
-        const unsigned short* p = reinterpret_cast<const unsigned short*>(row) + u * 32;
+        unsigned int hw[16];
+        ld_words<16, 16>(row + u * 64, hw);
 #pragma unroll
-        for (int i = 0; i < 32; ++i) w[i] = f16_to_f32(p[i]);
+        for (int i = 0; i < 32; ++i) w[i] = f16_to_f32((unsigned short)(hw[i >> 1] >> (16 * (i & 1))));
     }
 };
 
 struct DQ_BF16 {
     // bf16 is the top half of a float32: exact
     static LP_HD void unit(const u8* row, int u, float* w) {
-        const unsigned short* p = reinterpret_cast<const unsigned short*>(row) + u * 32;
+        unsigned int hw[16];
+        ld_words<16, 16>(row + u * 64, hw);
 #pragma unroll
-        for (int i = 0; i < 32; ++i) w[i] = bits_to_f32((unsigned int)p[i] << 16);
+        for (int i = 0; i < 32; ++i) w[i] = bits_to_f32(((hw[i >> 1] >> (16 * (i & 1))) & 0xffffu) << 16);
     }
 };
 

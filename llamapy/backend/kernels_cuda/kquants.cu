@@ -1,7 +1,9 @@
 // llamapy CUDA kernels for the 256-element super-block types Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 // (ggml-cuda convert.cu's dequantize_block_q*_K and the K-quant paths of mmvq.cu). Layouts as in
 // ggml-common.h; unit j (0..7) of a super-block is its elements 32*j .. 32*j+31.
-// Loaded by llamapy/backend/cuda.py.
+// Loaded by llamapy/backend/cuda.py. Quants are read with the widest loads the block's alignment
+// allows (rows start 256-byte aligned: Q4_K / Q5_K blocks of 144 / 176 bytes keep their 32-byte
+// runs 16-byte aligned, Q2_K's 84-byte blocks 4-byte, Q3_K / Q6_K's 110 / 210 bytes 2-byte).
 #include "common.cuh"
 
 // Q2_K (84 bytes): scales[16] (low nibble scale, high nibble min of each 16 elements),
@@ -13,7 +15,8 @@ struct DQ_Q2_K {
         const int j = u & 7;
         const float d = ld_f16(b + 80);
         const float dmin = ld_f16(b + 82);
-        const u8* qs = b + 16 + (j >> 2) * 32;
+        unsigned int qw[8];
+        ld_words<8, 4>(b + 16 + (j >> 2) * 32, qw);
         const int sh = 2 * (j & 3);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -22,7 +25,7 @@ struct DQ_Q2_K {
             const float ml = LP_MUL(dmin, (float)(sc >> 4));
 #pragma unroll
             for (int l = 16 * h; l < 16 * h + 16; ++l)
-                w[l] = LP_SUB(LP_MUL(dl, (float)((qs[l] >> sh) & 3)), ml);
+                w[l] = LP_SUB(LP_MUL(dl, (float)((byte_at(qw, l) >> sh) & 3)), ml);
         }
     }
 };
@@ -34,7 +37,9 @@ struct DQ_Q3_K {
         const u8* b = row + (u >> 3) * 110;
         const int j = u & 7;
         const float d = ld_f16(b + 108);
-        const u8* qs = b + 32 + (j >> 2) * 32;
+        unsigned int qw[8], hw[8];
+        ld_words<8, 2>(b + 32 + (j >> 2) * 32, qw);
+        ld_words<8, 2>(b, hw);
         const u8* sc = b + 96;
         const int sh = 2 * (j & 3);
 #pragma unroll
@@ -45,7 +50,7 @@ struct DQ_Q3_K {
             const float dl = LP_MUL(d, (float)((lo | (hi << 4)) - 32));
 #pragma unroll
             for (int l = 16 * h; l < 16 * h + 16; ++l) {
-                const int q = ((qs[l] >> sh) & 3) - (((b[l] >> j) & 1) ? 0 : 4);
+                const int q = ((byte_at(qw, l) >> sh) & 3) - (((byte_at(hw, l) >> j) & 1) ? 0 : 4);
                 w[l] = LP_MUL(dl, (float)q);
             }
         }
@@ -75,10 +80,11 @@ struct DQ_Q4_K {
         scale_min_k4(b + 4, j, &sc, &m);
         const float dl = LP_MUL(d, (float)sc);
         const float ml = LP_MUL(dmin, (float)m);
-        const u8* qs = b + 16 + (j >> 1) * 32;
+        unsigned int qw[8];
+        ld_words<8, 16>(b + 16 + (j >> 1) * 32, qw);
         const int sh = 4 * (j & 1);
 #pragma unroll
-        for (int l = 0; l < 32; ++l) w[l] = LP_SUB(LP_MUL(dl, (float)((qs[l] >> sh) & 15)), ml);
+        for (int l = 0; l < 32; ++l) w[l] = LP_SUB(LP_MUL(dl, (float)((byte_at(qw, l) >> sh) & 15)), ml);
     }
 };
 
@@ -94,12 +100,13 @@ struct DQ_Q5_K {
         scale_min_k4(b + 4, j, &sc, &m);
         const float dl = LP_MUL(d, (float)sc);
         const float ml = LP_MUL(dmin, (float)m);
-        const u8* qh = b + 16;
-        const u8* qs = b + 48 + (j >> 1) * 32;
+        unsigned int qw[8], hw[8];
+        ld_words<8, 16>(b + 16, hw);
+        ld_words<8, 16>(b + 48 + (j >> 1) * 32, qw);
         const int sh = 4 * (j & 1);
 #pragma unroll
         for (int l = 0; l < 32; ++l) {
-            const int q = ((qs[l] >> sh) & 15) | (((qh[l] >> j) & 1) << 4);
+            const int q = ((byte_at(qw, l) >> sh) & 15) | (((byte_at(hw, l) >> j) & 1) << 4);
             w[l] = LP_SUB(LP_MUL(dl, (float)q), ml);
         }
     }
@@ -114,8 +121,9 @@ struct DQ_Q6_K {
         const int j = u & 7;
         const int a = j >> 2, k = j & 3;
         const float d = ld_f16(b + 208);
-        const u8* ql = b + 64 * a + 32 * (k & 1);
-        const u8* qh = b + 128 + 32 * a;
+        unsigned int lw[8], hw[8];
+        ld_words<8, 2>(b + 64 * a + 32 * (k & 1), lw);
+        ld_words<8, 2>(b + 128 + 32 * a, hw);
         const int shl = 4 * (k >> 1);
         const int shh = 2 * k;
 #pragma unroll
@@ -123,7 +131,7 @@ struct DQ_Q6_K {
             const float dl = LP_MUL(d, (float)(signed char)b[192 + 2 * j + h]);
 #pragma unroll
             for (int l = 16 * h; l < 16 * h + 16; ++l) {
-                const int q = (((ql[l] >> shl) & 15) | (((qh[l] >> shh) & 3) << 4)) - 32;
+                const int q = (((byte_at(lw, l) >> shl) & 15) | (((byte_at(hw, l) >> shh) & 3) << 4)) - 32;
                 w[l] = LP_MUL(dl, (float)q);
             }
         }

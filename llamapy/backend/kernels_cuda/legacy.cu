@@ -1,6 +1,9 @@
 // llamapy CUDA kernels for the 32-element block types Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 // (ggml-cuda dequantize.cuh / convert.cu's dequantize_block and the mmv paths of mmvq.cu).
 // Block layouts as in ggml-common.h; one unit is one block. Loaded by llamapy/backend/cuda.py.
+// Quants are read with the widest loads the block's alignment allows (rows start 256-byte
+// aligned; Q4_0 / Q5_0 / Q8_0 blocks of 18 / 22 / 34 bytes are 2-byte aligned, Q4_1 / Q5_1
+// blocks of 20 / 24 bytes 4-byte aligned, their quants too).
 #include "common.cuh"
 
 // Q4_0: f16 d, 16 bytes of nibbles (low nibbles are elements 0..15, high ones 16..31); w = d*(q-8)
@@ -8,9 +11,11 @@ struct DQ_Q4_0 {
     static LP_HD void unit(const u8* row, int u, float* w) {
         const u8* b = row + u * 18;
         const float d = ld_f16(b);
+        unsigned int qw[4];
+        ld_words<4, 2>(b + 2, qw);
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
-            const int q = b[2 + j];
+            const int q = byte_at(qw, j);
             w[j] = LP_MUL(d, (float)((q & 15) - 8));
             w[j + 16] = LP_MUL(d, (float)((q >> 4) - 8));
         }
@@ -23,9 +28,11 @@ struct DQ_Q4_1 {
         const u8* b = row + u * 20;
         const float d = ld_f16(b);
         const float m = ld_f16(b + 2);
+        unsigned int qw[4];
+        ld_words<4, 4>(b + 4, qw);
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
-            const int q = b[4 + j];
+            const int q = byte_at(qw, j);
             w[j] = LP_ADD(LP_MUL(d, (float)(q & 15)), m);
             w[j + 16] = LP_ADD(LP_MUL(d, (float)(q >> 4)), m);
         }
@@ -37,10 +44,12 @@ struct DQ_Q5_0 {
     static LP_HD void unit(const u8* row, int u, float* w) {
         const u8* b = row + u * 22;
         const float d = ld_f16(b);
-        const unsigned int qh = ld_u32(b + 2);
+        unsigned int qw[5];  // qh, then the 16 bytes of nibbles
+        ld_words<5, 2>(b + 2, qw);
+        const unsigned int qh = qw[0];
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
-            const int q = b[6 + j];
+            const int q = byte_at(qw + 1, j);
             const int lo = (q & 15) | (int)(((qh >> j) & 1u) << 4);
             const int hi = (q >> 4) | (int)(((qh >> (j + 16)) & 1u) << 4);
             w[j] = LP_MUL(d, (float)(lo - 16));
@@ -55,10 +64,12 @@ struct DQ_Q5_1 {
         const u8* b = row + u * 24;
         const float d = ld_f16(b);
         const float m = ld_f16(b + 2);
-        const unsigned int qh = ld_u32(b + 4);
+        unsigned int qw[5];  // qh, then the 16 bytes of nibbles
+        ld_words<5, 4>(b + 4, qw);
+        const unsigned int qh = qw[0];
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
-            const int q = b[8 + j];
+            const int q = byte_at(qw + 1, j);
             const int lo = (q & 15) | (int)(((qh >> j) & 1u) << 4);
             const int hi = (q >> 4) | (int)(((qh >> (j + 16)) & 1u) << 4);
             w[j] = LP_ADD(LP_MUL(d, (float)lo), m);
@@ -72,8 +83,10 @@ struct DQ_Q8_0 {
     static LP_HD void unit(const u8* row, int u, float* w) {
         const u8* b = row + u * 34;
         const float d = ld_f16(b);
+        unsigned int qw[8];
+        ld_words<8, 2>(b + 2, qw);
 #pragma unroll
-        for (int j = 0; j < 32; ++j) w[j] = LP_MUL((float)(signed char)b[2 + j], d);
+        for (int j = 0; j < 32; ++j) w[j] = LP_MUL((float)(signed char)byte_at(qw, j), d);
     }
 };
 

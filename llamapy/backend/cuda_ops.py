@@ -1,0 +1,394 @@
+"""The launch layer of llamapy's CUDA kernels (ggml-cuda's host side of each op: the
+`ggml_cuda_op_*` functions of norm.cu, rope.cu, set-rows.cu, unary.cu, binbcast.cu, getrows.cu,
+fattn.cu and mmvq.cu, which pick a grid and launch on the backend's stream).
+
+`CudaKernels.load(cp)` compiles every kernel source of `kernels_cuda/` (NVRTC through CuPy,
+cached on disk by CuPy) and loads every entry point on the current device, once: a CUDA graph
+capture may then launch them (no compilation or module load can happen inside a capture). The
+device object keeps the result (`CUDADevice.ops()`); nothing here is process-global.
+
+Each launch method takes device pointers as ints, sizes and strides (in elements, except the
+byte strides of a KV cache whose rows hold quantized blocks), and the CuPy stream to launch on;
+it computes the grid, block and dynamic shared memory, checks what the kernel cannot do, and
+launches. Nothing allocates, nothing synchronizes: a caller that records the launches into a
+CUDA graph, or runs them directly, gets the same work. `CudaKernels.record(build)` returns the
+launches `build` makes as `Launch` objects, unrun, so a plan computes grids and arguments once
+and replays them (~6-30 us of Python per launch method, measured with a no-op launcher, is
+paid once per plan, not per step). Every kernel is float32 in and out
+(decode is bandwidth-bound: the weights' bytes dominate, and float32 activations keep the
+reference's numbers); the numpy references are `kernels.py`'s ops, compared in
+tests/gpu/test_cuda_kernels.py.
+
+This module imports CuPy only through the `cp` handed to `load`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..quants import hadamard_scale
+from ..types import GGMLType, UnsupportedError, block_size
+from .cuda import _TYPE_KERNELS as WEIGHT_SUFFIX  # weight type -> (source file, entry-point suffix)
+from .cuda import MMV_MAX_TOKENS, MMV_ROWS_PER_BLOCK
+from .cuda import _module_source as module_source
+from .kernels import rope_theta_scale
+
+# the cache element types of the rope/set_rows and attention kernels (cpu_kernels.KV_CODES)
+CACHE_SUFFIX: dict[GGMLType, str] = {
+    GGMLType.F32: "f32",
+    GGMLType.F16: "f16",
+    GGMLType.Q8_0: "q8_0",
+    GGMLType.Q4_0: "q4_0",
+}
+_QUANT_CACHE = (GGMLType.Q8_0, GGMLType.Q4_0)
+
+
+def _entries() -> dict[str, tuple[str, ...]]:
+    """Every kernel source and the entry points it defines (the compile test checks them)."""
+    out: dict[str, tuple[str, ...]] = {
+        "norm.cu": ("rms_norm_f32",),
+        "glu.cu": ("swiglu_f32", "geglu_f32"),
+        "elementwise.cu": ("add_f32", "mul_f32", "scale_f32"),
+        "getrows.cu": ("get_rows_f32_rows",),
+        "rope.cu": (*(f"rope_set_rows_{c}" for c in ("none", *CACHE_SUFFIX.values())),
+                    *(f"rope_qkv_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
+        "fattn.cu": ("fattn_combine", *(f"fattn_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
+    }
+    for fname, suffix in WEIGHT_SUFFIX.values():
+        out[fname] = (*out.get(fname, ()), f"dequant_{suffix}", f"get_rows_{suffix}", f"mmv_{suffix}",
+                      f"mmv_glu_{suffix}")
+    return out
+
+
+ENTRIES: dict[str, tuple[str, ...]] = _entries()
+
+NVRTC_OPTIONS = (f"-DMMV_MAX_TOK={MMV_MAX_TOKENS}",)  # as cuda.py compiles the type modules
+
+ELEMENTWISE_THREADS = 256
+ROPE_MAX_THREADS = 256  # rope.cu: a block per (token, head), at most 8 values a thread
+FA_THREADS = 128  # fattn.cu's FA_THREADS, FA_TILE, FA_MAX_D
+FA_TILE = 64
+FA_MAX_D = 256
+SHARED_MAX = 48 << 10  # dynamic shared memory without an opt-in attribute
+FA_MAX_SPLITS = 64
+
+
+def _p(ptr: int) -> np.uint64:
+    """A device pointer argument (0: null)."""
+    return np.uint64(ptr)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def fattn_splits(n_tokens: int, n_head_kv: int, n_cells: int, n_sm: int) -> int:
+    """How many blocks share one (KV head, token)'s cells: enough blocks for two waves over the
+    SMs, never a split of fewer than one tile of the cache's `n_cells`. Fixed per graph (the
+    cells attended vary at run time: a split beyond them does nothing)."""
+    blocks = max(1, n_tokens * n_head_kv)
+    want = _cdiv(2 * n_sm, blocks)
+    return int(max(1, min(FA_MAX_SPLITS, want, _cdiv(n_cells, FA_TILE))))
+
+
+def fattn_scratch_floats(n_tokens: int, n_head: int, dv: int, n_splits: int) -> int:
+    """float32 elements of the split partials fattn.cu writes (0 for one split)."""
+    return 0 if n_splits <= 1 else n_tokens * n_head * n_splits * (dv + 2)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch with its arguments fixed: what a plan replays (no Python per argument)."""
+
+    name: str
+    fn: Any
+    grid: tuple[int, ...]
+    block: int
+    args: tuple
+    shared: int
+
+    def __call__(self, stream: Any) -> None:
+        self.fn(self.grid, (self.block,), self.args, shared_mem=self.shared, stream=stream)
+
+
+@dataclass
+class CudaKernels:
+    """The loaded entry points of one device (RawKernel by name) and its SM count."""
+
+    functions: dict[str, Any]
+    n_sm: int
+    _modules: list[Any] = field(default_factory=list, repr=False)
+    _sink: list[Launch] | None = field(default=None, repr=False)
+
+    def record(self, build: Any) -> list[Launch]:
+        """The launches `build(stream)` makes through these methods, recorded instead of run:
+        a plan computes its grids and arguments once and replays the `Launch`es each step (or
+        captures them into a CUDA graph)."""
+        self._sink, out = [], []
+        try:
+            build(None)
+            out = self._sink
+        finally:
+            self._sink = None
+        return out
+
+    @classmethod
+    def load(cls, cp: Any) -> CudaKernels:
+        """Compile and load every kernel on CuPy's current device (call with it current)."""
+        functions: dict[str, Any] = {}
+        modules = []
+        for fname, names in ENTRIES.items():
+            mod = cp.RawModule(code=module_source(fname), options=NVRTC_OPTIONS)
+            modules.append(mod)
+            for name in names:
+                fn = mod.get_function(name)
+                _ = fn.num_regs  # compiles the module and loads the function now, not in a capture
+                functions[name] = fn
+        dev = cp.cuda.Device()
+        n_sm = int(dev.attributes["MultiProcessorCount"])
+        return cls(functions, n_sm, modules)
+
+    def _launch(self, name: str, grid: tuple[int, ...], block: int, args: tuple, stream: Any, shared: int = 0) -> None:
+        if grid[0] >= 2**31 or any(g > 65535 for g in grid[1:]):
+            raise UnsupportedError(f"CUDA: {name} over a grid of {grid} blocks (at most 2^31-1 x 65535 x 65535)")
+        launch = Launch(name, self.functions[name], tuple(int(g) for g in grid), int(block), args, int(shared))
+        if self._sink is not None:
+            self._sink.append(launch)
+        else:
+            launch(stream)
+
+    # -- row-wise ops -------------------------------------------------------------------------
+
+    def rms_norm(self, stream: Any, x: int, sx: int, y: int, sy: int, rows: int, n: int, eps: float, *,
+                 b: int = 0, sb: int = 0, sum_out: int = 0, ss: int = 0, w: int = 0) -> None:
+        """y = rms_norm(x [+ b]) [* w] over rows of n (norm.cu). `b`: the fused ADD's second
+        operand (sb 0: one broadcast row), its sum written to `sum_out` when given; `w`: the
+        norm weight (n,). A block per row."""
+        if rows <= 0 or n <= 0:
+            return
+        threads = 1024 if n >= 4096 else 256
+        args = (_p(x), np.int64(sx), _p(b), np.int64(sb), _p(sum_out), np.int64(ss), _p(w), _p(y), np.int64(sy),
+                np.int32(n), np.float32(eps))  # fmt: skip
+        self._launch("rms_norm_f32", (rows,), threads, args, stream)
+
+    def glu(self, stream: Any, op: str, g: int, sg: int, u: int, su: int, y: int, sy: int, rows: int, n: int) -> None:
+        """y = act(g) * u, act SiLU ("swiglu") or GELU-tanh ("geglu"), rows of n (glu.cu)."""
+        if op not in ("swiglu", "geglu"):
+            raise UnsupportedError(f"CUDA: GLU op {op!r}")
+        if rows <= 0 or n <= 0:
+            return
+        args = (_p(g), np.int64(sg), _p(u), np.int64(su), _p(y), np.int64(sy), np.int32(n))
+        self._launch(f"{op}_f32", (_cdiv(n, ELEMENTWISE_THREADS), rows), ELEMENTWISE_THREADS, args, stream)
+
+    def binary(self, stream: Any, op: str, a: int, sa: int, b: int, sb: int, y: int, sy: int, rows: int, n: int) -> None:
+        """y = a + b or a * b ("add", "mul") over rows of n; sb 0 broadcasts b's one row
+        (elementwise.cu)."""
+        if op not in ("add", "mul"):
+            raise UnsupportedError(f"CUDA: binary op {op!r}")
+        if rows <= 0 or n <= 0:
+            return
+        args = (_p(a), np.int64(sa), _p(b), np.int64(sb), _p(y), np.int64(sy), np.int32(n))
+        self._launch(f"{op}_f32", (_cdiv(n, ELEMENTWISE_THREADS), rows), ELEMENTWISE_THREADS, args, stream)
+
+    def scale(self, stream: Any, a: int, sa: int, y: int, sy: int, rows: int, n: int, s: float) -> None:
+        """y = a * s over rows of n (elementwise.cu)."""
+        if rows <= 0 or n <= 0:
+            return
+        args = (_p(a), np.int64(sa), _p(y), np.int64(sy), np.int32(n), np.float32(s))
+        self._launch("scale_f32", (_cdiv(n, ELEMENTWISE_THREADS), rows), ELEMENTWISE_THREADS, args, stream)
+
+    # -- GET_ROWS -------------------------------------------------------------------------------
+
+    def get_rows(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_rows: int, ids: int, y: int,
+                 sy: int, n_ids: int, n_in: int) -> None:
+        """y[i] = float32 row ids[i] (int32) of a weight of `qtype` (rows of row_bytes, n_in
+        elements, a multiple of 32): the type's decoder (get_rows_<type>)."""
+        qtype = GGMLType(qtype)
+        if qtype not in WEIGHT_SUFFIX:
+            raise UnsupportedError(f"CUDA: GET_ROWS of {qtype.name}")
+        if n_in % 32 or n_in % block_size(qtype)[0]:
+            raise UnsupportedError(f"CUDA: GET_ROWS of {qtype.name} rows of {n_in}")
+        if n_ids <= 0:
+            return
+        units = n_in // 32
+        args = (_p(w), np.int64(row_bytes), np.int32(n_rows), _p(ids), _p(y), np.int64(sy), np.int32(n_ids),
+                np.int32(units))  # fmt: skip
+        grid = _cdiv(n_ids * units, ELEMENTWISE_THREADS)
+        self._launch(f"get_rows_{WEIGHT_SUFFIX[qtype][1]}", (grid,), ELEMENTWISE_THREADS, args, stream)
+
+    def get_rows_f32(self, stream: Any, t: int, st: int, n_rows: int, ids: int, y: int, sy: int, n_ids: int,
+                     n: int) -> None:
+        """y[i] = t[ids[i]] for float32 rows of n, st elements apart (getrows.cu)."""
+        if n_ids <= 0 or n <= 0:
+            return
+        args = (_p(t), np.int64(st), np.int32(n_rows), _p(ids), _p(y), np.int64(sy), np.int32(n))
+        self._launch("get_rows_f32_rows", (_cdiv(n, ELEMENTWISE_THREADS), n_ids), ELEMENTWISE_THREADS, args, stream)
+
+    # -- ROPE and the cache store ---------------------------------------------------------------
+
+    def rope(self, stream: Any, x: int, sxt: int, sxh: int, y: int, syt: int, syh: int, n_tokens: int, n_head: int,
+             head_dim: int, *, pos: int = 0, n_dims: int = 0, mode: int = -1, freq_base: float = 10000.0,
+             freq_scale: float = 1.0, factors: int = 0, cache_type: GGMLType | None = None, ids: int = 0,
+             n_cells: int = 0, cache: int = 0, cache_rb: int = 0, rot: int = 0) -> None:
+        """ROPE of x (T, H, D) into y (may be x; 0: no float32 output) and/or SET_ROWS of the
+        result into a KV cache (rope.cu).
+
+        mode 0 (normal) or 2 (NeoX) rotate the first n_dims of each head at positions `pos`
+        (int32), with `factors` (n_dims/2 float32 rope_freqs divisors, 0: none); mode -1 copies
+        (a plain SET_ROWS: the V rows). `cache_type` F32/F16/Q8_0/Q4_0 stores row t at cell
+        ids[t] (int64; n_cells rows of cache_rb bytes, head h at h*D elements), rotated first by
+        Hadamard runs of `rot` (quantized caches, llama.cpp's attn_rot). None: no store."""
+        if n_tokens <= 0 or n_head <= 0:
+            return
+        if mode not in (-1, 0, 2):
+            raise UnsupportedError(f"CUDA: ROPE mode {mode}")
+        if mode >= 0 and (n_dims <= 0 or n_dims % 2 or n_dims > head_dim or not pos):
+            raise UnsupportedError(f"CUDA: ROPE of {n_dims} of {head_dim} dimensions")
+        threads = min(ROPE_MAX_THREADS, _cdiv(head_dim, 32) * 32)
+        if head_dim > 8 * threads:
+            raise UnsupportedError(f"CUDA: ROPE of heads of {head_dim}")
+        shared = 0
+        if cache_type is None:
+            name, ids, cache = "rope_set_rows_none", 0, 0
+        else:
+            ct = GGMLType(cache_type)
+            if ct not in CACHE_SUFFIX:
+                raise UnsupportedError(f"CUDA: a {ct.name} KV cache")
+            name = f"rope_set_rows_{CACHE_SUFFIX[ct]}"
+            if ct in _QUANT_CACHE:
+                if head_dim % 32 or (rot and (rot & (rot - 1) or head_dim % rot)):
+                    raise UnsupportedError(f"CUDA: a {ct.name} cache of heads of {head_dim} (rotation {rot})")
+                shared = 4 * head_dim
+            elif rot:
+                raise UnsupportedError(f"CUDA: a rotated {ct.name} cache")
+        rot_scale = float(hadamard_scale(rot)) if rot else 0.0
+        ts = rope_theta_scale(freq_base, n_dims) if mode >= 0 else np.float32(0)
+        args = (_p(x), np.int64(sxt), np.int64(sxh), _p(pos if mode >= 0 else 0), _p(y), np.int64(syt),
+                np.int64(syh), np.int32(head_dim), np.int32(n_dims), np.int32(mode), np.float32(ts),
+                np.float32(freq_scale), _p(factors if mode >= 0 else 0), _p(ids), np.int64(n_cells), _p(cache),
+                np.int64(cache_rb), np.int32(rot), np.float32(rot_scale))  # fmt: skip
+        self._launch(name, (n_tokens, n_head), threads, args, stream, shared)
+
+    def rope_qkv(self, stream: Any, q: int, k: int, v: int, sxt: int, q_out: int, syt: int, n_tokens: int,
+                 n_head: int, n_head_kv: int, head_dim: int, head_dim_v: int, *, pos: int, n_dims: int, mode: int,
+                 freq_base: float, freq_scale: float = 1.0, factors: int = 0, ids: int, n_cells: int,
+                 k_type: GGMLType, k_cache: int, k_rb: int, k_rot: int = 0, v_type: GGMLType, v_cache: int,
+                 v_rb: int, v_rot: int = 0) -> None:
+        """A layer's ROPE of Q (into q_out, row stride syt), ROPE + store of K and store of V in
+        one launch (rope.cu's rope_qkv): Q, K, V rows at q, k, v with row stride sxt (the column
+        views of a fused QKV product), heads head_dim / head_dim / head_dim_v apart. The same
+        results, bit for bit, as `rope` for Q, K and V in turn."""
+        if n_tokens <= 0:
+            return
+        if mode not in (0, 2) or n_dims <= 0 or n_dims % 2 or n_dims > head_dim:
+            raise UnsupportedError(f"CUDA: ROPE mode {mode} of {n_dims} of {head_dim} dimensions")
+        kt, vt = GGMLType(k_type), GGMLType(v_type)
+        shared = 0
+        for ct, dd, rot in ((kt, head_dim, k_rot), (vt, head_dim_v, v_rot)):
+            if ct not in CACHE_SUFFIX:
+                raise UnsupportedError(f"CUDA: a {ct.name} KV cache")
+            if ct in _QUANT_CACHE:
+                if dd % 32 or (rot and (rot & (rot - 1) or dd % rot)):
+                    raise UnsupportedError(f"CUDA: a {ct.name} cache of heads of {dd} (rotation {rot})")
+                shared = max(shared, 4 * dd)
+            elif rot:
+                raise UnsupportedError(f"CUDA: a rotated {ct.name} cache")
+        threads = min(ROPE_MAX_THREADS, _cdiv(max(head_dim, head_dim_v), 32) * 32)
+        if max(head_dim, head_dim_v) > 8 * threads:
+            raise UnsupportedError(f"CUDA: ROPE of heads of {max(head_dim, head_dim_v)}")
+        krs = float(hadamard_scale(k_rot)) if k_rot else 0.0
+        vrs = float(hadamard_scale(v_rot)) if v_rot else 0.0
+        args = (_p(q), _p(k), _p(v), np.int64(sxt), _p(pos), _p(q_out), np.int64(syt), np.int32(n_head),
+                np.int32(n_head_kv), np.int32(head_dim), np.int32(head_dim_v), np.int32(n_dims), np.int32(mode),
+                np.float32(rope_theta_scale(freq_base, n_dims)), np.float32(freq_scale), _p(factors), _p(ids),
+                np.int64(n_cells), _p(k_cache), np.int64(k_rb), np.int32(k_rot), np.float32(krs), _p(v_cache),
+                np.int64(v_rb), np.int32(v_rot), np.float32(vrs))  # fmt: skip
+        name = f"rope_qkv_{CACHE_SUFFIX[kt]}_{CACHE_SUFFIX[vt]}"
+        self._launch(name, (n_tokens, n_head + 2 * n_head_kv), threads, args, stream, shared)
+
+    # -- FLASH_ATTN_EXT -------------------------------------------------------------------------
+
+    def flash_attn_ext(self, stream: Any, q: int, sqt: int, sqh: int, k_type: GGMLType, k: int, k_cb: int,
+                       k_hb: int, v_type: GGMLType, v: int, v_cb: int, v_hb: int, n_cells: int, mask: int, sm: int,
+                       out: int, sot: int, soh: int, n_tokens: int, n_head: int, n_head_kv: int, head_dim: int,
+                       head_dim_v: int, scale: float, *, n_kv: int = 0, n_kv_dev: int = 0, n_splits: int = 1,
+                       scratch: int = 0, rot_k: int = 0, rot_v: int = 0) -> None:
+        """out (T, H, Dv) = softmax(q k^T * scale + mask) v over the first n_kv cells (fattn.cu).
+
+        q (T, H, D) float32 (strides sqt, sqh); k, v: caches of k_type / v_type (F32, F16, Q8_0,
+        Q4_0) with byte strides per cell (k_cb) and per KV head (k_hb), n_cells cells; mask
+        float32 rows sm elements apart (0: compact rows of n_kv); n_kv from the int32 at
+        `n_kv_dev` when given (a captured graph), else `n_kv`. n_splits > 1 splits the cells
+        over blocks (`fattn_splits`) and needs `scratch`: fattn_scratch_floats(...) float32
+        elements. rot_k / rot_v: the Hadamard orders of a rotated quantized cache (attn_rot)."""
+        if n_tokens <= 0 or n_head <= 0:
+            return
+        kt, vt = GGMLType(k_type), GGMLType(v_type)
+        if kt not in CACHE_SUFFIX or vt not in CACHE_SUFFIX:
+            raise UnsupportedError(f"CUDA: attention over {kt.name} / {vt.name}")
+        if n_head % n_head_kv:
+            raise UnsupportedError(f"CUDA: {n_head} query heads over {n_head_kv} KV heads")
+        if head_dim > FA_MAX_D or head_dim_v > FA_MAX_D:
+            raise UnsupportedError(f"CUDA: attention heads of {head_dim} / {head_dim_v} (at most {FA_MAX_D})")
+        for t, d, r in ((kt, head_dim, rot_k), (vt, head_dim_v, rot_v)):
+            if (t in _QUANT_CACHE and d % 32) or (r and (t not in _QUANT_CACHE or r & (r - 1) or d % r)):
+                raise UnsupportedError(f"CUDA: attention over a {t.name} cache of heads of {d} (rotation {r})")
+        if kt in _QUANT_CACHE and head_dim % 32:
+            raise UnsupportedError(f"CUDA: Q8_0 rounding of Q of heads of {head_dim}")
+        g = n_head // n_head_kv
+        shared = 4 * (g * head_dim + g * FA_TILE + g * head_dim_v + 3 * g)
+        if shared > SHARED_MAX:
+            raise UnsupportedError(f"CUDA: attention of {g} query heads per KV head of {head_dim} needs "
+                                   f"{shared} bytes of shared memory")  # fmt: skip
+        n_splits = max(1, int(n_splits))
+        if n_splits > 1 and not scratch:
+            raise ValueError("a split attention needs its scratch buffer")
+        rk = float(hadamard_scale(rot_k)) if rot_k else 0.0
+        rv = float(hadamard_scale(rot_v)) if rot_v else 0.0
+        args = (_p(q), np.int64(sqt), np.int64(sqh), _p(k), np.int64(k_cb), np.int64(k_hb), _p(v), np.int64(v_cb),
+                np.int64(v_hb), np.int64(n_cells), _p(mask), np.int64(sm), np.int32(n_kv), _p(n_kv_dev), _p(out),
+                np.int64(sot), np.int64(soh), _p(scratch), np.int32(n_head), np.int32(n_head_kv),
+                np.int32(head_dim), np.int32(head_dim_v), np.float32(scale), np.int32(rot_k), np.float32(rk),
+                np.int32(rot_v), np.float32(rv))  # fmt: skip
+        name = f"fattn_{CACHE_SUFFIX[kt]}_{CACHE_SUFFIX[vt]}"
+        self._launch(name, (n_head_kv, n_tokens, n_splits), FA_THREADS, args, stream, shared)
+        if n_splits > 1:
+            cargs = (_p(scratch), np.int32(n_splits), np.int32(n_head), np.int32(head_dim_v), _p(out), np.int64(sot),
+                     np.int64(soh), np.int32(rot_v), np.float32(rv))  # fmt: skip
+            self._launch("fattn_combine", (n_head, n_tokens), FA_THREADS, cargs, stream, 4 * head_dim_v)
+
+    # -- MUL_MAT (decode) -----------------------------------------------------------------------
+
+    def mul_mat_vec(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_out: int, n_in: int, x: int,
+                    y: int, n_tok: int) -> None:
+        """y (n_tok, n_out) = x (n_tok, n_in, contiguous, 16-byte aligned) @ W.T for up to
+        MMV_MAX_TOKENS tokens: the fused dequantize + matrix-vector kernel of `qtype` (a warp per
+        row, common.cuh)."""
+        qtype = GGMLType(qtype)
+        if qtype not in WEIGHT_SUFFIX:
+            raise UnsupportedError(f"CUDA: MUL_MAT of {qtype.name}")
+        if not 0 < n_tok <= MMV_MAX_TOKENS or n_in % 32 or n_in % block_size(qtype)[0] or x % 16:
+            raise UnsupportedError(f"CUDA: {qtype.name} matrix-vector product of {n_tok} tokens of {n_in} (x at {x:#x})")
+        args = (_p(w), _p(x), _p(y), np.int32(n_out), np.int32(n_in), np.int64(row_bytes), np.int32(n_tok))
+        grid = _cdiv(n_out, MMV_ROWS_PER_BLOCK)
+        self._launch(f"mmv_{WEIGHT_SUFFIX[qtype][1]}", (grid,), 32 * MMV_ROWS_PER_BLOCK, args, stream)
+
+    def mul_mat_vec_glu(self, stream: Any, op: str, qtype: GGMLType, w: int, row_bytes: int, n_ff: int, n_in: int,
+                        x: int, y: int, n_tok: int) -> None:
+        """y (n_tok, n_ff) = act(x @ W[:n_ff].T) * (x @ W[n_ff:].T): the stacked gate/up matrix
+        (2 n_ff rows) with its GLU ("swiglu" or "geglu") as the product's epilogue (mmv_glu_<type>):
+        one launch, the bits of `mul_mat_vec` and `glu`."""
+        qtype = GGMLType(qtype)
+        if op not in ("swiglu", "geglu"):
+            raise UnsupportedError(f"CUDA: GLU op {op!r}")
+        if qtype not in WEIGHT_SUFFIX:
+            raise UnsupportedError(f"CUDA: MUL_MAT of {qtype.name}")
+        if not 0 < n_tok <= MMV_MAX_TOKENS or n_in % 32 or n_in % block_size(qtype)[0] or x % 16:
+            raise UnsupportedError(f"CUDA: {qtype.name} matrix-vector product of {n_tok} tokens of {n_in} (x at {x:#x})")
+        args = (_p(w), _p(x), _p(y), np.int32(n_ff), np.int32(n_in), np.int64(row_bytes), np.int32(n_tok),
+                np.int32(0 if op == "swiglu" else 1))  # fmt: skip
+        grid = _cdiv(n_ff, MMV_ROWS_PER_BLOCK)
+        self._launch(f"mmv_glu_{WEIGHT_SUFFIX[qtype][1]}", (grid,), 32 * MMV_ROWS_PER_BLOCK, args, stream)

@@ -1,0 +1,447 @@
+"""The compiled GPU split: the CPU executor's records, launched as kernels on a device stream and
+replayed as one CUDA graph (ggml-cuda's `ggml_backend_cuda_graph_compute`: a graph's nodes
+launched on the backend's stream, captured once into a cudaGraph and replayed while the graph
+keeps its shape; ggml-alloc's addresses; the CPU counterpart is backend/executor.py).
+
+One executor design, two launchers. `compile_split` runs the CPU executor's record compiler
+(`executor._Compiler`: the steps, the RMS_NORM × weight and ADD → RMS_NORM fusions, the arena
+offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and attention) with a
+`GPUTarget`, which resolves values to device addresses and writes the products' records itself:
+
+  * MUL_MAT_W: a fused dequantize + matrix-vector product over the weight's raw blocks on the
+    device (slots 1 dst, 2 x, 3 the weight's blocks; 6 tokens, 7 n_in, 8 x's row stride, 9 the
+    GGML type, 10 n_out, 11 row bytes);
+  * GET_ROWS_W: rows of a weight matrix expanded (1 dst, 2 the blocks, 3 ids; 6 ids, 7 n_in,
+    8 row bytes, 9 n_out, 10 the GGML type);
+  * MUL_MAT_GLU: the product of the stacked gate/up matrix with its GLU as epilogue (the
+    compiler's MUL_MAT + GLU step, `fuse_glu`): MUL_MAT_W's slots, 1 the GLU's result, 10 n_ff
+    (half the rows), 12 the GLU (0 SwiGLU, 1 GEGLU);
+  * ROPE_QKV: a layer's ROPE of Q, ROPE of K and its store into the cache, and the store of V, as
+    one launch (cuda_ops.rope_qkv), when Q, K and V are column views of one product (one row
+    stride) and the roped K is read by its store alone: 1 Q's result, 2 Q, 3 positions, 4 cells,
+    5 K, 10 V; 6 tokens, 7 heads, 8 head size, 9 the row stride, 11 n_dims, 12 NeoX, 13 / 14
+    base / scale bits, 15 KV heads, 16 V's head size, 17 rope_freqs, 18 cells of the cache,
+    19-22 the K cache, its type code, row bytes, rotation; 23-26 the V cache's;
+  * ROPE: the CPU's record, with slot 4 the rope_freqs divisors on the device (0: none) instead of
+    the CPU's table of inverse frequencies, 13 / 14 the frequency base and scale (float64 bits);
+  * records are WIDTH slots: the CPU's REC, and in an ATTN record slot 24 points at the int32
+    count of cells attended (0: slot 9 holds it), 25 at the scratch of its split partials, 26
+    the number of splits of the cells (the runtime's choice for the shape).
+
+Memory: one device arena per device (the `Runtime`'s), shared by its plans as the CPU's is. Its
+first HEAD bytes hold the count slots (one int32 per mask); the allocator's offsets follow, the
+inputs first (sched/alloc.py places values in the order they are listed, and the compiler lists
+the inputs before any step), so everything that changes each step — token ids, positions, KV
+cells, the mask, the counts — lies in [0, in_bytes) of the arena: written into a pinned host
+mirror of that range and sent by ONE asynchronous host-to-device copy before the launches. A
+mask's slot spans the whole cache, its rows keep that stride, and only the attended cells are
+written: the records never change with the length of history, so one capture serves them all.
+
+Launches: the runtime turns each record into a prepared kernel launch once (`Runtime.prepare`,
+every kernel compiled and loaded then). The first run captures the launches on the device's
+stream into a CUDA graph (`Runtime.capture`); every run replays it. A plan that cannot be
+captured (the runtime refuses: graphs turned off, or the capture failed) runs its launches
+directly, and `summary()` (LLAMAPY_SCHED_DEBUG) says which and why. If the arena had to grow,
+the records move to the new block and the launches are prepared and captured again.
+
+Exports (values other splits read, the graph's outputs) are copied out of the arena after the
+launches, as device arrays; the scheduler reads the logits back (the step's one synchronisation).
+
+Refused here (the split then runs node by node with run_nodes, CuPy's reference path): batches of
+more tokens than the matrix-vector kernels take (prompts stay on the cuBLAS path), weights in
+host memory, an op or layout the compiler does not know, an op the runtime has no kernel for.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..tensor import Tensor, TensorFlag
+from ..types import LlamapyError, UnsupportedError
+from .executor import (ATTN, GET_ROWS_F32, MUL_MAT, OP_NAMES, RMS_NORM, ROPE, REC, Built, Loc, Refusal, Refused, Target, _Compiler,
+                       _Slot, op_counts)
+
+# The GPU's own record codes (from 33: apart from executor.c's and GEGLU's 32)
+MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV = 33, 34, 35, 36
+WIDTH = REC + 3  # slots 24-26: an ATTN record's count slot, split scratch, splits
+COUNT, SCRATCH, SPLITS = 24, 25, 26
+HEAD = 64  # bytes of count slots at the arena's start: 16 masks
+NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS", MUL_MAT_GLU: "MUL_MAT+GLU", ROPE_QKV: "ROPE+SET_ROWS"}
+
+
+def graphs_enabled() -> bool:
+    """LLAMAPY_CUDA_GRAPHS=0 launches every record directly each step (ggml's
+    GGML_CUDA_DISABLE_GRAPHS)."""
+    return os.environ.get("LLAMAPY_CUDA_GRAPHS", "1").lower() not in ("0", "off", "no")
+
+
+class Runtime(Protocol):
+    """What a GPU plan needs of its device (cuda_exec.CUDARuntime on CuPy; the tests' fake one
+    records the launches): memory, one stream's copies and launches, graph capture."""
+
+    buft: Any  # the device's buffer type: leaves in it are read in place
+    max_tokens: int  # the largest batch the product kernels take
+    arena: Any  # .ensure(nbytes) -> base address (grows; plans move when it does)
+
+    def array_loc(self, v: Any) -> Loc: ...  # a device array (Refused for anything else)
+    def weight(self, v: Any) -> tuple[int, int, int, int, int]: ...  # (blocks, type, n_out, n_in, row bytes)
+    def host(self, v: Any) -> np.ndarray: ...  # a small device array's values (at compile time)
+    def const(self, a: np.ndarray) -> tuple[int, Any]: ...  # (address, owner) of a table put on the device
+    def attn_split(self, n_tokens: int, n_head: int, n_head_kv: int, n_cells: int, dv: int) -> tuple[int, int]: ...
+    # ^ (splits of the cells, scratch bytes) of an attention of that shape
+    def prepare(self, rec: np.ndarray) -> Callable[[], None]: ...  # a record's launch (Refused: no kernel)
+    def pinned(self, nbytes: int) -> np.ndarray: ...  # the host mirror of the inputs (uint8, >= nbytes)
+    def h2d(self, dst: int, src: np.ndarray) -> None: ...  # asynchronous, on the stream
+    def d2d(self, dst: int, value: Any) -> None: ...  # a device array into the arena, on the stream
+    def capture(self, launches: Sequence[Callable[[], None]]) -> Any: ...
+    # ^ a graph; raises Refused when the launches cannot be captured, UnsupportedError when a
+    #   launch's kernel refuses its arguments
+    def replay(self, graph: Any) -> None: ...
+    def copy_out(self, addr: int, slot: _Slot, owner: Any) -> Any: ...  # an export: a device array (a copy)
+    def done(self) -> None: ...  # the step's work is queued (a timing runtime marks the stream here)
+
+
+class GPUTarget(Target):
+    """The record compiler's view of a device's memory."""
+
+    name = "GPU"
+    glu_ops = ("swiglu", "geglu")
+    fuse_glu = True
+    head = HEAD
+    width = WIDTH
+    addr_slots = ((COUNT, ATTN), (10, ROPE_QKV))
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.max_tokens = None  # (a product refuses past rt.max_tokens: its record says why)
+
+    def leaf(self, t: Tensor) -> Any | None:
+        r = t.root()
+        if r.buffer is None:
+            return None
+        if r.buffer.buft is not self.rt.buft:
+            if r.flags & TensorFlag.WEIGHT:
+                raise Refused(f"weight {r.name} in {r.buffer.name} memory")
+            return None  # copied in as a split input
+        return r.buffer.storage(r)
+
+    def array_loc(self, v: Any, keep: list[Any]) -> Loc:
+        keep.append(v)
+        return self.rt.array_loc(v)
+
+    def host_array(self, v: Any) -> np.ndarray:
+        return self.rt.host(v)
+
+    def const(self, a: np.ndarray, keep: list[Any]) -> int:
+        addr, owner = self.rt.const(a)
+        keep.append(owner)
+        return addr
+
+    def export(self, l: Loc) -> Any:
+        raise Refused("an export outside the arena")
+
+    def scratch(self, c: _Compiler, start: int) -> int:
+        """One scratch for the split partials of every attention (they run one after another)."""
+        need = 0
+        self.splits: dict[Tensor, int] = {}
+        for st in c.steps:
+            if st.code == ATTN:
+                q, _k, v, _m = st.node.src
+                T, H, _D = q.shape
+                N, Hkv, Dv = v.shape[0], v.shape[1], st.node.shape[-1]
+                self.splits[st.node], nbytes = self.rt.attn_split(T, H, Hkv, N, Dv)
+                need = max(need, nbytes)
+        start += (-start) % 256
+        self.scratch_off = start
+        return start + need
+
+    def records(self, c: _Compiler, st: Any, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
+        n = st.node
+        if st.code == MUL_MAT:
+            mm = st.extra.get("mm", n)  # (a product with its GLU fused: the step's node is the GLU)
+            w, x = mm.src
+            wv = self.leaf(w) if w.is_leaf else None
+            if wv is None:
+                raise Refused(f"MUL_MAT {n.name} of two activations")
+            blocks, qtype, n_out, n_in, row_bytes = self.rt.weight(wv)
+            c.keep.append(wv)
+            xl = loc(x)
+            if xl.dtype != np.dtype(np.float32):
+                raise Refused(f"MUL_MAT input of type {xl.dtype}")
+            n_tok, k, xs = xl.rows()
+            if n_tok > self.rt.max_tokens:
+                raise Refused(f"a batch of {n_tok} tokens (prompts stay on the cuBLAS path)")
+            if k != n_in or (xs != n_in and n_tok > 1) or xl.addr % 16:
+                raise Refused(f"MUL_MAT {n.name}: input rows the matrix-vector kernel cannot read")
+            dst = loc(n)
+            r = [0] * WIDTH
+            r[0], r[1], r[2], r[3] = MUL_MAT_W, dst.addr, xl.addr, blocks
+            r[6], r[7], r[8], r[9], r[10], r[11] = n_tok, n_in, xs, qtype, n_out, row_bytes
+            if "glu" in st.extra:  # the GLU's result (contiguous rows of n_ff), the product never stored
+                r[0], r[10], r[12] = MUL_MAT_GLU, n_out // 2, int(st.extra["glu"].params.get("op") == "geglu")
+            return [r]
+        if st.code == GET_ROWS_F32:
+            table, ids = n.src
+            tv = self.leaf(table) if table.is_leaf else None
+            if tv is None:
+                return None  # rows of an activation: the shared record
+            try:
+                self.rt.array_loc(tv)
+                return None  # a plain array (the shared record reads it as rows)
+            except Refused:
+                pass
+            blocks, qtype, n_out, n_in, row_bytes = self.rt.weight(tv)
+            c.keep.append(tv)
+            il = loc(ids)
+            if il.dtype != np.dtype(np.int32) or not il.contiguous():
+                raise Refused("GET_ROWS ids that are not int32")
+            r = [0] * WIDTH
+            r[0], r[1], r[2], r[3] = GET_ROWS_W, loc(n).addr, blocks, il.addr
+            r[6], r[7], r[8], r[9], r[10] = ids.n_elements, n_in, row_bytes, n_out, qtype
+            return [r]
+        if st.code == RMS_NORM and "add" not in st.extra:
+            return self._norm_per_token(st, loc)
+        if st.code == ROPE:
+            return [self._rope(c, n, loc)]
+        if st.code == ATTN:
+            r = c._record(st, loc) + [0] * (WIDTH - REC)
+            r[SCRATCH], r[SPLITS] = c.base + self.scratch_off, self.splits[n]
+            return [r]
+        return None
+
+    def _norm_per_token(self, st: Any, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
+        """A per-head norm of a strided view (qwen3's and gemma3's Q/K norms of a fused QKV
+        product, several tokens): its rows are not evenly spaced, so one record per token (each
+        token's heads are); None when they are (the shared record)."""
+        norm = st.extra["norm"]
+        x = loc(norm.src[0])
+        try:
+            x.rows()
+            return None
+        except Refused:
+            pass
+        if x.dtype != np.dtype(np.float32) or len(x.shape) != 3 or x.strides[2] != 1:
+            raise Refused(f"RMS_NORM of a {list(x.shape)} value")
+        T, H, D = x.shape
+        w = 0
+        if "weight" in st.extra:
+            wl = loc(st.extra["weight"])
+            if wl.dtype != np.dtype(np.float32) or not wl.contiguous():
+                raise Refused("a strided norm weight")
+            w = wl.addr
+        dst = loc(st.node)
+        out = []
+        for t in range(T):
+            r = [0] * WIDTH
+            r[0], r[1], r[2], r[3] = RMS_NORM, dst.addr + 4 * t * H * D, x.addr + 4 * t * x.strides[0], w
+            r[6], r[7], r[8], r[9] = H, D, x.strides[1], _fbits(norm.params["eps"])
+            out.append(r)
+        return out
+
+    def _rope(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc]) -> list[int]:
+        x, pos = loc(n.src[0]), loc(n.src[1])
+        if x.dtype != np.dtype(np.float32) or len(x.shape) != 3 or x.strides[2] != 1 \
+                or pos.dtype != np.dtype(np.int32) or not pos.contiguous():
+            raise Refused("a ROPE layout")
+        p = n.params
+        r = [0] * WIDTH
+        r[0], r[1], r[2], r[3] = ROPE, loc(n).addr, x.addr, pos.addr
+        if len(n.src) > 2:
+            f = loc(n.src[2])
+            if f.dtype != np.dtype(np.float32) or not f.contiguous():
+                raise Refused("rope_freqs of another type")
+            r[4] = f.addr
+        T, H, D = x.shape
+        r[6], r[7], r[8], r[9], r[10], r[11], r[12] = T, H, D, x.strides[0], x.strides[1], p["n_dims"], \
+            int(p["mode"] == 2)  # fmt: skip
+        r[13], r[14] = _fbits(p["freq_base"]), _fbits(p["freq_scale"])
+        return r
+
+    def finish(self, c: _Compiler, recs: list[list[int]], masks: list[tuple[Tensor, _Slot, np.ndarray]],
+               exports: list[tuple[Tensor, Any]]) -> None:
+        for r in recs:
+            r.extend([0] * (WIDTH - len(r)))
+        if len(masks) * 4 > HEAD:
+            raise Refused(f"{len(masks)} masks (count slots for {HEAD // 4})")
+        for i, (_t, _slot, rows) in enumerate(masks):
+            for j in rows:
+                recs[j][COUNT] = c.base + 4 * i
+        spans = [(c.base + s.off, c.base + s.off + _extent(s)) for _t, s in exports if isinstance(s, _Slot)]
+        recs[:] = _fuse_rope_qkv(recs, spans)  # (after the count slots: it changes the records' indices)
+
+
+@dataclass
+class GPUPlan:
+    """A compiled GPU split: records over the device arena, their launches, the graph."""
+
+    built: Built
+    rt: Runtime
+    in_bytes: int  # the arena's [0, in_bytes): every value written before the launches
+    launches: list[Callable[[], None]] = field(default_factory=list)
+    graph: Any = None
+    direct: str = ""  # why the launches run directly ("" while a graph may be captured)
+    n_runs: int = 0
+    n_captures: int = 0
+    _views: Any = None  # (mirror, input views, mask views, count slots, the region): made once per mirror
+    host_inputs = True  # the scheduler hands host values over as they are (they go to the mirror)
+
+    def __post_init__(self) -> None:
+        self.launches = [self.rt.prepare(r) for r in self.built.recs]
+        if not graphs_enabled():
+            self.direct = "LLAMAPY_CUDA_GRAPHS=0"
+        self._capture()
+
+    def _capture(self) -> None:
+        """Record the launches into a graph now, before any run: a capture executes nothing, so
+        a launch the kernels refuse (UnsupportedError) refuses the plan when it is made."""
+        if self.direct:
+            return
+        try:
+            self.graph = self.rt.capture(self.launches)
+            self.n_captures += 1
+        except Refused as e:
+            self.direct = f"capture failed: {e}"
+
+    @property
+    def recs(self) -> np.ndarray:
+        return self.built.recs
+
+    def _move(self, base: int) -> None:
+        """The arena was made again (larger): the records' addresses move, their launches and
+        graph are made again."""
+        b = self.built
+        b.recs[b.moves] += base - b.base
+        b.base = base
+        self.launches = [self.rt.prepare(r) for r in b.recs]
+        self.graph = None
+        self._capture()
+
+    def summary(self) -> str:
+        b = self.built
+        counts = op_counts(b.recs, {}, {**OP_NAMES, **NAMES})
+        how = f"direct launches ({self.direct})" if self.direct else "one CUDA graph"
+        return (f"GPU plan: {len(b.recs)} launches for {b.n_nodes} nodes ({b.n_fused} fused), {how}, "
+                f"arena {b.nbytes / 1024:.0f} KiB, inputs {self.in_bytes} B in one copy, "
+                f"{len(b.exports)} exports [{counts}]")
+
+    def compute(self, env: dict[Tensor, Any]) -> None:
+        """One step: the inputs into the pinned mirror, one H2D copy, the graph (or the
+        launches), the exports copied out. Nothing here waits for the device."""
+        b, rt = self.built, self.rt
+        base = b.arena.ensure(b.nbytes)
+        if base != b.base:
+            self._move(base)
+        mirror = rt.pinned(self.in_bytes)
+        if self._views is None or self._views[0] is not mirror:  # views of the mirror, made once
+            self._views = (mirror, [_view(mirror, s) for _t, s in b.inputs], [_view(mirror, s) for _t, s, _r in b.masks],
+                           mirror[:HEAD].view(np.int32), mirror[: self.in_bytes])  # fmt: skip
+        _m, ins, masks, counts, region = self._views
+        late: list[tuple[int, Any]] = []  # inputs already on the device: copied after the mirror
+        for (t, slot), view in zip(b.inputs, ins):
+            v = env[t]
+            if isinstance(v, np.ndarray):
+                view[...] = v
+            else:
+                late.append((base + slot.off, v))
+        for i, (t, slot, _rows) in enumerate(b.masks):
+            v = env[t]
+            if not isinstance(v, np.ndarray):
+                v = rt.host(v)  # (a mask made on another device: a copy back, rare)
+            n = v.shape[-1]  # the cells attended
+            if not 0 < n <= slot.shape[-1]:
+                raise LlamapyError(f"GPU plan: a {list(v.shape)} mask for {list(slot.shape)}")
+            masks[i][..., :n] = v
+            counts[i] = n
+        rt.h2d(base, region)
+        for addr, v in late:
+            rt.d2d(addr, v)
+        if self.graph is not None:
+            rt.replay(self.graph)
+        else:
+            for launch in self.launches:
+                launch()
+        self.n_runs += 1
+        for t, slot in b.exports:
+            env[t] = rt.copy_out(base + slot.off, slot, b.arena)
+        rt.done()
+
+
+def _reads(r: list[int]) -> list[int]:
+    """The arena addresses a record may read (its sources; a fused RMS_NORM's ADD operands)."""
+    return [r[k] for k in (2, 3, 4, 5)] + ([r[10]] if r[0] in (RMS_NORM, ROPE_QKV) else [])
+
+
+def _dead_after(recs: list[list[int]], k0: int, lo: int, hi: int, exports: list[tuple[int, int]]) -> bool:
+    """Whether the value in [lo, hi) is read by no record from k0 on until one writes there (the
+    allocator reused its memory: it was dead), and is no export."""
+    for r in recs[k0:]:
+        if any(lo <= a < hi for a in _reads(r)):
+            return False
+        if lo <= r[1] < hi or (r[0] == RMS_NORM and lo <= r[10] < hi):
+            return True
+    return not any(a < hi and lo < b for a, b in exports)
+
+
+def _fuse_rope_qkv(recs: list[list[int]], exports: list[tuple[int, int]]) -> list[list[int]]:
+    """ROPE(Q), ROPE(K), SET_ROWS(K) of that roped K, SET_ROWS(V) (build_attn's order) as one
+    ROPE_QKV record where the kernel can take them: Q, K and V rows with one stride and heads
+    packed, the same positions, rope and cells, float32 rows, the roped K read by nothing else."""
+    from .executor import SET_ROWS
+
+    out: list[list[int]] = []
+    i = 0
+    while i < len(recs):
+        q, k, sk, sv = (recs[i:i + 4] + [[0] * WIDTH] * 4)[:4]
+        T, H, D, Hkv = q[6], q[7], q[8], k[7]
+        ok = (q[0], k[0], sk[0], sv[0]) == (ROPE, ROPE, SET_ROWS, SET_ROWS) and sk[4] == k[1] \
+            and (T == 1 or q[9] == k[9] == sv[8]) and q[10] == k[10] == D and k[8] == D and k[6] == T \
+            and q[3] == k[3] and q[11:15] == k[11:15] and q[4] == k[4] and sk[3] == sv[3] and sk[9] == sv[9] \
+            and sk[6] == sv[6] == T and sk[7] == Hkv * D and sv[7] % Hkv == 0 \
+            and _dead_after(recs, i + 4, k[1], k[1] + 4 * T * Hkv * D, exports)
+        if not ok:
+            out.append(recs[i])
+            i += 1
+            continue
+        r = [0] * WIDTH
+        r[0], r[1], r[2], r[3], r[4], r[5], r[10] = ROPE_QKV, q[1], q[2], q[3], sk[3], k[2], sv[4]
+        r[6], r[7], r[8], r[9], r[11], r[12], r[13], r[14] = T, H, D, q[9], q[11], q[12], q[13], q[14]
+        r[15], r[16], r[17], r[18] = Hkv, sv[7] // Hkv, q[4], sk[9]
+        r[19], r[20], r[21], r[22] = sk[1], sk[10], sk[11], sk[12]
+        r[23], r[24], r[25], r[26] = sv[1], sv[10], sv[11], sv[12]
+        out.append(r)
+        i += 4
+    return out
+
+
+def _fbits(x: float) -> int:
+    return int(np.float64(x).view(np.int64))
+
+
+def _view(mirror: np.ndarray, slot: _Slot) -> np.ndarray:
+    return np.ndarray(slot.shape, slot.dtype, buffer=mirror, offset=slot.off, strides=slot.strides)
+
+
+def compile_split(nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Callable[..., Any],
+                  rt: Runtime) -> GPUPlan | Refusal:
+    """A split's GPU plan over `rt`'s arena, or a Refusal saying why it runs node by node."""
+    try:
+        built = _Compiler(nodes, exports, GPUTarget(rt), allocate).build(rt.arena)
+        if built.pre:
+            raise Refused("GET_ROWS expanded in Python")
+        ends = [s.off + _extent(s) for _t, s in built.inputs] + [s.off + _extent(s) for _t, s, _r in built.masks]
+        in_bytes = max([HEAD, *ends])
+        return GPUPlan(built, rt, in_bytes)
+    except (Refused, UnsupportedError) as e:
+        return Refusal(str(e))
+
+
+def _extent(s: _Slot) -> int:
+    """Bytes from a slot's first element past its last."""
+    if not s.shape or 0 in s.shape:
+        return s.dtype.itemsize
+    return sum((d - 1) * st for d, st in zip(s.shape, s.strides)) + s.dtype.itemsize

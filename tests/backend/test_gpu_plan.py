@@ -1,0 +1,767 @@
+"""The compiled GPU split (backend/gpu_plan.py) checked on the CPU, without CuPy.
+
+A fake runtime plays the device: its "device memory" is host memory (the CPU backend's buffers and
+an executor.Arena), its capture records the launches and its replay runs them, and each launch
+runs the record through the CPU executor's C code (kernels_c/executor.c, one record at a time; a
+MUL_MAT_W as the q8 mode's QUANTIZE + MUL_MAT_Q). So the GPU plan's records, launch order, arena
+offsets, input region (one copy a step from the mirror), count slots and graph replay are run for
+real and give the CPU executor's logits bit for bit, and its records are compared with the CPU
+executor's for the same split.
+
+Then the same records go through cuda_exec's real launch makers into a numpy stand-in of
+cuda_ops' launch layer (`NumpyOps`: the same method signatures, pointers, sizes and element / byte
+strides, computed with numpy over host memory). A decode through it must give the float32 CPU
+path's logits: a wrong stride, a swapped pointer, a mask read with the wrong width or a count slot
+not read would not. What this cannot check is the CUDA kernels themselves (tests/gpu/, on a GPU).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from gguf.quants import dequantize
+
+from llamapy.backend import cuda_exec, gpu_plan, native
+from llamapy.backend.cpu import CPU_BUFT, CPUBackend
+from llamapy.backend.executor import (ATTN, GEGLU, GET_ROWS_F32, SET_ROWS, SWIGLU, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena, ExecPlan, Loc,
+                                      Refusal, Refused, _array_loc, _lib, _Slot)
+from llamapy.backend.gpu_plan import COUNT, GET_ROWS_W, HEAD, MUL_MAT_GLU, MUL_MAT_W, ROPE_QKV, WIDTH, GPUPlan
+from llamapy.backend.cpu_kernels import KV_CODES
+from llamapy.backend.kernels import _rope_tables_compute, gelu, rope_consts
+from llamapy.context import Context, ContextOptions, Model
+from llamapy.types import GGMLType
+
+pytestmark = pytest.mark.skipif(native.lib() is None, reason=f"no C kernels: {native.error()}")
+
+
+class FakeRuntime:
+    """gpu_plan.Runtime over host memory; launches run through executor.c record by record."""
+
+    def __init__(self, fail_capture: str = "") -> None:
+        self.buft = CPU_BUFT
+        self.max_tokens = 8
+        self.arena = Arena()
+        self.lib = _lib()
+        self.mirror = np.zeros(0, np.uint8)
+        self.log: list[tuple[str, Any]] = []  # ("h2d", nbytes), ("capture", n), ("replay", n), ("launch", code)
+        self.fail_capture = fail_capture
+        self.scratch = np.zeros(0, np.uint8)
+        self.keep: list[Any] = []
+
+    def array_loc(self, v: Any) -> Loc:
+        if not isinstance(v, np.ndarray):
+            raise Refused(f"a {type(v).__name__} where a device array is needed")
+        return _array_loc(v)
+
+    def weight(self, v: Any) -> tuple[int, int, int, int, int]:
+        if isinstance(v, np.ndarray) or v.repacked:
+            raise Refused("not a matrix of file blocks")
+        return v.data.ctypes.data, int(v.qtype), v.n_out, v.n_in, v.data.shape[1]
+
+    def host(self, v: Any) -> np.ndarray:
+        return np.asarray(v)
+
+    def const(self, a: np.ndarray) -> tuple[int, Any]:
+        a = np.ascontiguousarray(a)
+        return a.ctypes.data, a
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        if nbytes > self.mirror.size:
+            self.mirror = np.zeros(nbytes, np.uint8)
+        return self.mirror
+
+    def h2d(self, dst: int, src: np.ndarray) -> None:
+        self.log.append(("h2d", src.nbytes))
+        ctypes.memmove(dst, src.ctypes.data, src.nbytes)
+
+    def d2d(self, dst: int, value: Any) -> None:
+        v = np.ascontiguousarray(value)
+        ctypes.memmove(dst, v.ctypes.data, v.nbytes)
+
+    def copy_out(self, addr: int, slot: _Slot, owner: Any) -> Any:
+        a = self.arena
+        return np.ndarray(slot.shape, slot.dtype, buffer=a.raw, offset=addr - a.base + a.pad, strides=slot.strides).copy()
+
+    def done(self) -> None:
+        self.log.append(("done", 0))
+
+    def capture(self, launches: Sequence[Callable[[], None]]) -> Any:
+        if self.fail_capture:
+            raise Refused(self.fail_capture)
+        self.log.append(("capture", len(launches)))
+        return list(launches)
+
+    def replay(self, graph: Any) -> None:
+        self.log.append(("replay", len(graph)))
+        for launch in graph:
+            launch()
+
+    def attn_split(self, n_tokens: int, n_head: int, n_head_kv: int, n_cells: int, dv: int) -> tuple[int, int]:
+        return 1, 0
+
+    def _rope_qkv(self, rec: np.ndarray) -> Callable[[], None]:
+        """ROPE(Q), ROPE(K) into a buffer, SET_ROWS(K) from it, SET_ROWS(V): the records fused."""
+        from llamapy.quants import hadamard
+
+        r = [int(x) for x in rec]
+        T, H, D, Hkv, Dv = r[6], r[7], r[8], r[15], r[16]
+        k_out = np.zeros((T, Hkv, D), np.float32)
+        self.keep.append(k_out)
+        q, k, sk, sv = (np.zeros(WIDTH, np.int64) for _ in range(4))
+        q[[0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14]] = ROPE, r[1], r[2], r[3], r[17], T, H, D, r[9], D, \
+            r[11], r[12], r[13], r[14]
+        k[[0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14]] = ROPE, k_out.ctypes.data, r[5], r[3], r[17], T, Hkv, \
+            D, r[9], D, r[11], r[12], r[13], r[14]
+
+        def rot_bits(rot: int) -> int:
+            return int(np.float64(hadamard(rot)[0, 0]).view(np.int64)) if rot else 0
+
+        sk[[0, 1, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13]] = SET_ROWS, r[19], r[4], k_out.ctypes.data, T, Hkv * D, \
+            Hkv * D, r[18], r[20], r[21], r[22], rot_bits(r[22])
+        sv[[0, 1, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13]] = SET_ROWS, r[23], r[4], r[10], T, Hkv * Dv, r[9], r[18], \
+            r[24], r[25], r[26], rot_bits(r[26])
+        parts = [self.prepare(x) for x in (q, k, sk, sv)]
+
+        def launch() -> None:
+            self.log.append(("launch", ROPE_QKV))
+            for p in parts:
+                p()
+
+        return launch
+
+    def prepare(self, rec: np.ndarray) -> Callable[[], None]:
+        if int(rec[0]) == ROPE_QKV:  # the four records it stands for
+            return self._rope_qkv(rec)
+        r = rec.copy()
+        code = int(r[0])
+        if code == ROPE:  # the CPU's table of inverse frequencies from the GPU record's base, scale, factors
+            n_dims = int(r[11])
+            f = None
+            if r[4]:
+                f = np.ctypeslib.as_array((ctypes.c_float * (n_dims // 2)).from_address(int(r[4])))
+            base, scale = (float(np.int64(v).view(np.float64)) for v in r[13:15])
+            inv = rope_consts(n_dims, base, scale, f)
+            self.keep.append(inv)
+            r[4], r[13], r[14] = inv.ctypes.data, 0, 0
+
+        def run(recs: list[np.ndarray]) -> None:
+            table = np.ascontiguousarray(np.stack(recs)[:, :REC])
+            rc = self.lib.lp_exec_run(table.ctypes.data, len(table), 1)
+            assert rc == 0, f"record {code} failed"
+
+        def launch() -> None:
+            self.log.append(("launch", code))
+            if code in (MUL_MAT_W, MUL_MAT_GLU):  # the q8 mode's two records over a scratch of this runtime's
+                n_tok, n_in, xs, qtype, n_out, row_bytes = (int(x) for x in r[6:12])
+                if code == MUL_MAT_GLU:  # the product of 2 n_ff rows into a buffer, then the GLU
+                    n_out *= 2
+                    prod = np.zeros((n_tok, n_out), np.float32)
+                    self.keep.append(prod)
+                need = int(self.lib.lp_act_row_bytes(qtype, n_in)) * n_tok
+                if self.scratch.size < need:
+                    self.scratch = np.zeros(need + 64, np.uint8)
+                q, m = np.zeros(REC, np.int64), np.zeros(REC, np.int64)
+                q[[0, 1, 2, 6, 7, 8, 9]] = QUANT_ACT, self.scratch.ctypes.data, r[2], qtype, xs, n_in, n_tok
+                m[[0, 1, 2, 3, 6, 7, 8, 9, 10, 11]] = MUL_MAT_Q, r[1] if code == MUL_MAT_W else prod.ctypes.data, r[3], \
+                    self.scratch.ctypes.data, qtype, n_out, row_bytes, n_in, n_tok, n_out
+                run([q, m])
+                if code == MUL_MAT_GLU:
+                    n_ff = n_out // 2
+                    if r[12]:
+                        mem(int(r[1]), (n_tok, n_ff), (n_ff, 1), F32)[...] = gelu(np, prod[:, :n_ff]) * prod[:, n_ff:]
+                    else:
+                        sw = np.zeros(REC, np.int64)
+                        sw[[0, 1, 2, 3, 6, 7, 8, 9]] = SWIGLU, r[1], prod.ctypes.data, prod.ctypes.data + 4 * n_ff, \
+                            n_tok, n_ff, n_out, n_out
+                        run([sw])
+            elif code == GET_ROWS_W:  # ops.c's expansion of F16/Q8_0/Q4_0 rows (the CPU executor's)
+                g = np.zeros(REC, np.int64)
+                g[[0, 1, 2, 3, 6, 7, 8, 9, 10]] = GET_ROWS_F32, r[1], r[2], r[3], r[6], r[7], r[8], r[9], \
+                    KV_CODES[GGMLType(int(r[10]))]
+                run([g])
+            elif code == GEGLU:  # (no GEGLU in executor.c): kernels.py's, as run_nodes computes it
+                rows, n = int(r[6]), int(r[7])
+                g, u = (mem(int(r[k]), (rows, n), (int(r[j]), 1), F32) for k, j in ((2, 8), (3, 9)))
+                mem(int(r[1]), (rows, n), (n, 1), F32)[...] = gelu(np, g) * u
+            elif code == ATTN and r[COUNT]:
+                a = r.copy()
+                a[9] = ctypes.c_int32.from_address(int(r[COUNT])).value  # the cells attended, from "device memory"
+                run([a])
+            else:
+                run([r])
+
+        return launch
+
+
+def _gpu_backend(monkeypatch: pytest.MonkeyPatch, rt_of: Callable[[], FakeRuntime]) -> list[GPUPlan]:
+    """CPU backends whose plans are GPU plans over a fake runtime (one per backend)."""
+    made: list[GPUPlan] = []
+
+    def create(self: CPUBackend, nodes: Any, exports: Any, allocate: Any) -> Any:
+        if not hasattr(self, "_fake_rt"):
+            self._fake_rt = rt_of()
+        p = gpu_plan.compile_split(nodes, exports, allocate, self._fake_rt)
+        if p:
+            made.append(p)
+        return p
+
+    monkeypatch.setattr(CPUBackend, "graph_plan_create", create)
+    monkeypatch.setattr(CPUBackend, "graph_plan_compute", lambda self, plan, env: plan.compute(env))
+    monkeypatch.setattr(CPUBackend, "graph_plan_summary",
+                        lambda self, plan: plan.summary() if plan else f"refused: {plan.reason}")
+    return made
+
+
+def _decode_steps() -> list[tuple[list[int], list[int], int, list[bool] | None]]:
+    """A 4-token prompt, decode steps of one token, a second sequence sharing the cache (2 tokens a
+    step, then a 300-token prompt: past the 8 tokens the product kernels take, so node by node),
+    and decode again past 256 cells, a wider mask (the same plan and graph)."""
+    out: list[tuple[list[int], list[int], int, list[bool] | None]] = [([1, 40, 90, 7], [0, 1, 2, 3], 0, None)]
+    out += [([10 + i], [4 + i], 0, None) for i in range(3)]
+    out += [([1, 66], [0, 1], 1, [True, True])]
+    out += [([(7 * i) % 250 + 1 for i in range(300)], list(range(2, 302)), 1, None)]
+    out += [([30 + i], [7 + i], 0, None) for i in range(2)]
+    return out
+
+
+def test_gpu_plan_gives_the_cpu_executors_logits(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    path = make_llama(qtype=T.Q8_0, rope_freqs=True)
+    monkeypatch.setenv("LLAMAPY_EXECUTOR", "1")
+    model = Model(path)
+    ref = Context(model, ContextOptions(n_ctx=512, n_threads=1))
+    want = [ref.decode(t, p, s, w) for t, p, s, w in _decode_steps()]
+    rts: list[FakeRuntime] = []
+
+    def new_rt() -> FakeRuntime:
+        rts.append(FakeRuntime())
+        rts[-1].arena.ensure(16 << 20)  # as large as any plan here: no plan moves (test_arena_growth)
+        return rts[-1]
+
+    made = _gpu_backend(monkeypatch, new_rt)
+    gpu = Context(model, ContextOptions(n_ctx=512, n_threads=1))
+    got = [gpu.decode(t, p, s, w) for t, p, s, w in _decode_steps()]
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)  # bit for bit
+    assert made and all(isinstance(p, GPUPlan) for p in made)
+    # one capture per plan, then replays; one input copy per run; nothing launched outside them
+    (rt,) = rts
+    kinds = [k for k, _ in rt.log]
+    assert kinds.count("capture") == len(made) == sum(p.n_captures for p in made)
+    assert kinds.count("h2d") == sum(p.n_runs for p in made) == kinds.count("replay")
+    assert all(not p.direct for p in made)
+    # several lengths of history (256 and 512 cells attended), one graph: the 1-token plan ran 5
+    # times, captured once
+    assert max(p.n_runs for p in made) == 5 and all(p.n_captures == 1 for p in made)
+    assert gpu.kv.n_used() > 256
+    model.free()
+
+
+def test_uncapturable_plan_launches_directly(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    path = make_llama(qtype=T.Q8_0)
+    model = Model(path)
+    ref = Context(model, ContextOptions(n_ctx=512, n_threads=1))
+    want = [ref.decode(t, p, s, w) for t, p, s, w in _decode_steps()[:3]]
+    made = _gpu_backend(monkeypatch, lambda: FakeRuntime(fail_capture="NotImplementedError: cuBLAS in a capture"))
+    gpu = Context(model, ContextOptions(n_ctx=512, n_threads=1))
+    for (t, p, s, w), b in zip(_decode_steps()[:3], want):
+        np.testing.assert_array_equal(gpu.decode(t, p, s, w), b)
+    assert made and all("capture failed: NotImplementedError: cuBLAS in a capture" in p.direct for p in made)
+    text = gpu.sched.dump(gpu.graph(1, 1).graph)
+    assert "direct launches (capture failed: NotImplementedError: cuBLAS in a capture)" in text
+    monkeypatch.setenv("LLAMAPY_CUDA_GRAPHS", "0")
+    made.clear()
+    off = Context(model, ContextOptions(n_ctx=512, n_threads=1))
+    off.decode([1, 2, 3], [0, 1, 2])
+    assert made and all(p.direct == "LLAMAPY_CUDA_GRAPHS=0" for p in made)
+    model.free()
+
+
+def test_records_are_the_cpu_executors(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """The same split compiled by both targets: the same records in the same order at the same
+    arena offsets (shifted by the GPU's count slots), the products as MUL_MAT_W and the q8 mode's
+    QUANTIZE records gone; the inputs lie first, in one region; every ATTN record's count slot.
+    Then with the GPU's gate/up + GLU fusion (which the CPU has not): one record less per layer,
+    the GLU's result never over the product's input (the kernel reads it to the end); and with
+    ROPE(Q), ROPE(K) + its store and V's store as one ROPE_QKV record."""
+    from llamapy.sched.alloc import plan_offsets
+
+    model = Model(make_llama(qtype=T.Q8_0, rope_freqs=True))
+    ctx = Context(model, ContextOptions(n_ctx=512, n_threads=1))
+    ctx.decode([1, 2, 3], [0, 1, 2])
+    g = ctx.graph(1, 1).graph
+    plan = ctx.sched.reserve(g)
+    (split,) = plan.splits
+    exports = list(g.outputs)
+    cpu = ctx.backends[-1].graph_plan_create(split.nodes, exports, plan_offsets)
+    assert isinstance(cpu, ExecPlan)
+    rt = FakeRuntime()
+    monkeypatch.setattr(gpu_plan.GPUTarget, "fuse_glu", False)
+    monkeypatch.setattr(gpu_plan, "_fuse_rope_qkv", lambda recs, exports: recs)
+    gp = gpu_plan.compile_split(split.nodes, exports, plan_offsets, rt)
+    monkeypatch.undo()
+    fused = gpu_plan.compile_split(split.nodes, exports, plan_offsets, FakeRuntime())
+    assert isinstance(gp, GPUPlan) and isinstance(fused, GPUPlan)
+    glu = fused.recs[fused.recs[:, 0] == MUL_MAT_GLU]
+    qkv = fused.recs[fused.recs[:, 0] == ROPE_QKV]
+    assert len(glu) == len(qkv) == 2 and len(fused.recs) == len(gp.recs) - 2 - 2 * 3
+    for r in glu:
+        y, x = int(r[1]), int(r[2])
+        assert y + 4 * r[6] * r[10] <= x or x + 4 * r[6] * r[7] <= y
+    cb, gb = cpu.base, gp.built.base
+
+    def rel(x: int, base: int, size: int, head: int = 0) -> int | tuple[str, int]:
+        return ("arena", x - base - head) if base <= x < base + size else x
+
+    pairs, x_in = [], 0  # (GPU record, CPU record, the input its QUANTIZE read)
+    for c in cpu.recs:
+        if c[0] == QUANT_ACT:
+            x_in = int(c[2])
+        else:
+            pairs.append((c, x_in))
+    assert len(pairs) == len(gp.recs)
+    n_attn = 0
+    for r, (c, x_in) in zip(gp.recs, pairs):
+        if r[0] == MUL_MAT_W:
+            assert c[0] == MUL_MAT_Q
+            assert rel(int(r[2]), gb, gp.built.nbytes, HEAD) == rel(x_in, cb, cpu.nbytes)  # the same input
+            assert rel(int(r[1]), gb, gp.built.nbytes, HEAD) == rel(int(c[1]), cb, cpu.nbytes)  # destination
+            assert (r[3], r[10], r[7], r[6]) == (c[2], c[7], c[9], c[10])  # weight, rows, n_in, tokens
+            continue
+        if r[0] == GET_ROWS_W:  # the token rows: the CPU's native expansion of the file's Q8_0 rows
+            assert c[0] == GET_ROWS_F32
+            assert rel(int(r[1]), gb, gp.built.nbytes, HEAD) == rel(int(c[1]), cb, cpu.nbytes)
+            assert rel(int(r[3]), gb, gp.built.nbytes, HEAD) == rel(int(c[3]), cb, cpu.nbytes)
+            assert (r[2], r[6], r[7], r[8], r[9]) == (c[2], c[6], c[7], c[8], c[9])
+            continue
+        assert r[0] == c[0], (r[0], c[0])
+        assert r[COUNT] == (gb if r[0] == ATTN else 0)  # (one mask: its count slot is the arena's first)
+        n_attn += r[0] == ATTN
+        for s in range(1, REC):
+            if r[0] == ROPE and s in (4, 13, 14):
+                continue  # the CPU's table of inverse frequencies; the GPU's factors, base and scale
+            if r[0] == ATTN and s in (9, 16):
+                continue  # the CPU writes the width attended here; the GPU reads its count slot
+            assert rel(int(r[s]), gb, gp.built.nbytes, HEAD) == rel(int(c[s]), cb, cpu.nbytes), (r[0], s)
+    assert n_attn == 2
+    rope = [r for r in gp.recs if r[0] == ROPE]
+    assert rope and all(r[4] and np.int64(r[13]).view(np.float64) == 10000.0 for r in rope)  # rope_freqs, base
+    # the inputs (tokens' rows, positions, cells, mask) are one region at the arena's start
+    offs = sorted(s.off for _t, s in gp.built.inputs) + [s.off for _t, s, _r in gp.built.masks]
+    assert min(offs) == HEAD and gp.in_bytes <= max(offs) + 4 * 512 + 64
+    assert "one CUDA graph" in gp.summary() and "MUL_MAT:" in gp.summary()
+    model.free()
+
+
+def test_prompt_batches_are_refused(make_llama) -> None:  # noqa: ANN001
+    from llamapy.sched.alloc import plan_offsets
+
+    model = Model(make_llama(qtype=T.Q8_0))
+    ctx = Context(model, ContextOptions(n_ctx=512, n_threads=1))
+    g = ctx.graph(20, 1).graph
+    (split,) = ctx.sched.reserve(g).splits
+    p = gpu_plan.compile_split(split.nodes, list(g.outputs), plan_offsets, FakeRuntime())
+    assert isinstance(p, Refusal) and "a batch of 20 tokens (prompts stay on the cuBLAS path)" in p.reason
+    model.free()
+
+
+def test_arena_growth_moves_and_recaptures(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A plan made while the arena was smaller moves its records to the new block and is
+    captured again; its logits stay the CPU executor's."""
+    model = Model(make_llama(qtype=T.Q8_0))
+    ref = Context(model, ContextOptions(n_ctx=512, n_threads=1))
+    want = [ref.decode([5], [0]), ref.decode([6, 7, 8, 9, 10, 11], [1, 2, 3, 4, 5, 6], 0, [True] * 6),
+            ref.decode([12], [7])]
+    made = _gpu_backend(monkeypatch, FakeRuntime)
+    gpu = Context(model, ContextOptions(n_ctx=512, n_threads=1))
+    got = [gpu.decode([5], [0])]
+    one = made[0]
+    base = one.built.base
+    got.append(gpu.decode([6, 7, 8, 9, 10, 11], [1, 2, 3, 4, 5, 6], 0, [True] * 6))  # a larger arena
+    got.append(gpu.decode([12], [7]))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    assert one.built.base != base and one.n_captures == 2 and one.n_runs == 2
+    model.free()
+
+
+# -- the CUDA launcher's argument plumbing ----------------------------------------------------
+
+F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
+
+
+def mem(addr: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any, unit: int = 0) -> np.ndarray:
+    """An array over `addr`: strides in elements (or in bytes with unit=1)."""
+    dt = np.dtype(dtype)
+    bstr = tuple(s * (unit or dt.itemsize) for s in strides)
+    span = sum((d - 1) * s for d, s in zip(shape, bstr)) + dt.itemsize if all(shape) else 0
+    buf = (ctypes.c_char * max(span, 1)).from_address(addr)
+    return np.ndarray(shape, dt, buffer=buf, strides=bstr)
+
+
+class NumpyOps:
+    """cuda_ops.CudaKernels' launch methods, in numpy over host addresses (calls recorded)."""
+
+    n_sm = 4
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def rms_norm(self, stream: Any, x: int, sx: int, y: int, sy: int, rows: int, n: int, eps: float, *,
+                 b: int = 0, sb: int = 0, sum_out: int = 0, ss: int = 0, w: int = 0) -> None:
+        self.calls.append("rms_norm")
+        v = mem(x, (rows, n), (sx, 1), F32).copy()
+        if b:
+            v = v + mem(b, (rows, n), (sb, 1), F32)
+        if sum_out:
+            mem(sum_out, (rows, n), (ss, 1), F32)[...] = v
+        mean = ((v.astype(np.float64) ** 2).sum(-1, keepdims=True) / n).astype(np.float32)
+        out = v * (np.float32(1) / np.sqrt(mean + np.float32(eps)))
+        if w:
+            out = out * mem(w, (n,), (1,), F32)
+        mem(y, (rows, n), (sy, 1), F32)[...] = out
+
+    def binary(self, stream: Any, op: str, a: int, sa: int, b: int, sb: int, y: int, sy: int, rows: int, n: int) -> None:
+        self.calls.append(op)
+        A, B = mem(a, (rows, n), (sa, 1), F32), mem(b, (rows, n), (sb, 1), F32)
+        mem(y, (rows, n), (sy, 1), F32)[...] = A + B if op == "add" else A * B
+
+    def scale(self, stream: Any, a: int, sa: int, y: int, sy: int, rows: int, n: int, s: float) -> None:
+        self.calls.append("scale")
+        mem(y, (rows, n), (sy, 1), F32)[...] = mem(a, (rows, n), (sa, 1), F32) * np.float32(s)
+
+    def glu(self, stream: Any, op: str, g: int, sg: int, u: int, su: int, y: int, sy: int, rows: int, n: int) -> None:
+        self.calls.append(op)
+        G, U = mem(g, (rows, n), (sg, 1), F32), mem(u, (rows, n), (su, 1), F32)
+        mem(y, (rows, n), (sy, 1), F32)[...] = (G / (1 + np.exp(-G)) if op == "swiglu" else gelu(np, G)) * U
+
+    def get_rows_f32(self, stream: Any, t: int, st: int, n_rows: int, ids: int, y: int, sy: int, n_ids: int,
+                     n: int) -> None:
+        self.calls.append("get_rows_f32")
+        i = mem(ids, (n_ids,), (1,), np.int32)
+        mem(y, (n_ids, n), (sy, 1), F32)[...] = mem(t, (n_rows, n), (st, 1), F32)[i]
+
+    def get_rows(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_rows: int, ids: int, y: int,
+                 sy: int, n_ids: int, n_in: int) -> None:
+        self.calls.append("get_rows")
+        i = mem(ids, (n_ids,), (1,), np.int32)
+        raw = mem(w, (n_rows, row_bytes), (row_bytes, 1), np.uint8)[i]
+        mem(y, (n_ids, n_in), (sy, 1), F32)[...] = dequantize(raw, T(int(qtype))).reshape(n_ids, n_in)
+
+    def rope_qkv(self, stream: Any, q: int, k: int, v: int, sxt: int, q_out: int, syt: int, n_tokens: int,
+                 n_head: int, n_head_kv: int, head_dim: int, head_dim_v: int, *, pos: int, n_dims: int, mode: int,
+                 freq_base: float, freq_scale: float = 1.0, factors: int = 0, ids: int, n_cells: int,
+                 k_type: GGMLType, k_cache: int, k_rb: int, k_rot: int = 0, v_type: GGMLType, v_cache: int,
+                 v_rb: int, v_rot: int = 0) -> None:
+        rope = dict(pos=pos, n_dims=n_dims, mode=mode, freq_base=freq_base, freq_scale=freq_scale, factors=factors)
+        store = dict(ids=ids, n_cells=n_cells)
+        self.rope(stream, q, sxt, head_dim, q_out, syt, head_dim, n_tokens, n_head, head_dim, **rope)
+        self.rope(stream, k, sxt, head_dim, 0, 0, 0, n_tokens, n_head_kv, head_dim, **rope, **store,
+                  cache_type=k_type, cache=k_cache, cache_rb=k_rb, rot=k_rot)
+        self.rope(stream, v, sxt, head_dim_v, 0, 0, 0, n_tokens, n_head_kv, head_dim_v, **store, cache_type=v_type,
+                  cache=v_cache, cache_rb=v_rb, rot=v_rot)
+
+    def mul_mat_vec_glu(self, stream: Any, op: str, qtype: GGMLType, w: int, row_bytes: int, n_ff: int, n_in: int,
+                        x: int, y: int, n_tok: int) -> None:
+        prod = np.zeros((n_tok, 2 * n_ff), F32)
+        self.mul_mat_vec(stream, qtype, w, row_bytes, 2 * n_ff, n_in, x, prod.ctypes.data, n_tok)
+        self.glu(stream, op, prod.ctypes.data, 2 * n_ff, prod.ctypes.data + 4 * n_ff, 2 * n_ff, y, n_ff, n_tok, n_ff)
+
+    def mul_mat_vec(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_out: int, n_in: int, x: int,
+                    y: int, n_tok: int) -> None:
+        self.calls.append("mul_mat_vec")
+        assert x % 16 == 0 and n_tok <= 8
+        W = dequantize(mem(w, (n_out, row_bytes), (row_bytes, 1), np.uint8), T(int(qtype))).reshape(n_out, n_in)
+        X = mem(x, (n_tok, n_in), (n_in, 1), F32)
+        mem(y, (n_tok, n_out), (n_out, 1), F32)[...] = (X.astype(np.float64) @ W.T.astype(np.float64)).astype(F32)
+
+    def rope(self, stream: Any, x: int, sxt: int, sxh: int, y: int, syt: int, syh: int, n_tokens: int, n_head: int,
+             head_dim: int, *, pos: int = 0, n_dims: int = 0, mode: int = -1, freq_base: float = 10000.0,
+             freq_scale: float = 1.0, factors: int = 0, cache_type: GGMLType | None = None, ids: int = 0,
+             n_cells: int = 0, cache: int = 0, cache_rb: int = 0, rot: int = 0) -> None:
+        self.calls.append("rope" if mode >= 0 else "set_rows")
+        v = mem(x, (n_tokens, n_head, head_dim), (sxt, sxh, 1), F32).copy()
+        if mode >= 0:
+            f = mem(factors, (n_dims // 2,), (1,), F32) if factors else None
+            cos, sin = _rope_tables_compute(np, mem(pos, (n_tokens,), (1,), np.int32), n_dims, freq_base, freq_scale, f)
+            cos, sin = cos[:, None, :], sin[:, None, :]
+            if mode == 0:
+                i0, i1 = slice(0, n_dims, 2), slice(1, n_dims, 2)
+            else:
+                i0, i1 = slice(0, n_dims // 2), slice(n_dims // 2, n_dims)
+            a, b = v[..., i0].copy(), v[..., i1].copy()
+            v[..., i0], v[..., i1] = a * cos - b * sin, a * sin + b * cos
+        if y:
+            mem(y, (n_tokens, n_head, head_dim), (syt, syh, 1), F32)[...] = v
+        if cache_type is not None:
+            assert cache_type in (GGMLType.F16, GGMLType.F32) and not rot
+            dt = F16 if cache_type == GGMLType.F16 else F32
+            rows = mem(cache, (n_cells, n_head * head_dim), (cache_rb, dt.itemsize), dt, unit=1)
+            rows[mem(ids, (n_tokens,), (1,), np.int64)] = v.reshape(n_tokens, -1).astype(dt)
+
+    def flash_attn_ext(self, stream: Any, q: int, sqt: int, sqh: int, k_type: GGMLType, k: int, k_cb: int,
+                       k_hb: int, v_type: GGMLType, v: int, v_cb: int, v_hb: int, n_cells: int, mask: int, sm: int,
+                       out: int, sot: int, soh: int, n_tokens: int, n_head: int, n_head_kv: int, head_dim: int,
+                       head_dim_v: int, scale: float, *, n_kv: int = 0, n_kv_dev: int = 0, n_splits: int = 1,
+                       scratch: int = 0, rot_k: int = 0, rot_v: int = 0) -> None:
+        self.calls.append("flash_attn_ext")
+        n = ctypes.c_int32.from_address(n_kv_dev).value if n_kv_dev else n_kv
+        assert 0 < n <= n_cells
+        kd = F16 if k_type == GGMLType.F16 else F32
+        vd = F16 if v_type == GGMLType.F16 else F32
+        K = mem(k, (n, n_head_kv, head_dim), (k_cb, k_hb, kd.itemsize), kd, unit=1).astype(np.float64)
+        V = mem(v, (n, n_head_kv, head_dim_v), (v_cb, v_hb, vd.itemsize), vd, unit=1).astype(np.float64)
+        Q = mem(q, (n_tokens, n_head, head_dim), (sqt, sqh, 1), F32).astype(np.float64)
+        M = mem(mask, (n_tokens, n), (sm, 1), F32).astype(np.float64)
+        g = n_head // n_head_kv
+        O = np.zeros((n_tokens, n_head, head_dim_v))
+        for h in range(n_head):
+            s = Q[:, h] @ K[:, h // g].T * scale + M
+            p = np.exp(s - s.max(-1, keepdims=True))
+            O[:, h] = (p / p.sum(-1, keepdims=True)) @ V[:, h // g]
+        mem(out, (n_tokens, n_head, head_dim_v), (sot, soh, 1), F32)[...] = O.astype(F32)
+
+
+class LaunchRuntime(FakeRuntime):
+    """The fake device, its launches made by cuda_exec's launch makers over NumpyOps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = NumpyOps()
+        self.dev = type("Dev", (), {"stream": None})()
+
+    def attn_split(self, n_tokens: int, n_head: int, n_head_kv: int, n_cells: int, dv: int) -> tuple[int, int]:
+        return 1, 0
+
+    def prepare(self, rec: np.ndarray) -> Any:
+        return cuda_exec._LAUNCHES[int(rec[0])](self, rec)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cache", [GGMLType.F16, GGMLType.F32], ids=["f16", "f32"])
+def test_launch_arguments_give_the_reference_logits(make_llama, monkeypatch: pytest.MonkeyPatch,
+                                                    cache: GGMLType) -> None:  # noqa: ANN001
+    path = make_llama(qtype=T.Q8_0, rope_freqs=True)
+    ref_model = Model(path, context_options=ContextOptions(cpu_matmul="f32"))  # float32 activations
+    model = Model(path)  # the file's blocks, as a GPU holds them
+    opts = dict(n_ctx=512, n_threads=1, type_k=cache, type_v=cache)
+    ref = Context(ref_model, ContextOptions(cpu_matmul="f32", **opts))  # type: ignore[arg-type]
+    want = [ref.decode(t, p, s, w) for t, p, s, w in _decode_steps()]
+    rts: list[LaunchRuntime] = []
+
+    def new_rt() -> LaunchRuntime:
+        rts.append(LaunchRuntime())
+        rts[-1].arena.ensure(16 << 20)
+        return rts[-1]
+
+    made = _gpu_backend(monkeypatch, new_rt)
+    gpu = Context(model, ContextOptions(**opts))  # type: ignore[arg-type]
+    got = [gpu.decode(t, p, s, w) for t, p, s, w in _decode_steps()]
+    for (t, _p, _s, _w), a, b in zip(_decode_steps(), got, want):
+        if len(t) > 8:
+            continue  # the prompt: node by node, in the q8 mode (another sequence than the steps after it)
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * float(np.abs(b).max()))
+        assert (a.argmax(-1) == b.argmax(-1)).all()
+    assert made and all(not p.direct for p in made)
+    calls = set(rts[0].ops.calls)
+    assert {"rms_norm", "mul_mat_vec", "rope", "set_rows", "flash_attn_ext", "swiglu", "get_rows"} <= calls
+    model.free()
+    ref_model.free()
+
+
+def test_a_launch_the_kernels_refuse_refuses_the_plan(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A kernel that refuses its arguments (UnsupportedError, raised while the launches are
+    captured, when the plan is made) leaves the split to run_nodes, and says why."""
+    from llamapy.types import UnsupportedError
+
+    class Refusing(FakeRuntime):
+        def capture(self, launches: Sequence[Callable[[], None]]) -> Any:
+            raise UnsupportedError("CUDA: ROPE of heads of 4096")
+
+    model = Model(make_llama(qtype=T.Q8_0))
+    want = Context(model, ContextOptions(n_ctx=512, n_threads=1)).decode([1, 2], [0, 1])
+    made = _gpu_backend(monkeypatch, Refusing)
+    ctx = Context(model, ContextOptions(n_ctx=512, n_threads=1))
+    np.testing.assert_array_equal(ctx.decode([1, 2], [0, 1]), want)  # node by node: the same bits
+    assert not made
+    assert "refused: CUDA: ROPE of heads of 4096" in ctx.sched.dump(ctx.graph(2, 1).graph)
+    model.free()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
+def test_families(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
+    """qwen2 (Q/K/V biases), qwen3 (per-head Q/K norms) and gemma3 (GEGLU, a sliding-window mask:
+    two masks, two count slots) as GPU plans: the CPU path's logits, bit for bit."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from family_models import write_family_gguf
+
+    model = Model(write_family_gguf(tmp_path / f"{arch}.gguf", arch, qtype=T.Q8_0, n_swa=4))
+    steps = [([1, 5, 9, 3], [0, 1, 2, 3], 0, None)] + [([10 + i], [4 + i], 0, None) for i in range(6)]
+    ref = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    want = [ref.decode(t, p, s, w) for t, p, s, w in steps]
+    made = _gpu_backend(monkeypatch, FakeRuntime)
+    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    for (t, p, s, w), b in zip(steps, want):
+        np.testing.assert_array_equal(ctx.decode(t, p, s, w), b)
+    assert made and all(not p.direct for p in made)
+    assert all(len(p.built.masks) == (2 if arch == "gemma3" else 1) for p in made)
+    model.free()
+
+
+# -- the real kernels, on the CPU emulator of CUDA (tests/gpu/cuda_emu.py) -----------------------
+
+
+@pytest.fixture(scope="module")
+def emu_functions() -> dict[str, Any]:
+    import shutil
+    import sys
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found: no CPU emulation of the CUDA kernels")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    import cuda_emu
+
+    return cuda_emu.build()
+
+
+class EmuRuntime(FakeRuntime):
+    """The fake device whose launches are made as CUDARuntime makes them (its `prepare`: the
+    launch makers' calls recorded by cuda_ops as fixed kernel launches) over cuda_ops' real launch
+    layer, the kernels_cuda sources running on the CPU emulator; a capture keeps those launches
+    and a replay makes exactly them."""
+
+    prepare = cuda_exec.CUDARuntime.prepare
+
+    def __init__(self, functions: dict[str, Any]) -> None:
+        import contextlib
+
+        from llamapy.backend.cuda_ops import CudaKernels
+
+        super().__init__()
+        self.ops = CudaKernels(dict(functions), n_sm=4)
+        self.dev = type("Dev", (), {"stream": None, "context": staticmethod(lambda what: contextlib.nullcontext())})()
+
+    def attn_split(self, n_tokens: int, n_head: int, n_head_kv: int, n_cells: int, dv: int) -> tuple[int, int]:
+        from llamapy.backend.cuda_ops import fattn_scratch_floats, fattn_splits
+
+        n = fattn_splits(n_tokens, n_head_kv, n_cells, self.ops.n_sm)
+        return n, 4 * fattn_scratch_floats(n_tokens, n_head, dv, n)
+
+    def capture(self, launches: Sequence[Callable[[], None]]) -> Any:
+        self.log.append(("capture", len(launches)))
+        return list(launches)
+
+
+_SLOW = pytest.mark.slow  # (~12 s each on the emulator: the first case runs in the fast suite)
+
+
+@pytest.mark.parametrize("qtype, cache", [(T.Q8_0, GGMLType.F16), pytest.param(T.Q4_K, GGMLType.F16, marks=_SLOW),
+                                          pytest.param(T.Q4_1, GGMLType.F32, marks=_SLOW),
+                                          pytest.param(T.Q8_0, GGMLType.Q8_0, marks=_SLOW),
+                                          pytest.param(T.Q4_0, GGMLType.Q4_0, marks=_SLOW)])
+def test_the_kernels_on_the_cuda_emulator(make_llama, monkeypatch: pytest.MonkeyPatch, emu_functions: Any,
+                                          qtype: T, cache: GGMLType) -> None:  # noqa: ANN001
+    """Decode steps through the GPU plan, its launch makers, cuda_ops and every kernels_cuda
+    kernel (emulated): the float32 CPU path's logits, within float32 noise; one capture per plan."""
+    path = make_llama(qtype=qtype, rope_freqs=True)
+    ref_model = Model(path, context_options=ContextOptions(cpu_matmul="f32"))
+    model = Model(path)
+    kv = dict(type_k=cache, type_v=cache)
+    ref = Context(ref_model, ContextOptions(n_ctx=512, n_threads=1, cpu_matmul="f32", **kv))  # type: ignore[arg-type]
+    steps = _decode_steps()
+    want = [ref.decode(t, p, s, w) for t, p, s, w in steps]
+    rts: list[EmuRuntime] = []
+
+    def new_rt() -> EmuRuntime:
+        rts.append(EmuRuntime(emu_functions))
+        rts[-1].arena.ensure(16 << 20)
+        return rts[-1]
+
+    made = _gpu_backend(monkeypatch, new_rt)
+    gpu = Context(model, ContextOptions(n_ctx=512, n_threads=1, **kv))  # type: ignore[arg-type]
+    for i, ((t, p, s, w), b) in enumerate(zip(steps, want)):
+        a = gpu.decode(t, p, s, w)
+        if len(t) > 8:
+            continue  # the prompt: node by node, in the q8 mode (another sequence than the steps after it)
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * float(np.abs(b).max()), err_msg=f"step {i}")
+        assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {i}"
+    assert made and all(not p.direct and p.n_captures == 1 for p in made)
+    kinds = [k for k, _ in rts[0].log]
+    assert kinds.count("replay") == sum(p.n_runs for p in made)
+    model.free()
+    ref_model.free()
+
+
+@pytest.mark.parametrize("arch", ["gemma3", pytest.param("qwen3", marks=_SLOW), pytest.param("qwen2", marks=_SLOW)])
+def test_families_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, emu_functions: Any,
+                                       arch: str) -> None:
+    """gemma3 (GEGLU, the embedding SCALE, a sliding-window mask: two count slots), qwen3 (per-head
+    Q/K norms), qwen2 (biases) through the real kernels (emulated): the float32 CPU path's logits."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from family_models import write_family_gguf
+
+    path = write_family_gguf(tmp_path / f"{arch}.gguf", arch, qtype=T.Q8_0, n_swa=4)
+    ref_model = Model(path, context_options=ContextOptions(cpu_matmul="f32"))
+    model = Model(path)
+    steps = [([1, 5, 9, 3], [0, 1, 2, 3], 0, None)] + [([10 + i], [4 + i], 0, None) for i in range(5)]
+    ref = Context(ref_model, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32"))
+    want = [ref.decode(t, p, s, w) for t, p, s, w in steps]
+    made = _gpu_backend(monkeypatch, lambda: EmuRuntime(emu_functions))
+    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    for i, ((t, p, s, w), b) in enumerate(zip(steps, want)):
+        a = ctx.decode(t, p, s, w)
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * float(np.abs(b).max()), err_msg=f"step {i}")
+    assert made and all(not p.direct for p in made)
+    model.free()
+    ref_model.free()
+
+
+@pytest.mark.parametrize("n_gpu, ngl, ts", [(1, 2, ()), (1, "all", ()), (2, "all", (1.0, 1.0))],
+                         ids=["ngl2", "ngl-all", "two-devices"])
+def test_through_the_scheduler_on_test_devices(make_llama, monkeypatch: pytest.MonkeyPatch, n_gpu: int,
+                                               ngl: Any, ts: tuple[float, ...]) -> None:  # noqa: ANN001
+    """GPU plans on the TEST devices (their own memory, LLAMAPY_TEST_GPU), made by the scheduler as
+    on CUDA: -ngl 2 (CPU layers, then the device's split: its inputs handed over as host arrays,
+    into the mirror), -ngl all, and two devices (-ts 1,1: the second split's input from the first
+    device). Launches through executor.c: the CPU's logits, bit for bit."""
+    from llamapy.backend.device import MemoryDeviceBackend
+    from llamapy.context import ModelOptions
+
+    path = make_llama(qtype=T.Q8_0)
+    cpu_model = Model(path)
+    cpu = Context(cpu_model, ContextOptions(n_ctx=512, n_threads=1))
+    want = [cpu.decode(t, p, s, w) for t, p, s, w in _decode_steps()[:5]]
+    from llamapy.backend import registry
+
+    monkeypatch.setenv("LLAMAPY_TEST_GPU", str(n_gpu))
+    monkeypatch.setattr(registry, "_cache", None)  # (discovered again, with the TEST devices)
+    made: list[GPUPlan] = []
+
+    def create(self: MemoryDeviceBackend, nodes: Any, exports: Any, allocate: Any) -> Any:
+        if not hasattr(self, "_fake_rt"):
+            self._fake_rt = FakeRuntime()
+            self._fake_rt.buft = self.device.buffer_type()
+        p = gpu_plan.compile_split(nodes, exports, allocate, self._fake_rt)
+        made.extend([p] if p else [])
+        return p
+
+    monkeypatch.setattr(MemoryDeviceBackend, "graph_plan_create", create, raising=False)
+    monkeypatch.setattr(MemoryDeviceBackend, "graph_plan_compute", lambda self, plan, env: plan.compute(env), raising=False)
+    model = Model(path, ModelOptions(n_gpu_layers=ngl, tensor_split=ts))
+    assert sum(k.startswith("TEST") for k in model.info.buffer_sizes) == n_gpu
+    ctx = Context(model, ContextOptions(n_ctx=512, n_threads=1))
+    for (t, p, s, w), b in zip(_decode_steps()[:5], want):
+        np.testing.assert_array_equal(ctx.decode(t, p, s, w), b)
+    assert made and all(not p.direct for p in made)
+    assert {p.rt.buft.name for p in made} == {f"TEST{i}" for i in range(n_gpu)}
+    model.free()
+    cpu_model.free()

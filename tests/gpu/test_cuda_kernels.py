@@ -1,0 +1,707 @@
+"""Each kernel family of kernels_cuda/ through its launch function (backend/cuda_ops.py), against
+the numpy reference (`kernels.reference` on a node of the same op): RMS_NORM with its fused ADD
+and MUL, GLU, ADD/MUL/SCALE, GET_ROWS, ROPE fused with the KV store, SET_ROWS into
+f32/f16/Q8_0/Q4_0 caches (rotated: attn_rot), decode FLASH_ATTN_EXT (splits, GQA, quantized
+caches, the number of cells read from device memory), the matrix-vector products, and one CUDA
+graph captured once and replayed over several lengths of history.
+
+Every test runs twice: on CUDA0 (skipped without CuPy or a GPU) and on the CPU emulator
+(cuda_emu.py: the same sources compiled with g++, threads as fibers; skipped without g++), so
+the kernels' indexing, barriers and arithmetic are checked on machines without a GPU too. The
+emulator's blocks run one after another and its libm is glibc's; what only a GPU shows (timing,
+memory ordering between blocks, the device's expf/cos) is checked on the GPU alone. The largest
+attention cases and the graph capture run only there.
+
+Parametrised so that a failure names one op and one case. Tolerances say what each kernel's
+arithmetic allows (fattn.cu, rope.cu, glu.cu headers): exact where it repeats the reference's
+float32 operations, ulps where a libm function differs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_cuda_ptx import ALL_TYPES, random_rows  # noqa: E402
+
+from llamapy import ops  # noqa: E402
+from llamapy.backend.cuda_ops import CudaKernels, fattn_scratch_floats, fattn_splits  # noqa: E402
+from llamapy.backend.kernels import reference  # noqa: E402
+from llamapy.quants import quantize  # noqa: E402
+from llamapy.tensor import Tensor, TensorFlag  # noqa: E402
+from llamapy.types import GGMLType as G  # noqa: E402
+from llamapy.types import storage  # noqa: E402
+
+rng = np.random.default_rng(0)
+
+
+def randn(*shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def t(name: str, shape: tuple[int, ...], typ: G = G.F32) -> Tensor:
+    return Tensor(name, shape, typ, flags=TensorFlag.INPUT)
+
+
+class Env:
+    """Where the kernels run: arrays there, their pointers, a launch and its wait."""
+
+    name: str
+    k: CudaKernels
+
+    def d(self, a: np.ndarray) -> Any: ...
+    def full(self, shape: tuple[int, ...], value: float, dtype: Any) -> Any: ...
+    def get(self, a: Any) -> np.ndarray: ...
+    def p(self, a: Any) -> int: ...
+    def run(self, launch: Any) -> None: ...
+
+    def zeros(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        return self.full(shape, 0, dtype)
+
+    def capture(self, launches: Any) -> Any:
+        """The launches recorded once; returns what replays them (and waits)."""
+
+
+class EmuEnv(Env):
+    name = "emu"
+
+    def __init__(self) -> None:
+        import cuda_emu
+
+        self.k = CudaKernels(cuda_emu.build(), n_sm=4)  # few "SMs": few attention splits, fast
+
+    def d(self, a: np.ndarray) -> Any:
+        return np.array(a, copy=True, order="C")
+
+    def full(self, shape: tuple[int, ...], value: float, dtype: Any) -> Any:
+        return np.full(shape, value, dtype)
+
+    def get(self, a: Any) -> np.ndarray:
+        return np.array(a, copy=True)
+
+    def p(self, a: Any) -> int:
+        return int(a.ctypes.data)
+
+    def run(self, launch: Any) -> None:
+        launch(object())
+
+    def capture(self, launches: Any) -> Any:
+        """The emulator's CUDA graph: the launches recorded once (CudaKernels.record), replayed as
+        recorded (nothing recomputed from Python values)."""
+        recorded = self.k.record(launches)
+        return lambda: [x(None) for x in recorded]
+
+
+class CudaEnv(Env):
+    name = "cuda"
+
+    def __init__(self) -> None:
+        import cupy as cp
+
+        from llamapy.backend import cuda
+
+        self.cp = cp
+        self.dev = cuda.registry().devices()[0]
+        self.k = self.dev.ops()
+
+    def d(self, a: np.ndarray) -> Any:
+        return self.cp.asarray(a)
+
+    def full(self, shape: tuple[int, ...], value: float, dtype: Any) -> Any:
+        return self.cp.full(shape, value, dtype)
+
+    def get(self, a: Any) -> np.ndarray:
+        return a.get()
+
+    def p(self, a: Any) -> int:
+        return int(a.data.ptr)
+
+    def run(self, launch: Any) -> None:
+        """Launch on the device's stream after every copy (made on the null stream), and wait."""
+        self.cp.cuda.Device(self.dev.index).synchronize()
+        with self.dev.context("a kernel test"):
+            launch(self.dev.stream)
+        self.dev.stream.synchronize()
+
+    def capture(self, launches: Any) -> Any:
+        """A CUDA graph of the launches (stream capture), replayed on the device's stream."""
+        st = self.dev.stream
+        self.cp.cuda.Device(self.dev.index).synchronize()
+        with self.dev.context("capturing"):
+            st.begin_capture()
+            launches(st)
+            graph = st.end_capture()
+
+        def replay() -> None:
+            self.cp.cuda.Device(self.dev.index).synchronize()  # the inputs copied in on the null stream
+            graph.launch(stream=st)
+            st.synchronize()
+
+        return replay
+
+
+def _cuda_env() -> Env:
+    try:
+        import cupy as cp
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"CuPy is not installed ({type(e).__name__})")
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"no usable CUDA device: {e}")
+    if n <= 0:
+        pytest.skip("no CUDA device")
+    return CudaEnv()
+
+
+@pytest.fixture(scope="module", params=["emu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def env(request: pytest.FixtureRequest) -> Env:
+    if request.param == "cuda":
+        return _cuda_env()
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found: no CPU emulation of the kernels")
+    return EmuEnv()
+
+
+def max_ulp(a: np.ndarray, b: np.ndarray) -> int:
+    a32, b32 = a.astype(np.float32).view(np.int32).astype(np.int64), b.astype(np.float32).view(np.int32).astype(np.int64)
+    a32 = np.where(a32 < 0, -(a32 & 0x7FFFFFFF), a32)  # sign-magnitude -> ordered integers
+    b32 = np.where(b32 < 0, -(b32 & 0x7FFFFFFF), b32)
+    return int(np.max(np.abs(a32 - b32))) if a.size else 0
+
+
+# --- norm.cu -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [576, 4160])
+@pytest.mark.parametrize("fused", ["norm", "norm*w", "add+norm*w", "add+norm"])
+def test_rms_norm(env: Env, n: int, fused: str) -> None:
+    rows, stride = 3, n + 64  # strided rows: the kernel reads views
+    xa, ba, wa = randn(rows, stride) * 3, randn(rows, n), randn(n)
+    x, b, w = t("x", (rows, n)), t("b", (rows, n)), t("w", (n,))
+    vals: dict[Tensor, np.ndarray] = {x: np.ascontiguousarray(xa[:, :n]), b: ba, w: wa}
+    src = ops.add(x, b) if fused.startswith("add") else x
+    node = ops.rms_norm(src, 1e-5)
+    if fused.endswith("*w"):
+        node = ops.mul(node, w)
+    from llamapy.graph import Graph
+
+    for nd in Graph.build(node).nodes:
+        vals[nd] = reference(nd, [vals[s] for s in nd.src])
+    xd, bd, wd = env.d(xa), env.d(ba), env.d(wa)
+    y, s = env.full((rows, n), np.nan, np.float32), env.full((rows, n), np.nan, np.float32)
+    add = fused.startswith("add")
+    env.run(lambda st: env.k.rms_norm(st, env.p(xd), stride, env.p(y), n, rows, n, 1e-5, b=env.p(bd) if add else 0, sb=n,
+                                   sum_out=env.p(s) if add else 0, ss=n, w=env.p(wd) if fused.endswith("*w") else 0))  # fmt: skip
+    if add:
+        np.testing.assert_array_equal(env.get(s), vals[src], err_msg="the fused ADD's sum")
+    # the float32 mean differs from the reference's only when the float64 sums, in other orders,
+    # straddle a float32 rounding boundary: at most one ulp then
+    assert max_ulp(env.get(y), vals[node]) <= 1, f"{fused}: {max_ulp(env.get(y), vals[node])} ulps"
+
+
+def test_rms_norm_per_head_in_place(env: Env) -> None:
+    """qwen3/gemma3's Q/K norms: rows of one head (T*H rows of D), the weight (D,), in place."""
+    T, H, D = 4, 8, 128
+    xa, wa = randn(T, H, D), randn(D)
+    x, w = t("q", (T, H, D)), t("w", (D,))
+    n1 = ops.rms_norm(x, 1e-6)
+    ref = reference(ops.mul(n1, w), [reference(n1, [xa]), wa])
+    xd, wd = env.d(xa), env.d(wa)
+    env.run(lambda st: env.k.rms_norm(st, env.p(xd), D, env.p(xd), D, T * H, D, 1e-6, w=env.p(wd)))
+    assert max_ulp(env.get(xd), ref) <= 1
+
+
+# --- glu.cu, elementwise.cu --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+def test_glu_fused_halves(env: Env, op: str) -> None:
+    """gate and up read in place from one (T, 2F) product, as the fused ffn_gate_up gives them."""
+    T, F = 5, 1536
+    gu = randn(T, 2 * F) * (10 if op == "swiglu" else 6)
+    gu[0, :4] = [-200.0, 200.0, -1e30, 0.0]
+    gu[1, :4] = [-10.0, 10.0, -9.999, 9.999]  # geglu's clamped branches and their edges
+    g, u = t("g", (T, F)), t("u", (T, F))
+    ref = reference(ops.glu(g, u, op), [np.ascontiguousarray(gu[:, :F]), np.ascontiguousarray(gu[:, F:])])
+    gud = env.d(gu)
+    y = env.full((T, F), np.nan, np.float32)
+    env.run(lambda st: env.k.glu(st, op, env.p(gud), 2 * F, env.p(gud) + 4 * F, 2 * F, env.p(y), F, T, F))
+    got = env.get(y)
+    if op == "swiglu":  # expf within 2 ulp of numpy's: a few ulps after the division and product
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-37)
+    else:
+        # GELU's value is rounded to f16; near h = -5, 1 + tanh(...) cancels, so one ulp of tanh
+        # (tanhf against numpy's) moves it by up to |h| * 2^-24 before that rounding
+        upm = np.abs(gu[:, F:])
+        err = np.abs(got - ref)
+        assert np.all(err <= 2.0**-10 * np.abs(ref) + 1e-6 * upm), f"geglu: worst error {err.max():.3g}"
+        assert np.mean(got == ref) > 0.9
+
+
+@pytest.mark.parametrize("op", ["add", "mul", "scale"])
+def test_elementwise(env: Env, op: str) -> None:
+    rows, n = 7, 333
+    aa, ba = randn(rows, n + 3), randn(n)  # a strided, b one broadcast row
+    a, b = t("a", (rows, n)), t("b", (n,))
+    node = ops.scale(a, 0.125) if op == "scale" else getattr(ops, op)(a, b)
+    srcs = [np.ascontiguousarray(aa[:, :n])] + ([] if op == "scale" else [ba])
+    ref = reference(node, srcs)
+    ad, bd = env.d(aa), env.d(ba)
+    y = env.full((rows, n), np.nan, np.float32)
+    if op == "scale":
+        env.run(lambda st: env.k.scale(st, env.p(ad), n + 3, env.p(y), n, rows, n, 0.125))
+    else:
+        env.run(lambda st: env.k.binary(st, op, env.p(ad), n + 3, env.p(bd), 0, env.p(y), n, rows, n))
+    np.testing.assert_array_equal(env.get(y), ref)
+
+
+# --- GET_ROWS ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ALL_TYPES)
+def test_get_rows_weight_types(env: Env, name: str) -> None:
+    from gguf.quants import dequantize
+
+    n_rows, n_in = 37, 512
+    raw = np.ascontiguousarray(random_rows(name, n_rows, n_in, np.random.default_rng(3)))
+    full = dequantize(raw, G[name]).reshape(n_rows, n_in).astype(np.float32)
+    ids = np.array([36, 0, 5, 5, 20, 37], np.int32)  # 37: out of range -> NaN, nothing read
+    rd, idd = env.d(raw), env.d(ids)
+    y = env.zeros((len(ids), n_in + 32), np.float32)  # a strided destination
+    env.run(lambda st: env.k.get_rows(st, G[name], env.p(rd), raw.shape[1], n_rows, env.p(idd), env.p(y), n_in + 32, len(ids), n_in))
+    got = env.get(y)
+    assert np.array_equal(got[:5, :n_in].view(np.uint32), full[ids[:5]].view(np.uint32))
+    assert np.all(np.isnan(got[5, :n_in])) and np.all(got[:, n_in:] == 0)
+
+
+def test_get_rows_f32_rows(env: Env) -> None:
+    """The rows whose logits are wanted (inp_out_ids): float32 rows of any width, strided."""
+    table = randn(9, 70)
+    ids = np.array([8, 0, 3], np.int32)
+    x, i = t("x", (9, 67)), t("ids", (3,), G.I32)
+    ref = reference(ops.get_rows(x, i), [np.ascontiguousarray(table[:, :67]), ids])
+    td, idd = env.d(table), env.d(ids)
+    y = env.full((3, 67), np.nan, np.float32)
+    env.run(lambda st: env.k.get_rows_f32(st, env.p(td), 70, 9, env.p(idd), env.p(y), 67, 3, 67))
+    np.testing.assert_array_equal(env.get(y), ref)
+
+
+# --- rope.cu -----------------------------------------------------------------------------------
+
+POS = np.array([0, 1, 7, 300, 4095], np.int32)
+
+
+def _rope_ref(xa: np.ndarray, n_dims: int, mode: int, base: float, ff: np.ndarray | None) -> np.ndarray:
+    T, H, D = xa.shape
+    x, pos = t("x", (T, H, D)), t("pos", (T,), G.I32)
+    f = t("ff", (n_dims // 2,)) if ff is not None else None
+    node = ops.rope(x, pos, n_dims, base, 1.0, f, mode=mode)
+    return reference(node, [xa, POS[:T]] + ([ff] if ff is not None else []))
+
+
+def _check_rope(got: np.ndarray, ref: np.ndarray) -> None:
+    # the same float32 angles (the recurrence, bit for bit); cos/sin in float64 on both sides,
+    # rounded to float32: an ulp apart at most, rarely
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
+    assert np.mean(got == ref) > 0.99, f"only {np.mean(got == ref):.4f} of the values are the reference's bits"
+
+
+@pytest.mark.parametrize("mode", [0, 2])
+@pytest.mark.parametrize("factors", [False, True])
+@pytest.mark.parametrize("n_dims", [64, 32])
+def test_rope(env: Env, mode: int, factors: bool, n_dims: int) -> None:
+    T, H, D = 5, 3, 64
+    xa = randn(T, H, D)
+    ff = rng.uniform(1, 8, n_dims // 2).astype(np.float32) if factors else None
+    ref = _rope_ref(xa, n_dims, mode, 10000.0, ff)
+    xd, posd = env.d(xa), env.d(POS)
+    ffd = env.d(ff) if ff is not None else None
+    y = env.full((T, H, D), np.nan, np.float32)
+    env.run(lambda st: env.k.rope(st, env.p(xd), H * D, D, env.p(y), H * D, D, T, H, D, pos=env.p(posd), n_dims=n_dims, mode=mode,
+                               freq_base=10000.0, factors=env.p(ffd) if ffd is not None else 0))  # fmt: skip
+    _check_rope(env.get(y), ref)
+    # in place, from a strided view (Q in a fused QKV product's output: row stride > H*D)
+    big = np.zeros((T, H * D + 32), np.float32)
+    big[:, : H * D] = xa.reshape(T, -1)
+    bd = env.d(big)
+    env.run(lambda st: env.k.rope(st, env.p(bd), H * D + 32, D, env.p(bd), H * D + 32, D, T, H, D, pos=env.p(posd), n_dims=n_dims,
+                               mode=mode, freq_base=10000.0, factors=env.p(ffd) if ffd is not None else 0))  # fmt: skip
+    got = env.get(bd)
+    _check_rope(got[:, : H * D].reshape(T, H, D), ref)
+    assert np.all(got[:, H * D :] == 0)
+
+
+def _cache_tensor(n_cells: int, width: int, typ: G, rot: int) -> tuple[Tensor, np.ndarray]:
+    c = Tensor("cache", (n_cells, width), typ)
+    if rot:
+        c.params["rot"] = rot
+    shape, dt = storage(typ, (n_cells, width))
+    init = rng.integers(0, 256, (n_cells, int(np.prod(shape[1:])) * np.dtype(dt).itemsize), dtype=np.uint8)
+    return c, np.ascontiguousarray(init).view(dt).reshape(shape)
+
+
+def _set_rows_ref(cache_t: Tensor, cache0: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    i, s = t("ids", ids.shape, G.I64), t("src", rows.shape)
+    node = ops.set_rows(cache_t, i, s)
+    return np.asarray(reference(node, [cache0.copy(), ids, rows]))
+
+
+CACHES = [(G.F32, 0), (G.F16, 0), (G.Q8_0, 0), (G.Q4_0, 0), (G.Q8_0, 64), (G.Q4_0, 64), (G.Q8_0, 128)]
+
+
+@pytest.mark.parametrize("typ,rot", CACHES, ids=[f"{c.name}-rot{r}" for c, r in CACHES])
+def test_set_rows(env: Env, typ: G, rot: int) -> None:
+    """The V store: rows of Hkv heads of D copied (mode -1) into cells ids, quantized and rotated
+    as kernels.set_rows; a cell outside the cache is not written."""
+    T, Hkv, D, N = 4, 2, 128, 16
+    rows = randn(T, Hkv * D) * 2
+    rows[1, :32] = 0.0  # an all-zero block: d = 0
+    ids = np.array([5, 0, 15, 9], np.int64)
+    cache_t, cache0 = _cache_tensor(N, Hkv * D, typ, rot)
+    ref = _set_rows_ref(cache_t, cache0, ids, rows)
+    cd, rd = env.d(cache0), env.d(rows)
+    ids_dev = env.d(np.array([5, 0, 15, 99], np.int64))  # 99: outside -> row 3 skipped
+    rb = cache0.reshape(N, -1).view(np.uint8).shape[1]
+    env.run(lambda st: env.k.rope(st, env.p(rd), Hkv * D, D, 0, 0, 0, T, Hkv, D, cache_type=typ, ids=env.p(ids_dev), n_cells=N,
+                               cache=env.p(cd), cache_rb=rb, rot=rot))  # fmt: skip
+    got = env.get(cd).reshape(N, -1).view(np.uint8)
+    want = ref.reshape(N, -1).view(np.uint8).copy()
+    want[9] = cache0.reshape(N, -1).view(np.uint8)[9]  # the skipped row keeps its bytes
+    bad = np.flatnonzero(np.any(got != want, axis=1))
+    assert bad.size == 0, f"{typ.name} rot {rot}: rows {bad.tolist()} differ"
+
+
+@pytest.mark.parametrize("typ,rot", CACHES, ids=[f"{c.name}-rot{r}" for c, r in CACHES])
+def test_rope_with_k_store(env: Env, typ: G, rot: int) -> None:
+    """ROPE of K and its store into the cache in one launch: the float32 output as the reference
+    ROPE, the stored row as the reference SET_ROWS of that output (bit for bit)."""
+    T, Hkv, D, N = 5, 2, 128, 16
+    xa = randn(T, Hkv, D)
+    ref = _rope_ref(xa, D, 2, 1e6, None)
+    ids = np.array([3, 4, 5, 6, 7], np.int64)
+    cache_t, cache0 = _cache_tensor(N, Hkv * D, typ, rot)
+    xd, posd, idd, cd = env.d(xa), env.d(POS), env.d(ids), env.d(cache0)
+    y = env.full((T, Hkv, D), np.nan, np.float32)
+    rb = cache0.reshape(N, -1).view(np.uint8).shape[1]
+    env.run(lambda st: env.k.rope(st, env.p(xd), Hkv * D, D, env.p(y), Hkv * D, D, T, Hkv, D, pos=env.p(posd), n_dims=D, mode=2,
+                               freq_base=1e6, cache_type=typ, ids=env.p(idd), n_cells=N, cache=env.p(cd), cache_rb=rb,
+                               rot=rot))  # fmt: skip
+    got_y = env.get(y)
+    _check_rope(got_y, ref)
+    want = _set_rows_ref(cache_t, cache0, ids, got_y.reshape(T, -1))
+    assert np.array_equal(env.get(cd).reshape(N, -1).view(np.uint8), want.reshape(N, -1).view(np.uint8))
+
+
+@pytest.mark.parametrize("kt,vt,rot", [(G.F16, G.F16, 0), (G.Q8_0, G.Q4_0, 64), (G.F32, G.Q8_0, 0)])
+def test_rope_qkv_is_three_launches(env: Env, kt: G, vt: G, rot: int) -> None:
+    """rope_qkv (Q rope, K rope + store, V store in one launch from a fused QKV row) gives the
+    bits of the three separate launches."""
+    T, H, Hkv, D, N = 3, 8, 2, 128, 16
+    W = (H + 2 * Hkv) * D
+    qkv = env.d(randn(T, W + 8))  # row stride W + 8
+    sxt = W + 8
+    pos, ids = env.d(POS[:T]), env.d(np.array([2, 7, 11], np.int64))
+    ct_k, k0 = _cache_tensor(N, Hkv * D, kt, rot if kt in (G.Q8_0, G.Q4_0) else 0)
+    ct_v, v0 = _cache_tensor(N, Hkv * D, vt, rot if vt in (G.Q8_0, G.Q4_0) else 0)
+    krot, vrot = ct_k.params.get("rot", 0), ct_v.params.get("rot", 0)
+    rb_k, rb_v = k0.reshape(N, -1).view(np.uint8).shape[1], v0.reshape(N, -1).view(np.uint8).shape[1]
+    outs = []
+    for fused in (False, True):
+        kc, vc, qo = env.d(k0), env.d(v0), env.full((T, H, D), np.nan, np.float32)
+        b = env.p(qkv)
+        kb, vb = b + 4 * H * D, b + 4 * (H + Hkv) * D
+        rope = dict(pos=env.p(pos), n_dims=D, mode=2, freq_base=1e6)
+        if fused:
+            env.run(lambda st: env.k.rope_qkv(st, b, kb, vb, sxt, env.p(qo), H * D, T, H, Hkv, D, D, **rope,
+                                              ids=env.p(ids), n_cells=N, k_type=kt, k_cache=env.p(kc), k_rb=rb_k,
+                                              k_rot=krot, v_type=vt, v_cache=env.p(vc), v_rb=rb_v, v_rot=vrot))  # fmt: skip
+        else:
+            def three(st: Any) -> None:
+                env.k.rope(st, b, sxt, D, env.p(qo), H * D, D, T, H, D, **rope)
+                env.k.rope(st, kb, sxt, D, 0, 0, 0, T, Hkv, D, **rope, cache_type=kt, ids=env.p(ids), n_cells=N,
+                           cache=env.p(kc), cache_rb=rb_k, rot=krot)  # fmt: skip
+                env.k.rope(st, vb, sxt, D, 0, 0, 0, T, Hkv, D, cache_type=vt, ids=env.p(ids), n_cells=N,
+                           cache=env.p(vc), cache_rb=rb_v, rot=vrot)  # fmt: skip
+
+            env.run(three)
+        outs.append([env.get(a).reshape(-1).view(np.uint8) for a in (qo, kc, vc)])
+    for name, a, b2 in zip(("Q", "K cache", "V cache"), *outs):
+        assert np.array_equal(a, b2), f"{name} differs between rope_qkv and three launches"
+    assert not np.array_equal(outs[0][1], k0.reshape(-1).view(np.uint8))  # something was stored
+
+
+# --- fattn.cu ----------------------------------------------------------------------------------
+
+
+def _cache_values(x: np.ndarray, typ: G, rot: int) -> np.ndarray:
+    """(N, Hkv, D) float32 -> the cache's stored form, (N, Hkv, D) or (N, Hkv, bytes)."""
+    from llamapy.quants import rotate
+
+    if typ == G.F32:
+        return x
+    if typ == G.F16:
+        return x.astype(np.float16)
+    n, h, dd = x.shape
+    rows = rotate(x.reshape(n * h, dd), rot) if rot else x.reshape(n * h, dd)
+    return np.asarray(quantize(rows, typ)).reshape(n, h, -1)
+
+
+FA_CASES = [
+    # kt, vt, T, H, Hkv, D, n_cells, n_kv, rot_k, rot_v
+    (G.F16, G.F16, 1, 9, 3, 64, 300, 256, 0, 0),
+    (G.F32, G.F32, 2, 4, 4, 64, 100, 100, 0, 0),
+    (G.F16, G.F16, 1, 32, 8, 128, 4096, 3000, 0, 0),
+    (G.F16, G.F16, 3, 8, 4, 256, 512, 300, 0, 0),
+    (G.Q8_0, G.Q8_0, 1, 8, 2, 128, 600, 513, 128, 64),
+    (G.Q4_0, G.Q4_0, 1, 8, 2, 128, 600, 513, 128, 64),
+    (G.Q8_0, G.Q8_0, 2, 8, 2, 64, 200, 200, 0, 0),
+    (G.F16, G.Q4_0, 3, 4, 2, 64, 300, 256, 0, 64),
+    (G.Q8_0, G.F16, 5, 4, 2, 64, 300, 256, 64, 0),
+    (G.Q4_0, G.F32, 1, 4, 1, 96, 300, 77, 0, 0),
+    (G.F16, G.F16, 40, 4, 2, 64, 300, 200, 0, 0),  # a prompt: causal (below)
+]
+
+
+@pytest.mark.parametrize("case", FA_CASES, ids=lambda c: f"{c[0].name}-{c[1].name}-T{c[2]}-H{c[3]}/{c[4]}-D{c[5]}-n{c[7]}of{c[6]}-rot{c[8]}/{c[9]}")
+@pytest.mark.parametrize("split", ["one", "split"])
+@pytest.mark.parametrize("n_kv_on_device", [False, True])
+def test_flash_attn_ext(env: Env, case: tuple, split: str, n_kv_on_device: bool) -> None:
+    kt, vt, T, H, Hkv, D, N, n_kv, rot_k, rot_v = case
+    work = H * n_kv * T  # the emulator runs ~10k of these a second
+    if env.name == "emu" and not os.environ.get("LLAMAPY_EMU_ALL"):
+        if work > 50000 or (work > 20000 and (split, n_kv_on_device) != ("split", True)):
+            pytest.skip("seconds on the CPU emulator: runs on the GPU (LLAMAPY_EMU_ALL=1 runs it here)")
+    q = randn(T, H, D)
+    kf, vf = randn(N, Hkv, D), randn(N, Hkv, D)
+    kv_k, kv_v = _cache_values(kf, kt, rot_k), _cache_values(vf, vt, rot_v)
+    mask = np.where(rng.random((T, n_kv)) < 0.3, -np.inf, 0.0).astype(np.float32)
+    mask[:, 0] = 0.0
+    if T >= 32:  # a prompt of T tokens after n_kv - T cells of history: causal, whole tiles hidden
+        mask = np.where(np.arange(n_kv)[None, :] <= np.arange(n_kv - T, n_kv)[:, None] - 100 * (np.arange(T)[:, None] % 3 == 0), 0.0, -np.inf).astype(np.float32)
+    elif n_kv > 200:
+        mask[0, 64:200] = -np.inf  # whole tiles masked: a split may see no visible cell
+    tk, tv = Tensor("k", (N, Hkv, D), kt), Tensor("v", (N, Hkv, D), vt)
+    if rot_k:
+        tk.params["rot"] = rot_k
+    if rot_v:
+        tv.params["rot"] = rot_v
+    node = ops.flash_attn_ext(t("q", (T, H, D)), tk, tv, t("m", (T, N)))
+    ref = np.asarray(reference(node, [q, kv_k, kv_v, mask]))  # attends to the mask's n_kv cells
+
+    s = 1 if split == "one" else fattn_splits(T, Hkv, N, env.k.n_sm)
+    scratch = env.zeros(max(1, fattn_scratch_floats(T, H, D, s)), np.float32)
+    # the mask in a slot as wide as the cache (stride N), or compact (stride 0 = n_kv)
+    mslot = np.full((T, N), np.nan, np.float32)
+    mslot[:, :n_kv] = mask
+    md = env.d(mslot) if n_kv_on_device else env.d(mask)
+    sm = N if n_kv_on_device else 0
+    nd = env.d(np.array([n_kv], np.int32))
+    qd, kd, vd = env.d(q), env.d(kv_k), env.d(kv_v)
+    out = env.full((T, H, D), np.nan, np.float32)
+    k_cb, k_hb = kv_k.strides[0], kv_k.strides[1]
+    v_cb, v_hb = kv_v.strides[0], kv_v.strides[1]
+    env.run(lambda st: env.k.flash_attn_ext(
+        st, env.p(qd), H * D, D, kt, env.p(kd), k_cb, k_hb, vt, env.p(vd), v_cb, v_hb, N, env.p(md), sm, env.p(out), H * D, D, T, H,
+        Hkv, D, D, node.params["scale"], n_kv=0 if n_kv_on_device else n_kv, n_kv_dev=env.p(nd) if n_kv_on_device else 0,
+        n_splits=s, scratch=env.p(scratch), rot_k=rot_k, rot_v=rot_v))  # fmt: skip
+    got = env.get(out)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=2e-6)
+
+
+# --- the matrix-vector products ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["F16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_mul_mat_vec(env: Env, name: str) -> None:
+    from gguf.quants import dequantize
+
+    n_out, n_in, n_tok = 300, 1280, 3
+    raw = np.ascontiguousarray(random_rows(name, n_out, n_in, np.random.default_rng(4)))
+    w64 = dequantize(raw, G[name]).reshape(n_out, n_in).astype(np.float64)
+    x = randn(n_tok, n_in)
+    rd, xd = env.d(raw), env.d(x)
+    y = env.full((n_tok, n_out), np.nan, np.float32)
+    env.run(lambda st: env.k.mul_mat_vec(st, G[name], env.p(rd), raw.shape[1], n_out, n_in, env.p(xd), env.p(y), n_tok))
+    scale = np.abs(x).astype(np.float64) @ np.abs(w64).T
+    err = np.abs(env.get(y) - x.astype(np.float64) @ w64.T)
+    assert np.all(err <= 1e-5 * scale + 1e-30)  # test_cuda_ops.test_matmul's bound
+
+
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q4_1", "Q8_0"])
+def test_mul_mat_vec_glu_epilogue(env: Env, name: str, op: str) -> None:
+    """The gate/up product with its GLU as epilogue gives the bits of the product, then glu."""
+    n_ff, n_in, n_tok = 96, 512, 2
+    raw = np.ascontiguousarray(random_rows(name, 2 * n_ff, n_in, np.random.default_rng(5)))
+    x = randn(n_tok, n_in) * 3
+    rd, xd = env.d(raw), env.d(x)
+    gu = env.full((n_tok, 2 * n_ff), np.nan, np.float32)
+    sep = env.full((n_tok, n_ff), np.nan, np.float32)
+    fused = env.full((n_tok, n_ff), np.nan, np.float32)
+    rb = raw.shape[1]
+
+    def separate(st: Any) -> None:
+        env.k.mul_mat_vec(st, G[name], env.p(rd), rb, 2 * n_ff, n_in, env.p(xd), env.p(gu), n_tok)
+        env.k.glu(st, op, env.p(gu), 2 * n_ff, env.p(gu) + 4 * n_ff, 2 * n_ff, env.p(sep), n_ff, n_tok, n_ff)
+
+    env.run(separate)
+    env.run(lambda st: env.k.mul_mat_vec_glu(st, op, G[name], env.p(rd), rb, n_ff, n_in, env.p(xd), env.p(fused), n_tok))
+    a, b = env.get(sep), env.get(fused)
+    assert np.all(np.isfinite(a)) and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+# --- one CUDA graph, replayed ------------------------------------------------------------------
+
+
+def test_captured_graph_replays_over_history_lengths(env: Env) -> None:
+    """A decode layer's attention part (ROPE of Q; ROPE + store of K; store of V; split attention
+    with n_kv, positions and cells read from device memory) captured once as a CUDA graph, then
+    replayed with new inputs copied in: each replay equals the reference of that step."""
+    H, Hkv, D, N = 8, 2, 64, 512
+    scale = 1.0 / np.sqrt(D)
+    s = fattn_splits(1, Hkv, N, env.k.n_sm)
+    cache_k = env.zeros((N, Hkv, D), np.float16)
+    cache_v = env.zeros((N, Hkv, D), np.float16)
+    qkv = env.zeros((1, (H + 2 * Hkv) * D), np.float32)  # the fused QKV product's row
+    pos, cell = env.zeros(1, np.int32), env.zeros(1, np.int64)
+    n_kv = env.zeros(1, np.int32)
+    mask = env.zeros((1, N), np.float32)
+    qr = env.zeros((1, H, D), np.float32)
+    out = env.zeros((1, H, D), np.float32)
+    scratch = env.zeros(fattn_scratch_floats(1, H, D, s), np.float32)
+    W = (H + 2 * Hkv) * D
+    kb, vb = env.p(qkv) + 4 * H * D, env.p(qkv) + 4 * (H + Hkv) * D
+
+    def layer(st: Any) -> None:
+        rope = dict(pos=env.p(pos), n_dims=D, mode=0, freq_base=10000.0)
+        env.k.rope(st, env.p(qkv), W, D, env.p(qr), H * D, D, 1, H, D, **rope)
+        env.k.rope(st, kb, W, D, 0, 0, 0, 1, Hkv, D, **rope, cache_type=G.F16, ids=env.p(cell), n_cells=N, cache=env.p(cache_k),
+               cache_rb=Hkv * D * 2)  # fmt: skip
+        env.k.rope(st, vb, W, D, 0, 0, 0, 1, Hkv, D, cache_type=G.F16, ids=env.p(cell), n_cells=N, cache=env.p(cache_v),
+               cache_rb=Hkv * D * 2)  # fmt: skip
+        env.k.flash_attn_ext(st, env.p(qr), H * D, D, G.F16, env.p(cache_k), Hkv * D * 2, D * 2, G.F16, env.p(cache_v), Hkv * D * 2,
+                         D * 2, N, env.p(mask), N, env.p(out), H * D, D, 1, H, Hkv, D, D, scale, n_kv_dev=env.p(n_kv), n_splits=s,
+                         scratch=env.p(scratch))  # fmt: skip
+
+    replay = env.capture(layer)
+    kf = np.zeros((N, Hkv, D), np.float32)
+    vf = np.zeros((N, Hkv, D), np.float32)
+    for step, (position, n) in enumerate([(0, 1), (1, 2), (2, 3), (300, 301), (301, 302)]):
+        row = randn(1, W)
+        if step == 3:  # a jump: cells 3..299 filled on the host (as a prompt would have)
+            kf[3:300], vf[3:300] = randn(297, Hkv, D), randn(297, Hkv, D)
+            cache_k[3:300] = env.d(kf[3:300].astype(np.float16))
+            cache_v[3:300] = env.d(vf[3:300].astype(np.float16))
+        qkv[...] = env.d(row)
+        pos[...] = position
+        cell[...] = position
+        n_kv[...] = n
+        mask[...] = 0.0
+        replay()
+        q3 = row[:, : H * D].reshape(1, H, D)
+        kq = _rope_ref_at(row[:, H * D : (H + Hkv) * D].reshape(1, Hkv, D), position)
+        kf[position], vf[position] = kq[0], row[0, (H + Hkv) * D :].reshape(Hkv, D)
+        tq, tk, tv = t("q", (1, H, D)), Tensor("k", (N, Hkv, D), G.F16), Tensor("v", (N, Hkv, D), G.F16)
+        node = ops.flash_attn_ext(tq, tk, tv, t("m", (1, N)))
+        ref = reference(node, [_rope_ref_at(q3, position), kf.astype(np.float16), vf.astype(np.float16),
+                               np.zeros((1, n), np.float32)])  # fmt: skip
+        np.testing.assert_allclose(env.get(out), ref, rtol=1e-4, atol=2e-6, err_msg=f"replay {step}, {n} cells")
+
+
+def _rope_ref_at(xa: np.ndarray, position: int) -> np.ndarray:
+    T, H, D = xa.shape
+    x, pos = t("x", (T, H, D)), t("pos", (T,), G.I32)
+    return reference(ops.rope(x, pos, D, 10000.0, 1.0, None, mode=0), [xa, np.array([position], np.int32)])
+
+
+# --- a whole decode layer from the kernels -----------------------------------------------------
+
+
+def test_decode_layer_from_kernels(env: Env) -> None:
+    """One llama decode layer as the compiled GPU split launches it, 9 kernels (+ the attention
+    combine): RMS_NORM x w -> QKV product -> rope_qkv (Q rope, K rope + store, V store) ->
+    attention over the history -> output product -> ADD + RMS_NORM x w (the sum kept) -> gate/up
+    product with SwiGLU -> down product -> ADD; against the same layer in numpy from the
+    reference ops (weights expanded by gguf-py), after 40 cells of history."""
+    from gguf.quants import dequantize
+
+    E, H, Hkv, D, F, N, n_past = 256, 8, 2, 32, 512, 64, 40
+    QKV = (H + 2 * Hkv) * D
+    r = np.random.default_rng(9)
+
+    def weight(rows: int, cols: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+        raw = np.ascontiguousarray(random_rows(name, rows, cols, r))
+        return raw, dequantize(raw, G[name]).reshape(rows, cols).astype(np.float32)
+
+    (wqkv, wqkv_f), (wo, wo_f) = weight(QKV, E, "Q4_K"), weight(E, H * D, "Q8_0")
+    (wgu, wgu_f), (wd, wd_f) = weight(2 * F, E, "Q4_K"), weight(E, F, "Q6_K")
+    n1, n2 = (1 + 0.1 * r.standard_normal(E)).astype(np.float32), (1 + 0.1 * r.standard_normal(E)).astype(np.float32)
+    x = r.standard_normal((1, E)).astype(np.float32)
+    kc0 = (r.standard_normal((N, Hkv * D)) * 0.5).astype(np.float16)
+    vc0 = r.standard_normal((N, Hkv * D)).astype(np.float16)
+    eps, base = 1e-5, 10000.0
+
+    # numpy: the reference ops, in float32
+    def ref_op(node: Tensor, *vals: np.ndarray) -> np.ndarray:
+        return np.asarray(reference(node, list(vals)))
+
+    tx = t("x", (1, E))
+    h = ref_op(ops.mul(tx, t("w", (E,))), ref_op(ops.rms_norm(tx, eps), x), n1)
+    qkv = h @ wqkv_f.T
+    q3, k3 = qkv[:, : H * D].reshape(1, H, D), qkv[:, H * D : (H + Hkv) * D].reshape(1, Hkv, D)
+    rp = {"n_dims": D, "freq_base": base}
+    q3 = ref_op(ops.rope(t("q", (1, H, D)), t("p", (1,), G.I32), **rp), q3, np.array([n_past], np.int32))
+    k3 = ref_op(ops.rope(t("k", (1, Hkv, D)), t("p", (1,), G.I32), **rp), k3, np.array([n_past], np.int32))
+    kc, vc = kc0.copy(), vc0.copy()
+    kc[n_past], vc[n_past] = k3.reshape(-1), qkv[0, (H + Hkv) * D :]
+    att = ref_op(ops.flash_attn_ext(t("q", (1, H, D)), Tensor("k", (N, Hkv, D), G.F16), Tensor("v", (N, Hkv, D), G.F16),
+                                    t("m", (1, N))),
+                 q3, kc.reshape(N, Hkv, D), vc.reshape(N, Hkv, D), np.zeros((1, n_past + 1), np.float32))  # fmt: skip
+    x1 = x + att.reshape(1, -1) @ wo_f.T
+    h2 = ref_op(ops.mul(tx, t("w", (E,))), ref_op(ops.rms_norm(tx, eps), x1), n2)
+    gu = h2 @ wgu_f.T
+    g = ref_op(ops.swiglu(t("g", (1, F)), t("u", (1, F))), gu[:, :F], gu[:, F:])
+    want = x1 + g @ wd_f.T
+
+    # the kernels
+    dv = {n: env.d(a) for n, a in dict(wqkv=wqkv, wo=wo, wgu=wgu, wd=wd, n1=n1, n2=n2, x=x, kc=kc0, vc=vc0).items()}
+    pos, cell, n_kv = env.d(np.array([n_past], np.int32)), env.d(np.array([n_past], np.int64)), env.d(np.array([n_past + 1], np.int32))
+    mask = env.d(np.zeros((1, N), np.float32))
+    bufs = {n: env.full(shape, np.nan, np.float32) for n, shape in
+            dict(h=(1, E), qkv=(1, QKV), q=(1, H, D), att=(1, H * D), o=(1, E), x1=(1, E), h2=(1, E), g=(1, F),
+                 d=(1, E), out=(1, E)).items()}  # fmt: skip
+    s = fattn_splits(1, Hkv, N, env.k.n_sm)
+    scratch = env.zeros(max(1, fattn_scratch_floats(1, H, D, s)), np.float32)
+    P = {n: env.p(a) for n, a in {**dv, **bufs}.items()}
+
+    def layer(st: Any) -> None:
+        k = env.k
+        k.rms_norm(st, P["x"], E, P["h"], E, 1, E, eps, w=P["n1"])
+        k.mul_mat_vec(st, G.Q4_K, P["wqkv"], wqkv.shape[1], QKV, E, P["h"], P["qkv"], 1)
+        k.rope_qkv(st, P["qkv"], P["qkv"] + 4 * H * D, P["qkv"] + 4 * (H + Hkv) * D, QKV, P["q"], H * D, 1, H, Hkv, D,
+                   D, pos=env.p(pos), n_dims=D, mode=0, freq_base=base, ids=env.p(cell), n_cells=N, k_type=G.F16,
+                   k_cache=P["kc"], k_rb=Hkv * D * 2, v_type=G.F16, v_cache=P["vc"], v_rb=Hkv * D * 2)  # fmt: skip
+        k.flash_attn_ext(st, P["q"], H * D, D, G.F16, P["kc"], Hkv * D * 2, D * 2, G.F16, P["vc"], Hkv * D * 2, D * 2, N,
+                         env.p(mask), N, P["att"], H * D, D, 1, H, Hkv, D, D, 1.0 / np.sqrt(D), n_kv_dev=env.p(n_kv),
+                         n_splits=s, scratch=env.p(scratch))  # fmt: skip
+        k.mul_mat_vec(st, G.Q8_0, P["wo"], wo.shape[1], E, H * D, P["att"], P["o"], 1)
+        k.rms_norm(st, P["x"], E, P["h2"], E, 1, E, eps, b=P["o"], sb=E, sum_out=P["x1"], ss=E, w=P["n2"])
+        k.mul_mat_vec_glu(st, "swiglu", G.Q4_K, P["wgu"], wgu.shape[1], F, E, P["h2"], P["g"], 1)
+        k.mul_mat_vec(st, G.Q6_K, P["wd"], wd.shape[1], E, F, P["g"], P["d"], 1)
+        k.binary(st, "add", P["x1"], E, P["d"], E, P["out"], E, 1, E)
+
+    env.run(layer)
+    np.testing.assert_allclose(env.get(bufs["x1"]), x1, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(env.get(bufs["out"]), want, rtol=1e-4, atol=1e-4)
+    got_k = env.get(dv["kc"])
+    assert np.array_equal(np.delete(got_k, n_past, 0), np.delete(kc0, n_past, 0))  # one cell written
+    np.testing.assert_allclose(got_k[n_past].astype(np.float32), kc[n_past].astype(np.float32), rtol=2e-3, atol=1e-3)

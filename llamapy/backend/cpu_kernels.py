@@ -72,6 +72,8 @@ def _rope_consts(node: Tensor, s: list[Any]) -> tuple[np.ndarray, int, int]:
 
 
 def _c_rope(node: Tensor, s: list[Any], xp: Any) -> Any:
+    if "yarn" in node.params:  # YaRN's ramp and magnitude scale: the reference (not yet in C)
+        return KERNELS[Op.ROPE](node, s, xp)
     x = np.ascontiguousarray(s[0], dtype=np.float32)  # (T, H, D)
     pos = np.ascontiguousarray(s[1], dtype=np.int32)
     inv, n_dims, neox = _rope_consts(node, s)
@@ -87,6 +89,8 @@ KV_CODES = {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q8_0: 2, GGMLType.Q4_0: 3
 
 def c_flash_attn_ext(node: Tensor, s: list[Any], xp: Any, n_threads: int = 1) -> Any:
     """FLASH_ATTN_EXT in C (lp_attend / lp_attend_f16 / lp_attend_q) on up to n_threads threads."""
+    if len(s) > 4:  # attention sinks (gpt-oss): the reference (not yet in C)
+        return KERNELS[Op.FLASH_ATTN_EXT](node, s, xp)
     s = attended(s)
     kt, vt = node.src[1].type, node.src[2].type
     if kt in KV_QUANT_TYPES or vt in KV_QUANT_TYPES:

@@ -455,6 +455,10 @@ class _Compiler:
                 code = GET_ROWS_B
             if op is Op.GLU and n.params.get("op") != "swiglu":
                 raise Refused(f"GLU {n.params.get('op')}")
+            if op is Op.ROPE and "yarn" in n.params:
+                raise Refused(f"ROPE {n.name} with YaRN")
+            if op is Op.FLASH_ATTN_EXT and len(n.src) > 4:
+                raise Refused(f"FLASH_ATTN_EXT {n.name} with sinks")
             if op is Op.RMS_NORM:
                 self._fuse_add_norm(n)
                 continue

@@ -69,6 +69,15 @@ def add(node: Tensor, s: list[Any], xp: Any) -> Any:
     return s[0] + _as_f32(xp, s[1])
 
 
+def add_id(node: Tensor, s: list[Any], xp: Any) -> Any:
+    """a (T, U, M) + b[ids] (ggml_add_id): each (token, slot)'s row of b by its expert id."""
+    a, b, ids = s
+    flat = ids.reshape(-1).astype(xp.int64)  # (T*U,)
+    # a 2-D weight is a WeightMatrix (interface.py): its rows by id, as GET_ROWS reads them
+    rows = _as_f32(xp, b)[flat] if isinstance(b, xp.ndarray) else b.get_rows(flat)  # (T*U, M)
+    return a + rows.reshape(a.shape)  # (T, U, M)
+
+
 def div(node: Tensor, s: list[Any], xp: Any) -> Any:
     return s[0] / _as_f32(xp, s[1])
 
@@ -93,8 +102,15 @@ def scale(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 def glu(node: Tensor, s: list[Any], xp: Any) -> Any:
     gate, up = s
-    if node is not None and node.params.get("op", "swiglu") == "geglu":  # no node: swiglu (direct calls)
+    op = "swiglu" if node is None else node.params.get("op", "swiglu")  # no node: swiglu (direct calls)
+    if op == "geglu":
         return gelu(xp, gate) * up
+    if op == "swiglu_oai":  # ggml's swiglu_oai, f32 throughout as ggml-cpu computes it
+        lim, alpha = xp.float32(node.params["limit"]), xp.float32(node.params["alpha"])
+        x = xp.minimum(gate, lim)
+        y = xp.clip(up, -lim, lim)
+        with np.errstate(over="ignore"):
+            return (x / (xp.float32(1.0) + xp.exp(alpha * -x))) * (y + xp.float32(1.0))
     # silu(g) = g / (1 + exp(-g)) as ggml: below g ~ -88.7 exp overflows to inf and the result is -0
     with np.errstate(over="ignore"):
         return (gate / (1.0 + xp.exp(-gate))) * up
@@ -185,19 +201,19 @@ _rope_tables: dict[tuple, tuple] = {}
 
 
 def rope_cos_sin(
-    xp: Any, pos: Any, n_dims: int, base: float, freq_scale: float, factors: Any | None
+    xp: Any, pos: Any, n_dims: int, base: float, freq_scale: float, factors: Any | None, yarn: tuple = ()
 ) -> tuple[Any, Any]:
     """cos/sin tables (n_tokens, n_dims/2) for llama.cpp's rope (ggml rope_cache_init).
 
     Every layer's Q and K rope the same positions: the tables are kept while the same position
     array is alive (the key holds a reference, so an id cannot be reused meanwhile)."""
-    key = (id(pos), id(factors), n_dims, base, freq_scale)
+    key = (id(pos), id(factors), n_dims, base, freq_scale, yarn)
     hit = _rope_tables.get(key)
     if hit is not None and hit[0] is pos and hit[1]() is factors:
         return hit[2], hit[3]
     if len(_rope_tables) > 8:
         _rope_tables.clear()
-    cos, sin = _rope_tables_compute(xp, pos, n_dims, base, freq_scale, factors)
+    cos, sin = _rope_tables_compute(xp, pos, n_dims, base, freq_scale, factors, yarn)
     # rope_freqs is a weight (a view of the model's mapping): held weakly, so that a closed
     # model's file is not kept mapped by this table
     try:
@@ -216,8 +232,21 @@ def rope_consts(n_dims: int, base: float, freq_scale: float, factors: Any | None
     return np.ascontiguousarray(np.concatenate([np.array([base, freq_scale], np.float32), ff]))
 
 
+def yarn_corr_dims(n_dims: int, n_ctx_orig: int, base: float, beta_fast: float, beta_slow: float) -> tuple[float, float]:
+    """The pairs YaRN ramps between (ggml_rope_yarn_corr_dims): below the first it extrapolates
+    (the trained frequency), above the second it interpolates (scaled by freq_scale); f32 as ggml."""
+    f = np.float32
+
+    def corr_dim(n_rot: float) -> np.float32:
+        num = f(n_dims) * f(np.log(f(f(n_ctx_orig) / (f(n_rot) * f(2) * f(np.pi)))))
+        return f(num / (f(2) * f(np.log(f(base)))))
+
+    lo, hi = np.floor(corr_dim(beta_fast)), np.ceil(corr_dim(beta_slow))
+    return float(max(f(0), lo)), float(min(f(n_dims - 1), hi))
+
+
 def _rope_tables_compute(
-    xp: Any, pos: Any, n_dims: int, base: float, freq_scale: float, factors: Any | None
+    xp: Any, pos: Any, n_dims: int, base: float, freq_scale: float, factors: Any | None, yarn: tuple = ()
 ) -> tuple[Any, Any]:
     # the angles as ggml's rope_cache_init rounds them (bit for bit; any other rounding flips q8
     # activation roundings downstream): theta_scale = powf(base, -2.0f/n_dims) (correctly rounded
@@ -230,11 +259,25 @@ def _rope_tables_compute(
     theta = xp.cumprod(steps, axis=1)
     if factors is not None:
         theta = theta / _as_f32(xp, factors)[:half]
+    extrap = theta
     theta = xp.float32(freq_scale) * theta
+    mscale = np.float32(1.0)
+    if yarn:  # ggml's rope_yarn: pairs below the ramp keep the trained angle, cos/sin scaled
+        n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow = yarn
+        mscale = np.float32(attn_factor)
+        if ext_factor != 0.0:
+            lo, hi = yarn_corr_dims(n_dims, int(n_ctx_orig), base, beta_fast, beta_slow)
+            y = (np.arange(half, dtype=np.float32) - np.float32(lo)) / np.float32(max(0.001, hi - lo))
+            mix = xp.asarray((np.float32(1) - np.clip(y, 0, 1)) * np.float32(ext_factor))  # (n_dims/2,)
+            theta = theta * (xp.float32(1) - mix) + extrap * mix
+            mscale = mscale * np.float32(np.float32(1) + np.float32(0.1) * np.float32(np.log(np.float32(1) / np.float32(freq_scale))))
     # cos/sin of the f32 angle rounded from f64: glibc's cosf/sinf (the C kernel) differ in the
     # last bit for ~1 angle in 4000
     th = theta.astype(xp.float64)
-    return xp.cos(th).astype(xp.float32), xp.sin(th).astype(xp.float32)
+    cos, sin = xp.cos(th).astype(xp.float32), xp.sin(th).astype(xp.float32)
+    if mscale != 1.0:
+        cos, sin = cos * xp.float32(mscale), sin * xp.float32(mscale)
+    return cos, sin
 
 
 def _rot(xp: Any, a: Any, b: Any, c: Any, s: Any, sign: float) -> Any:
@@ -248,7 +291,7 @@ def rope(node: Tensor, s: list[Any], xp: Any) -> Any:
     factors = s[2] if len(s) > 2 else None
     p = node.params
     n_dims = p["n_dims"]
-    cos, sin = rope_cos_sin(xp, pos, n_dims, p["freq_base"], p["freq_scale"], factors)
+    cos, sin = rope_cos_sin(xp, pos, n_dims, p["freq_base"], p["freq_scale"], factors, p.get("yarn", ()))
     cos = cos[:, None, :]  # (n_tokens, 1, n_dims/2): same angle for every head
     sin = sin[:, None, :]
     out = x.copy()
@@ -281,8 +324,8 @@ def attended(s: list[Any]) -> list[Any]:
     """FLASH_ATTN_EXT's values (q, k, v, mask) with K and V cut to the cells attended: the
     mask's width. The graph's K/V views span the whole cache; how many of its cells a
     micro-batch attends to is a property of its mask's value (ops.flash_attn_ext)."""
-    q, k, v, mask = s
-    return [q, k[: mask.shape[-1]], v[: mask.shape[-1]], mask]
+    q, k, v, mask = s[:4]
+    return [q, k[: mask.shape[-1]], v[: mask.shape[-1]], mask, *s[4:]]
 
 
 def cache_rotation(node: Tensor) -> tuple[int, int]:
@@ -291,7 +334,8 @@ def cache_rotation(node: Tensor) -> tuple[int, int]:
 
 
 def _flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
-    q, k, v, mask = s
+    q, k, v, mask = s[:4]
+    sinks = _as_f32(xp, s[4]) if len(s) > 4 else None
     kt, vt = node.src[1].type, node.src[2].type
     if kt in KV_QUANT_TYPES:
         # llama.cpp converts Q to K's vec_dot_type (Q8_0 for a Q8_0 or Q4_0 cache) and takes
@@ -303,7 +347,7 @@ def _flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
         v = _expand(v, vt, node.src[2].shape[-1], xp)
     n_tokens = q.shape[0]
     if n_tokens <= FA_BLOCK:
-        return _attend(q, k, v, mask, node.params["scale"], xp)
+        return _attend(q, k, v, mask, node.params["scale"], xp, sinks)
     # a prompt: query blocks only read the key range their mask leaves visible (the causal
     # lower triangle, one sequence's cells), which roughly halves the work of a long prompt
     out = xp.empty((n_tokens, q.shape[1], v.shape[-1]), xp.float32)
@@ -312,7 +356,7 @@ def _flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
         t1 = min(n_tokens, t0 + FA_BLOCK)
         cols = xp.flatnonzero(finite[t0:t1].any(axis=0))
         lo, hi = (int(cols[0]), int(cols[-1]) + 1) if len(cols) else (0, 1)
-        out[t0:t1] = _attend(q[t0:t1], k[lo:hi], v[lo:hi], mask[t0:t1, lo:hi], node.params["scale"], xp)
+        out[t0:t1] = _attend(q[t0:t1], k[lo:hi], v[lo:hi], mask[t0:t1, lo:hi], node.params["scale"], xp, sinks)
     return out
 
 
@@ -325,7 +369,7 @@ def _expand(raw: Any, t: GGMLType, d: int, xp: Any) -> Any:
     return xp.asarray(dequantize(flat, t, d).reshape(*raw.shape[:2], d))
 
 
-def _attend(q: Any, k: Any, v: Any, mask: Any, scale: float, xp: Any) -> Any:
+def _attend(q: Any, k: Any, v: Any, mask: Any, scale: float, xp: Any, sinks: Any = None) -> Any:
     """softmax(q k^T * scale + mask) v for one block of queries; query head h reads kv head
     h // (n_head / n_head_kv), llama.cpp's GQA grouping. The readable form: the C kernel (ops.c)
     follows llama.cpp's tiled arithmetic bit for bit (fma-chain scores, an online softmax per 64
@@ -344,13 +388,13 @@ def _attend(q: Any, k: Any, v: Any, mask: Any, scale: float, xp: Any) -> Any:
     out = xp.empty((n_head_kv, g * n_tokens, v.shape[-1]), xp.float32)
     if xp is np:
         with blas_threads(1):  # small products: a second BLAS thread only waits (threads.py)
-            _attend_heads(qh, k, v, m, scale, out, g, xp)
+            _attend_heads(qh, k, v, m, scale, out, g, xp, sinks)
     else:
-        _attend_heads(qh, k, v, m, scale, out, g, xp)
+        _attend_heads(qh, k, v, m, scale, out, g, xp, sinks)
     return out.reshape(n_head, n_tokens, -1).transpose(1, 0, 2)  # (T, H, Dv)
 
 
-def _attend_heads(qh: Any, k: Any, v: Any, m: Any, scale: float, out: Any, g: int, xp: Any) -> None:
+def _attend_heads(qh: Any, k: Any, v: Any, m: Any, scale: float, out: Any, g: int, xp: Any, sinks: Any) -> None:
     n_head_kv = k.shape[1]
     n_tokens, n_kv = m.shape
     # one 2-D product per KV head: the query heads of a group share it without a broadcast copy
@@ -359,9 +403,16 @@ def _attend_heads(qh: Any, k: Any, v: Any, m: Any, scale: float, out: Any, g: in
         kq = kq.reshape(g, n_tokens, n_kv)  # (G, T, Nkv)
         kq *= xp.float32(scale)
         kq += m
-        kq -= kq.max(axis=-1, keepdims=True)
+        top = kq.max(axis=-1, keepdims=True)  # (G, T, 1)
+        if sinks is not None:  # head h*G+j's sink joins its rows' denominators (and their max)
+            sk = sinks[h * g : (h + 1) * g].reshape(g, 1, 1)  # (G, 1, 1)
+            top = xp.maximum(top, sk)
+        kq -= top
         xp.exp(kq, out=kq)
-        kq /= kq.sum(axis=-1, keepdims=True)
+        total = kq.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            total += xp.exp(sk - top)
+        kq /= total
         out[h] = kq.reshape(g * n_tokens, n_kv) @ v[:, h, :]  # (G*T, Dv)
 
 
@@ -399,6 +450,7 @@ KERNELS: dict[Op, Kernel] = {
     Op.RMS_NORM: rms_norm,
     Op.MUL: mul,
     Op.ADD: add,
+    Op.ADD_ID: add_id,
     Op.DIV: div,
     Op.SCALE: scale,
     Op.CLAMP: clamp,

@@ -224,12 +224,17 @@ def rope_cos_sin(
     return cos, sin
 
 
-def rope_consts(n_dims: int, base: float, freq_scale: float, factors: Any | None) -> np.ndarray:
-    """(2 + n_dims/2,) float32: freq_base, freq_scale and each pair's rope_freqs divisor (1 without
-    them), as ggml keeps them (float op parameters): the C kernels (ops.c lp_rope_rows) take these
-    and round the angles as ggml does."""
+def rope_consts(n_dims: int, base: float, freq_scale: float, factors: Any | None, yarn: tuple = ()) -> np.ndarray:
+    """(6 + n_dims/2,) float32: freq_base, freq_scale, each pair's rope_freqs divisor (1 without
+    them), then YaRN's ext_factor, attn_factor and correction dims (0, 1, 0, 0 without YaRN), as
+    ggml keeps them (float op parameters): the C kernels (ops.c lp_rope_rows) take these and
+    round the angles as ggml does."""
     ff = np.ones(n_dims // 2, np.float32) if factors is None else np.asarray(factors, np.float32)[: n_dims // 2]
-    return np.ascontiguousarray(np.concatenate([np.array([base, freq_scale], np.float32), ff]))
+    y = [0.0, 1.0, 0.0, 0.0]
+    if yarn:
+        n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow = yarn
+        y = [ext_factor, attn_factor, *yarn_corr_dims(n_dims, int(n_ctx_orig), base, beta_fast, beta_slow)]
+    return np.ascontiguousarray(np.concatenate([np.array([base, freq_scale], np.float32), ff, np.array(y, np.float32)]))
 
 
 def yarn_corr_dims(n_dims: int, n_ctx_orig: int, base: float, beta_fast: float, beta_slow: float) -> tuple[float, float]:

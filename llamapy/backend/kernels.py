@@ -274,8 +274,11 @@ def _rope_tables_compute(
             lo, hi = yarn_corr_dims(n_dims, int(n_ctx_orig), base, beta_fast, beta_slow)
             y = (np.arange(half, dtype=np.float32) - np.float32(lo)) / np.float32(max(0.001, hi - lo))
             mix = xp.asarray((np.float32(1) - np.clip(y, 0, 1)) * np.float32(ext_factor))  # (n_dims/2,)
-            theta = theta * (xp.float32(1) - mix) + extrap * mix
-            mscale = mscale * np.float32(np.float32(1) + np.float32(0.1) * np.float32(np.log(np.float32(1) / np.float32(freq_scale))))
+            # fma(theta, 1 - mix, extrap * mix) and fma(0.1, ln(1/freq_scale), 1), as llama.cpp's
+            # build contracts them: the f32 products are exact in f64, one rounding to f32
+            theta = (theta.astype(xp.float64) * (1 - mix) + (extrap * mix).astype(xp.float64)).astype(xp.float32)
+            log = np.float32(np.log(np.float32(1) / np.float32(freq_scale)))
+            mscale = mscale * np.float32(float(np.float32(0.1)) * float(log) + 1.0)
     # cos/sin of the f32 angle rounded from f64: glibc's cosf/sinf (the C kernel) differ in the
     # last bit for ~1 angle in 4000
     th = theta.astype(xp.float64)

@@ -41,8 +41,11 @@ def yarn_params(scaling: str, freq_scale: float, n_ctx_orig: int, rope_attn_fact
         return ()
     f = _f32
     factor = f(1.0 / f(freq_scale))
-    mscale = f(f(0.1) * f(math.log(factor)) + 1.0) if factor > 1.0 else 1.0
-    attn = f(f(mscale * f(1.0 / f(1.0 + f(0.1) * f(math.log(factor))))) * f(rope_attn_factor))
+    # 0.1 * ln(factor) + 1 as one fma, as llama.cpp's build contracts it (the f32 product is
+    # exact in a double: one rounding)
+    m = f(f(0.1) * f(math.log(factor)) + 1.0)
+    mscale = m if factor > 1.0 else 1.0
+    attn = f(f(mscale * f(1.0 / m)) * f(rope_attn_factor))
     return (float(n_ctx_orig), 1.0, attn, YARN_BETA_FAST, YARN_BETA_SLOW)
 
 

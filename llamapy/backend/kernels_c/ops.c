@@ -269,7 +269,8 @@ void lp_rope_rows(const float *x, int64_t T, int64_t H, int64_t D, int64_t xs_t,
     /* YaRN (ggml's rope_yarn): after the divisors, ext_factor, attn_factor and the correction
      * dims; ext_factor 0 and attn_factor 1 are plain rope, the same bits */
     const float ext = rc[2 + half], c0 = rc[4 + half], c1 = rc[5 + half];
-    const float mscale = ext != 0.0f ? rc[3 + half] * (1.0f + 0.1f * logf(1.0f / freq_scale)) : rc[3 + half];
+    /* the fmas of llama.cpp's build, which contracts a * b + c (-march=native, GCC's default) */
+    const float mscale = ext != 0.0f ? rc[3 + half] * fmaf(0.1f, logf(1.0f / freq_scale), 1.0f) : rc[3 + half];
     float cs_stack[2 * 256];
     float *cs = half <= 256 ? cs_stack : malloc(2 * (size_t)half * sizeof(float));
     if (!cs) return;
@@ -282,7 +283,7 @@ void lp_rope_rows(const float *x, int64_t T, int64_t H, int64_t D, int64_t xs_t,
             if (ext != 0.0f) { /* the pairs below the ramp keep the trained angle */
                 const float y = ((float)i - c0) / fmaxf(0.001f, c1 - c0);
                 const float mix = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext;
-                th = th * (1.0f - mix) + te * mix;
+                th = fmaf(th, 1.0f - mix, te * mix);
             }
             cs[i] = cosf(th) * mscale;
             sn[i] = sinf(th) * mscale;

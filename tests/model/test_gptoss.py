@@ -82,11 +82,12 @@ def test_q8_mode_mxfp4_experts(tmp_path: Path) -> None:
     assert np.abs(f32 - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
-def test_executor_matches_run_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("cache", [T.F16, T.Q8_0])
+def test_executor_matches_run_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache: T) -> None:
     """In the q8 mode gpt-oss's splits compile into the CPU executor's records (YaRN rope and
     sinks in the ROPE / ATTN records, ADD_ID, the clamped SwiGLU, the softmax over the top k) and
     every logit is bit-identical to run_nodes' (the reference path), in a prompt, decode steps, a
-    second sequence and a micro-batch of 3."""
+    second sequence and a micro-batch of 3; over an f16 and a Q8_0 cache."""
     from llamapy.backend import native
     from llamapy.backend.executor import ExecPlan, Refusal
     from llamapy.context import Context, Model
@@ -97,7 +98,7 @@ def test_executor_matches_run_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     ctxs = []
     for flag in ("1", "0"):
         monkeypatch.setenv("LLAMAPY_EXECUTOR", flag)
-        ctxs.append(Context(model, ContextOptions(n_ctx=256, n_threads=2)))
+        ctxs.append(Context(model, ContextOptions(n_ctx=256, n_threads=2, type_k=cache, type_v=cache)))
     exe, ref = ctxs
     batches = [([1, 40, 90, 200, 7], list(range(5)), 0, None), *[([10 + i], [5 + i], 0, None) for i in range(4)],
                ([1, 66, 67], [0, 1, 2], 1, [True] * 3), ([99], [3], 1, None)]  # fmt: skip

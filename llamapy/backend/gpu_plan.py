@@ -24,8 +24,8 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     19-22 the K cache, its type code, row bytes, rotation; 23-26 the V cache's;
   * ROPE: the CPU's record, with slot 4 the rope_freqs divisors on the device (0: none) instead of
     the CPU's table of inverse frequencies, 13 / 14 the frequency base and scale (float64 bits);
-  * records are WIDTH slots: the CPU's REC, and in an ATTN record slot 24 points at the int32
-    count of cells attended (0: slot 9 holds it), 25 at the scratch of its split partials, 26
+  * records are WIDTH slots: the CPU's REC (25), and in an ATTN record slot 25 points at the int32
+    count of cells attended (0: slot 9 holds it), 26 at the scratch of its split partials, 27
     the number of splits of the cells (the runtime's choice for the shape).
 
 Memory: one device arena per device (the `Runtime`'s), shared by its plans as the CPU's is. Its
@@ -68,8 +68,8 @@ from .executor import (ATTN, GET_ROWS_F32, MUL_MAT, OP_NAMES, RMS_NORM, ROPE, RE
 
 # The GPU's own record codes (from 33: apart from executor.c's and GEGLU's 32)
 MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV = 33, 34, 35, 36
-WIDTH = REC + 3  # slots 24-26: an ATTN record's count slot, split scratch, splits
-COUNT, SCRATCH, SPLITS = 24, 25, 26
+WIDTH = REC + 3  # after the CPU's slots: an ATTN record's count slot, split scratch, splits
+COUNT, SCRATCH, SPLITS = REC, REC + 1, REC + 2
 HEAD = 64  # bytes of count slots at the arena's start: 16 masks
 NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS", MUL_MAT_GLU: "MUL_MAT+GLU", ROPE_QKV: "ROPE+SET_ROWS"}
 
@@ -249,6 +249,8 @@ class GPUTarget(Target):
                 or pos.dtype != np.dtype(np.int32) or not pos.contiguous():
             raise Refused("a ROPE layout")
         p = n.params
+        if p.get("yarn"):
+            raise Refused(f"YaRN rope ({n.name}): rope.cu has no YaRN")
         r = [0] * WIDTH
         r[0], r[1], r[2], r[3] = ROPE, loc(n).addr, x.addr, pos.addr
         if len(n.src) > 2:

@@ -926,7 +926,7 @@ class _Post:
         self.armed = False
 
     def put(self, q: asyncio.Queue[Event], ev: Event) -> None:  # the engine thread
-        if self.loop.is_closed():  # (the engine then cancels the request: _emit)
+        if self.loop.is_closed():  # (the engine then cancels the request: _hand)
             raise RuntimeError("the event loop is closed")
         self.items.append((q, ev))
 

@@ -215,6 +215,7 @@ class EngineMetrics:
 
 
 Sink = Callable[[Event], None]
+Flush = Callable[[], None]
 
 
 @dataclass
@@ -223,6 +224,7 @@ class _Job:
     req: Request
     sink: Sink
     prompt: list[int]
+    flush: Flush | None = None  # called once after each batch of events given to `sink`
     sampler: Sampler | None = None
     constraint: CompiledConstraint | None = None
     matcher: Matcher | None = None  # this request's place in its constraint (None: unconstrained)
@@ -364,10 +366,13 @@ class Engine:
         tokenizer), or ConstraintError naming what is wrong with it."""
         return compile_constraint(req.constraint, self.tokenizer) if req.constraint is not None else None
 
-    def submit(self, req: Request, sink: Sink) -> int:
+    def submit(self, req: Request, sink: Sink, flush: Flush | None = None) -> int:
         """Queue a request; its events go to `sink` (called from the stepping thread, which must
-        not block). Raises PromptTooLongError / LlamapyError for a bad request, QueueFullError
-        when every slot is busy and `max_queue` requests are already waiting."""
+        not block). `flush`, when given, is called once after all of a step's events have gone to
+        their sinks (once per step for requests sharing it), so that a consumer woken per batch
+        (an asyncio loop: open_async) sees a step's events together. Raises PromptTooLongError /
+        LlamapyError for a bad request, QueueFullError when every slot is busy and `max_queue`
+        requests are already waiting."""
         toks = self.check(req)
         with self._cv:
             if self._closing:
@@ -381,7 +386,7 @@ class Engine:
                 raise QueueFullError(
                     f"all {self.n_parallel} slots are busy and {len(self._waiting)} requests are waiting"
                 )
-            job = _Job(next(self._ids), req, sink, toks, t_submit=time.perf_counter(), constraint=self.compiled(req))
+            job = _Job(next(self._ids), req, sink, toks, flush, t_submit=time.perf_counter(), constraint=self.compiled(req))
             self._waiting.append(job)
             self.metrics.requests_total += 1
             self._cv.notify_all()
@@ -572,7 +577,7 @@ class Engine:
         """Cancel, admit, decode one micro-batch and sample. Returns False when there was nothing
         to do."""
         with self._step_lock:
-            self._held = []  # a step's events go out together at its end (see _Post)
+            self._held = []  # a step's events go out together at its end, then one flush (see _Post)
             try:
                 self._check_kv()
                 self._take_cancels()
@@ -583,7 +588,8 @@ class Engine:
             finally:
                 held, self._held = self._held, None
                 for job, ev in held:
-                    self._emit(job, ev)
+                    self._hand(job, ev)
+                self._flush([job for job, _ in held])
 
     def _decode_step(self) -> bool:
         busy = [s for s in self.slots if s.job is not None]
@@ -780,14 +786,27 @@ class Engine:
         if self._held is not None:
             self._held.append((job, ev))
             return
+        self._hand(job, ev)
+        self._flush([job])
+
+    def _hand(self, job: _Job, ev: Event) -> None:
         try:
             job.sink(ev)
         except Exception:  # noqa: BLE001 - a broken consumer (closed loop) cancels its request
             if ev.kind == "token":
                 for s in self.slots:
                     if s.job is job:
-                        s.job.sink = lambda _ev: None
+                        job.sink, job.flush = lambda _ev: None, None
                         self._finish(s, "cancelled")
+
+    @staticmethod
+    def _flush(jobs: list[_Job]) -> None:
+        # once per distinct flush (requests on one asyncio loop share it), after every sink call
+        for flush in dict.fromkeys(j.flush for j in jobs if j.flush is not None):
+            try:
+                flush()
+            except Exception:  # noqa: BLE001 - its loop closed since: the next event cancels the request
+                pass
 
     # -- the worker thread --------------------------------------------------------------------
 
@@ -891,13 +910,15 @@ class Engine:
         if self._post is None or self._post.loop is not loop:
             self._post = _Post(loop)
         post = self._post
-        return AsyncEvents(self, self.submit(req, lambda ev: post.put(q, ev)), q)
+        return AsyncEvents(self, self.submit(req, lambda ev: post.put(q, ev), post.wake), q)
 
 
 class _Post:
-    """Events for the queues of one asyncio loop, handed over with one wake-up per batch:
-    call_soon_threadsafe writes to the loop's self-pipe, which wakes the loop thread, and one write
-    per event took ~7 % of the engine thread's time at 4 busy slots (py-spy, serve_load)."""
+    """Events for the queues of one asyncio loop, handed over with one wake-up per step: `put`
+    only queues an event; the engine calls `wake` once after the step's last event, so the loop
+    never takes a step's first events before the rest are queued. call_soon_threadsafe writes to
+    the loop's self-pipe, which wakes the loop thread, and one write per event took ~7 % of the
+    engine thread's time at 4 busy slots (py-spy, serve_load)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -905,10 +926,14 @@ class _Post:
         self.armed = False
 
     def put(self, q: asyncio.Queue[Event], ev: Event) -> None:  # the engine thread
-        if self.loop.is_closed():  # (the engine then cancels the request: _emit)
+        if self.loop.is_closed():  # (the engine then cancels the request: _hand)
             raise RuntimeError("the event loop is closed")
         self.items.append((q, ev))
-        if not self.armed:  # (a drain that cleared it before taking this item takes it)
+
+    def wake(self) -> None:  # the engine thread, after a step's puts
+        # armed: a drain is scheduled that has not yet cleared it, so it takes every item queued
+        # before this check; an empty deque: a drain running now took them
+        if self.items and not self.armed:
             self.armed = True
             self.loop.call_soon_threadsafe(self._drain)
 

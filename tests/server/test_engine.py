@@ -5,7 +5,9 @@ strings, and driving it from asyncio while a worker thread decodes."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -347,15 +349,33 @@ def test_asyncio_client_with_worker_thread(llm: Llama) -> None:
 
 def test_a_step_wakes_the_loop_once_and_a_closed_loop_cancels(llm: Llama) -> None:
     """A step's events reach an asyncio loop with one call_soon_threadsafe (one write to its
-    self-pipe), not one per event; a request whose loop has closed is cancelled."""
+    self-pipe), not one per event, however the two threads interleave; a request whose loop has
+    closed is cancelled."""
     eng = Engine(llm.ctx, n_parallel=3)
 
     async def main() -> tuple[list[int], list[int]]:
         loop = asyncio.get_running_loop()
         wakes: list[int] = []
         real = loop.call_soon_threadsafe
-        # (to_thread's own result comes back through it too: only the engine's calls are counted)
-        loop.call_soon_threadsafe = lambda f, *a: (wakes.append(f.__name__ == "_drain"), real(f, *a))[1]  # type: ignore[method-assign]
+        drained = threading.Event()
+
+        def drain(f: Callable[[], None]) -> None:
+            f()
+            drained.set()
+
+        def wake(f: Callable[..., None], *a: object) -> asyncio.Handle:
+            if f.__name__ != "_drain":  # to_thread's own result comes back through it too
+                return real(f, *a)
+            wakes.append(1)
+            # the worst interleaving, forced on every run: the loop thread takes what is queued
+            # before the engine thread goes on (the wait only bounds a hang; it never paces the test)
+            drained.clear()
+            h = real(drain, f)
+            if not drained.wait(60):
+                raise RuntimeError("the loop did not run the drain")
+            return h
+
+        loop.call_soon_threadsafe = wake  # type: ignore[method-assign]
         streams = [eng.open_async(Request(llm.tokenize(p), 4, GREEDY)) for p in PROMPTS[:3]]
         per_step, got = [], [0, 0, 0]
         while any(not e.done for e in streams):

@@ -22,6 +22,15 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     5 K, 10 V; 6 tokens, 7 heads, 8 head size, 9 the row stride, 11 n_dims, 12 NeoX, 13 / 14
     base / scale bits, 15 KV heads, 16 V's head size, 17 rope_freqs, 18 cells of the cache,
     19-22 the K cache, its type code, row bytes, rotation; 23-26 the V cache's;
+  * MUL_MAT_ID_W: the expert product (common.cuh's mmv_id: the expert ids read on the device, so
+    the graph does not depend on the routing): 1 dst (T, U, M), 2 x, 3 the stacked experts'
+    blocks, 4 ids (int32); 6 T, 7 U, 8 M, 9 the GGML type, 10 n_in, 11 row bytes, 12 n_expert,
+    13 / 14 x's token / slot strides (14 0: one row a token), 15 the ids' row stride;
+  * MUL_MAT_ID_GLU: the gate and up expert products of one input with the GLU after them as one
+    launch (`_fuse_expert_glu`): MUL_MAT_ID_W's slots for the gate experts, 1 the GLU's result,
+    16 the up experts' blocks, 17 the GLU (0 SwiGLU, 1 GEGLU);
+  * the router (SOFT_MAX, ARGSORT, the batched GET_ROWS, SUM_ROWS, CLAMP, DIV and MUL by one value
+    a row): the CPU's records, launched as moe.cu's kernels;
   * ROPE: the CPU's record, with slot 4 the rope_freqs divisors on the device (0: none) instead of
     the CPU's table of inverse frequencies, 13 / 14 the frequency base and scale (float64 bits);
   * records are WIDTH slots: the CPU's REC, and in an ATTN record slot 24 points at the int32
@@ -63,15 +72,16 @@ import numpy as np
 
 from ..tensor import Tensor, TensorFlag
 from ..types import LlamapyError, UnsupportedError
-from .executor import (ATTN, GET_ROWS_F32, MUL_MAT, OP_NAMES, RMS_NORM, ROPE, REC, Built, Loc, Refusal, Refused, Target, _Compiler,
-                       _Slot, op_counts)
+from .executor import (ATTN, GEGLU, GET_ROWS_F32, MUL_MAT, MUL_MAT_ID_Q, OP_NAMES, RMS_NORM, ROPE, REC, SWIGLU, Built, Loc,
+                       Refusal, Refused, Target, _Compiler, _Slot, op_counts)
 
 # The GPU's own record codes (from 33: apart from executor.c's and GEGLU's 32)
-MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV = 33, 34, 35, 36
+MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV, MUL_MAT_ID_W, MUL_MAT_ID_GLU = 33, 34, 35, 36, 37, 38
 WIDTH = REC + 3  # slots 24-26: an ATTN record's count slot, split scratch, splits
 COUNT, SCRATCH, SPLITS = 24, 25, 26
 HEAD = 64  # bytes of count slots at the arena's start: 16 masks
-NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS", MUL_MAT_GLU: "MUL_MAT+GLU", ROPE_QKV: "ROPE+SET_ROWS"}
+NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS", MUL_MAT_GLU: "MUL_MAT+GLU", ROPE_QKV: "ROPE+SET_ROWS",
+         MUL_MAT_ID_W: "MUL_MAT_ID", MUL_MAT_ID_GLU: "MUL_MAT_ID+GLU"}
 
 
 def graphs_enabled() -> bool:
@@ -145,6 +155,11 @@ class GPUTarget(Target):
     def export(self, l: Loc) -> Any:
         raise Refused("an export outside the arena")
 
+    def id_type(self, n: Tensor) -> int | None:
+        """A MUL_MAT_ID runs on the experts' own blocks (a weight in host memory: Refused)."""
+        wv = self.leaf(n.src[0]) if n.src[0].is_leaf else None
+        return None if wv is None else self.rt.weight(wv)[1]
+
     def scratch(self, c: _Compiler, start: int) -> int:
         """One scratch for the split partials of every attention (they run one after another)."""
         need = 0
@@ -185,6 +200,8 @@ class GPUTarget(Target):
             if "glu" in st.extra:  # the GLU's result (contiguous rows of n_ff), the product never stored
                 r[0], r[10], r[12] = MUL_MAT_GLU, n_out // 2, int(st.extra["glu"].params.get("op") == "geglu")
             return [r]
+        if st.code == MUL_MAT_ID_Q:
+            return [self._mul_mat_id(c, n, loc)]
         if st.code == GET_ROWS_F32:
             table, ids = n.src
             tv = self.leaf(table) if table.is_leaf else None
@@ -213,6 +230,27 @@ class GPUTarget(Target):
             r[SCRATCH], r[SPLITS] = c.base + self.scratch_off, self.splits[n]
             return [r]
         return None
+
+    def _mul_mat_id(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc]) -> list[int]:
+        """MUL_MAT_ID_W: the chosen experts' rows of the stacked matrix (n_expert * M rows) times
+        each (token, slot)'s input row."""
+        w, x, ids = n.src
+        wv = self.leaf(w)
+        blocks, qtype, _n_out, n_in, row_bytes = self.rt.weight(wv)
+        c.keep.append(wv)
+        xl, il = loc(x), loc(ids)
+        T, U, M = n.shape
+        if xl.dtype != np.dtype(np.float32) or len(xl.shape) != 3 or xl.strides[2] != 1 or xl.shape[2] != n_in:
+            raise Refused(f"MUL_MAT_ID {n.name}: input rows the matrix-vector kernel cannot read")
+        if il.dtype != np.dtype(np.int32) or len(il.shape) != 2 or il.strides[1] != 1:
+            raise Refused(f"MUL_MAT_ID {n.name} ids layout")
+        if T > self.rt.max_tokens:
+            raise Refused(f"a batch of {T} tokens (prompts stay on the cuBLAS path)")
+        r = [0] * WIDTH
+        r[0], r[1], r[2], r[3], r[4] = MUL_MAT_ID_W, loc(n).addr, xl.addr, blocks, il.addr
+        r[6], r[7], r[8], r[9], r[10], r[11], r[12] = T, U, M, qtype, n_in, row_bytes, w.shape[0]
+        r[13], r[14], r[15] = xl.strides[0], xl.strides[1] if xl.shape[1] > 1 else 0, il.strides[0]
+        return r
 
     def _norm_per_token(self, st: Any, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
         """A per-head norm of a strided view (qwen3's and gemma3's Q/K norms of a fused QKV
@@ -273,6 +311,9 @@ class GPUTarget(Target):
                 recs[j][COUNT] = c.base + 4 * i
         spans = [(c.base + s.off, c.base + s.off + _extent(s)) for _t, s in exports if isinstance(s, _Slot)]
         recs[:] = _fuse_rope_qkv(recs, spans)  # (after the count slots: it changes the records' indices)
+        n = len(recs)
+        recs[:] = _fuse_expert_glu(recs, spans)
+        c.n_fused += n - len(recs)
 
 
 @dataclass
@@ -415,6 +456,36 @@ def _fuse_rope_qkv(recs: list[list[int]], exports: list[tuple[int, int]]) -> lis
         r[23], r[24], r[25], r[26] = sv[1], sv[10], sv[11], sv[12]
         out.append(r)
         i += 4
+    return out
+
+
+def _fuse_expert_glu(recs: list[list[int]], exports: list[tuple[int, int]]) -> list[list[int]]:
+    """The gate and up MUL_MAT_IDs of one input and routing (either order) and the GLU of their
+    results right after them as one MUL_MAT_ID_GLU record (the products never stored), where the
+    kernel can take them: one type, contiguous (T * U, M) results read by nothing else, and the
+    GLU's result apart from the input the fused kernel still reads."""
+    out: list[list[int]] = []
+    i = 0
+    while i < len(recs):
+        a, b, g = (recs[i:i + 3] + [[0] * WIDTH] * 3)[:3]
+        ok = a[0] == b[0] == MUL_MAT_ID_W and g[0] in (SWIGLU, GEGLU) and {g[2], g[3]} == {a[1], b[1]} \
+            and a[1] != b[1] and a[2] == b[2] and a[4] == b[4] and a[6:16] == b[6:16] \
+            and g[6] == a[6] * a[7] and g[7] == g[8] == g[9] == a[8]
+        if ok:
+            gate, up = (a, b) if g[2] == a[1] else (b, a)
+            T, U, M, K = a[6], a[7], a[8], a[10]
+            x_end = a[2] + 4 * ((T - 1) * a[13] + (U - 1) * a[14] + K)
+            y_end = g[1] + 4 * T * U * M
+            ok = not (g[1] < x_end and a[2] < y_end) \
+                and all(_dead_after(recs, i + 3, r[1], r[1] + 4 * T * U * M, exports) for r in (a, b))
+        if not ok:
+            out.append(recs[i])
+            i += 1
+            continue
+        r = list(gate)
+        r[0], r[1], r[16], r[17] = MUL_MAT_ID_GLU, g[1], up[3], int(g[0] == GEGLU)
+        out.append(r)
+        i += 3
     return out
 
 

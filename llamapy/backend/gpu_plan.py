@@ -27,8 +27,9 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     blocks, 4 ids (int32); 6 T, 7 U, 8 M, 9 the GGML type, 10 n_in, 11 row bytes, 12 n_expert,
     13 / 14 x's token / slot strides (14 0: one row a token), 15 the ids' row stride;
   * MUL_MAT_ID_GLU: the gate and up expert products of one input with the GLU after them as one
-    launch (`_fuse_expert_glu`): MUL_MAT_ID_W's slots for the gate experts, 1 the GLU's result,
-    16 the up experts' blocks, 17 the GLU (0 SwiGLU, 1 GEGLU);
+    launch (the compiler's step `_fuse_mul_mat_id_glu`, so the allocator places the GLU's result
+    apart from the products' input): MUL_MAT_ID_W's slots for the gate experts, 1 the GLU's
+    result, 16 the up experts' blocks, 17 the GLU (0 SwiGLU, 1 GEGLU);
   * the router (SOFT_MAX, ARGSORT, the batched GET_ROWS, SUM_ROWS, CLAMP, DIV and MUL by one value
     a row): the CPU's records, launched as moe.cu's kernels;
   * ROPE: the CPU's record, with slot 4 the rope_freqs divisors on the device (0: none) instead of
@@ -72,8 +73,8 @@ import numpy as np
 
 from ..tensor import Tensor, TensorFlag
 from ..types import LlamapyError, UnsupportedError
-from .executor import (ATTN, GEGLU, GET_ROWS_F32, MUL_MAT, MUL_MAT_ID_Q, OP_NAMES, RMS_NORM, ROPE, REC, SWIGLU, Built, Loc,
-                       Refusal, Refused, Target, _Compiler, _Slot, op_counts)
+from .executor import (ADD, ARGSORT, ATTN, CLAMP, CPY, DIV, GEGLU, GET_ROWS_F32, MUL, MUL_MAT, MUL_MAT_ID_Q, OP_NAMES, RMS_NORM,
+                       ROPE, REC, SCALE, SOFT_MAX, SWIGLU, Built, Loc, Refusal, Refused, Target, _Compiler, _Slot, op_counts)
 
 # The GPU's own record codes (from 33: apart from executor.c's and GEGLU's 32)
 MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV, MUL_MAT_ID_W, MUL_MAT_ID_GLU = 33, 34, 35, 36, 37, 38
@@ -201,7 +202,14 @@ class GPUTarget(Target):
                 r[0], r[10], r[12] = MUL_MAT_GLU, n_out // 2, int(st.extra["glu"].params.get("op") == "geglu")
             return [r]
         if st.code == MUL_MAT_ID_Q:
-            return [self._mul_mat_id(c, n, loc)]
+            if "glu" not in st.extra:
+                return [self._mul_mat_id(c, n, loc)]
+            r = self._mul_mat_id(c, st.extra["gate"], loc, dst=loc(n).addr)
+            up = self._mul_mat_id(c, st.extra["up"], loc, dst=loc(n).addr)
+            if up[6:16] != r[6:16]:
+                raise Refused(f"{n.name}: gate and up experts of different layouts")
+            r[0], r[16], r[17] = MUL_MAT_ID_GLU, up[3], int(st.extra["glu"].params.get("op") == "geglu")
+            return [r]
         if st.code == GET_ROWS_F32:
             table, ids = n.src
             tv = self.leaf(table) if table.is_leaf else None
@@ -231,9 +239,9 @@ class GPUTarget(Target):
             return [r]
         return None
 
-    def _mul_mat_id(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc]) -> list[int]:
+    def _mul_mat_id(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc], dst: int = 0) -> list[int]:
         """MUL_MAT_ID_W: the chosen experts' rows of the stacked matrix (n_expert * M rows) times
-        each (token, slot)'s input row."""
+        each (token, slot)'s input row (into `dst`: a fused GLU's result; else n's own)."""
         w, x, ids = n.src
         wv = self.leaf(w)
         blocks, qtype, _n_out, n_in, row_bytes = self.rt.weight(wv)
@@ -247,7 +255,7 @@ class GPUTarget(Target):
         if T > self.rt.max_tokens:
             raise Refused(f"a batch of {T} tokens (prompts stay on the cuBLAS path)")
         r = [0] * WIDTH
-        r[0], r[1], r[2], r[3], r[4] = MUL_MAT_ID_W, loc(n).addr, xl.addr, blocks, il.addr
+        r[0], r[1], r[2], r[3], r[4] = MUL_MAT_ID_W, dst or loc(n).addr, xl.addr, blocks, il.addr
         r[6], r[7], r[8], r[9], r[10], r[11], r[12] = T, U, M, qtype, n_in, row_bytes, w.shape[0]
         r[13], r[14], r[15] = xl.strides[0], xl.strides[1] if xl.shape[1] > 1 else 0, il.strides[0]
         return r
@@ -311,9 +319,6 @@ class GPUTarget(Target):
                 recs[j][COUNT] = c.base + 4 * i
         spans = [(c.base + s.off, c.base + s.off + _extent(s)) for _t, s in exports if isinstance(s, _Slot)]
         recs[:] = _fuse_rope_qkv(recs, spans)  # (after the count slots: it changes the records' indices)
-        n = len(recs)
-        recs[:] = _fuse_expert_glu(recs, spans)
-        c.n_fused += n - len(recs)
 
 
 @dataclass
@@ -423,9 +428,22 @@ def _dead_after(recs: list[list[int]], k0: int, lo: int, hi: int, exports: list[
     for r in recs[k0:]:
         if any(lo <= a < hi for a in _reads(r)):
             return False
-        if lo <= r[1] < hi or (r[0] == RMS_NORM and lo <= r[10] < hi):
+        if r[1] < hi and lo < r[1] + _written(r) or (r[0] == RMS_NORM and lo <= r[10] < hi):
             return True
     return not any(a < hi and lo < b for a, b in exports)
+
+
+_ROWS_OUT = frozenset({ADD, MUL, DIV, SCALE, CPY, SWIGLU, GEGLU, SOFT_MAX, CLAMP, ARGSORT})
+
+
+def _written(r: list[int]) -> int:
+    """Bytes a record writes from r[1] where the products' extents are known (T x rows floats;
+    a write over any part of a value shows it dead), else 1."""
+    if r[0] in (MUL_MAT_ID_W, MUL_MAT_ID_GLU):
+        return 4 * r[6] * r[7] * r[8]
+    if r[0] in _ROWS_OUT:  # contiguous rows (r[6]) of r[7] values
+        return 4 * r[6] * r[7]
+    return 4 * r[6] * r[10] if r[0] in (MUL_MAT_W, MUL_MAT_GLU) else 1
 
 
 def _fuse_rope_qkv(recs: list[list[int]], exports: list[tuple[int, int]]) -> list[list[int]]:
@@ -456,36 +474,6 @@ def _fuse_rope_qkv(recs: list[list[int]], exports: list[tuple[int, int]]) -> lis
         r[23], r[24], r[25], r[26] = sv[1], sv[10], sv[11], sv[12]
         out.append(r)
         i += 4
-    return out
-
-
-def _fuse_expert_glu(recs: list[list[int]], exports: list[tuple[int, int]]) -> list[list[int]]:
-    """The gate and up MUL_MAT_IDs of one input and routing (either order) and the GLU of their
-    results right after them as one MUL_MAT_ID_GLU record (the products never stored), where the
-    kernel can take them: one type, contiguous (T * U, M) results read by nothing else, and the
-    GLU's result apart from the input the fused kernel still reads."""
-    out: list[list[int]] = []
-    i = 0
-    while i < len(recs):
-        a, b, g = (recs[i:i + 3] + [[0] * WIDTH] * 3)[:3]
-        ok = a[0] == b[0] == MUL_MAT_ID_W and g[0] in (SWIGLU, GEGLU) and {g[2], g[3]} == {a[1], b[1]} \
-            and a[1] != b[1] and a[2] == b[2] and a[4] == b[4] and a[6:16] == b[6:16] \
-            and g[6] == a[6] * a[7] and g[7] == g[8] == g[9] == a[8]
-        if ok:
-            gate, up = (a, b) if g[2] == a[1] else (b, a)
-            T, U, M, K = a[6], a[7], a[8], a[10]
-            x_end = a[2] + 4 * ((T - 1) * a[13] + (U - 1) * a[14] + K)
-            y_end = g[1] + 4 * T * U * M
-            ok = not (g[1] < x_end and a[2] < y_end) \
-                and all(_dead_after(recs, i + 3, r[1], r[1] + 4 * T * U * M, exports) for r in (a, b))
-        if not ok:
-            out.append(recs[i])
-            i += 1
-            continue
-        r = list(gate)
-        r[0], r[1], r[16], r[17] = MUL_MAT_ID_GLU, g[1], up[3], int(g[0] == GEGLU)
-        out.append(r)
-        i += 3
     return out
 
 

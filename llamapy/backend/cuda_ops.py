@@ -1,6 +1,7 @@
 """The launch layer of llamapy's CUDA kernels (ggml-cuda's host side of each op: the
 `ggml_cuda_op_*` functions of norm.cu, rope.cu, set-rows.cu, unary.cu, binbcast.cu, getrows.cu,
-fattn.cu and mmvq.cu, which pick a grid and launch on the backend's stream).
+fattn.cu, mmvq.cu (and its MUL_MAT_ID path), softmax.cu, argsort.cu and sumrows.cu, which pick a
+grid and launch on the backend's stream).
 
 `CudaKernels.load(cp)` compiles every kernel source of `kernels_cuda/` (NVRTC through CuPy,
 cached on disk by CuPy) and loads every entry point on the current device, once: a CUDA graph

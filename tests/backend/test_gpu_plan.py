@@ -908,6 +908,9 @@ def test_moe_through_the_scheduler_on_test_devices(tmp_path: Path, monkeypatch: 
     if where == "ngl-all":
         assert max(ids) == 3 * n_layer  # every expert product in the one plan of a step
     else:
-        assert max(ids) == 3 * (n_layer - 1)  # layer 0's on the CPU
+        assert max(ids) == 3 * (n_layer - 1)  # layer 0's on the CPU, in the CPU executor's plan
+        cpu_plans = [bp for plan in ctx.sched._plans.values() for bp in plan.backend_plans.values()
+                     if isinstance(bp, ExecPlan)]
+        assert any((bp.recs[:, 0] == MUL_MAT_ID_Q).sum() == 3 for bp in cpu_plans)
     model.free()
     cpu_model.free()

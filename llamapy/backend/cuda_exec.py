@@ -28,8 +28,8 @@ from ..types import GGMLType, LlamapyError
 from .cpu_kernels import KV_CODES
 from .executor import (ADD, ARGSORT, ATTN, CLAMP, CPY, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, MUL, RMS_NORM, ROPE, SCALE,
                        SET_ROWS, SOFT_MAX, SUM_ROWS, SWIGLU, Loc, Refused, _Slot)
-from .gpu_plan import (COUNT, GET_ROWS_W, MUL_MAT_GLU, MUL_MAT_ID_GLU, MUL_MAT_ID_W, MUL_MAT_W, ROPE_QKV, SCRATCH,
-                       SPLITS)
+from .gpu_plan import (COUNT, GET_ROWS_W, MUL_MAT_GLU, MUL_MAT_ID_GLU, MUL_MAT_ID_W, MUL_MAT_W, ROPE_QKV, ROUTER,
+                       SCRATCH, SPLITS)
 
 
 def _first_line(e: BaseException) -> str:
@@ -388,10 +388,16 @@ def _mul_mat_id_w(rt: CUDARuntime, rec: np.ndarray) -> Launch:
                                   r[6], r[7], **kw)  # fmt: skip
 
 
+def _router(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    scale, lo, hi = _f(r[9]), _f(r[11]), _f(r[12])
+    return lambda: ops.router(st, r[2], r[8], r[3], r[1], r[6], r[7], r[10], scale, lo, hi)
+
+
 _LAUNCHES: dict[int, Callable[[CUDARuntime, np.ndarray], Launch]] = {
     RMS_NORM: _rms_norm, MUL: _binary("mul"), ADD: _binary("add"), SCALE: _scale, CPY: _cpy, SWIGLU: _glu("swiglu"), GEGLU: _glu("geglu"),
     GET_ROWS_F32: _get_rows_f32, GET_ROWS_W: _get_rows_w, MUL_MAT_W: _mul_mat_w, MUL_MAT_GLU: _mul_mat_glu, ROPE: _rope, SET_ROWS: _set_rows, ROPE_QKV: _rope_qkv,
     ATTN: _attn, DIV: _binary("div"),
     SOFT_MAX: _soft_max, ARGSORT: _argsort, SUM_ROWS: _sum_rows, CLAMP: _clamp, GET_ROWS_B: _get_rows_b,
-    MUL_MAT_ID_W: _mul_mat_id_w, MUL_MAT_ID_GLU: _mul_mat_id_w,
+    MUL_MAT_ID_W: _mul_mat_id_w, MUL_MAT_ID_GLU: _mul_mat_id_w, ROUTER: _router,
 }  # fmt: skip

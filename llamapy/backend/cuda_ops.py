@@ -58,7 +58,7 @@ def _entries() -> dict[str, tuple[str, ...]]:
                     *(f"rope_qkv_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
         "fattn.cu": ("fattn_combine", *(f"fattn_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
         "moe.cu": ("soft_max_f32", "argsort_desc_f32", "get_rows_batched_f32", "sum_rows_f32", "clamp_f32",
-                   "binary_row_f32"),
+                   "binary_row_f32", "router_f32"),
     }
     for fname, suffix in WEIGHT_SUFFIX.values():
         out[fname] = (*out.get(fname, ()), f"dequant_{suffix}", f"get_rows_{suffix}", f"mmv_{suffix}",
@@ -474,3 +474,19 @@ class CudaKernels:
             return
         args = (_p(a), np.int64(sa), _p(b), np.int64(sb), _p(y), np.int64(sy), np.int32(n), np.int32(op == "div"))
         self._launch("binary_row_f32", (_cdiv(n, ELEMENTWISE_THREADS), rows), ELEMENTWISE_THREADS, args, stream)
+
+    def router(self, stream: Any, x: int, sx: int, ids: int, w: int, rows: int, n: int, n_used: int, scale: float,
+               lo: float, hi: float) -> None:
+        """The router in one launch: ids (rows, n) int32 = ARGSORT(softmax(x * scale)) descending,
+        w (rows, n_used) = the first n_used probabilities / clamp(their sum, lo, hi): the bits of
+        soft_max, argsort, get_rows_batched, sum_rows, clamp and binary_row("div") in turn."""
+        if not 0 < n_used <= n:
+            raise UnsupportedError(f"CUDA: the top {n_used} of {n} experts")
+        shared = 4 * (n + n_used)
+        if shared > SHARED_MAX:
+            raise UnsupportedError(f"CUDA: a router over {n} experts")
+        if rows <= 0:
+            return
+        args = (_p(x), np.int64(sx), _p(ids), _p(w), np.int32(n), np.int32(n_used), np.float32(scale), np.float32(lo),
+                np.float32(hi))  # fmt: skip
+        self._launch("router_f32", (rows,), 32, args, stream, shared)

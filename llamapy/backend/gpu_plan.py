@@ -31,7 +31,10 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     apart from the products' input): MUL_MAT_ID_W's slots for the gate experts, 1 the GLU's
     result, 16 the up experts' blocks, 17 the GLU (0 SwiGLU, 1 GEGLU);
   * the router (SOFT_MAX, ARGSORT, the batched GET_ROWS, SUM_ROWS, CLAMP, DIV and MUL by one value
-    a row): the CPU's records, launched as moe.cu's kernels;
+    a row): the CPU's records, launched as moe.cu's kernels; ROUTER: the chain SOFT_MAX .. DIV
+    of build_moe_ffn's normalised weights as one launch (`_fuse_router`, moe.cu's router_f32):
+    1 the weights (T, U), 2 the logits, 3 the ARGSORT's result (T, E); 6 T, 7 E, 8 the logits'
+    row stride, 9 the softmax scale, 10 U, 11 / 12 the clamp's bounds (float64 bits);
   * ROPE: the CPU's record, with slot 4 the rope_freqs divisors on the device (0: none) instead of
     the CPU's table of inverse frequencies, 13 / 14 the frequency base and scale (float64 bits);
   * records are WIDTH slots: the CPU's REC, and in an ATTN record slot 24 points at the int32
@@ -77,12 +80,13 @@ from .executor import (ADD, ARGSORT, ATTN, CLAMP, CPY, DIV, GEGLU, GET_ROWS_F32,
                        ROPE, REC, SCALE, SOFT_MAX, SWIGLU, Built, Loc, Refusal, Refused, Target, _Compiler, _Slot, op_counts)
 
 # The GPU's own record codes (from 33: apart from executor.c's and GEGLU's 32)
-MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV, MUL_MAT_ID_W, MUL_MAT_ID_GLU = 33, 34, 35, 36, 37, 38
+MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV, MUL_MAT_ID_W, MUL_MAT_ID_GLU, ROUTER = 33, 34, 35, 36, 37, 38, 39
 WIDTH = REC + 3  # slots 24-26: an ATTN record's count slot, split scratch, splits
 COUNT, SCRATCH, SPLITS = 24, 25, 26
 HEAD = 64  # bytes of count slots at the arena's start: 16 masks
 NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS", MUL_MAT_GLU: "MUL_MAT+GLU", ROPE_QKV: "ROPE+SET_ROWS",
-         MUL_MAT_ID_W: "MUL_MAT_ID", MUL_MAT_ID_GLU: "MUL_MAT_ID+GLU"}
+         MUL_MAT_ID_W: "MUL_MAT_ID", MUL_MAT_ID_GLU: "MUL_MAT_ID+GLU",
+         ROUTER: "SOFT_MAX+ARGSORT+GET_ROWS+SUM_ROWS+CLAMP+DIV"}
 
 
 def graphs_enabled() -> bool:
@@ -319,6 +323,7 @@ class GPUTarget(Target):
                 recs[j][COUNT] = c.base + 4 * i
         spans = [(c.base + s.off, c.base + s.off + _extent(s)) for _t, s in exports if isinstance(s, _Slot)]
         recs[:] = _fuse_rope_qkv(recs, spans)  # (after the count slots: it changes the records' indices)
+        recs[:] = _fuse_router(recs, spans)
 
 
 @dataclass
@@ -475,6 +480,57 @@ def _fuse_rope_qkv(recs: list[list[int]], exports: list[tuple[int, int]]) -> lis
         out.append(r)
         i += 4
     return out
+
+
+def _fuse_router(recs: list[list[int]], exports: list[tuple[int, int]]) -> list[list[int]]:
+    """SOFT_MAX, ARGSORT of its result, the batched GET_ROWS of the chosen probabilities, SUM_ROWS,
+    CLAMP and the DIV by one value a row (build_moe_ffn's order) as one ROUTER record, where each
+    reads the one before as the kernel does and the probabilities, the chosen ones, their sum and
+    its clamp are read by nothing after (the ids and the weights are kept)."""
+    from .executor import GET_ROWS_B, SUM_ROWS
+
+    out: list[list[int]] = []
+    i = 0
+    while i < len(recs):
+        sm, a, g, sr, cl, d = (recs[i:i + 6] + [[0] * WIDTH] * 6)[:6]
+        T, E = sm[6], sm[7]
+        U = g[7]
+        ok = (sm[0], a[0], g[0], sr[0], cl[0], d[0]) == (SOFT_MAX, ARGSORT, GET_ROWS_B, SUM_ROWS, CLAMP, DIV) \
+            and a[2] == g[2] == sm[1] and a[6:9] == [T, E, E] and g[3] == a[1] and g[6] == T and g[8] == 1 \
+            and g[9:13] == [E, 1, E, E] and 0 < U <= E and sr[2] == g[1] and sr[6:9] == [T, U, U] \
+            and cl[2] == sr[1] and cl[6:9] == [T, 1, 1] and d[2] == g[1] and d[3] == cl[1] and d[10] == 1 \
+            and d[6:10] == [T, U, U, 1]
+        if ok:
+            # the kernel's results: the ids (the logits' rows in place, each read before it is
+            # written) and the weights (apart from the logits); what the chain wrote over the
+            # intermediates is those results, so only the rest of each must be dead after it
+            x, kept = (sm[2], sm[2] + 4 * ((T - 1) * sm[8] + E)), [(a[1], a[1] + 4 * T * E), (d[1], d[1] + 4 * T * U)]
+            ok = (not _overlap(x, kept[0]) or (a[1] == x[0] and sm[8] == E)) and not _overlap(x, kept[1]) \
+                and all(_dead_after(recs, i + 6, lo, hi, exports)
+                        for r0, n in ((sm[1], 4 * T * E), (g[1], 4 * T * U), (sr[1], 4 * T), (cl[1], 4 * T))
+                        for lo, hi in _minus((r0, r0 + n), kept))
+        if not ok:
+            out.append(recs[i])
+            i += 1
+            continue
+        r = [0] * WIDTH
+        r[0], r[1], r[2], r[3] = ROUTER, d[1], sm[2], a[1]
+        r[6], r[7], r[8], r[9], r[10], r[11], r[12] = T, E, sm[8], sm[9], U, cl[9], cl[10]
+        out.append(r)
+        i += 6
+    return out
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def _minus(r: tuple[int, int], cut: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of the byte range r outside the ranges `cut`."""
+    parts = [r]
+    for c0, c1 in cut:
+        parts = [q for lo, hi in parts for q in ((lo, min(hi, c0)), (max(lo, c1), hi)) if q[0] < q[1]]
+    return parts
 
 
 def _fbits(x: float) -> int:

@@ -30,10 +30,11 @@ from gguf.quants import dequantize
 
 from llamapy.backend import cuda_exec, gpu_plan, native
 from llamapy.backend.cpu import CPU_BUFT, CPUBackend
-from llamapy.backend.executor import (ATTN, GEGLU, GET_ROWS_F32, SET_ROWS, SWIGLU, MUL_MAT_ID_Q, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena,
-                                      ExecPlan, Loc, Refusal, Refused, _array_loc, _lib, _Slot)
-from llamapy.backend.gpu_plan import (COUNT, GET_ROWS_W, HEAD, MUL_MAT_GLU, MUL_MAT_ID_GLU, MUL_MAT_ID_W, MUL_MAT_W, ROPE_QKV, WIDTH,
-                                      GPUPlan)
+from llamapy.backend.executor import (ARGSORT, ATTN, CLAMP, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, SET_ROWS, SOFT_MAX, SUM_ROWS,
+                                      SWIGLU, MUL_MAT_ID_Q, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena, ExecPlan, Loc, Refusal,
+                                      Refused, _array_loc, _lib, _Slot)
+from llamapy.backend.gpu_plan import (COUNT, GET_ROWS_W, HEAD, MUL_MAT_GLU, MUL_MAT_ID_GLU, MUL_MAT_ID_W, MUL_MAT_W, ROPE_QKV, ROUTER,
+                                      WIDTH, GPUPlan)
 from llamapy.backend.cpu_kernels import KV_CODES
 from llamapy.backend.kernels import _rope_tables_compute, gelu, rope_consts
 from llamapy.context import Context, ContextOptions, Model
@@ -207,6 +208,19 @@ class FakeRuntime:
                     sw = np.zeros(REC, np.int64)
                     sw[[0, 1, 2, 3, 6, 7, 8, 9]] = SWIGLU, r[1], outs[0], outs[1], T_ * U, M, M, M
                     recs.append(sw)
+                run(recs)
+            elif code == ROUTER:  # the six records it stands for, over buffers of this runtime's
+                T_, E, sx, U = int(r[6]), int(r[7]), int(r[8]), int(r[10])
+                buf = np.zeros((4, T_, E), np.float32)  # probabilities, chosen ones, sum, clamp
+                self.keep.append(buf)
+                pr, w, sm, cl = (buf[k].ctypes.data for k in range(4))
+                recs = [np.zeros(REC, np.int64) for _ in range(6)]
+                recs[0][[0, 1, 2, 6, 7, 8, 9]] = SOFT_MAX, pr, r[2], T_, E, sx, r[9]
+                recs[1][[0, 1, 2, 6, 7, 8]] = ARGSORT, r[3], pr, T_, E, E
+                recs[2][[0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 12]] = GET_ROWS_B, w, pr, r[3], T_, U, 1, E, 1, E, E
+                recs[3][[0, 1, 2, 6, 7, 8]] = SUM_ROWS, sm, w, T_, U, U
+                recs[4][[0, 1, 2, 6, 7, 8, 9, 10]] = CLAMP, cl, sm, T_, 1, 1, r[11], r[12]
+                recs[5][[0, 1, 2, 3, 6, 7, 8, 9, 10]] = DIV, r[1], w, cl, T_, U, U, 1, 1
                 run(recs)
             elif code == GET_ROWS_W:  # ops.c's expansion of F16/Q8_0/Q4_0 rows (the CPU executor's)
                 g = np.zeros(REC, np.int64)
@@ -840,6 +854,7 @@ def test_moe_gpu_plan_gives_the_cpu_executors_logits(tmp_path: Path, monkeypatch
     for p in made:  # every layer's gate/up experts and their GLU as one record (its own step)
         glu = p.recs[p.recs[:, 0] == MUL_MAT_ID_GLU]
         assert len(glu) == 2 and (p.recs[:, 0] == MUL_MAT_ID_W).sum() == 2, p.summary()
+        assert (p.recs[:, 0] == ROUTER).sum() >= 1, p.summary()  # the router in one launch (where it may be)
         for r in glu:  # the GLU's result apart from the input the kernel reads to the end
             y, x, n_tok, n_used, m, n_in = int(r[1]), int(r[2]), int(r[6]), int(r[7]), int(r[8]), int(r[10])
             assert y + 4 * n_tok * n_used * m <= x or x + 4 * n_tok * n_in <= y
@@ -862,7 +877,7 @@ def test_moe_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * float(np.abs(b).max()), err_msg=f"step {i}")
         assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {i}"
     assert made and all(not p.direct for p in made)
-    assert any(MUL_MAT_ID_GLU in set(int(c) for c in p.recs[:, 0]) for p in made)
+    assert any({MUL_MAT_ID_GLU, ROUTER} <= set(int(c) for c in p.recs[:, 0]) for p in made)
     model.free()
     ref_model.free()
 

@@ -675,6 +675,11 @@ def test_router(env: Env) -> None:
     nd = env.full((T, U), np.nan, np.float32)
     env.run(lambda st: env.k.binary_row(st, "div", env.p(wd), U, env.p(cld), 1, env.p(nd), U, T, U))
     assert np.array_equal(env.get(nd), nrm)
+    # the six launches as one (router_f32): the same bits
+    rid, rw = env.zeros((T, E), np.int32), env.full((T, U), np.nan, np.float32)
+    env.run(lambda st: env.k.router(st, env.p(ld), E + 5, env.p(rid), env.p(rw), T, E, U, 0.5, 0.9, float("inf")))
+    np.testing.assert_array_equal(env.get(rid), env.get(sd))
+    assert np.array_equal(env.get(rw).view(np.uint32), env.get(nd).view(np.uint32))
     ex = randn(T * U, C + 2)
     exd, md = env.d(ex), env.full((T * U, C), np.nan, np.float32)
     mref = reference(ops.mul(t("ex", (T, U, C)), t("w", (T, U, 1))), [ex[:, :C].reshape(T, U, C), nrm.reshape(T, U, 1)])

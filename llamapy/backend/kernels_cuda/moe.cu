@@ -91,3 +91,41 @@ extern "C" __global__ void binary_row_f32(const float* a, long long sa, const fl
     const float av = a[r * sa + i], bv = b[r * sb];
     y[r * sy + i] = op == 0 ? __fmul_rn(av, bv) : __fdiv_rn(av, bv);
 }
+
+// The router as one launch (ggml-cuda's topk-moe.cu fuses the same chain): SOFT_MAX of a token's
+// logits, their ARGSORT (every index, written to ids: the experts are its first n_used), the
+// chosen probabilities, their sum (in double, in order), CLAMP(lo, hi) and the DIV; w gets the
+// n_used normalised weights. Each step computes what its own kernel above computes, in the same
+// order, so the results are those of the six launches bit for bit. One warp a row; dynamic shared
+// memory: 4 * (n + n_used) bytes.
+extern "C" __global__ void router_f32(const float* __restrict__ x, long long sx, int* __restrict__ ids,
+                                      float* __restrict__ w, int n, int n_used, float scale, float lo, float hi) {
+    extern __shared__ float router_smem[];
+    float* p = router_smem;       // n probabilities
+    float* sel = p + n;           // n_used chosen ones
+    const float* xr = x + (long long)blockIdx.x * sx;
+    float m = -__int_as_float(0x7f800000);
+    for (int i = threadIdx.x; i < n; i += 32) m = fmaxf(m, __fmul_rn(xr[i], scale));
+    m = warp_max(m);
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n; i += 32) {
+        const float e = expf(__fsub_rn(__fmul_rn(xr[i], scale), m));
+        p[i] = e;
+        s = __fadd_rn(s, e);
+    }
+    s = warp_sum(s);
+    for (int i = threadIdx.x; i < n; i += 32) p[i] = __fdiv_rn(p[i], s);
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += 32) {
+        const float v = p[i];
+        int rank = 0;
+        for (int j = 0; j < n; ++j) rank += (p[j] > v) || (p[j] == v && j < i);
+        ids[(long long)blockIdx.x * n + rank] = i;
+        if (rank < n_used) sel[rank] = v;
+    }
+    __syncthreads();
+    double t = 0.0;
+    for (int u = 0; u < n_used; ++u) t = __dadd_rn(t, (double)sel[u]);
+    const float c = fminf(fmaxf((float)t, lo), hi);
+    for (int u = threadIdx.x; u < n_used; u += 32) w[(long long)blockIdx.x * n_used + u] = __fdiv_rn(sel[u], c);
+}

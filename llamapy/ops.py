@@ -52,6 +52,14 @@ def add(a: Tensor, b: Tensor, name: str = "add") -> Tensor:
     return _node(name, Op.ADD, a.shape, a, b)
 
 
+def add_id(a: Tensor, b: Tensor, ids: Tensor, name: str = "add_id") -> Tensor:
+    """ggml_add_id: a (T, U, M) + b (n_expert, M) row ids[t, u] for slot u of token t (each
+    chosen expert's bias)."""
+    if len(a.shape) != 3 or len(b.shape) != 2 or ids.shape != a.shape[:2] or b.shape[1] != a.shape[2]:
+        raise ValueError(f"add_id {name}: a {a.shape}, b {b.shape}, ids {ids.shape} disagree")
+    return _node(name, Op.ADD_ID, a.shape, a, b, ids)
+
+
 def div(a: Tensor, b: Tensor, name: str = "div") -> Tensor:
     """Elementwise a / b, `b` broadcast over `a` (ggml_div: b's dimensions divide a's)."""
     if any(x % y for x, y in zip(a.shape[::-1], b.shape[::-1])) or len(b.shape) > len(a.shape):
@@ -82,16 +90,21 @@ def scale(a: Tensor, s: float, name: str = "scale") -> Tensor:
     return _node(name, Op.SCALE, a.shape, a, s=s)
 
 
-GLU_OPS = ("swiglu", "geglu")  # ggml_glu_op: SiLU and GELU (tanh approximation) gates
+# ggml_glu_op: SiLU and GELU (tanh approximation) gates, and gpt-oss's clamped SwiGLU
+GLU_OPS = ("swiglu", "geglu", "swiglu_oai")
 
 
-def glu(gate: Tensor, up: Tensor, op: str = "swiglu", name: str = "ffn_glu") -> Tensor:
-    """act(gate) * up: ggml_swiglu_split / ggml_geglu_split, the GLU op."""
+def glu(gate: Tensor, up: Tensor, op: str = "swiglu", name: str = "ffn_glu", **params: float) -> Tensor:
+    """act(gate) * up: ggml_swiglu_split / ggml_geglu_split, the GLU op; "swiglu_oai"
+    (ggml_swiglu_oai) takes `alpha` and `limit`: min(gate, limit) * sigmoid(alpha * that) *
+    (clamp(up, -limit, limit) + 1)."""
     if gate.shape != up.shape:
         raise ValueError(f"{op}: {gate.shape} vs {up.shape}")
     if op not in GLU_OPS:
         raise ValueError(f"glu: unknown op {op!r} (one of {', '.join(GLU_OPS)})")
-    return _node(name, Op.GLU, gate.shape, gate, up, op=op)
+    if (op == "swiglu_oai") != bool(params):
+        raise ValueError(f"glu {name}: {op} with parameters {params}")
+    return _node(name, Op.GLU, gate.shape, gate, up, op=op, **params)
 
 
 def swiglu(gate: Tensor, up: Tensor, name: str = "ffn_swiglu") -> Tensor:
@@ -135,21 +148,29 @@ def rope(
     freq_factors: Tensor | None = None,
     mode: int = 0,
     name: str = "rope",
+    yarn: tuple[float, ...] = (),
 ) -> Tensor:
     """Rotary embedding of x (n_tokens, n_head, head_dim) at positions `pos` (n_tokens,).
 
     mode 0 is llama.cpp's "normal" mode (rotates adjacent pairs), 2 is NEOX (rotates halves).
+    `yarn`: (n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow), ggml_rope_ext's YaRN
+    parameters; () is plain rope (ext_factor 0, attn_factor 1).
     """
     src = (x, pos) if freq_factors is None else (x, pos, freq_factors)
+    extra = {"yarn": tuple(yarn)} if yarn else {}
     return _node(
-        name, Op.ROPE, x.shape, *src, n_dims=n_dims, mode=mode, freq_base=freq_base, freq_scale=freq_scale
+        name, Op.ROPE, x.shape, *src, n_dims=n_dims, mode=mode, freq_base=freq_base, freq_scale=freq_scale, **extra
     )
 
 
 def flash_attn_ext(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None, name: str = "fattn"
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None, name: str = "fattn",
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """softmax(q k^T * scale + mask) v over grouped heads (ggml_flash_attn_ext).
+
+    `sinks` (n_head,): one learned logit per head that joins each softmax's denominator and
+    adds no value (ggml_flash_attn_ext_add_sinks; gpt-oss).
 
     q (n_tokens, n_head, hd), k/v (n_kv, n_head_kv, hd), mask (n_tokens, n_kv) -> (n_tokens, n_head, hd).
     The mask's value may be narrower than its tensor, (n_tokens, n <= n_kv): the op then attends to
@@ -161,8 +182,11 @@ def flash_attn_ext(
         raise ValueError(f"{name}: {n_head} query heads do not group over {k.shape[1]} kv heads")
     if mask.shape != (n_tokens, k.shape[0]):
         raise ValueError(f"{name}: mask {mask.shape} != {(n_tokens, k.shape[0])}")
+    if sinks is not None and sinks.shape != (n_head,):
+        raise ValueError(f"{name}: sinks {sinks.shape} != ({n_head},)")
     s = 1.0 / math.sqrt(hd) if scale is None else scale
-    return _node(name, Op.FLASH_ATTN_EXT, (n_tokens, n_head, v.shape[-1]), q, k, v, mask, scale=s)
+    src = (q, k, v, mask) if sinks is None else (q, k, v, mask, sinks)
+    return _node(name, Op.FLASH_ATTN_EXT, (n_tokens, n_head, v.shape[-1]), *src, scale=s)
 
 
 def reshape(a: Tensor, shape: tuple[int, ...], name: str | None = None) -> Tensor:

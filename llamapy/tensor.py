@@ -41,11 +41,12 @@ class Op(Enum):
     CONT = auto()
     # ** elementwise
     ADD = auto()
+    ADD_ID = auto()  # a + b[ids]: a row of b per (token, slot), by expert id (the experts' biases)
     MUL = auto()
     DIV = auto()  # a / b, b broadcast (the router's weight normalisation)
     SCALE = auto()
     CLAMP = auto()  # params["min"], params["max"]
-    GLU = auto()  # gated linear unit; params["op"]: "swiglu" or "geglu"
+    GLU = auto()  # gated linear unit; params["op"]: "swiglu", "geglu" or "swiglu_oai"
     # ** normalization / reductions
     RMS_NORM = auto()
     SOFT_MAX = auto()

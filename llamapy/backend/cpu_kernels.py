@@ -65,7 +65,7 @@ def _rope_consts(node: Tensor, s: list[Any]) -> tuple[np.ndarray, int, int]:
     def make() -> tuple[np.ndarray, int, int]:
         p = node.params
         factors = s[2] if len(s) > 2 else None  # rope_freqs: a weight, fixed for the node
-        rc = rope_consts(p["n_dims"], p["freq_base"], p["freq_scale"], factors)
+        rc = rope_consts(p["n_dims"], p["freq_base"], p["freq_scale"], factors, p.get("yarn", ()))
         return rc, p["n_dims"], int(p["mode"] == 2)
 
     return _node_consts(node, make)
@@ -89,7 +89,7 @@ def c_flash_attn_ext(node: Tensor, s: list[Any], xp: Any, n_threads: int = 1) ->
     """FLASH_ATTN_EXT in C (lp_attend / lp_attend_f16 / lp_attend_q) on up to n_threads threads."""
     s = attended(s)
     kt, vt = node.src[1].type, node.src[2].type
-    if kt in KV_QUANT_TYPES or vt in KV_QUANT_TYPES:
+    if kt in KV_QUANT_TYPES or vt in KV_QUANT_TYPES or len(s) > 4:  # a quantized cache, or sinks
         return _c_attend_q(node, s, KV_CODES[kt], KV_CODES[vt], n_threads)
     q, k, v, mask = s
     q = np.ascontiguousarray(q, dtype=np.float32)  # (an f16 cache too: Q stays f32, as llama.cpp's tiled path)
@@ -113,8 +113,9 @@ def c_flash_attn_ext(node: Tensor, s: list[Any], xp: Any, n_threads: int = 1) ->
 
 
 def _c_attend_q(node: Tensor, s: list[Any], kt: int, vt: int, n_threads: int) -> Any:
-    """A Q8_0/Q4_0 cache (either of K, V): lp_attend_q reads its blocks in place."""
-    q, k, v, mask = s
+    """A Q8_0/Q4_0 cache (either of K, V), or attention sinks: lp_attend_q reads its blocks in place."""
+    q, k, v, mask = s[:4]
+    sinks = np.ascontiguousarray(s[4], dtype=np.float32) if len(s) > 4 else None
     rot_k, rot_v = cache_rotation(node)  # llama.cpp's attn_rot (kernels.flash_attn_ext)
     q = rotate(q, rot_k) if rot_k else np.ascontiguousarray(q, dtype=np.float32)
     mask = np.ascontiguousarray(mask, dtype=np.float32)
@@ -129,7 +130,7 @@ def _c_attend_q(node: Tensor, s: list[Any], kt: int, vt: int, n_threads: int) ->
     (scale,) = _node_consts(node, lambda: (float(node.params["scale"]),))
     _lib.lp_attend_q(_ptr(q), T, H, D, _ptr(k), _ptr(v), N, Hkv, Dv, k.strides[0] // ki, k.strides[1] // ki,
                      v.strides[0] // vi, v.strides[1] // vi, _ptr(mask), mask.strides[0] // 4, scale, _ptr(out),
-                     kt, vt, n_threads)  # fmt: skip
+                     kt, vt, None if sinks is None else _ptr(sinks), n_threads)  # fmt: skip
     return rotate(out, rot_v) if rot_v else out
 
 
@@ -138,12 +139,17 @@ def _c_glu(node: Tensor, s: list[Any], xp: Any) -> Any:
     if gate.ndim > 2:  # (T, U, F): the experts' rows, as rows
         out = _c_glu(node, [gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])], xp)
         return out.reshape(gate.shape)
-    if node.params.get("op") != "swiglu" or gate.ndim != 2 or gate.dtype != np.float32 or up.dtype != np.float32 or gate.strides[1] != 4 \
-            or up.strides[1] != 4:
+    op = node.params.get("op")
+    if op not in ("swiglu", "swiglu_oai") or gate.ndim != 2 or gate.dtype != np.float32 or up.dtype != np.float32 \
+            or gate.strides[1] != 4 or up.strides[1] != 4:
         return KERNELS[Op.GLU](node, s, xp)
     rows, n = gate.shape
     out = np.empty((rows, n), np.float32)
-    _lib.lp_swiglu(_ptr(gate), _ptr(up), rows, n, gate.strides[0] // 4, up.strides[0] // 4, _ptr(out))
+    if op == "swiglu_oai":
+        _lib.lp_swiglu_oai(_ptr(gate), _ptr(up), rows, n, gate.strides[0] // 4, up.strides[0] // 4,
+                           node.params["alpha"], node.params["limit"], _ptr(out))  # fmt: skip
+    else:
+        _lib.lp_swiglu(_ptr(gate), _ptr(up), rows, n, gate.strides[0] // 4, up.strides[0] // 4, _ptr(out))
     return out
 
 

@@ -69,8 +69,8 @@ ALIGN = 64  # the arena's alignment (AVX-512 loads); sched/alloc.py aligns offse
 
 # Op codes and record size: kernels_c/executor.c's enum and EX_REC.
 (GET_ROWS_Q, GET_ROWS_F32, RMS_NORM, MUL, ADD, SCALE, SWIGLU, MUL_MAT, ROPE, SET_ROWS, ATTN, CPY, QUANT_ACT,
- MUL_MAT_Q, SOFT_MAX, ARGSORT, SUM_ROWS, CLAMP, DIV, GET_ROWS_B, MUL_MAT_ID_Q) = range(1, 22)
-REC = 24
+ MUL_MAT_Q, SOFT_MAX, ARGSORT, SUM_ROWS, CLAMP, DIV, GET_ROWS_B, MUL_MAT_ID_Q, ADD_ID) = range(1, 23)
+REC = 25
 # GLU with GELU (gemma3's GEGLU): a code executor.c has not (its target refuses it), the GPU's has.
 # Codes from 32 on are records only the GPU target writes (gpu_plan.py), apart from executor.c's.
 GEGLU = 32
@@ -78,7 +78,7 @@ OP_NAMES = {GEGLU: "GLU", GET_ROWS_Q: "GET_ROWS", GET_ROWS_F32: "GET_ROWS", RMS_
             SCALE: "SCALE", SWIGLU: "GLU", MUL_MAT: "MUL_MAT", ROPE: "ROPE", SET_ROWS: "SET_ROWS",
             ATTN: "FLASH_ATTN_EXT", CPY: "CONT", QUANT_ACT: "QUANTIZE", MUL_MAT_Q: "MUL_MAT", SOFT_MAX: "SOFT_MAX",
             ARGSORT: "ARGSORT", SUM_ROWS: "SUM_ROWS", CLAMP: "CLAMP", DIV: "DIV", GET_ROWS_B: "GET_ROWS",
-            MUL_MAT_ID_Q: "MUL_MAT_ID"}  # fmt: skip
+            MUL_MAT_ID_Q: "MUL_MAT_ID", ADD_ID: "ADD_ID"}  # fmt: skip
 
 
 def op_counts(recs: np.ndarray, ops: dict[str, int], names: dict[int, str] = OP_NAMES) -> str:
@@ -381,6 +381,7 @@ class Target:
 
     name = "executor"
     glu_ops: tuple[str, ...] = ("swiglu",)  # the GLU variants its records run
+    attn_sinks = False  # whether its ATTN records take gpt-oss's sinks (slot 24)
     fuse_glu = False  # a GLU of the two halves of the product before it joins that product's step
     head = 0  # bytes at the arena's start before the allocator's offsets (the GPU's count slots)
     max_tokens: int | None = None  # batches from this many tokens are refused
@@ -440,6 +441,9 @@ class HostTarget(Target):
     executor. The MUL_MAT records follow the backend's mode: "q8" quantizes each input once per
     vec_dot_type (QUANTIZE record, shared by the products of that input) and multiplies the
     file's rows; "f32" runs the repacked float32 matvec."""
+
+    glu_ops = ("swiglu", "swiglu_oai")
+    attn_sinks = True
 
     def __init__(self, lib: Any, q8: bool) -> None:
         self.lib = lib
@@ -749,7 +753,7 @@ class _Compiler:
             code = {Op.GET_ROWS: GET_ROWS_F32, Op.RMS_NORM: RMS_NORM, Op.MUL: MUL, Op.ADD: ADD, Op.SCALE: SCALE,
                     Op.GLU: SWIGLU, Op.MUL_MAT: MUL_MAT, Op.ROPE: ROPE, Op.FLASH_ATTN_EXT: ATTN,
                     Op.CONT: CPY, Op.SOFT_MAX: SOFT_MAX, Op.ARGSORT: ARGSORT, Op.SUM_ROWS: SUM_ROWS,
-                    Op.CLAMP: CLAMP, Op.DIV: DIV, Op.MUL_MAT_ID: MUL_MAT_ID_Q}.get(op)  # fmt: skip
+                    Op.CLAMP: CLAMP, Op.DIV: DIV, Op.MUL_MAT_ID: MUL_MAT_ID_Q, Op.ADD_ID: ADD_ID}.get(op)  # fmt: skip
             if code is None:
                 raise Refused(f"op {op.name} ({n.name})")
             if op is Op.SOFT_MAX and len(n.src) > 1:
@@ -1051,6 +1055,21 @@ class _Compiler:
             g, u = (need_f32(loc(s), "GLU input") for s in n.src)
             rows, cols, gs = g.rows()
             r[2], r[3], r[6], r[7], r[8], r[9] = g.addr, u.addr, rows, cols, gs, self._rows_like(u, rows, cols)
+            if n.params.get("op") == "swiglu_oai":
+                r[10], r[11], r[12] = 1, fbits(float(n.params["alpha"])), fbits(float(n.params["limit"]))
+            return r
+        if st.code == ADD_ID:
+            a, ids = need_f32(loc(n.src[0]), "ADD_ID input"), loc(n.src[2])
+            b = _leaf_value(n.src[1])
+            from .qmatmul import QMatrix
+
+            if not (isinstance(b, QMatrix) and b.qtype is GGMLType.F32 and not b.repacked):
+                raise Refused(f"ADD_ID {n.name}: a bias not kept as f32 rows")
+            if ids.dtype != np.dtype(np.int32) or ids.strides[-1] != 1:
+                raise Refused(f"ADD_ID {n.name}: an ids layout")
+            rows, cols, as_ = a.rows()
+            r[2], r[3], r[4] = a.addr, b.data.ctypes.data, ids.addr
+            r[6], r[7], r[8], r[9], r[10] = rows, cols, as_, n.shape[1], ids.strides[0]
             return r
         if st.code == GET_ROWS_F32:
             table, ids = n.src
@@ -1070,7 +1089,7 @@ class _Compiler:
             if len(n.src) > 2:
                 factors = self.target.host_array(self.target.leaf(n.src[2]))
             p = n.params
-            inv = rope_consts(p["n_dims"], p["freq_base"], p["freq_scale"], factors)
+            inv = rope_consts(p["n_dims"], p["freq_base"], p["freq_scale"], factors, p.get("yarn", ()))
             T, H, D = x.shape
             r[2], r[3], r[4] = x.addr, pos.addr, self.target.const(inv, self.keep)
             r[6], r[7], r[8], r[9], r[10], r[11], r[12] = T, H, D, x.strides[0], x.strides[1], p["n_dims"], \
@@ -1102,7 +1121,14 @@ class _Compiler:
             r[6], r[7], r[8], r[9], r[10], r[11] = ids.n_elements, cols, ss, d_rows, int(f16), d_st
             return r
         if st.code == ATTN:
-            q, k, v, mask = (loc(s) for s in n.src)
+            q, k, v, mask = (loc(s) for s in n.src[:4])
+            if len(n.src) > 4:  # the sinks: a weight (H,) f32
+                if not self.target.attn_sinks:
+                    raise Refused(f"attention sinks ({n.name}): no kernel takes them here")
+                sk = _leaf_value(n.src[4])
+                if not isinstance(sk, np.ndarray) or sk.dtype != np.float32 or not sk.flags.c_contiguous:
+                    raise Refused("attention sinks without an f32 buffer")
+                r[24] = sk.ctypes.data
             need_f32(q, "attention Q")
             need_f32(mask, "attention mask")
             if not q.contiguous() or len(k.shape) != 3 or k.strides[2] != 1 or v.strides[2] != 1:

@@ -37,8 +37,8 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     row stride, 9 the softmax scale, 10 U, 11 / 12 the clamp's bounds (float64 bits);
   * ROPE: the CPU's record, with slot 4 the rope_freqs divisors on the device (0: none) instead of
     the CPU's table of inverse frequencies, 13 / 14 the frequency base and scale (float64 bits);
-  * records are WIDTH slots: the CPU's REC, and in an ATTN record slot 24 points at the int32
-    count of cells attended (0: slot 9 holds it), 25 at the scratch of its split partials, 26
+  * records are WIDTH slots: the CPU's REC (25), and in an ATTN record slot 25 points at the int32
+    count of cells attended (0: slot 9 holds it), 26 at the scratch of its split partials, 27
     the number of splits of the cells (the runtime's choice for the shape).
 
 Memory: one device arena per device (the `Runtime`'s), shared by its plans as the CPU's is. Its
@@ -81,8 +81,8 @@ from .executor import (ADD, ARGSORT, ATTN, CLAMP, CPY, DIV, GEGLU, GET_ROWS_F32,
 
 # The GPU's own record codes (from 33: apart from executor.c's and GEGLU's 32)
 MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV, MUL_MAT_ID_W, MUL_MAT_ID_GLU, ROUTER = 33, 34, 35, 36, 37, 38, 39
-WIDTH = REC + 3  # slots 24-26: an ATTN record's count slot, split scratch, splits
-COUNT, SCRATCH, SPLITS = 24, 25, 26
+WIDTH = REC + 3  # after the CPU's slots: an ATTN record's count slot, split scratch, splits
+COUNT, SCRATCH, SPLITS = REC, REC + 1, REC + 2
 HEAD = 64  # bytes of count slots at the arena's start: 16 masks
 NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS", MUL_MAT_GLU: "MUL_MAT+GLU", ROPE_QKV: "ROPE+SET_ROWS",
          MUL_MAT_ID_W: "MUL_MAT_ID", MUL_MAT_ID_GLU: "MUL_MAT_ID+GLU",
@@ -299,6 +299,8 @@ class GPUTarget(Target):
                 or pos.dtype != np.dtype(np.int32) or not pos.contiguous():
             raise Refused("a ROPE layout")
         p = n.params
+        if p.get("yarn"):
+            raise Refused(f"YaRN rope ({n.name}): rope.cu has no YaRN")
         r = [0] * WIDTH
         r[0], r[1], r[2], r[3] = ROPE, loc(n).addr, x.addr, pos.addr
         if len(n.src) > 2:

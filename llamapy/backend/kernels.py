@@ -69,6 +69,15 @@ def add(node: Tensor, s: list[Any], xp: Any) -> Any:
     return s[0] + _as_f32(xp, s[1])
 
 
+def add_id(node: Tensor, s: list[Any], xp: Any) -> Any:
+    """a (T, U, M) + b[ids] (ggml_add_id): each (token, slot)'s row of b by its expert id."""
+    a, b, ids = s
+    flat = ids.reshape(-1).astype(xp.int64)  # (T*U,)
+    # a 2-D weight is a WeightMatrix (interface.py): its rows by id, as GET_ROWS reads them
+    rows = _as_f32(xp, b)[flat] if isinstance(b, xp.ndarray) else b.get_rows(flat)  # (T*U, M)
+    return a + rows.reshape(a.shape)  # (T, U, M)
+
+
 def div(node: Tensor, s: list[Any], xp: Any) -> Any:
     return s[0] / _as_f32(xp, s[1])
 
@@ -93,8 +102,15 @@ def scale(node: Tensor, s: list[Any], xp: Any) -> Any:
 
 def glu(node: Tensor, s: list[Any], xp: Any) -> Any:
     gate, up = s
-    if node is not None and node.params.get("op", "swiglu") == "geglu":  # no node: swiglu (direct calls)
+    op = "swiglu" if node is None else node.params.get("op", "swiglu")  # no node: swiglu (direct calls)
+    if op == "geglu":
         return gelu(xp, gate) * up
+    if op == "swiglu_oai":  # ggml's swiglu_oai, f32 throughout as ggml-cpu computes it
+        lim, alpha = xp.float32(node.params["limit"]), xp.float32(node.params["alpha"])
+        x = xp.minimum(gate, lim)
+        y = xp.clip(up, -lim, lim)
+        with np.errstate(over="ignore"):
+            return (x / (xp.float32(1.0) + xp.exp(alpha * -x))) * (y + xp.float32(1.0))
     # silu(g) = g / (1 + exp(-g)) as ggml: below g ~ -88.7 exp overflows to inf and the result is -0
     with np.errstate(over="ignore"):
         return (gate / (1.0 + xp.exp(-gate))) * up
@@ -185,19 +201,19 @@ _rope_tables: dict[tuple, tuple] = {}
 
 
 def rope_cos_sin(
-    xp: Any, pos: Any, n_dims: int, base: float, freq_scale: float, factors: Any | None
+    xp: Any, pos: Any, n_dims: int, base: float, freq_scale: float, factors: Any | None, yarn: tuple = ()
 ) -> tuple[Any, Any]:
     """cos/sin tables (n_tokens, n_dims/2) for llama.cpp's rope (ggml rope_cache_init).
 
     Every layer's Q and K rope the same positions: the tables are kept while the same position
     array is alive (the key holds a reference, so an id cannot be reused meanwhile)."""
-    key = (id(pos), id(factors), n_dims, base, freq_scale)
+    key = (id(pos), id(factors), n_dims, base, freq_scale, yarn)
     hit = _rope_tables.get(key)
     if hit is not None and hit[0] is pos and hit[1]() is factors:
         return hit[2], hit[3]
     if len(_rope_tables) > 8:
         _rope_tables.clear()
-    cos, sin = _rope_tables_compute(xp, pos, n_dims, base, freq_scale, factors)
+    cos, sin = _rope_tables_compute(xp, pos, n_dims, base, freq_scale, factors, yarn)
     # rope_freqs is a weight (a view of the model's mapping): held weakly, so that a closed
     # model's file is not kept mapped by this table
     try:
@@ -208,12 +224,30 @@ def rope_cos_sin(
     return cos, sin
 
 
-def rope_consts(n_dims: int, base: float, freq_scale: float, factors: Any | None) -> np.ndarray:
-    """(2 + n_dims/2,) float32: freq_base, freq_scale and each pair's rope_freqs divisor (1 without
-    them), as ggml keeps them (float op parameters): the C kernels (ops.c lp_rope_rows) take these
-    and round the angles as ggml does."""
+def rope_consts(n_dims: int, base: float, freq_scale: float, factors: Any | None, yarn: tuple = ()) -> np.ndarray:
+    """(6 + n_dims/2,) float32: freq_base, freq_scale, each pair's rope_freqs divisor (1 without
+    them), then YaRN's ext_factor, attn_factor and correction dims (0, 1, 0, 0 without YaRN), as
+    ggml keeps them (float op parameters): the C kernels (ops.c lp_rope_rows) take these and
+    round the angles as ggml does."""
     ff = np.ones(n_dims // 2, np.float32) if factors is None else np.asarray(factors, np.float32)[: n_dims // 2]
-    return np.ascontiguousarray(np.concatenate([np.array([base, freq_scale], np.float32), ff]))
+    y = [0.0, 1.0, 0.0, 0.0]
+    if yarn:
+        n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow = yarn
+        y = [ext_factor, attn_factor, *yarn_corr_dims(n_dims, int(n_ctx_orig), base, beta_fast, beta_slow)]
+    return np.ascontiguousarray(np.concatenate([np.array([base, freq_scale], np.float32), ff, np.array(y, np.float32)]))
+
+
+def yarn_corr_dims(n_dims: int, n_ctx_orig: int, base: float, beta_fast: float, beta_slow: float) -> tuple[float, float]:
+    """The pairs YaRN ramps between (ggml_rope_yarn_corr_dims): below the first it extrapolates
+    (the trained frequency), above the second it interpolates (scaled by freq_scale); f32 as ggml."""
+    f = np.float32
+
+    def corr_dim(n_rot: float) -> np.float32:
+        num = f(n_dims) * f(np.log(f(f(n_ctx_orig) / (f(n_rot) * f(2) * f(np.pi)))))
+        return f(num / (f(2) * f(np.log(f(base)))))
+
+    lo, hi = np.floor(corr_dim(beta_fast)), np.ceil(corr_dim(beta_slow))
+    return float(max(f(0), lo)), float(min(f(n_dims - 1), hi))
 
 
 def rope_theta_scale(base: float, n_dims: int) -> np.float32:
@@ -222,7 +256,7 @@ def rope_theta_scale(base: float, n_dims: int) -> np.float32:
 
 
 def _rope_tables_compute(
-    xp: Any, pos: Any, n_dims: int, base: float, freq_scale: float, factors: Any | None
+    xp: Any, pos: Any, n_dims: int, base: float, freq_scale: float, factors: Any | None, yarn: tuple = ()
 ) -> tuple[Any, Any]:
     # the angles as ggml's rope_cache_init rounds them (bit for bit; any other rounding flips q8
     # activation roundings downstream): theta_0 = p, theta_i+1 = theta_i * theta_scale in f32 —
@@ -231,7 +265,7 @@ def _rope_tables_compute(
     # products in another order (an ulp of a 4095-radian angle moves its cos by 5e-4)
     if xp is not np:
         cos, sin = _rope_tables_compute(np, _host(xp, pos), n_dims, base, freq_scale,
-                                        None if factors is None else _host(xp, factors))
+                                        None if factors is None else _host(xp, factors), yarn)
         return xp.asarray(cos), xp.asarray(sin)
     half = n_dims // 2
     steps = np.full((pos.shape[0], half), rope_theta_scale(base, n_dims), dtype=np.float32)  # (n_tokens, n_dims/2)
@@ -239,11 +273,28 @@ def _rope_tables_compute(
     theta = np.cumprod(steps, axis=1)
     if factors is not None:
         theta = theta / _as_f32(np, factors)[:half]
+    extrap = theta
     theta = np.float32(freq_scale) * theta
+    mscale = np.float32(1.0)
+    if yarn:  # ggml's rope_yarn: pairs below the ramp keep the trained angle, cos/sin scaled
+        n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow = yarn
+        mscale = np.float32(attn_factor)
+        if ext_factor != 0.0:
+            lo, hi = yarn_corr_dims(n_dims, int(n_ctx_orig), base, beta_fast, beta_slow)
+            y = (np.arange(half, dtype=np.float32) - np.float32(lo)) / np.float32(max(0.001, hi - lo))
+            mix = np.asarray((np.float32(1) - np.clip(y, 0, 1)) * np.float32(ext_factor))  # (n_dims/2,)
+            # fma(theta, 1 - mix, extrap * mix) and fma(0.1, ln(1/freq_scale), 1), as llama.cpp's
+            # build contracts them: the f32 products are exact in f64, one rounding to f32
+            theta = (theta.astype(np.float64) * (1 - mix) + (extrap * mix).astype(np.float64)).astype(np.float32)
+            log = np.float32(np.log(np.float32(1) / np.float32(freq_scale)))
+            mscale = mscale * np.float32(float(np.float32(0.1)) * float(log) + 1.0)
     # cos/sin of the f32 angle rounded from f64: glibc's cosf/sinf (the C kernel) differ in the
     # last bit for ~1 angle in 4000
     th = theta.astype(np.float64)
-    return np.cos(th).astype(np.float32), np.sin(th).astype(np.float32)
+    cos, sin = np.cos(th).astype(np.float32), np.sin(th).astype(np.float32)
+    if mscale != 1.0:
+        cos, sin = cos * np.float32(mscale), sin * np.float32(mscale)
+    return cos, sin
 
 
 def _rot(xp: Any, a: Any, b: Any, c: Any, s: Any, sign: float) -> Any:
@@ -257,7 +308,7 @@ def rope(node: Tensor, s: list[Any], xp: Any) -> Any:
     factors = s[2] if len(s) > 2 else None
     p = node.params
     n_dims = p["n_dims"]
-    cos, sin = rope_cos_sin(xp, pos, n_dims, p["freq_base"], p["freq_scale"], factors)
+    cos, sin = rope_cos_sin(xp, pos, n_dims, p["freq_base"], p["freq_scale"], factors, p.get("yarn", ()))
     cos = cos[:, None, :]  # (n_tokens, 1, n_dims/2): same angle for every head
     sin = sin[:, None, :]
     out = x.copy()
@@ -290,8 +341,8 @@ def attended(s: list[Any]) -> list[Any]:
     """FLASH_ATTN_EXT's values (q, k, v, mask) with K and V cut to the cells attended: the
     mask's width. The graph's K/V views span the whole cache; how many of its cells a
     micro-batch attends to is a property of its mask's value (ops.flash_attn_ext)."""
-    q, k, v, mask = s
-    return [q, k[: mask.shape[-1]], v[: mask.shape[-1]], mask]
+    q, k, v, mask = s[:4]
+    return [q, k[: mask.shape[-1]], v[: mask.shape[-1]], mask, *s[4:]]
 
 
 def cache_rotation(node: Tensor) -> tuple[int, int]:
@@ -300,7 +351,8 @@ def cache_rotation(node: Tensor) -> tuple[int, int]:
 
 
 def _flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
-    q, k, v, mask = s
+    q, k, v, mask = s[:4]
+    sinks = _as_f32(xp, s[4]) if len(s) > 4 else None
     kt, vt = node.src[1].type, node.src[2].type
     if kt in KV_QUANT_TYPES:
         # llama.cpp converts Q to K's vec_dot_type (Q8_0 for a Q8_0 or Q4_0 cache) and takes
@@ -312,7 +364,7 @@ def _flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
         v = _expand(v, vt, node.src[2].shape[-1], xp)
     n_tokens = q.shape[0]
     if n_tokens <= FA_BLOCK:
-        return _attend(q, k, v, mask, node.params["scale"], xp)
+        return _attend(q, k, v, mask, node.params["scale"], xp, sinks)
     # a prompt: query blocks only read the key range their mask leaves visible (the causal
     # lower triangle, one sequence's cells), which roughly halves the work of a long prompt
     out = xp.empty((n_tokens, q.shape[1], v.shape[-1]), xp.float32)
@@ -321,7 +373,7 @@ def _flash_attn_ext(node: Tensor, s: list[Any], xp: Any) -> Any:
         t1 = min(n_tokens, t0 + FA_BLOCK)
         cols = xp.flatnonzero(finite[t0:t1].any(axis=0))
         lo, hi = (int(cols[0]), int(cols[-1]) + 1) if len(cols) else (0, 1)
-        out[t0:t1] = _attend(q[t0:t1], k[lo:hi], v[lo:hi], mask[t0:t1, lo:hi], node.params["scale"], xp)
+        out[t0:t1] = _attend(q[t0:t1], k[lo:hi], v[lo:hi], mask[t0:t1, lo:hi], node.params["scale"], xp, sinks)
     return out
 
 
@@ -334,7 +386,7 @@ def _expand(raw: Any, t: GGMLType, d: int, xp: Any) -> Any:
     return xp.asarray(dequantize(flat, t, d).reshape(*raw.shape[:2], d))
 
 
-def _attend(q: Any, k: Any, v: Any, mask: Any, scale: float, xp: Any) -> Any:
+def _attend(q: Any, k: Any, v: Any, mask: Any, scale: float, xp: Any, sinks: Any = None) -> Any:
     """softmax(q k^T * scale + mask) v for one block of queries; query head h reads kv head
     h // (n_head / n_head_kv), llama.cpp's GQA grouping. The readable form: the C kernel (ops.c)
     follows llama.cpp's tiled arithmetic bit for bit (fma-chain scores, an online softmax per 64
@@ -353,13 +405,13 @@ def _attend(q: Any, k: Any, v: Any, mask: Any, scale: float, xp: Any) -> Any:
     out = xp.empty((n_head_kv, g * n_tokens, v.shape[-1]), xp.float32)
     if xp is np:
         with blas_threads(1):  # small products: a second BLAS thread only waits (threads.py)
-            _attend_heads(qh, k, v, m, scale, out, g, xp)
+            _attend_heads(qh, k, v, m, scale, out, g, xp, sinks)
     else:
-        _attend_heads(qh, k, v, m, scale, out, g, xp)
+        _attend_heads(qh, k, v, m, scale, out, g, xp, sinks)
     return out.reshape(n_head, n_tokens, -1).transpose(1, 0, 2)  # (T, H, Dv)
 
 
-def _attend_heads(qh: Any, k: Any, v: Any, m: Any, scale: float, out: Any, g: int, xp: Any) -> None:
+def _attend_heads(qh: Any, k: Any, v: Any, m: Any, scale: float, out: Any, g: int, xp: Any, sinks: Any) -> None:
     n_head_kv = k.shape[1]
     n_tokens, n_kv = m.shape
     # one 2-D product per KV head: the query heads of a group share it without a broadcast copy
@@ -368,9 +420,16 @@ def _attend_heads(qh: Any, k: Any, v: Any, m: Any, scale: float, out: Any, g: in
         kq = kq.reshape(g, n_tokens, n_kv)  # (G, T, Nkv)
         kq *= xp.float32(scale)
         kq += m
-        kq -= kq.max(axis=-1, keepdims=True)
+        top = kq.max(axis=-1, keepdims=True)  # (G, T, 1)
+        if sinks is not None:  # head h*G+j's sink joins its rows' denominators (and their max)
+            sk = sinks[h * g : (h + 1) * g].reshape(g, 1, 1)  # (G, 1, 1)
+            top = xp.maximum(top, sk)
+        kq -= top
         xp.exp(kq, out=kq)
-        kq /= kq.sum(axis=-1, keepdims=True)
+        total = kq.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            total += xp.exp(sk - top)
+        kq /= total
         out[h] = kq.reshape(g * n_tokens, n_kv) @ v[:, h, :]  # (G*T, Dv)
 
 
@@ -408,6 +467,7 @@ KERNELS: dict[Op, Kernel] = {
     Op.RMS_NORM: rms_norm,
     Op.MUL: mul,
     Op.ADD: add,
+    Op.ADD_ID: add_id,
     Op.DIV: div,
     Op.SCALE: scale,
     Op.CLAMP: clamp,

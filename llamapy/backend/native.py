@@ -58,11 +58,13 @@ SIGNATURES: dict[str, tuple[list, Any]] = {
     "lp_rope": ([_P, _I64, _I64, _I64, _P, _P, _I64, _INT, _P], None),
     "lp_attend": (_ATTEND, None),
     "lp_attend_f16": (_ATTEND, None),  # k, v: the f16 cache's bits
-    "lp_attend_q": ([*_ATT, _INT, _INT, _INT], None),  # + K and V cache types (LP_KV_*: f32 f16 q8_0 q4_0)
+    # + K and V cache types (LP_KV_*: f32 f16 q8_0 q4_0) and the sinks (H,) or NULL
+    "lp_attend_q": ([*_ATT, _INT, _INT, _P, _INT], None),
     # soft_max rows: x, rows, n, x stride, scale, out; argsort rows: x, rows, n, x stride, out (int32)
     "lp_soft_max_rows": ([_P, _I64, _I64, _I64, ctypes.c_float, _P], None),
     "lp_argsort_rows": ([_P, _I64, _I64, _I64, _P], None),
     "lp_swiglu": ([_P, _P, _I64, _I64, _I64, _I64, _P], None),
+    "lp_swiglu_oai": ([_P, _P, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float, _P], None),
     # quantized-activation MUL_MAT (lp_quants.h)
     "lp_quantize_row_q8_0": ([_P, _P, _I64], None),
     "lp_quantize_row_q8_1": ([_P, _P, _I64], None),

@@ -49,7 +49,7 @@ FREQUENCY_PENALTY = typer.Option(0.0, "--frequency-penalty", help="subtract this
 IGNORE_EOS = typer.Option(False, "--ignore-eos", help="never stop at end of generation (-n decides)")
 
 # llama.cpp spellings llamapy accepts although it has nothing to switch (see `no_effect`)
-FLASH_ATTN = typer.Option("auto", "-fa", "--flash-attn", metavar="on|off|auto", help="on, off or auto: llamapy has no flash-attention kernel (no effect)")
+FLASH_ATTN = typer.Option("auto", "-fa", "--flash-attn", metavar="on|off|auto", help="on, off or auto: no effect (attention is always one fused FLASH_ATTN_EXT op)")
 THREADS_BATCH = typer.Option(None, "-tb", "--threads-batch", help="threads for the prompt: llamapy uses -t for both (no effect)")
 NO_MMAP = typer.Option(False, "--no-mmap", help="llamapy always maps the file read-only (no effect)")
 # constrained output (llama.cpp's common/arg.cpp: --grammar, --grammar-file, -j, -jf)
@@ -82,8 +82,8 @@ def no_effect(flash_attn: str, threads_batch: int | None, no_mmap: bool) -> None
     fa = flash_attn.strip().lower()
     if fa not in ("on", "off", "auto"):
         raise LlamapyError(f"-fa {flash_attn}: expected on, off or auto")
-    if fa == "on":
-        log("warning: -fa on: llamapy has no flash-attention kernel; attention runs as softmax(KQ)V")
+    if fa != "auto":  # neither can be honoured: there is one attention op, fused, on every backend
+        log(f"warning: -fa {fa} has no effect: llamapy's attention is always one fused FLASH_ATTN_EXT op")
     if threads_batch is not None:
         if threads_batch < 0:
             raise LlamapyError(f"-tb {threads_batch}: must be >= 0")

@@ -27,6 +27,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "qwen3",
     "qwen3moe": "qwen3moe",
     "gemma3": "gemma3",
+    "gpt-oss": "gptoss",
 }
 
 __all__ = ["ARCHITECTURES", "Architecture", "GraphInputs", "HParams", "ModelGraph", "UBatch",

@@ -111,6 +111,9 @@ class HParams:
     rope_freq_base_swa: float = 10000.0
     rope_freq_scale_swa: float = 1.0
     attn_scale: float = 0.0  # 0: 1/sqrt(head_dim)
+    # YaRN rope (llama.cpp's cparams): (n_ctx_orig_yarn, ext_factor, attn_factor, beta_fast,
+    # beta_slow), () without YaRN
+    rope_yarn: tuple[float, ...] = ()
     # mixture of experts (llama.cpp's n_expert, n_expert_used, n_ff_exp, expert_weights_scale)
     n_expert: int = 0
     n_expert_used: int = 0
@@ -250,7 +253,7 @@ class Architecture:
             n_rot=r.get(Keys.Rope.DIMENSION_COUNT, head_dim),
             rms_eps=r.get(Keys.Attention.LAYERNORM_RMS_EPS, 1e-5, float),
             rope_freq_base=r.get(Keys.Rope.FREQ_BASE, 10000.0, float),
-            rope_freq_scale=1.0 / factor if scaling == "linear" and factor > 0 else 1.0,
+            rope_freq_scale=1.0 / factor if scaling in ("linear", "yarn") and factor > 0 else 1.0,
             rope_type=self.rope_type,
         )
         self.read_extra(r, fields)
@@ -366,6 +369,19 @@ def moe_tensors(p: HParams, il: int, n_ff: int) -> list[TensorSpec]:
         TensorSpec(T.FFN_UP_EXP, (x, n_ff, e), il),
         TensorSpec(T.FFN_DOWN_EXP, (x, e, n_ff), il),
     ]
+
+
+def read_swa_pattern(r: KeyReader, n_layer: int, n_pattern: int) -> tuple[bool, ...]:
+    """`attention.sliding_window_pattern` (llama_model::load_swa_pattern): a per-layer array, or
+    a period (every n-th layer global), `n_pattern` by default."""
+    k = r.name(Keys.Attention.SLIDING_WINDOW_PATTERN)
+    v = r.md.get(k)
+    if v is not None and _is_array(v):
+        return tuple(bool(x) for x in r.get_arr(Keys.Attention.SLIDING_WINDOW_PATTERN, n_layer, kind=int))
+    n = r.get(Keys.Attention.SLIDING_WINDOW_PATTERN, n_pattern)
+    if n < 0:
+        raise GGUFError(f"key {k!r} has value {n}, expected >= 0")
+    return swa_pattern(n_layer, n)
 
 
 def swa_pattern(n_layer: int, n_pattern: int, dense_first: bool = False) -> tuple[bool, ...]:

@@ -17,7 +17,7 @@ from gguf import MODEL_ARCH, MODEL_TENSOR, Keys
 from .. import ops
 from ..tensor import Tensor
 from ..types import GGUFError, UnsupportedError
-from .base import ROPE_NEOX, Architecture, HParams, KeyReader, TensorSpec, attn_tensors, ffn_tensors, swa_pattern
+from .base import ROPE_NEOX, Architecture, HParams, KeyReader, TensorSpec, attn_tensors, ffn_tensors, read_swa_pattern
 from .inputs import GraphInputs
 from .layers import attention, feed_forward, rms_norm, select_outputs
 
@@ -38,16 +38,7 @@ class Gemma3(Architecture):
             raise GGUFError(f"key {r.name(Keys.Attention.SLIDING_WINDOW)!r} has value {n_swa}, expected >= 0")
         if n_swa > 0:
             fields["n_swa"] = n_swa
-            k = r.name(Keys.Attention.SLIDING_WINDOW_PATTERN)
-            v = r.md.get(k)
-            if v is not None and hasattr(v, "__len__") and not isinstance(v, str):
-                fields["swa_layers"] = tuple(bool(x) for x in r.get_arr(Keys.Attention.SLIDING_WINDOW_PATTERN,
-                                                                          n_layer, kind=int))  # fmt: skip
-            else:
-                n_pattern = r.get(Keys.Attention.SLIDING_WINDOW_PATTERN, 6)
-                if n_pattern < 0:
-                    raise GGUFError(f"key {k!r} has value {n_pattern}, expected >= 0")
-                fields["swa_layers"] = swa_pattern(n_layer, n_pattern)
+            fields["swa_layers"] = read_swa_pattern(r, n_layer, 6)
             fields["rope_freq_base_swa"] = r.get(Keys.Rope.FREQ_BASE_SWA, 10000.0, float)
         softcap = r.get(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, 0.0, float)
         if softcap:

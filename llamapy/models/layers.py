@@ -53,8 +53,9 @@ def attention(
 ) -> Tensor:
     """Self-attention of one layer over the KV cache (build_qkv + build_attn): Q/K/V with optional
     biases, optional per-head RMS norms of Q and K (`attn_q_norm` / `attn_k_norm`, before rope),
-    rope with the layer's base, the sliding-window mask on a sliding-window layer, and the
-    output projection. `q_scale` multiplies Q (a SCALE node, as gemma3 does) and then the
+    rope with the layer's base (and YaRN's parameters), the sliding-window mask on a
+    sliding-window layer, attention sinks (`attn_sinks`), and the output projection (with its
+    optional bias). `q_scale` multiplies Q (a SCALE node, as gemma3 does) and then the
     attention runs at scale 1; by default the attention scales by 1/sqrt(D)."""
     T, H, Hkv, D, Dv, N = g.n_tokens, p.n_head_arr[il], p.n_head_kv_arr[il], p.head_dim, p.head_dim_v, g.kv.size
     q, k, v = qkv(p, w, x, il)
@@ -65,7 +66,7 @@ def attention(
     if "attn_k_norm" in w:
         k = rms_norm(k, w["attn_k_norm"], p.rms_eps, f"Kcur_normed-{il}")
     rope = dict(n_dims=p.n_rot, freq_base=p.rope_base(il), freq_scale=p.rope_scale(il),
-                freq_factors=freqs, mode=p.rope_type)  # fmt: skip
+                freq_factors=freqs, mode=p.rope_type, yarn=p.rope_yarn)  # fmt: skip
     q = ops.rope(q, g.pos, name=f"Qcur-{il} (rope)", **rope)  # type: ignore[arg-type]
     k = ops.rope(k, g.pos, name=f"Kcur-{il} (rope)", **rope)  # type: ignore[arg-type]
     scale = None
@@ -85,9 +86,9 @@ def attention(
     k_view = ops.view(k_all, (N, Hkv, D), 0, f"k-{il}")  # (N, Hkv, D)
     v_view = ops.view(v_all, (N, Hkv, Dv), 0, f"v-{il}")  # (N, Hkv, Dv)
     mask = g.kq_mask(p.n_swa if p.is_swa(il) else 0)
-    att = ops.flash_attn_ext(q, k_view, v_view, mask, scale, f"fattn-{il}")  # (T, H, Dv)
+    att = ops.flash_attn_ext(q, k_view, v_view, mask, scale, f"fattn-{il}", w.get("attn_sinks"))  # (T, H, Dv)
     att = ops.reshape(att, (T, H * Dv), f"kqv_out-{il}")  # (T, H*Dv)
-    return ops.mul_mat(w["attn_output"], att, f"attn_out-{il}")  # (T, E)
+    return _bias(ops.mul_mat(w["attn_output"], att, f"attn_out-{il}"), w, "attn_output", f"attn_out_b-{il}")  # (T, E)
 
 
 def feed_forward(w: dict[str, Tensor], x: Tensor, il: int, act: str = "swiglu") -> Tensor:
@@ -116,19 +117,31 @@ def select_outputs(g: GraphInputs, il: int, n_layer: int, *xs: Tensor) -> tuple[
 # the smallest normal f16: llama.cpp clamps the sum of the chosen experts' weights to it before
 # dividing by it (build_moe_ffn)
 _MIN_WEIGHT_SUM = 6.103515625e-5
+# gpt-oss's clamped SwiGLU (llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants)
+SWIGLU_OAI_ALPHA = 1.702
+SWIGLU_OAI_LIMIT = 7.0
 
 
-def moe_ffn(p: HParams, w: dict[str, Tensor], x: Tensor, il: int, g: GraphInputs, norm_w: bool = True) -> Tensor:
-    """A mixture-of-experts FFN (build_moe_ffn with softmax gating and SwiGLU experts): the
-    router's logits, their softmax, each token's top n_expert_used experts and their weights
-    (normalised to sum 1 when `norm_w`, scaled by expert_weights_scale), the chosen experts'
-    gated FFNs (MUL_MAT_ID), weighted and summed over the slots in slot order."""
+def moe_ffn(p: HParams, w: dict[str, Tensor], x: Tensor, il: int, g: GraphInputs, norm_w: bool = True,
+            gating: str = "softmax", act: str = "swiglu") -> Tensor:  # fmt: skip
+    """A mixture-of-experts FFN (build_moe_ffn): the router's logits (plus `ffn_gate_inp.bias`),
+    each token's top n_expert_used experts and their weights — `gating` "softmax": the softmax
+    over all experts' logits, then the top k (normalised to sum 1 when `norm_w`); "softmax_weight"
+    (gpt-oss): the top k of the logits, then the softmax over those k — scaled by
+    expert_weights_scale, the chosen experts' gated FFNs (MUL_MAT_ID, each expert's bias added by
+    ADD_ID when the file has `ffn_*_exps.bias`; `act` "swiglu" or "swiglu_oai"), weighted and
+    summed over the slots in slot order."""
     T, E, U = x.shape[0], p.n_embd, p.n_expert_used
     logits = ops.mul_mat(w["ffn_gate_inp"], x, f"ffn_moe_logits-{il}")  # (T, n_expert)
-    probs = ops.soft_max(logits, name=f"ffn_moe_probs-{il}")  # (T, n_expert)
+    logits = _bias(logits, w, "ffn_gate_inp", f"ffn_moe_logits_biased-{il}")
+    probs = ops.soft_max(logits, name=f"ffn_moe_probs-{il}") if gating == "softmax" else logits  # (T, n_expert)
     selected = ops.argsort_top_k(probs, U, f"ffn_moe_topk-{il}")  # (T, U) I32, largest first
     probs3 = ops.reshape(probs, (T, p.n_expert, 1), f"ffn_moe_probs-{il} (reshaped)")  # (T, n_expert, 1)
     weights = ops.get_rows(probs3, selected, f"ffn_moe_weights-{il}")  # (T, U, 1)
+    if gating == "softmax_weight":
+        w2 = ops.reshape(weights, (T, U), f"ffn_moe_weights-{il} (2d)")  # (T, U)
+        w2 = ops.soft_max(w2, name=f"ffn_moe_weights_softmax-{il}")
+        weights = ops.reshape(w2, (T, U, 1), f"ffn_moe_weights_softmax-{il} (3d)")  # (T, U, 1)
     if norm_w:
         w2 = ops.reshape(weights, (T, U), f"ffn_moe_weights-{il} (2d)")  # (T, U)
         total = ops.sum_rows(w2, f"ffn_moe_weights_sum-{il}")  # (T, 1)
@@ -139,10 +152,17 @@ def moe_ffn(p: HParams, w: dict[str, Tensor], x: Tensor, il: int, g: GraphInputs
         weights = ops.scale(weights, p.expert_weights_scale, f"ffn_moe_weights_scaled-{il}")
     g.gf.expand(weights)  # the router before the experts, as llama.cpp orders them
     cur = ops.reshape(x, (T, 1, E), f"ffn_norm-{il} (3d)")  # (T, 1, E): one row for every slot
-    up = ops.mul_mat_id(w["ffn_up_exps"], cur, selected, f"ffn_moe_up-{il}")  # (T, U, F)
-    gate = ops.mul_mat_id(w["ffn_gate_exps"], cur, selected, f"ffn_moe_gate-{il}")  # (T, U, F)
-    par = ops.glu(gate, up, "swiglu", f"ffn_moe_swiglu-{il}")  # (T, U, F)
-    experts = ops.mul_mat_id(w["ffn_down_exps"], par, selected, f"ffn_moe_down-{il}")  # (T, U, E)
+
+    def expert_mm(key: str, h: Tensor, name: str) -> Tensor:
+        out = ops.mul_mat_id(w[key], h, selected, name)  # (T, U, M)
+        b = w.get(f"{key}.bias")  # (n_expert, M)
+        return out if b is None else ops.add_id(out, b, selected, f"{name}_biased")
+
+    up = expert_mm("ffn_up_exps", cur, f"ffn_moe_up-{il}")  # (T, U, F)
+    gate = expert_mm("ffn_gate_exps", cur, f"ffn_moe_gate-{il}")  # (T, U, F)
+    oai = dict(alpha=SWIGLU_OAI_ALPHA, limit=SWIGLU_OAI_LIMIT) if act == "swiglu_oai" else {}
+    par = ops.glu(gate, up, act, f"ffn_moe_{act}-{il}", **oai)  # (T, U, F)
+    experts = expert_mm("ffn_down_exps", par, f"ffn_moe_down-{il}")  # (T, U, E)
     experts = ops.mul(experts, weights, f"ffn_moe_weighted-{il}")  # (T, U, E)
     g.gf.expand(experts)
     flat = ops.reshape(experts, (T, U * E), f"ffn_moe_weighted-{il} (rows)")  # (T, U*E)

@@ -165,6 +165,43 @@ def _cases() -> list[tuple[str, Callable[[np.random.Generator], tuple[Tensor, di
 
         return make
 
+    def attention_sinks(n_tokens: int, n_kv: int):  # noqa: ANN202
+        """gpt-oss's sinks: one logit per query head in its softmax's denominator; causal over
+        an f16 cache (a decode step, a prompt beyond one block of queries)."""
+
+        def make(rng):  # noqa: ANN001, ANN202
+            q = f32(rng, n_tokens, 4, 64)
+            k, v = f32(rng, n_kv, 2, 64).astype(np.float16), f32(rng, n_kv, 2, 64).astype(np.float16)
+            pos = np.arange(n_kv - n_tokens, n_kv)
+            mask = np.where(np.arange(n_kv)[None, :] <= pos[:, None], 0, -np.inf).astype(np.float32)
+            sk = (np.array([-1.0, 0.5, 2.0, 30.0]) + rng.standard_normal(4) * 0.1).astype(np.float32)  # 30: above every score
+            tq, tk, tv, tm, ts = act("q", q), act("k", k, T.F16), act("v", v, T.F16), act("m", mask), act("sinks", sk)
+            s = {tq: q, tk: k, tv: v, tm: mask, ts: sk}
+            return ops.flash_attn_ext(tq, tk, tv, tm, sinks=ts), s, s
+
+        return make
+
+    def rope_yarn(rng):  # noqa: ANN001, ANN202
+        """YaRN as gpt-oss sets it: factor 32 (freq_scale 1/32), original context 4096."""
+        x = f32(rng, 5, 4, 64)
+        pos = np.array([0, 1, 7, 100, 4095], np.int32)
+        a, p = act("x", x), act("pos", pos, T.I32)
+        node = ops.rope(a, p, 64, 150000.0, 1.0 / 32, None, 2, yarn=(4096.0, 1.0, 1.0, 32.0, 1.0))
+        return node, {a: x, p: pos}, {a: x, p: pos}
+
+    def swiglu_oai(rng):  # noqa: ANN001, ANN202
+        g, u = f32(rng, 3, 5, 64) * 6, f32(rng, 3, 5, 64) * 6  # beyond the limit of 7 both ways
+        a, b = act("g", g), act("u", u)
+        return ops.glu(a, b, "swiglu_oai", alpha=1.702, limit=7.0), {a: g, b: u}, {a: g, b: u}
+
+    def add_id(rng):  # noqa: ANN001, ANN202
+        """Each (token, slot)'s expert bias, the biases a (6, 32) weight."""
+        x, bv = f32(rng, 5, 3, 32), f32(rng, 6, 32)
+        ids = np.stack([rng.permutation(6)[:3] for _ in range(5)]).astype(np.int32)
+        t = Tensor("exps.bias", (6, 32), T.F32, flags=TensorFlag.WEIGHT)
+        a, i = act("x", x), act("ids", ids, T.I32)
+        return ops.add_id(a, t, i), {a: x, t: bv.view(np.uint8), i: ids}, {a: x, t: bv, i: ids}
+
     def set_rows_q(qt: T):  # noqa: ANN202
         def make(rng):  # noqa: ANN001, ANN202
             dst = np.zeros((10, 2 * 34 if qt is T.Q8_0 else 2 * 18), np.uint8)  # 10 rows of 64
@@ -265,6 +302,11 @@ def _cases() -> list[tuple[str, Callable[[np.random.Generator], tuple[Tensor, di
         ("ROPE-normal", rope(0, False)),
         ("ROPE-neox", rope(2, False)),
         ("ROPE-freq_factors", rope(0, True)),
+        ("ROPE-yarn", rope_yarn),
+        ("FLASH_ATTN_EXT-sinks-decode", attention_sinks(1, 40)),
+        ("FLASH_ATTN_EXT-sinks-prompt", attention_sinks(150, 160)),
+        ("GLU-swiglu_oai", swiglu_oai),
+        ("ADD_ID", add_id),
     ]
     for q in (T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
         cases.append((f"GET_ROWS-{q.name}", get_rows(q)))
@@ -344,6 +386,42 @@ def test_every_device_lists_and_passes_self_test() -> None:
     assert "TEST0" in names
     for d in DEVICES:
         d.self_test()
+
+
+def test_gptoss_ops_reference_against_float64() -> None:
+    """The reference kernels of gpt-oss's ops against their definitions in float64: the sinks
+    (an extra softmax column with no value: Hugging Face's eager attention), YaRN (the
+    frequencies blended over the correction range, cos/sin scaled by 1 + 0.1 ln 32), the clamped
+    SwiGLU and ADD_ID."""
+    rng = np.random.default_rng(3)
+    cases = dict(_cases())
+    node, _, ins = cases["FLASH_ATTN_EXT-sinks-decode"](rng)
+    q, k, v, mask, sk = (np.asarray(ins[s], np.float64) for s in node.src)
+    got = reference(node, [ins[s] for s in node.src])
+    for h in range(4):
+        sc = np.concatenate([q[:, h] @ k[:, h // 2].T / 8 + mask, np.full((q.shape[0], 1), sk[h])], -1)
+        pr = np.exp(sc - sc.max(-1, keepdims=True))
+        want = (pr / pr.sum(-1, keepdims=True))[:, :-1] @ v[:, h // 2]
+        np.testing.assert_allclose(got[:, h], want, rtol=0, atol=2e-6)
+    node, _, ins = cases["ROPE-yarn"](rng)
+    x, pos = np.asarray(ins[node.src[0]], np.float64), ins[node.src[1]]
+    corr = [64 * np.log(4096 / (b * 2 * np.pi)) / (2 * np.log(150000.0)) for b in (32.0, 1.0)]
+    lo, hi = max(np.floor(corr[0]), 0), min(np.ceil(corr[1]), 63)
+    extrap = 150000.0 ** (-np.arange(0, 64, 2) / 64)
+    ramp = 1 - np.clip((np.arange(32) - lo) / max(hi - lo, 0.001), 0, 1)  # 1: the trained frequency
+    ang = pos[:, None, None] * (extrap / 32 * (1 - ramp) + extrap * ramp)
+    c, s_ = np.cos(ang) * (1 + 0.1 * np.log(32)), np.sin(ang) * (1 + 0.1 * np.log(32))
+    want = np.concatenate([x[..., :32] * c - x[..., 32:] * s_, x[..., :32] * s_ + x[..., 32:] * c], -1)
+    got = reference(node, [ins[s] for s in node.src])
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())  # angles up to 4095 rad in f32
+    node, _, ins = cases["GLU-swiglu_oai"](rng)
+    g, u = (np.asarray(ins[s], np.float64) for s in node.src)
+    gc = np.minimum(g, 7.0)
+    want = gc / (1 + np.exp(-1.702 * gc)) * (np.clip(u, -7.0, 7.0) + 1)
+    np.testing.assert_allclose(reference(node, [ins[s] for s in node.src]), want, rtol=1e-5, atol=1e-5)
+    node, _, ins = cases["ADD_ID"](rng)
+    x, b, ids = (ins[s] for s in node.src)
+    np.testing.assert_array_equal(reference(node, [x, b, ids]), x + b[ids])
 
 
 def test_gelu_is_ggml_cpus() -> None:

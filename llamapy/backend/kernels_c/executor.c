@@ -52,10 +52,13 @@
  * quantized cache (llama.cpp's attn_rot) and its rows' quantization */
 void lp_attend_q_par(lp_par *p, const float *q, int64_t T, int64_t H, int64_t D, const void *k, const void *v,
                      int64_t N, int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
-                     const float *mask, int64_t mask_st, float scale, float *out, int kt, int vt);
+                     const float *mask, int64_t mask_st, float scale, float *out, int kt, int vt,
+                     const float *sinks);
 void lp_hadamard_runs(float *x, int64_t len, int64_t n, float c);
 void lp_kv_quantize_row(void *dst, const float *x, int64_t n, int t);
 void lp_kv_row(float *dst, const void *base, int64_t off, int type, int64_t n);
+void lp_swiglu_oai(const float *gate, const float *up, int64_t rows, int64_t n, int64_t gate_st, int64_t up_st,
+                   float alpha, float limit, float *out);
 void lp_swiglu(const float *gate, const float *up, int64_t rows, int64_t n, int64_t gate_st, int64_t up_st,
                float *out);
 
@@ -102,9 +105,10 @@ enum {
     EX_DIV = 19,
     EX_GET_ROWS_B = 20,   /* GET_ROWS with a batch of id rows: (B, R, C), (B, n) -> (B, n, C) */
     EX_MUL_MAT_ID_Q = 21, /* MUL_MAT_ID on the file's blocks with quantized activations */
+    EX_ADD_ID = 22,       /* each (token, slot)'s row of an (n_expert, M) bias by its expert id */
 };
 
-#define EX_REC 24
+#define EX_REC 25
 
 typedef union {
     int64_t i;
@@ -172,7 +176,7 @@ static int attention(lp_par *p, const ex_slot *r) {
         q = qr;
     }
     lp_attend_q_par(p, q, I(6), I(7), I(8), P(3), P(4), I(9), I(10), I(11), I(12), I(13), I(14), I(15), P(5), I(16),
-                    (float)F(17), P(1), (int)I(18), (int)I(19));
+                    (float)F(17), P(1), (int)I(18), (int)I(19), (const float *)P(24));
     if (I(20) || I(21)) lp_par_barrier(p); /* the output is whole; no one reads qr any more */
     if (p->ith == 0) {
         if (I(21)) lp_hadamard_runs(P(1), I(6) * I(7) * I(11), I(21), (float)F(23));
@@ -255,9 +259,23 @@ static void ex_rows(const ex_slot *r, int64_t r0, int64_t r1) {
         break;
     }
     case EX_SWIGLU:
-        /* [6] rows, [7] n, [8] gate stride, [9] up stride */
-        lp_swiglu((const float *)P(2) + r0 * I(8), (const float *)P(3) + r0 * I(9), r1 - r0, I(7), I(8), I(9),
-                  (float *)P(1) + r0 * I(7));
+        /* [6] rows, [7] n, [8] gate stride, [9] up stride; [10] 1: swiglu_oai with [11] alpha, [12] limit */
+        if (I(10))
+            lp_swiglu_oai((const float *)P(2) + r0 * I(8), (const float *)P(3) + r0 * I(9), r1 - r0, I(7), I(8), I(9),
+                          (float)F(11), (float)F(12), (float *)P(1) + r0 * I(7));
+        else
+            lp_swiglu((const float *)P(2) + r0 * I(8), (const float *)P(3) + r0 * I(9), r1 - r0, I(7), I(8), I(9),
+                      (float *)P(1) + r0 * I(7));
+        break;
+    case EX_ADD_ID:
+        /* dst (T*U, M) <- src0 a (T*U, M) + src1 b[ids]: [6] T*U rows, [7] M, [8] a row stride, [9] U,
+         * [10] ids row stride; src2 ids (T, U) int32 */
+        for (int64_t t = r0; t < r1; t++) {
+            const float *a = (const float *)P(2) + t * I(8);
+            const float *b = (const float *)P(3) + (int64_t)((const int32_t *)P(4))[t / I(9) * I(10) + t % I(9)] * I(7);
+            float *d = (float *)P(1) + t * I(7);
+            for (int64_t i = 0; i < I(7); i++) d[i] = a[i] + b[i];
+        }
         break;
     case EX_ROPE:
         /* src1 pos (int32), src2 rope constants (float, kernels.rope_consts): [6] T, [7] H, [8] D, [9] token stride,
@@ -291,7 +309,7 @@ EX_API int64_t lp_exec_caps(void) {
 static int ex_rowwise(int64_t op) {
     return op == EX_RMS_NORM || op == EX_MUL || op == EX_ADD || op == EX_SCALE || op == EX_SWIGLU || op == EX_ROPE ||
            op == EX_CPY || op == EX_DIV || op == EX_SOFT_MAX || op == EX_ARGSORT || op == EX_SUM_ROWS ||
-           op == EX_CLAMP;
+           op == EX_CLAMP || op == EX_ADD_ID;
 }
 
 /* A record that has a serial part only (thread 0 runs it, the others go on to the next barrier)
@@ -330,7 +348,7 @@ static int ex_par_record(lp_par *p, const ex_slot *r) {
         /* src0 q (T,H,D) contiguous, src1 k, src2 v, src3 mask: [6] T, [7] H, [8] D, [9] N,
          * [10] Hkv, [11] Dv, [12..15] k/v strides (in their storage units), [16] mask stride,
          * [17] scale, [18] / [19] K / V type (ops.c's LP_KV_*), [20] / [21] K / V rotation run
-         * (0: none), [22] / [23] their scales */
+         * (0: none), [22] / [23] their scales, [24] sinks (H,) or 0 */
         return attention(p, r);
     case EX_QUANT_ACT:
         /* dst xq <- src0 x: [6] weight type, [7] x row stride, [8] n_in, [9] n_tok */

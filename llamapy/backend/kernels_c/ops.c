@@ -255,7 +255,8 @@ LP_API void lp_rms_norm(const float *x, int64_t rows, int64_t n, int64_t x_strid
 
 /* rope over rows with strides: row (t, h) of x starts at x + t * xs_t + h * xs_h (the Q/K columns
  * of a fused QKV product, for the executor); out is contiguous (T, H, D). rc: freq_base,
- * freq_scale, then each pair's rope_freqs divisor (kernels.rope_consts). Rounded as ggml's
+ * freq_scale, each pair's rope_freqs divisor, then YaRN's ext_factor, attn_factor and correction
+ * dims (kernels.rope_consts). Rounded as ggml's
  * rope_cache_init + rotate_pairs, bit for bit: theta_scale = powf(base, -2/n_dims), the angle by
  * the f32 recurrence theta *= theta_scale (not p * theta_scale^i), cosf/sinf, and the rotation
  * with one fma each as llama.cpp's -march=native build contracts it. Shared by lp_rope and
@@ -265,6 +266,11 @@ void lp_rope_rows(const float *x, int64_t T, int64_t H, int64_t D, int64_t xs_t,
     const int64_t half = n_dims / 2;
     const float freq_scale = rc[1], *ff = rc + 2;
     const float theta_scale = powf(rc[0], -2.0f / (float)n_dims);
+    /* YaRN (ggml's rope_yarn): after the divisors, ext_factor, attn_factor and the correction
+     * dims; ext_factor 0 and attn_factor 1 are plain rope, the same bits */
+    const float ext = rc[2 + half], c0 = rc[4 + half], c1 = rc[5 + half];
+    /* the fmas of llama.cpp's build, which contracts a * b + c (-march=native, GCC's default) */
+    const float mscale = ext != 0.0f ? rc[3 + half] * fmaf(0.1f, logf(1.0f / freq_scale), 1.0f) : rc[3 + half];
     float cs_stack[2 * 256];
     float *cs = half <= 256 ? cs_stack : malloc(2 * (size_t)half * sizeof(float));
     if (!cs) return;
@@ -272,9 +278,15 @@ void lp_rope_rows(const float *x, int64_t T, int64_t H, int64_t D, int64_t xs_t,
     for (int64_t t = 0; t < T; t++) {
         float theta = (float)pos[t];
         for (int64_t i = 0; i < half; i++) {
-            const float th = freq_scale * (theta / ff[i]);
-            cs[i] = cosf(th);
-            sn[i] = sinf(th);
+            const float te = theta / ff[i];
+            float th = freq_scale * te;
+            if (ext != 0.0f) { /* the pairs below the ramp keep the trained angle */
+                const float y = ((float)i - c0) / fmaxf(0.001f, c1 - c0);
+                const float mix = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext;
+                th = fmaf(th, 1.0f - mix, te * mix);
+            }
+            cs[i] = cosf(th) * mscale;
+            sn[i] = sinf(th) * mscale;
             theta *= theta_scale;
         }
         for (int64_t h = 0; h < H; h++) {
@@ -397,6 +409,7 @@ typedef struct {
     float scale;
     int kt, vt;
     int64_t span; /* score row length of the scratch: the widest tile's cells (att_tile_span) */
+    const float *sinks; /* (H,) one logit per query head in its softmax's denominator, or NULL */
 } att_args;
 
 /* Each token's tiles: tile j of token t holds its visible cells in [bnd[t*nb + j], bnd[t*nb + j +
@@ -980,9 +993,18 @@ static void att_store(const att_args *a, const att_unit *w, const float *st, int
             for (int64_t i = dv0; i < dv1; i++) o[i] = fill;
             continue;
         }
-        const float inv = S[r] == 0.0f ? 0.0f : 1.0f / S[r];
         const float *ar = acc + r * Dv;
-        for (int64_t i = dv0; i < dv1; i++) o[i] = ar[i] * inv;
+        float s = S[r], ms = 1.0f;
+        if (a->sinks) { /* ggml's add_sinks: the sink joins the max and the sum, with no value */
+            const float sk = a->sinks[h];
+            if (sk > M[r]) ms = expf(M[r] - sk), s = s * ms + 1.0f;
+            else s = s + expf(sk - M[r]);
+        }
+        const float inv = s == 0.0f ? 0.0f : 1.0f / s;
+        if (ms != 1.0f)
+            for (int64_t i = dv0; i < dv1; i++) o[i] = (ar[i] * ms) * inv;
+        else
+            for (int64_t i = dv0; i < dv1; i++) o[i] = ar[i] * inv;
     }
 }
 
@@ -1213,7 +1235,7 @@ static int att_types_ok(int kt, int vt, int64_t D, int64_t Dv) {
 
 #define ATT_ARGS(kt_, vt_)                                                                                       \
     {q, k, v, mask, out, T, H, D, N, Hkv, Dv, Hkv > 0 ? H / Hkv : 1, k_sn, k_sh, v_sn, v_sh, mask_st, scale, kt_, \
-     vt_, 0}
+     vt_, 0, NULL}
 
 /* softmax(q k^T * scale + mask) v: q (T, H, D) contiguous; k (N, Hkv, D) and v (N, Hkv, Dv) with
  * strides in elements (rows contiguous); query head h reads KV head h / (H / Hkv); mask row t at
@@ -1239,21 +1261,26 @@ LP_API void lp_attend_f16(const float *q, int64_t T, int64_t H, int64_t D, const
  * elements, Q8_0/Q4_0 strides in bytes (a head's D elements: whole blocks of 32). Over a
  * quantized K, Q is first rounded through Q8_0 as llama.cpp's q_to_vec_dot does, so each score is
  * ggml's integer dot product (up to the order of the float sums); V rows are expanded to f32 and
- * summed, as ggml's v_to_float path. */
+ * summed, as ggml's v_to_float path. sinks: NULL, or (H,) logits that join each query head's
+ * softmax denominator (ggml_flash_attn_ext_add_sinks, gpt-oss). */
 LP_API void lp_attend_q(const float *q, int64_t T, int64_t H, int64_t D, const void *k, const void *v, int64_t N,
                         int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
-                        const float *mask, int64_t mask_st, float scale, float *out, int kt, int vt, int n_threads) {
+                        const float *mask, int64_t mask_st, float scale, float *out, int kt, int vt,
+                        const float *sinks, int n_threads) {
     if (!att_types_ok(kt, vt, D, Dv)) return;
-    const att_args a = ATT_ARGS(kt, vt);
+    att_args a = ATT_ARGS(kt, vt);
+    a.sinks = sinks;
     attend(&a, n_threads);
 }
 
 /* lp_attend_q as a thread of a running team (the executor's records) */
 void lp_attend_q_par(lp_par *p, const float *q, int64_t T, int64_t H, int64_t D, const void *k, const void *v,
                      int64_t N, int64_t Hkv, int64_t Dv, int64_t k_sn, int64_t k_sh, int64_t v_sn, int64_t v_sh,
-                     const float *mask, int64_t mask_st, float scale, float *out, int kt, int vt) {
+                     const float *mask, int64_t mask_st, float scale, float *out, int kt, int vt,
+                     const float *sinks) {
     if (!att_types_ok(kt, vt, D, Dv)) return;
-    const att_args a = ATT_ARGS(kt, vt);
+    att_args a = ATT_ARGS(kt, vt);
+    a.sinks = sinks;
     attend_par(p, &a);
 }
 
@@ -1276,6 +1303,22 @@ LP_INLINE float lp_expf_avx512(float x) {
      * as scalef rounds: multiplies that vectorize, where ldexpf is a call per value */
     const int ni = (int)n, n1 = ni / 2, n2 = ni - n1;
     return j * bits_f32((uint32_t)(n1 + 127) << 23) * bits_f32((uint32_t)(n2 + 127) << 23);
+}
+
+/* gpt-oss's clamped SwiGLU as ggml-cpu's swiglu_oai computes it (scalar, libm expf): x =
+ * min(gate, limit), y = clamp(up, -limit, limit), x / (1 + e^(alpha * -x)) * (y + 1); rows with
+ * strides as lp_swiglu. */
+LP_API void lp_swiglu_oai(const float *gate, const float *up, int64_t rows, int64_t n, int64_t gate_st,
+                          int64_t up_st, float alpha, float limit, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate + r * gate_st, *u = up + r * up_st;
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) {
+            const float x = limit < g[i] ? limit : g[i]; /* std::min(x, limit) */
+            const float y = u[i] < -limit ? -limit : limit < u[i] ? limit : u[i]; /* std::clamp */
+            o[i] = (x / (1.0f + expf(alpha * (-x)))) * (y + 1.0f);
+        }
+    }
 }
 
 /* SiLU(gate) * up rounded as ggml's ggml_vec_swiglu_f32 on the llama.cpp build for this CPU

@@ -26,8 +26,10 @@ import numpy as np
 
 from ..types import GGMLType, LlamapyError
 from .cpu_kernels import KV_CODES
-from .executor import ADD, ATTN, CPY, GEGLU, GET_ROWS_F32, MUL, RMS_NORM, ROPE, SCALE, SET_ROWS, SWIGLU, Loc, Refused, _Slot
-from .gpu_plan import COUNT, GET_ROWS_W, MUL_MAT_GLU, MUL_MAT_W, ROPE_QKV, SCRATCH, SPLITS
+from .executor import (ADD, ARGSORT, ATTN, CLAMP, CPY, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, MUL, RMS_NORM, ROPE, SCALE,
+                       SET_ROWS, SOFT_MAX, SUM_ROWS, SWIGLU, Loc, Refused, _Slot)
+from .gpu_plan import (COUNT, GET_ROWS_W, MUL_MAT_GLU, MUL_MAT_ID_GLU, MUL_MAT_ID_W, MUL_MAT_W, ROPE_QKV, ROUTER,
+                       SCRATCH, SPLITS)
 
 
 def _first_line(e: BaseException) -> str:
@@ -244,8 +246,10 @@ def _rms_norm(rt: CUDARuntime, rec: np.ndarray) -> Launch:
 def _binary(op: str) -> Callable[[CUDARuntime, np.ndarray], Launch]:
     def make(rt: CUDARuntime, rec: np.ndarray) -> Launch:
         r, ops, st = _i(rec), rt.ops, rt.dev.stream
-        if r[10]:
-            raise Refused(f"{op.upper()} by one value per row (no CUDA kernel)")
+        if r[10]:  # one value per row (the router's weights): moe.cu
+            return lambda: ops.binary_row(st, op, r[2], r[8], r[3], r[9], r[1], r[7], r[6], r[7])
+        if op == "div":
+            raise Refused("DIV of two rows (no CUDA kernel)")
         return lambda: ops.binary(st, op, r[2], r[8], r[3], r[9], r[1], r[7], r[6], r[7])
 
     return make
@@ -347,8 +351,53 @@ def _attn(rt: CUDARuntime, rec: np.ndarray) -> Launch:
                                       r[15] * vi, N, r[5], r[16], r[1], H * dv, dv, T, H, Hkv, D, dv, scale, **kw)
 
 
+def _soft_max(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    s = _f(r[9])
+    return lambda: ops.soft_max(st, r[2], r[8], r[1], r[7], r[6], r[7], s)
+
+
+def _argsort(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    return lambda: ops.argsort(st, r[2], r[8], r[1], r[7], r[6], r[7])
+
+
+def _sum_rows(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    return lambda: ops.sum_rows(st, r[2], r[8], r[1], r[6], r[7])
+
+
+def _clamp(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    lo, hi = _f(r[9]), _f(r[10])
+    return lambda: ops.clamp(st, r[2], r[8], r[1], r[6], r[7], lo, hi)
+
+
+def _get_rows_b(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    """The batched GET_ROWS: (B, R, C) rows by (B, n) ids into contiguous (B, n, C)."""
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    return lambda: ops.get_rows_batched(st, r[2], r[9], r[10], r[11], r[3], r[12], r[1], r[6], r[7], r[8])
+
+
+def _mul_mat_id_w(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    """MUL_MAT_ID_W, and MUL_MAT_ID_GLU (the up experts in slot 16, the GLU in 17)."""
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    qtype = GGMLType(r[9])
+    kw = dict(w2=r[16], glu=("swiglu", "geglu")[r[17]]) if r[0] == MUL_MAT_ID_GLU else {}
+    return lambda: ops.mul_mat_id(st, qtype, r[3], r[11], r[12], r[8], r[10], r[2], r[13], r[14], r[4], r[15], r[1],
+                                  r[6], r[7], **kw)  # fmt: skip
+
+
+def _router(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    scale, lo, hi = _f(r[9]), _f(r[11]), _f(r[12])
+    return lambda: ops.router(st, r[2], r[8], r[3], r[1], r[6], r[7], r[10], scale, lo, hi)
+
+
 _LAUNCHES: dict[int, Callable[[CUDARuntime, np.ndarray], Launch]] = {
     RMS_NORM: _rms_norm, MUL: _binary("mul"), ADD: _binary("add"), SCALE: _scale, CPY: _cpy, SWIGLU: _glu("swiglu"), GEGLU: _glu("geglu"),
     GET_ROWS_F32: _get_rows_f32, GET_ROWS_W: _get_rows_w, MUL_MAT_W: _mul_mat_w, MUL_MAT_GLU: _mul_mat_glu, ROPE: _rope, SET_ROWS: _set_rows, ROPE_QKV: _rope_qkv,
-    ATTN: _attn,
+    ATTN: _attn, DIV: _binary("div"),
+    SOFT_MAX: _soft_max, ARGSORT: _argsort, SUM_ROWS: _sum_rows, CLAMP: _clamp, GET_ROWS_B: _get_rows_b,
+    MUL_MAT_ID_W: _mul_mat_id_w, MUL_MAT_ID_GLU: _mul_mat_id_w, ROUTER: _router,
 }  # fmt: skip

@@ -1,6 +1,7 @@
 """The launch layer of llamapy's CUDA kernels (ggml-cuda's host side of each op: the
 `ggml_cuda_op_*` functions of norm.cu, rope.cu, set-rows.cu, unary.cu, binbcast.cu, getrows.cu,
-fattn.cu and mmvq.cu, which pick a grid and launch on the backend's stream).
+fattn.cu, mmvq.cu (and its MUL_MAT_ID path), softmax.cu, argsort.cu and sumrows.cu, which pick a
+grid and launch on the backend's stream).
 
 `CudaKernels.load(cp)` compiles every kernel source of `kernels_cuda/` (NVRTC through CuPy,
 cached on disk by CuPy) and loads every entry point on the current device, once: a CUDA graph
@@ -56,10 +57,13 @@ def _entries() -> dict[str, tuple[str, ...]]:
         "rope.cu": (*(f"rope_set_rows_{c}" for c in ("none", *CACHE_SUFFIX.values())),
                     *(f"rope_qkv_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
         "fattn.cu": ("fattn_combine", *(f"fattn_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
+        "moe.cu": ("soft_max_f32", "argsort_desc_f32", "get_rows_batched_f32", "sum_rows_f32", "clamp_f32",
+                   "binary_row_f32", "router_f32"),
     }
     for fname, suffix in WEIGHT_SUFFIX.values():
         out[fname] = (*out.get(fname, ()), f"dequant_{suffix}", f"get_rows_{suffix}", f"mmv_{suffix}",
-                      f"mmv_glu_{suffix}")
+                      f"mmv_glu_{suffix}",
+                      f"mmv_id_{suffix}")
     return out
 
 
@@ -74,6 +78,7 @@ FA_TILE = 64
 FA_MAX_D = 256
 SHARED_MAX = 48 << 10  # dynamic shared memory without an opt-in attribute
 FA_MAX_SPLITS = 64
+ARGSORT_THREADS = 128  # moe.cu: a block per row of the router's probabilities
 
 
 def _p(ptr: int) -> np.uint64:
@@ -392,3 +397,96 @@ class CudaKernels:
                 np.int32(0 if op == "swiglu" else 1))  # fmt: skip
         grid = _cdiv(n_ff, MMV_ROWS_PER_BLOCK)
         self._launch(f"mmv_glu_{WEIGHT_SUFFIX[qtype][1]}", (grid,), 32 * MMV_ROWS_PER_BLOCK, args, stream)
+
+    # -- the mixture-of-experts block (moe.cu, common.cuh's mmv_id) -----------------------------
+
+    def mul_mat_id(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_expert: int, m: int, n_in: int,
+                   x: int, sxt: int, sxu: int, ids: int, sid: int, y: int, n_tok: int, n_used: int, *, w2: int = 0,
+                   glu: str = "swiglu") -> None:
+        """MUL_MAT_ID for up to MMV_MAX_TOKENS tokens: y (n_tok, n_used, m) = for each token t and
+        slot u, expert ids[t * sid + u] (int32, on the device) of the stacked matrix w (n_expert
+        experts of m rows of row_bytes) times x's row t * sxt + u * sxu (float32 elements; sxu 0:
+        one row a token), the fused dequantize + matrix-vector kernel of `qtype` (mmv_id_<type>):
+        each chosen expert's rows read once for every pair that chose it. `w2`: the up experts
+        (w the gate ones), y = glu(gate, up) ("swiglu" / "geglu") as the products' epilogue."""
+        qtype = GGMLType(qtype)
+        if qtype not in WEIGHT_SUFFIX:
+            raise UnsupportedError(f"CUDA: MUL_MAT_ID of {qtype.name}")
+        if glu not in ("swiglu", "geglu"):
+            raise UnsupportedError(f"CUDA: GLU op {glu!r}")
+        if not 0 < n_tok <= MMV_MAX_TOKENS or n_in % 32 or n_in % block_size(qtype)[0] or x % 16 or sxt % 4 \
+                or sxu % 4:
+            raise UnsupportedError(f"CUDA: {qtype.name} MUL_MAT_ID of {n_tok} tokens of {n_in} (x at {x:#x}, "
+                                   f"strides {sxt}, {sxu})")  # fmt: skip
+        if n_used <= 0 or m <= 0:
+            return
+        args = (_p(w), _p(w2), np.int64(m * row_bytes), np.int32(n_expert), _p(x), np.int64(sxt), np.int64(sxu),
+                _p(ids), np.int64(sid), _p(y), np.int32(m), np.int32(n_in), np.int64(row_bytes), np.int32(n_tok),
+                np.int32(n_used), np.int32(0 if glu == "swiglu" else 1))  # fmt: skip
+        grid = (_cdiv(m, MMV_ROWS_PER_BLOCK), n_tok * n_used)
+        self._launch(f"mmv_id_{WEIGHT_SUFFIX[qtype][1]}", grid, 32 * MMV_ROWS_PER_BLOCK, args, stream)
+
+    def soft_max(self, stream: Any, x: int, sx: int, y: int, sy: int, rows: int, n: int, scale: float) -> None:
+        """y = softmax(x * scale) over rows of n, no mask (the router's probabilities)."""
+        if rows <= 0 or n <= 0:
+            return
+        args = (_p(x), np.int64(sx), _p(y), np.int64(sy), np.int32(n), np.float32(scale))
+        self._launch("soft_max_f32", (rows,), 32, args, stream)
+
+    def argsort(self, stream: Any, x: int, sx: int, y: int, sy: int, rows: int, n: int) -> None:
+        """y (int32) = the indices of each row of x in descending order, ties in index order."""
+        if rows <= 0 or n <= 0:
+            return
+        args = (_p(x), np.int64(sx), _p(y), np.int64(sy), np.int32(n))
+        self._launch("argsort_desc_f32", (rows,), ARGSORT_THREADS, args, stream)
+
+    def get_rows_batched(self, stream: Any, t: int, sb: int, sr: int, n_rows: int, ids: int, sid: int, y: int,
+                         batches: int, n_ids: int, n: int) -> None:
+        """y (batches, n_ids, n) = rows ids[b * sid + i] (int32) of batch b of t (batch stride sb,
+        row stride sr, n_rows rows of n float32): the router's weights of the chosen experts."""
+        total = batches * n_ids * n
+        if total <= 0:
+            return
+        args = (_p(t), np.int64(sb), np.int64(sr), np.int32(n_rows), _p(ids), np.int64(sid), _p(y), np.int32(batches),
+                np.int32(n_ids), np.int32(n))  # fmt: skip
+        self._launch("get_rows_batched_f32", (_cdiv(total, ELEMENTWISE_THREADS),), ELEMENTWISE_THREADS, args, stream)
+
+    def sum_rows(self, stream: Any, x: int, sx: int, y: int, rows: int, n: int) -> None:
+        """y (rows,) = each row of n summed in order in double, rounded to float32 once."""
+        if rows <= 0:
+            return
+        args = (_p(x), np.int64(sx), _p(y), np.int32(rows), np.int32(n))
+        self._launch("sum_rows_f32", (_cdiv(rows, ELEMENTWISE_THREADS),), ELEMENTWISE_THREADS, args, stream)
+
+    def clamp(self, stream: Any, x: int, sx: int, y: int, rows: int, n: int, lo: float, hi: float) -> None:
+        """y (contiguous rows of n) = min(max(x, lo), hi)."""
+        if rows <= 0 or n <= 0:
+            return
+        args = (_p(x), np.int64(sx), _p(y), np.int32(n), np.float32(lo), np.float32(hi))
+        self._launch("clamp_f32", (_cdiv(n, ELEMENTWISE_THREADS), rows), ELEMENTWISE_THREADS, args, stream)
+
+    def binary_row(self, stream: Any, op: str, a: int, sa: int, b: int, sb: int, y: int, sy: int, rows: int,
+                   n: int) -> None:
+        """y[r] = a[r] * b[r * sb] or a[r] / b[r * sb] ("mul", "div"): one value a row."""
+        if op not in ("mul", "div"):
+            raise UnsupportedError(f"CUDA: binary op {op!r} by one value a row")
+        if rows <= 0 or n <= 0:
+            return
+        args = (_p(a), np.int64(sa), _p(b), np.int64(sb), _p(y), np.int64(sy), np.int32(n), np.int32(op == "div"))
+        self._launch("binary_row_f32", (_cdiv(n, ELEMENTWISE_THREADS), rows), ELEMENTWISE_THREADS, args, stream)
+
+    def router(self, stream: Any, x: int, sx: int, ids: int, w: int, rows: int, n: int, n_used: int, scale: float,
+               lo: float, hi: float) -> None:
+        """The router in one launch: ids (rows, n) int32 = ARGSORT(softmax(x * scale)) descending,
+        w (rows, n_used) = the first n_used probabilities / clamp(their sum, lo, hi): the bits of
+        soft_max, argsort, get_rows_batched, sum_rows, clamp and binary_row("div") in turn."""
+        if not 0 < n_used <= n:
+            raise UnsupportedError(f"CUDA: the top {n_used} of {n} experts")
+        shared = 4 * (n + n_used)
+        if shared > SHARED_MAX:
+            raise UnsupportedError(f"CUDA: a router over {n} experts")
+        if rows <= 0:
+            return
+        args = (_p(x), np.int64(sx), _p(ids), _p(w), np.int32(n), np.int32(n_used), np.float32(scale), np.float32(lo),
+                np.float32(hi))  # fmt: skip
+        self._launch("router_f32", (rows,), 32, args, stream, shared)

@@ -748,7 +748,7 @@ class _Compiler:
             if op is Op.MUL and self._fuse_norm_mul(n):
                 continue
             if op is Op.GLU and self.target.fuse_glu and n.params.get("op") in self.target.glu_ops \
-                    and self._fuse_mul_mat_glu(n):
+                    and (self._fuse_mul_mat_glu(n) or self._fuse_mul_mat_id_glu(n)):
                 continue
             code = {Op.GET_ROWS: GET_ROWS_F32, Op.RMS_NORM: RMS_NORM, Op.MUL: MUL, Op.ADD: ADD, Op.SCALE: SCALE,
                     Op.GLU: SWIGLU, Op.MUL_MAT: MUL_MAT, Op.ROPE: ROPE, Op.FLASH_ATTN_EXT: ATTN,
@@ -820,6 +820,23 @@ class _Compiler:
         prev.extra.update(glu=glu, mm=mm)
         prev.node = glu
         self.n_fused += 1
+        return True
+
+    def _fuse_mul_mat_id_glu(self, glu: Tensor) -> bool:
+        """GLU(gate, up) of the two MUL_MAT_IDs just before it (the experts' gate and up products
+        of one input and one routing, either order, read by nothing else) as one step: the
+        GLU's result, placed apart from the products' input, which it reads to the end (the
+        GPU's expert product with its GLU epilogue)."""
+        if len(self.steps) < 2:
+            return False
+        s1, s2 = self.steps[-2:]
+        g, u = glu.src
+        if {s1.node, s2.node} != {g, u} or s1.code != MUL_MAT_ID_Q or s2.code != MUL_MAT_ID_Q or g is u:
+            return False
+        if g.src[1:] != u.src[1:] or g.shape != u.shape or self.readers.get(g, 0) != 1 or self.readers.get(u, 0) != 1:
+            return False
+        self.steps[-2:] = [_Step(MUL_MAT_ID_Q, glu, [*g.src, u.src[0]], {"glu": glu, "gate": g, "up": u})]
+        self.n_fused += 2
         return True
 
     def _fuse_norm_mul(self, mul: Tensor) -> bool:

@@ -22,6 +22,19 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     5 K, 10 V; 6 tokens, 7 heads, 8 head size, 9 the row stride, 11 n_dims, 12 NeoX, 13 / 14
     base / scale bits, 15 KV heads, 16 V's head size, 17 rope_freqs, 18 cells of the cache,
     19-22 the K cache, its type code, row bytes, rotation; 23-26 the V cache's;
+  * MUL_MAT_ID_W: the expert product (common.cuh's mmv_id: the expert ids read on the device, so
+    the graph does not depend on the routing): 1 dst (T, U, M), 2 x, 3 the stacked experts'
+    blocks, 4 ids (int32); 6 T, 7 U, 8 M, 9 the GGML type, 10 n_in, 11 row bytes, 12 n_expert,
+    13 / 14 x's token / slot strides (14 0: one row a token), 15 the ids' row stride;
+  * MUL_MAT_ID_GLU: the gate and up expert products of one input with the GLU after them as one
+    launch (the compiler's step `_fuse_mul_mat_id_glu`, so the allocator places the GLU's result
+    apart from the products' input): MUL_MAT_ID_W's slots for the gate experts, 1 the GLU's
+    result, 16 the up experts' blocks, 17 the GLU (0 SwiGLU, 1 GEGLU);
+  * the router (SOFT_MAX, ARGSORT, the batched GET_ROWS, SUM_ROWS, CLAMP, DIV and MUL by one value
+    a row): the CPU's records, launched as moe.cu's kernels; ROUTER: the chain SOFT_MAX .. DIV
+    of build_moe_ffn's normalised weights as one launch (`_fuse_router`, moe.cu's router_f32):
+    1 the weights (T, U), 2 the logits, 3 the ARGSORT's result (T, E); 6 T, 7 E, 8 the logits'
+    row stride, 9 the softmax scale, 10 U, 11 / 12 the clamp's bounds (float64 bits);
   * ROPE: the CPU's record, with slot 4 the rope_freqs divisors on the device (0: none) instead of
     the CPU's table of inverse frequencies, 13 / 14 the frequency base and scale (float64 bits);
   * records are WIDTH slots: the CPU's REC (25), and in an ATTN record slot 25 points at the int32
@@ -63,15 +76,17 @@ import numpy as np
 
 from ..tensor import Tensor, TensorFlag
 from ..types import LlamapyError, UnsupportedError
-from .executor import (ATTN, GET_ROWS_F32, MUL_MAT, OP_NAMES, RMS_NORM, ROPE, REC, Built, Loc, Refusal, Refused, Target, _Compiler,
-                       _Slot, op_counts)
+from .executor import (ADD, ARGSORT, ATTN, CLAMP, CPY, DIV, GEGLU, GET_ROWS_F32, MUL, MUL_MAT, MUL_MAT_ID_Q, OP_NAMES, RMS_NORM,
+                       ROPE, REC, SCALE, SOFT_MAX, SWIGLU, Built, Loc, Refusal, Refused, Target, _Compiler, _Slot, op_counts)
 
 # The GPU's own record codes (from 33: apart from executor.c's and GEGLU's 32)
-MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV = 33, 34, 35, 36
+MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV, MUL_MAT_ID_W, MUL_MAT_ID_GLU, ROUTER = 33, 34, 35, 36, 37, 38, 39
 WIDTH = REC + 3  # after the CPU's slots: an ATTN record's count slot, split scratch, splits
 COUNT, SCRATCH, SPLITS = REC, REC + 1, REC + 2
 HEAD = 64  # bytes of count slots at the arena's start: 16 masks
-NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS", MUL_MAT_GLU: "MUL_MAT+GLU", ROPE_QKV: "ROPE+SET_ROWS"}
+NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS", MUL_MAT_GLU: "MUL_MAT+GLU", ROPE_QKV: "ROPE+SET_ROWS",
+         MUL_MAT_ID_W: "MUL_MAT_ID", MUL_MAT_ID_GLU: "MUL_MAT_ID+GLU",
+         ROUTER: "SOFT_MAX+ARGSORT+GET_ROWS+SUM_ROWS+CLAMP+DIV"}
 
 
 def graphs_enabled() -> bool:
@@ -145,6 +160,11 @@ class GPUTarget(Target):
     def export(self, l: Loc) -> Any:
         raise Refused("an export outside the arena")
 
+    def id_type(self, n: Tensor) -> int | None:
+        """A MUL_MAT_ID runs on the experts' own blocks (a weight in host memory: Refused)."""
+        wv = self.leaf(n.src[0]) if n.src[0].is_leaf else None
+        return None if wv is None else self.rt.weight(wv)[1]
+
     def scratch(self, c: _Compiler, start: int) -> int:
         """One scratch for the split partials of every attention (they run one after another)."""
         need = 0
@@ -185,6 +205,15 @@ class GPUTarget(Target):
             if "glu" in st.extra:  # the GLU's result (contiguous rows of n_ff), the product never stored
                 r[0], r[10], r[12] = MUL_MAT_GLU, n_out // 2, int(st.extra["glu"].params.get("op") == "geglu")
             return [r]
+        if st.code == MUL_MAT_ID_Q:
+            if "glu" not in st.extra:
+                return [self._mul_mat_id(c, n, loc)]
+            r = self._mul_mat_id(c, st.extra["gate"], loc, dst=loc(n).addr)
+            up = self._mul_mat_id(c, st.extra["up"], loc, dst=loc(n).addr)
+            if up[6:16] != r[6:16]:
+                raise Refused(f"{n.name}: gate and up experts of different layouts")
+            r[0], r[16], r[17] = MUL_MAT_ID_GLU, up[3], int(st.extra["glu"].params.get("op") == "geglu")
+            return [r]
         if st.code == GET_ROWS_F32:
             table, ids = n.src
             tv = self.leaf(table) if table.is_leaf else None
@@ -213,6 +242,27 @@ class GPUTarget(Target):
             r[SCRATCH], r[SPLITS] = c.base + self.scratch_off, self.splits[n]
             return [r]
         return None
+
+    def _mul_mat_id(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc], dst: int = 0) -> list[int]:
+        """MUL_MAT_ID_W: the chosen experts' rows of the stacked matrix (n_expert * M rows) times
+        each (token, slot)'s input row (into `dst`: a fused GLU's result; else n's own)."""
+        w, x, ids = n.src
+        wv = self.leaf(w)
+        blocks, qtype, _n_out, n_in, row_bytes = self.rt.weight(wv)
+        c.keep.append(wv)
+        xl, il = loc(x), loc(ids)
+        T, U, M = n.shape
+        if xl.dtype != np.dtype(np.float32) or len(xl.shape) != 3 or xl.strides[2] != 1 or xl.shape[2] != n_in:
+            raise Refused(f"MUL_MAT_ID {n.name}: input rows the matrix-vector kernel cannot read")
+        if il.dtype != np.dtype(np.int32) or len(il.shape) != 2 or il.strides[1] != 1:
+            raise Refused(f"MUL_MAT_ID {n.name} ids layout")
+        if T > self.rt.max_tokens:
+            raise Refused(f"a batch of {T} tokens (prompts stay on the cuBLAS path)")
+        r = [0] * WIDTH
+        r[0], r[1], r[2], r[3], r[4] = MUL_MAT_ID_W, dst or loc(n).addr, xl.addr, blocks, il.addr
+        r[6], r[7], r[8], r[9], r[10], r[11], r[12] = T, U, M, qtype, n_in, row_bytes, w.shape[0]
+        r[13], r[14], r[15] = xl.strides[0], xl.strides[1] if xl.shape[1] > 1 else 0, il.strides[0]
+        return r
 
     def _norm_per_token(self, st: Any, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
         """A per-head norm of a strided view (qwen3's and gemma3's Q/K norms of a fused QKV
@@ -275,6 +325,7 @@ class GPUTarget(Target):
                 recs[j][COUNT] = c.base + 4 * i
         spans = [(c.base + s.off, c.base + s.off + _extent(s)) for _t, s in exports if isinstance(s, _Slot)]
         recs[:] = _fuse_rope_qkv(recs, spans)  # (after the count slots: it changes the records' indices)
+        recs[:] = _fuse_router(recs, spans)
 
 
 @dataclass
@@ -384,9 +435,22 @@ def _dead_after(recs: list[list[int]], k0: int, lo: int, hi: int, exports: list[
     for r in recs[k0:]:
         if any(lo <= a < hi for a in _reads(r)):
             return False
-        if lo <= r[1] < hi or (r[0] == RMS_NORM and lo <= r[10] < hi):
+        if r[1] < hi and lo < r[1] + _written(r) or (r[0] == RMS_NORM and lo <= r[10] < hi):
             return True
     return not any(a < hi and lo < b for a, b in exports)
+
+
+_ROWS_OUT = frozenset({ADD, MUL, DIV, SCALE, CPY, SWIGLU, GEGLU, SOFT_MAX, CLAMP, ARGSORT})
+
+
+def _written(r: list[int]) -> int:
+    """Bytes a record writes from r[1] where the products' extents are known (T x rows floats;
+    a write over any part of a value shows it dead), else 1."""
+    if r[0] in (MUL_MAT_ID_W, MUL_MAT_ID_GLU):
+        return 4 * r[6] * r[7] * r[8]
+    if r[0] in _ROWS_OUT:  # contiguous rows (r[6]) of r[7] values
+        return 4 * r[6] * r[7]
+    return 4 * r[6] * r[10] if r[0] in (MUL_MAT_W, MUL_MAT_GLU) else 1
 
 
 def _fuse_rope_qkv(recs: list[list[int]], exports: list[tuple[int, int]]) -> list[list[int]]:
@@ -418,6 +482,57 @@ def _fuse_rope_qkv(recs: list[list[int]], exports: list[tuple[int, int]]) -> lis
         out.append(r)
         i += 4
     return out
+
+
+def _fuse_router(recs: list[list[int]], exports: list[tuple[int, int]]) -> list[list[int]]:
+    """SOFT_MAX, ARGSORT of its result, the batched GET_ROWS of the chosen probabilities, SUM_ROWS,
+    CLAMP and the DIV by one value a row (build_moe_ffn's order) as one ROUTER record, where each
+    reads the one before as the kernel does and the probabilities, the chosen ones, their sum and
+    its clamp are read by nothing after (the ids and the weights are kept)."""
+    from .executor import GET_ROWS_B, SUM_ROWS
+
+    out: list[list[int]] = []
+    i = 0
+    while i < len(recs):
+        sm, a, g, sr, cl, d = (recs[i:i + 6] + [[0] * WIDTH] * 6)[:6]
+        T, E = sm[6], sm[7]
+        U = g[7]
+        ok = (sm[0], a[0], g[0], sr[0], cl[0], d[0]) == (SOFT_MAX, ARGSORT, GET_ROWS_B, SUM_ROWS, CLAMP, DIV) \
+            and a[2] == g[2] == sm[1] and a[6:9] == [T, E, E] and g[3] == a[1] and g[6] == T and g[8] == 1 \
+            and g[9:13] == [E, 1, E, E] and 0 < U <= E and sr[2] == g[1] and sr[6:9] == [T, U, U] \
+            and cl[2] == sr[1] and cl[6:9] == [T, 1, 1] and d[2] == g[1] and d[3] == cl[1] and d[10] == 1 \
+            and d[6:10] == [T, U, U, 1]
+        if ok:
+            # the kernel's results: the ids (the logits' rows in place, each read before it is
+            # written) and the weights (apart from the logits); what the chain wrote over the
+            # intermediates is those results, so only the rest of each must be dead after it
+            x, kept = (sm[2], sm[2] + 4 * ((T - 1) * sm[8] + E)), [(a[1], a[1] + 4 * T * E), (d[1], d[1] + 4 * T * U)]
+            ok = (not _overlap(x, kept[0]) or (a[1] == x[0] and sm[8] == E)) and not _overlap(x, kept[1]) \
+                and all(_dead_after(recs, i + 6, lo, hi, exports)
+                        for r0, n in ((sm[1], 4 * T * E), (g[1], 4 * T * U), (sr[1], 4 * T), (cl[1], 4 * T))
+                        for lo, hi in _minus((r0, r0 + n), kept))
+        if not ok:
+            out.append(recs[i])
+            i += 1
+            continue
+        r = [0] * WIDTH
+        r[0], r[1], r[2], r[3] = ROUTER, d[1], sm[2], a[1]
+        r[6], r[7], r[8], r[9], r[10], r[11], r[12] = T, E, sm[8], sm[9], U, cl[9], cl[10]
+        out.append(r)
+        i += 6
+    return out
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def _minus(r: tuple[int, int], cut: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of the byte range r outside the ranges `cut`."""
+    parts = [r]
+    for c0, c1 in cut:
+        parts = [q for lo, hi in parts for q in ((lo, min(hi, c0)), (max(lo, c1), hi)) if q[0] < q[1]]
+    return parts
 
 
 def _fbits(x: float) -> int:

@@ -30,9 +30,11 @@ from gguf.quants import dequantize
 
 from llamapy.backend import cuda_exec, gpu_plan, native
 from llamapy.backend.cpu import CPU_BUFT, CPUBackend
-from llamapy.backend.executor import (ATTN, GEGLU, GET_ROWS_F32, SET_ROWS, SWIGLU, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena, ExecPlan, Loc,
-                                      Refusal, Refused, _array_loc, _lib, _Slot)
-from llamapy.backend.gpu_plan import COUNT, GET_ROWS_W, HEAD, MUL_MAT_GLU, MUL_MAT_W, ROPE_QKV, WIDTH, GPUPlan
+from llamapy.backend.executor import (ARGSORT, ATTN, CLAMP, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, SET_ROWS, SOFT_MAX, SUM_ROWS,
+                                      SWIGLU, MUL_MAT_ID_Q, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena, ExecPlan, Loc, Refusal,
+                                      Refused, _array_loc, _lib, _Slot)
+from llamapy.backend.gpu_plan import (COUNT, GET_ROWS_W, HEAD, MUL_MAT_GLU, MUL_MAT_ID_GLU, MUL_MAT_ID_W, MUL_MAT_W, ROPE_QKV, ROUTER,
+                                      WIDTH, GPUPlan)
 from llamapy.backend.cpu_kernels import KV_CODES
 from llamapy.backend.kernels import _rope_tables_compute, gelu, rope_consts
 from llamapy.context import Context, ContextOptions, Model
@@ -181,6 +183,45 @@ class FakeRuntime:
                         sw[[0, 1, 2, 3, 6, 7, 8, 9]] = SWIGLU, r[1], prod.ctypes.data, prod.ctypes.data + 4 * n_ff, \
                             n_tok, n_ff, n_out, n_out
                         run([sw])
+            elif code in (MUL_MAT_ID_W, MUL_MAT_ID_GLU):  # the q8 mode's QUANTIZE + MUL_MAT_ID_Q (a GLU after)
+                T_, U, M, qtype, n_in, row_bytes, n_exp, sxt, sxu, sid = (int(x) for x in r[6:16])
+                X = U if sxu else 1  # the input's rows: one a token, or one a slot
+                rows, xs = T_ * X, (sxu or sxt)
+                need = int(self.lib.lp_act_row_bytes(qtype, n_in)) * rows
+                if self.scratch.size < need:
+                    self.scratch = np.zeros(need + 64, np.uint8)
+                q = np.zeros(REC, np.int64)
+                q[[0, 1, 2, 6, 7, 8, 9]] = QUANT_ACT, self.scratch.ctypes.data, r[2], qtype, xs, n_in, rows
+                outs = [int(r[1])] if code == MUL_MAT_ID_W else []
+                if code == MUL_MAT_ID_GLU:
+                    prod = np.zeros((2, T_ * U, M), np.float32)
+                    self.keep.append(prod)
+                    outs = [prod[0].ctypes.data, prod[1].ctypes.data]
+                recs = [q]
+                for out, w in zip(outs, (r[3], r[16])):
+                    m = np.zeros(REC, np.int64)
+                    m[[0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14]] = MUL_MAT_ID_Q, out, w, self.scratch.ctypes.data, \
+                        r[4], qtype, n_exp, M, row_bytes, n_in, X, sid, T_, U
+                    recs.append(m)
+                if code == MUL_MAT_ID_GLU:
+                    assert not r[17]  # (SwiGLU experts: executor.c's GLU)
+                    sw = np.zeros(REC, np.int64)
+                    sw[[0, 1, 2, 3, 6, 7, 8, 9]] = SWIGLU, r[1], outs[0], outs[1], T_ * U, M, M, M
+                    recs.append(sw)
+                run(recs)
+            elif code == ROUTER:  # the six records it stands for, over buffers of this runtime's
+                T_, E, sx, U = int(r[6]), int(r[7]), int(r[8]), int(r[10])
+                buf = np.zeros((4, T_, E), np.float32)  # probabilities, chosen ones, sum, clamp
+                self.keep.append(buf)
+                pr, w, sm, cl = (buf[k].ctypes.data for k in range(4))
+                recs = [np.zeros(REC, np.int64) for _ in range(6)]
+                recs[0][[0, 1, 2, 6, 7, 8, 9]] = SOFT_MAX, pr, r[2], T_, E, sx, r[9]
+                recs[1][[0, 1, 2, 6, 7, 8]] = ARGSORT, r[3], pr, T_, E, E
+                recs[2][[0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 12]] = GET_ROWS_B, w, pr, r[3], T_, U, 1, E, 1, E, E
+                recs[3][[0, 1, 2, 6, 7, 8]] = SUM_ROWS, sm, w, T_, U, U
+                recs[4][[0, 1, 2, 6, 7, 8, 9, 10]] = CLAMP, cl, sm, T_, 1, 1, r[11], r[12]
+                recs[5][[0, 1, 2, 3, 6, 7, 8, 9, 10]] = DIV, r[1], w, cl, T_, U, U, 1, 1
+                run(recs)
             elif code == GET_ROWS_W:  # ops.c's expansion of F16/Q8_0/Q4_0 rows (the CPU executor's)
                 g = np.zeros(REC, np.int64)
                 g[[0, 1, 2, 3, 6, 7, 8, 9, 10]] = GET_ROWS_F32, r[1], r[2], r[3], r[6], r[7], r[8], r[9], \
@@ -767,8 +808,131 @@ def test_through_the_scheduler_on_test_devices(make_llama, monkeypatch: pytest.M
     cpu_model.free()
 
 
+# -- mixture of experts: the router and the expert products in the plan ------------------------
+
+
+def _moe_model(tmp_path: Path, case: str, qtype: T = T.Q8_0) -> Path:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from moe_models import SHAPES, write_moe_gguf
+
+    return write_moe_gguf(tmp_path / f"{case}.gguf", qtype=qtype, **SHAPES[case])
+
+
+# a prompt, decode steps of one token, then two sequences a step (the same expert chosen by several
+# tokens: the kernel reads it once for them)
+_MOE_STEPS = [([1, 5, 9, 3], [0, 1, 2, 3], 0, None)] + [([10 + i], [4 + i], 0, None) for i in range(3)] \
+    + [([1, 66], [0, 1], 1, [True, True]), ([70, 71], [2, 7], None, [True, True])]
+
+
+def _moe_decode(ctx: Context, steps: list) -> list[np.ndarray]:
+    out = []
+    for t, p, s, w in steps:
+        if s is None:  # one token of each sequence
+            out.append(ctx.decode(t, p, [1, 0], w))
+        else:
+            out.append(ctx.decode(t, p, s, w))
+    return out
+
+
+@pytest.mark.parametrize("case", ["tiny-qwen3moe", "tiny-mixtral"])
+def test_moe_gpu_plan_gives_the_cpu_executors_logits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     case: str) -> None:
+    """A qwen3moe / Mixtral-style decode as one GPU plan a step (the router's records, MUL_MAT_ID
+    and the gate/up experts with their GLU as one record, one capture per plan) gives the CPU
+    executor's logits bit for bit (launches through executor.c's records)."""
+    model = Model(_moe_model(tmp_path, case))
+    ref = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    want = _moe_decode(ref, _MOE_STEPS)
+    made = _gpu_backend(monkeypatch, FakeRuntime)
+    gpu = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    got = _moe_decode(gpu, _MOE_STEPS)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    assert made and all(not p.direct and p.n_captures == 1 for p in made)
+    for p in made:  # every layer's gate/up experts and their GLU as one record (its own step)
+        glu = p.recs[p.recs[:, 0] == MUL_MAT_ID_GLU]
+        assert len(glu) == 2 and (p.recs[:, 0] == MUL_MAT_ID_W).sum() == 2, p.summary()
+        assert (p.recs[:, 0] == ROUTER).sum() >= 1, p.summary()  # the router in one launch (where it may be)
+        for r in glu:  # the GLU's result apart from the input the kernel reads to the end
+            y, x, n_tok, n_used, m, n_in = int(r[1]), int(r[2]), int(r[6]), int(r[7]), int(r[8]), int(r[10])
+            assert y + 4 * n_tok * n_used * m <= x or x + 4 * n_tok * n_in <= y
+    model.free()
+
+
+@pytest.mark.parametrize("case", ["tiny-mixtral", pytest.param("tiny-qwen3moe", marks=_SLOW)])
+def test_moe_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, emu_functions: Any,
+                                  case: str) -> None:
+    """The MoE decode through the real kernels (moe.cu's router, mmv_id) on the CPU emulator: the
+    float32 CPU path's logits, within float32 noise, the same greedy tokens."""
+    path = _moe_model(tmp_path, case)
+    ref_model = Model(path, context_options=ContextOptions(cpu_matmul="f32"))
+    model = Model(path)
+    ref = Context(ref_model, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32"))
+    want = _moe_decode(ref, _MOE_STEPS)
+    made = _gpu_backend(monkeypatch, lambda: EmuRuntime(emu_functions))
+    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    for i, (a, b) in enumerate(zip(_moe_decode(ctx, _MOE_STEPS), want)):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * float(np.abs(b).max()), err_msg=f"step {i}")
+        assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {i}"
+    assert made and all(not p.direct for p in made)
+    assert any({MUL_MAT_ID_GLU, ROUTER} <= set(int(c) for c in p.recs[:, 0]) for p in made)
+    model.free()
+    ref_model.free()
+
+
+@pytest.mark.parametrize("case", ["tiny-qwen3moe", "tiny-mixtral"])
+@pytest.mark.parametrize("where", ["ngl-all", "n-cpu-moe"])
+def test_moe_through_the_scheduler_on_test_devices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str,
+                                                   where: str) -> None:
+    """-ngl all (the whole layer, router and experts, one GPU plan) and --n-cpu-moe 1 (layer 0's
+    experts in host memory: the GPU plan stops before its expert products, which the CPU executor
+    runs where the weights are, and resumes after): the CPU's logits bit for bit."""
+    from llamapy.backend import registry
+    from llamapy.backend.device import MemoryDeviceBackend
+    from llamapy.context import ModelOptions
+
+    path = _moe_model(tmp_path, case)
+    cpu_model = Model(path)
+    want = _moe_decode(Context(cpu_model, ContextOptions(n_ctx=256, n_threads=1)), _MOE_STEPS)
+    monkeypatch.setenv("LLAMAPY_TEST_GPU", "1")
+    monkeypatch.setattr(registry, "_cache", None)
+    made: list[GPUPlan] = []
+
+    def create(self: MemoryDeviceBackend, nodes: Any, exports: Any, allocate: Any) -> Any:
+        if not hasattr(self, "_fake_rt"):
+            self._fake_rt = FakeRuntime()
+            self._fake_rt.buft = self.device.buffer_type()
+        p = gpu_plan.compile_split(nodes, exports, allocate, self._fake_rt)
+        made.extend([p] if p else [])
+        return p
+
+    monkeypatch.setattr(MemoryDeviceBackend, "graph_plan_create", create, raising=False)
+    monkeypatch.setattr(MemoryDeviceBackend, "graph_plan_compute", lambda self, plan, env: plan.compute(env), raising=False)
+    from llamapy.model.loader import expert_overrides
+
+    opts = ModelOptions(n_gpu_layers="all", override_tensor=expert_overrides(1) if where == "n-cpu-moe" else [])
+    model = Model(path, opts)
+    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    for a, b in zip(_moe_decode(ctx, _MOE_STEPS), want):
+        np.testing.assert_array_equal(a, b)
+    assert made and all(not p.direct for p in made)
+    ids = [int((p.recs[:, 0] == MUL_MAT_ID_W).sum() + 2 * (p.recs[:, 0] == MUL_MAT_ID_GLU).sum()) for p in made]
+    n_layer = 2
+    if where == "ngl-all":
+        assert max(ids) == 3 * n_layer  # every expert product in the one plan of a step
+    else:
+        assert max(ids) == 3 * (n_layer - 1)  # layer 0's on the CPU, in the CPU executor's plan
+        cpu_plans = [bp for plan in ctx.sched._plans.values() for bp in plan.backend_plans.values()
+                     if isinstance(bp, ExecPlan)]
+        assert any((bp.recs[:, 0] == MUL_MAT_ID_Q).sum() == 3 for bp in cpu_plans)
+    model.free()
+    cpu_model.free()
+
+
 def test_gptoss_splits_the_gpu_kernels_cannot_run_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """gpt-oss's attention sinks and YaRN rope have no CUDA kernel yet: the GPU target refuses
+    """gpt-oss's attention sinks, YaRN rope and clamped SwiGLU have no CUDA kernel yet: the GPU target refuses
     those splits, saying why (they run node by node), and the logits stay the CPU path's."""
     import sys
 
@@ -793,5 +957,7 @@ def test_gptoss_splits_the_gpu_kernels_cannot_run_are_refused(tmp_path: Path, mo
     ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1))
     for (t, p, s, w), b in zip(steps, want):
         np.testing.assert_array_equal(ctx.decode(t, p, s, w), b)
-    assert any("sinks" in r or "YaRN" in r for r in refusals), refusals
+    # (the first op without a kernel names the refusal: with the MoE block in the plan, gpt-oss's
+    # clamped SwiGLU of the experts' products comes before the attention's records are made)
+    assert any(k in r for r in refusals for k in ("sinks", "YaRN", "swiglu_oai")), refusals
     model.free()

@@ -15,6 +15,9 @@ outside the repository):
      weights, Q8_0 token_embd, tied output) and tiny32-shaped (32 layers, 256/768, 4/2 heads,
      Q4_K / Q6_K) -- with random weights: the last-position distributions of `-ngl all` and
      `-ngl 20` against the CPU run (KL divergence over a few prompts of random tokens, <= 1e-4);
+  3b. mixture of experts (tiny qwen3moe and Mixtral-style files of tests/model/moe_models.py,
+     Q8_0): -ngl all and -ngl all --n-cpu-moe 1 against -ngl 0 (KL of the last position), decode
+     speed, and the decode graph's plan line (the router and the experts in one CUDA graph);
   4. decode speed (tokens/s) at -ngl 0, 20 and all; at -ngl all the decode graph's plan line
      (one CUDA graph, or direct launches and why, or why it runs node by node), the time a step
      and its Python part (step wall time minus the GPU time between the step's input copy and
@@ -355,6 +358,47 @@ def kernel_speed(rep: Report, lines: list[str], dev: Any) -> None:
     rep.add(lines, f"| rope_qkv (f16 cache) | H{H}/{Hkv} D{D} | {us:.1f} | - |")
 
 
+def moe_check(rep: Report, lines: list[str], tmp: Path, case: str, args: Any, gpu_prefix: str) -> None:
+    """One tiny MoE file at -ngl 0, -ngl all and -ngl all --n-cpu-moe 1: KL against -ngl 0,
+    decode speed, the decode graph's CUDA plan line."""
+    import llamapy
+    from llamapy.context import ModelOptions
+    from llamapy.model.loader import expert_overrides
+
+    sys.path.insert(0, str(ROOT / "tests/model"))
+    from moe_models import SHAPES, write_moe_gguf
+
+    from gguf import GGMLQuantizationType as T
+
+    path = write_moe_gguf(tmp / f"{case}.gguf", qtype=T.Q8_0, **SHAPES[case])
+    rng = np.random.default_rng(7)
+    prompts = [[1] + rng.integers(3, 250, PROMPT_LEN - 1).tolist() for _ in range(1 if args.quick else N_PROMPTS)]
+    ref: list[np.ndarray] | None = None
+    for label, ngl, ot in (("-ngl 0", 0, []), ("-ngl all", "all", []), ("--n-cpu-moe 1", "all", expert_overrides(1))):
+        # float32 activations on the CPU too (what the GPU computes; the q8 mode may route otherwise)
+        llm = llamapy.Llama(path, model_options=ModelOptions(n_gpu_layers=ngl, override_tensor=ot), n_ctx=N_CTX,
+                            cpu_matmul="f32")
+        try:
+            if ngl != 0 and not any(k.startswith(gpu_prefix) for k in llm.model.info.buffer_sizes):
+                raise RuntimeError(f"{label}: no {gpu_prefix} buffer")
+            got = last_logits(llm, prompts)
+            tps = decode_speed(llm, n_gen=8 if args.quick else 32)
+            plan = gpu_runtime(llm)[0] if ngl != 0 and not args.test_device else "-"
+            if ref is None:
+                ref = got
+                rep.add(lines, f"| {case} | {label} | - | - | {tps:.1f} | - |")
+                continue
+            kls = [kl(a, b) for a, b in zip(ref, got)]
+            agree = sum(int(np.argmax(a) == np.argmax(b)) for a, b in zip(ref, got))
+            ok = max(kls) <= KL_MAX and all(np.isfinite(kls))
+            rep.failures += 0 if ok else 1
+            rep.add(lines, f"| {case} | {label} | {max(kls):.3e} {'PASS' if ok else '**FAIL**'} | {agree}/{len(kls)} | "
+                           f"{tps:.1f} | `{plan[:300]}` |")  # fmt: skip
+        finally:
+            llm.close()
+    path.unlink(missing_ok=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--test-device", action="store_true", help="use the TEST device instead of CUDA (dry run)")
@@ -555,6 +599,14 @@ def main() -> int:
             path.unlink()
         except OSError:
             pass
+
+    # 3b. mixture of experts ---------------------------------------------------------------
+    moe = rep.section(f"Mixture of experts: -ngl all and --n-cpu-moe 1 vs -ngl 0 --f32-activations (KL max {KL_MAX:g}), "
+                      "tokens/s, plan")
+    rep.add(moe, "| model | placement | max KL | argmax agree | tokens/s | plan at -ngl all |")
+    rep.add(moe, "|---|---|---|---|---|---|")
+    for case in ("tiny-qwen3moe", "tiny-mixtral"):
+        rep.step(moe, f"MoE {case}", lambda case=case: moe_check(rep, moe, tmp, case, args, gpu_prefix))
 
     total = rep.section("Total")
     rep.add(total, f"- {time.perf_counter() - t_start:.1f} s, {rep.failures} failure(s)")

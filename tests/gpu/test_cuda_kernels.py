@@ -559,6 +559,134 @@ def test_mul_mat_vec_glu_epilogue(env: Env, name: str, op: str) -> None:
     assert np.all(np.isfinite(a)) and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
+# --- the mixture-of-experts block (moe.cu, common.cuh's mmv_id) --------------------------------
+
+
+def _moe_case(name: str, n_expert: int = 5, m: int = 72, n_in: int = 256, T: int = 3, U: int = 2):
+    """Stacked experts of `name`, routed ids (token 2 shares an expert with token 0; every token's
+    experts differ), per-slot input rows."""
+    raw = np.ascontiguousarray(random_rows(name, n_expert * m, n_in, np.random.default_rng(8)))
+    ids = np.array([[3, 1], [0, 4], [1, 2]][:T], np.int32)[:, :U]
+    x = randn(T, U, n_in)
+    return raw, ids, x
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "MXFP4", "F16"])
+def test_mul_mat_id(env: Env, name: str, shared: bool) -> None:
+    """Each (token, slot) gets the bits of the dense product of its expert's rows (mmv), whether
+    the expert is read for one pair or several; one input row a token (gate/up) or one a slot
+    (down)."""
+    raw, ids, x = _moe_case(name)
+    (T, U), n_in, m, n_expert = ids.shape, x.shape[2], 72, 5
+    if shared:
+        x = np.ascontiguousarray(x[:, :1])
+    rb = raw.shape[1]
+    rd, xd, idd = env.d(raw), env.d(x), env.d(ids)
+    y = env.full((T, U, m), np.nan, np.float32)
+    sxt, sxu = x.shape[1] * n_in, (0 if shared else n_in)
+    env.run(lambda st: env.k.mul_mat_id(st, G[name], env.p(rd), rb, n_expert, m, n_in, env.p(xd), sxt, sxu,
+                                        env.p(idd), U, env.p(y), T, U))
+    got = env.get(y)
+    for tk in range(T):
+        for u in range(U):
+            e = int(ids[tk, u])
+            xr = env.d(np.ascontiguousarray(x[tk, 0 if shared else u][None]))
+            yr = env.full((1, m), np.nan, np.float32)
+            wr = env.d(np.ascontiguousarray(raw[e * m:(e + 1) * m]))
+            env.run(lambda st: env.k.mul_mat_vec(st, G[name], env.p(wr), rb, m, n_in, env.p(xr), env.p(yr), 1))
+            assert np.array_equal(got[tk, u].view(np.uint32), env.get(yr)[0].view(np.uint32)), (tk, u)
+    # against the numpy reference of the op
+    from llamapy.backend.kernels import mul_mat_id as ref_mul_mat_id
+    from gguf.quants import dequantize
+
+    wf = dequantize(raw, G[name]).reshape(n_expert, m, n_in).astype(np.float32)
+    w_t, x_t, i_t = t("w", (n_expert, m, n_in)), t("x", x.shape), t("ids", ids.shape, G.I32)
+    ref = ref_mul_mat_id(ops.mul_mat_id(w_t, x_t, i_t), [wf, x, ids], np)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+def test_mul_mat_id_glu_epilogue(env: Env, op: str) -> None:
+    """gate and up experts with the GLU as epilogue: the bits of the two products, then glu; an
+    expert id out of range gives NaN rows, nothing read."""
+    raw_g, ids, x = _moe_case("Q4_K")
+    raw_u = np.ascontiguousarray(random_rows("Q4_K", raw_g.shape[0], 256, np.random.default_rng(9)))
+    (T, U), n_in, m = ids.shape, 256, 72
+    ids[2, 1] = 5  # out of range
+    x = np.ascontiguousarray(x[:, :1]) * 3
+    rb = raw_g.shape[1]
+    gd, ud, xd, idd = env.d(raw_g), env.d(raw_u), env.d(x), env.d(ids)
+    g, u = env.full((T, U, m), np.nan, np.float32), env.full((T, U, m), np.nan, np.float32)
+    sep, fused = env.full((T, U, m), np.nan, np.float32), env.full((T, U, m), np.nan, np.float32)
+
+    def separate(st: Any) -> None:
+        env.k.mul_mat_id(st, G.Q4_K, env.p(gd), rb, 5, m, n_in, env.p(xd), n_in, 0, env.p(idd), U, env.p(g), T, U)
+        env.k.mul_mat_id(st, G.Q4_K, env.p(ud), rb, 5, m, n_in, env.p(xd), n_in, 0, env.p(idd), U, env.p(u), T, U)
+        env.k.glu(st, op, env.p(g), m, env.p(u), m, env.p(sep), m, T * U, m)
+
+    env.run(separate)
+    env.run(lambda st: env.k.mul_mat_id(st, G.Q4_K, env.p(gd), rb, 5, m, n_in, env.p(xd), n_in, 0, env.p(idd), U,
+                                        env.p(fused), T, U, w2=env.p(ud), glu=op))
+    a, b = env.get(sep), env.get(fused)
+    assert np.all(np.isnan(b[2, 1])) and np.all(np.isnan(env.get(g)[2, 1]))
+    a[2, 1] = b[2, 1] = 0
+    assert np.all(np.isfinite(a)) and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_router(env: Env) -> None:
+    """SOFT_MAX, ARGSORT, the batched GET_ROWS of the chosen weights, SUM_ROWS, CLAMP and the
+    DIV / MUL by one value a row, each against its numpy reference (strided inputs)."""
+    T, E, U, C = 3, 40, 4, 24
+    la = randn(T, E + 5) * 2
+    la[1, 7] = la[1, 30]  # a tie: the lower index first
+    lg = t("logits", (T, E))
+    probs = ops.soft_max(lg, scale=0.5)
+    lv = np.ascontiguousarray(la[:, :E])
+    p_ref = reference(probs, [lv])
+    srt = ops.argsort_top_k(probs, E)
+    s_node = srt.src[0] if srt.op.name == "VIEW" else srt
+    ld = env.d(la)
+    pd, sd = env.full((T, E), np.nan, np.float32), env.zeros((T, E), np.int32)
+    env.run(lambda st: env.k.soft_max(st, env.p(ld), E + 5, env.p(pd), E, T, E, 0.5))
+    got_p = env.get(pd)
+    assert max_ulp(got_p, p_ref) <= 8, "soft_max"
+    env.run(lambda st: env.k.argsort(st, env.p(pd), E, env.p(sd), E, T, E))
+    np.testing.assert_array_equal(env.get(sd), reference(s_node, [got_p]))
+    # the chosen weights: (T, E, 1) rows by (T, U) ids
+    sel = np.ascontiguousarray(env.get(sd)[:, :U])
+    p3, ids_t = t("p3", (T, E, 1)), t("sel", (T, U), G.I32)
+    w_ref = reference(ops.get_rows(p3, ids_t), [got_p.reshape(T, E, 1), sel])
+    seld, wd = env.d(sel), env.full((T, U, 1), np.nan, np.float32)
+    env.run(lambda st: env.k.get_rows_batched(st, env.p(pd), E, 1, E, env.p(seld), U, env.p(wd), T, U, 1))
+    assert np.array_equal(env.get(wd), w_ref)
+    # normalisation: sum, clamp, div; then the slots' outputs times their weights
+    w2 = env.get(wd).reshape(T, U)
+    w2t = t("w2", (T, U))
+    tot = reference(ops.sum_rows(w2t), [w2])
+    sumd = env.full((T, 1), np.nan, np.float32)
+    env.run(lambda st: env.k.sum_rows(st, env.p(wd), U, env.p(sumd), T, U))
+    assert np.array_equal(env.get(sumd), tot)
+    cl = reference(ops.clamp(t("s", (T, 1)), 0.9, float("inf")), [tot])
+    cld = env.full((T, 1), np.nan, np.float32)
+    env.run(lambda st: env.k.clamp(st, env.p(sumd), 1, env.p(cld), T, 1, 0.9, float("inf")))
+    assert np.array_equal(env.get(cld), cl)
+    nrm = reference(ops.div(w2t, t("c", (T, 1))), [w2, cl])
+    nd = env.full((T, U), np.nan, np.float32)
+    env.run(lambda st: env.k.binary_row(st, "div", env.p(wd), U, env.p(cld), 1, env.p(nd), U, T, U))
+    assert np.array_equal(env.get(nd), nrm)
+    # the six launches as one (router_f32): the same bits
+    rid, rw = env.zeros((T, E), np.int32), env.full((T, U), np.nan, np.float32)
+    env.run(lambda st: env.k.router(st, env.p(ld), E + 5, env.p(rid), env.p(rw), T, E, U, 0.5, 0.9, float("inf")))
+    np.testing.assert_array_equal(env.get(rid), env.get(sd))
+    assert np.array_equal(env.get(rw).view(np.uint32), env.get(nd).view(np.uint32))
+    ex = randn(T * U, C + 2)
+    exd, md = env.d(ex), env.full((T * U, C), np.nan, np.float32)
+    mref = reference(ops.mul(t("ex", (T, U, C)), t("w", (T, U, 1))), [ex[:, :C].reshape(T, U, C), nrm.reshape(T, U, 1)])
+    env.run(lambda st: env.k.binary_row(st, "mul", env.p(exd), C + 2, env.p(nd), 1, env.p(md), C, T * U, C))
+    assert np.array_equal(env.get(md), mref.reshape(T * U, C))
+
+
 # --- one CUDA graph, replayed ------------------------------------------------------------------
 
 

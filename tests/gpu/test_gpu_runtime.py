@@ -130,3 +130,47 @@ def test_python_time_is_measured(make_llama) -> None:  # noqa: ANN001
     rt.timing = False
     assert 0 < gpu < wall
     model.free()
+
+
+# -- mixture of experts: the router and the expert products in the captured graph ----------------
+
+
+def _moe_path(tmp_path: Path, case: str) -> Path:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from moe_models import SHAPES, write_moe_gguf
+
+    return write_moe_gguf(tmp_path / f"{case}.gguf", qtype=T.Q8_0, **SHAPES[case])
+
+
+@pytest.mark.parametrize("case", ["tiny-qwen3moe", "tiny-mixtral"])
+@pytest.mark.parametrize("where", ["ngl-all", "n-cpu-moe"])
+def test_moe_decode_as_one_captured_graph(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str,
+                                          where: str) -> None:
+    """qwen3moe / Mixtral-style decode at -ngl all (router, MUL_MAT_ID and the gate/up experts with
+    their GLU in the GPU plan: one capture) and with --n-cpu-moe 1 (layer 0's experts on the CPU):
+    the float32 CPU path's logits within float32 noise, the same top tokens."""
+    from llamapy.backend.gpu_plan import MUL_MAT_ID_GLU
+    from llamapy.model.loader import expert_overrides
+
+    monkeypatch.setenv("LLAMAPY_EXECUTOR", "1")
+    path = _moe_path(tmp_path, case)
+    cpu_model = Model(path, ModelOptions(n_gpu_layers=0), ContextOptions(cpu_matmul="f32"))
+    want = _run(Context(cpu_model, ContextOptions(n_ctx=512, cpu_matmul="f32")))
+    ot = expert_overrides(1) if where == "n-cpu-moe" else []
+    model = Model(path, ModelOptions(n_gpu_layers="all", override_tensor=ot), ContextOptions(cpu_matmul="f32"))
+    ctx = Context(model, ContextOptions(n_ctx=512, cpu_matmul="f32"))  # (the CPU's experts: float32 too)
+    got = _run(ctx)
+    plans = [(w, p) for w, p in gpu_plans(ctx) if not (p is not None and not p and "a batch of" in p.reason)]
+    assert plans, "no CUDA split ran"
+    for what, p in plans:
+        assert isinstance(p, GPUPlan), f"{what}: no GPU plan: {getattr(p, 'reason', p)}"
+        assert not p.direct and p.n_captures == 1, f"{what}: {p.summary()}"
+    assert any((p.recs[:, 0] == MUL_MAT_ID_GLU).any() for _w, p in plans)
+    for i, (a, b) in enumerate(zip(got, want)):
+        scale = float(np.abs(b).max())
+        assert float(np.abs(a - b).max()) <= 2e-3 * scale, f"step {i}"
+        assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {i}: another top token"
+    model.free()
+    cpu_model.free()

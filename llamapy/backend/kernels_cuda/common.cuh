@@ -345,6 +345,85 @@ __device__ __forceinline__ void mmv_glu_impl(const u8* __restrict__ w, const flo
     }
 }
 
+// MUL_MAT_ID (ggml-cuda's mmvq with ids, moe.cu's router feeds it): the experts of a stacked
+// expert matrix (n_expert blocks of M rows, expert_bytes apart) times the rows of the (token,
+// slot) pairs that chose them. Grid (row blocks, n_tok * n_used): block p takes pair p's expert
+// e = ids[t * sid + u]; if an earlier pair chose e too, that pair's block does this work, so each
+// chosen expert's rows are read once per step for every pair that chose it (at most one pair a
+// token when a token's experts differ; more are taken MMV_MAX_TOK at a time). Pair q's input row
+// is x + t * sxt + u * sxu (sxu 0: the token's one row for every slot), 16-byte aligned; its
+// output y[q * M + row]. Each output is summed exactly as mmv_impl sums that row for that row
+// of x. w2 (optional): the up experts, w the gate ones: y = act(gate) * up (op as mmv_glu_impl),
+// the GLU as the products' epilogue. The expert ids are read from device memory (the router's
+// ARGSORT): a captured graph does not depend on the routing. An id outside [0, n_expert) gives
+// NaN rows (never a read outside the matrix).
+template <typename DQ>
+__device__ __forceinline__ void mmv_id_impl(const u8* __restrict__ w, const u8* __restrict__ w2,
+                                            long long expert_bytes, int n_expert, const float* __restrict__ x,
+                                            long long sxt, long long sxu, const int* __restrict__ ids,
+                                            long long sid, float* __restrict__ y, int M, int n_in,
+                                            long long row_bytes, int n_tok, int n_used, int op) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int n_pairs = n_tok * n_used;
+    const int p = blockIdx.y;
+    const int e = ids[(long long)(p / n_used) * sid + p % n_used];
+    for (int q = 0; q < p; ++q)
+        if (ids[(long long)(q / n_used) * sid + q % n_used] == e) return;  // uniform per block
+    if (row >= M) return;  // uniform per warp
+    const int n_units = n_in >> 5;
+    const bool bad = e < 0 || e >= n_expert;
+    const int n_h = w2 ? 2 : 1;
+    int q = p;
+    while (q < n_pairs) {
+        int pairs[MMV_MAX_TOK];
+        int n = 0;
+        for (; q < n_pairs && n < MMV_MAX_TOK; ++q)
+            if (ids[(long long)(q / n_used) * sid + q % n_used] == e) pairs[n++] = q;
+        float acc[2][MMV_MAX_TOK];
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int t = 0; t < MMV_MAX_TOK; ++t) acc[h][t] = 0.0f;
+        float v[32];
+        for (int h = 0; h < n_h && !bad; ++h) {
+            const u8* wr = (h ? w2 : w) + (long long)e * expert_bytes + (long long)row * row_bytes;
+            for (int u = lane; u < n_units; u += 32) {
+                DQ::unit(wr, u, v);
+#pragma unroll
+                for (int t = 0; t < MMV_MAX_TOK; ++t) {
+                    if (t < n) {
+                        const int pq = pairs[t];
+                        const float4* xp = reinterpret_cast<const float4*>(
+                            x + (long long)(pq / n_used) * sxt + (long long)(pq % n_used) * sxu + u * 32);
+                        float s = 0.0f;
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) {
+                            const float4 a = __ldg(xp + i);
+                            s += v[4 * i] * a.x;
+                            s += v[4 * i + 1] * a.y;
+                            s += v[4 * i + 2] * a.z;
+                            s += v[4 * i + 3] * a.w;
+                        }
+                        acc[h][t] += s;
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < MMV_MAX_TOK; ++t) {
+            if (t < n) {
+                const float g = warp_sum(acc[0][t]);
+                const float up = warp_sum(acc[1][t]);
+                float r = g;
+                if (w2) r = op == 0 ? silu_mul(g, up) : __fmul_rn(gelu_f16(g), up);
+                if (bad) r = __int_as_float(0x7fc00000);
+                if (lane == 0) y[(long long)pairs[t] * M + row] = r;
+            }
+        }
+    }
+}
+
 // The entry points of one type: extern "C" so that cupy.RawModule finds them by name.
 #define LP_DEVICE_KERNELS(name, DQ)                                                                 \
     extern "C" __global__ void dequant_##name(const u8* __restrict__ w, float* __restrict__ y,      \
@@ -367,6 +446,14 @@ __device__ __forceinline__ void mmv_glu_impl(const u8* __restrict__ w, const flo
         mmv_##name(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,    \
                    int n_out, int n_in, long long row_bytes, int n_tok) {                           \
         mmv_impl<DQ>(w, x, y, n_out, n_in, row_bytes, n_tok);                                       \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(256)                                               \
+        mmv_id_##name(const u8* __restrict__ w, const u8* __restrict__ w2, long long expert_bytes,   \
+                      int n_expert, const float* __restrict__ x, long long sxt, long long sxu,      \
+                      const int* __restrict__ ids, long long sid, float* __restrict__ y, int M,     \
+                      int n_in, long long row_bytes, int n_tok, int n_used, int op) {               \
+        mmv_id_impl<DQ>(w, w2, expert_bytes, n_expert, x, sxt, sxu, ids, sid, y, M, n_in, row_bytes, \
+                        n_tok, n_used, op);                                                         \
     }
 
 #ifdef LLAMAPY_HOST_TEST

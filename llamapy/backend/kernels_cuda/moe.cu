@@ -1,0 +1,131 @@
+// The router of a mixture-of-experts FFN on float32 rows (ggml-cuda softmax.cu, argsort.cu,
+// getrows.cu's batched rows, sumrows.cu, clamp.cu and binbcast.cu's one-value-per-row DIV / MUL;
+// topk-moe.cu fuses the first of them). Launched by llamapy/backend/cuda_ops.py (`soft_max`,
+// `argsort`, `get_rows_batched`, `sum_rows`, `clamp`, `binary_row`); the numpy references are
+// kernels.py's soft_max, argsort, get_rows, sum_rows, clamp, div and mul. The expert products
+// themselves (MUL_MAT_ID) are each weight type's mmv_id_<type> (common.cuh), beside the decoders.
+// Rows of a router are short (n_expert logits, n_expert_used weights): a warp or a thread a row.
+#include "common.cuh"
+
+// SOFT_MAX without a mask: y = exp(x * scale - max) / sum, one warp per row (grid (rows), 32
+// threads). Each operation rounded as numpy's float32 ones; expf is CUDA's (within 2 ulp) and
+// the sum a warp's tree, not numpy's pairwise order: within a few ulp of the reference.
+extern "C" __global__ void soft_max_f32(const float* __restrict__ x, long long sx, float* __restrict__ y,
+                                        long long sy, int n, float scale) {
+    const float* xr = x + (long long)blockIdx.x * sx;
+    float* yr = y + (long long)blockIdx.x * sy;
+    float m = -__int_as_float(0x7f800000);
+    for (int i = threadIdx.x; i < n; i += 32) m = fmaxf(m, __fmul_rn(xr[i], scale));
+    m = warp_max(m);
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n; i += 32) {
+        const float e = expf(__fsub_rn(__fmul_rn(xr[i], scale), m));
+        yr[i] = e;
+        s = __fadd_rn(s, e);
+    }
+    s = warp_sum(s);
+    for (int i = threadIdx.x; i < n; i += 32) yr[i] = __fdiv_rn(yr[i], s);
+}
+
+// ARGSORT, descending, equal values in index order (kernels.argsort: a stable sort of -x): each
+// value's rank is the number of values before it in that order, so y[rank] = its index. One
+// block a row, the threads over the values (O(n^2) comparisons: n is the number of experts).
+extern "C" __global__ void argsort_desc_f32(const float* __restrict__ x, long long sx, int* __restrict__ y,
+                                            long long sy, int n) {
+    const float* xr = x + (long long)blockIdx.x * sx;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = xr[i];
+        int rank = 0;
+        for (int j = 0; j < n; ++j) {
+            const float w = xr[j];
+            rank += (w > v) || (w == v && j < i);
+        }
+        y[(long long)blockIdx.x * sy + rank] = i;
+    }
+}
+
+// GET_ROWS of a batch: y[b, i, :] = t[b, ids[b * sid + i], :] (rows of C; t's batch stride sb and
+// row stride sr, y contiguous (B, n_ids, C)); one thread an element. An id outside [0, R) gives
+// NaN.
+extern "C" __global__ void get_rows_batched_f32(const float* __restrict__ t, long long sb, long long sr, int R,
+                                                const int* __restrict__ ids, long long sid, float* __restrict__ y,
+                                                int B, int n_ids, int C) {
+    const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= (long long)B * n_ids * C) return;
+    const int c = (int)(g % C);
+    const long long bi = g / C;
+    const int b = (int)(bi / n_ids), i = (int)(bi % n_ids);
+    const int r = ids[(long long)b * sid + i];
+    y[g] = (r < 0 || r >= R) ? __int_as_float(0x7fc00000) : t[(long long)b * sb + (long long)r * sr + c];
+}
+
+// SUM_ROWS as ggml_vec_sum_f32 (kernels.sum_rows): each row summed in order in double, rounded to
+// float32 once; one thread a row, y one value a row.
+extern "C" __global__ void sum_rows_f32(const float* __restrict__ x, long long sx, float* __restrict__ y, int rows,
+                                        int n) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    const float* xr = x + (long long)r * sx;
+    double s = 0.0;
+    for (int i = 0; i < n; ++i) s = __dadd_rn(s, (double)xr[i]);
+    y[r] = (float)s;
+}
+
+// CLAMP: y = min(max(x, lo), hi) (np.clip), grid (ceil(n / blockDim.x), rows), y contiguous rows of n
+extern "C" __global__ void clamp_f32(const float* __restrict__ x, long long sx, float* __restrict__ y, int n,
+                                     float lo, float hi) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const long long r = blockIdx.y;
+    y[r * n + i] = fminf(fmaxf(x[r * sx + i], lo), hi);
+}
+
+// MUL / DIV by one value per row (the router's weights: the normalisation by each token's sum, the
+// slots' outputs by their weights): y[r, i] = a[r, i] op b[r * sb]; op 0 MUL, 1 DIV. Grid
+// (ceil(n / blockDim.x), rows); y may be a.
+extern "C" __global__ void binary_row_f32(const float* a, long long sa, const float* __restrict__ b, long long sb,
+                                          float* y, long long sy, int n, int op) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const long long r = blockIdx.y;
+    const float av = a[r * sa + i], bv = b[r * sb];
+    y[r * sy + i] = op == 0 ? __fmul_rn(av, bv) : __fdiv_rn(av, bv);
+}
+
+// The router as one launch (ggml-cuda's topk-moe.cu fuses the same chain): SOFT_MAX of a token's
+// logits, their ARGSORT (every index, written to ids: the experts are its first n_used), the
+// chosen probabilities, their sum (in double, in order), CLAMP(lo, hi) and the DIV; w gets the
+// n_used normalised weights. Each step computes what its own kernel above computes, in the same
+// order, so the results are those of the six launches bit for bit. One warp a row; dynamic shared
+// memory: 4 * (n + n_used) bytes.
+extern "C" __global__ void router_f32(const float* __restrict__ x, long long sx, int* __restrict__ ids,
+                                      float* __restrict__ w, int n, int n_used, float scale, float lo, float hi) {
+    extern __shared__ float router_smem[];
+    float* p = router_smem;       // n probabilities
+    float* sel = p + n;           // n_used chosen ones
+    const float* xr = x + (long long)blockIdx.x * sx;
+    float m = -__int_as_float(0x7f800000);
+    for (int i = threadIdx.x; i < n; i += 32) m = fmaxf(m, __fmul_rn(xr[i], scale));
+    m = warp_max(m);
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n; i += 32) {
+        const float e = expf(__fsub_rn(__fmul_rn(xr[i], scale), m));
+        p[i] = e;
+        s = __fadd_rn(s, e);
+    }
+    s = warp_sum(s);
+    for (int i = threadIdx.x; i < n; i += 32) p[i] = __fdiv_rn(p[i], s);
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += 32) {
+        const float v = p[i];
+        int rank = 0;
+        for (int j = 0; j < n; ++j) rank += (p[j] > v) || (p[j] == v && j < i);
+        ids[(long long)blockIdx.x * n + rank] = i;
+        if (rank < n_used) sel[rank] = v;
+    }
+    __syncthreads();
+    double t = 0.0;
+    for (int u = 0; u < n_used; ++u) t = __dadd_rn(t, (double)sel[u]);
+    const float c = fminf(fmaxf((float)t, lo), hi);
+    for (int u = threadIdx.x; u < n_used; u += 32) w[(long long)blockIdx.x * n_used + u] = __fdiv_rn(sel[u], c);
+}

@@ -29,82 +29,27 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from llamapy.backend import cuda_exec, gpu_plan, native
-from llamapy.backend.cpu import CPU_BUFT, CPUBackend
-from llamapy.backend.executor import (ATTN, GEGLU, GET_ROWS_F32, SET_ROWS, SWIGLU, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena, ExecPlan, Loc,
-                                      Refusal, Refused, _array_loc, _lib, _Slot)
+from llamapy.backend.cpu import CPUBackend
+from llamapy.backend.executor import (ATTN, GEGLU, GET_ROWS_F32, SET_ROWS, SWIGLU, MUL_MAT_Q, QUANT_ACT, REC, ROPE, ExecPlan,
+                                      Refusal, _lib)
 from llamapy.backend.gpu_plan import COUNT, GET_ROWS_W, HEAD, MUL_MAT_GLU, MUL_MAT_W, ROPE_QKV, WIDTH, GPUPlan
 from llamapy.backend.cpu_kernels import KV_CODES
 from llamapy.backend.kernels import _rope_tables_compute, gelu, rope_consts
 from llamapy.context import Context, ContextOptions, Model
 from llamapy.types import GGMLType
+from gpu_fake import HostRuntime, use_test_device_plans
 
 pytestmark = pytest.mark.skipif(native.lib() is None, reason=f"no C kernels: {native.error()}")
 
 
-class FakeRuntime:
-    """gpu_plan.Runtime over host memory; launches run through executor.c record by record."""
+class FakeRuntime(HostRuntime):
+    """gpu_plan.Runtime over host memory (tests/gpu_fake.py); launches run through executor.c
+    record by record."""
 
     def __init__(self, fail_capture: str = "") -> None:
-        self.buft = CPU_BUFT
-        self.max_tokens = 8
-        self.arena = Arena()
+        super().__init__(fail_capture)
         self.lib = _lib()
-        self.mirror = np.zeros(0, np.uint8)
-        self.log: list[tuple[str, Any]] = []  # ("h2d", nbytes), ("capture", n), ("replay", n), ("launch", code)
-        self.fail_capture = fail_capture
         self.scratch = np.zeros(0, np.uint8)
-        self.keep: list[Any] = []
-
-    def array_loc(self, v: Any) -> Loc:
-        if not isinstance(v, np.ndarray):
-            raise Refused(f"a {type(v).__name__} where a device array is needed")
-        return _array_loc(v)
-
-    def weight(self, v: Any) -> tuple[int, int, int, int, int]:
-        if isinstance(v, np.ndarray) or v.repacked:
-            raise Refused("not a matrix of file blocks")
-        return v.data.ctypes.data, int(v.qtype), v.n_out, v.n_in, v.data.shape[1]
-
-    def host(self, v: Any) -> np.ndarray:
-        return np.asarray(v)
-
-    def const(self, a: np.ndarray) -> tuple[int, Any]:
-        a = np.ascontiguousarray(a)
-        return a.ctypes.data, a
-
-    def pinned(self, nbytes: int) -> np.ndarray:
-        if nbytes > self.mirror.size:
-            self.mirror = np.zeros(nbytes, np.uint8)
-        return self.mirror
-
-    def h2d(self, dst: int, src: np.ndarray) -> None:
-        self.log.append(("h2d", src.nbytes))
-        ctypes.memmove(dst, src.ctypes.data, src.nbytes)
-
-    def d2d(self, dst: int, value: Any) -> None:
-        v = np.ascontiguousarray(value)
-        ctypes.memmove(dst, v.ctypes.data, v.nbytes)
-
-    def copy_out(self, addr: int, slot: _Slot, owner: Any) -> Any:
-        a = self.arena
-        return np.ndarray(slot.shape, slot.dtype, buffer=a.raw, offset=addr - a.base + a.pad, strides=slot.strides).copy()
-
-    def done(self) -> None:
-        self.log.append(("done", 0))
-
-    def capture(self, launches: Sequence[Callable[[], None]]) -> Any:
-        if self.fail_capture:
-            raise Refused(self.fail_capture)
-        self.log.append(("capture", len(launches)))
-        return list(launches)
-
-    def replay(self, graph: Any) -> None:
-        self.log.append(("replay", len(graph)))
-        for launch in graph:
-            launch()
-
-    def attn_split(self, n_tokens: int, n_head: int, n_head_kv: int, n_cells: int, dv: int) -> tuple[int, int]:
-        return 1, 0
 
     def _rope_qkv(self, rec: np.ndarray) -> Callable[[], None]:
         """ROPE(Q), ROPE(K) into a buffer, SET_ROWS(K) from it, SET_ROWS(V): the records fused."""
@@ -733,7 +678,6 @@ def test_through_the_scheduler_on_test_devices(make_llama, monkeypatch: pytest.M
     on CUDA: -ngl 2 (CPU layers, then the device's split: its inputs handed over as host arrays,
     into the mirror), -ngl all, and two devices (-ts 1,1: the second split's input from the first
     device). Launches through executor.c: the CPU's logits, bit for bit."""
-    from llamapy.backend.device import MemoryDeviceBackend
     from llamapy.context import ModelOptions
 
     path = make_llama(qtype=T.Q8_0)
@@ -744,18 +688,7 @@ def test_through_the_scheduler_on_test_devices(make_llama, monkeypatch: pytest.M
 
     monkeypatch.setenv("LLAMAPY_TEST_GPU", str(n_gpu))
     monkeypatch.setattr(registry, "_cache", None)  # (discovered again, with the TEST devices)
-    made: list[GPUPlan] = []
-
-    def create(self: MemoryDeviceBackend, nodes: Any, exports: Any, allocate: Any) -> Any:
-        if not hasattr(self, "_fake_rt"):
-            self._fake_rt = FakeRuntime()
-            self._fake_rt.buft = self.device.buffer_type()
-        p = gpu_plan.compile_split(nodes, exports, allocate, self._fake_rt)
-        made.extend([p] if p else [])
-        return p
-
-    monkeypatch.setattr(MemoryDeviceBackend, "graph_plan_create", create, raising=False)
-    monkeypatch.setattr(MemoryDeviceBackend, "graph_plan_compute", lambda self, plan, env: plan.compute(env), raising=False)
+    made = use_test_device_plans(monkeypatch.setattr, FakeRuntime)
     model = Model(path, ModelOptions(n_gpu_layers=ngl, tensor_split=ts))
     assert sum(k.startswith("TEST") for k in model.info.buffer_sizes) == n_gpu
     ctx = Context(model, ContextOptions(n_ctx=512, n_threads=1))

@@ -319,6 +319,7 @@ def test_prompt_batches_are_refused(make_llama) -> None:  # noqa: ANN001
 def test_arena_growth_moves_and_recaptures(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """A plan made while the arena was smaller moves its records to the new block and is
     captured again; its logits stay the CPU executor's."""
+    monkeypatch.setattr(gpu_plan, "_reserve_for_largest_batch", lambda built, rt: None)  # (it would not grow)
     model = Model(make_llama(qtype=T.Q8_0))
     ref = Context(model, ContextOptions(n_ctx=512, n_threads=1))
     want = [ref.decode([5], [0]), ref.decode([6, 7, 8, 9, 10, 11], [1, 2, 3, 4, 5, 6], 0, [True] * 6),
@@ -696,5 +697,74 @@ def test_through_the_scheduler_on_test_devices(make_llama, monkeypatch: pytest.M
         np.testing.assert_array_equal(ctx.decode(t, p, s, w), b)
     assert made and all(not p.direct for p in made)
     assert {p.rt.buft.name for p in made} == {f"TEST{i}" for i in range(n_gpu)}
+    model.free()
+    cpu_model.free()
+
+
+def test_batch_sizes_keep_their_plans_and_graphs(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A server's steps of 3, then 4, then 3 sequences (and 1, 2, 8) at -ngl all on a TEST device:
+    each batch size compiles and captures its plan once, the first time it occurs; when it comes
+    back its plan and graph are replayed (no compile, no capture: the arena was sized for the
+    largest batch when the first plan was made, so no later plan moves an earlier one). The logits
+    are the CPU executor's, bit for bit."""
+    from llamapy.backend import registry
+    from llamapy.context import ModelOptions
+
+    path = make_llama(qtype=T.Q8_0)
+    n_seq = 8
+    prompt = [([1 + s, 20 + s], [0, 1], s, None) for s in range(n_seq)]
+    steps = [list(range(k)) for k in (3, 4, 3, 1, 2, 4, 8, 3, 8, 1)]
+    cpu_model = Model(path)
+    cpu = Context(cpu_model, ContextOptions(n_ctx=512, n_threads=1))
+    monkeypatch.setenv("LLAMAPY_TEST_GPU", "1")
+    monkeypatch.setattr(registry, "_cache", None)
+    made = use_test_device_plans(monkeypatch.setattr, FakeRuntime)
+    model = Model(path, ModelOptions(n_gpu_layers="all"))
+    gpu = Context(model, ContextOptions(n_ctx=512, n_threads=1))
+    for t, p, s, w in prompt:
+        np.testing.assert_array_equal(gpu.decode(t, p, s, w), cpu.decode(t, p, s, w))
+    pos = [2] * n_seq
+    seen: dict[int, int] = {}  # batch size -> plans made before its first step
+    for k, seqs in enumerate(steps):
+        toks = [(7 * k + s) % 60 + 1 for s in seqs]
+        ps = [pos[s] for s in seqs]
+        before = len(made)
+        np.testing.assert_array_equal(gpu.decode(toks, ps, seqs, [True] * len(seqs)),
+                                      cpu.decode(toks, ps, seqs, [True] * len(seqs)))
+        for s in seqs:
+            pos[s] += 1
+        if len(seqs) in seen:
+            assert len(made) == before, f"a step of {len(seqs)} sequences compiled a plan again"
+        seen[len(seqs)] = before
+    assert made and all(p.n_captures == 1 and not p.direct for p in made), [p.n_captures for p in made]
+    assert sum(p.n_runs for p in made) == len(prompt) + len(steps)  # every step through a plan
+    model.free()
+    cpu_model.free()
+
+
+def test_the_embedding_split_runs_on_the_calling_thread(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """At -ngl all the CPU's split is the token embedding's GET_ROWS alone: executor.c would run it
+    on thread 0 anyway, so the plan makes no team (a team's wake-up was most of a GPU step's host
+    time); a split with products keeps its -t threads."""
+    from llamapy.backend import registry
+    from llamapy.backend.executor import serial_only
+    from llamapy.context import ModelOptions
+
+    path = make_llama(qtype=T.Q8_0)
+    cpu_model = Model(path)
+    cpu = Context(cpu_model, ContextOptions(n_ctx=256, n_threads=2))
+    cpu.decode([1, 2], [0, 1])
+    (whole,) = [cpu.sched.backend_plan(cpu.sched.reserve(cpu.graph(1, 1).graph), 0)]
+    assert isinstance(whole, ExecPlan) and not whole.serial and not serial_only(whole.recs)
+    monkeypatch.setenv("LLAMAPY_TEST_GPU", "1")
+    monkeypatch.setattr(registry, "_cache", None)
+    use_test_device_plans(monkeypatch.setattr, FakeRuntime)
+    model = Model(path, ModelOptions(n_gpu_layers="all"))
+    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=2))
+    np.testing.assert_array_equal(ctx.decode([1, 2], [0, 1]), cpu.decode([1, 2], [0, 1], 1))
+    plan = ctx.sched.reserve(ctx.graph(1, 1).graph)
+    ctx.decode([3], [2])
+    (emb,) = [ctx.sched.backend_plan(plan, i) for i, s in enumerate(plan.splits) if ctx.backends[s.backend].name == "CPU"]
+    assert isinstance(emb, ExecPlan) and emb.serial and emb.n_threads == 1 and emb.n_runs == 1
     model.free()
     cpu_model.free()

@@ -84,7 +84,7 @@ def child(model: str, n_threads: int, n_steps: int, executor: bool, stub: bool) 
             "python_ms": (wall - nat) / n_steps * 1e3}
 
 
-def gpu_child(model: str, n_steps: int, evict_mib: int, profile: str) -> dict:
+def gpu_child(model: str, n_steps: int, evict_mib: int, profile: str, n_ctx: int) -> dict:
     import numpy as np
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -96,7 +96,7 @@ def gpu_child(model: str, n_steps: int, evict_mib: int, profile: str) -> dict:
     made = gpu_fake.use_test_device_plans(setattr, gpu_fake.NullRuntime)
     m = Model(model, ModelOptions(n_gpu_layers="all"))
     toks = m.tokenizer.encode("The capital of France is")
-    ctx = Context(m, ContextOptions(n_ctx=max(512, len(toks) + n_steps + 8)))
+    ctx = Context(m, ContextOptions(n_ctx=max(n_ctx, len(toks) + n_steps + 8)))
     ctx.decode(toks, np.arange(len(toks)))
     n0 = len(toks)
     ctx.decode([5], [n0])  # warm-up: compiles the decode plans
@@ -138,11 +138,12 @@ def main() -> None:
     ap.add_argument("-n", "--steps", type=int, default=128)
     ap.add_argument("--gpu-plan", action="store_true", help="the GPU plan's Python at -ngl all (a no-op device)")
     ap.add_argument("--evict-mib", type=int, default=64, help="--gpu-plan: MiB written between steps (0: none)")
+    ap.add_argument("-c", "--ctx-size", type=int, default=4096, help="--gpu-plan: the context's cells (run's default)")
     ap.add_argument("--profile", default="", help="--gpu-plan: write a cProfile of the steps to this file")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child == "gpu":
-        print(json.dumps(gpu_child(a.model, a.steps, a.evict_mib, a.profile)))
+        print(json.dumps(gpu_child(a.model, a.steps, a.evict_mib, a.profile, a.ctx_size)))
         return
     if a.child:
         ex, stub = a.child.split(",")
@@ -155,12 +156,12 @@ def main() -> None:
     if a.gpu_plan:
         env = dict(os.environ, LLAMAPY_TEST_GPU="1", LLAMAPY_EXECUTOR="1")
         r = subprocess.run([sys.executable, __file__, a.model, "-n", str(a.steps), "--evict-mib", str(a.evict_mib),
-                            "--profile", a.profile, "--child", "gpu"], capture_output=True, text=True, env=env)
+                            "-c", str(a.ctx_size), "--profile", a.profile, "--child", "gpu"], capture_output=True, text=True, env=env)
         if r.returncode:
             raise SystemExit(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}")
         d = json.loads(r.stdout.strip().splitlines()[-1])
         print(f"{a.model}: -ngl all, GPU plan on a no-op device, {d['splits']} splits, {a.steps} steps, "
-              f"{a.evict_mib} MiB evicted between steps")
+              f"{a.evict_mib} MiB evicted between steps, -c {a.ctx_size}")
         print(d["plan"])
         print(f"python ms a step: median {d['median_ms']:.3f}, mean {d['mean_ms']:.3f}, p10 {d['p10_ms']:.3f}")
         return

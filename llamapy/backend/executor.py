@@ -81,6 +81,18 @@ OP_NAMES = {GEGLU: "GLU", GET_ROWS_Q: "GET_ROWS", GET_ROWS_F32: "GET_ROWS", RMS_
             MUL_MAT_ID_Q: "MUL_MAT_ID", ADD_ID: "ADD_ID"}  # fmt: skip
 
 
+# executor.c's `ex_is_par`: records it never shares out, and the row-wise ones it shares out only
+# over more than one row. A plan of nothing else (the token embedding's split at -ngl all) runs on
+# the calling thread: a team would wake its threads for nothing.
+_SERIAL = frozenset({GET_ROWS_Q, GET_ROWS_F32, GET_ROWS_B, SET_ROWS})
+_ROWWISE = frozenset({RMS_NORM, MUL, ADD, SCALE, SWIGLU, ROPE, CPY, DIV, SOFT_MAX, ARGSORT, SUM_ROWS, CLAMP})
+
+
+def serial_only(recs: np.ndarray) -> bool:
+    """Whether executor.c runs every record of `recs` on thread 0 alone."""
+    return all(int(r[0]) in _SERIAL or (int(r[0]) in _ROWWISE and r[6] <= 1) for r in recs)
+
+
 def op_counts(recs: np.ndarray, ops: dict[str, int], names: dict[int, str] = OP_NAMES) -> str:
     """`RMS_NORM:9 MUL_MAT:28 …`: the records of a plan by ggml op name."""
     for code in recs[:, 0]:
@@ -296,9 +308,11 @@ class ExecPlan:
     native_s: float = 0.0  # seconds inside the native call, summed over runs (for the timer)
     recs_ptr: int = 0
     n_runs: int = 0
+    serial: bool = False  # every record runs on thread 0: the call makes no team
 
     def __post_init__(self) -> None:
         self.recs_ptr = self.recs.ctypes.data
+        self.serial = serial_only(self.recs)
 
     def _move(self, base: int) -> None:
         """The arena was made again (larger) since these records were written: move them."""
@@ -332,6 +346,8 @@ class ExecPlan:
         for slot, w, ids in self.pre:
             slot.view(arena)[...] = w.get_rows(env[ids])
         recs = self.recs
+        if self.serial:
+            n_threads = 1
         t0 = time.perf_counter()
         rc = self.run(self.recs_ptr, len(recs), n_threads)
         self.native_s += time.perf_counter() - t0

@@ -552,9 +552,27 @@ def compile_split(nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: 
             raise Refused("GET_ROWS expanded in Python")
         ends = [s.off + _extent(s) for _t, s in built.inputs] + [s.off + _extent(s) for _t, s, _r in built.masks]
         in_bytes = max([HEAD, *ends])
+        _reserve_for_largest_batch(built, rt)
         return GPUPlan(built, rt, in_bytes)
     except (Refused, UnsupportedError) as e:
         return Refusal(str(e))
+
+
+def _reserve_for_largest_batch(built: Built, rt: Runtime) -> None:
+    """Grow the arena now to what a plan of the largest batch (rt.max_tokens) would take, before
+    this plan is captured: a server's steps of 1..8 sequences each get their plan and graph the
+    first time their size occurs, and a later, larger one must not make the arena grow, which
+    would move every earlier plan and capture it again. Estimated from this plan's size scaled by
+    max_tokens / the fewest rows a product of it takes (its values grow with its tokens and
+    outputs, its fixed part does not: an over-estimate); a plan that still outgrows it moves the
+    others, as before."""
+    n_tok = min((int(r[6]) for r in built.recs if r[0] in (MUL_MAT_W, MUL_MAT_GLU)), default=0)
+    if not 0 < n_tok < rt.max_tokens:
+        return
+    base = rt.arena.ensure(-(-built.nbytes * rt.max_tokens // n_tok))
+    if base != built.base:  # (the block was made again: the records not yet launched move)
+        built.recs[built.moves] += base - built.base
+        built.base = base
 
 
 def _extent(s: _Slot) -> int:

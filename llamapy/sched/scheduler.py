@@ -38,6 +38,7 @@ class Plan:
     # split index -> the backend's compiled plan for it (graph_plan_create), None if refused
     backend_plans: dict[int, Any] = field(default_factory=dict)
     shown: bool = False  # given to the scheduler's debug hook already
+    runs: list[Any] | None = None  # Scheduler._runs: what each step does, decided once
 
 
 def _owner(t: Tensor) -> Tensor:
@@ -118,32 +119,29 @@ class Scheduler:
             plan.shown = True
             self.debug_hook(plan)
         vals: dict[Tensor, Any] = dict(inputs)
-        # where each value lives: its backend in the assignment (a split runs its nodes there)
-        home = plan.assignment
+        if plan.runs is None:
+            plan.runs = self._runs(plan)
         copies: dict[tuple[Tensor, int, bool], Any] = {}
-        for si, s in enumerate(plan.splits):
-            be = self.backends[s.backend]
-            # a plan that copies host values in itself (the GPU plan's pinned mirror) gets them
-            # as they are, not uploaded first
-            host_in = bool(getattr(self.backend_plan(plan, si), "host_inputs", False))
+        for s, be, bp, host_in, ins in plan.runs:
             # the split reads its inputs' copies under their own names; the originals (values
             # native to another backend) are put back afterwards
             saved: dict[Tensor, Any] = {}
-            for inp in s.inputs:
+            for inp, src, src_host in ins:
                 key = (inp, s.backend, host_in)  # (a host value serves only the plans taking one)
                 if key not in copies:
-                    src_b = home[inp]
                     value = vals[inp] if inp in vals else inp.root().buffer.storage(inp)  # type: ignore[union-attr]
-                    src = self.backends[src_b]
-                    if host_in and src.device.buffer_type().is_host and isinstance(value, np.ndarray):
+                    if host_in and src_host and isinstance(value, np.ndarray):
                         copies[key] = value
                     else:
                         copies[key] = self._copy(inp, value, src, be)
                 if inp in vals:
                     saved[inp] = vals[inp]
                 vals[inp] = copies[key]
-            self._run_split(plan, si, vals)
-            for inp in s.inputs:
+            if not bp:
+                be.compute(s.nodes, vals)
+            else:
+                be.graph_plan_compute(bp, vals)
+            for inp, _src, _h in ins:
                 if inp in saved:
                     vals[inp] = saved[inp]
                 else:
@@ -151,10 +149,24 @@ class Scheduler:
             for t in s.release_after:
                 vals.pop(t, None)
         out: dict[Tensor, np.ndarray] = {}
+        home = plan.assignment
         for o in graph.outputs:
             be = self.backends[home[o]]
             out[o] = np.asarray(be.to_host(vals[o]))
         return out
+
+    def _runs(self, plan: Plan) -> list[tuple[Split, Backend, Any, bool, list[tuple[Tensor, Backend, bool]]]]:
+        """What `compute` decides once per plan: each split's backend, its compiled plan (made
+        now), whether that plan copies host values in itself (the GPU plan's pinned mirror: they
+        are handed over as they are, not uploaded first), and each input's home backend and
+        whether that is host memory. A decode step then only walks this list."""
+        runs = []
+        for si, s in enumerate(plan.splits):
+            bp = self.backend_plan(plan, si)
+            ins = [(inp, self.backends[plan.assignment[inp]],
+                    self.backends[plan.assignment[inp]].device.buffer_type().is_host) for inp in s.inputs]
+            runs.append((s, self.backends[s.backend], bp, bool(getattr(bp, "host_inputs", False)), ins))
+        return runs
 
     def backend_plan(self, plan: Plan, si: int) -> Any:
         """Split `si`'s compiled plan (ggml_backend_graph_plan_create), made on first use; falsy
@@ -169,14 +181,6 @@ class Scheduler:
                     exports += [x for n in other.nodes for x in n.src if x in own and x not in exports]
             plan.backend_plans[si] = self.backends[s.backend].graph_plan_create(s.nodes, exports, plan_offsets)
         return plan.backend_plans[si]
-
-    def _run_split(self, plan: Plan, si: int, vals: dict[Tensor, Any]) -> None:
-        be = self.backends[plan.splits[si].backend]
-        bp = self.backend_plan(plan, si)
-        if not bp:
-            be.compute(plan.splits[si].nodes, vals)
-        else:
-            be.graph_plan_compute(bp, vals)
 
     # -- debugging -----------------------------------------------------------------------
 

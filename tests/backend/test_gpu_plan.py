@@ -39,74 +39,19 @@ from llamapy.backend.cpu_kernels import KV_CODES
 from llamapy.backend.kernels import _rope_tables_compute, gelu, rope_consts
 from llamapy.context import Context, ContextOptions, Model
 from llamapy.types import GGMLType
+from gpu_fake import HostRuntime, use_test_device_plans
 
 pytestmark = pytest.mark.skipif(native.lib() is None, reason=f"no C kernels: {native.error()}")
 
 
-class FakeRuntime:
-    """gpu_plan.Runtime over host memory; launches run through executor.c record by record."""
+class FakeRuntime(HostRuntime):
+    """gpu_plan.Runtime over host memory (tests/gpu_fake.py); launches run through executor.c
+    record by record."""
 
     def __init__(self, fail_capture: str = "") -> None:
-        self.buft = CPU_BUFT
-        self.max_tokens = 8
-        self.arena = Arena()
+        super().__init__(fail_capture)
         self.lib = _lib()
-        self.mirror = np.zeros(0, np.uint8)
-        self.log: list[tuple[str, Any]] = []  # ("h2d", nbytes), ("capture", n), ("replay", n), ("launch", code)
-        self.fail_capture = fail_capture
         self.scratch = np.zeros(0, np.uint8)
-        self.keep: list[Any] = []
-
-    def array_loc(self, v: Any) -> Loc:
-        if not isinstance(v, np.ndarray):
-            raise Refused(f"a {type(v).__name__} where a device array is needed")
-        return _array_loc(v)
-
-    def weight(self, v: Any) -> tuple[int, int, int, int, int]:
-        if isinstance(v, np.ndarray) or v.repacked:
-            raise Refused("not a matrix of file blocks")
-        return v.data.ctypes.data, int(v.qtype), v.n_out, v.n_in, v.data.shape[1]
-
-    def host(self, v: Any) -> np.ndarray:
-        return np.asarray(v)
-
-    def const(self, a: np.ndarray) -> tuple[int, Any]:
-        a = np.ascontiguousarray(a)
-        return a.ctypes.data, a
-
-    def pinned(self, nbytes: int) -> np.ndarray:
-        if nbytes > self.mirror.size:
-            self.mirror = np.zeros(nbytes, np.uint8)
-        return self.mirror
-
-    def h2d(self, dst: int, src: np.ndarray) -> None:
-        self.log.append(("h2d", src.nbytes))
-        ctypes.memmove(dst, src.ctypes.data, src.nbytes)
-
-    def d2d(self, dst: int, value: Any) -> None:
-        v = np.ascontiguousarray(value)
-        ctypes.memmove(dst, v.ctypes.data, v.nbytes)
-
-    def copy_out(self, addr: int, slot: _Slot, owner: Any) -> Any:
-        a = self.arena
-        return np.ndarray(slot.shape, slot.dtype, buffer=a.raw, offset=addr - a.base + a.pad, strides=slot.strides).copy()
-
-    def done(self) -> None:
-        self.log.append(("done", 0))
-
-    def capture(self, launches: Sequence[Callable[[], None]]) -> Any:
-        if self.fail_capture:
-            raise Refused(self.fail_capture)
-        self.log.append(("capture", len(launches)))
-        return list(launches)
-
-    def replay(self, graph: Any) -> None:
-        self.log.append(("replay", len(graph)))
-        for launch in graph:
-            launch()
-
-    def attn_split(self, n_tokens: int, n_head: int, n_head_kv: int, n_cells: int, dv: int) -> tuple[int, int]:
-        return 1, 0
 
     def _rope_qkv(self, rec: np.ndarray) -> Callable[[], None]:
         """ROPE(Q), ROPE(K) into a buffer, SET_ROWS(K) from it, SET_ROWS(V): the records fused."""
@@ -415,6 +360,7 @@ def test_prompt_batches_are_refused(make_llama) -> None:  # noqa: ANN001
 def test_arena_growth_moves_and_recaptures(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """A plan made while the arena was smaller moves its records to the new block and is
     captured again; its logits stay the CPU executor's."""
+    monkeypatch.setattr(gpu_plan, "_reserve_for_largest_batch", lambda built, rt: None)  # (it would not grow)
     model = Model(make_llama(qtype=T.Q8_0))
     ref = Context(model, ContextOptions(n_ctx=512, n_threads=1))
     want = [ref.decode([5], [0]), ref.decode([6, 7, 8, 9, 10, 11], [1, 2, 3, 4, 5, 6], 0, [True] * 6),
@@ -774,7 +720,6 @@ def test_through_the_scheduler_on_test_devices(make_llama, monkeypatch: pytest.M
     on CUDA: -ngl 2 (CPU layers, then the device's split: its inputs handed over as host arrays,
     into the mirror), -ngl all, and two devices (-ts 1,1: the second split's input from the first
     device). Launches through executor.c: the CPU's logits, bit for bit."""
-    from llamapy.backend.device import MemoryDeviceBackend
     from llamapy.context import ModelOptions
 
     path = make_llama(qtype=T.Q8_0)
@@ -785,18 +730,7 @@ def test_through_the_scheduler_on_test_devices(make_llama, monkeypatch: pytest.M
 
     monkeypatch.setenv("LLAMAPY_TEST_GPU", str(n_gpu))
     monkeypatch.setattr(registry, "_cache", None)  # (discovered again, with the TEST devices)
-    made: list[GPUPlan] = []
-
-    def create(self: MemoryDeviceBackend, nodes: Any, exports: Any, allocate: Any) -> Any:
-        if not hasattr(self, "_fake_rt"):
-            self._fake_rt = FakeRuntime()
-            self._fake_rt.buft = self.device.buffer_type()
-        p = gpu_plan.compile_split(nodes, exports, allocate, self._fake_rt)
-        made.extend([p] if p else [])
-        return p
-
-    monkeypatch.setattr(MemoryDeviceBackend, "graph_plan_create", create, raising=False)
-    monkeypatch.setattr(MemoryDeviceBackend, "graph_plan_compute", lambda self, plan, env: plan.compute(env), raising=False)
+    made = use_test_device_plans(monkeypatch.setattr, FakeRuntime)
     model = Model(path, ModelOptions(n_gpu_layers=ngl, tensor_split=ts))
     assert sum(k.startswith("TEST") for k in model.info.buffer_sizes) == n_gpu
     ctx = Context(model, ContextOptions(n_ctx=512, n_threads=1))
@@ -931,6 +865,47 @@ def test_moe_through_the_scheduler_on_test_devices(tmp_path: Path, monkeypatch: 
     cpu_model.free()
 
 
+def test_batch_sizes_keep_their_plans_and_graphs(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A server's steps of 3, then 4, then 3 sequences (and 1, 2, 8) at -ngl all on a TEST device:
+    each batch size compiles and captures its plan once, the first time it occurs; when it comes
+    back its plan and graph are replayed (no compile, no capture: the arena was sized for the
+    largest batch when the first plan was made, so no later plan moves an earlier one). The logits
+    are the CPU executor's, bit for bit."""
+    from llamapy.backend import registry
+    from llamapy.context import ModelOptions
+
+    path = make_llama(qtype=T.Q8_0)
+    n_seq = 8
+    prompt = [([1 + s, 20 + s], [0, 1], s, None) for s in range(n_seq)]
+    steps = [list(range(k)) for k in (3, 4, 3, 1, 2, 4, 8, 3, 8, 1)]
+    cpu_model = Model(path)
+    cpu = Context(cpu_model, ContextOptions(n_ctx=512, n_threads=1))
+    monkeypatch.setenv("LLAMAPY_TEST_GPU", "1")
+    monkeypatch.setattr(registry, "_cache", None)
+    made = use_test_device_plans(monkeypatch.setattr, FakeRuntime)
+    model = Model(path, ModelOptions(n_gpu_layers="all"))
+    gpu = Context(model, ContextOptions(n_ctx=512, n_threads=1))
+    for t, p, s, w in prompt:
+        np.testing.assert_array_equal(gpu.decode(t, p, s, w), cpu.decode(t, p, s, w))
+    pos = [2] * n_seq
+    seen: dict[int, int] = {}  # batch size -> plans made before its first step
+    for k, seqs in enumerate(steps):
+        toks = [(7 * k + s) % 60 + 1 for s in seqs]
+        ps = [pos[s] for s in seqs]
+        before = len(made)
+        np.testing.assert_array_equal(gpu.decode(toks, ps, seqs, [True] * len(seqs)),
+                                      cpu.decode(toks, ps, seqs, [True] * len(seqs)))
+        for s in seqs:
+            pos[s] += 1
+        if len(seqs) in seen:
+            assert len(made) == before, f"a step of {len(seqs)} sequences compiled a plan again"
+        seen[len(seqs)] = before
+    assert made and all(p.n_captures == 1 and not p.direct for p in made), [p.n_captures for p in made]
+    assert sum(p.n_runs for p in made) == len(prompt) + len(steps)  # every step through a plan
+    model.free()
+    cpu_model.free()
+
+
 def test_gptoss_splits_the_gpu_kernels_cannot_run_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """gpt-oss's attention sinks, YaRN rope and clamped SwiGLU have no CUDA kernel yet: the GPU target refuses
     those splits, saying why (they run node by node), and the logits stay the CPU path's."""
@@ -961,3 +936,31 @@ def test_gptoss_splits_the_gpu_kernels_cannot_run_are_refused(tmp_path: Path, mo
     # clamped SwiGLU of the experts' products comes before the attention's records are made)
     assert any(k in r for r in refusals for k in ("sinks", "YaRN", "swiglu_oai")), refusals
     model.free()
+
+
+def test_the_embedding_split_runs_on_the_calling_thread(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """At -ngl all the CPU's split is the token embedding's GET_ROWS alone: executor.c would run it
+    on thread 0 anyway, so the plan makes no team (a team's wake-up was most of a GPU step's host
+    time); a split with products keeps its -t threads."""
+    from llamapy.backend import registry
+    from llamapy.backend.executor import serial_only
+    from llamapy.context import ModelOptions
+
+    path = make_llama(qtype=T.Q8_0)
+    cpu_model = Model(path)
+    cpu = Context(cpu_model, ContextOptions(n_ctx=256, n_threads=2))
+    cpu.decode([1, 2], [0, 1])
+    (whole,) = [cpu.sched.backend_plan(cpu.sched.reserve(cpu.graph(1, 1).graph), 0)]
+    assert isinstance(whole, ExecPlan) and not whole.serial and not serial_only(whole.recs)
+    monkeypatch.setenv("LLAMAPY_TEST_GPU", "1")
+    monkeypatch.setattr(registry, "_cache", None)
+    use_test_device_plans(monkeypatch.setattr, FakeRuntime)
+    model = Model(path, ModelOptions(n_gpu_layers="all"))
+    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=2))
+    np.testing.assert_array_equal(ctx.decode([1, 2], [0, 1]), cpu.decode([1, 2], [0, 1], 1))
+    plan = ctx.sched.reserve(ctx.graph(1, 1).graph)
+    ctx.decode([3], [2])
+    (emb,) = [ctx.sched.backend_plan(plan, i) for i, s in enumerate(plan.splits) if ctx.backends[s.backend].name == "CPU"]
+    assert isinstance(emb, ExecPlan) and emb.serial and emb.n_threads == 1 and emb.n_runs == 1
+    model.free()
+    cpu_model.free()

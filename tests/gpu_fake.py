@@ -1,0 +1,144 @@
+"""A CuPy-free stand-in for a CUDA device's GPU-plan runtime (gpu_plan.Runtime), shared by
+tests/backend/test_gpu_plan.py and bench/python_time.py.
+
+`HostRuntime` keeps the "device memory" in host memory (an executor.Arena, the CPU backend's or a
+TEST device's buffers) and logs its copies, captures and replays; what a launch does is the
+subclass's `prepare`: the tests' FakeRuntime runs each record through executor.c, `NullRuntime`
+does nothing at all, so a decode step through it costs exactly the Python a GPU step pays
+(scheduler, splits, the mirror's input writes, the copies' and exports' bookkeeping) and nothing
+else. `use_test_device_plans` makes the TEST devices (LLAMAPY_TEST_GPU) compile their splits
+into GPU plans over such a runtime, as CUDA does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from llamapy.backend import gpu_plan
+from llamapy.backend.cpu import CPU_BUFT
+from llamapy.backend.executor import Arena, Loc, Refused, _array_loc, _Slot
+
+
+class HostRuntime:
+    """gpu_plan.Runtime over host memory; `prepare` is the subclass's."""
+
+    def __init__(self, fail_capture: str = "", log: bool = True) -> None:
+        self.buft = CPU_BUFT
+        self.max_tokens = 8
+        self.arena = Arena()
+        self.mirror = np.zeros(0, np.uint8)
+        self.log: list[tuple[str, Any]] = []  # ("h2d", nbytes), ("capture", n), ("replay", n), ("launch", code)
+        self.logging = log
+        self.fail_capture = fail_capture
+        self.keep: list[Any] = []
+
+    def array_loc(self, v: Any) -> Loc:
+        if not isinstance(v, np.ndarray):
+            raise Refused(f"a {type(v).__name__} where a device array is needed")
+        return _array_loc(v)
+
+    def weight(self, v: Any) -> tuple[int, int, int, int, int]:
+        if isinstance(v, np.ndarray) or v.repacked:
+            raise Refused("not a matrix of file blocks")
+        return v.data.ctypes.data, int(v.qtype), v.n_out, v.n_in, v.data.shape[1]
+
+    def host(self, v: Any) -> np.ndarray:
+        return np.asarray(v)
+
+    def const(self, a: np.ndarray) -> tuple[int, Any]:
+        a = np.ascontiguousarray(a)
+        return a.ctypes.data, a
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        if nbytes > self.mirror.size:
+            self.mirror = np.zeros(nbytes, np.uint8)
+        return self.mirror
+
+    def h2d(self, dst: int, src: np.ndarray) -> None:
+        if self.logging:
+            self.log.append(("h2d", src.nbytes))
+        ctypes.memmove(dst, src.ctypes.data, src.nbytes)
+
+    def d2d(self, dst: int, value: Any) -> None:
+        v = np.ascontiguousarray(value)
+        ctypes.memmove(dst, v.ctypes.data, v.nbytes)
+
+    def copy_out(self, addr: int, slot: _Slot, owner: Any) -> Any:
+        a = self.arena
+        return np.ndarray(slot.shape, slot.dtype, buffer=a.raw, offset=addr - a.base + a.pad, strides=slot.strides).copy()
+
+    def done(self) -> None:
+        if self.logging:
+            self.log.append(("done", 0))
+
+    def capture(self, launches: Sequence[Callable[[], None]]) -> Any:
+        if self.fail_capture:
+            raise Refused(self.fail_capture)
+        self.log.append(("capture", len(launches)))
+        return list(launches)
+
+    def replay(self, graph: Any) -> None:
+        if self.logging:
+            self.log.append(("replay", len(graph)))
+        for launch in graph:
+            launch()
+
+    def attn_split(self, n_tokens: int, n_head: int, n_head_kv: int, n_cells: int, dv: int) -> tuple[int, int]:
+        return 1, 0
+
+    def prepare(self, rec: np.ndarray) -> Callable[[], None]:
+        raise NotImplementedError
+
+
+class NullRuntime(HostRuntime):
+    """A device whose launches, copies and replays do nothing (the step's logits are garbage):
+    what a step through it costs is the Python of a GPU step. The one copy it still makes is the
+    exports' (a GPU's copy_out queues a device copy; here the bytes stay where they are)."""
+
+    def __init__(self) -> None:
+        super().__init__(log=False)
+
+    def prepare(self, rec: np.ndarray) -> Callable[[], None]:
+        return _nothing
+
+    def h2d(self, dst: int, src: np.ndarray) -> None:
+        pass
+
+    def replay(self, graph: Any) -> None:
+        pass
+
+    def copy_out(self, addr: int, slot: _Slot, owner: Any) -> Any:
+        a = self.arena
+        return np.ndarray(slot.shape, slot.dtype, buffer=a.raw, offset=addr - a.base + a.pad, strides=slot.strides)
+
+
+def _nothing() -> None:
+    pass
+
+
+def use_test_device_plans(set_attr: Callable[[Any, str, Any], None], make_rt: Callable[[], HostRuntime]
+                          ) -> list[gpu_plan.GPUPlan]:
+    """TEST devices (LLAMAPY_TEST_GPU) that compile their splits into GPU plans over `make_rt()`
+    (one runtime per backend, in the device's buffer type), as CUDA's backend does; `set_attr` is
+    setattr or pytest's monkeypatch.setattr. Returns the list the plans made are appended to."""
+    from llamapy.backend.device import MemoryDeviceBackend
+
+    made: list[gpu_plan.GPUPlan] = []
+
+    def create(self: MemoryDeviceBackend, nodes: Any, exports: Any, allocate: Any) -> Any:
+        if not hasattr(self, "_fake_rt"):
+            self._fake_rt = make_rt()
+            self._fake_rt.buft = self.device.buffer_type()
+        p = gpu_plan.compile_split(nodes, exports, allocate, self._fake_rt)
+        made.extend([p] if p else [])
+        return p
+
+    set_attr(MemoryDeviceBackend, "graph_plan_create", create)
+    set_attr(MemoryDeviceBackend, "graph_plan_compute", lambda self, plan, env: plan.compute(env))
+    set_attr(MemoryDeviceBackend, "graph_plan_summary",
+             lambda self, plan: plan.summary() if plan else f"refused: {plan.reason}")
+    return made

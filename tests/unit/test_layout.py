@@ -84,4 +84,9 @@ def test_code_size_budget() -> None:
                 if isinstance(d, ast.Expr) and isinstance(getattr(d, "value", None), ast.Constant):
                     docs.update(range(d.lineno, d.end_lineno + 1))  # type: ignore[operator]
         total += sum(1 for i, line in enumerate(src, 1) if line.strip() and not line.strip().startswith("#") and i not in docs)
-    assert total <= 12000, f"llamapy/ has {total} lines of code"
+    # 12000 until stop 26; raised at stop 27 (11998 -> ~14680) for the capabilities that stop
+    # added: constrained output and tool calls (constrain.py, toolcalls.py, the server's and the
+    # API's fields, ~+900), the MoE quant types, expert ops, qwen3moe, experts in llama, gpt-oss and
+    # the offload flags (~+580), and the compiled GPU split with its launch layer and the MoE block
+    # on it (gpu_plan.py, cuda_exec.py, cuda_ops.py, the shared record compiler, ~+1190)
+    assert total <= 14750, f"llamapy/ has {total} lines of code"

@@ -567,7 +567,9 @@ def _moe_case(name: str, n_expert: int = 5, m: int = 72, n_in: int = 256, T: int
     experts differ), per-slot input rows."""
     raw = np.ascontiguousarray(random_rows(name, n_expert * m, n_in, np.random.default_rng(8)))
     ids = np.array([[3, 1], [0, 4], [1, 2]][:T], np.int32)[:, :U]
-    x = randn(T, U, n_in)
+    # its own generator: the module's `rng` depends on which tests ran before (an MXFP4 draw after
+    # others once summed to a cancellation past the reference check's atol)
+    x = np.random.default_rng(11).standard_normal((T, U, n_in)).astype(np.float32)
     return raw, ids, x
 
 
@@ -603,7 +605,8 @@ def test_mul_mat_id(env: Env, name: str, shared: bool) -> None:
     wf = dequantize(raw, G[name]).reshape(n_expert, m, n_in).astype(np.float32)
     w_t, x_t, i_t = t("w", (n_expert, m, n_in)), t("x", x.shape), t("ids", ids.shape, G.I32)
     ref = ref_mul_mat_id(ops.mul_mat_id(w_t, x_t, i_t), [wf, x, ids], np)
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    # another summation order: float32 rounding relative to the outputs' scale
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()))
 
 
 @pytest.mark.parametrize("op", ["swiglu", "geglu"])

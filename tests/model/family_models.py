@@ -19,6 +19,43 @@ BYTE_VOCAB = (
 )  # fmt: skip
 
 
+def add_vocab(w: gguf.GGUFWriter, vocab: Path | None) -> list[str]:
+    """The tokenizer keys: copied from a vocab GGUF, or a byte-level SPM vocabulary of 271
+    tokens; the token list."""
+    if vocab is None:
+        tokens = BYTE_VOCAB
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)])
+        w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259))
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        w.add_add_bos_token(True)
+        return tokens
+    v = gguf.GGUFReader(str(vocab))
+
+    def f(k: str) -> Any:
+        return v.fields[k].contents() if k in v.fields else None
+
+    tokens = f("tokenizer.ggml.tokens")
+    w.add_tokenizer_model(f("tokenizer.ggml.model"))
+    w.add_tokenizer_pre(f("tokenizer.ggml.pre"))
+    w.add_token_list(tokens)
+    w.add_token_types(f("tokenizer.ggml.token_type"))
+    if f("tokenizer.ggml.merges") is not None:
+        w.add_token_merges(f("tokenizer.ggml.merges"))
+    if f("tokenizer.ggml.scores") is not None:
+        w.add_token_scores(f("tokenizer.ggml.scores"))
+    for key, add in (("tokenizer.ggml.bos_token_id", w.add_bos_token_id),
+                     ("tokenizer.ggml.eos_token_id", w.add_eos_token_id)):  # fmt: skip
+        if f(key) is not None:
+            add(int(f(key)))
+    w.add_add_bos_token(False)
+    return list(tokens)
+
+
 def write_family_gguf(
     path: Path,
     arch: str,
@@ -59,37 +96,7 @@ def write_family_gguf(
     if arch == "gemma3":
         w.add_sliding_window(n_swa)
         w.add_uint32(f"{arch}.attention.sliding_window_pattern", swa_pattern)
-    if vocab is None:
-        tokens = BYTE_VOCAB
-        w.add_tokenizer_model("llama")
-        w.add_tokenizer_pre("default")
-        w.add_token_list(tokens)
-        w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)])
-        w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259))
-        w.add_bos_token_id(1)
-        w.add_eos_token_id(2)
-        w.add_unk_token_id(0)
-        w.add_add_bos_token(True)
-    else:
-        v = gguf.GGUFReader(str(vocab))
-
-        def f(k: str) -> Any:
-            return v.fields[k].contents() if k in v.fields else None
-
-        tokens = f("tokenizer.ggml.tokens")
-        w.add_tokenizer_model(f("tokenizer.ggml.model"))
-        w.add_tokenizer_pre(f("tokenizer.ggml.pre"))
-        w.add_token_list(tokens)
-        w.add_token_types(f("tokenizer.ggml.token_type"))
-        if f("tokenizer.ggml.merges") is not None:
-            w.add_token_merges(f("tokenizer.ggml.merges"))
-        if f("tokenizer.ggml.scores") is not None:
-            w.add_token_scores(f("tokenizer.ggml.scores"))
-        for key, add in (("tokenizer.ggml.bos_token_id", w.add_bos_token_id),
-                         ("tokenizer.ggml.eos_token_id", w.add_eos_token_id)):  # fmt: skip
-            if f(key) is not None:
-                add(int(f(key)))
-        w.add_add_bos_token(False)
+    tokens = add_vocab(w, vocab)
     n_vocab = len(tokens)
 
     def mat(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:

@@ -27,7 +27,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from family_models import BYTE_VOCAB
+from family_models import add_vocab
 
 # the shapes llama.cpp's users run (config.json of each model), and tiny ones for the tests
 SHAPES: dict[str, dict[str, Any]] = {
@@ -96,7 +96,7 @@ def write_gptoss_gguf(
     w.add_rope_scaling_factor(yarn_factor)
     w.add_rope_scaling_orig_ctx_len(n_ctx_orig)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype is T.F32 else gguf.LlamaFileType.MOSTLY_Q8_0)
-    tokens = _add_vocab(w, vocab)
+    tokens = add_vocab(w, vocab)
     n_vocab = len(tokens)
 
     def mat(*shape: int, gain: float = 1.0) -> np.ndarray:
@@ -189,7 +189,7 @@ def write_moe_gguf(
         w.add_rope_dimension_count(hd)
     ftype = {T.F32: gguf.LlamaFileType.ALL_F32, T.F16: gguf.LlamaFileType.MOSTLY_F16}.get(qtype, gguf.LlamaFileType.MOSTLY_Q8_0)
     w.add_file_type(ftype)
-    tokens = _add_vocab(w, vocab)
+    tokens = add_vocab(w, vocab)
     n_vocab = len(tokens)
 
     def mat(*shape: int, gain: float = 1.0) -> np.ndarray:
@@ -230,41 +230,6 @@ def write_moe_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
-
-
-def _add_vocab(w: gguf.GGUFWriter, vocab: Path | None) -> list[str]:
-    if vocab is None:
-        tokens = BYTE_VOCAB
-        w.add_tokenizer_model("llama")
-        w.add_tokenizer_pre("default")
-        w.add_token_list(tokens)
-        w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)])
-        w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259))
-        w.add_bos_token_id(1)
-        w.add_eos_token_id(2)
-        w.add_unk_token_id(0)
-        w.add_add_bos_token(True)
-        return tokens
-    v = gguf.GGUFReader(str(vocab))
-
-    def f(k: str) -> Any:
-        return v.fields[k].contents() if k in v.fields else None
-
-    tokens = f("tokenizer.ggml.tokens")
-    w.add_tokenizer_model(f("tokenizer.ggml.model"))
-    w.add_tokenizer_pre(f("tokenizer.ggml.pre"))
-    w.add_token_list(tokens)
-    w.add_token_types(f("tokenizer.ggml.token_type"))
-    if f("tokenizer.ggml.merges") is not None:
-        w.add_token_merges(f("tokenizer.ggml.merges"))
-    if f("tokenizer.ggml.scores") is not None:
-        w.add_token_scores(f("tokenizer.ggml.scores"))
-    for key, add in (("tokenizer.ggml.bos_token_id", w.add_bos_token_id),
-                     ("tokenizer.ggml.eos_token_id", w.add_eos_token_id)):  # fmt: skip
-        if f(key) is not None:
-            add(int(f(key)))
-    w.add_add_bos_token(False)
-    return list(tokens)
 
 
 def reference_logits(path: Path, tokens: list[int]) -> np.ndarray:

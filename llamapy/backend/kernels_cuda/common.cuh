@@ -150,6 +150,22 @@ __device__ __forceinline__ T warp_sum(T v) {
     return v;
 }
 
+/* a decoded unit of 32 weights times 32 activations (float4 loads), summed in one fixed order:
+ * every product kernel (mmv, mmv_glu, mmv_id) sums with this, so their bits agree */
+__device__ __forceinline__ float dot_unit(const float* v, const float* x) {
+    const float4* xp = reinterpret_cast<const float4*>(x);
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float4 a = __ldg(xp + i);
+        s += v[4 * i] * a.x;
+        s += v[4 * i + 1] * a.y;
+        s += v[4 * i + 2] * a.z;
+        s += v[4 * i + 3] * a.w;
+    }
+    return s;
+}
+
 template <typename T>
 __device__ __forceinline__ T warp_max(T v) {
 #pragma unroll
@@ -269,17 +285,7 @@ __device__ __forceinline__ void mmv_impl(const u8* __restrict__ w, const float* 
 #pragma unroll
         for (int t = 0; t < MMV_MAX_TOK; ++t) {
             if (t < n_tok) {
-                const float4* xp = reinterpret_cast<const float4*>(x + (long long)t * n_in + u * 32);
-                float s = 0.0f;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const float4 a = __ldg(xp + i);
-                    s += v[4 * i] * a.x;
-                    s += v[4 * i + 1] * a.y;
-                    s += v[4 * i + 2] * a.z;
-                    s += v[4 * i + 3] * a.w;
-                }
-                acc[t] += s;
+                acc[t] += dot_unit(v, x + (long long)t * n_in + u * 32);
             }
         }
     }
@@ -320,17 +326,7 @@ __device__ __forceinline__ void mmv_glu_impl(const u8* __restrict__ w, const flo
 #pragma unroll
             for (int t = 0; t < MMV_MAX_TOK; ++t) {
                 if (t < n_tok) {
-                    const float4* xp = reinterpret_cast<const float4*>(x + (long long)t * n_in + u * 32);
-                    float s = 0.0f;
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        const float4 a = __ldg(xp + i);
-                        s += v[4 * i] * a.x;
-                        s += v[4 * i + 1] * a.y;
-                        s += v[4 * i + 2] * a.z;
-                        s += v[4 * i + 3] * a.w;
-                    }
-                    acc[h][t] += s;
+                    acc[h][t] += dot_unit(v, x + (long long)t * n_in + u * 32);
                 }
             }
         }
@@ -394,18 +390,7 @@ __device__ __forceinline__ void mmv_id_impl(const u8* __restrict__ w, const u8* 
                 for (int t = 0; t < MMV_MAX_TOK; ++t) {
                     if (t < n) {
                         const int pq = pairs[t];
-                        const float4* xp = reinterpret_cast<const float4*>(
-                            x + (long long)(pq / n_used) * sxt + (long long)(pq % n_used) * sxu + u * 32);
-                        float s = 0.0f;
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) {
-                            const float4 a = __ldg(xp + i);
-                            s += v[4 * i] * a.x;
-                            s += v[4 * i + 1] * a.y;
-                            s += v[4 * i + 2] * a.z;
-                            s += v[4 * i + 3] * a.w;
-                        }
-                        acc[h][t] += s;
+                        acc[h][t] += dot_unit(v, x + (long long)(pq / n_used) * sxt + (long long)(pq % n_used) * sxu + u * 32);
                     }
                 }
             }

@@ -143,8 +143,9 @@ def write_family_gguf(
     return path
 
 
-def reference_logits(path: Path, tokens: list[int]) -> np.ndarray:
-    """Every position's logits by a float64 forward pass of the model's equations."""
+def read_weights(path: Path) -> tuple[Any, Any, dict[str, Any]]:
+    """A file's metadata getter `md(key, default)`, its weights as float64 `w(name)` (dequantized),
+    and its tensors by name: what the float64 reference passes read."""
     r = gguf.GGUFReader(str(path))
 
     def md(k: str, default: Any = None) -> Any:
@@ -158,6 +159,13 @@ def reference_logits(path: Path, tokens: list[int]) -> np.ndarray:
         if t.tensor_type in (T.F32, T.F16):
             return np.asarray(t.data, np.float64).reshape(shape)
         return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float64)
+
+    return md, w, ts
+
+
+def reference_logits(path: Path, tokens: list[int]) -> np.ndarray:
+    """Every position's logits by a float64 forward pass of the model's equations."""
+    md, w, ts = read_weights(path)
 
     arch = md("general.architecture")
     n_layer, E = md(f"{arch}.block_count"), md(f"{arch}.embedding_length")

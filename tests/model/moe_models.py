@@ -27,7 +27,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from family_models import add_vocab
+from family_models import add_vocab, read_weights
 
 # the shapes llama.cpp's users run (config.json of each model), and tiny ones for the tests
 SHAPES: dict[str, dict[str, Any]] = {
@@ -236,19 +236,7 @@ def reference_logits(path: Path, tokens: list[int]) -> np.ndarray:
     """Every position's logits by a float64 forward pass (Hugging Face's MixtralSparseMoeBlock /
     Qwen3MoeSparseMoeBlock: softmax over the router's logits, the top k, renormalised, each
     chosen expert's SwiGLU FFN weighted and summed)."""
-    r = gguf.GGUFReader(str(path))
-
-    def md(k: str, default: Any = None) -> Any:
-        return r.fields[k].contents() if k in r.fields else default
-
-    ts = {t.name: t for t in r.tensors}
-
-    def w(name: str) -> np.ndarray:
-        t = ts[name]
-        shape = tuple(int(x) for x in reversed(t.shape))
-        if t.tensor_type in (T.F32, T.F16):
-            return np.asarray(t.data, np.float64).reshape(shape)
-        return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float64)
+    md, w, ts = read_weights(path)
 
     arch = md("general.architecture")
     if arch == "gpt-oss":

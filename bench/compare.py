@@ -11,9 +11,11 @@
 Models: the default model (python models/fetch.py), tiny32
 (../shared/reference/tiny32/tiny32-Q4_K_M.gguf) and the Llama-3.2-1B-shape Q4_K_M file
 (`llama1b`: `--llama1b PATH` or $LLAMAPY_LLAMA1B; made when absent if llama.cpp's llama-quantize
-is built — see bench/models1b.py); `--models` takes paths or these names. Everything runs with
-2 threads (-t 2). The 1B shape is measured with tg64 and `run -n 64` (issue 11's figures), the
-others with tg128 and `run -n 128`.
+is built — see bench/models1b.py), and issue 29's MoE shapes `qwen3moe8` (Qwen3-30B-A3B, 8 layers,
+Q4_K_M) and `gptoss6` (gpt-oss-20b, 6 layers, MXFP4_MOE), made the same way (bench/models_moe.py);
+`--models` takes paths or these names. Everything runs with 2 threads (-t 2). The 1B and MoE
+shapes are measured with tg64 and `run -n 64` (issues 11's and 29's figures), the others with
+tg128 and `run -n 128`.
 
 Per-type table (`--types all` or `--types q4_0,q8_0,…`): the 1B shape quantized `--pure` to each
 type (files cached in `--models-dir`, bench/models1b.py), tg N (`-n`, default 64) with
@@ -77,6 +79,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_cpp  # noqa: E402  (bench/llama_cpp.py, not the llama-cpp-python package)
 import models1b  # noqa: E402  (bench/models1b.py)
+import models_moe  # noqa: E402  (bench/models_moe.py)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"  # next to the checkout, and nowhere else
@@ -85,7 +88,9 @@ RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 PROMPT = "Once upon a time, in a small village by the sea,"
 LLAMAPY = [sys.executable, "-m", "llamapy"]
 
-# metric: (higher is better, floor, goal); "tg" is tg128, or tg64 for the 1B shape
+# the shapes measured with tg64 (the issues' figures), not tg128
+N_GEN_64 = ("llama1b", *models_moe.FILES)
+# metric: (higher is better, floor, goal); "tg" is tg128, or tg64 for N_GEN_64
 BARS = {
     "tg": (True, 0.5, 1.0),
     "pp512": (True, 1.0, 2.0),
@@ -98,6 +103,8 @@ BARS_1B = {
     "pp512": (True, 1.2, None),
     "peak_rss": (False, 1.0, None),
 }
+# issue 29's MoE shapes (bench/models_moe.py): tg64 and pp512 at least llama.cpp's; RSS reported
+BARS_MOE = {"tg": (True, 1.0, None), "pp512": (True, 1.0, None)}
 PER_TYPE_BAR = 0.9  # tg of each `--pure` type, llamapy / llama.cpp
 # the flags that decide which kernels run (ggml's and llamapy's runtime dispatch)
 SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
@@ -132,6 +139,11 @@ def resolve_models(names: list[str], mpaths: models1b.Paths | None = None,
             out.append(("default", default_model()))
         elif n == "tiny32":
             out.append(("tiny32", TINY32))
+        elif n in models_moe.FILES:
+            try:
+                out.append((n, models_moe.ensure_file(models_moe.FILES[n], (mpaths or models1b.paths()).folder, quantize)))
+            except (RuntimeError, subprocess.SubprocessError, OSError) as e:
+                log(f"{n} left out: {e}")
         elif n == "llama1b":
             mp = mpaths or models1b.paths()
             try:
@@ -398,7 +410,7 @@ def rows_for(res: dict[str, Any]) -> list[list[str]]:
     out = []
     kind = res.get("kind", "tiny32" if "tiny32" in res["model"] else "path")
     # the speed issues set bars for the default model and the 1B shape; tiny32's are reported only
-    bars = {"tiny32": {}, "llama1b": BARS_1B}.get(kind, BARS)
+    bars = {"tiny32": {}, "llama1b": BARS_1B, **dict.fromkeys(models_moe.FILES, BARS_MOE)}.get(kind, BARS)
     spread_key = {"tg": f"tg{n}_tps", "pp512": "pp512_tps"}  # the round ratios of a metric
     for key, label, a, b, spec in metrics:
         r = ratio(a, b)
@@ -595,7 +607,7 @@ def per_type_markdown(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["default", "tiny32", "llama1b"],
-                    help="paths, or 'default' / 'tiny32' / 'llama1b'")  # fmt: skip
+                    help="paths, or 'default' / 'tiny32' / 'llama1b' / 'qwen3moe8' / 'gptoss6'")  # fmt: skip
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-r", "--reps", type=int, default=3, help="repetitions for llama-bench and llamapy bench")
     ap.add_argument("--rounds", type=int, default=1,
@@ -645,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     mpaths = models1b.paths(a.models_dir, a.llama1b, a.llama1b_f16)
     names = [] if a.only_types else a.models
     quantize = None
-    if (types or "llama1b" in names) and not a.no_build:  # after llama.cpp's build, which configures it
+    if (types or {"llama1b", *models_moe.FILES} & set(names)) and not a.no_build:  # after llama.cpp's build, which configures it
         quantize, why = models1b.ensure_quantize(allow_build=True, timeout=a.build_timeout)
         if quantize is None:
             log(f"{why}: only 1B-shape files that exist are used")
@@ -653,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for kind, model in models if not a.only_depth else []:
         log(f"== {model.name}")
-        n_gen = 64 if kind == "llama1b" else 128
+        n_gen = 64 if kind in N_GEN_64 else 128
         res: dict[str, Any] = {"model": model.stem, "path": str(model), "kind": kind, "n_gen": n_gen}
         log(f"llama.cpp: llama-bench (and llama-completion once), llamapy: bench; {a.rounds} round(s)")
         lc, lp, res["round_ratios"] = alternate(  # (called at once: the loop's model and n_gen)
@@ -686,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind, model in models if a.depth > 0 else []:
         for ct in cache_types:
             log(f"== {model.name}: tg after {a.depth} cells, {ct} cache")
-            deep.append(at_depth(model, a.depth, ct, tools, a.threads, a.reps, 64 if kind == "llama1b" else 128,
+            deep.append(at_depth(model, a.depth, ct, tools, a.threads, a.reps, 64 if kind in N_GEN_64 else 128,
                                  a.timeout, a.rounds))  # fmt: skip
     parts = [f"machine: {machine_line(mach)}"]
     if results:

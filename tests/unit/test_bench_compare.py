@@ -1,6 +1,6 @@
-"""bench/compare.py and bench/models1b.py (issue 11 item 7) without measuring anything: the CPU
-flags every output names, the per-type selection and file cache, the 1B shape's rows and bars,
-and the per-type table's computed columns."""
+"""bench/compare.py, bench/models1b.py (issue 11 item 7) and bench/models_moe.py (issue 29)
+without measuring anything: the CPU flags every output names, the per-type selection and file
+cache, the 1B and MoE shapes' rows and bars, and the per-type table's computed columns."""
 
 from __future__ import annotations
 
@@ -86,6 +86,30 @@ def test_the_1b_rows_use_tg64_and_issue_11_bars() -> None:
     apart = cmp.markdown([res]).split("Apart (llamapy):")[1].strip().splitlines()
     assert apart[0].rstrip(" |").endswith("weights a token (MB) | tg eff GB/s: llamapy (of its probe) | llama.cpp")
     assert apart[2].rstrip(" |").endswith("| 500.0 | 4.50 (50 %) | 5.00")
+
+
+def test_moe_files_are_written_quantized_and_measured_on_issue_29_bars(tmp_path: Path) -> None:
+    """models_moe: the F16 source from the writer, then llama-quantize to the shipped type, once;
+    compare: the MoE rows are tg64 with bars of 1.0x on tg and pp."""
+    m = _load("models_moe")
+    assert {f.qtype for f in m.FILES.values()} == {"Q4_K_M", "MXFP4_MOE"}
+    f = m.FILES["gptoss6"]
+    f.f16(tmp_path).write_bytes(b"f16")  # as if written: no 11 GB file in a unit test
+    calls = tmp_path / "calls"
+    tool = tmp_path / "fake-quantize"
+    tool.write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho q > "$2"\n')
+    tool.chmod(0o755)
+    out = m.ensure_file(f, tmp_path, tool, keep_f16=True)
+    assert out == tmp_path / "gptoss6-MXFP4_MOE.gguf" and m.ensure_file(f, tmp_path, tool) == out
+    assert calls.read_text().splitlines() == [f"{f.f16(tmp_path)} {out}.part MXFP4_MOE"]
+    with pytest.raises(RuntimeError, match="llama-quantize"):
+        m.ensure_file(m.FILES["qwen3moe8"], tmp_path, None)
+    cmp = _load("compare")
+    res = {"model": "qwen3moe8-Q4_K_M", "kind": "qwen3moe8", "n_gen": 64,
+           "llamapy": {"tg64_tps": 9.9, "pp512_tps": 100.0}, "llama.cpp": {"tg64_tps": 10.0, "pp512_tps": 100.0}}  # fmt: skip
+    rows = {r[1]: r for r in cmp.rows_for(res)}
+    assert rows["generation tg64 (tok/s)"][6] == "BELOW FLOOR" and rows["prompt pp512 (tok/s)"][6] == "ok (floor met)"
+    assert "qwen3moe8" in cmp.N_GEN_64 and "gptoss6" in cmp.N_GEN_64
 
 
 def test_per_type_table_columns() -> None:

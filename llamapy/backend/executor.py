@@ -1141,10 +1141,11 @@ class _Compiler:
             if len(n.src) > 4:  # the sinks: a weight (H,) f32
                 if not self.target.attn_sinks:
                     raise Refused(f"attention sinks ({n.name}): no kernel takes them here")
-                sk = _leaf_value(n.src[4])
-                if not isinstance(sk, np.ndarray) or sk.dtype != np.float32 or not sk.flags.c_contiguous:
+                sv = self.target.leaf(n.src[4])  # (the target's memory: host or device)
+                sk = self.target.array_loc(sv, self.keep) if sv is not None else None
+                if sk is None or sk.dtype != f32 or not sk.contiguous():
                     raise Refused("attention sinks without an f32 buffer")
-                r[24] = sk.ctypes.data
+                r[24] = sk.addr
             need_f32(q, "attention Q")
             need_f32(mask, "attention mask")
             if not q.contiguous() or len(k.shape) != 3 or k.strides[2] != 1 or v.strides[2] != 1:

@@ -36,7 +36,11 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     1 the weights (T, U), 2 the logits, 3 the ARGSORT's result (T, E); 6 T, 7 E, 8 the logits'
     row stride, 9 the softmax scale, 10 U, 11 / 12 the clamp's bounds (float64 bits);
   * ROPE: the CPU's record, with slot 4 the rope_freqs divisors on the device (0: none) instead of
-    the CPU's table of inverse frequencies, 13 / 14 the frequency base and scale (float64 bits);
+    the CPU's table of inverse frequencies, 13 / 14 the frequency base and scale (float64 bits),
+    15 YaRN's constants on the device (kernels.yarn_table; 0: none; ROPE_QKV's slot 27);
+  * ADD_ID (gpt-oss's expert biases): the CPU's record, slot 3 the bias rows on the device, 11
+    n_expert, 12 their row stride; ATTN's slot 24, the sinks, and the GLU's swiglu_oai slots
+    10-12 are the CPU's;
   * records are WIDTH slots: the CPU's REC (25), and in an ATTN record slot 25 points at the int32
     count of cells attended (0: slot 9 holds it), 26 at the scratch of its split partials, 27
     the number of splits of the cells (the runtime's choice for the shape).
@@ -75,9 +79,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..tensor import Tensor, TensorFlag
-from ..types import LlamapyError, UnsupportedError
-from .executor import (ADD, ARGSORT, ATTN, CLAMP, CPY, DIV, GEGLU, GET_ROWS_F32, MUL, MUL_MAT, MUL_MAT_ID_Q, OP_NAMES, RMS_NORM,
+from ..types import GGMLType, LlamapyError, UnsupportedError
+from .executor import (ADD, ADD_ID, ARGSORT, ATTN, CLAMP, CPY, DIV, GEGLU, GET_ROWS_F32, MUL, MUL_MAT, MUL_MAT_ID_Q, OP_NAMES, RMS_NORM,
                        ROPE, REC, SCALE, SOFT_MAX, SWIGLU, Built, Loc, Refusal, Refused, Target, _Compiler, _Slot, op_counts)
+from .kernels import yarn_table
 
 # The GPU's own record codes (from 33: apart from executor.c's and GEGLU's 32)
 MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV, MUL_MAT_ID_W, MUL_MAT_ID_GLU, ROUTER = 33, 34, 35, 36, 37, 38, 39
@@ -125,7 +130,8 @@ class GPUTarget(Target):
     """The record compiler's view of a device's memory."""
 
     name = "GPU"
-    glu_ops = ("swiglu", "geglu")
+    glu_ops = ("swiglu", "geglu", "swiglu_oai")
+    attn_sinks = True
     fuse_glu = True
     head = HEAD
     width = WIDTH
@@ -134,6 +140,7 @@ class GPUTarget(Target):
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.max_tokens = None  # (a product refuses past rt.max_tokens: its record says why)
+        self.yarn: dict[tuple, int] = {}  # one YaRN table a rope: Q's and K's records share it (ROPE_QKV)
 
     def leaf(self, t: Tensor) -> Any | None:
         r = t.root()
@@ -171,7 +178,7 @@ class GPUTarget(Target):
         self.splits: dict[Tensor, int] = {}
         for st in c.steps:
             if st.code == ATTN:
-                q, _k, v, _m = st.node.src
+                q, _k, v = st.node.src[:3]
                 T, H, _D = q.shape
                 N, Hkv, Dv = v.shape[0], v.shape[1], st.node.shape[-1]
                 self.splits[st.node], nbytes = self.rt.attn_split(T, H, Hkv, N, Dv)
@@ -203,7 +210,7 @@ class GPUTarget(Target):
             r[0], r[1], r[2], r[3] = MUL_MAT_W, dst.addr, xl.addr, blocks
             r[6], r[7], r[8], r[9], r[10], r[11] = n_tok, n_in, xs, qtype, n_out, row_bytes
             if "glu" in st.extra:  # the GLU's result (contiguous rows of n_ff), the product never stored
-                r[0], r[10], r[12] = MUL_MAT_GLU, n_out // 2, int(st.extra["glu"].params.get("op") == "geglu")
+                r[0], r[10], r[12] = MUL_MAT_GLU, n_out // 2, _epilogue(st.extra["glu"])
             return [r]
         if st.code == MUL_MAT_ID_Q:
             if "glu" not in st.extra:
@@ -212,8 +219,10 @@ class GPUTarget(Target):
             up = self._mul_mat_id(c, st.extra["up"], loc, dst=loc(n).addr)
             if up[6:16] != r[6:16]:
                 raise Refused(f"{n.name}: gate and up experts of different layouts")
-            r[0], r[16], r[17] = MUL_MAT_ID_GLU, up[3], int(st.extra["glu"].params.get("op") == "geglu")
+            r[0], r[16], r[17] = MUL_MAT_ID_GLU, up[3], _epilogue(st.extra["glu"])
             return [r]
+        if st.code == ADD_ID:
+            return [self._add_id(c, n, loc)]
         if st.code == GET_ROWS_F32:
             table, ids = n.src
             tv = self.leaf(table) if table.is_leaf else None
@@ -299,9 +308,12 @@ class GPUTarget(Target):
                 or pos.dtype != np.dtype(np.int32) or not pos.contiguous():
             raise Refused("a ROPE layout")
         p = n.params
-        if p.get("yarn"):
-            raise Refused(f"YaRN rope ({n.name}): rope.cu has no YaRN")
         r = [0] * WIDTH
+        if p.get("yarn"):
+            key = (p["n_dims"], p["freq_base"], p["freq_scale"], tuple(p["yarn"]))
+            if key not in self.yarn:
+                self.yarn[key] = c.target.const(yarn_table(*key), c.keep)
+            r[15] = self.yarn[key]
         r[0], r[1], r[2], r[3] = ROPE, loc(n).addr, x.addr, pos.addr
         if len(n.src) > 2:
             f = loc(n.src[2])
@@ -312,6 +324,33 @@ class GPUTarget(Target):
         r[6], r[7], r[8], r[9], r[10], r[11], r[12] = T, H, D, x.strides[0], x.strides[1], p["n_dims"], \
             int(p["mode"] == 2)  # fmt: skip
         r[13], r[14] = _fbits(p["freq_base"]), _fbits(p["freq_scale"])
+        return r
+
+    def _add_id(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc]) -> list[int]:
+        """ADD_ID: the shared record's layout over the bias rows on the device (a float32 matrix
+        of n_expert rows)."""
+        a, ids = loc(n.src[0]), loc(n.src[2])
+        bv = self.leaf(n.src[1]) if n.src[1].is_leaf else None
+        if bv is None:
+            raise Refused(f"ADD_ID {n.name}: biases that are not a weight")
+        n_expert, M = n.src[1].shape
+        try:
+            bl = self.array_loc(bv, c.keep)
+            if bl.dtype != np.dtype(np.float32) or bl.strides[-1] != 1:
+                raise Refused(f"ADD_ID {n.name}: biases of type {bl.dtype}")
+            b, sb = bl.addr, bl.strides[0]
+        except Refused:
+            b, qtype, _n_out, _n_in, row_bytes = self.rt.weight(bv)
+            c.keep.append(bv)
+            if qtype != int(GGMLType.F32):
+                raise Refused(f"ADD_ID {n.name}: biases of type {GGMLType(qtype).name}") from None
+            sb = row_bytes // 4
+        if a.dtype != np.dtype(np.float32) or ids.dtype != np.dtype(np.int32) or ids.strides[-1] != 1:
+            raise Refused(f"ADD_ID {n.name}: a layout")
+        rows, cols, sa = a.rows()
+        r = [0] * WIDTH
+        r[0], r[1], r[2], r[3], r[4] = ADD_ID, loc(n).addr, a.addr, b, ids.addr
+        r[6], r[7], r[8], r[9], r[10], r[11], r[12] = rows, cols, sa, n.shape[1], ids.strides[0], n_expert, sb
         return r
 
     def finish(self, c: _Compiler, recs: list[list[int]], masks: list[tuple[Tensor, _Slot, np.ndarray]],
@@ -440,7 +479,7 @@ def _dead_after(recs: list[list[int]], k0: int, lo: int, hi: int, exports: list[
     return not any(a < hi and lo < b for a, b in exports)
 
 
-_ROWS_OUT = frozenset({ADD, MUL, DIV, SCALE, CPY, SWIGLU, GEGLU, SOFT_MAX, CLAMP, ARGSORT})
+_ROWS_OUT = frozenset({ADD, MUL, DIV, SCALE, CPY, SWIGLU, GEGLU, SOFT_MAX, CLAMP, ARGSORT, ADD_ID})
 
 
 def _written(r: list[int]) -> int:
@@ -466,7 +505,7 @@ def _fuse_rope_qkv(recs: list[list[int]], exports: list[tuple[int, int]]) -> lis
         T, H, D, Hkv = q[6], q[7], q[8], k[7]
         ok = (q[0], k[0], sk[0], sv[0]) == (ROPE, ROPE, SET_ROWS, SET_ROWS) and sk[4] == k[1] \
             and (T == 1 or q[9] == k[9] == sv[8]) and q[10] == k[10] == D and k[8] == D and k[6] == T \
-            and q[3] == k[3] and q[11:15] == k[11:15] and q[4] == k[4] and sk[3] == sv[3] and sk[9] == sv[9] \
+            and q[3] == k[3] and q[11:16] == k[11:16] and q[4] == k[4] and sk[3] == sv[3] and sk[9] == sv[9] \
             and sk[6] == sv[6] == T and sk[7] == Hkv * D and sv[7] % Hkv == 0 \
             and _dead_after(recs, i + 4, k[1], k[1] + 4 * T * Hkv * D, exports)
         if not ok:
@@ -478,7 +517,7 @@ def _fuse_rope_qkv(recs: list[list[int]], exports: list[tuple[int, int]]) -> lis
         r[6], r[7], r[8], r[9], r[11], r[12], r[13], r[14] = T, H, D, q[9], q[11], q[12], q[13], q[14]
         r[15], r[16], r[17], r[18] = Hkv, sv[7] // Hkv, q[4], sk[9]
         r[19], r[20], r[21], r[22] = sk[1], sk[10], sk[11], sk[12]
-        r[23], r[24], r[25], r[26] = sv[1], sv[10], sv[11], sv[12]
+        r[23], r[24], r[25], r[26], r[27] = sv[1], sv[10], sv[11], sv[12], q[15]
         out.append(r)
         i += 4
     return out
@@ -533,6 +572,15 @@ def _minus(r: tuple[int, int], cut: list[tuple[int, int]]) -> list[tuple[int, in
     for c0, c1 in cut:
         parts = [q for lo, hi in parts for q in ((lo, min(hi, c0)), (max(lo, c1), hi)) if q[0] < q[1]]
     return parts
+
+
+def _epilogue(glu: Tensor) -> int:
+    """A product's GLU epilogue code (0 SwiGLU, 1 GEGLU); swiglu_oai has none here (gpt-oss's
+    experts are biased: ADD_ID comes between the products and their GLU, so it never fuses)."""
+    op = glu.params.get("op")
+    if op not in ("swiglu", "geglu"):
+        raise Refused(f"a product with a {op} epilogue")
+    return int(op == "geglu")
 
 
 def _fbits(x: float) -> int:

@@ -1,4 +1,5 @@
-// GLU: SWIGLU and GEGLU, act(gate) * up (ggml-cuda unary.cu's swiglu / geglu kernels). Launched
+// GLU: SWIGLU, GEGLU and SWIGLU_OAI, act(gate) * up (ggml-cuda unary.cu's swiglu / geglu /
+// swiglu_oai kernels). Launched
 // by llamapy/backend/cuda_ops.py (`glu`); the numpy reference is kernels.py's glu and gelu.
 //
 // gate and up are separate row-strided operands, so the halves of a fused gate_up product
@@ -23,4 +24,18 @@ extern "C" __global__ void geglu_f32(const float* g, long long sg, const float* 
     if (i >= n) return;
     const long long r = blockIdx.y;
     y[r * sy + i] = __fmul_rn(gelu_f16(g[r * sg + i]), u[r * su + i]);
+}
+
+// SWIGLU_OAI (gpt-oss's clamped SwiGLU, ggml's swiglu_oai; kernels.glu): x = min(g, limit),
+// y = clamp(u, -limit, limit), x / (1 + exp(alpha * -x)) * (y + 1), each operation rounded to
+// float32 in the reference's order (expf within 2 ulp of numpy's).
+extern "C" __global__ void swiglu_oai_f32(const float* g, long long sg, const float* u, long long su,
+                                          float* y, long long sy, int n, float alpha, float limit) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const long long r = blockIdx.y;
+    const float x = fminf(g[r * sg + i], limit);
+    const float up = fminf(fmaxf(u[r * su + i], -limit), limit);
+    const float sig = __fdiv_rn(x, __fadd_rn(1.0f, expf(__fmul_rn(alpha, -x))));
+    y[r * sy + i] = __fmul_rn(sig, __fadd_rn(up, 1.0f));
 }

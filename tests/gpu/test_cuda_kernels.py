@@ -836,3 +836,111 @@ def test_decode_layer_from_kernels(env: Env) -> None:
     got_k = env.get(dv["kc"])
     assert np.array_equal(np.delete(got_k, n_past, 0), np.delete(kc0, n_past, 0))  # one cell written
     np.testing.assert_allclose(got_k[n_past].astype(np.float32), kc[n_past].astype(np.float32), rtol=2e-3, atol=1e-3)
+
+
+# --- gpt-oss's ops: YaRN rope, attention sinks, swiglu_oai, ADD_ID ------------------------------
+
+# gpt-oss's: original context 4096, factor 32 (freq_scale 1/32), attn_factor as llama.cpp sets it
+_YARN = (4096.0, 1.0, float(np.float32(1.0 / (1.0 + 0.1 * np.log(32.0)))), 32.0, 1.0)
+
+
+@pytest.mark.parametrize("mode", [0, 2])
+@pytest.mark.parametrize("ext", [1.0, 0.0], ids=["ramp", "no-ramp"])
+def test_rope_yarn(env: Env, mode: int, ext: float) -> None:
+    """YaRN (rope.cu's ramp between the correction dims and the cos/sin factor), alone and with
+    the K store (rope_qkv's blocks are the same code): the reference's angles."""
+    from llamapy.backend.kernels import yarn_table
+
+    T, H, D, n_dims, base, fs = 5, 3, 64, 64, 150000.0, 1.0 / 32
+    yarn = (_YARN[0], ext, *_YARN[2:])
+    xa = randn(T, H, D)
+    x, pos = t("x", (T, H, D)), t("pos", (T,), G.I32)
+    ref = reference(ops.rope(x, pos, n_dims, base, fs, None, mode=mode, yarn=yarn), [xa, POS[:T]])
+    xd, posd, yd = env.d(xa), env.d(POS), env.d(yarn_table(n_dims, base, fs, yarn))
+    y = env.full((T, H, D), np.nan, np.float32)
+    env.run(lambda st: env.k.rope(st, env.p(xd), H * D, D, env.p(y), H * D, D, T, H, D, pos=env.p(posd), n_dims=n_dims,
+                                  mode=mode, freq_base=base, freq_scale=fs, yarn=env.p(yd)))  # fmt: skip
+    got = env.get(y)
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
+    assert np.mean(got == ref) > 0.95, f"only {np.mean(got == ref):.4f} of the values are the reference's bits"
+    # Q, K and V of one product in one launch (rope_qkv): Q and K with the same YaRN angles
+    qkv = randn(T, 3 * H * D)
+    qd, qo = env.d(qkv), env.full((T, H * D), np.nan, np.float32)
+    ids = env.d(np.arange(T, dtype=np.int64))
+    kc, vc = env.zeros((T, H * D), np.float32), env.zeros((T, H * D), np.float32)
+    env.run(lambda st: env.k.rope_qkv(
+        st, env.p(qd), env.p(qd) + 4 * H * D, env.p(qd) + 8 * H * D, 3 * H * D, env.p(qo), H * D, T, H, H, D, D,
+        pos=env.p(posd), n_dims=n_dims, mode=mode, freq_base=base, freq_scale=fs, ids=env.p(ids), n_cells=T,
+        k_type=G.F32, k_cache=env.p(kc), k_rb=4 * H * D, v_type=G.F32, v_cache=env.p(vc), v_rb=4 * H * D,
+        yarn=env.p(yd)))  # fmt: skip
+    for part, out in ((0, qo), (1, kc)):
+        r = reference(ops.rope(x, pos, n_dims, base, fs, None, mode=mode, yarn=yarn),
+                      [np.ascontiguousarray(qkv[:, part * H * D:(part + 1) * H * D]).reshape(T, H, D), POS[:T]])
+        np.testing.assert_allclose(env.get(out).reshape(T, H, D), r, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(env.get(vc), qkv[:, 2 * H * D:])
+
+
+@pytest.mark.parametrize("split", ["one", "split"])
+@pytest.mark.parametrize("kt", [G.F16, G.Q8_0])
+def test_flash_attn_ext_sinks(env: Env, split: str, kt: G) -> None:
+    """gpt-oss's sinks: one logit a query head in each softmax's maximum and denominator, once
+    whether the cells are split or not; large sinks (most of the mass) and small ones, GQA, a
+    masked-off tile (a sliding window's past)."""
+    T, H, Hkv, D, N, n_kv = 2, 8, 2, 64, 256, 200
+    q, kf, vf = randn(T, H, D), randn(N, Hkv, D), randn(N, Hkv, D)
+    kv_k, kv_v = _cache_values(kf, kt, 0), _cache_values(vf, kt, 0)
+    mask = np.zeros((T, n_kv), np.float32)
+    mask[:, :70] = -np.inf  # the window's past: whole tiles hidden
+    sinks = np.array([-3.0, 0.0, 2.0, 8.0, 30.0, -30.0, 1.5, 4.0], np.float32)
+    tk, tv = Tensor("k", (N, Hkv, D), kt), Tensor("v", (N, Hkv, D), kt)
+    node = ops.flash_attn_ext(t("q", (T, H, D)), tk, tv, t("m", (T, N)), sinks=t("s", (H,)))
+    ref = np.asarray(reference(node, [q, kv_k, kv_v, mask, sinks]))
+    no_sinks = np.asarray(reference(ops.flash_attn_ext(t("q", (T, H, D)), tk, tv, t("m", (T, N))), [q, kv_k, kv_v, mask]))
+    assert np.abs(ref - no_sinks).max() > 0.1  # (the sinks matter in this case)
+    s = 1 if split == "one" else fattn_splits(T, Hkv, N, env.k.n_sm)
+    assert (s > 1) == (split == "split")
+    scratch = env.zeros(max(1, fattn_scratch_floats(T, H, D, s)), np.float32)
+    qd, kd, vd, md, sd = env.d(q), env.d(kv_k), env.d(kv_v), env.d(mask), env.d(sinks)
+    out = env.full((T, H, D), np.nan, np.float32)
+    env.run(lambda st: env.k.flash_attn_ext(
+        st, env.p(qd), H * D, D, kt, env.p(kd), kv_k.strides[0], kv_k.strides[1], kt, env.p(vd), kv_v.strides[0],
+        kv_v.strides[1], N, env.p(md), 0, env.p(out), H * D, D, T, H, Hkv, D, D, node.params["scale"], n_kv=n_kv,
+        n_splits=s, scratch=env.p(scratch), sinks=env.p(sd)))  # fmt: skip
+    np.testing.assert_allclose(env.get(out), ref, rtol=1e-4, atol=2e-6)
+
+
+def test_swiglu_oai(env: Env) -> None:
+    """glu.cu's clamped SwiGLU (gpt-oss's alpha 1.702, limit 7) against kernels.glu: values past
+    the limit on both sides, strided gate and up."""
+    T, F = 4, 300
+    gu = randn(T, 2 * F) * 6
+    gu[0, :6] = [-100.0, 100.0, 7.0, -7.0, 7.5, -7.5]
+    gu[0, F:F + 6] = [-100.0, 100.0, 7.0, -7.0, 7.5, -7.5]
+    g, u = t("g", (T, F)), t("u", (T, F))
+    node = ops.glu(g, u, "swiglu_oai", alpha=1.702, limit=7.0)
+    ref = reference(node, [np.ascontiguousarray(gu[:, :F]), np.ascontiguousarray(gu[:, F:])])
+    gud = env.d(gu)
+    y = env.full((T, F), np.nan, np.float32)
+    env.run(lambda st: env.k.glu(st, "swiglu_oai", env.p(gud), 2 * F, env.p(gud) + 4 * F, 2 * F, env.p(y), F, T, F,
+                                 alpha=1.702, limit=7.0))  # fmt: skip
+    np.testing.assert_allclose(env.get(y), ref, rtol=1e-6, atol=1e-37)  # expf within 2 ulp of numpy's
+
+
+def test_add_id(env: Env) -> None:
+    """moe.cu's ADD_ID: each (token, slot)'s expert bias row by its id (strided ids and input),
+    in place; an id out of range gives NaN."""
+    T, U, M, E = 3, 2, 40, 5
+    a = randn(T * U, M + 8)
+    b = randn(E, M)
+    ids = np.array([[3, 1, 9], [0, 4, 9], [4, 3, 9]], np.int32)  # column 2: padding (a strided id row)
+    node = ops.add_id(t("a", (T, U, M)), t("b", (E, M)), t("i", (T, U), G.I32))
+    ref = reference(node, [np.ascontiguousarray(a[:, :M]).reshape(T, U, M), b, np.ascontiguousarray(ids[:, :U])])
+    ad, bd, idd = env.d(a), env.d(b), env.d(ids)
+    y = env.full((T * U, M), np.nan, np.float32)
+    env.run(lambda st: env.k.add_id(st, env.p(ad), M + 8, env.p(bd), M, E, env.p(idd), 3, env.p(y), M, T * U, M, U))
+    np.testing.assert_array_equal(env.get(y), ref.reshape(T * U, M))
+    ids[1, 1] = 5  # out of range
+    idd = env.d(ids)
+    env.run(lambda st: env.k.add_id(st, env.p(ad), M + 8, env.p(bd), M, E, env.p(idd), 3, env.p(ad), M + 8, T * U, M, U))
+    got = env.get(ad)[:, :M]
+    assert np.all(np.isnan(got[3])) and np.array_equal(np.delete(got, 3, 0), np.delete(ref.reshape(T * U, M), 3, 0))

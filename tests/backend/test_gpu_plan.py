@@ -861,6 +861,8 @@ def test_moe_through_the_scheduler_on_test_devices(tmp_path: Path, monkeypatch: 
     assert made and all(not p.direct for p in made)
     ids = [int((p.recs[:, 0] == MUL_MAT_ID_W).sum() + 2 * (p.recs[:, 0] == MUL_MAT_ID_GLU).sum()) for p in made]
     n_layer = 2
+    if case == "tiny-gptoss":  # its own ops in the GPU plans (layer 1's experts at --n-cpu-moe 1)
+        assert _gptoss_records(made) == {"yarn", "sinks", "swiglu_oai", "add_id"}
     if where == "ngl-all":
         assert max(ids) == 3 * n_layer  # every expert product in the one plan of a step
     else:

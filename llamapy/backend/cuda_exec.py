@@ -383,10 +383,14 @@ def _get_rows_b(rt: CUDARuntime, rec: np.ndarray) -> Launch:
 
 
 def _mul_mat_id_w(rt: CUDARuntime, rec: np.ndarray) -> Launch:
-    """MUL_MAT_ID_W, and MUL_MAT_ID_GLU (the up experts in slot 16, the GLU in 17)."""
+    """MUL_MAT_ID_W, and MUL_MAT_ID_GLU (the up experts in slot 16, the GLU in 17); the expert
+    biases fused (gpu_plan's _fuse_expert_bias: 18 / 20 the gate's / up's, 19 their row stride,
+    21 / 22 swiglu_oai's alpha / limit)."""
     r, ops, st = _i(rec), rt.ops, rt.dev.stream
     qtype = GGMLType(r[9])
-    kw = dict(w2=r[16], glu=("swiglu", "geglu")[r[17]]) if r[0] == MUL_MAT_ID_GLU else {}
+    kw: dict[str, Any] = dict(b=r[18], sb=r[19])
+    if r[0] == MUL_MAT_ID_GLU:
+        kw.update(w2=r[16], glu=("swiglu", "geglu", "swiglu_oai")[r[17]], b2=r[20], alpha=_f(r[21]), limit=_f(r[22]))
     return lambda: ops.mul_mat_id(st, qtype, r[3], r[11], r[12], r[8], r[10], r[2], r[13], r[14], r[4], r[15], r[1],
                                   r[6], r[7], **kw)  # fmt: skip
 

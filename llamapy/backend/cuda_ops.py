@@ -408,18 +408,23 @@ class CudaKernels:
 
     def mul_mat_id(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_expert: int, m: int, n_in: int,
                    x: int, sxt: int, sxu: int, ids: int, sid: int, y: int, n_tok: int, n_used: int, *, w2: int = 0,
-                   glu: str = "swiglu") -> None:
+                   glu: str = "swiglu", b: int = 0, b2: int = 0, sb: int = 0, alpha: float = 0.0,
+                   limit: float = 0.0) -> None:
         """MUL_MAT_ID for up to MMV_MAX_TOKENS tokens: y (n_tok, n_used, m) = for each token t and
         slot u, expert ids[t * sid + u] (int32, on the device) of the stacked matrix w (n_expert
         experts of m rows of row_bytes) times x's row t * sxt + u * sxu (float32 elements; sxu 0:
         one row a token), the fused dequantize + matrix-vector kernel of `qtype` (mmv_id_<type>):
         each chosen expert's rows read once for every pair that chose it. `w2`: the up experts
-        (w the gate ones), y = glu(gate, up) ("swiglu" / "geglu") as the products' epilogue."""
+        (w the gate ones), y = glu(gate, up) ("swiglu" / "geglu" / "swiglu_oai" with `alpha` and
+        `limit`) as the products' epilogue. `b` / `b2`: float32 bias rows of w's / w2's experts
+        (n_expert rows sb apart: ADD_ID, gpt-oss), added to each sum before the GLU."""
         qtype = GGMLType(qtype)
         if qtype not in WEIGHT_SUFFIX:
             raise UnsupportedError(f"CUDA: MUL_MAT_ID of {qtype.name}")
-        if glu not in ("swiglu", "geglu"):
+        if glu not in ("swiglu", "geglu", "swiglu_oai"):
             raise UnsupportedError(f"CUDA: GLU op {glu!r}")
+        if (b or b2) and sb < m:
+            raise UnsupportedError(f"CUDA: expert bias rows {sb} apart for {m} outputs")
         if not 0 < n_tok <= MMV_MAX_TOKENS or n_in % 32 or n_in % block_size(qtype)[0] or x % 16 or sxt % 4 \
                 or sxu % 4:
             raise UnsupportedError(f"CUDA: {qtype.name} MUL_MAT_ID of {n_tok} tokens of {n_in} (x at {x:#x}, "
@@ -428,7 +433,8 @@ class CudaKernels:
             return
         args = (_p(w), _p(w2), np.int64(m * row_bytes), np.int32(n_expert), _p(x), np.int64(sxt), np.int64(sxu),
                 _p(ids), np.int64(sid), _p(y), np.int32(m), np.int32(n_in), np.int64(row_bytes), np.int32(n_tok),
-                np.int32(n_used), np.int32(0 if glu == "swiglu" else 1))  # fmt: skip
+                np.int32(n_used), np.int32(("swiglu", "geglu", "swiglu_oai").index(glu)), _p(b), _p(b2 if w2 else 0),
+                np.int64(sb), np.float32(alpha), np.float32(limit))  # fmt: skip
         grid = (_cdiv(m, MMV_ROWS_PER_BLOCK), n_tok * n_used)
         self._launch(f"mmv_id_{WEIGHT_SUFFIX[qtype][1]}", grid, 32 * MMV_ROWS_PER_BLOCK, args, stream)
 

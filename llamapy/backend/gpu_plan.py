@@ -29,7 +29,10 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
   * MUL_MAT_ID_GLU: the gate and up expert products of one input with the GLU after them as one
     launch (the compiler's step `_fuse_mul_mat_id_glu`, so the allocator places the GLU's result
     apart from the products' input): MUL_MAT_ID_W's slots for the gate experts, 1 the GLU's
-    result, 16 the up experts' blocks, 17 the GLU (0 SwiGLU, 1 GEGLU);
+    result, 16 the up experts' blocks, 17 the GLU (0 SwiGLU, 1 GEGLU, 2 swiglu_oai); with the
+    experts' biases (gpt-oss: the compiler's `_fuse_mul_mat_id_bias` folds each ADD_ID into its
+    product's step, `fuse_bias`), 18 / 20 the gate's / up's bias rows, 19 their row stride, 21 /
+    22 swiglu_oai's alpha / limit (float64 bits) — a biased MUL_MAT_ID_W's slots 18 / 19 alike;
   * the router (SOFT_MAX, ARGSORT, the batched GET_ROWS, SUM_ROWS, CLAMP, DIV and MUL by one value
     a row): the CPU's records, launched as moe.cu's kernels; ROUTER: the chain SOFT_MAX .. DIV
     of build_moe_ffn's normalised weights as one launch (`_fuse_router`, moe.cu's router_f32):
@@ -133,6 +136,7 @@ class GPUTarget(Target):
     glu_ops = ("swiglu", "geglu", "swiglu_oai")
     attn_sinks = True
     fuse_glu = True
+    fuse_bias = True
     head = HEAD
     width = WIDTH
     addr_slots = ((COUNT, ATTN), (10, ROPE_QKV))
@@ -214,12 +218,26 @@ class GPUTarget(Target):
             return [r]
         if st.code == MUL_MAT_ID_Q:
             if "glu" not in st.extra:
-                return [self._mul_mat_id(c, n, loc)]
+                r = self._mul_mat_id(c, st.extra.get("mm", n), loc, dst=loc(n).addr)
+                if "bias" in st.extra:  # the ADD_ID after it as its epilogue
+                    r[18], r[19] = self._bias_rows(c, st.extra["bias"])
+                return [r]
             r = self._mul_mat_id(c, st.extra["gate"], loc, dst=loc(n).addr)
             up = self._mul_mat_id(c, st.extra["up"], loc, dst=loc(n).addr)
             if up[6:16] != r[6:16]:
                 raise Refused(f"{n.name}: gate and up experts of different layouts")
-            r[0], r[16], r[17] = MUL_MAT_ID_GLU, up[3], _epilogue(st.extra["glu"])
+            glu = st.extra["glu"]
+            r[0], r[16], r[17] = MUL_MAT_ID_GLU, up[3], _epilogue(glu, ids=True)
+            if r[17] == 2:
+                r[21], r[22] = _fbits(glu.params["alpha"]), _fbits(glu.params["limit"])
+            strides = set()
+            for k, slot in (("gate_bias", 18), ("up_bias", 20)):
+                if k in st.extra:
+                    r[slot], sb = self._bias_rows(c, st.extra[k])
+                    strides.add(sb)
+            if len(strides) > 1:
+                raise Refused(f"{n.name}: gate and up biases of different layouts")
+            r[19] = strides.pop() if strides else 0
             return [r]
         if st.code == ADD_ID:
             return [self._add_id(c, n, loc)]
@@ -326,25 +344,29 @@ class GPUTarget(Target):
         r[13], r[14] = _fbits(p["freq_base"]), _fbits(p["freq_scale"])
         return r
 
-    def _add_id(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc]) -> list[int]:
-        """ADD_ID: the shared record's layout over the bias rows on the device (a float32 matrix
-        of n_expert rows)."""
-        a, ids = loc(n.src[0]), loc(n.src[2])
+    def _bias_rows(self, c: _Compiler, n: Tensor) -> tuple[int, int]:
+        """An ADD_ID's bias rows on the device (a float32 matrix of n_expert rows): (address,
+        row stride in floats)."""
         bv = self.leaf(n.src[1]) if n.src[1].is_leaf else None
         if bv is None:
             raise Refused(f"ADD_ID {n.name}: biases that are not a weight")
-        n_expert, M = n.src[1].shape
         try:
             bl = self.array_loc(bv, c.keep)
             if bl.dtype != np.dtype(np.float32) or bl.strides[-1] != 1:
                 raise Refused(f"ADD_ID {n.name}: biases of type {bl.dtype}")
-            b, sb = bl.addr, bl.strides[0]
+            return bl.addr, bl.strides[0]
         except Refused:
             b, qtype, _n_out, _n_in, row_bytes = self.rt.weight(bv)
             c.keep.append(bv)
             if qtype != int(GGMLType.F32):
                 raise Refused(f"ADD_ID {n.name}: biases of type {GGMLType(qtype).name}") from None
-            sb = row_bytes // 4
+            return b, row_bytes // 4
+
+    def _add_id(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc]) -> list[int]:
+        """ADD_ID: the shared record's layout over the bias rows on the device."""
+        a, ids = loc(n.src[0]), loc(n.src[2])
+        n_expert = n.src[1].shape[0]
+        b, sb = self._bias_rows(c, n)
         if a.dtype != np.dtype(np.float32) or ids.dtype != np.dtype(np.int32) or ids.strides[-1] != 1:
             raise Refused(f"ADD_ID {n.name}: a layout")
         rows, cols, sa = a.rows()
@@ -574,13 +596,13 @@ def _minus(r: tuple[int, int], cut: list[tuple[int, int]]) -> list[tuple[int, in
     return parts
 
 
-def _epilogue(glu: Tensor) -> int:
-    """A product's GLU epilogue code (0 SwiGLU, 1 GEGLU); swiglu_oai has none here (gpt-oss's
-    experts are biased: ADD_ID comes between the products and their GLU, so it never fuses)."""
+def _epilogue(glu: Tensor, ids: bool = False) -> int:
+    """A product's GLU epilogue code: 0 SwiGLU, 1 GEGLU, 2 swiglu_oai (the expert products'
+    only: mmv_id's epilogue has it, mmv_glu's not — no dense gpt-oss FFN)."""
     op = glu.params.get("op")
-    if op not in ("swiglu", "geglu"):
+    if op not in ("swiglu", "geglu", "swiglu_oai") or (op == "swiglu_oai" and not ids):
         raise Refused(f"a product with a {op} epilogue")
-    return int(op == "geglu")
+    return ("swiglu", "geglu", "swiglu_oai").index(str(op))
 
 
 def _fbits(x: float) -> int:

@@ -150,10 +150,17 @@ class FakeRuntime(HostRuntime):
                     m[[0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14]] = MUL_MAT_ID_Q, out, w, self.scratch.ctypes.data, \
                         r[4], qtype, n_exp, M, row_bytes, n_in, X, sid, T_, U
                     recs.append(m)
+                for out, b in zip(outs, (r[18], r[20])):  # the experts' biases fused: ADD_ID in place
+                    if b:
+                        assert r[19] == M  # (executor.c's bias rows: M apart)
+                        a = np.zeros(REC, np.int64)
+                        a[[0, 1, 2, 3, 4, 6, 7, 8, 9, 10]] = ADD_ID, out, out, b, r[4], T_ * U, M, M, U, sid
+                        recs.append(a)
                 if code == MUL_MAT_ID_GLU:
-                    assert not r[17]  # (SwiGLU experts: executor.c's GLU)
+                    assert r[17] in (0, 2)  # (SwiGLU or swiglu_oai experts: executor.c's GLU)
                     sw = np.zeros(REC, np.int64)
-                    sw[[0, 1, 2, 3, 6, 7, 8, 9]] = SWIGLU, r[1], outs[0], outs[1], T_ * U, M, M, M
+                    sw[[0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 12]] = SWIGLU, r[1], outs[0], outs[1], T_ * U, M, M, M, \
+                        int(r[17] == 2), r[21], r[22]
                     recs.append(sw)
                 run(recs)
             elif code == ROUTER:  # the six records it stands for, over buffers of this runtime's
@@ -862,7 +869,7 @@ def test_moe_through_the_scheduler_on_test_devices(tmp_path: Path, monkeypatch: 
     ids = [int((p.recs[:, 0] == MUL_MAT_ID_W).sum() + 2 * (p.recs[:, 0] == MUL_MAT_ID_GLU).sum()) for p in made]
     n_layer = 2
     if case == "tiny-gptoss":  # its own ops in the GPU plans (layer 1's experts at --n-cpu-moe 1)
-        assert _gptoss_records(made) == {"yarn", "sinks", "swiglu_oai", "add_id"}
+        assert _gptoss_records(made) == _GPTOSS_FUSED
     if where == "ngl-all":
         assert max(ids) == 3 * n_layer  # every expert product in the one plan of a step
     else:
@@ -924,6 +931,12 @@ def _gptoss_model(tmp_path: Path, exp_qtype: T = T.MXFP4) -> Path:
     return write_gptoss_gguf(tmp_path / "gptoss.gguf", qtype=T.Q8_0, exp_qtype=exp_qtype)
 
 
+# gpt-oss's own ops in its plans: the experts' biases and clamped SwiGLU as the expert products'
+# epilogue (the compiler's fuse_bias), or as ADD_ID and GLU records of their own (without it)
+_GPTOSS_FUSED = {"yarn", "sinks", "bias epilogue", "swiglu_oai epilogue"}
+_GPTOSS_UNFUSED = {"yarn", "sinks", "add_id", "swiglu_oai"}
+
+
 def _gptoss_records(made: list[GPUPlan]) -> set[str]:
     """What gpt-oss's own ops became in the plans: YaRN ropes, sinks, swiglu_oai, ADD_ID."""
     seen = set()
@@ -934,14 +947,20 @@ def _gptoss_records(made: list[GPUPlan]) -> set[str]:
             seen |= {"sinks"} if code == ATTN and r[24] else set()
             seen |= {"swiglu_oai"} if code == SWIGLU and r[10] else set()
             seen |= {"add_id"} if code == ADD_ID else set()
+            seen |= {"bias epilogue"} if code in (MUL_MAT_ID_W, MUL_MAT_ID_GLU) and r[18] else set()
+            seen |= {"swiglu_oai epilogue"} if code == MUL_MAT_ID_GLU and r[17] == 2 else set()
     return seen
 
 
-def test_gptoss_gpu_plan_gives_the_cpu_executors_logits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["epilogues", "records"])
+def test_gptoss_gpu_plan_gives_the_cpu_executors_logits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        fused: bool) -> None:
     """gpt-oss (YaRN rope, attention sinks, sliding-window layers, biased experts in MXFP4, the
     clamped SwiGLU, top-k then softmax routing) as one GPU plan a step: no split refused, the
-    records of its own ops made, and the CPU executor's logits bit for bit (launches through
-    executor.c's records)."""
+    records of its own ops made (the biases and the GLU as the expert products' epilogue, or,
+    without that fusion, as records of their own), and the CPU executor's logits bit for bit
+    (launches through executor.c's records)."""
+    monkeypatch.setattr(gpu_plan.GPUTarget, "fuse_bias", fused)
     model = Model(_gptoss_model(tmp_path))
     ref = Context(model, ContextOptions(n_ctx=256, n_threads=1))
     want = _moe_decode(ref, _MOE_STEPS)
@@ -960,15 +979,22 @@ def test_gptoss_gpu_plan_gives_the_cpu_executors_logits(tmp_path: Path, monkeypa
         np.testing.assert_array_equal(a, b, err_msg=f"step {i}")
     assert not refusals, refusals
     assert made and all(not p.direct and p.n_captures == 1 for p in made)
-    assert _gptoss_records(made) == {"yarn", "sinks", "swiglu_oai", "add_id"}
+    assert _gptoss_records(made) == (_GPTOSS_FUSED if fused else _GPTOSS_UNFUSED)
+    if fused:  # every layer's gate/up experts, their biases and GLU one launch; down and its bias one
+        for p in made:
+            assert (p.recs[:, 0] == MUL_MAT_ID_GLU).sum() == 2 and (p.recs[:, 0] == MUL_MAT_ID_W).sum() == 2, p.summary()
     assert all(len(p.built.masks) == 2 for p in made if (p.recs[:, 0] == ATTN).any())  # full and sliding window
     model.free()
 
 
-def test_gptoss_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, emu_functions: Any) -> None:
+@pytest.mark.parametrize("fused", [True, pytest.param(False, marks=_SLOW)], ids=["epilogues", "records"])
+def test_gptoss_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, emu_functions: Any,
+                                     fused: bool) -> None:
     """gpt-oss's decode through the real kernels on the CPU emulator (rope.cu's YaRN, fattn.cu's
-    sinks, glu.cu's swiglu_oai, moe.cu's add_id, the MXFP4 mmv_id): the float32 CPU path's
-    logits within float32 noise, the same greedy tokens."""
+    sinks, the MXFP4 mmv_id with the biases and swiglu_oai as its epilogue — or glu.cu's
+    swiglu_oai and moe.cu's add_id without that fusion): the float32 CPU path's logits within
+    float32 noise, the same greedy tokens."""
+    monkeypatch.setattr(gpu_plan.GPUTarget, "fuse_bias", fused)
     path = _gptoss_model(tmp_path)
     ref_model = Model(path, context_options=ContextOptions(cpu_matmul="f32"))
     model = Model(path)
@@ -980,7 +1006,7 @@ def test_gptoss_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytest.MonkeyP
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * float(np.abs(b).max()), err_msg=f"step {i}")
         assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {i}"
     assert made and all(not p.direct for p in made)
-    assert _gptoss_records(made) == {"yarn", "sinks", "swiglu_oai", "add_id"}
+    assert _gptoss_records(made) == (_GPTOSS_FUSED if fused else _GPTOSS_UNFUSED)
     model.free()
     ref_model.free()
 

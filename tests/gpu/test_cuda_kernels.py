@@ -609,10 +609,11 @@ def test_mul_mat_id(env: Env, name: str, shared: bool) -> None:
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()))
 
 
-@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+@pytest.mark.parametrize("op", ["swiglu", "geglu", "swiglu_oai"])
 def test_mul_mat_id_glu_epilogue(env: Env, op: str) -> None:
     """gate and up experts with the GLU as epilogue: the bits of the two products, then glu; an
-    expert id out of range gives NaN rows, nothing read."""
+    expert id out of range gives NaN rows, nothing read. swiglu_oai (gpt-oss) with the experts'
+    biases too: the bits of the products, add_id of each, then glu."""
     raw_g, ids, x = _moe_case("Q4_K")
     raw_u = np.ascontiguousarray(random_rows("Q4_K", raw_g.shape[0], 256, np.random.default_rng(9)))
     (T, U), n_in, m = ids.shape, 256, 72
@@ -622,18 +623,46 @@ def test_mul_mat_id_glu_epilogue(env: Env, op: str) -> None:
     gd, ud, xd, idd = env.d(raw_g), env.d(raw_u), env.d(x), env.d(ids)
     g, u = env.full((T, U, m), np.nan, np.float32), env.full((T, U, m), np.nan, np.float32)
     sep, fused = env.full((T, U, m), np.nan, np.float32), env.full((T, U, m), np.nan, np.float32)
+    oai = op == "swiglu_oai"
+    kw: dict[str, Any] = dict(alpha=1.702, limit=7.0) if oai else {}
+    bg, bu = env.d(randn(5, m + 3) * 4), env.d(randn(5, m + 3) * 4)  # bias rows m + 3 apart
 
     def separate(st: Any) -> None:
         env.k.mul_mat_id(st, G.Q4_K, env.p(gd), rb, 5, m, n_in, env.p(xd), n_in, 0, env.p(idd), U, env.p(g), T, U)
         env.k.mul_mat_id(st, G.Q4_K, env.p(ud), rb, 5, m, n_in, env.p(xd), n_in, 0, env.p(idd), U, env.p(u), T, U)
-        env.k.glu(st, op, env.p(g), m, env.p(u), m, env.p(sep), m, T * U, m)
+        if oai:
+            for y, b in ((g, bg), (u, bu)):
+                env.k.add_id(st, env.p(y), m, env.p(b), m + 3, 5, env.p(idd), U, env.p(y), m, T * U, m, U)
+        env.k.glu(st, op, env.p(g), m, env.p(u), m, env.p(sep), m, T * U, m, **kw)
 
     env.run(separate)
+    if oai:
+        kw.update(b=env.p(bg), b2=env.p(bu), sb=m + 3)
     env.run(lambda st: env.k.mul_mat_id(st, G.Q4_K, env.p(gd), rb, 5, m, n_in, env.p(xd), n_in, 0, env.p(idd), U,
-                                        env.p(fused), T, U, w2=env.p(ud), glu=op))
+                                        env.p(fused), T, U, w2=env.p(ud), glu=op, **kw))
     a, b = env.get(sep), env.get(fused)
     assert np.all(np.isnan(b[2, 1])) and np.all(np.isnan(env.get(g)[2, 1]))
     a[2, 1] = b[2, 1] = 0
+    assert np.all(np.isfinite(a)) and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_mul_mat_id_bias_epilogue(env: Env) -> None:
+    """One expert product with its biases as epilogue (gpt-oss's down experts): the bits of
+    mul_mat_id, then add_id."""
+    raw, ids, x = _moe_case("MXFP4")
+    (T, U), n_in, m = ids.shape, 256, 72
+    rb = raw.shape[1]
+    rd, xd, idd, bd = env.d(raw), env.d(x), env.d(ids), env.d(randn(5, m))
+    sep, fused = env.full((T, U, m), np.nan, np.float32), env.full((T, U, m), np.nan, np.float32)
+
+    def separate(st: Any) -> None:
+        env.k.mul_mat_id(st, G.MXFP4, env.p(rd), rb, 5, m, n_in, env.p(xd), U * n_in, n_in, env.p(idd), U, env.p(sep), T, U)
+        env.k.add_id(st, env.p(sep), m, env.p(bd), m, 5, env.p(idd), U, env.p(sep), m, T * U, m, U)
+
+    env.run(separate)
+    env.run(lambda st: env.k.mul_mat_id(st, G.MXFP4, env.p(rd), rb, 5, m, n_in, env.p(xd), U * n_in, n_in, env.p(idd), U,
+                                        env.p(fused), T, U, b=env.p(bd), sb=m))  # fmt: skip
+    a, b = env.get(sep), env.get(fused)
     assert np.all(np.isfinite(a)) and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
@@ -916,6 +945,7 @@ def test_swiglu_oai(env: Env) -> None:
     gu = randn(T, 2 * F) * 6
     gu[0, :6] = [-100.0, 100.0, 7.0, -7.0, 7.5, -7.5]
     gu[0, F:F + 6] = [-100.0, 100.0, 7.0, -7.0, 7.5, -7.5]
+    gu[1, [0, F + 1]] = np.nan  # NaN through either clamp stays NaN (ggml's std::min / std::clamp)
     g, u = t("g", (T, F)), t("u", (T, F))
     node = ops.glu(g, u, "swiglu_oai", alpha=1.702, limit=7.0)
     ref = reference(node, [np.ascontiguousarray(gu[:, :F]), np.ascontiguousarray(gu[:, F:])])
@@ -923,6 +953,7 @@ def test_swiglu_oai(env: Env) -> None:
     y = env.full((T, F), np.nan, np.float32)
     env.run(lambda st: env.k.glu(st, "swiglu_oai", env.p(gud), 2 * F, env.p(gud) + 4 * F, 2 * F, env.p(y), F, T, F,
                                  alpha=1.702, limit=7.0))  # fmt: skip
+    assert np.isnan(ref[1, :2]).all()
     np.testing.assert_allclose(env.get(y), ref, rtol=1e-6, atol=1e-37)  # expf within 2 ulp of numpy's
 
 

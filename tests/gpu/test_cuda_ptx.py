@@ -180,6 +180,8 @@ def record_launches() -> list[tuple]:
         k.mul_mat_vec(st, qt, 0x1000, 1000, 300, 512, 0x2000, 0x3000, 3)
         k.mul_mat_vec_glu(st, "swiglu", qt, 0x1000, 1000, 300, 512, 0x2000, 0x3000, 3)
         k.mul_mat_id(st, qt, 0x1000, 1000, 8, 300, 512, 0x2000, 512, 0, 0x3000, 2, 0x4000, 3, 2, w2=0x5000)
+        k.mul_mat_id(st, qt, 0x1000, 1000, 8, 300, 512, 0x2000, 512, 0, 0x3000, 2, 0x4000, 3, 2, w2=0x5000,
+                     glu="swiglu_oai", b=0x6000, b2=0x7000, sb=300, alpha=1.702, limit=7.0)  # fmt: skip
     k.soft_max(st, 0x1000, 128, 0x2000, 128, 3, 128, 1.0)
     k.argsort(st, 0x1000, 128, 0x2000, 128, 3, 128)
     k.get_rows_batched(st, 0x1000, 128, 1, 128, 0x2000, 8, 0x3000, 3, 8, 1)

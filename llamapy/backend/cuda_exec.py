@@ -29,7 +29,7 @@ from .cpu_kernels import KV_CODES
 from .executor import (ADD, ADD_ID, ARGSORT, ATTN, CLAMP, CPY, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, MUL, RMS_NORM, ROPE, SCALE,
                        SET_ROWS, SOFT_MAX, SUM_ROWS, SWIGLU, Loc, Refused, _Slot)
 from .gpu_plan import (COUNT, GET_ROWS_W, MUL_MAT_GLU, MUL_MAT_ID_GLU, MUL_MAT_ID_W, MUL_MAT_W, ROPE_QKV, ROUTER,
-                       SCRATCH, SPLITS)
+                       ROUTER_TOPK, SCRATCH, SPLITS)
 
 
 def _first_line(e: BaseException) -> str:
@@ -395,6 +395,12 @@ def _mul_mat_id_w(rt: CUDARuntime, rec: np.ndarray) -> Launch:
                                   r[6], r[7], **kw)  # fmt: skip
 
 
+def _router_topk(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    scale = _f(r[9])
+    return lambda: ops.router_topk(st, r[2], r[8], r[3], r[1], r[6], r[7], r[10], scale)
+
+
 def _add_id(rt: CUDARuntime, rec: np.ndarray) -> Launch:
     """ADD_ID: the expert biases by id (gpu_plan's record: 11 n_expert, 12 the bias rows' stride)."""
     r, ops, st = _i(rec), rt.ops, rt.dev.stream
@@ -413,4 +419,5 @@ _LAUNCHES: dict[int, Callable[[CUDARuntime, np.ndarray], Launch]] = {
     ATTN: _attn, DIV: _binary("div"),
     SOFT_MAX: _soft_max, ARGSORT: _argsort, SUM_ROWS: _sum_rows, CLAMP: _clamp, GET_ROWS_B: _get_rows_b,
     MUL_MAT_ID_W: _mul_mat_id_w, MUL_MAT_ID_GLU: _mul_mat_id_w, ROUTER: _router, ADD_ID: _add_id,
+    ROUTER_TOPK: _router_topk,
 }  # fmt: skip

@@ -58,7 +58,8 @@ def _entries() -> dict[str, tuple[str, ...]]:
                     *(f"rope_qkv_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
         "fattn.cu": ("fattn_combine", *(f"fattn_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
         "moe.cu": ("soft_max_f32", "argsort_desc_f32", "get_rows_batched_f32", "sum_rows_f32", "clamp_f32",
-                   "binary_row_f32", "router_f32", "add_id_f32"),
+                   "binary_row_f32", "router_f32", "add_id_f32",
+                   "router_topk_f32"),
     }
     for fname, suffix in WEIGHT_SUFFIX.values():
         out[fname] = (*out.get(fname, ()), f"dequant_{suffix}", f"get_rows_{suffix}", f"mmv_{suffix}",
@@ -502,6 +503,22 @@ class CudaKernels:
         args = (_p(x), np.int64(sx), _p(ids), _p(w), np.int32(n), np.int32(n_used), np.float32(scale), np.float32(lo),
                 np.float32(hi))  # fmt: skip
         self._launch("router_f32", (rows,), 32, args, stream, shared)
+
+    def router_topk(self, stream: Any, x: int, sx: int, ids: int, w: int, rows: int, n: int, n_used: int,
+                    scale: float) -> None:
+        """gpt-oss's router in one launch: ids (rows, n) int32 = ARGSORT(x) descending, w (rows,
+        n_used) = softmax(scale * the first n_used logits): the bits of argsort, get_rows_batched
+        and soft_max in turn (moe.cu's router_topk_f32; ids and w may lie over x's rows of
+        one token: each row is read before it is written)."""
+        if not 0 < n_used <= n:
+            raise UnsupportedError(f"CUDA: the top {n_used} of {n} experts")
+        shared = 4 * (n + n_used)
+        if shared > SHARED_MAX:
+            raise UnsupportedError(f"CUDA: a router over {n} experts")
+        if rows <= 0:
+            return
+        args = (_p(x), np.int64(sx), _p(ids), _p(w), np.int32(n), np.int32(n_used), np.float32(scale))
+        self._launch("router_topk_f32", (rows,), 32, args, stream, shared)
 
     def add_id(self, stream: Any, a: int, sa: int, b: int, sb: int, n_expert: int, ids: int, sid: int, y: int,
                sy: int, rows: int, n: int, n_used: int) -> None:

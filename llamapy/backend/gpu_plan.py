@@ -38,6 +38,8 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     of build_moe_ffn's normalised weights as one launch (`_fuse_router`, moe.cu's router_f32):
     1 the weights (T, U), 2 the logits, 3 the ARGSORT's result (T, E); 6 T, 7 E, 8 the logits'
     row stride, 9 the softmax scale, 10 U, 11 / 12 the clamp's bounds (float64 bits);
+    ROUTER_TOPK: gpt-oss's ARGSORT of the logits, GET_ROWS of the chosen ones and their SOFT_MAX
+    (`_fuse_router_topk`, moe.cu's router_topk_f32): ROUTER's slots 1-3 and 6-10;
   * ROPE: the CPU's record, with slot 4 the rope_freqs divisors on the device (0: none) instead of
     the CPU's table of inverse frequencies, 13 / 14 the frequency base and scale (float64 bits),
     15 YaRN's constants on the device (kernels.yarn_table; 0: none; ROPE_QKV's slot 27);
@@ -89,12 +91,13 @@ from .kernels import yarn_table
 
 # The GPU's own record codes (from 33: apart from executor.c's and GEGLU's 32)
 MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV, MUL_MAT_ID_W, MUL_MAT_ID_GLU, ROUTER = 33, 34, 35, 36, 37, 38, 39
+ROUTER_TOPK = 40
 WIDTH = REC + 3  # after the CPU's slots: an ATTN record's count slot, split scratch, splits
 COUNT, SCRATCH, SPLITS = REC, REC + 1, REC + 2
 HEAD = 64  # bytes of count slots at the arena's start: 16 masks
 NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS", MUL_MAT_GLU: "MUL_MAT+GLU", ROPE_QKV: "ROPE+SET_ROWS",
          MUL_MAT_ID_W: "MUL_MAT_ID", MUL_MAT_ID_GLU: "MUL_MAT_ID+GLU",
-         ROUTER: "SOFT_MAX+ARGSORT+GET_ROWS+SUM_ROWS+CLAMP+DIV"}
+         ROUTER: "SOFT_MAX+ARGSORT+GET_ROWS+SUM_ROWS+CLAMP+DIV", ROUTER_TOPK: "ARGSORT+GET_ROWS+SOFT_MAX"}
 
 
 def graphs_enabled() -> bool:
@@ -387,6 +390,7 @@ class GPUTarget(Target):
         spans = [(c.base + s.off, c.base + s.off + _extent(s)) for _t, s in exports if isinstance(s, _Slot)]
         recs[:] = _fuse_rope_qkv(recs, spans)  # (after the count slots: it changes the records' indices)
         recs[:] = _fuse_router(recs, spans)
+        recs[:] = _fuse_router_topk(recs, spans)
 
 
 @dataclass
@@ -581,6 +585,38 @@ def _fuse_router(recs: list[list[int]], exports: list[tuple[int, int]]) -> list[
         r[6], r[7], r[8], r[9], r[10], r[11], r[12] = T, E, sm[8], sm[9], U, cl[9], cl[10]
         out.append(r)
         i += 6
+    return out
+
+
+def _fuse_router_topk(recs: list[list[int]], exports: list[tuple[int, int]]) -> list[list[int]]:
+    """gpt-oss's routing ("softmax_weight": ARGSORT of the logits, the batched GET_ROWS of the
+    chosen ones, their SOFT_MAX) as one ROUTER_TOPK record (moe.cu's router_topk_f32), where each
+    reads the one before, the chosen logits are read by nothing after, and the ids and weights
+    lie over no other token's logits (a block reads its own row before it writes)."""
+    from .executor import GET_ROWS_B
+
+    out: list[list[int]] = []
+    i = 0
+    while i < len(recs):
+        a, g, sm = (recs[i:i + 3] + [[0] * WIDTH] * 3)[:3]
+        T, E, U = a[6], a[7], g[7]
+        ok = (a[0], g[0], sm[0]) == (ARGSORT, GET_ROWS_B, SOFT_MAX) and g[2] == a[2] and g[3] == a[1] \
+            and g[6] == T and g[8] == 1 and g[9:13] == [a[8], 1, E, E] and 0 < U <= E and sm[2] == g[1] \
+            and sm[6:9] == [T, U, U]
+        if ok:
+            x = (a[2], a[2] + 4 * ((T - 1) * a[8] + E))
+            kept = [(a[1], a[1] + 4 * T * E), (sm[1], sm[1] + 4 * T * U)]
+            ok = (T == 1 or not any(_overlap(x, k) for k in kept)) \
+                and all(_dead_after(recs, i + 3, lo, hi, exports) for lo, hi in _minus((g[1], g[1] + 4 * T * U), kept))
+        if not ok:
+            out.append(recs[i])
+            i += 1
+            continue
+        r = [0] * WIDTH
+        r[0], r[1], r[2], r[3] = ROUTER_TOPK, sm[1], a[2], a[1]
+        r[6], r[7], r[8], r[9], r[10] = T, E, a[8], sm[9], U
+        out.append(r)
+        i += 3
     return out
 
 

@@ -34,7 +34,7 @@ from llamapy.backend.executor import (ADD_ID, ARGSORT, ATTN, CLAMP, DIV, GEGLU, 
                                       SWIGLU, MUL_MAT_ID_Q, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena, ExecPlan, Loc, Refusal,
                                       Refused, _array_loc, _lib, _Slot)
 from llamapy.backend.gpu_plan import (COUNT, GET_ROWS_W, HEAD, MUL_MAT_GLU, MUL_MAT_ID_GLU, MUL_MAT_ID_W, MUL_MAT_W, ROPE_QKV, ROUTER,
-                                      WIDTH, GPUPlan)
+                                      ROUTER_TOPK, WIDTH, GPUPlan)
 from llamapy.backend.cpu_kernels import KV_CODES
 from llamapy.backend.kernels import _rope_tables_compute, gelu, rope_consts
 from llamapy.context import Context, ContextOptions, Model
@@ -175,6 +175,15 @@ class FakeRuntime(HostRuntime):
                 recs[3][[0, 1, 2, 6, 7, 8]] = SUM_ROWS, sm, w, T_, U, U
                 recs[4][[0, 1, 2, 6, 7, 8, 9, 10]] = CLAMP, cl, sm, T_, 1, 1, r[11], r[12]
                 recs[5][[0, 1, 2, 3, 6, 7, 8, 9, 10]] = DIV, r[1], w, cl, T_, U, U, 1, 1
+                run(recs)
+            elif code == ROUTER_TOPK:  # the three records it stands for, the chosen logits in a buffer
+                T_, E, sx, U = int(r[6]), int(r[7]), int(r[8]), int(r[10])
+                buf = np.zeros((T_, U), np.float32)
+                self.keep.append(buf)
+                recs = [np.zeros(REC, np.int64) for _ in range(3)]
+                recs[0][[0, 1, 2, 6, 7, 8]] = ARGSORT, r[3], r[2], T_, E, sx
+                recs[1][[0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 12]] = GET_ROWS_B, buf.ctypes.data, r[2], r[3], T_, U, 1, sx, 1, E, E
+                recs[2][[0, 1, 2, 6, 7, 8, 9]] = SOFT_MAX, r[1], buf.ctypes.data, T_, U, U, r[9]
                 run(recs)
             elif code == GET_ROWS_W:  # ops.c's expansion of F16/Q8_0/Q4_0 rows (the CPU executor's)
                 g = np.zeros(REC, np.int64)
@@ -933,8 +942,8 @@ def _gptoss_model(tmp_path: Path, exp_qtype: T = T.MXFP4) -> Path:
 
 # gpt-oss's own ops in its plans: the experts' biases and clamped SwiGLU as the expert products'
 # epilogue (the compiler's fuse_bias), or as ADD_ID and GLU records of their own (without it)
-_GPTOSS_FUSED = {"yarn", "sinks", "bias epilogue", "swiglu_oai epilogue"}
-_GPTOSS_UNFUSED = {"yarn", "sinks", "add_id", "swiglu_oai"}
+_GPTOSS_FUSED = {"yarn", "sinks", "bias epilogue", "swiglu_oai epilogue", "router"}
+_GPTOSS_UNFUSED = {"yarn", "sinks", "add_id", "swiglu_oai", "router"}
 
 
 def _gptoss_records(made: list[GPUPlan]) -> set[str]:
@@ -949,6 +958,7 @@ def _gptoss_records(made: list[GPUPlan]) -> set[str]:
             seen |= {"add_id"} if code == ADD_ID else set()
             seen |= {"bias epilogue"} if code in (MUL_MAT_ID_W, MUL_MAT_ID_GLU) and r[18] else set()
             seen |= {"swiglu_oai epilogue"} if code == MUL_MAT_ID_GLU and r[17] == 2 else set()
+            seen |= {"router"} if code == ROUTER_TOPK else set()
     return seen
 
 

@@ -975,3 +975,36 @@ def test_add_id(env: Env) -> None:
     env.run(lambda st: env.k.add_id(st, env.p(ad), M + 8, env.p(bd), M, E, env.p(idd), 3, env.p(ad), M + 8, T * U, M, U))
     got = env.get(ad)[:, :M]
     assert np.all(np.isnan(got[3])) and np.array_equal(np.delete(got, 3, 0), np.delete(ref.reshape(T * U, M), 3, 0))
+
+
+def test_router_topk(env: Env) -> None:
+    """gpt-oss's router in one launch (router_topk_f32): the bits of ARGSORT of the logits, the
+    batched GET_ROWS of the chosen ones and their SOFT_MAX (each against its reference), with a
+    tie; the weights written over the logits (one token: the allocator's reuse)."""
+    T, E, U = 3, 32, 4
+    la = randn(T, E + 3) * 2
+    la[1, 5] = la[1, 20] = la[1].max() + 1  # a tie in the top k: the lower index first
+    lv = np.ascontiguousarray(la[:, :E])
+    srt = ops.argsort_top_k(t("logits", (T, E)), E)
+    ids_ref = reference(srt.src[0] if srt.op.name == "VIEW" else srt, [lv])
+    chosen = reference(ops.get_rows(t("p3", (T, E, 1)), t("sel", (T, U), G.I32)),
+                       [lv.reshape(T, E, 1), np.ascontiguousarray(ids_ref[:, :U])]).reshape(T, U)
+    w_ref = reference(ops.soft_max(t("w", (T, U))), [chosen])
+    ld = env.d(la)
+    sd, wd = env.zeros((T, E), np.int32), env.full((T, U), np.nan, np.float32)
+    env.run(lambda st: env.k.router_topk(st, env.p(ld), E + 3, env.p(sd), env.p(wd), T, E, U, 1.0))
+    np.testing.assert_array_equal(env.get(sd), ids_ref)
+    # the three launches: the same bits
+    cd, sep = env.full((T, U, 1), np.nan, np.float32), env.full((T, U), np.nan, np.float32)
+
+    def three(st: Any) -> None:
+        env.k.argsort(st, env.p(ld), E + 3, env.p(sd), E, T, E)
+        env.k.get_rows_batched(st, env.p(ld), E + 3, 1, E, env.p(sd), E, env.p(cd), T, U, 1)
+        env.k.soft_max(st, env.p(cd), U, env.p(sep), U, T, U, 1.0)
+
+    env.run(three)
+    assert np.array_equal(env.get(wd).view(np.uint32), env.get(sep).view(np.uint32))
+    assert max_ulp(env.get(wd), w_ref) <= 8, "softmax of the chosen logits"
+    one = env.d(np.ascontiguousarray(la[:1, :E]))  # one token: weights over its own logits
+    env.run(lambda st: env.k.router_topk(st, env.p(one), E, env.p(sd), env.p(one), 1, E, U, 1.0))
+    assert np.array_equal(env.get(one)[0, :U].view(np.uint32), env.get(sep)[0].view(np.uint32))

@@ -187,6 +187,7 @@ def record_launches() -> list[tuple]:
     k.get_rows_batched(st, 0x1000, 128, 1, 128, 0x2000, 8, 0x3000, 3, 8, 1)
     k.sum_rows(st, 0x1000, 8, 0x2000, 3, 8)
     k.router(st, 0x1000, 128, 0x2000, 0x3000, 3, 128, 8, 1.0, 6e-5, float("inf"))
+    k.router_topk(st, 0x1000, 32, 0x2000, 0x3000, 3, 32, 4, 1.0)
     k.clamp(st, 0x1000, 1, 0x2000, 3, 1, 6e-5, float("inf"))
     for op in ("mul", "div"):
         k.binary_row(st, op, 0x1000, 64, 0x2000, 1, 0x3000, 64, 7, 64)

@@ -144,3 +144,39 @@ extern "C" __global__ void add_id_f32(const float* a, long long sa, const float*
     const float bv = (e < 0 || e >= n_expert) ? __int_as_float(0x7fc00000) : b[(long long)e * sb + i];
     y[p * sy + i] = __fadd_rn(a[p * sa + i], bv);
 }
+
+// gpt-oss's router as one launch ("softmax_weight" gating): the ARGSORT of a token's (biased)
+// logits (every index, written to ids: the experts are its first n_used), the chosen logits and
+// the SOFT_MAX of those n_used (times scale), into w. Each step computes what argsort_desc_f32
+// and soft_max_f32 compute, in the same order (a lane's strided sum, then the warp's), so the
+// results are those of the three launches bit for bit. The row is read into shared memory before
+// anything is written (ids or w may lie over this row's logits). One warp a row; dynamic shared
+// memory: 4 * (n + n_used) bytes.
+extern "C" __global__ void router_topk_f32(const float* x, long long sx, int* ids, float* w, int n, int n_used,
+                                           float scale) {
+    extern __shared__ float topk_smem[];
+    float* v = topk_smem;   // n logits
+    float* sel = v + n;     // n_used chosen ones, then their probabilities
+    const float* xr = x + (long long)blockIdx.x * sx;
+    for (int i = threadIdx.x; i < n; i += 32) v[i] = xr[i];
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += 32) {
+        const float vi = v[i];
+        int rank = 0;
+        for (int j = 0; j < n; ++j) rank += (v[j] > vi) || (v[j] == vi && j < i);
+        ids[(long long)blockIdx.x * n + rank] = i;
+        if (rank < n_used) sel[rank] = vi;
+    }
+    __syncthreads();
+    float m = -__int_as_float(0x7f800000);
+    for (int u = threadIdx.x; u < n_used; u += 32) m = fmaxf(m, __fmul_rn(sel[u], scale));
+    m = warp_max(m);
+    float s = 0.0f;
+    for (int u = threadIdx.x; u < n_used; u += 32) {
+        const float e = expf(__fsub_rn(__fmul_rn(sel[u], scale), m));
+        sel[u] = e;
+        s = __fadd_rn(s, e);
+    }
+    s = warp_sum(s);
+    for (int u = threadIdx.x; u < n_used; u += 32) w[(long long)blockIdx.x * n_used + u] = __fdiv_rn(sel[u], s);
+}

@@ -383,9 +383,9 @@ def _get_rows_b(rt: CUDARuntime, rec: np.ndarray) -> Launch:
 
 
 def _mul_mat_id_w(rt: CUDARuntime, rec: np.ndarray) -> Launch:
-    """MUL_MAT_ID_W, and MUL_MAT_ID_GLU (the up experts in slot 16, the GLU in 17); the expert
-    biases fused (gpu_plan's _fuse_expert_bias: 18 / 20 the gate's / up's, 19 their row stride,
-    21 / 22 swiglu_oai's alpha / limit)."""
+    """MUL_MAT_ID_W, and MUL_MAT_ID_GLU (the up experts in slot 16, the GLU in 17); the experts'
+    biases as epilogue (the compiler's fuse_bias: 18 / 20 the gate's / up's, 19 their row
+    stride, 21 / 22 swiglu_oai's alpha / limit)."""
     r, ops, st = _i(rec), rt.ops, rt.dev.stream
     qtype = GGMLType(r[9])
     kw: dict[str, Any] = dict(b=r[18], sb=r[19])

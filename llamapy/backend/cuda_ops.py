@@ -58,8 +58,7 @@ def _entries() -> dict[str, tuple[str, ...]]:
                     *(f"rope_qkv_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
         "fattn.cu": ("fattn_combine", *(f"fattn_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
         "moe.cu": ("soft_max_f32", "argsort_desc_f32", "get_rows_batched_f32", "sum_rows_f32", "clamp_f32",
-                   "binary_row_f32", "router_f32", "add_id_f32",
-                   "router_topk_f32"),
+                   "binary_row_f32", "router_f32", "router_topk_f32", "add_id_f32"),
     }
     for fname, suffix in WEIGHT_SUFFIX.values():
         out[fname] = (*out.get(fname, ()), f"dequant_{suffix}", f"get_rows_{suffix}", f"mmv_{suffix}",

@@ -333,7 +333,7 @@ class GPUTarget(Target):
         if p.get("yarn"):
             key = (p["n_dims"], p["freq_base"], p["freq_scale"], tuple(p["yarn"]))
             if key not in self.yarn:
-                self.yarn[key] = c.target.const(yarn_table(*key), c.keep)
+                self.yarn[key] = self.const(yarn_table(*key), c.keep)
             r[15] = self.yarn[key]
         r[0], r[1], r[2], r[3] = ROPE, loc(n).addr, x.addr, pos.addr
         if len(n.src) > 2:

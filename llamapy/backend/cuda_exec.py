@@ -26,10 +26,10 @@ import numpy as np
 
 from ..types import GGMLType, LlamapyError
 from .cpu_kernels import KV_CODES
-from .executor import (ADD, ARGSORT, ATTN, CLAMP, CPY, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, MUL, RMS_NORM, ROPE, SCALE,
+from .executor import (ADD, ADD_ID, ARGSORT, ATTN, CLAMP, CPY, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, MUL, RMS_NORM, ROPE, SCALE,
                        SET_ROWS, SOFT_MAX, SUM_ROWS, SWIGLU, Loc, Refused, _Slot)
 from .gpu_plan import (COUNT, GET_ROWS_W, MUL_MAT_GLU, MUL_MAT_ID_GLU, MUL_MAT_ID_W, MUL_MAT_W, ROPE_QKV, ROUTER,
-                       SCRATCH, SPLITS)
+                       ROUTER_TOPK, SCRATCH, SPLITS)
 
 
 def _first_line(e: BaseException) -> str:
@@ -270,6 +270,9 @@ def _cpy(rt: CUDARuntime, rec: np.ndarray) -> Launch:
 def _glu(op: str) -> Callable[[CUDARuntime, np.ndarray], Launch]:
     def make(rt: CUDARuntime, rec: np.ndarray) -> Launch:
         r, ops, st = _i(rec), rt.ops, rt.dev.stream
+        if r[10]:  # swiglu_oai: slots 11 / 12 its alpha and limit
+            oai = dict(alpha=_f(r[11]), limit=_f(r[12]))
+            return lambda: ops.glu(st, "swiglu_oai", r[2], r[8], r[3], r[9], r[1], r[7], r[6], r[7], **oai)
         return lambda: ops.glu(st, op, r[2], r[8], r[3], r[9], r[1], r[7], r[6], r[7])
 
     return make
@@ -306,7 +309,7 @@ def _rope(rt: CUDARuntime, rec: np.ndarray) -> Launch:
     r, ops, st = _i(rec), rt.ops, rt.dev.stream
     T, H, D = r[6], r[7], r[8]
     kw = dict(pos=r[3], n_dims=r[11], mode=2 if r[12] else 0, freq_base=_f(r[13]), freq_scale=_f(r[14]),
-              factors=r[4])
+              factors=r[4], yarn=r[15])
     # the result: contiguous (T, H, D) in the arena
     return lambda: ops.rope(st, r[2], r[9], r[10], r[1], H * D, D, T, H, D, **kw)
 
@@ -317,7 +320,7 @@ def _rope_qkv(rt: CUDARuntime, rec: np.ndarray) -> Launch:
     kt, vt = _KV_TYPES[r[20]], _KV_TYPES[r[24]]
     kw = dict(pos=r[3], n_dims=r[11], mode=2 if r[12] else 0, freq_base=_f(r[13]), freq_scale=_f(r[14]),
               factors=r[17], ids=r[4], n_cells=r[18], k_type=kt, k_cache=r[19], k_rb=r[21] * _KV_ITEM[kt],
-              k_rot=r[22], v_type=vt, v_cache=r[23], v_rb=r[25] * _KV_ITEM[vt], v_rot=r[26])
+              k_rot=r[22], v_type=vt, v_cache=r[23], v_rb=r[25] * _KV_ITEM[vt], v_rot=r[26], yarn=r[27])
     return lambda: ops.rope_qkv(st, r[2], r[5], r[10], r[9], r[1], H * D, T, H, Hkv, D, Dv, **kw)
 
 
@@ -345,7 +348,7 @@ def _attn(rt: CUDARuntime, rec: np.ndarray) -> Launch:
     ki, vi = _KV_ITEM[kt], _KV_ITEM[vt]
     dv = Dv  # (elements: the record takes V's shape from its tensor, not from a quantized cache's bytes)
     kw = dict(n_kv=N, n_kv_dev=r[COUNT], n_splits=r[SPLITS], scratch=r[SCRATCH] if r[SPLITS] > 1 else 0,
-              rot_k=r[20], rot_v=r[21])
+              rot_k=r[20], rot_v=r[21], sinks=r[24])
     scale = _f(r[17])
     return lambda: ops.flash_attn_ext(st, r[2], H * D, D, kt, r[3], r[12] * ki, r[13] * ki, vt, r[4], r[14] * vi,
                                       r[15] * vi, N, r[5], r[16], r[1], H * dv, dv, T, H, Hkv, D, dv, scale, **kw)
@@ -380,12 +383,28 @@ def _get_rows_b(rt: CUDARuntime, rec: np.ndarray) -> Launch:
 
 
 def _mul_mat_id_w(rt: CUDARuntime, rec: np.ndarray) -> Launch:
-    """MUL_MAT_ID_W, and MUL_MAT_ID_GLU (the up experts in slot 16, the GLU in 17)."""
+    """MUL_MAT_ID_W, and MUL_MAT_ID_GLU (the up experts in slot 16, the GLU in 17); the experts'
+    biases as epilogue (the compiler's fuse_bias: 18 / 20 the gate's / up's, 19 their row
+    stride, 21 / 22 swiglu_oai's alpha / limit)."""
     r, ops, st = _i(rec), rt.ops, rt.dev.stream
     qtype = GGMLType(r[9])
-    kw = dict(w2=r[16], glu=("swiglu", "geglu")[r[17]]) if r[0] == MUL_MAT_ID_GLU else {}
+    kw: dict[str, Any] = dict(b=r[18], sb=r[19])
+    if r[0] == MUL_MAT_ID_GLU:
+        kw.update(w2=r[16], glu=("swiglu", "geglu", "swiglu_oai")[r[17]], b2=r[20], alpha=_f(r[21]), limit=_f(r[22]))
     return lambda: ops.mul_mat_id(st, qtype, r[3], r[11], r[12], r[8], r[10], r[2], r[13], r[14], r[4], r[15], r[1],
                                   r[6], r[7], **kw)  # fmt: skip
+
+
+def _router_topk(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    scale = _f(r[9])
+    return lambda: ops.router_topk(st, r[2], r[8], r[3], r[1], r[6], r[7], r[10], scale)
+
+
+def _add_id(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    """ADD_ID: the expert biases by id (gpu_plan's record: 11 n_expert, 12 the bias rows' stride)."""
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    return lambda: ops.add_id(st, r[2], r[8], r[3], r[12], r[11], r[4], r[10], r[1], r[7], r[6], r[7], r[9])
 
 
 def _router(rt: CUDARuntime, rec: np.ndarray) -> Launch:
@@ -399,5 +418,6 @@ _LAUNCHES: dict[int, Callable[[CUDARuntime, np.ndarray], Launch]] = {
     GET_ROWS_F32: _get_rows_f32, GET_ROWS_W: _get_rows_w, MUL_MAT_W: _mul_mat_w, MUL_MAT_GLU: _mul_mat_glu, ROPE: _rope, SET_ROWS: _set_rows, ROPE_QKV: _rope_qkv,
     ATTN: _attn, DIV: _binary("div"),
     SOFT_MAX: _soft_max, ARGSORT: _argsort, SUM_ROWS: _sum_rows, CLAMP: _clamp, GET_ROWS_B: _get_rows_b,
-    MUL_MAT_ID_W: _mul_mat_id_w, MUL_MAT_ID_GLU: _mul_mat_id_w, ROUTER: _router,
+    MUL_MAT_ID_W: _mul_mat_id_w, MUL_MAT_ID_GLU: _mul_mat_id_w, ROUTER: _router, ADD_ID: _add_id,
+    ROUTER_TOPK: _router_topk,
 }  # fmt: skip

@@ -51,14 +51,14 @@ def _entries() -> dict[str, tuple[str, ...]]:
     """Every kernel source and the entry points it defines (the compile test checks them)."""
     out: dict[str, tuple[str, ...]] = {
         "norm.cu": ("rms_norm_f32",),
-        "glu.cu": ("swiglu_f32", "geglu_f32"),
+        "glu.cu": ("swiglu_f32", "geglu_f32", "swiglu_oai_f32"),
         "elementwise.cu": ("add_f32", "mul_f32", "scale_f32"),
         "getrows.cu": ("get_rows_f32_rows",),
         "rope.cu": (*(f"rope_set_rows_{c}" for c in ("none", *CACHE_SUFFIX.values())),
                     *(f"rope_qkv_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
         "fattn.cu": ("fattn_combine", *(f"fattn_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
         "moe.cu": ("soft_max_f32", "argsort_desc_f32", "get_rows_batched_f32", "sum_rows_f32", "clamp_f32",
-                   "binary_row_f32", "router_f32"),
+                   "binary_row_f32", "router_f32", "router_topk_f32", "add_id_f32"),
     }
     for fname, suffix in WEIGHT_SUFFIX.values():
         out[fname] = (*out.get(fname, ()), f"dequant_{suffix}", f"get_rows_{suffix}", f"mmv_{suffix}",
@@ -179,13 +179,17 @@ class CudaKernels:
                 np.int32(n), np.float32(eps))  # fmt: skip
         self._launch("rms_norm_f32", (rows,), threads, args, stream)
 
-    def glu(self, stream: Any, op: str, g: int, sg: int, u: int, su: int, y: int, sy: int, rows: int, n: int) -> None:
-        """y = act(g) * u, act SiLU ("swiglu") or GELU-tanh ("geglu"), rows of n (glu.cu)."""
-        if op not in ("swiglu", "geglu"):
+    def glu(self, stream: Any, op: str, g: int, sg: int, u: int, su: int, y: int, sy: int, rows: int, n: int, *,
+            alpha: float = 0.0, limit: float = 0.0) -> None:
+        """y = act(g) * u, act SiLU ("swiglu") or GELU-tanh ("geglu"), rows of n (glu.cu);
+        "swiglu_oai": gpt-oss's clamped SwiGLU with its `alpha` and `limit` (the +1 on up)."""
+        if op not in ("swiglu", "geglu", "swiglu_oai"):
             raise UnsupportedError(f"CUDA: GLU op {op!r}")
         if rows <= 0 or n <= 0:
             return
         args = (_p(g), np.int64(sg), _p(u), np.int64(su), _p(y), np.int64(sy), np.int32(n))
+        if op == "swiglu_oai":
+            args += (np.float32(alpha), np.float32(limit))
         self._launch(f"{op}_f32", (_cdiv(n, ELEMENTWISE_THREADS), rows), ELEMENTWISE_THREADS, args, stream)
 
     def binary(self, stream: Any, op: str, a: int, sa: int, b: int, sb: int, y: int, sy: int, rows: int, n: int) -> None:
@@ -237,7 +241,7 @@ class CudaKernels:
     def rope(self, stream: Any, x: int, sxt: int, sxh: int, y: int, syt: int, syh: int, n_tokens: int, n_head: int,
              head_dim: int, *, pos: int = 0, n_dims: int = 0, mode: int = -1, freq_base: float = 10000.0,
              freq_scale: float = 1.0, factors: int = 0, cache_type: GGMLType | None = None, ids: int = 0,
-             n_cells: int = 0, cache: int = 0, cache_rb: int = 0, rot: int = 0) -> None:
+             n_cells: int = 0, cache: int = 0, cache_rb: int = 0, rot: int = 0, yarn: int = 0) -> None:
         """ROPE of x (T, H, D) into y (may be x; 0: no float32 output) and/or SET_ROWS of the
         result into a KV cache (rope.cu).
 
@@ -245,7 +249,8 @@ class CudaKernels:
         (int32), with `factors` (n_dims/2 float32 rope_freqs divisors, 0: none); mode -1 copies
         (a plain SET_ROWS: the V rows). `cache_type` F32/F16/Q8_0/Q4_0 stores row t at cell
         ids[t] (int64; n_cells rows of cache_rb bytes, head h at h*D elements), rotated first by
-        Hadamard runs of `rot` (quantized caches, llama.cpp's attn_rot). None: no store."""
+        Hadamard runs of `rot` (quantized caches, llama.cpp's attn_rot). None: no store. `yarn`:
+        0, or the device address of YaRN's 5 float32 constants (`yarn_table`)."""
         if n_tokens <= 0 or n_head <= 0:
             return
         if mode not in (-1, 0, 2):
@@ -274,14 +279,14 @@ class CudaKernels:
         args = (_p(x), np.int64(sxt), np.int64(sxh), _p(pos if mode >= 0 else 0), _p(y), np.int64(syt),
                 np.int64(syh), np.int32(head_dim), np.int32(n_dims), np.int32(mode), np.float32(ts),
                 np.float32(freq_scale), _p(factors if mode >= 0 else 0), _p(ids), np.int64(n_cells), _p(cache),
-                np.int64(cache_rb), np.int32(rot), np.float32(rot_scale))  # fmt: skip
+                np.int64(cache_rb), np.int32(rot), np.float32(rot_scale), _p(yarn if mode >= 0 else 0))  # fmt: skip
         self._launch(name, (n_tokens, n_head), threads, args, stream, shared)
 
     def rope_qkv(self, stream: Any, q: int, k: int, v: int, sxt: int, q_out: int, syt: int, n_tokens: int,
                  n_head: int, n_head_kv: int, head_dim: int, head_dim_v: int, *, pos: int, n_dims: int, mode: int,
                  freq_base: float, freq_scale: float = 1.0, factors: int = 0, ids: int, n_cells: int,
                  k_type: GGMLType, k_cache: int, k_rb: int, k_rot: int = 0, v_type: GGMLType, v_cache: int,
-                 v_rb: int, v_rot: int = 0) -> None:
+                 v_rb: int, v_rot: int = 0, yarn: int = 0) -> None:
         """A layer's ROPE of Q (into q_out, row stride syt), ROPE + store of K and store of V in
         one launch (rope.cu's rope_qkv): Q, K, V rows at q, k, v with row stride sxt (the column
         views of a fused QKV product), heads head_dim / head_dim / head_dim_v apart. The same
@@ -310,7 +315,7 @@ class CudaKernels:
                 np.int32(n_head_kv), np.int32(head_dim), np.int32(head_dim_v), np.int32(n_dims), np.int32(mode),
                 np.float32(rope_theta_scale(freq_base, n_dims)), np.float32(freq_scale), _p(factors), _p(ids),
                 np.int64(n_cells), _p(k_cache), np.int64(k_rb), np.int32(k_rot), np.float32(krs), _p(v_cache),
-                np.int64(v_rb), np.int32(v_rot), np.float32(vrs))  # fmt: skip
+                np.int64(v_rb), np.int32(v_rot), np.float32(vrs), _p(yarn))  # fmt: skip
         name = f"rope_qkv_{CACHE_SUFFIX[kt]}_{CACHE_SUFFIX[vt]}"
         self._launch(name, (n_tokens, n_head + 2 * n_head_kv), threads, args, stream, shared)
 
@@ -320,7 +325,7 @@ class CudaKernels:
                        k_hb: int, v_type: GGMLType, v: int, v_cb: int, v_hb: int, n_cells: int, mask: int, sm: int,
                        out: int, sot: int, soh: int, n_tokens: int, n_head: int, n_head_kv: int, head_dim: int,
                        head_dim_v: int, scale: float, *, n_kv: int = 0, n_kv_dev: int = 0, n_splits: int = 1,
-                       scratch: int = 0, rot_k: int = 0, rot_v: int = 0) -> None:
+                       scratch: int = 0, rot_k: int = 0, rot_v: int = 0, sinks: int = 0) -> None:
         """out (T, H, Dv) = softmax(q k^T * scale + mask) v over the first n_kv cells (fattn.cu).
 
         q (T, H, D) float32 (strides sqt, sqh); k, v: caches of k_type / v_type (F32, F16, Q8_0,
@@ -328,7 +333,8 @@ class CudaKernels:
         float32 rows sm elements apart (0: compact rows of n_kv); n_kv from the int32 at
         `n_kv_dev` when given (a captured graph), else `n_kv`. n_splits > 1 splits the cells
         over blocks (`fattn_splits`) and needs `scratch`: fattn_scratch_floats(...) float32
-        elements. rot_k / rot_v: the Hadamard orders of a rotated quantized cache (attn_rot)."""
+        elements. rot_k / rot_v: the Hadamard orders of a rotated quantized cache (attn_rot).
+        `sinks`: 0, or (H,) float32 logits, one a query head, joining each softmax (gpt-oss)."""
         if n_tokens <= 0 or n_head <= 0:
             return
         kt, vt = GGMLType(k_type), GGMLType(v_type)
@@ -357,12 +363,12 @@ class CudaKernels:
                 np.int64(v_hb), np.int64(n_cells), _p(mask), np.int64(sm), np.int32(n_kv), _p(n_kv_dev), _p(out),
                 np.int64(sot), np.int64(soh), _p(scratch), np.int32(n_head), np.int32(n_head_kv),
                 np.int32(head_dim), np.int32(head_dim_v), np.float32(scale), np.int32(rot_k), np.float32(rk),
-                np.int32(rot_v), np.float32(rv))  # fmt: skip
+                np.int32(rot_v), np.float32(rv), _p(sinks))  # fmt: skip
         name = f"fattn_{CACHE_SUFFIX[kt]}_{CACHE_SUFFIX[vt]}"
         self._launch(name, (n_head_kv, n_tokens, n_splits), FA_THREADS, args, stream, shared)
         if n_splits > 1:
             cargs = (_p(scratch), np.int32(n_splits), np.int32(n_head), np.int32(head_dim_v), _p(out), np.int64(sot),
-                     np.int64(soh), np.int32(rot_v), np.float32(rv))  # fmt: skip
+                     np.int64(soh), np.int32(rot_v), np.float32(rv), _p(sinks))  # fmt: skip
             self._launch("fattn_combine", (n_head, n_tokens), FA_THREADS, cargs, stream, 4 * head_dim_v)
 
     # -- MUL_MAT (decode) -----------------------------------------------------------------------
@@ -402,18 +408,23 @@ class CudaKernels:
 
     def mul_mat_id(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_expert: int, m: int, n_in: int,
                    x: int, sxt: int, sxu: int, ids: int, sid: int, y: int, n_tok: int, n_used: int, *, w2: int = 0,
-                   glu: str = "swiglu") -> None:
+                   glu: str = "swiglu", b: int = 0, b2: int = 0, sb: int = 0, alpha: float = 0.0,
+                   limit: float = 0.0) -> None:
         """MUL_MAT_ID for up to MMV_MAX_TOKENS tokens: y (n_tok, n_used, m) = for each token t and
         slot u, expert ids[t * sid + u] (int32, on the device) of the stacked matrix w (n_expert
         experts of m rows of row_bytes) times x's row t * sxt + u * sxu (float32 elements; sxu 0:
         one row a token), the fused dequantize + matrix-vector kernel of `qtype` (mmv_id_<type>):
         each chosen expert's rows read once for every pair that chose it. `w2`: the up experts
-        (w the gate ones), y = glu(gate, up) ("swiglu" / "geglu") as the products' epilogue."""
+        (w the gate ones), y = glu(gate, up) ("swiglu" / "geglu" / "swiglu_oai" with `alpha` and
+        `limit`) as the products' epilogue. `b` / `b2`: float32 bias rows of w's / w2's experts
+        (n_expert rows sb apart: ADD_ID, gpt-oss), added to each sum before the GLU."""
         qtype = GGMLType(qtype)
         if qtype not in WEIGHT_SUFFIX:
             raise UnsupportedError(f"CUDA: MUL_MAT_ID of {qtype.name}")
-        if glu not in ("swiglu", "geglu"):
+        if glu not in ("swiglu", "geglu", "swiglu_oai"):
             raise UnsupportedError(f"CUDA: GLU op {glu!r}")
+        if (b or b2) and sb < m:
+            raise UnsupportedError(f"CUDA: expert bias rows {sb} apart for {m} outputs")
         if not 0 < n_tok <= MMV_MAX_TOKENS or n_in % 32 or n_in % block_size(qtype)[0] or x % 16 or sxt % 4 \
                 or sxu % 4:
             raise UnsupportedError(f"CUDA: {qtype.name} MUL_MAT_ID of {n_tok} tokens of {n_in} (x at {x:#x}, "
@@ -422,7 +433,8 @@ class CudaKernels:
             return
         args = (_p(w), _p(w2), np.int64(m * row_bytes), np.int32(n_expert), _p(x), np.int64(sxt), np.int64(sxu),
                 _p(ids), np.int64(sid), _p(y), np.int32(m), np.int32(n_in), np.int64(row_bytes), np.int32(n_tok),
-                np.int32(n_used), np.int32(0 if glu == "swiglu" else 1))  # fmt: skip
+                np.int32(n_used), np.int32(("swiglu", "geglu", "swiglu_oai").index(glu)), _p(b), _p(b2 if w2 else 0),
+                np.int64(sb), np.float32(alpha), np.float32(limit))  # fmt: skip
         grid = (_cdiv(m, MMV_ROWS_PER_BLOCK), n_tok * n_used)
         self._launch(f"mmv_id_{WEIGHT_SUFFIX[qtype][1]}", grid, 32 * MMV_ROWS_PER_BLOCK, args, stream)
 
@@ -490,3 +502,32 @@ class CudaKernels:
         args = (_p(x), np.int64(sx), _p(ids), _p(w), np.int32(n), np.int32(n_used), np.float32(scale), np.float32(lo),
                 np.float32(hi))  # fmt: skip
         self._launch("router_f32", (rows,), 32, args, stream, shared)
+
+    def router_topk(self, stream: Any, x: int, sx: int, ids: int, w: int, rows: int, n: int, n_used: int,
+                    scale: float) -> None:
+        """gpt-oss's router in one launch: ids (rows, n) int32 = ARGSORT(x) descending, w (rows,
+        n_used) = softmax(scale * the first n_used logits): the bits of argsort, get_rows_batched
+        and soft_max in turn (moe.cu's router_topk_f32; ids and w may lie over x's rows of
+        one token: each row is read before it is written)."""
+        if not 0 < n_used <= n:
+            raise UnsupportedError(f"CUDA: the top {n_used} of {n} experts")
+        shared = 4 * (n + n_used)
+        if shared > SHARED_MAX:
+            raise UnsupportedError(f"CUDA: a router over {n} experts")
+        if rows <= 0:
+            return
+        args = (_p(x), np.int64(sx), _p(ids), _p(w), np.int32(n), np.int32(n_used), np.float32(scale))
+        self._launch("router_topk_f32", (rows,), 32, args, stream, shared)
+
+    def add_id(self, stream: Any, a: int, sa: int, b: int, sb: int, n_expert: int, ids: int, sid: int, y: int,
+               sy: int, rows: int, n: int, n_used: int) -> None:
+        """ADD_ID: y[p] = a[p] + b[e] for the rows p of (token, slot) pairs (n float32 each, a's
+        and y's rows sa / sy apart), e = ids[(p // n_used) * sid + p % n_used] (int32), b the
+        n_expert bias rows sb apart (moe.cu's add_id_f32; gpt-oss's expert biases). y may be a."""
+        if rows <= 0 or n <= 0:
+            return
+        if n_used <= 0 or rows % n_used:
+            raise UnsupportedError(f"CUDA: ADD_ID of {rows} rows over {n_used} slots")
+        args = (_p(a), np.int64(sa), _p(b), np.int64(sb), np.int32(n_expert), _p(ids), np.int64(sid), _p(y),
+                np.int64(sy), np.int32(n), np.int32(n_used))  # fmt: skip
+        self._launch("add_id_f32", (_cdiv(n, ELEMENTWISE_THREADS), rows), ELEMENTWISE_THREADS, args, stream)

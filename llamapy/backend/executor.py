@@ -399,6 +399,7 @@ class Target:
     glu_ops: tuple[str, ...] = ("swiglu",)  # the GLU variants its records run
     attn_sinks = False  # whether its ATTN records take gpt-oss's sinks (slot 24)
     fuse_glu = False  # a GLU of the two halves of the product before it joins that product's step
+    fuse_bias = False  # an ADD_ID of the MUL_MAT_ID before it joins that product's step (gpt-oss)
     head = 0  # bytes at the arena's start before the allocator's offsets (the GPU's count slots)
     max_tokens: int | None = None  # batches from this many tokens are refused
     width = REC  # int64 slots per record
@@ -763,6 +764,8 @@ class _Compiler:
                 raise Refused(f"a batch of {n.shape[0]} tokens")  # the f32 mode's sgemm is faster there
             if op is Op.MUL and self._fuse_norm_mul(n):
                 continue
+            if op is Op.ADD_ID and self.target.fuse_bias and self._fuse_mul_mat_id_bias(n):
+                continue
             if op is Op.GLU and self.target.fuse_glu and n.params.get("op") in self.target.glu_ops \
                     and (self._fuse_mul_mat_glu(n) or self._fuse_mul_mat_id_glu(n)):
                 continue
@@ -849,10 +852,31 @@ class _Compiler:
         g, u = glu.src
         if {s1.node, s2.node} != {g, u} or s1.code != MUL_MAT_ID_Q or s2.code != MUL_MAT_ID_Q or g is u:
             return False
-        if g.src[1:] != u.src[1:] or g.shape != u.shape or self.readers.get(g, 0) != 1 or self.readers.get(u, 0) != 1:
+        gs, us = (s1, s2) if s1.node is g else (s2, s1)
+        gm, um = gs.extra.get("mm", g), us.extra.get("mm", u)  # (the products of biased experts)
+        if gm.src[1:] != um.src[1:] or g.shape != u.shape or self.readers.get(g, 0) != 1 or self.readers.get(u, 0) != 1:
             return False
-        self.steps[-2:] = [_Step(MUL_MAT_ID_Q, glu, [*g.src, u.src[0]], {"glu": glu, "gate": g, "up": u})]
+        extra = {"glu": glu, "gate": gm, "up": um}
+        extra.update({f"{k}_bias": s.extra["bias"] for k, s in (("gate", gs), ("up", us)) if "bias" in s.extra})
+        biases = [b.src[1] for k in ("gate_bias", "up_bias") if (b := extra.get(k)) is not None]
+        self.steps[-2:] = [_Step(MUL_MAT_ID_Q, glu, [*gm.src, um.src[0], *biases], extra)]
         self.n_fused += 2
+        return True
+
+    def _fuse_mul_mat_id_bias(self, add: Tensor) -> bool:
+        """ADD_ID(MUL_MAT_ID, bias, its ids) — gpt-oss's biased experts — as the product's step
+        when nothing else reads the product: the step's result is the ADD_ID's, placed apart from
+        the product's input (the GPU's expert product with the bias as epilogue)."""
+        prev = self.steps[-1] if self.steps else None
+        mm, _b, ids = add.src
+        if prev is None or prev.code != MUL_MAT_ID_Q or prev.node is not mm or prev.extra:
+            return False
+        if mm.src[2] is not ids or self.readers.get(mm, 0) != 1:
+            return False
+        prev.extra.update(bias=add, mm=mm)
+        prev.node = add
+        prev.reads.append(add.src[1])
+        self.n_fused += 1
         return True
 
     def _fuse_norm_mul(self, mul: Tensor) -> bool:
@@ -1141,10 +1165,11 @@ class _Compiler:
             if len(n.src) > 4:  # the sinks: a weight (H,) f32
                 if not self.target.attn_sinks:
                     raise Refused(f"attention sinks ({n.name}): no kernel takes them here")
-                sk = _leaf_value(n.src[4])
-                if not isinstance(sk, np.ndarray) or sk.dtype != np.float32 or not sk.flags.c_contiguous:
+                sv = self.target.leaf(n.src[4])  # (the target's memory: host or device)
+                sk = self.target.array_loc(sv, self.keep) if sv is not None else None
+                if sk is None or sk.dtype != f32 or not sk.contiguous():
                     raise Refused("attention sinks without an f32 buffer")
-                r[24] = sk.ctypes.data
+                r[24] = sk.addr
             need_f32(q, "attention Q")
             need_f32(mask, "attention mask")
             if not q.contiguous() or len(k.shape) != 3 or k.strides[2] != 1 or v.strides[2] != 1:

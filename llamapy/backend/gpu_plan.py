@@ -29,14 +29,23 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
   * MUL_MAT_ID_GLU: the gate and up expert products of one input with the GLU after them as one
     launch (the compiler's step `_fuse_mul_mat_id_glu`, so the allocator places the GLU's result
     apart from the products' input): MUL_MAT_ID_W's slots for the gate experts, 1 the GLU's
-    result, 16 the up experts' blocks, 17 the GLU (0 SwiGLU, 1 GEGLU);
+    result, 16 the up experts' blocks, 17 the GLU (0 SwiGLU, 1 GEGLU, 2 swiglu_oai); with the
+    experts' biases (gpt-oss: the compiler's `_fuse_mul_mat_id_bias` folds each ADD_ID into its
+    product's step, `fuse_bias`), 18 / 20 the gate's / up's bias rows, 19 their row stride, 21 /
+    22 swiglu_oai's alpha / limit (float64 bits) — a biased MUL_MAT_ID_W's slots 18 / 19 alike;
   * the router (SOFT_MAX, ARGSORT, the batched GET_ROWS, SUM_ROWS, CLAMP, DIV and MUL by one value
     a row): the CPU's records, launched as moe.cu's kernels; ROUTER: the chain SOFT_MAX .. DIV
     of build_moe_ffn's normalised weights as one launch (`_fuse_router`, moe.cu's router_f32):
     1 the weights (T, U), 2 the logits, 3 the ARGSORT's result (T, E); 6 T, 7 E, 8 the logits'
     row stride, 9 the softmax scale, 10 U, 11 / 12 the clamp's bounds (float64 bits);
+    ROUTER_TOPK: gpt-oss's ARGSORT of the logits, GET_ROWS of the chosen ones and their SOFT_MAX
+    (`_fuse_router_topk`, moe.cu's router_topk_f32): ROUTER's slots 1-3 and 6-10;
   * ROPE: the CPU's record, with slot 4 the rope_freqs divisors on the device (0: none) instead of
-    the CPU's table of inverse frequencies, 13 / 14 the frequency base and scale (float64 bits);
+    the CPU's table of inverse frequencies, 13 / 14 the frequency base and scale (float64 bits),
+    15 YaRN's constants on the device (kernels.yarn_table; 0: none; ROPE_QKV's slot 27);
+  * ADD_ID (gpt-oss's expert biases): the CPU's record, slot 3 the bias rows on the device, 11
+    n_expert, 12 their row stride; ATTN's slot 24, the sinks, and the GLU's swiglu_oai slots
+    10-12 are the CPU's;
   * records are WIDTH slots: the CPU's REC (25), and in an ATTN record slot 25 points at the int32
     count of cells attended (0: slot 9 holds it), 26 at the scratch of its split partials, 27
     the number of splits of the cells (the runtime's choice for the shape).
@@ -75,18 +84,20 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..tensor import Tensor, TensorFlag
-from ..types import LlamapyError, UnsupportedError
-from .executor import (ADD, ARGSORT, ATTN, CLAMP, CPY, DIV, GEGLU, GET_ROWS_F32, MUL, MUL_MAT, MUL_MAT_ID_Q, OP_NAMES, RMS_NORM,
+from ..types import GGMLType, LlamapyError, UnsupportedError
+from .executor import (ADD, ADD_ID, ARGSORT, ATTN, CLAMP, CPY, DIV, GEGLU, GET_ROWS_F32, MUL, MUL_MAT, MUL_MAT_ID_Q, OP_NAMES, RMS_NORM,
                        ROPE, REC, SCALE, SOFT_MAX, SWIGLU, Built, Loc, Refusal, Refused, Target, _Compiler, _Slot, op_counts)
+from .kernels import yarn_table
 
 # The GPU's own record codes (from 33: apart from executor.c's and GEGLU's 32)
 MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV, MUL_MAT_ID_W, MUL_MAT_ID_GLU, ROUTER = 33, 34, 35, 36, 37, 38, 39
+ROUTER_TOPK = 40
 WIDTH = REC + 3  # after the CPU's slots: an ATTN record's count slot, split scratch, splits
 COUNT, SCRATCH, SPLITS = REC, REC + 1, REC + 2
 HEAD = 64  # bytes of count slots at the arena's start: 16 masks
 NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS", MUL_MAT_GLU: "MUL_MAT+GLU", ROPE_QKV: "ROPE+SET_ROWS",
          MUL_MAT_ID_W: "MUL_MAT_ID", MUL_MAT_ID_GLU: "MUL_MAT_ID+GLU",
-         ROUTER: "SOFT_MAX+ARGSORT+GET_ROWS+SUM_ROWS+CLAMP+DIV"}
+         ROUTER: "SOFT_MAX+ARGSORT+GET_ROWS+SUM_ROWS+CLAMP+DIV", ROUTER_TOPK: "ARGSORT+GET_ROWS+SOFT_MAX"}
 
 
 def graphs_enabled() -> bool:
@@ -125,8 +136,10 @@ class GPUTarget(Target):
     """The record compiler's view of a device's memory."""
 
     name = "GPU"
-    glu_ops = ("swiglu", "geglu")
+    glu_ops = ("swiglu", "geglu", "swiglu_oai")
+    attn_sinks = True
     fuse_glu = True
+    fuse_bias = True
     head = HEAD
     width = WIDTH
     addr_slots = ((COUNT, ATTN), (10, ROPE_QKV))
@@ -134,6 +147,7 @@ class GPUTarget(Target):
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.max_tokens = None  # (a product refuses past rt.max_tokens: its record says why)
+        self.yarn: dict[tuple, int] = {}  # one YaRN table a rope: Q's and K's records share it (ROPE_QKV)
 
     def leaf(self, t: Tensor) -> Any | None:
         r = t.root()
@@ -171,7 +185,7 @@ class GPUTarget(Target):
         self.splits: dict[Tensor, int] = {}
         for st in c.steps:
             if st.code == ATTN:
-                q, _k, v, _m = st.node.src
+                q, _k, v = st.node.src[:3]
                 T, H, _D = q.shape
                 N, Hkv, Dv = v.shape[0], v.shape[1], st.node.shape[-1]
                 self.splits[st.node], nbytes = self.rt.attn_split(T, H, Hkv, N, Dv)
@@ -203,17 +217,33 @@ class GPUTarget(Target):
             r[0], r[1], r[2], r[3] = MUL_MAT_W, dst.addr, xl.addr, blocks
             r[6], r[7], r[8], r[9], r[10], r[11] = n_tok, n_in, xs, qtype, n_out, row_bytes
             if "glu" in st.extra:  # the GLU's result (contiguous rows of n_ff), the product never stored
-                r[0], r[10], r[12] = MUL_MAT_GLU, n_out // 2, int(st.extra["glu"].params.get("op") == "geglu")
+                r[0], r[10], r[12] = MUL_MAT_GLU, n_out // 2, _epilogue(st.extra["glu"])
             return [r]
         if st.code == MUL_MAT_ID_Q:
             if "glu" not in st.extra:
-                return [self._mul_mat_id(c, n, loc)]
+                r = self._mul_mat_id(c, st.extra.get("mm", n), loc, dst=loc(n).addr)
+                if "bias" in st.extra:  # the ADD_ID after it as its epilogue
+                    r[18], r[19] = self._bias_rows(c, st.extra["bias"])
+                return [r]
             r = self._mul_mat_id(c, st.extra["gate"], loc, dst=loc(n).addr)
             up = self._mul_mat_id(c, st.extra["up"], loc, dst=loc(n).addr)
             if up[6:16] != r[6:16]:
                 raise Refused(f"{n.name}: gate and up experts of different layouts")
-            r[0], r[16], r[17] = MUL_MAT_ID_GLU, up[3], int(st.extra["glu"].params.get("op") == "geglu")
+            glu = st.extra["glu"]
+            r[0], r[16], r[17] = MUL_MAT_ID_GLU, up[3], _epilogue(glu, ids=True)
+            if r[17] == 2:
+                r[21], r[22] = _fbits(glu.params["alpha"]), _fbits(glu.params["limit"])
+            strides = set()
+            for k, slot in (("gate_bias", 18), ("up_bias", 20)):
+                if k in st.extra:
+                    r[slot], sb = self._bias_rows(c, st.extra[k])
+                    strides.add(sb)
+            if len(strides) > 1:
+                raise Refused(f"{n.name}: gate and up biases of different layouts")
+            r[19] = strides.pop() if strides else 0
             return [r]
+        if st.code == ADD_ID:
+            return [self._add_id(c, n, loc)]
         if st.code == GET_ROWS_F32:
             table, ids = n.src
             tv = self.leaf(table) if table.is_leaf else None
@@ -299,9 +329,12 @@ class GPUTarget(Target):
                 or pos.dtype != np.dtype(np.int32) or not pos.contiguous():
             raise Refused("a ROPE layout")
         p = n.params
-        if p.get("yarn"):
-            raise Refused(f"YaRN rope ({n.name}): rope.cu has no YaRN")
         r = [0] * WIDTH
+        if p.get("yarn"):
+            key = (p["n_dims"], p["freq_base"], p["freq_scale"], tuple(p["yarn"]))
+            if key not in self.yarn:
+                self.yarn[key] = self.const(yarn_table(*key), c.keep)
+            r[15] = self.yarn[key]
         r[0], r[1], r[2], r[3] = ROPE, loc(n).addr, x.addr, pos.addr
         if len(n.src) > 2:
             f = loc(n.src[2])
@@ -312,6 +345,37 @@ class GPUTarget(Target):
         r[6], r[7], r[8], r[9], r[10], r[11], r[12] = T, H, D, x.strides[0], x.strides[1], p["n_dims"], \
             int(p["mode"] == 2)  # fmt: skip
         r[13], r[14] = _fbits(p["freq_base"]), _fbits(p["freq_scale"])
+        return r
+
+    def _bias_rows(self, c: _Compiler, n: Tensor) -> tuple[int, int]:
+        """An ADD_ID's bias rows on the device (a float32 matrix of n_expert rows): (address,
+        row stride in floats)."""
+        bv = self.leaf(n.src[1]) if n.src[1].is_leaf else None
+        if bv is None:
+            raise Refused(f"ADD_ID {n.name}: biases that are not a weight")
+        try:
+            bl = self.array_loc(bv, c.keep)
+            if bl.dtype != np.dtype(np.float32) or bl.strides[-1] != 1:
+                raise Refused(f"ADD_ID {n.name}: biases of type {bl.dtype}")
+            return bl.addr, bl.strides[0]
+        except Refused:
+            b, qtype, _n_out, _n_in, row_bytes = self.rt.weight(bv)
+            c.keep.append(bv)
+            if qtype != int(GGMLType.F32):
+                raise Refused(f"ADD_ID {n.name}: biases of type {GGMLType(qtype).name}") from None
+            return b, row_bytes // 4
+
+    def _add_id(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc]) -> list[int]:
+        """ADD_ID: the shared record's layout over the bias rows on the device."""
+        a, ids = loc(n.src[0]), loc(n.src[2])
+        n_expert = n.src[1].shape[0]
+        b, sb = self._bias_rows(c, n)
+        if a.dtype != np.dtype(np.float32) or ids.dtype != np.dtype(np.int32) or ids.strides[-1] != 1:
+            raise Refused(f"ADD_ID {n.name}: a layout")
+        rows, cols, sa = a.rows()
+        r = [0] * WIDTH
+        r[0], r[1], r[2], r[3], r[4] = ADD_ID, loc(n).addr, a.addr, b, ids.addr
+        r[6], r[7], r[8], r[9], r[10], r[11], r[12] = rows, cols, sa, n.shape[1], ids.strides[0], n_expert, sb
         return r
 
     def finish(self, c: _Compiler, recs: list[list[int]], masks: list[tuple[Tensor, _Slot, np.ndarray]],
@@ -326,6 +390,7 @@ class GPUTarget(Target):
         spans = [(c.base + s.off, c.base + s.off + _extent(s)) for _t, s in exports if isinstance(s, _Slot)]
         recs[:] = _fuse_rope_qkv(recs, spans)  # (after the count slots: it changes the records' indices)
         recs[:] = _fuse_router(recs, spans)
+        recs[:] = _fuse_router_topk(recs, spans)
 
 
 @dataclass
@@ -440,7 +505,7 @@ def _dead_after(recs: list[list[int]], k0: int, lo: int, hi: int, exports: list[
     return not any(a < hi and lo < b for a, b in exports)
 
 
-_ROWS_OUT = frozenset({ADD, MUL, DIV, SCALE, CPY, SWIGLU, GEGLU, SOFT_MAX, CLAMP, ARGSORT})
+_ROWS_OUT = frozenset({ADD, MUL, DIV, SCALE, CPY, SWIGLU, GEGLU, SOFT_MAX, CLAMP, ARGSORT, ADD_ID})
 
 
 def _written(r: list[int]) -> int:
@@ -466,7 +531,7 @@ def _fuse_rope_qkv(recs: list[list[int]], exports: list[tuple[int, int]]) -> lis
         T, H, D, Hkv = q[6], q[7], q[8], k[7]
         ok = (q[0], k[0], sk[0], sv[0]) == (ROPE, ROPE, SET_ROWS, SET_ROWS) and sk[4] == k[1] \
             and (T == 1 or q[9] == k[9] == sv[8]) and q[10] == k[10] == D and k[8] == D and k[6] == T \
-            and q[3] == k[3] and q[11:15] == k[11:15] and q[4] == k[4] and sk[3] == sv[3] and sk[9] == sv[9] \
+            and q[3] == k[3] and q[11:16] == k[11:16] and q[4] == k[4] and sk[3] == sv[3] and sk[9] == sv[9] \
             and sk[6] == sv[6] == T and sk[7] == Hkv * D and sv[7] % Hkv == 0 \
             and _dead_after(recs, i + 4, k[1], k[1] + 4 * T * Hkv * D, exports)
         if not ok:
@@ -478,7 +543,7 @@ def _fuse_rope_qkv(recs: list[list[int]], exports: list[tuple[int, int]]) -> lis
         r[6], r[7], r[8], r[9], r[11], r[12], r[13], r[14] = T, H, D, q[9], q[11], q[12], q[13], q[14]
         r[15], r[16], r[17], r[18] = Hkv, sv[7] // Hkv, q[4], sk[9]
         r[19], r[20], r[21], r[22] = sk[1], sk[10], sk[11], sk[12]
-        r[23], r[24], r[25], r[26] = sv[1], sv[10], sv[11], sv[12]
+        r[23], r[24], r[25], r[26], r[27] = sv[1], sv[10], sv[11], sv[12], q[15]
         out.append(r)
         i += 4
     return out
@@ -523,6 +588,38 @@ def _fuse_router(recs: list[list[int]], exports: list[tuple[int, int]]) -> list[
     return out
 
 
+def _fuse_router_topk(recs: list[list[int]], exports: list[tuple[int, int]]) -> list[list[int]]:
+    """gpt-oss's routing ("softmax_weight": ARGSORT of the logits, the batched GET_ROWS of the
+    chosen ones, their SOFT_MAX) as one ROUTER_TOPK record (moe.cu's router_topk_f32), where each
+    reads the one before, the chosen logits are read by nothing after, and the ids and weights
+    lie over no other token's logits (a block reads its own row before it writes)."""
+    from .executor import GET_ROWS_B
+
+    out: list[list[int]] = []
+    i = 0
+    while i < len(recs):
+        a, g, sm = (recs[i:i + 3] + [[0] * WIDTH] * 3)[:3]
+        T, E, U = a[6], a[7], g[7]
+        ok = (a[0], g[0], sm[0]) == (ARGSORT, GET_ROWS_B, SOFT_MAX) and g[2] == a[2] and g[3] == a[1] \
+            and g[6] == T and g[8] == 1 and g[9:13] == [a[8], 1, E, E] and 0 < U <= E and sm[2] == g[1] \
+            and sm[6:9] == [T, U, U]
+        if ok:
+            x = (a[2], a[2] + 4 * ((T - 1) * a[8] + E))
+            kept = [(a[1], a[1] + 4 * T * E), (sm[1], sm[1] + 4 * T * U)]
+            ok = (T == 1 or not any(_overlap(x, k) for k in kept)) \
+                and all(_dead_after(recs, i + 3, lo, hi, exports) for lo, hi in _minus((g[1], g[1] + 4 * T * U), kept))
+        if not ok:
+            out.append(recs[i])
+            i += 1
+            continue
+        r = [0] * WIDTH
+        r[0], r[1], r[2], r[3] = ROUTER_TOPK, sm[1], a[2], a[1]
+        r[6], r[7], r[8], r[9], r[10] = T, E, a[8], sm[9], U
+        out.append(r)
+        i += 3
+    return out
+
+
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
@@ -533,6 +630,15 @@ def _minus(r: tuple[int, int], cut: list[tuple[int, int]]) -> list[tuple[int, in
     for c0, c1 in cut:
         parts = [q for lo, hi in parts for q in ((lo, min(hi, c0)), (max(lo, c1), hi)) if q[0] < q[1]]
     return parts
+
+
+def _epilogue(glu: Tensor, ids: bool = False) -> int:
+    """A product's GLU epilogue code: 0 SwiGLU, 1 GEGLU, 2 swiglu_oai (the expert products'
+    only: mmv_id's epilogue has it, mmv_glu's not — no dense gpt-oss FFN)."""
+    op = glu.params.get("op")
+    if op not in ("swiglu", "geglu", "swiglu_oai") or (op == "swiglu_oai" and not ids):
+        raise Refused(f"a product with a {op} epilogue")
+    return ("swiglu", "geglu", "swiglu_oai").index(str(op))
 
 
 def _fbits(x: float) -> int:

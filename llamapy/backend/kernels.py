@@ -237,6 +237,25 @@ def rope_consts(n_dims: int, base: float, freq_scale: float, factors: Any | None
     return np.ascontiguousarray(np.concatenate([np.array([base, freq_scale], np.float32), ff, np.array(y, np.float32)]))
 
 
+def yarn_mscale(freq_scale: float, ext_factor: float, attn_factor: float) -> np.float32:
+    """The factor of YaRN's cos/sin (ggml's rope_yarn): attn_factor, times 1 + 0.1 ln(1 /
+    freq_scale) when ext_factor is not 0 — one fma, as llama.cpp's build contracts it (the f32
+    product is exact in f64: one rounding)."""
+    mscale = np.float32(attn_factor)
+    if ext_factor != 0.0:
+        log = np.float32(np.log(np.float32(1) / np.float32(freq_scale)))
+        mscale = mscale * np.float32(float(np.float32(0.1)) * float(log) + 1.0)
+    return np.float32(mscale)
+
+
+def yarn_table(n_dims: int, base: float, freq_scale: float, yarn: tuple) -> np.ndarray:
+    """(5,) float32 for rope.cu: rope_consts' YaRN tail (ext_factor, attn_factor, the correction
+    dims) and the cos/sin factor (yarn_mscale)."""
+    n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow = yarn
+    c0, c1 = yarn_corr_dims(n_dims, int(n_ctx_orig), base, beta_fast, beta_slow)
+    return np.array([ext_factor, attn_factor, c0, c1, yarn_mscale(freq_scale, ext_factor, attn_factor)], np.float32)
+
+
 def yarn_corr_dims(n_dims: int, n_ctx_orig: int, base: float, beta_fast: float, beta_slow: float) -> tuple[float, float]:
     """The pairs YaRN ramps between (ggml_rope_yarn_corr_dims): below the first it extrapolates
     (the trained frequency), above the second it interpolates (scaled by freq_scale); f32 as ggml."""
@@ -278,16 +297,14 @@ def _rope_tables_compute(
     mscale = np.float32(1.0)
     if yarn:  # ggml's rope_yarn: pairs below the ramp keep the trained angle, cos/sin scaled
         n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow = yarn
-        mscale = np.float32(attn_factor)
+        mscale = yarn_mscale(freq_scale, ext_factor, attn_factor)
         if ext_factor != 0.0:
             lo, hi = yarn_corr_dims(n_dims, int(n_ctx_orig), base, beta_fast, beta_slow)
             y = (np.arange(half, dtype=np.float32) - np.float32(lo)) / np.float32(max(0.001, hi - lo))
             mix = np.asarray((np.float32(1) - np.clip(y, 0, 1)) * np.float32(ext_factor))  # (n_dims/2,)
-            # fma(theta, 1 - mix, extrap * mix) and fma(0.1, ln(1/freq_scale), 1), as llama.cpp's
-            # build contracts them: the f32 products are exact in f64, one rounding to f32
+            # fma(theta, 1 - mix, extrap * mix), as llama.cpp's build contracts it: the f32
+            # products are exact in f64, one rounding to f32
             theta = (theta.astype(np.float64) * (1 - mix) + (extrap * mix).astype(np.float64)).astype(np.float32)
-            log = np.float32(np.log(np.float32(1) / np.float32(freq_scale)))
-            mscale = mscale * np.float32(float(np.float32(0.1)) * float(log) + 1.0)
     # cos/sin of the f32 angle rounded from f64: glibc's cosf/sinf (the C kernel) differ in the
     # last bit for ~1 angle in 4000
     th = theta.astype(np.float64)

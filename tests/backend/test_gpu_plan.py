@@ -30,11 +30,11 @@ from gguf.quants import dequantize
 
 from llamapy.backend import cuda_exec, gpu_plan, native
 from llamapy.backend.cpu import CPU_BUFT, CPUBackend
-from llamapy.backend.executor import (ARGSORT, ATTN, CLAMP, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, SET_ROWS, SOFT_MAX, SUM_ROWS,
+from llamapy.backend.executor import (ADD_ID, ARGSORT, ATTN, CLAMP, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, SET_ROWS, SOFT_MAX, SUM_ROWS,
                                       SWIGLU, MUL_MAT_ID_Q, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena, ExecPlan, Loc, Refusal,
                                       Refused, _array_loc, _lib, _Slot)
 from llamapy.backend.gpu_plan import (COUNT, GET_ROWS_W, HEAD, MUL_MAT_GLU, MUL_MAT_ID_GLU, MUL_MAT_ID_W, MUL_MAT_W, ROPE_QKV, ROUTER,
-                                      WIDTH, GPUPlan)
+                                      ROUTER_TOPK, WIDTH, GPUPlan)
 from llamapy.backend.cpu_kernels import KV_CODES
 from llamapy.backend.kernels import _rope_tables_compute, gelu, rope_consts
 from llamapy.context import Context, ContextOptions, Model
@@ -62,10 +62,10 @@ class FakeRuntime(HostRuntime):
         k_out = np.zeros((T, Hkv, D), np.float32)
         self.keep.append(k_out)
         q, k, sk, sv = (np.zeros(WIDTH, np.int64) for _ in range(4))
-        q[[0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14]] = ROPE, r[1], r[2], r[3], r[17], T, H, D, r[9], D, \
-            r[11], r[12], r[13], r[14]
-        k[[0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14]] = ROPE, k_out.ctypes.data, r[5], r[3], r[17], T, Hkv, \
-            D, r[9], D, r[11], r[12], r[13], r[14]
+        q[[0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]] = ROPE, r[1], r[2], r[3], r[17], T, H, D, r[9], D, \
+            r[11], r[12], r[13], r[14], r[27]
+        k[[0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]] = ROPE, k_out.ctypes.data, r[5], r[3], r[17], T, \
+            Hkv, D, r[9], D, r[11], r[12], r[13], r[14], r[27]
 
         def rot_bits(rot: int) -> int:
             return int(np.float64(hadamard(rot)[0, 0]).view(np.int64)) if rot else 0
@@ -95,8 +95,10 @@ class FakeRuntime(HostRuntime):
                 f = np.ctypeslib.as_array((ctypes.c_float * (n_dims // 2)).from_address(int(r[4])))
             base, scale = (float(np.int64(v).view(np.float64)) for v in r[13:15])
             inv = rope_consts(n_dims, base, scale, f)
+            if r[15]:  # YaRN: the device table's first four floats are rope_consts' tail
+                inv[-4:] = np.ctypeslib.as_array((ctypes.c_float * 5).from_address(int(r[15])))[:4]
             self.keep.append(inv)
-            r[4], r[13], r[14] = inv.ctypes.data, 0, 0
+            r[4], r[13], r[14], r[15] = inv.ctypes.data, 0, 0, 0
 
         def run(recs: list[np.ndarray]) -> None:
             table = np.ascontiguousarray(np.stack(recs)[:, :REC])
@@ -148,10 +150,17 @@ class FakeRuntime(HostRuntime):
                     m[[0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14]] = MUL_MAT_ID_Q, out, w, self.scratch.ctypes.data, \
                         r[4], qtype, n_exp, M, row_bytes, n_in, X, sid, T_, U
                     recs.append(m)
+                for out, b in zip(outs, (r[18], r[20])):  # the experts' biases fused: ADD_ID in place
+                    if b:
+                        assert r[19] == M  # (executor.c's bias rows: M apart)
+                        a = np.zeros(REC, np.int64)
+                        a[[0, 1, 2, 3, 4, 6, 7, 8, 9, 10]] = ADD_ID, out, out, b, r[4], T_ * U, M, M, U, sid
+                        recs.append(a)
                 if code == MUL_MAT_ID_GLU:
-                    assert not r[17]  # (SwiGLU experts: executor.c's GLU)
+                    assert r[17] in (0, 2)  # (SwiGLU or swiglu_oai experts: executor.c's GLU)
                     sw = np.zeros(REC, np.int64)
-                    sw[[0, 1, 2, 3, 6, 7, 8, 9]] = SWIGLU, r[1], outs[0], outs[1], T_ * U, M, M, M
+                    sw[[0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 12]] = SWIGLU, r[1], outs[0], outs[1], T_ * U, M, M, M, \
+                        int(r[17] == 2), r[21], r[22]
                     recs.append(sw)
                 run(recs)
             elif code == ROUTER:  # the six records it stands for, over buffers of this runtime's
@@ -166,6 +175,15 @@ class FakeRuntime(HostRuntime):
                 recs[3][[0, 1, 2, 6, 7, 8]] = SUM_ROWS, sm, w, T_, U, U
                 recs[4][[0, 1, 2, 6, 7, 8, 9, 10]] = CLAMP, cl, sm, T_, 1, 1, r[11], r[12]
                 recs[5][[0, 1, 2, 3, 6, 7, 8, 9, 10]] = DIV, r[1], w, cl, T_, U, U, 1, 1
+                run(recs)
+            elif code == ROUTER_TOPK:  # the three records it stands for, the chosen logits in a buffer
+                T_, E, sx, U = int(r[6]), int(r[7]), int(r[8]), int(r[10])
+                buf = np.zeros((T_, U), np.float32)
+                self.keep.append(buf)
+                recs = [np.zeros(REC, np.int64) for _ in range(3)]
+                recs[0][[0, 1, 2, 6, 7, 8]] = ARGSORT, r[3], r[2], T_, E, sx
+                recs[1][[0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 12]] = GET_ROWS_B, buf.ctypes.data, r[2], r[3], T_, U, 1, sx, 1, E, E
+                recs[2][[0, 1, 2, 6, 7, 8, 9]] = SOFT_MAX, r[1], buf.ctypes.data, T_, U, U, r[9]
                 run(recs)
             elif code == GET_ROWS_W:  # ops.c's expansion of F16/Q8_0/Q4_0 rows (the CPU executor's)
                 g = np.zeros(REC, np.int64)
@@ -423,7 +441,9 @@ class NumpyOps:
         self.calls.append("scale")
         mem(y, (rows, n), (sy, 1), F32)[...] = mem(a, (rows, n), (sa, 1), F32) * np.float32(s)
 
-    def glu(self, stream: Any, op: str, g: int, sg: int, u: int, su: int, y: int, sy: int, rows: int, n: int) -> None:
+    def glu(self, stream: Any, op: str, g: int, sg: int, u: int, su: int, y: int, sy: int, rows: int, n: int,
+            **oai: float) -> None:
+        assert op != "swiglu_oai", "NumpyOps has no swiglu_oai (the emulator's tests run it)"
         self.calls.append(op)
         G, U = mem(g, (rows, n), (sg, 1), F32), mem(u, (rows, n), (su, 1), F32)
         mem(y, (rows, n), (sy, 1), F32)[...] = (G / (1 + np.exp(-G)) if op == "swiglu" else gelu(np, G)) * U
@@ -445,7 +465,8 @@ class NumpyOps:
                  n_head: int, n_head_kv: int, head_dim: int, head_dim_v: int, *, pos: int, n_dims: int, mode: int,
                  freq_base: float, freq_scale: float = 1.0, factors: int = 0, ids: int, n_cells: int,
                  k_type: GGMLType, k_cache: int, k_rb: int, k_rot: int = 0, v_type: GGMLType, v_cache: int,
-                 v_rb: int, v_rot: int = 0) -> None:
+                 v_rb: int, v_rot: int = 0, yarn: int = 0) -> None:
+        assert not yarn, "NumpyOps has no YaRN (the emulator's tests run it)"
         rope = dict(pos=pos, n_dims=n_dims, mode=mode, freq_base=freq_base, freq_scale=freq_scale, factors=factors)
         store = dict(ids=ids, n_cells=n_cells)
         self.rope(stream, q, sxt, head_dim, q_out, syt, head_dim, n_tokens, n_head, head_dim, **rope)
@@ -471,7 +492,8 @@ class NumpyOps:
     def rope(self, stream: Any, x: int, sxt: int, sxh: int, y: int, syt: int, syh: int, n_tokens: int, n_head: int,
              head_dim: int, *, pos: int = 0, n_dims: int = 0, mode: int = -1, freq_base: float = 10000.0,
              freq_scale: float = 1.0, factors: int = 0, cache_type: GGMLType | None = None, ids: int = 0,
-             n_cells: int = 0, cache: int = 0, cache_rb: int = 0, rot: int = 0) -> None:
+             n_cells: int = 0, cache: int = 0, cache_rb: int = 0, rot: int = 0, yarn: int = 0) -> None:
+        assert not yarn, "NumpyOps has no YaRN (the emulator's tests run it)"
         self.calls.append("rope" if mode >= 0 else "set_rows")
         v = mem(x, (n_tokens, n_head, head_dim), (sxt, sxh, 1), F32).copy()
         if mode >= 0:
@@ -496,7 +518,8 @@ class NumpyOps:
                        k_hb: int, v_type: GGMLType, v: int, v_cb: int, v_hb: int, n_cells: int, mask: int, sm: int,
                        out: int, sot: int, soh: int, n_tokens: int, n_head: int, n_head_kv: int, head_dim: int,
                        head_dim_v: int, scale: float, *, n_kv: int = 0, n_kv_dev: int = 0, n_splits: int = 1,
-                       scratch: int = 0, rot_k: int = 0, rot_v: int = 0) -> None:
+                       scratch: int = 0, rot_k: int = 0, rot_v: int = 0, sinks: int = 0) -> None:
+        assert not sinks, "NumpyOps has no sinks (the emulator's tests run them)"
         self.calls.append("flash_attn_ext")
         n = ctypes.c_int32.from_address(n_kv_dev).value if n_kv_dev else n_kv
         assert 0 < n <= n_cells
@@ -816,7 +839,7 @@ def test_moe_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     ref_model.free()
 
 
-@pytest.mark.parametrize("case", ["tiny-qwen3moe", "tiny-mixtral"])
+@pytest.mark.parametrize("case", ["tiny-qwen3moe", "tiny-mixtral", "tiny-gptoss"])
 @pytest.mark.parametrize("where", ["ngl-all", "n-cpu-moe"])
 def test_moe_through_the_scheduler_on_test_devices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str,
                                                    where: str) -> None:
@@ -827,7 +850,7 @@ def test_moe_through_the_scheduler_on_test_devices(tmp_path: Path, monkeypatch: 
     from llamapy.backend.device import MemoryDeviceBackend
     from llamapy.context import ModelOptions
 
-    path = _moe_model(tmp_path, case)
+    path = _gptoss_model(tmp_path) if case == "tiny-gptoss" else _moe_model(tmp_path, case)
     cpu_model = Model(path)
     want = _moe_decode(Context(cpu_model, ContextOptions(n_ctx=256, n_threads=1)), _MOE_STEPS)
     monkeypatch.setenv("LLAMAPY_TEST_GPU", "1")
@@ -854,6 +877,8 @@ def test_moe_through_the_scheduler_on_test_devices(tmp_path: Path, monkeypatch: 
     assert made and all(not p.direct for p in made)
     ids = [int((p.recs[:, 0] == MUL_MAT_ID_W).sum() + 2 * (p.recs[:, 0] == MUL_MAT_ID_GLU).sum()) for p in made]
     n_layer = 2
+    if case == "tiny-gptoss":  # its own ops in the GPU plans (layer 1's experts at --n-cpu-moe 1)
+        assert _gptoss_records(made) == _GPTOSS_FUSED
     if where == "ngl-all":
         assert max(ids) == 3 * n_layer  # every expert product in the one plan of a step
     else:
@@ -906,36 +931,94 @@ def test_batch_sizes_keep_their_plans_and_graphs(make_llama, monkeypatch: pytest
     cpu_model.free()
 
 
-def test_gptoss_splits_the_gpu_kernels_cannot_run_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """gpt-oss's attention sinks, YaRN rope and clamped SwiGLU have no CUDA kernel yet: the GPU target refuses
-    those splits, saying why (they run node by node), and the logits stay the CPU path's."""
+def _gptoss_model(tmp_path: Path, exp_qtype: T = T.MXFP4) -> Path:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
     from moe_models import write_gptoss_gguf
 
-    model = Model(write_gptoss_gguf(tmp_path / "g.gguf", qtype=T.Q8_0, exp_qtype=T.MXFP4))
-    steps = [([1, 5, 9, 3], [0, 1, 2, 3], 0, None)] + [([10 + i], [4 + i], 0, None) for i in range(3)]
+    return write_gptoss_gguf(tmp_path / "gptoss.gguf", qtype=T.Q8_0, exp_qtype=exp_qtype)
+
+
+# gpt-oss's own ops in its plans: the experts' biases and clamped SwiGLU as the expert products'
+# epilogue (the compiler's fuse_bias), or as ADD_ID and GLU records of their own (without it)
+_GPTOSS_FUSED = {"yarn", "sinks", "bias epilogue", "swiglu_oai epilogue", "router"}
+_GPTOSS_UNFUSED = {"yarn", "sinks", "add_id", "swiglu_oai", "router"}
+
+
+def _gptoss_records(made: list[GPUPlan]) -> set[str]:
+    """What gpt-oss's own ops became in the plans: YaRN ropes, sinks, swiglu_oai, ADD_ID."""
+    seen = set()
+    for p in made:
+        for r in p.recs:
+            code = int(r[0])
+            seen |= {"yarn"} if (code == ROPE and r[15]) or (code == ROPE_QKV and r[27]) else set()
+            seen |= {"sinks"} if code == ATTN and r[24] else set()
+            seen |= {"swiglu_oai"} if code == SWIGLU and r[10] else set()
+            seen |= {"add_id"} if code == ADD_ID else set()
+            seen |= {"bias epilogue"} if code in (MUL_MAT_ID_W, MUL_MAT_ID_GLU) and r[18] else set()
+            seen |= {"swiglu_oai epilogue"} if code == MUL_MAT_ID_GLU and r[17] == 2 else set()
+            seen |= {"router"} if code == ROUTER_TOPK else set()
+    return seen
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["epilogues", "records"])
+def test_gptoss_gpu_plan_gives_the_cpu_executors_logits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        fused: bool) -> None:
+    """gpt-oss (YaRN rope, attention sinks, sliding-window layers, biased experts in MXFP4, the
+    clamped SwiGLU, top-k then softmax routing) as one GPU plan a step: no split refused, the
+    records of its own ops made (the biases and the GLU as the expert products' epilogue, or,
+    without that fusion, as records of their own), and the CPU executor's logits bit for bit
+    (launches through executor.c's records)."""
+    monkeypatch.setattr(gpu_plan.GPUTarget, "fuse_bias", fused)
+    model = Model(_gptoss_model(tmp_path))
     ref = Context(model, ContextOptions(n_ctx=256, n_threads=1))
-    want = [ref.decode(t, p, s, w) for t, p, s, w in steps]
+    want = _moe_decode(ref, _MOE_STEPS)
     refusals: list[str] = []
     real = gpu_plan.compile_split
 
     def spy(*a: Any, **k: Any) -> Any:
         p = real(*a, **k)
-        if not p:
-            refusals.append(p.reason)
+        refusals.extend([] if p else [p.reason])
         return p
 
     monkeypatch.setattr(gpu_plan, "compile_split", spy)
-    _gpu_backend(monkeypatch, FakeRuntime)
-    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1))
-    for (t, p, s, w), b in zip(steps, want):
-        np.testing.assert_array_equal(ctx.decode(t, p, s, w), b)
-    # (the first op without a kernel names the refusal: with the MoE block in the plan, gpt-oss's
-    # clamped SwiGLU of the experts' products comes before the attention's records are made)
-    assert any(k in r for r in refusals for k in ("sinks", "YaRN", "swiglu_oai")), refusals
+    made = _gpu_backend(monkeypatch, FakeRuntime)
+    gpu = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    for i, (a, b) in enumerate(zip(_moe_decode(gpu, _MOE_STEPS), want)):
+        np.testing.assert_array_equal(a, b, err_msg=f"step {i}")
+    assert not refusals, refusals
+    assert made and all(not p.direct and p.n_captures == 1 for p in made)
+    assert _gptoss_records(made) == (_GPTOSS_FUSED if fused else _GPTOSS_UNFUSED)
+    if fused:  # every layer's gate/up experts, their biases and GLU one launch; down and its bias one
+        for p in made:
+            assert (p.recs[:, 0] == MUL_MAT_ID_GLU).sum() == 2 and (p.recs[:, 0] == MUL_MAT_ID_W).sum() == 2, p.summary()
+    assert all(len(p.built.masks) == 2 for p in made if (p.recs[:, 0] == ATTN).any())  # full and sliding window
     model.free()
+
+
+@pytest.mark.parametrize("fused", [True, pytest.param(False, marks=_SLOW)], ids=["epilogues", "records"])
+def test_gptoss_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, emu_functions: Any,
+                                     fused: bool) -> None:
+    """gpt-oss's decode through the real kernels on the CPU emulator (rope.cu's YaRN, fattn.cu's
+    sinks, the MXFP4 mmv_id with the biases and swiglu_oai as its epilogue — or glu.cu's
+    swiglu_oai and moe.cu's add_id without that fusion): the float32 CPU path's logits within
+    float32 noise, the same greedy tokens."""
+    monkeypatch.setattr(gpu_plan.GPUTarget, "fuse_bias", fused)
+    path = _gptoss_model(tmp_path)
+    ref_model = Model(path, context_options=ContextOptions(cpu_matmul="f32"))
+    model = Model(path)
+    ref = Context(ref_model, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32"))
+    want = _moe_decode(ref, _MOE_STEPS)
+    made = _gpu_backend(monkeypatch, lambda: EmuRuntime(emu_functions))
+    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    for i, (a, b) in enumerate(zip(_moe_decode(ctx, _MOE_STEPS), want)):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * float(np.abs(b).max()), err_msg=f"step {i}")
+        assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {i}"
+    assert made and all(not p.direct for p in made)
+    assert _gptoss_records(made) == (_GPTOSS_FUSED if fused else _GPTOSS_UNFUSED)
+    model.free()
+    ref_model.free()
 
 
 def test_the_embedding_split_runs_on_the_calling_thread(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001

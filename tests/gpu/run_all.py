@@ -15,7 +15,7 @@ outside the repository):
      weights, Q8_0 token_embd, tied output) and tiny32-shaped (32 layers, 256/768, 4/2 heads,
      Q4_K / Q6_K) -- with random weights: the last-position distributions of `-ngl all` and
      `-ngl 20` against the CPU run (KL divergence over a few prompts of random tokens, <= 1e-4);
-  3b. mixture of experts (tiny qwen3moe and Mixtral-style files of tests/model/moe_models.py,
+  3b. mixture of experts (tiny qwen3moe, Mixtral-style and gpt-oss files of tests/model/moe_models.py,
      Q8_0): -ngl all and -ngl all --n-cpu-moe 1 against -ngl 0 (KL of the last position), decode
      speed, and the decode graph's plan line (the router and the experts in one CUDA graph);
   4. decode speed (tokens/s) at -ngl 0, 20 and all; at -ngl all the decode graph's plan line
@@ -366,11 +366,14 @@ def moe_check(rep: Report, lines: list[str], tmp: Path, case: str, args: Any, gp
     from llamapy.model.loader import expert_overrides
 
     sys.path.insert(0, str(ROOT / "tests/model"))
-    from moe_models import SHAPES, write_moe_gguf
+    from moe_models import SHAPES, write_gptoss_gguf, write_moe_gguf
 
     from gguf import GGMLQuantizationType as T
 
-    path = write_moe_gguf(tmp / f"{case}.gguf", qtype=T.Q8_0, **SHAPES[case])
+    if case == "tiny-gptoss":  # YaRN, sinks, sliding-window layers, biased MXFP4 experts, swiglu_oai
+        path = write_gptoss_gguf(tmp / f"{case}.gguf", qtype=T.Q8_0, exp_qtype=T.MXFP4)
+    else:
+        path = write_moe_gguf(tmp / f"{case}.gguf", qtype=T.Q8_0, **SHAPES[case])
     rng = np.random.default_rng(7)
     prompts = [[1] + rng.integers(3, 250, PROMPT_LEN - 1).tolist() for _ in range(1 if args.quick else N_PROMPTS)]
     ref: list[np.ndarray] | None = None
@@ -605,7 +608,7 @@ def main() -> int:
                       "tokens/s, plan")
     rep.add(moe, "| model | placement | max KL | argmax agree | tokens/s | plan at -ngl all |")
     rep.add(moe, "|---|---|---|---|---|---|")
-    for case in ("tiny-qwen3moe", "tiny-mixtral"):
+    for case in ("tiny-qwen3moe", "tiny-mixtral", "tiny-gptoss"):
         rep.step(moe, f"MoE {case}", lambda case=case: moe_check(rep, moe, tmp, case, args, gpu_prefix))
 
     total = rep.section("Total")

@@ -609,10 +609,11 @@ def test_mul_mat_id(env: Env, name: str, shared: bool) -> None:
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()))
 
 
-@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+@pytest.mark.parametrize("op", ["swiglu", "geglu", "swiglu_oai"])
 def test_mul_mat_id_glu_epilogue(env: Env, op: str) -> None:
     """gate and up experts with the GLU as epilogue: the bits of the two products, then glu; an
-    expert id out of range gives NaN rows, nothing read."""
+    expert id out of range gives NaN rows, nothing read. swiglu_oai (gpt-oss) with the experts'
+    biases too: the bits of the products, add_id of each, then glu."""
     raw_g, ids, x = _moe_case("Q4_K")
     raw_u = np.ascontiguousarray(random_rows("Q4_K", raw_g.shape[0], 256, np.random.default_rng(9)))
     (T, U), n_in, m = ids.shape, 256, 72
@@ -622,18 +623,46 @@ def test_mul_mat_id_glu_epilogue(env: Env, op: str) -> None:
     gd, ud, xd, idd = env.d(raw_g), env.d(raw_u), env.d(x), env.d(ids)
     g, u = env.full((T, U, m), np.nan, np.float32), env.full((T, U, m), np.nan, np.float32)
     sep, fused = env.full((T, U, m), np.nan, np.float32), env.full((T, U, m), np.nan, np.float32)
+    oai = op == "swiglu_oai"
+    kw: dict[str, Any] = dict(alpha=1.702, limit=7.0) if oai else {}
+    bg, bu = env.d(randn(5, m + 3) * 4), env.d(randn(5, m + 3) * 4)  # bias rows m + 3 apart
 
     def separate(st: Any) -> None:
         env.k.mul_mat_id(st, G.Q4_K, env.p(gd), rb, 5, m, n_in, env.p(xd), n_in, 0, env.p(idd), U, env.p(g), T, U)
         env.k.mul_mat_id(st, G.Q4_K, env.p(ud), rb, 5, m, n_in, env.p(xd), n_in, 0, env.p(idd), U, env.p(u), T, U)
-        env.k.glu(st, op, env.p(g), m, env.p(u), m, env.p(sep), m, T * U, m)
+        if oai:
+            for y, b in ((g, bg), (u, bu)):
+                env.k.add_id(st, env.p(y), m, env.p(b), m + 3, 5, env.p(idd), U, env.p(y), m, T * U, m, U)
+        env.k.glu(st, op, env.p(g), m, env.p(u), m, env.p(sep), m, T * U, m, **kw)
 
     env.run(separate)
+    if oai:
+        kw.update(b=env.p(bg), b2=env.p(bu), sb=m + 3)
     env.run(lambda st: env.k.mul_mat_id(st, G.Q4_K, env.p(gd), rb, 5, m, n_in, env.p(xd), n_in, 0, env.p(idd), U,
-                                        env.p(fused), T, U, w2=env.p(ud), glu=op))
+                                        env.p(fused), T, U, w2=env.p(ud), glu=op, **kw))
     a, b = env.get(sep), env.get(fused)
     assert np.all(np.isnan(b[2, 1])) and np.all(np.isnan(env.get(g)[2, 1]))
     a[2, 1] = b[2, 1] = 0
+    assert np.all(np.isfinite(a)) and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_mul_mat_id_bias_epilogue(env: Env) -> None:
+    """One expert product with its biases as epilogue (gpt-oss's down experts): the bits of
+    mul_mat_id, then add_id."""
+    raw, ids, x = _moe_case("MXFP4")
+    (T, U), n_in, m = ids.shape, 256, 72
+    rb = raw.shape[1]
+    rd, xd, idd, bd = env.d(raw), env.d(x), env.d(ids), env.d(randn(5, m))
+    sep, fused = env.full((T, U, m), np.nan, np.float32), env.full((T, U, m), np.nan, np.float32)
+
+    def separate(st: Any) -> None:
+        env.k.mul_mat_id(st, G.MXFP4, env.p(rd), rb, 5, m, n_in, env.p(xd), U * n_in, n_in, env.p(idd), U, env.p(sep), T, U)
+        env.k.add_id(st, env.p(sep), m, env.p(bd), m, 5, env.p(idd), U, env.p(sep), m, T * U, m, U)
+
+    env.run(separate)
+    env.run(lambda st: env.k.mul_mat_id(st, G.MXFP4, env.p(rd), rb, 5, m, n_in, env.p(xd), U * n_in, n_in, env.p(idd), U,
+                                        env.p(fused), T, U, b=env.p(bd), sb=m))  # fmt: skip
+    a, b = env.get(sep), env.get(fused)
     assert np.all(np.isfinite(a)) and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
@@ -836,3 +865,146 @@ def test_decode_layer_from_kernels(env: Env) -> None:
     got_k = env.get(dv["kc"])
     assert np.array_equal(np.delete(got_k, n_past, 0), np.delete(kc0, n_past, 0))  # one cell written
     np.testing.assert_allclose(got_k[n_past].astype(np.float32), kc[n_past].astype(np.float32), rtol=2e-3, atol=1e-3)
+
+
+# --- gpt-oss's ops: YaRN rope, attention sinks, swiglu_oai, ADD_ID ------------------------------
+
+# gpt-oss's: original context 4096, factor 32 (freq_scale 1/32), attn_factor as llama.cpp sets it
+_YARN = (4096.0, 1.0, float(np.float32(1.0 / (1.0 + 0.1 * np.log(32.0)))), 32.0, 1.0)
+
+
+@pytest.mark.parametrize("mode", [0, 2])
+@pytest.mark.parametrize("ext", [1.0, 0.0], ids=["ramp", "no-ramp"])
+def test_rope_yarn(env: Env, mode: int, ext: float) -> None:
+    """YaRN (rope.cu's ramp between the correction dims and the cos/sin factor), alone and with
+    the K store (rope_qkv's blocks are the same code): the reference's angles."""
+    from llamapy.backend.kernels import yarn_table
+
+    T, H, D, n_dims, base, fs = 5, 3, 64, 64, 150000.0, 1.0 / 32
+    yarn = (_YARN[0], ext, *_YARN[2:])
+    xa = randn(T, H, D)
+    x, pos = t("x", (T, H, D)), t("pos", (T,), G.I32)
+    ref = reference(ops.rope(x, pos, n_dims, base, fs, None, mode=mode, yarn=yarn), [xa, POS[:T]])
+    xd, posd, yd = env.d(xa), env.d(POS), env.d(yarn_table(n_dims, base, fs, yarn))
+    y = env.full((T, H, D), np.nan, np.float32)
+    env.run(lambda st: env.k.rope(st, env.p(xd), H * D, D, env.p(y), H * D, D, T, H, D, pos=env.p(posd), n_dims=n_dims,
+                                  mode=mode, freq_base=base, freq_scale=fs, yarn=env.p(yd)))  # fmt: skip
+    got = env.get(y)
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
+    assert np.mean(got == ref) > 0.95, f"only {np.mean(got == ref):.4f} of the values are the reference's bits"
+    # Q, K and V of one product in one launch (rope_qkv): Q and K with the same YaRN angles
+    qkv = randn(T, 3 * H * D)
+    qd, qo = env.d(qkv), env.full((T, H * D), np.nan, np.float32)
+    ids = env.d(np.arange(T, dtype=np.int64))
+    kc, vc = env.zeros((T, H * D), np.float32), env.zeros((T, H * D), np.float32)
+    env.run(lambda st: env.k.rope_qkv(
+        st, env.p(qd), env.p(qd) + 4 * H * D, env.p(qd) + 8 * H * D, 3 * H * D, env.p(qo), H * D, T, H, H, D, D,
+        pos=env.p(posd), n_dims=n_dims, mode=mode, freq_base=base, freq_scale=fs, ids=env.p(ids), n_cells=T,
+        k_type=G.F32, k_cache=env.p(kc), k_rb=4 * H * D, v_type=G.F32, v_cache=env.p(vc), v_rb=4 * H * D,
+        yarn=env.p(yd)))  # fmt: skip
+    for part, out in ((0, qo), (1, kc)):
+        r = reference(ops.rope(x, pos, n_dims, base, fs, None, mode=mode, yarn=yarn),
+                      [np.ascontiguousarray(qkv[:, part * H * D:(part + 1) * H * D]).reshape(T, H, D), POS[:T]])
+        np.testing.assert_allclose(env.get(out).reshape(T, H, D), r, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(env.get(vc), qkv[:, 2 * H * D:])
+
+
+@pytest.mark.parametrize("split", ["one", "split"])
+@pytest.mark.parametrize("kt", [G.F16, G.Q8_0])
+def test_flash_attn_ext_sinks(env: Env, split: str, kt: G) -> None:
+    """gpt-oss's sinks: one logit a query head in each softmax's maximum and denominator, once
+    whether the cells are split or not; large sinks (most of the mass) and small ones, GQA, a
+    masked-off tile (a sliding window's past)."""
+    T, H, Hkv, D, N, n_kv = 2, 8, 2, 64, 256, 200
+    q, kf, vf = randn(T, H, D), randn(N, Hkv, D), randn(N, Hkv, D)
+    kv_k, kv_v = _cache_values(kf, kt, 0), _cache_values(vf, kt, 0)
+    mask = np.zeros((T, n_kv), np.float32)
+    mask[:, :70] = -np.inf  # the window's past: whole tiles hidden
+    sinks = np.array([-3.0, 0.0, 2.0, 8.0, 30.0, -30.0, 1.5, 4.0], np.float32)
+    tk, tv = Tensor("k", (N, Hkv, D), kt), Tensor("v", (N, Hkv, D), kt)
+    node = ops.flash_attn_ext(t("q", (T, H, D)), tk, tv, t("m", (T, N)), sinks=t("s", (H,)))
+    ref = np.asarray(reference(node, [q, kv_k, kv_v, mask, sinks]))
+    no_sinks = np.asarray(reference(ops.flash_attn_ext(t("q", (T, H, D)), tk, tv, t("m", (T, N))), [q, kv_k, kv_v, mask]))
+    assert np.abs(ref - no_sinks).max() > 0.1  # (the sinks matter in this case)
+    s = 1 if split == "one" else fattn_splits(T, Hkv, N, env.k.n_sm)
+    assert (s > 1) == (split == "split")
+    scratch = env.zeros(max(1, fattn_scratch_floats(T, H, D, s)), np.float32)
+    qd, kd, vd, md, sd = env.d(q), env.d(kv_k), env.d(kv_v), env.d(mask), env.d(sinks)
+    out = env.full((T, H, D), np.nan, np.float32)
+    env.run(lambda st: env.k.flash_attn_ext(
+        st, env.p(qd), H * D, D, kt, env.p(kd), kv_k.strides[0], kv_k.strides[1], kt, env.p(vd), kv_v.strides[0],
+        kv_v.strides[1], N, env.p(md), 0, env.p(out), H * D, D, T, H, Hkv, D, D, node.params["scale"], n_kv=n_kv,
+        n_splits=s, scratch=env.p(scratch), sinks=env.p(sd)))  # fmt: skip
+    np.testing.assert_allclose(env.get(out), ref, rtol=1e-4, atol=2e-6)
+
+
+def test_swiglu_oai(env: Env) -> None:
+    """glu.cu's clamped SwiGLU (gpt-oss's alpha 1.702, limit 7) against kernels.glu: values past
+    the limit on both sides, strided gate and up."""
+    T, F = 4, 300
+    gu = randn(T, 2 * F) * 6
+    gu[0, :6] = [-100.0, 100.0, 7.0, -7.0, 7.5, -7.5]
+    gu[0, F:F + 6] = [-100.0, 100.0, 7.0, -7.0, 7.5, -7.5]
+    gu[1, [0, F + 1]] = np.nan  # NaN through either clamp stays NaN (ggml's std::min / std::clamp)
+    g, u = t("g", (T, F)), t("u", (T, F))
+    node = ops.glu(g, u, "swiglu_oai", alpha=1.702, limit=7.0)
+    ref = reference(node, [np.ascontiguousarray(gu[:, :F]), np.ascontiguousarray(gu[:, F:])])
+    gud = env.d(gu)
+    y = env.full((T, F), np.nan, np.float32)
+    env.run(lambda st: env.k.glu(st, "swiglu_oai", env.p(gud), 2 * F, env.p(gud) + 4 * F, 2 * F, env.p(y), F, T, F,
+                                 alpha=1.702, limit=7.0))  # fmt: skip
+    assert np.isnan(ref[1, :2]).all()
+    np.testing.assert_allclose(env.get(y), ref, rtol=1e-6, atol=1e-37)  # expf within 2 ulp of numpy's
+
+
+def test_add_id(env: Env) -> None:
+    """moe.cu's ADD_ID: each (token, slot)'s expert bias row by its id (strided ids and input),
+    in place; an id out of range gives NaN."""
+    T, U, M, E = 3, 2, 40, 5
+    a = randn(T * U, M + 8)
+    b = randn(E, M)
+    ids = np.array([[3, 1, 9], [0, 4, 9], [4, 3, 9]], np.int32)  # column 2: padding (a strided id row)
+    node = ops.add_id(t("a", (T, U, M)), t("b", (E, M)), t("i", (T, U), G.I32))
+    ref = reference(node, [np.ascontiguousarray(a[:, :M]).reshape(T, U, M), b, np.ascontiguousarray(ids[:, :U])])
+    ad, bd, idd = env.d(a), env.d(b), env.d(ids)
+    y = env.full((T * U, M), np.nan, np.float32)
+    env.run(lambda st: env.k.add_id(st, env.p(ad), M + 8, env.p(bd), M, E, env.p(idd), 3, env.p(y), M, T * U, M, U))
+    np.testing.assert_array_equal(env.get(y), ref.reshape(T * U, M))
+    ids[1, 1] = 5  # out of range
+    idd = env.d(ids)
+    env.run(lambda st: env.k.add_id(st, env.p(ad), M + 8, env.p(bd), M, E, env.p(idd), 3, env.p(ad), M + 8, T * U, M, U))
+    got = env.get(ad)[:, :M]
+    assert np.all(np.isnan(got[3])) and np.array_equal(np.delete(got, 3, 0), np.delete(ref.reshape(T * U, M), 3, 0))
+
+
+def test_router_topk(env: Env) -> None:
+    """gpt-oss's router in one launch (router_topk_f32): the bits of ARGSORT of the logits, the
+    batched GET_ROWS of the chosen ones and their SOFT_MAX (each against its reference), with a
+    tie; the weights written over the logits (one token: the allocator's reuse)."""
+    T, E, U = 3, 32, 4
+    la = randn(T, E + 3) * 2
+    la[1, 5] = la[1, 20] = la[1].max() + 1  # a tie in the top k: the lower index first
+    lv = np.ascontiguousarray(la[:, :E])
+    srt = ops.argsort_top_k(t("logits", (T, E)), E)
+    ids_ref = reference(srt.src[0] if srt.op.name == "VIEW" else srt, [lv])
+    chosen = reference(ops.get_rows(t("p3", (T, E, 1)), t("sel", (T, U), G.I32)),
+                       [lv.reshape(T, E, 1), np.ascontiguousarray(ids_ref[:, :U])]).reshape(T, U)
+    w_ref = reference(ops.soft_max(t("w", (T, U))), [chosen])
+    ld = env.d(la)
+    sd, wd = env.zeros((T, E), np.int32), env.full((T, U), np.nan, np.float32)
+    env.run(lambda st: env.k.router_topk(st, env.p(ld), E + 3, env.p(sd), env.p(wd), T, E, U, 1.0))
+    np.testing.assert_array_equal(env.get(sd), ids_ref)
+    # the three launches: the same bits
+    cd, sep = env.full((T, U, 1), np.nan, np.float32), env.full((T, U), np.nan, np.float32)
+
+    def three(st: Any) -> None:
+        env.k.argsort(st, env.p(ld), E + 3, env.p(sd), E, T, E)
+        env.k.get_rows_batched(st, env.p(ld), E + 3, 1, E, env.p(sd), E, env.p(cd), T, U, 1)
+        env.k.soft_max(st, env.p(cd), U, env.p(sep), U, T, U, 1.0)
+
+    env.run(three)
+    assert np.array_equal(env.get(wd).view(np.uint32), env.get(sep).view(np.uint32))
+    assert max_ulp(env.get(wd), w_ref) <= 8, "softmax of the chosen logits"
+    one = env.d(np.ascontiguousarray(la[:1, :E]))  # one token: weights over its own logits
+    env.run(lambda st: env.k.router_topk(st, env.p(one), E, env.p(sd), env.p(one), 1, E, U, 1.0))
+    assert np.array_equal(env.get(one)[0, :U].view(np.uint32), env.get(sep)[0].view(np.uint32))

@@ -168,6 +168,8 @@ def record_launches() -> list[tuple]:
     k.rms_norm(st, 0x1000, 576, 0x2000, 576, 3, 576, 1e-5, b=0x3000, sb=576, sum_out=0x4000, ss=576, w=0x5000)
     for op in ("swiglu", "geglu"):
         k.glu(st, op, 0x1000, 3072, 0x1000 + 6144, 3072, 0x2000, 1536, 2, 1536)
+    k.glu(st, "swiglu_oai", 0x1000, 3072, 0x1000 + 6144, 3072, 0x2000, 1536, 2, 1536, alpha=1.702, limit=7.0)
+    k.add_id(st, 0x1000, 2880, 0x2000, 2880, 32, 0x3000, 4, 0x4000, 2880, 8, 2880, 4)
     for op in ("add", "mul"):
         k.binary(st, op, 0x1000, 64, 0x2000, 0, 0x3000, 64, 7, 64)
     k.scale(st, 0x1000, 33, 0x2000, 33, 7, 33, 0.125)
@@ -178,17 +180,21 @@ def record_launches() -> list[tuple]:
         k.mul_mat_vec(st, qt, 0x1000, 1000, 300, 512, 0x2000, 0x3000, 3)
         k.mul_mat_vec_glu(st, "swiglu", qt, 0x1000, 1000, 300, 512, 0x2000, 0x3000, 3)
         k.mul_mat_id(st, qt, 0x1000, 1000, 8, 300, 512, 0x2000, 512, 0, 0x3000, 2, 0x4000, 3, 2, w2=0x5000)
+        k.mul_mat_id(st, qt, 0x1000, 1000, 8, 300, 512, 0x2000, 512, 0, 0x3000, 2, 0x4000, 3, 2, w2=0x5000,
+                     glu="swiglu_oai", b=0x6000, b2=0x7000, sb=300, alpha=1.702, limit=7.0)  # fmt: skip
     k.soft_max(st, 0x1000, 128, 0x2000, 128, 3, 128, 1.0)
     k.argsort(st, 0x1000, 128, 0x2000, 128, 3, 128)
     k.get_rows_batched(st, 0x1000, 128, 1, 128, 0x2000, 8, 0x3000, 3, 8, 1)
     k.sum_rows(st, 0x1000, 8, 0x2000, 3, 8)
     k.router(st, 0x1000, 128, 0x2000, 0x3000, 3, 128, 8, 1.0, 6e-5, float("inf"))
+    k.router_topk(st, 0x1000, 32, 0x2000, 0x3000, 3, 32, 4, 1.0)
     k.clamp(st, 0x1000, 1, 0x2000, 3, 1, 6e-5, float("inf"))
     for op in ("mul", "div"):
         k.binary_row(st, op, 0x1000, 64, 0x2000, 1, 0x3000, 64, 7, 64)
     k.get_rows_f32(st, 0x1000, 64, 50, 0x2000, 0x3000, 64, 4, 64)
     rope = dict(pos=0x100, n_dims=64, mode=0, freq_base=10000.0, factors=0x200)
     k.rope(st, 0x1000, 576, 64, 0x1000, 576, 64, 5, 9, 64, **rope)
+    k.rope(st, 0x1000, 576, 64, 0x1000, 576, 64, 5, 9, 64, **rope, yarn=0x400)
     for ct in (G.F32, G.F16, G.Q8_0, G.Q4_0):
         rot = 64 if ct in (G.Q8_0, G.Q4_0) else 0
         k.rope(st, 0x1000, 192, 64, 0, 0, 0, 5, 3, 64, **rope, cache_type=ct, ids=0x300, n_cells=256, cache=0x4000,
@@ -199,7 +205,8 @@ def record_launches() -> list[tuple]:
         for vt in (G.F32, G.F16, G.Q8_0, G.Q4_0):
             k.rope_qkv(st, 0x1000, 0x1000 + 4 * 576, 0x1000 + 4 * 768, 960, 0x2000, 576, 5, 9, 3, 64, 64, pos=0x100,
                        n_dims=64, mode=2, freq_base=1e4, ids=0x300, n_cells=256, k_type=kt, k_cache=0x4000, k_rb=400,
-                       k_rot=64 if kt in (G.Q8_0, G.Q4_0) else 0, v_type=vt, v_cache=0x5000, v_rb=400)  # fmt: skip
+                       k_rot=64 if kt in (G.Q8_0, G.Q4_0) else 0, v_type=vt, v_cache=0x5000, v_rb=400,
+                       yarn=0x400 if kt == vt else 0)  # fmt: skip
             rk = 128 if kt in (G.Q8_0, G.Q4_0) else 0
             rv = 64 if vt in (G.Q8_0, G.Q4_0) else 0
             s = fattn_splits(1, 8, 4096, 132)
@@ -207,7 +214,8 @@ def record_launches() -> list[tuple]:
             for n_splits in (1, s):
                 k.flash_attn_ext(st, 0x1000, 4096, 128, kt, 0x2000, 2048, 256, vt, 0x3000, 2048, 256, 4096, 0x4000, 4096,
                                  0x5000, 4096, 128, 1, 32, 8, 128, 128, 0.088, n_kv_dev=0x6000, n_splits=n_splits,
-                                 scratch=0x7000 if n_splits > 1 else 0, rot_k=rk, rot_v=rv)  # fmt: skip
+                                 scratch=0x7000 if n_splits > 1 else 0, rot_k=rk, rot_v=rv,
+                                 sinks=0x8000 if kt == vt else 0)  # fmt: skip
     return calls
 
 

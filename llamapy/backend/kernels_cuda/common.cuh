@@ -202,6 +202,16 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
     return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
 }
 
+// SWIGLU_OAI (gpt-oss's clamped SwiGLU, ggml's swiglu_oai; kernels.glu): x = min(g, limit),
+// y = clamp(u, -limit, limit), x / (1 + exp(alpha * -x)) * (y + 1), each operation rounded to
+// float32 in the reference's order (expf within 2 ulp of numpy's). glu.cu and mmv_id's epilogue.
+__device__ __forceinline__ float swiglu_oai_mul(float g, float u, float alpha, float limit) {
+    const float x = limit < g ? limit : g;  // std::min and std::clamp as ggml's: a NaN stays NaN
+    const float up = u < -limit ? -limit : (limit < u ? limit : u);
+    const float sig = __fdiv_rn(x, __fadd_rn(1.0f, expf(__fmul_rn(alpha, -x))));
+    return __fmul_rn(sig, __fadd_rn(up, 1.0f));
+}
+
 // GELU (tanh approximation) as ggml-cpu's GGML_GELU_FP16 table rounds it (kernels.gelu): the
 // input rounded to f16, the value computed in float32 in the reference's order and rounded to
 // f16; x <= -10 gives 0, x >= 10 gives x.
@@ -349,8 +359,10 @@ __device__ __forceinline__ void mmv_glu_impl(const u8* __restrict__ w, const flo
 // token when a token's experts differ; more are taken MMV_MAX_TOK at a time). Pair q's input row
 // is x + t * sxt + u * sxu (sxu 0: the token's one row for every slot), 16-byte aligned; its
 // output y[q * M + row]. Each output is summed exactly as mmv_impl sums that row for that row
-// of x. w2 (optional): the up experts, w the gate ones: y = act(gate) * up (op as mmv_glu_impl),
-// the GLU as the products' epilogue. The expert ids are read from device memory (the router's
+// of x. w2 (optional): the up experts, w the gate ones: y = act(gate) * up (op as mmv_glu_impl,
+// 2: swiglu_oai with alpha and limit), the GLU as the products' epilogue. b / b2 (optional): the
+// experts' bias rows (ADD_ID, gpt-oss), row e at b + e * sb, added to w's / w2's sums before the
+// GLU (the bits of mmv_id, then add_id, then glu). The expert ids are read from device memory (the router's
 // ARGSORT): a captured graph does not depend on the routing. An id outside [0, n_expert) gives
 // NaN rows (never a read outside the matrix).
 template <typename DQ>
@@ -358,7 +370,9 @@ __device__ __forceinline__ void mmv_id_impl(const u8* __restrict__ w, const u8* 
                                             long long expert_bytes, int n_expert, const float* __restrict__ x,
                                             long long sxt, long long sxu, const int* __restrict__ ids,
                                             long long sid, float* __restrict__ y, int M, int n_in,
-                                            long long row_bytes, int n_tok, int n_used, int op) {
+                                            long long row_bytes, int n_tok, int n_used, int op,
+                                            const float* __restrict__ b, const float* __restrict__ b2,
+                                            long long sb, float alpha, float limit) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int n_pairs = n_tok * n_used;
@@ -398,10 +412,12 @@ __device__ __forceinline__ void mmv_id_impl(const u8* __restrict__ w, const u8* 
 #pragma unroll
         for (int t = 0; t < MMV_MAX_TOK; ++t) {
             if (t < n) {
-                const float g = warp_sum(acc[0][t]);
-                const float up = warp_sum(acc[1][t]);
+                float g = warp_sum(acc[0][t]);
+                float up = warp_sum(acc[1][t]);
+                if (b && !bad) g = __fadd_rn(g, b[(long long)e * sb + row]);
+                if (b2 && !bad) up = __fadd_rn(up, b2[(long long)e * sb + row]);
                 float r = g;
-                if (w2) r = op == 0 ? silu_mul(g, up) : __fmul_rn(gelu_f16(g), up);
+                if (w2) r = op == 0 ? silu_mul(g, up) : op == 1 ? __fmul_rn(gelu_f16(g), up) : swiglu_oai_mul(g, up, alpha, limit);
                 if (bad) r = __int_as_float(0x7fc00000);
                 if (lane == 0) y[(long long)pairs[t] * M + row] = r;
             }
@@ -436,9 +452,11 @@ __device__ __forceinline__ void mmv_id_impl(const u8* __restrict__ w, const u8* 
         mmv_id_##name(const u8* __restrict__ w, const u8* __restrict__ w2, long long expert_bytes,   \
                       int n_expert, const float* __restrict__ x, long long sxt, long long sxu,      \
                       const int* __restrict__ ids, long long sid, float* __restrict__ y, int M,     \
-                      int n_in, long long row_bytes, int n_tok, int n_used, int op) {               \
+                      int n_in, long long row_bytes, int n_tok, int n_used, int op,                 \
+                      const float* __restrict__ b, const float* __restrict__ b2, long long sb,      \
+                      float alpha, float limit) {                                                   \
         mmv_id_impl<DQ>(w, w2, expert_bytes, n_expert, x, sxt, sxu, ids, sid, y, M, n_in, row_bytes, \
-                        n_tok, n_used, op);                                                         \
+                        n_tok, n_used, op, b, b2, sb, alpha, limit);                                \
     }
 
 #ifdef LLAMAPY_HOST_TEST

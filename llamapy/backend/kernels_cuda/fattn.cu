@@ -11,6 +11,9 @@
 // mask's width, is read from device memory when `n_kv_dev` is given, so one launch (one captured
 // CUDA graph) serves every length of history; the grid is fixed, and a split whose cells all lie
 // beyond n_kv does nothing.
+// Attention sinks (gpt-oss; `sinks` not null: one float32 logit per query head) join each row's
+// softmax as one more score with no value row: its maximum and its denominator, not its sum of
+// values; with split cells the combine adds them, once.
 // Over a quantized K, Q is first rounded through Q8_0 (its vec_dot_type, quants.round_trip_q8_0)
 // as llama.cpp does; over a rotated cache (attn_rot) Q is rotated into K's basis before that and
 // the output rotated back from V's.
@@ -64,6 +67,7 @@ __device__ __forceinline__ void round_trip_q8_0(float* v) {
 //   out (T, H, Dv) f32 at out[t * sot + h * soh + d]
 //   part: scratch for gridDim.z > 1 splits: T * H * S * (Dv + 2) floats (cuda_ops.fattn_scratch)
 //   rot_k / rot_v: 0 or the Hadamard orders of a rotated cache, with their 1/sqrt scales
+//   sinks: nullable, (H,) float32 sink logits
 // Grid (Hkv, T, S), FA_THREADS threads; dynamic shared memory
 // (G * D + G * FA_TILE + G * Dv + 3 * G) floats, G = H / Hkv.
 template <int KT, int VT>
@@ -72,7 +76,8 @@ __device__ __forceinline__ void fattn_impl(
     long long k_hb, const u8* __restrict__ v, long long v_cb, long long v_hb, long long n_cells,
     const float* __restrict__ mask, long long sm, int n_kv, const int* __restrict__ n_kv_dev,
     float* __restrict__ out, long long sot, long long soh, float* __restrict__ part, int H, int Hkv,
-    int D, int Dv, float scale, int rot_k, float rot_k_scale, int rot_v, float rot_v_scale) {
+    int D, int Dv, float scale, int rot_k, float rot_k_scale, int rot_v, float rot_v_scale,
+    const float* __restrict__ sinks) {
     extern __shared__ float smem[];
     const int j = blockIdx.x, t = blockIdx.y, s = blockIdx.z, S = gridDim.z;
     const int G = H / Hkv;
@@ -178,9 +183,19 @@ __device__ __forceinline__ void fattn_impl(
 
     const long long th = (long long)t * H + (long long)j * G;  // (token, first query head) index
     if (S == 1) {
+        if (sinks) {  // the sink's logit: the row's maximum and denominator, rescaled to it
+            for (int g = threadIdx.x; g < G; g += blockDim.x) {
+                const float sk = sinks[j * G + g], m = m_s[g], M = fmaxf(m, sk);
+                const float corr = m == NEG_INF ? 0.0f : expf(m - M);
+                c_s[g] = corr;
+                l_s[g] = l_s[g] * corr + expf(sk - M);
+            }
+            __syncthreads();
+        }
         for (int i = threadIdx.x; i < G * Dv; i += blockDim.x) {
             const float l = l_s[i / Dv];
-            acc_s[i] = l > 0.0f ? acc_s[i] / l : 0.0f;
+            const float a = sinks ? acc_s[i] * c_s[i / Dv] : acc_s[i];
+            acc_s[i] = l > 0.0f ? a / l : 0.0f;
         }
         __syncthreads();
         if (rot_v) block_hadamard(acc_s, G * Dv, rot_v, rot_v_scale);
@@ -207,15 +222,15 @@ __device__ __forceinline__ void fattn_impl(
 // memory Dv floats. `S` is the split count the first kernel ran with.
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
     fattn_combine(const float* __restrict__ part, int S, int H, int Dv, float* __restrict__ out,
-                  long long sot, long long soh, int rot_v, float rot_v_scale) {
+                  long long sot, long long soh, int rot_v, float rot_v_scale, const float* __restrict__ sinks) {
     extern __shared__ float o_s[];
     const int h = blockIdx.x, t = blockIdx.y;
     const long long th = (long long)t * H + h;
     const float* ml = part + (long long)gridDim.y * H * S * Dv;
     const float NEG_INF = __int_as_float(0xff800000);
-    float M = NEG_INF;
+    float M = sinks ? sinks[h] : NEG_INF;  // the sink joins the maximum and the denominator once
     for (int s = 0; s < S; ++s) M = fmaxf(M, ml[(th * S + s) * 2]);
-    float L = 0.0f;
+    float L = sinks ? expf(sinks[h] - M) : 0.0f;
     for (int s = 0; s < S; ++s) {
         const float m = ml[(th * S + s) * 2];
         if (m != NEG_INF) L += ml[(th * S + s) * 2 + 1] * expf(m - M);
@@ -239,10 +254,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
         const u8* v, long long v_cb, long long v_hb, long long n_cells, const float* mask,            \
         long long sm, int n_kv, const int* n_kv_dev, float* out, long long sot, long long soh,        \
         float* part, int H, int Hkv, int D, int Dv, float scale, int rot_k, float rot_k_scale,        \
-        int rot_v, float rot_v_scale) {                                                               \
+        int rot_v, float rot_v_scale, const float* sinks) {                                           \
         fattn_impl<KT, VT>(q, sqt, sqh, k, k_cb, k_hb, v, v_cb, v_hb, n_cells, mask, sm, n_kv,       \
                            n_kv_dev, out, sot, soh, part, H, Hkv, D, Dv, scale, rot_k, rot_k_scale,   \
-                           rot_v, rot_v_scale);                                                       \
+                           rot_v, rot_v_scale, sinks);                                                \
     }
 
 #define LP_FATTN_V(kname, KT)                    \

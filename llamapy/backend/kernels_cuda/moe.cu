@@ -2,7 +2,8 @@
 // getrows.cu's batched rows, sumrows.cu, clamp.cu and binbcast.cu's one-value-per-row DIV / MUL;
 // topk-moe.cu fuses the first of them). Launched by llamapy/backend/cuda_ops.py (`soft_max`,
 // `argsort`, `get_rows_batched`, `sum_rows`, `clamp`, `binary_row`); the numpy references are
-// kernels.py's soft_max, argsort, get_rows, sum_rows, clamp, div and mul. The expert products
+// kernels.py's soft_max, argsort, get_rows, sum_rows, clamp, div, mul and add_id (ggml-cuda
+// add-id.cu: the experts' biases). The expert products
 // themselves (MUL_MAT_ID) are each weight type's mmv_id_<type> (common.cuh), beside the decoders.
 // Rows of a router are short (n_expert logits, n_expert_used weights): a warp or a thread a row.
 #include "common.cuh"
@@ -128,4 +129,54 @@ extern "C" __global__ void router_f32(const float* __restrict__ x, long long sx,
     for (int u = 0; u < n_used; ++u) t = __dadd_rn(t, (double)sel[u]);
     const float c = fminf(fmaxf((float)t, lo), hi);
     for (int u = threadIdx.x; u < n_used; u += 32) w[(long long)blockIdx.x * n_used + u] = __fdiv_rn(sel[u], c);
+}
+
+// ADD_ID (gpt-oss's expert biases, ggml_add_id; kernels.add_id): y[p, i] = a[p * sa + i] +
+// b[e * sb + i], e = ids[(p / n_used) * sid + p % n_used], for the rows p of the (token, slot)
+// pairs; grid (ceil(n / blockDim.x), pairs). y may be a. An id outside [0, n_expert) gives NaN.
+extern "C" __global__ void add_id_f32(const float* a, long long sa, const float* __restrict__ b, long long sb,
+                                      int n_expert, const int* __restrict__ ids, long long sid, float* y,
+                                      long long sy, int n, int n_used) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const long long p = blockIdx.y;
+    const int e = ids[(p / n_used) * sid + p % n_used];
+    const float bv = (e < 0 || e >= n_expert) ? __int_as_float(0x7fc00000) : b[(long long)e * sb + i];
+    y[p * sy + i] = __fadd_rn(a[p * sa + i], bv);
+}
+
+// gpt-oss's router as one launch ("softmax_weight" gating): the ARGSORT of a token's (biased)
+// logits (every index, written to ids: the experts are its first n_used), the chosen logits and
+// the SOFT_MAX of those n_used (times scale), into w. Each step computes what argsort_desc_f32
+// and soft_max_f32 compute, in the same order (a lane's strided sum, then the warp's), so the
+// results are those of the three launches bit for bit. The row is read into shared memory before
+// anything is written (ids or w may lie over this row's logits). One warp a row; dynamic shared
+// memory: 4 * (n + n_used) bytes.
+extern "C" __global__ void router_topk_f32(const float* x, long long sx, int* ids, float* w, int n, int n_used,
+                                           float scale) {
+    extern __shared__ float topk_smem[];
+    float* v = topk_smem;   // n logits
+    float* sel = v + n;     // n_used chosen ones, then their probabilities
+    const float* xr = x + (long long)blockIdx.x * sx;
+    for (int i = threadIdx.x; i < n; i += 32) v[i] = xr[i];
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += 32) {
+        const float vi = v[i];
+        int rank = 0;
+        for (int j = 0; j < n; ++j) rank += (v[j] > vi) || (v[j] == vi && j < i);
+        ids[(long long)blockIdx.x * n + rank] = i;
+        if (rank < n_used) sel[rank] = vi;
+    }
+    __syncthreads();
+    float m = -__int_as_float(0x7f800000);
+    for (int u = threadIdx.x; u < n_used; u += 32) m = fmaxf(m, __fmul_rn(sel[u], scale));
+    m = warp_max(m);
+    float s = 0.0f;
+    for (int u = threadIdx.x; u < n_used; u += 32) {
+        const float e = expf(__fsub_rn(__fmul_rn(sel[u], scale), m));
+        sel[u] = e;
+        s = __fadd_rn(s, e);
+    }
+    s = warp_sum(s);
+    for (int u = threadIdx.x; u < n_used; u += 32) w[(long long)blockIdx.x * n_used + u] = __fdiv_rn(sel[u], s);
 }

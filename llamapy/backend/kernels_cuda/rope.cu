@@ -1,4 +1,4 @@
-// ROPE (normal and NeoX modes, rope_freqs divisors: Llama-3's frequency factors) fused with
+// ROPE (normal and NeoX modes, rope_freqs divisors: Llama-3's frequency factors, YaRN) fused with
 // SET_ROWS, the store of the rows into the KV cache: f32, f16, or Q8_0 / Q4_0 blocks, rotated
 // first by the Hadamard matrix where the cache is (llama.cpp's attn_rot). ggml-cuda's rope.cu
 // and set-rows.cu / cpy-utils.cuh do these as separate kernels. Launched by
@@ -9,6 +9,11 @@
 //   * the angle of pair i at position p: theta = p, then i times theta *= theta_scale in float32
 //     (ggml's rope_cache_init recurrence; theta_scale = powf(base, -2/n_dims) is computed on the
 //     host), / factors[i] (float32), then freq_scale * theta (float32);
+//   * YaRN (ggml's rope_yarn; `yarn` not null: ext_factor, attn_factor, the correction dims c0,
+//     c1, and mscale, the cos/sin scale kernels.yarn_mscale computes on the host): with ramp
+//     y = (i - c0) / max(0.001, c1 - c0) and mix = (1 - clamp(y, 0, 1)) * ext_factor, the angle is
+//     fma(freq_scale * theta, 1 - mix, theta * mix) (ops.c's and the reference's one rounding),
+//     and cos, sin are multiplied by mscale (float32);
 //   * cos and sin of that float32 angle in float64, rounded to float32 (numpy's float64 cos/sin
 //     and CUDA's are each within an ulp of float64: the float32 results differ only when the
 //     float64 value lies that close to a float32 rounding boundary);
@@ -27,11 +32,16 @@
 #define CT_Q4_0 3
 
 __device__ __forceinline__ float rope_theta(int p, int i, float theta_scale, const float* factors,
-                                            float freq_scale) {
+                                            float freq_scale, const float* yarn) {
     float th = (float)p;
     for (int k = 0; k < i; ++k) th = __fmul_rn(th, theta_scale);
     if (factors) th = __fdiv_rn(th, factors[i]);
-    return __fmul_rn(freq_scale, th);
+    const float scaled = __fmul_rn(freq_scale, th);
+    if (!yarn || yarn[0] == 0.0f) return scaled;
+    // YaRN: the pairs below the ramp keep the trained (extrapolated) angle
+    const float y = __fdiv_rn(__fsub_rn((float)i, yarn[2]), fmaxf(0.001f, __fsub_rn(yarn[3], yarn[2])));
+    const float mix = __fmul_rn(__fsub_rn(1.0f, fminf(1.0f, fmaxf(0.0f, y))), yarn[0]);
+    return __fmaf_rn(scaled, __fsub_rn(1.0f, mix), __fmul_rn(th, mix));
 }
 
 // Q8_0 block of 32 floats (34 bytes: f16 d, 32 int8), as quants.quantize
@@ -72,7 +82,8 @@ __device__ __forceinline__ void quantize_q4_0(const float* v, u8* blk) {
 //   y:  nullable; the float32 result, at y[t * syt + h * syh + d] (may be x: in place)
 //   mode: 0 normal (pairs 2i, 2i+1), 2 NeoX (pairs i, i + n_dims/2), -1 no rotation (a plain
 //         SET_ROWS: pos and factors are not read); dimensions from n_dims on are copied
-//   pos: (T,) int32 positions; factors: nullable, n_dims/2 rope_freqs divisors
+//   pos: (T,) int32 positions; factors: nullable, n_dims/2 rope_freqs divisors; yarn: nullable,
+//        the 5 YaRN floats above
 //   ids: (T,) int64 cache cells; cache: rows of cache_rb bytes, head h of a row at h * D
 //        elements (n_cells rows: a cell outside them is not written)
 //   rot: 0, or the Hadamard order the quantized cache's rows are stored in (runs of rot values
@@ -83,7 +94,7 @@ __device__ __forceinline__ void rope_set_rows_impl(
     int t, int h, const float* x, long long sxt, long long sxh, const int* __restrict__ pos, float* y,
     long long syt, long long syh, int D, int n_dims, int mode, float theta_scale, float freq_scale,
     const float* __restrict__ factors, const long long* __restrict__ ids, long long n_cells,
-    u8* __restrict__ cache, long long cache_rb, int rot, float rot_scale) {
+    u8* __restrict__ cache, long long cache_rb, int rot, float rot_scale, const float* __restrict__ yarn) {
     extern __shared__ float head_s[];
     const float* xh = x + (long long)t * sxt + (long long)h * sxh;
     const int p = mode >= 0 ? pos[t] : 0;
@@ -105,8 +116,12 @@ __device__ __forceinline__ void rope_set_rows_impl(
             const bool first = mode == 0 ? (d & 1) == 0 : d < half;
             const int i = mode == 0 ? d >> 1 : (first ? d : d - half);
             const int other = mode == 0 ? (first ? d + 1 : d - 1) : (first ? d + half : d - half);
-            const float th = rope_theta(p, i, theta_scale, factors, freq_scale);
-            const float c = (float)cos((double)th), s = (float)sin((double)th);
+            const float th = rope_theta(p, i, theta_scale, factors, freq_scale, yarn);
+            float c = (float)cos((double)th), s = (float)sin((double)th);
+            if (yarn) {
+                c = __fmul_rn(c, yarn[4]);
+                s = __fmul_rn(s, yarn[4]);
+            }
             const float x0 = first ? xh[d] : xh[other];
             const float x1 = first ? xh[other] : xh[d];
             v = first ? (float)((double)x0 * (double)c - (double)__fmul_rn(x1, s))
@@ -141,10 +156,10 @@ __device__ __forceinline__ void rope_set_rows_impl(
         const float* x, long long sxt, long long sxh, const int* pos, float* y, long long syt,      \
         long long syh, int D, int n_dims, int mode, float theta_scale, float freq_scale,            \
         const float* factors, const long long* ids, long long n_cells, u8* cache, long long cache_rb, \
-        int rot, float rot_scale) {                                                                 \
+        int rot, float rot_scale, const float* yarn) {                                              \
         rope_set_rows_impl<CT>(blockIdx.x, blockIdx.y, x, sxt, sxh, pos, y, syt, syh, D, n_dims,    \
                                mode, theta_scale, freq_scale, factors, ids, n_cells, cache,         \
-                               cache_rb, rot, rot_scale);                                           \
+                               cache_rb, rot, rot_scale, yarn);                                     \
     }
 
 LP_ROPE_KERNEL(none, CT_NONE)
@@ -157,24 +172,25 @@ LP_ROPE_KERNEL(q4_0, CT_Q4_0)
 // blocks y < H rope Q head y into q_out, the next Hkv rope K's heads and store them into the K
 // cache, the last Hkv store V's heads into the V cache. Each block is exactly the block of the
 // kernels above for that head, so the results are theirs bit for bit. Q, K and V are read at
-// q, k, v with row stride sxt (their heads D / D / Dv apart); dynamic shared memory
+// q, k, v with row stride sxt (their heads D / D / Dv apart), Q and K with `yarn` when given;
+// dynamic shared memory
 // 4 * max(D, Dv) bytes when a cache is quantized.
 template <int KT, int VT>
 __device__ __forceinline__ void rope_qkv_impl(
     const float* q, const float* k, const float* v, long long sxt, const int* pos, float* q_out, long long syt,
     int H, int Hkv, int D, int Dv, int n_dims, int mode, float theta_scale, float freq_scale, const float* factors,
     const long long* ids, long long n_cells, u8* k_cache, long long k_rb, int k_rot, float k_rot_scale,
-    u8* v_cache, long long v_rb, int v_rot, float v_rot_scale) {
+    u8* v_cache, long long v_rb, int v_rot, float v_rot_scale, const float* yarn) {
     const int t = blockIdx.x, hy = blockIdx.y;
     if (hy < H)
         rope_set_rows_impl<CT_NONE>(t, hy, q, sxt, D, pos, q_out, syt, D, D, n_dims, mode, theta_scale,
-                                    freq_scale, factors, nullptr, 0, nullptr, 0, 0, 0.0f);
+                                    freq_scale, factors, nullptr, 0, nullptr, 0, 0, 0.0f, yarn);
     else if (hy < H + Hkv)
         rope_set_rows_impl<KT>(t, hy - H, k, sxt, D, pos, nullptr, 0, 0, D, n_dims, mode, theta_scale,
-                               freq_scale, factors, ids, n_cells, k_cache, k_rb, k_rot, k_rot_scale);
+                               freq_scale, factors, ids, n_cells, k_cache, k_rb, k_rot, k_rot_scale, yarn);
     else
         rope_set_rows_impl<VT>(t, hy - H - Hkv, v, sxt, Dv, pos, nullptr, 0, 0, Dv, 0, -1, 0.0f, 1.0f,
-                               nullptr, ids, n_cells, v_cache, v_rb, v_rot, v_rot_scale);
+                               nullptr, ids, n_cells, v_cache, v_rb, v_rot, v_rot_scale, nullptr);
 }
 
 #define LP_ROPE_QKV_KERNEL(kname, vname, KT, VT)                                                    \
@@ -183,10 +199,10 @@ __device__ __forceinline__ void rope_qkv_impl(
         long long syt, int H, int Hkv, int D, int Dv, int n_dims, int mode, float theta_scale,        \
         float freq_scale, const float* factors, const long long* ids, long long n_cells,              \
         u8* k_cache, long long k_rb, int k_rot, float k_rot_scale, u8* v_cache, long long v_rb,       \
-        int v_rot, float v_rot_scale) {                                                               \
+        int v_rot, float v_rot_scale, const float* yarn) {                                           \
         rope_qkv_impl<KT, VT>(q, k, v, sxt, pos, q_out, syt, H, Hkv, D, Dv, n_dims, mode, theta_scale, \
                               freq_scale, factors, ids, n_cells, k_cache, k_rb, k_rot, k_rot_scale,   \
-                              v_cache, v_rb, v_rot, v_rot_scale);                                     \
+                              v_cache, v_rb, v_rot, v_rot_scale, yarn);                               \
     }
 
 #define LP_ROPE_QKV_V(kname, KT)                     \

@@ -35,6 +35,7 @@ class HostRuntime:
         self.logging = log
         self.fail_capture = fail_capture
         self.keep: list[Any] = []
+        self.stats: Any = None  # a device's CopyStats: the plan's input copies counted there, as CUDA's are
 
     def array_loc(self, v: Any) -> Loc:
         if not isinstance(v, np.ndarray):
@@ -61,6 +62,9 @@ class HostRuntime:
     def h2d(self, dst: int, src: np.ndarray) -> None:
         if self.logging:
             self.log.append(("h2d", src.nbytes))
+        if self.stats is not None:
+            self.stats.n_in += 1
+            self.stats.bytes_in += src.nbytes
         ctypes.memmove(dst, src.ctypes.data, src.nbytes)
 
     def d2d(self, dst: int, value: Any) -> None:
@@ -133,6 +137,7 @@ def use_test_device_plans(set_attr: Callable[[Any, str, Any], None], make_rt: Ca
         if not hasattr(self, "_fake_rt"):
             self._fake_rt = make_rt()
             self._fake_rt.buft = self.device.buffer_type()
+            self._fake_rt.stats = self.device.stats
         p = gpu_plan.compile_split(nodes, exports, allocate, self._fake_rt)
         made.extend([p] if p else [])
         return p

@@ -147,3 +147,107 @@ def use_test_device_plans(set_attr: Callable[[Any, str, Any], None], make_rt: Ca
     set_attr(MemoryDeviceBackend, "graph_plan_summary",
              lambda self, plan: plan.summary() if plan else f"refused: {plan.reason}")
     return made
+
+
+# -- a CuPy stand-in for CUDADevice's copies (backend/cuda.py: upload, download_batch) ----------
+
+
+class FakeCupy:
+    """Just enough of CuPy for `CUDADevice`'s copy paths, over host memory: device arrays are numpy
+    arrays with a `.data.ptr`, pinned memory is host memory, and `memcpyAsync` is queued on its
+    stream and done only when an event recorded after it (or the stream) is synchronised — so a
+    staging buffer read before its wait, or refilled before its copy left it, gives wrong bytes.
+    `log` records ("memcpy", kind) and ("sync", ...) in order."""
+
+    def __init__(self) -> None:
+        import types
+
+        fake = self
+        self.log: list[tuple[str, Any]] = []
+        self.float32, self.int64 = np.float32, np.int64
+
+        class DevArray(np.ndarray):
+            @property
+            def data(self) -> Any:  # type: ignore[override]
+                return types.SimpleNamespace(ptr=self.ctypes.data)
+
+        self.ndarray = DevArray
+
+        class Pinned(bytearray):
+            @property
+            def ptr(self) -> int:
+                return ctypes.addressof((ctypes.c_char * len(self)).from_buffer(self))
+
+        class Event:
+            def __init__(self, stream: Any) -> None:
+                self.stream, self.upto = stream, len(stream.queue)
+
+            @property
+            def done(self) -> bool:
+                return self.stream.ran >= self.upto
+
+            def synchronize(self) -> None:
+                fake.log.append(("sync", "event"))
+                self.stream.run(self.upto)
+
+        class Stream:
+            def __init__(self, non_blocking: bool = False) -> None:
+                self.queue: list[Callable[[], None]] = []
+                self.ran = 0
+                self.ptr = id(self)
+
+            def run(self, upto: int) -> None:
+                while self.ran < upto:
+                    self.queue[self.ran]()
+                    self.ran += 1
+
+            def record(self) -> Event:
+                return Event(self)
+
+            def synchronize(self) -> None:
+                fake.log.append(("sync", "stream"))
+                self.run(len(self.queue))
+
+            def __enter__(self) -> Any:
+                return self
+
+            def __exit__(self, *a: Any) -> None:
+                pass
+
+        self.streams: list[Stream] = []
+
+        def memcpy_async(dst: int, src: int, n: int, kind: int, stream_ptr: int) -> None:
+            (stream,) = [s for s in self.streams if s.ptr == stream_ptr]
+            fake.log.append(("memcpy", kind))
+            stream.queue.append(lambda: ctypes.memmove(dst, src, n))
+
+        def make_stream(non_blocking: bool = False) -> Stream:
+            self.streams.append(Stream(non_blocking))
+            return self.streams[-1]
+
+        class Device:
+            def __init__(self, index: int = 0) -> None:
+                pass
+
+            def __enter__(self) -> Any:
+                return self
+
+            def __exit__(self, *a: Any) -> None:
+                pass
+
+        runtime = types.SimpleNamespace(
+            memGetInfo=lambda: (1 << 30, 1 << 30), memcpyAsync=memcpy_async,
+            getDeviceProperties=lambda i: {"name": b"fake", "major": 9, "minor": 0},
+            memcpyHostToDevice=1, memcpyDeviceToHost=2, memcpyDeviceToDevice=3)
+        memory = types.SimpleNamespace(OutOfMemoryError=MemoryError)
+        self.cuda = types.SimpleNamespace(Device=Device, Stream=make_stream, runtime=runtime, memory=memory,
+                                          alloc_pinned_memory=lambda n: Pinned(n))
+
+    def empty(self, shape: Any, dtype: Any) -> Any:
+        return np.empty(shape, dtype).view(self.ndarray)
+
+    def asarray(self, v: Any) -> Any:
+        return v if isinstance(v, self.ndarray) else np.array(v).view(self.ndarray)
+
+    def ascontiguousarray(self, v: Any) -> Any:
+        return np.ascontiguousarray(v).view(self.ndarray)

@@ -115,3 +115,36 @@ def test_one_wait_per_boundary(tiny: Any, cpu_logits: list[np.ndarray], monkeypa
     if plans and ngl != 0:
         assert made and all(not p.direct for p in made)
     model.free()
+
+
+def test_cuda_copies_through_pinned_memory() -> None:
+    """CUDADevice's own copy paths on tests/gpu_fake.py's CuPy stand-in, whose async copies happen
+    only when a wait reaches them: a step's uploads are queued with no wait, a boundary's reads
+    are one batch of D2H copies and one wait, and the staging buffers are refilled only after
+    their copies left them (else the values below would be wrong)."""
+    from gpu_fake import FakeCupy
+    from llamapy.backend import cuda
+
+    cp = FakeCupy()
+    dev = cuda.CUDADevice(0, cp)
+    rng = np.random.default_rng(0)
+    small = [rng.standard_normal(n).astype(np.float32) for n in (1, 5, 256, 4096, 3)] + [np.arange(7, dtype=np.int32)]
+    vals = [dev.upload(h) for h in small]
+    assert dev.stats.n_sync == 0 and [k for k, _ in cp.log] == ["memcpy"] * len(small)  # queued, no wait
+    cp.log.clear()
+    got = dev.download_batch(vals)
+    for g, h in zip(got, small):
+        np.testing.assert_array_equal(g, h)
+        assert g.dtype == h.dtype
+    assert dev.stats.n_sync == 1 and dev.stats.n_out == len(small)
+    assert cp.log == [("memcpy", 2)] * len(small) + [("sync", "event")]  # all the copies, then ONE wait
+    # a 20 MiB upload: its chunks alternate between the two 8 MiB buffers; the third waits for the
+    # first's copy (and only it: the other buffer's copies are done)
+    big = rng.standard_normal(5 << 20).astype(np.float32)
+    v = dev.upload(big)
+    assert dev.stats.n_sync == 2
+    np.testing.assert_array_equal(dev.download(v), big)
+    assert dev.stats.n_sync == 3
+    dev.close()  # the pinned memory freed; the next copy makes it again
+    assert dev._staging == [] and dev._readback is None
+    np.testing.assert_array_equal(dev.download(dev.upload(small[2])), small[2])

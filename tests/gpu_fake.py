@@ -35,6 +35,7 @@ class HostRuntime:
         self.logging = log
         self.fail_capture = fail_capture
         self.keep: list[Any] = []
+        self.exported: list[Any] = []
         self.stats: Any = None  # a device's CopyStats: the plan's input copies counted there, as CUDA's are
 
     def array_loc(self, v: Any) -> Loc:

@@ -49,6 +49,7 @@ from ..types import (
     block_size,
 )
 from .device import DeviceMemoryBufferType, MemoryDevice, MemoryDeviceBackend
+from .gpu_plan import ArenaValue, own_values
 from .interface import Backend, Buffer, Device, Registry
 from .kernels import run_nodes
 
@@ -423,24 +424,33 @@ class CUDADevice(MemoryDevice):
         next boundary)."""
         cp = self.cp
         with self.context("downloading tensors"):
-            arrs = [cp.ascontiguousarray(v.dequantize() if isinstance(v, CUDAQMatrix) else cp.asarray(v))
-                    for v in values]
+            # (address, bytes, shape, dtype, owner) of each: a GPU plan's export read where its
+            # launches left it (gpu_plan.ArenaValue), anything else as a contiguous device array
+            srcs: list[tuple[int, int, tuple[int, ...], np.dtype, Any]] = []
+            for v in values:
+                if isinstance(v, ArenaValue) and v.array is None and v.contiguous():
+                    srcs.append((v.addr, v.nbytes, v.slot.shape, v.slot.dtype, v))
+                    continue
+                if isinstance(v, ArenaValue):
+                    v = v.own()
+                a = cp.ascontiguousarray(v.dequantize() if isinstance(v, CUDAQMatrix) else cp.asarray(v))
+                srcs.append((int(a.data.ptr), int(a.nbytes), tuple(a.shape), np.dtype(a.dtype), a))
             offs, total = [], 0
-            for a in arrs:
+            for src in srcs:
                 offs.append(total)
-                total += -(-a.nbytes // 64) * 64  # (64-byte aligned views)
+                total += -(-src[1] // 64) * 64  # (64-byte aligned views)
             pin = self._readback
             if pin is None or pin.view.size < total:
                 self._readback = pin = None  # (the old block first: nothing is in flight from it)
                 self._readback = pin = _Staging(cp, max(total, 1 << 16))
-            for a, o in zip(arrs, offs):
-                if a.nbytes:
-                    cp.cuda.runtime.memcpyAsync(pin.mem.ptr + o, a.data.ptr, a.nbytes, 2, self.stream.ptr)  # 2: D2H
+            for (addr, n, _shape, _dt, _owner), o in zip(srcs, offs):
+                if n:
+                    cp.cuda.runtime.memcpyAsync(pin.mem.ptr + o, addr, n, 2, self.stream.ptr)  # 2: D2H
             self.stream.record().synchronize()
         self.stats.n_sync += 1
-        self.stats.n_out += len(arrs)
-        self.stats.bytes_out += sum(a.nbytes for a in arrs)
-        return [pin.view[o : o + a.nbytes].view(a.dtype).reshape(a.shape).copy() for a, o in zip(arrs, offs)]
+        self.stats.n_out += len(srcs)
+        self.stats.bytes_out += sum(src[1] for src in srcs)
+        return [pin.view[o : o + n].view(dt).reshape(shape).copy() for (_a, n, shape, dt, _w), o in zip(srcs, offs)]
 
     def close(self) -> None:
         """Free the pinned staging memory (the device's and its GPU plans' mirror) once the
@@ -525,6 +535,7 @@ class CUDABackend(MemoryDeviceBackend):
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
         dev = self.device
         with dev.context("computing " + (nodes[0].name if nodes else "nothing")):
+            own_values(env)  # (a GPU plan's exports read node by node: copies of their own)
             run_nodes(nodes, env, dev.cp)
 
     def synchronize(self) -> None:
@@ -556,6 +567,9 @@ class CUDABackend(MemoryDeviceBackend):
         """CUDA -> CUDA arrays: a peer copy; anything else goes through the host."""
         if not isinstance(src, CUDABackend) or isinstance(value, CUDAQMatrix):
             return None
+        if isinstance(value, ArenaValue):  # a GPU plan's export, read by a later split on a device
+            with src.device.context("copying a plan's export"):
+                value = value.own()
         cp = self.device.cp
         if not isinstance(value, cp.ndarray):
             return None

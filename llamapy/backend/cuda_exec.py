@@ -71,6 +71,7 @@ class CUDARuntime:
         self._pinned: Any = None
         self._mirror = np.zeros(0, np.uint8)
         self._copied: Any = None  # the event of the last copy out of the mirror
+        self.exported: list[Any] = []  # the last plan's ArenaValues (weakly; gpu_plan.settle)
         # GPU time of the plans' steps (run_all.py's Python time = step wall time - this): set
         # `timing`, run, then `gpu_seconds()`
         self.timing = False

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..tensor import Op, Tensor, TensorFlag
 from ..types import DeviceType, OutOfMemoryError
+from .gpu_plan import own_values
 from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps
 from .kernels import KERNELS, run_nodes
 
@@ -160,6 +161,7 @@ class MemoryDeviceBackend(Backend):
     device: MemoryDevice
 
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
+        own_values(env)  # (a GPU plan's exports read here: copies of their own)
         run_nodes(nodes, env, self.device.xp)
 
     def from_host(self, data: np.ndarray, t: Tensor | None = None) -> Any:

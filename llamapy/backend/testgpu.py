@@ -20,6 +20,7 @@ from ..tensor import Tensor, TensorFlag
 from ..types import storage
 from .cpu import host_value
 from .device import MemoryDevice
+from .gpu_plan import ArenaValue
 from .interface import Device, Registry
 
 
@@ -39,6 +40,7 @@ class TestDevice(MemoryDevice):
 
     def download_batch(self, values: Sequence[Any]) -> list[np.ndarray]:
         """CUDA's contract, counted: every copy of the batch, then one synchronisation."""
+        values = [v.own() if isinstance(v, ArenaValue) else v for v in values]  # (a GPU plan's export)
         out = [np.array(v, copy=True) if isinstance(v, np.ndarray) else v.dequantize() for v in values]
         self.stats.bytes_out += sum(a.nbytes for a in out)
         self.stats.n_out += len(out)

@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType as T
 
 from gpu_fake import use_test_device_plans
 from llamapy.backend import native
+from llamapy.backend.executor import Arena
 from llamapy.context import Context, ContextOptions, Model, ModelOptions
 from test_gpu_plan import FakeRuntime
 
@@ -148,3 +149,75 @@ def test_cuda_copies_through_pinned_memory() -> None:
     dev.close()  # the pinned memory freed; the next copy makes it again
     assert dev._staging == [] and dev._readback is None
     np.testing.assert_array_equal(dev.download(dev.upload(small[2])), small[2])
+
+
+class MovingArena(Arena):
+    """An arena made again (larger) every time a plan runs: every plan moves, and a plan's export
+    still read after the next plan started is only right if it was copied before (settle)."""
+
+    def ensure(self, nbytes: int) -> int:
+        return super().ensure(max(nbytes, self.size + 4096))
+
+
+class MovingRuntime(FakeRuntime):
+    def __init__(self) -> None:
+        super().__init__()
+        self.arena = MovingArena()
+
+
+@pytest.mark.parametrize("rt", [FakeRuntime, MovingRuntime], ids=["arena", "moving-arena"])
+def test_ffn_on_the_host_between_two_gpu_plans(tiny: Any, cpu_logits: list[np.ndarray],
+                                               monkeypatch: pytest.MonkeyPatch, rt: Any) -> None:
+    """-ngl all with layer 1's FFN weights kept on the host (`-ot blk\\.1\\.ffn_...=CPU`, the
+    shape of --n-cpu-moe): the device runs a GPU plan, the host that FFN, the device a second
+    plan, which reads the first plan's residual where the first plan left it — so that export
+    must survive the second plan's arena (gpu_plan.settle copies it first; with an arena that
+    moves each run, reading it afterwards would read the new block). One wait per device->host
+    boundary (the FFN's input, the logits), the CPU's logits bit for bit."""
+    monkeypatch.setenv("LLAMAPY_TEST_GPU", "1")
+    monkeypatch.setenv("LLAMAPY_EXECUTOR", "1")
+    made = use_test_device_plans(monkeypatch.setattr, rt)
+    ot = [(r"blk\.1\.ffn_(gate|up|down)", "CPU")]
+    model = Model(tiny, ModelOptions(n_gpu_layers="all", override_tensor=ot))
+    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    (dev,) = [b.device for b in ctx.sched.backends if b.name == "TEST0"]
+    for (tokens, pos0), want in list(zip(STEPS, cpu_logits))[:3]:
+        got, d = _step(ctx, dev, tokens, pos0)
+        d2h, _h2d = _boundaries(ctx, len(tokens))
+        assert d2h == 2 and d["n_sync"] == 2, d
+        np.testing.assert_array_equal(got, want)
+    assert len({id(p) for p in made}) >= 2 and all(not p.direct for p in made)
+    model.free()
+
+
+def test_cuda_reads_a_plans_exports_in_place() -> None:
+    """CUDADevice.download_batch reads a GPU plan's contiguous export straight from its arena
+    address (no device copy first: the runtime's copy_out is not called), a strided one through
+    its own copy; all in one batch, one wait."""
+    from gpu_fake import FakeCupy
+    from llamapy.backend import cuda
+    from llamapy.backend.executor import _Slot
+    from llamapy.backend.gpu_plan import ArenaValue
+
+    cp = FakeCupy()
+    dev = cuda.CUDADevice(0, cp)
+    arena = cp.ascontiguousarray(np.arange(64, dtype=np.float32))  # "device memory"
+    base = int(arena.data.ptr)
+
+    class Runtime:
+        copied: list[int] = []
+
+        def copy_out(self, addr: int, slot: _Slot, owner: Any) -> Any:
+            self.copied.append(addr)
+            v = np.ndarray(slot.shape, slot.dtype, buffer=arena, offset=addr - base, strides=slot.strides)
+            return cp.ascontiguousarray(v)
+
+    rt = Runtime()
+    f4 = np.dtype(np.float32)
+    rows = ArenaValue(rt, base + 16, _Slot(16, (2, 3), (12, 4), f4), arena)  # contiguous rows
+    cols = ArenaValue(rt, base + 64, _Slot(64, (2, 2), (32, 4), f4), arena)  # rows 8 floats apart
+    got = dev.download_batch([rows, cols])
+    np.testing.assert_array_equal(got[0], np.arange(4, 10, dtype=np.float32).reshape(2, 3))
+    np.testing.assert_array_equal(got[1], np.array([[16, 17], [24, 25]], np.float32))
+    assert rt.copied == [base + 64]  # only the strided one was copied on the device
+    assert dev.stats.n_sync == 1 and [k for k, _ in cp.log].count("sync") == 1

@@ -4,7 +4,7 @@
 `reserve(graph)` runs passes 1–5 once per graph and plans each backend's compute buffer;
 `compute(graph, inputs)` then runs the splits in order, copying each split's inputs into its
 backend first (the copy ladder: device-to-device if the backend offers it, else through the
-host). A graph of the same shape is reused, so a decode step pays for planning once.
+host: a boundary's values read back as one batch per source device, one wait). A graph of the same shape is reused, so a decode step pays for planning once.
 `LLAMAPY_SCHED_DEBUG=1|2` dumps the splits (2: and nodes) of every distinct graph that runs,
 through `debug_hook` — the library hands the text to the CLI, which writes it to stderr.
 """

@@ -535,7 +535,7 @@ class CUDABackend(MemoryDeviceBackend):
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
         dev = self.device
         with dev.context("computing " + (nodes[0].name if nodes else "nothing")):
-            own_values(env)  # (a GPU plan's exports read node by node: copies of their own)
+            own_values(env, nodes)  # (a GPU plan's exports read node by node: copies of their own)
             run_nodes(nodes, env, dev.cp)
 
     def synchronize(self) -> None:

@@ -161,7 +161,7 @@ class MemoryDeviceBackend(Backend):
     device: MemoryDevice
 
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
-        own_values(env)  # (a GPU plan's exports read here: copies of their own)
+        own_values(env, nodes)  # (a GPU plan's exports read here: copies of their own)
         run_nodes(nodes, env, self.device.xp)
 
     def from_host(self, data: np.ndarray, t: Tensor | None = None) -> Any:

@@ -376,12 +376,14 @@ def settle(rt: Runtime) -> None:
     rt.exported = []
 
 
-def own_values(env: dict[Tensor, Any]) -> None:
-    """ArenaValues in `env` replaced by their own device arrays: for readers that keep what they
-    read (run_nodes' views may outlive the arena's contents)."""
-    for t, v in env.items():
-        if isinstance(v, ArenaValue):
-            env[t] = v.own()
+def own_values(env: dict[Tensor, Any], nodes: Sequence[Tensor]) -> None:
+    """The ArenaValues `nodes` read replaced in `env` by their own device arrays: for readers that
+    keep what they read (run_nodes' views may outlive the arena's contents)."""
+    for n in nodes:
+        for t in n.src:
+            v = env.get(t)
+            if isinstance(v, ArenaValue):
+                env[t] = v.own()
 
 
 @dataclass

@@ -34,7 +34,7 @@ from llamapy.backend.executor import (ARGSORT, ATTN, CLAMP, DIV, GEGLU, GET_ROWS
                                       SWIGLU, MUL_MAT_ID_Q, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena, ExecPlan, Loc, Refusal,
                                       Refused, _array_loc, _lib, _Slot)
 from llamapy.backend.gpu_plan import (COUNT, GET_ROWS_W, HEAD, MUL_MAT_GLU, MUL_MAT_ID_GLU, MUL_MAT_ID_W, MUL_MAT_W, ROPE_QKV, ROUTER,
-                                      WIDTH, GPUPlan, own_values)
+                                      WIDTH, GPUPlan)
 from llamapy.backend.cpu_kernels import KV_CODES
 from llamapy.backend.kernels import _rope_tables_compute, gelu, rope_consts
 from llamapy.context import Context, ContextOptions, Model
@@ -199,8 +199,12 @@ def _gpu_backend(monkeypatch: pytest.MonkeyPatch, rt_of: Callable[[], FakeRuntim
         return p
 
     monkeypatch.setattr(CPUBackend, "graph_plan_create", create)
-    # (the host reads what the plans export as arrays: a device's download would read them in place)
-    monkeypatch.setattr(CPUBackend, "graph_plan_compute", lambda self, plan, env: (plan.compute(env), own_values(env)))
+    def compute(self: CPUBackend, plan: GPUPlan, env: dict[Any, Any]) -> None:
+        plan.compute(env)
+        for t, _slot in plan.built.exports:  # (the host reads them as arrays: a device's read would be in place)
+            env[t] = env[t].own()
+
+    monkeypatch.setattr(CPUBackend, "graph_plan_compute", compute)
     monkeypatch.setattr(CPUBackend, "graph_plan_summary",
                         lambda self, plan: plan.summary() if plan else f"refused: {plan.reason}")
     return made

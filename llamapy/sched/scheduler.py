@@ -39,6 +39,7 @@ class Plan:
     backend_plans: dict[int, Any] = field(default_factory=dict)
     shown: bool = False  # given to the scheduler's debug hook already
     runs: list[Any] | None = None  # Scheduler._runs: what each step does, decided once
+    outs: list[tuple[Backend, list[Tensor]]] | None = None  # the graph's outputs by home backend (one read each)
 
 
 def _owner(t: Tensor) -> Tensor:
@@ -116,7 +117,8 @@ class Scheduler:
             # the split reads its inputs' copies under their own names; the originals (values
             # native to another backend) are put back afterwards
             saved: dict[Tensor, Any] = {}
-            self._copy_inputs(s, be, host_in, ins, vals, copies)
+            if ins:
+                self._copy_inputs(s, be, host_in, ins, vals, copies)
             for inp, src, src_host in ins:
                 key = (inp, s.backend, host_in)
                 if inp in vals:
@@ -134,10 +136,12 @@ class Scheduler:
             for t in s.release_after:
                 vals.pop(t, None)
         out: dict[Tensor, np.ndarray] = {}
-        home = plan.assignment
-        for bi in dict.fromkeys(home[o] for o in graph.outputs):  # one batch (one wait) a backend
-            outs = [o for o in graph.outputs if home[o] == bi]
-            for o, v in zip(outs, self.backends[bi].to_host_batch([vals[o] for o in outs])):
+        if plan.outs is None:
+            home = plan.assignment
+            plan.outs = [(self.backends[bi], [o for o in graph.outputs if home[o] == bi])
+                         for bi in dict.fromkeys(home[o] for o in graph.outputs)]
+        for be, outs in plan.outs:  # one batch (one wait) a backend
+            for o, v in zip(outs, be.to_host_batch([vals[o] for o in outs])):
                 out[o] = np.asarray(v)
         return out
 

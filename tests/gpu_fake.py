@@ -125,6 +125,24 @@ def _nothing() -> None:
     pass
 
 
+def boundaries(ctx: Any, n_tokens: int) -> tuple[int, int]:
+    """(device->host boundaries, host->device boundaries) of a context's graph of `n_tokens` tokens
+    (one output), from the scheduler's splits: a host wait is owed for each split in host memory
+    that reads a value living on a device, and for the graph's outputs on a device — what a step's
+    CopyStats.n_sync must come to (tests/backend/test_hybrid_copies.py, tests/gpu/test_cuda_hybrid.py)."""
+    plan = ctx.plan(n_tokens, 1)
+    host = [b.device.buffer_type().is_host for b in ctx.sched.backends]
+    d2h = h2d = 0
+    for s in plan.splits:
+        srcs = {plan.assignment[i] for i in s.inputs}
+        if host[s.backend]:
+            d2h += any(not host[b] for b in srcs)
+        else:
+            h2d += any(host[b] for b in srcs)
+    d2h += any(not host[plan.assignment[o]] for o in plan.graph.outputs)
+    return d2h, h2d
+
+
 def use_test_device_plans(set_attr: Callable[[Any, str, Any], None], make_rt: Callable[[], HostRuntime]
                           ) -> list[gpu_plan.GPUPlan]:
     """TEST devices (LLAMAPY_TEST_GPU) that compile their splits into GPU plans over `make_rt()`

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from gpu_fake import use_test_device_plans
+from gpu_fake import boundaries, use_test_device_plans
 from llamapy.backend import native
 from llamapy.backend.executor import Arena
 from llamapy.context import Context, ContextOptions, Model, ModelOptions
@@ -34,24 +34,6 @@ PROMPT = [(7 * i) % 250 + 1 for i in range(12)]  # past the 8 tokens a GPU plan 
 BIG = [(11 * i) % 250 + 1 for i in range(40)]  # >= 32: op offload sends the CPU layers' products over
 # (tokens, first position): a short prompt, two decode steps, then the longer prompts
 STEPS = [(SHORT, 0), ([10], 6), ([11], 7), (PROMPT, 8), (BIG, 20)]
-
-
-def _boundaries(ctx: Context, n_tokens: int) -> tuple[int, int]:
-    """(device->host boundaries, host->device boundaries) of the graph of `n_tokens` tokens, from
-    the scheduler's splits: a wait is owed for each split on the host that reads a value living
-    on the device, and for the device's graph outputs."""
-    plan = ctx.plan(n_tokens, 1)
-    be = ctx.sched.backends
-    host = [b.device.buffer_type().is_host for b in be]
-    d2h = h2d = 0
-    for s in plan.splits:
-        srcs = {plan.assignment[i] for i in s.inputs}
-        if host[s.backend]:
-            d2h += any(not host[b] for b in srcs)
-        else:
-            h2d += any(host[b] for b in srcs)
-    d2h += any(not host[plan.assignment[o]] for o in plan.graph.outputs)
-    return d2h, h2d
 
 
 def _step(ctx: Context, dev: Any, tokens: list[int], pos0: int) -> tuple[np.ndarray, dict[str, int]]:
@@ -90,7 +72,7 @@ def test_one_wait_per_boundary(tiny: Any, cpu_logits: list[np.ndarray], monkeypa
     exact = plans
     for (tokens, pos0), want in zip(STEPS, cpu_logits):
         got, d = _step(ctx, dev, tokens, pos0)
-        d2h, h2d = _boundaries(ctx, len(tokens))
+        d2h, h2d = boundaries(ctx, len(tokens))
         where = f"-ngl {ngl}, {len(tokens)} tokens: {d}"
         assert d["n_sync"] == d2h, where  # one wait per device->host boundary, none for uploads
         assert d["n_out"] >= d2h, where
@@ -183,7 +165,7 @@ def test_ffn_on_the_host_between_two_gpu_plans(tiny: Any, cpu_logits: list[np.nd
     (dev,) = [b.device for b in ctx.sched.backends if b.name == "TEST0"]
     for (tokens, pos0), want in list(zip(STEPS, cpu_logits))[:3]:
         got, d = _step(ctx, dev, tokens, pos0)
-        d2h, _h2d = _boundaries(ctx, len(tokens))
+        d2h, _h2d = boundaries(ctx, len(tokens))
         assert d2h == 2 and d["n_sync"] == 2, d
         np.testing.assert_array_equal(got, want)
     assert len({id(p) for p in made}) >= 2 and all(not p.direct for p in made)

@@ -7,7 +7,8 @@ outside the repository):
      tests/gpu/test_cuda_kernels.py: every kernels_cuda/ family through cuda_ops, the kernels of
      the compiled GPU split, and one captured CUDA graph; tests/gpu/test_gpu_runtime.py: whole
      models' decode steps as captured CUDA graphs of the compiled GPU split, against run_nodes
-     and the CPU) -- each failing case listed by name;
+     and the CPU; tests/gpu/test_cuda_hybrid.py: -ngl 0, 2, all-1, all steps, one host wait per
+     device->host boundary) -- each failing case listed by name;
   2b. tiny32 at -ngl all against llama.cpp's F32 logits (mean KLD <= 0.001), when the reference
      (.gpu/ or ../shared/reference/tiny32) is there: with -ub 8 (the compiled GPU split, its
      CUDA graphs) and -ub 512 (the prompt path), each with the CUDA splits' plan lines;
@@ -551,7 +552,7 @@ def main() -> int:
         return finish(rep, t_start)
 
     # 2. op tests -------------------------------------------------------------------------
-    ops = rep.section("Op, kernel and weight tests on CUDA0 (pytest tests/gpu/test_cuda_ops.py, test_cuda_kernels.py)")
+    ops = rep.section("Op, kernel and weight tests on CUDA0 (pytest tests/gpu/test_cuda_ops.py, test_cuda_kernels.py, test_gpu_runtime.py, test_cuda_hybrid.py)")
     if args.skip_pytest or args.test_device:
         rep.add(ops, "- skipped")
     else:
@@ -573,7 +574,7 @@ def main() -> int:
                 if not bad:
                     rep.add(ops, "  ```\n  " + "\n  ".join(tail[-30:]) + "\n  ```")
 
-        for name in ("test_cuda_kernels.py", "test_gpu_runtime.py", "test_cuda_ops.py"):
+        for name in ("test_cuda_kernels.py", "test_gpu_runtime.py", "test_cuda_ops.py", "test_cuda_hybrid.py"):
             rep.step(ops, f"pytest {name}", lambda name=name: run_pytest(name))
 
     # 2b. tiny32 against llama.cpp -----------------------------------------------------------

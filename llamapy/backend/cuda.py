@@ -21,7 +21,7 @@ with the reason (no CuPy, no driver, no device), which discovery records.
     two pinned staging buffers, packed copy after copy, as asynchronous H2D copies on the device's
     stream (no host wait unless a buffer is reused before its last copy finished);
     `download_batch` queues a boundary's D2H copies into one pinned buffer (grown to the largest
-    boundary) and waits once, on an event. `stats` counts copies and waits; `close()` frees the
+    boundary, up to 64 MiB; bigger reads go straight into pageable arrays) and waits once, on an event. `stats` counts copies and waits; `close()` frees the
     pinned memory (so does freeing the device's last buffer).
   * `CUDADevice.limit_memory_pool(compute_bytes)` caps CuPy's memory pool at what the context
     planned (weights + KV cache + compute buffers, with headroom for CuPy's temporaries).
@@ -64,6 +64,9 @@ DEQUANT_THREADS = 256
 TILE_ELEMS = 1 << 24
 # pinned staging: two buffers of this size per device, used alternately
 STAGING_BYTES = 8 << 20
+# the pinned buffer of download_batch grows to the largest boundary up to this; a bigger batch (a
+# KV cache read back, a long prompt's every logit) is copied straight into pageable host arrays
+READBACK_MAX_BYTES = 64 << 20
 # headroom of the memory pool over the planned compute buffers: CuPy's kernels make temporaries
 # (float64 sums in RMS_NORM, the KQ matrix in FLASH_ATTN_EXT) that ggml's in-place graph does not
 POOL_COMPUTE_FACTOR = 3.0
@@ -439,17 +442,24 @@ class CUDADevice(MemoryDevice):
             for src in srcs:
                 offs.append(total)
                 total += -(-src[1] // 64) * 64  # (64-byte aligned views)
-            pin = self._readback
-            if pin is None or pin.view.size < total:
-                self._readback = pin = None  # (the old block first: nothing is in flight from it)
-                self._readback = pin = _Staging(cp, max(total, 1 << 16))
-            for (addr, n, _shape, _dt, _owner), o in zip(srcs, offs):
+            if total > READBACK_MAX_BYTES:
+                outs = [np.empty(shape, dt) for _a, _n, shape, dt, _w in srcs]
+                dsts = [int(o.ctypes.data) for o in outs]
+            else:
+                pin = self._readback
+                if pin is None or pin.view.size < total:
+                    self._readback = pin = None  # (the old block first: nothing is in flight from it)
+                    self._readback = pin = _Staging(cp, max(total, 1 << 16))
+                dsts = [pin.mem.ptr + o for o in offs]
+            for (addr, n, _shape, _dt, _owner), dst in zip(srcs, dsts):
                 if n:
-                    cp.cuda.runtime.memcpyAsync(pin.mem.ptr + o, addr, n, 2, self.stream.ptr)  # 2: D2H
+                    cp.cuda.runtime.memcpyAsync(dst, addr, n, 2, self.stream.ptr)  # 2: D2H
             self.stream.record().synchronize()
         self.stats.n_sync += 1
         self.stats.n_out += len(srcs)
         self.stats.bytes_out += sum(src[1] for src in srcs)
+        if total > READBACK_MAX_BYTES:
+            return outs
         return [pin.view[o : o + n].view(dt).reshape(shape).copy() for (_a, n, shape, dt, _w), o in zip(srcs, offs)]
 
     def close(self) -> None:

@@ -100,7 +100,7 @@ def test_one_wait_per_boundary(tiny: Any, cpu_logits: list[np.ndarray], monkeypa
     model.free()
 
 
-def test_cuda_copies_through_pinned_memory() -> None:
+def test_cuda_copies_through_pinned_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDADevice's own copy paths on tests/gpu_fake.py's CuPy stand-in, whose async copies happen
     only when a wait reaches them: a step's uploads are queued with no wait, a boundary's reads
     are one batch of D2H copies and one wait, and the staging buffers are refilled only after
@@ -128,6 +128,11 @@ def test_cuda_copies_through_pinned_memory() -> None:
     assert dev.stats.n_sync == 2
     np.testing.assert_array_equal(dev.download(v), big)
     assert dev.stats.n_sync == 3
+    assert dev._readback is not None and dev._readback.view.size < cuda.READBACK_MAX_BYTES
+    monkeypatch.setattr(cuda, "READBACK_MAX_BYTES", 1 << 20)  # a read past it: pageable arrays, still one wait
+    pin = dev._readback
+    np.testing.assert_array_equal(dev.download(v), big)
+    assert dev.stats.n_sync == 4 and dev._readback is pin
     dev.close()  # the pinned memory freed; the next copy makes it again
     assert dev._staging == [] and dev._readback is None
     np.testing.assert_array_equal(dev.download(dev.upload(small[2])), small[2])

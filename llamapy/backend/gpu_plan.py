@@ -343,7 +343,7 @@ class ArenaValue:
     rt: Runtime
     addr: int
     slot: _Slot
-    owner: Any  # the arena block (kept alive with the value)
+    owner: Any  # the plans' arena (kept alive with the value)
     array: Any = None  # its own device copy, once made
 
     @property
@@ -441,8 +441,9 @@ class GPUPlan:
                 f"{len(b.exports)} exports [{counts}]")
 
     def compute(self, env: dict[Tensor, Any]) -> None:
-        """One step: the inputs into the pinned mirror, one H2D copy, the graph (or the
-        launches), the exports copied out. Nothing here waits for the device."""
+        """One step: the last plan's exports settled, the inputs into the pinned mirror, one H2D
+        copy, the graph (or the launches), the exports left in the arena as ArenaValues. Nothing
+        here waits for the device."""
         b, rt = self.built, self.rt
         settle(rt)  # (before the arena can move or be written)
         base = b.arena.ensure(b.nbytes)

@@ -35,6 +35,8 @@ class HostRuntime:
         self.logging = log
         self.fail_capture = fail_capture
         self.keep: list[Any] = []
+        self.exported: list[Any] = []
+        self.stats: Any = None  # a device's CopyStats: the plan's input copies counted there, as CUDA's are
 
     def array_loc(self, v: Any) -> Loc:
         if not isinstance(v, np.ndarray):
@@ -61,6 +63,9 @@ class HostRuntime:
     def h2d(self, dst: int, src: np.ndarray) -> None:
         if self.logging:
             self.log.append(("h2d", src.nbytes))
+        if self.stats is not None:
+            self.stats.n_in += 1
+            self.stats.bytes_in += src.nbytes
         ctypes.memmove(dst, src.ctypes.data, src.nbytes)
 
     def d2d(self, dst: int, value: Any) -> None:
@@ -120,6 +125,24 @@ def _nothing() -> None:
     pass
 
 
+def boundaries(ctx: Any, n_tokens: int) -> tuple[int, int]:
+    """(device->host boundaries, host->device boundaries) of a context's graph of `n_tokens` tokens
+    (one output), from the scheduler's splits: a host wait is owed for each split in host memory
+    that reads a value living on a device, and for the graph's outputs on a device — what a step's
+    CopyStats.n_sync must come to (tests/backend/test_hybrid_copies.py, tests/gpu/test_cuda_hybrid.py)."""
+    plan = ctx.plan(n_tokens, 1)
+    host = [b.device.buffer_type().is_host for b in ctx.sched.backends]
+    d2h = h2d = 0
+    for s in plan.splits:
+        srcs = {plan.assignment[i] for i in s.inputs}
+        if host[s.backend]:
+            d2h += any(not host[b] for b in srcs)
+        else:
+            h2d += any(host[b] for b in srcs)
+    d2h += any(not host[plan.assignment[o]] for o in plan.graph.outputs)
+    return d2h, h2d
+
+
 def use_test_device_plans(set_attr: Callable[[Any, str, Any], None], make_rt: Callable[[], HostRuntime]
                           ) -> list[gpu_plan.GPUPlan]:
     """TEST devices (LLAMAPY_TEST_GPU) that compile their splits into GPU plans over `make_rt()`
@@ -133,6 +156,7 @@ def use_test_device_plans(set_attr: Callable[[Any, str, Any], None], make_rt: Ca
         if not hasattr(self, "_fake_rt"):
             self._fake_rt = make_rt()
             self._fake_rt.buft = self.device.buffer_type()
+            self._fake_rt.stats = self.device.stats
         p = gpu_plan.compile_split(nodes, exports, allocate, self._fake_rt)
         made.extend([p] if p else [])
         return p
@@ -142,3 +166,107 @@ def use_test_device_plans(set_attr: Callable[[Any, str, Any], None], make_rt: Ca
     set_attr(MemoryDeviceBackend, "graph_plan_summary",
              lambda self, plan: plan.summary() if plan else f"refused: {plan.reason}")
     return made
+
+
+# -- a CuPy stand-in for CUDADevice's copies (backend/cuda.py: upload, download_batch) ----------
+
+
+class FakeCupy:
+    """Just enough of CuPy for `CUDADevice`'s copy paths, over host memory: device arrays are numpy
+    arrays with a `.data.ptr`, pinned memory is host memory, and `memcpyAsync` is queued on its
+    stream and done only when an event recorded after it (or the stream) is synchronised — so a
+    staging buffer read before its wait, or refilled before its copy left it, gives wrong bytes.
+    `log` records ("memcpy", kind) and ("sync", ...) in order."""
+
+    def __init__(self) -> None:
+        import types
+
+        fake = self
+        self.log: list[tuple[str, Any]] = []
+        self.float32, self.int64 = np.float32, np.int64
+
+        class DevArray(np.ndarray):
+            @property
+            def data(self) -> Any:  # type: ignore[override]
+                return types.SimpleNamespace(ptr=self.ctypes.data)
+
+        self.ndarray = DevArray
+
+        class Pinned(bytearray):
+            @property
+            def ptr(self) -> int:
+                return ctypes.addressof((ctypes.c_char * len(self)).from_buffer(self))
+
+        class Event:
+            def __init__(self, stream: Any) -> None:
+                self.stream, self.upto = stream, len(stream.queue)
+
+            @property
+            def done(self) -> bool:
+                return self.stream.ran >= self.upto
+
+            def synchronize(self) -> None:
+                fake.log.append(("sync", "event"))
+                self.stream.run(self.upto)
+
+        class Stream:
+            def __init__(self, non_blocking: bool = False) -> None:
+                self.queue: list[Callable[[], None]] = []
+                self.ran = 0
+                self.ptr = id(self)
+
+            def run(self, upto: int) -> None:
+                while self.ran < upto:
+                    self.queue[self.ran]()
+                    self.ran += 1
+
+            def record(self) -> Event:
+                return Event(self)
+
+            def synchronize(self) -> None:
+                fake.log.append(("sync", "stream"))
+                self.run(len(self.queue))
+
+            def __enter__(self) -> Any:
+                return self
+
+            def __exit__(self, *a: Any) -> None:
+                pass
+
+        self.streams: list[Stream] = []
+
+        def memcpy_async(dst: int, src: int, n: int, kind: int, stream_ptr: int) -> None:
+            (stream,) = [s for s in self.streams if s.ptr == stream_ptr]
+            fake.log.append(("memcpy", kind))
+            stream.queue.append(lambda: ctypes.memmove(dst, src, n))
+
+        def make_stream(non_blocking: bool = False) -> Stream:
+            self.streams.append(Stream(non_blocking))
+            return self.streams[-1]
+
+        class Device:
+            def __init__(self, index: int = 0) -> None:
+                pass
+
+            def __enter__(self) -> Any:
+                return self
+
+            def __exit__(self, *a: Any) -> None:
+                pass
+
+        runtime = types.SimpleNamespace(
+            memGetInfo=lambda: (1 << 30, 1 << 30), memcpyAsync=memcpy_async,
+            getDeviceProperties=lambda i: {"name": b"fake", "major": 9, "minor": 0},
+            memcpyHostToDevice=1, memcpyDeviceToHost=2, memcpyDeviceToDevice=3)
+        memory = types.SimpleNamespace(OutOfMemoryError=MemoryError)
+        self.cuda = types.SimpleNamespace(Device=Device, Stream=make_stream, runtime=runtime, memory=memory,
+                                          alloc_pinned_memory=lambda n: Pinned(n))
+
+    def empty(self, shape: Any, dtype: Any) -> Any:
+        return np.empty(shape, dtype).view(self.ndarray)
+
+    def asarray(self, v: Any) -> Any:
+        return v if isinstance(v, self.ndarray) else np.array(v).view(self.ndarray)
+
+    def ascontiguousarray(self, v: Any) -> Any:
+        return np.ascontiguousarray(v).view(self.ndarray)

@@ -17,8 +17,12 @@ with the reason (no CuPy, no driver, no device), which discovery records.
     `MMV_MAX_TOKENS` tokens and otherwise dequantizes row tiles to float32 and calls cuBLAS
     (`cupy.matmul`; TF32 stays off unless CUPY_TF32 is set). Activations are not quantized to q8
     as ggml does: only the weights' own rounding remains, as on the CPU backend.
-  * `upload` goes through pinned staging buffers and asynchronous H2D copies on the device's
-    stream; `download` is a D2H copy that waits for the stream.
+  * Copies (ggml-backend's sched with ggml-cuda's async copies and events): `upload` goes through
+    two pinned staging buffers, packed copy after copy, as asynchronous H2D copies on the device's
+    stream (no host wait unless a buffer is reused before its last copy finished);
+    `download_batch` queues a boundary's D2H copies into one pinned buffer (grown to the largest
+    boundary, up to 64 MiB; bigger reads go straight into pageable arrays) and waits once, on an event. `stats` counts copies and waits; `close()` frees the
+    pinned memory (so does freeing the device's last buffer).
   * `CUDADevice.limit_memory_pool(compute_bytes)` caps CuPy's memory pool at what the context
     planned (weights + KV cache + compute buffers, with headroom for CuPy's temporaries).
   * cupy's OutOfMemoryError becomes llamapy's OutOfMemoryError with the device and the step.
@@ -45,6 +49,7 @@ from ..types import (
     block_size,
 )
 from .device import DeviceMemoryBufferType, MemoryDevice, MemoryDeviceBackend
+from .gpu_plan import ArenaValue, own_values
 from .interface import Backend, Buffer, Device, Registry
 from .kernels import run_nodes
 
@@ -59,6 +64,9 @@ DEQUANT_THREADS = 256
 TILE_ELEMS = 1 << 24
 # pinned staging: two buffers of this size per device, used alternately
 STAGING_BYTES = 8 << 20
+# the pinned buffer of download_batch grows to the largest boundary up to this; a bigger batch (a
+# KV cache read back, a long prompt's every logit) is copied straight into pageable host arrays
+READBACK_MAX_BYTES = 64 << 20
 # headroom of the memory pool over the planned compute buffers: CuPy's kernels make temporaries
 # (float64 sums in RMS_NORM, the KQ matrix in FLASH_ATTN_EXT) that ggml's in-place graph does not
 POOL_COMPUTE_FACTOR = 3.0
@@ -267,12 +275,13 @@ class CUDAQMatrix:
 
 
 class _Staging:
-    """One pinned host buffer and the event of the last copy out of it."""
+    """One pinned host buffer, filled from `off` on, and the event of the last copy out of it."""
 
     def __init__(self, cp: Any, nbytes: int) -> None:
         self.mem = cp.cuda.alloc_pinned_memory(nbytes)
         self.view = np.frombuffer(self.mem, np.uint8, nbytes)
         self.event: Any = None
+        self.off = 0
 
 
 class CUDADevice(MemoryDevice):
@@ -298,6 +307,7 @@ class CUDADevice(MemoryDevice):
         self._functions: dict[tuple[str, GGMLType], Any] = {}
         self._staging: list[_Staging] = []
         self._next_staging = 0
+        self._readback: _Staging | None = None  # download_batch's pinned buffer
         self._ops: Any = None
         self._runtime: Any = None  # cuda_exec.CUDARuntime: the compiled plans' arena and launches
 
@@ -379,7 +389,9 @@ class CUDADevice(MemoryDevice):
 
     def _h2d(self, host: np.ndarray) -> Any:
         """A device copy of `host` through the pinned staging buffers (asynchronous on the
-        device's stream; a staging buffer is refilled only after its last copy finished)."""
+        device's stream). Copies are packed into the current buffer; when it is full the other
+        one is taken, waiting only if its last copy has not finished (a weight's chunks alternate,
+        so loading overlaps the host's memcpy with the DMA; a step's small copies never wait)."""
         cp = self.cp
         host = np.ascontiguousarray(host)
         out = cp.empty(host.shape, host.dtype)
@@ -394,14 +406,70 @@ class CUDADevice(MemoryDevice):
         while off < n:
             k = min(n - off, STAGING_BYTES)
             slot = self._staging[self._next_staging]
-            self._next_staging ^= 1
-            if slot.event is not None:
-                slot.event.synchronize()
-            slot.view[:k] = src[off : off + k]
-            cp.cuda.runtime.memcpyAsync(dst + off, slot.mem.ptr, k, 1, self.stream.ptr)  # 1: H2D
+            if slot.off + k > STAGING_BYTES:
+                self._next_staging ^= 1
+                slot = self._staging[self._next_staging]
+                if slot.event is not None and not slot.event.done:
+                    slot.event.synchronize()
+                    self.stats.n_sync += 1
+                slot.off = 0
+            o = slot.off
+            slot.view[o : o + k] = src[off : off + k]
+            cp.cuda.runtime.memcpyAsync(dst + off, slot.mem.ptr + o, k, 1, self.stream.ptr)  # 1: H2D
             slot.event = self.stream.record()
+            slot.off = o + k
             off += k
         return out
+
+    def download_batch(self, values: Sequence[Any]) -> list[np.ndarray]:
+        """The values' D2H copies queued on the stream into one pinned buffer, then ONE wait (an
+        event recorded after them), then host arrays copied out of it (the buffer is reused by the
+        next boundary)."""
+        cp = self.cp
+        with self.context("downloading tensors"):
+            # (address, bytes, shape, dtype, owner) of each: a GPU plan's export read where its
+            # launches left it (gpu_plan.ArenaValue), anything else as a contiguous device array
+            srcs: list[tuple[int, int, tuple[int, ...], np.dtype, Any]] = []
+            for v in values:
+                if isinstance(v, ArenaValue) and v.array is None and v.contiguous():
+                    srcs.append((v.addr, v.nbytes, v.slot.shape, v.slot.dtype, v))
+                    continue
+                if isinstance(v, ArenaValue):
+                    v = v.own()
+                a = cp.ascontiguousarray(v.dequantize() if isinstance(v, CUDAQMatrix) else cp.asarray(v))
+                srcs.append((int(a.data.ptr), int(a.nbytes), tuple(a.shape), np.dtype(a.dtype), a))
+            offs, total = [], 0
+            for src in srcs:
+                offs.append(total)
+                total += -(-src[1] // 64) * 64  # (64-byte aligned views)
+            if total > READBACK_MAX_BYTES:
+                outs = [np.empty(shape, dt) for _a, _n, shape, dt, _w in srcs]
+                dsts = [int(o.ctypes.data) for o in outs]
+            else:
+                pin = self._readback
+                if pin is None or pin.view.size < total:
+                    self._readback = pin = None  # (the old block first: nothing is in flight from it)
+                    self._readback = pin = _Staging(cp, max(total, 1 << 16))
+                dsts = [pin.mem.ptr + o for o in offs]
+            for (addr, n, _shape, _dt, _owner), dst in zip(srcs, dsts):
+                if n:
+                    cp.cuda.runtime.memcpyAsync(dst, addr, n, 2, self.stream.ptr)  # 2: D2H
+            self.stream.record().synchronize()
+        self.stats.n_sync += 1
+        self.stats.n_out += len(srcs)
+        self.stats.bytes_out += sum(src[1] for src in srcs)
+        if total > READBACK_MAX_BYTES:
+            return outs
+        return [pin.view[o : o + n].view(dt).reshape(shape).copy() for (_a, n, shape, dt, _w), o in zip(srcs, offs)]
+
+    def close(self) -> None:
+        """Free the pinned staging memory (the device's and its GPU plans' mirror) once the
+        stream is idle; made again on the next copy."""
+        with self._device:
+            self.stream.synchronize()
+        self._staging, self._next_staging, self._readback = [], 0, None
+        if self._runtime is not None:
+            self._runtime.free_pinned()
 
     def upload(self, data: np.ndarray, t: Tensor | None = None) -> Any:
         data = np.asarray(data)
@@ -430,13 +498,7 @@ class CUDADevice(MemoryDevice):
             return self._h2d(data)
 
     def download(self, value: Any) -> np.ndarray:
-        with self.context("downloading a tensor"):
-            if isinstance(value, CUDAQMatrix):
-                value = value.dequantize()
-            arr = self.cp.asarray(value).get(stream=self.stream)  # waits for the stream
-        self.stats.bytes_out += arr.nbytes
-        self.stats.n_out += 1
-        return arr
+        return self.download_batch([value])[0]
 
     def zeros(self, t: Tensor) -> Any:
         with self.context(f"allocating {t.name}"):
@@ -469,6 +531,8 @@ class _CUDABufferType(DeviceMemoryBufferType):
         super().release(buf)
         try:
             self.device.release_cached()
+            if self.allocated <= 0:  # the device's last buffer (a freed model): its pinned memory too
+                self.device.close()
         except Exception:  # noqa: BLE001 - freeing must never fail
             pass
 
@@ -481,6 +545,7 @@ class CUDABackend(MemoryDeviceBackend):
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
         dev = self.device
         with dev.context("computing " + (nodes[0].name if nodes else "nothing")):
+            own_values(env, nodes)  # (a GPU plan's exports read node by node: copies of their own)
             run_nodes(nodes, env, dev.cp)
 
     def synchronize(self) -> None:
@@ -512,6 +577,9 @@ class CUDABackend(MemoryDeviceBackend):
         """CUDA -> CUDA arrays: a peer copy; anything else goes through the host."""
         if not isinstance(src, CUDABackend) or isinstance(value, CUDAQMatrix):
             return None
+        if isinstance(value, ArenaValue):  # a GPU plan's export, read by a later split on a device
+            with src.device.context("copying a plan's export"):
+                value = value.own()
         cp = self.device.cp
         if not isinstance(value, cp.ndarray):
             return None
@@ -520,6 +588,7 @@ class CUDABackend(MemoryDeviceBackend):
         with src.device.context("copying between devices"):
             v = cp.ascontiguousarray(value)
             src.device.stream.synchronize()
+        src.device.stats.n_sync += 1
         with self.device.context("copying between devices"):
             out = cp.empty(v.shape, v.dtype)
             if v.nbytes:

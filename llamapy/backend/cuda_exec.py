@@ -71,6 +71,7 @@ class CUDARuntime:
         self._pinned: Any = None
         self._mirror = np.zeros(0, np.uint8)
         self._copied: Any = None  # the event of the last copy out of the mirror
+        self.exported: list[Any] = []  # the last plan's ArenaValues (weakly; gpu_plan.settle)
         # GPU time of the plans' steps (run_all.py's Python time = step wall time - this): set
         # `timing`, run, then `gpu_seconds()`
         self.timing = False
@@ -102,6 +103,7 @@ class CUDARuntime:
         return int(v.raw.data.ptr), int(v.qtype), v.n_out, v.n_in, v.row_bytes
 
     def host(self, v: Any) -> np.ndarray:
+        self.dev.stats.n_sync += 1  # (a pageable copy: compile time, and a mask from another device)
         with self.dev.context("reading a small tensor"):
             return self.cp.asnumpy(v, stream=self.dev.stream)
 
@@ -111,8 +113,9 @@ class CUDARuntime:
         return int(d.data.ptr), d
 
     def pinned(self, nbytes: int) -> np.ndarray:
-        if self._copied is not None:
-            self._copied.synchronize()  # the last step's copy has left the mirror (done by now)
+        if self._copied is not None and not self._copied.done:
+            self._copied.synchronize()  # the last step's copy must leave the mirror first
+            self.dev.stats.n_sync += 1
         if nbytes > self._mirror.size:
             self._pinned = self.cp.cuda.alloc_pinned_memory(nbytes)
             self._mirror = np.frombuffer(self._pinned, np.uint8, nbytes)
@@ -124,6 +127,12 @@ class CUDARuntime:
         rt = self.cp.cuda.runtime
         rt.memcpyAsync(dst, src.ctypes.data, src.nbytes, rt.memcpyHostToDevice, self.dev.stream.ptr)
         self._copied = self.dev.stream.record()
+        self.dev.stats.n_in += 1
+        self.dev.stats.bytes_in += src.nbytes
+
+    def free_pinned(self) -> None:
+        """Drop the pinned mirror (CUDADevice.close: the stream is idle)."""
+        self._pinned, self._mirror, self._copied = None, np.zeros(0, np.uint8), None
 
     def d2d(self, dst: int, value: Any) -> None:
         cp = self.cp

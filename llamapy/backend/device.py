@@ -19,6 +19,7 @@ import numpy as np
 
 from ..tensor import Op, Tensor, TensorFlag
 from ..types import DeviceType, OutOfMemoryError
+from .gpu_plan import own_values
 from .interface import Backend, Buffer, BufferType, BufferUsage, Device, DeviceProps
 from .kernels import KERNELS, run_nodes
 
@@ -52,6 +53,9 @@ class CopyStats:
     bytes_out: int = 0  # device -> host
     n_in: int = 0
     n_out: int = 0
+    # host waits on the device (a stream or event synchronisation that blocked, or that cannot be
+    # known not to): a hybrid step makes one per device->host boundary (tests read the deltas)
+    n_sync: int = 0
 
 
 class DeviceMemoryBufferType(BufferType):
@@ -121,6 +125,11 @@ class MemoryDevice(Device):
     @abstractmethod
     def download(self, value: Any) -> np.ndarray: ...
 
+    def download_batch(self, values: Sequence[Any]) -> list[np.ndarray]:
+        """Several values to the host with one wait (a boundary's inputs: the copies are queued
+        together, then one synchronisation). Default: one download each, each its own wait."""
+        return [self.download(v) for v in values]
+
     @abstractmethod
     def zeros(self, t: Tensor) -> Any: ...
 
@@ -152,6 +161,7 @@ class MemoryDeviceBackend(Backend):
     device: MemoryDevice
 
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
+        own_values(env, nodes)  # (a GPU plan's exports read here: copies of their own)
         run_nodes(nodes, env, self.device.xp)
 
     def from_host(self, data: np.ndarray, t: Tensor | None = None) -> Any:
@@ -159,3 +169,6 @@ class MemoryDeviceBackend(Backend):
 
     def to_host(self, value: Any) -> np.ndarray:
         return self.device.download(value)
+
+    def to_host_batch(self, values: Sequence[Any]) -> list[np.ndarray]:
+        return self.device.download_batch(values)

@@ -66,8 +66,12 @@ captured (the runtime refuses: graphs turned off, or the capture failed) runs it
 directly, and `summary()` (LLAMAPY_SCHED_DEBUG) says which and why. If the arena had to grow,
 the records move to the new block and the launches are prepared and captured again.
 
-Exports (values other splits read, the graph's outputs) are copied out of the arena after the
-launches, as device arrays; the scheduler reads the logits back (the step's one synchronisation).
+Exports (values other splits read, the graph's outputs) stay where the launches left them: each
+is an `ArenaValue` (its arena address and slot), which a device->host boundary reads in place (one
+batch of D2H copies and one wait: CUDADevice.download_batch). The arena is shared by the device's
+plans, so the next plan to run first gives each export still alive a device copy of its own
+(`settle`, a D2D copy queued on the stream before its launches), which later readers get; so does
+a reader on the device itself (run_nodes, another device's peer copy: `ArenaValue.own`).
 
 Refused here (the split then runs node by node with run_nodes, CuPy's reference path): batches of
 more tokens than the matrix-vector kernels take (prompts stay on the cuBLAS path), weights in
@@ -77,6 +81,7 @@ host memory, an op or layout the compiler does not know, an op the runtime has n
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -129,6 +134,7 @@ class Runtime(Protocol):
     #   launch's kernel refuses its arguments
     def replay(self, graph: Any) -> None: ...
     def copy_out(self, addr: int, slot: _Slot, owner: Any) -> Any: ...  # an export: a device array (a copy)
+    exported: list[Any]  # weak references to the ArenaValues of the last plan that ran (settle)
     def done(self) -> None: ...  # the step's work is queued (a timing runtime marks the stream here)
 
 
@@ -393,6 +399,58 @@ class GPUTarget(Target):
         recs[:] = _fuse_router_topk(recs, spans)
 
 
+@dataclass(eq=False)
+class ArenaValue:
+    """A plan's export where its launches left it (ggml's split outputs, read in place): `addr` in
+    the device arena, laid out as `slot`. Valid until another plan of the device runs, which first
+    gives it a device copy (`own`, by `settle`); readers that keep it past that point use `own()`."""
+
+    rt: Runtime
+    addr: int
+    slot: _Slot
+    owner: Any  # the plans' arena (kept alive with the value)
+    array: Any = None  # its own device copy, once made
+
+    @property
+    def nbytes(self) -> int:
+        return _extent(self.slot)
+
+    def contiguous(self) -> bool:
+        """Whether its bytes are one run (a D2H copy reads them straight from the arena)."""
+        want = self.slot.dtype.itemsize
+        for d, st in zip(reversed(self.slot.shape), reversed(self.slot.strides)):
+            if d != 1 and st != want:  # (strides in bytes)
+                return False
+            want *= d
+        return True
+
+    def own(self) -> Any:
+        """Its own device array (a copy out of the arena, queued on the stream once)."""
+        if self.array is None:
+            self.array = self.rt.copy_out(self.addr, self.slot, self.owner)
+        return self.array
+
+
+def settle(rt: Runtime) -> None:
+    """Before a plan writes the arena: every export of the last plan still read by someone gets
+    its own copy (queued before the writes, so it copies the values as they were)."""
+    for ref in rt.exported:
+        v = ref()
+        if v is not None:
+            v.own()
+    rt.exported = []
+
+
+def own_values(env: dict[Tensor, Any], nodes: Sequence[Tensor]) -> None:
+    """The ArenaValues `nodes` read replaced in `env` by their own device arrays: for readers that
+    keep what they read (run_nodes' views may outlive the arena's contents)."""
+    for n in nodes:
+        for t in n.src:
+            v = env.get(t)
+            if isinstance(v, ArenaValue):
+                env[t] = v.own()
+
+
 @dataclass
 class GPUPlan:
     """A compiled GPU split: records over the device arena, their launches, the graph."""
@@ -448,9 +506,11 @@ class GPUPlan:
                 f"{len(b.exports)} exports [{counts}]")
 
     def compute(self, env: dict[Tensor, Any]) -> None:
-        """One step: the inputs into the pinned mirror, one H2D copy, the graph (or the
-        launches), the exports copied out. Nothing here waits for the device."""
+        """One step: the last plan's exports settled, the inputs into the pinned mirror, one H2D
+        copy, the graph (or the launches), the exports left in the arena as ArenaValues. Nothing
+        here waits for the device."""
         b, rt = self.built, self.rt
+        settle(rt)  # (before the arena can move or be written)
         base = b.arena.ensure(b.nbytes)
         if base != b.base:
             self._move(base)
@@ -465,11 +525,11 @@ class GPUPlan:
             if isinstance(v, np.ndarray):
                 view[...] = v
             else:
-                late.append((base + slot.off, v))
+                late.append((base + slot.off, v.own() if isinstance(v, ArenaValue) else v))
         for i, (t, slot, _rows) in enumerate(b.masks):
             v = env[t]
             if not isinstance(v, np.ndarray):
-                v = rt.host(v)  # (a mask made on another device: a copy back, rare)
+                v = rt.host(v.own() if isinstance(v, ArenaValue) else v)  # (a mask made on a device: rare)
             n = v.shape[-1]  # the cells attended
             if not 0 < n <= slot.shape[-1]:
                 raise LlamapyError(f"GPU plan: a {list(v.shape)} mask for {list(slot.shape)}")
@@ -484,8 +544,10 @@ class GPUPlan:
             for launch in self.launches:
                 launch()
         self.n_runs += 1
-        for t, slot in b.exports:
-            env[t] = rt.copy_out(base + slot.off, slot, b.arena)
+        made = [ArenaValue(rt, base + slot.off, slot, b.arena) for _t, slot in b.exports]
+        for (t, _slot), v in zip(b.exports, made):
+            env[t] = v
+        rt.exported = [weakref.ref(v) for v in made]
         rt.done()
 
 

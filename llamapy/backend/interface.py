@@ -206,6 +206,12 @@ class Backend(ABC):
     @abstractmethod
     def to_host(self, value: Any) -> np.ndarray: ...
 
+    def to_host_batch(self, values: Sequence[Any]) -> list[np.ndarray]:
+        """Several native values to the host, all the copies queued before one wait (the
+        scheduler's device->host boundary: ggml_backend_sched's input copies of a split).
+        Default: `to_host` each."""
+        return [self.to_host(v) for v in values]
+
     def copy_from(self, src: Backend, value: Any) -> Any | None:
         """Optional device-to-device fast path; None means "go through the host"."""
         return None

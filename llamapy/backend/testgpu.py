@@ -20,6 +20,7 @@ from ..tensor import Tensor, TensorFlag
 from ..types import storage
 from .cpu import host_value
 from .device import MemoryDevice
+from .gpu_plan import ArenaValue
 from .interface import Device, Registry
 
 
@@ -35,10 +36,16 @@ class TestDevice(MemoryDevice):
         return np.array(data, copy=True)
 
     def download(self, value: Any) -> np.ndarray:
-        arr = np.array(value, copy=True) if isinstance(value, np.ndarray) else value.dequantize()
-        self.stats.bytes_out += arr.nbytes
-        self.stats.n_out += 1
-        return arr
+        return self.download_batch([value])[0]
+
+    def download_batch(self, values: Sequence[Any]) -> list[np.ndarray]:
+        """CUDA's contract, counted: every copy of the batch, then one synchronisation."""
+        values = [v.own() if isinstance(v, ArenaValue) else v for v in values]  # (a GPU plan's export)
+        out = [np.array(v, copy=True) if isinstance(v, np.ndarray) else v.dequantize() for v in values]
+        self.stats.bytes_out += sum(a.nbytes for a in out)
+        self.stats.n_out += len(out)
+        self.stats.n_sync += 1
+        return out
 
     def zeros(self, t: Tensor) -> Any:
         return np.zeros(*storage(t.type, t.shape))

@@ -4,7 +4,7 @@
 `reserve(graph)` runs passes 1–5 once per graph and plans each backend's compute buffer;
 `compute(graph, inputs)` then runs the splits in order, copying each split's inputs into its
 backend first (the copy ladder: device-to-device if the backend offers it, else through the
-host). A graph of the same shape is reused, so a decode step pays for planning once.
+host: a boundary's values read back as one batch per source device, one wait). A graph of the same shape is reused, so a decode step pays for planning once.
 `LLAMAPY_SCHED_DEBUG=1|2` dumps the splits (2: and nodes) of every distinct graph that runs,
 through `debug_hook` — the library hands the text to the CLI, which writes it to stderr.
 """
@@ -39,6 +39,7 @@ class Plan:
     backend_plans: dict[int, Any] = field(default_factory=dict)
     shown: bool = False  # given to the scheduler's debug hook already
     runs: list[Any] | None = None  # Scheduler._runs: what each step does, decided once
+    outs: list[tuple[Backend, list[Tensor]]] | None = None  # the graph's outputs by home backend (one read each)
 
 
 def _owner(t: Tensor) -> Tensor:
@@ -101,16 +102,6 @@ class Scheduler:
 
     # -- running -------------------------------------------------------------------------
 
-    def _copy(self, t: Tensor, value: Any, src: Backend, dst: Backend) -> Any:
-        """ggml_backend_tensor_copy's ladder: device-to-device, else through the host."""
-        v = dst.copy_from(src, value)
-        if v is not None:
-            return v
-        if t.flags & TensorFlag.WEIGHT:
-            # a weight kept in host memory, used by an op offloaded to a device (big batches)
-            return dst.from_host(t.root().buffer.raw(t), t)  # type: ignore[union-attr]
-        return dst.from_host(np.ascontiguousarray(src.to_host(value)))
-
     def compute(self, graph: Graph, inputs: dict[Tensor, np.ndarray]) -> dict[Tensor, np.ndarray]:
         """Run `graph` with `inputs` (host arrays for its INPUT leafs); return its outputs on
         the host."""
@@ -126,14 +117,10 @@ class Scheduler:
             # the split reads its inputs' copies under their own names; the originals (values
             # native to another backend) are put back afterwards
             saved: dict[Tensor, Any] = {}
+            if ins:
+                self._copy_inputs(s, be, host_in, ins, vals, copies)
             for inp, src, src_host in ins:
-                key = (inp, s.backend, host_in)  # (a host value serves only the plans taking one)
-                if key not in copies:
-                    value = vals[inp] if inp in vals else inp.root().buffer.storage(inp)  # type: ignore[union-attr]
-                    if host_in and src_host and isinstance(value, np.ndarray):
-                        copies[key] = value
-                    else:
-                        copies[key] = self._copy(inp, value, src, be)
+                key = (inp, s.backend, host_in)
                 if inp in vals:
                     saved[inp] = vals[inp]
                 vals[inp] = copies[key]
@@ -149,11 +136,46 @@ class Scheduler:
             for t in s.release_after:
                 vals.pop(t, None)
         out: dict[Tensor, np.ndarray] = {}
-        home = plan.assignment
-        for o in graph.outputs:
-            be = self.backends[home[o]]
-            out[o] = np.asarray(be.to_host(vals[o]))
+        if plan.outs is None:
+            home = plan.assignment
+            plan.outs = [(self.backends[bi], [o for o in graph.outputs if home[o] == bi])
+                         for bi in dict.fromkeys(home[o] for o in graph.outputs)]
+        for be, outs in plan.outs:  # one batch (one wait) a backend
+            for o, v in zip(outs, be.to_host_batch([vals[o] for o in outs])):
+                out[o] = np.asarray(v)
         return out
+
+    def _copy_inputs(self, s: Split, be: Backend, host_in: bool, ins: list[tuple[Tensor, Backend, bool]],
+                     vals: dict[Tensor, Any], copies: dict[tuple[Tensor, int, bool], Any]) -> None:
+        """Copy split `s`'s inputs that are not in `copies` yet (ggml_backend_sched_compute_splits'
+        input copies). Device-to-device where `be` offers it; the rest through the host, read back
+        as ONE batch per source device (its copies queued together, then one wait: the boundary's
+        one synchronisation) and sent on as uploads, which a device queues without waiting."""
+        via_host: dict[int, list[tuple[tuple[Tensor, int, bool], Tensor, Any, Backend]]] = {}
+        for inp, src, src_host in ins:
+            key = (inp, s.backend, host_in)  # (a host value serves only the plans taking one)
+            if key in copies:
+                continue
+            value = vals[inp] if inp in vals else inp.root().buffer.storage(inp)  # type: ignore[union-attr]
+            if host_in and src_host and isinstance(value, np.ndarray):
+                copies[key] = value  # a plan that copies host values in itself (its pinned mirror)
+                continue
+            v = be.copy_from(src, value)
+            if v is not None:
+                copies[key] = v
+            elif inp.flags & TensorFlag.WEIGHT:
+                # a weight kept in host memory, used by an op offloaded to a device (big batches)
+                copies[key] = be.from_host(inp.root().buffer.raw(inp), inp)  # type: ignore[union-attr]
+            else:
+                via_host.setdefault(id(src), []).append((key, inp, value, src))
+        for group in via_host.values():
+            src = group[0][3]
+            hosts = src.to_host_batch([value for _k, _t, value, _s in group])
+            for (key, _inp, _v, _s), h in zip(group, hosts):
+                h = np.ascontiguousarray(h)
+                # a plan taking host values gets the host copy: it goes into the plan's input
+                # region (pinned mirror -> arena) with the step's other inputs, no upload first
+                copies[key] = h if host_in else be.from_host(h)
 
     def _runs(self, plan: Plan) -> list[tuple[Split, Backend, Any, bool, list[tuple[Tensor, Backend, bool]]]]:
         """What `compute` decides once per plan: each split's backend, its compiled plan (made

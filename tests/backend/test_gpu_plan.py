@@ -217,7 +217,12 @@ def _gpu_backend(monkeypatch: pytest.MonkeyPatch, rt_of: Callable[[], FakeRuntim
         return p
 
     monkeypatch.setattr(CPUBackend, "graph_plan_create", create)
-    monkeypatch.setattr(CPUBackend, "graph_plan_compute", lambda self, plan, env: plan.compute(env))
+    def compute(self: CPUBackend, plan: GPUPlan, env: dict[Any, Any]) -> None:
+        plan.compute(env)
+        for t, _slot in plan.built.exports:  # (the host reads them as arrays: a device's read would be in place)
+            env[t] = env[t].own()
+
+    monkeypatch.setattr(CPUBackend, "graph_plan_compute", compute)
     monkeypatch.setattr(CPUBackend, "graph_plan_summary",
                         lambda self, plan: plan.summary() if plan else f"refused: {plan.reason}")
     return made

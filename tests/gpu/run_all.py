@@ -7,7 +7,8 @@ outside the repository):
      tests/gpu/test_cuda_kernels.py: every kernels_cuda/ family through cuda_ops, the kernels of
      the compiled GPU split, and one captured CUDA graph; tests/gpu/test_gpu_runtime.py: whole
      models' decode steps as captured CUDA graphs of the compiled GPU split, against run_nodes
-     and the CPU) -- each failing case listed by name;
+     and the CPU; tests/gpu/test_cuda_hybrid.py: -ngl 0, 2, all-1, all steps, one host wait per
+     device->host boundary) -- each failing case listed by name;
   2b. tiny32 at -ngl all against llama.cpp's F32 logits (mean KLD <= 0.001), when the reference
      (.gpu/ or ../shared/reference/tiny32) is there: with -ub 8 (the compiled GPU split, its
      CUDA graphs) and -ub 512 (the prompt path), each with the CUDA splits' plan lines;
@@ -23,10 +24,15 @@ outside the repository):
      and its Python part (step wall time minus the GPU time between the step's input copy and
      its exports, CUDA events).
 
+  5. the hybrid step (issue 29 item 4): tg and pp512 at -ngl 0, 8, 16, 24 and all of a dense shape
+     (`--sweep b1`, the default: the 1.2B shape, 16 layers; `--sweep b8`: the 8B one, 32 layers, as
+     issue 29 asks; `--sweep tiny32` for a dry run; `--sweep none` skips it), with the device's host waits and copies per step
+     (CopyStats: one wait per device->host boundary is the design). `--only-sweep` runs just this.
+
 Every step is guarded: a failure is reported and the next step runs. The markdown summary is
 printed and written to $OUT/gpu_results.md when OUT is set, else bench/gpu_results.md.
 
-usage: python tests/gpu/run_all.py [--test-device] [--skip-pytest] [--quick]
+usage: python tests/gpu/run_all.py [--test-device] [--skip-pytest] [--quick] [--sweep b1|b8|tiny32|none] [--only-sweep]
   --test-device  dry run without a GPU: the TEST device (LLAMAPY_TEST_GPU=1) stands in for CUDA0
 """
 
@@ -205,6 +211,17 @@ MODELS: dict[str, dict[str, Any]] = {
     ),
 }  # fmt: skip
 
+# the -ngl sweep's dense shapes (../shared/gpu/models.py's b1 and b8: Llama-3.2-1B's, Llama-3.1-8B's)
+SWEEP_SHAPES: dict[str, dict[str, Any]] = {
+    "b1": dict(name="llama1b-shaped", n_layer=16, n_embd=2048, n_ff=8192, n_head=32, n_head_kv=8, n_vocab=128256,
+               wtype="Q4_K", embd_type="Q4_K", v_type="Q6_K", down_type="Q6_K", seed=3, rope_base=500000.0),
+    "b8": dict(name="llama8b-shaped", n_layer=32, n_embd=4096, n_ff=14336, n_head=32, n_head_kv=8, n_vocab=128256,
+               wtype="Q4_K", embd_type="Q4_K", v_type="Q6_K", down_type="Q6_K", out_type="Q6_K", seed=4,
+               rope_base=500000.0),
+    "tiny32": MODELS["tiny32-shaped (Q4_K, Q6_K)"],  # 32 layers of 256: a dry run (--test-device)
+}  # fmt: skip
+SWEEP_NGL: tuple[Any, ...] = (0, 8, 16, 24, "all")
+
 
 # --------------------------------------------------------------------------------------------
 # checks
@@ -275,6 +292,80 @@ def decode_speed(llm: Any, n_prompt: int = 8, n_gen: int = 32, seed: int = 0) ->
         tok = int(np.argmax(ctx.decode([tok], [pos])[-1]))
         pos += 1
     return n_gen / (time.perf_counter() - t0)
+
+
+def _device_stats(llm: Any) -> dict[str, int]:
+    """The copies and host waits of the context's device backends so far (CopyStats, summed)."""
+    tot: dict[str, int] = {}
+    for be in llm.ctx.backends:
+        st = getattr(be.device, "stats", None)
+        for k, v in (vars(st).items() if st is not None else ()):
+            tot[k] = tot.get(k, 0) + v
+    return tot
+
+
+def ngl_sweep(rep: Report, lines: list[str], tmp: Path, shape: str, args: Any, gpu_prefix: str) -> None:
+    """tg (32 tokens after an 8-token prompt) and pp512 at each -ngl of SWEEP_NGL, with the host
+    waits and copies a decode step and a prompt step make (the device's CopyStats deltas)."""
+    import llamapy
+
+    spec = SWEEP_SHAPES[shape]
+    path = tmp / f"sweep-{spec['name']}.gguf"
+    t0 = time.perf_counter()
+    write_model(path, **spec)
+    rep.add(lines, f"- {spec['name']} ({spec['n_layer']} layers): {path.stat().st_size / 2**20:.0f} MiB written in "
+                   f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
+    rep.add(lines, "")
+    rep.add(lines, "| -ngl | layers on GPU | tg t/s | pp512 t/s | waits / decode step | copies in+out / decode step "
+                   "| waits / prompt step | splits (decode graph) |")  # fmt: skip
+    rep.add(lines, "|---|---|---|---|---|---|---|---|")
+    n_gen = 8 if args.quick else 32
+    n_pp = 512
+    seen: set[int] = set()
+    try:
+        for ngl in SWEEP_NGL:
+            if ngl != "all" and ngl >= spec["n_layer"] + 1:
+                continue  # (the same placement as `all`)
+            llm = llamapy.Llama(path, n_gpu_layers=ngl, n_ctx=n_pp + 64)
+            try:
+                n_gpu = llm.model.info.n_gpu_layers
+                if n_gpu in seen:
+                    continue
+                seen.add(n_gpu)
+                if ngl != 0 and not any(k.startswith(gpu_prefix) for k in llm.model.info.buffer_sizes):
+                    raise RuntimeError(f"-ngl {ngl}: no {gpu_prefix} buffer")
+                tg = decode_speed(llm, n_gen=n_gen)
+                ctx = llm.ctx
+                pos = int(ctx.kv.n_used())
+                a = _device_stats(llm)
+                for i in range(4):
+                    ctx.decode([5 + i], [pos + i])
+                b = _device_stats(llm)
+                rng = np.random.default_rng(1)
+                toks = rng.integers(3, spec["n_vocab"], n_pp)
+                ctx.kv.seq_rm(0)
+                ctx.decode(toks, np.arange(n_pp))  # warm-up: the prompt graph, cuBLAS
+                ctx.kv.seq_rm(0)
+                c = _device_stats(llm)
+                t1 = time.perf_counter()
+                ctx.decode(toks, np.arange(n_pp))
+                pp = n_pp / (time.perf_counter() - t1)
+                d = _device_stats(llm)
+                n_splits = len(ctx.sched.reserve(ctx.graph(1, 1).graph).splits)
+
+                def per(k: str, x: dict[str, int], y: dict[str, int], n: int) -> str:
+                    return f"{(y.get(k, 0) - x.get(k, 0)) / n:.2f}"
+
+                copies = f"{per('n_in', a, b, 4)} + {per('n_out', a, b, 4)}"
+                rep.add(lines, f"| {ngl} | {n_gpu} | {tg:.1f} | {pp:.1f} | {per('n_sync', a, b, 4)} | {copies} | "
+                               f"{per('n_sync', c, d, 1)} | {n_splits} |")  # fmt: skip
+            finally:
+                llm.close()
+    finally:
+        try:
+            path.unlink()
+        except OSError:
+            pass
 
 
 def kernel_speed(rep: Report, lines: list[str], dev: Any) -> None:
@@ -407,6 +498,8 @@ def main() -> int:
     ap.add_argument("--test-device", action="store_true", help="use the TEST device instead of CUDA (dry run)")
     ap.add_argument("--skip-pytest", action="store_true")
     ap.add_argument("--quick", action="store_true", help="one prompt, fewer decode steps")
+    ap.add_argument("--sweep", choices=["b1", "b8", "tiny32", "none"], default="b1", help="the -ngl sweep's shape")
+    ap.add_argument("--only-sweep", action="store_true", help="only the -ngl sweep")
     args = ap.parse_args()
     if args.test_device:
         os.environ["LLAMAPY_TEST_GPU"] = "1"
@@ -457,8 +550,12 @@ def main() -> int:
         rep.add(env, f"- using {dev.name}: {dev.props().description}")
         rep.step(env, "device self-test", dev.self_test)
 
+    if args.only_sweep:
+        sweep_section(rep, args, gpu_prefix)
+        return finish(rep, t_start)
+
     # 2. op tests -------------------------------------------------------------------------
-    ops = rep.section("Op, kernel and weight tests on CUDA0 (pytest tests/gpu/test_cuda_ops.py, test_cuda_kernels.py)")
+    ops = rep.section("Op, kernel and weight tests on CUDA0 (pytest tests/gpu/test_cuda_ops.py, test_cuda_kernels.py, test_gpu_runtime.py, test_cuda_hybrid.py)")
     if args.skip_pytest or args.test_device:
         rep.add(ops, "- skipped")
     else:
@@ -480,7 +577,7 @@ def main() -> int:
                 if not bad:
                     rep.add(ops, "  ```\n  " + "\n  ".join(tail[-30:]) + "\n  ```")
 
-        for name in ("test_cuda_kernels.py", "test_gpu_runtime.py", "test_cuda_ops.py"):
+        for name in ("test_cuda_kernels.py", "test_gpu_runtime.py", "test_cuda_ops.py", "test_cuda_hybrid.py"):
             rep.step(ops, f"pytest {name}", lambda name=name: run_pytest(name))
 
     # 2b. tiny32 against llama.cpp -----------------------------------------------------------
@@ -611,6 +708,22 @@ def main() -> int:
     for case in ("tiny-qwen3moe", "tiny-mixtral", "tiny-gptoss"):
         rep.step(moe, f"MoE {case}", lambda case=case: moe_check(rep, moe, tmp, case, args, gpu_prefix))
 
+    sweep_section(rep, args, gpu_prefix)
+    return finish(rep, t_start)
+
+
+def sweep_section(rep: Report, args: Any, gpu_prefix: str) -> None:
+    """5. tg and pp at each -ngl of the sweep, with the host waits and copies of a step."""
+    if args.sweep == "none":
+        return
+    lines = rep.section(f"The hybrid step: -ngl sweep on the {args.sweep} shape (tokens/s rising with -ngl; "
+                        "one host wait per device->host boundary)")  # fmt: skip
+    tmp = Path(tempfile.mkdtemp(prefix="llamapy-gpu-"))
+    rep.step(lines, f"-ngl sweep {args.sweep}", lambda: ngl_sweep(rep, lines, tmp, args.sweep, args, gpu_prefix))
+
+
+def finish(rep: Report, t_start: float) -> int:
+    """The total, then the summary printed and written."""
     total = rep.section("Total")
     rep.add(total, f"- {time.perf_counter() - t_start:.1f} s, {rep.failures} failure(s)")
 

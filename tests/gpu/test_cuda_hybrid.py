@@ -1,0 +1,77 @@
+"""The hybrid step on CUDA0 (sched/scheduler.py's boundary copies, CUDADevice.download_batch, a GPU
+plan's exports read in place): at -ngl 0, 2, all-1 and all of a 4-layer llama, decode and prompt
+steps wait once per device->host boundary (CUDADevice.stats), a decode step reads the logits
+straight from the plan's arena (no device copy first), and the logits are the CPU's float32 path's.
+Skipped without CuPy or a GPU; tests/backend/test_hybrid_copies.py checks the same counts on the
+TEST device and CUDADevice's copy code on a CuPy stand-in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy", reason="CuPy is not installed")
+try:
+    _N_GPU = cp.cuda.runtime.getDeviceCount()
+except Exception as _e:  # noqa: BLE001
+    pytest.skip(f"no usable CUDA device: {_e}", allow_module_level=True)
+if _N_GPU <= 0:
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from gpu_fake import boundaries  # noqa: E402
+from llamapy.backend import cuda_exec  # noqa: E402
+from llamapy.context import Context, ContextOptions, Model, ModelOptions  # noqa: E402
+
+N_LAYER = 4
+STEPS = [([1, 40, 90, 7, 3, 55], 0), ([10], 6), ([11], 7), ([(7 * i) % 250 + 1 for i in range(40)], 8), ([12], 48)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from conftest import write_llama_gguf
+
+    return write_llama_gguf(tmp_path_factory.mktemp("hybrid") / "tiny.gguf", n_layer=N_LAYER, qtype=T.Q8_0)
+
+
+@pytest.fixture(scope="module")
+def cpu_logits(tiny: Any) -> list[np.ndarray]:
+    m = Model(tiny)
+    ctx = Context(m, ContextOptions(n_ctx=256, n_threads=2, cpu_matmul="f32"))
+    out = [ctx.decode(t, list(range(p, p + len(t))), 0, None) for t, p in STEPS]
+    m.free()
+    return out
+
+
+@pytest.mark.parametrize("ngl", [0, 2, N_LAYER, "all"], ids=["ngl0", "ngl2", "ngl-all-1", "ngl-all"])
+def test_cuda_hybrid_steps(tiny: Any, cpu_logits: list[np.ndarray], monkeypatch: pytest.MonkeyPatch, ngl: Any) -> None:
+    copied: list[int] = []
+    real = cuda_exec.CUDARuntime.copy_out
+
+    def spy(self: Any, addr: int, slot: Any, owner: Any) -> Any:
+        copied.append(addr)
+        return real(self, addr, slot, owner)
+
+    monkeypatch.setattr(cuda_exec.CUDARuntime, "copy_out", spy)
+    model = Model(tiny, ModelOptions(n_gpu_layers=ngl))
+    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=2, cpu_matmul="f32"))
+    (dev,) = [b.device for b in ctx.sched.backends if b.name == "CUDA0"]
+    for (tokens, pos0), want in zip(STEPS, cpu_logits):
+        before, n_copied = dict(vars(dev.stats)), len(copied)
+        got = ctx.decode(tokens, list(range(pos0, pos0 + len(tokens))), 0, None)
+        d = {k: v - before[k] for k, v in vars(dev.stats).items()}
+        d2h, _h2d = boundaries(ctx, len(tokens))
+        where = f"-ngl {ngl}, {len(tokens)} tokens: {d}"
+        assert d["n_sync"] == d2h, where
+        if len(tokens) == 1 and ngl != 0:
+            assert d2h == 1 and d["n_out"] == 1 and d["n_in"] == 1, where  # the plan's one input copy
+            assert len(copied) == n_copied, where  # the logits read where the plan left them
+        err = float(np.abs(got - want).max() / np.abs(want).max())
+        assert err < 1e-3, f"{where}: {err}"
+    model.free()
+    if dev.allocated == 0:  # (the device's last buffer freed: its pinned memory too)
+        assert dev._staging == [] and dev._readback is None

@@ -178,6 +178,7 @@ def record_launches() -> list[tuple]:
         k.mul_mat_vec(st, qt, 0x1000, 1000, 300, 512, 0x2000, 0x3000, 3)
         k.mul_mat_vec_glu(st, "swiglu", qt, 0x1000, 1000, 300, 512, 0x2000, 0x3000, 3)
         k.mul_mat_id(st, qt, 0x1000, 1000, 8, 300, 512, 0x2000, 512, 0, 0x3000, 2, 0x4000, 3, 2, w2=0x5000)
+        k.dequant_f16(st, qt, 0x1000, 1000, 300, 512, 0x2000)
     k.soft_max(st, 0x1000, 128, 0x2000, 128, 3, 128, 1.0)
     k.argsort(st, 0x1000, 128, 0x2000, 128, 3, 128)
     k.get_rows_batched(st, 0x1000, 128, 1, 128, 0x2000, 8, 0x3000, 3, 8, 1)
@@ -208,6 +209,10 @@ def record_launches() -> list[tuple]:
                 k.flash_attn_ext(st, 0x1000, 4096, 128, kt, 0x2000, 2048, 256, vt, 0x3000, 2048, 256, 4096, 0x4000, 4096,
                                  0x5000, 4096, 128, 1, 32, 8, 128, 128, 0.088, n_kv_dev=0x6000, n_splits=n_splits,
                                  scratch=0x7000 if n_splits > 1 else 0, rot_k=rk, rot_v=rv)  # fmt: skip
+            # a prompt of 40 tokens: the prompt kernel (fattn_tile_*), heads of 256 at most
+            k.flash_attn_ext(st, 0x1000, 4096, 128, kt, 0x2000, 2048, 256, vt, 0x3000, 2048, 256, 4096, 0x4000, 4096,
+                             0x5000, 4096, 128, 40, 32, 8, 256, 256, 0.088, n_kv_dev=0x6000, rot_k=rk, rot_v=rv)  # fmt: skip
+    k.to_f16(st, 0x1000, 576, 0x2000, 40, 576)
     return calls
 
 

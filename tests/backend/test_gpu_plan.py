@@ -1011,3 +1011,105 @@ def test_the_embedding_split_runs_on_the_calling_thread(make_llama, monkeypatch:
     assert isinstance(emb, ExecPlan) and emb.serial and emb.n_threads == 1 and emb.n_runs == 1
     model.free()
     cpu_model.free()
+
+
+# -- prompts: GPU plans of GEMMs and the prompt attention kernel ----------------------------------
+
+_PROMPT = [(7 * i) % 200 + 1 for i in range(40)]
+
+
+def _prompt_model(arch: str, make_llama: Any, tmp_path: Path) -> Path:
+    if arch == "llama":
+        return make_llama(qtype=T.Q8_0, rope_freqs=True)
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from family_models import write_family_gguf
+
+    return write_family_gguf(tmp_path / f"{arch}.gguf", arch, qtype=T.Q8_0, n_swa=4)
+
+
+def _prompt_then_decode(path: Path, monkeypatch: pytest.MonkeyPatch, new_rt: Callable[[], Any]
+                        ) -> tuple[list[np.ndarray], list[np.ndarray], list[GPUPlan]]:
+    """A 40-token prompt (every row's logits) and two decode steps, on the float32 CPU path and
+    through GPU plans over `new_rt()`'s runtime."""
+    ref_model = Model(path, context_options=ContextOptions(cpu_matmul="f32"))
+    model = Model(path)
+    steps = [(_PROMPT, list(range(40)), 0, [True] * 40)] + [([10 + i], [40 + i], 0, None) for i in range(2)]
+    ref = Context(ref_model, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32"))
+    want = [ref.decode(t, p, s, w) for t, p, s, w in steps]
+    made = _gpu_backend(monkeypatch, new_rt)
+    gpu = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    got = [gpu.decode(t, p, s, w) for t, p, s, w in steps]
+    model.free()
+    ref_model.free()
+    return got, want, made
+
+
+def _check_prompt(got: list[np.ndarray], want: list[np.ndarray], made: list[GPUPlan], tol: float) -> None:
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape and np.all(np.isfinite(a)), f"step {i}"
+        err = float(np.abs(a - b).max()) / float(np.abs(b).max())
+        assert err <= tol, f"step {i}: {err:.2e} of the largest logit"
+    assert (got[0].argmax(-1) == want[0].argmax(-1)).mean() >= 0.9
+    prompt = [p for p in made if (p.recs[:, 0] == MUL_MAT_GEMM).any()]
+    decode = [p for p in made if not any(p is q for q in prompt)]
+    assert len(prompt) == 1 and prompt[0].direct == GEMM_DIRECT and prompt[0].n_runs == 1
+    assert not (prompt[0].recs[:, 0] == MUL_MAT_W).any()  # every product of the 40 rows
+    assert decode and all(not p.direct and p.n_captures == 1 and (p.recs[:, 0] == MUL_MAT_W).any() for p in decode)
+
+
+# the f16 rounding of the GEMMs' inputs (2^-11 relative) through the layers: measured 1.1e-4
+# (llama) and 1.7e-4 / 1.8e-4 (qwen3) of the largest logit here; a wrong pointer, stride or tile
+# would be O(1)
+_F16_TOL = 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_prompt_plan_gives_the_float32_paths_logits(make_llama, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    arch: str) -> None:  # noqa: ANN001
+    """A 40-token prompt as one GPU plan, through cuda_exec's launch makers into NumpyOps (the
+    GEMM over the f16-rounded input and weight, as the tensor cores take them): every row's
+    logits are the float32 CPU path's within that rounding; the decode plans after it are as
+    before (matrix-vector products, one graph each)."""
+    def new_rt() -> LaunchRuntime:
+        rt = LaunchRuntime()
+        rt.arena.ensure(64 << 20)
+        return rt
+
+    got, want, made = _prompt_then_decode(_prompt_model(arch, make_llama, tmp_path), monkeypatch, new_rt)
+    _check_prompt(got, want, made, _F16_TOL)
+    calls = set(made[0].rt.ops.calls)
+    assert {"to_f16", "dequant_f16", "gemm_f16", "flash_attn_ext", "mul_mat_vec"} <= calls
+
+
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
+def test_prompt_plan_on_the_cuda_emulator(make_llama, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          emu_functions: Any, arch: str) -> None:  # noqa: ANN001
+    """The same through every kernels_cuda kernel on the emulator (dequant_f16, cpy_f32_f16, the
+    prompt attention fattn_tile_*, rope_qkv and norms over 40 rows), the GEMM in numpy."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    import cuda_emu
+
+    names: set[str] = set()  # the kernels launched
+
+    def logged(name: str, fn: Any) -> Any:
+        def call(*a: Any, **kw: Any) -> Any:
+            names.add(name)
+            return fn(*a, **kw)
+
+        return call
+
+    def new_rt() -> EmuRuntime:
+        rt = EmuRuntime(emu_functions)
+        rt.ops.functions = {n: logged(n, f) for n, f in rt.ops.functions.items()}
+        rt.ops.gemm = logged("gemm_f16", cuda_emu.numpy_gemm)
+        rt.arena.ensure(64 << 20)
+        return rt
+
+    got, want, made = _prompt_then_decode(_prompt_model(arch, make_llama, tmp_path), monkeypatch, new_rt)
+    _check_prompt(got, want, made, _F16_TOL)
+    assert any(n.startswith("fattn_tile_") for n in names) and any(n.startswith("dequant_f16_") for n in names)
+    assert "cpy_f32_f16" in names and "gemm_f16" in names

@@ -18,7 +18,8 @@ outside the repository):
   3b. mixture of experts (tiny qwen3moe and Mixtral-style files of tests/model/moe_models.py,
      Q8_0): -ngl all and -ngl all --n-cpu-moe 1 against -ngl 0 (KL of the last position), decode
      speed, and the decode graph's plan line (the router and the experts in one CUDA graph);
-  4. decode speed (tokens/s) at -ngl 0, 20 and all; at -ngl all the decode graph's plan line
+  4. decode speed (tokens/s) at -ngl 0, 20 and all, prompt speed (pp512) at -ngl all with the
+     prompt split's plan line; at -ngl all the decode graph's plan line
      (one CUDA graph, or direct launches and why, or why it runs node by node), the time a step
      and its Python part (step wall time minus the GPU time between the step's input copy and
      its exports, CUDA events).
@@ -275,6 +276,30 @@ def decode_speed(llm: Any, n_prompt: int = 8, n_gen: int = 32, seed: int = 0) ->
         tok = int(np.argmax(ctx.decode([tok], [pos])[-1]))
         pos += 1
     return n_gen / (time.perf_counter() - t0)
+
+
+def prompt_speed(path: Path, n_prompt: int = 512, n_rep: int = 3) -> tuple[float, str]:
+    """pp<n_prompt> at -ngl all: tokens/s of one n_prompt-token micro-batch into an empty cache
+    (llama-bench's pp), best of n_rep after a warm-up run (the prompt's GPU plan made, cuBLAS
+    loaded), and the prompt split's plan line (GEMMs launched directly, or why node by node)."""
+    import llamapy
+
+    llm = llamapy.Llama(path, n_gpu_layers="all", n_ctx=max(1024, n_prompt))
+    try:
+        ctx = llm.ctx
+        toks = np.random.default_rng(7).integers(3, llm.model.params.n_vocab, n_prompt)
+        best = float("inf")
+        for i in range(n_rep + 1):
+            ctx.kv.seq_rm(0)
+            t0 = time.perf_counter()
+            ctx.decode(toks, np.arange(n_prompt))  # (the logits' download waits for the GPU)
+            if i:
+                best = min(best, time.perf_counter() - t0)
+        g = ctx.graph(n_prompt, 1).graph
+        lines = [ln for ln in ctx.sched.dump(g).splitlines() if ln.startswith("## PLAN") and "CUDA" in ln]
+        return n_prompt / best, " / ".join(lines) or "no CUDA split"
+    finally:
+        llm.close()
 
 
 def kernel_speed(rep: Report, lines: list[str], dev: Any) -> None:
@@ -534,6 +559,10 @@ def main() -> int:
     speed = rep.section("Decode speed (tokens/s, 32 tokens after an 8-token prompt)")
     rep.add(speed, "| model | -ngl 0 | -ngl 20 | -ngl all |")
     rep.add(speed, "|---|---|---|---|")
+    pp = rep.section("Prompt speed at -ngl all (pp512: one 512-token micro-batch, best of 3; the prompt's GPU plan: "
+                     "f16 GEMMs on cuBLAS, fattn_tile)")
+    rep.add(pp, "| model | tokens/s | plan |")
+    rep.add(pp, "|---|---|---|")
     setup = rep.section("Model setup")
 
     import llamapy
@@ -595,6 +624,10 @@ def main() -> int:
                 except Exception:  # noqa: BLE001
                     pass
         rep.add(speed, f"| {label} | {speeds.get('0', '-')} | {speeds.get('20', '-')} | {speeds.get('all', '-')} |")
+        n_pp = 64 if args.quick else 512
+        got_pp = rep.step(setup, f"{label} -ngl all: pp{n_pp}", lambda: prompt_speed(path, n_pp))
+        if got_pp is not None:
+            rep.add(pp, f"| {label} | {got_pp[0]:.0f} (pp{n_pp}) | `{got_pp[1][:300]}` |")
         try:
             path.unlink()
         except OSError:

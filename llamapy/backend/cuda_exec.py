@@ -239,6 +239,8 @@ def _rms_norm(rt: CUDARuntime, rec: np.ndarray) -> Launch:
         x, sx = r[4], r[11]
     else:
         kw, x, sx = dict(w=r[3]), r[2], r[8]
+        if r[13]:  # per-head norms of T tokens of a strided view (gpu_plan's _norm_per_token)
+            kw.update(tokens=r[13], sxt=r[14], syt=r[15])
     eps = _f(r[9])
     return lambda: ops.rms_norm(st, x, sx, r[1], n, rows, n, eps, **kw)
 

@@ -324,8 +324,9 @@ class GPUTarget(Target):
 
     def _norm_per_token(self, st: Any, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
         """A per-head norm of a strided view (qwen3's and gemma3's Q/K norms of a fused QKV
-        product, several tokens): its rows are not evenly spaced, so one record per token (each
-        token's heads are); None when they are (the shared record)."""
+        product, several tokens): its rows are not evenly spaced, so one record of T groups of H
+        rows (each token's heads are evenly spaced; slots 13-15: T, x's and y's token strides),
+        one launch of norm.cu's 2-D grid; None when they are (the shared record)."""
         norm = st.extra["norm"]
         x = loc(norm.src[0])
         try:
@@ -343,13 +344,11 @@ class GPUTarget(Target):
                 raise Refused("a strided norm weight")
             w = wl.addr
         dst = loc(st.node)
-        out = []
-        for t in range(T):
-            r = [0] * WIDTH
-            r[0], r[1], r[2], r[3] = RMS_NORM, dst.addr + 4 * t * H * D, x.addr + 4 * t * x.strides[0], w
-            r[6], r[7], r[8], r[9] = H, D, x.strides[1], _fbits(norm.params["eps"])
-            out.append(r)
-        return out
+        r = [0] * WIDTH  # one launch for every token (slots 13-15: tokens, x's and y's token strides)
+        r[0], r[1], r[2], r[3] = RMS_NORM, dst.addr, x.addr, w
+        r[6], r[7], r[8], r[9] = H, D, x.strides[1], _fbits(norm.params["eps"])
+        r[13], r[14], r[15] = T, x.strides[0], H * D
+        return [r]
 
     def _rope(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc]) -> list[int]:
         x, pos = loc(n.src[0]), loc(n.src[1])

@@ -30,7 +30,7 @@ from gguf.quants import dequantize
 
 from llamapy.backend import cuda_exec, cuda_ops, gpu_plan, native
 from llamapy.backend.cpu import CPU_BUFT, CPUBackend
-from llamapy.backend.executor import (ARGSORT, ATTN, CLAMP, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, SET_ROWS, SOFT_MAX, SUM_ROWS,
+from llamapy.backend.executor import (ARGSORT, ATTN, CLAMP, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, RMS_NORM, SET_ROWS, SOFT_MAX, SUM_ROWS,
                                       SWIGLU, MUL_MAT_ID_Q, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena, ExecPlan, Loc, Refusal,
                                       Refused, _array_loc, _lib, _Slot)
 from llamapy.backend.gpu_plan import (COUNT, GEMM_DIRECT, GET_ROWS_W, HEAD, MUL_MAT_GEMM, MUL_MAT_GLU, MUL_MAT_ID_GLU,
@@ -86,6 +86,20 @@ class FakeRuntime(HostRuntime):
     def prepare(self, rec: np.ndarray) -> Callable[[], None]:
         if int(rec[0]) == ROPE_QKV:  # the four records it stands for
             return self._rope_qkv(rec)
+        if int(rec[0]) == RMS_NORM and rec[13]:  # per-head norms of T tokens: executor.c's record per token
+            parts = []
+            for t in range(int(rec[13])):
+                one = rec.copy()
+                one[1] += 4 * t * int(rec[15])
+                one[2] += 4 * t * int(rec[14])
+                one[13:16] = 0
+                parts.append(self.prepare(one))
+
+            def launch_all() -> None:
+                for p in parts:
+                    p()
+
+            return launch_all
         r = rec.copy()
         code = int(r[0])
         if code == ROPE:  # the CPU's table of inverse frequencies from the GPU record's base, scale, factors
@@ -430,7 +444,13 @@ class NumpyOps:
         self.calls: list[str] = []
 
     def rms_norm(self, stream: Any, x: int, sx: int, y: int, sy: int, rows: int, n: int, eps: float, *,
-                 b: int = 0, sb: int = 0, sum_out: int = 0, ss: int = 0, w: int = 0) -> None:
+                 b: int = 0, sb: int = 0, sum_out: int = 0, ss: int = 0, w: int = 0, tokens: int = 1, sxt: int = 0,
+                 syt: int = 0) -> None:
+        if tokens > 1:
+            assert not b and not sum_out
+            for t in range(tokens):
+                self.rms_norm(stream, x + 4 * t * sxt, sx, y + 4 * t * syt, sy, rows, n, eps, w=w)
+            return
         self.calls.append("rms_norm")
         v = mem(x, (rows, n), (sx, 1), F32).copy()
         if b:

@@ -220,6 +220,22 @@ def test_rms_norm_per_head_in_place(env: Env) -> None:
     assert max_ulp(env.get(xd), ref) <= 1
 
 
+def test_rms_norm_tokens_of_a_strided_view(env: Env) -> None:
+    """The same over the Q columns of a fused QKV product (T rows of 1536: Q's 8 heads of 128
+    first), every token in one launch (tokens, sxt, syt), into contiguous (T, H, D)."""
+    T, H, D, row = 5, 8, 128, 1536
+    qkv, wa = randn(T, row), randn(D)
+    x, w = t("q", (T, H, D)), t("w", (D,))
+    n1 = ops.rms_norm(x, 1e-6)
+    q = np.ascontiguousarray(qkv[:, : H * D]).reshape(T, H, D)
+    ref = reference(ops.mul(n1, w), [reference(n1, [q]), wa])
+    xd, wd = env.d(qkv), env.d(wa)
+    y = env.full((T, H, D), np.nan, np.float32)
+    env.run(lambda st: env.k.rms_norm(st, env.p(xd), D, env.p(y), D, H, D, 1e-6, w=env.p(wd), tokens=T, sxt=row,
+                                      syt=H * D))  # fmt: skip
+    assert max_ulp(env.get(y), ref) <= 1
+
+
 # --- glu.cu, elementwise.cu --------------------------------------------------------------------
 
 

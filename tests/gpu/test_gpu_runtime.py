@@ -175,7 +175,8 @@ def test_moe_decode_as_one_captured_graph(tmp_path: Path, monkeypatch: pytest.Mo
     assert plans, "no CUDA split ran"
     for what, p in plans:
         assert isinstance(p, GPUPlan), f"{what}: no GPU plan: {getattr(p, 'reason', p)}"
-        assert not p.direct and p.n_captures == 1, f"{what}: {p.summary()}"
+        # (captured once more if the prompt's plan, made after it, grew the arena)
+        assert not p.direct and 1 <= p.n_captures <= 2, f"{what}: {p.summary()}"
     assert any((p.recs[:, 0] == MUL_MAT_ID_GLU).any() for _w, p in plans)
     for i, (a, b) in enumerate(zip(got, want)):
         scale = float(np.abs(b).max())

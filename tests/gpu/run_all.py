@@ -381,6 +381,39 @@ def kernel_speed(rep: Report, lines: list[str], dev: Any) -> None:
                                     ids=cell.data.ptr, n_cells=N, k_type=G.F16, k_cache=kc.data.ptr, k_rb=Hkv * D * 2,
                                     v_type=G.F16, v_cache=vc.data.ptr, v_rb=Hkv * D * 2))  # fmt: skip
     rep.add(lines, f"| rope_qkv (f16 cache) | H{H}/{Hkv} D{D} | {us:.1f} | - |")
+    # prompts (gpu_plan.product_path's "gemm_f16"): the input to f16, the weight to f16, the
+    # cuBLAS GEMM, each timed alone (TFLOP/s of the GEMM; GB/s of the weight's decode: its blocks
+    # read + f16 written), and the whole product; the prompt attention (fattn_tile_*)
+    from llamapy.backend.cuda_ops import gemm_tile_rows
+
+    for name, n_out, n_in, n_tok in [("Q4_K", 4096, 4096, 512), ("Q4_K", 28672, 4096, 512), ("Q6_K", 4096, 14336, 512),
+                                     ("Q4_K", 2048, 2048, 512), ("Q4_K", 16384, 2048, 512), ("Q4_1", 1536, 576, 512),
+                                     ("Q4_K", 4096, 4096, 32), ("Q4_K", 4096, 4096, 8)]:  # fmt: skip
+        raw = cp.asarray(np.ascontiguousarray(random_rows(name, n_out, n_in, rng)))
+        x = cp.asarray(rng.standard_normal((n_tok, n_in)).astype(np.float32))
+        y = cp.empty((n_tok, n_out), cp.float32)
+        tile = gemm_tile_rows(n_out, n_in)
+        w16, x16 = cp.empty((tile, n_in), cp.float16), cp.empty((n_tok, n_in), cp.float16)
+        cp.cuda.Device(dev.index).synchronize()
+        t_x = time_us(lambda: k.to_f16(st, x.data.ptr, n_in, x16.data.ptr, n_tok, n_in), 20)
+        t_w = time_us(lambda: k.dequant_f16(st, G[name], raw.data.ptr, raw.shape[1], tile, n_in, w16.data.ptr), 20)
+        t_g = time_us(lambda: k.gemm_f16(st, w16.data.ptr, x16.data.ptr, y.data.ptr, tile, n_tok, n_in, n_out), 20)
+        t_all = time_us(lambda: k.mul_mat_gemm(st, G[name], raw.data.ptr, raw.shape[1], n_out, n_in, x.data.ptr, n_in,
+                                               y.data.ptr, n_tok, w16=w16.data.ptr, x16=x16.data.ptr, tile_rows=tile), 20)
+        tf = 2 * tile * n_in * n_tok / t_g / 1e6
+        gbw = (raw.nbytes * tile // n_out + w16.nbytes) / t_w / 1e3
+        rep.add(lines, f"| gemm_f16 {name} | {n_out}x{n_in}, {n_tok} tok: x->f16 {t_x:.1f}, W->f16 {t_w:.1f} "
+                       f"({gbw:.0f} GB/s), GEMM {t_g:.1f} ({tf:.0f} TFLOP/s) | {t_all:.1f} (all) | - |")  # fmt: skip
+    for T_, n_kv in ((512, 512), (512, 4096)):
+        qp = cp.asarray(rng.standard_normal((T_, H, D)).astype(np.float32))
+        causal = np.where(np.arange(n_kv)[None, :] <= np.arange(n_kv - T_, n_kv)[:, None], 0.0, -np.inf)
+        mp = cp.asarray(causal.astype(np.float32))
+        op = cp.empty((T_, H, D), cp.float32)
+        cp.cuda.Device(dev.index).synchronize()
+        us = time_us(lambda: k.flash_attn_ext(st, qp.data.ptr, H * D, D, G.F16, kc.data.ptr, Hkv * D * 2, D * 2, G.F16,
+                                              vc.data.ptr, Hkv * D * 2, D * 2, N, mp.data.ptr, n_kv, op.data.ptr, H * D,
+                                              D, T_, H, Hkv, D, D, 0.088, n_kv=n_kv), 20)  # fmt: skip
+        rep.add(lines, f"| fattn_tile f16 | {T_} tokens, H{H}/{Hkv} D{D}, {n_kv} cells, causal | {us:.1f} | - |")
 
 
 def moe_check(rep: Report, lines: list[str], tmp: Path, case: str, args: Any, gpu_prefix: str) -> None:

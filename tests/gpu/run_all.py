@@ -570,9 +570,9 @@ def main() -> int:
             rep.failures += 0 if ok else 1
             rep.add(ref, f"- -ub {ub} ({what}): mean KLD {kld:.6f}: {'PASS' if ok else '**FAIL**'}")
 
-        # -ub 8: micro-batches the compiled GPU split takes (its CUDA graphs); 512: the cuBLAS path
+        # -ub 8: micro-batches the compiled GPU split captures (its CUDA graphs); 512: the prompt plan
         rep.step(ref, "tiny32 KLD -ub 8", lambda: tiny32_kld("8", "compiled GPU split, CUDA graphs"))
-        rep.step(ref, "tiny32 KLD -ub 512", lambda: tiny32_kld("512", "prompt path: run_nodes + cuBLAS"))
+        rep.step(ref, "tiny32 KLD -ub 512", lambda: tiny32_kld("512", "prompt plan: f16 GEMMs on cuBLAS, fattn_tile"))
 
     # 2c. kernel speed ------------------------------------------------------------------------
     kspeed = rep.section("Kernel speed on CUDA0 (CUDA events, mean of 100 launches; H200 HBM3e peak ~4.8 TB/s)")

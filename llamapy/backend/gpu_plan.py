@@ -626,8 +626,8 @@ def _reserve_for_largest_batch(built: Built, rt: Runtime) -> None:
     outputs, its fixed part does not: an over-estimate); a plan that still outgrows it moves the
     others, as before."""
     n_tok = min((int(r[6]) for r in built.recs if r[0] in (MUL_MAT_W, MUL_MAT_GLU)), default=0)
-    if not 0 < n_tok < rt.max_tokens:
-        return
+    if not 0 < n_tok < rt.max_tokens or (built.recs[:, 0] == MUL_MAT_GEMM).any():
+        return  # (a prompt's plan: larger than any decode plan already; its 1-token tail is no guide)
     base = rt.arena.ensure(-(-built.nbytes * rt.max_tokens // n_tok))
     if base != built.base:  # (the block was made again: the records not yet launched move)
         built.recs[built.moves] += base - built.base

@@ -380,8 +380,10 @@ def test_prompt_batches_are_gemm_plans(make_llama) -> None:  # noqa: ANN001
     ctx = Context(model, ContextOptions(n_ctx=512, n_threads=1))
     g = ctx.graph(20, 1).graph
     (split,) = ctx.sched.reserve(g).splits
-    p = gpu_plan.compile_split(split.nodes, list(g.outputs), plan_offsets, FakeRuntime())
+    rt = FakeRuntime()
+    p = gpu_plan.compile_split(split.nodes, list(g.outputs), plan_offsets, rt)
     assert isinstance(p, GPUPlan) and p.direct == GEMM_DIRECT and "direct launches (cuBLAS GEMMs" in p.summary()
+    assert rt.arena.size == p.built.nbytes  # no reserve for 8 tokens scaled from the 1-token tail
     gemm = p.recs[p.recs[:, 0] == MUL_MAT_GEMM]
     # every product of the 20 tokens; the last layer after its output row is one token's (mmv)
     assert len(gemm) == 6 and (p.recs[np.isin(p.recs[:, 0], [MUL_MAT_W, MUL_MAT_GLU]), 6] == 1).all()

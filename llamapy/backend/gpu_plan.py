@@ -298,7 +298,10 @@ class GPUTarget(Target):
         r[6], r[7], r[8], r[9], r[10], r[11] = n_tok, n_in, xs, qtype, n_out, row_bytes
         r[13] = gemm_tile_rows(n_out, n_in)
         if "glu" in st.extra:  # the product into its scratch, the GLU's result (n_ff a token) into dst
-            r[10], r[12], r[14] = n_out // 2, 1 + int(st.extra["glu"].params.get("op") == "geglu"), prod
+            op = st.extra["glu"].params.get("op")
+            if op not in ("swiglu", "geglu"):
+                raise Refused(f"a prompt's GLU {op} (cuda_ops.mul_mat_gemm: swiglu, geglu)")
+            r[10], r[12], r[14] = n_out // 2, 1 + int(op == "geglu"), prod
         return r
 
     def _mul_mat_id(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc], dst: int = 0) -> list[int]:

@@ -8,10 +8,10 @@ with the reason (no CuPy, no driver, no device), which discovery records.
   * Devices CUDA0, CUDA1, ... are `MemoryDevice`s (backend/device.py): the budget is the free
     memory `cudaMemGetInfo` reports when the backend loads; buffers, counted copies, offload_op
     and supports_op are the code the TEST device exercises on machines without a GPU.
-  * A split of up to MMV_MAX_TOKENS tokens runs as a compiled GPU plan (gpu_plan.py: the CPU
-    executor's records, each one kernel launch of cuda_ops, captured once as a CUDA graph and
-    replayed; cuda_exec.py); other splits run through `kernels.run_nodes` with `xp = cupy` on
-    one stream per device. Activations are float32 everywhere (the KV cache keeps its F16 type).
+  * A split runs as a compiled GPU plan (gpu_plan.py: the CPU executor's records, each one
+    kernel launch of cuda_ops; cuda_exec.py): up to MMV_MAX_TOKENS tokens captured once as a CUDA
+    graph and replayed, a prompt's (its products f16 GEMMs on cuBLAS) launched directly; splits
+    the plan refuses run through `kernels.run_nodes` with `xp = cupy` on one stream per device. Activations are float32 everywhere (the KV cache keeps its F16 type).
   * Weights are `CUDAQMatrix`: the file's raw blocks on the device, never expanded as a whole.
     `matmul(x)` uses the fused dequantize + matrix-vector kernels of `kernels_cuda/*.cu` for up to
     `MMV_MAX_TOKENS` tokens and otherwise dequantizes row tiles to float32 and calls cuBLAS

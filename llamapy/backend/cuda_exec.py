@@ -28,8 +28,8 @@ from ..types import GGMLType, LlamapyError
 from .cpu_kernels import KV_CODES
 from .executor import (ADD, ADD_ID, ARGSORT, ATTN, CLAMP, CPY, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, MUL, RMS_NORM, ROPE, SCALE,
                        SET_ROWS, SOFT_MAX, SUM_ROWS, SWIGLU, Loc, Refused, _Slot)
-from .gpu_plan import (COUNT, GET_ROWS_W, MUL_MAT_GLU, MUL_MAT_ID_GLU, MUL_MAT_ID_W, MUL_MAT_W, ROPE_QKV, ROUTER,
-                       ROUTER_TOPK, SCRATCH, SPLITS)
+from .gpu_plan import (COUNT, GET_ROWS_W, MUL_MAT_GEMM, MUL_MAT_GLU, MUL_MAT_ID_GLU, MUL_MAT_ID_W, MUL_MAT_W, ROPE_QKV,
+                       ROUTER, ROUTER_TOPK, SCRATCH, SPLITS)
 
 
 def _first_line(e: BaseException) -> str:
@@ -248,6 +248,8 @@ def _rms_norm(rt: CUDARuntime, rec: np.ndarray) -> Launch:
         x, sx = r[4], r[11]
     else:
         kw, x, sx = dict(w=r[3]), r[2], r[8]
+        if r[13]:  # per-head norms of T tokens of a strided view (gpu_plan's _norm_per_token)
+            kw.update(tokens=r[13], sxt=r[14], syt=r[15])
     eps = _f(r[9])
     return lambda: ops.rms_norm(st, x, sx, r[1], n, rows, n, eps, **kw)
 
@@ -312,6 +314,17 @@ def _mul_mat_glu(rt: CUDARuntime, rec: np.ndarray) -> Launch:
         raise Refused("MUL_MAT of strided rows")
     qtype, op = GGMLType(r[9]), ("swiglu", "geglu")[r[12]]
     return lambda: ops.mul_mat_vec_glu(st, op, qtype, r[3], r[11], r[10], r[7], r[2], r[1], r[6])
+
+
+def _mul_mat_gemm(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    """A prompt's product: input to f16, per tile of rows the weight to f16 and one GEMM, the GLU
+    after it when fused (cuda_ops.mul_mat_gemm)."""
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    qtype = GGMLType(r[9])
+    glu = ("", "swiglu", "geglu")[r[12]]
+    n_out = 2 * r[10] if glu else r[10]
+    return lambda: ops.mul_mat_gemm(st, qtype, r[3], r[11], n_out, r[7], r[2], r[8], r[1], r[6], w16=r[4], x16=r[5],
+                                    tile_rows=r[13], glu=glu, prod=r[14])  # fmt: skip
 
 
 def _rope(rt: CUDARuntime, rec: np.ndarray) -> Launch:
@@ -428,5 +441,5 @@ _LAUNCHES: dict[int, Callable[[CUDARuntime, np.ndarray], Launch]] = {
     ATTN: _attn, DIV: _binary("div"),
     SOFT_MAX: _soft_max, ARGSORT: _argsort, SUM_ROWS: _sum_rows, CLAMP: _clamp, GET_ROWS_B: _get_rows_b,
     MUL_MAT_ID_W: _mul_mat_id_w, MUL_MAT_ID_GLU: _mul_mat_id_w, ROUTER: _router, ADD_ID: _add_id,
-    ROUTER_TOPK: _router_topk,
+    ROUTER_TOPK: _router_topk, MUL_MAT_GEMM: _mul_mat_gemm,
 }  # fmt: skip

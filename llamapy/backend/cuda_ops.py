@@ -52,16 +52,17 @@ def _entries() -> dict[str, tuple[str, ...]]:
     out: dict[str, tuple[str, ...]] = {
         "norm.cu": ("rms_norm_f32",),
         "glu.cu": ("swiglu_f32", "geglu_f32", "swiglu_oai_f32"),
-        "elementwise.cu": ("add_f32", "mul_f32", "scale_f32"),
+        "elementwise.cu": ("add_f32", "mul_f32", "scale_f32", "cpy_f32_f16"),
         "getrows.cu": ("get_rows_f32_rows",),
         "rope.cu": (*(f"rope_set_rows_{c}" for c in ("none", *CACHE_SUFFIX.values())),
                     *(f"rope_qkv_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
-        "fattn.cu": ("fattn_combine", *(f"fattn_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
+        "fattn.cu": ("fattn_combine", *(f"fattn_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values()),
+                     *(f"fattn_tile_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
         "moe.cu": ("soft_max_f32", "argsort_desc_f32", "get_rows_batched_f32", "sum_rows_f32", "clamp_f32",
                    "binary_row_f32", "router_f32", "router_topk_f32", "add_id_f32"),
     }
     for fname, suffix in WEIGHT_SUFFIX.values():
-        out[fname] = (*out.get(fname, ()), f"dequant_{suffix}", f"get_rows_{suffix}", f"mmv_{suffix}",
+        out[fname] = (*out.get(fname, ()), f"dequant_{suffix}", f"dequant_f16_{suffix}", f"get_rows_{suffix}", f"mmv_{suffix}",
                       f"mmv_glu_{suffix}",
                       f"mmv_id_{suffix}")
     return out
@@ -79,6 +80,9 @@ FA_MAX_D = 256
 SHARED_MAX = 48 << 10  # dynamic shared memory without an opt-in attribute
 FA_MAX_SPLITS = 64
 ARGSORT_THREADS = 128  # moe.cu: a block per row of the router's probabilities
+FA_QT = 16  # fattn.cu's prompt kernel: query rows per block
+FA_VEC_MAX_TOKENS = MMV_MAX_TOKENS  # attention of more query tokens runs the prompt kernel (fattn_tile_*)
+GEMM_SCRATCH_BYTES = 64 << 20  # a prompt product's f16 weight scratch: rows dequantized per GEMM (gemm_tile_rows)
 
 
 def _p(ptr: int) -> np.uint64:
@@ -93,7 +97,10 @@ def _cdiv(a: int, b: int) -> int:
 def fattn_splits(n_tokens: int, n_head_kv: int, n_cells: int, n_sm: int) -> int:
     """How many blocks share one (KV head, token)'s cells: enough blocks for two waves over the
     SMs, never a split of fewer than one tile of the cache's `n_cells`. Fixed per graph (the
-    cells attended vary at run time: a split beyond them does nothing)."""
+    cells attended vary at run time: a split beyond them does nothing). A prompt (more than
+    FA_VEC_MAX_TOKENS tokens) runs the prompt kernel, which does not split."""
+    if n_tokens > FA_VEC_MAX_TOKENS:
+        return 1
     blocks = max(1, n_tokens * n_head_kv)
     want = _cdiv(2 * n_sm, blocks)
     return int(max(1, min(FA_MAX_SPLITS, want, _cdiv(n_cells, FA_TILE))))
@@ -102,6 +109,14 @@ def fattn_splits(n_tokens: int, n_head_kv: int, n_cells: int, n_sm: int) -> int:
 def fattn_scratch_floats(n_tokens: int, n_head: int, dv: int, n_splits: int) -> int:
     """float32 elements of the split partials fattn.cu writes (0 for one split)."""
     return 0 if n_splits <= 1 else n_tokens * n_head * n_splits * (dv + 2)
+
+
+def gemm_tile_rows(n_out: int, n_in: int) -> int:
+    """Rows of a prompt product's weight dequantized to f16 per GEMM: all of them when they fit
+    GEMM_SCRATCH_BYTES, else the most that do, a multiple of 256 (the scratch is sized for the
+    largest tile of a plan, reused by every product)."""
+    rows = max(256, GEMM_SCRATCH_BYTES // (2 * n_in) // 256 * 256)
+    return min(n_out, rows)
 
 
 @dataclass(frozen=True)
@@ -125,6 +140,7 @@ class CudaKernels:
 
     functions: dict[str, Any]
     n_sm: int
+    gemm: Any = None  # the f16 GEMM launcher (CublasGemm on a device; the tests' numpy one on the emulator)
     _modules: list[Any] = field(default_factory=list, repr=False)
     _sink: list[Launch] | None = field(default=None, repr=False)
 
@@ -154,7 +170,7 @@ class CudaKernels:
                 functions[name] = fn
         dev = cp.cuda.Device()
         n_sm = int(dev.attributes["MultiProcessorCount"])
-        return cls(functions, n_sm, modules)
+        return cls(functions, n_sm, CublasGemm(cp), modules)
 
     def _launch(self, name: str, grid: tuple[int, ...], block: int, args: tuple, stream: Any, shared: int = 0) -> None:
         if grid[0] >= 2**31 or any(g > 65535 for g in grid[1:]):
@@ -168,16 +184,20 @@ class CudaKernels:
     # -- row-wise ops -------------------------------------------------------------------------
 
     def rms_norm(self, stream: Any, x: int, sx: int, y: int, sy: int, rows: int, n: int, eps: float, *,
-                 b: int = 0, sb: int = 0, sum_out: int = 0, ss: int = 0, w: int = 0) -> None:
+                 b: int = 0, sb: int = 0, sum_out: int = 0, ss: int = 0, w: int = 0, tokens: int = 1, sxt: int = 0,
+                 syt: int = 0) -> None:
         """y = rms_norm(x [+ b]) [* w] over rows of n (norm.cu). `b`: the fused ADD's second
         operand (sb 0: one broadcast row), its sum written to `sum_out` when given; `w`: the
-        norm weight (n,). A block per row."""
-        if rows <= 0 or n <= 0:
+        norm weight (n,). A block per row. `tokens` > 1: that many groups of `rows` rows, x's
+        and y's sxt / syt elements apart (per-head norms of a strided view; no ADD)."""
+        if rows <= 0 or n <= 0 or tokens <= 0:
             return
+        if tokens > 1 and (b or sum_out):
+            raise UnsupportedError("CUDA: RMS_NORM with its ADD over groups of rows")
         threads = 1024 if n >= 4096 else 256
         args = (_p(x), np.int64(sx), _p(b), np.int64(sb), _p(sum_out), np.int64(ss), _p(w), _p(y), np.int64(sy),
-                np.int32(n), np.float32(eps))  # fmt: skip
-        self._launch("rms_norm_f32", (rows,), threads, args, stream)
+                np.int32(n), np.float32(eps), np.int64(sxt), np.int64(syt))  # fmt: skip
+        self._launch("rms_norm_f32", (rows, tokens), threads, args, stream)
 
     def glu(self, stream: Any, op: str, g: int, sg: int, u: int, su: int, y: int, sy: int, rows: int, n: int, *,
             alpha: float = 0.0, limit: float = 0.0) -> None:
@@ -349,6 +369,12 @@ class CudaKernels:
                 raise UnsupportedError(f"CUDA: attention over a {t.name} cache of heads of {d} (rotation {r})")
         if kt in _QUANT_CACHE and head_dim % 32:
             raise UnsupportedError(f"CUDA: Q8_0 rounding of Q of heads of {head_dim}")
+        if n_tokens > FA_VEC_MAX_TOKENS and n_splits <= 1:  # a prompt: fattn_tile_*
+            if sinks:
+                raise UnsupportedError("CUDA: attention sinks in a prompt (fattn_tile has none)")
+            self._fattn_tile(stream, q, sqt, sqh, kt, k, k_cb, k_hb, vt, v, v_cb, v_hb, n_cells, mask, sm, out, sot, soh,
+                             n_tokens, n_head, n_head_kv, head_dim, head_dim_v, scale, n_kv, n_kv_dev, rot_k, rot_v)
+            return
         g = n_head // n_head_kv
         shared = 4 * (g * head_dim + g * FA_TILE + g * head_dim_v + 3 * g)
         if shared > SHARED_MAX:
@@ -403,6 +429,84 @@ class CudaKernels:
                 np.int32(0 if op == "swiglu" else 1))  # fmt: skip
         grid = _cdiv(n_ff, MMV_ROWS_PER_BLOCK)
         self._launch(f"mmv_glu_{WEIGHT_SUFFIX[qtype][1]}", (grid,), 32 * MMV_ROWS_PER_BLOCK, args, stream)
+
+    # -- MUL_MAT (prompts): f16 tensor cores through cuBLAS ---------------------------------------
+
+    def to_f16(self, stream: Any, x: int, sx: int, y: int, rows: int, n: int) -> None:
+        """y (rows, n) IEEE half, contiguous = float32 rows of x (sx elements apart), rounded to
+        nearest even (elementwise.cu's cpy_f32_f16)."""
+        if rows <= 0 or n <= 0:
+            return
+        args = (_p(x), np.int64(sx), _p(y), np.int32(n))
+        self._launch("cpy_f32_f16", (_cdiv(n, ELEMENTWISE_THREADS), rows), ELEMENTWISE_THREADS, args, stream)
+
+    def dequant_f16(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_rows: int, n_in: int, y: int) -> None:
+        """y (n_rows, n_in) IEEE half = the rows of a weight of `qtype`, decoded as get_rows
+        decodes them and rounded to f16 (common.cuh's dequant_f16_<type>); y 16-byte aligned."""
+        qtype = GGMLType(qtype)
+        if qtype not in WEIGHT_SUFFIX:
+            raise UnsupportedError(f"CUDA: MUL_MAT of {qtype.name}")
+        if n_in % 32 or n_in % block_size(qtype)[0] or y % 16:
+            raise UnsupportedError(f"CUDA: {qtype.name} rows of {n_in} to f16 (y at {y:#x})")
+        units = n_rows * (n_in // 32)
+        if units <= 0:
+            return
+        args = (_p(w), _p(y), np.int64(units), np.int32(n_in // 32), np.int64(row_bytes))
+        self._launch(f"dequant_f16_{WEIGHT_SUFFIX[qtype][1]}", (_cdiv(units, ELEMENTWISE_THREADS),), ELEMENTWISE_THREADS,
+                     args, stream)  # fmt: skip
+
+    def gemm_f16(self, stream: Any, a: int, b: int, c: int, m: int, n: int, k: int, ldc: int) -> None:
+        """c[:n, :m] (float32 rows ldc apart) = b (n, k) @ a (m, k).T, a and b f16 rows: one GEMM
+        on the tensor cores with float32 accumulation (`gemm`: cuBLAS's gemmEx on a device)."""
+        if self.gemm is None:
+            raise UnsupportedError("CUDA: no GEMM launcher (cuBLAS) on this device")
+        if m <= 0 or n <= 0:
+            return
+        launch = Launch("gemm_f16", self.gemm, (1,), 1, (a, b, c, m, n, k, ldc), 0)
+        if self._sink is not None:
+            self._sink.append(launch)
+        else:
+            launch(stream)
+
+    def mul_mat_gemm(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_out: int, n_in: int, x: int,
+                     sx: int, y: int, n_tok: int, *, w16: int, x16: int, tile_rows: int, glu: str = "",
+                     prod: int = 0) -> None:
+        """y (n_tok, n_out) = x (n_tok rows of n_in, sx apart) @ W.T for a prompt: x rounded to
+        f16 once into x16, then per tile of `tile_rows` rows of W (gemm_tile_rows) the rows
+        decoded to f16 into w16 and one GEMM into their columns of y. `glu` ("swiglu" /
+        "geglu"): W stacks gate and up (n_out = 2 n_ff), the product goes to `prod` (n_tok,
+        n_out) and y (n_tok, n_ff) = act(gate) * up (glu.cu)."""
+        dst = prod if glu else y
+        if glu and not prod:
+            raise ValueError("a GEMM with its GLU needs the product's scratch")
+        self.to_f16(stream, x, sx, x16, n_tok, n_in)
+        for r0 in range(0, n_out, tile_rows):
+            rows = min(tile_rows, n_out - r0)
+            self.dequant_f16(stream, qtype, w + r0 * row_bytes, row_bytes, rows, n_in, w16)
+            self.gemm_f16(stream, w16, x16, dst + 4 * r0, rows, n_tok, n_in, n_out)
+        if glu:
+            n_ff = n_out // 2
+            self.glu(stream, glu, prod, n_out, prod + 4 * n_ff, n_out, y, n_ff, n_tok, n_ff)
+
+    def _fattn_tile(self, stream: Any, q: int, sqt: int, sqh: int, kt: GGMLType, k: int, k_cb: int, k_hb: int,
+                    vt: GGMLType, v: int, v_cb: int, v_hb: int, n_cells: int, mask: int, sm: int, out: int, sot: int,
+                    soh: int, n_tokens: int, n_head: int, n_head_kv: int, head_dim: int, head_dim_v: int, scale: float,
+                    n_kv: int, n_kv_dev: int, rot_k: int, rot_v: int) -> None:
+        """flash_attn_ext of a prompt: fattn.cu's fattn_tile_<k>_<v>, a block per (query head,
+        FA_QT query rows), every head and row in one launch."""
+        shared = 4 * (FA_QT * head_dim + FA_QT * FA_TILE + FA_QT * head_dim_v + 3 * FA_QT)
+        if shared > SHARED_MAX:
+            raise UnsupportedError(f"CUDA: prompt attention of heads of {head_dim} / {head_dim_v} needs {shared} "
+                                   f"bytes of shared memory")  # fmt: skip
+        rk = float(hadamard_scale(rot_k)) if rot_k else 0.0
+        rv = float(hadamard_scale(rot_v)) if rot_v else 0.0
+        args = (_p(q), np.int64(sqt), np.int64(sqh), _p(k), np.int64(k_cb), np.int64(k_hb), _p(v), np.int64(v_cb),
+                np.int64(v_hb), np.int64(n_cells), _p(mask), np.int64(sm), np.int32(n_kv), _p(n_kv_dev), _p(out),
+                np.int64(sot), np.int64(soh), np.int32(n_tokens), np.int32(n_head), np.int32(n_head_kv),
+                np.int32(head_dim), np.int32(head_dim_v), np.float32(scale), np.int32(rot_k), np.float32(rk),
+                np.int32(rot_v), np.float32(rv))  # fmt: skip
+        name = f"fattn_tile_{CACHE_SUFFIX[kt]}_{CACHE_SUFFIX[vt]}"
+        self._launch(name, (n_head, _cdiv(n_tokens, FA_QT)), FA_THREADS, args, stream, shared)
 
     # -- the mixture-of-experts block (moe.cu, common.cuh's mmv_id) -----------------------------
 
@@ -531,3 +635,29 @@ class CudaKernels:
         args = (_p(a), np.int64(sa), _p(b), np.int64(sb), np.int32(n_expert), _p(ids), np.int64(sid), _p(y),
                 np.int64(sy), np.int32(n), np.int32(n_used))  # fmt: skip
         self._launch("add_id_f32", (_cdiv(n, ELEMENTWISE_THREADS), rows), ELEMENTWISE_THREADS, args, stream)
+
+class CublasGemm:
+    """gemm_f16's launcher on a CUDA device: cuBLAS's gemmEx through CuPy (f16 A and B, float32 C,
+    CUBLAS_COMPUTE_32F: tensor cores with float32 accumulation), called as a RawKernel is (a
+    `Launch`'s fn) on the launch's stream. CuPy sets the handle's stream to its current one, so
+    the call runs with the launch's stream current. Not capturable (CuPy refuses cuBLAS inside a
+    stream capture): a plan with GEMMs launches directly."""
+
+    def __init__(self, cp: Any) -> None:
+        self.cp = cp
+        self.blas = cp.cuda.cublas
+        self.handle = cp.cuda.device.get_cublas_handle()  # the current device's
+        self._alpha_beta = np.array([1.0, 0.0], np.float32)  # host scalars (pointer mode host)
+        rt = cp.cuda.runtime
+        self.r16f, self.r32f = getattr(rt, "CUDA_R_16F", 2), getattr(rt, "CUDA_R_32F", 0)
+        self.compute = getattr(self.blas, "CUBLAS_COMPUTE_32F", 68)
+        self.algo = getattr(self.blas, "CUBLAS_GEMM_DEFAULT", -1)
+
+    def __call__(self, grid: Any, block: Any, args: tuple, shared_mem: int = 0, stream: Any = None) -> None:
+        a, b, c, m, n, k, ldc = (int(v) for v in args)
+        blas, ab = self.blas, self._alpha_beta.ctypes.data
+        # row-major c (n, m) = b (n, k) @ a (m, k).T is column-major c^T (m, n) = op_T(a) @ b
+        with stream if stream is not None else self.cp.cuda.Stream.null:
+            blas.setPointerMode(self.handle, blas.CUBLAS_POINTER_MODE_HOST)
+            blas.gemmEx(self.handle, blas.CUBLAS_OP_T, blas.CUBLAS_OP_N, m, n, k, ab, a, self.r16f, k, b, self.r16f, k,
+                        ab + 4, c, self.r32f, ldc, self.compute, self.algo)  # fmt: skip

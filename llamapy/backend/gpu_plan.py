@@ -46,6 +46,13 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
   * ADD_ID (gpt-oss's expert biases): the CPU's record, slot 3 the bias rows on the device, 11
     n_expert, 12 their row stride; ATTN's slot 24, the sinks, and the GLU's swiglu_oai slots
     10-12 are the CPU's;
+  * MUL_MAT_GEMM: a prompt's product (`product_path`: more tokens than the matrix-vector kernels
+    take) on the tensor cores: the input rounded to f16 into a scratch, the weight's rows decoded to
+    f16 into another, a tile of rows at a time, and one cuBLAS GEMM with float32 accumulation per
+    tile (cuda_ops.mul_mat_gemm): 1 dst (the GLU's result when fused), 2 x, 3 the weight's blocks,
+    4 the f16 weight scratch, 5 the f16 input scratch; 6 tokens, 7 n_in, 8 x's row stride, 9 the
+    GGML type, 10 the values written a token (n_ff with a GLU), 11 row bytes, 12 the GLU (0 none,
+    1 SwiGLU, 2 GEGLU), 13 rows per GEMM, 14 the float32 product's scratch (with a GLU);
   * records are WIDTH slots: the CPU's REC (25), and in an ATTN record slot 25 points at the int32
     count of cells attended (0: slot 9 holds it), 26 at the scratch of its split partials, 27
     the number of splits of the cells (the runtime's choice for the shape).
@@ -73,8 +80,13 @@ plans, so the next plan to run first gives each export still alive a device copy
 (`settle`, a D2D copy queued on the stream before its launches), which later readers get; so does
 a reader on the device itself (run_nodes, another device's peer copy: `ArenaValue.own`).
 
-Refused here (the split then runs node by node with run_nodes, CuPy's reference path): batches of
-more tokens than the matrix-vector kernels take (prompts stay on the cuBLAS path), weights in
+Prompts: a split whose products take more tokens than the matrix-vector kernels is a plan too,
+its products MUL_MAT_GEMM records, its attention fattn.cu's prompt kernel (cuda_ops picks it by
+the token count); CuPy refuses cuBLAS inside a stream capture, so such a plan runs its launches
+directly (prepared once per batch shape, kept like the decode plans). The scratches of its GEMMs
+follow the attention's in the arena, sized for the plan's largest product.
+
+Refused here (the split then runs node by node with run_nodes, CuPy's reference path): weights in
 host memory, an op or layout the compiler does not know, an op the runtime has no kernel for.
 """
 
@@ -97,12 +109,23 @@ from .kernels import yarn_table
 # The GPU's own record codes (from 33: apart from executor.c's and GEGLU's 32)
 MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV, MUL_MAT_ID_W, MUL_MAT_ID_GLU, ROUTER = 33, 34, 35, 36, 37, 38, 39
 ROUTER_TOPK = 40
+MUL_MAT_GEMM = 44  # (41-43 free)
 WIDTH = REC + 3  # after the CPU's slots: an ATTN record's count slot, split scratch, splits
 COUNT, SCRATCH, SPLITS = REC, REC + 1, REC + 2
 HEAD = 64  # bytes of count slots at the arena's start: 16 masks
 NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS", MUL_MAT_GLU: "MUL_MAT+GLU", ROPE_QKV: "ROPE+SET_ROWS",
          MUL_MAT_ID_W: "MUL_MAT_ID", MUL_MAT_ID_GLU: "MUL_MAT_ID+GLU",
-         ROUTER: "SOFT_MAX+ARGSORT+GET_ROWS+SUM_ROWS+CLAMP+DIV", ROUTER_TOPK: "ARGSORT+GET_ROWS+SOFT_MAX"}
+         ROUTER: "SOFT_MAX+ARGSORT+GET_ROWS+SUM_ROWS+CLAMP+DIV", ROUTER_TOPK: "ARGSORT+GET_ROWS+SOFT_MAX",
+         MUL_MAT_GEMM: "MUL_MAT(GEMM)"}
+GEMM_DIRECT = "cuBLAS GEMMs of a prompt (CuPy captures no cuBLAS call)"
+
+
+def product_path(n_out: int, n_tok: int, n_in: int, qtype: int, max_tokens: int) -> str:
+    """The kernel a product of a (n_out, n_in) weight of `qtype` and n_tok tokens runs: "mmv"
+    (the fused dequantize + matrix-vector kernels, up to `max_tokens`) or "gemm_f16" (the weight
+    decoded to f16, cuBLAS on the tensor cores). The one decision, to be tuned on a GPU per shape
+    and type (where the two cross, whether bf16 or an int8 kernel beats f16 for some types)."""
+    return "mmv" if n_tok <= max_tokens else "gemm_f16"
 
 
 def graphs_enabled() -> bool:
@@ -148,7 +171,7 @@ class GPUTarget(Target):
     fuse_bias = True
     head = HEAD
     width = WIDTH
-    addr_slots = ((COUNT, ATTN), (10, ROPE_QKV))
+    addr_slots = ((COUNT, ATTN), (SCRATCH, ATTN), (10, ROPE_QKV), (14, MUL_MAT_GEMM))
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
@@ -189,6 +212,7 @@ class GPUTarget(Target):
         """One scratch for the split partials of every attention (they run one after another)."""
         need = 0
         self.splits: dict[Tensor, int] = {}
+        gemm = [0, 0, 0]  # the prompt products' scratches: f16 weight tile, f16 input, a GLU's product
         for st in c.steps:
             if st.code == ATTN:
                 q, _k, v = st.node.src[:3]
@@ -196,9 +220,25 @@ class GPUTarget(Target):
                 N, Hkv, Dv = v.shape[0], v.shape[1], st.node.shape[-1]
                 self.splits[st.node], nbytes = self.rt.attn_split(T, H, Hkv, N, Dv)
                 need = max(need, nbytes)
+            elif st.code == MUL_MAT:
+                from .cuda_ops import gemm_tile_rows
+
+                w, x = st.extra.get("mm", st.node).src
+                n_out, n_in = w.shape[0], x.shape[-1]
+                n_tok = x.n_elements // max(n_in, 1)
+                if product_path(n_out, n_tok, n_in, w.type, self.rt.max_tokens) == "gemm_f16":
+                    gemm[0] = max(gemm[0], 2 * gemm_tile_rows(n_out, n_in) * n_in)
+                    gemm[1] = max(gemm[1], 2 * n_tok * n_in)
+                    gemm[2] = max(gemm[2], 4 * n_tok * n_out if "glu" in st.extra else 0)
         start += (-start) % 256
         self.scratch_off = start
-        return start + need
+        start += need
+        self.gemm_off = []
+        for nbytes in gemm:
+            start += (-start) % 256
+            self.gemm_off.append(start)
+            start += nbytes
+        return start
 
     def records(self, c: _Compiler, st: Any, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
         n = st.node
@@ -214,6 +254,8 @@ class GPUTarget(Target):
             if xl.dtype != np.dtype(np.float32):
                 raise Refused(f"MUL_MAT input of type {xl.dtype}")
             n_tok, k, xs = xl.rows()
+            if product_path(n_out, n_tok, n_in, qtype, self.rt.max_tokens) == "gemm_f16":
+                return [self._gemm(c, st, loc(n).addr, xl.addr, blocks, qtype, n_out, n_in, row_bytes, n_tok, k, xs)]
             if n_tok > self.rt.max_tokens:
                 raise Refused(f"a batch of {n_tok} tokens (prompts stay on the cuBLAS path)")
             if k != n_in or (xs != n_in and n_tok > 1) or xl.addr % 16:
@@ -279,6 +321,26 @@ class GPUTarget(Target):
             return [r]
         return None
 
+    def _gemm(self, c: _Compiler, st: Any, dst: int, x: int, blocks: int, qtype: int, n_out: int, n_in: int,
+              row_bytes: int, n_tok: int, k: int, xs: int) -> list[int]:
+        """MUL_MAT_GEMM: a prompt's product (with its GLU when the step has one) over the plan's
+        GEMM scratches."""
+        from .cuda_ops import gemm_tile_rows
+
+        if k != n_in:
+            raise Refused(f"MUL_MAT {st.node.name}: input rows of {k} for a matrix of {n_in}")
+        r = [0] * WIDTH
+        w16, x16, prod = (c.base + off for off in self.gemm_off)
+        r[0], r[1], r[2], r[3], r[4], r[5] = MUL_MAT_GEMM, dst, x, blocks, w16, x16
+        r[6], r[7], r[8], r[9], r[10], r[11] = n_tok, n_in, xs, qtype, n_out, row_bytes
+        r[13] = gemm_tile_rows(n_out, n_in)
+        if "glu" in st.extra:  # the product into its scratch, the GLU's result (n_ff a token) into dst
+            op = st.extra["glu"].params.get("op")
+            if op not in ("swiglu", "geglu"):
+                raise Refused(f"a prompt's GLU {op} (cuda_ops.mul_mat_gemm: swiglu, geglu)")
+            r[10], r[12], r[14] = n_out // 2, 1 + int(op == "geglu"), prod
+        return r
+
     def _mul_mat_id(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc], dst: int = 0) -> list[int]:
         """MUL_MAT_ID_W: the chosen experts' rows of the stacked matrix (n_expert * M rows) times
         each (token, slot)'s input row (into `dst`: a fused GLU's result; else n's own)."""
@@ -302,8 +364,9 @@ class GPUTarget(Target):
 
     def _norm_per_token(self, st: Any, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
         """A per-head norm of a strided view (qwen3's and gemma3's Q/K norms of a fused QKV
-        product, several tokens): its rows are not evenly spaced, so one record per token (each
-        token's heads are); None when they are (the shared record)."""
+        product, several tokens): its rows are not evenly spaced, so one record of T groups of H
+        rows (each token's heads are evenly spaced; slots 13-15: T, x's and y's token strides),
+        one launch of norm.cu's 2-D grid; None when they are (the shared record)."""
         norm = st.extra["norm"]
         x = loc(norm.src[0])
         try:
@@ -321,13 +384,11 @@ class GPUTarget(Target):
                 raise Refused("a strided norm weight")
             w = wl.addr
         dst = loc(st.node)
-        out = []
-        for t in range(T):
-            r = [0] * WIDTH
-            r[0], r[1], r[2], r[3] = RMS_NORM, dst.addr + 4 * t * H * D, x.addr + 4 * t * x.strides[0], w
-            r[6], r[7], r[8], r[9] = H, D, x.strides[1], _fbits(norm.params["eps"])
-            out.append(r)
-        return out
+        r = [0] * WIDTH  # one launch for every token (slots 13-15: tokens, x's and y's token strides)
+        r[0], r[1], r[2], r[3] = RMS_NORM, dst.addr, x.addr, w
+        r[6], r[7], r[8], r[9] = H, D, x.strides[1], _fbits(norm.params["eps"])
+        r[13], r[14], r[15] = T, x.strides[0], H * D
+        return [r]
 
     def _rope(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc]) -> list[int]:
         x, pos = loc(n.src[0]), loc(n.src[1])
@@ -470,6 +531,8 @@ class GPUPlan:
         self.launches = [self.rt.prepare(r) for r in self.built.recs]
         if not graphs_enabled():
             self.direct = "LLAMAPY_CUDA_GRAPHS=0"
+        elif (self.built.recs[:, 0] == MUL_MAT_GEMM).any():
+            self.direct = GEMM_DIRECT
         self._capture()
 
     def _capture(self) -> None:
@@ -577,7 +640,7 @@ def _written(r: list[int]) -> int:
         return 4 * r[6] * r[7] * r[8]
     if r[0] in _ROWS_OUT:  # contiguous rows (r[6]) of r[7] values
         return 4 * r[6] * r[7]
-    return 4 * r[6] * r[10] if r[0] in (MUL_MAT_W, MUL_MAT_GLU) else 1
+    return 4 * r[6] * r[10] if r[0] in (MUL_MAT_W, MUL_MAT_GLU, MUL_MAT_GEMM) else 1
 
 
 def _fuse_rope_qkv(recs: list[list[int]], exports: list[tuple[int, int]]) -> list[list[int]]:
@@ -735,8 +798,8 @@ def _reserve_for_largest_batch(built: Built, rt: Runtime) -> None:
     outputs, its fixed part does not: an over-estimate); a plan that still outgrows it moves the
     others, as before."""
     n_tok = min((int(r[6]) for r in built.recs if r[0] in (MUL_MAT_W, MUL_MAT_GLU)), default=0)
-    if not 0 < n_tok < rt.max_tokens:
-        return
+    if not 0 < n_tok < rt.max_tokens or (built.recs[:, 0] == MUL_MAT_GEMM).any():
+        return  # (a prompt's plan: larger than any decode plan already; its 1-token tail is no guide)
     base = rt.arena.ensure(-(-built.nbytes * rt.max_tokens // n_tok))
     if base != built.base:  # (the block was made again: the records not yet launched move)
         built.recs[built.moves] += base - built.base

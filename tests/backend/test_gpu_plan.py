@@ -28,13 +28,13 @@ from gguf import GGMLQuantizationType as T
 
 from gguf.quants import dequantize
 
-from llamapy.backend import cuda_exec, gpu_plan, native
+from llamapy.backend import cuda_exec, cuda_ops, gpu_plan, native
 from llamapy.backend.cpu import CPU_BUFT, CPUBackend
-from llamapy.backend.executor import (ADD_ID, ARGSORT, ATTN, CLAMP, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, SET_ROWS, SOFT_MAX, SUM_ROWS,
-                                      SWIGLU, MUL_MAT_ID_Q, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena, ExecPlan, Loc, Refusal,
-                                      Refused, _array_loc, _lib, _Slot)
-from llamapy.backend.gpu_plan import (COUNT, GET_ROWS_W, HEAD, MUL_MAT_GLU, MUL_MAT_ID_GLU, MUL_MAT_ID_W, MUL_MAT_W, ROPE_QKV, ROUTER,
-                                      ROUTER_TOPK, WIDTH, GPUPlan)
+from llamapy.backend.executor import (ADD_ID, ARGSORT, ATTN, CLAMP, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, RMS_NORM, SET_ROWS,
+                                      SOFT_MAX, SUM_ROWS, SWIGLU, MUL_MAT_ID_Q, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena,
+                                      ExecPlan, Loc, Refusal, Refused, _array_loc, _lib, _Slot)
+from llamapy.backend.gpu_plan import (COUNT, GEMM_DIRECT, GET_ROWS_W, HEAD, MUL_MAT_GEMM, MUL_MAT_GLU, MUL_MAT_ID_GLU,
+                                      MUL_MAT_ID_W, MUL_MAT_W, ROPE_QKV, ROUTER, ROUTER_TOPK, WIDTH, GPUPlan)
 from llamapy.backend.cpu_kernels import KV_CODES
 from llamapy.backend.kernels import _rope_tables_compute, gelu, rope_consts
 from llamapy.context import Context, ContextOptions, Model
@@ -86,6 +86,20 @@ class FakeRuntime(HostRuntime):
     def prepare(self, rec: np.ndarray) -> Callable[[], None]:
         if int(rec[0]) == ROPE_QKV:  # the four records it stands for
             return self._rope_qkv(rec)
+        if int(rec[0]) == RMS_NORM and rec[13]:  # per-head norms of T tokens: executor.c's record per token
+            parts = []
+            for t in range(int(rec[13])):
+                one = rec.copy()
+                one[1] += 4 * t * int(rec[15])
+                one[2] += 4 * t * int(rec[14])
+                one[13:16] = 0
+                parts.append(self.prepare(one))
+
+            def launch_all() -> None:
+                for p in parts:
+                    p()
+
+            return launch_all
         r = rec.copy()
         code = int(r[0])
         if code == ROPE:  # the CPU's table of inverse frequencies from the GPU record's base, scale, factors
@@ -107,9 +121,12 @@ class FakeRuntime(HostRuntime):
 
         def launch() -> None:
             self.log.append(("launch", code))
-            if code in (MUL_MAT_W, MUL_MAT_GLU):  # the q8 mode's two records over a scratch of this runtime's
+            if code in (MUL_MAT_W, MUL_MAT_GLU, MUL_MAT_GEMM):  # the q8 mode's two records over a scratch of this
+                # runtime's (a prompt's GEMM too: this fake checks the plan's plumbing bit for bit; the f16
+                # GEMM's arithmetic is LaunchRuntime's and the emulator's)
                 n_tok, n_in, xs, qtype, n_out, row_bytes = (int(x) for x in r[6:12])
-                if code == MUL_MAT_GLU:  # the product of 2 n_ff rows into a buffer, then the GLU
+                glu = int(r[12]) if code == MUL_MAT_GLU else int(r[12]) - 1 if code == MUL_MAT_GEMM else -1
+                if glu >= 0:  # the product of 2 n_ff rows into a buffer, then the GLU
                     n_out *= 2
                     prod = np.zeros((n_tok, n_out), np.float32)
                     self.keep.append(prod)
@@ -118,12 +135,12 @@ class FakeRuntime(HostRuntime):
                     self.scratch = np.zeros(need + 64, np.uint8)
                 q, m = np.zeros(REC, np.int64), np.zeros(REC, np.int64)
                 q[[0, 1, 2, 6, 7, 8, 9]] = QUANT_ACT, self.scratch.ctypes.data, r[2], qtype, xs, n_in, n_tok
-                m[[0, 1, 2, 3, 6, 7, 8, 9, 10, 11]] = MUL_MAT_Q, r[1] if code == MUL_MAT_W else prod.ctypes.data, r[3], \
+                m[[0, 1, 2, 3, 6, 7, 8, 9, 10, 11]] = MUL_MAT_Q, r[1] if glu < 0 else prod.ctypes.data, r[3], \
                     self.scratch.ctypes.data, qtype, n_out, row_bytes, n_in, n_tok, n_out
                 run([q, m])
-                if code == MUL_MAT_GLU:
+                if glu >= 0:
                     n_ff = n_out // 2
-                    if r[12]:
+                    if glu == 1:
                         mem(int(r[1]), (n_tok, n_ff), (n_ff, 1), F32)[...] = gelu(np, prod[:, :n_ff]) * prod[:, n_ff:]
                     else:
                         sw = np.zeros(REC, np.int64)
@@ -230,7 +247,8 @@ def _gpu_backend(monkeypatch: pytest.MonkeyPatch, rt_of: Callable[[], FakeRuntim
 
 def _decode_steps() -> list[tuple[list[int], list[int], int, list[bool] | None]]:
     """A 4-token prompt, decode steps of one token, a second sequence sharing the cache (2 tokens a
-    step, then a 300-token prompt: past the 8 tokens the product kernels take, so node by node),
+    step, then a 300-token prompt: past the 8 tokens the product kernels take, so a prompt plan of
+    GEMMs, launched directly),
     and decode again past 256 cells, a wider mask (the same plan and graph)."""
     out: list[tuple[list[int], list[int], int, list[bool] | None]] = [([1, 40, 90, 7], [0, 1, 2, 3], 0, None)]
     out += [([10 + i], [4 + i], 0, None) for i in range(3)]
@@ -250,7 +268,7 @@ def test_gpu_plan_gives_the_cpu_executors_logits(make_llama, monkeypatch: pytest
 
     def new_rt() -> FakeRuntime:
         rts.append(FakeRuntime())
-        rts[-1].arena.ensure(16 << 20)  # as large as any plan here: no plan moves (test_arena_growth)
+        rts[-1].arena.ensure(64 << 20)  # as large as any plan here: no plan moves (test_arena_growth)
         return rts[-1]
 
     made = _gpu_backend(monkeypatch, new_rt)
@@ -259,15 +277,22 @@ def test_gpu_plan_gives_the_cpu_executors_logits(make_llama, monkeypatch: pytest
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)  # bit for bit
     assert made and all(isinstance(p, GPUPlan) for p in made)
-    # one capture per plan, then replays; one input copy per run; nothing launched outside them
+    # the decode plans: one capture per plan, then replays; one input copy per run; nothing
+    # launched outside them. The prompt's plan (GEMMs): launched directly, never captured
     (rt,) = rts
     kinds = [k for k, _ in rt.log]
-    assert kinds.count("capture") == len(made) == sum(p.n_captures for p in made)
-    assert kinds.count("h2d") == sum(p.n_runs for p in made) == kinds.count("replay")
-    assert all(not p.direct for p in made)
+    decode = [p for p in made if not p.direct]
+    (prompt,) = [p for p in made if p.direct]
+    assert prompt.direct == GEMM_DIRECT and prompt.n_runs == 1 and prompt.n_captures == 0
+    gemm = prompt.recs[prompt.recs[:, 0] == MUL_MAT_GEMM]
+    assert len(gemm) and (gemm[:, 6] == 300).all()  # (the last layer after the output rows: 1 token, mmv)
+    assert (prompt.recs[np.isin(prompt.recs[:, 0], [MUL_MAT_W, MUL_MAT_GLU]), 6] == 1).all()
+    assert kinds.count("capture") == len(decode) == sum(p.n_captures for p in made)
+    assert kinds.count("h2d") == sum(p.n_runs for p in made) == kinds.count("replay") + 1
+    assert not any((p.recs[:, 0] == MUL_MAT_GEMM).any() for p in decode)
     # several lengths of history (256 and 512 cells attended), one graph: the 1-token plan ran 5
     # times, captured once
-    assert max(p.n_runs for p in made) == 5 and all(p.n_captures == 1 for p in made)
+    assert max(p.n_runs for p in made) == 5 and all(p.n_captures == 1 for p in decode)
     assert gpu.kv.n_used() > 256
     model.free()
 
@@ -368,15 +393,35 @@ def test_records_are_the_cpu_executors(make_llama, monkeypatch: pytest.MonkeyPat
     model.free()
 
 
-def test_prompt_batches_are_refused(make_llama) -> None:  # noqa: ANN001
+def test_prompt_batches_are_gemm_plans(make_llama) -> None:  # noqa: ANN001
+    """A batch past the matrix-vector kernels' 8 tokens: every product a MUL_MAT_GEMM record (the
+    gate/up one with its GLU), its scratches after the allocator's values and the attention's, in
+    the arena (moved with it), launched directly (cuBLAS is not captured)."""
     from llamapy.sched.alloc import plan_offsets
 
     model = Model(make_llama(qtype=T.Q8_0))
     ctx = Context(model, ContextOptions(n_ctx=512, n_threads=1))
     g = ctx.graph(20, 1).graph
     (split,) = ctx.sched.reserve(g).splits
-    p = gpu_plan.compile_split(split.nodes, list(g.outputs), plan_offsets, FakeRuntime())
-    assert isinstance(p, Refusal) and "a batch of 20 tokens (prompts stay on the cuBLAS path)" in p.reason
+    rt = FakeRuntime()
+    p = gpu_plan.compile_split(split.nodes, list(g.outputs), plan_offsets, rt)
+    assert isinstance(p, GPUPlan) and p.direct == GEMM_DIRECT and "direct launches (cuBLAS GEMMs" in p.summary()
+    assert rt.arena.size == p.built.nbytes  # no reserve for 8 tokens scaled from the 1-token tail
+    gemm = p.recs[p.recs[:, 0] == MUL_MAT_GEMM]
+    # every product of the 20 tokens; the last layer after its output row is one token's (mmv)
+    assert len(gemm) == 6 and (p.recs[np.isin(p.recs[:, 0], [MUL_MAT_W, MUL_MAT_GLU]), 6] == 1).all()
+    assert (gemm[:, 6] == 20).all() and (gemm[:, 13] == gemm[:, 10] * (1 + (gemm[:, 12] > 0))).all()  # one tile
+    glu = gemm[gemm[:, 12] > 0]
+    assert len(glu) == 1 and glu[0, 12] == 1 and glu[0, 14] > 0  # SwiGLU, the product in its scratch
+    b = p.built
+    values_end = max(int(r[1]) + 4 * int(r[6]) * int(r[10]) for r in gemm)
+    w16, x16 = int(gemm[0, 4]), int(gemm[0, 5])
+    assert values_end <= w16 < x16 < int(glu[0, 14]) < b.base + b.nbytes  # after the values, in the arena
+    assert (gemm[:, 4] == w16).all() and (gemm[:, 5] == x16).all()  # one scratch, reused
+    assert x16 - w16 >= 2 * int((gemm[:, 13] * gemm[:, 7]).max()) and int(glu[0, 14]) - x16 >= 2 * 20 * int(gemm[:, 7].max())
+    moved = {(int(i), int(j)) for i, j in zip(*b.moves)}
+    k = int(np.nonzero(p.recs[:, 0] == MUL_MAT_GEMM)[0][0])
+    assert {(k, 1), (k, 2), (k, 4), (k, 5)} <= moved
     model.free()
 
 
@@ -424,7 +469,13 @@ class NumpyOps:
         self.calls: list[str] = []
 
     def rms_norm(self, stream: Any, x: int, sx: int, y: int, sy: int, rows: int, n: int, eps: float, *,
-                 b: int = 0, sb: int = 0, sum_out: int = 0, ss: int = 0, w: int = 0) -> None:
+                 b: int = 0, sb: int = 0, sum_out: int = 0, ss: int = 0, w: int = 0, tokens: int = 1, sxt: int = 0,
+                 syt: int = 0) -> None:
+        if tokens > 1:
+            assert not b and not sum_out
+            for t in range(tokens):
+                self.rms_norm(stream, x + 4 * t * sxt, sx, y + 4 * t * syt, sy, rows, n, eps, w=w)
+            return
         self.calls.append("rms_norm")
         v = mem(x, (rows, n), (sx, 1), F32).copy()
         if b:
@@ -479,6 +530,24 @@ class NumpyOps:
                   cache_type=k_type, cache=k_cache, cache_rb=k_rb, rot=k_rot)
         self.rope(stream, v, sxt, head_dim_v, 0, 0, 0, n_tokens, n_head_kv, head_dim_v, **store, cache_type=v_type,
                   cache=v_cache, cache_rb=v_rb, rot=v_rot)
+
+    def to_f16(self, stream: Any, x: int, sx: int, y: int, rows: int, n: int) -> None:
+        self.calls.append("to_f16")
+        mem(y, (rows, n), (n, 1), F16)[...] = mem(x, (rows, n), (sx, 1), F32).astype(F16)
+
+    def dequant_f16(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_rows: int, n_in: int, y: int) -> None:
+        self.calls.append("dequant_f16")
+        raw = mem(w, (n_rows, row_bytes), (row_bytes, 1), np.uint8)
+        mem(y, (n_rows, n_in), (n_in, 1), F16)[...] = dequantize(raw, T(int(qtype))).reshape(n_rows, n_in).astype(F16)
+
+    def gemm_f16(self, stream: Any, a: int, b: int, c: int, m: int, n: int, k: int, ldc: int) -> None:
+        """The GEMM of f16 inputs (rounded by to_f16 / dequant_f16) with float32 accumulation:
+        here exact sums in float64, rounded once."""
+        self.calls.append("gemm_f16")
+        A, B = mem(a, (m, k), (k, 1), F16).astype(np.float64), mem(b, (n, k), (k, 1), F16).astype(np.float64)
+        mem(c, (n, m), (ldc, 1), F32)[...] = (B @ A.T).astype(F32)
+
+    mul_mat_gemm = cuda_ops.CudaKernels.mul_mat_gemm  # the real composition of the three above (and glu)
 
     def mul_mat_vec_glu(self, stream: Any, op: str, qtype: GGMLType, w: int, row_bytes: int, n_ff: int, n_in: int,
                         x: int, y: int, n_tok: int) -> None:
@@ -571,7 +640,7 @@ def test_launch_arguments_give_the_reference_logits(make_llama, monkeypatch: pyt
 
     def new_rt() -> LaunchRuntime:
         rts.append(LaunchRuntime())
-        rts[-1].arena.ensure(16 << 20)
+        rts[-1].arena.ensure(64 << 20)
         return rts[-1]
 
     made = _gpu_backend(monkeypatch, new_rt)
@@ -582,7 +651,7 @@ def test_launch_arguments_give_the_reference_logits(make_llama, monkeypatch: pyt
             continue  # the prompt: node by node, in the q8 mode (another sequence than the steps after it)
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * float(np.abs(b).max()))
         assert (a.argmax(-1) == b.argmax(-1)).all()
-    assert made and all(not p.direct for p in made)
+    assert made and all(not p.direct for p in made if not (p.recs[:, 0] == MUL_MAT_GEMM).any())
     calls = set(rts[0].ops.calls)
     assert {"rms_norm", "mul_mat_vec", "rope", "set_rows", "flash_attn_ext", "swiglu", "get_rows"} <= calls
     model.free()
@@ -696,7 +765,7 @@ def test_the_kernels_on_the_cuda_emulator(make_llama, monkeypatch: pytest.Monkey
 
     def new_rt() -> EmuRuntime:
         rts.append(EmuRuntime(emu_functions))
-        rts[-1].arena.ensure(16 << 20)
+        rts[-1].arena.ensure(64 << 20)
         return rts[-1]
 
     made = _gpu_backend(monkeypatch, new_rt)
@@ -1052,3 +1121,105 @@ def test_the_embedding_split_runs_on_the_calling_thread(make_llama, monkeypatch:
     assert isinstance(emb, ExecPlan) and emb.serial and emb.n_threads == 1 and emb.n_runs == 1
     model.free()
     cpu_model.free()
+
+
+# -- prompts: GPU plans of GEMMs and the prompt attention kernel ----------------------------------
+
+_PROMPT = [(7 * i) % 200 + 1 for i in range(40)]
+
+
+def _prompt_model(arch: str, make_llama: Any, tmp_path: Path) -> Path:
+    if arch == "llama":
+        return make_llama(qtype=T.Q8_0, rope_freqs=True)
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from family_models import write_family_gguf
+
+    return write_family_gguf(tmp_path / f"{arch}.gguf", arch, qtype=T.Q8_0, n_swa=4)
+
+
+def _prompt_then_decode(path: Path, monkeypatch: pytest.MonkeyPatch, new_rt: Callable[[], Any]
+                        ) -> tuple[list[np.ndarray], list[np.ndarray], list[GPUPlan]]:
+    """A 40-token prompt (every row's logits) and two decode steps, on the float32 CPU path and
+    through GPU plans over `new_rt()`'s runtime."""
+    ref_model = Model(path, context_options=ContextOptions(cpu_matmul="f32"))
+    model = Model(path)
+    steps = [(_PROMPT, list(range(40)), 0, [True] * 40)] + [([10 + i], [40 + i], 0, None) for i in range(2)]
+    ref = Context(ref_model, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32"))
+    want = [ref.decode(t, p, s, w) for t, p, s, w in steps]
+    made = _gpu_backend(monkeypatch, new_rt)
+    gpu = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    got = [gpu.decode(t, p, s, w) for t, p, s, w in steps]
+    model.free()
+    ref_model.free()
+    return got, want, made
+
+
+def _check_prompt(got: list[np.ndarray], want: list[np.ndarray], made: list[GPUPlan], tol: float) -> None:
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape and np.all(np.isfinite(a)), f"step {i}"
+        err = float(np.abs(a - b).max()) / float(np.abs(b).max())
+        assert err <= tol, f"step {i}: {err:.2e} of the largest logit"
+    assert (got[0].argmax(-1) == want[0].argmax(-1)).mean() >= 0.9
+    prompt = [p for p in made if (p.recs[:, 0] == MUL_MAT_GEMM).any()]
+    decode = [p for p in made if not any(p is q for q in prompt)]
+    assert len(prompt) == 1 and prompt[0].direct == GEMM_DIRECT and prompt[0].n_runs == 1
+    assert not (prompt[0].recs[:, 0] == MUL_MAT_W).any()  # every product of the 40 rows
+    assert decode and all(not p.direct and p.n_captures == 1 and (p.recs[:, 0] == MUL_MAT_W).any() for p in decode)
+
+
+# the f16 rounding of the GEMMs' inputs (2^-11 relative) through the layers: measured 1.1e-4
+# (llama) and 1.7e-4 / 1.8e-4 (qwen3) of the largest logit here; a wrong pointer, stride or tile
+# would be O(1)
+_F16_TOL = 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_prompt_plan_gives_the_float32_paths_logits(make_llama, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    arch: str) -> None:  # noqa: ANN001
+    """A 40-token prompt as one GPU plan, through cuda_exec's launch makers into NumpyOps (the
+    GEMM over the f16-rounded input and weight, as the tensor cores take them): every row's
+    logits are the float32 CPU path's within that rounding; the decode plans after it are as
+    before (matrix-vector products, one graph each)."""
+    def new_rt() -> LaunchRuntime:
+        rt = LaunchRuntime()
+        rt.arena.ensure(64 << 20)
+        return rt
+
+    got, want, made = _prompt_then_decode(_prompt_model(arch, make_llama, tmp_path), monkeypatch, new_rt)
+    _check_prompt(got, want, made, _F16_TOL)
+    calls = set(made[0].rt.ops.calls)
+    assert {"to_f16", "dequant_f16", "gemm_f16", "flash_attn_ext", "mul_mat_vec"} <= calls
+
+
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
+def test_prompt_plan_on_the_cuda_emulator(make_llama, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          emu_functions: Any, arch: str) -> None:  # noqa: ANN001
+    """The same through every kernels_cuda kernel on the emulator (dequant_f16, cpy_f32_f16, the
+    prompt attention fattn_tile_*, rope_qkv and norms over 40 rows), the GEMM in numpy."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    import cuda_emu
+
+    names: set[str] = set()  # the kernels launched
+
+    def logged(name: str, fn: Any) -> Any:
+        def call(*a: Any, **kw: Any) -> Any:
+            names.add(name)
+            return fn(*a, **kw)
+
+        return call
+
+    def new_rt() -> EmuRuntime:
+        rt = EmuRuntime(emu_functions)
+        rt.ops.functions = {n: logged(n, f) for n, f in rt.ops.functions.items()}
+        rt.ops.gemm = logged("gemm_f16", cuda_emu.numpy_gemm)
+        rt.arena.ensure(64 << 20)
+        return rt
+
+    got, want, made = _prompt_then_decode(_prompt_model(arch, make_llama, tmp_path), monkeypatch, new_rt)
+    _check_prompt(got, want, made, _F16_TOL)
+    assert any(n.startswith("fattn_tile_") for n in names) and any(n.startswith("dequant_f16_") for n in names)
+    assert "cpy_f32_f16" in names and "gemm_f16" in names

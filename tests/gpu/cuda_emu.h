@@ -28,6 +28,7 @@ struct uint4 {
 };
 #define LP_EMU 1
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return uint4{x, y, z, w}; }
 
 extern lp_dim3 threadIdx, blockIdx, blockDim, gridDim;
 extern unsigned char* lp_dyn_smem;

@@ -85,3 +85,18 @@ def build(out_dir: Path | None = None) -> dict[str, EmuKernel]:
         for n in names:
             functions[n] = EmuKernel(lib, n)
     return functions
+
+
+def numpy_gemm(grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, stream: Any = None) -> None:
+    """cuda_ops.CublasGemm's stand-in on the emulator (no cuBLAS on the CPU): c[:n, :m] (float32
+    rows ldc apart) = b (n, k) @ a (m, k).T over f16 rows, summed exactly (float64) and rounded
+    once: what a tensor-core GEMM with float32 accumulation computes within its summation order."""
+    a, b, c, m, n, k, ldc = (int(v) for v in args)
+
+    def at(addr: int, shape: tuple[int, int], ld: int, dt: Any) -> np.ndarray:
+        d = np.dtype(dt)
+        buf = (ctypes.c_char * (((shape[0] - 1) * ld + shape[1]) * d.itemsize)).from_address(addr)
+        return np.ndarray(shape, d, buffer=buf, strides=(ld * d.itemsize, d.itemsize))
+
+    A, B = at(a, (m, k), k, np.float16).astype(np.float64), at(b, (n, k), k, np.float16).astype(np.float64)
+    at(c, (n, m), ldc, np.float32)[...] = (B @ A.T).astype(np.float32)

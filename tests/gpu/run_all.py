@@ -19,7 +19,8 @@ outside the repository):
   3b. mixture of experts (tiny qwen3moe, Mixtral-style and gpt-oss files of tests/model/moe_models.py,
      Q8_0): -ngl all and -ngl all --n-cpu-moe 1 against -ngl 0 (KL of the last position), decode
      speed, and the decode graph's plan line (the router and the experts in one CUDA graph);
-  4. decode speed (tokens/s) at -ngl 0, 20 and all; at -ngl all the decode graph's plan line
+  4. decode speed (tokens/s) at -ngl 0, 20 and all, prompt speed (pp512) at -ngl all with the
+     prompt split's plan line; at -ngl all the decode graph's plan line
      (one CUDA graph, or direct launches and why, or why it runs node by node), the time a step
      and its Python part (step wall time minus the GPU time between the step's input copy and
      its exports, CUDA events).
@@ -368,6 +369,30 @@ def ngl_sweep(rep: Report, lines: list[str], tmp: Path, shape: str, args: Any, g
             pass
 
 
+def prompt_speed(path: Path, n_prompt: int = 512, n_rep: int = 3) -> tuple[float, str]:
+    """pp<n_prompt> at -ngl all: tokens/s of one n_prompt-token micro-batch into an empty cache
+    (llama-bench's pp), best of n_rep after a warm-up run (the prompt's GPU plan made, cuBLAS
+    loaded), and the prompt split's plan line (GEMMs launched directly, or why node by node)."""
+    import llamapy
+
+    llm = llamapy.Llama(path, n_gpu_layers="all", n_ctx=max(1024, n_prompt))
+    try:
+        ctx = llm.ctx
+        toks = np.random.default_rng(7).integers(3, llm.model.params.n_vocab, n_prompt)
+        best = float("inf")
+        for i in range(n_rep + 1):
+            ctx.kv.seq_rm(0)
+            t0 = time.perf_counter()
+            ctx.decode(toks, np.arange(n_prompt))  # (the logits' download waits for the GPU)
+            if i:
+                best = min(best, time.perf_counter() - t0)
+        g = ctx.graph(n_prompt, 1).graph
+        lines = [ln for ln in ctx.sched.dump(g).splitlines() if ln.startswith("## PLAN") and "CUDA" in ln]
+        return n_prompt / best, " / ".join(lines) or "no CUDA split"
+    finally:
+        llm.close()
+
+
 def kernel_speed(rep: Report, lines: list[str], dev: Any) -> None:
     """Time the decode kernels alone: the matrix-vector products at the benchmark shapes (weight
     bytes / time), attention over growing histories, and the row-wise kernels."""
@@ -447,6 +472,39 @@ def kernel_speed(rep: Report, lines: list[str], dev: Any) -> None:
                                     ids=cell.data.ptr, n_cells=N, k_type=G.F16, k_cache=kc.data.ptr, k_rb=Hkv * D * 2,
                                     v_type=G.F16, v_cache=vc.data.ptr, v_rb=Hkv * D * 2))  # fmt: skip
     rep.add(lines, f"| rope_qkv (f16 cache) | H{H}/{Hkv} D{D} | {us:.1f} | - |")
+    # prompts (gpu_plan.product_path's "gemm_f16"): the input to f16, the weight to f16, the
+    # cuBLAS GEMM, each timed alone (TFLOP/s of the GEMM; GB/s of the weight's decode: its blocks
+    # read + f16 written), and the whole product; the prompt attention (fattn_tile_*)
+    from llamapy.backend.cuda_ops import gemm_tile_rows
+
+    for name, n_out, n_in, n_tok in [("Q4_K", 4096, 4096, 512), ("Q4_K", 28672, 4096, 512), ("Q6_K", 4096, 14336, 512),
+                                     ("Q4_K", 2048, 2048, 512), ("Q4_K", 16384, 2048, 512), ("Q4_1", 1536, 576, 512),
+                                     ("Q4_K", 4096, 4096, 32), ("Q4_K", 4096, 4096, 8)]:  # fmt: skip
+        raw = cp.asarray(np.ascontiguousarray(random_rows(name, n_out, n_in, rng)))
+        x = cp.asarray(rng.standard_normal((n_tok, n_in)).astype(np.float32))
+        y = cp.empty((n_tok, n_out), cp.float32)
+        tile = gemm_tile_rows(n_out, n_in)
+        w16, x16 = cp.empty((tile, n_in), cp.float16), cp.empty((n_tok, n_in), cp.float16)
+        cp.cuda.Device(dev.index).synchronize()
+        t_x = time_us(lambda: k.to_f16(st, x.data.ptr, n_in, x16.data.ptr, n_tok, n_in), 20)
+        t_w = time_us(lambda: k.dequant_f16(st, G[name], raw.data.ptr, raw.shape[1], tile, n_in, w16.data.ptr), 20)
+        t_g = time_us(lambda: k.gemm_f16(st, w16.data.ptr, x16.data.ptr, y.data.ptr, tile, n_tok, n_in, n_out), 20)
+        t_all = time_us(lambda: k.mul_mat_gemm(st, G[name], raw.data.ptr, raw.shape[1], n_out, n_in, x.data.ptr, n_in,
+                                               y.data.ptr, n_tok, w16=w16.data.ptr, x16=x16.data.ptr, tile_rows=tile), 20)
+        tf = 2 * tile * n_in * n_tok / t_g / 1e6
+        gbw = (raw.nbytes * tile // n_out + w16.nbytes) / t_w / 1e3
+        rep.add(lines, f"| gemm_f16 {name} | {n_out}x{n_in}, {n_tok} tok: x->f16 {t_x:.1f}, W->f16 {t_w:.1f} "
+                       f"({gbw:.0f} GB/s), GEMM {t_g:.1f} ({tf:.0f} TFLOP/s) | {t_all:.1f} (all) | - |")  # fmt: skip
+    for T_, n_kv in ((512, 512), (512, 4096)):
+        qp = cp.asarray(rng.standard_normal((T_, H, D)).astype(np.float32))
+        causal = np.where(np.arange(n_kv)[None, :] <= np.arange(n_kv - T_, n_kv)[:, None], 0.0, -np.inf)
+        mp = cp.asarray(causal.astype(np.float32))
+        op = cp.empty((T_, H, D), cp.float32)
+        cp.cuda.Device(dev.index).synchronize()
+        us = time_us(lambda: k.flash_attn_ext(st, qp.data.ptr, H * D, D, G.F16, kc.data.ptr, Hkv * D * 2, D * 2, G.F16,
+                                              vc.data.ptr, Hkv * D * 2, D * 2, N, mp.data.ptr, n_kv, op.data.ptr, H * D,
+                                              D, T_, H, Hkv, D, D, 0.088, n_kv=n_kv), 20)  # fmt: skip
+        rep.add(lines, f"| fattn_tile f16 | {T_} tokens, H{H}/{Hkv} D{D}, {n_kv} cells, causal | {us:.1f} | - |")
 
 
 def moe_check(rep: Report, lines: list[str], tmp: Path, case: str, args: Any, gpu_prefix: str) -> None:
@@ -612,9 +670,9 @@ def main() -> int:
             rep.failures += 0 if ok else 1
             rep.add(ref, f"- -ub {ub} ({what}): mean KLD {kld:.6f}: {'PASS' if ok else '**FAIL**'}")
 
-        # -ub 8: micro-batches the compiled GPU split takes (its CUDA graphs); 512: the cuBLAS path
+        # -ub 8: micro-batches the compiled GPU split captures (its CUDA graphs); 512: the prompt plan
         rep.step(ref, "tiny32 KLD -ub 8", lambda: tiny32_kld("8", "compiled GPU split, CUDA graphs"))
-        rep.step(ref, "tiny32 KLD -ub 512", lambda: tiny32_kld("512", "prompt path: run_nodes + cuBLAS"))
+        rep.step(ref, "tiny32 KLD -ub 512", lambda: tiny32_kld("512", "prompt plan: f16 GEMMs on cuBLAS, fattn_tile"))
 
     # 2c. kernel speed ------------------------------------------------------------------------
     kspeed = rep.section("Kernel speed on CUDA0 (CUDA events, mean of 100 launches; H200 HBM3e peak ~4.8 TB/s)")
@@ -634,6 +692,10 @@ def main() -> int:
     speed = rep.section("Decode speed (tokens/s, 32 tokens after an 8-token prompt)")
     rep.add(speed, "| model | -ngl 0 | -ngl 20 | -ngl all |")
     rep.add(speed, "|---|---|---|---|")
+    pp = rep.section("Prompt speed at -ngl all (pp512: one 512-token micro-batch, best of 3; the prompt's GPU plan: "
+                     "f16 GEMMs on cuBLAS, fattn_tile)")
+    rep.add(pp, "| model | tokens/s | plan |")
+    rep.add(pp, "|---|---|---|")
     setup = rep.section("Model setup")
 
     import llamapy
@@ -695,6 +757,10 @@ def main() -> int:
                 except Exception:  # noqa: BLE001
                     pass
         rep.add(speed, f"| {label} | {speeds.get('0', '-')} | {speeds.get('20', '-')} | {speeds.get('all', '-')} |")
+        n_pp = 64 if args.quick else 512
+        got_pp = rep.step(setup, f"{label} -ngl all: pp{n_pp}", lambda: prompt_speed(path, n_pp))
+        if got_pp is not None:
+            rep.add(pp, f"| {label} | {got_pp[0]:.0f} (pp{n_pp}) | `{got_pp[1][:300]}` |")
         try:
             path.unlink()
         except OSError:

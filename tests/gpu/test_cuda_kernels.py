@@ -75,7 +75,8 @@ class EmuEnv(Env):
     def __init__(self) -> None:
         import cuda_emu
 
-        self.k = CudaKernels(cuda_emu.build(), n_sm=4)  # few "SMs": few attention splits, fast
+        # few "SMs": few attention splits, fast; the prompt products' GEMM in numpy (no cuBLAS here)
+        self.k = CudaKernels(cuda_emu.build(), n_sm=4, gemm=cuda_emu.numpy_gemm)
 
     def d(self, a: np.ndarray) -> Any:
         return np.array(a, copy=True, order="C")
@@ -217,6 +218,22 @@ def test_rms_norm_per_head_in_place(env: Env) -> None:
     xd, wd = env.d(xa), env.d(wa)
     env.run(lambda st: env.k.rms_norm(st, env.p(xd), D, env.p(xd), D, T * H, D, 1e-6, w=env.p(wd)))
     assert max_ulp(env.get(xd), ref) <= 1
+
+
+def test_rms_norm_tokens_of_a_strided_view(env: Env) -> None:
+    """The same over the Q columns of a fused QKV product (T rows of 1536: Q's 8 heads of 128
+    first), every token in one launch (tokens, sxt, syt), into contiguous (T, H, D)."""
+    T, H, D, row = 5, 8, 128, 1536
+    qkv, wa = randn(T, row), randn(D)
+    x, w = t("q", (T, H, D)), t("w", (D,))
+    n1 = ops.rms_norm(x, 1e-6)
+    q = np.ascontiguousarray(qkv[:, : H * D]).reshape(T, H, D)
+    ref = reference(ops.mul(n1, w), [reference(n1, [q]), wa])
+    xd, wd = env.d(qkv), env.d(wa)
+    y = env.full((T, H, D), np.nan, np.float32)
+    env.run(lambda st: env.k.rms_norm(st, env.p(xd), D, env.p(y), D, H, D, 1e-6, w=env.p(wd), tokens=T, sxt=row,
+                                      syt=H * D))  # fmt: skip
+    assert max_ulp(env.get(y), ref) <= 1
 
 
 # --- glu.cu, elementwise.cu --------------------------------------------------------------------
@@ -467,6 +484,11 @@ FA_CASES = [
     (G.Q8_0, G.F16, 5, 4, 2, 64, 300, 256, 64, 0),
     (G.Q4_0, G.F32, 1, 4, 1, 96, 300, 77, 0, 0),
     (G.F16, G.F16, 40, 4, 2, 64, 300, 200, 0, 0),  # a prompt: causal (below)
+    # prompts of 9-31 tokens (fattn_tile_*: blocks of 16 query rows, the last one partial), a mask row each
+    (G.Q8_0, G.Q8_0, 20, 8, 2, 64, 100, 60, 64, 64),
+    (G.Q4_0, G.F16, 12, 4, 4, 128, 80, 80, 0, 0),
+    (G.F32, G.F32, 17, 6, 3, 96, 90, 50, 0, 0),
+    (G.F16, G.Q4_0, 9, 4, 1, 64, 70, 70, 0, 64),
 ]
 
 
@@ -515,6 +537,66 @@ def test_flash_attn_ext(env: Env, case: tuple, split: str, n_kv_on_device: bool)
     got = env.get(out)
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=2e-6)
+
+
+# --- prompt products: f16 scratches and the GEMM ----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ALL_TYPES)
+def test_dequant_f16(env: Env, name: str) -> None:
+    """Every weight type's rows decoded to f16: gguf's values rounded as numpy's astype(float16)."""
+    from gguf.quants import dequantize
+
+    n_rows, n_in = 9, 512
+    raw = np.ascontiguousarray(random_rows(name, n_rows, n_in, np.random.default_rng(6)))
+    want = dequantize(raw, G[name]).reshape(n_rows, n_in).astype(np.float32).astype(np.float16)
+    rd = env.d(raw)
+    y = env.full((n_rows - 2, n_in), np.nan, np.float16)
+    env.run(lambda st: env.k.dequant_f16(st, G[name], env.p(rd) + raw.shape[1], raw.shape[1], n_rows - 2, n_in, env.p(y)))
+    assert np.array_equal(env.get(y).view(np.uint16), want[1:-1].view(np.uint16))
+
+
+def test_to_f16(env: Env) -> None:
+    x = randn(5, 99) * 1e3
+    x[0, :6] = [65504, 65520, -1e-8, 3e-5, np.inf, 6.1e-5]  # the largest half, overflow, subnormals
+    xd = env.d(x)
+    y = env.full((4, 96), np.nan, np.float16)
+    env.run(lambda st: env.k.to_f16(st, env.p(xd), 99, env.p(y), 4, 96))
+    with np.errstate(over="ignore"):  # (65520 and inf round to inf, as intended)
+        want = x[:4, :96].astype(np.float16)
+    assert np.array_equal(env.get(y).view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.parametrize("glu", ["", "swiglu"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
+def test_mul_mat_gemm(env: Env, name: str, glu: str) -> None:
+    """A prompt's product: x and W rounded to f16, one GEMM per tile of rows (here 3 tiles of 256
+    rows and a partial one), float32 accumulation; with its GLU after it."""
+    from gguf.quants import dequantize
+
+    n_out, n_in, n_tok, tile = 800, 256, 37, 256
+    raw = np.ascontiguousarray(random_rows(name, n_out, n_in, np.random.default_rng(7)))
+    w16 = dequantize(raw, G[name]).reshape(n_out, n_in).astype(np.float32).astype(np.float16).astype(np.float64)
+    x = randn(n_tok, n_in + 8)
+    prod = x[:, :n_in].astype(np.float16).astype(np.float64) @ w16.T
+    rd, xd = env.d(raw), env.d(x)
+    sw, sx, sp = env.zeros((tile, n_in), np.float16), env.zeros((n_tok, n_in), np.float16), env.zeros((n_tok, n_out), np.float32)
+    m = n_out // 2 if glu else n_out
+    y = env.full((n_tok, m), np.nan, np.float32)
+    env.run(lambda st: env.k.mul_mat_gemm(st, G[name], env.p(rd), raw.shape[1], n_out, n_in, env.p(xd), n_in + 8, env.p(y),
+                                          n_tok, w16=env.p(sw), x16=env.p(sx), tile_rows=tile, glu=glu,
+                                          prod=env.p(sp) if glu else 0))  # fmt: skip
+    got = env.get(y).astype(np.float64)
+    scale = np.abs(x[:, :n_in]).astype(np.float64) @ np.abs(w16).T
+    if glu:
+        g, u = prod[:, :m], prod[:, m:]
+        want = g / (1 + np.exp(-g)) * u
+        # the products' errors (as below) through silu(g) * u (|d/dg| <= 1.1 |u|, |d/du| <= |g|), then
+        # the GLU's own float32 roundings
+        bound = 1e-5 * (scale[:, :m] * 1.1 * np.abs(u) + scale[:, m:] * np.abs(g)) + 1e-6 * np.abs(want) + 1e-30
+        assert np.all(np.abs(got - want) <= bound)
+    else:
+        assert np.all(np.abs(got - prod) <= 1e-5 * scale + 1e-30)  # float32 accumulation of exact f16 products
 
 
 # --- the matrix-vector products ----------------------------------------------------------------

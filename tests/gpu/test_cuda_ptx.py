@@ -182,6 +182,7 @@ def record_launches() -> list[tuple]:
         k.mul_mat_id(st, qt, 0x1000, 1000, 8, 300, 512, 0x2000, 512, 0, 0x3000, 2, 0x4000, 3, 2, w2=0x5000)
         k.mul_mat_id(st, qt, 0x1000, 1000, 8, 300, 512, 0x2000, 512, 0, 0x3000, 2, 0x4000, 3, 2, w2=0x5000,
                      glu="swiglu_oai", b=0x6000, b2=0x7000, sb=300, alpha=1.702, limit=7.0)  # fmt: skip
+        k.dequant_f16(st, qt, 0x1000, 1000, 300, 512, 0x2000)
     k.soft_max(st, 0x1000, 128, 0x2000, 128, 3, 128, 1.0)
     k.argsort(st, 0x1000, 128, 0x2000, 128, 3, 128)
     k.get_rows_batched(st, 0x1000, 128, 1, 128, 0x2000, 8, 0x3000, 3, 8, 1)
@@ -216,6 +217,10 @@ def record_launches() -> list[tuple]:
                                  0x5000, 4096, 128, 1, 32, 8, 128, 128, 0.088, n_kv_dev=0x6000, n_splits=n_splits,
                                  scratch=0x7000 if n_splits > 1 else 0, rot_k=rk, rot_v=rv,
                                  sinks=0x8000 if kt == vt else 0)  # fmt: skip
+            # a prompt of 40 tokens: the prompt kernel (fattn_tile_*), heads of 256 at most
+            k.flash_attn_ext(st, 0x1000, 4096, 128, kt, 0x2000, 2048, 256, vt, 0x3000, 2048, 256, 4096, 0x4000, 4096,
+                             0x5000, 4096, 128, 40, 32, 8, 256, 256, 0.088, n_kv_dev=0x6000, rot_k=rk, rot_v=rv)  # fmt: skip
+    k.to_f16(st, 0x1000, 576, 0x2000, 40, 576)
     return calls
 
 

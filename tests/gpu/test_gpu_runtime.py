@@ -25,7 +25,7 @@ if _N_GPU <= 0:
     pytest.skip("no CUDA device", allow_module_level=True)
 
 from llamapy.backend.cuda import CUDABackend  # noqa: E402
-from llamapy.backend.gpu_plan import GPUPlan  # noqa: E402
+from llamapy.backend.gpu_plan import GEMM_DIRECT, MUL_MAT_GEMM, GPUPlan  # noqa: E402
 from llamapy.context import Context, ContextOptions, Model, ModelOptions  # noqa: E402
 from llamapy.types import GGMLType  # noqa: E402
 
@@ -33,7 +33,7 @@ STEPS: list[tuple[list[int], list[int], int, list[bool] | None]] = (
     [([1, 40, 90, 7], [0, 1, 2, 3], 0, None)]
     + [([10 + i], [4 + i], 0, None) for i in range(4)]
     + [([1, 66], [0, 1], 1, [True, True])]
-    + [([(7 * i) % 250 + 1 for i in range(300)], list(range(2, 302)), 1, None)]  # a prompt: the cuBLAS path
+    + [([(7 * i) % 250 + 1 for i in range(300)], list(range(2, 302)), 1, None)]  # a prompt: GEMMs on cuBLAS
     + [([30 + i], [8 + i], 0, None) for i in range(3)]  # past 256 cells: a wider mask, the same graph
 )
 
@@ -66,12 +66,18 @@ def test_decode_runs_as_one_captured_graph(make_llama, monkeypatch: pytest.Monke
     ctx = Context(model, ContextOptions(n_ctx=512))
     got = _run(ctx)
     plans = gpu_plans(ctx)
-    small = [(w, p) for w, p in plans if not (p is not None and not p and "a batch of" in p.reason)]
-    assert small, f"no CUDA split ran: {plans}"
-    for what, p in small:
+    assert plans, "no CUDA split ran"
+    for what, p in plans:
         assert isinstance(p, GPUPlan), f"{what}: no GPU plan: {getattr(p, 'reason', p)}"
+    prompt = [(w, p) for w, p in plans if (p.recs[:, 0] == MUL_MAT_GEMM).any()]
+    assert len(prompt) == 1 and prompt[0][1].direct == GEMM_DIRECT, prompt  # the 300-token prompt: GEMMs, direct
+    for what, p in plans:
+        if any(p is q for _w, q in prompt):
+            continue
         assert not p.direct, f"{what}: {p.summary()}"
-        assert p.n_captures == 1, f"{what}: captured {p.n_captures} times"
+        # (the prompt's plan, made after the first decode plans, grew the arena: they moved and
+        # were captured once more)
+        assert 1 <= p.n_captures <= 2, f"{what}: captured {p.n_captures} times"
     monkeypatch.setenv("LLAMAPY_EXECUTOR", "0")  # the reference: run_nodes on CuPy
     ref = _run(Context(model, ContextOptions(n_ctx=512)))
     for i, (a, b) in enumerate(zip(got, ref)):
@@ -162,11 +168,15 @@ def test_moe_decode_as_one_captured_graph(tmp_path: Path, monkeypatch: pytest.Mo
     model = Model(path, ModelOptions(n_gpu_layers="all", override_tensor=ot), ContextOptions(cpu_matmul="f32"))
     ctx = Context(model, ContextOptions(n_ctx=512, cpu_matmul="f32"))  # (the CPU's experts: float32 too)
     got = _run(ctx)
-    plans = [(w, p) for w, p in gpu_plans(ctx) if not (p is not None and not p and "a batch of" in p.reason)]
+    # (the prompt: its experts' split refused, "a batch of"; a split of its attention alone, with
+    # --n-cpu-moe, a GEMM plan launched directly)
+    plans = [(w, p) for w, p in gpu_plans(ctx) if not (p is not None and not p and "a batch of" in p.reason)
+             and not (isinstance(p, GPUPlan) and p.direct == GEMM_DIRECT)]
     assert plans, "no CUDA split ran"
     for what, p in plans:
         assert isinstance(p, GPUPlan), f"{what}: no GPU plan: {getattr(p, 'reason', p)}"
-        assert not p.direct and p.n_captures == 1, f"{what}: {p.summary()}"
+        # (captured once more if the prompt's plan, made after it, grew the arena)
+        assert not p.direct and 1 <= p.n_captures <= 2, f"{what}: {p.summary()}"
     assert any((p.recs[:, 0] == MUL_MAT_ID_GLU).any() for _w, p in plans)
     for i, (a, b) in enumerate(zip(got, want)):
         scale = float(np.abs(b).max())

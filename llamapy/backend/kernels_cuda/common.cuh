@@ -246,6 +246,27 @@ __device__ __forceinline__ void dequant_impl(const u8* __restrict__ w, float* __
     for (int i = 0; i < 8; ++i) out[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
 }
 
+// dequant_f16: the same units rounded to IEEE half (round to nearest even, numpy's
+// astype(float16)): a prompt's weight, or a tile of its rows, for the f16 tensor-core GEMM
+// (cuBLAS, f32 accumulation; cuda_ops.mul_mat_gemm). One thread per unit, 64-byte stores: y is
+// 16-byte aligned.
+template <typename DQ>
+__device__ __forceinline__ void dequant_f16_impl(const u8* __restrict__ w, unsigned short* __restrict__ y,
+                                                 long long n_units, int units_per_row, long long row_bytes) {
+    const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= n_units) return;
+    const long long row = g / units_per_row;
+    const int u = (int)(g - row * units_per_row);
+    float v[32];
+    DQ::unit(w + row * row_bytes, u, v);
+    unsigned int h[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) h[i] = (unsigned int)f32_to_f16(v[2 * i]) | ((unsigned int)f32_to_f16(v[2 * i + 1]) << 16);
+    uint4* out = reinterpret_cast<uint4*>(y + g * 32);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = make_uint4(h[4 * i], h[4 * i + 1], h[4 * i + 2], h[4 * i + 3]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // GET_ROWS (ggml-cuda getrows.cu): rows ids[i] of w (n_rows rows of row_bytes) -> y[i * sy + ...]
 // float32; one thread per unit of 32. An id outside [0, n_rows) gives a row of NaN (never a read
@@ -431,6 +452,10 @@ __device__ __forceinline__ void mmv_id_impl(const u8* __restrict__ w, const u8* 
                                               long long n_units, int units_per_row,                 \
                                               long long row_bytes) {                                \
         dequant_impl<DQ>(w, y, n_units, units_per_row, row_bytes);                                  \
+    }                                                                                               \
+    extern "C" __global__ void dequant_f16_##name(const u8* __restrict__ w, unsigned short* __restrict__ y, \
+                                                  long long n_units, int units_per_row, long long row_bytes) { \
+        dequant_f16_impl<DQ>(w, y, n_units, units_per_row, row_bytes);                              \
     }                                                                                               \
     extern "C" __global__ void get_rows_##name(const u8* __restrict__ w, long long row_bytes,      \
                                                int n_rows, const int* __restrict__ ids,             \

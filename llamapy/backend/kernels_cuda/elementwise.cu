@@ -28,3 +28,12 @@ extern "C" __global__ void scale_f32(const float* a, long long sa, float* y, lon
     const long long r = blockIdx.y;
     y[r * sy + i] = __fmul_rn(a[r * sa + i], s);
 }
+
+// float32 rows -> IEEE half (round to nearest even, numpy's astype(float16)): a prompt's
+// activation for the f16 tensor-core GEMM (cuda_ops.mul_mat_gemm); y contiguous rows of n.
+extern "C" __global__ void cpy_f32_f16(const float* x, long long sx, unsigned short* y, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const long long r = blockIdx.y;
+    y[r * n + i] = f32_to_f16(x[r * sx + i]);
+}

@@ -270,3 +270,166 @@ LP_FATTN_V(f32, CT_F32)
 LP_FATTN_V(f16, CT_F16)
 LP_FATTN_V(q8_0, CT_Q8_0)
 LP_FATTN_V(q4_0, CT_Q4_0)
+
+// ---------------------------------------------------------------------------------------------
+// FLASH_ATTN_EXT for prompts (many query tokens; ggml-cuda's fattn-tile.cuh is the counterpart,
+// read to understand, not copied): every head and query row of the batch in one launch, a block
+// per (query head h, tile of FA_QT consecutive query rows), GQA by reading KV head h / (H / Hkv).
+// Each query row has its own mask row (the causal mask of a prompt, a sliding window), width >=
+// the cells attended (n_kv, or *n_kv_dev). The cells are stepped through in tiles of FA_TILE
+// with the decode kernel's online softmax (scores by a warp per cell: each K row read once for
+// the FA_QT rows; a tile no row of the block sees is skipped); float32 math, Q rounded through
+// Q8_0 over a quantized K and rotated over a rotated cache, as the decode kernel. Results agree
+// with the reference within float32 rounding of the sums, as the decode kernel's.
+// Grid (H, ceil(T / FA_QT)), FA_THREADS threads; dynamic shared memory
+// (FA_QT * D + FA_QT * FA_TILE + FA_QT * Dv + 3 * FA_QT) floats. Arguments as fattn_impl's.
+// ---------------------------------------------------------------------------------------------
+#define FA_QT 16  // query rows per block
+
+template <int KT, int VT>
+__device__ __forceinline__ void fattn_tile_impl(
+    const float* __restrict__ q, long long sqt, long long sqh, const u8* __restrict__ k, long long k_cb,
+    long long k_hb, const u8* __restrict__ v, long long v_cb, long long v_hb, long long n_cells,
+    const float* __restrict__ mask, long long sm, int n_kv, const int* __restrict__ n_kv_dev,
+    float* __restrict__ out, long long sot, long long soh, int T, int H, int Hkv, int D, int Dv, float scale,
+    int rot_k, float rot_k_scale, int rot_v, float rot_v_scale) {
+    extern __shared__ float smem[];
+    const int h = blockIdx.x, t0 = blockIdx.y * FA_QT;
+    const int nq = T - t0 < FA_QT ? T - t0 : FA_QT;
+    const int j = h / (H / Hkv);
+    float* q_s = smem;                  // (FA_QT, D)
+    float* p_s = q_s + FA_QT * D;       // (FA_QT, FA_TILE) scores, then probabilities
+    float* acc_s = p_s + FA_QT * FA_TILE;  // (FA_QT, Dv)
+    float* m_s = acc_s + FA_QT * Dv;    // (FA_QT,) running maximum
+    float* l_s = m_s + FA_QT;           // (FA_QT,) running sum
+    float* c_s = l_s + FA_QT;           // (FA_QT,) this tile's rescale
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
+    const float NEG_INF = __int_as_float(0xff800000);
+
+    long long n = n_kv_dev ? (long long)*n_kv_dev : (long long)n_kv;
+    n = n < 0 ? 0 : (n > n_cells ? n_cells : n);
+    const float* mrow0 = mask + (long long)t0 * (sm ? sm : n);  // row qi at mrow0 + qi * ms
+    const long long ms = sm ? sm : n;
+
+    for (int i = threadIdx.x; i < nq * D; i += blockDim.x) {
+        const int qi = i / D, d = i - qi * D;
+        q_s[i] = q[(long long)(t0 + qi) * sqt + (long long)h * sqh + d];
+    }
+    for (int i = threadIdx.x; i < nq * Dv; i += blockDim.x) acc_s[i] = 0.0f;
+    for (int qi = threadIdx.x; qi < FA_QT; qi += blockDim.x) {
+        m_s[qi] = NEG_INF;
+        l_s[qi] = 0.0f;
+    }
+    __syncthreads();
+    if (rot_k) block_hadamard(q_s, nq * D, rot_k, rot_k_scale);
+    if (KT == CT_Q8_0 || KT == CT_Q4_0) {
+        for (int b = threadIdx.x; b < nq * D / 32; b += blockDim.x) round_trip_q8_0(q_s + 32 * b);
+        __syncthreads();
+    }
+
+    const u8* kh = k + (long long)j * k_hb;
+    const u8* vh = v + (long long)j * v_hb;
+    for (long long c = 0; c < n; c += FA_TILE) {
+        const int nt = (int)(n - c < FA_TILE ? n - c : FA_TILE);
+        bool seen = false;
+        for (int i = threadIdx.x; i < nq * nt; i += blockDim.x) {
+            const int qi = i / nt, jj = i - qi * nt;
+            seen = seen || mrow0[qi * ms + c + jj] != NEG_INF;
+        }
+        if (!__syncthreads_or(seen)) continue;
+        // 1. scores: a warp per cell, a lane per 32nd of the head; a cell no row sees is not read
+        for (int jj = warp; jj < nt; jj += n_warps) {
+            float vis = 0.0f;
+            for (int qi = lane; qi < nq; qi += 32) vis = mrow0[qi * ms + c + jj] != NEG_INF ? 1.0f : vis;
+            if (warp_max(vis) == 0.0f) {
+                for (int qi = lane; qi < nq; qi += 32) p_s[qi * FA_TILE + jj] = NEG_INF;
+                continue;
+            }
+            const u8* krow = kh + (c + jj) * k_cb;
+            float kr[FA_MAX_D / 32];
+#pragma unroll
+            for (int i = 0; i < FA_MAX_D / 32; ++i) kr[i] = (lane + 32 * i < D) ? kv_elem<KT>(krow, lane + 32 * i) : 0.0f;
+            for (int qi = 0; qi < nq; ++qi) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int i = 0; i < FA_MAX_D / 32; ++i)
+                    if (lane + 32 * i < D) dot += q_s[qi * D + lane + 32 * i] * kr[i];
+                dot = warp_sum(dot);
+                if (lane == 0) {
+                    const float mv = mrow0[qi * ms + c + jj];
+                    p_s[qi * FA_TILE + jj] = mv == NEG_INF ? NEG_INF : __fadd_rn(__fmul_rn(dot, scale), mv);
+                }
+            }
+        }
+        __syncthreads();
+        // 2. online softmax: a warp per query row
+        for (int qi = warp; qi < nq; qi += n_warps) {
+            float* pg = p_s + qi * FA_TILE;
+            float mx = NEG_INF;
+            for (int jj = lane; jj < nt; jj += 32) mx = fmaxf(mx, pg[jj]);
+            mx = warp_max(mx);
+            const float m_old = m_s[qi];
+            const float m_new = fmaxf(m_old, mx);
+            float sum = 0.0f;
+            for (int jj = lane; jj < nt; jj += 32) {
+                const float p = m_new == NEG_INF ? 0.0f : expf(pg[jj] - m_new);
+                pg[jj] = p;
+                sum += p;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) {
+                const float corr = m_old == NEG_INF ? 0.0f : expf(m_old - m_new);
+                c_s[qi] = corr;
+                l_s[qi] = l_s[qi] * corr + sum;
+                m_s[qi] = m_new;
+            }
+        }
+        __syncthreads();
+        // 3. acc = acc * corr + P V: a thread per (query row, column); cells of probability 0
+        // are not read
+        for (int i = threadIdx.x; i < nq * Dv; i += blockDim.x) {
+            const int qi = i / Dv, d = i - qi * Dv;
+            const float* pg = p_s + qi * FA_TILE;
+            float a = acc_s[i] * c_s[qi];
+            for (int jj = 0; jj < nt; ++jj) {
+                const float p = pg[jj];
+                if (p != 0.0f) a += p * kv_elem<VT>(vh + (c + jj) * v_cb, d);
+            }
+            acc_s[i] = a;
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < nq * Dv; i += blockDim.x) {
+        const float l = l_s[i / Dv];
+        acc_s[i] = l > 0.0f ? acc_s[i] / l : 0.0f;
+    }
+    __syncthreads();
+    if (rot_v) block_hadamard(acc_s, nq * Dv, rot_v, rot_v_scale);
+    for (int i = threadIdx.x; i < nq * Dv; i += blockDim.x) {
+        const int qi = i / Dv, d = i - qi * Dv;
+        out[(long long)(t0 + qi) * sot + (long long)h * soh + d] = acc_s[i];
+    }
+}
+
+#define LP_FATTN_TILE_KERNEL(kname, vname, KT, VT)                                                     \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) fattn_tile_##kname##_##vname(           \
+        const float* q, long long sqt, long long sqh, const u8* k, long long k_cb, long long k_hb,    \
+        const u8* v, long long v_cb, long long v_hb, long long n_cells, const float* mask,            \
+        long long sm, int n_kv, const int* n_kv_dev, float* out, long long sot, long long soh, int T, \
+        int H, int Hkv, int D, int Dv, float scale, int rot_k, float rot_k_scale, int rot_v,          \
+        float rot_v_scale) {                                                                          \
+        fattn_tile_impl<KT, VT>(q, sqt, sqh, k, k_cb, k_hb, v, v_cb, v_hb, n_cells, mask, sm, n_kv,  \
+                                n_kv_dev, out, sot, soh, T, H, Hkv, D, Dv, scale, rot_k, rot_k_scale, \
+                                rot_v, rot_v_scale);                                                  \
+    }
+
+#define LP_FATTN_TILE_V(kname, KT)                    \
+    LP_FATTN_TILE_KERNEL(kname, f32, KT, CT_F32)      \
+    LP_FATTN_TILE_KERNEL(kname, f16, KT, CT_F16)      \
+    LP_FATTN_TILE_KERNEL(kname, q8_0, KT, CT_Q8_0)    \
+    LP_FATTN_TILE_KERNEL(kname, q4_0, KT, CT_Q4_0)
+
+LP_FATTN_TILE_V(f32, CT_F32)
+LP_FATTN_TILE_V(f16, CT_F16)
+LP_FATTN_TILE_V(q8_0, CT_Q8_0)
+LP_FATTN_TILE_V(q4_0, CT_Q4_0)

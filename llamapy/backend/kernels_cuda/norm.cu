@@ -11,23 +11,24 @@
 // its own (no FMA contraction).
 #include "common.cuh"
 
-// One thread block per row; blockDim.x a multiple of 32, at most 1024.
-//   x:   rows of n float32, row r at x + r * sx
+// One thread block per row and token; blockDim.x a multiple of 32, at most 1024.
+//   x:   rows of n float32, row r of token t (blockIdx.y) at x + t * sxt + r * sx (a prompt's
+//        per-head Q/K norms over a strided view: every token's heads in one launch)
 //   b:   nullable; the second ADD operand, row r at b + r * sb (sb 0: one row broadcast)
 //   sum: nullable; where v = x + b is written (the residual stream the layer keeps), r * ss
 //   w:   nullable; the norm weight, n float32 (one row broadcast)
-//   y:   the result, row r at y + r * sy
+//   y:   the result, row r of token t at y + t * syt + r * sy (b and sum: one token, gridDim.y 1)
 // No pointer is __restrict__: y may be x (in place), sum may be x (an in-place ADD); a thread
 // reads and writes only its own columns, and after the sum is written it reads it from there.
 extern "C" __global__ void __launch_bounds__(1024)
     rms_norm_f32(const float* x, long long sx, const float* b, long long sb, float* sum, long long ss,
-                 const float* w, float* y, long long sy, int n, float eps) {
+                 const float* w, float* y, long long sy, int n, float eps, long long sxt, long long syt) {
     __shared__ double red[32];
     const long long row = blockIdx.x;
-    const float* xr = x + row * sx;
+    const float* xr = x + blockIdx.y * sxt + row * sx;
     const float* br = b ? b + row * sb : nullptr;
     float* sr = sum ? sum + row * ss : nullptr;
-    float* yr = y + row * sy;
+    float* yr = y + blockIdx.y * syt + row * sy;
 
     double acc = 0.0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {

@@ -88,5 +88,8 @@ def test_code_size_budget() -> None:
     # added: constrained output and tool calls (constrain.py, toolcalls.py, the server's and the
     # API's fields, ~+900), the MoE quant types, expert ops, qwen3moe, experts in llama, gpt-oss and
     # the offload flags (~+580), and the compiled GPU split with its launch layer and the MoE block
-    # on it (gpu_plan.py, cuda_exec.py, cuda_ops.py, the shared record compiler, ~+1190)
-    assert total <= 14750, f"llamapy/ has {total} lines of code"
+    # on it (gpu_plan.py, cuda_exec.py, cuda_ops.py, the shared record compiler, ~+1190); raised
+    # at stop 28 (14674 -> ~15100) for gpt-oss's decode as one GPU plan (YaRN, sinks, swiglu_oai,
+    # ADD_ID records and launchers, ~+150), prompts as GPU plans on cuBLAS with one attention
+    # launch (~+140) and the hybrid step's batched pinned copies with one wait per boundary (~+130)
+    assert total <= 15150, f"llamapy/ has {total} lines of code"

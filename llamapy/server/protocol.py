@@ -11,7 +11,8 @@ Structured output (model/constrain.py): `response_format` (json_object, json_sch
 `grammar` (GBNF) and `json_schema`, one of them per request. Tools (model/toolcalls.py): `tools`,
 `tool_choice` (auto, none, required, a named function) and `parallel_tool_calls`; a required or
 named call is forced by a grammar; under `auto` the text is free until it opens a call, which is
-then held to the tools (the generic format's JSON reply is a call or a response). An invalid schema or grammar is a 400 naming the field
+then held to the tools (the generic format's JSON reply is a call or a response). `reasoning_effort`
+and `chat_template_kwargs` are variables of the template's render. An invalid schema or grammar is a 400 naming the field
 and, for schemas, the JSON pointer of the keyword llguidance refused.
 """
 
@@ -472,7 +473,7 @@ def chat_request(body: Any, tokenizer: Any, template: ChatTemplate) -> Parsed:
     if caps is not None:
         messages = tc.prepare_messages(messages, tools, fmt, caps)
     extra = tc.template_variables(fmt, tools, caps) if caps is not None else {}
-    toks, text = chat_prompt(messages, template, tokenizer, **kwargs, **extra)
+    toks, text = chat_prompt(messages, template, tokenizer, **{**extra, **kwargs})  # (the request's own win)
     if fmt == "harmony" and spec is not None and spec.kind in ("json_schema", "json_object"):
         check_constraint(spec, tokenizer, where, param)  # (the schema's own errors, with their JSON pointer)
         spec = ConstraintSpec("lark", tc.harmony_final_grammar(json.loads(spec.source) if spec.kind == "json_schema" else {"type": "object"}))

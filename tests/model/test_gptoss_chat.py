@@ -145,11 +145,19 @@ def test_a_forced_call(llm) -> None:  # noqa: ANN001
 
     kw = dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0, max_tokens=100)
     r = llm.create_chat_completion(ASK, **kw)
-    (call,) = r["choices"][0]["message"]["tool_calls"]
+    msg = r["choices"][0]["message"]
+    assert msg.get("tool_calls"), f"seed {SEED}'s greedy reply no longer opens with the call (a legal harmony reply too): {msg}"
+    (call,) = msg["tool_calls"]
     assert r["choices"][0]["finish_reason"] == "tool_calls" and call["function"]["name"] == "get_weather"
     jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMS)
     s = _streamed(list(llm.create_chat_completion(ASK, stream=True, **kw)))
     assert s["tool_calls"] == [{"name": "get_weather", "arguments": call["function"]["arguments"]}]
+    # cut off by max_tokens inside the arguments: the call as far as it got, finish_reason length
+    cut = llm.create_chat_completion(ASK, **dict(kw, max_tokens=r["usage"]["completion_tokens"] - 3))
+    (part,) = cut["choices"][0]["message"]["tool_calls"]
+    assert cut["choices"][0]["finish_reason"] == "length"
+    full, got = call["function"]["arguments"], part["function"]["arguments"]
+    assert full.startswith(got) and len(got) < len(full), (got, full)
 
 
 def test_the_request_reaches_the_template(llm) -> None:  # noqa: ANN001

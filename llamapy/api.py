@@ -307,12 +307,16 @@ class Llama:
         tools: list[dict] | None = None,
         tool_choice: str | dict | None = None,
         parallel_tool_calls: bool | None = None,
+        reasoning_effort: str | None = None,
+        chat_template_kwargs: dict | None = None,
         **unsupported: object,
     ) -> dict | Iterator[dict]:
         """llama-cpp-python's Llama.create_chat_completion: the GGUF's chat template (sandboxed),
         an OpenAI `chat.completion` dict or with stream=True an iterator of its chunks.
         `grammar` / `response_format` constrain the reply as in create_completion; `tools` and
-        `tool_choice` as OpenAI's (the reply's `tool_calls`, a required call forced by a grammar)."""
+        `tool_choice` as OpenAI's (the reply's `tool_calls`, a required call forced by a grammar).
+        `reasoning_effort` (low, medium, high: gpt-oss) and `chat_template_kwargs` are variables of
+        the template's render, as llama-server takes them; one the template does not use is refused."""
         body = _body(locals(), unsupported)
         from .server.protocol import ChatTemplate, chat_request
 

@@ -16,6 +16,11 @@ decides it, in llama.cpp's order:
   tools; also tools mixed with a JSON schema): the whole reply is one JSON object,
   `{"tool_call": {"name": .., "arguments": ..}}` or `{"response": ...}`, forced by a JSON schema
   (so `tool_choice: auto` is constrained too: without the schema the reply could not be read);
+- `harmony` (`<|channel|>` in the template: gpt-oss, whatever the tools): messages on channels,
+  `<|channel|>analysis<|message|>…<|end|>` (reasoning_content), `<|start|>assistant<|channel|>
+  final<|message|>…` (content) and calls `<|channel|>commentary to=functions.NAME <|constrain|>json
+  <|message|>{…}` (or `to=functions.NAME` in the role header), each ended by `<|end|>`, or by the
+  end-of-generation tokens `<|return|>` / `<|call|>`;
 - `content`: no tools, plain text.
 
 Templates that write `<think>` (Qwen3, R1 distills) have `<think>…</think>` split off into
@@ -40,6 +45,8 @@ HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+CHANNEL, MESSAGE, START_ASSISTANT = "<|channel|>", "<|message|>", "<|start|>assistant"
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 # what the generic format's system message asks for (llama.cpp's wording)
 GENERIC_INSTRUCTION = ("Respond in JSON format, either with `tool_call` (a request to call tools) "
                        "or with `response` reply to the user's request")  # fmt: skip
@@ -54,10 +61,9 @@ class Tool:
     parameters: dict = field(default_factory=lambda: {"type": "object", "properties": {}})
 
     def openai(self) -> dict[str, Any]:
-        fn: dict[str, Any] = {"name": self.name}
-        if self.description:
-            fn["description"] = self.description
-        fn["parameters"] = self.parameters
+        # description always (llama.cpp's common_chat_tools_to_json_oaicompat): gpt-oss's template
+        # concatenates it, and fails on a tool without one
+        fn: dict[str, Any] = {"name": self.name, "description": self.description, "parameters": self.parameters}
         return {"type": "function", "function": fn}
 
 
@@ -81,7 +87,7 @@ class Message:
 class Syntax:
     """How to read one request's reply."""
 
-    format: str = "content"  # hermes | llama3 | mistral | generic | content
+    format: str = "content"  # hermes | llama3 | mistral | generic | harmony | content
     reasoning: bool = False  # the template writes <think>…</think>
     thinking_open: bool = False  # the prompt itself ends inside <think>
     parse_tools: bool = False
@@ -89,11 +95,13 @@ class Syntax:
 
     @property
     def plain(self) -> bool:
-        return not (self.reasoning or self.parse_tools)
+        return not (self.reasoning or self.parse_tools or self.format == "harmony")
 
 
 def detect_format(template: str, with_tools: bool, with_schema: bool = False) -> str:
     """llama.cpp's choice of handler, for the formats llamapy reads."""
+    if CHANNEL in template:
+        return "harmony"  # with or without tools: the channels are read in every reply
     if not with_tools:
         return "content"
     if HERMES_OPEN in template and not with_schema:
@@ -162,9 +170,38 @@ def _generic_calls(calls: list[dict]) -> str:
     return json.dumps({"tool_call": items[0]} if len(items) == 1 else {"tool_calls": items}, ensure_ascii=False)
 
 
+def _harmony_turns(messages: list[dict]) -> list[dict]:
+    """The conversation as gpt-oss's template takes it: a call's reasoning_content in `thinking`
+    (llama.cpp's common_chat_params_init_gpt_oss); one call per assistant turn, each followed by its
+    result (matched by tool_call_id), since the template renders only a turn's first call and
+    names a tool result after the call before it."""
+    results = {m["tool_call_id"]: m for m in messages if m["role"] == "tool" and m.get("tool_call_id")}
+    placed: set[int] = set()
+    out: list[dict] = []
+    for m in messages:
+        calls = m.get("tool_calls") or []
+        if m["role"] == "tool" and id(m) in placed:
+            continue
+        if m["role"] != "assistant" or not calls:
+            out.append(m)
+            continue
+        for j, c in enumerate(calls):
+            turn = {"role": "assistant", "content": m.get("content") if j == 0 else "", "tool_calls": [c]}
+            if j == 0 and m.get("reasoning_content"):
+                turn["thinking"] = m["reasoning_content"]
+            out.append(turn)
+            r = results.get(c.get("id")) if len(calls) > 1 else None
+            if r is not None and id(r) not in placed:
+                out.append(r)
+                placed.add(id(r))
+    return out
+
+
 def prepare_messages(messages: list[dict], tools: list[Tool], fmt: str, caps: Caps) -> list[dict]:
     """The conversation as the template can render it: tool calls, tool results and the tool list
     written into plain turns where the template has no way of its own (minja's polyfills)."""
+    if fmt == "harmony":
+        messages = _harmony_turns(messages)
     names = {c.get("id"): c["function"]["name"] for m in messages for c in m.get("tool_calls") or ()}
     out: list[dict] = []
     for m in messages:
@@ -259,6 +296,8 @@ def call_grammar(fmt: str, tools: list[Tool], parallel: bool, tokenizer: Any, la
     llama.cpp's lazy grammars): any text, until the text opens a call, which is then held to it."""
     if fmt == "generic":
         return "json_schema", json.dumps(generic_schema(tools, not lazy, parallel, None))
+    if fmt == "harmony":
+        return "lark", _harmony_grammar(tools, parallel, lazy)
     if fmt == "hermes":
         mark, after = HERMES_OPEN, f'"\\n" body "\\n" {_marker(HERMES_CLOSE, tokenizer)}'
         body = _one_of([_call_schema(t, "arguments") for t in tools])
@@ -292,6 +331,35 @@ def call_grammar(fmt: str, tools: list[Tool], parallel: bool, tokenizer: Any, la
     # write newlines forever between two keys)
     body = dict(body, **{"x-guidance": {"whitespace_pattern": JSON_WHITESPACE}})
     return "lark", "\n".join(rules) + f"\nbody: %json {json.dumps(body)}\n"
+
+
+def _harmony_grammar(tools: list[Tool], parallel: bool, lazy: bool) -> str:
+    """gpt-oss's calls (llama.cpp's gpt-oss grammars). Forced: reasoning on the analysis channel
+    may come first, then `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>` and
+    the arguments. Lazy: free text up to `to=functions.`, then a known name, the rest of its header
+    (the recipient in the channel header, or in the role header before the channel) and its
+    arguments. The markers are text to llguidance: gpt-oss's vocabulary renders them (user-defined
+    tokens; only <|return|> and <|call|>, the ends of a reply, are control tokens)."""
+    ws = {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}  # (as in every other constraint)
+    args = [f"args{i}: %json {json.dumps(dict(t.parameters, **ws))}" for i, t in enumerate(tools)]
+    if lazy:
+        heads = [f'"{t.name}" ("<|channel|>" ("commentary" | "analysis"))? (" " "<|constrain|>"? "json")? "<|message|>" args{i}'
+                 for i, t in enumerate(tools)]  # fmt: skip
+        rules = ["start: TEXT | head call", 'head[lazy]: TEXT "to=functions."']
+    else:
+        heads = [f'"<|channel|>commentary to=functions.{t.name} <|constrain|>json<|message|>" args{i}' for i, t in enumerate(tools)]
+        more = ' ("<|start|>assistant" call)*' if parallel else ""
+        rules = [f"start: think? call{more}", 'think[lazy]: "<|channel|>analysis<|message|>" TEXT "<|end|><|start|>assistant"']
+    return "\n".join(rules + ["call: " + " | ".join(heads), "TEXT: /(.|\\n)*/"] + args) + "\n"
+
+
+def harmony_final_grammar(schema: Any) -> str:
+    """A JSON answer (response_format) on gpt-oss's final channel, after reasoning if the model
+    writes some (llama.cpp's gpt-oss json_schema grammar)."""
+    body = dict(schema, **{"x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}) if isinstance(schema, dict) else schema
+    return ('start: think? "<|channel|>final" (" " "<|constrain|>"? "json")? "<|message|>" body\n'
+            'think[lazy]: "<|channel|>analysis<|message|>" TEXT "<|end|><|start|>assistant"\n'
+            f"TEXT: /(.|\\n)*/\nbody: %json {json.dumps(body)}\n")  # fmt: skip
 
 
 # -- reading the reply -----------------------------------------------------------------------------
@@ -466,6 +534,58 @@ def _parse_generic(text: str, partial: bool, forced: bool) -> Message:
     return Message() if partial else Message(content=text)
 
 
+# a message's header, after `<|start|>assistant`: the recipient in the role header or after the
+# channel, then an optional content type, `<|constrain|>json` or `json` (llama.cpp's regexes)
+_HARMONY_HEADER = re.compile(
+    r"\s*(?:to=functions\.(?P<to1>[^<\s]+)\s*)?<\|channel\|>(?P<channel>\w+)"
+    r"(?:\s+to=functions\.(?P<to2>[^<\s]+))?(?:\s*<\|constrain\|>[\w-]+|\s+[\w-]+)?\s*")
+_HARMONY_END = re.compile("|".join(re.escape(e) for e in HARMONY_ENDS))
+
+
+def _parse_harmony(text: str, partial: bool, with_tools: bool) -> Message:
+    """gpt-oss's messages in order (llama.cpp's common_chat_parse_gpt_oss): analysis to reasoning,
+    final and commentary to content, a message to functions.NAME to a call whose arguments are
+    the text written (streamed as written; cut off, as far as it got). A reply with no header at
+    all is content; text before the first header is content too (llama.cpp drops it: nothing is
+    dropped here); a header cut off (max_tokens) is dropped, as llama.cpp drops it. Calls are read
+    only when tools were offered (else dropped, as llama.cpp does)."""
+    msg, pos = Message(), 0
+    while True:
+        while pos < len(text) and text[pos] in _WS:
+            pos += 1
+        if text.startswith(START_ASSISTANT, pos):
+            pos += len(START_ASSISTANT)
+        i = text.find(MESSAGE, pos)
+        if i < 0:
+            if not partial and CHANNEL not in text and MESSAGE not in text:
+                msg.content = text
+            return msg
+        header = text[pos:i]
+        m = _HARMONY_HEADER.fullmatch(header)
+        k = header.rfind(CHANNEL)
+        if m is None and k > 0 and _HARMONY_HEADER.fullmatch(header, k):
+            msg.content += header[:k]  # text before the header
+            m = _HARMONY_HEADER.fullmatch(header, k)
+        end = _HARMONY_END.search(text, i + len(MESSAGE))
+        stop = end.start() if end else len(text)
+        body = text[i + len(MESSAGE): stop]
+        if end is None and partial:  # an end marker may be arriving
+            body = body[: len(body) - max(_partial_suffix(body, e) for e in HARMONY_ENDS)]
+        name = m and (m["to1"] or m["to2"])
+        if m is None or m["channel"] not in ("analysis", "commentary", "final") or name and m["channel"] == "final":
+            msg.content += text[pos:i + len(MESSAGE)] + body  # an unknown header: the text as written
+        elif name:
+            if with_tools:
+                msg.tool_calls.append(ToolCall(name, body.lstrip(_WS)))
+        elif m["channel"] == "analysis":
+            msg.reasoning_content += body
+        else:
+            msg.content += body
+        if end is None:
+            return msg
+        pos = end.end()
+
+
 _PARSERS = {"hermes": _parse_hermes, "llama3": _parse_llama3, "mistral": _parse_mistral, "generic": _parse_generic}
 
 
@@ -474,6 +594,8 @@ def parse(text: str, syntax: Syntax, partial: bool = False) -> Message:
     marker, a tool call or the end of the reasoning is held back. Malformed calls in a final reply
     come back as plain content, never an error. A forced call (the grammar admits nothing else)
     is returned while its arguments are being written, and as far as it got when cut off."""
+    if syntax.format == "harmony":
+        return _parse_harmony(text, partial, syntax.parse_tools)
     reasoning, rest = _split_reasoning(text, syntax, partial)
     parser = _PARSERS.get(syntax.format) if syntax.parse_tools else None
     msg = parser(rest, partial, syntax.forced) if parser else Message(content=rest)

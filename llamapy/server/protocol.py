@@ -11,7 +11,8 @@ Structured output (model/constrain.py): `response_format` (json_object, json_sch
 `grammar` (GBNF) and `json_schema`, one of them per request. Tools (model/toolcalls.py): `tools`,
 `tool_choice` (auto, none, required, a named function) and `parallel_tool_calls`; a required or
 named call is forced by a grammar; under `auto` the text is free until it opens a call, which is
-then held to the tools (the generic format's JSON reply is a call or a response). An invalid schema or grammar is a 400 naming the field
+then held to the tools (the generic format's JSON reply is a call or a response). `reasoning_effort`
+and `chat_template_kwargs` are variables of the template's render. An invalid schema or grammar is a 400 naming the field
 and, for schemas, the JSON pointer of the keyword llguidance refused.
 """
 
@@ -108,7 +109,7 @@ _STRUCTURED = {"response_format", "grammar", "json_schema"}
 _OAI = _SAMPLING | _STRUCTURED | {"model", "stream", "stream_options", "n", "user", "max_tokens"}
 COMPLETION_FIELDS = _OAI | {"prompt", "logprobs"}
 CHAT_FIELDS = _OAI | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
-                      "parallel_tool_calls"}  # fmt: skip
+                      "parallel_tool_calls", "reasoning_effort", "chat_template_kwargs"}  # fmt: skip
 LLAMA_COMPLETION_FIELDS = _SAMPLING | _STRUCTURED | {"prompt", "n_predict", "stream", "n_probs"}
 _UNSUPPORTED = {
     "functions": "the deprecated 'functions' is not supported: use 'tools'",
@@ -120,7 +121,6 @@ _UNSUPPORTED = {
     "audio": "audio is not supported",
     "modalities": "only text is supported",
     "prediction": "predicted outputs are not supported",
-    "reasoning_effort": "reasoning_effort is not supported",
     "id_slot": "choosing a slot is not supported",
 }
 
@@ -240,6 +240,36 @@ def _tools(body: dict) -> list[tc.Tool]:
             raise ApiError(f"tools[{i}].function.name {name!r} is given twice", param="tools")
         out.append(tc.Tool(name, desc, params))
     return out
+
+
+# template variables a request may not set: the render's own, and what is checked elsewhere
+_RESERVED_KWARGS = {"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"}
+_EFFORTS = ("low", "medium", "high")
+
+
+def template_kwargs(body: dict, source: str) -> dict[str, Any]:
+    """llama-server's `chat_template_kwargs` (extra variables of the render) and OpenAI's
+    `reasoning_effort` (gpt-oss's template variable of that name). A variable the template never
+    names would be ignored, so it is refused; so are gpt-oss's `builtin_tools`, whose calls
+    (to=browser.*, to=python) llamapy does not read back."""
+    kw = body.get("chat_template_kwargs")
+    if kw is not None and not isinstance(kw, dict):
+        raise ApiError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    kw = dict(kw or {})
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in _EFFORTS:
+            raise ApiError(f"'reasoning_effort' must be one of {list(_EFFORTS)}, got {effort!r}", param="reasoning_effort")
+        if kw.get("reasoning_effort", effort) != effort:
+            raise ApiError("'reasoning_effort' disagrees with chat_template_kwargs.reasoning_effort", param="reasoning_effort")
+        kw["reasoning_effort"] = effort
+    for k in kw:
+        param = "reasoning_effort" if k == "reasoning_effort" and effort is not None else "chat_template_kwargs"
+        if k in _RESERVED_KWARGS or k == "builtin_tools":
+            raise ApiError(f"chat_template_kwargs: '{k}' cannot be set here", param=param)
+        if not re.search(rf"\b{re.escape(k)}\b", source):
+            raise ApiError(f"'{k}': this model's chat template has no such variable", param=param)
+    return kw
 
 
 def _tool_choice(body: dict, tools: list[tc.Tool]) -> tuple[str, str | None]:
@@ -434,12 +464,19 @@ def chat_request(body: Any, tokenizer: Any, template: ChatTemplate) -> Parsed:
     if tools and spec is not None and spec.kind == "gbnf":
         raise ApiError("'grammar' cannot be combined with 'tools' (a tool call has its own grammar)", param="grammar")
     fmt = tc.detect_format(template.source, bool(tools), with_schema=spec is not None)
+    if fmt == "harmony" and tools and spec is not None:
+        raise ApiError(f"'{param}' cannot be combined with 'tools' for this model (harmony replies: a call "
+                       "or a final answer, not both constrained)", param=param)  # fmt: skip
+    kwargs = template_kwargs(body, template.source)
     history_tools = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     caps = tc.template_caps(template.source) if tools or history_tools else None
     if caps is not None:
         messages = tc.prepare_messages(messages, tools, fmt, caps)
     extra = tc.template_variables(fmt, tools, caps) if caps is not None else {}
-    toks, text = chat_prompt(messages, template, tokenizer, **extra)
+    toks, text = chat_prompt(messages, template, tokenizer, **{**extra, **kwargs})  # (the request's own win)
+    if fmt == "harmony" and spec is not None and spec.kind in ("json_schema", "json_object"):
+        check_constraint(spec, tokenizer, where, param)  # (the schema's own errors, with their JSON pointer)
+        spec = ConstraintSpec("lark", tc.harmony_final_grammar(json.loads(spec.source) if spec.kind == "json_schema" else {"type": "object"}))
     if tools:
         forced = [t for t in tools if t.name == named] if named else tools
         if choice == "required":

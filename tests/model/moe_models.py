@@ -47,6 +47,39 @@ SHAPES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+# o200k_harmony's special tokens, which gpt-oss's replies are written in
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level BPE alphabet: byte b as one printable character."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+def write_harmony_vocab(path: Path) -> Path:
+    """A vocabulary GGUF (no tensors) for write_gptoss_gguf(vocab=): byte-level BPE as gpt-oss's
+    o200k_harmony (spaces are plain bytes there, unlike SentencePiece's byte vocabulary), a few
+    merges, and the harmony special tokens, control tokens as in gpt-oss's files."""
+    chars = _byte_chars()
+    merges = [("Ġ", "t"), ("a", "n"), ("i", "n"), ("o", "n")]
+    tokens = chars + [a + b for a, b in merges] + HARMONY_TOKENS
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_merges([f"{a} {b}" for a, b in merges])
+    w.add_token_types([1] * (len(tokens) - len(HARMONY_TOKENS)) + [3] * len(HARMONY_TOKENS))
+    w.add_bos_token_id(tokens.index("<|start|>"))
+    w.add_eos_token_id(tokens.index("<|return|>"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def write_gptoss_gguf(
     path: Path,
     arch: str = "gpt-oss",
@@ -69,11 +102,12 @@ def write_gptoss_gguf(
     embd_scale: float = 1.0,
     n_sinks: int | None = None,
     router_bias: bool = True,
+    chat_template: str | None = None,
 ) -> Path:
     """A gpt-oss file as convert_hf_to_gguf writes one (separate gate/up experts, every bias,
     `attn_sinks`, YaRN keys). `exp_qtype`: the experts' type (MXFP4 as shipped; default qtype);
     norms, biases and sinks stay F32. `n_sinks`: the sinks' length, when a test wants it wrong;
-    `router_bias=False` leaves the router's bias out."""
+    `router_bias=False` leaves the router's bias out; `chat_template`: tokenizer.chat_template."""
     assert arch == "gpt-oss"
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
@@ -98,6 +132,8 @@ def write_gptoss_gguf(
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype is T.F32 else gguf.LlamaFileType.MOSTLY_Q8_0)
     tokens = add_vocab(w, vocab)
     n_vocab = len(tokens)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
     def mat(*shape: int, gain: float = 1.0) -> np.ndarray:
         return (rng.standard_normal(shape, dtype=np.float32) * (gain / math.sqrt(shape[-1]))).astype(np.float32)
@@ -191,6 +227,8 @@ def write_moe_gguf(
     w.add_file_type(ftype)
     tokens = add_vocab(w, vocab)
     n_vocab = len(tokens)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
     def mat(*shape: int, gain: float = 1.0) -> np.ndarray:
         return (rng.standard_normal(shape, dtype=np.float32) * (gain / math.sqrt(shape[-1]))).astype(np.float32)

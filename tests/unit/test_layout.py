@@ -91,5 +91,6 @@ def test_code_size_budget() -> None:
     # on it (gpu_plan.py, cuda_exec.py, cuda_ops.py, the shared record compiler, ~+1190); raised
     # at stop 28 (14674 -> ~15100) for gpt-oss's decode as one GPU plan (YaRN, sinks, swiglu_oai,
     # ADD_ID records and launchers, ~+150), prompts as GPU plans on cuBLAS with one attention
-    # launch (~+140) and the hybrid step's batched pinned copies with one wait per boundary (~+130)
-    assert total <= 15150, f"llamapy/ has {total} lines of code"
+    # launch (~+140), the hybrid step's batched pinned copies with one wait per boundary (~+130)
+    # and gpt-oss's harmony replies read into reasoning, content and tool calls (~+115)
+    assert total <= 15250, f"llamapy/ has {total} lines of code"

@@ -227,8 +227,6 @@ def write_moe_gguf(
     w.add_file_type(ftype)
     tokens = add_vocab(w, vocab)
     n_vocab = len(tokens)
-    if chat_template is not None:
-        w.add_chat_template(chat_template)
 
     def mat(*shape: int, gain: float = 1.0) -> np.ndarray:
         return (rng.standard_normal(shape, dtype=np.float32) * (gain / math.sqrt(shape[-1]))).astype(np.float32)

@@ -59,6 +59,55 @@ __device__ __forceinline__ void round_trip_q8_0(float* v) {
     for (int k = 0; k < 32; ++k) v[k] = LP_MUL((float)(int)roundf(__fmul_rn(v[k], inv)), dh);
 }
 
+// The steps both kernels share, over a tile of nt cells and `rows` rows of scores (the decode
+// kernel's query heads, the prompt kernel's query rows), FA_TILE apart in p_s.
+// Online softmax, a warp per row: p_s's scores become probabilities against the running maximum
+// m_s; l_s is rescaled and summed, c_s gets the rescale of what was summed before.
+__device__ __forceinline__ void fa_softmax_tile(float* p_s, float* m_s, float* l_s, float* c_s, int rows, int nt) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
+    const float NEG_INF = __int_as_float(0xff800000);
+    for (int r = warp; r < rows; r += n_warps) {
+        float* pg = p_s + r * FA_TILE;
+        float mx = NEG_INF;
+        for (int jj = lane; jj < nt; jj += 32) mx = fmaxf(mx, pg[jj]);
+        mx = warp_max(mx);
+        const float m_old = m_s[r];
+        const float m_new = fmaxf(m_old, mx);
+        float sum = 0.0f;
+        for (int jj = lane; jj < nt; jj += 32) {
+            const float p = m_new == NEG_INF ? 0.0f : expf(pg[jj] - m_new);
+            pg[jj] = p;
+            sum += p;
+        }
+        sum = warp_sum(sum);
+        if (lane == 0) {
+            const float corr = m_old == NEG_INF ? 0.0f : expf(m_old - m_new);
+            c_s[r] = corr;
+            l_s[r] = l_s[r] * corr + sum;
+            m_s[r] = m_new;
+        }
+    }
+    __syncthreads();
+}
+
+// acc = acc * corr + P V over the tile's cells (v0: the tile's first V row, v_cb bytes apart): a
+// thread per (row, column); cells of probability 0 (masked) are not read.
+template <int VT>
+__device__ __forceinline__ void fa_accumulate_pv(float* acc_s, const float* p_s, const float* c_s, int rows, int Dv,
+                                                 int nt, const u8* v0, long long v_cb) {
+    for (int i = threadIdx.x; i < rows * Dv; i += blockDim.x) {
+        const int r = i / Dv, d = i - r * Dv;
+        const float* pg = p_s + r * FA_TILE;
+        float a = acc_s[i] * c_s[r];
+        for (int jj = 0; jj < nt; ++jj) {
+            const float p = pg[jj];
+            if (p != 0.0f) a += p * kv_elem<VT>(v0 + jj * v_cb, d);
+        }
+        acc_s[i] = a;
+    }
+    __syncthreads();
+}
+
 // Arguments of both kernels (element strides are in floats, cache strides in bytes):
 //   q (T, H, D) f32 at q[t * sqt + h * sqh + d]
 //   k, v: the caches; cell c, KV head j at k + c * k_cb + j * k_hb (v alike); n_cells of them
@@ -143,42 +192,9 @@ __device__ __forceinline__ void fattn_impl(
             }
         }
         __syncthreads();
-        // 2. online softmax: a warp per query head
-        for (int g = warp; g < G; g += n_warps) {
-            float* pg = p_s + g * FA_TILE;
-            float mx = NEG_INF;
-            for (int jj = lane; jj < nt; jj += 32) mx = fmaxf(mx, pg[jj]);
-            mx = warp_max(mx);
-            const float m_old = m_s[g];
-            const float m_new = fmaxf(m_old, mx);
-            float sum = 0.0f;
-            for (int jj = lane; jj < nt; jj += 32) {
-                const float p = m_new == NEG_INF ? 0.0f : expf(pg[jj] - m_new);
-                pg[jj] = p;
-                sum += p;
-            }
-            sum = warp_sum(sum);
-            if (lane == 0) {
-                const float corr = m_old == NEG_INF ? 0.0f : expf(m_old - m_new);
-                c_s[g] = corr;
-                l_s[g] = l_s[g] * corr + sum;
-                m_s[g] = m_new;
-            }
-        }
-        __syncthreads();
-        // 3. acc = acc * corr + P V: a thread per (query head, column); cells of probability 0
-        // (masked) are not read
-        for (int i = threadIdx.x; i < G * Dv; i += blockDim.x) {
-            const int g = i / Dv, d = i - g * Dv;
-            const float* pg = p_s + g * FA_TILE;
-            float a = acc_s[i] * c_s[g];
-            for (int jj = 0; jj < nt; ++jj) {
-                const float p = pg[jj];
-                if (p != 0.0f) a += p * kv_elem<VT>(vh + (c + jj) * v_cb, d);
-            }
-            acc_s[i] = a;
-        }
-        __syncthreads();
+        // 2. online softmax: a warp per query head; 3. acc = acc * corr + P V
+        fa_softmax_tile(p_s, m_s, l_s, c_s, G, nt);
+        fa_accumulate_pv<VT>(acc_s, p_s, c_s, G, Dv, nt, vh + c * v_cb, v_cb);
     }
 
     const long long th = (long long)t * H + (long long)j * G;  // (token, first query head) index
@@ -362,42 +378,9 @@ __device__ __forceinline__ void fattn_tile_impl(
             }
         }
         __syncthreads();
-        // 2. online softmax: a warp per query row
-        for (int qi = warp; qi < nq; qi += n_warps) {
-            float* pg = p_s + qi * FA_TILE;
-            float mx = NEG_INF;
-            for (int jj = lane; jj < nt; jj += 32) mx = fmaxf(mx, pg[jj]);
-            mx = warp_max(mx);
-            const float m_old = m_s[qi];
-            const float m_new = fmaxf(m_old, mx);
-            float sum = 0.0f;
-            for (int jj = lane; jj < nt; jj += 32) {
-                const float p = m_new == NEG_INF ? 0.0f : expf(pg[jj] - m_new);
-                pg[jj] = p;
-                sum += p;
-            }
-            sum = warp_sum(sum);
-            if (lane == 0) {
-                const float corr = m_old == NEG_INF ? 0.0f : expf(m_old - m_new);
-                c_s[qi] = corr;
-                l_s[qi] = l_s[qi] * corr + sum;
-                m_s[qi] = m_new;
-            }
-        }
-        __syncthreads();
-        // 3. acc = acc * corr + P V: a thread per (query row, column); cells of probability 0
-        // are not read
-        for (int i = threadIdx.x; i < nq * Dv; i += blockDim.x) {
-            const int qi = i / Dv, d = i - qi * Dv;
-            const float* pg = p_s + qi * FA_TILE;
-            float a = acc_s[i] * c_s[qi];
-            for (int jj = 0; jj < nt; ++jj) {
-                const float p = pg[jj];
-                if (p != 0.0f) a += p * kv_elem<VT>(vh + (c + jj) * v_cb, d);
-            }
-            acc_s[i] = a;
-        }
-        __syncthreads();
+        // 2. online softmax: a warp per query row; 3. acc = acc * corr + P V
+        fa_softmax_tile(p_s, m_s, l_s, c_s, nq, nt);
+        fa_accumulate_pv<VT>(acc_s, p_s, c_s, nq, Dv, nt, vh + c * v_cb, v_cb);
     }
     for (int i = threadIdx.x; i < nq * Dv; i += blockDim.x) {
         const float l = l_s[i / Dv];

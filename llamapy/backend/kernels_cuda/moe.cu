@@ -11,38 +11,40 @@
 // SOFT_MAX without a mask: y = exp(x * scale - max) / sum, one warp per row (grid (rows), 32
 // threads). Each operation rounded as numpy's float32 ones; expf is CUDA's (within 2 ulp) and
 // the sum a warp's tree, not numpy's pairwise order: within a few ulp of the reference.
-extern "C" __global__ void soft_max_f32(const float* __restrict__ x, long long sx, float* __restrict__ y,
-                                        long long sy, int n, float scale) {
-    const float* xr = x + (long long)blockIdx.x * sx;
-    float* yr = y + (long long)blockIdx.x * sy;
+// One row by the block's one warp (lane i takes values i, i + 32, ...); y may be x.
+__device__ __forceinline__ void warp_softmax(const float* x, float* y, int n, float scale) {
     float m = -__int_as_float(0x7f800000);
-    for (int i = threadIdx.x; i < n; i += 32) m = fmaxf(m, __fmul_rn(xr[i], scale));
+    for (int i = threadIdx.x; i < n; i += 32) m = fmaxf(m, __fmul_rn(x[i], scale));
     m = warp_max(m);
     float s = 0.0f;
     for (int i = threadIdx.x; i < n; i += 32) {
-        const float e = expf(__fsub_rn(__fmul_rn(xr[i], scale), m));
-        yr[i] = e;
+        const float e = expf(__fsub_rn(__fmul_rn(x[i], scale), m));
+        y[i] = e;
         s = __fadd_rn(s, e);
     }
     s = warp_sum(s);
-    for (int i = threadIdx.x; i < n; i += 32) yr[i] = __fdiv_rn(yr[i], s);
+    for (int i = threadIdx.x; i < n; i += 32) y[i] = __fdiv_rn(y[i], s);
+}
+
+extern "C" __global__ void soft_max_f32(const float* __restrict__ x, long long sx, float* __restrict__ y,
+                                        long long sy, int n, float scale) {
+    warp_softmax(x + (long long)blockIdx.x * sx, y + (long long)blockIdx.x * sy, n, scale);
 }
 
 // ARGSORT, descending, equal values in index order (kernels.argsort: a stable sort of -x): each
 // value's rank is the number of values before it in that order, so y[rank] = its index. One
 // block a row, the threads over the values (O(n^2) comparisons: n is the number of experts).
+__device__ __forceinline__ int rank_desc(const float* x, int n, int i) {
+    const float v = x[i];
+    int rank = 0;
+    for (int j = 0; j < n; ++j) rank += (x[j] > v) || (x[j] == v && j < i);
+    return rank;
+}
+
 extern "C" __global__ void argsort_desc_f32(const float* __restrict__ x, long long sx, int* __restrict__ y,
                                             long long sy, int n) {
     const float* xr = x + (long long)blockIdx.x * sx;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float v = xr[i];
-        int rank = 0;
-        for (int j = 0; j < n; ++j) {
-            const float w = xr[j];
-            rank += (w > v) || (w == v && j < i);
-        }
-        y[(long long)blockIdx.x * sy + rank] = i;
-    }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) y[(long long)blockIdx.x * sy + rank_desc(xr, n, i)] = i;
 }
 
 // GET_ROWS of a batch: y[b, i, :] = t[b, ids[b * sid + i], :] (rows of C; t's batch stride sb and
@@ -104,25 +106,12 @@ extern "C" __global__ void router_f32(const float* __restrict__ x, long long sx,
     extern __shared__ float router_smem[];
     float* p = router_smem;       // n probabilities
     float* sel = p + n;           // n_used chosen ones
-    const float* xr = x + (long long)blockIdx.x * sx;
-    float m = -__int_as_float(0x7f800000);
-    for (int i = threadIdx.x; i < n; i += 32) m = fmaxf(m, __fmul_rn(xr[i], scale));
-    m = warp_max(m);
-    float s = 0.0f;
-    for (int i = threadIdx.x; i < n; i += 32) {
-        const float e = expf(__fsub_rn(__fmul_rn(xr[i], scale), m));
-        p[i] = e;
-        s = __fadd_rn(s, e);
-    }
-    s = warp_sum(s);
-    for (int i = threadIdx.x; i < n; i += 32) p[i] = __fdiv_rn(p[i], s);
+    warp_softmax(x + (long long)blockIdx.x * sx, p, n, scale);
     __syncthreads();
     for (int i = threadIdx.x; i < n; i += 32) {
-        const float v = p[i];
-        int rank = 0;
-        for (int j = 0; j < n; ++j) rank += (p[j] > v) || (p[j] == v && j < i);
+        const int rank = rank_desc(p, n, i);
         ids[(long long)blockIdx.x * n + rank] = i;
-        if (rank < n_used) sel[rank] = v;
+        if (rank < n_used) sel[rank] = p[i];
     }
     __syncthreads();
     double t = 0.0;
@@ -156,27 +145,15 @@ extern "C" __global__ void router_topk_f32(const float* x, long long sx, int* id
                                            float scale) {
     extern __shared__ float topk_smem[];
     float* v = topk_smem;   // n logits
-    float* sel = v + n;     // n_used chosen ones, then their probabilities
+    float* sel = v + n;     // n_used chosen ones
     const float* xr = x + (long long)blockIdx.x * sx;
     for (int i = threadIdx.x; i < n; i += 32) v[i] = xr[i];
     __syncthreads();
     for (int i = threadIdx.x; i < n; i += 32) {
-        const float vi = v[i];
-        int rank = 0;
-        for (int j = 0; j < n; ++j) rank += (v[j] > vi) || (v[j] == vi && j < i);
+        const int rank = rank_desc(v, n, i);
         ids[(long long)blockIdx.x * n + rank] = i;
-        if (rank < n_used) sel[rank] = vi;
+        if (rank < n_used) sel[rank] = v[i];
     }
     __syncthreads();
-    float m = -__int_as_float(0x7f800000);
-    for (int u = threadIdx.x; u < n_used; u += 32) m = fmaxf(m, __fmul_rn(sel[u], scale));
-    m = warp_max(m);
-    float s = 0.0f;
-    for (int u = threadIdx.x; u < n_used; u += 32) {
-        const float e = expf(__fsub_rn(__fmul_rn(sel[u], scale), m));
-        sel[u] = e;
-        s = __fadd_rn(s, e);
-    }
-    s = warp_sum(s);
-    for (int u = threadIdx.x; u < n_used; u += 32) w[(long long)blockIdx.x * n_used + u] = __fdiv_rn(sel[u], s);
+    warp_softmax(sel, w + (long long)blockIdx.x * n_used, n_used, scale);
 }

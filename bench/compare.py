@@ -409,7 +409,7 @@ def rows_for(res: dict[str, Any]) -> list[list[str]]:
     ]  # fmt: skip
     out = []
     kind = res.get("kind", "tiny32" if "tiny32" in res["model"] else "path")
-    # the speed issues set bars for the default model and the 1B shape; tiny32's are reported only
+    # the speed issues set bars for the default model, the 1B shape and the MoE shapes; tiny32's are reported only
     bars = {"tiny32": {}, "llama1b": BARS_1B, **dict.fromkeys(models_moe.FILES, BARS_MOE)}.get(kind, BARS)
     spread_key = {"tg": f"tg{n}_tps", "pp512": "pp512_tps"}  # the round ratios of a metric
     for key, label, a, b, spec in metrics:

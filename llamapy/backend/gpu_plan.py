@@ -643,16 +643,27 @@ def _written(r: list[int]) -> int:
     return 4 * r[6] * r[10] if r[0] in (MUL_MAT_W, MUL_MAT_GLU, MUL_MAT_GEMM) else 1
 
 
+def _fuse_windows(recs: list[list[int]], n: int,
+                  fuse: Callable[[list[list[int]], int], list[int] | None]) -> list[list[int]]:
+    """The records with each window of n, from record i, that `fuse(window, i)` turns into one
+    record replaced by it (a window past the end is padded with empty records)."""
+    out: list[list[int]] = []
+    i = 0
+    while i < len(recs):
+        r = fuse((recs[i:i + n] + [[0] * WIDTH] * n)[:n], i)
+        out.append(recs[i] if r is None else r)
+        i += 1 if r is None else n
+    return out
+
+
 def _fuse_rope_qkv(recs: list[list[int]], exports: list[tuple[int, int]]) -> list[list[int]]:
     """ROPE(Q), ROPE(K), SET_ROWS(K) of that roped K, SET_ROWS(V) (build_attn's order) as one
     ROPE_QKV record where the kernel can take them: Q, K and V rows with one stride and heads
     packed, the same positions, rope and cells, float32 rows, the roped K read by nothing else."""
     from .executor import SET_ROWS
 
-    out: list[list[int]] = []
-    i = 0
-    while i < len(recs):
-        q, k, sk, sv = (recs[i:i + 4] + [[0] * WIDTH] * 4)[:4]
+    def fuse(w: list[list[int]], i: int) -> list[int] | None:
+        q, k, sk, sv = w
         T, H, D, Hkv = q[6], q[7], q[8], k[7]
         ok = (q[0], k[0], sk[0], sv[0]) == (ROPE, ROPE, SET_ROWS, SET_ROWS) and sk[4] == k[1] \
             and (T == 1 or q[9] == k[9] == sv[8]) and q[10] == k[10] == D and k[8] == D and k[6] == T \
@@ -660,18 +671,16 @@ def _fuse_rope_qkv(recs: list[list[int]], exports: list[tuple[int, int]]) -> lis
             and sk[6] == sv[6] == T and sk[7] == Hkv * D and sv[7] % Hkv == 0 \
             and _dead_after(recs, i + 4, k[1], k[1] + 4 * T * Hkv * D, exports)
         if not ok:
-            out.append(recs[i])
-            i += 1
-            continue
+            return None
         r = [0] * WIDTH
         r[0], r[1], r[2], r[3], r[4], r[5], r[10] = ROPE_QKV, q[1], q[2], q[3], sk[3], k[2], sv[4]
         r[6], r[7], r[8], r[9], r[11], r[12], r[13], r[14] = T, H, D, q[9], q[11], q[12], q[13], q[14]
         r[15], r[16], r[17], r[18] = Hkv, sv[7] // Hkv, q[4], sk[9]
         r[19], r[20], r[21], r[22] = sk[1], sk[10], sk[11], sk[12]
         r[23], r[24], r[25], r[26], r[27] = sv[1], sv[10], sv[11], sv[12], q[15]
-        out.append(r)
-        i += 4
-    return out
+        return r
+
+    return _fuse_windows(recs, 4, fuse)
 
 
 def _fuse_router(recs: list[list[int]], exports: list[tuple[int, int]]) -> list[list[int]]:
@@ -681,10 +690,8 @@ def _fuse_router(recs: list[list[int]], exports: list[tuple[int, int]]) -> list[
     its clamp are read by nothing after (the ids and the weights are kept)."""
     from .executor import GET_ROWS_B, SUM_ROWS
 
-    out: list[list[int]] = []
-    i = 0
-    while i < len(recs):
-        sm, a, g, sr, cl, d = (recs[i:i + 6] + [[0] * WIDTH] * 6)[:6]
+    def fuse(w: list[list[int]], i: int) -> list[int] | None:
+        sm, a, g, sr, cl, d = w
         T, E = sm[6], sm[7]
         U = g[7]
         ok = (sm[0], a[0], g[0], sr[0], cl[0], d[0]) == (SOFT_MAX, ARGSORT, GET_ROWS_B, SUM_ROWS, CLAMP, DIV) \
@@ -702,15 +709,13 @@ def _fuse_router(recs: list[list[int]], exports: list[tuple[int, int]]) -> list[
                         for r0, n in ((sm[1], 4 * T * E), (g[1], 4 * T * U), (sr[1], 4 * T), (cl[1], 4 * T))
                         for lo, hi in _minus((r0, r0 + n), kept))
         if not ok:
-            out.append(recs[i])
-            i += 1
-            continue
+            return None
         r = [0] * WIDTH
         r[0], r[1], r[2], r[3] = ROUTER, d[1], sm[2], a[1]
         r[6], r[7], r[8], r[9], r[10], r[11], r[12] = T, E, sm[8], sm[9], U, cl[9], cl[10]
-        out.append(r)
-        i += 6
-    return out
+        return r
+
+    return _fuse_windows(recs, 6, fuse)
 
 
 def _fuse_router_topk(recs: list[list[int]], exports: list[tuple[int, int]]) -> list[list[int]]:
@@ -720,10 +725,8 @@ def _fuse_router_topk(recs: list[list[int]], exports: list[tuple[int, int]]) -> 
     lie over no other token's logits (a block reads its own row before it writes)."""
     from .executor import GET_ROWS_B
 
-    out: list[list[int]] = []
-    i = 0
-    while i < len(recs):
-        a, g, sm = (recs[i:i + 3] + [[0] * WIDTH] * 3)[:3]
+    def fuse(w: list[list[int]], i: int) -> list[int] | None:
+        a, g, sm = w
         T, E, U = a[6], a[7], g[7]
         ok = (a[0], g[0], sm[0]) == (ARGSORT, GET_ROWS_B, SOFT_MAX) and g[2] == a[2] and g[3] == a[1] \
             and g[6] == T and g[8] == 1 and g[9:13] == [a[8], 1, E, E] and 0 < U <= E and sm[2] == g[1] \
@@ -734,15 +737,13 @@ def _fuse_router_topk(recs: list[list[int]], exports: list[tuple[int, int]]) -> 
             ok = (T == 1 or not any(_overlap(x, k) for k in kept)) \
                 and all(_dead_after(recs, i + 3, lo, hi, exports) for lo, hi in _minus((g[1], g[1] + 4 * T * U), kept))
         if not ok:
-            out.append(recs[i])
-            i += 1
-            continue
+            return None
         r = [0] * WIDTH
         r[0], r[1], r[2], r[3] = ROUTER_TOPK, sm[1], a[2], a[1]
         r[6], r[7], r[8], r[9], r[10] = T, E, a[8], sm[9], U
-        out.append(r)
-        i += 3
-    return out
+        return r
+
+    return _fuse_windows(recs, 3, fuse)
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:

@@ -596,11 +596,7 @@ class CudaKernels:
         """The router in one launch: ids (rows, n) int32 = ARGSORT(softmax(x * scale)) descending,
         w (rows, n_used) = the first n_used probabilities / clamp(their sum, lo, hi): the bits of
         soft_max, argsort, get_rows_batched, sum_rows, clamp and binary_row("div") in turn."""
-        if not 0 < n_used <= n:
-            raise UnsupportedError(f"CUDA: the top {n_used} of {n} experts")
-        shared = 4 * (n + n_used)
-        if shared > SHARED_MAX:
-            raise UnsupportedError(f"CUDA: a router over {n} experts")
+        shared = _router_shared(n, n_used)
         if rows <= 0:
             return
         args = (_p(x), np.int64(sx), _p(ids), _p(w), np.int32(n), np.int32(n_used), np.float32(scale), np.float32(lo),
@@ -613,11 +609,7 @@ class CudaKernels:
         n_used) = softmax(scale * the first n_used logits): the bits of argsort, get_rows_batched
         and soft_max in turn (moe.cu's router_topk_f32; ids and w may lie over x's rows of
         one token: each row is read before it is written)."""
-        if not 0 < n_used <= n:
-            raise UnsupportedError(f"CUDA: the top {n_used} of {n} experts")
-        shared = 4 * (n + n_used)
-        if shared > SHARED_MAX:
-            raise UnsupportedError(f"CUDA: a router over {n} experts")
+        shared = _router_shared(n, n_used)
         if rows <= 0:
             return
         args = (_p(x), np.int64(sx), _p(ids), _p(w), np.int32(n), np.int32(n_used), np.float32(scale))
@@ -635,6 +627,16 @@ class CudaKernels:
         args = (_p(a), np.int64(sa), _p(b), np.int64(sb), np.int32(n_expert), _p(ids), np.int64(sid), _p(y),
                 np.int64(sy), np.int32(n), np.int32(n_used))  # fmt: skip
         self._launch("add_id_f32", (_cdiv(n, ELEMENTWISE_THREADS), rows), ELEMENTWISE_THREADS, args, stream)
+
+def _router_shared(n: int, n_used: int) -> int:
+    """The shared memory of the router kernels over n experts, n_used chosen (4 * (n + n_used)
+    bytes), or UnsupportedError."""
+    if not 0 < n_used <= n:
+        raise UnsupportedError(f"CUDA: the top {n_used} of {n} experts")
+    if 4 * (n + n_used) > SHARED_MAX:
+        raise UnsupportedError(f"CUDA: a router over {n} experts")
+    return 4 * (n + n_used)
+
 
 class CublasGemm:
     """gemm_f16's launcher on a CUDA device: cuBLAS's gemmEx through CuPy (f16 A and B, float32 C,

@@ -59,8 +59,27 @@ __device__ __forceinline__ void round_trip_q8_0(float* v) {
     for (int k = 0; k < 32; ++k) v[k] = LP_MUL((float)(int)roundf(__fmul_rn(v[k], inv)), dh);
 }
 
-// The steps both kernels share, over a tile of nt cells and `rows` rows of scores (the decode
-// kernel's query heads, the prompt kernel's query rows), FA_TILE apart in p_s.
+// The steps both kernels share, over `rows` rows (the decode kernel's query heads, the prompt
+// kernel's query rows).
+// After Q's rows are in q_s: the accumulators zeroed, the running maxima and sums started, and Q
+// rotated and rounded through Q8_0 as a rotated / quantized cache's K was.
+template <int KT>
+__device__ __forceinline__ void fa_start_rows(float* q_s, float* acc_s, float* m_s, float* l_s, int rows, int D,
+                                              int Dv, int rot_k, float rot_k_scale) {
+    for (int i = threadIdx.x; i < rows * Dv; i += blockDim.x) acc_s[i] = 0.0f;
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+        m_s[r] = __int_as_float(0xff800000);
+        l_s[r] = 0.0f;
+    }
+    __syncthreads();
+    if (rot_k) block_hadamard(q_s, rows * D, rot_k, rot_k_scale);
+    if (KT == CT_Q8_0 || KT == CT_Q4_0) {
+        for (int b = threadIdx.x; b < rows * D / 32; b += blockDim.x) round_trip_q8_0(q_s + 32 * b);
+        __syncthreads();
+    }
+}
+
+// Over a tile of nt cells, the rows' scores FA_TILE apart in p_s:
 // Online softmax, a warp per row: p_s's scores become probabilities against the running maximum
 // m_s; l_s is rescaled and summed, c_s gets the rescale of what was summed before.
 __device__ __forceinline__ void fa_softmax_tile(float* p_s, float* m_s, float* l_s, float* c_s, int rows, int nt) {
@@ -151,17 +170,7 @@ __device__ __forceinline__ void fattn_impl(
         const int g = i / D, d = i - g * D;
         q_s[i] = q[(long long)t * sqt + (long long)(j * G + g) * sqh + d];
     }
-    for (int i = threadIdx.x; i < G * Dv; i += blockDim.x) acc_s[i] = 0.0f;
-    for (int g = threadIdx.x; g < G; g += blockDim.x) {
-        m_s[g] = NEG_INF;
-        l_s[g] = 0.0f;
-    }
-    __syncthreads();
-    if (rot_k) block_hadamard(q_s, G * D, rot_k, rot_k_scale);
-    if (KT == CT_Q8_0 || KT == CT_Q4_0) {
-        for (int b = threadIdx.x; b < G * D / 32; b += blockDim.x) round_trip_q8_0(q_s + 32 * b);
-        __syncthreads();
-    }
+    fa_start_rows<KT>(q_s, acc_s, m_s, l_s, G, D, Dv, rot_k, rot_k_scale);
 
     const u8* kh = k + (long long)j * k_hb;
     const u8* vh = v + (long long)j * v_hb;
@@ -331,17 +340,7 @@ __device__ __forceinline__ void fattn_tile_impl(
         const int qi = i / D, d = i - qi * D;
         q_s[i] = q[(long long)(t0 + qi) * sqt + (long long)h * sqh + d];
     }
-    for (int i = threadIdx.x; i < nq * Dv; i += blockDim.x) acc_s[i] = 0.0f;
-    for (int qi = threadIdx.x; qi < FA_QT; qi += blockDim.x) {
-        m_s[qi] = NEG_INF;
-        l_s[qi] = 0.0f;
-    }
-    __syncthreads();
-    if (rot_k) block_hadamard(q_s, nq * D, rot_k, rot_k_scale);
-    if (KT == CT_Q8_0 || KT == CT_Q4_0) {
-        for (int b = threadIdx.x; b < nq * D / 32; b += blockDim.x) round_trip_q8_0(q_s + 32 * b);
-        __syncthreads();
-    }
+    fa_start_rows<KT>(q_s, acc_s, m_s, l_s, nq, D, Dv, rot_k, rot_k_scale);
 
     const u8* kh = k + (long long)j * k_hb;
     const u8* vh = v + (long long)j * v_hb;

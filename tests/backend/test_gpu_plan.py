@@ -892,12 +892,9 @@ def test_moe_gpu_plan_gives_the_cpu_executors_logits(tmp_path: Path, monkeypatch
     model.free()
 
 
-@pytest.mark.parametrize("case", ["tiny-mixtral", pytest.param("tiny-qwen3moe", marks=_SLOW)])
-def test_moe_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, emu_functions: Any,
-                                  case: str) -> None:
-    """The MoE decode through the real kernels (moe.cu's router, mmv_id) on the CPU emulator: the
-    float32 CPU path's logits, within float32 noise, the same greedy tokens."""
-    path = _moe_model(tmp_path, case)
+def _emulated_moe_decode_matches_f32(path: Path, monkeypatch: pytest.MonkeyPatch, emu_functions: Any) -> tuple[Model, list]:
+    """_MOE_STEPS of `path` through GPU plans on the CUDA emulator against the float32 CPU path:
+    logits within float32 noise, the same greedy tokens, every plan a graph. (The model, the plans.)"""
     ref_model = Model(path, context_options=ContextOptions(cpu_matmul="f32"))
     model = Model(path)
     ref = Context(ref_model, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32"))
@@ -908,9 +905,19 @@ def test_moe_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * float(np.abs(b).max()), err_msg=f"step {i}")
         assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {i}"
     assert made and all(not p.direct for p in made)
+    ref_model.free()
+    return model, made
+
+
+@pytest.mark.parametrize("case", ["tiny-mixtral", pytest.param("tiny-qwen3moe", marks=_SLOW)])
+def test_moe_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, emu_functions: Any,
+                                  case: str) -> None:
+    """The MoE decode through the real kernels (moe.cu's router, mmv_id) on the CPU emulator: the
+    float32 CPU path's logits, within float32 noise, the same greedy tokens."""
+    path = _moe_model(tmp_path, case)
+    model, made = _emulated_moe_decode_matches_f32(path, monkeypatch, emu_functions)
     assert any({MUL_MAT_ID_GLU, ROUTER} <= set(int(c) for c in p.recs[:, 0]) for p in made)
     model.free()
-    ref_model.free()
 
 
 @pytest.mark.parametrize("case", ["tiny-qwen3moe", "tiny-mixtral", "tiny-gptoss"])
@@ -1080,19 +1087,9 @@ def test_gptoss_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytest.MonkeyP
     float32 noise, the same greedy tokens."""
     monkeypatch.setattr(gpu_plan.GPUTarget, "fuse_bias", fused)
     path = _gptoss_model(tmp_path)
-    ref_model = Model(path, context_options=ContextOptions(cpu_matmul="f32"))
-    model = Model(path)
-    ref = Context(ref_model, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32"))
-    want = _moe_decode(ref, _MOE_STEPS)
-    made = _gpu_backend(monkeypatch, lambda: EmuRuntime(emu_functions))
-    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1))
-    for i, (a, b) in enumerate(zip(_moe_decode(ctx, _MOE_STEPS), want)):
-        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * float(np.abs(b).max()), err_msg=f"step {i}")
-        assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {i}"
-    assert made and all(not p.direct for p in made)
+    model, made = _emulated_moe_decode_matches_f32(path, monkeypatch, emu_functions)
     assert _gptoss_records(made) == (_GPTOSS_FUSED if fused else _GPTOSS_UNFUSED)
     model.free()
-    ref_model.free()
 
 
 def test_the_embedding_split_runs_on_the_calling_thread(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001

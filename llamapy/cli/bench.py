@@ -8,8 +8,8 @@ Before the repetitions each test runs once unmeasured (warmup; `--no-warmup` ski
 cache is cleared before every repetition. A sample is the wall time of one repetition; t/s is the
 mean ± sample standard deviation of tokens/s over the samples.
 
-Comma-separated `-p`, `-n`, `-ngl`, `-t`, `-b`, `-ub` values are swept as their cartesian product;
-the model is loaded once per distinct -ngl, and every test gets a fresh context of
+Comma-separated `-p`, `-n`, `-ngl`, `-ncmoe`, `-t`, `-b`, `-ub` values are swept as their cartesian
+product; the model is loaded once per distinct (-ngl, -ncmoe), and every test gets a fresh context of
 n_prompt + n_gen cells (llama-bench's n_ctx). `-o md` prints llama-bench's markdown table, a row as
 each test finishes; `-o json` a JSON list with llama-bench's field names.
 
@@ -69,6 +69,7 @@ class Instance:
     n_depth: int = 0  # cells of history filled (untimed) before each repetition
     type_k: str = "f16"
     type_v: str = "f16"
+    n_cpu_moe: int = 0  # the experts of the first N layers kept on the CPU (--n-cpu-moe)
 
 
 def _int_list(value: str, flag: str, minimum: int) -> list[int]:
@@ -271,18 +272,19 @@ def decode_weight_bytes(model: Any) -> int:
 def _instances(
     ngls: list[int | str], threads: list[int], batches: list[int], ubatches: list[int], ps: list[int], ns: list[int],
     depths: list[int] = [0], ctks: list[str] = ["f16"], ctvs: list[str] = ["f16"],  # noqa: B006 (never mutated)
+    ncmoes: list[int] = [0],  # noqa: B006
 ) -> list[Instance]:  # fmt: skip
-    """llama-bench's order (pp tests, then tg tests, for each parameter set), with -ngl outermost
-    so that each -ngl loads the model once."""
+    """llama-bench's order (pp tests, then tg tests, for each parameter set), with -ngl and -ncmoe
+    outermost so that each placement loads the model once."""
     out = []
-    for ngl, nb, nub, ctk, ctv, nt in itertools.product(ngls, batches, ubatches, ctks, ctvs, threads):
+    for ngl, ncm, nb, nub, ctk, ctv, nt in itertools.product(ngls, ncmoes, batches, ubatches, ctks, ctvs, threads):
         for d in depths:
             for p in ps:
                 if p > 0:
-                    out.append(Instance(ngl, nt, nb, nub, p, 0, d, ctk, ctv))
+                    out.append(Instance(ngl, nt, nb, nub, p, 0, d, ctk, ctv, ncm))
             for n in ns:
                 if n > 0:
-                    out.append(Instance(ngl, nt, nb, nub, 0, n, d, ctk, ctv))
+                    out.append(Instance(ngl, nt, nb, nub, 0, n, d, ctk, ctv, ncm))
     return out
 
 
@@ -316,11 +318,14 @@ def _fields(
         # as asked (llama-bench's column), "all"/"auto" resolved to a number of layers
         "n_gpu_layers": inst.ngl if isinstance(inst.ngl, int) else model.info.n_gpu_layers
         if inst.ngl == "auto" else model.params.n_layer + 1,
+        "n_cpu_moe": inst.n_cpu_moe,
         "split_mode": "layer",
         "main_gpu": 0,
         "no_kv_offload": False,
         "flash_attn": False,
         "tensor_split": "0.00",
+        # llama-bench's spelling: REGEX=BUFT;... of every -ot and -ncmoe pattern, or "none"
+        "tensor_buft_overrides": ";".join(f"{p}={d}" for p, d in model.options.override_tensor) or "none",
         "use_mmap": True,
         "embeddings": False,
         "n_prompt": inst.n_prompt,
@@ -347,13 +352,15 @@ def _fields(
 
 _HEADERS = {"n_gpu_layers": "ngl", "n_threads": "threads", "n_batch": "n_batch", "n_ubatch": "n_ubatch",
             "eff_bw": "eff GB/s", "bw_fraction": "of probe"}  # fmt: skip
-_WIDTHS = {"model": -30, "size": 10, "params": 10, "backend": -10, "n_gpu_layers": 3, "n_threads": 7,
-           "n_batch": 7, "n_ubatch": 8, "type_k": -6, "type_v": -6, "test": 15, "t/s": 20, "eff_bw": 8, "bw_fraction": 8}  # fmt: skip
+_WIDTHS = {"model": -30, "size": 10, "params": 10, "backend": -10, "n_gpu_layers": 3, "n_cpu_moe": 9,
+           "n_threads": 7, "n_batch": 7, "n_ubatch": 8, "type_k": -6, "type_v": -6, "test": 15, "t/s": 20, "eff_bw": 8, "bw_fraction": 8}  # fmt: skip
 
 
 def _md_fields(batches: list[int], ubatches: list[int], bandwidth: bool = False, ctks: list[str] = ["f16"],
-               ctvs: list[str] = ["f16"]) -> list[str]:  # fmt: skip  # noqa: B006
+               ctvs: list[str] = ["f16"], ncmoes: list[int] = [0]) -> list[str]:  # fmt: skip  # noqa: B006
     f = ["model", "size", "params", "backend", "n_gpu_layers", "n_threads"]
+    if ncmoes != [0]:  # shown, as llama-bench does, only when asked for
+        f.insert(5, "n_cpu_moe")
     if batches != [_DEFAULT_BATCH]:
         f.append("n_batch")
     if ubatches != [_DEFAULT_UBATCH]:
@@ -418,6 +425,7 @@ def md_row(r: dict[str, Any], fields: list[str]) -> str:
         "params": _params(r["model_n_params"]),
         "backend": r["backends"],
         "n_gpu_layers": str(r["n_gpu_layers"]),
+        "n_cpu_moe": str(r["n_cpu_moe"]),
         "n_threads": str(r["n_threads"]),
         "n_batch": str(r["n_batch"]),
         "n_ubatch": str(r["n_ubatch"]),
@@ -438,6 +446,11 @@ def bench(
     n_prompt: str = typer.Option("512", "-p", "--n-prompt", help="prompt sizes, comma-separated (0: no pp test)"),
     n_gen: str = typer.Option("128", "-n", "--n-gen", help="generation lengths, comma-separated (0: no tg test)"),
     ngl: str = typer.Option(None, "-ngl", "--n-gpu-layers", help="layers to offload, comma-separated: N, 'all', 'auto'"),
+    n_cpu_moe: str = typer.Option(
+        "0", "-ncmoe", "--n-cpu-moe", help="keep the experts of the first N layers on the CPU, comma-separated"
+    ),
+    ot: list[str] = typer.Option(None, "-ot", "--override-tensor", metavar="REGEX=DEVICE",
+                                 help="keep tensors matching REGEX on DEVICE (every test); repeatable"),  # fmt: skip
     threads: str = typer.Option(None, "-t", "--threads", help="threads, comma-separated (default: every core)"),
     batch: str = typer.Option(str(_DEFAULT_BATCH), "-b", "--batch-size", help="logical batch sizes"),
     ubatch: str = typer.Option(str(_DEFAULT_UBATCH), "-ub", "--ubatch-size", help="physical batch sizes"),
@@ -466,6 +479,8 @@ def bench(
     ps = _int_list(n_prompt, "-p", 0)
     ns = _int_list(n_gen, "-n", 0)
     ngls = _ngl_list(ngl) if ngl is not None else [common.parse_ngl(None)]
+    ncmoes = _int_list(n_cpu_moe, "-ncmoe", 0)
+    common.parse_overrides(ot)  # refused here, before any model is loaded
     n_cores = os.cpu_count() or 1
     ts_ = _int_list(threads, "-t", 0) if threads is not None else [n_cores]
     bs = _int_list(batch, "-b", 1)
@@ -477,26 +492,28 @@ def bench(
         common.cache_type(c, "-ctk")  # refused here, before any model is loaded
     for c in ctvs:
         common.cache_type(c, "-ctv")
-    insts = _instances(ngls, ts_, bs, ubs, ps, ns, ds, ctks, ctvs)
+    insts = _instances(ngls, ts_, bs, ubs, ps, ns, ds, ctks, ctvs, ncmoes)
     if not insts:
         raise LlamapyError("nothing to measure: every -p and -n is 0")
     path = common.resolve_model(model, model_opt)
     bandwidth = probe_mib > 0 and any(i.n_gen and not i.n_prompt for i in insts)
-    fields = _md_fields(bs, ubs, bandwidth, ctks, ctvs)
+    fields = _md_fields(bs, ubs, bandwidth, ctks, ctvs, ncmoes)
     probes: dict[int, ReadProbe] = {}  # by thread count, measured before its first tg test
     out = sys.stdout
     results: list[dict[str, Any]] = []
     if output == "md":
         out.write(md_header(fields) + "\n")
         out.flush()
-    for ngl_value, group in itertools.groupby(insts, key=lambda i: i.ngl):
-        m = Model(path, ModelOptions(n_gpu_layers=ngl_value))
+    for (ngl_value, ncm), group in itertools.groupby(insts, key=lambda i: (i.ngl, i.n_cpu_moe)):
+        # -ot first: an explicit pattern wins over the --n-cpu-moe ones, as in `run`
+        ot_all = common.parse_overrides(common.with_expert_overrides(ot, False, ncm))
+        m = Model(path, ModelOptions(n_gpu_layers=ngl_value, override_tensor=ot_all))
         try:
             weight_bytes = decode_weight_bytes(m) if bandwidth else None
             for inst in group:
                 if progress:
-                    log(f"bench: -ngl {ngl_value} -t {inst.n_threads} -b {inst.n_batch} -ub {inst.n_ubatch} "
-                        f"{'pp' if inst.n_prompt else 'tg'}{inst.n_prompt or inst.n_gen}")  # fmt: skip
+                    log(f"bench: -ngl {ngl_value} -ncmoe {ncm} -t {inst.n_threads} -b {inst.n_batch} "
+                        f"-ub {inst.n_ubatch} {'pp' if inst.n_prompt else 'tg'}{inst.n_prompt or inst.n_gen}")  # fmt: skip
                 nt = inst.n_threads or n_cores
                 if bandwidth and inst.n_gen and not inst.n_prompt and nt not in probes:
                     if progress:

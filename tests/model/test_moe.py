@@ -6,6 +6,7 @@ mode's MUL_MAT_ID bit for bit against per-expert MUL_MATs; the experts kept on t
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -220,6 +221,31 @@ def test_cli_n_cpu_moe_logs_and_keeps_the_text(tmp_path: Path) -> None:
     assert "* Experts: 8, 3 used per token; expert tensors 2.25 of " in info.stdout  # 3 layers x 3 tensors x 0.25 MiB
     bad = _cli(*common, "--n-cpu-moe", "-3")
     assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == "error: --n-cpu-moe -3: must be >= 0"
+
+
+def test_bench_n_cpu_moe_sweeps_the_expert_placement(tmp_path: Path) -> None:
+    """llama-bench's -ncmoe (comma-separated, swept) and -ot: one load per placement, the
+    n_cpu_moe column shown when asked for, and the JSON's tensor_buft_overrides naming the expert
+    patterns each test ran with (layers 0 and 1 for -ncmoe 2)."""
+    import json
+
+    path = write_moe_gguf(tmp_path / "m.gguf", **{**CASES["qwen3moe"], "n_layer": 3})
+    base = ["bench", str(path), "-p", "8", "-n", "2", "-r", "1", "-t", "1", "--probe-mib", "0", "-ngl", "all"]
+    js = _cli(*base, "-ncmoe", "0,2", "-o", "json")
+    assert js.returncode == 0, js.stderr
+    rows = json.loads(js.stdout)
+    assert [(r["n_cpu_moe"], r["n_prompt"], r["n_gen"]) for r in rows] == [(0, 8, 0), (0, 0, 2), (2, 8, 0), (2, 0, 2)]
+    assert {r["tensor_buft_overrides"] for r in rows[:2]} == {"none"}
+    ot = rows[2]["tensor_buft_overrides"].split(";")
+    assert len(ot) == 2 and all(o.endswith("=CPU") for o in ot)
+    pat = ot[1].rsplit("=", 1)[0]
+    assert re.search(pat, "blk.1.ffn_up_exps.weight") and not re.search(pat, "blk.2.ffn_up_exps.weight")
+    md = _cli(*base, "-ncmoe", "1", "-ot", "exps=CPU")
+    assert md.returncode == 0, md.stderr
+    head = [c.strip() for c in md.stdout.splitlines()[0].strip("|").split("|")]
+    assert head[4:7] == ["ngl", "n_cpu_moe", "threads"]
+    bad = _cli(*base, "-ncmoe", "-1")
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == "error: -ncmoe -1: must be >= 0"
 
 
 def test_ngl_auto_moves_experts_before_layers(tmp_path: Path) -> None:

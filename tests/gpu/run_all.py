@@ -126,6 +126,23 @@ def _kquant_rows(name: str, n_rows: int, n_in: int, gain: float, rng: np.random.
     return raw.reshape(n_rows, -1)
 
 
+def add_placeholder_vocab(w: Any, n_vocab: int) -> None:
+    """A vocab-only SPM tokenizer of placeholder pieces (llama.cpp loads it with any architecture)."""
+    w.add_vocab_size(n_vocab)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tokens += [f"\u2581t{i}" for i in range(n_vocab - len(tokens))]
+    w.add_token_list(tokens)
+    w.add_token_scores([-float(i) for i in range(n_vocab)])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (n_vocab - 259))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+
+
 def write_model(path: Path, *, name: str, n_layer: int, n_embd: int, n_ff: int, n_head: int,
                 n_head_kv: int, n_vocab: int, wtype: str, embd_type: str, down_type: str | None = None,
                 v_type: str | None = None, out_type: str | None = None, rope_base: float = 10000.0,
@@ -158,19 +175,7 @@ def write_model(path: Path, *, name: str, n_layer: int, n_embd: int, n_ff: int, 
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(rope_base)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(n_vocab)
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
-    tokens += [f"\u2581t{i}" for i in range(n_vocab - len(tokens))]
-    w.add_token_list(tokens)
-    w.add_token_scores([-float(i) for i in range(n_vocab)])
-    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (n_vocab - 259))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
+    add_placeholder_vocab(w, n_vocab)
 
     def add(tname: str, arr_q: tuple[np.ndarray, Any]) -> None:
         arr, qt = arr_q

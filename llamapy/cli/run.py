@@ -102,14 +102,17 @@ class _ChatFlags:
             if not isinstance(f.kwargs, dict):
                 raise LlamapyError("--chat-template-kwargs: expected a JSON object, e.g. '{\"enable_thinking\": false}'")
             f.given.append("--chat-template-kwargs")
-        asks = [(flag, v) for flag, v in ((f"-rea {reasoning}", {"on": True, "off": False}.get(reasoning or "")),
-                                          ("--reasoning-budget 0", False if budget == 0 else None),
-                                          ("--chat-template-kwargs", f.kwargs.get("enable_thinking"))) if v is not None]  # fmt: skip
-        if any(v != asks[0][1] for _, v in asks):
-            raise LlamapyError(f"{asks[0][0]} and {next(a for a, v in asks if v != asks[0][1])} disagree on thinking")
-        if asks and asks[0][0] != "--chat-template-kwargs":
-            f.thinking, f.thinking_flag = asks[0][1], asks[0][0]
-            f.given.append(asks[0][0])
+        # -rea on|off and --reasoning-budget 0 set the template's enable_thinking, as llama-server does
+        for flag, v in ((f"-rea {reasoning}", {"on": True, "off": False}.get(reasoning or "")),
+                        ("--reasoning-budget 0", False if budget == 0 else None)):  # fmt: skip
+            if v is not None and f.thinking is not None and v != f.thinking:
+                raise LlamapyError(f"{f.thinking_flag} and {flag} disagree on thinking")
+            if v is not None:
+                f.thinking, f.thinking_flag = v, flag
+        if f.thinking is not None:
+            if f.kwargs.get("enable_thinking", f.thinking) != f.thinking:
+                raise LlamapyError(f"{f.thinking_flag} and --chat-template-kwargs disagree on enable_thinking")
+            f.given.append(f.thinking_flag)
         return f
 
     def variables(self, source: str) -> dict[str, Any]:

@@ -128,6 +128,7 @@ def test_template_variables_reach_the_render(models: dict[str, Path]) -> None:
         ("qwen3", ["--reasoning-format", "think"], "--reasoning-format think: expected auto, deepseek or none"),
         ("qwen3", ["-rea", "maybe"], "-rea maybe: expected on, off or auto"),
         ("qwen3", ["-rea", "on", "--reasoning-budget", "0"], "-rea on and --reasoning-budget 0 disagree"),
+        ("qwen3", ["--reasoning-budget", "0", "--chat-template-kwargs", '{"enable_thinking": true}'], "disagree on enable_thinking"),
         ("qwen3", ["-p", "Hi", "--reasoning-budget", "0"], "--reasoning-budget 0: only conversation mode (-cnv) renders a chat template"),
         ("qwen3", ["-no-cnv", "-p", "Hi", "--chat-template-kwargs", "{}"], "only conversation mode"),
     ],

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -67,6 +69,114 @@ class _ReversePrompts:
         return any(t in window for t in self.texts)
 
 
+@dataclass
+class _ChatFlags:
+    """llama.cpp's reasoning flags (common/arg.cpp: --reasoning-format, -rea, --reasoning-budget,
+    --chat-template-kwargs), checked on their own; the template's checks wait for the model."""
+
+    raw: bool = False  # --reasoning-format none: each reply shown as generated
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the render's extra variables
+    thinking: bool | None = None  # enable_thinking, as -rea or --reasoning-budget 0 asks
+    thinking_flag: str = ""
+    given: list[str] = field(default_factory=list)  # flags that only a chat template can honour
+
+    @classmethod
+    def parse(cls, fmt: str | None, reasoning: str | None, budget: int, kwargs_json: str | None) -> _ChatFlags:
+        f = cls(raw=fmt == "none")
+        if fmt == "deepseek-legacy":  # <think> kept in the content and also shown apart: refused
+            raise LlamapyError("--reasoning-format deepseek-legacy is not supported: use deepseek (reasoning apart) or none (raw)")
+        if fmt not in (None, "auto", "deepseek", "none"):
+            raise LlamapyError(f"--reasoning-format {fmt}: expected auto, deepseek or none")
+        if fmt == "deepseek":
+            f.given.append("--reasoning-format deepseek")
+        if reasoning not in (None, "on", "off", "auto"):
+            raise LlamapyError(f"-rea {reasoning}: expected on, off or auto")
+        if budget < -1 or budget > 0:  # llama.cpp's budget sampler (end </think> after N tokens) is not there
+            raise LlamapyError(f"--reasoning-budget {budget}: llamapy takes -1 (unrestricted) or 0 (thinking off), "
+                               "not a budget of tokens")  # fmt: skip
+        if kwargs_json is not None:
+            try:
+                f.kwargs = json.loads(kwargs_json)
+            except json.JSONDecodeError as e:
+                raise LlamapyError(f"--chat-template-kwargs: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(f.kwargs, dict):
+                raise LlamapyError("--chat-template-kwargs: expected a JSON object, e.g. '{\"enable_thinking\": false}'")
+            f.given.append("--chat-template-kwargs")
+        # -rea on|off and --reasoning-budget 0 set the template's enable_thinking, as llama-server does
+        for flag, v in ((f"-rea {reasoning}", {"on": True, "off": False}.get(reasoning or "")),
+                        ("--reasoning-budget 0", False if budget == 0 else None)):  # fmt: skip
+            if v is not None and f.thinking is not None and v != f.thinking:
+                raise LlamapyError(f"{f.thinking_flag} and {flag} disagree on thinking")
+            if v is not None:
+                f.thinking, f.thinking_flag = v, flag
+        if f.thinking is not None:
+            if f.kwargs.get("enable_thinking", f.thinking) != f.thinking:
+                raise LlamapyError(f"{f.thinking_flag} and --chat-template-kwargs disagree on enable_thinking")
+            f.given.append(f.thinking_flag)
+        return f
+
+    def variables(self, source: str) -> dict[str, Any]:
+        """The render's variables, each checked as the server checks chat_template_kwargs (a
+        variable the template never names would be ignored: refused)."""
+        from ..server.protocol import ApiError, template_kwargs
+
+        try:
+            kw = template_kwargs({"chat_template_kwargs": self.kwargs}, source)
+        except ApiError as e:
+            raise LlamapyError(f"--chat-template-kwargs: {e.message.removeprefix('chat_template_kwargs: ')}") from None
+        if self.thinking is not None:
+            try:
+                template_kwargs({"chat_template_kwargs": {"enable_thinking": self.thinking}}, source)
+            except ApiError:
+                raise LlamapyError(f"{self.thinking_flag}: this model's chat template has no switch to turn thinking "
+                                   f"{'on' if self.thinking else 'off'} (it never names enable_thinking)") from None  # fmt: skip
+            kw["enable_thinking"] = self.thinking
+        return kw
+
+
+class _ReplyView:
+    """One answer on the terminal, as llama-cli shows it (tools/cli/cli.cpp): the content flushed
+    as it comes, the reasoning between `[Start thinking]` and `[End thinking]` — here on stderr
+    (gray when stderr is a terminal, llama.cpp's reasoning colour), so that `run > answers.txt`
+    keeps the answers alone. `raw` (--reasoning-format none): the text as generated, on stdout."""
+
+    GRAY, RESET = "\x1b[90m", "\x1b[0m"
+
+    def __init__(self, raw: bool) -> None:
+        self.raw = raw
+        self.color = sys.stderr.isatty()
+        self.thinking = False
+
+    def show(self, deltas: list[dict[str, Any]], text: str) -> None:
+        if self.raw:
+            deltas = [{"content": text}]
+        for d in deltas:
+            if d.get("reasoning_content"):
+                if not self.thinking:
+                    sys.stderr.write((self.GRAY if self.color else "") + "[Start thinking]\n")
+                    self.thinking = True
+                sys.stderr.write(d["reasoning_content"])
+                sys.stderr.flush()
+            if d.get("content"):
+                self.end()
+                sys.stdout.write(d["content"])
+                sys.stdout.flush()
+
+    def end(self) -> None:
+        if self.thinking:
+            sys.stderr.write("\n[End thinking]\n\n" + (self.RESET if self.color else ""))
+            sys.stderr.flush()
+            self.thinking = False
+
+
+def _log_prompt(tok: Any, text: str, tokens: list[int]) -> None:
+    """--verbose-prompt: the prompt and its tokens, as llama-completion prints them."""
+    log(f"run: prompt: '{text}'")
+    log(f"run: number of tokens in prompt = {len(tokens)}")
+    for t in tokens:
+        log(f"{t:6d} -> '{tok.token_to_piece(t, special=True).decode('utf-8', errors='replace')}'")
+
+
 @app.command(short_help="generate text, or chat (llama-completion)")
 def run(
     model: str = common.MODEL_ARG,
@@ -110,6 +220,16 @@ def run(
     jinja: bool = typer.Option(
         False, "--jinja", help="chat templates are always rendered with jinja2 (sandboxed): accepted, no effect"
     ),
+    reasoning_format: str = typer.Option(
+        None, "--reasoning-format", metavar="FORMAT",
+        help="conversation: auto or deepseek (the reply read as the server reads it: reasoning on stderr, the answer on stdout) or none (raw)",
+    ),  # fmt: skip
+    reasoning: str = typer.Option(None, "-rea", "--reasoning", metavar="on|off|auto", help="conversation: thinking on or off (the template's enable_thinking)"),
+    reasoning_budget: int = typer.Option(-1, "--reasoning-budget", metavar="N", help="-1: unrestricted; 0: thinking off (the template's enable_thinking)"),
+    chat_template_kwargs: str = typer.Option(
+        None, "--chat-template-kwargs", metavar="JSON", help="conversation: extra variables of the chat template, a JSON object"
+    ),
+    verbose_prompt: bool = typer.Option(False, "--verbose-prompt", help="print each prompt and its tokens on stderr before generating"),
     ngl: str = common.NGL,
     ot: list[str] = common.OT,
     cpu_moe: bool = common.CPU_MOE,
@@ -145,6 +265,9 @@ def run(
     if file is not None and text == "":
         raise LlamapyError(f"-f {file}: the file is empty")
     spec = common.constraint(grammar, grammar_file, json_schema, json_schema_file)
+    chat = _ChatFlags.parse(reasoning_format, reasoning, reasoning_budget, chat_template_kwargs)
+    if chat.given and (conversation is False or conversation is None and text is not None):
+        raise LlamapyError(f"{chat.given[0]}: only conversation mode (-cnv) renders a chat template; -p alone is a raw completion")
     if seed < 0 or seed == LLAMA_DEFAULT_SEED:
         seed = _random_seed()
     sampling = SamplingParams(
@@ -176,10 +299,13 @@ def run(
     for r in stops.texts:
         log(f"run: reverse prompt: '{r}'")
     if conversation:
-        _conversation(llm, text, system_prompt, n_predict, sampling, escape, special, reverse_prompt, single_turn, spec)
+        _conversation(llm, text, system_prompt, n_predict, sampling, escape, special, reverse_prompt, single_turn, spec,
+                      chat, verbose_prompt)  # fmt: skip
         return
     assert text is not None
     tokens = llm.tokenize(text)
+    if verbose_prompt:
+        _log_prompt(llm.tokenizer, text, tokens)
     if len(tokens) > llm.ctx.n_ctx:
         raise LlamapyError(f"the prompt is {len(tokens)} tokens, longer than the context (-c {llm.ctx.n_ctx})")
     res = GenerationResult()
@@ -267,20 +393,30 @@ def _conversation(
     reverse_prompt: list[str] | None,
     single_turn: bool,
     spec: Any = None,
+    chat: _ChatFlags | None = None,
+    verbose_prompt: bool = False,
 ) -> None:
     """Conversation mode: the GGUF's chat template, rendered in a sandbox, turn by turn.
+
+    Each turn's prompt is the server's (`chat_prompt`: the same messages render the same tokens),
+    and each reply is read with the server's parser (`ReplyStream`) as it streams: the answer goes
+    to stdout, the reasoning (`<think>`, gpt-oss's analysis channel) to stderr, and the history
+    keeps the parsed message (content, reasoning_content), as an API client sends it back.
+    `--reasoning-format none` shows the reply as generated; the history still keeps the parsed
+    message (llama-completion keeps the raw text, which gpt-oss's template refuses at turn 2).
 
     As llama-completion: Ctrl-C while the model answers ends the answer and gives the prompt back
     (a second one exits); Ctrl-C at an empty prompt, Ctrl-D or `/exit` end the session."""
     from ..generate import GenerationResult, stream
-    from ..model.chat import render_chat, template_or_default
+    from ..model import toolcalls as tc
+    from ..server.protocol import ChatTemplate, chat_prompt
 
-    md = llm.model.gguf.metadata
-    template = template_or_default(md.get("tokenizer.chat_template"))
+    chat = chat or _ChatFlags()
+    template = ChatTemplate.of(llm.model)
+    variables = chat.variables(template.source)
+    fmt = tc.detect_format(template.source, with_tools=False)
     tok = llm.tokenizer
-    bos = tok.token_text(tok.bos) if tok.bos is not None else ""
-    eos = tok.token_text(tok.eos) if tok.eos is not None else ""
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
     if system_prompt:
         messages.append({"role": "system", "content": system_prompt})
     cached: list[int] = []
@@ -309,22 +445,25 @@ def _conversation(
         res = GenerationResult()
         try:
             messages.append({"role": "user", "content": user})
-            text = render_chat(template, messages, add_generation_prompt=True, bos_token=bos, eos_token=eos)
-            tokens = tok.encode(text, add_special=False, parse_special=True)
+            tokens, text = chat_prompt(messages, template, tok, **variables)
             if len(tokens) >= llm.ctx.n_ctx:
                 raise LlamapyError(
                     f"the conversation is {len(tokens)} tokens, longer than the context (-c {llm.ctx.n_ctx})"
                 )
+            if verbose_prompt:
+                _log_prompt(tok, text, tokens)
+            reply, view = tc.ReplyStream(tc.Syntax.of_reply(fmt, template.source, text)), _ReplyView(chat.raw)
             stops = _ReversePrompts(reverse_prompt)
             gen = stream(llm.ctx, tokens, n_predict, sampling, res, cached=cached, special=special, constraint=spec)
             try:
                 for chunk in gen:
-                    sys.stdout.write(chunk.text)
-                    sys.stdout.flush()
+                    view.show(reply.feed(chunk.text), chunk.text)
                     if stop_requests[0] or stops.hit(chunk.text):
                         break
             finally:
                 gen.close()
+            view.show(reply.finish(), "")  # what was held back as a possible marker
+            view.end()
         finally:
             signal.signal(signal.SIGINT, previous)
         sys.stdout.write("\n")
@@ -334,7 +473,7 @@ def _conversation(
         # the KV cache holds the prompt and the generated tokens that were decoded (the last one
         # sampled is decoded only when generation goes on)
         cached = tokens + res.tokens[: res.timings.n_eval]
-        messages.append({"role": "assistant", "content": res.text})
+        messages.append(tc.message_dict(reply.message))
         if single_turn:
             break
 

@@ -97,6 +97,14 @@ class Syntax:
     def plain(self) -> bool:
         return not (self.reasoning or self.parse_tools or self.format == "harmony")
 
+    @classmethod
+    def of_reply(cls, fmt: str, template: str, prompt: str, parse_tools: bool = False, forced: bool = False) -> Syntax:
+        """How to read the reply to `prompt`, rendered from `template` (the server's chat replies
+        and `run`'s conversation turns alike): <think> is read where the template writes it, and
+        a prompt that ends inside <think> (a template's forced reasoning) starts the reply there."""
+        return cls(fmt, reasoning=THINK_OPEN in template, thinking_open=prompt.endswith(THINK_OPEN + "\n"),
+                   parse_tools=parse_tools, forced=forced)  # fmt: skip
+
 
 def detect_format(template: str, with_tools: bool, with_schema: bool = False) -> str:
     """llama.cpp's choice of handler, for the formats llamapy reads."""

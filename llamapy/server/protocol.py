@@ -503,9 +503,7 @@ def chat_request(body: Any, tokenizer: Any, template: ChatTemplate) -> Parsed:
     parsed.request.constraint = spec
     # Llama 3's <|python_tag|> and Mistral's [TOOL_CALLS] are control tokens: kept in the text to be read
     parsed.request.special = fmt in ("llama3", "mistral")
-    parsed.syntax = tc.Syntax(fmt, reasoning=tc.THINK_OPEN in template.source,
-                              thinking_open=text.endswith(tc.THINK_OPEN + "\n"), parse_tools=bool(tools),
-                              forced=bool(tools) and choice == "required")  # fmt: skip
+    parsed.syntax = tc.Syntax.of_reply(fmt, template.source, text, parse_tools=bool(tools), forced=bool(tools) and choice == "required")
     return parsed
 
 

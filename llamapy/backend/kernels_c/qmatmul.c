@@ -1092,9 +1092,10 @@ static int mm_traits_of(int type, mm_traits *t) {
     case LP_TYPE_Q4_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q4_K_q8_K, lp_gemm_q4_K_q8_K, NULL, lp_gemv_q4_K_q8_K}; break;
     case LP_TYPE_Q5_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q5_K_q8_K, lp_gemm_q5_K_q8_K}; break;
     case LP_TYPE_Q6_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q6_K_q8_K, lp_gemm_q6_K_q8_K, NULL, lp_gemv_q6_K_q8_K}; break;
-    case LP_TYPE_IQ4_NL: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_iq4_nl_q8_0, lp_gemm_iq4_nl_q8_0, NULL, lp_gemv_iq4_nl_q8_0}; break;
-    case LP_TYPE_MXFP4: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_mxfp4_q8_0, lp_gemm_mxfp4_q8_0, NULL, lp_gemv_mxfp4_q8_0}; break;
-    case LP_TYPE_IQ4_XS: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_iq4_xs_q8_K, lp_gemm_iq4_xs_q8_K, NULL, lp_gemv_iq4_xs_q8_K}; break;
+    /* (IQ4_NL, MXFP4, IQ4_XS: 2-4 tokens in one call over the range, the activations prepared once) */
+    case LP_TYPE_IQ4_NL: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_iq4_nl_q8_0, lp_gemm_iq4_nl_q8_0, lp_gemm_iq4_nl_q8_0, lp_gemv_iq4_nl_q8_0}; break;
+    case LP_TYPE_MXFP4: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_mxfp4_q8_0, lp_gemm_mxfp4_q8_0, lp_gemm_mxfp4_q8_0, lp_gemv_mxfp4_q8_0}; break;
+    case LP_TYPE_IQ4_XS: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_iq4_xs_q8_K, lp_gemm_iq4_xs_q8_K, lp_gemm_iq4_xs_q8_K, lp_gemv_iq4_xs_q8_K}; break;
     default: return -1;
     }
     t->gemm_cols = type == LP_TYPE_Q3_K || type == LP_TYPE_Q4_K || type == LP_TYPE_Q5_K || type == LP_TYPE_Q6_K
@@ -1199,7 +1200,7 @@ static void mm_rows(const mm_traits *t, const uint8_t *w, int64_t r0, int64_t r1
         t->gemm_panel(n_in, y + r0, ld_y, w + r0 * row_bytes, row_bytes, (int)(r1 - r0), xq, act_bytes, (int)n_tok);
         return;
     }
-    if (n_tok > 1 && n_tok <= t->gemm_cols && t->gemm_r1 != NULL) {
+    if (n_tok > 1 && n_tok <= LP_GEMM_COLS && t->gemm_r1 != NULL) {
         /* a decode batch: the whole range in one call, its columns prepared once (per 16 rows the
          * AVX-512 kernel's preparation was ~20 % of the work at 576 inputs) */
         t->gemm_r1(n_in, y + r0, ld_y, w + r0 * row_bytes, row_bytes, (int)(r1 - r0), xq, act_bytes, (int)n_tok);

@@ -210,12 +210,6 @@ static inline int hsum_i32x8(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* the 8 vectors' lane totals, in order (v[r]'s total in lane r) */
-static inline __m256i hsum8_rows(const __m256i v[8]) {
-    const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
-}
 #endif
 
 /* one row against nc activation rows (x_bytes apart): s[c * ld_s] = the chain of fmaf over blocks */
@@ -367,42 +361,6 @@ static inline __attribute__((always_inline)) int b32_gemv_zmm(const b32_kind *k,
 }
 #endif
 
-/* 8 rows (row_bytes apart) against nc <= LP_GEMM_COLS activation rows: the rows in the lanes, each
- * block's 8 weight vectors decoded once for all nc columns */
-static void b32_rows8(const b32_kind *k, int off, const int32_t *ys, int nb, float *s, int64_t ld_s, const uint8_t *w,
-                      int64_t row_bytes, const uint8_t *x, int64_t x_bytes, int nc) {
-    const __m128i lut = _mm_loadu_si128((const __m128i *)(off == 0 ? (const void *)k->lut
-                                                          : k->e8m0 ? (const void *)ulut_mxfp4 : (const void *)ulut_iq4nl));
-    __m256 acc[LP_GEMM_COLS];
-    for (int c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
-    lp_pf pf = lp_pf_group(w, 8 * row_bytes, nb);
-    for (int i = 0; i < nb; i++) {
-        lp_pf_step(&pf, i);
-        const uint8_t *blk = w + (int64_t)i * k->bsize;
-        const __m256 dwv = b32_scales8(k, blk, row_bytes);
-        __m256i wv[8];
-        for (int r = 0; r < 8; r++) wv[r] = b32_values(lut, blk + r * row_bytes + k->qoff);
-        for (int c = 0; c < nc; c++) {
-            const block_q8_0 *y = (const block_q8_0 *)(x + c * x_bytes) + i;
-            const __m256i yv = _mm256_loadu_si256((const __m256i *)y->qs);
-            __m256i p[8];
-            if (off == 0) {
-                for (int r = 0; r < 8; r++) p[r] = dot8_s8(wv[r], yv);
-            } else {
-                for (int r = 0; r < 8; r++) p[r] = dot8_u8s8(wv[r], yv);
-            }
-            __m256i tot = hsum8_rows(p);
-            if (off != 0) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(ys[(int64_t)c * nb + i]));
-            const __m256 sc = _mm256_mul_ps(dwv, _mm256_set1_ps(_cvtsh_ss(y->d)));
-            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), sc, acc[c]);
-        }
-    }
-    for (int c = 0; c < nc; c++) {
-        float o[8];
-        _mm256_storeu_ps(o, acc[c]);
-        for (int r = 0; r < 8; r++) s[c * ld_s + r] = o[r];
-    }
-}
 #endif
 
 #if defined(__AVX2__)
@@ -413,6 +371,7 @@ static void b32_rows8(const b32_kind *k, int off, const int32_t *ys, int nb, flo
  * every column, each column's chain carried from one panel to the next. */
 #define B32_PANEL_BLOCKS 32
 #define B32_PANEL_MIN 4 /* columns from which the panel beats rows8's horizontal sums */
+#define B32_YS_STACK 2048 /* offset sums on the stack (the decode kernels); more: malloc */
 
 static inline void transpose8_i32(__m256i v[8]) {
     __m256i t[8], u[8];
@@ -485,6 +444,95 @@ static void b32_panel8(const b32_kind *k, int off, const int32_t *ys, int nb, fl
     }
 }
 
+#if !defined(B32_ZMM)
+/* AVX2 decode (1-3 tokens): 4 rows at a time, each row's block values decoded once and multiplied
+ * by every column at once (the 4 x NC partial-sum vectors stay in the 16 registers: 8 rows x
+ * several columns spilled), the 4 rows' block sums by one reduction (6 shuffles), their scales
+ * gathered in a general register. IQ4_NL through the sign trick (its grid does not fit
+ * maddubs unsigned), MXFP4 on its unsigned grid less the prepared offset sums. */
+#define B32_YMM_COLS 3
+
+/* the 4 vectors' lane totals, in order: [v0, v1, v2, v3] */
+static inline __m128i hsum4_rows(const __m256i v[4]) {
+    const __m256i s0 = _mm256_add_epi32(_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpackhi_epi32(v[0], v[1]));
+    const __m256i s1 = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2], v[3]), _mm256_unpackhi_epi32(v[2], v[3]));
+    const __m256i t = _mm256_add_epi32(_mm256_blend_epi32(s0, s1, 0xCC), _mm256_alignr_epi8(s1, s0, 8));
+    return _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+}
+
+/* the scales of 4 rows' blocks (row[0..3]) as floats (b32_scales8p's, 4 rows) */
+static inline __m128 b32_scales4p(const b32_kind *k, const uint8_t *const row[4]) {
+    if (k->e8m0) {
+        uint32_t e4 = 0;
+        for (int r = 0; r < 4; r++) e4 |= (uint32_t)row[r][0] << 8 * r;
+        const __m128i e = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)e4));
+        const __m128i big = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);
+        const __m128i small = _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e);
+        return _mm_castsi128_ps(_mm_blendv_epi8(small, big, _mm_cmpgt_epi32(e, _mm_set1_epi32(1))));
+    }
+    uint16_t h[4];
+    for (int r = 0; r < 4; r++) memcpy(&h[r], row[r], 2);
+    uint64_t lo = h[0] | (uint64_t)h[1] << 16 | (uint64_t)h[2] << 32 | (uint64_t)h[3] << 48;
+    __asm__("" : "+r"(lo)); /* (b32_scales8p's) */
+    return _mm_cvtph_ps(_mm_cvtsi64_si128((long long)lo));
+}
+
+/* 4 rows against NC columns (x_bytes apart; ys: MXFP4's offset sums, column c's block i at
+ * [c nb + i]): per output the vec_dot's chain */
+static inline __attribute__((always_inline)) void b32_rows4_ymm(const b32_kind *k, const int NC, const int32_t *ys,
+                                                                int nb, float *s, int64_t ld_s, const uint8_t *w,
+                                                                int64_t row_bytes, const uint8_t *x, int64_t x_bytes) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)(k->e8m0 ? (const void *)ulut_mxfp4 : (const void *)k->lut));
+    __m128 acc[B32_YMM_COLS];
+    for (int c = 0; c < NC; c++) acc[c] = _mm_setzero_ps();
+    const lp_pf pf = lp_pf_group(w, 4 * row_bytes, nb);
+    const uint8_t *p0 = w;
+    const int64_t rb = row_bytes, rb3 = 3 * row_bytes;
+    for (int i = 0; i < nb; i++, p0 += k->bsize) {
+        lp_pf_step(&pf, i);
+        const uint8_t *row[4] = {p0, p0 + rb, p0 + 2 * rb, p0 + rb3};
+        const __m128 dw = b32_scales4p(k, row);
+        __m256i p[B32_YMM_COLS][4];
+        for (int r = 0; r < 4; r++) {
+            const __m256i wv = b32_values(lut, row[r] + k->qoff);
+            for (int c = 0; c < NC; c++) {
+                const __m256i yv = _mm256_loadu_si256((const __m256i *)((const block_q8_0 *)(x + c * x_bytes) + i)->qs);
+                p[c][r] = k->e8m0 ? dot8_u8s8(wv, yv) : dot8_s8(wv, yv);
+            }
+        }
+        for (int c = 0; c < NC; c++) {
+            const block_q8_0 *y = (const block_q8_0 *)(x + c * x_bytes) + i;
+            __m128i tot = hsum4_rows(p[c]);
+            if (k->e8m0) tot = _mm_sub_epi32(tot, _mm_set1_epi32(ys[(int64_t)c * nb + i]));
+            acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(tot), _mm_mul_ps(dw, _mm_set1_ps(_cvtsh_ss(y->d))), acc[c]);
+        }
+    }
+    for (int c = 0; c < NC; c++) _mm_storeu_ps(s + c * ld_s, acc[c]);
+}
+
+/* rows 0 .. 4 floor(nr / 4) against nc <= B32_YMM_COLS columns; the rows done (0: no memory) */
+static inline __attribute__((always_inline)) int b32_gemv_ymm(const b32_kind *k, int nb, float *s, int64_t ld_s,
+                                                              const uint8_t *w, int64_t row_bytes, int nr,
+                                                              const uint8_t *x, int64_t x_bytes, int nc) {
+    int32_t ys_stack[B32_YS_STACK];
+    int32_t *ys = NULL;
+    if (k->e8m0) {
+        ys = (int64_t)nc * nb <= B32_YS_STACK ? ys_stack : malloc((size_t)nc * (size_t)nb * sizeof(int32_t));
+        if (ys == NULL) return 0;
+        b32_ysums(12, nb, x, x_bytes, nc, ys);
+    }
+    int r;
+    for (r = 0; r + 4 <= nr; r += 4) {
+        const uint8_t *wr = w + r * row_bytes;
+        if (nc == 1) b32_rows4_ymm(k, 1, ys, nb, s + r, ld_s, wr, row_bytes, x, x_bytes);
+        else if (nc == 2) b32_rows4_ymm(k, 2, ys, nb, s + r, ld_s, wr, row_bytes, x, x_bytes);
+        else b32_rows4_ymm(k, 3, ys, nb, s + r, ld_s, wr, row_bytes, x, x_bytes);
+    }
+    if (ys != ys_stack) free(ys);
+    return r;
+}
+#endif
+
 static void b32_gemm(const b32_kind *k, int n, float *s, int64_t ld_s, const void *vw, int64_t row_bytes, int nr,
                      const void *vx, int64_t x_bytes, int nc) {
     const uint8_t *w = vw, *x = vx;
@@ -502,20 +550,21 @@ static void b32_gemm(const b32_kind *k, int n, float *s, int64_t ld_s, const voi
                     : b32_gemv_zmm(&K_IQ4_NL, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
         off = -1; /* (the rows left: b32_row) */
     }
+#else
+    if (nc <= B32_YMM_COLS) {
+        r = k->e8m0 ? b32_gemv_ymm(&K_MXFP4, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, nc)
+                    : b32_gemv_ymm(&K_IQ4_NL, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
+        off = -1;
+    }
 #endif
     int32_t *ys = off > 0 && nr >= 8 ? malloc((size_t)nc * (size_t)nb * sizeof(int32_t)) : NULL;
     if (ys != NULL) b32_ysums(off, nb, x, x_bytes, nc, ys);
     if (off == 0 || ys != NULL) { /* (no memory for the sums: every row through b32_row) */
-        if (nc >= B32_PANEL_MIN) {
-            for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS_K) {
-                const int m = nc - c0 < LP_GEMM_COLS_K ? nc - c0 : LP_GEMM_COLS_K;
-                for (r = 0; r + 8 <= nr; r += 8)
-                    b32_panel8(k, off, ys == NULL ? NULL : ys + (int64_t)c0 * nb, nb, s + c0 * ld_s + r, ld_s,
-                               w + r * row_bytes, row_bytes, x + c0 * x_bytes, x_bytes, m);
-            }
-        } else {
+        for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS_K) { /* (nc >= B32_PANEL_MIN here) */
+            const int m = nc - c0 < LP_GEMM_COLS_K ? nc - c0 : LP_GEMM_COLS_K;
             for (r = 0; r + 8 <= nr; r += 8)
-                b32_rows8(k, off, ys, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, nc);
+                b32_panel8(k, off, ys == NULL ? NULL : ys + (int64_t)c0 * nb, nb, s + c0 * ld_s + r, ld_s,
+                           w + r * row_bytes, row_bytes, x + c0 * x_bytes, x_bytes, m);
         }
     }
     free(ys);

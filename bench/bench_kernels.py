@@ -16,7 +16,8 @@ the file's bytes. Timings are the best of several runs (the machine is shared).
 `--wide` instead times the q8 kernels themselves (lp_mul_mat_q / lp_mul_mat_id_q through ctypes,
 activations quantized beforehand) on one 8192x2048 matrix (8192 rows of 2048 inputs, streamed from
 memory) at 1, 2 and 4 tokens, and MUL_MAT_ID on gpt-oss-20b's expert shape (32 experts of
-2880x2880, top-4) at 1 and 4 tokens; `--baseline DIR` loads a second build's library
+2880x2880, top-4) at 1, 4 and 16 tokens (with a workspace, as the executor calls it, and without:
+allocated by the call); `--baseline DIR` loads a second build's library
 (DIR/lp_<variant>.so) and alternates the two, round after round, in one process (medians):
 
     taskset -c 1 python bench/bench_kernels.py --wide --types Q4_0,IQ4_NL,IQ4_XS,MXFP4 --baseline /tmp/base
@@ -151,15 +152,23 @@ def wide_cases(lib, qt: GGMLType, threads: int, rng: np.random.Generator) -> lis
     blck, _ = block_size(qt)
     if n_in % blck == 0 and vdt >= 0:
         we = random_matrix(qt, n_exp * M, n_in, rng)
-        for T in (1, 4):
+        for T in (1, 4, 16):
             x = rng.standard_normal((T, n_in), dtype=np.float32)
             xq = np.empty(T * lib.lp_act_row_bytes(int(qt), n_in), np.uint8)
             lib.lp_quantize_act(int(qt), c(x.ctypes.data), n_in, n_in, T, c(xq.ctypes.data), 1)
             ids = np.stack([rng.choice(n_exp, top, replace=False) for _ in range(T)]).astype(np.int32)
             y = np.empty((T, top, M), np.float32)
             args = (int(qt), c(we.ctypes.data), n_exp, M, we.shape[1], n_in, c(xq.ctypes.data), 1,
-                    c(ids.ctypes.data), top, T, top, c(y.ctypes.data), threads)
-            cases.append((f"experts {T}tok", lambda a=args, keep=(we, xq, ids, y): lib.lp_mul_mat_id_q(*a)))
+                    c(ids.ctypes.data), top, T, top, c(y.ctypes.data))
+            keep = (we, xq, ids, y)
+            if not hasattr(lib, "lp_mul_mat_id_q_wsp"):  # a build from before the workspace argument
+                cases.append((f"experts {T}tok", lambda a=args + (threads,), k=keep: lib.lp_mul_mat_id_q(*a)))
+                continue
+            wsp = np.empty(lib.lp_mul_mat_id_q_wsp(int(qt), n_exp, M, n_in, T, top), np.uint8)
+            # the executor's way (a workspace in its arena) and the direct call's (allocated)
+            cases.append((f"experts {T}tok", lambda a=args + (c(wsp.ctypes.data), threads), k=keep + (wsp,):
+                          lib.lp_mul_mat_id_q(*a)))
+            cases.append((f"experts {T}tok malloc", lambda a=args + (None, threads), k=keep: lib.lp_mul_mat_id_q(*a)))
     return cases
 
 
@@ -168,28 +177,30 @@ def wide(types: list[str], baseline: str | None, rounds: int, threads: int) -> N
     libs = [("new", native.lib())]
     if baseline:
         libs.append(("base", ctypes.CDLL(os.path.join(baseline, f"lp_{native.variant()}.so"))))
-        for name in ("lp_mul_mat_q", "lp_mul_mat_id_q", "lp_quantize_act", "lp_act_row_bytes", "lp_vec_dot_type"):
+        for name in ("lp_mul_mat_q", "lp_quantize_act", "lp_act_row_bytes", "lp_vec_dot_type"):
             getattr(libs[1][1], name).argtypes = getattr(libs[0][1], name).argtypes
             getattr(libs[1][1], name).restype = getattr(libs[0][1], name).restype
+        libs[1][1].lp_mul_mat_id_q.argtypes = libs[0][1].lp_mul_mat_id_q.argtypes[:13] + [ctypes.c_int]
+        libs[1][1].lp_mul_mat_id_q.restype = ctypes.c_int
     print(f"variant {native.variant()}, {threads} thread(s), {rounds} alternating rounds, ms (median; min-max)")
     for name in types:
         qt = GGMLType[name]
-        per = {tag: wide_cases(lib, qt, threads, np.random.default_rng(7)) for tag, lib in libs}
-        times = {tag: [[] for _ in per[tag]] for tag in per}
+        per = {tag: dict(wide_cases(lib, qt, threads, np.random.default_rng(7))) for tag, lib in libs}
+        times: dict[str, dict[str, list[float]]] = {tag: {label: [] for label in per[tag]} for tag in per}
         for _ in range(rounds):
             for tag in per:
-                for k, (_, fn) in enumerate(per[tag]):
+                for label, fn in per[tag].items():
                     fn()
                     best = float("inf")
                     for _ in range(5):
                         t0 = time.perf_counter()
                         fn()
                         best = min(best, time.perf_counter() - t0)
-                    times[tag][k].append(best * 1e3)
-        for k, (label, _) in enumerate(per["new"]):
-            cells = "  ".join(f"{tag} {np.median(times[tag][k]):7.3f} ({min(times[tag][k]):.3f}-{max(times[tag][k]):.3f})"
-                              for tag in per)
-            print(f"{name:7} {label:16} {cells}")
+                    times[tag][label].append(best * 1e3)
+        for label in per["new"]:
+            cells = "  ".join(f"{tag} {np.median(ts[label]):7.3f} ({min(ts[label]):.3f}-{max(ts[label]):.3f})"
+                              for tag, ts in times.items() if label in ts)
+            print(f"{name:7} {label:22} {cells}")
 
 
 def main() -> None:

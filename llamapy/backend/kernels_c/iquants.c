@@ -148,8 +148,10 @@ static const b32_kind K_MXFP4 = {sizeof(block_mxfp4), 1, kvalues_mxfp4, 1};
 /* The grids shifted to unsigned bytes, for u8 x s8 products without the sign trick:
  * sum((v + off) * y) - off * sum(y) = sum(v * y), exactly. MXFP4 (off 12, at most 24): maddubs
  * pairs stay below 2 x 24 x 128, so AVX2 too; IQ4_NL (off 128) only with VNNI (no int16 pairs). */
+#if defined(__AVX2__)
 static const uint8_t ulut_mxfp4[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 static const uint8_t ulut_iq4nl[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+#endif
 
 static inline float b32_scale(const b32_kind *k, const uint8_t *blk) {
     if (k->e8m0) return e8m0_half(blk[0]);

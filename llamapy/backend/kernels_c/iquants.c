@@ -243,10 +243,12 @@ static inline __m256 b32_scales8p(const b32_kind *k, const uint8_t *const row[8]
     if (k->e8m0) {
         uint64_t e8 = 0;
         for (int r = 0; r < 8; r++) e8 |= (uint64_t)row[r][0] << 8 * r;
+        /* (e - 1) << 23, or for e < 2 (that is 0 or negative) the subnormal 0x00400000 >> (1 - e)
+         * (a shift by a negative count, as unsigned, gives 0): the larger as signed */
         const __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)e8));
         const __m256i big = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
-        const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
-        return _mm256_castsi256_ps(_mm256_blendv_epi8(small, big, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
+        const __m256i small = _mm256_srlv_epi32(_mm256_set1_epi32(0x00400000), _mm256_sub_epi32(_mm256_set1_epi32(1), e));
+        return _mm256_castsi256_ps(_mm256_max_epi32(big, small));
     }
     uint16_t h[8];
     for (int r = 0; r < 8; r++) memcpy(&h[r], row[r], 2);
@@ -467,10 +469,10 @@ static inline __m128 b32_scales4p(const b32_kind *k, const uint8_t *const row[4]
     if (k->e8m0) {
         uint32_t e4 = 0;
         for (int r = 0; r < 4; r++) e4 |= (uint32_t)row[r][0] << 8 * r;
-        const __m128i e = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)e4));
+        const __m128i e = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)e4)); /* (b32_scales8p's) */
         const __m128i big = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);
-        const __m128i small = _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e);
-        return _mm_castsi128_ps(_mm_blendv_epi8(small, big, _mm_cmpgt_epi32(e, _mm_set1_epi32(1))));
+        const __m128i small = _mm_srlv_epi32(_mm_set1_epi32(0x00400000), _mm_sub_epi32(_mm_set1_epi32(1), e));
+        return _mm_castsi128_ps(_mm_max_epi32(big, small));
     }
     uint16_t h[4];
     for (int r = 0; r < 4; r++) memcpy(&h[r], row[r], 2);

@@ -514,6 +514,48 @@ static inline __attribute__((always_inline)) void b32_rows4_ymm(const b32_kind *
     for (int c = 0; c < NC; c++) _mm_storeu_ps(s + c * ld_s, acc[c]);
 }
 
+/* the 8 vectors' lane totals, in order (v[r]'s total in lane r): 11 shuffles (unpacks, then an
+ * alignr and a lane swap, each with a blend) */
+static inline __m256i hsum8_rows(const __m256i v[8]) {
+    __m256i s[4], t[2];
+    for (int k = 0; k < 4; k++) /* [v2k, v2k+1, v2k, v2k+1] pair sums, per 128-bit lane */
+        s[k] = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2 * k], v[2 * k + 1]), _mm256_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 2; k++) /* rows 4k..4k+3, per 128-bit lane */
+        t[k] = _mm256_add_epi32(_mm256_blend_epi32(s[2 * k], s[2 * k + 1], 0xCC), _mm256_alignr_epi8(s[2 * k + 1], s[2 * k], 8));
+    return _mm256_add_epi32(_mm256_blend_epi32(t[0], t[1], 0xF0), _mm256_permute2x128_si256(t[0], t[1], 0x21));
+}
+
+/* One token (decode proper), 8 rows at once: the 8-row reduction costs 11 shuffles where two
+ * 4-row ones cost 12 and 2 more float steps. IQ4_NL with the sign moved to the weights:
+ * sign(v, y) times |y|, prepared once a call (ay), one operation a row less than the sign trick
+ * (|y| <= 127, so maddubs' pairs stay below 2^15); MXFP4 on its unsigned grid less ys. yd: the
+ * activation scales as floats. */
+static inline __attribute__((always_inline)) void b32_rows8_ymm1(const b32_kind *k, const int32_t *ys,
+                                                                 const __m256i *ay, const float *yd, int nb, float *s,
+                                                                 const uint8_t *w, int64_t row_bytes,
+                                                                 const uint8_t *x) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)(k->e8m0 ? (const void *)ulut_mxfp4 : (const void *)k->lut));
+    __m256 acc = _mm256_setzero_ps();
+    const lp_pf pf = lp_pf_group(w, 8 * row_bytes, nb);
+    const uint8_t *p0 = w, *p4 = w + 4 * row_bytes; /* (b32_rows8_zmm's addressing) */
+    const int64_t rb = row_bytes, rb3 = 3 * row_bytes;
+    for (int i = 0; i < nb; i++, p0 += k->bsize, p4 += k->bsize) {
+        lp_pf_step(&pf, i);
+        const uint8_t *row[8] = {p0, p0 + rb, p0 + 2 * rb, p0 + rb3, p4, p4 + rb, p4 + 2 * rb, p4 + rb3};
+        const __m256 dwv = b32_scales8p(k, row);
+        const __m256i yv = _mm256_loadu_si256((const __m256i *)((const block_q8_0 *)x + i)->qs);
+        __m256i p[8];
+        for (int r = 0; r < 8; r++) {
+            const __m256i wv = b32_values(lut, row[r] + k->qoff);
+            p[r] = k->e8m0 ? dot8_u8s8(wv, yv) : dot8_u8s8(_mm256_load_si256(ay + i), _mm256_sign_epi8(wv, yv));
+        }
+        __m256i tot = hsum8_rows(p);
+        if (k->e8m0) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(ys[i]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(dwv, _mm256_set1_ps(yd[i])), acc);
+    }
+    _mm256_storeu_ps(s, acc);
+}
+
 /* rows 0 .. 4 floor(nr / 4) against nc <= B32_YMM_COLS columns; the rows done (0: no memory) */
 static inline __attribute__((always_inline)) int b32_gemv_ymm(const b32_kind *k, int nb, float *s, int64_t ld_s,
                                                               const uint8_t *w, int64_t row_bytes, int nr,
@@ -525,8 +567,18 @@ static inline __attribute__((always_inline)) int b32_gemv_ymm(const b32_kind *k,
         if (ys == NULL) return 0;
         b32_ysums(12, nb, x, x_bytes, nc, ys);
     }
-    int r;
-    for (r = 0; r + 4 <= nr; r += 4) {
+    int r = 0;
+    if (nc == 1 && nb <= B32_YS_STACK) {
+        __m256i ay[B32_YS_STACK];
+        float yd[B32_YS_STACK];
+        for (int i = 0; i < nb; i++) {
+            const block_q8_0 *y = (const block_q8_0 *)x + i;
+            ay[i] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)y->qs));
+            yd[i] = _cvtsh_ss(y->d);
+        }
+        for (; r + 8 <= nr; r += 8) b32_rows8_ymm1(k, ys, ay, yd, nb, s + r, w + r * row_bytes, row_bytes, x);
+    }
+    for (; r + 4 <= nr; r += 4) {
         const uint8_t *wr = w + r * row_bytes;
         if (nc == 1) b32_rows4_ymm(k, 1, ys, nb, s + r, ld_s, wr, row_bytes, x, x_bytes);
         else if (nc == 2) b32_rows4_ymm(k, 2, ys, nb, s + r, ld_s, wr, row_bytes, x, x_bytes);

@@ -8,12 +8,15 @@
  * run on these weights, every matrix of a multiple of 8 rows: decode and prompts alike) and
  * tiled/tiled-kernel.cpp (its IQ4_XS prompts).
  *
- * Kernels (the file's blocks where they are mapped, no repacking): decode takes 8 rows a step,
- * each block's 8 integer sums reduced across lanes (two rows a 512-bit vector on AVX-512);
- * prompts transpose 8 rows' decoded blocks into a panel with the rows in the lanes, which every
- * token then reads with its activation bytes broadcast (no horizontal sums). With VNNI (and for
- * MXFP4 on AVX2) the grids are shifted to unsigned bytes and the activations' block sums
- * subtracted, instead of the sign trick.
+ * Kernels (the file's blocks where they are mapped, no repacking): decode (1-4 tokens, a whole
+ * range of rows a call) prepares the activations once and takes 8 rows a step, two a 512-bit
+ * vector on AVX-512 (b32_rows8_zmm, xs_rows8_zmm), 8 or 4 on AVX2 (b32_rows8_ymm1, b32_rows4_ymm),
+ * the 16-entry grid looked up with one byte shuffle, the rows' block sums reduced once a block,
+ * their scales gathered in general registers; prompts transpose 8 rows' decoded blocks into a
+ * panel with the rows in the lanes, which every token then reads with its activation bytes
+ * broadcast (no horizontal sums). With VNNI (and for MXFP4 on AVX2) the grids are shifted to
+ * unsigned bytes and the activations' block sums subtracted, instead of the sign trick; AVX2's
+ * IQ4_NL decode puts the sign on the weights against a prepared |y|.
  *
  * Numerics (each output bit for bit what llama.cpp 0.3.36's x86 build computes):
  *   IQ4_NL . Q8_0, MXFP4 . Q8_0 (the repacked 8x8 kernels' order): per 32-element block i the

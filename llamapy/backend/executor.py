@@ -461,6 +461,7 @@ class HostTarget(Target):
 
     glu_ops = ("swiglu", "swiglu_oai")
     attn_sinks = True
+    addr_slots = ((15, MUL_MAT_ID_Q),)  # its workspace
 
     def __init__(self, lib: Any, q8: bool) -> None:
         self.lib = lib
@@ -468,6 +469,7 @@ class HostTarget(Target):
         self.max_tokens = None if q8 else MAX_TOKENS
         self.quantized: dict[int, Any] = {}  # vec_dot_type -> the input its scratch holds now
         self.offsets: dict[int, int] = {}  # vec_dot_type -> the arena offset of its quantized activations
+        self.mmid_wsp = 0  # the arena offset of the MUL_MAT_ID records' workspace (lp_mul_mat_id_q_wsp)
 
     def leaf(self, t: Tensor) -> Any | None:
         return _leaf_value(t)
@@ -499,9 +501,11 @@ class HostTarget(Target):
         return bool(self.lib.lp_exec_caps() & 1)
 
     def scratch(self, c: _Compiler, start: int) -> int:
-        """Room for each vec_dot_type's quantized activations (the largest product's), in the
-        arena from `start` (self.offsets: theirs); the arena's bytes in all."""
+        """Room for each vec_dot_type's quantized activations (the largest product's) and for the
+        largest MUL_MAT_ID's workspace, in the arena from `start` (self.offsets, self.mmid_wsp:
+        theirs); the arena's bytes in all."""
         need: dict[int, int] = {}
+        wsp = 0
         for st in c.steps:
             if st.code not in (MUL_MAT, MUL_MAT_ID_Q):
                 continue
@@ -511,13 +515,18 @@ class HostTarget(Target):
             if q is not None:
                 rb = int(self.lib.lp_act_row_bytes(int(wv.qtype), wv.n_in))
                 need[q] = max(need.get(q, 0), rb * (x.n_elements // x.shape[-1]))
+            if q is not None and st.code == MUL_MAT_ID_Q:
+                T, U, M = st.node.shape
+                wsp = max(wsp, int(self.lib.lp_mul_mat_id_q_wsp(int(wv.qtype), w.shape[0], M, wv.n_in, T, U)))
         self.offsets = {}
         end = start
         for q, n in need.items():
             end += (-end) % ALIGN
             self.offsets[q] = end
             end += n
-        return end
+        end += (-end) % ALIGN
+        self.mmid_wsp = end
+        return end + wsp
 
     def _q8_type(self, wv: Any, n_tok: int) -> int | None:
         """The vec_dot_type a product runs in (the q8 mode's path), None for the other paths."""
@@ -606,7 +615,7 @@ class HostTarget(Target):
         r[0], r[1], r[2], r[3], r[4] = MUL_MAT_ID_Q, loc(n).addr, wv.data.ctypes.data, \
             c.base + self.offsets[vdt], il.addr  # type: ignore[index]  # fmt: skip
         r[6], r[7], r[8], r[9], r[10] = int(wv.qtype), w.shape[0], M, wv.data.shape[1], wv.n_in
-        r[11], r[12], r[13], r[14] = x.shape[1], il.strides[0], T, U
+        r[11], r[12], r[13], r[14], r[15] = x.shape[1], il.strides[0], T, U, c.base + self.mmid_wsp
         c.keep.append(wv)
         return [*out, r]
 

@@ -73,8 +73,10 @@ SIGNATURES: dict[str, tuple[list, Any]] = {
     "lp_act_row_bytes": ([_INT, _I64], _I64),
     "lp_quantize_act": ([_INT, _P, _I64, _I64, _I64, _P, _INT], _INT),
     "lp_mul_mat_q": ([_INT, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _INT], _INT),
-    # MUL_MAT_ID: type, w, n_expert, M, row bytes, n_in, xq, ux, ids, ids row stride, T, U, y, threads
-    "lp_mul_mat_id_q": ([_INT, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _I64, _I64, _I64, _P, _INT], _INT),
+    # MUL_MAT_ID: type, w, n_expert, M, row bytes, n_in, xq, ux, ids, ids row stride, T, U, y, workspace
+    # (NULL: allocated), threads; the workspace's bytes: type, n_expert, M, n_in, T, U
+    "lp_mul_mat_id_q": ([_INT, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _I64, _I64, _I64, _P, _P, _INT], _INT),
+    "lp_mul_mat_id_q_wsp": ([_INT, _I64, _I64, _I64, _I64, _I64], _I64),
     "lp_mul_mat": ([_INT, _P, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _P, _INT], _INT),
     "lp_round_act": ([_INT, _P, _I64, _I64, _I64, _P, _I64, _INT], _INT),
 }

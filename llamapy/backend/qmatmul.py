@@ -374,7 +374,7 @@ class QMatrix:
         out = np.empty((T, U, M), np.float32)
         rc = native.lib().lp_mul_mat_id_q(int(self.qtype), self.data.ctypes.data, n_expert, M, self.data.shape[1],
                                           self.n_in, xq.ctypes.data, ux, ids.ctypes.data, ids.strides[0] // 4, T, U,
-                                          native.ptr(out), _threads(n_threads))
+                                          native.ptr(out), None, _threads(n_threads))
         if rc == -2:
             raise IndexError(f"expert id out of range 0..{n_expert - 1}")
         if rc != 0:

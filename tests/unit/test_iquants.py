@@ -263,3 +263,70 @@ def test_qmatrix_f32_mode_and_get_rows(name: str) -> None:
     assert (np.abs(got - want) <= 1e-6 * (np.abs(x) @ np.abs(w).T)).all()  # float32 sums of |w x|
     ids = np.array([3, 0, 39, 3])
     np.testing.assert_array_equal(m.get_rows(ids).view(np.uint32), w[ids].view(np.uint32))
+
+
+# ------------------------------------------------------------------------------------------------
+# the decode kernels (stop 29) and MUL_MAT_ID's workspace
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_decode_kernels_at_every_scale_equal_vec_dot(lib: ctypes.CDLL, name: str) -> None:
+    """The decode kernels (lp_gemv_*, lp_gemm_* at 1-4 columns), which gather 8 rows' block scales
+    at once, against the vec_dot bit for bit at any scale a file can hold: every E8M0 exponent
+    (0 and 1: subnormal results) for MXFP4, random finite f16 bits (subnormals and negatives
+    included) for IQ4_NL / IQ4_XS; whole 8-row groups and rows left over; 5 columns (the prompt
+    kernel) too."""
+    suffix = f"{name.lower()}_{VDT[name]}"
+    if not hasattr(lib, "lp_gemm_q4_0_q8_0"):
+        pytest.skip("the portable build has no multi-column kernels (a vec_dot per output)")
+    rng = np.random.default_rng(18)
+    n, nr = 2 * QK_K, 8 * 4 + 3
+    raw = np.ascontiguousarray(random_blocks(name, nr, n, rng))
+    b = raw.reshape(-1, block_size(GGMLType[name])[1])
+    if name == "MXFP4":
+        b[:, 0] = np.arange(b.shape[0]) % 256  # 35 rows x 16 blocks: every exponent
+    else:
+        bits = rng.integers(0, 0x7C00, b.shape[0]) | (rng.integers(0, 2, b.shape[0]) << 15)
+        b[:, 0:2] = bits.astype(np.uint16).view(np.uint8).reshape(-1, 2)
+    acts = np.stack([_activation(name, rng.standard_normal(n) * (1 + c)).view(np.uint8) for c in range(5)])
+    want = np.stack([_vec_dot(lib, name, raw, acts[c].view(act_dtype(name)), n) for c in range(5)])
+    for nc in (1, 2, 3, 4, 5):
+        got = _gemm(lib, f"lp_gemm_{suffix}", n, raw, np.ascontiguousarray(acts[:nc]))
+        assert np.array_equal(got.view(np.uint32), want[:nc].view(np.uint32)), nc
+    got = _gemm(lib, f"lp_gemv_{suffix}", n, raw, np.ascontiguousarray(acts[:1]), gemv=True)
+    assert np.array_equal(got.view(np.uint32), want[:1].view(np.uint32))
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_mul_mat_id_workspace_equals_allocated_and_vec_dot(name: str) -> None:
+    """lp_mul_mat_id_q with a workspace of lp_mul_mat_id_q_wsp bytes (the executor's, in its
+    arena) and without one (allocated by the call): the same bits, each (token, slot) its
+    expert's rows times its activation row, as the vec_dot; experts shared by several tokens,
+    unaligned workspace, 2 threads; a type without kernels has no workspace size (-1)."""
+    lib = native.lib()
+    if lib is None or not hasattr(lib, "lp_dequantize_rows"):
+        pytest.skip("no kernel library with kernels_c/iquants.c")
+    rng = np.random.default_rng(19)
+    qt = GGMLType[name]
+    E, M, n, T, U = 4, 20, QK_K, 6, 3
+    raw = np.ascontiguousarray(random_blocks(name, E * M, n, rng))
+    x = rng.standard_normal((T, n)).astype(np.float32)
+    acts = np.stack([_activation(name, x[t]).view(np.uint8) for t in range(T)])
+    ids = np.stack([rng.permutation(E)[:U] for _ in range(T)]).astype(np.int32)
+    P = ctypes.c_void_p
+    nbytes = lib.lp_mul_mat_id_q_wsp(int(qt), E, M, n, T, U)
+    assert nbytes > 0 and lib.lp_mul_mat_id_q_wsp(99, E, M, n, T, U) == -1
+    wsp = np.full(nbytes + 1, 0xAB, np.uint8)
+    outs = []
+    for w in (P(wsp[1:].ctypes.data), None):
+        y = np.full((T, U, M), np.nan, np.float32)
+        rc = lib.lp_mul_mat_id_q(int(qt), P(raw.ctypes.data), E, M, raw.shape[1], n, P(acts.ctypes.data), 1,
+                                 P(ids.ctypes.data), U, T, U, P(y.ctypes.data), w, 2)
+        assert rc == 0
+        outs.append(y)
+    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+    for t in range(T):
+        for u in range(U):
+            rows = raw[ids[t, u] * M:(ids[t, u] + 1) * M]
+            want = _vec_dot(lib, name, rows, acts[t].view(act_dtype(name)), n)
+            assert np.array_equal(outs[0][t, u].view(np.uint32), want.view(np.uint32)), (t, u)

@@ -69,7 +69,7 @@ int lp_mul_mat_q_par(lp_par *p, int ggml_type, const void *w, int64_t n_rows, in
                      const void *xq, int64_t n_tok, float *y, int64_t ld_y);
 int lp_mul_mat_id_q_par(lp_par *p, int ggml_type, const void *w, int64_t n_expert, int64_t M, int64_t row_bytes,
                         int64_t n_in, const void *xq, int64_t ux, const int32_t *ids, int64_t ids_st, int64_t T,
-                        int64_t U, float *y);
+                        int64_t U, float *y, void *wsp);
 /* ops.c: ggml's soft_max_f32 over strided rows, and a descending argsort of each row */
 void lp_soft_max_rows(const float *x, int64_t rows, int64_t n, int64_t xs, float scale, float *out);
 void lp_argsort_rows(const float *x, int64_t rows, int64_t n, int64_t xs, int32_t *out);
@@ -360,9 +360,10 @@ static int ex_par_record(lp_par *p, const ex_slot *r) {
     case EX_MUL_MAT_ID_Q:
         /* dst y (T, U, M) <- the experts W (src0, stacked, the file's rows) . xq (src1, T x ux rows)
          * chosen by ids (src2, int32 rows of stride [12]): [6] type, [7] n_expert, [8] M,
-         * [9] row bytes, [10] n_in, [11] ux, [13] T, [14] U */
+         * [9] row bytes, [10] n_in, [11] ux, [13] T, [14] U, [15] its workspace in the arena
+         * (lp_mul_mat_id_q_wsp bytes) */
         return lp_mul_mat_id_q_par(p, (int)I(6), P(2), I(7), I(8), I(9), I(10), P(3), I(11), P(4), I(12), I(13),
-                                   I(14), P(1)) != 0;
+                                   I(14), P(1), P(15)) != 0;
     default: { /* a row-wise record of a big batch: a static share of its rows */
         if (!ex_rowwise(I(0))) return 1;
         int64_t r0, r1;

@@ -8,12 +8,15 @@
  * run on these weights, every matrix of a multiple of 8 rows: decode and prompts alike) and
  * tiled/tiled-kernel.cpp (its IQ4_XS prompts).
  *
- * Kernels (the file's blocks where they are mapped, no repacking): decode takes 8 rows a step,
- * each block's 8 integer sums reduced across lanes (two rows a 512-bit vector on AVX-512);
- * prompts transpose 8 rows' decoded blocks into a panel with the rows in the lanes, which every
- * token then reads with its activation bytes broadcast (no horizontal sums). With VNNI (and for
- * MXFP4 on AVX2) the grids are shifted to unsigned bytes and the activations' block sums
- * subtracted, instead of the sign trick.
+ * Kernels (the file's blocks where they are mapped, no repacking): decode (1-4 tokens, a whole
+ * range of rows a call) prepares the activations once and takes 8 rows a step, two a 512-bit
+ * vector on AVX-512 (b32_rows8_zmm, xs_rows8_zmm), 8 or 4 on AVX2 (b32_rows8_ymm1, b32_rows4_ymm),
+ * the 16-entry grid looked up with one byte shuffle, the rows' block sums reduced once a block,
+ * their scales gathered in general registers; prompts transpose 8 rows' decoded blocks into a
+ * panel with the rows in the lanes, which every token then reads with its activation bytes
+ * broadcast (no horizontal sums). With VNNI (and for MXFP4 on AVX2) the grids are shifted to
+ * unsigned bytes and the activations' block sums subtracted, instead of the sign trick; AVX2's
+ * IQ4_NL decode puts the sign on the weights against a prepared |y|.
  *
  * Numerics (each output bit for bit what llama.cpp 0.3.36's x86 build computes):
  *   IQ4_NL . Q8_0, MXFP4 . Q8_0 (the repacked 8x8 kernels' order): per 32-element block i the
@@ -148,8 +151,10 @@ static const b32_kind K_MXFP4 = {sizeof(block_mxfp4), 1, kvalues_mxfp4, 1};
 /* The grids shifted to unsigned bytes, for u8 x s8 products without the sign trick:
  * sum((v + off) * y) - off * sum(y) = sum(v * y), exactly. MXFP4 (off 12, at most 24): maddubs
  * pairs stay below 2 x 24 x 128, so AVX2 too; IQ4_NL (off 128) only with VNNI (no int16 pairs). */
+#if defined(__AVX2__)
 static const uint8_t ulut_mxfp4[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 static const uint8_t ulut_iq4nl[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+#endif
 
 static inline float b32_scale(const b32_kind *k, const uint8_t *blk) {
     if (k->e8m0) return e8m0_half(blk[0]);
@@ -210,12 +215,6 @@ static inline int hsum_i32x8(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* the 8 vectors' lane totals, in order (v[r]'s total in lane r) */
-static inline __m256i hsum8_rows(const __m256i v[8]) {
-    const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
-}
 #endif
 
 /* one row against nc activation rows (x_bytes apart): s[c * ld_s] = the chain of fmaf over blocks */
@@ -239,95 +238,136 @@ static void b32_row(const b32_kind *k, int nb, float *s, int64_t ld_s, const uin
 }
 
 #if defined(__AVX2__)
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-/* AVX-512: two rows a 512-bit vector in the decode kernel (the unsigned grids, dpbusd): half the
- * shuffles of the value expansion and of the horizontal sums */
-#define B32_ZMM 1
-
-/* rows a and b's 32 values, a's in the low 256 bits (as b32_values) */
-static inline __m512i b32_values2(__m128i lut, const uint8_t *qa, const uint8_t *qb) {
-    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qa))),
-                                         _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qb)), 1);
-    const __m512i n = _mm512_and_si512(_mm512_mask_blend_epi32(0xf0f0, q, _mm512_srli_epi16(q, 4)), _mm512_set1_epi8(0x0f));
-    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(lut), n);
+/* the scales of the blocks at blk, blk + row_bytes, ... (8 rows) as floats: the same bits as
+ * b32_scale (F16C's conversion is exact; E8M0 as bits, e < 2 the subnormal 0x00200000 << e).
+ * The 8 fields are gathered in general registers and moved to a vector at once (8 element
+ * inserts, or 8 stores and a reload, loaded the decode kernel's shuffle port or stalled it). */
+static inline __m256 b32_scales8p(const b32_kind *k, const uint8_t *const row[8]) {
+    if (k->e8m0) {
+        uint64_t e8 = 0;
+        for (int r = 0; r < 8; r++) e8 |= (uint64_t)row[r][0] << 8 * r;
+        /* (e - 1) << 23, or for e < 2 (that is 0 or negative) the subnormal 0x00400000 >> (1 - e)
+         * (a shift by a negative count, as unsigned, gives 0): the larger as signed */
+        const __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)e8));
+        const __m256i big = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+        const __m256i small = _mm256_srlv_epi32(_mm256_set1_epi32(0x00400000), _mm256_sub_epi32(_mm256_set1_epi32(1), e));
+        return _mm256_castsi256_ps(_mm256_max_epi32(big, small));
+    }
+    uint16_t h[8];
+    for (int r = 0; r < 8; r++) memcpy(&h[r], row[r], 2);
+    uint64_t lo = h[0] | (uint64_t)h[1] << 16 | (uint64_t)h[2] << 32 | (uint64_t)h[3] << 48;
+    uint64_t hi = h[4] | (uint64_t)h[5] << 16 | (uint64_t)h[6] << 32 | (uint64_t)h[7] << 48;
+    __asm__("" : "+r"(lo), "+r"(hi)); /* (kept in general registers: gcc's vectorized packing costs shuffles) */
+    return _mm256_cvtph_ps(_mm_set_epi64x((long long)hi, (long long)lo));
 }
 
-/* p[r] = [row r's 8 partial sums | row r + 4's] -> the 8 rows' totals, in order */
+static inline __m256 b32_scales8(const b32_kind *k, const uint8_t *blk, int64_t row_bytes) {
+    const uint8_t *row[8];
+    for (int r = 0; r < 8; r++) row[r] = blk + r * row_bytes;
+    return b32_scales8p(k, row);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* AVX-512 decode (1-4 tokens): two rows a 512-bit vector, rows r and r + 4, on the unsigned grids
+ * through dpbusd. Each vector is [a 0-15, b 0-15, a 16-31, b 16-31] (a broadcast load, a masked
+ * one, the upper half's nibbles shifted: one shuffle, the lookup, for 64 values); the activation
+ * blocks are prepared once a call in that order, with the grid's offset correction (-off x the
+ * block's quant sum) in the two rows' first lanes, where dpbusd starts, so the 8 rows' exact
+ * block sums come out of one reduction (7 shuffles). */
+#define B32_ZMM 1
+#define B32_ZMM_COLS 4     /* up to this many columns (the panel's transposes cost more below) */
+#define B32_PREP_STACK 512 /* prepared blocks (128 bytes each) kept on the stack; more: malloc */
+
+/* rows a and b's block values on the unsigned grid `lut` (its 16 entries in each 128-bit lane) */
+static inline __m512i b32_values2(__m512i lut, const uint8_t *qa, const uint8_t *qb) {
+    __m512i z = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)qa)), 0xF0F0,
+                                            _mm_loadu_si128((const __m128i *)qb));
+    z = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xFFFF0000u, z, 4), _mm512_set1_epi8(0x0f));
+    return _mm512_shuffle_epi8(lut, z);
+}
+
+/* one q8_0 block prepared for b32_values2's order: p[0] its quants [0-15, 0-15, 16-31, 16-31],
+ * p[1] -off x their sum in int32 lanes 0 and 4 (rows a and b), 0 elsewhere; *yd its scale */
+static inline void b32_prep(int off, const block_q8_0 *y, __m512i *p, float *yd) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)y->qs);
+    p[0] = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(v));
+    p[1] = _mm512_maskz_set1_epi32(0x0011, -off * hsum_i32x8(dot8_u8s8(_mm256_set1_epi8(1), v)));
+    *yd = _cvtsh_ss(y->d);
+}
+
+/* p[r] = dpbusd of rows r and r + 4 -> the 8 rows' totals, in order: per 128-bit lane the four
+ * vectors' lane sums [p0, p1, p2, p3] (lanes 0 and 2: rows 0-3, lanes 1 and 3: rows 4-7) */
 static inline __m256i hsum8_rows_zmm(const __m512i p[4]) {
     const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]), _mm512_unpackhi_epi32(p[0], p[1]));
     const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]), _mm512_unpackhi_epi32(p[2], p[3]));
-    /* each 128-bit lane: [r0, r1, r2, r3] (lanes 0, 1: rows 0-3; lanes 2, 3: rows 4-7) */
     const __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
-    const __m512i lo = _mm512_shuffle_i64x2(t, t, 0x08); /* lanes 0, 2 */
-    const __m512i hi = _mm512_shuffle_i64x2(t, t, 0x0d); /* lanes 1, 3 */
-    return _mm512_castsi512_si256(_mm512_add_epi32(lo, hi));
-}
-#endif
-
-/* the scales of the blocks at blk, blk + row_bytes, ... (8 rows) as floats: the same bits as
- * b32_scale (F16C's conversion is exact; E8M0 as bits, e < 2 the subnormal 0x00200000 << e) */
-static inline __m256 b32_scales8(const b32_kind *k, const uint8_t *blk, int64_t row_bytes) {
-    const uint8_t *b[8];
-    for (int r = 0; r < 8; r++) b[r] = blk + r * row_bytes;
-    if (k->e8m0) {
-        const __m256i e = _mm256_setr_epi32(b[0][0], b[1][0], b[2][0], b[3][0], b[4][0], b[5][0], b[6][0], b[7][0]);
-        const __m256i big = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
-        const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
-        return _mm256_castsi256_ps(_mm256_blendv_epi8(small, big, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
-    }
-    uint16_t h[8];
-    for (int r = 0; r < 8; r++) memcpy(&h[r], b[r], 2);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+    return _mm256_add_epi32(_mm512_castsi512_si256(t), _mm512_extracti64x4_epi64(t, 1));
 }
 
-/* 8 rows (row_bytes apart) against nc <= LP_GEMM_COLS activation rows: the rows in the lanes, each
- * block's 8 weight vectors decoded once for all nc columns */
-static void b32_rows8(const b32_kind *k, int off, const int32_t *ys, int nb, float *s, int64_t ld_s, const uint8_t *w,
-                      int64_t row_bytes, const uint8_t *x, int64_t x_bytes, int nc) {
-    const __m128i lut = _mm_loadu_si128((const __m128i *)(off == 0 ? (const void *)k->lut
-                                                          : k->e8m0 ? (const void *)ulut_mxfp4 : (const void *)ulut_iq4nl));
-    __m256 acc[LP_GEMM_COLS];
-    for (int c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
-    lp_pf pf = lp_pf_group(w, 8 * row_bytes, nb);
-    for (int i = 0; i < nb; i++) {
+/* 8 rows against NC prepared columns (column c's block i at prep[2 (c nb + i)], its scale at
+ * yd[c nb + i]): per output the vec_dot's chain, acc = fmaf(S_i, d_w d_y, acc) */
+static inline __attribute__((always_inline)) void b32_rows8_zmm(const b32_kind *k, const int NC, int nb, float *s,
+                                                                int64_t ld_s, const uint8_t *w, int64_t row_bytes,
+                                                                const __m512i *prep, const float *yd) {
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(k->e8m0 ? ulut_mxfp4 : ulut_iq4nl)));
+    __m256 acc[B32_ZMM_COLS];
+    for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
+    const lp_pf pf = lp_pf_group(w, 8 * row_bytes, nb);
+    /* rows 0-3 at p0 + {0, rb, 2 rb, rb3}, rows 4-7 at p4 + the same: four registers for the
+     * eight rows' addresses (one a row spilled them) */
+    const uint8_t *p0 = w, *p4 = w + 4 * row_bytes;
+    const int64_t rb = row_bytes, rb3 = 3 * row_bytes;
+    for (int i = 0; i < nb; i++, p0 += k->bsize, p4 += k->bsize) {
         lp_pf_step(&pf, i);
-        const uint8_t *blk = w + (int64_t)i * k->bsize;
-        const __m256 dwv = b32_scales8(k, blk, row_bytes);
-#if defined(B32_ZMM)
-        __m512i wz[4]; /* rows r and r + 4 side by side */
-        for (int r = 0; r < 4; r++) wz[r] = b32_values2(lut, blk + r * row_bytes + k->qoff, blk + (r + 4) * row_bytes + k->qoff);
-#else
-        __m256i wv[8];
-        for (int r = 0; r < 8; r++) wv[r] = b32_values(lut, blk + r * row_bytes + k->qoff);
-#endif
-        for (int c = 0; c < nc; c++) {
-            const block_q8_0 *y = (const block_q8_0 *)(x + c * x_bytes) + i;
-            const __m256i yv = _mm256_loadu_si256((const __m256i *)y->qs);
-#if defined(B32_ZMM)
-            const __m512i yz = _mm512_broadcast_i64x4(yv);
+        const uint8_t *row[8] = {p0, p0 + rb, p0 + 2 * rb, p0 + rb3, p4, p4 + rb, p4 + 2 * rb, p4 + rb3};
+        const __m256 dwv = b32_scales8p(k, row);
+        __m512i wz[4];
+        for (int r = 0; r < 4; r++) wz[r] = b32_values2(lut, row[r] + k->qoff, row[r + 4] + k->qoff);
+        for (int c = 0; c < NC; c++) {
+            const __m512i *pc = prep + 2 * ((int64_t)c * nb + i);
             __m512i pz[4];
-            for (int r = 0; r < 4; r++) pz[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wz[r], yz);
-            __m256i tot = hsum8_rows_zmm(pz);
-#else
-            __m256i p[8];
-            if (off == 0) {
-                for (int r = 0; r < 8; r++) p[r] = dot8_s8(wv[r], yv);
-            } else {
-                for (int r = 0; r < 8; r++) p[r] = dot8_u8s8(wv[r], yv);
-            }
-            __m256i tot = hsum8_rows(p);
-#endif
-            if (off != 0) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(ys[(int64_t)c * nb + i]));
-            const __m256 sc = _mm256_mul_ps(dwv, _mm256_set1_ps(_cvtsh_ss(y->d)));
-            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), sc, acc[c]);
+            for (int r = 0; r < 4; r++) pz[r] = _mm512_dpbusd_epi32(pc[1], wz[r], pc[0]);
+            const __m256 sc = _mm256_mul_ps(dwv, _mm256_set1_ps(yd[(int64_t)c * nb + i]));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8_rows_zmm(pz)), sc, acc[c]);
         }
     }
-    for (int c = 0; c < nc; c++) {
+    for (int c = 0; c < NC; c++) {
         float o[8];
         _mm256_storeu_ps(o, acc[c]);
         for (int r = 0; r < 8; r++) s[c * ld_s + r] = o[r];
     }
 }
+
+/* rows 0 .. 8 floor(nr / 8) against nc <= B32_ZMM_COLS columns (b32_rows8_zmm); the rows done (0 when there
+ * is no memory for the prepared columns) */
+static inline __attribute__((always_inline)) int b32_gemv_zmm(const b32_kind *k, int nb, float *s, int64_t ld_s, const uint8_t *w, int64_t row_bytes, int nr,
+                        const uint8_t *x, int64_t x_bytes, int nc) {
+    const int off = k->e8m0 ? 12 : 128;
+    const int64_t n = (int64_t)nc * nb;
+    __m512i stack[2 * B32_PREP_STACK];
+    float yd_stack[B32_PREP_STACK];
+    __m512i *prep = n <= B32_PREP_STACK ? stack : aligned_alloc(64, (size_t)n * 2 * sizeof(__m512i));
+    float *yd = n <= B32_PREP_STACK ? yd_stack : malloc((size_t)n * sizeof(float));
+    int r = 0;
+    if (prep != NULL && yd != NULL) {
+        for (int c = 0; c < nc; c++)
+            for (int i = 0; i < nb; i++)
+                b32_prep(off, (const block_q8_0 *)(x + c * x_bytes) + i, prep + 2 * ((int64_t)c * nb + i),
+                         yd + (int64_t)c * nb + i);
+        for (r = 0; r + 8 <= nr; r += 8) {
+            const uint8_t *wr = w + r * row_bytes;
+            if (nc == 1) b32_rows8_zmm(k, 1, nb, s + r, ld_s, wr, row_bytes, prep, yd);
+            else if (nc == 2) b32_rows8_zmm(k, 2, nb, s + r, ld_s, wr, row_bytes, prep, yd);
+            else if (nc == 3) b32_rows8_zmm(k, 3, nb, s + r, ld_s, wr, row_bytes, prep, yd);
+            else b32_rows8_zmm(k, 4, nb, s + r, ld_s, wr, row_bytes, prep, yd);
+        }
+    }
+    if (prep != stack) free(prep);
+    if (yd != yd_stack) free(yd);
+    return r;
+}
+#endif
+
 #endif
 
 #if defined(__AVX2__)
@@ -338,6 +378,7 @@ static void b32_rows8(const b32_kind *k, int off, const int32_t *ys, int nb, flo
  * every column, each column's chain carried from one panel to the next. */
 #define B32_PANEL_BLOCKS 32
 #define B32_PANEL_MIN 4 /* columns from which the panel beats rows8's horizontal sums */
+#define B32_YS_STACK 2048 /* offset sums on the stack (the decode kernels); more: malloc */
 
 static inline void transpose8_i32(__m256i v[8]) {
     __m256i t[8], u[8];
@@ -410,6 +451,147 @@ static void b32_panel8(const b32_kind *k, int off, const int32_t *ys, int nb, fl
     }
 }
 
+#if !defined(B32_ZMM)
+/* AVX2 decode (1-3 tokens): 4 rows at a time, each row's block values decoded once and multiplied
+ * by every column at once (the 4 x NC partial-sum vectors stay in the 16 registers: 8 rows x
+ * several columns spilled), the 4 rows' block sums by one reduction (6 shuffles), their scales
+ * gathered in a general register. IQ4_NL through the sign trick (its grid does not fit
+ * maddubs unsigned), MXFP4 on its unsigned grid less the prepared offset sums. */
+#define B32_YMM_COLS 3
+
+/* the 4 vectors' lane totals, in order: [v0, v1, v2, v3] */
+static inline __m128i hsum4_rows(const __m256i v[4]) {
+    const __m256i s0 = _mm256_add_epi32(_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpackhi_epi32(v[0], v[1]));
+    const __m256i s1 = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2], v[3]), _mm256_unpackhi_epi32(v[2], v[3]));
+    const __m256i t = _mm256_add_epi32(_mm256_blend_epi32(s0, s1, 0xCC), _mm256_alignr_epi8(s1, s0, 8));
+    return _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+}
+
+/* the scales of 4 rows' blocks (row[0..3]) as floats (b32_scales8p's, 4 rows) */
+static inline __m128 b32_scales4p(const b32_kind *k, const uint8_t *const row[4]) {
+    if (k->e8m0) {
+        uint32_t e4 = 0;
+        for (int r = 0; r < 4; r++) e4 |= (uint32_t)row[r][0] << 8 * r;
+        const __m128i e = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)e4)); /* (b32_scales8p's) */
+        const __m128i big = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);
+        const __m128i small = _mm_srlv_epi32(_mm_set1_epi32(0x00400000), _mm_sub_epi32(_mm_set1_epi32(1), e));
+        return _mm_castsi128_ps(_mm_max_epi32(big, small));
+    }
+    uint16_t h[4];
+    for (int r = 0; r < 4; r++) memcpy(&h[r], row[r], 2);
+    uint64_t lo = h[0] | (uint64_t)h[1] << 16 | (uint64_t)h[2] << 32 | (uint64_t)h[3] << 48;
+    __asm__("" : "+r"(lo)); /* (b32_scales8p's) */
+    return _mm_cvtph_ps(_mm_cvtsi64_si128((long long)lo));
+}
+
+/* 4 rows against NC columns (x_bytes apart; ys: MXFP4's offset sums, column c's block i at
+ * [c nb + i]): per output the vec_dot's chain */
+static inline __attribute__((always_inline)) void b32_rows4_ymm(const b32_kind *k, const int NC, const int32_t *ys,
+                                                                int nb, float *s, int64_t ld_s, const uint8_t *w,
+                                                                int64_t row_bytes, const uint8_t *x, int64_t x_bytes) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)(k->e8m0 ? (const void *)ulut_mxfp4 : (const void *)k->lut));
+    __m128 acc[B32_YMM_COLS];
+    for (int c = 0; c < NC; c++) acc[c] = _mm_setzero_ps();
+    const lp_pf pf = lp_pf_group(w, 4 * row_bytes, nb);
+    const uint8_t *p0 = w;
+    const int64_t rb = row_bytes, rb3 = 3 * row_bytes;
+    for (int i = 0; i < nb; i++, p0 += k->bsize) {
+        lp_pf_step(&pf, i);
+        const uint8_t *row[4] = {p0, p0 + rb, p0 + 2 * rb, p0 + rb3};
+        const __m128 dw = b32_scales4p(k, row);
+        __m256i p[B32_YMM_COLS][4];
+        for (int r = 0; r < 4; r++) {
+            const __m256i wv = b32_values(lut, row[r] + k->qoff);
+            for (int c = 0; c < NC; c++) {
+                const __m256i yv = _mm256_loadu_si256((const __m256i *)((const block_q8_0 *)(x + c * x_bytes) + i)->qs);
+                p[c][r] = k->e8m0 ? dot8_u8s8(wv, yv) : dot8_s8(wv, yv);
+            }
+        }
+        for (int c = 0; c < NC; c++) {
+            const block_q8_0 *y = (const block_q8_0 *)(x + c * x_bytes) + i;
+            __m128i tot = hsum4_rows(p[c]);
+            if (k->e8m0) tot = _mm_sub_epi32(tot, _mm_set1_epi32(ys[(int64_t)c * nb + i]));
+            acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(tot), _mm_mul_ps(dw, _mm_set1_ps(_cvtsh_ss(y->d))), acc[c]);
+        }
+    }
+    for (int c = 0; c < NC; c++) _mm_storeu_ps(s + c * ld_s, acc[c]);
+}
+
+/* the 8 vectors' lane totals, in order (v[r]'s total in lane r): 11 shuffles (unpacks, then an
+ * alignr and a lane swap, each with a blend) */
+static inline __m256i hsum8_rows(const __m256i v[8]) {
+    __m256i s[4], t[2];
+    for (int k = 0; k < 4; k++) /* [v2k, v2k+1, v2k, v2k+1] pair sums, per 128-bit lane */
+        s[k] = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2 * k], v[2 * k + 1]), _mm256_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 2; k++) /* rows 4k..4k+3, per 128-bit lane */
+        t[k] = _mm256_add_epi32(_mm256_blend_epi32(s[2 * k], s[2 * k + 1], 0xCC), _mm256_alignr_epi8(s[2 * k + 1], s[2 * k], 8));
+    return _mm256_add_epi32(_mm256_blend_epi32(t[0], t[1], 0xF0), _mm256_permute2x128_si256(t[0], t[1], 0x21));
+}
+
+/* One token (decode proper), 8 rows at once: the 8-row reduction costs 11 shuffles where two
+ * 4-row ones cost 12 and 2 more float steps. IQ4_NL with the sign moved to the weights:
+ * sign(v, y) times |y|, prepared once a call (ay), one operation a row less than the sign trick
+ * (|y| <= 127, so maddubs' pairs stay below 2^15); MXFP4 on its unsigned grid less ys. yd: the
+ * activation scales as floats. */
+static inline __attribute__((always_inline)) void b32_rows8_ymm1(const b32_kind *k, const int32_t *ys,
+                                                                 const __m256i *ay, const float *yd, int nb, float *s,
+                                                                 const uint8_t *w, int64_t row_bytes,
+                                                                 const uint8_t *x) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)(k->e8m0 ? (const void *)ulut_mxfp4 : (const void *)k->lut));
+    __m256 acc = _mm256_setzero_ps();
+    const lp_pf pf = lp_pf_group(w, 8 * row_bytes, nb);
+    const uint8_t *p0 = w, *p4 = w + 4 * row_bytes; /* (b32_rows8_zmm's addressing) */
+    const int64_t rb = row_bytes, rb3 = 3 * row_bytes;
+    for (int i = 0; i < nb; i++, p0 += k->bsize, p4 += k->bsize) {
+        lp_pf_step(&pf, i);
+        const uint8_t *row[8] = {p0, p0 + rb, p0 + 2 * rb, p0 + rb3, p4, p4 + rb, p4 + 2 * rb, p4 + rb3};
+        const __m256 dwv = b32_scales8p(k, row);
+        const __m256i yv = _mm256_loadu_si256((const __m256i *)((const block_q8_0 *)x + i)->qs);
+        __m256i p[8];
+        for (int r = 0; r < 8; r++) {
+            const __m256i wv = b32_values(lut, row[r] + k->qoff);
+            p[r] = k->e8m0 ? dot8_u8s8(wv, yv) : dot8_u8s8(_mm256_load_si256(ay + i), _mm256_sign_epi8(wv, yv));
+        }
+        __m256i tot = hsum8_rows(p);
+        if (k->e8m0) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(ys[i]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(dwv, _mm256_set1_ps(yd[i])), acc);
+    }
+    _mm256_storeu_ps(s, acc);
+}
+
+/* rows 0 .. 4 floor(nr / 4) against nc <= B32_YMM_COLS columns; the rows done (0: no memory) */
+static inline __attribute__((always_inline)) int b32_gemv_ymm(const b32_kind *k, int nb, float *s, int64_t ld_s,
+                                                              const uint8_t *w, int64_t row_bytes, int nr,
+                                                              const uint8_t *x, int64_t x_bytes, int nc) {
+    int32_t ys_stack[B32_YS_STACK];
+    int32_t *ys = NULL;
+    if (k->e8m0) {
+        ys = (int64_t)nc * nb <= B32_YS_STACK ? ys_stack : malloc((size_t)nc * (size_t)nb * sizeof(int32_t));
+        if (ys == NULL) return 0;
+        b32_ysums(12, nb, x, x_bytes, nc, ys);
+    }
+    int r = 0;
+    if (nc == 1 && nb <= B32_YS_STACK) {
+        __m256i ay[B32_YS_STACK];
+        float yd[B32_YS_STACK];
+        for (int i = 0; i < nb; i++) {
+            const block_q8_0 *y = (const block_q8_0 *)x + i;
+            ay[i] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)y->qs));
+            yd[i] = _cvtsh_ss(y->d);
+        }
+        for (; r + 8 <= nr; r += 8) b32_rows8_ymm1(k, ys, ay, yd, nb, s + r, w + r * row_bytes, row_bytes, x);
+    }
+    for (; r + 4 <= nr; r += 4) {
+        const uint8_t *wr = w + r * row_bytes;
+        if (nc == 1) b32_rows4_ymm(k, 1, ys, nb, s + r, ld_s, wr, row_bytes, x, x_bytes);
+        else if (nc == 2) b32_rows4_ymm(k, 2, ys, nb, s + r, ld_s, wr, row_bytes, x, x_bytes);
+        else b32_rows4_ymm(k, 3, ys, nb, s + r, ld_s, wr, row_bytes, x, x_bytes);
+    }
+    if (ys != ys_stack) free(ys);
+    return r;
+}
+#endif
+
 static void b32_gemm(const b32_kind *k, int n, float *s, int64_t ld_s, const void *vw, int64_t row_bytes, int nr,
                      const void *vx, int64_t x_bytes, int nc) {
     const uint8_t *w = vw, *x = vx;
@@ -419,20 +601,29 @@ static void b32_gemm(const b32_kind *k, int n, float *s, int64_t ld_s, const voi
 #else
     int off = k->e8m0 ? 12 : 0; /* the unsigned grid and maddubs for MXFP4, the sign trick for IQ4_NL */
 #endif
-    int32_t *ys = off != 0 && nr >= 8 ? malloc((size_t)nc * (size_t)nb * sizeof(int32_t)) : NULL;
-    if (ys != NULL) b32_ysums(off, nb, x, x_bytes, nc, ys);
     int r = 0;
+#if defined(B32_ZMM)
+    if (nc <= B32_ZMM_COLS) {
+        /* (the kinds as constants: their offsets and scale decoding folded in) */
+        r = k->e8m0 ? b32_gemv_zmm(&K_MXFP4, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, nc)
+                    : b32_gemv_zmm(&K_IQ4_NL, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
+        off = -1; /* (the rows left: b32_row) */
+    }
+#else
+    if (nc <= B32_YMM_COLS) {
+        r = k->e8m0 ? b32_gemv_ymm(&K_MXFP4, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, nc)
+                    : b32_gemv_ymm(&K_IQ4_NL, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
+        off = -1;
+    }
+#endif
+    int32_t *ys = off > 0 && nr >= 8 ? malloc((size_t)nc * (size_t)nb * sizeof(int32_t)) : NULL;
+    if (ys != NULL) b32_ysums(off, nb, x, x_bytes, nc, ys);
     if (off == 0 || ys != NULL) { /* (no memory for the sums: every row through b32_row) */
-        if (nc >= B32_PANEL_MIN) {
-            for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS_K) {
-                const int m = nc - c0 < LP_GEMM_COLS_K ? nc - c0 : LP_GEMM_COLS_K;
-                for (r = 0; r + 8 <= nr; r += 8)
-                    b32_panel8(k, off, ys == NULL ? NULL : ys + (int64_t)c0 * nb, nb, s + c0 * ld_s + r, ld_s,
-                               w + r * row_bytes, row_bytes, x + c0 * x_bytes, x_bytes, m);
-            }
-        } else {
+        for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS_K) { /* (nc >= B32_PANEL_MIN here) */
+            const int m = nc - c0 < LP_GEMM_COLS_K ? nc - c0 : LP_GEMM_COLS_K;
             for (r = 0; r + 8 <= nr; r += 8)
-                b32_rows8(k, off, ys, nb, s + r, ld_s, w + r * row_bytes, row_bytes, x, x_bytes, nc);
+                b32_panel8(k, off, ys == NULL ? NULL : ys + (int64_t)c0 * nb, nb, s + c0 * ld_s + r, ld_s,
+                           w + r * row_bytes, row_bytes, x + c0 * x_bytes, x_bytes, m);
         }
     }
     free(ys);
@@ -593,10 +784,116 @@ static void xs_panel8(int nb, float *s, int64_t ld_s, const uint8_t *w, int64_t 
         for (int r = 0; r < 8; r++) s[c * ld_s + r] = acc[c][r];
 }
 
+#if defined(B32_ZMM)
+/* AVX-512 IQ4_XS decode (1-4 tokens): b32_rows8_zmm's layout for each 32-element sub-block (rows r
+ * and r + 4 a vector, the unsigned grid through dpbusd, the activations prepared once a call with
+ * the offset correction from q8_K's bsums); each sub-block's lane sums times the two rows'
+ * 6-bit scales (vpmulld: exact), summed over the block in int32 lanes and reduced once a block:
+ * the vec_dot's S_i, then per row r = (float)S_i * d_w, acc = fmaf(r, d_y, acc). */
+#define XS_ZMM_COLS 4
+
+/* one q8_K block prepared: p[2 ib], p[2 ib + 1] sub-block ib's quants and correction (b32_prep's) */
+static inline void xs_prep(const block_q8_K *y, __m512i *p) {
+    for (int ib = 0; ib < QK_K / 32; ib++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(y->qs + 32 * ib));
+        p[2 * ib] = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(v));
+        p[2 * ib + 1] = _mm512_maskz_set1_epi32(0x0011, -128 * (y->bsums[2 * ib] + y->bsums[2 * ib + 1]));
+    }
+}
+
+/* blocks a and b's 8 sub-block scales (minus 32) as int32 lanes [a's 0-7 | b's 0-7] */
+static inline __m512i xs_scales2(const uint8_t *a, const uint8_t *b) {
+    const __m512i l = _mm512_mask_broadcastd_epi32(_mm512_broadcastd_epi32(_mm_loadu_si32(a + 4)), 0xFF00,
+                                                   _mm_loadu_si32(b + 4)); /* scales_l */
+    const __m512i h = _mm512_mask_broadcastd_epi32(_mm512_broadcastd_epi32(_mm_loadu_si32(a + 2)), 0xFF00,
+                                                   _mm_loadu_si32(b + 2)); /* scales_h (low 16 bits) */
+    const __m512i sl = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    const __m512i sh = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+    const __m512i lo = _mm512_and_si512(_mm512_srlv_epi32(l, sl), _mm512_set1_epi32(15));
+    const __m512i hi = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, sh), _mm512_set1_epi32(3)), 4);
+    return _mm512_sub_epi32(_mm512_or_si512(lo, hi), _mm512_set1_epi32(32));
+}
+
+static inline __attribute__((always_inline)) void xs_rows8_zmm(const int NC, int nb, float *s, int64_t ld_s,
+                                                               const uint8_t *w, int64_t row_bytes,
+                                                               const __m512i *prep, const float *yd) {
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)ulut_iq4nl));
+    __m256 acc[XS_ZMM_COLS];
+    for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
+    const lp_pf pf = lp_pf_group(w, 8 * row_bytes, nb);
+    const uint8_t *p0 = w, *p4 = w + 4 * row_bytes; /* (b32_rows8_zmm's addressing) */
+    const int64_t rb = row_bytes, rb3 = 3 * row_bytes;
+    for (int i = 0; i < nb; i++, p0 += sizeof(block_iq4_xs), p4 += sizeof(block_iq4_xs)) {
+        lp_pf_step(&pf, i);
+        const uint8_t *row[8] = {p0, p0 + rb, p0 + 2 * rb, p0 + rb3, p4, p4 + rb, p4 + 2 * rb, p4 + rb3};
+        __m512i sc[4], tot[XS_ZMM_COLS][4];
+        for (int r = 0; r < 4; r++) sc[r] = xs_scales2(row[r], row[r + 4]);
+        for (int c = 0; c < NC; c++)
+            for (int r = 0; r < 4; r++) tot[c][r] = _mm512_setzero_si512();
+        for (int ib = 0; ib < QK_K / 32; ib++) {
+            /* sub-block ib's scale of row a in lanes 0-3 and 8-11, of row b in 4-7 and 12-15 */
+            const __m512i sel = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 0, 0, 0, 0, 8, 8, 8, 8),
+                                                 _mm512_set1_epi32(ib));
+            for (int r = 0; r < 4; r++) {
+                const __m512i wz = b32_values2(lut, row[r] + 8 + 16 * ib, row[r + 4] + 8 + 16 * ib);
+                const __m512i scr = _mm512_permutexvar_epi32(sel, sc[r]);
+                for (int c = 0; c < NC; c++) {
+                    const __m512i *pc = prep + 2 * (((int64_t)c * nb + i) * (QK_K / 32) + ib);
+                    tot[c][r] = _mm512_add_epi32(tot[c][r], _mm512_mullo_epi32(_mm512_dpbusd_epi32(pc[1], wz, pc[0]), scr));
+                }
+            }
+        }
+        const __m256 dwv = b32_scales8p(&K_IQ4_NL, row); /* the f16 d at each block's start */
+        for (int c = 0; c < NC; c++) {
+            const __m256 r8 = _mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_rows_zmm(tot[c])), dwv);
+            acc[c] = _mm256_fmadd_ps(r8, _mm256_set1_ps(yd[(int64_t)c * nb + i]), acc[c]);
+        }
+    }
+    for (int c = 0; c < NC; c++) {
+        float o[8];
+        _mm256_storeu_ps(o, acc[c]);
+        for (int r = 0; r < 8; r++) s[c * ld_s + r] = o[r];
+    }
+}
+
+/* rows 0 .. 8 floor(nr / 8) against nc <= XS_ZMM_COLS columns; the rows done (0: no memory) */
+static int xs_gemv_zmm(int nb, float *s, int64_t ld_s, const uint8_t *w, int64_t row_bytes, int nr, const uint8_t *x,
+                       int64_t x_bytes, int nc) {
+    const int64_t n = (int64_t)nc * nb * (QK_K / 32);
+    __m512i stack[2 * B32_PREP_STACK];
+    float yd_stack[B32_PREP_STACK];
+    __m512i *prep = n <= B32_PREP_STACK ? stack : aligned_alloc(64, (size_t)n * 2 * sizeof(__m512i));
+    float *yd = n <= B32_PREP_STACK ? yd_stack : malloc((size_t)nc * (size_t)nb * sizeof(float));
+    int r = 0;
+    if (prep != NULL && yd != NULL) {
+        for (int c = 0; c < nc; c++)
+            for (int i = 0; i < nb; i++) {
+                const block_q8_K *y = (const block_q8_K *)(x + c * x_bytes) + i;
+                xs_prep(y, prep + 2 * ((int64_t)c * nb + i) * (QK_K / 32));
+                yd[(int64_t)c * nb + i] = y->d;
+            }
+        for (r = 0; r + 8 <= nr; r += 8) {
+            const uint8_t *wr = w + r * row_bytes;
+            if (nc == 1) xs_rows8_zmm(1, nb, s + r, ld_s, wr, row_bytes, prep, yd);
+            else if (nc == 2) xs_rows8_zmm(2, nb, s + r, ld_s, wr, row_bytes, prep, yd);
+            else if (nc == 3) xs_rows8_zmm(3, nb, s + r, ld_s, wr, row_bytes, prep, yd);
+            else xs_rows8_zmm(4, nb, s + r, ld_s, wr, row_bytes, prep, yd);
+        }
+    }
+    if (prep != stack) free(prep);
+    if (yd != yd_stack) free(yd);
+    return r;
+}
+#endif
+
 IQ_API void lp_gemm_iq4_xs_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
                                 int64_t x_bytes, int nc) {
     const uint8_t *wb = w, *xb = x;
     int r = 0;
+#if defined(B32_ZMM)
+    if (nc <= XS_ZMM_COLS) r = xs_gemv_zmm(n / QK_K, s, ld_s, wb, row_bytes, nr, xb, x_bytes, nc);
+    else
+#endif
     if (nc >= B32_PANEL_MIN)
         for (int c0 = 0; c0 < nc; c0 += LP_GEMM_COLS_K) {
             const int m = nc - c0 < LP_GEMM_COLS_K ? nc - c0 : LP_GEMM_COLS_K;
@@ -612,7 +909,11 @@ IQ_API void lp_gemm_iq4_xs_q8_K(int n, float *s, int64_t ld_s, const void *w, in
 }
 
 IQ_API void lp_gemv_iq4_xs_q8_K(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x) {
-    for (int r = 0; r < nr; r++) {
+    int r0 = 0;
+#if defined(B32_ZMM)
+    r0 = xs_gemv_zmm(n / QK_K, s, 0, w, row_bytes, nr, x, 0, 1);
+#endif
+    for (int r = r0; r < nr; r++) {
         const uint8_t *row = (const uint8_t *)w + r * row_bytes;
         lp_pf_ahead(row, (int)row_bytes);
         lp_vec_dot_iq4_xs_q8_K(n, s + r, row, x);

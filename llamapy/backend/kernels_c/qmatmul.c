@@ -1092,9 +1092,10 @@ static int mm_traits_of(int type, mm_traits *t) {
     case LP_TYPE_Q4_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q4_K_q8_K, lp_gemm_q4_K_q8_K, NULL, lp_gemv_q4_K_q8_K}; break;
     case LP_TYPE_Q5_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q5_K_q8_K, lp_gemm_q5_K_q8_K}; break;
     case LP_TYPE_Q6_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q6_K_q8_K, lp_gemm_q6_K_q8_K, NULL, lp_gemv_q6_K_q8_K}; break;
-    case LP_TYPE_IQ4_NL: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_iq4_nl_q8_0, lp_gemm_iq4_nl_q8_0, NULL, lp_gemv_iq4_nl_q8_0}; break;
-    case LP_TYPE_MXFP4: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_mxfp4_q8_0, lp_gemm_mxfp4_q8_0, NULL, lp_gemv_mxfp4_q8_0}; break;
-    case LP_TYPE_IQ4_XS: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_iq4_xs_q8_K, lp_gemm_iq4_xs_q8_K, NULL, lp_gemv_iq4_xs_q8_K}; break;
+    /* (IQ4_NL, MXFP4, IQ4_XS: 2-4 tokens in one call over the range, the activations prepared once) */
+    case LP_TYPE_IQ4_NL: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_iq4_nl_q8_0, lp_gemm_iq4_nl_q8_0, lp_gemm_iq4_nl_q8_0, lp_gemv_iq4_nl_q8_0}; break;
+    case LP_TYPE_MXFP4: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_mxfp4_q8_0, lp_gemm_mxfp4_q8_0, lp_gemm_mxfp4_q8_0, lp_gemv_mxfp4_q8_0}; break;
+    case LP_TYPE_IQ4_XS: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_iq4_xs_q8_K, lp_gemm_iq4_xs_q8_K, lp_gemm_iq4_xs_q8_K, lp_gemv_iq4_xs_q8_K}; break;
     default: return -1;
     }
     t->gemm_cols = type == LP_TYPE_Q3_K || type == LP_TYPE_Q4_K || type == LP_TYPE_Q5_K || type == LP_TYPE_Q6_K
@@ -1199,7 +1200,7 @@ static void mm_rows(const mm_traits *t, const uint8_t *w, int64_t r0, int64_t r1
         t->gemm_panel(n_in, y + r0, ld_y, w + r0 * row_bytes, row_bytes, (int)(r1 - r0), xq, act_bytes, (int)n_tok);
         return;
     }
-    if (n_tok > 1 && n_tok <= t->gemm_cols && t->gemm_r1 != NULL) {
+    if (n_tok > 1 && n_tok <= LP_GEMM_COLS && t->gemm_r1 != NULL) {
         /* a decode batch: the whole range in one call, its columns prepared once (per 16 rows the
          * AVX-512 kernel's preparation was ~20 % of the work at 576 inputs) */
         t->gemm_r1(n_in, y + r0, ld_y, w + r0 * row_bytes, row_bytes, (int)(r1 - r0), xq, act_bytes, (int)n_tok);
@@ -1342,7 +1343,9 @@ QMM_API int lp_mul_mat(int ggml_type, const void *w, int64_t n_rows, int64_t row
  * multiply, once, all the rows that chose it (mm_rows over chunks of its rows, handed out across
  * the team as one dynamic loop over every expert's chunks), into a buffer in that order; then the
  * rows go to their (token, slot). Returns 0, -1 for a type without quantized products, -2 for an
- * expert id out of range. A thread of a running team. */
+ * expert id out of range, -3 out of memory. A thread of a running team. wsp: lp_mul_mat_id_q_wsp
+ * bytes (any alignment) for the plan and the grouped rows, or NULL: one malloc a call (measured,
+ * bench/RESULTS.md stop 29: seven before). */
 typedef struct {
     int64_t *start;  /* n_expert + 1: each expert's first row in the grouped order */
     int64_t *pair;   /* T*U: t*U + u of each grouped row */
@@ -1351,26 +1354,44 @@ typedef struct {
     int64_t *chunk;  /* units: expert << 32 | chunk index */
     int64_t n_units, n_chunk_rows;
     int err;
+    void *own;       /* the plan's memory when no workspace was given (freed with it) */
 } mmid_plan;
 
+/* The plan's arrays, each 64-byte aligned, in one block of mmid_bytes (the most any ids need):
+ * the caller's workspace (the executor's arena: no allocation a call), else one malloc. */
+#define MMID_AL(n) (((n) + 63) & ~(int64_t)63)
+static int64_t mmid_bytes(int64_t n_expert, int64_t M, int64_t act_bytes, int64_t n) {
+    const int64_t used = n < n_expert ? n : n_expert, blocks = (M + MM_ROW_BLOCK - 1) / MM_ROW_BLOCK;
+    return 64 + MMID_AL((int64_t)sizeof(mmid_plan)) + MMID_AL((n_expert + 1) * 8) + MMID_AL(n * 8) +
+           MMID_AL(n * act_bytes) + MMID_AL(n * M * 4) + MMID_AL(n_expert * 8) + MMID_AL((used * blocks + 1) * 8);
+}
+
 static mmid_plan *mmid_make(const mm_traits *t, int64_t n_expert, int64_t M, int64_t n_in, const void *xq, int64_t ux,
-                            const int32_t *ids, int64_t ids_st, int64_t T, int64_t U, int nth) {
+                            const int32_t *ids, int64_t ids_st, int64_t T, int64_t U, int nth, void *wsp) {
     const int64_t act_bytes = n_in / t->blck * t->act_bsize, n = T * U;
-    mmid_plan *pl = calloc(1, sizeof *pl);
-    if (!pl) return NULL;
-    pl->start = calloc((size_t)n_expert + 1, sizeof(int64_t));
-    pl->pair = malloc((size_t)(n ? n : 1) * sizeof(int64_t));
-    pl->xg = malloc((size_t)(n ? n : 1) * (size_t)act_bytes);
-    pl->yg = malloc((size_t)(n ? n : 1) * (size_t)M * sizeof(float));
-    if (!pl->start || !pl->pair || !pl->xg || !pl->yg) { pl->err = -3; return pl; }
+    void *own = wsp == NULL ? malloc((size_t)mmid_bytes(n_expert, M, act_bytes, n)) : NULL;
+    if (wsp == NULL && own == NULL) return NULL;
+    uint8_t *m = (uint8_t *)MMID_AL((int64_t)(uintptr_t)(wsp != NULL ? wsp : own));
+#define MMID_TAKE(p, bytes) ((p) = (void *)m, m += MMID_AL(bytes))
+    mmid_plan *pl;
+    MMID_TAKE(pl, (int64_t)sizeof *pl);
+    memset(pl, 0, sizeof *pl);
+    pl->own = own;
+    MMID_TAKE(pl->start, (n_expert + 1) * 8);
+    MMID_TAKE(pl->pair, n * 8);
+    MMID_TAKE(pl->xg, n * act_bytes);
+    MMID_TAKE(pl->yg, n * M * 4);
+    int64_t *fill;
+    MMID_TAKE(fill, n_expert * 8);
+    MMID_TAKE(pl->chunk, ((n < n_expert ? n : n_expert) * ((M + MM_ROW_BLOCK - 1) / MM_ROW_BLOCK) + 1) * 8);
+#undef MMID_TAKE
+    memset(pl->start, 0, (size_t)(n_expert + 1) * sizeof(int64_t));
     for (int64_t i = 0; i < n; i++) {
         const int32_t e = ids[(i / U) * ids_st + i % U];
         if (e < 0 || e >= n_expert) { pl->err = -2; return pl; }
         pl->start[e + 1]++;
     }
     for (int64_t e = 0; e < n_expert; e++) pl->start[e + 1] += pl->start[e];
-    int64_t *fill = malloc((size_t)n_expert * sizeof(int64_t));
-    if (!fill) { pl->err = -3; return pl; }
     memcpy(fill, pl->start, (size_t)n_expert * sizeof(int64_t));
     for (int64_t i = 0; i < n; i++) { /* token order within each expert */
         const int64_t tok = i / U, u = i % U, k = fill[ids[tok * ids_st + u]]++;
@@ -1378,7 +1399,6 @@ static mmid_plan *mmid_make(const mm_traits *t, int64_t n_expert, int64_t M, int
         memcpy(pl->xg + k * act_bytes, (const uint8_t *)xq + (tok * ux + (ux == 1 ? 0 : u)) * act_bytes,
                (size_t)act_bytes);
     }
-    free(fill);
     /* units of MM_ROW_BLOCK rows: about 4 a thread over all the work, never fewer than one a expert */
     int64_t used = 0;
     for (int64_t e = 0; e < n_expert; e++) used += pl->start[e + 1] > pl->start[e];
@@ -1387,8 +1407,6 @@ static mmid_plan *mmid_make(const mm_traits *t, int64_t n_expert, int64_t M, int
     per = per < 1 ? 1 : per > blocks ? blocks : per;
     pl->n_chunk_rows = (blocks + per - 1) / per * MM_ROW_BLOCK;
     const int64_t n_chunks = (M + pl->n_chunk_rows - 1) / pl->n_chunk_rows;
-    pl->chunk = malloc((size_t)(used * n_chunks + 1) * sizeof(int64_t));
-    if (!pl->chunk) { pl->err = -3; return pl; }
     for (int64_t e = 0; e < n_expert; e++)
         if (pl->start[e + 1] > pl->start[e])
             for (int64_t c = 0; c < n_chunks; c++) pl->chunk[pl->n_units++] = e << 32 | c;
@@ -1396,17 +1414,24 @@ static mmid_plan *mmid_make(const mm_traits *t, int64_t n_expert, int64_t M, int
 }
 
 static void mmid_free(mmid_plan *pl) {
-    if (!pl) return;
-    free(pl->start), free(pl->pair), free(pl->xg), free(pl->yg), free(pl->chunk), free(pl);
+    if (pl) free(pl->own);
+}
+
+/* the bytes of lp_mul_mat_id_q's workspace for these shapes (any ids), -1 for a type without
+ * quantized products */
+QMM_API int64_t lp_mul_mat_id_q_wsp(int ggml_type, int64_t n_expert, int64_t M, int64_t n_in, int64_t T, int64_t U) {
+    mm_traits t;
+    if (mm_traits_of(ggml_type, &t) != 0 || n_in % t.blck) return -1;
+    return mmid_bytes(n_expert, M, n_in / t.blck * t.act_bsize, T * U);
 }
 
 int lp_mul_mat_id_q_par(lp_par *p, int ggml_type, const void *w, int64_t n_expert, int64_t M, int64_t row_bytes,
                         int64_t n_in, const void *xq, int64_t ux, const int32_t *ids, int64_t ids_st, int64_t T,
-                        int64_t U, float *y) {
+                        int64_t U, float *y, void *wsp) {
     mm_traits t;
     if (mm_traits_of(ggml_type, &t) != 0 || n_in % t.blck || n_in > INT32_MAX) return -1;
     const int64_t act_bytes = n_in / t.blck * t.act_bsize;
-    mmid_plan *pl = lp_par_share(p, p->ith == 0 ? mmid_make(&t, n_expert, M, n_in, xq, ux, ids, ids_st, T, U, p->nth)
+    mmid_plan *pl = lp_par_share(p, p->ith == 0 ? mmid_make(&t, n_expert, M, n_in, xq, ux, ids, ids_st, T, U, p->nth, wsp)
                                                : NULL);
     int err = pl == NULL ? -3 : pl->err;
     if (err == 0) {
@@ -1435,18 +1460,19 @@ typedef struct {
     const int32_t *ids;
     int64_t ids_st, T, U;
     float *y;
+    void *wsp;
 } mmid_job;
 
 static int64_t mul_mat_id_q_run(lp_par *p, void *arg) {
     const mmid_job *j = arg;
     int rc = lp_mul_mat_id_q_par(p, j->type, j->w, j->n_expert, j->M, j->row_bytes, j->n_in, j->xq, j->ux, j->ids,
-                                 j->ids_st, j->T, j->U, j->y);
+                                 j->ids_st, j->T, j->U, j->y, j->wsp);
     return rc == 0 ? 0 : -rc; /* a positive error for lp_par_run */
 }
 
 QMM_API int lp_mul_mat_id_q(int ggml_type, const void *w, int64_t n_expert, int64_t M, int64_t row_bytes, int64_t n_in,
                             const void *xq, int64_t ux, const int32_t *ids, int64_t ids_st, int64_t T, int64_t U,
-                            float *y, int n_threads) {
-    mmid_job j = {ggml_type, w, n_expert, M, row_bytes, n_in, xq, ux, ids, ids_st, T, U, y};
+                            float *y, void *wsp, int n_threads) {
+    mmid_job j = {ggml_type, w, n_expert, M, row_bytes, n_in, xq, ux, ids, ids_st, T, U, y, wsp};
     return -(int)lp_par_run(n_threads, mul_mat_id_q_run, &j);
 }

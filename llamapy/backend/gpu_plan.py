@@ -790,6 +790,72 @@ def compile_split(nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: 
         return Refusal(str(e))
 
 
+def arena_bytes(nodes: Sequence[Tensor], exports: Sequence[Tensor], buft: Any, max_tokens: int, n_sm: int) -> int | None:
+    """The device arena a split's GPU plan will take, from its tensors alone (the fit plans on
+    dry buffers, before anything is loaded): the record compiler's steps and allocator offsets
+    after HEAD, then `GPUTarget.scratch` (attention partials, the prompt products' f16 scratches)
+    — the passes `compile_split` runs —, a decode plan scaled as `_reserve_for_largest_batch`
+    grows the arena. None when the compiler refuses the split (it runs node by node); a refusal
+    only the records would make (a layout) is not seen here."""
+    from ..sched.alloc import plan_offsets
+
+    t = _DryTarget(_DryRuntime(buft, max_tokens, n_sm))
+    try:
+        c = _Compiler(nodes, exports, t, plan_offsets)
+        c.steps_pass()
+        c.alloc()
+        nbytes = t.scratch(c, c.arena_size)
+    except (Refused, UnsupportedError):
+        return None
+    tokens = [_tokens(st) for st in c.steps if st.code == MUL_MAT]
+    if any(n > max_tokens for n in tokens):
+        return nbytes  # (a prompt's plan: not scaled)
+    return _largest_batch_bytes(nbytes, min(tokens, default=0), max_tokens)
+
+
+def _tokens(st: Any) -> int:
+    x = st.extra.get("mm", st.node).src[1]
+    return x.n_elements // max(x.shape[-1], 1)
+
+
+def _largest_batch_bytes(nbytes: int, n_tok: int, max_tokens: int) -> int:
+    """A decode plan's arena scaled to the largest batch (see _reserve_for_largest_batch)."""
+    return -(-nbytes * max_tokens // n_tok) if 0 < n_tok < max_tokens else nbytes
+
+
+@dataclass
+class _DryRuntime:
+    """What GPUTarget's sizing reads of a runtime: the buffer type, the batch limit, the split
+    of the attention's cells (cuda_ops' choice for n_sm SMs; 0: never split)."""
+
+    buft: Any
+    max_tokens: int
+    n_sm: int
+
+    def attn_split(self, n_tokens: int, n_head: int, n_head_kv: int, n_cells: int, dv: int) -> tuple[int, int]:
+        from .cuda_ops import fattn_scratch_floats, fattn_splits
+
+        n = fattn_splits(n_tokens, n_head_kv, n_cells, self.n_sm)
+        return n, 4 * fattn_scratch_floats(n_tokens, n_head, dv, n)
+
+
+class _DryTarget(GPUTarget):
+    """GPUTarget over tensors without memory: a leaf in the device's buffer type is its own value."""
+
+    def leaf(self, t: Tensor) -> Any | None:
+        r = t.root()
+        if r.buffer is None:
+            return None
+        if r.buffer.buft is not self.rt.buft:
+            if r.flags & TensorFlag.WEIGHT:
+                raise Refused(f"weight {r.name} in {r.buffer.name} memory")
+            return None
+        return r
+
+    def id_type(self, n: Tensor) -> int | None:
+        return int(n.src[0].root().type) if self.leaf(n.src[0]) is not None else None
+
+
 def _reserve_for_largest_batch(built: Built, rt: Runtime) -> None:
     """Grow the arena now to what a plan of the largest batch (rt.max_tokens) would take, before
     this plan is captured: a server's steps of 1..8 sequences each get their plan and graph the
@@ -801,7 +867,7 @@ def _reserve_for_largest_batch(built: Built, rt: Runtime) -> None:
     n_tok = min((int(r[6]) for r in built.recs if r[0] in (MUL_MAT_W, MUL_MAT_GLU)), default=0)
     if not 0 < n_tok < rt.max_tokens or (built.recs[:, 0] == MUL_MAT_GEMM).any():
         return  # (a prompt's plan: larger than any decode plan already; its 1-token tail is no guide)
-    base = rt.arena.ensure(-(-built.nbytes * rt.max_tokens // n_tok))
+    base = rt.arena.ensure(_largest_batch_bytes(built.nbytes, n_tok, rt.max_tokens))
     if base != built.base:  # (the block was made again: the records not yet launched move)
         built.recs[built.moves] += base - built.base
         built.base = base

@@ -1220,3 +1220,77 @@ def test_prompt_plan_on_the_cuda_emulator(make_llama, tmp_path: Path, monkeypatc
     _check_prompt(got, want, made, _F16_TOL)
     assert any(n.startswith("fattn_tile_") for n in names) and any(n.startswith("dequant_f16_") for n in names)
     assert "cpy_f32_f16" in names and "gemm_f16" in names
+
+
+# -- the fit (-ngl auto) counts what the GPU plans allocate ---------------------------------------
+
+
+def _test_device(monkeypatch: pytest.MonkeyPatch, mib: float | None = None) -> list[GPUPlan]:
+    """One TEST device (`mib` of memory, else unbounded) whose splits are GPU plans over FakeRuntime."""
+    from llamapy.backend import registry
+
+    monkeypatch.setenv("LLAMAPY_TEST_GPU", "1")
+    if mib is None:
+        monkeypatch.delenv("LLAMAPY_TEST_GPU_MEM", raising=False)
+    else:
+        monkeypatch.setenv("LLAMAPY_TEST_GPU_MEM", f"{mib:.6f}")
+    monkeypatch.setattr(registry, "_cache", None)
+    return use_test_device_plans(monkeypatch.setattr, FakeRuntime)
+
+
+def test_the_fit_counts_the_plans_arena(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fit's compute figure for a device of GPU plans is the arena those plans take (the
+    prompt plan's f16 GEMM scratches included: more than the scheduler's node-by-node buffer),
+    byte for byte, and -ngl auto follows it: with exactly that much memory every layer goes to the
+    device, with one byte less one layer stays on the CPU, as the load log says."""
+    import sys
+
+    from llamapy.context import ModelOptions
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from family_models import write_family_gguf
+
+    path = write_family_gguf(tmp_path / "qwen3.gguf", "qwen3", qtype=T.Q8_0, n_swa=4)
+    co = ContextOptions(n_ctx=256, n_ubatch=40, n_batch=40, n_threads=1)
+    made = _test_device(monkeypatch)
+    model = Model(path, ModelOptions(n_gpu_layers="all"), context_options=co)
+    n_all = model.params.n_layer + 1
+    need = model.device_bytes(n_all)["TEST0"]
+    ctx = Context(model, co)
+    ctx.decode(list(range(1, 41)), list(range(40)), 0, [True] * 40)  # the worst-case graph: a prompt plan
+    for i in range(3):
+        ctx.decode([5 + i], [40 + i])
+    (rt,) = {id(p.rt): p.rt for p in made}.values()
+    assert any(p.direct == GEMM_DIRECT for p in made) and any(not p.direct for p in made)
+    held = sum(b.nbytes for b in model.weights.buffers if b.name == "TEST0") + ctx.kv.nbytes_by_device()["TEST0"]
+    sched_size = ctx.sched.reserve(ctx.graph(40, 40).graph).compute_sizes["TEST0"]
+    assert need - held == rt.arena.size > sched_size
+    ctx.free()
+    model.free()
+    for mib, ngl in ((need / 2**20, n_all), ((need - 1) / 2**20, n_all - 1)):
+        _test_device(monkeypatch, mib)
+        m = Model(path, ModelOptions(n_gpu_layers="auto"), context_options=co)
+        assert m.info.n_gpu_layers == ngl and m.info.ngl_reason.startswith(f"-ngl auto: {ngl}/{n_all} layers fit")
+        m.free()
+
+
+def test_the_fit_counts_one_layers_host_experts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the experts of the first k layers in host memory (--n-cpu-moe k), a prompt copies each
+    expert tensor to the device for its product (op offload at the default -ub 512) in a split of
+    its own, as ggml does, so the device's figure holds one copy whatever k is: each layer moved
+    frees its experts' bytes (before, every moved layer's copies were one split's inputs, all
+    held at once, and moving experts freed nothing)."""
+    from llamapy.context import ModelOptions
+    from llamapy.model.loader import expert_overrides
+
+    path = _moe_model(tmp_path, "tiny-qwen3moe")
+    _test_device(monkeypatch)
+    model = Model(path, ModelOptions(n_gpu_layers="all"), context_options=ContextOptions(n_ctx=512, n_threads=1))
+    exps = [sum(t.nbytes for t in layer.values() if "exps" in t.name) for layer in model.weights.layers]
+    n_all = model.params.n_layer + 1
+    need = []
+    for k in range(1, model.params.n_layer + 1):
+        model.overrides = [(p, model.cpu) for p, _ in expert_overrides(k)]
+        need.append(model.device_bytes(n_all)["TEST0"])
+    assert all(a - b == e for a, b, e in zip(need, need[1:], exps[1:])), (need, exps)
+    model.free()

@@ -109,15 +109,17 @@ from .kernels import yarn_table
 # The GPU's own record codes (from 33: apart from executor.c's and GEGLU's 32)
 MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV, MUL_MAT_ID_W, MUL_MAT_ID_GLU, ROUTER = 33, 34, 35, 36, 37, 38, 39
 ROUTER_TOPK = 40
-MUL_MAT_GEMM = 44  # (41-43 free)
+MUL_MAT_ID_GEMM = 41
+MUL_MAT_GEMM = 44  # (42-43 free)
 WIDTH = REC + 3  # after the CPU's slots: an ATTN record's count slot, split scratch, splits
 COUNT, SCRATCH, SPLITS = REC, REC + 1, REC + 2
 HEAD = 64  # bytes of count slots at the arena's start: 16 masks
 NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS", MUL_MAT_GLU: "MUL_MAT+GLU", ROPE_QKV: "ROPE+SET_ROWS",
          MUL_MAT_ID_W: "MUL_MAT_ID", MUL_MAT_ID_GLU: "MUL_MAT_ID+GLU",
          ROUTER: "SOFT_MAX+ARGSORT+GET_ROWS+SUM_ROWS+CLAMP+DIV", ROUTER_TOPK: "ARGSORT+GET_ROWS+SOFT_MAX",
-         MUL_MAT_GEMM: "MUL_MAT(GEMM)"}
+         MUL_MAT_GEMM: "MUL_MAT(GEMM)", MUL_MAT_ID_GEMM: "MUL_MAT_ID(GEMM)"}
 GEMM_DIRECT = "cuBLAS GEMMs of a prompt (CuPy captures no cuBLAS call)"
+MOE_SYNC = "; one host read of the expert counts a MoE layer"
 
 
 def product_path(n_out: int, n_tok: int, n_in: int, qtype: int, max_tokens: int) -> str:
@@ -171,12 +173,13 @@ class GPUTarget(Target):
     fuse_bias = True
     head = HEAD
     width = WIDTH
-    addr_slots = ((COUNT, ATTN), (SCRATCH, ATTN), (10, ROPE_QKV), (14, MUL_MAT_GEMM))
+    addr_slots = ((COUNT, ATTN), (SCRATCH, ATTN), (10, ROPE_QKV), (14, MUL_MAT_GEMM), *((k, MUL_MAT_ID_GEMM) for k in range(24, 28)))
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.max_tokens = None  # (a product refuses past rt.max_tokens: its record says why)
         self.yarn: dict[tuple, int] = {}  # one YaRN table a rope: Q's and K's records share it (ROPE_QKV)
+        self.sorted: Tensor | None = None  # the ids the last prompt expert product grouped its pairs by
 
     def leaf(self, t: Tensor) -> Any | None:
         r = t.root()
@@ -212,7 +215,7 @@ class GPUTarget(Target):
         """One scratch for the split partials of every attention (they run one after another)."""
         need = 0
         self.splits: dict[Tensor, int] = {}
-        gemm = [0, 0, 0]  # the prompt products' scratches: f16 weight tile, f16 input, a GLU's product
+        gemm = [0, 0, 0, 0]  # the prompt products' scratches: f16 weight tile, f16 input, a product, the experts' sort
         for st in c.steps:
             if st.code == ATTN:
                 q, _k, v = st.node.src[:3]
@@ -230,6 +233,13 @@ class GPUTarget(Target):
                     gemm[0] = max(gemm[0], 2 * gemm_tile_rows(n_out, n_in) * n_in)
                     gemm[1] = max(gemm[1], 2 * n_tok * n_in)
                     gemm[2] = max(gemm[2], 4 * n_tok * n_out if "glu" in st.extra else 0)
+            elif st.code == MUL_MAT_ID_Q and st.node.shape[0] > self.rt.max_tokens:  # a prompt's experts
+                from .cuda_ops import moe_scratch_bytes
+
+                w, x, ids = st.extra.get("gate", st.extra.get("mm", st.node)).src[:3]
+                order, x16, w16, prod = moe_scratch_bytes(ids.shape[0], ids.shape[1] if len(ids.shape) > 1 else 1,
+                                                          w.shape[0], w.shape[1], x.shape[-1], "glu" in st.extra)
+                gemm = [max(a, b) for a, b in zip(gemm, (w16, x16, prod, order))]
         start += (-start) % 256
         self.scratch_off = start
         start += need
@@ -277,8 +287,10 @@ class GPUTarget(Target):
             up = self._mul_mat_id(c, st.extra["up"], loc, dst=loc(n).addr)
             if up[6:16] != r[6:16]:
                 raise Refused(f"{n.name}: gate and up experts of different layouts")
+            if r[0] == MUL_MAT_ID_GEMM:
+                r[23] |= 1  # (a prompt's: the GLU flag; MUL_MAT_ID_GLU's slots otherwise)
             glu = st.extra["glu"]
-            r[0], r[16], r[17] = MUL_MAT_ID_GLU, up[3], _epilogue(glu, ids=True)
+            r[0], r[16], r[17] = MUL_MAT_ID_GLU if r[0] == MUL_MAT_ID_W else r[0], up[3], _epilogue(glu, ids=True)
             if r[17] == 2:
                 r[21], r[22] = _fbits(glu.params["alpha"]), _fbits(glu.params["limit"])
             strides = set()
@@ -354,12 +366,16 @@ class GPUTarget(Target):
             raise Refused(f"MUL_MAT_ID {n.name}: input rows the matrix-vector kernel cannot read")
         if il.dtype != np.dtype(np.int32) or len(il.shape) != 2 or il.strides[1] != 1:
             raise Refused(f"MUL_MAT_ID {n.name} ids layout")
-        if T > self.rt.max_tokens:
-            raise Refused(f"a batch of {T} tokens (prompts stay on the cuBLAS path)")
         r = [0] * WIDTH
         r[0], r[1], r[2], r[3], r[4] = MUL_MAT_ID_W, dst or loc(n).addr, xl.addr, blocks, il.addr
         r[6], r[7], r[8], r[9], r[10], r[11], r[12] = T, U, M, qtype, n_in, row_bytes, w.shape[0]
         r[13], r[14], r[15] = xl.strides[0], xl.strides[1] if xl.shape[1] > 1 else 0, il.strides[0]
+        if T > self.rt.max_tokens:  # a prompt's: grouped by expert, GEMMs (cuda_ops.mul_mat_id_gemm)
+            r[0] = MUL_MAT_ID_GEMM
+            r[24], r[25], r[26], r[27] = (c.base + self.gemm_off[k] for k in (3, 1, 0, 2))
+            if self.sorted is ids:  # the same routing as the product before: its grouping and counts
+                r[23] |= 2
+            self.sorted = ids
         return r
 
     def _norm_per_token(self, st: Any, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
@@ -531,8 +547,8 @@ class GPUPlan:
         self.launches = [self.rt.prepare(r) for r in self.built.recs]
         if not graphs_enabled():
             self.direct = "LLAMAPY_CUDA_GRAPHS=0"
-        elif (self.built.recs[:, 0] == MUL_MAT_GEMM).any():
-            self.direct = GEMM_DIRECT
+        elif np.isin(self.built.recs[:, 0], (MUL_MAT_GEMM, MUL_MAT_ID_GEMM)).any():
+            self.direct = GEMM_DIRECT + (MOE_SYNC if (self.built.recs[:, 0] == MUL_MAT_ID_GEMM).any() else "")
         self._capture()
 
     def _capture(self) -> None:
@@ -636,7 +652,7 @@ _ROWS_OUT = frozenset({ADD, MUL, DIV, SCALE, CPY, SWIGLU, GEGLU, SOFT_MAX, CLAMP
 def _written(r: list[int]) -> int:
     """Bytes a record writes from r[1] where the products' extents are known (T x rows floats;
     a write over any part of a value shows it dead), else 1."""
-    if r[0] in (MUL_MAT_ID_W, MUL_MAT_ID_GLU):
+    if r[0] in (MUL_MAT_ID_W, MUL_MAT_ID_GLU, MUL_MAT_ID_GEMM):
         return 4 * r[6] * r[7] * r[8]
     if r[0] in _ROWS_OUT:  # contiguous rows (r[6]) of r[7] values
         return 4 * r[6] * r[7]
@@ -808,7 +824,7 @@ def arena_bytes(nodes: Sequence[Tensor], exports: Sequence[Tensor], buft: Any, m
     except (Refused, UnsupportedError):
         return None
     tokens = [_tokens(st) for st in c.steps if st.code == MUL_MAT]
-    if any(n > max_tokens for n in tokens):
+    if any(n > max_tokens for n in tokens) or any(st.node.shape[0] > max_tokens for st in c.steps if st.code == MUL_MAT_ID_Q):
         return nbytes  # (a prompt's plan: not scaled)
     return _largest_batch_bytes(nbytes, min(tokens, default=0), max_tokens)
 
@@ -865,7 +881,7 @@ def _reserve_for_largest_batch(built: Built, rt: Runtime) -> None:
     outputs, its fixed part does not: an over-estimate); a plan that still outgrows it moves the
     others, as before."""
     n_tok = min((int(r[6]) for r in built.recs if r[0] in (MUL_MAT_W, MUL_MAT_GLU)), default=0)
-    if not 0 < n_tok < rt.max_tokens or (built.recs[:, 0] == MUL_MAT_GEMM).any():
+    if not 0 < n_tok < rt.max_tokens or np.isin(built.recs[:, 0], (MUL_MAT_GEMM, MUL_MAT_ID_GEMM)).any():
         return  # (a prompt's plan: larger than any decode plan already; its 1-token tail is no guide)
     base = rt.arena.ensure(_largest_batch_bytes(built.nbytes, n_tok, rt.max_tokens))
     if base != built.base:  # (the block was made again: the records not yet launched move)

@@ -33,8 +33,9 @@ from llamapy.backend.cpu import CPU_BUFT, CPUBackend
 from llamapy.backend.executor import (ADD_ID, ARGSORT, ATTN, CLAMP, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, RMS_NORM, SET_ROWS,
                                       SOFT_MAX, SUM_ROWS, SWIGLU, MUL_MAT_ID_Q, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena,
                                       ExecPlan, Loc, Refusal, Refused, _array_loc, _lib, _Slot)
-from llamapy.backend.gpu_plan import (COUNT, GEMM_DIRECT, GET_ROWS_W, HEAD, MUL_MAT_GEMM, MUL_MAT_GLU, MUL_MAT_ID_GLU,
-                                      MUL_MAT_ID_W, MUL_MAT_W, ROPE_QKV, ROUTER, ROUTER_TOPK, WIDTH, GPUPlan)
+from llamapy.backend.gpu_plan import (COUNT, GEMM_DIRECT, GET_ROWS_W, HEAD, MOE_SYNC, MUL_MAT_GEMM, MUL_MAT_GLU,
+                                      MUL_MAT_ID_GEMM, MUL_MAT_ID_GLU, MUL_MAT_ID_W, MUL_MAT_W, ROPE_QKV, ROUTER,
+                                      ROUTER_TOPK, WIDTH, GPUPlan)
 from llamapy.backend.cpu_kernels import KV_CODES
 from llamapy.backend.kernels import _rope_tables_compute, gelu, rope_consts
 from llamapy.context import Context, ContextOptions, Model
@@ -102,6 +103,8 @@ class FakeRuntime(HostRuntime):
             return launch_all
         r = rec.copy()
         code = int(r[0])
+        if code == MUL_MAT_ID_GEMM:  # a prompt's experts: the decode record's q8 path (any number of tokens)
+            code = r[0] = MUL_MAT_ID_GLU if r[23] & 1 else MUL_MAT_ID_W
         if code == ROPE:  # the CPU's table of inverse frequencies from the GPU record's base, scale, factors
             n_dims = int(r[11])
             f = None
@@ -548,6 +551,46 @@ class NumpyOps:
         mem(c, (n, m), (ldc, 1), F32)[...] = (B @ A.T).astype(F32)
 
     mul_mat_gemm = cuda_ops.CudaKernels.mul_mat_gemm  # the real composition of the three above (and glu)
+    mul_mat_id_gemm = cuda_ops.CudaKernels.mul_mat_id_gemm  # and of the MoE ones below
+
+    def reader(self, stream: Any, addr: int, n: int) -> np.ndarray:
+        self.calls.append("read")
+        return mem(addr, (n,), (1,), np.int32).copy()
+
+    def moe_sort(self, stream: Any, ids: int, sid: int, n_tok: int, n_used: int, n_expert: int, order: int,
+                 offs: int) -> None:
+        self.calls.append("moe_sort")
+        e = mem(ids, (n_tok, n_used), (sid, 1), np.int32).reshape(-1)
+        e = np.where((e < 0) | (e >= n_expert), n_expert, e)
+        mem(order, (e.size,), (1,), np.int32)[...] = np.argsort(e, kind="stable")
+        mem(offs, (n_expert + 2,), (1,), np.int32)[...] = np.concatenate([[0], np.cumsum(np.bincount(e, minlength=n_expert + 1))])
+
+    def moe_gather_f16(self, stream: Any, x: int, sxt: int, sxu: int, order: int, n_used: int, y: int, rows: int,
+                       n: int) -> None:
+        self.calls.append("moe_gather_f16")
+        p = mem(order, (rows,), (1,), np.int32)
+        for r, q in enumerate(p):
+            mem(y + 2 * r * n, (n,), (1,), F16)[...] = mem(x + 4 * ((q // n_used) * sxt + (q % n_used) * sxu), (n,), (1,), F32)
+
+    def moe_scatter(self, stream: Any, prod: int, ldp: int, order: int, ids: int, sid: int, n_used: int, n_expert: int,
+                    y: int, m: int, rows: int, op: int, *, b: int = 0, b2: int = 0, sb: int = 0, alpha: float = 0.0,
+                    limit: float = 0.0) -> None:
+        from llamapy.backend.kernels import glu as glu_ref
+
+        self.calls.append("moe_scatter")
+        P = mem(prod, (rows, ldp), (ldp, 1), F32)
+        for r, q in enumerate(mem(order, (rows,), (1,), np.int32)):
+            e = int(mem(ids + 4 * ((q // n_used) * sid + q % n_used), (1,), (1,), np.int32)[0])
+            g, u = P[r, :m].copy(), P[r, m:2 * m].copy()
+            if b:
+                g = g + mem(b + 4 * e * sb, (m,), (1,), F32)
+            if b2:
+                u = u + mem(b2 + 4 * e * sb, (m,), (1,), F32)
+            if op >= 0:
+                node = type("GLU", (), {"params": {"op": ("swiglu", "geglu", "swiglu_oai")[op], "alpha": alpha,
+                                                   "limit": limit}})()  # fmt: skip
+                g = glu_ref(node, [g, u], np)
+            mem(y + 4 * q * m, (m,), (1,), F32)[...] = g
 
     def mul_mat_vec_glu(self, stream: Any, op: str, qtype: GGMLType, w: int, row_bytes: int, n_ff: int, n_in: int,
                         x: int, y: int, n_tok: int) -> None:

@@ -100,3 +100,8 @@ def numpy_gemm(grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, stre
 
     A, B = at(a, (m, k), k, np.float16).astype(np.float64), at(b, (n, k), k, np.float16).astype(np.float64)
     at(c, (n, m), ldc, np.float32)[...] = (B @ A.T).astype(np.float32)
+
+
+def numpy_read(stream: Any, addr: int, n: int) -> np.ndarray:
+    """cuda_ops.DeviceReader's stand-in: n int32 at a host address (the emulator's device memory)."""
+    return np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(addr)).copy()

@@ -342,7 +342,7 @@ class GPUTarget(Target):
         if k != n_in:
             raise Refused(f"MUL_MAT {st.node.name}: input rows of {k} for a matrix of {n_in}")
         r = [0] * WIDTH
-        w16, x16, prod = (c.base + off for off in self.gemm_off)
+        w16, x16, prod = (c.base + off for off in self.gemm_off[:3])
         r[0], r[1], r[2], r[3], r[4], r[5] = MUL_MAT_GEMM, dst, x, blocks, w16, x16
         r[6], r[7], r[8], r[9], r[10], r[11] = n_tok, n_in, xs, qtype, n_out, row_bytes
         r[13] = gemm_tile_rows(n_out, n_in)

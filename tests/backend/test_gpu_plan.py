@@ -568,7 +568,7 @@ class NumpyOps:
     def moe_gather_f16(self, stream: Any, x: int, sxt: int, sxu: int, order: int, n_used: int, y: int, rows: int,
                        n: int) -> None:
         self.calls.append("moe_gather_f16")
-        p = mem(order, (rows,), (1,), np.int32)
+        p = mem(order, (rows,), (1,), np.int32).tolist()
         for r, q in enumerate(p):
             mem(y + 2 * r * n, (n,), (1,), F16)[...] = mem(x + 4 * ((q // n_used) * sxt + (q % n_used) * sxu), (n,), (1,), F32)
 
@@ -579,7 +579,7 @@ class NumpyOps:
 
         self.calls.append("moe_scatter")
         P = mem(prod, (rows, ldp), (ldp, 1), F32)
-        for r, q in enumerate(mem(order, (rows,), (1,), np.int32)):
+        for r, q in enumerate(mem(order, (rows,), (1,), np.int32).tolist()):
             e = int(mem(ids + 4 * ((q // n_used) * sid + q % n_used), (1,), (1,), np.int32)[0])
             g, u = P[r, :m].copy(), P[r, m:2 * m].copy()
             if b:
@@ -1337,3 +1337,143 @@ def test_the_fit_counts_one_layers_host_experts(tmp_path: Path, monkeypatch: pyt
         need.append(model.device_bytes(n_all)["TEST0"])
     assert all(a - b == e for a, b, e in zip(need, need[1:], exps[1:])), (need, exps)
     model.free()
+
+
+# -- mixture of experts: prompts as plans (MUL_MAT_ID_GEMM) ---------------------------------------
+
+# a 20-token prompt (every row's logits), then decode steps of one token
+_MOE_PROMPT = [([(3 * i) % 200 + 1 for i in range(20)], list(range(20)), 0, [True] * 20)] \
+    + [([10 + i], [20 + i], 0, None) for i in range(2)]
+
+
+def _moe_prompt_model(tmp_path: Path, case: str) -> Path:
+    return _gptoss_model(tmp_path) if case == "tiny-gptoss" else _moe_model(tmp_path, case)
+
+
+def _check_moe_prompt_plans(made: list[GPUPlan], n_layer: int = 2, decode_steps: bool = True) -> None:
+    """One prompt plan, launched directly (its expert GEMMs' sizes are the routing's, read back
+    once a layer), every expert product in it a MUL_MAT_ID_GEMM, the sort read once a layer (the
+    down experts reuse the gate/up's grouping); the decode plans one graph each, as before."""
+    prompt = [p for p in made if (p.recs[:, 0] == MUL_MAT_ID_GEMM).any()]
+    assert len(prompt) == 1 and prompt[0].direct == GEMM_DIRECT + MOE_SYNC and prompt[0].n_runs == 1, \
+        [p.summary() for p in made]
+    ids = prompt[0].recs[prompt[0].recs[:, 0] == MUL_MAT_ID_GEMM]
+    assert len(ids) == 2 * n_layer and not np.isin(prompt[0].recs[:, 0], (MUL_MAT_ID_W, MUL_MAT_ID_GLU)).any()
+    assert [int(r[23]) & 3 for r in ids] == [1, 2] * n_layer  # gate/up (GLU, sorts), down (reuses the sort)
+    decode = [p for p in made if p is not prompt[0]]
+    assert all(not p.direct and p.n_captures == 1 for p in decode) and (bool(decode) or not decode_steps)
+
+
+@pytest.mark.parametrize("case", ["tiny-qwen3moe", "tiny-mixtral", "tiny-gptoss"])
+def test_moe_prompt_plan_gives_the_cpu_executors_logits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        case: str) -> None:
+    """A 20-token prompt of a mixture of experts is one GPU plan (its expert products
+    MUL_MAT_ID_GEMM records, launched directly) with no split refused: launched through executor.c
+    (the q8 path of each record) it gives the CPU executor's logits bit for bit, every row."""
+    model = Model(_moe_prompt_model(tmp_path, case))
+    ref = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    want = [ref.decode(t, p, s, w) for t, p, s, w in _MOE_PROMPT]
+    refusals: list[str] = []
+    real = gpu_plan.compile_split
+
+    def spy(*a: Any, **k: Any) -> Any:
+        p = real(*a, **k)
+        refusals.extend([] if p else [p.reason])
+        return p
+
+    monkeypatch.setattr(gpu_plan, "compile_split", spy)
+    made = _gpu_backend(monkeypatch, FakeRuntime)
+    gpu = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    for i, ((t, p, s, w), b) in enumerate(zip(_MOE_PROMPT, want)):
+        np.testing.assert_array_equal(gpu.decode(t, p, s, w), b, err_msg=f"step {i}")
+    assert not refusals, refusals
+    _check_moe_prompt_plans(made)
+    model.free()
+
+
+def _moe_prompt_against_f32(path: Path, monkeypatch: pytest.MonkeyPatch, new_rt: Callable[[], Any],
+                            steps: list = _MOE_PROMPT, tol: float = _F16_TOL) -> list[GPUPlan]:
+    """_MOE_PROMPT through GPU plans over `new_rt()` against the float32 CPU path: within the f16
+    rounding of the GEMMs' inputs (the prompt), float32 noise (the decode steps after it)."""
+    ref_model = Model(path, context_options=ContextOptions(cpu_matmul="f32"))
+    model = Model(path)
+    ref = Context(ref_model, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32"))
+    want = [ref.decode(t, p, s, w) for t, p, s, w in steps]
+    made = _gpu_backend(monkeypatch, new_rt)
+    gpu = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    got = [gpu.decode(t, p, s, w) for t, p, s, w in steps]
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape and np.all(np.isfinite(a)), f"step {i}"
+        err = float(np.abs(a - b).max()) / float(np.abs(b).max())
+        assert err <= tol, f"step {i}: {err:.2e} of the largest logit"
+    assert (got[0].argmax(-1) == want[0].argmax(-1)).mean() >= 0.9
+    model.free()
+    ref_model.free()
+    return made
+
+
+@pytest.mark.parametrize("case", ["tiny-qwen3moe", "tiny-mixtral"])
+def test_moe_prompt_plan_gives_the_float32_paths_logits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        case: str) -> None:
+    """The MoE prompt plan through cuda_exec's launch maker into NumpyOps (the grouping, the f16
+    gather, the per-expert f16 GEMMs, the scatter with the GLU: cuda_ops' real composition): every
+    row's logits are the float32 CPU path's within the f16 rounding. (The router's records, exact
+    float32 ops NumpyOps has no stand-in for, run through executor.c; the prompt alone: the
+    decode steps' experts would be executor.c's q8 ones.)"""
+    from llamapy.backend.executor import MUL
+
+    router = {SOFT_MAX, ARGSORT, GET_ROWS_B, SUM_ROWS, CLAMP, DIV, ROUTER, ROUTER_TOPK}
+
+    class RouterOnCpu(LaunchRuntime):
+        def prepare(self, rec: np.ndarray) -> Any:
+            if int(rec[0]) in router or (int(rec[0]) == MUL and rec[10]):  # (MUL by one weight a row too)
+                return FakeRuntime.prepare(self, rec)
+            return super().prepare(rec)
+
+    def new_rt() -> LaunchRuntime:
+        rt = RouterOnCpu()
+        rt.arena.ensure(64 << 20)
+        return rt
+
+    made = _moe_prompt_against_f32(_moe_model(tmp_path, case), monkeypatch, new_rt, _MOE_PROMPT[:1])
+    _check_moe_prompt_plans(made, decode_steps=False)
+    calls = made[0].rt.ops.calls
+    assert calls.count("read") == 2 and calls.count("moe_sort") == 2  # one host read a layer
+    assert {"moe_gather_f16", "moe_scatter", "dequant_f16", "gemm_f16"} <= set(calls)
+
+
+@pytest.mark.parametrize("case", ["tiny-mixtral", pytest.param("tiny-gptoss", marks=_SLOW),
+                                  pytest.param("tiny-qwen3moe", marks=_SLOW)])
+def test_moe_prompt_plan_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, emu_functions: Any,
+                                              case: str) -> None:
+    """The same through every kernels_cuda kernel on the emulator (moe.cu's moe_sort,
+    moe_gather_f16, moe_scatter with SwiGLU / gpt-oss's biases and swiglu_oai, the experts'
+    dequant_f16, fattn_tile with gpt-oss's sinks), the GEMM in numpy."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    import cuda_emu
+
+    names: set[str] = set()
+
+    def logged(name: str, fn: Any) -> Any:
+        def call(*a: Any, **kw: Any) -> Any:
+            names.add(name)
+            return fn(*a, **kw)
+
+        return call
+
+    def new_rt() -> EmuRuntime:
+        rt = EmuRuntime(emu_functions)
+        rt.ops.functions = {n: logged(n, f) for n, f in rt.ops.functions.items()}
+        rt.ops.gemm, rt.ops.reader = cuda_emu.numpy_gemm, cuda_emu.numpy_read
+        rt.arena.ensure(64 << 20)
+        return rt
+
+    # gpt-oss's tiny file is ~2.3x as sensitive to activation rounding as Mixtral's: its q8 path
+    # against float32 0.025 of the largest logit (Mixtral 0.010, qwen3moe 0.0075); the f16 prompt
+    # measured 1.1e-3 (Mixtral 4.9e-4, qwen3moe 3.9e-4): the same ~20x below the q8 path's
+    tol = 2 * _F16_TOL if case == "tiny-gptoss" else _F16_TOL
+    made = _moe_prompt_against_f32(_moe_prompt_model(tmp_path, case), monkeypatch, new_rt, tol=tol)
+    _check_moe_prompt_plans(made)
+    assert {"moe_sort", "moe_gather_f16", "moe_scatter"} <= names and any(n.startswith("fattn_tile_") for n in names)

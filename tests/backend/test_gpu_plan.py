@@ -1276,16 +1276,19 @@ def _test_device(monkeypatch: pytest.MonkeyPatch, mib: float | None = None) -> l
     if mib is None:
         monkeypatch.delenv("LLAMAPY_TEST_GPU_MEM", raising=False)
     else:
-        monkeypatch.setenv("LLAMAPY_TEST_GPU_MEM", f"{mib:.6f}")
+        monkeypatch.setenv("LLAMAPY_TEST_GPU_MEM", repr(mib))  # (bytes / 2**20: exact in a float)
     monkeypatch.setattr(registry, "_cache", None)
     return use_test_device_plans(monkeypatch.setattr, FakeRuntime)
 
 
-def test_the_fit_counts_the_plans_arena(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("case", ["qwen3", "tiny-qwen3moe"])
+def test_the_fit_counts_the_plans_arena(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """The fit's compute figure for a device of GPU plans is the arena those plans take (the
-    prompt plan's f16 GEMM scratches included: more than the scheduler's node-by-node buffer),
+    prompt plan's f16 GEMM scratches included, a mixture of experts' grouping and gathered rows
+    too: more than the scheduler's node-by-node buffer),
     byte for byte, and -ngl auto follows it: with exactly that much memory every layer goes to the
-    device, with one byte less one layer stays on the CPU, as the load log says."""
+    device, with one byte less one layer stays on the CPU — a mixture of experts instead keeps every
+    layer there with the first layer's experts in host memory —, as the load log says."""
     import sys
 
     from llamapy.context import ModelOptions
@@ -1293,7 +1296,8 @@ def test_the_fit_counts_the_plans_arena(tmp_path: Path, monkeypatch: pytest.Monk
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
     from family_models import write_family_gguf
 
-    path = write_family_gguf(tmp_path / "qwen3.gguf", "qwen3", qtype=T.Q8_0, n_swa=4)
+    path = write_family_gguf(tmp_path / "qwen3.gguf", "qwen3", qtype=T.Q8_0, n_swa=4) if case == "qwen3" \
+        else _moe_model(tmp_path, case)
     co = ContextOptions(n_ctx=256, n_ubatch=40, n_batch=40, n_threads=1)
     made = _test_device(monkeypatch)
     model = Model(path, ModelOptions(n_gpu_layers="all"), context_options=co)
@@ -1304,7 +1308,7 @@ def test_the_fit_counts_the_plans_arena(tmp_path: Path, monkeypatch: pytest.Monk
     for i in range(3):
         ctx.decode([5 + i], [40 + i])
     (rt,) = {id(p.rt): p.rt for p in made}.values()
-    assert any(p.direct == GEMM_DIRECT for p in made) and any(not p.direct for p in made)
+    assert any(p.direct.startswith(GEMM_DIRECT) for p in made) and any(not p.direct for p in made)
     held = sum(b.nbytes for b in model.weights.buffers if b.name == "TEST0") + ctx.kv.nbytes_by_device()["TEST0"]
     sched_size = ctx.sched.reserve(ctx.graph(40, 40).graph).compute_sizes["TEST0"]
     assert need - held == rt.arena.size > sched_size
@@ -1313,7 +1317,12 @@ def test_the_fit_counts_the_plans_arena(tmp_path: Path, monkeypatch: pytest.Monk
     for mib, ngl in ((need / 2**20, n_all), ((need - 1) / 2**20, n_all - 1)):
         _test_device(monkeypatch, mib)
         m = Model(path, ModelOptions(n_gpu_layers="auto"), context_options=co)
-        assert m.info.n_gpu_layers == ngl and m.info.ngl_reason.startswith(f"-ngl auto: {ngl}/{n_all} layers fit")
+        assert m.info.ngl_reason.startswith(f"-ngl auto: {ngl}/{n_all} layers fit"), m.info.ngl_reason
+        if case == "qwen3" or ngl == n_all:
+            assert m.info.n_gpu_layers == ngl and not m.info.overridden
+        else:
+            assert m.info.n_gpu_layers == n_all and m.info.overridden["CPU"][0] == 3  # layer 0's gate, up, down
+            assert m.info.ngl_reason.endswith("all of them with the experts of the first 1 on the CPU (as --n-cpu-moe 1)")
         m.free()
 
 

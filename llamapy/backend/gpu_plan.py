@@ -53,6 +53,11 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     4 the f16 weight scratch, 5 the f16 input scratch; 6 tokens, 7 n_in, 8 x's row stride, 9 the
     GGML type, 10 the values written a token (n_ff with a GLU), 11 row bytes, 12 the GLU (0 none,
     1 SwiGLU, 2 GEGLU), 13 rows per GEMM, 14 the float32 product's scratch (with a GLU);
+  * MUL_MAT_ID_GEMM: a prompt's expert product (more tokens than mmv_id takes; see Prompts below):
+    MUL_MAT_ID_W's / MUL_MAT_ID_GLU's slots 1-22, 23 flags (1: the gate/up experts with their
+    GLU, slot 16 the up ones; 2: the same routing as the expert record before, whose grouping it
+    reuses), 24 the grouping's scratch (the pairs' order, then the experts' offsets), 25 the
+    gathered f16 input rows, 26 the f16 weight tile, 27 the float32 products;
   * records are WIDTH slots: the CPU's REC (25), and in an ATTN record slot 25 points at the int32
     count of cells attended (0: slot 9 holds it), 26 at the scratch of its split partials, 27
     the number of splits of the cells (the runtime's choice for the shape).
@@ -85,6 +90,27 @@ its products MUL_MAT_GEMM records, its attention fattn.cu's prompt kernel (cuda_
 the token count); CuPy refuses cuBLAS inside a stream capture, so such a plan runs its launches
 directly (prepared once per batch shape, kept like the decode plans). The scratches of its GEMMs
 follow the attention's in the arena, sized for the plan's largest product.
+
+A mixture of experts' prompt (MUL_MAT_ID_GEMM, cuda_ops.mul_mat_id_gemm) is designed for the
+H200's tensor cores, reasoned, not measured: a prompt of T tokens routes T * U (token, slot)
+pairs (Qwen3-30B-A3B at -ub 512: 4096 pairs over 128 experts, ~32 rows an expert; Mixtral: 512
+over 8, ~128), so the work is one GEMM per used expert of its pairs' rows against its M x K rows
+— the matrix-vector kernel would read each expert's rows once per 8 pairs. Per product:
+moe.cu's `moe_sort` groups the pairs by expert on the device (one block: deterministic, stable,
+ids out of range last), the n_expert + 2 offsets are read to the host — the one host wait of the
+layer: the GEMMs' sizes are the routing's, so this record is not captured (nor could a cuBLAS
+call be) and the down experts reuse the gate/up's grouping and offsets (flag 2) —, `moe_gather_f16`
+gathers the pairs' input rows in that order rounded to f16 once, then each used expert's rows are
+decoded to f16 into the weight tile (gemm_tile_rows) and one cuBLAS GEMM (f16 in, float32
+accumulation) writes its rows of the products; `moe_scatter` puts each row back at its (token,
+slot) with mmv_id's epilogue (the experts' biases, the GLU: SwiGLU, GEGLU, gpt-oss's swiglu_oai).
+Experts no pair chose are neither decoded nor multiplied. What a GPU session should measure
+(tests/gpu/run_all.py 3b times pp512 of the Qwen3-30B-A3B layer shape): the per-expert launches
+(2 x 128 decodes and GEMMs a layer for Qwen3: ~10 us of launch each, likely the bound at small
+batches — then decode every used expert into one scratch and run one grouped or batched GEMM
+(cublasGemmGroupedBatchedEx) a product), the host wait a layer (~10-20 us), and whether an
+int8 / bf16 path or llama.cpp's mmq over the file's blocks beats f16 tiles for the small per-expert
+row counts; the single-block sort scans the pairs once per expert (4096 x 129 reads).
 
 Refused here (the split then runs node by node with run_nodes, CuPy's reference path): weights in
 host memory, an op or layout the compiler does not know, an op the runtime has no kernel for.

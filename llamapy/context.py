@@ -356,7 +356,8 @@ class Context:
 
         n = self.n_ubatch
         plan = self.sched.reserve(self.graph(n, n).graph)
-        plans = [plan] + ([self.sched.reserve(self.graph(1, 1).graph)] if n > 1 else [])
+        gpu_plans = any(hasattr(be, "plan_arena_bytes") for be in self.backends)
+        plans = [plan] + ([self.sched.reserve(self.graph(1, 1).graph)] if n > 1 and gpu_plans else [])
         sizes = with_plan_arenas(self.sched, plans)  # (the GPU plans' arena: the fit's figure)
         try:
             for be in self.backends:

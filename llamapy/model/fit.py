@@ -53,7 +53,9 @@ def compute_sizes(
     """Compute-buffer bytes per device name for the worst-case micro-batch graph."""
     n_tokens = min(n_ubatch, n_ctx)
     sched = Scheduler([d.init_backend() for d in devices], op_offload=op_offload)
-    plans = [sched.reserve(build_graph(params, weights, kv, n, n).graph) for n in dict.fromkeys((n_tokens, 1))]
+    gpu_plans = any(hasattr(be, "plan_arena_bytes") for be in sched.backends)  # (their decode plans' arena too)
+    plans = [sched.reserve(build_graph(params, weights, kv, n, n).graph)
+             for n in dict.fromkeys((n_tokens, 1) if gpu_plans else (n_tokens,))]
     return with_plan_arenas(sched, plans)
 
 

@@ -748,6 +748,20 @@ def test_mul_mat_id_bias_epilogue(env: Env) -> None:
     assert np.all(np.isfinite(a)) and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
+def test_moe_sort_more_experts_than_threads(env: Env) -> None:
+    """moe_sort over 200 experts (more buckets than the block's threads), a strided ids view, ids
+    out of range on both sides: a stable sort of the pairs by expert, those last, and the offsets."""
+    T, U, E = 40, 8, 200
+    ids = np.random.default_rng(5).integers(-3, E + 3, (T, U + 2)).astype(np.int32)  # rows of U + 2: a view
+    idd, order = env.d(ids), env.full((T * U + E + 2,), -1, np.int32)
+    env.run(lambda st: env.k.moe_sort(st, env.p(idd), U + 2, T, U, E, env.p(order), env.p(order) + 4 * T * U))
+    flat = ids[:, :U].reshape(-1)
+    flat = np.where((flat < 0) | (flat >= E), E, flat)
+    got = env.get(order)
+    assert np.array_equal(got[:T * U], np.argsort(flat, kind="stable"))
+    assert np.array_equal(got[T * U:], np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E + 1))]))
+
+
 @pytest.mark.parametrize("case", ["down", "swiglu", "swiglu_oai+bias"])
 def test_mul_mat_id_gemm(env: Env, case: str) -> None:
     """A prompt's expert product: the pairs grouped by expert (moe_sort: a stable sort, ids out of

@@ -1312,6 +1312,7 @@ def test_the_fit_counts_the_plans_arena(tmp_path: Path, monkeypatch: pytest.Monk
     held = sum(b.nbytes for b in model.weights.buffers if b.name == "TEST0") + ctx.kv.nbytes_by_device()["TEST0"]
     sched_size = ctx.sched.reserve(ctx.graph(40, 40).graph).compute_sizes["TEST0"]
     assert need - held == rt.arena.size > sched_size
+    assert ctx.compute_sizes["TEST0"] == rt.arena.size  # what the context reserved (the load log's figure)
     ctx.free()
     model.free()
     for mib, ngl in ((need / 2**20, n_all), ((need - 1) / 2**20, n_all - 1)):

@@ -832,18 +832,17 @@ def compile_split(nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: 
         return Refusal(str(e))
 
 
-def arena_bytes(nodes: Sequence[Tensor], exports: Sequence[Tensor], buft: Any, max_tokens: int, n_sm: int) -> int | None:
+def arena_bytes(nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Callable[..., Any], buft: Any,
+                max_tokens: int, n_sm: int) -> int | None:
     """The device arena a split's GPU plan will take, from its tensors alone (the fit plans on
     dry buffers, before anything is loaded): the record compiler's steps and allocator offsets
     after HEAD, then `GPUTarget.scratch` (attention partials, the prompt products' f16 scratches)
     — the passes `compile_split` runs —, a decode plan scaled as `_reserve_for_largest_batch`
     grows the arena. None when the compiler refuses the split (it runs node by node); a refusal
-    only the records would make (a layout) is not seen here."""
-    from ..sched.alloc import plan_offsets
-
+    only the records would make (a layout) is not seen here. `allocate`: compile_split's."""
     t = _DryTarget(_DryRuntime(buft, max_tokens, n_sm))
     try:
-        c = _Compiler(nodes, exports, t, plan_offsets)
+        c = _Compiler(nodes, exports, t, allocate)
         c.steps_pass()
         c.alloc()
         nbytes = t.scratch(c, c.arena_size)

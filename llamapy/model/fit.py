@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..backend.interface import Buffer, BufferUsage, Device
+from ..sched.alloc import plan_offsets
 from ..sched.scheduler import Plan, Scheduler, split_exports
 from ..tensor import Tensor
 from ..types import GGMLType
@@ -71,7 +72,7 @@ def with_plan_arenas(sched: Scheduler, plans: Sequence[Plan]) -> dict[str, int]:
         arena_of = getattr(be, "plan_arena_bytes", None)
         if arena_of is None:
             continue
-        arenas = [arena_of(s.nodes, split_exports(p, si)) for p in plans for si, s in enumerate(p.splits)
+        arenas = [arena_of(s.nodes, split_exports(p, si), plan_offsets) for p in plans for si, s in enumerate(p.splits)
                   if s.backend == bi]  # fmt: skip
         if arenas:
             refused = None in arenas

@@ -762,8 +762,8 @@ def test_moe_sort_more_experts_than_threads(env: Env) -> None:
     assert np.array_equal(got[T * U:], np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E + 1))]))
 
 
-@pytest.mark.parametrize("case", ["down", "swiglu", "swiglu_oai+bias"])
-def test_mul_mat_id_gemm(env: Env, case: str) -> None:
+@pytest.mark.parametrize("case", ["down", "swiglu", "swiglu_oai+bias", "swiglu+tiles"])
+def test_mul_mat_id_gemm(env: Env, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt's expert product: the pairs grouped by expert (moe_sort: a stable sort, ids out of
     range last), the rows gathered and rounded to f16, one GEMM an expert (float32 accumulation),
     the rows scattered back with the biases and the GLU: the f16-rounded product's values within
@@ -771,7 +771,12 @@ def test_mul_mat_id_gemm(env: Env, case: str) -> None:
     reuses the offsets read (no sort, no read)."""
     from gguf.quants import dequantize
 
+    from llamapy.backend import cuda_ops
+
     n_expert, m, n_in, T, U = 5, 72, 256, 20, 2
+    if "tiles" in case:  # experts of 300 rows decoded 256 at a time (the smallest tile)
+        m = 300
+        monkeypatch.setattr(cuda_ops, "GEMM_SCRATCH_BYTES", 1)
     rng = np.random.default_rng(21)
     ids = rng.integers(0, n_expert, (T, U)).astype(np.int32)
     ids[:, 1] = (ids[:, 0] + 1 + ids[:, 1] % (n_expert - 1)) % n_expert  # two experts a token
@@ -787,7 +792,8 @@ def test_mul_mat_id_gemm(env: Env, case: str) -> None:
     rd = [env.d(r) for r in raws]
     xd, idd = env.d(x), env.d(ids)
     order = env.full((n_pairs + n_expert + 2,), -1, np.int32)
-    x16, w16 = env.zeros((n_pairs, n_in), np.float16), env.zeros((m, n_in), np.float16)
+    x16, w16 = env.zeros((n_pairs, n_in), np.float16), env.zeros((cuda_ops.gemm_tile_rows(m, n_in), n_in), np.float16)
+    assert cuda_ops.gemm_tile_rows(m, n_in) == (256 if "tiles" in case else m)
     prod = env.full((n_pairs, 2 * m), np.nan, np.float32)
     y = env.full((T, U, m), np.nan, np.float32)
     sxt, sxu = x.shape[1] * n_in, (0 if glu else n_in)

@@ -543,9 +543,15 @@ class NumpyOps:
         raw = mem(w, (n_rows, row_bytes), (row_bytes, 1), np.uint8)
         mem(y, (n_rows, n_in), (n_in, 1), F16)[...] = dequantize(raw, T(int(qtype))).reshape(n_rows, n_in).astype(F16)
 
-    def gemm_f16(self, stream: Any, a: int, b: int, c: int, m: int, n: int, k: int, ldc: int) -> None:
+    def gemm_f16(self, stream: Any, a: int, b: int, c: int, m: int, n: int, k: int, ldc: int,
+                 batch: tuple[int, int, int, int] | None = None) -> None:
         """The GEMM of f16 inputs (rounded by to_f16 / dequant_f16) with float32 accumulation:
-        here exact sums in float64, rounded once."""
+        here exact sums in float64, rounded once; `batch`: that many, strided."""
+        if batch:
+            for i in range(batch[0]):
+                self.gemm_f16(stream, a + 2 * i * batch[1], b + 2 * i * batch[2], c + 4 * i * batch[3], m, n, k, ldc)
+            self.calls.append("gemm_f16_batched")
+            return
         self.calls.append("gemm_f16")
         A, B = mem(a, (m, k), (k, 1), F16).astype(np.float64), mem(b, (n, k), (k, 1), F16).astype(np.float64)
         mem(c, (n, m), (ldc, 1), F32)[...] = (B @ A.T).astype(F32)
@@ -565,23 +571,38 @@ class NumpyOps:
         mem(order, (e.size,), (1,), np.int32)[...] = np.argsort(e, kind="stable")
         mem(offs, (n_expert + 2,), (1,), np.int32)[...] = np.concatenate([[0], np.cumsum(np.bincount(e, minlength=n_expert + 1))])
 
-    def moe_gather_f16(self, stream: Any, x: int, sxt: int, sxu: int, order: int, n_used: int, y: int, rows: int,
-                       n: int) -> None:
+    @staticmethod
+    def _moe_rows(order: int, ids: int, sid: int, n_used: int, n_expert: int, at: tuple[int, int],
+                  rows: int) -> list[tuple[int, int, int]]:
+        """(pair, expert, GEMM row) of each sorted row (moe.cu's moe_gemm_row; -1: none)."""
+        offs, pad = at
+        out = []
+        for r, q in enumerate(mem(order, (rows,), (1,), np.int32).tolist()):
+            e = int(mem(ids + 4 * ((q // n_used) * sid + q % n_used), (1,), (1,), np.int32)[0])
+            g = r if not pad else -1 if not 0 <= e < n_expert else e * pad + r - int(mem(offs + 4 * e, (1,), (1,), np.int32)[0])
+            out.append((q, e, g))
+        return out
+
+    def moe_gather_f16(self, stream: Any, x: int, sxt: int, sxu: int, order: int, ids: int, sid: int, n_used: int,
+                       n_expert: int, at: tuple[int, int], y: int, rows: int, n: int) -> None:
         self.calls.append("moe_gather_f16")
-        p = mem(order, (rows,), (1,), np.int32).tolist()
-        for r, q in enumerate(p):
-            mem(y + 2 * r * n, (n,), (1,), F16)[...] = mem(x + 4 * ((q // n_used) * sxt + (q % n_used) * sxu), (n,), (1,), F32)
+        for q, _e, g in self._moe_rows(order, ids, sid, n_used, n_expert, at, rows):
+            if g >= 0:
+                mem(y + 2 * g * n, (n,), (1,), F16)[...] = mem(x + 4 * ((q // n_used) * sxt + (q % n_used) * sxu), (n,),
+                                                               (1,), F32)  # fmt: skip
 
     def moe_scatter(self, stream: Any, prod: int, ldp: int, order: int, ids: int, sid: int, n_used: int, n_expert: int,
-                    y: int, m: int, rows: int, op: int, *, b: int = 0, b2: int = 0, sb: int = 0, alpha: float = 0.0,
-                    limit: float = 0.0) -> None:
+                    at: tuple[int, int], y: int, m: int, rows: int, op: int, *, b: int = 0, b2: int = 0, sb: int = 0,
+                    alpha: float = 0.0, limit: float = 0.0) -> None:
         from llamapy.backend.kernels import glu as glu_ref
 
         self.calls.append("moe_scatter")
-        P = mem(prod, (rows, ldp), (ldp, 1), F32)
-        for r, q in enumerate(mem(order, (rows,), (1,), np.int32).tolist()):
-            e = int(mem(ids + 4 * ((q // n_used) * sid + q % n_used), (1,), (1,), np.int32)[0])
-            g, u = P[r, :m].copy(), P[r, m:2 * m].copy()
+        for q, e, gr in self._moe_rows(order, ids, sid, n_used, n_expert, at, rows):
+            if gr < 0:
+                mem(y + 4 * q * m, (m,), (1,), F32)[...] = np.nan
+                continue
+            P = mem(prod + 4 * gr * ldp, (ldp,), (1,), F32)
+            g, u = P[:m].copy(), P[m:2 * m].copy()
             if b:
                 g = g + mem(b + 4 * e * sb, (m,), (1,), F32)
             if b2:
@@ -1450,6 +1471,9 @@ def test_moe_prompt_plan_gives_the_float32_paths_logits(tmp_path: Path, monkeypa
     calls = made[0].rt.ops.calls
     assert calls.count("read") == 2 and calls.count("moe_sort") == 2  # one host read a layer
     assert {"moe_gather_f16", "moe_scatter", "dequant_f16", "gemm_f16"} <= set(calls)
+    # Mixtral's 40 pairs over 4 experts: padded blocks within twice the pairs, one batched GEMM a
+    # product (gate, up, down of 2 layers); qwen3moe's 60 over 8, more unequal: a GEMM an expert
+    assert calls.count("gemm_f16_batched") == (6 if case == "tiny-mixtral" else 0)
 
 
 @pytest.mark.parametrize("case", ["tiny-mixtral", pytest.param("tiny-gptoss", marks=_SLOW),

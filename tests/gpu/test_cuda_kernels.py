@@ -762,27 +762,39 @@ def test_moe_sort_more_experts_than_threads(env: Env) -> None:
     assert np.array_equal(got[T * U:], np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E + 1))]))
 
 
-@pytest.mark.parametrize("case", ["down", "swiglu", "swiglu_oai+bias", "swiglu+tiles"])
+@pytest.mark.parametrize("case", ["down", "swiglu", "swiglu_oai+bias", "down+per-expert", "swiglu+per-expert+tiles"])
 def test_mul_mat_id_gemm(env: Env, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt's expert product: the pairs grouped by expert (moe_sort: a stable sort, ids out of
-    range last), the rows gathered and rounded to f16, one GEMM an expert (float32 accumulation),
-    the rows scattered back with the biases and the GLU: the f16-rounded product's values within
-    float32 accumulation, NaN for an id out of range; the second product of the same routing
-    reuses the offsets read (no sort, no read)."""
+    range last), the rows gathered and rounded to f16, the experts' GEMMs (float32 accumulation:
+    one strided batched GEMM over the experts' padded rows, or — no expert fitting the weight
+    scratch — one an expert, in tiles of rows), the rows scattered back with the biases and the
+    GLU: the f16-rounded product's values within float32 accumulation, NaN for an id out of range;
+    the second product of the same routing reuses the offsets read (no sort, no read). Scratches
+    of moe_scratch_bytes' sizes."""
     from gguf.quants import dequantize
 
     from llamapy.backend import cuda_ops
 
     n_expert, m, n_in, T, U = 5, 72, 256, 20, 2
+    if "per-expert" in case:  # no expert fits the weight scratch of the batched GEMMs
+        monkeypatch.setattr(cuda_ops, "MOE_W16_BYTES", 1)
     if "tiles" in case:  # experts of 300 rows decoded 256 at a time (the smallest tile)
         m = 300
         monkeypatch.setattr(cuda_ops, "GEMM_SCRATCH_BYTES", 1)
+    gemms: list[int] = []  # the GEMM launcher's calls: 7 arguments one GEMM, 11 a batched one
+    real_gemm = env.k.gemm
+
+    def gemm(grid: Any, block: Any, args: tuple, **kw: Any) -> None:
+        gemms.append(len(args))
+        real_gemm(grid, block, args, **kw)
+
+    monkeypatch.setattr(env.k, "gemm", gemm)
     rng = np.random.default_rng(21)
     ids = rng.integers(0, n_expert, (T, U)).astype(np.int32)
     ids[:, 1] = (ids[:, 0] + 1 + ids[:, 1] % (n_expert - 1)) % n_expert  # two experts a token
     ids[7, 1] = n_expert  # out of range
     ids[ids == 4] = 3  # expert 4 used by no pair: no GEMM for it
-    glu = case != "down"
+    glu = not case.startswith("down")
     x = rng.standard_normal((T, 1 if glu else U, n_in)).astype(np.float32)  # gate/up: one row a token
     raws = [np.ascontiguousarray(random_rows("Q4_K", n_expert * m, n_in, np.random.default_rng(s))) for s in (8, 9)]
     ws = [dequantize(r, G.Q4_K).reshape(n_expert, m, n_in).astype(np.float32).astype(np.float16).astype(np.float64)
@@ -791,10 +803,9 @@ def test_mul_mat_id_gemm(env: Env, case: str, monkeypatch: pytest.MonkeyPatch) -
     n_pairs = T * U
     rd = [env.d(r) for r in raws]
     xd, idd = env.d(x), env.d(ids)
-    order = env.full((n_pairs + n_expert + 2,), -1, np.int32)
-    x16, w16 = env.zeros((n_pairs, n_in), np.float16), env.zeros((cuda_ops.gemm_tile_rows(m, n_in), n_in), np.float16)
+    sizes = cuda_ops.moe_scratch_bytes(T, U, n_expert, m, n_in, glu)
+    order, x16, w16, prod = (env.full((n // 4,), -1, np.int32) for n in sizes)
     assert cuda_ops.gemm_tile_rows(m, n_in) == (256 if "tiles" in case else m)
-    prod = env.full((n_pairs, 2 * m), np.nan, np.float32)
     y = env.full((T, U, m), np.nan, np.float32)
     sxt, sxu = x.shape[1] * n_in, (0 if glu else n_in)
     kw: dict[str, Any] = dict(order=env.p(order), x16=env.p(x16), w16=env.p(w16), prod=env.p(prod))
@@ -811,7 +822,10 @@ def test_mul_mat_id_gemm(env: Env, case: str, monkeypatch: pytest.MonkeyPatch) -
     o = env.get(order)
     assert np.array_equal(o[:n_pairs], np.argsort(flat, kind="stable"))
     want_offs = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=n_expert + 1))])
-    assert np.array_equal(o[n_pairs:], want_offs) and np.array_equal(got_offs[0], want_offs)
+    assert np.array_equal(o[n_pairs:n_pairs + n_expert + 2], want_offs) and np.array_equal(got_offs[0], want_offs)
+    # batched: one GEMM a half (gate, up); else one an expert used (4 of 5) a half and tile
+    n_half = 2 if glu else 1
+    assert gemms == ([7] * 4 * n_half * (2 if "tiles" in case else 1) if "per-expert" in case else [11] * n_half), gemms
     got = env.get(y).astype(np.float64)
     assert np.all(np.isnan(got[7, 1]))
     xs = x.astype(np.float16).astype(np.float64)

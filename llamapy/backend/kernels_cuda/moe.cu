@@ -194,43 +194,57 @@ extern "C" __global__ void moe_sort(const int* __restrict__ ids, long long sid, 
     }
 }
 
+// Where sorted row r's GEMM row lies: r itself (pad 0: the experts' rows one after another, a GEMM
+// an expert), or, for the GEMMs batched over the experts (each expert's rows padded to `pad`),
+// row r - offs[e] of expert e's block of pad rows (-1: an id out of range, no GEMM row).
+__device__ __forceinline__ long long moe_gemm_row(int e, int n_expert, const int* __restrict__ offs, int pad,
+                                                  long long r) {
+    if (!pad) return r;
+    return e < 0 || e >= n_expert ? -1 : (long long)e * pad + (r - offs[e]);
+}
+
 // The GEMM's input: sorted row r = the input row of pair order[r] = t * n_used + u (x + t * sxt +
-// u * sxu; sxu 0: one row a token) rounded to f16 (cpy_f32_f16's rounding). Grid (ceil(n /
-// blockDim.x), rows).
+// u * sxu; sxu 0: one row a token) rounded to f16 (cpy_f32_f16's rounding), at its GEMM row
+// (moe_gemm_row: ids of sid, the offsets and pad). Grid (ceil(n / blockDim.x), rows).
 extern "C" __global__ void moe_gather_f16(const float* __restrict__ x, long long sxt, long long sxu,
-                                          const int* __restrict__ order, int n_used, unsigned short* __restrict__ y,
-                                          int n) {
+                                          const int* __restrict__ order, const int* __restrict__ ids, long long sid,
+                                          int n_used, int n_expert, const int* __restrict__ offs, int pad,
+                                          unsigned short* __restrict__ y, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const long long r = blockIdx.y;
     const int p = order[r];
-    y[r * n + i] = f32_to_f16(x[(long long)(p / n_used) * sxt + (long long)(p % n_used) * sxu + i]);
+    const long long g = moe_gemm_row(ids[(long long)(p / n_used) * sid + p % n_used], n_expert, offs, pad, r);
+    if (g < 0) return;
+    y[g * n + i] = f32_to_f16(x[(long long)(p / n_used) * sxt + (long long)(p % n_used) * sxu + i]);
 }
 
-// The GEMM's rows back to their pairs with mmv_id's epilogue: sorted row r of prod (ldp floats
-// apart; the gate's sums at column 0, the up's at column M when op >= 0) is pair p = order[r],
-// expert e = ids of p; y[p * M + i] = the sum + b[e * sb + i] (b optional), or op(gate + b, up +
-// b2) (0 SwiGLU, 1 GEGLU, 2 swiglu_oai with alpha and limit): the bits of add_id and glu.cu after
-// the product. An expert outside [0, n_expert) gives NaN rows, as mmv_id. Grid (ceil(M /
-// blockDim.x), rows).
+// The GEMM's rows back to their pairs with mmv_id's epilogue: sorted row r's GEMM row of prod
+// (moe_gemm_row; ldp floats apart; the gate's sums at column 0, the up's at column M when op >= 0)
+// is pair p = order[r], expert e = ids of p; y[p * M + i] = the sum + b[e * sb + i] (b optional),
+// or op(gate + b, up + b2) (0 SwiGLU, 1 GEGLU, 2 swiglu_oai with alpha and limit): the bits of
+// add_id and glu.cu after the product. An expert outside [0, n_expert) gives NaN rows, as mmv_id.
+// Grid (ceil(M / blockDim.x), rows).
 extern "C" __global__ void moe_scatter(const float* __restrict__ prod, long long ldp, const int* __restrict__ order,
                                        const int* __restrict__ ids, long long sid, int n_used, int n_expert,
-                                       float* __restrict__ y, int M, int op, const float* __restrict__ b,
-                                       const float* __restrict__ b2, long long sb, float alpha, float limit) {
+                                       const int* __restrict__ offs, int pad, float* __restrict__ y, int M, int op,
+                                       const float* __restrict__ b, const float* __restrict__ b2, long long sb,
+                                       float alpha, float limit) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= M) return;
     const long long r = blockIdx.y;
     const int p = order[r];
     const int e = ids[(long long)(p / n_used) * sid + p % n_used];
+    const long long g = moe_gemm_row(e, n_expert, offs, pad, r);
     float out = __int_as_float(0x7fc00000);
     if (e >= 0 && e < n_expert) {
-        float g = prod[r * ldp + i];
-        if (b) g = __fadd_rn(g, b[(long long)e * sb + i]);
-        out = g;
+        float v = prod[g * ldp + i];
+        if (b) v = __fadd_rn(v, b[(long long)e * sb + i]);
+        out = v;
         if (op >= 0) {
-            float up = prod[r * ldp + M + i];
+            float up = prod[g * ldp + M + i];
             if (b2) up = __fadd_rn(up, b2[(long long)e * sb + i]);
-            out = op == 0 ? silu_mul(g, up) : op == 1 ? __fmul_rn(gelu_f16(g), up) : swiglu_oai_mul(g, up, alpha, limit);
+            out = op == 0 ? silu_mul(v, up) : op == 1 ? __fmul_rn(gelu_f16(v), up) : swiglu_oai_mul(v, up, alpha, limit);
         }
     }
     y[(long long)p * M + i] = out;

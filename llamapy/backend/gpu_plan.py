@@ -94,23 +94,30 @@ follow the attention's in the arena, sized for the plan's largest product.
 A mixture of experts' prompt (MUL_MAT_ID_GEMM, cuda_ops.mul_mat_id_gemm) is designed for the
 H200's tensor cores, reasoned, not measured: a prompt of T tokens routes T * U (token, slot)
 pairs (Qwen3-30B-A3B at -ub 512: 4096 pairs over 128 experts, ~32 rows an expert; Mixtral: 512
-over 8, ~128), so the work is one GEMM per used expert of its pairs' rows against its M x K rows
-— the matrix-vector kernel would read each expert's rows once per 8 pairs. Per product:
+over 8, ~128), so the work is a GEMM per used expert of its pairs' rows against its M x K rows
+— the matrix-vector kernel would read each expert's rows once per 8 pairs — and what bounds it
+is the number of launches from Python (128 experts: 2 x 128 decodes and GEMMs a product, ~10 us
+each), not the tensor cores. Per product:
 moe.cu's `moe_sort` groups the pairs by expert on the device (one block: deterministic, stable,
 ids out of range last), the n_expert + 2 offsets are read to the host — the one host wait of the
 layer: the GEMMs' sizes are the routing's, so this record is not captured (nor could a cuBLAS
 call be) and the down experts reuse the gate/up's grouping and offsets (flag 2) —, `moe_gather_f16`
-gathers the pairs' input rows in that order rounded to f16 once, then each used expert's rows are
-decoded to f16 into the weight tile (gemm_tile_rows) and one cuBLAS GEMM (f16 in, float32
-accumulation) writes its rows of the products; `moe_scatter` puts each row back at its (token,
-slot) with mmv_id's epilogue (the experts' biases, the GLU: SwiGLU, GEGLU, gpt-oss's swiglu_oai).
-Experts no pair chose are neither decoded nor multiplied. What a GPU session should measure
-(tests/gpu/run_all.py 3b times pp512 of the Qwen3-30B-A3B layer shape): the per-expert launches
-(2 x 128 decodes and GEMMs a layer for Qwen3: ~10 us of launch each, likely the bound at small
-batches — then decode every used expert into one scratch and run one grouped or batched GEMM
-(cublasGemmGroupedBatchedEx) a product), the host wait a layer (~10-20 us), and whether an
-int8 / bf16 path or llama.cpp's mmq over the file's blocks beats f16 tiles for the small per-expert
-row counts; the single-block sort scans the pairs once per expert (4096 x 129 reads).
+gathers the pairs' input rows rounded to f16 once, each expert's rows padded to the largest
+count (a multiple of 8) when the padded rows are at most twice the pairs' (`cuda_ops.moe_pad`);
+then the experts are decoded to f16 a group at a time (all of Qwen3's 128 in two groups of
+MOE_W16_BYTES = 256 MiB; Mixtral's 117 MiB experts two at a time) and one cuBLAS strided batched
+GEMM (f16 in, float32 accumulation) a group multiplies each expert with its block of rows — a
+few launches a product whatever the number of experts, the padding's rows computed and never
+read, unused experts decoded and multiplied with padding (cheaper than a launch each). A routing
+too unequal for the padding (or experts larger than the scratch) falls back to one decode and GEMM
+an expert (tiles of rows), experts no pair chose skipped. `moe_scatter` puts each row back at its
+(token, slot) with mmv_id's epilogue (the experts' biases, the GLU: SwiGLU, GEGLU, gpt-oss's
+swiglu_oai). What a GPU session should measure (tests/gpu/run_all.py 3b times pp512 of the
+Qwen3-30B-A3B layer shape): the batched GEMMs' TFLOP/s at ~32-64 rows an expert against the
+dense GEMM's, the padding bound (2x) against the per-expert fallback, the host wait a layer
+(~10-20 us expected), whether cuBLAS's grouped GEMM (no padding) or an int8 / mmq path over the
+file's blocks beats f16, and the single-block sort (it scans the pairs once per expert: 4096 x 129
+reads).
 
 Refused here (the split then runs node by node with run_nodes, CuPy's reference path): weights in
 host memory, an op or layout the compiler does not know, an op the runtime has no kernel for.

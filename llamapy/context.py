@@ -352,11 +352,16 @@ class Context:
 
     def _alloc_compute(self) -> dict[str, int]:
         """Reserve the planned compute buffers; on OutOfMemoryError none stays allocated."""
+        from .model.fit import with_plan_arenas
+
         n = self.n_ubatch
         plan = self.sched.reserve(self.graph(n, n).graph)
+        gpu_plans = any(hasattr(be, "plan_arena_bytes") for be in self.backends)
+        plans = [plan] + ([self.sched.reserve(self.graph(1, 1).graph)] if n > 1 and gpu_plans else [])
+        sizes = with_plan_arenas(self.sched, plans)  # (the GPU plans' arena: the fit's figure)
         try:
             for be in self.backends:
-                size = plan.compute_sizes.get(be.name, 0)
+                size = sizes.get(be.name, 0)
                 buft = be.device.buffer_type()
                 if size and not buft.is_host:
                     self.compute_buffers.append(buft.alloc_buffer(size, BufferUsage.COMPUTE))
@@ -368,7 +373,7 @@ class Context:
                 b.free()
             self.compute_buffers.clear()
             raise
-        return dict(plan.compute_sizes)
+        return sizes
 
     def _ubatch_that_fits(self) -> int | None:
         """The largest smaller -ub whose compute buffers fit what the weights and KV cache left."""

@@ -163,6 +163,10 @@ def use_test_device_plans(set_attr: Callable[[Any, str, Any], None], make_rt: Ca
 
     set_attr(MemoryDeviceBackend, "graph_plan_create", create)
     set_attr(MemoryDeviceBackend, "graph_plan_compute", lambda self, plan, env: plan.compute(env))
+    new = {} if set_attr is setattr else {"raising": False}  # (an attribute MemoryDeviceBackend lacks)
+    set_attr(MemoryDeviceBackend, "plan_arena_bytes",  # the fit counts these plans' arena (no SMs: no split attention)
+             lambda self, nodes, exports, allocate: gpu_plan.arena_bytes(nodes, exports, allocate, self.device.buffer_type(),
+                                                                         8, 0), **new)
     set_attr(MemoryDeviceBackend, "graph_plan_summary",
              lambda self, plan: plan.summary() if plan else f"refused: {plan.reason}")
     return made

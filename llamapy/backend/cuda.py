@@ -564,6 +564,16 @@ class CUDABackend(MemoryDeviceBackend):
         with dev.context("compiling a GPU plan"):
             return compile_split(nodes, exports, allocate, dev.runtime())
 
+    def plan_arena_bytes(self, nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Any) -> int | None:
+        """The arena the GPU plan of these nodes will take (gpu_plan.arena_bytes; the fit's)."""
+        from .executor import enabled as executor_enabled
+        from .gpu_plan import arena_bytes
+
+        if not executor_enabled():
+            return None
+        n_sm = int(self.device._device.attributes["MultiProcessorCount"])
+        return arena_bytes(nodes, exports, allocate, self.device.buffer_type(), MMV_MAX_TOKENS, n_sm)
+
     def graph_plan_compute(self, plan: Any, env: dict[Tensor, Any]) -> None:
         with self.device.context("running a GPU plan"):
             plan.compute(env)

@@ -28,8 +28,8 @@ from ..types import GGMLType, LlamapyError
 from .cpu_kernels import KV_CODES
 from .executor import (ADD, ADD_ID, ARGSORT, ATTN, CLAMP, CPY, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, MUL, RMS_NORM, ROPE, SCALE,
                        SET_ROWS, SOFT_MAX, SUM_ROWS, SWIGLU, Loc, Refused, _Slot)
-from .gpu_plan import (COUNT, GET_ROWS_W, MUL_MAT_GEMM, MUL_MAT_GLU, MUL_MAT_ID_GLU, MUL_MAT_ID_W, MUL_MAT_W, ROPE_QKV,
-                       ROUTER, ROUTER_TOPK, SCRATCH, SPLITS)
+from .gpu_plan import (COUNT, GET_ROWS_W, MUL_MAT_GEMM, MUL_MAT_GLU, MUL_MAT_ID_GEMM, MUL_MAT_ID_GLU, MUL_MAT_ID_W,
+                       MUL_MAT_W, ROPE_QKV, ROUTER, ROUTER_TOPK, SCRATCH, SPLITS)
 
 
 def _first_line(e: BaseException) -> str:
@@ -169,6 +169,8 @@ class CUDARuntime:
             raise Refused(f"no CUDA kernel for record op {code}")
         with self.dev.context("loading a kernel"):
             call = make(self, rec)
+            if getattr(call, "dynamic", False):  # its launches depend on values read back when it runs
+                return call
             launches = self.ops.record(lambda _stream: call())
         stream = self.dev.stream
         if len(launches) == 1:
@@ -417,6 +419,28 @@ def _mul_mat_id_w(rt: CUDARuntime, rec: np.ndarray) -> Launch:
                                   r[6], r[7], **kw)  # fmt: skip
 
 
+def _mul_mat_id_gemm(rt: Any, rec: np.ndarray) -> Launch:
+    """A prompt's expert product (gpu_plan's MUL_MAT_ID_GEMM: MUL_MAT_ID_W's slots 1-22, 23 flags
+    (1 the GLU with the up experts of slot 16, 2 the grouping of the record before), 24-27 the
+    sort, f16 input, f16 weight and product scratches): cuda_ops.mul_mat_id_gemm, run when the
+    plan runs (not recorded: its GEMMs follow the counts it reads back), the offsets kept on the
+    runtime for the next product of the same routing (the down experts after the gate/up ones)."""
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    qtype = GGMLType(r[9])
+    kw: dict[str, Any] = dict(b=r[18], sb=r[19], order=r[24], x16=r[25], w16=r[26], prod=r[27])
+    if r[23] & 1:
+        kw.update(w2=r[16], glu=("swiglu", "geglu", "swiglu_oai")[r[17]], b2=r[20], alpha=_f(r[21]), limit=_f(r[22]))
+    counts: dict[int, Any] = rt.__dict__.setdefault("moe_offsets", {})  # sort scratch -> the offsets read there
+
+    def launch() -> None:
+        offs = counts.get(r[24]) if r[23] & 2 else None
+        counts[r[24]] = ops.mul_mat_id_gemm(st, qtype, r[3], r[11], r[12], r[8], r[10], r[2], r[13], r[14], r[4], r[15],
+                                            r[1], r[6], r[7], offs=offs, **kw)  # fmt: skip
+
+    launch.dynamic = True  # type: ignore[attr-defined]
+    return launch
+
+
 def _router_topk(rt: CUDARuntime, rec: np.ndarray) -> Launch:
     r, ops, st = _i(rec), rt.ops, rt.dev.stream
     scale = _f(r[9])
@@ -441,5 +465,5 @@ _LAUNCHES: dict[int, Callable[[CUDARuntime, np.ndarray], Launch]] = {
     ATTN: _attn, DIV: _binary("div"),
     SOFT_MAX: _soft_max, ARGSORT: _argsort, SUM_ROWS: _sum_rows, CLAMP: _clamp, GET_ROWS_B: _get_rows_b,
     MUL_MAT_ID_W: _mul_mat_id_w, MUL_MAT_ID_GLU: _mul_mat_id_w, ROUTER: _router, ADD_ID: _add_id,
-    ROUTER_TOPK: _router_topk, MUL_MAT_GEMM: _mul_mat_gemm,
+    ROUTER_TOPK: _router_topk, MUL_MAT_GEMM: _mul_mat_gemm, MUL_MAT_ID_GEMM: _mul_mat_id_gemm,
 }  # fmt: skip

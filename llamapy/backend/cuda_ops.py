@@ -59,7 +59,8 @@ def _entries() -> dict[str, tuple[str, ...]]:
         "fattn.cu": ("fattn_combine", *(f"fattn_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values()),
                      *(f"fattn_tile_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
         "moe.cu": ("soft_max_f32", "argsort_desc_f32", "get_rows_batched_f32", "sum_rows_f32", "clamp_f32",
-                   "binary_row_f32", "router_f32", "router_topk_f32", "add_id_f32"),
+                   "binary_row_f32", "router_f32", "router_topk_f32", "add_id_f32", "moe_sort", "moe_gather_f16",
+                   "moe_scatter"),
     }
     for fname, suffix in WEIGHT_SUFFIX.values():
         out[fname] = (*out.get(fname, ()), f"dequant_{suffix}", f"dequant_f16_{suffix}", f"get_rows_{suffix}", f"mmv_{suffix}",
@@ -141,6 +142,7 @@ class CudaKernels:
     functions: dict[str, Any]
     n_sm: int
     gemm: Any = None  # the f16 GEMM launcher (CublasGemm on a device; the tests' numpy one on the emulator)
+    reader: Any = None  # reader(stream, addr, n): n int32 of device memory, waited for (a prompt's expert counts)
     _modules: list[Any] = field(default_factory=list, repr=False)
     _sink: list[Launch] | None = field(default=None, repr=False)
 
@@ -170,7 +172,7 @@ class CudaKernels:
                 functions[name] = fn
         dev = cp.cuda.Device()
         n_sm = int(dev.attributes["MultiProcessorCount"])
-        return cls(functions, n_sm, CublasGemm(cp), modules)
+        return cls(functions, n_sm, CublasGemm(cp), DeviceReader(cp), modules)
 
     def _launch(self, name: str, grid: tuple[int, ...], block: int, args: tuple, stream: Any, shared: int = 0) -> None:
         if grid[0] >= 2**31 or any(g > 65535 for g in grid[1:]):
@@ -370,10 +372,8 @@ class CudaKernels:
         if kt in _QUANT_CACHE and head_dim % 32:
             raise UnsupportedError(f"CUDA: Q8_0 rounding of Q of heads of {head_dim}")
         if n_tokens > FA_VEC_MAX_TOKENS and n_splits <= 1:  # a prompt: fattn_tile_*
-            if sinks:
-                raise UnsupportedError("CUDA: attention sinks in a prompt (fattn_tile has none)")
             self._fattn_tile(stream, q, sqt, sqh, kt, k, k_cb, k_hb, vt, v, v_cb, v_hb, n_cells, mask, sm, out, sot, soh,
-                             n_tokens, n_head, n_head_kv, head_dim, head_dim_v, scale, n_kv, n_kv_dev, rot_k, rot_v)
+                             n_tokens, n_head, n_head_kv, head_dim, head_dim_v, scale, n_kv, n_kv_dev, rot_k, rot_v, sinks)
             return
         g = n_head // n_head_kv
         shared = 4 * (g * head_dim + g * FA_TILE + g * head_dim_v + 3 * g)
@@ -455,14 +455,17 @@ class CudaKernels:
         self._launch(f"dequant_f16_{WEIGHT_SUFFIX[qtype][1]}", (_cdiv(units, ELEMENTWISE_THREADS),), ELEMENTWISE_THREADS,
                      args, stream)  # fmt: skip
 
-    def gemm_f16(self, stream: Any, a: int, b: int, c: int, m: int, n: int, k: int, ldc: int) -> None:
+    def gemm_f16(self, stream: Any, a: int, b: int, c: int, m: int, n: int, k: int, ldc: int,
+                 batch: tuple[int, int, int, int] | None = None) -> None:
         """c[:n, :m] (float32 rows ldc apart) = b (n, k) @ a (m, k).T, a and b f16 rows: one GEMM
-        on the tensor cores with float32 accumulation (`gemm`: cuBLAS's gemmEx on a device)."""
+        on the tensor cores with float32 accumulation (`gemm`: cuBLAS's gemmEx on a device).
+        `batch` (count, a's, b's and c's strides in elements): that many GEMMs in one call
+        (gemmStridedBatchedEx)."""
         if self.gemm is None:
             raise UnsupportedError("CUDA: no GEMM launcher (cuBLAS) on this device")
-        if m <= 0 or n <= 0:
+        if m <= 0 or n <= 0 or (batch is not None and batch[0] <= 0):
             return
-        launch = Launch("gemm_f16", self.gemm, (1,), 1, (a, b, c, m, n, k, ldc), 0)
+        launch = Launch("gemm_f16", self.gemm, (1,), 1, (a, b, c, m, n, k, ldc, *(batch or ())), 0)
         if self._sink is not None:
             self._sink.append(launch)
         else:
@@ -491,7 +494,7 @@ class CudaKernels:
     def _fattn_tile(self, stream: Any, q: int, sqt: int, sqh: int, kt: GGMLType, k: int, k_cb: int, k_hb: int,
                     vt: GGMLType, v: int, v_cb: int, v_hb: int, n_cells: int, mask: int, sm: int, out: int, sot: int,
                     soh: int, n_tokens: int, n_head: int, n_head_kv: int, head_dim: int, head_dim_v: int, scale: float,
-                    n_kv: int, n_kv_dev: int, rot_k: int, rot_v: int) -> None:
+                    n_kv: int, n_kv_dev: int, rot_k: int, rot_v: int, sinks: int = 0) -> None:
         """flash_attn_ext of a prompt: fattn.cu's fattn_tile_<k>_<v>, a block per (query head,
         FA_QT query rows), every head and row in one launch."""
         shared = 4 * (FA_QT * head_dim + FA_QT * FA_TILE + FA_QT * head_dim_v + 3 * FA_QT)
@@ -504,7 +507,7 @@ class CudaKernels:
                 np.int64(v_hb), np.int64(n_cells), _p(mask), np.int64(sm), np.int32(n_kv), _p(n_kv_dev), _p(out),
                 np.int64(sot), np.int64(soh), np.int32(n_tokens), np.int32(n_head), np.int32(n_head_kv),
                 np.int32(head_dim), np.int32(head_dim_v), np.float32(scale), np.int32(rot_k), np.float32(rk),
-                np.int32(rot_v), np.float32(rv))  # fmt: skip
+                np.int32(rot_v), np.float32(rv), _p(sinks))  # fmt: skip
         name = f"fattn_tile_{CACHE_SUFFIX[kt]}_{CACHE_SUFFIX[vt]}"
         self._launch(name, (n_head, _cdiv(n_tokens, FA_QT)), FA_THREADS, args, stream, shared)
 
@@ -541,6 +544,96 @@ class CudaKernels:
                 np.int64(sb), np.float32(alpha), np.float32(limit))  # fmt: skip
         grid = (_cdiv(m, MMV_ROWS_PER_BLOCK), n_tok * n_used)
         self._launch(f"mmv_id_{WEIGHT_SUFFIX[qtype][1]}", grid, 32 * MMV_ROWS_PER_BLOCK, args, stream)
+
+    def mul_mat_id_gemm(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_expert: int, m: int, n_in: int,
+                        x: int, sxt: int, sxu: int, ids: int, sid: int, y: int, n_tok: int, n_used: int, *, order: int,
+                        x16: int, w16: int, prod: int, offs: np.ndarray | None = None, w2: int = 0, glu: str = "swiglu",
+                        b: int = 0, b2: int = 0, sb: int = 0, alpha: float = 0.0, limit: float = 0.0) -> np.ndarray:
+        """MUL_MAT_ID of a prompt, mul_mat_id's product for any number of tokens on the tensor
+        cores: the (token, slot) pairs grouped by expert (moe_sort into `order`, n_tok * n_used
+        int32, then the n_expert + 2 offsets after them), the offsets read to the host — the one
+        wait, skipped when `offs` (the last call's, same ids) is given —, the pairs' input rows
+        gathered in that order and rounded to f16 into x16, the products into prod (the gate's
+        sums, the up's after them with `w2`), and the rows scattered back to y (n_tok, n_used, m)
+        with the biases and the GLU (moe_scatter, mmv_id's epilogue). The products: where the
+        experts' rows padded to the largest count take at most twice the pairs' rows
+        (`moe_pad`), the experts decoded to f16 a group at a time (`moe_group` of them in
+        MOE_W16_BYTES) and one strided batched GEMM a group (a few launches a product whatever
+        the number of experts); else, for each used expert, its rows decoded (gemm_tile_rows at
+        a time) and one GEMM with its pairs' rows. Returns the offsets (for the next product of
+        the same ids). Launches directly: the GEMMs' sizes are the routing's."""
+        qtype = GGMLType(qtype)
+        if qtype not in WEIGHT_SUFFIX:
+            raise UnsupportedError(f"CUDA: MUL_MAT_ID of {qtype.name}")
+        if glu not in ("swiglu", "geglu", "swiglu_oai") or ((b or b2) and sb < m):
+            raise UnsupportedError(f"CUDA: a prompt's experts with {glu!r}, bias rows {sb} apart for {m}")
+        if n_in % 32 or n_in % block_size(qtype)[0] or x16 % 16 or w16 % 16 or order % 4:
+            raise UnsupportedError(f"CUDA: {qtype.name} MUL_MAT_ID of rows of {n_in} (scratch at {x16:#x}, {w16:#x})")
+        if self.reader is None:
+            raise UnsupportedError("CUDA: no device reader for a prompt's expert counts")
+        n_pairs = n_tok * n_used
+        if n_pairs <= 0 or m <= 0:
+            return np.zeros(n_expert + 2, np.int32)
+        offs_dev = order + 4 * n_pairs
+        if offs is None:
+            self.moe_sort(stream, ids, sid, n_tok, n_used, n_expert, order, offs_dev)
+            offs = np.asarray(self.reader(stream, offs_dev, n_expert + 2))
+        pad = moe_pad(offs, n_expert, n_pairs, m, n_in)
+        rows = (offs_dev, pad)  # where each sorted row's GEMM row lies (moe.cu's moe_gemm_row)
+        self.moe_gather_f16(stream, x, sxt, sxu, order, ids, sid, n_used, n_expert, rows, x16, n_pairs, n_in)
+        halves = [w] + ([w2] if w2 else [])
+        ldp = m * len(halves)
+        for h, wh in enumerate(halves):
+            if pad:  # groups of experts, one batched GEMM each (the padding rows' results never read)
+                g = moe_group(n_expert, m, n_in)
+                for e0 in range(0, n_expert, g):
+                    ne = min(g, n_expert - e0)
+                    self.dequant_f16(stream, qtype, wh + e0 * m * row_bytes, row_bytes, ne * m, n_in, w16)
+                    self.gemm_f16(stream, w16, x16 + 2 * e0 * pad * n_in, prod + 4 * (e0 * pad * ldp + h * m), m, pad,
+                                  n_in, ldp, batch=(ne, m * n_in, pad * n_in, pad * ldp))  # fmt: skip
+                continue
+            tile = gemm_tile_rows(m, n_in)
+            for e in range(n_expert):
+                r0, n = int(offs[e]), int(offs[e + 1] - offs[e])
+                for t0 in range(0, m if n else 0, tile):
+                    rows_t = min(tile, m - t0)
+                    self.dequant_f16(stream, qtype, wh + (e * m + t0) * row_bytes, row_bytes, rows_t, n_in, w16)
+                    self.gemm_f16(stream, w16, x16 + 2 * r0 * n_in, prod + 4 * (r0 * ldp + h * m + t0), rows_t, n, n_in,
+                                  ldp)  # fmt: skip
+        op = ("swiglu", "geglu", "swiglu_oai").index(glu) if w2 else -1
+        self.moe_scatter(stream, prod, ldp, order, ids, sid, n_used, n_expert, rows, y, m, n_pairs, op, b=b,
+                         b2=b2 if w2 else 0, sb=sb, alpha=alpha, limit=limit)  # fmt: skip
+        return offs
+
+    def moe_sort(self, stream: Any, ids: int, sid: int, n_tok: int, n_used: int, n_expert: int, order: int,
+                 offs: int) -> None:
+        """The (token, slot) pairs of ids (int32 rows sid apart) grouped by expert (moe.cu): order
+        (n_tok * n_used) the pairs in expert order, offs (n_expert + 2) each expert's first row."""
+        args = (_p(ids), np.int64(sid), np.int32(n_tok), np.int32(n_used), np.int32(n_expert), _p(order), _p(offs))
+        self._launch("moe_sort", (1,), ARGSORT_THREADS, args, stream)
+
+    def moe_gather_f16(self, stream: Any, x: int, sxt: int, sxu: int, order: int, ids: int, sid: int, n_used: int,
+                       n_expert: int, at: tuple[int, int], y: int, rows: int, n: int) -> None:
+        """y (GEMM rows of n) f16 = the input rows of the pairs in `order` (x + t * sxt + u *
+        sxu), each at its GEMM row: `at` (offsets, pad), pad 0: row r (moe.cu's moe_gemm_row)."""
+        if rows <= 0 or n <= 0:
+            return
+        args = (_p(x), np.int64(sxt), np.int64(sxu), _p(order), _p(ids), np.int64(sid), np.int32(n_used),
+                np.int32(n_expert), _p(at[0]), np.int32(at[1]), _p(y), np.int32(n))  # fmt: skip
+        self._launch("moe_gather_f16", (_cdiv(n, ELEMENTWISE_THREADS), rows), ELEMENTWISE_THREADS, args, stream)
+
+    def moe_scatter(self, stream: Any, prod: int, ldp: int, order: int, ids: int, sid: int, n_used: int, n_expert: int,
+                    at: tuple[int, int], y: int, m: int, rows: int, op: int, *, b: int = 0, b2: int = 0, sb: int = 0,
+                    alpha: float = 0.0, limit: float = 0.0) -> None:
+        """y (pairs, m): sorted row r's GEMM row of prod (`at` as moe_gather_f16's) to pair
+        order[r], + its expert's bias, then the GLU op (-1 none, 0 SwiGLU, 1 GEGLU, 2 swiglu_oai)
+        of the gate and the up half (moe.cu)."""
+        if rows <= 0 or m <= 0:
+            return
+        args = (_p(prod), np.int64(ldp), _p(order), _p(ids), np.int64(sid), np.int32(n_used), np.int32(n_expert),
+                _p(at[0]), np.int32(at[1]), _p(y), np.int32(m), np.int32(op), _p(b), _p(b2), np.int64(sb),
+                np.float32(alpha), np.float32(limit))  # fmt: skip
+        self._launch("moe_scatter", (_cdiv(m, ELEMENTWISE_THREADS), rows), ELEMENTWISE_THREADS, args, stream)
 
     def soft_max(self, stream: Any, x: int, sx: int, y: int, sy: int, rows: int, n: int, scale: float) -> None:
         """y = softmax(x * scale) over rows of n, no mask (the router's probabilities)."""
@@ -638,6 +731,54 @@ def _router_shared(n: int, n_used: int) -> int:
     return 4 * (n + n_used)
 
 
+MOE_W16_BYTES = 256 << 20  # a prompt's experts decoded to f16 at once, for one batched GEMM (moe_group)
+
+
+def moe_group(n_expert: int, m: int, n_in: int) -> int:
+    """Experts of m rows of n_in decoded to f16 together for one batched GEMM: as many as fit
+    MOE_W16_BYTES (0: not one does; the GEMMs then go expert by expert, in tiles of rows)."""
+    return min(n_expert, MOE_W16_BYTES // (2 * m * n_in))
+
+
+def moe_pad(offs: np.ndarray, n_expert: int, n_pairs: int, m: int, n_in: int) -> int:
+    """The rows each expert's block is padded to for the batched GEMMs (the largest count, a
+    multiple of 8), or 0 — the GEMMs expert by expert — when the padded rows would be more than
+    twice the pairs' (a routing that favours a few experts) or no expert fits the weight scratch."""
+    counts = np.diff(np.asarray(offs[: n_expert + 1], np.int64))
+    pad = -(-int(counts.max(initial=0)) // 8) * 8
+    return pad if moe_group(n_expert, m, n_in) and 0 < n_expert * pad <= 2 * n_pairs else 0
+
+
+def moe_scratch_bytes(n_tok: int, n_used: int, n_expert: int, m: int, n_in: int, glu: bool) -> tuple[int, int, int, int]:
+    """The scratches of mul_mat_id_gemm: (the sort: order and offsets; the f16 input rows, twice
+    the pairs' (the batched GEMMs' padding); the f16 weights: a group of experts or a tile of
+    rows; the float32 products, twice the pairs' rows too), bytes."""
+    n_pairs = n_tok * n_used
+    w16 = max(moe_group(n_expert, m, n_in) * m, gemm_tile_rows(m, n_in)) * n_in * 2
+    return 4 * (n_pairs + n_expert + 2), 4 * n_pairs * n_in, w16, 8 * n_pairs * m * (2 if glu else 1)
+
+
+class DeviceReader:
+    """reader(stream, addr, n) of CudaKernels on a device: n int32 of device memory copied into
+    pinned memory on the stream, and waited for (a prompt's per-expert counts: one small read a
+    MoE layer)."""
+
+    def __init__(self, cp: Any) -> None:
+        self.cp = cp
+        self.mem: Any = None
+        self.buf = np.zeros(0, np.int32)
+
+    def __call__(self, stream: Any, addr: int, n: int) -> np.ndarray:
+        cp = self.cp
+        if self.buf.size < n:
+            self.mem = cp.cuda.alloc_pinned_memory(4 * n)
+            self.buf = np.frombuffer(self.mem, np.int32, n)
+        rt = cp.cuda.runtime
+        rt.memcpyAsync(self.buf.ctypes.data, addr, 4 * n, rt.memcpyDeviceToHost, stream.ptr)
+        stream.synchronize()
+        return self.buf[:n].copy()
+
+
 class CublasGemm:
     """gemm_f16's launcher on a CUDA device: cuBLAS's gemmEx through CuPy (f16 A and B, float32 C,
     CUBLAS_COMPUTE_32F: tensor cores with float32 accumulation), called as a RawKernel is (a
@@ -656,10 +797,16 @@ class CublasGemm:
         self.algo = getattr(self.blas, "CUBLAS_GEMM_DEFAULT", -1)
 
     def __call__(self, grid: Any, block: Any, args: tuple, shared_mem: int = 0, stream: Any = None) -> None:
-        a, b, c, m, n, k, ldc = (int(v) for v in args)
+        a, b, c, m, n, k, ldc, *batch = (int(v) for v in args)
         blas, ab = self.blas, self._alpha_beta.ctypes.data
         # row-major c (n, m) = b (n, k) @ a (m, k).T is column-major c^T (m, n) = op_T(a) @ b
         with stream if stream is not None else self.cp.cuda.Stream.null:
             blas.setPointerMode(self.handle, blas.CUBLAS_POINTER_MODE_HOST)
+            if batch:  # (count, strides of a, b, c in elements)
+                count, sa, sb, sc = batch
+                blas.gemmStridedBatchedEx(self.handle, blas.CUBLAS_OP_T, blas.CUBLAS_OP_N, m, n, k, ab, a, self.r16f, k,
+                                          sa, b, self.r16f, k, sb, ab + 4, c, self.r32f, ldc, sc, count, self.compute,
+                                          self.algo)  # fmt: skip
+                return
             blas.gemmEx(self.handle, blas.CUBLAS_OP_T, blas.CUBLAS_OP_N, m, n, k, ab, a, self.r16f, k, b, self.r16f, k,
                         ab + 4, c, self.r32f, ldc, self.compute, self.algo)  # fmt: skip

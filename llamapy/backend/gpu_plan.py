@@ -53,6 +53,11 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     4 the f16 weight scratch, 5 the f16 input scratch; 6 tokens, 7 n_in, 8 x's row stride, 9 the
     GGML type, 10 the values written a token (n_ff with a GLU), 11 row bytes, 12 the GLU (0 none,
     1 SwiGLU, 2 GEGLU), 13 rows per GEMM, 14 the float32 product's scratch (with a GLU);
+  * MUL_MAT_ID_GEMM: a prompt's expert product (more tokens than mmv_id takes; see Prompts below):
+    MUL_MAT_ID_W's / MUL_MAT_ID_GLU's slots 1-22, 23 flags (1: the gate/up experts with their
+    GLU, slot 16 the up ones; 2: the same routing as the expert record before, whose grouping it
+    reuses), 24 the grouping's scratch (the pairs' order, then the experts' offsets), 25 the
+    gathered f16 input rows, 26 the f16 weight tile, 27 the float32 products;
   * records are WIDTH slots: the CPU's REC (25), and in an ATTN record slot 25 points at the int32
     count of cells attended (0: slot 9 holds it), 26 at the scratch of its split partials, 27
     the number of splits of the cells (the runtime's choice for the shape).
@@ -86,6 +91,34 @@ the token count); CuPy refuses cuBLAS inside a stream capture, so such a plan ru
 directly (prepared once per batch shape, kept like the decode plans). The scratches of its GEMMs
 follow the attention's in the arena, sized for the plan's largest product.
 
+A mixture of experts' prompt (MUL_MAT_ID_GEMM, cuda_ops.mul_mat_id_gemm) is designed for the
+H200's tensor cores, reasoned, not measured: a prompt of T tokens routes T * U (token, slot)
+pairs (Qwen3-30B-A3B at -ub 512: 4096 pairs over 128 experts, ~32 rows an expert; Mixtral: 512
+over 8, ~128), so the work is a GEMM per used expert of its pairs' rows against its M x K rows
+— the matrix-vector kernel would read each expert's rows once per 8 pairs — and what bounds it
+is the number of launches from Python (128 experts: 2 x 128 decodes and GEMMs a product, ~10 us
+each), not the tensor cores. Per product:
+moe.cu's `moe_sort` groups the pairs by expert on the device (one block: deterministic, stable,
+ids out of range last), the n_expert + 2 offsets are read to the host — the one host wait of the
+layer: the GEMMs' sizes are the routing's, so this record is not captured (nor could a cuBLAS
+call be) and the down experts reuse the gate/up's grouping and offsets (flag 2) —, `moe_gather_f16`
+gathers the pairs' input rows rounded to f16 once, each expert's rows padded to the largest
+count (a multiple of 8) when the padded rows are at most twice the pairs' (`cuda_ops.moe_pad`);
+then the experts are decoded to f16 a group at a time (all of Qwen3's 128 in two groups of
+MOE_W16_BYTES = 256 MiB; Mixtral's 117 MiB experts two at a time) and one cuBLAS strided batched
+GEMM (f16 in, float32 accumulation) a group multiplies each expert with its block of rows — a
+few launches a product whatever the number of experts, the padding's rows computed and never
+read, unused experts decoded and multiplied with padding (cheaper than a launch each). A routing
+too unequal for the padding (or experts larger than the scratch) falls back to one decode and GEMM
+an expert (tiles of rows), experts no pair chose skipped. `moe_scatter` puts each row back at its
+(token, slot) with mmv_id's epilogue (the experts' biases, the GLU: SwiGLU, GEGLU, gpt-oss's
+swiglu_oai). What a GPU session should measure (tests/gpu/run_all.py 3b times pp512 of the
+Qwen3-30B-A3B layer shape): the batched GEMMs' TFLOP/s at ~32-64 rows an expert against the
+dense GEMM's, the padding bound (2x) against the per-expert fallback, the host wait a layer
+(~10-20 us expected), whether cuBLAS's grouped GEMM (no padding) or an int8 / mmq path over the
+file's blocks beats f16, and the single-block sort (it scans the pairs once per expert: 4096 x 129
+reads).
+
 Refused here (the split then runs node by node with run_nodes, CuPy's reference path): weights in
 host memory, an op or layout the compiler does not know, an op the runtime has no kernel for.
 """
@@ -109,15 +142,17 @@ from .kernels import yarn_table
 # The GPU's own record codes (from 33: apart from executor.c's and GEGLU's 32)
 MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV, MUL_MAT_ID_W, MUL_MAT_ID_GLU, ROUTER = 33, 34, 35, 36, 37, 38, 39
 ROUTER_TOPK = 40
-MUL_MAT_GEMM = 44  # (41-43 free)
+MUL_MAT_ID_GEMM = 41
+MUL_MAT_GEMM = 44  # (42-43 free)
 WIDTH = REC + 3  # after the CPU's slots: an ATTN record's count slot, split scratch, splits
 COUNT, SCRATCH, SPLITS = REC, REC + 1, REC + 2
 HEAD = 64  # bytes of count slots at the arena's start: 16 masks
 NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS", MUL_MAT_GLU: "MUL_MAT+GLU", ROPE_QKV: "ROPE+SET_ROWS",
          MUL_MAT_ID_W: "MUL_MAT_ID", MUL_MAT_ID_GLU: "MUL_MAT_ID+GLU",
          ROUTER: "SOFT_MAX+ARGSORT+GET_ROWS+SUM_ROWS+CLAMP+DIV", ROUTER_TOPK: "ARGSORT+GET_ROWS+SOFT_MAX",
-         MUL_MAT_GEMM: "MUL_MAT(GEMM)"}
+         MUL_MAT_GEMM: "MUL_MAT(GEMM)", MUL_MAT_ID_GEMM: "MUL_MAT_ID(GEMM)"}
 GEMM_DIRECT = "cuBLAS GEMMs of a prompt (CuPy captures no cuBLAS call)"
+MOE_SYNC = "; one host read of the expert counts a MoE layer"
 
 
 def product_path(n_out: int, n_tok: int, n_in: int, qtype: int, max_tokens: int) -> str:
@@ -171,12 +206,13 @@ class GPUTarget(Target):
     fuse_bias = True
     head = HEAD
     width = WIDTH
-    addr_slots = ((COUNT, ATTN), (SCRATCH, ATTN), (10, ROPE_QKV), (14, MUL_MAT_GEMM))
+    addr_slots = ((COUNT, ATTN), (SCRATCH, ATTN), (10, ROPE_QKV), (14, MUL_MAT_GEMM), *((k, MUL_MAT_ID_GEMM) for k in range(24, 28)))
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.max_tokens = None  # (a product refuses past rt.max_tokens: its record says why)
         self.yarn: dict[tuple, int] = {}  # one YaRN table a rope: Q's and K's records share it (ROPE_QKV)
+        self.sorted: Tensor | None = None  # the ids the last prompt expert product grouped its pairs by
 
     def leaf(self, t: Tensor) -> Any | None:
         r = t.root()
@@ -212,7 +248,7 @@ class GPUTarget(Target):
         """One scratch for the split partials of every attention (they run one after another)."""
         need = 0
         self.splits: dict[Tensor, int] = {}
-        gemm = [0, 0, 0]  # the prompt products' scratches: f16 weight tile, f16 input, a GLU's product
+        gemm = [0, 0, 0, 0]  # the prompt products' scratches: f16 weight tile, f16 input, a product, the experts' sort
         for st in c.steps:
             if st.code == ATTN:
                 q, _k, v = st.node.src[:3]
@@ -230,6 +266,13 @@ class GPUTarget(Target):
                     gemm[0] = max(gemm[0], 2 * gemm_tile_rows(n_out, n_in) * n_in)
                     gemm[1] = max(gemm[1], 2 * n_tok * n_in)
                     gemm[2] = max(gemm[2], 4 * n_tok * n_out if "glu" in st.extra else 0)
+            elif st.code == MUL_MAT_ID_Q and st.node.shape[0] > self.rt.max_tokens:  # a prompt's experts
+                from .cuda_ops import moe_scratch_bytes
+
+                w, x, ids = st.extra.get("gate", st.extra.get("mm", st.node)).src[:3]
+                order, x16, w16, prod = moe_scratch_bytes(ids.shape[0], ids.shape[1] if len(ids.shape) > 1 else 1,
+                                                          w.shape[0], w.shape[1], x.shape[-1], "glu" in st.extra)
+                gemm = [max(a, b) for a, b in zip(gemm, (w16, x16, prod, order))]
         start += (-start) % 256
         self.scratch_off = start
         start += need
@@ -277,8 +320,10 @@ class GPUTarget(Target):
             up = self._mul_mat_id(c, st.extra["up"], loc, dst=loc(n).addr)
             if up[6:16] != r[6:16]:
                 raise Refused(f"{n.name}: gate and up experts of different layouts")
+            if r[0] == MUL_MAT_ID_GEMM:
+                r[23] |= 1  # (a prompt's: the GLU flag; MUL_MAT_ID_GLU's slots otherwise)
             glu = st.extra["glu"]
-            r[0], r[16], r[17] = MUL_MAT_ID_GLU, up[3], _epilogue(glu, ids=True)
+            r[0], r[16], r[17] = MUL_MAT_ID_GLU if r[0] == MUL_MAT_ID_W else r[0], up[3], _epilogue(glu, ids=True)
             if r[17] == 2:
                 r[21], r[22] = _fbits(glu.params["alpha"]), _fbits(glu.params["limit"])
             strides = set()
@@ -330,7 +375,7 @@ class GPUTarget(Target):
         if k != n_in:
             raise Refused(f"MUL_MAT {st.node.name}: input rows of {k} for a matrix of {n_in}")
         r = [0] * WIDTH
-        w16, x16, prod = (c.base + off for off in self.gemm_off)
+        w16, x16, prod = (c.base + off for off in self.gemm_off[:3])
         r[0], r[1], r[2], r[3], r[4], r[5] = MUL_MAT_GEMM, dst, x, blocks, w16, x16
         r[6], r[7], r[8], r[9], r[10], r[11] = n_tok, n_in, xs, qtype, n_out, row_bytes
         r[13] = gemm_tile_rows(n_out, n_in)
@@ -354,12 +399,16 @@ class GPUTarget(Target):
             raise Refused(f"MUL_MAT_ID {n.name}: input rows the matrix-vector kernel cannot read")
         if il.dtype != np.dtype(np.int32) or len(il.shape) != 2 or il.strides[1] != 1:
             raise Refused(f"MUL_MAT_ID {n.name} ids layout")
-        if T > self.rt.max_tokens:
-            raise Refused(f"a batch of {T} tokens (prompts stay on the cuBLAS path)")
         r = [0] * WIDTH
         r[0], r[1], r[2], r[3], r[4] = MUL_MAT_ID_W, dst or loc(n).addr, xl.addr, blocks, il.addr
         r[6], r[7], r[8], r[9], r[10], r[11], r[12] = T, U, M, qtype, n_in, row_bytes, w.shape[0]
         r[13], r[14], r[15] = xl.strides[0], xl.strides[1] if xl.shape[1] > 1 else 0, il.strides[0]
+        if T > self.rt.max_tokens:  # a prompt's: grouped by expert, GEMMs (cuda_ops.mul_mat_id_gemm)
+            r[0] = MUL_MAT_ID_GEMM
+            r[24], r[25], r[26], r[27] = (c.base + self.gemm_off[k] for k in (3, 1, 0, 2))
+            if self.sorted is ids:  # the same routing as the product before: its grouping and counts
+                r[23] |= 2
+            self.sorted = ids
         return r
 
     def _norm_per_token(self, st: Any, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
@@ -531,8 +580,8 @@ class GPUPlan:
         self.launches = [self.rt.prepare(r) for r in self.built.recs]
         if not graphs_enabled():
             self.direct = "LLAMAPY_CUDA_GRAPHS=0"
-        elif (self.built.recs[:, 0] == MUL_MAT_GEMM).any():
-            self.direct = GEMM_DIRECT
+        elif np.isin(self.built.recs[:, 0], (MUL_MAT_GEMM, MUL_MAT_ID_GEMM)).any():
+            self.direct = GEMM_DIRECT + (MOE_SYNC if (self.built.recs[:, 0] == MUL_MAT_ID_GEMM).any() else "")
         self._capture()
 
     def _capture(self) -> None:
@@ -636,7 +685,7 @@ _ROWS_OUT = frozenset({ADD, MUL, DIV, SCALE, CPY, SWIGLU, GEGLU, SOFT_MAX, CLAMP
 def _written(r: list[int]) -> int:
     """Bytes a record writes from r[1] where the products' extents are known (T x rows floats;
     a write over any part of a value shows it dead), else 1."""
-    if r[0] in (MUL_MAT_ID_W, MUL_MAT_ID_GLU):
+    if r[0] in (MUL_MAT_ID_W, MUL_MAT_ID_GLU, MUL_MAT_ID_GEMM):
         return 4 * r[6] * r[7] * r[8]
     if r[0] in _ROWS_OUT:  # contiguous rows (r[6]) of r[7] values
         return 4 * r[6] * r[7]
@@ -790,6 +839,71 @@ def compile_split(nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: 
         return Refusal(str(e))
 
 
+def arena_bytes(nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Callable[..., Any], buft: Any,
+                max_tokens: int, n_sm: int) -> int | None:
+    """The device arena a split's GPU plan will take, from its tensors alone (the fit plans on
+    dry buffers, before anything is loaded): the record compiler's steps and allocator offsets
+    after HEAD, then `GPUTarget.scratch` (attention partials, the prompt products' f16 scratches)
+    — the passes `compile_split` runs —, a decode plan scaled as `_reserve_for_largest_batch`
+    grows the arena. None when the compiler refuses the split (it runs node by node); a refusal
+    only the records would make (a layout) is not seen here. `allocate`: compile_split's."""
+    t = _DryTarget(_DryRuntime(buft, max_tokens, n_sm))
+    try:
+        c = _Compiler(nodes, exports, t, allocate)
+        c.steps_pass()
+        c.alloc()
+        nbytes = t.scratch(c, c.arena_size)
+    except (Refused, UnsupportedError):
+        return None
+    tokens = [_tokens(st) for st in c.steps if st.code == MUL_MAT]
+    if any(n > max_tokens for n in tokens) or any(st.node.shape[0] > max_tokens for st in c.steps if st.code == MUL_MAT_ID_Q):
+        return nbytes  # (a prompt's plan: not scaled)
+    return _largest_batch_bytes(nbytes, min(tokens, default=0), max_tokens)
+
+
+def _tokens(st: Any) -> int:
+    x = st.extra.get("mm", st.node).src[1]
+    return x.n_elements // max(x.shape[-1], 1)
+
+
+def _largest_batch_bytes(nbytes: int, n_tok: int, max_tokens: int) -> int:
+    """A decode plan's arena scaled to the largest batch (see _reserve_for_largest_batch)."""
+    return -(-nbytes * max_tokens // n_tok) if 0 < n_tok < max_tokens else nbytes
+
+
+@dataclass
+class _DryRuntime:
+    """What GPUTarget's sizing reads of a runtime: the buffer type, the batch limit, the split
+    of the attention's cells (cuda_ops' choice for n_sm SMs; 0: never split)."""
+
+    buft: Any
+    max_tokens: int
+    n_sm: int
+
+    def attn_split(self, n_tokens: int, n_head: int, n_head_kv: int, n_cells: int, dv: int) -> tuple[int, int]:
+        from .cuda_ops import fattn_scratch_floats, fattn_splits
+
+        n = fattn_splits(n_tokens, n_head_kv, n_cells, self.n_sm)
+        return n, 4 * fattn_scratch_floats(n_tokens, n_head, dv, n)
+
+
+class _DryTarget(GPUTarget):
+    """GPUTarget over tensors without memory: a leaf in the device's buffer type is its own value."""
+
+    def leaf(self, t: Tensor) -> Any | None:
+        r = t.root()
+        if r.buffer is None:
+            return None
+        if r.buffer.buft is not self.rt.buft:
+            if r.flags & TensorFlag.WEIGHT:
+                raise Refused(f"weight {r.name} in {r.buffer.name} memory")
+            return None
+        return r
+
+    def id_type(self, n: Tensor) -> int | None:
+        return int(n.src[0].root().type) if self.leaf(n.src[0]) is not None else None
+
+
 def _reserve_for_largest_batch(built: Built, rt: Runtime) -> None:
     """Grow the arena now to what a plan of the largest batch (rt.max_tokens) would take, before
     this plan is captured: a server's steps of 1..8 sequences each get their plan and graph the
@@ -799,9 +913,9 @@ def _reserve_for_largest_batch(built: Built, rt: Runtime) -> None:
     outputs, its fixed part does not: an over-estimate); a plan that still outgrows it moves the
     others, as before."""
     n_tok = min((int(r[6]) for r in built.recs if r[0] in (MUL_MAT_W, MUL_MAT_GLU)), default=0)
-    if not 0 < n_tok < rt.max_tokens or (built.recs[:, 0] == MUL_MAT_GEMM).any():
+    if not 0 < n_tok < rt.max_tokens or np.isin(built.recs[:, 0], (MUL_MAT_GEMM, MUL_MAT_ID_GEMM)).any():
         return  # (a prompt's plan: larger than any decode plan already; its 1-token tail is no guide)
-    base = rt.arena.ensure(-(-built.nbytes * rt.max_tokens // n_tok))
+    base = rt.arena.ensure(_largest_batch_bytes(built.nbytes, n_tok, rt.max_tokens))
     if base != built.base:  # (the block was made again: the records not yet launched move)
         built.recs[built.moves] += base - built.base
         built.base = base

@@ -315,7 +315,7 @@ def log_load(llm: Any) -> None:
     for name, size in ctx.kv.nbytes_by_device().items():
         log(f"llama_kv_cache: {name:>10} KV buffer size = {_mib(size)}")
     plan = ctx.plan(min(ctx.n_ubatch, ctx.n_ctx))
-    for name, size in plan.compute_sizes.items():
+    for name, size in ctx.compute_sizes.items():  # (what was reserved: a GPU plans' arena where they run)
         log(f"llama_context: {name:>10} compute buffer size = {_mib(size)}")
     if ctx.fit_note:
         log(f"llama_context: {ctx.fit_note}")

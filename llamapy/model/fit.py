@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..backend.interface import Buffer, BufferUsage, Device
-from ..sched.scheduler import Scheduler
+from ..sched.alloc import plan_offsets
+from ..sched.scheduler import Plan, Scheduler, split_exports
 from ..tensor import Tensor
 from ..types import GGMLType
 from ..models import HParams, build_graph
@@ -52,9 +53,31 @@ def compute_sizes(
 ) -> dict[str, int]:
     """Compute-buffer bytes per device name for the worst-case micro-batch graph."""
     n_tokens = min(n_ubatch, n_ctx)
-    g = build_graph(params, weights, kv, n_tokens, n_tokens)
     sched = Scheduler([d.init_backend() for d in devices], op_offload=op_offload)
-    return sched.reserve(g.graph).compute_sizes
+    gpu_plans = any(hasattr(be, "plan_arena_bytes") for be in sched.backends)  # (their decode plans' arena too)
+    plans = [sched.reserve(build_graph(params, weights, kv, n, n).graph)
+             for n in dict.fromkeys((n_tokens, 1) if gpu_plans else (n_tokens,))]
+    return with_plan_arenas(sched, plans)
+
+
+def with_plan_arenas(sched: Scheduler, plans: Sequence[Plan]) -> dict[str, int]:
+    """Compute bytes per backend for graphs `plans` (the worst-case micro-batch first, then the
+    decode step's): the scheduler's compute buffer, and on a backend whose splits compile into GPU
+    plans (`plan_arena_bytes`: CUDA) the one arena its plans share, as large as the largest —
+    sized by `gpu_plan.arena_bytes`, the compiler's own passes, so the prompt products' f16
+    scratches count — alone when every split of the backend is a plan, else on top of the
+    scheduler's buffer (a refused split's values, node by node, live beside the arena)."""
+    sizes = dict(plans[0].compute_sizes)
+    for bi, be in enumerate(sched.backends):
+        arena_of = getattr(be, "plan_arena_bytes", None)
+        if arena_of is None:
+            continue
+        arenas = [arena_of(s.nodes, split_exports(p, si), plan_offsets) for p in plans for si, s in enumerate(p.splits)
+                  if s.backend == bi]  # fmt: skip
+        if arenas:
+            refused = None in arenas
+            sizes[be.name] = max(a or 0 for a in arenas) + (sizes.get(be.name, 0) if refused else 0)
+    return sizes
 
 
 def _dry_weights(weights: ModelWeights, where: dict[Tensor, Device]) -> tuple[ModelWeights, dict[str, Buffer]]:

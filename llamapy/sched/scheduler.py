@@ -196,12 +196,8 @@ class Scheduler:
         runs node by node."""
         if si not in plan.backend_plans:
             s = plan.splits[si]
-            own = set(s.nodes)
-            exports = [n for n in plan.graph.outputs if n in own]
-            for other in plan.splits:
-                if other is not s:
-                    exports += [x for n in other.nodes for x in n.src if x in own and x not in exports]
-            plan.backend_plans[si] = self.backends[s.backend].graph_plan_create(s.nodes, exports, plan_offsets)
+            plan.backend_plans[si] = self.backends[s.backend].graph_plan_create(s.nodes, split_exports(plan, si),
+                                                                                plan_offsets)
         return plan.backend_plans[si]
 
     # -- debugging -----------------------------------------------------------------------
@@ -227,6 +223,17 @@ class Scheduler:
             if summary:
                 lines.append(f"## PLAN #{i}: {self.backends[s.backend].name} {summary}")
         return "\n".join(lines)
+
+
+def split_exports(plan: Plan, si: int) -> list[Tensor]:
+    """The values of split `si` that outlive it: the graph's outputs and what other splits read."""
+    s = plan.splits[si]
+    own = set(s.nodes)
+    exports = [n for n in plan.graph.outputs if n in own]
+    for other in plan.splits:
+        if other is not s:
+            exports += [x for n in other.nodes for x in n.src if x in own and x not in exports]
+    return exports
 
 
 def _fmt_size(n: int) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ..backend.interface import Backend
 from ..graph import Graph
-from ..tensor import Tensor
+from ..tensor import Op, Tensor, TensorFlag
 from .passes import Assignment
 
 
@@ -41,13 +41,24 @@ def _usable_without_copy(backends: Sequence[Backend], a: Assignment, src: Tensor
     return dev.supports_buft(buf.buft if buf is not None else backends[a[src]].device.buffer_type())
 
 
+def _copies_experts(backends: Sequence[Backend], a: Assignment, n: Tensor, b: int) -> bool:
+    """Whether `n` is a MUL_MAT_ID whose experts must be copied to backend b (a prompt's experts
+    kept in host memory, --n-cpu-moe / -ot exps=CPU, offloaded with their op). ggml starts a new
+    split at any node reading a weight to copy when the current split already has inputs, so the
+    memory of the weights copied for the split before is reused; here only at the experts, the
+    large ones: a dense CPU layer's weights are already a split of their own (the host KV stores
+    cut it), but a GPU layer's host experts would all be copied into one split, and held, at once."""
+    return n.op is Op.MUL_MAT_ID and bool(n.src[0].flags & TensorFlag.WEIGHT) and a[n.src[0]] != b \
+        and not _usable_without_copy(backends, a, n.src[0], b)
+
+
 def split(graph: Graph, backends: Sequence[Backend], a: Assignment) -> list[Split]:
     """Pass 5."""
     splits: list[Split] = []
     cur: Split | None = None
     for n in graph.nodes:
         b = a[n]
-        if cur is None or b != cur.backend:
+        if cur is None or b != cur.backend or (cur.inputs and _copies_experts(backends, a, n, b)):
             cur = Split(b)
             splits.append(cur)
         cur.nodes.append(n)

@@ -90,8 +90,14 @@ def build(out_dir: Path | None = None) -> dict[str, EmuKernel]:
 def numpy_gemm(grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, stream: Any = None) -> None:
     """cuda_ops.CublasGemm's stand-in on the emulator (no cuBLAS on the CPU): c[:n, :m] (float32
     rows ldc apart) = b (n, k) @ a (m, k).T over f16 rows, summed exactly (float64) and rounded
-    once: what a tensor-core GEMM with float32 accumulation computes within its summation order."""
-    a, b, c, m, n, k, ldc = (int(v) for v in args)
+    once: what a tensor-core GEMM with float32 accumulation computes within its summation order.
+    Four more arguments (count, strides of a, b, c in elements): that many (gemmStridedBatchedEx)."""
+    a, b, c, m, n, k, ldc, *batch = (int(v) for v in args)
+    if batch:
+        count, sa, sb, sc = batch
+        for i in range(count):
+            numpy_gemm(grid, block, (a + 2 * i * sa, b + 2 * i * sb, c + 4 * i * sc, m, n, k, ldc))
+        return
 
     def at(addr: int, shape: tuple[int, int], ld: int, dt: Any) -> np.ndarray:
         d = np.dtype(dt)
@@ -100,3 +106,8 @@ def numpy_gemm(grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, stre
 
     A, B = at(a, (m, k), k, np.float16).astype(np.float64), at(b, (n, k), k, np.float16).astype(np.float64)
     at(c, (n, m), ldc, np.float32)[...] = (B @ A.T).astype(np.float32)
+
+
+def numpy_read(stream: Any, addr: int, n: int) -> np.ndarray:
+    """cuda_ops.DeviceReader's stand-in: n int32 at a host address (the emulator's device memory)."""
+    return np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(addr)).copy()

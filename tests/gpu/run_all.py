@@ -17,8 +17,12 @@ outside the repository):
      Q4_K / Q6_K) -- with random weights: the last-position distributions of `-ngl all` and
      `-ngl 20` against the CPU run (KL divergence over a few prompts of random tokens, <= 1e-4);
   3b. mixture of experts (tiny qwen3moe, Mixtral-style and gpt-oss files of tests/model/moe_models.py,
-     Q8_0): -ngl all and -ngl all --n-cpu-moe 1 against -ngl 0 (KL of the last position), decode
-     speed, and the decode graph's plan line (the router and the experts in one CUDA graph);
+     Q8_0): -ngl all and -ngl all --n-cpu-moe 1 against -ngl 0 (KL of the last position: the
+     24-token prompts run the MoE prompt plan, MUL_MAT_ID_GEMM), decode speed, and the decode
+     graph's plan line (the router and the experts in one CUDA graph); then pp512 at -ngl all
+     through the MoE prompt plan (grouping, one read of the counts a layer, per-expert f16
+     GEMMs) with its plan line, on each tiny file and (not --quick) on the Qwen3-30B-A3B shape
+     cut to 2 layers (128 experts, 8 used, Q8_0);
   4. decode speed (tokens/s) at -ngl 0, 20 and all, prompt speed (pp512) at -ngl all with the
      prompt split's plan line; at -ngl all the decode graph's plan line
      (one CUDA graph, or direct launches and why, or why it runs node by node), the time a step
@@ -556,6 +560,27 @@ def moe_check(rep: Report, lines: list[str], tmp: Path, case: str, args: Any, gp
     path.unlink(missing_ok=True)
 
 
+def moe_prompt_speed(rep: Report, lines: list[str], tmp: Path, case: str) -> None:
+    """pp512 of a MoE file at -ngl all: the expert products as MUL_MAT_ID_GEMM records (the pairs
+    grouped by expert on the device, one read of the counts a layer, an f16 GEMM an expert);
+    "qwen3-30b-a3b": the real layer shape (128 experts of 768, 8 used, 2048 wide) cut to 2 layers."""
+    sys.path.insert(0, str(ROOT / "tests/model"))
+    from moe_models import SHAPES, write_gptoss_gguf, write_moe_gguf
+
+    from gguf import GGMLQuantizationType as T
+
+    path = tmp / f"pp-{case}.gguf"
+    if case == "tiny-gptoss":
+        write_gptoss_gguf(path, qtype=T.Q8_0, exp_qtype=T.MXFP4)
+    else:
+        write_moe_gguf(path, qtype=T.Q8_0, **{**SHAPES[case], **({"n_layer": 2} if case == "qwen3-30b-a3b" else {})})
+    try:
+        tps, plan = prompt_speed(path)
+        rep.add(lines, f"| {case} | {tps:.0f} | `{plan[:300]}` |")
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--test-device", action="store_true", help="use the TEST device instead of CUDA (dry run)")
@@ -778,6 +803,11 @@ def main() -> int:
     rep.add(moe, "|---|---|---|---|---|---|")
     for case in ("tiny-qwen3moe", "tiny-mixtral", "tiny-gptoss"):
         rep.step(moe, f"MoE {case}", lambda case=case: moe_check(rep, moe, tmp, case, args, gpu_prefix))
+    rep.add(moe, "")
+    rep.add(moe, "| model | pp512 at -ngl all (tokens/s) | prompt plan |")
+    rep.add(moe, "|---|---|---|")
+    for case in ("tiny-qwen3moe", "tiny-mixtral", "tiny-gptoss") + (() if args.quick else ("qwen3-30b-a3b",)):
+        rep.step(moe, f"MoE pp512 {case}", lambda case=case: moe_prompt_speed(rep, moe, tmp, case))
 
     sweep_section(rep, args, gpu_prefix)
     return finish(rep, t_start)

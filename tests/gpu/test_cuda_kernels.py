@@ -76,7 +76,7 @@ class EmuEnv(Env):
         import cuda_emu
 
         # few "SMs": few attention splits, fast; the prompt products' GEMM in numpy (no cuBLAS here)
-        self.k = CudaKernels(cuda_emu.build(), n_sm=4, gemm=cuda_emu.numpy_gemm)
+        self.k = CudaKernels(cuda_emu.build(), n_sm=4, gemm=cuda_emu.numpy_gemm, reader=cuda_emu.numpy_read)
 
     def d(self, a: np.ndarray) -> Any:
         return np.array(a, copy=True, order="C")
@@ -748,6 +748,115 @@ def test_mul_mat_id_bias_epilogue(env: Env) -> None:
     assert np.all(np.isfinite(a)) and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
+def test_moe_sort_more_experts_than_threads(env: Env) -> None:
+    """moe_sort over 200 experts (more buckets than the block's threads), a strided ids view, ids
+    out of range on both sides: a stable sort of the pairs by expert, those last, and the offsets."""
+    T, U, E = 40, 8, 200
+    ids = np.random.default_rng(5).integers(-3, E + 3, (T, U + 2)).astype(np.int32)  # rows of U + 2: a view
+    idd, order = env.d(ids), env.full((T * U + E + 2,), -1, np.int32)
+    env.run(lambda st: env.k.moe_sort(st, env.p(idd), U + 2, T, U, E, env.p(order), env.p(order) + 4 * T * U))
+    flat = ids[:, :U].reshape(-1)
+    flat = np.where((flat < 0) | (flat >= E), E, flat)
+    got = env.get(order)
+    assert np.array_equal(got[:T * U], np.argsort(flat, kind="stable"))
+    assert np.array_equal(got[T * U:], np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E + 1))]))
+
+
+@pytest.mark.parametrize("case", ["down", "swiglu", "swiglu_oai+bias", "down+per-expert", "swiglu+per-expert+tiles"])
+def test_mul_mat_id_gemm(env: Env, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt's expert product: the pairs grouped by expert (moe_sort: a stable sort, ids out of
+    range last), the rows gathered and rounded to f16, the experts' GEMMs (float32 accumulation:
+    one strided batched GEMM over the experts' padded rows, or — no expert fitting the weight
+    scratch — one an expert, in tiles of rows), the rows scattered back with the biases and the
+    GLU: the f16-rounded product's values within float32 accumulation, NaN for an id out of range;
+    the second product of the same routing reuses the offsets read (no sort, no read). Scratches
+    of moe_scratch_bytes' sizes."""
+    from gguf.quants import dequantize
+
+    from llamapy.backend import cuda_ops
+
+    n_expert, m, n_in, T, U = 5, 72, 256, 20, 2
+    if "per-expert" in case:  # no expert fits the weight scratch of the batched GEMMs
+        monkeypatch.setattr(cuda_ops, "MOE_W16_BYTES", 1)
+    if "tiles" in case:  # experts of 300 rows decoded 256 at a time (the smallest tile)
+        m = 300
+        monkeypatch.setattr(cuda_ops, "GEMM_SCRATCH_BYTES", 1)
+    gemms: list[int] = []  # the GEMM launcher's calls: 7 arguments one GEMM, 11 a batched one
+    real_gemm = env.k.gemm
+
+    def gemm(grid: Any, block: Any, args: tuple, **kw: Any) -> None:
+        gemms.append(len(args))
+        real_gemm(grid, block, args, **kw)
+
+    monkeypatch.setattr(env.k, "gemm", gemm)
+    rng = np.random.default_rng(21)
+    ids = rng.integers(0, n_expert, (T, U)).astype(np.int32)
+    ids[:, 1] = (ids[:, 0] + 1 + ids[:, 1] % (n_expert - 1)) % n_expert  # two experts a token
+    ids[7, 1] = n_expert  # out of range
+    ids[ids == 4] = 3  # expert 4 used by no pair: no GEMM for it
+    glu = not case.startswith("down")
+    x = rng.standard_normal((T, 1 if glu else U, n_in)).astype(np.float32)  # gate/up: one row a token
+    raws = [np.ascontiguousarray(random_rows("Q4_K", n_expert * m, n_in, np.random.default_rng(s))) for s in (8, 9)]
+    ws = [dequantize(r, G.Q4_K).reshape(n_expert, m, n_in).astype(np.float32).astype(np.float16).astype(np.float64)
+          for r in raws]  # fmt: skip
+    bias = [randn(n_expert, m + 3) * 4 for _ in range(2)] if "bias" in case else None
+    n_pairs = T * U
+    rd = [env.d(r) for r in raws]
+    xd, idd = env.d(x), env.d(ids)
+    sizes = cuda_ops.moe_scratch_bytes(T, U, n_expert, m, n_in, glu)
+    order, x16, w16, prod = (env.full((n // 4,), -1, np.int32) for n in sizes)
+    assert cuda_ops.gemm_tile_rows(m, n_in) == (256 if "tiles" in case else m)
+    y = env.full((T, U, m), np.nan, np.float32)
+    sxt, sxu = x.shape[1] * n_in, (0 if glu else n_in)
+    kw: dict[str, Any] = dict(order=env.p(order), x16=env.p(x16), w16=env.p(w16), prod=env.p(prod))
+    if glu:
+        kw.update(w2=env.p(rd[1]), glu=case.split("+")[0])
+        if bias:
+            bd = [env.d(b) for b in bias]
+            kw.update(b=env.p(bd[0]), b2=env.p(bd[1]), sb=m + 3, alpha=1.702, limit=7.0)
+    got_offs: list[np.ndarray] = []
+    env.run(lambda st: got_offs.append(env.k.mul_mat_id_gemm(st, G.Q4_K, env.p(rd[0]), raws[0].shape[1], n_expert, m,
+                                                             n_in, env.p(xd), sxt, sxu, env.p(idd), U, env.p(y), T, U,
+                                                             **kw)))  # fmt: skip
+    flat = np.where(ids.reshape(-1) >= n_expert, n_expert, ids.reshape(-1))
+    o = env.get(order)
+    assert np.array_equal(o[:n_pairs], np.argsort(flat, kind="stable"))
+    want_offs = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=n_expert + 1))])
+    assert np.array_equal(o[n_pairs:n_pairs + n_expert + 2], want_offs) and np.array_equal(got_offs[0], want_offs)
+    # batched: one GEMM a half (gate, up); else one an expert used (4 of 5) a half and tile
+    n_half = 2 if glu else 1
+    assert gemms == ([7] * 4 * n_half * (2 if "tiles" in case else 1) if "per-expert" in case else [11] * n_half), gemms
+    got = env.get(y).astype(np.float64)
+    assert np.all(np.isnan(got[7, 1]))
+    xs = x.astype(np.float16).astype(np.float64)
+    for tk in range(T):
+        for u in range(U):
+            e = int(ids[tk, u])
+            if e >= n_expert:
+                continue
+            xr = xs[tk, 0 if glu else u]
+            g, scale = ws[0][e] @ xr, np.abs(ws[0][e]) @ np.abs(xr)
+            if not glu:
+                assert np.all(np.abs(got[tk, u] - g) <= 1e-5 * scale + 1e-30), (tk, u)
+                continue
+            up, scale_u = ws[1][e] @ xr, np.abs(ws[1][e]) @ np.abs(xr)
+            if bias:
+                g, up = g + bias[0][e, :m], up + bias[1][e, :m]
+                gc, uc = np.minimum(g, 7.0), np.clip(up, -7.0, 7.0)
+                want = gc / (1 + np.exp(-1.702 * gc)) * (uc + 1)
+            else:
+                want = g / (1 + np.exp(-g)) * up
+            # the products' errors (float32 accumulation) through the GLU, then its own roundings
+            bound = 1e-5 * (2 * scale * (np.abs(up) + 1) + 2 * scale_u * np.abs(g)) + 1e-6 * np.abs(want) + 1e-30
+            assert np.all(np.abs(got[tk, u] - want) <= bound), (tk, u)
+    # the next product of the same routing: the offsets given back, no sort (the order scratch kept)
+    y2 = env.full((T, U, m), np.nan, np.float32)
+    env.run(lambda st: env.k.mul_mat_id_gemm(st, G.Q4_K, env.p(rd[0]), raws[0].shape[1], n_expert, m, n_in, env.p(xd),
+                                             sxt, sxu, env.p(idd), U, env.p(y2), T, U, offs=got_offs[0],
+                                             **kw))  # fmt: skip
+    np.testing.assert_array_equal(env.get(y2), env.get(y))  # (NaN where NaN)
+
+
 def test_router(env: Env) -> None:
     """SOFT_MAX, ARGSORT, the batched GET_ROWS of the chosen weights, SUM_ROWS, CLAMP and the
     DIV / MUL by one value a row, each against its numpy reference (strided inputs)."""
@@ -991,13 +1100,13 @@ def test_rope_yarn(env: Env, mode: int, ext: float) -> None:
     np.testing.assert_array_equal(env.get(vc), qkv[:, 2 * H * D:])
 
 
-@pytest.mark.parametrize("split", ["one", "split"])
+@pytest.mark.parametrize("split", ["one", "split", "prompt"])
 @pytest.mark.parametrize("kt", [G.F16, G.Q8_0])
 def test_flash_attn_ext_sinks(env: Env, split: str, kt: G) -> None:
     """gpt-oss's sinks: one logit a query head in each softmax's maximum and denominator, once
-    whether the cells are split or not; large sinks (most of the mass) and small ones, GQA, a
-    masked-off tile (a sliding window's past)."""
-    T, H, Hkv, D, N, n_kv = 2, 8, 2, 64, 256, 200
+    whether the cells are split or not, and in the prompt kernel (20 query rows: fattn_tile_*);
+    large sinks (most of the mass) and small ones, GQA, a masked-off tile (a sliding window's past)."""
+    T, H, Hkv, D, N, n_kv = (20 if split == "prompt" else 2), 8, 2, 64, 256, 200
     q, kf, vf = randn(T, H, D), randn(N, Hkv, D), randn(N, Hkv, D)
     kv_k, kv_v = _cache_values(kf, kt, 0), _cache_values(vf, kt, 0)
     mask = np.zeros((T, n_kv), np.float32)
@@ -1008,7 +1117,7 @@ def test_flash_attn_ext_sinks(env: Env, split: str, kt: G) -> None:
     ref = np.asarray(reference(node, [q, kv_k, kv_v, mask, sinks]))
     no_sinks = np.asarray(reference(ops.flash_attn_ext(t("q", (T, H, D)), tk, tv, t("m", (T, N))), [q, kv_k, kv_v, mask]))
     assert np.abs(ref - no_sinks).max() > 0.1  # (the sinks matter in this case)
-    s = 1 if split == "one" else fattn_splits(T, Hkv, N, env.k.n_sm)
+    s = fattn_splits(T, Hkv, N, env.k.n_sm) if split == "split" else 1
     assert (s > 1) == (split == "split")
     scratch = env.zeros(max(1, fattn_scratch_floats(T, H, D, s)), np.float32)
     qd, kd, vd, md, sd = env.d(q), env.d(kv_k), env.d(kv_v), env.d(mask), env.d(sinks)

@@ -190,6 +190,11 @@ def record_launches() -> list[tuple]:
     k.router(st, 0x1000, 128, 0x2000, 0x3000, 3, 128, 8, 1.0, 6e-5, float("inf"))
     k.router_topk(st, 0x1000, 32, 0x2000, 0x3000, 3, 32, 4, 1.0)
     k.clamp(st, 0x1000, 1, 0x2000, 3, 1, 6e-5, float("inf"))
+    k.moe_sort(st, 0x1000, 8, 40, 8, 128, 0x2000, 0x3000)  # a prompt's experts (mul_mat_id_gemm's launches)
+    k.moe_gather_f16(st, 0x1000, 2048, 0, 0x2000, 0x3000, 8, 8, 128, (0x4000, 40), 0x5000, 320, 2048)
+    for op in (-1, 2):
+        k.moe_scatter(st, 0x1000, 1536, 0x2000, 0x3000, 8, 8, 128, (0x4000, 0), 0x5000, 768, 320, op, b=0x6000,
+                      b2=0x7000, sb=768, alpha=1.702, limit=7.0)  # fmt: skip
     for op in ("mul", "div"):
         k.binary_row(st, op, 0x1000, 64, 0x2000, 1, 0x3000, 64, 7, 64)
     k.get_rows_f32(st, 0x1000, 64, 50, 0x2000, 0x3000, 64, 4, 64)

@@ -317,7 +317,7 @@ __device__ __forceinline__ void fattn_tile_impl(
     long long k_hb, const u8* __restrict__ v, long long v_cb, long long v_hb, long long n_cells,
     const float* __restrict__ mask, long long sm, int n_kv, const int* __restrict__ n_kv_dev,
     float* __restrict__ out, long long sot, long long soh, int T, int H, int Hkv, int D, int Dv, float scale,
-    int rot_k, float rot_k_scale, int rot_v, float rot_v_scale) {
+    int rot_k, float rot_k_scale, int rot_v, float rot_v_scale, const float* __restrict__ sinks) {
     extern __shared__ float smem[];
     const int h = blockIdx.x, t0 = blockIdx.y * FA_QT;
     const int nq = T - t0 < FA_QT ? T - t0 : FA_QT;
@@ -381,9 +381,20 @@ __device__ __forceinline__ void fattn_tile_impl(
         fa_softmax_tile(p_s, m_s, l_s, c_s, nq, nt);
         fa_accumulate_pv<VT>(acc_s, p_s, c_s, nq, Dv, nt, vh + c * v_cb, v_cb);
     }
+    if (sinks) {  // the head's sink logit: each row's maximum and denominator, rescaled to it (as fattn_impl)
+        __syncthreads();
+        for (int qi = threadIdx.x; qi < nq; qi += blockDim.x) {
+            const float sk = sinks[h], m = m_s[qi], M = fmaxf(m, sk);
+            const float corr = m == NEG_INF ? 0.0f : expf(m - M);
+            c_s[qi] = corr;
+            l_s[qi] = l_s[qi] * corr + expf(sk - M);
+        }
+        __syncthreads();
+    }
     for (int i = threadIdx.x; i < nq * Dv; i += blockDim.x) {
         const float l = l_s[i / Dv];
-        acc_s[i] = l > 0.0f ? acc_s[i] / l : 0.0f;
+        const float a = sinks ? acc_s[i] * c_s[i / Dv] : acc_s[i];
+        acc_s[i] = l > 0.0f ? a / l : 0.0f;
     }
     __syncthreads();
     if (rot_v) block_hadamard(acc_s, nq * Dv, rot_v, rot_v_scale);
@@ -399,10 +410,10 @@ __device__ __forceinline__ void fattn_tile_impl(
         const u8* v, long long v_cb, long long v_hb, long long n_cells, const float* mask,            \
         long long sm, int n_kv, const int* n_kv_dev, float* out, long long sot, long long soh, int T, \
         int H, int Hkv, int D, int Dv, float scale, int rot_k, float rot_k_scale, int rot_v,          \
-        float rot_v_scale) {                                                                          \
+        float rot_v_scale, const float* sinks) {                                                      \
         fattn_tile_impl<KT, VT>(q, sqt, sqh, k, k_cb, k_hb, v, v_cb, v_hb, n_cells, mask, sm, n_kv,  \
                                 n_kv_dev, out, sot, soh, T, H, Hkv, D, Dv, scale, rot_k, rot_k_scale, \
-                                rot_v, rot_v_scale);                                                  \
+                                rot_v, rot_v_scale, sinks);                                           \
     }
 
 #define LP_FATTN_TILE_V(kname, KT)                    \

@@ -157,3 +157,95 @@ extern "C" __global__ void router_topk_f32(const float* x, long long sx, int* id
     __syncthreads();
     warp_softmax(sel, w + (long long)blockIdx.x * n_used, n_used, scale);
 }
+
+// -- MUL_MAT_ID of a prompt (more tokens than mmv_id takes): the (token, slot) pairs grouped by
+// expert, so that each used expert's rows are decoded to f16 once and multiplied with all its
+// pairs' rows by one GEMM (cuda_ops.mul_mat_id_gemm; ggml-cuda's mmid helpers and vLLM's
+// moe_align group the same way). The numpy reference is kernels.mul_mat_id (+ add_id, glu).
+
+// The grouping, one block: offs (n_expert + 2 int32) gets each expert's first row of the sorted
+// order (offs[e] .. offs[e + 1]; ids outside [0, n_expert) last, as bucket n_expert) and order
+// (n_tok * n_used int32) the pair index t * n_used + u of each sorted row, in pair order within
+// an expert (deterministic: a pair's sums do not depend on the grouping). Thread e counts and
+// then places its bucket's pairs; thread 0 turns the counts into offsets between the two.
+extern "C" __global__ void moe_sort(const int* __restrict__ ids, long long sid, int n_tok, int n_used, int n_expert,
+                                    int* __restrict__ order, int* __restrict__ offs) {
+    const int n_pairs = n_tok * n_used;
+    for (int e = threadIdx.x; e <= n_expert; e += blockDim.x) {
+        int n = 0;
+        for (int p = 0; p < n_pairs; ++p) {
+            const int id = ids[(long long)(p / n_used) * sid + p % n_used];
+            n += (id < 0 || id >= n_expert ? n_expert : id) == e;
+        }
+        offs[e + 1] = n;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        offs[0] = 0;
+        for (int e = 0; e <= n_expert; ++e) offs[e + 1] += offs[e];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e <= n_expert; e += blockDim.x) {
+        int k = offs[e];
+        for (int p = 0; p < n_pairs; ++p) {
+            const int id = ids[(long long)(p / n_used) * sid + p % n_used];
+            if ((id < 0 || id >= n_expert ? n_expert : id) == e) order[k++] = p;
+        }
+    }
+}
+
+// Where sorted row r's GEMM row lies: r itself (pad 0: the experts' rows one after another, a GEMM
+// an expert), or, for the GEMMs batched over the experts (each expert's rows padded to `pad`),
+// row r - offs[e] of expert e's block of pad rows (-1: an id out of range, no GEMM row).
+__device__ __forceinline__ long long moe_gemm_row(int e, int n_expert, const int* __restrict__ offs, int pad,
+                                                  long long r) {
+    if (!pad) return r;
+    return e < 0 || e >= n_expert ? -1 : (long long)e * pad + (r - offs[e]);
+}
+
+// The GEMM's input: sorted row r = the input row of pair order[r] = t * n_used + u (x + t * sxt +
+// u * sxu; sxu 0: one row a token) rounded to f16 (cpy_f32_f16's rounding), at its GEMM row
+// (moe_gemm_row: ids of sid, the offsets and pad). Grid (ceil(n / blockDim.x), rows).
+extern "C" __global__ void moe_gather_f16(const float* __restrict__ x, long long sxt, long long sxu,
+                                          const int* __restrict__ order, const int* __restrict__ ids, long long sid,
+                                          int n_used, int n_expert, const int* __restrict__ offs, int pad,
+                                          unsigned short* __restrict__ y, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const long long r = blockIdx.y;
+    const int p = order[r];
+    const long long g = moe_gemm_row(ids[(long long)(p / n_used) * sid + p % n_used], n_expert, offs, pad, r);
+    if (g < 0) return;
+    y[g * n + i] = f32_to_f16(x[(long long)(p / n_used) * sxt + (long long)(p % n_used) * sxu + i]);
+}
+
+// The GEMM's rows back to their pairs with mmv_id's epilogue: sorted row r's GEMM row of prod
+// (moe_gemm_row; ldp floats apart; the gate's sums at column 0, the up's at column M when op >= 0)
+// is pair p = order[r], expert e = ids of p; y[p * M + i] = the sum + b[e * sb + i] (b optional),
+// or op(gate + b, up + b2) (0 SwiGLU, 1 GEGLU, 2 swiglu_oai with alpha and limit): the bits of
+// add_id and glu.cu after the product. An expert outside [0, n_expert) gives NaN rows, as mmv_id.
+// Grid (ceil(M / blockDim.x), rows).
+extern "C" __global__ void moe_scatter(const float* __restrict__ prod, long long ldp, const int* __restrict__ order,
+                                       const int* __restrict__ ids, long long sid, int n_used, int n_expert,
+                                       const int* __restrict__ offs, int pad, float* __restrict__ y, int M, int op,
+                                       const float* __restrict__ b, const float* __restrict__ b2, long long sb,
+                                       float alpha, float limit) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= M) return;
+    const long long r = blockIdx.y;
+    const int p = order[r];
+    const int e = ids[(long long)(p / n_used) * sid + p % n_used];
+    const long long g = moe_gemm_row(e, n_expert, offs, pad, r);
+    float out = __int_as_float(0x7fc00000);
+    if (e >= 0 && e < n_expert) {
+        float v = prod[g * ldp + i];
+        if (b) v = __fadd_rn(v, b[(long long)e * sb + i]);
+        out = v;
+        if (op >= 0) {
+            float up = prod[g * ldp + M + i];
+            if (b2) up = __fadd_rn(up, b2[(long long)e * sb + i]);
+            out = op == 0 ? silu_mul(v, up) : op == 1 ? __fmul_rn(gelu_f16(v), up) : swiglu_oai_mul(v, up, alpha, limit);
+        }
+    }
+    y[(long long)p * M + i] = out;
+}

@@ -56,6 +56,7 @@ class GraphInputs:
     out_ids: Tensor = field(init=False)  # (n_outputs,) rows of the batch whose logits are wanted
     masks: dict[int, Tensor] = field(init=False, default_factory=dict)  # window (0: none) -> (T, N)
     gf: Graph = field(init=False, default_factory=Graph)
+    _read: tuple[Tensor, ...] | None = field(init=False, default=None, repr=False)  # those the built graph reads
 
     def __post_init__(self) -> None:
         T = self.n_tokens
@@ -80,7 +81,8 @@ class GraphInputs:
         return self.n_outputs < self.n_tokens
 
     def values(self, ub: UBatch) -> dict[Tensor, np.ndarray]:
-        """Every input's value for this micro-batch (set_input)."""
+        """The value of every input the graph reads (e.g. no out_ids when every row is an
+        output) for this micro-batch (set_input)."""
         out = {
             self.tokens: ub.tokens.astype(np.int32, copy=False),
             self.pos: ub.pos.astype(np.int32),
@@ -89,4 +91,6 @@ class GraphInputs:
         }
         for n_swa, t in self.masks.items():
             out[t] = self.kv.mask(ub.n_kv, ub.pos, ub.seq, n_swa)
-        return out
+        if self._read is None:  # (the graph is complete by the first micro-batch)
+            self._read = tuple(t for t in out if self.gf.has(t))
+        return {t: out[t] for t in self._read}

@@ -467,7 +467,7 @@ class Context:
         if n == 0:
             raise LlamapyError("decode: empty batch")
         positions = np.asarray(pos, np.int64)
-        seqs = np.array([seq] * n, np.int64) if np.isscalar(seq) else np.asarray(seq, np.int64)
+        seqs = np.array([seq] * n, np.int64) if type(seq) is int or np.isscalar(seq) else np.asarray(seq, np.int64)
         if toks.ndim != 1 or positions.shape != (n,) or seqs.shape != (n,):
             raise LlamapyError(f"decode: {n} tokens need {n} positions and sequence ids")
         if logits is not None:

@@ -66,7 +66,7 @@ class KVCache:
     version: int = 0
     # (version, one past the highest used cell): valid while `version` is its first field
     _top: tuple[int, int] | None = field(default=None, init=False, repr=False)
-    # (version, seq, pos, row): the (size,) mask row (no window, no shared cells) of sequence
+    # (version, seq, pos, row): the (1, size) mask row (no window, no shared cells) of sequence
     # `seq`'s query at `pos`, where every cell of `seq` has a position <= pos (so a later query
     # of the sequence sees the same cells); valid while `version` is its first field
     _row: tuple[int, int, int, np.ndarray] | None = field(default=None, init=False, repr=False)
@@ -278,7 +278,7 @@ class KVCache:
         if top is not None and top[0] == was and p >= 0:
             self._top = (self.version, max(top[1], c + 1))
         if row is not None and row[0] == was and s == row[1] and p > row[2]:
-            row[3][c] = 0  # the sequence's latest cell: every cell of it is visible to a query at p
+            row[3][0, c] = 0  # the sequence's latest cell: every cell of it is visible to a query at p
             self._row = (self.version, s, p, row[3])
 
     def release(self, idx: np.ndarray) -> None:
@@ -304,7 +304,7 @@ class KVCache:
             if row is None or row[0] != self.version or row[1] != seq[0] or row[2] > pos[0]:
                 row = self._mask_row(int(seq[0]), int(pos[0]))
             if row is not None:
-                return row[3][None, :n_kv]
+                return row[3][:, :n_kv]
         cp = self.pos[:n_kv][None, :]
         cs = self.seq[:n_kv][None, :]
         mine = cs == seq[:, None]
@@ -328,7 +328,7 @@ class KVCache:
         if (self.pos[mine] > p).any():
             return None
         old = self._row
-        buf = old[3] if old is not None else np.empty(self.size, np.float32)
-        np.copyto(buf, np.where(mine & (self.pos >= 0), np.float32(0), np.float32(-np.inf)))
+        buf = old[3] if old is not None else np.empty((1, self.size), np.float32)
+        np.copyto(buf[0], np.where(mine & (self.pos >= 0), np.float32(0), np.float32(-np.inf)))
         self._row = (self.version, s, p, buf)
         return self._row

@@ -19,11 +19,17 @@ Timings on a shared machine are noisy; run it on a quiet one.
 are GPU plans over tests/gpu_fake.py's NullRuntime, whose launches, copies and replays do
 nothing. A step's whole time is then Python (and the CPU split: the token embedding's GET_ROWS,
 on the CPU as in llama.cpp): Context.decode, the KV cache, the scheduler, the mirror's input
-writes, the exports, the logits' download (a copy of the row, as CuPy's `get` makes one). Not in
-it: CuPy's own calls (cudaMemcpyAsync, cudaGraphLaunch, the exports' device copy, the event
-query), a few microseconds each on a GPU host. Each step is timed alone, a 64 MiB buffer written
-between steps (caches evicted, as a step finds them after the GPU's work and the sampler), and the
-median and the mean are reported.
+writes, the exports, the logits' download (a copy of the row, as CUDADevice.download_batch
+copies it out of its pinned staging buffer). Not in it, what a CUDA step pays on top: CuPy's own
+calls, done by NullRuntime as no-ops (the mirror's event query, the H2D cudaMemcpyAsync, the two
+CuPy Events a step creates and records — after the input copy and after the logits' D2H —,
+cudaGraphLaunch, the D2H cudaMemcpyAsync), a few microseconds each on a GPU host;
+CUDADevice.download_batch's own Python (its staging and offsets; the TEST device's is shorter,
+but makes the export's view, which CUDA's does not). tests/gpu/run_all.py's figure on a GPU host
+(wall minus GPU time, over `ctx.decode` plus `np.argmax`) has these, the argmax (the sampler) and
+the logits' D2H transfer (after the step's last GPU event) too. Each step is timed alone, a 64 MiB
+buffer written between steps (caches evicted, as a step finds them after the GPU's work and the
+sampler), and the median and the mean are reported.
 """
 
 from __future__ import annotations

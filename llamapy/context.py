@@ -472,26 +472,30 @@ class Context:
         if n == 0:
             raise LlamapyError("decode: empty batch")
         positions = np.asarray(pos, np.int64)
-        seqs = np.full(n, seq, np.int64) if np.isscalar(seq) else np.asarray(seq, np.int64)
-        if positions.shape != (n,) or seqs.shape != (n,):
+        seqs = np.array([seq] * n, np.int64) if type(seq) is int or np.isscalar(seq) else np.asarray(seq, np.int64)
+        if toks.ndim != 1 or positions.shape != (n,) or seqs.shape != (n,):
             raise LlamapyError(f"decode: {n} tokens need {n} positions and sequence ids")
-        want = np.zeros(n, bool)
-        if logits is None:
-            want[-1] = True
-        else:
+        if logits is not None:
+            want = np.zeros(n, bool)
             want[:] = np.asarray(logits, bool)
-        if toks.min() < 0 or toks.max() >= self.model.params.n_vocab:
-            raise LlamapyError(f"token id out of range [0, {self.model.params.n_vocab})")
-        if seqs.min() < 0 or positions.min() < 0:
+        n_vocab = self.model.params.n_vocab
+        # the bounds as Python ints (a decode step's one token: no array reductions)
+        t, p, q = toks.tolist(), positions.tolist(), seqs.tolist()
+        if min(t) < 0 or max(t) >= n_vocab:
+            raise LlamapyError(f"token id out of range [0, {n_vocab})")
+        if min(q) < 0 or min(p) < 0:
             raise LlamapyError("decode: sequence ids and positions must be >= 0")
         # all or nothing: a batch the cache cannot hold is refused before any cell changes, and
         # a failure half-way (an error, Ctrl-C) frees the cells this call took
-        n_vocab = self.model.params.n_vocab
         if n <= self.n_ubatch:
             # one micro-batch (every decode step): its own find_slot refuses it before any cell
             # changes, and it frees its own cells; no slices to make
-            rows = self._decode_ubatch(toks, positions, seqs, want)
+            out_ids = np.array([n - 1], np.int32) if logits is None else np.flatnonzero(want).astype(np.int32)
+            rows = self._decode_ubatch(toks, positions, seqs, out_ids)
             return rows if rows is not None else np.zeros((0, n_vocab), np.float32)
+        if logits is None:
+            want = np.zeros(n, bool)
+            want[-1] = True
         # several: the check for them all first, and the map of what was free to undo
         self.kv.find_slot(n)
         was_free = self.kv.pos < 0
@@ -499,7 +503,8 @@ class Context:
         try:
             for u0 in range(0, n, self.n_ubatch):
                 u1 = min(n, u0 + self.n_ubatch)
-                rows = self._decode_ubatch(toks[u0:u1], positions[u0:u1], seqs[u0:u1], want[u0:u1])
+                ids = np.flatnonzero(want[u0:u1]).astype(np.int32)
+                rows = self._decode_ubatch(toks[u0:u1], positions[u0:u1], seqs[u0:u1], ids)
                 if rows is not None:
                     out.append(rows)
         except BaseException:
@@ -512,10 +517,10 @@ class Context:
         return np.concatenate(out) if out else np.zeros((0, n_vocab), np.float32)
 
     def _decode_ubatch(
-        self, toks: np.ndarray, pos: np.ndarray, seq: np.ndarray, want: np.ndarray
+        self, toks: np.ndarray, pos: np.ndarray, seq: np.ndarray, out_ids: np.ndarray
     ) -> np.ndarray | None:
+        """One micro-batch; `out_ids`: its rows whose logits are wanted."""
         n = len(toks)
-        out_ids = np.flatnonzero(want).astype(np.int32)
         n_outputs = len(out_ids)
         # the graph always produces at least one row; unwanted ones are dropped below
         ids = out_ids if n_outputs else np.array([n - 1], np.int32)
@@ -523,9 +528,7 @@ class Context:
         self.kv.commit(idx, pos, seq)
         try:
             g = self.graph(n, len(ids))
-            inputs = g.inputs.values(UBatch(toks, pos, seq, idx, ids, self.kv.n_kv(idx)))
-            # only the inputs this graph reads (e.g. no out_ids when every row is an output)
-            result = self.sched.compute(g.graph, {t: v for t, v in inputs.items() if g.graph.has(t)})
+            result = self.sched.compute(g.graph, g.inputs.values(UBatch(toks, pos, seq, idx, ids, self.kv.n_kv(idx))))
         except BaseException:
             self.kv.release(idx)
             raise

@@ -123,7 +123,7 @@ class Arena:
         self.base = 0  # its first ALIGN-aligned address
         self.pad = 0  # where that address lies in `raw` (slots are views at pad + offset)
         self.size = 0
-        self.views: dict[tuple[_Slot, int], np.ndarray] = {}  # _Slot.view's, made once per block
+        self.views: dict[Any, Any] = {}  # _Slot.view's and each ExecPlan's, made once per block
 
     def ensure(self, nbytes: int) -> int:
         """The base address of at least `nbytes` of arena."""
@@ -309,6 +309,9 @@ class ExecPlan:
     recs_ptr: int = 0
     n_runs: int = 0
     serial: bool = False  # every record runs on thread 0: the call makes no team
+    # the key of this plan's views in the arena's `views` (the inputs', the exports'): made once
+    # per arena block, not looked up slot by slot each run
+    key: object = field(default_factory=object)
 
     def __post_init__(self) -> None:
         self.recs_ptr = self.recs.ctypes.data
@@ -334,8 +337,14 @@ class ExecPlan:
         base = arena.ensure(self.nbytes)
         if base != self.base:
             self._move(base)
-        for t, slot in self.inputs:
-            slot.view(arena)[...] = env[t]
+        views = arena.views.get(self.key)
+        if views is None:
+            views = arena.views[self.key] = (
+                [(t, slot.view(arena)) for t, slot in self.inputs],
+                [(t, mem.view(arena) if isinstance(mem, _Slot) else None, mem) for t, mem in self.exports],
+            )  # fmt: skip
+        for t, view in views[0]:
+            view[...] = env[t]
         for t, slot, rows in self.masks:
             n = (v := env[t]).shape[-1]  # the cells attended: the records' N and mask row length
             if not 0 < n <= slot.shape[-1]:
@@ -356,8 +365,8 @@ class ExecPlan:
         if rc:
             raise LlamapyError(f"executor: record {rc - 1} (op {int(recs[rc - 1, 0])}) failed: a row id out of "
                                "range, or no kernel for a type")
-        for t, mem in self.exports:
-            env[t] = mem.view(arena).copy() if isinstance(mem, _Slot) else mem
+        for t, view, mem in views[1]:
+            env[t] = mem if view is None else view.copy()
 
 
 def _lib() -> Any:

@@ -17,6 +17,12 @@ also hides cells `n_swa` or more positions behind the query (llama_hparams::is_m
 cache keeps every cell for those layers too — llama.cpp's `--swa-full` layout: simple, and
 memory is no concern at the sizes llamapy runs; the window is enforced by the mask alone.
 
+A decode step (one token of one sequence) does not scan the cache: the cache keeps, keyed by
+`version`, one past its highest used cell (`_top`) and the mask row of the sequence's latest query
+(`_row`), and `commit` carries both forward over the one cell it writes; any other change of the
+cells bumps `version`, and the next step computes them again over the whole cache. The same
+cells, n_kv and mask as the scan gives (tests/unit/test_kv_cells.py checks them against it).
+
 Cache types (`-ctk`/`-ctv`, llama.cpp's kv_cache_types subset): f32, f16, and ggml's Q8_0 and
 Q4_0 blocks — SET_ROWS quantizes each row as ggml's from_float does, and attention reads the
 blocks (llama.cpp allows a quantized V only with flash attention; llamapy's attention is always
@@ -58,6 +64,12 @@ class KVCache:
     # bumped by every change of the cells: a user of the cache (the serving engine's prompt cache)
     # can tell whether anyone else changed them since it last looked
     version: int = 0
+    # (version, one past the highest used cell): valid while `version` is its first field
+    _top: tuple[int, int] | None = field(default=None, init=False, repr=False)
+    # (version, seq, pos, row): the (1, size) mask row (no window, no shared cells) of sequence
+    # `seq`'s query at `pos`, where every cell of `seq` has a position <= pos (so a later query
+    # of the sequence sees the same cells); valid while `version` is its first field
+    _row: tuple[int, int, int, np.ndarray] | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def create(
@@ -194,6 +206,14 @@ class KVCache:
     def n_used(self) -> int:
         return int((self.pos >= 0).sum())
 
+    def used_top(self) -> int:
+        """One past the highest used cell (0: none), kept across decode steps (`_top`)."""
+        top = self._top
+        if top is None or top[0] != self.version:
+            used = np.flatnonzero(self.pos >= 0)
+            top = self._top = (self.version, int(used[-1]) + 1 if len(used) else 0)
+        return top[1]
+
     def find_slot(self, n_tokens: int, seq: np.ndarray | None = None) -> np.ndarray:
         """Indices of `n_tokens` free cells, or ContextFullError. Without `seq`: the lowest. With
         the tokens' sequence ids (each sequence's tokens in position order): each token gets the
@@ -201,6 +221,13 @@ class KVCache:
         sequence's cells stay in position order — attention sums a query's cells in cell order,
         and then gets the same bits whether the sequence ran alone or beside others whose cells
         were freed (a reused slot's prompt cache). Where no such cell is left, the lowest free."""
+        if n_tokens == 1 and seq is not None and len(seq) == 1:
+            # a decode step: where the sequence holds the highest used cell (or none is used),
+            # its next cell is the one after it — free, as is every cell past it (a free cell is
+            # held by no sequence: seq_rm and release clear its share bits)
+            top = self.used_top()
+            if top == 0 or (top < self.size and self.seq[top - 1] == seq[0]):
+                return np.array([top], np.int64)
         free = np.flatnonzero(self.pos < 0)
         if len(free) < n_tokens:
             raise ContextFullError(
@@ -233,14 +260,30 @@ class KVCache:
         return out
 
     def commit(self, idx: np.ndarray, pos: np.ndarray, seq: np.ndarray) -> None:
+        was = self.version
         self.version += 1
-        self.pos[idx] = pos
-        self.seq[idx] = seq
+        if len(idx) != 1:
+            self.pos[idx] = pos
+            self.seq[idx] = seq
+            if len(self.share) == self.size:
+                self.share[idx] = 0
+            return
+        # one cell (a decode step's): what the cache keeps for the next step carried over it
+        c, p, s = int(idx[0]), int(pos[0]), int(seq[0])
+        self.pos[c] = p
+        self.seq[c] = s
         if len(self.share) == self.size:
-            self.share[idx] = 0
+            self.share[c] = 0
+        top, row = self._top, self._row
+        if top is not None and top[0] == was and p >= 0:
+            self._top = (self.version, max(top[1], c + 1))
+        if row is not None and row[0] == was and s == row[1] and p > row[2]:
+            row[3][0, c] = 0  # the sequence's latest cell: every cell of it is visible to a query at p
+            self._row = (self.version, s, p, row[3])
 
     def release(self, idx: np.ndarray) -> None:
         """Free cells a failed decode had taken (they were free before it)."""
+        self.version += 1
         self.pos[idx] = -1
         self.seq[idx] = -1
         if len(self.share) == self.size:
@@ -248,14 +291,20 @@ class KVCache:
 
     def n_kv(self, idx: np.ndarray) -> int:
         """Cells to attend to: up to the last used one, padded to N_KV_PAD (llama.cpp's n_kv)."""
-        used = np.flatnonzero(self.pos >= 0)
-        top = max(int(used[-1]) + 1 if len(used) else 0, int(idx.max()) + 1 if len(idx) else 0)
+        top = max(self.used_top(), max(idx.tolist()) + 1 if len(idx) else 0)
         return min(self.size, (top + N_KV_PAD - 1) // N_KV_PAD * N_KV_PAD)
 
     def mask(self, n_kv: int, pos: np.ndarray, seq: np.ndarray, n_swa: int = 0) -> np.ndarray:
         """(n_tokens, n_kv): 0 where a token may see a cell (same sequence, not in its future,
         and with `n_swa` > 0 less than `n_swa` positions back), -inf elsewhere (llama.cpp's
-        kq_mask / kq_mask_swa)."""
+        kq_mask / kq_mask_swa). A decode step's one query gets a view of the row the cache keeps
+        (`_row`): valid until the next change of the cells."""
+        if len(pos) == 1 and n_swa == 0:
+            row = self._row
+            if row is None or row[0] != self.version or row[1] != seq[0] or row[2] > pos[0]:
+                row = self._mask_row(int(seq[0]), int(pos[0]))
+            if row is not None:
+                return row[3][:, :n_kv]
         cp = self.pos[:n_kv][None, :]
         cs = self.seq[:n_kv][None, :]
         mine = cs == seq[:, None]
@@ -268,3 +317,18 @@ class KVCache:
         if n_swa > 0:
             ok &= pos[:, None] - cp < n_swa
         return np.where(ok, np.float32(0), np.float32(-np.inf)).astype(np.float32)
+
+    def _mask_row(self, s: int, p: int) -> tuple[int, int, int, np.ndarray] | None:
+        """The row `mask` gives a query of sequence `s` at `p` over the whole cache, kept as `_row`
+        for the next steps when no cell is shared and no cell of `s` lies in the query's future
+        (then a later query of `s` sees every cell of it; else None: `mask` computes it)."""
+        if s < 0 or self._shared() is not None:
+            return None
+        mine = self.seq == s
+        if (self.pos[mine] > p).any():
+            return None
+        old = self._row
+        buf = old[3] if old is not None else np.empty((1, self.size), np.float32)
+        np.copyto(buf[0], np.where(mine & (self.pos >= 0), np.float32(0), np.float32(-np.inf)))
+        self._row = (self.version, s, p, buf)
+        return self._row

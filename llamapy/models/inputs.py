@@ -56,6 +56,7 @@ class GraphInputs:
     out_ids: Tensor = field(init=False)  # (n_outputs,) rows of the batch whose logits are wanted
     masks: dict[int, Tensor] = field(init=False, default_factory=dict)  # window (0: none) -> (T, N)
     gf: Graph = field(init=False, default_factory=Graph)
+    _read: frozenset[Tensor] | None = field(init=False, default=None, repr=False)  # those the built graph reads
 
     def __post_init__(self) -> None:
         T = self.n_tokens
@@ -80,13 +81,23 @@ class GraphInputs:
         return self.n_outputs < self.n_tokens
 
     def values(self, ub: UBatch) -> dict[Tensor, np.ndarray]:
-        """Every input's value for this micro-batch (set_input)."""
-        out = {
-            self.tokens: ub.tokens.astype(np.int32, copy=False),
-            self.pos: ub.pos.astype(np.int32),
-            self.kv_idx: ub.kv_idx.astype(np.int64, copy=False),
-            self.out_ids: ub.out_ids.astype(np.int32, copy=False),
-        }
+        """The value of every input the graph reads (e.g. no out_ids when every row is an
+        output) for this micro-batch (set_input)."""
+        read = self._read
+        if read is None:  # (the graph is complete by its first micro-batch)
+            read = self._read = frozenset(
+                t for t in (self.tokens, self.pos, self.kv_idx, self.out_ids, *self.masks.values()) if self.gf.has(t)
+            )
+        out: dict[Tensor, np.ndarray] = {}
+        if self.tokens in read:
+            out[self.tokens] = ub.tokens.astype(np.int32, copy=False)
+        if self.pos in read:
+            out[self.pos] = ub.pos.astype(np.int32)
+        if self.kv_idx in read:
+            out[self.kv_idx] = ub.kv_idx.astype(np.int64, copy=False)
+        if self.out_ids in read:
+            out[self.out_ids] = ub.out_ids.astype(np.int32, copy=False)
         for n_swa, t in self.masks.items():
-            out[t] = self.kv.mask(ub.n_kv, ub.pos, ub.seq, n_swa)
+            if t in read:
+                out[t] = self.kv.mask(ub.n_kv, ub.pos, ub.seq, n_swa)
         return out

@@ -116,23 +116,20 @@ class Scheduler:
         for s, be, bp, host_in, ins in plan.runs:
             # the split reads its inputs' copies under their own names; the originals (values
             # native to another backend) are put back afterwards
-            saved: dict[Tensor, Any] = {}
-            if ins:
-                self._copy_inputs(s, be, host_in, ins, vals, copies)
-            for inp, src, src_host in ins:
-                key = (inp, s.backend, host_in)
-                if inp in vals:
-                    saved[inp] = vals[inp]
-                vals[inp] = copies[key]
+            swap = self._copy_inputs(s, be, host_in, ins, vals, copies) if ins else None
+            if swap:
+                saved = {inp: vals[inp] for inp in swap if inp in vals}
+                vals.update(swap)
             if not bp:
                 be.compute(s.nodes, vals)
             else:
                 be.graph_plan_compute(bp, vals)
-            for inp, _src, _h in ins:
-                if inp in saved:
-                    vals[inp] = saved[inp]
-                else:
-                    del vals[inp]
+            if swap:
+                for inp in swap:
+                    if inp in saved:
+                        vals[inp] = saved[inp]
+                    else:
+                        del vals[inp]
             for t in s.release_after:
                 vals.pop(t, None)
         out: dict[Tensor, np.ndarray] = {}
@@ -146,11 +143,13 @@ class Scheduler:
         return out
 
     def _copy_inputs(self, s: Split, be: Backend, host_in: bool, ins: list[tuple[Tensor, Backend, bool]],
-                     vals: dict[Tensor, Any], copies: dict[tuple[Tensor, int, bool], Any]) -> None:
+                     vals: dict[Tensor, Any], copies: dict[tuple[Tensor, int, bool], Any]) -> dict[Tensor, Any]:
         """Copy split `s`'s inputs that are not in `copies` yet (ggml_backend_sched_compute_splits'
         input copies). Device-to-device where `be` offers it; the rest through the host, read back
         as ONE batch per source device (its copies queued together, then one wait: the boundary's
-        one synchronisation) and sent on as uploads, which a device queues without waiting."""
+        one synchronisation) and sent on as uploads, which a device queues without waiting.
+        Returns the values the split reads that are not `vals`' own (a host value a plan copies
+        in itself is: a decode step's inputs to a GPU plan swap nothing)."""
         via_host: dict[int, list[tuple[tuple[Tensor, int, bool], Tensor, Any, Backend]]] = {}
         for inp, src, src_host in ins:
             key = (inp, s.backend, host_in)  # (a host value serves only the plans taking one)
@@ -176,6 +175,12 @@ class Scheduler:
                 # a plan taking host values gets the host copy: it goes into the plan's input
                 # region (pinned mirror -> arena) with the step's other inputs, no upload first
                 copies[key] = h if host_in else be.from_host(h)
+        swap = {}
+        for inp, _src, _h in ins:
+            c = copies[(inp, s.backend, host_in)]
+            if vals.get(inp) is not c:
+                swap[inp] = c
+        return swap
 
     def _runs(self, plan: Plan) -> list[tuple[Split, Backend, Any, bool, list[tuple[Tensor, Backend, bool]]]]:
         """What `compute` decides once per plan: each split's backend, its compiled plan (made
@@ -231,8 +236,8 @@ def split_exports(plan: Plan, si: int) -> list[Tensor]:
     own = set(s.nodes)
     exports = [n for n in plan.graph.outputs if n in own]
     for other in plan.splits:
-        if other is not s:
-            exports += [x for n in other.nodes for x in n.src if x in own and x not in exports]
+        if other is not s:  # (each once: a value two nodes read is copied out once)
+            exports += dict.fromkeys(x for n in other.nodes for x in n.src if x in own and x not in exports)
     return exports
 
 

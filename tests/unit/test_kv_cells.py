@@ -64,3 +64,65 @@ def test_seq_cp_shares_cells_and_seq_rm_hands_them_on() -> None:
     c.seq_rm(5)
     c.seq_rm(3)
     assert c.n_used() == 0
+
+
+def _scan_slot(c: KVCache, s: int) -> int:
+    """find_slot(1, [s]) as a scan of the whole cache: the lowest free cell after every cell `s`
+    holds, else the lowest free."""
+    free = np.flatnonzero(c.pos < 0)
+    held = np.flatnonzero(c.holds(s))
+    after = free[free > (held[-1] if len(held) else -1)]
+    return int(after[0] if len(after) else free[0])
+
+
+def _scan_mask(c: KVCache, n_kv: int, p: int, s: int) -> np.ndarray:
+    ok = (c.pos[:n_kv] >= 0) & (c.pos[:n_kv] <= p) & c.holds(s)[:n_kv]
+    return np.where(ok, np.float32(0), np.float32(-np.inf))[None, :]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_steps_kept_incrementally_equal_the_scan(seed: int) -> None:
+    """A decode step's cell, n_kv and mask row, which the cache carries from step to step (no
+    scan of the cells), are the scan's after any mix of steps, prompts, seq_rm, seq_cp, failed
+    steps, steps at past positions and a full cache: checked at every step against a scan of the whole cache."""
+    rng = np.random.default_rng(seed)
+    c = _cache(600)
+    nxt = {0: 0, 1: 0, 2: 0}  # each sequence's next position
+    for _ in range(900):
+        s = int(rng.choice([0, 0, 0, 0, 1, 2]))
+        r = rng.random()
+        if r < 0.03:
+            p0 = int(rng.integers(0, nxt[s] + 1))
+            c.seq_rm(s, p0)
+            nxt[s] = min(nxt[s], p0)
+            continue
+        if r < 0.05 and s != 0:
+            c.seq_cp(0, s, 0, int(rng.integers(0, nxt[0] + 1)))
+            continue
+        if r < 0.07 and c.n_used() + 5 <= c.size:  # a prompt chunk of several tokens
+            idx = c.find_slot(5, np.full(5, s))
+            c.commit(idx, np.arange(nxt[s], nxt[s] + 5), np.full(5, s))
+            nxt[s] += 5
+            continue
+        if c.n_used() == c.size:
+            with pytest.raises(ContextFullError):
+                c.find_slot(1, np.array([s]))
+            c.seq_rm(s, max(nxt[s] - 50, 0))
+            nxt[s] = max(nxt[s] - 50, 0)
+            continue
+        want = _scan_slot(c, s)
+        idx = c.find_slot(1, np.array([s]))
+        assert idx.tolist() == [want] and idx.dtype == np.int64
+        back = r > 0.97 and nxt[s] > 0  # a step at a position the sequence has passed already
+        pos = np.array([int(rng.integers(0, nxt[s])) if back else nxt[s]])
+        c.commit(idx, pos, np.array([s]))
+        if r < 0.09:  # the step failed: its cell freed
+            c.release(idx)
+            continue
+        nxt[s] += not back
+        used = np.flatnonzero(c.pos >= 0)
+        n_kv = c.n_kv(idx)
+        assert n_kv == min(c.size, -(-(int(used[-1]) + 1) // 256) * 256)
+        got = c.mask(n_kv, pos, np.array([s]))
+        np.testing.assert_array_equal(got, _scan_mask(c, n_kv, int(pos[0]), s))
+        assert got.dtype == np.float32 and got.shape == (1, n_kv)

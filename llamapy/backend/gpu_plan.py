@@ -222,6 +222,10 @@ class GPUTarget(Target):
             if r.flags & TensorFlag.WEIGHT:
                 raise Refused(f"weight {r.name} in {r.buffer.name} memory")
             return None  # copied in as a split input
+        return self.storage(r)
+
+    def storage(self, r: Tensor) -> Any:
+        """The value of a leaf held in the device's memory (its buffer's storage)."""
         return r.buffer.storage(r)
 
     def array_loc(self, v: Any, keep: list[Any]) -> Loc:
@@ -890,14 +894,7 @@ class _DryRuntime:
 class _DryTarget(GPUTarget):
     """GPUTarget over tensors without memory: a leaf in the device's buffer type is its own value."""
 
-    def leaf(self, t: Tensor) -> Any | None:
-        r = t.root()
-        if r.buffer is None:
-            return None
-        if r.buffer.buft is not self.rt.buft:
-            if r.flags & TensorFlag.WEIGHT:
-                raise Refused(f"weight {r.name} in {r.buffer.name} memory")
-            return None
+    def storage(self, r: Tensor) -> Any:
         return r
 
     def id_type(self, n: Tensor) -> int | None:

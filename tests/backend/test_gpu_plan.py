@@ -224,6 +224,20 @@ class FakeRuntime(HostRuntime):
         return launch
 
 
+def _refusals(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The reasons of every split the GPU plan compiler refuses from now on."""
+    refusals: list[str] = []
+    real = gpu_plan.compile_split
+
+    def spy(*a: Any, **k: Any) -> Any:
+        p = real(*a, **k)
+        refusals.extend([] if p else [p.reason])
+        return p
+
+    monkeypatch.setattr(gpu_plan, "compile_split", spy)
+    return refusals
+
+
 def _gpu_backend(monkeypatch: pytest.MonkeyPatch, rt_of: Callable[[], FakeRuntime]) -> list[GPUPlan]:
     """CPU backends whose plans are GPU plans over a fake runtime (one per backend)."""
     made: list[GPUPlan] = []
@@ -1119,15 +1133,7 @@ def test_gptoss_gpu_plan_gives_the_cpu_executors_logits(tmp_path: Path, monkeypa
     model = Model(_gptoss_model(tmp_path))
     ref = Context(model, ContextOptions(n_ctx=256, n_threads=1))
     want = _moe_decode(ref, _MOE_STEPS)
-    refusals: list[str] = []
-    real = gpu_plan.compile_split
-
-    def spy(*a: Any, **k: Any) -> Any:
-        p = real(*a, **k)
-        refusals.extend([] if p else [p.reason])
-        return p
-
-    monkeypatch.setattr(gpu_plan, "compile_split", spy)
+    refusals = _refusals(monkeypatch)
     made = _gpu_backend(monkeypatch, FakeRuntime)
     gpu = Context(model, ContextOptions(n_ctx=256, n_threads=1))
     for i, (a, b) in enumerate(zip(_moe_decode(gpu, _MOE_STEPS), want)):
@@ -1404,15 +1410,7 @@ def test_moe_prompt_plan_gives_the_cpu_executors_logits(tmp_path: Path, monkeypa
     model = Model(_moe_prompt_model(tmp_path, case))
     ref = Context(model, ContextOptions(n_ctx=256, n_threads=1))
     want = [ref.decode(t, p, s, w) for t, p, s, w in _MOE_PROMPT]
-    refusals: list[str] = []
-    real = gpu_plan.compile_split
-
-    def spy(*a: Any, **k: Any) -> Any:
-        p = real(*a, **k)
-        refusals.extend([] if p else [p.reason])
-        return p
-
-    monkeypatch.setattr(gpu_plan, "compile_split", spy)
+    refusals = _refusals(monkeypatch)
     made = _gpu_backend(monkeypatch, FakeRuntime)
     gpu = Context(model, ContextOptions(n_ctx=256, n_threads=1))
     for i, ((t, p, s, w), b) in enumerate(zip(_MOE_PROMPT, want)):

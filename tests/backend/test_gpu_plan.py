@@ -821,6 +821,31 @@ class EmuRuntime(FakeRuntime):
         return list(launches)
 
 
+def _logged_emu_runtime(functions: dict[str, Any], names: set[str]) -> Callable[[], EmuRuntime]:
+    """EmuRuntimes whose kernels add their names to `names` as they launch, the GEMM ("gemm_f16")
+    and the host reads done in numpy, over a 64 MiB arena."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    import cuda_emu
+
+    def logged(name: str, fn: Any) -> Any:
+        def call(*a: Any, **kw: Any) -> Any:
+            names.add(name)
+            return fn(*a, **kw)
+
+        return call
+
+    def new_rt() -> EmuRuntime:
+        rt = EmuRuntime(functions)
+        rt.ops.functions = {n: logged(n, f) for n, f in rt.ops.functions.items()}
+        rt.ops.gemm, rt.ops.reader = logged("gemm_f16", cuda_emu.numpy_gemm), cuda_emu.numpy_read
+        rt.arena.ensure(64 << 20)
+        return rt
+
+    return new_rt
+
+
 _SLOW = pytest.mark.slow  # (~12 s each on the emulator: the first case runs in the fast suite)
 
 
@@ -1265,27 +1290,8 @@ def test_prompt_plan_on_the_cuda_emulator(make_llama, tmp_path: Path, monkeypatc
                                           emu_functions: Any, arch: str) -> None:  # noqa: ANN001
     """The same through every kernels_cuda kernel on the emulator (dequant_f16, cpy_f32_f16, the
     prompt attention fattn_tile_*, rope_qkv and norms over 40 rows), the GEMM in numpy."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
-    import cuda_emu
-
     names: set[str] = set()  # the kernels launched
-
-    def logged(name: str, fn: Any) -> Any:
-        def call(*a: Any, **kw: Any) -> Any:
-            names.add(name)
-            return fn(*a, **kw)
-
-        return call
-
-    def new_rt() -> EmuRuntime:
-        rt = EmuRuntime(emu_functions)
-        rt.ops.functions = {n: logged(n, f) for n, f in rt.ops.functions.items()}
-        rt.ops.gemm = logged("gemm_f16", cuda_emu.numpy_gemm)
-        rt.arena.ensure(64 << 20)
-        return rt
-
+    new_rt = _logged_emu_runtime(emu_functions, names)
     got, want, made = _prompt_then_decode(_prompt_model(arch, make_llama, tmp_path), monkeypatch, new_rt)
     _check_prompt(got, want, made, _F16_TOL)
     assert any(n.startswith("fattn_tile_") for n in names) and any(n.startswith("dequant_f16_") for n in names)
@@ -1481,27 +1487,8 @@ def test_moe_prompt_plan_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytes
     """The same through every kernels_cuda kernel on the emulator (moe.cu's moe_sort,
     moe_gather_f16, moe_scatter with SwiGLU / gpt-oss's biases and swiglu_oai, the experts'
     dequant_f16, fattn_tile with gpt-oss's sinks), the GEMM in numpy."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
-    import cuda_emu
-
     names: set[str] = set()
-
-    def logged(name: str, fn: Any) -> Any:
-        def call(*a: Any, **kw: Any) -> Any:
-            names.add(name)
-            return fn(*a, **kw)
-
-        return call
-
-    def new_rt() -> EmuRuntime:
-        rt = EmuRuntime(emu_functions)
-        rt.ops.functions = {n: logged(n, f) for n, f in rt.ops.functions.items()}
-        rt.ops.gemm, rt.ops.reader = cuda_emu.numpy_gemm, cuda_emu.numpy_read
-        rt.arena.ensure(64 << 20)
-        return rt
-
+    new_rt = _logged_emu_runtime(emu_functions, names)
     # gpt-oss's tiny file is ~2.3x as sensitive to activation rounding as Mixtral's: its q8 path
     # against float32 0.025 of the largest logit (Mixtral 0.010, qwen3moe 0.0075); the f16 prompt
     # measured 1.1e-3 (Mixtral 4.9e-4, qwen3moe 3.9e-4): the same ~20x below the q8 path's

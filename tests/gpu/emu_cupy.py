@@ -620,3 +620,27 @@ def install() -> EmuCupy:
     emu = EmuCupy()
     sys.modules["cupy"] = emu  # type: ignore[assignment]
     return emu
+
+
+def install_for_tests() -> EmuCupy | None:
+    """tests/conftest.py's LLAMAPY_CUDA_EMU=1: the stand-in as `cupy` and llamapy's backends
+    discovered again (None without g++: the CUDA tests then skip as without CuPy)."""
+    if cuda_emu.CXX is None:
+        return None
+    emu = install()
+    from llamapy.backend import registry
+
+    registry.discover(refresh=True)
+    return emu
+
+
+def on_emulator() -> bool:
+    """Whether `cupy` is this stand-in."""
+    return isinstance(sys.modules.get("cupy"), EmuCupy)
+
+
+def needs_gpu(reason: str) -> Any:
+    """A pytest mark: skipped on the emulator, with why (the case runs on a GPU)."""
+    import pytest
+
+    return pytest.mark.skipif(on_emulator(), reason=f"needs a real GPU (the CUDA emulator: {reason})")

@@ -1,0 +1,130 @@
+"""llamapy's CUDA backend (CUDA0 of backend/cuda.py, cuda_exec.py, cuda_ops.py) unmodified on
+tests/gpu/emu_cupy.py's CuPy stand-in over the CUDA emulator: the stand-in's own rules (capture,
+allocation, cuBLAS, argument packing), CUDADevice's decisions, and (slow) whole decode steps at
+-ngl all and -ngl 2 against -ngl 0. Runs without a GPU or CuPy (needs g++); each case installs the
+stand-in as `cupy` for its own duration only, so the rest of the session never sees a CUDA device."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+if shutil.which("g++") is None:
+    pytest.skip("g++ not found: no CPU emulation of the CUDA kernels", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import emu_cupy  # noqa: E402
+
+from llamapy import ops  # noqa: E402
+from llamapy.backend import registry  # noqa: E402
+from llamapy.tensor import Tensor, TensorFlag  # noqa: E402
+from llamapy.types import GGMLType  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def emu_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One build folder for the module's stand-ins (each compiles the kernels it loads there)."""
+    return tmp_path_factory.mktemp("emu_cupy")
+
+
+@pytest.fixture
+def emu(monkeypatch: pytest.MonkeyPatch, emu_build: Path) -> Iterator[emu_cupy.EmuCupy]:
+    """The stand-in as `cupy` and llamapy's backends discovered again, both undone afterwards."""
+    cp = emu_cupy.EmuCupy(build_dir=emu_build)
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setattr(registry, "_cache", None)
+    yield cp
+    registry._cache = None  # (monkeypatch restores the session's discovery next)
+
+
+def _cuda0() -> Any:
+    from llamapy.backend import cuda
+
+    (dev,) = cuda.registry().devices()
+    return dev
+
+
+def _scale_f32(emu: emu_cupy.EmuCupy) -> Any:
+    """elementwise.cu's scale_f32 (a, sa, y, sy, n, s), compiled alone (a second, not ten)."""
+    from llamapy.backend.cuda import _module_source
+    from llamapy.backend.cuda_ops import NVRTC_OPTIONS
+
+    return emu.RawModule(code=_module_source("elementwise.cu"), options=NVRTC_OPTIONS).get_function("scale_f32")
+
+
+# -- the stand-in's rules ---------------------------------------------------------------------
+
+
+def test_capture_rules(emu: emu_cupy.EmuCupy) -> None:
+    """Inside a capture: no allocation, no cuBLAS (NotImplementedError, as CuPy's setStream), no
+    synchronous copy; launches are recorded, not run, and each Graph.launch replays them."""
+    from llamapy.backend.cuda_ops import CublasGemm, CudaKernels
+
+    dev = _cuda0()
+    k = CudaKernels({"scale_f32": _scale_f32(emu)}, n_sm=4, gemm=CublasGemm(emu))
+    x = emu.asarray(np.arange(8, dtype=np.float32))
+    y = emu.zeros(8, np.float32)
+    st = dev.stream
+    with dev.context("capturing"):
+        st.begin_capture()
+        k.scale(st, x.data.ptr, 8, y.data.ptr, 8, 1, 8, 2.0)
+        with pytest.raises(RuntimeError, match="during stream capture"):
+            emu.empty(4, np.float32)
+        with pytest.raises(NotImplementedError, match="cuBLAS"):
+            k.gemm(None, None, (x.data.ptr, x.data.ptr, y.data.ptr, 1, 1, 2, 1), stream=st)
+        with pytest.raises(RuntimeError, match="capturing"):
+            x.get()
+        g = st.end_capture()
+    assert not y.get().any()  # recorded, not run
+    g.launch(st)
+    st.synchronize()
+    np.testing.assert_array_equal(y.get(), 2 * np.arange(8, dtype=np.float32))
+
+
+def test_kernel_arguments_checked_as_the_driver_reads_them(emu: emu_cupy.EmuCupy) -> None:
+    """An argument narrower than its parameter, or a float for an int, is what a GPU misreads:
+    the stand-in refuses it, naming the kernel and the argument."""
+    fn = _scale_f32(emu)  # (a, sa, y, sy, n, s)
+    x = emu.asarray(np.ones(4, np.float32))
+    with pytest.raises(TypeError, match="argument 1"):  # a long long given 4 bytes
+        fn((1,), (32,), (x, np.int32(4), x, np.int64(4), np.int32(4), np.float32(1)))
+    with pytest.raises(TypeError, match="argument 5"):  # a float given a double
+        fn((1,), (32,), (x, np.int64(4), x, np.int64(4), np.int32(4), 1.0))
+    with pytest.raises(RuntimeError, match="block"):
+        fn((1,), (2048,), (x, np.int64(4), x, np.int64(4), np.int32(4), np.float32(1)))
+    fn((1,), (32,), (x, 4, x, 4, 4, np.float32(3)))  # Python ints are int64s: wide enough
+    np.testing.assert_array_equal(x.get(), np.full(4, 3, np.float32))
+
+
+def test_memory_info_moves_with_allocations(emu: emu_cupy.EmuCupy) -> None:
+    dev = _cuda0()
+    free0, total = dev.memory_info()
+    a = emu.empty(1 << 20, np.uint8)
+    free1, _ = dev.memory_info()
+    assert free1 == free0 - (1 << 20) and total == emu.pool.capacity
+    del a
+    dev.release_cached()
+    assert dev.memory_info()[0] == free0
+
+
+# -- CUDADevice's choices (a failure here is a bug of llamapy's CUDA backend) ------------------
+
+
+@pytest.mark.parametrize("wtype", [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_K])
+def test_quantized_weights_are_multiplied_on_cuda(emu: emu_cupy.EmuCupy, wtype: GGMLType) -> None:
+    """A Q8_0 / Q4_0 MUL_MAT weight is not a quantized KV cache: CUDA supports the product (it
+    refused it, so every such product of a GPU layer ran on the host, its weight copied back
+    each step); a SET_ROWS into a Q8_0 cache (kept on the host) stays refused."""
+    dev = _cuda0()
+    w = Tensor("blk.0.attn_q.weight", (64, 256), wtype, flags=TensorFlag.WEIGHT)
+    x = Tensor("x", (1, 256), GGMLType.F32, flags=TensorFlag.INPUT)
+    assert dev.supports_op(ops.mul_mat(w, x))
+    cache = Tensor("cache_k_l0", (16, 256), GGMLType.Q8_0)
+    ids = Tensor("ids", (1,), GGMLType.I64, flags=TensorFlag.INPUT)
+    assert not dev.supports_op(ops.set_rows(cache, ids, x))

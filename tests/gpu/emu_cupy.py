@@ -204,12 +204,14 @@ class _DeviceArray(np.ndarray):
         out = kw.get("out")
         if out is not None:
             kw["out"] = tuple(emu._plain(o) for o in out)
+        emu._device_only(ufunc.__name__, inputs)
         r = getattr(ufunc, method)(*(emu._plain(x) for x in inputs), **kw)
         return out[0] if out is not None and len(out) == 1 else (out if out is not None else emu._wrap(r))
 
     def __array_function__(self, func: Any, types_: Any, args: Any, kwargs: Any) -> Any:
         emu = self._emu
         emu.flush()
+        emu._device_only(func.__name__, args)
         return emu._wrap(func(*emu._plain(args), **emu._plain(kwargs)))
 
     def __getitem__(self, key: Any) -> Any:
@@ -481,6 +483,15 @@ class EmuCupy(FakeCupy):
         out = np.ndarray(shape, dt, buffer=base, offset=memptr.offset, strides=strides, order=order)
         return out.view(self.ndarray)
 
+    def _device_only(self, what: str, args: Any) -> None:
+        """CuPy's functions and ufuncs take device arrays and scalars, never a host numpy array
+        (TypeError: Unsupported type, cupy/_core/_kernel.pyx's _preprocess_arg)."""
+        for a in args:
+            if isinstance(a, (list, tuple)):
+                self._device_only(what, a)
+            elif isinstance(a, np.ndarray) and not isinstance(a, self.ndarray):
+                raise TypeError(f"Unsupported type <class 'numpy.ndarray'> (emu_cupy: a host array given to {what})")
+
     def _plain(self, v: Any) -> Any:
         """Device arrays (in lists, tuples and dicts too) as the numpy arrays they are."""
         if isinstance(v, self.ndarray):
@@ -501,7 +512,7 @@ class EmuCupy(FakeCupy):
         if _memory_of(r) is not None:
             return r if isinstance(r, self.ndarray) else r.view(self.ndarray)
         out = self._array(r.shape, r.dtype, None, None)
-        np.copyto(out.view(np.ndarray), r)
+        np.copyto(out.view(np.ndarray), r.view(np.ndarray))
         return out
 
     def empty(self, shape: Any, dtype: Any = float, order: str = "C") -> Any:
@@ -559,6 +570,7 @@ class EmuCupy(FakeCupy):
 
         def call(*args: Any, **kwargs: Any) -> Any:
             emu.flush()
+            emu._device_only(name, args)
             return emu._wrap(v(*emu._plain(args), **emu._plain(kwargs)))
 
         call.__name__ = name

@@ -128,3 +128,54 @@ def test_quantized_weights_are_multiplied_on_cuda(emu: emu_cupy.EmuCupy, wtype: 
     cache = Tensor("cache_k_l0", (16, 256), GGMLType.Q8_0)
     ids = Tensor("ids", (1,), GGMLType.I64, flags=TensorFlag.INPUT)
     assert not dev.supports_op(ops.set_rows(cache, ids, x))
+
+
+# -- whole steps through CUDA0 on the emulator -------------------------------------------------
+
+PROMPT = [1, 40, 90, 7, 3, 55, 12, 200, 9, 31, 77, 5]  # 12 tokens: the prompt path (f16 GEMMs on "cuBLAS")
+N_GEN = 6
+
+
+def _greedy(ctx: Any) -> tuple[list[np.ndarray], list[int]]:
+    """The prompt's logits, then N_GEN greedy decode steps: (logits of each call, tokens)."""
+    logits = [ctx.decode(PROMPT, list(range(len(PROMPT))), 0, None)]
+    toks: list[int] = []
+    for i in range(N_GEN):
+        toks.append(int(np.argmax(logits[-1][-1])))
+        logits.append(ctx.decode([toks[-1]], [len(PROMPT) + i], 0, None))
+    return logits, toks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ngl", ["all", 2])
+def test_decode_on_cuda0_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path, ngl: int | str) -> None:
+    """A tiny Q8_0 llama (2 layers) through the real CUDA0 device on the emulator: a 12-token
+    prompt (its products f16 GEMMs) and 6 greedy decode steps at -ngl all and -ngl 2 give the
+    -ngl 0 float32 path's logits within float tolerance and the same tokens; the decode graph's
+    CUDA split is one captured CUDA graph (its LLAMAPY_SCHED_DEBUG plan line)."""
+    from gguf import GGMLQuantizationType as T
+
+    from conftest import write_llama_gguf
+    from llamapy.context import Context, ContextOptions, Model, ModelOptions
+    from llamapy.sched.scheduler import split_printer
+
+    path = write_llama_gguf(tmp_path / "tiny.gguf", n_layer=2, qtype=T.Q8_0)
+    cpu = Model(path, ModelOptions(n_gpu_layers=0), ContextOptions(cpu_matmul="f32"))
+    want, want_toks = _greedy(Context(cpu, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32")))
+    cpu.free()
+    model = Model(path, ModelOptions(n_gpu_layers=ngl))
+    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32"))
+    lines: list[str] = []
+    ctx.sched.debug_hook = split_printer(ctx.sched, 1, lines.append)
+    got, toks = _greedy(ctx)
+    assert toks == want_toks
+    for i, (a, b) in enumerate(zip(got, want)):
+        scale = float(np.abs(b).max())
+        assert np.isfinite(a).all() and float(np.abs(a - b).max()) <= 1e-3 * scale, f"call {i}"
+    graphs = "\n".join(lines).split("sched: graph #")[1:]  # the prompt's graph, then the decode steps'
+    assert len(graphs) == 2, "\n".join(lines)
+    decode_plans = [ln for ln in graphs[1].splitlines() if ln.startswith("## PLAN") and "CUDA0" in ln]
+    assert len(decode_plans) == 1 and "CUDA0 GPU plan" in decode_plans[0], graphs[1]
+    assert "one CUDA graph" in decode_plans[0], decode_plans[0]
+    assert emu.n_launches > 0 and emu.n_gemms > 0  # the kernels ran on the emulator, the prompt's GEMMs too
+    model.free()

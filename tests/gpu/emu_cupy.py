@@ -40,12 +40,14 @@ faults; one device.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import math
 import sys
 import tempfile
 import time
 import types
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -134,10 +136,12 @@ class MemoryPool:
             buf = np.empty(n + ALIGN, np.uint8)
             off = -buf.ctypes.data % ALIGN
             raw = buf[off : off + n]
+        self.emu._track(int(raw.ctypes.data), n, "device")
         self.used += n
         return MemoryPointer(Memory(self, raw, n), 0)
 
     def _release(self, raw: np.ndarray) -> None:
+        self.emu._track(int(raw.ctypes.data), raw.size, "freed")
         self.used -= raw.size
         self.n_cached += raw.size
         self.cached.setdefault(raw.size, []).append(raw)
@@ -153,6 +157,9 @@ class MemoryPool:
 
     def free_all_blocks(self, stream: Any = None) -> None:
         self.emu.flush()
+        for blocks in self.cached.values():
+            for raw in blocks:
+                self.emu._untrack(int(raw.ctypes.data))
         self.cached, self.n_cached = {}, 0
 
     def set_limit(self, size: int | None = None, fraction: float | None = None) -> None:
@@ -298,6 +305,8 @@ class EmuKernelFunction:
                             "(the GPU would read its bytes as that)")  # fmt: skip
         if got == "d":
             raise TypeError(f"{self.name}: argument {i}: a double (the emulator takes none)")
+        if kind == "p" and int(val):
+            self.emu.check_device_pointer(int(val), f"{self.name}: argument {i}")
         return val
 
     def __call__(self, grid: Any, block: Any, args: tuple, *, shared_mem: int = 0, stream: Any = None,
@@ -361,6 +370,8 @@ class EmuCupy(FakeCupy):
         self._sources: dict[str, str] | None = None
         self.n_launches = 0
         self.n_gemms = 0
+        self._starts: list[int] = []  # the blocks' addresses, sorted (memory_kind)
+        self._blocks: dict[int, tuple[int, str]] = {}
         self.pool = MemoryPool(self, capacity)
         self.ndarray = type("ndarray", (_DeviceArray,), {"_emu": self, "__module__": "emu_cupy"})
         self.RawModule = lambda code, options=(), **kw: EmuModule(emu, code, tuple(options))
@@ -376,7 +387,29 @@ class EmuCupy(FakeCupy):
         rt.CUDA_R_16F, rt.CUDA_R_32F, rt.CUDA_R_64F = 2, 0, 1
         rt.getDeviceProperties = lambda i: {"name": b"emu_cupy (the CUDA emulator on the CPU)", "major": 9,
                                             "minor": 0, "multiProcessorCount": n_sm, "totalGlobalMem": capacity}
-        memcpy_async = rt.memcpyAsync
+        fake_memcpy_async = rt.memcpyAsync
+
+        def memcpy_async(dst: int, src: int, n: int, kind: int, stream_ptr: int) -> None:
+            if n:
+                if kind in (1, 3):
+                    self.check_device_pointer(dst, "memcpyAsync's destination", pinned_ok=False)
+                if kind in (2, 3):
+                    self.check_device_pointer(src, "memcpyAsync's source", pinned_ok=False)
+                if kind not in (1, 2, 3):
+                    raise NotImplementedError(f"emu_cupy: memcpyAsync of kind {kind}")
+            fake_memcpy_async(dst, src, n, kind, stream_ptr)
+
+        rt.memcpyAsync = memcpy_async
+        fake_pinned = self.cuda.alloc_pinned_memory
+
+        def alloc_pinned_memory(n: int) -> Any:
+            mem = fake_pinned(n)
+            ptr = int(mem.ptr)
+            self._track(ptr, n, "pinned")
+            weakref.finalize(mem, self._untrack, ptr)
+            return mem
+
+        self.cuda.alloc_pinned_memory = alloc_pinned_memory
 
         def memcpy_peer_async(dst: int, dst_dev: int, src: int, src_dev: int, n: int, stream_ptr: int) -> None:
             memcpy_async(dst, src, n, 3, stream_ptr)
@@ -470,6 +503,38 @@ class EmuCupy(FakeCupy):
         return f
 
     # -- memory and arrays ------------------------------------------------------------------
+
+    def _track(self, ptr: int, size: int, kind: str) -> None:
+        """Record a block: "device" (the pool's, in use), "freed" (cached by the pool), "pinned"."""
+        if ptr not in self._blocks:
+            bisect.insort(self._starts, ptr)
+        self._blocks[ptr] = (size, kind)
+
+    def _untrack(self, ptr: int) -> None:
+        if self._blocks.pop(ptr, None) is not None:
+            del self._starts[bisect.bisect_left(self._starts, ptr)]
+
+    def memory_kind(self, ptr: int) -> str:
+        """What `ptr` points into: "device", "freed" (a pool block no array holds), "pinned", or
+        "host" (pageable memory, which a GPU cannot read)."""
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        if i >= 0:
+            start = self._starts[i]
+            size, kind = self._blocks[start]
+            if ptr <= start + size:
+                return kind
+        return "host"
+
+    def check_device_pointer(self, ptr: int, what: str, pinned_ok: bool = True) -> None:
+        """A pointer a GPU dereferences must be device memory in use (or pinned host memory,
+        mapped into the device's address space under UVA): else RuntimeError, as the GPU's
+        illegal address fault would be."""
+        kind = self.memory_kind(ptr)
+        if kind == "device" or (kind == "pinned" and pinned_ok):
+            return
+        why = {"freed": "device memory already freed (back in the pool)", "pinned": "pinned host memory",
+               "host": "pageable host memory"}[kind]  # fmt: skip
+        raise RuntimeError(f"cudaErrorIllegalAddress: {what} = {ptr:#x} points into {why}")
 
     def _alloc(self, size: int) -> MemoryPointer:
         return self.pool.malloc(size)

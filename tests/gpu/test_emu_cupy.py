@@ -100,6 +100,14 @@ def test_kernel_arguments_checked_as_the_driver_reads_them(emu: emu_cupy.EmuCupy
         fn((1,), (2048,), (x, np.int64(4), x, np.int64(4), np.int32(4), np.float32(1)))
     fn((1,), (32,), (x, 4, x, 4, 4, np.float32(3)))  # Python ints are int64s: wide enough
     np.testing.assert_array_equal(x.get(), np.full(4, 3, np.float32))
+    host = np.ones(4, np.float32)
+    with pytest.raises(RuntimeError, match="pageable host memory"):  # a host address as a device pointer
+        fn((1,), (32,), (np.uint64(host.ctypes.data), 4, x, 4, 4, np.float32(1)))
+    stale = emu.asarray(np.ones(4, np.float32))
+    ptr = stale.data.ptr
+    del stale  # (its block back in the pool: a plan still holding the address reads freed memory)
+    with pytest.raises(RuntimeError, match="freed"):
+        fn((1,), (32,), (x, 4, np.uint64(ptr), 4, 4, np.float32(1)))
 
 
 def test_memory_info_moves_with_allocations(emu: emu_cupy.EmuCupy) -> None:

@@ -61,6 +61,7 @@ from gpu_fake import FakeCupy, FakeStream  # noqa: E402
 
 ALIGN = 512  # CuPy's pool rounds and aligns allocations to 512 bytes
 SHARED_MAX = 48 << 10  # dynamic shared memory a launch may ask without the opt-in attribute
+ANY_DEVICE = -2  # check_device_pointer: memory of any device will do (a copy under UVA)
 
 
 class OutOfMemoryError(MemoryError):
@@ -72,12 +73,15 @@ class Memory:
     last array or pointer over it goes."""
 
     def __init__(self, pool: MemoryPool, block: np.ndarray, size: int) -> None:
-        self.pool, self.block, self.size, self.device_id = pool, block, size, 0
+        self.pool, self.block, self.size, self.device_id = pool, block, size, pool.device_id
         self.ptr = int(block.ctypes.data)
         self.__array_interface__ = {"shape": (max(size, 1),), "typestr": "|u1", "data": (self.ptr, False), "version": 3}
 
     def __del__(self) -> None:
-        self.pool._release(self.block)
+        try:
+            self.pool._release(self.block)
+        except Exception:  # noqa: BLE001 - at interpreter exit the modules it needs may be gone
+            pass
 
 
 class UnownedMemory:
@@ -92,7 +96,7 @@ class MemoryPointer:
     """cupy.cuda.MemoryPointer: `mem` and an offset into it."""
 
     def __init__(self, mem: Any, offset: int) -> None:
-        self.mem, self.offset, self.device_id = mem, int(offset), 0
+        self.mem, self.offset, self.device_id = mem, int(offset), getattr(mem, "device_id", 0)
         self.ptr = (int(mem.ptr) if mem is not None else 0) + self.offset
 
     def __add__(self, n: int) -> MemoryPointer:
@@ -106,8 +110,8 @@ class MemoryPool:
     """cupy.cuda.MemoryPool over host memory: blocks of 512-byte multiples, cached when freed
     (reused by size), the cache dropped by `free_all_blocks`; `set_limit` caps used + cached."""
 
-    def __init__(self, emu: EmuCupy, capacity: int) -> None:
-        self.emu, self.capacity = emu, capacity
+    def __init__(self, emu: EmuCupy, capacity: int, device_id: int = 0) -> None:
+        self.emu, self.capacity, self.device_id = emu, capacity, device_id
         self.limit = 0
         self.used = 0
         self.cached: dict[int, list[np.ndarray]] = {}
@@ -136,12 +140,12 @@ class MemoryPool:
             buf = np.empty(n + ALIGN, np.uint8)
             off = -buf.ctypes.data % ALIGN
             raw = buf[off : off + n]
-        self.emu._track(int(raw.ctypes.data), n, "device")
+        self.emu._track(int(raw.ctypes.data), n, "device", self.device_id)
         self.used += n
         return MemoryPointer(Memory(self, raw, n), 0)
 
     def _release(self, raw: np.ndarray) -> None:
-        self.emu._track(int(raw.ctypes.data), raw.size, "freed")
+        self.emu._track(int(raw.ctypes.data), raw.size, "freed", self.device_id)
         self.used -= raw.size
         self.n_cached += raw.size
         self.cached.setdefault(raw.size, []).append(raw)
@@ -196,7 +200,7 @@ class _DeviceArray(np.ndarray):
 
     @property
     def device(self) -> Any:
-        return self._emu.cuda.Device(0)
+        return self._emu.cuda.Device(self.data.device_id)
 
     def get(self, stream: Any = None, order: str = "C", out: Any = None) -> np.ndarray:
         return self._emu.asnumpy(self, stream=stream)
@@ -305,8 +309,6 @@ class EmuKernelFunction:
                             "(the GPU would read its bytes as that)")  # fmt: skip
         if got == "d":
             raise TypeError(f"{self.name}: argument {i}: a double (the emulator takes none)")
-        if kind == "p" and int(val):
-            self.emu.check_device_pointer(int(val), f"{self.name}: argument {i}")
         return val
 
     def __call__(self, grid: Any, block: Any, args: tuple, *, shared_mem: int = 0, stream: Any = None,
@@ -328,11 +330,20 @@ class EmuKernelFunction:
             raise RuntimeError(f"CUDA_ERROR_INVALID_VALUE: {self.name} asks {shared_mem} bytes of dynamic shared "
                                f"memory (at most {self.max_dynamic_shared_size_bytes} without the opt-in)")  # fmt: skip
         st = stream if stream is not None else self.emu.current_stream()
+        dev = self.emu.current_device()
+        if getattr(st, "device_id", dev) != dev:
+            raise RuntimeError(f"cudaErrorInvalidResourceHandle: {self.name} launched on CUDA{dev} into a stream of "
+                               f"CUDA{st.device_id}")  # fmt: skip
         kernel = self.kernel
         self.emu.n_launches += 1
 
+        pointers = [(i, int(v)) for i, (v, k) in enumerate(zip(slots, sig)) if k == "p" and int(v)]
+        emu = self.emu
+
         def launch() -> None:
             _ = keep  # (the arrays passed live until the launch ran)
+            for i, ptr in pointers:  # (when it runs: a graph replayed after its memory was freed faults)
+                emu.check_device_pointer(ptr, f"{kernel.name}: argument {i}", device=dev)
             kernel(grid, block, slots, shared_mem=int(shared_mem))
 
         st.submit(launch, eager=True)
@@ -360,7 +371,8 @@ class EmuCupy(FakeCupy):
 
     eager_launches = True
 
-    def __init__(self, capacity: int = 4 << 30, n_sm: int = 4, build_dir: Path | None = None) -> None:
+    def __init__(self, capacity: int = 4 << 30, n_sm: int = 4, build_dir: Path | None = None,
+                 n_devices: int = 1) -> None:
         super().__init__()
         emu = self
         self.__name__ = "cupy"
@@ -372,16 +384,19 @@ class EmuCupy(FakeCupy):
         self.n_gemms = 0
         self._starts: list[int] = []  # the blocks' addresses, sorted (memory_kind)
         self._blocks: dict[int, tuple[int, str]] = {}
-        self.pool = MemoryPool(self, capacity)
+        self.n_devices = n_devices
+        self.pools = [MemoryPool(self, capacity, d) for d in range(n_devices)]
+        self.pool = self.pools[0]
+        self.devices_used: list[int] = [0]  # the current device: the last entered (Device's with), else used
         self.ndarray = type("ndarray", (_DeviceArray,), {"_emu": self, "__module__": "emu_cupy"})
         self.RawModule = lambda code, options=(), **kw: EmuModule(emu, code, tuple(options))
-        self.get_default_memory_pool = lambda: self.pool
+        self.get_default_memory_pool = lambda: self.pools[self.current_device()]
         self.inf, self.nan, self.newaxis = np.inf, np.nan, None
 
         rt = self.cuda.runtime
-        rt.memGetInfo = lambda: (capacity - self.pool.total_bytes(), capacity)
-        rt.getDeviceCount = lambda: 1
-        rt.getDevice = lambda: 0
+        rt.memGetInfo = lambda: (capacity - self.pools[self.current_device()].total_bytes(), capacity)
+        rt.getDeviceCount = lambda: n_devices
+        rt.getDevice = self.current_device
         rt.deviceSynchronize = self.flush
         rt.streamIsCapturing = lambda ptr: self._stream(ptr).is_capturing()
         rt.CUDA_R_16F, rt.CUDA_R_32F, rt.CUDA_R_64F = 2, 0, 1
@@ -391,10 +406,11 @@ class EmuCupy(FakeCupy):
 
         def memcpy_async(dst: int, src: int, n: int, kind: int, stream_ptr: int) -> None:
             if n:
+                # (any device's memory: under UVA a copy reaches every device)
                 if kind in (1, 3):
-                    self.check_device_pointer(dst, "memcpyAsync's destination", pinned_ok=False)
+                    self.check_device_pointer(dst, "memcpyAsync's destination", pinned_ok=False, device=ANY_DEVICE)
                 if kind in (2, 3):
-                    self.check_device_pointer(src, "memcpyAsync's source", pinned_ok=False)
+                    self.check_device_pointer(src, "memcpyAsync's source", pinned_ok=False, device=ANY_DEVICE)
                 if kind not in (1, 2, 3):
                     raise NotImplementedError(f"emu_cupy: memcpyAsync of kind {kind}")
             fake_memcpy_async(dst, src, n, kind, stream_ptr)
@@ -412,17 +428,21 @@ class EmuCupy(FakeCupy):
         self.cuda.alloc_pinned_memory = alloc_pinned_memory
 
         def memcpy_peer_async(dst: int, dst_dev: int, src: int, src_dev: int, n: int, stream_ptr: int) -> None:
+            if n:
+                self.check_device_pointer(dst, "memcpyPeerAsync's destination", False, device=dst_dev)
+                self.check_device_pointer(src, "memcpyPeerAsync's source", False, device=src_dev)
             memcpy_async(dst, src, n, 3, stream_ptr)
 
         rt.memcpyPeerAsync = memcpy_peer_async
 
         class Device:
-            """cupy.cuda.Device: one device, 0."""
+            """cupy.cuda.Device: `with` makes it current (CuPy's current device), `use()` too."""
 
             def __init__(self, index: int | None = None) -> None:
-                if index not in (None, 0):
-                    raise RuntimeError(f"cudaErrorInvalidDevice: device {index} (emu_cupy has one)")
-                self.id = 0
+                index = emu.current_device() if index is None else int(index)
+                if not 0 <= index < n_devices:
+                    raise RuntimeError(f"cudaErrorInvalidDevice: device {index} (emu_cupy has {n_devices})")
+                self.id = index
                 self.attributes = {"MultiProcessorCount": n_sm, "MaxSharedMemoryPerBlock": SHARED_MAX,
                                    "MaxThreadsPerBlock": 1024}  # fmt: skip
                 self.compute_capability = "90"
@@ -431,13 +451,14 @@ class EmuCupy(FakeCupy):
                 emu.flush()
 
             def use(self) -> None:
-                pass
+                emu.devices_used[0] = self.id
 
             def __enter__(self) -> Any:
+                emu.devices_used.append(self.id)
                 return self
 
             def __exit__(self, *a: Any) -> None:
-                pass
+                emu.devices_used.pop()
 
         handle = 0x6C62  # one cuBLAS handle (the device's)
         blas = types.SimpleNamespace(
@@ -454,11 +475,20 @@ class EmuCupy(FakeCupy):
         self.cuda.alloc = self._alloc
         self.cuda.MemoryPointer, self.cuda.UnownedMemory, self.cuda.Memory = MemoryPointer, UnownedMemory, Memory
         self.cuda.cublas = blas
-        self.cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: handle, Device=Device)
+        self.cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: handle + self.current_device(), Device=Device)
         self.cuda.get_elapsed_time = lambda a, b: (emu._event_time(b) - emu._event_time(a)) * 1000.0
         self.cuda.Event = lambda *a, **k: self.current_stream().record()
         self.cuda.runtime = rt
         self.cuda.is_available = lambda: True
+        fake_stream = self.cuda.Stream
+
+        def make_stream(non_blocking: bool = False) -> FakeStream:
+            st = fake_stream(non_blocking)
+            st.device_id = self.current_device()  # type: ignore[attr-defined]
+            return st
+
+        make_stream.null = self.null  # type: ignore[attr-defined]
+        self.cuda.Stream = make_stream
 
     # -- the device's work --------------------------------------------------------------------
 
@@ -470,6 +500,9 @@ class EmuCupy(FakeCupy):
 
     def eager_copy(self, kind: int) -> bool:
         return kind == 3  # device to device: stream order is all there is to model
+
+    def current_device(self) -> int:
+        return self.devices_used[-1]
 
     def capturing(self) -> FakeStream | None:
         st = self.current_stream()
@@ -504,32 +537,35 @@ class EmuCupy(FakeCupy):
 
     # -- memory and arrays ------------------------------------------------------------------
 
-    def _track(self, ptr: int, size: int, kind: str) -> None:
+    def _track(self, ptr: int, size: int, kind: str, device: int = -1) -> None:
         """Record a block: "device" (the pool's, in use), "freed" (cached by the pool), "pinned"."""
         if ptr not in self._blocks:
             bisect.insort(self._starts, ptr)
-        self._blocks[ptr] = (size, kind)
+        self._blocks[ptr] = (size, kind, device)
 
     def _untrack(self, ptr: int) -> None:
         if self._blocks.pop(ptr, None) is not None:
             del self._starts[bisect.bisect_left(self._starts, ptr)]
 
-    def memory_kind(self, ptr: int) -> str:
-        """What `ptr` points into: "device", "freed" (a pool block no array holds), "pinned", or
-        "host" (pageable memory, which a GPU cannot read)."""
+    def memory_kind(self, ptr: int) -> tuple[str, int]:
+        """What `ptr` points into: ("device" / "freed" (a pool block no array holds), its device),
+        ("pinned", -1) or ("host", -1) (pageable memory, which a GPU cannot read)."""
         i = bisect.bisect_right(self._starts, ptr) - 1
         if i >= 0:
             start = self._starts[i]
-            size, kind = self._blocks[start]
+            size, kind, dev = self._blocks[start]
             if ptr <= start + size:
-                return kind
-        return "host"
+                return kind, dev
+        return "host", -1
 
-    def check_device_pointer(self, ptr: int, what: str, pinned_ok: bool = True) -> None:
-        """A pointer a GPU dereferences must be device memory in use (or pinned host memory,
-        mapped into the device's address space under UVA): else RuntimeError, as the GPU's
-        illegal address fault would be."""
-        kind = self.memory_kind(ptr)
+    def check_device_pointer(self, ptr: int, what: str, pinned_ok: bool = True, device: int | None = None) -> None:
+        """A pointer a GPU dereferences must be memory in use of that device (the current one
+        unless given; no peer access is enabled) or pinned host memory (mapped into every
+        device's address space under UVA): else RuntimeError, as the GPU's illegal address fault."""
+        kind, dev = self.memory_kind(ptr)
+        want = self.current_device() if device is None else device
+        if kind == "device" and dev != want and want != ANY_DEVICE:
+            raise RuntimeError(f"cudaErrorIllegalAddress: {what} = {ptr:#x} is CUDA{dev}'s memory, read on CUDA{want}")
         if kind == "device" or (kind == "pinned" and pinned_ok):
             return
         why = {"freed": "device memory already freed (back in the pool)", "pinned": "pinned host memory",
@@ -537,13 +573,13 @@ class EmuCupy(FakeCupy):
         raise RuntimeError(f"cudaErrorIllegalAddress: {what} = {ptr:#x} points into {why}")
 
     def _alloc(self, size: int) -> MemoryPointer:
-        return self.pool.malloc(size)
+        return self.pools[self.current_device()].malloc(size)
 
     def _array(self, shape: Any, dtype: Any, memptr: MemoryPointer | None, strides: Any, order: str = "C") -> Any:
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
         dt = np.dtype(dtype)
         if memptr is None:
-            memptr = self.pool.malloc(math.prod(shape) * dt.itemsize)
+            memptr = self._alloc(math.prod(shape) * dt.itemsize)
         base = np.asarray(memptr.mem)
         out = np.ndarray(shape, dt, buffer=base, offset=memptr.offset, strides=strides, order=order)
         return out.view(self.ndarray)
@@ -648,7 +684,7 @@ class EmuCupy(FakeCupy):
         self._pointer_mode = mode
 
     def _blas_set_stream(self, handle: int, stream_ptr: int) -> None:
-        if handle != self._handle:
+        if handle != self._handle + self.current_device():
             raise RuntimeError(f"CUBLAS_STATUS_NOT_INITIALIZED: handle {handle:#x}")
         if self._stream(stream_ptr).is_capturing():
             raise NotImplementedError("calling cuBLAS API during stream capture is currently unsupported")

@@ -34,9 +34,10 @@ def emu_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def emu(monkeypatch: pytest.MonkeyPatch, emu_build: Path) -> Iterator[emu_cupy.EmuCupy]:
-    """The stand-in as `cupy` and llamapy's backends discovered again, both undone afterwards."""
-    cp = emu_cupy.EmuCupy(build_dir=emu_build)
+def emu(monkeypatch: pytest.MonkeyPatch, emu_build: Path, request: pytest.FixtureRequest) -> Iterator[emu_cupy.EmuCupy]:
+    """The stand-in as `cupy` (with as many GPUs as an indirect parameter says, else one) and
+    llamapy's backends discovered again, both undone afterwards."""
+    cp = emu_cupy.EmuCupy(build_dir=emu_build, n_devices=getattr(request, "param", 1))
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setattr(registry, "_cache", None)
     yield cp
@@ -85,6 +86,9 @@ def test_capture_rules(emu: emu_cupy.EmuCupy) -> None:
     g.launch(st)
     st.synchronize()
     np.testing.assert_array_equal(y.get(), 2 * np.arange(8, dtype=np.float32))
+    del x  # a graph replayed after its memory was freed: the GPU's fault, here an error
+    with pytest.raises(RuntimeError, match="freed"):
+        g.launch(st)
 
 
 def test_kernel_arguments_checked_as_the_driver_reads_them(emu: emu_cupy.EmuCupy) -> None:
@@ -187,3 +191,37 @@ def test_decode_on_cuda0_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path, ngl: in
     assert "one CUDA graph" in decode_plans[0], decode_plans[0]
     assert emu.n_launches > 0 and emu.n_gemms > 0  # the kernels ran on the emulator, the prompt's GEMMs too
     model.free()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("emu", [2], indirect=True, ids=["two-gpus"])
+def test_two_devices_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path) -> None:
+    """-ngl all -ts 1,1 over two emulated GPUs (CUDA0, CUDA1): each runs its layers as one
+    captured graph a decode step, the residual crosses by memcpyPeerAsync (every pointer on the
+    device that reads it), and the logits are the CPU's; two sequences in one step too."""
+    from gguf import GGMLQuantizationType as T
+
+    from conftest import write_llama_gguf
+    from llamapy.context import Context, ContextOptions, Model, ModelOptions
+    from llamapy.sched.scheduler import split_printer
+
+    path = write_llama_gguf(tmp_path / "tiny4.gguf", n_layer=4, qtype=T.Q8_0)
+    steps = [(PROMPT, list(range(len(PROMPT))), 0, None)] + [([10 + i], [12 + i], 0, None) for i in range(2)]
+    steps += [([20, 21], [0, 1], 1, [True, True]), ([22, 23], [14, 2], [0, 1], [True, True])]
+    cpu = Model(path, ModelOptions(n_gpu_layers=0), ContextOptions(cpu_matmul="f32"))
+    ref = Context(cpu, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32"))
+    want = [ref.decode(*st) for st in steps]
+    model = Model(path, ModelOptions(n_gpu_layers="all", tensor_split=(1.0, 1.0)))
+    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32"))
+    lines: list[str] = []
+    ctx.sched.debug_hook = split_printer(ctx.sched, 1, lines.append)
+    for i, (st, b) in enumerate(zip(steps, want)):
+        a = ctx.decode(*st)
+        assert float(np.abs(a - b).max()) <= 1e-3 * float(np.abs(b).max()), f"step {i}"
+        assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {i}"
+    graphs = "\n".join(lines).split("sched: graph #")[1:]
+    decode = [ln for ln in graphs[1].splitlines() if ln.startswith("## PLAN") and "CUDA" in ln]
+    assert [ln.split(": ")[1].split()[0] for ln in decode] == ["CUDA0", "CUDA1"], graphs[1]
+    assert all("one CUDA graph" in ln for ln in decode), decode
+    model.free()
+    cpu.free()

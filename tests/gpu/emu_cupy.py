@@ -21,7 +21,13 @@ part of CuPy's API llamapy calls:
     fibers), once per EmuCupy; `get_function(name)` launches there, checking what a GPU would
     refuse or misread: each argument's kind and size against the kernel's parameter (CuPy packs
     an np.int32 as 4 bytes, a Python float as a double), blocks over 1024 threads, dynamic shared
-    memory over 48 KiB, grids over 2^31-1 x 65535 x 65535;
+    memory over 48 KiB, grids over 2^31-1 x 65535 x 65535, and, when the launch runs (a graph's
+    replays too), every pointer it passes: device memory in use on the launching device, or
+    pinned host memory (UVA) — pageable host memory, a block freed back to the pool or another
+    device's memory raise cudaErrorIllegalAddress, as the GPU would fault; copies' device sides
+    likewise;
+  * several devices (`n_devices`): `Device(i)` as a context makes device i current (its pool,
+    memGetInfo, cuBLAS handle, new streams); a launch into another device's stream raises;
   * stream capture: `Stream.begin_capture()` / `end_capture()` record the stream's work into a
     Graph replayed by `Graph.launch()`; inside a capture an allocation from the pool raises
     (stricter than CuPy, whose pool may grow in a relaxed capture: the issue's rule, one
@@ -34,8 +40,8 @@ part of CuPy's API llamapy calls:
 What it cannot model: concurrency (one host thread runs everything in order; races between
 streams, between blocks or with the host are not seen), the device's timing (`get_elapsed_time`
 is host time) and libm; device arrays are numpy arrays, so `np.asarray(device_array)` works here
-where CuPy raises, and a device pointer read as host memory (ctypes) works here where a GPU
-faults; one device.
+where CuPy raises, and a device pointer read as host memory on the host (ctypes) works here where
+it would read garbage; the emulator runs 1-D blocks only.
 """
 
 from __future__ import annotations

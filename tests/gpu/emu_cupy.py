@@ -686,7 +686,8 @@ class EmuCupy(FakeCupy):
     # -- cuBLAS -------------------------------------------------------------------------------
 
     def _set_pointer_mode(self, handle: int, mode: int) -> None:
-        self._blas_set_stream(handle, self.current_stream().ptr)
+        if handle != self._handle + self.current_device():  # (CuPy's sets no stream: no capture check)
+            raise RuntimeError(f"CUBLAS_STATUS_NOT_INITIALIZED: handle {handle:#x}")
         self._pointer_mode = mode
 
     def _blas_set_stream(self, handle: int, stream_ptr: int) -> None:

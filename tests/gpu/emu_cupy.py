@@ -298,8 +298,9 @@ class EmuKernelFunction:
             nbytes = 8 if isinstance(a, int) else np.dtype(type(a)).itemsize  # (CuPy: a Python int is an int64)
             got, val = "int", (np.uint64(a) if isinstance(a, np.uint64) else np.int64(a))
             if nbytes < size:
-                raise TypeError(f"{self.name}: argument {i} is a {type(a).__name__} where the kernel takes "
-                                f"{'a pointer' if kind == 'p' else f'{size} bytes'} (the GPU reads past it)")  # fmt: skip
+                want = "a pointer" if kind == "p" else f"{size} bytes"
+                raise TypeError(f"{self.name}: argument {i} is a {type(a).__name__} where the kernel takes {want} "
+                                "(the GPU reads past it)")  # fmt: skip
             if kind in "qihb" and not -(1 << (8 * size - 1)) <= int(a) < (1 << (8 * size)):
                 raise TypeError(f"{self.name}: argument {i} = {int(a)} does not fit the kernel's {size} bytes")
         elif isinstance(a, np.float32):
@@ -308,7 +309,8 @@ class EmuKernelFunction:
             got, val = "d", a
         else:
             raise TypeError(f"{self.name}: argument {i} is a {type(a).__name__}")
-        ok = got == kind or (got == "int" and kind in "pqihb") or (got == "p" and kind == "q") or (got == "b" and kind in "qihb")
+        ok = (got == kind or (got == "int" and kind in "pqihb") or (got == "p" and kind == "q")
+              or (got == "b" and kind in "qihb"))
         if not ok:
             want = {"p": "a pointer", "f": "a float", "d": "a double"}.get(kind, f"an integer of {size} bytes")
             raise TypeError(f"{self.name}: argument {i} is a {type(a).__name__} where the kernel takes {want} "
@@ -481,7 +483,8 @@ class EmuCupy(FakeCupy):
         self.cuda.alloc = self._alloc
         self.cuda.MemoryPointer, self.cuda.UnownedMemory, self.cuda.Memory = MemoryPointer, UnownedMemory, Memory
         self.cuda.cublas = blas
-        self.cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: handle + self.current_device(), Device=Device)
+        self.cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: handle + self.current_device(),
+                                                 Device=Device)
         self.cuda.get_elapsed_time = lambda a, b: (emu._event_time(b) - emu._event_time(a)) * 1000.0
         self.cuda.Event = lambda *a, **k: self.current_stream().record()
         self.cuda.runtime = rt

@@ -756,14 +756,3 @@ def install_for_tests() -> EmuCupy | None:
     registry.discover(refresh=True)
     return emu
 
-
-def on_emulator() -> bool:
-    """Whether `cupy` is this stand-in."""
-    return isinstance(sys.modules.get("cupy"), EmuCupy)
-
-
-def needs_gpu(reason: str) -> Any:
-    """A pytest mark: skipped on the emulator, with why (the case runs on a GPU)."""
-    import pytest
-
-    return pytest.mark.skipif(on_emulator(), reason=f"needs a real GPU (the CUDA emulator: {reason})")

@@ -4,6 +4,7 @@ gguf.GGUFWriter (any layer count, any quant type) for differential tests."""
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,15 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from tests_support import shared
+
+# LLAMAPY_CUDA_EMU=1: `cupy` is tests/gpu/emu_cupy.py's stand-in over the CUDA emulator (installed
+# before any test imports cupy or llamapy discovers its backends), so tests/gpu runs llamapy's CUDA
+# backend unmodified on the CPU; llamapy itself knows nothing of it
+if os.environ.get("LLAMAPY_CUDA_EMU") == "1":
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+    import emu_cupy
+
+    emu_cupy.install_for_tests()
 
 # repacked-weight cache files of the models tests write go to a scratch folder, not ~/.cache
 os.environ.setdefault("LLAMAPY_REPACK_CACHE", tempfile.mkdtemp(prefix="llamapy-repack-"))

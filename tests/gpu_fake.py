@@ -13,6 +13,7 @@ into GPU plans over such a runtime, as CUDA does.
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -175,12 +176,114 @@ def use_test_device_plans(set_attr: Callable[[Any, str, Any], None], make_rt: Ca
 # -- a CuPy stand-in for CUDADevice's copies (backend/cuda.py: upload, download_batch) ----------
 
 
+class FakeEvent:
+    """cupy.cuda.Event recorded on a FakeStream: done once the stream ran up to where it was
+    recorded; `synchronize` runs it that far (a wait on an event of a capturing stream raises,
+    as CUDA's does)."""
+
+    def __init__(self, stream: FakeStream) -> None:
+        self.stream, self.upto = stream, len(stream.queue)
+        self.time = time.perf_counter() if self.done else 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.stream.ran >= self.upto
+
+    def synchronize(self) -> None:
+        self.stream.fake.log.append(("sync", "event"))
+        self.stream.run(self.upto)
+
+
+class FakeStream:
+    """cupy.cuda.Stream over host memory: its work is a queue of calls, run in order when a wait
+    reaches it (`run`); `submit(fn, eager=True)` runs the queue and fn at once (a kernel launch
+    on the emulator). While capturing (`begin_capture`), work is recorded instead, and
+    `end_capture` returns it as a FakeGraph. `with stream:` makes it the fake's current stream."""
+
+    def __init__(self, fake: FakeCupy, non_blocking: bool = False, ptr: int | None = None) -> None:
+        self.fake = fake
+        self.queue: list[Callable[[], None]] = []
+        self.ran = 0
+        self.ptr = id(self) if ptr is None else ptr
+        self.captured: list[Callable[[], None]] | None = None
+
+    def run(self, upto: int) -> None:
+        if self.captured is not None:
+            raise RuntimeError("cudaErrorStreamCaptureUnsupported: a wait on a capturing stream")
+        while self.ran < upto:
+            self.ran += 1
+            self.queue[self.ran - 1]()
+
+    def submit(self, fn: Callable[[], None], eager: bool = False) -> None:
+        if self.captured is not None:
+            self.captured.append(fn)
+            return
+        self.queue.append(fn)
+        if eager:
+            self.run(len(self.queue))
+
+    def record(self, event: Any = None) -> FakeEvent:
+        return FakeEvent(self)
+
+    def synchronize(self) -> None:
+        self.fake.log.append(("sync", "stream"))
+        self.run(len(self.queue))
+
+    def begin_capture(self, mode: Any = None) -> None:
+        if self.ptr in (0, 1):
+            raise RuntimeError("cannot capture on the default (legacy) stream")
+        if self.captured is not None:
+            raise RuntimeError("cudaErrorIllegalState: the stream is already capturing")
+        self.run(len(self.queue))  # (work queued before the capture is not part of it)
+        self.captured = []
+
+    def end_capture(self) -> FakeGraph:
+        if self.captured is None:
+            raise RuntimeError("cudaErrorIllegalState: the stream is not capturing")
+        g, self.captured = FakeGraph(self.fake, self.captured), None
+        return g
+
+    def is_capturing(self) -> bool:
+        return self.captured is not None
+
+    def use(self) -> FakeStream:
+        self.fake.current[:] = [self]
+        return self
+
+    def __enter__(self) -> Any:
+        self.fake.current.append(self)
+        return self
+
+    def __exit__(self, *a: Any) -> None:
+        self.fake.current.pop()
+
+
+class FakeGraph:
+    """cupy.cuda.graph.Graph: the work a capture recorded, submitted again in order by each
+    `launch` (on the given stream, else the current one)."""
+
+    def __init__(self, fake: FakeCupy, work: list[Callable[[], None]]) -> None:
+        self.fake, self.work = fake, work
+
+    def launch(self, stream: Any = None) -> None:
+        st = stream if stream is not None else self.fake.current_stream()
+        for fn in self.work:
+            st.submit(fn)
+        st.submit(_nothing, eager=self.fake.eager_launches)
+
+    def upload(self, stream: Any = None) -> None:
+        pass
+
+
 class FakeCupy:
     """Just enough of CuPy for `CUDADevice`'s copy paths, over host memory: device arrays are numpy
     arrays with a `.data.ptr`, pinned memory is host memory, and `memcpyAsync` is queued on its
     stream and done only when an event recorded after it (or the stream) is synchronised — so a
     staging buffer read before its wait, or refilled before its copy left it, gives wrong bytes.
-    `log` records ("memcpy", kind) and ("sync", ...) in order."""
+    `log` records ("memcpy", kind) and ("sync", ...) in order. tests/gpu/emu_cupy.py extends it
+    into a whole CuPy (kernels, memory pool, array API) over the CUDA emulator."""
+
+    eager_launches = False  # a graph's replay runs at once (the emulator's kernels do)
 
     def __init__(self) -> None:
         import types
@@ -201,56 +304,22 @@ class FakeCupy:
             def ptr(self) -> int:
                 return ctypes.addressof((ctypes.c_char * len(self)).from_buffer(self))
 
-        class Event:
-            def __init__(self, stream: Any) -> None:
-                self.stream, self.upto = stream, len(stream.queue)
-
-            @property
-            def done(self) -> bool:
-                return self.stream.ran >= self.upto
-
-            def synchronize(self) -> None:
-                fake.log.append(("sync", "event"))
-                self.stream.run(self.upto)
-
-        class Stream:
-            def __init__(self, non_blocking: bool = False) -> None:
-                self.queue: list[Callable[[], None]] = []
-                self.ran = 0
-                self.ptr = id(self)
-
-            def run(self, upto: int) -> None:
-                while self.ran < upto:
-                    self.queue[self.ran]()
-                    self.ran += 1
-
-            def record(self) -> Event:
-                return Event(self)
-
-            def synchronize(self) -> None:
-                fake.log.append(("sync", "stream"))
-                self.run(len(self.queue))
-
-            def __enter__(self) -> Any:
-                return self
-
-            def __exit__(self, *a: Any) -> None:
-                pass
-
-        self.streams: list[Stream] = []
+        self.null = FakeStream(self, ptr=0)
+        self.streams: list[FakeStream] = [self.null]
+        self.current: list[FakeStream] = []
 
         def memcpy_async(dst: int, src: int, n: int, kind: int, stream_ptr: int) -> None:
             (stream,) = [s for s in self.streams if s.ptr == stream_ptr]
             fake.log.append(("memcpy", kind))
-            stream.queue.append(lambda: ctypes.memmove(dst, src, n))
+            stream.submit(lambda: ctypes.memmove(dst, src, n), eager=self.eager_copy(kind))
 
-        def make_stream(non_blocking: bool = False) -> Stream:
-            self.streams.append(Stream(non_blocking))
+        def make_stream(non_blocking: bool = False) -> FakeStream:
+            self.streams.append(FakeStream(self, non_blocking))
             return self.streams[-1]
 
         class Device:
             def __init__(self, index: int = 0) -> None:
-                pass
+                self.id = index
 
             def __enter__(self) -> Any:
                 return self
@@ -258,13 +327,22 @@ class FakeCupy:
             def __exit__(self, *a: Any) -> None:
                 pass
 
+        make_stream.null = self.null  # type: ignore[attr-defined]
         runtime = types.SimpleNamespace(
             memGetInfo=lambda: (1 << 30, 1 << 30), memcpyAsync=memcpy_async,
             getDeviceProperties=lambda i: {"name": b"fake", "major": 9, "minor": 0},
             memcpyHostToDevice=1, memcpyDeviceToHost=2, memcpyDeviceToDevice=3)
         memory = types.SimpleNamespace(OutOfMemoryError=MemoryError)
         self.cuda = types.SimpleNamespace(Device=Device, Stream=make_stream, runtime=runtime, memory=memory,
-                                          alloc_pinned_memory=lambda n: Pinned(n))
+                                          alloc_pinned_memory=lambda n: Pinned(n),
+                                          get_current_stream=self.current_stream)
+
+    def current_stream(self) -> FakeStream:
+        return self.current[-1] if self.current else self.null
+
+    def eager_copy(self, kind: int) -> bool:
+        """Whether a memcpyAsync of `kind` runs at once (never here: copies wait for a sync)."""
+        return False
 
     def empty(self, shape: Any, dtype: Any) -> Any:
         return np.empty(shape, dtype).view(self.ndarray)

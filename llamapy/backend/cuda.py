@@ -511,8 +511,9 @@ class CUDADevice(MemoryDevice):
             w = node.src[0]
             if w.flags & TensorFlag.WEIGHT and w.type not in WEIGHT_TYPES:
                 return False
-        # a Q8_0/Q4_0 KV cache (kept on the host: Context refuses it on CUDA) is read on the host
-        if node.type in _KV_QUANT or any(s.type in _KV_QUANT for s in node.src):
+        # a Q8_0/Q4_0 KV cache (kept on the host: Context refuses it on CUDA) is read on the host;
+        # a Q8_0/Q4_0 weight is not a cache (mmv_q8_0 / mmv_q4_0 multiply it here)
+        if node.type in _KV_QUANT or any(s.type in _KV_QUANT and not s.flags & TensorFlag.WEIGHT for s in node.src):
             return False
         return True
 

@@ -115,6 +115,23 @@ inline T lp_arg(uint64_t v) {
         return static_cast<T>(v);
     }
 }
+// a parameter's kind as CuPy packs an argument: 'p' pointer, 'f' float, 'd' double, else an
+// integer of 1/2/4/8 bytes ('b', 'h', 'i', 'q'); lp_kinds: a kernel's signature, one letter each
+template <typename T>
+constexpr char lp_kind() {
+    if constexpr (std::is_pointer_v<T>) return 'p';
+    else if constexpr (std::is_same_v<T, float>) return 'f';
+    else if constexpr (std::is_same_v<T, double>) return 'd';
+    else if constexpr (sizeof(T) == 8) return 'q';
+    else if constexpr (sizeof(T) == 4) return 'i';
+    else if constexpr (sizeof(T) == 2) return 'h';
+    else return 'b';
+}
+template <typename... A>
+inline const char* lp_kinds(void (*)(A...)) {
+    static const char s[] = {lp_kind<std::decay_t<A>>()..., 0};
+    return s;
+}
 template <typename... A, std::size_t... I>
 inline void lp_invoke_i(void (*f)(A...), const uint64_t* a, std::index_sequence<I...>) {
     f(lp_arg<A>(a[I])...);

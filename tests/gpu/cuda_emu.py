@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,8 @@ def _emu_source(fname: str, names: tuple[str, ...]) -> str:
     # one at a time), i.e. function statics
     src = re.sub(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s*;", r"\1* \2 = (\1*)lp_dyn_smem;", src)
     src = src.replace("__shared__", "static")
-    calls = "".join(f'extern "C" void lp_call_{n}(const uint64_t* a) {{ lp_invoke(&{n}, a); }}\n' for n in names)
+    calls = "".join(f'extern "C" void lp_call_{n}(const uint64_t* a) {{ lp_invoke(&{n}, a); }}\n'
+                    f'extern "C" const char* lp_sig_{n}() {{ return lp_kinds(&{n}); }}\n' for n in names)
     return src + "\n" + calls
 
 
@@ -39,6 +41,9 @@ class EmuKernel:
         self.name = name
         self.lib = lib
         self.call = getattr(lib, f"lp_call_{name}")
+        sig = getattr(lib, f"lp_sig_{name}")
+        sig.restype = ctypes.c_char_p
+        self.signature: str = sig().decode()  # one letter a parameter (cuda_emu.h's lp_kind)
 
     def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, stream: Any = None) -> None:
         slots = np.zeros(max(1, len(args)), np.uint64)
@@ -61,29 +66,41 @@ class EmuKernel:
             raise RuntimeError(f"{self.name}: block {bad.value} is stuck at a barrier (divergent __syncthreads or shuffle)")
 
 
-def build(out_dir: Path | None = None) -> dict[str, EmuKernel]:
-    """Every entry point of cuda_ops.ENTRIES, compiled for the CPU (g++, C++20)."""
+def compile_file(fname: str, out_dir: Path, options: tuple[str, ...] | None = None) -> dict[str, EmuKernel]:
+    """The entry points of one kernels_cuda/ source (cuda_ops.ENTRIES[fname]), compiled for the
+    CPU (g++, C++20) with NVRTC's `-D` options (cuda_ops.NVRTC_OPTIONS unless given)."""
     from llamapy.backend.cuda_ops import ENTRIES, NVRTC_OPTIONS
 
     if CXX is None:
         raise RuntimeError("g++ not found")
+    names = ENTRIES[fname]
+    opts = tuple(NVRTC_OPTIONS if options is None else options)
+    if any(not o.startswith("-D") for o in opts):
+        raise NotImplementedError(f"the CUDA emulator takes only -D options, not {opts}")
+    tag = zlib.crc32(" ".join(opts).encode())
+    cpp = out_dir / f"{Path(fname).stem}_{tag}.cpp"
+    so = out_dir / f"{Path(fname).stem}_{tag}.so"
+    cpp.write_text(_emu_source(fname, names))
+    cmd = [CXX, "-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-w",
+           "-DLP_EMU_IMPL", "-include", str(HERE / "cuda_emu.h"), *opts, "-o", str(so), str(cpp)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"{fname}: {r.stderr[:2000]}")
+    lib = ctypes.CDLL(str(so))
+    lib.lp_emu_launch.restype = ctypes.c_int
+    lib.lp_emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                                  ctypes.c_uint, ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_int)]  # fmt: skip
+    return {n: EmuKernel(lib, n) for n in names}
+
+
+def build(out_dir: Path | None = None) -> dict[str, EmuKernel]:
+    """Every entry point of cuda_ops.ENTRIES, compiled for the CPU (g++, C++20)."""
+    from llamapy.backend.cuda_ops import ENTRIES
+
     d = out_dir or Path(tempfile.mkdtemp(prefix="lp_cuda_emu_"))
     functions: dict[str, EmuKernel] = {}
-    for fname, names in ENTRIES.items():
-        cpp = d / (Path(fname).stem + ".cpp")
-        so = d / (Path(fname).stem + ".so")
-        cpp.write_text(_emu_source(fname, names))
-        cmd = [CXX, "-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-w",
-               "-DLP_EMU_IMPL", "-include", str(HERE / "cuda_emu.h"), *NVRTC_OPTIONS, "-o", str(so), str(cpp)]  # fmt: skip
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if r.returncode != 0:
-            raise RuntimeError(f"{fname}: {r.stderr[:2000]}")
-        lib = ctypes.CDLL(str(so))
-        lib.lp_emu_launch.restype = ctypes.c_int
-        lib.lp_emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
-                                      ctypes.c_uint, ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_int)]  # fmt: skip
-        for n in names:
-            functions[n] = EmuKernel(lib, n)
+    for fname in ENTRIES:
+        functions.update(compile_file(fname, d))
     return functions
 
 

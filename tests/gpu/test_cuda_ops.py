@@ -206,11 +206,66 @@ def test_views_and_cont(be: cuda.CUDABackend) -> None:
         np.testing.assert_array_equal(got, ref)
 
 
+@pytest.mark.parametrize("op", ["div", "clamp", "sum_rows"])
+def test_router_elementwise(be: cuda.CUDABackend, op: str) -> None:
+    """The router's row ops (moe_ffn): DIV by one value a row, CLAMP, SUM_ROWS."""
+    a, b = t("a", (5, 4, 8)), t("b", (5, 4, 1))
+    av, bv = randn(5, 4, 8), np.abs(randn(5, 4, 1)) + 0.5
+    node = {"div": lambda: ops.div(a, b), "clamp": lambda: ops.clamp(a, -0.5, 0.7), "sum_rows": lambda: ops.sum_rows(a)}[op]()
+    got, ref = run_op(be, node, {a: av, b: bv} if op == "div" else {a: av})
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_argsort(be: cuda.CUDABackend) -> None:
+    a = t("a", (6, 32))
+    av = randn(6, 32)
+    av[0, 3] = av[0, 5]  # a tie: the lower index first
+    node = ops.argsort_top_k(a, 4)
+    srt = node if node.op.name == "ARGSORT" else next(x for x in _ancestors(node) if x.op.name == "ARGSORT")
+    got, ref = run_op(be, srt, {a: av})
+    np.testing.assert_array_equal(got, ref)
+
+
+def _ancestors(node: Tensor) -> list[Tensor]:
+    out, todo = [], list(node.src)
+    while todo:
+        x = todo.pop()
+        out.append(x)
+        todo.extend(x.src)
+    return out
+
+
+def test_add_id(be: cuda.CUDABackend) -> None:
+    a, b, ids = t("a", (3, 2, 16)), t("b", (5, 16)), t("ids", (3, 2), I32)
+    idv = np.array([[4, 0], [2, 2], [1, 3]], np.int32)
+    got, ref = run_op(be, ops.add_id(a, b, ids), {a: randn(3, 2, 16), b: randn(5, 16), ids: idv})
+    np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("name", ["F32", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("shared", [True, False], ids=["gate-up", "down"])
+def test_mul_mat_id(dev: cuda.CUDADevice, be: cuda.CUDABackend, name: str, shared: bool) -> None:
+    """MUL_MAT_ID through run_nodes on CuPy: a stacked expert weight (n_expert, M, K) on the device
+    as one CUDAQMatrix, each chosen expert's rows with the rows of the tokens that chose it."""
+    n_exp, M, K, T, U = 4, 32, 256, 3, 2
+    raw = np.ascontiguousarray(random_rows(name, n_exp * M, K, np.random.default_rng(3)))
+    w = Tensor("blk.0.ffn_up_exps.weight", (n_exp, M, K), GGMLType[name], flags=TensorFlag.WEIGHT)
+    x, ids = t("x", (T, 1 if shared else U, K)), t("ids", (T, U), I32)
+    node = ops.mul_mat_id(w, x, ids)
+    xv, idv = randn(T, 1 if shared else U, K), np.array([[3, 0], [1, 3], [2, 2]], np.int32)
+    env = {w: dev.upload(raw, w), x: be.from_host(xv), ids: be.from_host(idv)}
+    be.compute([node], env)
+    got = be.to_host(env[node])
+    ref = reference(node, [gguf_deq(raw, name, n_exp * M, K).reshape(n_exp, M, K), xv, idv])
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
+
+
 def test_every_op_covered() -> None:
     from llamapy.backend.kernels import KERNELS
 
     covered = {"GET_ROWS", "SET_ROWS", "RMS_NORM", "MUL", "ADD", "SCALE", "GLU", "MUL_MAT", "SOFT_MAX", "ROPE",
-               "FLASH_ATTN_EXT", "RESHAPE", "VIEW", "PERMUTE", "CONT"}  # fmt: skip
+               "FLASH_ATTN_EXT", "RESHAPE", "VIEW", "PERMUTE", "CONT", "DIV", "CLAMP", "SUM_ROWS", "ARGSORT", "ADD_ID",
+               "MUL_MAT_ID"}  # fmt: skip
     assert {op.name for op in KERNELS} <= covered
 
 

@@ -1,0 +1,227 @@
+"""llamapy's CUDA backend (CUDA0 of backend/cuda.py, cuda_exec.py, cuda_ops.py) unmodified on
+tests/gpu/emu_cupy.py's CuPy stand-in over the CUDA emulator: the stand-in's own rules (capture,
+allocation, cuBLAS, argument packing), CUDADevice's decisions, and (slow) whole decode steps at
+-ngl all and -ngl 2 against -ngl 0. Runs without a GPU or CuPy (needs g++); each case installs the
+stand-in as `cupy` for its own duration only, so the rest of the session never sees a CUDA device."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+if shutil.which("g++") is None:
+    pytest.skip("g++ not found: no CPU emulation of the CUDA kernels", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import emu_cupy  # noqa: E402
+
+from llamapy import ops  # noqa: E402
+from llamapy.backend import registry  # noqa: E402
+from llamapy.tensor import Tensor, TensorFlag  # noqa: E402
+from llamapy.types import GGMLType  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def emu_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One build folder for the module's stand-ins (each compiles the kernels it loads there)."""
+    return tmp_path_factory.mktemp("emu_cupy")
+
+
+@pytest.fixture
+def emu(monkeypatch: pytest.MonkeyPatch, emu_build: Path, request: pytest.FixtureRequest) -> Iterator[emu_cupy.EmuCupy]:
+    """The stand-in as `cupy` (with as many GPUs as an indirect parameter says, else one) and
+    llamapy's backends discovered again, both undone afterwards."""
+    cp = emu_cupy.EmuCupy(build_dir=emu_build, n_devices=getattr(request, "param", 1))
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setattr(registry, "_cache", None)
+    yield cp
+    registry._cache = None  # (monkeypatch restores the session's discovery next)
+
+
+def _cuda0() -> Any:
+    from llamapy.backend import cuda
+
+    (dev,) = cuda.registry().devices()
+    return dev
+
+
+def _scale_f32(emu: emu_cupy.EmuCupy) -> Any:
+    """elementwise.cu's scale_f32 (a, sa, y, sy, n, s), compiled alone (a second, not ten)."""
+    from llamapy.backend.cuda import _module_source
+    from llamapy.backend.cuda_ops import NVRTC_OPTIONS
+
+    return emu.RawModule(code=_module_source("elementwise.cu"), options=NVRTC_OPTIONS).get_function("scale_f32")
+
+
+# -- the stand-in's rules ---------------------------------------------------------------------
+
+
+def test_capture_rules(emu: emu_cupy.EmuCupy) -> None:
+    """Inside a capture: no allocation, no cuBLAS (NotImplementedError, as CuPy's setStream), no
+    synchronous copy; launches are recorded, not run, and each Graph.launch replays them."""
+    from llamapy.backend.cuda_ops import CublasGemm, CudaKernels
+
+    dev = _cuda0()
+    k = CudaKernels({"scale_f32": _scale_f32(emu)}, n_sm=4, gemm=CublasGemm(emu))
+    x = emu.asarray(np.arange(8, dtype=np.float32))
+    y = emu.zeros(8, np.float32)
+    st = dev.stream
+    with dev.context("capturing"):
+        st.begin_capture()
+        k.scale(st, x.data.ptr, 8, y.data.ptr, 8, 1, 8, 2.0)
+        with pytest.raises(RuntimeError, match="during stream capture"):
+            emu.empty(4, np.float32)
+        with pytest.raises(NotImplementedError, match="cuBLAS"):
+            k.gemm(None, None, (x.data.ptr, x.data.ptr, y.data.ptr, 1, 1, 2, 1), stream=st)
+        with pytest.raises(RuntimeError, match="capturing"):
+            x.get()
+        g = st.end_capture()
+    assert not y.get().any()  # recorded, not run
+    g.launch(st)
+    st.synchronize()
+    np.testing.assert_array_equal(y.get(), 2 * np.arange(8, dtype=np.float32))
+    del x  # a graph replayed after its memory was freed: the GPU's fault, here an error
+    with pytest.raises(RuntimeError, match="freed"):
+        g.launch(st)
+
+
+def test_kernel_arguments_checked_as_the_driver_reads_them(emu: emu_cupy.EmuCupy) -> None:
+    """An argument narrower than its parameter, or a float for an int, is what a GPU misreads:
+    the stand-in refuses it, naming the kernel and the argument."""
+    fn = _scale_f32(emu)  # (a, sa, y, sy, n, s)
+    x = emu.asarray(np.ones(4, np.float32))
+    with pytest.raises(TypeError, match="argument 1"):  # a long long given 4 bytes
+        fn((1,), (32,), (x, np.int32(4), x, np.int64(4), np.int32(4), np.float32(1)))
+    with pytest.raises(TypeError, match="argument 5"):  # a float given a double
+        fn((1,), (32,), (x, np.int64(4), x, np.int64(4), np.int32(4), 1.0))
+    with pytest.raises(RuntimeError, match="block"):
+        fn((1,), (2048,), (x, np.int64(4), x, np.int64(4), np.int32(4), np.float32(1)))
+    fn((1,), (32,), (x, 4, x, 4, 4, np.float32(3)))  # Python ints are int64s: wide enough
+    np.testing.assert_array_equal(x.get(), np.full(4, 3, np.float32))
+    host = np.ones(4, np.float32)
+    with pytest.raises(RuntimeError, match="pageable host memory"):  # a host address as a device pointer
+        fn((1,), (32,), (np.uint64(host.ctypes.data), 4, x, 4, 4, np.float32(1)))
+    stale = emu.asarray(np.ones(4, np.float32))
+    ptr = stale.data.ptr
+    del stale  # (its block back in the pool: a plan still holding the address reads freed memory)
+    with pytest.raises(RuntimeError, match="freed"):
+        fn((1,), (32,), (x, 4, np.uint64(ptr), 4, 4, np.float32(1)))
+
+
+def test_memory_info_moves_with_allocations(emu: emu_cupy.EmuCupy) -> None:
+    dev = _cuda0()
+    free0, total = dev.memory_info()
+    a = emu.empty(1 << 20, np.uint8)
+    free1, _ = dev.memory_info()
+    assert free1 == free0 - (1 << 20) and total == emu.pool.capacity
+    del a
+    dev.release_cached()
+    assert dev.memory_info()[0] == free0
+
+
+# -- CUDADevice's choices (a failure here is a bug of llamapy's CUDA backend) ------------------
+
+
+@pytest.mark.parametrize("wtype", [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_K])
+def test_quantized_weights_are_multiplied_on_cuda(emu: emu_cupy.EmuCupy, wtype: GGMLType) -> None:
+    """A Q8_0 / Q4_0 MUL_MAT weight is not a quantized KV cache: CUDA supports the product (it
+    refused it, so every such product of a GPU layer ran on the host, its weight copied back
+    each step); a SET_ROWS into a Q8_0 cache (kept on the host) stays refused."""
+    dev = _cuda0()
+    w = Tensor("blk.0.attn_q.weight", (64, 256), wtype, flags=TensorFlag.WEIGHT)
+    x = Tensor("x", (1, 256), GGMLType.F32, flags=TensorFlag.INPUT)
+    assert dev.supports_op(ops.mul_mat(w, x))
+    cache = Tensor("cache_k_l0", (16, 256), GGMLType.Q8_0)
+    ids = Tensor("ids", (1,), GGMLType.I64, flags=TensorFlag.INPUT)
+    assert not dev.supports_op(ops.set_rows(cache, ids, x))
+
+
+# -- whole steps through CUDA0 on the emulator -------------------------------------------------
+
+PROMPT = [1, 40, 90, 7, 3, 55, 12, 200, 9, 31, 77, 5]  # 12 tokens: the prompt path (f16 GEMMs on "cuBLAS")
+N_GEN = 6
+
+
+def _greedy(ctx: Any) -> tuple[list[np.ndarray], list[int]]:
+    """The prompt's logits, then N_GEN greedy decode steps: (logits of each call, tokens)."""
+    logits = [ctx.decode(PROMPT, list(range(len(PROMPT))), 0, None)]
+    toks: list[int] = []
+    for i in range(N_GEN):
+        toks.append(int(np.argmax(logits[-1][-1])))
+        logits.append(ctx.decode([toks[-1]], [len(PROMPT) + i], 0, None))
+    return logits, toks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ngl", ["all", 2])
+def test_decode_on_cuda0_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path, ngl: int | str) -> None:
+    """A tiny Q8_0 llama (2 layers) through the real CUDA0 device on the emulator: a 12-token
+    prompt (its products f16 GEMMs) and 6 greedy decode steps at -ngl all and -ngl 2 give the
+    -ngl 0 float32 path's logits within float tolerance and the same tokens; the decode graph's
+    CUDA split is one captured CUDA graph (its LLAMAPY_SCHED_DEBUG plan line)."""
+    from gguf import GGMLQuantizationType as T
+
+    from conftest import write_llama_gguf
+    from llamapy.context import Context, ContextOptions, Model, ModelOptions
+    from llamapy.sched.scheduler import split_printer
+
+    path = write_llama_gguf(tmp_path / "tiny.gguf", n_layer=2, qtype=T.Q8_0)
+    cpu = Model(path, ModelOptions(n_gpu_layers=0), ContextOptions(cpu_matmul="f32"))
+    want, want_toks = _greedy(Context(cpu, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32")))
+    cpu.free()
+    model = Model(path, ModelOptions(n_gpu_layers=ngl))
+    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32"))
+    lines: list[str] = []
+    ctx.sched.debug_hook = split_printer(ctx.sched, 1, lines.append)
+    got, toks = _greedy(ctx)
+    assert toks == want_toks
+    for i, (a, b) in enumerate(zip(got, want)):
+        scale = float(np.abs(b).max())
+        assert np.isfinite(a).all() and float(np.abs(a - b).max()) <= 1e-3 * scale, f"call {i}"
+    graphs = "\n".join(lines).split("sched: graph #")[1:]  # the prompt's graph, then the decode steps'
+    assert len(graphs) == 2, "\n".join(lines)
+    decode_plans = [ln for ln in graphs[1].splitlines() if ln.startswith("## PLAN") and "CUDA0" in ln]
+    assert len(decode_plans) == 1 and "CUDA0 GPU plan" in decode_plans[0], graphs[1]
+    assert "one CUDA graph" in decode_plans[0], decode_plans[0]
+    assert emu.n_launches > 0 and emu.n_gemms > 0  # the kernels ran on the emulator, the prompt's GEMMs too
+    model.free()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("emu", [2], indirect=True, ids=["two-gpus"])
+def test_two_devices_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path) -> None:
+    """-ngl all -ts 1,1 over two emulated GPUs (CUDA0, CUDA1): each runs its layers as one
+    captured graph a decode step, the residual crosses by memcpyPeerAsync (every pointer on the
+    device that reads it), and the logits are the CPU's; two sequences in one step too."""
+    from gguf import GGMLQuantizationType as T
+
+    from conftest import write_llama_gguf
+    from llamapy.context import Context, ContextOptions, Model, ModelOptions
+    from llamapy.sched.scheduler import split_printer
+
+    path = write_llama_gguf(tmp_path / "tiny4.gguf", n_layer=4, qtype=T.Q8_0)
+    steps = [(PROMPT, list(range(len(PROMPT))), 0, None)] + [([10 + i], [12 + i], 0, None) for i in range(2)]
+    steps += [([20, 21], [0, 1], 1, [True, True]), ([22, 23], [14, 2], [0, 1], [True, True])]
+    cpu = Model(path, ModelOptions(n_gpu_layers=0), ContextOptions(cpu_matmul="f32"))
+    ref = Context(cpu, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32"))
+    want = [ref.decode(*st) for st in steps]
+    model = Model(path, ModelOptions(n_gpu_layers="all", tensor_split=(1.0, 1.0)))
+    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32"))
+    lines: list[str] = []
+    ctx.sched.debug_hook = split_printer(ctx.sched, 1, lines.append)
+    for i, (st, b) in enumerate(zip(steps, want)):
+        a = ctx.decode(*st)
+        assert float(np.abs(a - b).max()) <= 1e-3 * float(np.abs(b).max()), f"step {i}"
+        assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {i}"
+    graphs = "\n".join(lines).split("sched: graph #")[1:]
+    decode = [ln for ln in graphs[1].splitlines() if ln.startswith("## PLAN") and "CUDA" in ln]
+    assert [ln.split(": ")[1].split()[0] for ln in decode] == ["CUDA0", "CUDA1"], graphs[1]
+    assert all("one CUDA graph" in ln for ln in decode), decode
+    model.free()
+    cpu.free()

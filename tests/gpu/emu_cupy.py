@@ -473,7 +473,8 @@ class EmuCupy(FakeCupy):
             CUBLAS_OP_N=0, CUBLAS_OP_T=1, CUBLAS_OP_C=2, CUBLAS_POINTER_MODE_HOST=0, CUBLAS_POINTER_MODE_DEVICE=1,
             CUBLAS_COMPUTE_32F=68, CUBLAS_COMPUTE_32F_FAST_16F=74, CUBLAS_GEMM_DEFAULT=-1,
             CUBLAS_GEMM_DEFAULT_TENSOR_OP=99, setPointerMode=self._set_pointer_mode, getPointerMode=lambda h: 0,
-            setStream=self._blas_set_stream, getStream=lambda h: self.current_stream().ptr, gemmEx=self._gemm_ex)
+            setStream=self._blas_set_stream, getStream=lambda h: self.current_stream().ptr, gemmEx=self._gemm_ex,
+            gemmStridedBatchedEx=self._gemm_strided_batched_ex)
         self._pointer_mode = 0
         self._handle = handle
         memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError, MemoryPool=MemoryPool, Memory=Memory,
@@ -704,6 +705,14 @@ class EmuCupy(FakeCupy):
                  algo: int) -> None:  # fmt: skip
         """cublasGemmEx: C (m, n) = alpha op(A) op(B) + beta C, column-major, on the current
         stream (CuPy sets the handle's stream to it first: in a capture, NotImplementedError)."""
+        self._gemm_strided_batched_ex(handle, transa, transb, m, n, k, alpha, a, atype, lda, 0, b, btype, ldb, 0, beta,
+                                      c, ctype, ldc, 0, 1, compute, algo)  # fmt: skip
+
+    def _gemm_strided_batched_ex(self, handle: int, transa: int, transb: int, m: int, n: int, k: int, alpha: int,
+                                 a: int, atype: int, lda: int, sa: int, b: int, btype: int, ldb: int, sb: int,
+                                 beta: int, c: int, ctype: int, ldc: int, sc: int, count: int, compute: int,
+                                 algo: int) -> None:  # fmt: skip
+        """cublasGemmStridedBatchedEx: `count` GEMMs, the i-th's A, B, C at i * sa, sb, sc elements."""
         self._blas_set_stream(handle, self.current_stream().ptr)
         if self._pointer_mode != 0:
             raise NotImplementedError("emu_cupy: gemmEx with device pointer mode")
@@ -728,12 +737,15 @@ class EmuCupy(FakeCupy):
         def run() -> None:
             if m == 0 or n == 0:
                 return
-            A = col_major(a, *((m, k) if transa == 0 else (k, m)), lda, dt[atype]).astype(np.float64)
-            B = col_major(b, *((k, n) if transb == 0 else (n, k)), ldb, dt[btype]).astype(np.float64)
-            A, B = (A if transa == 0 else A.T), (B if transb == 0 else B.T)
-            C = col_major(c, m, n, ldc, np.float32)
-            prod = al * (A @ B) if k else np.zeros((m, n))
-            C[...] = (prod + be * C.astype(np.float64) if be else prod).astype(np.float32)
+            ia, ib = np.dtype(dt[atype]).itemsize, np.dtype(dt[btype]).itemsize
+            for i in range(count):
+                ai, bi, ci = a + i * sa * ia, b + i * sb * ib, c + i * sc * 4
+                A = col_major(ai, *((m, k) if transa == 0 else (k, m)), lda, dt[atype]).astype(np.float64)
+                B = col_major(bi, *((k, n) if transb == 0 else (n, k)), ldb, dt[btype]).astype(np.float64)
+                A, B = (A if transa == 0 else A.T), (B if transb == 0 else B.T)
+                C = col_major(ci, m, n, ldc, np.float32)
+                prod = al * (A @ B) if k else np.zeros((m, n))
+                C[...] = (prod + be * C.astype(np.float64) if be else prod).astype(np.float32)
 
         self.current_stream().submit(run, eager=True)
 

@@ -225,3 +225,41 @@ def test_two_devices_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path) -> None:
     assert all("one CUDA graph" in ln for ln in decode), decode
     model.free()
     cpu.free()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["tiny-mixtral", "tiny-qwen3moe"])
+def test_moe_prompt_on_cuda0_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path, case: str) -> None:
+    """A mixture of experts' 12-token prompt through the real CUDA0 on the emulator: its expert
+    products MUL_MAT_ID_GEMM records (moe_sort, the experts' f16 weights, one batched cuBLAS GEMM
+    — Mixtral's even routing — or one GEMM an expert — qwen3moe's —, moe_scatter), then greedy
+    decode steps as one CUDA graph: the -ngl 0 float32 path's logits within f16 rounding, the
+    same tokens."""
+    from gguf import GGMLQuantizationType as T
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from moe_models import SHAPES, write_moe_gguf
+
+    from llamapy.context import Context, ContextOptions, Model, ModelOptions
+    from llamapy.sched.scheduler import split_printer
+
+    path = write_moe_gguf(tmp_path / f"{case}.gguf", qtype=T.Q8_0, **SHAPES[case])
+    cpu = Model(path, ModelOptions(n_gpu_layers=0), ContextOptions(cpu_matmul="f32"))
+    want, want_toks = _greedy(Context(cpu, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32")))
+    cpu.free()
+    model = Model(path, ModelOptions(n_gpu_layers="all"))
+    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32"))
+    lines: list[str] = []
+    ctx.sched.debug_hook = split_printer(ctx.sched, 1, lines.append)
+    got, toks = _greedy(ctx)
+    assert toks == want_toks
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert np.isfinite(a).all() and float(np.abs(a - b).max()) <= 1e-3 * float(np.abs(b).max()), f"call {i}"
+    graphs = "\n".join(lines).split("sched: graph #")[1:]
+    prompt = [ln for ln in graphs[0].splitlines() if ln.startswith("## PLAN") and "CUDA0" in ln]
+    assert len(prompt) == 1 and "CUDA0 GPU plan" in prompt[0] and "direct launches" in prompt[0], graphs[0]
+    assert "MUL_MAT_ID(GEMM):2" in prompt[0] and "one host read of the expert counts a MoE layer" in prompt[0]
+    decode = [ln for ln in graphs[1].splitlines() if ln.startswith("## PLAN") and "CUDA0" in ln]
+    assert len(decode) == 1 and "one CUDA graph" in decode[0], graphs[1]
+    assert emu.n_gemms > 0
+    model.free()

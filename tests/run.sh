@@ -25,5 +25,11 @@ if [ "$what" = fast ] || [ "$what" = all ]; then
 fi
 if [ "$status" = 0 ] && { [ "$what" = slow ] || [ "$what" = all ]; }; then
     python3 -m pytest -q -p no:cacheprovider -m slow || status=$?
+    # CUDA0's own Python (cuda.py, cuda_exec.py, cuda_ops.py) on tests/gpu/emu_cupy.py, a CuPy
+    # stand-in over the CUDA emulator (needs g++): the CUDA op and hybrid-step tests, ~2 minutes
+    if [ "$status" = 0 ] && command -v g++ >/dev/null; then
+        LLAMAPY_CUDA_EMU=1 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py \
+            tests/gpu/test_cuda_hybrid.py || status=$?
+    fi
 fi
 exit "$status"

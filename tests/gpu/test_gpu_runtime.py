@@ -61,7 +61,7 @@ def _model(path: Path, ngl: int | str = "all") -> Model:
 # Q4_K: the random file's weights reach 9.45 (conftest's K-quant scales), so the 300-token prompt's
 # FFN input passes f16's 65504: the GEMMs' inputs are divided by a power of two that keeps them in
 # range (common.cuh's f16_input_scale; unscaled they overflowed to inf and the logits were NaN)
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q4_1])
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q4_1], ids=lambda q: q.name)
 def test_decode_runs_as_one_captured_graph(make_llama, monkeypatch: pytest.MonkeyPatch, qtype: T) -> None:  # noqa: ANN001
     monkeypatch.setenv("LLAMAPY_EXECUTOR", "1")
     monkeypatch.delenv("LLAMAPY_CUDA_GRAPHS", raising=False)

@@ -319,14 +319,14 @@ def _mul_mat_glu(rt: CUDARuntime, rec: np.ndarray) -> Launch:
 
 
 def _mul_mat_gemm(rt: CUDARuntime, rec: np.ndarray) -> Launch:
-    """A prompt's product: input to f16, per tile of rows the weight to f16 and one GEMM, the GLU
-    after it when fused (cuda_ops.mul_mat_gemm)."""
+    """A prompt's product: input to f16 (over its power-of-two scale), per tile of rows the weight
+    to f16 and one GEMM (alpha the scale), the GLU after it when fused (cuda_ops.mul_mat_gemm)."""
     r, ops, st = _i(rec), rt.ops, rt.dev.stream
     qtype = GGMLType(r[9])
     glu = ("", "swiglu", "geglu")[r[12]]
     n_out = 2 * r[10] if glu else r[10]
     return lambda: ops.mul_mat_gemm(st, qtype, r[3], r[11], n_out, r[7], r[2], r[8], r[1], r[6], w16=r[4], x16=r[5],
-                                    tile_rows=r[13], glu=glu, prod=r[14])  # fmt: skip
+                                    tile_rows=r[13], glu=glu, prod=r[14], scale=r[15])  # fmt: skip
 
 
 def _rope(rt: CUDARuntime, rec: np.ndarray) -> Launch:
@@ -422,12 +422,12 @@ def _mul_mat_id_w(rt: CUDARuntime, rec: np.ndarray) -> Launch:
 def _mul_mat_id_gemm(rt: Any, rec: np.ndarray) -> Launch:
     """A prompt's expert product (gpu_plan's MUL_MAT_ID_GEMM: MUL_MAT_ID_W's slots 1-22, 23 flags
     (1 the GLU with the up experts of slot 16, 2 the grouping of the record before), 24-27 the
-    sort, f16 input, f16 weight and product scratches): cuda_ops.mul_mat_id_gemm, run when the
+    sort, f16 input, f16 weight and product scratches, 5 the input's scale scratch): cuda_ops.mul_mat_id_gemm, run when the
     plan runs (not recorded: its GEMMs follow the counts it reads back), the offsets kept on the
     runtime for the next product of the same routing (the down experts after the gate/up ones)."""
     r, ops, st = _i(rec), rt.ops, rt.dev.stream
     qtype = GGMLType(r[9])
-    kw: dict[str, Any] = dict(b=r[18], sb=r[19], order=r[24], x16=r[25], w16=r[26], prod=r[27])
+    kw: dict[str, Any] = dict(b=r[18], sb=r[19], order=r[24], x16=r[25], w16=r[26], prod=r[27], scale=r[5])
     if r[23] & 1:
         kw.update(w2=r[16], glu=("swiglu", "geglu", "swiglu_oai")[r[17]], b2=r[20], alpha=_f(r[21]), limit=_f(r[22]))
     counts: dict[int, Any] = rt.__dict__.setdefault("moe_offsets", {})  # sort scratch -> the offsets read there

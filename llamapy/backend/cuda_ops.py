@@ -52,7 +52,7 @@ def _entries() -> dict[str, tuple[str, ...]]:
     out: dict[str, tuple[str, ...]] = {
         "norm.cu": ("rms_norm_f32",),
         "glu.cu": ("swiglu_f32", "geglu_f32", "swiglu_oai_f32"),
-        "elementwise.cu": ("add_f32", "mul_f32", "scale_f32", "cpy_f32_f16"),
+        "elementwise.cu": ("add_f32", "mul_f32", "scale_f32", "cpy_f32_f16", "amax_f32"),
         "getrows.cu": ("get_rows_f32_rows",),
         "rope.cu": (*(f"rope_set_rows_{c}" for c in ("none", *CACHE_SUFFIX.values())),
                     *(f"rope_qkv_{k}_{v}" for k in CACHE_SUFFIX.values() for v in CACHE_SUFFIX.values())),
@@ -84,6 +84,8 @@ ARGSORT_THREADS = 128  # moe.cu: a block per row of the router's probabilities
 FA_QT = 16  # fattn.cu's prompt kernel: query rows per block
 FA_VEC_MAX_TOKENS = MMV_MAX_TOKENS  # attention of more query tokens runs the prompt kernel (fattn_tile_*)
 GEMM_SCRATCH_BYTES = 64 << 20  # a prompt product's f16 weight scratch: rows dequantized per GEMM (gemm_tile_rows)
+AMAX_BLOCKS = 256  # elementwise.cu's amax_f32: at most this many partial maxima of an f16 GEMM input
+F16_SCALE_BYTES = 4 * (2 + AMAX_BLOCKS)  # the input's scale scratch: the GEMM's alpha and beta, then the partials
 
 
 def _p(ptr: int) -> np.uint64:
@@ -432,13 +434,28 @@ class CudaKernels:
 
     # -- MUL_MAT (prompts): f16 tensor cores through cuBLAS ---------------------------------------
 
-    def to_f16(self, stream: Any, x: int, sx: int, y: int, rows: int, n: int) -> None:
+    def to_f16(self, stream: Any, x: int, sx: int, y: int, rows: int, n: int, *, scale: int = 0) -> None:
         """y (rows, n) IEEE half, contiguous = float32 rows of x (sx elements apart), rounded to
-        nearest even (elementwise.cu's cpy_f32_f16)."""
+        nearest even (elementwise.cu's cpy_f32_f16). `scale`: the address of the input's scale
+        scratch (F16_SCALE_BYTES): y = x / s, s = 2^k the smallest k >= 0 with max|x| / s <=
+        2^15, and the GEMM's alpha = s, beta = 0 written there (common.cuh's f16_input_scale)."""
         if rows <= 0 or n <= 0:
             return
-        args = (_p(x), np.int64(sx), _p(y), np.int32(n))
+        args = (_p(x), np.int64(sx), _p(y), np.int32(n), *self._f16_scale(stream, x, sx, 0, 1, rows, n, scale))
         self._launch("cpy_f32_f16", (_cdiv(n, ELEMENTWISE_THREADS), rows), ELEMENTWISE_THREADS, args, stream)
+
+    def _f16_scale(self, stream: Any, x: int, sxt: int, sxu: int, n_used: int, rows: int, n: int,
+                   scale: int) -> tuple:
+        """The first launch of an f16 GEMM input's scale (elementwise.cu's amax_f32: the partial
+        maxima of |x| over its rows, row p at x + (p // n_used) * sxt + (p % n_used) * sxu, into
+        the scratch after alpha and beta) and the convert launch's last arguments: the partials,
+        their count and alpha's address (scale 0: no scale)."""
+        if not scale:
+            return _p(0), np.int32(0), _p(0)
+        blocks = min(AMAX_BLOCKS, rows)
+        args = (_p(x), np.int64(sxt), np.int64(sxu), np.int32(n_used), np.int32(rows), np.int32(n), _p(scale + 8))
+        self._launch("amax_f32", (blocks,), ELEMENTWISE_THREADS, args, stream)
+        return _p(scale + 8), np.int32(blocks), _p(scale)
 
     def dequant_f16(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_rows: int, n_in: int, y: int) -> None:
         """y (n_rows, n_in) IEEE half = the rows of a weight of `qtype`, decoded as get_rows
@@ -456,16 +473,17 @@ class CudaKernels:
                      args, stream)  # fmt: skip
 
     def gemm_f16(self, stream: Any, a: int, b: int, c: int, m: int, n: int, k: int, ldc: int,
-                 batch: tuple[int, int, int, int] | None = None) -> None:
-        """c[:n, :m] (float32 rows ldc apart) = b (n, k) @ a (m, k).T, a and b f16 rows: one GEMM
-        on the tensor cores with float32 accumulation (`gemm`: cuBLAS's gemmEx on a device).
-        `batch` (count, a's, b's and c's strides in elements): that many GEMMs in one call
-        (gemmStridedBatchedEx)."""
+                 batch: tuple[int, int, int, int] | None = None, *, ab: int = 0) -> None:
+        """c[:n, :m] (float32 rows ldc apart) = alpha * b (n, k) @ a (m, k).T, a and b f16 rows:
+        one GEMM on the tensor cores with float32 accumulation (`gemm`: cuBLAS's gemmEx on a
+        device). `ab`: the device address of alpha and beta (float32: the f16 input's scale, read
+        when the GEMM runs), 0: alpha 1, beta 0. `batch` (count, a's, b's and c's strides in
+        elements): that many GEMMs in one call (gemmStridedBatchedEx)."""
         if self.gemm is None:
             raise UnsupportedError("CUDA: no GEMM launcher (cuBLAS) on this device")
         if m <= 0 or n <= 0 or (batch is not None and batch[0] <= 0):
             return
-        launch = Launch("gemm_f16", self.gemm, (1,), 1, (a, b, c, m, n, k, ldc, *(batch or ())), 0)
+        launch = Launch("gemm_f16", self.gemm, (1,), 1, (a, b, c, m, n, k, ldc, ab, *(batch or ())), 0)
         if self._sink is not None:
             self._sink.append(launch)
         else:
@@ -473,20 +491,21 @@ class CudaKernels:
 
     def mul_mat_gemm(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_out: int, n_in: int, x: int,
                      sx: int, y: int, n_tok: int, *, w16: int, x16: int, tile_rows: int, glu: str = "",
-                     prod: int = 0) -> None:
+                     prod: int = 0, scale: int = 0) -> None:
         """y (n_tok, n_out) = x (n_tok rows of n_in, sx apart) @ W.T for a prompt: x rounded to
-        f16 once into x16, then per tile of `tile_rows` rows of W (gemm_tile_rows) the rows
-        decoded to f16 into w16 and one GEMM into their columns of y. `glu` ("swiglu" /
-        "geglu"): W stacks gate and up (n_out = 2 n_ff), the product goes to `prod` (n_tok,
-        n_out) and y (n_tok, n_ff) = act(gate) * up (glu.cu)."""
+        f16 once into x16 (divided by its power-of-two scale when `scale`, the scale's scratch,
+        is given: `to_f16`; the GEMMs multiply by it), then per tile of `tile_rows` rows of W
+        (gemm_tile_rows) the rows decoded to f16 into w16 and one GEMM into their columns of y.
+        `glu` ("swiglu" / "geglu"): W stacks gate and up (n_out = 2 n_ff), the product goes to
+        `prod` (n_tok, n_out) and y (n_tok, n_ff) = act(gate) * up (glu.cu)."""
         dst = prod if glu else y
         if glu and not prod:
             raise ValueError("a GEMM with its GLU needs the product's scratch")
-        self.to_f16(stream, x, sx, x16, n_tok, n_in)
+        self.to_f16(stream, x, sx, x16, n_tok, n_in, scale=scale)
         for r0 in range(0, n_out, tile_rows):
             rows = min(tile_rows, n_out - r0)
             self.dequant_f16(stream, qtype, w + r0 * row_bytes, row_bytes, rows, n_in, w16)
-            self.gemm_f16(stream, w16, x16, dst + 4 * r0, rows, n_tok, n_in, n_out)
+            self.gemm_f16(stream, w16, x16, dst + 4 * r0, rows, n_tok, n_in, n_out, ab=scale)
         if glu:
             n_ff = n_out // 2
             self.glu(stream, glu, prod, n_out, prod + 4 * n_ff, n_out, y, n_ff, n_tok, n_ff)
@@ -548,14 +567,17 @@ class CudaKernels:
     def mul_mat_id_gemm(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_expert: int, m: int, n_in: int,
                         x: int, sxt: int, sxu: int, ids: int, sid: int, y: int, n_tok: int, n_used: int, *, order: int,
                         x16: int, w16: int, prod: int, offs: np.ndarray | None = None, w2: int = 0, glu: str = "swiglu",
-                        b: int = 0, b2: int = 0, sb: int = 0, alpha: float = 0.0, limit: float = 0.0) -> np.ndarray:
+                        b: int = 0, b2: int = 0, sb: int = 0, alpha: float = 0.0, limit: float = 0.0,
+                        scale: int = 0) -> np.ndarray:
         """MUL_MAT_ID of a prompt, mul_mat_id's product for any number of tokens on the tensor
         cores: the (token, slot) pairs grouped by expert (moe_sort into `order`, n_tok * n_used
         int32, then the n_expert + 2 offsets after them), the offsets read to the host — the one
         wait, skipped when `offs` (the last call's, same ids) is given —, the pairs' input rows
-        gathered in that order and rounded to f16 into x16, the products into prod (the gate's
-        sums, the up's after them with `w2`), and the rows scattered back to y (n_tok, n_used, m)
-        with the biases and the GLU (moe_scatter, mmv_id's epilogue). The products: where the
+        gathered in that order and rounded to f16 into x16 (divided by their power-of-two scale
+        when `scale`, its scratch, is given, as `to_f16`: the GEMMs multiply by it), the
+        products into prod (the gate's sums, the up's after them with `w2`), and the rows
+        scattered back to y (n_tok, n_used, m) with the biases and the GLU (moe_scatter,
+        mmv_id's epilogue). The products: where the
         experts' rows padded to the largest count take at most twice the pairs' rows
         (`moe_pad`), the experts decoded to f16 a group at a time (`moe_group` of them in
         MOE_W16_BYTES) and one strided batched GEMM a group (a few launches a product whatever
@@ -580,7 +602,8 @@ class CudaKernels:
             offs = np.asarray(self.reader(stream, offs_dev, n_expert + 2))
         pad = moe_pad(offs, n_expert, n_pairs, m, n_in)
         rows = (offs_dev, pad)  # where each sorted row's GEMM row lies (moe.cu's moe_gemm_row)
-        self.moe_gather_f16(stream, x, sxt, sxu, order, ids, sid, n_used, n_expert, rows, x16, n_pairs, n_in)
+        self.moe_gather_f16(stream, x, sxt, sxu, order, ids, sid, n_used, n_expert, rows, x16, n_pairs, n_in,
+                            scale=scale)
         halves = [w] + ([w2] if w2 else [])
         ldp = m * len(halves)
         for h, wh in enumerate(halves):
@@ -590,7 +613,7 @@ class CudaKernels:
                     ne = min(g, n_expert - e0)
                     self.dequant_f16(stream, qtype, wh + e0 * m * row_bytes, row_bytes, ne * m, n_in, w16)
                     self.gemm_f16(stream, w16, x16 + 2 * e0 * pad * n_in, prod + 4 * (e0 * pad * ldp + h * m), m, pad,
-                                  n_in, ldp, batch=(ne, m * n_in, pad * n_in, pad * ldp))  # fmt: skip
+                                  n_in, ldp, batch=(ne, m * n_in, pad * n_in, pad * ldp), ab=scale)  # fmt: skip
                 continue
             tile = gemm_tile_rows(m, n_in)
             for e in range(n_expert):
@@ -599,7 +622,7 @@ class CudaKernels:
                     rows_t = min(tile, m - t0)
                     self.dequant_f16(stream, qtype, wh + (e * m + t0) * row_bytes, row_bytes, rows_t, n_in, w16)
                     self.gemm_f16(stream, w16, x16 + 2 * r0 * n_in, prod + 4 * (r0 * ldp + h * m + t0), rows_t, n, n_in,
-                                  ldp)  # fmt: skip
+                                  ldp, ab=scale)  # fmt: skip
         op = ("swiglu", "geglu", "swiglu_oai").index(glu) if w2 else -1
         self.moe_scatter(stream, prod, ldp, order, ids, sid, n_used, n_expert, rows, y, m, n_pairs, op, b=b,
                          b2=b2 if w2 else 0, sb=sb, alpha=alpha, limit=limit)  # fmt: skip
@@ -613,13 +636,16 @@ class CudaKernels:
         self._launch("moe_sort", (1,), ARGSORT_THREADS, args, stream)
 
     def moe_gather_f16(self, stream: Any, x: int, sxt: int, sxu: int, order: int, ids: int, sid: int, n_used: int,
-                       n_expert: int, at: tuple[int, int], y: int, rows: int, n: int) -> None:
+                       n_expert: int, at: tuple[int, int], y: int, rows: int, n: int, *, scale: int = 0) -> None:
         """y (GEMM rows of n) f16 = the input rows of the pairs in `order` (x + t * sxt + u *
-        sxu), each at its GEMM row: `at` (offsets, pad), pad 0: row r (moe.cu's moe_gemm_row)."""
+        sxu), each at its GEMM row: `at` (offsets, pad), pad 0: row r (moe.cu's moe_gemm_row);
+        `scale`: as to_f16's, the max over every pair's row (sxu 0: the tokens' rows)."""
         if rows <= 0 or n <= 0:
             return
+        u = n_used if sxu else 1
+        sc = self._f16_scale(stream, x, sxt, sxu, u, rows // n_used * u, n, scale)
         args = (_p(x), np.int64(sxt), np.int64(sxu), _p(order), _p(ids), np.int64(sid), np.int32(n_used),
-                np.int32(n_expert), _p(at[0]), np.int32(at[1]), _p(y), np.int32(n))  # fmt: skip
+                np.int32(n_expert), _p(at[0]), np.int32(at[1]), _p(y), np.int32(n), *sc)  # fmt: skip
         self._launch("moe_gather_f16", (_cdiv(n, ELEMENTWISE_THREADS), rows), ELEMENTWISE_THREADS, args, stream)
 
     def moe_scatter(self, stream: Any, prod: int, ldp: int, order: int, ids: int, sid: int, n_used: int, n_expert: int,
@@ -797,16 +823,25 @@ class CublasGemm:
         self.algo = getattr(self.blas, "CUBLAS_GEMM_DEFAULT", -1)
 
     def __call__(self, grid: Any, block: Any, args: tuple, shared_mem: int = 0, stream: Any = None) -> None:
-        a, b, c, m, n, k, ldc, *batch = (int(v) for v in args)
-        blas, ab = self.blas, self._alpha_beta.ctypes.data
+        a, b, c, m, n, k, ldc, ab, *batch = (int(v) for v in args)
+        blas = self.blas
+        # alpha and beta: float32 words in device memory (the f16 input's scale, which its convert
+        # launch writes on the stream before: pointer mode device, read when the GEMM runs), else
+        # host ones (1, 0). The mode is the handle's: set for this call, then back to host, the
+        # mode CuPy's own calls on this handle (cupy.matmul) assume.
+        mode = blas.CUBLAS_POINTER_MODE_DEVICE if ab else blas.CUBLAS_POINTER_MODE_HOST
+        ab = ab or self._alpha_beta.ctypes.data
         # row-major c (n, m) = b (n, k) @ a (m, k).T is column-major c^T (m, n) = op_T(a) @ b
         with stream if stream is not None else self.cp.cuda.Stream.null:
-            blas.setPointerMode(self.handle, blas.CUBLAS_POINTER_MODE_HOST)
-            if batch:  # (count, strides of a, b, c in elements)
-                count, sa, sb, sc = batch
-                blas.gemmStridedBatchedEx(self.handle, blas.CUBLAS_OP_T, blas.CUBLAS_OP_N, m, n, k, ab, a, self.r16f, k,
-                                          sa, b, self.r16f, k, sb, ab + 4, c, self.r32f, ldc, sc, count, self.compute,
-                                          self.algo)  # fmt: skip
-                return
-            blas.gemmEx(self.handle, blas.CUBLAS_OP_T, blas.CUBLAS_OP_N, m, n, k, ab, a, self.r16f, k, b, self.r16f, k,
-                        ab + 4, c, self.r32f, ldc, self.compute, self.algo)  # fmt: skip
+            blas.setPointerMode(self.handle, mode)
+            try:
+                if batch:  # (count, strides of a, b, c in elements)
+                    count, sa, sb, sc = batch
+                    blas.gemmStridedBatchedEx(self.handle, blas.CUBLAS_OP_T, blas.CUBLAS_OP_N, m, n, k, ab, a, self.r16f,
+                                              k, sa, b, self.r16f, k, sb, ab + 4, c, self.r32f, ldc, sc, count,
+                                              self.compute, self.algo)  # fmt: skip
+                else:
+                    blas.gemmEx(self.handle, blas.CUBLAS_OP_T, blas.CUBLAS_OP_N, m, n, k, ab, a, self.r16f, k, b,
+                                self.r16f, k, ab + 4, c, self.r32f, ldc, self.compute, self.algo)  # fmt: skip
+            finally:
+                blas.setPointerMode(self.handle, blas.CUBLAS_POINTER_MODE_HOST)

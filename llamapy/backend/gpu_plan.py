@@ -52,12 +52,15 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     tile (cuda_ops.mul_mat_gemm): 1 dst (the GLU's result when fused), 2 x, 3 the weight's blocks,
     4 the f16 weight scratch, 5 the f16 input scratch; 6 tokens, 7 n_in, 8 x's row stride, 9 the
     GGML type, 10 the values written a token (n_ff with a GLU), 11 row bytes, 12 the GLU (0 none,
-    1 SwiGLU, 2 GEGLU), 13 rows per GEMM, 14 the float32 product's scratch (with a GLU);
+    1 SwiGLU, 2 GEGLU), 13 rows per GEMM, 14 the float32 product's scratch (with a GLU), 15 the
+    input's scale scratch (cuda_ops.F16_SCALE_BYTES: the input divided by a power of two that
+    keeps it in f16's range, the GEMMs' alpha read from there);
   * MUL_MAT_ID_GEMM: a prompt's expert product (more tokens than mmv_id takes; see Prompts below):
     MUL_MAT_ID_W's / MUL_MAT_ID_GLU's slots 1-22, 23 flags (1: the gate/up experts with their
     GLU, slot 16 the up ones; 2: the same routing as the expert record before, whose grouping it
     reuses), 24 the grouping's scratch (the pairs' order, then the experts' offsets), 25 the
-    gathered f16 input rows, 26 the f16 weight tile, 27 the float32 products;
+    gathered f16 input rows, 26 the f16 weight tile, 27 the float32 products, 5 the gathered
+    rows' scale scratch (MUL_MAT_GEMM's slot 15);
   * records are WIDTH slots: the CPU's REC (25), and in an ATTN record slot 25 points at the int32
     count of cells attended (0: slot 9 holds it), 26 at the scratch of its split partials, 27
     the number of splits of the cells (the runtime's choice for the shape).
@@ -89,7 +92,9 @@ Prompts: a split whose products take more tokens than the matrix-vector kernels 
 its products MUL_MAT_GEMM records, its attention fattn.cu's prompt kernel (cuda_ops picks it by
 the token count); CuPy refuses cuBLAS inside a stream capture, so such a plan runs its launches
 directly (prepared once per batch shape, kept like the decode plans). The scratches of its GEMMs
-follow the attention's in the arena, sized for the plan's largest product.
+follow the attention's in the arena, sized for the plan's largest product, and one scale scratch
+(the f16 inputs' power-of-two scales: an activation past 65504 would round to inf in f16, which
+llama.cpp's q8_1 blocks with their own scales never do).
 
 A mixture of experts' prompt (MUL_MAT_ID_GEMM, cuda_ops.mul_mat_id_gemm) is designed for the
 H200's tensor cores, reasoned, not measured: a prompt of T tokens routes T * U (token, slot)
@@ -206,7 +211,8 @@ class GPUTarget(Target):
     fuse_bias = True
     head = HEAD
     width = WIDTH
-    addr_slots = ((COUNT, ATTN), (SCRATCH, ATTN), (10, ROPE_QKV), (14, MUL_MAT_GEMM), *((k, MUL_MAT_ID_GEMM) for k in range(24, 28)))
+    addr_slots = ((COUNT, ATTN), (SCRATCH, ATTN), (10, ROPE_QKV), (14, MUL_MAT_GEMM), (15, MUL_MAT_GEMM),
+                  *((k, MUL_MAT_ID_GEMM) for k in range(24, 28)))  # (slot 5 is every record's)
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
@@ -250,9 +256,12 @@ class GPUTarget(Target):
 
     def scratch(self, c: _Compiler, start: int) -> int:
         """One scratch for the split partials of every attention (they run one after another)."""
+        from .cuda_ops import F16_SCALE_BYTES
+
         need = 0
         self.splits: dict[Tensor, int] = {}
-        gemm = [0, 0, 0, 0]  # the prompt products' scratches: f16 weight tile, f16 input, a product, the experts' sort
+        # the prompt products' scratches: f16 weight tile, f16 input, a product, the experts' sort, the input's scale
+        gemm = [0, 0, 0, 0, 0]
         for st in c.steps:
             if st.code == ATTN:
                 q, _k, v = st.node.src[:3]
@@ -270,13 +279,14 @@ class GPUTarget(Target):
                     gemm[0] = max(gemm[0], 2 * gemm_tile_rows(n_out, n_in) * n_in)
                     gemm[1] = max(gemm[1], 2 * n_tok * n_in)
                     gemm[2] = max(gemm[2], 4 * n_tok * n_out if "glu" in st.extra else 0)
+                    gemm[4] = F16_SCALE_BYTES
             elif st.code == MUL_MAT_ID_Q and st.node.shape[0] > self.rt.max_tokens:  # a prompt's experts
                 from .cuda_ops import moe_scratch_bytes
 
                 w, x, ids = st.extra.get("gate", st.extra.get("mm", st.node)).src[:3]
                 order, x16, w16, prod = moe_scratch_bytes(ids.shape[0], ids.shape[1] if len(ids.shape) > 1 else 1,
                                                           w.shape[0], w.shape[1], x.shape[-1], "glu" in st.extra)
-                gemm = [max(a, b) for a, b in zip(gemm, (w16, x16, prod, order))]
+                gemm = [max(a, b) for a, b in zip(gemm, (w16, x16, prod, order, F16_SCALE_BYTES))]
         start += (-start) % 256
         self.scratch_off = start
         start += need
@@ -382,7 +392,7 @@ class GPUTarget(Target):
         w16, x16, prod = (c.base + off for off in self.gemm_off[:3])
         r[0], r[1], r[2], r[3], r[4], r[5] = MUL_MAT_GEMM, dst, x, blocks, w16, x16
         r[6], r[7], r[8], r[9], r[10], r[11] = n_tok, n_in, xs, qtype, n_out, row_bytes
-        r[13] = gemm_tile_rows(n_out, n_in)
+        r[13], r[15] = gemm_tile_rows(n_out, n_in), c.base + self.gemm_off[4]
         if "glu" in st.extra:  # the product into its scratch, the GLU's result (n_ff a token) into dst
             op = st.extra["glu"].params.get("op")
             if op not in ("swiglu", "geglu"):
@@ -410,6 +420,7 @@ class GPUTarget(Target):
         if T > self.rt.max_tokens:  # a prompt's: grouped by expert, GEMMs (cuda_ops.mul_mat_id_gemm)
             r[0] = MUL_MAT_ID_GEMM
             r[24], r[25], r[26], r[27] = (c.base + self.gemm_off[k] for k in (3, 1, 0, 2))
+            r[5] = c.base + self.gemm_off[4]
             if self.sorted is ids:  # the same routing as the product before: its grouping and counts
                 r[23] |= 2
             self.sorted = ids

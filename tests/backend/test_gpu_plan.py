@@ -438,7 +438,12 @@ def test_prompt_batches_are_gemm_plans(make_llama) -> None:  # noqa: ANN001
     assert x16 - w16 >= 2 * int((gemm[:, 13] * gemm[:, 7]).max()) and int(glu[0, 14]) - x16 >= 2 * 20 * int(gemm[:, 7].max())
     moved = {(int(i), int(j)) for i, j in zip(*b.moves)}
     k = int(np.nonzero(p.recs[:, 0] == MUL_MAT_GEMM)[0][0])
-    assert {(k, 1), (k, 2), (k, 4), (k, 5)} <= moved
+    assert {(k, 1), (k, 2), (k, 4), (k, 5), (k, 15)} <= moved
+    # the inputs' scale scratch (alpha, beta, the partial maxima): one, after the others, in the arena
+    from llamapy.backend.cuda_ops import F16_SCALE_BYTES
+
+    assert (gemm[:, 15] == gemm[0, 15]).all() and int(glu[0, 14]) < int(gemm[0, 15])
+    assert int(gemm[0, 15]) + F16_SCALE_BYTES <= b.base + b.nbytes
     model.free()
 
 
@@ -548,9 +553,23 @@ class NumpyOps:
         self.rope(stream, v, sxt, head_dim_v, 0, 0, 0, n_tokens, n_head_kv, head_dim_v, **store, cache_type=v_type,
                   cache=v_cache, cache_rb=v_rb, rot=v_rot)
 
-    def to_f16(self, stream: Any, x: int, sx: int, y: int, rows: int, n: int) -> None:
+    @staticmethod
+    def _f16_input(v: np.ndarray, scale: int) -> np.ndarray:
+        """v rounded to f16 as a GEMM's input: with its scale scratch (`scale`), divided by the
+        smallest power of two s >= 1 that brings max |v| within 2^15, s and 0 written there as
+        the GEMM's alpha and beta (cuda_ops.to_f16's contract)."""
+        if not scale:
+            return v.astype(F16)
+        m, s = float(np.fmax.reduce(np.abs(v).ravel(), initial=0.0)), 1.0
+        while m / s > 2.0**15 and s < 2.0**113:
+            s *= 2
+        mem(scale, (2,), (1,), F32)[...] = (s, 0.0)
+        with np.errstate(over="ignore"):
+            return (v / np.float32(s)).astype(F16)
+
+    def to_f16(self, stream: Any, x: int, sx: int, y: int, rows: int, n: int, *, scale: int = 0) -> None:
         self.calls.append("to_f16")
-        mem(y, (rows, n), (n, 1), F16)[...] = mem(x, (rows, n), (sx, 1), F32).astype(F16)
+        mem(y, (rows, n), (n, 1), F16)[...] = self._f16_input(mem(x, (rows, n), (sx, 1), F32), scale)
 
     def dequant_f16(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_rows: int, n_in: int, y: int) -> None:
         self.calls.append("dequant_f16")
@@ -558,17 +577,21 @@ class NumpyOps:
         mem(y, (n_rows, n_in), (n_in, 1), F16)[...] = dequantize(raw, T(int(qtype))).reshape(n_rows, n_in).astype(F16)
 
     def gemm_f16(self, stream: Any, a: int, b: int, c: int, m: int, n: int, k: int, ldc: int,
-                 batch: tuple[int, int, int, int] | None = None) -> None:
+                 batch: tuple[int, int, int, int] | None = None, *, ab: int = 0) -> None:
         """The GEMM of f16 inputs (rounded by to_f16 / dequant_f16) with float32 accumulation:
-        here exact sums in float64, rounded once; `batch`: that many, strided."""
+        here exact sums in float64 times alpha (at `ab`, beta 0; 0: 1), rounded once; `batch`:
+        that many, strided."""
         if batch:
             for i in range(batch[0]):
-                self.gemm_f16(stream, a + 2 * i * batch[1], b + 2 * i * batch[2], c + 4 * i * batch[3], m, n, k, ldc)
+                self.gemm_f16(stream, a + 2 * i * batch[1], b + 2 * i * batch[2], c + 4 * i * batch[3], m, n, k, ldc,
+                              ab=ab)  # fmt: skip
             self.calls.append("gemm_f16_batched")
             return
         self.calls.append("gemm_f16")
+        alpha, beta = mem(ab, (2,), (1,), F32).astype(np.float64) if ab else (1.0, 0.0)
+        assert beta == 0.0
         A, B = mem(a, (m, k), (k, 1), F16).astype(np.float64), mem(b, (n, k), (k, 1), F16).astype(np.float64)
-        mem(c, (n, m), (ldc, 1), F32)[...] = (B @ A.T).astype(F32)
+        mem(c, (n, m), (ldc, 1), F32)[...] = (alpha * (B @ A.T)).astype(F32)
 
     mul_mat_gemm = cuda_ops.CudaKernels.mul_mat_gemm  # the real composition of the three above (and glu)
     mul_mat_id_gemm = cuda_ops.CudaKernels.mul_mat_id_gemm  # and of the MoE ones below
@@ -598,12 +621,13 @@ class NumpyOps:
         return out
 
     def moe_gather_f16(self, stream: Any, x: int, sxt: int, sxu: int, order: int, ids: int, sid: int, n_used: int,
-                       n_expert: int, at: tuple[int, int], y: int, rows: int, n: int) -> None:
+                       n_expert: int, at: tuple[int, int], y: int, rows: int, n: int, *, scale: int = 0) -> None:
         self.calls.append("moe_gather_f16")
+        pairs = [mem(x + 4 * ((q // n_used) * sxt + (q % n_used) * sxu), (n,), (1,), F32) for q in range(rows)]
+        f16 = self._f16_input(np.stack(pairs), scale)  # (every pair's row, in pair order)
         for q, _e, g in self._moe_rows(order, ids, sid, n_used, n_expert, at, rows):
             if g >= 0:
-                mem(y + 2 * g * n, (n,), (1,), F16)[...] = mem(x + 4 * ((q // n_used) * sxt + (q % n_used) * sxu), (n,),
-                                                               (1,), F32)  # fmt: skip
+                mem(y + 2 * g * n, (n,), (1,), F16)[...] = f16[q]
 
     def moe_scatter(self, stream: Any, prod: int, ldp: int, order: int, ids: int, sid: int, n_used: int, n_expert: int,
                     at: tuple[int, int], y: int, m: int, rows: int, op: int, *, b: int = 0, b2: int = 0, sb: int = 0,
@@ -1295,7 +1319,7 @@ def test_prompt_plan_on_the_cuda_emulator(make_llama, tmp_path: Path, monkeypatc
     got, want, made = _prompt_then_decode(_prompt_model(arch, make_llama, tmp_path), monkeypatch, new_rt)
     _check_prompt(got, want, made, _F16_TOL)
     assert any(n.startswith("fattn_tile_") for n in names) and any(n.startswith("dequant_f16_") for n in names)
-    assert "cpy_f32_f16" in names and "gemm_f16" in names
+    assert {"cpy_f32_f16", "amax_f32", "gemm_f16"} <= names  # (the inputs with their scale: alpha from the arena)
 
 
 # -- the fit (-ngl auto) counts what the GPU plans allocate ---------------------------------------
@@ -1403,6 +1427,7 @@ def _check_moe_prompt_plans(made: list[GPUPlan], n_layer: int = 2, decode_steps:
     ids = prompt[0].recs[prompt[0].recs[:, 0] == MUL_MAT_ID_GEMM]
     assert len(ids) == 2 * n_layer and not np.isin(prompt[0].recs[:, 0], (MUL_MAT_ID_W, MUL_MAT_ID_GLU)).any()
     assert [int(r[23]) & 3 for r in ids] == [1, 2] * n_layer  # gate/up (GLU, sorts), down (reuses the sort)
+    assert (ids[:, 5] == ids[0, 5]).all() and ids[0, 5] > max(int(ids[0, k]) for k in range(24, 28))  # scale scratch
     decode = [p for p in made if p is not prompt[0]]
     assert all(not p.direct and p.n_captures == 1 for p in decode) and (bool(decode) or not decode_steps)
 
@@ -1495,4 +1520,5 @@ def test_moe_prompt_plan_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytes
     tol = 2 * _F16_TOL if case == "tiny-gptoss" else _F16_TOL
     made = _moe_prompt_against_f32(_moe_prompt_model(tmp_path, case), monkeypatch, new_rt, tol=tol)
     _check_moe_prompt_plans(made)
-    assert {"moe_sort", "moe_gather_f16", "moe_scatter"} <= names and any(n.startswith("fattn_tile_") for n in names)
+    assert {"moe_sort", "moe_gather_f16", "amax_f32", "moe_scatter"} <= names
+    assert any(n.startswith("fattn_tile_") for n in names)

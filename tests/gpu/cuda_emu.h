@@ -53,6 +53,11 @@ inline float __int_as_float(int i) {
 }
 inline float __int_as_float(unsigned int i) { return __int_as_float((int)i); }
 inline float __uint_as_float(unsigned int i) { return __int_as_float((int)i); }
+inline unsigned int __float_as_uint(float f) {
+    unsigned int u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
 // __ldg as the device's: a load of sizeof(T) bytes, which must be aligned to them there (the
 // emulator records a misaligned one: the launch then fails, naming the kernel)
 extern int lp_misaligned;

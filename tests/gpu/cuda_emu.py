@@ -106,14 +106,16 @@ def build(out_dir: Path | None = None) -> dict[str, EmuKernel]:
 
 def numpy_gemm(grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, stream: Any = None) -> None:
     """cuda_ops.CublasGemm's stand-in on the emulator (no cuBLAS on the CPU): c[:n, :m] (float32
-    rows ldc apart) = b (n, k) @ a (m, k).T over f16 rows, summed exactly (float64) and rounded
-    once: what a tensor-core GEMM with float32 accumulation computes within its summation order.
-    Four more arguments (count, strides of a, b, c in elements): that many (gemmStridedBatchedEx)."""
-    a, b, c, m, n, k, ldc, *batch = (int(v) for v in args)
+    rows ldc apart) = alpha * b (n, k) @ a (m, k).T over f16 rows, summed exactly (float64) and
+    rounded once: what a tensor-core GEMM with float32 accumulation computes within its summation
+    order. alpha and beta: the two float32 at `ab` (device memory, read now: when it runs), ab 0:
+    1 and 0; beta 0 reads nothing of c (as cuBLAS). Four more arguments (count, strides of a, b, c
+    in elements): that many (gemmStridedBatchedEx)."""
+    a, b, c, m, n, k, ldc, ab, *batch = (int(v) for v in args)
     if batch:
         count, sa, sb, sc = batch
         for i in range(count):
-            numpy_gemm(grid, block, (a + 2 * i * sa, b + 2 * i * sb, c + 4 * i * sc, m, n, k, ldc))
+            numpy_gemm(grid, block, (a + 2 * i * sa, b + 2 * i * sb, c + 4 * i * sc, m, n, k, ldc, ab))
         return
 
     def at(addr: int, shape: tuple[int, int], ld: int, dt: Any) -> np.ndarray:
@@ -121,8 +123,11 @@ def numpy_gemm(grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, stre
         buf = (ctypes.c_char * (((shape[0] - 1) * ld + shape[1]) * d.itemsize)).from_address(addr)
         return np.ndarray(shape, d, buffer=buf, strides=(ld * d.itemsize, d.itemsize))
 
+    alpha, beta = (float(v) for v in at(ab, (1, 2), 2, np.float32)[0]) if ab else (1.0, 0.0)
     A, B = at(a, (m, k), k, np.float16).astype(np.float64), at(b, (n, k), k, np.float16).astype(np.float64)
-    at(c, (n, m), ldc, np.float32)[...] = (B @ A.T).astype(np.float32)
+    C = at(c, (n, m), ldc, np.float32)
+    prod = alpha * (B @ A.T)
+    C[...] = (prod + beta * C.astype(np.float64) if beta else prod).astype(np.float32)
 
 
 def numpy_read(stream: Any, addr: int, n: int) -> np.ndarray:

@@ -33,10 +33,13 @@ part of CuPy's API llamapy calls:
     (stricter than CuPy, whose pool may grow in a relaxed capture: the issue's rule, one
     preallocated arena), a cuBLAS call raises NotImplementedError (CuPy's cublas.setStream),
     a synchronous copy (`asnumpy`, `.get()`, `asarray` of host data) and a wait raise RuntimeError;
-  * `cuda.cublas.gemmEx` (the handle of `cuda.device.get_cublas_handle()`, host pointer mode,
+  * `cuda.cublas.gemmEx` / `gemmStridedBatchedEx` (the handle of `cuda.device.get_cublas_handle()`,
     column-major as cuBLAS) computed in numpy at the data types given: f16 or f32 A and B,
     f32 C, float32 compute (float64 sums rounded once: a tensor-core GEMM's result within its
-    summation order).
+    summation order); the handle's pointer mode (`setPointerMode` / `getPointerMode`): host,
+    alpha and beta read from host memory at the call (a device address faults), or device, read
+    from device memory when the stream runs the GEMM (after the copies and launches queued
+    before it), as on a GPU.
 What it cannot model: concurrency (one host thread runs everything in order; races between
 streams, between blocks or with the host are not seen), the device's timing (`get_elapsed_time`
 is host time) and libm; device arrays are numpy arrays, so `np.asarray(device_array)` works here
@@ -472,10 +475,11 @@ class EmuCupy(FakeCupy):
         blas = types.SimpleNamespace(
             CUBLAS_OP_N=0, CUBLAS_OP_T=1, CUBLAS_OP_C=2, CUBLAS_POINTER_MODE_HOST=0, CUBLAS_POINTER_MODE_DEVICE=1,
             CUBLAS_COMPUTE_32F=68, CUBLAS_COMPUTE_32F_FAST_16F=74, CUBLAS_GEMM_DEFAULT=-1,
-            CUBLAS_GEMM_DEFAULT_TENSOR_OP=99, setPointerMode=self._set_pointer_mode, getPointerMode=lambda h: 0,
+            CUBLAS_GEMM_DEFAULT_TENSOR_OP=99, setPointerMode=self._set_pointer_mode,
+            getPointerMode=lambda h: self._pointer_modes.get(h, 0),
             setStream=self._blas_set_stream, getStream=lambda h: self.current_stream().ptr, gemmEx=self._gemm_ex,
             gemmStridedBatchedEx=self._gemm_strided_batched_ex)
-        self._pointer_mode = 0
+        self._pointer_modes: dict[int, int] = {}  # a handle's pointer mode (0 host, the default; 1 device)
         self._handle = handle
         memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError, MemoryPool=MemoryPool, Memory=Memory,
                                        UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer, alloc=self._alloc)
@@ -692,7 +696,9 @@ class EmuCupy(FakeCupy):
     def _set_pointer_mode(self, handle: int, mode: int) -> None:
         if handle != self._handle + self.current_device():  # (CuPy's sets no stream: no capture check)
             raise RuntimeError(f"CUBLAS_STATUS_NOT_INITIALIZED: handle {handle:#x}")
-        self._pointer_mode = mode
+        if mode not in (0, 1):
+            raise RuntimeError(f"CUBLAS_STATUS_INVALID_VALUE: pointer mode {mode}")
+        self._pointer_modes[handle] = mode
 
     def _blas_set_stream(self, handle: int, stream_ptr: int) -> None:
         if handle != self._handle + self.current_device():
@@ -714,8 +720,7 @@ class EmuCupy(FakeCupy):
                                  algo: int) -> None:  # fmt: skip
         """cublasGemmStridedBatchedEx: `count` GEMMs, the i-th's A, B, C at i * sa, sb, sc elements."""
         self._blas_set_stream(handle, self.current_stream().ptr)
-        if self._pointer_mode != 0:
-            raise NotImplementedError("emu_cupy: gemmEx with device pointer mode")
+        device_mode = self._pointer_modes.get(handle, 0) == 1
         if compute not in (68, 74):
             raise NotImplementedError(f"emu_cupy: gemmEx compute type {compute}")
         if min(m, n, k) < 0 or lda < max(1, m if transa == 0 else k) or ldb < max(1, k if transb == 0 else n) \
@@ -724,8 +729,17 @@ class EmuCupy(FakeCupy):
         dt = {2: np.float16, 0: np.float32}
         if atype not in dt or btype not in dt or ctype != 0:
             raise NotImplementedError(f"emu_cupy: gemmEx types A {atype}, B {btype}, C {ctype}")
-        al = float(np.frombuffer((ctypes.c_char * 4).from_address(alpha), np.float32)[0])
-        be = float(np.frombuffer((ctypes.c_char * 4).from_address(beta), np.float32)[0])
+
+        def scalar(addr: int) -> float:
+            return float(np.frombuffer((ctypes.c_char * 4).from_address(addr), np.float32)[0])
+
+        for addr, what in ((alpha, "alpha"), (beta, "beta")):
+            if device_mode:
+                self.check_device_pointer(addr, f"gemmEx's {what} (pointer mode device)")
+            elif self.memory_kind(addr)[0] in ("device", "freed"):
+                raise RuntimeError(f"segmentation fault: gemmEx's {what} = {addr:#x} is device memory read on the "
+                                   f"host (pointer mode host)")  # fmt: skip
+        scalars = None if device_mode else (scalar(alpha), scalar(beta))  # host mode: read at the call
         self.n_gemms += 1
 
         def col_major(addr: int, rows: int, cols: int, ld: int, d: Any) -> np.ndarray:
@@ -737,6 +751,7 @@ class EmuCupy(FakeCupy):
         def run() -> None:
             if m == 0 or n == 0:
                 return
+            al, be = scalars or (scalar(alpha), scalar(beta))  # device mode: read as the stream runs it
             ia, ib = np.dtype(dt[atype]).itemsize, np.dtype(dt[btype]).itemsize
             for i in range(count):
                 ai, bi, ci = a + i * sa * ia, b + i * sb * ib, c + i * sc * 4

@@ -483,8 +483,12 @@ def kernel_speed(rep: Report, lines: list[str], dev: Any) -> None:
     rep.add(lines, f"| rope_qkv (f16 cache) | H{H}/{Hkv} D{D} | {us:.1f} | - |")
     # prompts (gpu_plan.product_path's "gemm_f16"): the input to f16, the weight to f16, the
     # cuBLAS GEMM, each timed alone (TFLOP/s of the GEMM; GB/s of the weight's decode: its blocks
-    # read + f16 written), and the whole product; the prompt attention (fattn_tile_*)
-    from llamapy.backend.cuda_ops import gemm_tile_rows
+    # read + f16 written), and the whole product; the prompt attention (fattn_tile_*). As the plans
+    # run them: the input with its power-of-two scale (amax_f32 + cpy_f32_f16), alpha read by the
+    # GEMM from device memory
+    from llamapy.backend.cuda_ops import F16_SCALE_BYTES, gemm_tile_rows
+
+    sc = cp.zeros(F16_SCALE_BYTES // 4, cp.float32)
 
     for name, n_out, n_in, n_tok in [("Q4_K", 4096, 4096, 512), ("Q4_K", 28672, 4096, 512), ("Q6_K", 4096, 14336, 512),
                                      ("Q4_K", 2048, 2048, 512), ("Q4_K", 16384, 2048, 512), ("Q4_1", 1536, 576, 512),
@@ -495,11 +499,13 @@ def kernel_speed(rep: Report, lines: list[str], dev: Any) -> None:
         tile = gemm_tile_rows(n_out, n_in)
         w16, x16 = cp.empty((tile, n_in), cp.float16), cp.empty((n_tok, n_in), cp.float16)
         cp.cuda.Device(dev.index).synchronize()
-        t_x = time_us(lambda: k.to_f16(st, x.data.ptr, n_in, x16.data.ptr, n_tok, n_in), 20)
+        t_x = time_us(lambda: k.to_f16(st, x.data.ptr, n_in, x16.data.ptr, n_tok, n_in, scale=sc.data.ptr), 20)
         t_w = time_us(lambda: k.dequant_f16(st, G[name], raw.data.ptr, raw.shape[1], tile, n_in, w16.data.ptr), 20)
-        t_g = time_us(lambda: k.gemm_f16(st, w16.data.ptr, x16.data.ptr, y.data.ptr, tile, n_tok, n_in, n_out), 20)
+        t_g = time_us(lambda: k.gemm_f16(st, w16.data.ptr, x16.data.ptr, y.data.ptr, tile, n_tok, n_in, n_out,
+                                         ab=sc.data.ptr), 20)  # fmt: skip
         t_all = time_us(lambda: k.mul_mat_gemm(st, G[name], raw.data.ptr, raw.shape[1], n_out, n_in, x.data.ptr, n_in,
-                                               y.data.ptr, n_tok, w16=w16.data.ptr, x16=x16.data.ptr, tile_rows=tile), 20)
+                                               y.data.ptr, n_tok, w16=w16.data.ptr, x16=x16.data.ptr, tile_rows=tile,
+                                               scale=sc.data.ptr), 20)  # fmt: skip
         tf = 2 * tile * n_in * n_tok / t_g / 1e6
         gbw = (raw.nbytes * tile // n_out + w16.nbytes) / t_w / 1e3
         rep.add(lines, f"| gemm_f16 {name} | {n_out}x{n_in}, {n_tok} tok: x->f16 {t_x:.1f}, W->f16 {t_w:.1f} "

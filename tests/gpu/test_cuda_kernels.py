@@ -567,6 +567,85 @@ def test_to_f16(env: Env) -> None:
     assert np.array_equal(env.get(y).view(np.uint16), want.view(np.uint16))
 
 
+def f16_scale(m: float) -> float:
+    """An f16 GEMM input's scale by its definition: the smallest power of two s >= 1 with
+    m / s <= 2^15 (at most 2^113: enough for every finite float32)."""
+    s = 1.0
+    while m / s > 2.0**15 and s < 2.0**113:
+        s *= 2
+    return s
+
+
+@pytest.mark.parametrize("case", ["in-range", "past-65504", "inf"])
+def test_to_f16_scaled(env: Env, case: str) -> None:
+    """A prompt's f16 GEMM input with its power-of-two scale (amax_f32's partial maxima, blocks
+    looping over 300 rows, then cpy_f32_f16): alpha = s and beta = 0 written for the GEMM, y =
+    x / s rounded to f16; in range (max |x| <= 2^15) s = 1 and the unscaled conversion's bits.
+    Only the n columns of each row count (a huge value past them changes nothing)."""
+    from llamapy.backend.cuda_ops import F16_SCALE_BYTES
+
+    x = randn(300, 99) * 1e3
+    x[7, 97] = 1e30  # outside the 96 columns read
+    if case != "in-range":
+        x[290, 40] = -3e5 if case == "past-65504" else np.inf  # in a row the blocks reach on their second pass
+    xd = env.d(x)
+    y, y0 = env.full((300, 96), np.nan, np.float16), env.full((300, 96), np.nan, np.float16)
+    sc = env.full((F16_SCALE_BYTES // 4,), np.nan, np.float32)
+    env.run(lambda st: env.k.to_f16(st, env.p(xd), 99, env.p(y), 300, 96, scale=env.p(sc)))
+    s = f16_scale(float(np.abs(x[:, :96]).max()))
+    assert s == {"in-range": 1.0, "past-65504": 16.0, "inf": 2.0**113}[case]
+    assert env.get(sc)[0] == s and env.get(sc)[1] == 0.0
+    with np.errstate(over="ignore"):
+        want = (x[:, :96] / np.float32(s)).astype(np.float16)
+    got = env.get(y)
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    if case == "past-65504":
+        assert np.all(np.isfinite(got))
+    if case == "in-range":
+        env.run(lambda st: env.k.to_f16(st, env.p(xd), 99, env.p(y0), 300, 96))
+        assert np.array_equal(got.view(np.uint16), env.get(y0).view(np.uint16))
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
+def test_mul_mat_gemm_past_f16_range(env: Env, name: str) -> None:
+    """A prompt's product whose input passes f16's 65504 (Gemma-like activations; unscaled, inf
+    and NaN logits): finite, the float64 product of x and the f16 weights within the f16
+    rounding of x / s, each of the two tiles' GEMMs multiplying by alpha = s read from device
+    memory; the same input under 2^15 gives the unscaled path's bits."""
+    from gguf.quants import dequantize
+
+    from llamapy.backend.cuda_ops import F16_SCALE_BYTES
+
+    n_out, n_in, n_tok, tile = 300, 256, 37, 256
+    raw = np.ascontiguousarray(random_rows(name, n_out, n_in, np.random.default_rng(7)))
+    w16 = dequantize(raw, G[name]).reshape(n_out, n_in).astype(np.float32).astype(np.float16).astype(np.float64)
+    x = randn(n_tok, n_in) * 100
+    x[3, 7] = 9e5  # s = 32
+    rd = env.d(raw)
+    sw, sx = env.zeros((tile, n_in), np.float16), env.zeros((n_tok, n_in), np.float16)
+    sc = env.full((F16_SCALE_BYTES // 4,), np.nan, np.float32)
+
+    def product(xv: np.ndarray, scale: bool) -> np.ndarray:
+        xd, y = env.d(xv), env.full((n_tok, n_out), np.nan, np.float32)
+        env.run(lambda st: env.k.mul_mat_gemm(st, G[name], env.p(rd), raw.shape[1], n_out, n_in, env.p(xd), n_in,
+                                              env.p(y), n_tok, w16=env.p(sw), x16=env.p(sx), tile_rows=tile,
+                                              scale=env.p(sc) if scale else 0))  # fmt: skip
+        return env.get(y).astype(np.float64)
+
+    got = product(x, True)
+    assert np.all(np.isfinite(got)) and env.get(sc)[0] == 32.0
+    x64 = x.astype(np.float64)
+    scale = np.abs(x64) @ np.abs(w16).T
+    xs = (x / np.float32(32)).astype(np.float16).astype(np.float64) * 32  # what the GEMMs multiply
+    assert np.all(np.abs(got - xs @ w16.T) <= 1e-5 * scale + 1e-30)  # float32 accumulation
+    # f16's rounding of x / s (2^-11 relative; 2^-24 s absolute for its subnormals) through the sums
+    bound = 2.0**-11 * scale + 2.0**-24 * 32 * np.abs(w16).sum(1) + 1e-5 * scale
+    assert np.all(np.abs(got - x64 @ w16.T) <= bound)
+    x[3, 7] = 2.0**15  # the largest unscaled input
+    a, b = product(x, True), product(x, False)
+    assert env.get(sc)[0] == 1.0 and np.array_equal(a.view(np.uint64), b.view(np.uint64))
+
+
 @pytest.mark.parametrize("glu", ["", "swiglu"])
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
 def test_mul_mat_gemm(env: Env, name: str, glu: str) -> None:
@@ -762,7 +841,8 @@ def test_moe_sort_more_experts_than_threads(env: Env) -> None:
     assert np.array_equal(got[T * U:], np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E + 1))]))
 
 
-@pytest.mark.parametrize("case", ["down", "swiglu", "swiglu_oai+bias", "down+per-expert", "swiglu+per-expert+tiles"])
+@pytest.mark.parametrize("case", ["down", "swiglu", "swiglu_oai+bias", "down+per-expert", "swiglu+per-expert+tiles",
+                                  "down+big", "swiglu+per-expert+big"])
 def test_mul_mat_id_gemm(env: Env, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt's expert product: the pairs grouped by expert (moe_sort: a stable sort, ids out of
     range last), the rows gathered and rounded to f16, the experts' GEMMs (float32 accumulation:
@@ -770,7 +850,9 @@ def test_mul_mat_id_gemm(env: Env, case: str, monkeypatch: pytest.MonkeyPatch) -
     scratch — one an expert, in tiles of rows), the rows scattered back with the biases and the
     GLU: the f16-rounded product's values within float32 accumulation, NaN for an id out of range;
     the second product of the same routing reuses the offsets read (no sort, no read). Scratches
-    of moe_scratch_bytes' sizes."""
+    of moe_scratch_bytes' sizes. "big": inputs past f16's 65504, gathered as x / s (the pairs'
+    power-of-two scale), every GEMM's alpha = s: finite, within f16's rounding of the float64
+    product."""
     from gguf.quants import dequantize
 
     from llamapy.backend import cuda_ops
@@ -781,7 +863,7 @@ def test_mul_mat_id_gemm(env: Env, case: str, monkeypatch: pytest.MonkeyPatch) -
     if "tiles" in case:  # experts of 300 rows decoded 256 at a time (the smallest tile)
         m = 300
         monkeypatch.setattr(cuda_ops, "GEMM_SCRATCH_BYTES", 1)
-    gemms: list[int] = []  # the GEMM launcher's calls: 7 arguments one GEMM, 11 a batched one
+    gemms: list[int] = []  # the GEMM launcher's calls: 8 arguments one GEMM, 12 a batched one
     real_gemm = env.k.gemm
 
     def gemm(grid: Any, block: Any, args: tuple, **kw: Any) -> None:
@@ -796,6 +878,9 @@ def test_mul_mat_id_gemm(env: Env, case: str, monkeypatch: pytest.MonkeyPatch) -
     ids[ids == 4] = 3  # expert 4 used by no pair: no GEMM for it
     glu = not case.startswith("down")
     x = rng.standard_normal((T, 1 if glu else U, n_in)).astype(np.float32)  # gate/up: one row a token
+    if "big" in case:
+        x *= 1e3
+        x[11, -1, 5] = 2e5  # s = 8: 2e5 / 8 <= 2^15
     raws = [np.ascontiguousarray(random_rows("Q4_K", n_expert * m, n_in, np.random.default_rng(s))) for s in (8, 9)]
     ws = [dequantize(r, G.Q4_K).reshape(n_expert, m, n_in).astype(np.float32).astype(np.float16).astype(np.float64)
           for r in raws]  # fmt: skip
@@ -808,7 +893,8 @@ def test_mul_mat_id_gemm(env: Env, case: str, monkeypatch: pytest.MonkeyPatch) -
     assert cuda_ops.gemm_tile_rows(m, n_in) == (256 if "tiles" in case else m)
     y = env.full((T, U, m), np.nan, np.float32)
     sxt, sxu = x.shape[1] * n_in, (0 if glu else n_in)
-    kw: dict[str, Any] = dict(order=env.p(order), x16=env.p(x16), w16=env.p(w16), prod=env.p(prod))
+    sc = env.full((cuda_ops.F16_SCALE_BYTES // 4,), np.nan, np.float32)
+    kw: dict[str, Any] = dict(order=env.p(order), x16=env.p(x16), w16=env.p(w16), prod=env.p(prod), scale=env.p(sc))
     if glu:
         kw.update(w2=env.p(rd[1]), glu=case.split("+")[0])
         if bias:
@@ -825,10 +911,12 @@ def test_mul_mat_id_gemm(env: Env, case: str, monkeypatch: pytest.MonkeyPatch) -
     assert np.array_equal(o[n_pairs:n_pairs + n_expert + 2], want_offs) and np.array_equal(got_offs[0], want_offs)
     # batched: one GEMM a half (gate, up); else one an expert used (4 of 5) a half and tile
     n_half = 2 if glu else 1
-    assert gemms == ([7] * 4 * n_half * (2 if "tiles" in case else 1) if "per-expert" in case else [11] * n_half), gemms
+    assert gemms == ([8] * 4 * n_half * (2 if "tiles" in case else 1) if "per-expert" in case else [12] * n_half), gemms
     got = env.get(y).astype(np.float64)
     assert np.all(np.isnan(got[7, 1]))
-    xs = x.astype(np.float16).astype(np.float64)
+    s = f16_scale(float(np.abs(x).max()))
+    assert env.get(sc)[0] == s == (8.0 if "big" in case else 1.0) and env.get(sc)[1] == 0.0
+    xs = (x / np.float32(s)).astype(np.float16).astype(np.float64) * s  # what the GEMMs multiply
     for tk in range(T):
         for u in range(U):
             e = int(ids[tk, u])
@@ -838,6 +926,10 @@ def test_mul_mat_id_gemm(env: Env, case: str, monkeypatch: pytest.MonkeyPatch) -
             g, scale = ws[0][e] @ xr, np.abs(ws[0][e]) @ np.abs(xr)
             if not glu:
                 assert np.all(np.abs(got[tk, u] - g) <= 1e-5 * scale + 1e-30), (tk, u)
+                # and f16's rounding of x / s from the float64 product (2^-24 s: its subnormals)
+                x64 = x[tk, u].astype(np.float64)
+                bound = 2.0**-11 * scale + 2.0**-24 * s * np.abs(ws[0][e]).sum(1) + 1e-5 * scale
+                assert np.all(np.abs(got[tk, u] - ws[0][e] @ x64) <= bound), (tk, u)
                 continue
             up, scale_u = ws[1][e] @ xr, np.abs(ws[1][e]) @ np.abs(xr)
             if bias:
@@ -845,7 +937,8 @@ def test_mul_mat_id_gemm(env: Env, case: str, monkeypatch: pytest.MonkeyPatch) -
                 gc, uc = np.minimum(g, 7.0), np.clip(up, -7.0, 7.0)
                 want = gc / (1 + np.exp(-1.702 * gc)) * (uc + 1)
             else:
-                want = g / (1 + np.exp(-g)) * up
+                with np.errstate(over="ignore"):  # (exp(-g) of a large negative g: want -0)
+                    want = g / (1 + np.exp(-g)) * up
             # the products' errors (float32 accumulation) through the GLU, then its own roundings
             bound = 1e-5 * (2 * scale * (np.abs(up) + 1) + 2 * scale_u * np.abs(g)) + 1e-6 * np.abs(want) + 1e-30
             assert np.all(np.abs(got[tk, u] - want) <= bound), (tk, u)

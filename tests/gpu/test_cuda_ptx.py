@@ -192,6 +192,7 @@ def record_launches() -> list[tuple]:
     k.clamp(st, 0x1000, 1, 0x2000, 3, 1, 6e-5, float("inf"))
     k.moe_sort(st, 0x1000, 8, 40, 8, 128, 0x2000, 0x3000)  # a prompt's experts (mul_mat_id_gemm's launches)
     k.moe_gather_f16(st, 0x1000, 2048, 0, 0x2000, 0x3000, 8, 8, 128, (0x4000, 40), 0x5000, 320, 2048)
+    k.moe_gather_f16(st, 0x1000, 2048, 256, 0x2000, 0x3000, 8, 8, 128, (0x4000, 0), 0x5000, 320, 2048, scale=0x6000)
     for op in (-1, 2):
         k.moe_scatter(st, 0x1000, 1536, 0x2000, 0x3000, 8, 8, 128, (0x4000, 0), 0x5000, 768, 320, op, b=0x6000,
                       b2=0x7000, sb=768, alpha=1.702, limit=7.0)  # fmt: skip
@@ -226,6 +227,7 @@ def record_launches() -> list[tuple]:
             k.flash_attn_ext(st, 0x1000, 4096, 128, kt, 0x2000, 2048, 256, vt, 0x3000, 2048, 256, 4096, 0x4000, 4096,
                              0x5000, 4096, 128, 40, 32, 8, 256, 256, 0.088, n_kv_dev=0x6000, rot_k=rk, rot_v=rv)  # fmt: skip
     k.to_f16(st, 0x1000, 576, 0x2000, 40, 576)
+    k.to_f16(st, 0x1000, 576, 0x2000, 300, 576, scale=0x3000)  # (with the input's scale: amax_f32 first)
     return calls
 
 

@@ -78,7 +78,7 @@ def test_capture_rules(emu: emu_cupy.EmuCupy) -> None:
         with pytest.raises(RuntimeError, match="during stream capture"):
             emu.empty(4, np.float32)
         with pytest.raises(NotImplementedError, match="cuBLAS"):
-            k.gemm(None, None, (x.data.ptr, x.data.ptr, y.data.ptr, 1, 1, 2, 1), stream=st)
+            k.gemm(None, None, (x.data.ptr, x.data.ptr, y.data.ptr, 1, 1, 2, 1, 0), stream=st)
         with pytest.raises(RuntimeError, match="capturing"):
             x.get()
         g = st.end_capture()
@@ -89,6 +89,37 @@ def test_capture_rules(emu: emu_cupy.EmuCupy) -> None:
     del x  # a graph replayed after its memory was freed: the GPU's fault, here an error
     with pytest.raises(RuntimeError, match="freed"):
         g.launch(st)
+
+
+def test_gemm_reads_alpha_from_device_memory_when_it_runs(emu: emu_cupy.EmuCupy) -> None:
+    """CublasGemm with alpha and beta in device memory (the f16 input's scale): pointer mode
+    device for the call, the values read when the stream runs the GEMM — here those of an
+    asynchronous copy queued before it, not the memory's when the call is made —, and the
+    handle back in host mode after it (CuPy's own cuBLAS calls assume it); a device address in
+    host mode faults."""
+    from llamapy.backend.cuda_ops import CublasGemm
+
+    dev = _cuda0()
+    st, blas, handle = dev.stream, emu.cuda.cublas, emu.cuda.device.get_cublas_handle()
+    a = emu.asarray(np.array([[1, 2], [3, 4], [5, 6]], np.float16))  # (m 3, k 2)
+    b = emu.asarray(np.array([[1, 1], [2, -1]], np.float16))  # (n 2, k 2)
+    c = emu.full((2, 3), np.nan, np.float32)
+    ab = emu.asarray(np.array([1.0, 0.0], np.float32))
+    pinned = emu.cuda.alloc_pinned_memory(8)
+    host = np.frombuffer(pinned, np.float32, 2)
+    host[:] = [8.0, 0.0]
+    rt = emu.cuda.runtime
+    gemm = CublasGemm(emu)
+    with dev.context("gemm"):
+        rt.memcpyAsync(ab.data.ptr, host.ctypes.data, 8, rt.memcpyHostToDevice, st.ptr)  # queued, not yet run
+        gemm(None, None, (a.data.ptr, b.data.ptr, c.data.ptr, 3, 2, 2, 3, ab.data.ptr), stream=st)
+        st.synchronize()
+    want = 8 * (np.array([[1, 1], [2, -1]], np.float64) @ np.array([[1, 2], [3, 4], [5, 6]], np.float64).T)
+    np.testing.assert_array_equal(c.get(), want.astype(np.float32))  # beta 0: the NaN of c not read
+    assert blas.getPointerMode(handle) == blas.CUBLAS_POINTER_MODE_HOST
+    with dev.context("gemm"), pytest.raises(RuntimeError, match="pointer mode host"):
+        emu.cuda.cublas.gemmEx(handle, 1, 0, 3, 2, 2, ab.data.ptr, a.data.ptr, 2, 2, b.data.ptr, 2, 2,
+                               ab.data.ptr + 4, c.data.ptr, 0, 3, 68, -1)  # fmt: skip
 
 
 def test_kernel_arguments_checked_as_the_driver_reads_them(emu: emu_cupy.EmuCupy) -> None:

@@ -58,13 +58,10 @@ def _model(path: Path, ngl: int | str = "all") -> Model:
     return Model(path, ModelOptions(n_gpu_layers=ngl))
 
 
-# The random Q4_K file's weights reach 9.45 (conftest's K-quant scales): the 300-token prompt's FFN
-# input passes 65504, the f16 GEMM's input overflows (cpy_f32_f16: inf) and its logits are NaN — on
-# a GPU as on the emulator (found with emu_cupy); llama.cpp's MMQ (q8_1 activations) does not overflow
-_F16_OVERFLOW = pytest.mark.xfail(strict=True, reason="the prompt's f16 GEMM input overflows (activations > 65504)")
-
-
-@pytest.mark.parametrize("qtype", [T.Q8_0, pytest.param(T.Q4_K, marks=_F16_OVERFLOW), T.Q4_1])
+# Q4_K: the random file's weights reach 9.45 (conftest's K-quant scales), so the 300-token prompt's
+# FFN input passes f16's 65504: the GEMMs' inputs are divided by a power of two that keeps them in
+# range (common.cuh's f16_input_scale; unscaled they overflowed to inf and the logits were NaN)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q4_1], ids=lambda q: q.name)
 def test_decode_runs_as_one_captured_graph(make_llama, monkeypatch: pytest.MonkeyPatch, qtype: T) -> None:  # noqa: ANN001
     monkeypatch.setenv("LLAMAPY_EXECUTOR", "1")
     monkeypatch.delenv("LLAMAPY_CUDA_GRAPHS", raising=False)
@@ -179,7 +176,7 @@ def test_moe_decode_as_one_captured_graph(tmp_path: Path, monkeypatch: pytest.Mo
     # alone, with --n-cpu-moe, a GEMM plan launched directly)
     plans = [(w, p) for w, p in gpu_plans(ctx)
              if not (p is not None and not p and ("a batch of" in p.reason or "in CPU memory" in p.reason))
-             and not (isinstance(p, GPUPlan) and p.direct == GEMM_DIRECT)]
+             and not (isinstance(p, GPUPlan) and p.direct.startswith(GEMM_DIRECT))]  # (a MoE prompt: + MOE_SYNC)
     assert plans, "no CUDA split ran"
     for what, p in plans:
         assert isinstance(p, GPUPlan), f"{what}: no GPU plan: {getattr(p, 'reason', p)}"

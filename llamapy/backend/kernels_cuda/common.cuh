@@ -173,6 +173,41 @@ __device__ __forceinline__ T warp_max(T v) {
     return v;
 }
 
+// The max of v over the block (every thread gets it): called by every thread, blockDim.x a
+// multiple of 32, once per kernel (one shared array).
+__device__ __forceinline__ float block_max(float v) {
+    __shared__ float red[32];
+    v = warp_max(v);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = red[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) v = fmaxf(v, red[w]);
+    return v;
+}
+
+// The f16 input of a prompt's GEMM kept in range (an activation past 65504 would round to inf):
+// a power-of-two scale s = 2^k, the smallest k >= 0 with max|x| / s <= 2^15, the input rounded as
+// x / s (exact: a power of two) and the GEMM's alpha = s, which cuBLAS reads from device memory
+// (cuda_ops.CublasGemm), so nothing but the converted input changes and no pass over the output
+// runs; s = 1, today's bits, when nothing is that large. The max takes two launches and no
+// grid-wide sync: elementwise.cu's amax_f32 writes one partial maximum a block (a few hundred),
+// then every block of the convert launch (cpy_f32_f16, moe.cu's moe_gather_f16) reduces them
+// itself here, and block 0 writes ab = {s, 0}: the GEMM's alpha and beta. Returns 1 / s (1 for
+// n_part 0: no scale). k is at most 113, which every finite float32 (below 2^128) needs at most
+// (an inf input gets 113 too, and stays inf).
+__device__ __forceinline__ float f16_input_scale(const float* __restrict__ part, int n_part, float* ab) {
+    float m = 0.0f;
+    for (int j = threadIdx.x; j < n_part; j += blockDim.x) m = fmaxf(m, part[j]);
+    const unsigned int b = __float_as_uint(block_max(m));
+    int k = (int)(b >> 23) - 127 - 15 + ((b & 0x7fffffu) != 0u);  // ceil(log2 m) - 15 (m normal or inf)
+    k = k < 0 ? 0 : (k > 113 ? 113 : k);
+    if (ab && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+        ab[0] = __uint_as_float((unsigned int)(127 + k) << 23);
+        ab[1] = 0.0f;
+    }
+    return __uint_as_float((unsigned int)(127 - k) << 23);
+}
+
 // Hadamard rotation in place of a[0 .. len) in shared memory, in runs of `rot` values (a power of
 // two dividing len), as quants.rotate computes it: stages hs = 1, 2, ..., rot/2 of butterflies
 // (a + b, a - b) over the pairs hs apart inside each block of 2*hs, then every value times

@@ -204,19 +204,22 @@ __device__ __forceinline__ long long moe_gemm_row(int e, int n_expert, const int
 }
 
 // The GEMM's input: sorted row r = the input row of pair order[r] = t * n_used + u (x + t * sxt +
-// u * sxu; sxu 0: one row a token) rounded to f16 (cpy_f32_f16's rounding), at its GEMM row
-// (moe_gemm_row: ids of sid, the offsets and pad). Grid (ceil(n / blockDim.x), rows).
+// u * sxu; sxu 0: one row a token) rounded to f16 (cpy_f32_f16's rounding and scale: x / s with
+// n_part partial maxima of the pairs' rows, ab = {s, 0}), at its GEMM row (moe_gemm_row: ids of
+// sid, the offsets and pad). Grid (ceil(n / blockDim.x), rows).
 extern "C" __global__ void moe_gather_f16(const float* __restrict__ x, long long sxt, long long sxu,
                                           const int* __restrict__ order, const int* __restrict__ ids, long long sid,
                                           int n_used, int n_expert, const int* __restrict__ offs, int pad,
-                                          unsigned short* __restrict__ y, int n) {
+                                          unsigned short* __restrict__ y, int n, const float* __restrict__ part,
+                                          int n_part, float* ab) {
+    const float inv = f16_input_scale(part, n_part, ab);  // (every thread: it synchronizes)
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const long long r = blockIdx.y;
     const int p = order[r];
     const long long g = moe_gemm_row(ids[(long long)(p / n_used) * sid + p % n_used], n_expert, offs, pad, r);
     if (g < 0) return;
-    y[g * n + i] = f32_to_f16(x[(long long)(p / n_used) * sxt + (long long)(p % n_used) * sxu + i]);
+    y[g * n + i] = f32_to_f16(__fmul_rn(x[(long long)(p / n_used) * sxt + (long long)(p % n_used) * sxu + i], inv));
 }
 
 // The GEMM's rows back to their pairs with mmv_id's epilogue: sorted row r's GEMM row of prod

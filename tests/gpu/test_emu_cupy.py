@@ -189,20 +189,13 @@ def _greedy(ctx: Any) -> tuple[list[np.ndarray], list[int]]:
     return logits, toks
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("ngl", ["all", 2])
-def test_decode_on_cuda0_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path, ngl: int | str) -> None:
-    """A tiny Q8_0 llama (2 layers) through the real CUDA0 device on the emulator: a 12-token
-    prompt (its products f16 GEMMs) and 6 greedy decode steps at -ngl all and -ngl 2 give the
-    -ngl 0 float32 path's logits within float tolerance and the same tokens; the decode graph's
-    CUDA split is one captured CUDA graph (its LLAMAPY_SCHED_DEBUG plan line)."""
-    from gguf import GGMLQuantizationType as T
-
-    from conftest import write_llama_gguf
+def _greedy_against_cpu(path: Path, ngl: int | str) -> tuple[Any, list[str]]:
+    """`_greedy` at -ngl `ngl` (on the emulated CUDA0) against -ngl 0's float32 path: the same
+    tokens, every call's logits finite and within 1e-3 of the largest; (the model, the scheduler's
+    split dump of each distinct graph: the prompt's, then the decode steps')."""
     from llamapy.context import Context, ContextOptions, Model, ModelOptions
     from llamapy.sched.scheduler import split_printer
 
-    path = write_llama_gguf(tmp_path / "tiny.gguf", n_layer=2, qtype=T.Q8_0)
     cpu = Model(path, ModelOptions(n_gpu_layers=0), ContextOptions(cpu_matmul="f32"))
     want, want_toks = _greedy(Context(cpu, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32")))
     cpu.free()
@@ -213,9 +206,23 @@ def test_decode_on_cuda0_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path, ngl: in
     got, toks = _greedy(ctx)
     assert toks == want_toks
     for i, (a, b) in enumerate(zip(got, want)):
-        scale = float(np.abs(b).max())
-        assert np.isfinite(a).all() and float(np.abs(a - b).max()) <= 1e-3 * scale, f"call {i}"
-    graphs = "\n".join(lines).split("sched: graph #")[1:]  # the prompt's graph, then the decode steps'
+        assert np.isfinite(a).all() and float(np.abs(a - b).max()) <= 1e-3 * float(np.abs(b).max()), f"call {i}"
+    return model, "\n".join(lines).split("sched: graph #")[1:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ngl", ["all", 2])
+def test_decode_on_cuda0_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path, ngl: int | str) -> None:
+    """A tiny Q8_0 llama (2 layers) through the real CUDA0 device on the emulator: a 12-token
+    prompt (its products f16 GEMMs) and 6 greedy decode steps at -ngl all and -ngl 2 give the
+    -ngl 0 float32 path's logits within float tolerance and the same tokens; the decode graph's
+    CUDA split is one captured CUDA graph (its LLAMAPY_SCHED_DEBUG plan line)."""
+    from gguf import GGMLQuantizationType as T
+
+    from conftest import write_llama_gguf
+
+    path = write_llama_gguf(tmp_path / "tiny.gguf", n_layer=2, qtype=T.Q8_0)
+    model, graphs = _greedy_against_cpu(path, ngl)
     assert len(graphs) == 2, "\n".join(lines)
     decode_plans = [ln for ln in graphs[1].splitlines() if ln.startswith("## PLAN") and "CUDA0" in ln]
     assert len(decode_plans) == 1 and "CUDA0 GPU plan" in decode_plans[0], graphs[1]
@@ -271,22 +278,8 @@ def test_moe_prompt_on_cuda0_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path, cas
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
     from moe_models import SHAPES, write_moe_gguf
 
-    from llamapy.context import Context, ContextOptions, Model, ModelOptions
-    from llamapy.sched.scheduler import split_printer
-
     path = write_moe_gguf(tmp_path / f"{case}.gguf", qtype=T.Q8_0, **SHAPES[case])
-    cpu = Model(path, ModelOptions(n_gpu_layers=0), ContextOptions(cpu_matmul="f32"))
-    want, want_toks = _greedy(Context(cpu, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32")))
-    cpu.free()
-    model = Model(path, ModelOptions(n_gpu_layers="all"))
-    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul="f32"))
-    lines: list[str] = []
-    ctx.sched.debug_hook = split_printer(ctx.sched, 1, lines.append)
-    got, toks = _greedy(ctx)
-    assert toks == want_toks
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert np.isfinite(a).all() and float(np.abs(a - b).max()) <= 1e-3 * float(np.abs(b).max()), f"call {i}"
-    graphs = "\n".join(lines).split("sched: graph #")[1:]
+    model, graphs = _greedy_against_cpu(path, "all")
     prompt = [ln for ln in graphs[0].splitlines() if ln.startswith("## PLAN") and "CUDA0" in ln]
     assert len(prompt) == 1 and "CUDA0 GPU plan" in prompt[0] and "direct launches" in prompt[0], graphs[0]
     assert "MUL_MAT_ID(GEMM):2" in prompt[0] and "one host read of the expert counts a MoE layer" in prompt[0]

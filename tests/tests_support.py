@@ -71,3 +71,31 @@ def wait_child(pid: int, what: str, timeout: float = 20.0) -> None:
             pytest.fail(f"the fork child hung in {what}")
         time.sleep(0.01)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def matcher_takes(m, n_vocab: int, tokens: list[int]) -> bool:  # noqa: ANN001
+    """Whether a constraint matcher (model/constrain.py) allows each of `tokens` in turn, its
+    mask then accept (it has taken those it allowed)."""
+    import numpy as np
+
+    from llamapy.model.constrain import ConstraintError
+
+    for t in tokens:
+        row = np.zeros(n_vocab, np.float32)
+        m.mask(row)
+        if not np.isfinite(row[t]):
+            return False
+        try:
+            m.accept(t)
+        except ConstraintError:
+            return False
+    return True
+
+
+def matcher_allows_eos(m, tok) -> bool:  # noqa: ANN001
+    """Whether the matcher's mask lets the tokenizer's end of generation through now."""
+    import numpy as np
+
+    row = np.zeros(tok.n_vocab, np.float32)
+    m.mask(row)
+    return bool(np.isfinite(row[tok.eos]))

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from llamapy.model.toolcalls import Tool, call_grammar, harmony_final_grammar
 from llamapy.types import LlamapyError
 from moe_models import SHAPES, write_gptoss_gguf, write_harmony_vocab
+from tests_support import matcher_allows_eos, matcher_takes
 
 pytest.importorskip("llguidance")
 
@@ -57,25 +57,12 @@ def _matcher(llm, kind: str, src: str):  # noqa: ANN001, ANN202
 
 
 def _allows(llm, m, text: str) -> bool:  # noqa: ANN001
-    from llamapy.model.constrain import ConstraintError
-
     tok = llm.tokenizer
-    for t in tok.encode(text, add_special=False, parse_special=True):
-        row = np.zeros(tok.n_vocab, np.float32)
-        m.mask(row)
-        if not np.isfinite(row[t]):
-            return False
-        try:
-            m.accept(t)
-        except ConstraintError:
-            return False
-    return True
+    return matcher_takes(m, tok.n_vocab, tok.encode(text, add_special=False, parse_special=True))
 
 
 def _ends(llm, m) -> bool:  # noqa: ANN001
-    row = np.zeros(llm.tokenizer.n_vocab, np.float32)
-    m.mask(row)
-    return bool(np.isfinite(row[llm.tokenizer.eos]))
+    return matcher_allows_eos(m, llm.tokenizer)
 
 
 W = [Tool("get_weather", "", PARAMS), Tool("f")]

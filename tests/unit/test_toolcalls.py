@@ -23,6 +23,7 @@ from llamapy.model.toolcalls import (
     template_caps,
     template_variables,
 )
+from tests_support import matcher_allows_eos, matcher_takes
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 QWEN3 = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()
@@ -326,28 +327,12 @@ def _matcher(tok, fmt: str, lazy: bool, parallel: bool = False):  # noqa: ANN001
 
 def _allows(tok, m, text: str) -> bool:  # noqa: ANN001
     """Whether the matcher takes `text` (then it has taken it)."""
-    import numpy as np
-
-    from llamapy.model.constrain import ConstraintError
-
-    for t in tok.encode(text, add_special=False, parse_special=False, space_prefix=False):  # a reply goes on from the prompt
-        row = np.zeros(tok.n_vocab, np.float32)
-        m.mask(row)
-        if not np.isfinite(row[t]):
-            return False
-        try:
-            m.accept(t)
-        except ConstraintError:
-            return False
-    return True
+    # (a reply goes on from the prompt: no space prefix)
+    return matcher_takes(m, tok.n_vocab, tok.encode(text, add_special=False, parse_special=False, space_prefix=False))
 
 
 def _eos_ok(tok, m) -> bool:  # noqa: ANN001
-    import numpy as np
-
-    row = np.zeros(tok.n_vocab, np.float32)
-    m.mask(row)
-    return bool(np.isfinite(row[tok.eos]))
+    return matcher_allows_eos(m, tok)
 
 
 CALL = '{"name":"get_weather","arguments":{"city":"Oslo"}}'

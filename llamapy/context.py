@@ -354,11 +354,8 @@ class Context:
         """Reserve the planned compute buffers; on OutOfMemoryError none stays allocated."""
         from .model.fit import with_plan_arenas
 
-        n = self.n_ubatch
-        plan = self.sched.reserve(self.graph(n, n).graph)
-        gpu_plans = any(hasattr(be, "plan_arena_bytes") for be in self.backends)
-        plans = [plan] + ([self.sched.reserve(self.graph(1, 1).graph)] if n > 1 and gpu_plans else [])
-        sizes = with_plan_arenas(self.sched, plans)  # (the GPU plans' arena: the fit's figure)
+        # (the GPU plans' arena: the fit's figure)
+        sizes = with_plan_arenas(self.sched, lambda n: self.graph(n, n).graph, self.n_ubatch)
         try:
             for be in self.backends:
                 size = sizes.get(be.name, 0)

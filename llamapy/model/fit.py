@@ -11,13 +11,14 @@ tensors keep their buffers throughout.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from ..backend.interface import Buffer, BufferUsage, Device
 from ..sched.alloc import plan_offsets
-from ..sched.scheduler import Plan, Scheduler, split_exports
+from ..graph import Graph
+from ..sched.scheduler import Scheduler, split_exports
 from ..tensor import Tensor
 from ..types import GGMLType
 from ..models import HParams, build_graph
@@ -54,19 +55,19 @@ def compute_sizes(
     """Compute-buffer bytes per device name for the worst-case micro-batch graph."""
     n_tokens = min(n_ubatch, n_ctx)
     sched = Scheduler([d.init_backend() for d in devices], op_offload=op_offload)
-    gpu_plans = any(hasattr(be, "plan_arena_bytes") for be in sched.backends)  # (their decode plans' arena too)
-    plans = [sched.reserve(build_graph(params, weights, kv, n, n).graph)
-             for n in dict.fromkeys((n_tokens, 1) if gpu_plans else (n_tokens,))]
-    return with_plan_arenas(sched, plans)
+    return with_plan_arenas(sched, lambda n: build_graph(params, weights, kv, n, n).graph, n_tokens)
 
 
-def with_plan_arenas(sched: Scheduler, plans: Sequence[Plan]) -> dict[str, int]:
-    """Compute bytes per backend for graphs `plans` (the worst-case micro-batch first, then the
-    decode step's): the scheduler's compute buffer, and on a backend whose splits compile into GPU
-    plans (`plan_arena_bytes`: CUDA) the one arena its plans share, as large as the largest —
-    sized by `gpu_plan.arena_bytes`, the compiler's own passes, so the prompt products' f16
-    scratches count — alone when every split of the backend is a plan, else on top of the
-    scheduler's buffer (a refused split's values, node by node, live beside the arena)."""
+def with_plan_arenas(sched: Scheduler, graph_of: Callable[[int], Graph], n_tokens: int) -> dict[str, int]:
+    """Compute bytes per backend for the worst-case micro-batch graph `graph_of(n_tokens)` (and,
+    where a backend makes GPU plans, the decode step's `graph_of(1)` too): the scheduler's compute
+    buffer, and on a backend whose splits compile into GPU plans (`plan_arena_bytes`: CUDA) the
+    one arena its plans share, as large as the largest — sized by `gpu_plan.arena_bytes`, the
+    compiler's own passes, so the prompt products' f16 scratches count — alone when every split
+    of the backend is a plan, else on top of the scheduler's buffer (a refused split's values,
+    node by node, live beside the arena)."""
+    gpu_plans = any(hasattr(be, "plan_arena_bytes") for be in sched.backends)
+    plans = [sched.reserve(graph_of(n)) for n in dict.fromkeys((n_tokens, 1) if gpu_plans else (n_tokens,))]
     sizes = dict(plans[0].compute_sizes)
     for bi, be in enumerate(sched.backends):
         arena_of = getattr(be, "plan_arena_bytes", None)

@@ -555,6 +555,8 @@ class CudaKernels:
                 or sxu % 4:
             raise UnsupportedError(f"CUDA: {qtype.name} MUL_MAT_ID of {n_tok} tokens of {n_in} (x at {x:#x}, "
                                    f"strides {sxt}, {sxu})")  # fmt: skip
+        if (n_tok - 1) * sxt + (n_used - 1) * sxu + n_in >= 2**31:  # the kernel keeps 32-bit row offsets
+            raise UnsupportedError(f"CUDA: MUL_MAT_ID input rows past 2^31 floats (strides {sxt}, {sxu})")
         if n_used <= 0 or m <= 0:
             return
         args = (_p(w), _p(w2), np.int64(m * row_bytes), np.int32(n_expert), _p(x), np.int64(sxt), np.int64(sxu),

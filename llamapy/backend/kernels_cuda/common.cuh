@@ -27,6 +27,7 @@ typedef unsigned char u8;
 #ifndef MMV_MAX_TOK
 #define MMV_MAX_TOK 8
 #endif
+static_assert(MMV_MAX_TOK <= 32, "the products' epilogues take a token (a pair) a lane");
 
 // Products and sums that must round exactly as numpy's float32 operations do: never contracted
 // into an FMA on the device (the host test build is compiled with -ffp-contract=off).
@@ -148,6 +149,25 @@ __device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
     return v;
+}
+
+// Element i (0 <= i < N, known only at run time) of a register array, read and written through
+// an unrolled select: nvcc places an array indexed at run time in local memory (off-chip, through
+// L1), one indexed only by constants after unrolling stays in registers.
+template <int N, typename T>
+__device__ __forceinline__ T reg_get(const T (&a)[N], int i) {
+    T v = a[0];
+#pragma unroll
+    for (int k = 1; k < N; ++k)
+        if (k == i) v = a[k];
+    return v;
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void reg_set(T (&a)[N], int i, T v) {
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+        if (k == i) a[k] = v;
 }
 
 /* a decoded unit of 32 weights times 32 activations (float4 loads), summed in one fixed order:
@@ -331,39 +351,48 @@ __device__ __forceinline__ void get_rows_impl(const u8* __restrict__ w, long lon
 // matrix-vector: W (n_out rows of row_bytes) times x (n_tok, n_in) float32, row-major and
 // 16-byte aligned, n_in a multiple of 32 -> y (n_tok, n_out). blockDim.x = 32 * rows per block.
 // ---------------------------------------------------------------------------------------------
+// One row of W (`wr`, n_units units) times n_tok <= MMV_MAX_TOK rows of x (token t's at
+// xrow(t), 16-byte aligned): lane l takes units l, l + 32, ..., each decoded once and dotted with
+// every token's 32 activations, then the lanes' partial sums are added with a butterfly. Token
+// t's sum is returned to lane t (0 to the lanes past n_tok): the epilogues then take a token a
+// lane, with one call site of their division's slow path (a call in an unrolled loop over the
+// tokens in lane 0 made the values live across it spill). Every product kernel sums a row here,
+// so their bits agree. The accumulators are indexed by constants only (the token loops are
+// unrolled), so they stay in registers.
+template <typename DQ, typename XRow>
+__device__ __forceinline__ float mmv_row(const u8* __restrict__ wr, int n_units, int n_tok, XRow xrow) {
+    const int lane = threadIdx.x & 31;
+    float acc[MMV_MAX_TOK];
+#pragma unroll
+    for (int t = 0; t < MMV_MAX_TOK; ++t) acc[t] = 0.0f;
+    float v[32];
+    for (int u = lane; u < n_units; u += 32) {
+        DQ::unit(wr, u, v);
+#pragma unroll
+        for (int t = 0; t < MMV_MAX_TOK; ++t)
+            if (t < n_tok) acc[t] += dot_unit(v, xrow(t) + u * 32);
+    }
+    float s_t = 0.0f;
+#pragma unroll
+    for (int t = 0; t < MMV_MAX_TOK; ++t) {
+        if (t < n_tok) {
+            const float s = warp_sum(acc[t]);
+            if (lane == t) s_t = s;
+        }
+    }
+    return s_t;
+}
+
 template <typename DQ>
 __device__ __forceinline__ void mmv_impl(const u8* __restrict__ w, const float* __restrict__ x,
                                          float* __restrict__ y, int n_out, int n_in,
                                          long long row_bytes, int n_tok) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= n_out) return;  // uniform per warp: the shuffles below see a full warp
-    const u8* wr = w + (long long)row * row_bytes;
-    const int n_units = n_in >> 5;
-
-    float acc[MMV_MAX_TOK];
-#pragma unroll
-    for (int t = 0; t < MMV_MAX_TOK; ++t) acc[t] = 0.0f;
-
-    float v[32];
-    for (int u = lane; u < n_units; u += 32) {
-        DQ::unit(wr, u, v);
-#pragma unroll
-        for (int t = 0; t < MMV_MAX_TOK; ++t) {
-            if (t < n_tok) {
-                acc[t] += dot_unit(v, x + (long long)t * n_in + u * 32);
-            }
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < MMV_MAX_TOK; ++t) {
-        if (t < n_tok) {
-            float s = acc[t];
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-            if (lane == 0) y[(long long)t * n_out + row] = s;
-        }
-    }
+    if (row >= n_out) return;  // uniform per warp: the shuffles see a full warp
+    const float s = mmv_row<DQ>(w + (long long)row * row_bytes, n_in >> 5, n_tok,
+                                [&](int t) { return x + (long long)t * n_in; });
+    if (lane < n_tok) y[(long long)lane * n_out + row] = s;
 }
 
 // The gate/up product with its GLU as epilogue: W stacks the gate rows (0 .. n_ff-1) over the up
@@ -377,34 +406,12 @@ __device__ __forceinline__ void mmv_glu_impl(const u8* __restrict__ w, const flo
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= n_ff) return;  // uniform per warp
-    const int n_units = n_in >> 5;
-    float acc[2][MMV_MAX_TOK];
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int t = 0; t < MMV_MAX_TOK; ++t) acc[h][t] = 0.0f;
-    float v[32];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const u8* wr = w + (long long)(row + h * n_ff) * row_bytes;
-        for (int u = lane; u < n_units; u += 32) {
-            DQ::unit(wr, u, v);
-#pragma unroll
-            for (int t = 0; t < MMV_MAX_TOK; ++t) {
-                if (t < n_tok) {
-                    acc[h][t] += dot_unit(v, x + (long long)t * n_in + u * 32);
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < MMV_MAX_TOK; ++t) {
-        if (t < n_tok) {
-            const float g = warp_sum(acc[0][t]);
-            const float up = warp_sum(acc[1][t]);
-            if (lane == 0) y[(long long)t * n_ff + row] = op == 0 ? silu_mul(g, up) : __fmul_rn(gelu_f16(g), up);
-        }
-    }
+    const auto xrow = [&](int t) { return x + (long long)t * n_in; };
+    // the gate's sums are reduced to a lane each before the up row is read: its accumulators are
+    // not live across the second loop
+    const float g = mmv_row<DQ>(w + (long long)row * row_bytes, n_in >> 5, n_tok, xrow);
+    const float up = mmv_row<DQ>(w + (long long)(row + n_ff) * row_bytes, n_in >> 5, n_tok, xrow);
+    if (lane < n_tok) y[(long long)lane * n_ff + row] = op == 0 ? silu_mul(g, up) : __fmul_rn(gelu_f16(g), up);
 }
 
 // MUL_MAT_ID (ggml-cuda's mmvq with ids, moe.cu's router feeds it): the experts of a stacked
@@ -439,44 +446,32 @@ __device__ __forceinline__ void mmv_id_impl(const u8* __restrict__ w, const u8* 
     if (row >= M) return;  // uniform per warp
     const int n_units = n_in >> 5;
     const bool bad = e < 0 || e >= n_expert;
-    const int n_h = w2 ? 2 : 1;
     int q = p;
     while (q < n_pairs) {
-        int pairs[MMV_MAX_TOK];
-        int n = 0;
-        for (; q < n_pairs && n < MMV_MAX_TOK; ++q)
-            if (ids[(long long)(q / n_used) * sid + q % n_used] == e) pairs[n++] = q;
-        float acc[2][MMV_MAX_TOK];
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int t = 0; t < MMV_MAX_TOK; ++t) acc[h][t] = 0.0f;
-        float v[32];
-        for (int h = 0; h < n_h && !bad; ++h) {
-            const u8* wr = (h ? w2 : w) + (long long)e * expert_bytes + (long long)row * row_bytes;
-            for (int u = lane; u < n_units; u += 32) {
-                DQ::unit(wr, u, v);
-#pragma unroll
-                for (int t = 0; t < MMV_MAX_TOK; ++t) {
-                    if (t < n) {
-                        const int pq = pairs[t];
-                        acc[h][t] += dot_unit(v, x + (long long)(pq / n_used) * sxt + (long long)(pq % n_used) * sxu + u * 32);
-                    }
-                }
-            }
+        // the next (up to) MMV_MAX_TOK pairs that chose e, as their input rows' offsets from x in
+        // 32-bit registers (cuda_ops checks they fit; 64-bit ones, or the pair indices, left
+        // mmv_id over ~80 registers and spilling), written through reg_set and read at constant
+        // t; lane t keeps pair t itself for the epilogue
+        int xo[MMV_MAX_TOK] = {};
+        int n = 0, pq_t = 0;
+        for (; q < n_pairs && n < MMV_MAX_TOK; ++q) {
+            if (ids[(long long)(q / n_used) * sid + q % n_used] != e) continue;
+            if (lane == n) pq_t = q;
+            reg_set(xo, n++, (int)((q / n_used) * sxt + (q % n_used) * sxu));
         }
-#pragma unroll
-        for (int t = 0; t < MMV_MAX_TOK; ++t) {
-            if (t < n) {
-                float g = warp_sum(acc[0][t]);
-                float up = warp_sum(acc[1][t]);
-                if (b && !bad) g = __fadd_rn(g, b[(long long)e * sb + row]);
-                if (b2 && !bad) up = __fadd_rn(up, b2[(long long)e * sb + row]);
-                float r = g;
-                if (w2) r = op == 0 ? silu_mul(g, up) : op == 1 ? __fmul_rn(gelu_f16(g), up) : swiglu_oai_mul(g, up, alpha, limit);
-                if (bad) r = __int_as_float(0x7fc00000);
-                if (lane == 0) y[(long long)pairs[t] * M + row] = r;
-            }
+        const auto xrow = [&](int t) { return x + xo[t]; };
+        float g = 0.0f, up = 0.0f;
+        if (!bad) {
+            g = mmv_row<DQ>(w + (long long)e * expert_bytes + (long long)row * row_bytes, n_units, n, xrow);
+            if (w2) up = mmv_row<DQ>(w2 + (long long)e * expert_bytes + (long long)row * row_bytes, n_units, n, xrow);
+        }
+        if (lane < n) {
+            if (b && !bad) g = __fadd_rn(g, b[(long long)e * sb + row]);
+            if (b2 && !bad) up = __fadd_rn(up, b2[(long long)e * sb + row]);
+            float r = g;
+            if (w2) r = op == 0 ? silu_mul(g, up) : op == 1 ? __fmul_rn(gelu_f16(g), up) : swiglu_oai_mul(g, up, alpha, limit);
+            if (bad) r = __int_as_float(0x7fc00000);
+            y[(long long)pq_t * M + row] = r;
         }
     }
 }

@@ -5,17 +5,20 @@
 // float32), as gguf-py computes it. Loaded by llamapy/backend/cuda.py.
 #include "common.cuh"
 
-// kvalues_iq4nl (ggml-common.h): the non-linear 4-bit grid of IQ4_NL and IQ4_XS
-LP_HD int iq4nl_value(int q) {
-    const signed char kv[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-    return kv[q];
+// Entry q (0..15) of a 16-entry table of signed bytes packed little-endian into two 64-bit
+// constants: a select and a shift in registers. An indexed array (`kv[q]`) is placed in local
+// memory by nvcc (a 16-byte stack frame and an L1 load per weight in every kernel of these types).
+LP_HD int table16(unsigned long long lo, unsigned long long hi, int q) {
+    return (int)(signed char)(unsigned char)((q < 8 ? lo : hi) >> (8 * (q & 7)));
 }
 
+// kvalues_iq4nl (ggml-common.h): the non-linear 4-bit grid of IQ4_NL and IQ4_XS
+// {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113}
+LP_HD int iq4nl_value(int q) { return table16(0xf6eaddcfbfad9881ull, 0x7159453526190d01ull, q); }
+
 // kvalues_mxfp4: the e2m1 values doubled (so integers; the scale is halved instead)
-LP_HD int mxfp4_value(int q) {
-    const signed char kv[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-    return kv[q];
-}
+// {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12}
+LP_HD int mxfp4_value(int q) { return table16(0x0c08060403020100ull, 0xf4f8fafcfdfeff00ull, q); }
 
 // ggml_e8m0_to_fp32_half: 2^(e - 128) (e < 2: a subnormal)
 LP_HD float e8m0_half(int e) {

@@ -417,6 +417,29 @@ def test_rope_with_k_store(env: Env, typ: G, rot: int) -> None:
     assert np.array_equal(env.get(cd).reshape(N, -1).view(np.uint8), want.reshape(N, -1).view(np.uint8))
 
 
+@pytest.mark.parametrize("D", [320, 640, 2048])
+@pytest.mark.parametrize("mode", [0, 2])
+def test_rope_heads_wider_than_a_block(env: Env, mode: int, D: int) -> None:
+    """Heads of more than ROPE_MAX_THREADS values: 2 to 8 values a thread, held in registers between
+    the reads and the writes (rope.cu's vals), some threads with one value fewer than others; the
+    last 64 dimensions are not rotated (copied), and the K store into a Q8_0 cache."""
+    T, H, N = 2, 2, 4
+    xa = randn(T, H, D)
+    ref = _rope_ref(xa, D - 64, mode, 10000.0, None)
+    ids = np.array([1, 3], np.int64)
+    cache_t, cache0 = _cache_tensor(N, H * D, G.Q8_0, 0)
+    xd, posd, idd, cd = env.d(xa), env.d(POS), env.d(ids), env.d(cache0)
+    y = env.full((T, H, D), np.nan, np.float32)
+    rb = cache0.reshape(N, -1).view(np.uint8).shape[1]
+    env.run(lambda st: env.k.rope(st, env.p(xd), H * D, D, env.p(y), H * D, D, T, H, D, pos=env.p(posd), n_dims=D - 64,
+                               mode=mode, freq_base=10000.0, cache_type=G.Q8_0, ids=env.p(idd), n_cells=N,
+                               cache=env.p(cd), cache_rb=rb))  # fmt: skip
+    got_y = env.get(y)
+    _check_rope(got_y, ref)
+    want = _set_rows_ref(cache_t, cache0, ids, got_y.reshape(T, -1))
+    assert np.array_equal(env.get(cd).reshape(N, -1).view(np.uint8), want.reshape(N, -1).view(np.uint8))
+
+
 @pytest.mark.parametrize("kt,vt,rot", [(G.F16, G.F16, 0), (G.Q8_0, G.Q4_0, 64), (G.F32, G.Q8_0, 0)])
 def test_rope_qkv_is_three_launches(env: Env, kt: G, vt: G, rot: int) -> None:
     """rope_qkv (Q rope, K rope + store, V store in one launch from a fused QKV row) gives the

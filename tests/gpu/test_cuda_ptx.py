@@ -310,6 +310,8 @@ def test_launch_refusals() -> None:
         k.glu(st, "reglu", 1, 1, 1, 1, 1, 1, 1, 1)
     with pytest.raises(UnsupportedError, match="tokens"):
         k.mul_mat_vec(st, G.Q4_0, 1, 18, 4, 32, 0x1000, 0x2000, 9)
+    with pytest.raises(UnsupportedError, match="2\\^31"):  # mmv_id's 32-bit offsets of the input rows
+        k.mul_mat_id(st, G.Q4_0, 1, 18, 4, 32, 32, 0x1000, 2**30, 0, 0x2000, 1, 0x3000, 3, 1)
     with pytest.raises(UnsupportedError, match="grid"):
         k.glu(st, "swiglu", 1, 1, 1, 1, 1, 1, 70000, 64)
 

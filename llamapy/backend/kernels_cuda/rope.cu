@@ -106,7 +106,9 @@ __device__ __forceinline__ void rope_set_rows_impl(
     }
 
     // every thread reads both values of its pairs before any writes y (y may be x): values first
-    float vals[8];  // D <= 8 * blockDim.x (cuda_ops checks)
+    // D <= 8 * blockDim.x (cuda_ops checks); registers: written and read through reg_set /
+    // reg_get (an index known at run time put the array in local memory)
+    float vals[8] = {};
     int nv = 0;
     for (int d = threadIdx.x; d < D; d += blockDim.x, ++nv) {
         float v;
@@ -127,12 +129,12 @@ __device__ __forceinline__ void rope_set_rows_impl(
             v = first ? (float)((double)x0 * (double)c - (double)__fmul_rn(x1, s))
                       : (float)((double)x0 * (double)s + (double)__fmul_rn(x1, c));
         }
-        vals[nv] = v;
+        reg_set(vals, nv, v);
     }
     __syncthreads();  // every read of x is done before y (possibly x) is written
     nv = 0;
     for (int d = threadIdx.x; d < D; d += blockDim.x, ++nv) {
-        const float v = vals[nv];
+        const float v = reg_get(vals, nv);
         if (y) y[(long long)t * syt + (long long)h * syh + d] = v;
         if (CT == CT_F32 && cell >= 0) reinterpret_cast<float*>(cache + cell * cache_rb)[(long long)h * D + d] = v;
         if (CT == CT_F16 && cell >= 0)

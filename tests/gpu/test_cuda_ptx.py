@@ -34,18 +34,103 @@ def test_sources_exist() -> None:
     assert (KDIR / "common.cuh").is_file()
 
 
+_CUBIN: dict[str, tuple[bool, str]] = {}
+
+
+def cubin_of(src: Path) -> tuple[bool, str]:
+    """Whether nvcc made a cubin, and its stderr, for one source compiled to sm_90 machine code, with ptxas's
+    resource report (-Xptxas -v: each kernel's registers, stack frame and spills); once a session."""
+    if src.name not in _CUBIN:
+        out = Path(tempfile.mkdtemp(prefix="lp_cubin_")) / (src.stem + ".cubin")
+        r = subprocess.run(
+            [NVCC, "-cubin", "-arch=sm_90", "-Xptxas", "-v", "-I", str(KDIR), "-o", str(out), str(src)],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        _CUBIN[src.name] = (r.returncode == 0 and out.is_file() and out.stat().st_size > 0, r.stderr)
+    return _CUBIN[src.name]
+
+
 @needs_nvcc
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
-def test_cubin_compiles(src: Path, tmp_path: Path) -> None:
+def test_cubin_compiles(src: Path) -> None:
     """Every kernel source compiles to machine code for the H200 (sm_90), warnings shown."""
-    out = tmp_path / (src.stem + ".cubin")
-    r = subprocess.run(
-        [NVCC, "-cubin", "-arch=sm_90", "-I", str(KDIR), "-o", str(out), str(src)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    assert out.stat().st_size > 0
-    assert "warning" not in r.stderr.lower(), r.stderr
+    ok, err = cubin_of(src)
+    assert ok, err
+    assert "warning" not in err.lower(), err
+
+
+# What ptxas may give each kernel. An SM has 65536 32-bit registers: a kernel of R registers a
+# thread (allocated in steps of 8) fits 65536 // (32 * R) warps an SM (64 at most), in whole
+# blocks. Local memory (a stack frame: arrays indexed at run time, spills) is off-chip, read
+# through L1: none is allowed on the decode path, nor in any other kernel today. Bounds are per
+# family, the first pattern that matches a kernel's name; the counts ptxas reached (nvcc 13.0,
+# sm_90) are in the comments, the bounds leave headroom below an occupancy step.
+REG_BOUNDS: list[tuple[str, int]] = [
+    # matrix-vector products, 256 threads (8 warps) a block: at most 128 keeps 2 blocks (16 warps)
+    # an SM. mmv_ reaches 70-80 (3 blocks, 24 warps: past 80 it loses a third of them), mmv_glu_
+    # 68-86, mmv_id_ 70-96 (the pairs' offsets and the GLU / bias epilogue).
+    (r"mmv_id_", 112),
+    (r"mmv_glu_", 104),
+    (r"mmv_", 96),
+    # attention, 128 threads (4 warps) a block: at most 64 keeps 8 blocks (32 warps) an SM; the
+    # decode kernels reach 32-56, the prompt kernels (fattn_tile_, bound to 8 blocks an SM, i.e.
+    # 64 registers) 46-56, the combine 32.
+    (r"fattn_", 64),
+    # ROPE fused with the KV store, 256 threads: 39-64 (the Q8_0 / Q4_0 quantizers); at most 80
+    # keeps 3 blocks (24 warps) an SM.
+    (r"rope_", 80),
+    # everything else a step launches (norms, GLU, elementwise, GET_ROWS, the router, the MoE
+    # gather / scatter, softmax, argsort) and the dequantizers: 10-40; at most 64 keeps 32 warps.
+    (r"", 64),
+]
+# Stack frames allowed: CUDA's double-precision cos/sin (rope.cu's angles) carry a 40-byte array
+# for their slow path (Payne-Hanek reduction, taken only for |angle| >= 2^31 radians: positions
+# past 2^31), in a subroutine the fast path never calls; nothing of it is touched otherwise.
+STACK_BOUNDS: list[tuple[str, int]] = [(r"rope_", 40), (r"", 0)]
+
+
+def ptxas_resources(report: str) -> dict[str, tuple[int, int, int, int]]:
+    """entry point -> (registers, stack frame bytes, spill store bytes, spill load bytes), from
+    ptxas -v's report."""
+    out = {}
+    for block in re.split(r"(?=ptxas info\s*: Compiling entry function )", report):
+        m = re.match(r"ptxas info\s*: Compiling entry function '(\w+)'", block)
+        if not m:
+            continue
+        name = m.group(1)
+        props = re.search(rf"Function properties for {name}\s*\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                          rf"(\d+) bytes spill loads", block)  # fmt: skip
+        regs = re.search(r"Used (\d+) registers", block)
+        assert props and regs, f"ptxas -v reported no resources for {name}:\n{block}"
+        out[name] = (int(regs.group(1)), *(int(g) for g in props.groups()))
+    return out
+
+
+def _bound(bounds: list[tuple[str, int]], name: str) -> int:
+    return next(b for pat, b in bounds if re.match(pat, name))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
+def test_kernels_use_no_local_memory(src: Path) -> None:
+    """Every kernel cuda_ops loads from a source (all the decode step's: the products, attention,
+    ROPE + KV store, norms, GLU, the router, ...) compiles for sm_90 with no spills, no stack frame
+    (but rope's, above), and at most its family's registers (REG_BOUNDS)."""
+    from llamapy.backend.cuda_ops import ENTRIES
+
+    ok, err = cubin_of(src)
+    assert ok, err
+    res = ptxas_resources(err)
+    missing = [n for n in ENTRIES[src.name] if n not in res]
+    assert not missing, f"ptxas -v reported nothing for {missing}"
+    bad = []
+    for name in ENTRIES[src.name]:
+        regs, stack, st, ld = res[name]
+        rb, sb = _bound(REG_BOUNDS, name), _bound(STACK_BOUNDS, name)
+        if st or ld or stack > sb or regs > rb:
+            bad.append(f"{name}: {regs} registers (bound {rb}), {stack} bytes stack frame (bound {sb}), "
+                       f"{st} / {ld} bytes spill stores / loads")  # fmt: skip
+    assert not bad, f"{src.name}:\n" + "\n".join(bad)
 
 
 _PTX: dict[str, str] = {}

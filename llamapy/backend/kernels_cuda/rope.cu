@@ -119,6 +119,8 @@ __device__ __forceinline__ void rope_set_rows_impl(
             const int i = mode == 0 ? d >> 1 : (first ? d : d - half);
             const int other = mode == 0 ? (first ? d + 1 : d - 1) : (first ? d + half : d - half);
             const float th = rope_theta(p, i, theta_scale, factors, freq_scale, yarn);
+            // (CUDA's double cos/sin give these kernels their one stack frame, 40 bytes, used only
+            // by the argument reduction of |th| >= 2^31: test_cuda_ptx's STACK_BOUNDS)
             float c = (float)cos((double)th), s = (float)sin((double)th);
             if (yarn) {
                 c = __fmul_rn(c, yarn[4]);

@@ -476,6 +476,16 @@ __device__ __forceinline__ void mmv_id_impl(const u8* __restrict__ w, const u8* 
     }
 }
 
+// The matrix-vector kernels run 256 threads (8 warps) a block. mmv_ and mmv_glu_ are held to 3
+// blocks (24 warps) an SM, i.e. 80 registers a thread: ptxas fits them there without spilling,
+// where on its own it gave several mmv_glu_ 82-86 registers (2 blocks, 16 warps). A type whose
+// gate/up kernel would spill under that cap says so with a specialization (floats.cu's F32).
+// mmv_id_ (70-96 registers, 2 blocks) spills under it: its pairs' offsets and epilogue.
+template <typename DQ>
+struct mmv_glu_min_blocks {
+    static constexpr int value = 3;
+};
+
 // The entry points of one type: extern "C" so that cupy.RawModule finds them by name.
 #define LP_DEVICE_KERNELS(name, DQ)                                                                 \
     extern "C" __global__ void dequant_##name(const u8* __restrict__ w, float* __restrict__ y,      \
@@ -493,12 +503,12 @@ __device__ __forceinline__ void mmv_id_impl(const u8* __restrict__ w, const u8* 
                                                int units_per_row) {                                 \
         get_rows_impl<DQ>(w, row_bytes, n_rows, ids, y, sy, n_ids, units_per_row);                 \
     }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(256)                                               \
+    extern "C" __global__ void __launch_bounds__(256, mmv_glu_min_blocks<DQ>::value)                \
         mmv_glu_##name(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, \
                        int n_ff, int n_in, long long row_bytes, int n_tok, int op) {                \
         mmv_glu_impl<DQ>(w, x, y, n_ff, n_in, row_bytes, n_tok, op);                                \
     }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(256)                                               \
+    extern "C" __global__ void __launch_bounds__(256, 3)                                            \
         mmv_##name(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,    \
                    int n_out, int n_in, long long row_bytes, int n_tok) {                           \
         mmv_impl<DQ>(w, x, y, n_out, n_in, row_bytes, n_tok);                                       \

@@ -30,6 +30,13 @@ struct DQ_BF16 {
     }
 };
 
+// F32 gate/up rows: at 80 registers mmv_glu_f32 spills 8 bytes (reloaded between the gate row and
+// the up row); it takes 2 blocks an SM (up to 128 registers) instead
+template <>
+struct mmv_glu_min_blocks<DQ_F32> {
+    static constexpr int value = 2;
+};
+
 LP_KERNELS(f32, DQ_F32)
 LP_KERNELS(f16, DQ_F16)
 LP_KERNELS(bf16, DQ_BF16)

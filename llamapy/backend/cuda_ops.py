@@ -83,7 +83,9 @@ FA_MAX_SPLITS = 64
 ARGSORT_THREADS = 128  # moe.cu: a block per row of the router's probabilities
 FA_QT = 16  # fattn.cu's prompt kernel: query rows per block
 FA_VEC_MAX_TOKENS = MMV_MAX_TOKENS  # attention of more query tokens runs the prompt kernel (fattn_tile_*)
-GEMM_SCRATCH_BYTES = 64 << 20  # a prompt product's f16 weight scratch: rows dequantized per GEMM (gemm_tile_rows)
+GEMM_SCRATCH_BYTES = 64 << 20  # a prompt product's f16 weight scratch at most: rows dequantized per GEMM (gemm_tile_rows)
+GEMM_SCRATCH_MIN = 4 << 20  # ... and at least (gemm_scratch_budget)
+GEMM_SCRATCH_SHARE = 32  # ... else 1 / this of the weights a split multiplies (gemm_scratch_budget)
 AMAX_BLOCKS = 256  # elementwise.cu's amax_f32: at most this many partial maxima of an f16 GEMM input
 F16_SCALE_BYTES = 4 * (2 + AMAX_BLOCKS)  # the input's scale scratch: the GEMM's alpha and beta, then the partials
 
@@ -114,11 +116,22 @@ def fattn_scratch_floats(n_tokens: int, n_head: int, dv: int, n_splits: int) -> 
     return 0 if n_splits <= 1 else n_tokens * n_head * n_splits * (dv + 2)
 
 
-def gemm_tile_rows(n_out: int, n_in: int) -> int:
+def gemm_scratch_budget(weight_bytes: int) -> int:
+    """The f16 weight scratch of a plan's prompt products, for a split multiplying `weight_bytes`
+    of weights: 1 / GEMM_SCRATCH_SHARE of them, within [GEMM_SCRATCH_MIN, GEMM_SCRATCH_BYTES].
+    Why relative: GPU memory at -ngl all is held to llama.cpp's + 10 % (issue 28), whose int8
+    prompt kernels need no such scratch; a fixed 64 MiB made SmolLM2-135M's shape reserve 162 MiB
+    of compute where llama.cpp reserves 98 (+29 % of its whole footprint; the 1.2B's +11 %). Why
+    not smaller for large models: each tile is a dequantization and a GEMM launched from Python
+    (~10 us), so the 8B's ffn products keep 64 MiB tiles (4 a product)."""
+    return max(GEMM_SCRATCH_MIN, min(GEMM_SCRATCH_BYTES, weight_bytes // GEMM_SCRATCH_SHARE))
+
+
+def gemm_tile_rows(n_out: int, n_in: int, budget: int | None = None) -> int:
     """Rows of a prompt product's weight dequantized to f16 per GEMM: all of them when they fit
-    GEMM_SCRATCH_BYTES, else the most that do, a multiple of 256 (the scratch is sized for the
-    largest tile of a plan, reused by every product)."""
-    rows = max(256, GEMM_SCRATCH_BYTES // (2 * n_in) // 256 * 256)
+    `budget` bytes (gemm_scratch_budget; default GEMM_SCRATCH_BYTES), else the most that do, a
+    multiple of 256 (the scratch is sized for the largest tile of a plan, reused by every product)."""
+    rows = max(256, (GEMM_SCRATCH_BYTES if budget is None else budget) // (2 * n_in) // 256 * 256)
     return min(n_out, rows)
 
 

@@ -92,7 +92,8 @@ Prompts: a split whose products take more tokens than the matrix-vector kernels 
 its products MUL_MAT_GEMM records, its attention fattn.cu's prompt kernel (cuda_ops picks it by
 the token count); CuPy refuses cuBLAS inside a stream capture, so such a plan runs its launches
 directly (prepared once per batch shape, kept like the decode plans). The scratches of its GEMMs
-follow the attention's in the arena, sized for the plan's largest product, and one scale scratch
+follow the attention's in the arena, sized for the plan's largest product (its f16 weight tiles
+at most 1/32 of the split's weights: cuda_ops.gemm_scratch_budget), and one scale scratch
 (the f16 inputs' power-of-two scales: an activation past 65504 would round to inf in f16, which
 llama.cpp's q8_1 blocks with their own scales never do).
 
@@ -256,12 +257,14 @@ class GPUTarget(Target):
 
     def scratch(self, c: _Compiler, start: int) -> int:
         """One scratch for the split partials of every attention (they run one after another)."""
-        from .cuda_ops import F16_SCALE_BYTES
+        from .cuda_ops import F16_SCALE_BYTES, gemm_scratch_budget, gemm_tile_rows
 
         need = 0
         self.splits: dict[Tensor, int] = {}
         # the prompt products' scratches: f16 weight tile, f16 input, a product, the experts' sort, the input's scale
         gemm = [0, 0, 0, 0, 0]
+        mats = {st.extra.get("mm", st.node).src[0] for st in c.steps if st.code == MUL_MAT}
+        self.gemm_budget = gemm_scratch_budget(sum(w.nbytes for w in mats if w.is_leaf))
         for st in c.steps:
             if st.code == ATTN:
                 q, _k, v = st.node.src[:3]
@@ -270,13 +273,11 @@ class GPUTarget(Target):
                 self.splits[st.node], nbytes = self.rt.attn_split(T, H, Hkv, N, Dv)
                 need = max(need, nbytes)
             elif st.code == MUL_MAT:
-                from .cuda_ops import gemm_tile_rows
-
                 w, x = st.extra.get("mm", st.node).src
                 n_out, n_in = w.shape[0], x.shape[-1]
                 n_tok = x.n_elements // max(n_in, 1)
                 if product_path(n_out, n_tok, n_in, w.type, self.rt.max_tokens) == "gemm_f16":
-                    gemm[0] = max(gemm[0], 2 * gemm_tile_rows(n_out, n_in) * n_in)
+                    gemm[0] = max(gemm[0], 2 * gemm_tile_rows(n_out, n_in, self.gemm_budget) * n_in)
                     gemm[1] = max(gemm[1], 2 * n_tok * n_in)
                     gemm[2] = max(gemm[2], 4 * n_tok * n_out if "glu" in st.extra else 0)
                     gemm[4] = F16_SCALE_BYTES
@@ -392,7 +393,7 @@ class GPUTarget(Target):
         w16, x16, prod = (c.base + off for off in self.gemm_off[:3])
         r[0], r[1], r[2], r[3], r[4], r[5] = MUL_MAT_GEMM, dst, x, blocks, w16, x16
         r[6], r[7], r[8], r[9], r[10], r[11] = n_tok, n_in, xs, qtype, n_out, row_bytes
-        r[13], r[15] = gemm_tile_rows(n_out, n_in), c.base + self.gemm_off[4]
+        r[13], r[15] = gemm_tile_rows(n_out, n_in, self.gemm_budget), c.base + self.gemm_off[4]
         if "glu" in st.extra:  # the product into its scratch, the GLU's result (n_ff a token) into dst
             op = st.extra["glu"].params.get("op")
             if op not in ("swiglu", "geglu"):

@@ -447,6 +447,33 @@ def test_prompt_batches_are_gemm_plans(make_llama) -> None:  # noqa: ANN001
     model.free()
 
 
+def test_prompt_weight_tiles_follow_the_weights(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """The f16 weight scratch of a plan's GEMMs is 1/32 of the weights its split multiplies
+    (cuda_ops.gemm_scratch_budget, within 4..64 MiB: GPU memory is held to llama.cpp's + 10 %):
+    with the 4 MiB floor lifted, this tiny model's products are decoded 256 rows at a time."""
+    from llamapy.backend import cuda_ops
+    from llamapy.sched.alloc import plan_offsets
+
+    assert cuda_ops.gemm_scratch_budget(0) == 4 << 20 and cuda_ops.gemm_scratch_budget(1 << 40) == 64 << 20
+    assert cuda_ops.gemm_scratch_budget(32 * (10 << 20)) == 10 << 20
+    model = Model(make_llama(qtype=T.Q8_0))
+    ctx = Context(model, ContextOptions(n_ctx=512, n_threads=1))
+    g = ctx.graph(20, 1).graph
+    (split,) = ctx.sched.reserve(g).splits
+    tiles = []
+    for floor in (cuda_ops.GEMM_SCRATCH_MIN, 1):
+        monkeypatch.setattr(cuda_ops, "GEMM_SCRATCH_MIN", floor)
+        p = gpu_plan.compile_split(split.nodes, list(g.outputs), plan_offsets, FakeRuntime())
+        gemm = p.recs[p.recs[:, 0] == MUL_MAT_GEMM]
+        rows = gemm[:, 10] * (1 + (gemm[:, 12] > 0))  # (a GLU's record: half the rows in slot 10)
+        tiles.append(gemm[:, 13])
+        w16, x16 = int(gemm[0, 4]), int(gemm[0, 5])
+        assert x16 - w16 >= 2 * int((gemm[:, 13] * gemm[:, 7]).max())
+    assert (tiles[0] == rows).all()  # 4 MiB: every product in one tile
+    assert (tiles[1] == np.minimum(rows, 256)).all() and (rows > 256).any()  # ~40 KiB: the smallest tiles
+    model.free()
+
+
 def test_arena_growth_moves_and_recaptures(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """A plan made while the arena was smaller moves its records to the new block and is
     captured again; its logits stay the CPU executor's."""

@@ -311,8 +311,11 @@ class GPUTarget(Target):
             if xl.dtype != np.dtype(np.float32):
                 raise Refused(f"MUL_MAT input of type {xl.dtype}")
             n_tok, k, xs = xl.rows()
+            bias = self._bias_rows(c, st.extra["bias"])[0] if "bias" in st.extra else 0  # (the ADD after it)
             if product_path(n_out, n_tok, n_in, qtype, self.rt.max_tokens) == "gemm_f16":
-                return [self._gemm(c, st, loc(n).addr, xl.addr, blocks, qtype, n_out, n_in, row_bytes, n_tok, k, xs)]
+                r = self._gemm(c, st, loc(n).addr, xl.addr, blocks, qtype, n_out, n_in, row_bytes, n_tok, k, xs)
+                r[18] = bias
+                return [r]
             if n_tok > self.rt.max_tokens:
                 raise Refused(f"a batch of {n_tok} tokens (prompts stay on the cuBLAS path)")
             if k != n_in or (xs != n_in and n_tok > 1) or xl.addr % 16:
@@ -320,7 +323,7 @@ class GPUTarget(Target):
             dst = loc(n)
             r = [0] * WIDTH
             r[0], r[1], r[2], r[3] = MUL_MAT_W, dst.addr, xl.addr, blocks
-            r[6], r[7], r[8], r[9], r[10], r[11] = n_tok, n_in, xs, qtype, n_out, row_bytes
+            r[6], r[7], r[8], r[9], r[10], r[11], r[18] = n_tok, n_in, xs, qtype, n_out, row_bytes, bias
             if "glu" in st.extra:  # the GLU's result (contiguous rows of n_ff), the product never stored
                 r[0], r[10], r[12] = MUL_MAT_GLU, n_out // 2, _epilogue(st.extra["glu"])
             return [r]
@@ -479,21 +482,22 @@ class GPUTarget(Target):
         return r
 
     def _bias_rows(self, c: _Compiler, n: Tensor) -> tuple[int, int]:
-        """An ADD_ID's bias rows on the device (a float32 matrix of n_expert rows): (address,
-        row stride in floats)."""
+        """The bias an ADD_ID (a float32 matrix of n_expert rows) or an ADD after a product (a
+        float32 vector) adds, on the device: (address, row stride in floats)."""
+        op = n.op.name
         bv = self.leaf(n.src[1]) if n.src[1].is_leaf else None
         if bv is None:
-            raise Refused(f"ADD_ID {n.name}: biases that are not a weight")
+            raise Refused(f"{op} {n.name}: biases that are not a weight")
         try:
             bl = self.array_loc(bv, c.keep)
             if bl.dtype != np.dtype(np.float32) or bl.strides[-1] != 1:
-                raise Refused(f"ADD_ID {n.name}: biases of type {bl.dtype}")
+                raise Refused(f"{op} {n.name}: biases of type {bl.dtype}")
             return bl.addr, bl.strides[0]
         except Refused:
             b, qtype, _n_out, _n_in, row_bytes = self.rt.weight(bv)
             c.keep.append(bv)
             if qtype != int(GGMLType.F32):
-                raise Refused(f"ADD_ID {n.name}: biases of type {GGMLType(qtype).name}") from None
+                raise Refused(f"{op} {n.name}: biases of type {GGMLType(qtype).name}") from None
             return b, row_bytes // 4
 
     def _add_id(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc]) -> list[int]:

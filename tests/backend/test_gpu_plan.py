@@ -30,7 +30,7 @@ from gguf.quants import dequantize
 
 from llamapy.backend import cuda_exec, cuda_ops, gpu_plan, native
 from llamapy.backend.cpu import CPU_BUFT, CPUBackend
-from llamapy.backend.executor import (ADD_ID, ARGSORT, ATTN, CLAMP, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, RMS_NORM, SET_ROWS,
+from llamapy.backend.executor import (ADD, ADD_ID, ARGSORT, ATTN, CLAMP, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, RMS_NORM, SET_ROWS,
                                       SOFT_MAX, SUM_ROWS, SWIGLU, MUL_MAT_ID_Q, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena,
                                       ExecPlan, Loc, Refusal, Refused, _array_loc, _lib, _Slot)
 from llamapy.backend.gpu_plan import (COUNT, GEMM_DIRECT, GET_ROWS_W, HEAD, MOE_SYNC, MUL_MAT_GEMM, MUL_MAT_GLU,
@@ -141,6 +141,10 @@ class FakeRuntime(HostRuntime):
                 m[[0, 1, 2, 3, 6, 7, 8, 9, 10, 11]] = MUL_MAT_Q, r[1] if glu < 0 else prod.ctypes.data, r[3], \
                     self.scratch.ctypes.data, qtype, n_out, row_bytes, n_in, n_tok, n_out
                 run([q, m])
+                if r[18]:  # the bias epilogue: the ADD record in place (a broadcast row)
+                    a = np.zeros(REC, np.int64)
+                    a[[0, 1, 2, 3, 6, 7, 8, 9]] = ADD, r[1], r[1], r[18], n_tok, n_out, n_out, 0
+                    run([a])
                 if glu >= 0:
                     n_ff = n_out // 2
                     if glu == 1:
@@ -658,12 +662,13 @@ class NumpyOps:
         self.glu(stream, op, prod.ctypes.data, 2 * n_ff, prod.ctypes.data + 4 * n_ff, 2 * n_ff, y, n_ff, n_tok, n_ff)
 
     def mul_mat_vec(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_out: int, n_in: int, x: int,
-                    y: int, n_tok: int) -> None:
-        self.calls.append("mul_mat_vec")
+                    y: int, n_tok: int, *, b: int = 0) -> None:
+        self.calls.append("mul_mat_vec" + ("+bias" if b else ""))
         assert x % 16 == 0 and n_tok <= 8
         W = dequantize(mem(w, (n_out, row_bytes), (row_bytes, 1), np.uint8), T(int(qtype))).reshape(n_out, n_in)
         X = mem(x, (n_tok, n_in), (n_in, 1), F32)
-        mem(y, (n_tok, n_out), (n_out, 1), F32)[...] = (X.astype(np.float64) @ W.T.astype(np.float64)).astype(F32)
+        out = (X.astype(np.float64) @ W.T.astype(np.float64)).astype(F32)
+        mem(y, (n_tok, n_out), (n_out, 1), F32)[...] = out + mem(b, (n_out,), (1,), F32) if b else out
 
     def rope(self, stream: Any, x: int, sxt: int, sxh: int, y: int, syt: int, syh: int, n_tokens: int, n_head: int,
              head_dim: int, *, pos: int = 0, n_dims: int = 0, mode: int = -1, freq_base: float = 10000.0,

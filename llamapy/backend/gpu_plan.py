@@ -10,7 +10,10 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
 
   * MUL_MAT_W: a fused dequantize + matrix-vector product over the weight's raw blocks on the
     device (slots 1 dst, 2 x, 3 the weight's blocks; 6 tokens, 7 n_in, 8 x's row stride, 9 the
-    GGML type, 10 n_out, 11 row bytes);
+    GGML type, 10 n_out, 11 row bytes; 18 a float32 bias of n_out or 0: the ADD after the
+    product as its epilogue — the compiler's `_fuse_mul_mat_bias`, `fuse_bias`: qwen2's and
+    gpt-oss's stacked Q/K/V bias, whose Q, K and V views then make a ROPE_QKV; gpt-oss's output
+    and router biases);
   * GET_ROWS_W: rows of a weight matrix expanded (1 dst, 2 the blocks, 3 ids; 6 ids, 7 n_in,
     8 row bytes, 9 n_out, 10 the GGML type);
   * MUL_MAT_GLU: the product of the stacked gate/up matrix with its GLU as epilogue (the
@@ -54,7 +57,8 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     GGML type, 10 the values written a token (n_ff with a GLU), 11 row bytes, 12 the GLU (0 none,
     1 SwiGLU, 2 GEGLU), 13 rows per GEMM, 14 the float32 product's scratch (with a GLU), 15 the
     input's scale scratch (cuda_ops.F16_SCALE_BYTES: the input divided by a power of two that
-    keeps it in f16's range, the GEMMs' alpha read from there);
+    keeps it in f16's range, the GEMMs' alpha read from there), 18 MUL_MAT_W's bias (added in
+    place after the GEMMs: elementwise.cu's add, the ADD record's bits; never with a GLU);
   * MUL_MAT_ID_GEMM: a prompt's expert product (more tokens than mmv_id takes; see Prompts below):
     MUL_MAT_ID_W's / MUL_MAT_ID_GLU's slots 1-22, 23 flags (1: the gate/up experts with their
     GLU, slot 16 the up ones; 2: the same routing as the expert record before, whose grouping it

@@ -253,6 +253,7 @@ class CUDAQMatrix:
                 np.int32(self.n_in),
                 np.int64(self.row_bytes),
                 np.int32(n_tok),
+                np.uint64(0),  # (no bias epilogue)
             ),
         )
         return out

@@ -415,16 +415,17 @@ class CudaKernels:
     # -- MUL_MAT (decode) -----------------------------------------------------------------------
 
     def mul_mat_vec(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_out: int, n_in: int, x: int,
-                    y: int, n_tok: int) -> None:
+                    y: int, n_tok: int, *, b: int = 0) -> None:
         """y (n_tok, n_out) = x (n_tok, n_in, contiguous, 16-byte aligned) @ W.T for up to
         MMV_MAX_TOKENS tokens: the fused dequantize + matrix-vector kernel of `qtype` (a warp per
-        row, common.cuh)."""
+        row, common.cuh). `b`: a float32 bias of n_out added to every token's row as the
+        product's epilogue (the bits of the product, then `binary` add)."""
         qtype = GGMLType(qtype)
         if qtype not in WEIGHT_SUFFIX:
             raise UnsupportedError(f"CUDA: MUL_MAT of {qtype.name}")
         if not 0 < n_tok <= MMV_MAX_TOKENS or n_in % 32 or n_in % block_size(qtype)[0] or x % 16:
             raise UnsupportedError(f"CUDA: {qtype.name} matrix-vector product of {n_tok} tokens of {n_in} (x at {x:#x})")
-        args = (_p(w), _p(x), _p(y), np.int32(n_out), np.int32(n_in), np.int64(row_bytes), np.int32(n_tok))
+        args = (_p(w), _p(x), _p(y), np.int32(n_out), np.int32(n_in), np.int64(row_bytes), np.int32(n_tok), _p(b))
         grid = _cdiv(n_out, MMV_ROWS_PER_BLOCK)
         self._launch(f"mmv_{WEIGHT_SUFFIX[qtype][1]}", (grid,), 32 * MMV_ROWS_PER_BLOCK, args, stream)
 
@@ -504,21 +505,27 @@ class CudaKernels:
 
     def mul_mat_gemm(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_out: int, n_in: int, x: int,
                      sx: int, y: int, n_tok: int, *, w16: int, x16: int, tile_rows: int, glu: str = "",
-                     prod: int = 0, scale: int = 0) -> None:
+                     prod: int = 0, scale: int = 0, b: int = 0) -> None:
         """y (n_tok, n_out) = x (n_tok rows of n_in, sx apart) @ W.T for a prompt: x rounded to
         f16 once into x16 (divided by its power-of-two scale when `scale`, the scale's scratch,
         is given: `to_f16`; the GEMMs multiply by it), then per tile of `tile_rows` rows of W
         (gemm_tile_rows) the rows decoded to f16 into w16 and one GEMM into their columns of y.
         `glu` ("swiglu" / "geglu"): W stacks gate and up (n_out = 2 n_ff), the product goes to
-        `prod` (n_tok, n_out) and y (n_tok, n_ff) = act(gate) * up (glu.cu)."""
+        `prod` (n_tok, n_out) and y (n_tok, n_ff) = act(gate) * up (glu.cu). `b`: a float32 bias
+        of n_out added to y's rows after the GEMMs (`binary` add in place: cuBLAS's beta would
+        round alpha * sum + beta * b in one step, not as the ADD does)."""
         dst = prod if glu else y
         if glu and not prod:
             raise ValueError("a GEMM with its GLU needs the product's scratch")
+        if glu and b:
+            raise UnsupportedError("CUDA: a prompt's product with both a GLU and a bias")
         self.to_f16(stream, x, sx, x16, n_tok, n_in, scale=scale)
         for r0 in range(0, n_out, tile_rows):
             rows = min(tile_rows, n_out - r0)
             self.dequant_f16(stream, qtype, w + r0 * row_bytes, row_bytes, rows, n_in, w16)
             self.gemm_f16(stream, w16, x16, dst + 4 * r0, rows, n_tok, n_in, n_out, ab=scale)
+        if b:
+            self.binary(stream, "add", y, n_out, b, 0, y, n_out, n_tok, n_out)
         if glu:
             n_ff = n_out // 2
             self.glu(stream, glu, prod, n_out, prod + 4 * n_ff, n_out, y, n_ff, n_tok, n_ff)

@@ -330,11 +330,13 @@ __device__ __forceinline__ void get_rows_impl(const u8* __restrict__ w, long lon
 // ---------------------------------------------------------------------------------------------
 // matrix-vector: W (n_out rows of row_bytes) times x (n_tok, n_in) float32, row-major and
 // 16-byte aligned, n_in a multiple of 32 -> y (n_tok, n_out). blockDim.x = 32 * rows per block.
+// b (optional): a float32 bias of n_out, added to each row's sum before the store (the ADD after
+// the product as its epilogue: the bits of mmv, then add_f32).
 // ---------------------------------------------------------------------------------------------
 template <typename DQ>
 __device__ __forceinline__ void mmv_impl(const u8* __restrict__ w, const float* __restrict__ x,
                                          float* __restrict__ y, int n_out, int n_in,
-                                         long long row_bytes, int n_tok) {
+                                         long long row_bytes, int n_tok, const float* __restrict__ b) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= n_out) return;  // uniform per warp: the shuffles below see a full warp
@@ -361,6 +363,7 @@ __device__ __forceinline__ void mmv_impl(const u8* __restrict__ w, const float* 
             float s = acc[t];
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+            if (b) s = __fadd_rn(s, b[row]);
             if (lane == 0) y[(long long)t * n_out + row] = s;
         }
     }
@@ -505,8 +508,8 @@ __device__ __forceinline__ void mmv_id_impl(const u8* __restrict__ w, const u8* 
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(256)                                               \
         mmv_##name(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,    \
-                   int n_out, int n_in, long long row_bytes, int n_tok) {                           \
-        mmv_impl<DQ>(w, x, y, n_out, n_in, row_bytes, n_tok);                                       \
+                   int n_out, int n_in, long long row_bytes, int n_tok, const float* __restrict__ b) { \
+        mmv_impl<DQ>(w, x, y, n_out, n_in, row_bytes, n_tok, b);                                    \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(256)                                               \
         mmv_id_##name(const u8* __restrict__ w, const u8* __restrict__ w2, long long expert_bytes,   \

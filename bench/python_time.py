@@ -19,8 +19,8 @@ Timings on a shared machine are noisy; run it on a quiet one.
 are GPU plans over tests/gpu_fake.py's NullRuntime, whose launches, copies and replays do
 nothing. A step's whole time is then Python (and the CPU split: the token embedding's GET_ROWS,
 on the CPU as in llama.cpp): Context.decode, the KV cache, the scheduler, the mirror's input
-writes, the exports, the logits' download (a copy of the row, as CUDADevice.download_batch
-copies it out of its pinned staging buffer). Not in it, what a CUDA step pays on top: CuPy's own
+writes, the exports, the logits' download (a copy of the row: it stands for the D2H transfer, which
+CUDADevice.download_batch lands in pinned memory and hands over with no copy after it). Not in it, what a CUDA step pays on top: CuPy's own
 calls, done by NullRuntime as no-ops (the mirror's event query, the H2D cudaMemcpyAsync, the two
 CuPy Events a step creates and records — after the input copy and after the logits' D2H —,
 cudaGraphLaunch, the D2H cudaMemcpyAsync), a few microseconds each on a GPU host;

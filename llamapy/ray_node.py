@@ -130,11 +130,14 @@ class DeviceActor:
             for off, n in ranges:
                 if not (0 <= off and 0 < n and off + n <= gf.size):
                     raise ValueError(f"{t.name}: byte range outside the file")
-                parts.append(np.frombuffer(gf._buf, np.uint8, count=n, offset=off).reshape(-1, row))
+                # (a fused bias's parts are shorter vectors: a row each, joined into one)
+                width = row if len(t.shape) > 1 else n
+                parts.append(np.frombuffer(gf._buf, np.uint8, count=n, offset=off).reshape(-1, width))
             if sum(p.nbytes for p in parts) != t.nbytes:
                 raise ValueError(f"{t.name}: {sum(p.nbytes for p in parts)} bytes for a {t.nbytes}-byte tensor")
             buf.alloc_tensor(t)
-            buf.set(t, parts[0] if len(parts) == 1 else ConcatRows(parts))  # type: ignore[arg-type]
+            data = parts[0] if len(parts) == 1 else ConcatRows(parts, axis=int(len(t.shape) == 1))
+            buf.set(t, data)  # type: ignore[arg-type]
             self.tensors[tid] = t
             total += t.nbytes
         buf.finish_loading()

@@ -20,9 +20,11 @@ with the reason (no CuPy, no driver, no device), which discovery records.
   * Copies (ggml-backend's sched with ggml-cuda's async copies and events): `upload` goes through
     two pinned staging buffers, packed copy after copy, as asynchronous H2D copies on the device's
     stream (no host wait unless a buffer is reused before its last copy finished);
-    `download_batch` queues a boundary's D2H copies into one pinned buffer (grown to the largest
-    boundary, up to 64 MiB; bigger reads go straight into pageable arrays) and waits once, on an event. `stats` counts copies and waits; `close()` frees the
-    pinned memory (so does freeing the device's last buffer).
+    `download_batch` queues a boundary's D2H copies into one pinned block (a fresh one from CuPy's
+    pinned pool each boundary, up to 64 MiB; bigger reads go straight into pageable arrays),
+    waits once, on an event, and returns views of that block: no copy after the wait. `stats`
+    counts copies and waits; `close()` frees the staging memory (so does freeing the device's
+    last buffer).
   * `CUDADevice.limit_memory_pool(compute_bytes)` caps CuPy's memory pool at what the context
     planned (weights + KV cache + compute buffers, with headroom for CuPy's temporaries).
   * cupy's OutOfMemoryError becomes llamapy's OutOfMemoryError with the device and the step.
@@ -64,8 +66,8 @@ DEQUANT_THREADS = 256
 TILE_ELEMS = 1 << 24
 # pinned staging: two buffers of this size per device, used alternately
 STAGING_BYTES = 8 << 20
-# the pinned buffer of download_batch grows to the largest boundary up to this; a bigger batch (a
-# KV cache read back, a long prompt's every logit) is copied straight into pageable host arrays
+# download_batch lands a boundary's values in pinned memory up to this; a bigger batch (a KV cache
+# read back, a long prompt's every logit) is copied straight into pageable host arrays
 READBACK_MAX_BYTES = 64 << 20
 # headroom of the memory pool over the planned compute buffers: CuPy's kernels make temporaries
 # (float64 sums in RMS_NORM, the KQ matrix in FLASH_ATTN_EXT) that ggml's in-place graph does not
@@ -251,6 +253,7 @@ class CUDAQMatrix:
                 np.int32(self.n_in),
                 np.int64(self.row_bytes),
                 np.int32(n_tok),
+                np.uint64(0),  # (no bias epilogue)
             ),
         )
         return out
@@ -307,7 +310,6 @@ class CUDADevice(MemoryDevice):
         self._functions: dict[tuple[str, GGMLType], Any] = {}
         self._staging: list[_Staging] = []
         self._next_staging = 0
-        self._readback: _Staging | None = None  # download_batch's pinned buffer
         self._ops: Any = None
         self._runtime: Any = None  # cuda_exec.CUDARuntime: the compiled plans' arena and launches
 
@@ -422,9 +424,11 @@ class CUDADevice(MemoryDevice):
         return out
 
     def download_batch(self, values: Sequence[Any]) -> list[np.ndarray]:
-        """The values' D2H copies queued on the stream into one pinned buffer, then ONE wait (an
-        event recorded after them), then host arrays copied out of it (the buffer is reused by the
-        next boundary)."""
+        """The values' D2H copies queued on the stream into one pinned block, then ONE wait (an
+        event recorded after them); the host arrays are views of that block (no copy after the
+        wait: a 128k vocabulary's logits row is ~30 us of memcpy), a fresh block from CuPy's pinned
+        pool each call, back in the pool once the caller drops them. Past READBACK_MAX_BYTES
+        (a long prompt's every logit) the copies land in pageable arrays instead."""
         cp = self.cp
         with self.context("downloading tensors"):
             # (address, bytes, shape, dtype, owner) of each: a GPU plan's export read where its
@@ -446,11 +450,10 @@ class CUDADevice(MemoryDevice):
                 outs = [np.empty(shape, dt) for _a, _n, shape, dt, _w in srcs]
                 dsts = [int(o.ctypes.data) for o in outs]
             else:
-                pin = self._readback
-                if pin is None or pin.view.size < total:
-                    self._readback = pin = None  # (the old block first: nothing is in flight from it)
-                    self._readback = pin = _Staging(cp, max(total, 1 << 16))
-                dsts = [pin.mem.ptr + o for o in offs]
+                mem = cp.cuda.alloc_pinned_memory(max(total, 64))
+                block = np.frombuffer(mem, np.uint8, total)  # (its base keeps `mem` alive)
+                outs = [block[o : o + n].view(dt).reshape(shape) for (_a, n, shape, dt, _w), o in zip(srcs, offs)]
+                dsts = [mem.ptr + o for o in offs]
             for (addr, n, _shape, _dt, _owner), dst in zip(srcs, dsts):
                 if n:
                     cp.cuda.runtime.memcpyAsync(dst, addr, n, 2, self.stream.ptr)  # 2: D2H
@@ -458,16 +461,14 @@ class CUDADevice(MemoryDevice):
         self.stats.n_sync += 1
         self.stats.n_out += len(srcs)
         self.stats.bytes_out += sum(src[1] for src in srcs)
-        if total > READBACK_MAX_BYTES:
-            return outs
-        return [pin.view[o : o + n].view(dt).reshape(shape).copy() for (_a, n, shape, dt, _w), o in zip(srcs, offs)]
+        return outs
 
     def close(self) -> None:
         """Free the pinned staging memory (the device's and its GPU plans' mirror) once the
         stream is idle; made again on the next copy."""
         with self._device:
             self.stream.synchronize()
-        self._staging, self._next_staging, self._readback = [], 0, None
+        self._staging, self._next_staging = [], 0
         if self._runtime is not None:
             self._runtime.free_pinned()
 

@@ -307,7 +307,7 @@ def _mul_mat_w(rt: CUDARuntime, rec: np.ndarray) -> Launch:
     if r[8] != r[7] and r[6] > 1:
         raise Refused("MUL_MAT of strided rows")
     qtype = GGMLType(r[9])
-    return lambda: ops.mul_mat_vec(st, qtype, r[3], r[11], r[10], r[7], r[2], r[1], r[6])
+    return lambda: ops.mul_mat_vec(st, qtype, r[3], r[11], r[10], r[7], r[2], r[1], r[6], b=r[18])
 
 
 def _mul_mat_glu(rt: CUDARuntime, rec: np.ndarray) -> Launch:
@@ -320,13 +320,14 @@ def _mul_mat_glu(rt: CUDARuntime, rec: np.ndarray) -> Launch:
 
 def _mul_mat_gemm(rt: CUDARuntime, rec: np.ndarray) -> Launch:
     """A prompt's product: input to f16 (over its power-of-two scale), per tile of rows the weight
-    to f16 and one GEMM (alpha the scale), the GLU after it when fused (cuda_ops.mul_mat_gemm)."""
+    to f16 and one GEMM (alpha the scale), the GLU or the bias (slot 18) after it when fused
+    (cuda_ops.mul_mat_gemm)."""
     r, ops, st = _i(rec), rt.ops, rt.dev.stream
     qtype = GGMLType(r[9])
     glu = ("", "swiglu", "geglu")[r[12]]
     n_out = 2 * r[10] if glu else r[10]
     return lambda: ops.mul_mat_gemm(st, qtype, r[3], r[11], n_out, r[7], r[2], r[8], r[1], r[6], w16=r[4], x16=r[5],
-                                    tile_rows=r[13], glu=glu, prod=r[14], scale=r[15])  # fmt: skip
+                                    tile_rows=r[13], glu=glu, prod=r[14], scale=r[15], b=r[18])  # fmt: skip
 
 
 def _rope(rt: CUDARuntime, rec: np.ndarray) -> Launch:

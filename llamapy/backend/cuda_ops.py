@@ -83,7 +83,9 @@ FA_MAX_SPLITS = 64
 ARGSORT_THREADS = 128  # moe.cu: a block per row of the router's probabilities
 FA_QT = 16  # fattn.cu's prompt kernel: query rows per block
 FA_VEC_MAX_TOKENS = MMV_MAX_TOKENS  # attention of more query tokens runs the prompt kernel (fattn_tile_*)
-GEMM_SCRATCH_BYTES = 64 << 20  # a prompt product's f16 weight scratch: rows dequantized per GEMM (gemm_tile_rows)
+GEMM_SCRATCH_BYTES = 64 << 20  # a prompt product's f16 weight scratch at most: rows dequantized per GEMM (gemm_tile_rows)
+GEMM_SCRATCH_MIN = 4 << 20  # ... and at least (gemm_scratch_budget)
+GEMM_SCRATCH_SHARE = 32  # ... else 1 / this of the weights a split multiplies (gemm_scratch_budget)
 AMAX_BLOCKS = 256  # elementwise.cu's amax_f32: at most this many partial maxima of an f16 GEMM input
 F16_SCALE_BYTES = 4 * (2 + AMAX_BLOCKS)  # the input's scale scratch: the GEMM's alpha and beta, then the partials
 
@@ -114,11 +116,22 @@ def fattn_scratch_floats(n_tokens: int, n_head: int, dv: int, n_splits: int) -> 
     return 0 if n_splits <= 1 else n_tokens * n_head * n_splits * (dv + 2)
 
 
-def gemm_tile_rows(n_out: int, n_in: int) -> int:
+def gemm_scratch_budget(weight_bytes: int) -> int:
+    """The f16 weight scratch of a plan's prompt products, for a split multiplying `weight_bytes`
+    of weights: 1 / GEMM_SCRATCH_SHARE of them, within [GEMM_SCRATCH_MIN, GEMM_SCRATCH_BYTES].
+    Why relative: GPU memory at -ngl all is held to llama.cpp's + 10 % (issue 28), whose int8
+    prompt kernels need no such scratch; a fixed 64 MiB made SmolLM2-135M's shape reserve 162 MiB
+    of compute where llama.cpp reserves 98 (+29 % of its whole footprint; the 1.2B's +11 %). Why
+    not smaller for large models: each tile is a dequantization and a GEMM launched from Python
+    (~10 us), so the 8B's ffn products keep 64 MiB tiles (4 a product)."""
+    return max(GEMM_SCRATCH_MIN, min(GEMM_SCRATCH_BYTES, weight_bytes // GEMM_SCRATCH_SHARE))
+
+
+def gemm_tile_rows(n_out: int, n_in: int, budget: int | None = None) -> int:
     """Rows of a prompt product's weight dequantized to f16 per GEMM: all of them when they fit
-    GEMM_SCRATCH_BYTES, else the most that do, a multiple of 256 (the scratch is sized for the
-    largest tile of a plan, reused by every product)."""
-    rows = max(256, GEMM_SCRATCH_BYTES // (2 * n_in) // 256 * 256)
+    `budget` bytes (gemm_scratch_budget; default GEMM_SCRATCH_BYTES), else the most that do, a
+    multiple of 256 (the scratch is sized for the largest tile of a plan, reused by every product)."""
+    rows = max(256, (GEMM_SCRATCH_BYTES if budget is None else budget) // (2 * n_in) // 256 * 256)
     return min(n_out, rows)
 
 
@@ -402,16 +415,17 @@ class CudaKernels:
     # -- MUL_MAT (decode) -----------------------------------------------------------------------
 
     def mul_mat_vec(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_out: int, n_in: int, x: int,
-                    y: int, n_tok: int) -> None:
+                    y: int, n_tok: int, *, b: int = 0) -> None:
         """y (n_tok, n_out) = x (n_tok, n_in, contiguous, 16-byte aligned) @ W.T for up to
         MMV_MAX_TOKENS tokens: the fused dequantize + matrix-vector kernel of `qtype` (a warp per
-        row, common.cuh)."""
+        row, common.cuh). `b`: a float32 bias of n_out added to every token's row as the
+        product's epilogue (the bits of the product, then `binary` add)."""
         qtype = GGMLType(qtype)
         if qtype not in WEIGHT_SUFFIX:
             raise UnsupportedError(f"CUDA: MUL_MAT of {qtype.name}")
         if not 0 < n_tok <= MMV_MAX_TOKENS or n_in % 32 or n_in % block_size(qtype)[0] or x % 16:
             raise UnsupportedError(f"CUDA: {qtype.name} matrix-vector product of {n_tok} tokens of {n_in} (x at {x:#x})")
-        args = (_p(w), _p(x), _p(y), np.int32(n_out), np.int32(n_in), np.int64(row_bytes), np.int32(n_tok))
+        args = (_p(w), _p(x), _p(y), np.int32(n_out), np.int32(n_in), np.int64(row_bytes), np.int32(n_tok), _p(b))
         grid = _cdiv(n_out, MMV_ROWS_PER_BLOCK)
         self._launch(f"mmv_{WEIGHT_SUFFIX[qtype][1]}", (grid,), 32 * MMV_ROWS_PER_BLOCK, args, stream)
 
@@ -491,21 +505,27 @@ class CudaKernels:
 
     def mul_mat_gemm(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_out: int, n_in: int, x: int,
                      sx: int, y: int, n_tok: int, *, w16: int, x16: int, tile_rows: int, glu: str = "",
-                     prod: int = 0, scale: int = 0) -> None:
+                     prod: int = 0, scale: int = 0, b: int = 0) -> None:
         """y (n_tok, n_out) = x (n_tok rows of n_in, sx apart) @ W.T for a prompt: x rounded to
         f16 once into x16 (divided by its power-of-two scale when `scale`, the scale's scratch,
         is given: `to_f16`; the GEMMs multiply by it), then per tile of `tile_rows` rows of W
         (gemm_tile_rows) the rows decoded to f16 into w16 and one GEMM into their columns of y.
         `glu` ("swiglu" / "geglu"): W stacks gate and up (n_out = 2 n_ff), the product goes to
-        `prod` (n_tok, n_out) and y (n_tok, n_ff) = act(gate) * up (glu.cu)."""
+        `prod` (n_tok, n_out) and y (n_tok, n_ff) = act(gate) * up (glu.cu). `b`: a float32 bias
+        of n_out added to y's rows after the GEMMs (`binary` add in place: cuBLAS's beta would
+        round alpha * sum + beta * b in one step, not as the ADD does)."""
         dst = prod if glu else y
         if glu and not prod:
             raise ValueError("a GEMM with its GLU needs the product's scratch")
+        if glu and b:
+            raise UnsupportedError("CUDA: a prompt's product with both a GLU and a bias")
         self.to_f16(stream, x, sx, x16, n_tok, n_in, scale=scale)
         for r0 in range(0, n_out, tile_rows):
             rows = min(tile_rows, n_out - r0)
             self.dequant_f16(stream, qtype, w + r0 * row_bytes, row_bytes, rows, n_in, w16)
             self.gemm_f16(stream, w16, x16, dst + 4 * r0, rows, n_tok, n_in, n_out, ab=scale)
+        if b:
+            self.binary(stream, "add", y, n_out, b, 0, y, n_out, n_tok, n_out)
         if glu:
             n_ff = n_out // 2
             self.glu(stream, glu, prod, n_out, prod + 4 * n_ff, n_out, y, n_ff, n_tok, n_ff)

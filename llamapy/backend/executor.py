@@ -408,7 +408,7 @@ class Target:
     glu_ops: tuple[str, ...] = ("swiglu",)  # the GLU variants its records run
     attn_sinks = False  # whether its ATTN records take gpt-oss's sinks (slot 24)
     fuse_glu = False  # a GLU of the two halves of the product before it joins that product's step
-    fuse_bias = False  # an ADD_ID of the MUL_MAT_ID before it joins that product's step (gpt-oss)
+    fuse_bias = False  # an ADD_ID / ADD of a bias after a product joins that product's step (an epilogue)
     head = 0  # bytes at the arena's start before the allocator's offsets (the GPU's count slots)
     max_tokens: int | None = None  # batches from this many tokens are refused
     width = REC  # int64 slots per record
@@ -784,6 +784,8 @@ class _Compiler:
                 continue
             if op is Op.ADD_ID and self.target.fuse_bias and self._fuse_mul_mat_id_bias(n):
                 continue
+            if op is Op.ADD and self.target.fuse_bias and self._fuse_mul_mat_bias(n):
+                continue
             if op is Op.GLU and self.target.fuse_glu and n.params.get("op") in self.target.glu_ops \
                     and (self._fuse_mul_mat_glu(n) or self._fuse_mul_mat_id_glu(n)):
                 continue
@@ -844,7 +846,7 @@ class _Compiler:
         step's result is the GLU's, placed apart from the product's input, which it reads to the
         end). Targets with a product whose epilogue is the GLU only (the GPU's)."""
         prev = self.steps[-1] if self.steps else None
-        if prev is None or prev.code != MUL_MAT or "glu" in prev.extra:
+        if prev is None or prev.code != MUL_MAT or prev.extra:  # (one epilogue a product)
             return False
         mm, (g, u) = prev.node, glu.src
         n_ff = g.shape[-1]
@@ -894,6 +896,23 @@ class _Compiler:
         prev.extra.update(bias=add, mm=mm)
         prev.node = add
         prev.reads.append(add.src[1])
+        self.n_fused += 1
+        return True
+
+    def _fuse_mul_mat_bias(self, add: Tensor) -> bool:
+        """ADD(MUL_MAT, bias) — a weight vector of one value an output row: qwen2's and gpt-oss's
+        fused Q/K/V bias, gpt-oss's output and router biases — as the product's step when nothing
+        else reads the product: the step's result is the ADD's (the GPU's product with the bias
+        as epilogue; each output the product's sum, then one float32 add, as the ADD)."""
+        prev = self.steps[-1] if self.steps else None
+        mm, b = add.src
+        if prev is None or prev.code != MUL_MAT or prev.node is not mm or prev.extra or self.readers.get(mm, 0) != 1:
+            return False
+        if not b.is_leaf or self.target.leaf(b) is None or b.type is not GGMLType.F32 or b.shape != mm.shape[-1:]:
+            return False
+        prev.extra.update(bias=add, mm=mm)
+        prev.node = add
+        prev.reads.append(b)
         self.n_fused += 1
         return True
 

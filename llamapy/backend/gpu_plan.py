@@ -10,7 +10,10 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
 
   * MUL_MAT_W: a fused dequantize + matrix-vector product over the weight's raw blocks on the
     device (slots 1 dst, 2 x, 3 the weight's blocks; 6 tokens, 7 n_in, 8 x's row stride, 9 the
-    GGML type, 10 n_out, 11 row bytes);
+    GGML type, 10 n_out, 11 row bytes; 18 a float32 bias of n_out or 0: the ADD after the
+    product as its epilogue — the compiler's `_fuse_mul_mat_bias`, `fuse_bias`: qwen2's and
+    gpt-oss's stacked Q/K/V bias, whose Q, K and V views then make a ROPE_QKV; gpt-oss's output
+    and router biases);
   * GET_ROWS_W: rows of a weight matrix expanded (1 dst, 2 the blocks, 3 ids; 6 ids, 7 n_in,
     8 row bytes, 9 n_out, 10 the GGML type);
   * MUL_MAT_GLU: the product of the stacked gate/up matrix with its GLU as epilogue (the
@@ -54,7 +57,8 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     GGML type, 10 the values written a token (n_ff with a GLU), 11 row bytes, 12 the GLU (0 none,
     1 SwiGLU, 2 GEGLU), 13 rows per GEMM, 14 the float32 product's scratch (with a GLU), 15 the
     input's scale scratch (cuda_ops.F16_SCALE_BYTES: the input divided by a power of two that
-    keeps it in f16's range, the GEMMs' alpha read from there);
+    keeps it in f16's range, the GEMMs' alpha read from there), 18 MUL_MAT_W's bias (added in
+    place after the GEMMs: elementwise.cu's add, the ADD record's bits; never with a GLU);
   * MUL_MAT_ID_GEMM: a prompt's expert product (more tokens than mmv_id takes; see Prompts below):
     MUL_MAT_ID_W's / MUL_MAT_ID_GLU's slots 1-22, 23 flags (1: the gate/up experts with their
     GLU, slot 16 the up ones; 2: the same routing as the expert record before, whose grouping it
@@ -92,7 +96,8 @@ Prompts: a split whose products take more tokens than the matrix-vector kernels 
 its products MUL_MAT_GEMM records, its attention fattn.cu's prompt kernel (cuda_ops picks it by
 the token count); CuPy refuses cuBLAS inside a stream capture, so such a plan runs its launches
 directly (prepared once per batch shape, kept like the decode plans). The scratches of its GEMMs
-follow the attention's in the arena, sized for the plan's largest product, and one scale scratch
+follow the attention's in the arena, sized for the plan's largest product (its f16 weight tiles
+at most 1/32 of the split's weights: cuda_ops.gemm_scratch_budget), and one scale scratch
 (the f16 inputs' power-of-two scales: an activation past 65504 would round to inf in f16, which
 llama.cpp's q8_1 blocks with their own scales never do).
 
@@ -256,12 +261,14 @@ class GPUTarget(Target):
 
     def scratch(self, c: _Compiler, start: int) -> int:
         """One scratch for the split partials of every attention (they run one after another)."""
-        from .cuda_ops import F16_SCALE_BYTES
+        from .cuda_ops import F16_SCALE_BYTES, gemm_scratch_budget, gemm_tile_rows
 
         need = 0
         self.splits: dict[Tensor, int] = {}
         # the prompt products' scratches: f16 weight tile, f16 input, a product, the experts' sort, the input's scale
         gemm = [0, 0, 0, 0, 0]
+        mats = {st.extra.get("mm", st.node).src[0] for st in c.steps if st.code == MUL_MAT}
+        self.gemm_budget = gemm_scratch_budget(sum(w.nbytes for w in mats if w.is_leaf))
         for st in c.steps:
             if st.code == ATTN:
                 q, _k, v = st.node.src[:3]
@@ -270,13 +277,11 @@ class GPUTarget(Target):
                 self.splits[st.node], nbytes = self.rt.attn_split(T, H, Hkv, N, Dv)
                 need = max(need, nbytes)
             elif st.code == MUL_MAT:
-                from .cuda_ops import gemm_tile_rows
-
                 w, x = st.extra.get("mm", st.node).src
                 n_out, n_in = w.shape[0], x.shape[-1]
                 n_tok = x.n_elements // max(n_in, 1)
                 if product_path(n_out, n_tok, n_in, w.type, self.rt.max_tokens) == "gemm_f16":
-                    gemm[0] = max(gemm[0], 2 * gemm_tile_rows(n_out, n_in) * n_in)
+                    gemm[0] = max(gemm[0], 2 * gemm_tile_rows(n_out, n_in, self.gemm_budget) * n_in)
                     gemm[1] = max(gemm[1], 2 * n_tok * n_in)
                     gemm[2] = max(gemm[2], 4 * n_tok * n_out if "glu" in st.extra else 0)
                     gemm[4] = F16_SCALE_BYTES
@@ -311,8 +316,11 @@ class GPUTarget(Target):
             if xl.dtype != np.dtype(np.float32):
                 raise Refused(f"MUL_MAT input of type {xl.dtype}")
             n_tok, k, xs = xl.rows()
+            bias = self._bias_rows(c, st.extra["bias"])[0] if "bias" in st.extra else 0  # (the ADD after it)
             if product_path(n_out, n_tok, n_in, qtype, self.rt.max_tokens) == "gemm_f16":
-                return [self._gemm(c, st, loc(n).addr, xl.addr, blocks, qtype, n_out, n_in, row_bytes, n_tok, k, xs)]
+                r = self._gemm(c, st, loc(n).addr, xl.addr, blocks, qtype, n_out, n_in, row_bytes, n_tok, k, xs)
+                r[18] = bias
+                return [r]
             if n_tok > self.rt.max_tokens:
                 raise Refused(f"a batch of {n_tok} tokens (prompts stay on the cuBLAS path)")
             if k != n_in or (xs != n_in and n_tok > 1) or xl.addr % 16:
@@ -320,7 +328,7 @@ class GPUTarget(Target):
             dst = loc(n)
             r = [0] * WIDTH
             r[0], r[1], r[2], r[3] = MUL_MAT_W, dst.addr, xl.addr, blocks
-            r[6], r[7], r[8], r[9], r[10], r[11] = n_tok, n_in, xs, qtype, n_out, row_bytes
+            r[6], r[7], r[8], r[9], r[10], r[11], r[18] = n_tok, n_in, xs, qtype, n_out, row_bytes, bias
             if "glu" in st.extra:  # the GLU's result (contiguous rows of n_ff), the product never stored
                 r[0], r[10], r[12] = MUL_MAT_GLU, n_out // 2, _epilogue(st.extra["glu"])
             return [r]
@@ -392,7 +400,7 @@ class GPUTarget(Target):
         w16, x16, prod = (c.base + off for off in self.gemm_off[:3])
         r[0], r[1], r[2], r[3], r[4], r[5] = MUL_MAT_GEMM, dst, x, blocks, w16, x16
         r[6], r[7], r[8], r[9], r[10], r[11] = n_tok, n_in, xs, qtype, n_out, row_bytes
-        r[13], r[15] = gemm_tile_rows(n_out, n_in), c.base + self.gemm_off[4]
+        r[13], r[15] = gemm_tile_rows(n_out, n_in, self.gemm_budget), c.base + self.gemm_off[4]
         if "glu" in st.extra:  # the product into its scratch, the GLU's result (n_ff a token) into dst
             op = st.extra["glu"].params.get("op")
             if op not in ("swiglu", "geglu"):
@@ -479,21 +487,22 @@ class GPUTarget(Target):
         return r
 
     def _bias_rows(self, c: _Compiler, n: Tensor) -> tuple[int, int]:
-        """An ADD_ID's bias rows on the device (a float32 matrix of n_expert rows): (address,
-        row stride in floats)."""
+        """The bias an ADD_ID (a float32 matrix of n_expert rows) or an ADD after a product (a
+        float32 vector) adds, on the device: (address, row stride in floats)."""
+        op = n.op.name
         bv = self.leaf(n.src[1]) if n.src[1].is_leaf else None
         if bv is None:
-            raise Refused(f"ADD_ID {n.name}: biases that are not a weight")
+            raise Refused(f"{op} {n.name}: biases that are not a weight")
         try:
             bl = self.array_loc(bv, c.keep)
             if bl.dtype != np.dtype(np.float32) or bl.strides[-1] != 1:
-                raise Refused(f"ADD_ID {n.name}: biases of type {bl.dtype}")
+                raise Refused(f"{op} {n.name}: biases of type {bl.dtype}")
             return bl.addr, bl.strides[0]
         except Refused:
             b, qtype, _n_out, _n_in, row_bytes = self.rt.weight(bv)
             c.keep.append(bv)
             if qtype != int(GGMLType.F32):
-                raise Refused(f"ADD_ID {n.name}: biases of type {GGMLType(qtype).name}") from None
+                raise Refused(f"{op} {n.name}: biases of type {GGMLType(qtype).name}") from None
             return b, row_bytes // 4
 
     def _add_id(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc]) -> list[int]:

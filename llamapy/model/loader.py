@@ -187,16 +187,27 @@ FUSED_FROM = "fused_from"  # Tensor.params key: the GGUF tensors a fused weight 
 def _fuse(layer: dict[str, Tensor], il: int, parts: tuple[str, ...], name: str) -> None:
     """Replace matrices that multiply the same input by one whose rows are theirs, stacked:
     one MUL_MAT instead of several (llama.cpp's wqkv / ffn_gate_up when a model ships them).
-    Only matrices of one type, without biases, can share a buffer of quantized blocks."""
+    Only matrices of one type can share a buffer of quantized blocks. Their biases (qwen2's and
+    gpt-oss's Q/K/V) are stacked alike into `{name}.bias` (llama.cpp's bqkv: one ADD after the
+    product), when every part has one and all are of one type; when only some have one, the
+    parts stay apart."""
     ts = [layer[k] for k in parts]
-    if len({t.type for t in ts}) != 1 or any(f"{k}.bias" in layer for k in parts):
+    bs = [layer.get(f"{k}.bias") for k in parts]
+    biased = [b for b in bs if b is not None]
+    if len({t.type for t in ts}) != 1 or len(biased) not in (0, len(parts)) or len({b.type for b in biased}) > 1:
         return
     rows = sum(t.shape[0] for t in ts)
     fused = Tensor(f"blk.{il}.{name}.weight", (rows, ts[0].shape[1]), ts[0].type, flags=TensorFlag.WEIGHT)
     fused.params[FUSED_FROM] = tuple(t.name for t in ts)
     for k in parts:
         del layer[k]
+        layer.pop(f"{k}.bias", None)
     layer[name] = fused
+    if biased:  # (n,) each: one vector of their sum of lengths, read as the parts' bytes in order
+        bias = Tensor(f"blk.{il}.{name}.bias", (sum(b.shape[0] for b in biased),), biased[0].type,
+                      flags=TensorFlag.WEIGHT)
+        bias.params[FUSED_FROM] = tuple(b.name for b in biased)
+        layer[f"{name}.bias"] = bias
 
 
 _GLOBAL = {MODEL_TENSOR.TOKEN_EMBD: "tok_embd", MODEL_TENSOR.OUTPUT_NORM: "output_norm",
@@ -241,13 +252,15 @@ def collect_weights(gf: GGUFFile, p: HParams, fuse: bool = True) -> ModelWeights
 
 class ConcatRows:
     """The bytes of a fused weight: its parts' rows stacked, materialized only when a backend
-    asks for the array (a backend whose cache already holds the prepared weight never does)."""
+    asks for the array (a backend whose cache already holds the prepared weight never does).
+    `axis` 1: the parts are one row each (vectors: a fused bias), joined into one row."""
 
-    def __init__(self, parts: list[np.ndarray]) -> None:
+    def __init__(self, parts: list[np.ndarray], axis: int = 0) -> None:
         self.parts = parts
+        self.axis = axis
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        out = np.concatenate(self.parts)
+        out = np.concatenate(self.parts, axis=self.axis)
         return out if dtype is None else out.astype(dtype)
 
 
@@ -306,7 +319,8 @@ def load_weights(gf: GGUFFile, w: ModelWeights, placement: Placement, where: dic
                 parts = t.params.get(FUSED_FROM, ())
                 whole = gf.adjacent_bytes(parts) if parts else None  # the parts' rows in the file: no copy
                 if parts and whole is None:
-                    buf.set(t, ConcatRows([gf.tensor_bytes(n) for n in parts]))  # type: ignore[arg-type]
+                    rows = ConcatRows([gf.tensor_bytes(n) for n in parts], axis=int(len(t.shape) == 1))
+                    buf.set(t, rows)  # type: ignore[arg-type]
                     # the buffer holds the parts stacked (a copy, or views of the repack cache):
                     # the parts' own pages, read to make it, would count in the RSS twice
                     for n in parts:

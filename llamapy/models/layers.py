@@ -27,11 +27,13 @@ def _bias(x: Tensor, w: dict[str, Tensor], key: str, name: str) -> Tensor:
 
 
 def qkv(p: HParams, w: dict[str, Tensor], x: Tensor, il: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Q, K, V projections (build_qkv): one fused MUL_MAT when the loader fused them, plus the
-    optional biases. Returns (T, H*D), (T, Hkv*D), (T, Hkv*Dv)."""
+    """Q, K, V projections (build_qkv): one fused MUL_MAT when the loader fused them (and one ADD
+    of their fused biases, llama.cpp's bqkv: each element the same sum as its part's ADD), else
+    three, plus the optional biases. Returns (T, H*D), (T, Hkv*D), (T, Hkv*Dv)."""
     H, Hkv, D, Dv = p.n_head_arr[il], p.n_head_kv_arr[il], p.head_dim, p.head_dim_v
     if "attn_qkv" in w:
         fused = ops.mul_mat(w["attn_qkv"], x, f"wqkv-{il}")  # (T, H*D + Hkv*D + Hkv*Dv)
+        fused = _bias(fused, w, "attn_qkv", f"bqkv-{il}")
         q = ops.cols(fused, 0, H * D, f"Qcur-{il}")  # (T, H*D)
         k = ops.cols(fused, H * D, (H + Hkv) * D, f"Kcur-{il}")  # (T, Hkv*D)
         v = ops.cols(fused, (H + Hkv) * D, (H + Hkv) * D + Hkv * Dv, f"Vcur-{il}")  # (T, Hkv*Dv)

@@ -30,7 +30,7 @@ from gguf.quants import dequantize
 
 from llamapy.backend import cuda_exec, cuda_ops, gpu_plan, native
 from llamapy.backend.cpu import CPU_BUFT, CPUBackend
-from llamapy.backend.executor import (ADD_ID, ARGSORT, ATTN, CLAMP, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, RMS_NORM, SET_ROWS,
+from llamapy.backend.executor import (ADD, ADD_ID, ARGSORT, ATTN, CLAMP, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, RMS_NORM, SET_ROWS,
                                       SOFT_MAX, SUM_ROWS, SWIGLU, MUL_MAT_ID_Q, MUL_MAT_Q, QUANT_ACT, REC, ROPE, Arena,
                                       ExecPlan, Loc, Refusal, Refused, _array_loc, _lib, _Slot)
 from llamapy.backend.gpu_plan import (COUNT, GEMM_DIRECT, GET_ROWS_W, HEAD, MOE_SYNC, MUL_MAT_GEMM, MUL_MAT_GLU,
@@ -141,6 +141,10 @@ class FakeRuntime(HostRuntime):
                 m[[0, 1, 2, 3, 6, 7, 8, 9, 10, 11]] = MUL_MAT_Q, r[1] if glu < 0 else prod.ctypes.data, r[3], \
                     self.scratch.ctypes.data, qtype, n_out, row_bytes, n_in, n_tok, n_out
                 run([q, m])
+                if r[18]:  # the bias epilogue: the ADD record in place (a broadcast row)
+                    a = np.zeros(REC, np.int64)
+                    a[[0, 1, 2, 3, 6, 7, 8, 9]] = ADD, r[1], r[1], r[18], n_tok, n_out, n_out, 0
+                    run([a])
                 if glu >= 0:
                     n_ff = n_out // 2
                     if glu == 1:
@@ -447,6 +451,33 @@ def test_prompt_batches_are_gemm_plans(make_llama) -> None:  # noqa: ANN001
     model.free()
 
 
+def test_prompt_weight_tiles_follow_the_weights(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """The f16 weight scratch of a plan's GEMMs is 1/32 of the weights its split multiplies
+    (cuda_ops.gemm_scratch_budget, within 4..64 MiB: GPU memory is held to llama.cpp's + 10 %):
+    with the 4 MiB floor lifted, this tiny model's products are decoded 256 rows at a time."""
+    from llamapy.backend import cuda_ops
+    from llamapy.sched.alloc import plan_offsets
+
+    assert cuda_ops.gemm_scratch_budget(0) == 4 << 20 and cuda_ops.gemm_scratch_budget(1 << 40) == 64 << 20
+    assert cuda_ops.gemm_scratch_budget(32 * (10 << 20)) == 10 << 20
+    model = Model(make_llama(qtype=T.Q8_0))
+    ctx = Context(model, ContextOptions(n_ctx=512, n_threads=1))
+    g = ctx.graph(20, 1).graph
+    (split,) = ctx.sched.reserve(g).splits
+    tiles = []
+    for floor in (cuda_ops.GEMM_SCRATCH_MIN, 1):
+        monkeypatch.setattr(cuda_ops, "GEMM_SCRATCH_MIN", floor)
+        p = gpu_plan.compile_split(split.nodes, list(g.outputs), plan_offsets, FakeRuntime())
+        gemm = p.recs[p.recs[:, 0] == MUL_MAT_GEMM]
+        rows = gemm[:, 10] * (1 + (gemm[:, 12] > 0))  # (a GLU's record: half the rows in slot 10)
+        tiles.append(gemm[:, 13])
+        w16, x16 = int(gemm[0, 4]), int(gemm[0, 5])
+        assert x16 - w16 >= 2 * int((gemm[:, 13] * gemm[:, 7]).max())
+    assert (tiles[0] == rows).all()  # 4 MiB: every product in one tile
+    assert (tiles[1] == np.minimum(rows, 256)).all() and (rows > 256).any()  # ~40 KiB: the smallest tiles
+    model.free()
+
+
 def test_arena_growth_moves_and_recaptures(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """A plan made while the arena was smaller moves its records to the new block and is
     captured again; its logits stay the CPU executor's."""
@@ -658,12 +689,13 @@ class NumpyOps:
         self.glu(stream, op, prod.ctypes.data, 2 * n_ff, prod.ctypes.data + 4 * n_ff, 2 * n_ff, y, n_ff, n_tok, n_ff)
 
     def mul_mat_vec(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_out: int, n_in: int, x: int,
-                    y: int, n_tok: int) -> None:
-        self.calls.append("mul_mat_vec")
+                    y: int, n_tok: int, *, b: int = 0) -> None:
+        self.calls.append("mul_mat_vec" + ("+bias" if b else ""))
         assert x % 16 == 0 and n_tok <= 8
         W = dequantize(mem(w, (n_out, row_bytes), (row_bytes, 1), np.uint8), T(int(qtype))).reshape(n_out, n_in)
         X = mem(x, (n_tok, n_in), (n_in, 1), F32)
-        mem(y, (n_tok, n_out), (n_out, 1), F32)[...] = (X.astype(np.float64) @ W.T.astype(np.float64)).astype(F32)
+        out = (X.astype(np.float64) @ W.T.astype(np.float64)).astype(F32)
+        mem(y, (n_tok, n_out), (n_out, 1), F32)[...] = out + mem(b, (n_out,), (1,), F32) if b else out
 
     def rope(self, stream: Any, x: int, sxt: int, sxh: int, y: int, syt: int, syh: int, n_tokens: int, n_head: int,
              head_dim: int, *, pos: int = 0, n_dims: int = 0, mode: int = -1, freq_base: float = 10000.0,
@@ -1211,6 +1243,51 @@ def test_gptoss_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytest.MonkeyP
     model.free()
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gpt-oss"])
+def test_biased_qkv_is_one_product_and_one_rope_qkv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    arch: str) -> None:
+    """Layers with Q/K/V biases (qwen2, gpt-oss: the loader's one product and one stacked bias)
+    as decode plans: one ROPE_QKV a layer (no ROPE or SET_ROWS record left), the biases the
+    products' epilogue (MUL_MAT_W's slot 18: the Q/K/V one, and gpt-oss's output and router
+    biases) with no ADD record for them — without the epilogue, one ADD each —, and the CPU
+    executor's logits bit for bit either way."""
+    if arch == "qwen2":
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+        from family_models import write_family_gguf
+
+        path, n_biased = write_family_gguf(tmp_path / "qwen2.gguf", "qwen2", qtype=T.Q8_0), 1
+    else:
+        path, n_biased = _gptoss_model(tmp_path), 3
+    model = Model(path)
+    n_layer = model.params.n_layer
+    ref = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    want = _moe_decode(ref, _MOE_STEPS)
+    counts = {}
+    for fused in (True, False):
+        monkeypatch.setattr(gpu_plan.GPUTarget, "fuse_bias", fused)
+        refusals = _refusals(monkeypatch)
+        made = _gpu_backend(monkeypatch, FakeRuntime)
+        gpu = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+        for i, (a, b) in enumerate(zip(_moe_decode(gpu, _MOE_STEPS), want)):
+            np.testing.assert_array_equal(a, b, err_msg=f"step {i}")
+        assert not refusals and made, refusals
+        for p in made:
+            codes = p.recs[:, 0]
+            assert (codes == ROPE_QKV).sum() == n_layer and not np.isin(codes, (ROPE, SET_ROWS)).any(), p.summary()
+        p = made[-1]
+        codes = p.recs[:, 0]
+        counts[fused] = ((codes == ADD).sum(), ((codes == MUL_MAT_W) & (p.recs[:, 18] != 0)).sum(), len(codes))
+        gpu.free()
+    (add_f, bias_f, n_f), (add_u, bias_u, n_u) = counts[True], counts[False]
+    assert bias_f == n_layer * n_biased and bias_u == 0
+    assert add_u - add_f == bias_f
+    if arch == "qwen2":  # (gpt-oss's experts lose their epilogues too without fuse_bias)
+        assert add_f == 0 and n_u - n_f == bias_f  # (the residual ADDs are the norms' fused ADDs)
+    model.free()
+
+
 def test_the_embedding_split_runs_on_the_calling_thread(make_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """At -ngl all the CPU's split is the token embedding's GET_ROWS alone: executor.c would run it
     on thread 0 anyway, so the plan makes no team (a team's wake-up was most of a GPU step's host
@@ -1291,7 +1368,7 @@ def _check_prompt(got: list[np.ndarray], want: list[np.ndarray], made: list[GPUP
 _F16_TOL = 1e-3
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 def test_prompt_plan_gives_the_float32_paths_logits(make_llama, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                     arch: str) -> None:  # noqa: ANN001
     """A 40-token prompt as one GPU plan, through cuda_exec's launch makers into NumpyOps (the
@@ -1307,6 +1384,9 @@ def test_prompt_plan_gives_the_float32_paths_logits(make_llama, tmp_path: Path, 
     _check_prompt(got, want, made, _F16_TOL)
     calls = set(made[0].rt.ops.calls)
     assert {"to_f16", "dequant_f16", "gemm_f16", "flash_attn_ext", "mul_mat_vec"} <= calls
+    if arch == "qwen2":  # the Q/K/V biases: the GEMM's in-place add, mmv's epilogue
+        gemm = made[0].recs[made[0].recs[:, 0] == MUL_MAT_GEMM]
+        assert (gemm[:, 18] != 0).sum() == 2 and "add" in calls and "mul_mat_vec+bias" in calls
 
 
 @pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])

@@ -74,4 +74,4 @@ def test_cuda_hybrid_steps(tiny: Any, cpu_logits: list[np.ndarray], monkeypatch:
         assert err < 1e-3, f"{where}: {err}"
     model.free()
     if dev.allocated == 0:  # (the device's last buffer freed: its pinned memory too)
-        assert dev._staging == [] and dev._readback is None
+        assert dev._staging == []

@@ -669,6 +669,22 @@ def test_mul_mat_gemm_past_f16_range(env: Env, name: str) -> None:
     assert env.get(sc)[0] == 1.0 and np.array_equal(a.view(np.uint64), b.view(np.uint64))
 
 
+def test_mul_mat_gemm_bias(env: Env) -> None:
+    """A prompt's product with its bias: the bits of the GEMMs, then add_f32 of the bias."""
+    n_out, n_in, n_tok, tile = 300, 256, 20, 128
+    raw = np.ascontiguousarray(random_rows("Q8_0", n_out, n_in, np.random.default_rng(3)))
+    x, b = randn(n_tok, n_in), randn(n_out) * 4
+    rd, xd, bd = env.d(raw), env.d(x), env.d(b)
+    sw, sx = env.zeros((tile, n_in), np.float16), env.zeros((n_tok, n_in), np.float16)
+    ys = [env.full((n_tok, n_out), np.nan, np.float32) for _ in range(2)]
+    for y, bias in zip(ys, (0, env.p(bd))):
+        env.run(lambda st: env.k.mul_mat_gemm(st, G.Q8_0, env.p(rd), raw.shape[1], n_out, n_in, env.p(xd), n_in,
+                                              env.p(y), n_tok, w16=env.p(sw), x16=env.p(sx), tile_rows=tile, b=bias))
+    a, c = env.get(ys[0]), env.get(ys[1])
+    want = (a + b).astype(np.float32)  # (one float32 add, as add_f32)
+    assert np.all(np.isfinite(c)) and np.array_equal(want.view(np.uint32), c.view(np.uint32))
+
+
 @pytest.mark.parametrize("glu", ["", "swiglu"])
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
 def test_mul_mat_gemm(env: Env, name: str, glu: str) -> None:
@@ -718,6 +734,28 @@ def test_mul_mat_vec(env: Env, name: str) -> None:
     scale = np.abs(x).astype(np.float64) @ np.abs(w64).T
     err = np.abs(env.get(y) - x.astype(np.float64) @ w64.T)
     assert np.all(err <= 1e-5 * scale + 1e-30)  # test_cuda_ops.test_matmul's bound
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "F16"])
+def test_mul_mat_vec_bias_epilogue(env: Env, name: str) -> None:
+    """The product with its bias as epilogue (qwen2's / gpt-oss's Q/K/V bias) gives the bits of
+    the product, then add_f32 of the broadcast bias."""
+    n_out, n_in, n_tok = 200, 512, 3
+    raw = np.ascontiguousarray(random_rows(name, n_out, n_in, np.random.default_rng(6)))
+    x, b = randn(n_tok, n_in), randn(n_out) * 4
+    rd, xd, bd = env.d(raw), env.d(x), env.d(b)
+    sep, fused = env.full((n_tok, n_out), np.nan, np.float32), env.full((n_tok, n_out), np.nan, np.float32)
+    rb = raw.shape[1]
+
+    def separate(st: Any) -> None:
+        env.k.mul_mat_vec(st, G[name], env.p(rd), rb, n_out, n_in, env.p(xd), env.p(sep), n_tok)
+        env.k.binary(st, "add", env.p(sep), n_out, env.p(bd), 0, env.p(sep), n_out, n_tok, n_out)
+
+    env.run(separate)
+    env.run(lambda st: env.k.mul_mat_vec(st, G[name], env.p(rd), rb, n_out, n_in, env.p(xd), env.p(fused), n_tok,
+                                         b=env.p(bd)))  # fmt: skip
+    a, c = env.get(sep), env.get(fused)
+    assert np.all(np.isfinite(a)) and np.array_equal(a.view(np.uint32), c.view(np.uint32))
 
 
 @pytest.mark.parametrize("op", ["swiglu", "geglu"])

@@ -266,6 +266,7 @@ def record_launches() -> list[tuple]:
     for qt in WEIGHT_SUFFIX:
         k.get_rows(st, qt, 0x1000, 1000, 50, 0x2000, 0x3000, 512, 4, 512)
         k.mul_mat_vec(st, qt, 0x1000, 1000, 300, 512, 0x2000, 0x3000, 3)
+        k.mul_mat_vec(st, qt, 0x1000, 1000, 300, 512, 0x2000, 0x3000, 3, b=0x4000)
         k.mul_mat_vec_glu(st, "swiglu", qt, 0x1000, 1000, 300, 512, 0x2000, 0x3000, 3)
         k.mul_mat_id(st, qt, 0x1000, 1000, 8, 300, 512, 0x2000, 512, 0, 0x3000, 2, 0x4000, 3, 2, w2=0x5000)
         k.mul_mat_id(st, qt, 0x1000, 1000, 8, 300, 512, 0x2000, 512, 0, 0x3000, 2, 0x4000, 3, 2, w2=0x5000,

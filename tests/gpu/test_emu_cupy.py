@@ -287,3 +287,33 @@ def test_moe_prompt_on_cuda0_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path, cas
     assert len(decode) == 1 and "one CUDA graph" in decode[0], graphs[1]
     assert emu.n_gemms > 0
     model.free()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2", "gpt-oss"])
+def test_biased_qkv_on_cuda0_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path, arch: str) -> None:
+    """Layers with Q/K/V biases (qwen2; gpt-oss with its sinks, YaRN and biased MXFP4 experts)
+    through the real CUDA0 on the emulator at -ngl all: the loader's one Q/K/V product with its
+    bias as the kernels' epilogue (mmv's, the prompt GEMM's add after it) and one rope_qkv a
+    layer; the 12-token prompt and greedy decode steps give the -ngl 0 float32 path's logits
+    within 1e-3 of the largest and the same tokens, the decode plan one CUDA graph."""
+    from gguf import GGMLQuantizationType as T
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    if arch == "qwen2":
+        from family_models import write_family_gguf
+
+        path = write_family_gguf(tmp_path / "qwen2.gguf", "qwen2", qtype=T.Q8_0)
+    else:
+        from moe_models import write_gptoss_gguf
+
+        path = write_gptoss_gguf(tmp_path / "gptoss.gguf", qtype=T.Q8_0, exp_qtype=T.MXFP4)
+    model, graphs = _greedy_against_cpu(path, "all")
+    decode = [ln for ln in graphs[1].splitlines() if ln.startswith("## PLAN") and "CUDA0" in ln]
+    assert len(decode) == 1 and "one CUDA graph" in decode[0], graphs[1]
+    n_layer = model.params.n_layer
+    assert f"ROPE+SET_ROWS:{n_layer}" in decode[0] and " ROPE:" not in decode[0], decode[0]
+    if arch == "qwen2":
+        assert "ADD" not in decode[0], decode[0]  # (no bias ADD; the residual ones are the norms')
+    assert emu.n_launches > 0 and emu.n_gemms > 0
+    model.free()

@@ -128,3 +128,41 @@ def test_family_on_the_test_device(tmp_path: Path, monkeypatch: pytest.MonkeyPat
             out.append(llm.ctx.decode(TOKENS, list(range(n)), 0, np.ones(n, bool)))
     assert np.abs(out[1] - out[0]).max() <= 1e-4 * np.abs(out[0]).max()
     assert np.abs(out[2] - out[0]).max() <= 1e-4 * np.abs(out[0]).max()
+
+
+def _fused_and_unfused(path: Path, monkeypatch: pytest.MonkeyPatch, cpu_matmul: str) -> list[list[np.ndarray]]:
+    """Logits of a prompt, then decode steps, with the loader's Q/K/V fusion (one product, one
+    ADD of the stacked biases) and without it (three products and ADDs)."""
+    import functools
+
+    from llamapy import context
+    from llamapy.model import loader
+
+    steps = [([1, 5, 9, 3, 40, 75], list(range(6)))] + [([10 + i], [6 + i]) for i in range(3)]
+    out = []
+    for fuse in (True, False):
+        monkeypatch.setattr(context, "collect_weights", functools.partial(loader.collect_weights, fuse=fuse))
+        co = ContextOptions(n_ctx=64, n_threads=1, cpu_matmul=cpu_matmul)
+        with llamapy.Llama(path, context_options=co) as llm:
+            layer = llm.model.weights.layers[0]
+            assert ("attn_qkv.bias" in layer and "attn_q.bias" not in layer) == fuse, sorted(layer)
+            out.append([llm.ctx.decode(t, p, 0, np.ones(len(t), bool)) for t, p in steps])
+    return out
+
+
+@pytest.mark.parametrize("cpu_matmul", ["q8", "f32"])
+@pytest.mark.parametrize("arch", ["qwen2", "gpt-oss"])
+def test_fused_qkv_bias_gives_the_unfused_bits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str,
+                                               cpu_matmul: str) -> None:
+    """Q/K/V weights and their biases fused by the loader (qwen2's, gpt-oss's) give the logits of
+    the three products and three ADDs, bit for bit: a product row is the same dot product in
+    either matrix, and the ADD is elementwise."""
+    from moe_models import write_gptoss_gguf
+
+    if arch == "qwen2":
+        path = write_family_gguf(tmp_path / "q.gguf", "qwen2", qtype=T.Q8_0, tied=False)
+    else:
+        path = write_gptoss_gguf(tmp_path / "g.gguf", qtype=T.Q8_0, exp_qtype=T.MXFP4)
+    fused, unfused = _fused_and_unfused(path, monkeypatch, cpu_matmul)
+    for i, (a, b) in enumerate(zip(fused, unfused)):
+        assert np.all(np.isfinite(a)) and np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"step {i}"

@@ -6,6 +6,7 @@ result, as Ray does: tests/ray/inprocess.py) gives a model's logits equal to the
 from __future__ import annotations
 
 import pickle
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -72,15 +73,24 @@ def _local_devices(monkeypatch: pytest.MonkeyPatch) -> list[inprocess.FakeDevice
     return inprocess.install(monkeypatch.setattr)
 
 
-def test_in_process_actors_give_the_cpu_logits(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_in_process_actors_give_the_cpu_logits(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, arch: str) -> None:
+    """qwen2: the fused Q/K/V bias set on the node from its three parts' byte ranges."""
     from conftest import write_llama_gguf
+    from gguf import GGMLQuantizationType as T
 
     from llamapy.api import Llama
     from llamapy.backend.registry import discover
     from llamapy.context import ContextOptions, ModelOptions
 
     monkeypatch.setenv("LLAMAPY_BACKENDS", "cpu,ray")
-    tiny32 = write_llama_gguf(tmp_path / "m.gguf", n_layer=4)  # Q8_0, tied output
+    if arch == "llama":
+        tiny32 = write_llama_gguf(tmp_path / "m.gguf", n_layer=4)  # Q8_0, tied output
+    else:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+        from family_models import write_family_gguf
+
+        tiny32 = write_family_gguf(tmp_path / "q.gguf", "qwen2", n_layer=4, qtype=T.Q8_0)
     # micro-batches of 8: later ones attend to cached K/V; 256 of the 512 cells (the masks sent to
     # the actors are narrower than their tensors)
     co = ContextOptions(n_ctx=512, n_batch=64, n_ubatch=8)

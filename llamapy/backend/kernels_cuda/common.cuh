@@ -383,15 +383,18 @@ __device__ __forceinline__ float mmv_row(const u8* __restrict__ wr, int n_units,
     return s_t;
 }
 
+// mmv: b (optional), a float32 bias of n_out, is added to each row's sum before the store (the
+// ADD after the product as its epilogue: the bits of mmv, then add_f32).
 template <typename DQ>
 __device__ __forceinline__ void mmv_impl(const u8* __restrict__ w, const float* __restrict__ x,
                                          float* __restrict__ y, int n_out, int n_in,
-                                         long long row_bytes, int n_tok) {
+                                         long long row_bytes, int n_tok, const float* __restrict__ b) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= n_out) return;  // uniform per warp: the shuffles see a full warp
-    const float s = mmv_row<DQ>(w + (long long)row * row_bytes, n_in >> 5, n_tok,
-                                [&](int t) { return x + (long long)t * n_in; });
+    float s = mmv_row<DQ>(w + (long long)row * row_bytes, n_in >> 5, n_tok,
+                          [&](int t) { return x + (long long)t * n_in; });
+    if (b) s = __fadd_rn(s, b[row]);
     if (lane < n_tok) y[(long long)lane * n_out + row] = s;
 }
 
@@ -510,8 +513,8 @@ struct mmv_glu_min_blocks {
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(256, 3)                                            \
         mmv_##name(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,    \
-                   int n_out, int n_in, long long row_bytes, int n_tok) {                           \
-        mmv_impl<DQ>(w, x, y, n_out, n_in, row_bytes, n_tok);                                       \
+                   int n_out, int n_in, long long row_bytes, int n_tok, const float* __restrict__ b) { \
+        mmv_impl<DQ>(w, x, y, n_out, n_in, row_bytes, n_tok, b);                                    \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(256)                                               \
         mmv_id_##name(const u8* __restrict__ w, const u8* __restrict__ w2, long long expert_bytes,   \

@@ -355,10 +355,10 @@ __device__ __forceinline__ void get_rows_impl(const u8* __restrict__ w, long lon
 // xrow(t), 16-byte aligned): lane l takes units l, l + 32, ..., each decoded once and dotted with
 // every token's 32 activations, then the lanes' partial sums are added with a butterfly. Token
 // t's sum is returned to lane t (0 to the lanes past n_tok): the epilogues then take a token a
-// lane, with one call site of their division's slow path (a call in an unrolled loop over the
-// tokens in lane 0 made the values live across it spill). Every product kernel sums a row here,
-// so their bits agree. The accumulators are indexed by constants only (the token loops are
-// unrolled), so they stay in registers.
+// lane, one call site of their division's slow path where lane 0 had MMV_MAX_TOK in an unrolled
+// loop (with every token's sums live across them: mmv_glu spilled). Every product kernel sums a
+// row here, so their bits agree. The accumulators are indexed by constants only (the token loops
+// are unrolled), so they stay in registers.
 template <typename DQ, typename XRow>
 __device__ __forceinline__ float mmv_row(const u8* __restrict__ wr, int n_units, int n_tok, XRow xrow) {
     const int lane = threadIdx.x & 31;

@@ -1,4 +1,5 @@
-"""Checks of the CUDA backend that need no GPU: every kernel source compiles to PTX with nvcc, the
+"""Checks of the CUDA backend that need no GPU: every kernel source compiles to PTX with nvcc, no
+kernel uses local memory and each stays within its registers (ptxas's report for sm_90), the
 decoders (built for the CPU) match gguf-py bit for bit, and the module imports and reports why it
 cannot load when CuPy is missing."""
 
@@ -38,8 +39,8 @@ _CUBIN: dict[str, tuple[bool, str]] = {}
 
 
 def cubin_of(src: Path) -> tuple[bool, str]:
-    """Whether nvcc made a cubin, and its stderr, for one source compiled to sm_90 machine code, with ptxas's
-    resource report (-Xptxas -v: each kernel's registers, stack frame and spills); once a session."""
+    """Whether nvcc made a cubin of one source for sm_90, and its stderr: warnings, and ptxas's
+    resource report (-Xptxas -v: each kernel's registers, stack frame, spills). Once a session."""
     if src.name not in _CUBIN:
         out = Path(tempfile.mkdtemp(prefix="lp_cubin_")) / (src.stem + ".cubin")
         r = subprocess.run(

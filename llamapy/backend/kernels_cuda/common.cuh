@@ -111,6 +111,18 @@ LP_HD void ld_words(const u8* p, unsigned int* o) {
 #endif
 }
 
+// The packed 6-bit (scale, min) of sub-block j of Q4_K / Q5_K (ggml's get_scale_min_k4):
+// kquants.cu's decoders and mmvq.cu's.
+LP_HD void scale_min_k4(const u8* s, int j, int* sc, int* m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
 // byte l of words loaded by ld_words (l a constant after unrolling: the words stay in registers)
 LP_HD int byte_at(const unsigned int* o, int l) { return (int)((o[l >> 2] >> (8 * (l & 3))) & 0xffu); }
 

@@ -46,6 +46,7 @@ from ..types import (
     NUMPY_DTYPES,
     BackendUnavailable,
     GGMLType,
+    LlamapyError,
     OutOfMemoryError,
     UnsupportedError,
     block_size,
@@ -542,6 +543,17 @@ class CUDABackend(MemoryDeviceBackend):
     """An execution stream on one CUDA device (ggml_backend_cuda)."""
 
     device: CUDADevice
+    # the context's MUL_MAT mode (ContextOptions.cpu_matmul): "q8" puts the large decode products
+    # of the GPU plans on int8 dot products over a q8_1 copy of x (gpu_plan.product_path), "f32"
+    # keeps every product on float32 activations
+    cpu_matmul: str = "q8"
+
+    def set_cpu_matmul(self, mode: str) -> None:
+        from .qmatmul import MATMUL_MODES
+
+        if mode not in MATMUL_MODES:
+            raise LlamapyError(f"cpu_matmul must be one of {', '.join(MATMUL_MODES)}, not {mode!r}")
+        self.cpu_matmul = mode
 
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
         dev = self.device
@@ -563,7 +575,7 @@ class CUDABackend(MemoryDeviceBackend):
             return Refusal("LLAMAPY_EXECUTOR=0")
         dev = self.device
         with dev.context("compiling a GPU plan"):
-            return compile_split(nodes, exports, allocate, dev.runtime())
+            return compile_split(nodes, exports, allocate, dev.runtime(), self.cpu_matmul)
 
     def plan_arena_bytes(self, nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Any) -> int | None:
         """The arena the GPU plan of these nodes will take (gpu_plan.arena_bytes; the fit's)."""
@@ -573,7 +585,7 @@ class CUDABackend(MemoryDeviceBackend):
         if not executor_enabled():
             return None
         n_sm = int(self.device._device.attributes["MultiProcessorCount"])
-        return arena_bytes(nodes, exports, allocate, self.device.buffer_type(), MMV_MAX_TOKENS, n_sm)
+        return arena_bytes(nodes, exports, allocate, self.device.buffer_type(), MMV_MAX_TOKENS, n_sm, self.cpu_matmul)
 
     def graph_plan_compute(self, plan: Any, env: dict[Tensor, Any]) -> None:
         with self.device.context("running a GPU plan"):

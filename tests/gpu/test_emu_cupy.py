@@ -232,6 +232,47 @@ def test_decode_on_cuda0_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path, ngl: in
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_decode_on_int8_products_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          qtype: str) -> None:
+    """The default (q8) mode on CUDA0 with the int8 path's threshold lowered to every matrix: each
+    decode product a QUANTIZE(q8_1) + MUL_MAT(q8_1) pair (the gate/up one with its GLU) in the one
+    captured graph, and the greedy tokens and logits of -ngl 0's q8 mode (both round x to 8 bits
+    a block of 32, each by its own rule: within 3 % of the largest logit); with --f32-activations
+    no int8 record at all."""
+    from gguf import GGMLQuantizationType as T
+
+    from conftest import write_llama_gguf
+    from llamapy.backend import gpu_plan
+    from llamapy.context import Context, ContextOptions, Model, ModelOptions
+    from llamapy.sched.scheduler import split_printer
+
+    monkeypatch.setattr(gpu_plan, "MMVQ_MIN_WEIGHTS", 0)
+    path = write_llama_gguf(tmp_path / "tiny.gguf", n_layer=2, qtype=T[qtype])
+    cpu = Model(path, ModelOptions(n_gpu_layers=0))
+    want, want_toks = _greedy(Context(cpu, ContextOptions(n_ctx=256, n_threads=1)))
+    cpu.free()
+    for mode in ("q8", "f32"):
+        model = Model(path, ModelOptions(n_gpu_layers="all"), ContextOptions(cpu_matmul=mode))
+        ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul=mode))
+        lines: list[str] = []
+        ctx.sched.debug_hook = split_printer(ctx.sched, 1, lines.append)
+        got, toks = _greedy(ctx)
+        graphs = "\n".join(lines).split("sched: graph #")[1:]
+        (plan,) = [ln for ln in graphs[1].splitlines() if ln.startswith("## PLAN") and "CUDA0" in ln]
+        assert "one CUDA graph" in plan, plan
+        if mode == "q8":
+            assert toks == want_toks
+            for i, (a, b) in enumerate(zip(got, want)):
+                assert np.isfinite(a).all() and float(np.abs(a - b).max()) <= 3e-2 * float(np.abs(b).max()), f"call {i}"
+            # per layer: QKV, output, gate/up+GLU, down; and the output matrix: 9 products, 9 copies
+            assert "QUANTIZE(q8_1):9" in plan and "MUL_MAT(q8_1):9" in plan, plan
+        else:
+            assert "q8_1" not in plan, plan
+        model.free()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("emu", [2], indirect=True, ids=["two-gpus"])
 def test_two_devices_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path) -> None:
     """-ngl all -ts 1,1 over two emulated GPUs (CUDA0, CUDA1): each runs its layers as one

@@ -173,18 +173,21 @@ MOE_SYNC = "; one host read of the expert counts a MoE layer"
 MMVQ_MIN_WEIGHTS = 1 << 24
 
 
-def product_path(n_out: int, n_tok: int, n_in: int, qtype: int, max_tokens: int, q8: bool = False) -> str:
+def product_path(n_out: int, n_tok: int, n_in: int, qtype: int, max_tokens: int, q8: bool = False,
+                 min_weights: int | None = None) -> str:
     """The kernel a product of a (n_out, n_in) weight of `qtype` and n_tok tokens runs: "mmv"
     (the fused dequantize + matrix-vector kernels, up to `max_tokens`), "mmvq" (in the q8 mode, a
     type of mmvq.cu and a matrix of MMVQ_MIN_WEIGHTS or more: x quantized to q8_1, int8 dot
     products) or "gemm_f16" (the weight decoded to f16, cuBLAS on the tensor cores). The one
     decision, to be tuned on a GPU per shape and type (where they cross, whether bf16 or an int8
-    kernel beats f16 for some types)."""
+    kernel beats f16 for some types). `min_weights`: the threshold (MMVQ_MIN_WEIGHTS unless
+    given: 0 for a product whose input's copy is already made)."""
     from .cuda_ops import MMVQ_SUFFIX
 
     if n_tok > max_tokens:
         return "gemm_f16"
-    if q8 and n_out * n_in >= MMVQ_MIN_WEIGHTS and qtype in MMVQ_SUFFIX:
+    least = MMVQ_MIN_WEIGHTS if min_weights is None else min_weights
+    if q8 and n_out * n_in >= least and qtype in MMVQ_SUFFIX:
         return "mmvq"
     return "mmv"
 
@@ -238,7 +241,10 @@ class GPUTarget(Target):
     def __init__(self, rt: Runtime, q8: bool = True) -> None:
         self.rt = rt
         self.q8 = q8  # the context's mode (cpu_matmul "q8"): the large decode products on int8 (mmvq.cu)
-        self.q8_prev: tuple[int, int, int, int] | None = None  # (x, tokens, n_in, stride) of the last record's q8_1 copy
+        # what the q8_1 scratch holds: (x, tokens, n_in, stride) of the last QUANTIZE_Q8_1 record. x is
+        # a graph value, so while a later product reads it the allocator never writes over it, and
+        # only a QUANTIZE_Q8_1 writes the scratch: a product of the same x anywhere after reuses it
+        self.q8_prev: tuple[Tensor, int, int, int] | None = None
         self.max_tokens = None  # (a product refuses past rt.max_tokens: its record says why)
         self.yarn: dict[tuple, int] = {}  # one YaRN table a rope: Q's and K's records share it (ROPE_QKV)
         self.sorted: Tensor | None = None  # the ids the last prompt expert product grouped its pairs by
@@ -330,7 +336,6 @@ class GPUTarget(Target):
 
     def records(self, c: _Compiler, st: Any, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
         n = st.node
-        q8_prev, self.q8_prev = self.q8_prev, None  # (a copy is reused by the very next record only)
         if st.code == MUL_MAT:
             mm = st.extra.get("mm", n)  # (a product with its GLU fused: the step's node is the GLU)
             w, x = mm.src
@@ -346,8 +351,11 @@ class GPUTarget(Target):
             path = product_path(n_out, n_tok, n_in, qtype, self.rt.max_tokens, self.q8)
             if path == "gemm_f16":
                 return [self._gemm(c, st, loc(n).addr, xl.addr, blocks, qtype, n_out, n_in, row_bytes, n_tok, k, xs)]
+            copied = self.q8 and self.q8_prev is not None and self.q8_prev[0] is x and self.q8_prev[1:] == (n_tok, n_in, xs)
+            if copied and product_path(n_out, n_tok, n_in, qtype, self.rt.max_tokens, True, min_weights=0) == "mmvq":
+                path = "mmvq"  # (this input's q8_1 copy is made already: no launch to pay)
             if path == "mmvq" and k == n_in:
-                return self._mmvq(c, st, loc(n).addr, xl.addr, blocks, qtype, n_out, n_in, row_bytes, n_tok, xs, q8_prev)
+                return self._mmvq(c, st, loc(n).addr, x, xl.addr, blocks, qtype, n_out, n_in, row_bytes, n_tok, xs, copied)
             if n_tok > self.rt.max_tokens:
                 raise Refused(f"a batch of {n_tok} tokens (prompts stay on the cuBLAS path)")
             if k != n_in or (xs != n_in and n_tok > 1) or xl.addr % 16:
@@ -435,23 +443,22 @@ class GPUTarget(Target):
             r[10], r[12], r[14] = n_out // 2, 1 + int(op == "geglu"), prod
         return r
 
-    def _mmvq(self, c: _Compiler, st: Any, dst: int, x: int, blocks: int, qtype: int, n_out: int, n_in: int,
-              row_bytes: int, n_tok: int, xs: int, prev: tuple[int, int, int, int] | None) -> list[list[int]]:
-        """QUANTIZE_Q8_1 (x into the plan's q8_1 scratch; left out when the record before made
-        this x's copy: two products of one input in a row) and MUL_MAT_Q8 (with the GLU when the
-        step has one) over it."""
+    def _mmvq(self, c: _Compiler, st: Any, dst: int, xt: Tensor, x: int, blocks: int, qtype: int, n_out: int,
+              n_in: int, row_bytes: int, n_tok: int, xs: int, copied: bool) -> list[list[int]]:
+        """QUANTIZE_Q8_1 (x into the plan's q8_1 scratch; left out when it holds x's copy already:
+        Q, K and V as three products) and MUL_MAT_Q8 (with the GLU when the step has one) over it."""
         xq = c.base + self.q8_off
         out = []
-        if prev != (x, n_tok, n_in, xs):
+        if not copied:
             q = [0] * WIDTH
             q[0], q[1], q[2], q[6], q[7], q[8] = QUANTIZE_Q8_1, xq, x, n_tok, n_in, xs
             out.append(q)
+            self.q8_prev = (xt, n_tok, n_in, xs)
         r = [0] * WIDTH
         r[0], r[1], r[2], r[3] = MUL_MAT_Q8, dst, xq, blocks
         r[6], r[7], r[9], r[10], r[11] = n_tok, n_in, qtype, n_out, row_bytes
         if "glu" in st.extra:
             r[10], r[12] = n_out // 2, 1 + _epilogue(st.extra["glu"])
-        self.q8_prev = (x, n_tok, n_in, xs)
         return out + [r]
 
     def _mul_mat_id(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc], dst: int = 0) -> list[int]:

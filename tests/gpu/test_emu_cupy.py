@@ -232,14 +232,15 @@ def test_decode_on_cuda0_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path, ngl: in
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q4_K+Q6_K"])
 def test_decode_on_int8_products_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                           qtype: str) -> None:
     """The default (q8) mode on CUDA0 with the int8 path's threshold lowered to every matrix: each
     decode product a QUANTIZE(q8_1) + MUL_MAT(q8_1) pair (the gate/up one with its GLU) in the one
     captured graph, and the greedy tokens and logits of -ngl 0's q8 mode (both round x to 8 bits
     a block of 32, each by its own rule: within 3 % of the largest logit); with --f32-activations
-    no int8 record at all."""
+    no int8 record at all. "Q4_K+Q6_K": attn_v in Q6_K (Q4_K_M's layout), so Q, K and V are three
+    products on one q8_1 copy."""
     from gguf import GGMLQuantizationType as T
 
     from conftest import write_llama_gguf
@@ -248,7 +249,8 @@ def test_decode_on_int8_products_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path,
     from llamapy.sched.scheduler import split_printer
 
     monkeypatch.setattr(gpu_plan, "MMVQ_MIN_WEIGHTS", 0)
-    path = write_llama_gguf(tmp_path / "tiny.gguf", n_layer=2, qtype=T[qtype])
+    wtype, _, vtype = qtype.partition("+")
+    path = write_llama_gguf(tmp_path / "tiny.gguf", n_layer=2, qtype=T[wtype], v_type=T[vtype] if vtype else None)
     cpu = Model(path, ModelOptions(n_gpu_layers=0))
     want, want_toks = _greedy(Context(cpu, ContextOptions(n_ctx=256, n_threads=1)))
     cpu.free()
@@ -265,8 +267,9 @@ def test_decode_on_int8_products_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path,
             assert toks == want_toks
             for i, (a, b) in enumerate(zip(got, want)):
                 assert np.isfinite(a).all() and float(np.abs(a - b).max()) <= 3e-2 * float(np.abs(b).max()), f"call {i}"
-            # per layer: QKV, output, gate/up+GLU, down; and the output matrix: 9 products, 9 copies
-            assert "QUANTIZE(q8_1):9" in plan and "MUL_MAT(q8_1):9" in plan, plan
+            # per layer: QKV (or Q, K, V on one copy), output, gate/up+GLU, down; and the output matrix
+            n_prod = 13 if vtype else 9
+            assert "QUANTIZE(q8_1):9" in plan and f"MUL_MAT(q8_1):{n_prod}" in plan, plan
         else:
             assert "q8_1" not in plan, plan
         model.free()

@@ -11,12 +11,15 @@ with the reason (no CuPy, no driver, no device), which discovery records.
   * A split runs as a compiled GPU plan (gpu_plan.py: the CPU executor's records, each one
     kernel launch of cuda_ops; cuda_exec.py): up to MMV_MAX_TOKENS tokens captured once as a CUDA
     graph and replayed, a prompt's (its products f16 GEMMs on cuBLAS) launched directly; splits
-    the plan refuses run through `kernels.run_nodes` with `xp = cupy` on one stream per device. Activations are float32 everywhere (the KV cache keeps its F16 type).
+    the plan refuses run through `kernels.run_nodes` with `xp = cupy` on one stream per device.
+    Activations are float32 (the KV cache keeps its F16 type), except in the default "q8" mode
+    (`CUDABackend.cpu_matmul`, the context's ContextOptions.cpu_matmul) the plans' large decode
+    products, which read an int8 (q8_1) copy of their input (gpu_plan.product_path, mmvq.cu).
   * Weights are `CUDAQMatrix`: the file's raw blocks on the device, never expanded as a whole.
     `matmul(x)` uses the fused dequantize + matrix-vector kernels of `kernels_cuda/*.cu` for up to
     `MMV_MAX_TOKENS` tokens and otherwise dequantizes row tiles to float32 and calls cuBLAS
-    (`cupy.matmul`; TF32 stays off unless CUPY_TF32 is set). Activations are not quantized to q8
-    as ggml does: only the weights' own rounding remains, as on the CPU backend.
+    (`cupy.matmul`; TF32 stays off unless CUPY_TF32 is set): float32 activations, only the
+    weights' own rounding (this node-by-node path has no q8_1 products).
   * Copies (ggml-backend's sched with ggml-cuda's async copies and events): `upload` goes through
     two pinned staging buffers, packed copy after copy, as asynchronous H2D copies on the device's
     stream (no host wait unless a buffer is reused before its last copy finished);

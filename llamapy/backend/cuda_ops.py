@@ -15,9 +15,10 @@ launches. Nothing allocates, nothing synchronizes: a caller that records the lau
 CUDA graph, or runs them directly, gets the same work. `CudaKernels.record(build)` returns the
 launches `build` makes as `Launch` objects, unrun, so a plan computes grids and arguments once
 and replays them (~6-30 us of Python per launch method, measured with a no-op launcher, is
-paid once per plan, not per step). Every kernel is float32 in and out
-(decode is bandwidth-bound: the weights' bytes dominate, and float32 activations keep the
-reference's numbers); the numpy references are `kernels.py`'s ops, compared in
+paid once per plan, not per step). Every kernel is float32 in and out but mmvq.cu's: the
+default mode's large decode products quantize their input once to q8_1 (`quantize_q8_1`) and
+take int8 dot products (`mul_mat_vec_q8`; why: docs/architecture.md, CUDA kernels); the numpy
+references are `kernels.py`'s ops and quants.quantize_q8_1_cuda, compared in
 tests/gpu/test_cuda_kernels.py.
 
 This module imports CuPy only through the `cp` handed to `load`.

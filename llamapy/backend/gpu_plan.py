@@ -46,6 +46,14 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
   * ADD_ID (gpt-oss's expert biases): the CPU's record, slot 3 the bias rows on the device, 11
     n_expert, 12 their row stride; ATTN's slot 24, the sinks, and the GLU's swiglu_oai slots
     10-12 are the CPU's;
+  * QUANTIZE_Q8_1 + MUL_MAT_Q8: in the q8 mode (the default; `GPUTarget.q8`), a decode product of
+    a type mmvq.cu has a decoder for whose matrix has MMVQ_MIN_WEIGHTS weights or more
+    (`product_path` "mmvq"): QUANTIZE_Q8_1 writes x's q8_1 copy into the plan's one q8_1 scratch
+    (after the GEMM scratches; 1 the copy, 2 x; 6 tokens, 7 n_in, 8 x's row stride), MUL_MAT_Q8
+    takes int8 dot products with the weight's blocks (1 dst, 2 the copy, 3 the blocks; 6 tokens,
+    7 n_in, 9 the GGML type, 10 the values written a token, 11 row bytes, 12 the GLU: 0 none,
+    1 SwiGLU, 2 GEGLU). A later product of an input whose copy the scratch holds (Q, K and V
+    of a Q4_K_M file, attn_v in Q6_K) reads it without a QUANTIZE_Q8_1, whatever its size;
   * MUL_MAT_GEMM: a prompt's product (`product_path`: more tokens than the matrix-vector kernels
     take) on the tensor cores: the input rounded to f16 into a scratch, the weight's rows decoded to
     f16 into another, a tile of rows at a time, and one cuBLAS GEMM with float32 accumulation per

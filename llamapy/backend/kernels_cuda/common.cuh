@@ -14,6 +14,9 @@
 //                   per output row; lane l takes units l, l+32, ...; each unit is decoded once and
 //                   dotted with every token's 32 activations (float32, no q8 quantization of x);
 //                   the lanes' partial sums are added with a butterfly of warp shuffles.
+//                   In the default ("q8") mode the plans' large decode products take mmvq.cu's
+//                   kernels instead: x quantized once to q8_1, int8 dot products (__dp4a) with the
+//                   file's blocks; --f32-activations keeps these float32 ones everywhere.
 //
 // The decoders are __host__ __device__: tests build them for the CPU (-DLLAMAPY_HOST_TEST) and
 // compare them with gguf-py on a machine without a GPU. No standard headers are included, so the

@@ -49,7 +49,7 @@ _QUANT_CACHE = (GGMLType.Q8_0, GGMLType.Q4_0)
 # the weight types with int8 decode products on a q8_1 copy of the activations (mmvq.cu)
 MMVQ_SUFFIX: dict[GGMLType, str] = {t: WEIGHT_SUFFIX[t][1] for t in (
     GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K,
-    GGMLType.Q6_K)}  # fmt: skip
+    GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)}  # fmt: skip
 
 
 def _entries() -> dict[str, tuple[str, ...]]:

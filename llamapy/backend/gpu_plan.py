@@ -171,12 +171,13 @@ MOE_SYNC = "; one host read of the expert counts a MoE layer"
 
 
 # The smallest matrix (n_out x n_in weights) whose decode product takes the int8 path in the q8
-# mode (a q8_1 copy of x, then mmvq.cu's dp4a product): it costs a second launch (the quantize,
-# ~2 us inside a CUDA graph) and saves, by the sm_90 SASS of mmv_q4_k, ~200 instructions a unit of
-# 32 weights (~0.2 ns a weight at ~1 T warp-instructions/s) and 3 of the 4 bytes of L1 traffic a
-# weight; 2^24 weights (Q4_K: 9.4 MB, ~3 us of HBM at 3 TB/s) is where the saving (~3 us) passes the
-# launch. SmolLM2-135M: the output matrix alone (49152 x 576); a 1.2B Llama (2048 / 8192 / 128256):
-# gate/up, down and output; an 8B (4096 / 14336 / 128256): every product but none (QKV 6144 x 4096,
+# mode (a q8_1 copy of x, then mmvq.cu's dp4a product). It costs a second launch (the quantize,
+# ~2 us inside a CUDA graph) and saves, by the sm_90 SASS at one token, ~110 of mmv_q4_k's ~210
+# instructions a lane per unit of 32 weights (~0.1 ps a weight at ~1 T warp-instructions/s) and
+# 2.75 of its 4 bytes of L1 reads of x a weight (~0.08 ps at ~33 TB/s): ~0.18 ps a weight, which
+# pays for the launch from ~1.1e7 weights; 2^24 (Q4_K: 9.4 MB, ~2 us of HBM at 4.8 TB/s) leaves a
+# margin. SmolLM2-135M: the output matrix alone (49152 x 576); a 1.2B Llama (2048 / 8192 / 128256):
+# gate/up, down and output; an 8B (4096 / 14336 / 128256): every product (QKV 6144 x 4096, the
 # output projection 4096 x 4096 = 2^24 exactly, gate/up, down, output). Reasoned, not measured.
 MMVQ_MIN_WEIGHTS = 1 << 24
 

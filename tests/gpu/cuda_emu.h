@@ -55,6 +55,19 @@ inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; ++i) s += (uint32_t)((int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i)));
     return (int)s;
 }
+// __byte_perm(x, y, s): byte i of the result is byte (s >> 4i) & 7 of the 8 bytes y:x (x the low
+// four); with bit 3 of that selector nibble set, the selected byte's sign bit replicated
+inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+    const uint64_t v = ((uint64_t)y << 32) | x;
+    unsigned int r = 0;
+    for (int i = 0; i < 4; ++i) {
+        const unsigned int n = (s >> (4 * i)) & 15u;
+        unsigned int b = (unsigned int)(v >> (8 * (n & 7))) & 0xffu;
+        if (n & 8) b = (b & 0x80u) ? 0xffu : 0u;
+        r |= b << (8 * i);
+    }
+    return r;
+}
 inline double __dadd_rn(double a, double b) { return a + b; }
 inline float __int_as_float(int i) {
     float f;

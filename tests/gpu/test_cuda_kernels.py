@@ -722,7 +722,7 @@ def test_mul_mat_vec_glu_epilogue(env: Env, name: str, op: str) -> None:
 
 # --- the int8 decode products (mmvq.cu: a q8_1 copy of x, dp4a) --------------------------------
 
-MMVQ_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+MMVQ_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"]
 
 
 def test_quantize_q8_1(env: Env) -> None:

@@ -63,6 +63,12 @@ LP_HD float bits_to_f32(unsigned int b) {
 #endif
 }
 
+// ggml_e8m0_to_fp32_half: 2^(e - 128) (e < 2: a subnormal): MXFP4's
+// scale (iquants.cu, mmvq.cu)
+LP_HD float e8m0_half(int e) {
+    return bits_to_f32(e < 2 ? 0x00200000u << e : (unsigned int)(e - 1) << 23);
+}
+
 // IEEE half -> float (exact)
 LP_HD float f16_to_f32(unsigned short h) {
 #ifdef __CUDA_ARCH__

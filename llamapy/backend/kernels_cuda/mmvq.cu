@@ -175,6 +175,73 @@ struct VQ_Q6_K {
     }
 };
 
+// 4 bytes of 4-bit indices (0..15) -> the int8 values of a 16-entry grid t (4 words, entries
+// 4w .. 4w+3 in word w, little-endian): two __byte_perm lookups of 8 entries, picked per byte by
+// the index's bit 3 (ggml-cuda's get_int_from_table_16)
+__device__ __forceinline__ int grid16(unsigned int q4, unsigned int t0, unsigned int t1, unsigned int t2,
+                                      unsigned int t3) {
+    const unsigned int v = q4 & 0x07070707u;
+    const unsigned int x = v | (v >> 4);  // the four 3-bit indices as selector nibbles
+    const unsigned int sel = (x & 0xffu) | ((x >> 8) & 0xff00u);
+    const unsigned int lo = __byte_perm(t0, t1, sel), hi = __byte_perm(t2, t3, sel);
+    const unsigned int m = ((q4 >> 3) & 0x01010101u) * 0xffu;
+    return (int)((lo & ~m) | (hi & m));
+}
+
+// kvalues_iq4nl and kvalues_mxfp4 (ggml-common.h; iquants.cu's iq4nl_value / mxfp4_value) as int8
+// bytes, four a word
+#define LP_IQ4NL_GRID 0xbfad9881u, 0xf6eaddcfu, 0x26190d01u, 0x71594535u
+#define LP_MXFP4_GRID 0x03020100u, 0x0c080604u, 0xfdfeff00u, 0xf4f8fafcu
+
+// IQ4_NL (18 bytes): w = d * kvalues[q], low nibbles elements 0..15
+struct VQ_IQ4_NL {
+    static __device__ __forceinline__ void unit(const u8* row, int u, int* q, float* d, float* m) {
+        const u8* b = row + u * 18;
+        unsigned int qw[4];
+        ld_words<4, 2>(b + 2, qw);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            q[i] = grid16(qw[i] & 0x0f0f0f0fu, LP_IQ4NL_GRID);
+            q[4 + i] = grid16((qw[i] >> 4) & 0x0f0f0f0fu, LP_IQ4NL_GRID);
+        }
+        d[0] = d[1] = ld_f16(b);
+        *m = 0.0f;
+    }
+};
+
+// IQ4_XS (136 bytes), sub-block j: w = (d * (scale - 32)) * kvalues[q]
+struct VQ_IQ4_XS {
+    static __device__ __forceinline__ void unit(const u8* row, int u, int* q, float* d, float* m) {
+        const u8* b = row + (u >> 3) * 136;
+        const int j = u & 7;
+        const int ls = ((b[4 + j / 2] >> 4 * (j % 2)) & 15) | (((ld_u16(b + 2) >> 2 * j) & 3) << 4);
+        unsigned int qw[4];
+        ld_words<4, 4>(b + 8 + 16 * j, qw);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            q[i] = grid16(qw[i] & 0x0f0f0f0fu, LP_IQ4NL_GRID);
+            q[4 + i] = grid16((qw[i] >> 4) & 0x0f0f0f0fu, LP_IQ4NL_GRID);
+        }
+        d[0] = d[1] = ld_f16(b) * (float)(ls - 32);
+        *m = 0.0f;
+    }
+};
+
+// MXFP4 (17 bytes, so byte loads): w = 2^(e - 128) * kvalues[q] (the grid doubled, the scale halved)
+struct VQ_MXFP4 {
+    static __device__ __forceinline__ void unit(const u8* row, int u, int* q, float* d, float* m) {
+        const u8* b = row + u * 17;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const unsigned int w = ld_u32(b + 1 + 4 * i);
+            q[i] = grid16(w & 0x0f0f0f0fu, LP_MXFP4_GRID);
+            q[4 + i] = grid16((w >> 4) & 0x0f0f0f0fu, LP_MXFP4_GRID);
+        }
+        d[0] = d[1] = e8m0_half(b[0]);
+        *m = 0.0f;
+    }
+};
+
 // x (n_tok rows of n_in floats, sx apart) -> the q8_1 copy (layout above). One thread a value, a
 // warp a block; n_in a multiple of 32, so no warp straddles two blocks.
 extern "C" __global__ void __launch_bounds__(256)
@@ -294,3 +361,6 @@ LP_MMVQ_KERNELS(q8_0, VQ_Q8_0)
 LP_MMVQ_KERNELS(q4_k, VQ_Q4_K)
 LP_MMVQ_KERNELS(q5_k, VQ_Q5_K)
 LP_MMVQ_KERNELS(q6_k, VQ_Q6_K)
+LP_MMVQ_KERNELS(iq4_nl, VQ_IQ4_NL)
+LP_MMVQ_KERNELS(iq4_xs, VQ_IQ4_XS)
+LP_MMVQ_KERNELS(mxfp4, VQ_MXFP4)

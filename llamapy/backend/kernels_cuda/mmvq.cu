@@ -70,8 +70,10 @@ struct VQ_Q4_1 {
             q[i] = (int)(qw[i] & 0x0f0f0f0fu);
             q[4 + i] = (int)((qw[i] >> 4) & 0x0f0f0f0fu);
         }
-        d[0] = d[1] = ld_f16(b);
-        *m = ld_f16(b + 2);
+        unsigned int dm;  // (d, m): one 32-bit load
+        ld_words<1, 4>(b, &dm);
+        d[0] = d[1] = f16_to_f32((unsigned short)dm);
+        *m = f16_to_f32((unsigned short)(dm >> 16));
     }
 };
 
@@ -102,8 +104,10 @@ struct VQ_Q5_1 {
             q[i] = (int)(qw[1 + i] & 0x0f0f0f0fu) | spread4(qw[0] >> (4 * i));
             q[4 + i] = (int)((qw[1 + i] >> 4) & 0x0f0f0f0fu) | spread4(qw[0] >> (16 + 4 * i));
         }
-        d[0] = d[1] = ld_f16(b);
-        *m = ld_f16(b + 2);
+        unsigned int dm;  // (d, m): one 32-bit load
+        ld_words<1, 4>(b, &dm);
+        d[0] = d[1] = f16_to_f32((unsigned short)dm);
+        *m = f16_to_f32((unsigned short)(dm >> 16));
     }
 };
 
@@ -129,8 +133,10 @@ struct VQ_Q4_K {
         const int sh = 4 * (j & 1);
 #pragma unroll
         for (int i = 0; i < 8; ++i) q[i] = (int)((qw[i] >> sh) & 0x0f0f0f0fu);
-        d[0] = d[1] = ld_f16(b) * (float)sc;
-        *m = -(ld_f16(b + 2) * (float)mn);
+        unsigned int dm;  // (d, dmin): one 32-bit load (blocks 16-byte aligned)
+        ld_words<1, 4>(b, &dm);
+        d[0] = d[1] = f16_to_f32((unsigned short)dm) * (float)sc;
+        *m = -(f16_to_f32((unsigned short)(dm >> 16)) * (float)mn);
     }
 };
 
@@ -147,8 +153,10 @@ struct VQ_Q5_K {
         const int sh = 4 * (j & 1);
 #pragma unroll
         for (int i = 0; i < 8; ++i) q[i] = (int)(((qw[i] >> sh) & 0x0f0f0f0fu) | (((hw[i] >> j) & 0x01010101u) << 4));
-        d[0] = d[1] = ld_f16(b) * (float)sc;
-        *m = -(ld_f16(b + 2) * (float)mn);
+        unsigned int dm;  // (d, dmin): one 32-bit load (blocks 16-byte aligned)
+        ld_words<1, 4>(b, &dm);
+        d[0] = d[1] = f16_to_f32((unsigned short)dm) * (float)sc;
+        *m = -(f16_to_f32((unsigned short)(dm >> 16)) * (float)mn);
     }
 };
 

@@ -280,7 +280,7 @@ class Context:
         self.backends: list[Backend] = [d.init_backend() for d in model.devices]
         for be in self.backends:
             be.set_n_threads(o.n_threads)
-            if isinstance(be, CPUBackend):
+            if hasattr(be, "set_cpu_matmul"):  # CPU (and BLAS) products, CUDA's GPU plans
                 be.set_cpu_matmul(o.cpu_matmul)
         self.sched = Scheduler(self.backends, op_offload=o.op_offload and not model.op_offload_off)
         # what the context changed to fit the memory (the CLI logs it); "" = nothing

@@ -302,6 +302,25 @@ def quantize_q8_k(x: np.ndarray) -> np.ndarray:
     return out.reshape(*x.shape[:-1], k // QK_K)
 
 
+def quantize_q8_1_cuda(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 (n_rows, n_cols) -> (int8 quants (n_rows, n_cols), float32 (n_rows, n_cols / 32, 2)
+    pairs (d, d * sum q)): the q8_1 copy CUDA's int8 decode products read (kernels_cuda/mmvq.cu).
+    ggml-cuda's rule (quantize.cu), not the CPU's x86 one above: d = amax / 127, q = roundf(x / d)
+    (halves away from zero), amax 0 gives q = 0; d and d * sum(q) kept in float32."""
+    x = np.asarray(x, dtype=np.float32)
+    n_rows, n_cols = x.shape
+    if n_cols % 32:
+        raise ValueError(f"{n_cols} columns is not a multiple of q8_1's block of 32")
+    b = x.reshape(n_rows, -1, 32)
+    amax = np.abs(b).max(axis=2)
+    d = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = (b / d[..., None]).astype(np.float32).astype(np.float64)
+    q = np.where(amax[..., None] == 0, 0, np.sign(v) * np.floor(np.abs(v) + 0.5)).astype(np.int8)
+    s = (d * q.astype(np.int32).sum(axis=2).astype(np.float32)).astype(np.float32)
+    return q.reshape(n_rows, n_cols), np.stack([d, s], axis=-1)
+
+
 def quantize_q8_act(x: np.ndarray, qtype: GGMLType) -> np.ndarray:
     """float32 (n_rows, n_cols) -> uint8 (n_rows, row_bytes) of Q8_0 or Q8_1 blocks, as llama.cpp's
     x86 build quantizes MUL_MAT activations (arch/x86/quants.c quantize_row_q8_0 / q8_1: the CPU

@@ -83,10 +83,12 @@ def write_llama_gguf(
     chat_template: str | None = None,
     sorted_layers: bool = False,
     add_space_prefix: bool | None = None,
+    v_type: T | None = None,
 ) -> Path:
     """A small llama GGUF with random weights and a byte-level SPM vocabulary. `sorted_layers`:
     each layer's tensors in name order (attn_k, attn_norm, ..., ffn_up, as llama-quantize's files
-    have them: no fused weight's parts one after another), else q, k, v and gate, up adjacent."""
+    have them: no fused weight's parts one after another), else q, k, v and gate, up adjacent.
+    `v_type`: attn_v's type (Q4_K_M files keep it in Q6_K: Q, K and V then stay three products)."""
     rng = np.random.default_rng(seed)
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     words = ["▁the", "▁a", "▁and", "▁of", "▁to", "▁in", "ing", "ed", "▁he", "▁she", "er", "▁it"]
@@ -147,7 +149,7 @@ def write_llama_gguf(
         add(p + "attn_norm.weight", (1 + 0.1 * rng.standard_normal(n_embd)).astype(np.float32), T.F32)
         add(p + "attn_q.weight", mat(n_embd, n_embd), qtype)
         add(p + "attn_k.weight", mat(n_head_kv * head_dim, n_embd), qtype)
-        add(p + "attn_v.weight", mat(n_head_kv * head_dim, n_embd), qtype)
+        add(p + "attn_v.weight", mat(n_head_kv * head_dim, n_embd), v_type or qtype)
         add(p + "attn_output.weight", mat(n_embd, n_embd, 0.5), qtype)
         add(p + "ffn_norm.weight", (1 + 0.1 * rng.standard_normal(n_embd)).astype(np.float32), T.F32)
         add(p + "ffn_gate.weight", mat(n_ff, n_embd), qtype)

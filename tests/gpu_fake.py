@@ -158,16 +158,18 @@ def use_test_device_plans(set_attr: Callable[[Any, str, Any], None], make_rt: Ca
             self._fake_rt = make_rt()
             self._fake_rt.buft = self.device.buffer_type()
             self._fake_rt.stats = self.device.stats
-        p = gpu_plan.compile_split(nodes, exports, allocate, self._fake_rt)
+        p = gpu_plan.compile_split(nodes, exports, allocate, self._fake_rt, getattr(self, "cpu_matmul", "q8"))
         made.extend([p] if p else [])
         return p
 
     set_attr(MemoryDeviceBackend, "graph_plan_create", create)
     set_attr(MemoryDeviceBackend, "graph_plan_compute", lambda self, plan, env: plan.compute(env))
     new = {} if set_attr is setattr else {"raising": False}  # (an attribute MemoryDeviceBackend lacks)
+    # the context's MUL_MAT mode, as CUDABackend takes it (the q8 mode's int8 decode products)
+    set_attr(MemoryDeviceBackend, "set_cpu_matmul", lambda self, mode: setattr(self, "cpu_matmul", mode), **new)
     set_attr(MemoryDeviceBackend, "plan_arena_bytes",  # the fit counts these plans' arena (no SMs: no split attention)
              lambda self, nodes, exports, allocate: gpu_plan.arena_bytes(nodes, exports, allocate, self.device.buffer_type(),
-                                                                         8, 0), **new)
+                                                                         8, 0, getattr(self, "cpu_matmul", "q8")), **new)
     set_attr(MemoryDeviceBackend, "graph_plan_summary",
              lambda self, plan: plan.summary() if plan else f"refused: {plan.reason}")
     return made

@@ -11,12 +11,15 @@ with the reason (no CuPy, no driver, no device), which discovery records.
   * A split runs as a compiled GPU plan (gpu_plan.py: the CPU executor's records, each one
     kernel launch of cuda_ops; cuda_exec.py): up to MMV_MAX_TOKENS tokens captured once as a CUDA
     graph and replayed, a prompt's (its products f16 GEMMs on cuBLAS) launched directly; splits
-    the plan refuses run through `kernels.run_nodes` with `xp = cupy` on one stream per device. Activations are float32 everywhere (the KV cache keeps its F16 type).
+    the plan refuses run through `kernels.run_nodes` with `xp = cupy` on one stream per device.
+    Activations are float32 (the KV cache keeps its F16 type), except in the default "q8" mode
+    (`CUDABackend.cpu_matmul`, the context's ContextOptions.cpu_matmul) the plans' large decode
+    products, which read an int8 (q8_1) copy of their input (gpu_plan.product_path, mmvq.cu).
   * Weights are `CUDAQMatrix`: the file's raw blocks on the device, never expanded as a whole.
     `matmul(x)` uses the fused dequantize + matrix-vector kernels of `kernels_cuda/*.cu` for up to
     `MMV_MAX_TOKENS` tokens and otherwise dequantizes row tiles to float32 and calls cuBLAS
-    (`cupy.matmul`; TF32 stays off unless CUPY_TF32 is set). Activations are not quantized to q8
-    as ggml does: only the weights' own rounding remains, as on the CPU backend.
+    (`cupy.matmul`; TF32 stays off unless CUPY_TF32 is set): float32 activations, only the
+    weights' own rounding (this node-by-node path has no q8_1 products).
   * Copies (ggml-backend's sched with ggml-cuda's async copies and events): `upload` goes through
     two pinned staging buffers, packed copy after copy, as asynchronous H2D copies on the device's
     stream (no host wait unless a buffer is reused before its last copy finished);
@@ -46,6 +49,7 @@ from ..types import (
     NUMPY_DTYPES,
     BackendUnavailable,
     GGMLType,
+    LlamapyError,
     OutOfMemoryError,
     UnsupportedError,
     block_size,
@@ -543,6 +547,17 @@ class CUDABackend(MemoryDeviceBackend):
     """An execution stream on one CUDA device (ggml_backend_cuda)."""
 
     device: CUDADevice
+    # the context's MUL_MAT mode (ContextOptions.cpu_matmul): "q8" puts the large decode products
+    # of the GPU plans on int8 dot products over a q8_1 copy of x (gpu_plan.product_path), "f32"
+    # keeps every product on float32 activations
+    cpu_matmul: str = "q8"
+
+    def set_cpu_matmul(self, mode: str) -> None:
+        from .qmatmul import MATMUL_MODES
+
+        if mode not in MATMUL_MODES:
+            raise LlamapyError(f"cpu_matmul must be one of {', '.join(MATMUL_MODES)}, not {mode!r}")
+        self.cpu_matmul = mode
 
     def compute(self, nodes: Sequence[Tensor], env: dict[Tensor, Any]) -> None:
         dev = self.device
@@ -564,7 +579,7 @@ class CUDABackend(MemoryDeviceBackend):
             return Refusal("LLAMAPY_EXECUTOR=0")
         dev = self.device
         with dev.context("compiling a GPU plan"):
-            return compile_split(nodes, exports, allocate, dev.runtime())
+            return compile_split(nodes, exports, allocate, dev.runtime(), self.cpu_matmul)
 
     def plan_arena_bytes(self, nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Any) -> int | None:
         """The arena the GPU plan of these nodes will take (gpu_plan.arena_bytes; the fit's)."""
@@ -574,7 +589,7 @@ class CUDABackend(MemoryDeviceBackend):
         if not executor_enabled():
             return None
         n_sm = int(self.device._device.attributes["MultiProcessorCount"])
-        return arena_bytes(nodes, exports, allocate, self.device.buffer_type(), MMV_MAX_TOKENS, n_sm)
+        return arena_bytes(nodes, exports, allocate, self.device.buffer_type(), MMV_MAX_TOKENS, n_sm, self.cpu_matmul)
 
     def graph_plan_compute(self, plan: Any, env: dict[Tensor, Any]) -> None:
         with self.device.context("running a GPU plan"):

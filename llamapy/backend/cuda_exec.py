@@ -13,7 +13,8 @@ backend/gpu_plan.py is the plan, backend/executor.py the record compiler both la
     (`Stream.begin_capture` / `end_capture`); a failure is a Refused with CuPy's reason, and
     the plan then launches directly.
 The kernels are those of `kernels_cuda/` through `cuda_ops` (the launch layer: grid, block,
-strides); the matrix-vector products are `mmv_<type>` of common.cuh.
+strides); the matrix-vector products are `mmv_<type>` of common.cuh, or in the q8 mode the
+large ones `quantize_q8_1` + `mmvq_<type>` of mmvq.cu (gpu_plan.product_path).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .cpu_kernels import KV_CODES
 from .executor import (ADD, ADD_ID, ARGSORT, ATTN, CLAMP, CPY, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, MUL, RMS_NORM, ROPE, SCALE,
                        SET_ROWS, SOFT_MAX, SUM_ROWS, SWIGLU, Loc, Refused, _Slot)
 from .gpu_plan import (COUNT, GET_ROWS_W, MUL_MAT_GEMM, MUL_MAT_GLU, MUL_MAT_ID_GEMM, MUL_MAT_ID_GLU, MUL_MAT_ID_W,
-                       MUL_MAT_W, ROPE_QKV, ROUTER, ROUTER_TOPK, SCRATCH, SPLITS)
+                       MUL_MAT_Q8, MUL_MAT_W, QUANTIZE_Q8_1, ROPE_QKV, ROUTER, ROUTER_TOPK, SCRATCH, SPLITS)
 
 
 def _first_line(e: BaseException) -> str:
@@ -318,6 +319,17 @@ def _mul_mat_glu(rt: CUDARuntime, rec: np.ndarray) -> Launch:
     return lambda: ops.mul_mat_vec_glu(st, op, qtype, r[3], r[11], r[10], r[7], r[2], r[1], r[6])
 
 
+def _quantize_q8_1(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    return lambda: ops.quantize_q8_1(st, r[2], r[8], r[1], r[6], r[7])
+
+
+def _mul_mat_q8(rt: CUDARuntime, rec: np.ndarray) -> Launch:
+    r, ops, st = _i(rec), rt.ops, rt.dev.stream
+    qtype, glu = GGMLType(r[9]), ("", "swiglu", "geglu")[r[12]]
+    return lambda: ops.mul_mat_vec_q8(st, qtype, r[3], r[11], r[10], r[7], r[2], r[1], r[6], glu=glu, b=r[18])
+
+
 def _mul_mat_gemm(rt: CUDARuntime, rec: np.ndarray) -> Launch:
     """A prompt's product: input to f16 (over its power-of-two scale), per tile of rows the weight
     to f16 and one GEMM (alpha the scale), the GLU or the bias (slot 18) after it when fused
@@ -467,4 +479,5 @@ _LAUNCHES: dict[int, Callable[[CUDARuntime, np.ndarray], Launch]] = {
     SOFT_MAX: _soft_max, ARGSORT: _argsort, SUM_ROWS: _sum_rows, CLAMP: _clamp, GET_ROWS_B: _get_rows_b,
     MUL_MAT_ID_W: _mul_mat_id_w, MUL_MAT_ID_GLU: _mul_mat_id_w, ROUTER: _router, ADD_ID: _add_id,
     ROUTER_TOPK: _router_topk, MUL_MAT_GEMM: _mul_mat_gemm, MUL_MAT_ID_GEMM: _mul_mat_id_gemm,
+    QUANTIZE_Q8_1: _quantize_q8_1, MUL_MAT_Q8: _mul_mat_q8,
 }  # fmt: skip

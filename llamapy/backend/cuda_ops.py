@@ -15,9 +15,10 @@ launches. Nothing allocates, nothing synchronizes: a caller that records the lau
 CUDA graph, or runs them directly, gets the same work. `CudaKernels.record(build)` returns the
 launches `build` makes as `Launch` objects, unrun, so a plan computes grids and arguments once
 and replays them (~6-30 us of Python per launch method, measured with a no-op launcher, is
-paid once per plan, not per step). Every kernel is float32 in and out
-(decode is bandwidth-bound: the weights' bytes dominate, and float32 activations keep the
-reference's numbers); the numpy references are `kernels.py`'s ops, compared in
+paid once per plan, not per step). Every kernel is float32 in and out but mmvq.cu's: the
+default mode's large decode products quantize their input once to q8_1 (`quantize_q8_1`) and
+take int8 dot products (`mul_mat_vec_q8`; why: docs/architecture.md, CUDA kernels); the numpy
+references are `kernels.py`'s ops and quants.quantize_q8_1_cuda, compared in
 tests/gpu/test_cuda_kernels.py.
 
 This module imports CuPy only through the `cp` handed to `load`.
@@ -45,6 +46,10 @@ CACHE_SUFFIX: dict[GGMLType, str] = {
     GGMLType.Q4_0: "q4_0",
 }
 _QUANT_CACHE = (GGMLType.Q8_0, GGMLType.Q4_0)
+# the weight types with int8 decode products on a q8_1 copy of the activations (mmvq.cu)
+MMVQ_SUFFIX: dict[GGMLType, str] = {t: WEIGHT_SUFFIX[t][1] for t in (
+    GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K,
+    GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)}  # fmt: skip
 
 
 def _entries() -> dict[str, tuple[str, ...]]:
@@ -61,6 +66,7 @@ def _entries() -> dict[str, tuple[str, ...]]:
         "moe.cu": ("soft_max_f32", "argsort_desc_f32", "get_rows_batched_f32", "sum_rows_f32", "clamp_f32",
                    "binary_row_f32", "router_f32", "router_topk_f32", "add_id_f32", "moe_sort", "moe_gather_f16",
                    "moe_scatter"),
+        "mmvq.cu": ("quantize_q8_1", *(f"mmvq{g}_{s}" for s in MMVQ_SUFFIX.values() for g in ("", "_glu"))),
     }
     for fname, suffix in WEIGHT_SUFFIX.values():
         out[fname] = (*out.get(fname, ()), f"dequant_{suffix}", f"dequant_f16_{suffix}", f"get_rows_{suffix}", f"mmv_{suffix}",
@@ -114,6 +120,12 @@ def fattn_splits(n_tokens: int, n_head_kv: int, n_cells: int, n_sm: int) -> int:
 def fattn_scratch_floats(n_tokens: int, n_head: int, dv: int, n_splits: int) -> int:
     """float32 elements of the split partials fattn.cu writes (0 for one split)."""
     return 0 if n_splits <= 1 else n_tokens * n_head * n_splits * (dv + 2)
+
+
+def q8_1_bytes(n_tok: int, n_in: int) -> int:
+    """Bytes of mmvq.cu's q8_1 copy of n_tok rows of n_in: the int8 quants, then a float32 pair
+    (d, d * sum q) per block of 32 (at byte n_tok * n_in)."""
+    return n_tok * n_in + 8 * n_tok * (n_in // 32)
 
 
 def gemm_scratch_budget(weight_bytes: int) -> int:
@@ -445,6 +457,37 @@ class CudaKernels:
                 np.int32(0 if op == "swiglu" else 1))  # fmt: skip
         grid = _cdiv(n_ff, MMV_ROWS_PER_BLOCK)
         self._launch(f"mmv_glu_{WEIGHT_SUFFIX[qtype][1]}", (grid,), 32 * MMV_ROWS_PER_BLOCK, args, stream)
+
+    def quantize_q8_1(self, stream: Any, x: int, sx: int, xq: int, n_tok: int, n_in: int) -> None:
+        """n_tok rows of n_in float32 (sx apart) -> their q8_1 copy at xq (q8_1_bytes, 16-byte
+        aligned): mmvq.cu's quantize_q8_1, a thread a value."""
+        if not 0 < n_tok <= MMV_MAX_TOKENS or n_in % 32 or xq % 16:
+            raise UnsupportedError(f"CUDA: q8_1 copy of {n_tok} rows of {n_in} (at {xq:#x})")
+        args = (_p(x), np.int64(sx), _p(xq), _p(xq + n_tok * n_in), np.int32(n_in), np.int32(n_tok))
+        self._launch("quantize_q8_1", (_cdiv(n_tok * n_in, ELEMENTWISE_THREADS),), ELEMENTWISE_THREADS, args, stream)
+
+    def mul_mat_vec_q8(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_out: int, n_in: int, xq: int,
+                       y: int, n_tok: int, glu: str = "", b: int = 0) -> None:
+        """`mul_mat_vec` (with glu: `mul_mat_vec_glu`, n_out then the GLU's n_ff) on the q8_1 copy
+        of x that `quantize_q8_1` wrote at xq: int8 dot products (mmvq.cu's mmvq_<type>). `b`: a
+        float32 bias of n_out added to each sum (not with a GLU), as mul_mat_vec adds it."""
+        qtype = GGMLType(qtype)
+        if qtype not in MMVQ_SUFFIX:
+            raise UnsupportedError(f"CUDA: int8 MUL_MAT of {qtype.name}")
+        if glu not in ("", "swiglu", "geglu"):
+            raise UnsupportedError(f"CUDA: GLU op {glu!r}")
+        if not 0 < n_tok <= MMV_MAX_TOKENS or n_in % block_size(qtype)[0] or n_in % 32 or xq % 16:
+            raise UnsupportedError(f"CUDA: {qtype.name} int8 matrix-vector product of {n_tok} tokens of {n_in}")
+        args = (_p(w), _p(xq), _p(xq + n_tok * n_in), _p(y), np.int32(n_out), np.int32(n_in), np.int64(row_bytes),
+                np.int32(n_tok))  # fmt: skip
+        name = f"mmvq_{MMVQ_SUFFIX[qtype]}"
+        if glu and b:
+            raise UnsupportedError("CUDA: an int8 gate/up product with a bias")
+        if glu:
+            args, name = args + (np.int32(0 if glu == "swiglu" else 1),), f"mmvq_glu_{MMVQ_SUFFIX[qtype]}"
+        else:
+            args += (_p(b),)
+        self._launch(name, (_cdiv(n_out, MMV_ROWS_PER_BLOCK),), 32 * MMV_ROWS_PER_BLOCK, args, stream)
 
     # -- MUL_MAT (prompts): f16 tensor cores through cuBLAS ---------------------------------------
 

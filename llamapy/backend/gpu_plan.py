@@ -49,6 +49,14 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
   * ADD_ID (gpt-oss's expert biases): the CPU's record, slot 3 the bias rows on the device, 11
     n_expert, 12 their row stride; ATTN's slot 24, the sinks, and the GLU's swiglu_oai slots
     10-12 are the CPU's;
+  * QUANTIZE_Q8_1 + MUL_MAT_Q8: in the q8 mode (the default; `GPUTarget.q8`), a decode product of
+    a type mmvq.cu has a decoder for whose matrix has MMVQ_MIN_WEIGHTS weights or more
+    (`product_path` "mmvq"): QUANTIZE_Q8_1 writes x's q8_1 copy into the plan's one q8_1 scratch
+    (after the GEMM scratches; 1 the copy, 2 x; 6 tokens, 7 n_in, 8 x's row stride), MUL_MAT_Q8
+    takes int8 dot products with the weight's blocks (1 dst, 2 the copy, 3 the blocks; 6 tokens,
+    7 n_in, 9 the GGML type, 10 the values written a token, 11 row bytes, 12 the GLU: 0 none,
+    1 SwiGLU, 2 GEGLU; 18 MUL_MAT_W's bias). A later product of an input whose copy the scratch holds (Q, K and V
+    of a Q4_K_M file, attn_v in Q6_K) reads it without a QUANTIZE_Q8_1, whatever its size;
   * MUL_MAT_GEMM: a prompt's product (`product_path`: more tokens than the matrix-vector kernels
     take) on the tensor cores: the input rounded to f16 into a scratch, the weight's rows decoded to
     f16 into another, a tile of rows at a time, and one cuBLAS GEMM with float32 accumulation per
@@ -153,24 +161,49 @@ from .kernels import yarn_table
 MUL_MAT_W, GET_ROWS_W, MUL_MAT_GLU, ROPE_QKV, MUL_MAT_ID_W, MUL_MAT_ID_GLU, ROUTER = 33, 34, 35, 36, 37, 38, 39
 ROUTER_TOPK = 40
 MUL_MAT_ID_GEMM = 41
-MUL_MAT_GEMM = 44  # (42-43 free)
+QUANTIZE_Q8_1, MUL_MAT_Q8 = 42, 43
+MUL_MAT_GEMM = 44
 WIDTH = REC + 3  # after the CPU's slots: an ATTN record's count slot, split scratch, splits
 COUNT, SCRATCH, SPLITS = REC, REC + 1, REC + 2
 HEAD = 64  # bytes of count slots at the arena's start: 16 masks
 NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS", MUL_MAT_GLU: "MUL_MAT+GLU", ROPE_QKV: "ROPE+SET_ROWS",
          MUL_MAT_ID_W: "MUL_MAT_ID", MUL_MAT_ID_GLU: "MUL_MAT_ID+GLU",
          ROUTER: "SOFT_MAX+ARGSORT+GET_ROWS+SUM_ROWS+CLAMP+DIV", ROUTER_TOPK: "ARGSORT+GET_ROWS+SOFT_MAX",
-         MUL_MAT_GEMM: "MUL_MAT(GEMM)", MUL_MAT_ID_GEMM: "MUL_MAT_ID(GEMM)"}
+         MUL_MAT_GEMM: "MUL_MAT(GEMM)", MUL_MAT_ID_GEMM: "MUL_MAT_ID(GEMM)", QUANTIZE_Q8_1: "QUANTIZE(q8_1)",
+         MUL_MAT_Q8: "MUL_MAT(q8_1)"}
 GEMM_DIRECT = "cuBLAS GEMMs of a prompt (CuPy captures no cuBLAS call)"
 MOE_SYNC = "; one host read of the expert counts a MoE layer"
 
 
-def product_path(n_out: int, n_tok: int, n_in: int, qtype: int, max_tokens: int) -> str:
+# The smallest matrix (n_out x n_in weights) whose decode product takes the int8 path in the q8
+# mode (a q8_1 copy of x, then mmvq.cu's dp4a product). It costs a second launch (the quantize,
+# ~2 us inside a CUDA graph) and saves, by the sm_90 SASS at one token, ~110 of mmv_q4_k's ~210
+# instructions a lane per unit of 32 weights (~0.1 ps a weight at ~1 T warp-instructions/s) and
+# 2.75 of its 4 bytes of L1 reads of x a weight (~0.08 ps at ~33 TB/s): ~0.18 ps a weight, which
+# pays for the launch from ~1.1e7 weights; 2^24 (Q4_K: 9.4 MB, ~2 us of HBM at 4.8 TB/s) leaves a
+# margin. SmolLM2-135M: the output matrix alone (49152 x 576); a 1.2B Llama (2048 / 8192 / 128256):
+# gate/up, down and output; an 8B (4096 / 14336 / 128256): every product (QKV 6144 x 4096, the
+# output projection 4096 x 4096 = 2^24 exactly, gate/up, down, output). Reasoned, not measured.
+MMVQ_MIN_WEIGHTS = 1 << 24
+
+
+def product_path(n_out: int, n_tok: int, n_in: int, qtype: int, max_tokens: int, q8: bool = False,
+                 min_weights: int | None = None) -> str:
     """The kernel a product of a (n_out, n_in) weight of `qtype` and n_tok tokens runs: "mmv"
-    (the fused dequantize + matrix-vector kernels, up to `max_tokens`) or "gemm_f16" (the weight
-    decoded to f16, cuBLAS on the tensor cores). The one decision, to be tuned on a GPU per shape
-    and type (where the two cross, whether bf16 or an int8 kernel beats f16 for some types)."""
-    return "mmv" if n_tok <= max_tokens else "gemm_f16"
+    (the fused dequantize + matrix-vector kernels, up to `max_tokens`), "mmvq" (in the q8 mode, a
+    type of mmvq.cu and a matrix of MMVQ_MIN_WEIGHTS or more: x quantized to q8_1, int8 dot
+    products) or "gemm_f16" (the weight decoded to f16, cuBLAS on the tensor cores). The one
+    decision, to be tuned on a GPU per shape and type (where they cross, whether bf16 or an int8
+    kernel beats f16 for some types). `min_weights`: the threshold (MMVQ_MIN_WEIGHTS unless
+    given: 0 for a product whose input's copy is already made)."""
+    from .cuda_ops import MMVQ_SUFFIX
+
+    if n_tok > max_tokens:
+        return "gemm_f16"
+    least = MMVQ_MIN_WEIGHTS if min_weights is None else min_weights
+    if q8 and n_out * n_in >= least and qtype in MMVQ_SUFFIX:
+        return "mmvq"
+    return "mmv"
 
 
 def graphs_enabled() -> bool:
@@ -219,8 +252,13 @@ class GPUTarget(Target):
     addr_slots = ((COUNT, ATTN), (SCRATCH, ATTN), (10, ROPE_QKV), (14, MUL_MAT_GEMM), (15, MUL_MAT_GEMM),
                   *((k, MUL_MAT_ID_GEMM) for k in range(24, 28)))  # (slot 5 is every record's)
 
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: Runtime, q8: bool = True) -> None:
         self.rt = rt
+        self.q8 = q8  # the context's mode (cpu_matmul "q8"): the large decode products on int8 (mmvq.cu)
+        # what the q8_1 scratch holds: (x, tokens, n_in, stride) of the last QUANTIZE_Q8_1 record. x is
+        # a graph value, so while a later product reads it the allocator never writes over it, and
+        # only a QUANTIZE_Q8_1 writes the scratch: a product of the same x anywhere after reuses it
+        self.q8_prev: tuple[Tensor, int, int, int] | None = None
         self.max_tokens = None  # (a product refuses past rt.max_tokens: its record says why)
         self.yarn: dict[tuple, int] = {}  # one YaRN table a rope: Q's and K's records share it (ROPE_QKV)
         self.sorted: Tensor | None = None  # the ids the last prompt expert product grouped its pairs by
@@ -267,6 +305,7 @@ class GPUTarget(Target):
         self.splits: dict[Tensor, int] = {}
         # the prompt products' scratches: f16 weight tile, f16 input, a product, the experts' sort, the input's scale
         gemm = [0, 0, 0, 0, 0]
+        q8 = 0  # the q8_1 copy of the int8 products' input (one, reused)
         mats = {st.extra.get("mm", st.node).src[0] for st in c.steps if st.code == MUL_MAT}
         self.gemm_budget = gemm_scratch_budget(sum(w.nbytes for w in mats if w.is_leaf))
         for st in c.steps:
@@ -280,7 +319,12 @@ class GPUTarget(Target):
                 w, x = st.extra.get("mm", st.node).src
                 n_out, n_in = w.shape[0], x.shape[-1]
                 n_tok = x.n_elements // max(n_in, 1)
-                if product_path(n_out, n_tok, n_in, w.type, self.rt.max_tokens) == "gemm_f16":
+                path = product_path(n_out, n_tok, n_in, w.type, self.rt.max_tokens, self.q8)
+                if path == "mmvq":
+                    from .cuda_ops import q8_1_bytes
+
+                    q8 = max(q8, q8_1_bytes(n_tok, n_in))
+                if path == "gemm_f16":
                     gemm[0] = max(gemm[0], 2 * gemm_tile_rows(n_out, n_in, self.gemm_budget) * n_in)
                     gemm[1] = max(gemm[1], 2 * n_tok * n_in)
                     gemm[2] = max(gemm[2], 4 * n_tok * n_out if "glu" in st.extra else 0)
@@ -300,7 +344,9 @@ class GPUTarget(Target):
             start += (-start) % 256
             self.gemm_off.append(start)
             start += nbytes
-        return start
+        start += (-start) % 256
+        self.q8_off = start
+        return start + q8
 
     def records(self, c: _Compiler, st: Any, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
         n = st.node
@@ -317,10 +363,18 @@ class GPUTarget(Target):
                 raise Refused(f"MUL_MAT input of type {xl.dtype}")
             n_tok, k, xs = xl.rows()
             bias = self._bias_rows(c, st.extra["bias"])[0] if "bias" in st.extra else 0  # (the ADD after it)
-            if product_path(n_out, n_tok, n_in, qtype, self.rt.max_tokens) == "gemm_f16":
+            path = product_path(n_out, n_tok, n_in, qtype, self.rt.max_tokens, self.q8)
+            if path == "gemm_f16":
                 r = self._gemm(c, st, loc(n).addr, xl.addr, blocks, qtype, n_out, n_in, row_bytes, n_tok, k, xs)
                 r[18] = bias
                 return [r]
+            copied = self.q8 and self.q8_prev is not None and self.q8_prev[0] is x and self.q8_prev[1:] == (n_tok, n_in, xs)
+            if copied and product_path(n_out, n_tok, n_in, qtype, self.rt.max_tokens, True, min_weights=0) == "mmvq":
+                path = "mmvq"  # (this input's q8_1 copy is made already: no launch to pay)
+            if path == "mmvq" and k == n_in:
+                recs = self._mmvq(c, st, loc(n).addr, x, xl.addr, blocks, qtype, n_out, n_in, row_bytes, n_tok, xs, copied)
+                recs[-1][18] = bias
+                return recs
             if n_tok > self.rt.max_tokens:
                 raise Refused(f"a batch of {n_tok} tokens (prompts stay on the cuBLAS path)")
             if k != n_in or (xs != n_in and n_tok > 1) or xl.addr % 16:
@@ -407,6 +461,24 @@ class GPUTarget(Target):
                 raise Refused(f"a prompt's GLU {op} (cuda_ops.mul_mat_gemm: swiglu, geglu)")
             r[10], r[12], r[14] = n_out // 2, 1 + int(op == "geglu"), prod
         return r
+
+    def _mmvq(self, c: _Compiler, st: Any, dst: int, xt: Tensor, x: int, blocks: int, qtype: int, n_out: int,
+              n_in: int, row_bytes: int, n_tok: int, xs: int, copied: bool) -> list[list[int]]:
+        """QUANTIZE_Q8_1 (x into the plan's q8_1 scratch; left out when it holds x's copy already:
+        Q, K and V as three products) and MUL_MAT_Q8 (with the GLU when the step has one) over it."""
+        xq = c.base + self.q8_off
+        out = []
+        if not copied:
+            q = [0] * WIDTH
+            q[0], q[1], q[2], q[6], q[7], q[8] = QUANTIZE_Q8_1, xq, x, n_tok, n_in, xs
+            out.append(q)
+            self.q8_prev = (xt, n_tok, n_in, xs)
+        r = [0] * WIDTH
+        r[0], r[1], r[2], r[3] = MUL_MAT_Q8, dst, xq, blocks
+        r[6], r[7], r[9], r[10], r[11] = n_tok, n_in, qtype, n_out, row_bytes
+        if "glu" in st.extra:
+            r[10], r[12] = n_out // 2, 1 + _epilogue(st.extra["glu"])
+        return out + [r]
 
     def _mul_mat_id(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc], dst: int = 0) -> list[int]:
         """MUL_MAT_ID_W: the chosen experts' rows of the stacked matrix (n_expert * M rows) times
@@ -713,7 +785,7 @@ def _written(r: list[int]) -> int:
         return 4 * r[6] * r[7] * r[8]
     if r[0] in _ROWS_OUT:  # contiguous rows (r[6]) of r[7] values
         return 4 * r[6] * r[7]
-    return 4 * r[6] * r[10] if r[0] in (MUL_MAT_W, MUL_MAT_GLU, MUL_MAT_GEMM) else 1
+    return 4 * r[6] * r[10] if r[0] in (MUL_MAT_W, MUL_MAT_GLU, MUL_MAT_GEMM, MUL_MAT_Q8) else 1
 
 
 def _fuse_windows(recs: list[list[int]], n: int,
@@ -849,10 +921,11 @@ def _view(mirror: np.ndarray, slot: _Slot) -> np.ndarray:
 
 
 def compile_split(nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Callable[..., Any],
-                  rt: Runtime) -> GPUPlan | Refusal:
-    """A split's GPU plan over `rt`'s arena, or a Refusal saying why it runs node by node."""
+                  rt: Runtime, cpu_matmul: str = "q8") -> GPUPlan | Refusal:
+    """A split's GPU plan over `rt`'s arena, or a Refusal saying why it runs node by node.
+    `cpu_matmul`: the context's MUL_MAT mode ("q8": the large decode products on int8; "f32")."""
     try:
-        built = _Compiler(nodes, exports, GPUTarget(rt), allocate).build(rt.arena)
+        built = _Compiler(nodes, exports, GPUTarget(rt, cpu_matmul == "q8"), allocate).build(rt.arena)
         if built.pre:
             raise Refused("GET_ROWS expanded in Python")
         ends = [s.off + _extent(s) for _t, s in built.inputs] + [s.off + _extent(s) for _t, s, _r in built.masks]
@@ -864,14 +937,14 @@ def compile_split(nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: 
 
 
 def arena_bytes(nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Callable[..., Any], buft: Any,
-                max_tokens: int, n_sm: int) -> int | None:
+                max_tokens: int, n_sm: int, cpu_matmul: str = "q8") -> int | None:
     """The device arena a split's GPU plan will take, from its tensors alone (the fit plans on
     dry buffers, before anything is loaded): the record compiler's steps and allocator offsets
     after HEAD, then `GPUTarget.scratch` (attention partials, the prompt products' f16 scratches)
     — the passes `compile_split` runs —, a decode plan scaled as `_reserve_for_largest_batch`
     grows the arena. None when the compiler refuses the split (it runs node by node); a refusal
     only the records would make (a layout) is not seen here. `allocate`: compile_split's."""
-    t = _DryTarget(_DryRuntime(buft, max_tokens, n_sm))
+    t = _DryTarget(_DryRuntime(buft, max_tokens, n_sm), cpu_matmul == "q8")
     try:
         c = _Compiler(nodes, exports, t, allocate)
         c.steps_pass()
@@ -929,7 +1002,7 @@ def _reserve_for_largest_batch(built: Built, rt: Runtime) -> None:
     max_tokens / the fewest rows a product of it takes (its values grow with its tokens and
     outputs, its fixed part does not: an over-estimate); a plan that still outgrows it moves the
     others, as before."""
-    n_tok = min((int(r[6]) for r in built.recs if r[0] in (MUL_MAT_W, MUL_MAT_GLU)), default=0)
+    n_tok = min((int(r[6]) for r in built.recs if r[0] in (MUL_MAT_W, MUL_MAT_GLU, MUL_MAT_Q8)), default=0)
     if not 0 < n_tok < rt.max_tokens or np.isin(built.recs[:, 0], (MUL_MAT_GEMM, MUL_MAT_ID_GEMM)).any():
         return  # (a prompt's plan: larger than any decode plan already; its 1-token tail is no guide)
     base = rt.arena.ensure(_largest_batch_bytes(built.nbytes, n_tok, rt.max_tokens))

@@ -70,6 +70,7 @@ class Instance:
     type_k: str = "f16"
     type_v: str = "f16"
     n_cpu_moe: int = 0  # the experts of the first N layers kept on the CPU (--n-cpu-moe)
+    cpu_matmul: str = "q8"  # ContextOptions.cpu_matmul: "f32" with --f32-activations
 
 
 def _int_list(value: str, flag: str, minimum: int) -> list[int]:
@@ -166,7 +167,7 @@ def run_instance(model: Any, inst: Instance, reps: int, warmup: bool) -> list[in
     co = ContextOptions(
         n_ctx=inst.n_depth + inst.n_prompt + inst.n_gen, n_batch=inst.n_batch, n_ubatch=inst.n_ubatch,
         n_threads=inst.n_threads, type_k=common.cache_type(inst.type_k, "-ctk"),
-        type_v=common.cache_type(inst.type_v, "-ctv"),
+        type_v=common.cache_type(inst.type_v, "-ctv"), cpu_matmul=inst.cpu_matmul,
     )  # fmt: skip
     ctx = Context(model, co)
     rng = np.random.default_rng(0)
@@ -345,6 +346,7 @@ def _fields(
         "probe_bytes": probe.nbytes if probe else None,
         "probe_method": PROBE_METHOD if probe else None,
         "bw_fraction": eff / probe.gbs if eff is not None and probe else None,
+        "cpu_matmul": inst.cpu_matmul,  # the products' mode: "q8" (default) or "f32" (--f32-activations)
     }
 
 
@@ -461,6 +463,7 @@ def bench(
     output: str = typer.Option("md", "-o", "--output", help="md or json"),
     no_warmup: bool = typer.Option(False, "--no-warmup", help="skip the unmeasured warmup run"),
     progress: bool = typer.Option(False, "--progress", help="log each test as it starts"),
+    f32_activations: bool = common.F32_ACT,
     probe_mib: int = typer.Option(
         _DEFAULT_PROBE_MIB, "--probe-mib", help="MiB the read-bandwidth probe sums (0: no probe, no eff GB/s column)"
     ),
@@ -468,7 +471,7 @@ def bench(
 ) -> None:
     """Measure prompt processing (pp) and generation (tg) speed, as llama-bench does."""
     common.use_ray(ray)
-    from ..context import Model, ModelOptions
+    from ..context import ContextOptions, Model, ModelOptions
 
     if output not in ("md", "json"):
         raise LlamapyError(f"-o {output}: use md or json")
@@ -495,6 +498,9 @@ def bench(
     insts = _instances(ngls, ts_, bs, ubs, ps, ns, ds, ctks, ctvs, ncmoes)
     if not insts:
         raise LlamapyError("nothing to measure: every -p and -n is 0")
+    mode = "f32" if f32_activations else "q8"
+    for inst in insts:
+        inst.cpu_matmul = mode
     path = common.resolve_model(model, model_opt)
     bandwidth = probe_mib > 0 and any(i.n_gen and not i.n_prompt for i in insts)
     fields = _md_fields(bs, ubs, bandwidth, ctks, ctvs, ncmoes)
@@ -507,7 +513,7 @@ def bench(
     for (ngl_value, ncm), group in itertools.groupby(insts, key=lambda i: (i.ngl, i.n_cpu_moe)):
         # -ot first: an explicit pattern wins over the --n-cpu-moe ones, as in `run`
         ot_all = common.parse_overrides(common.with_expert_overrides(ot, False, ncm))
-        m = Model(path, ModelOptions(n_gpu_layers=ngl_value, override_tensor=ot_all))
+        m = Model(path, ModelOptions(n_gpu_layers=ngl_value, override_tensor=ot_all), ContextOptions(cpu_matmul=mode))
         try:
             weight_bytes = decode_weight_bytes(m) if bandwidth else None
             for inst in group:

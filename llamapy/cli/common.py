@@ -33,7 +33,7 @@ CTK = typer.Option("f16", "-ctk", "--cache-type-k", metavar="TYPE", help="K cach
 CTV = typer.Option("f16", "-ctv", "--cache-type-v", metavar="TYPE", help="V cache type: f32, f16, q8_0 or q4_0")
 NKVO = typer.Option(False, "-nkvo", "--no-kv-offload", help="keep the KV cache in host memory")
 NO_OP_OFFLOAD = typer.Option(False, "--no-op-offload", help="never run ops on a GPU for weights in host memory")
-F32_ACT = typer.Option(False, "--f32-activations", help="CPU matmuls on float32 activations (exactness studies; default: 8-bit as llama.cpp)")
+F32_ACT = typer.Option(False, "--f32-activations", help="matmuls on float32 activations (CPU; CUDA's large decode products too) (exactness studies; default: 8-bit as llama.cpp)")
 DEVICE = typer.Option(None, "-dev", "--device", metavar="DEV,…", help="comma-separated devices to use (default: all; CPU is always used)")
 RAY = typer.Option(None, "--ray", metavar="ADDRESS", help="join the Ray cluster at ADDRESS: its nodes offering 'llamapy' become devices RAY0, … (default: $LLAMAPY_RAY)")
 

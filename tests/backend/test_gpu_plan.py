@@ -414,6 +414,57 @@ def test_records_are_the_cpu_executors(make_llama, monkeypatch: pytest.MonkeyPat
     model.free()
 
 
+@pytest.mark.parametrize("v_type", [None, T.Q6_K], ids=["fused-qkv", "q6k-v"])
+def test_int8_products_above_the_threshold(make_llama, monkeypatch: pytest.MonkeyPatch, v_type: Any) -> None:  # noqa: ANN001
+    """In the q8 mode (the default) a decode product of a matrix of MMVQ_MIN_WEIGHTS or more is a
+    QUANTIZE_Q8_1 record (x into the plan's q8_1 scratch, after the values, in the arena, moved
+    with it) and a MUL_MAT_Q8 over it (the gate/up one with its GLU); smaller ones stay MUL_MAT_W /
+    MUL_MAT_GLU. A later product of the same input reuses its copy whatever its size (Q4_K_M's
+    layout: attn_v in Q6_K, so Q, K and V are three products, ROPE(Q) between them). The f32 mode
+    (--f32-activations) has no int8 record."""
+    from llamapy.sched.alloc import plan_offsets
+
+    model = Model(make_llama(qtype=T.Q4_K, v_type=v_type, tied=False))
+    ctx = Context(model, ContextOptions(n_ctx=512, n_threads=1))
+    g = ctx.graph(1, 1).graph
+    (split,) = ctx.sched.reserve(g).splits
+    n_embd = 256
+    monkeypatch.setattr(gpu_plan, "MMVQ_MIN_WEIGHTS", n_embd * n_embd)  # attn_q, attn_output, gate/up, down, output
+    p = gpu_plan.compile_split(split.nodes, list(g.outputs), plan_offsets, FakeRuntime())
+    f32 = gpu_plan.compile_split(split.nodes, list(g.outputs), plan_offsets, FakeRuntime(), "f32")
+    assert isinstance(p, GPUPlan) and isinstance(f32, GPUPlan)
+    assert not np.isin(f32.recs[:, 0], (gpu_plan.QUANTIZE_Q8_1, gpu_plan.MUL_MAT_Q8)).any()
+    codes = [int(c) for c in p.recs[:, 0]]
+    prods = [(i, r) for i, r in enumerate(p.recs) if r[0] in (MUL_MAT_W, MUL_MAT_GLU, gpu_plan.MUL_MAT_Q8)]
+    shared = 0
+    b = p.built
+    for i, r in prods:
+        rows = int(r[10]) * (2 if r[0] == MUL_MAT_GLU or (r[0] == gpu_plan.MUL_MAT_Q8 and r[12]) else 1)
+        big = rows * int(r[7]) >= n_embd * n_embd
+        if r[0] != gpu_plan.MUL_MAT_Q8:
+            assert not big, (i, rows)
+            continue
+        q = p.recs[i - 1]
+        if q[0] == gpu_plan.QUANTIZE_Q8_1:
+            assert big and int(q[1]) == int(r[2]) and (q[6], q[7]) == (r[6], r[7])
+            x = int(q[2])
+        else:  # the copy made for Q (the same input), no other QUANTIZE_Q8_1 since
+            last = max(j for j in range(i) if p.recs[j][0] == gpu_plan.QUANTIZE_Q8_1)
+            assert int(p.recs[last][2]) == x and not big
+            shared += 1
+        assert b.base + b.nbytes >= int(r[2]) + cuda_ops.q8_1_bytes(int(r[6]), int(r[7]))
+        assert int(r[2]) >= max(int(o[1]) + 4 * int(o[6]) * int(o[10]) for _j, o in prods)  # after the values
+    n_q8 = codes.count(gpu_plan.MUL_MAT_Q8)
+    # per layer q (+ k and v on its copy when unfused), output projection, gate/up, down; the output
+    assert n_q8 == 2 * (3 + (3 if v_type else 1)) + 1 and shared == (4 if v_type else 0)
+    assert codes.count(gpu_plan.QUANTIZE_Q8_1) == n_q8 - shared
+    moved = {(int(i), int(j)) for i, j in zip(*b.moves)}
+    k = codes.index(gpu_plan.QUANTIZE_Q8_1)
+    assert {(k, 1), (k, 2), (k + 1, 1), (k + 1, 2)} <= moved
+    assert "QUANTIZE(q8_1):" in p.summary() and "MUL_MAT(q8_1):" in p.summary()
+    model.free()
+
+
 def test_prompt_batches_are_gemm_plans(make_llama) -> None:  # noqa: ANN001
     """A batch past the matrix-vector kernels' 8 tokens: every product a MUL_MAT_GEMM record (the
     gate/up one with its GLU), its scratches after the allocator's values and the attention's, in

@@ -26,6 +26,9 @@ struct float4 {
 struct uint4 {
     unsigned int x, y, z, w;
 };
+struct float2 {
+    float x, y;
+};
 #define LP_EMU 1
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return uint4{x, y, z, w}; }
@@ -45,6 +48,26 @@ inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+// __dp4a(a, b, c): c plus the four products of a's and b's bytes as signed 8-bit integers (the
+// int overload), wrapping in 32 bits as the device's IDP4A does
+inline int __dp4a(int a, int b, int c) {
+    uint32_t s = (uint32_t)c;
+    for (int i = 0; i < 4; ++i) s += (uint32_t)((int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i)));
+    return (int)s;
+}
+// __byte_perm(x, y, s): byte i of the result is byte (s >> 4i) & 7 of the 8 bytes y:x (x the low
+// four); with bit 3 of that selector nibble set, the selected byte's sign bit replicated
+inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+    const uint64_t v = ((uint64_t)y << 32) | x;
+    unsigned int r = 0;
+    for (int i = 0; i < 4; ++i) {
+        const unsigned int n = (s >> (4 * i)) & 15u;
+        unsigned int b = (unsigned int)(v >> (8 * (n & 7))) & 0xffu;
+        if (n & 8) b = (b & 0x80u) ? 0xffu : 0u;
+        r |= b << (8 * i);
+    }
+    return r;
+}
 inline double __dadd_rn(double a, double b) { return a + b; }
 inline float __int_as_float(int i) {
     float f;

@@ -23,7 +23,9 @@ outside the repository):
      through the MoE prompt plan (grouping, one read of the counts a layer, per-expert f16
      GEMMs) with its plan line, on each tiny file and (not --quick) on the Qwen3-30B-A3B shape
      cut to 2 layers (128 experts, 8 used, Q8_0);
-  4. decode speed (tokens/s) at -ngl 0, 20 and all, prompt speed (pp512) at -ngl all with the
+  4. decode speed (tokens/s) at -ngl 0, 20 and all (the default mode: on CUDA the large decode
+     products on int8, gpu_plan.MMVQ_MIN_WEIGHTS; the kernel table times mmv and quantize_q8_1 +
+     mmvq at the same shapes), prompt speed (pp512) at -ngl all with the
      prompt split's plan line; at -ngl all the decode graph's plan line
      (one CUDA graph, or direct launches and why, or why it runs node by node), the time a step
      and its Python part (step wall time minus the GPU time between the step's input copy and
@@ -410,7 +412,7 @@ def kernel_speed(rep: Report, lines: list[str], dev: Any) -> None:
     sys.path.insert(0, str(ROOT / "tests/gpu"))
     from test_cuda_ptx import random_rows
 
-    from llamapy.backend.cuda_ops import fattn_scratch_floats, fattn_splits
+    from llamapy.backend.cuda_ops import fattn_scratch_floats, fattn_splits, q8_1_bytes
     from llamapy.types import GGMLType as G
 
     k = dev.ops()
@@ -441,6 +443,13 @@ def kernel_speed(rep: Report, lines: list[str], dev: Any) -> None:
         us = time_us(lambda: k.mul_mat_vec(st, G[name], raw.data.ptr, raw.shape[1], n_out, n_in, x.data.ptr,
                                            y.data.ptr, n_tok))  # fmt: skip
         rep.add(lines, f"| mmv {name} | {n_out}x{n_in}, {n_tok} tok | {us:.1f} | {raw.nbytes / us / 1e3:.0f} |")
+        # the q8 mode's int8 path (mmvq.cu): the copy of x, then the dp4a product (gpu_plan.MMVQ_MIN_WEIGHTS)
+        xq = cp.zeros(q8_1_bytes(n_tok, n_in), cp.uint8)
+        t_q = time_us(lambda: k.quantize_q8_1(st, x.data.ptr, n_in, xq.data.ptr, n_tok, n_in))
+        t_v = time_us(lambda: k.mul_mat_vec_q8(st, G[name], raw.data.ptr, raw.shape[1], n_out, n_in, xq.data.ptr,
+                                               y.data.ptr, n_tok))  # fmt: skip
+        rep.add(lines, f"| quantize_q8_1 + mmvq {name} | {n_out}x{n_in}, {n_tok} tok | {t_q:.1f} + {t_v:.1f} | "
+                       f"{raw.nbytes / t_v / 1e3:.0f} |")  # fmt: skip
     H, Hkv, D, N = 32, 8, 128, 8192
     kc = cp.zeros((N, Hkv, D), cp.float16)
     vc = cp.zeros((N, Hkv, D), cp.float16)

@@ -11,14 +11,18 @@ device call, before the machine goes back):
           (the bar: >= 1.0x with the same flags);
   memory  GPU memory at -ngl all of both (nvidia-smi's memory.used sampled every 50 ms during a
           pp512 + tg16 run, peak minus the idle figure before it); the bar: llamapy <= llama.cpp
-          + 10 %.
+          + 10 %;
+  modes   (only when asked: --only modes) tg64 of `llamapy bench -ngl all` on the sweep's shape in
+          the default mode (the large decode products on int8: mmvq.cu) and with
+          --f32-activations (every product on float32 activations), alternating: what the q8_1
+          path gains (docs/architecture.md, CUDA kernels: reasoned, not yet measured).
 
 It finds check.sh's scratch folder (the newest /tmp/tmp.*/ with lc/build/bin/llama-bench, whose
 site/ holds the carried wheels and m/ the models it wrote) unless --llama-bench is given, and
 writes what it writes into $OUT/side_by_side.md (else bench/side_by_side.md). Every step has its
 share of --deadline seconds; a step out of time is reported, not run.
 
-usage: python3 tests/gpu/side_by_side.py [--only sweep,moe,memory] [--deadline 300] [--threads N]
+usage: python3 tests/gpu/side_by_side.py [--only sweep,moe,memory,modes] [--deadline 300] [--threads N]
        [--llama-bench PATH] [--moe-layers 48] [--reps 2]
 """
 
@@ -291,8 +295,26 @@ def main() -> int:
                     run.say(f"- {who}: not measured ({type(e).__name__}: {e})")
             if len(peaks) == 2 and peaks["llama.cpp"] > 0:
                 run.say(f"- ratio llamapy / llama.cpp: {peaks['llamapy'] / peaks['llama.cpp']:.3f}")
+        elif step == "modes":
+            run.say(f"\n## -ngl all, {args.shape} dense shape, tg64: default (int8 decode products) vs --f32-activations")
+            m = model_path(w, args.shape, dense)
+            common = ["-ngl", "all", "-p", "0", "-n", "64", "-r", str(args.reps), "-t", str(args.threads), "-o", "json",
+                      "--probe-mib", "0"]  # fmt: skip
+            got: dict[str, list[float]] = {"default": [], "--f32-activations": []}
+            for _ in range(2):  # alternating
+                for mode in got:
+                    cmd = ["llamapy", "bench", str(m), *common, *([mode] if mode != "default" else [])]
+                    try:
+                        r = subprocess.run(cmd, capture_output=True, text=True, timeout=max(10.0, share / 4))
+                        got[mode] += list(rates(r.stdout).values())
+                    except subprocess.TimeoutExpired:
+                        run.say(f"- {mode}: out of time ({share / 4:.0f} s)")
+            for mode, ts in got.items():
+                run.say(f"- {mode}: {' '.join(f'{t:.1f}' for t in ts) or '-'} t/s")
+            if all(got.values()):
+                run.say(f"- ratio default / f32: {max(got['default']) / max(got['--f32-activations']):.3f}")
         else:
-            run.say(f"\n## {step}: unknown step (sweep, moe, memory)")
+            run.say(f"\n## {step}: unknown step (sweep, moe, memory, modes)")
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench"
     out.mkdir(parents=True, exist_ok=True)
     (out / "side_by_side.md").write_text("\n".join(run.lines) + "\n")

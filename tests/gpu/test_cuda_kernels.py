@@ -781,6 +781,101 @@ def test_mul_mat_vec_glu_epilogue(env: Env, name: str, op: str) -> None:
     assert np.all(np.isfinite(a)) and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
+# --- the int8 decode products (mmvq.cu: a q8_1 copy of x, dp4a) --------------------------------
+
+MMVQ_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"]
+
+
+def test_quantize_q8_1(env: Env) -> None:
+    """The q8_1 copy: the bytes of quants.quantize_q8_1_cuda (ggml-cuda's rule), rows read at
+    their stride, an all-zero block giving zeros."""
+    from llamapy.backend.cuda_ops import q8_1_bytes
+    from llamapy.quants import quantize_q8_1_cuda
+
+    n_tok, n_in, sx = 5, 320, 352
+    x = randn(n_tok, sx) * 4
+    x[2, 64:96] = 0.0
+    x[3, :32] = np.arange(32, dtype=np.float32) - 16  # exact halves after the division: roundf's ties
+    q, ds = quantize_q8_1_cuda(x[:, :n_in])
+    xd, out = env.d(x), env.full((q8_1_bytes(n_tok, n_in),), 0xCD, np.uint8)
+    env.run(lambda st: env.k.quantize_q8_1(st, env.p(xd), sx, env.p(out), n_tok, n_in))
+    got = env.get(out)
+    assert np.array_equal(got[: n_tok * n_in].view(np.int8).reshape(n_tok, n_in), q)
+    assert np.array_equal(got[n_tok * n_in:].view(np.float32).reshape(ds.shape).view(np.uint32), ds.view(np.uint32))
+    assert not q[2, 64:96].any() and ds[2, 2, 0] == 0
+
+
+def _mmvq(env: Env, name: str, raw: np.ndarray, x: np.ndarray, n_rows: int, glu: str = "", b: int = 0) -> np.ndarray:
+    """x quantized on the device, then the int8 product (with its GLU: n_rows is n_ff; or its bias
+    at device address b)."""
+    from llamapy.backend.cuda_ops import q8_1_bytes
+
+    n_tok, n_in = x.shape
+    rd, xd = env.d(raw), env.d(x)
+    xq = env.zeros((q8_1_bytes(n_tok, n_in),), np.uint8)
+    y = env.full((n_tok, n_rows), np.nan, np.float32)
+
+    def run(st: Any) -> None:
+        env.k.quantize_q8_1(st, env.p(xd), n_in, env.p(xq), n_tok, n_in)
+        env.k.mul_mat_vec_q8(st, G[name], env.p(rd), raw.shape[1], n_rows, n_in, env.p(xq), env.p(y), n_tok, glu=glu, b=b)
+
+    env.run(run)
+    return env.get(y)
+
+
+@pytest.mark.parametrize("n_tok", range(1, 9))
+@pytest.mark.parametrize("name", MMVQ_TYPES)
+def test_mul_mat_vec_q8(env: Env, name: str, n_tok: int) -> None:
+    """The int8 product of every type with mmvq.cu's decoder, 1-8 tokens, a ragged last block of
+    rows: the float64 product of gguf-py's dequantized weights and the dequantized q8_1 copy
+    (quants.quantize_q8_1_cuda), within float32 rounding of each unit's sum and of the sums of 40
+    units (the bound of the float32 products above; a wrong nibble, scale or offset is off by
+    orders of magnitude more)."""
+    from gguf.quants import dequantize
+
+    from llamapy.quants import quantize_q8_1_cuda
+
+    n_out, n_in = 67, 1280
+    raw = np.ascontiguousarray(random_rows(name, n_out, n_in, np.random.default_rng(40 + n_tok)))
+    w64 = dequantize(raw, G[name]).reshape(n_out, n_in).astype(np.float64)
+    x = randn(n_tok, n_in)
+    q, ds = quantize_q8_1_cuda(x)
+    xq64 = (q.reshape(n_tok, -1, 32) * ds[..., :1].astype(np.float64)).reshape(n_tok, n_in)
+    got = _mmvq(env, name, raw, x, n_out)
+    scale = np.abs(xq64) @ np.abs(w64).T
+    assert np.all(np.abs(got - xq64 @ w64.T) <= 1e-5 * scale + 1e-30)
+    # and the q8_1 rounding itself: near the float32 activations' product (~1 % of the scale)
+    assert np.all(np.abs(got - x.astype(np.float64) @ w64.T) <= 2e-2 * scale)
+
+
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_1", "Q8_0"])
+def test_mul_mat_vec_q8_glu_epilogue(env: Env, name: str, op: str) -> None:
+    """The int8 gate/up product with its GLU as epilogue: the bits of the int8 product of the 2 n_ff
+    rows, then glu."""
+    n_ff, n_in, n_tok = 37, 512, 3
+    raw = np.ascontiguousarray(random_rows(name, 2 * n_ff, n_in, np.random.default_rng(5)))
+    x = randn(n_tok, n_in) * 3
+    gu = _mmvq(env, name, raw, x, 2 * n_ff)
+    gd, sep = env.d(gu), env.full((n_tok, n_ff), np.nan, np.float32)
+    env.run(lambda st: env.k.glu(st, op, env.p(gd), 2 * n_ff, env.p(gd) + 4 * n_ff, 2 * n_ff, env.p(sep), n_ff, n_tok, n_ff))
+    a, b = env.get(sep), _mmvq(env, name, raw, x, n_ff, glu=op)
+    assert np.all(np.isfinite(a)) and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
+def test_mul_mat_vec_q8_bias_epilogue(env: Env, name: str) -> None:
+    """The int8 product with its bias as epilogue (a large qwen2 / gpt-oss Q/K/V product): the bits
+    of the int8 product, then the bias added in float32."""
+    n_out, n_in, n_tok = 45, 512, 3
+    raw = np.ascontiguousarray(random_rows(name, n_out, n_in, np.random.default_rng(6)))
+    x, bias = randn(n_tok, n_in), randn(n_out) * 4
+    plain = _mmvq(env, name, raw, x, n_out)
+    got = _mmvq(env, name, raw, x, n_out, b=env.p(env.d(bias)))
+    want = (plain + bias[None, :]).astype(np.float32)
+    assert np.all(np.isfinite(got)) and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 # --- the mixture-of-experts block (moe.cu, common.cuh's mmv_id) --------------------------------
 
 

@@ -273,6 +273,12 @@ def record_launches() -> list[tuple]:
         k.mul_mat_id(st, qt, 0x1000, 1000, 8, 300, 512, 0x2000, 512, 0, 0x3000, 2, 0x4000, 3, 2, w2=0x5000,
                      glu="swiglu_oai", b=0x6000, b2=0x7000, sb=300, alpha=1.702, limit=7.0)  # fmt: skip
         k.dequant_f16(st, qt, 0x1000, 1000, 300, 512, 0x2000)
+    from llamapy.backend.cuda_ops import MMVQ_SUFFIX
+
+    k.quantize_q8_1(st, 0x1000, 512, 0x2000, 3, 512)
+    for qt in MMVQ_SUFFIX:  # the int8 products on that copy (the q8 mode's large decode products)
+        for glu in ("", "swiglu"):
+            k.mul_mat_vec_q8(st, qt, 0x1000, 1000, 300, 512, 0x2000, 0x3000, 3, glu=glu)
     k.soft_max(st, 0x1000, 128, 0x2000, 128, 3, 128, 1.0)
     k.argsort(st, 0x1000, 128, 0x2000, 128, 3, 128)
     k.get_rows_batched(st, 0x1000, 128, 1, 128, 0x2000, 8, 0x3000, 3, 8, 1)
@@ -398,6 +404,12 @@ def test_launch_refusals() -> None:
         k.rope(st, 1, 1, 1, 1, 1, 1, 1, 1, 64, pos=1, n_dims=64, mode=1)
     with pytest.raises(UnsupportedError, match="GLU"):
         k.glu(st, "reglu", 1, 1, 1, 1, 1, 1, 1, 1)
+    with pytest.raises(UnsupportedError, match="int8 MUL_MAT of Q2_K"):  # (no mmvq.cu decoder: the float32 path)
+        k.mul_mat_vec_q8(st, G.Q2_K, 1, 84, 8, 256, 0x100, 1, 1)
+    with pytest.raises(UnsupportedError, match="9 tokens"):
+        k.mul_mat_vec_q8(st, G.Q4_K, 1, 144, 8, 256, 0x100, 1, 9)
+    with pytest.raises(UnsupportedError, match="q8_1 copy"):  # the copy's quants are read 16 bytes at a time
+        k.quantize_q8_1(st, 1, 256, 0x104, 1, 256)
     with pytest.raises(UnsupportedError, match="tokens"):
         k.mul_mat_vec(st, G.Q4_0, 1, 18, 4, 32, 0x1000, 0x2000, 9)
     with pytest.raises(UnsupportedError, match="2\\^31"):  # mmv_id's 32-bit offsets of the input rows

@@ -232,6 +232,83 @@ def test_decode_on_cuda0_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path, ngl: in
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q4_K+Q6_K"])
+def test_decode_on_int8_products_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          qtype: str) -> None:
+    """The default (q8) mode on CUDA0 with the int8 path's threshold lowered to every matrix: each
+    decode product a QUANTIZE(q8_1) + MUL_MAT(q8_1) pair (the gate/up one with its GLU) in the one
+    captured graph, and the greedy tokens and logits of -ngl 0's q8 mode (both round x to 8 bits
+    a block of 32, each by its own rule: within 3 % of the largest logit); with --f32-activations
+    no int8 record at all. "Q4_K+Q6_K": attn_v in Q6_K (Q4_K_M's layout), so Q, K and V are three
+    products on one q8_1 copy."""
+    from gguf import GGMLQuantizationType as T
+
+    from conftest import write_llama_gguf
+    from llamapy.backend import gpu_plan
+    from llamapy.context import Context, ContextOptions, Model, ModelOptions
+    from llamapy.sched.scheduler import split_printer
+
+    monkeypatch.setattr(gpu_plan, "MMVQ_MIN_WEIGHTS", 0)
+    wtype, _, vtype = qtype.partition("+")
+    path = write_llama_gguf(tmp_path / "tiny.gguf", n_layer=2, qtype=T[wtype], v_type=T[vtype] if vtype else None)
+    cpu = Model(path, ModelOptions(n_gpu_layers=0))
+    want, want_toks = _greedy(Context(cpu, ContextOptions(n_ctx=256, n_threads=1)))
+    cpu.free()
+    for mode in ("q8", "f32"):
+        model = Model(path, ModelOptions(n_gpu_layers="all"), ContextOptions(cpu_matmul=mode))
+        ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1, cpu_matmul=mode))
+        lines: list[str] = []
+        ctx.sched.debug_hook = split_printer(ctx.sched, 1, lines.append)
+        got, toks = _greedy(ctx)
+        graphs = "\n".join(lines).split("sched: graph #")[1:]
+        (plan,) = [ln for ln in graphs[1].splitlines() if ln.startswith("## PLAN") and "CUDA0" in ln]
+        assert "one CUDA graph" in plan, plan
+        if mode == "q8":
+            assert toks == want_toks
+            for i, (a, b) in enumerate(zip(got, want)):
+                assert np.isfinite(a).all() and float(np.abs(a - b).max()) <= 3e-2 * float(np.abs(b).max()), f"call {i}"
+            # per layer: QKV (or Q, K, V on one copy), output, gate/up+GLU, down; and the output matrix
+            n_prod = 13 if vtype else 9
+            assert "QUANTIZE(q8_1):9" in plan and f"MUL_MAT(q8_1):{n_prod}" in plan, plan
+        else:
+            assert "q8_1" not in plan, plan
+        model.free()
+
+
+@pytest.mark.slow
+def test_biased_products_on_int8_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """qwen2's biased Q/K/V product on the int8 path (the threshold lowered to every matrix): its
+    bias is MUL_MAT(q8_1)'s epilogue, no ADD left, and the greedy tokens and logits are -ngl 0's
+    q8 mode's (within 3 % of the largest, as test_decode_on_int8_products_emulated)."""
+    from gguf import GGMLQuantizationType as T
+
+    from llamapy.backend import gpu_plan
+    from llamapy.context import Context, ContextOptions, Model, ModelOptions
+    from llamapy.sched.scheduler import split_printer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from family_models import write_family_gguf
+
+    monkeypatch.setattr(gpu_plan, "MMVQ_MIN_WEIGHTS", 0)
+    path = write_family_gguf(tmp_path / "qwen2.gguf", "qwen2", qtype=T.Q8_0)
+    cpu = Model(path, ModelOptions(n_gpu_layers=0))
+    want, want_toks = _greedy(Context(cpu, ContextOptions(n_ctx=256, n_threads=1)))
+    cpu.free()
+    model = Model(path, ModelOptions(n_gpu_layers="all"))
+    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    lines: list[str] = []
+    ctx.sched.debug_hook = split_printer(ctx.sched, 1, lines.append)
+    got, toks = _greedy(ctx)
+    graphs = "\n".join(lines).split("sched: graph #")[1:]
+    (plan,) = [ln for ln in graphs[1].splitlines() if ln.startswith("## PLAN") and "CUDA0" in ln]
+    assert "MUL_MAT(q8_1)" in plan and "ADD" not in plan, plan
+    assert toks == want_toks
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert np.isfinite(a).all() and float(np.abs(a - b).max()) <= 3e-2 * float(np.abs(b).max()), f"call {i}"
+    model.free()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("emu", [2], indirect=True, ids=["two-gpus"])
 def test_two_devices_emulated(emu: emu_cupy.EmuCupy, tmp_path: Path) -> None:
     """-ngl all -ts 1,1 over two emulated GPUs (CUDA0, CUDA1): each runs its layers as one

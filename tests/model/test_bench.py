@@ -59,6 +59,29 @@ def test_bench_json_sweep(capsys: pytest.CaptureFixture[str]) -> None:
     assert tg[0]["probe_bw_gbs"] != tg[1]["probe_bw_gbs"]
 
 
+@pytest.mark.parametrize("flag", [[], ["--f32-activations"]])
+def test_bench_activation_mode(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                               flag: list[str]) -> None:
+    """--f32-activations reaches the model and every context (so the default, 8-bit mode and the
+    float32 one can be measured side by side, CUDA's int8 decode products among them), and the JSON
+    says which."""
+    from llamapy import context
+
+    modes: list[str] = []
+    real = context.Context.__init__
+
+    def spy(self: context.Context, model: object, options: context.ContextOptions, *a: object, **k: object) -> None:
+        modes.append(options.cpu_matmul)
+        real(self, model, options, *a, **k)
+
+    monkeypatch.setattr(context.Context, "__init__", spy)
+    main(["bench", str(TINY32), "-p", "0", "-n", "2", "-r", "1", "-t", "1", "-o", "json", "--no-warmup",
+          "--probe-mib", "0", *flag])  # fmt: skip
+    want = "f32" if flag else "q8"
+    (r,) = json.loads(capsys.readouterr().out)
+    assert r["cpu_matmul"] == want and modes and set(modes) == {want}
+
+
 def test_bench_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
     for args in (["-o", "csv"], ["-p", "x"], ["-r", "0"], ["-p", "0", "-n", "0"]):
         with pytest.raises(SystemExit) as exc:

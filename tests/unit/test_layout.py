@@ -97,5 +97,9 @@ def test_code_size_budget() -> None:
     # gather, batched expert GEMMs, scatter) and -ngl auto sized by the plans' own arenas (~+200),
     # conversation mode reading replies with the server's parser and llama.cpp's reasoning flags
     # (~+110), the decode step's Python halved (the KV cache's one-token step kept incrementally,
-    # ~+65), and llama-bench's -ncmoe / -ot in `bench` (~+15)
-    assert total <= 15650, f"llamapy/ has {total} lines of code"
+    # ~+65), and llama-bench's -ncmoe / -ot in `bench` (~+15); raised at stop 30 (15650 -> ~15760)
+    # for the CUDA decode products on int8 dot products in the default mode (q8_1 activations,
+    # QUANTIZE_Q8_1 / MUL_MAT_Q8 records, the mode reaching CUDA and `bench --f32-activations`,
+    # ~+100), one Q/K/V product with its bias as the products' epilogue for qwen2 / gpt-oss
+    # (~+36), and a prompt's f16 weight tiles sized by the split's weights (~+10)
+    assert total <= 15800, f"llamapy/ has {total} lines of code"

@@ -14,6 +14,9 @@
 //                   per output row; lane l takes units l, l+32, ...; each unit is decoded once and
 //                   dotted with every token's 32 activations (float32, no q8 quantization of x);
 //                   the lanes' partial sums are added with a butterfly of warp shuffles.
+//                   In the default ("q8") mode the plans' large decode products take mmvq.cu's
+//                   kernels instead: x quantized once to q8_1, int8 dot products (__dp4a) with the
+//                   file's blocks; --f32-activations keeps these float32 ones everywhere.
 //
 // The decoders are __host__ __device__: tests build them for the CPU (-DLLAMAPY_HOST_TEST) and
 // compare them with gguf-py on a machine without a GPU. No standard headers are included, so the
@@ -59,6 +62,12 @@ LP_HD float bits_to_f32(unsigned int b) {
     v.u = b;
     return v.f;
 #endif
+}
+
+// ggml_e8m0_to_fp32_half: 2^(e - 128) (e < 2: a subnormal): MXFP4's
+// scale (iquants.cu, mmvq.cu)
+LP_HD float e8m0_half(int e) {
+    return bits_to_f32(e < 2 ? 0x00200000u << e : (unsigned int)(e - 1) << 23);
 }
 
 // IEEE half -> float (exact)
@@ -110,6 +119,18 @@ LP_HD void ld_words(const u8* p, unsigned int* o) {
 #else
     __builtin_memcpy(o, p, 4 * N);
 #endif
+}
+
+// The packed 6-bit (scale, min) of sub-block j of Q4_K / Q5_K (ggml's get_scale_min_k4):
+// kquants.cu's decoders and mmvq.cu's.
+LP_HD void scale_min_k4(const u8* s, int j, int* sc, int* m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
 }
 
 // byte l of words loaded by ld_words (l a constant after unrolling: the words stay in registers)

@@ -20,11 +20,6 @@ LP_HD int iq4nl_value(int q) { return table16(0xf6eaddcfbfad9881ull, 0x715945352
 // {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12}
 LP_HD int mxfp4_value(int q) { return table16(0x0c08060403020100ull, 0xf4f8fafcfdfeff00ull, q); }
 
-// ggml_e8m0_to_fp32_half: 2^(e - 128) (e < 2: a subnormal)
-LP_HD float e8m0_half(int e) {
-    return bits_to_f32(e < 2 ? 0x00200000u << e : (unsigned int)(e - 1) << 23);
-}
-
 // IQ4_NL (18 bytes): f16 d, 16 bytes of nibbles (low nibbles are elements 0..15, high 16..31);
 // w = d * kvalues[q]
 struct DQ_IQ4_NL {

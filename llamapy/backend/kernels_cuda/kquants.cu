@@ -57,17 +57,6 @@ struct DQ_Q3_K {
     }
 };
 
-// The packed 6-bit (scale, min) of sub-block j of Q4_K / Q5_K (ggml's get_scale_min_k4).
-LP_HD void scale_min_k4(const u8* s, int j, int* sc, int* m) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *m = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
-        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
 // Q4_K (144 bytes): f16 d, f16 dmin, scales[12], qs[128] (32-byte runs: low nibbles are unit 2p,
 // high nibbles unit 2p+1). w = (d*sc)*q - dmin*m
 struct DQ_Q4_K {

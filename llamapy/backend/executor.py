@@ -64,7 +64,6 @@ from ..types import GGMLType, LlamapyError, block_size, row_nbytes, storage
 from . import native
 from .cpu_kernels import KV_CODES  # a KV cache's element type as ops.c's LP_KV_* codes
 from .kernels import cache_rotation, rope_consts
-from ..sched.alloc import ALIGN as ALIGN_OFFSETS
 
 ALIGN = 64  # the arena's alignment (AVX-512 loads); sched/alloc.py aligns offsets to 32
 SCRATCH_ALIGN = 256  # a step's scratch (Target.step_scratch) starts this far aligned: cuBLAS's and wide loads' want
@@ -953,8 +952,9 @@ class _Compiler:
                 order.append((0, st.extra["add"], reads))
                 reads = [*reads, st.extra["add"]]
             # the step's scratches: values placed just before it and read by it alone (freed after
-            # it), each SCRATCH_ALIGN - ALIGN bytes longer so that its start can be rounded up
-            pseudo = [Tensor(f"scratch.{len(scratches)}.{k}", (n + SCRATCH_ALIGN - ALIGN_OFFSETS,), GGMLType.I8)
+            # it), each SCRATCH_ALIGN - 1 bytes longer so that its start can be rounded up (whatever the
+            # allocator's own alignment: backends do not import sched)
+            pseudo = [Tensor(f"scratch.{len(scratches)}.{k}", (n + SCRATCH_ALIGN - 1,), GGMLType.I8)
                       if n else None for k, n in enumerate(self.target.step_scratch(self, st))]
             order += [(0, t, []) for t in pseudo if t is not None]
             scratches.append((st, pseudo))
@@ -964,7 +964,7 @@ class _Compiler:
         a = self.allocate(order, outs)
         head = self.target.head  # (the offsets start after the target's head)
         self.arena_size = a.sizes.get(0, 0) + head
-        for st, pseudo in scratches:  # (an empty scratch: the head's end, an address never written)
+        for st, pseudo in scratches:  # (an empty scratch: the head's end; its record reads and writes nothing there)
             st.scratch = tuple(head if t is None else -(-(a.offsets[t][1] + head) // SCRATCH_ALIGN) * SCRATCH_ALIGN
                                for t in pseudo)
         return {t: off + head for t, (_b, off) in a.offsets.items()}

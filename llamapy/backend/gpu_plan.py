@@ -52,7 +52,7 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
   * QUANTIZE_Q8_1 + MUL_MAT_Q8: in the q8 mode (the default; `GPUTarget.q8`), a decode product of
     a type mmvq.cu has a decoder for whose matrix has MMVQ_MIN_WEIGHTS weights or more
     (`product_path` "mmvq"): QUANTIZE_Q8_1 writes x's q8_1 copy into the plan's one q8_1 scratch
-    (after the GEMM scratches; 1 the copy, 2 x; 6 tokens, 7 n_in, 8 x's row stride), MUL_MAT_Q8
+    (after the values; 1 the copy, 2 x; 6 tokens, 7 n_in, 8 x's row stride), MUL_MAT_Q8
     takes int8 dot products with the weight's blocks (1 dst, 2 the copy, 3 the blocks; 6 tokens,
     7 n_in, 9 the GGML type, 10 the values written a token, 11 row bytes, 12 the GLU: 0 none,
     1 SwiGLU, 2 GEGLU; 18 MUL_MAT_W's bias). A later product of an input whose copy the scratch holds (Q, K and V
@@ -61,7 +61,7 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     take) on the tensor cores: the input rounded to f16 into a scratch, the weight's rows decoded to
     f16 into another, a tile of rows at a time, and one cuBLAS GEMM with float32 accumulation per
     tile (cuda_ops.mul_mat_gemm): 1 dst (the GLU's result when fused), 2 x, 3 the weight's blocks,
-    4 the f16 weight scratch, 5 the f16 input scratch; 6 tokens, 7 n_in, 8 x's row stride, 9 the
+    4 the f16 weight scratch, 5 the f16 input scratch (the step's own: see Memory); 6 tokens, 7 n_in, 8 x's row stride, 9 the
     GGML type, 10 the values written a token (n_ff with a GLU), 11 row bytes, 12 the GLU (0 none,
     1 SwiGLU, 2 GEGLU), 13 rows per GEMM, 14 the float32 product's scratch (with a GLU), 15 the
     input's scale scratch (cuda_ops.F16_SCALE_BYTES: the input divided by a power of two that
@@ -78,8 +78,16 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     the number of splits of the cells (the runtime's choice for the shape).
 
 Memory: one device arena per device (the `Runtime`'s), shared by its plans as the CPU's is. Its
-first HEAD bytes hold the count slots (one int32 per mask); the allocator's offsets follow, the
-inputs first (sched/alloc.py places values in the order they are listed, and the compiler lists
+first HEAD bytes hold the count slots (one int32 per mask); the allocator's offsets follow. A
+step's scratches (`GPUTarget.step_scratch`: an attention's split partials, a prompt product's f16
+weight tile, f16 input, GLU product and input scale, a prompt expert product's likewise) are
+values of that step alone to the allocator (256-byte aligned), as ggml-alloc places a node's
+temporaries: they reuse memory free at that step — the logits' region before the output product
+— instead of lying after the values' peak. Two outlive their step and follow the values
+(`GPUTarget.scratch`, both small): the q8_1 copy (a later product of the same input reads it) and
+a prompt's expert grouping (the down experts reuse it). Every scratch address is in the arena, so
+it moves with it (`Built.moves`: slots 4, 5, 14, 15, 24-27, SCRATCH). The
+inputs come first (sched/alloc.py places values in the order they are listed, and the compiler lists
 the inputs before any step), so everything that changes each step — token ids, positions, KV
 cells, the mask, the counts — lies in [0, in_bytes) of the arena: written into a pinned host
 mirror of that range and sent by ONE asynchronous host-to-device copy before the launches. A
@@ -103,9 +111,9 @@ a reader on the device itself (run_nodes, another device's peer copy: `ArenaValu
 Prompts: a split whose products take more tokens than the matrix-vector kernels is a plan too,
 its products MUL_MAT_GEMM records, its attention fattn.cu's prompt kernel (cuda_ops picks it by
 the token count); CuPy refuses cuBLAS inside a stream capture, so such a plan runs its launches
-directly (prepared once per batch shape, kept like the decode plans). The scratches of its GEMMs
-follow the attention's in the arena, sized for the plan's largest product (its f16 weight tiles
-at most 1/32 of the split's weights: cuda_ops.gemm_scratch_budget), and one scale scratch
+directly (prepared once per batch shape, kept like the decode plans). Each GEMM step has its
+scratches (its f16 weight tiles at most 1/32 of the split's weights: cuda_ops.gemm_scratch_budget)
+and a scale scratch
 (the f16 inputs' power-of-two scales: an activation past 65504 would round to inf in f16, which
 llama.cpp's q8_1 blocks with their own scales never do).
 
@@ -954,8 +962,9 @@ def arena_bytes(nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Ca
                 max_tokens: int, n_sm: int, cpu_matmul: str = "q8") -> int | None:
     """The device arena a split's GPU plan will take, from its tensors alone (the fit plans on
     dry buffers, before anything is loaded): the record compiler's steps and allocator offsets
-    after HEAD, then `GPUTarget.scratch` (attention partials, the prompt products' f16 scratches)
-    — the passes `compile_split` runs —, a decode plan scaled as `_reserve_for_largest_batch`
+    after HEAD (the steps' scratches among them: `GPUTarget.step_scratch`), then
+    `GPUTarget.scratch` (the q8_1 copy, a prompt's expert grouping) — the passes `compile_split`
+    runs —, a decode plan scaled as `_reserve_for_largest_batch`
     grows the arena. None when the compiler refuses the split (it runs node by node); a refusal
     only the records would make (a layout) is not seen here. `allocate`: compile_split's."""
     t = _DryTarget(_DryRuntime(buft, max_tokens, n_sm), cpu_matmul == "q8")

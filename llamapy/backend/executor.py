@@ -66,6 +66,7 @@ from .cpu_kernels import KV_CODES  # a KV cache's element type as ops.c's LP_KV_
 from .kernels import cache_rotation, rope_consts
 
 ALIGN = 64  # the arena's alignment (AVX-512 loads); sched/alloc.py aligns offsets to 32
+SCRATCH_ALIGN = 256  # a step's scratch (Target.step_scratch) starts this far aligned: cuBLAS's and wide loads' want
 
 # Op codes and record size: kernels_c/executor.c's enum and EX_REC.
 (GET_ROWS_Q, GET_ROWS_F32, RMS_NORM, MUL, ADD, SCALE, SWIGLU, MUL_MAT, ROPE, SET_ROWS, ATTN, CPY, QUANT_ACT,
@@ -256,6 +257,7 @@ class _Step:
     node: Tensor  # the result (its value in the arena)
     reads: list[Tensor]
     extra: dict[str, Any] = field(default_factory=dict)
+    scratch: tuple[int, ...] = ()  # arena offsets of the target's scratches alive during this step alone
 
 
 @dataclass(frozen=True)
@@ -445,8 +447,14 @@ class Target:
     def f16_stores(self) -> bool:
         return True
 
+    def step_scratch(self, c: _Compiler, st: _Step) -> tuple[int, ...]:
+        """Bytes of each scratch `st`'s records use during that step alone: the allocator places
+        them among the values, as ggml-alloc places a node's temporaries (`st.scratch`: where)."""
+        return ()
+
     def scratch(self, c: _Compiler, start: int) -> int:
-        """The arena's bytes in all, from `start` (the end of the allocator's offsets)."""
+        """The arena's bytes in all, from `start` (the end of the allocator's offsets): room for
+        the scratches that outlive a step."""
         return start
 
     def records(self, c: _Compiler, st: _Step, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
@@ -937,17 +945,28 @@ class _Compiler:
     def alloc(self) -> dict[Tensor, int]:
         # inputs and the rows expanded before the call are written first: they are placed first
         order: list[tuple[int, Tensor | None, list[Tensor]]] = [(0, t, []) for t in self.inputs + self.pre]
+        scratches: list[tuple[_Step, list[Tensor | None]]] = []
         for st in self.steps:
             reads = [self._base(r) for r in st.reads]
             if "add" in st.extra:
                 order.append((0, st.extra["add"], reads))
                 reads = [*reads, st.extra["add"]]
+            # the step's scratches: values placed just before it and read by it alone (freed after
+            # it), each SCRATCH_ALIGN - 1 bytes longer so that its start can be rounded up (whatever the
+            # allocator's own alignment: backends do not import sched)
+            pseudo = [Tensor(f"scratch.{len(scratches)}.{k}", (n + SCRATCH_ALIGN - 1,), GGMLType.I8)
+                      if n else None for k, n in enumerate(self.target.step_scratch(self, st))]
+            order += [(0, t, []) for t in pseudo if t is not None]
+            scratches.append((st, pseudo))
             out = None if st.code == SET_ROWS else st.node
-            order.append((0, out, reads))
+            order.append((0, out, reads + [t for t in pseudo if t is not None]))
         outs = [self._base(e) for e in self.exports]
         a = self.allocate(order, outs)
         head = self.target.head  # (the offsets start after the target's head)
         self.arena_size = a.sizes.get(0, 0) + head
+        for st, pseudo in scratches:  # (an empty scratch: the head's end; its record reads and writes nothing there)
+            st.scratch = tuple(head if t is None else -(-(a.offsets[t][1] + head) // SCRATCH_ALIGN) * SCRATCH_ALIGN
+                               for t in pseudo)
         return {t: off + head for t, (_b, off) in a.offsets.items()}
 
     # -- pass 3: records ---------------------------------------------------------------------

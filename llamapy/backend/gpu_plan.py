@@ -52,7 +52,7 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
   * QUANTIZE_Q8_1 + MUL_MAT_Q8: in the q8 mode (the default; `GPUTarget.q8`), a decode product of
     a type mmvq.cu has a decoder for whose matrix has MMVQ_MIN_WEIGHTS weights or more
     (`product_path` "mmvq"): QUANTIZE_Q8_1 writes x's q8_1 copy into the plan's one q8_1 scratch
-    (after the GEMM scratches; 1 the copy, 2 x; 6 tokens, 7 n_in, 8 x's row stride), MUL_MAT_Q8
+    (after the values; 1 the copy, 2 x; 6 tokens, 7 n_in, 8 x's row stride), MUL_MAT_Q8
     takes int8 dot products with the weight's blocks (1 dst, 2 the copy, 3 the blocks; 6 tokens,
     7 n_in, 9 the GGML type, 10 the values written a token, 11 row bytes, 12 the GLU: 0 none,
     1 SwiGLU, 2 GEGLU; 18 MUL_MAT_W's bias). A later product of an input whose copy the scratch holds (Q, K and V
@@ -61,7 +61,7 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     take) on the tensor cores: the input rounded to f16 into a scratch, the weight's rows decoded to
     f16 into another, a tile of rows at a time, and one cuBLAS GEMM with float32 accumulation per
     tile (cuda_ops.mul_mat_gemm): 1 dst (the GLU's result when fused), 2 x, 3 the weight's blocks,
-    4 the f16 weight scratch, 5 the f16 input scratch; 6 tokens, 7 n_in, 8 x's row stride, 9 the
+    4 the f16 weight scratch, 5 the f16 input scratch (the step's own: see Memory); 6 tokens, 7 n_in, 8 x's row stride, 9 the
     GGML type, 10 the values written a token (n_ff with a GLU), 11 row bytes, 12 the GLU (0 none,
     1 SwiGLU, 2 GEGLU), 13 rows per GEMM, 14 the float32 product's scratch (with a GLU), 15 the
     input's scale scratch (cuda_ops.F16_SCALE_BYTES: the input divided by a power of two that
@@ -78,8 +78,16 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     the number of splits of the cells (the runtime's choice for the shape).
 
 Memory: one device arena per device (the `Runtime`'s), shared by its plans as the CPU's is. Its
-first HEAD bytes hold the count slots (one int32 per mask); the allocator's offsets follow, the
-inputs first (sched/alloc.py places values in the order they are listed, and the compiler lists
+first HEAD bytes hold the count slots (one int32 per mask); the allocator's offsets follow. A
+step's scratches (`GPUTarget.step_scratch`: an attention's split partials, a prompt product's f16
+weight tile, f16 input, GLU product and input scale, a prompt expert product's likewise) are
+values of that step alone to the allocator (256-byte aligned), as ggml-alloc places a node's
+temporaries: they reuse memory free at that step — the logits' region before the output product
+— instead of lying after the values' peak. Two outlive their step and follow the values
+(`GPUTarget.scratch`, both small): the q8_1 copy (a later product of the same input reads it) and
+a prompt's expert grouping (the down experts reuse it). Every scratch address is in the arena, so
+it moves with it (`Built.moves`: slots 4, 5, 14, 15, 24-27, SCRATCH). The
+inputs come first (sched/alloc.py places values in the order they are listed, and the compiler lists
 the inputs before any step), so everything that changes each step — token ids, positions, KV
 cells, the mask, the counts — lies in [0, in_bytes) of the arena: written into a pinned host
 mirror of that range and sent by ONE asynchronous host-to-device copy before the launches. A
@@ -103,9 +111,9 @@ a reader on the device itself (run_nodes, another device's peer copy: `ArenaValu
 Prompts: a split whose products take more tokens than the matrix-vector kernels is a plan too,
 its products MUL_MAT_GEMM records, its attention fattn.cu's prompt kernel (cuda_ops picks it by
 the token count); CuPy refuses cuBLAS inside a stream capture, so such a plan runs its launches
-directly (prepared once per batch shape, kept like the decode plans). The scratches of its GEMMs
-follow the attention's in the arena, sized for the plan's largest product (its f16 weight tiles
-at most 1/32 of the split's weights: cuda_ops.gemm_scratch_budget), and one scale scratch
+directly (prepared once per batch shape, kept like the decode plans). Each GEMM step has its
+scratches (its f16 weight tiles at most 1/32 of the split's weights: cuda_ops.gemm_scratch_budget)
+and a scale scratch
 (the f16 inputs' power-of-two scales: an activation past 65504 would round to inf in f16, which
 llama.cpp's q8_1 blocks with their own scales never do).
 
@@ -262,6 +270,8 @@ class GPUTarget(Target):
         self.max_tokens = None  # (a product refuses past rt.max_tokens: its record says why)
         self.yarn: dict[tuple, int] = {}  # one YaRN table a rope: Q's and K's records share it (ROPE_QKV)
         self.sorted: Tensor | None = None  # the ids the last prompt expert product grouped its pairs by
+        self.splits: dict[Tensor, int] = {}  # an attention -> the splits of its cells (step_scratch's)
+        self.gemm_budget: int | None = None  # bytes of a prompt product's f16 weight tile (step_scratch's)
 
     def leaf(self, t: Tensor) -> Any | None:
         r = t.root()
@@ -297,53 +307,64 @@ class GPUTarget(Target):
         wv = self.leaf(n.src[0]) if n.src[0].is_leaf else None
         return None if wv is None else self.rt.weight(wv)[1]
 
-    def scratch(self, c: _Compiler, start: int) -> int:
-        """One scratch for the split partials of every attention (they run one after another)."""
+    def step_scratch(self, c: _Compiler, st: Any) -> tuple[int, ...]:
+        """The scratches alive during one step, placed by the allocator among the values alive
+        then (the logits' region before the output product, ...): an attention's split partials
+        (fattn, then their combine); a prompt product's f16 weight tile, f16 input, float32
+        product (with a GLU: else 0) and input scale; a prompt expert product's likewise."""
         from .cuda_ops import F16_SCALE_BYTES, gemm_scratch_budget, gemm_tile_rows
 
-        need = 0
-        self.splits: dict[Tensor, int] = {}
-        # the prompt products' scratches: f16 weight tile, f16 input, a product, the experts' sort, the input's scale
-        gemm = [0, 0, 0, 0, 0]
-        q8 = 0  # the q8_1 copy of the int8 products' input (one, reused)
-        mats = {st.extra.get("mm", st.node).src[0] for st in c.steps if st.code == MUL_MAT}
-        self.gemm_budget = gemm_scratch_budget(sum(w.nbytes for w in mats if w.is_leaf))
+        if st.code == ATTN:
+            q, _k, v = st.node.src[:3]
+            T, H, _D = q.shape
+            N, Hkv, Dv = v.shape[0], v.shape[1], st.node.shape[-1]
+            self.splits[st.node], nbytes = self.rt.attn_split(T, H, Hkv, N, Dv)
+            return (nbytes,)
+        if st.code == MUL_MAT:
+            w, x = st.extra.get("mm", st.node).src
+            n_out, n_in = w.shape[0], x.shape[-1]
+            n_tok = x.n_elements // max(n_in, 1)
+            if product_path(n_out, n_tok, n_in, w.type, self.rt.max_tokens, self.q8) != "gemm_f16":
+                return ()
+            if self.gemm_budget is None:  # (the split's weights: the same for each of its products)
+                mats = {s.extra.get("mm", s.node).src[0] for s in c.steps if s.code == MUL_MAT}
+                self.gemm_budget = gemm_scratch_budget(sum(m.nbytes for m in mats if m.is_leaf))
+            return (2 * gemm_tile_rows(n_out, n_in, self.gemm_budget) * n_in, 2 * n_tok * n_in,
+                    4 * n_tok * n_out if "glu" in st.extra else 0, F16_SCALE_BYTES)
+        if st.code == MUL_MAT_ID_Q and st.node.shape[0] > self.rt.max_tokens:  # a prompt's experts
+            _order, x16, w16, prod = self._moe_scratch(st)
+            return (w16, x16, prod, F16_SCALE_BYTES)
+        return ()
+
+    @staticmethod
+    def _moe_scratch(st: Any) -> tuple[int, int, int, int]:
+        """cuda_ops.moe_scratch_bytes of a prompt's expert step."""
+        from .cuda_ops import moe_scratch_bytes
+
+        w, x, ids = st.extra.get("gate", st.extra.get("mm", st.node)).src[:3]
+        return moe_scratch_bytes(ids.shape[0], ids.shape[1] if len(ids.shape) > 1 else 1, w.shape[0], w.shape[1],
+                                 x.shape[-1], "glu" in st.extra)
+
+    def scratch(self, c: _Compiler, start: int) -> int:
+        """The two scratches that outlive a step, after the allocator's values: the q8_1 copy of
+        the int8 products' input (a later product of the same input reads it: Q, K and V) and a
+        prompt's expert grouping (the pairs' order and the experts' offsets, which the down
+        product reuses: flag 2). Both are small: a decode batch's rows, int32 a pair."""
+        q8 = sort = 0
         for st in c.steps:
-            if st.code == ATTN:
-                q, _k, v = st.node.src[:3]
-                T, H, _D = q.shape
-                N, Hkv, Dv = v.shape[0], v.shape[1], st.node.shape[-1]
-                self.splits[st.node], nbytes = self.rt.attn_split(T, H, Hkv, N, Dv)
-                need = max(need, nbytes)
-            elif st.code == MUL_MAT:
+            if st.code == MUL_MAT:
                 w, x = st.extra.get("mm", st.node).src
                 n_out, n_in = w.shape[0], x.shape[-1]
                 n_tok = x.n_elements // max(n_in, 1)
-                path = product_path(n_out, n_tok, n_in, w.type, self.rt.max_tokens, self.q8)
-                if path == "mmvq":
+                if product_path(n_out, n_tok, n_in, w.type, self.rt.max_tokens, self.q8) == "mmvq":
                     from .cuda_ops import q8_1_bytes
 
                     q8 = max(q8, q8_1_bytes(n_tok, n_in))
-                if path == "gemm_f16":
-                    gemm[0] = max(gemm[0], 2 * gemm_tile_rows(n_out, n_in, self.gemm_budget) * n_in)
-                    gemm[1] = max(gemm[1], 2 * n_tok * n_in)
-                    gemm[2] = max(gemm[2], 4 * n_tok * n_out if "glu" in st.extra else 0)
-                    gemm[4] = F16_SCALE_BYTES
-            elif st.code == MUL_MAT_ID_Q and st.node.shape[0] > self.rt.max_tokens:  # a prompt's experts
-                from .cuda_ops import moe_scratch_bytes
-
-                w, x, ids = st.extra.get("gate", st.extra.get("mm", st.node)).src[:3]
-                order, x16, w16, prod = moe_scratch_bytes(ids.shape[0], ids.shape[1] if len(ids.shape) > 1 else 1,
-                                                          w.shape[0], w.shape[1], x.shape[-1], "glu" in st.extra)
-                gemm = [max(a, b) for a, b in zip(gemm, (w16, x16, prod, order, F16_SCALE_BYTES))]
+            elif st.code == MUL_MAT_ID_Q and st.node.shape[0] > self.rt.max_tokens:
+                sort = max(sort, self._moe_scratch(st)[0])
         start += (-start) % 256
-        self.scratch_off = start
-        start += need
-        self.gemm_off = []
-        for nbytes in gemm:
-            start += (-start) % 256
-            self.gemm_off.append(start)
-            start += nbytes
+        self.sort_off = start
+        start += sort
         start += (-start) % 256
         self.q8_off = start
         return start + q8
@@ -388,12 +409,12 @@ class GPUTarget(Target):
             return [r]
         if st.code == MUL_MAT_ID_Q:
             if "glu" not in st.extra:
-                r = self._mul_mat_id(c, st.extra.get("mm", n), loc, dst=loc(n).addr)
+                r = self._mul_mat_id(c, st.extra.get("mm", n), loc, dst=loc(n).addr, scratch=st.scratch)
                 if "bias" in st.extra:  # the ADD_ID after it as its epilogue
                     r[18], r[19] = self._bias_rows(c, st.extra["bias"])
                 return [r]
-            r = self._mul_mat_id(c, st.extra["gate"], loc, dst=loc(n).addr)
-            up = self._mul_mat_id(c, st.extra["up"], loc, dst=loc(n).addr)
+            r = self._mul_mat_id(c, st.extra["gate"], loc, dst=loc(n).addr, scratch=st.scratch)
+            up = self._mul_mat_id(c, st.extra["up"], loc, dst=loc(n).addr, scratch=st.scratch)
             if up[6:16] != r[6:16]:
                 raise Refused(f"{n.name}: gate and up experts of different layouts")
             if r[0] == MUL_MAT_ID_GEMM:
@@ -438,7 +459,7 @@ class GPUTarget(Target):
             return [self._rope(c, n, loc)]
         if st.code == ATTN:
             r = c._record(st, loc) + [0] * (WIDTH - REC)
-            r[SCRATCH], r[SPLITS] = c.base + self.scratch_off, self.splits[n]
+            r[SCRATCH], r[SPLITS] = c.base + st.scratch[0], self.splits[n]
             return [r]
         return None
 
@@ -451,10 +472,10 @@ class GPUTarget(Target):
         if k != n_in:
             raise Refused(f"MUL_MAT {st.node.name}: input rows of {k} for a matrix of {n_in}")
         r = [0] * WIDTH
-        w16, x16, prod = (c.base + off for off in self.gemm_off[:3])
+        w16, x16, prod, scale = (c.base + off for off in st.scratch)
         r[0], r[1], r[2], r[3], r[4], r[5] = MUL_MAT_GEMM, dst, x, blocks, w16, x16
         r[6], r[7], r[8], r[9], r[10], r[11] = n_tok, n_in, xs, qtype, n_out, row_bytes
-        r[13], r[15] = gemm_tile_rows(n_out, n_in, self.gemm_budget), c.base + self.gemm_off[4]
+        r[13], r[15] = gemm_tile_rows(n_out, n_in, self.gemm_budget), scale
         if "glu" in st.extra:  # the product into its scratch, the GLU's result (n_ff a token) into dst
             op = st.extra["glu"].params.get("op")
             if op not in ("swiglu", "geglu"):
@@ -480,7 +501,8 @@ class GPUTarget(Target):
             r[10], r[12] = n_out // 2, 1 + _epilogue(st.extra["glu"])
         return out + [r]
 
-    def _mul_mat_id(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc], dst: int = 0) -> list[int]:
+    def _mul_mat_id(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc], dst: int = 0,
+                    scratch: tuple[int, ...] = ()) -> list[int]:
         """MUL_MAT_ID_W: the chosen experts' rows of the stacked matrix (n_expert * M rows) times
         each (token, slot)'s input row (into `dst`: a fused GLU's result; else n's own)."""
         w, x, ids = n.src
@@ -499,8 +521,8 @@ class GPUTarget(Target):
         r[13], r[14], r[15] = xl.strides[0], xl.strides[1] if xl.shape[1] > 1 else 0, il.strides[0]
         if T > self.rt.max_tokens:  # a prompt's: grouped by expert, GEMMs (cuda_ops.mul_mat_id_gemm)
             r[0] = MUL_MAT_ID_GEMM
-            r[24], r[25], r[26], r[27] = (c.base + self.gemm_off[k] for k in (3, 1, 0, 2))
-            r[5] = c.base + self.gemm_off[4]
+            w16, x16, prod, scale = (c.base + off for off in scratch)
+            r[24], r[25], r[26], r[27], r[5] = c.base + self.sort_off, x16, w16, prod, scale
             if self.sorted is ids:  # the same routing as the product before: its grouping and counts
                 r[23] |= 2
             self.sorted = ids
@@ -940,8 +962,9 @@ def arena_bytes(nodes: Sequence[Tensor], exports: Sequence[Tensor], allocate: Ca
                 max_tokens: int, n_sm: int, cpu_matmul: str = "q8") -> int | None:
     """The device arena a split's GPU plan will take, from its tensors alone (the fit plans on
     dry buffers, before anything is loaded): the record compiler's steps and allocator offsets
-    after HEAD, then `GPUTarget.scratch` (attention partials, the prompt products' f16 scratches)
-    — the passes `compile_split` runs —, a decode plan scaled as `_reserve_for_largest_batch`
+    after HEAD (the steps' scratches among them: `GPUTarget.step_scratch`), then
+    `GPUTarget.scratch` (the q8_1 copy, a prompt's expert grouping) — the passes `compile_split`
+    runs —, a decode plan scaled as `_reserve_for_largest_batch`
     grows the arena. None when the compiler refuses the split (it runs node by node); a refusal
     only the records would make (a layout) is not seen here. `allocate`: compile_split's."""
     t = _DryTarget(_DryRuntime(buft, max_tokens, n_sm), cpu_matmul == "q8")

@@ -43,17 +43,31 @@ __device__ __forceinline__ int spread4(unsigned int b) {
     return (int)(((b & 1u) << 4) | ((b & 2u) << 11) | ((b & 4u) << 18) | ((b & 8u) << 25));
 }
 
+// the 32 nibbles of 4 words: low nibbles are elements 0..15 (q[0..3]), high ones 16..31 (q[4..7]);
+// hi (optional, Q5_0 / Q5_1): the 32 fifth bits, bit l for element l
+__device__ __forceinline__ void split_nibbles(const unsigned int* qw, int* q, unsigned int hi = 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        q[i] = (int)(qw[i] & 0x0f0f0f0fu) | spread4(hi >> (4 * i));
+        q[4 + i] = (int)((qw[i] >> 4) & 0x0f0f0f0fu) | spread4(hi >> (16 + 4 * i));
+    }
+}
+
+// the (d, m) f16 pair of a Q4_1 / Q5_1 block, in one 32-bit load
+__device__ __forceinline__ void load_dm(const u8* b, float* d, float* m) {
+    unsigned int dm;
+    ld_words<1, 4>(b, &dm);
+    d[0] = d[1] = f16_to_f32((unsigned short)dm);
+    *m = f16_to_f32((unsigned short)(dm >> 16));
+}
+
 // Q4_0 (18 bytes): w = d * (q - 8) = d * q - 8 d
 struct VQ_Q4_0 {
     static __device__ __forceinline__ void unit(const u8* row, int u, int* q, float* d, float* m) {
         const u8* b = row + u * 18;
         unsigned int qw[4];
         ld_words<4, 2>(b + 2, qw);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            q[i] = (int)(qw[i] & 0x0f0f0f0fu);
-            q[4 + i] = (int)((qw[i] >> 4) & 0x0f0f0f0fu);
-        }
+        split_nibbles(qw, q);
         d[0] = d[1] = ld_f16(b);
         *m = -8.0f * d[0];
     }
@@ -65,15 +79,8 @@ struct VQ_Q4_1 {
         const u8* b = row + u * 20;
         unsigned int qw[4];
         ld_words<4, 4>(b + 4, qw);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            q[i] = (int)(qw[i] & 0x0f0f0f0fu);
-            q[4 + i] = (int)((qw[i] >> 4) & 0x0f0f0f0fu);
-        }
-        unsigned int dm;  // (d, m): one 32-bit load
-        ld_words<1, 4>(b, &dm);
-        d[0] = d[1] = f16_to_f32((unsigned short)dm);
-        *m = f16_to_f32((unsigned short)(dm >> 16));
+        split_nibbles(qw, q);
+        load_dm(b, d, m);
     }
 };
 
@@ -83,11 +90,7 @@ struct VQ_Q5_0 {
         const u8* b = row + u * 22;
         unsigned int qw[5];
         ld_words<5, 2>(b + 2, qw);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            q[i] = (int)(qw[1 + i] & 0x0f0f0f0fu) | spread4(qw[0] >> (4 * i));
-            q[4 + i] = (int)((qw[1 + i] >> 4) & 0x0f0f0f0fu) | spread4(qw[0] >> (16 + 4 * i));
-        }
+        split_nibbles(qw + 1, q, qw[0]);
         d[0] = d[1] = ld_f16(b);
         *m = -16.0f * d[0];
     }
@@ -99,15 +102,8 @@ struct VQ_Q5_1 {
         const u8* b = row + u * 24;
         unsigned int qw[5];
         ld_words<5, 4>(b + 4, qw);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            q[i] = (int)(qw[1 + i] & 0x0f0f0f0fu) | spread4(qw[0] >> (4 * i));
-            q[4 + i] = (int)((qw[1 + i] >> 4) & 0x0f0f0f0fu) | spread4(qw[0] >> (16 + 4 * i));
-        }
-        unsigned int dm;  // (d, m): one 32-bit load
-        ld_words<1, 4>(b, &dm);
-        d[0] = d[1] = f16_to_f32((unsigned short)dm);
-        *m = f16_to_f32((unsigned short)(dm >> 16));
+        split_nibbles(qw + 1, q, qw[0]);
+        load_dm(b, d, m);
     }
 };
 

@@ -117,22 +117,27 @@ struct VQ_Q8_0 {
     }
 };
 
+// sub-block j's scale d * sc and offset -(dmin * mn) of a Q4_K / Q5_K super-block at b (f16 d,
+// f16 dmin, then the 12 bytes of 6-bit scales and mins): one 32-bit load of (d, dmin)
+__device__ __forceinline__ void k4_scale_min(const u8* b, int j, float* d, float* m) {
+    int sc, mn;
+    scale_min_k4(b + 4, j, &sc, &mn);
+    load_dm(b, d, m);
+    d[0] = d[1] = d[0] * (float)sc;
+    *m = -(*m * (float)mn);
+}
+
 // Q4_K (144 bytes), sub-block j of 32: w = (d * sc) * q - dmin * mn
 struct VQ_Q4_K {
     static __device__ __forceinline__ void unit(const u8* row, int u, int* q, float* d, float* m) {
         const u8* b = row + (u >> 3) * 144;
         const int j = u & 7;
-        int sc, mn;
-        scale_min_k4(b + 4, j, &sc, &mn);
         unsigned int qw[8];
         ld_words<8, 16>(b + 16 + (j >> 1) * 32, qw);
         const int sh = 4 * (j & 1);
 #pragma unroll
         for (int i = 0; i < 8; ++i) q[i] = (int)((qw[i] >> sh) & 0x0f0f0f0fu);
-        unsigned int dm;  // (d, dmin): one 32-bit load (blocks 16-byte aligned)
-        ld_words<1, 4>(b, &dm);
-        d[0] = d[1] = f16_to_f32((unsigned short)dm) * (float)sc;
-        *m = -(f16_to_f32((unsigned short)(dm >> 16)) * (float)mn);
+        k4_scale_min(b, j, d, m);
     }
 };
 
@@ -141,18 +146,13 @@ struct VQ_Q5_K {
     static __device__ __forceinline__ void unit(const u8* row, int u, int* q, float* d, float* m) {
         const u8* b = row + (u >> 3) * 176;
         const int j = u & 7;
-        int sc, mn;
-        scale_min_k4(b + 4, j, &sc, &mn);
         unsigned int qw[8], hw[8];
         ld_words<8, 16>(b + 16, hw);
         ld_words<8, 16>(b + 48 + (j >> 1) * 32, qw);
         const int sh = 4 * (j & 1);
 #pragma unroll
         for (int i = 0; i < 8; ++i) q[i] = (int)(((qw[i] >> sh) & 0x0f0f0f0fu) | (((hw[i] >> j) & 0x01010101u) << 4));
-        unsigned int dm;  // (d, dmin): one 32-bit load (blocks 16-byte aligned)
-        ld_words<1, 4>(b, &dm);
-        d[0] = d[1] = f16_to_f32((unsigned short)dm) * (float)sc;
-        *m = -(f16_to_f32((unsigned short)(dm >> 16)) * (float)mn);
+        k4_scale_min(b, j, d, m);
     }
 };
 

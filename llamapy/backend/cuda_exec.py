@@ -247,10 +247,10 @@ def _rms_norm(rt: CUDARuntime, rec: np.ndarray) -> Launch:
     r, ops, st = _i(rec), rt.ops, rt.dev.stream
     rows, n = r[6], r[7]
     if r[10]:  # the ADD before it fused: x = a + b, written to r[10] (contiguous rows of n)
-        kw = dict(b=r[5], sb=r[12], sum_out=r[10], ss=n, w=r[3])
+        kw = dict(b=r[5], sb=r[12], sum_out=r[10], ss=n, w=r[3], xq=r[16])
         x, sx = r[4], r[11]
     else:
-        kw, x, sx = dict(w=r[3]), r[2], r[8]
+        kw, x, sx = dict(w=r[3], xq=r[16]), r[2], r[8]
         if r[13]:  # per-head norms of T tokens of a strided view (gpu_plan's _norm_per_token)
             kw.update(tokens=r[13], sxt=r[14], syt=r[15])
     eps = _f(r[9])

@@ -214,18 +214,22 @@ class CudaKernels:
 
     def rms_norm(self, stream: Any, x: int, sx: int, y: int, sy: int, rows: int, n: int, eps: float, *,
                  b: int = 0, sb: int = 0, sum_out: int = 0, ss: int = 0, w: int = 0, tokens: int = 1, sxt: int = 0,
-                 syt: int = 0) -> None:
+                 syt: int = 0, xq: int = 0) -> None:
         """y = rms_norm(x [+ b]) [* w] over rows of n (norm.cu). `b`: the fused ADD's second
         operand (sb 0: one broadcast row), its sum written to `sum_out` when given; `w`: the
         norm weight (n,). A block per row. `tokens` > 1: that many groups of `rows` rows, x's
-        and y's sxt / syt elements apart (per-head norms of a strided view; no ADD)."""
+        and y's sxt / syt elements apart (per-head norms of a strided view; no ADD). `xq`: y's
+        q8_1 copy written there too, as `quantize_q8_1` would write it (rows <= MMV_MAX_TOKENS)."""
         if rows <= 0 or n <= 0 or tokens <= 0:
             return
-        if tokens > 1 and (b or sum_out):
-            raise UnsupportedError("CUDA: RMS_NORM with its ADD over groups of rows")
+        if tokens > 1 and (b or sum_out or xq):
+            raise UnsupportedError("CUDA: RMS_NORM with its ADD or q8_1 copy over groups of rows")
+        if xq and (rows > MMV_MAX_TOKENS or n % 32 or xq % 16):
+            raise UnsupportedError(f"CUDA: q8_1 copy of {rows} norm rows of {n} (at {xq:#x})")
         threads = 1024 if n >= 4096 else 256
         args = (_p(x), np.int64(sx), _p(b), np.int64(sb), _p(sum_out), np.int64(ss), _p(w), _p(y), np.int64(sy),
-                np.int32(n), np.float32(eps), np.int64(sxt), np.int64(syt))  # fmt: skip
+                np.int32(n), np.float32(eps), np.int64(sxt), np.int64(syt), _p(xq),
+                _p(xq + rows * n if xq else 0))  # fmt: skip
         self._launch("rms_norm_f32", (rows, tokens), threads, args, stream)
 
     def glu(self, stream: Any, op: str, g: int, sg: int, u: int, su: int, y: int, sy: int, rows: int, n: int, *,

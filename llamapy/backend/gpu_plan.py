@@ -56,7 +56,9 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     takes int8 dot products with the weight's blocks (1 dst, 2 the copy, 3 the blocks; 6 tokens,
     7 n_in, 9 the GGML type, 10 the values written a token, 11 row bytes, 12 the GLU: 0 none,
     1 SwiGLU, 2 GEGLU; 18 MUL_MAT_W's bias). A later product of an input whose copy the scratch holds (Q, K and V
-    of a Q4_K_M file, attn_v in Q6_K) reads it without a QUANTIZE_Q8_1, whatever its size;
+    of a Q4_K_M file, attn_v in Q6_K) reads it without a QUANTIZE_Q8_1, whatever its size. The
+    QUANTIZE_Q8_1 of an RMS_NORM's result just after it joins that norm (`_fuse_norm_q8`: the
+    norm's slot 16, the copy written by the norm's kernel);
   * MUL_MAT_GEMM: a prompt's product (`product_path`: more tokens than the matrix-vector kernels
     take) on the tensor cores: the input rounded to f16 into a scratch, the weight's rows decoded to
     f16 into another, a tile of rows at a time, and one cuBLAS GEMM with float32 accumulation per
@@ -257,7 +259,7 @@ class GPUTarget(Target):
     fuse_bias = True
     head = HEAD
     width = WIDTH
-    addr_slots = ((COUNT, ATTN), (SCRATCH, ATTN), (10, ROPE_QKV), (14, MUL_MAT_GEMM), (15, MUL_MAT_GEMM),
+    addr_slots = ((COUNT, ATTN), (SCRATCH, ATTN), (10, ROPE_QKV), (14, MUL_MAT_GEMM), (15, MUL_MAT_GEMM), (16, RMS_NORM),
                   *((k, MUL_MAT_ID_GEMM) for k in range(24, 28)))  # (slot 5 is every record's)
 
     def __init__(self, rt: Runtime, q8: bool = True) -> None:
@@ -625,6 +627,7 @@ class GPUTarget(Target):
         recs[:] = _fuse_rope_qkv(recs, spans)  # (after the count slots: it changes the records' indices)
         recs[:] = _fuse_router(recs, spans)
         recs[:] = _fuse_router_topk(recs, spans)
+        recs[:] = _fuse_norm_q8(recs)
 
 
 @dataclass(eq=False)
@@ -821,6 +824,25 @@ def _fuse_windows(recs: list[list[int]], n: int,
         out.append(recs[i] if r is None else r)
         i += 1 if r is None else n
     return out
+
+
+def _fuse_norm_q8(recs: list[list[int]]) -> list[list[int]]:
+    """An RMS_NORM and the QUANTIZE_Q8_1 of its result just after it (the layer's norm before
+    the int8 Q/K/V and gate/up products, the output norm before the output matrix) as one record:
+    slot 16 the q8_1 copy, which norm.cu writes beside y from the same float32 values (the same
+    bits: one launch less, 2 a layer and 1 a token on an 8B). The norm's rows must be the copy's:
+    one group of rows (no per-head tokens), y's contiguous rows of n."""
+
+    def fuse(w: list[list[int]], _i: int) -> list[int] | None:
+        norm, q = w
+        if norm[0] != RMS_NORM or q[0] != QUANTIZE_Q8_1 or norm[13] or q[2] != norm[1] or q[6] != norm[6] \
+                or not q[7] == q[8] == norm[7]:
+            return None
+        r = list(norm)
+        r[16] = q[1]
+        return r
+
+    return _fuse_windows(recs, 2, fuse)
 
 
 def _fuse_rope_qkv(recs: list[list[int]], exports: list[tuple[int, int]]) -> list[list[int]]:

@@ -438,6 +438,15 @@ def test_int8_products_above_the_threshold(make_llama, monkeypatch: pytest.Monke
     prods = [(i, r) for i, r in enumerate(p.recs) if r[0] in (MUL_MAT_W, MUL_MAT_GLU, gpu_plan.MUL_MAT_Q8)]
     shared = 0
     b = p.built
+
+    def made(j: int) -> tuple[int, int] | None:
+        """(the q8_1 copy's address, the value copied) of a record that makes one: a QUANTIZE_Q8_1,
+        or an RMS_NORM the QUANTIZE_Q8_1 of its result joined (slot 16)"""
+        q = p.recs[j]
+        if q[0] == gpu_plan.QUANTIZE_Q8_1:
+            return int(q[1]), int(q[2])
+        return (int(q[16]), int(q[1])) if q[0] == RMS_NORM and q[16] else None
+
     for i, r in prods:
         rows = int(r[10]) * (2 if r[0] == MUL_MAT_GLU or (r[0] == gpu_plan.MUL_MAT_Q8 and r[12]) else 1)
         big = rows * int(r[7]) >= n_embd * n_embd
@@ -445,22 +454,24 @@ def test_int8_products_above_the_threshold(make_llama, monkeypatch: pytest.Monke
             assert not big, (i, rows)
             continue
         q = p.recs[i - 1]
-        if q[0] == gpu_plan.QUANTIZE_Q8_1:
-            assert big and int(q[1]) == int(r[2]) and (q[6], q[7]) == (r[6], r[7])
-            x = int(q[2])
-        else:  # the copy made for Q (the same input), no other QUANTIZE_Q8_1 since
-            last = max(j for j in range(i) if p.recs[j][0] == gpu_plan.QUANTIZE_Q8_1)
-            assert int(p.recs[last][2]) == x and not big
+        if made(i - 1):
+            assert big and made(i - 1)[0] == int(r[2]) and (q[6], q[7]) == (r[6], r[7])
+            x = made(i - 1)[1]
+        else:  # the copy made for Q (the same input), no other copy made since
+            last = max(j for j in range(i) if made(j))
+            assert made(last)[1] == x and not big
             shared += 1
         assert b.base + b.nbytes >= int(r[2]) + cuda_ops.q8_1_bytes(int(r[6]), int(r[7]))
         assert int(r[2]) >= max(int(o[1]) + 4 * int(o[6]) * int(o[10]) for _j, o in prods)  # after the values
     n_q8 = codes.count(gpu_plan.MUL_MAT_Q8)
     # per layer q (+ k and v on its copy when unfused), output projection, gate/up, down; the output
     assert n_q8 == 2 * (3 + (3 if v_type else 1)) + 1 and shared == (4 if v_type else 0)
-    assert codes.count(gpu_plan.QUANTIZE_Q8_1) == n_q8 - shared
+    # the copies of the layers' two norms' results and the output norm's are made by the norms
+    fused = [i for i, r in enumerate(p.recs) if r[0] == RMS_NORM and r[16]]
+    assert len(fused) == 2 * 2 + 1 and codes.count(gpu_plan.QUANTIZE_Q8_1) == n_q8 - shared - len(fused)
     moved = {(int(i), int(j)) for i, j in zip(*b.moves)}
     k = codes.index(gpu_plan.QUANTIZE_Q8_1)
-    assert {(k, 1), (k, 2), (k + 1, 1), (k + 1, 2)} <= moved
+    assert {(k, 1), (k, 2), (k + 1, 1), (k + 1, 2)} <= moved and all((i, 16) in moved for i in fused)
     assert "QUANTIZE(q8_1):" in p.summary() and "MUL_MAT(q8_1):" in p.summary()
     model.free()
 
@@ -651,7 +662,8 @@ class NumpyOps:
 
     def rms_norm(self, stream: Any, x: int, sx: int, y: int, sy: int, rows: int, n: int, eps: float, *,
                  b: int = 0, sb: int = 0, sum_out: int = 0, ss: int = 0, w: int = 0, tokens: int = 1, sxt: int = 0,
-                 syt: int = 0) -> None:
+                 syt: int = 0, xq: int = 0) -> None:
+        assert not xq, "NumpyOps has no q8_1 copy (the emulator's tests run it)"
         if tokens > 1:
             assert not b and not sum_out
             for t in range(tokens):

@@ -805,6 +805,30 @@ def test_quantize_q8_1(env: Env) -> None:
     assert not q[2, 64:96].any() and ds[2, 2, 0] == 0
 
 
+@pytest.mark.parametrize("n", [576, 4096])
+@pytest.mark.parametrize("add", [False, True])
+def test_rms_norm_writes_the_q8_1_copy(env: Env, n: int, add: bool) -> None:
+    """rms_norm with `xq` (gpu_plan's _fuse_norm_q8): y as without it, and at xq the bytes that
+    quantize_q8_1 writes from that y — the launch it replaces (256 and 1024 threads a row)."""
+    from llamapy.backend.cuda_ops import q8_1_bytes
+
+    rows, stride = 3, n + 64
+    xa, ba, wa = randn(rows, stride) * 3, randn(rows, n), randn(n)
+    xa[1, 32:64] = -ba[1, 32:64] if add else 0.0  # a block of zeros: q = 0, d = 0
+    xd, bd, wd = env.d(xa), env.d(ba), env.d(wa)
+    y0, y1, s = (env.full((rows, n), np.nan, np.float32) for _ in range(3))
+    fused, alone = (env.full((q8_1_bytes(rows, n),), 0xCD, np.uint8) for _ in range(2))
+    kw = dict(b=env.p(bd), sb=n, sum_out=env.p(s), ss=n) if add else {}
+    env.run(lambda st: env.k.rms_norm(st, env.p(xd), stride, env.p(y0), n, rows, n, 1e-5, w=env.p(wd), **kw))
+    env.run(lambda st: env.k.quantize_q8_1(st, env.p(y0), n, env.p(alone), rows, n))
+    env.run(lambda st: env.k.rms_norm(st, env.p(xd), stride, env.p(y1), n, rows, n, 1e-5, w=env.p(wd),
+                                      xq=env.p(fused), **kw))  # fmt: skip
+    assert np.array_equal(env.get(y1).view(np.uint32), env.get(y0).view(np.uint32))
+    got, want = env.get(fused), env.get(alone)
+    assert np.array_equal(got, want) and (want[:rows * n] != 0xCD).any()
+    assert not got[n + 32:n + 64].any()  # the zero block's quants
+
+
 def _mmvq(env: Env, name: str, raw: np.ndarray, x: np.ndarray, n_rows: int, glu: str = "", b: int = 0) -> np.ndarray:
     """x quantized on the device, then the int8 product (with its GLU: n_rows is n_ff; or its bias
     at device address b)."""

@@ -214,6 +214,23 @@ __device__ __forceinline__ T warp_max(T v) {
     return v;
 }
 
+// Value g of a q8_1 copy (mmvq.cu's layout: the quants q[g], the block g / 32's float32 pair
+// (d, d * sum(q)) at ds[2 * (g / 32)]) from x, one lane a value: the 32 lanes of the converged warp
+// hold one block, g a multiple of 32 in lane 0. ggml-cuda's rule: d = amax / 127,
+// q = roundf(x / d) (halves away from zero; amax 0: q = 0). mmvq.cu's quantize_q8_1 and norm.cu's
+// rms_norm_f32 (the copy of its result) both store through this.
+__device__ __forceinline__ void q8_1_store(float x, long long g, signed char* q, float* ds) {
+    const float amax = warp_max(fabsf(x));
+    const float d = __fdiv_rn(amax, 127.0f);
+    const int qi = amax == 0.0f ? 0 : (int)roundf(__fdiv_rn(x, d));
+    const int sum = warp_sum(qi);
+    q[g] = (signed char)qi;
+    if ((threadIdx.x & 31) == 0) {
+        ds[2 * (g >> 5)] = d;
+        ds[2 * (g >> 5) + 1] = __fmul_rn(d, (float)sum);
+    }
+}
+
 // The max of v over the block (every thread gets it): called by every thread, blockDim.x a
 // multiple of 32, once per kernel (one shared array).
 __device__ __forceinline__ float block_max(float v) {

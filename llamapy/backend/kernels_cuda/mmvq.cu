@@ -2,8 +2,9 @@
 // mmvq.cu's mul_mat_vec_q with the vec_dot_*_q8_1 of vecdotq.cuh): the default ("q8") mode's
 // matrix-vector products of the large matrices (gpu_plan.MMVQ_MIN_WEIGHTS).
 //
-// quantize_q8_1: each token's float32 row, in blocks of 32, to int8 with a scale, once per product:
-//   d = amax / 127, q = roundf(x / d) (halves away from zero; amax 0: q = 0), ggml-cuda's rule.
+// quantize_q8_1: each token's float32 row, in blocks of 32, to int8 with a scale, once per product
+//   (common.cuh's q8_1_store: d = amax / 127, q = roundf(x / d), ggml-cuda's rule; norm.cu's
+//   rms_norm_f32 writes the copy of its result through it too, gpu_plan's `_fuse_norm_q8`).
 //   Layout (llamapy's, not ggml's interleaved block_q8_1): the quants of every block first, 32 bytes
 //   each (token t's block u at byte (t * n_units + u) * 32: two 128-bit loads a block), then a
 //   float32 pair (d, d * sum(q)) per block. ggml-cuda stores half2 (d, sum of the float x); the
@@ -254,16 +255,7 @@ extern "C" __global__ void __launch_bounds__(256)
     const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= (long long)n_tok * n_in) return;  // uniform per warp
     const long long t = g / n_in;
-    const float xi = x[t * sx + (g - t * n_in)];
-    const float amax = warp_max(fabsf(xi));
-    const float d = __fdiv_rn(amax, 127.0f);
-    const int qi = amax == 0.0f ? 0 : (int)roundf(__fdiv_rn(xi, d));
-    const int sum = warp_sum(qi);
-    q[g] = (signed char)qi;
-    if ((threadIdx.x & 31) == 0) {
-        ds[2 * (g >> 5)] = d;
-        ds[2 * (g >> 5) + 1] = __fmul_rn(d, (float)sum);
-    }
+    q8_1_store(x[t * sx + (g - t * n_in)], g, q, ds);
 }
 
 // unit u of a row times token t's block u of the copy

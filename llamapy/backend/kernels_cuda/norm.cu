@@ -18,11 +18,16 @@
 //   sum: nullable; where v = x + b is written (the residual stream the layer keeps), r * ss
 //   w:   nullable; the norm weight, n float32 (one row broadcast)
 //   y:   the result, row r of token t at y + t * syt + r * sy (b and sum: one token, gridDim.y 1)
+//   q8:  nullable; the q8_1 copy of y for the int8 products after it (mmvq.cu's layout: quants at
+//        q8 + r * n, pairs at q8ds; gridDim.y 1, n a multiple of 32, so each warp's 32 values of
+//        a pass are one block): the QUANTIZE_Q8_1 launch fused in (gpu_plan's `_fuse_norm_q8`),
+//        the same bits, as it quantizes the float32 y it would read back
 // No pointer is __restrict__: y may be x (in place), sum may be x (an in-place ADD); a thread
 // reads and writes only its own columns, and after the sum is written it reads it from there.
 extern "C" __global__ void __launch_bounds__(1024)
     rms_norm_f32(const float* x, long long sx, const float* b, long long sb, float* sum, long long ss,
-                 const float* w, float* y, long long sy, int n, float eps, long long sxt, long long syt) {
+                 const float* w, float* y, long long sy, int n, float eps, long long sxt, long long syt,
+                 signed char* q8, float* q8ds) {
     __shared__ double red[32];
     const long long row = blockIdx.x;
     const float* xr = x + blockIdx.y * sxt + row * sx;
@@ -51,5 +56,6 @@ extern "C" __global__ void __launch_bounds__(1024)
         v = __fmul_rn(v, scale);
         if (w) v = __fmul_rn(v, w[i]);
         yr[i] = v;
+        if (q8) q8_1_store(v, row * n + i, q8, q8ds);  // (uniform: every warp's pass is a block)
     }
 }

@@ -1860,7 +1860,7 @@ KQ_INLINE void kq_q6_K_block4(const kq_q6p *p, const block_q8_K *const yc[4], in
  * the panel from more than G groups (measured on the 1B shape's layer: Q4_K from 9 columns even or
  * better, 8 columns 9.3 -> 10.0 ms with it; Q5_K 9 / 16 columns 8.2 -> 10.1, 13.3 -> 12.4; Q6_K
  * 9 / 16 / 20 / 32 columns 7.8 -> 9.0, 11.8 -> 12.3, 14.4 -> 14.6, 22.0 -> 20.4) */
-#define KQ_AVX2_GEMM(type, PT, CT, OUT, G)                                                                        \
+#define KQ_AVX2_GEMM(type, linkage, fname, PT, CT, OUT, G)                                                       \
     KQ_INLINE void kq_rows_##type(int nb, float *s, int64_t ld_s, const PT *xp, const block_##type *x,             \
                                   const block_q8_K *const yc[4], const CT *cp, const int nc) {                       \
         __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();                                                  \
@@ -1876,8 +1876,8 @@ KQ_INLINE void kq_q6_K_block4(const kq_q6p *p, const block_q8_K *const yc[4], in
         _mm_storeu_ps(out, OUT);                                                                                 \
         for (int c = 0; c < nc; ++c) s[c * ld_s] = out[c];                                                       \
     }                                                                                                            \
-    KQ_API void lp_gemm_##type##_q8_K(int n, float *restrict s, int64_t ld_s, const void *restrict w,             \
-                                      int64_t row_bytes, int nr, const void *restrict x, int64_t x_bytes, int nc) { \
+    linkage void fname(int n, float *restrict s, int64_t ld_s, const void *restrict w, int64_t row_bytes, int nr,  \
+                       const void *restrict x, int64_t x_bytes, int nc) {                                        \
         const int nb = n / QK_K;                                                                                 \
         if (nb <= 0 || nr <= 0 || nc <= 0) return;                                                               \
         PT *pn = nc > (G) * KQ_COLS256 ? aligned_alloc(32, (size_t)nr * nb * sizeof(PT)) : NULL;                 \
@@ -1904,10 +1904,178 @@ KQ_INLINE void kq_q6_K_block4(const kq_q6p *p, const block_q8_K *const yc[4], in
         }                                                                                                        \
         free(pn);                                                                                                \
     }
-KQ_AVX2_GEMM(q4_K, kq_q4p, kq_q4c, _mm_sub_ps(acc, accm), 2)
-KQ_AVX2_GEMM(q5_K, kq_q5p, kq_q4c, acc, 3)
-KQ_AVX2_GEMM(q6_K, kq_q6p, kq_q6c, acc, 6)
+KQ_AVX2_GEMM(q4_K, static, kq_gemm_q4_K_rows, kq_q4p, kq_q4c, _mm_sub_ps(acc, accm), 2)
+KQ_AVX2_GEMM(q5_K, KQ_API, lp_gemm_q5_K_q8_K, kq_q5p, kq_q4c, acc, 3)
+KQ_AVX2_GEMM(q6_K, KQ_API, lp_gemm_q6_K_q8_K, kq_q6p, kq_q6c, acc, 6)
 #undef KQ_AVX2_GEMM
+
+/* Q4_K prompts on AVX2, 4 rows x 4 columns a step (lp_gemm_q4_K_q8_K from KQ_Q4X4_MIN_COLS
+ * columns). The kernels above take one row against 4 columns: per block and column 8 maddubs and
+ * 8 madd (each 32-element sub-block's pair sums times its scale), 16 multiplies for 256
+ * products. A core with one vector-multiply pipe (Zen 2: vpmaddubsw and vpmaddwd share it) is
+ * bound by that count: the 1B shape's pp512 ran at ~0.9 multiplies a cycle (0.93x llama.cpp).
+ * Here 4 rows are interleaved (ggml's repacked q4_K_8x8 does so with 8): a vector holds 8 quants
+ * of each of 4 rows (row r in bytes 8r .. 8r+7), multiplied by 8 activations broadcast to the 4
+ * rows, so the 4 maddubs of one sub-block's 32 elements add in int16 (|sum| <= 4 x 2 x 15 x 128
+ * < 2^15) before one madd by the scales (row r's in lanes 4r .. 4r+3): per block, 4 rows and 4
+ * columns 128 maddubs + 32 madd + 8 madd for the mins, 24 products a multiply instead of 16. The
+ * integers are the vec_dot's (exact in any order) and each output's float32 chain is
+ * kq_q4k_chain's, in 8 lanes (layout L of a column pair (c, c'): rows [0 1 0 1 | 2 3 2 3] x
+ * columns [c c c' c' | c c c' c']): the same bits. */
+#define KQ_Q4X4_MIN_COLS 32
+typedef struct {
+    __m256i w[8][4]; /* sub-block s, elements 8k .. 8k+7 of rows 0-3 (bytes 8r ..) */
+    __m256i sc[8];   /* sub-block s's scale of row r in int16 lanes 4r .. 4r+3 */
+    __m256i mn[4];   /* pair p: the int16 pair (mn[2p], mn[2p+1]) of layout L's row in each int32 lane */
+    __m256 d, dmin;  /* layout L's rows */
+} kq_q4p4;
+typedef struct {
+    __m256i bs[2][4]; /* column pair h, pair p: (bs32[2p], bs32[2p+1]) of layout L's column a lane */
+    __m256 yd[2];     /* column pair h: layout L's columns' d */
+} kq_q4c4;
+
+static const int kq_rows_l[8] = {0, 1, 0, 1, 2, 3, 2, 3}; /* layout L: the row of each lane */
+
+/* rows x[0..3]'s block (each row's block i) into p */
+static void kq_q4p4_fill(const block_q4_K *const x[4], kq_q4p4 *p) {
+    uint8_t q[4][8][32]; /* row r, sub-block s: its 32 quants */
+    int16_t sc[8][16], mn[4][16];
+    float d[4], dmin[4];
+    for (int r = 0; r < 4; ++r) {
+        uint8_t sm[16]; /* the 8 scales, then the 8 mins */
+        _mm_storeu_si128((__m128i *)sm, kq_scale_min_k4_vec(x[r]));
+        for (int j = 0; j < 4; ++j)
+            for (int l = 0; l < 32; ++l) {
+                q[r][2 * j][l] = x[r]->qs[32 * j + l] & 0xF;
+                q[r][2 * j + 1][l] = x[r]->qs[32 * j + l] >> 4;
+            }
+        for (int k = 0; k < 8; ++k)
+            for (int l = 0; l < 4; ++l) sc[k][4 * r + l] = sm[k];
+        d[r] = kq_h2f(x[r]->d);
+        dmin[r] = kq_h2f(x[r]->dmin);
+        for (int i = 0; i < 8; ++i)
+            if (kq_rows_l[i] == r)
+                for (int pp = 0; pp < 4; ++pp) {
+                    mn[pp][2 * i] = sm[8 + 2 * pp];
+                    mn[pp][2 * i + 1] = sm[8 + 2 * pp + 1];
+                }
+    }
+    for (int sb = 0; sb < 8; ++sb) {
+        for (int k = 0; k < 4; ++k) {
+            uint8_t v[32];
+            for (int r = 0; r < 4; ++r) memcpy(v + 8 * r, q[r][sb] + 8 * k, 8);
+            _mm256_store_si256(&p->w[sb][k], _mm256_loadu_si256((const __m256i *)v));
+        }
+        _mm256_store_si256(&p->sc[sb], _mm256_loadu_si256((const __m256i *)sc[sb]));
+    }
+    for (int pp = 0; pp < 4; ++pp) _mm256_store_si256(&p->mn[pp], _mm256_loadu_si256((const __m256i *)mn[pp]));
+    float dl[8], dml[8];
+    for (int i = 0; i < 8; ++i) dl[i] = d[kq_rows_l[i]], dml[i] = dmin[kq_rows_l[i]];
+    _mm256_store_ps((float *)&p->d, _mm256_loadu_ps(dl));
+    _mm256_store_ps((float *)&p->dmin, _mm256_loadu_ps(dml));
+}
+
+/* columns yc[0..3]'s block i into c */
+KQ_INLINE void kq_q4c4_fill(int i, const block_q8_K *const yc[4], kq_q4c4 *c) {
+    for (int h = 0; h < 2; ++h) {
+        const block_q8_K *a = yc[2 * h] + i, *b = yc[2 * h + 1] + i;
+        const __m256i ab = _mm256_setr_m128i(kq_bs32(a->bsums), kq_bs32(b->bsums)); /* int32 lane p: pair p's */
+        for (int pp = 0; pp < 4; ++pp)
+            _mm256_store_si256(&c->bs[h][pp], _mm256_permutevar8x32_epi32(ab, _mm256_setr_epi32(pp, pp, 4 + pp, 4 + pp, pp, pp,
+                                                                                                  4 + pp, 4 + pp)));
+        _mm256_store_ps((float *)&c->yd[h], _mm256_setr_ps(a->d, a->d, b->d, b->d, a->d, a->d, b->d, b->d));
+    }
+}
+
+/* one block (entry p) of 4 rows x the 4 columns' block (quants q8[c], prepared ci) into the
+ * chains of the column pairs (acc[h], accm[h], layout L) */
+KQ_INLINE void kq_q4_K_block4x4(const kq_q4p4 *p, const int8_t *const q8[4], const kq_q4c4 *ci, __m256 acc[2],
+                                __m256 accm[2]) {
+    /* sub-block by sub-block, each weight vector loaded once for the 4 columns: v[c][p] the
+     * pair sums [r0 r0 r1 r1 | r2 r2 r3 r3] (two lanes a row) */
+    __m256i v[4][4];
+    for (int pp = 0; pp < 4; ++pp) {
+        __m256i t[4];
+        for (int o = 0; o < 2; ++o) {
+            const int sb = 2 * pp + o;
+            __m256i a[4];
+            for (int k = 0; k < 4; ++k) {
+                const __m256i wk = _mm256_load_si256(&p->w[sb][k]);
+                for (int c = 0; c < 4; ++c) {
+                    const __m256i m = _mm256_maddubs_epi16(wk, _mm256_set1_epi64x(*(const int64_t *)(q8[c] + 32 * sb + 8 * k)));
+                    a[c] = k ? _mm256_add_epi16(a[c], m) : m;
+                }
+            }
+            const __m256i scv = _mm256_load_si256(&p->sc[sb]);
+            for (int c = 0; c < 4; ++c) {
+                const __m256i m = _mm256_madd_epi16(a[c], scv);
+                t[c] = o ? _mm256_add_epi32(t[c], m) : m;
+            }
+        }
+        for (int c = 0; c < 4; ++c) v[c][pp] = t[c];
+    }
+    __m256i hs[4][2]; /* column c, pairs 2q, 2q+1: [p: r0 r1, p+1: r0 r1 | p: r2 r3, p+1: r2 r3] */
+    for (int c = 0; c < 4; ++c)
+        for (int q = 0; q < 2; ++q) hs[c][q] = _mm256_hadd_epi32(v[c][2 * q], v[c][2 * q + 1]);
+    for (int h = 0; h < 2; ++h) {
+        const __m256 yd = _mm256_load_ps((const float *)&ci->yd[h]);
+        const __m256 dd = _mm256_mul_ps(_mm256_load_ps((const float *)&p->d), yd);
+        const __m256 dm = _mm256_mul_ps(_mm256_load_ps((const float *)&p->dmin), yd);
+        __m256 a = acc[h], b = accm[h];
+        for (int pp = 0; pp < 4; ++pp) {
+            const __m256i x0 = hs[2 * h][pp >> 1], x1 = hs[2 * h + 1][pp >> 1];
+            const __m256i S = (pp & 1) ? _mm256_unpackhi_epi64(x0, x1) : _mm256_unpacklo_epi64(x0, x1);
+            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), dd, a);
+            const __m256i M = _mm256_madd_epi16(_mm256_load_si256(&p->mn[pp]), _mm256_load_si256(&ci->bs[h][pp]));
+            b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), dm, b);
+        }
+        acc[h] = a, accm[h] = b;
+    }
+}
+
+KQ_API void lp_gemm_q4_K_q8_K(int n, float *restrict s, int64_t ld_s, const void *restrict w, int64_t row_bytes, int nr,
+                              const void *restrict x, int64_t x_bytes, int nc) {
+    const int nb = n / QK_K, nr4 = nc >= KQ_Q4X4_MIN_COLS ? nr & ~3 : 0;
+    kq_q4p4 *pn = nb > 0 && nr4 > 0 ? aligned_alloc(32, (size_t)(nr4 / 4) * nb * sizeof(kq_q4p4)) : NULL;
+    if (pn == NULL) {
+        kq_gemm_q4_K_rows(n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
+        return;
+    }
+    for (int g = 0; g < nr4 / 4; ++g)
+        for (int i = 0; i < nb; ++i) {
+            const block_q4_K *xr[4];
+            for (int r = 0; r < 4; ++r) xr[r] = (const block_q4_K *)((const uint8_t *)w + (4 * g + r) * row_bytes) + i;
+            kq_q4p4_fill(xr, pn + (int64_t)g * nb + i);
+        }
+    kq_q4c4 *cp = aligned_alloc(32, (size_t)nb * sizeof(kq_q4c4));
+    for (int c0 = 0; cp != NULL && c0 < nc; c0 += 4) {
+        const int m = nc - c0 < 4 ? nc - c0 : 4;
+        const block_q8_K *yc[4];
+        for (int c = 0; c < 4; ++c) yc[c] = KQ_COL((const uint8_t *)x, x_bytes, c0 + (c < m ? c : m - 1), 0);
+        for (int i = 0; i < nb; ++i) kq_q4c4_fill(i, yc, cp + i);
+        for (int g = 0; g < nr4 / 4; ++g) {
+            __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int i = 0; i < nb; ++i) {
+                const int8_t *q8[4] = {yc[0][i].qs, yc[1][i].qs, yc[2][i].qs, yc[3][i].qs};
+                kq_q4_K_block4x4(pn + (int64_t)g * nb + i, q8, cp + i, acc, accm);
+            }
+            for (int h = 0; h < 2; ++h) {
+                float out[8];
+                _mm256_storeu_ps(out, _mm256_sub_ps(acc[h], accm[h]));
+                for (int l = 0; l < 8; ++l) {
+                    const int c = 2 * h + ((l >> 1) & 1);
+                    if (c < m) s[(int64_t)(c0 + c) * ld_s + 4 * g + kq_rows_l[l]] = out[l];
+                }
+            }
+        }
+    }
+    if (cp == NULL)
+        kq_gemm_q4_K_rows(n, s, ld_s, w, row_bytes, nr4, x, x_bytes, nc);
+    free(cp);
+    free(pn);
+    if (nr4 < nr)
+        kq_gemm_q4_K_rows(n, s + nr4, ld_s, (const uint8_t *)w + nr4 * row_bytes, row_bytes, nr - nr4, x, x_bytes, nc);
+}
 #endif
 
 #define KQ_GV_MAX_NB 128 /* the prepared activation row (AVX-512 Q4_K: 276 bytes a block) stays on the stack */

@@ -1906,10 +1906,10 @@ KQ_INLINE void kq_q6_K_block4(const kq_q6p *p, const block_q8_K *const yc[4], in
     }
 KQ_AVX2_GEMM(q4_K, static, kq_gemm_q4_K_rows, kq_q4p, kq_q4c, _mm_sub_ps(acc, accm), 2)
 KQ_AVX2_GEMM(q5_K, KQ_API, lp_gemm_q5_K_q8_K, kq_q5p, kq_q4c, acc, 3)
-KQ_AVX2_GEMM(q6_K, KQ_API, lp_gemm_q6_K_q8_K, kq_q6p, kq_q6c, acc, 6)
+KQ_AVX2_GEMM(q6_K, static, kq_gemm_q6_K_rows, kq_q6p, kq_q6c, acc, 6)
 #undef KQ_AVX2_GEMM
 
-/* Q4_K prompts on AVX2, 4 rows x 4 columns a step (lp_gemm_q4_K_q8_K from KQ_Q4X4_MIN_COLS
+/* Q4_K prompts on AVX2, 4 rows x 4 columns a step (lp_gemm_q4_K_q8_K from KQ_X4_MIN_COLS
  * columns). The kernels above take one row against 4 columns: per block and column 8 maddubs and
  * 8 madd (each 32-element sub-block's pair sums times its scale), 16 multiplies for 256
  * products. A core with one vector-multiply pipe (Zen 2: vpmaddubsw and vpmaddwd share it) is
@@ -1922,7 +1922,6 @@ KQ_AVX2_GEMM(q6_K, KQ_API, lp_gemm_q6_K_q8_K, kq_q6p, kq_q6c, acc, 6)
  * integers are the vec_dot's (exact in any order) and each output's float32 chain is
  * kq_q4k_chain's, in 8 lanes (layout L of a column pair (c, c'): rows [0 1 0 1 | 2 3 2 3] x
  * columns [c c c' c' | c c c' c']): the same bits. */
-#define KQ_Q4X4_MIN_COLS 32
 typedef struct {
     __m256i w[8][4]; /* sub-block s, elements 8k .. 8k+7 of rows 0-3 (bytes 8r ..) */
     __m256i sc[8];   /* sub-block s's scale of row r in int16 lanes 4r .. 4r+3 */
@@ -2033,49 +2032,139 @@ KQ_INLINE void kq_q4_K_block4x4(const kq_q4p4 *p, const int8_t *const q8[4], con
     }
 }
 
-KQ_API void lp_gemm_q4_K_q8_K(int n, float *restrict s, int64_t ld_s, const void *restrict w, int64_t row_bytes, int nr,
-                              const void *restrict x, int64_t x_bytes, int nc) {
-    const int nb = n / QK_K, nr4 = nc >= KQ_Q4X4_MIN_COLS ? nr & ~3 : 0;
-    kq_q4p4 *pn = nb > 0 && nr4 > 0 ? aligned_alloc(32, (size_t)(nr4 / 4) * nb * sizeof(kq_q4p4)) : NULL;
-    if (pn == NULL) {
-        kq_gemm_q4_K_rows(n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
-        return;
+/* Q6_K the same way: a 16-element sub-block is 2 vectors of 8 quants a row (0..63 as unsigned
+ * bytes), their 2 maddubs summed in int16 (|sum| <= 2 x 2 x 63 x 127 < 2^15) before one madd by its
+ * scales; the +32 offset's share (32 x sum of scale x bsum16) one madd a pair of sub-blocks for
+ * the column pair's 8 lanes; each output's block total through kq_tiled_step: 208 multiplies a
+ * block of 4 rows x 4 columns instead of 272. */
+typedef struct {
+    __m256i w[8][4]; /* elements 32g + 8k .. + 7 of rows 0-3 (bytes 8r ..), as q + 32 */
+    __m256i sc[16];  /* sub-block j's scale of row r in int16 lanes 4r .. 4r+3 */
+    __m256i sp[8];   /* sub-blocks 2t, 2t+1: the int16 pair of scales of layout L's row in each int32 lane */
+    __m256 d;        /* layout L's rows */
+} kq_q6p4;
+typedef struct {
+    __m256i bs[2][8]; /* column pair h, sub-blocks 2t, 2t+1: the bsums pair of layout L's column a lane */
+    __m256 yd[2];
+} kq_q6c4;
+
+static void kq_q6p4_fill(const block_q6_K *const x[4], kq_q6p4 *p) {
+    int16_t sc[16][16], sp[8][16];
+    float dl[8];
+    uint8_t v[4][8][32]; /* row r, chunk g: elements 32g .. 32g+31 as q + 32 */
+    for (int r = 0; r < 4; ++r) {
+        kq_q6p e;
+        kq_q6p_fill(x[r], &e);
+        for (int g = 0; g < 8; ++g) _mm256_storeu_si256((__m256i *)v[r][g], e.w[g]);
+        for (int j = 0; j < 16; ++j)
+            for (int l = 0; l < 4; ++l) sc[j][4 * r + l] = x[r]->scales[j];
     }
-    for (int g = 0; g < nr4 / 4; ++g)
-        for (int i = 0; i < nb; ++i) {
-            const block_q4_K *xr[4];
-            for (int r = 0; r < 4; ++r) xr[r] = (const block_q4_K *)((const uint8_t *)w + (4 * g + r) * row_bytes) + i;
-            kq_q4p4_fill(xr, pn + (int64_t)g * nb + i);
-        }
-    kq_q4c4 *cp = aligned_alloc(32, (size_t)nb * sizeof(kq_q4c4));
-    for (int c0 = 0; cp != NULL && c0 < nc; c0 += 4) {
-        const int m = nc - c0 < 4 ? nc - c0 : 4;
-        const block_q8_K *yc[4];
-        for (int c = 0; c < 4; ++c) yc[c] = KQ_COL((const uint8_t *)x, x_bytes, c0 + (c < m ? c : m - 1), 0);
-        for (int i = 0; i < nb; ++i) kq_q4c4_fill(i, yc, cp + i);
-        for (int g = 0; g < nr4 / 4; ++g) {
-            __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-            for (int i = 0; i < nb; ++i) {
-                const int8_t *q8[4] = {yc[0][i].qs, yc[1][i].qs, yc[2][i].qs, yc[3][i].qs};
-                kq_q4_K_block4x4(pn + (int64_t)g * nb + i, q8, cp + i, acc, accm);
-            }
-            for (int h = 0; h < 2; ++h) {
-                float out[8];
-                _mm256_storeu_ps(out, _mm256_sub_ps(acc[h], accm[h]));
-                for (int l = 0; l < 8; ++l) {
-                    const int c = 2 * h + ((l >> 1) & 1);
-                    if (c < m) s[(int64_t)(c0 + c) * ld_s + 4 * g + kq_rows_l[l]] = out[l];
-                }
-            }
-        }
+    for (int i = 0; i < 8; ++i) {
+        const int r = kq_rows_l[i];
+        for (int t = 0; t < 8; ++t) sp[t][2 * i] = x[r]->scales[2 * t], sp[t][2 * i + 1] = x[r]->scales[2 * t + 1];
+        dl[i] = kq_h2f(x[r]->d);
     }
-    if (cp == NULL)
-        kq_gemm_q4_K_rows(n, s, ld_s, w, row_bytes, nr4, x, x_bytes, nc);
-    free(cp);
-    free(pn);
-    if (nr4 < nr)
-        kq_gemm_q4_K_rows(n, s + nr4, ld_s, (const uint8_t *)w + nr4 * row_bytes, row_bytes, nr - nr4, x, x_bytes, nc);
+    for (int g = 0; g < 8; ++g)
+        for (int k = 0; k < 4; ++k) {
+            uint8_t b[32];
+            for (int r = 0; r < 4; ++r) memcpy(b + 8 * r, v[r][g] + 8 * k, 8);
+            _mm256_store_si256(&p->w[g][k], _mm256_loadu_si256((const __m256i *)b));
+        }
+    for (int j = 0; j < 16; ++j) _mm256_store_si256(&p->sc[j], _mm256_loadu_si256((const __m256i *)sc[j]));
+    for (int t = 0; t < 8; ++t) _mm256_store_si256(&p->sp[t], _mm256_loadu_si256((const __m256i *)sp[t]));
+    _mm256_store_ps((float *)&p->d, _mm256_loadu_ps(dl));
 }
+
+KQ_INLINE void kq_q6c4_fill(int i, const block_q8_K *const yc[4], kq_q6c4 *c) {
+    for (int h = 0; h < 2; ++h) {
+        const block_q8_K *a = yc[2 * h] + i, *b = yc[2 * h + 1] + i;
+        int32_t pa[8], pb[8];
+        memcpy(pa, a->bsums, sizeof pa);
+        memcpy(pb, b->bsums, sizeof pb);
+        for (int t = 0; t < 8; ++t)
+            _mm256_store_si256(&c->bs[h][t], _mm256_blend_epi32(_mm256_set1_epi32(pa[t]), _mm256_set1_epi32(pb[t]), 0xCC));
+        _mm256_store_ps((float *)&c->yd[h], _mm256_setr_ps(a->d, a->d, b->d, b->d, a->d, a->d, b->d, b->d));
+    }
+}
+
+KQ_INLINE void kq_q6_K_block4x4(const kq_q6p4 *p, const int8_t *const q8[4], const kq_q6c4 *ci, __m256 acc[2],
+                                __m256 accm[2]) {
+    (void)accm;
+    __m256i t[4]; /* column c: the scaled sums [r0 r0 r1 r1 | r2 r2 r3 r3] */
+    for (int j = 0; j < 16; ++j) {
+        const int g = j >> 1, k0 = 2 * (j & 1);
+        const __m256i w0 = _mm256_load_si256(&p->w[g][k0]), w1 = _mm256_load_si256(&p->w[g][k0 + 1]);
+        const __m256i scv = _mm256_load_si256(&p->sc[j]);
+        for (int c = 0; c < 4; ++c) {
+            const int8_t *y = q8[c] + 16 * j;
+            const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi64x(*(const int64_t *)y)),
+                                               _mm256_maddubs_epi16(w1, _mm256_set1_epi64x(*(const int64_t *)(y + 8))));
+            const __m256i m = _mm256_madd_epi16(a, scv);
+            t[c] = j ? _mm256_add_epi32(t[c], m) : m;
+        }
+    }
+    for (int h = 0; h < 2; ++h) {
+        __m256i off = _mm256_madd_epi16(_mm256_load_si256(&p->sp[0]), _mm256_load_si256(&ci->bs[h][0]));
+        for (int u = 1; u < 8; ++u)
+            off = _mm256_add_epi32(off, _mm256_madd_epi16(_mm256_load_si256(&p->sp[u]), _mm256_load_si256(&ci->bs[h][u])));
+        const __m256i S = _mm256_sub_epi32(_mm256_hadd_epi32(t[2 * h], t[2 * h + 1]), _mm256_slli_epi32(off, 5));
+        acc[h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(S), _mm256_load_ps((const float *)&p->d)),
+                                 _mm256_load_ps((const float *)&ci->yd[h]), acc[h]);
+    }
+}
+
+/* lp_gemm_<type>_q8_K of the 4 x 4 kernels: from KQ_X4_MIN_COLS columns, rows in groups of 4
+ * decoded once a call into a panel (PT), the columns 4 at a time (a missing one repeats the last,
+ * computed and not stored), what each needs prepared once (CT); fewer columns, the rows past a
+ * multiple of 4, or no memory for the panel: the row-at-a-time gemm ROWS */
+#define KQ_X4_MIN_COLS 32
+#define KQ_AVX2_GEMM4X4(type, PT, CT, ROWS, OUT)                                                                  \
+    KQ_API void lp_gemm_##type##_q8_K(int n, float *restrict s, int64_t ld_s, const void *restrict w,             \
+                                      int64_t row_bytes, int nr, const void *restrict x, int64_t x_bytes, int nc) { \
+        const int nb = n / QK_K, nr4 = nc >= KQ_X4_MIN_COLS ? nr & ~3 : 0;                                       \
+        PT *pn = nb > 0 && nr4 > 0 ? aligned_alloc(32, (size_t)(nr4 / 4) * nb * sizeof(PT)) : NULL;              \
+        CT *cp = pn != NULL ? aligned_alloc(32, (size_t)nb * sizeof(CT)) : NULL;                                   \
+        if (cp == NULL) {                                                                                        \
+            free(pn);                                                                                            \
+            ROWS(n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);                                                  \
+            return;                                                                                              \
+        }                                                                                                        \
+        for (int g = 0; g < nr4 / 4; ++g)                                                                        \
+            for (int i = 0; i < nb; ++i) {                                                                       \
+                const block_##type *xr[4];                                                                       \
+                for (int r = 0; r < 4; ++r) xr[r] = (const block_##type *)((const uint8_t *)w + (4 * g + r) * row_bytes) + i; \
+                PT##_fill(xr, pn + (int64_t)g * nb + i);                                                         \
+            }                                                                                                    \
+        for (int c0 = 0; c0 < nc; c0 += 4) {                                                                     \
+            const int m = nc - c0 < 4 ? nc - c0 : 4;                                                             \
+            const block_q8_K *yc[4];                                                                             \
+            for (int c = 0; c < 4; ++c) yc[c] = KQ_COL((const uint8_t *)x, x_bytes, c0 + (c < m ? c : m - 1), 0);  \
+            for (int i = 0; i < nb; ++i) CT##_fill(i, yc, cp + i);                                               \
+            for (int g = 0; g < nr4 / 4; ++g) {                                                                  \
+                __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                                      \
+                __m256 accm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                                     \
+                for (int i = 0; i < nb; ++i) {                                                                   \
+                    const int8_t *q8[4] = {yc[0][i].qs, yc[1][i].qs, yc[2][i].qs, yc[3][i].qs};                  \
+                    kq_##type##_block4x4(pn + (int64_t)g * nb + i, q8, cp + i, acc, accm);                       \
+                }                                                                                                \
+                for (int h = 0; h < 2; ++h) {                                                                    \
+                    float out[8];                                                                                \
+                    _mm256_storeu_ps(out, OUT);                                                                  \
+                    for (int l = 0; l < 8; ++l) {                                                                \
+                        const int c = 2 * h + ((l >> 1) & 1);                                                    \
+                        if (c < m) s[(int64_t)(c0 + c) * ld_s + 4 * g + kq_rows_l[l]] = out[l];                  \
+                    }                                                                                            \
+                }                                                                                                \
+            }                                                                                                    \
+        }                                                                                                        \
+        free(cp);                                                                                                \
+        free(pn);                                                                                                \
+        if (nr4 < nr)                                                                                            \
+            ROWS(n, s + nr4, ld_s, (const uint8_t *)w + nr4 * row_bytes, row_bytes, nr - nr4, x, x_bytes, nc);   \
+    }
+KQ_AVX2_GEMM4X4(q4_K, kq_q4p4, kq_q4c4, kq_gemm_q4_K_rows, _mm256_sub_ps(acc[h], accm[h]))
+KQ_AVX2_GEMM4X4(q6_K, kq_q6p4, kq_q6c4, kq_gemm_q6_K_rows, acc[h])
+#undef KQ_AVX2_GEMM4X4
 #endif
 
 #define KQ_GV_MAX_NB 128 /* the prepared activation row (AVX-512 Q4_K: 276 bytes a block) stays on the stack */

@@ -1678,8 +1678,9 @@ KQ_GEMM_PANEL(q4_K, kq_st8, KQ_FINISH_MINS)
 KQ_GEMM_PANEL(q5_K, kq_st8, KQ_FINISH)
 KQ_GEMM_PANEL(q6_K, kq_st8, KQ_FINISH)
 #else
-/* AVX2 prompts and decode batches of Q4_K, Q5_K and Q6_K (lp_gemm_*, any nc). The columns go in
- * groups of 4; per group, what every row needs of them is prepared once (kq_q4c for Q4_K and Q5_K:
+/* AVX2 prompts and decode batches of Q4_K, Q5_K and Q6_K (lp_gemm_*, any nc; Q4_K's and Q6_K's
+ * from KQ_X4_MIN_COLS columns on take the 4 rows x 4 columns kernels further below, these for the
+ * rest). The columns go in groups of 4; per group, what every row needs of them is prepared once (kq_q4c for Q4_K and Q5_K:
  * their d and bsums summed per 32, two columns a vector; kq_q6c: their d). Each row's blocks are
  * decoded into entries (kq_q4p, kq_q5p, kq_q6p: the quants as bytes, each scale broadcast for
  * madd): once a call into a panel on the heap when there are enough groups (KQ_AVX2_GEMM's G),
@@ -1855,7 +1856,8 @@ KQ_INLINE void kq_q6_K_block4(const kq_q6p *p, const block_q8_K *const yc[4], in
     *acc = _mm_fmadd_ps(_mm_mul_ps(S, _mm_set1_ps(p->d)), _mm_loadu_ps(ci->yd), *acc);
 }
 
-/* lp_gemm_<type>_q8_K for the AVX2 build: kq_rows_<type> runs a row (its panel entries xp, or its
+/* lp_gemm_<type>_q8_K for the AVX2 build (Q4_K's, Q6_K's: kq_gemm_<type>_rows, the 4 x 4
+ * kernels' fallback): kq_rows_<type> runs a row (its panel entries xp, or its
  * blocks x decoded as used) over one group's nb blocks; the entry point prepares the groups, and
  * the panel from more than G groups (measured on the 1B shape's layer: Q4_K from 9 columns even or
  * better, 8 columns 9.3 -> 10.0 ms with it; Q5_K 9 / 16 columns 8.2 -> 10.1, 13.3 -> 12.4; Q6_K
@@ -1905,7 +1907,7 @@ KQ_INLINE void kq_q6_K_block4(const kq_q6p *p, const block_q8_K *const yc[4], in
         free(pn);                                                                                                \
     }
 KQ_AVX2_GEMM(q4_K, static, kq_gemm_q4_K_rows, kq_q4p, kq_q4c, _mm_sub_ps(acc, accm), 2)
-KQ_AVX2_GEMM(q5_K, KQ_API, lp_gemm_q5_K_q8_K, kq_q5p, kq_q4c, acc, 3)
+KQ_AVX2_GEMM(q5_K, static, kq_gemm_q5_K_rows, kq_q5p, kq_q4c, acc, 3)
 KQ_AVX2_GEMM(q6_K, static, kq_gemm_q6_K_rows, kq_q6p, kq_q6c, acc, 6)
 #undef KQ_AVX2_GEMM
 
@@ -1935,44 +1937,45 @@ typedef struct {
 
 static const int kq_rows_l[8] = {0, 1, 0, 1, 2, 3, 2, 3}; /* layout L: the row of each lane */
 
-/* rows x[0..3]'s block (each row's block i) into p */
-static void kq_q4p4_fill(const block_q4_K *const x[4], kq_q4p4 *p) {
-    uint8_t q[4][8][32]; /* row r, sub-block s: its 32 quants */
+/* 4 rows' entries (kq_q4p / kq_q5p: each row's quants as bytes, scales, mins, d) interleaved into p */
+static void kq_q45p4_interleave(const kq_q4p e[4], kq_q4p4 *p) {
     int16_t sc[8][16], mn[4][16];
-    float d[4], dmin[4];
-    for (int r = 0; r < 4; ++r) {
-        uint8_t sm[16]; /* the 8 scales, then the 8 mins */
-        _mm_storeu_si128((__m128i *)sm, kq_scale_min_k4_vec(x[r]));
-        for (int j = 0; j < 4; ++j)
-            for (int l = 0; l < 32; ++l) {
-                q[r][2 * j][l] = x[r]->qs[32 * j + l] & 0xF;
-                q[r][2 * j + 1][l] = x[r]->qs[32 * j + l] >> 4;
-            }
+    float dl[8], dml[8];
+    for (int r = 0; r < 4; ++r)
         for (int k = 0; k < 8; ++k)
-            for (int l = 0; l < 4; ++l) sc[k][4 * r + l] = sm[k];
-        d[r] = kq_h2f(x[r]->d);
-        dmin[r] = kq_h2f(x[r]->dmin);
-        for (int i = 0; i < 8; ++i)
-            if (kq_rows_l[i] == r)
-                for (int pp = 0; pp < 4; ++pp) {
-                    mn[pp][2 * i] = sm[8 + 2 * pp];
-                    mn[pp][2 * i + 1] = sm[8 + 2 * pp + 1];
-                }
+            for (int l = 0; l < 4; ++l) sc[k][4 * r + l] = (int16_t)_mm256_extract_epi16(e[r].sc[k], 0);
+    for (int i = 0; i < 8; ++i) {
+        int16_t m8[16];
+        _mm256_storeu_si256((__m256i *)m8, e[kq_rows_l[i]].mins);
+        for (int pp = 0; pp < 4; ++pp) mn[pp][2 * i] = m8[2 * pp], mn[pp][2 * i + 1] = m8[2 * pp + 1];
+        dl[i] = e[kq_rows_l[i]].d, dml[i] = e[kq_rows_l[i]].dmin;
     }
     for (int sb = 0; sb < 8; ++sb) {
+        uint8_t q[4][32]; /* row r's 32 quants of sub-block sb */
+        for (int r = 0; r < 4; ++r) _mm256_storeu_si256((__m256i *)q[r], (sb & 1) ? e[r].hi[sb >> 1] : e[r].lo[sb >> 1]);
         for (int k = 0; k < 4; ++k) {
             uint8_t v[32];
-            for (int r = 0; r < 4; ++r) memcpy(v + 8 * r, q[r][sb] + 8 * k, 8);
+            for (int r = 0; r < 4; ++r) memcpy(v + 8 * r, q[r] + 8 * k, 8);
             _mm256_store_si256(&p->w[sb][k], _mm256_loadu_si256((const __m256i *)v));
         }
         _mm256_store_si256(&p->sc[sb], _mm256_loadu_si256((const __m256i *)sc[sb]));
     }
     for (int pp = 0; pp < 4; ++pp) _mm256_store_si256(&p->mn[pp], _mm256_loadu_si256((const __m256i *)mn[pp]));
-    float dl[8], dml[8];
-    for (int i = 0; i < 8; ++i) dl[i] = d[kq_rows_l[i]], dml[i] = dmin[kq_rows_l[i]];
     _mm256_store_ps((float *)&p->d, _mm256_loadu_ps(dl));
     _mm256_store_ps((float *)&p->dmin, _mm256_loadu_ps(dml));
 }
+#define KQ_Q45P4_FILL(type)                                                                                      \
+    static void kq_##type##p4_fill(const block_##type##_K *const x[4], kq_q4p4 *p) {                              \
+        kq_q4p e[4];                                                                                             \
+        for (int r = 0; r < 4; ++r) kq_##type##p_fill(x[r], e + r);                                               \
+        kq_q45p4_interleave(e, p);                                                                               \
+    }
+KQ_Q45P4_FILL(q4)
+KQ_Q45P4_FILL(q5)
+#undef KQ_Q45P4_FILL
+typedef kq_q4p4 kq_q5p4;
+typedef kq_q4c4 kq_q5c4;
+#define kq_q5c4_fill kq_q4c4_fill
 
 /* columns yc[0..3]'s block i into c */
 KQ_INLINE void kq_q4c4_fill(int i, const block_q8_K *const yc[4], kq_q4c4 *c) {
@@ -1988,11 +1991,10 @@ KQ_INLINE void kq_q4c4_fill(int i, const block_q8_K *const yc[4], kq_q4c4 *c) {
 
 /* one block (entry p) of 4 rows x the 4 columns' block (quants q8[c], prepared ci) into the
  * chains of the column pairs (acc[h], accm[h], layout L) */
-KQ_INLINE void kq_q4_K_block4x4(const kq_q4p4 *p, const int8_t *const q8[4], const kq_q4c4 *ci, __m256 acc[2],
-                                __m256 accm[2]) {
-    /* sub-block by sub-block, each weight vector loaded once for the 4 columns: v[c][p] the
-     * pair sums [r0 r0 r1 r1 | r2 r2 r3 r3] (two lanes a row) */
-    __m256i v[4][4];
+/* the integers of one Q4_K / Q5_K block (entry p) of 4 rows x the 4 columns' block (quants q8[c]):
+ * v[c][p] pair p's sums [r0 r0 r1 r1 | r2 r2 r3 r3] (two lanes a row), sub-block by sub-block,
+ * each weight vector loaded once for the 4 columns */
+KQ_INLINE void kq_q45_pairs4x4(const kq_q4p4 *p, const int8_t *const q8[4], __m256i v[4][4]) {
     for (int pp = 0; pp < 4; ++pp) {
         __m256i t[4];
         for (int o = 0; o < 2; ++o) {
@@ -2013,6 +2015,14 @@ KQ_INLINE void kq_q4_K_block4x4(const kq_q4p4 *p, const int8_t *const q8[4], con
         }
         for (int c = 0; c < 4; ++c) v[c][pp] = t[c];
     }
+}
+
+/* Q4_K: one block of 4 rows x 4 columns into the chains of the column pairs (acc[h], accm[h],
+ * layout L), kq_q4k_chain's steps */
+KQ_INLINE void kq_q4_K_block4x4(const kq_q4p4 *p, const int8_t *const q8[4], const kq_q4c4 *ci, __m256 acc[2],
+                                __m256 accm[2]) {
+    __m256i v[4][4];
+    kq_q45_pairs4x4(p, q8, v);
     __m256i hs[4][2]; /* column c, pairs 2q, 2q+1: [p: r0 r1, p+1: r0 r1 | p: r2 r3, p+1: r2 r3] */
     for (int c = 0; c < 4; ++c)
         for (int q = 0; q < 2; ++q) hs[c][q] = _mm256_hadd_epi32(v[c][2 * q], v[c][2 * q + 1]);
@@ -2029,6 +2039,25 @@ KQ_INLINE void kq_q4_K_block4x4(const kq_q4p4 *p, const int8_t *const q8[4], con
             b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), dm, b);
         }
         acc[h] = a, accm[h] = b;
+    }
+}
+
+/* Q5_K (5-bit quants: |sum of 4 maddubs| <= 4 x 2 x 31 x 128 < 2^15): the pairs' sums added to
+ * the block total S, the mins' to M, each output through kq_tiled_step_min */
+KQ_INLINE void kq_q5_K_block4x4(const kq_q4p4 *p, const int8_t *const q8[4], const kq_q4c4 *ci, __m256 acc[2],
+                                __m256 accm[2]) {
+    (void)accm;
+    __m256i v[4][4], tot[4];
+    kq_q45_pairs4x4(p, q8, v);
+    for (int c = 0; c < 4; ++c) tot[c] = _mm256_add_epi32(_mm256_add_epi32(v[c][0], v[c][1]), _mm256_add_epi32(v[c][2], v[c][3]));
+    for (int h = 0; h < 2; ++h) {
+        const __m256i S = _mm256_hadd_epi32(tot[2 * h], tot[2 * h + 1]); /* layout L */
+        __m256i M = _mm256_madd_epi16(_mm256_load_si256(&p->mn[0]), _mm256_load_si256(&ci->bs[h][0]));
+        for (int pp = 1; pp < 4; ++pp)
+            M = _mm256_add_epi32(M, _mm256_madd_epi16(_mm256_load_si256(&p->mn[pp]), _mm256_load_si256(&ci->bs[h][pp])));
+        const __m256 r = _mm256_fnmadd_ps(_mm256_load_ps((const float *)&p->dmin), _mm256_cvtepi32_ps(M),
+                                          _mm256_mul_ps(_mm256_cvtepi32_ps(S), _mm256_load_ps((const float *)&p->d)));
+        acc[h] = _mm256_fmadd_ps(r, _mm256_load_ps((const float *)&ci->yd[h]), acc[h]);
     }
 }
 
@@ -2163,6 +2192,7 @@ KQ_INLINE void kq_q6_K_block4x4(const kq_q6p4 *p, const int8_t *const q8[4], con
             ROWS(n, s + nr4, ld_s, (const uint8_t *)w + nr4 * row_bytes, row_bytes, nr - nr4, x, x_bytes, nc);   \
     }
 KQ_AVX2_GEMM4X4(q4_K, kq_q4p4, kq_q4c4, kq_gemm_q4_K_rows, _mm256_sub_ps(acc[h], accm[h]))
+KQ_AVX2_GEMM4X4(q5_K, kq_q5p4, kq_q5c4, kq_gemm_q5_K_rows, acc[h])
 KQ_AVX2_GEMM4X4(q6_K, kq_q6p4, kq_q6c4, kq_gemm_q6_K_rows, acc[h])
 #undef KQ_AVX2_GEMM4X4
 #endif

@@ -389,27 +389,21 @@ __device__ __forceinline__ void get_rows_impl(const u8* __restrict__ w, long lon
 // matrix-vector: W (n_out rows of row_bytes) times x (n_tok, n_in) float32, row-major and
 // 16-byte aligned, n_in a multiple of 32 -> y (n_tok, n_out). blockDim.x = 32 * rows per block.
 // ---------------------------------------------------------------------------------------------
-// One row of W (`wr`, n_units units) times n_tok <= MMV_MAX_TOK rows of x (token t's at
-// xrow(t), 16-byte aligned): lane l takes units l, l + 32, ..., each decoded once and dotted with
-// every token's 32 activations, then the lanes' partial sums are added with a butterfly. Token
-// t's sum is returned to lane t (0 to the lanes past n_tok): the epilogues then take a token a
-// lane, one call site of their division's slow path where lane 0 had MMV_MAX_TOK in an unrolled
-// loop (with every token's sums live across them: mmv_glu spilled). Every product kernel sums a
-// row here, so their bits agree. The accumulators are indexed by constants only (the token loops
-// are unrolled), so they stay in registers.
-template <typename DQ, typename XRow>
-__device__ __forceinline__ float mmv_row(const u8* __restrict__ wr, int n_units, int n_tok, XRow xrow) {
+// One row's sums for n_tok <= MMV_MAX_TOK tokens: lane l takes units l, l + 32, ..., and
+// `unit(u, acc)` adds unit u's products into acc[t] for every token t < n_tok (each unit decoded
+// once for all of them); then the lanes' partial sums are added with a butterfly. Token t's sum is
+// returned to lane t (0 to the lanes past n_tok): the epilogues then take a token a lane, one call
+// site of their division's slow path where lane 0 had MMV_MAX_TOK in an unrolled loop (with every
+// token's sums live across them: mmv_glu spilled). Every product kernel (mmv, mmv_glu, mmv_id; the
+// int8 ones of mmvq.cu) sums a row here. The accumulators are indexed by constants only (the token
+// loops are unrolled), so they stay in registers.
+template <typename Unit>
+__device__ __forceinline__ float row_sums(int n_units, int n_tok, Unit unit) {
     const int lane = threadIdx.x & 31;
     float acc[MMV_MAX_TOK];
 #pragma unroll
     for (int t = 0; t < MMV_MAX_TOK; ++t) acc[t] = 0.0f;
-    float v[32];
-    for (int u = lane; u < n_units; u += 32) {
-        DQ::unit(wr, u, v);
-#pragma unroll
-        for (int t = 0; t < MMV_MAX_TOK; ++t)
-            if (t < n_tok) acc[t] += dot_unit(v, xrow(t) + u * 32);
-    }
+    for (int u = lane; u < n_units; u += 32) unit(u, acc);
     float s_t = 0.0f;
 #pragma unroll
     for (int t = 0; t < MMV_MAX_TOK; ++t) {
@@ -421,38 +415,65 @@ __device__ __forceinline__ float mmv_row(const u8* __restrict__ wr, int n_units,
     return s_t;
 }
 
-// mmv: b (optional), a float32 bias of n_out, is added to each row's sum before the store (the
-// ADD after the product as its epilogue: the bits of mmv, then add_f32).
-template <typename DQ>
-__device__ __forceinline__ void mmv_impl(const u8* __restrict__ w, const float* __restrict__ x,
-                                         float* __restrict__ y, int n_out, int n_in,
-                                         long long row_bytes, int n_tok, const float* __restrict__ b) {
+// One row of W (`wr`, n_units units) times the float32 rows of x (token t's at xrow(t), 16-byte
+// aligned): each unit decoded to 32 floats (DQ::unit) and dotted with every token's 32
+// activations (dot_unit's order), so mmv, mmv_glu and mmv_id agree bit for bit.
+template <typename DQ, typename XRow>
+__device__ __forceinline__ float mmv_row(const u8* __restrict__ wr, int n_units, int n_tok, XRow xrow) {
+    return row_sums(n_units, n_tok, [&](int u, float (&acc)[MMV_MAX_TOK]) {
+        float v[32];
+        DQ::unit(wr, u, v);
+#pragma unroll
+        for (int t = 0; t < MMV_MAX_TOK; ++t)
+            if (t < n_tok) acc[t] += dot_unit(v, xrow(t) + u * 32);
+    });
+}
+
+// The epilogues of the matrix-vector kernels over `rowsum(r)` (row r's sums, token t's in lane t;
+// a warp a row, blockDim.x = 32 x rows a block). mmv_store: y[t, r] = the sum, plus b[r] when
+// b is given (a float32 bias of n_out: the ADD after the product as its epilogue, the bits of the
+// product then add_f32). mmv_glu_store: W stacks the gate rows (0 .. n_ff-1) over the up rows
+// (n_ff .. 2 n_ff-1), as the fused ffn_gate_up matrix does; a warp takes gate row r and up row
+// n_ff + r and writes y[t, r] = act(gate) * up (op 0: SiLU, 1: GELU-tanh as glu.cu), the bits of
+// the product then glu. The gate's sums are reduced to a lane each before the up row is read: its
+// accumulators are not live across the second row.
+template <typename RowSum>
+__device__ __forceinline__ void mmv_store(float* __restrict__ y, int n_out, int n_tok, const float* __restrict__ b,
+                                          RowSum rowsum) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= n_out) return;  // uniform per warp: the shuffles see a full warp
-    float s = mmv_row<DQ>(w + (long long)row * row_bytes, n_in >> 5, n_tok,
-                          [&](int t) { return x + (long long)t * n_in; });
+    float s = rowsum(row);
     if (b) s = __fadd_rn(s, b[row]);
     if (lane < n_tok) y[(long long)lane * n_out + row] = s;
 }
 
-// The gate/up product with its GLU as epilogue: W stacks the gate rows (0 .. n_ff-1) over the up
-// rows (n_ff .. 2 n_ff-1), as the fused ffn_gate_up matrix does; a warp takes gate row r and up
-// row n_ff + r, each summed exactly as mmv_impl sums a row, and writes
-// y[t, r] = act(gate) * up (op 0: SiLU, 1: GELU-tanh as glu.cu), the bits of mmv then glu.
+template <typename RowSum>
+__device__ __forceinline__ void mmv_glu_store(float* __restrict__ y, int n_ff, int n_tok, int op, RowSum rowsum) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= n_ff) return;  // uniform per warp
+    const float g = rowsum(row);
+    const float up = rowsum(row + n_ff);
+    if (lane < n_tok) y[(long long)lane * n_ff + row] = op == 0 ? silu_mul(g, up) : __fmul_rn(gelu_f16(g), up);
+}
+
+template <typename DQ>
+__device__ __forceinline__ void mmv_impl(const u8* __restrict__ w, const float* __restrict__ x,
+                                         float* __restrict__ y, int n_out, int n_in,
+                                         long long row_bytes, int n_tok, const float* __restrict__ b) {
+    mmv_store(y, n_out, n_tok, b, [&](int r) {
+        return mmv_row<DQ>(w + (long long)r * row_bytes, n_in >> 5, n_tok, [&](int t) { return x + (long long)t * n_in; });
+    });
+}
+
 template <typename DQ>
 __device__ __forceinline__ void mmv_glu_impl(const u8* __restrict__ w, const float* __restrict__ x,
                                              float* __restrict__ y, int n_ff, int n_in, long long row_bytes,
                                              int n_tok, int op) {
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= n_ff) return;  // uniform per warp
-    const auto xrow = [&](int t) { return x + (long long)t * n_in; };
-    // the gate's sums are reduced to a lane each before the up row is read: its accumulators are
-    // not live across the second loop
-    const float g = mmv_row<DQ>(w + (long long)row * row_bytes, n_in >> 5, n_tok, xrow);
-    const float up = mmv_row<DQ>(w + (long long)(row + n_ff) * row_bytes, n_in >> 5, n_tok, xrow);
-    if (lane < n_tok) y[(long long)lane * n_ff + row] = op == 0 ? silu_mul(g, up) : __fmul_rn(gelu_f16(g), up);
+    mmv_glu_store(y, n_ff, n_tok, op, [&](int r) {
+        return mmv_row<DQ>(w + (long long)r * row_bytes, n_in >> 5, n_tok, [&](int t) { return x + (long long)t * n_in; });
+    });
 }
 
 // MUL_MAT_ID (ggml-cuda's mmvq with ids, moe.cu's router feeds it): the experts of a stacked

@@ -270,72 +270,19 @@ __device__ __forceinline__ float dot_unit_q8(const int* q, const float* d, float
     return s.x * (d[0] * (float)s0 + d[1] * (float)s1) + m * s.y;
 }
 
-// W (n_out rows of row_bytes) times the q8_1 copy of n_tok rows of n_in -> y (n_tok, n_out); b
-// (optional): a float32 bias of n_out added to each sum before the store, as mmv_impl adds it
+// One row of W times the q8_1 copies of the tokens' rows (common.cuh's row_sums: lane l takes
+// units l, l + 32, ...)
 template <typename VQ>
-__device__ __forceinline__ void mmvq_impl(const u8* __restrict__ w, const int* __restrict__ xq,
-                                          const float* __restrict__ xds, float* __restrict__ y, int n_out, int n_in,
-                                          long long row_bytes, int n_tok, const float* __restrict__ b) {
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= n_out) return;  // uniform per warp
-    const u8* wr = w + (long long)row * row_bytes;
-    const int n_units = n_in >> 5;
-    float acc[MMV_MAX_TOK];
-#pragma unroll
-    for (int t = 0; t < MMV_MAX_TOK; ++t) acc[t] = 0.0f;
-    int q[8];
-    float d[2], m;
-    for (int u = lane; u < n_units; u += 32) {
+__device__ __forceinline__ float mmvq_row(const u8* __restrict__ wr, int n_units, int n_tok, const int* __restrict__ xq,
+                                          const float* __restrict__ xds) {
+    return row_sums(n_units, n_tok, [&](int u, float (&acc)[MMV_MAX_TOK]) {
+        int q[8];
+        float d[2], m;
         VQ::unit(wr, u, q, d, &m);
 #pragma unroll
         for (int t = 0; t < MMV_MAX_TOK; ++t)
             if (t < n_tok) acc[t] += dot_unit_q8(q, d, m, xq, xds, (long long)t * n_units + u);
-    }
-#pragma unroll
-    for (int t = 0; t < MMV_MAX_TOK; ++t) {
-        if (t < n_tok) {
-            const float s = warp_sum(acc[t]);
-            if (lane == 0) y[(long long)t * n_out + row] = b ? __fadd_rn(s, b[row]) : s;
-        }
-    }
-}
-
-// gate rows 0 .. n_ff-1 over up rows n_ff .. 2 n_ff-1, each summed as mmvq_impl sums a row;
-// y[t, r] = act(gate) * up (op 0 SiLU, 1 GELU-tanh), as mmv_glu_impl
-template <typename VQ>
-__device__ __forceinline__ void mmvq_glu_impl(const u8* __restrict__ w, const int* __restrict__ xq,
-                                              const float* __restrict__ xds, float* __restrict__ y, int n_ff,
-                                              int n_in, long long row_bytes, int n_tok, int op) {
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= n_ff) return;  // uniform per warp
-    const int n_units = n_in >> 5;
-    float acc[2][MMV_MAX_TOK];
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int t = 0; t < MMV_MAX_TOK; ++t) acc[h][t] = 0.0f;
-    int q[8];
-    float d[2], m;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const u8* wr = w + (long long)(row + h * n_ff) * row_bytes;
-        for (int u = lane; u < n_units; u += 32) {
-            VQ::unit(wr, u, q, d, &m);
-#pragma unroll
-            for (int t = 0; t < MMV_MAX_TOK; ++t)
-                if (t < n_tok) acc[h][t] += dot_unit_q8(q, d, m, xq, xds, (long long)t * n_units + u);
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < MMV_MAX_TOK; ++t) {
-        if (t < n_tok) {
-            const float g = warp_sum(acc[0][t]);
-            const float up = warp_sum(acc[1][t]);
-            if (lane == 0) y[(long long)t * n_ff + row] = op == 0 ? silu_mul(g, up) : __fmul_rn(gelu_f16(g), up);
-        }
-    }
+    });
 }
 
 #define LP_MMVQ_KERNELS(name, VQ)                                                                   \
@@ -343,12 +290,14 @@ __device__ __forceinline__ void mmvq_glu_impl(const u8* __restrict__ w, const in
         mmvq_##name(const u8* __restrict__ w, const int* __restrict__ xq, const float* __restrict__ xds, \
                     float* __restrict__ y, int n_out, int n_in, long long row_bytes, int n_tok,     \
                     const float* __restrict__ b) {                                                  \
-        mmvq_impl<VQ>(w, xq, xds, y, n_out, n_in, row_bytes, n_tok, b);                            \
+        mmv_store(y, n_out, n_tok, b,                                                               \
+                  [&](int r) { return mmvq_row<VQ>(w + (long long)r * row_bytes, n_in >> 5, n_tok, xq, xds); }); \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(256, 4)                                            \
         mmvq_glu_##name(const u8* __restrict__ w, const int* __restrict__ xq, const float* __restrict__ xds, \
                         float* __restrict__ y, int n_ff, int n_in, long long row_bytes, int n_tok, int op) { \
-        mmvq_glu_impl<VQ>(w, xq, xds, y, n_ff, n_in, row_bytes, n_tok, op);                         \
+        mmv_glu_store(y, n_ff, n_tok, op,                                                           \
+                      [&](int r) { return mmvq_row<VQ>(w + (long long)r * row_bytes, n_in >> 5, n_tok, xq, xds); }); \
     }
 
 LP_MMVQ_KERNELS(q4_0, VQ_Q4_0)

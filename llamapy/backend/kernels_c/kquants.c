@@ -1678,9 +1678,9 @@ KQ_GEMM_PANEL(q4_K, kq_st8, KQ_FINISH_MINS)
 KQ_GEMM_PANEL(q5_K, kq_st8, KQ_FINISH)
 KQ_GEMM_PANEL(q6_K, kq_st8, KQ_FINISH)
 #else
-/* AVX2 prompts and decode batches of Q4_K, Q5_K and Q6_K (lp_gemm_*, any nc; Q4_K's and Q6_K's
- * from KQ_X4_MIN_COLS columns on take the 4 rows x 4 columns kernels further below, these for the
- * rest). The columns go in groups of 4; per group, what every row needs of them is prepared once (kq_q4c for Q4_K and Q5_K:
+/* AVX2 prompts and decode batches of Q4_K, Q5_K and Q6_K (lp_gemm_*, any nc; from KQ_X4_MIN_COLS
+ * columns on the 4 rows x 4 columns kernels further below, these for fewer). The columns go in
+ * groups of 4; per group, what every row needs of them is prepared once (kq_q4c for Q4_K and Q5_K:
  * their d and bsums summed per 32, two columns a vector; kq_q6c: their d). Each row's blocks are
  * decoded into entries (kq_q4p, kq_q5p, kq_q6p: the quants as bytes, each scale broadcast for
  * madd): once a call into a panel on the heap when there are enough groups (KQ_AVX2_GEMM's G),
@@ -1856,7 +1856,7 @@ KQ_INLINE void kq_q6_K_block4(const kq_q6p *p, const block_q8_K *const yc[4], in
     *acc = _mm_fmadd_ps(_mm_mul_ps(S, _mm_set1_ps(p->d)), _mm_loadu_ps(ci->yd), *acc);
 }
 
-/* lp_gemm_<type>_q8_K for the AVX2 build (Q4_K's, Q6_K's: kq_gemm_<type>_rows, the 4 x 4
+/* kq_gemm_<type>_rows, the AVX2 lp_gemm_<type>_q8_K below KQ_X4_MIN_COLS columns (the 4 x 4
  * kernels' fallback): kq_rows_<type> runs a row (its panel entries xp, or its
  * blocks x decoded as used) over one group's nb blocks; the entry point prepares the groups, and
  * the panel from more than G groups (measured on the 1B shape's layer: Q4_K from 9 columns even or
@@ -1989,8 +1989,13 @@ KQ_INLINE void kq_q4c4_fill(int i, const block_q8_K *const yc[4], kq_q4c4 *c) {
     }
 }
 
-/* one block (entry p) of 4 rows x the 4 columns' block (quants q8[c], prepared ci) into the
- * chains of the column pairs (acc[h], accm[h], layout L) */
+/* 8 activations from memory, for a broadcast */
+KQ_INLINE int64_t kq_ld64(const int8_t *q) {
+    int64_t v;
+    memcpy(&v, q, sizeof v);
+    return v;
+}
+
 /* the integers of one Q4_K / Q5_K block (entry p) of 4 rows x the 4 columns' block (quants q8[c]):
  * v[c][p] pair p's sums [r0 r0 r1 r1 | r2 r2 r3 r3] (two lanes a row), sub-block by sub-block,
  * each weight vector loaded once for the 4 columns */
@@ -2003,7 +2008,7 @@ KQ_INLINE void kq_q45_pairs4x4(const kq_q4p4 *p, const int8_t *const q8[4], __m2
             for (int k = 0; k < 4; ++k) {
                 const __m256i wk = _mm256_load_si256(&p->w[sb][k]);
                 for (int c = 0; c < 4; ++c) {
-                    const __m256i m = _mm256_maddubs_epi16(wk, _mm256_set1_epi64x(*(const int64_t *)(q8[c] + 32 * sb + 8 * k)));
+                    const __m256i m = _mm256_maddubs_epi16(wk, _mm256_set1_epi64x(kq_ld64(q8[c] + 32 * sb + 8 * k)));
                     a[c] = k ? _mm256_add_epi16(a[c], m) : m;
                 }
             }
@@ -2126,8 +2131,8 @@ KQ_INLINE void kq_q6_K_block4x4(const kq_q6p4 *p, const int8_t *const q8[4], con
         const __m256i scv = _mm256_load_si256(&p->sc[j]);
         for (int c = 0; c < 4; ++c) {
             const int8_t *y = q8[c] + 16 * j;
-            const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi64x(*(const int64_t *)y)),
-                                               _mm256_maddubs_epi16(w1, _mm256_set1_epi64x(*(const int64_t *)(y + 8))));
+            const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi64x(kq_ld64(y))),
+                                               _mm256_maddubs_epi16(w1, _mm256_set1_epi64x(kq_ld64(y + 8))));
             const __m256i m = _mm256_madd_epi16(a, scv);
             t[c] = j ? _mm256_add_epi32(t[c], m) : m;
         }

@@ -2151,7 +2151,10 @@ KQ_INLINE void kq_q6_K_block4x4(const kq_q6p4 *p, const int8_t *const q8[4], con
  * decoded once a call into a panel (PT), the columns 4 at a time (a missing one repeats the last,
  * computed and not stored), what each needs prepared once (CT); fewer columns, the rows past a
  * multiple of 4, or no memory for the panel: the row-at-a-time gemm ROWS */
-#define KQ_X4_MIN_COLS 32
+/* from 16 tokens (Zen 2, the 1B Q4_K_M, `llamapy bench -p N -n 0 -r 3`, 2 threads; tok/s with the
+ * row-at-a-time kernels -> these): pp16 63.8 -> 66.5, pp24 66.7 -> 75.8; from 8 they lost: pp8
+ * 56.2 -> 45.5, pp12 59.1 -> 56.5 (the 4-row panel decoded for 2-3 groups of tokens) */
+#define KQ_X4_MIN_COLS 16
 #define KQ_AVX2_GEMM4X4(type, PT, CT, ROWS, OUT)                                                                  \
     KQ_API void lp_gemm_##type##_q8_K(int n, float *restrict s, int64_t ld_s, const void *restrict w,             \
                                       int64_t row_bytes, int nr, const void *restrict x, int64_t x_bytes, int nc) { \

@@ -1,4 +1,4 @@
-"""IQ4_NL, IQ4_XS and MXFP4 against llama.cpp itself (slow; skipped without llama.cpp's tools).
+"""IQ4_NL, IQ4_XS, MXFP4 and Q4_0 against llama.cpp itself (slow; skipped without llama.cpp's tools).
 
 A tiny qwen3 quantized by llama-quantize --pure to each type (references/make_iquant_refs.py):
 the float32-activation mode against llama.cpp's run of the F32-dequantized file (mean KLD

@@ -1,8 +1,9 @@
-"""The quant types mixture-of-experts models ship in — IQ4_NL, IQ4_XS, MXFP4 — end to end on the
+"""The quant types mixture-of-experts models ship in — IQ4_NL, IQ4_XS, MXFP4 — and Q4_0, which
+llama.cpp's x86 builds run through the same repacked 8x8 kernels as IQ4_NL, end to end on the
 CPU: numpy dequantization against gguf-py's (`gguf.quants`, which has all three), the C
 dequantization (kernels_c/iquants.c `lp_dequantize_rows`) against numpy, the q8 dot products
 against an exact emulation of llama.cpp 0.3.36's x86 float32 order (IQ4_NL / MXFP4: its repacked
-8x8 gemv/gemm, one fmaf chain per output; IQ4_XS: its tiled prompt microkernels, a product and an
+8x8 gemv/gemm, Q4_0 too, one fmaf chain per output; IQ4_XS: its tiled prompt microkernels, a product and an
 fmaf per 256-element block), the multi-row / multi-column kernels against the vec_dot bit for bit, and QMatrix's
 products in both modes against float64 references. Every SIMD variant the install built and this
 CPU runs."""
@@ -21,9 +22,10 @@ from llamapy.backend import native
 from llamapy.backend.qmatmul import SGEMM_MIN_TOKENS, QMatrix, use_sgemm
 from llamapy.types import GGMLType, block_size
 
-TYPES = ["IQ4_NL", "IQ4_XS", "MXFP4"]
+IQ_TYPES = ["IQ4_NL", "IQ4_XS", "MXFP4"]  # iquants.c's dequantization (Q4_0's: quants.py, qmatmul.c)
+TYPES = [*IQ_TYPES, "Q4_0"]
 QK_K = 256
-VDT = {"IQ4_NL": "q8_0", "MXFP4": "q8_0", "IQ4_XS": "q8_K"}
+VDT = {"IQ4_NL": "q8_0", "MXFP4": "q8_0", "IQ4_XS": "q8_K", "Q4_0": "q8_0"}
 
 
 def random_blocks(name: str, n_rows: int, n_cols: int, rng: np.random.Generator, scale: float = 0.01) -> np.ndarray:
@@ -61,7 +63,7 @@ def lib(request: pytest.FixtureRequest) -> ctypes.CDLL:
 # dequantization
 
 
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name", IQ_TYPES)
 def test_numpy_dequantize_matches_gguf_bitwise(name: str) -> None:
     rng = np.random.default_rng(11)
     raw = random_blocks(name, 7, 1024, rng)
@@ -82,7 +84,7 @@ def test_mxfp4_every_exponent_matches_gguf() -> None:
     assert got[128, 7] == 12.0 and got[128, 15] == -12.0 and got[0, 1] == 2.0**-128
 
 
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name", IQ_TYPES)
 def test_c_dequantize_matches_numpy(lib: ctypes.CDLL, name: str) -> None:
     rng = np.random.default_rng(12)
     raw = random_blocks(name, 5, 512, rng)
@@ -118,6 +120,8 @@ def _values(name: str, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     d = np.ascontiguousarray(b[:, 0:2]).view(np.float16).astype(np.float32).reshape(-1)
     if name == "IQ4_NL":
         return quants.KVALUES_IQ4NL[quants._nibbles(b[:, 2:18], 16).reshape(-1, 32)].astype(np.int64), d
+    if name == "Q4_0":
+        return quants._nibbles(b[:, 2:18], 16).reshape(-1, 32).astype(np.int64) - 8, d
     q = quants.KVALUES_IQ4NL[quants._nibbles(b[:, 8:136], 16).reshape(-1, 8, 32)].astype(np.int64)
     return q * quants.iq4_xs_scales(b).astype(np.int64)[:, :, None], d  # (nb, 8, 32): scale * value
 

@@ -244,7 +244,7 @@ def ggml_order_dot(name: str, w: np.ndarray, y: np.ndarray) -> np.float32:
     ysz = 34 if VEC_DOT_TYPE[name] == "Q8_0" else 36
     yb = y.reshape(-1, ysz)
     qy = yb[:, ysz - 32 :].view(np.int8).astype(np.int64)
-    qx = {"Q4_0": lambda: nibbles(b[:, 2:18]) - 8, "Q4_1": lambda: nibbles(b[:, 4:20]),
+    qx = {"Q4_1": lambda: nibbles(b[:, 4:20]),
           "Q5_0": lambda: (nibbles(b[:, 6:22]) | hbits(b[:, 2:6]) << 4) - 16,
           "Q5_1": lambda: nibbles(b[:, 8:24]) | hbits(b[:, 4:8]) << 4,
           "Q8_0": lambda: b[:, 2:34].view(np.int8).astype(np.int64)}[name]()
@@ -262,11 +262,12 @@ def ggml_order_dot(name: str, w: np.ndarray, y: np.ndarray) -> np.float32:
     return np.float32(h + summ)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_vec_dot_in_ggml_avx2_order(lib: ctypes.CDLL, name: str) -> None:
     """lp_vec_dot_<type>_<q8> of every variant (portable included) sums in ggml's AVX2 order, bit
     for bit (so llamapy's q8 MUL_MATs are llama.cpp's x86 ones; the gemm / gemv kernels are held
-    to the vec_dots by the tests below)."""
+    to the vec_dots by the tests below). Q4_0 takes llama.cpp's repacked q4_0_8x8 order instead
+    (iquants.c, tests/unit/test_iquants.py)."""
     rng = np.random.default_rng(17)
     n_in, n_rows = 32 * 37, 8
     w = random_raw(name, n_rows, n_in, rng)
@@ -309,7 +310,7 @@ def check_gemm(lib: ctypes.CDLL, name: str, sym: str, n_rows: int, n_in: int, n_
 
 
 @pytest.mark.parametrize("suffix", ["", "_r1"])
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_gemm_is_vec_dots(lib: ctypes.CDLL, name: str, suffix: str) -> None:
     """lp_gemm_<type> (where the variant has one: AVX2, AVX-512) called directly: every output
     s[c * ld_s + r] is its vec_dot's bit for bit, for 1..LP_GEMM_COLS columns, an odd row count
@@ -325,7 +326,7 @@ def test_gemm_is_vec_dots(lib: ctypes.CDLL, name: str, suffix: str) -> None:
         check_gemm(lib, name, sym + suffix, 9, 32 * 300, n_cols=4, ncs=(3, 4), nrs=(9,), seed=13)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_panel_gemm_is_vec_dots(lib: ctypes.CDLL, name: str) -> None:
     """lp_gemm_<type>_panel (the prompt kernels: any column count; AVX-512: rows decoded into
     panels of 4-row quads, tiles of 8 rows x 4 columns; AVX2: panels of row pairs, tiles of 2 rows x

@@ -1,10 +1,12 @@
 /* The quant types mixture-of-experts models ship in: IQ4_NL, IQ4_XS and MXFP4 (dequantization,
- * their dot products with the q8 activations, and the multi-row kernels built on them).
+ * their dot products with the q8 activations, and the multi-row kernels built on them), and Q4_0's
+ * products: llama.cpp's x86 builds repack Q4_0 (every matrix of a multiple of 8 rows) and run it
+ * through the very kernels IQ4_NL takes, with the grid q - 8.
  *
  * ggml counterparts: ggml-common.h (block_iq4_nl, block_iq4_xs, block_mxfp4, kvalues_iq4nl,
  * kvalues_mxfp4), ggml-quants.c (dequantize_row_iq4_nl / iq4_xs / mxfp4), ggml-cpu's
  * arch/x86/quants.c (ggml_vec_dot_iq4_xs_q8_K), arch/x86/repack.cpp
- * (gemv/gemm_q4_b32_8x8_q8_0_lut_avx: the iq4_nl_8x8 and mxfp4_8x8 kernels llama.cpp's x86 builds
+ * (gemv/gemm_q4_b32_8x8_q8_0_lut_avx: the q4_0_8x8, iq4_nl_8x8 and mxfp4_8x8 kernels llama.cpp's x86 builds
  * run on these weights, every matrix of a multiple of 8 rows: decode and prompts alike) and
  * tiled/tiled-kernel.cpp (its IQ4_XS prompts).
  *
@@ -14,14 +16,14 @@
  * the 16-entry grid looked up with one byte shuffle, the rows' block sums reduced once a block,
  * their scales gathered in general registers; prompts transpose 8 rows' decoded blocks into a
  * panel with the rows in the lanes, which every token then reads with its activation bytes
- * broadcast (no horizontal sums). With VNNI (and for MXFP4 on AVX2) the grids are shifted to
- * unsigned bytes and the activations' block sums subtracted, instead of the sign trick; AVX2's
- * IQ4_NL decode puts the sign on the weights against a prepared |y|.
+ * broadcast (no horizontal sums). With VNNI (and for Q4_0 and MXFP4 on AVX2) the grids are
+ * shifted to unsigned bytes and the activations' block sums subtracted, instead of the sign trick;
+ * AVX2's IQ4_NL decode puts the sign on the weights against a prepared |y|.
  *
  * Numerics (each output bit for bit what llama.cpp 0.3.36's x86 build computes):
- *   IQ4_NL . Q8_0, MXFP4 . Q8_0 (the repacked 8x8 kernels' order): per 32-element block i the
+ *   Q4_0 . Q8_0, IQ4_NL . Q8_0, MXFP4 . Q8_0 (the repacked 8x8 kernels' order): per 32-element block i the
  *     exact int32 sum S_i of kvalue * q8, acc = fmaf((float)S_i, d_w,i * d_y,i, acc) block after
- *     block, from 0: one chain per output. d_w is the f16 scale (IQ4_NL) or 2^(e - 128)
+ *     block, from 0: one chain per output. d_w is the f16 scale (Q4_0, IQ4_NL) or 2^(e - 128)
  *     (ggml_e8m0_to_fp32_half: MXFP4's e2m1 values are stored doubled, as integers).
  *   IQ4_XS . Q8_K (the order of llama.cpp's tiled microkernels, tiled/tiled-kernel.cpp, which run
  *     its prompts): per 256-element block the exact int32 total S_i over its 8 sub-blocks of
@@ -61,6 +63,7 @@ _Static_assert(sizeof(block_mxfp4) == 17, "mxfp4");
 
 static const int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 static const int8_t kvalues_mxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static const int8_t kvalues_q4_0[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7}; /* q - 8 */
 
 /* ggml_e8m0_to_fp32_half: 2^(e - 128), as float32 bits (e < 2: subnormal) */
 static inline float e8m0_half(uint8_t e) {
@@ -139,22 +142,27 @@ IQ_API int lp_dequantize_rows(int type, const void *w, int64_t n_rows, int64_t r
 /* ------------------------------------------------------------------------------------------- */
 /* IQ4_NL and MXFP4 against Q8_0: 32-element blocks of 16 nibble bytes under one scale          */
 
-typedef struct {
-    int bsize, qoff;     /* block bytes, offset of its 16 quant bytes */
-    const int8_t *lut;   /* nibble -> int8 */
-    int e8m0;            /* scale: 1 an E8M0 byte (MXFP4), 0 an f16 (IQ4_NL) */
-} b32_kind;
-
-static const b32_kind K_IQ4_NL = {sizeof(block_iq4_nl), 2, kvalues_iq4nl, 0};
-static const b32_kind K_MXFP4 = {sizeof(block_mxfp4), 1, kvalues_mxfp4, 1};
-
 /* The grids shifted to unsigned bytes, for u8 x s8 products without the sign trick:
- * sum((v + off) * y) - off * sum(y) = sum(v * y), exactly. MXFP4 (off 12, at most 24): maddubs
- * pairs stay below 2 x 24 x 128, so AVX2 too; IQ4_NL (off 128) only with VNNI (no int16 pairs). */
-#if defined(__AVX2__)
+ * sum((v + off) * y) - off * sum(y) = sum(v * y), exactly. Q4_0 (off 8, at most 15) and MXFP4
+ * (off 12, at most 24): maddubs' int16 pairs stay below 2 x 24 x 128, so AVX2 too, and g16 of them
+ * (g16 x 2 x max x 128 < 2^15) can be summed in int16 before one madd; IQ4_NL (off 128) only with
+ * VNNI (its pairs would saturate). */
+static const uint8_t ulut_q4_0[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 static const uint8_t ulut_mxfp4[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 static const uint8_t ulut_iq4nl[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
-#endif
+
+typedef struct {
+    int bsize, qoff;      /* block bytes, offset of its 16 quant bytes */
+    const int8_t *lut;    /* nibble -> int8 */
+    int e8m0;             /* scale: 1 an E8M0 byte (MXFP4), 0 an f16 (IQ4_NL, Q4_0) */
+    int uoff;             /* the unsigned grid: ulut = lut + uoff */
+    const uint8_t *ulut;
+    int g16;              /* maddubs results summed in int16 before a madd; 0: ulut does not fit maddubs */
+} b32_kind;
+
+static const b32_kind K_Q4_0 = {sizeof(block_q4_0), 2, kvalues_q4_0, 0, 8, ulut_q4_0, 8};
+static const b32_kind K_IQ4_NL = {sizeof(block_iq4_nl), 2, kvalues_iq4nl, 0, 128, ulut_iq4nl, 0};
+static const b32_kind K_MXFP4 = {sizeof(block_mxfp4), 1, kvalues_mxfp4, 1, 12, ulut_mxfp4, 4};
 
 static inline float b32_scale(const b32_kind *k, const uint8_t *blk) {
     if (k->e8m0) return e8m0_half(blk[0]);
@@ -309,7 +317,7 @@ static inline __m256i hsum8_rows_zmm(const __m512i p[4]) {
 static inline __attribute__((always_inline)) void b32_rows8_zmm(const b32_kind *k, const int NC, int nb, float *s,
                                                                 int64_t ld_s, const uint8_t *w, int64_t row_bytes,
                                                                 const __m512i *prep, const float *yd) {
-    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(k->e8m0 ? ulut_mxfp4 : ulut_iq4nl)));
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)k->ulut));
     __m256 acc[B32_ZMM_COLS];
     for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
     const lp_pf pf = lp_pf_group(w, 8 * row_bytes, nb);
@@ -342,7 +350,7 @@ static inline __attribute__((always_inline)) void b32_rows8_zmm(const b32_kind *
  * is no memory for the prepared columns) */
 static inline __attribute__((always_inline)) int b32_gemv_zmm(const b32_kind *k, int nb, float *s, int64_t ld_s, const uint8_t *w, int64_t row_bytes, int nr,
                         const uint8_t *x, int64_t x_bytes, int nc) {
-    const int off = k->e8m0 ? 12 : 128;
+    const int off = k->uoff;
     const int64_t n = (int64_t)nc * nb;
     __m512i stack[2 * B32_PREP_STACK];
     float yd_stack[B32_PREP_STACK];
@@ -410,10 +418,28 @@ static void b32_ysums(int off, int nb, const uint8_t *x, int64_t x_bytes, int nc
     }
 }
 
-static void b32_panel8(const b32_kind *k, int off, const int32_t *ys, int nb, float *s, int64_t ld_s, const uint8_t *w,
-                       int64_t row_bytes, const uint8_t *x, int64_t x_bytes, int nc) {
-    const __m128i lut = _mm_loadu_si128((const __m128i *)(off == 0 ? (const void *)k->lut
-                                                          : k->e8m0 ? (const void *)ulut_mxfp4 : (const void *)ulut_iq4nl));
+/* One column's 8 row totals of block i on the unsigned grid, less its offset sum ys: the 8 products
+ * summed k->g16 at a time in int16 before one madd (without VNNI: multiplies are what AVX2's
+ * prompts are bound by, Zen 2 issuing maddubs and madd on one pipe), else a madd (or dpbusd) each */
+static inline __attribute__((always_inline)) __m256i b32_panel_utot(const b32_kind *k, const __m256i *pi,
+                                                                     const int32_t *q, int32_t ys) {
+    __m256i tot = _mm256_set1_epi32(-ys);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    for (int g = 0; g < 8; g++) tot = dot8_u8s8_acc(tot, pi[g], _mm256_set1_epi32(q[g]));
+#else
+    for (int g0 = 0; g0 < 8; g0 += k->g16) {
+        __m256i h = _mm256_maddubs_epi16(pi[g0], _mm256_set1_epi32(q[g0]));
+        for (int g = g0 + 1; g < g0 + k->g16; g++) h = _mm256_add_epi16(h, _mm256_maddubs_epi16(pi[g], _mm256_set1_epi32(q[g])));
+        tot = _mm256_add_epi32(tot, _mm256_madd_epi16(h, _mm256_set1_epi16(1)));
+    }
+#endif
+    return tot;
+}
+
+static inline __attribute__((always_inline)) void b32_panel8(const b32_kind *k, int off, const int32_t *ys, int nb,
+                                                             float *s, int64_t ld_s, const uint8_t *w, int64_t row_bytes,
+                                                             const uint8_t *x, int64_t x_bytes, int nc) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)(off == 0 ? (const void *)k->lut : (const void *)k->ulut));
     __m256i panel[B32_PANEL_BLOCKS][8];
     __m256 dw[B32_PANEL_BLOCKS];
     __m256 acc[LP_GEMM_COLS_K];
@@ -436,8 +462,7 @@ static void b32_panel8(const b32_kind *k, int off, const int32_t *ys, int nb, fl
                     tot = _mm256_setzero_si256();
                     for (int g = 0; g < 8; g++) tot = _mm256_add_epi32(tot, dot8_s8(panel[i][g], _mm256_set1_epi32(q[g])));
                 } else {
-                    tot = _mm256_set1_epi32(-ys[(int64_t)c * nb + i0 + i]);
-                    for (int g = 0; g < 8; g++) tot = dot8_u8s8_acc(tot, panel[i][g], _mm256_set1_epi32(q[g]));
+                    tot = b32_panel_utot(k, panel[i], q, ys[(int64_t)c * nb + i0 + i]);
                 }
                 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(dw[i], _mm256_set1_ps(_cvtsh_ss(y[i].d))), a);
             }
@@ -456,7 +481,7 @@ static void b32_panel8(const b32_kind *k, int off, const int32_t *ys, int nb, fl
  * by every column at once (the 4 x NC partial-sum vectors stay in the 16 registers: 8 rows x
  * several columns spilled), the 4 rows' block sums by one reduction (6 shuffles), their scales
  * gathered in a general register. IQ4_NL through the sign trick (its grid does not fit
- * maddubs unsigned), MXFP4 on its unsigned grid less the prepared offset sums. */
+ * maddubs unsigned), Q4_0 and MXFP4 on their unsigned grids less the prepared offset sums. */
 #define B32_YMM_COLS 3
 
 /* the 4 vectors' lane totals, in order: [v0, v1, v2, v3] */
@@ -484,12 +509,12 @@ static inline __m128 b32_scales4p(const b32_kind *k, const uint8_t *const row[4]
     return _mm_cvtph_ps(_mm_cvtsi64_si128((long long)lo));
 }
 
-/* 4 rows against NC columns (x_bytes apart; ys: MXFP4's offset sums, column c's block i at
+/* 4 rows against NC columns (x_bytes apart; ys: the unsigned grid's offset sums, column c's block i at
  * [c nb + i]): per output the vec_dot's chain */
 static inline __attribute__((always_inline)) void b32_rows4_ymm(const b32_kind *k, const int NC, const int32_t *ys,
                                                                 int nb, float *s, int64_t ld_s, const uint8_t *w,
                                                                 int64_t row_bytes, const uint8_t *x, int64_t x_bytes) {
-    const __m128i lut = _mm_loadu_si128((const __m128i *)(k->e8m0 ? (const void *)ulut_mxfp4 : (const void *)k->lut));
+    const __m128i lut = _mm_loadu_si128((const __m128i *)(k->g16 ? (const void *)k->ulut : (const void *)k->lut));
     __m128 acc[B32_YMM_COLS];
     for (int c = 0; c < NC; c++) acc[c] = _mm_setzero_ps();
     const lp_pf pf = lp_pf_group(w, 4 * row_bytes, nb);
@@ -504,13 +529,13 @@ static inline __attribute__((always_inline)) void b32_rows4_ymm(const b32_kind *
             const __m256i wv = b32_values(lut, row[r] + k->qoff);
             for (int c = 0; c < NC; c++) {
                 const __m256i yv = _mm256_loadu_si256((const __m256i *)((const block_q8_0 *)(x + c * x_bytes) + i)->qs);
-                p[c][r] = k->e8m0 ? dot8_u8s8(wv, yv) : dot8_s8(wv, yv);
+                p[c][r] = k->g16 ? dot8_u8s8(wv, yv) : dot8_s8(wv, yv);
             }
         }
         for (int c = 0; c < NC; c++) {
             const block_q8_0 *y = (const block_q8_0 *)(x + c * x_bytes) + i;
             __m128i tot = hsum4_rows(p[c]);
-            if (k->e8m0) tot = _mm_sub_epi32(tot, _mm_set1_epi32(ys[(int64_t)c * nb + i]));
+            if (k->g16) tot = _mm_sub_epi32(tot, _mm_set1_epi32(ys[(int64_t)c * nb + i]));
             acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(tot), _mm_mul_ps(dw, _mm_set1_ps(_cvtsh_ss(y->d))), acc[c]);
         }
     }
@@ -531,13 +556,13 @@ static inline __m256i hsum8_rows(const __m256i v[8]) {
 /* One token (decode proper), 8 rows at once: the 8-row reduction costs 11 shuffles where two
  * 4-row ones cost 12 and 2 more float steps. IQ4_NL with the sign moved to the weights:
  * sign(v, y) times |y|, prepared once a call (ay), one operation a row less than the sign trick
- * (|y| <= 127, so maddubs' pairs stay below 2^15); MXFP4 on its unsigned grid less ys. yd: the
+ * (|y| <= 127, so maddubs' pairs stay below 2^15); Q4_0 and MXFP4 on their unsigned grids less ys. yd: the
  * activation scales as floats. */
 static inline __attribute__((always_inline)) void b32_rows8_ymm1(const b32_kind *k, const int32_t *ys,
                                                                  const __m256i *ay, const float *yd, int nb, float *s,
                                                                  const uint8_t *w, int64_t row_bytes,
                                                                  const uint8_t *x) {
-    const __m128i lut = _mm_loadu_si128((const __m128i *)(k->e8m0 ? (const void *)ulut_mxfp4 : (const void *)k->lut));
+    const __m128i lut = _mm_loadu_si128((const __m128i *)(k->g16 ? (const void *)k->ulut : (const void *)k->lut));
     __m256 acc = _mm256_setzero_ps();
     const lp_pf pf = lp_pf_group(w, 8 * row_bytes, nb);
     const uint8_t *p0 = w, *p4 = w + 4 * row_bytes; /* (b32_rows8_zmm's addressing) */
@@ -550,10 +575,10 @@ static inline __attribute__((always_inline)) void b32_rows8_ymm1(const b32_kind 
         __m256i p[8];
         for (int r = 0; r < 8; r++) {
             const __m256i wv = b32_values(lut, row[r] + k->qoff);
-            p[r] = k->e8m0 ? dot8_u8s8(wv, yv) : dot8_u8s8(_mm256_load_si256(ay + i), _mm256_sign_epi8(wv, yv));
+            p[r] = k->g16 ? dot8_u8s8(wv, yv) : dot8_u8s8(_mm256_load_si256(ay + i), _mm256_sign_epi8(wv, yv));
         }
         __m256i tot = hsum8_rows(p);
-        if (k->e8m0) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(ys[i]));
+        if (k->g16) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(ys[i]));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(dwv, _mm256_set1_ps(yd[i])), acc);
     }
     _mm256_storeu_ps(s, acc);
@@ -565,10 +590,10 @@ static inline __attribute__((always_inline)) int b32_gemv_ymm(const b32_kind *k,
                                                               const uint8_t *x, int64_t x_bytes, int nc) {
     int32_t ys_stack[B32_YS_STACK];
     int32_t *ys = NULL;
-    if (k->e8m0) {
+    if (k->g16) {
         ys = (int64_t)nc * nb <= B32_YS_STACK ? ys_stack : malloc((size_t)nc * (size_t)nb * sizeof(int32_t));
         if (ys == NULL) return 0;
-        b32_ysums(12, nb, x, x_bytes, nc, ys);
+        b32_ysums(k->uoff, nb, x, x_bytes, nc, ys);
     }
     int r = 0;
     if (nc == 1 && nb <= B32_YS_STACK) {
@@ -592,27 +617,26 @@ static inline __attribute__((always_inline)) int b32_gemv_ymm(const b32_kind *k,
 }
 #endif
 
-static void b32_gemm(const b32_kind *k, int n, float *s, int64_t ld_s, const void *vw, int64_t row_bytes, int nr,
-                     const void *vx, int64_t x_bytes, int nc) {
+/* (always inlined: each kind a constant, its offsets, grouping and scale decoding folded in) */
+static inline __attribute__((always_inline)) void b32_gemm(const b32_kind *k, int n, float *s, int64_t ld_s,
+                                                           const void *vw, int64_t row_bytes, int nr,
+                                                           const void *vx, int64_t x_bytes, int nc) {
     const uint8_t *w = vw, *x = vx;
     const int nb = n / 32;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    int off = k->e8m0 ? 12 : 128; /* the unsigned grids and dpbusd for both */
+    int off = k->uoff; /* the unsigned grids and dpbusd for all */
 #else
-    int off = k->e8m0 ? 12 : 0; /* the unsigned grid and maddubs for MXFP4, the sign trick for IQ4_NL */
+    int off = k->g16 ? k->uoff : 0; /* the unsigned grid and maddubs where it fits, else the sign trick */
 #endif
     int r = 0;
 #if defined(B32_ZMM)
     if (nc <= B32_ZMM_COLS) {
-        /* (the kinds as constants: their offsets and scale decoding folded in) */
-        r = k->e8m0 ? b32_gemv_zmm(&K_MXFP4, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, nc)
-                    : b32_gemv_zmm(&K_IQ4_NL, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
+        r = b32_gemv_zmm(k, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
         off = -1; /* (the rows left: b32_row) */
     }
 #else
     if (nc <= B32_YMM_COLS) {
-        r = k->e8m0 ? b32_gemv_ymm(&K_MXFP4, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, nc)
-                    : b32_gemv_ymm(&K_IQ4_NL, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
+        r = b32_gemv_ymm(k, nb, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
         off = -1;
     }
 #endif
@@ -635,6 +659,10 @@ static void b32_gemm(const b32_kind *k, int n, float *s, int64_t ld_s, const voi
 }
 #endif
 
+IQ_API void lp_vec_dot_q4_0_q8_0(int n, float *s, const void *vx, const void *vy) {
+    b32_row(&K_Q4_0, n / 32, s, 0, vx, vy, 0, 1);
+}
+
 IQ_API void lp_vec_dot_iq4_nl_q8_0(int n, float *s, const void *vx, const void *vy) {
     b32_row(&K_IQ4_NL, n / 32, s, 0, vx, vy, 0, 1);
 }
@@ -644,6 +672,15 @@ IQ_API void lp_vec_dot_mxfp4_q8_0(int n, float *s, const void *vx, const void *v
 }
 
 #if defined(__AVX2__)
+IQ_API void lp_gemm_q4_0_q8_0(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
+                              int64_t x_bytes, int nc) {
+    b32_gemm(&K_Q4_0, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
+}
+
+IQ_API void lp_gemv_q4_0_q8_0(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x) {
+    b32_gemm(&K_Q4_0, n, s, 0, w, row_bytes, nr, x, 0, 1);
+}
+
 IQ_API void lp_gemm_iq4_nl_q8_0(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
                                 int64_t x_bytes, int nc) {
     b32_gemm(&K_IQ4_NL, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);

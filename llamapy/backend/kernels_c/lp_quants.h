@@ -13,7 +13,7 @@
  *   F32                 F32            lp_vec_dot_f32        (x: float)
  *   F16                 F16            lp_vec_dot_f16        (ggml rounds x to f16)
  *   BF16                BF16           lp_vec_dot_bf16       (ggml rounds x to bf16)
- *   Q4_0, Q5_0, Q8_0    Q8_0           lp_vec_dot_q4_0_q8_0 ...
+ *   Q4_0, Q5_0, Q8_0    Q8_0           lp_vec_dot_q4_0_q8_0 ... (Q4_0: iquants.c, with IQ4_NL)
  *   Q4_1, Q5_1          Q8_1           lp_vec_dot_q4_1_q8_1 ...
  *   Q2_K ... Q6_K       Q8_K           lp_vec_dot_q2_K_q8_K ...
  *
@@ -178,7 +178,7 @@ static inline void lp_pf_ahead(const void *p, int bytes) {
  * many tokens a call (a whole 512-token micro-batch: the AVX-512 kernels decode each weight block
  * of their rows once a call, measured +29 % at 512 tokens a call over 64) */
 #define LP_GEMM_COLS_K 512
-/* lp_gemm_q4_0_q8_0_panel, q4_1_q8_1, q5_0_q8_0, q5_1_q8_1, q8_0_q8_0 _panel (the AVX-512 build): the
+/* lp_gemm_q4_1_q8_1_panel, q5_0_q8_0, q5_1_q8_1, q8_0_q8_0 _panel (the AVX2 and AVX-512 builds): the
  * same outputs as lp_gemm_<type> for ANY nc, for prompts (qmatmul.c mm_rows hands them a thread's
  * whole range of rows and every token of the call: the weights are decoded once per panel of rows,
  * the activations prepared once a call); the same lp_gemm_fn signature. */

@@ -980,24 +980,20 @@ void lp_gemm_q5_K_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row
 void lp_gemm_q6_K_q8_K(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 /* the q types' single-row variants (quants.c GK_DEFINE): for a decode batch's weights, streamed
  * from memory once, where rows in pairs are slower */
-#pragma weak lp_gemm_q4_0_q8_0_r1
 #pragma weak lp_gemm_q5_0_q8_0_r1
 #pragma weak lp_gemm_q8_0_q8_0_r1
 #pragma weak lp_gemm_q4_1_q8_1_r1
 #pragma weak lp_gemm_q5_1_q8_1_r1
-void lp_gemm_q4_0_q8_0_r1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_q5_0_q8_0_r1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_q8_0_q8_0_r1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_q4_1_q8_1_r1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_q5_1_q8_1_r1(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 /* the q types' prompt kernels (quants.c GP_DEFINE, AVX-512 and AVX2): any nc, a thread's whole range of
  * rows and every token of the call at once */
-#pragma weak lp_gemm_q4_0_q8_0_panel
 #pragma weak lp_gemm_q5_0_q8_0_panel
 #pragma weak lp_gemm_q8_0_q8_0_panel
 #pragma weak lp_gemm_q4_1_q8_1_panel
 #pragma weak lp_gemm_q5_1_q8_1_panel
-void lp_gemm_q4_0_q8_0_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_q5_0_q8_0_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_q8_0_q8_0_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_q4_1_q8_1_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
@@ -1082,7 +1078,6 @@ static int mm_traits_of(int type, mm_traits *t) {
     case LP_TYPE_F32: *t = (mm_traits){LP_TYPE_F32, 1, 4, mm_copy_f32, lp_vec_dot_f32, lp_gemm_f32}; break;
     case LP_TYPE_F16: *t = (mm_traits){LP_TYPE_F16, 1, 2, mm_to_f16, lp_vec_dot_f16, lp_gemm_f16}; break;
     case LP_TYPE_BF16: *t = (mm_traits){LP_TYPE_BF16, 1, 2, mm_to_bf16, lp_vec_dot_bf16, lp_gemm_bf16}; break;
-    case LP_TYPE_Q4_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q4_0_q8_0, lp_gemm_q4_0_q8_0, lp_gemm_q4_0_q8_0_r1, lp_gemv_q4_0_q8_0}; break;
     case LP_TYPE_Q5_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q5_0_q8_0, lp_gemm_q5_0_q8_0, lp_gemm_q5_0_q8_0_r1, lp_gemv_q5_0_q8_0}; break;
     case LP_TYPE_Q8_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q8_0_q8_0, lp_gemm_q8_0_q8_0, lp_gemm_q8_0_q8_0_r1, lp_gemv_q8_0_q8_0}; break;
     case LP_TYPE_Q4_1: *t = (mm_traits){LP_TYPE_Q8_1, QK8_1, sizeof(block_q8_1), lp_quantize_row_q8_1, lp_vec_dot_q4_1_q8_1, lp_gemm_q4_1_q8_1, lp_gemm_q4_1_q8_1_r1, lp_gemv_q4_1_q8_1}; break;
@@ -1092,14 +1087,15 @@ static int mm_traits_of(int type, mm_traits *t) {
     case LP_TYPE_Q4_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q4_K_q8_K, lp_gemm_q4_K_q8_K, NULL, lp_gemv_q4_K_q8_K}; break;
     case LP_TYPE_Q5_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q5_K_q8_K, lp_gemm_q5_K_q8_K}; break;
     case LP_TYPE_Q6_K: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_q6_K_q8_K, lp_gemm_q6_K_q8_K, NULL, lp_gemv_q6_K_q8_K}; break;
-    /* (IQ4_NL, MXFP4, IQ4_XS: 2-4 tokens in one call over the range, the activations prepared once) */
+    /* (Q4_0, IQ4_NL, MXFP4, IQ4_XS: iquants.c, 2-4 tokens in one call over the range, the activations prepared once) */
+    case LP_TYPE_Q4_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q4_0_q8_0, lp_gemm_q4_0_q8_0, lp_gemm_q4_0_q8_0, lp_gemv_q4_0_q8_0}; break;
     case LP_TYPE_IQ4_NL: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_iq4_nl_q8_0, lp_gemm_iq4_nl_q8_0, lp_gemm_iq4_nl_q8_0, lp_gemv_iq4_nl_q8_0}; break;
     case LP_TYPE_MXFP4: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_mxfp4_q8_0, lp_gemm_mxfp4_q8_0, lp_gemm_mxfp4_q8_0, lp_gemv_mxfp4_q8_0}; break;
     case LP_TYPE_IQ4_XS: *t = (mm_traits){LP_TYPE_Q8_K, QK_K, sizeof(block_q8_K), q8_K, lp_vec_dot_iq4_xs_q8_K, lp_gemm_iq4_xs_q8_K, lp_gemm_iq4_xs_q8_K, lp_gemv_iq4_xs_q8_K}; break;
     default: return -1;
     }
     t->gemm_cols = type == LP_TYPE_Q3_K || type == LP_TYPE_Q4_K || type == LP_TYPE_Q5_K || type == LP_TYPE_Q6_K
-                           || type == LP_TYPE_IQ4_NL || type == LP_TYPE_MXFP4 || type == LP_TYPE_IQ4_XS /* iquants.c: any nc, a panel */
+                           || type == LP_TYPE_Q4_0 || type == LP_TYPE_IQ4_NL || type == LP_TYPE_MXFP4 || type == LP_TYPE_IQ4_XS /* iquants.c: any nc, a panel */
                        ? LP_GEMM_COLS_K : LP_GEMM_COLS;
     /* 2..gemv_cols tokens: gemv a token over rows kept in cache beats the K types' multi-column
      * kernels (their 8-column row kernel only from 8 tokens on AVX-512). Measured on the 1B shape's
@@ -1117,9 +1113,11 @@ static int mm_traits_of(int type, mm_traits *t) {
                  : type == LP_TYPE_Q2_K ? 2 : 6;
 #endif
     if (type == LP_TYPE_IQ4_XS) t->gemv_cols = 0; /* its gemv is a vec_dot a row: the gemm decodes once */
-    t->gemm_panel = type == LP_TYPE_Q4_0 ? lp_gemm_q4_0_q8_0_panel : type == LP_TYPE_Q4_1 ? lp_gemm_q4_1_q8_1_panel
+    t->gemm_panel = type == LP_TYPE_Q4_1 ? lp_gemm_q4_1_q8_1_panel
                   : type == LP_TYPE_Q5_0 ? lp_gemm_q5_0_q8_0_panel : type == LP_TYPE_Q5_1 ? lp_gemm_q5_1_q8_1_panel
-                  : type == LP_TYPE_Q8_0 ? lp_gemm_q8_0_q8_0_panel : NULL;
+                  : type == LP_TYPE_Q8_0 ? lp_gemm_q8_0_q8_0_panel
+                  /* (iquants.c's gemms take a whole range of rows too: the offset sums made once) */
+                  : type == LP_TYPE_Q4_0 || type == LP_TYPE_IQ4_NL || type == LP_TYPE_MXFP4 ? t->gemm : NULL;
     return t->quantize != NULL && t->dot != NULL ? 0 : -1;
 }
 

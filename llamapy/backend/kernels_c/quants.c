@@ -1,8 +1,9 @@
 /* Activation quantization and the dot products of the non-K types on ggml's block layouts.
  *
  * ggml counterparts (ggml-cpu): arch/x86/quants.c quantize_row_q8_0 / q8_1 (the SIMD ones llama.cpp's
- * x86 builds run, not their _ref versions) and ggml_vec_dot_q4_0_q8_0, q4_1_q8_1, q5_0_q8_0,
- * q5_1_q8_1, q8_0_q8_0 (their AVX2 bodies' float order); vec.c ggml_vec_dot_f32 / f16 / bf16. The
+ * x86 builds run, not their _ref versions) and ggml_vec_dot_q4_1_q8_1, q5_0_q8_0, q5_1_q8_1,
+ * q8_0_q8_0 (their AVX2 bodies' float order; Q4_0, which llama.cpp's x86 builds repack and run
+ * through IQ4_NL's 8x8 kernels, is iquants.c's); vec.c ggml_vec_dot_f32 / f16 / bf16. The
  * ABI (block structs, names) is lp_quants.h's.
  *
  * Definitions (llamapy computes llama.cpp's x86 bits for these; the tests check them against
@@ -11,9 +12,8 @@
  *     q = round-half-to-EVEN(x * id) - NOT gguf.quants (ggml's reference: 1/d and roundf), which
  *     the KV cache's lp_quantize_row_q8_0_ref keeps.
  *   q8_1: the same q and d, plus s = f16(d * sum(q)) with the unrounded d.
- *   dot(q4_0, q8_0) = sum_blocks f16(dx) * f16(dy) * sum_j (qx_j - 8) * qy_j            (exact int sum)
- *   dot(q4_1, q8_1) = sum_blocks dx * dy * sum_j qx_j * qy_j + mx * sy
- *   dot(q5_0, q8_0) = ... (qx_j | hbit_j << 4) - 16;  dot(q5_1, q8_1): (qx_j | hbit_j << 4), + mx * sy
+ *   dot(q4_1, q8_1) = sum_blocks f16(dx) * f16(dy) * sum_j qx_j * qy_j + mx * sy  (exact int sum)
+ *   dot(q5_0, q8_0) = ... (qx_j | hbit_j << 4) - 16 and no mins;  dot(q5_1, q8_1): (qx_j | hbit_j << 4), + mx * sy
  *   dot(q8_0, q8_0) = sum_blocks dx * dy * sum_j qx_j * qy_j
  *   f16 / bf16: the activations are rounded to f16 / bf16 first (ggml's vec_dot_type), products
  *     summed in float32.
@@ -234,25 +234,6 @@ static inline void lp_block_lanes(float acc[8], float d, const int qx[32], const
 #define LP_VD_ACC float acc[8] = {0}
 #define LP_VD_SUM lp_hsum8_order(acc)
 #endif
-
-LP_API void lp_vec_dot_q4_0_q8_0(int n, float *s, const void *vx, const void *vy) {
-    const block_q4_0 *x = vx;
-    const block_q8_0 *y = vy;
-    const int nb = n / QK8_0;
-    LP_VD_ACC;
-    for (int i = 0; i < nb; i++) {
-#if defined(__AVX2__)
-        const __m256i qx = _mm256_sub_epi8(nibbles32(x[i].qs), _mm256_set1_epi8(8));
-        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);
-#else
-        int q[32];
-        for (int j = 0; j < 16; j++) q[j] = (x[i].qs[j] & 0x0f) - 8, q[j + 16] = (x[i].qs[j] >> 4) - 8;
-        lp_block_lanes(acc, lp_h2f(x[i].d) * lp_h2f(y[i].d), q, y[i].qs);
-#endif
-    }
-    *s = LP_VD_SUM;
-}
 
 LP_API void lp_vec_dot_q4_1_q8_1(int n, float *s, const void *vx, const void *vy) {
     const block_q4_1 *x = vx;
@@ -567,13 +548,13 @@ LP_API void lp_gemm_bf16(int n, float *s, int64_t ld_s, const void *w, int64_t r
 #define GEMM_NR 1
 #endif
 
-enum { GK_Q4_0, GK_Q4_1, GK_Q5_0, GK_Q5_1, GK_Q8_0 };
+enum { GK_Q4_1, GK_Q5_0, GK_Q5_1, GK_Q8_0 };
 _Static_assert(LP_GEMM_COLS == 4, "the mins terms of the columns are one __m128");
 
 /* bytes of a weight block of each kind, and whether its vec_dot has a mins term (q8_1 y) */
-#define GK_WBYTES(k) ((k) == GK_Q4_0 ? 18 : (k) == GK_Q4_1 ? 20 : (k) == GK_Q5_0 ? 22 : (k) == GK_Q5_1 ? 24 : 34)
+#define GK_WBYTES(k) ((k) == GK_Q4_1 ? 20 : (k) == GK_Q5_0 ? 22 : (k) == GK_Q5_1 ? 24 : 34)
 #define GK_MINS(k) ((k) == GK_Q4_1 || (k) == GK_Q5_1)
-#define GK_SIGNED(k) ((k) == GK_Q4_0 || (k) == GK_Q5_0 || (k) == GK_Q8_0)
+#define GK_SIGNED(k) ((k) == GK_Q5_0 || (k) == GK_Q8_0)
 /* bytes of an activation block (q8_1 for the mins kinds, else q8_0), and the offset of its quants */
 #define GK_YB(k) (GK_MINS(k) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0))
 #define GK_YQ(k) (GK_MINS(k) ? 4 : 2)
@@ -581,9 +562,7 @@ _Static_assert(LP_GEMM_COLS == 4, "the mins terms of the columns are one __m128"
 /* the 32 quants of weight block b as the vec_dot forms them (signed kinds: |q| in *qx and q in
  * *sx, for dot_s8s8's sign trick; unsigned kinds: q in *qx) */
 LP_INLINE void gk_decode(const int kind, const uint8_t *b, __m256i *qx, __m256i *sx) {
-    if (kind == GK_Q4_0) {
-        *sx = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
-    } else if (kind == GK_Q4_1) {
+    if (kind == GK_Q4_1) {
         *qx = nibbles32(b + 4);
     } else if (kind == GK_Q5_0) {
         *sx = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), hbits32(b + 2)), _mm256_set1_epi8(16));
@@ -692,8 +671,7 @@ LP_INLINE void gk_zprep(const int kind, int nb, int ncp, const uint8_t *x, int64
 }
 #endif
 
-/* One activation row (decode) against many weight rows of the nibble kinds (Q4_0, Q4_1, Q5_0,
- * Q5_1): the vec_dot's float32 operations per row exactly, in fewer instructions. Everything on
+/* One activation row (decode) against many weight rows of the nibble kinds (Q4_1, Q5_0, Q5_1): the vec_dot's float32 operations per row exactly, in fewer instructions. Everything on
  * the activation side is prepared once per call for all rows (lp_gemv_*: a thread's whole range
  * of rows): the quants, for the signed kinds the offset sums (-8 or -16 x the sum of each 4
  * activations, so that the weights' quants are used unsigned, 0..15 / 0..31, instead of the sign
@@ -701,8 +679,8 @@ LP_INLINE void gk_zprep(const int kind, int nb, int ncp, const uint8_t *x, int64
  * vcvtph2ps. Rows are read side by side (independent fmadd chains), with the group of rows ahead
  * prefetched in software (lp_pf_group, lp_quants.h): without that prefetch, 2 or 4 interleaved
  * rows ran 0.65-0.75x one row's speed on matrices streamed from memory (an older host); with it,
- * AVX2's 4 rows (gv_rows) against one: the 1B --pure shape's 48 ffn matrices, 2 threads, Q4_0
- * 16.5 / 17.0 / 18.9 -> 15.7 / 15.5 / 18.7 ms; Q4_1 / Q5_0 / Q5_1 ffn_up within +-4 % (stop 23).
+ * AVX2's 4 rows (gv_rows) against one: the 1B --pure shape's 48 ffn matrices, 2 threads, Q4_0 (here
+ * then, iquants.c's since) 16.5 / 17.0 / 18.9 -> 15.7 / 15.5 / 18.7 ms; Q4_1 / Q5_0 / Q5_1 ffn_up within +-4 % (stop 23).
  * The mins term of Q4_1 / Q5_1 (m * s, added in block order into a float32) stays the vec_dot's
  * scalar chain.
  *
@@ -722,7 +700,7 @@ LP_INLINE void gk_zprep(const int kind, int nb, int ncp, const uint8_t *x, int64
 #define GV_MAX_NB 1024 /* the prepared activation row (~128 bytes a block) stays on the stack */
 
 /* offsets in a weight block of the quants and of qh (Q5_x) */
-#define GV_QS(k) ((k) == GK_Q4_0 || (k) == GK_Q8_0 ? 2 : (k) == GK_Q4_1 ? 4 : (k) == GK_Q5_0 ? 6 : 8)
+#define GV_QS(k) ((k) == GK_Q8_0 ? 2 : (k) == GK_Q4_1 ? 4 : (k) == GK_Q5_0 ? 6 : 8)
 #define GV_QH(k) ((k) == GK_Q5_0 ? 2 : 4)
 #define GV_HIGH(k) ((k) == GK_Q5_0 || (k) == GK_Q5_1)
 
@@ -987,7 +965,7 @@ LP_INLINE void gv_prep1(const int kind, int nb, const uint8_t *x, gv_vec *prep, 
                                                     _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(y + yq))));
         prep[GV_PREP * i] = qy;
         if (GK_SIGNED(kind)) { /* -(offset x the sum of each 4 activations) */
-            const __m512i c = _mm512_set1_epi8((char)(kind == GK_Q4_0 ? 8 : kind == GK_Q8_0 ? 128 : 16));
+            const __m512i c = _mm512_set1_epi8((char)(kind == GK_Q8_0 ? 128 : 16));
             prep[GV_PREP * i + 1] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, qy));
         }
         lp_half h;
@@ -1140,7 +1118,7 @@ LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
             pj[k] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(y0 + 16 * k))),
                                             _mm_loadu_si128((const __m128i *)(y1 + 16 * k)), 1);
         if (GK_SIGNED(kind)) { /* -(offset x the sum of each 4 activations) */
-            const __m256i c = _mm256_set1_epi8(kind == GK_Q4_0 ? 8 : 16);
+            const __m256i c = _mm256_set1_epi8(16); /* Q5_0 (Q8_0 takes its vec_dot on AVX2: GV_FAST) */
             for (int k = 0; k < 2; k++)
                 pj[2 + k] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(_mm256_maddubs_epi16(c, pj[k]), ones));
         }
@@ -1291,15 +1269,14 @@ LP_INLINE void gk_gemm(const int kind, const int pairs, int n, float *s, int64_t
             gk_gemm(kind, 0, n, s + (r > 0 ? r : 0), ld_s, (const uint8_t *)w + (r > 0 ? r : 0) * row_bytes, \
                     row_bytes, nr - (r > 0 ? r : 0), x, x_bytes, nc);                                     \
     }
-GK_DEFINE(lp_gemm_q4_0_q8_0, GK_Q4_0)
 GK_DEFINE(lp_gemm_q4_1_q8_1, GK_Q4_1)
 GK_DEFINE(lp_gemm_q5_0_q8_0, GK_Q5_0)
 GK_DEFINE(lp_gemm_q5_1_q8_1, GK_Q5_1)
 GK_DEFINE(lp_gemm_q8_0_q8_0, GK_Q8_0)
 #undef GK_DEFINE
 
-/* the 32 quants of weight block b as stored: the nibble kinds' 0..15 / 0..31 (Q4_0 and Q5_0
- * before their - 8 / - 16), Q8_0's signed (the prompt panels below) */
+/* the 32 quants of weight block b as stored: the nibble kinds' 0..15 / 0..31 (Q5_0 before its
+ * - 16), Q8_0's signed (the prompt panels below) */
 LP_INLINE __m256i gp_raw(const int kind, const uint8_t *b) {
     if (kind == GK_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
     const __m256i q = nibbles32(b + GV_QS(kind));
@@ -1322,12 +1299,12 @@ LP_INLINE __m256i gp_raw(const int kind, const uint8_t *b) {
  *   per block and row pair x column one vpdpbusd (its quants against the column's broadcast from
  *   memory), one convert, one multiply (dx pair x dy broadcast from memory) and one fmadd, and the
  *   mins of 4 rows x 4 columns one multiply and add (16 chains in one vector).
- * The signed kinds (Q4_0, Q5_0, Q8_0) keep their weights signed (q - 8, q - 16, q) and take the
+ * The signed kinds (Q5_0, Q8_0) keep their weights signed (q - 16, q) and take the
  * activations unsigned (a + 128, exact: a ^ 0x80), the panel holding -128 x each 4 weights' sum
  * as the vpdpbusd's start: the lanes sum (a + 128) w - 128 w = a w exactly (vpdpbusd does not
  * saturate). Measured (one thread of the shared 2-core AVX-512 host, SmolLM2's 576x576, 1536x576
  * and 576x1536 through lp_mul_mat_q, A/B in one process, best of 7; the same bits): 512 tokens
- * ~33 -> ~80 G multiply-adds/s for Q4_1 (2.4x), Q4_0 2.4-2.5x, Q5_0 2.8-2.9x, Q5_1 2.6-2.8x,
+ * ~33 -> ~80 G multiply-adds/s for Q4_1 (2.4x), Q4_0 (here then) 2.4-2.5x, Q5_0 2.8-2.9x, Q5_1 2.6-2.8x,
  * Q8_0 2.0-2.1x; Q4_1 at 64 tokens 2.2-2.3x, 17: 1.6-1.7x, 8: 1.35-1.4x, 5: ~1.03x. */
 typedef struct {
     __m512i q[2]; /* row pairs (0,1) and (2,3): 32 quants each, side by side */
@@ -1346,7 +1323,6 @@ typedef struct {
  * kinds signed */
 LP_INLINE __m256i gp_quants(const int kind, const uint8_t *b) {
     const __m256i q = gp_raw(kind, b);
-    if (kind == GK_Q4_0) return _mm256_sub_epi8(q, _mm256_set1_epi8(8));
     if (kind == GK_Q5_0) return _mm256_sub_epi8(q, _mm256_set1_epi8(16));
     return q;
 }
@@ -1499,13 +1475,13 @@ LP_INLINE int gp_gemm(const int kind, int n, float *s, int64_t ld_s, const uint8
  * vec_dot's, in its order, so the same bits; around them, the AVX-512 panel's plan in 256 bits
  * without VNNI:
  * - the activations prepared once a call (gp2_act: per group of 4 columns and block, the quants,
- *   d and s as float32, and for Q4_0 / Q5_0 -8 / -16 x the sums of each 4 quants);
+ *   d and s as float32, and for Q5_0 -16 x the sums of each 4 quants);
  * - the weights decoded once per panel of rows (gp2_pair: per 2 rows and block, the quants as
  *   stored, the scales as [dx x4 | dx' x4] and the mins as [m x4 | m' x4]; Q8_0 also the signed
  *   quants);
  * - a tile is 2 rows x 4 columns (8 accumulators): per block and output one maddubs, one madd,
- *   one convert and one fmadd (and the tile's 8 dx * dy in one multiply); Q4_0 / Q5_0 add the
- *   column's offset sums (the weights used unsigned: (q - 8) y = q y - 8 y, exact), Q8_0 keeps
+ *   one convert and one fmadd (and the tile's 8 dx * dy in one multiply); Q5_0 adds the
+ *   column's offset sums (the weights used unsigned: (q - 16) y = q y - 16 y, exact), Q8_0 keeps
  *   the vec_dot's sign trick (its q + 128 would overflow maddubs' pairs), and the mins of 2 rows
  *   x 4 columns are one multiply and add (8 chains in one vector).
  * The panel (GP2_PANEL_BYTES) is L2-sized: a 2-row tile is small, so each column group's
@@ -1513,7 +1489,8 @@ LP_INLINE int gp_gemm(const int kind, int n, float *s, int64_t ld_s, const uint8
  * Measured (stop 23, 2 threads, the AVX2 library, one layer's 7 matrices, A/B in one process;
  * the same bits): SmolLM2 Q4_1, 512 tokens, 22.4 ms -> 19.7 / 18.9 / 19.0 with 16 / 64 / 256 KiB
  * panels, 64 tokens 3.17 -> 2.59, 16: 0.82 -> 0.75, 8: 0.39 -> 0.39, 5: 0.34 -> 0.46 (below
- * MM_PANEL_MIN, qmatmul.c); the 1B shape --pure Q4_0, 512 tokens 411 -> 346 / 322 / 307 ms, 64:
+ * MM_PANEL_MIN, qmatmul.c); the 1B shape --pure Q4_0 (here then; iquants.c's since), 512 tokens
+ * 411 -> 346 / 322 / 307 ms, 64:
  * 45.6 -> 39.0, 16: 11.6 -> 11.6. The tile's 8 scales dx * dy are one multiply, stored and
  * broadcast back by loads (instead of 8 multiplies): Q4_1 / Q8_0 1B shape 512 tokens a further
  * 306 -> 279 / 343 -> 312 ms, SmolLM2 20.5 -> 19.8; Q4_0 / Q5_0 (their offset sums are another load
@@ -1526,11 +1503,11 @@ typedef struct {
 } gp2_pair;
 typedef struct {
     int8_t q[4][32]; /* the 4 columns' quants */
-    __m256i c[4];    /* Q4_0 / Q5_0: -(8 or 16) x the sums of each 4 quants */
+    __m256i c[4];    /* Q5_0: -16 x the sums of each 4 quants */
     float d[4], s[4];
 } gp2_act;
 #define GP2_PANEL_BYTES (256 * 1024)
-#define GP2_OFFSET(k) ((k) == GK_Q4_0 ? 8 : (k) == GK_Q5_0 ? 16 : 0)
+#define GP2_OFFSET(k) ((k) == GK_Q5_0 ? 16 : 0)
 
 /* rows w, w + row_bytes (nrows 1 or 2; a missing row repeats the first) -> nb pairs */
 LP_INLINE void gp2_decode(const int kind, int nb, const uint8_t *w, int64_t row_bytes, int nrows, gp2_pair *pp) {
@@ -1668,7 +1645,6 @@ LP_INLINE int gp_gemm(const int kind, int n, float *s, int64_t ld_s, const uint8
             name(n, s + c * ld_s, ld_s, w, row_bytes, nr, (const uint8_t *)x + c * x_bytes, x_bytes,     \
                  nc - c < LP_GEMM_COLS ? nc - c : LP_GEMM_COLS);                                         \
     }
-GP_DEFINE(lp_gemm_q4_0_q8_0, GK_Q4_0)
 GP_DEFINE(lp_gemm_q4_1_q8_1, GK_Q4_1)
 GP_DEFINE(lp_gemm_q5_0_q8_0, GK_Q5_0)
 GP_DEFINE(lp_gemm_q5_1_q8_1, GK_Q5_1)
@@ -1692,7 +1668,6 @@ GP_DEFINE(lp_gemm_q8_0_q8_0, GK_Q8_0)
         }                                                                                                 \
         gv_gemv(kind, nb, s, w, row_bytes, nr, x);                                                        \
     }
-GV_DEFINE(lp_gemv_q4_0_q8_0, GK_Q4_0, lp_vec_dot_q4_0_q8_0)
 GV_DEFINE(lp_gemv_q5_0_q8_0, GK_Q5_0, lp_vec_dot_q5_0_q8_0)
 GV_DEFINE(lp_gemv_q4_1_q8_1, GK_Q4_1, lp_vec_dot_q4_1_q8_1)
 GV_DEFINE(lp_gemv_q5_1_q8_1, GK_Q5_1, lp_vec_dot_q5_1_q8_1)

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """llama.cpp's references for the quant types mixture-of-experts models ship in (IQ4_NL, IQ4_XS,
-MXFP4), made by llama.cpp itself.
+MXFP4), and for Q4_0 (which llama.cpp's x86 builds run through IQ4_NL's kernels), made by
+llama.cpp itself.
 
     python tests/model/references/make_iquant_refs.py [--bin DIR] [--out DIR]
 
@@ -26,7 +27,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 import make_family_refs as refs  # noqa: E402
 from family_models import write_family_gguf  # noqa: E402
 
-TYPES = {"IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS", "MXFP4": "MXFP4_MOE"}  # ours -> llama-quantize's name
+TYPES = {"IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS", "MXFP4": "MXFP4_MOE", "Q4_0": "Q4_0"}  # ours -> llama-quantize's name
 MAKE = dict(arch="qwen3", head_dim=64, tied=False, seed=21, **refs.SHAPE)
 
 

@@ -225,6 +225,29 @@ def test_gemm_and_gemv_equal_vec_dot(lib: ctypes.CDLL, name: str) -> None:
     assert np.array_equal(got.view(np.uint32), want[:1].view(np.uint32))
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "MXFP4"])
+def test_int16_sums_at_the_grids_extremes(lib: ctypes.CDLL, name: str) -> None:
+    """The AVX2 kernels add several maddubs results in int16 for the grids that fit maddubs
+    unsigned (iquants.c g16: Q4_0's 0..15 eight at a time, MXFP4's 0..24 four): at the largest
+    unsigned value in every weight and activations of +-127 everywhere (the largest pair sums, of
+    both signs), every kernel still gives llama.cpp's x86 result (no int16 overflow)."""
+    suffix = f"{name.lower()}_{VDT[name]}"
+    if not hasattr(lib, f"lp_gemm_{suffix}"):
+        pytest.skip("the portable build has no multi-column kernels (a vec_dot per output)")
+    n, nr = 4 * QK_K, 19
+    raw = np.ascontiguousarray(random_blocks(name, nr, n, np.random.default_rng(20)))
+    b = raw.reshape(-1, block_size(GGMLType[name])[1])
+    b[:, -16:] = 0xFF if name == "Q4_0" else 0x77  # unsigned grid 15 / 24 (values 7 / 12)
+    acts = np.stack([_activation(name, np.full(n, sign, np.float32)).view(np.uint8) for sign in (1, -1)] * 8)
+    assert (np.abs(acts.reshape(16, -1, 34)[:, :, 2:].view(np.int8)) == 127).all()
+    want = np.array([[_ggml_x86_dot(name, raw[r], acts[c]) for r in range(nr)] for c in range(16)], np.float32)
+    for nc in (1, 2, 3, 4, 5, 16):  # the decode kernels, then the prompt panel
+        got = _gemm(lib, f"lp_gemm_{suffix}", n, raw, np.ascontiguousarray(acts[:nc]))
+        assert np.array_equal(got.view(np.uint32), want[:nc].view(np.uint32)), nc
+    got = _gemm(lib, f"lp_gemv_{suffix}", n, raw, np.ascontiguousarray(acts[:1]), gemv=True)
+    assert np.array_equal(got.view(np.uint32), want[:1].view(np.uint32))
+
+
 def act_dtype(name: str) -> np.dtype:
     return quants.Q8_K_DTYPE if name == "IQ4_XS" else np.dtype(np.uint8)
 

@@ -477,12 +477,14 @@ static inline __attribute__((always_inline)) void b32_panel8(const b32_kind *k, 
 }
 
 #if !defined(B32_ZMM)
-/* AVX2 decode (1-3 tokens): 4 rows at a time, each row's block values decoded once and multiplied
+/* AVX2 decode (1-4 tokens): 4 rows at a time, each row's block values decoded once and multiplied
  * by every column at once (the 4 x NC partial-sum vectors stay in the 16 registers: 8 rows x
- * several columns spilled), the 4 rows' block sums by one reduction (6 shuffles), their scales
- * gathered in a general register. IQ4_NL through the sign trick (its grid does not fit
- * maddubs unsigned), Q4_0 and MXFP4 on their unsigned grids less the prepared offset sums. */
-#define B32_YMM_COLS 3
+ * several columns spilled), the 4 rows' block sums by one reduction (6 shuffles; Q4_0 and MXFP4:
+ * hadds of the int16 pairs and one madd), their scales gathered in a general register. IQ4_NL
+ * through the sign trick (its grid does not fit maddubs unsigned), Q4_0 and MXFP4 on their
+ * unsigned grids less the prepared offset sums. 4 columns here, not the panel: the 1B shape
+ * --pure Q4_0, 2 threads, pp4 43.2 -> 52.7 tok/s (pp3 43.3 -> 47.5 with the hadds). */
+#define B32_YMM_COLS 4
 
 /* the 4 vectors' lane totals, in order: [v0, v1, v2, v3] */
 static inline __m128i hsum4_rows(const __m256i v[4]) {
@@ -490,6 +492,15 @@ static inline __m128i hsum4_rows(const __m256i v[4]) {
     const __m256i s1 = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2], v[3]), _mm256_unpackhi_epi32(v[2], v[3]));
     const __m256i t = _mm256_add_epi32(_mm256_blend_epi32(s0, s1, 0xCC), _mm256_alignr_epi8(s1, s0, 8));
     return _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+}
+
+/* the 4 rows' totals from their maddubs results (int16 pairs), [v0, v1, v2, v3]: two rounds of
+ * hadd sum 4 pairs of a row in int16 (the kinds with g16 >= 4), one madd the rest — 1 multiply
+ * instead of hsum4_rows' 4 madds before it */
+static inline __m128i hsum4_rows_i16(const __m256i v[4]) {
+    const __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(v[0], v[1]), _mm256_hadd_epi16(v[2], v[3]));
+    const __m256i m = _mm256_madd_epi16(h, _mm256_set1_epi16(1)); /* per 128-bit lane [v0 v1 v2 v3] */
+    return _mm_add_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
 }
 
 /* the scales of 4 rows' blocks (row[0..3]) as floats (b32_scales8p's, 4 rows) */
@@ -529,12 +540,12 @@ static inline __attribute__((always_inline)) void b32_rows4_ymm(const b32_kind *
             const __m256i wv = b32_values(lut, row[r] + k->qoff);
             for (int c = 0; c < NC; c++) {
                 const __m256i yv = _mm256_loadu_si256((const __m256i *)((const block_q8_0 *)(x + c * x_bytes) + i)->qs);
-                p[c][r] = k->g16 ? dot8_u8s8(wv, yv) : dot8_s8(wv, yv);
+                p[c][r] = k->g16 >= 4 ? _mm256_maddubs_epi16(wv, yv) : k->g16 ? dot8_u8s8(wv, yv) : dot8_s8(wv, yv);
             }
         }
         for (int c = 0; c < NC; c++) {
             const block_q8_0 *y = (const block_q8_0 *)(x + c * x_bytes) + i;
-            __m128i tot = hsum4_rows(p[c]);
+            __m128i tot = k->g16 >= 4 ? hsum4_rows_i16(p[c]) : hsum4_rows(p[c]);
             if (k->g16) tot = _mm_sub_epi32(tot, _mm_set1_epi32(ys[(int64_t)c * nb + i]));
             acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(tot), _mm_mul_ps(dw, _mm_set1_ps(_cvtsh_ss(y->d))), acc[c]);
         }
@@ -554,7 +565,9 @@ static inline __m256i hsum8_rows(const __m256i v[8]) {
 }
 
 /* One token (decode proper), 8 rows at once: the 8-row reduction costs 11 shuffles where two
- * 4-row ones cost 12 and 2 more float steps. IQ4_NL with the sign moved to the weights:
+ * 4-row ones cost 12 and 2 more float steps (hsum4_rows_i16's hadds, 6 for 8 rows, were slower
+ * here: 1024 x 2048 Q4_0, one thread, 92 -> 102 us, on the shuffle port the lookups use; with
+ * 2-4 columns they win). IQ4_NL with the sign moved to the weights:
  * sign(v, y) times |y|, prepared once a call (ay), one operation a row less than the sign trick
  * (|y| <= 127, so maddubs' pairs stay below 2^15); Q4_0 and MXFP4 on their unsigned grids less ys. yd: the
  * activation scales as floats. */
@@ -610,7 +623,8 @@ static inline __attribute__((always_inline)) int b32_gemv_ymm(const b32_kind *k,
         const uint8_t *wr = w + r * row_bytes;
         if (nc == 1) b32_rows4_ymm(k, 1, ys, nb, s + r, ld_s, wr, row_bytes, x, x_bytes);
         else if (nc == 2) b32_rows4_ymm(k, 2, ys, nb, s + r, ld_s, wr, row_bytes, x, x_bytes);
-        else b32_rows4_ymm(k, 3, ys, nb, s + r, ld_s, wr, row_bytes, x, x_bytes);
+        else if (nc == 3) b32_rows4_ymm(k, 3, ys, nb, s + r, ld_s, wr, row_bytes, x, x_bytes);
+        else b32_rows4_ymm(k, 4, ys, nb, s + r, ld_s, wr, row_bytes, x, x_bytes);
     }
     if (ys != ys_stack) free(ys);
     return r;

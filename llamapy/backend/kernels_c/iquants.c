@@ -6,8 +6,9 @@
  * ggml counterparts: ggml-common.h (block_iq4_nl, block_iq4_xs, block_mxfp4, kvalues_iq4nl,
  * kvalues_mxfp4), ggml-quants.c (dequantize_row_iq4_nl / iq4_xs / mxfp4), ggml-cpu's
  * arch/x86/quants.c (ggml_vec_dot_iq4_xs_q8_K), arch/x86/repack.cpp
- * (gemv/gemm_q4_b32_8x8_q8_0_lut_avx: the q4_0_8x8, iq4_nl_8x8 and mxfp4_8x8 kernels llama.cpp's x86 builds
- * run on these weights, every matrix of a multiple of 8 rows: decode and prompts alike) and
+ * (gemv/gemm_q4_b32_8x8_q8_0_lut_avx: the q4_0_8x8, iq4_nl_8x8 and mxfp4_8x8 kernels llama.cpp's
+ * x86 builds run on these weights, every matrix of a multiple of 8 rows: decode and prompts
+ * alike) and
  * tiled/tiled-kernel.cpp (its IQ4_XS prompts).
  *
  * Kernels (the file's blocks where they are mapped, no repacking): decode (1-4 tokens, a whole
@@ -21,9 +22,9 @@
  * AVX2's IQ4_NL decode puts the sign on the weights against a prepared |y|.
  *
  * Numerics (each output bit for bit what llama.cpp 0.3.36's x86 build computes):
- *   Q4_0 . Q8_0, IQ4_NL . Q8_0, MXFP4 . Q8_0 (the repacked 8x8 kernels' order): per 32-element block i the
- *     exact int32 sum S_i of kvalue * q8, acc = fmaf((float)S_i, d_w,i * d_y,i, acc) block after
- *     block, from 0: one chain per output. d_w is the f16 scale (Q4_0, IQ4_NL) or 2^(e - 128)
+ *   Q4_0 . Q8_0, IQ4_NL . Q8_0, MXFP4 . Q8_0 (the repacked 8x8 kernels' order): per 32-element
+ *     block i the exact int32 sum S_i of kvalue * q8, acc = fmaf((float)S_i, d_w,i * d_y,i, acc)
+ *     block after block, from 0: one chain per output. d_w is the f16 scale (Q4_0, IQ4_NL) or 2^(e - 128)
  *     (ggml_e8m0_to_fp32_half: MXFP4's e2m1 values are stored doubled, as integers).
  *   IQ4_XS . Q8_K (the order of llama.cpp's tiled microkernels, tiled/tiled-kernel.cpp, which run
  *     its prompts): per 256-element block the exact int32 total S_i over its 8 sub-blocks of
@@ -140,7 +141,7 @@ IQ_API int lp_dequantize_rows(int type, const void *w, int64_t n_rows, int64_t r
  * for its prompts, qmatmul.c a vec_dot per output). */
 
 /* ------------------------------------------------------------------------------------------- */
-/* IQ4_NL and MXFP4 against Q8_0: 32-element blocks of 16 nibble bytes under one scale          */
+/* Q4_0, IQ4_NL and MXFP4 against Q8_0: 32-element blocks of 16 nibble bytes under one scale    */
 
 /* The grids shifted to unsigned bytes, for u8 x s8 products without the sign trick:
  * sum((v + off) * y) - off * sum(y) = sum(v * y), exactly. Q4_0 (off 8, at most 15) and MXFP4
@@ -520,8 +521,8 @@ static inline __m128 b32_scales4p(const b32_kind *k, const uint8_t *const row[4]
     return _mm_cvtph_ps(_mm_cvtsi64_si128((long long)lo));
 }
 
-/* 4 rows against NC columns (x_bytes apart; ys: the unsigned grid's offset sums, column c's block i at
- * [c nb + i]): per output the vec_dot's chain */
+/* 4 rows against NC columns (x_bytes apart; ys: the unsigned grid's offset sums, column c's block
+ * i at [c nb + i]): per output the vec_dot's chain */
 static inline __attribute__((always_inline)) void b32_rows4_ymm(const b32_kind *k, const int NC, const int32_t *ys,
                                                                 int nb, float *s, int64_t ld_s, const uint8_t *w,
                                                                 int64_t row_bytes, const uint8_t *x, int64_t x_bytes) {
@@ -567,9 +568,9 @@ static inline __m256i hsum8_rows(const __m256i v[8]) {
 /* One token (decode proper), 8 rows at once: the 8-row reduction costs 11 shuffles where two
  * 4-row ones cost 12 and 2 more float steps (hsum4_rows_i16's hadds, 6 for 8 rows, were slower
  * here: 1024 x 2048 Q4_0, one thread, 92 -> 102 us, on the shuffle port the lookups use; with
- * 2-4 columns they win). IQ4_NL with the sign moved to the weights:
- * sign(v, y) times |y|, prepared once a call (ay), one operation a row less than the sign trick
- * (|y| <= 127, so maddubs' pairs stay below 2^15); Q4_0 and MXFP4 on their unsigned grids less ys. yd: the
+ * 2-4 columns they win). IQ4_NL with the sign moved to the weights: sign(v, y) times |y|,
+ * prepared once a call (ay), one operation a row less than the sign trick (|y| <= 127, so
+ * maddubs' pairs stay below 2^15); Q4_0 and MXFP4 on their unsigned grids less ys. yd: the
  * activation scales as floats. */
 static inline __attribute__((always_inline)) void b32_rows8_ymm1(const b32_kind *k, const int32_t *ys,
                                                                  const __m256i *ay, const float *yd, int nb, float *s,

@@ -1652,18 +1652,44 @@ GP_DEFINE(lp_gemm_q8_0_q8_0, GK_Q8_0)
 #undef GP_DEFINE
 
 /* lp_gemv_* (lp_quants.h): the decode kernels above (gv_gemv, AVX-512 or AVX2); a row longer than
- * the stack buffer allows (GV_MAX_NB blocks) is one vec_dot per row, and so is Q8_0 on AVX2 (its
- * quants plus 128 would overflow maddubs' pairs: the vec_dot's sign trick is what AVX2 has) */
+ * the stack buffer allows (GV_MAX_NB blocks) is one vec_dot per row. Q8_0 on AVX2 keeps the
+ * vec_dot's sign trick (its quants plus 128 would overflow maddubs' pairs) in gv8_rows: 8 rows side
+ * by side, each the vec_dot's one-accumulator chain (8 chains hide the fmadd latency that bounds a
+ * row alone), the group ahead prefetched (lp_pf_group). Measured on the Zen 2 host: 100,000 x 2880
+ * (gpt-oss's output matrix's width), one thread, 11.0-11.3 -> 12.7 GB/s (4 rows: 11.5-11.9);
+ * gptoss6 tg64, 2 threads, against the vec_dot a row alternated three times: 18.1 / 18.7 / 17.5
+ * -> 19.2 / 19.8 / 19.6 tok/s. */
 #if defined(GK_ZMM)
 #define GV_FAST(kind) 1
 #else
 #define GV_FAST(kind) ((kind) != GK_Q8_0)
 #endif
+#define GV8_ROWS 8
+LP_INLINE void gv8_rows(int nb, float *s, const uint8_t *w, int64_t row_bytes, const block_q8_0 *y) {
+    __m256 acc[GV8_ROWS];
+    for (int r = 0; r < GV8_ROWS; r++) acc[r] = _mm256_setzero_ps();
+    const lp_pf pf = lp_pf_group(w, GV8_ROWS * row_bytes, nb);
+    for (int i = 0; i < nb; i++) {
+        lp_pf_step(&pf, i);
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
+        const float dy = H2F(y[i].d);
+        for (int r = 0; r < GV8_ROWS; r++) {
+            const block_q8_0 *x = (const block_q8_0 *)(w + r * row_bytes) + i;
+            const __m256i qx = _mm256_loadu_si256((const __m256i *)x->qs);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), _mm256_set1_ps(H2F(x->d) * dy), acc[r]);
+        }
+    }
+    for (int r = 0; r < GV8_ROWS; r++) s[r] = hsum8(acc[r]);
+}
 #define GV_DEFINE(name, kind, dot)                                                                        \
     LP_API void name(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x) {          \
         const int nb = n / QK8_0;                                                                         \
+        int r = 0;                                                                                        \
+        if (!GV_FAST(kind))                                                                               \
+            for (; r + GV8_ROWS <= nr; r += GV8_ROWS)                                                     \
+                gv8_rows(nb, s + r, (const uint8_t *)w + r * row_bytes, row_bytes, x);                    \
         if (nb > GV_MAX_NB || !GV_FAST(kind)) {                                                           \
-            for (int r = 0; r < nr; r++) dot(n, s + r, (const uint8_t *)w + r * row_bytes, x);            \
+            for (; r < nr; r++) dot(n, s + r, (const uint8_t *)w + r * row_bytes, x);                     \
             return;                                                                                       \
         }                                                                                                 \
         gv_gemv(kind, nb, s, w, row_bytes, nr, x);                                                        \

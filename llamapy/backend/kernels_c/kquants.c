@@ -847,6 +847,40 @@ KQ_API void lp_vec_dot_q4_K_q8_K(int n, float *restrict s, const void *restrict 
 /* ---------------------------------------------------------------------------------------------
  * Q5_K: Q4_K with a fifth bit per quant in qh (bit j of qh[l] for element l of sub-block j)
  */
+#if defined(__AVX2__) && !defined(LP_KQ_AVX512)
+/* one Q5_K block's integer sum in 8 int32 lanes (the AVX2 vec_dot's; their total is exact) and
+ * its mins sum *M (kq_tiled_step_min's) */
+KQ_INLINE __m256i kq_q5k_lanes(const block_q5_K *restrict x, const block_q8_K *restrict y, int32_t *M) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m256i m16 = _mm256_set1_epi8(16);
+    const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x));
+    *M = kq_hsum_epi32_128(kq_mins_dot(ms16, y->bsums));
+    const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms16));
+    const __m256i hbits = _mm256_loadu_si256((const __m256i *)x->qh);
+    const uint8_t *q4 = x->qs;
+    const int8_t *q8 = y->qs;
+    __m256i sumi = _mm256_setzero_si256();
+#if defined(__GNUC__)
+#pragma GCC unroll 4
+#endif
+    for (int j = 0; j < 4; ++j) {
+        /* qh bit b -> bit 4 of each byte (a 16-bit shift by <= 4 keeps bits within bytes) */
+        const int bl = 2 * j, bh = 2 * j + 1;
+        __m256i hl = bl <= 4 ? _mm256_slli_epi16(hbits, 4 - bl) : _mm256_srli_epi16(hbits, bl - 4);
+        __m256i hh = bh <= 4 ? _mm256_slli_epi16(hbits, 4 - bh) : _mm256_srli_epi16(hbits, bh - 4);
+        hl = _mm256_and_si256(hl, m16);
+        hh = _mm256_and_si256(hh, m16);
+        const __m256i bits = _mm256_loadu_si256((const __m256i *)(q4 + 32 * j));
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(bits, m4), hl);
+        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), hh);
+        const __m256i pl = kq_dot32(lo, q8 + 64 * j, kq_scale16_bcast(sc, bl));
+        const __m256i ph = kq_dot32(hi, q8 + 64 * j + 32, kq_scale16_bcast(sc, bh));
+        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+    }
+    return sumi;
+}
+#endif
+
 KQ_API void lp_vec_dot_q5_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
     const block_q5_K *restrict x = (const block_q5_K *)vx;
     const block_q8_K *restrict y = (const block_q8_K *)vy;
@@ -898,35 +932,10 @@ KQ_API void lp_vec_dot_q5_K_q8_K(int n, float *restrict s, const void *restrict 
     }
     *s = acc;
 #elif defined(__AVX2__)
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    const __m256i m16 = _mm256_set1_epi8(16);
     float acc = 0.0f;
     for (int i = 0; i < nb; ++i) {
-        const __m256i ms16 = _mm256_cvtepu8_epi16(kq_scale_min_k4_vec(x + i));
-        const int32_t M = kq_hsum_epi32_128(kq_mins_dot(ms16, y[i].bsums));
-        const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms16));
-
-        const __m256i hbits = _mm256_loadu_si256((const __m256i *)x[i].qh);
-        const uint8_t *q4 = x[i].qs;
-        const int8_t *q8 = y[i].qs;
-        __m256i sumi = _mm256_setzero_si256();
-#if defined(__GNUC__)
-#pragma GCC unroll 4
-#endif
-        for (int j = 0; j < 4; ++j) {
-            /* qh bit b -> bit 4 of each byte (a 16-bit shift by <= 4 keeps bits within bytes) */
-            const int bl = 2 * j, bh = 2 * j + 1;
-            __m256i hl = bl <= 4 ? _mm256_slli_epi16(hbits, 4 - bl) : _mm256_srli_epi16(hbits, bl - 4);
-            __m256i hh = bh <= 4 ? _mm256_slli_epi16(hbits, 4 - bh) : _mm256_srli_epi16(hbits, bh - 4);
-            hl = _mm256_and_si256(hl, m16);
-            hh = _mm256_and_si256(hh, m16);
-            const __m256i bits = _mm256_loadu_si256((const __m256i *)(q4 + 32 * j));
-            const __m256i lo = _mm256_or_si256(_mm256_and_si256(bits, m4), hl);
-            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), hh);
-            const __m256i pl = kq_dot32(lo, q8 + 64 * j, kq_scale16_bcast(sc, bl));
-            const __m256i ph = kq_dot32(hi, q8 + 64 * j + 32, kq_scale16_bcast(sc, bh));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
-        }
+        int32_t M;
+        const __m256i sumi = kq_q5k_lanes(x + i, y + i, &M);
         acc = kq_tiled_step_min(kq_hsum_epi32_256(sumi), M, kq_h2f(x[i].d), kq_h2f(x[i].dmin), y[i].d, acc);
     }
     *s = acc;
@@ -2409,6 +2418,41 @@ KQ_API void lp_gemv_q4_K_q8_K(int n, float *restrict s, const void *restrict w, 
     for (; r < nr; ++r) s[r] = kq_dot_q4_K(nb, (const block_q4_K *)((const uint8_t *)w + r * row_bytes), y);
 }
 #endif /* LP_KQ_AVX512 */
+
+#if !defined(LP_KQ_AVX512)
+/* Q5_K (AVX2; AVX-512 keeps a vec_dot a row): four rows at once as Q6_K's below, the block totals
+ * summed together (kq_sum4_256) and kq_tiled_step_min in 4 float32 lanes (the vec_dot's
+ * operations, -dmin negated exactly, so its bits); the rest row by row. A vec_dot a row is one
+ * fmaf chain: the 1B shape --pure Q5_K, 2 threads, tg64 18.2 (63 % of the read probe) -> see
+ * bench/RESULTS.md stop 32. */
+KQ_API void lp_gemv_q5_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
+                              const void *restrict x) {
+    const int nb = n / QK_K;
+    const block_q8_K *y = (const block_q8_K *)x;
+    const __m128 sign = _mm_set1_ps(-0.0f);
+    int r = 0;
+    for (; r + 4 <= nr; r += 4) {
+        const block_q5_K *xr[4];
+        for (int k = 0; k < 4; ++k) xr[k] = (const block_q5_K *)((const uint8_t *)w + (r + k) * row_bytes);
+        __m128 acc = _mm_setzero_ps();
+        const lp_pf pf = lp_pf_group(xr[0], 4 * row_bytes, nb);
+        for (int i = 0; i < nb; ++i) {
+            lp_pf_step(&pf, i);
+            int32_t M[4];
+            const __m128i S = kq_sum4_256(kq_q5k_lanes(xr[0] + i, y + i, &M[0]), kq_q5k_lanes(xr[1] + i, y + i, &M[1]),
+                                          kq_q5k_lanes(xr[2] + i, y + i, &M[2]), kq_q5k_lanes(xr[3] + i, y + i, &M[3]));
+            const __m256 dm = _mm256_cvtph_ps(_mm_setr_epi16((short)xr[0][i].d, (short)xr[1][i].d, (short)xr[2][i].d,
+                                                             (short)xr[3][i].d, (short)xr[0][i].dmin, (short)xr[1][i].dmin,
+                                                             (short)xr[2][i].dmin, (short)xr[3][i].dmin));
+            const __m128 rv = _mm_fmadd_ps(_mm_xor_ps(_mm256_extractf128_ps(dm, 1), sign), _mm_cvtepi32_ps(_mm_loadu_si128((const __m128i *)M)),
+                                           _mm_mul_ps(_mm_cvtepi32_ps(S), _mm256_castps256_ps128(dm)));
+            acc = _mm_fmadd_ps(rv, _mm_set1_ps(y[i].d), acc);
+        }
+        _mm_storeu_ps(s + r, acc);
+    }
+    for (; r < nr; ++r) lp_vec_dot_q5_K_q8_K(n, s + r, (const uint8_t *)w + r * row_bytes, x);
+}
+#endif
 
 /* Q6_K (both builds): four rows at once, their block totals summed together (kq_sum4_256) and
  * kq_tiled_step in 4 float32 lanes (the vec_dot's operations, so its bits); the rest row by row */

@@ -343,7 +343,7 @@ def test_panel_gemm_is_vec_dots(lib: ctypes.CDLL, name: str) -> None:
     check_gemm(lib, name, sym, 21, 32 * 129, n_cols=6, ncs=(6,), nrs=(21,), seed=37)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 # odd tail blocks; past the stack buffer (1024 blocks of 32; the K types: 128 of 256)
 @pytest.mark.parametrize("n_blocks", [1, 2, 19, 64, 1025])
 def test_gemv_is_vec_dots(lib: ctypes.CDLL, name: str, n_blocks: int) -> None:

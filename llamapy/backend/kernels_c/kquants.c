@@ -701,41 +701,47 @@ KQ_API void lp_gemv_q2_K_q8_K(int n, float *restrict s, const void *restrict w, 
  * Q3_K: 16 sub-blocks of 16, 3-bit quants (2 low bits + a high bit that, when clear, means -4),
  * signed 6-bit scales
  */
+#if defined(__AVX2__)
+/* one Q3_K block's integer sum in 8 int32 lanes (the AVX2 vec_dot's, the +4 offset's share
+ * subtracted; their total is exact) */
+KQ_INLINE __m256i kq_q3k_lanes(const block_q3_K *restrict x, const block_q8_K *restrict y) {
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m256i m4 = _mm256_set1_epi8(4);
+    const __m128i sc8 = kq_scales_q3_vec(x->scales);
+    const kq_sc16 sc = kq_sc16_load(sc8);
+    /* weights are used as q + 4 = low bits | high bit << 2 (0..7): subtract 4 x scale x bsums */
+    const __m256i off = _mm256_slli_epi32(
+        _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc8), _mm256_loadu_si256((const __m256i *)y->bsums)), 2);
+    const __m256i hbits = _mm256_loadu_si256((const __m256i *)x->hmask);
+    const int8_t *q8 = y->qs;
+    __m256i sumi = _mm256_setzero_si256();
+#if defined(__GNUC__)
+#pragma GCC unroll 2
+#endif
+    for (int k = 0; k < 2; ++k) {
+        const __m256i bits = _mm256_loadu_si256((const __m256i *)(x->qs + 32 * k));
+#if defined(__GNUC__)
+#pragma GCC unroll 4
+#endif
+        for (int sh = 0; sh < 4; ++sh) {
+            const int b = 4 * k + sh; /* hmask bit of these 32 elements, moved to bit 2 */
+            __m256i h = b < 2 ? _mm256_slli_epi16(hbits, 2 - b) : _mm256_srli_epi16(hbits, b - 2);
+            h = _mm256_and_si256(h, m4);
+            const __m256i w = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 2 * sh), m3), h);
+            sumi = _mm256_add_epi32(sumi, kq_dot32(w, q8 + 128 * k + 32 * sh, kq_scales16_pair(sc, b)));
+        }
+    }
+    return _mm256_sub_epi32(sumi, off);
+}
+#endif
+
 KQ_API void lp_vec_dot_q3_K_q8_K(int n, float *restrict s, const void *restrict vx, const void *restrict vy) {
     const block_q3_K *restrict x = (const block_q3_K *)vx;
     const block_q8_K *restrict y = (const block_q8_K *)vy;
     const int nb = n / QK_K;
 #if defined(__AVX2__)
-    const __m256i m3 = _mm256_set1_epi8(3);
-    const __m256i m4 = _mm256_set1_epi8(4);
     float acc = 0.0f;
-    for (int i = 0; i < nb; ++i) {
-        const __m128i sc8 = kq_scales_q3_vec(x[i].scales);
-        const kq_sc16 sc = kq_sc16_load(sc8);
-        /* weights are used as q + 4 = low bits | high bit << 2 (0..7): subtract 4 x scale x bsums */
-        const __m256i off = _mm256_slli_epi32(
-            _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc8), _mm256_loadu_si256((const __m256i *)y[i].bsums)), 2);
-        const __m256i hbits = _mm256_loadu_si256((const __m256i *)x[i].hmask);
-        const int8_t *q8 = y[i].qs;
-        __m256i sumi = _mm256_setzero_si256();
-#if defined(__GNUC__)
-#pragma GCC unroll 2
-#endif
-        for (int k = 0; k < 2; ++k) {
-            const __m256i bits = _mm256_loadu_si256((const __m256i *)(x[i].qs + 32 * k));
-#if defined(__GNUC__)
-#pragma GCC unroll 4
-#endif
-            for (int sh = 0; sh < 4; ++sh) {
-                const int b = 4 * k + sh; /* hmask bit of these 32 elements, moved to bit 2 */
-                __m256i h = b < 2 ? _mm256_slli_epi16(hbits, 2 - b) : _mm256_srli_epi16(hbits, b - 2);
-                h = _mm256_and_si256(h, m4);
-                const __m256i w = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 2 * sh), m3), h);
-                sumi = _mm256_add_epi32(sumi, kq_dot32(w, q8 + 128 * k + 32 * sh, kq_scales16_pair(sc, b)));
-            }
-        }
-        acc = kq_tiled_step(kq_hsum_epi32_256(_mm256_sub_epi32(sumi, off)), kq_h2f(x[i].d), y[i].d, acc);
-    }
+    for (int i = 0; i < nb; ++i) acc = kq_tiled_step(kq_hsum_epi32_256(kq_q3k_lanes(x + i, y + i)), kq_h2f(x[i].d), y[i].d, acc);
     *s = acc;
 #else
     float sumf = 0.0f;
@@ -2418,6 +2424,30 @@ KQ_API void lp_gemv_q4_K_q8_K(int n, float *restrict s, const void *restrict w, 
     for (; r < nr; ++r) s[r] = kq_dot_q4_K(nb, (const block_q4_K *)((const uint8_t *)w + r * row_bytes), y);
 }
 #endif /* LP_KQ_AVX512 */
+
+/* Q3_K (both builds: its AVX-512 vec_dot is the AVX2 one): four rows at once as Q6_K's below */
+KQ_API void lp_gemv_q3_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
+                              const void *restrict x) {
+    const int nb = n / QK_K;
+    const block_q8_K *y = (const block_q8_K *)x;
+    int r = 0;
+    for (; r + 4 <= nr; r += 4) {
+        const block_q3_K *xr[4];
+        for (int k = 0; k < 4; ++k) xr[k] = (const block_q3_K *)((const uint8_t *)w + (r + k) * row_bytes);
+        __m128 acc = _mm_setzero_ps();
+        const lp_pf pf = lp_pf_group(xr[0], 4 * row_bytes, nb);
+        for (int i = 0; i < nb; ++i) {
+            lp_pf_step(&pf, i);
+            const __m128i S = kq_sum4_256(kq_q3k_lanes(xr[0] + i, y + i), kq_q3k_lanes(xr[1] + i, y + i),
+                                          kq_q3k_lanes(xr[2] + i, y + i), kq_q3k_lanes(xr[3] + i, y + i));
+            const __m128 xd = _mm_cvtph_ps(_mm_setr_epi16((short)xr[0][i].d, (short)xr[1][i].d, (short)xr[2][i].d,
+                                                          (short)xr[3][i].d, 0, 0, 0, 0));
+            acc = _mm_fmadd_ps(_mm_mul_ps(_mm_cvtepi32_ps(S), xd), _mm_set1_ps(y[i].d), acc);
+        }
+        _mm_storeu_ps(s + r, acc);
+    }
+    for (; r < nr; ++r) lp_vec_dot_q3_K_q8_K(n, s + r, (const uint8_t *)w + r * row_bytes, x);
+}
 
 #if !defined(LP_KQ_AVX512)
 /* Q5_K (AVX2; AVX-512 keeps a vec_dot a row): four rows at once as Q6_K's below, the block totals

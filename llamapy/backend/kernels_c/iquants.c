@@ -13,7 +13,8 @@
  *
  * Kernels (the file's blocks where they are mapped, no repacking): decode (1-4 tokens, a whole
  * range of rows a call) prepares the activations once and takes 8 rows a step, two a 512-bit
- * vector on AVX-512 (b32_rows8_zmm, xs_rows8_zmm), 8 or 4 on AVX2 (b32_rows8_ymm1, b32_rows4_ymm),
+ * vector on AVX-512 (b32_rows8_zmm, xs_rows8_zmm), 8 or 4 on AVX2 (b32_rows8_ymm1, b32_rows4_ymm,
+ * xs_rows4_ymm1),
  * the 16-entry grid looked up with one byte shuffle, the rows' block sums reduced once a block,
  * their scales gathered in general registers; prompts transpose 8 rows' decoded blocks into a
  * panel with the rows in the lanes, which every token then reads with its activation bytes
@@ -718,9 +719,9 @@ IQ_API void lp_gemv_mxfp4_q8_0(int n, float *s, const void *w, int64_t row_bytes
 /* ------------------------------------------------------------------------------------------- */
 /* IQ4_XS against Q8_K                                                                          */
 
-/* the block's exact integer sum: over its 8 sub-blocks, scale * (kvalues . q8) */
-static inline int xs_total(const block_iq4_xs *b, const int8_t *q8) {
 #if defined(__AVX2__)
+/* the block's exact integer sum (below) in 8 int32 lanes */
+static inline __m256i xs_lanes(const block_iq4_xs *b, const int8_t *q8) {
     const __m128i lut = _mm_loadu_si128((const __m128i *)kvalues_iq4nl);
     __m256i sum = _mm256_setzero_si256();
     for (int ib = 0; ib < QK_K / 32; ib++) {
@@ -729,7 +730,14 @@ static inline int xs_total(const block_iq4_xs *b, const int8_t *q8) {
         const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(y, wv));
         sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p16, _mm256_set1_epi16((int16_t)iq4_xs_scale(b, ib))));
     }
-    return hsum_i32x8(sum);
+    return sum;
+}
+#endif
+
+/* the block's exact integer sum: over its 8 sub-blocks, scale * (kvalues . q8) */
+static inline int xs_total(const block_iq4_xs *b, const int8_t *q8) {
+#if defined(__AVX2__)
+    return hsum_i32x8(xs_lanes(b, q8));
 #else
     int S = 0;
     for (int ib = 0; ib < QK_K / 32; ib++) {
@@ -960,10 +968,34 @@ IQ_API void lp_gemm_iq4_xs_q8_K(int n, float *s, int64_t ld_s, const void *w, in
     }
 }
 
+#if !defined(B32_ZMM)
+/* AVX2 decode: 4 rows at once, each block's 4 integer totals by one reduction (hsum4_rows) and
+ * the vec_dot's chain in 4 float32 lanes (fmaf(S * d_w, d_y, acc): its bits). A vec_dot a row
+ * (one chain) before: the 1B shape --pure IQ4_XS, 2 threads, see bench/RESULTS.md stop 32. */
+static void xs_rows4_ymm1(int nb, float *s, const uint8_t *w, int64_t row_bytes, const block_q8_K *y) {
+    const block_iq4_xs *xr[4];
+    for (int r = 0; r < 4; r++) xr[r] = (const block_iq4_xs *)(w + r * row_bytes);
+    __m128 acc = _mm_setzero_ps();
+    const lp_pf pf = lp_pf_group(w, 4 * row_bytes, nb);
+    for (int i = 0; i < nb; i++) {
+        lp_pf_step(&pf, i);
+        __m256i v[4];
+        for (int r = 0; r < 4; r++) v[r] = xs_lanes(xr[r] + i, y[i].qs);
+        const __m128 dx = _mm_cvtph_ps(_mm_setr_epi16((short)xr[0][i].d, (short)xr[1][i].d, (short)xr[2][i].d,
+                                                      (short)xr[3][i].d, 0, 0, 0, 0));
+        acc = _mm_fmadd_ps(_mm_mul_ps(_mm_cvtepi32_ps(hsum4_rows(v)), dx), _mm_set1_ps(y[i].d), acc);
+    }
+    _mm_storeu_ps(s, acc);
+}
+#endif
+
 IQ_API void lp_gemv_iq4_xs_q8_K(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x) {
     int r0 = 0;
 #if defined(B32_ZMM)
     r0 = xs_gemv_zmm(n / QK_K, s, 0, w, row_bytes, nr, x, 0, 1);
+#else
+    for (; r0 + 4 <= nr; r0 += 4)
+        xs_rows4_ymm1(n / QK_K, s + r0, (const uint8_t *)w + r0 * row_bytes, row_bytes, (const block_q8_K *)x);
 #endif
     for (int r = r0; r < nr; r++) {
         const uint8_t *row = (const uint8_t *)w + r * row_bytes;

@@ -1112,15 +1112,17 @@ static int mm_traits_of(int type, mm_traits *t) {
      *           Q8_0 (its AVX2 gemv a vec_dot a row then) 2 / 4 tokens 17.5 / 27.4 -> 14.3 / 23.9, 5: 32.2 -> 32.5;
      *           Q5_K (stop 32, llamapy bench of the 1B --pure file, tok/s) pp2 26.3 -> 33.7, pp4 50.9 -> 38.6;
      *           Q3_K (the same) pp2 34.7 -> 36.1, pp4 53.6 -> 41.2 (its AVX-512 build runs the same AVX2
-     *           code for both: 2 there too, unmeasured).
+     *           code for both: 2 there too, unmeasured); IQ4_XS (its 4-row gemv since stop 32) pp2
+     *           20.5 -> 32.7, pp3 25.9 -> 33.0, pp4 38.5 -> 35.0 (on AVX-512 its gemm takes 1-4 tokens
+     *           with its gemv's kernel: 0).
      * The other types' multi-column decode kernels beat it (AVX-512 Q4_1 at 4 tokens 11.9 vs 20.0). */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-    t->gemv_cols = t->gemv == NULL || t->vec_dot_type != LP_TYPE_Q8_K ? 0 : type == LP_TYPE_Q3_K ? 2 : 7;
+    t->gemv_cols = t->gemv == NULL || t->vec_dot_type != LP_TYPE_Q8_K || type == LP_TYPE_IQ4_XS ? 0
+                 : type == LP_TYPE_Q3_K ? 2 : 7;
 #else
     t->gemv_cols = t->gemv == NULL ? 0 : type == LP_TYPE_Q8_0 ? 4 : t->vec_dot_type != LP_TYPE_Q8_K ? 0
-                 : type == LP_TYPE_Q2_K || type == LP_TYPE_Q3_K || type == LP_TYPE_Q5_K ? 2 : 6;
+                 : type == LP_TYPE_Q2_K || type == LP_TYPE_Q3_K || type == LP_TYPE_Q5_K ? 2 : type == LP_TYPE_IQ4_XS ? 3 : 6;
 #endif
-    if (type == LP_TYPE_IQ4_XS) t->gemv_cols = 0; /* its gemv is a vec_dot a row: the gemm decodes once */
     t->gemm_panel = type == LP_TYPE_Q4_1 ? lp_gemm_q4_1_q8_1_panel
                   : type == LP_TYPE_Q5_0 ? lp_gemm_q5_0_q8_0_panel : type == LP_TYPE_Q5_1 ? lp_gemm_q5_1_q8_1_panel
                   : type == LP_TYPE_Q8_0 ? lp_gemm_q8_0_q8_0_panel

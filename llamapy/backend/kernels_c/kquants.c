@@ -2425,88 +2425,73 @@ KQ_API void lp_gemv_q4_K_q8_K(int n, float *restrict s, const void *restrict w, 
 }
 #endif /* LP_KQ_AVX512 */
 
-/* Q3_K (both builds: its AVX-512 vec_dot is the AVX2 one): four rows at once as Q6_K's below */
-KQ_API void lp_gemv_q3_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
-                              const void *restrict x) {
+/* Decode of Q3_K, Q5_K (the AVX2 build; AVX-512 keeps its vec_dot a row) and Q6_K: four rows at
+ * once, their blocks' integer lanes (kq_q3k/q5k/q6k_lanes, the vec_dots' own) summed together
+ * (kq_sum4_256) and the vec_dot's float step in 4 float32 lanes — kq_tiled_step, Q5_K's
+ * kq_tiled_step_min with -dmin negated exactly — so its bits; the rest row by row. A vec_dot a row
+ * is one fmaf chain a block: on the Zen 2 host (bench/RESULTS.md stop 32), the 1B --pure files'
+ * tg64 Q3_K 24.8 -> 29.9, Q5_K 19.0 -> 25.0 tok/s (Q6_K had this kernel before). */
+KQ_INLINE void kq_gemv4_tiled(const int type, int n, float *restrict s, const uint8_t *restrict w, int64_t row_bytes,
+                              int nr, const void *restrict x, lp_vec_dot_fn dot) {
     const int nb = n / QK_K;
     const block_q8_K *y = (const block_q8_K *)x;
-    int r = 0;
-    for (; r + 4 <= nr; r += 4) {
-        const block_q3_K *xr[4];
-        for (int k = 0; k < 4; ++k) xr[k] = (const block_q3_K *)((const uint8_t *)w + (r + k) * row_bytes);
-        __m128 acc = _mm_setzero_ps();
-        const lp_pf pf = lp_pf_group(xr[0], 4 * row_bytes, nb);
-        for (int i = 0; i < nb; ++i) {
-            lp_pf_step(&pf, i);
-            const __m128i S = kq_sum4_256(kq_q3k_lanes(xr[0] + i, y + i), kq_q3k_lanes(xr[1] + i, y + i),
-                                          kq_q3k_lanes(xr[2] + i, y + i), kq_q3k_lanes(xr[3] + i, y + i));
-            const __m128 xd = _mm_cvtph_ps(_mm_setr_epi16((short)xr[0][i].d, (short)xr[1][i].d, (short)xr[2][i].d,
-                                                          (short)xr[3][i].d, 0, 0, 0, 0));
-            acc = _mm_fmadd_ps(_mm_mul_ps(_mm_cvtepi32_ps(S), xd), _mm_set1_ps(y[i].d), acc);
-        }
-        _mm_storeu_ps(s + r, acc);
-    }
-    for (; r < nr; ++r) lp_vec_dot_q3_K_q8_K(n, s + r, (const uint8_t *)w + r * row_bytes, x);
-}
-
-#if !defined(LP_KQ_AVX512)
-/* Q5_K (AVX2; AVX-512 keeps a vec_dot a row): four rows at once as Q6_K's below, the block totals
- * summed together (kq_sum4_256) and kq_tiled_step_min in 4 float32 lanes (the vec_dot's
- * operations, -dmin negated exactly, so its bits); the rest row by row. A vec_dot a row is one
- * fmaf chain: the 1B shape --pure Q5_K, 2 threads, tg64 18.2 (63 % of the read probe) -> see
- * bench/RESULTS.md stop 32. */
-KQ_API void lp_gemv_q5_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
-                              const void *restrict x) {
-    const int nb = n / QK_K;
-    const block_q8_K *y = (const block_q8_K *)x;
+    const int64_t bs = type == LP_TYPE_Q3_K ? (int64_t)sizeof(block_q3_K)
+                     : type == LP_TYPE_Q5_K ? (int64_t)sizeof(block_q5_K) : (int64_t)sizeof(block_q6_K);
     const __m128 sign = _mm_set1_ps(-0.0f);
     int r = 0;
     for (; r + 4 <= nr; r += 4) {
-        const block_q5_K *xr[4];
-        for (int k = 0; k < 4; ++k) xr[k] = (const block_q5_K *)((const uint8_t *)w + (r + k) * row_bytes);
+        const uint8_t *w4 = w + r * row_bytes;
         __m128 acc = _mm_setzero_ps();
-        const lp_pf pf = lp_pf_group(xr[0], 4 * row_bytes, nb);
+        const lp_pf pf = lp_pf_group(w4, 4 * row_bytes, nb);
         for (int i = 0; i < nb; ++i) {
             lp_pf_step(&pf, i);
-            int32_t M[4];
-            const __m128i S = kq_sum4_256(kq_q5k_lanes(xr[0] + i, y + i, &M[0]), kq_q5k_lanes(xr[1] + i, y + i, &M[1]),
-                                          kq_q5k_lanes(xr[2] + i, y + i, &M[2]), kq_q5k_lanes(xr[3] + i, y + i, &M[3]));
-            const __m256 dm = _mm256_cvtph_ps(_mm_setr_epi16((short)xr[0][i].d, (short)xr[1][i].d, (short)xr[2][i].d,
-                                                             (short)xr[3][i].d, (short)xr[0][i].dmin, (short)xr[1][i].dmin,
-                                                             (short)xr[2][i].dmin, (short)xr[3][i].dmin));
-            const __m128 rv = _mm_fmadd_ps(_mm_xor_ps(_mm256_extractf128_ps(dm, 1), sign), _mm_cvtepi32_ps(_mm_loadu_si128((const __m128i *)M)),
-                                           _mm_mul_ps(_mm_cvtepi32_ps(S), _mm256_castps256_ps128(dm)));
+            __m256i v[4];
+            int32_t M[4] = {0};
+            lp_half d[4], dmin[4] = {0};
+            for (int k = 0; k < 4; ++k) {
+                const uint8_t *b = w4 + k * row_bytes + i * bs;
+                if (type == LP_TYPE_Q3_K) {
+                    v[k] = kq_q3k_lanes((const block_q3_K *)b, y + i);
+                    d[k] = ((const block_q3_K *)b)->d;
+#if !defined(LP_KQ_AVX512)
+                } else if (type == LP_TYPE_Q5_K) {
+                    v[k] = kq_q5k_lanes((const block_q5_K *)b, y + i, &M[k]);
+                    d[k] = ((const block_q5_K *)b)->d;
+                    dmin[k] = ((const block_q5_K *)b)->dmin;
+#endif
+                } else {
+                    v[k] = kq_q6k_lanes((const block_q6_K *)b, y + i);
+                    d[k] = ((const block_q6_K *)b)->d;
+                }
+            }
+            const __m128 xd = _mm_cvtph_ps(_mm_setr_epi16((short)d[0], (short)d[1], (short)d[2], (short)d[3], 0, 0, 0, 0));
+            __m128 rv = _mm_mul_ps(_mm_cvtepi32_ps(kq_sum4_256(v[0], v[1], v[2], v[3])), xd);
+            if (type == LP_TYPE_Q5_K) {
+                const __m128 dm = _mm_cvtph_ps(_mm_setr_epi16((short)dmin[0], (short)dmin[1], (short)dmin[2], (short)dmin[3], 0, 0, 0, 0));
+                rv = _mm_fmadd_ps(_mm_xor_ps(dm, sign), _mm_cvtepi32_ps(_mm_loadu_si128((const __m128i *)M)), rv);
+            }
             acc = _mm_fmadd_ps(rv, _mm_set1_ps(y[i].d), acc);
         }
         _mm_storeu_ps(s + r, acc);
     }
-    for (; r < nr; ++r) lp_vec_dot_q5_K_q8_K(n, s + r, (const uint8_t *)w + r * row_bytes, x);
+    for (; r < nr; ++r) dot(n, s + r, w + r * row_bytes, x);
+}
+
+KQ_API void lp_gemv_q3_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
+                              const void *restrict x) {
+    kq_gemv4_tiled(LP_TYPE_Q3_K, n, s, w, row_bytes, nr, x, lp_vec_dot_q3_K_q8_K);
+}
+
+#if !defined(LP_KQ_AVX512)
+KQ_API void lp_gemv_q5_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
+                              const void *restrict x) {
+    kq_gemv4_tiled(LP_TYPE_Q5_K, n, s, w, row_bytes, nr, x, lp_vec_dot_q5_K_q8_K);
 }
 #endif
 
-/* Q6_K (both builds): four rows at once, their block totals summed together (kq_sum4_256) and
- * kq_tiled_step in 4 float32 lanes (the vec_dot's operations, so its bits); the rest row by row */
 KQ_API void lp_gemv_q6_K_q8_K(int n, float *restrict s, const void *restrict w, int64_t row_bytes, int nr,
                               const void *restrict x) {
-    const int nb = n / QK_K;
-    const block_q8_K *y = (const block_q8_K *)x;
-    int r = 0;
-    for (; r + 4 <= nr; r += 4) {
-        const block_q6_K *xr[4];
-        for (int k = 0; k < 4; ++k) xr[k] = (const block_q6_K *)((const uint8_t *)w + (r + k) * row_bytes);
-        __m128 acc = _mm_setzero_ps();
-        const lp_pf pf = lp_pf_group(xr[0], 4 * row_bytes, nb);
-        for (int i = 0; i < nb; ++i) {
-            lp_pf_step(&pf, i);
-            const __m128i S = kq_sum4_256(kq_q6k_lanes(xr[0] + i, y + i), kq_q6k_lanes(xr[1] + i, y + i),
-                                          kq_q6k_lanes(xr[2] + i, y + i), kq_q6k_lanes(xr[3] + i, y + i));
-            const __m128 xd = _mm_cvtph_ps(_mm_setr_epi16((short)xr[0][i].d, (short)xr[1][i].d, (short)xr[2][i].d,
-                                                          (short)xr[3][i].d, 0, 0, 0, 0));
-            acc = _mm_fmadd_ps(_mm_mul_ps(_mm_cvtepi32_ps(S), xd), _mm_set1_ps(y[i].d), acc);
-        }
-        _mm_storeu_ps(s + r, acc);
-    }
-    for (; r < nr; ++r) s[r] = kq_dot_q6_K(nb, (const block_q6_K *)((const uint8_t *)w + r * row_bytes), y);
+    kq_gemv4_tiled(LP_TYPE_Q6_K, n, s, w, row_bytes, nr, x, lp_vec_dot_q6_K_q8_K);
 }
 
 #endif /* __AVX2__ */

@@ -187,8 +187,9 @@ typedef void (*lp_gemm_fn)(int n, float *s, int64_t ld_s, const void *w, int64_t
 
 /* One activation row against nr weight rows (decode): s[r] = dot(row r, x), each bit-identical to
  * the type's lp_vec_dot_*; the activation side is prepared once for all rows. Optional per type
- * and variant (lp_gemv_q4_0_q8_0, q5_0_q8_0, q4_1_q8_1, q5_1_q8_1, q8_0_q8_0, q2_K_q8_K, q4_K_q8_K, q6_K_q8_K in the
- * AVX2 and AVX-512 builds; Q8_0's and Q2_K's are a vec_dot per row on AVX2):
+ * and variant (lp_gemv_q4_0_q8_0, q5_0_q8_0, q4_1_q8_1, q5_1_q8_1, q8_0_q8_0, q2_K_q8_K, q3_K_q8_K,
+ * q4_K_q8_K, q6_K_q8_K and the iquants.c types' in the AVX2 and AVX-512 builds, q5_K_q8_K in the
+ * AVX2 one; Q2_K's is a vec_dot per row on AVX2):
  * qmatmul.c references them weakly and runs one vec_dot per row where a library has none. */
 typedef void (*lp_gemv_fn)(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x);
 

@@ -304,6 +304,15 @@ LP_API void lp_vec_dot_q5_1_q8_1(int n, float *s, const void *vx, const void *vy
     *s = LP_VD_SUM + summ;
 }
 
+#if defined(__AVX2__)
+/* acc + one Q8_0 block against activation block y (its quants qy, loaded): the vec_dot's step,
+ * which gv8_rows (decode) takes too */
+static inline __m256 q8_0_block(__m256 acc, const block_q8_0 *x, const block_q8_0 *y, __m256i qy) {
+    const __m256i qx = _mm256_loadu_si256((const __m256i *)x->qs);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), h2f_pair(x->d, y->d), acc);
+}
+#endif
+
 LP_API void lp_vec_dot_q8_0_q8_0(int n, float *s, const void *vx, const void *vy) {
     const block_q8_0 *x = vx;
     const block_q8_0 *y = vy;
@@ -311,9 +320,7 @@ LP_API void lp_vec_dot_q8_0_q8_0(int n, float *s, const void *vx, const void *vy
     LP_VD_ACC;
     for (int i = 0; i < nb; i++) {
 #if defined(__AVX2__)
-        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[i].qs);
-        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), h2f_pair(x[i].d, y[i].d), acc);
+        acc = q8_0_block(acc, x + i, y + i, _mm256_loadu_si256((const __m256i *)y[i].qs));
 #else
         int q[32];
         for (int j = 0; j < 32; j++) q[j] = x[i].qs[j];
@@ -671,16 +678,18 @@ LP_INLINE void gk_zprep(const int kind, int nb, int ncp, const uint8_t *x, int64
 }
 #endif
 
-/* One activation row (decode) against many weight rows of the nibble kinds (Q4_1, Q5_0, Q5_1): the vec_dot's float32 operations per row exactly, in fewer instructions. Everything on
- * the activation side is prepared once per call for all rows (lp_gemv_*: a thread's whole range
+/* One activation row (decode) against many weight rows of the nibble kinds (Q4_1, Q5_0, Q5_1):
+ * the vec_dot's float32 operations per row exactly, in fewer instructions. Everything on the
+ * activation side is prepared once per call for all rows (lp_gemv_*: a thread's whole range
  * of rows): the quants, for the signed kinds the offset sums (-8 or -16 x the sum of each 4
  * activations, so that the weights' quants are used unsigned, 0..15 / 0..31, instead of the sign
  * trick per row and block), and the scales; the two scales of a block pair are converted by one
  * vcvtph2ps. Rows are read side by side (independent fmadd chains), with the group of rows ahead
  * prefetched in software (lp_pf_group, lp_quants.h): without that prefetch, 2 or 4 interleaved
  * rows ran 0.65-0.75x one row's speed on matrices streamed from memory (an older host); with it,
- * AVX2's 4 rows (gv_rows) against one: the 1B --pure shape's 48 ffn matrices, 2 threads, Q4_0 (here
- * then, iquants.c's since) 16.5 / 17.0 / 18.9 -> 15.7 / 15.5 / 18.7 ms; Q4_1 / Q5_0 / Q5_1 ffn_up within +-4 % (stop 23).
+ * AVX2's 4 rows (gv_rows) against one: the 1B --pure shape's 48 ffn matrices, 2 threads, Q4_0
+ * (here then, iquants.c's since) 16.5 / 17.0 / 18.9 -> 15.7 / 15.5 / 18.7 ms; Q4_1 / Q5_0 / Q5_1
+ * ffn_up within +-4 % (stop 23).
  * The mins term of Q4_1 / Q5_1 (m * s, added in block order into a float32) stays the vec_dot's
  * scalar chain.
  *
@@ -1118,7 +1127,7 @@ LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
             pj[k] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(y0 + 16 * k))),
                                             _mm_loadu_si128((const __m128i *)(y1 + 16 * k)), 1);
         if (GK_SIGNED(kind)) { /* -(offset x the sum of each 4 activations) */
-            const __m256i c = _mm256_set1_epi8(16); /* Q5_0 (Q8_0 takes its vec_dot on AVX2: GV_FAST) */
+            const __m256i c = _mm256_set1_epi8(16); /* Q5_0 (Q8_0 takes gv8_rows on AVX2: GV_FAST) */
             for (int k = 0; k < 2; k++)
                 pj[2 + k] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(_mm256_maddubs_epi16(c, pj[k]), ones));
         }
@@ -1304,8 +1313,8 @@ LP_INLINE __m256i gp_raw(const int kind, const uint8_t *b) {
  * as the vpdpbusd's start: the lanes sum (a + 128) w - 128 w = a w exactly (vpdpbusd does not
  * saturate). Measured (one thread of the shared 2-core AVX-512 host, SmolLM2's 576x576, 1536x576
  * and 576x1536 through lp_mul_mat_q, A/B in one process, best of 7; the same bits): 512 tokens
- * ~33 -> ~80 G multiply-adds/s for Q4_1 (2.4x), Q4_0 (here then) 2.4-2.5x, Q5_0 2.8-2.9x, Q5_1 2.6-2.8x,
- * Q8_0 2.0-2.1x; Q4_1 at 64 tokens 2.2-2.3x, 17: 1.6-1.7x, 8: 1.35-1.4x, 5: ~1.03x. */
+ * ~33 -> ~80 G multiply-adds/s for Q4_1 (2.4x), Q4_0 (here then) 2.4-2.5x, Q5_0 2.8-2.9x,
+ * Q5_1 2.6-2.8x, Q8_0 2.0-2.1x; Q4_1 at 64 tokens 2.2-2.3x, 17: 1.6-1.7x, 8: 1.35-1.4x, 5: ~1.03x. */
 typedef struct {
     __m512i q[2]; /* row pairs (0,1) and (2,3): 32 quants each, side by side */
     __m512 d[2];  /* [dx x8 | dx' x8] of the pairs */
@@ -1672,12 +1681,7 @@ LP_INLINE void gv8_rows(int nb, float *s, const uint8_t *w, int64_t row_bytes, c
     for (int i = 0; i < nb; i++) {
         lp_pf_step(&pf, i);
         const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
-        const float dy = H2F(y[i].d);
-        for (int r = 0; r < GV8_ROWS; r++) {
-            const block_q8_0 *x = (const block_q8_0 *)(w + r * row_bytes) + i;
-            const __m256i qx = _mm256_loadu_si256((const __m256i *)x->qs);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(qx, qy)), _mm256_set1_ps(H2F(x->d) * dy), acc[r]);
-        }
+        for (int r = 0; r < GV8_ROWS; r++) acc[r] = q8_0_block(acc[r], (const block_q8_0 *)(w + r * row_bytes) + i, y + i, qy);
     }
     for (int r = 0; r < GV8_ROWS; r++) s[r] = hsum8(acc[r]);
 }

@@ -29,8 +29,9 @@ from ..types import GGMLType, LlamapyError
 from .cpu_kernels import KV_CODES
 from .executor import (ADD, ADD_ID, ARGSORT, ATTN, CLAMP, CPY, DIV, GEGLU, GET_ROWS_B, GET_ROWS_F32, MUL, RMS_NORM, ROPE, SCALE,
                        SET_ROWS, SOFT_MAX, SUM_ROWS, SWIGLU, Loc, Refused, _Slot)
-from .gpu_plan import (COUNT, GET_ROWS_W, MUL_MAT_GEMM, MUL_MAT_GLU, MUL_MAT_ID_GEMM, MUL_MAT_ID_GLU, MUL_MAT_ID_W,
-                       MUL_MAT_Q8, MUL_MAT_W, QUANTIZE_Q8_1, ROPE_QKV, ROUTER, ROUTER_TOPK, SCRATCH, SPLITS)
+from .gpu_plan import (COUNT, GET_ROWS_W, MUL_MAT_GEMM, MUL_MAT_GLU, MUL_MAT_ID_GEMM, MUL_MAT_ID_GLU, MUL_MAT_ID_Q8,
+                       MUL_MAT_ID_W, MUL_MAT_Q8, MUL_MAT_W, QUANTIZE_Q8_1, ROPE_QKV, ROUTER, ROUTER_TOPK, SCRATCH,
+                       SPLITS)
 
 
 def _first_line(e: BaseException) -> str:
@@ -422,11 +423,12 @@ def _get_rows_b(rt: CUDARuntime, rec: np.ndarray) -> Launch:
 def _mul_mat_id_w(rt: CUDARuntime, rec: np.ndarray) -> Launch:
     """MUL_MAT_ID_W, and MUL_MAT_ID_GLU (the up experts in slot 16, the GLU in 17); the experts'
     biases as epilogue (the compiler's fuse_bias: 18 / 20 the gate's / up's, 19 their row
-    stride, 21 / 22 swiglu_oai's alpha / limit)."""
+    stride, 21 / 22 swiglu_oai's alpha / limit). MUL_MAT_ID_Q8: either, on the q8_1 copy of
+    slot 23's rows (slot 16 0: no GLU)."""
     r, ops, st = _i(rec), rt.ops, rt.dev.stream
     qtype = GGMLType(r[9])
-    kw: dict[str, Any] = dict(b=r[18], sb=r[19])
-    if r[0] == MUL_MAT_ID_GLU:
+    kw: dict[str, Any] = dict(b=r[18], sb=r[19], q8_rows=r[23] if r[0] == MUL_MAT_ID_Q8 else 0)
+    if r[0] == MUL_MAT_ID_GLU or (r[0] == MUL_MAT_ID_Q8 and r[16]):
         kw.update(w2=r[16], glu=("swiglu", "geglu", "swiglu_oai")[r[17]], b2=r[20], alpha=_f(r[21]), limit=_f(r[22]))
     return lambda: ops.mul_mat_id(st, qtype, r[3], r[11], r[12], r[8], r[10], r[2], r[13], r[14], r[4], r[15], r[1],
                                   r[6], r[7], **kw)  # fmt: skip
@@ -477,7 +479,7 @@ _LAUNCHES: dict[int, Callable[[CUDARuntime, np.ndarray], Launch]] = {
     GET_ROWS_F32: _get_rows_f32, GET_ROWS_W: _get_rows_w, MUL_MAT_W: _mul_mat_w, MUL_MAT_GLU: _mul_mat_glu, ROPE: _rope, SET_ROWS: _set_rows, ROPE_QKV: _rope_qkv,
     ATTN: _attn, DIV: _binary("div"),
     SOFT_MAX: _soft_max, ARGSORT: _argsort, SUM_ROWS: _sum_rows, CLAMP: _clamp, GET_ROWS_B: _get_rows_b,
-    MUL_MAT_ID_W: _mul_mat_id_w, MUL_MAT_ID_GLU: _mul_mat_id_w, ROUTER: _router, ADD_ID: _add_id,
+    MUL_MAT_ID_W: _mul_mat_id_w, MUL_MAT_ID_GLU: _mul_mat_id_w, MUL_MAT_ID_Q8: _mul_mat_id_w, ROUTER: _router, ADD_ID: _add_id,
     ROUTER_TOPK: _router_topk, MUL_MAT_GEMM: _mul_mat_gemm, MUL_MAT_ID_GEMM: _mul_mat_id_gemm,
     QUANTIZE_Q8_1: _quantize_q8_1, MUL_MAT_Q8: _mul_mat_q8,
 }  # fmt: skip

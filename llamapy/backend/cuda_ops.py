@@ -48,8 +48,8 @@ CACHE_SUFFIX: dict[GGMLType, str] = {
 _QUANT_CACHE = (GGMLType.Q8_0, GGMLType.Q4_0)
 # the weight types with int8 decode products on a q8_1 copy of the activations (mmvq.cu)
 MMVQ_SUFFIX: dict[GGMLType, str] = {t: WEIGHT_SUFFIX[t][1] for t in (
-    GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K,
-    GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)}  # fmt: skip
+    GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q3_K,
+    GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)}  # fmt: skip
 
 
 def _entries() -> dict[str, tuple[str, ...]]:
@@ -66,7 +66,7 @@ def _entries() -> dict[str, tuple[str, ...]]:
         "moe.cu": ("soft_max_f32", "argsort_desc_f32", "get_rows_batched_f32", "sum_rows_f32", "clamp_f32",
                    "binary_row_f32", "router_f32", "router_topk_f32", "add_id_f32", "moe_sort", "moe_gather_f16",
                    "moe_scatter"),
-        "mmvq.cu": ("quantize_q8_1", *(f"mmvq{g}_{s}" for s in MMVQ_SUFFIX.values() for g in ("", "_glu"))),
+        "mmvq.cu": ("quantize_q8_1", *(f"mmvq{g}_{s}" for s in MMVQ_SUFFIX.values() for g in ("", "_glu", "_id"))),
     }
     for fname, suffix in WEIGHT_SUFFIX.values():
         out[fname] = (*out.get(fname, ()), f"dequant_{suffix}", f"dequant_f16_{suffix}", f"get_rows_{suffix}", f"mmv_{suffix}",
@@ -465,7 +465,7 @@ class CudaKernels:
     def quantize_q8_1(self, stream: Any, x: int, sx: int, xq: int, n_tok: int, n_in: int) -> None:
         """n_tok rows of n_in float32 (sx apart) -> their q8_1 copy at xq (q8_1_bytes, 16-byte
         aligned): mmvq.cu's quantize_q8_1, a thread a value."""
-        if not 0 < n_tok <= MMV_MAX_TOKENS or n_in % 32 or xq % 16:
+        if not 0 < n_tok * n_in < 2**31 or n_in % 32 or xq % 16:
             raise UnsupportedError(f"CUDA: q8_1 copy of {n_tok} rows of {n_in} (at {xq:#x})")
         args = (_p(x), np.int64(sx), _p(xq), _p(xq + n_tok * n_in), np.int32(n_in), np.int32(n_tok))
         self._launch("quantize_q8_1", (_cdiv(n_tok * n_in, ELEMENTWISE_THREADS),), ELEMENTWISE_THREADS, args, stream)
@@ -602,7 +602,7 @@ class CudaKernels:
     def mul_mat_id(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_expert: int, m: int, n_in: int,
                    x: int, sxt: int, sxu: int, ids: int, sid: int, y: int, n_tok: int, n_used: int, *, w2: int = 0,
                    glu: str = "swiglu", b: int = 0, b2: int = 0, sb: int = 0, alpha: float = 0.0,
-                   limit: float = 0.0) -> None:
+                   limit: float = 0.0, q8_rows: int = 0) -> None:
         """MUL_MAT_ID for up to MMV_MAX_TOKENS tokens: y (n_tok, n_used, m) = for each token t and
         slot u, expert ids[t * sid + u] (int32, on the device) of the stacked matrix w (n_expert
         experts of m rows of row_bytes) times x's row t * sxt + u * sxu (float32 elements; sxu 0:
@@ -610,28 +610,36 @@ class CudaKernels:
         each chosen expert's rows read once for every pair that chose it. `w2`: the up experts
         (w the gate ones), y = glu(gate, up) ("swiglu" / "geglu" / "swiglu_oai" with `alpha` and
         `limit`) as the products' epilogue. `b` / `b2`: float32 bias rows of w's / w2's experts
-        (n_expert rows sb apart: ADD_ID, gpt-oss), added to each sum before the GLU."""
+        (n_expert rows sb apart: ADD_ID, gpt-oss), added to each sum before the GLU.
+        `q8_rows` > 0: x is the q8_1 copy of q8_rows rows of n_in that `quantize_q8_1` wrote, sxt
+        and sxu count its rows, and the products are int8 ones (mmvq.cu's mmvq_id_<type>, the
+        sums of mul_mat_vec_q8)."""
         qtype = GGMLType(qtype)
-        if qtype not in WEIGHT_SUFFIX:
-            raise UnsupportedError(f"CUDA: MUL_MAT_ID of {qtype.name}")
+        if qtype not in (MMVQ_SUFFIX if q8_rows else WEIGHT_SUFFIX):
+            raise UnsupportedError(f"CUDA: {'int8 ' if q8_rows else ''}MUL_MAT_ID of {qtype.name}")
         if glu not in ("swiglu", "geglu", "swiglu_oai"):
             raise UnsupportedError(f"CUDA: GLU op {glu!r}")
         if (b or b2) and sb < m:
             raise UnsupportedError(f"CUDA: expert bias rows {sb} apart for {m} outputs")
-        if not 0 < n_tok <= MMV_MAX_TOKENS or n_in % 32 or n_in % block_size(qtype)[0] or x % 16 or sxt % 4 \
-                or sxu % 4:
+        if not 0 < n_tok <= MMV_MAX_TOKENS or n_in % 32 or n_in % block_size(qtype)[0] or x % 16 \
+                or (not q8_rows and (sxt % 4 or sxu % 4)):  # (float32 rows 16-byte aligned; a copy's always are)
             raise UnsupportedError(f"CUDA: {qtype.name} MUL_MAT_ID of {n_tok} tokens of {n_in} (x at {x:#x}, "
                                    f"strides {sxt}, {sxu})")  # fmt: skip
-        if (n_tok - 1) * sxt + (n_used - 1) * sxu + n_in >= 2**31:  # the kernel keeps 32-bit row offsets
+        last = (n_tok - 1) * sxt + (n_used - 1) * sxu  # the last pair's row (q8) or its offset (float32)
+        if q8_rows and last >= q8_rows:
+            raise UnsupportedError(f"CUDA: int8 MUL_MAT_ID reading row {last} of a q8_1 copy of {q8_rows}")
+        if last + n_in >= 2**31:  # the kernel keeps 32-bit row offsets
             raise UnsupportedError(f"CUDA: MUL_MAT_ID input rows past 2^31 floats (strides {sxt}, {sxu})")
         if n_used <= 0 or m <= 0:
             return
-        args = (_p(w), _p(w2), np.int64(m * row_bytes), np.int32(n_expert), _p(x), np.int64(sxt), np.int64(sxu),
+        xs = (_p(x), _p(x + q8_rows * n_in)) if q8_rows else (_p(x),)  # (the copy's quants, then its scales)
+        args = (_p(w), _p(w2), np.int64(m * row_bytes), np.int32(n_expert), *xs, np.int64(sxt), np.int64(sxu),
                 _p(ids), np.int64(sid), _p(y), np.int32(m), np.int32(n_in), np.int64(row_bytes), np.int32(n_tok),
                 np.int32(n_used), np.int32(("swiglu", "geglu", "swiglu_oai").index(glu)), _p(b), _p(b2 if w2 else 0),
                 np.int64(sb), np.float32(alpha), np.float32(limit))  # fmt: skip
         grid = (_cdiv(m, MMV_ROWS_PER_BLOCK), n_tok * n_used)
-        self._launch(f"mmv_id_{WEIGHT_SUFFIX[qtype][1]}", grid, 32 * MMV_ROWS_PER_BLOCK, args, stream)
+        name = f"mmvq_id_{MMVQ_SUFFIX[qtype]}" if q8_rows else f"mmv_id_{WEIGHT_SUFFIX[qtype][1]}"
+        self._launch(name, grid, 32 * MMV_ROWS_PER_BLOCK, args, stream)
 
     def mul_mat_id_gemm(self, stream: Any, qtype: GGMLType, w: int, row_bytes: int, n_expert: int, m: int, n_in: int,
                         x: int, sxt: int, sxu: int, ids: int, sid: int, y: int, n_tok: int, n_used: int, *, order: int,

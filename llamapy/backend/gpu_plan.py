@@ -58,7 +58,13 @@ offsets from sched/alloc.py, the records of the row-wise ops, ROPE, SET_ROWS and
     1 SwiGLU, 2 GEGLU; 18 MUL_MAT_W's bias). A later product of an input whose copy the scratch holds (Q, K and V
     of a Q4_K_M file, attn_v in Q6_K) reads it without a QUANTIZE_Q8_1, whatever its size. The
     QUANTIZE_Q8_1 of an RMS_NORM's result just after it joins that norm (`_fuse_norm_q8`: the
-    norm's slot 16, the copy written by the norm's kernel);
+    norm's slot 16, the copy written by the norm's kernel), brought there from after the
+    records between (`_hoist_q8`: the router's, before a MoE layer's gate/up experts);
+  * MUL_MAT_ID_Q8: an expert product on the q8_1 copy in the q8 mode, by the same rule with the
+    weights a token reads (n_used x M x n_in, twice with the up experts; mmvq.cu's mmvq_id):
+    MUL_MAT_ID_GLU's slots (16 0: no up experts, no GLU), 2 the copy, 13 / 14 the pairs' rows of
+    it a token / a slot (1 / 0: the token's normed row, gate/up; n_used / 1: the pair's own, down),
+    23 the copy's rows;
   * MUL_MAT_GEMM: a prompt's product (`product_path`: more tokens than the matrix-vector kernels
     take) on the tensor cores: the input rounded to f16 into a scratch, the weight's rows decoded to
     f16 into another, a tile of rows at a time, and one cuBLAS GEMM with float32 accumulation per
@@ -173,6 +179,7 @@ ROUTER_TOPK = 40
 MUL_MAT_ID_GEMM = 41
 QUANTIZE_Q8_1, MUL_MAT_Q8 = 42, 43
 MUL_MAT_GEMM = 44
+MUL_MAT_ID_Q8 = 45
 WIDTH = REC + 3  # after the CPU's slots: an ATTN record's count slot, split scratch, splits
 COUNT, SCRATCH, SPLITS = REC, REC + 1, REC + 2
 HEAD = 64  # bytes of count slots at the arena's start: 16 masks
@@ -180,7 +187,7 @@ NAMES = {MUL_MAT_W: "MUL_MAT", GET_ROWS_W: "GET_ROWS", MUL_MAT_GLU: "MUL_MAT+GLU
          MUL_MAT_ID_W: "MUL_MAT_ID", MUL_MAT_ID_GLU: "MUL_MAT_ID+GLU",
          ROUTER: "SOFT_MAX+ARGSORT+GET_ROWS+SUM_ROWS+CLAMP+DIV", ROUTER_TOPK: "ARGSORT+GET_ROWS+SOFT_MAX",
          MUL_MAT_GEMM: "MUL_MAT(GEMM)", MUL_MAT_ID_GEMM: "MUL_MAT_ID(GEMM)", QUANTIZE_Q8_1: "QUANTIZE(q8_1)",
-         MUL_MAT_Q8: "MUL_MAT(q8_1)"}
+         MUL_MAT_Q8: "MUL_MAT(q8_1)", MUL_MAT_ID_Q8: "MUL_MAT_ID(q8_1)"}
 GEMM_DIRECT = "cuBLAS GEMMs of a prompt (CuPy captures no cuBLAS call)"
 MOE_SYNC = "; one host read of the expert counts a MoE layer"
 
@@ -364,6 +371,11 @@ class GPUTarget(Target):
                     q8 = max(q8, q8_1_bytes(n_tok, n_in))
             elif st.code == MUL_MAT_ID_Q and st.node.shape[0] > self.rt.max_tokens:
                 sort = max(sort, self._moe_scratch(st)[0])
+            elif st.code == MUL_MAT_ID_Q and self._id_q8(st):
+                from .cuda_ops import q8_1_bytes
+
+                x = self._id_src(st)[1]
+                q8 = max(q8, q8_1_bytes(x.n_elements // x.shape[-1], x.shape[-1]))
         start += (-start) % 256
         self.sort_off = start
         start += sort
@@ -414,7 +426,7 @@ class GPUTarget(Target):
                 r = self._mul_mat_id(c, st.extra.get("mm", n), loc, dst=loc(n).addr, scratch=st.scratch)
                 if "bias" in st.extra:  # the ADD_ID after it as its epilogue
                     r[18], r[19] = self._bias_rows(c, st.extra["bias"])
-                return [r]
+                return self._mmvq_id(c, st, r)
             r = self._mul_mat_id(c, st.extra["gate"], loc, dst=loc(n).addr, scratch=st.scratch)
             up = self._mul_mat_id(c, st.extra["up"], loc, dst=loc(n).addr, scratch=st.scratch)
             if up[6:16] != r[6:16]:
@@ -433,7 +445,7 @@ class GPUTarget(Target):
             if len(strides) > 1:
                 raise Refused(f"{n.name}: gate and up biases of different layouts")
             r[19] = strides.pop() if strides else 0
-            return [r]
+            return self._mmvq_id(c, st, r)
         if st.code == ADD_ID:
             return [self._add_id(c, n, loc)]
         if st.code == GET_ROWS_F32:
@@ -502,6 +514,45 @@ class GPUTarget(Target):
         if "glu" in st.extra:
             r[10], r[12] = n_out // 2, 1 + _epilogue(st.extra["glu"])
         return out + [r]
+
+    @staticmethod
+    def _id_src(st: Any) -> tuple[Tensor, ...]:
+        """(experts, input, ids) of an expert step (the gate's of a fused gate/up step)."""
+        return st.extra.get("gate", st.extra.get("mm", st.node)).src[:3]
+
+    def _id_q8(self, st: Any, min_weights: int | None = None) -> bool:
+        """Whether an expert step's decode product takes the int8 path: `product_path`'s rule with
+        the weights a token reads (n_used experts of M x n_in, twice with the up experts)."""
+        w, x, ids = self._id_src(st)
+        T, U = ids.shape
+        n_out = U * w.shape[1] * (2 if "glu" in st.extra else 1)
+        return product_path(n_out, T, w.shape[2], w.type, self.rt.max_tokens, self.q8, min_weights) == "mmvq"
+
+    def _mmvq_id(self, c: _Compiler, st: Any, r: list[int]) -> list[list[int]]:
+        """The expert record r (MUL_MAT_ID_W / _GLU) as MUL_MAT_ID_Q8 over x's q8_1 copy, after the
+        QUANTIZE_Q8_1 that makes it (none when the scratch holds it), where `_id_q8` says so and
+        x's rows are one run the copy can index: the token's one row (gate/up), or a row a pair
+        with the tokens' rows n_used apart (down). Else r as it is."""
+        if r[0] not in (MUL_MAT_ID_W, MUL_MAT_ID_GLU):
+            return [r]
+        x = self._id_src(st)[1]
+        T, U, n_in, sxt, sxu = r[6], r[7], r[10], r[13], r[14]
+        rows, sx, qt, qu = (T, sxt, 1, 0) if sxu == 0 else (T * U, sxu, U, 1)
+        if sxu and T > 1 and sxt != U * sxu:
+            return [r]
+        copied = self.q8_prev is not None and self.q8_prev[0] is x and self.q8_prev[1:] == (rows, n_in, sx)
+        if not self._id_q8(st, 0 if copied else None):
+            return [r]
+        q8 = list(r)
+        q8[0], q8[2], q8[13], q8[14], q8[23] = MUL_MAT_ID_Q8, c.base + self.q8_off, qt, qu, rows
+        if r[0] == MUL_MAT_ID_W:
+            q8[16] = q8[17] = 0
+        if copied:
+            return [q8]
+        q = [0] * WIDTH
+        q[0], q[1], q[2], q[6], q[7], q[8] = QUANTIZE_Q8_1, q8[2], r[2], rows, n_in, sx
+        self.q8_prev = (x, rows, n_in, sx)
+        return [q, q8]
 
     def _mul_mat_id(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc], dst: int = 0,
                     scratch: tuple[int, ...] = ()) -> list[int]:
@@ -627,7 +678,7 @@ class GPUTarget(Target):
         recs[:] = _fuse_rope_qkv(recs, spans)  # (after the count slots: it changes the records' indices)
         recs[:] = _fuse_router(recs, spans)
         recs[:] = _fuse_router_topk(recs, spans)
-        recs[:] = _fuse_norm_q8(recs)
+        recs[:] = _fuse_norm_q8(_hoist_q8(recs))
 
 
 @dataclass(eq=False)
@@ -806,7 +857,7 @@ _ROWS_OUT = frozenset({ADD, MUL, DIV, SCALE, CPY, SWIGLU, GEGLU, SOFT_MAX, CLAMP
 def _written(r: list[int]) -> int:
     """Bytes a record writes from r[1] where the products' extents are known (T x rows floats;
     a write over any part of a value shows it dead), else 1."""
-    if r[0] in (MUL_MAT_ID_W, MUL_MAT_ID_GLU, MUL_MAT_ID_GEMM):
+    if r[0] in (MUL_MAT_ID_W, MUL_MAT_ID_GLU, MUL_MAT_ID_GEMM, MUL_MAT_ID_Q8):
         return 4 * r[6] * r[7] * r[8]
     if r[0] in _ROWS_OUT:  # contiguous rows (r[6]) of r[7] values
         return 4 * r[6] * r[7]
@@ -823,6 +874,25 @@ def _fuse_windows(recs: list[list[int]], n: int,
         r = fuse((recs[i:i + n] + [[0] * WIDTH] * n)[:n], i)
         out.append(recs[i] if r is None else r)
         i += 1 if r is None else n
+    return out
+
+
+def _hoist_q8(recs: list[list[int]]) -> list[list[int]]:
+    """Each QUANTIZE_Q8_1 of an RMS_NORM's result moved to just after that norm (for
+    `_fuse_norm_q8`) when no record between writes the value or touches the q8_1 scratch: a MoE
+    layer's normed row is read by the router's records before the gate/up experts' copy is made.
+    The copy is the same: the value does not change between (no record writes it), and nothing
+    between reads or writes the scratch."""
+    out: list[list[int]] = []
+    for r in recs:
+        j = len(out)
+        if r[0] == QUANTIZE_Q8_1:
+            while j > 0 and out[j - 1][1] != r[2] and out[j - 1][0] not in (QUANTIZE_Q8_1, MUL_MAT_Q8, MUL_MAT_ID_Q8) \
+                    and not (out[j - 1][0] == RMS_NORM and out[j - 1][16]):
+                j -= 1
+            if j == 0 or out[j - 1][0] != RMS_NORM or out[j - 1][1] != r[2]:
+                j = len(out)
+        out.insert(j, r)
     return out
 
 

@@ -18,6 +18,7 @@ not read would not. What this cannot check is the CUDA kernels themselves (tests
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -1216,6 +1217,96 @@ def test_moe_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     path = _moe_model(tmp_path, case)
     model, made = _emulated_moe_decode_matches_f32(path, monkeypatch, emu_functions)
     assert any({MUL_MAT_ID_GLU, ROUTER} <= set(int(c) for c in p.recs[:, 0]) for p in made)
+    model.free()
+
+
+def _int8_expert_records(p: GPUPlan, n_used: int) -> tuple[int, int]:
+    """Check a q8 plan's expert products (MUL_MAT_ID_Q8): the gate/up one reads the copy its
+    layer's norm made (RMS_NORM slot 16: the QUANTIZE_Q8_1 hoisted over the router's records and
+    joined to it), the down one the copy of its pairs' rows that the record before it made; no
+    float32 expert record left. (gate/up records, down records)"""
+    recs = [[int(x) for x in r] for r in p.recs]
+    assert not any(r[0] in (MUL_MAT_ID_W, MUL_MAT_ID_GLU) for r in recs), p.summary()
+    gate_up = down = 0
+    for i, r in enumerate(recs):
+        if r[0] != gpu_plan.MUL_MAT_ID_Q8:
+            continue
+        T_, n_in = r[6], r[10]
+        maker = max(j for j in range(i) if recs[j][0] == gpu_plan.QUANTIZE_Q8_1 or (recs[j][0] == RMS_NORM and recs[j][16]))
+        if r[16]:  # gate/up: the token's normed row, the norm's own copy
+            assert recs[maker][0] == RMS_NORM and recs[maker][16] == r[2] and (r[13], r[14], r[23]) == (1, 0, T_)
+            gate_up += 1
+        else:  # down: a row a pair, copied just before
+            q = recs[i - 1]
+            assert q[0] == gpu_plan.QUANTIZE_Q8_1 and q[1] == r[2] and (q[6], q[7]) == (T_ * n_used, n_in)
+            assert (r[13], r[14], r[23]) == (n_used, 1, T_ * n_used)
+            down += 1
+        assert p.built.base + p.built.nbytes >= r[2] + cuda_ops.q8_1_bytes(r[23], n_in)
+    return gate_up, down
+
+
+@pytest.mark.parametrize("case", ["tiny-qwen3moe", "tiny-gptoss"])
+def test_int8_expert_records_by_the_threshold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """A decode step's expert products are MUL_MAT_ID_Q8 records where the weights a token reads
+    (n_used x M x n_in, twice for gate/up) reach MMVQ_MIN_WEIGHTS (gate/up alone when only it
+    does), float32 ones below it and in the f32 mode; the copies as _int8_expert_records says."""
+    from llamapy.sched.alloc import plan_offsets
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from moe_models import SHAPES
+
+    sh = SHAPES[case]
+    down = sh["n_expert_used"] * sh["n_ff_exp"] * sh["n_embd"]  # the weights the down experts read a token
+    model = Model(_gptoss_model(tmp_path) if case == "tiny-gptoss" else _moe_model(tmp_path, case))
+    ctx = Context(model, ContextOptions(n_ctx=256, n_threads=1))
+    g = ctx.graph(1, 1).graph
+    (split,) = ctx.sched.reserve(g).splits
+    for least, mode, want in ((down, "q8", (2, 2)), (2 * down, "q8", (2, 0)), (2 * down + 1, "q8", (0, 0)),
+                              (0, "f32", (0, 0))):
+        monkeypatch.setattr(gpu_plan, "MMVQ_MIN_WEIGHTS", least)
+        p = gpu_plan.compile_split(split.nodes, list(g.outputs), plan_offsets, FakeRuntime(), mode)
+        assert isinstance(p, GPUPlan), p
+        codes = [int(c) for c in p.recs[:, 0]]
+        assert codes.count(gpu_plan.MUL_MAT_ID_Q8) == sum(want), (least, mode, p.summary())
+        if want == (2, 2):
+            assert _int8_expert_records(p, sh["n_expert_used"]) == want
+        else:
+            assert codes.count(MUL_MAT_ID_GLU) == 2 - want[0] and codes.count(MUL_MAT_ID_W) == 2 - want[1]
+    model.free()
+
+
+@pytest.mark.parametrize("case", [pytest.param("tiny-qwen3moe", marks=_SLOW), pytest.param("tiny-gptoss", marks=_SLOW)])
+def test_int8_experts_on_the_cuda_emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, emu_functions: Any,
+                                           case: str) -> None:
+    """The q8 mode's expert products on int8 (the threshold lowered to the smallest one; the
+    router stays float32): MUL_MAT_ID_Q8 records over q8_1 copies (mmvq.cu's mmvq_id on the CPU
+    emulator; gpt-oss's with its biases and swiglu_oai as epilogue) give the CPU's q8 path's logits
+    within 3 % of the largest (both round x to 8 bits a block of 32, each by its own rule) and its
+    greedy tokens where they are no near-tie (the top two further apart than twice the row's
+    largest difference: gpt-oss's step 5 has one at 0.009, where the CPU's q8 and float32 paths
+    disagree too)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from moe_models import SHAPES
+
+    sh = SHAPES[case]
+    n_ff = sh["n_ff_exp"]
+    monkeypatch.setattr(gpu_plan, "MMVQ_MIN_WEIGHTS", sh["n_expert_used"] * n_ff * sh["n_embd"])
+    path = _gptoss_model(tmp_path) if case == "tiny-gptoss" else _moe_model(tmp_path, case)
+    model = Model(path)
+    want = _moe_decode(Context(model, ContextOptions(n_ctx=256, n_threads=1)), _MOE_STEPS)
+    made = _gpu_backend(monkeypatch, lambda: EmuRuntime(emu_functions))
+    got = _moe_decode(Context(model, ContextOptions(n_ctx=256, n_threads=1)), _MOE_STEPS)
+    checked = rows = 0
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert np.isfinite(a).all() and float(np.abs(a - b).max()) <= 3e-2 * float(np.abs(b).max()), f"step {i}"
+        top2 = np.sort(b, axis=-1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 2 * np.abs(a - b).max(-1)
+        assert (a.argmax(-1) == b.argmax(-1))[clear].all(), f"step {i}"
+        checked, rows = checked + int(clear.sum()), rows + len(b)
+    assert checked > rows // 2  # (most are no near-tie: the comparison is not vacuous)
+    assert made and all(not p.direct for p in made)
+    for p in made:
+        assert _int8_expert_records(p, sh["n_expert_used"]) == (2, 2), p.summary()
     model.free()
 
 

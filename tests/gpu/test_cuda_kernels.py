@@ -783,7 +783,8 @@ def test_mul_mat_vec_glu_epilogue(env: Env, name: str, op: str) -> None:
 
 # --- the int8 decode products (mmvq.cu: a q8_1 copy of x, dp4a) --------------------------------
 
-MMVQ_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"]
+MMVQ_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+              "MXFP4"]
 
 
 def test_quantize_q8_1(env: Env) -> None:
@@ -914,12 +915,34 @@ def _moe_case(name: str, n_expert: int = 5, m: int = 72, n_in: int = 256, T: int
     return raw, ids, x
 
 
+def _ids_product(env: Env, q8: bool, x: np.ndarray, xd: Any) -> Any:
+    """env.k.mul_mat_id over x (contiguous rows, at xd), or (q8) the int8 product: x's q8_1 copy
+    made first, the strides then counted in its rows (gpu_plan's MUL_MAT_ID_Q8)."""
+    from llamapy.backend.cuda_ops import q8_1_bytes
+
+    n_in = x.shape[-1]
+    rows = x.size // n_in
+    xq = env.zeros((q8_1_bytes(rows, n_in),), np.uint8)
+
+    def run(st: Any, qtype: G, w: int, rb: int, n_expert: int, m: int, _n_in: int, xp: int, sxt: int, sxu: int,
+            *rest: Any, **kw: Any) -> None:
+        if not q8:
+            return env.k.mul_mat_id(st, qtype, w, rb, n_expert, m, n_in, xp, sxt, sxu, *rest, **kw)
+        assert xp == env.p(xd)
+        env.k.quantize_q8_1(st, xp, n_in, env.p(xq), rows, n_in)
+        env.k.mul_mat_id(st, qtype, w, rb, n_expert, m, n_in, env.p(xq), sxt // n_in, sxu // n_in, *rest,
+                         q8_rows=rows, **kw)
+
+    return run
+
+
 @pytest.mark.parametrize("shared", [True, False])
-@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "MXFP4", "F16"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "MXFP4", "F16", "Q4_K-q8", "Q6_K-q8", "MXFP4-q8"])
 def test_mul_mat_id(env: Env, name: str, shared: bool) -> None:
-    """Each (token, slot) gets the bits of the dense product of its expert's rows (mmv), whether
-    the expert is read for one pair or several; one input row a token (gate/up) or one a slot
-    (down)."""
+    """Each (token, slot) gets the bits of the dense product of its expert's rows (mmv; "-q8":
+    the int8 one, mmvq, of the row's q8_1 copy), whether the expert is read for one pair or
+    several; one input row a token (gate/up) or one a slot (down)."""
+    name, q8 = name.removesuffix("-q8"), name.endswith("-q8")
     raw, ids, x = _moe_case(name)
     (T, U), n_in, m, n_expert = ids.shape, x.shape[2], 72, 5
     if shared:
@@ -928,17 +951,25 @@ def test_mul_mat_id(env: Env, name: str, shared: bool) -> None:
     rd, xd, idd = env.d(raw), env.d(x), env.d(ids)
     y = env.full((T, U, m), np.nan, np.float32)
     sxt, sxu = x.shape[1] * n_in, (0 if shared else n_in)
-    env.run(lambda st: env.k.mul_mat_id(st, G[name], env.p(rd), rb, n_expert, m, n_in, env.p(xd), sxt, sxu,
-                                        env.p(idd), U, env.p(y), T, U))
+    product = _ids_product(env, q8, x, xd)
+    env.run(lambda st: product(st, G[name], env.p(rd), rb, n_expert, m, n_in, env.p(xd), sxt, sxu, env.p(idd), U,
+                               env.p(y), T, U))  # fmt: skip
     got = env.get(y)
     for tk in range(T):
         for u in range(U):
             e = int(ids[tk, u])
-            xr = env.d(np.ascontiguousarray(x[tk, 0 if shared else u][None]))
-            yr = env.full((1, m), np.nan, np.float32)
-            wr = env.d(np.ascontiguousarray(raw[e * m:(e + 1) * m]))
-            env.run(lambda st: env.k.mul_mat_vec(st, G[name], env.p(wr), rb, m, n_in, env.p(xr), env.p(yr), 1))
-            assert np.array_equal(got[tk, u].view(np.uint32), env.get(yr)[0].view(np.uint32)), (tk, u)
+            xrow = np.ascontiguousarray(x[tk, 0 if shared else u][None])
+            wr = np.ascontiguousarray(raw[e * m:(e + 1) * m])
+            if q8:
+                want = _mmvq(env, name, wr, xrow, m)
+            else:
+                xr, yr, wd = env.d(xrow), env.full((1, m), np.nan, np.float32), env.d(wr)
+                env.run(lambda st: env.k.mul_mat_vec(st, G[name], env.p(wd), rb, m, n_in, env.p(xr), env.p(yr), 1))
+                want = env.get(yr)
+            assert np.all(np.isfinite(got[tk, u])) and np.array_equal(got[tk, u].view(np.uint32),
+                                                                      want[0].view(np.uint32)), (tk, u)
+    if q8:
+        return  # (mmvq's sums: test_mul_mat_vec_q8 holds them to the float64 product)
     # against the numpy reference of the op
     from llamapy.backend.kernels import mul_mat_id as ref_mul_mat_id
     from gguf.quants import dequantize
@@ -950,11 +981,13 @@ def test_mul_mat_id(env: Env, name: str, shared: bool) -> None:
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()))
 
 
+@pytest.mark.parametrize("q8", [False, True], ids=["f32", "q8"])
 @pytest.mark.parametrize("op", ["swiglu", "geglu", "swiglu_oai"])
-def test_mul_mat_id_glu_epilogue(env: Env, op: str) -> None:
+def test_mul_mat_id_glu_epilogue(env: Env, op: str, q8: bool) -> None:
     """gate and up experts with the GLU as epilogue: the bits of the two products, then glu; an
     expert id out of range gives NaN rows, nothing read. swiglu_oai (gpt-oss) with the experts'
-    biases too: the bits of the products, add_id of each, then glu."""
+    biases too: the bits of the products, add_id of each, then glu. q8: the int8 products of
+    x's q8_1 copy alike."""
     raw_g, ids, x = _moe_case("Q4_K")
     raw_u = np.ascontiguousarray(random_rows("Q4_K", raw_g.shape[0], 256, np.random.default_rng(9)))
     (T, U), n_in, m = ids.shape, 256, 72
@@ -967,10 +1000,11 @@ def test_mul_mat_id_glu_epilogue(env: Env, op: str) -> None:
     oai = op == "swiglu_oai"
     kw: dict[str, Any] = dict(alpha=1.702, limit=7.0) if oai else {}
     bg, bu = env.d(randn(5, m + 3) * 4), env.d(randn(5, m + 3) * 4)  # bias rows m + 3 apart
+    product = _ids_product(env, q8, x, xd)
 
     def separate(st: Any) -> None:
-        env.k.mul_mat_id(st, G.Q4_K, env.p(gd), rb, 5, m, n_in, env.p(xd), n_in, 0, env.p(idd), U, env.p(g), T, U)
-        env.k.mul_mat_id(st, G.Q4_K, env.p(ud), rb, 5, m, n_in, env.p(xd), n_in, 0, env.p(idd), U, env.p(u), T, U)
+        product(st, G.Q4_K, env.p(gd), rb, 5, m, n_in, env.p(xd), n_in, 0, env.p(idd), U, env.p(g), T, U)
+        product(st, G.Q4_K, env.p(ud), rb, 5, m, n_in, env.p(xd), n_in, 0, env.p(idd), U, env.p(u), T, U)
         if oai:
             for y, b in ((g, bg), (u, bu)):
                 env.k.add_id(st, env.p(y), m, env.p(b), m + 3, 5, env.p(idd), U, env.p(y), m, T * U, m, U)
@@ -979,30 +1013,32 @@ def test_mul_mat_id_glu_epilogue(env: Env, op: str) -> None:
     env.run(separate)
     if oai:
         kw.update(b=env.p(bg), b2=env.p(bu), sb=m + 3)
-    env.run(lambda st: env.k.mul_mat_id(st, G.Q4_K, env.p(gd), rb, 5, m, n_in, env.p(xd), n_in, 0, env.p(idd), U,
-                                        env.p(fused), T, U, w2=env.p(ud), glu=op, **kw))
+    env.run(lambda st: product(st, G.Q4_K, env.p(gd), rb, 5, m, n_in, env.p(xd), n_in, 0, env.p(idd), U,
+                               env.p(fused), T, U, w2=env.p(ud), glu=op, **kw))
     a, b = env.get(sep), env.get(fused)
     assert np.all(np.isnan(b[2, 1])) and np.all(np.isnan(env.get(g)[2, 1]))
     a[2, 1] = b[2, 1] = 0
     assert np.all(np.isfinite(a)) and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
-def test_mul_mat_id_bias_epilogue(env: Env) -> None:
+@pytest.mark.parametrize("q8", [False, True], ids=["f32", "q8"])
+def test_mul_mat_id_bias_epilogue(env: Env, q8: bool) -> None:
     """One expert product with its biases as epilogue (gpt-oss's down experts): the bits of
-    mul_mat_id, then add_id."""
+    mul_mat_id, then add_id (q8: of the int8 products)."""
     raw, ids, x = _moe_case("MXFP4")
     (T, U), n_in, m = ids.shape, 256, 72
     rb = raw.shape[1]
     rd, xd, idd, bd = env.d(raw), env.d(x), env.d(ids), env.d(randn(5, m))
     sep, fused = env.full((T, U, m), np.nan, np.float32), env.full((T, U, m), np.nan, np.float32)
+    product = _ids_product(env, q8, x, xd)
 
     def separate(st: Any) -> None:
-        env.k.mul_mat_id(st, G.MXFP4, env.p(rd), rb, 5, m, n_in, env.p(xd), U * n_in, n_in, env.p(idd), U, env.p(sep), T, U)
+        product(st, G.MXFP4, env.p(rd), rb, 5, m, n_in, env.p(xd), U * n_in, n_in, env.p(idd), U, env.p(sep), T, U)
         env.k.add_id(st, env.p(sep), m, env.p(bd), m, 5, env.p(idd), U, env.p(sep), m, T * U, m, U)
 
     env.run(separate)
-    env.run(lambda st: env.k.mul_mat_id(st, G.MXFP4, env.p(rd), rb, 5, m, n_in, env.p(xd), U * n_in, n_in, env.p(idd), U,
-                                        env.p(fused), T, U, b=env.p(bd), sb=m))  # fmt: skip
+    env.run(lambda st: product(st, G.MXFP4, env.p(rd), rb, 5, m, n_in, env.p(xd), U * n_in, n_in, env.p(idd), U,
+                               env.p(fused), T, U, b=env.p(bd), sb=m))  # fmt: skip
     a, b = env.get(sep), env.get(fused)
     assert np.all(np.isfinite(a)) and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 

@@ -73,8 +73,10 @@ REG_BOUNDS: list[tuple[str, int]] = [
     # blocks (24 warps) an SM: 80 registers (common.cuh's launch bounds; they reach 72-80 without
     # spilling), but mmv_glu_f32 (2 blocks: 90). mmv_id_ reaches 70-96 (its pairs' offsets and
     # the GLU / bias epilogue; 80 spills): at most 128 keeps 2 blocks (16 warps).
+    # mmvq_id_ (int8, 3 blocks: 80) reaches 68-80.
     (r"mmv_glu_f32$", 128),
     (r"mmv_id_", 112),
+    (r"mmvq_id_", 80),
     (r"mmv_", 80),
     # attention, 128 threads (4 warps) a block: at most 64 keeps 8 blocks (32 warps) an SM; the
     # decode kernels reach 32-56, the prompt kernels (fattn_tile_, bound to 8 blocks an SM, i.e.
@@ -279,6 +281,8 @@ def record_launches() -> list[tuple]:
     for qt in MMVQ_SUFFIX:  # the int8 products on that copy (the q8 mode's large decode products)
         for glu in ("", "swiglu"):
             k.mul_mat_vec_q8(st, qt, 0x1000, 1000, 300, 512, 0x2000, 0x3000, 3, glu=glu)
+        k.mul_mat_id(st, qt, 0x1000, 1000, 8, 300, 512, 0x2000, 2, 1, 0x3000, 2, 0x4000, 3, 2, w2=0x5000,
+                     glu="swiglu_oai", b=0x6000, b2=0x7000, sb=300, alpha=1.7, limit=7.0, q8_rows=6)
     k.soft_max(st, 0x1000, 128, 0x2000, 128, 3, 128, 1.0)
     k.argsort(st, 0x1000, 128, 0x2000, 128, 3, 128)
     k.get_rows_batched(st, 0x1000, 128, 1, 128, 0x2000, 8, 0x3000, 3, 8, 1)
@@ -404,14 +408,18 @@ def test_launch_refusals() -> None:
         k.rope(st, 1, 1, 1, 1, 1, 1, 1, 1, 64, pos=1, n_dims=64, mode=1)
     with pytest.raises(UnsupportedError, match="GLU"):
         k.glu(st, "reglu", 1, 1, 1, 1, 1, 1, 1, 1)
-    with pytest.raises(UnsupportedError, match="int8 MUL_MAT of Q2_K"):  # (no mmvq.cu decoder: the float32 path)
-        k.mul_mat_vec_q8(st, G.Q2_K, 1, 84, 8, 256, 0x100, 1, 1)
+    with pytest.raises(UnsupportedError, match="int8 MUL_MAT of BF16"):  # (no mmvq.cu decoder: the float32 path)
+        k.mul_mat_vec_q8(st, G.BF16, 1, 512, 8, 256, 0x100, 1, 1)
     with pytest.raises(UnsupportedError, match="9 tokens"):
         k.mul_mat_vec_q8(st, G.Q4_K, 1, 144, 8, 256, 0x100, 1, 9)
     with pytest.raises(UnsupportedError, match="q8_1 copy"):  # the copy's quants are read 16 bytes at a time
         k.quantize_q8_1(st, 1, 256, 0x104, 1, 256)
     with pytest.raises(UnsupportedError, match="tokens"):
         k.mul_mat_vec(st, G.Q4_0, 1, 18, 4, 32, 0x1000, 0x2000, 9)
+    with pytest.raises(UnsupportedError, match="row 5 of a q8_1 copy of 4"):  # pair (2, 1) of 2 slots: row 2 * 2 + 1
+        k.mul_mat_id(st, G.Q4_0, 1, 18, 4, 32, 32, 0x1000, 2, 1, 0x2000, 2, 0x3000, 3, 2, q8_rows=4)
+    with pytest.raises(UnsupportedError, match="int8 MUL_MAT_ID of F16"):
+        k.mul_mat_id(st, G.F16, 1, 512, 4, 32, 256, 0x1000, 1, 0, 0x2000, 1, 0x3000, 1, 1, q8_rows=1)
     with pytest.raises(UnsupportedError, match="2\\^31"):  # mmv_id's 32-bit offsets of the input rows
         k.mul_mat_id(st, G.Q4_0, 1, 18, 4, 32, 32, 0x1000, 2**30, 0, 0x2000, 1, 0x3000, 3, 1)
     with pytest.raises(UnsupportedError, match="grid"):

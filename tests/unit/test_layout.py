@@ -101,5 +101,7 @@ def test_code_size_budget() -> None:
     # for the CUDA decode products on int8 dot products in the default mode (q8_1 activations,
     # QUANTIZE_Q8_1 / MUL_MAT_Q8 records, the mode reaching CUDA and `bench --f32-activations`,
     # ~+100), one Q/K/V product with its bias as the products' epilogue for qwen2 / gpt-oss
-    # (~+36), and a prompt's f16 weight tiles sized by the split's weights (~+10)
-    assert total <= 15800, f"llamapy/ has {total} lines of code"
+    # (~+36), and a prompt's f16 weight tiles sized by the split's weights (~+10); raised at stop
+    # 33 (15800 -> ~15842) for the expert products on int8 in the same mode (MUL_MAT_ID_Q8
+    # records over q8_1 copies, the gate/up copy hoisted into the layer's norm, ~+45)
+    assert total <= 15850, f"llamapy/ has {total} lines of code"

@@ -121,6 +121,13 @@ LP_HD void ld_words(const u8* p, unsigned int* o) {
 #endif
 }
 
+// Scale s (0..15, one per 16 elements) of a Q3_K super-block from its 12 bytes at sc: 4 low bits
+// (byte s & 7, the high nibble from 8 on), 2 high bits (byte 8 + s % 4, bits 2 * (s / 4)), less 32
+// in the callers: kquants.cu's decoder and mmvq.cu's.
+LP_HD int scale_q3k(const u8* sc, int s) {
+    return ((sc[s & 7] >> (4 * (s >> 3))) & 15) | (((sc[8 + (s & 3)] >> (2 * (s >> 2))) & 3) << 4);
+}
+
 // The packed 6-bit (scale, min) of sub-block j of Q4_K / Q5_K (ggml's get_scale_min_k4):
 // kquants.cu's decoders and mmvq.cu's.
 LP_HD void scale_min_k4(const u8* s, int j, int* sc, int* m) {
@@ -489,15 +496,16 @@ __device__ __forceinline__ void mmv_glu_impl(const u8* __restrict__ w, const flo
 // experts' bias rows (ADD_ID, gpt-oss), row e at b + e * sb, added to w's / w2's sums before the
 // GLU (the bits of mmv_id, then add_id, then glu). The expert ids are read from device memory (the router's
 // ARGSORT): a captured graph does not depend on the routing. An id outside [0, n_expert) gives
-// NaN rows (never a read outside the matrix).
-template <typename DQ>
+// NaN rows (never a read outside the matrix). One expert row's sums are `rowsum(wr, n, xo)`: the
+// row at wr times the n pairs' input rows at offsets xo[0..n) (mmv_row over the float32 rows, x +
+// xo[t]; mmvq.cu's mmvq_id over the rows of x's q8_1 copy, sxt / sxu then counted in copy rows).
+template <typename RowSum>
 __device__ __forceinline__ void mmv_id_impl(const u8* __restrict__ w, const u8* __restrict__ w2,
-                                            long long expert_bytes, int n_expert, const float* __restrict__ x,
-                                            long long sxt, long long sxu, const int* __restrict__ ids,
-                                            long long sid, float* __restrict__ y, int M, int n_in,
-                                            long long row_bytes, int n_tok, int n_used, int op,
+                                            long long expert_bytes, int n_expert, long long sxt, long long sxu,
+                                            const int* __restrict__ ids, long long sid, float* __restrict__ y,
+                                            int M, long long row_bytes, int n_tok, int n_used, int op,
                                             const float* __restrict__ b, const float* __restrict__ b2,
-                                            long long sb, float alpha, float limit) {
+                                            long long sb, float alpha, float limit, RowSum rowsum) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int n_pairs = n_tok * n_used;
@@ -506,7 +514,6 @@ __device__ __forceinline__ void mmv_id_impl(const u8* __restrict__ w, const u8* 
     for (int q = 0; q < p; ++q)
         if (ids[(long long)(q / n_used) * sid + q % n_used] == e) return;  // uniform per block
     if (row >= M) return;  // uniform per warp
-    const int n_units = n_in >> 5;
     const bool bad = e < 0 || e >= n_expert;
     int q = p;
     while (q < n_pairs) {
@@ -521,11 +528,10 @@ __device__ __forceinline__ void mmv_id_impl(const u8* __restrict__ w, const u8* 
             if (lane == n) pq_t = q;
             reg_set(xo, n++, (int)((q / n_used) * sxt + (q % n_used) * sxu));
         }
-        const auto xrow = [&](int t) { return x + xo[t]; };
         float g = 0.0f, up = 0.0f;
         if (!bad) {
-            g = mmv_row<DQ>(w + (long long)e * expert_bytes + (long long)row * row_bytes, n_units, n, xrow);
-            if (w2) up = mmv_row<DQ>(w2 + (long long)e * expert_bytes + (long long)row * row_bytes, n_units, n, xrow);
+            g = rowsum(w + (long long)e * expert_bytes + (long long)row * row_bytes, n, xo);
+            if (w2) up = rowsum(w2 + (long long)e * expert_bytes + (long long)row * row_bytes, n, xo);
         }
         if (lane < n) {
             if (b && !bad) g = __fadd_rn(g, b[(long long)e * sb + row]);
@@ -582,8 +588,10 @@ struct mmv_glu_min_blocks {
                       int n_in, long long row_bytes, int n_tok, int n_used, int op,                 \
                       const float* __restrict__ b, const float* __restrict__ b2, long long sb,      \
                       float alpha, float limit) {                                                   \
-        mmv_id_impl<DQ>(w, w2, expert_bytes, n_expert, x, sxt, sxu, ids, sid, y, M, n_in, row_bytes, \
-                        n_tok, n_used, op, b, b2, sb, alpha, limit);                                \
+        mmv_id_impl(w, w2, expert_bytes, n_expert, sxt, sxu, ids, sid, y, M, row_bytes, n_tok, n_used, op, \
+                    b, b2, sb, alpha, limit, [&](const u8* wr, int n, const int (&xo)[MMV_MAX_TOK]) {  \
+                        return mmv_row<DQ>(wr, n_in >> 5, n, [&](int t) { return x + xo[t]; });    \
+                    });                                                                             \
     }
 
 #ifdef LLAMAPY_HOST_TEST

@@ -40,14 +40,10 @@ struct DQ_Q3_K {
         unsigned int qw[8], hw[8];
         ld_words<8, 2>(b + 32 + (j >> 2) * 32, qw);
         ld_words<8, 2>(b, hw);
-        const u8* sc = b + 96;
         const int sh = 2 * (j & 3);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int s = 2 * j + h;
-            const int lo = (sc[s & 7] >> (4 * (s >> 3))) & 15;
-            const int hi = (sc[8 + (s & 3)] >> (2 * (s >> 2))) & 3;
-            const float dl = LP_MUL(d, (float)((lo | (hi << 4)) - 32));
+            const float dl = LP_MUL(d, (float)(scale_q3k(b + 96, 2 * j + h) - 32));
 #pragma unroll
             for (int l = 16 * h; l < 16 * h + 16; ++l) {
                 const int q = ((byte_at(qw, l) >> sh) & 3) - (((byte_at(hw, l) >> j) & 1) ? 0 : 4);

@@ -16,15 +16,22 @@
 // mmvq_<type>: y[t, r] = sum_u unit_u(W[r]) . x_q8[t, u] for n_tok <= MMV_MAX_TOK, one warp a row as
 //   common.cuh's mmv (lane l takes units l, l+32, ...). A decoder VQ::unit(row, u, q, d, m) gives
 //   unit u as 32 int8 in 8 words (element order, as the activations' quants), a float scale per
-//   16 elements (d[0], d[1]: equal but for Q6_K's two sub-block scales) and an offset m, the unit's
-//   weights being d * q + m; per token the unit's sum is
-//       dy * (d[0] * dp4a(q[0..3], y[0..3]) + d[1] * dp4a(q[4..7], y[4..7])) + m * sy
-//   with (dy, sy) the block's pair: 8 dp4a, 2 x 128-bit loads of y a unit and token, where mmv takes
+//   16 elements (d[0], d[1]: equal but for the K types' with a scale per 16: Q2_K, Q3_K, Q6_K)
+//   and an offset m[0], the unit's weights being d * q + m; per token the unit's sum is
+//       dy * (d[0] * dp4a(q[0..3], y[0..3]) + d[1] * dp4a(q[4..7], y[4..7])) + m[0] * sy
+//   with (dy, sy) the block's pair. Q2_K has an offset per 16 elements (m[0], m[1]: vq_half_mins),
+//   its sum dy * (... + m[0] * dp4a(1, y[0..3]) + m[1] * dp4a(1, y[4..7])): 8 more dp4a a unit.
+//   Else 8 dp4a, 2 x 128-bit loads of y a unit and token, where mmv takes
 //   ~210 instructions and 128 bytes of float32 activations (the analysis in docs/architecture.md).
 //   Numerics: each unit's sum is rounded in float32, the lanes' sums added as mmv adds them; the
 //   result is the float64 product of the dequantized weights and activations within float32
 //   rounding (tests/gpu/test_cuda_kernels.py), not bit-equal to the f32 mode or to llama.cpp.
 // mmvq_glu_<type>: the stacked gate/up matrix with its GLU as epilogue, as mmv_glu.
+// mmvq_id_<type>: MUL_MAT_ID on the q8_1 copy (common.cuh's mmv_id_impl, its routing, biases and
+//   GLU epilogue): pair (t, u)'s input is the copy's row t * sxt + u * sxu — the token's one row
+//   (sxt 1, sxu 0: gate / up, the norm's copy) or the pair's own (sxt n_used, sxu 1: down, the GLU
+//   result's copy); each pair's sums are mmvq_<type>'s of that row with its expert's rows. Held to
+//   3 blocks an SM (80 registers): left free, ptxas gave Q4_0's and IQ4_NL's 64 and spilled.
 #include "common.cuh"
 
 // 8 words of signed bytes times 8 words: the two halves' int32 sums
@@ -61,6 +68,12 @@ __device__ __forceinline__ void load_dm(const u8* b, float* d, float* m) {
     d[0] = d[1] = f16_to_f32((unsigned short)dm);
     *m = f16_to_f32((unsigned short)(dm >> 16));
 }
+
+// Whether a decoder gives an offset per 16 elements (m[0], m[1]) rather than one a unit
+template <typename VQ>
+struct vq_half_mins {
+    static constexpr bool value = false;
+};
 
 // Q4_0 (18 bytes): w = d * (q - 8) = d * q - 8 d
 struct VQ_Q4_0 {
@@ -127,6 +140,55 @@ __device__ __forceinline__ void k4_scale_min(const u8* b, int j, float* d, float
     d[0] = d[1] = d[0] * (float)sc;
     *m = -(*m * (float)mn);
 }
+
+// Q2_K (84 bytes), sub-block j: w = (d * sc) * q - dmin * mn, a scale and a min per 16 elements
+// (bytes 2j, 2j + 1: low nibble the scale, high the min), q the 2 bits at 2 * (j % 4) of qs's bytes
+struct VQ_Q2_K {
+    static __device__ __forceinline__ void unit(const u8* row, int u, int* q, float* d, float* m) {
+        const u8* b = row + (u >> 3) * 84;
+        const int j = u & 7;
+        unsigned int qw[8];
+        ld_words<8, 4>(b + 16 + (j >> 2) * 32, qw);
+        const int sh = 2 * (j & 3);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = (int)((qw[i] >> sh) & 0x03030303u);
+        float dd[2], dmin;
+        load_dm(b + 80, dd, &dmin);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int sc = b[2 * j + h];
+            d[h] = dd[0] * (float)(sc & 15);
+            m[h] = -(dmin * (float)(sc >> 4));
+        }
+    }
+};
+template <>
+struct vq_half_mins<VQ_Q2_K> {
+    static constexpr bool value = true;
+};
+
+// Q3_K (110 bytes), sub-block j: w = (d * (sc - 32)) * (q - 4), a scale per 16 elements, q the 2
+// bits at 2 * (j % 4) of qs's bytes with hmask's bit j as the third (set: no -4), less 4 per byte
+// as Q6_K's less 32
+struct VQ_Q3_K {
+    static __device__ __forceinline__ void unit(const u8* row, int u, int* q, float* d, float* m) {
+        const u8* b = row + (u >> 3) * 110;
+        const int j = u & 7;
+        unsigned int qw[8], hw[8];
+        ld_words<8, 2>(b + 32 + (j >> 2) * 32, qw);
+        ld_words<8, 2>(b, hw);
+        const int sh = 2 * (j & 3);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const unsigned int v = ((qw[i] >> sh) & 0x03030303u) | (((hw[i] >> j) & 0x01010101u) << 2);
+            q[i] = (int)(((v | 0x80808080u) - 0x04040404u) ^ 0x80808080u);
+        }
+        const float dd = ld_f16(b + 108);
+        d[0] = dd * (float)(scale_q3k(b + 96, 2 * j) - 32);
+        d[1] = dd * (float)(scale_q3k(b + 96, 2 * j + 1) - 32);
+        *m = 0.0f;
+    }
+};
 
 // Q4_K (144 bytes), sub-block j of 32: w = (d * sc) * q - dmin * mn
 struct VQ_Q4_K {
@@ -259,7 +321,8 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // unit u of a row times token t's block u of the copy
-__device__ __forceinline__ float dot_unit_q8(const int* q, const float* d, float m, const int* __restrict__ xq,
+template <typename VQ>
+__device__ __forceinline__ float dot_unit_q8(const int* q, const float* d, const float* m, const int* __restrict__ xq,
                                              const float* __restrict__ xds, long long blk) {
     const uint4* yp = reinterpret_cast<const uint4*>(xq) + 2 * blk;
     const uint4 lo = __ldg(yp), hi = __ldg(yp + 1);
@@ -267,21 +330,28 @@ __device__ __forceinline__ float dot_unit_q8(const int* q, const float* d, float
     const float2 s = __ldg(reinterpret_cast<const float2*>(xds) + blk);
     int s0, s1;
     dot_q8(q, y, &s0, &s1);
-    return s.x * (d[0] * (float)s0 + d[1] * (float)s1) + m * s.y;
+    if (vq_half_mins<VQ>::value) {  // the halves' sums of the quants, for their own offsets
+        const int ones[8] = {0x01010101, 0x01010101, 0x01010101, 0x01010101,
+                             0x01010101, 0x01010101, 0x01010101, 0x01010101};
+        int h0, h1;
+        dot_q8(ones, y, &h0, &h1);
+        return s.x * (d[0] * (float)s0 + d[1] * (float)s1 + m[0] * (float)h0 + m[1] * (float)h1);
+    }
+    return s.x * (d[0] * (float)s0 + d[1] * (float)s1) + m[0] * s.y;
 }
 
-// One row of W times the q8_1 copies of the tokens' rows (common.cuh's row_sums: lane l takes
-// units l, l + 32, ...)
-template <typename VQ>
+// One row of W times n_tok rows of the q8_1 copy, token t's the copy's row xrow(t) (common.cuh's
+// row_sums: lane l takes units l, l + 32, ...)
+template <typename VQ, typename XRow>
 __device__ __forceinline__ float mmvq_row(const u8* __restrict__ wr, int n_units, int n_tok, const int* __restrict__ xq,
-                                          const float* __restrict__ xds) {
+                                          const float* __restrict__ xds, XRow xrow) {
     return row_sums(n_units, n_tok, [&](int u, float (&acc)[MMV_MAX_TOK]) {
         int q[8];
-        float d[2], m;
-        VQ::unit(wr, u, q, d, &m);
+        float d[2], m[2];
+        VQ::unit(wr, u, q, d, m);
 #pragma unroll
         for (int t = 0; t < MMV_MAX_TOK; ++t)
-            if (t < n_tok) acc[t] += dot_unit_q8(q, d, m, xq, xds, (long long)t * n_units + u);
+            if (t < n_tok) acc[t] += dot_unit_q8<VQ>(q, d, m, xq, xds, (long long)xrow(t) * n_units + u);
     });
 }
 
@@ -290,14 +360,28 @@ __device__ __forceinline__ float mmvq_row(const u8* __restrict__ wr, int n_units
         mmvq_##name(const u8* __restrict__ w, const int* __restrict__ xq, const float* __restrict__ xds, \
                     float* __restrict__ y, int n_out, int n_in, long long row_bytes, int n_tok,     \
                     const float* __restrict__ b) {                                                  \
-        mmv_store(y, n_out, n_tok, b,                                                               \
-                  [&](int r) { return mmvq_row<VQ>(w + (long long)r * row_bytes, n_in >> 5, n_tok, xq, xds); }); \
+        mmv_store(y, n_out, n_tok, b, [&](int r) {                                                  \
+            return mmvq_row<VQ>(w + (long long)r * row_bytes, n_in >> 5, n_tok, xq, xds, [](int t) { return t; }); \
+        });                                                                                         \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(256, 4)                                            \
         mmvq_glu_##name(const u8* __restrict__ w, const int* __restrict__ xq, const float* __restrict__ xds, \
                         float* __restrict__ y, int n_ff, int n_in, long long row_bytes, int n_tok, int op) { \
-        mmv_glu_store(y, n_ff, n_tok, op,                                                           \
-                      [&](int r) { return mmvq_row<VQ>(w + (long long)r * row_bytes, n_in >> 5, n_tok, xq, xds); }); \
+        mmv_glu_store(y, n_ff, n_tok, op, [&](int r) {                                              \
+            return mmvq_row<VQ>(w + (long long)r * row_bytes, n_in >> 5, n_tok, xq, xds, [](int t) { return t; }); \
+        });                                                                                         \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(256, 3)                                            \
+        mmvq_id_##name(const u8* __restrict__ w, const u8* __restrict__ w2, long long expert_bytes,  \
+                       int n_expert, const int* __restrict__ xq, const float* __restrict__ xds,     \
+                       long long sxt, long long sxu, const int* __restrict__ ids, long long sid,    \
+                       float* __restrict__ y, int M, int n_in, long long row_bytes, int n_tok,      \
+                       int n_used, int op, const float* __restrict__ b, const float* __restrict__ b2, \
+                       long long sb, float alpha, float limit) {                                    \
+        mmv_id_impl(w, w2, expert_bytes, n_expert, sxt, sxu, ids, sid, y, M, row_bytes, n_tok, n_used, op, \
+                    b, b2, sb, alpha, limit, [&](const u8* wr, int n, const int (&xo)[MMV_MAX_TOK]) {  \
+                        return mmvq_row<VQ>(wr, n_in >> 5, n, xq, xds, [&](int t) { return xo[t]; }); \
+                    });                                                                             \
     }
 
 LP_MMVQ_KERNELS(q4_0, VQ_Q4_0)
@@ -305,6 +389,8 @@ LP_MMVQ_KERNELS(q4_1, VQ_Q4_1)
 LP_MMVQ_KERNELS(q5_0, VQ_Q5_0)
 LP_MMVQ_KERNELS(q5_1, VQ_Q5_1)
 LP_MMVQ_KERNELS(q8_0, VQ_Q8_0)
+LP_MMVQ_KERNELS(q2_k, VQ_Q2_K)
+LP_MMVQ_KERNELS(q3_k, VQ_Q3_K)
 LP_MMVQ_KERNELS(q4_k, VQ_Q4_K)
 LP_MMVQ_KERNELS(q5_k, VQ_Q5_K)
 LP_MMVQ_KERNELS(q6_k, VQ_Q6_K)

@@ -63,7 +63,7 @@ from ..quants import KV_QUANT_TYPES, hadamard
 from ..types import GGMLType, LlamapyError, block_size, row_nbytes, storage
 from . import native
 from .cpu_kernels import KV_CODES  # a KV cache's element type as ops.c's LP_KV_* codes
-from .kernels import cache_rotation, rope_consts
+from .kernels import cache_rotation, gelu_table, rope_consts
 
 ALIGN = 64  # the arena's alignment (AVX-512 loads); sched/alloc.py aligns offsets to 32
 SCRATCH_ALIGN = 256  # a step's scratch (Target.step_scratch) starts this far aligned: cuBLAS's and wide loads' want
@@ -72,8 +72,9 @@ SCRATCH_ALIGN = 256  # a step's scratch (Target.step_scratch) starts this far al
 (GET_ROWS_Q, GET_ROWS_F32, RMS_NORM, MUL, ADD, SCALE, SWIGLU, MUL_MAT, ROPE, SET_ROWS, ATTN, CPY, QUANT_ACT,
  MUL_MAT_Q, SOFT_MAX, ARGSORT, SUM_ROWS, CLAMP, DIV, GET_ROWS_B, MUL_MAT_ID_Q, ADD_ID) = range(1, 23)
 REC = 25
-# GLU with GELU (gemma3's GEGLU): a code executor.c has not (its target refuses it), the GPU's has.
-# Codes from 32 on are records only the GPU target writes (gpu_plan.py), apart from executor.c's.
+# GLU with GELU (gemma3's GEGLU): both targets' code (executor.c's EX_GEGLU reads slot 4, the GELU
+# table; the GPU's kernel computes it). Codes from 33 on are records only the GPU target writes
+# (gpu_plan.py), apart from executor.c's.
 GEGLU = 32
 OP_NAMES = {GEGLU: "GLU", GET_ROWS_Q: "GET_ROWS", GET_ROWS_F32: "GET_ROWS", RMS_NORM: "RMS_NORM", MUL: "MUL", ADD: "ADD",
             SCALE: "SCALE", SWIGLU: "GLU", MUL_MAT: "MUL_MAT", ROPE: "ROPE", SET_ROWS: "SET_ROWS",
@@ -432,6 +433,11 @@ class Target:
         """The address of a constant table the compiler made (rope's inverse frequencies)."""
         raise NotImplementedError
 
+    def gelu_table(self, keep: list[Any]) -> int:
+        """The address of the GELU table a GEGLU record reads (slot 4), or 0: the GPU's kernels
+        compute it."""
+        return 0
+
     def export(self, l: Loc) -> Any:
         """The value of an export that lies outside the arena (the KV cache's memory)."""
         raise NotImplementedError
@@ -476,7 +482,7 @@ class HostTarget(Target):
     vec_dot_type (QUANTIZE record, shared by the products of that input) and multiplies the
     file's rows; "f32" runs the repacked float32 matvec."""
 
-    glu_ops = ("swiglu", "swiglu_oai")
+    glu_ops = ("swiglu", "swiglu_oai", "geglu")
     attn_sinks = True
     addr_slots = ((15, MUL_MAT_ID_Q),)  # its workspace
 
@@ -487,6 +493,7 @@ class HostTarget(Target):
         self.quantized: dict[int, Any] = {}  # vec_dot_type -> the input its scratch holds now
         self.offsets: dict[int, int] = {}  # vec_dot_type -> the arena offset of its quantized activations
         self.mmid_wsp = 0  # the arena offset of the MUL_MAT_ID records' workspace (lp_mul_mat_id_q_wsp)
+        self.gelu: np.ndarray | None = None  # kernels.gelu_table, for the GEGLU records
 
     def leaf(self, t: Tensor) -> Any | None:
         return _leaf_value(t)
@@ -505,6 +512,11 @@ class HostTarget(Target):
     def const(self, a: np.ndarray, keep: list[Any]) -> int:
         keep.append(a)
         return a.ctypes.data
+
+    def gelu_table(self, keep: list[Any]) -> int:
+        if self.gelu is None:
+            self.gelu = gelu_table()  # (once a compile: 65536 values)
+        return self.const(self.gelu, keep)
 
     def export(self, l: Loc) -> Any:
         return l.array()
@@ -1094,7 +1106,13 @@ class _Compiler:
         if st.code == RMS_NORM:
             norm = st.extra["norm"]
             x = need_f32(loc(norm.src[0]), "RMS_NORM input")
-            rows, cols, xs = x.rows()
+            try:
+                rows, cols, xs = x.rows()
+            except Refused:  # a per-head norm of a strided view, T tokens (qwen3's / gemma3's Q and K)
+                if "add" in st.extra or len(x.shape) != 3 or x.strides[2] != 1:
+                    raise
+                T, rows, cols = x.shape
+                xs, r[13], r[14], r[15] = x.strides[1], T, x.strides[0], rows * cols  # (T groups of `rows` rows)
             r[2], r[6], r[7], r[8], r[9] = x.addr, rows, cols, xs, fbits(float(norm.params["eps"]))
             if "weight" in st.extra:
                 w = need_f32(loc(st.extra["weight"]), "norm weight")
@@ -1153,6 +1171,8 @@ class _Compiler:
             r[2], r[3], r[6], r[7], r[8], r[9] = g.addr, u.addr, rows, cols, gs, self._rows_like(u, rows, cols)
             if n.params.get("op") == "swiglu_oai":
                 r[10], r[11], r[12] = 1, fbits(float(n.params["alpha"])), fbits(float(n.params["limit"]))
+            if st.code == GEGLU:
+                r[4] = self.target.gelu_table(self.keep)
             return r
         if st.code == ADD_ID:
             a, ids = need_f32(loc(n.src[0]), "ADD_ID input"), loc(n.src[2])

@@ -467,8 +467,6 @@ class GPUTarget(Target):
             r[0], r[1], r[2], r[3] = GET_ROWS_W, loc(n).addr, blocks, il.addr
             r[6], r[7], r[8], r[9], r[10] = ids.n_elements, n_in, row_bytes, n_out, qtype
             return [r]
-        if st.code == RMS_NORM and "add" not in st.extra:
-            return self._norm_per_token(st, loc)
         if st.code == ROPE:
             return [self._rope(c, n, loc)]
         if st.code == ATTN:
@@ -580,34 +578,6 @@ class GPUTarget(Target):
                 r[23] |= 2
             self.sorted = ids
         return r
-
-    def _norm_per_token(self, st: Any, loc: Callable[[Tensor], Loc]) -> list[list[int]] | None:
-        """A per-head norm of a strided view (qwen3's and gemma3's Q/K norms of a fused QKV
-        product, several tokens): its rows are not evenly spaced, so one record of T groups of H
-        rows (each token's heads are evenly spaced; slots 13-15: T, x's and y's token strides),
-        one launch of norm.cu's 2-D grid; None when they are (the shared record)."""
-        norm = st.extra["norm"]
-        x = loc(norm.src[0])
-        try:
-            x.rows()
-            return None
-        except Refused:
-            pass
-        if x.dtype != np.dtype(np.float32) or len(x.shape) != 3 or x.strides[2] != 1:
-            raise Refused(f"RMS_NORM of a {list(x.shape)} value")
-        T, H, D = x.shape
-        w = 0
-        if "weight" in st.extra:
-            wl = loc(st.extra["weight"])
-            if wl.dtype != np.dtype(np.float32) or not wl.contiguous():
-                raise Refused("a strided norm weight")
-            w = wl.addr
-        dst = loc(st.node)
-        r = [0] * WIDTH  # one launch for every token (slots 13-15: tokens, x's and y's token strides)
-        r[0], r[1], r[2], r[3] = RMS_NORM, dst.addr, x.addr, w
-        r[6], r[7], r[8], r[9] = H, D, x.strides[1], _fbits(norm.params["eps"])
-        r[13], r[14], r[15] = T, x.strides[0], H * D
-        return [r]
 
     def _rope(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc]) -> list[int]:
         x, pos = loc(n.src[0]), loc(n.src[1])

@@ -120,14 +120,26 @@ GELU_COEF_A = 0.044715
 SQRT_2_OVER_PI = 0.79788456080286535587989211986876
 
 
+def _gelu_of_f16(xp: Any, h: Any) -> Any:
+    """GELU of float32 values that are f16 values, rounded to f16: ggml-cpu's GELU table entries."""
+    y = 0.5 * h * (1.0 + xp.tanh(xp.float32(SQRT_2_OVER_PI) * h * (1.0 + xp.float32(GELU_COEF_A) * h * h)))
+    return y.astype(xp.float16).astype(xp.float32)
+
+
 def gelu(xp: Any, x: Any) -> Any:
     """GELU, tanh approximation, as ggml-cpu computes it (GGML_GELU_FP16): the input rounded to
     f16 and the result read from an f16 table — so the value is rounded to f16 too — with
     x <= -10 giving 0 and x >= 10 giving x."""
-    h = x.astype(xp.float16).astype(xp.float32)
-    y = 0.5 * h * (1.0 + xp.tanh(xp.float32(SQRT_2_OVER_PI) * h * (1.0 + xp.float32(GELU_COEF_A) * h * h)))
-    y = y.astype(xp.float16).astype(xp.float32)
+    y = _gelu_of_f16(xp, x.astype(xp.float16).astype(xp.float32))
     return xp.where(x <= -10.0, xp.float32(0), xp.where(x >= 10.0, x, y)).astype(xp.float32)
+
+
+def gelu_table() -> np.ndarray:
+    """The table `gelu` reads, float32 (65536,): entry i is the value for the f16 of bits i (the
+    CPU executor's GEGLU record, ops.c's lp_geglu; the same numpy arithmetic as `gelu`)."""
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _gelu_of_f16(np, h)
 
 
 def mul_mat(node: Tensor, s: list[Any], xp: Any) -> Any:

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as T
 
 from llamapy import ops
 from llamapy.backend import native
-from llamapy.backend.executor import Arena, ExecPlan, Refusal, compile_split
+from llamapy.backend.executor import RMS_NORM, Arena, ExecPlan, Refusal, compile_split
 from llamapy.context import Context, ContextOptions, Model
 from llamapy.sched.alloc import plan_offsets
 from llamapy.tensor import Tensor, TensorFlag
@@ -89,6 +89,29 @@ def test_executor_matches_run_nodes(make_llama, monkeypatch: pytest.MonkeyPatch,
     # types' rows are expanded in Python before the call (both against run_nodes' numpy rows)
     native_rows = mode == "f32" or qtype in (T.F16, T.Q8_0, T.Q4_0)
     assert all(bool(p.pre) != native_rows for p in plans)  # type: ignore[attr-defined]
+    model.free()
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
+def test_family_graphs_run_on_the_executor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
+    """gemma3 (GEGLU: the GELU table read in C; the embedding SCALE; sliding-window layers) and
+    qwen3 (per-head Q/K norms): prompts and decode steps on the executor, not refused — the
+    per-head norms of several tokens' strided Q and K one record each (T groups of rows) — with
+    run_nodes' logits bit for bit."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from family_models import write_family_gguf
+
+    model = _model(write_family_gguf(tmp_path / f"{arch}.gguf", arch, qtype=T.Q8_0))
+    exe, ref = _contexts(monkeypatch, model, n_threads=2)
+    for toks, pos, seq, want in _batches():
+        _same(exe.decode(toks, pos, seq, want), ref.decode(toks, pos, seq, want))
+    plans = _plans(exe)
+    assert plans and all(isinstance(p, ExecPlan) for p in plans), [getattr(p, "reason", p) for p in plans]
+    assert sum(p.n_runs for p in plans) == len(_batches())  # type: ignore[attr-defined]
+    per_head = [r for p in plans for r in p.recs if r[0] == RMS_NORM and r[13]]  # type: ignore[attr-defined]
+    assert per_head and all(r[13] > 1 for r in per_head)  # (RMS_NORM records of several tokens' heads)
     model.free()
 
 

@@ -88,20 +88,6 @@ class FakeRuntime(HostRuntime):
     def prepare(self, rec: np.ndarray) -> Callable[[], None]:
         if int(rec[0]) == ROPE_QKV:  # the four records it stands for
             return self._rope_qkv(rec)
-        if int(rec[0]) == RMS_NORM and rec[13]:  # per-head norms of T tokens: executor.c's record per token
-            parts = []
-            for t in range(int(rec[13])):
-                one = rec.copy()
-                one[1] += 4 * t * int(rec[15])
-                one[2] += 4 * t * int(rec[14])
-                one[13:16] = 0
-                parts.append(self.prepare(one))
-
-            def launch_all() -> None:
-                for p in parts:
-                    p()
-
-            return launch_all
         r = rec.copy()
         code = int(r[0])
         if code == MUL_MAT_ID_GEMM:  # a prompt's experts: the decode record's q8 path (any number of tokens)
@@ -215,7 +201,7 @@ class FakeRuntime(HostRuntime):
                 g[[0, 1, 2, 3, 6, 7, 8, 9, 10]] = GET_ROWS_F32, r[1], r[2], r[3], r[6], r[7], r[8], r[9], \
                     KV_CODES[GGMLType(int(r[10]))]
                 run([g])
-            elif code == GEGLU:  # (no GEGLU in executor.c): kernels.py's, as run_nodes computes it
+            elif code == GEGLU:  # (the GPU's record has no GELU table for executor.c): kernels.py's, as run_nodes
                 rows, n = int(r[6]), int(r[7])
                 g, u = (mem(int(r[k]), (rows, n), (int(r[j]), 1), F32) for k, j in ((2, 8), (3, 9)))
                 mem(int(r[1]), (rows, n), (n, 1), F32)[...] = gelu(np, g) * u

@@ -59,6 +59,8 @@ void lp_kv_quantize_row(void *dst, const float *x, int64_t n, int t);
 void lp_kv_row(float *dst, const void *base, int64_t off, int type, int64_t n);
 void lp_swiglu_oai(const float *gate, const float *up, int64_t rows, int64_t n, int64_t gate_st, int64_t up_st,
                    float alpha, float limit, float *out);
+void lp_geglu(const float *gate, const float *up, int64_t rows, int64_t n, int64_t gate_st, int64_t up_st,
+              const float *table, float *out);
 void lp_swiglu(const float *gate, const float *up, int64_t rows, int64_t n, int64_t gate_st, int64_t up_st,
                float *out);
 
@@ -106,6 +108,7 @@ enum {
     EX_GET_ROWS_B = 20,   /* GET_ROWS with a batch of id rows: (B, R, C), (B, n) -> (B, n, C) */
     EX_MUL_MAT_ID_Q = 21, /* MUL_MAT_ID on the file's blocks with quantized activations */
     EX_ADD_ID = 22,       /* each (token, slot)'s row of an (n_expert, M) bias by its expert id */
+    EX_GEGLU = 32,        /* GELU(gate) * up (gemma3; executor.py's GEGLU, the GPU's code too) */
 };
 
 #define EX_REC 25
@@ -191,8 +194,19 @@ static void ex_rows(const ex_slot *r, int64_t r0, int64_t r1) {
     case EX_RMS_NORM: {
         /* dst (rows, n) = rms_norm(x) [* w]: [6] rows, [7] n, [8] x stride, [9] eps, src1 w or
          * NULL; fused add first when [10] is set: x = [10] (rows, n) = src2 + src3 (strides
-         * [11], [12]; 0: a broadcast row) */
+         * [11], [12]; 0: a broadcast row). [13] T > 0: the per-head norm of a strided view (Q / K
+         * of a fused QKV product): [6] rows a token, T tokens [14] / [15] apart in x / dst, the
+         * record's rows t * [6] + h */
         const int64_t n = I(7);
+        if (I(13)) {
+            for (int64_t g = r0; g < r1;) {
+                const int64_t t = g / I(6), h = g % I(6), k = (I(6) - h < r1 - g) ? I(6) - h : r1 - g;
+                lp_rms_rows((const float *)P(2) + t * I(14) + h * I(8), k, n, I(8), F(9), P(3),
+                            (float *)P(1) + t * I(15) + h * n);
+                g += k;
+            }
+            break;
+        }
         if (P(10)) {
             float *s = P(10);
             const float *a = P(4), *b = P(5);
@@ -267,6 +281,11 @@ static void ex_rows(const ex_slot *r, int64_t r0, int64_t r1) {
             lp_swiglu((const float *)P(2) + r0 * I(8), (const float *)P(3) + r0 * I(9), r1 - r0, I(7), I(8), I(9),
                       (float *)P(1) + r0 * I(7));
         break;
+    case EX_GEGLU:
+        /* [6] rows, [7] n, [8] gate stride, [9] up stride; src2 the GELU table (kernels.gelu_table) */
+        lp_geglu((const float *)P(2) + r0 * I(8), (const float *)P(3) + r0 * I(9), r1 - r0, I(7), I(8), I(9), P(4),
+                 (float *)P(1) + r0 * I(7));
+        break;
     case EX_ADD_ID:
         /* dst (T*U, M) <- src0 a (T*U, M) + src1 b[ids]: [6] T*U rows, [7] M, [8] a row stride, [9] U,
          * [10] ids row stride; src2 ids (T, U) int32 */
@@ -291,9 +310,14 @@ static void ex_rows(const ex_slot *r, int64_t r0, int64_t r1) {
     }
 }
 
-/* work of a row-wise record ([6]: rows or tokens) */
+/* the rows a row-wise record shares out ([6]: rows or tokens; a per-head RMS_NORM's, [13] tokens of them) */
+static int64_t ex_n_rows(const ex_slot *r) {
+    return I(6) * (I(0) == EX_RMS_NORM && I(13) ? I(13) : 1);
+}
+
+/* work of a row-wise record */
 static int64_t ex_rows_work(const ex_slot *r) {
-    return I(6) * I(7) * (I(0) == EX_ROPE ? I(8) : 1);
+    return ex_n_rows(r) * I(7) * (I(0) == EX_ROPE ? I(8) : 1);
 }
 
 /* Bit 0: SET_ROWS into an f16 cache is available (the compiler has _Float16). */
@@ -309,13 +333,13 @@ EX_API int64_t lp_exec_caps(void) {
 static int ex_rowwise(int64_t op) {
     return op == EX_RMS_NORM || op == EX_MUL || op == EX_ADD || op == EX_SCALE || op == EX_SWIGLU || op == EX_ROPE ||
            op == EX_CPY || op == EX_DIV || op == EX_SOFT_MAX || op == EX_ARGSORT || op == EX_SUM_ROWS ||
-           op == EX_CLAMP || op == EX_ADD_ID;
+           op == EX_CLAMP || op == EX_ADD_ID || op == EX_GEGLU;
 }
 
 /* A record that has a serial part only (thread 0 runs it, the others go on to the next barrier)
  * or one the team shares out: 0 / 1. */
 static int ex_is_par(const ex_slot *r) {
-    if (ex_rowwise(I(0))) return I(6) > 1 && ex_rows_work(r) >= EX_PAR_MIN;
+    if (ex_rowwise(I(0))) return ex_n_rows(r) > 1 && ex_rows_work(r) >= EX_PAR_MIN;
     switch (I(0)) {
     case EX_QUANT_ACT:
         return I(9) > 1;
@@ -367,7 +391,7 @@ static int ex_par_record(lp_par *p, const ex_slot *r) {
     default: { /* a row-wise record of a big batch: a static share of its rows */
         if (!ex_rowwise(I(0))) return 1;
         int64_t r0, r1;
-        lp_par_range(p, I(6), &r0, &r1);
+        lp_par_range(p, ex_n_rows(r), &r0, &r1);
         if (r0 < r1) ex_rows(r, r0, r1);
         return 0;
     }

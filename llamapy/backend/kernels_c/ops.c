@@ -84,9 +84,15 @@ LP_INLINE float f16_bits_to_f32(uint16_t h) {
     return bits_f32(mag | ((uint32_t)(h & 0x8000u) << 16));
 }
 
-/* round to f16 and back (round to nearest even; overflow to inf) */
+/* round to f16 and back (round to nearest even; overflow to inf); f16_bits: the f16's bits */
 #if defined(__FLT16_MAX__) && !defined(LP_NO_FLOAT16)
 LP_INLINE float round_f16(float x) { return (float)(_Float16)x; }
+LP_INLINE uint16_t f16_bits(float x) {
+    const _Float16 h = (_Float16)x;
+    uint16_t b;
+    memcpy(&b, &h, 2);
+    return b;
+}
 #else
 static uint16_t f32_to_f16(float x) {
     const uint32_t u = f32_bits(x);
@@ -104,6 +110,7 @@ static uint16_t f32_to_f16(float x) {
 }
 
 LP_INLINE float round_f16(float x) { return f16_bits_to_f32(f32_to_f16(x)); }
+LP_INLINE uint16_t f16_bits(float x) { return f32_to_f16(x); }
 #endif
 
 /* dst[0..n) = the f16 values src[0..n), widened: vcvtph2ps with F16C (gcc does not vectorize
@@ -1303,6 +1310,22 @@ LP_INLINE float lp_expf_avx512(float x) {
      * as scalef rounds: multiplies that vectorize, where ldexpf is a call per value */
     const int ni = (int)n, n1 = ni / 2, n2 = ni - n1;
     return j * bits_f32((uint32_t)(n1 + 127) << 23) * bits_f32((uint32_t)(n2 + 127) << 23);
+}
+
+/* GELU(gate) * up as ggml-cpu's GGML_GELU_FP16 path computes it (kernels.gelu): gate rounded to
+ * f16, its GELU read from `table` (kernels.gelu_table: float32 values of f16s, by the f16's bits),
+ * gate <= -10 giving 0 and gate >= 10 gate itself; rows with strides as lp_swiglu. */
+LP_API void lp_geglu(const float *gate, const float *up, int64_t rows, int64_t n, int64_t gate_st, int64_t up_st,
+                     const float *table, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate + r * gate_st, *u = up + r * up_st;
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) {
+            const float x = g[i];
+            const float y = x <= -10.0f ? 0.0f : x >= 10.0f ? x : table[f16_bits(x)];
+            o[i] = y * u[i];
+        }
+    }
 }
 
 /* gpt-oss's clamped SwiGLU as ggml-cpu's swiglu_oai computes it (scalar, libm expf): x =

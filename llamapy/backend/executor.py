@@ -1109,7 +1109,7 @@ class _Compiler:
             try:
                 rows, cols, xs = x.rows()
             except Refused:  # a per-head norm of a strided view, T tokens (qwen3's / gemma3's Q and K)
-                if "add" in st.extra or len(x.shape) != 3 or x.strides[2] != 1:
+                if "add" in st.extra or len(x.shape) != 3 or x.strides[2] != 1 or not loc(n).contiguous():
                     raise
                 T, rows, cols = x.shape
                 xs, r[13], r[14], r[15] = x.strides[1], T, x.strides[0], rows * cols  # (T groups of `rows` rows)

@@ -435,7 +435,7 @@ def kernel_speed(rep: Report, lines: list[str], dev: Any) -> None:
     rep.add(lines, "|---|---|---|---|")
     for name, n_out, n_in, n_tok in [("Q4_K", 4096, 4096, 1), ("Q4_K", 28672, 4096, 1), ("Q6_K", 4096, 14336, 1),
                                      ("Q4_K", 2048, 2048, 1), ("Q4_1", 1536, 576, 1), ("Q8_0", 49152, 576, 1),
-                                     ("Q4_K", 4096, 4096, 4)]:  # fmt: skip
+                                     ("Q4_K", 4096, 4096, 4), ("Q3_K", 4096, 4096, 1)]:  # fmt: skip
         raw = cp.asarray(np.ascontiguousarray(random_rows(name, n_out, n_in, rng)))
         x = cp.asarray(rng.standard_normal((n_tok, n_in)).astype(np.float32))
         y = cp.empty((n_tok, n_out), cp.float32)
@@ -450,6 +450,23 @@ def kernel_speed(rep: Report, lines: list[str], dev: Any) -> None:
                                                y.data.ptr, n_tok))  # fmt: skip
         rep.add(lines, f"| quantize_q8_1 + mmvq {name} | {n_out}x{n_in}, {n_tok} tok | {t_q:.1f} + {t_v:.1f} | "
                        f"{raw.nbytes / t_v / 1e3:.0f} |")  # fmt: skip
+    # the expert products of a decode step, Qwen3-30B-A3B's gate/up (128 experts of 768 x 2048 Q4_K,
+    # 8 chosen, the GLU as epilogue): mmv_id on float32 x, or the q8 mode's copy + mmvq_id
+    E, M, K, U = 128, 768, 2048, 8
+    gate, up = (cp.asarray(np.ascontiguousarray(random_rows("Q4_K", E * M, K, rng))) for _ in range(2))
+    ids = cp.asarray(rng.permutation(E)[:U].astype(np.int32)[None])
+    x = cp.asarray(rng.standard_normal((1, K)).astype(np.float32))
+    xq, y = cp.zeros(q8_1_bytes(1, K), cp.uint8), cp.empty((1, U, M), cp.float32)
+    rb = gate.shape[1]
+    cp.cuda.Device(dev.index).synchronize()
+    t_f = time_us(lambda: k.mul_mat_id(st, G.Q4_K, gate.data.ptr, rb, E, M, K, x.data.ptr, K, 0, ids.data.ptr, U,
+                                       y.data.ptr, 1, U, w2=up.data.ptr))  # fmt: skip
+    t_q = time_us(lambda: k.quantize_q8_1(st, x.data.ptr, K, xq.data.ptr, 1, K))
+    t_v = time_us(lambda: k.mul_mat_id(st, G.Q4_K, gate.data.ptr, rb, E, M, K, xq.data.ptr, 1, 0, ids.data.ptr, U,
+                                       y.data.ptr, 1, U, w2=up.data.ptr, q8_rows=1))  # fmt: skip
+    gb = 2 * U * M * rb / 1e3
+    rep.add(lines, f"| mmv_id Q4_K gate/up + GLU | {E}x{M}x{K}, {U} used, 1 tok | {t_f:.1f} | {gb / t_f:.0f} |")
+    rep.add(lines, f"| quantize_q8_1 + mmvq_id Q4_K gate/up + GLU | same | {t_q:.1f} + {t_v:.1f} | {gb / t_v:.0f} |")
     H, Hkv, D, N = 32, 8, 128, 8192
     kc = cp.zeros((N, Hkv, D), cp.float16)
     vc = cp.zeros((N, Hkv, D), cp.float16)

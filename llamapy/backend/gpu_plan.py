@@ -350,7 +350,7 @@ class GPUTarget(Target):
         """cuda_ops.moe_scratch_bytes of a prompt's expert step."""
         from .cuda_ops import moe_scratch_bytes
 
-        w, x, ids = st.extra.get("gate", st.extra.get("mm", st.node)).src[:3]
+        w, x, ids = GPUTarget._id_src(st)
         return moe_scratch_bytes(ids.shape[0], ids.shape[1] if len(ids.shape) > 1 else 1, w.shape[0], w.shape[1],
                                  x.shape[-1], "glu" in st.extra)
 
@@ -359,6 +359,8 @@ class GPUTarget(Target):
         the int8 products' input (a later product of the same input reads it: Q, K and V) and a
         prompt's expert grouping (the pairs' order and the experts' offsets, which the down
         product reuses: flag 2). Both are small: a decode batch's rows, int32 a pair."""
+        from .cuda_ops import q8_1_bytes
+
         q8 = sort = 0
         for st in c.steps:
             if st.code == MUL_MAT:
@@ -366,14 +368,10 @@ class GPUTarget(Target):
                 n_out, n_in = w.shape[0], x.shape[-1]
                 n_tok = x.n_elements // max(n_in, 1)
                 if product_path(n_out, n_tok, n_in, w.type, self.rt.max_tokens, self.q8) == "mmvq":
-                    from .cuda_ops import q8_1_bytes
-
                     q8 = max(q8, q8_1_bytes(n_tok, n_in))
             elif st.code == MUL_MAT_ID_Q and st.node.shape[0] > self.rt.max_tokens:
                 sort = max(sort, self._moe_scratch(st)[0])
             elif st.code == MUL_MAT_ID_Q and self._id_q8(st):
-                from .cuda_ops import q8_1_bytes
-
                 x = self._id_src(st)[1]
                 q8 = max(q8, q8_1_bytes(x.n_elements // x.shape[-1], x.shape[-1]))
         start += (-start) % 256
@@ -403,7 +401,7 @@ class GPUTarget(Target):
                 r = self._gemm(c, st, loc(n).addr, xl.addr, blocks, qtype, n_out, n_in, row_bytes, n_tok, k, xs)
                 r[18] = bias
                 return [r]
-            copied = self.q8 and self.q8_prev is not None and self.q8_prev[0] is x and self.q8_prev[1:] == (n_tok, n_in, xs)
+            copied = self.q8 and self._copied(x, n_tok, n_in, xs)
             if copied and product_path(n_out, n_tok, n_in, qtype, self.rt.max_tokens, True, min_weights=0) == "mmvq":
                 path = "mmvq"  # (this input's q8_1 copy is made already: no launch to pay)
             if path == "mmvq" and k == n_in:
@@ -500,18 +498,26 @@ class GPUTarget(Target):
         """QUANTIZE_Q8_1 (x into the plan's q8_1 scratch; left out when it holds x's copy already:
         Q, K and V as three products) and MUL_MAT_Q8 (with the GLU when the step has one) over it."""
         xq = c.base + self.q8_off
-        out = []
-        if not copied:
-            q = [0] * WIDTH
-            q[0], q[1], q[2], q[6], q[7], q[8] = QUANTIZE_Q8_1, xq, x, n_tok, n_in, xs
-            out.append(q)
-            self.q8_prev = (xt, n_tok, n_in, xs)
+        out = [] if copied else [self._quantize(c, xt, x, n_tok, n_in, xs)]
         r = [0] * WIDTH
         r[0], r[1], r[2], r[3] = MUL_MAT_Q8, dst, xq, blocks
         r[6], r[7], r[9], r[10], r[11] = n_tok, n_in, qtype, n_out, row_bytes
         if "glu" in st.extra:
             r[10], r[12] = n_out // 2, 1 + _epilogue(st.extra["glu"])
         return out + [r]
+
+    def _copied(self, xt: Tensor, rows: int, n_in: int, sx: int) -> bool:
+        """Whether the q8_1 scratch holds the copy of these rows of xt already (a later product of
+        the same input reads it)."""
+        return self.q8_prev is not None and self.q8_prev[0] is xt and self.q8_prev[1:] == (rows, n_in, sx)
+
+    def _quantize(self, c: _Compiler, xt: Tensor, x: int, rows: int, n_in: int, sx: int) -> list[int]:
+        """QUANTIZE_Q8_1: rows of xt (at x, sx apart) into the plan's q8_1 scratch, which then holds
+        their copy."""
+        q = [0] * WIDTH
+        q[0], q[1], q[2], q[6], q[7], q[8] = QUANTIZE_Q8_1, c.base + self.q8_off, x, rows, n_in, sx
+        self.q8_prev = (xt, rows, n_in, sx)
+        return q
 
     @staticmethod
     def _id_src(st: Any) -> tuple[Tensor, ...]:
@@ -538,19 +544,14 @@ class GPUTarget(Target):
         rows, sx, qt, qu = (T, sxt, 1, 0) if sxu == 0 else (T * U, sxu, U, 1)
         if sxu and T > 1 and sxt != U * sxu:
             return [r]
-        copied = self.q8_prev is not None and self.q8_prev[0] is x and self.q8_prev[1:] == (rows, n_in, sx)
+        copied = self._copied(x, rows, n_in, sx)
         if not self._id_q8(st, 0 if copied else None):
             return [r]
         q8 = list(r)
         q8[0], q8[2], q8[13], q8[14], q8[23] = MUL_MAT_ID_Q8, c.base + self.q8_off, qt, qu, rows
         if r[0] == MUL_MAT_ID_W:
             q8[16] = q8[17] = 0
-        if copied:
-            return [q8]
-        q = [0] * WIDTH
-        q[0], q[1], q[2], q[6], q[7], q[8] = QUANTIZE_Q8_1, q8[2], r[2], rows, n_in, sx
-        self.q8_prev = (x, rows, n_in, sx)
-        return [q, q8]
+        return [q8] if copied else [self._quantize(c, x, r[2], rows, n_in, sx), q8]
 
     def _mul_mat_id(self, c: _Compiler, n: Tensor, loc: Callable[[Tensor], Loc], dst: int = 0,
                     scratch: tuple[int, ...] = ()) -> list[int]:

@@ -180,7 +180,13 @@ def wide(types: list[str], baseline: str | None, rounds: int, threads: int) -> N
         for name in ("lp_mul_mat_q", "lp_quantize_act", "lp_act_row_bytes", "lp_vec_dot_type"):
             getattr(libs[1][1], name).argtypes = getattr(libs[0][1], name).argtypes
             getattr(libs[1][1], name).restype = getattr(libs[0][1], name).restype
-        libs[1][1].lp_mul_mat_id_q.argtypes = libs[0][1].lp_mul_mat_id_q.argtypes[:13] + [ctypes.c_int]
+        # a build from before the workspace argument takes 14 arguments, a newer one new's 15
+        old = not hasattr(libs[1][1], "lp_mul_mat_id_q_wsp")
+        libs[1][1].lp_mul_mat_id_q.argtypes = (libs[0][1].lp_mul_mat_id_q.argtypes[:13] + [ctypes.c_int] if old
+                                               else libs[0][1].lp_mul_mat_id_q.argtypes)
+        if not old:
+            libs[1][1].lp_mul_mat_id_q_wsp.argtypes = libs[0][1].lp_mul_mat_id_q_wsp.argtypes
+            libs[1][1].lp_mul_mat_id_q_wsp.restype = libs[0][1].lp_mul_mat_id_q_wsp.restype
         libs[1][1].lp_mul_mat_id_q.restype = ctypes.c_int
     print(f"variant {native.variant()}, {threads} thread(s), {rounds} alternating rounds, ms (median; min-max)")
     for name in types:

@@ -703,7 +703,7 @@ LP_INLINE void gk_zprep(const int kind, int nb, int ncp, const uint8_t *x, int64
  * row takes gv_row1, the same in 256 bits. The nibble kinds take 8 rows at once (gv_rowq: four
  * such row pairs, four independent fmadd chains, 1.2-1.5x faster than one pair on SmolLM2's
  * Q4_1 matrices; the streams-from-memory concern above did not show on this host's Q4_1, whose
- * matrices sit in its L3, but did on Q8_0's 49152x576 output, which keeps gv_row2). AVX2 (gv_step): a block pair as two 256-bit
+ * matrices sit in its L3, but did on Q8_0's 49152x576 output, which keeps gv_row2). AVX2 (gv_dots): a block pair as two 256-bit
  * vectors (below), the quants through maddubs (pairs at most 2 x 31 x 127: no saturation) and
  * madd. */
 #define GV_MAX_NB 1024 /* the prepared activation row (~128 bytes a block) stays on the stack */
@@ -737,6 +737,17 @@ LP_INLINE void gv_tail(const int kind, int i, const uint8_t *w, const uint8_t *x
         memcpy(&hy, yb + 2, 2);
         *summ += H2F(hx) * H2F(hy);
     }
+}
+
+/* the first 4 bytes (a block's d, m / d and its first quants) of 4 rows row_bytes apart, one
+ * row an int32 lane */
+LP_INLINE __m128i gv_heads4(const uint8_t *b, int64_t row_bytes) {
+    int32_t h0, h1, h2, h3;
+    memcpy(&h0, b, 4);
+    memcpy(&h1, b + row_bytes, 4);
+    memcpy(&h2, b + 2 * row_bytes, 4);
+    memcpy(&h3, b + 3 * row_bytes, 4);
+    return _mm_insert_epi32(_mm_insert_epi32(_mm_insert_epi32(_mm_cvtsi32_si128(h0), h1, 1), h2, 2), h3, 3);
 }
 
 /* the mins terms of a block pair (a, -, b, - from gv_pair products) into summ, block i first */
@@ -846,17 +857,6 @@ LP_INLINE float gv_row1(const int kind, int nb, const uint8_t *w, const gv_vec *
  * every dx * dy and m * s of the block (the vec_dot's products, rounded once each); the m * s
  * lanes are added into 8 sums (odd lanes: the 4 rows' summs, in block order), the dx * dy ones
  * spread to the row pairs' lanes by two permutes. */
-/* the first 4 bytes (a block's d, m / d and its first quants) of 4 rows row_bytes apart, one
- * row an int32 lane */
-LP_INLINE __m128i gv_heads4(const uint8_t *b, int64_t row_bytes) {
-    int32_t h0, h1, h2, h3;
-    memcpy(&h0, b, 4);
-    memcpy(&h1, b + row_bytes, 4);
-    memcpy(&h2, b + 2 * row_bytes, 4);
-    memcpy(&h3, b + 3 * row_bytes, 4);
-    return _mm_insert_epi32(_mm_insert_epi32(_mm_insert_epi32(_mm_cvtsi32_si128(h0), h1, 1), h2, 2), h3, 3);
-}
-
 /* NP (2 or 4) row pairs at once */
 LP_INLINE void gv_rowq(const int kind, const int NP, int nb, const uint8_t *w, int64_t row_bytes, const gv_vec *prep,
                        const float *yds, float *s) {
@@ -1039,16 +1039,21 @@ LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64
 #else
 /* prep, per block pair j: [5j] the activation quants 0-15 of both blocks (block i's, then block
  * i+1's), [5j+1] their quants 16-31, [5j+2], [5j+3] the offset sums of those (signed kinds),
- * [5j+4] the scales (low 128 bits) and sums s (high 128 bits, mins kinds) as gv_pair gives them.
+ * [5j+4] [dy0 s0 dy1 s1] twice (the blocks' scales and, mins kinds, sums s; 0 for the others).
  * A row takes a block pair as two vectors, the low nibbles of both blocks' 16 bytes and the high
  * ones: int32 lanes 0-3 of the low vector are the vec_dot's lanes 0-3 of block i, 4-7 its lanes
  * 0-3 of block i+1, and the high vector the lanes 4-7 of each; two 128-bit permutes put block
- * i's 8 lanes and block i+1's together, fmadd-ed into the one accumulator in block order. */
+ * i's 8 lanes and block i+1's together, fmadd-ed into the one accumulator in block order.
+ * A weight block's first 4 bytes are d and m (Q4_1, Q5_1), so one vcvtph2ps of them times
+ * [dy s] gives a block's dx * dy and m * s at once (the vec_dot's products, rounded once each);
+ * four rows (gv_rows4) convert the four rows' heads of a block in one go, and add the four rows'
+ * m * s as one vector (odd lanes, each row's sum in block order). The rows' dx * dy are
+ * broadcast by a 128-bit permute per half and an in-lane one per row: with vpermps per row Q5_0
+ * was 7 % slower on Zen 2. There (bench_kernels.py --wide --threads 1, 8192 x 2048, against the
+ * former kernel, which converted d and m apart per row and pair): Q4_1 1.017 -> 0.782 ms, Q5_1
+ * 1.449 -> 1.210, Q5_0 1.248 -> 1.240. */
 #define GV_PREP 5
 typedef __m256i gv_vec;
-#ifndef GV_ROWS_MAX
-#define GV_ROWS_MAX 4
-#endif
 
 /* the qh words of two blocks (h in every 64-bit lane: block i's low, block i+1's high) -> bytes
  * 0x10 where the quant's bit 4 is set, in the pair order: bits 0-15 of both blocks (half 0), or
@@ -1063,11 +1068,11 @@ LP_INLINE __m256i gv2_hbits(__m256i h, int half) {
     return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-/* block pair j (b: its first weight block) of one row into acc (and its mins into summ) */
-LP_INLINE void gv_step(const int kind, const uint8_t *b, const gv_vec *pj, __m256 *acc, float *summ) {
+/* block pair j (b: its first weight block) of one row: the int32 dot products of its low and
+ * high vectors (see prep above) */
+LP_INLINE void gv_dots(const int kind, const uint8_t *b, const gv_vec *pj, __m256i *plo, __m256i *phi) {
     const int wb = GK_WBYTES(kind);
     const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f);
-    const __m256i two = _mm256_set1_epi32(2);
     const __m256i t = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + GV_QS(kind)))),
                                               _mm_loadu_si128((const __m128i *)(b + wb + GV_QS(kind))), 1);
     __m256i lo = _mm256_and_si256(t, m4), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), m4);
@@ -1079,41 +1084,78 @@ LP_INLINE void gv_step(const int kind, const uint8_t *b, const gv_vec *pj, __m25
         lo = _mm256_or_si256(lo, gv2_hbits(h, 0));
         hi = _mm256_or_si256(hi, gv2_hbits(h, 1));
     }
-    __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_load_si256(pj)), ones);
-    __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_load_si256(pj + 1)), ones);
+    *plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_load_si256(pj)), ones);
+    *phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_load_si256(pj + 1)), ones);
     if (GK_SIGNED(kind)) {
-        plo = _mm256_add_epi32(plo, _mm256_load_si256(pj + 2));
-        phi = _mm256_add_epi32(phi, _mm256_load_si256(pj + 3));
+        *plo = _mm256_add_epi32(*plo, _mm256_load_si256(pj + 2));
+        *phi = _mm256_add_epi32(*phi, _mm256_load_si256(pj + 3));
     }
-    const __m256 sy = _mm256_castsi256_ps(_mm256_load_si256(pj + 4));
-    const __m128 d = _mm_mul_ps(gv_pair(b, wb), _mm256_castps256_ps128(sy)); /* dx0 * dy0, -, dx1 * dy1, - */
-    const __m256 d0 = _mm256_broadcastss_ps(d), d1 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d), two);
-    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(plo, phi, 0x20)), d0, *acc);
-    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(plo, phi, 0x31)), d1, *acc);
-    if (GK_MINS(kind)) *summ = gv_mins(*summ, _mm_mul_ps(gv_pair(b + 2, wb), _mm256_extractf128_ps(sy, 1)));
 }
 
-/* NR rows (w, w + row_bytes, ...) into s[0..NR): one row is one stream, prefetched ahead
- * (lp_pf_ahead); several rows are independent fmadd chains (one row's two fmadds a pair are its
- * loop's latency), the group's rows ahead prefetched (lp_pf_group) */
-LP_INLINE void gv_rows(const int kind, const int NR, int nb, const uint8_t *w, int64_t row_bytes, const uint8_t *x,
-                       const gv_vec *prep, float *s) {
+/* the pair's dot products scaled by its blocks' dx * dy (d0, d1: broadcast) into acc, block i first */
+LP_INLINE __m256 gv_fmadd(__m256 acc, __m256i plo, __m256i phi, __m256 d0, __m256 d1) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(plo, phi, 0x20)), d0, acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(plo, phi, 0x31)), d1, acc);
+}
+
+/* one row (w) into s: one stream, prefetched ahead (lp_pf_ahead) */
+LP_INLINE void gv_row(const int kind, int nb, const uint8_t *w, const uint8_t *x, const gv_vec *prep, float *s) {
     const int wb = GK_WBYTES(kind), np = nb / 2;
-    __m256 acc[GV_ROWS_MAX];
-    float summ[GV_ROWS_MAX];
-    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps(), summ[r] = 0.0f;
-    const lp_pf pf = lp_pf_group(w, NR * row_bytes, np > 0 ? np : 1);
+    __m256 acc = _mm256_setzero_ps();
+    float summ = 0.0f;
     for (int j = 0; j < np; j++) {
         const uint8_t *b = w + (int64_t)(2 * j) * wb;
-        if (NR == 1) lp_pf_ahead(b, 2 * wb);
-        else lp_pf_step(&pf, j);
-#pragma GCC unroll 4
-        for (int r = 0; r < NR; r++) gv_step(kind, b + r * row_bytes, prep + GV_PREP * j, &acc[r], &summ[r]);
+        const gv_vec *pj = prep + GV_PREP * j;
+        lp_pf_ahead(b, 2 * wb);
+        __m256i plo, phi;
+        gv_dots(kind, b, pj, &plo, &phi);
+        /* [dx0 * dy0, m0 * s0, dx1 * dy1, m1 * s1] */
+        const __m128 p = _mm_mul_ps(gv_pair(b, wb), _mm256_castps256_ps128(_mm256_castsi256_ps(_mm256_load_si256(pj + 4))));
+        acc = gv_fmadd(acc, plo, phi, _mm256_broadcastss_ps(p), _mm256_broadcastss_ps(_mm_movehl_ps(p, p)));
+        if (GK_MINS(kind)) summ = gv_mins(summ, _mm_movehdup_ps(p));
     }
-    for (int r = 0; r < NR; r++) {
-        if (nb & 1) gv_tail(kind, nb - 1, w + r * row_bytes, x, &acc[r], &summ[r]);
+    if (nb & 1) gv_tail(kind, nb - 1, w, x, &acc, &summ);
+    const float v = hsum8(acc);
+    *s = GK_MINS(kind) ? v + summ : v;
+}
+
+/* four rows (w, w + row_bytes, ...) into s[0..4): independent fmadd chains (one row's two fmadds
+ * a pair are its loop's latency), the group's rows ahead prefetched (lp_pf_group) */
+LP_INLINE void gv_rows4(const int kind, int nb, const uint8_t *w, int64_t row_bytes, const uint8_t *x,
+                        const gv_vec *prep, float *s) {
+    const int wb = GK_WBYTES(kind), np = nb / 2;
+    __m256 acc[4], summ = _mm256_setzero_ps(); /* summ: row r's sum of m * s in lane 2r + 1 */
+    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
+    const lp_pf pf = lp_pf_group(w, 4 * row_bytes, np > 0 ? np : 1);
+    for (int j = 0; j < np; j++) {
+        const uint8_t *b = w + (int64_t)(2 * j) * wb;
+        const gv_vec *pj = prep + GV_PREP * j;
+        lp_pf_step(&pf, j);
+        const __m256 y = _mm256_castsi256_ps(_mm256_load_si256(pj + 4));
+        /* row r's dx * dy in lane 2r, m * s in lane 2r + 1: block i (p0), block i + 1 (p1) */
+        const __m256 p0 = _mm256_mul_ps(_mm256_cvtph_ps(gv_heads4(b, row_bytes)), _mm256_permute_ps(y, 0x44));
+        const __m256 p1 = _mm256_mul_ps(_mm256_cvtph_ps(gv_heads4(b + wb, row_bytes)), _mm256_permute_ps(y, 0xEE));
+        if (GK_MINS(kind)) summ = _mm256_add_ps(_mm256_add_ps(summ, p0), p1);
+        /* rows 0-1's lanes in both halves (h[0], h[2]), rows 2-3's (h[1], h[3]): then one in-lane
+         * permute a row broadcasts its dx * dy */
+        const __m256 h[4] = {_mm256_permute2f128_ps(p0, p0, 0x00), _mm256_permute2f128_ps(p0, p0, 0x11),
+                             _mm256_permute2f128_ps(p1, p1, 0x00), _mm256_permute2f128_ps(p1, p1, 0x11)};
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            __m256i plo, phi;
+            gv_dots(kind, b + r * row_bytes, pj, &plo, &phi);
+            const __m256 d0 = r & 1 ? _mm256_permute_ps(h[r >> 1], 0xAA) : _mm256_permute_ps(h[r >> 1], 0x00);
+            const __m256 d1 = r & 1 ? _mm256_permute_ps(h[2 + (r >> 1)], 0xAA) : _mm256_permute_ps(h[2 + (r >> 1)], 0x00);
+            acc[r] = gv_fmadd(acc[r], plo, phi, d0, d1);
+        }
+    }
+    float sm[8];
+    _mm256_storeu_ps(sm, summ);
+    for (int r = 0; r < 4; r++) {
+        float t = GK_MINS(kind) ? sm[2 * r + 1] : 0.0f;
+        if (nb & 1) gv_tail(kind, nb - 1, w + r * row_bytes, x, &acc[r], &t);
         const float v = hsum8(acc[r]);
-        s[r] = GK_MINS(kind) ? v + summ[r] : v;
+        s[r] = GK_MINS(kind) ? v + t : v;
     }
 }
 
@@ -1131,9 +1173,10 @@ LP_INLINE void gv_prep(const int kind, int np, const uint8_t *x, gv_vec *prep) {
             for (int k = 0; k < 2; k++)
                 pj[2 + k] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(_mm256_maddubs_epi16(c, pj[k]), ones));
         }
-        const uint8_t *yd = x + (int64_t)(2 * j) * yb;
-        const __m128 sc = gv_pair(yd, yb), sm = GK_MINS(kind) ? gv_pair(yd + 2, yb) : _mm_setzero_ps();
-        pj[4] = _mm256_castps_si256(_mm256_insertf128_ps(_mm256_castps128_ps256(sc), sm, 1));
+        /* [dy0 s0 dy1 s1] (q8_1 blocks: d then s); q8_0 blocks have no s: those lanes 0 */
+        __m128 ds = gv_pair(x + (int64_t)(2 * j) * yb, yb);
+        if (!GK_MINS(kind)) ds = _mm_blend_ps(ds, _mm_setzero_ps(), 0xA);
+        pj[4] = _mm256_castps_si256(_mm256_set_m128(ds, ds));
     }
 }
 LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64_t row_bytes, int nr,
@@ -1142,8 +1185,8 @@ LP_INLINE void gv_gemv(const int kind, int nb, float *s, const uint8_t *w, int64
     gv_vec prep[GV_PREP * (np > 0 ? np : 1)];
     gv_prep(kind, np, x, prep);
     int r = 0;
-    for (; r + GV_ROWS_MAX <= nr; r += GV_ROWS_MAX) gv_rows(kind, GV_ROWS_MAX, nb, w + r * row_bytes, row_bytes, x, prep, s + r);
-    for (; r < nr; r++) gv_rows(kind, 1, nb, w + r * row_bytes, row_bytes, x, prep, s + r);
+    for (; r + 4 <= nr; r += 4) gv_rows4(kind, nb, w + r * row_bytes, row_bytes, x, prep, s + r);
+    for (; r < nr; r++) gv_row(kind, nb, w + r * row_bytes, x, prep, s + r);
 }
 #endif
 

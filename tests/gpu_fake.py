@@ -181,17 +181,26 @@ def use_test_device_plans(set_attr: Callable[[Any, str, Any], None], make_rt: Ca
 class FakeEvent:
     """cupy.cuda.Event recorded on a FakeStream: done once the stream ran up to where it was
     recorded; `synchronize` runs it that far (a wait on an event of a capturing stream raises,
-    as CUDA's does)."""
+    as CUDA's does). As CuPy's, `Event()` may be made unrecorded (done, as cudaEventQuery says)
+    and recorded later: `event.record(stream)` or `stream.record(event)`."""
 
-    def __init__(self, stream: FakeStream) -> None:
+    def __init__(self, stream: FakeStream | None) -> None:
+        self.stream: FakeStream | None = None
+        self.upto, self.time = 0, 0.0
+        if stream is not None:
+            self.record(stream)
+
+    def record(self, stream: FakeStream) -> None:
         self.stream, self.upto = stream, len(stream.queue)
         self.time = time.perf_counter() if self.done else 0.0
 
     @property
     def done(self) -> bool:
-        return self.stream.ran >= self.upto
+        return self.stream is None or self.stream.ran >= self.upto
 
     def synchronize(self) -> None:
+        if self.stream is None:
+            return
         self.stream.fake.log.append(("sync", "event"))
         self.stream.run(self.upto)
 
@@ -224,8 +233,11 @@ class FakeStream:
         if eager:
             self.run(len(self.queue))
 
-    def record(self, event: Any = None) -> FakeEvent:
-        return FakeEvent(self)
+    def record(self, event: FakeEvent | None = None) -> FakeEvent:
+        if event is None:
+            return FakeEvent(self)
+        event.record(self)
+        return event
 
     def synchronize(self) -> None:
         self.fake.log.append(("sync", "stream"))

@@ -66,6 +66,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cuda_emu  # noqa: E402
+import gpu_fake  # noqa: E402
 from gpu_fake import FakeCupy, FakeStream  # noqa: E402
 
 ALIGN = 512  # CuPy's pool rounds and aligns allocations to 512 bytes
@@ -407,6 +408,7 @@ class EmuCupy(FakeCupy):
         rt = self.cuda.runtime
         rt.memGetInfo = lambda: (capacity - self.pools[self.current_device()].total_bytes(), capacity)
         rt.getDeviceCount = lambda: n_devices
+        rt.runtimeGetVersion = rt.driverGetVersion = lambda: 0  # no CUDA underneath
         rt.getDevice = self.current_device
         rt.deviceSynchronize = self.flush
         rt.streamIsCapturing = lambda ptr: self._stream(ptr).is_capturing()
@@ -491,7 +493,18 @@ class EmuCupy(FakeCupy):
         self.cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: handle + self.current_device(),
                                                  Device=Device)
         self.cuda.get_elapsed_time = lambda a, b: (emu._event_time(b) - emu._event_time(a)) * 1000.0
-        self.cuda.Event = lambda *a, **k: self.current_stream().record()
+        emu_event = gpu_fake.FakeEvent
+
+        class Event(emu_event):
+            """cupy.cuda.Event(): unrecorded until `record(stream=None)` (the current stream)."""
+
+            def __init__(self, *a: Any, **k: Any) -> None:
+                super().__init__(None)
+
+            def record(self, stream: Any = None) -> None:
+                super().record(stream if stream is not None else emu.current_stream())
+
+        self.cuda.Event = Event
         self.cuda.runtime = rt
         self.cuda.is_available = lambda: True
         fake_stream = self.cuda.Stream

@@ -156,6 +156,22 @@ def test_memory_info_moves_with_allocations(emu: emu_cupy.EmuCupy) -> None:
     assert dev.memory_info()[0] == free0
 
 
+
+def test_events_as_cupy_makes_them(emu: emu_cupy.EmuCupy) -> None:
+    """`cupy.cuda.Event()` is unrecorded (done) until `record(stream)`; then done once the stream
+    ran that far, which `synchronize` makes it; `stream.record(event)` records the same event
+    (tests/gpu/run_all.py times kernels this way)."""
+    st = emu.cuda.Stream(non_blocking=True)
+    host = emu.cuda.alloc_pinned_memory(16)
+    dst = emu.empty(4, np.float32)
+    a, b = emu.cuda.Event(), emu.cuda.Event()
+    assert a.done and b.done
+    a.record(st)
+    emu.cuda.runtime.memcpyAsync(dst.data.ptr, host.ptr, 16, emu.cuda.runtime.memcpyHostToDevice, st.ptr)
+    assert st.record(b) is b and not b.done
+    b.synchronize()
+    assert b.done and emu.cuda.get_elapsed_time(a, b) >= 0.0
+
 # -- CUDADevice's choices (a failure here is a bug of llamapy's CUDA backend) ------------------
 
 

@@ -493,9 +493,7 @@ class EmuCupy(FakeCupy):
         self.cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: handle + self.current_device(),
                                                  Device=Device)
         self.cuda.get_elapsed_time = lambda a, b: (emu._event_time(b) - emu._event_time(a)) * 1000.0
-        emu_event = gpu_fake.FakeEvent
-
-        class Event(emu_event):
+        class Event(gpu_fake.FakeEvent):
             """cupy.cuda.Event(): unrecorded until `record(stream=None)` (the current stream)."""
 
             def __init__(self, *a: Any, **k: Any) -> None:

@@ -156,7 +156,6 @@ def test_memory_info_moves_with_allocations(emu: emu_cupy.EmuCupy) -> None:
     assert dev.memory_info()[0] == free0
 
 
-
 def test_events_as_cupy_makes_them(emu: emu_cupy.EmuCupy) -> None:
     """`cupy.cuda.Event()` is unrecorded (done) until `record(stream)`; then done once the stream
     ran that far, which `synchronize` makes it; `stream.record(event)` records the same event
@@ -171,6 +170,7 @@ def test_events_as_cupy_makes_them(emu: emu_cupy.EmuCupy) -> None:
     assert st.record(b) is b and not b.done
     b.synchronize()
     assert b.done and emu.cuda.get_elapsed_time(a, b) >= 0.0
+
 
 # -- CUDADevice's choices (a failure here is a bug of llamapy's CUDA backend) ------------------
 

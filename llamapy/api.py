@@ -210,6 +210,44 @@ class Llama:
         see generate.perplexity_chunks."""
         return perplexity_chunks(self.ctx, tokens, n_chunks, n_batch, n_ctx=n_ctx)
 
+    # -- embeddings -----------------------------------------------------------------------------
+
+    def embed(
+        self, input: str | Sequence[int] | list[str] | list[Sequence[int]], pooling: str | None = None,  # noqa: A002
+        normalize: bool | int = False,
+    ) -> list:
+        """llama-cpp-python's Llama.embed: the embedding of a text or token list (a list of floats),
+        or of each in a list (a list of those). `pooling`: none, mean, cls or last (default: the
+        model's `pooling_type`); `none` gives every token's row (a list of lists a text).
+        `normalize`: True for euclidean, or llama.cpp's --embd-normalize number (-1 none, 0 int16
+        range, 1 taxicab, 2 euclidean, p > 2 the p-norm); with pooling none, rows are not scaled.
+        The KV cache is cleared (as llama-cpp-python's embed does): a generation's state is lost."""
+        from .embedding import embed, pooling_name
+
+        single = isinstance(input, str) or (isinstance(input, (Sequence, np.ndarray)) and len(input) > 0
+                                            and not isinstance(input[0], (str, Sequence, np.ndarray)))  # fmt: skip
+        items = [input] if single else list(input)  # type: ignore[list-item]
+        norm = 2 if normalize is True else -1 if normalize is False else int(normalize)
+        vecs = embed(self.ctx, [self._tokens(x) for x in items], pooling_name(pooling, self.model.params.pooling_type), norm)
+        out = [v.tolist() for v in vecs]
+        return out[0] if single else out
+
+    def create_embedding(
+        self, input: str | Sequence[int] | list[str] | list[Sequence[int]], model: str | None = None,  # noqa: A002
+        pooling: str | None = None, encoding_format: str = "float",
+    ) -> dict:
+        """llama-cpp-python's Llama.create_embedding: OpenAI's `list` of embeddings, euclidean
+        normalised as OpenAI's and llama-server's are (cosine similarity is their dot product)."""
+        from .embedding import embed, pooling_name
+        from .server.protocol import embedding_request, embeddings_response
+
+        pool = pooling_name(pooling, self.model.params.pooling_type)
+        if pool == "none":
+            raise LlamapyError("create_embedding: pooling 'none' gives no single embedding a text; use embed()")
+        body = {"input": input if isinstance(input, str) else list(input), "encoding_format": encoding_format}
+        req = embedding_request(body, self.tokenizer, True, 2)
+        return embeddings_response(embed(self.ctx, req.prompts, pool, 2), req, model or str(self.path))
+
     # -- llama-cpp-python's OpenAI-shaped API -------------------------------------------------
 
     def _engine(self):  # noqa: ANN202 - engine.Engine, imported lazily

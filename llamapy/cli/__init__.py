@@ -174,7 +174,7 @@ def _terminate_as_exception() -> Any:
 def main(argv: list[str] | None = None) -> Any:
     """Console entry point: maps errors to one line and an exit status."""
     # import the command modules: each registers its commands on `app`
-    from . import batch, bench, cache, info, perplexity, run, serve  # noqa: F401
+    from . import batch, bench, cache, embedding, info, perplexity, run, serve  # noqa: F401
 
     set_logging(True)
     previous_term = _terminate_as_exception()

@@ -118,9 +118,13 @@ def serve(
     device: str = common.DEVICE,
     ray: str = common.RAY,
     no_warmup: bool = typer.Option(False, "--no-warmup", help="skip the warm-up run"),
+    embeddings: bool = typer.Option(False, "--embedding", "--embeddings", help="serve embeddings only: /v1/embeddings and /embedding (no completions)"),
+    pooling: str = typer.Option(None, "--pooling", metavar="{none,mean,cls,last}", help="--embeddings: pooling of a text's tokens (default: the model's)"),
+    embd_normalize: int = typer.Option(2, "--embd-normalize", metavar="N", help="--embeddings: -1 none, 0 max absolute int16, 1 taxicab, 2 euclidean, >2 p-norm"),
 ) -> None:
     """Serve a model over HTTP: OpenAI's /v1/chat/completions and /v1/completions, llama-server's
-    /completion, /tokenize, /detokenize, /slots, /metrics and /health."""
+    /completion, /tokenize, /detokenize, /slots, /metrics and /health; with --embeddings,
+    /v1/embeddings and /embedding instead of the completions."""
     try:
         import uvicorn
 
@@ -135,6 +139,14 @@ def serve(
         raise LlamapyError(f"-c {ctx_size}: the context of a slot must be >= 1 token")
     if max_queue < 0:
         raise LlamapyError(f"--queue {max_queue}: must be >= 0")
+    if embeddings:
+        from ..embedding import POOLING, normalize
+
+        if pooling is not None and pooling not in POOLING:
+            raise LlamapyError(f"--pooling {pooling}: expected one of {', '.join(POOLING)}")
+        normalize([0.0], embd_normalize)  # a bad N is refused now
+    elif pooling is not None:
+        raise LlamapyError("--pooling needs --embeddings")
     key = _api_key(api_key, api_key_file)
     path = common.resolve_model(model, model_opt)
     if "OMP_WAIT_POLICY" not in os.environ:
@@ -147,7 +159,8 @@ def serve(
         os.environ.setdefault("GOMP_SPINCOUNT", "1000000")
     common.use_ray(ray)  # joined before listening: a cluster that cannot be used is an error here
     sock = _bind(host, port)
-    state = ServerState(model_name=alias or path.name, api_key=key, metrics=metrics)
+    state = ServerState(model_name=alias or path.name, api_key=key, metrics=metrics, embeddings=embeddings,
+                        embd_norm=embd_normalize)  # fmt: skip
     config = uvicorn.Config(
         create_app(state), log_level="warning", timeout_graceful_shutdown=5, lifespan="off", access_log=False
     )
@@ -161,6 +174,11 @@ def serve(
                 no_op_offload, device, f32_activations=f32_activations,
             )  # fmt: skip
             holder["llm"] = llm
+            if embeddings:
+                from ..embedding import pooling_name
+
+                state.pooling = pooling_name(pooling, llm.model.params.pooling_type)
+                log(f"srv load_model: embeddings only, pooling {state.pooling}, normalisation {embd_normalize}")
             if not no_warmup:
                 log(f"common_init: warm-up run (compiled-kernel load) = {llm.warmup():.2f} ms")
             cache_bytes = None if cache_ram < 0 else cache_ram * 2**20

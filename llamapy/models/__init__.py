@@ -6,6 +6,7 @@ hyper-parameters, names its tensors and builds its graph. Adding one: docs/addin
 from __future__ import annotations
 
 import importlib
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,11 +53,11 @@ def read_hparams(md: Mapping[str, Any], n_vocab: int) -> HParams:
 
 @dataclass
 class ModelGraph:
-    """A built graph, its inputs (which fill themselves from a micro-batch) and its logits."""
+    """A built graph, its inputs (which fill themselves from a micro-batch) and its result."""
 
     graph: Graph
     inputs: GraphInputs
-    logits: Tensor  # (n_outputs, V)
+    logits: Tensor  # (n_outputs, V); an embeddings graph's: its hidden states (n_outputs, E)
 
     @property
     def n_tokens(self) -> int:
@@ -67,8 +68,29 @@ class ModelGraph:
         return self.inputs.n_outputs
 
 
-def build_graph(p: HParams, w: ModelWeights, kv: KVCache, n_tokens: int, n_outputs: int) -> ModelGraph:
-    """The graph of one micro-batch shape, for whichever architecture `p` is."""
+def build_graph(
+    p: HParams, w: ModelWeights, kv: KVCache, n_tokens: int, n_outputs: int, embd: bool = False
+) -> ModelGraph:
+    """The graph of one micro-batch shape, for whichever architecture `p` is. `embd`: its result is
+    the output norm's rows, the model's embeddings (llama.cpp's `t_embd`), and the output matrix
+    is not in the graph."""
     g = GraphInputs(kv, n_tokens, n_outputs)
-    logits = architecture(p.arch).build(p, w, g)
-    return ModelGraph(g.gf.output(logits), g, logits)
+    out = architecture(p.arch).build(p, w, g)
+    if embd:
+        out = _source_named(out, "result_norm")
+    return ModelGraph(g.gf.output(out), g, out)
+
+
+def _source_named(root: Tensor, name: str) -> Tensor:
+    """The nearest of `root`'s sources (breadth first) called `name`: every architecture names
+    its final norm `result_norm`, as llama.cpp's callbacks do."""
+    todo, seen = deque([root]), {id(root)}
+    while todo:
+        t = todo.popleft()
+        if t.name == name:
+            return t
+        for s in t.src:
+            if id(s) not in seen:
+                seen.add(id(s))
+                todo.append(s)
+    raise UnsupportedError(f"{name!r} is not in this graph: it has no embeddings output")

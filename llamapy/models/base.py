@@ -119,6 +119,9 @@ class HParams:
     n_expert_used: int = 0
     n_ff_exp: int = 0
     expert_weights_scale: float = 0.0  # 0 or 1: the router's weights are not scaled
+    # the model's own pooling of embeddings (llama_pooling_type: 0 none, 1 mean, 2 cls, 3 last,
+    # 4 rank), what `embedding` uses without --pooling
+    pooling_type: int = 0
 
     # the first layer's values: what llamapy reports and what uniform models use throughout
     @property
@@ -255,7 +258,12 @@ class Architecture:
             rope_freq_base=r.get(Keys.Rope.FREQ_BASE, 10000.0, float),
             rope_freq_scale=1.0 / factor if scaling in ("linear", "yarn") and factor > 0 else 1.0,
             rope_type=self.rope_type,
+            pooling_type=r.get(Keys.LLM.POOLING_TYPE, 0),
         )
+        if not 0 <= fields["pooling_type"] <= 4:
+            raise GGUFError(f"pooling_type {fields['pooling_type']} out of range (0 to 4)")
+        if not r.get(Keys.Attention.CAUSAL, True, bool):  # an encoder's: every graph here is causal
+            raise UnsupportedError(f"{r.name(Keys.Attention.CAUSAL)} = false: llamapy runs causal attention only")
         self.read_extra(r, fields)
         p = HParams(**fields)
         p.validate()

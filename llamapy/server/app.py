@@ -38,6 +38,8 @@ from .protocol import (
     Responder,
     chat_request,
     completion_request,
+    embedding_request,
+    embeddings_response,
     llama_chunk,
     llama_completion_request,
 )
@@ -60,6 +62,17 @@ class ServerState:
     ready: threading.Event = field(default_factory=threading.Event)
     load_error: str | None = None
     t_start: float = field(default_factory=time.time)
+    # --embeddings: the server answers embeddings only, one request at a time over the context
+    embeddings: bool = False
+    pooling: str = "none"
+    embd_norm: int = 2
+    embd_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def embed(self, prompts: list[list[int]], embd_norm: int) -> list[Any]:
+        from ..embedding import embed
+
+        with self.embd_lock:
+            return embed(self.llm.ctx, prompts, self.pooling, embd_norm)
 
     def attach(self, llm: Any, engine: Engine) -> None:
         self.llm = llm
@@ -206,23 +219,50 @@ def create_app(state: ServerState) -> FastAPI:
             raise ApiError(f"token id out of range [0, {n_vocab})", param="tokens")
         return JSONResponse({"content": state.llm.tokenizer.decode(toks)})
 
+    # -- embeddings ---------------------------------------------------------------------------
+
+    @app.post("/v1/embeddings")
+    @app.post("/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await _embeddings(request, oai=True)
+
+    @app.post("/embedding")
+    async def llama_embedding(request: Request) -> Response:
+        return await _embeddings(request, oai=False)
+
+    async def _embeddings(request: Request, oai: bool) -> Response:
+        if not state.embeddings:
+            raise ApiError("This server does not support embeddings. Start it with `--embeddings`", 501, "not_supported_error")
+        req = embedding_request(await _json_body(request), state.llm.tokenizer, oai, state.embd_norm)
+        if req.oai and state.pooling == "none":
+            raise ApiError("Pooling type 'none' is not OAI compatible. Please use a different pooling type")
+        vectors = await asyncio.to_thread(state.embed, req.prompts, req.embd_norm)
+        return JSONResponse(embeddings_response(vectors, req, state.model_name))
+
+    def generating() -> None:
+        if state.embeddings:
+            raise ApiError("This server does not support completions. Start it without `--embeddings`", 501, "not_supported_error")
+
     # -- generation ---------------------------------------------------------------------------
 
     @app.post("/v1/completions")
     @app.post("/completions")
     async def completions(request: Request) -> Response:
+        generating()
         parsed = completion_request(await _json_body(request), state.llm.tokenizer)
         return await _openai(request, parsed, "completion")
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        generating()
         assert state.template is not None
         parsed = chat_request(await _json_body(request), state.llm.tokenizer, state.template)
         return await _openai(request, parsed, "chat")
 
     @app.post("/completion")
     async def llama_completion(request: Request) -> Response:
+        generating()
         parsed = llama_completion_request(await _json_body(request), state.llm.tokenizer)
         events = engine().open_async(parsed.request)
         tok = state.llm.tokenizer

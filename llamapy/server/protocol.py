@@ -115,6 +115,7 @@ _UNSUPPORTED = {
     "functions": "the deprecated 'functions' is not supported: use 'tools'",
     "function_call": "the deprecated 'function_call' is not supported: use 'tool_choice'",
     "logit_bias": "logit_bias is not supported",
+    "dimensions": "dimensions is not supported: an embedding has the model's size",
     "suffix": "suffix (insertion) is not supported",
     "echo": "echo is not supported",
     "best_of": "best_of is not supported",
@@ -353,6 +354,72 @@ def llama_completion_request(body: Any, tokenizer: Any) -> Parsed:
     parsed.prompt_text = text
     parsed.request.constraint = _structured(body, tokenizer)
     return parsed
+
+
+# -- embeddings (server-context.cpp's handle_embeddings_impl, format_embeddings_response_oaicompat) --
+
+EMBEDDING_FIELDS = {"input", "content", "model", "encoding_format", "embd_normalize", "user"}
+
+
+@dataclass
+class EmbeddingRequest:
+    prompts: list[list[int]]
+    oai: bool  # OpenAI's response shape; False for `content` (llama-server's /embedding shape)
+    base64: bool
+    embd_norm: int
+    model: str
+
+
+def embedding_request(body: Any, tokenizer: Any, oai: bool, embd_norm: int) -> EmbeddingRequest:
+    """POST /v1/embeddings (`input`) or /embedding (`content`): a string, token ids, or a list of
+    strings or of token-id lists. `content` answers in llama-server's own shape, as there."""
+    body = _check_fields(body, EMBEDDING_FIELDS)
+    name = "input" if "input" in body else "content"
+    v = body.get(name)
+    if v is None:
+        raise ApiError('"input" or "content" must be provided', param="input")
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise ApiError("encoding_format: the format to return the embeddings in, float or base64", param="encoding_format")
+    norm = _num(body, "embd_normalize", int, -1, I64)
+    items = v if isinstance(v, list) and v and not all(isinstance(t, int) and not isinstance(t, bool) for t in v) else [v]
+    prompts = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            ids = tokenizer.encode(item, add_special=True, parse_special=True)
+        elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            ids = [int(t) for t in item]
+            if any(not 0 <= t < tokenizer.n_vocab for t in ids):
+                raise ApiError(f"{name}[{i}]: token id out of range [0, {tokenizer.n_vocab})", param=name)
+        else:
+            raise ApiError(f"'{name}' must be a string, token ids, or a list of either", param=name)
+        if not ids:
+            raise ApiError("Input content cannot be empty", param=name)
+        prompts.append(ids)
+    model = body.get("model", "")
+    return EmbeddingRequest(prompts, oai and name == "input", fmt == "base64", embd_norm if norm is None else norm,
+                            model if isinstance(model, str) else "")  # fmt: skip
+
+
+def embeddings_response(vectors: Sequence[Any], req: EmbeddingRequest, model: str) -> Any:
+    """OpenAI's list of embeddings (base64: the float32 bytes), or llama-server's /embedding
+    answer: one `embedding` a prompt, a list of rows (one pooled row, or every token's)."""
+    import base64
+
+    import numpy as np
+
+    if not req.oai:
+        return [{"index": i, "embedding": np.atleast_2d(v).tolist()} for i, v in enumerate(vectors)]
+    n = sum(map(len, req.prompts))
+
+    def item(i: int, v: Any) -> dict[str, Any]:
+        if req.base64:
+            vec = base64.b64encode(np.asarray(v, "<f4").tobytes()).decode()
+            return {"embedding": vec, "index": i, "object": "embedding", "encoding_format": "base64"}
+        return {"embedding": np.asarray(v).tolist(), "index": i, "object": "embedding"}
+
+    return {"model": req.model or model, "object": "list", "usage": {"prompt_tokens": n, "total_tokens": n},
+            "data": [item(i, v) for i, v in enumerate(vectors)]}  # fmt: skip
 
 
 @dataclass

@@ -36,6 +36,8 @@ CASES = [
     ("gemma3", "gemma3.rope.freq_base_swa", (float("inf"), F32, None), "freq_base_swa' has value inf"),
     ("gemma3", "gemma3.final_logit_softcapping", (30.0, F32, None), "final_logit_softcapping 30.0 is not supported"),
     ("gemma3", "gemma3.attention.value_length", (16, U32, None), "gemma3 needs key_length == value_length"),
+    ("qwen3", "qwen3.pooling_type", (7, U32, None), "pooling_type 7 out of range"),
+    ("qwen3", "qwen3.attention.causal", (False, VT.BOOL, None), "llamapy runs causal attention only"),
 ]  # fmt: skip
 
 

@@ -209,6 +209,8 @@ def test_llama_server_endpoints(server: Server) -> None:
         ("/v1/completions", [1, 2], 400, "JSON object"),
         ("/v1/completions", {"prompt": [5] * (SLOT + 1)}, 400, f"longer than a slot's context ({SLOT} tokens)"),
         ("/v1/nothing", {}, 404, "Not Found"),
+        ("/v1/embeddings", {"input": "x"}, 501, "Start it with `--embeddings`"),
+        ("/embedding", {"content": "x"}, 501, "Start it with `--embeddings`"),
     ],
 )
 def test_bad_input(server: Server, path: str, body, status: int, needle: str) -> None:
@@ -361,6 +363,9 @@ def test_health_is_503_while_loading() -> None:
         (["--port", "70000"], "--port 70000"),
         (["-np", "0"], "-np 0"),
         (["--api-key", "a", "--api-key-file", "b"], "not both"),
+        (["--pooling", "mean"], "--pooling needs --embeddings"),
+        (["--embeddings", "--pooling", "max"], "--pooling max: expected one of"),
+        (["--embeddings", "--embd-normalize", "-5"], "--embd-normalize -5"),
     ],
 )
 def test_cli_errors(model: Path, args: list[str], needle: str) -> None:

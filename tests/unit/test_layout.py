@@ -103,5 +103,8 @@ def test_code_size_budget() -> None:
     # ~+100), one Q/K/V product with its bias as the products' epilogue for qwen2 / gpt-oss
     # (~+36), and a prompt's f16 weight tiles sized by the split's weights (~+10); raised at stop
     # 33 (15800 -> ~15842) for the expert products on int8 in the same mode (MUL_MAT_ID_Q8
-    # records over q8_1 copies, the gate/up copy hoisted into the layer's norm, ~+45)
-    assert total <= 15850, f"llamapy/ has {total} lines of code"
+    # records over q8_1 copies, the gate/up copy hoisted into the layer's norm, ~+45); raised at
+    # stop 35 (15833 -> ~16175) for embeddings (embedding.py's pooling and normalisation, the
+    # graph's result_norm output, `llamapy embedding` with llama-embedding's five output formats,
+    # `serve --embeddings` with /v1/embeddings and /embedding, Llama.embed / create_embedding)
+    assert total <= 16180, f"llamapy/ has {total} lines of code"

@@ -171,8 +171,12 @@ def build(jobs: int = 2, timeout: float | None = None) -> dict[str, Path]:
 
 def find_server() -> Path | None:
     """llama-server next to the other tools ($LLAMA_CPP_BIN or the cache's build), or None."""
+    return _find_extra("llama-server")
+
+
+def _find_extra(name: str) -> Path | None:
     tools = find_tools()
-    p = tools["llama-bench"].parent / "llama-server" if tools else None
+    p = tools["llama-bench"].parent / name if tools else None
     return p if p is not None and p.is_file() and os.access(p, os.X_OK) else None
 
 
@@ -180,20 +184,30 @@ def build_server(jobs: int = 2, timeout: float | None = None) -> Path:
     """llama-server in the same build directory (after build()): the configuration turned to
     LLAMA_BUILD_SERVER=ON with the web UI neither built (npm) nor downloaded, so only the
     server's own sources compile; ggml and the other tools are not rebuilt. Idempotent."""
+    ui_off = ["-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
+    return _build_extra("llama-server", ui_off, jobs, timeout)
+
+
+def build_embedding(jobs: int = 2, timeout: float | None = None) -> Path:
+    """llama-embedding (an example program: LLAMA_BUILD_EXAMPLES=ON) in the same build directory,
+    only its own source compiled. Idempotent."""
+    return _build_extra("llama-embedding", ["-DLLAMA_BUILD_EXAMPLES=ON"], jobs, timeout)
+
+
+def _build_extra(name: str, flags: list[str], jobs: int, timeout: float | None) -> Path:
     build(jobs=jobs, timeout=timeout)
-    found = find_server()
+    found = _find_extra(name)
     if found:
         return found
     with open(cache_dir() / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         with open(cache_dir() / "build.log", "a") as logf:
-            ui_off = ["-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
-            _run_logged(["cmake", "-S", str(source_dir()), "-B", str(build_dir()), *ui_off], logf, timeout)
-            _log(f"cmake --build -j{jobs} --target llama-server (log: {cache_dir() / 'build.log'})")
-            _run_logged(["cmake", "--build", str(build_dir()), f"-j{jobs}", "--target", "llama-server"], logf, timeout)
-    found = find_server()
+            _run_logged(["cmake", "-S", str(source_dir()), "-B", str(build_dir()), *flags], logf, timeout)
+            _log(f"cmake --build -j{jobs} --target {name} (log: {cache_dir() / 'build.log'})")
+            _run_logged(["cmake", "--build", str(build_dir()), f"-j{jobs}", "--target", name], logf, timeout)
+    found = _find_extra(name)
     if not found:
-        raise RuntimeError(f"the build finished but llama-server is missing from {build_dir() / 'bin'}")
+        raise RuntimeError(f"the build finished but {name} is missing from {build_dir() / 'bin'}")
     return found
 
 

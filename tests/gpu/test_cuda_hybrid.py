@@ -75,3 +75,21 @@ def test_cuda_hybrid_steps(tiny: Any, cpu_logits: list[np.ndarray], monkeypatch:
     model.free()
     if dev.allocated == 0:  # (the device's last buffer freed: its pinned memory too)
         assert dev._staging == []
+
+
+@pytest.mark.parametrize("ngl", [2, "all"])
+def test_cuda_embeddings(tiny: Any, ngl: Any) -> None:
+    """An embeddings graph (its result the output norm's rows, the output matrix left out) on
+    CUDA0 gives the CPU's float32 rows, and its mean pooling the CPU's."""
+    from llamapy.embedding import embed
+
+    prompts = [[1, 40, 90, 7, 3, 55], [(7 * i) % 250 + 1 for i in range(40)]]
+    out = []
+    for n in (0, ngl):
+        model = Model(tiny, ModelOptions(n_gpu_layers=n))
+        ctx = Context(model, ContextOptions(n_ctx=256, n_threads=2, cpu_matmul="f32"))
+        out.append([embed(ctx, prompts, pooling, 2) for pooling in ("none", "mean")])
+        model.free()
+    for want, got in zip(out[0], out[1]):
+        for w, g in zip(want, got):
+            assert np.abs(g - w).max() < 1e-3 * np.abs(w).max()

@@ -217,8 +217,9 @@ class Llama:
         normalize: bool | int = False,
     ) -> list:
         """llama-cpp-python's Llama.embed: the embedding of a text or token list (a list of floats),
-        or of each in a list (a list of those). `pooling`: none, mean, cls or last (default: the
-        model's `pooling_type`); `none` gives every token's row (a list of lists a text).
+        or of each in a list (a list of those). `pooling`: none, mean, cls, last or rank (default:
+        the model's `pooling_type`); `none` gives every token's row (a list of lists a text),
+        `rank` a reranker's scores (one per label, not normalised; see rerank()).
         `normalize`: True for euclidean, or llama.cpp's --embd-normalize number (-1 none, 0 int16
         range, 1 taxicab, 2 euclidean, p > 2 the p-norm); with pooling none, rows are not scaled.
         The KV cache is cleared (as llama-cpp-python's embed does): a generation's state is lost."""
@@ -228,7 +229,7 @@ class Llama:
                                             and not isinstance(input[0], (str, Sequence, np.ndarray)))  # fmt: skip
         items = [input] if single else list(input)  # type: ignore[list-item]
         norm = 2 if normalize is True else -1 if normalize is False else int(normalize)
-        vecs = embed(self.ctx, [self._tokens(x) for x in items], pooling_name(pooling, self.model.params.pooling_type), norm)
+        vecs = embed(self.ctx, [self._tokens(x) for x in items], pooling_name(pooling, self.model), norm)
         out = [v.tolist() for v in vecs]
         return out[0] if single else out
 
@@ -241,12 +242,24 @@ class Llama:
         from .embedding import embed, pooling_name
         from .server.protocol import embedding_request, embeddings_response
 
-        pool = pooling_name(pooling, self.model.params.pooling_type)
+        pool = pooling_name(pooling, self.model)
         if pool == "none":
             raise LlamapyError("create_embedding: pooling 'none' gives no single embedding a text; use embed()")
         body = {"input": input if isinstance(input, str) else list(input), "encoding_format": encoding_format}
         req = embedding_request(body, self.tokenizer, True, 2)
         return embeddings_response(embed(self.ctx, req.prompts, pool, 2), req, model or str(self.path))
+
+    def rerank(self, query: str, documents: Sequence[str]) -> list[float]:
+        """A reranker's score of each document for the query (pooling rank: the file's
+        classifier head; Qwen3-Reranker's probability of "yes"), in the documents' order: the
+        prompt and the score llama-server's /v1/rerank makes. The KV cache is cleared."""
+        from .embedding import embed, pooling_name, rerank_tokens
+
+        if not isinstance(query, str) or isinstance(documents, str) or not all(isinstance(d, str) for d in documents):
+            raise LlamapyError("rerank: the query is a string and the documents a list of strings")
+        pooling_name("rank", self.model)
+        prompts = [rerank_tokens(self.model, query, d) for d in documents]
+        return [float(v[0]) for v in embed(self.ctx, prompts, "rank", -1)]
 
     # -- llama-cpp-python's OpenAI-shaped API -------------------------------------------------
 

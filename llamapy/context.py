@@ -37,7 +37,7 @@ from .model.loader import (
     weight_devices,
 )
 from .model.tokenizer import Tokenizer
-from .models import HParams, ModelGraph, UBatch, build_graph, read_hparams
+from .models import OUTPUTS, HParams, ModelGraph, UBatch, build_graph, read_hparams
 from .sched.scheduler import Plan, Scheduler
 from .tensor import Tensor
 from .types import DeviceType, GGMLType, LlamapyError, OutOfMemoryError, UnsupportedError, block_size, row_nbytes
@@ -403,8 +403,8 @@ class Context:
 
     # -- graphs ---------------------------------------------------------------------------
 
-    def graph(self, n_tokens: int, n_outputs: int, embd: bool = False) -> ModelGraph:
-        key = (n_tokens, n_outputs, embd)
+    def graph(self, n_tokens: int, n_outputs: int, output: str = "logits") -> ModelGraph:
+        key = (n_tokens, n_outputs, output)
         g = self._graphs.pop(key, None)
         if g is None:
             if len(self._graphs) > 16:  # prompt tails of many sizes: keep the cache small
@@ -413,7 +413,7 @@ class Context:
                 for old in list(self._graphs.values())[:8]:
                     self.sched.forget(old.graph)
                 self._graphs = dict(list(self._graphs.items())[8:])
-            g = build_graph(self.model.params, self.model.weights, self.kv, n_tokens, n_outputs, embd)
+            g = build_graph(self.model.params, self.model.weights, self.kv, n_tokens, n_outputs, output)
         self._graphs[key] = g
         return g
 
@@ -459,11 +459,12 @@ class Context:
         pos: Sequence[int] | np.ndarray,
         seq: Sequence[int] | np.ndarray | int = 0,
         logits: Sequence[bool] | np.ndarray | None = None,
-        embd: bool = False,
+        output: str = "logits",
     ) -> np.ndarray:
         """Evaluate a batch (llama_decode): returns the logits (n_outputs, n_vocab) of the
-        tokens whose `logits` flag is set (default: only the last token) — with `embd`, their
-        embeddings (n_outputs, n_embd) instead: the output norm's rows, not pooled."""
+        tokens whose `logits` flag is set (default: only the last token) — with `output` "embd",
+        their embeddings (n_outputs, n_embd) instead (the output norm's rows, not pooled); "rank",
+        a reranker's scores of them (n_outputs, n_cls_out)."""
         if self.freed:
             raise LlamapyError("decode: this context was freed (its Llama is closed)")
         toks = np.asarray(tokens, np.int32)
@@ -478,7 +479,9 @@ class Context:
             want = np.zeros(n, bool)
             want[:] = np.asarray(logits, bool)
         n_vocab = self.model.params.n_vocab
-        n_cols = self.model.params.n_embd if embd else n_vocab
+        if output not in OUTPUTS:
+            raise LlamapyError(f"decode: output {output!r}: expected one of {', '.join(OUTPUTS)}")
+        n_cols = {"logits": n_vocab, "embd": self.model.params.n_embd, "rank": self.model.params.n_cls_out}[output]
         # the bounds as Python ints (a decode step's one token: no array reductions)
         t, p, q = toks.tolist(), positions.tolist(), seqs.tolist()
         if min(t) < 0 or max(t) >= n_vocab:
@@ -491,7 +494,7 @@ class Context:
             # one micro-batch (every decode step): its own find_slot refuses it before any cell
             # changes, and it frees its own cells; no slices to make
             out_ids = np.array([n - 1], np.int32) if logits is None else np.flatnonzero(want).astype(np.int32)
-            rows = self._decode_ubatch(toks, positions, seqs, out_ids, embd)
+            rows = self._decode_ubatch(toks, positions, seqs, out_ids, output)
             return rows if rows is not None else np.zeros((0, n_cols), np.float32)
         if logits is None:
             want = np.zeros(n, bool)
@@ -504,7 +507,7 @@ class Context:
             for u0 in range(0, n, self.n_ubatch):
                 u1 = min(n, u0 + self.n_ubatch)
                 ids = np.flatnonzero(want[u0:u1]).astype(np.int32)
-                rows = self._decode_ubatch(toks[u0:u1], positions[u0:u1], seqs[u0:u1], ids, embd)
+                rows = self._decode_ubatch(toks[u0:u1], positions[u0:u1], seqs[u0:u1], ids, output)
                 if rows is not None:
                     out.append(rows)
         except BaseException:
@@ -517,9 +520,9 @@ class Context:
         return np.concatenate(out) if out else np.zeros((0, n_cols), np.float32)
 
     def _decode_ubatch(
-        self, toks: np.ndarray, pos: np.ndarray, seq: np.ndarray, out_ids: np.ndarray, embd: bool = False
+        self, toks: np.ndarray, pos: np.ndarray, seq: np.ndarray, out_ids: np.ndarray, output: str = "logits"
     ) -> np.ndarray | None:
-        """One micro-batch; `out_ids`: its rows whose logits (or embeddings) are wanted."""
+        """One micro-batch; `out_ids`: its rows whose logits (or `output`) are wanted."""
         n = len(toks)
         n_outputs = len(out_ids)
         # the graph always produces at least one row; unwanted ones are dropped below
@@ -527,7 +530,7 @@ class Context:
         idx = self.kv.find_slot(n, seq)
         self.kv.commit(idx, pos, seq)
         try:
-            g = self.graph(n, len(ids), embd)
+            g = self.graph(n, len(ids), output)
             result = self.sched.compute(g.graph, g.inputs.values(UBatch(toks, pos, seq, idx, ids, self.kv.n_kv(idx))))
         except BaseException:
             self.kv.release(idx)

@@ -1,17 +1,20 @@
-"""Embeddings: texts' hidden states, pooled and normalised (llama.cpp's examples/embedding/
-embedding.cpp, `llm_graph_context::build_pooling` in llama-graph.cpp, `common_embd_normalize` and
-`common_embd_similarity_cos` in common/common.cpp; llama-cpp-python's `Llama.embed`).
+"""Embeddings: texts' hidden states, pooled and normalised, and rerankers' scores (llama.cpp's
+examples/embedding/embedding.cpp, `llm_graph_context::build_pooling` in llama-graph.cpp,
+`common_embd_normalize` and `common_embd_similarity_cos` in common/common.cpp, the server's
+`format_prompt_rerank`; llama-cpp-python's `Llama.embed`).
 
-The graph's result is the output norm's rows (`Context.decode(..., embd=True)`); pooling happens
-here, on the host: `mean` averages a sequence's rows, `cls` takes its first, `last` its last,
-`none` keeps them all. The rows asked for are only those the pooling reads (the last layer
+The graph's result is the output norm's rows (`Context.decode(..., output="embd")`); pooling
+happens here, on the host: `mean` averages a sequence's rows, `cls` takes its first, `last` its
+last, `none` keeps them all. The rows asked for are only those the pooling reads (the last layer
 computes no others), and a sequence may span micro-batches: its mean is over all of its tokens.
-`rank` (rerankers) needs a classifier head, which llamapy does not load: refused.
+`rank` (a reranker: Qwen3-Reranker) reads the last token's row through the file's classifier head
+in the graph (`output="rank"`): one score per label, not normalised.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -20,14 +23,39 @@ from .types import LlamapyError, UnsupportedError
 POOLING = ("none", "mean", "cls", "last", "rank")  # llama_pooling_type 0..4
 
 
-def pooling_name(name: str | None, model_default: int) -> str:
-    """The pooling to use: `name`, or the model's own (`{arch}.pooling_type`) when None."""
-    chosen = POOLING[model_default] if name is None else name
+def pooling_name(name: str | None, model: Any) -> str:
+    """The pooling to use for `model` (a context.Model): `name`, or the file's own
+    (`{arch}.pooling_type`) when None; `rank` only with a classifier head."""
+    chosen = POOLING[model.params.pooling_type] if name is None else name
     if chosen not in POOLING:
         raise LlamapyError(f"pooling {name!r}: expected one of {', '.join(POOLING)}")
-    if chosen == "rank":
-        raise UnsupportedError("pooling 'rank' (a reranker's score) needs a classifier head, which llamapy does not load")
+    if chosen == "rank" and model.weights.cls_out is None:
+        raise UnsupportedError("pooling 'rank' needs a reranker's classifier head (cls.output), which this file does not have")
     return chosen
+
+
+def rerank_tokens(model: Any, query: str, doc: str, cli: bool = False) -> list[int]:
+    """A query and a document as one reranker prompt: the file's `rerank` template with {query}
+    and {document} filled in, else BOS, query, EOS, SEP, document, EOS as the vocabulary adds
+    them (the server's format_prompt_rerank; `cli`: llama-embedding's variant, which tokenizes
+    the template's text with BOS/EOS added and joins the pair's text with the EOS/SEP texts)."""
+    tok, md = model.tokenizer, model.gguf.metadata
+    template = md.get("tokenizer.chat_template.rerank")
+    add_sep = bool(md.get("tokenizer.ggml.add_sep_token", False))
+    if isinstance(template, str):
+        text = template.replace("{query}", query).replace("{document}", doc)
+        return tok.encode(text, add_special=cli, parse_special=True)
+    eos = tok.eos if tok.eos is not None else tok.special.sep
+    if cli:
+        joint = [tok.token_to_piece(t, special=True).decode("utf-8", "replace")
+                 for t, on in ((tok.eos, tok.add_eos), (tok.special.sep, add_sep)) if on and t is not None]  # fmt: skip
+        return tok.encode(query + "".join(joint) + doc, add_special=True, parse_special=True)
+    ids = [tok.bos] if tok.add_bos and tok.bos is not None else []
+    ids += tok.encode(query, add_special=False, parse_special=False)
+    ids += [eos] if tok.add_eos and eos is not None else []
+    ids += [tok.special.sep] if add_sep and tok.special.sep is not None else []
+    ids += tok.encode(doc, add_special=False, parse_special=False)
+    return ids + ([eos] if tok.add_eos and eos is not None else [])
 
 
 def normalize(x: np.ndarray, embd_norm: int) -> np.ndarray:
@@ -58,11 +86,13 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 def embed(ctx, prompts: Sequence[Sequence[int]], pooling: str, embd_norm: int) -> list[np.ndarray]:  # noqa: ANN001 - Context
     """The embedding of each prompt (token ids): a (n_embd,) vector, or (n_tokens, n_embd) rows with
-    pooling `none` (those not normalised, as llama-server's). Each prompt is its own sequence from
+    pooling `none` (those not normalised, as llama-server's), or with `rank` its (n_cls_out,)
+    scores (not normalised: llama-embedding's normalisation of them reads past the scores, and
+    llama-server's does not apply it). Each prompt is its own sequence from
     position 0; as many prompts as fit in the batch and the context go in one decode, the KV cache
     cleared before each (embedding.cpp's batch_decode)."""
-    if pooling not in POOLING[:4]:
-        raise LlamapyError(f"pooling {pooling!r}: expected one of {', '.join(POOLING[:4])}")
+    if pooling not in POOLING:
+        raise LlamapyError(f"pooling {pooling!r}: expected one of {', '.join(POOLING)}")
     room = min(ctx.n_batch, ctx.n_ctx)
     for i, p in enumerate(prompts):
         if len(p) == 0:
@@ -91,15 +121,18 @@ def _embed_group(ctx, group: list[Sequence[int]], pooling: str, embd_norm: int) 
     want = np.zeros(len(toks), bool)
     if pooling in ("none", "mean"):
         want[:] = True
-    else:  # one row a sequence: its first token (cls) or its last
+    else:  # one row a sequence: its first token (cls) or its last (last; rank, causal models)
         want[starts if pooling == "cls" else ends - 1] = True
     ctx.kv.clear()
     try:
-        rows = ctx.decode(toks, pos, seq, want, embd=True)  # (n_outputs, E)
+        # (n_outputs, E) rows, or rank's (n_seq, n_cls_out) scores
+        rows = ctx.decode(toks, pos, seq, want, output="rank" if pooling == "rank" else "embd")
     finally:
         ctx.kv.clear()
     if pooling == "none":
         return [rows[a:b].copy() for a, b in zip(starts, ends)]
+    if pooling == "rank":
+        return list(rows)  # (n_cls_out,) each
     if pooling == "mean":
         pooled = [rows[a:b].astype(np.float64).mean(axis=0).astype(np.float32) for a, b in zip(starts, ends)]
     else:

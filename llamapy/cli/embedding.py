@@ -22,10 +22,11 @@ def embedding(
     model_opt: str = common.MODEL_OPT,
     prompt: str = typer.Option(None, "-p", "--prompt", help="the texts, one per line (--embd-separator)"),
     file: str = typer.Option(None, "-f", "--file", metavar="FILE", help="read the texts from a file"),
-    pooling: str = typer.Option(None, "--pooling", metavar="{none,mean,cls,last}", help="pooling of a text's tokens (default: the model's)"),
+    pooling: str = typer.Option(None, "--pooling", metavar="{none,mean,cls,last,rank}", help="pooling of a text's tokens (default: the model's); rank: a reranker's scores"),
     embd_normalize: int = typer.Option(2, "--embd-normalize", metavar="N", help="-1 none, 0 max absolute int16, 1 taxicab, 2 euclidean, >2 p-norm"),
     embd_output_format: str = typer.Option("", "--embd-output-format", metavar="FORMAT", help="'' (lines), array, json, json+ (with the cosine similarities) or raw"),
     embd_separator: str = typer.Option("\n", "--embd-separator", metavar="STRING", show_default=False, help="what separates the texts (default: a newline)"),
+    cls_separator: str = typer.Option("\t", "--cls-separator", metavar="STRING", show_default=False, help="--pooling rank: what separates a text's query and document (default: a tab)"),
     verbose_prompt: bool = typer.Option(False, "--verbose-prompt", help="print each text's tokens on stderr"),
     escape: bool = common.ESCAPE,
     ctx_size: int = common.CTX,
@@ -51,7 +52,7 @@ def embedding(
     log_disable: bool = common.LOG_DISABLE,
 ) -> None:
     """Embeddings of texts, one per line (llama-embedding)."""
-    from ..embedding import embed, normalize, pooling_name
+    from ..embedding import embed, normalize, pooling_name, rerank_tokens
     from .run import read_text_file
 
     common.use_ray(ray)
@@ -81,9 +82,14 @@ def embedding(
                       ctx_size=ctx_size, batch=batch, ubatch=ubatch, threads=threads, ctk=ctk, ctv=ctv, nkvo=nkvo,
                       no_op_offload=no_op_offload, device=device, f32_activations=f32_activations)  # fmt: skip
     try:
-        pool = pooling_name(pooling, llm.model.params.pooling_type)
+        pool = pooling_name(pooling, llm.model)
         tok = llm.tokenizer
-        prompts = [llm.tokenize(t) for t in texts]
+        prompts = []
+        for i, t in enumerate(texts):
+            pair = t.split(cls_separator) if pool == "rank" and cls_separator and cls_separator in t else None
+            if pair is not None and len(pair) != 2:
+                raise LlamapyError(f"text {i}: a pair to rank is QUERY{cls_separator!r}DOCUMENT, not {len(pair)} parts")
+            prompts.append(rerank_tokens(llm.model, *pair, cli=True) if pair else llm.tokenize(t))
         ends = {t for t in (tok.eos, tok.special.sep) if t is not None}
         if any(not p or p[-1] not in ends for p in prompts):
             log("embedding: warning: the last token of a text is not SEP or EOS (the model's tokenizer does not add one)")
@@ -98,21 +104,29 @@ def embedding(
         dt = time.perf_counter() - t0
         # pooling none: every token's row, each normalised as llama-embedding does
         rows = [normalize(r, embd_normalize) for e in out for r in e] if pool == "none" else out
-        _print(np.array(rows, np.float32).reshape(len(rows), -1), texts, pool, embd_normalize, embd_output_format)
+        labels = llm.model.params.cls_labels or tuple(map(str, range(llm.model.params.n_cls_out)))
+        _print(np.array(rows, np.float32).reshape(len(rows), -1), texts, pool, embd_normalize, embd_output_format, labels)
         n_tok = sum(map(len, prompts))
         log(f"embedding: {n_tok} tokens in {dt * 1e3:.2f} ms ({n_tok / dt if dt > 0 else 0:.2f} tokens per second)")
     finally:
         llm.close()
 
 
-def _print(emb: np.ndarray, texts: list[str], pool: str, norm: int, fmt: str) -> None:
-    """llama-embedding's stdout: `emb` is (n_embeddings, n_embd)."""
+def _print(emb: np.ndarray, texts: list[str], pool: str, norm: int, fmt: str, labels: tuple[str, ...]) -> None:
+    """llama-embedding's stdout: `emb` is (n_embeddings, n_embd), or rank's (n_texts, n_cls_out)
+    scores (printed as they are: --embd-normalize does not apply to them)."""
     from ..embedding import cosine
 
     w = sys.stdout.write
+    norm = -1 if pool == "rank" else norm  # (the scores as they are: no int16 rounding)
     num = "{:6.0f} " if norm == 0 else "{:9.6f} "
     n, n_embd = emb.shape
-    if fmt == "":
+    if fmt == "" and pool == "rank":
+        w("\n")
+        for j in range(n):
+            for i, label in enumerate(labels):
+                w(f"rerank score {j}: {emb[j, i]:8.3f}" + (f" [{label}]" if len(labels) > 1 else "") + "\n")
+    elif fmt == "":
         w("\n")
         for j in range(n):
             if pool == "none":  # a token's: its first three and last three values

@@ -119,12 +119,13 @@ def serve(
     ray: str = common.RAY,
     no_warmup: bool = typer.Option(False, "--no-warmup", help="skip the warm-up run"),
     embeddings: bool = typer.Option(False, "--embedding", "--embeddings", help="serve embeddings only: /v1/embeddings and /embedding (no completions)"),
+    reranking: bool = typer.Option(False, "--reranking", "--rerank", help="serve a reranker: /v1/rerank (as --embeddings --pooling rank)"),
     pooling: str = typer.Option(None, "--pooling", metavar="{none,mean,cls,last}", help="--embeddings: pooling of a text's tokens (default: the model's)"),
     embd_normalize: int = typer.Option(2, "--embd-normalize", metavar="N", help="--embeddings: -1 none, 0 max absolute int16, 1 taxicab, 2 euclidean, >2 p-norm"),
 ) -> None:
     """Serve a model over HTTP: OpenAI's /v1/chat/completions and /v1/completions, llama-server's
     /completion, /tokenize, /detokenize, /slots, /metrics and /health; with --embeddings,
-    /v1/embeddings and /embedding instead of the completions."""
+    /v1/embeddings and /embedding instead of the completions, with --reranking /v1/rerank too."""
     try:
         import uvicorn
 
@@ -139,6 +140,10 @@ def serve(
         raise LlamapyError(f"-c {ctx_size}: the context of a slot must be >= 1 token")
     if max_queue < 0:
         raise LlamapyError(f"--queue {max_queue}: must be >= 0")
+    if reranking:
+        if pooling not in (None, "rank"):
+            raise LlamapyError(f"--reranking with --pooling {pooling}: a reranker pools with rank")
+        embeddings, pooling = True, "rank"
     if embeddings:
         from ..embedding import POOLING, normalize
 
@@ -177,7 +182,7 @@ def serve(
             if embeddings:
                 from ..embedding import pooling_name
 
-                state.pooling = pooling_name(pooling, llm.model.params.pooling_type)
+                state.pooling = pooling_name(pooling, llm.model)
                 log(f"srv load_model: embeddings only, pooling {state.pooling}, normalisation {embd_normalize}")
             if not no_warmup:
                 log(f"common_init: warm-up run (compiled-kernel load) = {llm.warmup():.2f} ms")

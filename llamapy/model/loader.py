@@ -160,6 +160,7 @@ class ModelWeights:
     output: Tensor
     layers: list[dict[str, Tensor]]
     rope_freqs: Tensor | None
+    cls_out: Tensor | None = None  # a reranker's classifier head (n_cls_out, E)
     buffers: list[Buffer] = field(default_factory=list)
     placement: Placement | None = None
     tied_output: bool = False
@@ -211,7 +212,7 @@ def _fuse(layer: dict[str, Tensor], il: int, parts: tuple[str, ...], name: str) 
 
 
 _GLOBAL = {MODEL_TENSOR.TOKEN_EMBD: "tok_embd", MODEL_TENSOR.OUTPUT_NORM: "output_norm",
-           MODEL_TENSOR.OUTPUT: "output", MODEL_TENSOR.ROPE_FREQS: "rope_freqs"}  # fmt: skip
+           MODEL_TENSOR.OUTPUT: "output", MODEL_TENSOR.ROPE_FREQS: "rope_freqs", MODEL_TENSOR.CLS_OUT: "cls_out"}  # fmt: skip
 
 
 def collect_weights(gf: GGUFFile, p: HParams, fuse: bool = True) -> ModelWeights:
@@ -247,7 +248,7 @@ def collect_weights(gf: GGUFFile, p: HParams, fuse: bool = True) -> ModelWeights
         output = Tensor("output.weight", tok.shape, tok.type, flags=TensorFlag.WEIGHT)
     norm = glob["output_norm"]
     assert norm is not None
-    return ModelWeights(tok, norm, output, layers, glob.get("rope_freqs"), tied_output=tied)
+    return ModelWeights(tok, norm, output, layers, glob.get("rope_freqs"), glob.get("cls_out"), tied_output=tied)
 
 
 class ConcatRows:
@@ -277,8 +278,9 @@ def weight_devices(
             where[t] = placement.layer_device[il]
     for t in (w.output_norm, w.output):
         where[t] = placement.layer_device[n_layer]
-    if w.rope_freqs is not None:
-        where[w.rope_freqs] = placement.layer_device[n_layer]
+    for t in (w.rope_freqs, w.cls_out):
+        if t is not None:
+            where[t] = placement.layer_device[n_layer]
     for t in where:
         names = (t.name, *t.params.get(FUSED_FROM, ()))
         for pattern, dev in overrides:

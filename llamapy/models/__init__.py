@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .. import ops
 from ..graph import Graph
 from ..tensor import Tensor
 from ..types import GGUFError, UnsupportedError
@@ -31,7 +32,7 @@ ARCHITECTURES: dict[str, str] = {
     "gpt-oss": "gptoss",
 }
 
-__all__ = ["ARCHITECTURES", "Architecture", "GraphInputs", "HParams", "ModelGraph", "UBatch",
+__all__ = ["ARCHITECTURES", "OUTPUTS", "Architecture", "GraphInputs", "HParams", "ModelGraph", "UBatch",
            "architecture", "build_graph", "read_hparams"]  # fmt: skip
 
 
@@ -57,7 +58,7 @@ class ModelGraph:
 
     graph: Graph
     inputs: GraphInputs
-    logits: Tensor  # (n_outputs, V); an embeddings graph's: its hidden states (n_outputs, E)
+    logits: Tensor  # (n_outputs, V); else what build_graph's `output` says
 
     @property
     def n_tokens(self) -> int:
@@ -68,16 +69,28 @@ class ModelGraph:
         return self.inputs.n_outputs
 
 
+OUTPUTS = ("logits", "embd", "rank")  # what a graph ends at
+
+
 def build_graph(
-    p: HParams, w: ModelWeights, kv: KVCache, n_tokens: int, n_outputs: int, embd: bool = False
+    p: HParams, w: ModelWeights, kv: KVCache, n_tokens: int, n_outputs: int, output: str = "logits"
 ) -> ModelGraph:
-    """The graph of one micro-batch shape, for whichever architecture `p` is. `embd`: its result is
-    the output norm's rows, the model's embeddings (llama.cpp's `t_embd`), and the output matrix
-    is not in the graph."""
+    """The graph of one micro-batch shape, for whichever architecture `p` is. `output`: "logits";
+    "embd", the output norm's rows (the model's embeddings, llama.cpp's `t_embd`; the output
+    matrix is not in the graph); "rank", a reranker's scores of those rows (n_outputs, n_cls_out):
+    its classifier head `cls.output`, then a softmax where the architecture has one
+    (build_pooling's LLAMA_POOLING_TYPE_RANK)."""
     g = GraphInputs(kv, n_tokens, n_outputs)
-    out = architecture(p.arch).build(p, w, g)
-    if embd:
-        out = _source_named(out, "result_norm")
+    arch = architecture(p.arch)
+    out = arch.build(p, w, g)
+    if output != "logits":
+        out = _source_named(out, "result_norm")  # (n_outputs, E)
+    if output == "rank":
+        if w.cls_out is None:
+            raise UnsupportedError("pooling 'rank' needs a classifier head (cls.output), which this file does not have")
+        out = ops.mul_mat(w.cls_out, out, "result_embd_pooled")  # (n_outputs, n_cls_out)
+        if arch.rank_softmax:
+            out = ops.soft_max(out, name="result_embd_pooled_softmax")
     return ModelGraph(g.gf.output(out), g, out)
 
 

@@ -82,6 +82,14 @@ class KeyReader:
         return tuple(self._convert(k, x, kind) for x in v)
 
 
+def _labels(r: KeyReader) -> tuple[str, ...]:
+    k = r.name(Keys.Classifier.OUTPUT_LABELS)
+    v = r.md.get(k, ())
+    if not _is_array(v) or not all(isinstance(x, str) for x in v) or len(v) > MAX_EXPERTS:
+        raise GGUFError(f"key {k!r} must be an array of at most {MAX_EXPERTS} strings")
+    return tuple(v)
+
+
 def _is_array(v: Any) -> bool:
     return hasattr(v, "__len__") and not isinstance(v, (str, bytes))
 
@@ -122,6 +130,9 @@ class HParams:
     # the model's own pooling of embeddings (llama_pooling_type: 0 none, 1 mean, 2 cls, 3 last,
     # 4 rank), what `embedding` uses without --pooling
     pooling_type: int = 0
+    # a reranker's classifier outputs (`{arch}.classifier.output_labels`: Qwen3-Reranker's "yes",
+    # "no"); its head `cls.output` has one row each (one when the file names none, as llama.cpp)
+    cls_labels: tuple[str, ...] = ()
 
     # the first layer's values: what llamapy reports and what uniform models use throughout
     @property
@@ -131,6 +142,10 @@ class HParams:
     @property
     def n_head(self) -> int:
         return self.n_head_arr[0]
+
+    @property
+    def n_cls_out(self) -> int:
+        return len(self.cls_labels) or 1
 
     @property
     def n_head_kv(self) -> int:
@@ -222,6 +237,7 @@ class Architecture:
     gguf_arch: MODEL_ARCH
     rope_type: int = ROPE_NORM
     rope_scalings: tuple[str, ...] = ("none", "linear")
+    rank_softmax = False  # a reranker's scores go through a softmax (llama.cpp: qwen3's)
 
     # -- hyper-parameters ---------------------------------------------------------------------
 
@@ -259,6 +275,7 @@ class Architecture:
             rope_freq_scale=1.0 / factor if scaling in ("linear", "yarn") and factor > 0 else 1.0,
             rope_type=self.rope_type,
             pooling_type=r.get(Keys.LLM.POOLING_TYPE, 0),
+            cls_labels=_labels(r),
         )
         if not 0 <= fields["pooling_type"] <= 4:
             raise GGUFError(f"pooling_type {fields['pooling_type']} out of range (0 to 4)")

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..embedding import rerank_tokens
 from ..engine import AsyncEvents, Engine, EngineStoppedError, Event, PromptTooLongError, QueueFullError
 from ..types import LlamapyError
 from .protocol import (
@@ -42,6 +43,8 @@ from .protocol import (
     embeddings_response,
     llama_chunk,
     llama_completion_request,
+    rerank_request,
+    rerank_response,
 )
 
 RETRY_AFTER_S = 1  # what a 503 (queue full) suggests to wait
@@ -238,6 +241,19 @@ def create_app(state: ServerState) -> FastAPI:
             raise ApiError("Pooling type 'none' is not OAI compatible. Please use a different pooling type")
         vectors = await asyncio.to_thread(state.embed, req.prompts, req.embd_norm)
         return JSONResponse(embeddings_response(vectors, req, state.model_name))
+
+    @app.post("/rerank")
+    @app.post("/reranking")
+    @app.post("/v1/rerank")
+    @app.post("/v1/reranking")
+    async def rerank(request: Request) -> Response:
+        if state.pooling != "rank":
+            raise ApiError("This server does not support reranking. Start it with `--reranking`", 501, "not_supported_error")
+        req = rerank_request(await _json_body(request))
+        prompts = [rerank_tokens(state.llm.model, req.query, d) for d in req.documents]
+        vectors = await asyncio.to_thread(state.embed, prompts, -1)
+        scores = [float(v[0]) for v in vectors]  # the first label's (Qwen3-Reranker: "yes"), as llama-server
+        return JSONResponse(rerank_response(scores, req, sum(map(len, prompts)), state.model_name))
 
     def generating() -> None:
         if state.embeddings:

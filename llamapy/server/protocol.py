@@ -422,6 +422,49 @@ def embeddings_response(vectors: Sequence[Any], req: EmbeddingRequest, model: st
             "data": [item(i, v) for i, v in enumerate(vectors)]}  # fmt: skip
 
 
+# -- reranking (server-context.cpp's post_rerank, server-common.cpp's format_response_rerank) --
+
+RERANK_FIELDS = {"query", "documents", "texts", "top_n", "return_text", "model"}
+
+
+@dataclass
+class RerankRequest:
+    query: str
+    documents: list[str]
+    top_n: int
+    tei: bool  # `texts`: Text Embeddings Inference's shape (a bare list, `score`), else Jina's
+    return_text: bool
+    model: str
+
+
+def rerank_request(body: Any) -> RerankRequest:
+    """POST /v1/rerank: `query` and `documents` (Jina's API) or `texts` (TEI's)."""
+    body = _check_fields(body, RERANK_FIELDS)
+    query = body.get("query")
+    if not isinstance(query, str):
+        raise ApiError('"query" must be provided as a string', param="query")
+    tei = "texts" in body
+    docs = body.get("texts" if tei else "documents")
+    if not isinstance(docs, list) or not docs or not all(isinstance(d, str) for d in docs):
+        raise ApiError('"documents" must be a non-empty string array', param="texts" if tei else "documents")
+    top_n = _num(body, "top_n", int, 0, I64)
+    model = body.get("model", "")
+    return RerankRequest(query, docs, len(docs) if top_n is None else top_n, tei, _bool(body, "return_text"),
+                         model if isinstance(model, str) else "")  # fmt: skip
+
+
+def rerank_response(scores: Sequence[float], req: RerankRequest, n_tokens: int, model: str) -> Any:
+    """The documents by score, best first, `top_n` of them."""
+    label = "score" if req.tei else "relevance_score"
+    items = [{"index": i, label: float(s), **({"text": req.documents[i]} if req.tei and req.return_text else {})}
+             for i, s in enumerate(scores)]  # fmt: skip
+    items = sorted(items, key=lambda d: -d[label])[: req.top_n]
+    if req.tei:
+        return items
+    return {"model": req.model or model, "object": "list",
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}, "results": items}  # fmt: skip
+
+
 @dataclass
 class ChatTemplate:
     """The model's chat template and the special-token texts it is rendered with."""

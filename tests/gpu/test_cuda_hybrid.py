@@ -93,3 +93,24 @@ def test_cuda_embeddings(tiny: Any, ngl: Any) -> None:
     for want, got in zip(out[0], out[1]):
         for w, g in zip(want, got):
             assert np.abs(g - w).max() < 1e-3 * np.abs(w).max()
+
+
+def test_cuda_rerank(tmp_path: Any) -> None:
+    """A reranker's head (MUL_MAT by cls.output, SOFT_MAX) on CUDA0 gives the CPU's scores."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from family_models import write_reranker_gguf
+
+    from llamapy.api import Llama
+
+    path = write_reranker_gguf(tmp_path / "rerank.gguf", template=True)
+    out = []
+    for ngl in (0, "all"):
+        with Llama(path, n_ctx=128, n_gpu_layers=ngl, cpu_matmul="f32") as llm:
+            assert (ngl == 0) != any(b.name == "CUDA0" for b in llm.model.weights.buffers)
+            out.append(llm.rerank("the cat", ["the dog", "a b", "it"]))
+    # (probabilities: 9e-5 apart on the emulator, as the logits above may be 1e-3 of the
+    # largest apart: the CUDA plan's float32 path sums in other orders than the CPU's)
+    np.testing.assert_allclose(out[1], out[0], atol=5e-4)

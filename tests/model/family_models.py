@@ -241,9 +241,11 @@ def rewrite_gguf(
     set_keys: dict[str, tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]] | None = None,
     drop_keys: tuple[str, ...] = (),
     drop_tensors: tuple[str, ...] = (),
+    add_tensors: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """A copy of `src` with keys set ((value, type, array element type)), keys or tensors
-    dropped: hostile-file tests start from a valid family file."""
+    dropped, float32 tensors added: hostile-file tests start from a valid family file, a
+    reranker from a qwen3 one."""
     r = gguf.GGUFReader(str(src))
     arch = r.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(out), arch)
@@ -264,8 +266,30 @@ def rewrite_gguf(
         if t.name not in drop_tensors:
             w.add_tensor(t.name, np.asarray(t.data), raw_shape=list(reversed([int(x) for x in t.shape])),
                          raw_dtype=t.tensor_type)  # fmt: skip
+    for name, a in (add_tensors or {}).items():
+        w.add_tensor(name, np.asarray(a, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+RERANK_TEMPLATE = "<q>{query}</q><d>{document}</d>"
+
+
+def write_reranker_gguf(path: Path, labels: tuple[str, ...] = ("yes", "no"), template: bool = False) -> Path:
+    """A tiny qwen3 reranker (Qwen3-Reranker's layout): pooling rank, a float32 classifier head
+    `cls.output` of one row per label, `classifier.output_labels` (none: one row), and with
+    `template` a `tokenizer.chat_template.rerank` (else the pair is BOS, query, EOS, document)."""
+    VT = gguf.GGUFValueType
+    src = write_family_gguf(path.with_suffix(".src.gguf"), "qwen3", n_layer=2, n_embd=64, n_ff=128, head_dim=32, seed=3)
+    keys: dict[str, Any] = {"qwen3.pooling_type": (4, VT.UINT32, None)}
+    if labels:
+        keys["qwen3.classifier.output_labels"] = (list(labels), VT.ARRAY, VT.STRING)
+    if template:
+        keys["tokenizer.chat_template.rerank"] = (RERANK_TEMPLATE, VT.STRING, None)
+    head = np.random.default_rng(7).standard_normal((max(len(labels), 1), 64)).astype(np.float32) * 0.3
+    rewrite_gguf(src, path, set_keys=keys, add_tensors={"cls.output.weight": head})
+    src.unlink()
+    return path

@@ -16,6 +16,7 @@ import pytest
 
 from llamapy.api import Llama
 from llamapy.context import ContextOptions
+from llamapy.types import LlamapyError
 from tests_support import cli
 
 REFS = Path(__file__).resolve().parent / "references" / "smollm2-q41-embeddings.json.xz"
@@ -92,7 +93,6 @@ def test_cli_formats(default_model: Path) -> None:
     [
         (["-p", "x", "--embd-output-format", "yaml"], "--embd-output-format 'yaml'"),
         (["-p", "x", "--embd-normalize", "-3"], "--embd-normalize -3"),
-        (["-p", "x", "--pooling", "rank"], "classifier head"),
         (["-p", "x\n\ny", "--pooling", "mean"], "prompt 1 is empty"),
         ([], "no texts"),
     ],
@@ -156,3 +156,60 @@ def test_on_the_test_device(default_model: Path, monkeypatch: pytest.MonkeyPatch
             assert (ngl == 0) != any(b.name.startswith("TEST") for b in llm.model.weights.buffers)
             out.append(np.concatenate(llm.embed(texts, pooling="none") + [llm.embed(texts, pooling="mean", normalize=True)]))
     assert np.abs(out[1] - out[0]).max() <= 1e-3 * np.abs(out[0]).max()
+
+
+RERANK_REFS = Path(__file__).resolve().parent / "references" / "rerank-tiny-qwen3.json"
+
+
+@pytest.mark.parametrize("variant", ["plain", "template"])
+def test_reranker_matches_llama_embedding(tmp_path: Path, variant: str) -> None:
+    """A tiny Qwen3-Reranker-shaped file (family_models.write_reranker_gguf): `--pooling rank`'s
+    scores, from QUERY<tab>DOCUMENT lines, are llama-embedding's on the same file."""
+    from family_models import write_reranker_gguf
+
+    refs = json.loads(RERANK_REFS.read_text())
+    path = write_reranker_gguf(tmp_path / "rerank.gguf", template=variant == "template")
+    r = cli("embedding", str(path), "-p", "\n".join(refs["pairs"]), "--pooling", "rank", "--embd-output-format", "array")
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_allclose(json.loads(r.stdout), refs[variant], atol=5e-4)
+    r = cli("embedding", str(path), "-p", refs["pairs"][0], "--pooling", "rank")  # llama-embedding's lines
+    assert r.stdout.split() == ["rerank", "score", "0:", f"{refs[variant][0][0]:.3f}", "[yes]",
+                                "rerank", "score", "0:", f"{refs[variant][0][1]:.3f}", "[no]"]  # fmt: skip
+
+
+def test_rerank_api_and_server(tmp_path: Path) -> None:
+    from family_models import write_reranker_gguf
+
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+    from serving import Server
+
+    path = write_reranker_gguf(tmp_path / "rerank.gguf", template=True)
+    docs = ["the dog", "a b", "it", "the cat"]
+    with Llama(path, n_ctx=256) as llm:
+        scores = llm.rerank("the cat", docs)
+        assert llm.model.params.cls_labels == ("yes", "no")
+        # the first label's probability of the server's prompt (the template, no BOS/EOS added)
+        toks = [llm.tokenize(f"<q>the cat</q><d>{d}</d>", add_special=False) for d in docs]
+        assert scores == [float(v[0]) for v in llm.embed(toks, pooling="rank")]
+        assert all(abs(sum(v) - 1) < 1e-6 for v in llm.embed(toks, pooling="rank"))  # softmaxed
+    s = Server(path, ["--reranking", "-np", "1", "-c", "256", "-t", "1", "--no-warmup"], tmp_path / "log")
+    try:
+        r = httpx.post(s.url + "/v1/rerank", json={"query": "the cat", "documents": docs, "top_n": 3}, timeout=60).json()
+        order = sorted(range(4), key=lambda i: -scores[i])[:3]
+        assert [x["index"] for x in r["results"]] == order and r["object"] == "list"
+        np.testing.assert_allclose([x["relevance_score"] for x in r["results"]], [scores[i] for i in order], atol=1e-6)
+        tei = httpx.post(s.url + "/rerank", json={"query": "the cat", "texts": docs, "return_text": True}, timeout=60).json()
+        assert [x["index"] for x in tei][:3] == order and tei[0]["text"] == docs[order[0]] and "score" in tei[0]
+        bad = httpx.post(s.url + "/v1/rerank", json={"query": "x", "documents": []}, timeout=60)
+        assert bad.status_code == 400 and "non-empty" in bad.json()["error"]["message"]
+    finally:
+        s.stop()
+
+
+def test_rank_needs_a_head(default_model: Path) -> None:
+    r = cli("embedding", str(default_model), "-p", "x", "--pooling", "rank")
+    assert r.returncode == 1 and "needs a reranker's classifier head (cls.output)" in r.stderr
+    with Llama(default_model, n_ctx=64) as llm, pytest.raises(LlamapyError, match="classifier head"):
+        llm.rerank("q", ["d"])

@@ -211,6 +211,7 @@ def test_llama_server_endpoints(server: Server) -> None:
         ("/v1/nothing", {}, 404, "Not Found"),
         ("/v1/embeddings", {"input": "x"}, 501, "Start it with `--embeddings`"),
         ("/embedding", {"content": "x"}, 501, "Start it with `--embeddings`"),
+        ("/v1/rerank", {"query": "x", "documents": ["y"]}, 501, "Start it with `--reranking`"),
     ],
 )
 def test_bad_input(server: Server, path: str, body, status: int, needle: str) -> None:
@@ -366,6 +367,7 @@ def test_health_is_503_while_loading() -> None:
         (["--pooling", "mean"], "--pooling needs --embeddings"),
         (["--embeddings", "--pooling", "max"], "--pooling max: expected one of"),
         (["--embeddings", "--embd-normalize", "-5"], "--embd-normalize -5"),
+        (["--reranking", "--pooling", "mean"], "a reranker pools with rank"),
     ],
 )
 def test_cli_errors(model: Path, args: list[str], needle: str) -> None:

@@ -5,12 +5,13 @@ and the OpenAI / llama-server request and response shapes."""
 from __future__ import annotations
 
 import base64
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from llamapy.embedding import cosine, normalize, pooling_name
-from llamapy.server.protocol import ApiError, embedding_request, embeddings_response
+from llamapy.server.protocol import ApiError, embedding_request, embeddings_response, rerank_request, rerank_response
 from llamapy.types import LlamapyError, UnsupportedError
 
 
@@ -35,13 +36,18 @@ def test_cosine() -> None:
     assert cosine(z, z) == 1.0 and cosine(a, z) == 0.0  # common_embd_similarity_cos's conventions
 
 
+def _model(pooling_type: int, head: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(params=SimpleNamespace(pooling_type=pooling_type), weights=SimpleNamespace(cls_out=object() if head else None))
+
+
 def test_pooling_names() -> None:
-    assert pooling_name(None, 0) == "none" and pooling_name(None, 3) == "last"
-    assert pooling_name("mean", 3) == "mean"
+    assert pooling_name(None, _model(0)) == "none" and pooling_name(None, _model(3)) == "last"
+    assert pooling_name("mean", _model(3)) == "mean"
+    assert pooling_name(None, _model(4, head=True)) == "rank"
     with pytest.raises(LlamapyError, match="expected one of"):
-        pooling_name("max", 0)
+        pooling_name("max", _model(0))
     with pytest.raises(UnsupportedError, match="classifier head"):
-        pooling_name(None, 4)  # a reranker's own pooling
+        pooling_name(None, _model(4))  # a reranker's pooling without its head
 
 
 class Tok:
@@ -96,3 +102,23 @@ def test_embeddings_response_shapes() -> None:
     assert np.array_equal(np.frombuffer(base64.b64decode(d["embedding"]), "<f4"), v[0])
     native = embeddings_response([np.ones((3, 2), np.float32)], embedding_request({"content": "ab"}, Tok(), False, 2), "f")
     assert native == [{"index": 0, "embedding": [[1.0, 1.0]] * 3}]  # pooling none: a row a token
+
+
+def test_rerank_shapes() -> None:
+    req = rerank_request({"query": "q", "documents": ["a", "b", "c"], "top_n": 2, "model": "m"})
+    r = rerank_response([0.1, 0.9, 0.5], req, 12, "file.gguf")
+    assert r["results"] == [{"index": 1, "relevance_score": 0.9}, {"index": 2, "relevance_score": 0.5}]
+    assert r["model"] == "m" and r["usage"] == {"prompt_tokens": 12, "total_tokens": 12}
+    tei = rerank_request({"query": "q", "texts": ["a", "b"], "return_text": True})  # TEI's shape: a bare list
+    assert rerank_response([0.2, 0.1], tei, 4, "f") == [{"index": 0, "score": 0.2, "text": "a"}, {"index": 1, "score": 0.1, "text": "b"}]
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [({"documents": ["a"]}, '"query"'), ({"query": "q", "documents": "a"}, "non-empty string array"),
+     ({"query": "q", "documents": ["a", 1]}, "non-empty string array"), ({"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+     ({"query": "q", "documents": ["a"], "rank_fields": []}, "unsupported parameter")],
+)  # fmt: skip
+def test_rerank_request_refuses(body: dict, needle: str) -> None:
+    with pytest.raises(ApiError, match=needle):
+        rerank_request(body)

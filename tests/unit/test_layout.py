@@ -106,5 +106,7 @@ def test_code_size_budget() -> None:
     # records over q8_1 copies, the gate/up copy hoisted into the layer's norm, ~+45); raised at
     # stop 35 (15833 -> ~16175) for embeddings (embedding.py's pooling and normalisation, the
     # graph's result_norm output, `llamapy embedding` with llama-embedding's five output formats,
-    # `serve --embeddings` with /v1/embeddings and /embedding, Llama.embed / create_embedding)
-    assert total <= 16180, f"llamapy/ has {total} lines of code"
+    # `serve --embeddings` with /v1/embeddings and /embedding, Llama.embed / create_embedding,
+    # ~+340) and rerankers (qwen3's classifier head in the graph, `--pooling rank`, `serve
+    # --reranking` with /v1/rerank in Jina's and TEI's shapes, Llama.rerank, ~+125)
+    assert total <= 16300, f"llamapy/ has {total} lines of code"

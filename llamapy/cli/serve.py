@@ -120,7 +120,7 @@ def serve(
     no_warmup: bool = typer.Option(False, "--no-warmup", help="skip the warm-up run"),
     embeddings: bool = typer.Option(False, "--embedding", "--embeddings", help="serve embeddings only: /v1/embeddings and /embedding (no completions)"),
     reranking: bool = typer.Option(False, "--reranking", "--rerank", help="serve a reranker: /v1/rerank (as --embeddings --pooling rank)"),
-    pooling: str = typer.Option(None, "--pooling", metavar="{none,mean,cls,last}", help="--embeddings: pooling of a text's tokens (default: the model's)"),
+    pooling: str = typer.Option(None, "--pooling", metavar="{none,mean,cls,last,rank}", help="--embeddings: pooling of a text's tokens (default: the model's)"),
     embd_normalize: int = typer.Option(2, "--embd-normalize", metavar="N", help="--embeddings: -1 none, 0 max absolute int16, 1 taxicab, 2 euclidean, >2 p-norm"),
 ) -> None:
     """Serve a model over HTTP: OpenAI's /v1/chat/completions and /v1/completions, llama-server's

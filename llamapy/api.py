@@ -46,6 +46,7 @@ class Llama:
         n_ctx: int | None = None,
         n_threads: int | None = None,
         cpu_matmul: str | None = None,
+        embedding: bool = False,  # llama-cpp-python's switch: every Llama here embeds, so it changes nothing
     ) -> None:
         if model_path is None:
             from .model.fetch import default_model_path

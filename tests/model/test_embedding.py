@@ -133,7 +133,7 @@ def test_the_files_own_pooling(tmp_path: Path) -> None:
 
     src = write_family_gguf(tmp_path / "src.gguf", "qwen3", n_layer=2, n_embd=64, n_ff=128, head_dim=32)
     path = rewrite_gguf(src, tmp_path / "last.gguf", set_keys={"qwen3.pooling_type": (3, GGUFValueType.UINT32, None)})
-    with Llama(path, n_ctx=64) as llm:
+    with Llama(path, n_ctx=64, embedding=True) as llm:  # (llama-cpp-python's spelling, accepted)
         text = "the cat and the dog"
         assert llm.model.params.pooling_type == 3
         rows = np.array(llm.embed(text, pooling="none"))  # (T, E)

@@ -479,9 +479,8 @@ class Context:
             want = np.zeros(n, bool)
             want[:] = np.asarray(logits, bool)
         n_vocab = self.model.params.n_vocab
-        if output not in OUTPUTS:
+        if output != "logits" and output not in OUTPUTS:
             raise LlamapyError(f"decode: output {output!r}: expected one of {', '.join(OUTPUTS)}")
-        n_cols = {"logits": n_vocab, "embd": self.model.params.n_embd, "rank": self.model.params.n_cls_out}[output]
         # the bounds as Python ints (a decode step's one token: no array reductions)
         t, p, q = toks.tolist(), positions.tolist(), seqs.tolist()
         if min(t) < 0 or max(t) >= n_vocab:
@@ -495,7 +494,7 @@ class Context:
             # changes, and it frees its own cells; no slices to make
             out_ids = np.array([n - 1], np.int32) if logits is None else np.flatnonzero(want).astype(np.int32)
             rows = self._decode_ubatch(toks, positions, seqs, out_ids, output)
-            return rows if rows is not None else np.zeros((0, n_cols), np.float32)
+            return rows if rows is not None else self._no_rows(output)
         if logits is None:
             want = np.zeros(n, bool)
             want[-1] = True
@@ -517,7 +516,11 @@ class Context:
         # copies its exports out of its arena; run_nodes computes them): not copied again
         if len(out) == 1:
             return out[0]
-        return np.concatenate(out) if out else np.zeros((0, n_cols), np.float32)
+        return np.concatenate(out) if out else self._no_rows(output)
+
+    def _no_rows(self, output: str) -> np.ndarray:
+        p = self.model.params
+        return np.zeros((0, {"logits": p.n_vocab, "embd": p.n_embd, "rank": p.n_cls_out}[output]), np.float32)
 
     def _decode_ubatch(
         self, toks: np.ndarray, pos: np.ndarray, seq: np.ndarray, out_ids: np.ndarray, output: str = "logits"

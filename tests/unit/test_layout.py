@@ -108,5 +108,5 @@ def test_code_size_budget() -> None:
     # graph's result_norm output, `llamapy embedding` with llama-embedding's five output formats,
     # `serve --embeddings` with /v1/embeddings and /embedding, Llama.embed / create_embedding,
     # ~+340) and rerankers (qwen3's classifier head in the graph, `--pooling rank`, `serve
-    # --reranking` with /v1/rerank in Jina's and TEI's shapes, Llama.rerank, ~+125)
-    assert total <= 16300, f"llamapy/ has {total} lines of code"
+    # --reranking` with /v1/rerank in Jina's and TEI's shapes, Llama.rerank, ~+130)
+    assert total <= 16310, f"llamapy/ has {total} lines of code"

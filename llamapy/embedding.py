@@ -102,13 +102,16 @@ def embed(ctx, prompts: Sequence[Sequence[int]], pooling: str, embd_norm: int) -
                 f"prompt {i} has {len(p)} tokens, more than the batch holds ({room}: -b {ctx.n_batch}, -c {ctx.n_ctx})"
             )
     out: list[np.ndarray] = []
-    i = 0
-    while i < len(prompts):
-        group = [prompts[i]]
-        while i + len(group) < len(prompts) and sum(map(len, group)) + len(prompts[i + len(group)]) <= room:
-            group.append(prompts[i + len(group)])
+    group: list[Sequence[int]] = []
+    n_group = 0  # the group's tokens, kept as it grows (not summed again for every prompt)
+    for p in prompts:
+        if group and n_group + len(p) > room:
+            out += _embed_group(ctx, group, pooling, embd_norm)
+            group, n_group = [], 0
+        group.append(p)
+        n_group += len(p)
+    if group:
         out += _embed_group(ctx, group, pooling, embd_norm)
-        i += len(group)
     return out
 
 

@@ -58,11 +58,16 @@ def rerank_tokens(model: Any, query: str, doc: str, cli: bool = False) -> list[i
     return ids + ([eos] if tok.add_eos and eos is not None else [])
 
 
+def check_embd_norm(embd_norm: int) -> None:
+    """--embd-normalize's values: -1 (none), 0 (int16), 1, 2 or a p > 2."""
+    if embd_norm < -1:
+        raise LlamapyError(f"--embd-normalize {embd_norm}: expected -1 (none), 0 (int16), 1, 2 or a p > 2")
+
+
 def normalize(x: np.ndarray, embd_norm: int) -> np.ndarray:
     """One embedding scaled as common_embd_normalize: -1 none, 0 max absolute to the int16 range,
     1 taxicab, 2 euclidean, p > 2 the p-norm. Sums in double over float32 terms, as there."""
-    if embd_norm < -1:
-        raise LlamapyError(f"--embd-normalize {embd_norm}: expected -1 (none), 0 (int16), 1, 2 or a p > 2")
+    check_embd_norm(embd_norm)
     x = np.asarray(x, np.float32)
     if embd_norm == -1:
         return x.copy()

@@ -52,7 +52,7 @@ def embedding(
     log_disable: bool = common.LOG_DISABLE,
 ) -> None:
     """Embeddings of texts, one per line (llama-embedding)."""
-    from ..embedding import embed, normalize, pooling_name, rerank_tokens
+    from ..embedding import check_embd_norm, embed, normalize, pooling_name, rerank_tokens
     from .run import read_text_file
 
     common.use_ray(ray)
@@ -60,7 +60,7 @@ def embedding(
     common.no_effect(flash_attn, threads_batch, no_mmap)
     if embd_output_format not in FORMATS:
         raise LlamapyError(f"--embd-output-format {embd_output_format!r}: expected '', array, json, json+ or raw")
-    normalize([0.0], embd_normalize)  # a bad N is refused before the load
+    check_embd_norm(embd_normalize)  # a bad N is refused before the load
     if prompt is not None and file is not None:
         raise LlamapyError("give the texts with -p or -f, not both")
     if prompt is None and file is None:

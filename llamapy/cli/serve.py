@@ -145,11 +145,11 @@ def serve(
             raise LlamapyError(f"--reranking with --pooling {pooling}: a reranker pools with rank")
         embeddings, pooling = True, "rank"
     if embeddings:
-        from ..embedding import POOLING, normalize
+        from ..embedding import POOLING, check_embd_norm
 
         if pooling is not None and pooling not in POOLING:
             raise LlamapyError(f"--pooling {pooling}: expected one of {', '.join(POOLING)}")
-        normalize([0.0], embd_normalize)  # a bad N is refused now
+        check_embd_norm(embd_normalize)  # a bad N is refused now
     elif pooling is not None:
         raise LlamapyError("--pooling needs --embeddings")
     key = _api_key(api_key, api_key_file)

@@ -2,6 +2,7 @@
 
     python bench/llama_cpp.py build                 # download the sdist with pip and build (cached)
     python bench/llama_cpp.py build --server        # also llama-server (bench/serve_load.py --llama-server)
+    python bench/llama_cpp.py build --gguf-split    # also llama-gguf-split (tests/model/test_split_files.py)
     python bench/llama_cpp.py where                 # print the tool paths, or why there are none
     python bench/llama_cpp.py bench MODEL           # llama-bench -p 512 -n 128 -t 2 -o json
     python bench/llama_cpp.py completion MODEL      # llama-completion: load time, eval, peak RSS
@@ -194,6 +195,17 @@ def build_embedding(jobs: int = 2, timeout: float | None = None) -> Path:
     return _build_extra("llama-embedding", ["-DLLAMA_BUILD_EXAMPLES=ON"], jobs, timeout)
 
 
+def find_gguf_split() -> Path | None:
+    """llama-gguf-split next to the other tools, or None."""
+    return _find_extra("llama-gguf-split")
+
+
+def build_gguf_split(jobs: int = 2, timeout: float | None = None) -> Path:
+    """llama-gguf-split (a tool, built by the default configuration) in the same build directory:
+    one target, a few seconds. Idempotent."""
+    return _build_extra("llama-gguf-split", [], jobs, timeout)
+
+
 def _build_extra(name: str, flags: list[str], jobs: int, timeout: float | None) -> Path:
     build(jobs=jobs, timeout=timeout)
     found = _find_extra(name)
@@ -354,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="download the sdist and build llama-bench, llama-completion")
     b.add_argument("-j", "--jobs", type=int, default=2)
     b.add_argument("--server", action="store_true", help="also build llama-server (no web UI)")
+    b.add_argument("--gguf-split", action="store_true", help="also build llama-gguf-split")
     sub.add_parser("where", help="print the tool paths")
     pb = sub.add_parser("bench", help="llama-bench -p 512 -n 128 -o json")
     pb.add_argument("model")
@@ -367,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "build":
         tools = build(jobs=a.jobs)
         server = {"llama-server": str(build_server(jobs=a.jobs))} if a.server else {}
-        print(json.dumps({k: str(v) for k, v in tools.items()} | server | {"build": build_info()}, indent=2))
+        split = {"llama-gguf-split": str(build_gguf_split(jobs=a.jobs))} if a.gguf_split else {}
+        print(json.dumps({k: str(v) for k, v in tools.items()} | server | split | {"build": build_info()}, indent=2))
         return 0
     tools = find_tools()
     if a.cmd == "where":

@@ -78,7 +78,7 @@ class ContextOptions:
 class LoadInfo:
     """What the CLI reports about a load (llama.cpp's load log)."""
 
-    file_size: int
+    file_size: int  # all files of a split model
     n_params: int
     type_counts: dict[str, int]
     file_type: str
@@ -90,6 +90,7 @@ class LoadInfo:
     warnings: list[str] = field(default_factory=list)  # e.g. a repack cache that cannot be written
     # what -ot / --cpu-moe / --n-cpu-moe moved off the device -ngl gave: device -> (tensors, bytes)
     overridden: dict[str, tuple[int, int]] = field(default_factory=dict)
+    n_files: int = 1  # a split model's files (llama-gguf-split)
 
 
 class Model:
@@ -138,7 +139,8 @@ class Model:
                 f"-ngl {self.placement.n_gpu_layers} does not fit ({e}); at most {fit} layers would fit"
             ) from None
         self.info = LoadInfo(
-            file_size=self.gguf.size,
+            file_size=self.gguf.total_size,
+            n_files=len(self.gguf.splits) + 1,
             n_params=sum(t.n_elements for t in self.gguf.tensors.values()),
             type_counts=self.gguf.describe_types(),
             file_type=_file_type_name(md.get("general.file_type")),

@@ -99,3 +99,43 @@ def matcher_allows_eos(m, tok) -> bool:  # noqa: ANN001
     row = np.zeros(tok.n_vocab, np.float32)
     m.mask(row)
     return bool(np.isfinite(row[tok.eos]))
+
+
+def split_gguf(src: Path, prefix: Path, n: int, keys: dict | None = None, also: dict | None = None,
+               empty_first: bool = False) -> list[Path]:  # fmt: skip
+    """`src` cut into `n` files as `llama-gguf-split --split` cuts it: `<prefix>-0000i-of-0000n.gguf`,
+    the first with every key, each with split.no and split.count (uint16) and
+    split.tensors.count (int32) and a run of the tensors in order (`empty_first`: none in the
+    first, as --no-tensor-first-split). For hostile files: `keys[i]` = {key: (value, GGUFValueType)
+    or None to drop it} in file i; `also[i]` = names of tensors written to file i a second time."""
+    import gguf
+    import numpy as np
+
+    VT = gguf.GGUFValueType
+    r = gguf.GGUFReader(str(src))
+    arch = r.fields["general.architecture"].contents()
+    tensors = list(r.tensors)
+    cuts = np.array_split(np.arange(len(tensors)), n - 1 if empty_first else n)
+    runs = [[], *cuts] if empty_first else list(cuts)
+    paths = [prefix.with_name(f"{prefix.name}-{i + 1:05d}-of-{n:05d}.gguf") for i in range(n)]
+    by_name = {t.name: t for t in tensors}
+    for i, path in enumerate(paths):
+        w = gguf.GGUFWriter(str(path), arch)
+        kv: dict = {"split.no": (i, VT.UINT16), "split.count": (n, VT.UINT16), "split.tensors.count": (len(tensors), VT.INT32)}
+        if i == 0:
+            for f in r.fields.values():
+                if not f.name.startswith(("GGUF.", "split.")) and f.name != "general.architecture":
+                    kv[f.name] = (f.contents(), f.types[0], f.types[-1] if f.types[0] == VT.ARRAY else None)
+        kv.update((keys or {}).get(i, {}))
+        for k, v in kv.items():
+            if v is not None:
+                w.add_key_value(k, v[0], v[1], sub_type=v[2] if len(v) > 2 else None)
+        names = [tensors[j].name for j in runs[i]] + list((also or {}).get(i, ()))
+        for name in names:
+            t = by_name[name]
+            w.add_tensor(name, np.asarray(t.data), raw_dtype=t.tensor_type)  # quantized: bytes, their shape
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return paths

@@ -356,6 +356,11 @@ class RayBuffer(Buffer):
         if not self._pending:
             return
         gf = self._gf
+        if gf is not None and gf.splits:
+            raise LlamapyError(
+                f"{dev.name}: {gf.path.name} is split in {len(gf.splits) + 1} files; remote devices load "
+                "weights from one file (merge it with llama-gguf-split --merge)"
+            )
         specs = []
         for tid, t, data in self._pending:
             ranges = self._ranges(data)

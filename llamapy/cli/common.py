@@ -283,6 +283,8 @@ def log_load(llm: Any) -> None:
     p = m.params
     info = m.info
     log(f"llama_model_loader: loaded {m.path} ({info.file_size / 2**20:.2f} MiB)")
+    if info.n_files > 1:
+        log(f"llama_model_loader: additional {info.n_files - 1} GGUFs metadata loaded.")
     types = ", ".join(f"{k}: {v}" for k, v in sorted(info.type_counts.items()))
     log(f"llama_model_loader: tensor types: {types}")
     log(f"print_info: arch = {m.arch}, name = {m.name}")

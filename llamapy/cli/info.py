@@ -41,6 +41,8 @@ def info(
     out = sys.stdout
     md = gf.metadata
     out.write(f"* File: {path}  (GGUF v{gf.version}, {gf.size / 2**20:.2f} MiB, alignment {gf.alignment})\n")
+    for i, part in enumerate(gf.splits, 2):
+        out.write(f"* Split {i} of {len(gf.splits) + 1}: {part.path}  ({part.size / 2**20:.2f} MiB)\n")
     out.write(f"* Metadata: {len(md)} key/value pairs\n")
     for i, key in enumerate(md, 1):
         value = md[key]
@@ -49,13 +51,14 @@ def info(
     out.write(f"* Tensors: {len(gf.tensors)}\n")
     for i, t in enumerate(gf.tensors.values(), 1):
         dims = " x ".join(str(d) for d in t.ne)
-        out.write(f"  {i:4d}: {t.type.name:<6} {t.name:<32} {dims:<20} {t.nbytes / 2**20:9.3f} MiB @ {t.offset}\n")
+        where = f" in split {gf.splits.index(f) + 2}" if (f := gf.file_of(t.name)) is not gf else ""
+        out.write(f"  {i:4d}: {t.type.name:<6} {t.name:<32} {dims:<20} {t.nbytes / 2**20:9.3f} MiB @ {t.offset}{where}\n")
     arch = md.get("general.architecture")
     n_expert = md.get(f"{arch}.expert_count")
     if n_expert:
         exps = sum(t.nbytes for t in gf.tensors.values() if re.search(FFN_EXPS_REGEX, t.name))
         out.write(f"* Experts: {n_expert}, {md.get(f'{arch}.expert_used_count')} used per token; expert tensors "
-                  f"{exps / 2**20:.2f} of {gf.size / 2**20:.2f} MiB (what --cpu-moe keeps in host memory)\n")  # fmt: skip
+                  f"{exps / 2**20:.2f} of {gf.total_size / 2**20:.2f} MiB (what --cpu-moe keeps in host memory)\n")  # fmt: skip
     counts = ", ".join(f"{k}: {v}" for k, v in sorted(gf.describe_types().items()))
     if counts:
         out.write(f"* Tensor types: {counts}\n")

@@ -18,6 +18,11 @@ What is rejected (all as `GGUFError`, one line, prefixed with the file's name):
 String values with invalid UTF-8 are reported when read (`metadata[key]`); string *arrays* (token
 lists) keep such bytes losslessly with `surrogateescape`, as llama.cpp keeps token bytes as-is.
 
+A model split by llama-gguf-split (`<name>-00001-of-0000N.gguf` ...) opens from its first file,
+as llama.cpp's llama_model_loader opens it: the metadata is the first file's, the tensors are the
+union of all N files' (each file mapped and checked as above), `split.no` of each file must be its
+place in the name's order, no tensor may be in two files, and `split.tensors.count` must match.
+
 Shapes: `TensorInfo.ne` is ggml's order (fastest dimension first, as stored in the file);
 `TensorInfo.shape` is numpy's (reversed).
 """
@@ -50,6 +55,8 @@ MAX_NAME = 64  # GGML_MAX_NAME: gguf.cpp rejects tensor names of this many bytes
 HEADER_SIZE = 24  # magic, version, tensor_count, kv_count
 MAX_ALIGNMENT = 1 << 20
 _U64 = struct.Struct("<Q")
+# llama.cpp's LLM_KV_SPLIT_*: the keys llama-gguf-split writes into every file of a split model
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
 
 # GGUF value types (gguf.h enum gguf_type) -> (struct format, numpy dtype, size)
 _SCALAR: dict[int, tuple[str, str, int]] = {
@@ -224,13 +231,17 @@ class GGUFFile:
     metadata: Metadata = field(init=False)
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], join_splits: bool = True) -> None:
+        """`join_splits`: when the file is the first of a split model, open the others too
+        (False: this file alone, as a split's later files are opened)."""
         self.path = Path(path)
         self.version = 0
         self.alignment = DEFAULT_ALIGNMENT
         self.data_offset = 0
         self.tensors = {}
         self.size = 0
+        self.splits: list[GGUFFile] = []  # a split model's other files, in order
+        self._holder: dict[str, GGUFFile] = {}  # a tensor of one of them -> that file
         self._closed = True
         self._mmap: mmap.mmap | None = None
         self._buf = memoryview(b"")
@@ -241,6 +252,12 @@ class GGUFFile:
         except GGUFError as e:
             self.close()
             raise GGUFError(f"{self.path.name}: {e}") from None
+        if join_splits:
+            try:
+                self._join_splits()
+            except GGUFError:
+                self.close()
+                raise
 
     def _map(self) -> None:
         # stat first: opening a FIFO would block, and opening a directory succeeds on Linux
@@ -431,6 +448,62 @@ class GGUFFile:
                     f"tensor {_short(n1)} data at offset {s1} overlaps tensor {_short(n0)} [{s0}, {e0})"
                 )
 
+    # -- split models --------------------------------------------------------------------
+
+    def _split_key(self, key: str, required: bool = True) -> int | None:
+        if key not in self.metadata:
+            if required:
+                raise GGUFError(f"{self.path.name}: missing key {key!r}, which every file of a split model has")
+            return None
+        value = self.metadata[key]
+        if self.metadata.entry(key).vtype not in _SCALAR or isinstance(value, (bool, float)):
+            raise GGUFError(f"{self.path.name}: key {key!r} has type {self.metadata.type_name(key)}, expected an integer")
+        return int(value)
+
+    def _join_splits(self) -> None:
+        """The other files of a split model (llama_model_loader's additional GGUFs)."""
+        count = self._split_key(SPLIT_COUNT, required=False) or 0
+        if count <= 1:
+            return
+        no = self._split_key(SPLIT_NO)
+        paths = split_paths(self.path, no, count)
+        if no != 0:
+            raise GGUFError(
+                f"{self.path.name}: file {no + 1} of a model split in {count}; open it from its first file"
+                + (f" ({paths[0].name})" if paths else "")
+            )
+        if not paths:
+            raise GGUFError(
+                f"{self.path.name}: first file of a model split in {count}, but its name does not end in "
+                f"'-00001-of-{count:05d}.gguf', so the other files cannot be found"
+            )
+        for i, p in enumerate(paths[1:], 1):
+            try:
+                part = GGUFFile(p, join_splits=False)
+            except GGUFError as e:
+                raise GGUFError(f"{self.path.name}: file {i + 1} of {count}: {e}") from None
+            self.splits.append(part)  # before the checks: close() then frees it
+            if (got := part._split_key(SPLIT_NO)) != i:
+                raise GGUFError(f"{p.name}: {SPLIT_NO} = {got}, expected {i} (its place in the split's names)")
+            for name, t in part.tensors.items():
+                if name in self.tensors:
+                    raise GGUFError(f"{p.name}: tensor {_short(name)} is also in {self.file_of(name).path.name}")
+                self.tensors[name] = t
+                self._holder[name] = part
+        if (want := self._split_key(SPLIT_TENSORS)) != len(self.tensors):
+            raise GGUFError(
+                f"{self.path.name}: {SPLIT_TENSORS} = {want}, but the {count} files hold {len(self.tensors)} tensors"
+            )
+
+    def file_of(self, name: str) -> GGUFFile:
+        """The file that holds a tensor's bytes: this one, or one of its splits."""
+        return self._holder.get(name, self)
+
+    @property
+    def total_size(self) -> int:
+        """Bytes of this file and its splits."""
+        return self.size + sum(s.size for s in self.splits)
+
     # -- values ----------------------------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -487,21 +560,25 @@ class GGUFFile:
 
     def tensor_bytes(self, name: str) -> np.ndarray:
         """uint8 view (rows, row_bytes) of a tensor's data, straight from the mapping (no copy)."""
-        self._check_open()
+        gf = self.file_of(name)
+        gf._check_open()
         t = self.tensors[name]
         blck, bsize = block_size(t.type)
         row_bytes = t.ne[0] // blck * bsize
-        flat = np.frombuffer(self._buf, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+        flat = np.frombuffer(gf._buf, dtype=np.uint8, count=t.nbytes, offset=t.offset)
         return flat.reshape(-1, row_bytes)
 
     def adjacent_bytes(self, names: Sequence[str]) -> np.ndarray | None:
         """One uint8 view (rows, row_bytes) of tensors that lie one after another in the file with
         the same row size, their rows stacked without a copy (a fused weight's parts: converted
-        files often store ffn_gate just before ffn_up); None when they do not."""
+        files often store ffn_gate just before ffn_up); None when they do not (nor in one file)."""
         ts, rows = [self.tensors[n] for n in names], [self.tensor_bytes(n) for n in names]
         if any(b.offset != a.offset + a.nbytes for a, b in zip(ts, ts[1:])) or len({r.shape[1] for r in rows}) != 1:
             return None
-        return np.frombuffer(self._buf, np.uint8, sum(t.nbytes for t in ts), ts[0].offset).reshape(-1, rows[0].shape[1])
+        if len({id(self.file_of(n)) for n in names}) != 1:
+            return None
+        buf = self.file_of(names[0])._buf
+        return np.frombuffer(buf, np.uint8, sum(t.nbytes for t in ts), ts[0].offset).reshape(-1, rows[0].shape[1])
 
     def release_pages(self, name: str) -> int:
         """Drop this process's mapped pages of a tensor (madvise MADV_DONTNEED on the whole pages
@@ -510,9 +587,10 @@ class GGUFFile:
         count in the RSS a second time. The mapping is read-only and file-backed, so a later
         read faults the bytes back in unchanged. Returns the bytes released (0 where the
         platform has no madvise)."""
-        self._check_open()
+        gf = self.file_of(name)
+        gf._check_open()
         t = self.tensors[name]
-        return self._release_range(t.offset, t.offset + t.nbytes)
+        return gf._release_range(t.offset, t.offset + t.nbytes)
 
     def _release_range(self, lo: int, hi: int) -> int:
         # the whole pages inside [lo, hi): a page shared with bytes outside it stays
@@ -534,13 +612,23 @@ class GGUFFile:
         names, types, shapes, offsets) and `sample` bytes at the start, middle and end of every
         tensor. Cost: the header (1.7 MB for SmolLM2's vocabulary) plus 12 KiB per tensor (3.3 MB
         for its 272 tensors), ~10 ms; the rest of the weights is not read. An edit inside a
-        tensor that leaves the header and those samples as they were goes unnoticed."""
+        tensor that leaves the header and those samples as they were goes unnoticed. A split
+        model's key is the BLAKE2b of its files' keys."""
+        if not self.splits:
+            return self._file_key(sample)
+        h = blake2b(digest_size=16)
+        for key in (self._file_key(sample), *(part._file_key(sample) for part in self.splits)):
+            h.update(key.encode())
+        return h.hexdigest()
+
+    def _file_key(self, sample: int) -> str:
         self._check_open()
         buf = self._buf
         h = blake2b(digest_size=16)
         h.update(f"{self.size}|{self.data_offset}|".encode())
         h.update(buf[: self.data_offset])
-        for t in sorted(self.tensors.values(), key=lambda t: t.offset):
+        own = (t for name, t in self.tensors.items() if name not in self._holder)
+        for t in sorted(own, key=lambda t: t.offset):
             if t.nbytes <= 3 * sample:
                 h.update(buf[t.offset : t.offset + t.nbytes])
             else:
@@ -551,6 +639,8 @@ class GGUFFile:
 
     def close(self) -> None:
         """Release the mapping. Views handed out keep it alive: then it goes when they do."""
+        for part in self.splits:
+            part.close()
         if self._closed:
             return
         self._closed = True
@@ -570,7 +660,7 @@ class GGUFFile:
     def __repr__(self) -> str:
         return (
             f"GGUFFile({str(self.path)!r}, version={self.version}, keys={len(getattr(self, 'metadata', ()))}, "
-            f"tensors={len(self.tensors)})"
+            f"tensors={len(self.tensors)}{f', splits={len(self.splits) + 1}' if self.splits else ''})"
         )
 
     def describe_types(self) -> dict[str, int]:
@@ -580,4 +670,15 @@ class GGUFFile:
         return counts
 
 
-__all__ = ["GGUFFile", "TensorInfo", "Metadata", "LazyValue", "GGUFError", "type_name"]
+def split_paths(path: Path, no: int, count: int) -> list[Path]:
+    """The `count` files of a split model from the path of its file `no` (0-based):
+    llama_split_prefix, then llama_split_path's `<prefix>-%05d-of-%05d.gguf`; [] when the name
+    does not end as file `no`'s does."""
+    tail = f"-{no + 1:05d}-of-{count:05d}.gguf"
+    if not path.name.endswith(tail) or path.name == tail:
+        return []
+    prefix = path.name[: -len(tail)]
+    return [path.with_name(f"{prefix}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+__all__ = ["GGUFFile", "split_paths", "TensorInfo", "Metadata", "LazyValue", "GGUFError", "type_name"]

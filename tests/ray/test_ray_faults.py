@@ -98,6 +98,19 @@ def test_closing_the_model_unmaps_the_file_on_the_nodes(devices, model: Path) ->
     assert all(gf._closed for gf in files)
 
 
+def test_a_split_model_is_refused_on_ray_devices(devices, model: Path, tmp_path: Path) -> None:  # noqa: ANN001
+    """Remote devices read weights from one file they hold: a split model says so in one line
+    (merged by llama-gguf-split it runs)."""
+    from tests_support import split_gguf
+
+    from llamapy.types import LlamapyError
+
+    first = split_gguf(model, tmp_path / "s", 2)[0]
+    with pytest.raises(LlamapyError, match=r"^RAY0: s-00001-of-00002.gguf is split in 2 files; remote devices load "
+                                           r"weights from one file \(merge it with llama-gguf-split --merge\)$"):  # fmt: skip
+        Llama(first, model_options=ModelOptions(n_gpu_layers="all"), context_options=CO)
+
+
 def test_a_lost_device_fails_the_running_requests_and_refuses_later_ones(
     devices, cpu_logits: np.ndarray, model: Path  # noqa: ANN001
 ) -> None:

@@ -108,5 +108,8 @@ def test_code_size_budget() -> None:
     # graph's result_norm output, `llamapy embedding` with llama-embedding's five output formats,
     # `serve --embeddings` with /v1/embeddings and /embedding, Llama.embed / create_embedding,
     # ~+340) and rerankers (qwen3's classifier head in the graph, `--pooling rank`, `serve
-    # --reranking` with /v1/rerank in Jina's and TEI's shapes, Llama.rerank, ~+130)
-    assert total <= 16310, f"llamapy/ has {total} lines of code"
+    # --reranking` with /v1/rerank in Jina's and TEI's shapes, Llama.rerank, ~+130); raised at
+    # stop 36 (16310 -> 16400) for split models (llama-gguf-split's files opened as one: gguf.py's
+    # joining and checks of the N files, each tensor read from the file that holds it, the load
+    # log, `info`'s split lines and Ray's refusal, ~+90)
+    assert total <= 16400, f"llamapy/ has {total} lines of code"

@@ -47,6 +47,8 @@ class Llama:
         n_threads: int | None = None,
         cpu_matmul: str | None = None,
         embedding: bool = False,  # llama-cpp-python's switch: every Llama here embeds, so it changes nothing
+        lora_path: str | os.PathLike[str] | None = None,  # llama-cpp-python's: one LoRA adapter
+        lora_scale: float = 1.0,
     ) -> None:
         if model_path is None:
             from .model.fetch import default_model_path
@@ -62,6 +64,8 @@ class Llama:
             co.n_threads = n_threads
         if cpu_matmul is not None:
             co.cpu_matmul = cpu_matmul
+        if lora_path is not None:
+            mo.lora = [*mo.lora, (str(lora_path), float(lora_scale))]
         _check_options(mo, co)
         self.path = Path(model_path)
         self._model: Model | None = None
@@ -273,6 +277,7 @@ class Llama:
             from .engine import Engine
 
             eng = self._serving_engine = Engine(self.ctx, n_parallel=1)
+        eng.lora = self.ctx.lora_scales  # what ctx.set_lora_scales last said
         return eng
 
     def _openai_run(self, parsed, kind: str, constraint: ConstraintSpec | None = None):  # noqa: ANN001, ANN202

@@ -36,6 +36,8 @@ from .model.loader import (
     split_proportions,
     weight_devices,
 )
+from .model.control_vector import ControlVector, load_control_vector, read_control_vectors
+from .model.lora import LoraAdapter, adapted, load_adapter, read_adapter, terms
 from .model.tokenizer import Tokenizer
 from .models import OUTPUTS, HParams, ModelGraph, UBatch, build_graph, read_hparams
 from .sched.scheduler import Plan, Scheduler
@@ -52,6 +54,10 @@ class ModelOptions:
     tensor_split: Sequence[float] = ()
     main_gpu: int = 0  # checked against the GPUs; the layer split uses every GPU (-ts, else free memory)
     devices: Sequence[str] | None = None  # restrict to these device names
+    lora: Sequence[tuple[str, float]] = ()  # LoRA adapters (path, scale): --lora, --lora-scaled
+    # control vectors (path, strength) and the layers they apply to (--control-vector-layer-range)
+    control_vectors: Sequence[tuple[str, float]] = ()
+    control_vector_layers: tuple[int, int] | None = None
 
 
 @dataclass
@@ -124,7 +130,22 @@ class Model:
         # fixed before any weight is loaded: later fits (-ngl auto, error messages) see the same
         # split, not one skewed by what this model already holds
         self.split = split_proportions(self.gpus, self.options.tensor_split, self.cpu)
-        self.weights: ModelWeights = collect_weights(self.gguf, self.params)
+        self.adapters: list[LoraAdapter] = []
+        try:
+            for path_, scale in self.options.lora:
+                self.adapters.append(read_adapter(path_, scale, self.arch, self.gguf))
+        except LlamapyError:
+            self.free()
+            raise
+        self.control_vector: ControlVector | None = None
+        if self.options.control_vectors:
+            try:
+                self.control_vector = read_control_vectors(self.options.control_vectors, self.params.n_embd,
+                                                           self.params.n_layer, self.options.control_vector_layers)  # fmt: skip
+            except LlamapyError:
+                self.free()
+                raise
+        self.weights: ModelWeights = collect_weights(self.gguf, self.params, apart=adapted(self.adapters))
         self.overrides = override_devices(self.options.override_tensor, self.discovery, self.devices)
         # why the context should run without op offload ("" = it may): set by -ngl auto
         self.op_offload_off = ""
@@ -138,6 +159,17 @@ class Model:
             raise OutOfMemoryError(
                 f"-ngl {self.placement.n_gpu_layers} does not fit ({e}); at most {fit} layers would fit"
             ) from None
+        by_name = {t.name: dev for t, dev in where.items()}
+        try:
+            for ad in self.adapters:  # each pair beside the matrix it adapts
+                load_adapter(ad, by_name, self.fit_options.cpu_matmul)
+            if self.control_vector is not None:  # each layer's direction on that layer's device
+                load_control_vector(self.control_vector, self.placement.layer_device)
+        except LlamapyError as e:
+            self.free()
+            if isinstance(e, OutOfMemoryError):
+                raise OutOfMemoryError(f"the LoRA adapters and control vector do not fit beside the model ({e})") from None
+            raise
         self.info = LoadInfo(
             file_size=self.gguf.total_size,
             n_files=len(self.gguf.splits) + 1,
@@ -252,8 +284,13 @@ class Model:
         return best
 
     def free(self) -> None:
-        """Release the weights' buffers and the file's mapping (idempotent)."""
-        self.weights.free()
+        """Release the weights' buffers, the adapters' and the files' mappings (idempotent)."""
+        if hasattr(self, "weights"):
+            self.weights.free()
+        for ad in self.adapters:
+            ad.free()
+        if getattr(self, "control_vector", None) is not None:
+            self.control_vector.free()  # type: ignore[union-attr]
         self.gguf.close()
 
 
@@ -287,7 +324,9 @@ class Context:
         self.sched = Scheduler(self.backends, op_offload=o.op_offload and not model.op_offload_off)
         # what the context changed to fit the memory (the CLI logs it); "" = nothing
         self.fit_note = ""
-        self._graphs: dict[tuple[int, int, int], ModelGraph] = {}
+        self._graphs: dict[tuple[int, int, str, tuple[float, ...]], ModelGraph] = {}
+        # each adapter's scale here (llama_set_adapter_lora); 0 leaves it out of the graphs
+        self.lora_scales: tuple[float, ...] = tuple(ad.scale for ad in model.adapters)
         self._invariant: bool | None = None  # batch_invariant(), worked out on first use
         self.compute_buffers: list[Buffer] = []
         self.freed = False
@@ -357,7 +396,9 @@ class Context:
         from .model.fit import with_plan_arenas
 
         # (the GPU plans' arena: the fit's figure)
-        sizes = with_plan_arenas(self.sched, lambda n: self.graph(n, n).graph, self.n_ubatch)
+        # every adapter applied: a scale set later from 0 must not outgrow the buffers
+        every = tuple(s or 1.0 for s in self.lora_scales)
+        sizes = with_plan_arenas(self.sched, lambda n: self.graph(n, n, scales=every).graph, self.n_ubatch)
         try:
             for be in self.backends:
                 size = sizes.get(be.name, 0)
@@ -405,8 +446,18 @@ class Context:
 
     # -- graphs ---------------------------------------------------------------------------
 
-    def graph(self, n_tokens: int, n_outputs: int, output: str = "logits") -> ModelGraph:
-        key = (n_tokens, n_outputs, output)
+    def set_lora_scales(self, scales: Sequence[float]) -> None:
+        """Each loaded adapter's scale for the next micro-batches (llama_set_adapter_lora; 0:
+        not applied); graphs are cached per set of scales."""
+        scales = tuple(float(s) for s in scales)
+        if len(scales) != len(self.model.adapters) or not all(np.isfinite(scales)):
+            raise LlamapyError(f"expected {len(self.model.adapters)} finite LoRA scales, got {list(scales)}")
+        self.lora_scales = scales
+
+    def graph(self, n_tokens: int, n_outputs: int, output: str = "logits",
+              scales: tuple[float, ...] | None = None) -> ModelGraph:  # fmt: skip
+        scales = self.lora_scales if scales is None else scales
+        key = (n_tokens, n_outputs, output, scales)
         g = self._graphs.pop(key, None)
         if g is None:
             if len(self._graphs) > 16:  # prompt tails of many sizes: keep the cache small
@@ -415,7 +466,9 @@ class Context:
                 for old in list(self._graphs.values())[:8]:
                     self.sched.forget(old.graph)
                 self._graphs = dict(list(self._graphs.items())[8:])
-            g = build_graph(self.model.params, self.model.weights, self.kv, n_tokens, n_outputs, output)
+            cv = self.model.control_vector
+            g = build_graph(self.model.params, self.model.weights, self.kv, n_tokens, n_outputs, output,
+                            terms(self.model.adapters, scales), cv.tensors if cv is not None else None)  # fmt: skip
         self._graphs[key] = g
         return g
 

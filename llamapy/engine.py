@@ -120,6 +120,8 @@ class Request:
     special: bool = False  # render special tokens as their text (llama.cpp's --special)
     # a grammar / JSON schema the output must match (model/constrain.py); None: unconstrained
     constraint: ConstraintSpec | None = None
+    # each loaded LoRA adapter's scale for this request (llama-server's "lora"); None: the engine's
+    lora: Sequence[float] | None = None
 
 
 @dataclass
@@ -240,6 +242,7 @@ class _Job:
     t_prompt_end: float = 0.0
     stop_word: str | None = None
     sample_ms: float = 0.0
+    lora: tuple[float, ...] = ()  # the adapters' scales it runs with
 
 
 @dataclass
@@ -249,6 +252,13 @@ class _Slot:
     cached: list[int] = field(default_factory=list)  # tokens whose K/V sequence `seq` holds
     job: _Job | None = None
     last_used: float = 0.0
+    lora: tuple[float, ...] = ()  # the adapters' scales its cached K/V were computed with
+
+
+def _shared(s: _Slot, job: _Job, tokens: Sequence[int]) -> int:
+    """How much of the prompt the slot's `tokens` hold as this job would compute them: none
+    under other LoRA scales (llama-server clears a slot's cache on a change of adapters)."""
+    return _common_prefix(tokens, job.prompt) if s.lora == job.lora else 0
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -317,7 +327,9 @@ class Engine:
         # default: what every idle slot could hold, i.e. unbounded within the slots' cells
         self.cache_bytes = cache_bytes if cache_bytes is not None else n_slot * n_parallel * self.bytes_per_token
         self.metrics = EngineMetrics()
-        self.slots = [_Slot(i, first_seq + i) for i in range(n_parallel)]
+        # the LoRA scales of requests that name none (llama-server's POST /lora-adapters sets them)
+        self.lora: tuple[float, ...] = ctx.lora_scales
+        self.slots = [_Slot(i, first_seq + i, lora=self.lora) for i in range(n_parallel)]
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
@@ -358,6 +370,8 @@ class Engine:
             raise LlamapyError(f"max_tokens {req.max_tokens}: use -1 (no limit) or N >= 0")
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise LlamapyError(f"logprobs {req.logprobs}: must be between 0 and 20")
+        if req.lora is not None and (len(req.lora) != len(self.lora) or not all(np.isfinite(req.lora))):
+            raise LlamapyError(f"lora: expected a finite scale for each of the {len(self.lora)} adapters")
         self.compiled(req)
         return toks
 
@@ -386,7 +400,8 @@ class Engine:
                 raise QueueFullError(
                     f"all {self.n_parallel} slots are busy and {len(self._waiting)} requests are waiting"
                 )
-            job = _Job(next(self._ids), req, sink, toks, flush, t_submit=time.perf_counter(), constraint=self.compiled(req))
+            job = _Job(next(self._ids), req, sink, toks, flush, t_submit=time.perf_counter(), constraint=self.compiled(req),
+                       lora=tuple(map(float, req.lora)) if req.lora is not None else self.lora)  # fmt: skip
             self._waiting.append(job)
             self.metrics.requests_total += 1
             self._cv.notify_all()
@@ -408,6 +423,7 @@ class Engine:
             have = np.zeros(len(toks) + 1, bool)
             have[held] = True
             s.cached = toks[: int(np.argmin(have))]
+            s.lora = self.ctx.lora_scales
             self._kv_version = kv.version
 
     def cancel(self, rid: int) -> None:
@@ -499,18 +515,19 @@ class Engine:
         least SLOT_SIMILARITY of it (llama-server's --slot-prompt-similarity); otherwise the
         least recently used one, so that another conversation's cache is kept."""
         if job.req.cache_prompt:
-            best = max(free, key=lambda s: (_common_prefix(s.cached, job.prompt), -s.last_used))
-            if _common_prefix(best.cached, job.prompt) > SLOT_SIMILARITY * len(job.prompt):
+            best = max(free, key=lambda s: (_shared(s, job, s.cached), -s.last_used))
+            if _shared(best, job, best.cached) > SLOT_SIMILARITY * len(job.prompt):
                 return best
         return min(free, key=lambda s: s.last_used)
 
     def _start(self, slot: _Slot, job: _Job) -> None:
         job.t_start = time.perf_counter()
-        keep = _common_prefix(slot.cached, job.prompt) if job.req.cache_prompt else 0
+        keep = _shared(slot, job, slot.cached) if job.req.cache_prompt else 0
         last = len(job.prompt) - 1  # the last prompt token is evaluated for its logits
         keep = min(keep, last)
         self.ctx.kv.seq_rm(slot.seq, keep)
         slot.cached = job.prompt[:keep]
+        slot.lora = job.lora
         slot.job = job
         job.n_done = job.n_cached = keep
         self._share_prefix(slot)
@@ -541,7 +558,7 @@ class Engine:
         last = len(job.prompt) - 1  # the last prompt token is evaluated for its logits
         for s in self.slots:
             if s is not slot and s.cached:
-                k = min(_common_prefix(s.cached, job.prompt), last)
+                k = min(_shared(s, job, s.cached), last)
                 if k > n:
                     best, n = s, k
         if best is None:
@@ -568,7 +585,7 @@ class Engine:
             o = s.job
             if o is None or s is slot or o.id > job.id or o.n_done >= len(o.prompt) or not o.req.cache_prompt:
                 continue
-            k = min(_common_prefix(o.prompt, job.prompt), last)
+            k = min(_shared(s, job, o.prompt), last)
             if k > job.n_done and o.n_done < k:
                 return True
         return False
@@ -593,12 +610,14 @@ class Engine:
 
     def _decode_step(self) -> bool:
         busy = [s for s in self.slots if s.job is not None]
-        # (tokens, positions, sequences, wanted logits, slots sampled from the rows, prompt chunks)
-        calls: list[tuple[list[int], list[int], list[int], list[bool], list[_Slot], list[tuple[_Slot, int]]]] = []
+        # (tokens, positions, sequences, wanted logits, slots sampled from the rows, prompt chunks,
+        # LoRA scales): one decode each
+        calls: list[tuple[list[int], list[int], list[int], list[bool], list[_Slot], list[tuple[_Slot, int]], tuple[float, ...]]] = []
         gen = [s for s in busy if s.job is not None and s.job.pending >= 0]  # one token each
-        if gen:
-            calls.append(([s.job.pending for s in gen], [len(s.cached) for s in gen],  # type: ignore[union-attr]
-                          [s.seq for s in gen], [True] * len(gen), gen, []))  # fmt: skip
+        for lora in dict.fromkeys(s.job.lora for s in gen):  # type: ignore[union-attr]
+            g = [s for s in gen if s.job.lora == lora]  # type: ignore[union-attr]
+            calls.append(([s.job.pending for s in g], [len(s.cached) for s in g],  # type: ignore[union-attr]
+                          [s.seq for s in g], [True] * len(g), g, [], lora))  # fmt: skip
         n_tokens = len(gen)
         one = self.ctx.batch_invariant()  # one micro-batch for the whole step
         for s in busy:  # then chunks of the prompts still to evaluate
@@ -617,18 +636,21 @@ class Engine:
             last = job.n_done + len(chunk) == len(job.prompt)
             sample = last and job.req.max_tokens != 0
             calls.append((list(chunk), list(range(job.n_done, job.n_done + len(chunk))), [s.seq] * len(chunk),
-                          [False] * (len(chunk) - 1) + [sample], [s] if sample else [], [(s, len(chunk))]))  # fmt: skip
+                          [False] * (len(chunk) - 1) + [sample], [s] if sample else [], [(s, len(chunk))], job.lora))  # fmt: skip
         if not calls:
             return False
-        if one and len(calls) > 1:
-            calls = [tuple([x for c in calls for x in c[i]] for i in range(6))]  # type: ignore[misc]
+        if one and len(calls) > 1:  # one micro-batch for each set of LoRA scales
+            calls = [(*(([x for c in calls if c[6] == lora for x in c[i]]) for i in range(6)), lora)  # type: ignore[misc]
+                     for lora in dict.fromkeys(c[6] for c in calls)]  # fmt: skip
         m = self.metrics
         m.n_decode_total += 1
         m.n_busy_slots_total += len(busy)
         m.n_batch_tokens_max = max(m.n_batch_tokens_max, max(len(c[0]) for c in calls))
-        for toks, pos, seqs, want, rows, prompting in calls:
+        for toks, pos, seqs, want, rows, prompting, lora in calls:
             t0 = time.perf_counter()
             try:
+                if lora != self.ctx.lora_scales:
+                    self.ctx.set_lora_scales(lora)
                 logits = self._decode(toks, pos, seqs, want)
             except ContextFullError:
                 # only when something else holds cells of this context (the slots' own always fit)

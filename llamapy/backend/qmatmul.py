@@ -112,6 +112,10 @@ def use_sgemm(qtype: GGMLType, n_out: int, n_in: int, n_tokens: int, q8: bool = 
     # the library looked up once: the scheduler and the executor ask ~1300 times a new graph shape
     if (lib := native.lib()) is None:
         return True
+    if min(n_out, n_in) < 32:
+        # a LoRA adapter's rank-r pairs: microseconds on the kernels, and on sgemm a product the
+        # executor cannot compile (its split would run node by node) or a BLAS split of its own
+        return False
     if qtype == GGMLType.F32:
         return n_tokens >= 2  # already float32: no expansion to pay for
     if q8 and _has_gemm(qtype, lib):

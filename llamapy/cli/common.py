@@ -23,6 +23,11 @@ NGL = typer.Option(
 OT = typer.Option(None, "-ot", "--override-tensor", metavar="REGEX=DEV", help="REGEX=DEVICE: keep matching tensors on DEVICE (repeatable)")
 CPU_MOE = typer.Option(False, "-cmoe", "--cpu-moe", help="keep every mixture-of-experts weight in host memory (as -ot exps=CPU)")
 N_CPU_MOE = typer.Option(0, "-ncmoe", "--n-cpu-moe", metavar="N", help="keep the experts of the first N layers in host memory")
+LORA = typer.Option(None, "--lora", metavar="FNAME", help="LoRA adapter, scale 1 (repeatable; FNAME,FNAME,… for several)")
+LORA_SCALED = typer.Option(None, "--lora-scaled", metavar="FNAME:SCALE", help="LoRA adapter with a scale (repeatable; comma-separated)")
+CVEC = typer.Option(None, "--control-vector", metavar="FNAME", help="control vector, strength 1 (repeatable; comma-separated)")
+CVEC_SCALED = typer.Option(None, "--control-vector-scaled", metavar="FNAME:SCALE", help="control vector with a strength (repeatable; comma-separated)")
+CVEC_RANGE = typer.Option((0, 0), "--control-vector-layer-range", metavar="START END", help="layers the control vectors apply to, inclusive (default: 1 to n_layer)")
 TS = typer.Option(None, "-ts", "--tensor-split", metavar="N,N,…", help="offloaded layers per GPU, e.g. 3,1 (default: by free memory)")
 MG = typer.Option(0, "-mg", "--main-gpu", help="the GPU used when not splitting")
 CTX = typer.Option(4096, "-c", "--ctx-size", help="context size (0 = the model's)")
@@ -205,6 +210,28 @@ def parse_split(value: str | None) -> list[float]:
         raise LlamapyError(f"-ts {value}: expected numbers like 3,1") from None
 
 
+def parse_scaled(plain: list[str] | None, scaled: list[str] | None, flag: str = "--lora") -> list[tuple[str, float]]:
+    """FLAG FNAME[,FNAME…] (scale 1) then FLAG-scaled FNAME:SCALE[,…], in that order (--lora,
+    --control-vector)."""
+    out = [(f, 1.0) for v in plain or () for f in v.split(",") if f]
+    for item in (i for v in scaled or () for i in v.split(",") if i):
+        fname, _, scale = item.rpartition(":")
+        try:
+            out.append((fname, float(scale)))
+        except ValueError:
+            fname = ""
+        if not fname:
+            raise LlamapyError(f"{flag}-scaled {item}: expected FNAME:SCALE")
+    return out
+
+
+def adapters(lora: list[str] | None, lora_scaled: list[str] | None, cvec: list[str] | None,
+             cvec_scaled: list[str] | None, cvec_range: tuple[int, int]) -> dict[str, Any]:  # fmt: skip
+    """ModelOptions' LoRA and control-vector fields from their flags."""
+    return dict(lora=parse_scaled(lora, lora_scaled), control_vectors=parse_scaled(cvec, cvec_scaled, "--control-vector"),
+                control_vector_layers=tuple(cvec_range))  # fmt: skip
+
+
 def load(
     model: str | None,
     model_opt: str | None,
@@ -223,8 +250,10 @@ def load(
     device: str | None = None,
     quiet: bool = False,
     f32_activations: bool = False,
+    extra: dict[str, Any] | None = None,
 ) -> Any:
-    """Load a model and a context, logging what llama.cpp logs on stderr."""
+    """Load a model and a context, logging what llama.cpp logs on stderr. `extra`: more
+    ModelOptions fields (`adapters`: LoRA and control vectors)."""
     from ..api import Llama
     from ..context import ContextOptions, ModelOptions
 
@@ -241,6 +270,7 @@ def load(
         tensor_split=parse_split(ts),
         main_gpu=mg,
         devices=[d.strip() for d in device.split(",")] if device else None,
+        **(extra or {}),
     )
     co = ContextOptions(
         n_ctx=ctx_size,
@@ -297,6 +327,19 @@ def log_load(llm: Any) -> None:
         log(f"print_info: n_expert = {p.n_expert}, n_expert_used = {p.n_expert_used}, n_ff_exp = {p.n_ff_exp}")
     if info.ngl_reason:
         log(f"load_tensors: {info.ngl_reason}")
+    for ad in m.adapters:
+        log(f"llama_adapter_lora_init_impl: loading lora adapter from '{ad.path}' ...")
+        for b in ad.buffers:
+            log(f"llama_adapter_lora_init_impl: {b.name:>10} LoRA buffer size = {b.nbytes / 2**20:8.2f} MiB")
+        log(f"llama_adapter_lora_init_impl: loaded {2 * len(ad.pairs)} tensors from lora file (scale {ad.scale:g}, alpha {ad.alpha:g})")
+        if ad.skipped:
+            log(f"llama_adapter_lora_init_impl: {len(ad.skipped)} norm vectors not applied (as llama.cpp: {ad.skipped[0]}, …)")
+    if (cv := m.control_vector) is not None:
+        layers = ", ".join(map(str, cv.directions)) or "none"
+        log(f"llama_adapter_cvec: control vector on layers {layers} (range {cv.layer_start}-{cv.layer_end})")
+        if cv.beyond:
+            log(f"llama_adapter_cvec: directions for layers {', '.join(map(str, cv.beyond))} not applied: "
+                f"the model has {p.n_layer} (as llama.cpp)")
     n_total = p.n_layer + 1
     ngl = info.n_gpu_layers
     if ngl > 0:

@@ -37,6 +37,11 @@ def embedding(
     ot: list[str] = common.OT,
     cpu_moe: bool = common.CPU_MOE,
     n_cpu_moe: int = common.N_CPU_MOE,
+    lora: list[str] = common.LORA,
+    lora_scaled: list[str] = common.LORA_SCALED,
+    control_vector: list[str] = common.CVEC,
+    control_vector_scaled: list[str] = common.CVEC_SCALED,
+    control_vector_layer_range: tuple[int, int] = common.CVEC_RANGE,
     ts: str = common.TS,
     mg: int = common.MG,
     ctk: str = common.CTK,
@@ -80,7 +85,8 @@ def embedding(
         batch = ctx_size
     llm = common.load(model, model_opt, ngl=ngl, ot=common.with_expert_overrides(ot, cpu_moe, n_cpu_moe), ts=ts, mg=mg,
                       ctx_size=ctx_size, batch=batch, ubatch=ubatch, threads=threads, ctk=ctk, ctv=ctv, nkvo=nkvo,
-                      no_op_offload=no_op_offload, device=device, f32_activations=f32_activations)  # fmt: skip
+                      no_op_offload=no_op_offload, device=device, f32_activations=f32_activations,
+                      extra=common.adapters(lora, lora_scaled, control_vector, control_vector_scaled, control_vector_layer_range))  # fmt: skip
     try:
         pool = pooling_name(pooling, llm.model)
         tok = llm.tokenizer

@@ -51,6 +51,11 @@ def perplexity(
     ot: list[str] = common.OT,
     cpu_moe: bool = common.CPU_MOE,
     n_cpu_moe: int = common.N_CPU_MOE,
+    lora: list[str] = common.LORA,
+    lora_scaled: list[str] = common.LORA_SCALED,
+    control_vector: list[str] = common.CVEC,
+    control_vector_scaled: list[str] = common.CVEC_SCALED,
+    control_vector_layer_range: tuple[int, int] = common.CVEC_RANGE,
     ts: str = common.TS,
     mg: int = common.MG,
     ctk: str = common.CTK,
@@ -72,7 +77,8 @@ def perplexity(
     set_logging(not log_disable)
     common.no_effect(flash_attn, threads_batch, no_mmap)
     placement = dict(ngl=ngl, ot=common.with_expert_overrides(ot, cpu_moe, n_cpu_moe), ts=ts, mg=mg, threads=threads, ctk=ctk, ctv=ctv, nkvo=nkvo,
-                     no_op_offload=no_op_offload, device=device, f32_activations=f32_activations)
+                     no_op_offload=no_op_offload, device=device, f32_activations=f32_activations,
+                     extra=common.adapters(lora, lora_scaled, control_vector, control_vector_scaled, control_vector_layer_range))
     if chunks == 0:
         raise LlamapyError("--chunks 0: nothing to evaluate")
     if ubatch <= 0:

@@ -234,6 +234,11 @@ def run(
     ot: list[str] = common.OT,
     cpu_moe: bool = common.CPU_MOE,
     n_cpu_moe: int = common.N_CPU_MOE,
+    lora: list[str] = common.LORA,
+    lora_scaled: list[str] = common.LORA_SCALED,
+    control_vector: list[str] = common.CVEC,
+    control_vector_scaled: list[str] = common.CVEC_SCALED,
+    control_vector_layer_range: tuple[int, int] = common.CVEC_RANGE,
     ts: str = common.TS,
     mg: int = common.MG,
     ctk: str = common.CTK,
@@ -276,7 +281,7 @@ def run(
         frequency_penalty=frequency_penalty, seed=seed, ignore_eos=ignore_eos,
     )  # fmt: skip
     llm = common.load(model, model_opt, ngl, common.with_expert_overrides(ot, cpu_moe, n_cpu_moe), ts, mg, ctx_size, batch, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device,
-                      f32_activations=f32_activations)
+                      f32_activations=f32_activations, extra=common.adapters(lora, lora_scaled, control_vector, control_vector_scaled, control_vector_layer_range))
     if spec is not None:
         from ..model.constrain import compile_constraint
 

@@ -108,6 +108,11 @@ def serve(
     ot: list[str] = common.OT,
     cpu_moe: bool = common.CPU_MOE,
     n_cpu_moe: int = common.N_CPU_MOE,
+    lora: list[str] = common.LORA,
+    lora_scaled: list[str] = common.LORA_SCALED,
+    control_vector: list[str] = common.CVEC,
+    control_vector_scaled: list[str] = common.CVEC_SCALED,
+    control_vector_layer_range: tuple[int, int] = common.CVEC_RANGE,
     ts: str = common.TS,
     mg: int = common.MG,
     ctk: str = common.CTK,
@@ -118,13 +123,14 @@ def serve(
     device: str = common.DEVICE,
     ray: str = common.RAY,
     no_warmup: bool = typer.Option(False, "--no-warmup", help="skip the warm-up run"),
+    lora_init_without_apply: bool = typer.Option(False, "--lora-init-without-apply", help="load the LoRA adapters at scale 0 (set them later with POST /lora-adapters)"),
     embeddings: bool = typer.Option(False, "--embedding", "--embeddings", help="serve embeddings only: /v1/embeddings and /embedding (no completions)"),
     reranking: bool = typer.Option(False, "--reranking", "--rerank", help="serve a reranker: /v1/rerank (as --embeddings --pooling rank)"),
     pooling: str = typer.Option(None, "--pooling", metavar="{none,mean,cls,last,rank}", help="--embeddings: pooling of a text's tokens (default: the model's)"),
     embd_normalize: int = typer.Option(2, "--embd-normalize", metavar="N", help="--embeddings: -1 none, 0 max absolute int16, 1 taxicab, 2 euclidean, >2 p-norm"),
 ) -> None:
     """Serve a model over HTTP: OpenAI's /v1/chat/completions and /v1/completions, llama-server's
-    /completion, /tokenize, /detokenize, /slots, /metrics and /health; with --embeddings,
+    /completion, /tokenize, /detokenize, /slots, /metrics, /lora-adapters and /health; with --embeddings,
     /v1/embeddings and /embedding instead of the completions, with --reranking /v1/rerank too."""
     try:
         import uvicorn
@@ -176,7 +182,7 @@ def serve(
         try:
             llm = common.load(
                 str(path), None, ngl, common.with_expert_overrides(ot, cpu_moe, n_cpu_moe), ts, mg, ctx_size * n_parallel, batch, ubatch, threads, ctk, ctv, nkvo,
-                no_op_offload, device, f32_activations=f32_activations,
+                no_op_offload, device, f32_activations=f32_activations, extra=common.adapters(lora, lora_scaled, control_vector, control_vector_scaled, control_vector_layer_range),
             )  # fmt: skip
             holder["llm"] = llm
             if embeddings:
@@ -187,6 +193,8 @@ def serve(
             if not no_warmup:
                 log(f"common_init: warm-up run (compiled-kernel load) = {llm.warmup():.2f} ms")
             cache_bytes = None if cache_ram < 0 else cache_ram * 2**20
+            if lora_init_without_apply:
+                llm.ctx.set_lora_scales([0.0] * len(llm.model.adapters))
             engine = Engine(llm.ctx, n_parallel, ctx_size, max_queue, cache_bytes)
             engine.start()
             holder["engine"] = engine

@@ -215,10 +215,11 @@ _GLOBAL = {MODEL_TENSOR.TOKEN_EMBD: "tok_embd", MODEL_TENSOR.OUTPUT_NORM: "outpu
            MODEL_TENSOR.OUTPUT: "output", MODEL_TENSOR.ROPE_FREQS: "rope_freqs", MODEL_TENSOR.CLS_OUT: "cls_out"}  # fmt: skip
 
 
-def collect_weights(gf: GGUFFile, p: HParams, fuse: bool = True) -> ModelWeights:
+def collect_weights(gf: GGUFFile, p: HParams, fuse: bool = True, apart: frozenset[str] = frozenset()) -> ModelWeights:
     """Tensor descriptors for every weight of the architecture's spec (llama_model::load_tensors
     with create_tensor): required ones must exist, optional ones are taken when present, and
-    every shape is checked against the hyper-parameters."""
+    every shape is checked against the hyper-parameters. Weights named in `apart` (those a LoRA
+    adapter adapts) are not fused with others."""
     glob: dict[str, Tensor | None] = {}
     layers: list[dict[str, Tensor]] = [{} for _ in range(p.n_layer)]
     for spec in architecture(p.arch).tensors(p):
@@ -233,10 +234,9 @@ def collect_weights(gf: GGUFFile, p: HParams, fuse: bool = True) -> ModelWeights
             layers[spec.bid][spec.key] = t
     if fuse:
         for il, layer in enumerate(layers):
-            if all(k in layer for k in ("attn_q", "attn_k", "attn_v")):
-                _fuse(layer, il, ("attn_q", "attn_k", "attn_v"), "attn_qkv")
-            if all(k in layer for k in ("ffn_gate", "ffn_up")):
-                _fuse(layer, il, ("ffn_gate", "ffn_up"), "ffn_gate_up")
+            for parts, name in ((("attn_q", "attn_k", "attn_v"), "attn_qkv"), (("ffn_gate", "ffn_up"), "ffn_gate_up")):
+                if all(k in layer and layer[k].name not in apart for k in parts):
+                    _fuse(layer, il, parts, name)
     extra = [n for n in gf.tensors if n.startswith(f"blk.{p.n_layer}.")]
     if extra:
         raise GGUFError(f"tensor {extra[0]!r} beyond block_count {p.n_layer}")
@@ -290,6 +290,50 @@ def weight_devices(
     return where
 
 
+def _by_device(where: dict[Tensor, Device]) -> list[tuple[Device, list[Tensor]]]:
+    by_dev: dict[str, tuple[Device, list[Tensor]]] = {}
+    for t, dev in where.items():
+        by_dev.setdefault(dev.name, (dev, []))[1].append(t)
+    return list(by_dev.values())
+
+
+def _weights_buffer(gf: GGUFFile, dev: Device, tensors: list[Tensor], cpu_matmul: str, key: str,
+                    skip: Tensor | None = None) -> Buffer:  # fmt: skip
+    """A device's weights buffer for `tensors` (less `skip`), reading from `gf` and caching its
+    prepared weights under the file's content `key`."""
+    buft = dev.buffer_type()
+    buf = buft.alloc_buffer(sum(buft.alloc_size(t) for t in tensors if t is not skip), BufferUsage.WEIGHTS)
+    buf.use_cache(key, str(gf.metadata.get("general.name", gf.path.stem)), cpu_matmul)
+    buf.use_file(gf)
+    return buf
+
+
+def _set_from_file(gf: GGUFFile, buf: Buffer, t: Tensor, src: str, view: np.ndarray | None = None) -> None:
+    buf.set(t, view if view is not None else gf.tensor_bytes(src))
+    if buf.copies_weight(t):
+        for n in t.params.get(FUSED_FROM, ()) or (src,):
+            gf.release_pages(n)  # read once to make the copy; what runs is the copy
+
+
+def fill_buffers(gf: GGUFFile, where: dict[Tensor, Device], buffers: list[Buffer], cpu_matmul: str = "q8") -> None:
+    """Tensors read as the file stores them, each into a weights buffer of its device (appended
+    to `buffers`); on OutOfMemoryError those are freed before the error propagates."""
+    key = gf.content_key()
+    try:
+        for dev, tensors in _by_device(where):
+            buf = _weights_buffer(gf, dev, tensors, cpu_matmul, key)
+            buffers.append(buf)
+            for t in tensors:
+                buf.alloc_tensor(t)
+                _set_from_file(gf, buf, t, t.name)
+            buf.finish_loading()
+    except OutOfMemoryError:
+        for b in buffers:
+            b.free()
+        buffers.clear()
+        raise
+
+
 def load_weights(gf: GGUFFile, w: ModelWeights, placement: Placement, where: dict[Tensor, Device],
                  cpu_matmul: str = "q8") -> None:
     """Allocate one weights buffer per device and set every tensor from the mapped file
@@ -297,20 +341,13 @@ def load_weights(gf: GGUFFile, w: ModelWeights, placement: Placement, where: dic
 
     On OutOfMemoryError everything allocated so far is freed before the error propagates.
     """
-    by_dev: dict[str, tuple[Device, list[Tensor]]] = {}
-    for t, dev in where.items():
-        by_dev.setdefault(dev.name, (dev, []))[1].append(t)
     # a tied output in the embedding's own buffer is the same bytes: counted and stored once
     shared_output = w.tied_output and where[w.output] is where[w.tok_embd]
-    key, label = gf.content_key(), str(gf.metadata.get("general.name", gf.path.stem))
+    key = gf.content_key()
     try:
-        for dev, tensors in by_dev.values():
-            buft = dev.buffer_type()
-            size = sum(buft.alloc_size(t) for t in tensors if not (shared_output and t is w.output))
-            buf = buft.alloc_buffer(size, BufferUsage.WEIGHTS)
+        for dev, tensors in _by_device(where):
+            buf = _weights_buffer(gf, dev, tensors, cpu_matmul, key, skip=w.output if shared_output else None)
             w.buffers.append(buf)
-            buf.use_cache(key, label, cpu_matmul)
-            buf.use_file(gf)
             for t in tensors:
                 if shared_output and t is w.output:
                     t.buffer = buf
@@ -328,11 +365,7 @@ def load_weights(gf: GGUFFile, w: ModelWeights, placement: Placement, where: dic
                     for n in parts:
                         gf.release_pages(n)
                     continue
-                src = "token_embd.weight" if (t is w.output and w.tied_output) else t.name
-                buf.set(t, whole if whole is not None else gf.tensor_bytes(src))
-                if buf.copies_weight(t):
-                    for n in parts or (src,):
-                        gf.release_pages(n)  # read once to make the copy; what runs is the copy
+                _set_from_file(gf, buf, t, "token_embd.weight" if (t is w.output and w.tied_output) else t.name, whole)
             buf.finish_loading()
     except OutOfMemoryError:
         w.free()

@@ -20,6 +20,7 @@ from .inputs import GraphInputs, UBatch
 
 if TYPE_CHECKING:
     from ..model.kv_cache import KVCache
+    from ..model.lora import LoraTerm
     from ..model.loader import ModelWeights
 
 # general.architecture -> module under llamapy.models
@@ -73,14 +74,16 @@ OUTPUTS = ("logits", "embd", "rank")  # what a graph ends at
 
 
 def build_graph(
-    p: HParams, w: ModelWeights, kv: KVCache, n_tokens: int, n_outputs: int, output: str = "logits"
+    p: HParams, w: ModelWeights, kv: KVCache, n_tokens: int, n_outputs: int, output: str = "logits",
+    lora: Mapping[str, tuple[LoraTerm, ...]] | None = None, cvec: Mapping[int, Tensor] | None = None,
 ) -> ModelGraph:
     """The graph of one micro-batch shape, for whichever architecture `p` is. `output`: "logits";
     "embd", the output norm's rows (the model's embeddings, llama.cpp's `t_embd`; the output
     matrix is not in the graph); "rank", a reranker's scores of those rows (n_outputs, n_cls_out):
     its classifier head `cls.output`, then a softmax where the architecture has one
-    (build_pooling's LLAMA_POOLING_TYPE_RANK)."""
-    g = GraphInputs(kv, n_tokens, n_outputs)
+    (build_pooling's LLAMA_POOLING_TYPE_RANK). `lora`: the applied adapters' terms per matrix
+    (model/lora.py's `terms`); `cvec`: a control vector's direction per layer."""
+    g = GraphInputs(kv, n_tokens, n_outputs, lora=lora or {}, cvec=cvec or {})
     arch = architecture(p.arch)
     out = arch.build(p, w, g)
     if output != "logits":

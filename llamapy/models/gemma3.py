@@ -19,7 +19,7 @@ from ..tensor import Tensor
 from ..types import GGUFError, UnsupportedError
 from .base import ROPE_NEOX, Architecture, HParams, KeyReader, TensorSpec, attn_tensors, ffn_tensors, read_swa_pattern
 from .inputs import GraphInputs
-from .layers import attention, feed_forward, rms_norm, select_outputs
+from .layers import attention, cvec, feed_forward, input_embd, mm, rms_norm, select_outputs
 
 if TYPE_CHECKING:
     from ..model.loader import ModelWeights
@@ -57,7 +57,7 @@ class Gemma3(Architecture):
         )
 
     def build(self, p: HParams, w: ModelWeights, g: GraphInputs) -> Tensor:
-        x = ops.get_rows(w.tok_embd, g.tokens, "inp_embd")  # (T, E)
+        x = input_embd(g, w.tok_embd)  # (T, E)
         x = ops.scale(x, math.sqrt(p.n_embd), "inp_scaled")
         for il, lw in enumerate(w.layers):
             cur = rms_norm(x, lw["attn_norm"], p.rms_eps, f"attn_norm-{il}", f"norm-{il}")
@@ -66,11 +66,12 @@ class Gemma3(Architecture):
             cur = rms_norm(cur, lw["post_attention_norm"], p.rms_eps, f"attn_post_norm-{il}")
             sa_out = ops.add(cur, x, f"sa_out-{il}")
             cur = rms_norm(sa_out, lw["ffn_norm"], p.rms_eps, f"ffn_norm-{il}", f"norm_ffn-{il}")
-            cur = feed_forward(lw, cur, il, "geglu")
+            cur = feed_forward(lw, cur, il, g, "geglu")
             cur = rms_norm(cur, lw["post_ffw_norm"], p.rms_eps, f"ffn_post_norm-{il}")
             x = ops.add(cur, sa_out, f"l_out-{il}")  # (T or n_outputs, E)
+            x = cvec(g, x, il)
         x = rms_norm(x, w.output_norm, p.rms_eps, "result_norm", "norm")
-        return ops.mul_mat(w.output, x, "result_output")  # (n_outputs, V)
+        return mm(g, w.output, x, "result_output")  # (n_outputs, V)
 
 
 ARCH = Gemma3()

@@ -22,7 +22,7 @@ from ..tensor import Tensor
 from ..types import GGUFError
 from .base import ROPE_NEOX, Architecture, HParams, KeyReader, TensorSpec, attn_tensors, read_experts, read_swa_pattern
 from .inputs import GraphInputs
-from .layers import attention, moe_ffn, rms_norm, select_outputs
+from .layers import attention, cvec, input_embd, mm, moe_ffn, rms_norm, select_outputs
 
 if TYPE_CHECKING:
     from ..model.loader import ModelWeights
@@ -90,7 +90,7 @@ class GptOss(Architecture):
                 TensorSpec(T.FFN_DOWN_EXP, (x, e, ff), il), TensorSpec(T.FFN_DOWN_EXP, (x, e), il, "bias")]  # fmt: skip
 
     def build(self, p: HParams, w: ModelWeights, g: GraphInputs) -> Tensor:
-        x = ops.get_rows(w.tok_embd, g.tokens, "inp_embd")  # (T, E)
+        x = input_embd(g, w.tok_embd)  # (T, E)
         for il, lw in enumerate(w.layers):
             cur = rms_norm(x, lw["attn_norm"], p.rms_eps, f"attn_norm-{il}", f"norm-{il}")
             cur = attention(p, lw, cur, il, g)  # (T, E): sinks, biases, the window on local layers
@@ -99,8 +99,9 @@ class GptOss(Architecture):
             cur = rms_norm(ffn_inp, lw["post_attention_norm"], p.rms_eps, f"attn_post_norm-{il}", f"norm_ffn-{il}")
             cur = moe_ffn(p, lw, cur, il, g, norm_w=False, gating="softmax_weight", act="swiglu_oai")
             x = ops.add(cur, ffn_inp, f"l_out-{il}")  # (T or n_outputs, E)
+            x = cvec(g, x, il)
         x = rms_norm(x, w.output_norm, p.rms_eps, "result_norm", "norm")
-        return ops.mul_mat(w.output, x, "result_output")  # (n_outputs, V)
+        return mm(g, w.output, x, "result_output")  # (n_outputs, V)
 
 
 ARCH = GptOss()

@@ -9,6 +9,7 @@ input's array, without knowing which architecture built the graph.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ from ..types import GGMLType
 
 if TYPE_CHECKING:
     from ..model.kv_cache import KVCache
+    from ..model.lora import LoraTerm
 
 
 @dataclass
@@ -56,6 +58,10 @@ class GraphInputs:
     out_ids: Tensor = field(init=False)  # (n_outputs,) rows of the batch whose logits are wanted
     masks: dict[int, Tensor] = field(init=False, default_factory=dict)  # window (0: none) -> (T, N)
     gf: Graph = field(init=False, default_factory=Graph)
+    # matrix name -> the applied LoRA adapters' terms for it (model/lora.py; layers.mm applies them)
+    lora: Mapping[str, tuple[LoraTerm, ...]] = field(default_factory=dict)
+    # layer -> the control vector's direction added to its output (model/control_vector.py)
+    cvec: Mapping[int, Tensor] = field(default_factory=dict)
     _read: frozenset[Tensor] | None = field(init=False, default=None, repr=False)  # those the built graph reads
 
     def __post_init__(self) -> None:

@@ -21,12 +21,41 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, name: str, norm_name: str | 
     return ops.mul(cur, weight, name)
 
 
+def mm(g: GraphInputs, w: Tensor, x: Tensor, name: str) -> Tensor:
+    """MUL_MAT of a weight, plus each applied LoRA adapter's scale·B(A·x) for it
+    (build_lora_mm): (T, M) for x (T, K) and w (M, K)."""
+    terms = g.lora.get(w.name, ())
+    out = ops.mul_mat(w, x, f"{name}-base" if terms else name)  # (T, M)
+    for i, t in enumerate(terms):
+        ax = ops.mul_mat(t.a, x, f"{name}-lora_a{i}")  # (T, r)
+        bax = ops.mul_mat(t.b, ax, f"{name}-lora_b{i}")  # (T, M)
+        out = ops.add(out, ops.scale(bax, t.scale, f"{name}-lora{i}"), name)
+    return out
+
+
+def input_embd(g: GraphInputs, tok_embd: Tensor) -> Tensor:
+    """The tokens' embedding rows (T, E), plus each applied adapter's scale·B·A[token]
+    (build_inp_embd: A's rows are picked by token id)."""
+    x = ops.get_rows(tok_embd, g.tokens, "inp_embd")  # (T, E)
+    for i, t in enumerate(g.lora.get(tok_embd.name, ())):
+        rows = ops.get_rows(t.a, g.tokens, f"inp_embd-lora_a{i}")  # (T, r)
+        delta = ops.mul_mat(t.b, rows, f"inp_embd-lora_b{i}")  # (T, E)
+        x = ops.add(x, ops.scale(delta, t.scale, f"inp_embd-lora{i}"), "inp_embd")
+    return x
+
+
+def cvec(g: GraphInputs, x: Tensor, il: int) -> Tensor:
+    """A layer's output plus the control vector's direction for it, if any (build_cvec)."""
+    d = g.cvec.get(il)
+    return x if d is None else ops.add(x, d, f"l_out_cvec-{il}")  # (T, E) + (E,)
+
+
 def _bias(x: Tensor, w: dict[str, Tensor], key: str, name: str) -> Tensor:
     b = w.get(f"{key}.bias")
     return x if b is None else ops.add(x, b, name)
 
 
-def qkv(p: HParams, w: dict[str, Tensor], x: Tensor, il: int) -> tuple[Tensor, Tensor, Tensor]:
+def qkv(p: HParams, w: dict[str, Tensor], x: Tensor, il: int, g: GraphInputs) -> tuple[Tensor, Tensor, Tensor]:
     """Q, K, V projections (build_qkv): one fused MUL_MAT when the loader fused them (and one ADD
     of their fused biases, llama.cpp's bqkv: each element the same sum as its part's ADD), else
     three, plus the optional biases. Returns (T, H*D), (T, Hkv*D), (T, Hkv*Dv)."""
@@ -38,9 +67,9 @@ def qkv(p: HParams, w: dict[str, Tensor], x: Tensor, il: int) -> tuple[Tensor, T
         k = ops.cols(fused, H * D, (H + Hkv) * D, f"Kcur-{il}")  # (T, Hkv*D)
         v = ops.cols(fused, (H + Hkv) * D, (H + Hkv) * D + Hkv * Dv, f"Vcur-{il}")  # (T, Hkv*Dv)
         return q, k, v
-    q = _bias(ops.mul_mat(w["attn_q"], x, f"Qcur-{il}"), w, "attn_q", f"Qcur_b-{il}")  # (T, H*D)
-    k = _bias(ops.mul_mat(w["attn_k"], x, f"Kcur-{il}"), w, "attn_k", f"Kcur_b-{il}")  # (T, Hkv*D)
-    v = _bias(ops.mul_mat(w["attn_v"], x, f"Vcur-{il}"), w, "attn_v", f"Vcur_b-{il}")  # (T, Hkv*Dv)
+    q = _bias(mm(g, w["attn_q"], x, f"Qcur-{il}"), w, "attn_q", f"Qcur_b-{il}")  # (T, H*D)
+    k = _bias(mm(g, w["attn_k"], x, f"Kcur-{il}"), w, "attn_k", f"Kcur_b-{il}")  # (T, Hkv*D)
+    v = _bias(mm(g, w["attn_v"], x, f"Vcur-{il}"), w, "attn_v", f"Vcur_b-{il}")  # (T, Hkv*Dv)
     return q, k, v
 
 
@@ -60,7 +89,7 @@ def attention(
     optional bias). `q_scale` multiplies Q (a SCALE node, as gemma3 does) and then the
     attention runs at scale 1; by default the attention scales by 1/sqrt(D)."""
     T, H, Hkv, D, Dv, N = g.n_tokens, p.n_head_arr[il], p.n_head_kv_arr[il], p.head_dim, p.head_dim_v, g.kv.size
-    q, k, v = qkv(p, w, x, il)
+    q, k, v = qkv(p, w, x, il, g)
     q = ops.reshape(q, (T, H, D), f"Qcur-{il} (reshaped)")  # (T, H, D)
     k = ops.reshape(k, (T, Hkv, D), f"Kcur-{il} (reshaped)")  # (T, Hkv, D)
     if "attn_q_norm" in w:
@@ -90,10 +119,10 @@ def attention(
     mask = g.kq_mask(p.n_swa if p.is_swa(il) else 0)
     att = ops.flash_attn_ext(q, k_view, v_view, mask, scale, f"fattn-{il}", w.get("attn_sinks"))  # (T, H, Dv)
     att = ops.reshape(att, (T, H * Dv), f"kqv_out-{il}")  # (T, H*Dv)
-    return _bias(ops.mul_mat(w["attn_output"], att, f"attn_out-{il}"), w, "attn_output", f"attn_out_b-{il}")  # (T, E)
+    return _bias(mm(g, w["attn_output"], att, f"attn_out-{il}"), w, "attn_output", f"attn_out_b-{il}")  # (T, E)
 
 
-def feed_forward(w: dict[str, Tensor], x: Tensor, il: int, act: str = "swiglu") -> Tensor:
+def feed_forward(w: dict[str, Tensor], x: Tensor, il: int, g: GraphInputs, act: str = "swiglu") -> Tensor:
     """A gated FFN (build_ffn with LLM_FFN_PAR): down(act(gate(x)) * up(x)), `act` one of
     ggml's GLU ops — swiglu (SiLU) or geglu (GELU, tanh approximation)."""
     if "ffn_gate_up" in w:
@@ -102,10 +131,10 @@ def feed_forward(w: dict[str, Tensor], x: Tensor, il: int, act: str = "swiglu") 
         gate = ops.cols(gate_up, 0, F, f"ffn_gate-{il}")  # (T, F)
         up = ops.cols(gate_up, F, 2 * F, f"ffn_up-{il}")  # (T, F)
     else:
-        gate = ops.mul_mat(w["ffn_gate"], x, f"ffn_gate-{il}")  # (T, F)
-        up = ops.mul_mat(w["ffn_up"], x, f"ffn_up-{il}")  # (T, F)
+        gate = mm(g, w["ffn_gate"], x, f"ffn_gate-{il}")  # (T, F)
+        up = mm(g, w["ffn_up"], x, f"ffn_up-{il}")  # (T, F)
     h = ops.glu(gate, up, act, f"ffn_{act}-{il}")  # (T, F)
-    return ops.mul_mat(w["ffn_down"], h, f"ffn_out-{il}")  # (T, E)
+    return mm(g, w["ffn_down"], h, f"ffn_out-{il}")  # (T, E)
 
 
 def select_outputs(g: GraphInputs, il: int, n_layer: int, *xs: Tensor) -> tuple[Tensor, ...]:
@@ -134,7 +163,7 @@ def moe_ffn(p: HParams, w: dict[str, Tensor], x: Tensor, il: int, g: GraphInputs
     ADD_ID when the file has `ffn_*_exps.bias`; `act` "swiglu" or "swiglu_oai"), weighted and
     summed over the slots in slot order."""
     T, E, U = x.shape[0], p.n_embd, p.n_expert_used
-    logits = ops.mul_mat(w["ffn_gate_inp"], x, f"ffn_moe_logits-{il}")  # (T, n_expert)
+    logits = mm(g, w["ffn_gate_inp"], x, f"ffn_moe_logits-{il}")  # (T, n_expert)
     logits = _bias(logits, w, "ffn_gate_inp", f"ffn_moe_logits_biased-{il}")
     probs = ops.soft_max(logits, name=f"ffn_moe_probs-{il}") if gating == "softmax" else logits  # (T, n_expert)
     selected = ops.argsort_top_k(probs, U, f"ffn_moe_topk-{il}")  # (T, U) I32, largest first

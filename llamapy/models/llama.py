@@ -19,7 +19,7 @@ from ..types import GGUFError
 from .base import (ROPE_NORM, Architecture, HParams, KeyReader, TensorSpec, attn_tensors, ffn_tensors,
                    moe_tensors, read_experts)
 from .inputs import GraphInputs
-from .layers import attention, feed_forward, moe_ffn, rms_norm, select_outputs
+from .layers import attention, cvec, feed_forward, input_embd, mm, moe_ffn, rms_norm, select_outputs
 
 if TYPE_CHECKING:
     from ..model.loader import ModelWeights
@@ -55,7 +55,7 @@ class Llama(Architecture):
         return attn + ffn_tensors(p, il)
 
     def build(self, p: HParams, w: ModelWeights, g: GraphInputs) -> Tensor:
-        x = ops.get_rows(w.tok_embd, g.tokens, "inp_embd")  # (T, E)
+        x = input_embd(g, w.tok_embd)  # (T, E)
         for il, lw in enumerate(w.layers):
             cur = rms_norm(x, lw["attn_norm"], p.rms_eps, f"attn_norm-{il}", f"norm-{il}")
             cur = attention(p, lw, cur, il, g, w.rope_freqs)  # (T, E)
@@ -65,10 +65,11 @@ class Llama(Architecture):
             if "ffn_gate_inp" in lw:
                 cur = moe_ffn(p, lw, cur, il, g)  # (T or n_outputs, E)
             else:
-                cur = feed_forward(lw, cur, il, self.ffn_act)
+                cur = feed_forward(lw, cur, il, g, self.ffn_act)
             x = ops.add(cur, ffn_inp, f"l_out-{il}")  # (T or n_outputs, E)
+            x = cvec(g, x, il)
         x = rms_norm(x, w.output_norm, p.rms_eps, "result_norm", "norm")
-        return ops.mul_mat(w.output, x, "result_output")  # (n_outputs, V)
+        return mm(g, w.output, x, "result_output")  # (n_outputs, V)
 
 
 ARCH = Llama()

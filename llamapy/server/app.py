@@ -43,6 +43,8 @@ from .protocol import (
     embeddings_response,
     llama_chunk,
     llama_completion_request,
+    lora_entries,
+    lora_scales,
     rerank_request,
     rerank_response,
 )
@@ -75,6 +77,8 @@ class ServerState:
         from ..embedding import embed
 
         with self.embd_lock:
+            if self.engine is not None and self.llm.ctx.lora_scales != self.engine.lora:
+                self.llm.ctx.set_lora_scales(self.engine.lora)  # POST /lora-adapters
             return embed(self.llm.ctx, prompts, self.pooling, embd_norm)
 
     def attach(self, llm: Any, engine: Engine) -> None:
@@ -188,6 +192,24 @@ def create_app(state: ServerState) -> FastAPI:
             for s in engine().slot_info()
         ])  # fmt: skip
 
+    @app.get("/lora-adapters")
+    async def lora_adapters() -> JSONResponse:
+        return JSONResponse([
+            {"id": i, "path": str(ad.path), "scale": engine().lora[i], "task_name": ad.task_name,
+             "prompt_prefix": ad.prompt_prefix}
+            for i, ad in enumerate(state.llm.model.adapters)
+        ])  # fmt: skip
+
+    @app.post("/lora-adapters")
+    async def set_lora_adapters(request: Request) -> JSONResponse:
+        """The scales of requests that name none from now on (adapters not listed: 0); a
+        request already running keeps its own."""
+        body = await _json_body(request)
+        if not isinstance(body, list):
+            raise ApiError("Request body must be an array")
+        engine().lora = lora_scales(lora_entries(body), len(state.llm.model.adapters))
+        return JSONResponse({"success": True})
+
     @app.get("/metrics")
     async def metrics() -> Response:
         if not state.metrics:
@@ -280,7 +302,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def llama_completion(request: Request) -> Response:
         generating()
         parsed = llama_completion_request(await _json_body(request), state.llm.tokenizer)
-        events = engine().open_async(parsed.request)
+        events = engine().open_async(_with_lora(parsed))
         tok = state.llm.tokenizer
 
         def chunk(ev: Event) -> dict[str, Any]:
@@ -308,8 +330,14 @@ def create_app(state: ServerState) -> FastAPI:
                                                  for p in chunk(e).get("completion_probabilities", [])]  # fmt: skip
         return JSONResponse(final)
 
+    def _with_lora(parsed: Parsed) -> Any:
+        """The request, with its "lora" list resolved to every adapter's scale."""
+        if parsed.lora is not None:
+            parsed.request.lora = lora_scales(parsed.lora, len(state.llm.model.adapters))
+        return parsed.request
+
     async def _openai(request: Request, parsed: Parsed, kind: str) -> Response:
-        events = engine().open_async(parsed.request)
+        events = engine().open_async(_with_lora(parsed))
         r = Responder(kind, parsed.model or state.model_name, state.llm.tokenizer, parsed.syntax)
         if parsed.stream:
 

@@ -106,11 +106,11 @@ def _stops(body: dict, name: str = "stop") -> tuple[str, ...]:
 _SAMPLING = {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
              "frequency_penalty", "repeat_penalty", "repeat_last_n", "ignore_eos", "cache_prompt"}  # fmt: skip
 _STRUCTURED = {"response_format", "grammar", "json_schema"}
-_OAI = _SAMPLING | _STRUCTURED | {"model", "stream", "stream_options", "n", "user", "max_tokens"}
+_OAI = _SAMPLING | _STRUCTURED | {"model", "stream", "stream_options", "n", "user", "max_tokens", "lora"}
 COMPLETION_FIELDS = _OAI | {"prompt", "logprobs"}
 CHAT_FIELDS = _OAI | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
                       "parallel_tool_calls", "reasoning_effort", "chat_template_kwargs"}  # fmt: skip
-LLAMA_COMPLETION_FIELDS = _SAMPLING | _STRUCTURED | {"prompt", "n_predict", "stream", "n_probs"}
+LLAMA_COMPLETION_FIELDS = _SAMPLING | _STRUCTURED | {"prompt", "n_predict", "stream", "n_probs", "lora"}
 _UNSUPPORTED = {
     "functions": "the deprecated 'functions' is not supported: use 'tools'",
     "function_call": "the deprecated 'function_call' is not supported: use 'tool_choice'",
@@ -169,6 +169,7 @@ class Parsed:
     model: str = ""
     prompt_text: str = ""
     syntax: tc.Syntax = field(default_factory=tc.Syntax)  # how to read a chat reply
+    lora: dict[int, float] | None = None  # "lora": adapter id -> scale (None: the server's scales)
 
 
 # -- structured output and tools ---------------------------------------------------------------
@@ -318,7 +319,31 @@ def _common(body: dict, prompt: list[int], max_tokens: int | None, logprobs: int
         logprobs=logprobs,
         cache_prompt=_bool(body, "cache_prompt", True),
     )
-    return Parsed(req, stream, include_usage, model or "")
+    lora = lora_entries(body["lora"]) if "lora" in body else None
+    return Parsed(req, stream, include_usage, model or "", lora=lora or None)  # [] as absent, as llama-server
+
+
+def lora_entries(v: Any) -> dict[int, float]:
+    """llama-server's LoRA list, [{"id": 0, "scale": 0.5}, …] (parse_lora_request)."""
+    if not isinstance(v, list):
+        raise ApiError("'lora' must be an array of objects with 'id' and 'scale' fields", param="lora")
+    out: dict[int, float] = {}
+    for e in v:
+        ok = isinstance(e, dict) and not set(e) - {"id", "scale"} and isinstance(e.get("id"), int)
+        scale = e.get("scale", 0.0) if ok else None
+        if not ok or isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise ApiError("'lora': each entry must be {\"id\": int, \"scale\": number}", param="lora")
+        out[e["id"]] = float(scale)
+    return out
+
+
+def lora_scales(entries: dict[int, float], n: int) -> tuple[float, ...]:
+    """Every adapter's scale: those named, 0 for the others (construct_lora_list); an id the
+    server does not have is a 400 (llama-server ignores it)."""
+    bad = sorted(i for i in entries if not 0 <= i < n)
+    if bad:
+        raise ApiError(f"'lora': no adapter with id {bad[0]} (this server has {n}: GET /lora-adapters)", param="lora")
+    return tuple(entries.get(i, 0.0) for i in range(n))
 
 
 def _prompt_tokens(body: dict, tokenizer: Any, name: str = "prompt") -> tuple[list[int], str]:

@@ -313,7 +313,7 @@ def test_one_decode_plan_at_every_length_of_history(make_llama, monkeypatch: pyt
     _same(exe.decode(prompt, range(252), 0), ref.decode(prompt, range(252), 0))
     for p in range(252, 262):
         _same(exe.decode([p % 250 + 3], [p], 0), ref.decode([p % 250 + 3], [p], 0))
-    assert [k for k in exe._graphs if k[0] == 1] == [(1, 1, "logits")]
+    assert [k for k in exe._graphs if k[0] == 1] == [(1, 1, "logits", ())]  # (no LoRA scales)
     (plan,) = [bp for bp in exe.sched.reserve(exe.graph(1, 1).graph).backend_plans.values() if bp]
     assert isinstance(plan, ExecPlan) and plan.n_runs == 10
     assert len(plan.masks) == 1 and set(plan.recs[plan.masks[0][2], 9]) == {512}

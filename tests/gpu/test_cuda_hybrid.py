@@ -114,3 +114,31 @@ def test_cuda_rerank(tmp_path: Any) -> None:
     # (probabilities: 9e-5 apart on the emulator, as the logits above may be 1e-3 of the
     # largest apart: the CUDA plan's float32 path sums in other orders than the CPU's)
     np.testing.assert_allclose(out[1], out[0], atol=5e-4)
+
+
+@pytest.mark.parametrize("ngl", [2, "all"])
+def test_cuda_lora_and_control_vector(tmp_path: Any, ngl: Any) -> None:
+    """A LoRA adapter's products (F16 pairs: MUL_MAT, SCALE, ADD after each adapted matrix's) and
+    a control vector's ADDs after the layers, their tensors on CUDA0 beside the layers': the
+    CPU's float32 logits."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from family_models import write_control_vector, write_family_gguf, write_lora_gguf
+
+    from llamapy.api import Llama
+
+    path = write_family_gguf(tmp_path / "m.gguf", "qwen3", tied=False, n_layer=3)
+    ad = write_lora_gguf(path, tmp_path / "a.gguf", (r"blk\.\d+\.(attn_q|attn_v|ffn_down)\.weight", "output.weight",
+                                                    "token_embd.weight"), dtype=T.F16)  # fmt: skip
+    cv = write_control_vector(tmp_path / "cv.gguf", 128, (1, 2), gain=0.5)
+    out = []
+    for n in (0, ngl):
+        mo = ModelOptions(n_gpu_layers=n, lora=[(str(ad), 0.75)], control_vectors=[(str(cv), 1.0)])
+        with Llama(path, model_options=mo, n_ctx=128, cpu_matmul="f32") as llm:
+            assert (n == 0) != any(b.name == "CUDA0" for a in llm.model.adapters for b in a.buffers)
+            assert (n == 0) != any(b.name == "CUDA0" for b in llm.model.control_vector.buffers)
+            out.append([llm.logits(STEPS[0][0]), llm.logits(STEPS[3][0])])
+    for want, got in zip(*out):
+        assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()

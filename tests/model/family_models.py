@@ -293,3 +293,80 @@ def write_reranker_gguf(path: Path, labels: tuple[str, ...] = ("yes", "no"), tem
     rewrite_gguf(src, path, set_keys=keys, add_tensors={"cls.output.weight": head})
     src.unlink()
     return path
+
+
+def write_lora_gguf(model: Path, out: Path, targets: tuple[str, ...], rank: int = 4, alpha: float = 8.0,
+                    seed: int = 0, dtype: T = T.F32, gain: float = 0.5) -> Path:  # fmt: skip
+    """A LoRA adapter for `model` as convert_lora_to_gguf.py writes one (general.type adapter,
+    adapter.type lora, adapter.lora.alpha; `NAME.lora_a` [n_in, r] and `NAME.lora_b` [r, n_out],
+    token_embd's [r, n_vocab] and [r, n_embd]) with random pairs for the `targets` (a tensor
+    name, or a regex over the model's tensor names); alpha 0 writes no alpha key."""
+    import re
+
+    from llamapy.model.gguf import GGUFFile
+
+    rng = np.random.default_rng(seed)
+    with GGUFFile(model) as gf:
+        arch = gf.metadata["general.architecture"]
+        names = [n for n in gf.tensors if any(re.fullmatch(t, n) for t in targets)]
+        shapes = {n: gf.tensors[n].shape for n in names}  # numpy order
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    if alpha:
+        w.add_float32("adapter.lora.alpha", alpha)
+    for name in names:
+        rows, cols = shapes[name]
+        if name == "token_embd.weight":  # rows of A picked by token id: (V, r), B (E, r)
+            a, b = rng.standard_normal((rows, rank)), rng.standard_normal((cols, rank)) / math.sqrt(rank)
+        else:  # A (r, n_in), B (n_out, r)
+            a, b = rng.standard_normal((rank, cols)) / math.sqrt(cols), rng.standard_normal((rows, rank)) / math.sqrt(rank)
+        for half, x in (("lora_a", a), ("lora_b", b * gain)):
+            x = x.astype(np.float32)
+            w.add_tensor(f"{name}.{half}", x.astype(np.float16) if dtype is T.F16 else x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def merge_lora(model: Path, adapter: Path, out: Path, scale: float = 1.0) -> Path:
+    """`model` (float32) with an adapter merged into its weights, W + s·B·A (token_embd:
+    E + s·A·Bᵀ), s = scale·alpha/r as llama.cpp computes it — llama-export-lora's result, made
+    independently of llamapy's graphs."""
+    from llamapy.model.gguf import GGUFFile
+
+    with GGUFFile(adapter) as ad:
+        alpha = float(ad.metadata.get("adapter.lora.alpha", 0.0))
+        pairs = {}
+        for n in ad.tensors:
+            base, half = n.rsplit(".", 1)
+            x = ad.tensor_bytes(n).view(np.float16 if ad.tensors[n].type == T.F16 else np.float32)
+            pairs.setdefault(base, {})[half] = x.astype(np.float64).reshape(ad.tensors[n].shape)
+    add = {}
+    r = gguf.GGUFReader(str(model))
+    for t in r.tensors:
+        if t.name in pairs:
+            a, b = pairs[t.name]["lora_a"], pairs[t.name]["lora_b"]
+            s = scale * alpha / b.shape[-1] if alpha else scale
+            delta = a @ b.T if t.name == "token_embd.weight" else b @ a
+            add[t.name] = (np.asarray(t.data, np.float64) + s * delta).astype(np.float32)
+    return rewrite_gguf(model, out, drop_tensors=tuple(add), add_tensors=add)
+
+
+def write_control_vector(out: Path, n_embd: int, layers: tuple[int, ...], seed: int = 0, gain: float = 1.0,
+                         arch: str = "controlvector") -> Path:  # fmt: skip
+    """A control vector as llama.cpp's cvector-generator writes one: `direction.N` float32 vectors
+    of n_embd for the layers N (>= 1), general.architecture "controlvector"."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_string("controlvector.model_hint", "llama")
+    w.add_uint32("controlvector.layer_count", len(layers))
+    for il in layers:
+        w.add_tensor(f"direction.{il}", (rng.standard_normal(n_embd) * gain).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -111,6 +111,37 @@ def test_a_split_model_is_refused_on_ray_devices(devices, model: Path, tmp_path:
         Llama(first, model_options=ModelOptions(n_gpu_layers="all"), context_options=CO)
 
 
+def test_lora_pairs_on_ray_devices(devices, model: Path, tmp_path: Path) -> None:  # noqa: ANN001
+    """A LoRA adapter's pairs go to the Ray device of the matrix each adapts (the node is sent
+    the adapter file as it is the model's) and the logits are the CPU's, bit for bit."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from family_models import write_lora_gguf
+
+    ad = write_lora_gguf(model, tmp_path / "a.gguf", (r"blk\.\d+\.(attn_q|ffn_down)\.weight", "output.weight"))
+    logits = {}
+    for ngl in (0, "all"):
+        mo = ModelOptions(n_gpu_layers=ngl, tensor_split=[1, 1], lora=[(str(ad), 0.5)])
+        with Llama(model, model_options=mo, context_options=CO) as llm:
+            held = {b.name for a in llm.model.adapters for b in a.buffers}
+            logits[ngl] = llm.logits(TOKS)
+        assert held == ({"CPU"} if ngl == 0 else {"RAY0", "RAY1"})
+    assert np.array_equal(logits[0], logits["all"])
+
+
+def test_control_vector_is_refused_on_ray_devices(devices, model: Path, tmp_path: Path) -> None:  # noqa: ANN001
+    """A node loads weights from a file it holds; a control vector's summed directions are in
+    none, so a layer of it on a Ray device is refused in one line."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from family_models import write_control_vector
+
+    from llamapy.types import LlamapyError
+
+    cv = write_control_vector(tmp_path / "cv.gguf", 256, (1, 2))
+    mo = ModelOptions(n_gpu_layers="all", control_vectors=[(str(cv), 1.0)])
+    with pytest.raises(LlamapyError, match=r"^RAY\d: cvec\.\d is not read from the model file; remote devices load weights from it$"):
+        Llama(model, model_options=mo, context_options=CO)
+
+
 def test_a_lost_device_fails_the_running_requests_and_refuses_later_ones(
     devices, cpu_logits: np.ndarray, model: Path  # noqa: ANN001
 ) -> None:

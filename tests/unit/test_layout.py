@@ -111,5 +111,9 @@ def test_code_size_budget() -> None:
     # --reranking` with /v1/rerank in Jina's and TEI's shapes, Llama.rerank, ~+130); raised at
     # stop 36 (16310 -> 16400) for split models (llama-gguf-split's files opened as one: gguf.py's
     # joining and checks of the N files, each tensor read from the file that holds it, the load
-    # log, `info`'s split lines and Ray's refusal, ~+90)
-    assert total <= 16400, f"llamapy/ has {total} lines of code"
+    # log, `info`'s split lines and Ray's refusal, ~+90) and LoRA adapters (model/lora.py's
+    # reading and checks, layers.mm / input_embd, the context's scales in the graph key, the
+    # engine's per-request scales, --lora / --lora-scaled, serve's /lora-adapters and "lora",
+    # the loader's shared buffer fill, ~+285) and control vectors (model/control_vector.py's
+    # reading, summing and checks, layers.cvec, the three flags, the load log, ~+100)
+    assert total <= 16810, f"llamapy/ has {total} lines of code"

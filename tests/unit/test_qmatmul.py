@@ -113,7 +113,8 @@ def test_matmul_numpy_fallback(qmat, monkeypatch) -> None:
 
 def test_paths() -> None:
     """Which kernel a product runs (QMatrix.path): the q8 kernels by default for few tokens,
-    the repacked float32 ones in the f32 mode, sgemm at SGEMM_MIN_TOKENS tokens (use_sgemm)."""
+    the repacked float32 ones in the f32 mode, sgemm at SGEMM_MIN_TOKENS tokens (use_sgemm),
+    never for a product under 32 rows or columns (a LoRA adapter's rank-r pairs)."""
     if native.lib() is None:
         pytest.skip(f"no C kernels: {native.error()}")
     raw = random_raw("Q4_1", 128, 64, np.random.default_rng(1))
@@ -124,7 +125,9 @@ def test_paths() -> None:
     assert [file_rows.path(t) for t in (1, n - 1, n, 512)] == ["q8", "q8", big, big]
     assert [file_rows.path(t, q8=False) for t in (1, n)] == ["sgemm", "sgemm"]  # no repacked layout
     assert [repacked.path(t, q8=False) for t in (1, n - 1, n)] == ["mv", "mv", "sgemm"]
-    assert not qmatmul.use_sgemm(GGMLType.F32, 8, 8, 1) and qmatmul.use_sgemm(GGMLType.F32, 8, 8, 2)
+    assert not qmatmul.use_sgemm(GGMLType.F32, 64, 64, 1) and qmatmul.use_sgemm(GGMLType.F32, 64, 64, 2)
+    for qt in (GGMLType.F32, GGMLType.F16):
+        assert not any(qmatmul.use_sgemm(qt, m, k, 512, q8) for m, k in ((16, 576), (576, 16)) for q8 in (True, False))
 
 
 @pytest.mark.parametrize("variant", list(native.VARIANTS))

@@ -334,7 +334,7 @@ class Llama:
         or a full context. `grammar` (GBNF text) or `response_format` ({"type": "json_object"},
         {"type": "json_schema", "json_schema": {"schema": ...}}) constrain the text; an invalid
         one raises ConstraintError. Parameters llamapy does not support (suffix, echo,
-        logit_bias, …) raise LlamapyError when given a non-default value."""
+        mirostat_mode, …) raise LlamapyError when given a non-default value."""
         body = _body(locals(), unsupported)
         from .server.protocol import completion_request
 

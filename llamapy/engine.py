@@ -370,6 +370,9 @@ class Engine:
             raise LlamapyError(f"max_tokens {req.max_tokens}: use -1 (no limit) or N >= 0")
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise LlamapyError(f"logprobs {req.logprobs}: must be between 0 and 20")
+        bad = [t for t, _ in req.sampling.logit_bias if not 0 <= t < n_vocab]
+        if bad:
+            raise LlamapyError(f"logit bias for token {bad[0]}: out of range [0, {n_vocab})")
         if req.lora is not None and (len(req.lora) != len(self.lora) or not all(np.isfinite(req.lora))):
             raise LlamapyError(f"lora: expected a finite scale for each of the {len(self.lora)} adapters")
         self.compiled(req)

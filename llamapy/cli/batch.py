@@ -299,6 +299,8 @@ def batch(
     presence_penalty: float = common.PRESENCE_PENALTY,
     frequency_penalty: float = common.FREQUENCY_PENALTY,
     ignore_eos: bool = common.IGNORE_EOS,
+    typical: float = common.TYPICAL,
+    logit_bias: list[str] = common.LOGIT_BIAS,
     grammar: str = common.GRAMMAR,
     grammar_file: str = common.GRAMMAR_FILE,
     json_schema: str = common.JSON_SCHEMA,
@@ -358,6 +360,7 @@ def batch(
             temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
             repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, seed=seed, ignore_eos=ignore_eos,
+            typical_p=typical, logit_bias=common.parse_logit_bias(logit_bias),
         )  # fmt: skip
         llm = common.load(
             model_path, None, ngl, common.with_expert_overrides(ot, cpu_moe, n_cpu_moe), ts, mg, ctx_size, batch_size, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device,

@@ -52,6 +52,8 @@ REPEAT_LAST_N = typer.Option(64, "--repeat-last-n", help="tokens the penalties l
 PRESENCE_PENALTY = typer.Option(0.0, "--presence-penalty", help="subtract this from a token seen before (0: off)")
 FREQUENCY_PENALTY = typer.Option(0.0, "--frequency-penalty", help="subtract this times its count from a token (0: off)")
 IGNORE_EOS = typer.Option(False, "--ignore-eos", help="never stop at end of generation (-n decides)")
+TYPICAL = typer.Option(1.0, "--typical", help="locally typical sampling, parameter p (1.0: off)")
+LOGIT_BIAS = typer.Option(None, "-l", "--logit-bias", metavar="TOKEN_ID(+/-)BIAS", help="add BIAS to a token's logit, e.g. 15043+1 or 15043-inf (repeatable)")
 
 # llama.cpp spellings llamapy accepts although it has nothing to switch (see `no_effect`)
 FLASH_ATTN = typer.Option("auto", "-fa", "--flash-attn", metavar="on|off|auto", help="on, off or auto: no effect (attention is always one fused FLASH_ATTN_EXT op)")
@@ -208,6 +210,19 @@ def parse_split(value: str | None) -> list[float]:
         return [float(x) for x in value.replace("/", ",").split(",") if x.strip()]
     except ValueError:
         raise LlamapyError(f"-ts {value}: expected numbers like 3,1") from None
+
+
+def parse_logit_bias(values: list[str] | None) -> tuple[tuple[int, float], ...]:
+    """-l TOKEN_ID(+/-)BIAS, as llama.cpp's common/arg.cpp reads it (`15043+1`, `2-inf`)."""
+    import re
+
+    out = []
+    for v in values or ():
+        m = re.fullmatch(r"\s*(\d+)\s*([+-])\s*(inf|[0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)\s*", v)
+        if m is None:
+            raise LlamapyError(f"--logit-bias {v}: expected TOKEN_ID(+/-)BIAS, e.g. 15043+1 or 15043-inf")
+        out.append((int(m.group(1)), float(m.group(3)) * (-1.0 if m.group(2) == "-" else 1.0)))
+    return tuple(out)
 
 
 def parse_scaled(plain: list[str] | None, scaled: list[str] | None, flag: str = "--lora") -> list[tuple[str, float]]:

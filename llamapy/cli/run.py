@@ -202,6 +202,8 @@ def run(
     presence_penalty: float = common.PRESENCE_PENALTY,
     frequency_penalty: float = common.FREQUENCY_PENALTY,
     ignore_eos: bool = common.IGNORE_EOS,
+    typical: float = common.TYPICAL,
+    logit_bias: list[str] = common.LOGIT_BIAS,
     grammar: str = common.GRAMMAR,
     grammar_file: str = common.GRAMMAR_FILE,
     json_schema: str = common.JSON_SCHEMA,
@@ -279,6 +281,7 @@ def run(
         temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
         repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, seed=seed, ignore_eos=ignore_eos,
+        typical_p=typical, logit_bias=common.parse_logit_bias(logit_bias),
     )  # fmt: skip
     llm = common.load(model, model_opt, ngl, common.with_expert_overrides(ot, cpu_moe, n_cpu_moe), ts, mg, ctx_size, batch, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device,
                       f32_activations=f32_activations, extra=common.adapters(lora, lora_scaled, control_vector, control_vector_scaled, control_vector_layer_range))

@@ -3,14 +3,17 @@
 
 The chain, in llama.cpp's default order:
 
-    penalties -> top-k -> top-p -> min-p -> temperature -> dist
+    logit-bias -> penalties -> top-k -> typical -> top-p -> min-p -> temperature -> dist
 
 Each stage narrows a candidate set (token ids + float32 logits) the way its llama.cpp
 counterpart does, with `min_keep = 1` everywhere:
+- logit-bias adds each (token, bias) pair's bias to that token's logit (-inf bans it);
 - penalties: over the last `repeat_last_n` accepted tokens, a positive logit is divided by
   `repeat_penalty` and a non-positive one multiplied by it; then
   `count * frequency_penalty + presence_penalty` is subtracted;
 - top-k keeps the k largest logits (`top_k <= 0`: off);
+- typical keeps the candidates whose surprise -log p is closest to the entropy, in that order,
+  until their mass exceeds `typical_p` (`typical_p >= 1`: off);
 - top-p keeps the smallest prefix of the sorted candidates whose softmax mass reaches p
   (`top_p >= 1`: off);
 - min-p keeps the logits >= max_logit + log(min_p), i.e. p_i >= min_p * p_max (`min_p <= 0`: off);
@@ -52,6 +55,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     seed: int = -1  # -1 (or LLAMA_DEFAULT_SEED): random
     ignore_eos: bool = False  # --ignore-eos: end-of-generation tokens are never sampled
+    typical_p: float = 1.0  # locally typical sampling (--typical); 1: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) pairs (-l / --logit-bias)
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
@@ -105,17 +110,23 @@ class Sampler:
             raise ValueError(f"expected logits of shape (n_vocab,), got {logits.shape}")
         # A float32 copy: the stages below write into it, never into the caller's array.
         z = logits.astype(np.float32, copy=True)
+        p = self.params
+        for tok, bias in p.logit_bias:
+            if 0 <= tok < z.size:
+                z[tok] += np.float32(bias)
         self._apply_penalties(z)
 
-        p = self.params
-        if p.temp <= 0.0:
-            # Every filter keeps the largest logit, so temp <= 0 reduces to argmax after the
-            # penalties (llama_sampler_temp_impl keeps the first maximum).
+        if p.temp <= 0.0 and p.typical_p >= 1.0:
+            # Every other filter keeps the largest logit, so temp <= 0 reduces to argmax after
+            # the penalties (llama_sampler_temp_impl keeps the first maximum).
             return int(np.argmax(z))
 
         ids, z = self._top_k(z, p.top_k)
+        ids, z = self._typical(ids, z, p.typical_p)
         ids, z = self._top_p(ids, z, p.top_p)
         ids, z = self._min_p(ids, z, p.min_p)
+        if p.temp <= 0.0:  # typical may have dropped the largest logit: the largest it kept
+            return int(ids[int(np.argmax(z))])
         z = z / np.float32(p.temp)
         return int(ids[self._draw(z)])
 
@@ -154,6 +165,23 @@ class Sampler:
         order = np.lexsort((ids, -z[ids]))
         ids = ids[order]
         return ids, z[ids]
+
+    @staticmethod
+    def _typical(ids: np.ndarray, z: np.ndarray, typical_p: float) -> tuple[np.ndarray, np.ndarray]:
+        """llama_sampler_typical: the candidates in order of |-log p - H| (H the entropy), the
+        shortest such prefix whose mass exceeds p (at least min_keep)."""
+        if typical_p >= 1.0:
+            return ids, z
+        probs = _softmax(z)
+        with np.errstate(divide="ignore", invalid="ignore"):  # a banned token: p = 0, log p = -inf
+            logp = np.log(probs)
+            entropy = np.float32(-np.nansum(probs * logp))
+        order = np.argsort(np.abs(-logp - entropy), kind="stable")
+        cum = np.cumsum(probs[order], dtype=np.float32)
+        over = np.flatnonzero(cum > np.float32(typical_p))
+        last = max(int(over[0]) + 1, _MIN_KEEP) if over.size else z.size
+        keep = order[:last]
+        return ids[keep], z[keep]
 
     @staticmethod
     def _sorted(ids: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

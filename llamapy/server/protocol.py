@@ -104,7 +104,8 @@ def _stops(body: dict, name: str = "stop") -> tuple[str, ...]:
 
 # What each endpoint accepts. Everything else is a 400: _UNSUPPORTED explains the well-known ones.
 _SAMPLING = {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
-             "frequency_penalty", "repeat_penalty", "repeat_last_n", "ignore_eos", "cache_prompt"}  # fmt: skip
+             "frequency_penalty", "repeat_penalty", "repeat_last_n", "ignore_eos", "cache_prompt",
+             "typical_p", "logit_bias"}  # fmt: skip
 _STRUCTURED = {"response_format", "grammar", "json_schema"}
 _OAI = _SAMPLING | _STRUCTURED | {"model", "stream", "stream_options", "n", "user", "max_tokens", "lora"}
 COMPLETION_FIELDS = _OAI | {"prompt", "logprobs"}
@@ -114,7 +115,6 @@ LLAMA_COMPLETION_FIELDS = _SAMPLING | _STRUCTURED | {"prompt", "n_predict", "str
 _UNSUPPORTED = {
     "functions": "the deprecated 'functions' is not supported: use 'tools'",
     "function_call": "the deprecated 'function_call' is not supported: use 'tool_choice'",
-    "logit_bias": "logit_bias is not supported",
     "dimensions": "dimensions is not supported: an embedding has the model's size",
     "suffix": "suffix (insertion) is not supported",
     "echo": "echo is not supported",
@@ -137,7 +137,7 @@ def _check_fields(body: Any, allowed: set[str]) -> dict:
     return body
 
 
-def sampling_params(body: dict) -> SamplingParams:
+def sampling_params(body: dict, tokenizer: Any) -> SamplingParams:
     p = SamplingParams()
     changes: dict[str, Any] = {}
     for name, field, kind, lo, hi in (
@@ -150,13 +150,45 @@ def sampling_params(body: dict) -> SamplingParams:
         ("frequency_penalty", "frequency_penalty", float, -2.0, 2.0),
         ("repeat_penalty", "repeat_penalty", float, 0.0, None),
         ("repeat_last_n", "repeat_last_n", int, -1, 1 << 20),
+        ("typical_p", "typical_p", float, 0.0, None),
     ):
         v = _num(body, name, kind, lo, hi)
         if v is not None:
             changes[field] = v
     if _bool(body, "ignore_eos"):
         changes["ignore_eos"] = True
+    if body.get("logit_bias") is not None:
+        changes["logit_bias"] = logit_bias(body["logit_bias"], tokenizer)
     return replace(p, **changes)
+
+
+def logit_bias(v: Any, tokenizer: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} or llama-server's forms: an object or [[token, bias], …], a
+    token given as its id or as text (each of its tokens biased), a bias a number or false (the
+    token banned). What llama-server skips (an id out of range, a bias of another type) is a 400."""
+    pairs = list(v.items()) if isinstance(v, dict) else v
+    if not isinstance(pairs, list):
+        raise ApiError("'logit_bias' must be an object {token: bias} or an array of [token, bias]", param="logit_bias")
+    out: list[tuple[int, float]] = []
+    for el in pairs:
+        if not isinstance(el, (list, tuple)) or len(el) != 2:
+            raise ApiError("'logit_bias': each entry must be [token, bias]", param="logit_bias")
+        key, bias = el
+        if bias is False:
+            bias = -math.inf
+        elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
+            raise ApiError(f"'logit_bias': the bias of {key!r} must be a number or false", param="logit_bias")
+        if isinstance(key, str) and re.fullmatch(r"-?\d+", key.strip()):
+            key = int(key)
+        if isinstance(key, int) and not isinstance(key, bool):
+            if not 0 <= key < tokenizer.n_vocab:
+                raise ApiError(f"'logit_bias': token id {key} out of range [0, {tokenizer.n_vocab})", param="logit_bias")
+            out.append((key, float(bias)))
+        elif isinstance(key, str):
+            out += [(t, float(bias)) for t in tokenizer.encode(key, add_special=False, parse_special=False)]
+        else:
+            raise ApiError("'logit_bias': a token is an id or a text", param="logit_bias")
+    return tuple(out)
 
 
 @dataclass
@@ -292,7 +324,7 @@ def _tool_choice(body: dict, tools: list[tc.Tool]) -> tuple[str, str | None]:
     return "required", fn["name"]
 
 
-def _common(body: dict, prompt: list[int], max_tokens: int | None, logprobs: int | None) -> Parsed:
+def _common(body: dict, prompt: list[int], max_tokens: int | None, logprobs: int | None, tokenizer: Any) -> Parsed:
     n = _num(body, "n", int, 1, I64)
     if n is not None and n != 1:
         raise ApiError(f"'n' = {n}: only one choice per request is supported (n = 1)", param="n")
@@ -314,7 +346,7 @@ def _common(body: dict, prompt: list[int], max_tokens: int | None, logprobs: int
     req = Request(
         prompt=prompt,
         max_tokens=-1 if max_tokens is None else max_tokens,
-        sampling=sampling_params(body),
+        sampling=sampling_params(body, tokenizer),
         stop=_stops(body),
         logprobs=logprobs,
         cache_prompt=_bool(body, "cache_prompt", True),
@@ -364,7 +396,7 @@ def completion_request(body: Any, tokenizer: Any) -> Parsed:
     body = _check_fields(body, COMPLETION_FIELDS)
     toks, text = _prompt_tokens(body, tokenizer)
     lp = _num(body, "logprobs", int, 0, MAX_TOP_LOGPROBS)
-    parsed = _common(body, toks, _num(body, "max_tokens", int, 0, I64), lp)
+    parsed = _common(body, toks, _num(body, "max_tokens", int, 0, I64), lp, tokenizer)
     parsed.prompt_text = text
     parsed.request.constraint = _structured(body, tokenizer)
     return parsed
@@ -375,7 +407,7 @@ def llama_completion_request(body: Any, tokenizer: Any) -> Parsed:
     body = _check_fields(body, LLAMA_COMPLETION_FIELDS)
     toks, text = _prompt_tokens(body, tokenizer)
     n_probs = _num(body, "n_probs", int, 0, MAX_TOP_LOGPROBS)
-    parsed = _common(body, toks, _num(body, "n_predict", int, -1, I64), n_probs or None)
+    parsed = _common(body, toks, _num(body, "n_predict", int, -1, I64), n_probs or None, tokenizer)
     parsed.prompt_text = text
     parsed.request.constraint = _structured(body, tokenizer)
     return parsed
@@ -633,7 +665,7 @@ def chat_request(body: Any, tokenizer: Any, template: ChatTemplate) -> Parsed:
     mt = _num(body, "max_completion_tokens", int, 0, I64)
     if mt is None:
         mt = _num(body, "max_tokens", int, 0, I64)
-    parsed = _common(body, toks, mt, (top or 0) if want_lp else None)
+    parsed = _common(body, toks, mt, (top or 0) if want_lp else None, tokenizer)
     parsed.prompt_text = text
     parsed.request.constraint = spec
     # Llama 3's <|python_tag|> and Mistral's [TOOL_CALLS] are control tokens: kept in the text to be read

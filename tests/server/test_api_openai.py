@@ -76,7 +76,9 @@ def test_stream_closed_early_frees_the_slot(llm: Llama) -> None:
     [
         ({"suffix": "x"}, "suffix"),
         ({"echo": True}, "echo"),
-        ({"logit_bias": {1: 2.0}}, "logit_bias"),
+        ({"logit_bias": {10**6: 2.0}}, "token id 1000000 out of range"),
+        ({"logit_bias": {1: "x"}}, "the bias of 1 must be a number or false"),
+        ({"tfs_z": 0.5}, "tfs_z"),
         ({"n": 2}, "n = 1"),
         ({"mirostat_mode": 2}, "mirostat_mode"),
         ({"temperature": -1}, "temperature"),
@@ -90,3 +92,26 @@ def test_unsupported_parameters_are_refused(llm: Llama, kw: dict, needle: str) -
 def test_defaults_that_mean_off_are_accepted(llm: Llama) -> None:
     r = llm.create_completion(PROMPT, max_tokens=2, echo=False, suffix=None, n=1, typical_p=1.0)
     assert r["usage"]["completion_tokens"] <= 2
+
+
+def test_logit_bias_and_typical_p(llm: Llama) -> None:
+    """llama-cpp-python's logit_bias ({token id: bias}, int or str keys), llama-server's forms
+    (text keys, [[token, bias]] pairs, false to ban) and typical_p."""
+    greedy = llm.generate(PROMPT, 1, temp=0).tokens[0]
+    for bias in ({greedy: -1e9}, {str(greedy): -1e9}, {greedy: False}, [[greedy, False]]):
+        banned = llm.generate(PROMPT, 1, temp=0, logit_bias=_pairs(llm, bias)).tokens[0]
+        assert banned != greedy
+        r = llm.create_completion(PROMPT, max_tokens=1, temperature=0, logit_bias=bias)
+        assert r["usage"]["completion_tokens"] == 1
+        assert r["choices"][0]["text"] == llm.detokenize([banned]), bias
+    text = llm.detokenize([greedy])
+    r = llm.create_completion(PROMPT, max_tokens=1, temperature=0, logit_bias={text: False})
+    assert r["choices"][0]["text"] != text
+    r = llm.create_completion(PROMPT, max_tokens=3, temperature=0.7, seed=1, typical_p=0.5)
+    assert r["usage"]["completion_tokens"] <= 3
+
+
+def _pairs(llm: Llama, bias: object) -> tuple[tuple[int, float], ...]:
+    from llamapy.server.protocol import logit_bias
+
+    return logit_bias(bias, llm.tokenizer)

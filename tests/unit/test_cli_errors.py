@@ -153,3 +153,20 @@ def test_llama_cpp_flag_spellings(argv: list[str], tiny32: Path) -> None:
 
     r = CliRunner().invoke(app, ["run", str(tiny32), "-p", "Hi", "-n", "1", *argv], env={"LLAMAPY_TEST_GPU": "1"})
     assert r.exit_code == 0, r.output
+
+
+def test_logit_bias_and_typical_flags(tiny32: Path) -> None:
+    """-l TOKEN_ID(+/-)BIAS as llama.cpp reads it (a ban moves the greedy text), --typical; a
+    malformed bias or an id past the vocabulary is one line."""
+    args = ["run", str(tiny32), "-p", "The capital of France is", "-n", "4", "--temp", "0", "-c", "64"]
+    base = cli(*args)
+    assert base.returncode == 0, base.stderr[-1500:]
+    from llamapy.api import Llama
+
+    with Llama(tiny32, n_ctx=64) as llm:
+        tok = llm.generate("The capital of France is", 1, temp=0).tokens[0]
+    banned = cli(*args, "-l", f"{tok}-inf", "--logit-bias", "1+0.5")
+    assert banned.returncode == 0 and banned.stdout != base.stdout, banned.stderr[-1500:]
+    assert cli(*args, "--typical", "0.5").returncode == 0
+    one_line_error(cli(*args, "-l", "5*2"), "--logit-bias 5*2: expected TOKEN_ID(+/-)BIAS")
+    one_line_error(cli(*args, "-l", "99999999+1"), "logit bias for token 99999999: out of range")

@@ -258,3 +258,39 @@ def test_top_p_partial_sort_equals_full_sort(monkeypatch: pytest.MonkeyPatch) ->
             full = s._top_p(ids, z, p)
             monkeypatch.undo()
             assert fast[0].tolist() == full[0].tolist()
+
+
+def test_logit_bias_comes_first_and_bans() -> None:
+    z = _logits([0.5, 0.3, 0.15, 0.05])
+    greedy = {**PLAIN, "temp": 0.0}
+    assert Sampler(SamplingParams(**greedy, logit_bias=((0, -np.inf),))).sample(z) == 1
+    assert Sampler(SamplingParams(**greedy, logit_bias=((3, 3.0),))).sample(z) == 3
+    assert Sampler(SamplingParams(**greedy, logit_bias=((3, 1.5), (3, 1.5)))).sample(z) == 3  # pairs add up
+    # before the penalties: a banned token stays banned whatever they do
+    s = Sampler(SamplingParams(**greedy, repeat_penalty=0.01, logit_bias=((2, -np.inf),)))
+    s.accept(2)
+    assert s.sample(z) == 0
+    assert set(_support(SamplingParams(**PLAIN, logit_bias=((1, -np.inf), (2, -np.inf))), z)) == {0, 3}
+
+
+def _typical_reference(probs: np.ndarray, p: float) -> set[int]:
+    """llama_sampler_typical, in float64 from its description."""
+    h = -(probs * np.log(probs)).sum()
+    order = np.argsort(np.abs(-np.log(probs) - h), kind="stable")
+    cum = np.cumsum(probs[order])
+    last = int(np.flatnonzero(cum > p)[0]) + 1
+    return set(order[:last].tolist())
+
+
+@pytest.mark.parametrize("p", [0.2, 0.5, 0.9])
+def test_typical(p: float) -> None:
+    rng = np.random.default_rng(7)
+    probs = rng.dirichlet(np.full(12, 0.7))
+    z = np.log(probs).astype(np.float32)
+    want = _typical_reference(probs, p)
+    hot = {**PLAIN, "temp": 1.0, "typical_p": p}
+    assert set(_support(SamplingParams(**hot), z, 4000)) == want
+    # greedy with typical on: the largest logit among the kept, which need not be the argmax
+    got = Sampler(SamplingParams(**{**hot, "temp": 0.0})).sample(z)
+    assert got == max(want, key=lambda i: probs[i])
+    assert Sampler(SamplingParams(**{**hot, "typical_p": 1.0, "temp": 0.0})).sample(z) == int(np.argmax(z))

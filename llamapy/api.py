@@ -391,6 +391,9 @@ _OFF = {"suffix": None, "echo": False, "logit_bias": None, "functions": None, "f
 
 def _body(args: dict, unsupported: dict) -> dict:
     body = {k: v for k, v in args.items() if k not in ("self", "unsupported") and v is not None}
+    if unsupported.get("mirostat_mode"):  # llama-cpp-python's name of llama-server's "mirostat"
+        unsupported = dict(unsupported)
+        body["mirostat"] = unsupported.pop("mirostat_mode")
     for k, v in unsupported.items():
         if k not in _OFF or v != _OFF[k]:
             body[k] = v  # rejected by the protocol's field check, with the reason

@@ -301,6 +301,12 @@ def batch(
     ignore_eos: bool = common.IGNORE_EOS,
     typical: float = common.TYPICAL,
     logit_bias: list[str] = common.LOGIT_BIAS,
+    top_nsigma: float = common.TOP_NSIGMA,
+    xtc_probability: float = common.XTC_P,
+    xtc_threshold: float = common.XTC_T,
+    mirostat: int = common.MIROSTAT,
+    mirostat_lr: float = common.MIROSTAT_LR,
+    mirostat_ent: float = common.MIROSTAT_ENT,
     grammar: str = common.GRAMMAR,
     grammar_file: str = common.GRAMMAR_FILE,
     json_schema: str = common.JSON_SCHEMA,
@@ -360,7 +366,7 @@ def batch(
             temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
             repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, seed=seed, ignore_eos=ignore_eos,
-            typical_p=typical, logit_bias=common.parse_logit_bias(logit_bias),
+            **common.sampler_extras(typical, logit_bias, top_nsigma, xtc_probability, xtc_threshold, mirostat, mirostat_lr, mirostat_ent),
         )  # fmt: skip
         llm = common.load(
             model_path, None, ngl, common.with_expert_overrides(ot, cpu_moe, n_cpu_moe), ts, mg, ctx_size, batch_size, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device,

@@ -53,6 +53,12 @@ PRESENCE_PENALTY = typer.Option(0.0, "--presence-penalty", help="subtract this f
 FREQUENCY_PENALTY = typer.Option(0.0, "--frequency-penalty", help="subtract this times its count from a token (0: off)")
 IGNORE_EOS = typer.Option(False, "--ignore-eos", help="never stop at end of generation (-n decides)")
 TYPICAL = typer.Option(1.0, "--typical", help="locally typical sampling, parameter p (1.0: off)")
+TOP_NSIGMA = typer.Option(-1.0, "--top-nsigma", "--top-n-sigma", help="keep logits within N standard deviations of the best (<= 0: off)")
+XTC_P = typer.Option(0.0, "--xtc-probability", help="XTC: chance a step removes its top choices (0: off)")
+XTC_T = typer.Option(0.1, "--xtc-threshold", help="XTC: probability from which a choice is a top one (> 0.5: off)")
+MIROSTAT = typer.Option(0, "--mirostat", help="Mirostat sampling: 0 off, 1 or 2 (then top-k, top-p, min-p, typical and penalties are not used)")
+MIROSTAT_LR = typer.Option(0.1, "--mirostat-lr", help="Mirostat learning rate, eta")
+MIROSTAT_ENT = typer.Option(5.0, "--mirostat-ent", help="Mirostat target entropy, tau")
 LOGIT_BIAS = typer.Option(None, "-l", "--logit-bias", metavar="TOKEN_ID(+/-)BIAS", help="add BIAS to a token's logit, e.g. 15043+1 or 15043-inf (repeatable)")
 
 # llama.cpp spellings llamapy accepts although it has nothing to switch (see `no_effect`)
@@ -210,6 +216,16 @@ def parse_split(value: str | None) -> list[float]:
         return [float(x) for x in value.replace("/", ",").split(",") if x.strip()]
     except ValueError:
         raise LlamapyError(f"-ts {value}: expected numbers like 3,1") from None
+
+
+def sampler_extras(typical: float, logit_bias: list[str] | None, top_nsigma: float, xtc_probability: float,
+                   xtc_threshold: float, mirostat: int, mirostat_lr: float, mirostat_ent: float) -> dict[str, Any]:  # fmt: skip
+    """SamplingParams' fields for the samplers past the default chain, from their flags."""
+    if mirostat not in (0, 1, 2):
+        raise LlamapyError(f"--mirostat {mirostat}: 0 (off), 1 or 2")
+    return dict(typical_p=typical, logit_bias=parse_logit_bias(logit_bias), top_n_sigma=top_nsigma,
+                xtc_probability=xtc_probability, xtc_threshold=xtc_threshold, mirostat=mirostat,
+                mirostat_eta=mirostat_lr, mirostat_tau=mirostat_ent)  # fmt: skip
 
 
 def parse_logit_bias(values: list[str] | None) -> tuple[tuple[int, float], ...]:

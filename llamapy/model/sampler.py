@@ -3,7 +3,12 @@
 
 The chain, in llama.cpp's default order:
 
-    logit-bias -> penalties -> top-k -> typical -> top-p -> min-p -> temperature -> dist
+    logit-bias -> penalties -> top-n-sigma -> top-k -> typical -> top-p -> min-p -> xtc ->
+    temperature -> dist
+
+or, with `mirostat` 1 or 2 (llama.cpp's chain then has no penalties or filters):
+
+    logit-bias -> temperature -> mirostat (v1 or v2)
 
 Each stage narrows a candidate set (token ids + float32 logits) the way its llama.cpp
 counterpart does, with `min_keep = 1` everywhere:
@@ -11,13 +16,20 @@ counterpart does, with `min_keep = 1` everywhere:
 - penalties: over the last `repeat_last_n` accepted tokens, a positive logit is divided by
   `repeat_penalty` and a non-positive one multiplied by it; then
   `count * frequency_penalty + presence_penalty` is subtracted;
+- top-n-sigma keeps the logits >= max - n * std (their standard deviation; `top_n_sigma <= 0`: off);
 - top-k keeps the k largest logits (`top_k <= 0`: off);
 - typical keeps the candidates whose surprise -log p is closest to the entropy, in that order,
   until their mass exceeds `typical_p` (`typical_p >= 1`: off);
 - top-p keeps the smallest prefix of the sorted candidates whose softmax mass reaches p
   (`top_p >= 1`: off);
 - min-p keeps the logits >= max_logit + log(min_p), i.e. p_i >= min_p * p_max (`min_p <= 0`: off);
+- xtc ("exclude top choices"), with probability `xtc_probability` a step, drops every candidate
+  whose probability is >= `xtc_threshold` but the least likely of them (off: probability <= 0
+  or a threshold above 0.5); it draws from an RNG of its own, seeded from `seed`;
 - temperature divides the logits by `temp`; `temp <= 0` keeps only the largest (greedy);
+- mirostat v2 keeps the candidates whose surprise -log2 p is at most mu, draws, and moves mu by
+  eta * (tau - surprise) (mu starts at 2 tau); v1 keeps the top k, k estimated from the slope of
+  the 100 best log-probabilities (Zipf's s) and mu, and moves mu the same way;
 - dist draws from the softmax of what is left with the sampler's own RNG.
 
 The draw uses numpy's PCG64 seeded with `seed`, so a seed reproduces a run of llamapy; it is not
@@ -56,6 +68,12 @@ class SamplingParams:
     seed: int = -1  # -1 (or LLAMA_DEFAULT_SEED): random
     ignore_eos: bool = False  # --ignore-eos: end-of-generation tokens are never sampled
     typical_p: float = 1.0  # locally typical sampling (--typical); 1: off
+    top_n_sigma: float = -1.0  # --top-nsigma; <= 0: off
+    xtc_probability: float = 0.0  # --xtc-probability; 0: off
+    xtc_threshold: float = 0.1  # --xtc-threshold
+    mirostat: int = 0  # --mirostat: 0 off, 1 or 2
+    mirostat_tau: float = 5.0  # --mirostat-ent: the target surprise
+    mirostat_eta: float = 0.1  # --mirostat-lr: its learning rate
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) pairs (-l / --logit-bias)
 
 
@@ -80,6 +98,8 @@ class Sampler:
         maxlen = p.repeat_last_n if p.repeat_last_n > 0 else None
         self._history: deque[int] = deque(maxlen=maxlen)
         self._rng_state: np.random.Generator | None = None  # made at the first draw (_rng)
+        self._xtc_rng: np.random.Generator | None = None
+        self._mu = 2.0 * self.params.mirostat_tau  # mirostat's running target
 
     @property
     def _rng(self) -> np.random.Generator:
@@ -99,7 +119,8 @@ class Sampler:
     def reset(self) -> None:
         """Forget the history and restart the RNG from the seed (llama_sampler_reset)."""
         self._history.clear()
-        self._rng_state = None  # the next draw starts again from the seed
+        self._rng_state = self._xtc_rng = None  # the next draw starts again from the seed
+        self._mu = 2.0 * self.params.mirostat_tau
 
     # -- the chain ----------------------------------------------------------------------------
 
@@ -114,21 +135,85 @@ class Sampler:
         for tok, bias in p.logit_bias:
             if 0 <= tok < z.size:
                 z[tok] += np.float32(bias)
+        if p.mirostat:
+            return self._mirostat(z)
         self._apply_penalties(z)
 
-        if p.temp <= 0.0 and p.typical_p >= 1.0:
+        if p.temp <= 0.0 and p.typical_p >= 1.0 and not self._xtc_on():
             # Every other filter keeps the largest logit, so temp <= 0 reduces to argmax after
             # the penalties (llama_sampler_temp_impl keeps the first maximum).
             return int(np.argmax(z))
 
-        ids, z = self._top_k(z, p.top_k)
+        if p.top_n_sigma > 0.0:  # (then top-k over what it kept)
+            ids, z = self._top_n_sigma(np.arange(z.size), z, p.top_n_sigma)
+            sub, z = self._top_k(z, p.top_k)
+            ids = ids[sub]
+        else:
+            ids, z = self._top_k(z, p.top_k)
         ids, z = self._typical(ids, z, p.typical_p)
         ids, z = self._top_p(ids, z, p.top_p)
         ids, z = self._min_p(ids, z, p.min_p)
-        if p.temp <= 0.0:  # typical may have dropped the largest logit: the largest it kept
+        ids, z = self._xtc(ids, z)
+        if p.temp <= 0.0:  # typical or xtc may have dropped the largest logit: the largest kept
             return int(ids[int(np.argmax(z))])
         z = z / np.float32(p.temp)
         return int(ids[self._draw(z)])
+
+    @staticmethod
+    def _top_n_sigma(ids: np.ndarray, z: np.ndarray, n: float) -> tuple[np.ndarray, np.ndarray]:
+        """llama_sampler_top_n_sigma: the logits >= max - n·std (-inf ones left out of both)."""
+        finite = z[z != -np.inf]
+        if z.size <= 1 or finite.size == 0:
+            return ids, z
+        std = np.float32(np.sqrt(np.mean((finite - finite.mean(dtype=np.float32)) ** 2, dtype=np.float32)))
+        keep = z >= finite.max() - np.float32(n) * std
+        return ids[keep], z[keep]
+
+    def _xtc_on(self) -> bool:
+        return self.params.xtc_probability > 0.0 and self.params.xtc_threshold <= 0.5
+
+    def _xtc(self, ids: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """llama_sampler_xtc: sometimes drop the likely tokens but the least likely of them."""
+        p = self.params
+        if not self._xtc_on() or z.size < 2:
+            return ids, z
+        if self._xtc_rng is None:  # its own stream, as llama.cpp's xtc has its own mt19937
+            self._xtc_rng = np.random.Generator(np.random.PCG64([self.seed, 1]))
+        if self._xtc_rng.random() > p.xtc_probability:
+            return ids, z
+        ids, z = self._sorted(ids, z)
+        above = np.flatnonzero(_softmax(z) < np.float32(p.xtc_threshold))
+        last = int(above[0]) - 1 if above.size else z.size - 1  # the last of the leading run >= threshold
+        if last > 0 and z.size - last >= _MIN_KEEP:
+            return ids[last:], z[last:]
+        return ids, z
+
+    def _mirostat(self, z: np.ndarray) -> int:
+        """llama_sampler_mirostat (v1) / _v2 after the temperature; mu follows the surprise."""
+        p = self.params
+        if p.temp <= 0.0:
+            return int(np.argmax(z))  # the temperature stage kept the largest alone
+        ids, z = self._sorted(np.arange(z.size), z / np.float32(p.temp))
+        probs = _softmax(z)
+        if p.mirostat == 1:
+            m = min(100, z.size) - 1
+            t = np.log(np.arange(2, m + 2, dtype=np.float32) / np.arange(1, m + 1, dtype=np.float32))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                b = np.log(probs[:m] / probs[1 : m + 1])
+            with np.errstate(all="ignore"):  # a flat or odd head: k is nan or inf, handled below
+                s_hat = np.float64((t * b).sum() / (t * t).sum())
+                eps = s_hat - 1.0
+                k = np.power(eps * 2.0**self._mu / (1.0 - np.float64(z.size) ** -eps), 1.0 / s_hat)
+            n = z.size if k == np.inf else max(int(min(k, z.size)), 1) if np.isfinite(k) else 1
+        else:
+            with np.errstate(divide="ignore"):
+                surprise = -np.log2(probs)
+            over = np.flatnonzero(surprise > self._mu)
+            n = max(int(over[0]) if over.size else z.size, 1)
+        ids, z = ids[:n], z[:n]
+        i = self._draw(z)
+        self._mu -= p.mirostat_eta * (float(-np.log2(_softmax(z)[i])) - p.mirostat_tau)
+        return int(ids[i])
 
     def _apply_penalties(self, z: np.ndarray) -> None:
         p = self.params

@@ -105,7 +105,8 @@ def _stops(body: dict, name: str = "stop") -> tuple[str, ...]:
 # What each endpoint accepts. Everything else is a 400: _UNSUPPORTED explains the well-known ones.
 _SAMPLING = {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
              "frequency_penalty", "repeat_penalty", "repeat_last_n", "ignore_eos", "cache_prompt",
-             "typical_p", "logit_bias"}  # fmt: skip
+             "typical_p", "logit_bias", "top_n_sigma", "xtc_probability", "xtc_threshold", "mirostat",
+             "mirostat_tau", "mirostat_eta"}  # fmt: skip
 _STRUCTURED = {"response_format", "grammar", "json_schema"}
 _OAI = _SAMPLING | _STRUCTURED | {"model", "stream", "stream_options", "n", "user", "max_tokens", "lora"}
 COMPLETION_FIELDS = _OAI | {"prompt", "logprobs"}
@@ -151,6 +152,12 @@ def sampling_params(body: dict, tokenizer: Any) -> SamplingParams:
         ("repeat_penalty", "repeat_penalty", float, 0.0, None),
         ("repeat_last_n", "repeat_last_n", int, -1, 1 << 20),
         ("typical_p", "typical_p", float, 0.0, None),
+        ("top_n_sigma", "top_n_sigma", float, None, None),
+        ("xtc_probability", "xtc_probability", float, 0.0, 1.0),
+        ("xtc_threshold", "xtc_threshold", float, 0.0, 1.0),
+        ("mirostat", "mirostat", int, 0, 2),
+        ("mirostat_tau", "mirostat_tau", float, 0.0, None),
+        ("mirostat_eta", "mirostat_eta", float, 0.0, None),
     ):
         v = _num(body, name, kind, lo, hi)
         if v is not None:

@@ -80,7 +80,6 @@ def test_stream_closed_early_frees_the_slot(llm: Llama) -> None:
         ({"logit_bias": {1: "x"}}, "the bias of 1 must be a number or false"),
         ({"tfs_z": 0.5}, "tfs_z"),
         ({"n": 2}, "n = 1"),
-        ({"mirostat_mode": 2}, "mirostat_mode"),
         ({"temperature": -1}, "temperature"),
     ],
 )
@@ -115,3 +114,16 @@ def _pairs(llm: Llama, bias: object) -> tuple[tuple[int, float], ...]:
     from llamapy.server.protocol import logit_bias
 
     return logit_bias(bias, llm.tokenizer)
+
+
+def test_more_samplers_reach_the_chain(llm: Llama) -> None:
+    """llama-cpp-python's mirostat_mode / _tau / _eta (llama-server's mirostat …) and
+    llama-server's top_n_sigma and xtc_* are taken; out-of-range values are refused."""
+    for kw in (dict(mirostat_mode=2, mirostat_tau=3.0, mirostat_eta=0.2), dict(mirostat_mode=1),
+               dict(top_n_sigma=1.0), dict(xtc_probability=1.0, xtc_threshold=0.05)):  # fmt: skip
+        r = llm.create_completion(PROMPT, max_tokens=3, temperature=0.8, seed=2, **kw)
+        assert r["usage"]["completion_tokens"] <= 3, kw
+    with pytest.raises(LlamapyError, match="'mirostat' must be between 0 and 2"):
+        llm.create_completion(PROMPT, max_tokens=1, mirostat_mode=3)
+    with pytest.raises(LlamapyError, match="'xtc_probability' must be between 0.0 and 1.0"):
+        llm.create_completion(PROMPT, max_tokens=1, xtc_probability=2.0)

@@ -170,3 +170,12 @@ def test_logit_bias_and_typical_flags(tiny32: Path) -> None:
     assert cli(*args, "--typical", "0.5").returncode == 0
     one_line_error(cli(*args, "-l", "5*2"), "--logit-bias 5*2: expected TOKEN_ID(+/-)BIAS")
     one_line_error(cli(*args, "-l", "99999999+1"), "logit bias for token 99999999: out of range")
+
+
+def test_more_sampler_flags(tiny32: Path) -> None:
+    args = ["run", str(tiny32), "-p", "The capital of France is", "-n", "3", "--temp", "0.8", "-s", "1", "-c", "64"]
+    for flags in (["--mirostat", "2", "--mirostat-lr", "0.2", "--mirostat-ent", "3"], ["--top-nsigma", "1"],
+                  ["--xtc-probability", "0.5", "--xtc-threshold", "0.1"]):  # fmt: skip
+        r = cli(*args, *flags)
+        assert r.returncode == 0, (flags, r.stderr[-1500:])
+    one_line_error(cli(*args, "--mirostat", "3"), "--mirostat 3: 0 (off), 1 or 2")

@@ -294,3 +294,47 @@ def test_typical(p: float) -> None:
     got = Sampler(SamplingParams(**{**hot, "temp": 0.0})).sample(z)
     assert got == max(want, key=lambda i: probs[i])
     assert Sampler(SamplingParams(**{**hot, "typical_p": 1.0, "temp": 0.0})).sample(z) == int(np.argmax(z))
+
+
+def test_top_n_sigma() -> None:
+    z = np.array([5.0, 4.5, 1.0, 0.0, -1.0, -np.inf], np.float32)
+    finite = z[:5].astype(np.float64)
+    for n in (0.5, 1.0, 2.0):
+        want = {i for i in range(5) if z[i] >= finite.max() - n * finite.std()}
+        assert set(_support(SamplingParams(**{**PLAIN, "temp": 50.0, "top_n_sigma": n}), z)) == want
+    assert set(_support(SamplingParams(**{**PLAIN, "temp": 50.0, "top_n_sigma": -1.0}), z)) == {0, 1, 2, 3, 4}
+
+
+def test_xtc() -> None:
+    z = _logits([0.4, 0.3, 0.2, 0.06, 0.04])
+    hot = {**PLAIN, "temp": 1.0, "xtc_threshold": 0.25}
+    # always on: 0.4 and 0.3 are >= 0.25, the less likely of them (0.3) stays
+    assert set(_support(SamplingParams(**hot, xtc_probability=1.0), z)) == {1, 2, 3, 4}
+    assert Sampler(SamplingParams(**{**hot, "temp": 0.0}, xtc_probability=1.0)).sample(z) == 1
+    # a threshold above 0.5 turns it off, as one no candidate reaches
+    assert set(_support(SamplingParams(**{**hot, "xtc_threshold": 0.6}, xtc_probability=1.0), z)) == {0, 1, 2, 3, 4}
+    assert set(_support(SamplingParams(**{**hot, "xtc_threshold": 0.45}, xtc_probability=1.0), z)) == {0, 1, 2, 3, 4}
+    # probability 0.5: about half the steps keep the best token available
+    c = _support(SamplingParams(**hot, xtc_probability=0.5), z, 4000)
+    assert 0.1 < c[0] / 4000 < 0.3  # 0.4 of the steps without xtc, i.e. ~0.2
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_mirostat_tracks_its_target_surprise(version: int) -> None:
+    """mu moves so that the mean surprise of the drawn tokens approaches tau."""
+    rng = np.random.default_rng(3)
+    z = (rng.standard_normal(2000) * 3).astype(np.float32)
+    tau = 3.0
+    s = Sampler(SamplingParams(**{**PLAIN, "temp": 1.0, "mirostat": version, "mirostat_tau": tau, "mirostat_eta": 0.1}))
+    probs = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+    surprises = [-np.log2(probs[s.sample(z)]) for _ in range(3000)]
+    assert abs(np.mean(surprises[1000:]) - tau) < 1.0, np.mean(surprises[1000:])
+    assert s._mu != 2 * tau
+    s.reset()
+    assert s._mu == 2 * tau
+    # no penalties in mirostat's chain (llama.cpp's has none); the logit bias still applies
+    banned = int(np.argmax(z))
+    s = Sampler(SamplingParams(**{**PLAIN, "temp": 0.0, "mirostat": version, "repeat_penalty": 50.0,
+                                  "logit_bias": ((banned, -np.inf),)}))  # fmt: skip
+    s.accept(int(np.argsort(z)[-2]))
+    assert s.sample(z) == int(np.argsort(z)[-2])

@@ -27,6 +27,7 @@ from ..backend.interface import Buffer, Device
 from ..tensor import Tensor, TensorFlag
 from ..types import SUPPORTED_TYPES, GGUFError, UnsupportedError
 from .gguf import GGUFFile
+from .loader import fill_buffers
 
 # the layer matrices the graphs multiply through models/layers.py's `mm`, and the model's own
 LAYER_KEYS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp")
@@ -58,10 +59,6 @@ class LoraAdapter:
         a, b = self.pairs[name]
         rank = b.shape[-1]  # llama_adapter_lora_weight::get_scale: b->ne[0]
         return LoraTerm(a, b, scale * self.alpha / rank if self.alpha else scale)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.pairs.values())
 
     def free(self) -> None:
         for buf in self.buffers:
@@ -150,8 +147,6 @@ def adapted(adapters: Sequence[LoraAdapter]) -> frozenset[str]:
 
 def load_adapter(ad: LoraAdapter, where: Mapping[str, Device], cpu_matmul: str) -> None:
     """Each pair into a buffer of the device that holds its matrix (`where`: name -> device)."""
-    from .loader import fill_buffers
-
     assert ad.gguf is not None
     placed = {t: where[base] for base, pair in ad.pairs.items() for t in pair}
     fill_buffers(ad.gguf, placed, ad.buffers, cpu_matmul)

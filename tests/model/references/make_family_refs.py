@@ -173,3 +173,34 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def kld_with_flags(model: Path, flags: list[str], options: list[object], tmp: Path) -> list[tuple[float, float]]:
+    """llama-perplexity on `model` with `flags` (e.g. --lora-scaled A:0.8) over KLD_ARGS of
+    tempest.txt, its logits kept (--kl-divergence-base); then llamapy's float32 run of the same
+    file with each of `options` (ModelOptions) against them: (mean KLD, same top) each. Skips
+    where llama.cpp's tools or the shared files are missing."""
+    import pytest
+
+    from llamapy import Llama
+    from llamapy.context import ContextOptions
+    from llamapy.perplexity import evaluate_kl_divergence, read_logits_file
+    from llamapy.types import GGMLType
+
+    bin_dir = llama_cpp_bin()
+    if bin_dir is None:
+        pytest.skip("llama.cpp's tools are not built (bench/llama_cpp.py builds them)")
+    for p in (QWEN2_VOCAB, TEMPEST):
+        if not p.is_file():
+            pytest.skip(f"{p} is not available")
+    kld = tmp / "base.kld"
+    _run([bin_dir / "llama-perplexity", "-m", model, *flags, "-f", TEMPEST, *KLD_ARGS, "-t", "2", "--kl-divergence-base", kld])
+    base = read_logits_file(kld)
+    co = ContextOptions(n_ctx=base.n_ctx, n_batch=base.n_ctx, cpu_matmul="f32", type_k=GGMLType.F32, type_v=GGMLType.F32)
+    out = []
+    for mo in options:
+        with Llama(model, model_options=mo, context_options=co) as llm:  # type: ignore[arg-type]
+            for _, stats in evaluate_kl_divergence(llm.ctx, base, llm.ctx.n_batch, base.n_chunk):
+                pass
+        out.append((stats.mean_kld()[0], stats.same_top()[0]))
+    return out

@@ -131,20 +131,16 @@ class Model:
         # split, not one skewed by what this model already holds
         self.split = split_proportions(self.gpus, self.options.tensor_split, self.cpu)
         self.adapters: list[LoraAdapter] = []
+        self.control_vector: ControlVector | None = None
         try:
             for path_, scale in self.options.lora:
                 self.adapters.append(read_adapter(path_, scale, self.arch, self.gguf))
+            if self.options.control_vectors:
+                self.control_vector = read_control_vectors(self.options.control_vectors, self.params.n_embd,
+                                                           self.params.n_layer, self.options.control_vector_layers)  # fmt: skip
         except LlamapyError:
             self.free()
             raise
-        self.control_vector: ControlVector | None = None
-        if self.options.control_vectors:
-            try:
-                self.control_vector = read_control_vectors(self.options.control_vectors, self.params.n_embd,
-                                                           self.params.n_layer, self.options.control_vector_layers)  # fmt: skip
-            except LlamapyError:
-                self.free()
-                raise
         self.weights: ModelWeights = collect_weights(self.gguf, self.params, apart=adapted(self.adapters))
         self.overrides = override_devices(self.options.override_tensor, self.discovery, self.devices)
         # why the context should run without op offload ("" = it may): set by -ngl auto
@@ -289,8 +285,8 @@ class Model:
             self.weights.free()
         for ad in self.adapters:
             ad.free()
-        if getattr(self, "control_vector", None) is not None:
-            self.control_vector.free()  # type: ignore[union-attr]
+        if self.control_vector is not None:
+            self.control_vector.free()
         self.gguf.close()
 
 

@@ -17,7 +17,7 @@ with few tokens, chosen per context (`ContextOptions.cpu_matmul`, `--f32-activat
 
 Prompts: `use_sgemm` is the one place that decides when a product is big enough for float32
 tiles + sgemm instead (both modes, and the BLAS backend, which claims exactly those products).
-In the q8 mode the types of `Q8_GEMM` never go there (their multi-column q8 kernels are
+In the q8 mode the types of `Q8_GEMM` never go there (their multi-column kernels are
 faster at every batch, and a token's numbers then never depend on its batch); for the others
 sgemm gets the activations quantized and expanded back (`round_act`), so a prompt computes the
 same sums as the q8 kernels (up to float32 summation order), as llama.cpp's CPU backend does.
@@ -81,6 +81,14 @@ Q8_GEMM: dict[GGMLType, str] = {
     GGMLType.IQ4_NL: "lp_gemm_iq4_nl_q8_0",
     GGMLType.IQ4_XS: "lp_gemm_iq4_xs_q8_K",
     GGMLType.MXFP4: "lp_gemm_mxfp4_q8_0",
+    # the float types (their vec_dot_type is their own: f16 / bf16 activations, f32): kernels_c/quants.c's
+    # panels, 2 x 3 tiles over the activations converted once to float32, each output the vec_dot's
+    # bits. Against tiles + sgemm (BLAS splits between the executor's) on SmolLM2-135M's files, 2
+    # threads, Zen 2 (bench/RESULTS.md, stop 37): F32 pp2 4.7 -> 91, pp16 31 -> 280, pp512 247 -> 382;
+    # F16 pp16 19 -> 306, pp512 223 -> 338; BF16 pp16 28 -> 327, pp512 251 -> 342 tok/s
+    GGMLType.F32: "lp_gemm_f32_panel",
+    GGMLType.F16: "lp_gemm_f16_panel",
+    GGMLType.BF16: "lp_gemm_bf16_panel",
 }
 # Types whose file rows the library expands to float32 (`lp_dequantize_rows`, kernels_c/iquants.c:
 # the same bits as quants.dequantize, numpy's): the sgemm path's tiles and GET_ROWS
@@ -116,10 +124,10 @@ def use_sgemm(qtype: GGMLType, n_out: int, n_in: int, n_tokens: int, q8: bool = 
         # a LoRA adapter's rank-r pairs: microseconds on the kernels, and on sgemm a product the
         # executor cannot compile (its split would run node by node) or a BLAS split of its own
         return False
+    if q8 and _has_gemm(qtype, lib):
+        return False  # the multi-column kernel beats tiles + sgemm at every batch (Q8_GEMM)
     if qtype == GGMLType.F32:
         return n_tokens >= 2  # already float32: no expansion to pay for
-    if q8 and _has_gemm(qtype, lib):
-        return False  # the multi-column q8 kernel beats tiles + sgemm at every batch (Q8_GEMM)
     return n_tokens >= SGEMM_MIN_TOKENS
 
 

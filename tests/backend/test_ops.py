@@ -377,7 +377,22 @@ def test_every_op_runs_on_the_cpu_and_the_test_device() -> None:
     ran = {(p.values[0].name, p.values[1]) for p in PAIRS}
     for name, _ in CASES:
         assert ("CPU", name) in ran and ("TEST0", name) in ran
-    assert any(d == "BLAS" for d, _ in ran)
+
+
+def test_blas_runs_the_products_sgemm_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BLAS claims the MUL_MATs use_sgemm sends to tiles + sgemm: with the SIMD kernels none in the
+    8-bit mode (every type has a multi-column kernel), with the portable ones (none) the big
+    batches — which then run on BLAS within the same tolerance as everywhere."""
+    from llamapy.backend import native
+
+    if "portable" not in native.built():
+        pytest.skip("the portable kernels are not built")
+    monkeypatch.setenv("LLAMAPY_KERNELS_VARIANT", "portable")
+    blas = next(d for d in DEVICES if d.name == "BLAS")
+    claimed = [(name, make) for name, make in CASES if blas.supports_op(make(np.random.default_rng(0))[0])]
+    assert {name for name, _ in claimed} >= {"MUL_MAT-F32-n40", "MUL_MAT-Q4_0-n40"}
+    for name, make in claimed:
+        test_op(blas, name, make)
 
 
 def test_every_device_lists_and_passes_self_test() -> None:

@@ -58,7 +58,9 @@ def test_on_the_test_device(files: tuple[Path, Path, Path], monkeypatch: pytest.
             held = {t.name: b.name for b in llm.model.control_vector.buffers for t in b._store}  # type: ignore[union-attr]
             got = llm.logits(TOKENS)
         assert held == {"cvec.1": "CPU" if ngl == 2 else "TEST0", "cvec.2": "TEST0"}
-        assert np.abs(got - cpu).max() <= 1e-5 * np.abs(cpu).max()
+        # (the CPU's F32 products run its float kernels, the test device's numpy's sgemm: float32
+        # sums in two orders)
+        assert np.abs(got - cpu).max() <= 1e-4 * np.abs(cpu).max()
 
 
 def _bad(d: Path, case: str) -> Path:

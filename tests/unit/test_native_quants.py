@@ -343,14 +343,14 @@ def test_panel_gemm_is_vec_dots(lib: ctypes.CDLL, name: str) -> None:
     check_gemm(lib, name, sym, 21, 32 * 129, n_cols=6, ncs=(6,), nrs=(21,), seed=37)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["F32", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 # odd tail blocks; past the stack buffer (1024 blocks of 32; the K types: 128 of 256)
 @pytest.mark.parametrize("n_blocks", [1, 2, 19, 64, 1025])
 def test_gemv_is_vec_dots(lib: ctypes.CDLL, name: str, n_blocks: int) -> None:
     """lp_gemv_<type> (the decode kernel over many rows, where the variant has one) called
     directly: every output its vec_dot's bit for bit, for row counts around the kernel's group
     of 4, rows longer than their data (row_bytes > the blocks), and nothing written past nr."""
-    sym = f"{name.lower()}_{VEC_DOT_TYPE[name].lower()}".replace("_k", "_K")  # q4_0_q8_0, q4_K_q8_K
+    sym = "f32" if name == "F32" else f"{name.lower()}_{VEC_DOT_TYPE[name].lower()}".replace("_k", "_K")  # q4_K_q8_K
     if not hasattr(lib, "lp_gemv_" + sym):
         # the AVX2 and AVX-512 builds have them (AVX-512's Q5_K decode is a vec_dot a row)
         base = os.path.basename(lib._name)
@@ -510,6 +510,19 @@ def test_gemm_of_float_types_and_q2_k_is_vec_dots(lib: ctypes.CDLL, name: str) -
     check_gemm(lib, name, GEMM_NAMES[name], 5, n_in, n_cols=4, ncs=(1, 2, 3, 4), nrs=(5,), seed=n_in)
 
 
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16"])
+def test_float_panels_are_vec_dots(lib: ctypes.CDLL, name: str) -> None:
+    """lp_gemm_<f32|f16|bf16>_panel (the float types' prompt kernels, AVX2 and AVX-512: the
+    activations converted to float32 once, 2 x 3 tiles): every output its vec_dot's bit for bit for
+    column counts around the tile's 3, odd row counts, a row length with every SIMD step and a
+    scalar tail, and enough rows for several blocks of FK_PANEL_BYTES (96 KiB: 56 F16 rows of 871)."""
+    sym = GEMM_NAMES[name] + "_panel"
+    if not hasattr(lib, "lp_gemm_" + sym):
+        assert "avx" not in os.path.basename(lib._name)  # the AVX2 and AVX-512 builds have them
+        pytest.skip(f"this library has no lp_gemm_{sym}")
+    check_gemm(lib, name, sym, 61, 871, n_cols=13, ncs=(1, 2, 3, 4, 5, 7, 13), nrs=(1, 2, 3, 5, 61), seed=17)
+
+
 def test_bf16_without_avx512_bf16(tmp_path: "os.PathLike[str]") -> None:
     """The avx512 library runs vdpbf16ps only where the CPU has AVX512_BF16; its other BF16 body
     (what such CPUs run) is quants.c built here with LP_NO_BF16DP: against float64 and its gemm."""
@@ -539,3 +552,4 @@ def test_bf16_without_avx512_bf16(tmp_path: "os.PathLike[str]") -> None:
             want, mag = ref_dot("BF16", row, y[t], x[t])
             assert abs(s.value - want) <= 2e-6 * mag + 1e-30
     check_gemm(lib, "BF16", "bf16", 5, n_in, n_cols=4, ncs=(1, 2, 3, 4), nrs=(5,), seed=n_in, act=y)
+    check_gemm(lib, "BF16", "bf16_panel", 5, n_in, n_cols=4, ncs=(1, 3, 4), nrs=(5,), seed=n_in, act=y)

@@ -125,7 +125,11 @@ def test_paths() -> None:
     assert [file_rows.path(t) for t in (1, n - 1, n, 512)] == ["q8", "q8", big, big]
     assert [file_rows.path(t, q8=False) for t in (1, n)] == ["sgemm", "sgemm"]  # no repacked layout
     assert [repacked.path(t, q8=False) for t in (1, n - 1, n)] == ["mv", "mv", "sgemm"]
-    assert not qmatmul.use_sgemm(GGMLType.F32, 64, 64, 1) and qmatmul.use_sgemm(GGMLType.F32, 64, 64, 2)
+    # F32 weights: float32 already, so sgemm from 2 tokens, but never in the q8 mode where the
+    # library has the float panels (Q8_GEMM)
+    panel = hasattr(native.lib(), qmatmul.Q8_GEMM[GGMLType.F32])
+    assert not qmatmul.use_sgemm(GGMLType.F32, 64, 64, 1) and qmatmul.use_sgemm(GGMLType.F32, 64, 64, 2) != panel
+    assert qmatmul.use_sgemm(GGMLType.F32, 64, 64, 2, q8=False)
     for qt in (GGMLType.F32, GGMLType.F16):
         assert not any(qmatmul.use_sgemm(qt, m, k, 512, q8) for m, k in ((16, 576), (576, 16)) for q8 in (True, False))
 
@@ -144,7 +148,6 @@ def test_q8_prompts_stay_on_the_gemm_kernels(monkeypatch, variant: str) -> None:
         assert has == (variant != "portable"), (variant, name)
         assert [qmatmul.use_sgemm(qt, 576, 1536, t) for t in (1, n, 512)] == [False, not has, not has]
         assert [qmatmul.use_sgemm(qt, 576, 1536, t, q8=False) for t in (1, n, 512)] == [False, True, True]
-    assert qmatmul.use_sgemm(GGMLType.F16, 576, 1536, n)  # no multi-column kernel: sgemm
 
 
 def test_blas_backend_claims_what_use_sgemm_says() -> None:

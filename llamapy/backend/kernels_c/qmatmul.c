@@ -939,6 +939,10 @@ QMM_API void lp_dqr_q6_k(const void *const *parts, int64_t nb, const int64_t *id
 #pragma weak lp_gemm_f32
 #pragma weak lp_gemm_f16
 #pragma weak lp_gemm_bf16
+#pragma weak lp_gemm_f32_panel
+#pragma weak lp_gemv_f32
+#pragma weak lp_gemm_f16_panel
+#pragma weak lp_gemm_bf16_panel
 #pragma weak lp_gemm_q4_0_q8_0
 #pragma weak lp_gemm_q5_0_q8_0
 #pragma weak lp_gemm_q8_0_q8_0
@@ -972,6 +976,10 @@ void lp_gemv_q6_K_q8_K(int n, float *s, const void *w, int64_t row_bytes, int nr
 void lp_gemm_f32(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_f16(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_bf16(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemv_f32(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x);
+void lp_gemm_f32_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_f16_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
+void lp_gemm_bf16_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_q4_0_q8_0(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_q5_0_q8_0(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
 void lp_gemm_q8_0_q8_0(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x, int64_t x_bytes, int nc);
@@ -1080,7 +1088,7 @@ static void mm_to_bf16(const float *x, void *vy, int64_t k) {
 static int mm_traits_of(int type, mm_traits *t) {
     const mm_quantize_fn q8_K = lp_quantize_row_q8_K; /* NULL without kquants.c */
     switch (type) {
-    case LP_TYPE_F32: *t = (mm_traits){LP_TYPE_F32, 1, 4, mm_copy_f32, lp_vec_dot_f32, lp_gemm_f32}; break;
+    case LP_TYPE_F32: *t = (mm_traits){LP_TYPE_F32, 1, 4, mm_copy_f32, lp_vec_dot_f32, lp_gemm_f32, NULL, lp_gemv_f32}; break;
     case LP_TYPE_F16: *t = (mm_traits){LP_TYPE_F16, 1, 2, mm_to_f16, lp_vec_dot_f16, lp_gemm_f16}; break;
     case LP_TYPE_BF16: *t = (mm_traits){LP_TYPE_BF16, 1, 2, mm_to_bf16, lp_vec_dot_bf16, lp_gemm_bf16}; break;
     case LP_TYPE_Q5_0: *t = (mm_traits){LP_TYPE_Q8_0, QK8_0, sizeof(block_q8_0), lp_quantize_row_q8_0, lp_vec_dot_q5_0_q8_0, lp_gemm_q5_0_q8_0, lp_gemm_q5_0_q8_0_r1, lp_gemv_q5_0_q8_0}; break;
@@ -1127,11 +1135,18 @@ static int mm_traits_of(int type, mm_traits *t) {
                   : type == LP_TYPE_Q5_0 ? lp_gemm_q5_0_q8_0_panel : type == LP_TYPE_Q5_1 ? lp_gemm_q5_1_q8_1_panel
                   : type == LP_TYPE_Q8_0 ? lp_gemm_q8_0_q8_0_panel
                   /* (iquants.c's gemms take a whole range of rows too: the offset sums made once) */
-                  : type == LP_TYPE_Q4_0 || type == LP_TYPE_IQ4_NL || type == LP_TYPE_MXFP4 ? t->gemm : NULL;
+                  : type == LP_TYPE_Q4_0 || type == LP_TYPE_IQ4_NL || type == LP_TYPE_MXFP4 ? t->gemm
+                  /* (the float types: quants.c's fk_panel, 2 x 2 tiles over float32 activations) */
+                  : type == LP_TYPE_F32 ? lp_gemm_f32_panel : type == LP_TYPE_F16 ? lp_gemm_f16_panel
+                  : type == LP_TYPE_BF16 ? lp_gemm_bf16_panel : NULL;
     /* iquants.c's from 5 tokens on AVX2 too (its decode kernel takes up to 4): in one call the
      * activations' offset sums are made once, not once per MM_ROW_BLOCK rows (1B Q4_0, 2 threads:
      * pp5 45.5 -> 48.0, pp8 57.5 -> 62.5, pp12 67.6 -> 71.5 tok/s) */
-    t->panel_min = t->gemm_panel == t->gemm ? LP_GEMM_COLS + 1 : MM_PANEL_MIN;
+    /* f16 / bf16 from 8 tokens: the panel converts the activations once where the 4-column kernel
+     * converts them for every row (AVX2, SmolLM2 F16, 2 threads: pp8 222 -> 246, pp12 232 -> 263
+     * tok/s; from 2 tokens it lost below 4, as F32's, which converts nothing, did up to 12) */
+    t->panel_min = t->gemm_panel == t->gemm ? LP_GEMM_COLS + 1
+                 : (type == LP_TYPE_F16 || type == LP_TYPE_BF16) && MM_PANEL_MIN > 8 ? 8 : MM_PANEL_MIN;
     return t->quantize != NULL && t->dot != NULL ? 0 : -1;
 }
 

@@ -439,6 +439,137 @@ LP_INLINE void fk_gemm(int kind, int n, float *s, int64_t ld_s, const void *w, i
     }
 }
 
+/* R x C outputs (R <= FK_TR rows, C <= FK_TC columns) of fk_cols against float32 columns xf (the
+ * activations' f16 / bf16 values converted once: the same floats fk_load gives): per output the
+ * same accumulators, steps and reduction as fk_cols, so each is bit-identical to the vec_dot; what
+ * the tile saves is loads (and f16 conversions) — each weight vector serves C columns and each
+ * activation vector R rows, where fk_cols reloads and converts the activations for every row. */
+#define FK_TR 4
+#define FK_TC 3
+LP_INLINE void fk_tile(int kind, int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, const float *xf,
+                       int64_t ldx, int R, int C) {
+    const void *wr[FK_TR];
+    for (int r = 0; r < R; r++) wr[r] = (const uint8_t *)w + r * row_bytes;
+    const float *xc[FK_TC] = {xf, xf + ldx, xf + 2 * ldx};
+    float sum[FK_TR][FK_TC];
+    int i = 0;
+#if defined(FK_AVX512)
+    __m512 a[FK_TR][FK_TC][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) a[r][c][0] = a[r][c][1] = a[r][c][2] = a[r][c][3] = _mm512_setzero_ps();
+    for (; i + 64 <= n; i += 64) {
+        for (int r = 0; r < R; r++) lp_pf_ahead((const char *)wr[r] + i * FK_SIZE(kind), 64 * FK_SIZE(kind));
+        for (int q = 0; q < 4; q++) {
+            __m512 wv[FK_TR];
+            for (int r = 0; r < R; r++) wv[r] = fk_load16(kind, wr[r], i + 16 * q);
+            for (int c = 0; c < C; c++) {
+                const __m512 xv = _mm512_loadu_ps(xc[c] + i + 16 * q);
+                for (int r = 0; r < R; r++) a[r][c][q] = _mm512_fmadd_ps(wv[r], xv, a[r][c][q]);
+            }
+        }
+    }
+    for (; i + 16 <= n; i += 16)
+        for (int r = 0; r < R; r++) {
+            const __m512 wv = fk_load16(kind, wr[r], i);
+            for (int c = 0; c < C; c++) a[r][c][0] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xc[c] + i), a[r][c][0]);
+        }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            sum[r][c] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[r][c][0], a[r][c][1]), _mm512_add_ps(a[r][c][2], a[r][c][3])));
+#elif defined(FK_AVX2)
+    __m256 a[FK_TR][FK_TC][2];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) a[r][c][0] = a[r][c][1] = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        for (int q = 0; q < 2; q++) {
+            __m256 wv[FK_TR];
+            for (int r = 0; r < R; r++) wv[r] = fk_load8(kind, wr[r], i + 8 * q);
+            for (int c = 0; c < C; c++) {
+                const __m256 xv = _mm256_loadu_ps(xc[c] + i + 8 * q);
+                for (int r = 0; r < R; r++) a[r][c][q] = _mm256_fmadd_ps(wv[r], xv, a[r][c][q]);
+            }
+        }
+        for (int r = 0; r < R; r++) lp_pf_ahead((const char *)wr[r] + i * FK_SIZE(kind), 16 * FK_SIZE(kind));
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) sum[r][c] = hsum8(_mm256_add_ps(a[r][c][0], a[r][c][1]));
+#else
+    float acc[FK_TR][FK_TC][8] = {{{0}}};
+    for (; i + 8 <= n; i += 8)
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++)
+                for (int l = 0; l < 8; l++) acc[r][c][l] += fk_at(kind, wr[r], i + l) * xc[c][i + l];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            sum[r][c] = 0.0f;
+            for (int l = 0; l < 8; l++) sum[r][c] += acc[r][c][l];
+        }
+#endif
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            for (int j = i; j < n; j++) sum[r][c] += fk_at(kind, wr[r], j) * xc[c][j];
+            s[c * ld_s + r] = sum[r][c];
+        }
+}
+
+/* Bytes of weight rows a panel keeps in cache while every column passes over them */
+#define FK_PANEL_BYTES (96 * 1024)
+
+/* Any nc columns over nr rows (lp_gemm_fn; a prompt's whole micro-batch, a thread's range of
+ * rows): the activations converted to float32 once, then blocks of rows that stay in L2 while
+ * 2 x 3 tiles of fk_tile run over the columns. */
+LP_INLINE void fk_panel(int kind, int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr,
+                        const void *x, int64_t x_bytes, int nc) {
+    float *buf = NULL;
+    const float *xf = x;
+    int64_t ldx = x_bytes / (int64_t)sizeof(float);
+    if (kind != FK_F32) {
+        buf = malloc((size_t)nc * (size_t)n * sizeof(float));
+        if (buf == NULL) { /* no room for the float32 copy: the column groups of fk_gemm */
+            for (int c = 0; c < nc; c += LP_GEMM_COLS)
+                fk_gemm(kind, n, s + c * ld_s, ld_s, w, row_bytes, nr, (const uint8_t *)x + c * x_bytes, x_bytes,
+                        nc - c < LP_GEMM_COLS ? nc - c : LP_GEMM_COLS);
+            return;
+        }
+        for (int c = 0; c < nc; c++) {
+            const void *xc = (const uint8_t *)x + c * x_bytes;
+            int j = 0;
+#if defined(FK_AVX512)
+            for (; j + 16 <= n; j += 16) _mm512_storeu_ps(buf + (int64_t)c * n + j, fk_load16(kind, xc, j));
+#elif defined(FK_AVX2)
+            for (; j + 8 <= n; j += 8) _mm256_storeu_ps(buf + (int64_t)c * n + j, fk_load8(kind, xc, j));
+#endif
+            for (; j < n; j++) buf[(int64_t)c * n + j] = fk_at(kind, xc, j);
+        }
+        xf = buf;
+        ldx = n;
+    }
+    const int rb = row_bytes >= FK_PANEL_BYTES / 2 ? 2 : (int)(FK_PANEL_BYTES / row_bytes) & ~1;
+    for (int r0 = 0; r0 < nr; r0 += rb) {
+        const int r1 = r0 + rb < nr ? r0 + rb : nr;
+        for (int c = 0; c < nc; c += FK_TC) {
+            const int C = nc - c >= FK_TC ? FK_TC : nc - c;
+            for (int r = r0; r < r1; r += 2) {
+                const void *wr = (const uint8_t *)w + r * row_bytes;
+                float *sr = s + c * ld_s + r;
+                const float *xr = xf + c * ldx;
+                const int R = r + 1 < r1 ? 2 : 1;
+                /* R and C constants in each call, so that the tile's arrays stay in registers */
+                if (R == 2) {
+                    if (C == 3) fk_tile(kind, n, sr, ld_s, wr, row_bytes, xr, ldx, 2, 3);
+                    else if (C == 2) fk_tile(kind, n, sr, ld_s, wr, row_bytes, xr, ldx, 2, 2);
+                    else fk_tile(kind, n, sr, ld_s, wr, row_bytes, xr, ldx, 2, 1);
+                } else {
+                    if (C == 3) fk_tile(kind, n, sr, ld_s, wr, row_bytes, xr, ldx, 1, 3);
+                    else if (C == 2) fk_tile(kind, n, sr, ld_s, wr, row_bytes, xr, ldx, 1, 2);
+                    else fk_tile(kind, n, sr, ld_s, wr, row_bytes, xr, ldx, 1, 1);
+                }
+            }
+        }
+    }
+    free(buf);
+}
+
 /* BF16 with AVX512_BF16 (ggml's vec_dot_bf16 on such CPUs): vdpbf16ps multiplies 32 bf16 pairs
  * and adds each two neighbouring products into 16 float32 lanes, no conversion at all. The
  * avx512 library is built without -mavx512bf16 (most AVX-512 CPUs lack it), so this body is
@@ -534,6 +665,43 @@ LP_API void lp_gemm_bf16(int n, float *s, int64_t ld_s, const void *w, int64_t r
 #endif
     fk_gemm(FK_BF16, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
 }
+
+/* the panels and F32's gemv only where fk_tile has SIMD bodies: the portable build keeps tiles +
+ * sgemm for prompts and a vec_dot a row for decode */
+#if defined(FK_AVX512) || defined(FK_AVX2)
+/* F32 decode (lp_gemv_fn): the activation row against nr weight rows, 4 at a time (fk_tile 4 x 1:
+ * four streams from memory, each output the vec_dot's bits; SmolLM2 F32 tg128 42.0 -> 47.6 tok/s
+ * on Zen 2). The f16 / bf16 rows keep their vec_dot a row: a 2- or 4-row tile over the activations
+ * converted once measured slower there (82 -> 67 tok/s, not understood). */
+LP_API void lp_gemv_f32(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x) {
+    int r = 0;
+    for (; r + 4 <= nr; r += 4) fk_tile(FK_F32, n, s + r, 0, (const uint8_t *)w + r * row_bytes, row_bytes, x, 0, 4, 1);
+    for (; r < nr; r++) fk_tile(FK_F32, n, s + r, 0, (const uint8_t *)w + r * row_bytes, row_bytes, x, 0, 1, 1);
+}
+
+LP_API void lp_gemm_f32_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
+                              int64_t x_bytes, int nc) {
+    fk_panel(FK_F32, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
+}
+
+LP_API void lp_gemm_f16_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
+                              int64_t x_bytes, int nc) {
+    fk_panel(FK_F16, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
+}
+
+LP_API void lp_gemm_bf16_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,
+                               int64_t x_bytes, int nc) {
+#if defined(FK_BF16DP)
+    if (bf16dp_ok()) { /* vdpbf16ps multiplies bf16 pairs itself: its own order, in groups of columns */
+        for (int c = 0; c < nc; c += LP_GEMM_COLS)
+            bf16dp_gemm(n, s + c * ld_s, ld_s, w, row_bytes, nr, (const uint8_t *)x + c * x_bytes, x_bytes,
+                        nc - c < LP_GEMM_COLS ? nc - c : LP_GEMM_COLS);
+        return;
+    }
+#endif
+    fk_panel(FK_BF16, n, s, ld_s, w, row_bytes, nr, x, x_bytes, nc);
+}
+#endif
 
 /* --- several outputs at once: the q types' lp_gemm_* (lp_quants.h, LP_GEMM_COLS) ------------ */
 

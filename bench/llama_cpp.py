@@ -3,6 +3,7 @@
     python bench/llama_cpp.py build                 # download the sdist with pip and build (cached)
     python bench/llama_cpp.py build --server        # also llama-server (bench/serve_load.py --llama-server)
     python bench/llama_cpp.py build --gguf-split    # also llama-gguf-split (tests/model/test_split_files.py)
+    python bench/llama_cpp.py build --speculative   # also llama-speculative-simple (bench/spec_speed.py)
     python bench/llama_cpp.py where                 # print the tool paths, or why there are none
     python bench/llama_cpp.py bench MODEL           # llama-bench -p 512 -n 128 -t 2 -o json
     python bench/llama_cpp.py completion MODEL      # llama-completion: load time, eval, peak RSS
@@ -195,6 +196,12 @@ def build_embedding(jobs: int = 2, timeout: float | None = None) -> Path:
     return _build_extra("llama-embedding", ["-DLLAMA_BUILD_EXAMPLES=ON"], jobs, timeout)
 
 
+def build_speculative(jobs: int = 2, timeout: float | None = None) -> Path:
+    """llama-speculative-simple (an example program) in the same build directory: a draft
+    model's or n-gram speculative decoding of one prompt (bench/spec_speed.py). Idempotent."""
+    return _build_extra("llama-speculative-simple", ["-DLLAMA_BUILD_EXAMPLES=ON"], jobs, timeout)
+
+
 def find_gguf_split() -> Path | None:
     """llama-gguf-split next to the other tools, or None."""
     return _find_extra("llama-gguf-split")
@@ -367,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("-j", "--jobs", type=int, default=2)
     b.add_argument("--server", action="store_true", help="also build llama-server (no web UI)")
     b.add_argument("--gguf-split", action="store_true", help="also build llama-gguf-split")
+    b.add_argument("--speculative", action="store_true", help="also build llama-speculative-simple")
     sub.add_parser("where", help="print the tool paths")
     pb = sub.add_parser("bench", help="llama-bench -p 512 -n 128 -o json")
     pb.add_argument("model")
@@ -381,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         tools = build(jobs=a.jobs)
         server = {"llama-server": str(build_server(jobs=a.jobs))} if a.server else {}
         split = {"llama-gguf-split": str(build_gguf_split(jobs=a.jobs))} if a.gguf_split else {}
+        if a.speculative:
+            split["llama-speculative-simple"] = str(build_speculative(jobs=a.jobs))
         print(json.dumps({k: str(v) for k, v in tools.items()} | server | split | {"build": build_info()}, indent=2))
         return 0
     tools = find_tools()

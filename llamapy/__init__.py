@@ -14,10 +14,11 @@ from .api import Llama
 from .context import Context, ContextOptions, Model, ModelOptions
 from .generate import Chunk, GenerationResult, generate, perplexity_chunks, stream
 from .model.constrain import ConstraintError, ConstraintSpec
+from .speculative import LlamaPromptLookupDecoding, SpecParams
 from .types import GGMLType, LlamapyError
 
 __all__ = [
     "Llama", "Model", "Context", "ModelOptions", "ContextOptions", "Chunk", "GenerationResult",
     "generate", "stream", "perplexity_chunks", "GGMLType", "LlamapyError", "ConstraintSpec", "ConstraintError",
-    "__version__",
+    "LlamaPromptLookupDecoding", "SpecParams", "__version__",
 ]  # fmt: skip

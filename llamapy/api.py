@@ -5,11 +5,13 @@ layer over it.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +27,7 @@ from .generate import (
 )
 from .model.constrain import ConstraintError, ConstraintSpec, compile_constraint, response_format_spec
 from .model.sampler import SamplingParams
+from .speculative import CallableDrafter, Drafter, ModelDrafter, NgramDrafter, SpecParams, check_vocab_compatible
 from .types import ContextFullError, LlamapyError
 
 
@@ -49,6 +52,11 @@ class Llama:
         embedding: bool = False,  # llama-cpp-python's switch: every Llama here embeds, so it changes nothing
         lora_path: str | os.PathLike[str] | None = None,  # llama-cpp-python's: one LoRA adapter
         lora_scale: float = 1.0,
+        # speculative decoding: llama-cpp-python's draft model (LlamaPromptLookupDecoding(...) or any
+        # callable of the ids), a speculative.Drafter, or a draft GGUF's path (llama.cpp's -md)
+        draft_model: Any = None,
+        spec: SpecParams | None = None,  # with a draft GGUF: n_max, n_min, p_min
+        draft_n_gpu_layers: int | str | None = None,  # with a draft GGUF (-ngld); None: as the model
     ) -> None:
         if model_path is None:
             from .model.fetch import default_model_path
@@ -71,12 +79,14 @@ class Llama:
         self._model: Model | None = None
         self._ctx: Context | None = None
         self._serving_engine = None  # the create_* methods' one-slot engine, made on first use
+        self.draft: Drafter | None = None  # speculative decoding's drafter (set_draft)
         self._model = Model(self.path, mo, co)
         try:
             self._ctx = Context(self._model, co)
+            if draft_model is not None or (spec is not None and spec.type != "none"):
+                self.set_draft(draft_model, spec, mo.n_gpu_layers if draft_n_gpu_layers is None else draft_n_gpu_layers)
         except BaseException:
-            self._model.free()
-            self._model = None
+            self.close()
             raise
 
     # every entry point goes through these two: after close() they raise one clear error
@@ -104,12 +114,43 @@ class Llama:
         """Free every buffer (device memory included) and unmap the model and cache files.
         Idempotent; any later call raises LlamapyError. Garbage collection of an unclosed
         Llama releases the same memory (the mappings go with their last view)."""
-        ctx, model = self._ctx, self._model
-        self._ctx = self._model = self._serving_engine = None
+        ctx, model, draft = self._ctx, self._model, self.draft
+        self._ctx = self._model = self._serving_engine = self.draft = None
+        if draft is not None:
+            draft.close()
         if ctx is not None:
             ctx.free()
         if model is not None:
             model.free()
+
+    def set_draft(self, draft_model: Any = None, spec: SpecParams | None = None, n_gpu_layers: int | str = 0) -> None:
+        """Decode speculatively from now on (see __init__'s `draft_model`; None with `spec.type`
+        "ngram-simple": llama.cpp's n-gram drafter), or, with neither, not at all. A draft GGUF
+        is loaded with this context's options and must share the vocabulary."""
+        spec = spec or SpecParams(type="draft-simple" if isinstance(draft_model, (str, os.PathLike)) else "none")
+        spec.check()
+        old, self.draft, self._serving_engine = self.draft, None, None
+        if old is not None:
+            old.close()
+        if isinstance(draft_model, (str, os.PathLike)):
+            if spec.type != "draft-simple":
+                raise LlamapyError(f"--spec-type {spec.type}: a draft model (-md) drafts with draft-simple")
+            draft = Llama(draft_model, context_options=dataclasses.replace(self.ctx.options, n_ctx=self.ctx.n_ctx),
+                          n_gpu_layers=n_gpu_layers)  # fmt: skip
+            try:
+                check_vocab_compatible(self.tokenizer, draft.tokenizer)
+            except BaseException:
+                draft.close()
+                raise
+            self.draft = ModelDrafter(draft.ctx, spec.n_max, spec.n_min, spec.p_min, self.model.params.n_vocab, owner=draft)
+        elif draft_model is not None:
+            if spec.type not in ("none", "draft-simple"):
+                raise LlamapyError(f"--spec-type {spec.type} and a draft model: give one")
+            self.draft = draft_model if hasattr(draft_model, "draft") else CallableDrafter(draft_model, self.model.params.n_vocab)
+        elif spec.type == "ngram-simple":
+            self.draft = NgramDrafter(spec.ngram_n, spec.ngram_m)
+        elif spec.type == "draft-simple":
+            raise LlamapyError("--spec-type draft-simple needs a draft model (-md FNAME)")
 
     def __enter__(self) -> Llama:
         return self
@@ -162,7 +203,7 @@ class Llama:
         if constraint is not None:
             compile_constraint(constraint, self.tokenizer)  # an invalid one raises now (then cached)
         return stream(ctx, self._tokens(prompt), n_predict, SamplingParams(**sampling), result,  # type: ignore[arg-type]
-                      constraint=constraint)  # fmt: skip
+                      constraint=constraint, draft=self.draft)  # fmt: skip
 
     def generate(
         self,
@@ -171,7 +212,8 @@ class Llama:
         constraint: ConstraintSpec | None = None,
         **sampling: float | int,
     ) -> GenerationResult:
-        return generate(self.ctx, self._tokens(prompt), n_predict, SamplingParams(**sampling), constraint)  # type: ignore[arg-type]
+        return generate(self.ctx, self._tokens(prompt), n_predict, SamplingParams(**sampling), constraint,  # type: ignore[arg-type]
+                        draft=self.draft)  # fmt: skip
 
     def warmup(self) -> float:
         """One throw-away decode, then an empty cache (llama.cpp's common_init warm-up run): the
@@ -276,7 +318,7 @@ class Llama:
         if eng is None:
             from .engine import Engine
 
-            eng = self._serving_engine = Engine(self.ctx, n_parallel=1)
+            eng = self._serving_engine = Engine(self.ctx, n_parallel=1, draft=self.draft)
         eng.lora = self.ctx.lora_scales  # what ctx.set_lora_scales last said
         return eng
 

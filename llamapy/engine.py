@@ -70,6 +70,7 @@ if TYPE_CHECKING:  # asyncio is imported where a server uses it: ~1.5 MiB (ssl) 
 from .model.constrain import CompiledConstraint, ConstraintSpec, Matcher, compile_constraint
 from .model.kv_cache import MAX_SHARE_SEQ
 from .model.sampler import Sampler, SamplingParams
+from .speculative import Drafter
 from .types import ContextFullError, DeviceLostError, LlamapyError
 
 __all__ = [
@@ -146,6 +147,8 @@ class Timings:
     predicted_ms: float = 0.0
     sample_ms: float = 0.0  # of predicted_ms, spent sampling
     n_eval: int = 0  # decodes after the prompt (llama_perf_context_print's "eval" runs)
+    draft_n: int = 0  # tokens a drafter guessed (speculative decoding)
+    draft_n_accepted: int = 0  # of them, kept
 
     def to_dict(self) -> dict[str, float]:
         def rate(n: int, ms: float) -> float:
@@ -159,6 +162,8 @@ class Timings:
             "predicted_n": self.predicted_n,
             "predicted_ms": round(self.predicted_ms, 3),
             "predicted_per_second": round(rate(self.predicted_n, self.predicted_ms), 3),
+            # llama-server's, only where something was drafted
+            **({"draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted} if self.draft_n else {}),
         }
 
 
@@ -214,6 +219,10 @@ class EngineMetrics:
     # not llama-server's: prompt tokens whose cells another slot's sequence shared (seq_cp); part
     # of prompt_tokens_cached_total
     prompt_tokens_shared_total: int = 0
+    # speculative decoding (llama-server's spec_decode_num_draft_tokens_total / _accepted_tokens_)
+    n_draft_tokens_total: int = 0
+    n_draft_accepted_total: int = 0
+    n_drafts_total: int = 0  # verification steps (drafts of at least one token)
 
 
 Sink = Callable[[Event], None]
@@ -243,6 +252,8 @@ class _Job:
     stop_word: str | None = None
     sample_ms: float = 0.0
     lora: tuple[float, ...] = ()  # the adapters' scales it runs with
+    n_drafted: int = 0  # speculative decoding: tokens guessed for it, and of them kept
+    n_accepted: int = 0
 
 
 @dataclass
@@ -306,9 +317,11 @@ class Engine:
         max_queue: int = 64,
         cache_bytes: int | None = None,
         first_seq: int = 0,
+        draft: Drafter | None = None,
     ) -> None:
         """`n_ctx_slot` defaults to the context divided among the slots; slot i decodes as KV
-        sequence `first_seq + i`. `cache_bytes` bounds what idle slots keep (default: all)."""
+        sequence `first_seq + i`. `cache_bytes` bounds what idle slots keep (default: all).
+        `draft`: speculative decoding's guesses (speculative.py), verified a step at a time."""
         if n_parallel < 1:
             raise LlamapyError(f"-np {n_parallel}: the number of slots must be >= 1")
         n_slot = n_ctx_slot if n_ctx_slot is not None else ctx.n_ctx // n_parallel
@@ -327,6 +340,7 @@ class Engine:
         # default: what every idle slot could hold, i.e. unbounded within the slots' cells
         self.cache_bytes = cache_bytes if cache_bytes is not None else n_slot * n_parallel * self.bytes_per_token
         self.metrics = EngineMetrics()
+        self.draft = draft
         # the LoRA scales of requests that name none (llama-server's POST /lora-adapters sets them)
         self.lora: tuple[float, ...] = ctx.lora_scales
         self.slots = [_Slot(i, first_seq + i, lora=self.lora) for i in range(n_parallel)]
@@ -617,16 +631,20 @@ class Engine:
         # LoRA scales): one decode each
         calls: list[tuple[list[int], list[int], list[int], list[bool], list[_Slot], list[tuple[_Slot, int]], tuple[float, ...]]] = []
         gen = [s for s in busy if s.job is not None and s.job.pending >= 0]  # one token each
+        # and, with a drafter, its guesses of the next ones (verified by the rows' samples)
+        drafts = {s.id: self._guess(s) for s in gen} if self.draft is not None else {}
+        gen = [s for s in gen if s.job is not None]  # (a drafter's failure ends its request)
         for lora in dict.fromkeys(s.job.lora for s in gen):  # type: ignore[union-attr]
             g = [s for s in gen if s.job.lora == lora]  # type: ignore[union-attr]
-            calls.append(([s.job.pending for s in g], [len(s.cached) for s in g],  # type: ignore[union-attr]
-                          [s.seq for s in g], [True] * len(g), g, [], lora))  # fmt: skip
-        n_tokens = len(gen)
+            toks = [t for s in g for t in (s.job.pending, *drafts.get(s.id, ()))]  # type: ignore[union-attr]
+            pos = [len(s.cached) + i for s in g for i in range(1 + len(drafts.get(s.id, ())))]
+            seqs = [s.seq for s in g for _ in range(1 + len(drafts.get(s.id, ())))]
+            calls.append((toks, pos, seqs, [True] * len(toks), g, [], lora))
+        n_tokens = sum(len(c[0]) for c in calls)
         one = self.ctx.batch_invariant()  # one micro-batch for the whole step
         for s in busy:  # then chunks of the prompts still to evaluate
             job = s.job
-            assert job is not None
-            if job.n_done >= len(job.prompt):
+            if job is None or job.n_done >= len(job.prompt):
                 continue
             self._share_prefix(s)  # what another slot evaluated since this request started
             if self._waits(s):
@@ -687,12 +705,15 @@ class Engine:
                     m.prompt_seconds_total += t1 - job.t_start
                     if job.req.max_tokens == 0:
                         self._finish(s, "length")
-            for s, row in zip(rows, logits):
+            r = 0
+            for s in rows:
+                d = drafts.get(s.id, [])
                 try:
-                    self._sample(s, row)
+                    self._sample_drafted(s, logits[r : r + 1 + len(d)], d)
                 except Exception as e:  # noqa: BLE001 - a request whose sampling fails ends alone
                     if s.job is not None:
                         self._finish(s, "error", error=f"sampling failed: {type(e).__name__}: {e}", drop=True)
+                r += 1 + len(d)
         for s in self.slots:
             m.n_tokens_max = max(m.n_tokens_max, len(s.cached))
         return True
@@ -700,6 +721,42 @@ class Engine:
     def _decode(self, toks: list[int], pos: list[int], seqs: list[int], want: list[bool]) -> np.ndarray:
         out = self.ctx.decode(np.asarray(toks, np.int32), np.asarray(pos, np.int64), np.asarray(seqs, np.int64), np.asarray(want, bool))
         return out
+
+    def _guess(self, s: _Slot) -> list[int]:
+        """The drafter's guess of the tokens after slot `s`'s pending one, as many as its slot and
+        its request's max_tokens leave room for (llama-server's get_n_draft_max)."""
+        job = s.job
+        assert job is not None and self.draft is not None
+        room = self.n_ctx_slot - len(s.cached) - 2
+        if job.req.max_tokens > 0:
+            room = min(room, job.req.max_tokens - len(job.tokens) - 1)
+        if room <= 0:
+            return []
+        try:
+            d = self.draft.draft(s.seq, [*s.cached, job.pending], room)[:room]
+        except Exception as e:  # noqa: BLE001 - a failing drafter ends its request, not the engine
+            self._finish(s, "error", error=f"drafting failed: {type(e).__name__}: {e}", drop=True)
+            return []
+        job.n_drafted += len(d)
+        self.metrics.n_draft_tokens_total += len(d)
+        self.metrics.n_drafts_total += bool(d)
+        return d
+
+    def _sample_drafted(self, s: _Slot, rows: np.ndarray, draft: Sequence[int]) -> None:
+        """Sample the rows of a pending token and its draft in order (common_sampler_sample_and_accept_n):
+        while a row's token is the draft's next guess, that guess's K/V, already in the cache, is
+        kept and the next row sampled; the cells of the guesses not kept are dropped."""
+        for i, row in enumerate(rows):
+            self._sample(s, row)
+            job = s.job
+            if i == len(draft) or job is None or job.pending != draft[i]:
+                break
+            s.cached.append(job.pending)
+            job.pending = -1
+            job.n_accepted += 1
+            self.metrics.n_draft_accepted_total += 1
+        if len(draft):
+            self.ctx.kv.seq_rm(s.seq, len(s.cached))
 
     def _sample(self, s: _Slot, row: np.ndarray) -> None:
         job = s.job
@@ -786,6 +843,8 @@ class Engine:
             predicted_ms=(now - t_first) * 1e3 if job.t_prompt_end else 0.0,
             sample_ms=job.sample_ms,
             n_eval=max(0, len(s.cached) - len(job.prompt)) if job.t_prompt_end else 0,
+            draft_n=job.n_drafted,
+            draft_n_accepted=job.n_accepted,
         )
         self.metrics.tokens_predicted_seconds_total += timings.predicted_ms / 1e3
         usage = Usage(len(job.prompt), len(job.tokens), job.n_cached)

@@ -19,6 +19,7 @@ from .context import Context
 from .engine import Engine, Request
 from .model.constrain import ConstraintSpec
 from .model.sampler import SamplingParams
+from .speculative import Drafter
 from .types import LlamapyError
 
 
@@ -42,6 +43,8 @@ class Timings:
     n_eval: int = 0
     sample_ms: float = 0.0
     n_sample: int = 0
+    n_drafted: int = 0  # speculative decoding: tokens guessed, and of them kept
+    n_accepted: int = 0
 
 
 @dataclass
@@ -70,6 +73,7 @@ def stream(
     cached: Sequence[int] = (),
     special: bool = False,
     constraint: ConstraintSpec | None = None,
+    draft: Drafter | None = None,
 ) -> Iterator[Chunk]:
     """Evaluate the prompt, then sample until an end-of-generation token, `n_predict` tokens
     (-1: no limit, -2: until the context is full) or a full context.
@@ -80,6 +84,7 @@ def stream(
     `special`: special tokens are rendered as their text (llama.cpp's --special).
     `constraint`: a grammar / JSON schema the output must match (ConstraintError before anything
     is evaluated when it is invalid).
+    `draft`: speculative decoding's drafter (speculative.py).
     """
     check_n_predict(n_predict)
     res = result if result is not None else GenerationResult()
@@ -90,7 +95,7 @@ def stream(
         raise LlamapyError(f"the prompt is {len(prompt_tokens)} tokens, longer than the context (-c {ctx.n_ctx})")
     # one slot over the whole context, decoding as sequence `seq`: the serving engine's loop,
     # driven from this thread
-    engine = Engine(ctx, n_parallel=1, n_ctx_slot=ctx.n_ctx, first_seq=seq)
+    engine = Engine(ctx, n_parallel=1, n_ctx_slot=ctx.n_ctx, first_seq=seq, draft=draft)
     engine.assume_cached(0, cached)
     max_tokens = n_predict if n_predict >= 0 else -1  # -1 and -2: until the end or a full context
     req = Request([int(t) for t in prompt_tokens], max_tokens, sampling or SamplingParams(), special=special,
@@ -113,6 +118,7 @@ def stream(
         res.timings.n_sample = len(res.tokens) + (ev.finish_reason == "stop")
         res.timings.eval_ms = max(0.0, t.predicted_ms - t.sample_ms)
         res.timings.n_eval = t.n_eval
+        res.timings.n_drafted, res.timings.n_accepted = t.draft_n, t.draft_n_accepted
         if ev.text:
             res.text += ev.text
             yield Chunk(res.tokens[-1] if res.tokens else -1, ev.text, len(res.tokens))
@@ -124,9 +130,10 @@ def generate(
     n_predict: int = -1,
     sampling: SamplingParams | None = None,
     constraint: ConstraintSpec | None = None,
+    draft: Drafter | None = None,
 ) -> GenerationResult:
     res = GenerationResult()
-    for _ in stream(ctx, prompt_tokens, n_predict, sampling, res, constraint=constraint):
+    for _ in stream(ctx, prompt_tokens, n_predict, sampling, res, constraint=constraint, draft=draft):
         pass
     return res
 

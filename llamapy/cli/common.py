@@ -28,6 +28,15 @@ LORA_SCALED = typer.Option(None, "--lora-scaled", metavar="FNAME:SCALE", help="L
 CVEC = typer.Option(None, "--control-vector", metavar="FNAME", help="control vector, strength 1 (repeatable; comma-separated)")
 CVEC_SCALED = typer.Option(None, "--control-vector-scaled", metavar="FNAME:SCALE", help="control vector with a strength (repeatable; comma-separated)")
 CVEC_RANGE = typer.Option((0, 0), "--control-vector-layer-range", metavar="START END", help="layers the control vectors apply to, inclusive (default: 1 to n_layer)")
+# speculative decoding (common/arg.cpp's --spec-* names and defaults)
+MODEL_DRAFT = typer.Option(None, "-md", "--model-draft", "--spec-draft-model", metavar="FNAME", help="draft model for speculative decoding (same vocabulary; default: unused)")
+SPEC_TYPE = typer.Option(None, "--spec-type", metavar="TYPE", help="speculative decoding: none, draft-simple or ngram-simple (default: draft-simple with -md, else none)")
+SPEC_N_MAX = typer.Option(3, "--spec-draft-n-max", metavar="N", help="most tokens the draft model guesses a step")
+SPEC_N_MIN = typer.Option(0, "--spec-draft-n-min", metavar="N", help="a shorter draft is not used")
+SPEC_P_MIN = typer.Option(0.0, "--spec-draft-p-min", "--draft-p-min", metavar="P", help="the draft stops at a token less likely than P (greedy)")
+NGLD = typer.Option(None, "-ngld", "--spec-draft-ngl", "--gpu-layers-draft", "--n-gpu-layers-draft", metavar="N", help="draft model layers to offload: N, 'all' or 'auto' (default: as -ngl)")
+SPEC_NGRAM_N = typer.Option(12, "--spec-ngram-simple-size-n", metavar="N", help="ngram-simple: tokens looked up earlier in the text")
+SPEC_NGRAM_M = typer.Option(48, "--spec-ngram-simple-size-m", metavar="M", help="ngram-simple: most tokens guessed after a match")
 TS = typer.Option(None, "-ts", "--tensor-split", metavar="N,N,…", help="offloaded layers per GPU, e.g. 3,1 (default: by free memory)")
 MG = typer.Option(0, "-mg", "--main-gpu", help="the GPU used when not splitting")
 CTX = typer.Option(4096, "-c", "--ctx-size", help="context size (0 = the model's)")
@@ -261,6 +270,41 @@ def adapters(lora: list[str] | None, lora_scaled: list[str] | None, cvec: list[s
     """ModelOptions' LoRA and control-vector fields from their flags."""
     return dict(lora=parse_scaled(lora, lora_scaled), control_vectors=parse_scaled(cvec, cvec_scaled, "--control-vector"),
                 control_vector_layers=tuple(cvec_range))  # fmt: skip
+
+
+def spec_params(model_draft: str | None, spec_type: str | None, n_max: int, n_min: int, p_min: float,
+                ngram_n: int, ngram_m: int) -> Any:  # fmt: skip
+    """The SpecParams the --spec-* flags and -md give, checked before anything loads."""
+    from ..speculative import SpecParams
+
+    spec = SpecParams(spec_type or ("draft-simple" if model_draft else "none"), n_max, n_min, p_min, ngram_n, ngram_m)
+    spec.check()
+    if model_draft is not None and spec.type != "draft-simple":
+        raise LlamapyError(f"-md {model_draft}: a draft model drafts with --spec-type draft-simple, not {spec.type}")
+    if spec.type == "draft-simple" and model_draft is None:
+        raise LlamapyError("--spec-type draft-simple needs a draft model (-md FNAME)")
+    if model_draft is not None and not Path(model_draft).is_file():
+        raise LlamapyError(f"-md {model_draft}: no such file")
+    return spec
+
+
+def speculative(llm: Any, spec: Any, model_draft: str | None, ngld: str | None, ngl: str | None) -> None:
+    """Give `llm` the drafter of `spec` (spec_params) and log it as llama.cpp does."""
+    if spec.type == "none":
+        return
+    llm.set_draft(model_draft, spec, parse_ngl(ngld if ngld is not None else ngl))
+    if model_draft is not None:
+        log(f"common_speculative_init: draft model {model_draft}")
+        log_load(llm.draft.owner)
+        log(f"common_speculative_init: draft-simple: n_max = {spec.n_max}, n_min = {spec.n_min}, p_min = {spec.p_min:.2f}")
+    else:
+        log(f"common_speculative_init: ngram-simple: size_n = {spec.ngram_n}, size_m = {spec.ngram_m}")
+
+
+def log_draft(t: Any) -> None:
+    """The draft's acceptance (llama-server's slot summary line)."""
+    if t.n_drafted:
+        log(f"draft acceptance = {t.n_accepted / t.n_drafted:0.5f} ({t.n_accepted:5d} accepted / {t.n_drafted:5d} generated)")
 
 
 def load(

@@ -247,6 +247,14 @@ def run(
     control_vector: list[str] = common.CVEC,
     control_vector_scaled: list[str] = common.CVEC_SCALED,
     control_vector_layer_range: tuple[int, int] = common.CVEC_RANGE,
+    model_draft: str = common.MODEL_DRAFT,
+    spec_type: str = common.SPEC_TYPE,
+    spec_n_max: int = common.SPEC_N_MAX,
+    spec_n_min: int = common.SPEC_N_MIN,
+    spec_p_min: float = common.SPEC_P_MIN,
+    ngld: str = common.NGLD,
+    spec_ngram_n: int = common.SPEC_NGRAM_N,
+    spec_ngram_m: int = common.SPEC_NGRAM_M,
     ts: str = common.TS,
     mg: int = common.MG,
     ctk: str = common.CTK,
@@ -278,6 +286,7 @@ def run(
     if file is not None and text == "":
         raise LlamapyError(f"-f {file}: the file is empty")
     spec = common.constraint(grammar, grammar_file, json_schema, json_schema_file)
+    spec_p = common.spec_params(model_draft, spec_type, spec_n_max, spec_n_min, spec_p_min, spec_ngram_n, spec_ngram_m)
     chat = _ChatFlags.parse(reasoning_format, reasoning, reasoning_budget, chat_template_kwargs)
     if chat.given and (conversation is False or conversation is None and text is not None):
         raise LlamapyError(f"{chat.given[0]}: only conversation mode (-cnv) renders a chat template; -p alone is a raw completion")
@@ -291,6 +300,7 @@ def run(
     )  # fmt: skip
     llm = common.load(model, model_opt, ngl, common.with_expert_overrides(ot, cpu_moe, n_cpu_moe), ts, mg, ctx_size, batch, ubatch, threads, ctk, ctv, nkvo, no_op_offload, device,
                       f32_activations=f32_activations, extra=common.adapters(lora, lora_scaled, control_vector, control_vector_scaled, control_vector_layer_range))
+    common.speculative(llm, spec_p, model_draft, ngld, ngl)
     if spec is not None:
         from ..model.constrain import compile_constraint
 
@@ -325,7 +335,7 @@ def run(
     res = GenerationResult()
     t0 = time.perf_counter()
     interrupted = False
-    gen = stream(llm.ctx, tokens, n_predict, sampling, res, special=special, constraint=spec)
+    gen = stream(llm.ctx, tokens, n_predict, sampling, res, special=special, constraint=spec, draft=llm.draft)
     try:
         for chunk in gen:
             if chunk.text:
@@ -345,6 +355,7 @@ def run(
         log("context full: generation stopped (raise -c to generate more)")
     log()
     common.log_timings(llm, res.timings, (time.perf_counter() - t0) * 1e3 + res.timings.load_ms)
+    common.log_draft(res.timings)
     if interrupted:
         log("interrupted")
         raise SystemExit(130)
@@ -468,7 +479,8 @@ def _conversation(
                 _log_prompt(tok, text, tokens)
             reply, view = tc.ReplyStream(tc.Syntax.of_reply(fmt, template.source, text)), _ReplyView(chat.raw)
             stops = _ReversePrompts(reverse_prompt)
-            gen = stream(llm.ctx, tokens, n_predict, sampling, res, cached=cached, special=special, constraint=spec)
+            gen = stream(llm.ctx, tokens, n_predict, sampling, res, cached=cached, special=special, constraint=spec,
+                         draft=llm.draft)  # fmt: skip
             try:
                 for chunk in gen:
                     view.show(reply.feed(chunk.text), chunk.text)

@@ -113,6 +113,14 @@ def serve(
     control_vector: list[str] = common.CVEC,
     control_vector_scaled: list[str] = common.CVEC_SCALED,
     control_vector_layer_range: tuple[int, int] = common.CVEC_RANGE,
+    model_draft: str = common.MODEL_DRAFT,
+    spec_type: str = common.SPEC_TYPE,
+    spec_n_max: int = common.SPEC_N_MAX,
+    spec_n_min: int = common.SPEC_N_MIN,
+    spec_p_min: float = common.SPEC_P_MIN,
+    ngld: str = common.NGLD,
+    spec_ngram_n: int = common.SPEC_NGRAM_N,
+    spec_ngram_m: int = common.SPEC_NGRAM_M,
     ts: str = common.TS,
     mg: int = common.MG,
     ctk: str = common.CTK,
@@ -156,8 +164,11 @@ def serve(
         if pooling is not None and pooling not in POOLING:
             raise LlamapyError(f"--pooling {pooling}: expected one of {', '.join(POOLING)}")
         check_embd_norm(embd_normalize)  # a bad N is refused now
+        if model_draft is not None or spec_type not in (None, "none"):
+            raise LlamapyError("--embeddings serves no completions: speculative decoding (-md, --spec-type) has nothing to draft")
     elif pooling is not None:
         raise LlamapyError("--pooling needs --embeddings")
+    spec_p = common.spec_params(model_draft, spec_type, spec_n_max, spec_n_min, spec_p_min, spec_ngram_n, spec_ngram_m)
     key = _api_key(api_key, api_key_file)
     path = common.resolve_model(model, model_opt)
     if "OMP_WAIT_POLICY" not in os.environ:
@@ -190,12 +201,13 @@ def serve(
 
                 state.pooling = pooling_name(pooling, llm.model)
                 log(f"srv load_model: embeddings only, pooling {state.pooling}, normalisation {embd_normalize}")
+            common.speculative(llm, spec_p, model_draft, ngld, ngl)
             if not no_warmup:
                 log(f"common_init: warm-up run (compiled-kernel load) = {llm.warmup():.2f} ms")
             cache_bytes = None if cache_ram < 0 else cache_ram * 2**20
             if lora_init_without_apply:
                 llm.ctx.set_lora_scales([0.0] * len(llm.model.adapters))
-            engine = Engine(llm.ctx, n_parallel, ctx_size, max_queue, cache_bytes)
+            engine = Engine(llm.ctx, n_parallel, ctx_size, max_queue, cache_bytes, draft=llm.draft)
             engine.start()
             holder["engine"] = engine
             state.attach(llm, engine)

@@ -462,6 +462,9 @@ def prometheus(engine: Engine) -> str:
         ("tokens_predicted_seconds_total", "Total time spent generating tokens", m.tokens_predicted_seconds_total),
         ("n_decode_total", "Total number of llama_decode() calls", m.n_decode_total),
         ("n_tokens_max", "Largest observed sequence length (prompt + generation)", m.n_tokens_max),
+        ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", m.n_draft_tokens_total),
+        ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model", m.n_draft_accepted_total),
+        ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps", m.n_drafts_total),
     ]
 
     def rate(n: float, s: float) -> float:

@@ -118,5 +118,8 @@ def test_code_size_budget() -> None:
     # reading, summing and checks, layers.cvec, the three flags, the load log, ~+100) and the
     # logit-bias, typical, top-n-sigma, XTC and mirostat v1/v2 samplers (the sampler stages,
     # their flags, the server's logit_bias forms and fields, llama-cpp-python's mirostat_mode,
-    # ~+160)
-    assert total <= 16980, f"llamapy/ has {total} lines of code"
+    # ~+160); raised at stop 37 (16980 -> 17300) for speculative decoding (speculative.py: the
+    # draft-simple, ngram-simple, prompt-lookup and callable drafters, the vocabulary check; the
+    # engine's draft verification and counters; -md and the --spec-* flags on run and serve;
+    # Llama's draft_model / set_draft; llama-server's draft timings and metrics, ~+310)
+    assert total <= 17300, f"llamapy/ has {total} lines of code"

@@ -515,12 +515,14 @@ def test_float_panels_are_vec_dots(lib: ctypes.CDLL, name: str) -> None:
     """lp_gemm_<f32|f16|bf16>_panel (the float types' prompt kernels, AVX2 and AVX-512: the
     activations converted to float32 once, 2 x 3 tiles): every output its vec_dot's bit for bit for
     column counts around the tile's 3, odd row counts, a row length with every SIMD step and a
-    scalar tail, and enough rows for several blocks of FK_PANEL_BYTES (96 KiB: 56 F16 rows of 871)."""
+    scalar tail, and rows long enough for several blocks of FK_PANEL_BYTES (2 MiB: 32 F32 rows of
+    16391, 64 F16 ones)."""
     sym = GEMM_NAMES[name] + "_panel"
     if not hasattr(lib, "lp_gemm_" + sym):
         assert "avx" not in os.path.basename(lib._name)  # the AVX2 and AVX-512 builds have them
         pytest.skip(f"this library has no lp_gemm_{sym}")
     check_gemm(lib, name, sym, 61, 871, n_cols=13, ncs=(1, 2, 3, 4, 5, 7, 13), nrs=(1, 2, 3, 5, 61), seed=17)
+    check_gemm(lib, name, sym, 131, 16391, n_cols=4, ncs=(4,), nrs=(131,), seed=19)
 
 
 def test_bf16_without_avx512_bf16(tmp_path: "os.PathLike[str]") -> None:

@@ -29,6 +29,13 @@ A request's `constraint` (model/constrain.py) masks its rows before its sampler 
 own matcher: requests in one step are constrained each on its own; a complete grammar ends the
 request with "stop".
 
+Speculative decoding (`draft`, speculative.py): a generating slot's pending token goes into the
+step with the drafter's guesses of the tokens after it (as many as its slot and max_tokens leave
+room for); its rows are sampled in order with the request's chain and matcher, each guess kept
+while the sample equals it, and the cells of the guesses not kept are removed. Every token is
+still the request's own sample from the target's logits, so where the context is batch-invariant
+the text is the one decoding alone gives.
+
 Prompt cache: an idle slot keeps the K/V of the tokens it last held; a new request goes to the free
 slot sharing the longest prefix with its prompt and only the rest is evaluated. What idle slots keep
 is bounded in bytes (`cache_bytes`): past it, the least recently used slot's cells are dropped.

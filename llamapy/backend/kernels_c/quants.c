@@ -444,7 +444,7 @@ LP_INLINE void fk_gemm(int kind, int n, float *s, int64_t ld_s, const void *w, i
  * same accumulators, steps and reduction as fk_cols, so each is bit-identical to the vec_dot; what
  * the tile saves is loads (and f16 conversions) — each weight vector serves C columns and each
  * activation vector R rows, where fk_cols reloads and converts the activations for every row. */
-#define FK_TR 4
+#define FK_TR 2 /* rows of a tile (fk_panel: 2 x 3) */
 #define FK_TC 3
 LP_INLINE void fk_tile(int kind, int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, const float *xf,
                        int64_t ldx, int R, int C) {
@@ -671,14 +671,56 @@ LP_API void lp_gemm_bf16(int n, float *s, int64_t ld_s, const void *w, int64_t r
 /* the panels and F32's gemv only where fk_tile has SIMD bodies: the portable build keeps tiles +
  * sgemm for prompts and a vec_dot a row for decode */
 #if defined(FK_AVX512) || defined(FK_AVX2)
-/* F32 decode (lp_gemv_fn): the activation row against nr weight rows, 4 at a time (fk_tile 4 x 1:
- * four streams from memory, each output the vec_dot's bits; SmolLM2 F32 tg128 42.0 -> 47.6 tok/s
- * on Zen 2). The f16 / bf16 rows keep their vec_dot a row: a 2- or 4-row tile over the activations
- * converted once measured slower there (82 -> 67 tok/s, not understood). */
+/* F32 decode (lp_gemv_fn): the activation row against nr weight rows, 4 at a time (four streams
+ * from memory; each output fk_cols' accumulators, steps and reduction, so the vec_dot's bits):
+ * SmolLM2 F32 tg128 42.0 -> 44-47 tok/s on Zen 2. Its own body rather than fk_tile 4 x 1: fk_tile's
+ * arrays sized for 4 rows kept the 2 x 3 prompt tiles' accumulators in memory (F16 pp512 335 ->
+ * 280). The f16 / bf16 rows keep their vec_dot a row: a 2- or 4-row tile over the activations
+ * converted once measured slower there (82 -> 67 tok/s). */
+LP_INLINE void fk_rows4_f32(int n, float *s, const void *w, int64_t row_bytes, const float *x) {
+    const float *wr[4];
+    for (int r = 0; r < 4; r++) wr[r] = (const float *)((const uint8_t *)w + r * row_bytes); /* (any row_bytes) */
+    float sum[4];
+    int i = 0;
+#if defined(FK_AVX512)
+    __m512 a[4][4];
+    for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps();
+    for (; i + 64 <= n; i += 64) {
+        for (int r = 0; r < 4; r++) lp_pf_ahead(wr[r] + i, 256);
+        for (int q = 0; q < 4; q++) {
+            const __m512 xv = _mm512_loadu_ps(x + i + 16 * q);
+            for (int r = 0; r < 4; r++) a[r][q] = _mm512_fmadd_ps(_mm512_loadu_ps(wr[r] + i + 16 * q), xv, a[r][q]);
+        }
+    }
+    for (; i + 16 <= n; i += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + i);
+        for (int r = 0; r < 4; r++) a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(wr[r] + i), xv, a[r][0]);
+    }
+    for (int r = 0; r < 4; r++)
+        sum[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3])));
+#else /* FK_AVX2 */
+    __m256 a[4][2];
+    for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        for (int r = 0; r < 4; r++) lp_pf_ahead(wr[r] + i, 64);
+        for (int q = 0; q < 2; q++) {
+            const __m256 xv = _mm256_loadu_ps(x + i + 8 * q);
+            for (int r = 0; r < 4; r++) a[r][q] = _mm256_fmadd_ps(_mm256_loadu_ps(wr[r] + i + 8 * q), xv, a[r][q]);
+        }
+    }
+    for (int r = 0; r < 4; r++) sum[r] = hsum8(_mm256_add_ps(a[r][0], a[r][1]));
+#endif
+    for (int r = 0; r < 4; r++) {
+        for (int j = i; j < n; j++) sum[r] += wr[r][j] * x[j];
+        s[r] = sum[r];
+    }
+}
+
 LP_API void lp_gemv_f32(int n, float *s, const void *w, int64_t row_bytes, int nr, const void *x) {
     int r = 0;
-    for (; r + 4 <= nr; r += 4) fk_tile(FK_F32, n, s + r, 0, (const uint8_t *)w + r * row_bytes, row_bytes, x, 0, 4, 1);
-    for (; r < nr; r++) fk_tile(FK_F32, n, s + r, 0, (const uint8_t *)w + r * row_bytes, row_bytes, x, 0, 1, 1);
+    for (; r + 4 <= nr; r += 4)
+        fk_rows4_f32(n, s + r, (const uint8_t *)w + r * row_bytes, row_bytes, x);
+    for (; r < nr; r++) fk_cols(FK_F32, n, s + r, 0, (const uint8_t *)w + r * row_bytes, x, 0, 1);
 }
 
 LP_API void lp_gemm_f32_panel(int n, float *s, int64_t ld_s, const void *w, int64_t row_bytes, int nr, const void *x,

@@ -74,10 +74,11 @@ from .context import Context
 
 if TYPE_CHECKING:  # asyncio is imported where a server uses it: ~1.5 MiB (ssl) for every `run`
     import asyncio
+
+    from .speculative import Drafter
 from .model.constrain import CompiledConstraint, ConstraintSpec, Matcher, compile_constraint
 from .model.kv_cache import MAX_SHARE_SEQ
 from .model.sampler import Sampler, SamplingParams
-from .speculative import Drafter
 from .types import ContextFullError, DeviceLostError, LlamapyError
 
 __all__ = [
@@ -276,10 +277,10 @@ class _Slot:
 def _shared(s: _Slot, job: _Job, tokens: Sequence[int]) -> int:
     """How much of the prompt the slot's `tokens` hold as this job would compute them: none
     under other LoRA scales (llama-server clears a slot's cache on a change of adapters)."""
-    return _common_prefix(tokens, job.prompt) if s.lora == job.lora else 0
+    return common_prefix(tokens, job.prompt) if s.lora == job.lora else 0
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:

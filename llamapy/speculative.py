@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from .engine import common_prefix
 from .types import LlamapyError
 
 if TYPE_CHECKING:
@@ -207,29 +208,16 @@ class ModelDrafter:
         n_max = min(n_max, self.n_max, self.ctx.n_ctx - len(tokens))
         if n_max <= 0 or not tokens:
             return []
-        have = self.cached.get(seq, [])
-        keep = 0
-        for a, b in zip(have, tokens[:-1]):  # the last token is always evaluated, for its logits
-            if a != b:
-                break
-            keep += 1
+        # the last token is always evaluated, for its logits
+        keep = common_prefix(self.cached.get(seq, []), tokens[:-1])
         self.ctx.kv.seq_rm(seq, keep)
-        have = list(tokens[:keep])
-        self.cached[seq] = have
+        have = self.cached[seq] = list(tokens[:keep])
         todo = list(tokens[keep:])
         out: list[int] = []
         while True:
-            row = None
-            for b0 in range(0, len(todo), self.ctx.n_batch):
-                part = todo[b0 : b0 + self.ctx.n_batch]
-                last = b0 + len(part) == len(todo)
-                want = np.zeros(len(part), bool)
-                want[-1] = last
-                pos = np.arange(len(have), len(have) + len(part), dtype=np.int64)
-                logits = self.ctx.decode(np.asarray(part, np.int32), pos, np.full(len(part), seq, np.int64), want)
-                have.extend(part)
-                row = logits[-1] if last else None
-            assert row is not None
+            # (decode cuts a long catch-up into micro-batches and returns the last token's logits)
+            row = self.ctx.decode(todo, np.arange(len(have), len(have) + len(todo)), seq)[-1]
+            have.extend(todo)
             tok, p = _top_of_top_k(row)
             if p < self.p_min or (self.n_vocab_target and tok >= self.n_vocab_target):
                 break
